@@ -1,0 +1,1 @@
+"""fused_dlrm: computation fused with its dependent collective, for DLRM and MoE training."""

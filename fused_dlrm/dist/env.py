@@ -1,0 +1,75 @@
+"""Initialise torch.distributed from the torchrun environment and pick device and backend.
+
+One process started without torchrun gets a world of one and no process group: every collective in the project
+is the identity there, so the same code runs in a notebook, under pytest and under torchrun.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None: one process, no process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _pick_device(device: str, local_rank: int) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device=cuda was asked for but torch sees no CUDA device")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if device == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"unknown device {device!r}: expected auto, cpu or cuda")
+
+
+def _pick_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError("backend=nccl needs device=cuda; use gloo on the CPU")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"unknown backend {backend!r}: expected auto, nccl or gloo")
+    return backend
+
+
+def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0) -> DistEnv:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or none."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = _pick_device(device, local_rank)
+    if "WORLD_SIZE" not in os.environ:
+        return DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None)
+    chosen = _pick_backend(backend, dev)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=chosen,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    if dist.get_world_size() != world_size:
+        raise RuntimeError(f"process group has {dist.get_world_size()} ranks but WORLD_SIZE={world_size}")
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, backend=chosen)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,127 @@
+"""The tables one rank owns: pooled lookups over the global batch, with the optimizer fused into backward.
+
+The weights are updated in place by the lookup's backward (as fbgemm's TBE does), so they are parameters that
+require no gradient: dense optimizers and DDP never see them, and no [rows, dim] gradient is ever materialised.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec import EmbeddingBagConfig, PoolingType
+
+from fused_dlrm.sparse.input_dist import OwnedBags
+from fused_dlrm.sparse.optimizer import EmbeddingOptimizer, EmbeddingOptimizerConfig
+
+
+def pooled_lookup(weight: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                  per_sample_weights: torch.Tensor | None, mean: bool) -> torch.Tensor:
+    """[num_bags, dim] sums (or means) of the rows `values` names, bag b holding the next lengths[b] values."""
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=values.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    pooled = F.embedding_bag(values, weight, offsets, mode="sum", include_last_offset=True,
+                             per_sample_weights=per_sample_weights)
+    if mean:  # mean of an empty bag is 0, as in torchrec
+        pooled = pooled / lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)
+    return pooled
+
+
+def pooled_lookup_row_grads(grad: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                            per_sample_weights: torch.Tensor | None, mean: bool) -> torch.Tensor:
+    """Gradient of each occurrence in `values` ([N, dim]) given the gradient of the pooled bags ([num_bags, dim])."""
+    bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=grad.device), lengths,
+                                  output_size=values.numel())
+    row_grads = grad[bag]
+    scale = None
+    if per_sample_weights is not None:
+        scale = per_sample_weights.to(grad.dtype)
+    if mean:
+        inv_len = 1.0 / lengths.clamp(min=1).to(grad.dtype)[bag]
+        scale = inv_len if scale is None else scale * inv_len
+    return row_grads if scale is None else row_grads * scale.unsqueeze(1)
+
+
+def init_table(config: EmbeddingBagConfig, seed: int, device: torch.device) -> torch.Tensor:
+    """torchrec's default init, U(-sqrt(1/rows), sqrt(1/rows)), from a generator of its own per table."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    bound = (1.0 / config.num_embeddings) ** 0.5
+    w = torch.empty(config.num_embeddings, config.embedding_dim, device=device)
+    return w.uniform_(-bound, bound, generator=gen)
+
+
+class Table(nn.Module):
+    """One table, addressed as in torchrec: `embedding_bags.<name>.weight`."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+class _LookupWithFusedUpdate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, lookup: "PooledEmbeddingLookup", bags: OwnedBags):
+        ctx.lookup, ctx.bags = lookup, bags
+        return lookup.pool(bags)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.lookup.apply_gradient(ctx.bags, grad)
+        return None, None, None
+
+
+class PooledEmbeddingLookup(nn.Module):
+    """Owns some tables; maps an `OwnedBags` to the pooled embeddings [global_batch, sum of feature dims]."""
+
+    def __init__(self, tables: list[EmbeddingBagConfig], weights: dict[str, torch.Tensor],
+                 optimizer: EmbeddingOptimizerConfig, device: torch.device):
+        super().__init__()
+        for t in tables:
+            if t.data_type.name != "FP32":
+                raise NotImplementedError(f"table {t.name}: only FP32 tables are supported, got {t.data_type}")
+            if t.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+                raise ValueError(f"table {t.name}: pooling must be SUM or MEAN, got {t.pooling}")
+        self.tables = {t.name: t for t in tables}
+        self.weights = weights  # registered by the owning collection, not here
+        # (feature, table) in output column order: tables in plan order, each table's features in config order.
+        self.features = [(f, t.name) for t in tables for f in t.feature_names]
+        self.optimizer = EmbeddingOptimizer(optimizer, weights)
+        # A leaf that requires grad: it makes autograd call our backward, which updates the tables.
+        self._anchor = torch.empty(0, device=device, requires_grad=True)
+
+    @property
+    def output_dim(self) -> int:
+        return sum(self.tables[t].embedding_dim for _, t in self.features)
+
+    def forward(self, bags: OwnedBags) -> torch.Tensor:
+        if [f for f, _ in self.features] != bags.features:
+            raise ValueError(f"lookup owns features {[f for f, _ in self.features]}, got bags of {bags.features}")
+        if self.training and torch.is_grad_enabled():
+            return _LookupWithFusedUpdate.apply(self._anchor, self, bags)
+        return self.pool(bags)
+
+    def pool(self, bags: OwnedBags) -> torch.Tensor:
+        columns = []
+        for i, (_, table) in enumerate(self.features):
+            values, lengths, weights = bags.feature_bags(i)
+            columns.append(pooled_lookup(self.weights[table], values, lengths, weights, self._is_mean(table)))
+        if not columns:
+            return torch.empty(bags.global_batch, 0, device=self._anchor.device)
+        return torch.cat(columns, dim=1)
+
+    @torch.no_grad()
+    def apply_gradient(self, bags: OwnedBags, grad: torch.Tensor) -> None:
+        """Sum each table's row gradients over its features and hand them to the optimizer."""
+        grad_columns = torch.split(grad, [self.tables[t].embedding_dim for _, t in self.features], dim=1)
+        rows: dict[str, list[torch.Tensor]] = {name: [] for name in self.tables}
+        row_grads: dict[str, list[torch.Tensor]] = {name: [] for name in self.tables}
+        for i, (_, table) in enumerate(self.features):
+            values, lengths, weights = bags.feature_bags(i)
+            rows[table].append(values)
+            row_grads[table].append(pooled_lookup_row_grads(grad_columns[i], values, lengths, weights,
+                                                            self._is_mean(table)))
+        for table in self.tables:
+            self.optimizer.step(table, torch.cat(rows[table]), torch.cat(row_grads[table]))
+
+    def _is_mean(self, table: str) -> bool:
+        return self.tables[table].pooling == PoolingType.MEAN

@@ -1,0 +1,36 @@
+"""Output distribution: each owner's pooled embeddings [global batch, its dims] -> each rank's [local batch, all dims].
+
+Bulk-synchronous: one variable-split all-to-all (autograd sends the gradient back the same way), then one column
+gather into the configured feature order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fused_dlrm.dist.alltoall import all_to_all_v
+
+
+class BulkOutputDist:
+    def __init__(self, dims_of_rank: list[list[int]], column_order: list[int], group: dist.ProcessGroup | None = None):
+        """dims_of_rank[r]: output dims of the features rank r owns (its lookup's column order);
+        column_order: for each output column in config order, its column in the rank-grouped layout."""
+        self.dims_of_rank = dims_of_rank
+        self.group = group
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.column_order = column_order
+        self._index: torch.Tensor | None = None
+
+    def __call__(self, pooled: torch.Tensor, batch_sizes: list[int]) -> torch.Tensor:
+        my_dim = sum(self.dims_of_rank[self.rank])
+        my_batch = batch_sizes[self.rank]
+        # pooled rows are ordered by source rank, so the rows bound for rank s are one contiguous block.
+        send = [b * my_dim for b in batch_sizes]
+        recv = [my_batch * sum(dims) for dims in self.dims_of_rank]
+        received = all_to_all_v(pooled.reshape(-1), send, recv, self.group)
+        blocks = [chunk.view(my_batch, sum(dims)) for chunk, dims in zip(torch.split(received, recv), self.dims_of_rank)]
+        rank_grouped = torch.cat(blocks, dim=1)
+        if self._index is None or self._index.device != rank_grouped.device:
+            self._index = torch.tensor(self.column_order, dtype=torch.int64, device=rank_grouped.device)
+        return rank_grouped.index_select(1, self._index)

@@ -1,0 +1,94 @@
+"""ShardedEmbeddingBagCollection: torchrec's EmbeddingBagCollection interface, tables sharded table-wise over ranks.
+
+forward(KeyedJaggedTensor of the local batch) -> KeyedTensor [local batch, sum of feature dims], in three seams
+that the fused kernels replace: input dist (KJT all-to-all) -> lookup (owned tables, whole global batch) ->
+output dist (pooled all-to-all). The tables are updated by the lookup's backward (see lookup.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
+
+from fused_dlrm.sparse.input_dist import BulkInputDist
+from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, Table, init_table
+from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
+from fused_dlrm.sparse.output_dist import BulkOutputDist
+from fused_dlrm.sparse.plan import TableWisePlan, plan_table_wise
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    def __init__(self, tables: list[EmbeddingBagConfig], optimizer: EmbeddingOptimizerConfig,
+                 device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None,
+                 plan: TableWisePlan | None = None, seed: int = 0):
+        super().__init__()
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.plan = plan or plan_table_wise(tables, self.world_size)
+        if self.plan.world_size != self.world_size:
+            raise ValueError(f"plan is for {self.plan.world_size} ranks, the process group has {self.world_size}")
+        self._configs = list(tables)
+        by_name = {t.name: t for t in tables}
+        self.feature_names = [f for t in tables for f in t.feature_names]
+        if len(set(self.feature_names)) != len(self.feature_names):
+            raise ValueError(f"a feature may feed one table only, got {self.feature_names}")
+        self._feature_dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+        self._rows_of_feature = {f: t.num_embeddings for t in tables for f in t.feature_names}
+        self._table_of_feature = {f: t.name for t in tables for f in t.feature_names}
+
+        tables_of_rank = [[by_name[n] for n in self.plan.tables_of(r)] for r in range(self.world_size)]
+        features_of_rank = [[f for t in ts for f in t.feature_names] for ts in tables_of_rank]
+        dims_of_rank = [[t.embedding_dim for t in ts for _ in t.feature_names] for ts in tables_of_rank]
+        self.input_dist = BulkInputDist(features_of_rank, group)
+        seeds = {t.name: seed * 100_003 + i for i, t in enumerate(tables)}  # a table's init ignores the plan
+        device = torch.device(device)
+        self.embedding_bags = nn.ModuleDict(
+            {t.name: Table(init_table(t, seeds[t.name], device)) for t in tables_of_rank[self.rank]})
+        self.lookup = PooledEmbeddingLookup(tables_of_rank[self.rank],
+                                            {n: m.weight.data for n, m in self.embedding_bags.items()},
+                                            optimizer, device)
+        self.output_dist = BulkOutputDist(dims_of_rank, _column_order(tables, features_of_rank), group)
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._configs
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        self.check_features(features)
+        bags = self.input_dist(features)
+        pooled = self.lookup(bags)
+        values = self.output_dist(pooled, bags.batch_sizes)
+        return KeyedTensor(keys=self.feature_names, length_per_key=self._feature_dims, values=values, key_dim=1)
+
+    def check_features(self, features: KeyedJaggedTensor) -> None:
+        """Unknown or missing keys and out-of-range indices raise here, before any rank communicates."""
+        keys = list(features.keys())
+        unknown = sorted(set(keys) - set(self.feature_names))
+        missing = sorted(set(self.feature_names) - set(keys))
+        if unknown or missing:
+            raise KeyError(f"KeyedJaggedTensor keys do not match the tables' features: unknown {unknown}, "
+                           f"missing {missing}")
+        values = features.values()
+        if values.numel() == 0:
+            return
+        lengths_per_key = features.lengths().view(len(keys), -1).sum(dim=1)
+        rows = torch.tensor([self._rows_of_feature[k] for k in keys], device=values.device)
+        limit = torch.repeat_interleave(rows, lengths_per_key, output_size=values.numel())
+        bad = (values < 0) | (values >= limit)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            key = keys[int(torch.searchsorted(torch.cumsum(lengths_per_key, 0), i, right=True))]
+            raise IndexError(f"feature '{key}' has index {int(values[i])}, outside table "
+                             f"'{self._table_of_feature[key]}' of {self._rows_of_feature[key]} rows")
+
+
+def _column_order(tables: list[EmbeddingBagConfig], features_of_rank: list[list[str]]) -> list[int]:
+    """For each output column in config feature order, its column in the rank-grouped layout."""
+    dim_of = {f: t.embedding_dim for t in tables for f in t.feature_names}
+    start, offset = {}, 0
+    for feats in features_of_rank:
+        for f in feats:
+            start[f] = offset
+            offset += dim_of[f]
+    return [start[f] + c for t in tables for f in t.feature_names for c in range(t.embedding_dim)]

@@ -1,0 +1,131 @@
+"""ShardedEmbeddingBagCollection against torchrec's unsharded EmbeddingBagCollection.
+
+Every rank builds the same torchrec EBC and the same global batches; the sharded module sees only the rank's
+slice of each batch and owns only its tables. Forward outputs, and the owned tables after several steps of SGD
+and of row-wise Adagrad, must match the unsharded module run on the whole global batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from fused_dlrm.data.batching import local_batch_bounds
+from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection
+from world import run_world
+
+# Uneven rows and dims, a table read by two features, a mean-pooled table.
+TABLES = [
+    EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0", "f1"]),
+    EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=57, feature_names=["f2"], pooling=PoolingType.MEAN),
+    EmbeddingBagConfig(name="t2", embedding_dim=16, num_embeddings=7, feature_names=["f3"]),
+    EmbeddingBagConfig(name="t3", embedding_dim=3, num_embeddings=300, feature_names=["f4"]),
+]
+
+# torchrec's reference (nn.EmbeddingBag) takes per-sample weights with SUM pooling only.
+SUM_TABLES = [EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
+                                 feature_names=t.feature_names) for t in TABLES]
+
+
+def global_batch(step: int, batch: int, tables, weighted: bool) -> tuple[torch.Tensor, list[torch.Tensor], list]:
+    """Random bags (empty ones and skewed lengths included) for every feature: lengths [F, B], values, weights."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    rows = [t.num_embeddings for t in tables for _ in t.feature_names]
+    lengths = torch.randint(0, 4, (len(rows), batch), generator=gen)
+    lengths[:, 0] = 0  # an empty bag in every feature
+    lengths[0, -1] = 9  # one long bag
+    values = [torch.randint(0, r, (int(l.sum()),), generator=gen) for r, l in zip(rows, lengths)]
+    weights = [torch.rand(v.numel(), generator=gen) for v in values] if weighted else None
+    return lengths, values, weights
+
+
+def to_kjt(keys, lengths, values, weights, start: int, stop: int) -> KeyedJaggedTensor:
+    """The KJT of samples [start, stop) of the global batch."""
+    offsets = [torch.cat([torch.zeros(1, dtype=torch.long), l.cumsum(0)]) for l in lengths]
+    vals = [v[o[start]:o[stop]] for v, o in zip(values, offsets)]
+    ws = None if weights is None else torch.cat([w[o[start]:o[stop]] for w, o in zip(weights, offsets)])
+    return KeyedJaggedTensor.from_lengths_sync(keys, torch.cat(vals), lengths[:, start:stop].reshape(-1), ws)
+
+
+def compare_with_torchrec(rank: int, world: int, optimizer: str, weighted: bool, batch: int, tables) -> None:
+    torch.manual_seed(0)
+    reference = EmbeddingBagCollection(tables, is_weighted=weighted)
+    lr = 0.05
+    sharded = ShardedEmbeddingBagCollection(tables, EmbeddingOptimizerConfig(optimizer, lr=lr, eps=1e-8))
+    for name, table in sharded.embedding_bags.items():
+        table.weight.data.copy_(reference.embedding_bags[name].weight.data)
+    ref_opt = (torch.optim.SGD(reference.parameters(), lr=lr) if optimizer == "sgd"
+               else RowWiseAdagrad(reference.parameters(), lr=lr, eps=1e-8))
+    keys = [f for t in tables for f in t.feature_names]
+    start, stop = local_batch_bounds(batch, rank, world)
+    for step in range(4):
+        lengths, values, weights = global_batch(step, batch, tables, weighted)
+        expected = reference(to_kjt(keys, lengths, values, weights, 0, batch))
+        poisoned = torch.full((stop - start, expected.values().shape[1]), float("nan"))
+        got = sharded(to_kjt(keys, lengths, values, weights, start, stop))
+        assert got.keys() == expected.keys() and got.length_per_key() == expected.length_per_key()
+        out = poisoned.copy_(got.values())  # any unwritten element would stay NaN
+        torch.testing.assert_close(out, expected.values()[start:stop], rtol=1e-5, atol=1e-6)
+
+        grad = torch.randn(expected.values().shape, generator=torch.Generator().manual_seed(step))
+        ref_opt.zero_grad()
+        (expected.values() * grad).sum().backward()
+        ref_opt.step()
+        (got.values() * grad[start:stop]).sum().backward()
+        for name, table in sharded.embedding_bags.items():
+            torch.testing.assert_close(table.weight, reference.embedding_bags[name].weight, rtol=1e-5, atol=1e-6)
+    owned = set(sharded.embedding_bags)
+    assert owned == set(sharded.plan.tables_of(rank))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_one_process_matches_torchrec(optimizer, weighted):
+    compare_with_torchrec(0, 1, optimizer, weighted, 6, SUM_TABLES if weighted else TABLES)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_two_ranks_match_torchrec_uneven_batch(optimizer):
+    # Global batch 7 over 2 ranks: local batches 4 and 3.
+    run_world(2, compare_with_torchrec, optimizer, True, 7, SUM_TABLES)
+    run_world(2, compare_with_torchrec, optimizer, False, 8, TABLES)
+
+
+def test_more_ranks_than_tables():
+    # 3 ranks, 2 tables: rank 2 owns nothing but still sends its inputs and receives its outputs.
+    run_world(3, compare_with_torchrec, "rowwise_adagrad", False, 9, TABLES[:2])
+
+
+def test_out_of_range_index_names_feature_and_value():
+    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig())
+    keys = [f for t in TABLES for f in t.feature_names]
+    lengths, values, _ = global_batch(0, 4, TABLES, False)
+    values[2][-1] = 57  # f2 reads t1, which has 57 rows
+    with pytest.raises(IndexError, match=r"feature 'f2' has index 57, outside table 't1' of 57 rows"):
+        sharded(to_kjt(keys, lengths, values, None, 0, 4))
+    values[2][-1] = -3
+    with pytest.raises(IndexError, match="feature 'f2' has index -3"):
+        sharded(to_kjt(keys, lengths, values, None, 0, 4))
+
+
+def test_unknown_and_missing_keys():
+    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig())
+    keys = [f for t in TABLES for f in t.feature_names]
+    lengths, values, _ = global_batch(0, 4, TABLES, False)
+    bad_keys = keys[:-1] + ["nope"]
+    with pytest.raises(KeyError, match=r"unknown \['nope'\], missing \['f4'\]"):
+        sharded(to_kjt(bad_keys, lengths, values, None, 0, 4))
+
+
+def test_keys_in_any_order():
+    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig()).eval()
+    keys = [f for t in TABLES for f in t.feature_names]
+    lengths, values, _ = global_batch(0, 5, TABLES, False)
+    order = [3, 0, 4, 2, 1]
+    shuffled = to_kjt([keys[i] for i in order], lengths[order], [values[i] for i in order], None, 0, 5)
+    expected = sharded(to_kjt(keys, lengths, values, None, 0, 5))
+    got = sharded(shuffled)
+    assert got.keys() == keys
+    torch.testing.assert_close(got.values(), expected.values())
