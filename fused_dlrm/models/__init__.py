@@ -1,0 +1,1 @@
+"""Models built around the project's sharded modules."""

@@ -1,0 +1,50 @@
+"""DLRM: torchrec's DenseArch / InteractionArch / OverArch around the project's ShardedEmbeddingBagCollection.
+
+The sparse part is model-parallel (tables sharded table-wise); the dense part is data-parallel (DDP). Tables and
+features are named `t_<feature>` / `<feature>`, one table per feature.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torchrec import EmbeddingBagConfig, PoolingType
+from torchrec.models.dlrm import DLRM
+
+from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection
+
+
+def make_tables(feature_names: Sequence[str], num_rows: int | Sequence[int], embedding_dim: int,
+                pooling: str = "sum") -> list[EmbeddingBagConfig]:
+    rows = [num_rows] * len(feature_names) if isinstance(num_rows, int) else list(num_rows)
+    if len(rows) != len(feature_names):
+        raise ValueError(f"{len(rows)} table sizes for {len(feature_names)} features")
+    return [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=embedding_dim, num_embeddings=int(r), feature_names=[f],
+                               pooling=PoolingType[pooling.upper()]) for f, r in zip(feature_names, rows)]
+
+
+def build_dlrm(tables: list[EmbeddingBagConfig], dense_in_features: int, dense_arch: Sequence[int],
+               over_arch: Sequence[int], embedding_optimizer: EmbeddingOptimizerConfig, device: torch.device,
+               seed: int = 0) -> DLRM:
+    """The DLRM of torchrec with sharded tables; call `data_parallel` on it when the world has several ranks."""
+    if over_arch[-1] != 1:
+        raise ValueError(f"the over arch must end in one logit, got layer sizes {list(over_arch)}")
+    torch.manual_seed(seed)  # same dense init on every rank (DDP also broadcasts rank 0's)
+    sparse = ShardedEmbeddingBagCollection(tables, embedding_optimizer, device=device, seed=seed)
+    return DLRM(embedding_bag_collection=sparse, dense_in_features=dense_in_features,
+                dense_arch_layer_sizes=list(dense_arch), over_arch_layer_sizes=list(over_arch), dense_device=device)
+
+
+def data_parallel(model: DLRM) -> nn.Module:
+    """Wrap the dense arches in DDP: their gradients are averaged over ranks, the sharded tables are left alone."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return model
+    device = next(model.dense_arch.parameters()).device
+    ids = [device] if device.type == "cuda" else None
+    model.dense_arch = DistributedDataParallel(model.dense_arch, device_ids=ids)
+    model.over_arch = DistributedDataParallel(model.over_arch, device_ids=ids)
+    return model

@@ -1,0 +1,69 @@
+"""Build the model, optimizers and data streams a run needs from its Hydra config."""
+
+from __future__ import annotations
+
+from itertools import count
+from typing import Iterator
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch import nn
+from torchrec.datasets.utils import Batch
+
+from fused_dlrm.dist import DistEnv
+from fused_dlrm.models.dlrm import build_dlrm, data_parallel, make_tables
+from fused_dlrm.sparse import EmbeddingOptimizerConfig
+
+
+def feature_names(data_cfg: DictConfig) -> list[str]:
+    return [f"cat_{i}" for i in range(data_cfg.num_sparse)]
+
+
+def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
+    m = cfg.model
+    rows = m.num_rows if isinstance(m.num_rows, int) else list(m.num_rows)
+    tables = make_tables(feature_names(cfg.data), rows, m.embedding_dim, m.pooling)
+    model = build_dlrm(tables, cfg.data.num_dense, m.dense_arch, m.over_arch,
+                       EmbeddingOptimizerConfig(**m.embedding_optimizer), env.device, seed=cfg.seed)
+    return data_parallel(model)
+
+
+def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Everything the dense optimizer steps: the tables require no grad, their optimizer runs in backward."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def build_dataset(cfg: DictConfig, split: str, env: DistEnv):
+    """The train or eval dataset: `cfg.data.<split>` names its class (`_target_`) and its own arguments."""
+    m = cfg.model
+    names = feature_names(cfg.data)
+    rows = [m.num_rows] * len(names) if isinstance(m.num_rows, int) else list(m.num_rows)
+    return instantiate(cfg.data[split], num_rows=rows, feature_names=names,
+                       global_batch_size=cfg.data.global_batch_size, rank=env.rank, world_size=env.world_size)
+
+
+def batch_stream(dataset, start_step: int, steps_per_epoch: int | None) -> Iterator[tuple[int, Batch]]:
+    """(epoch, batch) from global step `start_step` on.
+
+    Step-indexed datasets (`batch(step)`) resume exactly; streamed ones (files) are replayed pass after pass and
+    the batches before `start_step` are skipped.
+    """
+    if hasattr(dataset, "batch"):
+        for step in count(start_step):
+            yield (step // steps_per_epoch if steps_per_epoch else 0), dataset.batch(step)
+        return
+    step = 0
+    for epoch in count():
+        produced = False
+        for batch in dataset:
+            produced = True
+            if step >= start_step:
+                yield epoch, batch
+            step += 1
+        if not produced:
+            raise ValueError("the dataset produced no batch: is the file empty or smaller than one global batch?")
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return batch.to(device, non_blocking=True) if device.type == "cuda" else batch

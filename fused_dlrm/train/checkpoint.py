@@ -1,0 +1,83 @@
+"""Checkpoints with torch.distributed.checkpoint: each rank writes the tables it owns, the dense part once.
+
+Layout: <root>/step_<N>/ (a DCP folder). A checkpoint is written into step_<N>.partial and renamed when every rank
+has finished, so a crash or a NaN stop never leaves a half-written "latest" checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger(__name__)
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, embedding_optimizer) -> dict:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "dense_optimizer": optim_state,
+            "embedding_optimizer": embedding_optimizer.state_dict(), "step": torch.zeros((), dtype=torch.int64)}
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    steps = [(int(m.group(1)), p) for p in Path(root).glob("step_*") if (m := _STEP_DIR.match(p.name))]
+    return max(steps)[1] if steps else None
+
+
+def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    embedding_optimizer, keep_last: int = 2) -> Path:
+    root = Path(root)
+    final, partial = root / f"step_{step}", root / f"step_{step}.partial"
+    if _is_main():
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier()
+    state = _state(model, optimizer, embedding_optimizer)
+    state["step"].fill_(step)
+    dcp.save(state, checkpoint_id=partial)
+    _barrier()
+    if _is_main():
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        old = sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)))
+        for _, p in old[:-keep_last]:
+            shutil.rmtree(p)
+        log.info("checkpoint saved: %s", final)
+    _barrier()
+    return final
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    embedding_optimizer) -> int:
+    """Load a step_<N> folder, or the latest one under a checkpoint root; returns the step it was taken at."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if not _STEP_DIR.match(path.name):
+        found = latest_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"no step_<N> checkpoint under {path}")
+        path = found
+    state = _state(model, optimizer, embedding_optimizer)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["dense_optimizer"])
+    embedding_optimizer.load_state_dict(state["embedding_optimizer"])
+    log.info("resumed from %s (step %d)", path, int(state["step"]))
+    return int(state["step"])

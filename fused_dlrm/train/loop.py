@@ -1,0 +1,148 @@
+"""The training loop: read it top to bottom.
+
+One step: batch -> DLRM forward (sparse all-to-alls inside) -> loss -> backward (embedding optimizer fused
+into it, dense gradients averaged by DDP) -> dense optimizer step. Every `log_every` steps the loss is reduced
+over ranks and checked for NaN/inf; every `eval_every` steps AUC and log loss are measured on held-out data;
+every `checkpoint_every` steps a checkpoint is written (only after the loss was checked).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from fused_dlrm.dist import DistEnv
+from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
+from fused_dlrm.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fused_dlrm.train.metrics import CTRMetrics
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainResult:
+    step: int = 0
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, mean loss over the log interval)
+    evals: list[dict] = field(default_factory=list)
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def evaluate(model, dataset, num_batches: int, env: DistEnv) -> dict[str, float]:
+    metrics = CTRMetrics(env.device)
+    model.eval()
+    with torch.no_grad():
+        for _, batch in zip(range(num_batches), batch_stream(dataset, 0, None)):
+            batch = to_device(batch[1], env.device)
+            logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
+            metrics.update(logits, batch.labels)
+    model.train()
+    return metrics.compute()
+
+
+def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
+    t = cfg.trainer
+    if t.max_steps is None and t.epochs is None:
+        raise ValueError("set trainer.max_steps or trainer.epochs")
+    model = build_model(cfg, env)
+    sparse = model.sparse_arch.embedding_bag_collection
+    optimizer = instantiate(t.dense_optimizer, params=dense_parameters(model))
+    train_data, eval_data = build_dataset(cfg, "train", env), build_dataset(cfg, "eval", env)
+    checkpoint_dir = Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints"
+
+    step = 0
+    if t.resume_from:
+        step = load_checkpoint(t.resume_from, model, optimizer, sparse.lookup.optimizer)
+    result = TrainResult(step=step)
+    metrics_file = run_dir / "metrics.jsonl"
+    bar = tqdm(total=t.max_steps, initial=step, disable=not (env.is_main and t.progress), desc="train")
+    loss_sum = torch.zeros(2, device=env.device)  # [sum of step losses, count of non-finite ones]
+    interval_start, interval_steps = time.perf_counter(), 0
+
+    def record(entry: dict) -> None:
+        if env.is_main:
+            with metrics_file.open("a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+    def check_loss() -> float:
+        """Reduce the interval's loss over ranks; stop the run on NaN/inf (before any checkpoint is written)."""
+        nonlocal interval_start, interval_steps
+        total = _all_reduce_sum(loss_sum.clone()).tolist()
+        if total[1] > 0:
+            last = latest_checkpoint(checkpoint_dir) if checkpoint_dir.exists() else None
+            raise NonFiniteLossError(
+                f"loss became NaN or inf between steps {step - interval_steps + 1} and {step}; stopping. "
+                f"Last good checkpoint: {last or 'none'}")
+        mean = total[0] / max(interval_steps * env.world_size, 1)
+        rate = interval_steps * cfg.data.global_batch_size / (time.perf_counter() - interval_start)
+        loss_sum.zero_()
+        interval_start, interval_steps = time.perf_counter(), 0
+        result.losses.append((step, mean))
+        record({"step": step, "loss": mean, "samples_per_s": rate})
+        bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:,.0f}")
+        log.info("step %d loss %.5f samples/s %.0f", step, mean, rate)
+        return mean
+
+    def run_eval() -> None:
+        result.evals.append({"step": step, **evaluate(model, eval_data, cfg.data.eval_batches, env)})
+        record(result.evals[-1])
+        log.info("step %d eval auc %.4f log_loss %.4f", step, result.evals[-1]["auc"], result.evals[-1]["log_loss"])
+
+    def checkpoint() -> None:
+        nonlocal saved_step
+        save_checkpoint(checkpoint_dir, step, model, optimizer, sparse.lookup.optimizer, t.keep_checkpoints)
+        saved_step = step
+
+    saved_step = step
+
+    for epoch, batch in batch_stream(train_data, step, cfg.data.get("steps_per_epoch")):
+        if (t.max_steps is not None and step >= t.max_steps) or (t.epochs is not None and epoch >= t.epochs):
+            break
+        batch = to_device(batch, env.device)
+        logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
+        # Sum over the local batch / global batch, times world size: DDP's average over ranks then gives the
+        # global-batch mean for the dense part, and uneven local batches are weighted correctly.
+        global_batch = _all_reduce_sum(torch.tensor(float(logits.numel()), device=env.device))
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") * env.world_size / global_batch
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        loss_sum += torch.stack([loss.detach(), (~torch.isfinite(loss.detach())).float()])
+        step += 1
+        interval_steps += 1
+        bar.update(1)
+
+        if step % t.log_every == 0 or (t.checkpoint_every and step % t.checkpoint_every == 0):
+            check_loss()
+        if t.checkpoint_every and step % t.checkpoint_every == 0:
+            checkpoint()
+        if t.eval_every and step % t.eval_every == 0:
+            run_eval()
+
+    if interval_steps:
+        check_loss()
+    if not result.evals or result.evals[-1]["step"] != step:
+        run_eval()
+    if t.checkpoint_every and saved_step != step:
+        checkpoint()
+    bar.close()
+    result.step = step
+    return result

@@ -1,0 +1,26 @@
+"""Train a model: `python train.py model=dlrm`, or under `torchrun --nproc_per_node=N train.py ...`."""
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from fused_dlrm.dist import destroy_distributed, init_distributed
+from fused_dlrm.train.loop import train
+from fused_dlrm.train.rundir import agree_on_run_dir, register_resolvers
+
+register_resolvers()
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    env = init_distributed(cfg.trainer.device, cfg.comm.backend)
+    try:
+        train(cfg, env, agree_on_run_dir(HydraConfig.get().runtime.output_dir))
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
