@@ -6,8 +6,8 @@ from itertools import count
 from typing import Iterator
 
 import torch
-from hydra.utils import instantiate
-from omegaconf import DictConfig
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchrec.datasets.utils import Batch
 
@@ -39,8 +39,11 @@ def build_dataset(cfg: DictConfig, split: str, env: DistEnv):
     m = cfg.model
     names = feature_names(cfg.data)
     rows = [m.num_rows] * len(names) if isinstance(m.num_rows, int) else list(m.num_rows)
-    return instantiate(cfg.data[split], num_rows=rows, feature_names=names,
-                       global_batch_size=cfg.data.global_batch_size, rank=env.rank, world_size=env.world_size)
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.data[split], resolve=True).items() if k != "_target_"}
+    # Called directly rather than through hydra's instantiate, so errors (a missing file) reach the user unwrapped.
+    return get_class(cfg.data[split]._target_)(
+        num_rows=rows, feature_names=names, global_batch_size=cfg.data.global_batch_size, rank=env.rank,
+        world_size=env.world_size, **kwargs)
 
 
 def batch_stream(dataset, start_step: int, steps_per_epoch: int | None) -> Iterator[tuple[int, Batch]]:

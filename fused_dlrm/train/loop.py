@@ -73,6 +73,8 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         step = load_checkpoint(t.resume_from, model, optimizer, sparse.lookup.optimizer)
     result = TrainResult(step=step)
     metrics_file = run_dir / "metrics.jsonl"
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=t.max_steps, initial=step, disable=not (env.is_main and t.progress), desc="train")
     loss_sum = torch.zeros(2, device=env.device)  # [sum of step losses, count of non-finite ones]
     interval_start, interval_steps = time.perf_counter(), 0

@@ -1,0 +1,147 @@
+"""Reader of the Criteo Kaggle / Terabyte click logs in their raw TSV format.
+
+Each line is ``label \\t I1 .. I13 \\t C1 .. C26``: a 0/1 label, 13 integer
+counts and 26 categorical values as hex strings. Any column except the label
+may be empty (missing).
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from collections.abc import Iterator, Sequence
+from itertools import islice
+from typing import IO
+
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from fused_dlrm.data.batching import local_batch_bounds
+
+CRITEO_NUM_DENSE = 13
+CRITEO_NUM_SPARSE = 26
+CRITEO_SPARSE_FEATURES = [f"cat_{i}" for i in range(CRITEO_NUM_SPARSE)]
+_NUM_COLUMNS = 1 + CRITEO_NUM_DENSE + CRITEO_NUM_SPARSE
+
+
+def _open_text(path: str) -> IO[str]:
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _parse_line(line: str, num_rows: Sequence[int]) -> tuple[float, list[int], list[int]]:
+    """Return (label, dense counts, categorical ids); a missing categorical is -1.
+
+    Dense counts are missing -> 0 and negatives clamped to 0; ids are ``int(hex, 16) % num_rows[f]``.
+    """
+    columns = line.rstrip("\n").split("\t")
+    if len(columns) != _NUM_COLUMNS:
+        raise ValueError(f"expected {_NUM_COLUMNS} tab-separated columns, got {len(columns)}")
+    if columns[0] not in ("0", "1"):
+        raise ValueError(f"label must be 0 or 1, got {columns[0]!r}")
+    dense = []
+    for column in columns[1 : 1 + CRITEO_NUM_DENSE]:
+        try:
+            dense.append(max(int(column), 0) if column else 0)
+        except ValueError:
+            raise ValueError(f"dense value {column!r} is not an integer") from None
+    sparse = []
+    for column, rows in zip(columns[1 + CRITEO_NUM_DENSE :], num_rows):
+        try:
+            sparse.append(int(column, 16) % rows if column else -1)
+        except ValueError:
+            raise ValueError(f"categorical value {column!r} is not hexadecimal") from None
+    return float(columns[0]), dense, sparse
+
+
+class CriteoTSV:
+    """Iterate this rank's slices of the global batches of Criteo TSV files (plain or ``.gz``).
+
+    Global batches are consecutive runs of ``global_batch_size`` lines over the concatenated
+    ``paths``; this rank yields lines ``local_batch_bounds(...)`` of each. The final short global
+    batch is split the same way; it is dropped if ``drop_last`` or if it has fewer lines than
+    ``world_size``, so that every rank yields the same number of batches.
+
+    Dense features are ``log(1 + max(count, 0))`` (missing -> 0) as float32. Each categorical
+    feature is a bag of one id ``int(hex, 16) % num_rows[f]``, or an empty bag when missing.
+    """
+
+    def __init__(
+        self,
+        paths: str | os.PathLike | Sequence[str | os.PathLike],
+        num_rows: Sequence[int],
+        global_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        feature_names: Sequence[str] | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        self.paths = [os.fspath(p) for p in paths]
+        if not self.paths:
+            raise ValueError("no Criteo files given")
+        for path in self.paths:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"Criteo file not found: {path}")
+        self.num_rows = [int(n) for n in num_rows]
+        if len(self.num_rows) != CRITEO_NUM_SPARSE:
+            raise ValueError(
+                f"num_rows must have {CRITEO_NUM_SPARSE} entries (one per Criteo categorical feature), "
+                f"got {len(self.num_rows)}"
+            )
+        if any(n < 1 for n in self.num_rows):
+            raise ValueError(f"num_rows must all be >= 1, got {self.num_rows}")
+        self.feature_names = list(CRITEO_SPARSE_FEATURES if feature_names is None else feature_names)
+        if len(self.feature_names) != CRITEO_NUM_SPARSE:
+            raise ValueError(
+                f"feature_names must have {CRITEO_NUM_SPARSE} entries, got {len(self.feature_names)}"
+            )
+        local_batch_bounds(global_batch_size, rank, world_size)  # validates the split
+        self.global_batch_size = global_batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = drop_last
+
+    def _lines(self) -> Iterator[tuple[str, int, str]]:
+        """(path, 1-based line number, line) over all files in order."""
+        for path in self.paths:
+            with _open_text(path) as f:
+                for line_number, line in enumerate(f, start=1):
+                    yield path, line_number, line
+
+    def __iter__(self) -> Iterator[Batch]:
+        lines = self._lines()
+        while True:
+            # Lines of other ranks are only read, not parsed.
+            global_batch = list(islice(lines, self.global_batch_size))
+            if len(global_batch) < self.global_batch_size:
+                if self.drop_last or len(global_batch) < self.world_size:
+                    return
+            start, stop = local_batch_bounds(len(global_batch), self.rank, self.world_size)
+            yield self._to_batch(global_batch[start:stop])
+
+    def _to_batch(self, lines: list[tuple[str, int, str]]) -> Batch:
+        labels, dense, sparse = [], [], []
+        for path, line_number, line in lines:
+            try:
+                label, dense_row, sparse_row = _parse_line(line, self.num_rows)
+            except ValueError as e:
+                raise ValueError(f"{path}:{line_number}: malformed Criteo line: {e}") from None
+            labels.append(label)
+            dense.append(dense_row)
+            sparse.append(sparse_row)
+        dense_features = torch.tensor(dense, dtype=torch.float64).log1p().float()
+        # [B, 26] -> key-major [26, B]: KJT lengths/values list all samples of feature 0 first.
+        ids = torch.tensor(sparse, dtype=torch.int64).t()
+        present = ids >= 0
+        sparse_features = KeyedJaggedTensor.from_lengths_sync(
+            keys=self.feature_names, values=ids[present], lengths=present.flatten().int()
+        )
+        return Batch(
+            dense_features=dense_features,
+            sparse_features=sparse_features,
+            labels=torch.tensor(labels, dtype=torch.float32),
+        )

@@ -1,0 +1,1 @@
+"""Training: the loop, its builders, checkpoints, metrics and the run directory."""

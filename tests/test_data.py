@@ -1,0 +1,449 @@
+"""Tests of fused_dlrm.data: batch splitting, the synthetic generator and the Criteo TSV reader."""
+
+from __future__ import annotations
+
+import gzip
+import math
+import time
+
+import pytest
+import torch
+from torchmetrics.functional.classification import binary_auroc
+
+from fused_dlrm.data import (
+    CRITEO_NUM_DENSE,
+    CRITEO_NUM_SPARSE,
+    CRITEO_SPARSE_FEATURES,
+    CriteoTSV,
+    SyntheticCriteo,
+    local_batch_bounds,
+)
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Run single-threaded: these tensors are small, and intra-op threads fighting other jobs for
+    the cores slow the tests down (and make the timing test flaky) instead of speeding them up."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# local_batch_bounds
+
+
+@pytest.mark.parametrize("global_batch_size,world_size", [(1, 1), (7, 1), (8, 2), (10, 3), (13, 4), (5, 5), (1000, 7)])
+def test_local_batch_bounds_cover_batch_evenly(global_batch_size, world_size):
+    bounds = [local_batch_bounds(global_batch_size, r, world_size) for r in range(world_size)]
+    assert bounds[0][0] == 0
+    assert bounds[-1][1] == global_batch_size
+    for (_, stop), (start, _) in zip(bounds, bounds[1:]):
+        assert stop == start
+    sizes = [stop - start for start, stop in bounds]
+    extra = global_batch_size % world_size
+    assert sizes == [global_batch_size // world_size + (1 if r < extra else 0) for r in range(world_size)]
+
+
+def test_local_batch_bounds_uneven_example():
+    assert [local_batch_bounds(10, r, 3) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((3, 0, 4), "global_batch_size"),
+        ((0, 0, 1), "global_batch_size"),
+        ((8, 2, 2), "rank"),
+        ((8, -1, 2), "rank"),
+        ((8, 0, 0), "world_size"),
+        ((8.0, 0, 2), "integer"),
+    ],
+)
+def test_local_batch_bounds_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        local_batch_bounds(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# SyntheticCriteo
+
+NAMES = [f"f{i}" for i in range(4)]
+ROWS = [1, 7, 1000, 10**6]
+
+
+def assert_batches_equal(a, b):
+    torch.testing.assert_close(a.dense_features, b.dense_features, rtol=0, atol=0)
+    torch.testing.assert_close(a.labels, b.labels, rtol=0, atol=0)
+    assert a.sparse_features.keys() == b.sparse_features.keys()
+    assert torch.equal(a.sparse_features.lengths(), b.sparse_features.lengths())
+    assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
+
+
+def batches_equal(a, b) -> bool:
+    return (
+        a.dense_features.shape == b.dense_features.shape
+        and torch.equal(a.dense_features, b.dense_features)
+        and torch.equal(a.sparse_features.values(), b.sparse_features.values())
+    )
+
+
+def test_synthetic_batch_layout():
+    ds = SyntheticCriteo(ROWS, NAMES, global_batch_size=64)
+    batch = ds.batch(0)
+    assert batch.dense_features.shape == (64, 13)
+    assert batch.dense_features.dtype == torch.float32
+    assert batch.labels.shape == (64,)
+    assert batch.labels.dtype == torch.float32
+    assert set(batch.labels.unique().tolist()) <= {0.0, 1.0}
+    kjt = batch.sparse_features
+    assert kjt.keys() == NAMES
+    assert kjt.lengths().numel() == len(NAMES) * 64
+    assert kjt.values().dtype == torch.int64
+    assert int(kjt.lengths().sum()) == kjt.values().numel()
+    assert kjt.stride() == 64
+
+
+def test_synthetic_determinism():
+    ds = SyntheticCriteo(ROWS, NAMES, global_batch_size=32, seed=3)
+    again = SyntheticCriteo(ROWS, NAMES, global_batch_size=32, seed=3)
+    assert_batches_equal(ds.batch(5), ds.batch(5))
+    assert_batches_equal(ds.batch(5), again.batch(5))
+    assert not batches_equal(ds.batch(5), ds.batch(6))
+    eval_ds = SyntheticCriteo(ROWS, NAMES, global_batch_size=32, seed=3, split="eval")
+    assert not batches_equal(ds.batch(5), eval_ds.batch(5))
+    other_seed = SyntheticCriteo(ROWS, NAMES, global_batch_size=32, seed=4)
+    assert not batches_equal(ds.batch(5), other_seed.batch(5))
+    rank0 = SyntheticCriteo(ROWS, NAMES, global_batch_size=32, rank=0, world_size=2, seed=3)
+    rank1 = SyntheticCriteo(ROWS, NAMES, global_batch_size=32, rank=1, world_size=2, seed=3)
+    assert not batches_equal(rank0.batch(5), rank1.batch(5))
+
+
+def test_synthetic_iter_yields_consecutive_steps():
+    ds = SyntheticCriteo(ROWS, NAMES, global_batch_size=8)
+    it = iter(ds)
+    for step in range(3):
+        assert_batches_equal(next(it), ds.batch(step))
+
+
+def test_synthetic_rank_slice_sizes():
+    sizes = []
+    for rank in range(3):
+        batch = SyntheticCriteo(ROWS, NAMES, global_batch_size=10, rank=rank, world_size=3).batch(0)
+        assert batch.dense_features.shape[0] == batch.labels.shape[0] == batch.sparse_features.stride()
+        assert batch.sparse_features.lengths().numel() == len(NAMES) * batch.labels.shape[0]
+        sizes.append(batch.labels.shape[0])
+    assert sizes == [4, 3, 3]
+
+
+def test_synthetic_indices_in_range_and_empty_bags():
+    ds = SyntheticCriteo(ROWS, NAMES, global_batch_size=512, mean_pooling=3.0)
+    for step in range(3):
+        kjt = ds.batch(step).sparse_features
+        per_feature = kjt.to_dict()
+        for name, rows in zip(NAMES, ROWS):
+            jt = per_feature[name]
+            values, lengths = jt.values(), jt.lengths()
+            assert values.min() >= 0 and values.max() < rows
+            assert (lengths == 0).any(), "empty bags should occur"
+            assert lengths.max() <= 6
+        assert torch.equal(per_feature["f0"].values(), torch.zeros_like(per_feature["f0"].values()))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0, 1.05, 2.5])
+def test_synthetic_indices_in_range_for_any_alpha(alpha):
+    ds = SyntheticCriteo([7, 2**31, 10**6], ["a", "b", "c"], global_batch_size=256, zipf_alpha=alpha)
+    per_feature = ds.batch(0).sparse_features.to_dict()
+    for name, rows in (("a", 7), ("b", 2**31), ("c", 10**6)):
+        values = per_feature[name].values()
+        assert values.min() >= 0 and values.max() < rows
+
+
+def test_synthetic_mean_pooling():
+    means = [0.0, 1.0, 4.0, 10.0]
+    ds = SyntheticCriteo([100] * 4, NAMES, global_batch_size=4096, mean_pooling=means)
+    lengths = ds.batch(0).sparse_features.lengths().view(4, 4096).float()
+    assert torch.equal(lengths[0], torch.zeros(4096))
+    for f, mean in enumerate(means[1:], start=1):
+        assert lengths[f].mean().item() == pytest.approx(mean, rel=0.05)
+        assert lengths[f].max().item() == 2 * mean
+        assert lengths[f].min().item() == 0
+
+
+def top_share(values: torch.Tensor, num_rows: int, fraction: float) -> float:
+    counts = torch.bincount(values, minlength=num_rows)
+    return counts.topk(int(num_rows * fraction)).values.sum().item() / values.numel()
+
+
+def test_synthetic_zipf_skew_and_scramble():
+    rows = 10**6
+    ds = SyntheticCriteo([rows], ["a"], global_batch_size=4096, mean_pooling=10.0, zipf_alpha=1.05)
+    values = torch.cat([ds.batch(step).sparse_features.values() for step in range(3)])
+    assert top_share(values, rows, 0.01) > 0.5
+    # The scramble spreads the hottest rows over the table instead of keeping them at small ids.
+    hottest = torch.bincount(values, minlength=rows).topk(10).indices
+    assert (hottest >= 1000).sum() >= 8
+
+
+def test_synthetic_alpha_zero_is_uniform():
+    # A small table, so that every row is drawn many times and the counts are not dominated by noise.
+    rows = 1000
+    ds = SyntheticCriteo([rows], ["a"], global_batch_size=4096, mean_pooling=10.0, zipf_alpha=0.0)
+    values = ds.batch(0).sparse_features.values()
+    assert top_share(values, rows, 0.01) < 0.02
+
+
+def test_synthetic_log_uniform_alpha_one_is_skewed():
+    rows = 10**5
+    ds = SyntheticCriteo([rows], ["a"], global_batch_size=4096, mean_pooling=10.0, zipf_alpha=1.0)
+    values = ds.batch(0).sparse_features.values()
+    # For the log-uniform law the top 1% of rows hold about log(1000) / log(100000) = 60% of the mass.
+    assert top_share(values, rows, 0.01) == pytest.approx(math.log(1001) / math.log(100001), abs=0.05)
+
+
+CRITEO_LIKE_ROWS = [10**6] * 8 + [10**4] * 8 + [100] * 6 + [3] * 4
+
+
+def test_synthetic_teacher_is_learnable_and_criteo_like():
+    ds = SyntheticCriteo(CRITEO_LIKE_ROWS, CRITEO_SPARSE_FEATURES, global_batch_size=4096)
+    batches = [ds.batch(step) for step in range(2)]
+    logits = torch.cat([ds.teacher_logits(b) for b in batches])
+    labels = torch.cat([b.labels for b in batches])
+    assert 0.15 <= labels.mean().item() <= 0.45
+    assert 1.2 <= logits.std().item() <= 2.2
+    assert binary_auroc(logits, labels.long()).item() > 0.75
+
+
+def test_synthetic_teacher_independent_of_rank_world_size_and_split():
+    batch = SyntheticCriteo(ROWS, NAMES, global_batch_size=64, seed=1).batch(0)
+    reference = SyntheticCriteo(ROWS, NAMES, global_batch_size=64, seed=1).teacher_logits(batch)
+    for kwargs in ({"rank": 2, "world_size": 3}, {"split": "eval"}, {"global_batch_size": 8}):
+        other = SyntheticCriteo(ROWS, NAMES, **{"global_batch_size": 64, "seed": 1, **kwargs})
+        torch.testing.assert_close(other.teacher_logits(batch), reference)
+    different_seed = SyntheticCriteo(ROWS, NAMES, global_batch_size=64, seed=2)
+    assert not torch.allclose(different_seed.teacher_logits(batch), reference)
+
+
+def test_synthetic_speed():
+    ds = SyntheticCriteo(CRITEO_LIKE_ROWS, CRITEO_SPARSE_FEATURES, global_batch_size=2048, mean_pooling=10.0)
+    ds.batch(0)  # warm-up
+    # Best of several steps (typically ~0.03 s each on one thread): robust to other jobs sharing the machine.
+    best = math.inf
+    for step in range(1, 6):
+        start = time.perf_counter()
+        ds.batch(step)
+        best = min(best, time.perf_counter() - start)
+    assert best < 0.1
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_rows": [10, 10]}, "len\\(num_rows\\)"),
+        ({"num_rows": [10, 0, 10, 10]}, "num_rows"),
+        ({"num_rows": [10, 10, 10, 2**31 + 1]}, "num_rows"),
+        ({"feature_names": ["a", "a", "b", "c"]}, "unique"),
+        ({"mean_pooling": [1.0, 2.0]}, "mean_pooling"),
+        ({"mean_pooling": -1.0}, "mean_pooling"),
+        ({"zipf_alpha": -0.5}, "zipf_alpha"),
+        ({"num_dense": 0}, "num_dense"),
+        ({"split": ""}, "split"),
+        ({"global_batch_size": 2, "world_size": 4, "rank": 0}, "global_batch_size"),
+        ({"rank": 1}, "rank"),
+    ],
+)
+def test_synthetic_argument_errors(kwargs, match):
+    args = {"num_rows": [10] * 4, "feature_names": NAMES, "global_batch_size": 8, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        SyntheticCriteo(**args)
+
+
+def test_synthetic_negative_step_error():
+    with pytest.raises(ValueError, match="step"):
+        SyntheticCriteo(ROWS, NAMES, global_batch_size=8).batch(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# CriteoTSV
+
+TABLE_ROWS = [1000] * CRITEO_NUM_SPARSE
+
+
+def criteo_line(label, dense=None, cats=None) -> str:
+    """A Criteo TSV line; ``None`` entries of ``dense`` / ``cats`` are written as missing (empty)."""
+    dense = [0] * CRITEO_NUM_DENSE if dense is None else dense
+    cats = ["0000000a"] * CRITEO_NUM_SPARSE if cats is None else cats
+    fields = [str(label)] + ["" if d is None else str(d) for d in dense] + ["" if c is None else c for c in cats]
+    return "\t".join(fields) + "\n"
+
+
+def numbered_lines(n: int) -> list[str]:
+    """Lines whose first dense count is the line number, so each sample can be identified after reading."""
+    return [criteo_line(i % 2, dense=[i] + [0] * (CRITEO_NUM_DENSE - 1)) for i in range(n)]
+
+
+def line_ids(batch) -> list[int]:
+    return [round(math.expm1(x)) for x in batch.dense_features[:, 0].tolist()]
+
+
+def write(path, lines) -> str:
+    path.write_text("".join(lines))
+    return str(path)
+
+
+def test_criteo_constants():
+    assert CRITEO_NUM_DENSE == 13
+    assert CRITEO_NUM_SPARSE == 26
+    assert CRITEO_SPARSE_FEATURES == [f"cat_{i}" for i in range(26)]
+
+
+def test_criteo_parses_values_missing_and_negatives(tmp_path):
+    dense_full = list(range(CRITEO_NUM_DENSE))
+    dense_missing = [None, -3, 5] + [None] * (CRITEO_NUM_DENSE - 3)
+    cats_full = [f"{i:08x}" for i in range(CRITEO_NUM_SPARSE)]
+    cats_missing = [None if i % 3 == 0 else "ffffffff" for i in range(CRITEO_NUM_SPARSE)]
+    path = write(
+        tmp_path / "day_0",
+        [criteo_line(1, dense_full, cats_full), criteo_line(0, dense_missing, cats_missing)],
+    )
+    num_rows = [1000] * 25 + [7]
+    batches = list(CriteoTSV(path, num_rows, global_batch_size=2))
+    assert len(batches) == 1
+    batch = batches[0]
+
+    torch.testing.assert_close(batch.labels, torch.tensor([1.0, 0.0]))
+    expected_dense = torch.tensor(
+        [[math.log1p(x) for x in dense_full], [0.0, 0.0, math.log1p(5)] + [0.0] * (CRITEO_NUM_DENSE - 3)]
+    )
+    assert batch.dense_features.dtype == torch.float32
+    torch.testing.assert_close(batch.dense_features, expected_dense)
+
+    kjt = batch.sparse_features
+    assert kjt.keys() == CRITEO_SPARSE_FEATURES
+    per_feature = kjt.to_dict()
+    for i, name in enumerate(CRITEO_SPARSE_FEATURES):
+        jt = per_feature[name]
+        missing = i % 3 == 0
+        assert jt.lengths().tolist() == [1, 0 if missing else 1]
+        expected = [i % num_rows[i]] + ([] if missing else [0xFFFFFFFF % num_rows[i]])
+        assert jt.values().tolist() == expected
+    # Key-major layout: all samples of cat_0, then all samples of cat_1, ...
+    assert kjt.lengths().tolist()[:4] == [1, 0, 1, 1]
+
+
+def test_criteo_custom_feature_names(tmp_path):
+    path = write(tmp_path / "d", numbered_lines(3))
+    names = [f"C{i + 1}" for i in range(CRITEO_NUM_SPARSE)]
+    batch = next(iter(CriteoTSV(path, TABLE_ROWS, global_batch_size=3, feature_names=names)))
+    assert batch.sparse_features.keys() == names
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_criteo_ranks_partition_lines_in_order(tmp_path, world_size):
+    lines = numbered_lines(11)
+    path = write(tmp_path / "d", lines)
+    per_rank = [list(CriteoTSV(path, TABLE_ROWS, 4, rank=r, world_size=world_size)) for r in range(world_size)]
+    # Every rank yields the same number of batches; batch k of all ranks is global batch k.
+    num_batches = len(per_rank[0])
+    assert all(len(batches) == num_batches for batches in per_rank)
+    ids, labels = [], []
+    for k in range(num_batches):
+        for r in range(world_size):
+            ids += line_ids(per_rank[r][k])
+            labels += per_rank[r][k].labels.tolist()
+    # Global batches of 4, 4 and a last short one of 3 lines (dropped only if it has < world_size lines).
+    assert ids == list(range(11))
+    assert labels == [float(i % 2) for i in range(11)]
+
+
+def test_criteo_rank_slices_of_global_batch(tmp_path):
+    path = write(tmp_path / "d", numbered_lines(10))
+    rank0 = [line_ids(b) for b in CriteoTSV(path, TABLE_ROWS, 4, rank=0, world_size=2)]
+    rank1 = [line_ids(b) for b in CriteoTSV(path, TABLE_ROWS, 4, rank=1, world_size=2)]
+    assert rank0 == [[0, 1], [4, 5], [8]]
+    assert rank1 == [[2, 3], [6, 7], [9]]
+
+
+def test_criteo_last_short_batch(tmp_path):
+    path = write(tmp_path / "d", numbered_lines(10))
+    assert [line_ids(b) for b in CriteoTSV(path, TABLE_ROWS, 4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [line_ids(b) for b in CriteoTSV(path, TABLE_ROWS, 4, drop_last=True)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # The last global batch (2 lines) is too short for 3 ranks: every rank drops it.
+    for rank in range(3):
+        assert len(list(CriteoTSV(path, TABLE_ROWS, 4, rank=rank, world_size=3))) == 2
+    # An exact multiple leaves no short batch.
+    assert len(list(CriteoTSV(path, TABLE_ROWS, 5))) == 2
+
+
+def test_criteo_concatenates_files_and_reads_gz(tmp_path):
+    lines = numbered_lines(7)
+    plain = write(tmp_path / "day_0", lines[:3])
+    gz_path = tmp_path / "day_1.gz"
+    with gzip.open(gz_path, "wt") as f:
+        f.writelines(lines[3:])
+    # The second global batch spans both files.
+    batches = list(CriteoTSV([plain, gz_path], TABLE_ROWS, 4))
+    assert [line_ids(b) for b in batches] == [[0, 1, 2, 3], [4, 5, 6]]
+
+    whole_plain = write(tmp_path / "all", lines)
+    for a, b in zip(batches, CriteoTSV(whole_plain, TABLE_ROWS, 4)):
+        assert_batches_equal(a, b)
+
+
+def test_criteo_is_reiterable(tmp_path):
+    path = write(tmp_path / "d", numbered_lines(5))
+    reader = CriteoTSV(path, TABLE_ROWS, 2)
+    assert [line_ids(b) for b in reader] == [line_ids(b) for b in reader]
+
+
+def test_criteo_missing_file(tmp_path):
+    present = write(tmp_path / "d", numbered_lines(2))
+    missing = str(tmp_path / "nope.tsv")
+    with pytest.raises(FileNotFoundError, match="nope.tsv"):
+        CriteoTSV([present, missing], TABLE_ROWS, 2)
+
+
+@pytest.mark.parametrize(
+    "bad_line,match",
+    [
+        ("1\t2\t3\n", "columns"),
+        (criteo_line(2), "label"),
+        (criteo_line(1, dense=["x1"] + [0] * 12), "integer"),
+        (criteo_line(1, cats=["zz"] + ["0"] * 25), "hexadecimal"),
+        ("\n", "columns"),
+    ],
+)
+def test_criteo_malformed_line_reports_file_and_line(tmp_path, bad_line, match):
+    lines = numbered_lines(5)
+    lines[3] = bad_line
+    path = write(tmp_path / "bad.tsv", lines)
+    with pytest.raises(ValueError, match=match) as info:
+        list(CriteoTSV(path, TABLE_ROWS, 2))
+    assert f"{path}:4" in str(info.value)
+
+
+def test_criteo_other_ranks_lines_are_not_parsed(tmp_path):
+    lines = numbered_lines(4)
+    lines[3] = "garbage\n"
+    path = write(tmp_path / "d", lines)
+    # Rank 0 of 2 owns lines 0-1 of the single global batch and never parses line 3.
+    assert [line_ids(b) for b in CriteoTSV(path, TABLE_ROWS, 4, rank=0, world_size=2)] == [[0, 1]]
+    with pytest.raises(ValueError, match=":4"):
+        list(CriteoTSV(path, TABLE_ROWS, 4, rank=1, world_size=2))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_rows": [10] * 13}, "26"),
+        ({"num_rows": [0] * 26}, "num_rows"),
+        ({"feature_names": ["a", "b"]}, "feature_names"),
+        ({"global_batch_size": 1, "world_size": 2}, "global_batch_size"),
+    ],
+)
+def test_criteo_argument_errors(tmp_path, kwargs, match):
+    path = write(tmp_path / "d", numbered_lines(2))
+    args = {"paths": path, "num_rows": TABLE_ROWS, "global_batch_size": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        CriteoTSV(**args)
