@@ -1,6 +1,6 @@
 """Train a model: `python train.py model=dlrm`, or under `torchrun --nproc_per_node=N train.py ...`."""
 
-from pathlib import Path
+import logging
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -16,6 +16,10 @@ register_resolvers()
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     env = init_distributed(cfg.trainer.device, cfg.comm.backend)
+    if not env.is_main:  # one console is enough; every rank still writes its own log file
+        for handler in logging.getLogger().handlers:
+            if type(handler) is logging.StreamHandler:
+                handler.setLevel(logging.WARNING)
     try:
         train(cfg, env, agree_on_run_dir(HydraConfig.get().runtime.output_dir))
     finally:

@@ -104,9 +104,10 @@ def test_missing_data_file_is_a_clear_error(tmp_path):
         train(cfg, CPU, tmp_path)
 
 
-def test_torchrun_two_processes_on_cpu(tmp_path):
-    """The README's distributed command, on gloo: both ranks train, one run directory, a checkpoint per step."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+def test_torchrun_two_processes(tmp_path):
+    """The README's distributed command (gloo here, NCCL where there are GPUs): both ranks train, one run directory, a checkpoint per step."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "train.py",
            *SMALL, "trainer.max_steps=20", "trainer.eval_every=10", "trainer.checkpoint_every=20",
            f"hydra.run.dir={tmp_path}/run"]
