@@ -17,24 +17,31 @@ already on a machine (GPU images ship a CUDA build that must stay).  So:
    is present is never replaced.
 2. The fbgemm / torchrec releases are picked from PAIRINGS by the installed torch
    version; fbgemm-gpu (CUDA) or fbgemm-gpu-cpu follows the torch build.
-3. fbgemm and torchrec go in with ``--no-deps``; every pip call that does resolve
-   dependencies gets ``-c constraints.txt`` pinning ``torch==<installed version>``.
-4. Anything already installed at the right version is skipped (a re-run does no pip call).
+3. fbgemm and torchrec go in with ``--no-deps``; online, every pip call that does resolve
+   dependencies gets ``-c constraints.txt`` pinning torch to the version pip sees installed
+   (its distribution metadata, which can differ from ``torch.__version__``).
+4. Anything already installed at an acceptable version is skipped (a re-run does no pip call).
 
-Offline (``--wheels DIR``): pip only looks in DIR; the pip config files and the
-PIP_FIND_LINKS / PIP_INDEX_URL / PIP_EXTRA_INDEX_URL variables are ignored, since pip
-would otherwise merge their links into the search.  For ``pip install -e`` the folder
-also needs a setuptools>=64 wheel (pip builds the project in an isolated environment);
-any sdist in it (iopath and antlr4-python3-runtime have no wheels on PyPI) also needs a
-`wheel` wheel, or better, turn them into wheels beforehand with `pip wheel -w DIR ...`.
+Offline (``--wheels DIR``): pip never resolves dependencies (a GPU image's pip refused
+its own torch 2.11.0+cu130 against the torch pin).  fbgemm, torchrec and whatever of
+OFFLINE_DEPS and the project's requirements is missing or too old go in with one
+``pip install --no-index --find-links DIR --no-deps`` call, after checking that DIR has a
+wheel for each; then the stack is imported in a fresh interpreter (VERIFY_MODULES), and a
+module that is still missing is reported with the wheel to add.  pip only looks in DIR:
+the pip config files and PIP_FIND_LINKS / PIP_INDEX_URL / PIP_EXTRA_INDEX_URL are
+ignored, since pip would otherwise merge their links into the search.  Packages without
+wheels on PyPI (iopath, antlr4-python3-runtime) are turned into wheels beforehand with
+``pip wheel --no-deps -w DIR ...``.  ``pip install -e`` of the project (``--no-deps``) also
+needs a setuptools>=64 wheel in DIR (pip builds it in an isolated environment).  If torch
+itself is missing, it is installed from DIR with its dependencies resolved.
 
 ``--target DIR`` (read-only site-packages): packages go into DIR; nothing is written to
 site-packages and the project is not installed (put the repo root on PYTHONPATH; the
 script prints the line).  pip's ``--target`` ignores everything already installed, so
 letting it resolve dependencies would copy a second torch into DIR that shadows the
-real one.  Instead, pip is first asked (``--dry-run --report``, with DIR on PYTHONPATH so
-it sees earlier runs) what the environment is missing, and exactly that list is
-installed with ``--target DIR --no-deps``.  Needs pip >= 22.2.
+real one.  Online, pip is therefore first asked (``--dry-run --report``, with DIR on
+PYTHONPATH so it sees earlier runs) what the environment is missing, and exactly that list
+is installed with ``--target DIR --no-deps``.  Needs pip >= 22.2.
 """
 from __future__ import annotations
 
@@ -70,6 +77,21 @@ FBGEMM_CPU = "fbgemm-gpu-cpu"
 # torchrec imports these at runtime; torch does not bring them, and torchrec is installed
 # with --no-deps (its metadata would pull fbgemm-gpu and an old torchmetrics pin).
 TORCHREC_RUNTIME_DEPS = ["tensordict", "pyre-extensions", "iopath"]
+# Offline everything goes in with --no-deps, so this is the dependency closure (beyond what
+# the images ship) by hand, in install order; the project's requirements not listed here are
+# appended.  verify_imports() catches what it misses.
+OFFLINE_DEPS = [
+    "tensordict", "pyvers",  # pyvers: tensordict's
+    "pyre-extensions", "iopath",
+    "hydra-core", "omegaconf", "antlr4-python3-runtime",  # hydra-core -> omegaconf -> antlr4
+    "torchmetrics", "tqdm",
+]
+# Imported after an offline install to check the result.
+VERIFY_MODULES = [
+    "torch", "fbgemm_gpu", "torchrec", "hydra", "omegaconf", "torchmetrics", "tqdm", "tensordict", "iopath",
+]
+# Import name -> distribution, where they differ by more than "_" vs "-" (for error messages).
+MODULE_DISTRIBUTIONS = {"hydra": "hydra-core", "antlr4": "antlr4-python3-runtime", "yaml": "PyYAML"}
 
 
 class SetupError(Exception):
@@ -87,8 +109,9 @@ class Pairing(NamedTuple):
 
 
 class TorchInfo(NamedTuple):
-    version: str  # e.g. "2.11.0+cu130"
+    version: str  # torch.__version__, e.g. "2.11.0+cu130"
     cuda: bool  # torch.version.cuda is not None
+    dist_version: str | None  # the version pip sees (distribution metadata); None: pip cannot see torch
 
 
 @dataclasses.dataclass
@@ -159,15 +182,21 @@ def offline_fbgemm(pairing: Pairing, wheels: Path, allow_cpu_fallback: bool) -> 
     raise SetupError(f"no {pairing.fbgemm_package} {pairing.fbgemm_version} wheel in {wheels}")
 
 
-def wheel_in_folder(folder: Path, name: str, version: str) -> bool:
-    """Is there a wheel for distribution `name` at `version` (local tag ignored) in folder?"""
+def wheel_versions(folder: Path, name: str) -> list[str]:
+    """Versions of the wheels for distribution `name` in folder."""
+    versions = []
     for path in folder.glob("*.whl"):
         # Wheel names are {distribution}-{version}(-{build})?-{python}-{abi}-{platform}.whl,
         # with "-" in the distribution name written as "_": fbgemm_gpu_cpu-1.8.0-cp311-...
         parts = path.name.split("-")
-        if len(parts) >= 5 and canon(parts[0]) == canon(name) and public_version(parts[1]) == version:
-            return True
-    return False
+        if len(parts) >= 5 and canon(parts[0]) == canon(name):
+            versions.append(parts[1])
+    return versions
+
+
+def wheel_in_folder(folder: Path, name: str, version: str) -> bool:
+    """Is there a wheel for distribution `name` at `version` (local tag ignored) in folder?"""
+    return version in map(public_version, wheel_versions(folder, name))
 
 
 def canon(name: str) -> str:
@@ -178,6 +207,17 @@ def canon(name: str) -> str:
 def public_version(version: str) -> str:
     """Drop the local tag: 1.8.0+cu130 -> 1.8.0."""
     return version.split("+", 1)[0]
+
+
+def satisfies(req: str, version: str | None) -> bool:
+    """Does `version` (None: not installed) meet requirement `req`?  Always, if req's marker
+    does not apply to this interpreter."""
+    from pip._vendor.packaging.requirements import Requirement  # stdlib has no PEP 440
+
+    requirement = Requirement(req)
+    if requirement.marker and not requirement.marker.evaluate():
+        return True
+    return version is not None and requirement.specifier.contains(version, prereleases=True)
 
 
 def requirement_name(req: str) -> str:
@@ -205,14 +245,23 @@ def pip_env(opts: Options) -> dict[str, str]:
     return env
 
 
+PROBE_TORCH = """
+import importlib.metadata, json, torch
+try:
+    dist_version = importlib.metadata.version("torch")
+except importlib.metadata.PackageNotFoundError:
+    dist_version = None
+print(json.dumps([torch.__version__, torch.version.cuda, dist_version]))
+"""
+
+
 def probe_torch(python: str, env: dict[str, str]) -> TorchInfo | None:
     """Installed torch, seen from a fresh interpreter (so a torch installed just now counts)."""
-    code = "import json, torch; print(json.dumps([torch.__version__, torch.version.cuda]))"
-    proc = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True)
+    proc = subprocess.run([python, "-c", PROBE_TORCH], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         return None
-    version, cuda = json.loads(proc.stdout.strip().splitlines()[-1])
-    return TorchInfo(version, cuda is not None)
+    version, cuda, dist_version = json.loads(proc.stdout.strip().splitlines()[-1])
+    return TorchInfo(version, cuda is not None, dist_version)
 
 
 def probe_torch_error(python: str, env: dict[str, str]) -> str:
@@ -263,11 +312,11 @@ def project_requirements(test: bool) -> tuple[str, list[str]]:
 
 def inspect_environment(opts: Options, env: dict[str, str]) -> EnvState:
     _, project_reqs = project_requirements(opts.test)
-    names = [FBGEMM_GPU, FBGEMM_CPU, "torchrec", *TORCHREC_RUNTIME_DEPS]
+    names = [FBGEMM_GPU, FBGEMM_CPU, "torchrec", *TORCHREC_RUNTIME_DEPS, *OFFLINE_DEPS]
     names += [requirement_name(r) for r in project_reqs]
     path = [str(opts.target), *sys.path] if opts.target else None
     versions = {}
-    for name in names:
+    for name in {canon(n) for n in names}:
         version = installed_version(name, path)
         if version is not None:
             versions[canon(name)] = version
@@ -319,9 +368,44 @@ def torch_install_commands(opts: Options) -> list[list[str]]:
     return install_resolving(opts, "torch", [f"torch=={DEFAULT_TORCH}"], constraints=None)
 
 
-def plan_commands(pairing: Pairing, state: EnvState, opts: Options, constraints: Path) -> list[list[str]]:
-    """pip commands still needed once torch is installed (empty when all is in place)."""
+def offline_requirements(state: EnvState, opts: Options) -> list[str]:
+    """What the offline install still needs besides fbgemm / torchrec, in install order.
+
+    A project requirement counts as missing when its installed version does not meet its
+    specifier (pyproject.toml); the others when they are not installed at all.
+    """
+    project_reqs = {canon(requirement_name(r)): r for r in project_requirements(opts.test)[1]}
+    names = OFFLINE_DEPS + [name for name in project_reqs if name not in OFFLINE_DEPS]
+    reqs = [] if state.triton_ok else [f"triton=={TRITON_PIN}"]
+    for name in names:
+        req = project_reqs.get(name, name)
+        if not satisfies(req, state.version(name)):
+            reqs.append(req.split(";", 1)[0].strip())  # with its specifier: pip upgrades a too old one
+    return reqs
+
+
+def check_wheels(folder: Path, reqs: list[str]) -> None:
+    """Fail, naming them all, if folder lacks a wheel for some of reqs."""
+    missing = [
+        r for r in reqs if not any(satisfies(r, v) for v in wheel_versions(folder, requirement_name(r)))
+    ]
+    if missing:
+        fetch = show(["pip", "wheel", "--no-deps", "-w", str(folder), *missing])
+        raise SetupError(
+            f"no wheel in {folder} for: {', '.join(missing)}; add them "
+            f"(on a machine with network and the same Python: {fetch})"
+        )
+
+
+def plan_commands(
+    pairing: Pairing, state: EnvState, opts: Options, constraints: Path | None
+) -> list[list[str]]:
+    """pip commands still needed once torch is installed (empty when all is in place).
+
+    `constraints` (pinning torch) is used online only: offline, nothing resolves dependencies.
+    """
     cmds: list[list[str]] = []
+    paired = []  # fbgemm / torchrec requirements still needed
 
     if public_version(state.version(pairing.fbgemm_package) or "") != pairing.fbgemm_version:
         other = FBGEMM_CPU if pairing.fbgemm_package == FBGEMM_GPU else FBGEMM_GPU
@@ -329,10 +413,22 @@ def plan_commands(pairing: Pairing, state: EnvState, opts: Options, constraints:
             # Both variants install the same `fbgemm_gpu` package directory: remove the other
             # one first, or uninstalling it later would delete files of the new one.
             cmds.append([opts.python, "-m", "pip", "uninstall", "-y", other])
-        cmds += install_no_deps(opts, [f"{pairing.fbgemm_package}=={pairing.fbgemm_version}"])
+        paired.append(f"{pairing.fbgemm_package}=={pairing.fbgemm_version}")
 
     if public_version(state.version("torchrec") or "") != pairing.torchrec_version:
-        cmds += install_no_deps(opts, [f"torchrec=={pairing.torchrec_version}"])
+        paired.append(f"torchrec=={pairing.torchrec_version}")
+
+    if opts.wheels:
+        reqs = paired + offline_requirements(state, opts)
+        check_wheels(opts.wheels, reqs)
+        if reqs:
+            cmds += install_no_deps(opts, reqs)
+        if not opts.target and not state.project_editable:
+            cmds.append(pip_install(opts, ["--no-deps", "-e", str(REPO_ROOT)]))
+        return cmds
+
+    for req in paired:
+        cmds += install_no_deps(opts, [req])
 
     missing = [name for name in TORCHREC_RUNTIME_DEPS if not state.version(name)]
     if missing:
@@ -374,6 +470,42 @@ def write_requirements_from_report(report: Path, torch_pinned: bool) -> list[str
     return reqs
 
 
+VERIFY_IMPORTS = """
+import importlib, importlib.util, json, sys
+failures = []
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        missing = None
+        if isinstance(e, ModuleNotFoundError) and e.name:
+            top = e.name.split(".")[0]
+            missing = top if importlib.util.find_spec(top) is None else None
+        failures.append([name, f"{type(e).__name__}: {e}", missing])
+print(json.dumps(failures))
+"""
+
+
+def verify_imports(opts: Options, env: dict[str, str], pairing: Pairing) -> None:
+    """Import VERIFY_MODULES in a fresh interpreter; fail naming what is missing and its wheel."""
+    proc = subprocess.run(
+        [opts.python, "-c", VERIFY_IMPORTS, *VERIFY_MODULES], env=env, capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise SetupError(f"import check crashed (exit code {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    failures = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not failures:
+        print(f"import check: {' '.join(VERIFY_MODULES)} ok")
+        return
+    distributions = {**MODULE_DISTRIBUTIONS, "fbgemm_gpu": pairing.fbgemm_package}
+    lines = [f"  import {name}: {error}" for name, error, _ in failures]
+    missing = list(dict.fromkeys(m for _, _, m in failures if m))
+    for module in missing:
+        wheel = distributions.get(module, canon(module))
+        lines.append(f"  missing module {module!r}: add a {wheel} wheel to {opts.wheels} and re-run")
+    raise SetupError("import check failed after the offline install:\n" + "\n".join(lines))
+
+
 def run_commands(cmds: list[list[str]], env: dict[str, str]) -> None:
     for cmd in cmds:
         if "-r" in cmd:  # second --target pass: skip when the report found nothing missing
@@ -406,7 +538,7 @@ def ensure_torch(opts: Options, env: dict[str, str]) -> TorchInfo:
         for cmd in cmds:
             print("  " + show(cmd))
         print(f"(dry run: planning the rest for torch {DEFAULT_TORCH}, cuda assumed {opts.fbgemm == 'gpu'})")
-        return TorchInfo(DEFAULT_TORCH, opts.fbgemm == "gpu")
+        return TorchInfo(DEFAULT_TORCH, opts.fbgemm == "gpu", DEFAULT_TORCH)
     print(f"torch is not installed; installing torch=={DEFAULT_TORCH}")
     run_commands(cmds, env)
     torch = probe_torch(opts.python, env)
@@ -458,16 +590,26 @@ def setup(opts: Options) -> None:
         if warning:
             print(warning)
 
-    constraints = opts.workdir / "constraints.txt"
-    constraints.write_text(f"torch=={torch.version}\n")
+    constraints = None if opts.wheels else opts.workdir / "constraints.txt"
     cmds = plan_commands(pairing, state, opts, constraints)
+    pinned = any("-c" in cmd for cmd in cmds)  # some pip call resolves dependencies (online only)
+    if pinned:
+        # Pin the version pip compares against, which need not be torch.__version__.
+        if torch.dist_version is None:
+            raise SetupError(
+                f"torch {torch.version} imports, but pip sees no installed torch (no distribution "
+                "metadata): any install that resolves dependencies would fail or pull a second torch; "
+                "install from a wheel folder instead (--wheels DIR never resolves dependencies)"
+            )
+        constraints.write_text(f"torch=={torch.dist_version}\n")
 
     if opts.wheels and not opts.target and any("-e" in c for c in cmds):
         if not any(opts.wheels.glob("setuptools-*.whl")):
             print(f"WARNING: no setuptools wheel in {opts.wheels}; `pip install -e` needs setuptools>=64")
 
     if opts.dry_run:
-        print(f"constraints file (temporary) {constraints}: torch=={torch.version}")
+        if pinned:
+            print(f"constraints file (temporary) {constraints}: torch=={torch.dist_version}")
         changes = [f"{k}={v}" for k, v in env.items() if os.environ.get(k) != v]
         changes += [f"unset {k}" for k in os.environ if k not in env]
         if changes:
@@ -475,9 +617,13 @@ def setup(opts: Options) -> None:
         print("plan:" if cmds else "plan: nothing to install")
         for cmd in cmds:
             print("  " + show(cmd))
+        if opts.wheels:
+            print(f"then an import check of: {' '.join(VERIFY_MODULES)}")
     else:
         run_commands(cmds, env)
-        if cmds and not opts.target:
+        if opts.wheels:
+            verify_imports(opts, env, pairing)
+        elif cmds and not opts.target:
             # pip's resolver prints this as an ERROR after the fact; it is the intended state.
             print(
                 "note: pip's complaint that torchrec requires fbgemm-gpu / torchmetrics==1.0.3 is expected "

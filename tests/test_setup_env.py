@@ -1,4 +1,4 @@
-"""Tests for scripts/setup_env.py: pairing table, planning, offline fallback, CLI errors.
+"""Tests for scripts/setup_env.py: pairing table, planning (online and offline), CLI errors.
 
 No network and no real installs: pip is never run (dry runs, or subprocess.run patched
 to refuse pip commands).
@@ -112,6 +112,23 @@ def test_offline_no_fallback_when_gpu_was_asked_for(tmp_path):
         se.offline_fbgemm(se.Pairing("fbgemm-gpu", "1.8.0", "1.8.0"), wheels, allow_cpu_fallback=False)
 
 
+@pytest.mark.parametrize(
+    "req, version, ok",
+    [
+        ("hydra-core>=1.3", "1.3.8", True),
+        ("hydra-core>=1.3", "1.2.0", False),
+        ("hydra-core>=1.3", None, False),
+        ("tensordict", "0.15.3", True),
+        ("tensordict", None, False),
+        ("fbgemm-gpu==1.6.0", "1.6.0+cu130", True),  # local tag ignored
+        ("fbgemm-gpu==1.6.0", "1.7.0", False),
+        ("tqdm; python_version < '3'", None, True),  # marker does not apply here: nothing needed
+    ],
+)
+def test_satisfies(req, version, ok):
+    assert se.satisfies(req, version) is ok
+
+
 def test_wheel_in_folder_name_matching(tmp_path):
     wheels = _wheels(tmp_path, CPU_WHEEL.format("1.8.0"), "fbgemm_gpu-1.6.0+cu130-cp311-cp311-linux_x86_64.whl")
     assert se.wheel_in_folder(wheels, "fbgemm-gpu-cpu", "1.8.0")
@@ -164,7 +181,7 @@ def test_plan_fresh_environment(tmp_path):
 
 
 def test_plan_never_lets_pip_resolve_without_the_torch_constraint(tmp_path):
-    for opts in (_opts(tmp_path), _opts(tmp_path, wheels=tmp_path), _opts(tmp_path, target=tmp_path / "t")):
+    for opts in (_opts(tmp_path), _opts(tmp_path, target=tmp_path / "t")):
         cmds = se.plan_commands(CPU_18, _state({}, triton_ok=False, project_editable=False), opts, tmp_path / "c.txt")
         for cmd in _installs(cmds):
             assert "--no-deps" in cmd or "-c" in cmd, cmd
@@ -195,11 +212,87 @@ def test_plan_project_not_installed_or_dep_missing(tmp_path):
     assert se.plan_commands(CPU_18, _state(no_tqdm), opts, c) == [editable]
 
 
-def test_plan_offline_flags(tmp_path):
-    opts = _opts(tmp_path, wheels=tmp_path / "wh")
-    cmds = se.plan_commands(CPU_18, _state({}, project_editable=False), opts, tmp_path / "c.txt")
-    for cmd in _installs(cmds):
-        assert cmd[4:7] == ["--no-index", "--find-links", str(tmp_path / "wh")]
+# --------------------------------------------------------------------------- offline plan
+
+# The wheel folder of the GPU image bug report (torch 2.11.0+cu130, Python 3.12).
+IMAGE_WHEELS = [
+    "antlr4_python3_runtime-4.9.3-py3-none-any.whl",
+    "fbgemm_gpu_cpu-1.6.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+    "hydra_core-1.3.8-py3-none-any.whl",
+    "iopath-0.1.9-py3-none-any.whl",
+    "omegaconf-2.3.1-py3-none-any.whl",
+    "pyvers-0.2.3-py3-none-any.whl",
+    "tensordict-0.15.3-py3-none-any.whl",
+    "torchrec-1.6.1-py312-none-any.whl",
+]
+# What that image has of what the plan looks at (numpy, pyyaml, ... it has too).
+IMAGE_VERSIONS = {"pyre-extensions": "0.0.32", "torchmetrics": "1.8.2", "tqdm": "4.67.1", "pytest": "8.4.1"}
+CPU_16 = se.Pairing("fbgemm-gpu-cpu", "1.6.0", "1.6.1")
+# ... and after the offline install.
+IMAGE_DONE = {**IMAGE_VERSIONS, "fbgemm-gpu-cpu": "1.6.0", "torchrec": "1.6.1", "tensordict": "0.15.3",
+              "pyvers": "0.2.3", "iopath": "0.1.9", "hydra-core": "1.3.8", "omegaconf": "2.3.1",
+              "antlr4-python3-runtime": "4.9.3"}
+OFFLINE_ORDER = [
+    "fbgemm-gpu-cpu==1.6.0", "torchrec==1.6.1",
+    "tensordict", "pyvers", "iopath", "hydra-core>=1.3", "omegaconf", "antlr4-python3-runtime",
+]
+
+
+def _offline_opts(tmp_path, wheels=IMAGE_WHEELS, **kw):
+    folder = tmp_path / "wh"
+    folder.mkdir(exist_ok=True)
+    _wheels(folder, *wheels)
+    return _opts(tmp_path, wheels=folder, **kw)
+
+
+def test_plan_offline_gpu_image(tmp_path):
+    """The bug report's case: one pip call, --no-deps, nothing resolved, nothing pinned."""
+    target = tmp_path / "site"
+    opts = _offline_opts(tmp_path, target=target, test=True)
+    cmds = se.plan_commands(CPU_16, _state(IMAGE_VERSIONS, project_editable=False), opts, None)
+    assert cmds == [
+        ["PY", "-m", "pip", "install", "--no-index", "--find-links", str(opts.wheels),
+         "--no-deps", "--target", str(target), "--upgrade", *OFFLINE_ORDER],
+    ]
+
+
+@pytest.mark.parametrize("target", [False, True])
+def test_plan_offline_every_install_is_no_deps_and_no_index(tmp_path, target):
+    wheels = [*IMAGE_WHEELS, "triton-3.6.0-cp312-cp312-manylinux_2_27_x86_64.whl",
+              "pyre_extensions-0.0.32-py3-none-any.whl", "torchmetrics-1.8.2-py3-none-any.whl",
+              "tqdm-4.67.1-py3-none-any.whl", "pytest-8.4.1-py3-none-any.whl"]
+    opts = _offline_opts(tmp_path, wheels, test=True, target=tmp_path / "site" if target else None)
+    cmds = se.plan_commands(CPU_16, _state({}, triton_ok=False, project_editable=False), opts, None)
+    installs = _installs(cmds)
+    assert installs and len(installs) == len(cmds)
+    for cmd in installs:
+        assert cmd[4:8] == ["--no-index", "--find-links", str(opts.wheels), "--no-deps"], cmd
+        assert not {"-c", "--report", "--dry-run", "-r"} & set(cmd), cmd
+    reqs = installs[0][installs[0].index("--upgrade") + 1:] if target else installs[0][8:]
+    assert reqs == [*OFFLINE_ORDER[:2], "triton==3.6.0", *OFFLINE_ORDER[2:4], "pyre-extensions",
+                    *OFFLINE_ORDER[4:], "torchmetrics>=1.0", "tqdm", "pytest>=7"]
+    # Without --target the project itself is installed last, editable, also without its deps.
+    assert (installs[-1][8:] == ["-e", str(REPO_ROOT)]) is not target
+
+
+def test_plan_offline_skips_what_is_installed_and_upgrades_what_is_too_old(tmp_path):
+    opts = _offline_opts(tmp_path, target=tmp_path / "site", test=True)
+    assert se.plan_commands(CPU_16, _state(IMAGE_DONE), opts, None) == []
+    too_old = {**IMAGE_DONE, "hydra-core": "1.2.0", "torchrec": "1.5.0"}
+    (cmd,) = se.plan_commands(CPU_16, _state(too_old), opts, None)
+    assert cmd[cmd.index("--upgrade") + 1:] == ["torchrec==1.6.1", "hydra-core>=1.3"]
+
+
+def test_plan_offline_missing_wheels_named_in_one_error(tmp_path):
+    wheels = [w for w in IMAGE_WHEELS if not w.startswith(("pyvers", "omegaconf"))]
+    wheels.append("hydra_core-1.2.0-py3-none-any.whl")  # too old for hydra-core>=1.3
+    wheels.remove("hydra_core-1.3.8-py3-none-any.whl")
+    opts = _offline_opts(tmp_path, wheels, target=tmp_path / "site")
+    with pytest.raises(se.SetupError) as info:
+        se.plan_commands(CPU_16, _state(IMAGE_VERSIONS), opts, None)
+    message = str(info.value)
+    assert f"no wheel in {opts.wheels} for: pyvers, hydra-core>=1.3, omegaconf;" in message
+    assert "pip wheel --no-deps -w" in message
 
 
 def test_plan_target_mode(tmp_path):
@@ -254,7 +347,8 @@ def fake_env(monkeypatch):
 
     def install(torch=("2.13.0+cpu", False), versions=None, triton_ok=True):
         versions = {se.canon(k): v for k, v in (EVERYTHING if versions is None else versions).items()}
-        torch_info = se.TorchInfo(*torch) if torch else None
+        # (version, cuda[, version pip sees]): pip sees torch.__version__ unless told otherwise
+        torch_info = se.TorchInfo(*torch, *torch[:1] * (len(torch) == 2)) if torch else None
         monkeypatch.setattr(se, "probe_torch", lambda python, env: torch_info)
         monkeypatch.setattr(se, "installed_version", lambda name, path=None: versions.get(se.canon(name)))
         monkeypatch.setattr(se, "probe_triton", lambda python, env: triton_ok)
@@ -321,14 +415,45 @@ def test_main_broken_torch_is_not_replaced(capsys, no_pip, fake_env, monkeypatch
 
 
 def test_main_offline_cuda_falls_back_to_cpu_fbgemm(tmp_path, capsys, no_pip, fake_env):
-    wheels = _wheels(tmp_path, CPU_WHEEL.format("1.6.0"), "torchrec-1.6.1-py311-none-any.whl")
-    fake_env(torch=("2.11.0+cu130", True), versions={})
-    assert se.main(["--dry-run", "--wheels", str(wheels)]) == 0
+    wheels = _wheels(tmp_path, *IMAGE_WHEELS)
+    fake_env(torch=("2.11.0+cu130", True), versions=IMAGE_VERSIONS)
+    assert se.main(["--dry-run", "--wheels", str(wheels), "--target", str(tmp_path / "site")]) == 0
     out = capsys.readouterr().out
     assert "WARNING: no fbgemm-gpu 1.6.0 wheel" in out
-    assert f"--no-index --find-links {wheels} --no-deps fbgemm-gpu-cpu==1.6.0" in out
-    assert "--no-deps torchrec==1.6.1" in out
-    assert "constraints.txt: torch==2.11.0+cu130" in out  # the CUDA torch stays pinned
+    args = ["--no-index", "--find-links", str(wheels), "--no-deps", "--target", str(tmp_path / "site"), "--upgrade"]
+    assert se.show([*args, *OFFLINE_ORDER]) in out
+    assert "constraints" not in out  # offline nothing resolves, so nothing is pinned
+    assert "then an import check of: torch fbgemm_gpu torchrec" in out
+
+
+def test_main_offline_runs_import_check(tmp_path, capsys, no_pip, fake_env, monkeypatch):
+    """A real (non-dry) offline run with everything in place: no pip, but the import check."""
+    fake_env(torch=("2.11.0+cu130", True, None), versions=IMAGE_DONE)  # pip cannot see this torch: fine offline
+    monkeypatch.setattr(se, "VERIFY_MODULES", ["json", "no_such_module_xyz"])
+    wheels = _wheels(tmp_path, *IMAGE_WHEELS)
+    assert se.main(["--wheels", str(wheels), "--fbgemm", "cpu", "--target", str(tmp_path / "site")]) == 1
+    err = capsys.readouterr().err
+    assert "import check failed after the offline install" in err
+    assert f"missing module 'no_such_module_xyz': add a no-such-module-xyz wheel to {wheels}" in err
+
+
+def test_main_online_pins_the_version_pip_sees(capsys, no_pip, fake_env):
+    no_tqdm = {k: v for k, v in EVERYTHING.items() if k != "tqdm"}
+    fake_env(torch=("2.13.0+cpu", False, "2.13.0"), versions=no_tqdm)
+    assert se.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "constraints.txt: torch==2.13.0\n" in out
+    assert " -c " in out
+
+
+def test_main_online_torch_invisible_to_pip_fails_clearly(capsys, no_pip, fake_env):
+    no_tqdm = {k: v for k, v in EVERYTHING.items() if k != "tqdm"}
+    fake_env(torch=("2.11.0+cu130", True, None), versions=no_tqdm)
+    assert se.main(["--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert "pip sees no installed torch" in err and "--wheels DIR" in err
+    fake_env(torch=("2.11.0+cu130", True, None))  # nothing to resolve: fine
+    assert se.main(["--dry-run", "--test"]) == 0
 
 
 def test_main_offline_explicit_gpu_without_wheel_fails(tmp_path, capsys, no_pip, fake_env):
@@ -343,3 +468,50 @@ def test_main_target_prints_pythonpath(tmp_path, capsys, no_pip, fake_env):
     assert se.main(["--dry-run", "--target", str(tmp_path / "site")]) == 0
     out = capsys.readouterr().out
     assert f"export PYTHONPATH={tmp_path / 'site'}:{REPO_ROOT}" in out
+
+
+# --------------------------------------------------------------------------- import check
+
+
+def test_verify_imports_real_interpreter(tmp_path, capsys, no_pip, monkeypatch):
+    """Real subprocess: a module that is absent, one whose dependency is absent, one that is broken."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "needs_dep_xyz.py").write_text("import absent_dep_xyz\n")
+    (site / "broken_xyz.py").write_text("raise RuntimeError('boom')\n")
+    opts = se.Options(python=sys.executable, wheels=tmp_path / "wh", target=site)
+    monkeypatch.setattr(se, "VERIFY_MODULES", ["json", "needs_dep_xyz", "absent_xyz", "broken_xyz"])
+    with pytest.raises(se.SetupError) as info:
+        se.verify_imports(opts, se.pip_env(opts), CPU_16)  # --target dir is on PYTHONPATH
+    message = str(info.value)
+    assert "import json" not in message
+    assert "import needs_dep_xyz: ModuleNotFoundError: No module named 'absent_dep_xyz'" in message
+    assert f"missing module 'absent_dep_xyz': add a absent-dep-xyz wheel to {tmp_path / 'wh'}" in message
+    assert "missing module 'absent_xyz'" in message
+    assert "import broken_xyz: RuntimeError: boom" in message
+    assert "missing module 'broken_xyz'" not in message  # present but broken: no wheel to add
+
+    monkeypatch.setattr(se, "VERIFY_MODULES", ["json", "needs_dep_xyz"])
+    (site / "absent_dep_xyz.py").write_text("")
+    se.verify_imports(opts, se.pip_env(opts), CPU_16)
+    assert "import check: json needs_dep_xyz ok" in capsys.readouterr().out
+
+
+def test_verify_imports_names_the_wheel(tmp_path, monkeypatch):
+    failures = [
+        ["hydra", "ModuleNotFoundError: No module named 'hydra'", "hydra"],
+        ["torchrec", "ModuleNotFoundError: No module named 'fbgemm_gpu'", "fbgemm_gpu"],
+        ["fbgemm_gpu", "ModuleNotFoundError: No module named 'fbgemm_gpu'", "fbgemm_gpu"],
+        ["torchmetrics", "ModuleNotFoundError: No module named 'lightning_utilities'", "lightning_utilities"],
+    ]
+    done = subprocess.CompletedProcess([], 0, stdout=json.dumps(failures) + "\n", stderr="")
+    monkeypatch.setattr(se.subprocess, "run", lambda *a, **kw: done)
+    opts = se.Options(python="PY", wheels=tmp_path)
+    with pytest.raises(se.SetupError) as info:
+        se.verify_imports(opts, {}, CPU_16)
+    lines = str(info.value).splitlines()
+    assert lines[-3:] == [
+        f"  missing module 'hydra': add a hydra-core wheel to {tmp_path} and re-run",
+        f"  missing module 'fbgemm_gpu': add a fbgemm-gpu-cpu wheel to {tmp_path} and re-run",
+        f"  missing module 'lightning_utilities': add a lightning-utilities wheel to {tmp_path} and re-run",
+    ]
