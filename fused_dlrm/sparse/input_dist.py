@@ -32,6 +32,12 @@ class OwnedBags:
     def global_batch(self) -> int:
         return sum(self.batch_sizes)
 
+    def csr_offsets(self) -> torch.Tensor:
+        """[num_features * global_batch + 1] start of every bag in `values` (feature-major), as kernels take it."""
+        offsets = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64, device=self.values.device)
+        torch.cumsum(self.lengths.reshape(-1), 0, out=offsets[1:])
+        return offsets
+
     def feature_bags(self, f: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(values, lengths, weights) of the f-th owned feature."""
         a, b = self.feature_value_offsets[f], self.feature_value_offsets[f + 1]

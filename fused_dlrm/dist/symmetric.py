@@ -1,0 +1,106 @@
+"""Symmetric memory for fused operators: buffers every rank can store into, ready flags, and step epochs.
+
+One `SymmetricWorkspace` per fused operator and rank owns all of its communication memory; kernels receive only
+int64 tables of peer base addresses (`peer_ptrs`) and convert them with `tl.load(ptrs + peer).to(pointer_type)`.
+
+Two implementations of one interface:
+- `CudaSymmetricWorkspace`: torch SymmetricMemory (`_symmetric_memory.empty` + `rendezvous`), NVLink peers.
+- `SimulatedWorkspace`: a world of ranks simulated in one process on the CPU (one tensor per rank), so the
+  kernels' logic runs under TRITON_INTERPRET=1 in CI. Kernels of all ranks are launched in turn, producers first.
+
+Buffers are allocated on first use and grown (never shrunk) when a larger size is asked for. Every rank must ask
+for the same names with the same sizes in the same order: allocation is collective on GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class PeerBuffer:
+    local: torch.Tensor  # this rank's buffer (1-D)
+    peer_ptrs: torch.Tensor  # int64 [world]: base address of every rank's buffer, readable by kernels
+
+
+class _Workspace:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def __init__(self):
+        self._buffers: dict[str, PeerBuffer] = {}
+        self._epochs: dict[str, int] = {}  # per exchange: the step counter its ready flags carry (never reset)
+
+    def next_epoch(self, exchange: str) -> int:
+        self._epochs[exchange] = self._epochs.get(exchange, 0) + 1
+        return self._epochs[exchange]
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype) -> PeerBuffer:
+        """A symmetric buffer of at least `numel` elements; flags (int32) start at zero."""
+        found = self._buffers.get(name)
+        if found is None or found.local.numel() < numel or found.local.dtype != dtype:
+            if found is not None and dtype == torch.int32:
+                raise RuntimeError(f"flag buffer {name!r} cannot grow: flags carry epochs and are never reset")
+            found = self._allocate(max(numel, 1), dtype)
+            self._buffers[name] = found
+        return found
+
+    def _allocate(self, numel: int, dtype: torch.dtype) -> PeerBuffer:
+        raise NotImplementedError
+
+
+class CudaSymmetricWorkspace(_Workspace):
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        super().__init__()
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self._symm_mem = symm_mem
+        self.group = group or dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self._handles = []  # keep rendezvous handles alive with their buffers
+
+    def _allocate(self, numel: int, dtype: torch.dtype) -> PeerBuffer:
+        local = self._symm_mem.empty(numel, dtype=dtype, device=self.device)
+        handle = self._symm_mem.rendezvous(local, self.group)
+        local.zero_()
+        torch.cuda.synchronize()
+        dist.barrier(group=self.group)  # no peer may write before every rank has zeroed its buffer
+        self._handles.append(handle)
+        ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=self.device)
+        return PeerBuffer(local=local, peer_ptrs=ptrs)
+
+
+class SimulatedWorld:
+    """The shared memory of a simulated world: rank r's buffers are plain CPU tensors, visible to every rank."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.buffers: dict[str, list[torch.Tensor]] = {}
+
+    def workspaces(self) -> list["SimulatedWorkspace"]:
+        return [SimulatedWorkspace(self, r) for r in range(self.world_size)]
+
+
+class SimulatedWorkspace(_Workspace):
+    def __init__(self, world: SimulatedWorld, rank: int):
+        super().__init__()
+        self.world, self.rank, self.world_size = world, rank, world.world_size
+        self.device = torch.device("cpu")
+        self._allocations = 0
+
+    def _allocate(self, numel: int, dtype: torch.dtype) -> PeerBuffer:
+        # The n-th allocation of every rank is the same symmetric buffer; the first rank to ask creates it.
+        key = f"{self._allocations}"
+        self._allocations += 1
+        tensors = self.world.buffers.get(key)
+        if tensors is None or tensors[0].numel() < numel or tensors[0].dtype != dtype:
+            tensors = [torch.zeros(numel, dtype=dtype) for _ in range(self.world_size)]
+            self.world.buffers[key] = tensors
+        ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+        return PeerBuffer(local=tensors[self.rank], peer_ptrs=ptrs)

@@ -1,0 +1,1 @@
+"""Triton kernels; each file holds a kernel, its pure-torch reference and its launcher."""

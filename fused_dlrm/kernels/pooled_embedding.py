@@ -1,0 +1,130 @@
+"""Pooled embedding lookup whose output tiles are stored straight into their destination rank's buffer.
+
+For the features one rank owns and every sample of the global batch, pool the rows each bag names (sum or mean,
+optional per-sample weights; fp32 / fp16 / bf16 tables, fp32 accumulation) and store the [rows, dim] tile at its
+final place: row (sample - first sample of its rank), columns [col, col + dim) of the destination's output.
+With flags (the fused all-to-all) each program raises its ready flag in every rank after its stores; without
+(the bulk path's lookup on GPU) every destination is this rank's own [global batch, owned dims] buffer.
+
+`pooled_embedding_reference` is the pure-torch definition; the kernel must agree with it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fused_dlrm.kernels.peer_flags import consumer_released, signal_ready
+from fused_dlrm.kernels.peer_tiles import PeerTilePlan, tile_coords
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def pooled_embedding_reference(weight: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                               per_sample_weights: torch.Tensor | None, mean: bool) -> torch.Tensor:
+    """[num_bags, dim] fp32 sums (or means; 0 for an empty bag) of the rows `values` names, bag b holding the
+    next lengths[b] values."""
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=values.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    psw = None if per_sample_weights is None else per_sample_weights.float()
+    pooled = F.embedding_bag(values, weight.float(), offsets, mode="sum", include_last_offset=True,
+                             per_sample_weights=psw)
+    if mean:
+        pooled = pooled / lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)
+    return pooled
+
+
+@triton.jit
+def _pooled_embedding_kernel(
+    values_ptr, offsets_ptr, weights_ptr,  # bags, CSR over (owned feature, global sample)
+    table_ptrs, dims_ptr, cols_ptr, mean_ptr,  # per owned feature: table address, dim, output column, is-mean
+    dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,  # the tile plan
+    out_ptrs, out_row_base_ptr, out_row_len,  # per destination: output address, its row of the plan's first
+    ready_ptrs, ack_ptr, error_ptr,
+    rank, epoch, global_batch, num_tiles, num_programs, spin_limit,
+    WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    TABLE_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SIGNAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    # Tiles pid, pid + P, ...; loops are `while` loops because the interpreter cannot range() over loaded values.
+    t = pid
+    while t < num_tiles:
+        dest, f, rows, row_mask, first_row = tile_coords(
+            t, dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,
+            WORLD, WORLD_P2, BLOCK_B)
+        bag = f.to(tl.int64) * global_batch + rows
+        start = tl.load(offsets_ptr + bag, mask=row_mask, other=0)
+        length = tl.load(offsets_ptr + bag + 1, mask=row_mask, other=0) - start
+        dim = tl.load(dims_ptr + f)
+        d_mask = d < dim
+        table = tl.load(table_ptrs + f).to(tl.pointer_type(TABLE_DTYPE))
+        acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+        longest = tl.max(length, axis=0)
+        j = 0
+        while j < longest:
+            m = row_mask & (j < length)
+            idx = tl.load(values_ptr + start + j, mask=m, other=0)
+            row = tl.load(table + idx[:, None] * dim + d[None, :], mask=m[:, None] & d_mask[None, :], other=0.0)
+            row = row.to(tl.float32)
+            if HAS_WEIGHTS:
+                row = row * tl.load(weights_ptr + start + j, mask=m, other=0.0)[:, None]
+            acc += row
+            j += 1
+        is_mean = tl.load(mean_ptr + f) != 0
+        acc = tl.where(is_mean, acc / tl.maximum(length, 1).to(tl.float32)[:, None], acc)
+
+        store_mask = row_mask[:, None] & d_mask[None, :]
+        if SIGNAL:
+            store_mask = store_mask & consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+        out = tl.load(out_ptrs + dest).to(tl.pointer_type(tl.float32))
+        out_rows = (tl.load(out_row_base_ptr + dest) + rows - first_row).to(tl.int64)
+        col = tl.load(cols_ptr + f)
+        tl.store(out + out_rows[:, None] * out_row_len + col + d[None, :], acc, mask=store_mask)
+        t += num_programs
+    if SIGNAL:
+        signal_ready(ready_ptrs, rank * num_programs + pid, epoch, WORLD)
+
+
+def launch_pooled_embedding(values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+                            features: "FeatureTable", plan: PeerTilePlan, global_batch: int,
+                            out_ptrs: torch.Tensor, out_row_base: torch.Tensor, out_row_len: int,
+                            num_programs: int, rank: int = 0, epoch: int = 0, ready_ptrs=None, ack=None,
+                            error=None, spin_limit: int = 0) -> None:
+    """Enqueue one launch. With `ready_ptrs`, every program raises flag `rank * num_programs + pid` of `epoch`
+    in every rank after its stores, once `ack[dest] >= epoch - 1`."""
+    world = out_ptrs.numel()
+    signal = ready_ptrs is not None
+    dummy = offsets  # stands in for pointers a specialisation never reads
+    _pooled_embedding_kernel[(num_programs,)](
+        values, offsets, weights if weights is not None else dummy,
+        features.table_ptrs, features.dims, features.cols, features.mean,
+        plan.dest_order, plan.tile_starts, plan.row_begin, plan.row_end, plan.feature_begin,
+        out_ptrs, out_row_base, out_row_len,
+        ready_ptrs if signal else dummy, ack if signal else dummy, error if signal else dummy,
+        rank, epoch, global_batch, plan.num_tiles, num_programs, spin_limit,
+        WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_B=features.block_rows,
+        BLOCK_D=features.block_dim, TABLE_DTYPE=_TL_DTYPES[features.dtype], HAS_WEIGHTS=weights is not None,
+        SIGNAL=signal)
+
+
+class FeatureTable:
+    """Per-feature metadata of one launch, built once: table addresses, dims, output columns, pooling."""
+
+    def __init__(self, weights: list[torch.Tensor], cols: list[int], mean: list[bool], device: torch.device,
+                 block_rows: int = 16):
+        dtypes = {w.dtype for w in weights}
+        if len(dtypes) > 1:
+            raise ValueError(f"one launch pools tables of one dtype, got {sorted(map(str, dtypes))}")
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        if self.dtype not in _TL_DTYPES:
+            raise ValueError(f"table dtype {self.dtype} is not supported (fp32, fp16, bf16)")
+        self.weights = weights  # keeps the tables (whose addresses the kernel reads) alive
+        self.table_ptrs = torch.tensor([w.data_ptr() for w in weights] or [0], dtype=torch.int64, device=device)
+        self.dims = torch.tensor([w.shape[1] for w in weights] or [0], dtype=torch.int32, device=device)
+        self.cols = torch.tensor(cols or [0], dtype=torch.int64, device=device)
+        self.mean = torch.tensor(mean or [False], dtype=torch.int32, device=device)
+        self.block_dim = triton.next_power_of_2(max([w.shape[1] for w in weights] or [1]))
+        self.block_rows = block_rows

@@ -1,0 +1,63 @@
+"""Push column blocks of a local [rows, columns] tensor straight into peers' buffers, with ready flags.
+
+The backward of the fused embedding all-to-all: each rank holds the gradient of its local batch for every feature
+([local batch, sum of dims], config column order) and stores the columns of each feature into the owner's
+gradient buffer ([global batch, owned dims], the owner's lookup order) at the rows of its own samples.
+`push_columns_reference` is the pure-torch definition.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_dlrm.kernels.peer_flags import consumer_released, signal_ready
+from fused_dlrm.kernels.peer_tiles import PeerTilePlan, tile_coords
+
+
+def push_columns_reference(src: torch.Tensor, src_cols: list[int], dims: list[int], dst: torch.Tensor,
+                           dst_row_base: int, dst_cols: list[int]) -> None:
+    """dst[dst_row_base + i, dst_cols[f] + c] = src[i, src_cols[f] + c] for every feature f."""
+    for s, d, n in zip(src_cols, dst_cols, dims):
+        dst[dst_row_base:dst_row_base + src.shape[0], d:d + n] = src[:, s:s + n]
+
+
+@triton.jit
+def _push_columns_kernel(
+    src_ptr, src_row_len, src_cols_ptr, dst_cols_ptr, dims_ptr,  # per feature (grouped by destination)
+    dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,  # the tile plan
+    out_ptrs, out_row_base_ptr, out_row_len_ptr,  # per destination
+    ready_ptrs, ack_ptr, error_ptr, rank, epoch, num_tiles, num_programs, spin_limit,
+    WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    t = pid
+    while t < num_tiles:  # `while`: the interpreter cannot range() from a program id
+        dest, f, rows, row_mask, first_row = tile_coords(
+            t, dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,
+            WORLD, WORLD_P2, BLOCK_R)
+        dim = tl.load(dims_ptr + f)
+        mask = row_mask[:, None] & (d < dim)[None, :]
+        src = src_ptr + rows.to(tl.int64)[:, None] * src_row_len + tl.load(src_cols_ptr + f) + d[None, :]
+        tile = tl.load(src, mask=mask)
+        mask = mask & consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+        out = tl.load(out_ptrs + dest).to(tl.pointer_type(src_ptr.dtype.element_ty))
+        out_rows = (tl.load(out_row_base_ptr + dest) + rows - first_row).to(tl.int64)
+        dst = out + out_rows[:, None] * tl.load(out_row_len_ptr + dest) + tl.load(dst_cols_ptr + f) + d[None, :]
+        tl.store(dst, tile, mask=mask)
+        t += num_programs
+    signal_ready(ready_ptrs, rank * num_programs + pid, epoch, WORLD)
+
+
+def launch_push_columns(src: torch.Tensor, src_cols: torch.Tensor, dst_cols: torch.Tensor, dims: torch.Tensor,
+                        block_dim: int, plan: PeerTilePlan, out_ptrs: torch.Tensor, out_row_base: torch.Tensor,
+                        out_row_len: torch.Tensor, ready_ptrs: torch.Tensor, ack: torch.Tensor, error: torch.Tensor,
+                        rank: int, epoch: int, num_programs: int, spin_limit: int, block_rows: int = 16) -> None:
+    world = out_ptrs.numel()
+    _push_columns_kernel[(num_programs,)](
+        src, src.shape[1], src_cols, dst_cols, dims,
+        plan.dest_order, plan.tile_starts, plan.row_begin, plan.row_end, plan.feature_begin,
+        out_ptrs, out_row_base, out_row_len, ready_ptrs, ack, error, rank, epoch, plan.num_tiles, num_programs,
+        spin_limit, WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_R=block_rows, BLOCK_D=block_dim)

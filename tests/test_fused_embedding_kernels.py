@@ -1,0 +1,154 @@
+"""The fused embedding all-to-all on a simulated world: every rank's kernels in one process (interpreter on CPU).
+
+Each rank owns some tables; its producer kernel stores pooled tiles into every rank's symmetric output, the wait
+kernels check the flags, and the outputs must equal the pure-torch pooled lookup of the whole global batch sliced
+per rank. Backward pushes gradient columns to the owners, whose tables must end up as the bulk path's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec import EmbeddingBagConfig, PoolingType
+
+from fused_dlrm.dist.symmetric import SimulatedWorld
+from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+from fused_dlrm.kernels.pooled_embedding import pooled_embedding_reference
+from fused_dlrm.sparse.fused_all_to_all import FusedPooledAllToAll
+from fused_dlrm.sparse.input_dist import OwnedBags
+from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
+from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
+from fused_dlrm.sparse.plan import plan_table_wise
+
+DTYPES = {"fp32": (torch.float32, 1e-5), "fp16": (torch.float16, 1e-3), "bf16": (torch.bfloat16, 1e-2)}
+
+
+def make_tables(dims, rows, mean_every=3):
+    return [EmbeddingBagConfig(name=f"t{i}", embedding_dim=d, num_embeddings=r, feature_names=[f"f{i}"],
+                               pooling=PoolingType.MEAN if i % mean_every == 2 else PoolingType.SUM)
+            for i, (d, r) in enumerate(zip(dims, rows))]
+
+
+def random_bags(tables, batch_sizes, weighted, gen):
+    """Per feature: lengths over the global batch (empty bags and one long, skewed bag) and Zipf-ish values."""
+    g = sum(batch_sizes)
+    lengths = torch.randint(0, 4, (len(tables), g), generator=gen)
+    lengths[:, 0] = 0
+    lengths[0, g - 1] = 13
+    values = [(torch.rand(int(l.sum()), generator=gen) ** 3 * t.num_embeddings).long() for t, l in zip(tables, lengths)]
+    weights = [torch.rand(v.numel(), generator=gen) for v in values] if weighted else None
+    return lengths, values, weights
+
+
+class World:
+    """W ranks of the fused exchange, sharing one SimulatedWorld."""
+
+    def __init__(self, tables, world_size, dtype=torch.float32, optimizer="rowwise_adagrad", num_programs=3):
+        self.tables, self.world_size = tables, world_size
+        self.plan = plan_table_wise(tables, world_size)
+        by_name = {t.name: t for t in tables}
+        self.features_of_rank = [[f for n in self.plan.tables_of(r) for f in by_name[n].feature_names]
+                                 for r in range(world_size)]
+        self.weights = {t.name: init_table(t, i, torch.device("cpu")).to(dtype) for i, t in enumerate(tables)}
+        dims = {f: t.embedding_dim for t in tables for f in t.feature_names}
+        order = [f for t in tables for f in t.feature_names]
+        cfg = EmbeddingOptimizerConfig(optimizer, lr=0.1)
+        self.lookups, self.exchanges = [], []
+        for ws in SimulatedWorld(world_size).workspaces():
+            owned = [by_name[n] for n in self.plan.tables_of(ws.rank)]
+            lookup = PooledEmbeddingLookup(owned, {t.name: self.weights[t.name] for t in owned}, cfg, ws.device)
+            self.lookups.append(lookup)
+            self.exchanges.append(FusedPooledAllToAll(lookup, self.features_of_rank, dims, order, ws,
+                                                      num_programs=num_programs, spin_limit=50))
+
+    def owned_bags(self, rank, lengths, values, weights, batch_sizes) -> OwnedBags:
+        idx = [int(f[1:]) for f in self.features_of_rank[rank]]
+        vals = [values[i] for i in idx]
+        offsets = [0]
+        for v in vals:
+            offsets.append(offsets[-1] + v.numel())
+        return OwnedBags(features=self.features_of_rank[rank], values=torch.cat(vals) if vals else torch.zeros(0, dtype=torch.long),
+                         lengths=lengths[idx].reshape(len(idx), -1),
+                         weights=None if weights is None else (torch.cat([weights[i] for i in idx]) if idx else torch.zeros(0)),
+                         feature_value_offsets=offsets, batch_sizes=list(batch_sizes))
+
+    def forward(self, bags):
+        epochs = [ex.start(b) for ex, b in zip(self.exchanges, bags)]  # every producer first
+        return [ex.finish(b, e).clone() for ex, b, e in zip(self.exchanges, bags, epochs)]
+
+    def backward(self, bags, grads):
+        epochs = [ex.start_backward(b, g) for ex, b, g in zip(self.exchanges, bags, grads)]
+        for ex, b, e in zip(self.exchanges, bags, epochs):
+            ex.finish_backward(b, e)
+
+
+def expected_outputs(world, lengths, values, weights, batch_sizes):
+    full = torch.cat([pooled_embedding_reference(world.weights[t.name], values[i], lengths[i],
+                                                 None if weights is None else weights[i],
+                                                 t.pooling == PoolingType.MEAN)
+                      for i, t in enumerate(world.tables)], dim=1)
+    starts = [sum(batch_sizes[:r]) for r in range(len(batch_sizes) + 1)]
+    return [full[starts[r]:starts[r + 1]] for r in range(len(batch_sizes))]
+
+
+@pytest.mark.parametrize("world_size,batch_sizes", [(2, [5, 3]), (3, [4, 0, 6])])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_forward_matches_reference(world_size, batch_sizes, dtype, weighted):
+    torch_dtype, tol = DTYPES[dtype]
+    tables = make_tables([4, 8, 3, 16, 5], [10, 50, 7, 200, 33])  # uneven dims; f2 mean-pooled
+    world = World(tables, world_size, torch_dtype)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        lengths, values, weights = random_bags(tables, batch_sizes, weighted, gen)
+        bags = [world.owned_bags(r, lengths, values, weights, batch_sizes) for r in range(world_size)]
+        for ex in world.exchanges:  # poison: any element the kernels do not write stays NaN
+            ex.ws.buffer("pooled", 2 * max(batch_sizes) * ex.row_len, torch.float32).local.fill_(float("nan"))
+        got = world.forward(bags)
+        for g, e in zip(got, expected_outputs(world, lengths, values, weights, batch_sizes)):
+            torch.testing.assert_close(g, e, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_backward_updates_tables_like_the_bulk_path(optimizer):
+    tables = make_tables([4, 8, 3, 6], [10, 20, 7, 9])
+    batch_sizes = [3, 4, 2]
+    world = World(tables, 3, optimizer=optimizer)
+    reference = World(tables, 1, optimizer=optimizer)  # one rank owning everything: the bulk lookup
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        lengths, values, weights = random_bags(tables, batch_sizes, True, gen)
+        bags = [world.owned_bags(r, lengths, values, weights, batch_sizes) for r in range(3)]
+        outs = world.forward(bags)
+        grads = [torch.randn(o.shape, generator=gen) for o in outs]
+        world.backward(bags, grads)
+        ref_bags = reference.owned_bags(0, lengths, values, weights, [sum(batch_sizes)])
+        reference.lookups[0].apply_gradient(ref_bags, torch.cat(grads))
+    for name in world.weights:
+        torch.testing.assert_close(world.weights[name], reference.weights[name], rtol=1e-5, atol=1e-6)
+
+
+def test_many_consecutive_epochs_on_the_same_flags():
+    tables = make_tables([4, 2], [6, 5])
+    batch_sizes = [2, 1]
+    world = World(tables, 2, num_programs=2)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(300):
+        lengths, values, _ = random_bags(tables, batch_sizes, False, gen)
+        bags = [world.owned_bags(r, lengths, values, None, batch_sizes) for r in range(2)]
+        got = world.forward(bags)
+        if step % 50 == 0 or step == 299:
+            for g, e in zip(got, expected_outputs(world, lengths, values, None, batch_sizes)):
+                torch.testing.assert_close(g, e)
+    assert world.exchanges[0].ws.next_epoch("pooled") == 301
+
+
+def test_wait_times_out_with_rank_and_slice_instead_of_hanging():
+    tables = make_tables([4, 2], [6, 5])
+    world = World(tables, 2)
+    gen = torch.Generator().manual_seed(3)
+    lengths, values, _ = random_bags(tables, [2, 2], False, gen)
+    bags = [world.owned_bags(r, lengths, values, None, [2, 2]) for r in range(2)]
+    epoch = world.exchanges[0].start(bags[0])  # rank 1 never produces
+    with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1 waiting for rank 1, slice \d"):
+        world.exchanges[0].finish(bags[0], epoch)
