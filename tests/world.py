@@ -5,23 +5,30 @@ from __future__ import annotations
 import os
 import tempfile
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, store_path: str, fn, args) -> None:
+def _worker(rank: int, world_size: int, store_path: str, backend: str, fn, args) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    device_id = None
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device_id = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+                            device_id=device_id)
     try:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_world(world_size: int, fn, *args) -> None:
+def run_world(world_size: int, fn, *args, backend: str = "gloo") -> None:
     """Call fn(rank, world_size, *args) in `world_size` fresh processes; a failure in any of them fails the caller.
+    backend="nccl" gives rank r the GPU r.
 
     `fn` must be importable (a module-level function) since the processes are spawned, not forked.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size, join=True)
+        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), backend, fn, args), nprocs=world_size, join=True)

@@ -25,6 +25,11 @@ class PeerTilePlan:
     num_tiles: int
 
 
+def default_num_programs(device: torch.device) -> int:
+    """Persistent programs: a few per SM keep enough gathers in flight."""
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def remote_first_order(rank: int, world_size: int) -> list[int]:
     return [(rank + k) % world_size for k in range(1, world_size + 1)]
 

@@ -29,7 +29,9 @@ def pooled_embedding_reference(weight: torch.Tensor, values: torch.Tensor, lengt
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=values.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
     psw = None if per_sample_weights is None else per_sample_weights.float()
-    pooled = F.embedding_bag(values, weight.float(), offsets, mode="sum", include_last_offset=True,
+    if weight.dtype != torch.float32:  # pool in fp32: gather the rows first rather than converting the table
+        weight, values = weight[values].float(), torch.arange(values.numel(), device=values.device)
+    pooled = F.embedding_bag(values, weight, offsets, mode="sum", include_last_offset=True,
                              per_sample_weights=psw)
     if mean:
         pooled = pooled / lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)

@@ -12,29 +12,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torchrec import EmbeddingBagConfig, PoolingType
+from torchrec import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.models.dlrm import DLRM
 
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection
+from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
 
 
 def make_tables(feature_names: Sequence[str], num_rows: int | Sequence[int], embedding_dim: int,
-                pooling: str = "sum") -> list[EmbeddingBagConfig]:
+                pooling: str = "sum", data_type: str = "fp32") -> list[EmbeddingBagConfig]:
     rows = [num_rows] * len(feature_names) if isinstance(num_rows, int) else list(num_rows)
     if len(rows) != len(feature_names):
         raise ValueError(f"{len(rows)} table sizes for {len(feature_names)} features")
     return [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=embedding_dim, num_embeddings=int(r), feature_names=[f],
-                               pooling=PoolingType[pooling.upper()]) for f, r in zip(feature_names, rows)]
+                               pooling=PoolingType[pooling.upper()], data_type=DataType[data_type.upper()])
+            for f, r in zip(feature_names, rows)]
 
 
 def build_dlrm(tables: list[EmbeddingBagConfig], dense_in_features: int, dense_arch: Sequence[int],
                over_arch: Sequence[int], embedding_optimizer: EmbeddingOptimizerConfig, device: torch.device,
-               seed: int = 0) -> DLRM:
+               seed: int = 0, comm: FusedCommConfig | None = None) -> DLRM:
     """The DLRM of torchrec with sharded tables; call `data_parallel` on it when the world has several ranks."""
     if over_arch[-1] != 1:
         raise ValueError(f"the over arch must end in one logit, got layer sizes {list(over_arch)}")
     torch.manual_seed(seed)  # same dense init on every rank (DDP also broadcasts rank 0's)
-    sparse = ShardedEmbeddingBagCollection(tables, embedding_optimizer, device=device, seed=seed)
+    sparse = ShardedEmbeddingBagCollection(tables, embedding_optimizer, device=device, seed=seed, comm=comm)
     return DLRM(embedding_bag_collection=sparse, dense_in_features=dense_in_features,
                 dense_arch_layer_sizes=list(dense_arch), over_arch_layer_sizes=list(over_arch), dense_device=device)
 

@@ -14,21 +14,46 @@ result), so a simulated world in one process can start every rank before any wai
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.distributed as dist
 import triton
 from torch import nn
+from torchrec import EmbeddingBagConfig
 
-from fused_dlrm.dist.symmetric import _Workspace
+from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, wait_ready
-from fused_dlrm.kernels.peer_tiles import plan_peer_tiles
+from fused_dlrm.kernels.peer_tiles import default_num_programs, plan_peer_tiles
 from fused_dlrm.kernels.pooled_embedding import FeatureTable, launch_pooled_embedding
 from fused_dlrm.kernels.push_columns import launch_push_columns
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 
 BLOCK_ROWS = 16
+
+
+@dataclass(frozen=True)
+class FusedCommConfig:
+    transport: str = "p2p"  # p2p: CUDA symmetric memory over NVLink
+    num_programs: int | None = None  # persistent programs per launch; None: 4 per SM
+    wait_timeout_spins: int = 20_000_000  # polls of a flag before a wait gives up and reports rank and slice
+
+
+def build_fused_exchange(lookup: PooledEmbeddingLookup, features_of_rank: list[list[str]],
+                         tables: list[EmbeddingBagConfig], comm: FusedCommConfig,
+                         group: dist.ProcessGroup | None, device: torch.device) -> "FusedPooledAllToAll":
+    if comm.transport != "p2p":
+        raise NotImplementedError(f"transport {comm.transport!r} is not available; use transport=p2p "
+                                  "(CUDA symmetric memory) or comm=bulk")
+    if device.type != "cuda" or not dist.is_initialized():
+        raise RuntimeError("comm=fused needs CUDA GPUs under torchrun (symmetric memory); use comm=bulk on the CPU")
+    workspace = CudaSymmetricWorkspace(group)
+    dims = {f: t.embedding_dim for t in tables for f in t.feature_names}
+    order = [f for t in tables for f in t.feature_names]
+    return FusedPooledAllToAll(lookup, features_of_rank, dims, order, workspace,
+                               comm.num_programs or default_num_programs(device), comm.wait_timeout_spins)
 
 
 class FusedPooledAllToAll(nn.Module):

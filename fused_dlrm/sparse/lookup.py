@@ -7,24 +7,13 @@ require no gradient: dense optimizers and DDP never see them, and no [rows, dim]
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torchrec import EmbeddingBagConfig, PoolingType
 
+from fused_dlrm.kernels.peer_tiles import default_num_programs, plan_peer_tiles
+from fused_dlrm.kernels.pooled_embedding import FeatureTable, launch_pooled_embedding, pooled_embedding_reference
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizer, EmbeddingOptimizerConfig
-
-
-def pooled_lookup(weight: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                  per_sample_weights: torch.Tensor | None, mean: bool) -> torch.Tensor:
-    """[num_bags, dim] sums (or means) of the rows `values` names, bag b holding the next lengths[b] values."""
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=values.device)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    pooled = F.embedding_bag(values, weight, offsets, mode="sum", include_last_offset=True,
-                             per_sample_weights=per_sample_weights)
-    if mean:  # mean of an empty bag is 0, as in torchrec
-        pooled = pooled / lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)
-    return pooled
 
 
 def pooled_lookup_row_grads(grad: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
@@ -77,8 +66,8 @@ class PooledEmbeddingLookup(nn.Module):
                  optimizer: EmbeddingOptimizerConfig, device: torch.device):
         super().__init__()
         for t in tables:
-            if t.data_type.name != "FP32":
-                raise NotImplementedError(f"table {t.name}: only FP32 tables are supported, got {t.data_type}")
+            if t.data_type.name not in ("FP32", "FP16", "BF16"):
+                raise NotImplementedError(f"table {t.name}: tables must be FP32, FP16 or BF16, got {t.data_type}")
             if t.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                 raise ValueError(f"table {t.name}: pooling must be SUM or MEAN, got {t.pooling}")
         self.tables = {t.name: t for t in tables}
@@ -86,6 +75,7 @@ class PooledEmbeddingLookup(nn.Module):
         # (feature, table) in output column order: tables in plan order, each table's features in config order.
         self.features = [(f, t.name) for t in tables for f in t.feature_names]
         self.optimizer = EmbeddingOptimizer(optimizer, weights)
+        self._kernel_features: FeatureTable | None = None  # built on the first GPU lookup
         # A leaf that requires grad: it makes autograd call our backward, which updates the tables.
         self._anchor = torch.empty(0, device=device, requires_grad=True)
 
@@ -101,13 +91,34 @@ class PooledEmbeddingLookup(nn.Module):
         return self.pool(bags)
 
     def pool(self, bags: OwnedBags) -> torch.Tensor:
+        """[global batch, owned dims] in fp32: the Triton kernel on GPUs, the pure-torch reference on the CPU."""
+        if self._anchor.device.type == "cuda" and self.features:
+            return self._pool_with_kernel(bags)
         columns = []
         for i, (_, table) in enumerate(self.features):
             values, lengths, weights = bags.feature_bags(i)
-            columns.append(pooled_lookup(self.weights[table], values, lengths, weights, self._is_mean(table)))
+            columns.append(pooled_embedding_reference(self.weights[table], values, lengths, weights,
+                                                      self._is_mean(table)))
         if not columns:
             return torch.empty(bags.global_batch, 0, device=self._anchor.device)
         return torch.cat(columns, dim=1)
+
+    def _pool_with_kernel(self, bags: OwnedBags) -> torch.Tensor:
+        """The fused kernel's compute without communication: one destination, this rank's own output."""
+        device = self._anchor.device
+        if self._kernel_features is None:
+            dims = [self.tables[t].embedding_dim for _, t in self.features]
+            self._kernel_features = FeatureTable([self.weights[t] for _, t in self.features],
+                                                 [sum(dims[:i]) for i in range(len(dims))],
+                                                 [self._is_mean(t) for _, t in self.features], device)
+        out = torch.empty(bags.global_batch, self.output_dim, device=device)
+        plan = plan_peer_tiles(0, [(0, bags.global_batch)], [(0, len(self.features))],
+                               self._kernel_features.block_rows, device)
+        launch_pooled_embedding(bags.values, bags.csr_offsets(), bags.weights, self._kernel_features, plan,
+                                bags.global_batch, out_ptrs=torch.tensor([out.data_ptr()], device=device),
+                                out_row_base=torch.zeros(1, dtype=torch.int64, device=device),
+                                out_row_len=self.output_dim, num_programs=default_num_programs(device))
+        return out
 
     @torch.no_grad()
     def apply_gradient(self, bags: OwnedBags, grad: torch.Tensor) -> None:

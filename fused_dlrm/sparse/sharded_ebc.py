@@ -12,17 +12,22 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
+from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
 from fused_dlrm.sparse.input_dist import BulkInputDist
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, Table, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.output_dist import BulkOutputDist
 from fused_dlrm.sparse.plan import TableWisePlan, plan_table_wise
 
+_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+
 
 class ShardedEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: list[EmbeddingBagConfig], optimizer: EmbeddingOptimizerConfig,
                  device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None,
-                 plan: TableWisePlan | None = None, seed: int = 0):
+                 plan: TableWisePlan | None = None, seed: int = 0, comm: FusedCommConfig | None = None):
+        """comm: None for the bulk-synchronous path (torch.distributed all-to-alls), or the fused exchange's
+        settings (CUDA only): lookup and output dist then run as one kernel that stores into peers' memory."""
         super().__init__()
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -45,11 +50,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
         seeds = {t.name: seed * 100_003 + i for i, t in enumerate(tables)}  # a table's init ignores the plan
         device = torch.device(device)
         self.embedding_bags = nn.ModuleDict(
-            {t.name: Table(init_table(t, seeds[t.name], device)) for t in tables_of_rank[self.rank]})
+            {t.name: Table(init_table(t, seeds[t.name], device).to(_DTYPES[t.data_type.name]))
+             for t in tables_of_rank[self.rank]})
         self.lookup = PooledEmbeddingLookup(tables_of_rank[self.rank],
                                             {n: m.weight.data for n, m in self.embedding_bags.items()},
                                             optimizer, device)
         self.output_dist = BulkOutputDist(dims_of_rank, _column_order(tables, features_of_rank), group)
+        self.fused = None
+        if comm is not None:
+            self.fused = build_fused_exchange(self.lookup, features_of_rank, tables, comm, group, device)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
@@ -57,8 +66,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         self.check_features(features)
         bags = self.input_dist(features)
-        pooled = self.lookup(bags)
-        values = self.output_dist(pooled, bags.batch_sizes)
+        if self.fused is not None:
+            values = self.fused(bags)
+        else:
+            values = self.output_dist(self.lookup(bags), bags.batch_sizes)
         return KeyedTensor(keys=self.feature_names, length_per_key=self._feature_dims, values=values, key_dim=1)
 
     def check_features(self, features: KeyedJaggedTensor) -> None:

@@ -14,6 +14,7 @@ from torchrec.datasets.utils import Batch
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.models.dlrm import build_dlrm, data_parallel, make_tables
 from fused_dlrm.sparse import EmbeddingOptimizerConfig
+from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
 
 
 def feature_names(data_cfg: DictConfig) -> list[str]:
@@ -23,10 +24,21 @@ def feature_names(data_cfg: DictConfig) -> list[str]:
 def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     m = cfg.model
     rows = m.num_rows if isinstance(m.num_rows, int) else list(m.num_rows)
-    tables = make_tables(feature_names(cfg.data), rows, m.embedding_dim, m.pooling)
+    tables = make_tables(feature_names(cfg.data), rows, m.embedding_dim, m.pooling, m.data_type)
     model = build_dlrm(tables, cfg.data.num_dense, m.dense_arch, m.over_arch,
-                       EmbeddingOptimizerConfig(**m.embedding_optimizer), env.device, seed=cfg.seed)
+                       EmbeddingOptimizerConfig(**m.embedding_optimizer), env.device, seed=cfg.seed,
+                       comm=fused_comm(cfg.comm))
     return data_parallel(model)
+
+
+def fused_comm(comm: DictConfig) -> FusedCommConfig | None:
+    """None for comm=bulk; the fused exchange's settings for comm=fused."""
+    if comm.mode == "bulk":
+        return None
+    if comm.mode != "fused":
+        raise ValueError(f"unknown comm.mode {comm.mode!r}: expected bulk or fused")
+    return FusedCommConfig(transport=comm.transport, num_programs=comm.num_programs,
+                           wait_timeout_spins=comm.wait_timeout_spins)
 
 
 def dense_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -1,0 +1,1 @@
+"""Benchmarks (run under torchrun on GPUs): `python -m fused_dlrm.bench embedding`."""

@@ -1,0 +1,12 @@
+"""python -m fused_dlrm.bench <suite> [options]; suites: embedding."""
+
+import sys
+
+from fused_dlrm.bench import embedding
+
+SUITES = {"embedding": embedding.main}
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in SUITES:
+        sys.exit(f"usage: python -m fused_dlrm.bench {{{','.join(SUITES)}}} [options]")
+    SUITES[sys.argv[1]](sys.argv[2:])

@@ -1,0 +1,161 @@
+"""Benchmark of the sharded embedding forward (and forward+backward), after input distribution.
+
+Under torchrun on GPUs: `torchrun --nproc_per_node=2 -m fused_dlrm.bench embedding [--quick] [--out FILE]`.
+Each rank owns `tables_per_gpu` fp32 tables of 100k rows; bags of every feature for the whole global batch are
+already on their owner (the input all-to-all is outside the timed region). Variants, timed in the same run:
+  torch: F.embedding_bag per table + NCCL all_to_all_single + permute (forward only: torch's backward would
+         build dense [rows, dim] gradients)
+  bulk:  the project's lookup kernel + NCCL all-to-all (backward: NCCL + row gradients + exact SGD)
+  fused: the lookup kernel storing into peers' symmetric memory with ready flags (backward: gradient push)
+Speed of light = max(gathered row bytes / device copy bandwidth, bytes sent to peers / peer write bandwidth),
+both bandwidths measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torchrec import EmbeddingBagConfig
+
+from fused_dlrm.bench.timing import hbm_bandwidth, peer_bandwidth, time_ms
+from fused_dlrm.dist.alltoall import all_to_all_v
+from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
+from fused_dlrm.sparse.input_dist import OwnedBags
+from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
+from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
+from fused_dlrm.sparse.output_dist import BulkOutputDist
+
+
+@dataclass(frozen=True)
+class Config:
+    global_batch: int
+    tables_per_gpu: int
+    dim: int
+    pooling: int
+    rows: int = 100_000
+
+    @property
+    def name(self) -> str:
+        return f"B={self.global_batch} T/GPU={self.tables_per_gpu} D={self.dim} L={self.pooling}"
+
+
+CONFIGS = [Config(2048, 64, 256, 10), Config(4096, 64, 256, 10), Config(2048, 64, 256, 70), Config(8192, 32, 128, 20)]
+
+
+def make_bags(cfg: Config, rank: int, world: int, device: torch.device) -> OwnedBags:
+    """Bags of this rank's tables for the whole global batch: lengths ~ U[1, 2L), uniform rows."""
+    gen = torch.Generator(device=device).manual_seed(1234 + rank)
+    lengths = torch.randint(1, 2 * cfg.pooling, (cfg.tables_per_gpu, cfg.global_batch), device=device,
+                            generator=gen)
+    counts = lengths.sum(dim=1).tolist()
+    values = torch.randint(0, cfg.rows, (sum(counts),), device=device, generator=gen)
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    base, extra = divmod(cfg.global_batch, world)
+    sizes = [base + (r < extra) for r in range(world)]
+    return OwnedBags(features=[f"r{rank}_f{i}" for i in range(cfg.tables_per_gpu)], values=values, lengths=lengths,
+                     weights=None, feature_value_offsets=offsets, batch_sizes=sizes)
+
+
+def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iters: int) -> dict:
+    device = torch.device("cuda", torch.cuda.current_device())
+    features_of_rank = [[f"r{r}_f{i}" for i in range(cfg.tables_per_gpu)] for r in range(world)]
+    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=cfg.dim, num_embeddings=cfg.rows, feature_names=[f])
+              for feats in features_of_rank for f in feats]
+    mine = [t for t in tables if t.feature_names[0] in features_of_rank[rank]]
+    weights = {t.name: init_table(t, i, device) for i, t in enumerate(mine)}
+    sgd = EmbeddingOptimizerConfig("sgd", lr=1e-3)
+    lookup = PooledEmbeddingLookup(mine, weights, sgd, device)
+    bags = make_bags(cfg, rank, world, device)
+    dims_of_rank = [[cfg.dim] * cfg.tables_per_gpu for _ in range(world)]
+    bulk_dist = BulkOutputDist(dims_of_rank, list(range(world * cfg.tables_per_gpu * cfg.dim)))
+    fused = build_fused_exchange(lookup, features_of_rank, tables, FusedCommConfig(), None, device)
+    local_batch = bags.batch_sizes[rank]
+    grad = torch.randn(local_batch, world * cfg.tables_per_gpu * cfg.dim, device=device)
+
+    def torch_reference():
+        pooled = torch.cat([F.embedding_bag(*_bag_args(bags, i), weights[t.name], mode="sum",
+                                            include_last_offset=True) for i, t in enumerate(mine)], dim=1)
+        received = all_to_all_v(pooled, bags.batch_sizes, [local_batch] * world)
+        return received.view(world, local_batch, -1).permute(1, 0, 2).reshape(local_batch, -1)
+
+    def bulk():
+        return bulk_dist(lookup(bags), bags.batch_sizes)
+
+    def fused_forward():
+        return fused(bags)
+
+    # Correctness first, on a poisoned output: all three agree (fp32, summation order aside).
+    lookup.eval()
+    expected = torch_reference()
+    fused.ws.buffer("pooled", 2 * max(bags.batch_sizes) * fused.row_len, torch.float32).local.fill_(float("nan"))
+    dist.barrier()
+    for name, fn in (("bulk", bulk), ("fused", fused_forward)):
+        got = fn()
+        err = ((got - expected).abs().max() / expected.abs().max()).item()
+        if not err < 1e-5:
+            raise AssertionError(f"{cfg.name}: {name} differs from the torch reference (max rel err {err})")
+    fused.errors.check(block=True)
+
+    result = {"config": cfg.name, **cfg.__dict__, "world_size": world}
+    with torch.no_grad():
+        result["fwd_ms"] = {name: time_ms(fn, iters=iters) for name, fn in
+                            (("torch", torch_reference), ("bulk", bulk), ("fused", fused_forward))}
+    lookup.train()
+
+    def train_step(fn):
+        return lambda: fn().backward(grad)
+
+    result["fwd_bwd_ms"] = {name: time_ms(train_step(fn), iters=iters) for name, fn in
+                            (("bulk", bulk), ("fused", fused_forward))}
+    fused.errors.check(block=True)
+
+    gathered = bags.values.numel() * cfg.dim * 4
+    sent = (cfg.global_batch - local_batch) * cfg.tables_per_gpu * cfg.dim * 4
+    sol_ms = max(gathered / hbm, sent / peer) * 1e3
+    result["sol_ms"] = sol_ms
+    result["gathered_GBps"] = {k: gathered / (v * 1e-3) / 1e9 for k, v in result["fwd_ms"].items()}
+    result["pct_sol"] = {k: 100 * sol_ms / v for k, v in result["fwd_ms"].items()}
+    return result
+
+
+def _bag_args(bags: OwnedBags, f: int):
+    values, lengths, _ = bags.feature_bags(f)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=values.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return values, offsets
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fused_dlrm.bench embedding")
+    parser.add_argument("--quick", action="store_true", help="first config only, fewer iterations")
+    parser.add_argument("--out", default="bench_embedding.json")
+    args = parser.parse_args(argv)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hbm, peer = hbm_bandwidth(), peer_bandwidth()
+    configs = CONFIGS[:1] if args.quick else CONFIGS
+    results = [run_config(c, rank, world, hbm, peer, 20 if args.quick else 50) for c in configs]
+    if rank == 0:
+        meta = {"device": torch.cuda.get_device_name(), "world_size": world, "torch": torch.__version__,
+                "hbm_TBps": hbm / 1e12, "peer_GBps": peer / 1e9}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+        print(f"{meta['device']} x{world}  copy {hbm / 1e12:.2f} TB/s  peer write {peer / 1e9:.0f} GB/s")
+        print(f"{'config':34} {'torch':>8} {'bulk':>8} {'fused':>8} {'SOL':>7} {'fused%SOL':>9} "
+              f"{'fused GB/s':>10} | {'fb bulk':>8} {'fb fused':>8} {'speedup':>7}")
+        for r in results:
+            fw, fb = r["fwd_ms"], r["fwd_bwd_ms"]
+            print(f"{r['config']:34} {fw['torch']:8.3f} {fw['bulk']:8.3f} {fw['fused']:8.3f} {r['sol_ms']:7.3f} "
+                  f"{r['pct_sol']['fused']:8.0f}% {r['gathered_GBps']['fused']:10.0f} | {fb['bulk']:8.3f} "
+                  f"{fb['fused']:8.3f} {fb['bulk'] / fb['fused']:6.2f}x")
+    dist.destroy_process_group()

@@ -1,0 +1,109 @@
+"""GPU check of the fused embedding all-to-all against the bulk path (2 GPUs, NCCL; skipped without them).
+
+CI has no GPU: this runs on the device machine (docs/benchmarks.md says when it last ran there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec import DataType, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+
+from fused_dlrm.data.batching import local_batch_bounds
+from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection
+from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
+from world import run_world
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+DIMS = [8, 16, 32, 64, 8, 128, 24, 256]
+ROWS = [1000, 50, 7, 3000, 100, 500, 20, 2000]
+
+
+def tables(data_type=DataType.FP32):
+    return [EmbeddingBagConfig(name=f"t{i}", embedding_dim=d, num_embeddings=r, feature_names=[f"f{i}"],
+                               pooling=PoolingType.MEAN if i == 2 else PoolingType.SUM, data_type=data_type)
+            for i, (d, r) in enumerate(zip(DIMS, ROWS))]
+
+
+def local_kjt(step: int, global_batch: int, rank: int, world: int, device) -> KeyedJaggedTensor:
+    gen = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 6, (len(DIMS), global_batch), generator=gen)
+    lengths[1, :3] = 0
+    lengths[0, -1] = 60  # one long bag
+    start, stop = local_batch_bounds(global_batch, rank, world)
+    values, weights = [], []
+    for f, rows in enumerate(ROWS):
+        v = (torch.rand(int(lengths[f].sum()), generator=gen) ** 2 * rows).long()
+        w = torch.rand(v.numel(), generator=gen)
+        o = torch.cat([torch.zeros(1, dtype=torch.long), lengths[f].cumsum(0)])
+        values.append(v[o[start]:o[stop]])
+        weights.append(w[o[start]:o[stop]])
+    return KeyedJaggedTensor.from_lengths_sync([f"f{i}" for i in range(len(DIMS))], torch.cat(values).to(device),
+                                               lengths[:, start:stop].reshape(-1).to(device),
+                                               torch.cat(weights).to(device))
+
+
+def _fused_equals_bulk(rank: int, world: int) -> None:
+    device = torch.device("cuda", rank)
+    opt = EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05)
+    bulk = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0)
+    fused = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0,
+                                          comm=FusedCommConfig(wait_timeout_spins=2_000_000))
+    exchange = fused.fused
+    for step in range(1000):
+        kjt = local_kjt(step, 37, rank, world, device)  # uneven local batches: 19 and 18
+        check = step < 5 or step % 100 == 0 or step == 999
+        if check:  # poison this step's half of the output; nobody writes it before the barrier
+            dist.barrier()
+            half = 19 * exchange.row_len
+            buf = exchange.ws.buffer("pooled", 2 * half, torch.float32).local
+            buf[((exchange.ws._epochs.get("pooled", 0) + 1) % 2) * half:][:half].fill_(float("nan"))
+            torch.cuda.synchronize()
+            dist.barrier()
+        a, b = bulk(kjt), fused(kjt)
+        grad = torch.randn(a.values().shape, device=device, generator=torch.Generator(device).manual_seed(step))
+        if check:
+            torch.testing.assert_close(b.values(), a.values(), rtol=1e-5, atol=1e-6)
+        a.values().backward(grad)
+        b.values().backward(grad)
+        if check:
+            for name in bulk.embedding_bags:
+                torch.testing.assert_close(fused.embedding_bags[name].weight, bulk.embedding_bags[name].weight,
+                                           rtol=1e-5, atol=1e-6)
+    exchange.errors.check(block=True)
+
+    # A peer that never arrives: rank 0 runs one more exchange alone and must get an error, not a hang.
+    bags = fused.input_dist(local_kjt(0, 37, rank, world, device))
+    dist.barrier()
+    if rank == 0:
+        exchange.spin_limit = 100_000
+        with torch.no_grad():
+            exchange.finish(bags, exchange.start(bags))
+        with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1001 waiting for rank 1, slice"):
+            exchange.errors.check(block=True)
+    dist.barrier()
+
+
+def test_fused_forward_backward_equal_bulk_for_1000_steps_and_timeout_raises():
+    run_world(2, _fused_equals_bulk, backend="nccl")
+
+
+def _half_precision_tables(rank: int, world: int) -> None:
+    device = torch.device("cuda", rank)
+    for data_type, tol in ((DataType.FP16, 1e-3), (DataType.BF16, 1e-2)):
+        opt = EmbeddingOptimizerConfig("sgd", lr=0.05)
+        bulk = ShardedEmbeddingBagCollection(tables(data_type), opt, device=device, seed=1)
+        fused = ShardedEmbeddingBagCollection(tables(data_type), opt, device=device, seed=1, comm=FusedCommConfig())
+        for step in range(3):
+            kjt = local_kjt(step, 40, rank, world, device)
+            a, b = bulk(kjt), fused(kjt)
+            torch.testing.assert_close(b.values(), a.values(), rtol=tol, atol=tol)
+            a.values().sum().backward()
+            b.values().sum().backward()
+
+
+def test_fp16_and_bf16_tables():
+    run_world(2, _half_precision_tables, backend="nccl")
