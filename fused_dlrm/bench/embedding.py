@@ -81,8 +81,7 @@ def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iter
     grad = torch.randn(local_batch, world * cfg.tables_per_gpu * cfg.dim, device=device)
 
     def torch_reference():
-        pooled = torch.cat([F.embedding_bag(*_bag_args(bags, i), weights[t.name], mode="sum",
-                                            include_last_offset=True) for i, t in enumerate(mine)], dim=1)
+        pooled = torch.cat([_embedding_bag(bags, i, weights[t.name]) for i, t in enumerate(mine)], dim=1)
         received = all_to_all_v(pooled, bags.batch_sizes, [local_batch] * world)
         return received.view(world, local_batch, -1).permute(1, 0, 2).reshape(local_batch, -1)
 
@@ -126,11 +125,11 @@ def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iter
     return result
 
 
-def _bag_args(bags: OwnedBags, f: int):
+def _embedding_bag(bags: OwnedBags, f: int, weight: torch.Tensor) -> torch.Tensor:
     values, lengths, _ = bags.feature_bags(f)
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=values.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
-    return values, offsets
+    return F.embedding_bag(values, weight, offsets, mode="sum", include_last_offset=True)
 
 
 def main(argv: list[str]) -> None:
