@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
+from torchrec.distributed.comm_ops import get_gradient_division
 
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
 from fused_dlrm.sparse.input_dist import BulkInputDist
@@ -18,6 +19,29 @@ from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, Table, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.output_dist import BulkOutputDist
 from fused_dlrm.sparse.plan import TableWisePlan, plan_table_wise
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def divide_gradient_like_torchrec(values: torch.Tensor, world_size: int) -> torch.Tensor:
+    """torchrec's pooled all-to-all divides the gradient it returns to the owners by the world size
+    (comm_ops.GRADIENT_DIVISION, on by default), so tables see the mean over ranks of the per-rank gradients; so do
+    we, and a model keeps its training dynamics when it swaps sharders. The switch is read at every forward."""
+    if world_size > 1 and get_gradient_division():
+        return _ScaleGradient.apply(values, 1.0 / world_size)
+    return values
+
 
 _DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 
@@ -70,6 +94,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             values = self.fused(bags)
         else:
             values = self.output_dist(self.lookup(bags), bags.batch_sizes)
+        values = divide_gradient_like_torchrec(values, self.world_size)
         return KeyedTensor(keys=self.feature_names, length_per_key=self._feature_dims, values=values, key_dim=1)
 
     def check_features(self, features: KeyedJaggedTensor) -> None:

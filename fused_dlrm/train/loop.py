@@ -120,8 +120,9 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
             break
         batch = to_device(batch, env.device)
         logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
-        # Sum over the local batch / global batch, times world size: DDP's average over ranks then gives the
-        # global-batch mean for the dense part, and uneven local batches are weighted correctly.
+        # Sum over the local batch / global batch, times world size: DDP's average over ranks (and the sparse
+        # all-to-all's division by world size, as in torchrec) then give the gradient of the global-batch mean,
+        # uneven local batches weighted correctly.
         global_batch = _all_reduce_sum(torch.tensor(float(logits.numel()), device=env.device))
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") * env.world_size / global_batch
         optimizer.zero_grad(set_to_none=True)

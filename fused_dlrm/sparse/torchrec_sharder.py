@@ -1,0 +1,336 @@
+"""torchrec swap-in: shard a stock `torchrec.EmbeddingBagCollection` with our table-wise collection under DMP.
+
+    model = DistributedModelParallel(
+        model, sharders=[FusedEmbeddingBagCollectionSharder(optimizer=EmbeddingOptimizerConfig("rowwise_adagrad"))],
+        device=torch.device("cpu"))
+
+`FusedEmbeddingBagCollectionSharder` is a torchrec `BaseEmbeddingSharder`: it offers the planner table-wise
+sharding with the FUSED kernel only, turns the plan it is given into our `TableWisePlan`, and returns a
+`TableWiseShardedEBC`, a torchrec `ShardedModule` whose stages are our three seams:
+
+    input_dist(ctx, kjt)       -> our input dist (KJT all-to-all)      wrapped as torchrec's KJTListSplitsAwaitable
+    compute(ctx, dist_input)   -> our lookup (optimizer fused into its backward)
+    output_dist(ctx, pooled)   -> our output dist (pooled all-to-all)  wrapped as a LazyAwaitable[KeyedTensor]
+
+That is the interface DMP's forward (`ShardedModule.forward`) and `TrainPipelineSparseDist` (input_dist one batch
+ahead, then `compute_and_output_dist`) call. The bulk seams communicate synchronously, so the awaitables are
+already complete when returned: the pipeline still runs the next batch's input dist ahead (the order of the
+collectives is the same on every rank), it just has nothing left to overlap.
+
+What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
+  * weights: the owned tables start as copies of the unsharded EBC's (torchrec on the CPU re-initialises instead);
+  * output: KeyedTensor [local batch, sum of dims] with the EBC's keys in the EBC's feature order;
+  * gradients: divided by the world size on the way back to the owners, as torchrec does by default
+    (comm_ops.GRADIENT_DIVISION; set_gradient_division(False) gives the sum), like ShardedEmbeddingBagCollection;
+  * optimizer: applied in backward; `fused_optimizer` is a torchrec KeyedOptimizer over the owned tables, so DMP's
+    fused_optimizer / CombinedOptimizer, LR changes through param_groups, and its state_dict work;
+  * state_dict: `embedding_bags.<table>.weight` for the tables this rank owns (plain tensors, not ShardedTensors).
+
+Which seams implement the stages is chosen by `comm`, in `build_seams`: "bulk" (torch.distributed all-to-alls)
+or "fused" (CUDA: lookup and output dist as one kernel storing into peers' memory, run by
+compute_and_output_dist; `compute` and `output_dist` alone then are not available).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
+from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
+from torchrec.distributed.embedding_types import BaseEmbeddingSharder, EmbeddingComputeKernel, KJTList
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionAwaitable
+from torchrec.distributed.types import (
+    Awaitable,
+    LazyAwaitable,
+    NoWait,
+    ParameterSharding,
+    ShardedModule,
+    ShardingEnv,
+    ShardingType,
+)
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
+from torchrec.streamable import Multistreamable
+
+from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, FusedPooledAllToAll
+from fused_dlrm.sparse.input_dist import OwnedBags
+from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
+from fused_dlrm.sparse.optimizer import EmbeddingOptimizer, EmbeddingOptimizerConfig
+from fused_dlrm.sparse.plan import TableWisePlan
+from fused_dlrm.sparse.sharded_ebc import ShardedEmbeddingBagCollection, divide_gradient_like_torchrec
+
+log = logging.getLogger(__name__)
+
+COMMS = ("bulk", "fused")
+
+
+def check_comm(comm: str) -> None:
+    if comm not in COMMS:
+        raise ValueError(f"comm={comm!r} is unknown; expected one of {list(COMMS)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The seams one comm implementation provides.
+
+
+@dataclass
+class Seams:
+    """The three stages of one comm implementation, plus the tables they own on this rank."""
+
+    check_features: Callable[[KeyedJaggedTensor], None]  # raises before any rank communicates
+    input_dist: Callable[[KeyedJaggedTensor], OwnedBags]  # local batch, every feature -> owned features, global batch
+    lookup: PooledEmbeddingLookup  # OwnedBags -> [global batch, owned dims]; updates the tables in backward
+    output_dist: Callable[[torch.Tensor, list[int]], torch.Tensor]  # -> [local batch, all dims], EBC feature order
+    embedding_bags: nn.ModuleDict  # owned tables, `<name>.weight`
+    exchange: FusedPooledAllToAll | None  # comm="fused": lookup + output dist as one kernel
+
+
+def build_seams(comm: str, tables: list[EmbeddingBagConfig], optimizer: EmbeddingOptimizerConfig,
+                plan: TableWisePlan, device: torch.device, group: dist.ProcessGroup | None) -> Seams:
+    """The stages of `comm` for this rank.
+
+    "bulk": our ShardedEmbeddingBagCollection already wires the bulk seams for a plan; take them apart rather than
+    wire them a second time here. Its own forward is not used, and it is not registered as a submodule (the caller
+    registers its `embedding_bags`, so state_dict keys stay `embedding_bags.<table>.weight`).
+    "fused": the same collection built with its fused-exchange config runs lookup and output dist as one kernel;
+    compute_and_output_dist calls it on the bags (torchrec's pipeline only calls the pair through
+    compute_and_output_dist), keeping input dist, tables and optimizer.
+    """
+    check_comm(comm)
+    core = ShardedEmbeddingBagCollection(tables, optimizer, device=device, group=group, plan=plan,
+                                         comm=FusedCommConfig() if comm == "fused" else None)
+    return Seams(check_features=core.check_features, input_dist=core.input_dist, lookup=core.lookup,
+                 output_dist=core.output_dist, embedding_bags=core.embedding_bags, exchange=core.fused)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plan conversion.
+
+
+def table_wise_plan_from_torchrec(tables: list[EmbeddingBagConfig], params: Mapping[str, ParameterSharding],
+                                  world_size: int) -> TableWisePlan:
+    """torchrec's per-table ParameterSharding -> our TableWisePlan; anything but table-wise + FUSED is refused."""
+    names = [t.name for t in tables]
+    extra = sorted(set(params) - set(names))
+    if extra:
+        raise ValueError(f"sharding plan names tables the EmbeddingBagCollection does not have: {extra}")
+    owner: dict[str, int] = {}
+    for name in names:  # config order: TableWisePlan.tables_of keeps it, and so the lookup's column order
+        ps = params.get(name)
+        if ps is None:
+            raise ValueError(f"sharding plan has no entry for table {name!r}; FusedEmbeddingBagCollectionSharder "
+                             "shards every table of the collection")
+        if ps.sharding_type != ShardingType.TABLE_WISE.value:
+            raise ValueError(f"table {name!r}: sharding type {ps.sharding_type!r} is not supported; "
+                             f"FusedEmbeddingBagCollectionSharder shards {ShardingType.TABLE_WISE.value!r} only")
+        if ps.compute_kernel != EmbeddingComputeKernel.FUSED.value:
+            raise ValueError(f"table {name!r}: compute kernel {ps.compute_kernel!r} is not supported; the optimizer "
+                             f"is always fused into backward ({EmbeddingComputeKernel.FUSED.value!r})")
+        if ps.ranks is None or len(ps.ranks) != 1:
+            raise ValueError(f"table {name!r}: a table-wise table lives on exactly one rank, plan gives {ps.ranks}")
+        rank = ps.ranks[0]
+        if not 0 <= rank < world_size:
+            raise ValueError(f"table {name!r}: rank {rank} outside a world of {world_size}")
+        owner[name] = rank
+    return TableWisePlan(world_size=world_size, owner=owner)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What travels between the stages.
+
+
+@dataclass
+class TableWiseEBCContext(Multistreamable):
+    """Per-batch state from compute to output_dist: the local batch size of every rank."""
+
+    batch_sizes: list[int] = dataclasses.field(default_factory=list)
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        pass  # host-side ints only
+
+
+@dataclass
+class DistributedBags(Multistreamable):
+    """Our OwnedBags made Multistreamable: the pipeline records the input dist's output on its CUDA streams."""
+
+    bags: OwnedBags
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        for t in (self.bags.values, self.bags.lengths, self.bags.weights):
+            if t is not None:
+                t.record_stream(stream)
+
+
+class FusedTableOptimizer(FusedOptimizer):
+    """The KeyedOptimizer DMP's `fused_optimizer` collects: a view of the lookup's optimizer, not a second one.
+
+    The update happens in the lookup's backward, so step() and zero_grad() only carry a changed lr (an LR
+    scheduler edits param_groups[0]["lr"]) to the lookup's optimizer, as torchrec's EmbeddingFusedOptimizer does
+    for fbgemm; it takes effect from the next backward. Keys and state names follow torchrec's:
+    `embedding_bags.<table>.weight` -> {"<table>.momentum1": row-wise Adagrad accumulator}, so state_dict() /
+    load_state_dict() (in place) work as for torchrec's fused tables. Only the tables this rank owns appear.
+    """
+
+    def __init__(self, embedding_bags: nn.ModuleDict, optimizer: EmbeddingOptimizer):
+        self._optimizer = optimizer
+        params = {f"embedding_bags.{name}.weight": table.weight for name, table in embedding_bags.items()}
+        state: dict[Any, Any] = {}
+        for name, table in embedding_bags.items():
+            state[table.weight] = ({f"{name}.momentum1": optimizer.momentum[name]} if name in optimizer.momentum
+                                   else {})
+        group = {"params": list(params.values()), "lr": optimizer.config.lr}
+        super().__init__(params, state, [group])
+
+    def _sync_lr(self) -> None:
+        lr = self.param_groups[0]["lr"]
+        if lr != self._optimizer.config.lr:
+            self._optimizer.config = dataclasses.replace(self._optimizer.config, lr=lr)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        self._sync_lr()  # the tables have no .grad to zero
+
+    def step(self, closure: Any = None) -> None:
+        self._sync_lr()  # the update already happened in backward
+
+
+class TableWiseShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, TableWiseEBCContext],
+                          FusedOptimizerModule):
+    """A torchrec ShardedModule over our seams: table-wise, optimizer fused into backward.
+
+    Owns the tables `plan` gives this rank, initialised from `module`'s weights (ours when those are on the meta
+    device). Output: KeyedTensor [local batch, sum of dims] in the EBC's feature order.
+    """
+
+    def __init__(self, module: EmbeddingBagCollection, plan: TableWisePlan, env: ShardingEnv,
+                 optimizer: EmbeddingOptimizerConfig, device: torch.device | None = None, comm: str = "bulk"):
+        super().__init__(qcomm_codecs_registry=None)
+        check_comm(comm)
+        self.comm = comm
+        self._env = env
+        self._is_weighted = module.is_weighted()
+        tables = module.embedding_bag_configs()
+        if env.world_size != plan.world_size:
+            raise ValueError(f"plan is for {plan.world_size} ranks, the sharding env has {env.world_size}")
+        seams = build_seams(comm, tables, optimizer, plan, torch.device(device or "cpu"), env.process_group)
+        self._check_features = seams.check_features
+        self._input_dist = seams.input_dist
+        self._output_dist = seams.output_dist
+        self._lookup = seams.lookup  # a submodule so that train()/eval() reach it (it fuses only in training)
+        self._exchange = seams.exchange
+        self.embedding_bags = seams.embedding_bags
+        self.plan = plan
+        self.feature_names = [f for t in tables for f in t.feature_names]
+        self._feature_dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+
+        with torch.no_grad():
+            for name, table in self.embedding_bags.items():
+                # Like torchrec's fused tables: in_backward_optimizer_filter() keeps them out of dense optimizers.
+                table.weight._in_backward_optimizers = [EmptyFusedOptimizer()]
+                source = module.embedding_bags[name].weight
+                if source.is_meta:  # nothing to copy: keep our init (torchrec's distribution, seeded per table)
+                    log.info("table %s: unsharded weight is on the meta device, keeping our initialisation", name)
+                    continue
+                table.weight.copy_(source.detach())  # in place: the lookup holds this storage
+        self._optim = FusedTableOptimizer(self.embedding_bags, seams.lookup.optimizer)
+
+    # -- torchrec ShardedModule interface ------------------------------------------------------------------------
+
+    def create_context(self) -> TableWiseEBCContext:
+        return TableWiseEBCContext()
+
+    def input_dist(self, ctx: TableWiseEBCContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
+        """Runs our input dist now; returns torchrec's awaitable-of-awaitable shape around the result.
+
+        KJTListSplitsAwaitable is what TrainPipelineSparseDist fuses across modules (it reads `.awaitables`); our
+        entries are plain NoWaits, so it just waits them, and compute() receives KJTList([DistributedBags]) both
+        from the pipeline and from ShardedModule.forward.
+        """
+        features = self._prepare(features)
+        self._check_features(features)
+        bags = self._input_dist(features)
+        return KJTListSplitsAwaitable([NoWait(NoWait(DistributedBags(bags)))], ctx)
+
+    def compute(self, ctx: TableWiseEBCContext, dist_input: KJTList) -> torch.Tensor:
+        bags = dist_input[0].bags
+        ctx.batch_sizes = bags.batch_sizes  # output_dist sends each rank its samples back
+        return self._lookup(bags)
+
+    def output_dist(self, ctx: TableWiseEBCContext, output: torch.Tensor) -> LazyAwaitable[KeyedTensor]:
+        values = divide_gradient_like_torchrec(self._output_dist(output, ctx.batch_sizes), self._env.world_size)
+        # torchrec's own awaitable: a LazyAwaitable[KeyedTensor] that also supports kt["feature"] lazily.
+        return EmbeddingBagCollectionAwaitable(awaitables=[NoWait(values)], embedding_dims=self._feature_dims,
+                                               embedding_names=self.feature_names)
+
+    def compute_and_output_dist(self, ctx: TableWiseEBCContext, input: KJTList) -> LazyAwaitable[KeyedTensor]:
+        if self._exchange is None:
+            return self.output_dist(ctx, self.compute(ctx, input))
+        values = divide_gradient_like_torchrec(self._exchange(input[0].bags), self._env.world_size)
+        return EmbeddingBagCollectionAwaitable(awaitables=[NoWait(values)], embedding_dims=self._feature_dims,
+                                               embedding_names=self.feature_names)
+
+    @property
+    def fused_optimizer(self) -> FusedTableOptimizer:
+        return self._optim
+
+    @property
+    def unsharded_module_type(self) -> type[EmbeddingBagCollection]:
+        return EmbeddingBagCollection
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+
+    def _prepare(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """Per-sample weights as torchrec's EBC reads them: used only by a weighted collection, required there."""
+        if features.variable_stride_per_key():
+            raise NotImplementedError("KeyedJaggedTensors with a variable batch size per feature are not supported")
+        has_weights = features.weights_or_none() is not None
+        if self._is_weighted and not has_weights:
+            raise ValueError("the EmbeddingBagCollection is weighted (is_weighted=True) but the "
+                             "KeyedJaggedTensor has no weights")
+        if not self._is_weighted and has_weights:
+            return KeyedJaggedTensor(keys=features.keys(), values=features.values(), lengths=features.lengths(),
+                                     stride=features.stride())
+        return features
+
+
+class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):
+    """Shards `torchrec.EmbeddingBagCollection` table-wise with our module; the optimizer runs in backward.
+
+    optimizer: our embedding optimizer (exact SGD or exact row-wise Adagrad), for every table. Optimizers attached
+        to the EBC's parameters with torchrec's apply_optimizer_in_backward / fused_params are not read.
+    comm: which input dist / lookup / output dist implementation ("bulk"; "fused" is not implemented yet).
+    """
+
+    def __init__(self, optimizer: EmbeddingOptimizerConfig, comm: str = "bulk"):
+        super().__init__(fused_params=None, qcomm_codecs_registry=None)
+        if not isinstance(optimizer, EmbeddingOptimizerConfig):
+            raise TypeError(f"optimizer must be an EmbeddingOptimizerConfig, got {type(optimizer).__name__}")
+        check_comm(comm)  # fail before planning, not at shard time
+        self.optimizer = optimizer
+        self.comm = comm
+
+    @property
+    def module_type(self) -> type[EmbeddingBagCollection]:
+        return EmbeddingBagCollection
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return [ShardingType.TABLE_WISE.value]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return [EmbeddingComputeKernel.FUSED.value] if sharding_type == ShardingType.TABLE_WISE.value else []
+
+    def shardable_parameters(self, module: EmbeddingBagCollection) -> dict[str, nn.Parameter]:
+        # As torchrec's EmbeddingBagCollectionSharder: plan entries are keyed by table name.
+        return {name.split(".")[0]: param for name, param in module.embedding_bags.named_parameters()}
+
+    def shard(self, module: EmbeddingBagCollection, params: Mapping[str, ParameterSharding], env: ShardingEnv,
+              device: torch.device | None = None, module_fqn: str | None = None) -> TableWiseShardedEBC:
+        if any(hasattr(p, "_optimizer_classes") for p in module.parameters()):
+            log.warning("%s: optimizers set with apply_optimizer_in_backward are ignored; the sharder's %s is used",
+                        module_fqn or "EmbeddingBagCollection", self.optimizer)
+        plan = table_wise_plan_from_torchrec(module.embedding_bag_configs(), params, env.world_size)
+        return TableWiseShardedEBC(module, plan, env, self.optimizer, device=device, comm=self.comm)

@@ -1,0 +1,362 @@
+"""FusedEmbeddingBagCollectionSharder under torchrec's DistributedModelParallel, against stock torchrec.
+
+Two (and once three) gloo processes on the CPU. Each rank gets its slice of the same global batches. Three
+models start from the same weights:
+  * ours:      DMP + FusedEmbeddingBagCollectionSharder, plan from torchrec's planner;
+  * stock:     DMP + torchrec's EmbeddingBagCollectionSharder, table-wise FUSED plan with the same placement
+               (explicit plan), fbgemm's CPU TBE with the optimizer from apply_optimizer_in_backward
+               (EXACT_ROWWISE_ADAGRAD / EXACT_SGD);
+  * reference: the unsharded EBC on the whole global batch, with torchrec.optim's RowWiseAdagrad / torch SGD, its
+               gradient divided by the world size when torchrec's gradient division is on (its default).
+Forward outputs (by key: stock torchrec orders its output by sharding, ours keeps the EBC's order) and the owned
+tables after every step must agree, as must the fused optimizers' state. A last run checks TrainPipelineSparseDist
+(input dist one batch ahead) against a plain loop.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
+from torchrec.datasets.utils import Batch
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.comm_ops import set_gradient_division
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from fused_dlrm.data.batching import local_batch_bounds
+from fused_dlrm.sparse import EmbeddingOptimizerConfig
+from fused_dlrm.sparse.torchrec_sharder import (FusedEmbeddingBagCollectionSharder, TableWiseShardedEBC,
+                                                table_wise_plan_from_torchrec)
+from world import run_world
+
+CPU = torch.device("cpu")
+LR, EPS = 0.05, 1e-8
+
+# Uneven rows and dims, a table read by two features, a mean-pooled table.
+TABLES = [
+    EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0", "f1"]),
+    EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=57, feature_names=["f2"], pooling=PoolingType.MEAN),
+    EmbeddingBagConfig(name="t2", embedding_dim=16, num_embeddings=7, feature_names=["f3"]),
+    EmbeddingBagConfig(name="t3", embedding_dim=12, num_embeddings=300, feature_names=["f4"]),
+]
+# The unsharded reference (nn.EmbeddingBag) takes per-sample weights with SUM pooling only.
+SUM_TABLES = [EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
+                                 feature_names=t.feature_names) for t in TABLES]
+
+
+def keys_of(tables) -> list[str]:
+    return [f for t in tables for f in t.feature_names]
+
+
+def global_batch(step: int, batch: int, tables, weighted: bool):
+    """Random bags (empty ones and a long one included) for every feature: lengths [F, B], values, weights."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    rows = [t.num_embeddings for t in tables for _ in t.feature_names]
+    lengths = torch.randint(0, 4, (len(rows), batch), generator=gen)
+    lengths[:, 0] = 0
+    lengths[0, -1] = 9
+    values = [torch.randint(0, r, (int(l.sum()),), generator=gen) for r, l in zip(rows, lengths)]
+    weights = [torch.rand(v.numel(), generator=gen) for v in values] if weighted else None
+    return lengths, values, weights
+
+
+def to_kjt(keys, lengths, values, weights, start: int, stop: int) -> KeyedJaggedTensor:
+    """The KJT of samples [start, stop) of the global batch."""
+    offsets = [torch.cat([torch.zeros(1, dtype=torch.long), l.cumsum(0)]) for l in lengths]
+    vals = [v[o[start]:o[stop]] for v, o in zip(values, offsets)]
+    ws = None if weights is None else torch.cat([w[o[start]:o[stop]] for w, o in zip(weights, offsets)])
+    return KeyedJaggedTensor.from_lengths_sync(keys, torch.cat(vals), lengths[:, start:stop].reshape(-1), ws)
+
+
+class SparseModel(nn.Module):
+    def __init__(self, ebc: EmbeddingBagCollection):
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt: KeyedJaggedTensor) -> KeyedTensor:
+        return self.ebc(kjt)
+
+
+def dot_by_key(kt: KeyedTensor, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """sum(kt * grad), matched by key: stock torchrec's sharded output is not in the EBC's feature order."""
+    return sum((v * grads[k]).sum() for k, v in kt.to_dict().items())
+
+
+def local_shard(sharded_tensor) -> torch.Tensor:
+    return sharded_tensor.local_shards()[0].tensor
+
+
+def stock_torchrec(reference: EmbeddingBagCollection, owner: dict[str, int], optimizer: str,
+                   world: int) -> DistributedModelParallel:
+    """torchrec's own sharding of the same tables: table-wise, FUSED, placed as `owner` says."""
+    model = SparseModel(copy.deepcopy(reference))
+    if optimizer == "sgd":
+        apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": LR})  # -> EXACT_SGD
+    else:
+        apply_optimizer_in_backward(RowWiseAdagrad, model.ebc.parameters(), {"lr": LR, "eps": EPS})  # EXACT_ROWWISE
+    sharder = EmbeddingBagCollectionSharder()
+    module_plan = construct_module_sharding_plan(
+        model.ebc, {name: table_wise(rank=r, compute_kernel="fused") for name, r in owner.items()},
+        sharder=sharder, local_size=world, world_size=world, device_type="cpu")
+    dmp = DistributedModelParallel(model, sharders=[sharder], device=CPU, plan=ShardingPlan({"ebc": module_plan}))
+    # On the CPU torchrec re-initialises the sharded tables instead of copying the unsharded ones: copy them.
+    with torch.no_grad():
+        for key, value in dmp.state_dict().items():
+            for shard in value.local_shards():
+                shard.tensor.copy_(reference.embedding_bags[key.split(".")[2]].weight)
+    return dmp
+
+
+def compare_with_stock_torchrec(rank: int, world: int, cases) -> None:
+    for optimizer, weighted, batch, tables, divide in cases:
+        # torchrec divides the pooled gradient by the world size by default (tables see the mean over ranks of
+        # the per-rank gradients); off, they see the sum. Our sharded module follows the same switch.
+        set_gradient_division(divide)
+        torch.manual_seed(0)
+        reference = EmbeddingBagCollection(tables, is_weighted=weighted)
+        ours = DistributedModelParallel(
+            SparseModel(copy.deepcopy(reference)),
+            sharders=[FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig(optimizer, lr=LR, eps=EPS))],
+            device=CPU)  # the planner's plan
+        sharded = ours.module.ebc
+        assert isinstance(sharded, TableWiseShardedEBC)
+        owner = {name: ps.ranks[0] for name, ps in ours.plan.get_plan_for_module("ebc").items()}
+        assert {ps.sharding_type for ps in ours.plan.get_plan_for_module("ebc").values()} == {"table_wise"}
+        assert sharded.plan.owner == owner
+        assert len(set(owner.values())) == min(world, len(tables))  # the planner spread the tables
+        mine = [name for name in owner if owner[name] == rank]
+        assert list(ours.state_dict()) == [f"ebc.embedding_bags.{name}.weight" for name in mine]
+        stock = stock_torchrec(reference, owner, optimizer, world)
+
+        ref_opt = (torch.optim.SGD(reference.parameters(), lr=LR) if optimizer == "sgd"
+                   else RowWiseAdagrad(reference.parameters(), lr=LR, eps=EPS))
+        keys, dims = keys_of(tables), [t.embedding_dim for t in tables for _ in t.feature_names]
+        start, stop = local_batch_bounds(batch, rank, world)
+        for step in range(3):
+            lengths, values, weights = global_batch(step, batch, tables, weighted)
+            expected = reference(to_kjt(keys, lengths, values, weights, 0, batch))
+            got = ours(to_kjt(keys, lengths, values, weights, start, stop))
+            got_stock = stock(to_kjt(keys, lengths, values, weights, start, stop))
+            assert got.keys() == keys and got.length_per_key() == dims  # the EBC's order, as unsharded
+            torch.testing.assert_close(got.values(), expected.values()[start:stop], rtol=1e-5, atol=1e-6)
+            assert sorted(got_stock.keys()) == sorted(keys)
+            for key, value in got_stock.to_dict().items():
+                torch.testing.assert_close(got.to_dict()[key], value, rtol=1e-5, atol=1e-6)
+
+            grad = torch.randn(expected.values().shape, generator=torch.Generator().manual_seed(step))
+            ref_opt.zero_grad()
+            (expected.values() * grad).sum().div(world if divide else 1).backward()
+            ref_opt.step()
+            local_grads = dict(zip(keys, torch.split(grad[start:stop], dims, dim=1)))
+            dot_by_key(got, local_grads).backward()
+            dot_by_key(got_stock, local_grads).backward()
+            ours.fused_optimizer.step()
+            stock.fused_optimizer.step()
+
+            stock_state = stock.state_dict()
+            for name in mine:
+                weight = sharded.embedding_bags[name].weight
+                torch.testing.assert_close(weight, reference.embedding_bags[name].weight, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(weight, local_shard(stock_state[f"ebc.embedding_bags.{name}.weight"]),
+                                           rtol=1e-5, atol=1e-6)
+
+        # The fused optimizer's state: same keys as torchrec's, same row-wise Adagrad accumulators.
+        our_state = ours.fused_optimizer.state_dict()["state"]
+        stock_opt_state = stock.fused_optimizer.state_dict()["state"]
+        assert sorted(our_state) == sorted(stock_opt_state) == sorted(f"ebc.embedding_bags.{n}.weight" for n in mine)
+        for param_key, state in our_state.items():
+            assert sorted(state) == sorted(stock_opt_state[param_key])
+            for state_key, tensor in state.items():
+                torch.testing.assert_close(tensor.flatten(), local_shard(stock_opt_state[param_key][state_key])
+                                           .flatten(), rtol=1e-5, atol=1e-7)
+
+
+def test_two_ranks_match_stock_torchrec_and_unsharded():
+    run_world(2, compare_with_stock_torchrec, [
+        # Global batch 7 over 2 ranks: local batches 4 and 3.
+        ("rowwise_adagrad", False, 7, TABLES, True),
+        ("sgd", True, 8, SUM_TABLES, True),
+        ("sgd", False, 7, TABLES, False),
+    ])
+
+
+def test_three_ranks_one_owns_nothing():
+    # 3 ranks, 2 tables: the third rank owns no table but still sends its inputs and receives its outputs.
+    run_world(3, compare_with_stock_torchrec, [("rowwise_adagrad", False, 9, TABLES[:2], True)])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# TrainPipelineSparseDist
+
+PIPE_TABLES = [
+    EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=20, feature_names=["fa"]),
+    EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=30, feature_names=["fb", "fc"]),
+]
+DENSE_IN = 3
+
+
+class TinyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(PIPE_TABLES)
+        self.over = nn.Linear(DENSE_IN + 4 + 8 + 8, 1)
+
+    def forward(self, batch: Batch):
+        kt = self.ebc(batch.sparse_features)
+        logits = self.over(torch.cat([batch.dense_features, kt.values()], dim=1)).squeeze(-1)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach())
+
+
+def tiny_dmp() -> tuple[DistributedModelParallel, CombinedOptimizer]:
+    torch.manual_seed(0)
+    sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.1))
+    dmp = DistributedModelParallel(TinyModel(), sharders=[sharder], device=CPU)
+    # Dense parameters only: the tables carry _in_backward_optimizers, as torchrec's fused tables do.
+    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    assert sorted(dense) == ["over.bias", "over.weight"]
+    dense_opt = KeyedOptimizerWrapper(dense, lambda params: torch.optim.SGD(params, lr=0.1))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt])
+
+
+def tiny_batches(rank: int, world: int, steps: int, batch: int = 6) -> list[Batch]:
+    start, stop = local_batch_bounds(batch, rank, world)
+    out = []
+    for step in range(steps):
+        lengths, values, _ = global_batch(step, batch, PIPE_TABLES, False)
+        gen = torch.Generator().manual_seed(step)
+        dense, labels = torch.randn(batch, DENSE_IN, generator=gen), torch.randint(0, 2, (batch,), generator=gen)
+        out.append(Batch(dense_features=dense[start:stop],
+                         sparse_features=to_kjt(keys_of(PIPE_TABLES), lengths, values, None, start, stop),
+                         labels=labels[start:stop].float()))
+    return out
+
+
+def set_lr(opt: CombinedOptimizer, lr: float) -> None:
+    for group in opt.param_groups:  # what an LR scheduler does; the fused tables pick it up at zero_grad/step
+        group["lr"] = lr
+
+
+def pipeline_matches_plain_loop(rank: int, world: int, steps: int) -> None:
+    batches = tiny_batches(rank, world, steps)
+
+    plain, plain_opt = tiny_dmp()
+    plain_out = []
+    for step, batch in enumerate(batches):
+        if step == 2:
+            set_lr(plain_opt, 0.05)
+        plain_opt.zero_grad()
+        loss, out = plain(batch)
+        loss.backward()
+        plain_opt.step()
+        plain_out.append(out)
+
+    piped, piped_opt = tiny_dmp()
+    pipeline = TrainPipelineSparseDist(piped, piped_opt, CPU)
+    it = iter(batches)
+    piped_out = []
+    for step in range(steps):
+        if step == 2:
+            set_lr(piped_opt, 0.05)
+        piped_out.append(pipeline.progress(it))
+    with pytest.raises(StopIteration):
+        pipeline.progress(it)
+    assert [type(m) for m in pipeline._pipelined_modules] == [TableWiseShardedEBC]  # it did pipeline our module
+
+    for (loss_a, logits_a), (loss_b, logits_b) in zip(plain_out, piped_out):
+        torch.testing.assert_close(loss_a, loss_b)
+        torch.testing.assert_close(logits_a, logits_b)
+    assert plain_out[0][0] != plain_out[-1][0]  # it trained
+    a, b = plain.state_dict(), piped.state_dict()
+    assert sorted(a) == sorted(b) and any(k.startswith("ebc.embedding_bags.") for k in a)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key])
+    assert piped.fused_optimizer.param_groups[0]["lr"] == 0.05
+
+
+def test_train_pipeline_sparse_dist_matches_plain_loop():
+    run_world(2, pipeline_matches_plain_loop, 5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# One process: sharder surface, plan conversion, errors (no process group: a world of one).
+
+
+def test_sharder_offers_table_wise_fused_only():
+    sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig())
+    assert sharder.module_type is EmbeddingBagCollection
+    assert sharder.sharding_types("cpu") == sharder.sharding_types("cuda") == ["table_wise"]
+    assert sharder.compute_kernels("table_wise", "cpu") == ["fused"]
+    assert sharder.compute_kernels("row_wise", "cuda") == []
+    assert sorted(sharder.shardable_parameters(EmbeddingBagCollection(TABLES))) == ["t0", "t1", "t2", "t3"]
+
+
+def test_unknown_comm_is_refused():
+    with pytest.raises(ValueError, match="comm='nccl' is unknown"):
+        FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig(), comm="nccl")
+
+
+def tw(rank: int) -> ParameterSharding:
+    return ParameterSharding(sharding_type="table_wise", compute_kernel="fused", ranks=[rank])
+
+
+def test_plan_conversion_and_its_errors():
+    plan = table_wise_plan_from_torchrec(TABLES, {"t3": tw(0), "t2": tw(1), "t1": tw(1), "t0": tw(0)}, 2)
+    assert plan.owner == {"t0": 0, "t1": 1, "t2": 1, "t3": 0} and plan.tables_of(0) == ["t0", "t3"]
+    good = {t.name: tw(0) for t in TABLES}
+    with pytest.raises(ValueError, match="table 't1': sharding type 'row_wise' is not supported.*'table_wise' only"):
+        table_wise_plan_from_torchrec(TABLES, {**good, "t1": ParameterSharding("row_wise", "fused", [0, 1])}, 2)
+    with pytest.raises(ValueError, match="table 't2': compute kernel 'dense' is not supported"):
+        table_wise_plan_from_torchrec(TABLES, {**good, "t2": ParameterSharding("table_wise", "dense", [0])}, 2)
+    with pytest.raises(ValueError, match="no entry for table 't3'"):
+        table_wise_plan_from_torchrec(TABLES, {k: v for k, v in good.items() if k != "t3"}, 2)
+    with pytest.raises(ValueError, match="rank 2 outside a world of 2"):
+        table_wise_plan_from_torchrec(TABLES, {**good, "t0": tw(2)}, 2)
+    with pytest.raises(ValueError, match=r"does not have: \['zz'\]"):
+        table_wise_plan_from_torchrec(TABLES, {**good, "zz": tw(0)}, 2)
+
+
+def test_one_rank_module_copies_weights_and_matches_unsharded():
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(TABLES)
+    sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig("rowwise_adagrad", lr=LR))
+    sharded = sharder.shard(copy.deepcopy(ebc), {t.name: tw(0) for t in TABLES}, ShardingEnv.from_local(1, 0), CPU)
+    assert list(sharded.state_dict()) == [f"embedding_bags.{t.name}.weight" for t in TABLES]
+    for t in TABLES:
+        assert torch.equal(sharded.state_dict()[f"embedding_bags.{t.name}.weight"], ebc.embedding_bags[t.name].weight)
+    lengths, values, weights = global_batch(0, 5, TABLES, True)
+    kjt = to_kjt(keys_of(TABLES), lengths, values, weights, 0, 5)  # weights: ignored by an unweighted EBC
+    torch.testing.assert_close(sharded(kjt).values(), ebc(kjt).values())
+
+    # lr set through the fused optimizer's param_groups reaches the update in backward.
+    sharded.fused_optimizer.param_groups[0]["lr"] = 0.5
+    sharded.fused_optimizer.zero_grad()
+    before = sharded.embedding_bags["t2"].weight.clone()
+    sharded(kjt).values().sum().backward()
+    moved = (sharded.embedding_bags["t2"].weight - before).abs().max()
+    torch.testing.assert_close(moved, torch.tensor(0.5), rtol=1e-4, atol=0)  # Adagrad's first step is ~lr
+
+    with pytest.raises(ValueError, match="weighted .* has no weights"):
+        weighted = sharder.shard(EmbeddingBagCollection(SUM_TABLES, is_weighted=True),
+                                 {t.name: tw(0) for t in TABLES}, ShardingEnv.from_local(1, 0), CPU)
+        weighted(to_kjt(keys_of(TABLES), lengths, values, None, 0, 5))
+
+
+def test_meta_device_collection_keeps_our_init():
+    ebc = EmbeddingBagCollection(TABLES, device=torch.device("meta"))
+    sharded = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig()).shard(
+        ebc, {t.name: tw(0) for t in TABLES}, ShardingEnv.from_local(1, 0), CPU)
+    for t in TABLES:
+        w = sharded.embedding_bags[t.name].weight
+        assert w.device == CPU and bool(w.abs().max() <= (1.0 / t.num_embeddings) ** 0.5) and bool(w.abs().sum() > 0)
