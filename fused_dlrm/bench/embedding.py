@@ -27,6 +27,7 @@ from fused_dlrm.bench.timing import hbm_bandwidth, peer_bandwidth, time_ms
 from fused_dlrm.dist.alltoall import all_to_all_v
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
 from fused_dlrm.sparse.input_dist import OwnedBags
+from fused_dlrm.kernels.pooled_embedding import FeatureTable
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.output_dist import BulkOutputDist
@@ -125,6 +126,34 @@ def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iter
     return result
 
 
+def sweep_lookup(cfg: Config, rank: int, world: int) -> list[dict]:
+    """Time the lookup kernel alone over tile shapes and program counts (to pick FeatureTable's defaults)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=cfg.dim, num_embeddings=cfg.rows, feature_names=[f"f{i}"])
+              for i in range(cfg.tables_per_gpu)]
+    weights = {t.name: init_table(t, i, device) for i, t in enumerate(tables)}
+    lookup = PooledEmbeddingLookup(tables, weights, EmbeddingOptimizerConfig("sgd"), device).eval()
+    bags = make_bags(cfg, rank, world, device)
+    bags.features = [f"f{i}" for i in range(cfg.tables_per_gpu)]
+    gathered = bags.values.numel() * cfg.dim * 4
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = []
+    for block_len in (4, 8, 16):
+        for budget in (4096, 8192, 16384):
+            for warps in (4, 8):
+                for per_sm in (2, 4, 8):
+                    lookup._kernel_features = FeatureTable(
+                        list(weights.values()), [i * cfg.dim for i in range(cfg.tables_per_gpu)],
+                        [False] * cfg.tables_per_gpu, device, block_rows=max(1, budget // (block_len * cfg.dim)),
+                        block_len=block_len, num_warps=warps)
+                    lookup.kernel_programs = per_sm * sms
+                    with torch.no_grad():
+                        ms = time_ms(lambda: lookup.pool(bags), warmup=3, iters=10)
+                    rows.append({"block_len": block_len, "budget": budget, "num_warps": warps, "per_sm": per_sm,
+                                 "ms": ms, "GBps": gathered / (ms * 1e-3) / 1e9})
+    return rows
+
+
 def _embedding_bag(bags: OwnedBags, f: int, weight: torch.Tensor) -> torch.Tensor:
     values, lengths, _ = bags.feature_bags(f)
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=values.device)
@@ -135,12 +164,22 @@ def _embedding_bag(bags: OwnedBags, f: int, weight: torch.Tensor) -> torch.Tenso
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m fused_dlrm.bench embedding")
     parser.add_argument("--quick", action="store_true", help="first config only, fewer iterations")
+    parser.add_argument("--sweep", action="store_true", help="time lookup tile shapes on the first config")
     parser.add_argument("--out", default="bench_embedding.json")
     args = parser.parse_args(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.sweep:
+        rows = sweep_lookup(CONFIGS[0], rank, world)
+        if rank == 0:
+            for r in sorted(rows, key=lambda r: r["ms"])[:12]:
+                print(r)
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        dist.destroy_process_group()
+        return
     hbm, peer = hbm_bandwidth(), peer_bandwidth()
     configs = CONFIGS[:1] if args.quick else CONFIGS
     results = [run_config(c, rank, world, hbm, peer, 20 if args.quick else 50) for c in configs]

@@ -46,8 +46,8 @@ def _pooled_embedding_kernel(
     out_ptrs, out_row_base_ptr, out_row_len,  # per destination: output address, its row of the plan's first
     ready_ptrs, ack_ptr, error_ptr,
     rank, epoch, global_batch, num_tiles, num_programs, spin_limit,
-    WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
-    TABLE_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SIGNAL: tl.constexpr,
+    WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SIGNAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
@@ -65,16 +65,20 @@ def _pooled_embedding_kernel(
         table = tl.load(table_ptrs + f).to(tl.pointer_type(TABLE_DTYPE))
         acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
         longest = tl.max(length, axis=0)
+        # BLOCK_L positions of every bag at once: BLOCK_B * BLOCK_L independent row gathers in flight.
+        lanes = tl.arange(0, BLOCK_L)
         j = 0
         while j < longest:
-            m = row_mask & (j < length)
-            idx = tl.load(values_ptr + start + j, mask=m, other=0)
-            row = tl.load(table + idx[:, None] * dim + d[None, :], mask=m[:, None] & d_mask[None, :], other=0.0)
-            row = row.to(tl.float32)
+            pos = j + lanes
+            m = row_mask[:, None] & (pos[None, :] < length[:, None])
+            at = start[:, None] + pos[None, :]
+            idx = tl.load(values_ptr + at, mask=m, other=0)
+            gathered = tl.load(table + idx[:, :, None] * dim + d[None, None, :],
+                               mask=m[:, :, None] & d_mask[None, None, :], other=0.0).to(tl.float32)
             if HAS_WEIGHTS:
-                row = row * tl.load(weights_ptr + start + j, mask=m, other=0.0)[:, None]
-            acc += row
-            j += 1
+                gathered = gathered * tl.load(weights_ptr + at, mask=m, other=0.0)[:, :, None]
+            acc += tl.sum(gathered, axis=1)
+            j += BLOCK_L
         is_mean = tl.load(mean_ptr + f) != 0
         acc = tl.where(is_mean, acc / tl.maximum(length, 1).to(tl.float32)[:, None], acc)
 
@@ -108,7 +112,7 @@ def launch_pooled_embedding(values: torch.Tensor, offsets: torch.Tensor, weights
         ready_ptrs if signal else dummy, ack if signal else dummy, error if signal else dummy,
         rank, epoch, global_batch, plan.num_tiles, num_programs, spin_limit,
         WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_B=features.block_rows,
-        BLOCK_D=features.block_dim, TABLE_DTYPE=_TL_DTYPES[features.dtype], HAS_WEIGHTS=weights is not None,
+        BLOCK_L=features.block_len, BLOCK_D=features.block_dim, num_warps=features.num_warps, TABLE_DTYPE=_TL_DTYPES[features.dtype], HAS_WEIGHTS=weights is not None,
         SIGNAL=signal)
 
 
@@ -116,7 +120,8 @@ class FeatureTable:
     """Per-feature metadata of one launch, built once: table addresses, dims, output columns, pooling."""
 
     def __init__(self, weights: list[torch.Tensor], cols: list[int], mean: list[bool], device: torch.device,
-                 block_rows: int = 16):
+                 block_rows: int | None = None, block_len: int = 8, num_warps: int = 4):
+        """Tiles of block_rows bags x block_len positions x all dims; by default about 8k elements per step."""
         dtypes = {w.dtype for w in weights}
         if len(dtypes) > 1:
             raise ValueError(f"one launch pools tables of one dtype, got {sorted(map(str, dtypes))}")
@@ -129,4 +134,6 @@ class FeatureTable:
         self.cols = torch.tensor(cols or [0], dtype=torch.int64, device=device)
         self.mean = torch.tensor(mean or [False], dtype=torch.int32, device=device)
         self.block_dim = triton.next_power_of_2(max([w.shape[1] for w in weights] or [1]))
-        self.block_rows = block_rows
+        self.block_len = block_len
+        self.block_rows = block_rows or max(1, 8192 // (block_len * self.block_dim))
+        self.num_warps = num_warps

@@ -31,7 +31,7 @@ from fused_dlrm.kernels.push_columns import launch_push_columns
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 
-BLOCK_ROWS = 16
+PUSH_BLOCK_ROWS = 16  # rows per tile of the gradient push
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class FusedPooledAllToAll(nn.Module):
         device = workspace.device
         mine = features_of_rank[self.rank]
         self.owned = FeatureTable([lookup.weights[t] for _, t in lookup.features], [config_col[f] for f in mine],
-                                  [lookup._is_mean(t) for _, t in lookup.features], device, BLOCK_ROWS)
+                                  [lookup._is_mean(t) for _, t in lookup.features], device)
         # Backward: my gradient columns (config order) -> each owner's lookup columns, grouped by owner.
         pushed = [(f, r) for r in range(self.world) for f in features_of_rank[r]]
         lookup_col = {f: sum(dims[g] for g in feats[:i]) for feats in features_of_rank for i, f in enumerate(feats)}
@@ -129,7 +129,7 @@ class FusedPooledAllToAll(nn.Module):
         launch_push_columns(grad.float().contiguous(), self.push_src_cols, self.push_dst_cols, self.push_dims,
                             self.push_block_dim, push_plan, _half(out, epoch, half), my_rows, self.push_row_len,
                             ready.peer_ptrs, ack.local, self.errors.word, self.rank, epoch, self.num_programs,
-                            self.spin_limit, BLOCK_ROWS)
+                            self.spin_limit, PUSH_BLOCK_ROWS)
         return epoch
 
     def finish_backward(self, bags: OwnedBags, epoch: int) -> None:
@@ -153,11 +153,11 @@ class FusedPooledAllToAll(nn.Module):
         batch_start = [sum(sizes[:r]) for r in range(self.world + 1)]
         n_mine = len(self.features_of_rank[self.rank])
         forward = plan_peer_tiles(self.rank, [(batch_start[s], batch_start[s + 1]) for s in range(self.world)],
-                                  [(0, n_mine)] * self.world, BLOCK_ROWS, self.ws.device)
+                                  [(0, n_mine)] * self.world, self.owned.block_rows, self.ws.device)
         first = [sum(len(f) for f in self.features_of_rank[:r]) for r in range(self.world)]
         push = plan_peer_tiles(self.rank, [(0, sizes[self.rank])] * self.world,
                                [(first[r], len(self.features_of_rank[r])) for r in range(self.world)],
-                               BLOCK_ROWS, self.ws.device)
+                               PUSH_BLOCK_ROWS, self.ws.device)
         return forward, push, batch_start
 
 
