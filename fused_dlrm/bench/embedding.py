@@ -138,10 +138,10 @@ def sweep_lookup(cfg: Config, rank: int, world: int) -> list[dict]:
     gathered = bags.values.numel() * cfg.dim * 4
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
-    for block_len in (4, 8, 16):
-        for budget in (4096, 8192, 16384):
-            for warps in (4, 8):
-                for per_sm in (2, 4, 8):
+    for block_len in (8, 16, 32):
+        for budget in (2048, 4096, 8192):
+            for warps in (2, 4, 8):
+                for per_sm in (4, 8, 16, 32):
                     lookup._kernel_features = FeatureTable(
                         list(weights.values()), [i * cfg.dim for i in range(cfg.tables_per_gpu)],
                         [False] * cfg.tables_per_gpu, device, block_rows=max(1, budget // (block_len * cfg.dim)),

@@ -120,8 +120,9 @@ class FeatureTable:
     """Per-feature metadata of one launch, built once: table addresses, dims, output columns, pooling."""
 
     def __init__(self, weights: list[torch.Tensor], cols: list[int], mean: list[bool], device: torch.device,
-                 block_rows: int | None = None, block_len: int = 8, num_warps: int = 4):
-        """Tiles of block_rows bags x block_len positions x all dims; by default about 8k elements per step."""
+                 block_rows: int | None = None, block_len: int = 8, num_warps: int = 2):
+        """Tiles of block_rows bags x block_len positions x all dims; by default about 2k elements per step
+        (the best of a sweep on H200, docs/benchmarks.md: small tiles, many programs, many gathers in flight)."""
         dtypes = {w.dtype for w in weights}
         if len(dtypes) > 1:
             raise ValueError(f"one launch pools tables of one dtype, got {sorted(map(str, dtypes))}")
@@ -135,5 +136,5 @@ class FeatureTable:
         self.mean = torch.tensor(mean or [False], dtype=torch.int32, device=device)
         self.block_dim = triton.next_power_of_2(max([w.shape[1] for w in weights] or [1]))
         self.block_len = block_len
-        self.block_rows = block_rows or max(1, 8192 // (block_len * self.block_dim))
+        self.block_rows = block_rows or max(1, 2048 // (block_len * self.block_dim))
         self.num_warps = num_warps

@@ -37,7 +37,7 @@ PUSH_BLOCK_ROWS = 16  # rows per tile of the gradient push
 @dataclass(frozen=True)
 class FusedCommConfig:
     transport: str = "p2p"  # p2p: CUDA symmetric memory over NVLink
-    num_programs: int | None = None  # persistent programs per launch; None: 4 per SM
+    num_programs: int | None = None  # persistent programs per launch; None: 32 per SM
     wait_timeout_spins: int = 20_000_000  # polls of a flag before a wait gives up and reports rank and slice
 
 
