@@ -7,6 +7,8 @@ per rank. Backward pushes gradient columns to the owners, whose tables must end 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torchrec import EmbeddingBagConfig, PoolingType
@@ -19,6 +21,9 @@ from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.plan import plan_table_wise
+
+# The simulated world is CPU tensors: it needs the interpreter (set by conftest.py where there is no GPU).
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
 
 DTYPES = {"fp32": (torch.float32, 1e-5), "fp16": (torch.float16, 1e-3), "bf16": (torch.bfloat16, 1e-2)}
 

@@ -10,25 +10,12 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, PoolingType
 
+from fused_dlrm.kernels.embedding_backward import (BackwardTables, embedding_backward_reference,
+                                                  launch_embedding_backward)
 from fused_dlrm.kernels.peer_tiles import default_num_programs, plan_peer_tiles
 from fused_dlrm.kernels.pooled_embedding import FeatureTable, launch_pooled_embedding, pooled_embedding_reference
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizer, EmbeddingOptimizerConfig
-
-
-def pooled_lookup_row_grads(grad: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                            per_sample_weights: torch.Tensor | None, mean: bool) -> torch.Tensor:
-    """Gradient of each occurrence in `values` ([N, dim]) given the gradient of the pooled bags ([num_bags, dim])."""
-    bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=grad.device), lengths,
-                                  output_size=values.numel())
-    row_grads = grad[bag]
-    scale = None
-    if per_sample_weights is not None:
-        scale = per_sample_weights.to(grad.dtype)
-    if mean:
-        inv_len = 1.0 / lengths.clamp(min=1).to(grad.dtype)[bag]
-        scale = inv_len if scale is None else scale * inv_len
-    return row_grads if scale is None else row_grads * scale.unsqueeze(1)
 
 
 def init_table(config: EmbeddingBagConfig, seed: int, device: torch.device) -> torch.Tensor:
@@ -76,6 +63,8 @@ class PooledEmbeddingLookup(nn.Module):
         self.features = [(f, t.name) for t in tables for f in t.feature_names]
         self.optimizer = EmbeddingOptimizer(optimizer, weights)
         self._kernel_features: FeatureTable | None = None  # built on the first GPU lookup
+        self.kernel_programs: int | None = None  # persistent programs of the GPU lookup; None: 32 per SM
+        self._backward_tables: BackwardTables | None = None  # built on the first GPU backward
         # A leaf that requires grad: it makes autograd call our backward, which updates the tables.
         self._anchor = torch.empty(0, device=device, requires_grad=True)
 
@@ -117,22 +106,28 @@ class PooledEmbeddingLookup(nn.Module):
         launch_pooled_embedding(bags.values, bags.csr_offsets(), bags.weights, self._kernel_features, plan,
                                 bags.global_batch, out_ptrs=torch.tensor([out.data_ptr()], device=device),
                                 out_row_base=torch.zeros(1, dtype=torch.int64, device=device),
-                                out_row_len=self.output_dim, num_programs=default_num_programs(device))
+                                out_row_len=self.output_dim,
+                                num_programs=self.kernel_programs or default_num_programs(device))
         return out
 
     @torch.no_grad()
     def apply_gradient(self, bags: OwnedBags, grad: torch.Tensor) -> None:
-        """Sum each table's row gradients over its features and hand them to the optimizer."""
-        grad_columns = torch.split(grad, [self.tables[t].embedding_dim for _, t in self.features], dim=1)
-        rows: dict[str, list[torch.Tensor]] = {name: [] for name in self.tables}
-        row_grads: dict[str, list[torch.Tensor]] = {name: [] for name in self.tables}
-        for i, (_, table) in enumerate(self.features):
-            values, lengths, weights = bags.feature_bags(i)
-            rows[table].append(values)
-            row_grads[table].append(pooled_lookup_row_grads(grad_columns[i], values, lengths, weights,
-                                                            self._is_mean(table)))
-        for table in self.tables:
-            self.optimizer.step(table, torch.cat(rows[table]), torch.cat(row_grads[table]))
+        """Sum each table's row gradients over its features and apply the optimizer: on GPUs one fused Triton
+        launch for all tables (one host sync), on the CPU the per-table torch reference. Either way the optimizer
+        state stays in `self.optimizer.momentum` (checkpoints read it there)."""
+        features = [(t, self._is_mean(t)) for _, t in self.features]
+        if self._anchor.device.type != "cuda":
+            embedding_backward_reference(bags, grad, self.optimizer, features)
+            return
+        names = list(self.tables)
+        weights = [self.weights[n] for n in names]
+        momentum = [self.optimizer.momentum[n] for n in names] if self.optimizer.momentum else None
+        # Built on the first GPU backward (its device tensors cost a sync each), again only if a tensor moved.
+        tables = self._backward_tables
+        if tables is None or not tables.describes(weights, momentum):
+            tables = self._backward_tables = BackwardTables(weights, momentum, [names.index(t) for t, _ in features],
+                                                            [mean for _, mean in features], grad.device)
+        launch_embedding_backward(bags, grad, tables, self.optimizer.config)
 
     def _is_mean(self, table: str) -> bool:
         return self.tables[table].pooling == PoolingType.MEAN

@@ -1,0 +1,180 @@
+"""The fused backward + exact optimizer kernel (interpreter on CPU) against the per-table torch path.
+
+Two lookups start from the same random tables and momentum; one applies each step's gradient with the torch
+reference (the CPU path of PooledEmbeddingLookup.apply_gradient), the other with the kernel (compiled, on the GPU
+where there is one). After several steps
+their tables and momentum must agree. The bags have duplicate rows within and across bags, a table read by two
+features, uneven dims, a mean-pooled table, empty bags and a table that no bag reads.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torchrec import DataType, EmbeddingBagConfig, PoolingType
+
+from fused_dlrm.kernels.embedding_backward import BackwardTables, launch_embedding_backward
+from fused_dlrm.sparse.input_dist import OwnedBags
+from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
+from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
+
+DTYPES = {"fp32": (torch.float32, 1e-5), "fp16": (torch.float16, 1e-3), "bf16": (torch.bfloat16, 1e-2)}
+
+# t0 is read by f0 and f1; t1 and t3 are mean-pooled; t4's feature has only empty bags (no occurrence).
+TABLES = [
+    EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0", "f1"]),
+    EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=57, feature_names=["f2"], pooling=PoolingType.MEAN),
+    EmbeddingBagConfig(name="t2", embedding_dim=16, num_embeddings=7, feature_names=["f3"]),
+    EmbeddingBagConfig(name="t3", embedding_dim=3, num_embeddings=300, feature_names=["f4"], pooling=PoolingType.MEAN),
+    EmbeddingBagConfig(name="t4", embedding_dim=5, num_embeddings=20, feature_names=["f5"]),
+]
+ROWS = [t.num_embeddings for t in TABLES for _ in t.feature_names]  # per feature
+UNREAD = "t4"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # of the kernel's tensors
+
+
+def make_lookup(optimizer: str, dtype: torch.dtype, device: torch.device = torch.device("cpu")):
+    weights = {t.name: init_table(t, i, device).to(dtype) for i, t in enumerate(TABLES)}
+    lookup = PooledEmbeddingLookup(TABLES, weights, EmbeddingOptimizerConfig(optimizer, lr=0.1), device)
+    gen = torch.Generator().manual_seed(7)
+    for m in lookup.optimizer.momentum.values():  # state as after some training, not the zeros of a fresh one
+        m.copy_(torch.rand(m.shape, generator=gen) + 0.05)
+    return lookup
+
+
+def copy_state(src: PooledEmbeddingLookup, dst: PooledEmbeddingLookup) -> None:
+    for name, w in src.weights.items():
+        dst.weights[name].copy_(w)
+    for name, m in src.optimizer.momentum.items():
+        dst.optimizer.momentum[name].copy_(m)
+
+
+def on(bags: OwnedBags, device: torch.device) -> OwnedBags:
+    return OwnedBags(bags.features, bags.values.to(device), bags.lengths.to(device),
+                     None if bags.weights is None else bags.weights.to(device), bags.feature_value_offsets,
+                     bags.batch_sizes)
+
+
+def random_bags(batch: int, weighted: bool, gen: torch.Generator) -> OwnedBags:
+    """Skewed values over few rows (duplicates within and across bags), empty bags, one long bag."""
+    lengths = torch.randint(0, 5, (len(ROWS), batch), generator=gen)
+    lengths[:, 0] = 0  # an empty bag in every feature
+    lengths[0, -1] = 12  # a long bag: t0 has 10 rows, so it repeats rows
+    lengths[-1] = 0  # the last feature (table t4) reads nothing
+    values = [(torch.rand(int(l.sum()), generator=gen) ** 3 * r).long() for r, l in zip(ROWS, lengths)]
+    offsets = [0]
+    for v in values:
+        offsets.append(offsets[-1] + v.numel())
+    all_values = torch.cat(values)
+    weights = torch.rand(all_values.numel(), generator=gen) + 0.5 if weighted else None
+    return OwnedBags(features=[f for t in TABLES for f in t.feature_names], values=all_values, lengths=lengths,
+                     weights=weights, feature_value_offsets=offsets, batch_sizes=[batch])
+
+
+def backward_tables(lookup: PooledEmbeddingLookup) -> BackwardTables:
+    """What the lookup builds for its GPU path, here over its CPU tensors."""
+    names = list(lookup.tables)
+    momentum = [lookup.optimizer.momentum[n] for n in names] if lookup.optimizer.momentum else None
+    return BackwardTables([lookup.weights[n] for n in names], momentum,
+                          [names.index(t) for _, t in lookup.features],
+                          [lookup.tables[t].pooling == PoolingType.MEAN for _, t in lookup.features],
+                          lookup._anchor.device)
+
+
+def assert_same_state(got: PooledEmbeddingLookup, expected: PooledEmbeddingLookup, tol: float) -> None:
+    for name in expected.weights:
+        torch.testing.assert_close(got.weights[name].cpu(), expected.weights[name], rtol=tol, atol=tol, msg=name)
+    for name in expected.optimizer.momentum:
+        torch.testing.assert_close(got.optimizer.momentum[name].cpu(), expected.optimizer.momentum[name],
+                                   rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("dtype,weighted", [("fp32", False), ("fp32", True), ("fp16", True), ("bf16", False)])
+def test_kernel_matches_torch_path(optimizer, dtype, weighted):
+    torch_dtype, tol = DTYPES[dtype]
+    reference, fused = make_lookup(optimizer, torch_dtype), make_lookup(optimizer, torch_dtype, DEVICE)
+    copy_state(reference, fused)  # init_table draws differently on a GPU
+    untouched = reference.weights[UNREAD].clone()
+    tables = backward_tables(fused)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        bags = random_bags(6, weighted, gen)
+        grad = torch.randn(6, reference.output_dim, generator=gen)
+        reference.apply_gradient(bags, grad)
+        launch_embedding_backward(on(bags, DEVICE), grad.to(DEVICE), tables, fused.optimizer.config)
+        assert_same_state(fused, reference, tol)
+        if torch_dtype != torch.float32:  # both round each update to fp16/bf16, a little differently: start the
+            copy_state(reference, fused)  # next step equal, so rounding differences cannot compound
+    assert torch.equal(fused.weights[UNREAD].cpu(), untouched)
+    if optimizer == "rowwise_adagrad":
+        assert torch.equal(fused.optimizer.momentum[UNREAD].cpu(), reference.optimizer.momentum[UNREAD])
+
+
+def test_untouched_rows_keep_weight_and_state():
+    lookup = make_lookup("rowwise_adagrad", torch.float32, DEVICE)
+    before = {n: w.to("cpu", copy=True) for n, w in lookup.weights.items()}
+    momentum = {n: m.to("cpu", copy=True) for n, m in lookup.optimizer.momentum.items()}
+    bags = random_bags(5, True, torch.Generator().manual_seed(2))
+    launch_embedding_backward(on(bags, DEVICE), torch.randn(5, lookup.output_dim, device=DEVICE),
+                              backward_tables(lookup), lookup.optimizer.config)
+    after = {n: w.cpu() for n, w in lookup.weights.items()}
+    after_momentum = {n: m.cpu() for n, m in lookup.optimizer.momentum.items()}
+    for i, (_, table) in enumerate(lookup.features):
+        touched = torch.zeros(lookup.tables[table].num_embeddings, dtype=torch.bool)
+        for j, (_, t) in enumerate(lookup.features):
+            if t == table:
+                touched[bags.feature_bags(j)[0]] = True
+        assert touched.any() == (table != UNREAD)
+        assert torch.equal(after[table][~touched], before[table][~touched])
+        assert torch.equal(after_momentum[table][~touched], momentum[table][~touched])
+        assert (after[table][touched] != before[table][touched]).all()
+        assert (after_momentum[table][touched] > momentum[table][touched]).all()
+
+
+def test_no_occurrence_at_all_is_a_no_op():
+    lookup = make_lookup("sgd", torch.float32, DEVICE)
+    before = {n: w.clone() for n, w in lookup.weights.items()}
+    bags = random_bags(3, False, torch.Generator().manual_seed(3))
+    bags.lengths.zero_()
+    bags.values = bags.values[:0]
+    bags.feature_value_offsets = [0] * len(bags.feature_value_offsets)
+    launch_embedding_backward(on(bags, DEVICE), torch.randn(3, lookup.output_dim, device=DEVICE),
+                              backward_tables(lookup), lookup.optimizer.config)
+    for name, w in lookup.weights.items():
+        assert torch.equal(w, before[name])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_gpu_lookup_matches_cpu_with_one_host_sync(optimizer):
+    """The lookup's CUDA branch against its CPU branch; after the first step (which builds the launch metadata)
+    a backward makes exactly one host sync."""
+    cuda = torch.device("cuda")
+    reference, fused = make_lookup(optimizer, torch.float32), make_lookup(optimizer, torch.float32, cuda)
+    copy_state(reference, fused)
+    gen = torch.Generator().manual_seed(4)
+    for step in range(4):
+        bags = random_bags(9, True, gen)
+        grad = torch.randn(9, reference.output_dim, generator=gen)
+        reference.apply_gradient(bags, grad)
+        gpu_bags, gpu_grad = on(bags, cuda), grad.to(cuda)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")  # a warning per synchronizing call
+            try:
+                fused.apply_gradient(gpu_bags, gpu_grad)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs = [str(w.message) for w in record if "synchroniz" in str(w.message)]
+        if step > 0:
+            assert len(syncs) == 1, syncs
+    for name in reference.weights:
+        torch.testing.assert_close(fused.weights[name].cpu(), reference.weights[name], rtol=1e-5, atol=1e-6)
+    for name in reference.optimizer.momentum:
+        torch.testing.assert_close(fused.optimizer.momentum[name].cpu(), reference.optimizer.momentum[name],
+                                   rtol=1e-5, atol=1e-6)
+
