@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from torchrec import DataType, EmbeddingBagConfig, PoolingType
+from torchrec import EmbeddingBagConfig, PoolingType
 
 from fused_dlrm.kernels.embedding_backward import BackwardTables, launch_embedding_backward
 from fused_dlrm.sparse.input_dist import OwnedBags

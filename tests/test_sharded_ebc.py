@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection
+from bags import global_batch, to_kjt
 from world import run_world
 
 # Uneven rows and dims, a table read by two features, a mean-pooled table.
@@ -27,26 +28,6 @@ TABLES = [
 # torchrec's reference (nn.EmbeddingBag) takes per-sample weights with SUM pooling only.
 SUM_TABLES = [EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
                                  feature_names=t.feature_names) for t in TABLES]
-
-
-def global_batch(step: int, batch: int, tables, weighted: bool) -> tuple[torch.Tensor, list[torch.Tensor], list]:
-    """Random bags (empty ones and skewed lengths included) for every feature: lengths [F, B], values, weights."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    rows = [t.num_embeddings for t in tables for _ in t.feature_names]
-    lengths = torch.randint(0, 4, (len(rows), batch), generator=gen)
-    lengths[:, 0] = 0  # an empty bag in every feature
-    lengths[0, -1] = 9  # one long bag
-    values = [torch.randint(0, r, (int(l.sum()),), generator=gen) for r, l in zip(rows, lengths)]
-    weights = [torch.rand(v.numel(), generator=gen) for v in values] if weighted else None
-    return lengths, values, weights
-
-
-def to_kjt(keys, lengths, values, weights, start: int, stop: int) -> KeyedJaggedTensor:
-    """The KJT of samples [start, stop) of the global batch."""
-    offsets = [torch.cat([torch.zeros(1, dtype=torch.long), l.cumsum(0)]) for l in lengths]
-    vals = [v[o[start]:o[stop]] for v, o in zip(values, offsets)]
-    ws = None if weights is None else torch.cat([w[o[start]:o[stop]] for w, o in zip(weights, offsets)])
-    return KeyedJaggedTensor.from_lengths_sync(keys, torch.cat(vals), lengths[:, start:stop].reshape(-1), ws)
 
 
 def compare_with_torchrec(rank: int, world: int, optimizer: str, weighted: bool, batch: int, tables) -> None:

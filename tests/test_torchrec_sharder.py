@@ -38,6 +38,7 @@ from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.sparse import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.torchrec_sharder import (FusedEmbeddingBagCollectionSharder, TableWiseShardedEBC,
                                                 table_wise_plan_from_torchrec)
+from bags import global_batch, to_kjt
 from world import run_world
 
 CPU = torch.device("cpu")
@@ -57,26 +58,6 @@ SUM_TABLES = [EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim, num
 
 def keys_of(tables) -> list[str]:
     return [f for t in tables for f in t.feature_names]
-
-
-def global_batch(step: int, batch: int, tables, weighted: bool):
-    """Random bags (empty ones and a long one included) for every feature: lengths [F, B], values, weights."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    rows = [t.num_embeddings for t in tables for _ in t.feature_names]
-    lengths = torch.randint(0, 4, (len(rows), batch), generator=gen)
-    lengths[:, 0] = 0
-    lengths[0, -1] = 9
-    values = [torch.randint(0, r, (int(l.sum()),), generator=gen) for r, l in zip(rows, lengths)]
-    weights = [torch.rand(v.numel(), generator=gen) for v in values] if weighted else None
-    return lengths, values, weights
-
-
-def to_kjt(keys, lengths, values, weights, start: int, stop: int) -> KeyedJaggedTensor:
-    """The KJT of samples [start, stop) of the global batch."""
-    offsets = [torch.cat([torch.zeros(1, dtype=torch.long), l.cumsum(0)]) for l in lengths]
-    vals = [v[o[start]:o[stop]] for v, o in zip(values, offsets)]
-    ws = None if weights is None else torch.cat([w[o[start]:o[stop]] for w, o in zip(weights, offsets)])
-    return KeyedJaggedTensor.from_lengths_sync(keys, torch.cat(vals), lengths[:, start:stop].reshape(-1), ws)
 
 
 class SparseModel(nn.Module):

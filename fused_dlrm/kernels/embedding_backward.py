@@ -22,11 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_dlrm.kernels.pooled_embedding import TL_DTYPES, common_table_dtype
+
 if TYPE_CHECKING:  # only annotations: importing fused_dlrm.sparse here would be circular (lookup.py imports us)
     from fused_dlrm.sparse.input_dist import OwnedBags
     from fused_dlrm.sparse.optimizer import EmbeddingOptimizer, EmbeddingOptimizerConfig
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 # A segment's occurrences are gathered TILE_ELEMENTS // BLOCK_D at a time (at least 1): a hot row's gradient rows
 # load in parallel, while a row seen once (most rows) wastes few masked lanes. 512 elements over 2 warps was the
@@ -124,12 +125,7 @@ class BackwardTables:
     def __init__(self, weights: list[torch.Tensor], momentum: list[torch.Tensor] | None, feature_tables: list[int],
                  mean: list[bool], device: torch.device):
         """momentum: the optimizer's fp32 [rows] state of each table (row-wise Adagrad), None for SGD."""
-        dtypes = {w.dtype for w in weights}
-        if len(dtypes) > 1:
-            raise ValueError(f"one launch updates tables of one dtype, got {sorted(map(str, dtypes))}")
-        self.dtype = dtypes.pop() if dtypes else torch.float32
-        if self.dtype not in _TL_DTYPES:
-            raise ValueError(f"table dtype {self.dtype} is not supported (fp32, fp16, bf16)")
+        self.dtype = common_table_dtype(weights)
         for w in weights:
             if w.shape[0] >= 2**31 or not w.is_contiguous():  # the row is the low 32 bits of the sort key
                 raise ValueError(f"tables must be contiguous with < 2**31 rows, got {tuple(w.shape)}")
@@ -207,4 +203,4 @@ def launch_embedding_backward(bags: OwnedBags, grad: torch.Tensor, tables: Backw
         tables.table_ptrs, tables.momentum_ptrs, tables.dims,
         config.lr, config.eps,
         BLOCK_N=max(1, TILE_ELEMENTS // tables.block_dim), BLOCK_D=tables.block_dim,
-        TABLE_DTYPE=_TL_DTYPES[tables.dtype], HAS_SCALE=scales is not None, ADAGRAD=adagrad, num_warps=NUM_WARPS)
+        TABLE_DTYPE=TL_DTYPES[tables.dtype], HAS_SCALE=scales is not None, ADAGRAD=adagrad, num_warps=NUM_WARPS)

@@ -19,7 +19,7 @@ import triton.language as tl
 from fused_dlrm.kernels.peer_flags import consumer_released, signal_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, tile_coords
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def pooled_embedding_reference(weight: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
@@ -112,8 +112,19 @@ def launch_pooled_embedding(values: torch.Tensor, offsets: torch.Tensor, weights
         ready_ptrs if signal else dummy, ack if signal else dummy, error if signal else dummy,
         rank, epoch, global_batch, plan.num_tiles, num_programs, spin_limit,
         WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_B=features.block_rows,
-        BLOCK_L=features.block_len, BLOCK_D=features.block_dim, num_warps=features.num_warps, TABLE_DTYPE=_TL_DTYPES[features.dtype], HAS_WEIGHTS=weights is not None,
+        BLOCK_L=features.block_len, BLOCK_D=features.block_dim, num_warps=features.num_warps, TABLE_DTYPE=TL_DTYPES[features.dtype], HAS_WEIGHTS=weights is not None,
         SIGNAL=signal)
+
+
+def common_table_dtype(weights: list[torch.Tensor]) -> torch.dtype:
+    """The one dtype of the tables a launch reads (fp32, fp16 or bf16)."""
+    dtypes = {w.dtype for w in weights}
+    if len(dtypes) > 1:
+        raise ValueError(f"one launch handles tables of one dtype, got {sorted(map(str, dtypes))}")
+    dtype = dtypes.pop() if dtypes else torch.float32
+    if dtype not in TL_DTYPES:
+        raise ValueError(f"table dtype {dtype} is not supported (fp32, fp16, bf16)")
+    return dtype
 
 
 class FeatureTable:
@@ -123,12 +134,7 @@ class FeatureTable:
                  block_rows: int | None = None, block_len: int = 8, num_warps: int = 2):
         """Tiles of block_rows bags x block_len positions x all dims; by default about 2k elements per step
         (the best of a sweep on H200, docs/benchmarks.md: small tiles, many programs, many gathers in flight)."""
-        dtypes = {w.dtype for w in weights}
-        if len(dtypes) > 1:
-            raise ValueError(f"one launch pools tables of one dtype, got {sorted(map(str, dtypes))}")
-        self.dtype = dtypes.pop() if dtypes else torch.float32
-        if self.dtype not in _TL_DTYPES:
-            raise ValueError(f"table dtype {self.dtype} is not supported (fp32, fp16, bf16)")
+        self.dtype = common_table_dtype(weights)
         self.weights = weights  # keeps the tables (whose addresses the kernel reads) alive
         self.table_ptrs = torch.tensor([w.data_ptr() for w in weights] or [0], dtype=torch.int64, device=device)
         self.dims = torch.tensor([w.shape[1] for w in weights] or [0], dtype=torch.int32, device=device)

@@ -105,15 +105,7 @@ class FusedPooledAllToAll(nn.Module):
 
     def finish(self, bags: OwnedBags, epoch: int) -> torch.Tensor:
         sizes = bags.batch_sizes
-        half = max(sizes) * self.row_len
-        ready = self.ws.buffer("pooled_ready", self.world * self.num_programs, torch.int32)
-        ack = self.ws.buffer("pooled_ack", self.world, torch.int32)
-        wait_ready(ready.local, ack.peer_ptrs, self.errors.word, self.rank, self.world, epoch, self.num_programs,
-                   self.spin_limit)
-        self.errors.after_wait(epoch)
-        out = self.ws.buffer("pooled", 2 * half, torch.float32).local
-        base = (epoch % 2) * half
-        return out[base:base + sizes[self.rank] * self.row_len].view(sizes[self.rank], self.row_len)
+        return self._wait("pooled", epoch, max(sizes) * self.row_len, sizes[self.rank], self.row_len)
 
     # -- backward -----------------------------------------------------------------------------------------------
     def start_backward(self, bags: OwnedBags, grad: torch.Tensor) -> int:
@@ -134,15 +126,18 @@ class FusedPooledAllToAll(nn.Module):
 
     def finish_backward(self, bags: OwnedBags, epoch: int) -> None:
         half = bags.global_batch * max(self.owned_dim + [1])
-        ready = self.ws.buffer("grad_ready", self.world * self.num_programs, torch.int32)
-        ack = self.ws.buffer("grad_ack", self.world, torch.int32)
+        grad = self._wait("grad", epoch, half, bags.global_batch, self.owned_dim[self.rank])
+        self.lookup.apply_gradient(bags, grad)
+
+    def _wait(self, exchange: str, epoch: int, half: int, rows: int, cols: int) -> torch.Tensor:
+        """Enqueue the wait for every producer's flags of `epoch`; then `exchange`'s [rows, cols] result is ready."""
+        ready = self.ws.buffer(f"{exchange}_ready", self.world * self.num_programs, torch.int32)
+        ack = self.ws.buffer(f"{exchange}_ack", self.world, torch.int32)
         wait_ready(ready.local, ack.peer_ptrs, self.errors.word, self.rank, self.world, epoch, self.num_programs,
                    self.spin_limit)
         self.errors.after_wait(epoch)
-        out = self.ws.buffer("grad", 2 * half, torch.float32).local
         base = (epoch % 2) * half
-        width = self.owned_dim[self.rank]
-        self.lookup.apply_gradient(bags, out[base:base + bags.global_batch * width].view(bags.global_batch, width))
+        return self.ws.buffer(exchange, 2 * half, torch.float32).local[base:base + rows * cols].view(rows, cols)
 
     def forward(self, bags: OwnedBags) -> torch.Tensor:
         if self.lookup.training and torch.is_grad_enabled():
