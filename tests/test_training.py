@@ -118,3 +118,24 @@ def test_torchrun_two_processes(tmp_path):
     assert (run / "checkpoints" / "step_20").is_dir()
     evals = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "auc" in l]
     assert [e["step"] for e in evals] == [10, 20]
+
+
+def test_epochs_over_criteo_files(tmp_path):
+    """trainer.epochs with the TSV reader: each epoch is one pass over the file, resumable mid-epoch."""
+    gen = torch.Generator().manual_seed(0)
+    lines = []
+    for i in range(70):  # 70 lines, global batch 16: 4 full batches and one short one per epoch
+        dense = [str(int(x)) if x > 0 else "" for x in torch.randint(-1, 50, (13,), generator=gen)]
+        cats = [f"{int(x):08x}" if x % 7 else "" for x in torch.randint(0, 2**31, (26,), generator=gen)]
+        lines.append("\t".join(["1" if i % 3 == 0 else "0"] + dense + cats))
+    path = tmp_path / "day_0.tsv"
+    path.write_text("\n".join(lines) + "\n")
+    common = ["data=criteo", "data.global_batch_size=16", "data.eval_batches=2", f"data.train.paths=[{path}]",
+              f"data.eval.paths=[{path}]", "model.num_rows=100", "trainer.max_steps=null", "trainer.epochs=2",
+              "trainer.log_every=1", "trainer.eval_every=0", "trainer.checkpoint_every=3", "trainer.keep_checkpoints=5",
+              "trainer.progress=false"]
+    full = train(config(*common), CPU, tmp_path / "full")
+    assert full.step == 10  # 5 batches per epoch
+    resumed = train(config(*common, f"trainer.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_6'}"),
+                    CPU, tmp_path / "resumed")
+    assert resumed.losses == [(s, l) for s, l in full.losses if s > 6]
