@@ -139,3 +139,15 @@ def test_epochs_over_criteo_files(tmp_path):
     resumed = train(config(*common, f"trainer.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_6'}"),
                     CPU, tmp_path / "resumed")
     assert resumed.losses == [(s, l) for s, l in full.losses if s > 6]
+
+
+def _prefetch_same_curve(rank: int, world: int, tmp: str) -> None:
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    common = SMALL + ["trainer.max_steps=12", "trainer.eval_every=6", "trainer.checkpoint_every=0"]
+    ahead = train(config(*common, "trainer.prefetch_input_dist=true"), env, Path(tmp) / "ahead")
+    inline = train(config(*common, "trainer.prefetch_input_dist=false"), env, Path(tmp) / "inline")
+    assert ahead.losses == inline.losses and ahead.evals == inline.evals
+
+
+def test_input_dist_ahead_gives_the_same_training(tmp_path):
+    run_world(2, _prefetch_same_curve, str(tmp_path))

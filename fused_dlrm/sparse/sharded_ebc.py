@@ -80,6 +80,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                             {n: m.weight.data for n, m in self.embedding_bags.items()},
                                             optimizer, device)
         self.output_dist = BulkOutputDist(dims_of_rank, _column_order(tables, features_of_rank), group)
+        self._prefetched: tuple[KeyedJaggedTensor, object] | None = None
+        self._side_stream = None
         self.fused = None
         if comm is not None:
             self.fused = build_fused_exchange(self.lookup, features_of_rank, tables, comm, group, device)
@@ -88,14 +90,41 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return self._configs
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        self.check_features(features)
-        bags = self.input_dist(features)
+        bags = self._take_prefetched(features)
+        if bags is None:
+            self.check_features(features)
+            bags = self.input_dist(features)
         if self.fused is not None:
             values = self.fused(bags)
         else:
             values = self.output_dist(self.lookup(bags), bags.batch_sizes)
         values = divide_gradient_like_torchrec(values, self.world_size)
         return KeyedTensor(keys=self.feature_names, length_per_key=self._feature_dims, values=values, key_dim=1)
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Distribute a coming batch's input now, on a side stream on GPUs, so that forward(features) finds its
+        bags ready, as torchrec's TrainPipelineSparseDist does: call it after the current step's backward, on
+        every rank at the same point (the all-to-alls must be issued in the same order everywhere)."""
+        self.check_features(features)
+        if features.values().device.type != "cuda":
+            self._prefetched = (features, self.input_dist(features))
+            return
+        self._side_stream = self._side_stream or torch.cuda.Stream(features.values().device)
+        self._side_stream.wait_stream(torch.cuda.current_stream())  # the KJT was made on the current stream
+        with torch.cuda.stream(self._side_stream):
+            self._prefetched = (features, self.input_dist(features))
+
+    def _take_prefetched(self, features: KeyedJaggedTensor):
+        if self._prefetched is None or self._prefetched[0] is not features:
+            return None
+        bags, self._prefetched = self._prefetched[1], None
+        if bags.values.is_cuda:  # made on the side stream, read on this one
+            main = torch.cuda.current_stream()
+            main.wait_stream(self._side_stream)
+            for t in (bags.values, bags.lengths, bags.weights):
+                if t is not None:
+                    t.record_stream(main)
+        return bags
 
     def check_features(self, features: KeyedJaggedTensor) -> None:
         """Unknown or missing keys and out-of-range indices raise here, before any rank communicates."""

@@ -115,10 +115,20 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
 
     saved_step = step
 
-    for epoch, batch in batch_stream(train_data, step, cfg.data.get("steps_per_epoch")):
-        if (t.max_steps is not None and step >= t.max_steps) or (t.epochs is not None and epoch >= t.epochs):
-            break
+    def next_batch():
+        """The next (epoch, batch) on the device, its input all-to-all already under way when prefetching."""
+        epoch, batch = next(batches)
         batch = to_device(batch, env.device)
+        if t.prefetch_input_dist and not done(epoch):
+            sparse.prefetch(batch.sparse_features)
+        return epoch, batch
+
+    def done(epoch: int) -> bool:
+        return (t.max_steps is not None and step >= t.max_steps) or (t.epochs is not None and epoch >= t.epochs)
+
+    batches = batch_stream(train_data, step, cfg.data.get("steps_per_epoch"))
+    epoch, batch = next_batch()
+    while not done(epoch):
         logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
         # Sum over the local batch / global batch, times world size: DDP's average over ranks (and the sparse
         # all-to-all's division by world size, as in torchrec) then give the gradient of the global-batch mean,
@@ -130,6 +140,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         optimizer.step()
         loss_sum += torch.stack([loss.detach(), (~torch.isfinite(loss.detach())).float()])
         step += 1
+        epoch, batch = next_batch()  # its input dist overlaps this step's tail on the GPU
         interval_steps += 1
         bar.update(1)
 
