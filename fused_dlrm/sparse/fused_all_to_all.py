@@ -72,7 +72,7 @@ class FusedPooledAllToAll(nn.Module):
         device = workspace.device
         mine = features_of_rank[self.rank]
         self.owned = FeatureTable([lookup.weights[t] for _, t in lookup.features], [config_col[f] for f in mine],
-                                  [lookup._is_mean(t) for _, t in lookup.features], device)
+                                  [lookup.is_mean(t) for _, t in lookup.features], device)
         # Backward: my gradient columns (config order) -> each owner's lookup columns, grouped by owner.
         pushed = [(f, r) for r in range(self.world) for f in features_of_rank[r]]
         lookup_col = {f: sum(dims[g] for g in feats[:i]) for feats in features_of_rank for i, f in enumerate(feats)}

@@ -87,7 +87,7 @@ class PooledEmbeddingLookup(nn.Module):
         for i, (_, table) in enumerate(self.features):
             values, lengths, weights = bags.feature_bags(i)
             columns.append(pooled_embedding_reference(self.weights[table], values, lengths, weights,
-                                                      self._is_mean(table)))
+                                                      self.is_mean(table)))
         if not columns:
             return torch.empty(bags.global_batch, 0, device=self._anchor.device)
         return torch.cat(columns, dim=1)
@@ -99,7 +99,7 @@ class PooledEmbeddingLookup(nn.Module):
             dims = [self.tables[t].embedding_dim for _, t in self.features]
             self._kernel_features = FeatureTable([self.weights[t] for _, t in self.features],
                                                  [sum(dims[:i]) for i in range(len(dims))],
-                                                 [self._is_mean(t) for _, t in self.features], device)
+                                                 [self.is_mean(t) for _, t in self.features], device)
         out = torch.empty(bags.global_batch, self.output_dim, device=device)
         plan = plan_peer_tiles(0, [(0, bags.global_batch)], [(0, len(self.features))],
                                self._kernel_features.block_rows, device)
@@ -115,7 +115,7 @@ class PooledEmbeddingLookup(nn.Module):
         """Sum each table's row gradients over its features and apply the optimizer: on GPUs one fused Triton
         launch for all tables (one host sync), on the CPU the per-table torch reference. Either way the optimizer
         state stays in `self.optimizer.momentum` (checkpoints read it there)."""
-        features = [(t, self._is_mean(t)) for _, t in self.features]
+        features = [(t, self.is_mean(t)) for _, t in self.features]
         if self._anchor.device.type != "cuda":
             embedding_backward_reference(bags, grad, self.optimizer, features)
             return
@@ -129,5 +129,5 @@ class PooledEmbeddingLookup(nn.Module):
                                                             [mean for _, mean in features], grad.device)
         launch_embedding_backward(bags, grad, tables, self.optimizer.config)
 
-    def _is_mean(self, table: str) -> bool:
+    def is_mean(self, table: str) -> bool:
         return self.tables[table].pooling == PoolingType.MEAN
