@@ -1,0 +1,95 @@
+"""A group of SwiGLU experts applied to permuted rows (each expert's rows contiguous)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _swiglu_loop(x: torch.Tensor, counts: list[int], w1, w3, w2) -> torch.Tensor:
+    """One matmul chain per expert: the CPU path and the fallback. Experts with no rows still take part, so their
+    weights get a zero gradient rather than none."""
+    outs = [(F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e] for e, rows in enumerate(torch.split(x, counts))]
+    return torch.cat(outs)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: torch._grouped_mm's backward rejects the expanded
+    (stride 0) gradients that e.g. out.sum() produces."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _swiglu_grouped(x: torch.Tensor, counts: list[int], w1, w3, w2) -> torch.Tensor:
+    """The same with torch._grouped_mm: one kernel per projection for all experts (offs = group ends)."""
+    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+    return _ContiguousGrad.apply(torch._grouped_mm(h, w2, offs=offs))
+
+
+@functools.cache
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype, d_model: int, ffn: int) -> bool:
+    """Whether torch._grouped_mm runs forward and backward for this device, dtype and shape (it requires recent
+    GPUs, some dtypes only and aligned strides): probed once on a small problem, compared with the loop."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, d_model, generator=generator).to(device, dtype).requires_grad_()
+    ws = [torch.randn(2, a, b, generator=generator).to(device, dtype).requires_grad_()
+          for a, b in ((d_model, ffn), (d_model, ffn), (ffn, d_model))]
+    try:
+        got = _swiglu_grouped(x, [4, 2], *ws)
+        got.sum().backward()
+    except RuntimeError:
+        return False
+    expected = _swiglu_loop(x.detach(), [4, 2], *(w.detach() for w in ws))
+    return bool(torch.allclose(got.detach().float(), expected.float(), rtol=2e-2, atol=2e-2))
+
+
+class SwiGLUExperts(nn.Module):
+    """Experts first_expert .. first_expert + num_experts - 1 of a model:
+    out = (silu(x @ w1[e]) * (x @ w3[e])) @ w2[e], with w1, w3: [E, d_model, ffn] and w2: [E, ffn, d_model].
+
+    Each expert's weights come from its own generator, seeded by (seed, global expert index): a rank holding a
+    slice of the experts gets exactly the weights a one-process model with all experts has for them.
+    """
+
+    def __init__(self, num_experts: int, d_model: int, ffn: int, first_expert: int = 0, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        super().__init__()
+        self.num_experts = num_experts
+        self.first_expert = first_expert
+        w1, w3, w2 = [], [], []
+        for e in range(first_expert, first_expert + num_experts):
+            generator = torch.Generator().manual_seed(expert_seed(seed, e))
+            w1.append(torch.randn(d_model, ffn, generator=generator, dtype=torch.float64) / math.sqrt(d_model))
+            w3.append(torch.randn(d_model, ffn, generator=generator, dtype=torch.float64) / math.sqrt(d_model))
+            w2.append(torch.randn(ffn, d_model, generator=generator, dtype=torch.float64) / math.sqrt(ffn))
+        self.w1 = nn.Parameter(torch.stack(w1).to(dtype=dtype, device=device))
+        self.w3 = nn.Parameter(torch.stack(w3).to(dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.stack(w2).to(dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        """x: [sum(tokens_per_expert), d_model], expert e's rows contiguous and in expert order."""
+        if len(tokens_per_expert) != self.num_experts or sum(tokens_per_expert) != x.shape[0]:
+            raise ValueError(f"tokens_per_expert {tokens_per_expert} does not describe {self.num_experts} experts "
+                             f"and {x.shape[0]} rows")
+        if x.is_cuda and _grouped_mm_works(x.device, x.dtype, self.w1.shape[1], self.w1.shape[2]):
+            return _swiglu_grouped(x, tokens_per_expert, self.w1, self.w3, self.w2)
+        return _swiglu_loop(x, tokens_per_expert, self.w1, self.w3, self.w2)
+
+
+def expert_seed(seed: int, expert: int) -> int:
+    """Seed of one expert's generator: distinct for every (seed, expert) pair, and never `seed` itself (the
+    router's)."""
+    if not 0 <= expert < (1 << 20) - 1:
+        raise ValueError(f"expert index {expert} out of range")
+    return (seed << 20) + expert + 1

@@ -1,0 +1,147 @@
+"""moe.routing and moe.permute against straightforward per-token reference code.
+
+The reference helpers here are also the routing half of the one-process MoE that tests/test_moe_layer.py
+compares the expert-parallel layer with.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moe import TopKRouter, permute, route, unpermute
+
+
+def reference_route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
+                    capacity_factor: float | None = None):
+    """Loop version of the router: returns (dense weights [T, E] with dropped assignments at 0, aux loss, z-loss,
+    kept assignments as a set of (token, expert))."""
+    logits = logits.double()
+    num_tokens, num_experts = logits.shape
+    probs = torch.softmax(logits, dim=-1)
+    dense = torch.zeros(num_tokens, num_experts, dtype=torch.float64)
+    wanted = [0] * num_experts
+    capacity = math.inf if capacity_factor is None else math.ceil(num_tokens * top_k / num_experts * capacity_factor)
+    kept = set()
+    for t in range(num_tokens):
+        chosen = sorted(range(num_experts), key=lambda e: -probs[t, e].item())[:top_k]
+        total = sum(probs[t, e] for e in chosen) if renormalize else 1.0
+        for e in chosen:
+            wanted[e] += 1
+            if wanted[e] <= capacity:  # token order: an expert keeps its first `capacity` assignments
+                dense[t, e] = probs[t, e] / total
+                kept.add((t, e))
+    aux = num_experts * sum(wanted[e] / max(num_tokens * top_k, 1) * probs[:, e].sum() / max(num_tokens, 1)
+                            for e in range(num_experts))
+    z = sum(torch.logsumexp(logits[t], dim=0) ** 2 for t in range(num_tokens)) / max(num_tokens, 1)
+    return dense, torch.as_tensor(aux, dtype=torch.float64), torch.as_tensor(z, dtype=torch.float64), kept
+
+
+def dense_weights(routing, num_experts: int) -> torch.Tensor:
+    """The router's [T, k] decision as a dense [T, E] weight matrix (dropped assignments already weigh 0)."""
+    dense = torch.zeros(routing.expert_ids.shape[0], num_experts, dtype=routing.weights.dtype)
+    return dense.scatter_add(1, routing.expert_ids, routing.weights)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_matches_reference(top_k, renormalize):
+    generator = torch.Generator().manual_seed(top_k)
+    logits = torch.randn(37, 6, generator=generator, dtype=torch.float64) * 2
+    routing = route(logits, top_k, renormalize)
+    dense, aux, z, _ = reference_route(logits, top_k, renormalize)
+    torch.testing.assert_close(dense_weights(routing, 6), dense, rtol=1e-12, atol=0)
+    torch.testing.assert_close(routing.aux_loss, aux, rtol=1e-12, atol=0)
+    torch.testing.assert_close(routing.z_loss, z, rtol=1e-12, atol=0)
+    assert routing.kept.all() and routing.capacity is None
+    assert routing.tokens_per_expert.tolist() == (dense > 0).sum(dim=0).tolist()
+    # Best first; renormalised weights sum to 1 per token.
+    assert (routing.weights[:, :-1] >= routing.weights[:, 1:]).all()
+    if renormalize:
+        torch.testing.assert_close(routing.weights.sum(dim=1), torch.ones(37, dtype=torch.float64))
+
+
+def test_hand_computed_losses():
+    # Router weight = identity, so logits = x. Tokens 0, 1: logits (ln 3, 0) -> probs (3/4, 1/4), expert 0;
+    # token 2: (0, ln 3) -> (1/4, 3/4), expert 1. f = (2/3, 1/3), P = (1.75/3, 1.25/3):
+    # aux = 2 * (2/3 * 1.75/3 + 1/3 * 1.25/3) = 19/18. Every logsumexp is ln 4: z = (ln 4)^2.
+    router = TopKRouter(2, 2, top_k=1, renormalize=False, dtype=torch.float64)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(2, dtype=torch.float64))
+    ln3 = math.log(3)
+    routing = router(torch.tensor([[ln3, 0.0], [ln3, 0.0], [0.0, ln3]], dtype=torch.float64))
+    assert routing.expert_ids.tolist() == [[0], [0], [1]]
+    torch.testing.assert_close(routing.weights, torch.tensor([[0.75], [0.75], [0.75]], dtype=torch.float64))
+    torch.testing.assert_close(routing.aux_loss, torch.tensor(19 / 18, dtype=torch.float64))
+    torch.testing.assert_close(routing.z_loss, torch.tensor(math.log(4) ** 2, dtype=torch.float64))
+
+
+def test_losses_have_router_gradients_and_low_precision_logits_route_in_fp32():
+    generator = torch.Generator().manual_seed(1)
+    router = TopKRouter(8, 4, top_k=2, dtype=torch.bfloat16)
+    x = torch.randn(20, 8, generator=generator).bfloat16()
+    routing = router(x)
+    assert routing.weights.dtype == torch.float32 and routing.aux_loss.dtype == torch.float32
+    (routing.aux_loss + routing.z_loss).backward()
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.5])
+def test_capacity_drops_the_last_assignments_of_an_expert(capacity_factor):
+    generator = torch.Generator().manual_seed(2)
+    # A bias on expert 0 overloads it, so the capacity bites.
+    logits = torch.randn(29, 4, generator=generator, dtype=torch.float64) + torch.tensor([2.0, 0, 0, 0],
+                                                                                           dtype=torch.float64)
+    routing = route(logits, 2, capacity_factor=capacity_factor)
+    dense, aux, z, kept = reference_route(logits, 2, capacity_factor=capacity_factor)
+    assert routing.capacity == math.ceil(29 * 2 / 4 * capacity_factor)
+    assert {(t, e) for t, e in zip(*torch.nonzero(dense_weights(routing, 4)).T.tolist())} == kept
+    kept_pairs = {(t, routing.expert_ids[t, j].item()) for t, j in zip(*torch.nonzero(routing.kept).T.tolist())}
+    assert kept_pairs == kept
+    torch.testing.assert_close(dense_weights(routing, 4), dense, rtol=1e-12, atol=0)
+    torch.testing.assert_close(routing.aux_loss, aux, rtol=1e-12, atol=0)
+    assert routing.tokens_per_expert.max() <= routing.capacity
+    assert routing.tokens_per_expert.sum() == len(kept) < 29 * 2  # something was dropped
+
+
+def test_no_tokens():
+    routing = route(torch.randn(0, 4), 2, capacity_factor=1.0)
+    assert routing.expert_ids.shape == (0, 2) and routing.tokens_per_expert.tolist() == [0, 0, 0, 0]
+    assert routing.aux_loss.item() == 0 and routing.z_loss.item() == 0
+
+
+@pytest.mark.parametrize("with_drops", [False, True])
+def test_permute_groups_by_expert_and_unpermute_is_the_weighted_sum(with_drops):
+    generator = torch.Generator().manual_seed(3)
+    num_tokens, num_experts, top_k, d = 23, 5, 2, 7
+    x = torch.randn(num_tokens, d, generator=generator, dtype=torch.float64, requires_grad=True)
+    expert_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=generator, dtype=torch.float64, requires_grad=True)
+    kept = torch.rand(num_tokens, top_k, generator=generator) > 0.3 if with_drops else None
+    rows, perm = permute(x, expert_ids, num_experts, kept)
+
+    # Reference: for each expert in turn, its (kept) assignments in token order.
+    expected_rows, expected_counts = [], []
+    for e in range(num_experts):
+        tokens = [t for t in range(num_tokens) for j in range(top_k)
+                  if expert_ids[t, j] == e and (kept is None or kept[t, j])]
+        expected_rows += [x[t] for t in tokens]
+        expected_counts.append(len(tokens))
+    assert perm.tokens_per_expert.tolist() == expected_counts
+    assert perm.offsets.tolist() == [0] + torch.tensor(expected_counts).cumsum(0).tolist()
+    torch.testing.assert_close(rows, torch.stack(expected_rows), rtol=0, atol=0)
+
+    # Round trip: unpermute(permute(x)) with weights w is sum_j w[t, j] * x[t] over the kept assignments.
+    y = unpermute(rows * 3, perm, weights)
+    keep = torch.ones(num_tokens, top_k, dtype=torch.bool) if kept is None else kept
+    expected = 3 * x * (weights * keep).sum(dim=1, keepdim=True)
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+
+    # Gradients through both directions equal those of the reference expression.
+    g = torch.randn(num_tokens, d, generator=generator, dtype=torch.float64)
+    got = torch.autograd.grad((y * g).sum(), (x, weights))
+    want = torch.autograd.grad((expected * g).sum(), (x, weights))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
