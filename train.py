@@ -1,5 +1,7 @@
-"""Train a model: `python train.py model=dlrm`, or under `torchrun --nproc_per_node=N train.py ...`."""
+"""Train a model: `python train.py model=dlrm` (or model=moe_transformer), or under
+`torchrun --nproc_per_node=N train.py ...`."""
 
+import importlib
 import logging
 
 import hydra
@@ -7,14 +9,19 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from fused_dlrm.dist import destroy_distributed, init_distributed
-from fused_dlrm.train.loop import train
 from fused_dlrm.train.rundir import agree_on_run_dir, register_resolvers
 
 register_resolvers()
 
+# cfg.model.name -> the module whose train(cfg, env, run_dir) runs it
+TRAINERS = {"dlrm": "fused_dlrm.train.loop", "moe_transformer": "moe.train"}
+
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    if cfg.model.name not in TRAINERS:
+        raise ValueError(f"unknown model.name {cfg.model.name!r}: expected one of {sorted(TRAINERS)}")
+    train = importlib.import_module(TRAINERS[cfg.model.name]).train
     env = init_distributed(cfg.trainer.device, cfg.comm.backend)
     if not env.is_main:  # one console is enough; every rank still writes its own log file
         for handler in logging.getLogger().handlers:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,7 @@ from fused_dlrm.data import SyntheticCriteo
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.train.loop import NonFiniteLossError, train
 from fused_dlrm.train.rundir import register_resolvers
-from world import run_world
+from world import run_torchrun, run_world
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
@@ -106,13 +103,8 @@ def test_missing_data_file_is_a_clear_error(tmp_path):
 
 def test_torchrun_two_processes(tmp_path):
     """The README's distributed command (gloo here, NCCL where there are GPUs): both ranks train, one run directory, a checkpoint per step."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "train.py",
-           *SMALL, "trainer.max_steps=20", "trainer.eval_every=10", "trainer.checkpoint_every=20",
-           f"hydra.run.dir={tmp_path}/run"]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_torchrun([*SMALL, "trainer.max_steps=20", "trainer.eval_every=10", "trainer.checkpoint_every=20",
+                  f"hydra.run.dir={tmp_path}/run"])
     run = tmp_path / "run"
     assert (run / "train_rank0.log").exists() and (run / "train_rank1.log").exists()
     assert (run / "checkpoints" / "step_20").is_dir()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,3 +35,15 @@ def run_world(world_size: int, fn, *args, backend: str = "gloo") -> None:
     """
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), backend, fn, args), nprocs=world_size, join=True)
+
+
+def run_torchrun(args: list[str], nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=<nproc> --standalone train.py <args>` from the repository root; fails on error."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", "train.py",
+           *args]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done

@@ -73,3 +73,10 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """In-place sum over all ranks (nothing to do in one process)."""
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t

@@ -31,9 +31,12 @@ def _is_main() -> bool:
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, embedding_optimizer) -> dict:
+    """embedding_optimizer None: a model without one (the MoE Transformer); no entry for it is written or read."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "dense_optimizer": optim_state,
-            "embedding_optimizer": embedding_optimizer.state_dict(), "step": torch.zeros((), dtype=torch.int64)}
+    state = {"model": model_state, "dense_optimizer": optim_state, "step": torch.zeros((), dtype=torch.int64)}
+    if embedding_optimizer is not None:
+        state["embedding_optimizer"] = embedding_optimizer.state_dict()
+    return state
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -42,7 +45,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    embedding_optimizer, keep_last: int = 2) -> Path:
+                    embedding_optimizer=None, keep_last: int = 2) -> Path:
     root = Path(root)
     final, partial = root / f"step_{step}", root / f"step_{step}.partial"
     if _is_main():
@@ -65,7 +68,7 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    embedding_optimizer) -> int:
+                    embedding_optimizer=None) -> int:
     """Load a step_<N> folder, or the latest one under a checkpoint root; returns the step it was taken at."""
     path = Path(path)
     if not path.exists():
@@ -78,6 +81,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     state = _state(model, optimizer, embedding_optimizer)
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["dense_optimizer"])
-    embedding_optimizer.load_state_dict(state["embedding_optimizer"])
+    if embedding_optimizer is not None:
+        embedding_optimizer.load_state_dict(state["embedding_optimizer"])
     log.info("resumed from %s (step %d)", path, int(state["step"]))
     return int(state["step"])

@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from fused_dlrm.dist import DistEnv
+from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
 from fused_dlrm.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fused_dlrm.train.metrics import CTRMetrics
+from fused_dlrm.train.schedule import after_step, at_end
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,6 @@ class TrainResult:
     step: int = 0
     losses: list[tuple[int, float]] = field(default_factory=list)  # (step, mean loss over the log interval)
     evals: list[dict] = field(default_factory=list)
-
-
-def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return t
 
 
 def evaluate(model, dataset, num_batches: int, env: DistEnv) -> dict[str, float]:
@@ -87,7 +81,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     def check_loss() -> float:
         """Reduce the interval's loss over ranks; stop the run on NaN/inf (before any checkpoint is written)."""
         nonlocal interval_start, interval_steps
-        total = _all_reduce_sum(loss_sum.clone()).tolist()
+        total = all_reduce_sum(loss_sum.clone()).tolist()
         if total[1] > 0:
             last = latest_checkpoint(checkpoint_dir) if checkpoint_dir.exists() else None
             raise NonFiniteLossError(
@@ -133,7 +127,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         # Sum over the local batch / global batch, times world size: DDP's average over ranks (and the sparse
         # all-to-all's division by world size, as in torchrec) then give the gradient of the global-batch mean,
         # uneven local batches weighted correctly.
-        global_batch = _all_reduce_sum(torch.tensor(float(logits.numel()), device=env.device))
+        global_batch = all_reduce_sum(torch.tensor(float(logits.numel()), device=env.device))
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") * env.world_size / global_batch
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -144,19 +138,10 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         interval_steps += 1
         bar.update(1)
 
-        if step % t.log_every == 0 or (t.checkpoint_every and step % t.checkpoint_every == 0):
-            check_loss()
-        if t.checkpoint_every and step % t.checkpoint_every == 0:
-            checkpoint()
-        if t.eval_every and step % t.eval_every == 0:
-            run_eval()
+        after_step(step, t, check_loss, checkpoint, run_eval)
 
-    if interval_steps:
-        check_loss()
-    if not result.evals or result.evals[-1]["step"] != step:
-        run_eval()
-    if t.checkpoint_every and saved_step != step:
-        checkpoint()
+    at_end(step, t, interval_steps, result.evals[-1]["step"] if result.evals else None, saved_step,
+           check_loss, checkpoint, run_eval)
     bar.close()
     result.step = step
     return result

@@ -1,0 +1,93 @@
+"""Byte-level text for the MoE Transformer: a corpus file, split 95 / 5 into train and eval, random windows.
+
+Without a file, a corpus is built from text that ships with Python: the standard library's top-level module
+sources (`sysconfig.get_paths()["stdlib"]`, `*.py`, sorted by name) concatenated until `size_bytes`. No
+download. It is written to a cache file (atomically) and read back from there when it exists.
+
+Batch `step` of a split is a function of (seed, split, step): `global_batch_size` window starts drawn from a
+generator seeded by them; rank r takes its slice `local_batch_bounds(...)` of those windows. The global batch
+is therefore the same whatever the world size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from fused_dlrm.data.batching import local_batch_bounds
+
+DEFAULT_SIZE_BYTES = 2_000_000
+EVAL_FRACTION = 0.05
+
+
+def _derive_seed(*parts: object) -> int:
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def stdlib_corpus(size_bytes: int = DEFAULT_SIZE_BYTES) -> bytes:
+    """The first `size_bytes` of the sorted stdlib module sources, concatenated (fewer if the stdlib is smaller)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(stdlib.glob("*.py"))
+    if not files:
+        raise FileNotFoundError(f"no *.py module sources under the Python standard library at {stdlib}")
+    parts, total = [], 0
+    for f in files:
+        parts.append(f.read_bytes())
+        total += len(parts[-1])
+        if total >= size_bytes:
+            break
+    return b"".join(parts)[:size_bytes]
+
+
+def load_corpus(path: str | os.PathLike | None, cache: str | os.PathLike | None = None,
+                size_bytes: int = DEFAULT_SIZE_BYTES) -> bytes:
+    """The bytes of `path`; with path None, the stdlib corpus, read from `cache` if there, else built (and
+    written to `cache` when given)."""
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"corpus file not found: {path}")
+        return path.read_bytes()
+    if cache is not None and Path(cache).is_file():
+        return Path(cache).read_bytes()
+    data = stdlib_corpus(size_bytes)
+    if cache is not None:  # every rank may build it: write to a private name, then rename atomically
+        cache = Path(cache)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, cache)
+    return data
+
+
+class ByteWindows:
+    """One split of a byte corpus, batched per rank: `batch(step)` -> (inputs, targets), both [local, seq_len]
+    int64, targets = inputs shifted by one byte."""
+
+    def __init__(self, corpus: bytes, split: str, seq_len: int, global_batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, eval_fraction: float = EVAL_FRACTION):
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be train or eval, got {split!r}")
+        cut = int(len(corpus) * (1 - eval_fraction))
+        part = corpus[:cut] if split == "train" else corpus[cut:]
+        if len(part) < seq_len + 1:
+            raise ValueError(f"the {split} part of the corpus has {len(part)} bytes, fewer than seq_len + 1 = "
+                             f"{seq_len + 1}")
+        self.data = torch.frombuffer(bytearray(part), dtype=torch.uint8)
+        self.split, self.seq_len, self.seed = split, seq_len, seed
+        self.global_batch_size = global_batch_size
+        self.start, self.stop = local_batch_bounds(global_batch_size, rank, world_size)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        gen = torch.Generator().manual_seed(_derive_seed(self.seed, self.split, step))
+        starts = torch.randint(0, len(self.data) - self.seq_len, (self.global_batch_size,), generator=gen)
+        starts = starts[self.start:self.stop]
+        windows = self.data[starts[:, None] + torch.arange(self.seq_len + 1)].long()
+        return windows[:, :-1], windows[:, 1:]

@@ -1,0 +1,191 @@
+"""The MoE Transformer's training loop: read it top to bottom (it follows fused_dlrm/train/loop.py).
+
+One step: this rank's slice of the global batch -> MoETransformer forward (the dispatch / combine all-to-alls
+inside every MoE layer) -> loss = cross-entropy + aux_coeff * load balancing + z_coeff * z loss -> backward ->
+`sync_gradients` (replicated parameters averaged over ranks) -> optimizer step. Every `log_every` steps the
+losses are reduced over ranks and checked for NaN/inf, and tokens/s and the expert load are logged; every
+`eval_every` steps the eval loss is measured; every `checkpoint_every` steps a checkpoint is written (only after
+the loss was checked). Only trainer.max_steps is supported (no epochs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch import nn
+from tqdm import tqdm
+
+from fused_dlrm.dist import DistEnv, all_reduce_sum
+from fused_dlrm.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fused_dlrm.train.loop import NonFiniteLossError, TrainResult
+from fused_dlrm.train.schedule import after_step, at_end
+from moe.data import ByteWindows, load_corpus
+from moe.transformer import MoETransformer, expert_parameters
+
+log = logging.getLogger(__name__)
+
+
+def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
+    m = cfg.model
+    model = MoETransformer(vocab_size=m.vocab_size, d_model=m.d_model, num_layers=m.num_layers,
+                           num_heads=m.num_heads, ffn=m.ffn, num_experts=m.num_experts, top_k=m.top_k,
+                           moe_every=m.moe_every, shared_expert=m.shared_expert,
+                           capacity_factor=m.capacity_factor, seed=cfg.seed)
+    return model.to(env.device)
+
+
+def build_data(cfg: DictConfig, env: DistEnv, run_dir: Path) -> tuple[ByteWindows, ByteWindows]:
+    d = cfg.data
+    corpus = load_corpus(d.path, d.cache or run_dir / "corpus.txt", d.size_bytes)
+    return tuple(ByteWindows(corpus, split, d.seq_len, d.global_batch_size, env.rank, env.world_size, cfg.seed,
+                             d.eval_fraction) for split in ("train", "eval"))
+
+
+def sync_gradients(model: nn.Module, world_size: int) -> None:
+    """After backward: make every gradient that of the global-batch mean loss.
+
+    The loss each rank differentiates is its local sum times world / global tokens (DDP's convention), so:
+    replicated parameters (everything but the experts' w1/w2/w3) are all-reduce-averaged, in one flat buffer;
+    the experts' gradients are already complete on their owner (all_to_all_v's backward brought every rank's
+    share home) but carry that factor of world size, which is divided out (torchrec's gradient division).
+    """
+    if world_size == 1:
+        return
+    experts = {id(p) for p in expert_parameters(model)}
+    replicated = [p for p in model.parameters() if id(p) not in experts]
+    for p in replicated:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in replicated])
+    dist.all_reduce(flat)
+    flat.div_(world_size)
+    offset = 0
+    for p in replicated:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
+    for p in expert_parameters(model):
+        if p.grad is not None:
+            p.grad.div_(world_size)
+
+
+def token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+
+
+def evaluate(model: nn.Module, dataset: ByteWindows, num_batches: int, env: DistEnv) -> float:
+    """Mean cross-entropy per byte over `num_batches` eval batches of the global batch (a collective)."""
+    total = torch.zeros(2, device=env.device)
+    model.eval()
+    with torch.no_grad():
+        for step in range(num_batches):
+            inputs, targets = (t.to(env.device) for t in dataset.batch(step))
+            logits, _ = model(inputs)
+            total += torch.stack([token_cross_entropy_sum(logits, targets), torch.tensor(float(targets.numel()))])
+    model.train()
+    total = all_reduce_sum(total)
+    return float(total[0] / total[1])
+
+
+def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
+    t, m = cfg.trainer, cfg.model
+    if t.max_steps is None:
+        raise ValueError("the MoE Transformer trains for trainer.max_steps steps (trainer.epochs is not supported)")
+    model = build_model(cfg, env)
+    optimizer = instantiate(m.optimizer, params=model.parameters())
+    train_data, eval_data = build_data(cfg, env, run_dir)
+    checkpoint_dir = Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints"
+
+    step = 0
+    if t.resume_from:
+        step = load_checkpoint(t.resume_from, model, optimizer)
+    result = TrainResult(step=step)
+    metrics_file = run_dir / "metrics.jsonl"
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=t.max_steps, initial=step, disable=not (env.is_main and t.progress), desc="train")
+    num_moe_layers = sum(1 for i in range(m.num_layers) if (i + 1) % m.moe_every == 0)
+    # [sum of cross-entropy, of load-balancing loss, of z loss, count of non-finite total losses] per interval,
+    # and the kept assignments per (MoE layer, expert)
+    loss_sum = torch.zeros(4, device=env.device)
+    expert_load = torch.zeros(num_moe_layers, m.num_experts, dtype=torch.int64, device=env.device)
+    interval_start, interval_steps = time.perf_counter(), 0
+
+    def record(entry: dict) -> None:
+        if env.is_main:
+            with metrics_file.open("a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+    def check_loss() -> float:
+        """Reduce the interval's losses and expert load over ranks; stop the run on NaN/inf (before any
+        checkpoint is written)."""
+        nonlocal interval_start, interval_steps
+        total = all_reduce_sum(loss_sum.clone()).tolist()
+        if total[3] > 0:
+            last = latest_checkpoint(checkpoint_dir) if checkpoint_dir.exists() else None
+            raise NonFiniteLossError(
+                f"loss became NaN or inf between steps {step - interval_steps + 1} and {step}; stopping. "
+                f"Last good checkpoint: {last or 'none'}")
+        load = all_reduce_sum(expert_load.clone()).double()
+        samples = max(interval_steps * env.world_size, 1)
+        ce, lb, z = (v / samples for v in total[:3])
+        rate = interval_steps * cfg.data.global_batch_size * cfg.data.seq_len / (time.perf_counter() - interval_start)
+        # max / mean tokens per expert of each MoE layer, over all ranks (1.0: perfectly balanced)
+        imbalance = (load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9)).tolist()
+        loss_sum.zero_()
+        expert_load.zero_()
+        interval_start, interval_steps = time.perf_counter(), 0
+        result.losses.append((step, ce))
+        record({"step": step, "loss": ce, "load_balancing_loss": lb, "z_loss": z, "tokens_per_s": rate,
+                "expert_load_max_over_mean": imbalance, "tokens_per_expert": load.long().tolist()})
+        bar.set_postfix(loss=f"{ce:.4f}", tokens_s=f"{rate:,.0f}")
+        log.info("step %d loss %.5f lb %.4f z %.4f tokens/s %.0f expert max/mean %s", step, ce, lb, z, rate,
+                 " ".join(f"{x:.2f}" for x in imbalance))
+        return ce
+
+    def run_eval() -> None:
+        result.evals.append({"step": step, "eval_loss": evaluate(model, eval_data, cfg.data.eval_batches, env)})
+        record(result.evals[-1])
+        log.info("step %d eval loss %.4f", step, result.evals[-1]["eval_loss"])
+
+    def checkpoint() -> None:
+        nonlocal saved_step
+        save_checkpoint(checkpoint_dir, step, model, optimizer, None, t.keep_checkpoints)
+        saved_step = step
+
+    saved_step = step
+    while step < t.max_steps:
+        inputs, targets = (x.to(env.device) for x in train_data.batch(step))
+        logits, aux = model(inputs)
+        # Sum over the local tokens / global tokens, times world size: averaging the replicated gradients over
+        # ranks (sync_gradients) then gives the gradient of the global-batch mean, uneven local batches weighted
+        # correctly. The auxiliary losses are per rank (over its tokens, as Megatron's router computes them).
+        global_tokens = all_reduce_sum(torch.tensor(float(targets.numel()), device=env.device))
+        ce = token_cross_entropy_sum(logits, targets) * env.world_size / global_tokens
+        loss = ce + m.aux_coeff * aux["load_balancing_loss"] + m.z_coeff * aux["z_loss"]
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        sync_gradients(model, env.world_size)
+        optimizer.step()
+        loss_sum += torch.stack([ce.detach(), aux["load_balancing_loss"].detach(), aux["z_loss"].detach(),
+                                 (~torch.isfinite(loss.detach())).float()])
+        if num_moe_layers:
+            expert_load += torch.stack(aux["tokens_per_expert"])
+        step += 1
+        interval_steps += 1
+        bar.update(1)
+
+        after_step(step, t, check_loss, checkpoint, run_eval)
+
+    at_end(step, t, interval_steps, result.evals[-1]["step"] if result.evals else None, saved_step,
+           check_loss, checkpoint, run_eval)
+    bar.close()
+    result.step = step
+    return result

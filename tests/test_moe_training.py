@@ -1,0 +1,165 @@
+"""MoE Transformer training on bytes of Python's stdlib: config, loss falls, exact resume, 2 gloo ranks, corpus."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+
+from fused_dlrm.dist import DistEnv
+from fused_dlrm.train.rundir import register_resolvers
+from moe.data import ByteWindows, load_corpus, stdlib_corpus
+from moe.train import train
+from moe.transformer import MoETransformer, expert_parameters
+from world import run_torchrun, run_world
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+SMALL = ["model=moe_transformer", "trainer.progress=false", "trainer.eval_every=0", "data.eval_batches=2",
+         "data.size_bytes=300000"]
+
+SAME_AS_ONE_PROCESS = SMALL + ["trainer.max_steps=10", "trainer.log_every=1", "trainer.checkpoint_every=0",
+                               "model.aux_coeff=0", "model.z_coeff=0", "model.optimizer._target_=torch.optim.SGD",
+                               "model.optimizer.lr=0.5"]
+
+
+def config(*overrides: str):
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_config_composes_and_data_switches_with_the_model():
+    cfg = config("model=moe_transformer")
+    assert cfg.model.name == "moe_transformer" and cfg.data.path is None and cfg.data.seq_len == 64
+    assert "train" not in cfg.data  # the bytes group, not synthetic
+    assert config().data.train._target_.endswith("SyntheticCriteo")  # DLRM keeps its data
+
+
+def test_loss_falls_and_metrics_are_logged(tmp_path):
+    cfg = config(*SMALL, "trainer.max_steps=60", "trainer.log_every=10", "trainer.checkpoint_every=0")
+    result = train(cfg, CPU, tmp_path)
+    losses = [loss for _, loss in result.losses]
+    assert losses[-1] < losses[0] - 1.0 and losses[-1] < 3.0, losses  # from ~ln(256) = 5.5 per byte
+    assert result.evals[-1]["eval_loss"] < 3.2, result.evals
+    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {"loss", "tokens_per_s", "load_balancing_loss", "z_loss", "expert_load_max_over_mean"} <= set(lines[0])
+    # every kept assignment is counted: global batch 32 x 64 tokens x top-2 x 10 steps per MoE layer
+    assert [sum(layer) for layer in lines[0]["tokens_per_expert"]] == [32 * 64 * 2 * 10] * 2
+    assert (tmp_path / "corpus.txt").stat().st_size == 300000
+
+
+def test_resume_continues_the_exact_loss_curve(tmp_path):
+    common = SMALL + ["trainer.max_steps=24", "trainer.log_every=4", "trainer.checkpoint_every=8",
+                      "data.global_batch_size=16", "model.moe_every=2", "model.shared_expert=true"]
+    full = train(config(*common), CPU, tmp_path / "full")
+    assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step_16", "step_24"]
+    resumed = train(config(*common, f"trainer.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_16'}"),
+                    CPU, tmp_path / "resumed")
+    assert resumed.losses == [(s, l) for s, l in full.losses if s > 16]
+    assert resumed.evals == full.evals
+
+
+def _two_ranks(rank: int, world: int, tmp: str, one_process_losses) -> None:
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    tmp = Path(tmp)
+    # Without the per-rank auxiliary losses the 2-rank run computes the gradient of the same global-batch loss
+    # as one process: the same curve up to float summation order (SGD: Adam would hide a gradient scale error).
+    exact = train(config(*SAME_AS_ONE_PROCESS), env, tmp / "no_aux")
+    torch.testing.assert_close([l for _, l in exact.losses], one_process_losses, rtol=2e-4, atol=2e-4)
+
+    common = SMALL + ["trainer.max_steps=20", "trainer.log_every=5", "trainer.checkpoint_every=10"]
+    full = train(config(*common), env, tmp / "full")
+    resumed = train(config(*common, f"trainer.resume_from={tmp}/full/checkpoints/step_10"), env, tmp / "r10")
+    assert resumed.losses == [(s, l) for s, l in full.losses if s > 10]
+
+    # experts split over the ranks, everything else identical on both after training
+    model = MoETransformer(num_experts=4, seed=0)
+    layer = model.blocks[0].ffn
+    assert layer.num_local_experts == 2 and layer.experts.first_expert == 2 * rank
+    losses = torch.tensor([l for _, l in full.losses])
+    gathered = [torch.zeros_like(losses) for _ in range(world)]
+    dist.all_gather(gathered, losses)
+    assert torch.equal(gathered[0], gathered[1])
+
+
+def _replicated_checksum(model) -> torch.Tensor:
+    experts = {id(p) for p in expert_parameters(model)}
+    return torch.stack([p.detach().double().sum() for p in model.parameters() if id(p) not in experts])
+
+
+def _replicas_agree(rank: int, world: int, tmp: str) -> None:
+    from moe.train import build_model, sync_gradients
+    cfg = config(*SMALL)
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    model = build_model(cfg, env)
+    data = ByteWindows(stdlib_corpus(100_000), "train", 64, 8, rank, world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(3):
+        inputs, targets = data.batch(step)
+        logits, aux = model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1)) + aux["z_loss"]
+        optimizer.zero_grad()
+        loss.backward()
+        sync_gradients(model, world)
+        optimizer.step()
+    mine = _replicated_checksum(model)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    assert torch.equal(gathered[0], gathered[1])
+
+
+def test_two_ranks_match_one_process_resume_exactly_and_agree(tmp_path):
+    one = train(config(*SAME_AS_ONE_PROCESS), CPU, tmp_path / "one")
+    run_world(2, _two_ranks, str(tmp_path), [l for _, l in one.losses])
+
+
+def test_replicated_parameters_stay_identical_over_ranks(tmp_path):
+    run_world(2, _replicas_agree, str(tmp_path))
+
+
+def test_stdlib_corpus_and_cache(tmp_path):
+    first = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[0].read_bytes()
+    corpus = stdlib_corpus(50_000)
+    assert len(corpus) == 50_000 and corpus.startswith(first[:1000]) and corpus == stdlib_corpus(50_000)
+    cache = tmp_path / "sub" / "corpus.txt"
+    assert load_corpus(None, cache, 50_000) == corpus and cache.read_bytes() == corpus
+    cache.write_bytes(b"x" * 1000)  # an existing cache is read, not rebuilt
+    assert load_corpus(None, cache, 50_000) == b"x" * 1000
+
+
+def test_batches_are_rank_slices_of_one_global_batch():
+    corpus = bytes(range(256)) * 40
+    whole = ByteWindows(corpus, "train", 16, 6, seed=3)
+    parts = [ByteWindows(corpus, "train", 16, 6, rank=r, world_size=2, seed=3) for r in range(2)]
+    inputs, targets = whole.batch(5)
+    assert torch.equal(torch.cat([p.batch(5)[0] for p in parts]), inputs)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1]) and inputs.shape == (6, 16)
+    assert not torch.equal(whole.batch(6)[0], inputs)
+    eval_inputs, _ = ByteWindows(corpus, "eval", 16, 6, seed=3).batch(5)
+    assert not torch.equal(eval_inputs, inputs)
+
+
+def test_missing_corpus_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        load_corpus(tmp_path / "missing.txt")
+    cfg = config(*SMALL, "trainer.max_steps=5", f"data.path={tmp_path / 'missing.txt'}")
+    with pytest.raises(FileNotFoundError, match="corpus file not found: .*missing.txt"):
+        train(cfg, CPU, tmp_path)
+
+
+def test_torchrun_two_processes(tmp_path):
+    """train.py dispatches on model.name; both ranks train under torchrun (gloo), one run directory."""
+    run_torchrun([*SMALL, "trainer.max_steps=10", "trainer.log_every=5", "trainer.checkpoint_every=10",
+                  f"hydra.run.dir={tmp_path}/run"])
+    run = tmp_path / "run"
+    assert (run / "train_rank0.log").exists() and (run / "train_rank1.log").exists()
+    assert sorted(p.name for p in (run / "checkpoints" / "step_10").glob("*.distcp")) == ["__0_0.distcp",
+                                                                                       "__1_0.distcp"]
+    lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines if "loss" in l] == [5, 10] and "eval_loss" in lines[-1]
