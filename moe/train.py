@@ -27,6 +27,7 @@ from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fused_dlrm.train.loop import NonFiniteLossError, TrainResult
 from fused_dlrm.train.schedule import after_step, at_end
+from fused_dlrm.tp import quantized_all_reduce
 from moe.data import ByteWindows, load_corpus
 from moe.transformer import MoETransformer, expert_parameters
 
@@ -49,13 +50,14 @@ def build_data(cfg: DictConfig, env: DistEnv, run_dir: Path) -> tuple[ByteWindow
                              d.eval_fraction) for split in ("train", "eval"))
 
 
-def sync_gradients(model: nn.Module, world_size: int) -> None:
+def sync_gradients(model: nn.Module, world_size: int, grad_allreduce: str = "nccl") -> None:
     """After backward: make every gradient that of the global-batch mean loss.
 
     The loss each rank differentiates is its local sum times world / global tokens (DDP's convention), so:
     replicated parameters (everything but the experts' w1/w2/w3) are all-reduce-averaged, in one flat buffer;
     the experts' gradients are already complete on their owner (all_to_all_v's backward brought every rank's
     share home) but carry that factor of world size, which is divided out (torchrec's gradient division).
+    grad_allreduce other than "nccl" averages the replicated ones with that codec (fused_dlrm.tp).
     """
     if world_size == 1:
         return
@@ -65,8 +67,11 @@ def sync_gradients(model: nn.Module, world_size: int) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     flat = torch.cat([p.grad.reshape(-1) for p in replicated])
-    dist.all_reduce(flat)
-    flat.div_(world_size)
+    if grad_allreduce == "nccl":
+        dist.all_reduce(flat)
+        flat.div_(world_size)
+    else:
+        flat = quantized_all_reduce(flat, grad_allreduce, mean=True)
     offset = 0
     for p in replicated:
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
@@ -172,7 +177,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         loss = ce + m.aux_coeff * aux["load_balancing_loss"] + m.z_coeff * aux["z_loss"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        sync_gradients(model, env.world_size)
+        sync_gradients(model, env.world_size, cfg.comm.grad_allreduce)
         optimizer.step()
         loss_sum += torch.stack([ce.detach(), aux["load_balancing_loss"].detach(), aux["z_loss"].detach(),
                                  (~torch.isfinite(loss.detach())).float()])

@@ -17,6 +17,7 @@ from torchrec.models.dlrm import DLRM
 
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
+from fused_dlrm.tp import QuantizedHookState, quantized_allreduce_hook
 
 
 def make_tables(feature_names: Sequence[str], num_rows: int | Sequence[int], embedding_dim: int,
@@ -41,12 +42,16 @@ def build_dlrm(tables: list[EmbeddingBagConfig], dense_in_features: int, dense_a
                 dense_arch_layer_sizes=list(dense_arch), over_arch_layer_sizes=list(over_arch), dense_device=device)
 
 
-def data_parallel(model: DLRM) -> nn.Module:
-    """Wrap the dense arches in DDP: their gradients are averaged over ranks, the sharded tables are left alone."""
+def data_parallel(model: DLRM, grad_allreduce: str = "nccl") -> nn.Module:
+    """Wrap the dense arches in DDP: their gradients are averaged over ranks, the sharded tables are left alone.
+    grad_allreduce other than "nccl" averages them with that codec's quantized all-reduce (fused_dlrm.tp)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model
     device = next(model.dense_arch.parameters()).device
     ids = [device] if device.type == "cuda" else None
     model.dense_arch = DistributedDataParallel(model.dense_arch, device_ids=ids)
     model.over_arch = DistributedDataParallel(model.over_arch, device_ids=ids)
+    if grad_allreduce != "nccl":
+        for arch in (model.dense_arch, model.over_arch):
+            arch.register_comm_hook(QuantizedHookState(grad_allreduce), quantized_allreduce_hook)
     return model

@@ -28,7 +28,7 @@ def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     model = build_dlrm(tables, cfg.data.num_dense, m.dense_arch, m.over_arch,
                        EmbeddingOptimizerConfig(**m.embedding_optimizer), env.device, seed=cfg.seed,
                        comm=fused_comm(cfg.comm))
-    return data_parallel(model)
+    return data_parallel(model, cfg.comm.grad_allreduce)
 
 
 def fused_comm(comm: DictConfig) -> FusedCommConfig | None:

@@ -1,0 +1,83 @@
+"""Quantized all-reduce on torch.distributed (gloo or NCCL): two-shot, every message encoded with a line codec.
+
+Two-shot: x is cut into `world` chunks of whole 32-value blocks (zero-padded at the end);
+1. reduce-scatter: every rank encodes all chunks and all_to_all sends chunk r to rank r; rank r decodes the
+   `world` encodings of its chunk and sums them in fp32 (rank order);
+2. all-gather: rank r re-encodes its reduced chunk and all_gather sends it to everyone; every rank decodes all.
+Every rank decodes the same bytes, so the result is bit-identical on all ranks (DDP replicas stay in sync).
+
+Error (per element, quant_codecs.error_bound as B): |result - exact sum| <= sum_r B(x_r) + B(z), z the decoded
+partial sum of stage 1 (|z| <= |exact| + sum_r B(x_r)); with mean=True both stages' errors are divided by world.
+This is the bulk twin of a later fused one-launch kernel; codec "nccl" / "none" is a plain dist.all_reduce.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS, decode, encode
+
+GRAD_ALLREDUCE_CODECS = ("nccl", "fp16", "fp8", "q8", "q6", "q4")  # the values of comm.grad_allreduce
+PLAIN = ("nccl", "none")
+
+# Below this many bytes an all-reduce is latency-bound: the codec's two kernel launches and its two collectives
+# (instead of one) cost more than the bytes they save. 64 KiB is an estimate, not yet measured on GPUs.
+MIN_QUANTIZED_BYTES = 64 * 1024
+
+
+def chooser(nbytes: int, codec: str, min_bytes: int = MIN_QUANTIZED_BYTES) -> str:
+    """The codec for a message of nbytes: plain "nccl" below min_bytes, `codec` from there on."""
+    return "nccl" if nbytes < min_bytes else codec
+
+
+def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup | None = None,
+                         mean: bool = False) -> torch.Tensor:
+    """A new tensor (x's shape and dtype): the sum (mean with mean=True) over the group's ranks of x."""
+    if codec not in PLAIN and codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}: expected one of {PLAIN + tuple(CODECS)}")
+    world = dist.get_world_size(group)
+    if codec in PLAIN:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out.div_(world) if mean else out
+    numel = x.numel()
+    chunk_blocks = -(-numel // (world * BLOCK))  # whole blocks per chunk, so chunks are whole rows
+    chunk = chunk_blocks * BLOCK
+    rows = encode(x, codec, num_blocks=world * chunk_blocks)
+    received = torch.empty_like(rows)
+    dist.all_to_all_single(received, rows, group=group)
+    parts = decode(received, codec, world * chunk).view(world, chunk)
+    reduced = parts[0].clone()
+    for part in parts[1:]:  # fp32, in rank order
+        reduced += part
+    if mean:
+        reduced /= world
+    mine = encode(reduced, codec)
+    gathered = mine.new_empty((world * chunk_blocks, mine.shape[1]))
+    dist.all_gather_single(gathered, mine, group=group)
+    return decode(gathered, codec, numel).view(x.shape).to(x.dtype)
+
+
+@dataclass
+class QuantizedHookState:
+    """What `quantized_allreduce_hook` needs: the codec, the group, and `chooser`'s threshold: buckets below
+    min_bytes go plain. 0 (the default) quantizes every bucket, as a configured codec asks; pass
+    MIN_QUANTIZED_BYTES for the size rule."""
+    codec: str
+    group: dist.ProcessGroup | None = None
+    min_bytes: int = 0
+
+
+# No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
+def quantized_allreduce_hook(state: QuantizedHookState,
+                             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the bucket's gradients averaged over ranks with the state's codec.
+
+    Register with `ddp_model.register_comm_hook(QuantizedHookState("q8"), quantized_allreduce_hook)`. The
+    exchange runs synchronously inside backward (the bulk twin: no overlap with the remaining backward)."""
+    grads = bucket.buffer()
+    codec = chooser(grads.numel() * grads.element_size(), state.codec, state.min_bytes)
+    fut = torch.futures.Future()
+    fut.set_result(quantized_all_reduce(grads, codec, state.group, mean=True))
+    return fut

@@ -1,0 +1,89 @@
+"""Quantized two-shot all-reduce on gloo processes: within the documented bound of the exact sum, identical on
+every rank; the DDP hook keeps a tiny model's gradients within the bound of plain DDP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from fused_dlrm.kernels.quant_codecs import error_bound
+from fused_dlrm.tp import QuantizedHookState, chooser, quantized_all_reduce, quantized_allreduce_hook
+from world import run_world
+
+
+def inputs(world: int, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randn(n, generator=g) * (1 + 10 * torch.rand(n, generator=g)) for _ in range(world)]
+
+
+def two_shot_bound(xs: list[torch.Tensor], codec: str, mean: bool) -> torch.Tensor:
+    """The module docstring's bound: stage 1 errors, plus stage 2's on the partial sum they may have moved."""
+    world = len(xs)
+    exact = sum(xs)
+    first = sum(error_bound(x, codec) for x in xs)
+    if mean:
+        return first / world + error_bound((exact.abs() + first) / world, codec)
+    return first + error_bound(exact.abs() + first, codec)
+
+
+def _reduce(rank: int, world: int) -> None:
+    for n in (1, 45, 1000, 4099):  # none divisible by world * 32
+        xs = inputs(world, n)
+        exact = sum(xs)
+        for codec in ("q8", "q4", "fp8"):
+            for mean in (False, True):
+                y = quantized_all_reduce(xs[rank], codec, mean=mean)
+                want = exact / world if mean else exact
+                assert y.shape == xs[rank].shape and y.dtype == torch.float32
+                assert ((y - want).abs() <= two_shot_bound(xs, codec, mean)).all(), (codec, n, mean)
+                same = [torch.empty_like(y) for _ in range(world)]
+                dist.all_gather(same, y)
+                assert all(torch.equal(s, y) for s in same)  # bit-identical on every rank
+        assert torch.allclose(quantized_all_reduce(xs[rank], "nccl"), exact, atol=1e-5)
+    # bf16 in, bf16 out; [rows, cols] shape kept
+    x = inputs(world, 96)[rank].view(8, 12).bfloat16()
+    y = quantized_all_reduce(x, "q8")
+    assert y.shape == (8, 12) and y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_quantized_all_reduce_within_bound(world):
+    run_world(world, _reduce)
+
+
+def _ddp_hook(rank: int, world: int) -> None:
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(13, 40), nn.ReLU(), nn.Linear(40, 1))
+
+    g = torch.Generator().manual_seed(rank)
+    x, t = torch.randn(16, 13, generator=g), torch.randn(16, 1, generator=g)
+    plain, quant = DistributedDataParallel(model()), DistributedDataParallel(model())
+    quant.register_comm_hook(QuantizedHookState("q8"), quantized_allreduce_hook)
+    for m in (plain, quant):
+        nn.functional.mse_loss(m(x), t).backward()
+    # Plain DDP's grads are the exact mean of the local grads (up to fp32 order). DDP's bucket puts its own block
+    # boundaries through the parameters, so bound with the largest possible q8 scale: absmax of all / 127.
+    local = torch.autograd.grad(nn.functional.mse_loss((m := model())(x), t), list(m.parameters()))
+    absmax = torch.stack([g.abs().max() for g in local]).max()
+    everyone = torch.empty(world)
+    dist.all_gather_single(everyone, absmax.view(1))
+    exact_max = max(p.grad.abs().max() for p in plain.parameters())
+    step = (1 + 2.0**-9) / 2 / 127  # half a q8 step per unit of absmax, with the fp16 scale's round-up
+    first = everyone.sum() * step / world
+    bound = first + (exact_max + first) * step
+    for p, q in zip(plain.parameters(), quant.parameters()):
+        assert ((p.grad - q.grad).abs() <= bound + 1e-6).all()
+        assert not torch.equal(p.grad, q.grad)  # the codec was used
+
+
+def test_ddp_hook_within_bound_of_plain_ddp():
+    run_world(2, _ddp_hook)
+
+
+def test_chooser_goes_plain_below_the_threshold():
+    assert chooser(1024, "q4", min_bytes=65536) == "nccl"
+    assert chooser(65536, "q4", min_bytes=65536) == "q4"
