@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ def _worker(rank: int, world_size: int, store_path: str, backend: str, fn, args)
     try:
         fn(rank, world_size, *args)
     finally:
+        gc.collect()  # free DDP reducers (reference cycles) while the process group still exists
         dist.destroy_process_group()
 
 
