@@ -10,7 +10,6 @@ the loss was checked). Only trainer.max_steps is supported (no epochs).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -24,9 +23,9 @@ from torch import nn
 from tqdm import tqdm
 
 from fused_dlrm.dist import DistEnv, all_reduce_sum
-from fused_dlrm.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from fused_dlrm.train.loop import NonFiniteLossError, TrainResult
-from fused_dlrm.train.schedule import after_step, at_end
+from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
+from fused_dlrm.train.loop import TrainResult
+from fused_dlrm.train.schedule import MetricsLog, after_step, at_end, stop_if_nonfinite
 from fused_dlrm.tp import quantized_all_reduce
 from moe.data import ByteWindows, load_corpus
 from moe.transformer import MoETransformer, expert_parameters
@@ -112,9 +111,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     if t.resume_from:
         step = load_checkpoint(t.resume_from, model, optimizer)
     result = TrainResult(step=step)
-    metrics_file = run_dir / "metrics.jsonl"
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = MetricsLog(run_dir, env.is_main)
     bar = tqdm(total=t.max_steps, initial=step, disable=not (env.is_main and t.progress), desc="train")
     num_moe_layers = sum(1 for i in range(m.num_layers) if (i + 1) % m.moe_every == 0)
     # [sum of cross-entropy, of load-balancing loss, of z loss, count of non-finite total losses] per interval,
@@ -123,21 +120,12 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     expert_load = torch.zeros(num_moe_layers, m.num_experts, dtype=torch.int64, device=env.device)
     interval_start, interval_steps = time.perf_counter(), 0
 
-    def record(entry: dict) -> None:
-        if env.is_main:
-            with metrics_file.open("a") as f:
-                f.write(json.dumps(entry) + "\n")
-
     def check_loss() -> float:
         """Reduce the interval's losses and expert load over ranks; stop the run on NaN/inf (before any
         checkpoint is written)."""
         nonlocal interval_start, interval_steps
         total = all_reduce_sum(loss_sum.clone()).tolist()
-        if total[3] > 0:
-            last = latest_checkpoint(checkpoint_dir) if checkpoint_dir.exists() else None
-            raise NonFiniteLossError(
-                f"loss became NaN or inf between steps {step - interval_steps + 1} and {step}; stopping. "
-                f"Last good checkpoint: {last or 'none'}")
+        stop_if_nonfinite(total[3], step - interval_steps + 1, step, checkpoint_dir)
         load = all_reduce_sum(expert_load.clone()).double()
         samples = max(interval_steps * env.world_size, 1)
         ce, lb, z = (v / samples for v in total[:3])
@@ -148,7 +136,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         expert_load.zero_()
         interval_start, interval_steps = time.perf_counter(), 0
         result.losses.append((step, ce))
-        record({"step": step, "loss": ce, "load_balancing_loss": lb, "z_loss": z, "tokens_per_s": rate,
+        metrics.record({"step": step, "loss": ce, "load_balancing_loss": lb, "z_loss": z, "tokens_per_s": rate,
                 "expert_load_max_over_mean": imbalance, "tokens_per_expert": load.long().tolist()})
         bar.set_postfix(loss=f"{ce:.4f}", tokens_s=f"{rate:,.0f}")
         log.info("step %d loss %.5f lb %.4f z %.4f tokens/s %.0f expert max/mean %s", step, ce, lb, z, rate,
@@ -157,7 +145,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
 
     def run_eval() -> None:
         result.evals.append({"step": step, "eval_loss": evaluate(model, eval_data, cfg.data.eval_batches, env)})
-        record(result.evals[-1])
+        metrics.record(result.evals[-1])
         log.info("step %d eval loss %.4f", step, result.evals[-1]["eval_loss"])
 
     def checkpoint() -> None:

@@ -12,7 +12,8 @@ from hydra import compose, initialize_config_dir
 from fused_dlrm.data import SyntheticCriteo
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.train.build import build_model
-from fused_dlrm.train.loop import NonFiniteLossError, train
+from fused_dlrm.train.loop import train
+from fused_dlrm.train.schedule import NonFiniteLossError
 from fused_dlrm.train.rundir import register_resolvers
 from world import run_torchrun, run_world
 

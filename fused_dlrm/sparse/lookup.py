@@ -63,6 +63,7 @@ class PooledEmbeddingLookup(nn.Module):
         self.features = [(f, t.name) for t in tables for f in t.feature_names]
         self.optimizer = EmbeddingOptimizer(optimizer, weights)
         self._kernel_features: FeatureTable | None = None  # built on the first GPU lookup
+        self._kernel_plans: dict = {}  # global batch size -> tile plan of the GPU lookup
         self.kernel_programs: int | None = None  # persistent programs of the GPU lookup; None: 32 per SM
         self._backward_tables: BackwardTables | None = None  # built on the first GPU backward
         # A leaf that requires grad: it makes autograd call our backward, which updates the tables.
@@ -101,8 +102,10 @@ class PooledEmbeddingLookup(nn.Module):
                                                  [sum(dims[:i]) for i in range(len(dims))],
                                                  [self.is_mean(t) for _, t in self.features], device)
         out = torch.empty(bags.global_batch, self.output_dim, device=device)
-        plan = plan_peer_tiles(0, [(0, bags.global_batch)], [(0, len(self.features))],
-                               self._kernel_features.block_rows, device)
+        plan = self._kernel_plans.get(bags.global_batch)
+        if plan is None:  # built once per batch size: its tensors are host-to-device copies
+            plan = self._kernel_plans[bags.global_batch] = plan_peer_tiles(
+                0, [(0, bags.global_batch)], [(0, len(self.features))], self._kernel_features.block_rows, device)
         launch_pooled_embedding(bags.values, bags.csr_offsets(), bags.weights, self._kernel_features, plan,
                                 bags.global_batch, out_ptrs=torch.tensor([out.data_ptr()], device=device),
                                 out_row_base=torch.zeros(1, dtype=torch.int64, device=device),

@@ -8,7 +8,6 @@ every `checkpoint_every` steps a checkpoint is written (only after the loss was 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,15 +21,11 @@ from tqdm import tqdm
 
 from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
-from fused_dlrm.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
 from fused_dlrm.train.metrics import CTRMetrics
-from fused_dlrm.train.schedule import after_step, at_end
+from fused_dlrm.train.schedule import MetricsLog, after_step, at_end, stop_if_nonfinite
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteLossError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -66,40 +61,29 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     if t.resume_from:
         step = load_checkpoint(t.resume_from, model, optimizer, sparse.lookup.optimizer)
     result = TrainResult(step=step)
-    metrics_file = run_dir / "metrics.jsonl"
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = MetricsLog(run_dir, env.is_main)
     bar = tqdm(total=t.max_steps, initial=step, disable=not (env.is_main and t.progress), desc="train")
     loss_sum = torch.zeros(2, device=env.device)  # [sum of step losses, count of non-finite ones]
     interval_start, interval_steps = time.perf_counter(), 0
-
-    def record(entry: dict) -> None:
-        if env.is_main:
-            with metrics_file.open("a") as f:
-                f.write(json.dumps(entry) + "\n")
 
     def check_loss() -> float:
         """Reduce the interval's loss over ranks; stop the run on NaN/inf (before any checkpoint is written)."""
         nonlocal interval_start, interval_steps
         total = all_reduce_sum(loss_sum.clone()).tolist()
-        if total[1] > 0:
-            last = latest_checkpoint(checkpoint_dir) if checkpoint_dir.exists() else None
-            raise NonFiniteLossError(
-                f"loss became NaN or inf between steps {step - interval_steps + 1} and {step}; stopping. "
-                f"Last good checkpoint: {last or 'none'}")
+        stop_if_nonfinite(total[1], step - interval_steps + 1, step, checkpoint_dir)
         mean = total[0] / max(interval_steps * env.world_size, 1)
         rate = interval_steps * cfg.data.global_batch_size / (time.perf_counter() - interval_start)
         loss_sum.zero_()
         interval_start, interval_steps = time.perf_counter(), 0
         result.losses.append((step, mean))
-        record({"step": step, "loss": mean, "samples_per_s": rate})
+        metrics.record({"step": step, "loss": mean, "samples_per_s": rate})
         bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:,.0f}")
         log.info("step %d loss %.5f samples/s %.0f", step, mean, rate)
         return mean
 
     def run_eval() -> None:
         result.evals.append({"step": step, **evaluate(model, eval_data, cfg.data.eval_batches, env)})
-        record(result.evals[-1])
+        metrics.record(result.evals[-1])
         log.info("step %d eval auc %.4f log_loss %.4f", step, result.evals[-1]["auc"], result.evals[-1]["log_loss"])
 
     def checkpoint() -> None:
