@@ -1,0 +1,90 @@
+"""Where every routed row lives on its way to the experts and back: the contract of the fused dispatch and combine.
+
+Every rank knows the whole count matrix C[s, g] (rows source rank s sends to global expert g; one all-gather),
+so every rank computes the same buffer sizes (symmetric allocation is collective) and each side knows, without
+asking, where its rows go:
+- a source's permuted rows are grouped by global expert (moe.permute): expert g's rows start at
+  sum(C[s, :g]);
+- the owner d of experts d*L .. d*L+L-1 receives rows ordered (local expert, source rank, source row order),
+  the order its grouped GEMM consumes; block (e, s) starts at recv_offsets[e * world + s].
+Dispatch stores source row i at `send_dest_row[i]` of owner `send_dest_rank[i]`; combine stores the owner's
+expert output row j back at row `recv_source_row[j]` of rank `recv_source_rank[j]`, the source's permuted order,
+which `moe.permute.unpermute` consumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ExpertLayout:
+    counts: torch.Tensor  # int64 [world, num_experts], C[s, g]; the same on every rank
+    rank: int
+    world: int
+    num_local_experts: int
+    # this rank as a source: its permuted rows (grouped by global expert)
+    send_dest_rank: torch.Tensor  # int64 [rows sent]
+    send_dest_row: torch.Tensor  # int64 [rows sent]: row in the owner's receive buffer
+    # this rank as an owner: the rows its experts receive
+    recv_offsets: torch.Tensor  # int64 [num_local_experts * world + 1]: block (e, s) starts at [e * world + s]
+    recv_source_rank: torch.Tensor  # int64 [rows received]
+    recv_source_row: torch.Tensor  # int64 [rows received]: row in the source's permuted rows
+    tokens_per_local_expert: list[int]
+    max_recv_rows: int  # over all ranks: receive buffers are sized by it (same on every rank)
+    max_send_rows: int  # over all ranks: combine buffers are sized by it
+
+
+def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int) -> ExpertLayout:
+    """counts: int64 [world, num_experts] on any device; the layout's tensors live on that device."""
+    world, num_experts = counts.shape
+    if num_experts != world * num_local_experts:
+        raise ValueError(f"counts has {num_experts} experts; expected {world} ranks x {num_local_experts}")
+    device = counts.device
+    c = counts.cpu()
+    # owner_blocks[d]: [L, world] counts in receive order; offsets of every block in every owner's buffer.
+    owner_blocks = c.view(world, world, num_local_experts).permute(1, 2, 0)  # [owner, e, source]
+    block_starts = torch.cumsum(owner_blocks.reshape(world, -1), dim=1) - owner_blocks.reshape(world, -1)
+    source_starts = torch.cumsum(c, dim=1) - c  # [source, g]: first permuted row of expert g on the source
+
+    mine = c[rank]
+    dest_of_expert = torch.arange(num_experts) // num_local_experts
+    local_of_expert = torch.arange(num_experts) % num_local_experts
+    block_of_expert = block_starts[dest_of_expert, local_of_expert * world + rank]  # start of (e, rank) per owner
+    send_dest_rank = torch.repeat_interleave(dest_of_expert, mine)
+    send_dest_row = torch.repeat_interleave(block_of_expert, mine) + _ranks_within(mine)
+
+    my_blocks = owner_blocks[rank].reshape(-1)  # (e, s) block sizes
+    recv_offsets = torch.zeros(my_blocks.numel() + 1, dtype=torch.int64)
+    recv_offsets[1:] = torch.cumsum(my_blocks, 0)
+    sources = torch.arange(world).repeat(num_local_experts)
+    experts = torch.arange(num_local_experts).repeat_interleave(world) + rank * num_local_experts
+    recv_source_rank = torch.repeat_interleave(sources, my_blocks)
+    recv_source_row = torch.repeat_interleave(source_starts[sources, experts], my_blocks) + _ranks_within(my_blocks)
+
+    recv_rows = owner_blocks.reshape(world, -1).sum(dim=1)
+    return ExpertLayout(
+        counts=counts, rank=rank, world=world, num_local_experts=num_local_experts,
+        send_dest_rank=send_dest_rank.to(device), send_dest_row=send_dest_row.to(device),
+        recv_offsets=recv_offsets.to(device), recv_source_rank=recv_source_rank.to(device),
+        recv_source_row=recv_source_row.to(device),
+        tokens_per_local_expert=owner_blocks[rank].sum(dim=1).tolist(),
+        max_recv_rows=int(recv_rows.max()), max_send_rows=int(c.sum(dim=1).max()))
+
+
+def gather_counts(tokens_per_expert: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """This rank's rows per global expert -> C [world, num_experts] (an all-gather; itself in one process)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return tokens_per_expert.view(1, -1).clone()
+    out = tokens_per_expert.new_empty(dist.get_world_size(group), tokens_per_expert.numel())
+    dist.all_gather_into_tensor(out, tokens_per_expert.contiguous(), group=group)
+    return out
+
+
+def _ranks_within(sizes: torch.Tensor) -> torch.Tensor:
+    """[0 .. sizes[0]-1, 0 .. sizes[1]-1, ...]"""
+    starts = torch.cumsum(sizes, 0) - sizes
+    return torch.arange(int(sizes.sum())) - torch.repeat_interleave(starts, sizes)

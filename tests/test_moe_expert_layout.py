@@ -1,0 +1,36 @@
+"""The expert layout: dispatch and combine addresses are inverse to each other and match the bulk layer's order."""
+
+import pytest
+import torch
+
+from moe.expert_layout import build_expert_layout
+
+
+@pytest.mark.parametrize("world,local", [(1, 3), (2, 2), (4, 1), (4, 3)])
+def test_dispatch_and_combine_addresses_are_inverse(world, local):
+    gen = torch.Generator().manual_seed(world * 10 + local)
+    counts = torch.randint(0, 5, (world, world * local), generator=gen)
+    counts[0] = 0  # a rank with no tokens
+    counts[:, -1] = 0  # an expert nobody routes to
+    layouts = [build_expert_layout(counts, r, local) for r in range(world)]
+    for s, lay in enumerate(layouts):
+        assert lay.send_dest_row.numel() == int(counts[s].sum())
+        for i, (d, row) in enumerate(zip(lay.send_dest_rank.tolist(), lay.send_dest_row.tolist())):
+            assert layouts[d].recv_source_rank[row] == s and layouts[d].recv_source_row[row] == i
+    for d, lay in enumerate(layouts):
+        assert lay.recv_offsets[-1] == lay.recv_source_rank.numel() == sum(lay.tokens_per_local_expert)
+        assert lay.max_recv_rows == max(x.recv_source_rank.numel() for x in layouts)
+        assert lay.max_send_rows == int(counts.sum(dim=1).max())
+        # Receive order: (local expert, source rank, source row): the bulk layer's regrouped order.
+        expert = torch.repeat_interleave(torch.arange(local), torch.tensor(lay.tokens_per_local_expert))
+        key = (expert * world + lay.recv_source_rank) * 1000 + lay.recv_source_row
+        assert torch.equal(key, torch.sort(key).values)
+        for e in range(local):
+            for s in range(world):
+                begin, end = lay.recv_offsets[e * world + s], lay.recv_offsets[e * world + s + 1]
+                assert end - begin == counts[s, d * local + e]
+
+
+def test_counts_must_match_the_expert_split():
+    with pytest.raises(ValueError, match="expected 2 ranks x 3"):
+        build_expert_layout(torch.zeros(2, 4, dtype=torch.int64), 0, 3)
