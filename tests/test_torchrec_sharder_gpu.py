@@ -1,0 +1,114 @@
+"""The torchrec swap-in with comm="fused" on 2 GPUs: DistributedModelParallel + FusedEmbeddingBagCollectionSharder
+(fused kernels, NCCL for the input dist) against the same sharder with comm="bulk", plain loop and
+TrainPipelineSparseDist. Skipped without 2 GPUs; CI has none (docs/benchmarks.md says when it ran).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+from fused_dlrm.data.batching import local_batch_bounds
+from fused_dlrm.sparse import EmbeddingOptimizerConfig
+from fused_dlrm.sparse.torchrec_sharder import FusedEmbeddingBagCollectionSharder
+from bags import global_batch, to_kjt
+from world import run_world
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+TABLES = [
+    EmbeddingBagConfig(name="t0", embedding_dim=16, num_embeddings=100, feature_names=["f0", "f1"]),
+    EmbeddingBagConfig(name="t1", embedding_dim=32, num_embeddings=570, feature_names=["f2"], pooling=PoolingType.MEAN),
+    EmbeddingBagConfig(name="t2", embedding_dim=64, num_embeddings=70, feature_names=["f3"]),
+    EmbeddingBagConfig(name="t3", embedding_dim=8, num_embeddings=3000, feature_names=["f4"]),
+]
+KEYS = [f for t in TABLES for f in t.feature_names]
+
+
+class Sparse(torch.nn.Module):
+    def __init__(self, ebc):
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt):
+        return self.ebc(kjt).values()
+
+
+def dmp(reference, comm: str, device) -> DistributedModelParallel:
+    sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05), comm=comm)
+    return DistributedModelParallel(Sparse(copy.deepcopy(reference)), sharders=[sharder], device=device)
+
+
+def _fused_equals_bulk(rank: int, world: int) -> None:
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    reference = EmbeddingBagCollection(TABLES)
+    fused, bulk = dmp(reference, "fused", device), dmp(reference, "bulk", device)
+    start, stop = local_batch_bounds(37, rank, world)
+    for step in range(20):
+        lengths, values, _ = global_batch(step, 37, TABLES, False)
+        kjt = to_kjt(KEYS, lengths, values, None, start, stop).to(device)
+        out_f, out_b = fused(kjt), bulk(kjt)
+        torch.testing.assert_close(out_f, out_b, rtol=1e-5, atol=1e-6)
+        grad = torch.randn(out_b.shape, generator=torch.Generator().manual_seed(step)).to(device)
+        (out_f * grad).sum().backward()
+        (out_b * grad).sum().backward()
+    state_f, state_b = fused.state_dict(), bulk.state_dict()
+    assert sorted(state_f) == sorted(state_b) and state_f
+    for key in state_f:
+        torch.testing.assert_close(state_f[key], state_b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_fused_sharder_equals_bulk_sharder_on_gpus():
+    run_world(2, _fused_equals_bulk, backend="nccl")
+
+
+class WithLoss(torch.nn.Module):
+    def __init__(self, ebc):
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt):
+        out = self.ebc(kjt).values()
+        loss = (out ** 2).mean()
+        return loss, out.detach()
+
+
+def _pipeline_with_fused(rank: int, world: int) -> None:
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    reference = EmbeddingBagCollection(TABLES)
+    start, stop = local_batch_bounds(40, rank, world)
+    batches = []
+    for step in range(6):
+        lengths, values, _ = global_batch(step, 40, TABLES, False)
+        batches.append(to_kjt(KEYS, lengths, values, None, start, stop))
+    results = {}
+    for comm in ("bulk", "fused"):
+        sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05), comm=comm)
+        model = DistributedModelParallel(WithLoss(copy.deepcopy(reference)), sharders=[sharder], device=device)
+        opt = model.fused_optimizer  # no dense parameters: the tables' optimizer runs inside backward
+        if comm == "bulk":
+            outs = []
+            for kjt in batches:
+                opt.zero_grad()
+                loss, out = model(kjt.to(device))
+                loss.backward()
+                opt.step()
+                outs.append(out)
+        else:
+            pipeline = TrainPipelineSparseDist(model, opt, device)
+            it = iter(batches)
+            outs = [pipeline.progress(it) for _ in batches]
+        results[comm] = outs
+    for a, b in zip(results["bulk"], results["fused"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_sharder_under_train_pipeline_sparse_dist_on_gpus():
+    run_world(2, _pipeline_with_fused, backend="nccl")
