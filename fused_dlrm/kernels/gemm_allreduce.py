@@ -1,0 +1,215 @@
+"""GEMV/GEMM + AllReduce in one persistent launch (row-parallel linear: decode and small-batch prefill).
+
+out[M, N] = sum over ranks r of x_r[M, K_r] @ w_r[K_r, N], for M in 1..64, fp16/bf16 in, fp32 accumulation.
+N is cut into tiles of BLOCK_N; rank d owns the contiguous range of tiles [d * T, (d + 1) * T), T = cdiv(tiles,
+world). One launch, three phases per program:
+1. produce (zero-copy reduce-scatter): the partial product of every tile, split over K into `split_k` chunks so
+   that a GEMV has enough work units to fill the GPU, stored in fp32 straight into the owner's receive slot
+   [source rank, K chunk, tile]. Owners are walked remote first, rotated by rank, the local rank last; program p
+   takes the units p, p + P, ... of each owner and then raises its flag (source rank, p) in that owner.
+2. reduce + all-gather: for each owned tile, wait for the flags of exactly the programs that produced its units,
+   sum the partials in a fixed order (source rank, then K chunk) in fp32, and store the rounded result into every
+   rank's output (remote first); then raise flag (owner rank, p) in every rank.
+3. wait: program p polls the output flags (owner, p) of every owner; when the launch ends the output is complete.
+The fixed order makes the result bit-identical on every rank.
+
+Programs wait for flags raised by other programs of the same launch, here and on peers: the grid must be
+co-resident (one program per SM by default). The Triton interpreter runs programs one after another, so a
+simulated world launches the three phases separately (`PHASES`), every rank's phase before the next phase.
+
+Buffers (symmetric, double-buffered by epoch parity): a rank can only start call e + 2 once the output flags of
+call e + 1 are up everywhere, i.e. every owner has finished reading the partials of call e and every rank has
+started call e + 1; so the half that call e + 2 overwrites is no longer read. The returned output is a view of
+symmetric memory, valid until the call after next (later stores to it come from call e + 2). Flags carry the
+epoch, are never reset and are compared with `>=`; a wait that times out records (1, peer, slice) in the error
+word, which `PeerErrors` raises on the host as PeerWaitTimeout (slice: the N tile being reduced, or in the wait
+phase the program whose output flag is missing).
+
+`gemm_allreduce_reference` is the pure-torch definition; `gemm_allreduce_bulk` the bulk twin (matmul, then
+torch.distributed.all_reduce).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from fused_dlrm.dist.symmetric import _Workspace
+from fused_dlrm.kernels.peer_flags import PeerErrors, signal_ready, wait_at_least
+from fused_dlrm.kernels.pooled_embedding import TL_DTYPES
+
+PRODUCE, REDUCE, WAIT = 1, 2, 4  # the phases of a launch (PHASES is their sum)
+ALL_PHASES = PRODUCE | REDUCE | WAIT
+MAX_ROWS = 64
+
+
+def gemm_allreduce_reference(xs: list[torch.Tensor], ws: list[torch.Tensor]) -> torch.Tensor:
+    """sum_r xs[r] @ ws[r] in float64."""
+    return sum(x.double() @ w.double() for x, w in zip(xs, ws))
+
+
+def gemm_allreduce_bulk(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The bulk twin: the local partial product, then an all-reduce (NCCL on GPUs, gloo on the CPU)."""
+    out = x @ w
+    dist.all_reduce(out, group=group)
+    return out
+
+
+@triton.jit
+def _wait_or_record(flag, epoch, spin_limit, error_ptr, peer, tile):
+    """Bounded wait for *flag >= epoch; the first timeout of a launch records (1, peer, tile), claiming word 3 so
+    that later ones (which give up at once: the launch must end) do not overwrite it."""
+    failed = tl.atomic_add(error_ptr, 0) != 0
+    ok = wait_at_least(flag, epoch, tl.where(failed, 0, spin_limit))
+    if ok == 0:
+        if tl.atomic_cas(error_ptr + 3, 0, 1) == 0:
+            tl.store(error_ptr + 1, peer)
+            tl.store(error_ptr + 2, tile)
+            tl.atomic_xchg(error_ptr, 1)
+
+
+@triton.jit
+def _gemm_allreduce_kernel(
+    x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn,
+    recv_ptrs, out_ptrs, ready_ptrs, done_ptrs, error_ptr,
+    rank, epoch, M, N, K, recv_half, out_half, num_tiles, tiles_per_rank, split_k, k_chunk, num_programs,
+    spin_limit,
+    WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr, OUT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, PHASES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_mask = rows < M
+    slot_size = M * BLOCK_N  # one partial tile in a receive slot: [M, BLOCK_N] fp32
+    parity = epoch % 2
+
+    if PHASES & 1:  # produce: partial tiles into their owners' receive slots
+        for step in tl.static_range(1, WORLD + 1):
+            owner = (rank + step) % WORLD
+            owned = tl.minimum(tl.maximum(num_tiles - owner * tiles_per_rank, 0), tiles_per_rank)
+            recv = tl.load(recv_ptrs + owner).to(tl.pointer_type(tl.float32)) + parity * recv_half
+            u = pid
+            while u < owned * split_k:
+                j = u // split_k
+                chunk = u % split_k
+                n = (owner * tiles_per_rank + j) * BLOCK_N + cols
+                k_begin = chunk * k_chunk
+                k_end = tl.minimum(k_begin + k_chunk, K)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for i in range(K_TILES):
+                    k = k_begin + i * BLOCK_K + ks
+                    k_mask = k < k_end
+                    a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
+                                mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                    b = tl.load(w_ptr + k[:, None] * stride_wk + n[None, :] * stride_wn,
+                                mask=k_mask[:, None] & (n[None, :] < N), other=0.0)
+                    if DOT_FP32:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
+                        acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+                    else:
+                        acc += tl.dot(a, b)
+                slot = ((rank * split_k + chunk) * tiles_per_rank + j) * slot_size
+                tl.store(recv + slot + rows[:, None] * BLOCK_N + cols[None, :], acc, mask=row_mask[:, None])
+                u += num_programs
+            tl.debug_barrier()  # this program's stores for `owner` before its flag there
+            flag = tl.load(ready_ptrs + owner).to(tl.pointer_type(tl.int32)) + rank * num_programs + pid
+            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+
+    if PHASES & 2:  # reduce the owned tiles, then store them into every rank's output
+        owned = tl.minimum(tl.maximum(num_tiles - rank * tiles_per_rank, 0), tiles_per_rank)
+        recv = tl.load(recv_ptrs + rank).to(tl.pointer_type(tl.float32)) + parity * recv_half
+        ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
+        j = pid
+        while j < owned:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for source in tl.static_range(WORLD):
+                chunk = 0
+                while chunk < split_k:
+                    producer = (j * split_k + chunk) % num_programs
+                    _wait_or_record(ready + source * num_programs + producer, epoch, spin_limit, error_ptr,
+                                    source, rank * tiles_per_rank + j)
+                    slot = ((source * split_k + chunk) * tiles_per_rank + j) * slot_size
+                    acc += tl.load(recv + slot + rows[:, None] * BLOCK_N + cols[None, :], mask=row_mask[:, None],
+                                   other=0.0)
+                    chunk += 1
+            result = acc.to(OUT_DTYPE)
+            n = (rank * tiles_per_rank + j) * BLOCK_N + cols
+            for step in tl.static_range(1, WORLD + 1):
+                dest = (rank + step) % WORLD
+                out = tl.load(out_ptrs + dest).to(tl.pointer_type(OUT_DTYPE)) + parity * out_half
+                tl.store(out + rows[:, None] * N + n[None, :], result, mask=row_mask[:, None] & (n[None, :] < N))
+            j += num_programs
+        signal_ready(done_ptrs, rank * num_programs + pid, epoch, WORLD)
+
+    if PHASES & 4:  # wait until every owner's program `pid` has stored its tiles here
+        done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
+        for owner in tl.static_range(WORLD):
+            _wait_or_record(done + owner * num_programs + pid, epoch, spin_limit, error_ptr, owner, pid)
+
+
+class GemmAllReduce:
+    """out = sum over the workspace's ranks of x @ w, fused into one launch (see the module docstring).
+
+    Every rank must call with the same M, K, N, dtype and the same number of times (flags carry per-call epochs). Block sizes are fixed per instance (Triton compiles one kernel per (BLOCK_M,
+    K_TILES, dtype)); the launch has `num_programs` persistent programs, by default one per SM (co-resident).
+    """
+
+    def __init__(self, workspace: _Workspace, num_programs: int | None = None, spin_limit: int = 20_000_000,
+                 block_n: int = 64, block_k: int = 128, split_k: int | None = None, num_warps: int = 4):
+        self.ws = workspace
+        self.rank, self.world = workspace.rank, workspace.world_size
+        device = workspace.device
+        if num_programs is None:
+            num_programs = torch.cuda.get_device_properties(device).multi_processor_count
+        self.num_programs, self.spin_limit = num_programs, spin_limit
+        self.block_n, self.block_k, self.split_k, self.num_warps = block_n, block_k, split_k, num_warps
+        self.errors = PeerErrors(device, self.rank, "fused GEMM + all-reduce")
+        self._interpret = os.environ.get("TRITON_INTERPRET") == "1"
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        epoch = self.next_epoch()
+        self.launch(x, w, epoch, ALL_PHASES)
+        return self.output(epoch, x.shape[0], w.shape[1], x.dtype)
+
+    def next_epoch(self) -> int:
+        self.errors.check()
+        return self.ws.next_epoch("gemm_allreduce")
+
+    def launch(self, x: torch.Tensor, w: torch.Tensor, epoch: int, phases: int) -> None:
+        """Enqueue `phases` of call `epoch` (ALL_PHASES on GPUs; one phase at a time in a simulated world)."""
+        (m, k), n = x.shape, w.shape[1]
+        if not 1 <= m <= MAX_ROWS or w.shape[0] != k or x.dtype != w.dtype or x.dtype not in (torch.float16,
+                                                                                             torch.bfloat16):
+            raise ValueError(f"expected x [M <= {MAX_ROWS}, K] and w [K, N] of one dtype, fp16 or bf16; got "
+                             f"{tuple(x.shape)} {x.dtype} and {tuple(w.shape)} {w.dtype}")
+        P = self.num_programs
+        num_tiles = triton.cdiv(n, self.block_n)
+        tiles_per_rank = triton.cdiv(num_tiles, self.world)
+        # Enough (tile, K chunk) units for every program of the launch; K chunks of whole BLOCK_K tiles.
+        split_k = self.split_k or max(1, min(triton.cdiv(P, num_tiles), triton.cdiv(k, self.block_k)))
+        k_tiles = triton.cdiv(triton.cdiv(k, split_k), self.block_k)
+        recv = self.ws.buffer("gemm_allreduce_recv", 2 * self.world * split_k * tiles_per_rank * m * self.block_n,
+                              torch.float32)
+        out = self.ws.buffer("gemm_allreduce_out", 2 * m * n, x.dtype)
+        ready = self.ws.buffer("gemm_allreduce_ready", self.world * P, torch.int32)
+        done = self.ws.buffer("gemm_allreduce_done", self.world * P, torch.int32)
+        _gemm_allreduce_kernel[(P,)](
+            x, w, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+            recv.peer_ptrs, out.peer_ptrs, ready.peer_ptrs, done.peer_ptrs, self.errors.word,
+            self.rank, epoch, m, n, k, recv.local.numel() // 2, out.local.numel() // 2, num_tiles, tiles_per_rank,
+            split_k, k_tiles * self.block_k, P, self.spin_limit,
+            WORLD=self.world, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=self.block_n,
+            BLOCK_K=self.block_k, K_TILES=k_tiles, OUT_DTYPE=TL_DTYPES[x.dtype], DOT_FP32=self._interpret,
+            PHASES=phases, num_warps=self.num_warps)
+
+    def output(self, epoch: int, m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The [m, n] result of call `epoch` (once its WAIT phase ran); valid until the call after next."""
+        self.errors.after_wait(epoch)
+        out = self.ws.buffer("gemm_allreduce_out", 2 * m * n, dtype).local
+        half = out.numel() // 2
+        return out[(epoch % 2) * half:(epoch % 2) * half + m * n].view(m, n)

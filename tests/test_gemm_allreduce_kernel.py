@@ -1,0 +1,123 @@
+"""The fused GEMM + all-reduce kernel on simulated worlds of 2 and 4 ranks (interpreter on CPU).
+
+Every rank's phase runs before any rank's next phase (the interpreter runs programs one after another, so the
+one-launch form of a GPU would wait forever on programs that have not started). Outputs are compared with the
+float64 sum of the ranks' products; buffers are poisoned with NaN before each call so any unwritten output
+element or unwritten partial tile shows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fused_dlrm.dist.symmetric import SimulatedWorld
+from fused_dlrm.kernels.gemm_allreduce import (PRODUCE, REDUCE, WAIT, GemmAllReduce, gemm_allreduce_reference)
+from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative to the largest |output|: one output rounding
+
+
+class World:
+    def __init__(self, world_size: int, num_programs: int = 3, split_k: int | None = None):
+        self.shared = SimulatedWorld(world_size)
+        self.ops = [GemmAllReduce(ws, num_programs=num_programs, spin_limit=50, block_n=16, block_k=16,
+                                  split_k=split_k) for ws in self.shared.workspaces()]
+
+    def poison(self) -> None:
+        for tensors in self.shared.buffers.values():
+            for t in tensors:
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
+
+    def __call__(self, xs, ws) -> list[torch.Tensor]:
+        epochs = [op.next_epoch() for op in self.ops]
+        for phase in (PRODUCE, REDUCE, WAIT):
+            for op, x, w, e in zip(self.ops, xs, ws, epochs):
+                op.launch(x, w, e, phase)
+        return [op.output(e, x.shape[0], w.shape[1], x.dtype).clone() for op, x, w, e in zip(self.ops, xs, ws, epochs)]
+
+
+def random_inputs(world_size, m, k, n, dtype, gen):
+    xs = [torch.randn(m, k, generator=gen).to(dtype) for _ in range(world_size)]
+    ws = [(torch.randn(k, n, generator=gen) / k ** 0.5).to(dtype) for _ in range(world_size)]
+    return xs, ws
+
+
+def assert_all_reduced(outs, xs, ws):
+    expected = gemm_allreduce_reference(xs, ws)
+    for got in outs:
+        assert got.shape == expected.shape and not got.isnan().any()
+        err = (got.double() - expected).abs().max() / expected.abs().max()
+        assert err < TOLERANCE[got.dtype], f"relative error {err:.2e}"
+        assert torch.equal(got, outs[0])  # the fixed reduction order makes every rank's copy identical
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("m", [1, 5, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference(world_size, m, dtype):
+    """N = 50: four tiles of 16, the last one partial; at 4 ranks one tile per rank. K = 40: a partial K tile."""
+    world = World(world_size)
+    gen = torch.Generator().manual_seed(m)
+    for _ in range(2):  # both halves of the double buffers
+        xs, ws = random_inputs(world_size, m, 40, 50, dtype, gen)
+        world.poison()
+        assert_all_reduced(world(xs, ws), xs, ws)
+
+
+@pytest.mark.parametrize("world_size,n", [(4, 20), (2, 7), (4, 130)])
+def test_skewed_shapes(world_size, n):
+    """Ranks owning no tile (N = 20 is two tiles for 4 ranks; N = 7 one partial tile) and more tiles than
+    programs (N = 130 at 3 programs)."""
+    world = World(world_size)
+    gen = torch.Generator().manual_seed(n)
+    xs, ws = random_inputs(world_size, 3, 24, n, torch.bfloat16, gen)
+    world.poison()
+    assert_all_reduced(world(xs, ws), xs, ws)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_split_k(world_size):
+    """K split in 3 chunks over 5 programs: each tile's units come from several programs of every source."""
+    world = World(world_size, num_programs=5, split_k=3)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        xs, ws = random_inputs(world_size, 2, 100, 70, torch.float16, gen)
+        world.poison()
+        assert_all_reduced(world(xs, ws), xs, ws)
+
+
+def test_one_launch_in_a_world_of_one():
+    """The GPU form (all phases in one launch) where the interpreter can run it: one rank, one program."""
+    op = GemmAllReduce(SimulatedWorld(1).workspaces()[0], num_programs=1, spin_limit=50, block_n=16, block_k=16)
+    gen = torch.Generator().manual_seed(4)
+    xs, ws = random_inputs(1, 5, 40, 50, torch.bfloat16, gen)
+    assert_all_reduced([op(xs[0], ws[0])], xs, ws)
+
+
+def test_many_consecutive_calls_on_the_same_flags():
+    world = World(2, num_programs=2)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(60):
+        xs, ws = random_inputs(2, 2, 16, 20, torch.bfloat16, gen)
+        outs = world(xs, ws)
+        assert_all_reduced(outs, xs, ws)
+    assert world.ops[0].ws.next_epoch("gemm_allreduce") == 61
+
+
+def test_timeout_names_rank_and_slice():
+    """Rank 1 never launches: rank 0's reduce times out waiting for rank 1's partial of its first tile."""
+    world = World(2)
+    gen = torch.Generator().manual_seed(6)
+    xs, ws = random_inputs(2, 1, 16, 40, torch.bfloat16, gen)
+    op = world.ops[0]
+    epoch = op.next_epoch()
+    for phase in (PRODUCE, REDUCE, WAIT):
+        op.launch(xs[0], ws[0], epoch, phase)
+    with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 1 waiting for rank 1, slice 0"):
+        op.output(epoch, 1, 40, torch.bfloat16)
