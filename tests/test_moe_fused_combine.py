@@ -1,0 +1,150 @@
+"""FusedCombine on simulated worlds of 2 and 4 ranks (Triton interpreter): expert GEMM 2 stored into the sources'
+combine buffers with per-tile flags, then each source's weighted unpermute, against a float64 reference."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from fused_dlrm.dist.symmetric import SimulatedWorld
+from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+from moe.expert_layout import build_expert_layout
+from moe.kernels.fused_combine import FusedCombine, fused_combine_reference
+from moe.permute import permute
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
+
+D_MODEL, FFN, LOCAL = 40, 20, 2  # d_model spans 3 column blocks of 16, the last one partial
+NEVER = -30.0
+
+
+@dataclass
+class Case:
+    tokens: list[int]  # per rank
+    top_k: int = 2
+    bias: dict[int, float] | None = None  # expert -> logit bias
+    keep: float = 1.0  # fraction of assignments kept (the rest dropped, as by a capacity)
+
+
+class World:
+    def __init__(self, world_size: int, num_programs: int = 3, spin_limit: int = 100):
+        self.world_size = world_size
+        self.num_experts = world_size * LOCAL
+        self.combines = [FusedCombine(ws, D_MODEL, LOCAL, num_programs, spin_limit)
+                         for ws in SimulatedWorld(world_size).workspaces()]
+
+    def step(self, case: Case, gen: torch.Generator, dtype=torch.float32, starting=None):
+        """One epoch on every rank (those in `starting`, default all, run start). Returns (outputs, expected)."""
+        perms, weights = [], []
+        for t in case.tokens:
+            logits = torch.randn(t, self.num_experts, generator=gen, dtype=torch.float64)
+            for e, b in (case.bias or {}).items():
+                logits[:, e] += b
+            top, ids = torch.topk(torch.softmax(logits, -1), case.top_k, dim=-1)
+            kept = torch.rand(ids.shape, generator=gen) < case.keep
+            _, perm = permute(torch.zeros(t, 1), ids, self.num_experts, kept)
+            perms.append(perm)
+            weights.append(top * kept)
+        counts = torch.stack([p.tokens_per_expert for p in perms])
+        layouts = [build_expert_layout(counts, r, LOCAL) for r in range(self.world_size)]
+        hs = [torch.randn(sum(lay.tokens_per_local_expert), FFN, generator=gen).to(dtype) for lay in layouts]
+        w2s = [torch.randn(LOCAL, FFN, D_MODEL, generator=gen).to(dtype) for _ in layouts]
+        starting = range(self.world_size) if starting is None else starting
+        epochs = {r: self.combines[r].start(hs[r], w2s[r], layouts[r]) for r in starting}  # every producer first
+        outs = [c.finish(epochs[r] if r in epochs else c.ws.next_epoch("combine"), layouts[r], perms[r], weights[r])
+                for r, c in enumerate(self.combines)]
+        for c in self.combines:  # poison: rows the next epoch does not write would show as NaN
+            c.ws.buffer("combine_rows", 0, dtype).local.fill_(float("nan"))
+        return outs, fused_combine_reference(hs, w2s, layouts, perms, weights), counts
+
+
+def assert_close(got, want, tol):
+    assert got.shape == want.shape
+    scale = max(want.abs().max().item(), 1e-12) if want.numel() else 1.0
+    err = (got.double() - want).abs().max().item() if want.numel() else 0.0
+    assert err <= tol * scale, f"max error {err} relative {err / scale}"
+
+
+def make_case(name: str, world_size: int) -> Case:
+    tokens = [9, 7, 8, 6][:world_size]
+    last_rank = range((world_size - 1) * LOCAL, world_size * LOCAL)
+    return {
+        "balanced": Case(tokens),
+        "skewed": Case([12, 10, 11, 9][:world_size], bias={1: 8.0}),  # about half of all assignments to expert 1
+        "idle expert": Case(tokens, top_k=3, bias={2: NEVER}),
+        "rank without tokens": Case([11, 0, 9, 6][:world_size]),
+        "dropped": Case(tokens, keep=0.6),
+        "last rank receives nothing": Case(tokens, bias={e: NEVER for e in last_rank}),
+    }[name]
+
+
+NAMES = ["balanced", "skewed", "idle expert", "rank without tokens", "dropped", "last rank receives nothing"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_matches_reference(world_size, name):
+    case = make_case(name, world_size)
+    world = World(world_size)
+    gen = torch.Generator().manual_seed(world_size * 100 + len(name))
+    outs, expected, counts = world.step(case, gen)
+    for got, want in zip(outs, expected):
+        assert_close(got, want, 1e-5)
+    # The scenario did what its name says.
+    if name == "skewed":
+        assert counts[:, 1].sum() >= 0.4 * counts.sum()
+    if name == "idle expert":
+        assert counts[:, 2].sum() == 0
+    if name == "rank without tokens":
+        assert counts[1].sum() == 0 and outs[1].shape == (0, D_MODEL)
+    if name == "dropped":
+        assert counts.sum() < sum(case.tokens) * case.top_k
+    if name == "last rank receives nothing":
+        assert counts[:, -LOCAL:].sum() == 0
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_consecutive_epochs_on_the_same_flags(world_size):
+    """Changing loads (buffers grow, flag slots move between owners), fp16 and fp32, one workspace."""
+    world = World(world_size, num_programs=2)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(6):
+        tokens = [int(t) for t in torch.randint(0, 12 + 4 * step, (world_size,), generator=gen)]
+        bias = {step % (world_size * LOCAL): 4.0 if step % 2 else 0.0}
+        dtype, tol = (torch.float16, 2e-3) if step % 3 == 2 else (torch.float32, 1e-5)
+        outs, expected, _ = world.step(Case(tokens, top_k=2, bias=bias), gen, dtype)
+        for got, want in zip(outs, expected):
+            assert got.dtype == dtype
+            assert_close(got, want, tol)
+    assert world.combines[0].ws.next_epoch("combine") == 7
+
+
+def test_deterministic():
+    world = World(2)
+    runs = []
+    for _ in range(2):
+        outs, _, _ = world.step(Case([13, 11], top_k=3), torch.Generator().manual_seed(9))
+        runs.append(outs)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_owner_that_never_starts_times_out_naming_rank_and_slice():
+    world = World(2, spin_limit=20)
+    gen = torch.Generator().manual_seed(3)
+    with pytest.raises(PeerWaitTimeout, match=r"fused MoE combine: rank 0 timed out at step 1 waiting for rank 1, "
+                                              r"slice \d+"):
+        world.step(Case([6, 5]), gen, starting=[0])
+
+
+def test_source_that_never_acknowledges_blocks_its_owners_with_an_error():
+    """Rank 1's acknowledgement of epoch 1 is lost: at epoch 2 rank 0 must not overwrite rank 1's rows, and says so."""
+    world = World(2, spin_limit=20)
+    gen = torch.Generator().manual_seed(4)
+    world.step(Case([6, 5]), gen)
+    world.combines[0].ws.buffer("combine_ack", 2, torch.int32).local[1] = 0
+    with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 2 waiting for rank 1 to release its buffer"):
+        world.step(Case([6, 5]), gen)
