@@ -1,0 +1,264 @@
+"""All-gather over symmetric memory: every rank's shard [rows, cols] lands in slot `rank` of every rank's buffer.
+
+Layout (per `SymmetricAllGather`, all in the workspace): data = 2 halves (epoch parity) x [world, rows, cols];
+ready flags [world * chunks], one per (source rank, chunk of `chunk_rows` rows), carrying the epoch of the data
+behind them (never reset, compared with `>=`); ack [world]: ack[d] = the last epoch rank d has received from us.
+The guard: epoch e writes half e % 2 of a peer, last used by e - 2; the producer waits for ack >= e - 1 from that
+peer (it has received e - 1, so by its stream order it has finished reading e - 2), `peer_flags.consumer_released`.
+
+Producers (`start`):
+- "device": a Triton kernel whose programs store chunks into every peer's slot, remote peers first, rotated by
+  rank (`peer_tiles.remote_first_order`), the local slot last, then raise the chunk's flag (release, system scope).
+- "copy_engine": per peer, on its own side stream, `copy_` of each chunk into the peer's slot (a peer view of the
+  symmetric buffer, so the copy engine does it, not the SMs) followed on that stream by
+  `torch.ops.symm_mem.stream_write_value32_` of the epoch into the peer's flag (cuStreamWriteValue32 fences first).
+- "pull": each rank copies its shard into its own slot and raises its own flags; in `finish` every rank waits for
+  each peer's chunk flag (a one-program wait kernel on a side stream) and copies the chunk from the peer's slot.
+In the simulated CPU world there are no copy engines or streams: "copy_engine" and "pull" are plain tensor copies
+and flag writes in the same order (a stand-in), while the guard and wait kernels, and "device", run their real
+kernels in the interpreter.
+
+Consumer (`finish`): the project's wait kernel (`peer_flags.wait_ready`) polls every (source, chunk) flag, bounded,
+and acknowledges the epoch to each source; a timeout becomes a PeerWaitTimeout naming rank, source and chunk.
+The gathered tensor returned is a view of the symmetric buffer: valid until the next call on this object.
+`all_gather_reference` is the pure-torch definition. Every rank must call in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_dlrm.dist.symmetric import PeerBuffer, SimulatedWorkspace, _Workspace
+from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, wait_at_least, wait_ready
+from fused_dlrm.kernels.peer_tiles import remote_first_order
+
+PRODUCERS = ("device", "copy_engine", "pull")
+
+
+def all_gather_reference(shards: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(shards)
+
+
+@triton.jit
+def wait_chunk(ready_ptr, source, chunk, chunks, epoch, spin_limit, error_ptr):
+    """Bounded wait until flag (source, chunk) at ready_ptr >= epoch; a timeout records (1, source, chunk)."""
+    failed = tl.atomic_add(error_ptr, 0) != 0  # a wait of this launch already timed out: do not spin again
+    arrived = wait_at_least(ready_ptr + source * chunks + chunk, epoch, tl.where(failed, 0, spin_limit))
+    if (arrived == 0) & (failed == 0):
+        tl.store(error_ptr + 1, source)
+        tl.store(error_ptr + 2, chunk)
+        tl.atomic_xchg(error_ptr, 1)
+    return arrived
+
+
+@triton.jit
+def push_chunk(x_ptr, data_ptrs, ready_ptrs, ack_ptr, error_ptr, dest, chunk, rank, epoch, rows, cols, chunk_rows,
+               chunks, half_offset, spin_limit, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Store rows of `chunk` of the local shard x [rows, cols] into slot `rank` of dest's buffer half, then raise
+    flag (rank, chunk) in dest. Stores are skipped (and the error recorded) if dest never released the half."""
+    released = consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+    dst = tl.load(data_ptrs + dest).to(tl.pointer_type(x_ptr.dtype.element_ty)) + half_offset
+    dst += rank.to(tl.int64) * rows * cols
+    first = chunk * chunk_rows
+    end = tl.minimum(first + chunk_rows, rows)
+    r = first
+    while r < end:
+        rr = r + tl.arange(0, BLOCK_R)
+        c = 0
+        while c < cols:
+            cc = c + tl.arange(0, BLOCK_C)
+            mask = (rr < end)[:, None] & (cc < cols)[None, :] & released
+            offs = rr.to(tl.int64)[:, None] * cols + cc[None, :]
+            tl.store(dst + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+            c += BLOCK_C
+        r += BLOCK_R
+    tl.debug_barrier()
+    flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * chunks + chunk
+    tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def _push_kernel(x_ptr, data_ptrs, ready_ptrs, ack_ptr, error_ptr, rank, epoch, rows, cols, chunk_rows, chunks,
+                 half_offset, num_items, num_programs, spin_limit,
+                 WORLD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    i = tl.program_id(0)
+    while i < num_items:  # item i: chunk i % chunks for the (i // chunks)-th destination of the remote-first order
+        dest = (rank + 1 + i // chunks) % WORLD
+        push_chunk(x_ptr, data_ptrs, ready_ptrs, ack_ptr, error_ptr, dest, i % chunks, rank, epoch, rows, cols,
+                   chunk_rows, chunks, half_offset, spin_limit, BLOCK_R, BLOCK_C)
+        i += num_programs
+
+
+@triton.jit
+def _guard_kernel(ack_ptr, epoch, spin_limit, error_ptr):
+    """Program d: wait until rank d has released the half of its buffer that `epoch` writes."""
+    consumer_released(ack_ptr, tl.program_id(0), epoch, spin_limit, error_ptr)
+
+
+@triton.jit
+def _wait_chunk_kernel(ready_ptrs, source, chunk, chunks, epoch, spin_limit, error_ptr):
+    """Wait for flag (source, chunk) in the source's own flags (the pull reads the source's buffer)."""
+    wait_chunk(tl.load(ready_ptrs + source).to(tl.pointer_type(tl.int32)), source, chunk, chunks, epoch,
+               spin_limit, error_ptr)
+
+
+def peer_tensors(ws: _Workspace, buf: PeerBuffer) -> list[torch.Tensor]:
+    """Every rank's buffer as a tensor this rank can `copy_` into (copy engines take tensors, not addresses)."""
+    if isinstance(ws, SimulatedWorkspace):
+        return next(ts for ts in ws.world.buffers.values() if ts[ws.rank] is buf.local)
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    handle = symm_mem.rendezvous(buf.local, ws.group)  # cached per buffer and group: no collective after the first
+    return [handle.get_buffer(p, (buf.local.numel(),), buf.local.dtype) for p in range(ws.world_size)]
+
+
+def _write_flag(flags: torch.Tensor, index: int, epoch: int) -> None:
+    """On the current stream, after its earlier work: flags[index] = epoch (a stream memory op on GPUs)."""
+    if flags.is_cuda:
+        torch.ops.symm_mem.stream_write_value32_(flags.view(torch.uint32), index, epoch)
+    else:
+        flags[index] = epoch
+
+
+class SymmetricAllGather:
+    """All-gather of a [rows, cols] shard per rank into every rank's symmetric buffer [world * rows, cols]."""
+
+    def __init__(self, workspace: _Workspace, rows: int, cols: int, dtype: torch.dtype, chunk_rows: int | None = None,
+                 name: str = "allgather", num_programs: int | None = None, spin_limit: int = 20_000_000,
+                 block_rows: int = 16, block_cols: int = 512):
+        self.ws, self.rank, self.world = workspace, workspace.rank, workspace.world_size
+        self.rows, self.cols, self.dtype = rows, cols, dtype
+        self.chunk_rows = max(1, min(chunk_rows or rows, rows))
+        self.chunks = triton.cdiv(rows, self.chunk_rows)
+        self.exchange = f"{name}:{rows}x{cols}:{dtype}:{self.chunk_rows}"  # one set of buffers per shape class
+        self.data = workspace.buffer(self.exchange, 2 * self.world * rows * cols, dtype)
+        self.ready = workspace.buffer(self.exchange + ":ready", self.world * self.chunks, torch.int32)
+        self.ack = workspace.buffer(self.exchange + ":ack", self.world, torch.int32)
+        self.errors = PeerErrors(workspace.device, self.rank, "all-gather")
+        cuda = workspace.device.type == "cuda"
+        self.num_programs = num_programs or (
+            torch.cuda.get_device_properties(workspace.device).multi_processor_count if cuda else 2)
+        self.spin_limit, self.block_rows, self.block_cols = spin_limit, block_rows, block_cols
+        self._streams = {d: torch.cuda.Stream(workspace.device) for d in range(self.world)} if cuda else {}
+        self._peer_data = self._peer_ready = None  # peer tensors, built on the first copy-engine call
+
+    # -- layout ---------------------------------------------------------------------------------------------------
+    def next_epoch(self) -> int:
+        return self.ws.next_epoch(self.exchange)
+
+    def half_offset(self, epoch: int) -> int:
+        """Element offset of the half of the data buffer that `epoch` uses."""
+        return (epoch % 2) * self.world * self.rows * self.cols
+
+    def gathered(self, epoch: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """[world * rows, cols] view of `epoch`'s half of a rank's data buffer (default: this rank's)."""
+        base = self.half_offset(epoch)
+        buffer = self.data.local if buffer is None else buffer
+        return buffer[base:base + self.world * self.rows * self.cols].view(self.world * self.rows, self.cols)
+
+    def _chunk_rows(self, chunk: int) -> slice:
+        return slice(chunk * self.chunk_rows, min((chunk + 1) * self.chunk_rows, self.rows))
+
+    def _side(self, peer: int):
+        """The side stream of one peer's copies (GPU), after everything already on the current stream."""
+        if not self._streams:
+            return contextlib.nullcontext()
+        stream = self._streams[peer]
+        stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(stream)
+
+    def join(self, shard: torch.Tensor) -> None:
+        """The current stream waits for the side streams; the shard stays allocated until their copies ran."""
+        for stream in self._streams.values():
+            torch.cuda.current_stream().wait_stream(stream)
+            shard.record_stream(stream)
+
+    # -- producers ------------------------------------------------------------------------------------------------
+    def start(self, shard: torch.Tensor, producer: str, include_local: bool = True) -> int:
+        """Enqueue this rank's part of the next all-gather; returns its epoch. include_local=False leaves this
+        rank's own slot unwritten (a consumer that reads the local shard in place)."""
+        if producer not in PRODUCERS:
+            raise ValueError(f"unknown producer {producer!r}: expected one of {PRODUCERS}")
+        if tuple(shard.shape) != (self.rows, self.cols) or shard.dtype != self.dtype:
+            raise ValueError(f"shard {tuple(shard.shape)} {shard.dtype}: expected ({self.rows}, {self.cols}) "
+                             f"{self.dtype}")
+        self.errors.check()
+        shard = shard.contiguous()
+        epoch = self.next_epoch()
+        if producer == "device":
+            self.launch_push(shard, epoch, include_local)
+        elif producer == "copy_engine":
+            self._copy_engine_push(shard, epoch, include_local)
+        else:
+            self._publish_local(shard, epoch)
+        return epoch
+
+    def launch_push(self, shard: torch.Tensor, epoch: int, include_local: bool) -> None:
+        items = (self.world if include_local else self.world - 1) * self.chunks
+        programs = max(1, min(self.num_programs, items))
+        _push_kernel[(programs,)](
+            shard, self.data.peer_ptrs, self.ready.peer_ptrs, self.ack.local, self.errors.word, self.rank, epoch,
+            self.rows, self.cols, self.chunk_rows, self.chunks, self.half_offset(epoch), items, programs,
+            self.spin_limit, WORLD=self.world, BLOCK_R=self.block_rows, BLOCK_C=self.block_cols)
+
+    def _peers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if self._peer_data is None:
+            self._peer_data, self._peer_ready = peer_tensors(self.ws, self.data), peer_tensors(self.ws, self.ready)
+        return self._peer_data, self._peer_ready
+
+    def _copy_engine_push(self, shard: torch.Tensor, epoch: int, include_local: bool) -> None:
+        data, ready = self._peers()
+        remote = remote_first_order(self.rank, self.world)[:-1]
+        # One guard launch on the current stream for every rank: a spinning kernel on a side stream could be
+        # starved of SMs by a persistent consumer launched after it.
+        _guard_kernel[(self.world,)](self.ack.local, epoch, self.spin_limit, self.errors.word)
+        if include_local:
+            self._copy_chunks(shard, self.rank, data, ready, epoch)
+        for dest in remote:
+            with self._side(dest):
+                self._copy_chunks(shard, dest, data, ready, epoch)
+
+    def _copy_chunks(self, shard, dest, data, ready, epoch) -> None:
+        slot = self.gathered(epoch, data[dest])[self.rank * self.rows:(self.rank + 1) * self.rows]
+        for chunk in range(self.chunks):
+            rows = self._chunk_rows(chunk)
+            slot[rows].copy_(shard[rows], non_blocking=True)
+            _write_flag(ready[dest], self.rank * self.chunks + chunk, epoch)
+
+    def _publish_local(self, shard: torch.Tensor, epoch: int) -> None:
+        """Pull: the shard into this rank's own slot (once every peer is done with that half), then its flags."""
+        _guard_kernel[(self.world,)](self.ack.local, epoch, self.spin_limit, self.errors.word)
+        self._copy_chunks(shard, self.rank, [self.data.local] * self.world, [self.ready.local] * self.world, epoch)
+
+    def _pull(self, epoch: int) -> None:
+        data, _ = self._peers()
+        for source in remote_first_order(self.rank, self.world)[:-1]:
+            theirs = self.gathered(epoch, data[source])
+            mine = self.gathered(epoch)
+            with self._side(source):
+                for chunk in range(self.chunks):
+                    _wait_chunk_kernel[(1,)](self.ready.peer_ptrs, source, chunk, self.chunks, epoch,
+                                             self.spin_limit, self.errors.word)
+                    rows = slice(source * self.rows + self._chunk_rows(chunk).start,
+                                 source * self.rows + self._chunk_rows(chunk).stop)
+                    mine[rows].copy_(theirs[rows], non_blocking=True)
+                    _write_flag(self.ready.local, source * self.chunks + chunk, epoch)
+
+    # -- consumer -------------------------------------------------------------------------------------------------
+    def finish(self, epoch: int, producer: str, shard: torch.Tensor) -> torch.Tensor:
+        """Enqueue the wait for every chunk of `epoch` (after the pull's copies for producer="pull"); returns the
+        gathered [world * rows, cols] view (valid until this object's next call)."""
+        if producer == "pull":
+            self._pull(epoch)
+        wait_ready(self.ready.local, self.ack.peer_ptrs, self.errors.word, self.rank, self.world, epoch,
+                   self.chunks, self.spin_limit)
+        self.join(shard)
+        self.errors.after_wait(epoch)
+        return self.gathered(epoch)
+
+    def __call__(self, shard: torch.Tensor, producer: str = "device") -> torch.Tensor:
+        return self.finish(self.start(shard, producer), producer, shard)
