@@ -1,0 +1,325 @@
+"""The MoE dispatch fused with the first expert GEMM: rows are pushed into the owners' symmetric buffers, and the
+owner's persistent grouped GEMM waits, tile by tile, for just the rows it reads.
+
+Push (`FusedDispatch.start`, every source): persistent programs walk units (destination rank d, chunk c), where
+chunk c is receive rows [c * block_m, (c + 1) * block_m) of d's buffer; destinations remote first, rotated by rank
+(peer_tiles.remote_first_order), this rank last. A unit gathers the source's permuted rows that land in that
+chunk (row i is x[token_of_row[i]]: no permuted copy is made) and stores each at row `layout.send_dest_row[i]`
+of d's receive buffer, then raises flag (source rank, c) in d's flag buffer.
+
+Ready rule (what the owner derives from its layout alone): receive row j of the owner is ready once flag
+(layout.recv_source_rank[j], j // block_m) holds the epoch. A source raises flag (s, c) only in the owner whose
+chunk c holds its rows, after storing all of them (a source's rows to one owner are increasing in its receive
+rows, so the rows of one unit are a contiguous range of the source's permuted rows).
+
+GEMM (`FusedDispatch.finish`, every owner): tiles of [BLOCK_M rows of one local expert] x [BLOCK_N of ffn];
+expert e's rows are recv_offsets[e * world] .. recv_offsets[(e + 1) * world]. A tile polls (bounded) the flags of
+its rows, then computes h = silu(x @ w1[e]) * (x @ w3[e]) with both products sharing the A tile (fp32
+accumulation). Tiles whose rows all came from this rank go first, then by the source whose rows arrive last
+(rank - 1 pushes to this rank first). After the GEMM a one-program kernel acknowledges the epoch to every source.
+
+Guards: receive rows are double-buffered by epoch parity, and a source stores epoch e only after the owner has
+acknowledged epoch e - 1 (peer_flags.consumer_released): the `received` view that `finish` returns stays valid
+until the next `finish` call. Flags carry epochs and are never reset; the receive capacity (and with it the flag
+buffer) only grows, by powers of two, the same on every rank (it follows layout.max_recv_rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fused_dlrm.dist.symmetric import _Workspace
+from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, wait_at_least
+from fused_dlrm.kernels.peer_tiles import remote_first_order
+from moe.expert_layout import ExpertLayout
+
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+PUSH_TILE_ELEMENTS = 8192  # elements a push program moves per step ([block_m rows, BLOCK_D columns])
+PUSH_SMS = 16  # SMs the GEMM leaves to the push kernels of its own and the next epoch (see `_gemm_programs`)
+
+
+# -- references ---------------------------------------------------------------------------------------------------
+def dispatch_reference(xs: list[torch.Tensor], token_of_rows: list[torch.Tensor], counts: torch.Tensor,
+                       owner: int, num_local_experts: int) -> torch.Tensor:
+    """The rows `owner` receives: for each local expert e, for each source s, the rows s routed to expert
+    owner * L + e, in s's permuted order (the bulk layer's all-to-all + regroup)."""
+    blocks = []
+    for e in range(owner * num_local_experts, (owner + 1) * num_local_experts):
+        for s, (x, tokens) in enumerate(zip(xs, token_of_rows)):
+            first = int(counts[s, :e].sum())
+            blocks.append(x[tokens[first:first + int(counts[s, e])]])
+    return torch.cat(blocks) if blocks else xs[0].new_zeros(0, xs[0].shape[1])
+
+
+def gated_gemm_reference(received: torch.Tensor, tokens_per_local_expert: list[int], w1: torch.Tensor,
+                         w3: torch.Tensor) -> torch.Tensor:
+    """silu(x @ w1[e]) * (x @ w3[e]) for each local expert's contiguous rows (the SwiGLU experts' first half)."""
+    outs = [F.silu(x @ w1[e]) * (x @ w3[e]) for e, x in enumerate(torch.split(received, tokens_per_local_expert))]
+    return torch.cat(outs) if outs else received.new_zeros(0, w1.shape[2])
+
+
+# -- push ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _push_rows_kernel(
+    x_ptr, token_ptr, dest_row_ptr, bounds_ptr, dest_order_ptr,  # this rank's rows and its units
+    rows_ptrs, ready_ptrs, ack_ptr, error_ptr,  # peers' receive buffers and flag buffers, my acks, my error word
+    rank, epoch, row_base, chunks, flag_stride, num_units, num_programs, spin_limit,
+    D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, CHUNK)
+    cols = tl.arange(0, BLOCK_D)
+    u = pid
+    while u < num_units:  # `while`: the interpreter cannot range() from a program id
+        dest = tl.load(dest_order_ptr + u // chunks)
+        c = u % chunks
+        lo = tl.load(bounds_ptr + dest * (chunks + 1) + c)
+        hi = tl.load(bounds_ptr + dest * (chunks + 1) + c + 1)
+        if hi > lo:
+            rows = lo + lanes
+            mask = rows < hi
+            token = tl.load(token_ptr + rows, mask=mask, other=0).to(tl.int64)
+            at = (row_base + tl.load(dest_row_ptr + rows, mask=mask, other=0)).to(tl.int64)
+            mask = mask & consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+            out = tl.load(rows_ptrs + dest).to(tl.pointer_type(x_ptr.dtype.element_ty))
+            for k in range(0, D, BLOCK_D):
+                m = mask[:, None] & (k + cols < D)[None, :]
+                v = tl.load(x_ptr + token[:, None] * D + k + cols[None, :], mask=m)
+                tl.store(out + at[:, None] * D + k + cols[None, :], v, mask=m)
+            # One flag, in the owner only (peer_flags.signal_ready raises a slot in every rank).
+            tl.debug_barrier()
+            flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * flag_stride + c
+            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+        u += num_programs
+
+
+# -- grouped gated GEMM -------------------------------------------------------------------------------------------
+@triton.jit
+def _poll(flags, mask, epoch, BLOCK: tl.constexpr):
+    """The flags of a tile's rows (acquire); rows outside the mask count as ready."""
+    seen = tl.atomic_add(flags, tl.zeros([BLOCK], tl.int32), mask=mask, sem="acquire", scope="sys")
+    return tl.where(mask, seen, epoch)
+
+
+@triton.jit
+def _gated_gemm_kernel(
+    rows_ptr, w1_ptr, w3_ptr, h_ptr,  # received rows (this epoch's half), [L, D, FFN] weights, [rows, FFN] output
+    tile_expert_ptr, tile_begin_ptr, tile_end_ptr,  # per row tile, in walk order: expert, its rows [begin, end)
+    source_ptr, ready_ptr, error_ptr,  # recv_source_rank, my flag buffer, my error word
+    epoch, flag_stride, num_tiles, num_programs, spin_limit,
+    D: tl.constexpr, FFN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(FFN, BLOCK_N)
+    lanes = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    t = pid
+    while t < num_tiles:
+        mt = t // n_tiles
+        ns = (t % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        expert = tl.load(tile_expert_ptr + mt).to(tl.int64)
+        begin = tl.load(tile_begin_ptr + mt)
+        rows = begin + lanes
+        row_mask = rows < tl.load(tile_end_ptr + mt)
+
+        # Wait for the chunks this tile reads: flag (source of the row, row // CHUNK) of each row; spin on one
+        # missing flag at a time, then look again at all of them.
+        source = tl.load(source_ptr + rows, mask=row_mask, other=0)
+        flags = ready_ptr + source * flag_stride + rows // CHUNK
+        failed = tl.atomic_add(error_ptr, 0) != 0  # a wait of this launch already timed out: do not spin again
+        limit = tl.where(failed, 0, spin_limit)
+        seen = _poll(flags, row_mask, epoch, BLOCK_M)
+        timed_out = failed & failed  # False, of the type the loop assigns
+        while (tl.min(seen, axis=0) < epoch) & ~timed_out:
+            late_row = begin + tl.min(tl.where(seen < epoch, lanes, BLOCK_M), axis=0)
+            late_flag = ready_ptr + tl.load(source_ptr + late_row) * flag_stride + late_row // CHUNK
+            timed_out = ~wait_at_least(late_flag, epoch, limit)
+            seen = _poll(flags, row_mask, epoch, BLOCK_M)
+        if timed_out & ~failed:
+            late_row = begin + tl.min(tl.where(seen < epoch, lanes, BLOCK_M), axis=0)
+            tl.store(error_ptr + 1, tl.load(source_ptr + late_row))
+            tl.store(error_ptr + 2, late_row // CHUNK)
+            tl.atomic_xchg(error_ptr, 1)
+
+        a_rows = rows_ptr + rows.to(tl.int64)[:, None] * D
+        w_cols = expert * D * FFN + ns[None, :]
+        n_mask = ns < FFN
+        acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, D, BLOCK_K):
+            k_mask = k + ks < D
+            a = tl.load(a_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            w_at = w_cols + (k + ks)[:, None] * FFN
+            acc1 = tl.dot(a, tl.load(w1_ptr + w_at, mask=w_mask, other=0.0), acc1, input_precision=PRECISION)
+            acc3 = tl.dot(a, tl.load(w3_ptr + w_at, mask=w_mask, other=0.0), acc3, input_precision=PRECISION)
+        h = acc1 * tl.sigmoid(acc1) * acc3
+        tl.store(h_ptr + rows.to(tl.int64)[:, None] * FFN + ns[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & n_mask[None, :])
+        t += num_programs
+
+
+@triton.jit
+def _ack_sources_kernel(ack_ptrs, error_ptr, rank, epoch, WORLD: tl.constexpr):
+    """After the GEMM (stream order): this rank no longer reads the epoch's rows; tell every source."""
+    if tl.load(error_ptr) == 0:
+        for s in tl.static_range(WORLD):
+            ack = tl.load(ack_ptrs + s).to(tl.pointer_type(tl.int32)) + rank
+            tl.atomic_xchg(ack, epoch, sem="release", scope="sys")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def gemm_config(device: torch.device) -> GemmConfig:
+    """H200 bf16/fp16: 128 x 128 tiles (two fp32 accumulators), k steps of 64; the interpreter: tl.dot's minimum."""
+    if device.type == "cuda":
+        return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
+    return GemmConfig(16, 16, 16, num_warps=4, num_stages=1)
+
+
+class FusedDispatch:
+    """Dispatch + first expert GEMM of one MoE layer on one rank (see the module docstring).
+
+    `start` then `finish`, in the same order on every rank (flags carry this object's epochs); in a simulated
+    world every rank calls `start` before any rank calls `finish`. `errors.check()` after `finish` raises
+    PeerWaitTimeout naming rank, peer and chunk when a wait timed out (at once on the CPU).
+    `num_programs`: persistent programs of the push kernel (on GPUs it runs on a side stream, concurrently with
+    the GEMM of this epoch); `block_m`: receive rows per ready flag (a power of two).
+    """
+
+    def __init__(self, workspace: _Workspace, d_model: int, ffn: int, num_local_experts: int, num_programs: int,
+                 spin_limit: int, block_m: int = 64):
+        if block_m & (block_m - 1):
+            raise ValueError(f"block_m={block_m} must be a power of two")
+        self.ws, self.rank, self.world = workspace, workspace.rank, workspace.world_size
+        self.d_model, self.ffn, self.num_local_experts = d_model, ffn, num_local_experts
+        self.num_programs, self.spin_limit, self.chunk = num_programs, spin_limit, block_m
+        self.config = gemm_config(workspace.device)
+        self.errors = PeerErrors(workspace.device, self.rank, "fused MoE dispatch")
+        self.capacity = 0  # receive rows per half of the double buffer; grows, the same on every rank
+        self._dest_order = torch.tensor(remote_first_order(self.rank, self.world), dtype=torch.int32,
+                                        device=workspace.device)
+        cuda = workspace.device.type == "cuda"
+        self._push_stream = torch.cuda.Stream(workspace.device) if cuda else None
+        self._in_flight: tuple = ()  # tensors the push stream reads, kept alive until `finish`
+        self._started: dict[int, tuple] = {}  # epoch -> its (rows, ready, ack) buffers, from start to finish
+
+    def _buffers(self, layout: ExpertLayout, dtype: torch.dtype):
+        """(receive rows, ready flags, acks) for this layout; collective on GPUs when the capacity grows."""
+        if layout.world != self.world or layout.rank != self.rank or layout.num_local_experts != self.num_local_experts:
+            raise ValueError("the layout does not describe this rank of this dispatch")
+        self.capacity = max(self.capacity, self.chunk, triton.next_power_of_2(layout.max_recv_rows))
+        rows = self.ws.buffer("moe_dispatch_rows", 2 * self.capacity * self.d_model, dtype)
+        # A new capacity gets fresh flags (zero < any epoch): flag buffers cannot grow.
+        ready = self.ws.buffer(f"moe_dispatch_ready_{self.capacity}", self.world * self.capacity // self.chunk,
+                               torch.int32)
+        ack = self.ws.buffer("moe_dispatch_ack", self.world, torch.int32)
+        return rows, ready, ack
+
+    def start(self, x: torch.Tensor, token_of_row: torch.Tensor, layout: ExpertLayout) -> int:
+        """Push this rank's permuted rows (row i is x[token_of_row[i]]) into the owners' receive buffers at
+        layout.send_dest_row, raising the per-chunk flags; returns the epoch."""
+        self.errors.check()
+        if x.dim() != 2 or x.shape[1] != self.d_model or x.dtype not in TL_DTYPES:
+            raise ValueError(f"x must be [tokens, {self.d_model}] fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
+        epoch = self.ws.next_epoch("moe_dispatch")
+        rows, ready, ack = self._started[epoch] = self._buffers(layout, x.dtype)
+        chunks = triton.cdiv(layout.max_recv_rows, self.chunk)
+        # Source rows of unit (d, c): [bounds[d, c], bounds[d, c + 1]); the key increases over the permuted rows.
+        key = layout.send_dest_rank * self.capacity + layout.send_dest_row
+        starts = (torch.arange(self.world, device=key.device)[:, None] * self.capacity
+                  + torch.arange(chunks + 1, device=key.device)[None, :] * self.chunk)
+        bounds = torch.searchsorted(key, starts.reshape(-1))
+        x, token_of_row = x.contiguous(), token_of_row.contiguous()
+        block_d = max(16, min(triton.next_power_of_2(self.d_model), PUSH_TILE_ELEMENTS // self.chunk))
+
+        def launch():
+            _push_rows_kernel[(self.num_programs,)](
+                x, token_of_row, layout.send_dest_row, bounds, self._dest_order,
+                rows.peer_ptrs, ready.peer_ptrs, ack.local, self.errors.word,
+                self.rank, epoch, (epoch % 2) * self.capacity, chunks, self.capacity // self.chunk,
+                self.world * chunks, self.num_programs, self.spin_limit,
+                D=self.d_model, CHUNK=self.chunk, BLOCK_D=block_d)
+
+        if self._push_stream is None:
+            launch()
+        else:  # the GEMM (next on the current stream) overlaps the push, waiting per tile
+            self._push_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._push_stream):
+                launch()
+            self._in_flight = (x, token_of_row, layout.send_dest_row, bounds)
+        return epoch
+
+    def finish(self, epoch: int, layout: ExpertLayout, w1: torch.Tensor, w3: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The grouped GEMM over the received rows, each tile waiting for the chunks it reads.
+
+        Returns (received [recv_rows, d_model]: a view of the symmetric receive buffer, valid until the next
+        `finish` call; h = silu(received @ w1[e]) * (received @ w3[e]) [recv_rows, ffn], a new tensor)."""
+        L, d, ffn = self.num_local_experts, self.d_model, self.ffn
+        rows, ready, ack = self._started.pop(epoch)
+        if w1.shape != (L, d, ffn) or w3.shape != (L, d, ffn) or not w1.dtype == w3.dtype == rows.local.dtype:
+            raise ValueError(f"w1 and w3 must be [{L}, {d}, {ffn}] of the rows' dtype {rows.local.dtype}, got "
+                             f"{tuple(w1.shape)} {w1.dtype} and {tuple(w3.shape)} {w3.dtype}")
+        recv_rows = sum(layout.tokens_per_local_expert)
+        base = (epoch % 2) * self.capacity * d
+        received = rows.local[base:base + recv_rows * d].view(recv_rows, d)
+        h = torch.empty(recv_rows, ffn, dtype=w1.dtype, device=w1.device)
+        cfg = self.config
+        tile_expert, tile_begin, tile_end = self._tile_walk(layout, cfg.block_m)
+        num_tiles = tile_expert.numel() * triton.cdiv(ffn, cfg.block_n)
+        programs = self._gemm_programs(num_tiles)
+        _gated_gemm_kernel[(programs,)](
+            rows.local[base:], w1.contiguous(), w3.contiguous(), h, tile_expert, tile_begin, tile_end,
+            layout.recv_source_rank, ready.local, self.errors.word,
+            epoch, self.capacity // self.chunk, num_tiles, programs, self.spin_limit,
+            D=d, FFN=ffn, CHUNK=self.chunk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            PRECISION="ieee" if w1.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self.rank, epoch, WORLD=self.world)
+        if self._push_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._push_stream)
+            self._in_flight = ()
+        self.errors.after_wait(epoch)
+        return received, h
+
+    def _tile_walk(self, layout: ExpertLayout, block_m: int):
+        """Row tiles (expert, begin, end) in walk order: rows of this rank only first, then by the rotated rank
+        of the latest source among the tile's rows (rank - 1's rows arrive first). No host sync."""
+        device = layout.recv_source_rank.device
+        sizes = layout.tokens_per_local_expert
+        firsts = [sum(sizes[:e]) for e in range(len(sizes))]
+        tiles = [(e, first + i, first + n) for e, (first, n) in enumerate(zip(firsts, sizes))
+                 for i in range(0, n, block_m)]
+        if not tiles:
+            empty = torch.zeros(0, dtype=torch.int64, device=device)
+            return empty, empty, empty
+        expert, begin, end = torch.tensor(tiles, dtype=torch.int64).to(device).unbind(1)
+        rows = begin[:, None] + torch.arange(block_m, device=device)[None, :]
+        inside = rows < end[:, None]
+        source = layout.recv_source_rank[torch.where(inside, rows, begin[:, None])]
+        lateness = torch.where(inside, (self.rank - source) % self.world, 0).amax(dim=1)
+        order = torch.sort(lateness, stable=True).indices
+        return expert[order].contiguous(), begin[order].contiguous(), end[order].contiguous()
+
+    def _gemm_programs(self, num_tiles: int) -> int:
+        """Persistent GEMM programs. On GPUs the tiles wait for flags that push kernels raise (this GPU's on the
+        side stream, and the peers'): one program per SM, leaving PUSH_SMS SMs free so that the pushes always
+        find room to run."""
+        if self._push_stream is None:
+            return max(1, min(num_tiles, self.num_programs))
+        sms = torch.cuda.get_device_properties(self.ws.device).multi_processor_count
+        return max(1, min(num_tiles, sms - PUSH_SMS))
