@@ -120,10 +120,12 @@ def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, out_ptrs, ready_ptrs, ack_ptr,
 
 @triton.jit
 def _weighted_unpermute_kernel(rows_ptr, inverse_ptr, weights_ptr, tile_of_row_ptr, owner_of_row_ptr, ready_ptr,
-                               error_ptr, out_ptr, num_tokens, num_rows, epoch, spin_limit,
+                               error_ptr, out_ptr, copy_ptr, num_tokens, num_rows, epoch, spin_limit,
                                D_MODEL: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr,
-                               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """Program (token block, column block): wait for the tiles holding its rows, then the weighted sum."""
+                               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                               COPY_ROWS: tl.constexpr):
+    """Program (token block, column block): wait for the tiles holding its rows, then the weighted sum; with
+    COPY_ROWS also a copy of each row it read (every kept row is read by exactly one assignment)."""
     N_COL: tl.constexpr = (D_MODEL + BLOCK_N - 1) // BLOCK_N
     col = tl.program_id(1)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -157,8 +159,11 @@ def _weighted_unpermute_kernel(rows_ptr, inverse_ptr, weights_ptr, tile_of_row_p
         r = tl.load(inverse_ptr + tokens * TOP_K + j, mask=token_mask, other=num_rows)
         ok = token_mask & (r < num_rows)
         w = tl.load(weights_ptr + tokens * TOP_K + j, mask=ok, other=0.0)
-        x = tl.load(rows_ptr + r[:, None] * D_MODEL + cols[None, :], mask=ok[:, None] & col_mask[None, :],
-                    other=0.0, cache_modifier=".cg")  # peers wrote these rows: not from L1
+        at = r[:, None] * D_MODEL + cols[None, :]
+        x = tl.load(rows_ptr + at, mask=ok[:, None] & col_mask[None, :], other=0.0,
+                    cache_modifier=".cg")  # peers wrote these rows: not from L1
+        if COPY_ROWS:
+            tl.store(copy_ptr + at, x, mask=ok[:, None] & col_mask[None, :])
         acc += x.to(tl.float32) * w[:, None]
     tl.store(out_ptr + tokens[:, None] * D_MODEL + cols[None, :], acc.to(OUT_DTYPE),
              mask=token_mask[:, None] & col_mask[None, :])
@@ -212,23 +217,31 @@ class FusedCombine:
                 num_warps=b.gemm_warps, num_stages=b.gemm_stages)
         return epoch
 
-    def finish(self, epoch: int, layout: ExpertLayout, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:
+    def finish(self, epoch: int, layout: ExpertLayout, perm: Permutation, weights: torch.Tensor,
+               rows_out: torch.Tensor | None = None) -> torch.Tensor:
         """[tokens, d_model] in h's dtype: per token the weighted sum (fp32) of its k expert outputs, each block
-        of tokens read as soon as the owners' flags of its rows are up."""
+        of tokens read as soon as the owners' flags of its rows are up. `rows_out` ([this rank's permuted rows,
+        d_model], h's dtype), if given, receives the expert output rows (the routing weights' gradient needs
+        them; the combine buffer itself is the owners' again once `finish` acknowledges the epoch)."""
         counts = layout.counts.cpu()
         rows, ready, ack = self._buffers(counts)
         num_tokens, top_k = weights.shape
+        if rows_out is not None and (rows_out.shape != (layout.send_dest_rank.numel(), self.d_model)
+                                     or rows_out.dtype != self._dtype or not rows_out.is_contiguous()):
+            raise ValueError(f"rows_out must be a contiguous [{layout.send_dest_rank.numel()}, {self.d_model}] "
+                             f"{self._dtype} tensor, got {tuple(rows_out.shape)} {rows_out.dtype}")
         out = torch.empty(num_tokens, self.d_model, dtype=self._dtype, device=weights.device)
         if num_tokens:
             b = self.blocks
             grid = (triton.cdiv(num_tokens, b.block_tokens), self.num_col)
             _weighted_unpermute_kernel[grid](
                 rows.local, perm.inverse, weights.float().contiguous(), self._tile_of_row(counts).to(out.device),
-                layout.send_dest_rank, ready.local, self.errors.word, out, num_tokens,
+                layout.send_dest_rank, ready.local, self.errors.word, out, out if rows_out is None else rows_out,
+                num_tokens,
                 layout.send_dest_rank.numel(), epoch, self.spin_limit,
                 D_MODEL=self.d_model, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
                 BLOCK_T=b.block_tokens, BLOCK_N=b.block_n, OUT_DTYPE=TL_DTYPES[self._dtype],
-                num_warps=b.consumer_warps)
+                COPY_ROWS=rows_out is not None, num_warps=b.consumer_warps)
         _acknowledge_kernel[(1,)](ack.peer_ptrs, self.rank, epoch, WORLD=self.world)
         self.errors.after_wait(epoch)
         return out
