@@ -40,11 +40,11 @@ import triton.language as tl
 
 from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, signal_ready, wait_at_least
-from fused_dlrm.kernels.pooled_embedding import TL_DTYPES
 
 PRODUCE, REDUCE, WAIT = 1, 2, 4  # the phases of a launch (PHASES is their sum)
 ALL_PHASES = PRODUCE | REDUCE | WAIT
 MAX_ROWS = 64
+TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def gemm_allreduce_reference(xs: list[torch.Tensor], ws: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,210 @@
+"""Tensor-parallel linears (Megatron-style) over a TP process group, bulk or fused communication.
+
+ColumnParallelLinear: y[..., out / tp] = x @ W_r^T, rank r holding rows r of W [out, in] (output features split).
+Its input is either replicated (the whole x on every rank; backward all-reduces the input gradient: Megatron's
+"f") or sequence-sharded (rows of x split over ranks, all-gathered before the matmul; backward reduce-scatters).
+RowParallelLinear: y[..., out] = sum_r x_r @ W_r^T, rank r holding columns r of W (input features split); the
+all-reduce of the output is Megatron's "g" (backward: the gradient is already replicated, nothing to do).
+
+comm="bulk": torch.distributed collectives inside autograd functions (gloo on the CPU, NCCL on GPUs).
+comm="fused" (CUDA only): RowParallelLinear computes x @ W_r^T and the all-reduce in one launch
+(kernels.gemm_allreduce) when x has at most 64 rows (decode, small prefill), the bulk twin above that; a
+sequence-sharded ColumnParallelLinear uses the all-gather + GEMM (bulk twin until kernels.allgather_gemm lands).
+The backward of a fused forward is the bulk twin's: the conjugate collective on the gradient.
+
+Initialisation is a function of (seed, std) only: every rank draws the full [out, in] weight from one generator
+and keeps its shard, so a TP-sharded model equals the unsharded one (tp = 1). The shard is registered as
+`shard_<r>_of_<tp>`: torch.distributed.checkpoint then keeps every shard as its own entry instead of taking them
+for one replicated tensor. Bias-free (the Transformer's projections have none).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fused_dlrm.kernels.gemm_allreduce import MAX_ROWS, GemmAllReduce
+
+COMMS = ("bulk", "fused")
+
+
+def tp_groups(tp_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(TP group, data-parallel group) of this rank: TP groups of `tp_size` consecutive ranks, DP groups of the
+    ranks with the same position in their TP group. (None, None) without a process group; a collective call."""
+    if not dist.is_initialized():
+        if tp_size != 1:
+            raise ValueError(f"tp_size={tp_size} needs a process group of a multiple of {tp_size} ranks")
+        return None, None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if tp_size < 1 or world % tp_size:
+        raise ValueError(f"tp_size={tp_size} must divide the world size {world}")
+    mine = {}
+    for first in range(0, world, tp_size):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(first, first + tp_size)))
+        if rank // tp_size == first // tp_size:
+            mine["tp"] = group
+    for position in range(tp_size):
+        group = dist.new_group(list(range(position, world, tp_size)))
+        if rank % tp_size == position:
+            mine["dp"] = group
+    return mine["tp"], mine["dp"]
+
+
+def _size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Forward: identity (x replicated over the group); backward: all-reduce of the input gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Forward: all-reduce of the partial outputs; backward: identity (the gradient is replicated)."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        dist.all_reduce(y, group=group)
+        ctx.mark_dirty(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: all-gather of the ranks' rows (dim 0); backward: reduce-scatter of the gradient's rows."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        size, _ = _size_rank(group)
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, _ = _size_rank(ctx.group)
+        out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
+        dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+class _FusedRowParallel(torch.autograd.Function):
+    """Forward: x @ W^T and the all-reduce in one launch; backward: the local matmuls (the all-reduce's conjugate
+    is the identity)."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, op):
+        ctx.save_for_backward(x2d, weight)
+        return op(x2d, weight.t()).clone()  # the op's output is reused by the call after next
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2d, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x2d, None
+
+
+@lru_cache(maxsize=None)
+def _fused_all_reduce(group: dist.ProcessGroup) -> GemmAllReduce:
+    """One fused op (and one symmetric workspace) per group, shared by its layers: they run in the same order on
+    every rank, so the op's per-call epochs agree."""
+    from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
+
+    return GemmAllReduce(CudaSymmetricWorkspace(group))
+
+
+def full_weight(out_features: int, in_features: int, seed: int, std: float) -> torch.Tensor:
+    """The unsharded weight [out, in]: Normal(0, std) from a generator seeded by `seed`, drawn in float64."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn((out_features, in_features), generator=generator, dtype=torch.float64) * std
+
+
+class _TPLinear(nn.Module):
+    def __init__(self, shard: torch.Tensor, group: dist.ProcessGroup | None, comm: str):
+        super().__init__()
+        if comm not in COMMS:
+            raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
+        self.group, self.comm = group, comm
+        self.tp_size, self.tp_rank = _size_rank(group)
+        self._name = f"shard_{self.tp_rank}_of_{self.tp_size}"
+        self.register_parameter(self._name, nn.Parameter(shard.float()))
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """This rank's shard of the weight."""
+        return self._parameters[self._name]
+
+    def _check_fused(self, x: torch.Tensor) -> bool:
+        """Whether to run the fused kernels (comm=fused, a group of several ranks); refuses the CPU."""
+        if self.comm != "fused" or self.tp_size == 1:
+            return False
+        if not x.is_cuda:
+            raise RuntimeError("comm=fused needs CUDA tensors (symmetric memory); use comm=bulk on the CPU")
+        return True
+
+
+class ColumnParallelLinear(_TPLinear):
+    """Output features split over the group. `parts` > 1: the output is `parts` equal blocks (e.g. q, k, v) each
+    split over ranks, so rank r's output is [block 0 of r, block 1 of r, ...] (attention heads stay whole).
+    `sequence_sharded`: x holds this rank's rows only; they are all-gathered (dim 0 of x) before the matmul."""
+
+    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None = None,
+                 comm: str = "bulk", seed: int = 0, std: float = 0.02, parts: int = 1,
+                 sequence_sharded: bool = False):
+        size, rank = _size_rank(group)
+        if out_features % (parts * size):
+            raise ValueError(f"out_features={out_features} does not split into {parts} part(s) over {size} ranks")
+        per_rank = out_features // (parts * size)
+        full = full_weight(out_features, in_features, seed, std).view(parts, out_features // parts, in_features)
+        super().__init__(full[:, rank * per_rank:(rank + 1) * per_rank].reshape(-1, in_features), group, comm)
+        self.sequence_sharded = sequence_sharded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight)
+        self._check_fused(x)  # the fused all-gather + GEMM's bulk twin until kernels.allgather_gemm lands
+        x = _GatherRows.apply(x, self.group) if self.sequence_sharded else _CopyToTP.apply(x, self.group)
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(_TPLinear):
+    """Input features split over the group (x holds this rank's features, e.g. a column-parallel output); the
+    output is the all-reduced sum, replicated on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None = None,
+                 comm: str = "bulk", seed: int = 0, std: float = 0.02):
+        size, rank = _size_rank(group)
+        if in_features % size:
+            raise ValueError(f"in_features={in_features} does not split over {size} ranks")
+        per_rank = in_features // size
+        super().__init__(full_weight(out_features, in_features, seed, std)[:, rank * per_rank:(rank + 1) * per_rank],
+                         group, comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight)
+        x2d = x.reshape(-1, x.shape[-1])
+        if self._check_fused(x) and x2d.shape[0] <= MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16):
+            y = _FusedRowParallel.apply(x2d, self.weight.to(x.dtype), _fused_all_reduce(self.group))
+        else:
+            y = _ReduceFromTP.apply(F.linear(x2d, self.weight), self.group)
+        return y.view(*x.shape[:-1], y.shape[-1])

@@ -1,0 +1,95 @@
+"""Tensor-parallel linears on gloo worlds of 2 and 4 processes against one-process nn.Linear layers.
+
+Every rank builds the TP layers and the unsharded reference from the same (seed, std); outputs, input gradients
+and each rank's weight-gradient shard must equal the reference's (float64 data, so only summation order differs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, full_weight, tp_groups
+from world import run_world
+
+D_IN, D_HID = 12, 24
+
+
+def _reference_weight(*args) -> torch.Tensor:
+    """The unsharded weight as the layers hold it (float32 parameters), in float64 for the reference."""
+    return full_weight(*args).float().double().requires_grad_()
+
+
+def _close(got, expected):
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
+    tp, dp = tp_groups(tp_size)
+    assert dist.get_process_group_ranks(tp) == list(range(rank - rank % tp_size, rank - rank % tp_size + tp_size))
+    assert dist.get_process_group_ranks(dp) == list(range(rank % tp_size, world, tp_size))
+    r = dist.get_rank(tp)
+    gen = torch.Generator().manual_seed(7)  # the same data on every rank (a TP group sees replicated inputs)
+    x = torch.randn(5, 3, D_IN, generator=gen, dtype=torch.float64)
+    grad_out = torch.randn(5, 3, D_IN, generator=gen, dtype=torch.float64)
+
+    # MLP: column-parallel -> gelu -> row-parallel, against the unsharded layers.
+    up = ColumnParallelLinear(D_IN, D_HID, tp, seed=11, std=0.3).double()
+    down = RowParallelLinear(D_HID, D_IN, tp, seed=12, std=0.2).double()
+    per = D_HID // tp_size
+    assert up.weight.shape == (per, D_IN) and down.weight.shape == (D_IN, per)
+    assert [n for n, _ in up.named_parameters()] == [f"shard_{r}_of_{tp_size}"]
+    w_up = _reference_weight(D_HID, D_IN, 11, 0.3)
+    w_down = _reference_weight(D_IN, D_HID, 12, 0.2)
+    x_tp, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = down(F.gelu(up(x_tp)))
+    expected = F.linear(F.gelu(F.linear(x_ref, w_up)), w_down)
+    _close(y, expected)
+    y.backward(grad_out)
+    expected.backward(grad_out)
+    _close(x_tp.grad, x_ref.grad)
+    _close(up.weight.grad, w_up.grad[r * per:(r + 1) * per])
+    _close(down.weight.grad, w_down.grad[:, r * per:(r + 1) * per])
+
+    # qkv-like: three parts, each split over the ranks (rank r: [part 0 of r, part 1 of r, part 2 of r]).
+    qkv = ColumnParallelLinear(D_IN, 3 * D_HID, tp, seed=14, std=0.3, parts=3).double()
+    w_qkv = _reference_weight(3 * D_HID, D_IN, 14, 0.3)
+    x_tp, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    mine = torch.cat([torch.arange(p * D_HID + r * per, p * D_HID + (r + 1) * per) for p in range(3)])
+    out, expected = qkv(x_tp), F.linear(x_ref, w_qkv)
+    _close(out, expected[..., mine])
+    grad = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+    out.backward(grad[..., mine])
+    expected.backward(grad)
+    _close(x_tp.grad, x_ref.grad)
+    _close(qkv.weight.grad, w_qkv.grad[mine])
+
+    # Sequence-sharded input: rank r holds rows r of x, all-gathered before the matmul.
+    seq = ColumnParallelLinear(D_IN, D_HID, tp, seed=13, std=0.5, sequence_sharded=True).double()
+    w_seq = _reference_weight(D_HID, D_IN, 13, 0.5)
+    rows = x.reshape(-1, D_IN)[: 4 * tp_size]
+    mine = rows.view(tp_size, 4, D_IN)[r].clone().requires_grad_()
+    ref_rows = rows.clone().requires_grad_()
+    out = seq(mine)
+    expected = F.linear(ref_rows, w_seq)
+    _close(out, expected[:, r * per:(r + 1) * per])
+    grad = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+    out.backward(grad[:, r * per:(r + 1) * per])
+    expected.backward(grad)
+    _close(mine.grad, ref_rows.grad.view(tp_size, 4, D_IN)[r])
+    _close(seq.weight.grad, w_seq.grad[r * per:(r + 1) * per])
+
+    with pytest.raises(RuntimeError, match="comm=fused needs CUDA"):
+        RowParallelLinear(D_HID, D_IN, tp, comm="fused")(torch.randn(2, D_HID // tp_size))
+    with pytest.raises(ValueError, match="does not split"):
+        ColumnParallelLinear(D_IN, 3 * tp_size + 1, tp)
+    with pytest.raises(ValueError, match=f"tp_size=3 must divide the world size {world}"):
+        tp_groups(3)
+
+
+@pytest.mark.parametrize("world_size,tp_size", [(2, 2), (4, 2)])
+def test_tp_layers_match_one_process(world_size, tp_size):
+    """At 4 ranks with tp_size 2: two TP groups {0, 1}, {2, 3} and two data-parallel groups {0, 2}, {1, 3}."""
+    run_world(world_size, _layers_match_one_process, tp_size)
