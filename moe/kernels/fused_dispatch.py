@@ -214,6 +214,7 @@ class FusedDispatch:
                                         device=workspace.device)
         cuda = workspace.device.type == "cuda"
         self._push_stream = torch.cuda.Stream(workspace.device) if cuda else None
+        self._sms = torch.cuda.get_device_properties(workspace.device).multi_processor_count if cuda else 0
         self._in_flight: tuple = ()  # tensors the push stream reads, kept alive until `finish`
         self._started: dict[int, tuple] = {}  # epoch -> its (rows, ready, ack) buffers, from start to finish
 
@@ -300,14 +301,16 @@ class FusedDispatch:
         """Row tiles (expert, begin, end) in walk order: rows of this rank only first, then by the rotated rank
         of the latest source among the tile's rows (rank - 1's rows arrive first). No host sync."""
         device = layout.recv_source_rank.device
-        sizes = layout.tokens_per_local_expert
-        firsts = [sum(sizes[:e]) for e in range(len(sizes))]
-        tiles = [(e, first + i, first + n) for e, (first, n) in enumerate(zip(firsts, sizes))
-                 for i in range(0, n, block_m)]
-        if not tiles:
-            empty = torch.zeros(0, dtype=torch.int64, device=device)
-            return empty, empty, empty
-        expert, begin, end = torch.tensor(tiles, dtype=torch.int64).to(device).unbind(1)
+        sizes = torch.tensor(layout.tokens_per_local_expert, dtype=torch.int64)
+        per_expert = (sizes + block_m - 1) // block_m
+        expert = torch.repeat_interleave(torch.arange(sizes.numel()), per_expert)
+        first_tile = torch.cumsum(per_expert, 0) - per_expert
+        first_row = torch.cumsum(sizes, 0) - sizes
+        begin = first_row[expert] + (torch.arange(expert.numel()) - first_tile[expert]) * block_m
+        walk = torch.stack([expert, begin, first_row[expert] + sizes[expert]])
+        if device.type == "cuda":  # a pageable copy would wait for the GPU
+            walk = walk.pin_memory()
+        expert, begin, end = walk.to(device, non_blocking=True).unbind(0)
         rows = begin[:, None] + torch.arange(block_m, device=device)[None, :]
         inside = rows < end[:, None]
         source = layout.recv_source_rank[torch.where(inside, rows, begin[:, None])]
@@ -321,5 +324,4 @@ class FusedDispatch:
         find room to run."""
         if self._push_stream is None:
             return max(1, min(num_tiles, self.num_programs))
-        sms = torch.cuda.get_device_properties(self.ws.device).multi_processor_count
-        return max(1, min(num_tiles, sms - PUSH_SMS))
+        return max(1, min(num_tiles, self._sms - PUSH_SMS))
