@@ -13,6 +13,7 @@ import torch
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.allgather import PRODUCERS, SymmetricAllGather, all_gather_reference
+from fused_dlrm.kernels.allgather_gemm import GemmConfig, all_gather_matmul, all_gather_matmul_reference, op_for
 
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 
@@ -48,12 +49,12 @@ def test_many_epochs_on_the_same_flags_with_producers_changing_between_calls():
     world_size, rows, cols = 2, 5, 6
     gen = torch.Generator().manual_seed(7)
     ops = gathers(world_size, rows, cols, torch.bfloat16, chunk_rows=2)
-    for step in range(60):
+    for step in range(30):
         shards = [(torch.randn(rows, cols, generator=gen) * (step + 1)).to(torch.bfloat16) for _ in ops]
         producers = [PRODUCERS[step % len(PRODUCERS)]] * world_size  # every rank uses the same one per call
         for got in run_gather(ops, shards, producers):
             torch.testing.assert_close(got, all_gather_reference(shards), rtol=0, atol=0)
-    assert ops[0].next_epoch() == 61
+    assert ops[0].next_epoch() == 31
 
 
 def test_a_missing_peer_times_out_naming_rank_and_chunk():
@@ -73,3 +74,73 @@ def test_a_producer_waits_for_the_peer_to_release_its_half():
     ops[0].start(shards[0], "copy_engine")  # epoch 3 would overwrite epoch 1's half: rank 1 never took epoch 2
     with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 3 waiting for rank 1 to release"):
         ops[0].errors.after_wait(3)
+
+
+SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, chunk_rows=16, num_programs=3, spin_limit=50)
+TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def matmul_world(world_size):
+    return SimulatedWorld(world_size).workspaces()
+
+
+def run_matmul(workspaces, shards, weight, producer, return_gathered=False, config=SMALL):
+    """Every rank's all_gather_matmul, producers first; outputs start as NaN."""
+    ops = [op_for(ws, shards[0], config) for ws in workspaces]
+    epochs = [op.start(s, producer) for op, s in zip(ops, shards)]
+    outs = [torch.full((len(shards) * s.shape[0], weight.shape[1]), float("nan"), dtype=s.dtype) for s in shards]
+    return [op.finish(e, s, weight, producer, return_gathered, out=o)
+            for op, e, s, o in zip(ops, epochs, shards, outs)]
+
+
+def relative_error(got, expected):
+    return float((got.double() - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_all_gather_matmul_matches_reference(world_size, producer, dtype):
+    rows, k, n = 21, 24, 19  # rows, K and N not multiples of the tiles; chunks of 16 rows (the last has 5)
+    gen = torch.Generator().manual_seed(11 * world_size)
+    workspaces = matmul_world(world_size)
+    for return_gathered in (False, True):  # two consecutive calls: both halves of the double buffer
+        shards = [torch.randn(rows, k, generator=gen).to(dtype) for _ in range(world_size)]
+        weight = torch.randn(n, k, generator=gen).to(dtype).t()  # a Linear's weight.t(): not contiguous
+        expected = all_gather_matmul_reference(shards, weight)
+        for got in run_matmul(workspaces, shards, weight, producer, return_gathered):
+            out, gathered = got if return_gathered else (got, None)
+            assert relative_error(out, expected) < TOL[dtype]
+            if return_gathered:
+                torch.testing.assert_close(gathered, all_gather_reference(shards), rtol=0, atol=0)
+
+
+def test_all_gather_matmul_many_calls_alternating_producers():
+    gen = torch.Generator().manual_seed(5)
+    workspaces = matmul_world(2)
+    for step in range(8):
+        shards = [torch.randn(17, 16, generator=gen).to(torch.float16) for _ in range(2)]
+        weight = torch.randn(16, 20, generator=gen).to(torch.float16)
+        for out in run_matmul(workspaces, shards, weight, ["copy_engine", "device"][step % 2]):
+            assert relative_error(out, all_gather_matmul_reference(shards, weight)) < 2e-3
+
+
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+def test_all_gather_matmul_times_out_naming_rank_and_chunk(producer):
+    ws = matmul_world(2)
+    shard = torch.randn(40, 16).to(torch.float16)
+    op = op_for(ws[0], shard, SMALL)
+    epoch = op.start(shard, producer)  # rank 1 never produces
+    with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1 waiting for rank 1, slice [012]"):
+        op.finish(epoch, shard, torch.randn(16, 16).to(torch.float16), producer)
+
+
+def test_all_gather_matmul_on_one_rank_is_a_matmul():
+    ws = matmul_world(1)[0]
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(2):
+        x = torch.randn(33, 20, generator=gen).to(torch.float16)
+        weight = torch.randn(20, 18, generator=gen).to(torch.float16)
+        out, gathered = all_gather_matmul(x, weight, ws, "device", return_gathered=True, config=SMALL)
+        assert relative_error(out, all_gather_matmul_reference([x], weight)) < 2e-3
+        torch.testing.assert_close(gathered, x, rtol=0, atol=0)
