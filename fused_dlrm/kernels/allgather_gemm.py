@@ -59,7 +59,8 @@ class GemmConfig:
     block_n: int = 128
     block_k: int = 64
     group_m: int = 8  # M-blocks walked together per N sweep (L2 reuse of the weight)
-    chunk_rows: int = 1024  # rows per flag (rounded to a multiple of block_m)
+    chunk_rows: int = 256  # rows per flag (a multiple of block_m): small enough to spread the device push
+    # over many programs (a pushing program computes its tiles late) and to start remote tiles early
     num_warps: int = 8
     num_stages: int = 3
     num_programs: int | None = None  # persistent programs; None: one per SM (all co-resident)
@@ -72,8 +73,8 @@ def _all_gather_matmul_kernel(
     counter_ptr, error_ptr, rows, K, N, stride_wk, stride_wn, rank, epoch, chunk_rows, chunks, half_offset,
     num_programs, spin_limit,
     WORLD: tl.constexpr, PUSH: tl.constexpr, COMPUTE: tl.constexpr, STORE_GATHERED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PUSH_R: tl.constexpr, PUSH_C: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+    GROUP_M: tl.constexpr, PUSH_R: tl.constexpr, PUSH_C: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if PUSH:  # my share of (peer, chunk) pushes, nearest peer first; no local slot: tiles read x_shard in place
@@ -108,8 +109,8 @@ def _all_gather_matmul_kernel(
             w_ptrs = w_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn
             g_ptrs = gathered_ptr + (source.to(tl.int64) * rows + rm)[:, None] * K + offs_k[None, :]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            k = 0
-            while k < K:
+            for kt in range(K_TILES):  # a constexpr trip count: compiled loops over it are software-pipelined
+                k = kt * BLOCK_K
                 a_mask = (rm < rows)[:, None] & (offs_k + k < K)[None, :]
                 a = tl.load(a_ptrs, mask=a_mask, other=0.0)
                 w = tl.load(w_ptrs, mask=(offs_k + k < K)[:, None] & (rn < N)[None, :], other=0.0)
@@ -122,7 +123,6 @@ def _all_gather_matmul_kernel(
                     g_ptrs += BLOCK_K
                 a_ptrs += BLOCK_K
                 w_ptrs += BLOCK_K * stride_wk
-                k += BLOCK_K
             out = out_ptr + (source.to(tl.int64) * rows + rm)[:, None] * N + rn[None, :]
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm < rows)[:, None] & (rn < N)[None, :])
             t += num_programs
@@ -184,7 +184,8 @@ class AllGatherMatmul:
             0 if weight is None else weight.stride(0), 0 if weight is None else weight.stride(1),
             self.rank, epoch, g.chunk_rows, g.chunks, g.half_offset(epoch), self.num_programs, c.spin_limit,
             WORLD=self.world, PUSH=push, COMPUTE=compute, STORE_GATHERED=gathered is not None,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, K_TILES=triton.cdiv(self.k, c.block_k),
+            GROUP_M=c.group_m,
             PUSH_R=g.block_rows, PUSH_C=g.block_cols, DOT_FP32=not self.fused_push, num_warps=c.num_warps, num_stages=c.num_stages)
 
 

@@ -1,0 +1,79 @@
+"""Benchmark section of `python -m fused_dlrm.bench tp`: AllGather + GEMM (column-parallel linear).
+
+out [M, N / world] = all_gather(x_shard [M / world, K]) @ w [K, N / world] on every rank (N is the layer's full
+output width, split over the ranks; w is a Linear's weight.t()), fp16, timed in the same run as:
+  bulk:     NCCL all_gather_into_tensor, then torch.matmul (the bulk twin)
+  fused:    kernels.allgather_gemm, one row per producer (copy_engine, device) and GEMM tile config
+  baseline: torch.ops.symm_mem.fused_all_gather_matmul (x_shard in symmetric memory; torch's micro-pipeline)
+Every time is per call, from back-to-back calls. Speed of light: max(GEMM flops / the rate of torch.matmul on the
+gathered input measured in this run, bytes received from peers / peer write bandwidth measured in this run);
+sol_pct = 100 * speed of light / fused time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fused_dlrm.bench.gemm_allreduce import per_call_us
+from fused_dlrm.bench.timing import peer_bandwidth
+from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
+from fused_dlrm.kernels.allgather_gemm import (GEMM_PRODUCERS, GemmConfig, all_gather_matmul, all_gather_matmul_bulk,
+                                               op_for)
+
+SHAPES = [(8192, 11008, 4096), (4096, 11008, 4096), (16384, 8192, 8192)]  # M (gathered), N (all ranks), K
+QUICK_SHAPES = SHAPES[:1]
+CONFIGS = {"128x128x64": GemmConfig(), "128x256x64": GemmConfig(block_n=256)}
+QUICK_CONFIGS = dict(list(CONFIGS.items())[:1])
+
+
+def torch_fused_all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor):
+    """torch's fused op on a symmetric copy of x_shard; None where this torch has none."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    op = getattr(torch.ops.symm_mem, "fused_all_gather_matmul", None)
+    if op is None:
+        return None
+    group = dist.group.WORLD.group_name
+    symm_mem.enable_symm_mem_for_group(group)
+    a = symm_mem.empty(x_shard.shape, dtype=x_shard.dtype, device=x_shard.device)
+    symm_mem.rendezvous(a, group)
+    a.copy_(x_shard)
+    return lambda: op(a, [w], 0, group, return_A=False)
+
+
+def check_against_bulk(x, w, ws, producer: str, config: GemmConfig) -> None:
+    got, gathered = all_gather_matmul(x, w, ws, producer, return_gathered=True, config=config)
+    bulk, bulk_gathered = all_gather_matmul_bulk(x, w)
+    error = float((got.float() - bulk.float()).norm() / bulk.float().norm())
+    if not torch.equal(gathered, bulk_gathered) or error > 2e-3:
+        raise RuntimeError(f"all_gather_matmul {producer} {config}: relative error {error} against the bulk twin")
+
+
+def run(quick: bool) -> list[dict]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = peer_bandwidth()
+    ws = CudaSymmetricWorkspace()
+    rows = []
+    for m, n, k in QUICK_SHAPES if quick else SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(rank)
+        x = torch.randn(m // world, k, device="cuda", generator=gen).half()
+        w = (torch.randn(n // world, k, device="cuda", generator=gen) / k ** 0.5).half().t()
+        gathered = torch.randn(m, k, device="cuda", generator=gen).half()
+        matmul_us = per_call_us(lambda: torch.matmul(gathered, w))
+        bulk_us = per_call_us(lambda: all_gather_matmul_bulk(x, w))
+        baseline = torch_fused_all_gather_matmul(x, w)
+        baseline_us = per_call_us(baseline) if baseline else None
+        light_us = max(matmul_us, (world - 1) * x.numel() * x.element_size() / peer * 1e6)
+        shape = f"M={m} N={n} (/{world}) K={k}"
+        for name, config in (QUICK_CONFIGS if quick else CONFIGS).items():
+            for producer in GEMM_PRODUCERS:
+                check_against_bulk(x, w, ws, producer, config)
+                fused_us = per_call_us(lambda: all_gather_matmul(x, w, ws, producer, config=config))
+                rows.append({"op": f"AllGather+GEMM {producer} {name}", "shape": shape, "dtype": "fp16",
+                             "bulk_us": bulk_us, "fused_us": fused_us,
+                             "baseline_name": "symm_mem fused_all_gather_matmul", "baseline_us": baseline_us,
+                             "speedup": bulk_us / fused_us, "sol_pct": 100 * light_us / fused_us,
+                             "matmul_us": matmul_us})
+            op_for(ws, x, config).gather.errors.check(block=True)
+    return rows

@@ -1,0 +1,75 @@
+"""GPU check of the all-gather primitives and AllGather + GEMM against their bulk twins (2 GPUs, NCCL; skipped
+without them). Each op runs 1,000 times on the same flags and buffers, with fresh data, checked along the way.
+
+CI has no GPU: this runs on the device machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
+from fused_dlrm.kernels.allgather import PRODUCERS, SymmetricAllGather
+from fused_dlrm.kernels.allgather_gemm import GEMM_PRODUCERS, all_gather_matmul, all_gather_matmul_bulk, op_for
+from world import run_world
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+CALLS = 1000
+SPINS = 2_000_000  # a lost flag fails the test in seconds instead of hanging it
+
+
+def checked(step: int) -> bool:
+    return step < 3 or step % 97 == 0 or step == CALLS - 1
+
+
+def fresh(rank: int, step: int, shape, dtype, device) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(1000 * step + rank)
+    return torch.randn(shape, generator=gen, device=device).to(dtype)
+
+
+def _primitives(rank: int, world: int) -> None:
+    device = torch.device("cuda", rank)
+    ws = CudaSymmetricWorkspace()
+    for dtype in (torch.float16, torch.bfloat16):
+        op = SymmetricAllGather(ws, 300, 257, dtype, chunk_rows=64, spin_limit=SPINS)  # last chunk: 44 rows
+        expected = torch.empty(world * 300, 257, dtype=dtype, device=device)
+        for step in range(CALLS):
+            producer = PRODUCERS[step % len(PRODUCERS)]
+            shard = fresh(rank, step, (300, 257), dtype, device)
+            got = op(shard, producer)
+            if checked(step):
+                dist.all_gather_into_tensor(expected, shard)
+                assert torch.equal(got, expected), f"{dtype} {producer} step {step}"
+        op.errors.check(block=True)
+
+
+def _matmul(rank: int, world: int) -> None:
+    device = torch.device("cuda", rank)
+    ws = CudaSymmetricWorkspace()
+    rows, k, n = 1000, 512, 320  # rows not a multiple of the 128-row tile; 4 chunks of 256 (the last 232)
+    for dtype in (torch.float16, torch.bfloat16):
+        weight = (fresh(0, -1, (n, k), dtype, device) / k ** 0.5).t()  # a Linear's weight.t()
+        for step in range(CALLS):
+            producer = GEMM_PRODUCERS[step % len(GEMM_PRODUCERS)]
+            x = fresh(rank, step, (rows, k), dtype, device)
+            check = checked(step)
+            out = torch.full((world * rows, n), float("nan"), dtype=dtype, device=device)
+            result = all_gather_matmul(x, weight, ws, producer, return_gathered=check, out=out)
+            if check:
+                got, gathered = result
+                bulk, bulk_gathered = all_gather_matmul_bulk(x, weight)
+                assert torch.equal(gathered, bulk_gathered), f"{dtype} {producer} step {step}"
+                error = float((got.float() - bulk.float()).norm() / bulk.float().norm())
+                assert error < (1e-2 if dtype == torch.bfloat16 else 2e-3), (dtype, producer, step, error)
+        op_for(ws, x).gather.errors.check(block=True)
+
+
+def test_all_gather_primitives_equal_nccl_all_gather():
+    run_world(2, _primitives, backend="nccl")
+
+
+def test_all_gather_matmul_equals_the_bulk_twin():
+    run_world(2, _matmul, backend="nccl")
