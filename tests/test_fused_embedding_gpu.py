@@ -46,16 +46,16 @@ def local_kjt(step: int, global_batch: int, rank: int, world: int, device) -> Ke
                                                torch.cat(weights).to(device))
 
 
-def _fused_equals_bulk(rank: int, world: int) -> None:
+def _fused_equals_bulk(rank: int, world: int, transport: str, steps: int) -> None:
     device = torch.device("cuda", rank)
     opt = EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05)
     bulk = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0)
     fused = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0,
-                                          comm=FusedCommConfig(wait_timeout_spins=2_000_000))
+                                          comm=FusedCommConfig(transport=transport, wait_timeout_spins=2_000_000))
     exchange = fused.fused
-    for step in range(1000):
+    for step in range(steps):
         kjt = local_kjt(step, 37, rank, world, device)  # uneven local batches: 19 and 18
-        check = step < 5 or step % 100 == 0 or step == 999
+        check = step < 5 or step % 100 == 0 or step == steps - 1
         if check:  # poison this step's half of the output; nobody writes it before the barrier
             dist.barrier()
             half = 19 * exchange.row_len
@@ -82,13 +82,17 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
         exchange.spin_limit = 100_000
         with torch.no_grad():
             exchange.finish(bags, exchange.start(bags))
-        with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1001 waiting for rank 1, slice"):
+        with pytest.raises(PeerWaitTimeout, match=rf"rank 0 timed out at step {steps + 1} waiting for rank 1, slice"):
             exchange.errors.check(block=True)
     dist.barrier()
 
 
 def test_fused_forward_backward_equal_bulk_for_1000_steps_and_timeout_raises():
-    run_world(2, _fused_equals_bulk, backend="nccl")
+    run_world(2, _fused_equals_bulk, "p2p", 1000, backend="nccl")
+
+
+def test_nvshmem_transport_equals_bulk_and_timeout_raises():
+    run_world(2, _fused_equals_bulk, "nvshmem", 300, backend="nccl")
 
 
 def _half_precision_tables(rank: int, world: int) -> None:

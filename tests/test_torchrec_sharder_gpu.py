@@ -76,7 +76,8 @@ class WithLoss(torch.nn.Module):
     def forward(self, kjt):
         out = self.ebc(kjt).values()
         loss = (out ** 2).mean()
-        return loss, out.detach()
+        # A copy: the fused module's output lives in its double-buffered symmetric memory (valid for two steps).
+        return loss, out.detach().clone()
 
 
 def _pipeline_with_fused(rank: int, world: int) -> None:

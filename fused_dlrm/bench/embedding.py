@@ -25,6 +25,7 @@ from torchrec import EmbeddingBagConfig
 
 from fused_dlrm.bench.timing import hbm_bandwidth, peer_bandwidth, time_ms
 from fused_dlrm.dist.alltoall import all_to_all_v
+from fused_dlrm.dist.symmetric import use_nvshmem_backend
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.kernels.pooled_embedding import FeatureTable
@@ -65,7 +66,8 @@ def make_bags(cfg: Config, rank: int, world: int, device: torch.device) -> Owned
                      weights=None, feature_value_offsets=offsets, batch_sizes=sizes)
 
 
-def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iters: int) -> dict:
+def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iters: int,
+               comm: FusedCommConfig) -> dict:
     device = torch.device("cuda", torch.cuda.current_device())
     features_of_rank = [[f"r{r}_f{i}" for i in range(cfg.tables_per_gpu)] for r in range(world)]
     tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=cfg.dim, num_embeddings=cfg.rows, feature_names=[f])
@@ -77,7 +79,7 @@ def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iter
     bags = make_bags(cfg, rank, world, device)
     dims_of_rank = [[cfg.dim] * cfg.tables_per_gpu for _ in range(world)]
     bulk_dist = BulkOutputDist(dims_of_rank, list(range(world * cfg.tables_per_gpu * cfg.dim)))
-    fused = build_fused_exchange(lookup, features_of_rank, tables, FusedCommConfig(), None, device)
+    fused = build_fused_exchange(lookup, features_of_rank, tables, comm, None, device)
     local_batch = bags.batch_sizes[rank]
     grad = torch.randn(local_batch, world * cfg.tables_per_gpu * cfg.dim, device=device)
 
@@ -165,12 +167,15 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m fused_dlrm.bench embedding")
     parser.add_argument("--quick", action="store_true", help="first config only, fewer iterations")
     parser.add_argument("--sweep", action="store_true", help="time lookup tile shapes on the first config")
+    parser.add_argument("--transport", default="p2p", choices=["p2p", "nvshmem"], help="of the fused variant")
     parser.add_argument("--out", default="bench_embedding.json")
     args = parser.parse_args(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.transport == "nvshmem":
+        use_nvshmem_backend()  # before the peer-bandwidth probe allocates symmetric memory
     if args.sweep:
         rows = sweep_lookup(CONFIGS[0], rank, world)
         if rank == 0:
@@ -182,13 +187,15 @@ def main(argv: list[str]) -> None:
         return
     hbm, peer = hbm_bandwidth(), peer_bandwidth()
     configs = CONFIGS[:1] if args.quick else CONFIGS
-    results = [run_config(c, rank, world, hbm, peer, 20 if args.quick else 50) for c in configs]
+    comm = FusedCommConfig(transport=args.transport)
+    results = [run_config(c, rank, world, hbm, peer, 20 if args.quick else 50, comm) for c in configs]
     if rank == 0:
         meta = {"device": torch.cuda.get_device_name(), "world_size": world, "torch": torch.__version__,
+                "transport": args.transport,
                 "hbm_TBps": hbm / 1e12, "peer_GBps": peer / 1e9}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
-        print(f"{meta['device']} x{world}  copy {hbm / 1e12:.2f} TB/s  peer write {peer / 1e9:.0f} GB/s")
+        print(f"{meta['device']} x{world}  fused transport {args.transport}  copy {hbm / 1e12:.2f} TB/s  peer write {peer / 1e9:.0f} GB/s")
         print(f"{'config':34} {'torch':>8} {'bulk':>8} {'fused':>8} {'SOL':>7} {'fused%SOL':>9} "
               f"{'fused GB/s':>10} | {'fb bulk':>8} {'fb fused':>8} {'speedup':>7}")
         for r in results:

@@ -3,8 +3,10 @@
 One `SymmetricWorkspace` per fused operator and rank owns all of its communication memory; kernels receive only
 int64 tables of peer base addresses (`peer_ptrs`) and convert them with `tl.load(ptrs + peer).to(pointer_type)`.
 
-Two implementations of one interface:
-- `CudaSymmetricWorkspace`: torch SymmetricMemory (`_symmetric_memory.empty` + `rendezvous`), NVLink peers.
+Implementations of one interface (`transport` says which kernels a fused operator launches):
+- `CudaSymmetricWorkspace` ("p2p"): torch SymmetricMemory (`_symmetric_memory.empty` + `rendezvous`), NVLink peers.
+- `NvshmemSymmetricWorkspace` ("nvshmem"): the same API on torch's NVSHMEM backend; kernels put through NVSHMEM
+  (kernels/nvshmem_puts.py) at this rank's own symmetric addresses, which also reaches other nodes.
 - `SimulatedWorkspace`: a world of ranks simulated in one process on the CPU (one tensor per rank), so the
   kernels' logic runs under TRITON_INTERPRET=1 in CI. Kernels of all ranks are launched in turn, producers first.
 
@@ -30,6 +32,7 @@ class _Workspace:
     rank: int
     world_size: int
     device: torch.device
+    transport = "p2p"  # the simulated world stores through peer pointers too
 
     def __init__(self):
         self._buffers: dict[str, PeerBuffer] = {}
@@ -67,13 +70,39 @@ class CudaSymmetricWorkspace(_Workspace):
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> PeerBuffer:
         local = self._symm_mem.empty(numel, dtype=dtype, device=self.device)
-        handle = self._symm_mem.rendezvous(local, self.group)
+        handle = self._symm_mem.rendezvous(local, self.group.group_name)
         local.zero_()
         torch.cuda.synchronize()
         dist.barrier(group=self.group)  # no peer may write before every rank has zeroed its buffer
         self._handles.append(handle)
         ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=self.device)
         return PeerBuffer(local=local, peer_ptrs=ptrs)
+
+
+class NvshmemSymmetricWorkspace(CudaSymmetricWorkspace):
+    transport = "nvshmem"
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        if not symm_mem.is_nvshmem_available():
+            raise RuntimeError("comm.transport=nvshmem: this torch has no NVSHMEM (use transport=p2p or comm=bulk)")
+        use_nvshmem_backend()
+        super().__init__(group)
+
+
+def use_nvshmem_backend() -> None:
+    """Allocate symmetric memory through NVSHMEM from now on: process-wide, and only possible before the
+    process's first symmetric allocation."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    if symm_mem.get_backend(torch.device("cuda", torch.cuda.current_device())) == "NVSHMEM":
+        return
+    try:
+        symm_mem.set_backend("NVSHMEM")
+    except RuntimeError as error:
+        raise RuntimeError("comm.transport=nvshmem must be chosen before any symmetric memory is allocated in "
+                           f"this process ({error})") from error
 
 
 class SimulatedWorld:

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, set_flag
+
 
 @triton.jit
 def signal_ready(ready_ptrs, slot, epoch, WORLD: tl.constexpr):
@@ -49,38 +51,61 @@ def consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr):
 
 
 @triton.jit
+def _poll_ready(flags, epoch, count, spin_limit, BLOCK: tl.constexpr):
+    """Spin (bounded) until the `count` flags at `flags` all hold >= epoch: (all up, first late slot)."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < count
+    zero = tl.zeros([BLOCK], flags.dtype.element_ty)
+    seen = tl.where(mask, tl.atomic_add(flags + offs, zero, mask=mask, sem="acquire", scope="sys"), epoch)
+    spins = 0
+    while (tl.min(seen, axis=0) < epoch) & (spins < spin_limit):
+        seen = tl.where(mask, tl.atomic_add(flags + offs, zero, mask=mask, sem="acquire", scope="sys"), epoch)
+        spins += 1
+    return tl.min(seen, axis=0) >= epoch, tl.min(tl.where(seen < epoch, offs, BLOCK), axis=0)
+
+
+@triton.jit
+def _report_late(error_ptr, producer, late):
+    tl.store(error_ptr + 1, producer)
+    tl.store(error_ptr + 2, late)
+    tl.atomic_xchg(error_ptr, 1)
+
+
+@triton.jit
 def _wait_ready_kernel(ready_ptr, ack_ptrs, error_ptr, rank, epoch, slots_per_rank, spin_limit,
                        BLOCK: tl.constexpr):
     producer = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < slots_per_rank
-    flags = ready_ptr + producer * slots_per_rank + offs
-    seen = tl.atomic_add(flags, tl.zeros([BLOCK], tl.int32), mask=mask, sem="acquire", scope="sys")
-    seen = tl.where(mask, seen, epoch)
-    spins = 0
-    while (tl.min(seen, axis=0) < epoch) & (spins < spin_limit):
-        seen = tl.atomic_add(flags, tl.zeros([BLOCK], tl.int32), mask=mask, sem="acquire", scope="sys")
-        seen = tl.where(mask, seen, epoch)
-        spins += 1
-    if tl.min(seen, axis=0) >= epoch:
+    ok, late = _poll_ready(ready_ptr + producer * slots_per_rank, epoch, slots_per_rank, spin_limit, BLOCK)
+    if ok:
         ack = tl.load(ack_ptrs + producer).to(tl.pointer_type(tl.int32)) + rank
         tl.atomic_xchg(ack, epoch, sem="release", scope="sys")
     else:
-        late = tl.min(tl.where(seen < epoch, offs, BLOCK), axis=0)
-        tl.store(error_ptr + 1, producer)
-        tl.store(error_ptr + 2, late)
-        tl.atomic_xchg(error_ptr, 1)
+        _report_late(error_ptr, producer, late)
+
+
+@triton.jit
+def _wait_ready_nvshmem_kernel(ready_ptr, ack_ptr, error_ptr, rank, epoch, slots_per_rank, spin_limit,
+                               BLOCK: tl.constexpr):
+    """The same with 64-bit flags; the ack is an NVSHMEM signal into the producer's `ack_ptr + rank`."""
+    producer = tl.program_id(0)
+    ok, late = _poll_ready(ready_ptr + producer * slots_per_rank, epoch, slots_per_rank, spin_limit, BLOCK)
+    if ok:
+        set_flag(ack_ptr + rank, epoch, rank, producer)
+    else:
+        _report_late(error_ptr, producer, late)
 
 
 class PeerWaitTimeout(RuntimeError):
     pass
 
 
-def wait_ready(ready: torch.Tensor, ack_ptrs: torch.Tensor, error: torch.Tensor, rank: int, world_size: int,
-               epoch: int, slots_per_rank: int, spin_limit: int) -> None:
-    """Enqueue the wait for every producer's `slots_per_rank` flags of `epoch` (non-blocking on GPUs)."""
-    _wait_ready_kernel[(world_size,)](ready, ack_ptrs, error, rank, epoch, slots_per_rank, spin_limit,
-                                      BLOCK=triton.next_power_of_2(slots_per_rank))
+def wait_ready(ready: torch.Tensor, acks: torch.Tensor, error: torch.Tensor, rank: int, world_size: int,
+               epoch: int, slots_per_rank: int, spin_limit: int, nvshmem: bool = False) -> None:
+    """Enqueue the wait for every producer's `slots_per_rank` flags of `epoch` (non-blocking on GPUs).
+    acks: p2p: the peer-pointer table of the producers' ack words; nvshmem: this rank's (symmetric) ack words."""
+    kernel = nvshmem_kernel(_wait_ready_nvshmem_kernel) if nvshmem else _wait_ready_kernel
+    kernel[(world_size,)](ready, acks, error, rank, epoch, slots_per_rank, spin_limit,
+                          BLOCK=triton.next_power_of_2(slots_per_rank))
 
 
 class PeerErrors:

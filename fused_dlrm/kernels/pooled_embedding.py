@@ -5,6 +5,8 @@ optional per-sample weights; fp32 / fp16 / bf16 tables, fp32 accumulation) and s
 final place: row (sample - first sample of its rank), columns [col, col + dim) of the destination's output.
 With flags (the fused all-to-all) each program raises its ready flag in every rank after its stores; without
 (the bulk path's lookup on GPU) every destination is this rank's own [global batch, owned dims] buffer.
+Two transports: p2p stores through peer pointers (NVLink); nvshmem stores local tiles and puts remote ones row by
+row at the same symmetric offsets of the destination PE (nvshmem_puts.py), which also crosses nodes.
 
 `pooled_embedding_reference` is the pure-torch definition; the kernel must agree with it.
 """
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, put_rows, signal_ready_nvshmem
 from fused_dlrm.kernels.peer_flags import consumer_released, signal_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, tile_coords
 
@@ -39,6 +42,44 @@ def pooled_embedding_reference(weight: torch.Tensor, values: torch.Tensor, lengt
 
 
 @triton.jit
+def _pool_tile(t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
+               dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
+               WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr,
+               BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
+    """Tile t of the plan: (destination, feature, its rows, row mask, the destination's first row, dim, the
+    pooled [BLOCK_B, BLOCK_D] fp32 values)."""
+    d = tl.arange(0, BLOCK_D)
+    dest, f, rows, row_mask, first_row = tile_coords(
+        t, dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,
+        WORLD, WORLD_P2, BLOCK_B)
+    bag = f.to(tl.int64) * global_batch + rows
+    start = tl.load(offsets_ptr + bag, mask=row_mask, other=0)
+    length = tl.load(offsets_ptr + bag + 1, mask=row_mask, other=0) - start
+    dim = tl.load(dims_ptr + f)
+    d_mask = d < dim
+    table = tl.load(table_ptrs + f).to(tl.pointer_type(TABLE_DTYPE))
+    acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    longest = tl.max(length, axis=0)
+    # BLOCK_L positions of every bag at once: BLOCK_B * BLOCK_L independent row gathers in flight.
+    lanes = tl.arange(0, BLOCK_L)
+    j = 0
+    while j < longest:  # `while`: the interpreter cannot range() over loaded values
+        pos = j + lanes
+        m = row_mask[:, None] & (pos[None, :] < length[:, None])
+        at = start[:, None] + pos[None, :]
+        idx = tl.load(values_ptr + at, mask=m, other=0)
+        gathered = tl.load(table + idx[:, :, None] * dim + d[None, None, :],
+                           mask=m[:, :, None] & d_mask[None, None, :], other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            gathered = gathered * tl.load(weights_ptr + at, mask=m, other=0.0)[:, :, None]
+        acc += tl.sum(gathered, axis=1)
+        j += BLOCK_L
+    is_mean = tl.load(mean_ptr + f) != 0
+    acc = tl.where(is_mean, acc / tl.maximum(length, 1).to(tl.float32)[:, None], acc)
+    return dest, f, rows, row_mask, first_row, dim, acc
+
+
+@triton.jit
 def _pooled_embedding_kernel(
     values_ptr, offsets_ptr, weights_ptr,  # bags, CSR over (owned feature, global sample)
     table_ptrs, dims_ptr, cols_ptr, mean_ptr,  # per owned feature: table address, dim, output column, is-mean
@@ -49,40 +90,17 @@ def _pooled_embedding_kernel(
     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SIGNAL: tl.constexpr,
 ):
+    """p2p transport (and the bulk path's lookup): every tile stored through a pointer into its destination."""
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     # Tiles pid, pid + P, ...; loops are `while` loops because the interpreter cannot range() over loaded values.
     t = pid
     while t < num_tiles:
-        dest, f, rows, row_mask, first_row = tile_coords(
-            t, dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,
-            WORLD, WORLD_P2, BLOCK_B)
-        bag = f.to(tl.int64) * global_batch + rows
-        start = tl.load(offsets_ptr + bag, mask=row_mask, other=0)
-        length = tl.load(offsets_ptr + bag + 1, mask=row_mask, other=0) - start
-        dim = tl.load(dims_ptr + f)
-        d_mask = d < dim
-        table = tl.load(table_ptrs + f).to(tl.pointer_type(TABLE_DTYPE))
-        acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-        longest = tl.max(length, axis=0)
-        # BLOCK_L positions of every bag at once: BLOCK_B * BLOCK_L independent row gathers in flight.
-        lanes = tl.arange(0, BLOCK_L)
-        j = 0
-        while j < longest:
-            pos = j + lanes
-            m = row_mask[:, None] & (pos[None, :] < length[:, None])
-            at = start[:, None] + pos[None, :]
-            idx = tl.load(values_ptr + at, mask=m, other=0)
-            gathered = tl.load(table + idx[:, :, None] * dim + d[None, None, :],
-                               mask=m[:, :, None] & d_mask[None, None, :], other=0.0).to(tl.float32)
-            if HAS_WEIGHTS:
-                gathered = gathered * tl.load(weights_ptr + at, mask=m, other=0.0)[:, :, None]
-            acc += tl.sum(gathered, axis=1)
-            j += BLOCK_L
-        is_mean = tl.load(mean_ptr + f) != 0
-        acc = tl.where(is_mean, acc / tl.maximum(length, 1).to(tl.float32)[:, None], acc)
-
-        store_mask = row_mask[:, None] & d_mask[None, :]
+        dest, f, rows, row_mask, first_row, dim, acc = _pool_tile(
+            t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
+            dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
+            WORLD, WORLD_P2, BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS)
+        store_mask = row_mask[:, None] & (d < dim)[None, :]
         if SIGNAL:
             store_mask = store_mask & consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
         out = tl.load(out_ptrs + dest).to(tl.pointer_type(tl.float32))
@@ -92,6 +110,42 @@ def _pooled_embedding_kernel(
         t += num_programs
     if SIGNAL:
         signal_ready(ready_ptrs, rank * num_programs + pid, epoch, WORLD)
+
+
+@triton.jit
+def _pooled_embedding_nvshmem_kernel(
+    values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, cols_ptr, mean_ptr,
+    dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,
+    out_ptr, out_row_len, scratch_ptr,  # this rank's symmetric output (same offsets in every rank); put staging
+    ready_ptr, ack_ptr, error_ptr,
+    rank, epoch, global_batch, num_tiles, num_programs, spin_limit,
+    WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+):
+    """nvshmem transport: local tiles are stored, remote ones staged and put row by row (a tile's rows are
+    strided in the destination) to the destination PE at the same symmetric offsets."""
+    pid = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    b = tl.arange(0, BLOCK_B)
+    scratch = scratch_ptr + pid.to(tl.int64) * BLOCK_B * BLOCK_D
+    t = pid
+    while t < num_tiles:
+        dest, f, rows, row_mask, first_row, dim, acc = _pool_tile(
+            t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
+            dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
+            WORLD, WORLD_P2, BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS)
+        released = consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+        first_out_row = tl.min(tl.where(row_mask, rows, 2**62), axis=0) - first_row
+        dst = out_ptr + first_out_row * out_row_len + tl.load(cols_ptr + f)
+        if dest == rank:
+            tl.store(dst + b[:, None] * out_row_len + d[None, :], acc,
+                     mask=row_mask[:, None] & (d < dim)[None, :] & released)
+        else:
+            tl.store(scratch + b[:, None] * BLOCK_D + d[None, :], acc)
+            put_rows(dst, out_row_len, scratch, BLOCK_D, dim * 4,
+                     tl.where(released, tl.sum(row_mask.to(tl.int32), axis=0), 0), dest)
+        t += num_programs
+    signal_ready_nvshmem(ready_ptr, rank * num_programs + pid, epoch, rank, WORLD)
 
 
 def launch_pooled_embedding(values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
@@ -112,8 +166,27 @@ def launch_pooled_embedding(values: torch.Tensor, offsets: torch.Tensor, weights
         ready_ptrs if signal else dummy, ack if signal else dummy, error if signal else dummy,
         rank, epoch, global_batch, plan.num_tiles, num_programs, spin_limit,
         WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_B=features.block_rows,
-        BLOCK_L=features.block_len, BLOCK_D=features.block_dim, num_warps=features.num_warps, TABLE_DTYPE=TL_DTYPES[features.dtype], HAS_WEIGHTS=weights is not None,
-        SIGNAL=signal)
+        BLOCK_L=features.block_len, BLOCK_D=features.block_dim, TABLE_DTYPE=TL_DTYPES[features.dtype],
+        HAS_WEIGHTS=weights is not None, SIGNAL=signal, num_warps=features.num_warps)
+
+
+def launch_pooled_embedding_nvshmem(values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+                                    features: "FeatureTable", plan: PeerTilePlan, global_batch: int,
+                                    out: torch.Tensor, out_row_len: int, scratch: torch.Tensor, num_programs: int,
+                                    rank: int, epoch: int, ready: torch.Tensor, ack: torch.Tensor,
+                                    error: torch.Tensor, spin_limit: int) -> None:
+    """The nvshmem transport's launch: `out` (this rank's half of the symmetric output), `scratch`
+    ([num_programs * block_rows * block_dim] fp32) and the int64 `ready` / `ack` words are symmetric."""
+    world = plan.dest_order.numel()
+    nvshmem_kernel(_pooled_embedding_nvshmem_kernel)[(num_programs,)](
+        values, offsets, weights if weights is not None else offsets,
+        features.table_ptrs, features.dims, features.cols, features.mean,
+        plan.dest_order, plan.tile_starts, plan.row_begin, plan.row_end, plan.feature_begin,
+        out, out_row_len, scratch, ready, ack, error,
+        rank, epoch, global_batch, plan.num_tiles, num_programs, spin_limit,
+        WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_B=features.block_rows,
+        BLOCK_L=features.block_len, BLOCK_D=features.block_dim, TABLE_DTYPE=TL_DTYPES[features.dtype],
+        HAS_WEIGHTS=weights is not None, num_warps=features.num_warps)
 
 
 def common_table_dtype(weights: list[torch.Tensor]) -> torch.dtype:

@@ -23,11 +23,11 @@ import triton
 from torch import nn
 from torchrec import EmbeddingBagConfig
 
-from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, _Workspace
+from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, NvshmemSymmetricWorkspace, _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, wait_ready
 from fused_dlrm.kernels.peer_tiles import default_num_programs, plan_peer_tiles
-from fused_dlrm.kernels.pooled_embedding import FeatureTable, launch_pooled_embedding
-from fused_dlrm.kernels.push_columns import launch_push_columns
+from fused_dlrm.kernels.pooled_embedding import FeatureTable, launch_pooled_embedding, launch_pooled_embedding_nvshmem
+from fused_dlrm.kernels.push_columns import launch_push_columns, launch_push_columns_nvshmem
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 
@@ -36,7 +36,7 @@ PUSH_BLOCK_ROWS = 16  # rows per tile of the gradient push
 
 @dataclass(frozen=True)
 class FusedCommConfig:
-    transport: str = "p2p"  # p2p: CUDA symmetric memory over NVLink
+    transport: str = "p2p"  # p2p: CUDA symmetric memory over NVLink; nvshmem: NVSHMEM puts (crosses nodes)
     num_programs: int | None = None  # persistent programs per launch; None: 32 per SM
     wait_timeout_spins: int = 20_000_000  # polls of a flag before a wait gives up and reports rank and slice
 
@@ -44,12 +44,12 @@ class FusedCommConfig:
 def build_fused_exchange(lookup: PooledEmbeddingLookup, features_of_rank: list[list[str]],
                          tables: list[EmbeddingBagConfig], comm: FusedCommConfig,
                          group: dist.ProcessGroup | None, device: torch.device) -> "FusedPooledAllToAll":
-    if comm.transport != "p2p":
-        raise NotImplementedError(f"transport {comm.transport!r} is not available; use transport=p2p "
-                                  "(CUDA symmetric memory) or comm=bulk")
+    workspaces = {"p2p": CudaSymmetricWorkspace, "nvshmem": NvshmemSymmetricWorkspace}
+    if comm.transport not in workspaces:
+        raise ValueError(f"comm.transport={comm.transport!r} is unknown; expected one of {list(workspaces)}")
     if device.type != "cuda" or not dist.is_initialized():
         raise RuntimeError("comm=fused needs CUDA GPUs under torchrun (symmetric memory); use comm=bulk on the CPU")
-    workspace = CudaSymmetricWorkspace(group)
+    workspace = workspaces[comm.transport](group)
     dims = {f: t.embedding_dim for t in tables for f in t.feature_names}
     order = [f for t in tables for f in t.feature_names]
     return FusedPooledAllToAll(lookup, features_of_rank, dims, order, workspace,
@@ -84,6 +84,7 @@ class FusedPooledAllToAll(nn.Module):
         self.push_block_dim = triton.next_power_of_2(max(self.dims or [1]))
         self.push_row_len = as_tensor(self.owned_dim)
         self.errors = PeerErrors(device, self.rank, "fused embedding all-to-all")
+        self.nvshmem = workspace.transport == "nvshmem"
         self._plans = lru_cache(maxsize=8)(self._plans_for)
         self._zero_rows = torch.zeros(self.world, dtype=torch.int64, device=device)
 
@@ -93,14 +94,21 @@ class FusedPooledAllToAll(nn.Module):
         epoch = self.ws.next_epoch("pooled")
         sizes = tuple(bags.batch_sizes)
         forward_plan, _, _ = self._plans(sizes)
-        out = self.ws.buffer("pooled", 2 * max(sizes) * self.row_len, torch.float32)
-        ready = self.ws.buffer("pooled_ready", self.world * self.num_programs, torch.int32)
-        ack = self.ws.buffer("pooled_ack", self.world, torch.int32)
-        launch_pooled_embedding(
-            bags.values, bags.csr_offsets(), bags.weights, self.owned, forward_plan, bags.global_batch,
-            out_ptrs=_half(out, epoch, max(sizes) * self.row_len), out_row_base=self._zero_rows,
-            out_row_len=self.row_len, num_programs=self.num_programs, rank=self.rank, epoch=epoch,
-            ready_ptrs=ready.peer_ptrs, ack=ack.local, error=self.errors.word, spin_limit=self.spin_limit)
+        half = max(sizes) * self.row_len
+        out = self.ws.buffer("pooled", 2 * half, torch.float32)
+        ready, ack = self._flags("pooled")
+        common = dict(values=bags.values, offsets=bags.csr_offsets(), weights=bags.weights, features=self.owned,
+                      plan=forward_plan, global_batch=bags.global_batch, out_row_len=self.row_len,
+                      num_programs=self.num_programs, rank=self.rank, epoch=epoch, error=self.errors.word,
+                      spin_limit=self.spin_limit)
+        if self.nvshmem:
+            scratch = self.ws.buffer("pooled_scratch", self.num_programs * self.owned.block_rows
+                                     * self.owned.block_dim, torch.float32)
+            launch_pooled_embedding_nvshmem(out=_local_half(out, epoch, half), scratch=scratch.local,
+                                            ready=ready.local, ack=ack.local, **common)
+        else:
+            launch_pooled_embedding(out_ptrs=_half(out, epoch, half), out_row_base=self._zero_rows,
+                                    ready_ptrs=ready.peer_ptrs, ack=ack.local, **common)
         return epoch
 
     def finish(self, bags: OwnedBags, epoch: int) -> torch.Tensor:
@@ -115,13 +123,19 @@ class FusedPooledAllToAll(nn.Module):
         _, push_plan, batch_start = self._plans(sizes)
         half = bags.global_batch * max(self.owned_dim + [1])
         out = self.ws.buffer("grad", 2 * half, torch.float32)
-        ready = self.ws.buffer("grad_ready", self.world * self.num_programs, torch.int32)
-        ack = self.ws.buffer("grad_ack", self.world, torch.int32)
+        ready, ack = self._flags("grad")
         my_rows = torch.full((self.world,), batch_start[self.rank], dtype=torch.int64, device=grad.device)
-        launch_push_columns(grad.float().contiguous(), self.push_src_cols, self.push_dst_cols, self.push_dims,
-                            self.push_block_dim, push_plan, _half(out, epoch, half), my_rows, self.push_row_len,
-                            ready.peer_ptrs, ack.local, self.errors.word, self.rank, epoch, self.num_programs,
-                            self.spin_limit, PUSH_BLOCK_ROWS)
+        columns = (self.push_src_cols, self.push_dst_cols, self.push_dims, self.push_block_dim, push_plan)
+        if self.nvshmem:  # puts read from symmetric memory: stage this rank's gradient there
+            staged = self.ws.buffer("grad_source", max(sizes) * self.row_len, torch.float32).local
+            src = staged[:grad.numel()].view(grad.shape).copy_(grad)
+            launch_push_columns_nvshmem(src, *columns, _local_half(out, epoch, half), my_rows, self.push_row_len,
+                                        ready.local, ack.local, self.errors.word, self.rank, epoch,
+                                        self.num_programs, self.spin_limit, PUSH_BLOCK_ROWS)
+        else:
+            launch_push_columns(grad.float().contiguous(), *columns, _half(out, epoch, half), my_rows,
+                                self.push_row_len, ready.peer_ptrs, ack.local, self.errors.word, self.rank, epoch,
+                                self.num_programs, self.spin_limit, PUSH_BLOCK_ROWS)
         return epoch
 
     def finish_backward(self, bags: OwnedBags, epoch: int) -> None:
@@ -129,12 +143,18 @@ class FusedPooledAllToAll(nn.Module):
         grad = self._wait("grad", epoch, half, bags.global_batch, self.owned_dim[self.rank])
         self.lookup.apply_gradient(bags, grad)
 
+    def _flags(self, exchange: str):
+        """The exchange's ready flags (one per producer program) and acks (one per consumer); 64-bit words with
+        nvshmem (its signal type)."""
+        dtype = torch.int64 if self.nvshmem else torch.int32
+        return (self.ws.buffer(f"{exchange}_ready", self.world * self.num_programs, dtype),
+                self.ws.buffer(f"{exchange}_ack", self.world, dtype))
+
     def _wait(self, exchange: str, epoch: int, half: int, rows: int, cols: int) -> torch.Tensor:
         """Enqueue the wait for every producer's flags of `epoch`; then `exchange`'s [rows, cols] result is ready."""
-        ready = self.ws.buffer(f"{exchange}_ready", self.world * self.num_programs, torch.int32)
-        ack = self.ws.buffer(f"{exchange}_ack", self.world, torch.int32)
-        wait_ready(ready.local, ack.peer_ptrs, self.errors.word, self.rank, self.world, epoch, self.num_programs,
-                   self.spin_limit)
+        ready, ack = self._flags(exchange)
+        wait_ready(ready.local, ack.local if self.nvshmem else ack.peer_ptrs, self.errors.word, self.rank,
+                   self.world, epoch, self.num_programs, self.spin_limit, nvshmem=self.nvshmem)
         self.errors.after_wait(epoch)
         base = (epoch % 2) * half
         return self.ws.buffer(exchange, 2 * half, torch.float32).local[base:base + rows * cols].view(rows, cols)
@@ -159,6 +179,11 @@ class FusedPooledAllToAll(nn.Module):
 def _half(buffer, epoch: int, half_numel: int) -> torch.Tensor:
     """Peer addresses of the half of a double buffer that `epoch` uses."""
     return buffer.peer_ptrs + (epoch % 2) * half_numel * buffer.local.element_size()
+
+
+def _local_half(buffer, epoch: int, half_numel: int) -> torch.Tensor:
+    """This rank's half of a double buffer that `epoch` uses (nvshmem addresses it in every PE)."""
+    return buffer.local[(epoch % 2) * half_numel:][:half_numel]
 
 
 class _FusedExchange(torch.autograd.Function):
