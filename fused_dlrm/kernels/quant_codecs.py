@@ -21,7 +21,9 @@ rounding of x / s and q * s (relative 2^-24; `error_bound` adds that slack) and 
 
 `encode_reference` / `decode_reference` are the pure-torch definition; the Triton kernels agree with them bit
 for bit (tests/test_quant_codecs.py). fp32 -> e4m3 rounding and e4m3 -> fp32 are done with integer bit
-operations in the kernels because the Triton interpreter's fp8 casts do not round to nearest.
+operations in the kernels because the Triton interpreter's fp8 casts do not round to nearest. The per-block
+steps are @triton.jit device functions (`block_values`, `encode_blocks`, `store_rows`, `load_blocks`) shared by
+the encode and decode kernels here and the fused all-reduce (kernels/quantized_allreduce.py).
 """
 
 from __future__ import annotations
@@ -176,18 +178,21 @@ def _e4m3_to_fp32(u):
 
 
 @triton.jit
-def _encode_kernel(x_ptr, out_ptr, numel, num_blocks,
-                   KIND: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexpr,
-                   K: tl.constexpr, NBYTES: tl.constexpr, PAYLOAD: tl.constexpr, ROW_BYTES: tl.constexpr,
-                   ROWS: tl.constexpr):
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def block_values(r, K: tl.constexpr):
+    """int64 [ROWS, 32 // K, K]: the index of every value of blocks r (int [ROWS]) in the flat tensor."""
     g = tl.arange(0, 32 // K)
     k = tl.arange(0, K)
-    row_mask = r < num_blocks
-    idx = r.to(tl.int64)[:, None, None] * 32 + g[None, :, None] * K + k[None, None, :]
-    x = tl.load(x_ptr + idx, mask=idx < numel, other=0.0).to(tl.float32)
+    return r.to(tl.int64)[:, None, None] * 32 + g[None, :, None] * K + k[None, None, :]
+
+
+@triton.jit
+def encode_blocks(x, KIND: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexpr,
+                  K: tl.constexpr):
+    """fp32 x [ROWS, 32 // K, K] (one block per row) -> (payload words int32 [ROWS, 32 // K], scale bits int32
+    [ROWS]; 0 for fp16)."""
     if KIND == 0:
         u = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        s_bits = tl.zeros([x.shape[0]], dtype=tl.int32)
     else:
         ratio = tl.math.div_rn(tl.max(tl.max(tl.abs(x), axis=2), axis=1), QMAX)
         s = ratio.to(tl.float16)
@@ -201,26 +206,33 @@ def _encode_kernel(x_ptr, out_ptr, numel, num_blocks,
             q = tl.minimum(tl.maximum(tl.floor(v + 0.5), -QMAX), QMAX)
             u = q.to(tl.int32) + OFFSET
         s_bits = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        row = out_ptr + r.to(tl.int64) * ROW_BYTES + PAYLOAD
-        tl.store(row, (s_bits & 255).to(tl.uint8), mask=row_mask)
-        tl.store(row + 1, (s_bits >> 8).to(tl.uint8), mask=row_mask)
+    k = tl.arange(0, K)
     words = tl.sum(u << (BITS * k)[None, None, :], axis=2)  # the codes' bits do not overlap: sum = or
-    at = out_ptr + r.to(tl.int64)[:, None] * ROW_BYTES + g[None, :] * NBYTES
-    for j in tl.static_range(NBYTES):
-        tl.store(at + j, ((words >> (8 * j)) & 255).to(tl.uint8), mask=row_mask[:, None])
+    return words, s_bits
 
 
 @triton.jit
-def _decode_kernel(rows_ptr, out_ptr, numel, num_blocks,
-                   KIND: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexpr,
-                   K: tl.constexpr, NBYTES: tl.constexpr, PAYLOAD: tl.constexpr, ROW_BYTES: tl.constexpr,
-                   ROWS: tl.constexpr):
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def store_rows(rows_ptr, r, row_mask, words, s_bits, KIND: tl.constexpr, K: tl.constexpr, NBYTES: tl.constexpr,
+               PAYLOAD: tl.constexpr, ROW_BYTES: tl.constexpr):
+    """Store encoded blocks (`encode_blocks`' words and scale bits) as rows r of a uint8 [rows, ROW_BYTES] tensor."""
+    g = tl.arange(0, 32 // K)
+    at = rows_ptr + r.to(tl.int64)[:, None] * ROW_BYTES + g[None, :] * NBYTES
+    for j in tl.static_range(NBYTES):
+        tl.store(at + j, ((words >> (8 * j)) & 255).to(tl.uint8), mask=row_mask[:, None])
+    if KIND != 0:
+        row = rows_ptr + r.to(tl.int64) * ROW_BYTES + PAYLOAD
+        tl.store(row, (s_bits & 255).to(tl.uint8), mask=row_mask)
+        tl.store(row + 1, (s_bits >> 8).to(tl.uint8), mask=row_mask)
+
+
+@triton.jit
+def load_blocks(rows_ptr, r, row_mask, KIND: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr,
+                K: tl.constexpr, NBYTES: tl.constexpr, PAYLOAD: tl.constexpr, ROW_BYTES: tl.constexpr):
+    """fp32 [ROWS, 32 // K, K]: the decoded values of rows r of a uint8 [rows, ROW_BYTES] tensor (0 where masked)."""
     g = tl.arange(0, 32 // K)
     k = tl.arange(0, K)
-    row_mask = r < num_blocks
     at = rows_ptr + r.to(tl.int64)[:, None] * ROW_BYTES + g[None, :] * NBYTES
-    words = tl.zeros([ROWS, 32 // K], dtype=tl.int32)
+    words = tl.zeros([r.shape[0], 32 // K], dtype=tl.int32)
     for j in tl.static_range(NBYTES):
         words = words | (tl.load(at + j, mask=row_mask[:, None], other=0).to(tl.int32) << (8 * j))
     u = (words[:, :, None] >> (BITS * k)[None, None, :]) & ((1 << BITS) - 1)
@@ -235,13 +247,30 @@ def _decode_kernel(rows_ptr, out_ptr, numel, num_blocks,
             x = _e4m3_to_fp32(u) * s
         else:
             x = (u - OFFSET).to(tl.float32) * s
-    idx = r.to(tl.int64)[:, None, None] * 32 + g[None, :, None] * K + k[None, None, :]
-    tl.store(out_ptr + idx, x, mask=idx < numel)
+    return x
 
 
-def _meta(c: Codec) -> dict:
+@triton.jit
+def _codec_kernel(src_ptr, dst_ptr, numel, num_blocks, DECODE: tl.constexpr,
+                  KIND: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexpr,
+                  K: tl.constexpr, NBYTES: tl.constexpr, PAYLOAD: tl.constexpr, ROW_BYTES: tl.constexpr,
+                  ROWS: tl.constexpr):
+    """Encode values src into rows dst, or (DECODE) rows src into fp32 values dst; ROWS blocks per program."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    idx = block_values(r, K)
+    if DECODE:
+        x = load_blocks(src_ptr, r, r < num_blocks, KIND, BITS, OFFSET, K, NBYTES, PAYLOAD, ROW_BYTES)
+        tl.store(dst_ptr + idx, x, mask=idx < numel)
+    else:
+        x = tl.load(src_ptr + idx, mask=idx < numel, other=0.0).to(tl.float32)
+        words, s_bits = encode_blocks(x, KIND, BITS, QMAX, OFFSET, K)
+        store_rows(dst_ptr, r, r < num_blocks, words, s_bits, KIND, K, NBYTES, PAYLOAD, ROW_BYTES)
+
+
+def kernel_constants(c: Codec) -> dict:
+    """The codec's constexpr arguments of the device functions above."""
     return dict(KIND=c.kind, BITS=c.bits, QMAX=c.qmax, OFFSET=int(c.qmax) + 1, K=c.values_per_word,
-                NBYTES=c.bytes_per_word, PAYLOAD=c.payload_bytes, ROW_BYTES=c.row_bytes, ROWS=BLOCKS_PER_PROGRAM)
+                NBYTES=c.bytes_per_word, PAYLOAD=c.payload_bytes, ROW_BYTES=c.row_bytes)
 
 
 def encode(x: torch.Tensor, codec: str, num_blocks: int | None = None) -> torch.Tensor:
@@ -252,7 +281,8 @@ def encode(x: torch.Tensor, codec: str, num_blocks: int | None = None) -> torch.
         raise ValueError(f"{nb} blocks cannot hold {x.numel()} values")
     x = x.contiguous().view(-1)
     rows = torch.empty(nb, c.row_bytes, dtype=torch.uint8, device=x.device)
-    _encode_kernel[(triton.cdiv(nb, BLOCKS_PER_PROGRAM),)](x, rows, x.numel(), nb, **_meta(c))
+    _codec_kernel[(triton.cdiv(nb, BLOCKS_PER_PROGRAM),)](x, rows, x.numel(), nb, DECODE=False,
+                                                          ROWS=BLOCKS_PER_PROGRAM, **kernel_constants(c))
     return rows
 
 
@@ -263,5 +293,6 @@ def decode(rows: torch.Tensor, codec: str, numel: int) -> torch.Tensor:
         raise ValueError(f"{tuple(rows.shape)} rows of {codec} cannot hold {numel} values")
     out = torch.empty(numel, dtype=torch.float32, device=rows.device)
     nb = rows.shape[0]
-    _decode_kernel[(triton.cdiv(nb, BLOCKS_PER_PROGRAM),)](rows.contiguous(), out, numel, nb, **_meta(c))
+    _codec_kernel[(triton.cdiv(nb, BLOCKS_PER_PROGRAM),)](rows.contiguous(), out, numel, nb, DECODE=True,
+                                                          ROWS=BLOCKS_PER_PROGRAM, **kernel_constants(c))
     return out

@@ -1,14 +1,19 @@
-"""Quantized all-reduce on torch.distributed (gloo or NCCL): two-shot, every message encoded with a line codec.
+"""Quantized all-reduce: two-shot, every message encoded with a line codec; fused on CUDA, bulk elsewhere.
 
 Two-shot: x is cut into `world` chunks of whole 32-value blocks (zero-padded at the end);
-1. reduce-scatter: every rank encodes all chunks and all_to_all sends chunk r to rank r; rank r decodes the
-   `world` encodings of its chunk and sums them in fp32 (rank order);
-2. all-gather: rank r re-encodes its reduced chunk and all_gather sends it to everyone; every rank decodes all.
+1. reduce-scatter: every rank encodes all chunks and sends chunk r to rank r; rank r decodes the `world`
+   encodings of its chunk and sums them in fp32 (rank order);
+2. all-gather: rank r re-encodes its reduced chunk and sends it to everyone; every rank decodes all.
 Every rank decodes the same bytes, so the result is bit-identical on all ranks (DDP replicas stay in sync).
 
 Error (per element, quant_codecs.error_bound as B): |result - exact sum| <= sum_r B(x_r) + B(z), z the decoded
-partial sum of stage 1 (|z| <= |exact| + sum_r B(x_r)); with mean=True both stages' errors are divided by world.
-This is the bulk twin of a later fused one-launch kernel; codec "nccl" / "none" is a plain dist.all_reduce.
+partial sum of stage 1 (|z| <= |exact| + sum_r B(x_r)); with mean=True both stages' errors are divided by world
+(kernels.quantized_allreduce.two_shot_error_bound).
+
+Two implementations with the same arithmetic, bit for bit: on CUDA tensors of an NCCL group, the fused
+one-launch kernel (kernels/quantized_allreduce.py) on a symmetric workspace created lazily per process group
+(collectively, at the group's first call); elsewhere (gloo, CPU) the bulk twin: the codec kernels around
+all_to_all_single and all_gather_single. Codec "nccl" / "none" is a plain dist.all_reduce.
 """
 
 from dataclasses import dataclass
@@ -16,13 +21,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS, decode, encode
+from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, chunk_blocks_for, co_resident_programs,
+                                                    sum_in_rank_order)
 
 GRAD_ALLREDUCE_CODECS = ("nccl", "fp16", "fp8", "q8", "q6", "q4")  # the values of comm.grad_allreduce
 PLAIN = ("nccl", "none")
 
-# Below this many bytes an all-reduce is latency-bound: the codec's two kernel launches and its two collectives
-# (instead of one) cost more than the bytes they save. 64 KiB is an estimate, not yet measured on GPUs.
+# Below this many bytes an all-reduce is latency-bound and the codec saves nothing worth its rounding error.
+# 64 KiB is an estimate, not yet measured on GPUs (neither for the bulk twin nor for the fused kernel).
 MIN_QUANTIZED_BYTES = 64 * 1024
 
 
@@ -32,8 +40,9 @@ def chooser(nbytes: int, codec: str, min_bytes: int = MIN_QUANTIZED_BYTES) -> st
 
 
 def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup | None = None,
-                         mean: bool = False) -> torch.Tensor:
-    """A new tensor (x's shape and dtype): the sum (mean with mean=True) over the group's ranks of x."""
+                         mean: bool = False, fused: bool | None = None) -> torch.Tensor:
+    """A new tensor (x's shape and dtype): the sum (mean with mean=True) over the group's ranks of x.
+    fused: the one-launch kernel (default: on CUDA tensors of an NCCL group), else the bulk twin."""
     if codec not in PLAIN and codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}: expected one of {PLAIN + tuple(CODECS)}")
     world = dist.get_world_size(group)
@@ -41,22 +50,32 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
         out = x.clone()
         dist.all_reduce(out, group=group)
         return out.div_(world) if mean else out
+    if fused is None:
+        fused = x.is_cuda and dist.get_backend(group) == "nccl"
+    if fused:
+        return _fused_for(group, x.device)(x, codec, mean)
     numel = x.numel()
-    chunk_blocks = -(-numel // (world * BLOCK))  # whole blocks per chunk, so chunks are whole rows
+    chunk_blocks = chunk_blocks_for(numel, world)  # whole blocks per chunk, so chunks are whole rows
     chunk = chunk_blocks * BLOCK
     rows = encode(x, codec, num_blocks=world * chunk_blocks)
     received = torch.empty_like(rows)
     dist.all_to_all_single(received, rows, group=group)
     parts = decode(received, codec, world * chunk).view(world, chunk)
-    reduced = parts[0].clone()
-    for part in parts[1:]:  # fp32, in rank order
-        reduced += part
-    if mean:
-        reduced /= world
-    mine = encode(reduced, codec)
+    mine = encode(sum_in_rank_order(list(parts), mean), codec)
     gathered = mine.new_empty((world * chunk_blocks, mine.shape[1]))
     dist.all_gather_single(gathered, mine, group=group)
     return decode(gathered, codec, numel).view(x.shape).to(x.dtype)
+
+
+_FUSED: dict[dist.ProcessGroup, FusedQuantizedAllReduce] = {}
+
+
+def _fused_for(group: dist.ProcessGroup | None, device: torch.device) -> FusedQuantizedAllReduce:
+    """The group's fused all-reduce (its symmetric workspace is allocated collectively at the first call)."""
+    group = group or dist.group.WORLD
+    if group not in _FUSED:
+        _FUSED[group] = FusedQuantizedAllReduce(CudaSymmetricWorkspace(group), co_resident_programs(device))
+    return _FUSED[group]
 
 
 @dataclass
@@ -75,7 +94,8 @@ def quantized_allreduce_hook(state: QuantizedHookState,
     """DDP communication hook: the bucket's gradients averaged over ranks with the state's codec.
 
     Register with `ddp_model.register_comm_hook(QuantizedHookState("q8"), quantized_allreduce_hook)`. The
-    exchange runs synchronously inside backward (the bulk twin: no overlap with the remaining backward)."""
+    exchange is enqueued inside backward on the current stream (fused on CUDA: one launch; the bulk twin's
+    collectives are synchronous)."""
     grads = bucket.buffer()
     codec = chooser(grads.numel() * grads.element_size(), state.codec, state.min_bytes)
     fut = torch.futures.Future()

@@ -1,0 +1,257 @@
+"""Quantized two-shot all-reduce in one kernel launch on symmetric memory (the fused twin of
+fused_dlrm.tp.quantized_allreduce's bulk all-reduce, with the same arithmetic bit for bit).
+
+x (n values) is cut into `world` chunks of `chunk_blocks` whole 32-value blocks (zero-padded at the end), each
+chunk into tiles of ROWS blocks; program p of every rank handles tiles p, p + P, ... of every chunk (P programs,
+the same on every rank). One launch runs three phases per program:
+1. scatter: for every destination d (remote ranks first, rotated by rank, self last) encode the program's tiles
+   of chunk d and store the rows straight into d's `recv` slots [source = me][rows]; then raise flag
+   ready[me, p] in d (release, system scope) with the call's epoch;
+2. reduce: wait (bounded) for ready[s, p] >= epoch from every source s, decode the tiles of my chunk from every
+   source and sum them in fp32 in rank order 0, 1, ... (divided by world with mean), re-encode the sum and store
+   it into every rank's `gather` slots [source = me][rows] (remote first), then raise done[me, p] in every rank;
+3. gather: for every source s (self first), wait for done[s, p] >= epoch, decode s's reduced tiles and store
+   them into the output at chunk s.
+Every rank decodes the same bytes, so results are bit-identical on all ranks, and equal to
+`quantized_all_reduce_reference` (the bulk twin's steps with exchanges as indexing).
+
+Why the buffers need no reset, no barrier and no second half across consecutive calls (each rank's calls are
+ordered on its stream, so its launch e + 1 starts after all its programs of launch e have exited):
+- recv: program p of rank s stores into r's recv[s] (tiles of p) at call e + 1 only after its launch e finished,
+  whose program p waited for done[r, p] >= e, raised by r's program p after it had read all its recv tiles of
+  call e. So the flags of phase 3 are the acknowledgement that guards phase 1's slots.
+- gather: program p of rank r stores into s's gather[r] (tiles of p) at call e + 1 only after it waited for
+  ready[s, p] >= e + 1, raised by s during launch e + 1, after s's launch e (the reader of gather at call e)
+  finished. So the flags of phase 2 guard phase 3's slots.
+Flags hold epochs (never reset, compared with >=); they are laid out [source][max_programs], so calls of any
+size use the same flags. Every wait is bounded: a timeout records (1, peer, slice) in the error word (slice
+p < max_programs: peer's scatter of tile set p; max_programs + p: peer's reduced tile set p) and later waits of
+the launch stop spinning; `PeerErrors` raises it naming rank, peer and slice.
+
+On GPUs every program may wait on programs of the same launch on every rank, so the grid must be co-resident:
+at most `PROGRAMS_PER_SM` programs per SM (small programs: 4 warps, 32-block tiles). In the interpreter (one
+program at a time) a simulated world runs each phase on every rank before the next (`run(call, phase, phase)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
+from fused_dlrm.kernels.peer_flags import PeerErrors, wait_at_least
+from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, block_values, decode_reference, encode_blocks,
+                                             encode_reference, error_bound, kernel_constants, load_blocks, store_rows)
+
+ROWS = 32  # blocks per tile (1024 values); not tuned on GPUs
+PROGRAMS_PER_SM = 4  # co-resident programs per SM (4 warps each); not tuned on GPUs
+NUM_WARPS = 4
+
+
+def chunk_blocks_for(numel: int, world: int) -> int:
+    """Whole 32-value blocks per rank's chunk (the bulk twin's split)."""
+    return max(1, -(-numel // (world * BLOCK)))
+
+
+def sum_in_rank_order(parts: list[torch.Tensor], mean: bool) -> torch.Tensor:
+    """fp32 sum of the decoded parts, added in rank order (then / world with mean): the arithmetic of phase 2."""
+    reduced = parts[0].clone()
+    for part in parts[1:]:
+        reduced += part
+    return reduced.div_(len(parts)) if mean else reduced
+
+
+def quantized_all_reduce_reference(xs: list[torch.Tensor], codec: str, mean: bool = False) -> torch.Tensor:
+    """Pure torch: what every rank's fused (and bulk) all-reduce of the world's inputs xs returns."""
+    world, numel = len(xs), xs[0].numel()
+    cb = chunk_blocks_for(numel, world)
+    chunk = cb * BLOCK
+    sent = [decode_reference(encode_reference(x, codec, world * cb), codec, world * chunk).view(world, chunk)
+            for x in xs]
+    reduced = [sum_in_rank_order([sent[s][r] for s in range(world)], mean) for r in range(world)]
+    gathered = torch.cat([encode_reference(z, codec) for z in reduced])
+    return decode_reference(gathered, codec, numel).view(xs[0].shape).to(xs[0].dtype)
+
+
+def two_shot_error_bound(xs: list[torch.Tensor], codec: str, mean: bool = False) -> torch.Tensor:
+    """fp32 per-element bound on |all-reduce - exact sum (mean)|, with B = quant_codecs.error_bound: stage 1's
+    errors sum_r B(x_r), plus stage 2's B(z) on the partial sum z they may have moved (|z| <= |exact| + stage 1);
+    with mean both are divided by world (fp32 summation is far inside B)."""
+    world = len(xs)
+    exact = sum(x.float() for x in xs)
+    first = sum(error_bound(x, codec) for x in xs)
+    if mean:
+        return first / world + error_bound((exact.abs() + first) / world, codec)
+    return first + error_bound(exact.abs() + first, codec)
+
+
+@triton.jit
+def _wait(flag, epoch, spin_limit, error_ptr, peer, slot):
+    """Bounded wait for *flag >= epoch; a timeout records (1, peer, slot). Once a wait of the launch timed out,
+    the others only look once (the result is lost anyway; the host raises)."""
+    failed = tl.atomic_add(error_ptr, 0) != 0
+    up = wait_at_least(flag, epoch, tl.where(failed, 0, spin_limit))
+    if (up == 0) & (failed == 0):
+        tl.store(error_ptr + 1, peer)
+        tl.store(error_ptr + 2, slot)
+        tl.atomic_xchg(error_ptr, 1)
+
+
+@triton.jit
+def _signal(flag_ptrs, peer, slot, epoch):
+    """After this program's stores into peer: raise peer's flag `slot` (release, system scope)."""
+    tl.debug_barrier()
+    flag = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32)) + slot
+    tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """fp32 x rounded to nearest even in the output dtype, as torch's .to(dtype): bf16 by bit arithmetic because
+    the interpreter's fp32 -> bf16 cast truncates."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _quantized_all_reduce_kernel(
+    x_ptr, out_ptr, numel, chunk_blocks, recv_ptrs, gather_ptrs, ready_ptrs, done_ptrs, error_ptr,
+    rank, epoch, num_programs, max_programs, spin_limit, first_phase, last_phase,
+    WORLD: tl.constexpr, MEAN: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
+    OFFSET: tl.constexpr, K: tl.constexpr, NBYTES: tl.constexpr, PAYLOAD: tl.constexpr, ROW_BYTES: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(chunk_blocks, ROWS)
+    i = tl.arange(0, ROWS)
+    slots = chunk_blocks * ROW_BYTES  # bytes of one source's slots (all slots < 2 GiB: int32 offsets)
+    my_slots = rank * slots
+    if first_phase <= 0:  # 1. scatter
+        for k in tl.static_range(WORLD):
+            dest = (rank + 1 + k) % WORLD
+            recv = tl.load(recv_ptrs + dest).to(tl.pointer_type(tl.uint8)) + my_slots
+            t = pid
+            while t < tiles:  # `while`: the interpreter cannot range() from a program id
+                rows = t * ROWS + i
+                row_mask = rows < chunk_blocks
+                idx = block_values(dest * chunk_blocks + rows, K)
+                x = tl.load(x_ptr + idx, mask=(idx < numel) & row_mask[:, None, None], other=0.0).to(tl.float32)
+                words, s_bits = encode_blocks(x, KIND, BITS, QMAX, OFFSET, K)
+                store_rows(recv, rows, row_mask, words, s_bits, KIND, K, NBYTES, PAYLOAD, ROW_BYTES)
+                t += num_programs
+            _signal(ready_ptrs, dest, rank * max_programs + pid, epoch)
+    if (first_phase <= 1) & (last_phase >= 1):  # 2. reduce my chunk
+        ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
+        for s in tl.static_range(WORLD):
+            _wait(ready + s * max_programs + pid, epoch, spin_limit, error_ptr, s, pid)
+        recv = tl.load(recv_ptrs + rank).to(tl.pointer_type(tl.uint8))
+        t = pid
+        while t < tiles:
+            rows = t * ROWS + i
+            row_mask = rows < chunk_blocks
+            acc = load_blocks(recv, rows, row_mask, KIND, BITS, OFFSET, K, NBYTES, PAYLOAD, ROW_BYTES)
+            for s in tl.static_range(1, WORLD):  # fp32, in rank order (the bulk twin's order)
+                acc += load_blocks(recv + s * slots, rows, row_mask, KIND, BITS, OFFSET, K, NBYTES, PAYLOAD,
+                                   ROW_BYTES)
+            if MEAN:
+                acc = tl.math.div_rn(acc, tl.full(acc.shape, WORLD, tl.float32))
+            words, s_bits = encode_blocks(acc, KIND, BITS, QMAX, OFFSET, K)
+            for k in tl.static_range(WORLD):
+                gather = tl.load(gather_ptrs + (rank + 1 + k) % WORLD).to(tl.pointer_type(tl.uint8)) + my_slots
+                store_rows(gather, rows, row_mask, words, s_bits, KIND, K, NBYTES, PAYLOAD, ROW_BYTES)
+            t += num_programs
+        for k in tl.static_range(WORLD):
+            _signal(done_ptrs, (rank + 1 + k) % WORLD, rank * max_programs + pid, epoch)
+    if last_phase >= 2:  # 3. gather every reduced chunk into the output
+        done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
+        gathered = tl.load(gather_ptrs + rank).to(tl.pointer_type(tl.uint8))
+        for k in tl.static_range(WORLD):
+            src = (rank + k) % WORLD
+            _wait(done + src * max_programs + pid, epoch, spin_limit, error_ptr, src, max_programs + pid)
+            t = pid
+            while t < tiles:
+                rows = t * ROWS + i
+                row_mask = rows < chunk_blocks
+                x = load_blocks(gathered + src * slots, rows, row_mask, KIND, BITS, OFFSET, K, NBYTES, PAYLOAD,
+                                ROW_BYTES)
+                idx = block_values(src * chunk_blocks + rows, K)
+                out = _round_to(x, out_ptr.dtype.element_ty)
+                tl.store(out_ptr + idx, out, mask=(idx < numel) & row_mask[:, None, None])
+                t += num_programs
+
+
+@dataclass
+class FusedCall:
+    """One all-reduce in flight: its output and what its launch(es) need."""
+    x: torch.Tensor
+    out: torch.Tensor
+    codec: str
+    mean: bool
+    epoch: int
+    chunk_blocks: int
+    num_programs: int
+    recv: PeerBuffer
+    gather: PeerBuffer
+    ready: PeerBuffer
+    done: PeerBuffer
+
+
+class FusedQuantizedAllReduce:
+    """The fused all-reduce of one workspace (one process group): its symmetric slots, flags and error word.
+
+    Every rank must make the same calls in the same order with the same sizes (allocation is collective and the
+    flags carry a per-call epoch). `max_programs`: the grid cap (co-resident on GPUs; see the module docstring).
+    """
+
+    def __init__(self, workspace: _Workspace, max_programs: int, spin_limit: int = 20_000_000):
+        self.ws, self.max_programs, self.spin_limit = workspace, max_programs, spin_limit
+        self.rank, self.world = workspace.rank, workspace.world_size
+        self.errors = PeerErrors(workspace.device, self.rank,
+                                 f"fused quantized all-reduce (slices >= {max_programs}: all-gather)")
+
+    def start(self, x: torch.Tensor, codec: str, mean: bool = False) -> FusedCall:
+        """Allocate (collectively, on first use or growth) and number the call; nothing is launched yet."""
+        if codec not in CODECS:
+            raise ValueError(f"unknown codec {codec!r}: expected one of {tuple(CODECS)}")
+        self.errors.check()
+        cb = chunk_blocks_for(x.numel(), self.world)
+        slots = self.world * cb * CODECS[codec].row_bytes
+        if slots >= 2**31:
+            raise ValueError(f"{x.numel()} values encode to {slots} bytes: the kernel's offsets are int32")
+        flags = self.world * self.max_programs
+        return FusedCall(x.contiguous().view(-1), torch.empty(x.shape, dtype=x.dtype, device=x.device), codec,
+                         mean, self.ws.next_epoch("qar"), cb, min(self.max_programs, triton.cdiv(cb, ROWS)),
+                         recv=self.ws.buffer("qar_recv", slots, torch.uint8),
+                         gather=self.ws.buffer("qar_gather", slots, torch.uint8),
+                         ready=self.ws.buffer("qar_ready", flags, torch.int32),
+                         done=self.ws.buffer("qar_done", flags, torch.int32))
+
+    def run(self, call: FusedCall, first_phase: int = 0, last_phase: int = 2) -> None:
+        """Launch phases first_phase..last_phase of the call (all three on GPUs: one launch)."""
+        # enable_fp_fusion=False: no fused multiply-add of decode and sum, so the sum equals the bulk twin's.
+        gpu = {} if call.x.device.type == "cpu" else dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
+        _quantized_all_reduce_kernel[(call.num_programs,)](
+            call.x, call.out, call.x.numel(), call.chunk_blocks, call.recv.peer_ptrs, call.gather.peer_ptrs,
+            call.ready.peer_ptrs, call.done.peer_ptrs, self.errors.word, self.rank, call.epoch, call.num_programs,
+            self.max_programs, self.spin_limit, first_phase, last_phase,
+            WORLD=self.world, MEAN=call.mean, ROWS=ROWS, **kernel_constants(CODECS[call.codec]), **gpu)
+
+    def finish(self, call: FusedCall) -> torch.Tensor:
+        """The call's result (raises at once on the CPU, at a later call on GPUs, if a wait timed out)."""
+        self.errors.after_wait(call.epoch)
+        return call.out
+
+    def __call__(self, x: torch.Tensor, codec: str, mean: bool = False) -> torch.Tensor:
+        call = self.start(x, codec, mean)
+        self.run(call)
+        return self.finish(call)
+
+
+def co_resident_programs(device: torch.device) -> int:
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count

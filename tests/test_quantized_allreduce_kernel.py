@@ -1,0 +1,122 @@
+"""The fused one-launch quantized all-reduce on simulated worlds of 2 and 4 ranks (Triton interpreter): equal bit
+for bit to the bulk twin's arithmetic on every rank, within the documented two-shot bound of the fp64 sum, every
+element written, many consecutive calls on the same flags, and timeouts that name rank, peer and slice."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fused_dlrm.dist.symmetric import SimulatedWorld
+from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+from fused_dlrm.kernels.quant_codecs import CODECS
+from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, quantized_all_reduce_reference,
+                                                    two_shot_error_bound)
+from test_quant_codecs import data
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
+
+
+def world_of(size: int, max_programs: int = 2, spin_limit: int = 50) -> list[FusedQuantizedAllReduce]:
+    return [FusedQuantizedAllReduce(ws, max_programs, spin_limit) for ws in SimulatedWorld(size).workspaces()]
+
+
+def poison(call) -> None:
+    """NaN output, NaN-coding slots (0xFF bytes: fp16 NaN values, NaN scales): unwritten elements show."""
+    call.out.fill_(float("nan"))
+    call.recv.local.fill_(255)
+    call.gather.local.fill_(255)
+
+
+def all_reduce(world, xs, codec, mean=False, ranks=None, phases=(0, 1, 2)):
+    """Every rank's call, each phase run on every rank (in `ranks`) before the next: one program at a time cannot
+    wait for a later one."""
+    calls = [ar.start(x, codec, mean) for ar, x in zip(world, xs)]
+    for call in calls:
+        poison(call)
+    for phase in phases:
+        for r in ranks or range(len(world)):
+            world[r].run(calls[r], phase, phase)
+    return [ar.finish(call) for ar, call in zip(world, calls)]
+
+
+def inputs(world: int, n: int, kind: str, seed: int = 0) -> list[torch.Tensor]:
+    return [data(kind, n, seed + 7 * r) for r in range(world)]
+
+
+@pytest.mark.parametrize("world_size,n", [(2, 4171), (4, 1100)])  # 2: 3 tiles per chunk on 2 programs
+@pytest.mark.parametrize("codec", list(CODECS))
+@pytest.mark.parametrize("kind", ["normal", "student_t", "cauchy"])
+def test_equals_bulk_arithmetic_and_meets_bound(world_size, n, codec, kind):
+    xs = inputs(world_size, n, kind)
+    if kind == "cauchy":  # the fp16 line's range: |sum| <= 65504
+        xs = [x.clamp(-1e4 / world_size, 1e4 / world_size) for x in xs]
+    mean = kind == "student_t"
+    got = all_reduce(world_of(world_size), xs, codec, mean)
+    want = quantized_all_reduce_reference(xs, codec, mean)
+    for y in got:
+        assert torch.equal(y, want)  # bit-identical on every rank, and the bulk twin's arithmetic
+    exact = sum(x.double() for x in xs) / (world_size if mean else 1)
+    err = (want.double() - exact).abs()
+    bound = two_shot_error_bound(xs, codec, mean).double()
+    assert (err <= bound).all(), (err / bound).max()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_keep_their_dtype(world_size, dtype):
+    xs = [x.view(11, 21).to(dtype) for x in inputs(world_size, 231, "student_t", seed=3)]
+    for codec in ("fp16", "q4"):
+        got = all_reduce(world_of(world_size, max_programs=3), xs, codec, mean=True)
+        want = quantized_all_reduce_reference(xs, codec, mean=True)
+        assert want.dtype == dtype and want.shape == (11, 21)
+        assert all(torch.equal(y, want) for y in got)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tiny_and_skewed_sizes(world_size):
+    """Fewer values than ranks, one block, and sizes whose last chunk is mostly padding."""
+    world = world_of(world_size, max_programs=4)
+    for n in (1, 3, 33, 32 * world_size + 1, 1024 * world_size + 5):
+        xs = inputs(world_size, n, "normal", seed=n)
+        got = all_reduce(world, xs, "q8")
+        assert all(torch.equal(y, quantized_all_reduce_reference(xs, "q8")) for y in got), n
+
+
+def test_many_consecutive_calls_on_the_same_flags():
+    """Sizes and codecs change from call to call (buffers grow, program counts change): every call still
+    equals its reference, which a stale slot or an early flag would break."""
+    world = world_of(2, max_programs=3)
+    codecs = list(CODECS)
+    for step in range(40):
+        n = [40, 700, 2100][step % 3]
+        codec = codecs[step % len(codecs)]
+        xs = inputs(2, n, "normal", seed=step)
+        got = all_reduce(world, xs, codec, mean=step % 3 == 0)
+        want = quantized_all_reduce_reference(xs, codec, mean=step % 3 == 0)
+        assert torch.equal(got[0], want) and torch.equal(got[1], want), step
+    assert world[0].ws.next_epoch("qar") == 41
+
+
+def test_timeout_in_the_reduce_names_rank_peer_and_slice():
+    world = world_of(2, max_programs=2)
+    xs = inputs(2, 3000, "normal")
+    calls = [ar.start(x, "q8") for ar, x in zip(world, xs)]
+    world[0].run(calls[0], 0, 2)  # rank 1 never starts: rank 0's reduce waits for rank 1's scatter
+    with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 1 waiting for rank 1, slice 0"):
+        world[0].finish(calls[0])
+
+
+def test_timeout_in_the_gather_names_rank_peer_and_slice():
+    world = world_of(4, max_programs=2)
+    xs = inputs(4, 3000, "normal")
+    calls = [ar.start(x, "q4") for ar, x in zip(world, xs)]
+    for phase in (0, 1, 2):
+        for r in range(4):
+            if not (r == 2 and phase > 0):  # rank 2 scatters, then stops: it never reduces its chunk
+                world[r].run(calls[r], phase, phase)
+    for r in (0, 1, 3):
+        with pytest.raises(PeerWaitTimeout, match=f"rank {r} timed out at step 1 waiting for rank 2, slice 2"):
+            world[r].finish(calls[r])
