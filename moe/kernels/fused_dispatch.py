@@ -39,7 +39,7 @@ from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-PUSH_TILE_ELEMENTS = 8192  # elements a push program moves per step ([block_m rows, BLOCK_D columns])
+PUSH_TILE_ELEMENTS = 4096  # elements a push program moves per step ([block_m, BLOCK_D]); no spills at 4 warps
 PUSH_SMS = 16  # SMs the GEMM leaves to the push kernels of its own and the next epoch (see `_gemm_programs`)
 
 
