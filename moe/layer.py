@@ -1,28 +1,51 @@
-"""Expert-parallel MoE layer, bulk-synchronous: route, permute, all-to-all dispatch, local experts, all-to-all
-combine, unpermute (Megatron's alltoall token dispatcher).
+"""Expert-parallel MoE layer: route, permute, dispatch, local experts, combine, unpermute (Megatron's alltoall token
+dispatcher), bulk-synchronous (`comm="bulk"`) or with the exchanges fused into the expert GEMMs (`comm="fused"`).
 
 Experts are split evenly over the ranks of `group`: expert e lives on rank e // (num_experts / world size). The
 router is replicated (its gradient, like any replicated parameter's, is the caller's to all-reduce); the
 tokens are the rank's own. Without a process group (or a world of 1) the collectives are identities.
+
+comm="fused" (CUDA symmetric memory, under torchrun): every rank all-gathers the count matrix and derives the
+address of every row (moe.expert_layout); the owner's second expert GEMM stores its output tiles straight into
+the sources' buffers and each source's weighted unpermute consumes them as their flags arrive
+(moe.kernels.fused_combine). The dispatch is the bulk all-to-all so far. Backward is the bulk twin (see
+_FusedExperts).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from fused_dlrm.dist import all_to_all_v, exchange_counts
 from fused_dlrm.dist.alltoall import world_size
-from moe.experts import SwiGLUExperts
-from moe.permute import permute, unpermute
+from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, _Workspace
+from moe.expert_layout import ExpertLayout, build_expert_layout, gather_counts
+from moe.experts import SwiGLUExperts, _grouped_mm_works
+from moe.kernels.fused_combine import FusedCombine
+from moe.permute import Permutation, permute, unpermute
 from moe.routing import TopKRouter
+
+
+@dataclass(frozen=True)
+class FusedMoEConfig:
+    """Settings of comm="fused" (any object with these two attributes will do)."""
+
+    num_programs: int | None = None  # persistent programs of the fused GEMM; None: one per SM
+    wait_timeout_spins: int = 20_000_000  # polls of a flag before a wait gives up and names rank and slice
 
 
 class MoELayer(nn.Module):
     def __init__(self, d_model: int, ffn: int, num_experts: int, top_k: int, group: dist.ProcessGroup | None = None,
                  capacity_factor: float | None = None, renormalize: bool = True, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 comm: str = "bulk", fused: FusedMoEConfig | None = None, workspace: _Workspace | None = None):
+        """`workspace` (comm="fused"): the symmetric memory to use instead of a CudaSymmetricWorkspace over
+        `group` (tests pass a simulated one)."""
         super().__init__()
         self.group = group
         self.world = world_size(group)
@@ -30,11 +53,25 @@ class MoELayer(nn.Module):
         if num_experts % self.world != 0:
             raise ValueError(f"num_experts={num_experts} must be a multiple of the expert-parallel world size "
                              f"{self.world}")
+        if comm not in ("bulk", "fused"):
+            raise ValueError(f"comm={comm!r}: expected 'bulk' or 'fused'")
+        self.comm = comm
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world
         self.router = TopKRouter(d_model, num_experts, top_k, renormalize, capacity_factor, seed, dtype, device)
         self.experts = SwiGLUExperts(self.num_local_experts, d_model, ffn, self.rank * self.num_local_experts,
                                      seed, dtype, device)
+        self.combine = None
+        if comm == "fused":
+            if workspace is None:
+                if torch.device(device or "cpu").type != "cuda" or not dist.is_initialized():
+                    raise RuntimeError("comm=fused needs CUDA GPUs under torchrun (symmetric memory); use comm=bulk "
+                                       "on the CPU")
+                workspace = CudaSymmetricWorkspace(group)
+            fused = fused or FusedMoEConfig()
+            programs = fused.num_programs or _sm_count(workspace.device)
+            self.combine = FusedCombine(workspace, d_model, self.num_local_experts, programs,
+                                        fused.wait_timeout_spins)
 
     def forward(self, x: torch.Tensor, logit_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """x: [tokens, d_model] (this rank's tokens, possibly none) -> (y [tokens, d_model], aux).
@@ -45,33 +82,131 @@ class MoELayer(nn.Module):
         `logit_bias` is passed to the router (tests force skewed routings with it).
         """
         routing = self.router(x, logit_bias)
-        rows, perm = permute(x, routing.expert_ids, self.num_experts, routing.kept)
-
-        # Rows are grouped by global expert, hence by destination rank. Row r of send_counts: rows per expert of
-        # rank r; after the exchange, row s of recv_counts: rows that rank s sends to each local expert.
-        send_counts = perm.tokens_per_expert.view(self.world, self.num_local_experts)
-        recv_counts = exchange_counts(send_counts, self.group)
-        send_splits = send_counts.sum(dim=1).tolist()
-        recv_splits = recv_counts.sum(dim=1).tolist()
-        received = all_to_all_v(rows, send_splits, recv_splits, self.group)
-
-        # Received rows are ordered (source rank, local expert, token); the experts need (local expert, source
-        # rank, token). A stable sort by local expert does that regrouping, and its inverse undoes it.
-        local_expert_of_row = torch.repeat_interleave(
-            torch.arange(self.num_local_experts, device=x.device).repeat(self.world), recv_counts.reshape(-1))
-        regroup = torch.sort(local_expert_of_row, stable=True).indices
-        undo_regroup = torch.empty_like(regroup)
-        undo_regroup[regroup] = torch.arange(regroup.numel(), device=x.device)
-        tokens_per_local_expert = recv_counts.sum(dim=0)
-        expert_out = self.experts(received[regroup], tokens_per_local_expert.tolist())
-
-        combined = all_to_all_v(expert_out[undo_regroup], recv_splits, send_splits, self.group)
-        y = unpermute(combined, perm, routing.weights)
+        # Rows are grouped by global expert, hence by destination rank.
+        if self.comm == "fused":
+            _, perm = permute(x.new_empty(x.shape[0], 0), routing.expert_ids, self.num_experts, routing.kept)
+            counts = gather_counts(perm.tokens_per_expert, self.group)  # [source, global expert]
+            layout = build_expert_layout(counts, self.rank, self.num_local_experts)
+            mine = slice(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
+            exchange = _BulkRows(counts[self.rank].view(self.world, -1), counts[:, mine], self.group)
+            e = self.experts
+            y = _FusedExperts.apply(x, routing.weights, e.w1, e.w3, e.w2, self.combine, exchange, layout, perm)
+        else:
+            rows, perm = permute(x, routing.expert_ids, self.num_experts, routing.kept)
+            send_counts = perm.tokens_per_expert.view(self.world, self.num_local_experts)
+            exchange = _BulkRows(send_counts, exchange_counts(send_counts, self.group), self.group)
+            expert_out = self.experts(exchange.to_owners(rows), exchange.tokens_per_local_expert)
+            y = unpermute(exchange.to_sources(expert_out), perm, routing.weights)
         aux = {
             "load_balancing_loss": routing.aux_loss,
             "z_loss": routing.z_loss,
             "tokens_per_expert": routing.tokens_per_expert,
             "dropped": int((~routing.kept).sum()),
-            "tokens_per_local_expert": tokens_per_local_expert,
+            "tokens_per_local_expert": exchange.recv_counts.sum(dim=0),
         }
         return y, aux
+
+
+class _BulkRows:
+    """The all-to-all of rows between sources (permuted order: by global expert, hence by owner) and owners
+    (their experts' order: local expert, then source rank, then source order), with autograd."""
+
+    def __init__(self, send_counts: torch.Tensor, recv_counts: torch.Tensor, group: dist.ProcessGroup | None):
+        """send_counts[r, e]: rows this rank sends to expert e of rank r; recv_counts[s, e]: rows rank s sends to
+        this rank's local expert e."""
+        world, num_local_experts = recv_counts.shape
+        self.recv_counts, self.group = recv_counts, group
+        self.send_splits = send_counts.sum(dim=1).tolist()
+        self.recv_splits = recv_counts.sum(dim=1).tolist()
+        self.tokens_per_local_expert = recv_counts.sum(dim=0).tolist()
+        # The all-to-all delivers (source, local expert, row); a stable sort by local expert regroups.
+        device = recv_counts.device
+        local_expert_of_row = torch.repeat_interleave(
+            torch.arange(num_local_experts, device=device).repeat(world), recv_counts.reshape(-1))
+        self.regroup = torch.sort(local_expert_of_row, stable=True).indices
+        self.undo_regroup = torch.empty_like(self.regroup)
+        self.undo_regroup[self.regroup] = torch.arange(self.regroup.numel(), device=device)
+
+    def to_owners(self, rows: torch.Tensor) -> torch.Tensor:
+        return all_to_all_v(rows, self.send_splits, self.recv_splits, self.group)[self.regroup]
+
+    def to_sources(self, rows: torch.Tensor) -> torch.Tensor:
+        return all_to_all_v(rows[self.undo_regroup], self.recv_splits, self.send_splits, self.group)
+
+
+class _FusedExperts(torch.autograd.Function):
+    """Dispatch, experts and the fused combine as one autograd node: tokens x, routing weights and the expert
+    weights in, the combined tokens out.
+
+    Backward is the bulk twin: all-to-alls of the gradients and torch grouped GEMMs. The fused kernels move
+    rows between fixed addresses of symmetric buffers; the gradients' exchanges are the same two moves reversed,
+    and fusing them (a dispatch-like push of the output gradient, a combine-like store of the input gradient)
+    is the next step, not done yet. The first GEMM is recomputed from the received rows rather than kept.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weights, w1, w3, w2, combine: FusedCombine, exchange: _BulkRows, layout: ExpertLayout,
+                perm: Permutation):
+        token_of_row = perm.order // perm.top_k
+        counts = exchange.tokens_per_local_expert
+        received = exchange.to_owners(x[token_of_row])
+        h = _gate(received, w1, w3, counts)
+        epoch = combine.start(h, w2, layout)
+        rows = x.new_empty(token_of_row.numel(), x.shape[1]) if ctx.needs_input_grad[1] else None
+        y = combine.finish(epoch, layout, perm, weights, rows_out=rows)
+        ctx.exchange, ctx.perm = exchange, perm
+        ctx.save_for_backward(received, h, rows, weights, w1, w3, w2)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        received, h, rows, weights, w1, w3, w2 = ctx.saved_tensors
+        exchange, perm = ctx.exchange, ctx.perm
+        counts = exchange.tokens_per_local_expert
+        token_of_row = perm.order // perm.top_k
+        grad_of_row = grad_y[token_of_row]  # [rows, d], permuted order
+        grad_weights = None
+        if ctx.needs_input_grad[1]:
+            per_row = (grad_of_row.float() * rows.float()).sum(dim=1)
+            grad_weights = torch.zeros(weights.numel(), dtype=torch.float32, device=weights.device)
+            grad_weights[perm.order] = per_row  # dropped assignments: no row, zero gradient
+            grad_weights = grad_weights.view_as(weights).to(weights.dtype)
+        weight_of_row = weights.reshape(-1)[perm.order].float()
+        grad_out = exchange.to_owners((grad_of_row.float() * weight_of_row[:, None]).to(h.dtype))
+        grad_h = _grouped(grad_out, w2.transpose(1, 2), counts)
+        grad_w2 = _grouped_weight_grad(h, grad_out, counts)
+        with torch.enable_grad():
+            xr, w1_, w3_ = (t.detach().requires_grad_() for t in (received, w1, w3))
+            grad_received, grad_w1, grad_w3 = torch.autograd.grad(_gate(xr, w1_, w3_, counts), (xr, w1_, w3_),
+                                                                  grad_h)
+        grad_x = unpermute(exchange.to_sources(grad_received), perm, torch.ones_like(weights))
+        return grad_x, grad_weights, grad_w1, grad_w3, grad_w2, None, None, None, None
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows of group e times w[e]: torch._grouped_mm where it works (checked once per shape), else a loop."""
+    if x.is_cuda and _grouped_mm_works(x.device, x.dtype, w.shape[1], w.shape[2]):
+        return torch._grouped_mm(x, w, offs=_group_ends(counts, x.device))
+    return torch.cat([rows @ w[e] for e, rows in enumerate(torch.split(x, counts))])
+
+
+def _grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """[groups, x cols, grad cols]: x_e^T @ grad_e per group (zero for a group without rows)."""
+    if x.is_cuda and _grouped_mm_works(x.device, x.dtype, x.shape[1], grad.shape[1]):
+        out = torch._grouped_mm(x.t(), grad, offs=_group_ends(counts, x.device))
+        return out.masked_fill(torch.tensor(counts, device=x.device).view(-1, 1, 1) == 0, 0)
+    return torch.stack([a.t() @ g for a, g in zip(torch.split(x, counts), torch.split(grad, counts))])
+
+
+def _gate(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The experts' first half: silu(x @ w1[e]) * (x @ w3[e])."""
+    return F.silu(_grouped(x, w1, counts)) * _grouped(x, w3, counts)
+
+
+def _group_ends(counts: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+
+
+def _sm_count(device: torch.device) -> int:
+    """One persistent GEMM program per SM; the interpreter runs programs one after another: a few suffice."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
