@@ -53,7 +53,7 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
     if fused is None:
         fused = x.is_cuda and dist.get_backend(group) == "nccl"
     if fused:
-        return _fused_for(group, x.device)(x, codec, mean)
+        return fused_for_group(group, x.device)(x, codec, mean)
     numel = x.numel()
     chunk_blocks = chunk_blocks_for(numel, world)  # whole blocks per chunk, so chunks are whole rows
     chunk = chunk_blocks * BLOCK
@@ -70,7 +70,7 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
 _FUSED: dict[dist.ProcessGroup, FusedQuantizedAllReduce] = {}
 
 
-def _fused_for(group: dist.ProcessGroup | None, device: torch.device) -> FusedQuantizedAllReduce:
+def fused_for_group(group: dist.ProcessGroup | None, device: torch.device) -> FusedQuantizedAllReduce:
     """The group's fused all-reduce (its symmetric workspace is allocated collectively at the first call)."""
     group = group or dist.group.WORLD
     if group not in _FUSED:

@@ -1,0 +1,96 @@
+"""GPU check of the fused one-launch quantized all-reduce against its bulk twin (2 GPUs, NCCL; skipped without them).
+
+Bit-equal to the bulk twin (codec kernels around NCCL all_to_all / all_gather) for every codec, bf16 and fp32
+inputs, sum and mean; bit-identical across ranks; within the documented bound of the fp64 sum; 1,000
+consecutive calls of changing sizes and codecs on the same flags; a missing peer raises PeerWaitTimeout.
+CI has no GPU: this runs on the device machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
+from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+from fused_dlrm.kernels.quant_codecs import CODECS
+from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce, co_resident_programs, two_shot_error_bound
+from fused_dlrm.tp.quantized_allreduce import fused_for_group, quantized_all_reduce
+from world import run_world
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+SIZES = [1, 45, 4099, 1_000_003, 3 * 2**22 + 17]  # none a multiple of world * 32; up to ~12.6M values
+
+
+def world_inputs(n: int, world: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Every rank's input (each rank builds all of them): heavy-tailed (Student t, 2 degrees of freedom)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    xs = []
+    for _ in range(world):
+        t = torch.randn(n, device="cuda", generator=gen)
+        t /= torch.randn(n, 2, device="cuda", generator=gen).pow(2).mean(1).sqrt()
+        xs.append(t.clamp(-1e4, 1e4).to(dtype))
+    return xs
+
+
+def assert_same_on_every_rank(y: torch.Tensor, world: int) -> None:
+    everyone = [torch.empty_like(y) for _ in range(world)]
+    dist.all_gather(everyone, y)
+    assert all(torch.equal(e, y) for e in everyone)
+
+
+def _fused_equals_bulk(rank: int, world: int) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in SIZES:
+            xs = world_inputs(n, world, dtype, seed=n)
+            exact = sum(x.double() for x in xs)
+            for codec in CODECS:
+                for mean in (False, True):
+                    y = quantized_all_reduce(xs[rank], codec, mean=mean, fused=True)
+                    bulk = quantized_all_reduce(xs[rank], codec, mean=mean, fused=False)
+                    assert y.dtype == dtype and y.shape == xs[rank].shape
+                    assert torch.equal(y, bulk), (dtype, n, codec, mean)
+                    assert_same_on_every_rank(y, world)
+                    if dtype == torch.float32:
+                        err = (y.double() - exact / (world if mean else 1)).abs()
+                        assert (err <= two_shot_error_bound(xs, codec, mean).double()).all(), (n, codec, mean)
+    fused_for_group(None, xs[0].device).errors.check(block=True)
+
+
+def test_fused_equals_bulk_twin_every_codec():
+    run_world(2, _fused_equals_bulk, backend="nccl")
+
+
+def _many_calls(rank: int, world: int) -> None:
+    codecs = list(CODECS)
+    sizes = [1000, 300_000, 33, 2_500_001]
+    for step in range(1000):
+        n, codec = sizes[step % len(sizes)], codecs[step % len(codecs)]
+        x = world_inputs(n, world, torch.bfloat16, seed=step)[rank]
+        y = quantized_all_reduce(x, codec, mean=step % 2 == 0, fused=True)
+        if step % 10 == 0 or step >= 990:  # the bulk twin on a tenth of the calls keeps the run short
+            assert torch.equal(y, quantized_all_reduce(x, codec, mean=step % 2 == 0, fused=False)), step
+    fused_for_group(None, x.device).errors.check(block=True)
+    assert_same_on_every_rank(y, world)
+
+
+def test_one_thousand_consecutive_calls_on_the_same_flags():
+    run_world(2, _many_calls, backend="nccl")
+
+
+def _missing_peer(rank: int, world: int) -> None:
+    device = torch.device("cuda", rank)
+    op = FusedQuantizedAllReduce(CudaSymmetricWorkspace(), co_resident_programs(device), spin_limit=20_000)
+    call = op.start(torch.randn(5000, device=device), "q8")  # allocation is collective: both ranks start
+    if rank == 0:  # rank 1 never launches
+        op.run(call)
+        op.finish(call)
+        with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1 waiting for rank 1, slice \d+ "):
+            op.errors.check(block=True)
+    dist.barrier()
+
+
+def test_missing_peer_times_out_naming_rank_and_slice():
+    run_world(2, _missing_peer, backend="nccl")
