@@ -62,7 +62,7 @@ def push_chunk(x_ptr, data_ptrs, ready_ptrs, ack_ptr, error_ptr, dest, chunk, ra
     flag (rank, chunk) in dest. Stores are skipped (and the error recorded) if dest never released the half."""
     released = consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
     dst = tl.load(data_ptrs + dest).to(tl.pointer_type(x_ptr.dtype.element_ty)) + half_offset
-    dst += rank.to(tl.int64) * rows * cols
+    dst += tl.cast(rank, tl.int64) * rows * cols  # tl.cast: an argument equal to 1 arrives as a constexpr
     first = chunk * chunk_rows
     end = tl.minimum(first + chunk_rows, rows)
     r = first
@@ -81,7 +81,7 @@ def push_chunk(x_ptr, data_ptrs, ready_ptrs, ack_ptr, error_ptr, dest, chunk, ra
     tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])  # one compiled variant for every epoch
 def _push_kernel(x_ptr, data_ptrs, ready_ptrs, ack_ptr, error_ptr, rank, epoch, rows, cols, chunk_rows, chunks,
                  half_offset, num_items, num_programs, spin_limit,
                  WORLD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -93,13 +93,13 @@ def _push_kernel(x_ptr, data_ptrs, ready_ptrs, ack_ptr, error_ptr, rank, epoch, 
         i += num_programs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])  # one compiled variant for every epoch
 def _guard_kernel(ack_ptr, epoch, spin_limit, error_ptr):
     """Program d: wait until rank d has released the half of its buffer that `epoch` writes."""
     consumer_released(ack_ptr, tl.program_id(0), epoch, spin_limit, error_ptr)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])  # one compiled variant for every epoch
 def _wait_chunk_kernel(ready_ptrs, source, chunk, chunks, epoch, spin_limit, error_ptr):
     """Wait for flag (source, chunk) in the source's own flags (the pull reads the source's buffer)."""
     wait_chunk(tl.load(ready_ptrs + source).to(tl.pointer_type(tl.int32)), source, chunk, chunks, epoch,

@@ -67,7 +67,7 @@ class GemmConfig:
     spin_limit: int = 20_000_000
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])  # one compiled variant for every epoch
 def _all_gather_matmul_kernel(
     x_ptr, w_ptr, out_ptr, gathered_ptr, data_ptr, data_ptrs, ready_ptr, ready_ptrs, ack_ptr, ack_ptrs,
     counter_ptr, error_ptr, rows, K, N, stride_wk, stride_wn, rank, epoch, chunk_rows, chunks, half_offset,
@@ -128,7 +128,7 @@ def _all_gather_matmul_kernel(
             t += num_programs
         # The last program done acknowledges the epoch to every rank: all reads of the buffer half are over.
         done = tl.atomic_add(counter_ptr, 1, sem="acq_rel") + 1
-        if done == epoch.to(tl.int64) * num_programs:
+        if done == tl.cast(epoch, tl.int64) * num_programs:
             signal_ready(ack_ptrs, rank, epoch, WORLD)
 
 
