@@ -73,7 +73,7 @@ class World:
         for v in vals:
             offsets.append(offsets[-1] + v.numel())
         return OwnedBags(features=self.features_of_rank[rank], values=torch.cat(vals) if vals else torch.zeros(0, dtype=torch.long),
-                         lengths=lengths[idx].reshape(len(idx), -1),
+                         lengths=lengths[idx].reshape(len(idx), lengths.shape[1]),
                          weights=None if weights is None else (torch.cat([weights[i] for i in idx]) if idx else torch.zeros(0)),
                          feature_value_offsets=offsets, batch_sizes=list(batch_sizes))
 
@@ -157,3 +157,25 @@ def test_wait_times_out_with_rank_and_slice_instead_of_hanging():
     epoch = world.exchanges[0].start(bags[0])  # rank 1 never produces
     with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1 waiting for rank 1, slice \d"):
         world.exchanges[0].finish(bags[0], epoch)
+
+
+@pytest.mark.parametrize("world_size,batch_sizes", [(4, [3, 0, 5, 2]), (8, [2, 1, 0, 3, 1, 2, 0, 1])])
+def test_larger_worlds_forward_and_backward(world_size, batch_sizes):
+    """Worlds of 4 and 8 ranks (the remote-first rotation over more peers; ranks with no samples, ranks owning
+    no table): outputs against the reference, tables against the one-rank bulk lookup."""
+    tables = make_tables([4, 8, 3, 6, 5, 2], [10, 20, 7, 9, 30, 4])
+    world = World(tables, world_size, num_programs=2)
+    reference = World(tables, 1)
+    gen = torch.Generator().manual_seed(world_size)
+    for _ in range(2):
+        lengths, values, weights = random_bags(tables, batch_sizes, True, gen)
+        bags = [world.owned_bags(r, lengths, values, weights, batch_sizes) for r in range(world_size)]
+        outs = world.forward(bags)
+        for g, e in zip(outs, expected_outputs(world, lengths, values, weights, batch_sizes)):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+        grads = [torch.randn(o.shape, generator=gen) for o in outs]
+        world.backward(bags, grads)
+        ref_bags = reference.owned_bags(0, lengths, values, weights, [sum(batch_sizes)])
+        reference.lookups[0].apply_gradient(ref_bags, torch.cat(grads))
+    for name in world.weights:
+        torch.testing.assert_close(world.weights[name], reference.weights[name], rtol=1e-5, atol=1e-6)

@@ -103,12 +103,14 @@ def test_missing_data_file_is_a_clear_error(tmp_path):
         train(cfg, CPU, tmp_path)
 
 
-def test_torchrun_two_processes(tmp_path):
-    """The README's distributed command (gloo here, NCCL where there are GPUs): both ranks train, one run directory, a checkpoint per step."""
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_torchrun_processes(tmp_path, nproc):
+    """The README's distributed command (gloo here, NCCL where there are GPUs): every rank trains, one run
+    directory, a checkpoint per step."""
     run_torchrun([*SMALL, "trainer.max_steps=20", "trainer.eval_every=10", "trainer.checkpoint_every=20",
-                  f"hydra.run.dir={tmp_path}/run"])
+                  f"hydra.run.dir={tmp_path}/run"], nproc=nproc)
     run = tmp_path / "run"
-    assert (run / "train_rank0.log").exists() and (run / "train_rank1.log").exists()
+    assert all((run / f"train_rank{r}.log").exists() for r in range(nproc))
     assert (run / "checkpoints" / "step_20").is_dir()
     evals = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "auc" in l]
     assert [e["step"] for e in evals] == [10, 20]
