@@ -110,19 +110,22 @@ def test_received_rows_and_h_match_the_bulk_dispatch(name, world, local, tokens,
         assert counts[1].sum() == 0
 
 
-def test_gemm_tiles_cover_each_expert_and_take_this_ranks_rows_first():
+@pytest.mark.parametrize("remote_first", [False, True])
+def test_gemm_tiles_cover_each_expert_in_the_order_the_rows_move(remote_first):
     w = World(4, 2)
     xs, token_of_rows, counts, layouts = w.routed_batch([30, 25, 0, 40], 2, None, torch.Generator().manual_seed(4))
     for rank, lay in enumerate(layouts):
-        expert, begin, end = w.dispatch[rank]._tile_walk(lay, 4)
+        expert, begin, end, order = w.dispatch[rank]._row_tiles(lay, 4, remote_first)
         ends = lay.recv_offsets[::4][1:].tolist()  # every local expert's end row
         covered = torch.cat([torch.arange(b, min(b + 4, e)) for b, e in zip(begin.tolist(), end.tolist())])
-        assert torch.equal(covered.sort().values, torch.arange(lay.recv_source_rank.numel()))
+        assert torch.equal(covered, torch.arange(lay.recv_source_rank.numel()))  # tile ids: expert by expert
         assert end.tolist() == [ends[e] for e in expert.tolist()]
-        # How late each tile's rows arrive: 0 for this rank's own, then rank - 1 (which pushes here first), ...
-        lateness = [int(((rank - lay.recv_source_rank[b:min(b + 4, e)]) % 4).max()) for b, e
-                    in zip(begin.tolist(), end.tolist())]
-        assert lateness == sorted(lateness) and (rank == 2 or lateness[-1] > 0 and 0 in lateness), lateness
+        assert sorted(order.tolist()) == list(range(order.numel()))
+        # Forward: rows arrive from this rank at once, then rank - 1 (which pushes here first), ...
+        # backward: rows leave for rank + 1 first, this rank's own last.
+        rotated = (lay.recv_source_rank - rank - 1) % 4 if remote_first else (rank - lay.recv_source_rank) % 4
+        key = [int(rotated[begin[i]:end[i]][:4].max()) for i in order.tolist()]
+        assert key == sorted(key) and len(set(key)) > 1, key
 
 
 def test_consecutive_epochs_on_the_same_flags_with_changing_routing():

@@ -107,9 +107,19 @@ def _poll(flags, mask, epoch, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(t, tiles_ptr, num_row_tiles, col_blocks, BLOCK_M: tl.constexpr):
+    """Walk step t -> (row tile id, its local expert, first row, rows, row mask, column block)."""
+    mt = tl.load(tiles_ptr + 3 * num_row_tiles + t // col_blocks)
+    expert = tl.load(tiles_ptr + mt)
+    begin = tl.load(tiles_ptr + num_row_tiles + mt)
+    rows = begin + tl.arange(0, BLOCK_M)
+    return mt, expert, begin, rows, rows < tl.load(tiles_ptr + 2 * num_row_tiles + mt), t % col_blocks
+
+
+@triton.jit
 def _gated_gemm_kernel(
     rows_ptr, w1_ptr, w3_ptr, h_ptr,  # received rows (this epoch's half), [L, D, FFN] weights, [rows, FFN] output
-    tile_expert_ptr, tile_begin_ptr, tile_end_ptr,  # per row tile, in walk order: expert, its rows [begin, end)
+    tiles_ptr, num_row_tiles,  # the row tiles (FusedDispatch._row_tiles)
     source_ptr, ready_ptr, error_ptr,  # recv_source_rank, my flag buffer, my error word
     epoch, flag_stride, num_tiles, num_programs, spin_limit,
     D: tl.constexpr, FFN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -121,12 +131,8 @@ def _gated_gemm_kernel(
     ks = tl.arange(0, BLOCK_K)
     t = pid
     while t < num_tiles:
-        mt = t // n_tiles
-        ns = (t % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        expert = tl.load(tile_expert_ptr + mt).to(tl.int64)
-        begin = tl.load(tile_begin_ptr + mt)
-        rows = begin + lanes
-        row_mask = rows < tl.load(tile_end_ptr + mt)
+        _, expert, begin, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M)
+        ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
 
         # Wait for the chunks this tile reads: flag (source of the row, row // CHUNK) of each row; spin on one
         # missing flag at a time, then look again at all of them.
@@ -280,11 +286,11 @@ class FusedDispatch:
         received = rows.local[base:base + recv_rows * d].view(recv_rows, d)
         h = torch.empty(recv_rows, ffn, dtype=w1.dtype, device=w1.device)
         cfg = self.config
-        tile_expert, tile_begin, tile_end = self._tile_walk(layout, cfg.block_m)
-        num_tiles = tile_expert.numel() * triton.cdiv(ffn, cfg.block_n)
+        tiles = self._row_tiles(layout, cfg.block_m, remote_first=False)
+        num_tiles = tiles.shape[1] * triton.cdiv(ffn, cfg.block_n)
         programs = self._gemm_programs(num_tiles)
         _gated_gemm_kernel[(programs,)](
-            rows.local[base:], w1.contiguous(), w3.contiguous(), h, tile_expert, tile_begin, tile_end,
+            rows.local[base:], w1.contiguous(), w3.contiguous(), h, tiles, tiles.shape[1],
             layout.recv_source_rank, ready.local, self.errors.word,
             epoch, self.capacity // self.chunk, num_tiles, programs, self.spin_limit,
             D=d, FFN=ffn, CHUNK=self.chunk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -297,9 +303,11 @@ class FusedDispatch:
         self.errors.after_wait(epoch)
         return received, h
 
-    def _tile_walk(self, layout: ExpertLayout, block_m: int):
-        """Row tiles (expert, begin, end) in walk order: rows of this rank only first, then by the rotated rank
-        of the latest source among the tile's rows (rank - 1's rows arrive first). No host sync."""
+    def _row_tiles(self, layout: ExpertLayout, block_m: int, remote_first: bool) -> torch.Tensor:
+        """int64 [4, row tiles]: local expert, first row, end row (expert by expert: the tile id), then the walk
+        order. Forward (the rows arrive): tiles of this rank's rows only first, then by the rotated rank of the
+        latest source among the tile's rows (rank - 1 pushes here first). Backward (the rows leave): by the
+        rotated rank of the tile's sources, rank + 1 first, tiles holding this rank's rows last. No host sync."""
         device = layout.recv_source_rank.device
         sizes = torch.tensor(layout.tokens_per_local_expert, dtype=torch.int64)
         per_expert = (sizes + block_m - 1) // block_m
@@ -307,16 +315,16 @@ class FusedDispatch:
         first_tile = torch.cumsum(per_expert, 0) - per_expert
         first_row = torch.cumsum(sizes, 0) - sizes
         begin = first_row[expert] + (torch.arange(expert.numel()) - first_tile[expert]) * block_m
-        walk = torch.stack([expert, begin, first_row[expert] + sizes[expert]])
+        tiles = torch.stack([expert, begin, first_row[expert] + sizes[expert]])
         if device.type == "cuda":  # a pageable copy would wait for the GPU
-            walk = walk.pin_memory()
-        expert, begin, end = walk.to(device, non_blocking=True).unbind(0)
-        rows = begin[:, None] + torch.arange(block_m, device=device)[None, :]
-        inside = rows < end[:, None]
-        source = layout.recv_source_rank[torch.where(inside, rows, begin[:, None])]
-        lateness = torch.where(inside, (self.rank - source) % self.world, 0).amax(dim=1)
-        order = torch.sort(lateness, stable=True).indices
-        return expert[order].contiguous(), begin[order].contiguous(), end[order].contiguous()
+            tiles = tiles.pin_memory()
+        tiles = tiles.to(device, non_blocking=True)
+        rows = tiles[1, :, None] + torch.arange(block_m, device=device)[None, :]
+        inside = rows < tiles[2, :, None]
+        source = layout.recv_source_rank[torch.where(inside, rows, tiles[1, :, None])]
+        rotated = (source - self.rank - 1) % self.world if remote_first else (self.rank - source) % self.world
+        order = torch.sort(torch.where(inside, rotated, 0).amax(dim=1), stable=True).indices
+        return torch.cat([tiles, order[None, :]])
 
     def _gemm_programs(self, num_tiles: int) -> int:
         """Persistent GEMM programs. On GPUs the tiles wait for flags that push kernels raise (this GPU's on the
