@@ -1,5 +1,7 @@
 """Train a model: `python train.py model=dlrm` (or model=moe_transformer), or under
-`torchrun --nproc_per_node=N train.py ...`."""
+`torchrun --nproc_per_node=N train.py ...`. With report=true the per-layer bulk-vs-fused report (fused_dlrm.report)
+is written into the run directory after training: the trained model's memory is released by then, and the
+report's timings cannot disturb the training's own step times."""
 
 import importlib
 import logging
@@ -9,6 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from fused_dlrm.dist import destroy_distributed, init_distributed
+from fused_dlrm.report import write_report
 from fused_dlrm.train.rundir import agree_on_run_dir, register_resolvers
 
 register_resolvers()
@@ -28,7 +31,10 @@ def main(cfg: DictConfig) -> None:
             if type(handler) is logging.StreamHandler:
                 handler.setLevel(logging.WARNING)
     try:
-        train(cfg, env, agree_on_run_dir(HydraConfig.get().runtime.output_dir))
+        run_dir = agree_on_run_dir(HydraConfig.get().runtime.output_dir)
+        train(cfg, env, run_dir)
+        if cfg.report:
+            write_report(cfg, env, run_dir)
     finally:
         destroy_distributed()
 

@@ -1,30 +1,48 @@
-"""Timing and bandwidth probes shared by the benchmarks: CUDA events, median of many, slowest rank."""
+"""Timing and bandwidth probes shared by the benchmarks and the reports: median of many, slowest rank.
+
+On GPUs a run is timed with CUDA events; on the CPU with the host's perf_counter. Without a process group (one
+process) the ranks' line-up and the max over ranks are skipped.
+"""
 
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 
-def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> float:
-    """Median over `iters` runs of fn, ranks lined up before each run; the slowest rank's median."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        torch.cuda.synchronize()
+def _run_ms(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    median = torch.tensor(statistics.median(times), device="cuda")
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+        return start.elapsed_time(end)
+    start_s = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start_s) * 1e3
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50, device: torch.device | None = None) -> float:
+    """Median over `iters` runs of fn (after `warmup` runs), ranks lined up before each run; the slowest rank's
+    median. device: where fn works (CUDA events there, host timer on the CPU); None: the current GPU."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    grouped = dist.is_initialized()
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if grouped:
+            dist.barrier()
+        times.append(_run_ms(fn, device))
+    median = torch.tensor(statistics.median(times), dtype=torch.float64, device=device)
+    if grouped:
+        dist.all_reduce(median, op=dist.ReduceOp.MAX)
     return float(median)
 
 

@@ -47,6 +47,21 @@ def evaluate(model, dataset, num_batches: int, env: DistEnv) -> dict[str, float]
     return metrics.compute()
 
 
+def train_step(model, optimizer, batch, world_size: int) -> torch.Tensor:
+    """One step on a batch already on the device: forward (sparse all-to-alls inside), loss, backward (embedding
+    optimizer fused into it, dense gradients averaged by DDP), dense optimizer step. Returns the detached loss."""
+    logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
+    # Sum over the local batch / global batch, times world size: DDP's average over ranks (and the sparse
+    # all-to-all's division by world size, as in torchrec) then give the gradient of the global-batch mean,
+    # uneven local batches weighted correctly.
+    global_batch = all_reduce_sum(torch.tensor(float(logits.numel()), device=logits.device))
+    loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") * world_size / global_batch
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
 def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     t = cfg.trainer
     if t.max_steps is None and t.epochs is None:
@@ -107,16 +122,8 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     batches = batch_stream(train_data, step, cfg.data.get("steps_per_epoch"))
     epoch, batch = next_batch()
     while not done(epoch):
-        logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
-        # Sum over the local batch / global batch, times world size: DDP's average over ranks (and the sparse
-        # all-to-all's division by world size, as in torchrec) then give the gradient of the global-batch mean,
-        # uneven local batches weighted correctly.
-        global_batch = all_reduce_sum(torch.tensor(float(logits.numel()), device=env.device))
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") * env.world_size / global_batch
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        loss_sum += torch.stack([loss.detach(), (~torch.isfinite(loss.detach())).float()])
+        loss = train_step(model, optimizer, batch, env.world_size)
+        loss_sum += torch.stack([loss, (~torch.isfinite(loss)).float()])
         step += 1
         epoch, batch = next_batch()  # its input dist overlaps this step's tail on the GPU
         interval_steps += 1

@@ -1,0 +1,49 @@
+"""Per-layer speedup report: every communicating layer of the configured model, with its real shapes, timed in the
+bulk and the fused mode -> report.md / report.json / report.png in the run directory.
+
+`python train.py ... report=true` writes it after training; `python -m fused_dlrm.report <overrides>` without.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from fused_dlrm.dist import DistEnv
+from fused_dlrm.report.measure import measure
+from fused_dlrm.report.render import environment, markdown, write_json, write_png
+
+log = logging.getLogger(__name__)
+
+MODES_TEXT = ("bulk = comm=bulk with a plain all-reduce of the replicated gradients; fused = comm=fused with the "
+              "configured comm.grad_allreduce.")
+
+
+def _layers(cfg: DictConfig, env: DistEnv, run_dir: Path):
+    """The model's communicating layers (imported per model: the MoE builder needs the moe package)."""
+    if cfg.model.name == "dlrm":
+        from fused_dlrm.report.dlrm import dlrm_layers
+        return dlrm_layers(cfg, env, run_dir)
+    if cfg.model.name == "moe_transformer":
+        from fused_dlrm.report.moe import moe_layers
+        return moe_layers(cfg, env, run_dir)
+    raise ValueError(f"no report for model.name {cfg.model.name!r}: expected dlrm or moe_transformer")
+
+
+def write_report(cfg: DictConfig, env: DistEnv, run_dir: Path) -> dict:
+    """Measure on every rank (a collective); rank 0 writes the three files. Returns the report (every rank)."""
+    report = {"model": cfg.model.name, "modes": MODES_TEXT, "environment": environment(env),
+              **measure(_layers(cfg, env, Path(run_dir)), env)}
+    if env.is_main:
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json(report, run_dir / "report.json")
+        table = markdown(report)
+        (run_dir / "report.md").write_text(table)
+        no_picture = write_png(report, run_dir / "report.png")
+        if no_picture:
+            log.warning("report.png not written: %s", no_picture)
+        log.info("report written to %s\n%s", run_dir, table)
+    return report

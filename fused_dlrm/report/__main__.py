@@ -1,0 +1,41 @@
+"""python -m fused_dlrm.report <hydra overrides>: the per-layer report without training.
+
+Composes the run's config from the repository's conf/ with the same overrides train.py takes (model=..., comm=...,
+data.global_batch_size=..., hydra.run.dir=...), in one process or under torchrun, and writes report.md,
+report.json and report.png into the run directory (default: outputs/<launch time>, as train.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from fused_dlrm.dist import destroy_distributed, init_distributed
+from fused_dlrm.report import write_report
+from fused_dlrm.train.rundir import agree_on_run_dir, register_resolvers
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def main(overrides: list[str]) -> None:
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        full = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    run_dir = full.hydra.run.dir
+    cfg = OmegaConf.masked_copy(full, [k for k in full if k != "hydra"])
+    logging.basicConfig(level=logging.INFO, force=True, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    env = init_distributed(cfg.trainer.device, cfg.comm.backend)
+    if not env.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+    try:
+        write_report(cfg, env, agree_on_run_dir(run_dir))
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,104 @@
+"""The communicating layers of the DLRM a config trains, with its real shapes, in both modes.
+
+bulk: comm.mode=bulk with a plain all-reduce of the dense gradients; fused: comm.mode=fused (the configured fused
+settings, or conf/comm/fused.yaml's defaults when the run is bulk) with the configured comm.grad_allreduce. Both
+models are built from the same config and seed and fed the same first training batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from fused_dlrm.dist import DistEnv
+from fused_dlrm.report.layers import (STEP, CommLayer, Mode, forward_backward, fused_or_reason,
+                                      grad_allreduce_layer, no_fused_path, no_grad)
+from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
+from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
+from fused_dlrm.train.loop import train_step
+
+
+def with_comm(cfg: DictConfig, mode: str) -> DictConfig:
+    """cfg with its comm group switched to `mode` (bulk or fused), as described in the module docstring."""
+    c = OmegaConf.to_container(cfg, resolve=True)
+    if mode == "bulk":
+        c["comm"] = {**c["comm"], "mode": "bulk", "grad_allreduce": "nccl"}
+    else:
+        c["comm"] = {**asdict(FusedCommConfig()), **c["comm"], "mode": "fused"}
+    return OmegaConf.create(c)
+
+
+class _Run:
+    """One model of the report (bulk or fused), its dense optimizer and the first training batch on the device."""
+
+    def __init__(self, cfg: DictConfig, env: DistEnv):
+        self.env = env
+        self.model = build_model(cfg, env)
+        self.sparse = self.model.sparse_arch.embedding_bag_collection
+        self.optimizer = instantiate(cfg.trainer.dense_optimizer, params=dense_parameters(self.model))
+        _, batch = next(batch_stream(build_dataset(cfg, "train", env), 0, cfg.data.get("steps_per_epoch")))
+        self.batch = to_device(batch, env.device)
+        self.bags = self.sparse.input_dist(self.batch.sparse_features)
+
+    def lookup_modes(self, grad: torch.Tensor) -> Mode:
+        if self.sparse.fused is not None:
+            exchange = lambda: self.sparse.fused(self.bags)
+        else:
+            exchange = lambda: self.sparse.output_dist(self.sparse.lookup(self.bags), self.bags.batch_sizes)
+        return {"fwd": no_grad(exchange), "fwd_bwd": forward_backward(exchange, grad)}
+
+    def step_modes(self) -> Mode:
+        b = self.batch
+        return {"fwd": no_grad(lambda: self.model(b.dense_features, b.sparse_features)),
+                "fwd_bwd": lambda: train_step(self.model, self.optimizer, b, self.env.world_size)}
+
+
+def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
+    reason = no_fused_path(env)
+    bulk = _Run(with_comm(cfg, "bulk"), env)
+    fused = None if reason else _Run(with_comm(cfg, "fused"), env)
+    sparse, kjt, bags = bulk.sparse, bulk.batch.sparse_features, bulk.bags
+    rank, world = env.rank, env.world_size
+    local_batch, global_batch = bags.batch_sizes[rank], bags.global_batch
+    m = cfg.model
+
+    # input dist: the indices (and lengths) of the features other ranks own leave this rank
+    keys = list(kjt.keys())
+    per_key = kjt.lengths().view(len(keys), -1).sum(dim=1).tolist()
+    mine = set(bags.features)
+    index_bytes = kjt.values().element_size() + (kjt.weights().element_size() if kjt.weights_or_none() is not None
+                                                 else 0)
+    sent = sum(n * index_bytes + local_batch * 8 for k, n in zip(keys, per_key) if k not in mine)
+    input_dist = CommLayer(
+        "sparse input dist (KJT all-to-all)",
+        f"{local_batch} samples x {len(keys)} features, {kjt.values().numel():,} indices on this rank",
+        {"fwd": sent}, {"fwd": lambda: sparse.input_dist(kjt)},
+        "no fused input dist yet: both modes run this bulk all-to-all (sizes known on the host)")
+
+    # lookup + output dist: the owner's pooled rows for other ranks' samples go out; their gradients come back
+    my_dim = sparse.lookup.output_dim
+    total_dim = sum(t.embedding_dim * len(t.feature_names) for t in sparse.embedding_bag_configs())
+    grad = torch.randn(local_batch, total_dim, device=env.device)
+    forward_bytes = (global_batch - local_batch) * my_dim * 4
+    backward_bytes = local_batch * (total_dim - my_dim) * 4
+    rows = f"{m.num_rows:,}" if isinstance(m.num_rows, int) else f"{min(m.num_rows):,}..{max(m.num_rows):,}"
+    lookup = CommLayer(
+        "embedding lookup + output dist (pooled all-to-all)",
+        f"{len(keys)} tables ({len(bags.features)} here) x {rows} rows x D={m.embedding_dim} {m.data_type}, "
+        f"pooled [{global_batch} x {my_dim}] here -> [{local_batch} x {total_dim}] per rank",
+        {"fwd": forward_bytes, "fwd_bwd": forward_bytes + backward_bytes},
+        bulk.lookup_modes(grad), fused_or_reason(reason, lambda: fused.lookup_modes(grad)))
+
+    num_dense = sum(p.numel() for p in dense_parameters(bulk.model))
+    allreduce = grad_allreduce_layer(num_dense, cfg.comm.grad_allreduce, env, reason)
+
+    step = CommLayer(
+        STEP, f"global batch {global_batch} over {world} rank(s)",
+        {"fwd": sent + forward_bytes,
+         "fwd_bwd": sent + forward_bytes + backward_bytes + allreduce.bytes_sent["fwd_bwd"]},
+        bulk.step_modes(), fused_or_reason(reason, lambda: fused.step_modes()))
+    return [input_dist, lookup, allreduce, step]

@@ -1,0 +1,86 @@
+"""What a report times: the communicating layers of a model, each runnable in the bulk and the fused mode.
+
+A `CommLayer` is one communicating layer with the real shapes of the model being trained: its name, a
+description of its shapes, the bytes this rank sends, and per mode (bulk, fused) the callables of its passes
+(forward, forward+backward) or a sentence saying why the mode does not exist here. The model-specific builders
+(report/dlrm.py, report/moe.py) make them from the composed config; report/measure.py times them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from fused_dlrm.dist import DistEnv
+from fused_dlrm.tp import quantized_all_reduce
+
+PASSES = ("fwd", "fwd_bwd")  # forward only (no autograd), forward + backward
+Mode = dict[str, Callable[[], object]]  # pass name -> one run of it; a pass the layer lacks is absent
+STEP = "training step (whole model)"  # the name of the row that times a whole training step
+
+
+@dataclass
+class CommLayer:
+    name: str
+    shapes: str
+    bytes_sent: dict[str, int]  # pass -> bytes this rank sends to other ranks in one run of that pass
+    bulk: Mode | str  # str: why there is no such mode here
+    fused: Mode | str
+    count: int = 1  # how many such layers the model has (the MoE layers share their shapes)
+    notes: list[str] = field(default_factory=list)
+
+
+def no_fused_path(env: DistEnv) -> str | None:
+    """Why this machine has no fused path at all, or None: the fused kernels need CUDA GPUs and a process group
+    (symmetric memory over NVLink)."""
+    if env.device.type != "cuda":
+        return "no fused path on this machine (CPU)"
+    if env.world_size == 1:
+        return "no fused path in one process (run under torchrun on 2+ GPUs)"
+    return None
+
+
+def fused_or_reason(reason: str | None, build: Callable[[], Mode]) -> Mode | str:
+    return reason if reason else build()
+
+
+def forward_backward(forward: Callable[[], torch.Tensor], grad: torch.Tensor) -> Callable[[], None]:
+    """One forward + backward of `forward`'s output with a fixed upstream gradient."""
+    return lambda: forward().backward(grad)
+
+
+def no_grad(fn: Callable[[], object]) -> Callable[[], object]:
+    def run():
+        with torch.no_grad():
+            return fn()
+    return run
+
+
+def grad_allreduce_layer(num_params: int, codec: str, env: DistEnv, reason: str | None) -> CommLayer:
+    """The all-reduce of the replicated (data-parallel) gradients, as one flat fp32 buffer: plain NCCL / gloo
+    (bulk) against the configured comm.grad_allreduce codec (fused column, when one is configured).
+
+    Bytes: a ring all-reduce sends 2 (world - 1) / world of the buffer from every rank."""
+    world = env.world_size
+    flat = torch.randn(num_params, device=env.device)
+    shapes = f"{num_params:,} fp32 values (flat)"
+    sent = {"fwd_bwd": 2 * (world - 1) * num_params * 4 // world}
+    if world == 1:
+        one = "one process: nothing to all-reduce"
+        return CommLayer("gradient all-reduce", shapes, sent, one, one)
+
+    def plain():
+        out = flat.clone()
+        dist.all_reduce(out)
+        return out
+
+    if reason is None and codec in ("nccl", "none"):
+        reason = "comm.grad_allreduce=nccl: no codec configured (set fp16 | fp8 | q8 | q6 | q4 to compare one)"
+    fused = fused_or_reason(reason, lambda: {"fwd_bwd": lambda: quantized_all_reduce(flat, codec, mean=True)})
+    layer = CommLayer("gradient all-reduce", shapes, sent, {"fwd_bwd": plain}, fused)
+    if not isinstance(fused, str):
+        layer.notes.append(f"fused column: the {codec} quantized two-shot all-reduce (fused_dlrm.tp)")
+    return layer

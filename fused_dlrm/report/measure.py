@@ -1,0 +1,75 @@
+"""Time every pass of every layer in both modes on every rank; the slowest rank's median is reported.
+
+Speed of light of a pass: the bytes the busiest rank sends, at the peer write bandwidth measured in this run
+(symmetric memory over NVLink, every rank writing at once); compute is not counted, so a layer that computes much
+reads far below 100%. On the CPU there is no such bandwidth: "n/a" (null).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from fused_dlrm.bench.timing import peer_bandwidth, time_ms
+from fused_dlrm.dist import DistEnv
+from fused_dlrm.report.layers import PASSES, CommLayer
+
+log = logging.getLogger(__name__)
+
+MODES = ("bulk", "fused")
+
+
+def repeats(env: DistEnv) -> tuple[int, int]:
+    """(warm-up runs, timed runs): fewer on the CPU, where host-timed runs are long and steady."""
+    return (10, 50) if env.device.type == "cuda" else (2, 10)
+
+
+def measure_bandwidth(env: DistEnv) -> float | None:
+    """Peer write bandwidth in bytes/s, or None where it cannot be measured (CPU, one process)."""
+    if env.device.type != "cuda" or env.world_size == 1:
+        return None
+    return peer_bandwidth()
+
+
+def max_over_ranks(values: list[int], device: torch.device) -> list[int]:
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def measure_layer(layer: CommLayer, env: DistEnv, bandwidth: float | None, warmup: int, iters: int) -> dict:
+    """The layer's entry of report.json: bytes, times (ms) per mode and pass, speedups, % of speed of light."""
+    sent = dict(zip(PASSES, max_over_ranks([layer.bytes_sent.get(p, -1) for p in PASSES], env.device)))
+    entry = {"name": layer.name, "shapes": layer.shapes, "count": layer.count, "notes": layer.notes,
+             "bytes_sent": {p: b for p, b in sent.items() if b >= 0}}
+    for mode in MODES:
+        passes = getattr(layer, mode)
+        if isinstance(passes, str):
+            entry[mode] = {"unavailable": passes}
+            continue
+        entry[mode] = {}
+        for p in PASSES:
+            if p in passes:
+                log.info("report: timing %s, %s, %s", layer.name, mode, p)
+                entry[mode][f"{p}_ms"] = time_ms(passes[p], warmup, iters, env.device)
+    bulk, fused = entry["bulk"], entry["fused"]
+    entry["speedup"] = {p: bulk[f"{p}_ms"] / fused[f"{p}_ms"] for p in PASSES
+                        if f"{p}_ms" in bulk and f"{p}_ms" in fused}
+    entry["pct_sol"] = {mode: {p: (100 * entry["bytes_sent"][p] / bandwidth * 1e3 / entry[mode][f"{p}_ms"])
+                               if bandwidth and p in entry["bytes_sent"] else None
+                               for p in PASSES if f"{p}_ms" in entry[mode]} for mode in MODES}
+    return entry
+
+
+def measure(layers: list[CommLayer], env: DistEnv) -> dict:
+    """Time the layers; every rank takes part in every timing (the passes are collectives)."""
+    warmup, iters = repeats(env)
+    bandwidth = measure_bandwidth(env)
+    entries = [measure_layer(layer, env, bandwidth, warmup, iters) for layer in layers]
+    return {"timing": {"method": "CUDA events" if env.device.type == "cuda" else "host perf_counter",
+                       "warmup": warmup, "iters": iters, "statistic": "median over iters, slowest rank"},
+            "peer_bandwidth_GBps": bandwidth / 1e9 if bandwidth else None,
+            "layers": entries}

@@ -1,0 +1,155 @@
+"""A measured report written out: report.md (a table), report.json (everything, with machine, commit and versions)
+and report.png (bulk against fused per layer, and the whole step)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+from pathlib import Path
+
+import torch
+import torchrec
+import triton
+
+from fused_dlrm.dist import DistEnv
+from fused_dlrm.report.layers import PASSES, STEP
+
+REPO = Path(__file__).resolve().parents[2]
+PASS_TITLES = {"fwd": "forward", "fwd_bwd": "forward+backward"}
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def environment(env: DistEnv) -> dict:
+    """Machine, commit and versions the numbers were taken with."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else platform.processor() or "cpu"
+    return {"machine": {"host": socket.gethostname(), "platform": platform.platform(), "device": device,
+                        "device_type": env.device.type, "cpu_count": os.cpu_count(), "world_size": env.world_size,
+                        "backend": env.backend},
+            "commit": _git("rev-parse", "HEAD"), "uncommitted_changes": bool(status) if status is not None else None,
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "triton": triton.__version__, "torchrec": torchrec.__version__}}
+
+
+def write_json(report: dict, path: Path) -> None:
+    path.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _cell(mode: dict, p: str) -> str:
+    if "unavailable" in mode:
+        return mode["unavailable"]
+    return f"{mode[f'{p}_ms']:.3f}" if f"{p}_ms" in mode else "-"
+
+
+def _pct(entry: dict, p: str) -> str:
+    values = [entry["pct_sol"][m].get(p) for m in ("bulk", "fused")]
+    if all(v is None for v in values):
+        return "n/a"
+    return " / ".join("-" if v is None else f"{v:.0f}%" for v in values)
+
+
+def markdown(report: dict) -> str:
+    env, t = report["environment"], report["timing"]
+    machine = env["machine"]
+    bandwidth = report["peer_bandwidth_GBps"]
+    lines = [
+        f"# Communication report: {report['model']}",
+        "",
+        f"{machine['device']} x{machine['world_size']} ({machine['backend'] or 'one process'}), host "
+        f"{machine['host']}; commit {env['commit'] or 'unknown'}"
+        f"{' (with uncommitted changes)' if env['uncommitted_changes'] else ''}; torch {env['versions']['torch']}, "
+        f"triton {env['versions']['triton']}, torchrec {env['versions']['torchrec']}.",
+        f"Times in ms: the slowest rank's median of {t['iters']} runs after {t['warmup']} warm-up runs "
+        f"({t['method']}). "
+        f"Bytes: sent by the busiest rank per run. Speed of light (SOL): those bytes at the peer write bandwidth "
+        + (f"measured in this run ({bandwidth:.0f} GB/s), compute not counted." if bandwidth else
+           "(n/a: not measurable on this machine)."),
+        f"Modes: {report['modes']}",
+        "",
+        "| layer | shapes | pass | bytes sent | bulk ms | fused ms | speedup | % SOL (bulk / fused) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for entry in report["layers"]:
+        name = entry["name"] + (f" (x{entry['count']} in the model)" if entry["count"] > 1 else "")
+        if all("unavailable" in entry[m] for m in ("bulk", "fused")):
+            lines.append(f"| {name} | {entry['shapes']} | - | - | {_cell(entry['bulk'], '')} | "
+                         f"{_cell(entry['fused'], '')} | - | n/a |")
+        for p in PASSES:
+            if not any(f"{p}_ms" in entry[m] for m in ("bulk", "fused")):
+                continue
+            speedup = entry["speedup"].get(p)
+            lines.append(f"| {name} | {entry['shapes']} | {PASS_TITLES[p]} | {_bytes(entry['bytes_sent'].get(p))} | "
+                         f"{_cell(entry['bulk'], p)} | {_cell(entry['fused'], p)} | "
+                         f"{f'{speedup:.2f}x' if speedup else '-'} | {_pct(entry, p)} |")
+    notes = [f"- {entry['name']}: {note}" for entry in report["layers"] for note in entry["notes"]]
+    if notes:
+        lines += ["", "Notes:", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_png(report: dict, path: Path) -> str | None:
+    """Bars of bulk and fused forward+backward time (forward where a layer has no backward) per layer, and the
+    whole step beside them. Returns why no picture was drawn, or None."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        return "matplotlib is not installed (python scripts/setup_env.py installs it)"
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    def bars(ax, entries, title):
+        labels, width = [], 0.38
+        for i, entry in enumerate(entries):
+            p = "fwd_bwd" if any("fwd_bwd_ms" in entry[m] for m in ("bulk", "fused")) else "fwd"
+            labels.append(f"{entry['name'].split(' (')[0]}\n({PASS_TITLES[p]})")
+            for offset, mode, color in ((-width / 2, "bulk", "tab:gray"), (width / 2, "fused", "tab:blue")):
+                ms = entry[mode].get(f"{p}_ms")
+                if ms is None:
+                    ax.text(i + offset, 0, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)
+                else:
+                    ax.bar(i + offset, ms, width, color=color, label=mode if i == 0 else None)
+        ax.set_xticks(range(len(entries)), labels, fontsize=7)
+        ax.set_ylabel("ms (median, slowest rank)")
+        ax.set_title(title, fontsize=9)
+
+    layers = [e for e in report["layers"] if e["name"] != STEP]
+    steps = [e for e in report["layers"] if e["name"] == STEP]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [max(len(layers), 1), 1]})
+    bars(left, layers, "communicating layers")
+    bars(right, steps, "whole training step")
+    fig.legend(*_legend(left, right), loc="upper right")
+    fig.suptitle(f"{report['model']}: bulk vs fused, {report['environment']['machine']['device']} "
+                 f"x{report['environment']['machine']['world_size']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def _legend(*axes):
+    handles, labels = {}, []
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            if label not in handles:
+                handles[label] = h
+                labels.append(label)
+    return [handles[label] for label in labels], labels

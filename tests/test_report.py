@@ -1,0 +1,165 @@
+"""The per-layer report (fused_dlrm.report): standalone and after training, one process and 2 gloo ranks under
+torchrun; the files, the layers with their bytes and times, and the fused column saying why it is missing here."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from fused_dlrm.dist import DistEnv
+from fused_dlrm.report.__main__ import main as report_main
+from fused_dlrm.report.layers import STEP, CommLayer
+from fused_dlrm.report.measure import measure_layer
+from fused_dlrm.report.render import environment, markdown, write_json, write_png
+from fused_dlrm.train.loop import train as train_dlrm
+from fused_dlrm.train.rundir import register_resolvers
+from moe.train import build_model as build_moe
+from moe.train import train as train_moe
+from moe.transformer import expert_parameters
+from world import run_torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+DLRM = ["trainer.device=cpu", "model.num_rows=[300,2000,700,5000,64,1000]", "data.num_sparse=6",
+        "data.global_batch_size=50", "model.embedding_dim=8", "model.dense_arch=[16,8]"]
+MOE = ["trainer.device=cpu", "model=moe_transformer", "data.size_bytes=100000", "data.global_batch_size=6",
+       "data.seq_len=16", "model.d_model=32", "model.ffn=48", "model.num_heads=2"]
+CPU_REASON = "no fused path on this machine (CPU)"
+LOOKUP = "embedding lookup + output dist (pooled all-to-all)"
+
+
+def read(run: Path) -> tuple[dict, str]:
+    assert (run / "report.png").stat().st_size > 1000
+    return json.loads((run / "report.json").read_text()), (run / "report.md").read_text()
+
+
+def check_report(report: dict, table: str, names: list[str], world: int) -> dict[str, dict]:
+    """Every layer in the JSON and in the md table, bulk timed, fused saying why it is missing; returns them."""
+    layers = {e["name"]: e for e in report["layers"]}
+    assert list(layers) == names
+    env = report["environment"]
+    assert env["machine"]["world_size"] == world and env["versions"]["torch"] == torch.__version__
+    assert len(env["commit"]) == 40 and report["timing"]["method"] == "host perf_counter"
+    assert report["peer_bandwidth_GBps"] is None
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| layer")]
+    for name, entry in layers.items():
+        assert any(row.startswith(f"| {name}") for row in rows), name
+        if "unavailable" not in entry["bulk"]:
+            assert entry["bulk"] and all(ms > 0 for ms in entry["bulk"].values()), name
+        assert entry["fused"]["unavailable"], name
+        assert entry["speedup"] == {}
+    assert layers[STEP]["bulk"]["fwd_bwd_ms"] > 0
+    assert sum(CPU_REASON in row for row in rows) >= 3
+    assert "n/a: not measurable" in table
+    return layers
+
+
+def test_dlrm_standalone_one_process(tmp_path):
+    report_main([*DLRM, f"hydra.run.dir={tmp_path}"])
+    report, table = read(tmp_path)
+    layers = check_report(report, table, ["sparse input dist (KJT all-to-all)", LOOKUP, "gradient all-reduce", STEP],
+                          world=1)
+    assert layers[LOOKUP]["fused"]["unavailable"] == CPU_REASON
+    assert layers[LOOKUP]["bytes_sent"] == {"fwd": 0, "fwd_bwd": 0}  # one process sends nothing
+    assert layers["gradient all-reduce"]["bulk"]["unavailable"] == "one process: nothing to all-reduce"
+    assert "50 samples x 6 features" in layers["sparse input dist (KJT all-to-all)"]["shapes"]
+
+
+def test_moe_standalone_one_process(tmp_path):
+    report_main([*MOE, f"hydra.run.dir={tmp_path}"])
+    report, table = read(tmp_path)
+    layers = check_report(report, table, ["MoE layer (route, dispatch all-to-all, experts, combine all-to-all)",
+                                          "gradient all-reduce", STEP], world=1)
+    moe = layers["MoE layer (route, dispatch all-to-all, experts, combine all-to-all)"]
+    assert moe["count"] == 2 and moe["fused"]["unavailable"] == CPU_REASON
+    assert moe["shapes"].startswith("96 tokens x d=32 float32, 4 experts (4 here) top-2, ffn 48")
+    assert moe["bulk"]["fwd_ms"] > 0 and moe["bulk"]["fwd_bwd_ms"] > 0
+
+
+def test_dlrm_after_training_two_gloo_ranks(tmp_path):
+    """train.py report=true under torchrun: trains 2 steps, then the report of both ranks, written once."""
+    run_torchrun([*DLRM, "report=true", "trainer.max_steps=2", "trainer.progress=false", "data.eval_batches=1",
+                  "trainer.checkpoint_every=0", "comm.grad_allreduce=q8", f"hydra.run.dir={tmp_path}"])
+    report, table = read(tmp_path)
+    layers = check_report(report, table, ["sparse input dist (KJT all-to-all)", LOOKUP, "gradient all-reduce", STEP],
+                          world=2)
+    assert report["environment"]["machine"]["backend"] == "gloo"
+    # The greedy plan (rows x dim) gives the 5000-row table one rank and the 5 others the other rank. Forward: the
+    # busiest sender pools 5 tables x 8 dims for the other rank's 25 samples; backward: the gradient of those 40
+    # columns returns from the other rank (25 x 40) while this one returns 25 x 8: 4000 + 800 bytes either way.
+    assert layers[LOOKUP]["bytes_sent"] == {"fwd": 25 * 40 * 4, "fwd_bwd": 25 * 40 * 4 + 25 * 8 * 4}
+    assert layers["sparse input dist (KJT all-to-all)"]["bytes_sent"]["fwd"] > 25 * 3 * 8
+    dense = int(layers["gradient all-reduce"]["shapes"].split()[0].replace(",", ""))
+    assert layers["gradient all-reduce"]["bytes_sent"] == {"fwd_bwd": dense * 4}  # ring: 2 (W-1)/W of the buffer
+    for name in (LOOKUP, "gradient all-reduce", STEP):
+        assert layers[name]["fused"]["unavailable"] == CPU_REASON
+        assert layers[name]["bulk"]["fwd_bwd_ms"] > 0
+    assert (tmp_path / "metrics.jsonl").exists()  # it trained first
+
+
+def test_measure_and_render_with_both_modes(tmp_path):
+    """Where a fused mode exists: both timed, speedup and % of speed of light from the measured times."""
+    layer = CommLayer("fake exchange", "[4 x 4]", {"fwd": 2_000_000},
+                      {"fwd": lambda: time.sleep(0.008)}, {"fwd": lambda: time.sleep(0.002)})
+    entry = measure_layer(layer, CPU, bandwidth=1e9, warmup=1, iters=5)
+    bulk, fused = entry["bulk"]["fwd_ms"], entry["fused"]["fwd_ms"]
+    assert 8 <= bulk < 40 and 2 <= fused < 10
+    assert entry["speedup"]["fwd"] == pytest.approx(bulk / fused) and entry["speedup"]["fwd"] > 1.5
+    assert entry["pct_sol"]["fused"]["fwd"] == pytest.approx(100 * 2.0 / fused)  # 2 MB at 1 GB/s: 2 ms
+    step = CommLayer(STEP, "batch 4", {"fwd": 0}, {"fwd": lambda: None}, "no fused step here")
+    report = {"model": "fake", "modes": "bulk vs fused", "environment": environment(CPU),
+              "timing": {"method": "host perf_counter", "warmup": 1, "iters": 5},
+              "peer_bandwidth_GBps": 1.0, "layers": [entry, measure_layer(step, CPU, None, 0, 2)]}
+    table = markdown(report)
+    row = next(line for line in table.splitlines() if line.startswith("| fake exchange"))
+    assert f"{bulk:.3f} | {fused:.3f} | {bulk / fused:.2f}x" in row and "2.00 MB" in row
+    assert "measured in this run (1 GB/s)" in table and "no fused step here" in table
+    write_json(report, tmp_path / "report.json")
+    assert json.loads((tmp_path / "report.json").read_text())["layers"][0]["fused"]["fwd_ms"] == fused
+    assert write_png(report, tmp_path / "report.png") is None and (tmp_path / "report.png").stat().st_size > 1000
+
+
+def config(*overrides: str):
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_paper_scale_configs_compose_and_fit_two_h200s():
+    dlrm = config("model=dlrm_paper")
+    assert (dlrm.data.num_sparse, dlrm.model.num_rows, dlrm.model.embedding_dim) == (128, 100_000, 256)
+    assert dlrm.data.train.mean_pooling == 10 and 2048 <= dlrm.data.global_batch_size <= 4096
+    assert dlrm.model.dense_arch[-1] == dlrm.model.embedding_dim and dlrm.model.name == "dlrm"
+    tables_per_gpu = dlrm.data.num_sparse * dlrm.model.num_rows * dlrm.model.embedding_dim * 4 / 2
+    assert tables_per_gpu < 7e9  # + row-wise Adagrad state (one value per row) and per-step buffers: see the yaml
+
+    moe = config("model=moe_transformer_finegrained")
+    m = moe.model
+    assert (m.d_model, m.num_experts, m.top_k, m.ffn, m.name) == (2048, 64, 6, 1408, "moe_transformer")
+    with torch.device("meta"):  # the real module structure, no memory
+        model = build_moe(moe, DistEnv(0, 1, 0, torch.device("meta"), None))
+    experts = sum(p.numel() for p in expert_parameters(model))
+    replicated = sum(p.numel() for p in model.parameters()) - experts
+    per_gpu = (experts / 2 + replicated) * 16  # fp32 weights, gradients and AdamW's two moments
+    assert 30e9 < per_gpu < 45e9, per_gpu  # the yaml's estimate (activations ~32 GB more) within 141 GB
+
+
+def test_shrunken_paper_configs_train_two_steps(tmp_path):
+    dlrm = config("model=dlrm_paper", "data.num_sparse=12", "model.num_rows=500", "model.embedding_dim=16",
+                  "model.dense_arch=[32,16]", "model.over_arch=[64,32,1]", "data.global_batch_size=32",
+                  "trainer.max_steps=2", "trainer.log_every=1", "trainer.progress=false", "data.eval_batches=1",
+                  "trainer.checkpoint_every=0")
+    result = train_dlrm(dlrm, CPU, tmp_path / "dlrm")
+    assert result.step == 2 and all(math.isfinite(loss) for _, loss in result.losses)
+    moe = config("model=moe_transformer_finegrained", "model.d_model=32", "model.ffn=24", "model.num_experts=8",
+                 "model.num_layers=2", "model.num_heads=2", "data.seq_len=16", "data.global_batch_size=4",
+                 "data.size_bytes=100000", "trainer.max_steps=2", "trainer.log_every=1", "trainer.progress=false",
+                 "data.eval_batches=1", "trainer.checkpoint_every=0")
+    result = train_moe(moe, CPU, tmp_path / "moe")
+    assert result.step == 2 and all(math.isfinite(loss) for _, loss in result.losses)
