@@ -1,0 +1,171 @@
+"""Benchmark of the expert-parallel MoE layer, bulk against fused, bf16 (not a test).
+
+`torchrun --nproc_per_node=2 --standalone -m moe.bench [--quick] [--out FILE]`
+
+Per config, on every rank: tokens/GPU random bf16 tokens, the layer's own router (skewed configs add a logit
+bias that sends about half of the tokens to expert 0). Phases, each timed alone on prepared inputs:
+  bulk:  dispatch = NCCL all-to-all of the permuted rows + regroup; experts = SwiGLU (torch._grouped_mm, both
+         GEMMs); combine = NCCL all-to-all back + weighted unpermute
+  fused: dispatch = the same bulk all-to-all (until the fused dispatch lands); experts = the first GEMM only;
+         combine = FusedCombine: the second GEMM storing into the sources' buffers + the flag-waiting unpermute
+Totals time the whole layer (routing, permutation and counts exchange included), forward and forward+backward
+(the fused backward is the bulk twin). Ideal overlap: communication (bulk dispatch + combine; twice that for
+forward+backward) hidden entirely under everything else: ideal = max(bulk total - comm, comm); the table gives
+ideal / fused total in %. The fused output is checked against bulk first (relative error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from fused_dlrm.bench.timing import time_ms
+from moe.expert_layout import build_expert_layout, gather_counts
+from moe.layer import MoELayer, _BulkRows, _gate
+from moe.permute import permute, unpermute
+
+
+@dataclass(frozen=True)
+class Config:
+    tokens: int  # per GPU
+    d_model: int
+    ffn: int
+    experts: int
+    top_k: int
+    skewed: bool = False
+
+    @property
+    def name(self) -> str:
+        skew = ", skewed" if self.skewed else ""
+        return f"T={self.tokens} d={self.d_model} ffn={self.ffn} E={self.experts} k={self.top_k}{skew}"
+
+
+CONFIGS = [Config(8192, 2048, 1408, 64, 6), Config(8192, 4096, 14336, 8, 2), Config(16384, 1024, 512, 64, 8),
+           Config(8192, 2048, 1408, 64, 6, skewed=True)]
+QUICK = [Config(2048, 512, 256, 8, 2), Config(2048, 512, 256, 8, 2, skewed=True)]
+
+
+def skew_bias(layer: MoELayer, x: torch.Tensor, fraction: float = 0.5) -> torch.Tensor:
+    """A logit bias on expert 0 such that about `fraction` of the tokens (all ranks' alike) choose it."""
+    low, high = 0.0, 64.0
+    bias = torch.zeros(layer.num_experts, device=x.device)
+    for _ in range(30):
+        bias[0] = (low + high) / 2
+        chosen = (layer.router(x, bias).expert_ids == 0).any(dim=-1).float().mean()
+        dist.all_reduce(chosen)
+        if chosen.item() / dist.get_world_size() < fraction:
+            low = bias[0].item()
+        else:
+            high = bias[0].item()
+    return bias
+
+
+def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[str, Callable[[], object]]:
+    """The three phases of one forward, each a function of prepared inputs."""
+    rank, world, local = layer.rank, layer.world, layer.num_local_experts
+    routing = layer.router(x, bias)
+    rows, perm = permute(x, routing.expert_ids, layer.num_experts, routing.kept)
+    counts = gather_counts(perm.tokens_per_expert)
+    exchange = _BulkRows(counts[rank].view(world, -1), counts[:, rank * local:(rank + 1) * local], None)
+    received = exchange.to_owners(rows)
+    sizes = exchange.tokens_per_local_expert
+    e = layer.experts
+    if layer.comm == "bulk":
+        expert_out = e(received, sizes)
+        return {"dispatch": lambda: exchange.to_owners(rows), "experts": lambda: e(received, sizes),
+                "combine": lambda: unpermute(exchange.to_sources(expert_out), perm, routing.weights)}
+    layout = build_expert_layout(counts, rank, local)
+    h = _gate(received, e.w1, e.w3, sizes)
+    combine = layer.combine
+    return {"dispatch": lambda: exchange.to_owners(rows), "experts": lambda: _gate(received, e.w1, e.w3, sizes),
+            "combine": lambda: combine.finish(combine.start(h, e.w2, layout), layout, perm, routing.weights)}
+
+
+def run_config(cfg: Config, iters: int) -> dict:
+    rank = dist.get_rank()
+    kw = dict(seed=1, dtype=torch.bfloat16, device="cuda")
+    bulk = MoELayer(cfg.d_model, cfg.ffn, cfg.experts, cfg.top_k, **kw)
+    fused = MoELayer(cfg.d_model, cfg.ffn, cfg.experts, cfg.top_k, comm="fused", **kw)
+    gen = torch.Generator(device="cuda").manual_seed(100 + rank)
+    x = torch.randn(cfg.tokens, cfg.d_model, device="cuda", dtype=torch.bfloat16, generator=gen)
+    grad = torch.randn(cfg.tokens, cfg.d_model, device="cuda", dtype=torch.bfloat16, generator=gen)
+    with torch.no_grad():
+        bias = skew_bias(bulk, x) if cfg.skewed else None
+        want, aux = bulk(x, bias)
+        got, _ = fused(x, bias)
+        error = torch.tensor(((got.float() - want.float()).abs().max() / want.float().abs().max()).item(),
+                             device="cuda")
+        dist.all_reduce(error, op=dist.ReduceOp.MAX)
+        busiest = aux["tokens_per_local_expert"].sum().float()
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+    result = {"config": asdict(cfg), "name": cfg.name, "max_relative_error": error.item(),
+              "busiest_rank_rows": int(busiest.item())}
+    x_grad = x.clone().requires_grad_()
+    for name, layer in (("bulk", bulk), ("fused", fused)):
+        with torch.no_grad():
+            row = {phase: time_ms(fn, warmup=3, iters=iters) for phase, fn in phases(layer, x, bias).items()}
+            row["forward"] = time_ms(lambda: layer(x, bias), warmup=3, iters=iters)
+
+        def forward_backward(layer=layer):
+            layer.zero_grad(set_to_none=True)
+            y, _ = layer(x_grad, bias)
+            y.backward(grad)
+
+        row["forward+backward"] = time_ms(forward_backward, warmup=3, iters=iters)
+        result[name] = row
+    comm = result["bulk"]["dispatch"] + result["bulk"]["combine"]
+    for what, moved in (("forward", comm), ("forward+backward", 2 * comm)):
+        ideal = max(result["bulk"][what] - moved, moved)
+        result[f"ideal_{what}"] = ideal
+        result[f"fused_%_of_ideal_{what}"] = 100 * ideal / result["fused"][what]
+        result[f"speedup_{what}"] = result["bulk"][what] / result["fused"][what]
+    return result
+
+
+def table(results: list[dict]) -> str:
+    head = (f"{'config':<44} {'path':<6} {'dispatch':>8} {'experts':>8} {'combine':>8} {'fwd':>8} {'fwd+bwd':>8}"
+            f" {'%ideal f':>8} {'%ideal fb':>9} {'speedup f/fb':>12} {'rel err':>8}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        for path in ("bulk", "fused"):
+            t = r[path]
+            extra = ""
+            if path == "fused":
+                extra = (f" {r['fused_%_of_ideal_forward']:>7.0f}% {r['fused_%_of_ideal_forward+backward']:>8.0f}%"
+                         f" {r['speedup_forward']:>5.2f}/{r['speedup_forward+backward']:<5.2f}"
+                         f" {r['max_relative_error']:>9.1e}")
+            lines.append(f"{r['name'] if path == 'bulk' else '':<44} {path:<6} {t['dispatch']:>8.3f}"
+                         f" {t['experts']:>8.3f} {t['combine']:>8.3f} {t['forward']:>8.3f}"
+                         f" {t['forward+backward']:>8.3f}{extra}")
+    lines.append("ms, median of the slowest rank. bulk experts = both GEMMs; fused experts = GEMM 1 only (GEMM 2 "
+                 "is inside the fused combine).")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m moe.bench")
+    parser.add_argument("--quick", action="store_true", help="small configs only")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", help="write every number as JSON here")
+    args = parser.parse_args(argv)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    results = [run_config(cfg, args.iters) for cfg in (QUICK if args.quick else CONFIGS)]
+    if dist.get_rank() == 0:
+        print(f"{dist.get_world_size()} x {torch.cuda.get_device_name()}, bf16")
+        print(table(results))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"gpus": dist.get_world_size(), "device": torch.cuda.get_device_name(),
+                           "results": results}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""MoELayer(comm="fused") against comm="bulk" on 2 GPUs (NCCL, torch SymmetricMemory), bf16.
+
+Both layers are built from the same seed, so they hold the same router and expert weights; they see the same
+tokens and output gradient. Outputs, input gradients, router and expert-weight gradients must agree within
+TOL relative to the largest element (bf16: both paths round products and sums to bf16 in different places;
+the fused combine sums in fp32). Then 1,000 consecutive fused steps with changing loads (checked against bulk
+every 100), and a peer that never starts an exchange (a bounded wait that raises).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
+from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+from moe.expert_layout import build_expert_layout, gather_counts
+from moe.kernels.fused_combine import FusedCombine
+from moe.layer import FusedMoEConfig, MoELayer
+from moe.permute import permute
+from world import run_world
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+D_MODEL, FFN, EXPERTS, TOP_K, SEED = 256, 192, 8, 2, 11
+TOL = 3e-2
+NEVER = -30.0
+
+
+def layers(capacity_factor=None):
+    kw = dict(capacity_factor=capacity_factor, seed=SEED, dtype=torch.bfloat16, device="cuda")
+    fused = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, comm="fused", fused=FusedMoEConfig(wait_timeout_spins=1 << 26),
+                     **kw)
+    return fused, MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, **kw)
+
+
+def run(layer, x, bias, grad):
+    layer.zero_grad()
+    x = x.clone().requires_grad_()
+    y, aux = layer(x, bias)
+    (y.float() * grad).sum().backward()
+    return y.detach(), x.grad, aux
+
+
+def close(got, want, what):
+    if want.numel() == 0:
+        assert got.numel() == 0, what
+        return
+    err = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    assert err <= TOL * max(scale, 1e-6), f"{what}: max error {err}, largest element {scale}"
+
+
+def compare(fused, bulk, tokens, bias, gen, what):
+    x = torch.randn(tokens, D_MODEL, generator=gen).to("cuda", torch.bfloat16)
+    grad = torch.randn(tokens, D_MODEL, generator=gen).cuda()
+    bias = None if bias is None else torch.tensor(bias, device="cuda")
+    y, gx, aux = run(fused, x, bias, grad)
+    want_y, want_gx, want_aux = run(bulk, x, bias, grad)
+    close(y, want_y, f"{what}: output")
+    close(gx, want_gx, f"{what}: input gradient")
+    for (name, p), q in zip(fused.named_parameters(), bulk.parameters()):
+        close(p.grad, q.grad, f"{what}: {name} gradient")
+    assert torch.equal(aux["tokens_per_local_expert"], want_aux["tokens_per_local_expert"]), what
+    return aux
+
+
+def scenarios(rank, world):
+    gen = torch.Generator().manual_seed(rank)
+    fused, bulk = layers()
+    aux = compare(fused, bulk, 512, None, gen, "balanced")
+    aux = compare(fused, bulk, 512, [0, 8.0] + [0] * (EXPERTS - 2), gen, "skewed")
+    counts = aux["tokens_per_expert"].clone()
+    dist.all_reduce(counts)
+    assert counts[1] >= 0.4 * counts.sum(), counts  # about half of all assignments to expert 1
+    compare(fused, bulk, 0 if rank == 1 else 384, None, gen, "rank 1 without tokens")
+    aux = compare(fused, bulk, 300, [0] * (EXPERTS // 2) + [NEVER] * (EXPERTS // 2), gen, "rank 1 receives nothing")
+    assert rank == 0 or aux["tokens_per_local_expert"].sum() == 0
+    fused, bulk = layers(capacity_factor=1.0)
+    aux = compare(fused, bulk, 256, [0, 3.0] + [0] * (EXPERTS - 2), gen, "capacity, skewed")
+    assert aux["dropped"] > 0
+
+
+def many_steps(rank, world):
+    gen = torch.Generator().manual_seed(100 + rank)
+    fused, bulk = layers()
+    for step in range(1000):
+        tokens = 64 + (step * 37 + rank * 101) % 448  # uneven, changing: buffers grow, flag slots move
+        bias = [0.0] * EXPERTS
+        bias[step % EXPERTS] = 4.0 * (step % 3)
+        if step % 100 == 99:
+            compare(fused, bulk, tokens, bias, gen, f"step {step}")
+        else:
+            x = torch.randn(tokens, D_MODEL, generator=gen).to("cuda", torch.bfloat16)
+            run(fused, x, torch.tensor(bias, device="cuda"), torch.randn(tokens, D_MODEL, generator=gen).cuda())
+    fused.combine.errors.check(block=True)
+
+
+def peer_never_starts(rank, world):
+    """Epoch 1 runs on both ranks; at epoch 2 rank 1 never starts: rank 0's wait gives up and names rank 1."""
+    workspace = CudaSymmetricWorkspace()
+    combine = FusedCombine(workspace, D_MODEL, 2, num_programs=8, spin_limit=20_000)
+    gen = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, 2 * world, (64, TOP_K), generator=gen).cuda()
+    weights = torch.rand(64, TOP_K, generator=gen).cuda()
+    _, perm = permute(torch.zeros(64, 0, device="cuda"), ids, 2 * world)
+    layout = build_expert_layout(gather_counts(perm.tokens_per_expert), rank, 2)
+    h = torch.randn(sum(layout.tokens_per_local_expert), FFN, generator=gen).to("cuda", torch.bfloat16)
+    w2 = torch.randn(2, FFN, D_MODEL, generator=gen).to("cuda", torch.bfloat16)
+    combine.finish(combine.start(h, w2, layout), layout, perm, weights)
+    combine.errors.check(block=True)
+    dist.barrier()
+    if rank == 0:
+        combine.finish(combine.start(h, w2, layout), layout, perm, weights)
+        with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 2 waiting for rank 1, slice \d+"):
+            combine.errors.check(block=True)
+    dist.barrier()
+
+
+def test_fused_matches_bulk_forward_and_backward():
+    run_world(2, scenarios, backend="nccl")
+
+
+def test_thousand_consecutive_steps():
+    run_world(2, many_steps, backend="nccl")
+
+
+def test_peer_that_never_starts_raises():
+    run_world(2, peer_never_starts, backend="nccl")
