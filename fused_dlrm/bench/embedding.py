@@ -140,19 +140,22 @@ def sweep_lookup(cfg: Config, rank: int, world: int) -> list[dict]:
     gathered = bags.values.numel() * cfg.dim * 4
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
-    for block_len in (8, 16, 32):
-        for budget in (2048, 4096, 8192):
-            for warps in (2, 4, 8):
-                for per_sm in (4, 8, 16, 32):
-                    lookup._kernel_features = FeatureTable(
-                        list(weights.values()), [i * cfg.dim for i in range(cfg.tables_per_gpu)],
-                        [False] * cfg.tables_per_gpu, device, block_rows=max(1, budget // (block_len * cfg.dim)),
-                        block_len=block_len, num_warps=warps)
-                    lookup.kernel_programs = per_sm * sms
-                    with torch.no_grad():
-                        ms = time_ms(lambda: lookup.pool(bags), warmup=3, iters=10)
-                    rows.append({"block_len": block_len, "budget": budget, "num_warps": warps, "per_sm": per_sm,
-                                 "ms": ms, "GBps": gathered / (ms * 1e-3) / 1e9})
+    # Around the default (block_len 8, ~2k elements, 2 warps, 32 programs per SM): index prefetch and an
+    # evict-first hint on the gathered rows.
+    for block_len, budget, warps, per_sm in ((8, 2048, 2, 32), (8, 2048, 4, 16), (16, 4096, 4, 16),
+                                             (8, 4096, 4, 16), (4, 1024, 1, 32)):
+        for prefetch in (False, True):
+            for eviction in ("", "evict_first"):
+                lookup._kernel_features = FeatureTable(
+                    list(weights.values()), [i * cfg.dim for i in range(cfg.tables_per_gpu)],
+                    [False] * cfg.tables_per_gpu, device, block_rows=max(1, budget // (block_len * cfg.dim)),
+                    block_len=block_len, num_warps=warps, prefetch=prefetch, eviction=eviction)
+                lookup.kernel_programs = per_sm * sms
+                with torch.no_grad():
+                    ms = time_ms(lambda: lookup.pool(bags), warmup=3, iters=20)
+                rows.append({"block_len": block_len, "budget": budget, "num_warps": warps, "per_sm": per_sm,
+                             "prefetch": prefetch, "eviction": eviction, "ms": ms,
+                             "GBps": gathered / (ms * 1e-3) / 1e9})
     return rows
 
 
