@@ -7,6 +7,8 @@ unwritten elements show; results are compared with pure-torch references (torch.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -144,3 +146,42 @@ def test_all_gather_matmul_on_one_rank_is_a_matmul():
         out, gathered = all_gather_matmul(x, weight, ws, "device", return_gathered=True, config=SMALL)
         assert relative_error(out, all_gather_matmul_reference([x], weight)) < 2e-3
         torch.testing.assert_close(gathered, x, rtol=0, atol=0)
+
+
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fused_dlrm.kernels import allgather, allgather_gemm
+
+def build(fn, types, constants):
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if types.get(n, "").startswith("*")}
+    triton.compile(ASTSource(fn, signature, {(names.index(n),): v for n, v in constants.items()}, aligned),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+
+for dtype in ("fp16", "bf16"):
+    types = {n: "*" + dtype for n in ("x_ptr", "w_ptr", "out_ptr", "gathered_ptr", "data_ptr")}
+    types.update({n: "*i64" for n in ("data_ptrs", "ready_ptrs", "ack_ptrs", "counter_ptr")})
+    types.update({n: "*i32" for n in ("ready_ptr", "ack_ptr", "error_ptr")}, half_offset="i64")
+    for push in (True, False):  # rank 1 arrives as a constexpr
+        build(allgather_gemm._all_gather_matmul_kernel, types, dict(
+            rank=1, WORLD=2, PUSH=push, COMPUTE=True, STORE_GATHERED=push, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32,
+            K_TILES=4, GROUP_M=8, PUSH_R=16, PUSH_C=512, DOT_FP32=False))
+types = {"x_ptr": "*fp16", "data_ptrs": "*i64", "ready_ptrs": "*i64", "ack_ptr": "*i32", "error_ptr": "*i32",
+         "half_offset": "i64"}
+build(allgather._push_kernel, types, dict(rank=1, chunks=1, WORLD=4, BLOCK_R=16, BLOCK_C=512))
+build(allgather._guard_kernel, {"ack_ptr": "*i32", "error_ptr": "*i32"}, {})
+build(allgather._wait_chunk_kernel, {"ready_ptrs": "*i64", "error_ptr": "*i32"}, dict(source=1))
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """What only the GPU compiler enforces (types, constexpr arguments equal to 1, tl.dot shapes), checked without
+    a GPU: compile for sm_90 in a process without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
