@@ -143,7 +143,8 @@ class SymmetricAllGather:
         self.num_programs = num_programs or (
             torch.cuda.get_device_properties(workspace.device).multi_processor_count if cuda else 2)
         self.spin_limit, self.block_rows, self.block_cols = spin_limit, block_rows, block_cols
-        self._streams = {d: torch.cuda.Stream(workspace.device) for d in range(self.world)} if cuda else {}
+        self._streams = ({d: torch.cuda.Stream(workspace.device) for d in range(self.world) if d != self.rank}
+                         if cuda else {})  # one side stream per peer
         self._peer_data = self._peer_ready = None  # peer tensors, built on the first copy-engine call
 
     # -- layout ---------------------------------------------------------------------------------------------------

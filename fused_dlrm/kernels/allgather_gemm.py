@@ -78,7 +78,7 @@ def _all_gather_matmul_kernel(
 ):
     pid = tl.program_id(0)
     if PUSH:  # my share of (peer, chunk) pushes, nearest peer first; no local slot: tiles read x_shard in place
-        i = pid
+        i = num_programs - 1 - pid  # the last programs push: they get one tile fewer when tiles do not divide evenly
         while i < (WORLD - 1) * chunks:
             push_chunk(x_ptr, data_ptrs, ready_ptrs, ack_ptr, error_ptr, (rank + 1 + i // chunks) % WORLD,
                        i % chunks, rank, epoch, rows, K, chunk_rows, chunks, half_offset, spin_limit, PUSH_R, PUSH_C)
