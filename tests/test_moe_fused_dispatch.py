@@ -17,7 +17,7 @@ from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from moe.expert_layout import build_expert_layout
 from moe.kernels.fused_dispatch import FusedDispatch, dispatch_reference, gated_gemm_reference
-from moe.permute import permute
+from moe.permute import permute, unpermute
 from moe.routing import route
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
@@ -38,17 +38,22 @@ class World:
         self.dispatch = [FusedDispatch(ws, D_MODEL, FFN, local, num_programs, spin_limit, block_m)
                          for ws in SimulatedWorld(world).workspaces()]
 
-    def routed_batch(self, tokens: list[int], top_k: int, bias: list[float] | None, gen: torch.Generator):
-        """Each rank's tokens, permuted rows' tokens and the layouts, from routing random logits."""
+    def routed_batch(self, tokens: list[int], top_k: int, bias: list[float] | None, gen: torch.Generator,
+                     capacity_factor: float | None = None, perms: list | None = None):
+        """Each rank's tokens, permuted rows' tokens, all-gathered counts and layouts, from routing random logits
+        (the permutations go to `perms` when given)."""
         experts = self.world * self.local
         xs, token_of_rows, per_expert = [], [], []
         for n in tokens:
             x = torch.randn(n, D_MODEL, generator=gen)
             logits = torch.randn(n, experts, generator=gen) + (0 if bias is None else torch.tensor(bias))
-            _, perm = permute(x, route(logits, top_k).expert_ids, experts)
+            routing = route(logits, top_k, capacity_factor=capacity_factor)
+            _, perm = permute(x, routing.expert_ids, experts, routing.kept)
             xs.append(x)
             token_of_rows.append(perm.order // top_k)
             per_expert.append(perm.tokens_per_expert)
+            if perms is not None:
+                perms.append(perm)
         counts = torch.stack(per_expert)  # what gather_counts all-gathers
         layouts = [build_expert_layout(counts, r, self.local) for r in range(self.world)]
         return xs, token_of_rows, counts, layouts
@@ -127,6 +132,14 @@ def test_gemm_tiles_cover_each_expert_in_the_order_the_rows_move(remote_first):
         key = [int(rotated[begin[i]:end[i]][:4].max()) for i in order.tolist()]
         assert key == sorted(key) and len(set(key)) > 1, key
 
+    # Backward: every source finds the owner's tile of each of its rows from C alone.
+    for source, lay in enumerate(layouts):
+        tile_of_row = w.dispatch[source]._owner_tile_of_row(lay, 4, tiles_per_rank=100)
+        for row, (owner, at) in enumerate(zip(lay.send_dest_rank.tolist(), lay.send_dest_row.tolist())):
+            _, begin, end, _ = w.dispatch[owner]._row_tiles(layouts[owner], 4, remote_first)
+            tile = int(((begin <= at) & (at < torch.clamp(begin + 4, max=end))).nonzero())
+            assert tile_of_row[row] == owner * 100 + tile
+
 
 def test_consecutive_epochs_on_the_same_flags_with_changing_routing():
     w = World(4, 1, block_m=8, num_programs=2)
@@ -157,6 +170,48 @@ def test_fp16_rows():
         torch.testing.assert_close(h.double(), want_h, rtol=2e-2, atol=2e-2 * want_h.abs().max().item())
 
 
+BACKWARD = [
+    ("2 ranks, skewed, rank 1 without tokens", 2, 2, [15, 0], 2, [0, 6, 0, 0], None),
+    ("4 ranks, rank 3 receives nothing, capacity drops", 4, 1, [11, 6, 0, 13], 3, [0, 0, 0, NEVER], 1.0),
+]
+
+
+@pytest.mark.parametrize("name,world,local,tokens,top_k,bias,capacity", BACKWARD, ids=[b[0] for b in BACKWARD])
+def test_backward_matches_autograd_of_the_bulk_path(name, world, local, tokens, top_k, bias, capacity):
+    w = World(world, local, block_m=8)
+    gen = torch.Generator().manual_seed(len(name))
+    for _ in range(2):  # the gradient buffer and its flags reused
+        perms = []
+        xs, token_of_rows, counts, layouts = w.routed_batch(tokens, top_k, bias, gen, capacity, perms)
+        forward = w.step(xs, token_of_rows, layouts)
+        dhs = [torch.randn(h.shape, generator=gen) for _, h in forward]
+        for d in w.dispatch:  # poison: a gradient row nobody stores shows as NaN in dx
+            if d.ws.world.buffers:
+                d._grad_buffers(layouts[d.rank], torch.float32)[0].local.fill_(float("nan"))
+        started = [d.start_backward(dh, received, lay, w1, w3) for d, dh, (received, _), lay, w1, w3
+                   in zip(w.dispatch, dhs, forward, layouts, w.w1, w.w3)]
+        dxs = [d.finish_backward(e, lay, p) for d, (e, _, _), lay, p in zip(w.dispatch, started, layouts, perms)]
+
+        # The reference, in float64: autograd through the bulk dispatch and the gated GEMM to each source's
+        # permuted rows, whose gradients each token sums over its kept assignments (unpermute, unit weights).
+        rows = [x.double()[t].requires_grad_() for x, t in zip(xs, token_of_rows)]
+        w64 = [(a.double().requires_grad_(), b.double().requires_grad_()) for a, b in zip(w.w1, w.w3)]
+        identity = [torch.arange(r.shape[0]) for r in rows]
+        total = sum((gated_gemm_reference(dispatch_reference(rows, identity, counts, d, local),
+                                          layouts[d].tokens_per_local_expert, *w64[d]) * dhs[d].double()).sum()
+                    for d in range(world))
+        total.backward()
+        for r in range(world):
+            want_dx = unpermute(rows[r].grad, perms[r], torch.ones(tokens[r], top_k, dtype=torch.float64))
+            for got, want, what in ((dxs[r], want_dx, "dx"), (started[r][1], w64[r][0].grad, "dw1"),
+                                    (started[r][2], w64[r][1].grad, "dw3")):
+                scale = want.abs().max().item() if want.numel() else 0.0
+                torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * scale,
+                                           msg=lambda m: f"rank {r} {what}: {m}")
+    if capacity is not None:
+        assert sum(int((p.inverse == p.order.numel()).sum()) for p in perms) > 0  # some assignments dropped
+
+
 def test_gemm_times_out_naming_the_peer_and_chunk_when_a_source_never_pushes():
     w = World(2, 2, block_m=8)
     gen = torch.Generator().manual_seed(7)
@@ -165,6 +220,20 @@ def test_gemm_times_out_naming_the_peer_and_chunk_when_a_source_never_pushes():
     epoch = w.dispatch[0].start(xs[0], token_of_rows[0], layouts[0])  # rank 1 never pushes
     with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1 waiting for rank 1, slice \d"):
         w.dispatch[0].finish(epoch, layouts[0], w.w1[0], w.w3[0])
+
+
+def test_gemm_waits_for_the_one_chunk_whose_flag_is_down():
+    w = World(4, 2, block_m=8)
+    gen = torch.Generator().manual_seed(9)
+    xs, token_of_rows, counts, layouts = w.routed_batch([20, 15, 18, 12], 2, None, gen)
+    epochs = [d.start(x, t, lay) for d, x, t, lay in zip(w.dispatch, xs, token_of_rows, layouts)]
+    owner, row = 1, int(layouts[1].recv_source_rank.numel()) - 1  # the last row rank 1 receives
+    source = int(layouts[owner].recv_source_rank[row])
+    _, ready, _ = w.dispatch[owner]._started[epochs[owner]]
+    ready.local.view(4, -1)[source, row // 8] = 0  # as if that chunk had not arrived
+    with pytest.raises(PeerWaitTimeout, match=rf"rank 1 timed out at step 1 waiting for rank {source}, slice "
+                                              rf"{row // 8} "):
+        w.dispatch[owner].finish(epochs[owner], layouts[owner], w.w1[owner], w.w3[owner])
 
 
 def test_push_times_out_when_the_owner_never_finished_the_previous_epoch():

@@ -34,9 +34,12 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import _Workspace
-from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, wait_at_least
+from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, signal_ready, wait_at_least
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout
+from moe.experts import _grouped_mm_works
+from moe.kernels.fused_combine import _weighted_unpermute_kernel
+from moe.permute import Permutation
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 PUSH_TILE_ELEMENTS = 4096  # elements a push program moves per step ([block_m, BLOCK_D]); no spills at 4 warps
@@ -61,6 +64,26 @@ def gated_gemm_reference(received: torch.Tensor, tokens_per_local_expert: list[i
     """silu(x @ w1[e]) * (x @ w3[e]) for each local expert's contiguous rows (the SwiGLU experts' first half)."""
     outs = [F.silu(x @ w1[e]) * (x @ w3[e]) for e, x in enumerate(torch.split(received, tokens_per_local_expert))]
     return torch.cat(outs) if outs else received.new_zeros(0, w1.shape[2])
+
+
+def gated_gemm_grads(received: torch.Tensor, tokens_per_local_expert: list[int], w1: torch.Tensor,
+                     w3: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(da1, da3, dw1, dw3) for h = silu(a1) * a3, a1 = x @ w1[e], a3 = x @ w3[e], given dh (torch autograd;
+    a1 and a3 are recomputed: the forward kernel keeps only h). The backward kernel turns da1, da3 into dx."""
+    w1, w3 = w1.detach().requires_grad_(), w3.detach().requires_grad_()
+    with torch.enable_grad():
+        a1 = _grouped_matmul(received, tokens_per_local_expert, w1)
+        a3 = _grouped_matmul(received, tokens_per_local_expert, w3)
+        da1, da3 = torch.autograd.grad(F.silu(a1) * a3, (a1, a3), dh)
+        dw1, dw3 = torch.autograd.grad((a1, a3), (w1, w3), (da1, da3))
+    return da1.contiguous(), da3.contiguous(), dw1, dw3
+
+
+def _grouped_matmul(x: torch.Tensor, sizes: list[int], w: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] (expert e's rows contiguous) times w[e] [k, n]: torch._grouped_mm where it works, else a loop."""
+    if x.is_cuda and _grouped_mm_works(x.device, x.dtype, w.shape[1], w.shape[2]):
+        return torch._grouped_mm(x, w, offs=torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32))
+    return torch.cat([rows @ w[e] for e, rows in enumerate(torch.split(x, sizes))])
 
 
 # -- push ---------------------------------------------------------------------------------------------------------
@@ -172,8 +195,53 @@ def _gated_gemm_kernel(
 
 
 @triton.jit
+def _gated_gemm_backward_kernel(
+    da1_ptr, da3_ptr, w1_ptr, w3_ptr,  # [rows, FFN] gradients of x @ w1[e] and x @ w3[e], [L, D, FFN] weights
+    tiles_ptr, num_row_tiles,  # the row tiles (FusedDispatch._row_tiles, remote first)
+    source_ptr, source_row_ptr, grad_ptrs, ready_ptrs, ack_ptr, error_ptr,
+    rank, epoch, tiles_per_rank, num_tiles, num_programs, spin_limit,
+    D: tl.constexpr, FFN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WORLD: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dx tile = da1 @ w1[e]^T + da3 @ w3[e]^T, each row stored at its source row in its source's gradient
+    buffer; then flag (this rank, tile, column block) is raised in every rank (the tile's rows may have several
+    sources)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(D, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # The guard, once per program: every source has summed the previous epoch's rows (it acknowledged them).
+    released = consumer_released(ack_ptr, 0, epoch, spin_limit, error_ptr)
+    for s in tl.static_range(1, WORLD):
+        released = released & consumer_released(ack_ptr, s, epoch, spin_limit, error_ptr)
+    t = pid
+    while t < num_tiles:
+        mt, expert, _, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M)
+        ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = ns < D
+        g_rows = rows.to(tl.int64)[:, None] * FFN
+        w_rows = expert * D * FFN + ns[None, :] * FFN  # w[e]^T: column n of the tile is row n of w[e]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, FFN, BLOCK_K):
+            k_mask = k + ks < FFN
+            g_mask = row_mask[:, None] & k_mask[None, :]
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            w_at = w_rows + (k + ks)[:, None]
+            acc = tl.dot(tl.load(da1_ptr + g_rows + k + ks[None, :], mask=g_mask, other=0.0),
+                         tl.load(w1_ptr + w_at, mask=w_mask, other=0.0), acc, input_precision=PRECISION)
+            acc = tl.dot(tl.load(da3_ptr + g_rows + k + ks[None, :], mask=g_mask, other=0.0),
+                         tl.load(w3_ptr + w_at, mask=w_mask, other=0.0), acc, input_precision=PRECISION)
+        source = tl.load(source_ptr + rows, mask=row_mask, other=0)
+        out = tl.load(grad_ptrs + source, mask=row_mask, other=0).to(tl.pointer_type(da1_ptr.dtype.element_ty))
+        at = tl.load(source_row_ptr + rows, mask=row_mask, other=0)[:, None] * D + ns[None, :]
+        tl.store(out[:, None] + at, acc.to(da1_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & n_mask[None, :] & released)
+        signal_ready(ready_ptrs, (rank * tiles_per_rank + mt) * n_tiles + col, epoch, WORLD)
+        t += num_programs
+
+
+@triton.jit
 def _ack_sources_kernel(ack_ptrs, error_ptr, rank, epoch, WORLD: tl.constexpr):
-    """After the GEMM (stream order): this rank no longer reads the epoch's rows; tell every source."""
+    """After the kernel that read a peer-written buffer (stream order): tell every peer this rank is done."""
     if tl.load(error_ptr) == 0:
         for s in tl.static_range(WORLD):
             ack = tl.load(ack_ptrs + s).to(tl.pointer_type(tl.int32)) + rank
@@ -223,6 +291,7 @@ class FusedDispatch:
         self._sms = torch.cuda.get_device_properties(workspace.device).multi_processor_count if cuda else 0
         self._in_flight: tuple = ()  # tensors the push stream reads, kept alive until `finish`
         self._started: dict[int, tuple] = {}  # epoch -> its (rows, ready, ack) buffers, from start to finish
+        self._grad_dtype = torch.float32  # of the gradient rows, set by start_backward
 
     def _buffers(self, layout: ExpertLayout, dtype: torch.dtype):
         """(receive rows, ready flags, acks) for this layout; collective on GPUs when the capacity grows."""
@@ -302,6 +371,80 @@ class FusedDispatch:
             self._in_flight = ()
         self.errors.after_wait(epoch)
         return received, h
+
+    # -- backward: the rows' gradient goes back to its sources (a combine), summed over each token's k rows ----
+    def start_backward(self, dh: torch.Tensor, received: torch.Tensor, layout: ExpertLayout, w1: torch.Tensor,
+                       w3: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Owner side: dh = dL/dh [recv_rows, ffn] and the forward's `received` rows -> (epoch, dw1, dw3).
+        The kernel stores the rows' gradient da1 @ w1[e]^T + da3 @ w3[e]^T straight into each source's
+        gradient buffer at the row's permuted position, tiles for remote sources first. Every rank calls
+        `start_backward` before any rank calls `finish_backward`."""
+        self.errors.check()
+        epoch = self.ws.next_epoch("moe_dispatch_grad")
+        da1, da3, dw1, dw3 = gated_gemm_grads(received, layout.tokens_per_local_expert, w1, w3, dh)
+        grad, ready, ack, tiles_per_rank = self._grad_buffers(layout, received.dtype)
+        cfg = self.config
+        tiles = self._row_tiles(layout, cfg.block_m, remote_first=True)
+        num_tiles = tiles.shape[1] * triton.cdiv(self.d_model, cfg.block_n)
+        programs = self._gemm_programs(num_tiles)
+        _gated_gemm_backward_kernel[(programs,)](
+            da1, da3, w1.contiguous(), w3.contiguous(), tiles, tiles.shape[1], layout.recv_source_rank,
+            layout.recv_source_row, grad.peer_ptrs, ready.peer_ptrs, ack.local, self.errors.word,
+            self.rank, epoch, tiles_per_rank, num_tiles, programs, self.spin_limit,
+            D=self.d_model, FFN=self.ffn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            WORLD=self.world, PRECISION="ieee" if da1.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return epoch, dw1, dw3
+
+    def finish_backward(self, epoch: int, layout: ExpertLayout, perm: Permutation) -> torch.Tensor:
+        """Source side: dx [tokens, d_model] (the rows' dtype), per token the sum in fp32 of its kept rows'
+        gradients, each block of tokens summed as soon as the owners' flags of its rows are up (FusedCombine's
+        consumer kernel with unit weights); then the epoch is acknowledged to every owner."""
+        grad, ready, ack, tiles_per_rank = self._grad_buffers(layout, self._grad_dtype)
+        cfg = self.config
+        num_tokens = perm.inverse.numel() // perm.top_k
+        dx = torch.empty(num_tokens, self.d_model, dtype=self._grad_dtype, device=perm.inverse.device)
+        if num_tokens:
+            block_tokens = 16 if dx.is_cuda else 8
+            _weighted_unpermute_kernel[(triton.cdiv(num_tokens, block_tokens), triton.cdiv(self.d_model,
+                                                                                            cfg.block_n))](
+                grad.local, perm.inverse, torch.ones(num_tokens, perm.top_k, device=dx.device),
+                self._owner_tile_of_row(layout, cfg.block_m, tiles_per_rank), layout.send_dest_rank, ready.local,
+                self.errors.word, dx, dx, num_tokens, layout.send_dest_rank.numel(), epoch, self.spin_limit,
+                D_MODEL=self.d_model, TOP_K=perm.top_k, K_P2=triton.next_power_of_2(perm.top_k),
+                BLOCK_T=block_tokens, BLOCK_N=cfg.block_n, OUT_DTYPE=TL_DTYPES[dx.dtype], COPY_ROWS=False,
+                num_warps=4 if dx.is_cuda else 1)
+        _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self.rank, epoch, WORLD=self.world)
+        self.errors.after_wait(epoch)
+        return dx
+
+    def _grad_buffers(self, layout: ExpertLayout, dtype: torch.dtype):
+        """(gradient rows [max_send_rows, d] of each source, flags per (owner, row tile, column block), acks,
+        row tiles per owner): one buffer, guarded by the sources' acks (the sum reads it, dx is a new tensor)."""
+        self._grad_dtype = dtype
+        rows = self.ws.buffer("moe_dispatch_grad_rows", triton.next_power_of_2(layout.max_send_rows) * self.d_model,
+                              dtype)
+        # Row tiles of any owner: at most cdiv(rows, BLOCK_M) + one partial tile per local expert.
+        tiles_per_rank = triton.cdiv(self.capacity, self.config.block_m) + self.num_local_experts
+        ready = self.ws.buffer(f"moe_dispatch_grad_ready_{tiles_per_rank}",
+                               self.world * tiles_per_rank * triton.cdiv(self.d_model, self.config.block_n),
+                               torch.int32)
+        ack = self.ws.buffer("moe_dispatch_grad_ack", self.world, torch.int32)
+        return rows, ready, ack, tiles_per_rank
+
+    def _owner_tile_of_row(self, layout: ExpertLayout, block_m: int, tiles_per_rank: int) -> torch.Tensor:
+        """int64 [this rank's permuted rows]: owner * tiles_per_rank + the owner's row tile holding the row (tiles
+        are numbered expert by expert, as `_row_tiles` does on the owner; every rank knows C)."""
+        counts, L = layout.counts, self.num_local_experts
+        sizes = counts.sum(dim=0).view(self.world, L)  # [owner, local expert] rows
+        tiles = (sizes + block_m - 1) // block_m
+        tile_base = torch.cumsum(tiles, 1) - tiles
+        row_base = torch.cumsum(sizes, 1) - sizes
+        experts = torch.arange(counts.shape[1], device=counts.device)
+        expert = torch.repeat_interleave(experts, counts[self.rank], output_size=layout.send_dest_row.numel()) % L
+        owner = layout.send_dest_rank
+        return (owner * tiles_per_rank + tile_base[owner, expert]
+                + (layout.send_dest_row - row_base[owner, expert]) // block_m)
 
     def _row_tiles(self, layout: ExpertLayout, block_m: int, remote_first: bool) -> torch.Tensor:
         """int64 [4, row tiles]: local expert, first row, end row (expert by expert: the tile id), then the walk
