@@ -17,20 +17,24 @@ Every rank decodes the same bytes, so results are bit-identical on all ranks, an
 
 Why the buffers need no reset, no barrier and no second half across consecutive calls (each rank's calls are
 ordered on its stream, so its launch e + 1 starts after all its programs of launch e have exited):
-- recv: program p of rank s stores into r's recv[s] (tiles of p) at call e + 1 only after its launch e finished,
-  whose program p waited for done[r, p] >= e, raised by r's program p after it had read all its recv tiles of
-  call e. So the flags of phase 3 are the acknowledgement that guards phase 1's slots.
+- recv: rank s stores into any rank's recv at call e + 1 only after its launch e finished, in which each of its
+  programs p waited for done[r, p] >= e of every rank r, raised by r's program p after it had read its recv
+  tiles of call e. So every recv slot of call e has been read, whatever the tiling of call e + 1: the flags of
+  phase 3 are the acknowledgement that guards phase 1's slots.
 - gather: program p of rank r stores into s's gather[r] (tiles of p) at call e + 1 only after it waited for
   ready[s, p] >= e + 1, raised by s during launch e + 1, after s's launch e (the reader of gather at call e)
   finished. So the flags of phase 2 guard phase 3's slots.
+A second half by epoch parity would guard nothing more, so there is none (half the symmetric memory).
 Flags hold epochs (never reset, compared with >=); they are laid out [source][max_programs], so calls of any
 size use the same flags. Every wait is bounded: a timeout records (1, peer, slice) in the error word (slice
 p < max_programs: peer's scatter of tile set p; max_programs + p: peer's reduced tile set p) and later waits of
 the launch stop spinning; `PeerErrors` raises it naming rank, peer and slice.
 
-On GPUs every program may wait on programs of the same launch on every rank, so the grid must be co-resident:
-at most `PROGRAMS_PER_SM` programs per SM (small programs: 4 warps, 32-block tiles). In the interpreter (one
-program at a time) a simulated world runs each phase on every rank before the next (`run(call, phase, phase)`).
+On GPUs every program waits on the same-numbered program of every peer's launch, so the grid must be
+co-resident: `PROGRAMS_PER_SM` = 2 programs of 4 warps fit on an SM whatever their registers (2 x 128 threads
+x 255 registers <= 65,536) and shared memory (a few KiB), so the grid needs no per-variant occupancy (which
+could differ between ranks' compiled variants; the ranks' grids must agree). In the interpreter (one program at
+a time) a simulated world runs each phase on every rank before the next (`run(call, phase, phase)`).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, block_values, decode
                                              encode_reference, error_bound, kernel_constants, load_blocks, store_rows)
 
 ROWS = 32  # blocks per tile (1024 values); not tuned on GPUs
-PROGRAMS_PER_SM = 4  # co-resident programs per SM (4 warps each); not tuned on GPUs
+PROGRAMS_PER_SM = 2  # co-resident whatever the registers (see the module docstring); not tuned on GPUs
 NUM_WARPS = 4
 
 
@@ -206,7 +210,8 @@ class FusedQuantizedAllReduce:
     """The fused all-reduce of one workspace (one process group): its symmetric slots, flags and error word.
 
     Every rank must make the same calls in the same order with the same sizes (allocation is collective and the
-    flags carry a per-call epoch). `max_programs`: the grid cap (co-resident on GPUs; see the module docstring).
+    flags carry a per-call epoch). `max_programs`: the grid cap and the flags' stride (`co_resident_programs` on
+    GPUs).
     """
 
     def __init__(self, workspace: _Workspace, max_programs: int, spin_limit: int = 20_000_000):
@@ -254,4 +259,5 @@ class FusedQuantizedAllReduce:
 
 
 def co_resident_programs(device: torch.device) -> int:
+    """The grid cap on a GPU: PROGRAMS_PER_SM per SM (the same on every rank: the tile split must agree)."""
     return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
