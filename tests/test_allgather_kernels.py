@@ -15,9 +15,11 @@ import torch
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.allgather import PRODUCERS, SymmetricAllGather, all_gather_reference
-from fused_dlrm.kernels.allgather_gemm import GemmConfig, all_gather_matmul, all_gather_matmul_reference, op_for
+from fused_dlrm.kernels.allgather_gemm import (GemmConfig, all_gather_matmul, all_gather_matmul_bulk,
+                                               all_gather_matmul_reference, op_for)
 
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+from world import run_world
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
 
@@ -185,3 +187,16 @@ def test_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], cwd=root, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _bulk_twin(rank: int, world: int) -> None:
+    gen = torch.Generator().manual_seed(3)
+    shards = [torch.randn(5, 12, generator=gen) for _ in range(world)]
+    weight = torch.randn(12, 7, generator=gen)
+    out, gathered = all_gather_matmul_bulk(shards[rank], weight)
+    torch.testing.assert_close(gathered, all_gather_reference(shards), rtol=0, atol=0)
+    assert relative_error(out, all_gather_matmul_reference(shards, weight)) < 1e-6
+
+
+def test_bulk_twin_on_gloo():
+    run_world(2, _bulk_twin)  # 2 ranks only: each spawned rank costs seconds of imports on CI's 2 cores
