@@ -218,22 +218,23 @@ class SymmetricAllGather:
         # starved of SMs by a persistent consumer launched after it.
         _guard_kernel[(self.world,)](self.ack.local, epoch, self.spin_limit, self.errors.word)
         if include_local:
-            self._copy_chunks(shard, self.rank, data, ready, epoch)
+            self._copy_chunks(shard, data[self.rank], ready[self.rank], epoch)
         for dest in remote:
             with self._side(dest):
-                self._copy_chunks(shard, dest, data, ready, epoch)
+                self._copy_chunks(shard, data[dest], ready[dest], epoch)
 
-    def _copy_chunks(self, shard, dest, data, ready, epoch) -> None:
-        slot = self.gathered(epoch, data[dest])[self.rank * self.rows:(self.rank + 1) * self.rows]
+    def _copy_chunks(self, shard: torch.Tensor, data: torch.Tensor, ready: torch.Tensor, epoch: int) -> None:
+        """Chunk by chunk, the shard into slot `rank` of one rank's data buffer, each followed by its flag there."""
+        slot = self.gathered(epoch, data)[self.rank * self.rows:(self.rank + 1) * self.rows]
         for chunk in range(self.chunks):
             rows = self._chunk_rows(chunk)
             slot[rows].copy_(shard[rows], non_blocking=True)
-            _write_flag(ready[dest], self.rank * self.chunks + chunk, epoch)
+            _write_flag(ready, self.rank * self.chunks + chunk, epoch)
 
     def _publish_local(self, shard: torch.Tensor, epoch: int) -> None:
         """Pull: the shard into this rank's own slot (once every peer is done with that half), then its flags."""
         _guard_kernel[(self.world,)](self.ack.local, epoch, self.spin_limit, self.errors.word)
-        self._copy_chunks(shard, self.rank, [self.data.local] * self.world, [self.ready.local] * self.world, epoch)
+        self._copy_chunks(shard, self.data.local, self.ready.local, epoch)
 
     def _pull(self, epoch: int) -> None:
         data, _ = self._peers()
