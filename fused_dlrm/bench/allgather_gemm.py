@@ -36,7 +36,7 @@ def torch_fused_all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor):
         return None
     group = dist.group.WORLD.group_name
     symm_mem.enable_symm_mem_for_group(group)
-    a = symm_mem.empty(x_shard.shape, dtype=x_shard.dtype, device=x_shard.device)
+    a = symm_mem.empty(*x_shard.shape, dtype=x_shard.dtype, device=x_shard.device)
     symm_mem.rendezvous(a, group)
     a.copy_(x_shard)
     return lambda: op(a, [w], 0, group, return_A=False)

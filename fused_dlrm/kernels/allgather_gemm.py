@@ -185,8 +185,8 @@ class AllGatherMatmul:
             self.rank, epoch, g.chunk_rows, g.chunks, g.half_offset(epoch), self.num_programs, c.spin_limit,
             WORLD=self.world, PUSH=push, COMPUTE=compute, STORE_GATHERED=gathered is not None,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, K_TILES=triton.cdiv(self.k, c.block_k),
-            GROUP_M=c.group_m,
-            PUSH_R=g.block_rows, PUSH_C=g.block_cols, DOT_FP32=not self.fused_push, num_warps=c.num_warps, num_stages=c.num_stages)
+            GROUP_M=c.group_m, PUSH_R=g.block_rows, PUSH_C=g.block_cols, DOT_FP32=not self.fused_push,
+            num_warps=c.num_warps, num_stages=c.num_stages)
 
 
 _OPS: "weakref.WeakKeyDictionary[_Workspace, dict]" = weakref.WeakKeyDictionary()
