@@ -34,7 +34,7 @@ def gathers(world_size, rows, cols, dtype, chunk_rows, **kw):
 
 def run_gather(ops, shards, producers):
     epochs = [op.start(s, p) for op, s, p in zip(ops, shards, producers)]  # every producer first
-    return [op.finish(e, p, s).clone() for op, e, p, s in zip(ops, epochs, producers, shards)]
+    return [op.finish(e, p).clone() for op, e, p in zip(ops, epochs, producers)]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -66,7 +66,7 @@ def test_a_missing_peer_times_out_naming_rank_and_chunk():
     shard = torch.randn(4, 3)
     epoch = ops[0].start(shard, "device")  # rank 1 never produces
     with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1 waiting for rank 1, slice [01]"):
-        ops[0].finish(epoch, "device", shard)
+        ops[0].finish(epoch, "device")
 
 
 def test_a_producer_waits_for_the_peer_to_release_its_half():

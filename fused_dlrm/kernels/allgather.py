@@ -164,19 +164,21 @@ class SymmetricAllGather:
     def _chunk_rows(self, chunk: int) -> slice:
         return slice(chunk * self.chunk_rows, min((chunk + 1) * self.chunk_rows, self.rows))
 
-    def _side(self, peer: int):
-        """The side stream of one peer's copies (GPU), after everything already on the current stream."""
+    def _side(self, peer: int, reads: torch.Tensor | None = None):
+        """The side stream of one peer's copies (GPU), after everything already on the current stream; `reads`
+        stays allocated until the copies that read it have run."""
         if not self._streams:
             return contextlib.nullcontext()
         stream = self._streams[peer]
         stream.wait_stream(torch.cuda.current_stream())
+        if reads is not None:
+            reads.record_stream(stream)
         return torch.cuda.stream(stream)
 
-    def join(self, shard: torch.Tensor) -> None:
-        """The current stream waits for the side streams; the shard stays allocated until their copies ran."""
+    def join(self) -> None:
+        """The current stream waits for the side streams."""
         for stream in self._streams.values():
             torch.cuda.current_stream().wait_stream(stream)
-            shard.record_stream(stream)
 
     # -- producers ------------------------------------------------------------------------------------------------
     def start(self, shard: torch.Tensor, producer: str, include_local: bool = True) -> int:
@@ -220,7 +222,7 @@ class SymmetricAllGather:
         if include_local:
             self._copy_chunks(shard, data[self.rank], ready[self.rank], epoch)
         for dest in remote:
-            with self._side(dest):
+            with self._side(dest, reads=shard):
                 self._copy_chunks(shard, data[dest], ready[dest], epoch)
 
     def _copy_chunks(self, shard: torch.Tensor, data: torch.Tensor, ready: torch.Tensor, epoch: int) -> None:
@@ -251,16 +253,16 @@ class SymmetricAllGather:
                     _write_flag(self.ready.local, source * self.chunks + chunk, epoch)
 
     # -- consumer -------------------------------------------------------------------------------------------------
-    def finish(self, epoch: int, producer: str, shard: torch.Tensor) -> torch.Tensor:
+    def finish(self, epoch: int, producer: str) -> torch.Tensor:
         """Enqueue the wait for every chunk of `epoch` (after the pull's copies for producer="pull"); returns the
         gathered [world * rows, cols] view (valid until this object's next call)."""
         if producer == "pull":
             self._pull(epoch)
         wait_ready(self.ready.local, self.ack.peer_ptrs, self.errors.word, self.rank, self.world, epoch,
                    self.chunks, self.spin_limit)
-        self.join(shard)
+        self.join()
         self.errors.after_wait(epoch)
         return self.gathered(epoch)
 
     def __call__(self, shard: torch.Tensor, producer: str = "device") -> torch.Tensor:
-        return self.finish(self.start(shard, producer), producer, shard)
+        return self.finish(self.start(shard, producer), producer)

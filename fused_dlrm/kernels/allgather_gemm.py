@@ -170,7 +170,7 @@ class AllGatherMatmul:
         gathered = torch.empty((m, self.k), dtype=x_shard.dtype, device=x_shard.device) if return_gathered else None
         self._launch(x_shard, weight, out, gathered, epoch, push=producer == "device" and self.fused_push,
                      compute=True)
-        self.gather.join(x_shard)
+        self.gather.join()
         self.gather.errors.after_wait(epoch)
         return (out, gathered) if return_gathered else out
 
