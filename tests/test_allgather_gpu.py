@@ -12,7 +12,9 @@ import torch.distributed as dist
 
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 from fused_dlrm.kernels.allgather import PRODUCERS, SymmetricAllGather
-from fused_dlrm.kernels.allgather_gemm import GEMM_PRODUCERS, all_gather_matmul, all_gather_matmul_bulk, op_for
+from fused_dlrm.kernels.allgather_gemm import (GEMM_PRODUCERS, GemmConfig, all_gather_matmul, all_gather_matmul_bulk,
+                                               op_for)
+from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from world import run_world
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -67,9 +69,27 @@ def _matmul(rank: int, world: int) -> None:
         op_for(ws, x).gather.errors.check(block=True)
 
 
+def _timeout(rank: int, world: int) -> None:
+    device = torch.device("cuda", rank)
+    x = fresh(rank, 0, (256, 128), torch.float16, device)
+    weight = fresh(0, 1, (128, 64), torch.float16, device)
+    for producer in GEMM_PRODUCERS:
+        op = op_for(CudaSymmetricWorkspace(), x, GemmConfig(spin_limit=100_000))  # allocation is collective
+        if rank == 0:  # rank 1 never produces: rank 0's tiles of rank 1's chunks time out instead of hanging
+            op.finish(op.start(x, producer), x, weight, producer)
+            with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1 waiting for rank 1, slice 0"):
+                op.gather.errors.check(block=True)
+        torch.cuda.synchronize()
+        dist.barrier()
+
+
 def test_all_gather_primitives_equal_nccl_all_gather():
     run_world(2, _primitives, backend="nccl")
 
 
 def test_all_gather_matmul_equals_the_bulk_twin():
     run_world(2, _matmul, backend="nccl")
+
+
+def test_all_gather_matmul_times_out_naming_rank_and_chunk():
+    run_world(2, _timeout, backend="nccl")
