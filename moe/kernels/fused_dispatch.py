@@ -42,7 +42,7 @@ from moe.kernels.fused_combine import _weighted_unpermute_kernel
 from moe.permute import Permutation
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-PUSH_TILE_ELEMENTS = 4096  # elements a push program moves per step ([block_m, BLOCK_D]); no spills at 4 warps
+PUSH_TILE_ELEMENTS = 8192  # elements a push program moves per step ([block_m, BLOCK_D]): 16-byte stores, no spills
 PUSH_SMS = 16  # SMs the GEMM leaves to the push kernels of its own and the next epoch (see `_gemm_programs`)
 
 
@@ -110,6 +110,7 @@ def _push_rows_kernel(
             at = (row_base + tl.load(dest_row_ptr + rows, mask=mask, other=0)).to(tl.int64)
             mask = mask & consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
             out = tl.load(rows_ptrs + dest).to(tl.pointer_type(x_ptr.dtype.element_ty))
+            out = tl.multiple_of(out, 16)  # symmetric buffers are aligned: vector stores
             for k in range(0, D, BLOCK_D):
                 m = mask[:, None] & (k + cols < D)[None, :]
                 v = tl.load(x_ptr + token[:, None] * D + k + cols[None, :], mask=m)
@@ -195,6 +196,19 @@ def _gated_gemm_kernel(
 
 
 @triton.jit
+def _add_product_transposed(acc, a_rows, w_cols, row_mask, n_mask, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PRECISION: tl.constexpr):
+    """acc + a @ w^T for a tile: a_rows [BLOCK_M, 1] and w_cols [1, BLOCK_N] point at k = 0 of rows of length K."""
+    ks = tl.arange(0, BLOCK_K)
+    for k in range(0, K, BLOCK_K):
+        k_mask = k + ks < K
+        a = tl.load(a_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_cols + k + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _gated_gemm_backward_kernel(
     da1_ptr, da3_ptr, w1_ptr, w3_ptr,  # [rows, FFN] gradients of x @ w1[e] and x @ w3[e], [L, D, FFN] weights
     tiles_ptr, num_row_tiles,  # the row tiles (FusedDispatch._row_tiles, remote first)
@@ -208,7 +222,6 @@ def _gated_gemm_backward_kernel(
     sources)."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(D, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
     # The guard, once per program: every source has summed the previous epoch's rows (it acknowledged them).
     released = consumer_released(ack_ptr, 0, epoch, spin_limit, error_ptr)
     for s in tl.static_range(1, WORLD):
@@ -218,20 +231,15 @@ def _gated_gemm_backward_kernel(
         mt, expert, _, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M)
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = ns < D
-        g_rows = rows.to(tl.int64)[:, None] * FFN
-        w_rows = expert * D * FFN + ns[None, :] * FFN  # w[e]^T: column n of the tile is row n of w[e]
+        g_at = rows.to(tl.int64)[:, None] * FFN
+        w_at = expert * D * FFN + ns[None, :] * FFN  # w[e]^T: column n of the tile is row n of w[e]
+        # One k loop per product (rather than both in one loop): half the shared memory per pipeline stage.
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k in range(0, FFN, BLOCK_K):
-            k_mask = k + ks < FFN
-            g_mask = row_mask[:, None] & k_mask[None, :]
-            w_mask = k_mask[:, None] & n_mask[None, :]
-            w_at = w_rows + (k + ks)[:, None]
-            acc = tl.dot(tl.load(da1_ptr + g_rows + k + ks[None, :], mask=g_mask, other=0.0),
-                         tl.load(w1_ptr + w_at, mask=w_mask, other=0.0), acc, input_precision=PRECISION)
-            acc = tl.dot(tl.load(da3_ptr + g_rows + k + ks[None, :], mask=g_mask, other=0.0),
-                         tl.load(w3_ptr + w_at, mask=w_mask, other=0.0), acc, input_precision=PRECISION)
+        acc = _add_product_transposed(acc, da1_ptr + g_at, w1_ptr + w_at, row_mask, n_mask, FFN, BLOCK_K, PRECISION)
+        acc = _add_product_transposed(acc, da3_ptr + g_at, w3_ptr + w_at, row_mask, n_mask, FFN, BLOCK_K, PRECISION)
         source = tl.load(source_ptr + rows, mask=row_mask, other=0)
         out = tl.load(grad_ptrs + source, mask=row_mask, other=0).to(tl.pointer_type(da1_ptr.dtype.element_ty))
+        out = tl.multiple_of(out, 16)  # symmetric buffers are aligned: vector stores
         at = tl.load(source_row_ptr + rows, mask=row_mask, other=0)[:, None] * D + ns[None, :]
         tl.store(out[:, None] + at, acc.to(da1_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & n_mask[None, :] & released)
