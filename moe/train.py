@@ -2,7 +2,10 @@
 
 One step: this rank's slice of the global batch -> MoETransformer forward (the dispatch / combine all-to-alls
 inside every MoE layer) -> loss = cross-entropy + aux_coeff * load balancing + z_coeff * z loss -> backward ->
-`sync_gradients` (replicated parameters averaged over ranks) -> optimizer step. Every `log_every` steps the
+`sync_gradients` (replicated parameters averaged over ranks) -> optimizer step. With model.tp_size > 1 the
+world is split into tensor-parallel groups of consecutive ranks (the attention and dense FFN projections sharded
+over each, activations replicated inside it) and data-parallel groups across them: the batch is split over the
+data-parallel ranks (a TP group shares one slice), and gradients are averaged over the data-parallel group. Every `log_every` steps the
 losses are reduced over ranks and checked for NaN/inf, and tokens/s and the expert load are logged; every
 `eval_every` steps the eval loss is measured; every `checkpoint_every` steps a checkpoint is written (only after
 the loss was checked). Only trainer.max_steps is supported (no epochs).
@@ -27,6 +30,7 @@ from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
 from fused_dlrm.train.loop import TrainResult
 from fused_dlrm.train.schedule import MetricsLog, after_step, at_end, stop_if_nonfinite
 from fused_dlrm.tp import quantized_all_reduce
+from fused_dlrm.tp.linear import tp_groups
 from moe.data import ByteWindows, load_corpus
 from moe.transformer import MoETransformer, expert_parameters
 
@@ -34,26 +38,41 @@ log = logging.getLogger(__name__)
 
 
 def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
+    """The model on this rank; with model.tp_size > 1 it creates the TP and data-parallel groups (collective).
+    `model.group` is the data-parallel group (None: the world)."""
     m = cfg.model
+    tp_group, dp_group = tp_groups(m.tp_size)
     model = MoETransformer(vocab_size=m.vocab_size, d_model=m.d_model, num_layers=m.num_layers,
                            num_heads=m.num_heads, ffn=m.ffn, num_experts=m.num_experts, top_k=m.top_k,
                            moe_every=m.moe_every, shared_expert=m.shared_expert,
-                           capacity_factor=m.capacity_factor, seed=cfg.seed)
+                           capacity_factor=m.capacity_factor, seed=cfg.seed, group=dp_group, tp_group=tp_group,
+                           tp_comm=m.tp_comm)
     return model.to(env.device)
 
 
 def build_data(cfg: DictConfig, env: DistEnv, run_dir: Path) -> tuple[ByteWindows, ByteWindows]:
-    d = cfg.data
+    """This rank's slices of the batches: one slice per data-parallel rank (rank // tp_size of world // tp_size)."""
+    d, tp_size = cfg.data, cfg.model.tp_size
     corpus = load_corpus(d.path, d.cache or run_dir / "corpus.txt", d.size_bytes)
-    return tuple(ByteWindows(corpus, split, d.seq_len, d.global_batch_size, env.rank, env.world_size, cfg.seed,
-                             d.eval_fraction) for split in ("train", "eval"))
+    return tuple(ByteWindows(corpus, split, d.seq_len, d.global_batch_size, env.rank // tp_size,
+                             env.world_size // tp_size, cfg.seed, d.eval_fraction) for split in ("train", "eval"))
 
 
-def sync_gradients(model: nn.Module, world_size: int, grad_allreduce: str = "nccl") -> None:
+def sum_over(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """In-place sum over the group's ranks (None: the world; nothing to do in one process)."""
+    if dist.is_initialized():
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def sync_gradients(model: nn.Module, world_size: int, grad_allreduce: str = "nccl",
+                   group: dist.ProcessGroup | None = None) -> None:
     """After backward: make every gradient that of the global-batch mean loss.
 
+    world_size ranks of the data-parallel `group` (None: the world). Inside a TP group every rank already holds
+    the complete gradient of its parameters (the TP linears' collectives), identical for the replicated ones.
     The loss each rank differentiates is its local sum times world / global tokens (DDP's convention), so:
-    replicated parameters (everything but the experts' w1/w2/w3) are all-reduce-averaged, in one flat buffer;
+    data-parallel replicas (everything but the experts' w1/w2/w3) are all-reduce-averaged, in one flat buffer;
     the experts' gradients are already complete on their owner (all_to_all_v's backward brought every rank's
     share home) but carry that factor of world size, which is divided out (torchrec's gradient division).
     grad_allreduce other than "nccl" averages the replicated ones with that codec (fused_dlrm.tp).
@@ -67,10 +86,10 @@ def sync_gradients(model: nn.Module, world_size: int, grad_allreduce: str = "ncc
             p.grad = torch.zeros_like(p)
     flat = torch.cat([p.grad.reshape(-1) for p in replicated])
     if grad_allreduce == "nccl":
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=group)
         flat.div_(world_size)
     else:
-        flat = quantized_all_reduce(flat, grad_allreduce, mean=True)
+        flat = quantized_all_reduce(flat, grad_allreduce, group=group, mean=True)
     offset = 0
     for p in replicated:
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
@@ -103,6 +122,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     if t.max_steps is None:
         raise ValueError("the MoE Transformer trains for trainer.max_steps steps (trainer.epochs is not supported)")
     model = build_model(cfg, env)
+    dp_size = env.world_size // m.tp_size
     optimizer = instantiate(m.optimizer, params=model.parameters())
     train_data, eval_data = build_data(cfg, env, run_dir)
     checkpoint_dir = Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints"
@@ -126,7 +146,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         nonlocal interval_start, interval_steps
         total = all_reduce_sum(loss_sum.clone()).tolist()
         stop_if_nonfinite(total[3], step - interval_steps + 1, step, checkpoint_dir)
-        load = all_reduce_sum(expert_load.clone()).double()
+        load = sum_over(expert_load.clone(), model.group).double()  # a TP group's ranks route the same tokens
         samples = max(interval_steps * env.world_size, 1)
         ce, lb, z = (v / samples for v in total[:3])
         rate = interval_steps * cfg.data.global_batch_size * cfg.data.seq_len / (time.perf_counter() - interval_start)
@@ -160,12 +180,12 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         # Sum over the local tokens / global tokens, times world size: averaging the replicated gradients over
         # ranks (sync_gradients) then gives the gradient of the global-batch mean, uneven local batches weighted
         # correctly. The auxiliary losses are per rank (over its tokens, as Megatron's router computes them).
-        global_tokens = all_reduce_sum(torch.tensor(float(targets.numel()), device=env.device))
-        ce = token_cross_entropy_sum(logits, targets) * env.world_size / global_tokens
+        global_tokens = sum_over(torch.tensor(float(targets.numel()), device=env.device), model.group)
+        ce = token_cross_entropy_sum(logits, targets) * dp_size / global_tokens
         loss = ce + m.aux_coeff * aux["load_balancing_loss"] + m.z_coeff * aux["z_loss"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        sync_gradients(model, env.world_size, cfg.comm.grad_allreduce)
+        sync_gradients(model, dp_size, cfg.comm.grad_allreduce, model.group)
         optimizer.step()
         loss_sum += torch.stack([ce.detach(), aux["load_balancing_loss"].detach(), aux["z_loss"].detach(),
                                  (~torch.isfinite(loss.detach())).float()])

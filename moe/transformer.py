@@ -6,9 +6,17 @@ every `moe_every`-th layer (layers moe_every-1, 2*moe_every-1, ...) and a dense 
 `shared_expert` a dense SwiGLU runs on every token beside the routed experts and is added to their output.
 The output head is tied to the byte embedding (logits = h @ embedding.weight.T).
 
-Initialisation is a function of the seed only: the replicated parameters are drawn from one generator in a fixed
-order (identical on every rank, whatever the world size); the experts are seeded per global expert by MoELayer,
-so a rank holding a slice of the experts has exactly the weights a one-process model has for them.
+Tensor parallelism (`tp_group` of tp_size ranks, fused_dlrm.tp.linear): attention's qkv projection is
+column-parallel with the heads split over the group and its output projection row-parallel; the dense SwiGLU
+FFNs and the shared expert have w1, w3 column-parallel and w2 row-parallel. Activations between them are
+replicated inside a TP group; the MoE layers run expert parallelism over `group` (the data-parallel group, whose
+ranks hold different tokens). tp_size 1 (no tp_group) runs the same layers without communication.
+
+Initialisation is a function of the seed only: the projections draw their full weight from a seed derived from
+(seed, layer, name) and keep their shard, so any tp_size gives the tp_size = 1 model; the other replicated
+parameters are drawn from one generator in a fixed order (identical on every rank, whatever the world size);
+the experts are seeded per global expert by MoELayer, so a rank holding a slice of the experts has exactly the
+weights a one-process model has for them.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, TPLinear
 from moe.experts import SwiGLUExperts
 from moe.layer import MoELayer
 
@@ -31,14 +40,31 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") & ((1 << 40) - 1)
 
 
-class SwiGLU(nn.Module):
-    """Dense FFN: (silu(x W1) * (x W3)) W2."""
+class TPLayout:
+    """What every tensor-parallel projection of the model shares: the group, its comm and the seeds."""
 
-    def __init__(self, d_model: int, ffn: int):
+    def __init__(self, group: dist.ProcessGroup | None, comm: str, seed: int, num_layers: int):
+        self.group, self.comm, self.seed = group, comm, seed
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.residual_std = 0.02 / math.sqrt(2 * num_layers)  # projections that write into the residual stream
+
+    def column(self, d_in: int, d_out: int, *name: object, parts: int = 1) -> ColumnParallelLinear:
+        return ColumnParallelLinear(d_in, d_out, self.group, self.comm, derive_seed(self.seed, *name), 0.02, parts)
+
+    def row(self, d_in: int, d_out: int, *name: object) -> RowParallelLinear:
+        return RowParallelLinear(d_in, d_out, self.group, self.comm, derive_seed(self.seed, *name), self.residual_std)
+
+
+class SwiGLU(nn.Module):
+    """Dense FFN: (silu(x W1) * (x W3)) W2; w1, w3 column-parallel, w2 row-parallel."""
+
+    def __init__(self, d_model: int, ffn: int, tp: TPLayout, *name: object):
         super().__init__()
-        self.w1 = nn.Linear(d_model, ffn, bias=False)
-        self.w3 = nn.Linear(d_model, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, d_model, bias=False)
+        if ffn % tp.size:
+            raise ValueError(f"ffn={ffn} must be a multiple of model.tp_size={tp.size}")
+        self.w1 = tp.column(d_model, ffn, *name, "w1")
+        self.w3 = tp.column(d_model, ffn, *name, "w3")
+        self.w2 = tp.row(ffn, d_model, *name, "w2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -75,26 +101,32 @@ def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, num_heads: int):
+    """Heads split over the TP group: qkv column-parallel in three parts (this rank's heads of q, k and v), the
+    output projection row-parallel over the same heads."""
+
+    def __init__(self, d_model: int, num_heads: int, tp: TPLayout, *name: object):
         super().__init__()
         if d_model % num_heads or (d_model // num_heads) % 2:
             raise ValueError(f"d_model={d_model} must split into {num_heads} heads of an even size")
-        self.num_heads = num_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.out = nn.Linear(d_model, d_model, bias=False)
+        if num_heads % tp.size:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of model.tp_size={tp.size}")
+        self.local_heads, self.head_dim = num_heads // tp.size, d_model // num_heads
+        self.qkv = tp.column(d_model, 3 * d_model, *name, "qkv", parts=3)
+        self.out = tp.row(d_model, d_model, *name, "out")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(rotary(q), rotary(k), v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, s, d))
+        return self.out(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, num_heads: int, ffn: nn.Module, shared: nn.Module | None):
+    def __init__(self, d_model: int, num_heads: int, ffn: nn.Module, shared: nn.Module | None, tp: TPLayout,
+                 index: int):
         super().__init__()
         self.attn_norm = nn.RMSNorm(d_model, eps=1e-6)
-        self.attn = CausalSelfAttention(d_model, num_heads)
+        self.attn = CausalSelfAttention(d_model, num_heads, tp, "block", index, "attn")
         self.ffn_norm = nn.RMSNorm(d_model, eps=1e-6)
         self.ffn = ffn
         self.shared_expert = shared
@@ -115,10 +147,15 @@ class MoETransformer(nn.Module):
     def __init__(self, vocab_size: int = 256, d_model: int = 64, num_layers: int = 2, num_heads: int = 4,
                  ffn: int = 128, num_experts: int = 4, top_k: int = 2, moe_every: int = 1,
                  shared_expert: bool = False, capacity_factor: float | None = None, seed: int = 0,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
+                 tp_comm: str = "bulk"):
+        """group: the data-parallel group (expert parallelism, gradient averaging; None: the world);
+        tp_group: the tensor-parallel group (None: no tensor parallelism); tp_comm: bulk | fused."""
         super().__init__()
         if moe_every not in (1, 2):
             raise ValueError(f"moe_every must be 1 or 2, got {moe_every}")
+        self.group = group
+        tp = TPLayout(tp_group, tp_comm, seed, num_layers)
         self.embedding = nn.Embedding(vocab_size, d_model)
         blocks = []
         for i in range(num_layers):
@@ -127,28 +164,27 @@ class MoETransformer(nn.Module):
                 ffn_module = ShardedMoELayer(d_model, ffn, num_experts, top_k, group=group,
                                              capacity_factor=capacity_factor, seed=derive_seed(seed, "moe", i))
             else:
-                ffn_module = SwiGLU(d_model, ffn)
-            blocks.append(Block(d_model, num_heads, ffn_module, SwiGLU(d_model, ffn) if is_moe and shared_expert
-                                else None))
+                ffn_module = SwiGLU(d_model, ffn, tp, "block", i, "ffn")
+            shared = SwiGLU(d_model, ffn, tp, "block", i, "shared") if is_moe and shared_expert else None
+            blocks.append(Block(d_model, num_heads, ffn_module, shared, tp, i))
         self.blocks = nn.ModuleList(blocks)
         self.norm = nn.RMSNorm(d_model, eps=1e-6)
-        self._init_replicated(seed, num_layers)
+        self._init_replicated(seed)
 
-    def _init_replicated(self, seed: int, num_layers: int) -> None:
-        """Normal(0, 0.02) for embeddings and projections (residual outputs scaled by 1/sqrt(2 layers)), ones
-        for the norms, from one generator in parameter order; the MoE layers (router and experts) keep the
-        initialisation MoELayer gave them from their seeds."""
+    def _init_replicated(self, seed: int) -> None:
+        """Normal(0, 0.02) for the embedding, ones for the norms, from one generator in parameter order; the
+        projections (TPLayout: Normal(0, 0.02), residual outputs scaled by 1/sqrt(2 layers)) and the MoE layers
+        (router and experts) keep the initialisation they gave themselves from their seeds."""
         generator = torch.Generator().manual_seed(derive_seed(seed, "replicated"))
-        moe_params = {id(p) for m in self.modules() if isinstance(m, MoELayer) for p in m.parameters()}
+        own_init = {id(p) for m in self.modules() if isinstance(m, (MoELayer, TPLinear)) for p in m.parameters()}
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if id(p) in moe_params:
+                if id(p) in own_init:
                     continue
                 if "norm" in name:
                     p.fill_(1.0)
                     continue
-                std = 0.02 / math.sqrt(2 * num_layers) if name.endswith(("out.weight", "w2.weight")) else 0.02
-                p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64) * std)
+                p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64) * 0.02)
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """tokens [B, S] int64 -> (logits [B, S, vocab], aux).

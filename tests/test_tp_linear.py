@@ -6,13 +6,15 @@ and each rank's weight-gradient shard must equal the reference's (float64 data, 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, full_weight, tp_groups
-from world import run_world
+from world import run_torchrun, run_world
 
 D_IN, D_HID = 12, 24
 
@@ -93,3 +95,18 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
 def test_tp_layers_match_one_process(world_size, tp_size):
     """At 4 ranks with tp_size 2: two TP groups {0, 1}, {2, 3} and two data-parallel groups {0, 2}, {1, 3}."""
     run_world(world_size, _layers_match_one_process, tp_size)
+
+
+def test_moe_transformer_with_tp_2_trains_like_tp_1(tmp_path):
+    """torchrun, 2 gloo ranks, model.tp_size=2 (one data-parallel replica): the loss curve of one process."""
+    from test_moe_training import CPU, SAME_AS_ONE_PROCESS, config
+
+    from moe.train import train
+
+    steps = SAME_AS_ONE_PROCESS + ["trainer.max_steps=4", "data.global_batch_size=8"]
+    one = train(config(*steps), CPU, tmp_path / "one")
+    run_torchrun([*steps, "model.tp_size=2", f"hydra.run.dir={tmp_path}/tp"])
+    lines = [json.loads(l) for l in (tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()]
+    tp_losses = [l["loss"] for l in lines if "loss" in l]
+    assert len(tp_losses) == 4
+    torch.testing.assert_close(tp_losses, [l for _, l in one.losses], rtol=2e-4, atol=2e-4)

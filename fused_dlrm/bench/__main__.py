@@ -1,10 +1,10 @@
-"""python -m fused_dlrm.bench <suite> [options]; suites: embedding."""
+"""python -m fused_dlrm.bench <suite> [options]; suites: embedding, tp."""
 
 import sys
 
-from fused_dlrm.bench import embedding
+from fused_dlrm.bench import embedding, tp
 
-SUITES = {"embedding": embedding.main}
+SUITES = {"embedding": embedding.main, "tp": tp.main}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in SUITES:

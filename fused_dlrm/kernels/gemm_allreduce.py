@@ -14,7 +14,9 @@ world). One launch, three phases per program:
 The fixed order makes the result bit-identical on every rank.
 
 Programs wait for flags raised by other programs of the same launch, here and on peers: the grid must be
-co-resident (one program per SM by default). The Triton interpreter runs programs one after another, so a
+co-resident. The default, PROGRAMS_PER_SM = 2, fits the launched configurations on sm_90 (ptxas, 4 warps, 3
+stages: at most 226 registers per thread and 96 KiB of shared memory per program, at BLOCK_M 64); were it not
+co-resident, the waits would time out and raise, not hang. The Triton interpreter runs programs one after another, so a
 simulated world launches the three phases separately (`PHASES`), every rank's phase before the next phase.
 
 Buffers (symmetric, double-buffered by epoch parity): a rank can only start call e + 2 once the output flags of
@@ -44,6 +46,7 @@ from fused_dlrm.kernels.peer_flags import PeerErrors, signal_ready, wait_at_leas
 PRODUCE, REDUCE, WAIT = 1, 2, 4  # the phases of a launch (PHASES is their sum)
 ALL_PHASES = PRODUCE | REDUCE | WAIT
 MAX_ROWS = 64
+PROGRAMS_PER_SM = 2
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -107,7 +110,7 @@ def _gemm_allreduce_kernel(
                     k_mask = k < k_end
                     a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
                                 mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                    b = tl.load(w_ptr + k[:, None] * stride_wk + n[None, :] * stride_wn,
+                    b = tl.load(w_ptr + k[:, None].to(tl.int64) * stride_wk + n[None, :] * stride_wn,  # K*N > 2^31
                                 mask=k_mask[:, None] & (n[None, :] < N), other=0.0)
                     if DOT_FP32:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
                         acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -156,16 +159,18 @@ class GemmAllReduce:
     """out = sum over the workspace's ranks of x @ w, fused into one launch (see the module docstring).
 
     Every rank must call with the same M, K, N, dtype and the same number of times (flags carry per-call epochs). Block sizes are fixed per instance (Triton compiles one kernel per (BLOCK_M,
-    K_TILES, dtype)); the launch has `num_programs` persistent programs, by default one per SM (co-resident).
+    K_TILES, dtype)); the launch has `num_programs` persistent programs, by default PROGRAMS_PER_SM per SM.
     """
 
     def __init__(self, workspace: _Workspace, num_programs: int | None = None, spin_limit: int = 20_000_000,
                  block_n: int = 64, block_k: int = 128, split_k: int | None = None, num_warps: int = 4):
+        if getattr(workspace, "transport", "p2p") != "p2p":
+            raise NotImplementedError("the fused GEMM + all-reduce stores through peer pointers (transport p2p)")
         self.ws = workspace
         self.rank, self.world = workspace.rank, workspace.world_size
         device = workspace.device
         if num_programs is None:
-            num_programs = torch.cuda.get_device_properties(device).multi_processor_count
+            num_programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
         self.num_programs, self.spin_limit = num_programs, spin_limit
         self.block_n, self.block_k, self.split_k, self.num_warps = block_n, block_k, split_k, num_warps
         self.errors = PeerErrors(device, self.rank, "fused GEMM + all-reduce")

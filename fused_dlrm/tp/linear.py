@@ -34,14 +34,14 @@ COMMS = ("bulk", "fused")
 
 def tp_groups(tp_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """(TP group, data-parallel group) of this rank: TP groups of `tp_size` consecutive ranks, DP groups of the
-    ranks with the same position in their TP group. (None, None) without a process group; a collective call."""
-    if not dist.is_initialized():
-        if tp_size != 1:
-            raise ValueError(f"tp_size={tp_size} needs a process group of a multiple of {tp_size} ranks")
-        return None, None
-    world, rank = dist.get_world_size(), dist.get_rank()
+    ranks with the same position in their TP group (a collective call when tp_size > 1). tp_size 1 gives
+    (None, None): no TP communication, the data-parallel group is the whole world."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
     if tp_size < 1 or world % tp_size:
         raise ValueError(f"tp_size={tp_size} must divide the world size {world}")
+    if tp_size == 1:
+        return None, None
+    rank = dist.get_rank()
     mine = {}
     for first in range(0, world, tp_size):  # every rank creates every group, in the same order
         group = dist.new_group(list(range(first, first + tp_size)))
@@ -138,7 +138,7 @@ def full_weight(out_features: int, in_features: int, seed: int, std: float) -> t
     return torch.randn((out_features, in_features), generator=generator, dtype=torch.float64) * std
 
 
-class _TPLinear(nn.Module):
+class TPLinear(nn.Module):
     def __init__(self, shard: torch.Tensor, group: dist.ProcessGroup | None, comm: str):
         super().__init__()
         if comm not in COMMS:
@@ -162,7 +162,7 @@ class _TPLinear(nn.Module):
         return True
 
 
-class ColumnParallelLinear(_TPLinear):
+class ColumnParallelLinear(TPLinear):
     """Output features split over the group. `parts` > 1: the output is `parts` equal blocks (e.g. q, k, v) each
     split over ranks, so rank r's output is [block 0 of r, block 1 of r, ...] (attention heads stay whole).
     `sequence_sharded`: x holds this rank's rows only; they are all-gathered (dim 0 of x) before the matmul."""
@@ -186,7 +186,7 @@ class ColumnParallelLinear(_TPLinear):
         return F.linear(x, self.weight)
 
 
-class RowParallelLinear(_TPLinear):
+class RowParallelLinear(TPLinear):
     """Input features split over the group (x holds this rank's features, e.g. a column-parallel output); the
     output is the all-reduced sum, replicated on every rank."""
 

@@ -1,0 +1,69 @@
+"""Benchmark section of `python -m fused_dlrm.bench tp`: GEMV/GEMM + AllReduce (row-parallel linear).
+
+out[M, N] = sum over ranks of x_r[M, K] @ w_r[K, N] (K per rank), bf16, timed in the same run as:
+  bulk:     x @ w, then NCCL all_reduce (the bulk twin)
+  fused:    kernels.gemm_allreduce (one persistent launch)
+  baseline: x @ w into a symmetric buffer, then torch's symmetric-memory one-shot all-reduce
+Every time is per call, from back-to-back calls (so the host's launch cost hides behind the GPU where it can).
+Speed of light: max(weight bytes / device copy bandwidth, output bytes / peer write bandwidth), both measured
+in this run; sol_pct = 100 * speed of light / fused time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fused_dlrm.bench.timing import hbm_bandwidth, peer_bandwidth, time_ms
+from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
+from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce, gemm_allreduce_bulk
+
+SHAPES = [(1, 8192, 8192), (1, 8192, 28672), (16, 8192, 8192), (64, 8192, 8192), (64, 8192, 28672)]  # M, K, N
+QUICK_SHAPES = SHAPES[:2]
+CALLS = 20  # back-to-back calls per timed run
+
+
+def per_call_us(fn) -> float:
+    def calls():
+        for _ in range(CALLS):
+            fn()
+    return time_ms(calls) * 1e3 / CALLS
+
+
+def symm_mem_baseline(x: torch.Tensor, w: torch.Tensor):
+    """matmul into a symmetric buffer, then torch's one-shot all-reduce; None where this torch has none."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    one_shot = getattr(torch.ops.symm_mem, "one_shot_all_reduce", None)
+    if one_shot is None:
+        return None
+    group = dist.group.WORLD.group_name
+    buf = symm_mem.empty(x.shape[0] * w.shape[1], dtype=x.dtype, device=x.device)
+    symm_mem.rendezvous(buf, group)
+    out = buf.view(x.shape[0], w.shape[1])
+
+    def run():
+        torch.matmul(x, w, out=out)
+        return one_shot(buf, "sum", group)
+    return run
+
+
+def run(quick: bool) -> list[dict]:
+    rank = dist.get_rank()
+    hbm, peer = hbm_bandwidth(), peer_bandwidth()
+    op = GemmAllReduce(CudaSymmetricWorkspace())
+    rows = []
+    for m, k, n in QUICK_SHAPES if quick else SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(rank)
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        w = (torch.randn(k, n, device="cuda", generator=gen) / k ** 0.5).bfloat16()
+        bulk_us = per_call_us(lambda: gemm_allreduce_bulk(x, w))
+        fused_us = per_call_us(lambda: op(x, w))
+        baseline = symm_mem_baseline(x, w)
+        light_us = max(k * n * w.element_size() / hbm, m * n * x.element_size() / peer) * 1e6
+        rows.append({"op": "GEMM + AllReduce", "shape": f"M={m} K={k} (per rank) N={n}", "dtype": "bf16",
+                     "bulk_us": bulk_us, "fused_us": fused_us, "baseline_name": "matmul + symm_mem one_shot",
+                     "baseline_us": per_call_us(baseline) if baseline else None, "speedup": bulk_us / fused_us,
+                     "sol_pct": 100 * light_us / fused_us})
+    op.errors.check(block=True)
+    return rows

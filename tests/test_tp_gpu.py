@@ -1,0 +1,100 @@
+"""On 2 GPUs: the fused GEMV/GEMM + all-reduce against its bulk twin (matmul + NCCL all_reduce), repeated calls on
+the same flags, a timeout, and the fused RowParallelLinear against the bulk one (forward and backward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from world import run_world
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+SHAPES = [(8192, 8192), (8192, 28672), (1000, 1037)]  # (K per rank, N): the benchmark's targets, an uneven one
+
+
+def _inputs(rank, m, k, n, step=0):
+    gen = torch.Generator(device="cuda").manual_seed(1000 * step + 10 * rank + m)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(k, n, device="cuda", generator=gen) / k ** 0.5).bfloat16()
+    return x, w
+
+
+def _check(fused, bulk, what):
+    """Relative to the largest |output|: the bulk twin rounds its partials to bf16 before summing, the fused op
+    sums them in fp32, so both are within a few bf16 roundings of the exact sum. Every rank holds the same bits."""
+    assert not fused.isnan().any(), what
+    err = float((fused.float() - bulk.float()).abs().max() / bulk.float().abs().max())
+    assert err < 2e-2, f"{what}: relative error {err:.2e}"
+    gathered = [torch.empty_like(fused) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, fused)
+    assert all(torch.equal(g, gathered[0]) for g in gathered), what
+
+
+def _fused_matches_bulk(rank, world):
+    from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
+    from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce, gemm_allreduce_bulk
+
+    op = GemmAllReduce(CudaSymmetricWorkspace())
+    for m in (1, 16, 64):
+        for k, n in SHAPES:
+            x, w = _inputs(rank, m, k, n)
+            _check(op(x, w).clone(), gemm_allreduce_bulk(x, w), f"M={m} K={k} N={n}")
+    # 1,000 calls on the same flags and double buffers, fresh data every call, checked every 100th.
+    x, w = _inputs(rank, 1, 8192, 8192)
+    for step in range(1000):
+        scale = 1.0 + step % 7
+        out = op(x * scale, w)
+        if step % 100 == 99:
+            _check(out.clone(), gemm_allreduce_bulk(x * scale, w), f"call {step}")
+    op.errors.check(block=True)
+
+
+def test_fused_gemm_allreduce_matches_bulk():
+    run_world(2, _fused_matches_bulk, backend="nccl")
+
+
+def _timeout(rank, world):
+    from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
+    from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce
+    from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+
+    op = GemmAllReduce(CudaSymmetricWorkspace(), spin_limit=100_000)
+    x, w = _inputs(rank, 4, 256, 512)
+    op(x, w)  # both ranks: allocates the buffers (collective)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:  # rank 1 skips the second call
+        op(x, w)
+        with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 2 waiting for rank 1"):
+            op.errors.check(block=True)
+    dist.barrier()
+
+
+def test_timeout_names_rank_and_slice():
+    run_world(2, _timeout, backend="nccl")
+
+
+def _row_parallel_fused_matches_bulk(rank, world):
+    from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, tp_groups
+
+    tp, _ = tp_groups(2)
+    layers = {comm: (ColumnParallelLinear(512, 1024, tp, comm, seed=1),
+                     RowParallelLinear(1024, 512, tp, comm, seed=2)) for comm in ("bulk", "fused")}
+    results = {}
+    for comm, (up, down) in layers.items():
+        up.cuda().bfloat16()
+        down.cuda().bfloat16()
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        x = torch.randn(2, 24, 512, device="cuda", generator=gen).bfloat16().requires_grad_()  # 48 rows: fused
+        y = down(torch.relu(up(x)))
+        y.backward(torch.randn(y.shape, device="cuda", generator=gen).bfloat16())
+        results[comm] = (y.detach(), x.grad, up.weight.grad, down.weight.grad)
+    for name, fused, bulk in zip(("y", "x.grad", "up.grad", "down.grad"), results["fused"], results["bulk"]):
+        err = float((fused.float() - bulk.float()).abs().max() / bulk.float().abs().max())
+        assert err < 2e-2, f"{name}: relative error {err:.2e}"
+
+
+def test_row_parallel_linear_fused_matches_bulk():
+    run_world(2, _row_parallel_fused_matches_bulk, backend="nccl")
