@@ -1,9 +1,10 @@
-"""GPU check of the fused MoE dispatch + first expert GEMM against the bulk path (2 GPUs, NCCL, bf16; skipped
-without them). CI has no GPU: this runs on the device machine.
+"""GPU check of the fused MoE dispatch + first expert GEMM, forward and backward, against the bulk path (2 GPUs,
+NCCL, bf16; skipped without them). CI has no GPU: this runs on the device machine.
 
 Bulk: all_to_all_v of the permuted rows, regroup to (local expert, source rank), then silu(x @ w1[e]) * (x @ w3[e])
-in fp32 from the same bf16 rows and weights. 1,000 consecutive steps with changing routing: token counts per
-rank change every step, some steps are skewed, some leave an expert, a whole rank or every token of a rank idle.
+in fp32 from the same bf16 rows and weights; its gradients by autograd (through all_to_all_v's backward).
+1,000 consecutive steps with changing routing: token counts per rank change every step, some steps are skewed,
+some leave an expert, a whole rank or every token of a rank idle.
 """
 
 from __future__ import annotations
@@ -68,21 +69,29 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
         token_of_row = perm.order // TOP_K
         counts = gather_counts(perm.tokens_per_expert)
         layout = build_expert_layout(counts, rank, local)
-        if step % 10 == 0:  # poison the receive rows; no peer writes them between the barriers
+        if step % 10 == 0 and step:  # poison the receive and gradient rows; no peer writes them between barriers
             torch.cuda.synchronize()
             dist.barrier()
-            if dispatch.capacity:
-                ws.buffer("moe_dispatch_rows", 0, torch.bfloat16).local.fill_(float("nan"))
+            for name in ("moe_dispatch_rows", "moe_dispatch_grad_rows"):
+                ws.buffer(name, 0, torch.bfloat16).local.fill_(float("nan"))
             torch.cuda.synchronize()
             dist.barrier()
         received, h = dispatch.finish(dispatch.start(x, token_of_row, layout), layout, w1, w3)
+        dh = torch.randn(h.shape, device=device, generator=torch.Generator(device).manual_seed(step)).bfloat16()
+        epoch, dw1, dw3 = dispatch.start_backward(dh, received, layout, w1, w3)
+        dx = dispatch.finish_backward(epoch, layout, perm)
 
         want = bulk_dispatch(x[token_of_row], perm.tokens_per_expert, world, local)
         assert torch.equal(received, want), f"step {step}, rank {rank}: received rows differ"
-        want_h = gated_gemm_reference(want.float(), layout.tokens_per_local_expert, w1.float(), w3.float())
-        scale = want_h.abs().max().item() if want_h.numel() else 0.0
-        torch.testing.assert_close(h.float(), want_h, rtol=2e-2, atol=1e-2 * scale,
-                                   msg=lambda m: f"step {step}, rank {rank}, h: {m}")
+        x32, w1_32, w3_32 = (t.float().requires_grad_() for t in (x, w1, w3))
+        want_h = gated_gemm_reference(bulk_dispatch(x32[token_of_row], perm.tokens_per_expert, world, local),
+                                      layout.tokens_per_local_expert, w1_32, w3_32)
+        (want_h * dh.float()).sum().backward()
+        for got, ref, what in ((h, want_h.detach(), "h"), (dx, x32.grad, "dx"), (dw1, w1_32.grad, "dw1"),
+                               (dw3, w3_32.grad, "dw3")):
+            scale = ref.abs().max().item() if ref.numel() else 0.0
+            torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2 * scale,
+                                       msg=lambda m: f"step {step}, rank {rank}, {what}: {m}")
         received_per_rank = counts.view(world, world, local).sum(dim=(0, 2))
         idle_owner_seen += int((received_per_rank == 0).any())
         skewed_seen += int(counts.sum(dim=0).max() >= 0.4 * counts.sum())

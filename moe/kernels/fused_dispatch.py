@@ -16,7 +16,16 @@ GEMM (`FusedDispatch.finish`, every owner): tiles of [BLOCK_M rows of one local 
 expert e's rows are recv_offsets[e * world] .. recv_offsets[(e + 1) * world]. A tile polls (bounded) the flags of
 its rows, then computes h = silu(x @ w1[e]) * (x @ w3[e]) with both products sharing the A tile (fp32
 accumulation). Tiles whose rows all came from this rank go first, then by the source whose rows arrive last
-(rank - 1 pushes to this rank first). After the GEMM a one-program kernel acknowledges the epoch to every source.
+(rank - 1 pushes to this rank first). On GPUs the push runs on a side stream, so the GEMM overlaps it; the GEMM
+leaves PUSH_SMS SMs free, so the pushes it waits for always find room. After the GEMM a one-program kernel
+acknowledges the epoch to every source.
+
+Backward (`start_backward` on the owner, `finish_backward` on the source): a1 and a3 are recomputed and da1, da3,
+dw1, dw3 come from torch; a persistent GEMM computes dx tiles = da1 @ w1[e]^T + da3 @ w3[e]^T, tiles holding rows
+of remote sources first (rank + 1 first), stores each row at its source's permuted row in the source's gradient
+buffer and raises flag (owner, row tile, column block) in every rank. Each source knows from C which owner tile
+holds each of its rows, and sums every token's kept rows as their flags come up (FusedCombine's consumer kernel
+with unit weights); it then acknowledges the epoch to the owners, who wait for that before the next store.
 
 Guards: receive rows are double-buffered by epoch parity, and a source stores epoch e only after the owner has
 acknowledged epoch e - 1 (peer_flags.consumer_released): the `received` view that `finish` returns stays valid
@@ -43,7 +52,7 @@ from moe.permute import Permutation
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 PUSH_TILE_ELEMENTS = 8192  # elements a push program moves per step ([block_m, BLOCK_D]): 16-byte stores, no spills
-PUSH_SMS = 16  # SMs the GEMM leaves to the push kernels of its own and the next epoch (see `_gemm_programs`)
+PUSH_SMS = 16  # SMs the GEMM leaves free for this rank's push, which runs beside it (see `_gemm_programs`)
 
 
 # -- references ---------------------------------------------------------------------------------------------------
@@ -275,9 +284,10 @@ def gemm_config(device: torch.device) -> GemmConfig:
 class FusedDispatch:
     """Dispatch + first expert GEMM of one MoE layer on one rank (see the module docstring).
 
-    `start` then `finish`, in the same order on every rank (flags carry this object's epochs); in a simulated
-    world every rank calls `start` before any rank calls `finish`. `errors.check()` after `finish` raises
-    PeerWaitTimeout naming rank, peer and chunk when a wait timed out (at once on the CPU).
+    `start` then `finish` (and for the gradient `start_backward` then `finish_backward`), in the same order on
+    every rank (flags carry this object's epochs); in a simulated world every rank calls `start` before any rank
+    calls `finish`. `errors.check()` after `finish` raises PeerWaitTimeout naming rank, peer and chunk when a
+    wait timed out (at once on the CPU). One object per MoE layer: the view `finish` returns lives in its buffers.
     `num_programs`: persistent programs of the push kernel (on GPUs it runs on a side stream, concurrently with
     the GEMM of this epoch); `block_m`: receive rows per ready flag (a power of two).
     """
