@@ -153,16 +153,15 @@ def _row_tile(t, tiles_ptr, num_row_tiles, col_blocks, BLOCK_M: tl.constexpr):
 def _gated_gemm_kernel(
     rows_ptr, w1_ptr, w3_ptr, h_ptr,  # received rows (this epoch's half), [L, D, FFN] weights, [rows, FFN] output
     tiles_ptr, num_row_tiles,  # the row tiles (FusedDispatch._row_tiles)
-    source_ptr, ready_ptr, error_ptr,  # recv_source_rank, my flag buffer, my error word
-    epoch, flag_stride, num_tiles, num_programs, spin_limit,
+    source_ptr, ready_ptr, error_ptr, next_ptr,  # recv_source_rank, my flag buffer, my error word, tile counter
+    epoch, flag_stride, num_tiles, spin_limit,
     D: tl.constexpr, FFN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     n_tiles = tl.cdiv(FFN, BLOCK_N)
     lanes = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
-    t = pid
+    t = tl.atomic_add(next_ptr, 1)
     while t < num_tiles:
         _, expert, begin, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M)
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -185,6 +184,7 @@ def _gated_gemm_kernel(
             tl.store(error_ptr + 1, tl.load(source_ptr + late_row))
             tl.store(error_ptr + 2, late_row // CHUNK)
             tl.atomic_xchg(error_ptr, 1)
+        tl.debug_barrier()  # the flags this program's threads acquired cover the rows any of them loads
 
         a_rows = rows_ptr + rows.to(tl.int64)[:, None] * D
         w_cols = expert * D * FFN + ns[None, :]
@@ -193,7 +193,8 @@ def _gated_gemm_kernel(
         acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, D, BLOCK_K):
             k_mask = k + ks < D
-            a = tl.load(a_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            a = tl.load(a_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0,
+                        cache_modifier=".cg")  # peers wrote these rows: not from L1
             w_mask = k_mask[:, None] & n_mask[None, :]
             w_at = w_cols + (k + ks)[:, None] * FFN
             acc1 = tl.dot(a, tl.load(w1_ptr + w_at, mask=w_mask, other=0.0), acc1, input_precision=PRECISION)
@@ -201,7 +202,7 @@ def _gated_gemm_kernel(
         h = acc1 * tl.sigmoid(acc1) * acc3
         tl.store(h_ptr + rows.to(tl.int64)[:, None] * FFN + ns[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & n_mask[None, :])
-        t += num_programs
+        t = tl.atomic_add(next_ptr, 1)
 
 
 @triton.jit
@@ -221,21 +222,20 @@ def _add_product_transposed(acc, a_rows, w_cols, row_mask, n_mask, K: tl.constex
 def _gated_gemm_backward_kernel(
     da1_ptr, da3_ptr, w1_ptr, w3_ptr,  # [rows, FFN] gradients of x @ w1[e] and x @ w3[e], [L, D, FFN] weights
     tiles_ptr, num_row_tiles,  # the row tiles (FusedDispatch._row_tiles, remote first)
-    source_ptr, source_row_ptr, grad_ptrs, ready_ptrs, ack_ptr, error_ptr,
-    rank, epoch, tiles_per_rank, num_tiles, num_programs, spin_limit,
+    source_ptr, source_row_ptr, grad_ptrs, ready_ptrs, ack_ptr, error_ptr, next_ptr,
+    rank, epoch, tiles_per_rank, num_tiles, spin_limit,
     D: tl.constexpr, FFN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WORLD: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dx tile = da1 @ w1[e]^T + da3 @ w3[e]^T, each row stored at its source row in its source's gradient
     buffer; then flag (this rank, tile, column block) is raised in every rank (the tile's rows may have several
     sources)."""
-    pid = tl.program_id(0)
     n_tiles = tl.cdiv(D, BLOCK_N)
     # The guard, once per program: every source has summed the previous epoch's rows (it acknowledged them).
     released = consumer_released(ack_ptr, 0, epoch, spin_limit, error_ptr)
     for s in tl.static_range(1, WORLD):
         released = released & consumer_released(ack_ptr, s, epoch, spin_limit, error_ptr)
-    t = pid
+    t = tl.atomic_add(next_ptr, 1)
     while t < num_tiles:
         mt, expert, _, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M)
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -253,7 +253,7 @@ def _gated_gemm_backward_kernel(
         tl.store(out[:, None] + at, acc.to(da1_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & n_mask[None, :] & released)
         signal_ready(ready_ptrs, (rank * tiles_per_rank + mt) * n_tiles + col, epoch, WORLD)
-        t += num_programs
+        t = tl.atomic_add(next_ptr, 1)
 
 
 @triton.jit
@@ -378,8 +378,8 @@ class FusedDispatch:
         programs = self._gemm_programs(num_tiles)
         _gated_gemm_kernel[(programs,)](
             rows.local[base:], w1.contiguous(), w3.contiguous(), h, tiles, tiles.shape[1],
-            layout.recv_source_rank, ready.local, self.errors.word,
-            epoch, self.capacity // self.chunk, num_tiles, programs, self.spin_limit,
+            layout.recv_source_rank, ready.local, self.errors.word, self._tile_counter(),
+            epoch, self.capacity // self.chunk, num_tiles, self.spin_limit,
             D=d, FFN=ffn, CHUNK=self.chunk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             PRECISION="ieee" if w1.dtype == torch.float32 else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -408,7 +408,7 @@ class FusedDispatch:
         _gated_gemm_backward_kernel[(programs,)](
             da1, da3, w1.contiguous(), w3.contiguous(), tiles, tiles.shape[1], layout.recv_source_rank,
             layout.recv_source_row, grad.peer_ptrs, ready.peer_ptrs, ack.local, self.errors.word,
-            self.rank, epoch, tiles_per_rank, num_tiles, programs, self.spin_limit,
+            self._tile_counter(), self.rank, epoch, tiles_per_rank, num_tiles, self.spin_limit,
             D=self.d_model, FFN=self.ffn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             WORLD=self.world, PRECISION="ieee" if da1.dtype == torch.float32 else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -494,3 +494,8 @@ class FusedDispatch:
         if self._push_stream is None:
             return max(1, min(num_tiles, self.num_programs))
         return max(1, min(num_tiles, self._sms - PUSH_SMS))
+
+    def _tile_counter(self) -> torch.Tensor:
+        """The next tile of a GEMM launch: programs take tiles in walk order from this counter, so a program that
+        starts late (its SM still busy with the push) takes fewer tiles instead of delaying the end."""
+        return torch.zeros(1, dtype=torch.int32, device=self.ws.device)
