@@ -121,7 +121,7 @@ def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iter
 
     gathered = bags.values.numel() * cfg.dim * 4
     sent = (cfg.global_batch - local_batch) * cfg.tables_per_gpu * cfg.dim * 4
-    sol_ms = max(gathered / hbm, sent / peer) * 1e3
+    sol_ms = max(gathered / hbm, sent / peer if peer else 0.0) * 1e3
     result["sol_ms"] = sol_ms
     result["gathered_GBps"] = {k: gathered / (v * 1e-3) / 1e9 for k, v in result["fwd_ms"].items()}
     result["pct_sol"] = {k: 100 * sol_ms / v for k, v in result["fwd_ms"].items()}
@@ -140,22 +140,19 @@ def sweep_lookup(cfg: Config, rank: int, world: int) -> list[dict]:
     gathered = bags.values.numel() * cfg.dim * 4
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
-    # Around the default (block_len 8, ~2k elements, 2 warps, 32 programs per SM): index prefetch and an
-    # evict-first hint on the gathered rows.
-    for block_len, budget, warps, per_sm in ((8, 2048, 2, 32), (8, 2048, 4, 16), (16, 4096, 4, 16),
-                                             (8, 4096, 4, 16), (4, 1024, 1, 32)):
+    # Around the best of the last sweep (docs/benchmarks.md): small tiles, 1 warp, with and without index prefetch.
+    for block_len, budget, warps, per_sm in ((8, 2048, 2, 32), (4, 1024, 1, 32), (2, 512, 1, 32), (4, 512, 1, 32),
+                                             (8, 1024, 1, 32), (4, 1024, 2, 32), (2, 1024, 1, 32), (4, 1024, 1, 24)):
         for prefetch in (False, True):
-            for eviction in ("", "evict_first"):
-                lookup._kernel_features = FeatureTable(
-                    list(weights.values()), [i * cfg.dim for i in range(cfg.tables_per_gpu)],
-                    [False] * cfg.tables_per_gpu, device, block_rows=max(1, budget // (block_len * cfg.dim)),
-                    block_len=block_len, num_warps=warps, prefetch=prefetch, eviction=eviction)
-                lookup.kernel_programs = per_sm * sms
-                with torch.no_grad():
-                    ms = time_ms(lambda: lookup.pool(bags), warmup=3, iters=20)
-                rows.append({"block_len": block_len, "budget": budget, "num_warps": warps, "per_sm": per_sm,
-                             "prefetch": prefetch, "eviction": eviction, "ms": ms,
-                             "GBps": gathered / (ms * 1e-3) / 1e9})
+            lookup._kernel_features = FeatureTable(
+                list(weights.values()), [i * cfg.dim for i in range(cfg.tables_per_gpu)],
+                [False] * cfg.tables_per_gpu, device, block_rows=max(1, budget // (block_len * cfg.dim)),
+                block_len=block_len, num_warps=warps, prefetch=prefetch)
+            lookup.kernel_programs = per_sm * sms
+            with torch.no_grad():
+                ms = time_ms(lambda: lookup.pool(bags), warmup=3, iters=20)
+            rows.append({"block_len": block_len, "budget": budget, "num_warps": warps, "per_sm": per_sm,
+                         "prefetch": prefetch, "ms": ms, "GBps": gathered / (ms * 1e-3) / 1e9})
     return rows
 
 
@@ -188,17 +185,20 @@ def main(argv: list[str]) -> None:
                 json.dump(rows, f, indent=1)
         dist.destroy_process_group()
         return
-    hbm, peer = hbm_bandwidth(), peer_bandwidth()
+    # Under NVSHMEM, torch's peer views (get_buffer) cannot be copied into: no peer probe, SOL from HBM only.
+    hbm, peer = hbm_bandwidth(), peer_bandwidth() if args.transport == "p2p" else None
     configs = CONFIGS[:1] if args.quick else CONFIGS
     comm = FusedCommConfig(transport=args.transport)
     results = [run_config(c, rank, world, hbm, peer, 20 if args.quick else 50, comm) for c in configs]
     if rank == 0:
         meta = {"device": torch.cuda.get_device_name(), "world_size": world, "torch": torch.__version__,
                 "transport": args.transport,
-                "hbm_TBps": hbm / 1e12, "peer_GBps": peer / 1e9}
+                "hbm_TBps": hbm / 1e12, "peer_GBps": peer / 1e9 if peer else None}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
-        print(f"{meta['device']} x{world}  fused transport {args.transport}  copy {hbm / 1e12:.2f} TB/s  peer write {peer / 1e9:.0f} GB/s")
+        peer_text = f"{peer / 1e9:.0f} GB/s" if peer else "n/a (SOL from HBM only)"
+        print(f"{meta['device']} x{world}  fused transport {args.transport}  copy {hbm / 1e12:.2f} TB/s  "
+              f"peer write {peer_text}")
         print(f"{'config':34} {'torch':>8} {'bulk':>8} {'fused':>8} {'SOL':>7} {'fused%SOL':>9} "
               f"{'fused GB/s':>10} | {'fb bulk':>8} {'fb fused':>8} {'speedup':>7}")
         for r in results:
