@@ -6,10 +6,10 @@ router is replicated (its gradient, like any replicated parameter's, is the call
 tokens are the rank's own. Without a process group (or a world of 1) the collectives are identities.
 
 comm="fused" (CUDA symmetric memory, under torchrun): every rank all-gathers the count matrix and derives the
-address of every row (moe.expert_layout); the owner's second expert GEMM stores its output tiles straight into
-the sources' buffers and each source's weighted unpermute consumes them as their flags arrive
-(moe.kernels.fused_combine). The dispatch is the bulk all-to-all so far. Backward is the bulk twin (see
-_FusedExperts).
+address of every row (moe.expert_layout). Each source pushes its routed rows into the owners' buffers and the
+owner's first expert GEMM waits per tile for just the rows it reads (moe.kernels.fused_dispatch); the second
+expert GEMM stores its output tiles straight into the sources' buffers and each source's weighted unpermute
+consumes them as their flags arrive (moe.kernels.fused_combine). Backward is the bulk twin (see _FusedExperts).
 """
 
 from __future__ import annotations
@@ -27,15 +27,19 @@ from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, _Workspace
 from moe.expert_layout import ExpertLayout, build_expert_layout, gather_counts
 from moe.experts import SwiGLUExperts, _grouped_mm_works
 from moe.kernels.fused_combine import FusedCombine
+from moe.kernels.fused_dispatch import FusedDispatch
 from moe.permute import Permutation, permute, unpermute
 from moe.routing import TopKRouter
+
+DISPATCH_PUSH_PROGRAMS = 64  # the push runs beside the first GEMM on the SMs that GEMM leaves free
 
 
 @dataclass(frozen=True)
 class FusedMoEConfig:
     """Settings of comm="fused" (any object with these two attributes will do)."""
 
-    num_programs: int | None = None  # persistent programs of the fused GEMM; None: one per SM
+    num_programs: int | None = None  # persistent programs of the dispatch push and of the combine GEMM; None:
+    # DISPATCH_PUSH_PROGRAMS and one per SM
     wait_timeout_spins: int = 20_000_000  # polls of a flag before a wait gives up and names rank and slice
 
 
@@ -61,7 +65,7 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(d_model, num_experts, top_k, renormalize, capacity_factor, seed, dtype, device)
         self.experts = SwiGLUExperts(self.num_local_experts, d_model, ffn, self.rank * self.num_local_experts,
                                      seed, dtype, device)
-        self.combine = None
+        self.dispatch = self.combine = None
         if comm == "fused":
             if workspace is None:
                 if torch.device(device or "cpu").type != "cuda" or not dist.is_initialized():
@@ -69,9 +73,11 @@ class MoELayer(nn.Module):
                                        "on the CPU")
                 workspace = CudaSymmetricWorkspace(group)
             fused = fused or FusedMoEConfig()
-            programs = fused.num_programs or _sm_count(workspace.device)
-            self.combine = FusedCombine(workspace, d_model, self.num_local_experts, programs,
-                                        fused.wait_timeout_spins)
+            spins = fused.wait_timeout_spins
+            self.dispatch = FusedDispatch(workspace, d_model, ffn, self.num_local_experts,
+                                          fused.num_programs or DISPATCH_PUSH_PROGRAMS, spins)
+            self.combine = FusedCombine(workspace, d_model, self.num_local_experts,
+                                        fused.num_programs or _sm_count(workspace.device), spins)
 
     def forward(self, x: torch.Tensor, logit_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """x: [tokens, d_model] (this rank's tokens, possibly none) -> (y [tokens, d_model], aux).
@@ -87,22 +93,23 @@ class MoELayer(nn.Module):
             _, perm = permute(x.new_empty(x.shape[0], 0), routing.expert_ids, self.num_experts, routing.kept)
             counts = gather_counts(perm.tokens_per_expert, self.group)  # [source, global expert]
             layout = build_expert_layout(counts, self.rank, self.num_local_experts)
-            mine = slice(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
-            exchange = _BulkRows(counts[self.rank].view(self.world, -1), counts[:, mine], self.group)
+            self.combine.prepare(layout, x.dtype)  # host work while the GPU is idle anyway (the layout synced)
             e = self.experts
-            y = _FusedExperts.apply(x, routing.weights, e.w1, e.w3, e.w2, self.combine, exchange, layout, perm)
+            y = _FusedExperts.apply(x, routing.weights, e.w1, e.w3, e.w2, self, layout, perm)
+            recv_counts = counts[:, self.rank * self.num_local_experts:(self.rank + 1) * self.num_local_experts]
         else:
             rows, perm = permute(x, routing.expert_ids, self.num_experts, routing.kept)
             send_counts = perm.tokens_per_expert.view(self.world, self.num_local_experts)
             exchange = _BulkRows(send_counts, exchange_counts(send_counts, self.group), self.group)
             expert_out = self.experts(exchange.to_owners(rows), exchange.tokens_per_local_expert)
             y = unpermute(exchange.to_sources(expert_out), perm, routing.weights)
+            recv_counts = exchange.recv_counts
         aux = {
             "load_balancing_loss": routing.aux_loss,
             "z_loss": routing.z_loss,
             "tokens_per_expert": routing.tokens_per_expert,
             "dropped": int((~routing.kept).sum()),
-            "tokens_per_local_expert": exchange.recv_counts.sum(dim=0),
+            "tokens_per_local_expert": recv_counts.sum(dim=0),
         }
         return y, aux
 
@@ -110,6 +117,11 @@ class MoELayer(nn.Module):
 class _BulkRows:
     """The all-to-all of rows between sources (permuted order: by global expert, hence by owner) and owners
     (their experts' order: local expert, then source rank, then source order), with autograd."""
+
+    @staticmethod
+    def of_layout(layout: ExpertLayout, group: dist.ProcessGroup | None) -> "_BulkRows":
+        mine = slice(layout.rank * layout.num_local_experts, (layout.rank + 1) * layout.num_local_experts)
+        return _BulkRows(layout.counts[layout.rank].view(layout.world, -1), layout.counts[:, mine], group)
 
     def __init__(self, send_counts: torch.Tensor, recv_counts: torch.Tensor, group: dist.ProcessGroup | None):
         """send_counts[r, e]: rows this rank sends to expert e of rank r; recv_counts[s, e]: rows rank s sends to
@@ -135,27 +147,29 @@ class _BulkRows:
 
 
 class _FusedExperts(torch.autograd.Function):
-    """Dispatch, experts and the fused combine as one autograd node: tokens x, routing weights and the expert
-    weights in, the combined tokens out.
+    """Fused dispatch + GEMM 1, fused GEMM 2 + combine, as one autograd node: tokens x, routing weights and the
+    expert weights in, the combined tokens out.
 
     Backward is the bulk twin: all-to-alls of the gradients and torch grouped GEMMs. The fused kernels move
     rows between fixed addresses of symmetric buffers; the gradients' exchanges are the same two moves reversed,
     and fusing them (a dispatch-like push of the output gradient, a combine-like store of the input gradient)
-    is the next step, not done yet. The first GEMM is recomputed from the received rows rather than kept.
+    is the next step, not done yet. The first GEMM is recomputed from the received rows (the fused dispatch
+    returns only its gated product).
     """
 
     @staticmethod
-    def forward(ctx, x, weights, w1, w3, w2, combine: FusedCombine, exchange: _BulkRows, layout: ExpertLayout,
-                perm: Permutation):
-        token_of_row = perm.order // perm.top_k
-        counts = exchange.tokens_per_local_expert
-        received = exchange.to_owners(x[token_of_row])
-        h = _gate(received, w1, w3, counts)
-        epoch = combine.start(h, w2, layout)
-        rows = x.new_empty(token_of_row.numel(), x.shape[1]) if ctx.needs_input_grad[1] else None
-        y = combine.finish(epoch, layout, perm, weights, rows_out=rows)
-        ctx.exchange, ctx.perm = exchange, perm
-        ctx.save_for_backward(received, h, rows, weights, w1, w3, w2)
+    def forward(ctx, x, weights, w1, w3, w2, layer: MoELayer, layout: ExpertLayout, perm: Permutation):
+        training = any(ctx.needs_input_grad)
+        received, h = layer.dispatch.finish(layer.dispatch.start(x, perm.order // perm.top_k, layout), layout,
+                                            w1, w3)
+        if training:  # the receive buffer is the sources' again at the next call
+            received = received.clone()
+        epoch = layer.combine.start(h, w2, layout)
+        rows = x.new_empty(perm.order.numel(), x.shape[1]) if ctx.needs_input_grad[1] else None
+        y = layer.combine.finish(epoch, layout, perm, weights, rows_out=rows)
+        if training:
+            ctx.exchange, ctx.perm = _BulkRows.of_layout(layout, layer.group), perm
+            ctx.save_for_backward(received, h, rows, weights, w1, w3, w2)
         return y
 
     @staticmethod
@@ -163,8 +177,7 @@ class _FusedExperts(torch.autograd.Function):
         received, h, rows, weights, w1, w3, w2 = ctx.saved_tensors
         exchange, perm = ctx.exchange, ctx.perm
         counts = exchange.tokens_per_local_expert
-        token_of_row = perm.order // perm.top_k
-        grad_of_row = grad_y[token_of_row]  # [rows, d], permuted order
+        grad_of_row = grad_y[perm.order // perm.top_k]  # [rows, d], permuted order
         grad_weights = None
         if ctx.needs_input_grad[1]:
             per_row = (grad_of_row.float() * rows.float()).sum(dim=1)
@@ -180,7 +193,7 @@ class _FusedExperts(torch.autograd.Function):
             grad_received, grad_w1, grad_w3 = torch.autograd.grad(_gate(xr, w1_, w3_, counts), (xr, w1_, w3_),
                                                                   grad_h)
         grad_x = unpermute(exchange.to_sources(grad_received), perm, torch.ones_like(weights))
-        return grad_x, grad_weights, grad_w1, grad_w3, grad_w2, None, None, None, None
+        return grad_x, grad_weights, grad_w1, grad_w3, grad_w2, None, None, None
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:

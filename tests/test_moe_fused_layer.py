@@ -14,7 +14,7 @@ import torch
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from moe import MoELayer
 
-D_MODEL, FFN, EXPERTS, TOP_K, SEED = 24, 20, 4, 2, 3
+D_MODEL, FFN, EXPERTS, TOP_K, SEED = 16, 24, 4, 2, 3
 NEVER = -30.0
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")

@@ -27,13 +27,26 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_dlrm.dist.symmetric import _Workspace
+from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, signal_ready
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout
 from moe.permute import Permutation, unpermute
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@dataclass
+class CombinePlan:
+    """One epoch's addresses, derived from the layout's counts: what `prepare` computes ahead of the kernels."""
+
+    layout: ExpertLayout
+    dtype: torch.dtype
+    rows: PeerBuffer  # the combine buffer: this rank's permuted rows, written by their owners
+    ready: PeerBuffer  # int32 flags, per (flag slot, column block)
+    ack: PeerBuffer  # int32 [world]: the epoch each source has finished reading
+    tiles: torch.Tensor  # int64 [6, row tiles] of the owner GEMM (see FusedCombine._owner_tiles)
+    tile_of_row: torch.Tensor  # int64 [this rank's permuted rows]: flag slot of the tile holding each row
 
 
 @dataclass(frozen=True)
@@ -190,7 +203,19 @@ class FusedCombine:
         self.blocks = combine_blocks(workspace.device)
         self.num_col = triton.cdiv(d_model, self.blocks.block_n)
         self.errors = PeerErrors(workspace.device, self.rank, "fused MoE combine")
-        self._dtype: torch.dtype | None = None
+        self._plan: CombinePlan | None = None
+
+    def prepare(self, layout: ExpertLayout, dtype: torch.dtype) -> CombinePlan:
+        """The epoch's buffers (allocated or grown: collective on GPUs) and tile tables, from the counts on the
+        host. `start` and `finish` call it for their layout; calling it earlier, while the host has the counts
+        anyway (before the dispatch), keeps host work and syncs out of the way of the kernels."""
+        if self._plan is not None and self._plan.layout is layout and self._plan.dtype == dtype:
+            return self._plan
+        counts = layout.counts.cpu()
+        rows, ready, ack = self._buffers(counts, dtype)
+        tiles = self._owner_tiles(counts).to(self.ws.device)
+        self._plan = CombinePlan(layout, dtype, rows, ready, ack, tiles, self._tile_of_row(layout))
+        return self._plan
 
     def start(self, h: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout) -> int:
         """h [received rows, ffn] in receive order, w2 [local experts, ffn, d_model] (h's dtype): enqueue the GEMM
@@ -200,18 +225,15 @@ class FusedCombine:
             raise ValueError(f"w2 {tuple(w2.shape)} {w2.dtype} does not fit h {tuple(h.shape)} {h.dtype}")
         if h.shape[0] != sum(layout.tokens_per_local_expert):
             raise ValueError(f"h has {h.shape[0]} rows; the layout gives {sum(layout.tokens_per_local_expert)}")
+        plan = self.prepare(layout, h.dtype)
         epoch = self.ws.next_epoch("combine")
-        self._dtype = h.dtype
-        counts = layout.counts.cpu()
-        rows, ready, ack = self._buffers(counts)
-        tiles = self._owner_tiles(counts, layout.recv_offsets.cpu()).to(h.device)
-        num_row_tiles = tiles.shape[1]
+        num_row_tiles = plan.tiles.shape[1]
         if num_row_tiles:
             b = self.blocks
             grid = min(self.num_programs, num_row_tiles * self.num_col)
             _expert_down_kernel[(grid,)](
-                h.contiguous(), w2.contiguous(), tiles, rows.peer_ptrs, ready.peer_ptrs, ack.local,
-                self.errors.word, num_row_tiles, grid, epoch, self.spin_limit,
+                h.contiguous(), w2.contiguous(), plan.tiles, plan.rows.peer_ptrs, plan.ready.peer_ptrs,
+                plan.ack.local, self.errors.word, num_row_tiles, grid, epoch, self.spin_limit,
                 FFN=h.shape[1], D_MODEL=self.d_model, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k,
                 OUT_DTYPE=TL_DTYPES[h.dtype], PRECISION="ieee" if h.dtype == torch.float32 else None,
                 num_warps=b.gemm_warps, num_stages=b.gemm_stages)
@@ -223,45 +245,48 @@ class FusedCombine:
         of tokens read as soon as the owners' flags of its rows are up. `rows_out` ([this rank's permuted rows,
         d_model], h's dtype), if given, receives the expert output rows (the routing weights' gradient needs
         them; the combine buffer itself is the owners' again once `finish` acknowledges the epoch)."""
-        counts = layout.counts.cpu()
-        rows, ready, ack = self._buffers(counts)
+        if self._plan is None or self._plan.layout is not layout:
+            raise RuntimeError("finish must follow start with the same layout")
+        plan = self._plan
         num_tokens, top_k = weights.shape
         if rows_out is not None and (rows_out.shape != (layout.send_dest_rank.numel(), self.d_model)
-                                     or rows_out.dtype != self._dtype or not rows_out.is_contiguous()):
+                                     or rows_out.dtype != plan.dtype or not rows_out.is_contiguous()):
             raise ValueError(f"rows_out must be a contiguous [{layout.send_dest_rank.numel()}, {self.d_model}] "
-                             f"{self._dtype} tensor, got {tuple(rows_out.shape)} {rows_out.dtype}")
-        out = torch.empty(num_tokens, self.d_model, dtype=self._dtype, device=weights.device)
+                             f"{plan.dtype} tensor, got {tuple(rows_out.shape)} {rows_out.dtype}")
+        out = torch.empty(num_tokens, self.d_model, dtype=plan.dtype, device=weights.device)
         if num_tokens:
             b = self.blocks
             grid = (triton.cdiv(num_tokens, b.block_tokens), self.num_col)
             _weighted_unpermute_kernel[grid](
-                rows.local, perm.inverse, weights.float().contiguous(), self._tile_of_row(counts).to(out.device),
-                layout.send_dest_rank, ready.local, self.errors.word, out, out if rows_out is None else rows_out,
-                num_tokens,
-                layout.send_dest_rank.numel(), epoch, self.spin_limit,
+                plan.rows.local, perm.inverse, weights.float().contiguous(), plan.tile_of_row,
+                layout.send_dest_rank, plan.ready.local, self.errors.word, out,
+                out if rows_out is None else rows_out, num_tokens, layout.send_dest_rank.numel(), epoch,
+                self.spin_limit,
                 D_MODEL=self.d_model, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
-                BLOCK_T=b.block_tokens, BLOCK_N=b.block_n, OUT_DTYPE=TL_DTYPES[self._dtype],
+                BLOCK_T=b.block_tokens, BLOCK_N=b.block_n, OUT_DTYPE=TL_DTYPES[plan.dtype],
                 COPY_ROWS=rows_out is not None, num_warps=b.consumer_warps)
-        _acknowledge_kernel[(1,)](ack.peer_ptrs, self.rank, epoch, WORLD=self.world)
+        _acknowledge_kernel[(1,)](plan.ack.peer_ptrs, self.rank, epoch, WORLD=self.world)
         self.errors.after_wait(epoch)
         return out
 
-    def _buffers(self, counts: torch.Tensor):
+    def _buffers(self, counts: torch.Tensor, dtype: torch.dtype):
         """The combine rows, the flags and the acks, sized from C alone (so every rank asks for the same)."""
         max_rows = int(counts.sum(dim=1).max())
         slots = int(triton.cdiv(counts, self.blocks.block_m).sum(dim=1).max())
         # Grown in steps of about 1/8 so that changing loads rarely re-allocate (a collective on GPUs).
-        rows = self.ws.buffer("combine_rows", _round_up(max_rows) * self.d_model, self._dtype)
+        rows = self.ws.buffer("combine_rows", _round_up(max_rows) * self.d_model, dtype)
         # Flags are never reset, so a larger flag buffer is a new one; zeros read as "not ready" for any epoch.
         slots = triton.next_power_of_2(max(slots, 1))
         ready = self.ws.buffer(f"combine_ready_{slots}", slots * self.num_col, torch.int32)
         ack = self.ws.buffer("combine_ack", self.world, torch.int32)
         return rows, ready, ack
 
-    def _owner_tiles(self, counts: torch.Tensor, recv_offsets: torch.Tensor) -> torch.Tensor:
+    def _owner_tiles(self, counts: torch.Tensor) -> torch.Tensor:
         """int64 [6, row tiles]: first h row, rows, local expert, source, first source row, flag slot; tiles of
         remote sources first (rotated by rank), then this rank's own."""
         bm, world, local = self.blocks.block_m, self.world, self.num_local_experts
+        blocks = counts[:, self.rank * local:(self.rank + 1) * local].t().reshape(-1)  # receive order (e, s)
+        recv_offsets = torch.cumsum(blocks, 0) - blocks
         tiles_per = triton.cdiv(counts, bm)  # [source, global expert]
         slot_base = torch.cumsum(tiles_per, 1) - tiles_per
         source_start = torch.cumsum(counts, 1) - counts
@@ -276,13 +301,15 @@ class FusedCombine:
         return torch.stack([first_h, count, rep(experts), rep(sources), rep(source_start[sources, g]) + i * bm,
                             rep(slot_base[sources, g]) + i])
 
-    def _tile_of_row(self, counts: torch.Tensor) -> torch.Tensor:
-        """int64 [this rank's permuted rows]: the flag slot (without the column block) of each row's tile."""
-        mine = counts[self.rank]
+    def _tile_of_row(self, layout: ExpertLayout) -> torch.Tensor:
+        """int64 [this rank's permuted rows]: the flag slot (without the column block) of each row's tile; on the
+        layout's device, without a host sync."""
+        mine = layout.counts[self.rank]
+        num_rows = layout.send_dest_rank.numel()
         tiles_per = triton.cdiv(mine, self.blocks.block_m)
         starts = torch.cumsum(mine, 0) - mine
-        expert = torch.repeat_interleave(torch.arange(mine.numel()), mine)
-        within = torch.arange(int(mine.sum())) - starts[expert]
+        expert = torch.repeat_interleave(torch.arange(mine.numel(), device=mine.device), mine, output_size=num_rows)
+        within = torch.arange(num_rows, device=mine.device) - starts[expert]
         return (torch.cumsum(tiles_per, 0) - tiles_per)[expert] + within // self.blocks.block_m
 
 
