@@ -55,6 +55,10 @@ class _Workspace:
     def _allocate(self, numel: int, dtype: torch.dtype) -> PeerBuffer:
         raise NotImplementedError
 
+    def peer_tensors(self, buf: PeerBuffer) -> list[torch.Tensor]:
+        """Every rank's `buf` as a tensor this rank can `copy_` into (copy engines take tensors, not addresses)."""
+        raise NotImplementedError
+
 
 class CudaSymmetricWorkspace(_Workspace):
     def __init__(self, group: dist.ProcessGroup | None = None):
@@ -77,6 +81,10 @@ class CudaSymmetricWorkspace(_Workspace):
         self._handles.append(handle)
         ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=self.device)
         return PeerBuffer(local=local, peer_ptrs=ptrs)
+
+    def peer_tensors(self, buf: PeerBuffer) -> list[torch.Tensor]:
+        handle = self._symm_mem.rendezvous(buf.local, self.group.group_name)  # cached: no collective after the first
+        return [handle.get_buffer(p, (buf.local.numel(),), buf.local.dtype) for p in range(self.world_size)]
 
 
 class NvshmemSymmetricWorkspace(CudaSymmetricWorkspace):
@@ -133,3 +141,6 @@ class SimulatedWorkspace(_Workspace):
             self.world.buffers[key] = tensors
         ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
         return PeerBuffer(local=tensors[self.rank], peer_ptrs=ptrs)
+
+    def peer_tensors(self, buf: PeerBuffer) -> list[torch.Tensor]:
+        return next(ts for ts in self.world.buffers.values() if ts[self.rank] is buf.local)

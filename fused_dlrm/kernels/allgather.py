@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_dlrm.dist.symmetric import PeerBuffer, SimulatedWorkspace, _Workspace
+from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, wait_at_least, wait_ready
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 
@@ -104,16 +104,6 @@ def _wait_chunk_kernel(ready_ptrs, source, chunk, chunks, epoch, spin_limit, err
     """Wait for flag (source, chunk) in the source's own flags (the pull reads the source's buffer)."""
     wait_chunk(tl.load(ready_ptrs + source).to(tl.pointer_type(tl.int32)), source, chunk, chunks, epoch,
                spin_limit, error_ptr)
-
-
-def peer_tensors(ws: _Workspace, buf: PeerBuffer) -> list[torch.Tensor]:
-    """Every rank's buffer as a tensor this rank can `copy_` into (copy engines take tensors, not addresses)."""
-    if isinstance(ws, SimulatedWorkspace):
-        return next(ts for ts in ws.world.buffers.values() if ts[ws.rank] is buf.local)
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    handle = symm_mem.rendezvous(buf.local, ws.group)  # cached per buffer and group: no collective after the first
-    return [handle.get_buffer(p, (buf.local.numel(),), buf.local.dtype) for p in range(ws.world_size)]
 
 
 def _write_flag(flags: torch.Tensor, index: int, epoch: int) -> None:
@@ -210,7 +200,7 @@ class SymmetricAllGather:
 
     def _peers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if self._peer_data is None:
-            self._peer_data, self._peer_ready = peer_tensors(self.ws, self.data), peer_tensors(self.ws, self.ready)
+            self._peer_data, self._peer_ready = self.ws.peer_tensors(self.data), self.ws.peer_tensors(self.ready)
         return self._peer_data, self._peer_ready
 
     def _copy_engine_push(self, shard: torch.Tensor, epoch: int, include_local: bool) -> None:
