@@ -1,5 +1,6 @@
 """On 2 GPUs: the fused GEMV/GEMM + all-reduce against its bulk twin (matmul + NCCL all_reduce), repeated calls on
-the same flags, a timeout, and the fused RowParallelLinear against the bulk one (forward and backward)."""
+the same flags, a timeout, and the fused TP linears (sequence-sharded column-parallel, row-parallel) against the
+bulk ones, forward and backward."""
 
 from __future__ import annotations
 
@@ -76,25 +77,27 @@ def test_timeout_names_rank_and_slice():
     run_world(2, _timeout, backend="nccl")
 
 
-def _row_parallel_fused_matches_bulk(rank, world):
-    from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, tp_groups
+def _linears_fused_match_bulk(rank, world):
+    from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, _fused_all_reduce, tp_groups
 
     tp, _ = tp_groups(2)
-    layers = {comm: (ColumnParallelLinear(512, 1024, tp, comm, seed=1),
+    layers = {comm: (ColumnParallelLinear(512, 1024, tp, comm, seed=1, sequence_sharded=True),
                      RowParallelLinear(1024, 512, tp, comm, seed=2)) for comm in ("bulk", "fused")}
     results = {}
     for comm, (up, down) in layers.items():
         up.cuda().bfloat16()
         down.cuda().bfloat16()
-        gen = torch.Generator(device="cuda").manual_seed(3)
-        x = torch.randn(2, 24, 512, device="cuda", generator=gen).bfloat16().requires_grad_()  # 48 rows: fused
-        y = down(torch.relu(up(x)))
+        gen = torch.Generator(device="cuda").manual_seed(3 + rank)  # this rank's rows of the sequence
+        x = torch.randn(16, 2, 512, device="cuda", generator=gen).bfloat16().requires_grad_()
+        y = down(torch.relu(up(x)))  # 2 x 16 x 2 = 64 rows: the fused all-reduce's largest M
+        gen.manual_seed(5)  # the output is replicated: the same gradient on every rank
         y.backward(torch.randn(y.shape, device="cuda", generator=gen).bfloat16())
         results[comm] = (y.detach(), x.grad, up.weight.grad, down.weight.grad)
+    assert _fused_all_reduce(tp).ws._epochs.get("gemm_allreduce") == 1  # the fused forward ran, not the bulk twin
     for name, fused, bulk in zip(("y", "x.grad", "up.grad", "down.grad"), results["fused"], results["bulk"]):
         err = float((fused.float() - bulk.float()).abs().max() / bulk.float().abs().max())
         assert err < 2e-2, f"{name}: relative error {err:.2e}"
 
 
-def test_row_parallel_linear_fused_matches_bulk():
-    run_world(2, _row_parallel_fused_matches_bulk, backend="nccl")
+def test_tp_linears_fused_match_bulk():
+    run_world(2, _linears_fused_match_bulk, backend="nccl")

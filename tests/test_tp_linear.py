@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, full_weight, tp_groups
+from moe.transformer import MoETransformer
 from world import run_torchrun, run_world
 
 D_IN, D_HID = 12, 24
@@ -89,6 +90,10 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
         ColumnParallelLinear(D_IN, 3 * tp_size + 1, tp)
     with pytest.raises(ValueError, match=f"tp_size=3 must divide the world size {world}"):
         tp_groups(3)
+    with pytest.raises(ValueError, match=f"num_heads=3 must be a multiple of model.tp_size={tp_size}"):
+        MoETransformer(d_model=48, num_heads=3, tp_group=tp)
+    with pytest.raises(ValueError, match=f"ffn=65 must be a multiple of model.tp_size={tp_size}"):
+        MoETransformer(ffn=65, moe_every=2, tp_group=tp)
 
 
 @pytest.mark.parametrize("world_size,tp_size", [(2, 2), (4, 2)])

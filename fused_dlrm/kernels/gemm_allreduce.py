@@ -75,7 +75,7 @@ def _wait_or_record(flag, epoch, spin_limit, error_ptr, peer, tile):
             tl.atomic_xchg(error_ptr, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])  # one compiled variant for every epoch
 def _gemm_allreduce_kernel(
     x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn,
     recv_ptrs, out_ptrs, ready_ptrs, done_ptrs, error_ptr,

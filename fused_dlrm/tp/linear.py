@@ -7,10 +7,11 @@ RowParallelLinear: y[..., out] = sum_r x_r @ W_r^T, rank r holding columns r of 
 all-reduce of the output is Megatron's "g" (backward: the gradient is already replicated, nothing to do).
 
 comm="bulk": torch.distributed collectives inside autograd functions (gloo on the CPU, NCCL on GPUs).
-comm="fused" (CUDA only): RowParallelLinear computes x @ W_r^T and the all-reduce in one launch
+comm="fused" (CUDA only, fp16/bf16): RowParallelLinear computes x @ W_r^T and the all-reduce in one launch
 (kernels.gemm_allreduce) when x has at most 64 rows (decode, small prefill), the bulk twin above that; a
-sequence-sharded ColumnParallelLinear uses the all-gather + GEMM (bulk twin until kernels.allgather_gemm lands).
-The backward of a fused forward is the bulk twin's: the conjugate collective on the gradient.
+sequence-sharded ColumnParallelLinear runs the all-gather + GEMM (kernels.allgather_gemm, copy-engine producer).
+A replicated-input ColumnParallelLinear has no forward communication to fuse. The backward of a fused forward is
+the bulk twin's: the conjugate collective on the gradient (reduce-scatter, resp. none).
 
 Initialisation is a function of (seed, std) only: every rank draws the full [out, in] weight from one generator
 and keeps its shard, so a TP-sharded model equals the unsharded one (tp = 1). The shard is registered as
@@ -27,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fused_dlrm.kernels.allgather_gemm import all_gather_matmul
 from fused_dlrm.kernels.gemm_allreduce import MAX_ROWS, GemmAllReduce
 
 COMMS = ("bulk", "fused")
@@ -89,6 +91,13 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+def _reduce_scatter_rows(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    size, _ = _size_rank(group)
+    out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
+    dist.reduce_scatter_single(out, grad.contiguous(), group=group)
+    return out
+
+
 class _GatherRows(torch.autograd.Function):
     """Forward: all-gather of the ranks' rows (dim 0); backward: reduce-scatter of the gradient's rows."""
 
@@ -102,10 +111,24 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        size, _ = _size_rank(ctx.group)
-        out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
-        dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
-        return out, None
+        return _reduce_scatter_rows(grad, ctx.group), None
+
+
+class _FusedGatherMatmul(torch.autograd.Function):
+    """Forward: all-gather of x's rows and x @ W^T as one fused op (it also returns the gathered rows, which the
+    weight gradient needs); backward: the gathered input's gradient reduce-scattered, as _GatherRows does."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, group):
+        out, gathered = all_gather_matmul(x2d, weight.t(), _workspace(group), return_gathered=True)
+        ctx.save_for_backward(gathered, weight)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gathered, weight = ctx.saved_tensors
+        return _reduce_scatter_rows(grad @ weight, ctx.group), grad.t() @ gathered, None
 
 
 class _FusedRowParallel(torch.autograd.Function):
@@ -124,12 +147,17 @@ class _FusedRowParallel(torch.autograd.Function):
 
 
 @lru_cache(maxsize=None)
-def _fused_all_reduce(group: dist.ProcessGroup) -> GemmAllReduce:
-    """One fused op (and one symmetric workspace) per group, shared by its layers: they run in the same order on
-    every rank, so the op's per-call epochs agree."""
+def _workspace(group: dist.ProcessGroup):
+    """One symmetric workspace per group, shared by its layers' fused ops: the layers run in the same order on
+    every rank, so the ops' per-call epochs agree."""
     from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 
-    return GemmAllReduce(CudaSymmetricWorkspace(group))
+    return CudaSymmetricWorkspace(group)
+
+
+@lru_cache(maxsize=None)
+def _fused_all_reduce(group: dist.ProcessGroup) -> GemmAllReduce:
+    return GemmAllReduce(_workspace(group))
 
 
 def full_weight(out_features: int, in_features: int, seed: int, std: float) -> torch.Tensor:
@@ -154,12 +182,12 @@ class TPLinear(nn.Module):
         return self._parameters[self._name]
 
     def _check_fused(self, x: torch.Tensor) -> bool:
-        """Whether to run the fused kernels (comm=fused, a group of several ranks); refuses the CPU."""
+        """Whether to run the fused kernels (comm=fused, a group of several ranks, fp16/bf16); refuses the CPU."""
         if self.comm != "fused" or self.tp_size == 1:
             return False
         if not x.is_cuda:
             raise RuntimeError("comm=fused needs CUDA tensors (symmetric memory); use comm=bulk on the CPU")
-        return True
+        return x.dtype in (torch.float16, torch.bfloat16)
 
 
 class ColumnParallelLinear(TPLinear):
@@ -181,9 +209,13 @@ class ColumnParallelLinear(TPLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight)
-        self._check_fused(x)  # the fused all-gather + GEMM's bulk twin until kernels.allgather_gemm lands
-        x = _GatherRows.apply(x, self.group) if self.sequence_sharded else _CopyToTP.apply(x, self.group)
-        return F.linear(x, self.weight)
+        if not self.sequence_sharded:
+            self._check_fused(x)  # refuses the CPU; nothing to fuse in forward
+            return F.linear(_CopyToTP.apply(x, self.group), self.weight)
+        if self._check_fused(x):
+            y = _FusedGatherMatmul.apply(x.reshape(-1, x.shape[-1]), self.weight.to(x.dtype), self.group)
+            return y.view(self.tp_size * x.shape[0], *x.shape[1:-1], y.shape[-1])
+        return F.linear(_GatherRows.apply(x, self.group), self.weight)
 
 
 class RowParallelLinear(TPLinear):
@@ -203,7 +235,7 @@ class RowParallelLinear(TPLinear):
         if self.tp_size == 1:
             return F.linear(x, self.weight)
         x2d = x.reshape(-1, x.shape[-1])
-        if self._check_fused(x) and x2d.shape[0] <= MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16):
+        if self._check_fused(x) and x2d.shape[0] <= MAX_ROWS:
             y = _FusedRowParallel.apply(x2d, self.weight.to(x.dtype), _fused_all_reduce(self.group))
         else:
             y = _ReduceFromTP.apply(F.linear(x2d, self.weight), self.group)
