@@ -222,14 +222,16 @@ def test_gemm_times_out_naming_the_peer_and_chunk_when_a_source_never_pushes():
         w.dispatch[0].finish(epoch, layouts[0], w.w1[0], w.w3[0])
 
 
-def test_gemm_waits_for_the_one_chunk_whose_flag_is_down():
+def test_gemm_waits_for_the_one_chunk_whose_flag_is_down_and_never_for_its_own_rows():
     w = World(4, 2, block_m=8)
     gen = torch.Generator().manual_seed(9)
     xs, token_of_rows, counts, layouts = w.routed_batch([20, 15, 18, 12], 2, None, gen)
     epochs = [d.start(x, t, lay) for d, x, t, lay in zip(w.dispatch, xs, token_of_rows, layouts)]
-    owner, row = 1, int(layouts[1].recv_source_rank.numel()) - 1  # the last row rank 1 receives
+    owner = 1
+    row = int((layouts[owner].recv_source_rank != owner).nonzero().max())  # the last row from another rank
     source = int(layouts[owner].recv_source_rank[row])
-    _, ready, _ = w.dispatch[owner]._started[epochs[owner]]
+    ready = w.dispatch[owner]._started[epochs[owner]][1]
+    ready.local.view(4, -1)[owner] = 0  # its own rows: the GEMM reads them from x and never waits for them
     ready.local.view(4, -1)[source, row // 8] = 0  # as if that chunk had not arrived
     with pytest.raises(PeerWaitTimeout, match=rf"rank 1 timed out at step 1 waiting for rank {source}, slice "
                                               rf"{row // 8} "):

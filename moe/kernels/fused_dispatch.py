@@ -13,10 +13,11 @@ chunk c holds its rows, after storing all of them (a source's rows to one owner 
 rows, so the rows of one unit are a contiguous range of the source's permuted rows).
 
 GEMM (`FusedDispatch.finish`, every owner): tiles of [BLOCK_M rows of one local expert] x [BLOCK_N of ffn];
-expert e's rows are recv_offsets[e * world] .. recv_offsets[(e + 1) * world]. A tile polls (bounded) the flags of
-its rows, then computes h = silu(x @ w1[e]) * (x @ w3[e]) with both products sharing the A tile (fp32
-accumulation). Tiles whose rows all came from this rank go first, then by the source whose rows arrive last
-(rank - 1 pushes to this rank first). On GPUs the push runs on a side stream, so the GEMM overlaps it; the GEMM
+expert e's rows are recv_offsets[e * world] .. recv_offsets[(e + 1) * world]. A tile reads this rank's own rows
+straight from x (no wait: the push copies them into the buffer only for `received`) and polls (bounded) the flags
+of its other rows, then computes h = silu(x @ w1[e]) * (x @ w3[e]) with both products sharing the A tile (fp32
+accumulation). Tiles from programs that fetch the next tile from a counter, in walk order: tiles whose rows all
+came from this rank first, then by the source whose rows arrive last (rank - 1 pushes to this rank first). On GPUs the push runs on a side stream, so the GEMM overlaps it; the GEMM
 leaves PUSH_SMS SMs free, so the pushes it waits for always find room. After the GEMM a one-program kernel
 acknowledges the epoch to every source.
 
@@ -151,10 +152,11 @@ def _row_tile(t, tiles_ptr, num_row_tiles, col_blocks, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _gated_gemm_kernel(
-    rows_ptr, w1_ptr, w3_ptr, h_ptr,  # received rows (this epoch's half), [L, D, FFN] weights, [rows, FFN] output
+    rows_ptr, x_ptr, token_ptr, w1_ptr, w3_ptr, h_ptr,  # received rows (this epoch's half), this rank's tokens
+    # and token_of_row, [L, D, FFN] weights, [rows, FFN] output
     tiles_ptr, num_row_tiles,  # the row tiles (FusedDispatch._row_tiles)
-    source_ptr, ready_ptr, error_ptr, next_ptr,  # recv_source_rank, my flag buffer, my error word, tile counter
-    epoch, flag_stride, num_tiles, spin_limit,
+    source_ptr, source_row_ptr, ready_ptr, error_ptr, next_ptr,  # recv_source_rank/row, my flags, error, counter
+    rank, epoch, flag_stride, num_tiles, spin_limit,
     D: tl.constexpr, FFN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -166,19 +168,22 @@ def _gated_gemm_kernel(
         _, expert, begin, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M)
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
 
-        # Wait for the chunks this tile reads: flag (source of the row, row // CHUNK) of each row; spin on one
-        # missing flag at a time, then look again at all of them.
+        # This rank's own rows are read from x (its push copies them into the buffer only for `received`). For
+        # the others, wait for the chunks this tile reads: flag (source of the row, row // CHUNK) of each row;
+        # spin on one missing flag at a time, then look again at all of them.
         source = tl.load(source_ptr + rows, mask=row_mask, other=0)
+        local = row_mask & (source == rank)
+        remote = row_mask & (source != rank)
         flags = ready_ptr + source * flag_stride + rows // CHUNK
         failed = tl.atomic_add(error_ptr, 0) != 0  # a wait of this launch already timed out: do not spin again
         limit = tl.where(failed, 0, spin_limit)
-        seen = _poll(flags, row_mask, epoch, BLOCK_M)
+        seen = _poll(flags, remote, epoch, BLOCK_M)
         timed_out = failed & failed  # False, of the type the loop assigns
         while (tl.min(seen, axis=0) < epoch) & ~timed_out:
             late_row = begin + tl.min(tl.where(seen < epoch, lanes, BLOCK_M), axis=0)
             late_flag = ready_ptr + tl.load(source_ptr + late_row) * flag_stride + late_row // CHUNK
             timed_out = ~wait_at_least(late_flag, epoch, limit)
-            seen = _poll(flags, row_mask, epoch, BLOCK_M)
+            seen = _poll(flags, remote, epoch, BLOCK_M)
         if timed_out & ~failed:
             late_row = begin + tl.min(tl.where(seen < epoch, lanes, BLOCK_M), axis=0)
             tl.store(error_ptr + 1, tl.load(source_ptr + late_row))
@@ -186,7 +191,8 @@ def _gated_gemm_kernel(
             tl.atomic_xchg(error_ptr, 1)
         tl.debug_barrier()  # the flags this program's threads acquired cover the rows any of them loads
 
-        a_rows = rows_ptr + rows.to(tl.int64)[:, None] * D
+        token = tl.load(token_ptr + tl.load(source_row_ptr + rows, mask=local, other=0), mask=local, other=0)
+        a_rows = tl.where(local, x_ptr + token.to(tl.int64) * D, rows_ptr + rows.to(tl.int64) * D)[:, None]
         w_cols = expert * D * FFN + ns[None, :]
         n_mask = ns < FFN
         acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -194,7 +200,7 @@ def _gated_gemm_kernel(
         for k in range(0, D, BLOCK_K):
             k_mask = k + ks < D
             a = tl.load(a_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0,
-                        cache_modifier=".cg")  # peers wrote these rows: not from L1
+                        cache_modifier=".cg")  # peers wrote the received rows: not from L1
             w_mask = k_mask[:, None] & n_mask[None, :]
             w_at = w_cols + (k + ks)[:, None] * FFN
             acc1 = tl.dot(a, tl.load(w1_ptr + w_at, mask=w_mask, other=0.0), acc1, input_precision=PRECISION)
@@ -307,8 +313,7 @@ class FusedDispatch:
         cuda = workspace.device.type == "cuda"
         self._push_stream = torch.cuda.Stream(workspace.device) if cuda else None
         self._sms = torch.cuda.get_device_properties(workspace.device).multi_processor_count if cuda else 0
-        self._in_flight: tuple = ()  # tensors the push stream reads, kept alive until `finish`
-        self._started: dict[int, tuple] = {}  # epoch -> its (rows, ready, ack) buffers, from start to finish
+        self._started: dict[int, tuple] = {}  # epoch -> its buffers and the tensors its kernels read
         self._grad_dtype = torch.float32  # of the gradient rows, set by start_backward
 
     def _buffers(self, layout: ExpertLayout, dtype: torch.dtype):
@@ -330,7 +335,7 @@ class FusedDispatch:
         if x.dim() != 2 or x.shape[1] != self.d_model or x.dtype not in TL_DTYPES:
             raise ValueError(f"x must be [tokens, {self.d_model}] fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
         epoch = self.ws.next_epoch("moe_dispatch")
-        rows, ready, ack = self._started[epoch] = self._buffers(layout, x.dtype)
+        rows, ready, ack = self._buffers(layout, x.dtype)
         chunks = triton.cdiv(layout.max_recv_rows, self.chunk)
         # Source rows of unit (d, c): [bounds[d, c], bounds[d, c + 1]); the key increases over the permuted rows.
         key = layout.send_dest_rank * self.capacity + layout.send_dest_row
@@ -338,6 +343,8 @@ class FusedDispatch:
                   + torch.arange(chunks + 1, device=key.device)[None, :] * self.chunk)
         bounds = torch.searchsorted(key, starts.reshape(-1))
         x, token_of_row = x.contiguous(), token_of_row.contiguous()
+        # Until `finish`: the GEMM reads this rank's rows from x, and the push (on GPUs on its own stream) all.
+        self._started[epoch] = (rows, ready, ack, x, token_of_row, bounds)
         block_d = max(16, min(triton.next_power_of_2(self.d_model), PUSH_TILE_ELEMENTS // self.chunk))
 
         def launch():
@@ -354,7 +361,6 @@ class FusedDispatch:
             self._push_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._push_stream):
                 launch()
-            self._in_flight = (x, token_of_row, layout.send_dest_row, bounds)
         return epoch
 
     def finish(self, epoch: int, layout: ExpertLayout, w1: torch.Tensor, w3: torch.Tensor
@@ -364,7 +370,7 @@ class FusedDispatch:
         Returns (received [recv_rows, d_model]: a view of the symmetric receive buffer, valid until the next
         `finish` call; h = silu(received @ w1[e]) * (received @ w3[e]) [recv_rows, ffn], a new tensor)."""
         L, d, ffn = self.num_local_experts, self.d_model, self.ffn
-        rows, ready, ack = self._started.pop(epoch)
+        rows, ready, ack, x, token_of_row, _ = self._started.pop(epoch)
         if w1.shape != (L, d, ffn) or w3.shape != (L, d, ffn) or not w1.dtype == w3.dtype == rows.local.dtype:
             raise ValueError(f"w1 and w3 must be [{L}, {d}, {ffn}] of the rows' dtype {rows.local.dtype}, got "
                              f"{tuple(w1.shape)} {w1.dtype} and {tuple(w3.shape)} {w3.dtype}")
@@ -377,16 +383,15 @@ class FusedDispatch:
         num_tiles = tiles.shape[1] * triton.cdiv(ffn, cfg.block_n)
         programs = self._gemm_programs(num_tiles)
         _gated_gemm_kernel[(programs,)](
-            rows.local[base:], w1.contiguous(), w3.contiguous(), h, tiles, tiles.shape[1],
-            layout.recv_source_rank, ready.local, self.errors.word, self._tile_counter(),
-            epoch, self.capacity // self.chunk, num_tiles, self.spin_limit,
+            rows.local[base:], x, token_of_row, w1.contiguous(), w3.contiguous(), h, tiles, tiles.shape[1],
+            layout.recv_source_rank, layout.recv_source_row, ready.local, self.errors.word, self._tile_counter(),
+            self.rank, epoch, self.capacity // self.chunk, num_tiles, self.spin_limit,
             D=d, FFN=ffn, CHUNK=self.chunk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             PRECISION="ieee" if w1.dtype == torch.float32 else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self.rank, epoch, WORLD=self.world)
-        if self._push_stream is not None:
+        if self._push_stream is not None:  # then what the push read may be freed, and `received` is complete
             torch.cuda.current_stream().wait_stream(self._push_stream)
-            self._in_flight = ()
         self.errors.after_wait(epoch)
         return received, h
 
