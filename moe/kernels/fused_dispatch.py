@@ -16,10 +16,10 @@ GEMM (`FusedDispatch.finish`, every owner): tiles of [BLOCK_M rows of one local 
 expert e's rows are recv_offsets[e * world] .. recv_offsets[(e + 1) * world]. A tile reads this rank's own rows
 straight from x (no wait: the push copies them into the buffer only for `received`) and polls (bounded) the flags
 of its other rows, then computes h = silu(x @ w1[e]) * (x @ w3[e]) with both products sharing the A tile (fp32
-accumulation). Tiles from programs that fetch the next tile from a counter, in walk order: tiles whose rows all
-came from this rank first, then by the source whose rows arrive last (rank - 1 pushes to this rank first). On GPUs the push runs on a side stream, so the GEMM overlaps it; the GEMM
-leaves PUSH_SMS SMs free, so the pushes it waits for always find room. After the GEMM a one-program kernel
-acknowledges the epoch to every source.
+accumulation). Persistent programs take tiles from a counter, in walk order: tiles whose rows all came from this
+rank first, then by the source whose rows arrive last (rank - 1 pushes to this rank first). On GPUs the push runs
+on a side stream, so the GEMM overlaps it; the GEMM leaves PUSH_SMS SMs free, so that the pushes the peers wait
+for always find room. After the GEMM a one-program kernel acknowledges the epoch to every source.
 
 Backward (`start_backward` on the owner, `finish_backward` on the source): a1 and a3 are recomputed and da1, da3,
 dw1, dw3 come from torch; a persistent GEMM computes dx tiles = da1 @ w1[e]^T + da3 @ w3[e]^T, tiles holding rows
