@@ -9,7 +9,7 @@ comm="fused" (CUDA symmetric memory, under torchrun): every rank all-gathers the
 address of every row (moe.expert_layout). Each source pushes its routed rows into the owners' buffers and the
 owner's first expert GEMM waits per tile for just the rows it reads (moe.kernels.fused_dispatch); the second
 expert GEMM stores its output tiles straight into the sources' buffers and each source's weighted unpermute
-consumes them as their flags arrive (moe.kernels.fused_combine). Backward is the bulk twin (see _FusedExperts).
+consumes them as their flags arrive (moe.kernels.fused_combine). Backward: see _FusedExperts.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from fused_dlrm.dist import all_to_all_v, exchange_counts
@@ -27,7 +26,7 @@ from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, _Workspace
 from moe.expert_layout import ExpertLayout, build_expert_layout, gather_counts
 from moe.experts import SwiGLUExperts, _grouped_mm_works
 from moe.kernels.fused_combine import FusedCombine
-from moe.kernels.fused_dispatch import FusedDispatch
+from moe.kernels.fused_dispatch import FusedDispatch, _grouped_matmul
 from moe.permute import Permutation, permute, unpermute
 from moe.routing import TopKRouter
 
@@ -150,11 +149,11 @@ class _FusedExperts(torch.autograd.Function):
     """Fused dispatch + GEMM 1, fused GEMM 2 + combine, as one autograd node: tokens x, routing weights and the
     expert weights in, the combined tokens out.
 
-    Backward is the bulk twin: all-to-alls of the gradients and torch grouped GEMMs. The fused kernels move
-    rows between fixed addresses of symmetric buffers; the gradients' exchanges are the same two moves reversed,
-    and fusing them (a dispatch-like push of the output gradient, a combine-like store of the input gradient)
-    is the next step, not done yet. The first GEMM is recomputed from the received rows (the fused dispatch
-    returns only its gated product).
+    Backward: the output gradient (times each row's routing weight) reaches the owners through the bulk
+    all-to-all, and GEMM 2's gradients are torch grouped GEMMs; fusing that move too (a dispatch-like push of
+    the weighted gradient rows, the GEMM waiting per tile) is the next step. GEMM 1's backward is fused
+    (FusedDispatch.start_backward stores the input-gradient tiles straight into the sources' buffers, and
+    finish_backward sums each token's rows as their flags arrive).
     """
 
     @staticmethod
@@ -168,15 +167,15 @@ class _FusedExperts(torch.autograd.Function):
         rows = x.new_empty(perm.order.numel(), x.shape[1]) if ctx.needs_input_grad[1] else None
         y = layer.combine.finish(epoch, layout, perm, weights, rows_out=rows)
         if training:
-            ctx.exchange, ctx.perm = _BulkRows.of_layout(layout, layer.group), perm
+            ctx.layer, ctx.layout, ctx.perm = layer, layout, perm
             ctx.save_for_backward(received, h, rows, weights, w1, w3, w2)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         received, h, rows, weights, w1, w3, w2 = ctx.saved_tensors
-        exchange, perm = ctx.exchange, ctx.perm
-        counts = exchange.tokens_per_local_expert
+        layer, layout, perm = ctx.layer, ctx.layout, ctx.perm
+        counts = layout.tokens_per_local_expert
         grad_of_row = grad_y[perm.order // perm.top_k]  # [rows, d], permuted order
         grad_weights = None
         if ctx.needs_input_grad[1]:
@@ -185,22 +184,13 @@ class _FusedExperts(torch.autograd.Function):
             grad_weights[perm.order] = per_row  # dropped assignments: no row, zero gradient
             grad_weights = grad_weights.view_as(weights).to(weights.dtype)
         weight_of_row = weights.reshape(-1)[perm.order].float()
+        exchange = _BulkRows.of_layout(layout, layer.group)
         grad_out = exchange.to_owners((grad_of_row.float() * weight_of_row[:, None]).to(h.dtype))
-        grad_h = _grouped(grad_out, w2.transpose(1, 2), counts)
+        grad_h = _grouped_matmul(grad_out, counts, w2.transpose(1, 2))
         grad_w2 = _grouped_weight_grad(h, grad_out, counts)
-        with torch.enable_grad():
-            xr, w1_, w3_ = (t.detach().requires_grad_() for t in (received, w1, w3))
-            grad_received, grad_w1, grad_w3 = torch.autograd.grad(_gate(xr, w1_, w3_, counts), (xr, w1_, w3_),
-                                                                  grad_h)
-        grad_x = unpermute(exchange.to_sources(grad_received), perm, torch.ones_like(weights))
+        epoch, grad_w1, grad_w3 = layer.dispatch.start_backward(grad_h, received, layout, w1, w3)
+        grad_x = layer.dispatch.finish_backward(epoch, layout, perm)
         return grad_x, grad_weights, grad_w1, grad_w3, grad_w2, None, None, None
-
-
-def _grouped(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Rows of group e times w[e]: torch._grouped_mm where it works (checked once per shape), else a loop."""
-    if x.is_cuda and _grouped_mm_works(x.device, x.dtype, w.shape[1], w.shape[2]):
-        return torch._grouped_mm(x, w, offs=_group_ends(counts, x.device))
-    return torch.cat([rows @ w[e] for e, rows in enumerate(torch.split(x, counts))])
 
 
 def _grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -209,11 +199,6 @@ def _grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: list[int])
         out = torch._grouped_mm(x.t(), grad, offs=_group_ends(counts, x.device))
         return out.masked_fill(torch.tensor(counts, device=x.device).view(-1, 1, 1) == 0, 0)
     return torch.stack([a.t() @ g for a, g in zip(torch.split(x, counts), torch.split(grad, counts))])
-
-
-def _gate(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """The experts' first half: silu(x @ w1[e]) * (x @ w3[e])."""
-    return F.silu(_grouped(x, w1, counts)) * _grouped(x, w3, counts)
 
 
 def _group_ends(counts: list[int], device: torch.device) -> torch.Tensor:
