@@ -3,6 +3,7 @@
 is written into the run directory after training: the trained model's memory is released by then, and the
 report's timings cannot disturb the training's own step times."""
 
+import gc
 import importlib
 import logging
 
@@ -34,6 +35,7 @@ def main(cfg: DictConfig) -> None:
         run_dir = agree_on_run_dir(HydraConfig.get().runtime.output_dir)
         train(cfg, env, run_dir)
         if cfg.report:
+            gc.collect()  # the trained model (DDP holds reference cycles) is freed before the report builds its own
             write_report(cfg, env, run_dir)
     finally:
         destroy_distributed()

@@ -135,6 +135,7 @@ def test_paper_scale_configs_compose_and_fit_two_h200s():
     dlrm = config("model=dlrm_paper")
     assert (dlrm.data.num_sparse, dlrm.model.num_rows, dlrm.model.embedding_dim) == (128, 100_000, 256)
     assert dlrm.data.train.mean_pooling == 10 and 2048 <= dlrm.data.global_batch_size <= 4096
+    assert dlrm.data.train.device == dlrm.data.eval.device == "cuda"  # host generation is slower than a step
     assert dlrm.model.dense_arch[-1] == dlrm.model.embedding_dim and dlrm.model.name == "dlrm"
     tables_per_gpu = dlrm.data.num_sparse * dlrm.model.num_rows * dlrm.model.embedding_dim * 4 / 2
     assert tables_per_gpu < 7e9  # + row-wise Adagrad state (one value per row) and per-step buffers: see the yaml
@@ -151,8 +152,9 @@ def test_paper_scale_configs_compose_and_fit_two_h200s():
 
 
 def test_shrunken_paper_configs_train_two_steps(tmp_path):
-    dlrm = config("model=dlrm_paper", "data.num_sparse=12", "model.num_rows=500", "model.embedding_dim=16",
-                  "model.dense_arch=[32,16]", "model.over_arch=[64,32,1]", "data.global_batch_size=32",
+    dlrm = config("model=dlrm_paper", "data.train.device=cpu", "data.num_sparse=12", "model.num_rows=500",
+                  "model.embedding_dim=16", "model.dense_arch=[32,16]", "model.over_arch=[64,32,1]",
+                  "data.global_batch_size=32",
                   "trainer.max_steps=2", "trainer.log_every=1", "trainer.progress=false", "data.eval_batches=1",
                   "trainer.checkpoint_every=0")
     result = train_dlrm(dlrm, CPU, tmp_path / "dlrm")
@@ -163,3 +165,39 @@ def test_shrunken_paper_configs_train_two_steps(tmp_path):
                  "data.eval_batches=1", "trainer.checkpoint_every=0")
     result = train_moe(moe, CPU, tmp_path / "moe")
     assert result.step == 2 and all(math.isfinite(loss) for _, loss in result.losses)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL, symmetric memory)")
+def test_two_gpus_fused_columns_timed(tmp_path):
+    """On 2 GPUs: train.py comm=fused report=true; the fused columns are timed with CUDA events, speedups and % of
+    speed of light filled in; the MoE report says its layer has no fused path yet."""
+    run_torchrun([*DLRM[1:], "comm=fused", "comm.grad_allreduce=q8", "report=true", "trainer.max_steps=5",
+                  "trainer.progress=false", "data.eval_batches=1", "trainer.checkpoint_every=0",
+                  f"hydra.run.dir={tmp_path}/dlrm"])
+    report, _ = read(tmp_path / "dlrm")
+    layers = {e["name"]: e for e in report["layers"]}
+    assert report["timing"]["method"] == "CUDA events" and report["peer_bandwidth_GBps"] > 1
+    for name in (LOOKUP, STEP):
+        assert set(layers[name]["speedup"]) == {"fwd", "fwd_bwd"}, layers[name]
+        assert all(v > 0 for v in layers[name]["pct_sol"]["fused"].values())
+    assert layers["gradient all-reduce"]["fused"]["fwd_bwd_ms"] > 0
+    assert "no fused input dist" in layers["sparse input dist (KJT all-to-all)"]["fused"]["unavailable"]
+
+    run_torchrun([*MOE[1:], "report=true", "trainer.max_steps=2", "trainer.progress=false", "data.eval_batches=1",
+                  "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}/moe"])
+    report, _ = read(tmp_path / "moe")
+    moe = report["layers"][0]
+    assert moe["bulk"]["fwd_bwd_ms"] > 0 and "no fused MoE" in moe["fused"]["unavailable"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (side-stream copy of the next batch)")
+def test_gpu_batches_copied_ahead_train_as_without_prefetch(tmp_path):
+    """The loop's next batch is pinned, copied and input-distributed on side streams: the same losses as without."""
+    gpu = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), backend=None)
+    common = [*DLRM[1:], "trainer.max_steps=12", "trainer.log_every=1", "trainer.progress=false",
+              "data.eval_batches=1", "trainer.checkpoint_every=0"]
+    ahead = train_dlrm(config(*common), gpu, tmp_path / "ahead")
+    plain = train_dlrm(config(*common, "trainer.prefetch_input_dist=false"), gpu, tmp_path / "plain")
+    assert [s for s, _ in ahead.losses] == list(range(1, 13)) == [s for s, _ in plain.losses]
+    # a batch read before its copy landed, or another step's batch, would move the curve far more than this
+    torch.testing.assert_close([l for _, l in ahead.losses], [l for _, l in plain.losses], rtol=1e-5, atol=1e-6)

@@ -23,7 +23,7 @@ MODES = ("bulk", "fused")
 
 def repeats(env: DistEnv) -> tuple[int, int]:
     """(warm-up runs, timed runs): fewer on the CPU, where host-timed runs are long and steady."""
-    return (10, 50) if env.device.type == "cuda" else (2, 10)
+    return (10, 50) if env.device.type == "cuda" else (1, 5)
 
 
 def measure_bandwidth(env: DistEnv) -> float | None:

@@ -115,19 +115,26 @@ def write_png(report: dict, path: Path) -> str | None:
         return "matplotlib is not installed (python scripts/setup_env.py installs it)"
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.patches import Patch
+
+    colors = {"bulk": "tab:gray", "fused": "tab:blue"}
 
     def bars(ax, entries, title):
         labels, width = [], 0.38
         for i, entry in enumerate(entries):
-            p = "fwd_bwd" if any("fwd_bwd_ms" in entry[m] for m in ("bulk", "fused")) else "fwd"
+            p = "fwd_bwd" if any("fwd_bwd_ms" in entry[m] for m in colors) else "fwd"
             labels.append(f"{entry['name'].split(' (')[0]}\n({PASS_TITLES[p]})")
-            for offset, mode, color in ((-width / 2, "bulk", "tab:gray"), (width / 2, "fused", "tab:blue")):
+            for offset, mode in ((-width / 2, "bulk"), (width / 2, "fused")):
                 ms = entry[mode].get(f"{p}_ms")
-                if ms is None:
+                if ms is None:  # the md/json say why
                     ax.text(i + offset, 0, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)
                 else:
-                    ax.bar(i + offset, ms, width, color=color, label=mode if i == 0 else None)
+                    ax.bar(i + offset, ms, width, color=colors[mode])
+            if p in entry["speedup"]:
+                ax.text(i + width / 2, entry["fused"][f"{p}_ms"], f"{entry['speedup'][p]:.2f}x", ha="center",
+                        va="bottom", fontsize=8)
         ax.set_xticks(range(len(entries)), labels, fontsize=7)
+        ax.set_xlim(-0.6, len(entries) - 0.4)
         ax.set_ylabel("ms (median, slowest rank)")
         ax.set_title(title, fontsize=9)
 
@@ -136,20 +143,10 @@ def write_png(report: dict, path: Path) -> str | None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [max(len(layers), 1), 1]})
     bars(left, layers, "communicating layers")
     bars(right, steps, "whole training step")
-    fig.legend(*_legend(left, right), loc="upper right")
+    fig.legend(handles=[Patch(color=c, label=m) for m, c in colors.items()], loc="upper left")
     fig.suptitle(f"{report['model']}: bulk vs fused, {report['environment']['machine']['device']} "
                  f"x{report['environment']['machine']['world_size']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return None
-
-
-def _legend(*axes):
-    handles, labels = {}, []
-    for ax in axes:
-        for h, label in zip(*ax.get_legend_handles_labels()):
-            if label not in handles:
-                handles[label] = h
-                labels.append(label)
-    return [handles[label] for label in labels], labels

@@ -4,6 +4,12 @@ One step: batch -> DLRM forward (sparse all-to-alls inside) -> loss -> backward 
 into it, dense gradients averaged by DDP) -> dense optimizer step. Every `log_every` steps the loss is reduced
 over ranks and checked for NaN/inf; every `eval_every` steps AUC and log loss are measured on held-out data;
 every `checkpoint_every` steps a checkpoint is written (only after the loss was checked).
+
+On GPUs the next batch's host-to-device copy and input all-to-all run ahead on side streams (`next_batch`). The
+host waits for the GPU inside a step only where a size must be known on the host: the input all-to-all's value
+counts and received sizes, and its index range check (on the side stream, behind the copy only, when
+prefetching), and the embedding backward's grid size (`unique_consecutive`, one per step); then every `log_every`
+steps the loss reduction. A step launched while the previous one still runs is otherwise free of host syncs.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ def train_step(model, optimizer, batch, world_size: int) -> torch.Tensor:
     # Sum over the local batch / global batch, times world size: DDP's average over ranks (and the sparse
     # all-to-all's division by world size, as in torchrec) then give the gradient of the global-batch mean,
     # uneven local batches weighted correctly.
-    global_batch = all_reduce_sum(torch.tensor(float(logits.numel()), device=logits.device))
+    global_batch = all_reduce_sum(torch.full((), float(logits.numel()), device=logits.device))  # no host copy
     loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") * world_size / global_batch
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -108,12 +114,27 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
 
     saved_step = step
 
+    copy_stream = torch.cuda.Stream(env.device) if env.device.type == "cuda" else None
+
     def next_batch():
-        """The next (epoch, batch) on the device, its input all-to-all already under way when prefetching."""
+        """The next (epoch, batch) on the device, its input all-to-all already under way when prefetching.
+
+        On GPUs the host batch is pinned and copied on a side stream, and the input all-to-all is issued behind
+        that copy only (prefetch's stream waits on the stream current here): both run while the kernels of the
+        step just enqueued still execute, and the host never waits for that step. The main stream waits for the
+        copy from here on. On the CPU, or for a batch generated on the GPU, it is a plain call (torch.cuda.stream(None)
+        does nothing).
+        """
         epoch, batch = next(batches)
-        batch = to_device(batch, env.device)
-        if t.prefetch_input_dist and not done(epoch):
-            sparse.prefetch(batch.sparse_features)
+        ahead = copy_stream is not None and batch.labels.device.type == "cpu"  # else made on the main stream
+        with torch.cuda.stream(copy_stream if ahead else None):
+            batch = to_device(batch.pin_memory() if ahead else batch, env.device)
+            if t.prefetch_input_dist and not done(epoch):
+                sparse.prefetch(batch.sparse_features)
+        if ahead:
+            main = torch.cuda.current_stream()
+            batch.record_stream(main)  # made on the copy stream, read on the main one
+            main.wait_stream(copy_stream)
         return epoch, batch
 
     def done(epoch: int) -> bool:
