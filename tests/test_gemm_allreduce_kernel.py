@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
-from fused_dlrm.kernels.gemm_allreduce import (PRODUCE, REDUCE, WAIT, GemmAllReduce, gemm_allreduce_reference)
+from fused_dlrm.kernels.gemm_allreduce import (PRODUCE, REDUCE, WAIT, GemmAllReduce, default_split_k,
+                                               gemm_allreduce_reference)
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
@@ -82,12 +83,16 @@ def test_skewed_shapes(world_size, n):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_split_k(world_size):
-    """K split in 3 chunks over 5 programs: each tile's units come from several programs of every source."""
-    world = World(world_size, num_programs=5, split_k=3)
+@pytest.mark.parametrize("split_k,m,k", [(3, 2, 100), (None, 1, 200)])
+def test_split_k(world_size, split_k, m, k):
+    """K in chunks over 5 programs (3 given; 4 by default_split_k for a GEMV with K = 200): each tile's units
+    come from several programs of every source."""
+    if split_k is None:
+        assert default_split_k(m, k, 5, 5) == 4  # 4 units per program, limited by K / (40 M) = 5
+    world = World(world_size, num_programs=5, split_k=split_k)
     gen = torch.Generator().manual_seed(3)
     for _ in range(2):
-        xs, ws = random_inputs(world_size, 2, 100, 70, torch.float16, gen)
+        xs, ws = random_inputs(world_size, m, k, 70, torch.float16, gen)
         world.poison()
         assert_all_reduced(world(xs, ws), xs, ws)
 

@@ -155,6 +155,12 @@ def _gemm_allreduce_kernel(
             _wait_or_record(done + owner * num_programs + pid, epoch, spin_limit, error_ptr, owner, pid)
 
 
+def default_split_k(m: int, k: int, num_tiles: int, num_programs: int) -> int:
+    """K chunks per tile: about 4 (tile, chunk) units per program, so that the programs' shares differ by a
+    quarter at most; but the fp32 partials (split_k * M * N * 4 bytes) at most 1/20 of the weight (K * N * 2)."""
+    return max(1, min(triton.cdiv(4 * num_programs, num_tiles), k // (40 * m)))
+
+
 class GemmAllReduce:
     """out = sum over the workspace's ranks of x @ w, fused into one launch (see the module docstring).
 
@@ -195,9 +201,9 @@ class GemmAllReduce:
         P = self.num_programs
         num_tiles = triton.cdiv(n, self.block_n)
         tiles_per_rank = triton.cdiv(num_tiles, self.world)
-        # Enough (tile, K chunk) units for every program of the launch; K chunks of whole BLOCK_K tiles.
-        split_k = self.split_k or max(1, min(triton.cdiv(P, num_tiles), triton.cdiv(k, self.block_k)))
+        split_k = self.split_k or default_split_k(m, k, num_tiles, P)
         k_tiles = triton.cdiv(triton.cdiv(k, split_k), self.block_k)
+        split_k = triton.cdiv(k, k_tiles * self.block_k)  # K chunks of whole BLOCK_K tiles, none of them empty
         recv = self.ws.buffer("gemm_allreduce_recv", 2 * self.world * split_k * tiles_per_rank * m * self.block_n,
                               torch.float32)
         out = self.ws.buffer("gemm_allreduce_out", 2 * m * n, x.dtype)
