@@ -170,7 +170,7 @@ def test_shrunken_paper_configs_train_two_steps(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL, symmetric memory)")
 def test_two_gpus_fused_columns_timed(tmp_path):
     """On 2 GPUs: train.py comm=fused report=true; the fused columns are timed with CUDA events, speedups and % of
-    speed of light filled in; the MoE report says its layer has no fused path yet."""
+    speed of light filled in; the MoE report times the fused MoELayer and says the whole model has none yet."""
     run_torchrun([*DLRM[1:], "comm=fused", "comm.grad_allreduce=q8", "report=true", "trainer.max_steps=5",
                   "trainer.progress=false", "data.eval_batches=1", "trainer.checkpoint_every=0",
                   f"hydra.run.dir={tmp_path}/dlrm"])
@@ -186,8 +186,9 @@ def test_two_gpus_fused_columns_timed(tmp_path):
     run_torchrun([*MOE[1:], "report=true", "trainer.max_steps=2", "trainer.progress=false", "data.eval_batches=1",
                   "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}/moe"])
     report, _ = read(tmp_path / "moe")
-    moe = report["layers"][0]
-    assert moe["bulk"]["fwd_bwd_ms"] > 0 and "no fused MoE" in moe["fused"]["unavailable"]
+    moe, step = report["layers"][0], report["layers"][-1]
+    assert set(moe["speedup"]) == {"fwd", "fwd_bwd"} and moe["bytes_sent"]["fwd"] > 0  # the fused MoELayer
+    assert "no fused MoE Transformer" in step["fused"]["unavailable"] and step["bulk"]["fwd_bwd_ms"] > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (side-stream copy of the next batch)")

@@ -3,7 +3,7 @@
 The MoE layers (route, dispatch all-to-all, experts, combine all-to-all) all share one shape, so one of them is
 timed and counted num_moe_layers times; the replicated gradients' all-reduce (plain against the configured
 comm.grad_allreduce codec); and the whole training step. Whether a fused MoE model exists on this machine is
-decided in one place, `fused_moe_model`.
+decided in one place, `fused_moe`.
 """
 
 from __future__ import annotations
@@ -15,19 +15,33 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
-from fused_dlrm.dist import DistEnv, all_reduce_sum
-from fused_dlrm.report.layers import (STEP, CommLayer, Mode, forward_backward, fused_or_reason,
+from fused_dlrm.dist import DistEnv
+from fused_dlrm.report.layers import (STEP, CommLayer, Mode, forward_backward,
                                       grad_allreduce_layer, no_fused_path, no_grad)
-from moe.layer import MoELayer
-from moe.train import build_data, build_model, sync_gradients, token_cross_entropy_sum
+from moe.layer import FusedMoEConfig, MoELayer
+from moe.train import build_data, build_model, sum_over, sync_gradients, token_cross_entropy_sum
 from moe.transformer import expert_parameters
 
 
-def fused_moe_model(cfg: DictConfig, env: DistEnv) -> nn.Module | str:
-    """The MoE Transformer with fused dispatch and combine, or why there is none here. Extend this function when
-    moe/layer.py gains a fused mode: build the model with it; the report then times its first MoE layer and its
-    training step as the fused column."""
-    return no_fused_path(env) or "no fused MoE dispatch / combine yet (moe/layer.py is bulk only)"
+def fused_moe(cfg: DictConfig, env: DistEnv, layer: MoELayer) -> tuple[MoELayer | str, nn.Module | str]:
+    """The fused twins of one MoE layer (same shapes and weights as `layer`) and of the whole model, or why there
+    are none here. The one place to extend as the fused MoE grows: the whole model once moe/transformer.py can build
+    its MoE layers with comm="fused"; the report then times its training step as the fused column."""
+    reason = no_fused_path(env)
+    if reason:
+        return reason, reason
+    m = cfg.model
+    fused = MoELayer(m.d_model, m.ffn, m.num_experts, m.top_k, group=layer.group, capacity_factor=m.capacity_factor,
+                     device=env.device, comm="fused", fused=FusedMoEConfig())
+    with torch.no_grad():  # router then experts in both (the model's layer renames its experts module only)
+        for mine, theirs in zip(fused.parameters(), layer.parameters(), strict=True):
+            mine.copy_(theirs)
+    return fused, "no fused MoE Transformer yet (moe/transformer.py builds its MoE layers with comm=bulk)"
+
+
+def layer_modes(layer: MoELayer, x: torch.Tensor, grad: torch.Tensor) -> Mode:
+    forward = lambda: layer(x)[0]
+    return {"fwd": no_grad(forward), "fwd_bwd": forward_backward(forward, grad)}
 
 
 class _Run:
@@ -43,20 +57,16 @@ class _Run:
         self.x = torch.randn(self.inputs.numel(), cfg.model.d_model, device=env.device, generator=generator)
         self.grad = torch.randn_like(self.x)
 
-    def layer_modes(self) -> Mode:
-        forward = lambda: self.layer(self.x)[0]
-        return {"fwd": no_grad(forward), "fwd_bwd": forward_backward(forward, self.grad)}
-
     def step(self) -> None:
-        """One training step as moe/train.py takes it."""
-        m, world = self.cfg.model, self.env.world_size
+        """One training step as moe/train.py's loop takes it (keep the two alike)."""
+        m, dp_size = self.cfg.model, self.env.world_size // self.cfg.model.tp_size
         logits, aux = self.model(self.inputs)
-        global_tokens = all_reduce_sum(torch.tensor(float(self.targets.numel()), device=self.env.device))
-        ce = token_cross_entropy_sum(logits, self.targets) * world / global_tokens
+        global_tokens = sum_over(torch.tensor(float(self.targets.numel()), device=self.env.device), self.model.group)
+        ce = token_cross_entropy_sum(logits, self.targets) * dp_size / global_tokens
         loss = ce + m.aux_coeff * aux["load_balancing_loss"] + m.z_coeff * aux["z_loss"]
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        sync_gradients(self.model, world, self.grad_allreduce)
+        sync_gradients(self.model, dp_size, self.grad_allreduce, self.model.group)
         self.optimizer.step()
 
     def step_modes(self) -> Mode:
@@ -66,16 +76,15 @@ class _Run:
 def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
     m = cfg.model
     bulk = _Run(cfg, env, build_model(cfg, env), run_dir, "nccl")
-    fused_model = fused_moe_model(cfg, env)
-    fused = None if isinstance(fused_model, str) else _Run(cfg, env, fused_model, run_dir, cfg.comm.grad_allreduce)
-    reason = fused_model if isinstance(fused_model, str) else None
     layer, x = bulk.layer, bulk.x
+    fused_layer, fused_model = fused_moe(cfg, env, layer)
+    fused = None if isinstance(fused_model, str) else _Run(cfg, env, fused_model, run_dir, cfg.comm.grad_allreduce)
 
     # Rows routed to experts of other ranks leave in the dispatch and come back in the combine; backward the same.
     with torch.no_grad():
         per_expert = layer(x)[1]["tokens_per_expert"]
     owner = torch.arange(layer.num_experts, device=x.device) // layer.num_local_experts
-    remote_rows = int(per_expert[owner != env.rank].sum())
+    remote_rows = int(per_expert[owner != layer.rank].sum())
     forward_bytes = 2 * remote_rows * m.d_model * x.element_size()
     num_moe = sum(1 for module in bulk.model.modules() if isinstance(module, MoELayer))
     moe_layer = CommLayer(
@@ -83,12 +92,13 @@ def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
         f"{x.shape[0]} tokens x d={m.d_model} {str(x.dtype).removeprefix('torch.')}, {m.num_experts} experts "
         f"({layer.num_local_experts} here) top-{m.top_k}, ffn {m.ffn}",
         {"fwd": forward_bytes, "fwd_bwd": 2 * forward_bytes},
-        bulk.layer_modes(), fused_or_reason(reason, lambda: fused.layer_modes()), count=num_moe)
+        layer_modes(layer, x, bulk.grad),
+        fused_layer if isinstance(fused_layer, str) else layer_modes(fused_layer, x, bulk.grad), count=num_moe)
     moe_layer.notes.append("input: random hidden states of the real shape (the routing is that of random tokens)")
 
     experts = {id(p) for p in expert_parameters(bulk.model)}
     num_replicated = sum(p.numel() for p in bulk.model.parameters() if id(p) not in experts)
-    allreduce = grad_allreduce_layer(num_replicated, cfg.comm.grad_allreduce, env, reason)
+    allreduce = grad_allreduce_layer(num_replicated, cfg.comm.grad_allreduce, env, no_fused_path(env))
 
     step = CommLayer(
         STEP,
@@ -96,5 +106,5 @@ def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
         f"{m.num_layers} layers",
         {"fwd": num_moe * forward_bytes,
          "fwd_bwd": num_moe * 2 * forward_bytes + allreduce.bytes_sent["fwd_bwd"]},
-        bulk.step_modes(), fused_or_reason(reason, lambda: fused.step_modes()))
+        bulk.step_modes(), fused_model if isinstance(fused_model, str) else fused.step_modes())
     return [moe_layer, allreduce, step]
