@@ -129,16 +129,21 @@ def _gemm_allreduce_kernel(
         ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
         j = pid
         while j < owned:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for source in tl.static_range(WORLD):
+            for source in tl.static_range(WORLD):  # the flags of the programs that produced tile j's units
                 chunk = 0
                 while chunk < split_k:
                     producer = (j * split_k + chunk) % num_programs
                     _wait_or_record(ready + source * num_programs + producer, epoch, spin_limit, error_ptr,
                                     source, rank * tiles_per_rank + j)
+                    chunk += 1
+            tl.debug_barrier()  # the flags this program's threads acquired cover the partials any of them loads
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for source in tl.static_range(WORLD):
+                chunk = 0
+                while chunk < split_k:
                     slot = ((source * split_k + chunk) * tiles_per_rank + j) * slot_size
                     acc += tl.load(recv + slot + rows[:, None] * BLOCK_N + cols[None, :], mask=row_mask[:, None],
-                                   other=0.0)
+                                   other=0.0, cache_modifier=".cg")  # peers wrote these: not from L1
                     chunk += 1
             result = acc.to(OUT_DTYPE)
             n = (rank * tiles_per_rank + j) * BLOCK_N + cols
