@@ -6,9 +6,9 @@ inside every MoE layer) -> loss = cross-entropy + aux_coeff * load balancing + z
 world is split into tensor-parallel groups of consecutive ranks (the attention and dense FFN projections sharded
 over each, activations replicated inside it) and data-parallel groups across them: the batch is split over the
 data-parallel ranks (a TP group shares one slice), and gradients are averaged over the data-parallel group.
-Every `log_every` steps the losses are reduced over ranks and checked for NaN/inf, and tokens/s and the expert load are logged; every
-`eval_every` steps the eval loss is measured; every `checkpoint_every` steps a checkpoint is written (only after
-the loss was checked). Only trainer.max_steps is supported (no epochs).
+Every `log_every` steps the losses are reduced over ranks and checked for NaN/inf, and tokens/s and the expert
+load are logged; every `eval_every` steps the eval loss is measured; every `checkpoint_every` steps a checkpoint
+is written (only after the loss was checked). Only trainer.max_steps is supported (no epochs).
 """
 
 from __future__ import annotations
@@ -178,8 +178,8 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         inputs, targets = (x.to(env.device) for x in train_data.batch(step))
         logits, aux = model(inputs)
         # Sum over the local tokens / global tokens, times the data-parallel world size: averaging the replicated
-        # gradients over the data-parallel ranks (sync_gradients) then gives the gradient of the global-batch mean, uneven local batches weighted
-        # correctly. The auxiliary losses are per rank (over its tokens, as Megatron's router computes them).
+        # gradients over the data-parallel ranks (sync_gradients) then gives the gradient of the global-batch
+        # mean, uneven local batches weighted correctly. The auxiliary losses are per rank (over its tokens, as Megatron's router computes them).
         global_tokens = sum_over(torch.tensor(float(targets.numel()), device=env.device), model.group)
         ce = token_cross_entropy_sum(logits, targets) * dp_size / global_tokens
         loss = ce + m.aux_coeff * aux["load_balancing_loss"] + m.z_coeff * aux["z_loss"]
