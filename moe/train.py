@@ -179,7 +179,8 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         logits, aux = model(inputs)
         # Sum over the local tokens / global tokens, times the data-parallel world size: averaging the replicated
         # gradients over the data-parallel ranks (sync_gradients) then gives the gradient of the global-batch
-        # mean, uneven local batches weighted correctly. The auxiliary losses are per rank (over its tokens, as Megatron's router computes them).
+        # mean, uneven local batches weighted correctly. The auxiliary losses are per rank (over its tokens, as
+        # Megatron's router computes them).
         global_tokens = sum_over(torch.tensor(float(targets.numel()), device=env.device), model.group)
         ce = token_cross_entropy_sum(logits, targets) * dp_size / global_tokens
         loss = ce + m.aux_coeff * aux["load_balancing_loss"] + m.z_coeff * aux["z_loss"]

@@ -169,8 +169,9 @@ def default_split_k(m: int, k: int, num_tiles: int, num_programs: int) -> int:
 class GemmAllReduce:
     """out = sum over the workspace's ranks of x @ w, fused into one launch (see the module docstring).
 
-    Every rank must call with the same M, K, N, dtype and the same number of times (flags carry per-call epochs). Block sizes are fixed per instance (Triton compiles one kernel per (BLOCK_M,
-    K_TILES, dtype)); the launch has `num_programs` persistent programs, by default PROGRAMS_PER_SM per SM.
+    Every rank must call with the same M, K, N, dtype and the same number of times (flags carry per-call
+    epochs). Block sizes are fixed per instance (Triton compiles one kernel per (BLOCK_M, K_TILES, dtype)); the
+    launch has `num_programs` persistent programs, by default PROGRAMS_PER_SM per SM.
     """
 
     def __init__(self, workspace: _Workspace, num_programs: int | None = None, spin_limit: int = 20_000_000,
