@@ -121,7 +121,7 @@ def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, out_ptrs, ready_ptrs, ack_ptr,
             b_ptrs += BLOCK_K * D_MODEL
         # The guard, as late as possible: the source has finished reading the previous epoch's rows.
         released = consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
-        out = tl.load(out_ptrs + dest).to(tl.pointer_type(OUT_DTYPE))
+        out = tl.multiple_of(tl.load(out_ptrs + dest).to(tl.pointer_type(OUT_DTYPE)), 16)  # aligned: vector stores
         out_ptr = out + (dest_row + m)[:, None] * D_MODEL + cols[None, :]
         tl.store(out_ptr, acc.to(OUT_DTYPE), mask=row_mask[:, None] & col_mask[None, :] & released)
         if released:
