@@ -280,11 +280,15 @@ class GemmConfig:
     num_stages: int
 
 
-def gemm_config(device: torch.device) -> GemmConfig:
-    """H200 bf16/fp16: 128 x 128 tiles (two fp32 accumulators), k steps of 64; the interpreter: tl.dot's minimum."""
-    if device.type == "cuda":
-        return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
-    return GemmConfig(16, 16, 16, num_warps=4, num_stages=1)
+def gemm_config(device: torch.device, dtype: torch.dtype) -> GemmConfig:
+    """H200 bf16/fp16: 128 x 128 tiles (two fp32 accumulators), k steps of 64, 3 stages (144 KB of shared memory,
+    no register spills per ptxas); fp32 (IEEE, slow, for checks) half the k step and 2 stages to fit in shared
+    memory; the interpreter: tl.dot's minimum."""
+    if device.type != "cuda":
+        return GemmConfig(16, 16, 16, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return GemmConfig(128, 128, 32, num_warps=8, num_stages=2)
+    return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
 
 
 class FusedDispatch:
@@ -305,7 +309,6 @@ class FusedDispatch:
         self.ws, self.rank, self.world = workspace, workspace.rank, workspace.world_size
         self.d_model, self.ffn, self.num_local_experts = d_model, ffn, num_local_experts
         self.num_programs, self.spin_limit, self.chunk = num_programs, spin_limit, block_m
-        self.config = gemm_config(workspace.device)
         self.errors = PeerErrors(workspace.device, self.rank, "fused MoE dispatch")
         self.capacity = 0  # receive rows per half of the double buffer; grows, the same on every rank
         self._dest_order = torch.tensor(remote_first_order(self.rank, self.world), dtype=torch.int32,
@@ -378,7 +381,7 @@ class FusedDispatch:
         base = (epoch % 2) * self.capacity * d
         received = rows.local[base:base + recv_rows * d].view(recv_rows, d)
         h = torch.empty(recv_rows, ffn, dtype=w1.dtype, device=w1.device)
-        cfg = self.config
+        cfg = gemm_config(self.ws.device, w1.dtype)
         tiles = self._row_tiles(layout, cfg.block_m, remote_first=False)
         num_tiles = tiles.shape[1] * triton.cdiv(ffn, cfg.block_n)
         programs = self._gemm_programs(num_tiles)
@@ -406,7 +409,7 @@ class FusedDispatch:
         epoch = self.ws.next_epoch("moe_dispatch_grad")
         da1, da3, dw1, dw3 = gated_gemm_grads(received, layout.tokens_per_local_expert, w1, w3, dh)
         grad, ready, ack, tiles_per_rank = self._grad_buffers(layout, received.dtype)
-        cfg = self.config
+        cfg = gemm_config(self.ws.device, received.dtype)
         tiles = self._row_tiles(layout, cfg.block_m, remote_first=True)
         num_tiles = tiles.shape[1] * triton.cdiv(self.d_model, cfg.block_n)
         programs = self._gemm_programs(num_tiles)
@@ -424,7 +427,7 @@ class FusedDispatch:
         gradients, each block of tokens summed as soon as the owners' flags of its rows are up (FusedCombine's
         consumer kernel with unit weights); then the epoch is acknowledged to every owner."""
         grad, ready, ack, tiles_per_rank = self._grad_buffers(layout, self._grad_dtype)
-        cfg = self.config
+        cfg = gemm_config(self.ws.device, self._grad_dtype)  # the tiles start_backward's flags number
         num_tokens = perm.inverse.numel() // perm.top_k
         dx = torch.empty(num_tokens, self.d_model, dtype=self._grad_dtype, device=perm.inverse.device)
         if num_tokens:
@@ -445,12 +448,13 @@ class FusedDispatch:
         """(gradient rows [max_send_rows, d] of each source, flags per (owner, row tile, column block), acks,
         row tiles per owner): one buffer, guarded by the sources' acks (the sum reads it, dx is a new tensor)."""
         self._grad_dtype = dtype
+        cfg = gemm_config(self.ws.device, dtype)
         rows = self.ws.buffer("moe_dispatch_grad_rows", triton.next_power_of_2(layout.max_send_rows) * self.d_model,
                               dtype)
         # Row tiles of any owner: at most cdiv(rows, BLOCK_M) + one partial tile per local expert.
-        tiles_per_rank = triton.cdiv(self.capacity, self.config.block_m) + self.num_local_experts
+        tiles_per_rank = triton.cdiv(self.capacity, cfg.block_m) + self.num_local_experts
         ready = self.ws.buffer(f"moe_dispatch_grad_ready_{tiles_per_rank}",
-                               self.world * tiles_per_rank * triton.cdiv(self.d_model, self.config.block_n),
+                               self.world * tiles_per_rank * triton.cdiv(self.d_model, cfg.block_n),
                                torch.int32)
         ack = self.ws.buffer("moe_dispatch_grad_ack", self.world, torch.int32)
         return rows, ready, ack, tiles_per_rank
