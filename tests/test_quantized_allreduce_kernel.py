@@ -20,7 +20,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 
 
 def world_of(size: int, max_programs: int = 2, spin_limit: int = 50) -> list[FusedQuantizedAllReduce]:
-    return [FusedQuantizedAllReduce(ws, max_programs, spin_limit) for ws in SimulatedWorld(size).workspaces()]
+    """Tiles of 32 blocks (the GPU's are larger): small inputs still cover many tiles per program."""
+    return [FusedQuantizedAllReduce(ws, max_programs, spin_limit, tile_blocks=32)
+            for ws in SimulatedWorld(size).workspaces()]
 
 
 def poison(call) -> None:
@@ -83,6 +85,13 @@ def test_tiny_and_skewed_sizes(world_size):
         xs = inputs(world_size, n, "normal", seed=n)
         got = all_reduce(world, xs, "q8")
         assert all(torch.equal(y, quantized_all_reduce_reference(xs, "q8")) for y in got), n
+
+
+def test_the_gpus_tile_size():
+    world = [FusedQuantizedAllReduce(ws, 2, 50) for ws in SimulatedWorld(2).workspaces()]
+    xs = inputs(2, 3 * 2 * 4096 + 99, "student_t", seed=5)  # 4 tiles of 128 blocks per chunk on 2 programs
+    got = all_reduce(world, xs, "q6", mean=True)
+    assert all(torch.equal(y, quantized_all_reduce_reference(xs, "q6", mean=True)) for y in got)
 
 
 def test_many_consecutive_calls_on_the_same_flags():

@@ -2,8 +2,8 @@
 fused_dlrm.tp.quantized_allreduce's bulk all-reduce, with the same arithmetic bit for bit).
 
 x (n values) is cut into `world` chunks of `chunk_blocks` whole 32-value blocks (zero-padded at the end), each
-chunk into tiles of ROWS blocks; program p of every rank handles tiles p, p + P, ... of every chunk (P programs,
-the same on every rank). One launch runs three phases per program:
+chunk into tiles of `tile_blocks` blocks; program p of every rank handles tiles p, p + P, ... of every chunk
+(P programs, the same on every rank). One launch runs three phases per program:
 1. scatter: for every destination d (remote ranks first, rotated by rank, self last) encode the program's tiles
    of chunk d and store the rows straight into d's `recv` slots [source = me][rows]; then raise flag
    ready[me, p] in d (release, system scope) with the call's epoch;
@@ -32,7 +32,7 @@ the launch stop spinning; `PeerErrors` raises it naming rank, peer and slice.
 
 On GPUs every program waits on the same-numbered program of every peer's launch, so the grid must be
 co-resident: `PROGRAMS_PER_SM` = 2 programs of 4 warps fit on an SM whatever their registers (2 x 128 threads
-x 255 registers <= 65,536) and shared memory (a few KiB), so the grid needs no per-variant occupancy (which
+x 255 registers <= 65,536) and shared memory (<= 16 KiB), so the grid needs no per-variant occupancy (which
 could differ between ranks' compiled variants; the ranks' grids must agree). In the interpreter (one program at
 a time) a simulated world runs each phase on every rank before the next (`run(call, phase, phase)`).
 """
@@ -47,10 +47,12 @@ import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, wait_at_least
-from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, block_values, decode_reference, encode_blocks,
+from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, decode_reference, encode_blocks,
                                              encode_reference, error_bound, kernel_constants, load_blocks, store_rows)
 
-ROWS = 32  # blocks per tile (1024 values); not tuned on GPUs
+# Blocks per tile: 128 (4,096 values, 32 per thread) keeps enough loads in flight with only 256 threads per SM;
+# compiled for sm_90 it needs at most 224 registers (world 8) and 16 KiB of shared memory. Not yet measured.
+TILE_BLOCKS = 128
 PROGRAMS_PER_SM = 2  # co-resident whatever the registers (see the module docstring); not tuned on GPUs
 NUM_WARPS = 4
 
@@ -113,6 +115,13 @@ def _signal(flag_ptrs, peer, slot, epoch):
 
 
 @triton.jit
+def _values(r):
+    """int64 [ROWS, 32]: the flat index of every value of blocks r; 2-D, so loads and stores are wide vectors
+    (the codec's [ROWS, 32 // K, K] view is a reshape in registers)."""
+    return r.to(tl.int64)[:, None] * 32 + tl.arange(0, 32)[None, :]
+
+
+@triton.jit
 def _round_to(x, dtype: tl.constexpr):
     """fp32 x rounded to nearest even in the output dtype, as torch's .to(dtype): bf16 by bit arithmetic because
     the interpreter's fp32 -> bf16 cast truncates."""
@@ -144,9 +153,9 @@ def _quantized_all_reduce_kernel(
             while t < tiles:  # `while`: the interpreter cannot range() from a program id
                 rows = t * ROWS + i
                 row_mask = rows < chunk_blocks
-                idx = block_values(dest * chunk_blocks + rows, K)
-                x = tl.load(x_ptr + idx, mask=(idx < numel) & row_mask[:, None, None], other=0.0).to(tl.float32)
-                words, s_bits = encode_blocks(x, KIND, BITS, QMAX, OFFSET, K)
+                idx = _values(dest * chunk_blocks + rows)
+                x = tl.load(x_ptr + idx, mask=(idx < numel) & row_mask[:, None], other=0.0).to(tl.float32)
+                words, s_bits = encode_blocks(tl.reshape(x, [ROWS, 32 // K, K]), KIND, BITS, QMAX, OFFSET, K)
                 store_rows(recv, rows, row_mask, words, s_bits, KIND, K, NBYTES, PAYLOAD, ROW_BYTES)
                 t += num_programs
             _signal(ready_ptrs, dest, rank * max_programs + pid, epoch)
@@ -184,9 +193,9 @@ def _quantized_all_reduce_kernel(
                 row_mask = rows < chunk_blocks
                 x = load_blocks(gathered + src * slots, rows, row_mask, KIND, BITS, OFFSET, K, NBYTES, PAYLOAD,
                                 ROW_BYTES)
-                idx = block_values(src * chunk_blocks + rows, K)
-                out = _round_to(x, out_ptr.dtype.element_ty)
-                tl.store(out_ptr + idx, out, mask=(idx < numel) & row_mask[:, None, None])
+                idx = _values(src * chunk_blocks + rows)
+                out = _round_to(tl.reshape(x, [ROWS, 32]), out_ptr.dtype.element_ty)
+                tl.store(out_ptr + idx, out, mask=(idx < numel) & row_mask[:, None])
                 t += num_programs
 
 
@@ -211,11 +220,12 @@ class FusedQuantizedAllReduce:
 
     Every rank must make the same calls in the same order with the same sizes (allocation is collective and the
     flags carry a per-call epoch). `max_programs`: the grid cap and the flags' stride (`co_resident_programs` on
-    GPUs).
+    GPUs); `tile_blocks`: blocks per tile (a power of two; small ones let the interpreter tests cover many tiles).
     """
 
-    def __init__(self, workspace: _Workspace, max_programs: int, spin_limit: int = 20_000_000):
-        self.ws, self.max_programs, self.spin_limit = workspace, max_programs, spin_limit
+    def __init__(self, workspace: _Workspace, max_programs: int, spin_limit: int = 20_000_000,
+                 tile_blocks: int = TILE_BLOCKS):
+        self.ws, self.max_programs, self.spin_limit, self.tile_blocks = workspace, max_programs, spin_limit, tile_blocks
         self.rank, self.world = workspace.rank, workspace.world_size
         self.errors = PeerErrors(workspace.device, self.rank,
                                  f"fused quantized all-reduce (slices >= {max_programs}: all-gather)")
@@ -231,7 +241,7 @@ class FusedQuantizedAllReduce:
             raise ValueError(f"{x.numel()} values encode to {slots} bytes: the kernel's offsets are int32")
         flags = self.world * self.max_programs
         return FusedCall(x.contiguous().view(-1), torch.empty(x.shape, dtype=x.dtype, device=x.device), codec,
-                         mean, self.ws.next_epoch("qar"), cb, min(self.max_programs, triton.cdiv(cb, ROWS)),
+                         mean, self.ws.next_epoch("qar"), cb, min(self.max_programs, triton.cdiv(cb, self.tile_blocks)),
                          recv=self.ws.buffer("qar_recv", slots, torch.uint8),
                          gather=self.ws.buffer("qar_gather", slots, torch.uint8),
                          ready=self.ws.buffer("qar_ready", flags, torch.int32),
@@ -245,7 +255,7 @@ class FusedQuantizedAllReduce:
             call.x, call.out, call.x.numel(), call.chunk_blocks, call.recv.peer_ptrs, call.gather.peer_ptrs,
             call.ready.peer_ptrs, call.done.peer_ptrs, self.errors.word, self.rank, call.epoch, call.num_programs,
             self.max_programs, self.spin_limit, first_phase, last_phase,
-            WORLD=self.world, MEAN=call.mean, ROWS=ROWS, **kernel_constants(CODECS[call.codec]), **gpu)
+            WORLD=self.world, MEAN=call.mean, ROWS=self.tile_blocks, **kernel_constants(CODECS[call.codec]), **gpu)
 
     def finish(self, call: FusedCall) -> torch.Tensor:
         """The call's result (raises at once on the CPU, at a later call on GPUs, if a wait timed out)."""
