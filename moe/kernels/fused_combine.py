@@ -84,7 +84,7 @@ def fused_combine_reference(hs: list[torch.Tensor], w2s: list[torch.Tensor], lay
     return [unpermute(rows, perm, w.double()) for rows, perm, w in zip(combined, perms, weights)]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_row_tiles", "epoch", "spin_limit"])  # one variant for all steps
 def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, out_ptrs, ready_ptrs, ack_ptr, error_ptr,
                         num_row_tiles, num_programs, epoch, spin_limit,
                         FFN: tl.constexpr, D_MODEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -131,7 +131,7 @@ def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, out_ptrs, ready_ptrs, ack_ptr,
         t += num_programs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_rows", "epoch", "spin_limit"])  # one variant for all steps
 def _weighted_unpermute_kernel(rows_ptr, inverse_ptr, weights_ptr, tile_of_row_ptr, owner_of_row_ptr, ready_ptr,
                                error_ptr, out_ptr, copy_ptr, num_tokens, num_rows, epoch, spin_limit,
                                D_MODEL: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr,
@@ -182,7 +182,7 @@ def _weighted_unpermute_kernel(rows_ptr, inverse_ptr, weights_ptr, tile_of_row_p
              mask=token_mask[:, None] & col_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])  # one variant for all steps
 def _acknowledge_kernel(ack_ptrs, rank, epoch, WORLD: tl.constexpr):
     signal_ready(ack_ptrs, rank, epoch, WORLD)
 
