@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.report.__main__ import main as report_main
@@ -18,13 +17,12 @@ from fused_dlrm.report.layers import STEP, CommLayer
 from fused_dlrm.report.measure import measure_layer
 from fused_dlrm.report.render import environment, markdown, write_json, write_png
 from fused_dlrm.train.loop import train as train_dlrm
-from fused_dlrm.train.rundir import register_resolvers
 from moe.train import build_model as build_moe
 from moe.train import train as train_moe
 from moe.transformer import expert_parameters
+from test_training import config
 from world import run_torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
 CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
 DLRM = ["trainer.device=cpu", "model.num_rows=[300,2000,700,5000,64,1000]", "data.num_sparse=6",
         "data.global_batch_size=50", "model.embedding_dim=8", "model.dense_arch=[16,8]"]
@@ -123,12 +121,6 @@ def test_measure_and_render_with_both_modes(tmp_path):
     write_json(report, tmp_path / "report.json")
     assert json.loads((tmp_path / "report.json").read_text())["layers"][0]["fused"]["fwd_ms"] == fused
     assert write_png(report, tmp_path / "report.png") is None and (tmp_path / "report.png").stat().st_size > 1000
-
-
-def config(*overrides: str):
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 def test_paper_scale_configs_compose_and_fit_two_h200s():
