@@ -186,8 +186,11 @@ class _FusedExperts(torch.autograd.Function):
         weight_of_row = weights.reshape(-1)[perm.order].float()
         exchange = _BulkRows.of_layout(layout, layer.group)
         grad_out = exchange.to_owners((grad_of_row.float() * weight_of_row[:, None]).to(h.dtype))
-        grad_h = _grouped_matmul(grad_out, counts, w2.transpose(1, 2))
-        grad_w2 = _grouped_weight_grad(h, grad_out, counts)
+        if grad_out.shape[0]:
+            grad_h = _grouped_matmul(grad_out, counts, w2.transpose(1, 2))
+            grad_w2 = _grouped_weight_grad(h, grad_out, counts)
+        else:  # this rank's experts received nothing: no empty problems for torch._grouped_mm
+            grad_h, grad_w2 = torch.zeros_like(h), torch.zeros_like(w2)
         epoch, grad_w1, grad_w3 = layer.dispatch.start_backward(grad_h, received, layout, w1, w3)
         grad_x = layer.dispatch.finish_backward(epoch, layout, perm)
         return grad_x, grad_weights, grad_w1, grad_w3, grad_w2, None, None, None
