@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 
 def world_of(size: int, max_programs: int = 2, spin_limit: int = 50) -> list[FusedQuantizedAllReduce]:
     """Tiles of 32 blocks (the GPU's are larger): small inputs still cover many tiles per program."""
-    return [FusedQuantizedAllReduce(ws, max_programs, spin_limit, tile_blocks=32)
+    return [FusedQuantizedAllReduce(ws, max_programs, spin_limit, tile_blocks=(32, 32))
             for ws in SimulatedWorld(size).workspaces()]
 
 
@@ -87,11 +87,12 @@ def test_tiny_and_skewed_sizes(world_size):
         assert all(torch.equal(y, quantized_all_reduce_reference(xs, "q8")) for y in got), n
 
 
-def test_the_gpus_tile_size():
+def test_the_gpus_tile_sizes():
     world = [FusedQuantizedAllReduce(ws, 2, 50) for ws in SimulatedWorld(2).workspaces()]
-    xs = inputs(2, 3 * 2 * 4096 + 99, "student_t", seed=5)  # 4 tiles of 128 blocks per chunk on 2 programs
-    got = all_reduce(world, xs, "q6", mean=True)
-    assert all(torch.equal(y, quantized_all_reduce_reference(xs, "q6", mean=True)) for y in got)
+    for n in (3 * 2 * 4096 + 99, 4000):  # 4 tiles of 128 blocks per chunk on 2 programs; 2 tiles of 32 blocks
+        xs = inputs(2, n, "student_t", seed=5)
+        got = all_reduce(world, xs, "q6", mean=True)
+        assert all(torch.equal(y, quantized_all_reduce_reference(xs, "q6", mean=True)) for y in got)
 
 
 def test_many_consecutive_calls_on_the_same_flags():

@@ -2,8 +2,9 @@
 fused_dlrm.tp.quantized_allreduce's bulk all-reduce, with the same arithmetic bit for bit).
 
 x (n values) is cut into `world` chunks of `chunk_blocks` whole 32-value blocks (zero-padded at the end), each
-chunk into tiles of `tile_blocks` blocks; program p of every rank handles tiles p, p + P, ... of every chunk
-(P programs, the same on every rank). One launch runs three phases per program:
+chunk into tiles of TILE_BLOCKS blocks (SMALL_TILE_BLOCKS for small messages); program p of every rank handles
+tiles p, p + P, ... of every chunk (P programs, the same on every rank). One launch runs three phases per
+program:
 1. scatter: for every destination d (remote ranks first, rotated by rank, self last) encode the program's tiles
    of chunk d and store the rows straight into d's `recv` slots [source = me][rows]; then raise flag
    ready[me, p] in d (release, system scope) with the call's epoch;
@@ -51,8 +52,11 @@ from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, decode_reference, en
                                              encode_reference, error_bound, kernel_constants, load_blocks, store_rows)
 
 # Blocks per tile: 128 (4,096 values, 32 per thread) keeps enough loads in flight with only 256 threads per SM;
-# compiled for sm_90 it needs at most 224 registers (world 8) and 16 KiB of shared memory. Not yet measured.
+# compiled for sm_90 it needs at most 224 registers (world 8) and 16 KiB of shared memory. Messages with fewer
+# such tiles per chunk than programs use tiles of 32 blocks: more programs share a latency-bound message.
+# Neither is measured yet.
 TILE_BLOCKS = 128
+SMALL_TILE_BLOCKS = 32
 PROGRAMS_PER_SM = 2  # co-resident whatever the registers (see the module docstring); not tuned on GPUs
 NUM_WARPS = 4
 
@@ -208,6 +212,7 @@ class FusedCall:
     mean: bool
     epoch: int
     chunk_blocks: int
+    tile_blocks: int
     num_programs: int
     recv: PeerBuffer
     gather: PeerBuffer
@@ -220,11 +225,12 @@ class FusedQuantizedAllReduce:
 
     Every rank must make the same calls in the same order with the same sizes (allocation is collective and the
     flags carry a per-call epoch). `max_programs`: the grid cap and the flags' stride (`co_resident_programs` on
-    GPUs); `tile_blocks`: blocks per tile (a power of two; small ones let the interpreter tests cover many tiles).
+    GPUs); `tile_blocks`: blocks per tile for large and small messages (powers of two; small ones let the
+    interpreter tests cover many tiles).
     """
 
     def __init__(self, workspace: _Workspace, max_programs: int, spin_limit: int = 20_000_000,
-                 tile_blocks: int = TILE_BLOCKS):
+                 tile_blocks: tuple[int, int] = (TILE_BLOCKS, SMALL_TILE_BLOCKS)):
         self.ws, self.max_programs, self.spin_limit, self.tile_blocks = workspace, max_programs, spin_limit, tile_blocks
         self.rank, self.world = workspace.rank, workspace.world_size
         self.errors = PeerErrors(workspace.device, self.rank,
@@ -240,8 +246,10 @@ class FusedQuantizedAllReduce:
         if slots >= 2**31:
             raise ValueError(f"{x.numel()} values encode to {slots} bytes: the kernel's offsets are int32")
         flags = self.world * self.max_programs
+        large, small = self.tile_blocks
+        tile = large if triton.cdiv(cb, large) >= self.max_programs else small
         return FusedCall(x.contiguous().view(-1), torch.empty(x.shape, dtype=x.dtype, device=x.device), codec,
-                         mean, self.ws.next_epoch("qar"), cb, min(self.max_programs, triton.cdiv(cb, self.tile_blocks)),
+                         mean, self.ws.next_epoch("qar"), cb, tile, min(self.max_programs, triton.cdiv(cb, tile)),
                          recv=self.ws.buffer("qar_recv", slots, torch.uint8),
                          gather=self.ws.buffer("qar_gather", slots, torch.uint8),
                          ready=self.ws.buffer("qar_ready", flags, torch.int32),
@@ -255,7 +263,7 @@ class FusedQuantizedAllReduce:
             call.x, call.out, call.x.numel(), call.chunk_blocks, call.recv.peer_ptrs, call.gather.peer_ptrs,
             call.ready.peer_ptrs, call.done.peer_ptrs, self.errors.word, self.rank, call.epoch, call.num_programs,
             self.max_programs, self.spin_limit, first_phase, last_phase,
-            WORLD=self.world, MEAN=call.mean, ROWS=self.tile_blocks, **kernel_constants(CODECS[call.codec]), **gpu)
+            WORLD=self.world, MEAN=call.mean, ROWS=call.tile_blocks, **kernel_constants(CODECS[call.codec]), **gpu)
 
     def finish(self, call: FusedCall) -> torch.Tensor:
         """The call's result (raises at once on the CPU, at a later call on GPUs, if a wait timed out)."""
