@@ -231,12 +231,14 @@ class FusedCombine:
         if num_row_tiles:
             b = self.blocks
             grid = min(self.num_programs, num_row_tiles * self.num_col)
+            # fp32 tiles on GPUs: half the k step and two stages, to fit in shared memory
+            block_k, stages = (32, 2) if h.is_cuda and h.dtype == torch.float32 else (b.block_k, b.gemm_stages)
             _expert_down_kernel[(grid,)](
                 h.contiguous(), w2.contiguous(), plan.tiles, plan.rows.peer_ptrs, plan.ready.peer_ptrs,
                 plan.ack.local, self.errors.word, num_row_tiles, grid, epoch, self.spin_limit,
-                FFN=h.shape[1], D_MODEL=self.d_model, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k,
+                FFN=h.shape[1], D_MODEL=self.d_model, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=block_k,
                 OUT_DTYPE=TL_DTYPES[h.dtype], PRECISION="ieee" if h.dtype == torch.float32 else None,
-                num_warps=b.gemm_warps, num_stages=b.gemm_stages)
+                num_warps=b.gemm_warps, num_stages=stages)
         return epoch
 
     def finish(self, epoch: int, layout: ExpertLayout, perm: Permutation, weights: torch.Tensor,
