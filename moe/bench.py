@@ -10,7 +10,7 @@ bias that sends about half of the tokens to expert 0). Phases, each timed alone 
          combine = FusedCombine: the second GEMM storing into the sources' buffers + the flag-waiting unpermute
          (no separate experts phase)
 Totals time the whole layer (routing, permutation and counts exchange included), forward and forward+backward
-(fused backward: bulk all-to-all of the output gradient, fused input-gradient store). Ideal overlap: communication (bulk dispatch + combine; twice that for
+(the fused backward moves both gradients the same way). Ideal overlap: communication (bulk dispatch + combine; twice that for
 forward+backward) hidden entirely under everything else: ideal = max(bulk total - comm, comm); the table gives
 ideal / fused total in %. The fused output is checked against bulk first (relative error).
 """

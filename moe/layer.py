@@ -24,9 +24,9 @@ from fused_dlrm.dist import all_to_all_v, exchange_counts
 from fused_dlrm.dist.alltoall import world_size
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, _Workspace
 from moe.expert_layout import ExpertLayout, build_expert_layout, gather_counts
-from moe.experts import SwiGLUExperts, _grouped_mm_works
+from moe.experts import SwiGLUExperts
 from moe.kernels.fused_combine import FusedCombine
-from moe.kernels.fused_dispatch import FusedDispatch, _grouped_matmul
+from moe.kernels.fused_dispatch import FusedDispatch
 from moe.permute import Permutation, permute, unpermute
 from moe.routing import TopKRouter
 
@@ -117,11 +117,6 @@ class _BulkRows:
     """The all-to-all of rows between sources (permuted order: by global expert, hence by owner) and owners
     (their experts' order: local expert, then source rank, then source order), with autograd."""
 
-    @staticmethod
-    def of_layout(layout: ExpertLayout, group: dist.ProcessGroup | None) -> "_BulkRows":
-        mine = slice(layout.rank * layout.num_local_experts, (layout.rank + 1) * layout.num_local_experts)
-        return _BulkRows(layout.counts[layout.rank].view(layout.world, -1), layout.counts[:, mine], group)
-
     def __init__(self, send_counts: torch.Tensor, recv_counts: torch.Tensor, group: dist.ProcessGroup | None):
         """send_counts[r, e]: rows this rank sends to expert e of rank r; recv_counts[s, e]: rows rank s sends to
         this rank's local expert e."""
@@ -149,11 +144,11 @@ class _FusedExperts(torch.autograd.Function):
     """Fused dispatch + GEMM 1, fused GEMM 2 + combine, as one autograd node: tokens x, routing weights and the
     expert weights in, the combined tokens out.
 
-    Backward: the output gradient (times each row's routing weight) reaches the owners through the bulk
-    all-to-all, and GEMM 2's gradients are torch grouped GEMMs; fusing that move too (a dispatch-like push of
-    the weighted gradient rows, the GEMM waiting per tile) is the next step. GEMM 1's backward is fused
-    (FusedDispatch.start_backward stores the input-gradient tiles straight into the sources' buffers, and
-    finish_backward sums each token's rows as their flags arrive).
+    Backward, fused the same way in reverse: FusedCombine.start_backward pushes each row's output gradient
+    (times its routing weight) into its owner's buffer and finish_backward's GEMM (grad_h = g @ w2^T) waits per
+    tile for just those rows; FusedDispatch.start_backward stores the input-gradient tiles straight into the
+    sources' buffers and finish_backward sums each token's rows as their flags arrive. The routing weights'
+    gradient needs each row's expert output: the forward's consumer kept a copy.
     """
 
     @staticmethod
@@ -175,37 +170,18 @@ class _FusedExperts(torch.autograd.Function):
     def backward(ctx, grad_y):
         received, h, rows, weights, w1, w3, w2 = ctx.saved_tensors
         layer, layout, perm = ctx.layer, ctx.layout, ctx.perm
-        counts = layout.tokens_per_local_expert
-        grad_of_row = grad_y[perm.order // perm.top_k]  # [rows, d], permuted order
+        grad_y = grad_y.contiguous()
         grad_weights = None
         if ctx.needs_input_grad[1]:
-            per_row = (grad_of_row.float() * rows.float()).sum(dim=1)
+            per_row = (grad_y[perm.order // perm.top_k].float() * rows.float()).sum(dim=1)
             grad_weights = torch.zeros(weights.numel(), dtype=torch.float32, device=weights.device)
             grad_weights[perm.order] = per_row  # dropped assignments: no row, zero gradient
             grad_weights = grad_weights.view_as(weights).to(weights.dtype)
-        weight_of_row = weights.reshape(-1)[perm.order].float()
-        exchange = _BulkRows.of_layout(layout, layer.group)
-        grad_out = exchange.to_owners((grad_of_row.float() * weight_of_row[:, None]).to(h.dtype))
-        if grad_out.shape[0]:
-            grad_h = _grouped_matmul(grad_out, counts, w2.transpose(1, 2))
-            grad_w2 = _grouped_weight_grad(h, grad_out, counts)
-        else:  # this rank's experts received nothing: no empty problems for torch._grouped_mm
-            grad_h, grad_w2 = torch.zeros_like(h), torch.zeros_like(w2)
+        epoch = layer.combine.start_backward(grad_y.to(h.dtype), perm, weights, layout)
+        grad_h, grad_w2 = layer.combine.finish_backward(epoch, layout, h, w2)
         epoch, grad_w1, grad_w3 = layer.dispatch.start_backward(grad_h, received, layout, w1, w3)
         grad_x = layer.dispatch.finish_backward(epoch, layout, perm)
         return grad_x, grad_weights, grad_w1, grad_w3, grad_w2, None, None, None
-
-
-def _grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """[groups, x cols, grad cols]: x_e^T @ grad_e per group (zero for a group without rows)."""
-    if x.is_cuda and _grouped_mm_works(x.device, x.dtype, x.shape[1], grad.shape[1]):
-        out = torch._grouped_mm(x.t(), grad, offs=_group_ends(counts, x.device))
-        return out.masked_fill(torch.tensor(counts, device=x.device).view(-1, 1, 1) == 0, 0)
-    return torch.stack([a.t() @ g for a, g in zip(torch.split(x, counts), torch.split(grad, counts))])
-
-
-def _group_ends(counts: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
 
 
 def _sm_count(device: torch.device) -> int:

@@ -12,7 +12,7 @@ import torch
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from moe.expert_layout import build_expert_layout
-from moe.kernels.fused_combine import FusedCombine, fused_combine_reference
+from moe.kernels.fused_combine import FusedCombine, fused_combine_backward_reference, fused_combine_reference
 from moe.permute import permute, unpermute
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
@@ -36,8 +36,8 @@ class World:
         self.combines = [FusedCombine(ws, D_MODEL, LOCAL, num_programs, spin_limit)
                          for ws in SimulatedWorld(world_size).workspaces()]
 
-    def step(self, case: Case, gen: torch.Generator, dtype=torch.float32, starting=None):
-        """One epoch on every rank (those in `starting`, default all, run start). Returns (outputs, expected)."""
+    def route(self, case: Case, gen: torch.Generator):
+        """Every rank's permutation and routing weights for random logits (plus the case's bias), and layouts."""
         perms, weights = [], []
         for t in case.tokens:
             logits = torch.randn(t, self.num_experts, generator=gen, dtype=torch.float64)
@@ -49,7 +49,12 @@ class World:
             perms.append(perm)
             weights.append(top * kept)
         counts = torch.stack([p.tokens_per_expert for p in perms])
-        layouts = [build_expert_layout(counts, r, LOCAL) for r in range(self.world_size)]
+        return perms, weights, [build_expert_layout(counts, r, LOCAL) for r in range(self.world_size)], counts
+
+    def step(self, case: Case, gen: torch.Generator, dtype=torch.float32, starting=None):
+        """One epoch on every rank (those in `starting`, default all, run start), forward and, when every rank
+        started, backward. Returns (outputs, expected outputs, counts)."""
+        perms, weights, layouts, counts = self.route(case, gen)
         hs = [torch.randn(sum(lay.tokens_per_local_expert), FFN, generator=gen).to(dtype) for lay in layouts]
         w2s = [torch.randn(LOCAL, FFN, D_MODEL, generator=gen).to(dtype) for _ in layouts]
         starting = range(self.world_size) if starting is None else starting
@@ -62,8 +67,21 @@ class World:
         for rows, perm, w, want in zip(kept_rows, perms, weights, expected):  # every row copied out, once
             assert not rows.isnan().any()
             assert_close(unpermute(rows.double(), perm, w.double()), want, 1e-2 if dtype == torch.float16 else 1e-5)
+        tol = 1e-2 if dtype == torch.float16 else 1e-5
+        if len(starting) == self.world_size:  # backward: the output gradient to the owners, GEMM 2's gradients
+            grad_ys = [torch.randn(t, D_MODEL, generator=gen).to(dtype) for t in case.tokens]
+            epochs = [c.start_backward(g, p, w, lay) for c, g, p, w, lay in zip(self.combines, grad_ys, perms, weights,
+                                                                                layouts)]
+            grads = [c.finish_backward(e, lay, h, w2) for c, e, lay, h, w2 in zip(self.combines, epochs, layouts, hs,
+                                                                                     w2s)]
+            expected_grads = fused_combine_backward_reference(grad_ys, perms, weights, hs, w2s, layouts)
+            for (grad_h, grad_w2), (want_h, want_w2) in zip(grads, expected_grads):
+                assert_close(grad_h, want_h, tol)
+                assert_close(grad_w2, want_w2, tol)
         for c in self.combines:  # poison: rows the next epoch does not write would show as NaN
             c.ws.buffer("combine_rows", 0, dtype).local.fill_(float("nan"))
+            if len(starting) == self.world_size:
+                c.ws.buffer("combine_grad_rows", 0, dtype).local.fill_(float("nan"))
         return outs, expected, counts
 
 
@@ -154,3 +172,16 @@ def test_source_that_never_acknowledges_blocks_its_owners_with_an_error():
     world.combines[0].ws.buffer("combine_ack", 2, torch.int32).local[1] = 0
     with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 2 waiting for rank 1 to release its buffer"):
         world.step(Case([6, 5]), gen)
+
+
+def test_backward_source_that_never_starts_times_out_naming_rank_and_slice():
+    world = World(2, spin_limit=20)
+    gen = torch.Generator().manual_seed(6)
+    perms, weights, layouts, counts = world.route(Case([7, 9]), gen)
+    assert counts[1, :LOCAL].sum() > 0  # rank 1 has rows for rank 0's experts
+    h = torch.randn(sum(layouts[0].tokens_per_local_expert), FFN, generator=gen)
+    combine = world.combines[0]
+    epoch = combine.start_backward(torch.randn(7, D_MODEL, generator=gen), perms[0], weights[0], layouts[0])
+    with pytest.raises(PeerWaitTimeout, match=r"fused MoE combine: rank 0 timed out at step 1 waiting for rank 1, "
+                                              r"slice \d+"):
+        combine.finish_backward(epoch, layouts[0], h, torch.randn(LOCAL, FFN, D_MODEL, generator=gen))

@@ -17,6 +17,13 @@ Flags carry the epoch and are compared with `>=`. Guard: an owner stores a tile 
 s has acknowledged E - 1, i.e. its consumer finished reading the previous rows and saw all its flags; so one
 combine buffer suffices (the consumer reads it, the result is a fresh tensor) and no flag of E can be mistaken
 for one of E - 1 by a slot that another owner used.
+
+Backward, the same move reversed. Source (`start_backward`): each program takes BLOCK_R of the source's permuted
+rows, forms their gradient rows grad_y[token] * weight (no copy) and stores each at `send_dest_row` of its owner's
+symmetric gradient buffer (receive order), then raises flag (source, block) in every rank; blocks start at the
+rows of rank + 1 (remote first, rotated). Owner (`finish_backward`): grad_h = g @ w2[e]^T, each tile waiting for
+the flags of its rows' (source, block); then grad_w2 = h^T g (torch), and the epoch is acknowledged to every
+source, which guards the gradient buffer the same way.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, signal_ready
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout
+from moe.experts import _grouped_mm_works
 from moe.permute import Permutation, unpermute
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -60,12 +68,20 @@ class CombineBlocks:
     gemm_stages: int
     block_tokens: int
     consumer_warps: int
+    block_rows: int  # backward push: permuted rows per program (and per ready flag)
+    block_d: int  # backward push: columns per step
+
+
+def _gemm_steps(blocks: CombineBlocks, dtype: torch.dtype, cuda: bool) -> tuple[int, int]:
+    """(k step, pipeline stages) of a GEMM launch: fp32 tiles on GPUs take half the k step and two stages, to
+    fit in shared memory."""
+    return (32, 2) if cuda and dtype == torch.float32 else (blocks.block_k, blocks.gemm_stages)
 
 
 def combine_blocks(device: torch.device) -> CombineBlocks:
     if device.type == "cuda":  # bf16 tensor-core tiles for H100/H200
-        return CombineBlocks(128, 128, 64, 8, 3, 16, 4)
-    return CombineBlocks(16, 16, 16, 1, 1, 8, 1)  # the interpreter: small tiles, small test shapes
+        return CombineBlocks(128, 128, 64, 8, 3, 16, 4, 32, 128)
+    return CombineBlocks(16, 16, 16, 1, 1, 8, 1, 8, 16)  # the interpreter: small tiles, small test shapes
 
 
 def fused_combine_reference(hs: list[torch.Tensor], w2s: list[torch.Tensor], layouts: list[ExpertLayout],
@@ -82,6 +98,25 @@ def fused_combine_reference(hs: list[torch.Tensor], w2s: list[torch.Tensor], lay
             mine = lay.recv_source_rank.cpu() == s
             combined[s][lay.recv_source_row.cpu()[mine]] = out[mine]
     return [unpermute(rows, perm, w.double()) for rows, perm, w in zip(combined, perms, weights)]
+
+
+def fused_combine_backward_reference(grad_ys: list[torch.Tensor], perms: list[Permutation],
+                                     weights: list[torch.Tensor], hs: list[torch.Tensor], w2s: list[torch.Tensor],
+                                     layouts: list[ExpertLayout]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Float64: per owner, its received rows' gradients g (grad_y[token] * weight of the source's row, in receive
+    order), then (g @ w2[e]^T, h_e^T @ g_e) per local expert."""
+    grads = [(gy.double()[p.order // p.top_k] * w.double().reshape(-1)[p.order, None])
+             for gy, p, w in zip(grad_ys, perms, weights)]
+    out = []
+    for h, w2, lay in zip(hs, w2s, layouts):
+        sources, source_rows = lay.recv_source_rank.tolist(), lay.recv_source_row.tolist()
+        g = torch.stack([grads[s][r] for s, r in zip(sources, source_rows)]) if sources else \
+            torch.zeros(0, w2.shape[-1], dtype=torch.float64)
+        parts = list(zip(torch.split(g, lay.tokens_per_local_expert),
+                         torch.split(h.double(), lay.tokens_per_local_expert)))
+        grad_h = torch.cat([ge @ w2[e].double().t() for e, (ge, _) in enumerate(parts)])
+        out.append((grad_h, torch.stack([he.t() @ ge for ge, he in parts])))
+    return out
 
 
 @triton.jit(do_not_specialize=["num_row_tiles", "epoch", "spin_limit"])  # one variant for all steps
@@ -131,6 +166,31 @@ def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, out_ptrs, ready_ptrs, ack_ptr,
         t += num_programs
 
 
+@triton.jit
+def _wait_rows(flags, kept, epoch, spin_limit):
+    """Bounded spin until every kept flag of a [R, C] block holds at least `epoch`; returns what was seen (kept
+    flags only; the others read as `epoch`)."""
+    seen = tl.where(kept, tl.atomic_add(flags, tl.zeros(flags.shape, tl.int32), mask=kept, sem="acquire",
+                                        scope="sys"), epoch)
+    spins = 0
+    while (tl.min(tl.min(seen, axis=1), axis=0) < epoch) & (spins < spin_limit):
+        seen = tl.where(kept, tl.atomic_add(flags, tl.zeros(flags.shape, tl.int32), mask=kept, sem="acquire",
+                                            scope="sys"), epoch)
+        spins += 1
+    return seen
+
+
+@triton.jit
+def _report_late(seen, epoch, order, peer, slot, error_ptr):
+    """After a bounded wait: if a flag is still below `epoch`, record (1, peer, slot) of the first late one."""
+    late = seen < epoch
+    if tl.max(tl.max(late.to(tl.int32), axis=1), axis=0) > 0:
+        first = tl.min(tl.min(tl.where(late, order, 2147483647), axis=1), axis=0)
+        tl.store(error_ptr + 1, tl.min(tl.min(tl.where(order == first, peer, 2147483647), axis=1), axis=0))
+        tl.store(error_ptr + 2, tl.min(tl.min(tl.where(order == first, slot, 2147483647), axis=1), axis=0))
+        tl.atomic_xchg(error_ptr, 1)
+
+
 @triton.jit(do_not_specialize=["num_tokens", "num_rows", "epoch", "spin_limit"])  # one variant for all steps
 def _weighted_unpermute_kernel(rows_ptr, inverse_ptr, weights_ptr, tile_of_row_ptr, owner_of_row_ptr, ready_ptr,
                                error_ptr, out_ptr, copy_ptr, num_tokens, num_rows, epoch, spin_limit,
@@ -148,22 +208,9 @@ def _weighted_unpermute_kernel(rows_ptr, inverse_ptr, weights_ptr, tile_of_row_p
     row = tl.load(inverse_ptr + assignment, mask=token_mask[:, None] & (js[None, :] < TOP_K), other=num_rows)
     kept = row < num_rows  # dropped assignments point one past the last row
     slot = tl.load(tile_of_row_ptr + row, mask=kept, other=0) * N_COL + col
-    seen = tl.atomic_add(ready_ptr + slot, tl.zeros([BLOCK_T, K_P2], tl.int32), mask=kept, sem="acquire",
-                         scope="sys")
-    seen = tl.where(kept, seen, epoch)
-    spins = 0
-    while (tl.min(tl.min(seen, axis=1), axis=0) < epoch) & (spins < spin_limit):
-        seen = tl.atomic_add(ready_ptr + slot, tl.zeros([BLOCK_T, K_P2], tl.int32), mask=kept, sem="acquire",
-                             scope="sys")
-        seen = tl.where(kept, seen, epoch)
-        spins += 1
-    late = seen < epoch
-    if tl.max(tl.max(late.to(tl.int32), axis=1), axis=0) > 0:
-        first = tl.min(tl.min(tl.where(late, assignment, 2147483647), axis=1), axis=0)
-        late_row = tl.min(tl.min(tl.where(assignment == first, row, 2147483647), axis=1), axis=0)
-        tl.store(error_ptr + 1, tl.load(owner_of_row_ptr + late_row).to(tl.int32))
-        tl.store(error_ptr + 2, tl.min(tl.min(tl.where(assignment == first, slot, 2147483647), axis=1), axis=0))
-        tl.atomic_xchg(error_ptr, 1)
+    seen = _wait_rows(ready_ptr + slot, kept, epoch, spin_limit)
+    owner = tl.load(owner_of_row_ptr + row, mask=kept, other=0)
+    _report_late(seen, epoch, assignment, owner, slot, error_ptr)
     tl.debug_barrier()  # the flags this program's threads acquired cover the rows any of them reads
     cols = col * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < D_MODEL
@@ -187,6 +234,61 @@ def _acknowledge_kernel(ack_ptrs, rank, epoch, WORLD: tl.constexpr):
     signal_ready(ack_ptrs, rank, epoch, WORLD)
 
 
+@triton.jit(do_not_specialize=["num_rows", "first_block", "epoch", "spin_limit"])  # one variant for all steps
+def _push_gradient_kernel(grad_ptr, token_ptr, weight_ptr, dest_rank_ptr, dest_row_ptr, rows_ptrs, ready_ptrs,
+                          ack_ptr, error_ptr, rank, num_rows, num_blocks, first_block, slots_per_rank, epoch,
+                          spin_limit, D_MODEL: tl.constexpr, WORLD: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_D: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Program b: rows [b * BLOCK_R, ...) of this rank's permuted rows -> grad_y[token] * weight at their owners."""
+    block = (tl.program_id(0) + first_block) % num_blocks
+    r = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = r < num_rows
+    token = tl.load(token_ptr + r, mask=ok, other=0)
+    weight = tl.load(weight_ptr + r, mask=ok, other=0.0)
+    dest = tl.load(dest_rank_ptr + r, mask=ok, other=0)
+    at = tl.load(dest_row_ptr + r, mask=ok, other=0)
+    for peer in tl.static_range(WORLD):  # the guard: every owner has finished reading the previous epoch
+        ok = ok & ((dest != peer) | consumer_released(ack_ptr, peer, epoch, spin_limit, error_ptr))
+    out = tl.load(rows_ptrs + dest, mask=ok, other=0).to(tl.pointer_type(OUT_DTYPE))
+    for k in tl.static_range(0, D_MODEL, BLOCK_D):
+        cols = k + tl.arange(0, BLOCK_D)
+        m = ok[:, None] & (cols < D_MODEL)[None, :]
+        g = tl.load(grad_ptr + token[:, None] * D_MODEL + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(out[:, None] + at[:, None] * D_MODEL + cols[None, :], (g * weight[:, None]).to(OUT_DTYPE), mask=m)
+    signal_ready(ready_ptrs, rank * slots_per_rank + block, epoch, WORLD)
+
+
+@triton.jit(do_not_specialize=["num_row_tiles", "epoch", "spin_limit"])  # one variant for all steps
+def _gradient_gemm_kernel(g_ptr, w2_ptr, out_ptr, tiles_ptr, source_rank_ptr, source_row_ptr, ready_ptr, error_ptr,
+                          num_row_tiles, slots_per_rank, epoch, spin_limit,
+                          FFN: tl.constexpr, D_MODEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (row tile, ffn block): grad_h = g @ w2[e]^T once the tile's rows have arrived."""
+    N_COL: tl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N
+    tile = tl.program_id(0) // N_COL
+    n = (tl.program_id(0) % N_COL) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(tiles_ptr + tile)
+    rows = tl.load(tiles_ptr + num_row_tiles + tile) + tl.arange(0, BLOCK_M)
+    row_mask = rows < tl.load(tiles_ptr + 2 * num_row_tiles + tile)
+    source = tl.load(source_rank_ptr + rows, mask=row_mask, other=0)
+    slot = source * slots_per_rank + tl.load(source_row_ptr + rows, mask=row_mask, other=0) // BLOCK_R
+    seen = _wait_rows(ready_ptr + slot[:, None], row_mask[:, None], epoch, spin_limit)
+    _report_late(seen, epoch, rows[:, None], source[:, None], slot[:, None], error_ptr)
+    tl.debug_barrier()  # the flags this program's threads acquired cover the rows any of them reads
+    ks = tl.arange(0, BLOCK_K)
+    n_mask = n < FFN
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, D_MODEL, BLOCK_K):
+        k_mask = (k0 + ks) < D_MODEL
+        a = tl.load(g_ptr + rows[:, None] * D_MODEL + (k0 + ks)[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0, cache_modifier=".cg")  # peers wrote these rows: not from L1
+        b = tl.load(w2_ptr + expert * (FFN * D_MODEL) + n[None, :] * D_MODEL + (k0 + ks)[:, None],
+                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # w2[e]^T
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    tl.store(out_ptr + rows[:, None] * FFN + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
 class FusedCombine:
     """Expert GEMM 2 + the combine all-to-all + the weighted unpermute, on a symmetric workspace.
 
@@ -204,6 +306,7 @@ class FusedCombine:
         self.num_col = triton.cdiv(d_model, self.blocks.block_n)
         self.errors = PeerErrors(workspace.device, self.rank, "fused MoE combine")
         self._plan: CombinePlan | None = None
+        self._grad: tuple | None = None  # (layout, dtype, rows, ready, ack, slots per rank) of the backward
 
     def prepare(self, layout: ExpertLayout, dtype: torch.dtype) -> CombinePlan:
         """The epoch's buffers (allocated or grown: collective on GPUs) and tile tables, from the counts on the
@@ -231,8 +334,7 @@ class FusedCombine:
         if num_row_tiles:
             b = self.blocks
             grid = min(self.num_programs, num_row_tiles * self.num_col)
-            # fp32 tiles on GPUs: half the k step and two stages, to fit in shared memory
-            block_k, stages = (32, 2) if h.is_cuda and h.dtype == torch.float32 else (b.block_k, b.gemm_stages)
+            block_k, stages = _gemm_steps(b, h.dtype, h.is_cuda)
             _expert_down_kernel[(grid,)](
                 h.contiguous(), w2.contiguous(), plan.tiles, plan.rows.peer_ptrs, plan.ready.peer_ptrs,
                 plan.ack.local, self.errors.word, num_row_tiles, grid, epoch, self.spin_limit,
@@ -270,6 +372,66 @@ class FusedCombine:
         _acknowledge_kernel[(1,)](plan.ack.peer_ptrs, self.rank, epoch, WORLD=self.world)
         self.errors.after_wait(epoch)
         return out
+
+    def start_backward(self, grad_y: torch.Tensor, perm: Permutation, weights: torch.Tensor,
+                       layout: ExpertLayout) -> int:
+        """Source side of the backward: each permuted row's gradient grad_y[token] * weight goes to row
+        `send_dest_row` of its owner's gradient buffer, flags raised per (this rank, row block). Every rank calls
+        `start_backward` before any rank calls `finish_backward`. Returns the epoch."""
+        self.errors.check()
+        rows, ready, ack, slots = self._gradient_buffers(layout, grad_y.dtype)
+        epoch = self.ws.next_epoch("combine_grad")
+        num_rows = layout.send_dest_rank.numel()
+        if num_rows:
+            b = self.blocks
+            num_blocks = triton.cdiv(num_rows, b.block_rows)
+            # Remote first: start with the rows of rank + 1 (rows are grouped by owner), wrap around to this rank.
+            before_next = int(layout.counts[self.rank, :(self.rank + 1) * self.num_local_experts].sum())
+            _push_gradient_kernel[(num_blocks,)](
+                grad_y.contiguous(), perm.order // perm.top_k, weights.reshape(-1)[perm.order].float(),
+                layout.send_dest_rank, layout.send_dest_row, rows.peer_ptrs, ready.peer_ptrs, ack.local,
+                self.errors.word, self.rank, num_rows, num_blocks, before_next // b.block_rows, slots, epoch,
+                self.spin_limit, D_MODEL=self.d_model, WORLD=self.world, BLOCK_R=b.block_rows, BLOCK_D=b.block_d,
+                OUT_DTYPE=TL_DTYPES[grad_y.dtype])
+        return epoch
+
+    def finish_backward(self, epoch: int, layout: ExpertLayout, h: torch.Tensor, w2: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Owner side: (grad_h = g @ w2[e]^T [received rows, ffn], grad_w2 = h^T g [local experts, ffn, d_model])
+        for the received gradient rows g, each GEMM tile waiting for the flags of its rows; then the epoch is
+        acknowledged to every source."""
+        if self._grad is None or self._grad[0] is not layout:
+            raise RuntimeError("finish_backward must follow start_backward with the same layout")
+        _, dtype, rows, ready, ack, slots = self._grad
+        sizes = layout.tokens_per_local_expert
+        received, ffn = sum(sizes), h.shape[1]
+        g = rows.local[:received * self.d_model].view(received, self.d_model)
+        grad_h = torch.empty(received, ffn, dtype=dtype, device=h.device)
+        b = self.blocks
+        tiles = torch.tensor([(e, first + i, first + n) for e, (first, n) in enumerate(zip(_starts(sizes), sizes))
+                              for i in range(0, n, b.block_m)], dtype=torch.int64).reshape(-1, 3)
+        if tiles.shape[0]:
+            block_k, stages = _gemm_steps(b, dtype, h.is_cuda)
+            _gradient_gemm_kernel[(tiles.shape[0] * triton.cdiv(ffn, b.block_n),)](
+                rows.local, w2.contiguous(), grad_h, tiles.t().contiguous().to(h.device), layout.recv_source_rank,
+                layout.recv_source_row, ready.local, self.errors.word, tiles.shape[0], slots, epoch,
+                self.spin_limit, FFN=ffn, D_MODEL=self.d_model, BLOCK_M=b.block_m, BLOCK_N=b.block_n,
+                BLOCK_K=block_k, BLOCK_R=b.block_rows, PRECISION="ieee" if dtype == torch.float32 else None,
+                num_warps=b.gemm_warps, num_stages=stages)
+        grad_w2 = _grouped_weight_grad(h, g, sizes)  # stream order: after the kernel saw every row's flag
+        _acknowledge_kernel[(1,)](ack.peer_ptrs, self.rank, epoch, WORLD=self.world)
+        self.errors.after_wait(epoch)
+        return grad_h, grad_w2
+
+    def _gradient_buffers(self, layout: ExpertLayout, dtype: torch.dtype):
+        """The owners' gradient rows (receive order), flags per (source, row block), acks; from the layout's
+        maxima (the same on every rank)."""
+        slots = triton.next_power_of_2(max(1, triton.cdiv(layout.max_send_rows, self.blocks.block_rows)))
+        rows = self.ws.buffer("combine_grad_rows", _round_up(layout.max_recv_rows) * self.d_model, dtype)
+        ready = self.ws.buffer(f"combine_grad_ready_{slots}", self.world * slots, torch.int32)
+        ack = self.ws.buffer("combine_grad_ack", self.world, torch.int32)
+        self._grad = (layout, dtype, rows, ready, ack, slots)
+        return rows, ready, ack, slots
 
     def _buffers(self, counts: torch.Tensor, dtype: torch.dtype):
         """The combine rows, the flags and the acks, sized from C alone (so every rank asks for the same)."""
@@ -313,6 +475,21 @@ class FusedCombine:
         expert = torch.repeat_interleave(torch.arange(mine.numel(), device=mine.device), mine, output_size=num_rows)
         within = torch.arange(num_rows, device=mine.device) - starts[expert]
         return (torch.cumsum(tiles_per, 0) - tiles_per)[expert] + within // self.blocks.block_m
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def _grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """[groups, x cols, grad cols]: x_e^T @ grad_e per group of rows (zero for a group without rows)."""
+    if not x.shape[0]:
+        return x.new_zeros(len(counts), x.shape[1], grad.shape[1])
+    if x.is_cuda and _grouped_mm_works(x.device, x.dtype, x.shape[1], grad.shape[1]):
+        ends = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        out = torch._grouped_mm(x.t(), grad, offs=ends)
+        return out.masked_fill(torch.tensor(counts, device=x.device).view(-1, 1, 1) == 0, 0)
+    return torch.stack([a.t() @ g for a, g in zip(torch.split(x, counts), torch.split(grad, counts))])
 
 
 def _round_up(rows: int) -> int:
