@@ -43,19 +43,19 @@ def assert_same_on_every_rank(y: torch.Tensor, world: int) -> None:
 
 def _fused_equals_bulk(rank: int, world: int) -> None:
     for dtype in (torch.float32, torch.bfloat16):
-        for n in SIZES:
+        for i, n in enumerate(SIZES):
             xs = world_inputs(n, world, dtype, seed=n)
             exact = sum(x.double() for x in xs)
+            mean = i % 2 == 1  # sum and mean both meet every codec, with half the compiled kernel variants
             for codec in CODECS:
-                for mean in (False, True):
-                    y = quantized_all_reduce(xs[rank], codec, mean=mean, fused=True)
-                    bulk = quantized_all_reduce(xs[rank], codec, mean=mean, fused=False)
-                    assert y.dtype == dtype and y.shape == xs[rank].shape
-                    assert torch.equal(y, bulk), (dtype, n, codec, mean)
-                    assert_same_on_every_rank(y, world)
-                    if dtype == torch.float32:
-                        err = (y.double() - exact / (world if mean else 1)).abs()
-                        assert (err <= two_shot_error_bound(xs, codec, mean).double()).all(), (n, codec, mean)
+                y = quantized_all_reduce(xs[rank], codec, mean=mean, fused=True)
+                bulk = quantized_all_reduce(xs[rank], codec, mean=mean, fused=False)
+                assert y.dtype == dtype and y.shape == xs[rank].shape
+                assert torch.equal(y, bulk), (dtype, n, codec, mean)
+                assert_same_on_every_rank(y, world)
+                if dtype == torch.float32:
+                    err = (y.double() - exact / (world if mean else 1)).abs()
+                    assert (err <= two_shot_error_bound(xs, codec, mean).double()).all(), (n, codec, mean)
     fused_for_group(None, xs[0].device).errors.check(block=True)
 
 
@@ -69,9 +69,9 @@ def _many_calls(rank: int, world: int) -> None:
     for step in range(1000):
         n, codec = sizes[step % len(sizes)], codecs[step % len(codecs)]
         x = world_inputs(n, world, torch.bfloat16, seed=step)[rank]
-        y = quantized_all_reduce(x, codec, mean=step % 2 == 0, fused=True)
+        y = quantized_all_reduce(x, codec, mean=True, fused=True)  # as the DDP hook calls it
         if step % 10 == 0 or step >= 990:  # the bulk twin on a tenth of the calls keeps the run short
-            assert torch.equal(y, quantized_all_reduce(x, codec, mean=step % 2 == 0, fused=False)), step
+            assert torch.equal(y, quantized_all_reduce(x, codec, mean=True, fused=False)), step
     fused_for_group(None, x.device).errors.check(block=True)
     assert_same_on_every_rank(y, world)
 

@@ -137,8 +137,9 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 # Values that change from call to call or rank to rank are not specialized (Triton would compile a variant for
-# epoch == 1, rank == 1, ...): fewer compilations.
-@triton.jit(do_not_specialize=["rank", "epoch", "num_programs", "spin_limit", "first_phase", "last_phase"])
+# epoch == 1, rank == 1, ...): fewer compilations. numel is (its divisibility by 16 lets loads be wide vectors).
+@triton.jit(do_not_specialize=["chunk_blocks", "rank", "epoch", "num_programs", "spin_limit", "first_phase",
+                               "last_phase"])
 def _quantized_all_reduce_kernel(
     x_ptr, out_ptr, numel, chunk_blocks, recv_ptrs, gather_ptrs, ready_ptrs, done_ptrs, error_ptr,
     rank, epoch, num_programs, max_programs, spin_limit, first_phase, last_phase,
