@@ -4,7 +4,7 @@ Both layers are built from the same seed, so they hold the same router and exper
 tokens and output gradient. Outputs, input gradients, router and expert-weight gradients must agree within
 TOL relative to the largest element (bf16: both paths round products and sums to bf16 in different places;
 the fused combine sums in fp32). Then 1,000 consecutive fused steps with changing loads (checked against bulk
-every 100), and a peer that never starts an exchange (a bounded wait that raises).
+every 100), and a peer that never starts an exchange, forward or backward (a bounded wait that raises).
 """
 
 from __future__ import annotations
@@ -97,8 +97,9 @@ def many_steps(rank, world):
     fused.combine.errors.check(block=True)
 
 
-def peer_never_starts(rank, world):
-    """Epoch 1 runs on both ranks; at epoch 2 rank 1 never starts: rank 0's wait gives up and names rank 1."""
+def peer_never_starts(rank, world, backward):
+    """Epoch 1 runs on both ranks; at epoch 2 rank 1 never starts (the forward exchange, or the backward one):
+    rank 0's wait gives up and names rank 1."""
     workspace = CudaSymmetricWorkspace()
     combine = FusedCombine(workspace, D_MODEL, 2, num_programs=8, spin_limit=20_000)
     gen = torch.Generator().manual_seed(rank)
@@ -108,11 +109,19 @@ def peer_never_starts(rank, world):
     layout = build_expert_layout(gather_counts(perm.tokens_per_expert), rank, 2)
     h = torch.randn(sum(layout.tokens_per_local_expert), FFN, generator=gen).to("cuda", torch.bfloat16)
     w2 = torch.randn(2, FFN, D_MODEL, generator=gen).to("cuda", torch.bfloat16)
-    combine.finish(combine.start(h, w2, layout), layout, perm, weights)
+    grad_y = torch.randn(64, D_MODEL, generator=gen).to("cuda", torch.bfloat16)
+
+    def step():
+        if backward:
+            combine.finish_backward(combine.start_backward(grad_y, perm, weights, layout), layout, h, w2)
+        else:
+            combine.finish(combine.start(h, w2, layout), layout, perm, weights)
+
+    step()
     combine.errors.check(block=True)
     dist.barrier()
     if rank == 0:
-        combine.finish(combine.start(h, w2, layout), layout, perm, weights)
+        step()
         with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 2 waiting for rank 1, slice \d+"):
             combine.errors.check(block=True)
     dist.barrier()
@@ -126,5 +135,6 @@ def test_thousand_consecutive_steps():
     run_world(2, many_steps, backend="nccl")
 
 
-def test_peer_that_never_starts_raises():
-    run_world(2, peer_never_starts, backend="nccl")
+@pytest.mark.parametrize("backward", [False, True])
+def test_peer_that_never_starts_raises(backward):
+    run_world(2, peer_never_starts, backward, backend="nccl")
