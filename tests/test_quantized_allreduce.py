@@ -47,13 +47,16 @@ def test_quantized_all_reduce_within_bound(world):
     run_world(world, _reduce)
 
 
-def _ddp_hook(rank: int, world: int) -> None:
+def _ddp_hook(rank: int, world: int, device_type: str = "cpu") -> None:
+    """Also run on 2 GPUs by tests/test_quantized_allreduce_gpu.py (there the hook takes the fused kernel)."""
+    device = torch.device(device_type, rank if device_type == "cuda" else 0)
+
     def model():
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(13, 40), nn.ReLU(), nn.Linear(40, 1))
+        return nn.Sequential(nn.Linear(13, 40), nn.ReLU(), nn.Linear(40, 1)).to(device)
 
     g = torch.Generator().manual_seed(rank)
-    x, t = torch.randn(16, 13, generator=g), torch.randn(16, 1, generator=g)
+    x, t = torch.randn(16, 13, generator=g).to(device), torch.randn(16, 1, generator=g).to(device)
     plain, quant = DistributedDataParallel(model()), DistributedDataParallel(model())
     quant.register_comm_hook(QuantizedHookState("q8"), quantized_allreduce_hook)
     for m in (plain, quant):
@@ -62,7 +65,7 @@ def _ddp_hook(rank: int, world: int) -> None:
     # boundaries through the parameters, so bound with the largest possible q8 scale: absmax of all / 127.
     local = torch.autograd.grad(nn.functional.mse_loss((m := model())(x), t), list(m.parameters()))
     absmax = torch.stack([g.abs().max() for g in local]).max()
-    everyone = torch.empty(world)
+    everyone = torch.empty(world, device=device)
     dist.all_gather_single(everyone, absmax.view(1))
     exact_max = max(p.grad.abs().max() for p in plain.parameters())
     step = (1 + 2.0**-9) / 2 / 127  # half a q8 step per unit of absmax, with the fp16 scale's round-up

@@ -2,7 +2,8 @@
 
 Bit-equal to the bulk twin (codec kernels around NCCL all_to_all / all_gather) for every codec, bf16 and fp32
 inputs, sum and mean; bit-identical across ranks; within the documented bound of the fp64 sum; 1,000
-consecutive calls of changing sizes and codecs on the same flags; a missing peer raises PeerWaitTimeout.
+consecutive calls of changing sizes and codecs on the same flags; the DDP hook (q8, fused) within the bound of
+plain DDP; a missing peer raises PeerWaitTimeout.
 CI has no GPU: this runs on the device machine.
 """
 
@@ -17,6 +18,7 @@ from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce, co_resident_programs, two_shot_error_bound
 from fused_dlrm.tp.quantized_allreduce import fused_for_group, quantized_all_reduce
+from test_quantized_allreduce import _ddp_hook
 from world import run_world
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -78,6 +80,10 @@ def _many_calls(rank: int, world: int) -> None:
 
 def test_one_thousand_consecutive_calls_on_the_same_flags():
     run_world(2, _many_calls, backend="nccl")
+
+
+def test_ddp_hook_within_bound_of_plain_ddp():
+    run_world(2, _ddp_hook, "cuda", backend="nccl")
 
 
 def _missing_peer(rank: int, world: int) -> None:
