@@ -250,7 +250,8 @@ def _push_gradient_kernel(grad_ptr, token_ptr, weight_ptr, dest_rank_ptr, dest_r
     for peer in tl.static_range(WORLD):  # the guard: every owner has finished reading the previous epoch
         ok = ok & ((dest != peer) | consumer_released(ack_ptr, peer, epoch, spin_limit, error_ptr))
     out = tl.load(rows_ptrs + dest, mask=ok, other=0).to(tl.pointer_type(OUT_DTYPE))
-    for k in tl.static_range(0, D_MODEL, BLOCK_D):
+    out = tl.multiple_of(out, 16)  # symmetric buffers are aligned: vector stores
+    for k in range(0, D_MODEL, BLOCK_D):
         cols = k + tl.arange(0, BLOCK_D)
         m = ok[:, None] & (cols < D_MODEL)[None, :]
         g = tl.load(grad_ptr + token[:, None] * D_MODEL + cols[None, :], mask=m, other=0.0).to(tl.float32)
