@@ -140,19 +140,19 @@ def sweep_lookup(cfg: Config, rank: int, world: int) -> list[dict]:
     gathered = bags.values.numel() * cfg.dim * 4
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
-    # Around the best of the last sweep (docs/benchmarks.md): small tiles, 1 warp, with and without index prefetch.
-    for block_len, budget, warps, per_sm in ((8, 2048, 2, 32), (4, 1024, 1, 32), (2, 512, 1, 32), (4, 512, 1, 32),
-                                             (8, 1024, 1, 32), (4, 1024, 2, 32), (2, 1024, 1, 32), (4, 1024, 1, 24)):
-        for prefetch in (False, True):
-            lookup._kernel_features = FeatureTable(
-                list(weights.values()), [i * cfg.dim for i in range(cfg.tables_per_gpu)],
-                [False] * cfg.tables_per_gpu, device, block_rows=max(1, budget // (block_len * cfg.dim)),
-                block_len=block_len, num_warps=warps, prefetch=prefetch)
-            lookup.kernel_programs = per_sm * sms
-            with torch.no_grad():
-                ms = time_ms(lambda: lookup.pool(bags), warmup=3, iters=20)
-            rows.append({"block_len": block_len, "budget": budget, "num_warps": warps, "per_sm": per_sm,
-                         "prefetch": prefetch, "ms": ms, "GBps": gathered / (ms * 1e-3) / 1e9})
+    for block_len in (2, 4, 8):
+        for budget in (512, 1024, 2048):
+            for warps in (1, 2):
+                for per_sm in (16, 32):
+                    lookup._kernel_features = FeatureTable(
+                        list(weights.values()), [i * cfg.dim for i in range(cfg.tables_per_gpu)],
+                        [False] * cfg.tables_per_gpu, device, block_rows=max(1, budget // (block_len * cfg.dim)),
+                        block_len=block_len, num_warps=warps)
+                    lookup.kernel_programs = per_sm * sms
+                    with torch.no_grad():
+                        ms = time_ms(lambda: lookup.pool(bags), warmup=3, iters=10)
+                    rows.append({"block_len": block_len, "budget": budget, "num_warps": warps, "per_sm": per_sm,
+                                 "ms": ms, "GBps": gathered / (ms * 1e-3) / 1e9})
     return rows
 
 

@@ -45,8 +45,7 @@ def pooled_embedding_reference(weight: torch.Tensor, values: torch.Tensor, lengt
 def _pool_tile(t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
                dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
                WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr,
-               BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-               PREFETCH: tl.constexpr):
+               BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
     """Tile t of the plan: (destination, feature, its rows, row mask, the destination's first row, dim, the
     pooled [BLOCK_B, BLOCK_D] fp32 values)."""
     d = tl.arange(0, BLOCK_D)
@@ -63,25 +62,18 @@ def _pool_tile(t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, me
     longest = tl.max(length, axis=0)
     # BLOCK_L positions of every bag at once: BLOCK_B * BLOCK_L independent row gathers in flight.
     lanes = tl.arange(0, BLOCK_L)
-    m = row_mask[:, None] & (lanes[None, :] < length[:, None])
-    idx = tl.load(values_ptr + start[:, None] + lanes[None, :], mask=m, other=0)
     j = 0
     while j < longest:  # `while`: the interpreter cannot range() over loaded values
-        at = start[:, None] + j + lanes[None, :]
-        if PREFETCH:  # the next positions' indices are loaded before this gather, not after it
-            m_next = row_mask[:, None] & ((j + BLOCK_L + lanes)[None, :] < length[:, None])
-            idx_next = tl.load(values_ptr + at + BLOCK_L, mask=m_next, other=0)
+        pos = j + lanes
+        m = row_mask[:, None] & (pos[None, :] < length[:, None])
+        at = start[:, None] + pos[None, :]
+        idx = tl.load(values_ptr + at, mask=m, other=0)
         gathered = tl.load(table + idx[:, :, None] * dim + d[None, None, :],
                            mask=m[:, :, None] & d_mask[None, None, :], other=0.0).to(tl.float32)
         if HAS_WEIGHTS:
             gathered = gathered * tl.load(weights_ptr + at, mask=m, other=0.0)[:, :, None]
         acc += tl.sum(gathered, axis=1)
         j += BLOCK_L
-        if PREFETCH:
-            idx, m = idx_next, m_next
-        else:
-            m = row_mask[:, None] & ((j + lanes)[None, :] < length[:, None])
-            idx = tl.load(values_ptr + at + BLOCK_L, mask=m, other=0)
     is_mean = tl.load(mean_ptr + f) != 0
     acc = tl.where(is_mean, acc / tl.maximum(length, 1).to(tl.float32)[:, None], acc)
     return dest, f, rows, row_mask, first_row, dim, acc
@@ -97,7 +89,6 @@ def _pooled_embedding_kernel(
     rank, epoch, global_batch, num_tiles, num_programs, spin_limit,
     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SIGNAL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """p2p transport (and the bulk path's lookup): every tile stored through a pointer into its destination."""
     pid = tl.program_id(0)
@@ -108,7 +99,7 @@ def _pooled_embedding_kernel(
         dest, f, rows, row_mask, first_row, dim, acc = _pool_tile(
             t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
             dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
-            WORLD, WORLD_P2, BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS, PREFETCH)
+            WORLD, WORLD_P2, BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS)
         store_mask = row_mask[:, None] & (d < dim)[None, :]
         if SIGNAL:
             store_mask = store_mask & consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
@@ -130,7 +121,6 @@ def _pooled_embedding_nvshmem_kernel(
     rank, epoch, global_batch, num_tiles, num_programs, spin_limit,
     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """nvshmem transport: local tiles are stored, remote ones staged and put row by row (a tile's rows are
     strided in the destination) to the destination PE at the same symmetric offsets."""
@@ -143,7 +133,7 @@ def _pooled_embedding_nvshmem_kernel(
         dest, f, rows, row_mask, first_row, dim, acc = _pool_tile(
             t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
             dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
-            WORLD, WORLD_P2, BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS, PREFETCH)
+            WORLD, WORLD_P2, BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS)
         released = consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
         first_out_row = tl.min(tl.where(row_mask, rows, 2**62), axis=0) - first_row
         dst = out_ptr + first_out_row * out_row_len + tl.load(cols_ptr + f)
@@ -177,8 +167,7 @@ def launch_pooled_embedding(values: torch.Tensor, offsets: torch.Tensor, weights
         rank, epoch, global_batch, plan.num_tiles, num_programs, spin_limit,
         WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_B=features.block_rows,
         BLOCK_L=features.block_len, BLOCK_D=features.block_dim, TABLE_DTYPE=TL_DTYPES[features.dtype],
-        HAS_WEIGHTS=weights is not None, SIGNAL=signal, PREFETCH=features.prefetch,
-        num_warps=features.num_warps)
+        HAS_WEIGHTS=weights is not None, SIGNAL=signal, num_warps=features.num_warps)
 
 
 def launch_pooled_embedding_nvshmem(values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
@@ -197,8 +186,7 @@ def launch_pooled_embedding_nvshmem(values: torch.Tensor, offsets: torch.Tensor,
         rank, epoch, global_batch, plan.num_tiles, num_programs, spin_limit,
         WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_B=features.block_rows,
         BLOCK_L=features.block_len, BLOCK_D=features.block_dim, TABLE_DTYPE=TL_DTYPES[features.dtype],
-        HAS_WEIGHTS=weights is not None, PREFETCH=features.prefetch,
-        num_warps=features.num_warps)
+        HAS_WEIGHTS=weights is not None, num_warps=features.num_warps)
 
 
 def common_table_dtype(weights: list[torch.Tensor]) -> torch.dtype:
@@ -216,9 +204,10 @@ class FeatureTable:
     """Per-feature metadata of one launch, built once: table addresses, dims, output columns, pooling."""
 
     def __init__(self, weights: list[torch.Tensor], cols: list[int], mean: list[bool], device: torch.device,
-                 block_rows: int | None = None, block_len: int = 8, num_warps: int = 2, prefetch: bool = False):
-        """Tiles of block_rows bags x block_len positions x all dims; by default about 2k elements per step
-        (the best of a sweep on H200, docs/benchmarks.md: small tiles, many programs, many gathers in flight)."""
+                 block_rows: int | None = None, block_len: int = 4, num_warps: int = 1):
+        """Tiles of block_rows bags x block_len positions x all dims; by default about 1k elements per step and
+        one warp (the best of a sweep on H200, docs/benchmarks.md: small tiles, many programs, many gathers in
+        flight; prefetching the next indices did not help)."""
         self.dtype = common_table_dtype(weights)
         self.weights = weights  # keeps the tables (whose addresses the kernel reads) alive
         self.table_ptrs = torch.tensor([w.data_ptr() for w in weights] or [0], dtype=torch.int64, device=device)
@@ -227,6 +216,5 @@ class FeatureTable:
         self.mean = torch.tensor(mean or [False], dtype=torch.int32, device=device)
         self.block_dim = triton.next_power_of_2(max([w.shape[1] for w in weights] or [1]))
         self.block_len = block_len
-        self.block_rows = block_rows or max(1, 2048 // (block_len * self.block_dim))
+        self.block_rows = block_rows or max(1, 1024 // (block_len * self.block_dim))
         self.num_warps = num_warps
-        self.prefetch = prefetch  # under test on GPUs (bench --sweep)
