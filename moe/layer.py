@@ -38,7 +38,7 @@ class FusedMoEConfig:
     """Settings of comm="fused" (any object with these two attributes will do)."""
 
     num_programs: int | None = None  # persistent programs of the dispatch push and of the combine GEMM; None:
-    # DISPATCH_PUSH_PROGRAMS and one per SM
+    # DISPATCH_PUSH_PROGRAMS and two per SM
     wait_timeout_spins: int = 20_000_000  # polls of a flag before a wait gives up and names rank and slice
 
 
@@ -76,7 +76,7 @@ class MoELayer(nn.Module):
             self.dispatch = FusedDispatch(workspace, d_model, ffn, self.num_local_experts,
                                           fused.num_programs or DISPATCH_PUSH_PROGRAMS, spins)
             self.combine = FusedCombine(workspace, d_model, self.num_local_experts,
-                                        fused.num_programs or _sm_count(workspace.device), spins)
+                                        fused.num_programs or _combine_programs(workspace.device), spins)
 
     def forward(self, x: torch.Tensor, logit_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """x: [tokens, d_model] (this rank's tokens, possibly none) -> (y [tokens, d_model], aux).
@@ -184,6 +184,8 @@ class _FusedExperts(torch.autograd.Function):
         return grad_x, grad_weights, grad_w1, grad_w3, grad_w2, None, None, None
 
 
-def _sm_count(device: torch.device) -> int:
-    """One persistent GEMM program per SM; the interpreter runs programs one after another: a few suffice."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+def _combine_programs(device: torch.device) -> int:
+    """Two persistent GEMM programs per SM (96 KB of shared memory and ~100 registers per thread each, so both
+    fit): one's epilogue (stores to peers, flags) overlaps the other's main loop. The interpreter runs programs
+    one after another: a few suffice."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
