@@ -50,6 +50,7 @@ class CombinePlan:
 
     layout: ExpertLayout
     dtype: torch.dtype
+    counts: torch.Tensor  # the layout's counts on the host
     rows: PeerBuffer  # the combine buffer: this rank's permuted rows, written by their owners
     ready: PeerBuffer  # int32 flags, per (flag slot, column block)
     ack: PeerBuffer  # int32 [world]: the epoch each source has finished reading
@@ -307,7 +308,7 @@ class FusedCombine:
         self.num_col = triton.cdiv(d_model, self.blocks.block_n)
         self.errors = PeerErrors(workspace.device, self.rank, "fused MoE combine")
         self._plan: CombinePlan | None = None
-        self._grad: tuple | None = None  # (layout, dtype, rows, ready, ack, slots per rank) of the backward
+        self._grad: tuple | None = None  # (layout, dtype, rows, ready, ack, slots per rank, tiles) of the backward
 
     def prepare(self, layout: ExpertLayout, dtype: torch.dtype) -> CombinePlan:
         """The epoch's buffers (allocated or grown: collective on GPUs) and tile tables, from the counts on the
@@ -318,7 +319,7 @@ class FusedCombine:
         counts = layout.counts.cpu()
         rows, ready, ack = self._buffers(counts, dtype)
         tiles = self._owner_tiles(counts).to(self.ws.device)
-        self._plan = CombinePlan(layout, dtype, rows, ready, ack, tiles, self._tile_of_row(layout))
+        self._plan = CombinePlan(layout, dtype, counts, rows, ready, ack, tiles, self._tile_of_row(layout))
         return self._plan
 
     def start(self, h: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout) -> int:
@@ -380,6 +381,9 @@ class FusedCombine:
         `send_dest_row` of its owner's gradient buffer, flags raised per (this rank, row block). Every rank calls
         `start_backward` before any rank calls `finish_backward`. Returns the epoch."""
         self.errors.check()
+        # The forward's host copy of the counts, unless another epoch came between (then a sync).
+        same = self._plan is not None and self._plan.layout is layout
+        counts = self._plan.counts if same else layout.counts.cpu()
         rows, ready, ack, slots = self._gradient_buffers(layout, grad_y.dtype)
         epoch = self.ws.next_epoch("combine_grad")
         num_rows = layout.send_dest_rank.numel()
@@ -387,7 +391,7 @@ class FusedCombine:
             b = self.blocks
             num_blocks = triton.cdiv(num_rows, b.block_rows)
             # Remote first: start with the rows of rank + 1 (rows are grouped by owner), wrap around to this rank.
-            before_next = int(layout.counts[self.rank, :(self.rank + 1) * self.num_local_experts].sum())
+            before_next = int(counts[self.rank, :(self.rank + 1) * self.num_local_experts].sum())
             _push_gradient_kernel[(num_blocks,)](
                 grad_y.contiguous(), perm.order // perm.top_k, weights.reshape(-1)[perm.order].float(),
                 layout.send_dest_rank, layout.send_dest_row, rows.peer_ptrs, ready.peer_ptrs, ack.local,
@@ -403,19 +407,17 @@ class FusedCombine:
         acknowledged to every source."""
         if self._grad is None or self._grad[0] is not layout:
             raise RuntimeError("finish_backward must follow start_backward with the same layout")
-        _, dtype, rows, ready, ack, slots = self._grad
+        _, dtype, rows, ready, ack, slots, tiles = self._grad
         sizes = layout.tokens_per_local_expert
         received, ffn = sum(sizes), h.shape[1]
         g = rows.local[:received * self.d_model].view(received, self.d_model)
         grad_h = torch.empty(received, ffn, dtype=dtype, device=h.device)
         b = self.blocks
-        tiles = torch.tensor([(e, first + i, first + n) for e, (first, n) in enumerate(zip(_starts(sizes), sizes))
-                              for i in range(0, n, b.block_m)], dtype=torch.int64).reshape(-1, 3)
-        if tiles.shape[0]:
+        if tiles.shape[1]:
             block_k, stages = _gemm_steps(b, dtype, h.is_cuda)
-            _gradient_gemm_kernel[(tiles.shape[0] * triton.cdiv(ffn, b.block_n),)](
-                rows.local, w2.contiguous(), grad_h, tiles.t().contiguous().to(h.device), layout.recv_source_rank,
-                layout.recv_source_row, ready.local, self.errors.word, tiles.shape[0], slots, epoch,
+            _gradient_gemm_kernel[(tiles.shape[1] * triton.cdiv(ffn, b.block_n),)](
+                rows.local, w2.contiguous(), grad_h, tiles, layout.recv_source_rank,
+                layout.recv_source_row, ready.local, self.errors.word, tiles.shape[1], slots, epoch,
                 self.spin_limit, FFN=ffn, D_MODEL=self.d_model, BLOCK_M=b.block_m, BLOCK_N=b.block_n,
                 BLOCK_K=block_k, BLOCK_R=b.block_rows, PRECISION="ieee" if dtype == torch.float32 else None,
                 num_warps=b.gemm_warps, num_stages=stages)
@@ -425,13 +427,16 @@ class FusedCombine:
         return grad_h, grad_w2
 
     def _gradient_buffers(self, layout: ExpertLayout, dtype: torch.dtype):
-        """The owners' gradient rows (receive order), flags per (source, row block), acks; from the layout's
-        maxima (the same on every rank)."""
+        """The owners' gradient rows (receive order), flags per (source, row block), acks, from the layout's
+        maxima (the same on every rank); and the owner GEMM's row tiles (local expert, first row, end)."""
         slots = triton.next_power_of_2(max(1, triton.cdiv(layout.max_send_rows, self.blocks.block_rows)))
         rows = self.ws.buffer("combine_grad_rows", _round_up(layout.max_recv_rows) * self.d_model, dtype)
         ready = self.ws.buffer(f"combine_grad_ready_{slots}", self.world * slots, torch.int32)
         ack = self.ws.buffer("combine_grad_ack", self.world, torch.int32)
-        self._grad = (layout, dtype, rows, ready, ack, slots)
+        sizes = layout.tokens_per_local_expert
+        tiles = torch.tensor([(e, first + i, first + n) for e, (first, n) in enumerate(zip(_starts(sizes), sizes))
+                              for i in range(0, n, self.blocks.block_m)], dtype=torch.int64).reshape(-1, 3)
+        self._grad = (layout, dtype, rows, ready, ack, slots, tiles.t().contiguous().to(self.ws.device))
         return rows, ready, ack, slots
 
     def _buffers(self, counts: torch.Tensor, dtype: torch.dtype):
