@@ -95,6 +95,7 @@ def many_steps(rank, world):
             x = torch.randn(tokens, D_MODEL, generator=gen).to("cuda", torch.bfloat16)
             run(fused, x, torch.tensor(bias, device="cuda"), torch.randn(tokens, D_MODEL, generator=gen).cuda())
     fused.combine.errors.check(block=True)
+    fused.dispatch.errors.check(block=True)
 
 
 def peer_never_starts(rank, world, backward):
