@@ -67,7 +67,8 @@ class MoELayer(nn.Module):
         self.dispatch = self.combine = None
         if comm == "fused":
             if workspace is None:
-                if torch.device(device or "cpu").type != "cuda" or not dist.is_initialized():
+                on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+                if not on_cuda or not dist.is_initialized():  # device None: a model moved to the GPU later
                     raise RuntimeError("comm=fused needs CUDA GPUs under torchrun (symmetric memory); use comm=bulk "
                                        "on the CPU")
                 workspace = CudaSymmetricWorkspace(group)

@@ -41,12 +41,15 @@ def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
     """The model on this rank; with model.tp_size > 1 it creates the TP and data-parallel groups (collective).
     `model.group` is the data-parallel group (None: the world)."""
     m = cfg.model
+    if cfg.comm.mode == "fused" and cfg.comm.get("transport", "p2p") != "p2p":
+        raise ValueError(f"comm.transport={cfg.comm.transport}: the MoE layers' fused dispatch and combine have the "
+                         "p2p transport only")
     tp_group, dp_group = tp_groups(m.tp_size)
     model = MoETransformer(vocab_size=m.vocab_size, d_model=m.d_model, num_layers=m.num_layers,
                            num_heads=m.num_heads, ffn=m.ffn, num_experts=m.num_experts, top_k=m.top_k,
                            moe_every=m.moe_every, shared_expert=m.shared_expert,
                            capacity_factor=m.capacity_factor, seed=cfg.seed, group=dp_group, tp_group=tp_group,
-                           tp_comm=m.tp_comm)
+                           tp_comm=m.tp_comm, moe_comm=cfg.comm.mode, moe_fused=cfg.comm)
     return model.to(env.device)
 
 

@@ -148,9 +148,10 @@ class MoETransformer(nn.Module):
                  ffn: int = 128, num_experts: int = 4, top_k: int = 2, moe_every: int = 1,
                  shared_expert: bool = False, capacity_factor: float | None = None, seed: int = 0,
                  group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
-                 tp_comm: str = "bulk"):
+                 tp_comm: str = "bulk", moe_comm: str = "bulk", moe_fused=None):
         """group: the data-parallel group (expert parallelism, gradient averaging; None: the world);
-        tp_group: the tensor-parallel group (None: no tensor parallelism); tp_comm: bulk | fused."""
+        tp_group: the tensor-parallel group (None: no tensor parallelism); tp_comm: bulk | fused;
+        moe_comm / moe_fused: the MoE layers' dispatch and combine (MoELayer's comm and fused)."""
         super().__init__()
         if moe_every not in (1, 2):
             raise ValueError(f"moe_every must be 1 or 2, got {moe_every}")
@@ -162,7 +163,8 @@ class MoETransformer(nn.Module):
             is_moe = (i + 1) % moe_every == 0
             if is_moe:
                 ffn_module = ShardedMoELayer(d_model, ffn, num_experts, top_k, group=group,
-                                             capacity_factor=capacity_factor, seed=derive_seed(seed, "moe", i))
+                                             capacity_factor=capacity_factor, seed=derive_seed(seed, "moe", i),
+                                             comm=moe_comm, fused=moe_fused)
             else:
                 ffn_module = SwiGLU(d_model, ffn, tp, "block", i, "ffn")
             shared = SwiGLU(d_model, ffn, tp, "block", i, "shared") if is_moe and shared_expert else None

@@ -163,3 +163,11 @@ def test_torchrun_two_processes(tmp_path):
                                                                                        "__1_0.distcp"]
     lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines if "loss" in l] == [5, 10] and "eval_loss" in lines[-1]
+
+
+def test_fused_comm_is_refused_clearly_on_the_cpu(tmp_path):
+    with pytest.raises(RuntimeError, match="comm=fused needs CUDA GPUs under torchrun"):
+        train(config(*SMALL, "comm=fused", "trainer.max_steps=2"), CPU, tmp_path)
+    with pytest.raises(ValueError, match="comm.transport=nvshmem: the MoE layers' fused dispatch and combine have "
+                                         "the p2p transport only"):
+        train(config(*SMALL, "comm=fused", "comm.transport=nvshmem", "trainer.max_steps=2"), CPU, tmp_path)

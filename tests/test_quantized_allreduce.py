@@ -66,7 +66,7 @@ def _ddp_hook(rank: int, world: int, device_type: str = "cpu") -> None:
     local = torch.autograd.grad(nn.functional.mse_loss((m := model())(x), t), list(m.parameters()))
     absmax = torch.stack([g.abs().max() for g in local]).max()
     everyone = torch.empty(world, device=device)
-    dist.all_gather_single(everyone, absmax.view(1))
+    dist.all_gather_into_tensor(everyone, absmax.view(1))
     exact_max = max(p.grad.abs().max() for p in plain.parameters())
     step = (1 + 2.0**-9) / 2 / 127  # half a q8 step per unit of absmax, with the fp16 scale's round-up
     first = everyone.sum() * step / world

@@ -51,6 +51,17 @@ def consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr):
 
 
 @triton.jit
+def released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr, known_dest, known_released):
+    """consumer_released, asked again only when `dest` changes: a program walks its tiles destination by
+    destination, and an ack read per tile costs as much as a small tile's stores. Returns the new (known_dest,
+    known_released); start from (-1, False)."""
+    if dest != known_dest:
+        known_released = consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+        known_dest = dest
+    return known_dest, known_released
+
+
+@triton.jit
 def _poll_ready(flags, epoch, count, spin_limit, BLOCK: tl.constexpr):
     """Spin (bounded) until the `count` flags at `flags` all hold >= epoch: (all up, first late slot)."""
     offs = tl.arange(0, BLOCK)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, put_rows, signal_ready_nvshmem
-from fused_dlrm.kernels.peer_flags import consumer_released, signal_ready
+from fused_dlrm.kernels.peer_flags import released_once_per_dest, signal_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, tile_coords
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -95,6 +95,7 @@ def _pooled_embedding_kernel(
     d = tl.arange(0, BLOCK_D)
     # Tiles pid, pid + P, ...; loops are `while` loops because the interpreter cannot range() over loaded values.
     t = pid
+    known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
     while t < num_tiles:
         dest, f, rows, row_mask, first_row, dim, acc = _pool_tile(
             t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
@@ -102,7 +103,9 @@ def _pooled_embedding_kernel(
             WORLD, WORLD_P2, BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS)
         store_mask = row_mask[:, None] & (d < dim)[None, :]
         if SIGNAL:
-            store_mask = store_mask & consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+            known_dest, released = released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr,
+                                                          known_dest, released)
+            store_mask = store_mask & released
         out = tl.load(out_ptrs + dest).to(tl.pointer_type(tl.float32))
         out_rows = (tl.load(out_row_base_ptr + dest) + rows - first_row).to(tl.int64)
         col = tl.load(cols_ptr + f)
@@ -129,12 +132,14 @@ def _pooled_embedding_nvshmem_kernel(
     b = tl.arange(0, BLOCK_B)
     scratch = scratch_ptr + pid.to(tl.int64) * BLOCK_B * BLOCK_D
     t = pid
+    known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
     while t < num_tiles:
         dest, f, rows, row_mask, first_row, dim, acc = _pool_tile(
             t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
             dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
             WORLD, WORLD_P2, BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS)
-        released = consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+        known_dest, released = released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr,
+                                                      known_dest, released)
         first_out_row = tl.min(tl.where(row_mask, rows, 2**62), axis=0) - first_row
         dst = out_ptr + first_out_row * out_row_len + tl.load(cols_ptr + f)
         if dest == rank:

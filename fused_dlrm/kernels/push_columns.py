@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, put_rows, signal_ready_nvshmem
-from fused_dlrm.kernels.peer_flags import consumer_released, signal_ready
+from fused_dlrm.kernels.peer_flags import released_once_per_dest, signal_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, tile_coords
 
 
@@ -36,6 +36,7 @@ def _push_columns_kernel(
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     t = pid
+    known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
     while t < num_tiles:  # `while`: the interpreter cannot range() from a program id
         dest, f, rows, row_mask, first_row = tile_coords(
             t, dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,
@@ -44,7 +45,9 @@ def _push_columns_kernel(
         mask = row_mask[:, None] & (d < dim)[None, :]
         src = src_ptr + rows.to(tl.int64)[:, None] * src_row_len + tl.load(src_cols_ptr + f) + d[None, :]
         tile = tl.load(src, mask=mask)
-        mask = mask & consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+        known_dest, released = released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr, known_dest,
+                                                      released)
+        mask = mask & released
         out = tl.load(out_ptrs + dest).to(tl.pointer_type(src_ptr.dtype.element_ty))
         out_rows = (tl.load(out_row_base_ptr + dest) + rows - first_row).to(tl.int64)
         dst = out + out_rows[:, None] * tl.load(out_row_len_ptr + dest) + tl.load(dst_cols_ptr + f) + d[None, :]
@@ -77,12 +80,14 @@ def _push_columns_nvshmem_kernel(
     d = tl.arange(0, BLOCK_D)
     r = tl.arange(0, BLOCK_R)
     t = pid
+    known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
     while t < num_tiles:
         dest, f, rows, row_mask, first_row = tile_coords(
             t, dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,
             WORLD, WORLD_P2, BLOCK_R)
         dim = tl.load(dims_ptr + f)
-        released = consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+        known_dest, released = released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr, known_dest,
+                                                      released)
         first = tl.min(tl.where(row_mask, rows, 2**62), axis=0)
         src = src_ptr + first * src_row_len + tl.load(src_cols_ptr + f)
         out_row_len = tl.load(out_row_len_ptr + dest)

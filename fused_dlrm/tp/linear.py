@@ -94,7 +94,7 @@ class _ReduceFromTP(torch.autograd.Function):
 def _reduce_scatter_rows(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size, _ = _size_rank(group)
     out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
-    dist.reduce_scatter_single(out, grad.contiguous(), group=group)
+    dist.reduce_scatter_tensor(out, grad.contiguous(), group=group)
     return out
 
 
@@ -106,7 +106,7 @@ class _GatherRows(torch.autograd.Function):
         ctx.group = group
         size, _ = _size_rank(group)
         out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(out, x.contiguous(), group=group)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
         return out
 
     @staticmethod

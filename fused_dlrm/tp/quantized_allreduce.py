@@ -13,7 +13,7 @@ partial sum of stage 1 (|z| <= |exact| + sum_r B(x_r)); with mean=True both stag
 Two implementations with the same arithmetic, bit for bit: on CUDA tensors of an NCCL group, the fused
 one-launch kernel (kernels/quantized_allreduce.py) on a symmetric workspace created lazily per process group
 (collectively, at the group's first call); elsewhere (gloo, CPU) the bulk twin: the codec kernels around
-all_to_all_single and all_gather_single. Codec "nccl" / "none" is a plain dist.all_reduce.
+all_to_all_single and all_gather_into_tensor. Codec "nccl" / "none" is a plain dist.all_reduce.
 """
 
 from dataclasses import dataclass
@@ -63,7 +63,7 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
     parts = decode(received, codec, world * chunk).view(world, chunk)
     mine = encode(sum_in_rank_order(list(parts), mean), codec)
     gathered = mine.new_empty((world * chunk_blocks, mine.shape[1]))
-    dist.all_gather_single(gathered, mine, group=group)
+    dist.all_gather_into_tensor(gathered, mine, group=group)
     return decode(gathered, codec, numel).view(x.shape).to(x.dtype)
 
 
