@@ -79,9 +79,10 @@ def gather_counts(tokens_per_expert: torch.Tensor, group: dist.ProcessGroup | No
     """This rank's rows per global expert -> C [world, num_experts] (an all-gather; itself in one process)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return tokens_per_expert.view(1, -1).clone()
-    out = tokens_per_expert.new_empty(dist.get_world_size(group), tokens_per_expert.numel())
+    world = dist.get_world_size(group)
+    out = tokens_per_expert.new_empty(world * tokens_per_expert.numel())  # flat: gloo checks the sizes
     dist.all_gather_into_tensor(out, tokens_per_expert.contiguous(), group=group)
-    return out
+    return out.view(world, -1)
 
 
 def _ranks_within(sizes: torch.Tensor) -> torch.Tensor:

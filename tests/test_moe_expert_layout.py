@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from moe.expert_layout import build_expert_layout
+from moe.expert_layout import build_expert_layout, gather_counts
+from world import run_world
 
 
 @pytest.mark.parametrize("world,local", [(1, 3), (2, 2), (4, 1), (4, 3)])
@@ -34,3 +35,12 @@ def test_dispatch_and_combine_addresses_are_inverse(world, local):
 def test_counts_must_match_the_expert_split():
     with pytest.raises(ValueError, match="expected 2 ranks x 3"):
         build_expert_layout(torch.zeros(2, 4, dtype=torch.int64), 0, 3)
+
+
+def _gathered(rank, world):
+    mine = torch.arange(6) * (rank + 1)
+    assert torch.equal(gather_counts(mine), torch.stack([torch.arange(6) * (r + 1) for r in range(world)]))
+
+
+def test_gather_counts_on_gloo():
+    run_world(2, _gathered)
