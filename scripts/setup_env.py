@@ -86,6 +86,11 @@ OFFLINE_DEPS = [
     "hydra-core", "omegaconf", "antlr4-python3-runtime",  # hydra-core -> omegaconf -> antlr4
     "torchmetrics", "tqdm",
 ]
+# report.png (python -m fused_dlrm.report) is drawn with matplotlib, which is optional: online it is installed when
+# missing; offline only when the wheel folder has a wheel for it and for each of these (its dependency closure, in
+# install order) that is missing, else a warning and the report writes report.md / report.json without the picture.
+PLOT_DEPS = ["numpy", "packaging", "six", "python-dateutil", "pyparsing", "cycler", "kiwisolver", "fonttools",
+             "pillow", "contourpy", "matplotlib"]
 # Imported after an offline install to check the result.
 VERIFY_MODULES = [
     "torch", "fbgemm_gpu", "torchrec", "hydra", "omegaconf", "torchmetrics", "tqdm", "tensordict", "iopath",
@@ -312,7 +317,7 @@ def project_requirements(test: bool) -> tuple[str, list[str]]:
 
 def inspect_environment(opts: Options, env: dict[str, str]) -> EnvState:
     _, project_reqs = project_requirements(opts.test)
-    names = [FBGEMM_GPU, FBGEMM_CPU, "torchrec", *TORCHREC_RUNTIME_DEPS, *OFFLINE_DEPS]
+    names = [FBGEMM_GPU, FBGEMM_CPU, "torchrec", *TORCHREC_RUNTIME_DEPS, *OFFLINE_DEPS, *PLOT_DEPS]
     names += [requirement_name(r) for r in project_reqs]
     path = [str(opts.target), *sys.path] if opts.target else None
     versions = {}
@@ -384,6 +389,17 @@ def offline_requirements(state: EnvState, opts: Options) -> list[str]:
     return reqs
 
 
+def offline_plot_requirements(state: EnvState, folder: Path) -> list[str]:
+    """What of PLOT_DEPS is missing, when folder has a wheel for each of those; else nothing, with a warning."""
+    missing = [name for name in PLOT_DEPS if not state.version(name)]
+    absent = [name for name in missing if not wheel_versions(folder, name)]
+    if absent:
+        print(f"WARNING: no wheel in {folder} for {', '.join(absent)}: matplotlib is not installed (optional: "
+              "the report then writes report.md and report.json without report.png)")
+        return []
+    return missing
+
+
 def check_wheels(folder: Path, reqs: list[str]) -> None:
     """Fail, naming them all, if folder lacks a wheel for some of reqs."""
     missing = [
@@ -421,6 +437,7 @@ def plan_commands(
     if opts.wheels:
         reqs = paired + offline_requirements(state, opts)
         check_wheels(opts.wheels, reqs)
+        reqs += offline_plot_requirements(state, opts.wheels)
         if reqs:
             cmds += install_no_deps(opts, reqs)
         if not opts.target and not state.project_editable:
@@ -448,6 +465,9 @@ def plan_commands(
     elif missing_reqs or not state.project_editable:
         spec = f"{REPO_ROOT}[test]" if opts.test else str(REPO_ROOT)
         cmds += install_resolving(opts, "project", ["-e", spec], constraints)
+
+    if not state.version("matplotlib"):
+        cmds += install_resolving(opts, "plot", ["matplotlib"], constraints)
 
     return cmds
 

@@ -145,6 +145,7 @@ EVERYTHING = {
     "tensordict": "0.15.3",
     "pyre-extensions": "0.0.32",
     "iopath": "0.1.10",
+    "matplotlib": "3.10.0",
     **{se.canon(se.requirement_name(r)): "1.0" for r in PROJECT_REQS},
 }
 CPU_18 = se.Pairing("fbgemm-gpu-cpu", "1.8.0", "1.8.0")
@@ -177,6 +178,7 @@ def test_plan_fresh_environment(tmp_path):
         ["PY", "-m", "pip", "install", "-c", c, "tensordict", "pyre-extensions", "iopath"],
         ["PY", "-m", "pip", "install", "-c", c, "triton==3.6.0"],
         ["PY", "-m", "pip", "install", "-c", c, "-e", f"{REPO_ROOT}[test]"],
+        ["PY", "-m", "pip", "install", "-c", c, "matplotlib"],
     ]
 
 
@@ -515,3 +517,19 @@ def test_verify_imports_names_the_wheel(tmp_path, monkeypatch):
         f"  missing module 'fbgemm_gpu': add a fbgemm-gpu-cpu wheel to {tmp_path} and re-run",
         f"  missing module 'lightning_utilities': add a lightning-utilities wheel to {tmp_path} and re-run",
     ]
+
+
+def test_plan_offline_matplotlib_only_with_its_wheels(tmp_path, capsys):
+    """matplotlib is optional offline: installed (no deps resolved) when the folder has its wheels, else a warning."""
+    opts = _offline_opts(tmp_path, target=tmp_path / "site", test=True)
+    assert se.plan_commands(CPU_16, _state(IMAGE_DONE), opts, None) == []
+    assert "matplotlib is not installed (optional" in capsys.readouterr().out
+    has_numpy = {**IMAGE_DONE, "numpy": "2.3.0", "packaging": "25.0", "six": "1.17.0", "python-dateutil": "2.9.0"}
+    _wheels(opts.wheels, "pyparsing-3.2.5-py3-none-any.whl", "cycler-0.12.1-py3-none-any.whl",
+            "kiwisolver-1.4.9-cp312-cp312-manylinux_2_17_x86_64.whl", "fonttools-4.60.1-py3-none-any.whl",
+            "pillow-12.0.0-cp312-cp312-manylinux_2_27_x86_64.whl",
+            "contourpy-1.3.3-cp312-cp312-manylinux_2_27_x86_64.whl",
+            "matplotlib-3.10.7-cp312-cp312-manylinux_2_27_x86_64.whl")
+    (cmd,) = se.plan_commands(CPU_16, _state(has_numpy), opts, None)
+    assert "--no-deps" in cmd and cmd[cmd.index("--upgrade") + 1:] == [
+        "pyparsing", "cycler", "kiwisolver", "fonttools", "pillow", "contourpy", "matplotlib"]
