@@ -17,17 +17,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fused_dlrm.bench.timing import peer_bandwidth, time_ms
+from fused_dlrm.bench.timing import peer_bandwidth, per_call_us, time_ms
 from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS
 from fused_dlrm.tp.quantized_allreduce import fused_for_group, quantized_all_reduce
 
 SIZES = [32 << 10, 1 << 20, 64 << 20]  # bytes of bf16
 QUICK_SIZES = [32 << 10, 64 << 20]
-CALLS = 20  # back-to-back calls per timed run
-
-
-def per_call_us(fn) -> float:
-    return time_ms(lambda: [fn() for _ in range(CALLS)]) * 1e3 / CALLS
 
 
 def symm_mem_two_shot(x: torch.Tensor):

@@ -14,20 +14,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fused_dlrm.bench.timing import hbm_bandwidth, peer_bandwidth, time_ms
+from fused_dlrm.bench.timing import hbm_bandwidth, peer_bandwidth, per_call_us, time_ms
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce, gemm_allreduce_bulk
 
 SHAPES = [(1, 8192, 8192), (1, 8192, 28672), (16, 8192, 8192), (64, 8192, 8192), (64, 8192, 28672)]  # M, K, N
 QUICK_SHAPES = SHAPES[:2]
-CALLS = 20  # back-to-back calls per timed run
-
-
-def per_call_us(fn) -> float:
-    def calls():
-        for _ in range(CALLS):
-            fn()
-    return time_ms(calls) * 1e3 / CALLS
 
 
 def symm_mem_baseline(x: torch.Tensor, w: torch.Tensor):

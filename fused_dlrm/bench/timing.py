@@ -64,3 +64,12 @@ def peer_bandwidth(nbytes: int = 256 << 20) -> float:
     src = torch.empty(nbytes // 4, device="cuda")
     ms = time_ms(lambda: peer.copy_(src), warmup=3, iters=10)
     return nbytes / (ms * 1e-3)
+
+
+def per_call_us(fn: Callable[[], object], calls: int = 20) -> float:
+    """Microseconds per call of fn, timed over `calls` back-to-back calls (launch overhead included, as in a
+    model where the next call follows at once)."""
+    def run():
+        for _ in range(calls):
+            fn()
+    return time_ms(run) * 1e3 / calls
