@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fused_dlrm.bench.timing import peer_bandwidth, per_call_us, time_ms
+from fused_dlrm.bench.timing import peer_bandwidth, per_call_us
 from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS
 from fused_dlrm.tp.quantized_allreduce import fused_for_group, quantized_all_reduce
 

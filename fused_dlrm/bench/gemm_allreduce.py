@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fused_dlrm.bench.timing import hbm_bandwidth, peer_bandwidth, per_call_us, time_ms
+from fused_dlrm.bench.timing import hbm_bandwidth, peer_bandwidth, per_call_us
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce, gemm_allreduce_bulk
 
