@@ -1,5 +1,8 @@
 """GPU check of the all-gather primitives and AllGather + GEMM against their bulk twins (2 GPUs, NCCL; skipped
 without them). Each op runs 1,000 times on the same flags and buffers, with fresh data, checked along the way.
+The primitives' result is also snapshotted right after the wait (before any collective orders the peer's copies),
+which is where a flag raised before its data shows. The GEMM check runs every producer, dtype and tile config to
+the end and then reports every one that failed.
 
 CI has no GPU: this runs on the device machine.
 """
@@ -35,6 +38,7 @@ def fresh(rank: int, step: int, shape, dtype, device) -> torch.Tensor:
 def _primitives(rank: int, world: int) -> None:
     device = torch.device("cuda", rank)
     ws = CudaSymmetricWorkspace()
+    failures = {}  # (dtype, producer) -> the first failure; every combination runs to the end
     for dtype in (torch.float16, torch.bfloat16):
         op = SymmetricAllGather(ws, 300, 257, dtype, chunk_rows=64, spin_limit=SPINS)  # last chunk: 44 rows
         expected = torch.empty(world * 300, 257, dtype=dtype, device=device)
@@ -43,30 +47,48 @@ def _primitives(rank: int, world: int) -> None:
             shard = fresh(rank, step, (300, 257), dtype, device)
             got = op(shard, producer)
             if checked(step):
+                snapshot = got.clone()  # ordered after this rank's wait for the flags only
                 dist.all_gather_into_tensor(expected, shard)
-                assert torch.equal(got, expected), f"{dtype} {producer} step {step}"
-        op.errors.check(block=True)
+                for what, tensor in (("data read right after its flags", snapshot), ("data", got)):
+                    if not torch.equal(tensor, expected):
+                        failures.setdefault((dtype, producer), f"step {step}: {what} differs from NCCL")
+        try:
+            op.errors.check(block=True)
+        except PeerWaitTimeout as timeout:
+            failures[dtype, "timeout"] = str(timeout)
+    assert not failures, f"rank {rank}: " + "; ".join(f"{d} {p}: {w}" for (d, p), w in failures.items())
 
 
 def _matmul(rank: int, world: int) -> None:
     device = torch.device("cuda", rank)
     ws = CudaSymmetricWorkspace()
     rows, k, n = 1000, 512, 320  # rows not a multiple of the 128-row tile; 4 chunks of 256 (the last 232)
-    for dtype in (torch.float16, torch.bfloat16):
-        weight = (fresh(0, -1, (n, k), dtype, device) / k ** 0.5).t()  # a Linear's weight.t()
-        for step in range(CALLS):
-            producer = GEMM_PRODUCERS[step % len(GEMM_PRODUCERS)]
-            x = fresh(rank, step, (rows, k), dtype, device)
-            check = checked(step)
-            out = torch.full((world * rows, n), float("nan"), dtype=dtype, device=device)
-            result = all_gather_matmul(x, weight, ws, producer, return_gathered=check, out=out)
-            if check:
-                got, gathered = result
-                bulk, bulk_gathered = all_gather_matmul_bulk(x, weight)
-                assert torch.equal(gathered, bulk_gathered), f"{dtype} {producer} step {step}"
-                error = float((got.float() - bulk.float()).norm() / bulk.float().norm())
-                assert error < (1e-2 if dtype == torch.bfloat16 else 2e-3), (dtype, producer, step, error)
-        op_for(ws, x).gather.errors.check(block=True)
+    configs = {"chunks of 256": GemmConfig(), "chunks of 192 (tiles straddle)": GemmConfig(chunk_rows=192)}
+    failures = {}  # (config, dtype, producer) -> the first failure; every combination runs to the end
+    for name, config in configs.items():
+        for dtype in (torch.float16, torch.bfloat16):
+            weight = (fresh(0, -1, (n, k), dtype, device) / k ** 0.5).t()  # a Linear's weight.t()
+            for step in range(CALLS):
+                producer = GEMM_PRODUCERS[step % len(GEMM_PRODUCERS)]
+                x = fresh(rank, step, (rows, k), dtype, device)
+                check = checked(step)  # the same steps on every rank: the bulk twin is a collective
+                out = torch.full((world * rows, n), float("nan"), dtype=dtype, device=device)
+                result = all_gather_matmul(x, weight, ws, producer, return_gathered=check, out=out, config=config)
+                if check:
+                    got, gathered = result
+                    bulk, bulk_gathered = all_gather_matmul_bulk(x, weight)
+                    error = float((got.float() - bulk.float()).norm() / bulk.float().norm())
+                    exact = torch.equal(gathered, bulk_gathered)
+                    if (not exact or not error < (1e-2 if dtype == torch.bfloat16 else 2e-3)) and (
+                            (name, dtype, producer) not in failures):
+                        failures[name, dtype, producer] = (f"step {step}: relative error {error:.3g}, gathered input "
+                                                           f"{'exact' if exact else 'differs'}")
+            try:
+                op_for(ws, x, config).gather.errors.check(block=True)
+            except PeerWaitTimeout as timeout:
+                failures[name, dtype, "timeout"] = str(timeout)
+    assert not failures, f"rank {rank}: " + "; ".join(
+        f"{name} {dtype} {producer}: {what}" for (name, dtype, producer), what in failures.items())
 
 
 def _timeout(rank: int, world: int) -> None:

@@ -6,6 +6,7 @@ unwritten elements show; results are compared with pure-torch references (torch.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,9 +15,10 @@ import pytest
 import torch
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
+from fused_dlrm.kernels import allgather
 from fused_dlrm.kernels.allgather import PRODUCERS, SymmetricAllGather, all_gather_reference
 from fused_dlrm.kernels.allgather_gemm import (GemmConfig, all_gather_matmul, all_gather_matmul_bulk,
-                                               all_gather_matmul_reference, op_for)
+                                               all_gather_matmul_reference, op_for, tile_map)
 
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from world import run_world
@@ -81,6 +83,7 @@ def test_a_producer_waits_for_the_peer_to_release_its_half():
 
 
 SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, chunk_rows=16, num_programs=3, spin_limit=50)
+STRADDLE = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, chunk_rows=24, num_programs=3, spin_limit=50)
 TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
@@ -101,22 +104,134 @@ def relative_error(got, expected):
     return float((got.double() - expected).norm() / expected.norm())
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size,config", [(2, SMALL), (4, SMALL), (2, STRADDLE)])
 @pytest.mark.parametrize("producer", ["copy_engine", "device"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_all_gather_matmul_matches_reference(world_size, producer, dtype):
-    rows, k, n = 21, 24, 19  # rows, K and N not multiples of the tiles; chunks of 16 rows (the last has 5)
+def test_all_gather_matmul_matches_reference(world_size, config, producer, dtype):
+    rows, k, n = 41, 24, 19  # rows, K and N not multiples of the tiles; SMALL: chunks of 16 rows (the last has 9);
+    # STRADDLE: chunks of 24 rows, so the 16-row tile of rows 16..31 reads two chunks
     gen = torch.Generator().manual_seed(11 * world_size)
     workspaces = matmul_world(world_size)
     for return_gathered in (False, True):  # two consecutive calls: both halves of the double buffer
         shards = [torch.randn(rows, k, generator=gen).to(dtype) for _ in range(world_size)]
         weight = torch.randn(n, k, generator=gen).to(dtype).t()  # a Linear's weight.t(): not contiguous
         expected = all_gather_matmul_reference(shards, weight)
-        for got in run_matmul(workspaces, shards, weight, producer, return_gathered):
+        for got in run_matmul(workspaces, shards, weight, producer, return_gathered, config):
             out, gathered = got if return_gathered else (got, None)
             assert relative_error(out, expected) < TOL[dtype]
             if return_gathered:
                 torch.testing.assert_close(gathered, all_gather_reference(shards), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world_size,rows,chunk_rows,block_m", [
+    (2, 1000, 256, 128), (2, 1000, 200, 128), (4, 45, 24, 16), (2, 7, 3, 4), (3, 64, 64, 16), (2, 40, 100, 16)])
+def test_every_tile_waits_for_every_chunk_it_reads(world_size, rows, chunk_rows, block_m):
+    """The GEMM's own tile walk and chunk helpers: every (source, row, N-block) is computed exactly once, and each
+    tile waits for exactly the chunks holding its rows (chunk_rows differing from block_m, tiles straddling chunks).
+    A tile that read rows whose flag it did not wait for is the race the GPU shows when copies overlap the GEMM."""
+    config = GemmConfig(block_m=block_m, block_n=16, group_m=3)
+    n = 40  # 3 N-blocks, the last partial
+    chunk_rows = min(chunk_rows, rows)  # as SymmetricAllGather clamps it
+    for rank in range(world_size):
+        tiles = tile_map(rank, world_size, rows, n, chunk_rows, config).tolist()
+        seen = set()
+        for t, (source, mb, nb, first, last) in enumerate(tiles):
+            if t < len(tiles) // world_size:
+                assert source == rank, "the local shard comes first"
+            lo, hi = mb * block_m, min(mb * block_m + block_m, rows)  # the rows the tile reads
+            assert 0 <= lo < hi <= rows and 0 <= nb < 3 and 0 <= source < world_size
+            assert first == lo // chunk_rows and last == (hi - 1) // chunk_rows, (t, lo, hi, first, last)
+            assert first * chunk_rows <= lo and hi <= (last + 1) * chunk_rows
+            assert (source, mb, nb) not in seen
+            seen.add((source, mb, nb))
+        assert len(seen) == world_size * -(-rows // block_m) * 3
+
+
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+def test_a_chunk_that_has_not_landed_is_reported_and_touches_only_its_rows(producer):
+    """A simulated world where the GEMM runs before one chunk of rank 1 has landed (its data still poison, its flag
+    down): rank 0 must report that chunk, and every output row outside it must be exact (no tile reads it unless it
+    waited for it; STRADDLE's tiles of rows 16..31 read chunks 0 and 1)."""
+    rows, k, n, missing = 45, 16, 20, 1
+    gen = torch.Generator().manual_seed(13)
+    workspaces = matmul_world(2)
+    shards = [torch.randn(rows, k, generator=gen).to(torch.float16) for _ in range(2)]
+    weight = torch.randn(k, n, generator=gen).to(torch.float16)
+    ops = [op_for(ws, shards[0], STRADDLE) for ws in workspaces]
+    epochs = [op.start(s, producer) for op, s in zip(ops, shards)]
+    g0, g1 = ops[0].gather, ops[1].gather
+    lost = slice(missing * g0.chunk_rows, min((missing + 1) * g0.chunk_rows, rows))
+    if producer == "copy_engine":  # rank 1 has not published that chunk: its own flag and slot
+        g1.ready.local[1 * g1.chunks + missing] = epochs[1] - 1
+        g1.gathered(epochs[1])[rows:2 * rows][lost] = float("nan")
+    else:  # rank 1's push of that chunk has not reached rank 0
+        g0.ready.local[1 * g0.chunks + missing] = epochs[0] - 1
+        g0.gathered(epochs[0])[rows:2 * rows][lost] = float("nan")
+    out = torch.full((2 * rows, n), float("nan"), dtype=torch.float16)
+    with pytest.raises(PeerWaitTimeout, match=rf"rank 0 timed out at step 1 waiting for rank 1, slice {missing}"):
+        ops[0].finish(epochs[0], shards[0], weight, producer, out=out)
+    expected = all_gather_matmul_reference(shards, weight)
+    keep = torch.ones(2 * rows, dtype=torch.bool)
+    keep[rows + lost.start:rows + lost.stop] = False
+    assert relative_error(out[keep], expected[keep]) < 2e-3
+
+
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+def test_no_tile_reads_a_chunk_before_its_flag(monkeypatch, producer):
+    """The GPU's overlap, simulated: when rank 0's GEMM starts, none of rank 1's chunks has landed in its buffer
+    (poison, flags down); a chunk lands (data, then flag) only when a tile first waits for its flag. Tiles run in
+    walk order (one program); STRADDLE's tile of rows 16..31 reads chunk 1 before any tile of rows 32.. waits for
+    it, so a tile that read rows whose flag it did not wait for returns poison instead of the product."""
+    rows, k, n = 45, 16, 20
+    config = dataclasses.replace(STRADDLE, num_programs=1)
+    gen = torch.Generator().manual_seed(19)
+    shards = [torch.randn(rows, k, generator=gen).to(torch.float16) for _ in range(2)]
+    weight = torch.randn(k, n, generator=gen).to(torch.float16)
+    ops = [op_for(ws, shards[0], config) for ws in matmul_world(2)]
+    for _ in range(2):  # both halves of the double buffer
+        epochs = [op.start(s, producer) for op, s in zip(ops, shards)]
+        ops[1].finish(epochs[1], shards[1], weight, producer)
+        gather, in_flight = ops[0].gather, {}
+        launch, wait = ops[0]._launch, allgather.wait_at_least
+
+        def launch_before_the_chunks_land(x, w, out, gathered, epoch, push, compute):
+            if compute:
+                theirs = gather.gathered(epoch)[rows:2 * rows]  # rank 1's rows in rank 0's buffer
+                for chunk in range(gather.chunks):
+                    index, part = gather.chunks + chunk, gather._chunk_rows(chunk)
+                    in_flight[gather.ready.local[index:].data_ptr()] = (part, theirs[part].clone(), index, epoch)
+                    theirs[part] = float("nan")
+                    gather.ready.local[index] = epoch - 1
+            launch(x, w, out, gathered, epoch, push, compute)
+
+        def wait_then_land(flag, epoch, spin_limit):
+            landing = in_flight.pop(int(flag.handle.data.reshape(-1)[0]), None)
+            if landing is not None:
+                part, data, index, value = landing
+                gather.gathered(value)[rows:2 * rows][part] = data
+                gather.ready.local[index] = value
+            return wait(flag, epoch, spin_limit)
+
+        monkeypatch.setattr(ops[0], "_launch", launch_before_the_chunks_land)
+        monkeypatch.setattr(allgather, "wait_at_least", wait_then_land)
+        out = ops[0].finish(epochs[0], shards[0], weight, producer)
+        monkeypatch.undo()
+        assert not in_flight, "every chunk of rank 1 was waited for"
+        assert relative_error(out, all_gather_matmul_reference(shards, weight)) < 2e-3
+
+
+def test_two_tile_configs_on_one_shape_class_keep_acknowledging():
+    """Two ops (tile configs) share one exchange (same shape class and chunk rows): each acknowledges its own
+    launches, so the guard of the next epoch never waits on an ack that the other op's counter cannot reach."""
+    gen = torch.Generator().manual_seed(17)
+    workspaces = matmul_world(2)
+    other = GemmConfig(block_m=16, block_n=32, block_k=16, group_m=1, chunk_rows=16, num_programs=2, spin_limit=50)
+    for step in range(6):
+        shards = [torch.randn(20, 16, generator=gen).to(torch.float16) for _ in range(2)]
+        weight = torch.randn(16, 24, generator=gen).to(torch.float16)
+        config = (SMALL, other)[step % 2]
+        for out in run_matmul(workspaces, shards, weight, ["copy_engine", "device"][step // 2 % 2], config=config):
+            assert relative_error(out, all_gather_matmul_reference(shards, weight)) < 2e-3
 
 
 def test_all_gather_matmul_many_calls_alternating_producers():
@@ -156,26 +271,30 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fused_dlrm.kernels import allgather, allgather_gemm
 
-def build(fn, types, constants):
+def build(fn, types, constants, num_warps=4):
     names = fn.arg_names
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if types.get(n, "").startswith("*")}
     triton.compile(ASTSource(fn, signature, {(names.index(n),): v for n, v in constants.items()}, aligned),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3})
 
 for dtype in ("fp16", "bf16"):
     types = {n: "*" + dtype for n in ("x_ptr", "w_ptr", "out_ptr", "gathered_ptr", "data_ptr")}
     types.update({n: "*i64" for n in ("data_ptrs", "ready_ptrs", "ack_ptrs", "counter_ptr")})
-    types.update({n: "*i32" for n in ("ready_ptr", "ack_ptr", "error_ptr")}, half_offset="i64")
+    types.update({n: "*i32" for n in ("ready_ptr", "ack_ptr", "error_ptr")}, half_offset="i64", ack_target="i64")
     for push in (True, False):  # rank 1 arrives as a constexpr
         build(allgather_gemm._all_gather_matmul_kernel, types, dict(
             rank=1, WORLD=2, PUSH=push, COMPUTE=True, STORE_GATHERED=push, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32,
             K_TILES=4, GROUP_M=8, PUSH_R=16, PUSH_C=512, DOT_FP32=False))
+build(allgather_gemm._all_gather_matmul_kernel, types, dict(  # GemmConfig() as on the GPU (rank 0: not a constexpr)
+    WORLD=2, PUSH=True, COMPUTE=True, STORE_GATHERED=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, K_TILES=8,
+    GROUP_M=8, PUSH_R=16, PUSH_C=512, DOT_FP32=False), num_warps=8)
 types = {"x_ptr": "*fp16", "data_ptrs": "*i64", "ready_ptrs": "*i64", "ack_ptr": "*i32", "error_ptr": "*i32",
          "half_offset": "i64"}
 build(allgather._push_kernel, types, dict(rank=1, chunks=1, WORLD=4, BLOCK_R=16, BLOCK_C=512))
 build(allgather._guard_kernel, {"ack_ptr": "*i32", "error_ptr": "*i32"}, {})
 build(allgather._wait_chunk_kernel, {"ready_ptrs": "*i64", "error_ptr": "*i32"}, dict(source=1))
+build(allgather._wait_published_kernel, {"ready_ptrs": "*i64", "error_ptr": "*i32"}, dict(rank=1))
 """
 
 

@@ -14,6 +14,13 @@ Producers (`start`):
   `torch.ops.symm_mem.stream_write_value32_` of the epoch into the peer's flag (cuStreamWriteValue32 fences first).
 - "pull": each rank copies its shard into its own slot and raises its own flags; in `finish` every rank waits for
   each peer's chunk flag (a one-program wait kernel on a side stream) and copies the chunk from the peer's slot.
+  `pull_published` is the variant for a persistent consumer kernel (AllGather + GEMM): one wait for every peer's
+  published shard on the current stream, then copy-engine pulls on the side streams, each chunk followed by this
+  rank's own flag. Data and flag are then both written into this GPU's memory by this GPU's stream, in order (the
+  pattern of torch's own fused_all_gather_matmul); no spinning kernel sits on a side stream.
+Caveat of "copy_engine" (push): the flag is a stream memory op into the peer's memory after a copy-engine write into
+the peer's memory; nothing here checks that the data is visible at the peer when the flag is (the GPU primitive
+test snapshots the result right after the wait to look for it). The fused GEMM does not rely on it.
 In the simulated CPU world there are no copy engines or streams: "copy_engine" and "pull" are plain tensor copies
 and flag writes in the same order (a stand-in), while the guard and wait kernels, and "device", run their real
 kernels in the interpreter.
@@ -104,6 +111,18 @@ def _wait_chunk_kernel(ready_ptrs, source, chunk, chunks, epoch, spin_limit, err
     """Wait for flag (source, chunk) in the source's own flags (the pull reads the source's buffer)."""
     wait_chunk(tl.load(ready_ptrs + source).to(tl.pointer_type(tl.int32)), source, chunk, chunks, epoch,
                spin_limit, error_ptr)
+
+
+@triton.jit(do_not_specialize=["epoch"])  # one compiled variant for every epoch
+def _wait_published_kernel(ready_ptrs, rank, chunks, epoch, spin_limit, error_ptr):
+    """Program s != rank: wait until rank s has published every chunk of `epoch` (its own flags (s, chunk))."""
+    source = tl.program_id(0)
+    if source != rank:
+        flags = tl.load(ready_ptrs + source).to(tl.pointer_type(tl.int32))
+        c = 0
+        while c < chunks:
+            wait_chunk(flags, source, c, chunks, epoch, spin_limit, error_ptr)
+            c += 1
 
 
 def _write_flag(flags: torch.Tensor, index: int, epoch: int) -> None:
@@ -237,6 +256,25 @@ class SymmetricAllGather:
                 for chunk in range(self.chunks):
                     _wait_chunk_kernel[(1,)](self.ready.peer_ptrs, source, chunk, self.chunks, epoch,
                                              self.spin_limit, self.errors.word)
+                    rows = slice(source * self.rows + self._chunk_rows(chunk).start,
+                                 source * self.rows + self._chunk_rows(chunk).stop)
+                    mine[rows].copy_(theirs[rows], non_blocking=True)
+                    _write_flag(self.ready.local, source * self.chunks + chunk, epoch)
+
+    def pull_published(self, epoch: int) -> None:
+        """After `start(..., "pull")` on every rank: on the current stream, one wait for every peer's published shard
+        of `epoch`; then per peer, on its side stream, copy-engine pulls chunk by chunk into this rank's buffer, each
+        followed by this rank's own flag (source, chunk). A consumer kernel launched next on the current stream polls
+        only local flags written after local data by this GPU's own streams. The wait runs on the current stream,
+        before the consumer: a spinning kernel on a side stream could be starved of SMs by a persistent consumer."""
+        _wait_published_kernel[(self.world,)](self.ready.peer_ptrs, self.rank, self.chunks, epoch, self.spin_limit,
+                                              self.errors.word)
+        data, _ = self._peers()
+        mine = self.gathered(epoch)
+        for source in remote_first_order(self.rank, self.world)[:-1]:
+            theirs = self.gathered(epoch, data[source])
+            with self._side(source):
+                for chunk in range(self.chunks):
                     rows = slice(source * self.rows + self._chunk_rows(chunk).start,
                                  source * self.rows + self._chunk_rows(chunk).stop)
                     mine[rows].copy_(theirs[rows], non_blocking=True)

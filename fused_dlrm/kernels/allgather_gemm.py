@@ -6,18 +6,24 @@ they arrive.
                       (or (out, gathered [world * rows, K]) with return_gathered=True)
 
 The consumer is one persistent Triton GEMM (fp16/bf16 in, fp32 accumulate). Its M-tiles never straddle two
-source ranks; a tile of source s waits (bounded) only for the flag of the chunk of s it reads. Sources are taken
+source ranks; a tile of source s waits (bounded) for the flag of every chunk of s its rows touch (`_tile_chunks`:
+one chunk when chunk_rows is a multiple of block_m, two when a tile straddles a chunk boundary). Sources are taken
 in the order rank, rank - 1, rank - 2, ...: the local shard first (read in place from x_shard, no wait), then the
-peer whose push to us comes first (every rank pushes to rank + 1 first, `allgather.py`). The shards travel
-through `SymmetricAllGather`'s buffers and flags:
-- producer="copy_engine": copies on one side stream per peer with a stream-written flag after each chunk;
+peers. The shards travel through `SymmetricAllGather`'s buffers and flags:
+- producer="copy_engine": every rank publishes its shard into its own slot (a local copy, then its own flags);
+  the consumer waits once (current stream) for every peer's published shard, then pulls it chunk by chunk with the
+  copy engines on one side stream per peer, each chunk followed by a stream-written flag in its *own* memory
+  (`SymmetricAllGather.pull_published`; torch's fused_all_gather_matmul does the same). The GEMM polls only flags
+  that its own GPU wrote after its own copies into its own memory. (Before, peers pushed with their copy engines
+  into our buffer and stream-wrote our flag remotely; on 2 x H200 the GEMM's results then differed from the bulk
+  twin's (relative error 0.05-0.09), most likely from chunks read before all of their data had landed.)
 - producer="device": the GEMM's own programs first push their share of chunks to the peers, then compute. One
   launch, not a push kernel on another stream: two kernels whose programs wait on each other deadlock when the
   consumer's persistent programs take every SM before the producer's are scheduled; inside one launch whose grid
   is at most one program per SM, every program is resident. (The interpreter runs a launch's programs one after
   another, so in the simulated world the same kernel runs twice: push only for every rank, then compute.)
-The last program to finish acknowledges the epoch to every peer (a never-reset launch counter reaching
-epoch * programs): the guard that lets peers overwrite the other half of the double buffer next time.
+The last program to finish acknowledges the epoch to every peer (a never-reset launch counter of this op reaching
+launches * programs): the guard that lets peers overwrite the other half of the double buffer next time.
 With return_gathered=True the tiles of the first N-block also store the A blocks they read (the column-parallel
 backward needs the gathered input). `all_gather_matmul_bulk` is the bulk twin (all_gather_into_tensor + matmul);
 `all_gather_matmul_reference` the pure-torch definition.
@@ -59,19 +65,45 @@ class GemmConfig:
     block_n: int = 128
     block_k: int = 64
     group_m: int = 8  # M-blocks walked together per N sweep (L2 reuse of the weight)
-    chunk_rows: int = 256  # rows per flag (a multiple of block_m): small enough to spread the device push
-    # over many programs (a pushing program computes its tiles late) and to start remote tiles early
+    chunk_rows: int = 256  # rows per flag (best a multiple of block_m; a tile straddling two chunks waits for
+    # both): small enough to spread the device push over many programs (a pushing program computes its tiles
+    # late) and to start remote tiles early
     num_warps: int = 8
     num_stages: int = 3
     num_programs: int | None = None  # persistent programs; None: one per SM (all co-resident)
     spin_limit: int = 20_000_000
 
 
-@triton.jit(do_not_specialize=["epoch"])  # one compiled variant for every epoch
+@triton.jit
+def _tile(t, rank, rows, N, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          GROUP_M: tl.constexpr):
+    """Tile t of the walk: (source rank, M-block within the source, N-block). Local source first, then rank - 1, ...;
+    within a source, GROUP_M M-blocks per N sweep."""
+    m_blocks = tl.cdiv(rows, BLOCK_M)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    per_source = m_blocks * n_blocks
+    source = (rank + WORLD - t // per_source) % WORLD
+    u = t % per_source
+    group_first = (u // (GROUP_M * n_blocks)) * GROUP_M
+    group_size = tl.minimum(m_blocks - group_first, GROUP_M)
+    mb = group_first + (u % (GROUP_M * n_blocks)) % group_size
+    nb = (u % (GROUP_M * n_blocks)) // group_size
+    return source, mb, nb
+
+
+@triton.jit
+def _tile_chunks(mb, rows, chunk_rows, BLOCK_M: tl.constexpr):
+    """First and last chunk holding rows of M-block mb (the rows a tile reads: mb * BLOCK_M ... , below rows)."""
+    first_row = mb * BLOCK_M
+    last_row = tl.minimum(first_row + BLOCK_M, rows) - 1
+    return first_row // chunk_rows, last_row // chunk_rows
+
+
+@triton.jit(do_not_specialize=["epoch", "ack_target"])  # one compiled variant for every epoch
 def _all_gather_matmul_kernel(
     x_ptr, w_ptr, out_ptr, gathered_ptr, data_ptr, data_ptrs, ready_ptr, ready_ptrs, ack_ptr, ack_ptrs,
     counter_ptr, error_ptr, rows, K, N, stride_wk, stride_wn, rank, epoch, chunk_rows, chunks, half_offset,
-    num_programs, spin_limit,
+    num_programs, spin_limit, ack_target,
     WORLD: tl.constexpr, PUSH: tl.constexpr, COMPUTE: tl.constexpr, STORE_GATHERED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
     GROUP_M: tl.constexpr, PUSH_R: tl.constexpr, PUSH_C: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -84,26 +116,22 @@ def _all_gather_matmul_kernel(
                        i % chunks, rank, epoch, rows, K, chunk_rows, chunks, half_offset, spin_limit, PUSH_R, PUSH_C)
             i += num_programs
     if COMPUTE:
-        m_blocks = tl.cdiv(rows, BLOCK_M)
-        n_blocks = tl.cdiv(N, BLOCK_N)
-        per_source = m_blocks * n_blocks
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         t = pid
-        while t < WORLD * per_source:
-            source = (rank + WORLD - t // per_source) % WORLD  # local first, then the peer that pushes to us first
-            u = t % per_source
-            group_first = (u // (GROUP_M * n_blocks)) * GROUP_M
-            group_size = tl.minimum(m_blocks - group_first, GROUP_M)
-            mb = group_first + (u % (GROUP_M * n_blocks)) % group_size
-            nb = (u % (GROUP_M * n_blocks)) // group_size
+        while t < WORLD * tl.cdiv(rows, BLOCK_M) * tl.cdiv(N, BLOCK_N):
+            source, mb, nb = _tile(t, rank, rows, N, WORLD, BLOCK_M, BLOCK_N, GROUP_M)
             rm = mb * BLOCK_M + offs_m
             rn = nb * BLOCK_N + offs_n
             if source == rank:
                 a_base = x_ptr
             else:
-                wait_chunk(ready_ptr, source, (mb * BLOCK_M) // chunk_rows, chunks, epoch, spin_limit, error_ptr)
+                first, last = _tile_chunks(mb, rows, chunk_rows, BLOCK_M)
+                c = first
+                while c <= last:  # every chunk whose rows the tile reads
+                    wait_chunk(ready_ptr, source, c, chunks, epoch, spin_limit, error_ptr)
+                    c += 1
                 a_base = data_ptr + half_offset + source.to(tl.int64) * rows * K
             a_ptrs = a_base + rm.to(tl.int64)[:, None] * K + offs_k[None, :]
             w_ptrs = w_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn
@@ -112,7 +140,8 @@ def _all_gather_matmul_kernel(
             for kt in range(K_TILES):  # a constexpr trip count: compiled loops over it are software-pipelined
                 k = kt * BLOCK_K
                 a_mask = (rm < rows)[:, None] & (offs_k + k < K)[None, :]
-                a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+                # .cg: served from L2, never from an L1 line of this buffer half read two epochs ago
+                a = tl.load(a_ptrs, mask=a_mask, other=0.0, cache_modifier=".cg")
                 w = tl.load(w_ptrs, mask=(offs_k + k < K)[:, None] & (rn < N)[None, :], other=0.0)
                 if DOT_FP32:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
                     acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
@@ -127,9 +156,35 @@ def _all_gather_matmul_kernel(
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm < rows)[:, None] & (rn < N)[None, :])
             t += num_programs
         # The last program done acknowledges the epoch to every rank: all reads of the buffer half are over.
+        # ack_target = (this op's compute launches so far) * programs: not epoch * programs, which another op on
+        # the same exchange (same shape class, another tile config) would have moved on.
         done = tl.atomic_add(counter_ptr, 1, sem="acq_rel") + 1
-        if done == tl.cast(epoch, tl.int64) * num_programs:
+        if done == ack_target:
             signal_ready(ack_ptrs, rank, epoch, WORLD)
+
+
+@triton.jit
+def _tile_map_kernel(out_ptr, rank, rows, N, chunk_rows, tiles, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """For tests: row t of out = (source, mb, nb, first chunk, last chunk) of tile t, from the GEMM's own helpers."""
+    t = tl.program_id(0)
+    source, mb, nb = _tile(t, rank, rows, N, WORLD, BLOCK_M, BLOCK_N, GROUP_M)
+    first, last = _tile_chunks(mb, rows, chunk_rows, BLOCK_M)
+    tl.store(out_ptr + t * 5 + 0, source)
+    tl.store(out_ptr + t * 5 + 1, mb)
+    tl.store(out_ptr + t * 5 + 2, nb)
+    tl.store(out_ptr + t * 5 + 3, first)
+    tl.store(out_ptr + t * 5 + 4, last)
+
+
+def tile_map(rank: int, world: int, rows: int, n: int, chunk_rows: int, config: "GemmConfig") -> torch.Tensor:
+    """[tiles, 5] int32: (source, mb, nb, first chunk waited for, last chunk waited for) of every tile the GEMM walks
+    (runs the kernel's own helpers; CPU under the interpreter)."""
+    tiles = world * triton.cdiv(rows, config.block_m) * triton.cdiv(n, config.block_n)
+    out = torch.full((tiles, 5), -1, dtype=torch.int32)
+    _tile_map_kernel[(tiles,)](out, rank, rows, n, chunk_rows, tiles, WORLD=world, BLOCK_M=config.block_m,
+                               BLOCK_N=config.block_n, GROUP_M=config.group_m)
+    return out
 
 
 class AllGatherMatmul:
@@ -139,21 +194,21 @@ class AllGatherMatmul:
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"all_gather_matmul: dtype {dtype} (expected fp16 or bf16)")
         self.config = config
-        chunk_rows = max(config.block_m, config.chunk_rows // config.block_m * config.block_m)
-        self.gather = SymmetricAllGather(workspace, rows, k, dtype, chunk_rows, name="allgather_matmul",
+        self.gather = SymmetricAllGather(workspace, rows, k, dtype, max(1, config.chunk_rows), name="allgather_matmul",
                                          spin_limit=config.spin_limit)
         self.rank, self.world = workspace.rank, workspace.world_size
         self.rows, self.k = rows, k
         self.fused_push = workspace.device.type == "cuda"  # False: the interpreter (see the module docstring)
         self.num_programs = config.num_programs or self.gather.num_programs
         self.counter = torch.zeros(1, dtype=torch.int64, device=workspace.device)  # programs done, never reset
+        self.launches = 0  # compute launches of this op: the counter reaches launches * programs at each ack
 
     def start(self, x_shard: torch.Tensor, producer: str) -> int:
         """Enqueue the producer side; returns the epoch (on GPUs the device push runs inside `finish`'s launch)."""
         if producer not in GEMM_PRODUCERS:
             raise ValueError(f"unknown producer {producer!r}: expected one of {GEMM_PRODUCERS}")
-        if producer == "copy_engine":
-            return self.gather.start(x_shard, producer, include_local=False)
+        if producer == "copy_engine":  # publish into our own slot; peers pull it (see the module docstring)
+            return self.gather.start(x_shard, "pull")
         self.gather.errors.check()
         epoch = self.gather.next_epoch()
         if not self.fused_push:
@@ -168,6 +223,8 @@ class AllGatherMatmul:
         m = self.world * self.rows
         out = torch.empty((m, weight.shape[1]), dtype=x_shard.dtype, device=x_shard.device) if out is None else out
         gathered = torch.empty((m, self.k), dtype=x_shard.dtype, device=x_shard.device) if return_gathered else None
+        if producer == "copy_engine":
+            self.gather.pull_published(epoch)
         self._launch(x_shard, weight, out, gathered, epoch, push=producer == "device" and self.fused_push,
                      compute=True)
         self.gather.join()
@@ -177,12 +234,15 @@ class AllGatherMatmul:
     def _launch(self, x, weight, out, gathered, epoch, push: bool, compute: bool) -> None:
         g, c = self.gather, self.config
         n = weight.shape[1] if compute else 0
+        if compute:
+            self.launches += 1
         _all_gather_matmul_kernel[(self.num_programs,)](
             x, x if weight is None else weight, x if out is None else out, x if gathered is None else gathered,
             g.data.local, g.data.peer_ptrs, g.ready.local, g.ready.peer_ptrs, g.ack.local, g.ack.peer_ptrs,
             self.counter, g.errors.word, self.rows, self.k, n,
             0 if weight is None else weight.stride(0), 0 if weight is None else weight.stride(1),
             self.rank, epoch, g.chunk_rows, g.chunks, g.half_offset(epoch), self.num_programs, c.spin_limit,
+            self.launches * self.num_programs,
             WORLD=self.world, PUSH=push, COMPUTE=compute, STORE_GATHERED=gathered is not None,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, K_TILES=triton.cdiv(self.k, c.block_k),
             GROUP_M=c.group_m, PUSH_R=g.block_rows, PUSH_C=g.block_cols, DOT_FP32=not self.fused_push,
