@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fused_dlrm.bench.gemm_allreduce import per_call_us
-from fused_dlrm.bench.timing import peer_bandwidth
+from fused_dlrm.bench.timing import peer_bandwidth, per_call_us
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 from fused_dlrm.kernels.allgather_gemm import (GEMM_PRODUCERS, GemmConfig, all_gather_matmul, all_gather_matmul_bulk,
                                                op_for)
