@@ -114,7 +114,8 @@ def evaluate(model: nn.Module, dataset: ByteWindows, num_batches: int, env: Dist
         for step in range(num_batches):
             inputs, targets = (t.to(env.device) for t in dataset.batch(step))
             logits, _ = model(inputs)
-            total += torch.stack([token_cross_entropy_sum(logits, targets), torch.tensor(float(targets.numel()))])
+            total[0] += token_cross_entropy_sum(logits, targets)
+            total[1] += targets.numel()
     model.train()
     total = all_reduce_sum(total)
     return float(total[0] / total[1])
