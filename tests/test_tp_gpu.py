@@ -81,15 +81,15 @@ def _linears_fused_match_bulk(rank, world):
     from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, _fused_all_reduce, tp_groups
 
     tp, _ = tp_groups(2)
-    layers = {comm: (ColumnParallelLinear(512, 1024, tp, comm, seed=1, sequence_sharded=True),
+    layers = {comm: (ColumnParallelLinear(512, 1024, tp, comm, seed=1),
                      RowParallelLinear(1024, 512, tp, comm, seed=2)) for comm in ("bulk", "fused")}
     results = {}
     for comm, (up, down) in layers.items():
         up.cuda().bfloat16()
         down.cuda().bfloat16()
-        gen = torch.Generator(device="cuda").manual_seed(3 + rank)  # this rank's rows of the sequence
-        x = torch.randn(16, 2, 512, device="cuda", generator=gen).bfloat16().requires_grad_()
-        y = down(torch.relu(up(x)))  # 2 x 16 x 2 = 64 rows: the fused all-reduce's largest M
+        gen = torch.Generator(device="cuda").manual_seed(3)  # a replicated input
+        x = torch.randn(32, 2, 512, device="cuda", generator=gen).bfloat16().requires_grad_()
+        y = down(torch.relu(up(x)))  # 32 x 2 = 64 rows: the fused all-reduce's largest M
         gen.manual_seed(5)  # the output is replicated: the same gradient on every rank
         y.backward(torch.randn(y.shape, device="cuda", generator=gen).bfloat16())
         results[comm] = (y.detach(), x.grad, up.weight.grad, down.weight.grad)
