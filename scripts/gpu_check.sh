@@ -1,12 +1,25 @@
 #!/usr/bin/env bash
-# The GPU checks and timings behind docs/benchmarks.md, on a 2-GPU machine with the wheels of
-# ../shared/tools/gpu-wheels.sh in .whl/: set-up (offline), GPU tests, embedding benchmark, DLRM bulk vs fused.
-# Results go to $OUT (default ./gpu_out).
+# The GPU checks and timings behind docs/benchmarks.md, on a machine with 2 GPUs (or more: the first two are used)
+# and the wheels of ../shared/tools/gpu-wheels.sh in .whl/: set-up (offline), every GPU test, the benchmarks,
+# DLRM and MoE training bulk vs fused. Results go to $OUT (default ./gpu_out); a summary is printed at the end.
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
 python3 scripts/setup_env.py --wheels .whl --target /tmp/site > $OUT/setup.log 2>&1 || { tail -20 $OUT/setup.log; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests
-timeout 200 python3 -m pytest -q tests/test_fused_embedding_gpu.py tests/test_embedding_backward_kernel.py tests/test_training.py -k "gpu or fused or backward or torchrun" -p no:warnings > $OUT/tests.log 2>&1; tail -3 $OUT/tests.log
-timeout 150 torchrun --nproc_per_node=2 --standalone -m fused_dlrm.bench embedding --out $OUT/bench.json > $OUT/bench.log 2>&1; grep -A6 "copy" $OUT/bench.log
-T="model.num_rows=100000 model.embedding_dim=64 model.dense_arch=[512,256,64] model.over_arch=[512,256,1] data.global_batch_size=8192 data.train.mean_pooling=10 trainer.max_steps=300 trainer.log_every=50 trainer.eval_every=300 trainer.checkpoint_every=0 trainer.progress=false"
-for c in bulk fused; do timeout 90 torchrun --nproc_per_node=2 --standalone train.py comm=$c $T hydra.run.dir=$OUT/train_$c > $OUT/train_$c.log 2>&1; echo "== $c"; grep -E "step (250|300) |auc|Error" $OUT/train_$c.log | tail -4; done
+T() { local t=$1 name=$2; shift 2; timeout $t python3 -m pytest -v -p no:warnings "$@" > $OUT/$name.log 2>&1; echo "rc=$?" >> $OUT/$name.log; }
+R() { local t=$1 name=$2; shift 2; timeout $t torchrun --nproc_per_node=2 --standalone "$@" > $OUT/$name.log 2>&1; echo "rc=$?" >> $OUT/$name.log; }
+for f in fused_embedding torchrec_sharder moe_fused moe_fused_dispatch quantized_allreduce tp allgather; do
+  T 300 test_$f tests/test_${f}_gpu.py
+done
+T 120 test_embedding_backward tests/test_embedding_backward_kernel.py
+R 200 bench_embedding -m fused_dlrm.bench embedding --out $OUT/bench_embedding.json
+R 60 bench_embedding_nvshmem -m fused_dlrm.bench embedding --quick --transport nvshmem --out $OUT/bench_nvshmem.json
+R 300 bench_moe -m moe.bench --out $OUT/bench_moe.json
+R 200 bench_tp -m fused_dlrm.bench tp --out $OUT/bench_tp.json
+DLRM="model.num_rows=100000 model.embedding_dim=64 model.dense_arch=[512,256,64] model.over_arch=[512,256,1] data.global_batch_size=8192 data.train.mean_pooling=10 trainer.max_steps=300 trainer.log_every=50 trainer.eval_every=300 trainer.checkpoint_every=0 trainer.progress=false"
+MOE="model=moe_transformer trainer.max_steps=200 trainer.log_every=50 trainer.eval_every=200 trainer.checkpoint_every=0 trainer.progress=false"
+for c in bulk fused; do R 120 dlrm_$c train.py comm=$c $DLRM hydra.run.dir=$OUT/dlrm_$c; R 120 moe_$c train.py comm=$c $MOE hydra.run.dir=$OUT/moe_$c; done
+for f in $OUT/test_*.log; do echo "== $(basename $f)"; grep -E "PASSED|FAILED|ERROR|rc=" $f | cut -c1-160; done
+for f in bench_embedding bench_embedding_nvshmem bench_moe bench_tp; do echo "== $f"; grep -vE "Warning|warn|^\s*$" $OUT/$f.log | tail -14; done
+for c in bulk fused; do echo "== dlrm $c"; grep -E "step (250|300) |auc|Error" $OUT/dlrm_$c.log | tail -3; echo "== moe $c"; grep -E "step (150|200) |Error" $OUT/moe_$c.log | tail -3; done
