@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from fused_dlrm.kernels.allgather_gemm import (GemmConfig, all_gather_matmul, al
                                                all_gather_matmul_reference, op_for, tile_map)
 
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+from sm90 import compile_for_sm90
 from world import run_world
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
@@ -266,17 +265,7 @@ def test_all_gather_matmul_on_one_rank_is_a_matmul():
 
 
 COMPILE_FOR_SM90 = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from fused_dlrm.kernels import allgather, allgather_gemm
-
-def build(fn, types, constants, num_warps=4):
-    names = fn.arg_names
-    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if types.get(n, "").startswith("*")}
-    triton.compile(ASTSource(fn, signature, {(names.index(n),): v for n, v in constants.items()}, aligned),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3})
 
 for dtype in ("fp16", "bf16"):
     types = {n: "*" + dtype for n in ("x_ptr", "w_ptr", "out_ptr", "gathered_ptr", "data_ptr")}
@@ -301,11 +290,7 @@ build(allgather._wait_published_kernel, {"ready_ptrs": "*i64", "error_ptr": "*i3
 def test_kernels_compile_for_sm90():
     """What only the GPU compiler enforces (types, constexpr arguments equal to 1, tl.dot shapes), checked without
     a GPU: compile for sm_90 in a process without the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    compile_for_sm90(COMPILE_FOR_SM90)
 
 
 def _bulk_twin(rank: int, world: int) -> None:

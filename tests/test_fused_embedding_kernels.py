@@ -21,6 +21,7 @@ from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.plan import plan_table_wise
+from sm90 import compile_for_sm90
 
 # The simulated world is CPU tensors: it needs the interpreter (set by conftest.py where there is no GPU).
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
@@ -49,7 +50,7 @@ class World:
     """W ranks of the fused exchange, sharing one SimulatedWorld."""
 
     def __init__(self, tables, world_size, dtype=torch.float32, optimizer="rowwise_adagrad", num_programs=3):
-        self.tables, self.world_size = tables, world_size
+        self.tables, self.world_size, self.optimizer = tables, world_size, optimizer
         self.plan = plan_table_wise(tables, world_size)
         by_name = {t.name: t for t in tables}
         self.features_of_rank = [[f for n in self.plan.tables_of(r) for f in by_name[n].feature_names]
@@ -117,14 +118,21 @@ def test_forward_matches_reference(world_size, batch_sizes, dtype, weighted):
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
 def test_backward_updates_tables_like_the_bulk_path(optimizer):
     tables = make_tables([4, 8, 3, 6], [10, 20, 7, 9])
-    batch_sizes = [3, 4, 2]
     world = World(tables, 3, optimizer=optimizer)
-    reference = World(tables, 1, optimizer=optimizer)  # one rank owning everything: the bulk lookup
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        lengths, values, weights = random_bags(tables, batch_sizes, True, gen)
-        bags = [world.owned_bags(r, lengths, values, weights, batch_sizes) for r in range(3)]
+    train_like_one_owner(world, [3, 4, 2], steps=3, gen=torch.Generator().manual_seed(1), check_outputs=False)
+
+
+def train_like_one_owner(world, batch_sizes, steps, gen, check_outputs):
+    """`steps` forward + backward steps of `world` and of one rank owning every table (the bulk lookup) on the
+    same bags and gradients; outputs against the reference if asked, and the tables must end up equal."""
+    reference = World(world.tables, 1, optimizer=world.optimizer)
+    for _ in range(steps):
+        lengths, values, weights = random_bags(world.tables, batch_sizes, True, gen)
+        bags = [world.owned_bags(r, lengths, values, weights, batch_sizes) for r in range(world.world_size)]
         outs = world.forward(bags)
+        if check_outputs:
+            for g, e in zip(outs, expected_outputs(world, lengths, values, weights, batch_sizes)):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
         grads = [torch.randn(o.shape, generator=gen) for o in outs]
         world.backward(bags, grads)
         ref_bags = reference.owned_bags(0, lengths, values, weights, [sum(batch_sizes)])
@@ -165,17 +173,30 @@ def test_larger_worlds_forward_and_backward(world_size, batch_sizes):
     no table): outputs against the reference, tables against the one-rank bulk lookup."""
     tables = make_tables([4, 8, 3, 6, 5, 2], [10, 20, 7, 9, 30, 4])
     world = World(tables, world_size, num_programs=2)
-    reference = World(tables, 1)
-    gen = torch.Generator().manual_seed(world_size)
-    for _ in range(2):
-        lengths, values, weights = random_bags(tables, batch_sizes, True, gen)
-        bags = [world.owned_bags(r, lengths, values, weights, batch_sizes) for r in range(world_size)]
-        outs = world.forward(bags)
-        for g, e in zip(outs, expected_outputs(world, lengths, values, weights, batch_sizes)):
-            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
-        grads = [torch.randn(o.shape, generator=gen) for o in outs]
-        world.backward(bags, grads)
-        ref_bags = reference.owned_bags(0, lengths, values, weights, [sum(batch_sizes)])
-        reference.lookups[0].apply_gradient(ref_bags, torch.cat(grads))
-    for name in world.weights:
-        torch.testing.assert_close(world.weights[name], reference.weights[name], rtol=1e-5, atol=1e-6)
+    train_like_one_owner(world, batch_sizes, steps=2, gen=torch.Generator().manual_seed(world_size),
+                         check_outputs=True)
+
+
+COMPILE_FOR_SM90 = """
+from fused_dlrm.kernels import peer_flags, pooled_embedding, push_columns
+
+tables = {n: "*i64" for n in ("values_ptr", "offsets_ptr", "table_ptrs", "cols_ptr", "row_begin_ptr", "row_end_ptr",
+                              "out_ptrs", "out_row_base_ptr", "ready_ptrs", "src_cols_ptr", "dst_cols_ptr",
+                              "out_row_len_ptr", "ack_ptrs")}
+small = {n: "*i32" for n in ("dims_ptr", "mean_ptr", "dest_order_ptr", "tile_starts_ptr", "feature_begin_ptr",
+                             "ack_ptr", "error_ptr", "ready_ptr")}
+types = {**tables, **small, "weights_ptr": "*fp32", "src_ptr": "*fp32", "global_batch": "i64", "out_row_len": "i64",
+         "src_row_len": "i64"}
+for table_dtype in (tl.float32, tl.bfloat16):  # rank and epoch 1 arrive as constexprs
+    for signal in (True, False):
+        build(pooled_embedding._pooled_embedding_kernel, types, dict(
+            rank=1, epoch=1, WORLD=2, WORLD_P2=2, BLOCK_B=1, BLOCK_L=4, BLOCK_D=256, TABLE_DTYPE=table_dtype,
+            HAS_WEIGHTS=True, SIGNAL=signal), num_warps=1)
+build(push_columns._push_columns_kernel, types, dict(rank=1, epoch=1, WORLD=3, WORLD_P2=4, BLOCK_R=16, BLOCK_D=128))
+build(peer_flags._wait_ready_kernel, types, dict(rank=1, epoch=1, BLOCK=64))
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """The p2p kernels as the GPU compiles them (the nvshmem ones need NVSHMEM's device library to link)."""
+    compile_for_sm90(COMPILE_FOR_SM90)
