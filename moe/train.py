@@ -8,13 +8,14 @@ over each, activations replicated inside it) and data-parallel groups across the
 data-parallel ranks (a TP group shares one slice), and gradients are averaged over the data-parallel group.
 Every `log_every` steps the losses are reduced over ranks and checked for NaN/inf, and tokens/s and the expert
 load are logged; every `eval_every` steps the eval loss is measured; every `checkpoint_every` steps a checkpoint
-is written (only after the loss was checked). Only trainer.max_steps is supported (no epochs).
+is written (only after the loss was checked). Only trainer.max_steps is supported (no epochs). The step itself is
+`train_step` (also timed by fused_dlrm/report/moe.py); the bookkeeping around it is a `TrainingRun`
+(fused_dlrm/train/schedule.py, shared with the DLRM loop).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -23,12 +24,10 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
-from tqdm import tqdm
 
 from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
-from fused_dlrm.train.loop import TrainResult
-from fused_dlrm.train.schedule import MetricsLog, after_step, at_end, stop_if_nonfinite
+from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
 from fused_dlrm.tp import quantized_all_reduce
 from fused_dlrm.tp.linear import tp_groups
 from moe.data import ByteWindows, load_corpus
@@ -121,6 +120,29 @@ def evaluate(model: nn.Module, dataset: ByteWindows, num_batches: int, env: Dist
     return float(total[0] / total[1])
 
 
+def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
+               dp_size: int, aux_coeff: float, z_coeff: float, grad_allreduce: str = "nccl",
+               ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """One step on this rank's slice of the batch, already on the device: forward (dispatch / combine inside every
+    MoE layer), loss = cross-entropy + aux_coeff * load balancing + z_coeff * z loss, backward, `sync_gradients`
+    over the data-parallel group (dp_size ranks), optimizer step. Returns the detached total loss, its terms
+    [cross-entropy, load balancing, z loss] and the kept assignments per expert of each MoE layer."""
+    logits, aux = model(inputs)
+    # Sum over the local tokens / global tokens, times the data-parallel world size: averaging the replicated
+    # gradients over the data-parallel ranks (sync_gradients) then gives the gradient of the global-batch
+    # mean, uneven local batches weighted correctly. The auxiliary losses are per rank (over its tokens, as
+    # Megatron's router computes them).
+    global_tokens = sum_over(torch.full((), float(targets.numel()), device=targets.device), model.group)  # no copy
+    ce = token_cross_entropy_sum(logits, targets) * dp_size / global_tokens
+    loss = ce + aux_coeff * aux["load_balancing_loss"] + z_coeff * aux["z_loss"]
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    sync_gradients(model, dp_size, grad_allreduce, model.group)
+    optimizer.step()
+    terms = [ce.detach(), aux["load_balancing_loss"].detach(), aux["z_loss"].detach()]
+    return loss.detach(), terms, aux["tokens_per_expert"]
+
+
 def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     t, m = cfg.trainer, cfg.model
     if t.max_steps is None:
@@ -134,76 +156,40 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     step = 0
     if t.resume_from:
         step = load_checkpoint(t.resume_from, model, optimizer)
-    result = TrainResult(step=step)
-    metrics = MetricsLog(run_dir, env.is_main)
-    bar = tqdm(total=t.max_steps, initial=step, disable=not (env.is_main and t.progress), desc="train")
     num_moe_layers = sum(1 for i in range(m.num_layers) if (i + 1) % m.moe_every == 0)
-    # [sum of cross-entropy, of load-balancing loss, of z loss, count of non-finite total losses] per interval,
-    # and the kept assignments per (MoE layer, expert)
-    loss_sum = torch.zeros(4, device=env.device)
+    # the kept assignments per (MoE layer, expert) over the log interval
     expert_load = torch.zeros(num_moe_layers, m.num_experts, dtype=torch.int64, device=env.device)
-    interval_start, interval_steps = time.perf_counter(), 0
 
-    def check_loss() -> float:
-        """Reduce the interval's losses and expert load over ranks; stop the run on NaN/inf (before any
-        checkpoint is written)."""
-        nonlocal interval_start, interval_steps
-        total = all_reduce_sum(loss_sum.clone()).tolist()
-        stop_if_nonfinite(total[3], step - interval_steps + 1, step, checkpoint_dir)
+    def log_fields(interval: Interval) -> tuple[dict, str]:
+        """The interval's losses, speed and expert load (reduced over ranks here: a collective)."""
+        ce, lb, z = interval.losses
         load = sum_over(expert_load.clone(), model.group).double()  # a TP group's ranks route the same tokens
-        samples = max(interval_steps * env.world_size, 1)
-        ce, lb, z = (v / samples for v in total[:3])
-        rate = interval_steps * cfg.data.global_batch_size * cfg.data.seq_len / (time.perf_counter() - interval_start)
+        expert_load.zero_()
         # max / mean tokens per expert of each MoE layer, over all ranks (1.0: perfectly balanced)
         imbalance = (load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9)).tolist()
-        loss_sum.zero_()
-        expert_load.zero_()
-        interval_start, interval_steps = time.perf_counter(), 0
-        result.losses.append((step, ce))
-        metrics.record({"step": step, "loss": ce, "load_balancing_loss": lb, "z_loss": z, "tokens_per_s": rate,
-                "expert_load_max_over_mean": imbalance, "tokens_per_expert": load.long().tolist()})
-        bar.set_postfix(loss=f"{ce:.4f}", tokens_s=f"{rate:,.0f}")
-        log.info("step %d loss %.5f lb %.4f z %.4f tokens/s %.0f expert max/mean %s", step, ce, lb, z, rate,
-                 " ".join(f"{x:.2f}" for x in imbalance))
-        return ce
+        return ({"loss": ce, "load_balancing_loss": lb, "z_loss": z, "step_ms": interval.step_ms,
+                 "tokens_per_s": interval.rate, "expert_load_max_over_mean": imbalance,
+                 "tokens_per_expert": load.long().tolist()},
+                f"loss {ce:.5f} lb {lb:.4f} z {z:.4f} step_ms {interval.step_ms:.1f} tokens/s {interval.rate:.0f} "
+                f"expert max/mean {' '.join(f'{x:.2f}' for x in imbalance)}")
 
-    def run_eval() -> None:
-        result.evals.append({"step": step, "eval_loss": evaluate(model, eval_data, cfg.data.eval_batches, env)})
-        metrics.record(result.evals[-1])
-        log.info("step %d eval loss %.4f", step, result.evals[-1]["eval_loss"])
+    def run_eval(step: int) -> dict:
+        eval_loss = evaluate(model, eval_data, cfg.data.eval_batches, env)
+        log.info("step %d eval loss %.4f", step, eval_loss)
+        return {"eval_loss": eval_loss}
 
-    def checkpoint() -> None:
-        nonlocal saved_step
+    def checkpoint(step: int) -> None:
         save_checkpoint(checkpoint_dir, step, model, optimizer, None, t.keep_checkpoints)
-        saved_step = step
 
-    saved_step = step
-    while step < t.max_steps:
-        inputs, targets = (x.to(env.device) for x in train_data.batch(step))
-        logits, aux = model(inputs)
-        # Sum over the local tokens / global tokens, times the data-parallel world size: averaging the replicated
-        # gradients over the data-parallel ranks (sync_gradients) then gives the gradient of the global-batch
-        # mean, uneven local batches weighted correctly. The auxiliary losses are per rank (over its tokens, as
-        # Megatron's router computes them).
-        global_tokens = sum_over(torch.tensor(float(targets.numel()), device=env.device), model.group)
-        ce = token_cross_entropy_sum(logits, targets) * dp_size / global_tokens
-        loss = ce + m.aux_coeff * aux["load_balancing_loss"] + m.z_coeff * aux["z_loss"]
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        sync_gradients(model, dp_size, cfg.comm.grad_allreduce, model.group)
-        optimizer.step()
-        loss_sum += torch.stack([ce.detach(), aux["load_balancing_loss"].detach(), aux["z_loss"].detach(),
-                                 (~torch.isfinite(loss.detach())).float()])
+    run = TrainingRun(t, env, run_dir, checkpoint_dir, step, items="tokens", log=log, loss_terms=3,
+                      items_per_step=cfg.data.global_batch_size * cfg.data.seq_len, log_fields=log_fields,
+                      evaluate=run_eval, save=checkpoint)
+    while run.step < t.max_steps:
+        inputs, targets = (x.to(env.device) for x in train_data.batch(run.step))
+        loss, terms, tokens_per_expert = train_step(model, optimizer, inputs, targets, dp_size, m.aux_coeff,
+                                                    m.z_coeff, cfg.comm.grad_allreduce)
         if num_moe_layers:
-            expert_load += torch.stack(aux["tokens_per_expert"])
-        step += 1
-        interval_steps += 1
-        bar.update(1)
-
-        after_step(step, t, check_loss, checkpoint, run_eval)
-
-    at_end(step, t, interval_steps, result.evals[-1]["step"] if result.evals else None, saved_step,
-           check_loss, checkpoint, run_eval)
-    bar.close()
-    result.step = step
-    return result
+            expert_load += torch.stack(tokens_per_expert)
+        run.end_step(loss, terms)  # step += 1; the losses summed on the device
+        run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
+    return run.finish()  # the last loss check, evaluation and checkpoint

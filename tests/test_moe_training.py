@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 import sysconfig
 from pathlib import Path
 
@@ -41,14 +43,19 @@ def test_config_composes_and_data_switches_with_the_model():
     assert config().data.train._target_.endswith("SyntheticCriteo")  # DLRM keeps its data
 
 
-def test_loss_falls_and_metrics_are_logged(tmp_path):
+def test_loss_falls_and_metrics_are_logged(tmp_path, caplog):
     cfg = config(*SMALL, "trainer.max_steps=60", "trainer.log_every=10", "trainer.checkpoint_every=0")
-    result = train(cfg, CPU, tmp_path)
+    with caplog.at_level(logging.INFO, logger="moe.train"):
+        result = train(cfg, CPU, tmp_path)
     losses = [loss for _, loss in result.losses]
     assert losses[-1] < losses[0] - 1.0 and losses[-1] < 3.0, losses  # from ~ln(256) = 5.5 per byte
     assert result.evals[-1]["eval_loss"] < 3.2, result.evals
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert {"loss", "tokens_per_s", "load_balancing_loss", "z_loss", "expert_load_max_over_mean"} <= set(lines[0])
+    assert {"loss", "step_ms", "tokens_per_s", "load_balancing_loss", "z_loss",
+            "expert_load_max_over_mean"} <= set(lines[0])
+    assert lines[0]["step_ms"] * lines[0]["tokens_per_s"] / 1000 == pytest.approx(32 * 64)  # tokens per step
+    assert re.fullmatch(r"step 10 loss \d+\.\d{5} lb [\d.]+ z [\d.]+ step_ms \d+\.\d tokens/s \d+ "
+                        r"expert max/mean \d\.\d\d \d\.\d\d", caplog.messages[0])
     # every kept assignment is counted: global batch 32 x 64 tokens x top-2 x 10 steps per MoE layer
     assert [sum(layer) for layer in lines[0]["tokens_per_expert"]] == [32 * 64 * 2 * 10] * 2
     assert (tmp_path / "corpus.txt").stat().st_size == 300000

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -37,16 +39,20 @@ def test_config_composes_with_defaults_and_overrides():
     assert cfg.data.num_sparse == 26 and list(cfg.data.train.paths) == ["a.tsv"] and cfg.model.embedding_dim == 8
 
 
-def test_loss_falls_and_auc_rises(tmp_path):
+def test_loss_falls_and_auc_rises(tmp_path, caplog):
     # The default model and data, shortened: well inside a minute on 2 cores.
     cfg = config("trainer.max_steps=120", "trainer.eval_every=0", "trainer.checkpoint_every=0",
                  "trainer.progress=false", "trainer.log_every=20")
-    result = train(cfg, CPU, tmp_path)
+    with caplog.at_level(logging.INFO, logger="fused_dlrm.train.loop"):
+        result = train(cfg, CPU, tmp_path)
     losses = [loss for _, loss in result.losses]
     assert losses[-1] < losses[0] - 0.05, losses
     assert result.evals[-1]["auc"] > 0.6, result.evals
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert {"step", "loss", "samples_per_s"} <= set(lines[0]) and "auc" in lines[-1]
+    assert {"step", "loss", "step_ms", "samples_per_s"} <= set(lines[0]) and "auc" in lines[-1]
+    # the mean step time of the interval, next to the rate it gives
+    assert lines[0]["step_ms"] * lines[0]["samples_per_s"] / 1000 == pytest.approx(cfg.data.global_batch_size)
+    assert re.fullmatch(r"step 20 loss \d+\.\d{5} step_ms \d+\.\d samples/s \d+", caplog.messages[0])
 
 
 def test_resume_continues_the_exact_loss_curve(tmp_path):

@@ -19,7 +19,7 @@ from fused_dlrm.dist import DistEnv
 from fused_dlrm.report.layers import (STEP, CommLayer, Mode, forward_backward,
                                       grad_allreduce_layer, no_fused_path, no_grad)
 from moe.layer import FusedMoEConfig, MoELayer
-from moe.train import build_data, build_model, sum_over, sync_gradients, token_cross_entropy_sum
+from moe.train import build_data, build_model, train_step
 from moe.transformer import expert_parameters
 
 
@@ -58,16 +58,10 @@ class _Run:
         self.grad = torch.randn_like(self.x)
 
     def step(self) -> None:
-        """One training step as moe/train.py's loop takes it (keep the two alike)."""
-        m, dp_size = self.cfg.model, self.env.world_size // self.cfg.model.tp_size
-        logits, aux = self.model(self.inputs)
-        global_tokens = sum_over(torch.tensor(float(self.targets.numel()), device=self.env.device), self.model.group)
-        ce = token_cross_entropy_sum(logits, self.targets) * dp_size / global_tokens
-        loss = ce + m.aux_coeff * aux["load_balancing_loss"] + m.z_coeff * aux["z_loss"]
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        sync_gradients(self.model, dp_size, self.grad_allreduce, self.model.group)
-        self.optimizer.step()
+        """One training step: moe/train.py's own."""
+        m = self.cfg.model
+        train_step(self.model, self.optimizer, self.inputs, self.targets, self.env.world_size // m.tp_size,
+                   m.aux_coeff, m.z_coeff, self.grad_allreduce)
 
     def step_modes(self) -> Mode:
         return {"fwd": no_grad(lambda: self.model(self.inputs)), "fwd_bwd": self.step}

@@ -10,35 +10,28 @@ host waits for the GPU inside a step only where a size must be known on the host
 counts and received sizes, and its index range check (on the side stream, behind the copy only, when
 prefetching), and the embedding backward's grid size (`unique_consecutive`, one per step); then every `log_every`
 steps the loss reduction. A step launched while the previous one still runs is otherwise free of host syncs.
+
+The bookkeeping around the step (counters, loss check, metrics.jsonl, cadence) is a `TrainingRun` (schedule.py),
+shared with the MoE loop; what is DLRM's own comes in as callbacks: the log fields, evaluation and checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
 from fused_dlrm.train.metrics import CTRMetrics
-from fused_dlrm.train.schedule import MetricsLog, after_step, at_end, stop_if_nonfinite
+from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainResult:
-    step: int = 0
-    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, mean loss over the log interval)
-    evals: list[dict] = field(default_factory=list)
 
 
 def evaluate(model, dataset, num_batches: int, env: DistEnv) -> dict[str, float]:
@@ -81,38 +74,23 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     step = 0
     if t.resume_from:
         step = load_checkpoint(t.resume_from, model, optimizer, sparse.lookup.optimizer)
-    result = TrainResult(step=step)
-    metrics = MetricsLog(run_dir, env.is_main)
-    bar = tqdm(total=t.max_steps, initial=step, disable=not (env.is_main and t.progress), desc="train")
-    loss_sum = torch.zeros(2, device=env.device)  # [sum of step losses, count of non-finite ones]
-    interval_start, interval_steps = time.perf_counter(), 0
 
-    def check_loss() -> float:
-        """Reduce the interval's loss over ranks; stop the run on NaN/inf (before any checkpoint is written)."""
-        nonlocal interval_start, interval_steps
-        total = all_reduce_sum(loss_sum.clone()).tolist()
-        stop_if_nonfinite(total[1], step - interval_steps + 1, step, checkpoint_dir)
-        mean = total[0] / max(interval_steps * env.world_size, 1)
-        rate = interval_steps * cfg.data.global_batch_size / (time.perf_counter() - interval_start)
-        loss_sum.zero_()
-        interval_start, interval_steps = time.perf_counter(), 0
-        result.losses.append((step, mean))
-        metrics.record({"step": step, "loss": mean, "samples_per_s": rate})
-        bar.set_postfix(loss=f"{mean:.4f}", samples_s=f"{rate:,.0f}")
-        log.info("step %d loss %.5f samples/s %.0f", step, mean, rate)
-        return mean
+    def log_fields(interval: Interval) -> tuple[dict, str]:
+        loss = interval.losses[0]
+        return ({"loss": loss, "step_ms": interval.step_ms, "samples_per_s": interval.rate},
+                f"loss {loss:.5f} step_ms {interval.step_ms:.1f} samples/s {interval.rate:.0f}")
 
-    def run_eval() -> None:
-        result.evals.append({"step": step, **evaluate(model, eval_data, cfg.data.eval_batches, env)})
-        metrics.record(result.evals[-1])
-        log.info("step %d eval auc %.4f log_loss %.4f", step, result.evals[-1]["auc"], result.evals[-1]["log_loss"])
+    def run_eval(step: int) -> dict:
+        scores = evaluate(model, eval_data, cfg.data.eval_batches, env)
+        log.info("step %d eval auc %.4f log_loss %.4f", step, scores["auc"], scores["log_loss"])
+        return scores
 
-    def checkpoint() -> None:
-        nonlocal saved_step
+    def checkpoint(step: int) -> None:
         save_checkpoint(checkpoint_dir, step, model, optimizer, sparse.lookup.optimizer, t.keep_checkpoints)
-        saved_step = step
 
-    saved_step = step
+    run = TrainingRun(t, env, run_dir, checkpoint_dir, step, items="samples", log=log,
+                      items_per_step=cfg.data.global_batch_size, log_fields=log_fields, evaluate=run_eval,
+                      save=checkpoint)
 
     copy_stream = torch.cuda.Stream(env.device) if env.device.type == "cuda" else None
 
@@ -138,22 +116,14 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         return epoch, batch
 
     def done(epoch: int) -> bool:
-        return (t.max_steps is not None and step >= t.max_steps) or (t.epochs is not None and epoch >= t.epochs)
+        return ((t.max_steps is not None and run.step >= t.max_steps)
+                or (t.epochs is not None and epoch >= t.epochs))
 
     batches = batch_stream(train_data, step, cfg.data.get("steps_per_epoch"))
     epoch, batch = next_batch()
     while not done(epoch):
         loss = train_step(model, optimizer, batch, env.world_size)
-        loss_sum += torch.stack([loss, (~torch.isfinite(loss)).float()])
-        step += 1
+        run.end_step(loss)  # step += 1; the loss summed on the device
         epoch, batch = next_batch()  # its input dist overlaps this step's tail on the GPU
-        interval_steps += 1
-        bar.update(1)
-
-        after_step(step, t, check_loss, checkpoint, run_eval)
-
-    at_end(step, t, interval_steps, result.evals[-1]["step"] if result.evals else None, saved_step,
-           check_loss, checkpoint, run_eval)
-    bar.close()
-    result.step = step
-    return result
+        run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
+    return run.finish()  # the last loss check, evaluation and checkpoint

@@ -1,19 +1,29 @@
-"""When a training loop checks its loss, writes checkpoints and evaluates (shared by every model's loop).
+"""The bookkeeping every model's training loop shares: `TrainingRun`.
 
-The loss is always checked (reduced over ranks, NaN/inf stops the run) before a checkpoint is written, so a
-checkpoint never holds a diverged model.
+A loop takes its steps and tells the run about each (`end_step`); the run counts steps, sums the loss on the
+device, and on the configured cadence (`after_step`) checks the loss (reduced over ranks, NaN/inf stops the run),
+logs the interval (metrics.jsonl, log line, progress bar), writes a checkpoint and evaluates; `finish` does the
+last of each. What differs between models comes in as three callbacks: the interval's log fields, the evaluation
+and the checkpoint.
+
+The loss is always checked before a checkpoint is written, so a checkpoint never holds a diverged model.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
+import torch
 from omegaconf import DictConfig
+from tqdm import tqdm
 
+from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.train.checkpoint import latest_checkpoint
-
 
 class NonFiniteLossError(RuntimeError):
     pass
@@ -41,22 +51,106 @@ class MetricsLog:
                 f.write(json.dumps(entry) + "\n")
 
 
-def after_step(step: int, trainer: DictConfig, check_loss: Callable, checkpoint: Callable, run_eval: Callable) -> None:
-    saving = bool(trainer.checkpoint_every) and step % trainer.checkpoint_every == 0
-    if step % trainer.log_every == 0 or saving:
-        check_loss()
-    if saving:
-        checkpoint()
-    if trainer.eval_every and step % trainer.eval_every == 0:
-        run_eval()
+@dataclass
+class TrainResult:
+    step: int = 0
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, mean loss over the log interval)
+    evals: list[dict] = field(default_factory=list)
 
 
-def at_end(step: int, trainer: DictConfig, unchecked_steps: int, last_eval_step: int | None, saved_step: int,
-           check_loss: Callable, checkpoint: Callable, run_eval: Callable) -> None:
-    """The last loss check, a final evaluation and a final checkpoint, unless the last step already did them."""
-    if unchecked_steps:
-        check_loss()
-    if last_eval_step != step:
-        run_eval()
-    if trainer.checkpoint_every and saved_step != step:
-        checkpoint()
+@dataclass
+class Interval:
+    """One log interval, its losses reduced over ranks: what a loop's `log_fields` turns into its log."""
+    losses: list[float]  # each loss term's mean per step and rank, in end_step's order
+    step_ms: float       # mean wall time of a step
+    rate: float          # samples (tokens, ...) per second: items_per_step over step_ms
+
+
+# log_fields(interval) -> (metrics.jsonl fields, with "loss"; the log line after "step N ")
+LogFields = Callable[[Interval], tuple[dict, str]]
+
+
+class TrainingRun:
+    """A training run's counters, progress bar, metrics log, interval timing and cadence.
+
+    `trainer` is cfg.trainer (log_every, checkpoint_every, eval_every, max_steps, progress); `step` the step it
+    starts from (a resumed checkpoint's). `items`, `items_per_step`: what the rate counts ("samples", the global
+    batch) for the progress bar. Callbacks: `log_fields` (above), `evaluate(step) -> fields` (logs its own line;
+    the run keeps {"step", **fields} in result.evals and metrics.jsonl), `save(step)` (a checkpoint). `log`: the
+    loop's logger, for the interval's line. `loss_terms`: how many terms each end_step passes.
+    """
+
+    def __init__(self, trainer: DictConfig, env: DistEnv, run_dir: Path, checkpoint_dir: Path, step: int, *,
+                 items: str, items_per_step: int, log_fields: LogFields, evaluate: Callable[[int], dict],
+                 save: Callable[[int], None], log: logging.Logger, loss_terms: int = 1):
+        self.trainer, self.env, self.checkpoint_dir, self.log = trainer, env, checkpoint_dir, log
+        self.items, self.items_per_step = items, items_per_step
+        self.log_fields, self.evaluate, self.save = log_fields, evaluate, save
+        self.step = self.saved_step = step
+        self.result = TrainResult(step=step)
+        self.metrics = MetricsLog(run_dir, env.is_main)
+        self.bar = tqdm(total=trainer.max_steps, initial=step, disable=not (env.is_main and trainer.progress),
+                        desc="train")
+        # [sum of each loss term over the interval's steps, count of steps whose total loss was non-finite]
+        self.loss_sum = torch.zeros(loss_terms + 1, device=env.device)
+        self.interval_start, self.interval_steps = time.perf_counter(), 0
+
+    def end_step(self, loss: torch.Tensor, terms: Sequence[torch.Tensor] | None = None) -> None:
+        """Count a step: its detached total loss (checked for NaN/inf) and the terms to log (default: the loss),
+        summed on the device (no host sync)."""
+        self.loss_sum += torch.stack([*(terms if terms is not None else [loss]), (~torch.isfinite(loss)).float()])
+        self.step += 1
+        self.interval_steps += 1
+        self.bar.update(1)
+
+    def after_step(self) -> None:
+        """What this step's number calls for: a loss check (every log_every steps and before every checkpoint),
+        a checkpoint, an evaluation."""
+        t, step = self.trainer, self.step
+        saving = bool(t.checkpoint_every) and step % t.checkpoint_every == 0
+        if step % t.log_every == 0 or saving:
+            self.check_loss()
+        start = time.perf_counter()
+        if saving:
+            self.checkpoint()
+        if t.eval_every and step % t.eval_every == 0:
+            self.run_eval()
+        self.interval_start += time.perf_counter() - start  # the interval times steps, not checkpoints or evals
+
+    def finish(self) -> TrainResult:
+        """The last loss check, a final evaluation and a final checkpoint, unless the last step already did them."""
+        if self.interval_steps:
+            self.check_loss()
+        if (self.result.evals[-1]["step"] if self.result.evals else None) != self.step:
+            self.run_eval()
+        if self.trainer.checkpoint_every and self.saved_step != self.step:
+            self.checkpoint()
+        self.bar.close()
+        self.result.step = self.step
+        return self.result
+
+    def check_loss(self) -> float:
+        """Reduce the interval's losses over ranks; stop the run on NaN/inf (before any checkpoint is written);
+        log the interval."""
+        step, steps = self.step, self.interval_steps
+        total = all_reduce_sum(self.loss_sum.clone()).tolist()
+        stop_if_nonfinite(total[-1], step - steps + 1, step, self.checkpoint_dir)
+        seconds = time.perf_counter() - self.interval_start
+        interval = Interval(losses=[v / max(steps * self.env.world_size, 1) for v in total[:-1]],
+                            step_ms=1000 * seconds / max(steps, 1), rate=steps * self.items_per_step / seconds)
+        fields, line = self.log_fields(interval)
+        self.loss_sum.zero_()
+        self.interval_start, self.interval_steps = time.perf_counter(), 0
+        self.result.losses.append((step, fields["loss"]))
+        self.metrics.record({"step": step, **fields})
+        self.bar.set_postfix({"loss": f"{fields['loss']:.4f}", f"{self.items}_s": f"{interval.rate:,.0f}"})
+        self.log.info("step %d %s", step, line)
+        return fields["loss"]
+
+    def run_eval(self) -> None:
+        self.result.evals.append({"step": self.step, **self.evaluate(self.step)})
+        self.metrics.record(self.result.evals[-1])
+
+    def checkpoint(self) -> None:
+        self.save(self.step)
+        self.saved_step = self.step
