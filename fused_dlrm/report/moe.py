@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from fused_dlrm.dist import DistEnv
@@ -24,9 +24,8 @@ from moe.transformer import expert_parameters
 
 
 def fused_moe(cfg: DictConfig, env: DistEnv, layer: MoELayer) -> tuple[MoELayer | str, nn.Module | str]:
-    """The fused twins of one MoE layer (same shapes and weights as `layer`) and of the whole model, or why there
-    are none here. The one place to extend as the fused MoE grows: the whole model once moe/transformer.py can build
-    its MoE layers with comm="fused"; the report then times its training step as the fused column."""
+    """The fused twins of one MoE layer (same shapes and weights as `layer`) and of the whole model (the same
+    config with comm.mode=fused: the same seeded weights), or why there are none here."""
     reason = no_fused_path(env)
     if reason:
         return reason, reason
@@ -36,7 +35,10 @@ def fused_moe(cfg: DictConfig, env: DistEnv, layer: MoELayer) -> tuple[MoELayer 
     with torch.no_grad():  # router then experts in both (the model's layer renames its experts module only)
         for mine, theirs in zip(fused.parameters(), layer.parameters(), strict=True):
             mine.copy_(theirs)
-    return fused, "no fused MoE Transformer yet (moe/transformer.py builds its MoE layers with comm=bulk)"
+    defaults = {"num_programs": FusedMoEConfig.num_programs, "wait_timeout_spins": FusedMoEConfig.wait_timeout_spins}
+    comm = {**defaults, **OmegaConf.to_container(cfg.comm, resolve=True), "mode": "fused", "transport": "p2p"}
+    fused_cfg = OmegaConf.create({**OmegaConf.to_container(cfg, resolve=True), "comm": comm})
+    return fused, build_model(fused_cfg, env)
 
 
 def layer_modes(layer: MoELayer, x: torch.Tensor, grad: torch.Tensor) -> Mode:
