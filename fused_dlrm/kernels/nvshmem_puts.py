@@ -8,7 +8,10 @@ Flags and acks are 64-bit here (NVSHMEM's signal words); the waits poll local me
 as the p2p transport's do (peer_flags.py), rather than NVSHMEM's unbounded signal_wait_until.
 
 Only kernels wrapped by `nvshmem_kernel` may call these functions: wrapping links NVSHMEM's device library,
-found on GPU machines whose torch is built with NVSHMEM (the interpreter cannot run them).
+found on GPU machines whose torch is built with NVSHMEM (the interpreter cannot run them). The nvshmem kernels
+are separate functions beside their p2p twins (sharing their device functions), not a constexpr branch of them:
+torch's `requires_nvshmem` registers a kernel by name and initialises NVSHMEM in every variant compiled under
+that name, which the p2p variants (and the bulk path's lookup) must not get.
 """
 
 from __future__ import annotations
