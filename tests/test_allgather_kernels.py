@@ -193,7 +193,7 @@ def test_no_tile_reads_a_chunk_before_its_flag(monkeypatch, producer):
         gather, in_flight = ops[0].gather, {}
         launch, wait = ops[0]._launch, allgather.wait_at_least
 
-        def launch_before_the_chunks_land(x, w, out, gathered, epoch, push, compute):
+        def launch_before_the_chunks_land(x, w, out, epoch, push, compute):
             if compute:
                 theirs = gather.gathered(epoch)[rows:2 * rows]  # rank 1's rows in rank 0's buffer
                 for chunk in range(gather.chunks):
@@ -201,7 +201,7 @@ def test_no_tile_reads_a_chunk_before_its_flag(monkeypatch, producer):
                     in_flight[gather.ready.local[index:].data_ptr()] = (part, theirs[part].clone(), index, epoch)
                     theirs[part] = float("nan")
                     gather.ready.local[index] = epoch - 1
-            launch(x, w, out, gathered, epoch, push, compute)
+            launch(x, w, out, epoch, push, compute)
 
         def wait_then_land(flag, epoch, spin_limit):
             landing = in_flight.pop(int(flag.handle.data.reshape(-1)[0]), None)
@@ -268,15 +268,15 @@ COMPILE_FOR_SM90 = """
 from fused_dlrm.kernels import allgather, allgather_gemm
 
 for dtype in ("fp16", "bf16"):
-    types = {n: "*" + dtype for n in ("x_ptr", "w_ptr", "out_ptr", "gathered_ptr", "data_ptr")}
+    types = {n: "*" + dtype for n in ("x_ptr", "w_ptr", "out_ptr", "data_ptr")}
     types.update({n: "*i64" for n in ("data_ptrs", "ready_ptrs", "ack_ptrs", "counter_ptr")})
     types.update({n: "*i32" for n in ("ready_ptr", "ack_ptr", "error_ptr")}, half_offset="i64", ack_target="i64")
     for push in (True, False):  # rank 1 arrives as a constexpr
         build(allgather_gemm._all_gather_matmul_kernel, types, dict(
-            rank=1, WORLD=2, PUSH=push, COMPUTE=True, STORE_GATHERED=push, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32,
+            rank=1, WORLD=2, PUSH=push, COMPUTE=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32,
             K_TILES=4, GROUP_M=8, PUSH_R=16, PUSH_C=512, DOT_FP32=False))
 build(allgather_gemm._all_gather_matmul_kernel, types, dict(  # GemmConfig() as on the GPU (rank 0: not a constexpr)
-    WORLD=2, PUSH=True, COMPUTE=True, STORE_GATHERED=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, K_TILES=8,
+    WORLD=2, PUSH=True, COMPUTE=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, K_TILES=8,
     GROUP_M=8, PUSH_R=16, PUSH_C=512, DOT_FP32=False), num_warps=8)
 types = {"x_ptr": "*fp16", "data_ptrs": "*i64", "ready_ptrs": "*i64", "ack_ptr": "*i32", "error_ptr": "*i32",
          "half_offset": "i64"}

@@ -77,19 +77,21 @@ def test_timeout_names_rank_and_slice():
     run_world(2, _timeout, backend="nccl")
 
 
-def _linears_fused_match_bulk(rank, world):
+def _linears_fused_match_bulk(rank, world, sequence_sharded):
     from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, _fused_all_reduce, tp_groups
 
     tp, _ = tp_groups(2)
-    layers = {comm: (ColumnParallelLinear(512, 1024, tp, comm, seed=1),
+    layers = {comm: (ColumnParallelLinear(512, 1024, tp, comm, seed=1, sequence_sharded=sequence_sharded),
                      RowParallelLinear(1024, 512, tp, comm, seed=2)) for comm in ("bulk", "fused")}
     results = {}
     for comm, (up, down) in layers.items():
         up.cuda().bfloat16()
         down.cuda().bfloat16()
-        gen = torch.Generator(device="cuda").manual_seed(3)  # a replicated input
-        x = torch.randn(32, 2, 512, device="cuda", generator=gen).bfloat16().requires_grad_()
-        y = down(torch.relu(up(x)))  # 32 x 2 = 64 rows: the fused all-reduce's largest M
+        # Sequence-sharded: this rank's 16 x 2 rows, gathered to 64; replicated: the same 64 rows on every rank.
+        gen = torch.Generator(device="cuda").manual_seed(3 + (rank if sequence_sharded else 0))
+        x = torch.randn(16 if sequence_sharded else 32, 2, 512, device="cuda", generator=gen).bfloat16()
+        x.requires_grad_()
+        y = down(torch.relu(up(x)))  # 64 rows: the fused all-reduce's largest M
         gen.manual_seed(5)  # the output is replicated: the same gradient on every rank
         y.backward(torch.randn(y.shape, device="cuda", generator=gen).bfloat16())
         results[comm] = (y.detach(), x.grad, up.weight.grad, down.weight.grad)
@@ -99,5 +101,6 @@ def _linears_fused_match_bulk(rank, world):
         assert err < 2e-2, f"{name}: relative error {err:.2e}"
 
 
-def test_tp_linears_fused_match_bulk():
-    run_world(2, _linears_fused_match_bulk, backend="nccl")
+@pytest.mark.parametrize("sequence_sharded", [False, True])
+def test_tp_linears_fused_match_bulk(sequence_sharded):
+    run_world(2, _linears_fused_match_bulk, sequence_sharded, backend="nccl")

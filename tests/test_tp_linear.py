@@ -88,8 +88,6 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
         RowParallelLinear(D_HID, D_IN, tp, comm="fused")(torch.randn(2, D_HID // tp_size))
     with pytest.raises(ValueError, match="does not split"):
         ColumnParallelLinear(D_IN, 3 * tp_size + 1, tp)
-    with pytest.raises(ValueError, match="sequence_sharded=True, comm='fused'\) is not available"):
-        ColumnParallelLinear(D_IN, D_HID, tp, comm="fused", sequence_sharded=True)
     with pytest.raises(ValueError, match=f"tp_size=3 must divide the world size {world}"):
         tp_groups(3)
     with pytest.raises(ValueError, match=f"num_heads=3 must be a multiple of model.tp_size={tp_size}"):

@@ -14,9 +14,7 @@ peers. The shards travel through `SymmetricAllGather`'s buffers and flags:
   the consumer waits once (current stream) for every peer's published shard, then pulls it chunk by chunk with the
   copy engines on one side stream per peer, each chunk followed by a stream-written flag in its *own* memory
   (`SymmetricAllGather.pull_published`; torch's fused_all_gather_matmul does the same). The GEMM polls only flags
-  that its own GPU wrote after its own copies into its own memory. (Before, peers pushed with their copy engines
-  into our buffer and stream-wrote our flag remotely; on 2 x H200 the GEMM's results then differed from the bulk
-  twin's (relative error 0.05-0.09), most likely from chunks read before all of their data had landed.)
+  that its own GPU wrote after its own copies into its own memory.
 - producer="device": the GEMM's own programs first push their share of chunks to the peers, then compute. One
   launch, not a push kernel on another stream: two kernels whose programs wait on each other deadlock when the
   consumer's persistent programs take every SM before the producer's are scheduled; inside one launch whose grid
@@ -24,8 +22,14 @@ peers. The shards travel through `SymmetricAllGather`'s buffers and flags:
   another, so in the simulated world the same kernel runs twice: push only for every rank, then compute.)
 The last program to finish acknowledges the epoch to every peer (a never-reset launch counter of this op reaching
 launches * programs): the guard that lets peers overwrite the other half of the double buffer next time.
-With return_gathered=True the tiles of the first N-block also store the A blocks they read (the column-parallel
-backward needs the gathered input). `all_gather_matmul_bulk` is the bulk twin (all_gather_into_tensor + matmul);
+With return_gathered=True the gathered input (the column-parallel backward needs it) is copied out of the
+buffer half after the launch, the local shard into its slot. The tiles must not store the A blocks they load:
+a second use of the pipelined operand makes Triton 3.6 (sm_90, 3 stages) keep only 2 shared-memory buffers for A
+while one wgmma stays in flight and the loads run 2 iterations ahead, so the load of iteration i + 2 overwrote
+the A block that iteration i's wgmma was still reading (wrong products on H200, relative error 0.06-0.14, while
+the gathered rows were exact; visible in the compiled TTGIR: `memdesc<2x128x64xf16>` for A against 3 buffers
+without the store).
+`all_gather_matmul_bulk` is the bulk twin (all_gather_into_tensor + matmul);
 `all_gather_matmul_reference` the pure-torch definition.
 """
 
@@ -101,10 +105,10 @@ def _tile_chunks(mb, rows, chunk_rows, BLOCK_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["epoch", "ack_target"])  # one compiled variant for every epoch
 def _all_gather_matmul_kernel(
-    x_ptr, w_ptr, out_ptr, gathered_ptr, data_ptr, data_ptrs, ready_ptr, ready_ptrs, ack_ptr, ack_ptrs,
+    x_ptr, w_ptr, out_ptr, data_ptr, data_ptrs, ready_ptr, ready_ptrs, ack_ptr, ack_ptrs,
     counter_ptr, error_ptr, rows, K, N, stride_wk, stride_wn, rank, epoch, chunk_rows, chunks, half_offset,
     num_programs, spin_limit, ack_target,
-    WORLD: tl.constexpr, PUSH: tl.constexpr, COMPUTE: tl.constexpr, STORE_GATHERED: tl.constexpr,
+    WORLD: tl.constexpr, PUSH: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
     GROUP_M: tl.constexpr, PUSH_R: tl.constexpr, PUSH_C: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
@@ -135,7 +139,6 @@ def _all_gather_matmul_kernel(
                 a_base = data_ptr + half_offset + source.to(tl.int64) * rows * K
             a_ptrs = a_base + rm.to(tl.int64)[:, None] * K + offs_k[None, :]
             w_ptrs = w_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn
-            g_ptrs = gathered_ptr + (source.to(tl.int64) * rows + rm)[:, None] * K + offs_k[None, :]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kt in range(K_TILES):  # a constexpr trip count: compiled loops over it are software-pipelined
                 k = kt * BLOCK_K
@@ -147,9 +150,6 @@ def _all_gather_matmul_kernel(
                     acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
                 else:
                     acc = tl.dot(a, w, acc)
-                if STORE_GATHERED:
-                    tl.store(g_ptrs, a, mask=a_mask & (nb == 0))
-                    g_ptrs += BLOCK_K
                 a_ptrs += BLOCK_K
                 w_ptrs += BLOCK_K * stride_wk
             out = out_ptr + (source.to(tl.int64) * rows + rm)[:, None] * N + rn[None, :]
@@ -212,7 +212,7 @@ class AllGatherMatmul:
         self.gather.errors.check()
         epoch = self.gather.next_epoch()
         if not self.fused_push:
-            self._launch(x_shard.contiguous(), None, None, None, epoch, push=True, compute=False)
+            self._launch(x_shard.contiguous(), None, None, epoch, push=True, compute=False)
         return epoch
 
     def finish(self, epoch: int, x_shard: torch.Tensor, weight: torch.Tensor, producer: str,
@@ -222,28 +222,31 @@ class AllGatherMatmul:
             raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype}: expected ({self.k}, N) {x_shard.dtype}")
         m = self.world * self.rows
         out = torch.empty((m, weight.shape[1]), dtype=x_shard.dtype, device=x_shard.device) if out is None else out
-        gathered = torch.empty((m, self.k), dtype=x_shard.dtype, device=x_shard.device) if return_gathered else None
         if producer == "copy_engine":
             self.gather.pull_published(epoch)
-        self._launch(x_shard, weight, out, gathered, epoch, push=producer == "device" and self.fused_push,
-                     compute=True)
+        self._launch(x_shard, weight, out, epoch, push=producer == "device" and self.fused_push, compute=True)
         self.gather.join()
         self.gather.errors.after_wait(epoch)
-        return (out, gathered) if return_gathered else out
+        if not return_gathered:
+            return out
+        # After the launch: every peer chunk has arrived; the half is overwritten only two calls later.
+        gathered = self.gather.gathered(epoch).clone()
+        gathered[self.rank * self.rows:(self.rank + 1) * self.rows] = x_shard  # device push leaves it unwritten
+        return out, gathered
 
-    def _launch(self, x, weight, out, gathered, epoch, push: bool, compute: bool) -> None:
+    def _launch(self, x, weight, out, epoch, push: bool, compute: bool) -> None:
         g, c = self.gather, self.config
         n = weight.shape[1] if compute else 0
         if compute:
             self.launches += 1
         _all_gather_matmul_kernel[(self.num_programs,)](
-            x, x if weight is None else weight, x if out is None else out, x if gathered is None else gathered,
+            x, x if weight is None else weight, x if out is None else out,
             g.data.local, g.data.peer_ptrs, g.ready.local, g.ready.peer_ptrs, g.ack.local, g.ack.peer_ptrs,
             self.counter, g.errors.word, self.rows, self.k, n,
             0 if weight is None else weight.stride(0), 0 if weight is None else weight.stride(1),
             self.rank, epoch, g.chunk_rows, g.chunks, g.half_offset(epoch), self.num_programs, c.spin_limit,
             self.launches * self.num_programs,
-            WORLD=self.world, PUSH=push, COMPUTE=compute, STORE_GATHERED=gathered is not None,
+            WORLD=self.world, PUSH=push, COMPUTE=compute,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, K_TILES=triton.cdiv(self.k, c.block_k),
             GROUP_M=c.group_m, PUSH_R=g.block_rows, PUSH_C=g.block_cols, DOT_FP32=not self.fused_push,
             num_warps=c.num_warps, num_stages=c.num_stages)

@@ -8,10 +8,9 @@ all-reduce of the output is Megatron's "g" (backward: the gradient is already re
 
 comm="bulk": torch.distributed collectives inside autograd functions (gloo on the CPU, NCCL on GPUs).
 comm="fused" (CUDA only, fp16/bf16): RowParallelLinear computes x @ W_r^T and the all-reduce in one launch
-(kernels.gemm_allreduce) when x has at most 64 rows (decode, small prefill), the bulk twin above that. A
-replicated-input ColumnParallelLinear has no forward communication to fuse; a sequence-sharded one with
-comm="fused" is refused: the fused all-gather + GEMM (kernels.allgather_gemm) gave wrong products on H200
-(2026-11-22, docs/benchmarks.md), so it is not wired into the layers until it passes its GPU test. The backward of a fused forward is
+(kernels.gemm_allreduce) when x has at most 64 rows (decode, small prefill), the bulk twin above that; a
+sequence-sharded ColumnParallelLinear runs the all-gather + GEMM (kernels.allgather_gemm, copy-engine producer).
+A replicated-input ColumnParallelLinear has no forward communication to fuse. The backward of a fused forward is
 the bulk twin's: the conjugate collective on the gradient (reduce-scatter, resp. none).
 
 Initialisation is a function of (seed, std) only: every rank draws the full [out, in] weight from one generator
@@ -29,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fused_dlrm.kernels.allgather_gemm import all_gather_matmul
 from fused_dlrm.kernels.gemm_allreduce import MAX_ROWS, GemmAllReduce
 
 COMMS = ("bulk", "fused")
@@ -114,6 +114,23 @@ class _GatherRows(torch.autograd.Function):
         return _reduce_scatter_rows(grad, ctx.group), None
 
 
+class _FusedGatherMatmul(torch.autograd.Function):
+    """Forward: all-gather of x's rows and x @ W^T as one fused op (it also returns the gathered rows, which the
+    weight gradient needs); backward: the gathered input's gradient reduce-scattered, as _GatherRows does."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, group):
+        out, gathered = all_gather_matmul(x2d, weight.t(), _workspace(group), return_gathered=True)
+        ctx.save_for_backward(gathered, weight)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gathered, weight = ctx.saved_tensors
+        return _reduce_scatter_rows(grad @ weight, ctx.group), grad.t() @ gathered, None
+
+
 class _FusedRowParallel(torch.autograd.Function):
     """Forward: x @ W^T and the all-reduce in one launch; backward: the local matmuls (the all-reduce's conjugate
     is the identity)."""
@@ -187,9 +204,6 @@ class ColumnParallelLinear(TPLinear):
         per_rank = out_features // (parts * size)
         full = full_weight(out_features, in_features, seed, std).view(parts, out_features // parts, in_features)
         super().__init__(full[:, rank * per_rank:(rank + 1) * per_rank].reshape(-1, in_features), group, comm)
-        if comm == "fused" and sequence_sharded:
-            raise ValueError("ColumnParallelLinear(sequence_sharded=True, comm='fused') is not available: the fused "
-                             "all-gather + GEMM failed its GPU check; use comm='bulk'")
         self.sequence_sharded = sequence_sharded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,6 +212,9 @@ class ColumnParallelLinear(TPLinear):
         if not self.sequence_sharded:
             self._check_fused(x)  # refuses the CPU; nothing to fuse in forward
             return F.linear(_CopyToTP.apply(x, self.group), self.weight)
+        if self._check_fused(x):
+            y = _FusedGatherMatmul.apply(x.reshape(-1, x.shape[-1]), self.weight.to(x.dtype), self.group)
+            return y.view(self.tp_size * x.shape[0], *x.shape[1:-1], y.shape[-1])
         return F.linear(_GatherRows.apply(x, self.group), self.weight)
 
 
