@@ -11,7 +11,7 @@ Implementations of one interface (`transport` says which kernels a fused operato
   kernels' logic runs under TRITON_INTERPRET=1 in CI. Kernels of all ranks are launched in turn, producers first.
 
 Buffers are allocated on first use and grown (never shrunk) when a larger size is asked for. Every rank must ask
-for the same names with the same sizes in the same order: allocation is collective on GPUs.
+for the same names in the same order: allocation is collective on GPUs, and takes the largest size asked for.
 """
 
 from __future__ import annotations
@@ -73,7 +73,13 @@ class CudaSymmetricWorkspace(_Workspace):
         self._handles = []  # keep rendezvous handles alive with their buffers
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> PeerBuffer:
-        local = self._symm_mem.empty(numel, dtype=dtype, device=self.device)
+        # Every rank allocates the largest size any rank asks for: NVSHMEM's heap puts a buffer at the same offset
+        # in every PE only if all PEs allocate the same sizes in the same order. (The nvshmem lookup's scratch
+        # size depends on the rank's own tables; it shifted every later buffer, and the backward's puts landed
+        # at the wrong addresses.)
+        agreed = torch.tensor([numel], dtype=torch.int64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        local = self._symm_mem.empty(int(agreed), dtype=dtype, device=self.device)
         handle = self._symm_mem.rendezvous(local, self.group.group_name)
         local.zero_()
         torch.cuda.synchronize()
