@@ -1,0 +1,68 @@
+"""The torch._grouped_mm probe of the SwiGLU experts: its tolerance, and the probe itself where the CPU runs
+torch._grouped_mm (the GPU answers the same question with the same code)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe.experts as experts
+from moe.experts import _swiglu_loop, matches_reference
+
+D_MODEL, FFN = 2048, 1408  # the shape whose bf16 rounding the old elementwise check rejected on H200
+
+
+def bf16_case(seed: int = 0):
+    """The old probe's problem (6 rows over 2 experts, unscaled weights): (bf16 loop, float64 loop of the same
+    bf16 inputs, the inputs)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, D_MODEL, generator=gen).bfloat16()
+    ws = [torch.randn(2, a, b, generator=gen).bfloat16() for a, b in ((D_MODEL, FFN), (D_MODEL, FFN), (FFN, D_MODEL))]
+    return _swiglu_loop(x, [4, 2], *ws), _swiglu_loop(x.double(), [4, 2], *(w.double() for w in ws)), x, ws
+
+
+def test_bf16_rounding_passes_where_the_elementwise_check_failed():
+    got, want, _, _ = bf16_case()
+    assert not torch.allclose(got.double(), want, rtol=2e-2, atol=2e-2)  # what sent H200 to the loop
+    assert matches_reference(got, want, torch.bfloat16)
+
+
+def test_wrong_results_fail():
+    got, want, x, ws = bf16_case()
+    assert not matches_reference(_swiglu_loop(x, [2, 4], *ws), want, torch.bfloat16)  # groups mixed up
+    unwritten = got.clone()
+    unwritten[4:] = 0  # one expert's rows never written
+    assert not matches_reference(unwritten, want, torch.bfloat16)
+    for bad in (float("nan"), float("inf")):
+        poisoned = got.clone()
+        poisoned[0, 0] = bad
+        assert not matches_reference(poisoned, want, torch.bfloat16)
+    # fp32 is held to fp32 rounding: bf16's error is far too large for it, fp32's own is fine.
+    assert not matches_reference(got.float(), want, torch.float32)
+    assert matches_reference(_swiglu_loop(x.float(), [4, 2], *(w.float() for w in ws)), want, torch.float32)
+
+
+def _cpu_grouped_mm() -> bool:
+    try:
+        torch._grouped_mm(torch.ones(2, 16, dtype=torch.bfloat16), torch.ones(1, 16, 16, dtype=torch.bfloat16),
+                          offs=torch.tensor([2], dtype=torch.int32))
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _cpu_grouped_mm(), reason="this torch has no torch._grouped_mm on the CPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_probe_accepts_a_working_grouped_mm_and_rejects_a_wrong_or_failing_one(dtype, monkeypatch):
+    probe = experts._grouped_mm_works.__wrapped__  # uncached
+    cpu = torch.device("cpu")
+    assert probe(cpu, dtype, D_MODEL, FFN)
+    grouped = experts._swiglu_grouped
+    monkeypatch.setattr(experts, "_swiglu_grouped", lambda x, counts, *ws: grouped(x, counts[::-1], *ws))
+    assert not probe(cpu, dtype, D_MODEL, FFN)
+
+    def unsupported(*args):
+        raise RuntimeError("grouped gemm is not supported here")
+
+    monkeypatch.setattr(experts, "_swiglu_grouped", unsupported)
+    assert not probe(cpu, dtype, D_MODEL, FFN)
