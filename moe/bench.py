@@ -86,7 +86,7 @@ def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[
     dispatch, combine = layer.dispatch, layer.combine
 
     def dispatch_and_gemm1():
-        return dispatch.finish(dispatch.start(x, token_of_row, layout), layout, e.w1, e.w3)[1]
+        return dispatch.finish(dispatch.start(x, token_of_row, layout), layout, e.w13)[1]
 
     h = dispatch_and_gemm1()
     return {"dispatch": dispatch_and_gemm1,

@@ -10,11 +10,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _swiglu_loop(x: torch.Tensor, counts: list[int], w1, w3, w2) -> torch.Tensor:
+def swiglu(a13: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, from [rows, 2 * ffn] = x @ w13[e]: gate columns first, then up."""
+    gate, up = a13.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_loop(x: torch.Tensor, counts: list[int], w13, w2) -> torch.Tensor:
     """One matmul chain per expert: the CPU path and the fallback. Experts with no rows still take part, so their
     weights get a zero gradient rather than none."""
-    outs = [(F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e] for e, rows in enumerate(torch.split(x, counts))]
-    return torch.cat(outs)
+    return torch.cat([swiglu(rows @ w13[e]) @ w2[e] for e, rows in enumerate(torch.split(x, counts))])
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -30,10 +35,10 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _swiglu_grouped(x: torch.Tensor, counts: list[int], w1, w3, w2) -> torch.Tensor:
-    """The same with torch._grouped_mm: one kernel per projection for all experts (offs = group ends)."""
+def _swiglu_grouped(x: torch.Tensor, counts: list[int], w13, w2) -> torch.Tensor:
+    """The same with torch._grouped_mm: two kernels for all experts, gate and up in one (offs = group ends)."""
     offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-    h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+    h = swiglu(torch._grouped_mm(x, w13, offs=offs))
     return _ContiguousGrad.apply(torch._grouped_mm(h, w2, offs=offs))
 
 
@@ -54,12 +59,12 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype, d_model: int, ff
     every gradient compared with the loop in float64 on the same inputs."""
     generator = torch.Generator().manual_seed(0)
     x, grad = (torch.randn(6, d_model, generator=generator).to(device, dtype) for _ in range(2))
-    w1, w3, w2 = (torch.randn(2, a, b, generator=generator).div(math.sqrt(a)).to(device, dtype)
-                  for a, b in ((d_model, ffn), (d_model, ffn), (ffn, d_model)))
+    w13, w2 = (torch.randn(2, a, b, generator=generator).div(math.sqrt(a)).to(device, dtype)
+               for a, b in ((d_model, 2 * ffn), (ffn, d_model)))
 
-    def run(swiglu, dtype):
-        inputs = [t.detach().to(dtype).requires_grad_() for t in (x, w1, w3, w2)]
-        out = swiglu(inputs[0], [4, 2], *inputs[1:])
+    def run(experts, dtype):
+        inputs = [t.detach().to(dtype).requires_grad_() for t in (x, w13, w2)]
+        out = experts(inputs[0], [4, 2], *inputs[1:])
         out.backward(grad.to(dtype))
         return [out.detach()] + [t.grad for t in inputs]
 
@@ -72,10 +77,11 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype, d_model: int, ff
 
 class SwiGLUExperts(nn.Module):
     """Experts first_expert .. first_expert + num_experts - 1 of a model:
-    out = (silu(x @ w1[e]) * (x @ w3[e])) @ w2[e], with w1, w3: [E, d_model, ffn] and w2: [E, ffn, d_model].
+    out = (silu(x @ w1[e]) * (x @ w3[e])) @ w2[e], stored as w13 = [w1 | w3]: [E, d_model, 2 * ffn] (gate columns
+    first, then up: one GEMM for both, as Megatron's fc1) and w2: [E, ffn, d_model].
 
-    Each expert's weights come from its own generator, seeded by (seed, global expert index): a rank holding a
-    slice of the experts gets exactly the weights a one-process model with all experts has for them.
+    Each expert's weights come from its own generator, seeded by (seed, global expert index), drawn w1, w3, w2: a
+    rank holding a slice of the experts gets exactly the weights a one-process model with all experts has for them.
     """
 
     def __init__(self, num_experts: int, d_model: int, ffn: int, first_expert: int = 0, seed: int = 0,
@@ -83,14 +89,14 @@ class SwiGLUExperts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.first_expert = first_expert
-        w1, w3, w2 = [], [], []
+        w13, w2 = [], []
         for e in range(first_expert, first_expert + num_experts):
             generator = torch.Generator().manual_seed(expert_seed(seed, e))
-            w1.append(torch.randn(d_model, ffn, generator=generator, dtype=torch.float64) / math.sqrt(d_model))
-            w3.append(torch.randn(d_model, ffn, generator=generator, dtype=torch.float64) / math.sqrt(d_model))
+            w1 = torch.randn(d_model, ffn, generator=generator, dtype=torch.float64) / math.sqrt(d_model)
+            w3 = torch.randn(d_model, ffn, generator=generator, dtype=torch.float64) / math.sqrt(d_model)
+            w13.append(torch.cat([w1, w3], dim=1))
             w2.append(torch.randn(ffn, d_model, generator=generator, dtype=torch.float64) / math.sqrt(ffn))
-        self.w1 = nn.Parameter(torch.stack(w1).to(dtype=dtype, device=device))
-        self.w3 = nn.Parameter(torch.stack(w3).to(dtype=dtype, device=device))
+        self.w13 = nn.Parameter(torch.stack(w13).to(dtype=dtype, device=device))
         self.w2 = nn.Parameter(torch.stack(w2).to(dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
@@ -98,9 +104,9 @@ class SwiGLUExperts(nn.Module):
         if len(tokens_per_expert) != self.num_experts or sum(tokens_per_expert) != x.shape[0]:
             raise ValueError(f"tokens_per_expert {tokens_per_expert} does not describe {self.num_experts} experts "
                              f"and {x.shape[0]} rows")
-        if x.is_cuda and _grouped_mm_works(x.device, x.dtype, self.w1.shape[1], self.w1.shape[2]):
-            return _swiglu_grouped(x, tokens_per_expert, self.w1, self.w3, self.w2)
-        return _swiglu_loop(x, tokens_per_expert, self.w1, self.w3, self.w2)
+        if x.is_cuda and _grouped_mm_works(x.device, x.dtype, self.w13.shape[1], self.w2.shape[1]):
+            return _swiglu_grouped(x, tokens_per_expert, self.w13, self.w2)
+        return _swiglu_loop(x, tokens_per_expert, self.w13, self.w2)
 
 
 def expert_seed(seed: int, expert: int) -> int:

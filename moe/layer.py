@@ -95,7 +95,7 @@ class MoELayer(nn.Module):
             layout = build_expert_layout(counts, self.rank, self.num_local_experts)
             self.combine.prepare(layout, x.dtype)  # host work while the GPU is idle anyway (the layout synced)
             e = self.experts
-            y = _FusedExperts.apply(x, routing.weights, e.w1, e.w3, e.w2, self, layout, perm)
+            y = _FusedExperts.apply(x, routing.weights, e.w13, e.w2, self, layout, perm)
             recv_counts = counts[:, self.rank * self.num_local_experts:(self.rank + 1) * self.num_local_experts]
         else:
             rows, perm = permute(x, routing.expert_ids, self.num_experts, routing.kept)
@@ -153,10 +153,9 @@ class _FusedExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weights, w1, w3, w2, layer: MoELayer, layout: ExpertLayout, perm: Permutation):
+    def forward(ctx, x, weights, w13, w2, layer: MoELayer, layout: ExpertLayout, perm: Permutation):
         training = any(ctx.needs_input_grad)
-        received, h = layer.dispatch.finish(layer.dispatch.start(x, perm.order // perm.top_k, layout), layout,
-                                            w1, w3)
+        received, h = layer.dispatch.finish(layer.dispatch.start(x, perm.order // perm.top_k, layout), layout, w13)
         if training:  # the receive buffer is the sources' again at the next call
             received = received.clone()
         epoch = layer.combine.start(h, w2, layout)
@@ -164,12 +163,12 @@ class _FusedExperts(torch.autograd.Function):
         y = layer.combine.finish(epoch, layout, perm, weights, rows_out=rows)
         if training:
             ctx.layer, ctx.layout, ctx.perm = layer, layout, perm
-            ctx.save_for_backward(received, h, rows, weights, w1, w3, w2)
+            ctx.save_for_backward(received, h, rows, weights, w13, w2)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        received, h, rows, weights, w1, w3, w2 = ctx.saved_tensors
+        received, h, rows, weights, w13, w2 = ctx.saved_tensors
         layer, layout, perm = ctx.layer, ctx.layout, ctx.perm
         grad_y = grad_y.contiguous()
         grad_weights = None
@@ -180,9 +179,9 @@ class _FusedExperts(torch.autograd.Function):
             grad_weights = grad_weights.view_as(weights).to(weights.dtype)
         epoch = layer.combine.start_backward(grad_y.to(h.dtype), perm, weights, layout)
         grad_h, grad_w2 = layer.combine.finish_backward(epoch, layout, h, w2)
-        epoch, grad_w1, grad_w3 = layer.dispatch.start_backward(grad_h, received, layout, w1, w3)
+        epoch, grad_w13 = layer.dispatch.start_backward(grad_h, received, layout, w13)
         grad_x = layer.dispatch.finish_backward(epoch, layout, perm)
-        return grad_x, grad_weights, grad_w1, grad_w3, grad_w2, None, None, None
+        return grad_x, grad_weights, grad_w13, grad_w2, None, None, None
 
 
 def _combine_programs(device: torch.device) -> int:

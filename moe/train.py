@@ -74,7 +74,7 @@ def sync_gradients(model: nn.Module, world_size: int, grad_allreduce: str = "ncc
     world_size ranks of the data-parallel `group` (None: the world). Inside a TP group every rank already holds
     the complete gradient of its parameters (the TP linears' collectives), identical for the replicated ones.
     The loss each rank differentiates is its local sum times world / global tokens (DDP's convention), so:
-    data-parallel replicas (everything but the experts' w1/w2/w3) are all-reduce-averaged, in one flat buffer;
+    data-parallel replicas (everything but the experts' w13/w2) are all-reduce-averaged, in one flat buffer;
     the experts' gradients are already complete on their owner (all_to_all_v's backward brought every rank's
     share home) but carry that factor of world size, which is divided out (torchrec's gradient division).
     grad_allreduce other than "nccl" averages the replicated ones with that codec (fused_dlrm.tp).

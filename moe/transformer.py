@@ -207,5 +207,5 @@ class MoETransformer(nn.Module):
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The experts' w1/w2/w3: each rank owns its own slice (not replicated)."""
+    """The experts' w13/w2: each rank owns its own slice (not replicated)."""
     return [p for m in model.modules() if isinstance(m, SwiGLUExperts) for p in m.parameters()]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import moe.experts as experts
-from moe.experts import _swiglu_loop, matches_reference
+from moe.experts import SwiGLUExperts, _swiglu_loop, expert_seed, matches_reference
 
 D_MODEL, FFN = 2048, 1408  # the shape whose bf16 rounding the old elementwise check rejected on H200
 
@@ -17,7 +17,7 @@ def bf16_case(seed: int = 0):
     bf16 inputs, the inputs)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(6, D_MODEL, generator=gen).bfloat16()
-    ws = [torch.randn(2, a, b, generator=gen).bfloat16() for a, b in ((D_MODEL, FFN), (D_MODEL, FFN), (FFN, D_MODEL))]
+    ws = [torch.randn(2, a, b, generator=gen).bfloat16() for a, b in ((D_MODEL, 2 * FFN), (FFN, D_MODEL))]
     return _swiglu_loop(x, [4, 2], *ws), _swiglu_loop(x.double(), [4, 2], *(w.double() for w in ws)), x, ws
 
 
@@ -66,3 +66,16 @@ def test_probe_accepts_a_working_grouped_mm_and_rejects_a_wrong_or_failing_one(d
 
     monkeypatch.setattr(experts, "_swiglu_grouped", unsupported)
     assert not probe(cpu, dtype, D_MODEL, FFN)
+
+
+def test_w13_holds_each_experts_seeded_w1_then_w3_and_a_slice_equals_the_whole():
+    d_model, ffn = 8, 6
+    whole = SwiGLUExperts(4, d_model, ffn, seed=5, dtype=torch.float64)
+    part = SwiGLUExperts(2, d_model, ffn, first_expert=2, seed=5, dtype=torch.float64)
+    assert whole.w13.shape == (4, d_model, 2 * ffn) and dict(whole.named_parameters()).keys() == {"w13", "w2"}
+    for e in range(4):
+        gen = torch.Generator().manual_seed(expert_seed(5, e))
+        w1, w3 = (torch.randn(d_model, ffn, generator=gen, dtype=torch.float64) / d_model ** 0.5 for _ in range(2))
+        w2 = torch.randn(ffn, d_model, generator=gen, dtype=torch.float64) / ffn ** 0.5
+        assert torch.equal(whole.w13[e], torch.cat([w1, w3], dim=1)) and torch.equal(whole.w2[e], w2)
+    assert torch.equal(part.w13, whole.w13[2:]) and torch.equal(part.w2, whole.w2[2:])

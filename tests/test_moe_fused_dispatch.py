@@ -3,7 +3,7 @@
 Each rank routes its own tokens (random logits, optionally biased to skew the routing), permutes them, and the
 all-gathered counts give every rank its ExpertLayout. Every rank pushes its rows (start), then every owner runs
 the grouped GEMM (finish); the received rows and h must equal the bulk path's all-to-all + regroup and
-silu(x @ w1[e]) * (x @ w3[e]) computed in float64.
+silu(x @ w1[e]) * (x @ w3[e]) computed in float64, w1 and w3 the column halves of each rank's w13.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from moe.expert_layout import build_expert_layout
 from moe.kernels.fused_dispatch import FusedDispatch, dispatch_reference, gated_gemm_reference
 from moe.permute import permute, unpermute
 from moe.routing import route
+from sm90 import compile_for_sm90
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
 
@@ -27,14 +28,13 @@ NEVER = -30.0  # a logit bias that keeps an expert out of every token's top k
 
 
 class World:
-    """`world` ranks of FusedDispatch over one SimulatedWorld, with their local experts' w1 and w3."""
+    """`world` ranks of FusedDispatch over one SimulatedWorld, with their local experts' w13 = [w1 | w3]."""
 
     def __init__(self, world: int, local: int, block_m: int = 8, num_programs: int = 3, spin_limit: int = 50,
                  seed: int = 0):
         self.world, self.local = world, local
         gen = torch.Generator().manual_seed(seed)
-        self.w1 = [torch.randn(local, D_MODEL, FFN, generator=gen) / D_MODEL ** 0.5 for _ in range(world)]
-        self.w3 = [torch.randn(local, D_MODEL, FFN, generator=gen) / D_MODEL ** 0.5 for _ in range(world)]
+        self.w13 = [torch.randn(local, D_MODEL, 2 * FFN, generator=gen) / D_MODEL ** 0.5 for _ in range(world)]
         self.dispatch = [FusedDispatch(ws, D_MODEL, FFN, local, num_programs, spin_limit, block_m)
                          for ws in SimulatedWorld(world).workspaces()]
 
@@ -65,8 +65,7 @@ class World:
 
     def step(self, xs, token_of_rows, layouts):
         epochs = [d.start(x, t, lay) for d, x, t, lay in zip(self.dispatch, xs, token_of_rows, layouts)]
-        return [d.finish(e, lay, w1, w3) for d, e, lay, w1, w3
-                in zip(self.dispatch, epochs, layouts, self.w1, self.w3)]
+        return [d.finish(e, lay, w13) for d, e, lay, w13 in zip(self.dispatch, epochs, layouts, self.w13)]
 
 
 def check_step(world: World, tokens, top_k, bias, gen, poison=True):
@@ -77,7 +76,7 @@ def check_step(world: World, tokens, top_k, bias, gen, poison=True):
     for owner, (received, h) in enumerate(got):
         want_rows = dispatch_reference(xs, token_of_rows, counts, owner, world.local)
         sizes = layouts[owner].tokens_per_local_expert
-        want_h = gated_gemm_reference(want_rows.double(), sizes, world.w1[owner].double(), world.w3[owner].double())
+        want_h = gated_gemm_reference(want_rows.double(), sizes, world.w13[owner].double())
         assert received.shape == want_rows.shape and h.shape == want_h.shape
         torch.testing.assert_close(received, want_rows, rtol=0, atol=0, msg=lambda m: f"rank {owner} rows: {m}")
         scale = want_h.abs().max().item() if want_h.numel() else 0.0
@@ -157,15 +156,14 @@ def test_consecutive_epochs_on_the_same_flags_with_changing_routing():
 def test_fp16_rows():
     # fp16 stands for the half types here: the interpreter's tl.dot mishandles bf16 (the GPU test runs bf16).
     w = World(2, 2, block_m=16)
-    w.w1 = [t.half() for t in w.w1]
-    w.w3 = [t.half() for t in w.w3]
+    w.w13 = [t.half() for t in w.w13]
     gen = torch.Generator().manual_seed(6)
     xs, token_of_rows, counts, layouts = w.routed_batch([11, 8], 2, None, gen)
     xs = [x.half() for x in xs]
     for owner, (received, h) in enumerate(w.step(xs, token_of_rows, layouts)):
         want_rows = dispatch_reference(xs, token_of_rows, counts, owner, 2)
         want_h = gated_gemm_reference(want_rows.double(), layouts[owner].tokens_per_local_expert,
-                                      w.w1[owner].double(), w.w3[owner].double())
+                                      w.w13[owner].double())
         assert torch.equal(received, want_rows)
         torch.testing.assert_close(h.double(), want_h, rtol=2e-2, atol=2e-2 * want_h.abs().max().item())
 
@@ -188,23 +186,22 @@ def test_backward_matches_autograd_of_the_bulk_path(name, world, local, tokens, 
         for d in w.dispatch:  # poison: a gradient row nobody stores shows as NaN in dx
             if d.ws.world.buffers:
                 d._grad_buffers(layouts[d.rank], torch.float32)[0].local.fill_(float("nan"))
-        started = [d.start_backward(dh, received, lay, w1, w3) for d, dh, (received, _), lay, w1, w3
-                   in zip(w.dispatch, dhs, forward, layouts, w.w1, w.w3)]
-        dxs = [d.finish_backward(e, lay, p) for d, (e, _, _), lay, p in zip(w.dispatch, started, layouts, perms)]
+        started = [d.start_backward(dh, received, lay, w13) for d, dh, (received, _), lay, w13
+                   in zip(w.dispatch, dhs, forward, layouts, w.w13)]
+        dxs = [d.finish_backward(e, lay, p) for d, (e, _), lay, p in zip(w.dispatch, started, layouts, perms)]
 
         # The reference, in float64: autograd through the bulk dispatch and the gated GEMM to each source's
         # permuted rows, whose gradients each token sums over its kept assignments (unpermute, unit weights).
         rows = [x.double()[t].requires_grad_() for x, t in zip(xs, token_of_rows)]
-        w64 = [(a.double().requires_grad_(), b.double().requires_grad_()) for a, b in zip(w.w1, w.w3)]
+        w64 = [w13.double().requires_grad_() for w13 in w.w13]
         identity = [torch.arange(r.shape[0]) for r in rows]
         total = sum((gated_gemm_reference(dispatch_reference(rows, identity, counts, d, local),
-                                          layouts[d].tokens_per_local_expert, *w64[d]) * dhs[d].double()).sum()
+                                          layouts[d].tokens_per_local_expert, w64[d]) * dhs[d].double()).sum()
                     for d in range(world))
         total.backward()
         for r in range(world):
             want_dx = unpermute(rows[r].grad, perms[r], torch.ones(tokens[r], top_k, dtype=torch.float64))
-            for got, want, what in ((dxs[r], want_dx, "dx"), (started[r][1], w64[r][0].grad, "dw1"),
-                                    (started[r][2], w64[r][1].grad, "dw3")):
+            for got, want, what in ((dxs[r], want_dx, "dx"), (started[r][1], w64[r].grad, "dw13")):
                 scale = want.abs().max().item() if want.numel() else 0.0
                 torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * scale,
                                            msg=lambda m: f"rank {r} {what}: {m}")
@@ -219,7 +216,7 @@ def test_gemm_times_out_naming_the_peer_and_chunk_when_a_source_never_pushes():
     assert counts[1, :2].sum() > 0  # rank 1 has rows for rank 0
     epoch = w.dispatch[0].start(xs[0], token_of_rows[0], layouts[0])  # rank 1 never pushes
     with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1 waiting for rank 1, slice \d"):
-        w.dispatch[0].finish(epoch, layouts[0], w.w1[0], w.w3[0])
+        w.dispatch[0].finish(epoch, layouts[0], w.w13[0])
 
 
 def test_gemm_waits_for_the_one_chunk_whose_flag_is_down_and_never_for_its_own_rows():
@@ -235,7 +232,7 @@ def test_gemm_waits_for_the_one_chunk_whose_flag_is_down_and_never_for_its_own_r
     ready.local.view(4, -1)[source, row // 8] = 0  # as if that chunk had not arrived
     with pytest.raises(PeerWaitTimeout, match=rf"rank 1 timed out at step 1 waiting for rank {source}, slice "
                                               rf"{row // 8} "):
-        w.dispatch[owner].finish(epochs[owner], layouts[owner], w.w1[owner], w.w3[owner])
+        w.dispatch[owner].finish(epochs[owner], layouts[owner], w.w13[owner])
 
 
 def test_push_times_out_when_the_owner_never_finished_the_previous_epoch():
@@ -244,7 +241,39 @@ def test_push_times_out_when_the_owner_never_finished_the_previous_epoch():
     xs, token_of_rows, _, layouts = w.routed_batch([10, 12], 2, None, gen)
     w.step(xs, token_of_rows, layouts)
     w.dispatch[1].start(xs[1], token_of_rows[1], layouts[1])  # epoch 2 of rank 1 is never finished
-    w.dispatch[0].finish(w.dispatch[0].start(xs[0], token_of_rows[0], layouts[0]), layouts[0], w.w1[0], w.w3[0])
+    w.dispatch[0].finish(w.dispatch[0].start(xs[0], token_of_rows[0], layouts[0]), layouts[0], w.w13[0])
     epoch = w.dispatch[0].start(xs[0], token_of_rows[0], layouts[0])  # rank 1 still holds epoch 2's rows
     with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 3 waiting for rank 1 to release"):
-        w.dispatch[0].finish(epoch, layouts[0], w.w1[0], w.w3[0])
+        w.dispatch[0].finish(epoch, layouts[0], w.w13[0])
+
+
+def test_weights_must_be_one_contiguous_w13():
+    w = World(2, 2)
+    xs, token_of_rows, _, layouts = w.routed_batch([6, 5], 2, None, torch.Generator().manual_seed(10))
+    halves = torch.randn(2, D_MODEL, 4 * FFN)[:, :, :2 * FFN]  # the right shape, but every row strided
+    for bad in (w.w13[0][:, :, :FFN], halves, w.w13[0].double()):
+        with pytest.raises(ValueError, match="w13 must be a contiguous"):
+            w.dispatch[0].finish(w.dispatch[0].start(xs[0], token_of_rows[0], layouts[0]), layouts[0], bad)
+
+
+COMPILE_FOR_SM90 = """
+from moe.kernels import fused_dispatch as fd
+
+tables = {n: "*i64" for n in ("token_ptr", "dest_row_ptr", "bounds_ptr", "rows_ptrs", "ready_ptrs", "tiles_ptr",
+                              "source_ptr", "source_row_ptr", "grad_ptrs")}
+flags = {n: "*i32" for n in ("dest_order_ptr", "ack_ptr", "error_ptr", "ready_ptr", "next_ptr")}
+for dtype, block_k, stages in (("bf16", 64, 3), ("fp16", 64, 3), ("fp32", 32, 2)):  # as gemm_config gives them
+    data = {n: "*" + dtype for n in ("x_ptr", "rows_ptr", "w13_ptr", "h_ptr", "da13_ptr")}
+    ptrs = {**tables, **flags, **data}
+    gemm = dict(D=2048, FFN=1408, BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k,
+                PRECISION="ieee" if dtype == "fp32" else "tf32")
+    build(fd._gated_gemm_kernel, ptrs, dict(CHUNK=64, **gemm), 8, stages)
+    build(fd._gated_gemm_backward_kernel, ptrs, dict(WORLD=2, **gemm), 8, stages)
+    build(fd._push_rows_kernel, ptrs, dict(D=2048, CHUNK=64, BLOCK_D=128), 4, 3)
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """What only the GPU compiler enforces (types, tl.dot shapes and dtypes, shared memory of the launch
+    configurations), checked without a GPU: compile for sm_90 in a process without the interpreter."""
+    compile_for_sm90(COMPILE_FOR_SM90)

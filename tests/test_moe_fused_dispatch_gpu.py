@@ -2,7 +2,7 @@
 NCCL, bf16; skipped without them). CI has no GPU: this runs on the device machine.
 
 Bulk: all_to_all_v of the permuted rows, regroup to (local expert, source rank), then silu(x @ w1[e]) * (x @ w3[e])
-in fp32 from the same bf16 rows and weights; its gradients by autograd (through all_to_all_v's backward).
+(w13 = [w1 | w3]) in fp32 from the same bf16 rows and weights; its gradients by autograd (through all_to_all_v's backward).
 1,000 consecutive steps with changing routing: token counts per rank change every step, some steps are skewed,
 some leave an expert, a whole rank or every token of a rank idle.
 """
@@ -58,8 +58,7 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
     device = torch.device("cuda", rank)
     local = EXPERTS // world
     gen = torch.Generator().manual_seed(100 + rank)
-    w1 = (torch.randn(local, D_MODEL, FFN, generator=gen) / D_MODEL ** 0.5).to(device, torch.bfloat16)
-    w3 = (torch.randn(local, D_MODEL, FFN, generator=gen) / D_MODEL ** 0.5).to(device, torch.bfloat16)
+    w13 = (torch.randn(local, D_MODEL, 2 * FFN, generator=gen) / D_MODEL ** 0.5).to(device, torch.bfloat16)
     ws = CudaSymmetricWorkspace()
     dispatch = FusedDispatch(ws, D_MODEL, FFN, local, num_programs=64, spin_limit=2_000_000, block_m=64)
     idle_owner_seen = skewed_seen = 0
@@ -76,19 +75,18 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
                 ws.buffer(name, 0, torch.bfloat16).local.fill_(float("nan"))
             torch.cuda.synchronize()
             dist.barrier()
-        received, h = dispatch.finish(dispatch.start(x, token_of_row, layout), layout, w1, w3)
+        received, h = dispatch.finish(dispatch.start(x, token_of_row, layout), layout, w13)
         dh = torch.randn(h.shape, device=device, generator=torch.Generator(device).manual_seed(step)).bfloat16()
-        epoch, dw1, dw3 = dispatch.start_backward(dh, received, layout, w1, w3)
+        epoch, dw13 = dispatch.start_backward(dh, received, layout, w13)
         dx = dispatch.finish_backward(epoch, layout, perm)
 
         want = bulk_dispatch(x[token_of_row], perm.tokens_per_expert, world, local)
         assert torch.equal(received, want), f"step {step}, rank {rank}: received rows differ"
-        x32, w1_32, w3_32 = (t.float().requires_grad_() for t in (x, w1, w3))
+        x32, w13_32 = (t.float().requires_grad_() for t in (x, w13))
         want_h = gated_gemm_reference(bulk_dispatch(x32[token_of_row], perm.tokens_per_expert, world, local),
-                                      layout.tokens_per_local_expert, w1_32, w3_32)
+                                      layout.tokens_per_local_expert, w13_32)
         (want_h * dh.float()).sum().backward()
-        for got, ref, what in ((h, want_h.detach(), "h"), (dx, x32.grad, "dx"), (dw1, w1_32.grad, "dw1"),
-                               (dw3, w3_32.grad, "dw3")):
+        for got, ref, what in ((h, want_h.detach(), "h"), (dx, x32.grad, "dx"), (dw13, w13_32.grad, "dw13")):
             scale = ref.abs().max().item() if ref.numel() else 0.0
             torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2 * scale,
                                        msg=lambda m: f"step {step}, rank {rank}, {what}: {m}")
@@ -109,7 +107,7 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
     dist.barrier()
     if rank == 0:
         dispatch.spin_limit = 100_000
-        dispatch.finish(dispatch.start(x, perm.order // TOP_K, layout), layout, w1, w3)
+        dispatch.finish(dispatch.start(x, perm.order // TOP_K, layout), layout, w13)
         with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1001 waiting for rank 1, slice"):
             dispatch.errors.check(block=True)
     torch.cuda.synchronize()

@@ -45,7 +45,8 @@ def reference_moe(xs: list[torch.Tensor], router: TopKRouter, experts: SwiGLUExp
     x, dense = torch.cat(xs), torch.cat(dense).to(xs[0].dtype)
     y = torch.zeros_like(x)
     for e in range(experts.num_experts):
-        out = (F.silu(x @ experts.w1[e]) * (x @ experts.w3[e])) @ experts.w2[e]
+        w1, w3 = experts.w13[e].chunk(2, dim=1)
+        out = (F.silu(x @ w1) * (x @ w3)) @ experts.w2[e]
         y = y + dense[:, e:e + 1] * out
     return y, losses
 
@@ -78,7 +79,7 @@ def compare_with_reference(rank: int, world: int, scenarios: list[Scenario], dty
 
         local = slice(rank * layer.num_local_experts, (rank + 1) * layer.num_local_experts)
         torch.testing.assert_close(layer.router.weight.double(), router.weight.to(dtype).double(), rtol=0, atol=0)
-        for name in ("w1", "w2", "w3"):
+        for name in ("w13", "w2"):
             torch.testing.assert_close(getattr(layer.experts, name).double(),
                                        getattr(experts, name)[local].to(dtype).double(), rtol=0, atol=0)
 
@@ -90,7 +91,7 @@ def compare_with_reference(rank: int, world: int, scenarios: list[Scenario], dty
 
         close(y, ref_y[start:stop].detach(), "output")
         close(x.grad, ref_x.grad[start:stop], "input gradient")
-        for name in ("w1", "w2", "w3"):
+        for name in ("w13", "w2"):
             close(getattr(layer.experts, name).grad, getattr(experts, name).grad[local], f"{name} gradient")
         # The router is replicated: its gradient summed over the ranks is the reference's.
         router_grad = layer.router.weight.grad.clone()

@@ -16,17 +16,19 @@ GEMM (`FusedDispatch.finish`, every owner): tiles of [BLOCK_M rows of one local 
 expert e's rows are recv_offsets[e * world] .. recv_offsets[(e + 1) * world]. A tile reads this rank's own rows
 straight from x (no wait: the push copies them into the buffer only for `received`) and polls (bounded) the flags
 of its other rows, then computes h = silu(x @ w1[e]) * (x @ w3[e]) with both products sharing the A tile (fp32
-accumulation). Persistent programs take tiles from a counter, in walk order: tiles whose rows all came from this
-rank first, then by the source whose rows arrive last (rank - 1 pushes to this rank first). On GPUs the push runs
-on a side stream, so the GEMM overlaps it; the GEMM leaves PUSH_SMS SMs free, so that the pushes the peers wait
-for always find room. After the GEMM a one-program kernel acknowledges the epoch to every source.
+accumulation); w1 and w3 are the column halves of the experts' w13 [L, d_model, 2 * ffn], read in place.
+Persistent programs take tiles from a counter, in walk order: tiles whose rows all came from this rank first,
+then by the source whose rows arrive last (rank - 1 pushes to this rank first). On GPUs the push runs on a side
+stream, so the GEMM overlaps it; the GEMM leaves PUSH_SMS SMs free, so that the pushes the peers wait for always
+find room. After the GEMM a one-program kernel acknowledges the epoch to every source.
 
-Backward (`start_backward` on the owner, `finish_backward` on the source): a1 and a3 are recomputed and da1, da3,
-dw1, dw3 come from torch; a persistent GEMM computes dx tiles = da1 @ w1[e]^T + da3 @ w3[e]^T, tiles holding rows
-of remote sources first (rank + 1 first), stores each row at its source's permuted row in the source's gradient
-buffer and raises flag (owner, row tile, column block) in every rank. Each source knows from C which owner tile
-holds each of its rows, and sums every token's kept rows as their flags come up (FusedCombine's consumer kernel
-with unit weights); it then acknowledges the epoch to the owners, who wait for that before the next store.
+Backward (`start_backward` on the owner, `finish_backward` on the source): a13 = x @ w13[e] is recomputed, da13 =
+[da1 | da3] and dw13 come from torch; a persistent GEMM computes dx tiles = da13 @ w13[e]^T (= da1 @ w1[e]^T +
+da3 @ w3[e]^T: one k loop over 2 * ffn), tiles holding rows of remote sources first (rank + 1 first), stores each
+row at its source's permuted row in the source's gradient buffer and raises flag (owner, row tile, column block)
+in every rank. Each source knows from C which owner tile holds each of its rows, and sums every token's kept rows
+as their flags come up (FusedCombine's consumer kernel with unit weights); it then acknowledges the epoch to the
+owners, who wait for that before the next store.
 
 Guards: receive rows are double-buffered by epoch parity, and a source stores epoch e only after the owner has
 acknowledged epoch e - 1 (peer_flags.consumer_released): the `received` view that `finish` returns stays valid
@@ -39,7 +41,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -47,7 +48,7 @@ from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, signal_ready, wait_at_least
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout
-from moe.experts import _grouped_mm_works
+from moe.experts import _grouped_mm_works, swiglu
 from moe.kernels.fused_combine import _weighted_unpermute_kernel
 from moe.permute import Permutation
 
@@ -69,31 +70,32 @@ def dispatch_reference(xs: list[torch.Tensor], token_of_rows: list[torch.Tensor]
     return torch.cat(blocks) if blocks else xs[0].new_zeros(0, xs[0].shape[1])
 
 
-def gated_gemm_reference(received: torch.Tensor, tokens_per_local_expert: list[int], w1: torch.Tensor,
-                         w3: torch.Tensor) -> torch.Tensor:
-    """silu(x @ w1[e]) * (x @ w3[e]) for each local expert's contiguous rows (the SwiGLU experts' first half)."""
-    outs = [F.silu(x @ w1[e]) * (x @ w3[e]) for e, x in enumerate(torch.split(received, tokens_per_local_expert))]
-    return torch.cat(outs) if outs else received.new_zeros(0, w1.shape[2])
+def gated_gemm_reference(received: torch.Tensor, tokens_per_local_expert: list[int],
+                         w13: torch.Tensor) -> torch.Tensor:
+    """silu(x @ w1[e]) * (x @ w3[e]) for each local expert's contiguous rows (the SwiGLU experts' first half),
+    w13 = [w1 | w3]."""
+    outs = [swiglu(x @ w13[e]) for e, x in enumerate(torch.split(received, tokens_per_local_expert))]
+    return torch.cat(outs) if outs else received.new_zeros(0, w13.shape[2] // 2)
 
 
-def gated_gemm_grads(received: torch.Tensor, tokens_per_local_expert: list[int], w1: torch.Tensor,
-                     w3: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(da1, da3, dw1, dw3) for h = silu(a1) * a3, a1 = x @ w1[e], a3 = x @ w3[e], given dh (torch autograd;
-    a1 and a3 are recomputed: the forward kernel keeps only h). The backward kernel turns da1, da3 into dx."""
-    w1, w3 = w1.detach().requires_grad_(), w3.detach().requires_grad_()
+def gated_gemm_grads(received: torch.Tensor, tokens_per_local_expert: list[int], w13: torch.Tensor,
+                     dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da13, dw13) for h = silu(a1) * a3, [a1 | a3] = a13 = x @ w13[e], given dh (torch autograd; a13 is
+    recomputed: the forward kernel keeps only h). The backward kernel turns da13 into dx."""
+    w13 = w13.detach().requires_grad_()
     with torch.enable_grad():
-        a1 = _grouped_matmul(received, tokens_per_local_expert, w1)
-        a3 = _grouped_matmul(received, tokens_per_local_expert, w3)
-        da1, da3 = torch.autograd.grad(F.silu(a1) * a3, (a1, a3), dh)
-        dw1, dw3 = torch.autograd.grad((a1, a3), (w1, w3), (da1, da3))
-    return da1.contiguous(), da3.contiguous(), dw1, dw3
+        a13 = _gate_up(received, tokens_per_local_expert, w13)
+        da13, = torch.autograd.grad(swiglu(a13), a13, dh)
+        dw13, = torch.autograd.grad(a13, w13, da13)
+    return da13.contiguous(), dw13
 
 
-def _grouped_matmul(x: torch.Tensor, sizes: list[int], w: torch.Tensor) -> torch.Tensor:
-    """x [rows, k] (expert e's rows contiguous) times w[e] [k, n]: torch._grouped_mm where it works, else a loop."""
-    if x.is_cuda and _grouped_mm_works(x.device, x.dtype, w.shape[1], w.shape[2]):
-        return torch._grouped_mm(x, w, offs=torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32))
-    return torch.cat([rows @ w[e] for e, rows in enumerate(torch.split(x, sizes))])
+def _gate_up(x: torch.Tensor, sizes: list[int], w13: torch.Tensor) -> torch.Tensor:
+    """x [rows, d_model] (expert e's rows contiguous) times w13[e]: torch._grouped_mm where the experts use it,
+    else a loop."""
+    if x.is_cuda and _grouped_mm_works(x.device, x.dtype, w13.shape[1], w13.shape[2] // 2):
+        return torch._grouped_mm(x, w13, offs=torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32))
+    return torch.cat([rows @ w13[e] for e, rows in enumerate(torch.split(x, sizes))])
 
 
 # -- push ---------------------------------------------------------------------------------------------------------
@@ -152,8 +154,8 @@ def _row_tile(t, tiles_ptr, num_row_tiles, col_blocks, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _gated_gemm_kernel(
-    rows_ptr, x_ptr, token_ptr, w1_ptr, w3_ptr, h_ptr,  # received rows (this epoch's half), this rank's tokens
-    # and token_of_row, [L, D, FFN] weights, [rows, FFN] output
+    rows_ptr, x_ptr, token_ptr, w13_ptr, h_ptr,  # received rows (this epoch's half), this rank's tokens and
+    # token_of_row, [L, D, 2 * FFN] weights (w1 columns, then w3), [rows, FFN] output
     tiles_ptr, num_row_tiles,  # the row tiles (FusedDispatch._row_tiles)
     source_ptr, source_row_ptr, ready_ptr, error_ptr, next_ptr,  # recv_source_rank/row, my flags, error, counter
     rank, epoch, flag_stride, num_tiles, spin_limit,
@@ -193,7 +195,7 @@ def _gated_gemm_kernel(
 
         token = tl.load(token_ptr + tl.load(source_row_ptr + rows, mask=local, other=0), mask=local, other=0)
         a_rows = tl.where(local, x_ptr + token.to(tl.int64) * D, rows_ptr + rows.to(tl.int64) * D)[:, None]
-        w_cols = expert * D * FFN + ns[None, :]
+        w_cols = expert * D * (2 * FFN) + ns[None, :]  # w1's columns; w3's are FFN further on
         n_mask = ns < FFN
         acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -202,9 +204,9 @@ def _gated_gemm_kernel(
             a = tl.load(a_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0,
                         cache_modifier=".cg")  # peers wrote the received rows: not from L1
             w_mask = k_mask[:, None] & n_mask[None, :]
-            w_at = w_cols + (k + ks)[:, None] * FFN
-            acc1 = tl.dot(a, tl.load(w1_ptr + w_at, mask=w_mask, other=0.0), acc1, input_precision=PRECISION)
-            acc3 = tl.dot(a, tl.load(w3_ptr + w_at, mask=w_mask, other=0.0), acc3, input_precision=PRECISION)
+            w_at = w13_ptr + w_cols + (k + ks)[:, None] * (2 * FFN)
+            acc1 = tl.dot(a, tl.load(w_at, mask=w_mask, other=0.0), acc1, input_precision=PRECISION)
+            acc3 = tl.dot(a, tl.load(w_at + FFN, mask=w_mask, other=0.0), acc3, input_precision=PRECISION)
         h = acc1 * tl.sigmoid(acc1) * acc3
         tl.store(h_ptr + rows.to(tl.int64)[:, None] * FFN + ns[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & n_mask[None, :])
@@ -226,16 +228,15 @@ def _add_product_transposed(acc, a_rows, w_cols, row_mask, n_mask, K: tl.constex
 
 @triton.jit
 def _gated_gemm_backward_kernel(
-    da1_ptr, da3_ptr, w1_ptr, w3_ptr,  # [rows, FFN] gradients of x @ w1[e] and x @ w3[e], [L, D, FFN] weights
+    da13_ptr, w13_ptr,  # [rows, 2 * FFN] gradient of x @ w13[e], [L, D, 2 * FFN] weights
     tiles_ptr, num_row_tiles,  # the row tiles (FusedDispatch._row_tiles, remote first)
     source_ptr, source_row_ptr, grad_ptrs, ready_ptrs, ack_ptr, error_ptr, next_ptr,
     rank, epoch, tiles_per_rank, num_tiles, spin_limit,
     D: tl.constexpr, FFN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WORLD: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """dx tile = da1 @ w1[e]^T + da3 @ w3[e]^T, each row stored at its source row in its source's gradient
-    buffer; then flag (this rank, tile, column block) is raised in every rank (the tile's rows may have several
-    sources)."""
+    """dx tile = da13 @ w13[e]^T, each row stored at its source row in its source's gradient buffer; then flag
+    (this rank, tile, column block) is raised in every rank (the tile's rows may have several sources)."""
     n_tiles = tl.cdiv(D, BLOCK_N)
     # The guard, once per program: every source has summed the previous epoch's rows (it acknowledged them).
     released = consumer_released(ack_ptr, 0, epoch, spin_limit, error_ptr)
@@ -246,17 +247,16 @@ def _gated_gemm_backward_kernel(
         mt, expert, _, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M)
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = ns < D
-        g_at = rows.to(tl.int64)[:, None] * FFN
-        w_at = expert * D * FFN + ns[None, :] * FFN  # w[e]^T: column n of the tile is row n of w[e]
-        # One k loop per product (rather than both in one loop): half the shared memory per pipeline stage.
+        g_at = rows.to(tl.int64)[:, None] * (2 * FFN)
+        w_at = expert * D * (2 * FFN) + ns[None, :] * (2 * FFN)  # w13[e]^T: column n of the tile is row n of w13[e]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc = _add_product_transposed(acc, da1_ptr + g_at, w1_ptr + w_at, row_mask, n_mask, FFN, BLOCK_K, PRECISION)
-        acc = _add_product_transposed(acc, da3_ptr + g_at, w3_ptr + w_at, row_mask, n_mask, FFN, BLOCK_K, PRECISION)
+        acc = _add_product_transposed(acc, da13_ptr + g_at, w13_ptr + w_at, row_mask, n_mask, 2 * FFN, BLOCK_K,
+                                      PRECISION)
         source = tl.load(source_ptr + rows, mask=row_mask, other=0)
-        out = tl.load(grad_ptrs + source, mask=row_mask, other=0).to(tl.pointer_type(da1_ptr.dtype.element_ty))
+        out = tl.load(grad_ptrs + source, mask=row_mask, other=0).to(tl.pointer_type(da13_ptr.dtype.element_ty))
         out = tl.multiple_of(out, 16)  # symmetric buffers are aligned: vector stores
         at = tl.load(source_row_ptr + rows, mask=row_mask, other=0)[:, None] * D + ns[None, :]
-        tl.store(out[:, None] + at, acc.to(da1_ptr.dtype.element_ty),
+        tl.store(out[:, None] + at, acc.to(da13_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & n_mask[None, :] & released)
         signal_ready(ready_ptrs, (rank * tiles_per_rank + mt) * n_tiles + col, epoch, WORLD)
         t = tl.atomic_add(next_ptr, 1)
@@ -289,6 +289,13 @@ def gemm_config(device: torch.device, dtype: torch.dtype) -> GemmConfig:
     if dtype == torch.float32:
         return GemmConfig(128, 128, 32, num_warps=8, num_stages=2)
     return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
+
+
+def _check_w13(w13: torch.Tensor, L: int, d: int, ffn: int, dtype: torch.dtype) -> None:
+    """The kernels read w13 in place (no per-call copy): it must be a contiguous [L, d, 2 * ffn] of the rows' dtype."""
+    if w13.shape != (L, d, 2 * ffn) or w13.dtype != dtype or not w13.is_contiguous():
+        raise ValueError(f"w13 must be a contiguous [{L}, {d}, {2 * ffn}] of the rows' dtype {dtype}, got "
+                         f"{tuple(w13.shape)} {w13.dtype}{'' if w13.is_contiguous() else ', not contiguous'}")
 
 
 class FusedDispatch:
@@ -366,31 +373,29 @@ class FusedDispatch:
                 launch()
         return epoch
 
-    def finish(self, epoch: int, layout: ExpertLayout, w1: torch.Tensor, w3: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def finish(self, epoch: int, layout: ExpertLayout, w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The grouped GEMM over the received rows, each tile waiting for the chunks it reads.
 
         Returns (received [recv_rows, d_model]: a view of the symmetric receive buffer, valid until the next
-        `finish` call; h = silu(received @ w1[e]) * (received @ w3[e]) [recv_rows, ffn], a new tensor)."""
+        `finish` call; h = silu(received @ w1[e]) * (received @ w3[e]) [recv_rows, ffn], a new tensor), w13 =
+        [w1 | w3] read in place."""
         L, d, ffn = self.num_local_experts, self.d_model, self.ffn
         rows, ready, ack, x, token_of_row, _ = self._started.pop(epoch)
-        if w1.shape != (L, d, ffn) or w3.shape != (L, d, ffn) or not w1.dtype == w3.dtype == rows.local.dtype:
-            raise ValueError(f"w1 and w3 must be [{L}, {d}, {ffn}] of the rows' dtype {rows.local.dtype}, got "
-                             f"{tuple(w1.shape)} {w1.dtype} and {tuple(w3.shape)} {w3.dtype}")
+        _check_w13(w13, L, d, ffn, rows.local.dtype)
         recv_rows = sum(layout.tokens_per_local_expert)
         base = (epoch % 2) * self.capacity * d
         received = rows.local[base:base + recv_rows * d].view(recv_rows, d)
-        h = torch.empty(recv_rows, ffn, dtype=w1.dtype, device=w1.device)
-        cfg = gemm_config(self.ws.device, w1.dtype)
+        h = torch.empty(recv_rows, ffn, dtype=w13.dtype, device=w13.device)
+        cfg = gemm_config(self.ws.device, w13.dtype)
         tiles = self._row_tiles(layout, cfg.block_m, remote_first=False)
         num_tiles = tiles.shape[1] * triton.cdiv(ffn, cfg.block_n)
         programs = self._gemm_programs(num_tiles)
         _gated_gemm_kernel[(programs,)](
-            rows.local[base:], x, token_of_row, w1.contiguous(), w3.contiguous(), h, tiles, tiles.shape[1],
+            rows.local[base:], x, token_of_row, w13, h, tiles, tiles.shape[1],
             layout.recv_source_rank, layout.recv_source_row, ready.local, self.errors.word, self._tile_counter(),
             self.rank, epoch, self.capacity // self.chunk, num_tiles, self.spin_limit,
             D=d, FFN=ffn, CHUNK=self.chunk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            PRECISION="ieee" if w1.dtype == torch.float32 else "tf32",
+            PRECISION="ieee" if w13.dtype == torch.float32 else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self.rank, epoch, WORLD=self.world)
         if self._push_stream is not None:  # then what the push read may be freed, and `received` is complete
@@ -399,28 +404,29 @@ class FusedDispatch:
         return received, h
 
     # -- backward: the rows' gradient goes back to its sources (a combine), summed over each token's k rows ----
-    def start_backward(self, dh: torch.Tensor, received: torch.Tensor, layout: ExpertLayout, w1: torch.Tensor,
-                       w3: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """Owner side: dh = dL/dh [recv_rows, ffn] and the forward's `received` rows -> (epoch, dw1, dw3).
-        The kernel stores the rows' gradient da1 @ w1[e]^T + da3 @ w3[e]^T straight into each source's
+    def start_backward(self, dh: torch.Tensor, received: torch.Tensor, layout: ExpertLayout, w13: torch.Tensor
+                       ) -> tuple[int, torch.Tensor]:
+        """Owner side: dh = dL/dh [recv_rows, ffn] and the forward's `received` rows -> (epoch, dw13).
+        The kernel stores the rows' gradient da13 @ w13[e]^T straight into each source's
         gradient buffer at the row's permuted position, tiles for remote sources first. Every rank calls
         `start_backward` before any rank calls `finish_backward`."""
         self.errors.check()
         epoch = self.ws.next_epoch("moe_dispatch_grad")
-        da1, da3, dw1, dw3 = gated_gemm_grads(received, layout.tokens_per_local_expert, w1, w3, dh)
+        _check_w13(w13, self.num_local_experts, self.d_model, self.ffn, received.dtype)
+        da13, dw13 = gated_gemm_grads(received, layout.tokens_per_local_expert, w13, dh)
         grad, ready, ack, tiles_per_rank = self._grad_buffers(layout, received.dtype)
         cfg = gemm_config(self.ws.device, received.dtype)
         tiles = self._row_tiles(layout, cfg.block_m, remote_first=True)
         num_tiles = tiles.shape[1] * triton.cdiv(self.d_model, cfg.block_n)
         programs = self._gemm_programs(num_tiles)
         _gated_gemm_backward_kernel[(programs,)](
-            da1, da3, w1.contiguous(), w3.contiguous(), tiles, tiles.shape[1], layout.recv_source_rank,
+            da13, w13, tiles, tiles.shape[1], layout.recv_source_rank,
             layout.recv_source_row, grad.peer_ptrs, ready.peer_ptrs, ack.local, self.errors.word,
             self._tile_counter(), self.rank, epoch, tiles_per_rank, num_tiles, self.spin_limit,
             D=self.d_model, FFN=self.ffn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            WORLD=self.world, PRECISION="ieee" if da1.dtype == torch.float32 else "tf32",
+            WORLD=self.world, PRECISION="ieee" if da13.dtype == torch.float32 else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        return epoch, dw1, dw3
+        return epoch, dw13
 
     def finish_backward(self, epoch: int, layout: ExpertLayout, perm: Permutation) -> torch.Tensor:
         """Source side: dx [tokens, d_model] (the rows' dtype), per token the sum in fp32 of its kept rows'
