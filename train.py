@@ -26,7 +26,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.model.name not in TRAINERS:
         raise ValueError(f"unknown model.name {cfg.model.name!r}: expected one of {sorted(TRAINERS)}")
     train = importlib.import_module(TRAINERS[cfg.model.name]).train
-    env = init_distributed(cfg.trainer.device, cfg.comm.backend)
+    env = init_distributed(cfg.trainer.device, cfg.comm.backend, tf32=cfg.trainer.tf32)
     if not env.is_main:  # one console is enough; every rank still writes its own log file
         for handler in logging.getLogger().handlers:
             if type(handler) is logging.StreamHandler:

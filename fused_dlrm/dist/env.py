@@ -50,8 +50,11 @@ def _pick_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0) -> DistEnv:
-    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or none."""
+def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0,
+                     tf32: bool = False) -> DistEnv:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or none.
+    tf32: fp32 GEMMs and convolutions on GPUs may use TF32 tensor cores (the CPU is not affected)."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

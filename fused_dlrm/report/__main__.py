@@ -28,7 +28,7 @@ def main(overrides: list[str]) -> None:
     run_dir = full.hydra.run.dir
     cfg = OmegaConf.masked_copy(full, [k for k in full if k != "hydra"])
     logging.basicConfig(level=logging.INFO, force=True, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-    env = init_distributed(cfg.trainer.device, cfg.comm.backend)
+    env = init_distributed(cfg.trainer.device, cfg.comm.backend, tf32=cfg.trainer.tf32)
     if not env.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
