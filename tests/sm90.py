@@ -3,7 +3,9 @@ equal to 1 arriving as constexprs, tl.dot shapes and dtypes, shared memory) is c
 
 `compile_for_sm90(script)` runs the script in a fresh process without the interpreter; the script calls
 `build(fn, types, constants, num_warps=4, num_stages=3)`: `types` maps argument names to Triton types (pointers
-"*fp16", ...; others default to "i32"), `constants` the constexpr arguments.
+"*fp16", ...; others default to "i32"), `constants` the constexpr arguments, `divisible` the integer arguments a launch passes as multiples of 16
+(Triton specialises those, which enables e.g. software pipelining of loops over them); it returns the compiled kernel (its
+`asm` holds the TTGIR and PTX).
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-def build(fn, types, constants, num_warps=4, num_stages=3):
+def build(fn, types, constants, num_warps=4, num_stages=3, divisible=()):
     names = fn.arg_names
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if types.get(n, "").startswith("*")}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if types.get(n, "").startswith("*") or n in divisible}
     kernel = triton.compile(ASTSource(fn, signature, {(names.index(n),): v for n, v in constants.items()}, aligned),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
     assert kernel.metadata.shared <= 227 * 1024, (fn.__name__, kernel.metadata.shared)
+    return kernel
 '''
 
 

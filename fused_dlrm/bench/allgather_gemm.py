@@ -24,7 +24,7 @@ from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 
 SHAPES = [(8192, 11008, 4096), (4096, 11008, 4096), (16384, 8192, 8192)]  # M (gathered), N (all ranks), K
 QUICK_SHAPES = SHAPES[:1]
-CONFIGS = {"128x128x64": GemmConfig(), "128x256x64": GemmConfig(block_n=256)}
+CONFIGS = {"128x256x64": GemmConfig(), "128x128x64": GemmConfig(block_n=128)}
 QUICK_CONFIGS = dict(list(CONFIGS.items())[:1])
 
 
