@@ -2,7 +2,8 @@
 NCCL, bf16; skipped without them). CI has no GPU: this runs on the device machine.
 
 Bulk: all_to_all_v of the permuted rows, regroup to (local expert, source rank), then silu(x @ w1[e]) * (x @ w3[e])
-(w13 = [w1 | w3]) in fp32 from the same bf16 rows and weights; its gradients by autograd (through all_to_all_v's backward).
+(w13 = [w1 | w3]) in fp32 from the same bf16 rows and weights; its gradients by autograd (through all_to_all_v's
+backward).
 1,000 consecutive steps with changing routing: token counts per rank change every step, some steps are skewed,
 some leave an expert, a whole rank or every token of a rank idle.
 """
