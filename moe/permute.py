@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe.routing import count_per_expert
+
 
 @dataclass
 class Permutation:
@@ -29,8 +31,8 @@ def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
         flat = torch.where(kept.reshape(-1), flat, num_experts)
     # Stable, so that within an expert the rows keep token order.
     keys, order = torch.sort(flat, stable=True)
-    tokens_per_expert = torch.bincount(keys, minlength=num_experts + 1)[:num_experts]
-    num_rows = int(tokens_per_expert.sum())
+    tokens_per_expert = count_per_expert(keys, num_experts + 1)[:num_experts]
+    num_rows = int(tokens_per_expert.sum())  # the one host sync: the rows' count sizes them
     order = order[:num_rows]
     inverse = torch.full_like(flat, num_rows)
     inverse[order] = torch.arange(num_rows, device=flat.device)
@@ -43,9 +45,17 @@ def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
 def unpermute(rows: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:
     """rows [A, d] in permuted order -> [T, d]: sum over each token's k assignments of weight * row.
 
-    A gather (not a scatter-add) so that the sum order is fixed: deterministic on GPUs too. Dropped assignments
-    read an appended zero row.
+    A gather, then one batched [1, k] x [k, d] product per token (not a scatter-add): the sum order is fixed,
+    deterministic on GPUs too. Dropped assignments (inverse = A) read a clamped row that is then zeroed: they add
+    exactly 0, whatever that row holds (inf, NaN).
     """
-    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
-    gathered = padded[perm.inverse].view(-1, perm.top_k, rows.shape[1])
-    return (gathered * weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
+    num_rows, d = rows.shape
+    if num_rows == perm.inverse.numel():  # dropless: every assignment has its row
+        gathered = rows[perm.inverse]
+    else:
+        dropped = perm.inverse == num_rows
+        if num_rows == 0:  # every assignment dropped: one zero row to read (a copy of nothing; keeps the graph)
+            rows = torch.cat([rows, rows.new_zeros(1, d)])
+        gathered = rows[perm.inverse.clamp(max=rows.shape[0] - 1)].masked_fill_(dropped[:, None], 0)
+    products = torch.bmm(weights.to(rows.dtype).reshape(-1, 1, perm.top_k), gathered.view(-1, perm.top_k, d))
+    return products.view(-1, d)

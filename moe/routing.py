@@ -42,10 +42,8 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
 
-    # One-hot of every assignment, in token order (token t's k assignments are rows t*k .. t*k+k-1).
-    assigned = torch.zeros(num_tokens * top_k, num_experts, dtype=torch.int64, device=logits.device)
-    assigned.scatter_(1, expert_ids.reshape(-1, 1), 1)
-    wanted_per_expert = assigned.sum(dim=0)
+    flat = expert_ids.reshape(-1)  # token order: token t's k assignments are t*k .. t*k+k-1
+    wanted_per_expert = count_per_expert(flat, num_experts)
 
     # Load balancing: f_e is the fraction of assignments (before dropping: what the router asked for) that went
     # to e and carries no gradient; P_e is the mean router probability of e. max(., 1) makes a rank without
@@ -57,14 +55,27 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
 
     capacity = None
     kept = torch.ones_like(expert_ids, dtype=torch.bool)
+    tokens_per_expert = wanted_per_expert
     if capacity_factor is not None:
         capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
-        # Position of each assignment among its expert's assignments, in token order: the first `capacity` stay.
-        position = (assigned.cumsum(dim=0) * assigned).sum(dim=1) - 1
+        # Position of each assignment among its expert's assignments, in token order (a stable sort lines them
+        # up expert by expert): the first `capacity` stay.
+        keys, order = torch.sort(flat, stable=True)
+        first = torch.cumsum(wanted_per_expert, 0) - wanted_per_expert
+        position = torch.empty_like(flat)
+        position[order] = torch.arange(flat.numel(), device=flat.device) - first[keys]
         kept = (position < capacity).view(num_tokens, top_k)
         weights = weights * kept
-    tokens_per_expert = (assigned * kept.reshape(-1, 1)).sum(dim=0)
+        tokens_per_expert = wanted_per_expert.clamp(max=capacity)
     return Routing(expert_ids, weights, kept, aux_loss, z_loss, tokens_per_expert, capacity)
+
+
+def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [num_experts]: how often each index in [0, num_experts) occurs in the 1-d `ids`. A scatter-add of
+    ones (exact in integers, so deterministic): torch.bincount on CUDA reads the ids' min and max back to the host,
+    two syncs."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids))
 
 
 class TopKRouter(nn.Module):

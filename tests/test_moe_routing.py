@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe import TopKRouter, permute, route, unpermute
+from moe.routing import count_per_expert
 
 
 def reference_route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
@@ -102,8 +103,22 @@ def test_capacity_drops_the_last_assignments_of_an_expert(capacity_factor):
     assert kept_pairs == kept
     torch.testing.assert_close(dense_weights(routing, 4), dense, rtol=1e-12, atol=0)
     torch.testing.assert_close(routing.aux_loss, aux, rtol=1e-12, atol=0)
+    assert routing.tokens_per_expert.tolist() == [sum(1 for _, e in kept if e == x) for x in range(4)]
     assert routing.tokens_per_expert.max() <= routing.capacity
     assert routing.tokens_per_expert.sum() == len(kept) < 29 * 2  # something was dropped
+
+
+def test_zero_capacity_drops_everything():
+    routing = route(torch.randn(9, 4, generator=torch.Generator().manual_seed(5)), 2, capacity_factor=0.0)
+    assert routing.capacity == 0 and not routing.kept.any() and (routing.weights == 0).all()
+    assert routing.tokens_per_expert.tolist() == [0, 0, 0, 0]
+
+
+def test_count_per_expert_is_bincount():
+    ids = torch.randint(0, 7, (300,), generator=torch.Generator().manual_seed(6))
+    assert count_per_expert(ids, 7).tolist() == torch.bincount(ids, minlength=7).tolist()
+    assert count_per_expert(ids, 9).tolist() == torch.bincount(ids, minlength=9).tolist()  # trailing empty bins
+    assert count_per_expert(ids[:0], 3).tolist() == [0, 0, 0]
 
 
 def test_no_tokens():
@@ -145,3 +160,39 @@ def test_permute_groups_by_expert_and_unpermute_is_the_weighted_sum(with_drops):
     want = torch.autograd.grad((expected * g).sum(), (x, weights))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_dropped_assignments_add_exact_zeros_whatever_the_row_they_read_holds():
+    generator = torch.Generator().manual_seed(4)
+    num_tokens, num_experts, top_k, d = 17, 4, 2, 5
+    x = torch.randn(num_tokens, d, generator=generator, dtype=torch.float64)
+    expert_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+    kept = torch.rand(num_tokens, top_k, generator=generator) > 0.4
+    weights = torch.rand(num_tokens, top_k, generator=generator, dtype=torch.float64)
+    rows, perm = permute(x, expert_ids, num_experts, kept)
+    assert (perm.inverse == rows.shape[0]).any()
+    for bad in (float("nan"), float("inf")):
+        poisoned = rows.clone()
+        poisoned[-1] = bad  # the row that dropped assignments read (clamped index)
+        y = unpermute(poisoned, perm, weights)
+        owner = perm.order[-1] // top_k  # the token whose kept assignment row A - 1 is
+        others = torch.arange(num_tokens) != owner
+        expected = x * (weights * kept).sum(dim=1, keepdim=True)
+        torch.testing.assert_close(y[others], expected[others], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 6])
+def test_unpermute_without_any_row_has_zero_output_and_gradients(num_tokens):
+    """No token (T = 0), or every assignment dropped (A = 0 < T * k): zeros, and autograd still reaches the rows'
+    producer and the weights (zero gradients, not none)."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(num_tokens, 2, generator=generator, dtype=torch.float64, requires_grad=True)
+    expert_ids = torch.zeros(num_tokens, 2, dtype=torch.int64)
+    expert_ids[:, 1] = 1
+    rows, perm = permute(x, expert_ids, 2, torch.zeros(num_tokens, 2, dtype=torch.bool))
+    assert rows.shape == (0, 3)
+    y = unpermute(rows * 2, perm, weights)
+    assert y.shape == (num_tokens, 3) and not y.any()
+    y.sum().backward()
+    assert x.grad is not None and not x.grad.any() and weights.grad is not None and not weights.grad.any()
