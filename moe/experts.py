@@ -42,12 +42,18 @@ def _swiglu_grouped(x: torch.Tensor, counts: list[int], w13, w2) -> torch.Tensor
     return _ContiguousGrad.apply(torch._grouped_mm(h, w2, offs=offs))
 
 
-def matches_reference(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether `got`, computed in `dtype`, is `want` (computed in float64 from the same `dtype`-rounded inputs) up
-    to that dtype's rounding: relative Frobenius error below 1e-2 for bf16 / fp16 (a few roundings of an 8- or
-    11-bit mantissa), 1e-4 otherwise; False for any NaN or inf. Not elementwise: with d_model in the thousands,
-    entries near zero carry the absolute rounding error of their large neighbours."""
-    tolerance = 1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+def probe_tolerance(dtype: torch.dtype, device: torch.device) -> float:
+    """The relative error a right result of `dtype` GEMMs stays below: 1e-2 for a few roundings to the 8- or
+    11-bit mantissas of bf16 / fp16, and to TF32's 10 bits (fp32 on GPUs that allow it, read when probed); 1e-4
+    for fp32 proper."""
+    tf32 = dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
+    return 1e-2 if dtype in (torch.bfloat16, torch.float16) or tf32 else 1e-4
+
+
+def matches_reference(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> bool:
+    """Whether `got` is `want` (computed in float64 from the same rounded inputs) within `tolerance` in relative
+    Frobenius error; False for any NaN or inf. Not elementwise: with d_model in the thousands, entries near zero
+    carry the absolute rounding error of their large neighbours."""
     error = torch.linalg.vector_norm(got.double() - want.double())
     return bool(error <= tolerance * torch.linalg.vector_norm(want.double()))  # NaN compares False
 
@@ -72,7 +78,8 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype, d_model: int, ff
         got = run(_swiglu_grouped, dtype)
     except RuntimeError:
         return False
-    return all(matches_reference(g, w, dtype) for g, w in zip(got, run(_swiglu_loop, torch.float64)))
+    tolerance = probe_tolerance(dtype, device)
+    return all(matches_reference(g, w, tolerance) for g, w in zip(got, run(_swiglu_loop, torch.float64)))
 
 
 class SwiGLUExperts(nn.Module):

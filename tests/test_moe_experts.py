@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import moe.experts as experts
-from moe.experts import SwiGLUExperts, _swiglu_loop, expert_seed, matches_reference
+from moe.experts import SwiGLUExperts, _swiglu_loop, expert_seed, matches_reference, probe_tolerance
 
 D_MODEL, FFN = 2048, 1408  # the shape whose bf16 rounding the old elementwise check rejected on H200
 
@@ -24,22 +24,33 @@ def bf16_case(seed: int = 0):
 def test_bf16_rounding_passes_where_the_elementwise_check_failed():
     got, want, _, _ = bf16_case()
     assert not torch.allclose(got.double(), want, rtol=2e-2, atol=2e-2)  # what sent H200 to the loop
-    assert matches_reference(got, want, torch.bfloat16)
+    assert matches_reference(got, want, probe_tolerance(torch.bfloat16, torch.device("cpu")))
+
+
+def test_tolerance_follows_the_precision_the_gemms_run_at(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for dtype in (torch.bfloat16, torch.float16):
+        assert probe_tolerance(dtype, cpu) == probe_tolerance(dtype, cuda) == 1e-2
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    assert probe_tolerance(torch.float32, cuda) == probe_tolerance(torch.float32, cpu) == 1e-4
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)  # trainer.tf32
+    assert probe_tolerance(torch.float32, cuda) == 1e-2 and probe_tolerance(torch.float32, cpu) == 1e-4
 
 
 def test_wrong_results_fail():
     got, want, x, ws = bf16_case()
-    assert not matches_reference(_swiglu_loop(x, [2, 4], *ws), want, torch.bfloat16)  # groups mixed up
+    half, single = (probe_tolerance(dtype, torch.device("cpu")) for dtype in (torch.bfloat16, torch.float32))
+    assert not matches_reference(_swiglu_loop(x, [2, 4], *ws), want, half)  # groups mixed up
     unwritten = got.clone()
     unwritten[4:] = 0  # one expert's rows never written
-    assert not matches_reference(unwritten, want, torch.bfloat16)
+    assert not matches_reference(unwritten, want, half)
     for bad in (float("nan"), float("inf")):
         poisoned = got.clone()
         poisoned[0, 0] = bad
-        assert not matches_reference(poisoned, want, torch.bfloat16)
+        assert not matches_reference(poisoned, want, half)
     # fp32 is held to fp32 rounding: bf16's error is far too large for it, fp32's own is fine.
-    assert not matches_reference(got.float(), want, torch.float32)
-    assert matches_reference(_swiglu_loop(x.float(), [4, 2], *(w.float() for w in ws)), want, torch.float32)
+    assert not matches_reference(got.float(), want, single)
+    assert matches_reference(_swiglu_loop(x.float(), [4, 2], *(w.float() for w in ws)), want, single)
 
 
 def _cpu_grouped_mm() -> bool:
