@@ -1,12 +1,13 @@
-"""Line codecs: the Triton kernels equal the pure-torch reference bit for bit, and the reference meets its
-documented error bound on normal and heavy-tailed data, odd lengths, zero blocks, fp32/bf16/fp16 inputs."""
+"""Line codecs: the Triton kernels equal the pure-torch reference bit for bit, the reference places codes and
+scales as documented (planar int32 words, q6's two planes), and meets its documented error bound on normal and
+heavy-tailed data, odd lengths, zero blocks, fp32/bf16/fp16 inputs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fused_dlrm.kernels.quant_codecs import (CODECS, block_scales, decode, decode_reference, encode,
+from fused_dlrm.kernels.quant_codecs import (CODECS, Encoded, block_scales, decode, decode_reference, encode,
                                              encode_reference, error_bound)
 
 
@@ -24,16 +25,22 @@ def data(kind: str, n: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
+def same(a: Encoded, b: Encoded) -> bool:
+    return torch.equal(a.payload, b.payload) and torch.equal(a.scales, b.scales)
+
+
 @pytest.mark.parametrize("codec", list(CODECS))
 @pytest.mark.parametrize("kind", ["normal", "student_t", "cauchy"])
 @pytest.mark.parametrize("n", [1, 33, 1000, 4131])
 def test_kernel_equals_reference_and_meets_bound(codec, kind, n):
     x = data(kind, n)
-    rows = encode_reference(x, codec)
-    assert rows.shape == (-(-n // 32), CODECS[codec].row_bytes)
-    assert torch.equal(encode(x, codec), rows)
-    y = decode_reference(rows, codec, n)
-    assert torch.equal(decode(rows, codec, n), y)
+    enc = encode_reference(x, codec)
+    c = CODECS[codec]
+    assert enc.payload.shape == (-(-n // 32), c.words) and enc.payload.dtype == torch.int32
+    assert enc.scales.shape == ((-(-n // 32)) if c.scaled else 0,) and enc.scales.dtype == torch.float16
+    assert same(encode(x, codec), enc)
+    y = decode_reference(enc, codec, n)
+    assert torch.equal(decode(enc, codec, n), y)
     assert not y.isnan().any()
     err = (x - y).abs()
     assert (err <= error_bound(x, codec)).all(), (err / error_bound(x, codec)).nan_to_num().max()
@@ -43,19 +50,19 @@ def test_kernel_equals_reference_and_meets_bound(codec, kind, n):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_inputs(codec, dtype):
     x = data("student_t", 777).clamp(-1e3, 1e3).to(dtype)
-    rows = encode_reference(x, codec)
-    assert torch.equal(encode(x, codec), rows)
-    assert torch.equal(rows, encode_reference(x.float(), codec))  # the same values encode the same
-    y = decode(rows, codec, x.numel())
+    enc = encode_reference(x, codec)
+    assert same(encode(x, codec), enc)
+    assert same(enc, encode_reference(x.float(), codec))  # the same values encode the same
+    y = decode(enc, codec, x.numel())
     assert ((x.float() - y).abs() <= error_bound(x, codec)).all()
 
 
 @pytest.mark.parametrize("codec", list(CODECS))
 def test_zero_blocks_and_padding_blocks_decode_to_zero(codec):
     x = torch.zeros(70)
-    rows = encode(x, codec, num_blocks=5)  # 3 blocks of data, 2 past the end
-    assert torch.equal(rows, encode_reference(x, codec, num_blocks=5))
-    assert torch.equal(decode(rows, codec, 160), torch.zeros(160))
+    enc = encode(x, codec, num_blocks=5)  # 3 blocks of data, 2 past the end
+    assert same(enc, encode_reference(x, codec, num_blocks=5))
+    assert torch.equal(decode(enc, codec, 160), torch.zeros(160))
 
 
 @pytest.mark.parametrize("codec", ["fp8", "q8", "q6", "q4"])
@@ -66,12 +73,20 @@ def test_scale_is_absmax_over_qmax_rounded_up(codec):
     assert (s >= ratio).all() and (s <= ratio * (1 + 2.0**-10)).all()
 
 
-def test_q4_and_q6_pack_and_q8_is_one_byte_per_value():
-    assert [CODECS[c].row_bytes for c in ("fp16", "fp8", "q8", "q6", "q4")] == [64, 34, 34, 26, 18]
-    # q4: value 2i in the low nibble, 2i + 1 in the high one, offset 8; the scale follows, little-endian
-    x = torch.tensor([7.0, -7.0] + [0.0] * 30)
-    row = encode(x, "q4")[0]
-    assert row[0].item() == (8 + 7) | ((8 - 7) << 4) and row[16:].view(torch.float16).item() == 1.0
+def test_codes_fill_whole_words_q6_in_two_planes():
+    assert [(CODECS[c].words, CODECS[c].block_bytes) for c in ("fp16", "fp8", "q8", "q6", "q4")] == [
+        (16, 64), (8, 34), (8, 34), (6, 26), (4, 18)]
+    # Codes of 7 (+max), -7 (-max) and 0 with scale 1, offset 8: 15, 1, 8; code j at bits 4 * (j % 8) of word j // 8
+    x = torch.tensor([7.0, -7.0] + [0.0] * 29 + [-7.0])
+    enc = encode(x, "q4")
+    assert enc.scales.tolist() == [1.0]
+    assert [w & 0xFFFFFFFF for w in enc.payload[0].tolist()] == [0x8888881F, 0x88888888, 0x88888888, 0x18888888]
+    # q6, offset 32: 31 -> 63, -31 -> 1, 0 -> 32; low 4 bits in words 0-3 (8 a word), high 2 bits in words 4-5
+    # (16 a word, 2 bits each)
+    x = torch.tensor([31.0, -31.0] + [0.0] * 30)
+    lo = [0x0000001F, 0, 0, 0]  # 63 & 15 = 15, 1 & 15 = 1, 32 & 15 = 0
+    hi = [0xAAAAAAA3, 0xAAAAAAAA]  # 63 >> 4 = 3, 1 >> 4 = 0, 32 >> 4 = 2
+    assert [w & 0xFFFFFFFF for w in encode(x, "q6").payload[0].tolist()] == lo + hi
 
 
 def test_fp8_codes_match_torch_on_every_e4m3_value_and_midpoint():
@@ -83,4 +98,4 @@ def test_fp8_codes_match_torch_on_every_e4m3_value_and_midpoint():
     x = torch.cat([pos, -pos, mids, -mids])
     x = torch.cat([x, torch.zeros(-x.numel() % 31)]).view(-1, 31)
     x = torch.cat([x, torch.full((x.shape[0], 1), 448.0)], 1).reshape(-1)  # every block's absmax is 448
-    assert torch.equal(encode(x, "fp8"), encode_reference(x, "fp8"))
+    assert same(encode(x, "fp8"), encode_reference(x, "fp8"))

@@ -1,6 +1,7 @@
 """The fused one-launch quantized all-reduce on simulated worlds of 2 and 4 ranks (Triton interpreter): equal bit
 for bit to the bulk twin's arithmetic on every rank, within the documented two-shot bound of the fp64 sum, every
-element written, many consecutive calls on the same flags, and timeouts that name rank, peer and slice."""
+element written, many consecutive calls on the same flags, and timeouts that name rank, peer and slice. Compiled
+for sm_90 (no GPU): every payload word moves in a 128-bit (q6: 64-bit) vector access."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, quantized_all_reduce_reference,
                                                     two_shot_error_bound)
+from sm90 import compile_for_sm90
 from test_quant_codecs import data
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
@@ -135,3 +137,32 @@ def test_timeout_in_the_gather_names_rank_peer_and_slice():
     for r in (0, 1, 3):
         with pytest.raises(PeerWaitTimeout, match=f"rank {r} timed out at step 1 waiting for rank 2, slice 2"):
             world[r].finish(calls[r])
+
+
+COMPILE_FOR_SM90 = """
+import re
+from fused_dlrm.kernels import quant_codecs, quantized_allreduce
+from fused_dlrm.kernels.quant_codecs import CODECS, kernel_constants
+
+types = {"x_ptr": "*bf16", "out_ptr": "*bf16", "error_ptr": "*i32"}  # numel not divisible: x, out not vectors
+types.update({n: "*i64" for n in ("recv_ptrs", "gather_ptrs", "ready_ptrs", "done_ptrs")})
+world, rows = 2, quantized_allreduce.TILE_BLOCKS
+for name, c in CODECS.items():
+    ptx = build(quantized_allreduce._quantized_all_reduce_kernel, types,
+                dict(WORLD=world, MEAN=False, ROWS=rows, **kernel_constants(c))).asm["ptx"]
+    assert not re.search(r"(ld|st)\\.global\\.[bsu]8", ptx), name  # no byte accesses
+    assert not re.search(r"ld\\.global\\.b32", ptx), name  # no scalar word loads (flags: ld.global.sys.acquire)
+    vector = 2 if name == "q6" else 4  # q6's blocks are 24 bytes: 8-byte aligned
+    expected = 2 * world * rows * c.words // (4 * 32 * vector)  # 2 x world tiles loaded, 2 x world stored
+    for op in ("ld", "st"):  # 4 warps of 32 threads
+        assert len(re.findall(rf"{op}\\.global\\.v{vector}\\.b32", ptx)) == expected, (name, op)
+    for decode in (False, True):
+        build(quant_codecs._codec_kernel, {"values_ptr": "*fp32", "payload_ptr": "*i32", "scale_ptr": "*fp16"},
+              dict(DECODE=decode, ROWS=quant_codecs.BLOCKS_PER_PROGRAM, **kernel_constants(c)))
+"""
+
+
+def test_kernels_compile_for_sm90_with_vector_payload_accesses():
+    """The payload's int32 words move in 128-bit vectors (64-bit for q6), no byte-wise accesses; checked on CI's
+    CPUs by compiling for sm_90 without the interpreter (the big tiles; small tiles hold fewer words per thread)."""
+    compile_for_sm90(COMPILE_FOR_SM90)

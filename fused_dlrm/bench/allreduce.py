@@ -54,7 +54,7 @@ def run(quick: bool) -> list[dict]:
         for codec, c in CODECS.items():
             fused_us = per_call_us(lambda: quantized_all_reduce(x, codec, fused=True))
             twin_us = per_call_us(lambda: quantized_all_reduce(x, codec, fused=False))
-            wire = 2 * (world - 1) / world * -(-numel // BLOCK) * c.row_bytes
+            wire = 2 * (world - 1) / world * -(-numel // BLOCK) * c.block_bytes
             rows.append({"op": f"AllReduce {codec}", "shape": f"{nbytes >> 10} KiB ({numel} values)",
                          "dtype": "bf16", "bulk_us": bulk_us, "fused_us": fused_us,
                          "baseline_name": "symm_mem two_shot", "baseline_us": baseline_us,

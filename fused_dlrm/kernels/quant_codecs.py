@@ -1,17 +1,22 @@
-"""Line codecs for quantized collectives: blocks of 32 values, each encoded into one self-contained byte row.
+"""Line codecs for quantized collectives: blocks of 32 values, each block's codes in whole 32-bit words.
 
-A tensor of n values is cut into blocks of 32 consecutive values (the last block zero-padded); block i becomes
-row i of a uint8 [num_blocks, row_bytes] tensor: the packed payload, then (scaled codecs) the block's fp16 scale,
-little-endian. One row per block means any range of blocks is a contiguous range of rows, so a collective can
-send chunks of an encoded tensor without re-packing.
+A tensor of n values is cut into blocks of 32 consecutive values (the last block zero-padded). The encoding of
+num_blocks blocks (`Encoded`) is planar: a payload array of int32 words, block-major ([num_blocks, words]: block
+i's codes are words i * words .. i * words + words - 1), and a separate fp16 scale array ([num_blocks]; empty
+for fp16, which has no scale). Any range of blocks is a contiguous range of both arrays, so a collective can
+send chunks of an encoded tensor without re-packing, and kernels move whole words with wide aligned accesses.
 
-| codec | payload per value | scale | row bytes | reference error bound per element (x fp32, s the block's scale) |
+A code of b bits takes b words per block, 32 // b codes to a word: code j of a block is in word j // (32 // b),
+from bit b * (j % (32 // b)). q6 is stored as two such planes so that no code straddles a word: the low 4 bits
+of its codes (words 0-3, 8 to a word), then their high 2 bits (words 4-5, 16 to a word).
+
+| codec | code per value | scale | bytes per block | reference error bound per element (x fp32, s the block's scale) |
 | --- | --- | --- | --- | --- |
 | fp16 | fp16 bits | none | 64 | |x| * 2^-11 + 2^-25 (round to nearest; |x| <= 65504) |
 | fp8 | e4m3 (fn) bits | absmax / 448 | 34 | |x| * 2^-4 + s * 2^-10 (relative for normals, s * 2^-10 below 2^-6 * s) |
 | q8 | 8-bit int | absmax / 127 | 34 | s / 2 |
-| q6 | 6-bit int, 4 values in 3 bytes | absmax / 31 | 26 | s / 2 |
-| q4 | 4-bit int, 2 values in 1 byte | absmax / 7 | 18 | s / 2 |
+| q6 | 6-bit int, 4 + 2 bit planes | absmax / 31 | 26 | s / 2 |
+| q4 | 4-bit int | absmax / 7 | 18 | s / 2 |
 
 Scales are stored in fp16 rounded *up* (never below absmax / qmax), so |x / s| <= qmax: integer codes need no
 saturation and e4m3 never overflows; a block of zeros gets scale 0 and decodes to zeros. Integer codes are
@@ -22,20 +27,24 @@ rounding of x / s and q * s (relative 2^-24; `error_bound` adds that slack) and 
 `encode_reference` / `decode_reference` are the pure-torch definition; the Triton kernels agree with them bit
 for bit (tests/test_quant_codecs.py). fp32 -> e4m3 rounding and e4m3 -> fp32 are done with integer bit
 operations in the kernels because the Triton interpreter's fp8 casts do not round to nearest. The per-block
-steps are @triton.jit device functions (`block_values`, `encode_blocks`, `store_rows`, `load_blocks`) shared by
-the encode and decode kernels here and the fused all-reduce (kernels/quantized_allreduce.py).
+steps are @triton.jit device functions (`block_values`, `encode_blocks`, `store_blocks`, `load_blocks`) shared by
+the encode and decode kernels here and the fused all-reduce (kernels/quantized_allreduce.py). A tile of blocks'
+payload is one contiguous [blocks, words] int32 array whose rows are 16-byte multiples (q6: 24 bytes), so
+compiled for sm_90 from a 16-byte aligned base, a thread's consecutive words load and store as one vector of up
+to 128 bits (q6: 64; the all-reduce's PTX is checked by tests/test_quantized_allreduce_kernel.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK = 32  # values per block (one scale, one row)
-BLOCKS_PER_PROGRAM = 32  # rows one kernel program encodes or decodes (not tuned)
+BLOCK = 32  # values per block (one scale)
+BLOCKS_PER_PROGRAM = 32  # blocks one kernel program encodes or decodes (not tuned)
 
 FP16, FP8, INT = 0, 1, 2  # kinds of codec (the kernels' KIND)
 
@@ -44,34 +53,43 @@ FP16, FP8, INT = 0, 1, 2  # kinds of codec (the kernels' KIND)
 class Codec:
     name: str
     kind: int
-    bits: int  # bits of one value's code
+    bits: int  # bits of one value's code = int32 payload words per block
     qmax: float  # largest |code| of the scaled value (448 for e4m3, 2^(b-1) - 1 for integers)
-    values_per_word: int  # values packed together into `bytes_per_word` bytes
+    low_bits: int  # bits of the code in the first plane (the rest, bits - low_bits, in the second)
 
     @property
-    def bytes_per_word(self) -> int:
-        return self.values_per_word * self.bits // 8
+    def words(self) -> int:
+        return self.bits
+
+    @property
+    def planes(self) -> tuple[tuple[int, int], ...]:
+        """(shift, bits) of each plane: the codes' bits shift .. shift + bits - 1, in payload words shift ..
+        shift + bits - 1 of their block."""
+        high = self.bits - self.low_bits
+        return ((0, self.low_bits),) + (((self.low_bits, high),) if high else ())
 
     @property
     def scaled(self) -> bool:
         return self.kind != FP16
 
     @property
-    def payload_bytes(self) -> int:
-        return BLOCK * self.bits // 8
-
-    @property
-    def row_bytes(self) -> int:
-        return self.payload_bytes + (2 if self.scaled else 0)
+    def block_bytes(self) -> int:
+        return 4 * self.words + (2 if self.scaled else 0)
 
 
 CODECS = {c.name: c for c in [
-    Codec("fp16", FP16, 16, 0.0, 1),
-    Codec("fp8", FP8, 8, 448.0, 1),
-    Codec("q8", INT, 8, 127.0, 1),
-    Codec("q6", INT, 6, 31.0, 4),  # 4 values = 24 bits = 3 bytes
-    Codec("q4", INT, 4, 7.0, 2),  # 2 values = 1 byte
+    Codec("fp16", FP16, 16, 0.0, 16),
+    Codec("fp8", FP8, 8, 448.0, 8),
+    Codec("q8", INT, 8, 127.0, 8),
+    Codec("q6", INT, 6, 31.0, 4),  # planes of 4 and 2 bits (words of 8 and 16 codes)
+    Codec("q4", INT, 4, 7.0, 4),
 ]}
+
+
+class Encoded(NamedTuple):
+    """The encoding of num_blocks blocks: int32 payload [num_blocks, words], fp16 scales [num_blocks] (fp16: [0])."""
+    payload: torch.Tensor
+    scales: torch.Tensor
 
 
 def num_blocks_for(numel: int) -> int:
@@ -99,47 +117,52 @@ def block_scales(x: torch.Tensor, codec: str, num_blocks: int | None = None) -> 
     return _scale_up(xb.abs().amax(1) / c.qmax)
 
 
-def encode_reference(x: torch.Tensor, codec: str, num_blocks: int | None = None) -> torch.Tensor:
-    """uint8 [num_blocks, row_bytes]: the encoding of x's values (fp32/fp16/bf16), blocks past x's end encode
-    zeros. num_blocks defaults to ceil(numel / 32)."""
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [blocks, bits]: the low `bits` bits of codes (int32 [blocks, 32]), 32 // bits to a word."""
+    per_word = 32 // bits
+    k = torch.arange(per_word, device=codes.device, dtype=torch.int32)
+    v = (codes & ((1 << bits) - 1)).view(-1, bits, per_word)
+    return (v << (bits * k)).sum(-1, dtype=torch.int32)  # the codes' bits do not overlap: sum = or
+
+
+def _unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [blocks, 32]: the codes of `bits` bits packed in words (int32 [blocks, bits])."""
+    k = torch.arange(32 // bits, device=words.device, dtype=torch.int32)
+    return ((words[:, :, None] >> (bits * k)) & ((1 << bits) - 1)).view(-1, BLOCK)
+
+
+def encode_reference(x: torch.Tensor, codec: str, num_blocks: int | None = None) -> Encoded:
+    """The encoding of x's values (fp32/fp16/bf16); blocks past x's end encode zeros. num_blocks defaults to
+    ceil(numel / 32)."""
     c = CODECS[codec]
-    nb = num_blocks or num_blocks_for(x.numel())
-    xb = _blocks(x, nb)
+    xb = _blocks(x, num_blocks or num_blocks_for(x.numel()))
     if c.kind == FP16:
-        u = xb.half().view(torch.int16).int() & 0xFFFF
+        codes = xb.half().view(torch.int16).int() & 0xFFFF
+        scales = xb.new_empty(0, dtype=torch.float16)
     else:
-        s = _scale_up(xb.abs().amax(1) / c.qmax)
-        sf = s.float()[:, None]
+        scales = _scale_up(xb.abs().amax(1) / c.qmax)
+        sf = scales.float()[:, None]
         v = xb / torch.where(sf > 0, sf, 1.0)  # an all-zero block has scale 0 and codes 0
         if c.kind == FP8:
-            u = v.to(torch.float8_e4m3fn).view(torch.uint8).int()
+            codes = v.to(torch.float8_e4m3fn).view(torch.uint8).int()
         else:
-            u = (v + 0.5).floor().clamp(-c.qmax, c.qmax).int() + int(c.qmax) + 1
-    k = torch.arange(c.values_per_word, device=x.device, dtype=torch.int32)
-    words = (u.view(nb, -1, c.values_per_word) << (c.bits * k)).sum(-1, dtype=torch.int32)
-    payload = torch.stack([(words >> (8 * j)) & 255 for j in range(c.bytes_per_word)], -1)
-    rows = payload.reshape(nb, c.payload_bytes).to(torch.uint8)
-    if c.scaled:
-        rows = torch.cat([rows, s.view(torch.uint8).view(nb, 2)], 1)
-    return rows
+            codes = (v + 0.5).floor().clamp(-c.qmax, c.qmax).int() + int(c.qmax) + 1
+    payload = torch.cat([_pack(codes >> shift, bits) for shift, bits in c.planes], 1)
+    return Encoded(payload, scales)
 
 
-def decode_reference(rows: torch.Tensor, codec: str, numel: int) -> torch.Tensor:
-    """fp32 [numel]: the first numel values of the encoded rows."""
+def decode_reference(enc: Encoded, codec: str, numel: int) -> torch.Tensor:
+    """fp32 [numel]: the first numel values of the encoded blocks."""
     c = CODECS[codec]
-    nb = rows.shape[0]
-    payload = rows[:, :c.payload_bytes].int().view(nb, -1, c.bytes_per_word)
-    words = sum(payload[:, :, j] << (8 * j) for j in range(c.bytes_per_word))
-    k = torch.arange(c.values_per_word, device=rows.device, dtype=torch.int32)
-    u = ((words[:, :, None] >> (c.bits * k)) & ((1 << c.bits) - 1)).view(nb, BLOCK)
+    codes = sum(_unpack(enc.payload[:, shift:shift + bits], bits) << shift for shift, bits in c.planes)
     if c.kind == FP16:
-        x = u.short().view(torch.float16).float()
+        x = codes.short().view(torch.float16).float()
     else:
-        s = rows[:, c.payload_bytes:].contiguous().view(torch.float16).float()
+        s = enc.scales.float()[:, None]
         if c.kind == FP8:
-            x = u.to(torch.uint8).view(torch.float8_e4m3fn).float() * s
+            x = codes.to(torch.uint8).view(torch.float8_e4m3fn).float() * s
         else:
-            x = (u - (int(c.qmax) + 1)).float() * s
+            x = (codes - (int(c.qmax) + 1)).float() * s
     return x.reshape(-1)[:numel]
 
 
@@ -178,71 +201,73 @@ def _e4m3_to_fp32(u):
 
 
 @triton.jit
-def block_values(r, K: tl.constexpr):
-    """int64 [ROWS, 32 // K, K]: the index of every value of blocks r (int [ROWS]) in the flat tensor."""
-    g = tl.arange(0, 32 // K)
-    k = tl.arange(0, K)
-    return r.to(tl.int64)[:, None, None] * 32 + g[None, :, None] * K + k[None, None, :]
+def block_values(r):
+    """int64 [ROWS, 32]: the flat index of every value of blocks r (int [ROWS]), one block per row."""
+    return r.to(tl.int64)[:, None] * 32 + tl.arange(0, 32)[None, :]
 
 
 @triton.jit
-def encode_blocks(x, KIND: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexpr,
-                  K: tl.constexpr):
-    """fp32 x [ROWS, 32 // K, K] (one block per row) -> (payload words int32 [ROWS, 32 // K], scale bits int32
-    [ROWS]; 0 for fp16)."""
+def encode_blocks(x, KIND: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexpr):
+    """fp32 x [ROWS, 32] (one block per row) -> (codes int32 [ROWS, 32], scales fp16 [ROWS]; 0 for fp16)."""
     if KIND == 0:
         u = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        s_bits = tl.zeros([x.shape[0]], dtype=tl.int32)
+        s = tl.zeros([x.shape[0]], dtype=tl.float16)
     else:
-        ratio = tl.math.div_rn(tl.max(tl.max(tl.abs(x), axis=2), axis=1), QMAX)
+        ratio = tl.math.div_rn(tl.max(tl.abs(x), axis=1), QMAX)
         s = ratio.to(tl.float16)
         s = (s.to(tl.int16, bitcast=True) + (s.to(tl.float32) < ratio).to(tl.int16)).to(tl.float16, bitcast=True)
         sf = s.to(tl.float32)
         # div_rn: IEEE division on GPU too (Triton's `/` is approximate there), so the codes match the reference.
-        v = tl.math.div_rn(x, tl.where(sf > 0, sf, 1.0)[:, None, None])
+        v = tl.math.div_rn(x, tl.where(sf > 0, sf, 1.0)[:, None])
         if KIND == 1:
             u = _fp32_to_e4m3(v)
         else:
             q = tl.minimum(tl.maximum(tl.floor(v + 0.5), -QMAX), QMAX)
             u = q.to(tl.int32) + OFFSET
-        s_bits = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    k = tl.arange(0, K)
-    words = tl.sum(u << (BITS * k)[None, None, :], axis=2)  # the codes' bits do not overlap: sum = or
-    return words, s_bits
+    return u, s
 
 
 @triton.jit
-def store_rows(rows_ptr, r, row_mask, words, s_bits, KIND: tl.constexpr, K: tl.constexpr, NBYTES: tl.constexpr,
-               PAYLOAD: tl.constexpr, ROW_BYTES: tl.constexpr):
-    """Store encoded blocks (`encode_blocks`' words and scale bits) as rows r of a uint8 [rows, ROW_BYTES] tensor."""
-    g = tl.arange(0, 32 // K)
-    at = rows_ptr + r.to(tl.int64)[:, None] * ROW_BYTES + g[None, :] * NBYTES
-    for j in tl.static_range(NBYTES):
-        tl.store(at + j, ((words >> (8 * j)) & 255).to(tl.uint8), mask=row_mask[:, None])
+def _pack_plane(u, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """int32 [ROWS, BITS]: bits SHIFT .. SHIFT + BITS - 1 of codes u [ROWS, 32], 32 // BITS to a word."""
+    v = tl.reshape((u >> SHIFT) & ((1 << BITS) - 1), [u.shape[0], BITS, 32 // BITS])
+    return tl.sum(v << (BITS * tl.arange(0, 32 // BITS))[None, None, :], axis=2)  # no bits overlap: sum = or
+
+
+@triton.jit
+def _unpack_plane(words, BITS: tl.constexpr):
+    """int32 [ROWS, 32]: the codes of BITS bits packed in words [ROWS, BITS]."""
+    u = (words[:, :, None] >> (BITS * tl.arange(0, 32 // BITS))[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(u, [words.shape[0], 32])
+
+
+@triton.jit
+def store_blocks(payload_ptr, scale_ptr, r, mask, u, s, KIND: tl.constexpr, WORDS: tl.constexpr,
+                 LOW: tl.constexpr):
+    """Store encoded blocks r (int [ROWS], where mask): codes u [ROWS, 32] packed into int32 payload_ptr[r, :WORDS]
+    (plane by plane), scales s into fp16 scale_ptr[r]."""
+    at = payload_ptr + r[:, None] * WORDS
+    tl.store(at + tl.arange(0, LOW)[None, :], _pack_plane(u, 0, LOW), mask=mask[:, None])
+    if WORDS > LOW:
+        tl.store(at + LOW + tl.arange(0, WORDS - LOW)[None, :], _pack_plane(u, LOW, WORDS - LOW),
+                 mask=mask[:, None])
     if KIND != 0:
-        row = rows_ptr + r.to(tl.int64) * ROW_BYTES + PAYLOAD
-        tl.store(row, (s_bits & 255).to(tl.uint8), mask=row_mask)
-        tl.store(row + 1, (s_bits >> 8).to(tl.uint8), mask=row_mask)
+        tl.store(scale_ptr + r, s, mask=mask)
 
 
 @triton.jit
-def load_blocks(rows_ptr, r, row_mask, KIND: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr,
-                K: tl.constexpr, NBYTES: tl.constexpr, PAYLOAD: tl.constexpr, ROW_BYTES: tl.constexpr):
-    """fp32 [ROWS, 32 // K, K]: the decoded values of rows r of a uint8 [rows, ROW_BYTES] tensor (0 where masked)."""
-    g = tl.arange(0, 32 // K)
-    k = tl.arange(0, K)
-    at = rows_ptr + r.to(tl.int64)[:, None] * ROW_BYTES + g[None, :] * NBYTES
-    words = tl.zeros([r.shape[0], 32 // K], dtype=tl.int32)
-    for j in tl.static_range(NBYTES):
-        words = words | (tl.load(at + j, mask=row_mask[:, None], other=0).to(tl.int32) << (8 * j))
-    u = (words[:, :, None] >> (BITS * k)[None, None, :]) & ((1 << BITS) - 1)
+def load_blocks(payload_ptr, scale_ptr, r, mask, KIND: tl.constexpr, OFFSET: tl.constexpr, WORDS: tl.constexpr,
+                LOW: tl.constexpr):
+    """fp32 [ROWS, 32]: the decoded values of blocks r (int [ROWS]; masked blocks read as code 0, scale 0)."""
+    at = payload_ptr + r[:, None] * WORDS
+    u = _unpack_plane(tl.load(at + tl.arange(0, LOW)[None, :], mask=mask[:, None], other=0), LOW)
+    if WORDS > LOW:
+        high = tl.load(at + LOW + tl.arange(0, WORDS - LOW)[None, :], mask=mask[:, None], other=0)
+        u = u | (_unpack_plane(high, WORDS - LOW) << LOW)
     if KIND == 0:
         x = u.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     else:
-        row = rows_ptr + r.to(tl.int64) * ROW_BYTES + PAYLOAD
-        s_bits = (tl.load(row, mask=row_mask, other=0).to(tl.int32)
-                  | (tl.load(row + 1, mask=row_mask, other=0).to(tl.int32) << 8))
-        s = s_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, None, None]
+        s = tl.load(scale_ptr + r, mask=mask, other=0.0).to(tl.float32)[:, None]
         if KIND == 1:
             x = _e4m3_to_fp32(u) * s
         else:
@@ -251,48 +276,50 @@ def load_blocks(rows_ptr, r, row_mask, KIND: tl.constexpr, BITS: tl.constexpr, O
 
 
 @triton.jit
-def _codec_kernel(src_ptr, dst_ptr, numel, num_blocks, DECODE: tl.constexpr,
-                  KIND: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexpr,
-                  K: tl.constexpr, NBYTES: tl.constexpr, PAYLOAD: tl.constexpr, ROW_BYTES: tl.constexpr,
-                  ROWS: tl.constexpr):
-    """Encode values src into rows dst, or (DECODE) rows src into fp32 values dst; ROWS blocks per program."""
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    idx = block_values(r, K)
+def _codec_kernel(values_ptr, payload_ptr, scale_ptr, numel, num_blocks, DECODE: tl.constexpr,
+                  KIND: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexpr, WORDS: tl.constexpr,
+                  LOW: tl.constexpr, ROWS: tl.constexpr):
+    """Encode values into (payload, scales), or (DECODE) decode them into fp32 values; ROWS blocks per program."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    idx = block_values(r)
     if DECODE:
-        x = load_blocks(src_ptr, r, r < num_blocks, KIND, BITS, OFFSET, K, NBYTES, PAYLOAD, ROW_BYTES)
-        tl.store(dst_ptr + idx, x, mask=idx < numel)
+        x = load_blocks(payload_ptr, scale_ptr, r, r < num_blocks, KIND, OFFSET, WORDS, LOW)
+        tl.store(values_ptr + idx, x, mask=idx < numel)
     else:
-        x = tl.load(src_ptr + idx, mask=idx < numel, other=0.0).to(tl.float32)
-        words, s_bits = encode_blocks(x, KIND, BITS, QMAX, OFFSET, K)
-        store_rows(dst_ptr, r, r < num_blocks, words, s_bits, KIND, K, NBYTES, PAYLOAD, ROW_BYTES)
+        x = tl.load(values_ptr + idx, mask=idx < numel, other=0.0).to(tl.float32)
+        u, s = encode_blocks(x, KIND, QMAX, OFFSET)
+        store_blocks(payload_ptr, scale_ptr, r, r < num_blocks, u, s, KIND, WORDS, LOW)
 
 
 def kernel_constants(c: Codec) -> dict:
     """The codec's constexpr arguments of the device functions above."""
-    return dict(KIND=c.kind, BITS=c.bits, QMAX=c.qmax, OFFSET=int(c.qmax) + 1, K=c.values_per_word,
-                NBYTES=c.bytes_per_word, PAYLOAD=c.payload_bytes, ROW_BYTES=c.row_bytes)
+    return dict(KIND=c.kind, QMAX=c.qmax, OFFSET=int(c.qmax) + 1, WORDS=c.words, LOW=c.low_bits)
 
 
-def encode(x: torch.Tensor, codec: str, num_blocks: int | None = None) -> torch.Tensor:
+def encode(x: torch.Tensor, codec: str, num_blocks: int | None = None) -> Encoded:
     """The kernel twin of `encode_reference` (one launch)."""
     c = CODECS[codec]
     nb = num_blocks or num_blocks_for(x.numel())
     if nb < num_blocks_for(x.numel()):
         raise ValueError(f"{nb} blocks cannot hold {x.numel()} values")
     x = x.contiguous().view(-1)
-    rows = torch.empty(nb, c.row_bytes, dtype=torch.uint8, device=x.device)
-    _codec_kernel[(triton.cdiv(nb, BLOCKS_PER_PROGRAM),)](x, rows, x.numel(), nb, DECODE=False,
+    enc = Encoded(torch.empty(nb, c.words, dtype=torch.int32, device=x.device),
+                  torch.empty(nb if c.scaled else 0, dtype=torch.float16, device=x.device))
+    _codec_kernel[(triton.cdiv(nb, BLOCKS_PER_PROGRAM),)](x, *enc, x.numel(), nb, DECODE=False,
                                                           ROWS=BLOCKS_PER_PROGRAM, **kernel_constants(c))
-    return rows
+    return enc
 
 
-def decode(rows: torch.Tensor, codec: str, numel: int) -> torch.Tensor:
+def decode(enc: Encoded, codec: str, numel: int) -> torch.Tensor:
     """The kernel twin of `decode_reference` (one launch): fp32 [numel]."""
     c = CODECS[codec]
-    if rows.dim() != 2 or rows.shape[1] != c.row_bytes or numel > rows.shape[0] * BLOCK:
-        raise ValueError(f"{tuple(rows.shape)} rows of {codec} cannot hold {numel} values")
-    out = torch.empty(numel, dtype=torch.float32, device=rows.device)
-    nb = rows.shape[0]
-    _codec_kernel[(triton.cdiv(nb, BLOCKS_PER_PROGRAM),)](rows.contiguous(), out, numel, nb, DECODE=True,
-                                                          ROWS=BLOCKS_PER_PROGRAM, **kernel_constants(c))
+    payload, scales = enc
+    nb = payload.shape[0]
+    if (payload.shape != (nb, c.words) or payload.dtype != torch.int32 or scales.dtype != torch.float16
+            or scales.shape != (nb if c.scaled else 0,) or numel > nb * BLOCK):
+        raise ValueError(f"payload {tuple(payload.shape)}, scales {tuple(scales.shape)} are no {codec} encoding "
+                         f"of {numel} values")
+    out = torch.empty(numel, dtype=torch.float32, device=payload.device)
+    _codec_kernel[(triton.cdiv(nb, BLOCKS_PER_PROGRAM),)](out, payload.contiguous(), scales.contiguous(), numel, nb,
+                                                          DECODE=True, ROWS=BLOCKS_PER_PROGRAM, **kernel_constants(c))
     return out

@@ -3,14 +3,18 @@ fused_dlrm.tp.quantized_allreduce's bulk all-reduce, with the same arithmetic bi
 
 x (n values) is cut into `world` chunks of `chunk_blocks` whole 32-value blocks (zero-padded at the end), each
 chunk into tiles of TILE_BLOCKS blocks (SMALL_TILE_BLOCKS for small messages); program p of every rank handles
-tiles p, p + P, ... of every chunk (P programs, the same on every rank). One launch runs three phases per
-program:
+tiles p, p + P, ... of every chunk (P programs, the same on every rank). Every rank's `recv` and `gather`
+symmetric buffers each hold one encoding of world x chunk_blocks blocks in quant_codecs' planar format, block
+s * chunk_blocks + j being source s's block j: int32 payload words [source][chunk_blocks][words], then fp16
+scales [source][chunk_blocks]. So a tile of a source is one contiguous run of whole words (and one of scales):
+with the buffers' 16-byte alignment (checked by `start`, hinted to the compiler) its loads and stores, local or
+over NVLink, are 128-bit vectors (64-bit for q6's 6-word blocks). One launch runs three phases per program:
 1. scatter: for every destination d (remote ranks first, rotated by rank, self last) encode the program's tiles
-   of chunk d and store the rows straight into d's `recv` slots [source = me][rows]; then raise flag
-   ready[me, p] in d (release, system scope) with the call's epoch;
+   of chunk d and store them straight into d's `recv` at [source = me]; then raise flag ready[me, p] in d
+   (release, system scope) with the call's epoch;
 2. reduce: wait (bounded) for ready[s, p] >= epoch from every source s, decode the tiles of my chunk from every
    source and sum them in fp32 in rank order 0, 1, ... (divided by world with mean), re-encode the sum and store
-   it into every rank's `gather` slots [source = me][rows] (remote first), then raise done[me, p] in every rank;
+   it into every rank's `gather` at [source = me] (remote first), then raise done[me, p] in every rank;
 3. gather: for every source s (self first), wait for done[s, p] >= epoch, decode s's reduced tiles and store
    them into the output at chunk s.
 Every rank decodes the same bytes, so results are bit-identical on all ranks, and equal to
@@ -20,8 +24,8 @@ Why the buffers need no reset, no barrier and no second half across consecutive 
 ordered on its stream, so its launch e + 1 starts after all its programs of launch e have exited):
 - recv: rank s stores into any rank's recv at call e + 1 only after its launch e finished, in which each of its
   programs p waited for done[r, p] >= e of every rank r, raised by r's program p after it had read its recv
-  tiles of call e. So every recv slot of call e has been read, whatever the tiling of call e + 1: the flags of
-  phase 3 are the acknowledgement that guards phase 1's slots.
+  tiles of call e. So all of recv of call e has been read, whatever the tiling and layout (size, codec) of call
+  e + 1: the flags of phase 3 are the acknowledgement that guards phase 1's slots.
 - gather: program p of rank r stores into s's gather[r] (tiles of p) at call e + 1 only after it waited for
   ready[s, p] >= e + 1, raised by s during launch e + 1, after s's launch e (the reader of gather at call e)
   finished. So the flags of phase 2 guard phase 3's slots.
@@ -33,7 +37,7 @@ the launch stop spinning; `PeerErrors` raises it naming rank, peer and slice.
 
 On GPUs every program waits on the same-numbered program of every peer's launch, so the grid must be
 co-resident: `PROGRAMS_PER_SM` = 2 programs of 4 warps fit on an SM whatever their registers (2 x 128 threads
-x 255 registers <= 65,536) and shared memory (<= 16 KiB), so the grid needs no per-variant occupancy (which
+x 255 registers <= 65,536) and shared memory (<= 8 KiB), so the grid needs no per-variant occupancy (which
 could differ between ranks' compiled variants; the ranks' grids must agree). In the interpreter (one program at
 a time) a simulated world runs each phase on every rank before the next (`run(call, phase, phase)`).
 """
@@ -48,13 +52,15 @@ import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, wait_at_least
-from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, decode_reference, encode_blocks,
-                                             encode_reference, error_bound, kernel_constants, load_blocks, store_rows)
+from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, block_values, decode_reference, encode_blocks,
+                                             encode_reference, error_bound, kernel_constants, load_blocks,
+                                             store_blocks)
 
 # Blocks per tile: 128 (4,096 values, 32 per thread) keeps enough loads in flight with only 256 threads per SM;
-# compiled for sm_90 it needs at most 224 registers (world 8) and 16 KiB of shared memory. Messages with fewer
-# such tiles per chunk than programs use tiles of 32 blocks: more programs share a latency-bound message.
-# Neither is measured yet.
+# compiled for sm_90 (triton 3.6, worlds 2-8) it needs at most 197 registers and 8 KiB of shared memory, and
+# each thread moves its 4-16 payload words in 128-bit vectors. Messages with fewer such tiles per chunk than
+# programs use tiles of 32 blocks: more programs share a latency-bound message (there a thread holds 1-4 words,
+# so accesses are narrower; a warp's still covers whole contiguous lines). Neither size is measured yet.
 TILE_BLOCKS = 128
 SMALL_TILE_BLOCKS = 32
 PROGRAMS_PER_SM = 2  # co-resident whatever the registers (see the module docstring); not tuned on GPUs
@@ -82,7 +88,7 @@ def quantized_all_reduce_reference(xs: list[torch.Tensor], codec: str, mean: boo
     sent = [decode_reference(encode_reference(x, codec, world * cb), codec, world * chunk).view(world, chunk)
             for x in xs]
     reduced = [sum_in_rank_order([sent[s][r] for s in range(world)], mean) for r in range(world)]
-    gathered = torch.cat([encode_reference(z, codec) for z in reduced])
+    gathered = encode_reference(torch.cat(reduced), codec)  # chunks are whole blocks: the chunks' encodings
     return decode_reference(gathered, codec, numel).view(xs[0].shape).to(xs[0].dtype)
 
 
@@ -119,10 +125,13 @@ def _signal(flag_ptrs, peer, slot, epoch):
 
 
 @triton.jit
-def _values(r):
-    """int64 [ROWS, 32]: the flat index of every value of blocks r; 2-D, so loads and stores are wide vectors
-    (the codec's [ROWS, 32 // K, K] view is a reshape in registers)."""
-    return r.to(tl.int64)[:, None] * 32 + tl.arange(0, 32)[None, :]
+def _encoded(ptrs, peer, num_blocks, WORDS: tl.constexpr):
+    """(payload, scales): pointers of peer's recv or gather buffer, which holds an encoding of num_blocks blocks
+    (int32 payload [num_blocks, WORDS], then fp16 scales [num_blocks]). Symmetric buffers are 16-byte aligned
+    (every rank allocates alike; `FusedQuantizedAllReduce.start` checks its own), which the compiler cannot see
+    through the pointer table: with the hint, payload rows of 16-byte multiples move as 128-bit vectors."""
+    payload = tl.multiple_of(tl.load(ptrs + peer).to(tl.pointer_type(tl.int32)), 16)
+    return payload, (payload + num_blocks * WORDS).to(tl.pointer_type(tl.float16))
 
 
 @triton.jit
@@ -143,54 +152,52 @@ def _round_to(x, dtype: tl.constexpr):
 def _quantized_all_reduce_kernel(
     x_ptr, out_ptr, numel, chunk_blocks, recv_ptrs, gather_ptrs, ready_ptrs, done_ptrs, error_ptr,
     rank, epoch, num_programs, max_programs, spin_limit, first_phase, last_phase,
-    WORLD: tl.constexpr, MEAN: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
-    OFFSET: tl.constexpr, K: tl.constexpr, NBYTES: tl.constexpr, PAYLOAD: tl.constexpr, ROW_BYTES: tl.constexpr,
-    ROWS: tl.constexpr,
+    WORLD: tl.constexpr, MEAN: tl.constexpr, KIND: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexpr,
+    WORDS: tl.constexpr, LOW: tl.constexpr, ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles = tl.cdiv(chunk_blocks, ROWS)
     i = tl.arange(0, ROWS)
-    slots = chunk_blocks * ROW_BYTES  # bytes of one source's slots (all slots < 2 GiB: int32 offsets)
-    my_slots = rank * slots
+    slots = WORLD * chunk_blocks  # blocks in every recv and gather buffer: [source][chunk_blocks], < 2 GiB
+    mine = rank * chunk_blocks  # my first block there
     if first_phase <= 0:  # 1. scatter
         for k in tl.static_range(WORLD):
             dest = (rank + 1 + k) % WORLD
-            recv = tl.load(recv_ptrs + dest).to(tl.pointer_type(tl.uint8)) + my_slots
+            payload, scales = _encoded(recv_ptrs, dest, slots, WORDS)
             t = pid
             while t < tiles:  # `while`: the interpreter cannot range() from a program id
                 rows = t * ROWS + i
                 row_mask = rows < chunk_blocks
-                idx = _values(dest * chunk_blocks + rows)
+                idx = block_values(dest * chunk_blocks + rows)
                 x = tl.load(x_ptr + idx, mask=(idx < numel) & row_mask[:, None], other=0.0).to(tl.float32)
-                words, s_bits = encode_blocks(tl.reshape(x, [ROWS, 32 // K, K]), KIND, BITS, QMAX, OFFSET, K)
-                store_rows(recv, rows, row_mask, words, s_bits, KIND, K, NBYTES, PAYLOAD, ROW_BYTES)
+                codes, scale = encode_blocks(x, KIND, QMAX, OFFSET)
+                store_blocks(payload, scales, mine + rows, row_mask, codes, scale, KIND, WORDS, LOW)
                 t += num_programs
             _signal(ready_ptrs, dest, rank * max_programs + pid, epoch)
     if (first_phase <= 1) & (last_phase >= 1):  # 2. reduce my chunk
         ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
         for s in tl.static_range(WORLD):
             _wait(ready + s * max_programs + pid, epoch, spin_limit, error_ptr, s, pid)
-        recv = tl.load(recv_ptrs + rank).to(tl.pointer_type(tl.uint8))
+        payload, scales = _encoded(recv_ptrs, rank, slots, WORDS)
         t = pid
         while t < tiles:
             rows = t * ROWS + i
             row_mask = rows < chunk_blocks
-            acc = load_blocks(recv, rows, row_mask, KIND, BITS, OFFSET, K, NBYTES, PAYLOAD, ROW_BYTES)
+            acc = load_blocks(payload, scales, rows, row_mask, KIND, OFFSET, WORDS, LOW)
             for s in tl.static_range(1, WORLD):  # fp32, in rank order (the bulk twin's order)
-                acc += load_blocks(recv + s * slots, rows, row_mask, KIND, BITS, OFFSET, K, NBYTES, PAYLOAD,
-                                   ROW_BYTES)
+                acc += load_blocks(payload, scales, s * chunk_blocks + rows, row_mask, KIND, OFFSET, WORDS, LOW)
             if MEAN:
                 acc = tl.math.div_rn(acc, tl.full(acc.shape, WORLD, tl.float32))
-            words, s_bits = encode_blocks(acc, KIND, BITS, QMAX, OFFSET, K)
+            codes, scale = encode_blocks(acc, KIND, QMAX, OFFSET)
             for k in tl.static_range(WORLD):
-                gather = tl.load(gather_ptrs + (rank + 1 + k) % WORLD).to(tl.pointer_type(tl.uint8)) + my_slots
-                store_rows(gather, rows, row_mask, words, s_bits, KIND, K, NBYTES, PAYLOAD, ROW_BYTES)
+                gather, gather_scales = _encoded(gather_ptrs, (rank + 1 + k) % WORLD, slots, WORDS)
+                store_blocks(gather, gather_scales, mine + rows, row_mask, codes, scale, KIND, WORDS, LOW)
             t += num_programs
         for k in tl.static_range(WORLD):
             _signal(done_ptrs, (rank + 1 + k) % WORLD, rank * max_programs + pid, epoch)
     if last_phase >= 2:  # 3. gather every reduced chunk into the output
         done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
-        gathered = tl.load(gather_ptrs + rank).to(tl.pointer_type(tl.uint8))
+        payload, scales = _encoded(gather_ptrs, rank, slots, WORDS)
         for k in tl.static_range(WORLD):
             src = (rank + k) % WORLD
             _wait(done + src * max_programs + pid, epoch, spin_limit, error_ptr, src, max_programs + pid)
@@ -198,10 +205,9 @@ def _quantized_all_reduce_kernel(
             while t < tiles:
                 rows = t * ROWS + i
                 row_mask = rows < chunk_blocks
-                x = load_blocks(gathered + src * slots, rows, row_mask, KIND, BITS, OFFSET, K, NBYTES, PAYLOAD,
-                                ROW_BYTES)
-                idx = _values(src * chunk_blocks + rows)
-                out = _round_to(tl.reshape(x, [ROWS, 32]), out_ptr.dtype.element_ty)
+                x = load_blocks(payload, scales, src * chunk_blocks + rows, row_mask, KIND, OFFSET, WORDS, LOW)
+                idx = block_values(src * chunk_blocks + rows)
+                out = _round_to(x, out_ptr.dtype.element_ty)
                 tl.store(out_ptr + idx, out, mask=(idx < numel) & row_mask[:, None])
                 t += num_programs
 
@@ -245,17 +251,18 @@ class FusedQuantizedAllReduce:
             raise ValueError(f"unknown codec {codec!r}: expected one of {tuple(CODECS)}")
         self.errors.check()
         cb = chunk_blocks_for(x.numel(), self.world)
-        slots = self.world * cb * CODECS[codec].row_bytes
+        slots = self.world * cb * CODECS[codec].block_bytes
         if slots >= 2**31:
             raise ValueError(f"{x.numel()} values encode to {slots} bytes: the kernel's offsets are int32")
+        recv, gather = self.ws.buffer("qar_recv", slots, torch.uint8), self.ws.buffer("qar_gather", slots, torch.uint8)
+        if (recv.local.data_ptr() | gather.local.data_ptr()) % 16:  # the kernel's vector accesses rely on it
+            raise RuntimeError("the quantized all-reduce needs 16-byte aligned symmetric buffers")
         flags = self.world * self.max_programs
         large, small = self.tile_blocks
         tile = large if triton.cdiv(cb, large) >= self.max_programs else small
         return FusedCall(x.contiguous().view(-1), torch.empty(x.shape, dtype=x.dtype, device=x.device), codec,
                          mean, self.ws.next_epoch("qar"), cb, tile, min(self.max_programs, triton.cdiv(cb, tile)),
-                         recv=self.ws.buffer("qar_recv", slots, torch.uint8),
-                         gather=self.ws.buffer("qar_gather", slots, torch.uint8),
-                         ready=self.ws.buffer("qar_ready", flags, torch.int32),
+                         recv=recv, gather=gather, ready=self.ws.buffer("qar_ready", flags, torch.int32),
                          done=self.ws.buffer("qar_done", flags, torch.int32))
 
     def run(self, call: FusedCall, first_phase: int = 0, last_phase: int = 2) -> None:

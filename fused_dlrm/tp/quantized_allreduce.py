@@ -13,7 +13,8 @@ partial sum of stage 1 (|z| <= |exact| + sum_r B(x_r)); with mean=True both stag
 Two implementations with the same arithmetic, bit for bit: on CUDA tensors of an NCCL group, the fused
 one-launch kernel (kernels/quantized_allreduce.py) on a symmetric workspace created lazily per process group
 (collectively, at the group's first call); elsewhere (gloo, CPU) the bulk twin: the codec kernels around
-all_to_all_single and all_gather_into_tensor. Codec "nccl" / "none" is a plain dist.all_reduce.
+all_to_all_single and all_gather_into_tensor, each chunk's encoding (int32 payload words, fp16 scales) sent as one
+message. Codec "nccl" / "none" is a plain dist.all_reduce.
 """
 
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
-from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS, decode, encode
+from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS, Encoded, decode, encode
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, chunk_blocks_for, co_resident_programs,
                                                     sum_in_rank_order)
 
@@ -55,16 +56,31 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
     if fused:
         return fused_for_group(group, x.device)(x, codec, mean)
     numel = x.numel()
-    chunk_blocks = chunk_blocks_for(numel, world)  # whole blocks per chunk, so chunks are whole rows
+    chunk_blocks = chunk_blocks_for(numel, world)  # whole blocks per chunk
     chunk = chunk_blocks * BLOCK
-    rows = encode(x, codec, num_blocks=world * chunk_blocks)
-    received = torch.empty_like(rows)
-    dist.all_to_all_single(received, rows, group=group)
-    parts = decode(received, codec, world * chunk).view(world, chunk)
-    mine = encode(sum_in_rank_order(list(parts), mean), codec)
-    gathered = mine.new_empty((world * chunk_blocks, mine.shape[1]))
+    sent = _wire(encode(x, codec, num_blocks=world * chunk_blocks), world)
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    parts = decode(_unwire(received, codec), codec, world * chunk).view(world, chunk)
+    mine = _wire(encode(sum_in_rank_order(list(parts), mean), codec), 1)
+    gathered = mine.new_empty((world, mine.shape[1]))
     dist.all_gather_into_tensor(gathered, mine, group=group)
-    return decode(gathered, codec, numel).view(x.shape).to(x.dtype)
+    return decode(_unwire(gathered, codec), codec, numel).view(x.shape).to(x.dtype)
+
+
+def _wire(enc: Encoded, parts: int) -> torch.Tensor:
+    """uint8 [parts, bytes]: the encoding cut into `parts` equal ranges of blocks, each one message (its payload
+    bytes, then its scale bytes), so that one collective moves both arrays."""
+    payload = enc.payload.view(torch.uint8).view(parts, -1)
+    return torch.cat([payload, enc.scales.view(torch.uint8).view(parts, enc.scales.numel() * 2 // parts)], 1)
+
+
+def _unwire(wire: torch.Tensor, codec: str) -> Encoded:
+    """The encoding that `_wire` cut into the rows of wire."""
+    c = CODECS[codec]
+    split = wire.shape[1] // c.block_bytes * 4 * c.words  # payload bytes of a range
+    return Encoded(wire[:, :split].contiguous().view(torch.int32).view(-1, c.words),
+                   wire[:, split:].contiguous().view(torch.float16).view(-1))
 
 
 _FUSED: dict[dist.ProcessGroup, FusedQuantizedAllReduce] = {}
