@@ -10,25 +10,28 @@ scales [source][chunk_blocks]. So a tile of a source is one contiguous run of wh
 with the buffers' 16-byte alignment (checked by `start`, hinted to the compiler) its loads and stores, local or
 over NVLink, are 128-bit vectors (64-bit for q6's 6-word blocks). One launch runs three phases per program:
 1. scatter: for every destination d (remote ranks first, rotated by rank, self last) encode the program's tiles
-   of chunk d and store them straight into d's `recv` at [source = me]; then raise flag ready[me, p] in d
-   (release, system scope) with the call's epoch;
-2. reduce: wait (bounded) for ready[s, p] >= epoch from every source s, decode the tiles of my chunk from every
+   of chunk d and store them straight into d's `recv` at [source = me]; then, d a peer, raise flag ready[me, p]
+   in d (release, system scope) with the call's epoch;
+2. reduce: wait (bounded) for ready[s, p] >= epoch from every peer s, decode the tiles of my chunk from every
    source and sum them in fp32 in rank order 0, 1, ... (divided by world with mean), re-encode the sum and store
-   it into every rank's `gather` at [source = me] (remote first), then raise done[me, p] in every rank;
-3. gather: for every source s (self first), wait for done[s, p] >= epoch, decode s's reduced tiles and store
-   them into the output at chunk s.
+   it into every rank's `gather` at [source = me] (remote first), then raise done[me, p] in every peer;
+3. gather: for every source s (self first), wait for done[s, p] >= epoch (s a peer), decode s's reduced tiles
+   and store them into the output at chunk s.
+A program's own slots need no flag: the tiles it reads from recv[me] and gather[me] are the ones it stored there
+itself (tiles p, p + P, ... in every phase), so a barrier of its threads orders them.
 Every rank decodes the same bytes, so results are bit-identical on all ranks, and equal to
 `quantized_all_reduce_reference` (the bulk twin's steps with exchanges as indexing).
 
 Why the buffers need no reset, no barrier and no second half across consecutive calls (each rank's calls are
 ordered on its stream, so its launch e + 1 starts after all its programs of launch e have exited):
 - recv: rank s stores into any rank's recv at call e + 1 only after its launch e finished, in which each of its
-  programs p waited for done[r, p] >= e of every rank r, raised by r's program p after it had read its recv
-  tiles of call e. So all of recv of call e has been read, whatever the tiling and layout (size, codec) of call
-  e + 1: the flags of phase 3 are the acknowledgement that guards phase 1's slots.
-- gather: program p of rank r stores into s's gather[r] (tiles of p) at call e + 1 only after it waited for
-  ready[s, p] >= e + 1, raised by s during launch e + 1, after s's launch e (the reader of gather at call e)
-  finished. So the flags of phase 2 guard phase 3's slots.
+  programs p waited for done[r, p] >= e of every peer r, raised by r's program p after it had read its recv
+  tiles of call e (s's own recv was read by that launch e itself). So all of recv of call e has been read,
+  whatever the tiling and layout (size, codec) of call e + 1: the flags of phase 3 are the acknowledgement that
+  guards phase 1's slots.
+- gather: program p of rank r stores into a peer s's gather[r] (tiles of p) at call e + 1 only after it waited
+  for ready[s, p] >= e + 1, raised by s during launch e + 1, after s's launch e (the reader of gather at call
+  e) finished; into its own gather after its own launch e. So the flags of phase 2 guard phase 3's slots.
 A second half by epoch parity would guard nothing more, so there is none (half the symmetric memory).
 Flags hold epochs (never reset, compared with >=); they are laid out [source][max_programs], so calls of any
 size use the same flags. Every wait is bounded: a timeout records (1, peer, slice) in the error word (slice
@@ -173,11 +176,14 @@ def _quantized_all_reduce_kernel(
                 codes, scale = encode_blocks(x, KIND, QMAX, OFFSET)
                 store_blocks(payload, scales, mine + rows, row_mask, codes, scale, KIND, WORDS, LOW)
                 t += num_programs
-            _signal(ready_ptrs, dest, rank * max_programs + pid, epoch)
+            if k < WORLD - 1:  # a peer (my own tiles are read by this program: phase 2 needs only a barrier)
+                _signal(ready_ptrs, dest, rank * max_programs + pid, epoch)
     if (first_phase <= 1) & (last_phase >= 1):  # 2. reduce my chunk
         ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
-        for s in tl.static_range(WORLD):
-            _wait(ready + s * max_programs + pid, epoch, spin_limit, error_ptr, s, pid)
+        for k in tl.static_range(1, WORLD):
+            peer = (rank + k) % WORLD
+            _wait(ready + peer * max_programs + pid, epoch, spin_limit, error_ptr, peer, pid)
+        tl.debug_barrier()  # my own tiles, stored by this program's threads in phase 1
         payload, scales = _encoded(recv_ptrs, rank, slots, WORDS)
         t = pid
         while t < tiles:
@@ -193,14 +199,16 @@ def _quantized_all_reduce_kernel(
                 gather, gather_scales = _encoded(gather_ptrs, (rank + 1 + k) % WORLD, slots, WORDS)
                 store_blocks(gather, gather_scales, mine + rows, row_mask, codes, scale, KIND, WORDS, LOW)
             t += num_programs
-        for k in tl.static_range(WORLD):
+        for k in tl.static_range(WORLD - 1):  # the peers
             _signal(done_ptrs, (rank + 1 + k) % WORLD, rank * max_programs + pid, epoch)
     if last_phase >= 2:  # 3. gather every reduced chunk into the output
         done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
         payload, scales = _encoded(gather_ptrs, rank, slots, WORDS)
+        tl.debug_barrier()  # my own reduced tiles, stored by this program's threads in phase 2
         for k in tl.static_range(WORLD):
             src = (rank + k) % WORLD
-            _wait(done + src * max_programs + pid, epoch, spin_limit, error_ptr, src, max_programs + pid)
+            if k > 0:
+                _wait(done + src * max_programs + pid, epoch, spin_limit, error_ptr, src, max_programs + pid)
             t = pid
             while t < tiles:
                 rows = t * ROWS + i
