@@ -46,12 +46,12 @@ def local_kjt(step: int, global_batch: int, rank: int, world: int, device) -> Ke
                                                torch.cat(weights).to(device))
 
 
-def _fused_equals_bulk(rank: int, world: int, transport: str, steps: int) -> None:
+def _fused_equals_bulk(rank: int, world: int, steps: int) -> None:
     device = torch.device("cuda", rank)
     opt = EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05)
     bulk = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0)
     fused = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0,
-                                          comm=FusedCommConfig(transport=transport, wait_timeout_spins=2_000_000))
+                                          comm=FusedCommConfig(wait_timeout_spins=2_000_000))
     exchange = fused.fused
     for step in range(steps):
         kjt = local_kjt(step, 37, rank, world, device)  # uneven local batches: 19 and 18
@@ -75,24 +75,53 @@ def _fused_equals_bulk(rank: int, world: int, transport: str, steps: int) -> Non
                                            rtol=1e-5, atol=1e-6)
     exchange.errors.check(block=True)
 
-    # A peer that never arrives: rank 0 runs one more exchange alone and must get an error, not a hang.
+    _lone_rank_times_out(fused, rank, world, device, steps + 1)
+
+
+def test_fused_forward_backward_equal_bulk_for_1000_steps_and_timeout_raises():
+    run_world(2, _fused_equals_bulk, 1000, backend="nccl")
+
+
+def _nvshmem_forward_equals_bulk(rank: int, world: int, steps: int) -> None:
+    """The nvshmem transport is forward-only: its outputs equal bulk's on poisoned buffers; a backward raises."""
+    device = torch.device("cuda", rank)
+    opt = EmbeddingOptimizerConfig("sgd", lr=0.05)
+    bulk = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0)
+    fused = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0,
+                                          comm=FusedCommConfig(transport="nvshmem", wait_timeout_spins=2_000_000))
+    exchange = fused.fused
+    for step in range(steps):
+        kjt = local_kjt(step, 37, rank, world, device)
+        dist.barrier()  # poison this step's half of the output; nobody writes it before the second barrier
+        half = 19 * exchange.row_len
+        buf = exchange.ws.buffer("pooled", 2 * half, torch.float32).local
+        buf[((exchange.ws._epochs.get("pooled", 0) + 1) % 2) * half:][:half].fill_(float("nan"))
+        torch.cuda.synchronize()
+        dist.barrier()
+        with torch.no_grad():
+            torch.testing.assert_close(fused(kjt).values(), bulk(kjt).values(), rtol=1e-5, atol=1e-6)
+    exchange.errors.check(block=True)
+    with pytest.raises(RuntimeError, match="comm.transport=nvshmem runs the forward only"):
+        fused(local_kjt(0, 37, rank, world, device)).values().sum().backward()
+    _lone_rank_times_out(fused, rank, world, device, steps + 2)
+
+
+def _lone_rank_times_out(fused, rank: int, world: int, device, epoch: int) -> None:
+    """A peer that never arrives: rank 0 runs one more exchange alone and must get an error, not a hang."""
+    exchange = fused.fused
     bags = fused.input_dist(local_kjt(0, 37, rank, world, device))
     dist.barrier()
     if rank == 0:
         exchange.spin_limit = 100_000
         with torch.no_grad():
             exchange.finish(bags, exchange.start(bags))
-        with pytest.raises(PeerWaitTimeout, match=rf"rank 0 timed out at step {steps + 1} waiting for rank 1, slice"):
+        with pytest.raises(PeerWaitTimeout, match=rf"rank 0 timed out at step {epoch} waiting for rank 1, slice"):
             exchange.errors.check(block=True)
     dist.barrier()
 
 
-def test_fused_forward_backward_equal_bulk_for_1000_steps_and_timeout_raises():
-    run_world(2, _fused_equals_bulk, "p2p", 1000, backend="nccl")
-
-
-def test_nvshmem_transport_equals_bulk_and_timeout_raises():
-    run_world(2, _fused_equals_bulk, "nvshmem", 300, backend="nccl")
+def test_nvshmem_transport_forward_equals_bulk_and_backward_is_refused():
+    run_world(2, _nvshmem_forward_equals_bulk, 200, backend="nccl")
 
 
 def _half_precision_tables(rank: int, world: int) -> None:

@@ -102,6 +102,11 @@ def test_missing_resume_path_is_a_clear_error(tmp_path):
         train(cfg, CPU, tmp_path)
 
 
+def test_nvshmem_transport_refuses_training_before_set_up(tmp_path):
+    with pytest.raises(ValueError, match="comm.transport=nvshmem runs the forward only"):
+        train(config(*SMALL, "comm=fused", "comm.transport=nvshmem"), CPU, tmp_path)
+
+
 def test_missing_data_file_is_a_clear_error(tmp_path):
     cfg = config(*SMALL, "data=criteo", "data.num_sparse=26", f"data.train.paths=[{tmp_path / 'missing.tsv'}]",
                  f"data.eval.paths=[{tmp_path / 'missing.tsv'}]")

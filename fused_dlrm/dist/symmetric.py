@@ -74,9 +74,8 @@ class CudaSymmetricWorkspace(_Workspace):
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> PeerBuffer:
         # Every rank allocates the largest size any rank asks for: NVSHMEM's heap puts a buffer at the same offset
-        # in every PE only if all PEs allocate the same sizes in the same order. (The nvshmem lookup's scratch
-        # size depends on the rank's own tables; it shifted every later buffer, and the backward's puts landed
-        # at the wrong addresses.)
+        # in every PE only if all PEs allocate the same sizes in the same order, and some sizes depend on the
+        # rank (the nvshmem lookup's scratch follows the rank's own tables).
         agreed = torch.tensor([numel], dtype=torch.int64, device=self.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         local = self._symm_mem.empty(int(agreed), dtype=dtype, device=self.device)

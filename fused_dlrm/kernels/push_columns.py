@@ -3,8 +3,9 @@
 The backward of the fused embedding all-to-all: each rank holds the gradient of its local batch for every feature
 ([local batch, sum of dims], config column order) and stores the columns of each feature into the owner's
 gradient buffer ([global batch, owned dims], the owner's lookup order) at the rows of its own samples.
-`push_columns_reference` is the pure-torch definition. Transports: p2p stores through peer pointers; nvshmem
-copies local tiles and puts remote ones row by row from a symmetric copy of the source (nvshmem_puts.py).
+`push_columns_reference` is the pure-torch definition. Transport: p2p (stores through peer pointers). An nvshmem
+twin (row puts from a symmetric copy of the source) gave wrong gradients on 2 x H200 (2026-11-22) and was
+removed: the nvshmem transport of the fused exchange is forward-only (sparse/fused_all_to_all.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, put_rows, signal_ready_nvshmem
 from fused_dlrm.kernels.peer_flags import released_once_per_dest, signal_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, tile_coords
 
@@ -65,53 +65,4 @@ def launch_push_columns(src: torch.Tensor, src_cols: torch.Tensor, dst_cols: tor
         src, src.shape[1], src_cols, dst_cols, dims,
         plan.dest_order, plan.tile_starts, plan.row_begin, plan.row_end, plan.feature_begin,
         out_ptrs, out_row_base, out_row_len, ready_ptrs, ack, error, rank, epoch, plan.num_tiles, num_programs,
-        spin_limit, WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_R=block_rows, BLOCK_D=block_dim)
-
-
-@triton.jit
-def _push_columns_nvshmem_kernel(
-    src_ptr, src_row_len, src_cols_ptr, dst_cols_ptr, dims_ptr,  # src: symmetric (puts read it)
-    dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,
-    out_ptr, out_row_base_ptr, out_row_len_ptr,  # out: this rank's symmetric buffer (same offsets everywhere)
-    ready_ptr, ack_ptr, error_ptr, rank, epoch, num_tiles, num_programs, spin_limit,
-    WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    d = tl.arange(0, BLOCK_D)
-    r = tl.arange(0, BLOCK_R)
-    t = pid
-    known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
-    while t < num_tiles:
-        dest, f, rows, row_mask, first_row = tile_coords(
-            t, dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,
-            WORLD, WORLD_P2, BLOCK_R)
-        dim = tl.load(dims_ptr + f)
-        known_dest, released = released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr, known_dest,
-                                                      released)
-        first = tl.min(tl.where(row_mask, rows, 2**62), axis=0)
-        src = src_ptr + first * src_row_len + tl.load(src_cols_ptr + f)
-        out_row_len = tl.load(out_row_len_ptr + dest)
-        dst = out_ptr + (tl.load(out_row_base_ptr + dest) + first - first_row) * out_row_len + tl.load(dst_cols_ptr + f)
-        if dest == rank:
-            mask = row_mask[:, None] & (d < dim)[None, :] & released
-            tile = tl.load(src + r[:, None] * src_row_len + d[None, :], mask=mask)
-            tl.store(dst + r[:, None] * out_row_len + d[None, :], tile, mask=mask)
-        else:
-            put_rows(dst, out_row_len, src, src_row_len, dim * 4,
-                     tl.where(released, tl.sum(row_mask.to(tl.int32), axis=0), 0), dest)
-        t += num_programs
-    signal_ready_nvshmem(ready_ptr, rank * num_programs + pid, epoch, rank, WORLD)
-
-
-def launch_push_columns_nvshmem(src: torch.Tensor, src_cols: torch.Tensor, dst_cols: torch.Tensor,
-                                dims: torch.Tensor, block_dim: int, plan: PeerTilePlan, out: torch.Tensor,
-                                out_row_base: torch.Tensor, out_row_len: torch.Tensor, ready: torch.Tensor,
-                                ack: torch.Tensor, error: torch.Tensor, rank: int, epoch: int, num_programs: int,
-                                spin_limit: int, block_rows: int = 16) -> None:
-    """The nvshmem transport's launch: `src` (fp32, symmetric), `out` (this rank's half) and the int64 flags."""
-    world = plan.dest_order.numel()
-    nvshmem_kernel(_push_columns_nvshmem_kernel)[(num_programs,)](
-        src, src.shape[1], src_cols, dst_cols, dims,
-        plan.dest_order, plan.tile_starts, plan.row_begin, plan.row_end, plan.feature_begin,
-        out, out_row_base, out_row_len, ready, ack, error, rank, epoch, plan.num_tiles, num_programs,
         spin_limit, WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_R=block_rows, BLOCK_D=block_dim)

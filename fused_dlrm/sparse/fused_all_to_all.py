@@ -27,11 +27,14 @@ from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, NvshmemSymmetricWo
 from fused_dlrm.kernels.peer_flags import PeerErrors, wait_ready
 from fused_dlrm.kernels.peer_tiles import default_num_programs, plan_peer_tiles
 from fused_dlrm.kernels.pooled_embedding import FeatureTable, launch_pooled_embedding, launch_pooled_embedding_nvshmem
-from fused_dlrm.kernels.push_columns import launch_push_columns, launch_push_columns_nvshmem
+from fused_dlrm.kernels.push_columns import launch_push_columns
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 
 PUSH_BLOCK_ROWS = 16  # rows per tile of the gradient push
+NVSHMEM_FORWARD_ONLY = (
+    "comm.transport=nvshmem runs the forward only (evaluation, inference): its gradient push gave wrong embedding "
+    "updates on 2 x H200 (2026-11-22) and was removed; train with comm.transport=p2p or comm=bulk")
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ class FusedPooledAllToAll(nn.Module):
 
     # -- backward -----------------------------------------------------------------------------------------------
     def start_backward(self, bags: OwnedBags, grad: torch.Tensor) -> int:
+        if self.nvshmem:
+            raise RuntimeError(NVSHMEM_FORWARD_ONLY)
         self.errors.check()
         epoch = self.ws.next_epoch("grad")
         sizes = tuple(bags.batch_sizes)
@@ -126,16 +131,9 @@ class FusedPooledAllToAll(nn.Module):
         ready, ack = self._flags("grad")
         my_rows = torch.full((self.world,), batch_start[self.rank], dtype=torch.int64, device=grad.device)
         columns = (self.push_src_cols, self.push_dst_cols, self.push_dims, self.push_block_dim, push_plan)
-        if self.nvshmem:  # puts read from symmetric memory: stage this rank's gradient there
-            staged = self.ws.buffer("grad_source", max(sizes) * self.row_len, torch.float32).local
-            src = staged[:grad.numel()].view(grad.shape).copy_(grad)
-            launch_push_columns_nvshmem(src, *columns, _local_half(out, epoch, half), my_rows, self.push_row_len,
-                                        ready.local, ack.local, self.errors.word, self.rank, epoch,
-                                        self.num_programs, self.spin_limit, PUSH_BLOCK_ROWS)
-        else:
-            launch_push_columns(grad.float().contiguous(), *columns, _half(out, epoch, half), my_rows,
-                                self.push_row_len, ready.peer_ptrs, ack.local, self.errors.word, self.rank, epoch,
-                                self.num_programs, self.spin_limit, PUSH_BLOCK_ROWS)
+        launch_push_columns(grad.float().contiguous(), *columns, _half(out, epoch, half), my_rows,
+                            self.push_row_len, ready.peer_ptrs, ack.local, self.errors.word, self.rank, epoch,
+                            self.num_programs, self.spin_limit, PUSH_BLOCK_ROWS)
         return epoch
 
     def finish_backward(self, bags: OwnedBags, epoch: int) -> None:
