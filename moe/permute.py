@@ -1,6 +1,9 @@
 """Token permutation: group the (token, expert) assignments so that each expert's rows are contiguous, and back.
 
-Assignment a = t * k + j is token t's j-th choice. Pure torch indexing, so autograd goes through both ways.
+Assignment a = t * k + j is token t's j-th choice. Both directions are autograd Functions whose backward is the
+other direction's gather: autograd of plain indexing (x[idx]) would run index_put_ with accumulate=True, torch's
+sort-based `indexing_backward_kernel`, on the [A, d] gradients. Gathers need no sort and no atomics, and sum each
+token's k rows in a fixed order: deterministic.
 """
 
 from __future__ import annotations
@@ -38,24 +41,70 @@ def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
     inverse[order] = torch.arange(num_rows, device=flat.device)
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     offsets[1:] = tokens_per_expert.cumsum(0)
-    rows = x[order // top_k]
-    return rows, Permutation(order, inverse, tokens_per_expert, offsets, top_k)
+    perm = Permutation(order, inverse, tokens_per_expert, offsets, top_k)
+    return _Permute.apply(x, perm), perm
 
 
 def unpermute(rows: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:
-    """rows [A, d] in permuted order -> [T, d]: sum over each token's k assignments of weight * row.
+    """rows [A, d] in permuted order -> [T, d]: sum over each token's k assignments of weight * row (weights [T, k]
+    cast to the rows' dtype; their gradient comes back in their own dtype).
 
     A gather, then one batched [1, k] x [k, d] product per token (not a scatter-add): the sum order is fixed,
-    deterministic on GPUs too. Dropped assignments (inverse = A) read a clamped row that is then zeroed: they add
-    exactly 0, whatever that row holds (inf, NaN).
+    deterministic on GPUs too. Dropped assignments add exactly 0, whatever the rows hold (inf, NaN).
     """
+    return _Unpermute.apply(rows, weights, perm)
+
+
+def _gather(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """[T * k, d]: rows[inverse], exact zeros for the dropped assignments (inverse = A). They read a clamped row
+    that is then zeroed, so a NaN or inf there does not leak."""
     num_rows, d = rows.shape
-    if num_rows == perm.inverse.numel():  # dropless: every assignment has its row
-        gathered = rows[perm.inverse]
-    else:
-        dropped = perm.inverse == num_rows
-        if num_rows == 0:  # every assignment dropped: one zero row to read (a copy of nothing; keeps the graph)
-            rows = torch.cat([rows, rows.new_zeros(1, d)])
-        gathered = rows[perm.inverse.clamp(max=rows.shape[0] - 1)].masked_fill_(dropped[:, None], 0)
-    products = torch.bmm(weights.to(rows.dtype).reshape(-1, 1, perm.top_k), gathered.view(-1, perm.top_k, d))
-    return products.view(-1, d)
+    if num_rows == inverse.numel():  # dropless: every assignment has its row
+        return rows.index_select(0, inverse)
+    if num_rows == 0:  # every assignment dropped
+        return rows.new_zeros(inverse.numel(), d)
+    dropped = inverse == num_rows
+    return rows.index_select(0, inverse.clamp(max=num_rows - 1)).masked_fill_(dropped[:, None], 0)
+
+
+class _Permute(torch.autograd.Function):
+    """rows[a] = x[order[a] // k]. Backward: grad_x[t] = sum over t's kept assignments of grad_rows (a gather by
+    the inverse, summed over k), instead of the sort-based index_put_ accumulate of x[idx]'s backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: Permutation) -> torch.Tensor:
+        ctx.perm, ctx.num_tokens = perm, x.shape[0]
+        return x.index_select(0, perm.order // perm.top_k)
+
+    @staticmethod
+    def backward(ctx, grad_rows: torch.Tensor):
+        perm = ctx.perm
+        return _gather(grad_rows, perm.inverse).view(ctx.num_tokens, perm.top_k, grad_rows.shape[1]).sum(dim=1), None
+
+
+class _Unpermute(torch.autograd.Function):
+    """y[t] = sum_j w[t, j] * rows[inverse[t * k + j]]. Backward: grad_rows[a] = w[order[a]] * grad_y[order[a] // k]
+    (a gather by the order: each row is one assignment's, no accumulation) and grad_w[t, j] = <grad_y[t],
+    rows[inverse[t * k + j]]> (0 where dropped), from the rows gathered again: the forward's [T * k, d] gather is
+    not kept."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weights: torch.Tensor, perm: Permutation) -> torch.Tensor:
+        ctx.perm = perm
+        ctx.save_for_backward(rows, weights)
+        num_tokens, d = weights.shape[0], rows.shape[1]
+        gathered = _gather(rows, perm.inverse).view(num_tokens, perm.top_k, d)
+        return torch.bmm(weights.to(rows.dtype).reshape(num_tokens, 1, perm.top_k), gathered).view(num_tokens, d)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        rows, weights = ctx.saved_tensors
+        perm = ctx.perm
+        grad_rows = grad_weights = None
+        if ctx.needs_input_grad[0]:
+            row_weights = weights.to(rows.dtype).reshape(-1).index_select(0, perm.order)
+            grad_rows = grad_y.index_select(0, perm.order // perm.top_k) * row_weights[:, None]
+        if ctx.needs_input_grad[1]:
+            gathered = _gather(rows, perm.inverse).view(*weights.shape, rows.shape[1])
+            grad_weights = torch.bmm(gathered, grad_y.unsqueeze(2)).view_as(weights).to(weights.dtype)
+        return grad_rows, grad_weights, None

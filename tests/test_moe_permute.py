@@ -1,0 +1,118 @@
+"""moe.permute's autograd Functions: gradcheck in float64, backwards that only gather (no index_put_ accumulate,
+no index_add or scatter), low-precision dtypes, and dropped assignments next to NaN / inf rows in the backward.
+
+Forward values and gradients against per-token reference code are in tests/test_moe_routing.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe import permute, unpermute
+
+
+def assignments(num_tokens: int, num_experts: int, top_k: int, drop: float, seed: int):
+    """Distinct experts per token, and kept (None when dropless) with about a `drop` share of False."""
+    generator = torch.Generator().manual_seed(seed)
+    expert_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+    expert_ids = expert_ids.reshape(num_tokens, top_k)  # T = 0 included
+    kept = torch.rand(num_tokens, top_k, generator=generator) >= drop if drop else None
+    return expert_ids, kept
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+@pytest.mark.parametrize("drop", [0.0, 0.4, 1.0])
+def test_gradcheck(top_k, drop):
+    num_tokens, num_experts, d = 9, 4, 3
+    expert_ids, kept = assignments(num_tokens, num_experts, top_k, drop, seed=top_k)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(num_tokens, d, generator=generator, dtype=torch.float64, requires_grad=True)
+    rows, perm = permute(x, expert_ids, num_experts, kept)
+    assert rows.shape[0] == (num_tokens * top_k if kept is None else int(kept.sum()))
+    weights = torch.rand(num_tokens, top_k, generator=generator, dtype=torch.float64, requires_grad=True)
+    rows = rows.detach().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: permute(x, expert_ids, num_experts, kept)[0], (x,))
+    assert torch.autograd.gradcheck(lambda rows, weights: unpermute(rows, perm, weights), (rows, weights))
+
+
+class RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+ACCUMULATING = {"index_put", "index_put_", "_index_put_impl_", "index_add", "index_add_", "scatter_add",
+                "scatter_add_", "scatter_reduce", "scatter_reduce_", "put_", "put"}
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.3])
+def test_backward_only_gathers(drop):
+    num_tokens, num_experts, top_k, d = 12, 5, 2, 4
+    expert_ids, kept = assignments(num_tokens, num_experts, top_k, drop, seed=1)
+    x = torch.randn(num_tokens, d, requires_grad=True)
+    weights = torch.rand(num_tokens, top_k, requires_grad=True)
+    rows, perm = permute(x, expert_ids, num_experts, kept)
+    y = unpermute(rows * 2, perm, weights)
+    with RecordOps() as recorded:
+        y.backward(torch.randn(num_tokens, d))
+    assert "index_select" in recorded.ops and not recorded.ops & ACCUMULATING, recorded.ops
+    # The recorder does see the accumulating backward of plain indexing.
+    with RecordOps() as plain:
+        x[perm.order // top_k].sum().backward()
+    assert plain.ops & ACCUMULATING
+
+
+def test_low_precision_rows_and_fp32_weights():
+    """bf16 rows, fp32 weights: bf16 output and row gradients, fp32 weight gradients, close to float64."""
+    num_tokens, num_experts, top_k, d = 40, 6, 3, 16
+    expert_ids, kept = assignments(num_tokens, num_experts, top_k, 0.2, seed=2)
+    generator = torch.Generator().manual_seed(3)
+    x64 = torch.randn(num_tokens, d, generator=generator, dtype=torch.float64)
+    w64 = torch.rand(num_tokens, top_k, generator=generator, dtype=torch.float64)
+    g64 = torch.randn(num_tokens, d, generator=generator, dtype=torch.float64)
+    results = []
+    for x, weights in ((x64.bfloat16(), w64.float()), (x64.bfloat16().double(), w64.float().double())):
+        x, weights = x.requires_grad_(), weights.requires_grad_()
+        rows, perm = permute(x, expert_ids, num_experts, kept)
+        y = unpermute(rows * 3, perm, weights)
+        y.backward(g64.to(y.dtype))
+        results.append((y, x.grad, weights.grad))
+    (y, grad_x, grad_w), want = results
+    assert y.dtype == grad_x.dtype == torch.bfloat16 and grad_w.dtype == torch.float32
+    for got, expected in zip((y, grad_x, grad_w), want):
+        torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_dropped_assignments_have_exact_zero_gradients_next_to_nan_rows(bad):
+    num_tokens, num_experts, top_k, d = 17, 4, 2, 5
+    expert_ids, kept = assignments(num_tokens, num_experts, top_k, 0.4, seed=4)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(num_tokens, d, generator=generator, dtype=torch.float64)
+    rows, perm = permute(x, expert_ids, num_experts, kept)
+    assert (perm.inverse == rows.shape[0]).any()
+    rows[-1] = bad  # the row that dropped assignments read (clamped index)
+    rows.requires_grad_()
+    weights = torch.rand(num_tokens, top_k, generator=generator, dtype=torch.float64, requires_grad=True)
+    grad_y = torch.randn(num_tokens, d, generator=generator, dtype=torch.float64)
+    grad_y[0] = bad  # and a non-finite output gradient: it reaches token 0's rows only
+    unpermute(rows, perm, weights).backward(grad_y)
+    assert (weights.grad[~kept] == 0).all()
+    owner = perm.order[-1] // top_k
+    others = torch.ones(num_tokens, top_k, dtype=torch.bool)
+    others[0] = others[owner] = False
+    assert weights.grad[others].isfinite().all()
+    token_of_row = perm.order // top_k
+    assert rows.grad[token_of_row != 0].isfinite().all()
+    # Through permute, tokens without a kept assignment get exact zeros even when every row's gradient is bad.
+    x.requires_grad_()
+    permuted, _ = permute(x, expert_ids, num_experts, kept)
+    permuted.backward(torch.full_like(permuted, bad))
+    has_row = kept.any(dim=1)
+    assert not has_row.all() and (x.grad[~has_row] == 0).all() and not x.grad[has_row].isfinite().any()
