@@ -23,6 +23,7 @@ import torch.distributed as dist
 @dataclass
 class ExpertLayout:
     counts: torch.Tensor  # int64 [world, num_experts], C[s, g]; the same on every rank
+    host_counts: torch.Tensor  # the same on the CPU: sizes and tile lists are derived from it without a sync
     rank: int
     world: int
     num_local_experts: int
@@ -39,11 +40,11 @@ class ExpertLayout:
 
 
 def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int) -> ExpertLayout:
-    """counts: int64 [world, num_experts] on any device; the layout's tensors live on that device."""
+    """counts: int64 [world, num_experts] on any device; the layout's tensors live on that device. Reading the
+    counts is the one host sync of a fused MoE layer; the rest is computed on the host and sent in one copy."""
     world, num_experts = counts.shape
     if num_experts != world * num_local_experts:
         raise ValueError(f"counts has {num_experts} experts; expected {world} ranks x {num_local_experts}")
-    device = counts.device
     c = counts.cpu()
     # owner_blocks[d]: [L, world] counts in receive order; offsets of every block in every owner's buffer.
     owner_blocks = c.view(world, world, num_local_experts).permute(1, 2, 0)  # [owner, e, source]
@@ -66,13 +67,22 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int)
     recv_source_row = torch.repeat_interleave(source_starts[sources, experts], my_blocks) + _ranks_within(my_blocks)
 
     recv_rows = owner_blocks.reshape(world, -1).sum(dim=1)
+    send_dest_rank, send_dest_row, recv_offsets, recv_source_rank, recv_source_row = host_to_device(
+        [send_dest_rank, send_dest_row, recv_offsets, recv_source_rank, recv_source_row], counts.device)
     return ExpertLayout(
-        counts=counts, rank=rank, world=world, num_local_experts=num_local_experts,
-        send_dest_rank=send_dest_rank.to(device), send_dest_row=send_dest_row.to(device),
-        recv_offsets=recv_offsets.to(device), recv_source_rank=recv_source_rank.to(device),
-        recv_source_row=recv_source_row.to(device),
+        counts=counts, host_counts=c, rank=rank, world=world, num_local_experts=num_local_experts,
+        send_dest_rank=send_dest_rank, send_dest_row=send_dest_row, recv_offsets=recv_offsets,
+        recv_source_rank=recv_source_rank, recv_source_row=recv_source_row,
         tokens_per_local_expert=owner_blocks[rank].sum(dim=1).tolist(),
         max_recv_rows=int(recv_rows.max()), max_send_rows=int(c.sum(dim=1).max()))
+
+
+def host_to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors of one dtype -> views of one device tensor, moved in one copy. On GPUs the copy is from
+    pinned memory and non-blocking: a copy from pageable memory waits for the GPU to drain first."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
+    return [part.view(t.shape) for part, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors)]
 
 
 def gather_counts(tokens_per_expert: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

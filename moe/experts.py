@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.expert_layout import host_to_device
+
 
 def swiglu(a13: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, from [rows, 2 * ffn] = x @ w13[e]: gate columns first, then up."""
@@ -37,7 +39,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def _swiglu_grouped(x: torch.Tensor, counts: list[int], w13, w2) -> torch.Tensor:
     """The same with torch._grouped_mm: two kernels for all experts, gate and up in one (offs = group ends)."""
-    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    offs = host_to_device([torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)], x.device)[0]
     h = swiglu(torch._grouped_mm(x, w13, offs=offs))
     return _ContiguousGrad.apply(torch._grouped_mm(h, w2, offs=offs))
 

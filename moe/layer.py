@@ -84,13 +84,16 @@ class MoELayer(nn.Module):
 
         aux: load_balancing_loss and z_loss (scalars over this rank's tokens, unscaled: the caller applies its
         coefficients), tokens_per_expert ([num_experts], this rank's kept assignments), dropped (assignments
-        dropped by the capacity) and tokens_per_local_expert ([num_local_experts], rows this rank's experts ran).
+        dropped by the capacity) and tokens_per_local_expert ([num_local_experts], rows this rank's experts ran),
+        all tensors on x's device (reading them on the host waits for the GPU). Host syncs of a forward: the
+        counts that size the exchanges (one), and permute's row count when a capacity can drop assignments.
         `logit_bias` is passed to the router (tests force skewed routings with it).
         """
         routing = self.router(x, logit_bias)
+        kept = None if routing.capacity is None else routing.kept  # dropless: no host sync in permute
         # Rows are grouped by global expert, hence by destination rank.
         if self.comm == "fused":
-            _, perm = permute(x.new_empty(x.shape[0], 0), routing.expert_ids, self.num_experts, routing.kept)
+            _, perm = permute(x.new_empty(x.shape[0], 0), routing.expert_ids, self.num_experts, kept)
             counts = gather_counts(perm.tokens_per_expert, self.group)  # [source, global expert]
             layout = build_expert_layout(counts, self.rank, self.num_local_experts)
             self.combine.prepare(layout, x.dtype)  # host work while the GPU is idle anyway (the layout synced)
@@ -98,7 +101,7 @@ class MoELayer(nn.Module):
             y = _FusedExperts.apply(x, routing.weights, e.w13, e.w2, self, layout, perm)
             recv_counts = counts[:, self.rank * self.num_local_experts:(self.rank + 1) * self.num_local_experts]
         else:
-            rows, perm = permute(x, routing.expert_ids, self.num_experts, routing.kept)
+            rows, perm = permute(x, routing.expert_ids, self.num_experts, kept)
             send_counts = perm.tokens_per_expert.view(self.world, self.num_local_experts)
             exchange = _BulkRows(send_counts, exchange_counts(send_counts, self.group), self.group)
             expert_out = self.experts(exchange.to_owners(rows), exchange.tokens_per_local_expert)
@@ -108,7 +111,7 @@ class MoELayer(nn.Module):
             "load_balancing_loss": routing.aux_loss,
             "z_loss": routing.z_loss,
             "tokens_per_expert": routing.tokens_per_expert,
-            "dropped": int((~routing.kept).sum()),
+            "dropped": (~routing.kept).sum(),
             "tokens_per_local_expert": recv_counts.sum(dim=0),
         }
         return y, aux
@@ -123,13 +126,15 @@ class _BulkRows:
         this rank's local expert e."""
         world, num_local_experts = recv_counts.shape
         self.recv_counts, self.group = recv_counts, group
-        self.send_splits = send_counts.sum(dim=1).tolist()
-        self.recv_splits = recv_counts.sum(dim=1).tolist()
-        self.tokens_per_local_expert = recv_counts.sum(dim=0).tolist()
+        host_send, host_recv = torch.stack([send_counts, recv_counts]).cpu()  # the one host sync: every size
+        self.send_splits = host_send.sum(dim=1).tolist()
+        self.recv_splits = host_recv.sum(dim=1).tolist()
+        self.tokens_per_local_expert = host_recv.sum(dim=0).tolist()
         # The all-to-all delivers (source, local expert, row); a stable sort by local expert regroups.
         device = recv_counts.device
         local_expert_of_row = torch.repeat_interleave(
-            torch.arange(num_local_experts, device=device).repeat(world), recv_counts.reshape(-1))
+            torch.arange(num_local_experts, device=device).repeat(world), recv_counts.reshape(-1),
+            output_size=sum(self.recv_splits))
         self.regroup = torch.sort(local_expert_of_row, stable=True).indices
         self.undo_regroup = torch.empty_like(self.regroup)
         self.undo_regroup[self.regroup] = torch.arange(self.regroup.numel(), device=device)

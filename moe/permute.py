@@ -26,7 +26,8 @@ class Permutation:
 
 def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
             kept: torch.Tensor | None = None) -> tuple[torch.Tensor, Permutation]:
-    """x [T, d], expert_ids [T, k] -> (rows [A, d] grouped by expert, Permutation); A = kept assignments."""
+    """x [T, d], expert_ids [T, k] -> (rows [A, d] grouped by expert, Permutation); A = kept assignments.
+    kept None: every assignment is kept (dropless routing; no host sync)."""
     top_k = expert_ids.shape[1]
     flat = expert_ids.reshape(-1)
     if kept is not None:
@@ -35,7 +36,8 @@ def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
     # Stable, so that within an expert the rows keep token order.
     keys, order = torch.sort(flat, stable=True)
     tokens_per_expert = count_per_expert(keys, num_experts + 1)[:num_experts]
-    num_rows = int(tokens_per_expert.sum())  # the one host sync: the rows' count sizes them
+    # Without drops every assignment is a row; with them, the one host sync: the rows' count sizes them.
+    num_rows = flat.numel() if kept is None else int(tokens_per_expert.sum())
     order = order[:num_rows]
     inverse = torch.full_like(flat, num_rows)
     inverse[order] = torch.arange(num_rows, device=flat.device)

@@ -115,7 +115,7 @@ def compare_with_reference(rank: int, world: int, scenarios: list[Scenario], dty
         if case.name == "last rank idle" and rank == world - 1:
             assert received.sum() == 0
         if case.capacity_factor is not None:
-            dropped = torch.tensor(aux["dropped"])
+            dropped = aux["dropped"].clone()
             if world > 1:
                 dist.all_reduce(dropped)
             assert dropped > 0

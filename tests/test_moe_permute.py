@@ -116,3 +116,12 @@ def test_dropped_assignments_have_exact_zero_gradients_next_to_nan_rows(bad):
     permuted.backward(torch.full_like(permuted, bad))
     has_row = kept.any(dim=1)
     assert not has_row.all() and (x.grad[~has_row] == 0).all() and not x.grad[has_row].isfinite().any()
+
+
+def test_dropless_permute_needs_no_host_sync():
+    """Without `kept` the row count is T * k, known on the host: permute must not read a device value back (the
+    sync a training step would wait on). Meta tensors raise on any read of their data."""
+    num_tokens, num_experts, top_k = 6, 4, 2
+    expert_ids, _ = assignments(num_tokens, num_experts, top_k, drop=0.0, seed=1)
+    rows, perm = permute(torch.empty(num_tokens, 3, device="meta"), expert_ids.to("meta"), num_experts)
+    assert rows.shape == (num_tokens * top_k, 3) and perm.order.shape == (num_tokens * top_k,)
