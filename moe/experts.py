@@ -39,9 +39,14 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def _swiglu_grouped(x: torch.Tensor, counts: list[int], w13, w2) -> torch.Tensor:
     """The same with torch._grouped_mm: two kernels for all experts, gate and up in one (offs = group ends)."""
-    offs = host_to_device([torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)], x.device)[0]
+    offs = group_ends(counts, x.device)
     h = swiglu(torch._grouped_mm(x, w13, offs=offs))
     return _ContiguousGrad.apply(torch._grouped_mm(h, w2, offs=offs))
+
+
+def group_ends(counts: list[int], device: torch.device) -> torch.Tensor:
+    """torch._grouped_mm's `offs`: int32 end row of each group, sent from the host without waiting for the GPU."""
+    return host_to_device([torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)], device)[0]
 
 
 def probe_tolerance(dtype: torch.dtype, device: torch.device) -> float:

@@ -37,8 +37,8 @@ import triton.language as tl
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, signal_ready
 from fused_dlrm.kernels.peer_tiles import remote_first_order
-from moe.expert_layout import ExpertLayout
-from moe.experts import _grouped_mm_works
+from moe.expert_layout import ExpertLayout, host_to_device
+from moe.experts import _grouped_mm_works, group_ends
 from moe.permute import Permutation, unpermute
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -50,7 +50,6 @@ class CombinePlan:
 
     layout: ExpertLayout
     dtype: torch.dtype
-    counts: torch.Tensor  # the layout's counts on the host
     rows: PeerBuffer  # the combine buffer: this rank's permuted rows, written by their owners
     ready: PeerBuffer  # int32 flags, per (flag slot, column block)
     ack: PeerBuffer  # int32 [world]: the epoch each source has finished reading
@@ -316,10 +315,10 @@ class FusedCombine:
         anyway (before the dispatch), keeps host work and syncs out of the way of the kernels."""
         if self._plan is not None and self._plan.layout is layout and self._plan.dtype == dtype:
             return self._plan
-        counts = layout.counts.cpu()
+        counts = layout.host_counts
         rows, ready, ack = self._buffers(counts, dtype)
-        tiles = self._owner_tiles(counts).to(self.ws.device)
-        self._plan = CombinePlan(layout, dtype, counts, rows, ready, ack, tiles, self._tile_of_row(layout))
+        tiles, = host_to_device([self._owner_tiles(counts)], self.ws.device)
+        self._plan = CombinePlan(layout, dtype, rows, ready, ack, tiles, self._tile_of_row(layout))
         return self._plan
 
     def start(self, h: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout) -> int:
@@ -381,9 +380,7 @@ class FusedCombine:
         `send_dest_row` of its owner's gradient buffer, flags raised per (this rank, row block). Every rank calls
         `start_backward` before any rank calls `finish_backward`. Returns the epoch."""
         self.errors.check()
-        # The forward's host copy of the counts, unless another epoch came between (then a sync).
-        same = self._plan is not None and self._plan.layout is layout
-        counts = self._plan.counts if same else layout.counts.cpu()
+        counts = layout.host_counts
         rows, ready, ack, slots = self._gradient_buffers(layout, grad_y.dtype)
         epoch = self.ws.next_epoch("combine_grad")
         num_rows = layout.send_dest_rank.numel()
@@ -436,7 +433,7 @@ class FusedCombine:
         sizes = layout.tokens_per_local_expert
         tiles = torch.tensor([(e, first + i, first + n) for e, (first, n) in enumerate(zip(_starts(sizes), sizes))
                               for i in range(0, n, self.blocks.block_m)], dtype=torch.int64).reshape(-1, 3)
-        self._grad = (layout, dtype, rows, ready, ack, slots, tiles.t().contiguous().to(self.ws.device))
+        self._grad = (layout, dtype, rows, ready, ack, slots, host_to_device([tiles.t()], self.ws.device)[0])
         return rows, ready, ack, slots
 
     def _buffers(self, counts: torch.Tensor, dtype: torch.dtype):
@@ -492,9 +489,10 @@ def _grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: list[int])
     if not x.shape[0]:
         return x.new_zeros(len(counts), x.shape[1], grad.shape[1])
     if x.is_cuda and _grouped_mm_works(x.device, x.dtype, x.shape[1], grad.shape[1]):
-        ends = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        out = torch._grouped_mm(x.t(), grad, offs=ends)
-        return out.masked_fill(torch.tensor(counts, device=x.device).view(-1, 1, 1) == 0, 0)
+        out = torch._grouped_mm(x.t(), grad, offs=group_ends(counts, x.device))
+        for e in (e for e, n in enumerate(counts) if n == 0):  # torch._grouped_mm leaves these unwritten
+            out[e].zero_()
+        return out
     return torch.stack([a.t() @ g for a, g in zip(torch.split(x, counts), torch.split(grad, counts))])
 
 

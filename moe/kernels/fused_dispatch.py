@@ -48,7 +48,7 @@ from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, signal_ready, wait_at_least
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout
-from moe.experts import _grouped_mm_works, swiglu
+from moe.experts import _grouped_mm_works, group_ends, swiglu
 from moe.kernels.fused_combine import _weighted_unpermute_kernel
 from moe.permute import Permutation
 
@@ -94,7 +94,7 @@ def _gate_up(x: torch.Tensor, sizes: list[int], w13: torch.Tensor) -> torch.Tens
     """x [rows, d_model] (expert e's rows contiguous) times w13[e]: torch._grouped_mm where the experts use it,
     else a loop."""
     if x.is_cuda and _grouped_mm_works(x.device, x.dtype, w13.shape[1], w13.shape[2] // 2):
-        return torch._grouped_mm(x, w13, offs=torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32))
+        return torch._grouped_mm(x, w13, offs=group_ends(sizes, x.device))
     return torch.cat([rows @ w13[e] for e, rows in enumerate(torch.split(x, sizes))])
 
 
