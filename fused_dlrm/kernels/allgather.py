@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import _Workspace
-from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, wait_at_least, wait_ready
+from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, wait_at_least, wait_ready
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 
 PRODUCERS = ("device", "copy_engine", "pull")
@@ -55,10 +55,8 @@ def wait_chunk(ready_ptr, source, chunk, chunks, epoch, spin_limit, error_ptr):
     """Bounded wait until flag (source, chunk) at ready_ptr >= epoch; a timeout records (1, source, chunk)."""
     failed = tl.atomic_add(error_ptr, 0) != 0  # a wait of this launch already timed out: do not spin again
     arrived = wait_at_least(ready_ptr + source * chunks + chunk, epoch, tl.where(failed, 0, spin_limit))
-    if (arrived == 0) & (failed == 0):
-        tl.store(error_ptr + 1, source)
-        tl.store(error_ptr + 2, chunk)
-        tl.atomic_xchg(error_ptr, 1)
+    if arrived == 0:
+        record_timeout(error_ptr, 1, source, chunk, epoch)
     return arrived
 
 
@@ -100,10 +98,13 @@ def _push_kernel(x_ptr, data_ptrs, ready_ptrs, ack_ptr, error_ptr, rank, epoch, 
         i += num_programs
 
 
-@triton.jit(do_not_specialize=["epoch"])  # one compiled variant for every epoch
-def _guard_kernel(ack_ptr, epoch, spin_limit, error_ptr):
-    """Program d: wait until rank d has released the half of its buffer that `epoch` writes."""
-    consumer_released(ack_ptr, tl.program_id(0), epoch, spin_limit, error_ptr)
+@triton.jit(do_not_specialize=["rank", "epoch"])  # one compiled variant for every rank and epoch
+def _guard_kernel(ack_ptr, rank, epoch, spin_limit, error_ptr):
+    """One program per rank d: wait until d has released the half of its buffer that `epoch` writes. Peers come
+    first, this rank last: the first timeout is the one recorded, and a peer's is the likely cause (this rank's
+    own ack of epoch - 1 is late only if its own calls were out of order)."""
+    dest = (rank + 1 + tl.program_id(0)) % tl.num_programs(0)
+    consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
 
 
 @triton.jit(do_not_specialize=["epoch"])  # one compiled variant for every epoch
@@ -227,7 +228,7 @@ class SymmetricAllGather:
         remote = remote_first_order(self.rank, self.world)[:-1]
         # One guard launch on the current stream for every rank: a spinning kernel on a side stream could be
         # starved of SMs by a persistent consumer launched after it.
-        _guard_kernel[(self.world,)](self.ack.local, epoch, self.spin_limit, self.errors.word)
+        _guard_kernel[(self.world,)](self.ack.local, self.rank, epoch, self.spin_limit, self.errors.word)
         if include_local:
             self._copy_chunks(shard, data[self.rank], ready[self.rank], epoch)
         for dest in remote:
@@ -244,7 +245,7 @@ class SymmetricAllGather:
 
     def _publish_local(self, shard: torch.Tensor, epoch: int) -> None:
         """Pull: the shard into this rank's own slot (once every peer is done with that half), then its flags."""
-        _guard_kernel[(self.world,)](self.ack.local, epoch, self.spin_limit, self.errors.word)
+        _guard_kernel[(self.world,)](self.ack.local, self.rank, epoch, self.spin_limit, self.errors.word)
         self._copy_chunks(shard, self.data.local, self.ready.local, epoch)
 
     def _pull(self, epoch: int) -> None:

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import _Workspace
-from fused_dlrm.kernels.peer_flags import PeerErrors, signal_ready, wait_at_least
+from fused_dlrm.kernels.peer_flags import PeerErrors, record_timeout, signal_ready, wait_at_least
 
 PRODUCE, REDUCE, WAIT = 1, 2, 4  # the phases of a launch (PHASES is their sum)
 ALL_PHASES = PRODUCE | REDUCE | WAIT
@@ -64,15 +64,12 @@ def gemm_allreduce_bulk(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGro
 
 @triton.jit
 def _wait_or_record(flag, epoch, spin_limit, error_ptr, peer, tile):
-    """Bounded wait for *flag >= epoch; the first timeout of a launch records (1, peer, tile), claiming word 3 so
-    that later ones (which give up at once: the launch must end) do not overwrite it."""
+    """Bounded wait for *flag >= epoch; a timeout records (1, peer, tile). Once one is recorded, later waits give
+    up at once (the launch must end)."""
     failed = tl.atomic_add(error_ptr, 0) != 0
     ok = wait_at_least(flag, epoch, tl.where(failed, 0, spin_limit))
     if ok == 0:
-        if tl.atomic_cas(error_ptr + 3, 0, 1) == 0:
-            tl.store(error_ptr + 1, peer)
-            tl.store(error_ptr + 2, tile)
-            tl.atomic_xchg(error_ptr, 1)
+        record_timeout(error_ptr, 1, peer, tile, epoch)
 
 
 @triton.jit(do_not_specialize=["epoch"])  # one compiled variant for every epoch

@@ -5,7 +5,8 @@ with `>=` (a fast peer may already have raised the next epoch). Producers raise 
 program) in every destination rank after their stores. The consumer's wait kernel has one program per producer
 rank, polling that rank's flags; when they are all up it acknowledges the epoch back to the producer, which
 guards the double-buffered output against being overwritten while the consumer may still read it.
-Waits are bounded: a timeout writes (1, producer rank, slot) into an error word the host turns into an exception.
+Waits are bounded: every kernel records a timeout through `record_timeout` (the first one per error wins) into an
+error word that `PeerErrors` turns into an exception on the host.
 """
 
 from __future__ import annotations
@@ -38,15 +39,27 @@ def wait_at_least(flag, epoch, spin_limit):
 
 
 @triton.jit
+def record_timeout(error_ptr, code, peer, slot, epoch):
+    """Record a timed-out wait into the error word [code, peer, slot, epoch, claim, unused x 3] unless one is
+    recorded already: the first timeout is the cause, later ones (of this launch, or of later launches before the
+    host reads the word) its consequences. The claim word decides between concurrent programs; the code, which
+    kernels poll to stop spinning, is written last. Codes: 1: `peer` never raised its flag for `slot`; 2: `peer`
+    never released its buffer (slot -1). `epoch`: the step of the failing call, which the host's message names."""
+    if tl.atomic_cas(error_ptr + 4, 0, 1) == 0:
+        tl.store(error_ptr + 1, peer)
+        tl.store(error_ptr + 2, slot)
+        tl.store(error_ptr + 3, epoch)
+        tl.atomic_xchg(error_ptr, code)
+
+
+@triton.jit
 def consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr):
     """Before storing into `dest`'s double-buffered output: has dest acknowledged epoch - 1 (so it no longer
     reads what epoch - 2 wrote there)? A timeout records error 2 and returns False (the caller skips its stores)."""
-    failed = tl.atomic_add(error_ptr, 0) != 0  # a wait of this launch already timed out: do not spin again
+    failed = tl.atomic_add(error_ptr, 0) != 0  # a timeout is recorded (not read yet): do not spin again
     acked = wait_at_least(ack_ptr + dest, epoch - 1, tl.where(failed, 0, spin_limit))
     if acked == 0:
-        tl.store(error_ptr + 1, dest)
-        tl.store(error_ptr + 2, -1)
-        tl.atomic_xchg(error_ptr, 2)
+        record_timeout(error_ptr, 2, dest, -1, epoch)
     return acked
 
 
@@ -76,13 +89,6 @@ def _poll_ready(flags, epoch, count, spin_limit, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _report_late(error_ptr, producer, late):
-    tl.store(error_ptr + 1, producer)
-    tl.store(error_ptr + 2, late)
-    tl.atomic_xchg(error_ptr, 1)
-
-
-@triton.jit
 def _wait_ready_kernel(ready_ptr, ack_ptrs, error_ptr, rank, epoch, slots_per_rank, spin_limit,
                        BLOCK: tl.constexpr):
     producer = tl.program_id(0)
@@ -91,7 +97,7 @@ def _wait_ready_kernel(ready_ptr, ack_ptrs, error_ptr, rank, epoch, slots_per_ra
         ack = tl.load(ack_ptrs + producer).to(tl.pointer_type(tl.int32)) + rank
         tl.atomic_xchg(ack, epoch, sem="release", scope="sys")
     else:
-        _report_late(error_ptr, producer, late)
+        record_timeout(error_ptr, 1, producer, late, epoch)
 
 
 @triton.jit
@@ -103,7 +109,7 @@ def _wait_ready_nvshmem_kernel(ready_ptr, ack_ptr, error_ptr, rank, epoch, slots
     if ok:
         set_flag(ack_ptr + rank, epoch, rank, producer)
     else:
-        _report_late(error_ptr, producer, late)
+        record_timeout(error_ptr, 1, producer, late, epoch)
 
 
 class PeerWaitTimeout(RuntimeError):
@@ -119,37 +125,91 @@ def wait_ready(ready: torch.Tensor, acks: torch.Tensor, error: torch.Tensor, ran
                           BLOCK=triton.next_power_of_2(slots_per_rank))
 
 
-class PeerErrors:
-    """The error word that one rank's bounded waits write; read on the host without stalling every step.
+class CopySchedule:
+    """When PeerErrors copies its error word to the host on GPUs (plain bookkeeping, testable without CUDA).
 
-    On GPUs the word is copied to pinned memory after each wait and checked at the next `check()` (every step,
-    non-blocking) or `check(block=True)`; on the CPU (interpreter) it is checked at once.
+    A copy (plus an event to query) costs the host about 8 us, several times the kernel time of a small call, so
+    it is not taken after every call: only once `every` calls have gone by since the last one, and only when no
+    copy is in flight (there is one pinned buffer). Calls are counted, not epochs: one PeerErrors may serve
+    exchanges with their own epoch counters.
     """
 
-    def __init__(self, device: torch.device, rank: int, what: str):
-        self.word = torch.zeros(4, dtype=torch.int32, device=device)
+    def __init__(self, every: int):
+        if every < 1:
+            raise ValueError(f"check_every must be >= 1, got {every}")
+        self.every = every
+        self.calls = 0  # calls whose waits were enqueued
+        self.covered = 0  # calls enqueued before the latest copy (the copy sees their records)
+        self.in_flight = False  # the latest copy is not inspected yet
+
+    def call(self) -> bool:
+        """One more call's waits were enqueued: whether to enqueue a copy behind them now."""
+        self.calls += 1
+        return not self.in_flight and self.calls - self.covered >= self.every
+
+    def copied(self) -> None:
+        self.covered, self.in_flight = self.calls, True
+
+    def inspected(self) -> None:
+        self.in_flight = False
+
+    def uncovered(self) -> bool:
+        """Whether calls were made after the latest copy."""
+        return self.covered < self.calls
+
+
+class PeerErrors:
+    """The error word that one rank's bounded waits write (`record_timeout`); read on the host without stalling.
+
+    On the CPU (interpreter) `after_wait` reads the word at once and raises. On GPUs the word stays on the device:
+    after every `check_every`-th call (`CopySchedule`) `after_wait` enqueues a copy to pinned memory behind the
+    call's waits, and `check()` (non-blocking, at the start of every call) raises if a completed copy shows a
+    timeout. So a timeout of call e is in the copy taken at the latest after call e + check_every - 1 (or, if a
+    copy is then still in flight, after the first call once that one was inspected) and raises at the first
+    `check()` after that copy completed: typically within check_every calls, later only if the host runs that far
+    ahead of the GPU. `check(block=True)` copies the word of the latest call, waits for it and raises: call it
+    before trusting results (end of a benchmark or a test). Nothing is lost: the word keeps the first timeout
+    (with the step of the failing call, so the message is exact however late it surfaces) until the host reads
+    it; meanwhile later waits give up at once (their results are lost anyway).
+    """
+
+    def __init__(self, device: torch.device, rank: int, what: str, check_every: int = 16):
+        # [code, peer, slot, epoch, claim] (record_timeout), padded to 32 bytes: one aligned sector
+        self.word = torch.zeros(8, dtype=torch.int32, device=device)
         self.rank, self.what = rank, what
-        self._host = torch.zeros(4, dtype=torch.int32, pin_memory=True) if device.type == "cuda" else None
+        self.schedule = CopySchedule(check_every)
+        self._host = torch.zeros(8, dtype=torch.int32, pin_memory=True) if device.type == "cuda" else None
         self._event = torch.cuda.Event() if device.type == "cuda" else None
-        self._pending: int | None = None  # epoch whose copy is in flight
 
     def after_wait(self, epoch: int) -> None:
+        """Call `epoch`'s waits are enqueued (the message names the step the kernel recorded, the failing one)."""
         if self._host is None:
-            self._raise_if_set(self.word.tolist(), epoch)
-            return
-        self._host.copy_(self.word, non_blocking=True)
-        self._event.record()
-        self._pending = epoch
+            self._raise_if_set(self.word.tolist())
+        elif self.schedule.call():
+            self._copy()
 
     def check(self, block: bool = False) -> None:
-        if self._pending is None or (not block and not self._event.query()):
+        """Raise PeerWaitTimeout if a completed copy shows a timeout; block=True: of every call made so far."""
+        if self._host is None:
             return
-        self._event.synchronize()
-        epoch, self._pending = self._pending, None
-        self._raise_if_set(self._host.tolist(), epoch)
+        if self.schedule.in_flight and (block or self._event.query()):
+            self._inspect()
+        if block and self.schedule.uncovered():
+            self._copy()
+            self._inspect()
 
-    def _raise_if_set(self, word: list[int], epoch: int) -> None:
-        code, peer, slot, _ = word
+    def _copy(self) -> None:
+        self._host.copy_(self.word, non_blocking=True)
+        self._event.record()
+        self.schedule.copied()
+
+    def _inspect(self) -> None:
+        self._event.synchronize()
+        self.schedule.inspected()
+        self._raise_if_set(self._host.tolist())
+
+    def _raise_if_set(self, word: list[int]) -> None:
+        code, peer, slot, epoch = word[:4]
         if not code:
             return
         self.word.zero_()

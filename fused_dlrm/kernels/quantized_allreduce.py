@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
-from fused_dlrm.kernels.peer_flags import PeerErrors, wait_at_least
+from fused_dlrm.kernels.peer_flags import PeerErrors, record_timeout, wait_at_least
 from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, block_values, decode_reference, encode_blocks,
                                              encode_reference, error_bound, kernel_constants, load_blocks,
                                              store_blocks)
@@ -113,10 +113,8 @@ def _wait(flag, epoch, spin_limit, error_ptr, peer, slot):
     the others only look once (the result is lost anyway; the host raises)."""
     failed = tl.atomic_add(error_ptr, 0) != 0
     up = wait_at_least(flag, epoch, tl.where(failed, 0, spin_limit))
-    if (up == 0) & (failed == 0):
-        tl.store(error_ptr + 1, peer)
-        tl.store(error_ptr + 2, slot)
-        tl.atomic_xchg(error_ptr, 1)
+    if up == 0:
+        record_timeout(error_ptr, 1, peer, slot, epoch)
 
 
 @triton.jit

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
-from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, signal_ready
+from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout, host_to_device
 from moe.experts import _grouped_mm_works, group_ends
@@ -186,9 +186,8 @@ def _report_late(seen, epoch, order, peer, slot, error_ptr):
     late = seen < epoch
     if tl.max(tl.max(late.to(tl.int32), axis=1), axis=0) > 0:
         first = tl.min(tl.min(tl.where(late, order, 2147483647), axis=1), axis=0)
-        tl.store(error_ptr + 1, tl.min(tl.min(tl.where(order == first, peer, 2147483647), axis=1), axis=0))
-        tl.store(error_ptr + 2, tl.min(tl.min(tl.where(order == first, slot, 2147483647), axis=1), axis=0))
-        tl.atomic_xchg(error_ptr, 1)
+        record_timeout(error_ptr, 1, tl.min(tl.min(tl.where(order == first, peer, 2147483647), axis=1), axis=0),
+                       tl.min(tl.min(tl.where(order == first, slot, 2147483647), axis=1), axis=0), epoch)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_rows", "epoch", "spin_limit"])  # one variant for all steps

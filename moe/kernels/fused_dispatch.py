@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import _Workspace
-from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, signal_ready, wait_at_least
+from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready, wait_at_least
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout
 from moe.experts import _grouped_mm_works, group_ends, swiglu
@@ -188,9 +188,7 @@ def _gated_gemm_kernel(
             seen = _poll(flags, remote, epoch, BLOCK_M)
         if timed_out & ~failed:
             late_row = begin + tl.min(tl.where(seen < epoch, lanes, BLOCK_M), axis=0)
-            tl.store(error_ptr + 1, tl.load(source_ptr + late_row))
-            tl.store(error_ptr + 2, late_row // CHUNK)
-            tl.atomic_xchg(error_ptr, 1)
+            record_timeout(error_ptr, 1, tl.load(source_ptr + late_row), late_row // CHUNK, epoch)
         tl.debug_barrier()  # the flags this program's threads acquired cover the rows any of them loads
 
         token = tl.load(token_ptr + tl.load(source_row_ptr + rows, mask=local, other=0), mask=local, other=0)

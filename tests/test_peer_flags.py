@@ -1,0 +1,65 @@
+"""PeerErrors without a GPU: `record_timeout` keeps the first timeout (with its step) until the host reads the word,
+and `CopySchedule` decides when the GPU path copies the word to the host (every `check_every` calls, never while
+a copy is in flight)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fused_dlrm.kernels.peer_flags import CopySchedule, PeerErrors, PeerWaitTimeout, record_timeout
+
+
+@triton.jit
+def _record_kernel(error_ptr, code, epoch):
+    """Every program records a timeout naming itself: peer = program, slot = 10 x program."""
+    pid = tl.program_id(0)
+    record_timeout(error_ptr, code, pid, 10 * pid, epoch)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
+def test_the_first_timeout_is_kept_until_the_host_reads_it():
+    errors = PeerErrors(torch.device("cpu"), rank=3, what="op")
+    _record_kernel[(3,)](errors.word, 1, 5)  # the interpreter runs program 0 first: it claims the word
+    _record_kernel[(3,)](errors.word, 2, 6)  # a later launch's timeouts are consequences: not recorded
+    assert errors.word.tolist()[:5] == [1, 0, 0, 5, 1]
+    with pytest.raises(PeerWaitTimeout, match=r"^op: rank 3 timed out at step 5 waiting for rank 0, slice 0 "):
+        errors.after_wait(6)  # the step comes from the word (the failing launch), not from the latest call
+    assert not errors.word.any()
+    errors.after_wait(7)  # read and cleared: nothing left to raise
+    _record_kernel[(2,)](errors.word, 2, 8)
+    with pytest.raises(PeerWaitTimeout, match=r"^op: rank 3 timed out at step 8 waiting for rank 0 to release its "
+                                              r"buffer \(rank 0 never finished step 7\)"):
+        errors.after_wait(8)
+
+
+def test_copy_schedule_copies_every_n_calls_when_none_is_in_flight():
+    schedule = CopySchedule(4)
+    due = []
+    for call in range(1, 13):
+        if schedule.call():
+            due.append(call)
+            schedule.copied()
+        if call == 4:  # the copy after call 4 is inspected at once; the one after call 8 never
+            schedule.inspected()
+    assert due == [4, 8]  # not 12: the copy after call 8 is still in flight
+    assert schedule.in_flight and schedule.uncovered()  # calls 9-12 are after the copy of call 8
+    schedule.inspected()
+    assert schedule.call()  # call 13: 5 calls since the last copy, none in flight
+    schedule.copied()
+    assert not schedule.uncovered()
+
+
+def test_copy_schedule_waits_for_the_copy_in_flight():
+    schedule = CopySchedule(2)
+    assert [schedule.call(), schedule.call()] == [False, True]
+    schedule.copied()
+    assert [schedule.call(), schedule.call(), schedule.call()] == [False, False, False]  # in flight
+    schedule.inspected()
+    assert schedule.call()  # the first call after the inspection: 4 calls since the copy
+    with pytest.raises(ValueError, match="check_every must be >= 1"):
+        CopySchedule(0)
