@@ -22,11 +22,11 @@ def _worker(rank: int, world_size: int, store_path: str, backend: str, fn, args)
         device_id = torch.device("cuda", rank)
     dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
                             device_id=device_id)
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        gc.collect()  # free DDP reducers (reference cycles) while the process group still exists
-        dist.destroy_process_group()
+    # No destroy after a failure: with NCCL it waits for the peers, which may be inside a collective that this
+    # rank will never join (a hang instead of the failure); mp.spawn stops them once this process has exited.
+    fn(rank, world_size, *args)
+    gc.collect()  # free DDP reducers (reference cycles) while the process group still exists
+    dist.destroy_process_group()
 
 
 def run_world(world_size: int, fn, *args, backend: str = "gloo") -> None:
