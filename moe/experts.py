@@ -76,9 +76,12 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype, d_model: int, ff
                for a, b in ((d_model, 2 * ffn), (ffn, d_model)))
 
     def run(experts, dtype):
-        inputs = [t.detach().to(dtype).requires_grad_() for t in (x, w13, w2)]
-        out = experts(inputs[0], [4, 2], *inputs[1:])
-        out.backward(grad.to(dtype))
+        # The first call may come under no_grad (an eval forward) or inside a backward: either would make the
+        # probe's own backward fail and cache False, i.e. the slow loop for good.
+        with torch.enable_grad():
+            inputs = [t.detach().to(dtype).requires_grad_() for t in (x, w13, w2)]
+            out = experts(inputs[0], [4, 2], *inputs[1:])
+            out.backward(grad.to(dtype))
         return [out.detach()] + [t.grad for t in inputs]
 
     try:

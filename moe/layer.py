@@ -27,7 +27,7 @@ from moe.expert_layout import ExpertLayout, build_expert_layout, gather_counts
 from moe.experts import SwiGLUExperts
 from moe.kernels.fused_combine import FusedCombine
 from moe.kernels.fused_dispatch import FusedDispatch
-from moe.permute import Permutation, permute, unpermute
+from moe.permute import Permutation, permute, reorder_rows, unpermute
 from moe.routing import TopKRouter
 
 DISPATCH_PUSH_PROGRAMS = 64  # the push runs beside the first GEMM on the SMs that GEMM leaves free
@@ -140,10 +140,12 @@ class _BulkRows:
         self.undo_regroup[self.regroup] = torch.arange(self.regroup.numel(), device=device)
 
     def to_owners(self, rows: torch.Tensor) -> torch.Tensor:
-        return all_to_all_v(rows, self.send_splits, self.recv_splits, self.group)[self.regroup]
+        received = all_to_all_v(rows, self.send_splits, self.recv_splits, self.group)
+        return reorder_rows(received, self.regroup, self.undo_regroup)
 
     def to_sources(self, rows: torch.Tensor) -> torch.Tensor:
-        return all_to_all_v(rows[self.undo_regroup], self.recv_splits, self.send_splits, self.group)
+        return all_to_all_v(reorder_rows(rows, self.undo_regroup, self.regroup), self.recv_splits, self.send_splits,
+                            self.group)
 
 
 class _FusedExperts(torch.autograd.Function):

@@ -72,6 +72,10 @@ def test_probe_accepts_a_working_grouped_mm_and_rejects_a_wrong_or_failing_one(d
     monkeypatch.setattr(experts, "_swiglu_grouped", lambda x, counts, *ws: grouped(x, counts[::-1], *ws))
     assert not probe(cpu, dtype, D_MODEL, FFN)
 
+    monkeypatch.undo()
+    with torch.no_grad():  # an eval forward first: the probe still runs its backward
+        assert probe(cpu, dtype, D_MODEL, FFN)
+
     def unsupported(*args):
         raise RuntimeError("grouped gemm is not supported here")
 

@@ -11,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe import permute, unpermute
+from moe.permute import reorder_rows
 
 
 def assignments(num_tokens: int, num_experts: int, top_k: int, drop: float, seed: int):
@@ -125,3 +126,17 @@ def test_dropless_permute_needs_no_host_sync():
     expert_ids, _ = assignments(num_tokens, num_experts, top_k, drop=0.0, seed=1)
     rows, perm = permute(torch.empty(num_tokens, 3, device="meta"), expert_ids.to("meta"), num_experts)
     assert rows.shape == (num_tokens * top_k, 3) and perm.order.shape == (num_tokens * top_k,)
+
+
+def test_reorder_rows_is_a_gather_both_ways():
+    """The bulk exchange's regrouping: x[order] with gradient grad[inverse], no accumulating op."""
+    generator = torch.Generator().manual_seed(3)
+    order = torch.randperm(7, generator=generator)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(7)
+    x = torch.randn(7, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+    assert torch.equal(reorder_rows(x, order, inverse), x[order])
+    assert torch.autograd.gradcheck(lambda x: reorder_rows(x, order, inverse), (x,))
+    with RecordOps() as recorded:
+        reorder_rows(x, order, inverse).backward(torch.randn(7, 3, dtype=torch.float64))
+    assert "index_select" in recorded.ops and not recorded.ops & ACCUMULATING, recorded.ops
