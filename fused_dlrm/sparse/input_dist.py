@@ -2,8 +2,10 @@
 
 After it, the owner of a table holds the bags of that table's features for every sample of the global batch, in
 source-rank order (rank 0's samples first). Bulk-synchronous, with torch.distributed:
-  1. a header all-to-all: local batch size and value count per destination (sizes must be known on the host);
+  1. a header all-to-all: local batch size and value count of each feature per destination (sizes must be known
+     on the host);
   2. lengths all-to-all; 3. values all-to-all (4. per-sample weights, when the KJT has them).
+Host syncs: the local value counts per feature (they split the values), and the received header.
 """
 
 from __future__ import annotations
@@ -71,13 +73,21 @@ class BulkInputDist:
             weight_chunks = torch.split(kjt.weights(), per_key_values)
             send_weights = torch.cat([weight_chunks[i] for i in perm]) if perm else kjt.weights()[:0]
 
-        values_to = [sum(per_key_values[key_index[f]] for f in feats) for feats in self.features_of_rank]
-        header = torch.tensor([[local_batch, n] for n in values_to], dtype=torch.int64, device=device)
-        recv_header = exchange_counts(header, self.group).tolist()
-        batch_sizes = [b for b, _ in recv_header]
-        values_from = [n for _, n in recv_header]
-
+        # Header to rank d: [local batch, value count of each of d's features (zero-padded)]. What comes back sizes
+        # everything the owner receives, so the header exchange is the second and last host sync.
+        width = 1 + max(len(feats) for feats in self.features_of_rank)
+        header = [[local_batch] + [per_key_values[key_index[f]] for f in feats] + [0] * (width - 1 - len(feats))
+                  for feats in self.features_of_rank]
+        values_to = [sum(row[1:]) for row in header]
+        header = torch.tensor(header, dtype=torch.int64)
+        if device.type == "cuda":  # a pageable copy would wait for the GPU
+            header = header.pin_memory()
+        recv_header = exchange_counts(header.to(device, non_blocking=True), self.group).tolist()
         mine = self.features_of_rank[self.rank]
+        batch_sizes = [row[0] for row in recv_header]
+        counts = [row[1:1 + len(mine)] for row in recv_header]  # [source][feature]: values received
+        values_from = [sum(row) for row in counts]
+
         send_length_splits = [len(feats) * local_batch for feats in self.features_of_rank]
         recv_length_splits = [len(mine) * b for b in batch_sizes]
         recv_lengths = all_to_all_v(send_lengths, send_length_splits, recv_length_splits, self.group)
@@ -88,7 +98,6 @@ class BulkInputDist:
         per_source_lengths = [chunk.view(len(mine), b) for chunk, b in
                               zip(torch.split(recv_lengths, recv_length_splits), batch_sizes)]
         owned_lengths = torch.cat(per_source_lengths, dim=1)
-        counts = torch.stack([l.sum(dim=1) for l in per_source_lengths]).tolist()  # host sync: [source][feature]
         order = [s * len(mine) + f for f in range(len(mine)) for s in range(world)]
         flat_counts = [c for row in counts for c in row]
         values = _regroup(recv_values, flat_counts, order)
