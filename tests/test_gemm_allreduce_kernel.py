@@ -38,9 +38,8 @@ class World:
     def __call__(self, xs, ws) -> list[torch.Tensor]:
         epochs = [op.next_epoch() for op in self.ops]
         for phase in (PRODUCE, REDUCE, WAIT):
-            for op, x, w, e in zip(self.ops, xs, ws, epochs):
-                op.launch(x, w, e, phase)
-        return [op.output(e, x.shape[0], w.shape[1], x.dtype).clone() for op, x, w, e in zip(self.ops, xs, ws, epochs)]
+            plans = [op.launch(x, w, e, phase) for op, x, w, e in zip(self.ops, xs, ws, epochs)]
+        return [op.output(e, plan).clone() for op, e, plan in zip(self.ops, epochs, plans)]
 
 
 def random_inputs(world_size, m, k, n, dtype, gen):
@@ -123,6 +122,6 @@ def test_timeout_names_rank_and_slice():
     op = world.ops[0]
     epoch = op.next_epoch()
     for phase in (PRODUCE, REDUCE, WAIT):
-        op.launch(xs[0], ws[0], epoch, phase)
+        plan = op.launch(xs[0], ws[0], epoch, phase)
     with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 1 waiting for rank 1, slice 0"):
-        op.output(epoch, 1, 40, torch.bfloat16)
+        op.output(epoch, plan)

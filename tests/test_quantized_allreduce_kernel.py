@@ -30,8 +30,8 @@ def world_of(size: int, max_programs: int = 2, spin_limit: int = 50) -> list[Fus
 def poison(call) -> None:
     """NaN output, NaN-coding slots (0xFF bytes: fp16 NaN values, NaN scales): unwritten elements show."""
     call.out.fill_(float("nan"))
-    call.recv.local.fill_(255)
-    call.gather.local.fill_(255)
+    call.plan.recv.local.fill_(255)
+    call.plan.gather.local.fill_(255)
 
 
 def all_reduce(world, xs, codec, mean=False, ranks=None, phases=(0, 1, 2)):

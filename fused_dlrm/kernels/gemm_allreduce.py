@@ -33,14 +33,15 @@ torch.distributed.all_reduce).
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from fused_dlrm.dist.symmetric import _Workspace
+from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
+from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
 from fused_dlrm.kernels.peer_flags import PeerErrors, record_timeout, signal_ready, wait_at_least
 
 PRODUCE, REDUCE, WAIT = 1, 2, 4  # the phases of a launch (PHASES is their sum)
@@ -163,12 +164,29 @@ def default_split_k(m: int, k: int, num_tiles: int, num_programs: int) -> int:
     return max(1, min(triton.cdiv(4 * num_programs, num_tiles), k // (40 * m)))
 
 
+@dataclass
+class Plan:
+    """What every call of one key (GemmAllReduce._key) does alike: buffers, tiling and kernel arguments, computed
+    once, and the output's two views (by epoch parity)."""
+    key: tuple
+    recv: PeerBuffer
+    out: PeerBuffer
+    outputs: tuple[torch.Tensor, torch.Tensor]
+    args: Arguments  # filled per call with x, w and the epoch
+    options: dict  # launch options
+
+
 class GemmAllReduce:
     """out = sum over the workspace's ranks of x @ w, fused into one launch (see the module docstring).
 
     Every rank must call with the same M, K, N, dtype and the same number of times (flags carry per-call
     epochs). Block sizes are fixed per instance (Triton compiles one kernel per (BLOCK_M, K_TILES, dtype)); the
     launch has `num_programs` persistent programs, by default PROGRAMS_PER_SM per SM.
+
+    Host time per call is kept small (a GEMV's kernel takes tens of microseconds): what depends only on the
+    call's key is computed once into a `Plan`, and GPUs launch the plan's compiled binary (kernels/launch.py).
+    The output is one of the plan's two views into symmetric memory: the same tensor object every other call.
+    Plans are dropped when a larger shape grows the symmetric buffers they point into.
     """
 
     def __init__(self, workspace: _Workspace, num_programs: int | None = None, spin_limit: int = 20_000_000,
@@ -183,19 +201,33 @@ class GemmAllReduce:
         self.num_programs, self.spin_limit = num_programs, spin_limit
         self.block_n, self.block_k, self.split_k, self.num_warps = block_n, block_k, split_k, num_warps
         self.errors = PeerErrors(device, self.rank, "fused GEMM + all-reduce")
-        self._interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        self.ready = workspace.buffer("gemm_allreduce_ready", self.world * num_programs, torch.int32)
+        self.done = workspace.buffer("gemm_allreduce_done", self.world * num_programs, torch.int32)
+        self._plans: dict[tuple, Plan] = {}
+        self._launches = CompiledLaunches(_gemm_allreduce_kernel)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         epoch = self.next_epoch()
-        self.launch(x, w, epoch, ALL_PHASES)
-        return self.output(epoch, x.shape[0], w.shape[1], x.dtype)
+        return self.output(epoch, self.launch(x, w, epoch, ALL_PHASES))
 
     def next_epoch(self) -> int:
         self.errors.check()
         return self.ws.next_epoch("gemm_allreduce")
 
-    def launch(self, x: torch.Tensor, w: torch.Tensor, epoch: int, phases: int) -> None:
+    @staticmethod
+    def _key(x: torch.Tensor, w: torch.Tensor, phases: int) -> tuple:
+        """What the plan and the compiled kernel's specialisation follow from: shapes (M, N, K are specialised),
+        strides (passed as ints), dtypes, the 16-byte alignment of x and w, and the phases (a constexpr)."""
+        return x.shape, w.shape, x.stride(), w.stride(), x.dtype, w.dtype, aligned(x), aligned(w), phases
+
+    def launch(self, x: torch.Tensor, w: torch.Tensor, epoch: int, phases: int) -> Plan:
         """Enqueue `phases` of call `epoch` (ALL_PHASES on GPUs; one phase at a time in a simulated world)."""
+        key = self._key(x, w, phases)
+        plan = self._plans.get(key) or self._plan(key, x, w, phases)
+        self._launches(key, (self.num_programs, 1, 1), plan.args(x, w, epoch), plan.options)
+        return plan
+
+    def _plan(self, key: tuple, x: torch.Tensor, w: torch.Tensor, phases: int) -> Plan:
         (m, k), n = x.shape, w.shape[1]
         if not 1 <= m <= MAX_ROWS or w.shape[0] != k or x.dtype != w.dtype or x.dtype not in (torch.float16,
                                                                                              torch.bfloat16):
@@ -210,20 +242,25 @@ class GemmAllReduce:
         recv = self.ws.buffer("gemm_allreduce_recv", 2 * self.world * split_k * tiles_per_rank * m * self.block_n,
                               torch.float32)
         out = self.ws.buffer("gemm_allreduce_out", 2 * m * n, x.dtype)
-        ready = self.ws.buffer("gemm_allreduce_ready", self.world * P, torch.int32)
-        done = self.ws.buffer("gemm_allreduce_done", self.world * P, torch.int32)
-        _gemm_allreduce_kernel[(P,)](
-            x, w, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-            recv.peer_ptrs, out.peer_ptrs, ready.peer_ptrs, done.peer_ptrs, self.errors.word,
-            self.rank, epoch, m, n, k, recv.local.numel() // 2, out.local.numel() // 2, num_tiles, tiles_per_rank,
-            split_k, k_tiles * self.block_k, P, self.spin_limit,
+        # Plans made before a buffer grew point into the old one: drop them (their keys plan anew).
+        self._plans = {k: p for k, p in self._plans.items() if p.recv is recv and p.out is out}
+        half = out.local.numel() // 2
+        outputs = out.local[:m * n].view(m, n), out.local[half:half + m * n].view(m, n)
+        interpret = self._launches.interpret
+        args = Arguments(
+            _gemm_allreduce_kernel, ("x_ptr", "w_ptr", "epoch"),
+            stride_xm=x.stride(0), stride_xk=x.stride(1), stride_wk=w.stride(0), stride_wn=w.stride(1),
+            recv_ptrs=recv.peer_ptrs, out_ptrs=out.peer_ptrs, ready_ptrs=self.ready.peer_ptrs,
+            done_ptrs=self.done.peer_ptrs, error_ptr=self.errors.word, rank=self.rank, M=m, N=n, K=k,
+            recv_half=recv.local.numel() // 2, out_half=half, num_tiles=num_tiles, tiles_per_rank=tiles_per_rank,
+            split_k=split_k, k_chunk=k_tiles * self.block_k, num_programs=P, spin_limit=self.spin_limit,
             WORLD=self.world, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=self.block_n,
-            BLOCK_K=self.block_k, K_TILES=k_tiles, OUT_DTYPE=TL_DTYPES[x.dtype], DOT_FP32=self._interpret,
-            PHASES=phases, num_warps=self.num_warps)
+            BLOCK_K=self.block_k, K_TILES=k_tiles, OUT_DTYPE=TL_DTYPES[x.dtype], DOT_FP32=interpret, PHASES=phases)
+        plan = self._plans[key] = Plan(key, recv, out, outputs, args, dict(num_warps=self.num_warps))
+        return plan
 
-    def output(self, epoch: int, m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """The [m, n] result of call `epoch` (once its WAIT phase ran); valid until the call after next."""
+    def output(self, epoch: int, plan: Plan) -> torch.Tensor:
+        """The [M, N] result of call `epoch` (once its WAIT phase ran), launched with `plan`; valid until the call
+        after next."""
         self.errors.after_wait(epoch)
-        out = self.ws.buffer("gemm_allreduce_out", 2 * m * n, dtype).local
-        half = out.numel() // 2
-        return out[(epoch % 2) * half:(epoch % 2) * half + m * n].view(m, n)
+        return plan.outputs[epoch % 2]

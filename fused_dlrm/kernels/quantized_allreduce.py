@@ -7,7 +7,7 @@ tiles p, p + P, ... of every chunk (P programs, the same on every rank). Every r
 symmetric buffers each hold one encoding of world x chunk_blocks blocks in quant_codecs' planar format, block
 s * chunk_blocks + j being source s's block j: int32 payload words [source][chunk_blocks][words], then fp16
 scales [source][chunk_blocks]. So a tile of a source is one contiguous run of whole words (and one of scales):
-with the buffers' 16-byte alignment (checked by `start`, hinted to the compiler) its loads and stores, local or
+with the buffers' 16-byte alignment (checked by each plan, hinted to the compiler) its loads and stores, local or
 over NVLink, are 128-bit vectors (64-bit for q6's 6-word blocks). One launch runs three phases per program:
 1. scatter: for every destination d (remote ranks first, rotated by rank, self last) encode the program's tiles
    of chunk d and store them straight into d's `recv` at [source = me]; then, d a peer, raise flag ready[me, p]
@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
+from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
 from fused_dlrm.kernels.peer_flags import PeerErrors, record_timeout, wait_at_least
 from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, block_values, decode_reference, encode_blocks,
                                              encode_reference, error_bound, kernel_constants, load_blocks,
@@ -129,7 +130,7 @@ def _signal(flag_ptrs, peer, slot, epoch):
 def _encoded(ptrs, peer, num_blocks, WORDS: tl.constexpr):
     """(payload, scales): pointers of peer's recv or gather buffer, which holds an encoding of num_blocks blocks
     (int32 payload [num_blocks, WORDS], then fp16 scales [num_blocks]). Symmetric buffers are 16-byte aligned
-    (every rank allocates alike; `FusedQuantizedAllReduce.start` checks its own), which the compiler cannot see
+    (every rank allocates alike; each plan of `FusedQuantizedAllReduce` checks its own), which the compiler cannot see
     through the pointer table: with the hint, payload rows of 16-byte multiples move as 128-bit vectors."""
     payload = tl.multiple_of(tl.load(ptrs + peer).to(tl.pointer_type(tl.int32)), 16)
     return payload, (payload + num_blocks * WORDS).to(tl.pointer_type(tl.float16))
@@ -219,20 +220,26 @@ def _quantized_all_reduce_kernel(
 
 
 @dataclass
-class FusedCall:
-    """One all-reduce in flight: its output and what its launch(es) need."""
-    x: torch.Tensor
-    out: torch.Tensor
-    codec: str
-    mean: bool
-    epoch: int
+class Plan:
+    """What every call of one key (FusedQuantizedAllReduce._key: size, dtype, codec, mean, alignment) does alike:
+    its buffers, tile split, grid and kernel arguments, computed once."""
+    key: tuple
     chunk_blocks: int
     tile_blocks: int
     num_programs: int
     recv: PeerBuffer
     gather: PeerBuffer
-    ready: PeerBuffer
-    done: PeerBuffer
+    args: Arguments  # filled per call with x, out, epoch and the phases
+    options: dict  # launch options
+
+
+@dataclass
+class FusedCall:
+    """One all-reduce in flight: its input, output, epoch and plan."""
+    x: torch.Tensor
+    out: torch.Tensor
+    epoch: int
+    plan: Plan
 
 
 class FusedQuantizedAllReduce:
@@ -242,6 +249,11 @@ class FusedQuantizedAllReduce:
     flags carry a per-call epoch). `max_programs`: the grid cap and the flags' stride (`co_resident_programs` on
     GPUs); `tile_blocks`: blocks per tile for large and small messages (powers of two; small ones let the
     interpreter tests cover many tiles).
+
+    Host time per call is kept small (the op is latency-bound at small sizes): what depends only on the call's
+    key is computed once into a `Plan`, and GPUs launch the plan's compiled binary (kernels/launch.py); a call
+    makes its output, takes an epoch and fills in the arguments. Plans are dropped when a larger message grows the
+    symmetric buffers they point into.
     """
 
     def __init__(self, workspace: _Workspace, max_programs: int, spin_limit: int = 20_000_000,
@@ -250,36 +262,58 @@ class FusedQuantizedAllReduce:
         self.rank, self.world = workspace.rank, workspace.world_size
         self.errors = PeerErrors(workspace.device, self.rank,
                                  f"fused quantized all-reduce (slices >= {max_programs}: all-gather)")
+        flags = self.world * max_programs
+        self.ready = workspace.buffer("qar_ready", flags, torch.int32)
+        self.done = workspace.buffer("qar_done", flags, torch.int32)
+        self._plans: dict[tuple, Plan] = {}
+        self._launches = CompiledLaunches(_quantized_all_reduce_kernel)
+
+    @staticmethod
+    def _key(x: torch.Tensor, out: torch.Tensor, codec: str, mean: bool) -> tuple:
+        """What the plan and the compiled kernel's specialisation follow from: x's size (numel is specialised),
+        the dtype of x and out, the codec and mean (constexprs), and the 16-byte alignment of x and out."""
+        return x.numel(), x.dtype, codec, mean, aligned(x), aligned(out)
 
     def start(self, x: torch.Tensor, codec: str, mean: bool = False) -> FusedCall:
-        """Allocate (collectively, on first use or growth) and number the call; nothing is launched yet."""
+        """Plan (and allocate collectively) on a key's first call, number the call; nothing is launched yet."""
+        self.errors.check()
+        x = x.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        key = self._key(x, out, codec, mean)
+        plan = self._plans.get(key) or self._plan(key, x.numel(), codec, mean)
+        return FusedCall(x, out, self.ws.next_epoch("qar"), plan)
+
+    def _plan(self, key: tuple, numel: int, codec: str, mean: bool) -> Plan:
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}: expected one of {tuple(CODECS)}")
-        self.errors.check()
-        cb = chunk_blocks_for(x.numel(), self.world)
+        cb = chunk_blocks_for(numel, self.world)
         slots = self.world * cb * CODECS[codec].block_bytes
         if slots >= 2**31:
-            raise ValueError(f"{x.numel()} values encode to {slots} bytes: the kernel's offsets are int32")
+            raise ValueError(f"{numel} values encode to {slots} bytes: the kernel's offsets are int32")
         recv, gather = self.ws.buffer("qar_recv", slots, torch.uint8), self.ws.buffer("qar_gather", slots, torch.uint8)
         if (recv.local.data_ptr() | gather.local.data_ptr()) % 16:  # the kernel's vector accesses rely on it
             raise RuntimeError("the quantized all-reduce needs 16-byte aligned symmetric buffers")
-        flags = self.world * self.max_programs
+        # Plans made before a buffer grew point into the old one: drop them (their keys plan anew).
+        self._plans = {k: p for k, p in self._plans.items() if p.recv is recv and p.gather is gather}
         large, small = self.tile_blocks
         tile = large if triton.cdiv(cb, large) >= self.max_programs else small
-        return FusedCall(x.contiguous().view(-1), torch.empty(x.shape, dtype=x.dtype, device=x.device), codec,
-                         mean, self.ws.next_epoch("qar"), cb, tile, min(self.max_programs, triton.cdiv(cb, tile)),
-                         recv=recv, gather=gather, ready=self.ws.buffer("qar_ready", flags, torch.int32),
-                         done=self.ws.buffer("qar_done", flags, torch.int32))
+        programs = min(self.max_programs, triton.cdiv(cb, tile))
+        args = Arguments(_quantized_all_reduce_kernel, ("x_ptr", "out_ptr", "epoch", "first_phase", "last_phase"),
+                         numel=numel, chunk_blocks=cb, recv_ptrs=recv.peer_ptrs, gather_ptrs=gather.peer_ptrs,
+                         ready_ptrs=self.ready.peer_ptrs, done_ptrs=self.done.peer_ptrs, error_ptr=self.errors.word,
+                         rank=self.rank, num_programs=programs, max_programs=self.max_programs,
+                         spin_limit=self.spin_limit, WORLD=self.world, MEAN=mean, ROWS=tile,
+                         **kernel_constants(CODECS[codec]))
+        # enable_fp_fusion=False: no fused multiply-add of decode and sum, so the sum equals the bulk twin's.
+        options = {} if self._launches.interpret else dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
+        plan = self._plans[key] = Plan(key, cb, tile, programs, recv, gather, args, options)
+        return plan
 
     def run(self, call: FusedCall, first_phase: int = 0, last_phase: int = 2) -> None:
         """Launch phases first_phase..last_phase of the call (all three on GPUs: one launch)."""
-        # enable_fp_fusion=False: no fused multiply-add of decode and sum, so the sum equals the bulk twin's.
-        gpu = {} if call.x.device.type == "cpu" else dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
-        _quantized_all_reduce_kernel[(call.num_programs,)](
-            call.x, call.out, call.x.numel(), call.chunk_blocks, call.recv.peer_ptrs, call.gather.peer_ptrs,
-            call.ready.peer_ptrs, call.done.peer_ptrs, self.errors.word, self.rank, call.epoch, call.num_programs,
-            self.max_programs, self.spin_limit, first_phase, last_phase,
-            WORLD=self.world, MEAN=call.mean, ROWS=call.tile_blocks, **kernel_constants(CODECS[call.codec]), **gpu)
+        plan = call.plan
+        self._launches(plan.key, (plan.num_programs, 1, 1),
+                       plan.args(call.x, call.out, call.epoch, first_phase, last_phase), plan.options)
 
     def finish(self, call: FusedCall) -> torch.Tensor:
         """The call's result (raises at once on the CPU, at a later call on GPUs, if a wait timed out)."""

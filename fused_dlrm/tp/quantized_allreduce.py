@@ -18,6 +18,7 @@ message. Codec "nccl" / "none" is a plain dist.all_reduce.
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -46,15 +47,16 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
     fused: the one-launch kernel (default: on CUDA tensors of an NCCL group), else the bulk twin."""
     if codec not in PLAIN and codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}: expected one of {PLAIN + tuple(CODECS)}")
-    world = dist.get_world_size(group)
     if codec in PLAIN:
         out = x.clone()
         dist.all_reduce(out, group=group)
-        return out.div_(world) if mean else out
+        return out.div_(dist.get_world_size(group)) if mean else out
+    group = group or dist.group.WORLD
     if fused is None:
-        fused = x.is_cuda and dist.get_backend(group) == "nccl"
+        fused = x.is_cuda and _backend(group) == "nccl"
     if fused:
         return fused_for_group(group, x.device)(x, codec, mean)
+    world = dist.get_world_size(group)
     numel = x.numel()
     chunk_blocks = chunk_blocks_for(numel, world)  # whole blocks per chunk
     chunk = chunk_blocks * BLOCK
@@ -84,6 +86,7 @@ def _unwire(wire: torch.Tensor, codec: str) -> Encoded:
 
 
 _FUSED: dict[dist.ProcessGroup, FusedQuantizedAllReduce] = {}
+_backend = lru_cache(maxsize=None)(dist.get_backend)  # per group: asked per call, it would cost a microsecond
 
 
 def fused_for_group(group: dist.ProcessGroup | None, device: torch.device) -> FusedQuantizedAllReduce:

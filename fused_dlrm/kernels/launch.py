@@ -1,0 +1,81 @@
+"""Launching a Triton kernel through its compiled binary: a small call's host time.
+
+`kernel[grid](*args)` binds the arguments, computes every argument's specialisation, hashes it into a cache key
+and looks the binary up at every call: about 20 us of host time for a kernel of 20 arguments (H200 host,
+triton 3.6), more than the kernel time of a small fused all-reduce. Calling the binary itself,
+`binary[grid](*args)`, takes about 9 us.
+
+A binary is only valid for the specialisation it was compiled for. Triton specialises every argument not marked
+do_not_specialize on: its type (a tensor's dtype; an int's range: i32, i64 or u64), an int equal to 1 (then a
+constexpr), an int divisible by 16, a tensor's address 16-byte aligned (`aligned`); do_not_specialize arguments
+keep only their type. `CompiledLaunches` keeps one binary per key, and the key is the caller's promise: every
+call under one key passes the same constexprs and options and arguments of the same specialisation. So a caller
+keys on everything that specialisation follows from (shapes, strides, dtypes, the alignment of every tensor it
+passes anew, the buffers it holds) and marks do_not_specialize the ints that change between calls of one key
+(epochs), which must stay within the i32 range.
+
+On GPUs the first call of a key compiles through `kernel.warmup` (Triton's own caches; nothing launched), so the
+caller can read the binary's resources (`compiled`) before choosing its grid; every call launches the binary.
+The interpreter (TRITON_INTERPRET=1) has no binaries: there every call goes through `kernel[grid]`, so CI, which
+has no GPU, does not run the binary path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Hashable
+
+import torch
+
+
+def aligned(t: torch.Tensor) -> bool:
+    """Whether t's address is 16-byte aligned (Triton specialises pointer arguments on it)."""
+    return t.data_ptr() % 16 == 0
+
+
+class Arguments:
+    """A kernel's argument list in its order, constexprs included, fixed but for the `per_call` names: built once
+    per plan by name (no argument can land in the wrong place), filled per call by position."""
+
+    def __init__(self, kernel, per_call: tuple[str, ...], **fixed):
+        names = list(kernel.arg_names)
+        if sorted(names) != sorted([*per_call, *fixed]):
+            raise TypeError(f"{names} != per call {per_call} + fixed {sorted(fixed)}")
+        self._slots = [names.index(n) for n in per_call]
+        self._args = [fixed.get(n) for n in names]
+
+    def __call__(self, *values) -> tuple:
+        """The full argument tuple with the per-call values, in `per_call`'s order."""
+        args = self._args.copy()
+        for slot, value in zip(self._slots, values):
+            args[slot] = value
+        return tuple(args)
+
+
+class CompiledLaunches:
+    """One Triton kernel's compiled binaries by key (see the module docstring for what a key must determine).
+
+    `args`: every argument of the kernel in its order, constexprs included (the binary takes them all, as
+    `kernel[grid]` passes them); `options`: launch options (num_warps, ...), the same for every call of a key.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        self._binaries: dict[Hashable, Any] = {}
+
+    def compiled(self, key: Hashable, grid: tuple[int, int, int], args: tuple, options: dict):
+        """The key's binary, compiled (not launched) on the first call; None in the interpreter."""
+        binary = self._binaries.get(key)
+        if binary is None and not self.interpret:
+            binary = self.kernel.warmup(*args, grid=grid, **options)
+            binary._init_handles()  # loads it: n_regs and the launcher exist from here on
+            self._binaries[key] = binary
+        return binary
+
+    def __call__(self, key: Hashable, grid: tuple[int, int, int], args: tuple, options: dict) -> None:
+        binary = self.compiled(key, grid, args, options)
+        if binary is None:
+            self.kernel[grid](*args, **options)
+        else:
+            binary[grid](*args)

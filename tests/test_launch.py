@@ -1,0 +1,150 @@
+"""Low-overhead launches (kernels/launch.py) without a GPU: the argument lists, the binary cache's bookkeeping (with
+a stand-in kernel: CI cannot load binaries), and the keys and plans of the fused quantized all-reduce and GEMM +
+all-reduce (16-byte alignment and dtype in the key; plans dropped when their buffers grow)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fused_dlrm.dist.symmetric import SimulatedWorld
+from fused_dlrm.kernels.gemm_allreduce import ALL_PHASES, GemmAllReduce
+from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
+from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce, quantized_all_reduce_reference
+
+interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
+
+
+class StandInKernel:
+    """What CompiledLaunches uses of a JITFunction: arg_names, warmup (compile) and kernel[grid](...) (launch)."""
+    arg_names = ["x_ptr", "n", "epoch", "BLOCK"]
+
+    def __init__(self):
+        self.log = []
+
+    def warmup(self, *args, grid, **options):
+        self.log.append(("compile", args, options))
+        return StandInBinary(self.log)
+
+    def __getitem__(self, grid):
+        return lambda *args, **options: self.log.append(("jit launch", grid, args))
+
+
+class StandInBinary:
+    def __init__(self, log):
+        self.log = log
+
+    def _init_handles(self):
+        self.log.append(("load",))
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("binary launch", grid, args))
+
+
+def test_arguments_are_placed_by_name_and_filled_per_call():
+    args = Arguments(StandInKernel, ("x_ptr", "epoch"), BLOCK=64, n=10)
+    assert args("x", 7) == ("x", 10, 7, 64)
+    assert args("y", 8) == ("y", 10, 8, 64)  # the template is not changed by a call
+    with pytest.raises(TypeError):
+        Arguments(StandInKernel, ("x_ptr",), n=10, BLOCK=64)  # epoch given nowhere
+    with pytest.raises(TypeError):
+        Arguments(StandInKernel, ("x_ptr", "epoch"), n=10, BLOCK=64, extra=1)
+
+
+def test_a_key_compiles_once_then_launches_its_binary():
+    kernel = StandInKernel()
+    launches = CompiledLaunches(kernel)
+    launches.interpret = False  # as on a GPU
+    launches("a", (4, 1, 1), ("x", 10, 1, 64), {"num_warps": 4})
+    launches("a", (4, 1, 1), ("x2", 10, 2, 64), {"num_warps": 4})
+    launches("b", (2, 1, 1), ("x", 32, 3, 64), {"num_warps": 4})
+    assert kernel.log == [("compile", ("x", 10, 1, 64), {"num_warps": 4}), ("load",),
+                          ("binary launch", (4, 1, 1), ("x", 10, 1, 64)),
+                          ("binary launch", (4, 1, 1), ("x2", 10, 2, 64)),  # no compile: the key's binary
+                          ("compile", ("x", 32, 3, 64), {"num_warps": 4}), ("load",),
+                          ("binary launch", (2, 1, 1), ("x", 32, 3, 64))]
+
+
+def test_the_interpreter_always_launches_through_the_jit_function():
+    kernel = StandInKernel()
+    launches = CompiledLaunches(kernel)
+    launches.interpret = True
+    for epoch in (1, 2):
+        launches("a", (4, 1, 1), ("x", 10, epoch, 64), {})
+    assert launches.compiled("a", (4, 1, 1), ("x", 10, 1, 64), {}) is None
+    assert kernel.log == [("jit launch", (4, 1, 1), ("x", 10, 1, 64)), ("jit launch", (4, 1, 1), ("x", 10, 2, 64))]
+
+
+def test_alignment():
+    base = torch.zeros(64, dtype=torch.bfloat16)
+    assert aligned(base) and aligned(base[8:]) and not aligned(base[1:]) and not aligned(base[4:])
+
+
+def test_quantized_all_reduce_key_follows_alignment_and_dtype_not_shape():
+    key = FusedQuantizedAllReduce._key
+    x = torch.zeros(1000, dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    assert key(x[:992], out, "q8", False) == key(x[8:], out, "q8", False) == key(x[:992].view(31, 32), out, "q8",
+                                                                                  False)
+    assert key(x[1:993], out, "q8", False) != key(x[:992], out, "q8", False)  # 2-byte offset: not aligned
+    assert key(x[:992], out[1:993], "q8", False) != key(x[:992], out[:992], "q8", False)
+    assert key(x[:992].float(), out, "q8", False) != key(x[:992], out, "q8", False)
+    assert key(x, out, "q8", True) != key(x, out, "q4", True) != key(x, out, "q4", False)
+
+
+def test_gemm_allreduce_key_follows_strides_alignment_and_dtype():
+    key = GemmAllReduce._key
+    x = torch.zeros(4, 48, dtype=torch.float16)
+    w = torch.zeros(48, 32, dtype=torch.float16)
+    assert key(x, w, ALL_PHASES) == key(x.clone(), w.clone(), ALL_PHASES)
+    assert key(x, w.t().contiguous().t(), ALL_PHASES) != key(x, w, ALL_PHASES)  # strides (K, 1) vs (1, K)
+    flat = torch.zeros(4 * 48 + 1, dtype=torch.float16)
+    assert key(flat[1:].view(4, 48), w, ALL_PHASES) != key(flat[:-1].view(4, 48), w, ALL_PHASES)
+    assert key(x.bfloat16(), w.bfloat16(), ALL_PHASES) != key(x, w, ALL_PHASES)
+    assert key(x, w, ALL_PHASES) != key(x, w, 1)
+
+
+@interpreter
+def test_quantized_all_reduce_plans_are_reused_and_dropped_when_buffers_grow():
+    world = [FusedQuantizedAllReduce(ws, 2, 50, tile_blocks=(32, 32)) for ws in SimulatedWorld(2).workspaces()]
+
+    def all_reduce(xs):
+        calls = [op.start(x, "q8") for op, x in zip(world, xs)]
+        for phase in (0, 1, 2):
+            for op, call in zip(world, calls):
+                op.run(call, phase, phase)
+        for op, call in zip(world, calls):
+            assert torch.equal(op.finish(call), quantized_all_reduce_reference(xs, "q8"))
+        return calls[0].plan
+
+    gen = torch.Generator().manual_seed(1)
+    small = all_reduce([torch.randn(300, generator=gen) for _ in world])
+    assert all_reduce([torch.randn(300, generator=gen) for _ in world]) is small
+    unaligned = all_reduce([torch.randn(301, generator=gen)[1:] for _ in world])  # 4-byte offset
+    assert unaligned is not small and unaligned.recv is small.recv
+    large = all_reduce([torch.randn(5000, generator=gen) for _ in world])  # grows recv and gather
+    assert large.recv is not small.recv
+    again = all_reduce([torch.randn(300, generator=gen) for _ in world])
+    assert again is not small and again.recv is large.recv  # planned anew, in the grown buffers
+
+
+@interpreter
+def test_gemm_allreduce_plans_are_reused_and_dropped_when_buffers_grow():
+    op = GemmAllReduce(SimulatedWorld(1).workspaces()[0], num_programs=1, spin_limit=50, block_n=16, block_k=16)
+    gen = torch.Generator().manual_seed(2)
+
+    def call(m, k, n):
+        x, w = torch.randn(m, k, generator=gen).half(), torch.randn(k, n, generator=gen).half()
+        epoch = op.next_epoch()
+        plan = op.launch(x, w, epoch, ALL_PHASES)
+        torch.testing.assert_close(op.output(epoch, plan), (x.float() @ w.float()).half(), rtol=2e-3, atol=2e-3)
+        return plan
+
+    small = call(2, 32, 20)
+    assert call(2, 32, 20) is small
+    large = call(8, 32, 40)
+    assert large.out is not small.out
+    again = call(2, 32, 20)
+    assert again is not small and again.out is large.out
