@@ -11,7 +11,7 @@ import torch
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.gemm_allreduce import ALL_PHASES, GemmAllReduce
-from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
+from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned, resident_programs_per_sm
 from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce, quantized_all_reduce_reference
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
@@ -77,6 +77,17 @@ def test_the_interpreter_always_launches_through_the_jit_function():
     assert kernel.log == [("jit launch", (4, 1, 1), ("x", 10, 1, 64)), ("jit launch", (4, 1, 1), ("x", 10, 2, 64))]
 
 
+def test_resident_programs_per_sm():
+    """sm_90: 65,536 registers, 228 KiB of shared memory (1 KiB reserved per program), 2,048 threads per SM."""
+    assert resident_programs_per_sm(32, 4, 8192) == 16  # threads: 16 x 128
+    assert resident_programs_per_sm(126, 4, 2048) == 4  # 128 registers x 128 threads each
+    assert resident_programs_per_sm(41, 4, 0) == 10  # 48 registers per thread (41 unrounded would fit 12)
+    assert resident_programs_per_sm(64, 8, 0) == 4
+    assert resident_programs_per_sm(32, 4, 113 * 1024) == 2
+    assert resident_programs_per_sm(32, 4, 114 * 1024) == 1  # 2 x (114 + 1) KiB > 228 KiB
+    assert resident_programs_per_sm(16, 1, 0) == 32  # at most 32 programs per SM
+
+
 def test_alignment():
     base = torch.zeros(64, dtype=torch.bfloat16)
     assert aligned(base) and aligned(base[8:]) and not aligned(base[1:]) and not aligned(base[4:])
@@ -108,7 +119,7 @@ def test_gemm_allreduce_key_follows_strides_alignment_and_dtype():
 
 @interpreter
 def test_quantized_all_reduce_plans_are_reused_and_dropped_when_buffers_grow():
-    world = [FusedQuantizedAllReduce(ws, 2, 50, tile_blocks=(32, 32)) for ws in SimulatedWorld(2).workspaces()]
+    world = [FusedQuantizedAllReduce(ws, 2, 50) for ws in SimulatedWorld(2).workspaces()]
 
     def all_reduce(xs):
         calls = [op.start(x, "q8") for op, x in zip(world, xs)]

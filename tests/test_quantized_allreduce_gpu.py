@@ -16,7 +16,7 @@ import torch.distributed as dist
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from fused_dlrm.kernels.quant_codecs import CODECS
-from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce, co_resident_programs, two_shot_error_bound
+from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce, max_programs_for, two_shot_error_bound
 from fused_dlrm.tp.quantized_allreduce import fused_for_group, quantized_all_reduce
 from test_quantized_allreduce import _ddp_hook
 from world import run_world
@@ -88,7 +88,7 @@ def test_ddp_hook_within_bound_of_plain_ddp():
 
 def _missing_peer(rank: int, world: int) -> None:
     device = torch.device("cuda", rank)
-    op = FusedQuantizedAllReduce(CudaSymmetricWorkspace(), co_resident_programs(device), spin_limit=20_000)
+    op = FusedQuantizedAllReduce(CudaSymmetricWorkspace(), max_programs_for(device), spin_limit=20_000)
     call = op.start(torch.randn(5000, device=device), "q8")  # allocation is collective: both ranks start
     if rank == 0:  # rank 1 never launches
         op.run(call)

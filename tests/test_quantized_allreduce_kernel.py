@@ -22,9 +22,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 
 
 def world_of(size: int, max_programs: int = 2, spin_limit: int = 50) -> list[FusedQuantizedAllReduce]:
-    """Tiles of 32 blocks (the GPU's are larger): small inputs still cover many tiles per program."""
-    return [FusedQuantizedAllReduce(ws, max_programs, spin_limit, tile_blocks=(32, 32))
-            for ws in SimulatedWorld(size).workspaces()]
+    """Tiles of 32 blocks (the default): small inputs still cover many tiles per program."""
+    return [FusedQuantizedAllReduce(ws, max_programs, spin_limit) for ws in SimulatedWorld(size).workspaces()]
 
 
 def poison(call) -> None:
@@ -146,11 +145,14 @@ from fused_dlrm.kernels.quant_codecs import CODECS, kernel_constants
 
 types = {"x_ptr": "*bf16", "out_ptr": "*bf16", "error_ptr": "*i32"}  # numel not divisible: x, out not vectors
 types.update({n: "*i64" for n in ("recv_ptrs", "gather_ptrs", "ready_ptrs", "done_ptrs")})
-world, rows = 2, quantized_allreduce.TILE_BLOCKS
+world, rows = 2, 128
 for name, c in CODECS.items():
     ptx = build(quantized_allreduce._quantized_all_reduce_kernel, types,
+                dict(WORLD=world, MEAN=False, ROWS=quantized_allreduce.TILE_BLOCKS, **kernel_constants(c))).asm["ptx"]
+    assert not re.search(r"(ld|st)\\.global\\.[bsu]8", ptx), name  # no byte accesses at the default tiles
+    ptx = build(quantized_allreduce._quantized_all_reduce_kernel, types,
                 dict(WORLD=world, MEAN=False, ROWS=rows, **kernel_constants(c))).asm["ptx"]
-    assert not re.search(r"(ld|st)\\.global\\.[bsu]8", ptx), name  # no byte accesses
+    assert not re.search(r"(ld|st)\\.global\\.[bsu]8", ptx), name
     assert not re.search(r"ld\\.global\\.b32", ptx), name  # no scalar word loads (flags: ld.global.sys.acquire)
     vector = 2 if name == "q6" else 4  # q6's blocks are 24 bytes: 8-byte aligned
     expected = 2 * world * rows * c.words // (4 * 32 * vector)  # 2 x world tiles loaded, 2 x world stored
@@ -163,6 +165,7 @@ for name, c in CODECS.items():
 
 
 def test_kernels_compile_for_sm90_with_vector_payload_accesses():
-    """The payload's int32 words move in 128-bit vectors (64-bit for q6), no byte-wise accesses; checked on CI's
-    CPUs by compiling for sm_90 without the interpreter (the big tiles; small tiles hold fewer words per thread)."""
+    """No byte-wise accesses; with tiles of 128 blocks (a thread holds 4-16 payload words) the int32 words move in
+    128-bit vectors (64-bit for q6); the default tiles of 32 blocks give a thread 1-4 words, in narrower accesses.
+    Checked on CI's CPUs by compiling for sm_90 without the interpreter."""
     compile_for_sm90(COMPILE_FOR_SM90)

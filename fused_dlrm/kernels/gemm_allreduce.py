@@ -16,7 +16,8 @@ The fixed order makes the result bit-identical on every rank.
 Programs wait for flags raised by other programs of the same launch, here and on peers: the grid must be
 co-resident. The default, PROGRAMS_PER_SM = 2, fits the launched configurations on sm_90 (ptxas, 4 warps, 3
 stages: at most 226 registers per thread and 96 KiB of shared memory per program, at BLOCK_M 64); were it not
-co-resident, the waits would time out and raise, not hang. The Triton interpreter runs programs one after another, so a
+co-resident (e.g. a larger `programs_per_sm` or `num_stages` given to the constructor for a sweep), the waits
+would time out and raise, not hang. The Triton interpreter runs programs one after another, so a
 simulated world launches the three phases separately (`PHASES`), every rank's phase before the next phase.
 
 Buffers (symmetric, double-buffered by epoch parity): a rank can only start call e + 2 once the output flags of
@@ -173,7 +174,6 @@ class Plan:
     out: PeerBuffer
     outputs: tuple[torch.Tensor, torch.Tensor]
     args: Arguments  # filled per call with x, w and the epoch
-    options: dict  # launch options
 
 
 class GemmAllReduce:
@@ -181,7 +181,9 @@ class GemmAllReduce:
 
     Every rank must call with the same M, K, N, dtype and the same number of times (flags carry per-call
     epochs). Block sizes are fixed per instance (Triton compiles one kernel per (BLOCK_M, K_TILES, dtype)); the
-    launch has `num_programs` persistent programs, by default PROGRAMS_PER_SM per SM.
+    launch has `num_programs` persistent programs, by default `programs_per_sm` (PROGRAMS_PER_SM) per SM;
+    `num_stages`: Triton's software pipelining depth of the K loop. Both are not tuned on GPUs yet (parameters
+    for a sweep; the grid must stay co-resident, see the module docstring).
 
     Host time per call is kept small (a GEMV's kernel takes tens of microseconds): what depends only on the
     call's key is computed once into a `Plan`, and GPUs launch the plan's compiled binary (kernels/launch.py).
@@ -190,16 +192,18 @@ class GemmAllReduce:
     """
 
     def __init__(self, workspace: _Workspace, num_programs: int | None = None, spin_limit: int = 20_000_000,
-                 block_n: int = 64, block_k: int = 128, split_k: int | None = None, num_warps: int = 4):
+                 block_n: int = 64, block_k: int = 128, split_k: int | None = None, num_warps: int = 4,
+                 num_stages: int = 3, programs_per_sm: int = PROGRAMS_PER_SM):
         if getattr(workspace, "transport", "p2p") != "p2p":
             raise NotImplementedError("the fused GEMM + all-reduce stores through peer pointers (transport p2p)")
         self.ws = workspace
         self.rank, self.world = workspace.rank, workspace.world_size
         device = workspace.device
         if num_programs is None:
-            num_programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+            num_programs = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
         self.num_programs, self.spin_limit = num_programs, spin_limit
-        self.block_n, self.block_k, self.split_k, self.num_warps = block_n, block_k, split_k, num_warps
+        self.block_n, self.block_k, self.split_k = block_n, block_k, split_k
+        self.options = dict(num_warps=num_warps, num_stages=num_stages)  # launch options
         self.errors = PeerErrors(device, self.rank, "fused GEMM + all-reduce")
         self.ready = workspace.buffer("gemm_allreduce_ready", self.world * num_programs, torch.int32)
         self.done = workspace.buffer("gemm_allreduce_done", self.world * num_programs, torch.int32)
@@ -224,7 +228,7 @@ class GemmAllReduce:
         """Enqueue `phases` of call `epoch` (ALL_PHASES on GPUs; one phase at a time in a simulated world)."""
         key = self._key(x, w, phases)
         plan = self._plans.get(key) or self._plan(key, x, w, phases)
-        self._launches(key, (self.num_programs, 1, 1), plan.args(x, w, epoch), plan.options)
+        self._launches(key, (self.num_programs, 1, 1), plan.args(x, w, epoch), self.options)
         return plan
 
     def _plan(self, key: tuple, x: torch.Tensor, w: torch.Tensor, phases: int) -> Plan:
@@ -256,7 +260,7 @@ class GemmAllReduce:
             split_k=split_k, k_chunk=k_tiles * self.block_k, num_programs=P, spin_limit=self.spin_limit,
             WORLD=self.world, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=self.block_n,
             BLOCK_K=self.block_k, K_TILES=k_tiles, OUT_DTYPE=TL_DTYPES[x.dtype], DOT_FP32=interpret, PHASES=phases)
-        plan = self._plans[key] = Plan(key, recv, out, outputs, args, dict(num_warps=self.num_warps))
+        plan = self._plans[key] = Plan(key, recv, out, outputs, args)
         return plan
 
     def output(self, epoch: int, plan: Plan) -> torch.Tensor:

@@ -15,7 +15,8 @@ passes anew, the buffers it holds) and marks do_not_specialize the ints that cha
 (epochs), which must stay within the i32 range.
 
 On GPUs the first call of a key compiles through `kernel.warmup` (Triton's own caches; nothing launched), so the
-caller can read the binary's resources (`compiled`) before choosing its grid; every call launches the binary.
+caller can read the binary's resources (`compiled`, `resident_programs_per_sm`) before choosing its grid; every
+call launches the binary.
 The interpreter (TRITON_INTERPRET=1) has no binaries: there every call goes through `kernel[grid]`, so CI, which
 has no GPU, does not run the binary path.
 """
@@ -31,6 +32,23 @@ import torch
 def aligned(t: torch.Tensor) -> bool:
     """Whether t's address is 16-byte aligned (Triton specialises pointer arguments on it)."""
     return t.data_ptr() % 16 == 0
+
+
+# One sm_90 SM (H100, H200): what the programs resident on it share.
+SM_REGISTERS = 65_536
+SM_SHARED_BYTES = 228 * 1024
+SM_THREADS = 2048
+SM_PROGRAMS = 32
+SHARED_RESERVED_PER_PROGRAM = 1024  # the CUDA runtime's per-block reservation (sm_80 and later)
+
+
+def resident_programs_per_sm(n_regs: int, num_warps: int, shared: int) -> int:
+    """How many programs of a binary (registers per thread, warps, bytes of shared memory per program) can be
+    resident on one sm_90 SM at once: registers are allocated per thread in multiples of 8."""
+    threads = 32 * num_warps
+    by_registers = SM_REGISTERS // (-(-n_regs // 8) * 8 * threads)
+    by_shared = SM_SHARED_BYTES // (shared + SHARED_RESERVED_PER_PROGRAM)
+    return min(by_registers, by_shared, SM_THREADS // threads, SM_PROGRAMS)
 
 
 class Arguments:

@@ -2,13 +2,14 @@
 fused_dlrm.tp.quantized_allreduce's bulk all-reduce, with the same arithmetic bit for bit).
 
 x (n values) is cut into `world` chunks of `chunk_blocks` whole 32-value blocks (zero-padded at the end), each
-chunk into tiles of TILE_BLOCKS blocks (SMALL_TILE_BLOCKS for small messages); program p of every rank handles
-tiles p, p + P, ... of every chunk (P programs, the same on every rank). Every rank's `recv` and `gather`
-symmetric buffers each hold one encoding of world x chunk_blocks blocks in quant_codecs' planar format, block
-s * chunk_blocks + j being source s's block j: int32 payload words [source][chunk_blocks][words], then fp16
-scales [source][chunk_blocks]. So a tile of a source is one contiguous run of whole words (and one of scales):
-with the buffers' 16-byte alignment (checked by each plan, hinted to the compiler) its loads and stores, local or
-over NVLink, are 128-bit vectors (64-bit for q6's 6-word blocks). One launch runs three phases per program:
+chunk into tiles of TILE_BLOCKS blocks; program p of every rank handles tiles p, p + P, ... of every chunk (P
+programs, the same on every rank). Every rank's `recv` and `gather` symmetric buffers each hold one encoding of
+world x chunk_blocks blocks in quant_codecs' planar format, block s * chunk_blocks + j being source s's block j:
+int32 payload words [source][chunk_blocks][words], then fp16 scales [source][chunk_blocks]. So a tile of a
+source is one contiguous run of whole words (and one of scales): with the buffers' 16-byte alignment (checked by
+each plan, hinted to the compiler) its loads and stores, local or over NVLink, are vectors as wide as a thread's
+share of the tile allows (128-bit from 4 words per thread on; 64-bit for q6's 6-word blocks). One launch runs
+three phases per program:
 1. scatter: for every destination d (remote ranks first, rotated by rank, self last) encode the program's tiles
    of chunk d and store them straight into d's `recv` at [source = me]; then, d a peer, raise flag ready[me, p]
    in d (release, system scope) with the call's epoch;
@@ -35,14 +36,18 @@ ordered on its stream, so its launch e + 1 starts after all its programs of laun
 A second half by epoch parity would guard nothing more, so there is none (half the symmetric memory).
 Flags hold epochs (never reset, compared with >=); they are laid out [source][max_programs], so calls of any
 size use the same flags. Every wait is bounded: a timeout records (1, peer, slice) in the error word (slice
-p < max_programs: peer's scatter of tile set p; max_programs + p: peer's reduced tile set p) and later waits of
-the launch stop spinning; `PeerErrors` raises it naming rank, peer and slice.
+p < max_programs: peer's scatter of tile set p; max_programs + p: peer's reduced tile set p) and later waits
+stop spinning until the host has read it; `PeerErrors` raises it naming rank, peer, slice and step.
 
 On GPUs every program waits on the same-numbered program of every peer's launch, so the grid must be
-co-resident: `PROGRAMS_PER_SM` = 2 programs of 4 warps fit on an SM whatever their registers (2 x 128 threads
-x 255 registers <= 65,536) and shared memory (<= 8 KiB), so the grid needs no per-variant occupancy (which
-could differ between ranks' compiled variants; the ranks' grids must agree). In the interpreter (one program at
-a time) a simulated world runs each phase on every rank before the next (`run(call, phase, phase)`).
+co-resident: it is capped at what the compiled binary fits on the GPU at once (launch.resident_programs_per_sm
+from its registers, warps and shared memory; compiled variants use 32-126 registers per thread at 4 warps and
+at most 8 KiB of shared memory, so 4-16 programs per SM), and at `max_programs` = PROGRAMS_PER_SM (8) per SM,
+the flags' stride. The ranks' grids must agree (the tile split is by program): the binary is the same on every
+rank (rank and epoch are not specialised) as long as the ranks' inputs are alike, in size and, like every
+symmetric buffer, in 16-byte alignment (were the grids to differ, ranks would wait for flags that no program
+raises: at least one rank times out). In the interpreter (one program at a time) a simulated world runs each
+phase on every rank before the next (`run(call, phase, phase)`).
 """
 
 from __future__ import annotations
@@ -54,20 +59,20 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
-from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
+from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned, resident_programs_per_sm
 from fused_dlrm.kernels.peer_flags import PeerErrors, record_timeout, wait_at_least
 from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, block_values, decode_reference, encode_blocks,
                                              encode_reference, error_bound, kernel_constants, load_blocks,
                                              store_blocks)
 
-# Blocks per tile: 128 (4,096 values, 32 per thread) keeps enough loads in flight with only 256 threads per SM;
-# compiled for sm_90 (triton 3.6, worlds 2-8) it needs at most 197 registers and 8 KiB of shared memory, and
-# each thread moves its 4-16 payload words in 128-bit vectors. Messages with fewer such tiles per chunk than
-# programs use tiles of 32 blocks: more programs share a latency-bound message (there a thread holds 1-4 words,
-# so accesses are narrower; a warp's still covers whole contiguous lines). Neither size is measured yet.
-TILE_BLOCKS = 128
-SMALL_TILE_BLOCKS = 32
-PROGRAMS_PER_SM = 2  # co-resident whatever the registers (see the module docstring); not tuned on GPUs
+# Kernel times at 64 MiB bf16, 2 ranks (2026-11-22, 2x H200, a5789bd), fp16 / q8 / q4 codec, by programs per
+# SM, blocks per tile and warps: P2 t128 w4 (the former default) 238 / 246 / 253 us; P4 t64 w4 235 / 199 / 188;
+# P4 t32 w4 256 / 220 / 217; P8 t32 w4 237 / 180 / 160; P2 t128 w8 235 / 217 / 208. So tiles of 32 blocks and up
+# to 8 programs of 4 warps per SM (fewer where the binary's registers do not fit 8: the grid must be
+# co-resident): more programs keep more loads in flight, although a thread then moves 1-4 payload words, in
+# narrower accesses (a warp's still cover whole contiguous lines). Smaller messages were not measured.
+TILE_BLOCKS = 32
+PROGRAMS_PER_SM = 8  # the grid's cap and, x SMs, the flags' stride (max_programs)
 NUM_WARPS = 4
 
 
@@ -224,13 +229,10 @@ class Plan:
     """What every call of one key (FusedQuantizedAllReduce._key: size, dtype, codec, mean, alignment) does alike:
     its buffers, tile split, grid and kernel arguments, computed once."""
     key: tuple
-    chunk_blocks: int
-    tile_blocks: int
-    num_programs: int
+    num_programs: int  # the grid
     recv: PeerBuffer
     gather: PeerBuffer
     args: Arguments  # filled per call with x, out, epoch and the phases
-    options: dict  # launch options
 
 
 @dataclass
@@ -246,9 +248,10 @@ class FusedQuantizedAllReduce:
     """The fused all-reduce of one workspace (one process group): its symmetric slots, flags and error word.
 
     Every rank must make the same calls in the same order with the same sizes (allocation is collective and the
-    flags carry a per-call epoch). `max_programs`: the grid cap and the flags' stride (`co_resident_programs` on
-    GPUs); `tile_blocks`: blocks per tile for large and small messages (powers of two; small ones let the
-    interpreter tests cover many tiles).
+    flags carry a per-call epoch). `max_programs`: the grid cap and the flags' stride (`max_programs_for` on
+    GPUs; fixed, as the flags cannot grow); on GPUs the grid is also capped at what the call's compiled binary
+    fits co-resident (see the module docstring). `tile_blocks`: blocks per tile (a power of two; small ones let
+    the interpreter tests cover many tiles).
 
     Host time per call is kept small (the op is latency-bound at small sizes): what depends only on the call's
     key is computed once into a `Plan`, and GPUs launch the plan's compiled binary (kernels/launch.py); a call
@@ -257,7 +260,7 @@ class FusedQuantizedAllReduce:
     """
 
     def __init__(self, workspace: _Workspace, max_programs: int, spin_limit: int = 20_000_000,
-                 tile_blocks: tuple[int, int] = (TILE_BLOCKS, SMALL_TILE_BLOCKS)):
+                 tile_blocks: int = TILE_BLOCKS):
         self.ws, self.max_programs, self.spin_limit, self.tile_blocks = workspace, max_programs, spin_limit, tile_blocks
         self.rank, self.world = workspace.rank, workspace.world_size
         self.errors = PeerErrors(workspace.device, self.rank,
@@ -267,6 +270,8 @@ class FusedQuantizedAllReduce:
         self.done = workspace.buffer("qar_done", flags, torch.int32)
         self._plans: dict[tuple, Plan] = {}
         self._launches = CompiledLaunches(_quantized_all_reduce_kernel)
+        # enable_fp_fusion=False: no fused multiply-add of decode and sum, so the sum equals the bulk twin's.
+        self.options = {} if self._launches.interpret else dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
 
     @staticmethod
     def _key(x: torch.Tensor, out: torch.Tensor, codec: str, mean: bool) -> tuple:
@@ -280,10 +285,11 @@ class FusedQuantizedAllReduce:
         x = x.contiguous()
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         key = self._key(x, out, codec, mean)
-        plan = self._plans.get(key) or self._plan(key, x.numel(), codec, mean)
+        plan = self._plans.get(key) or self._plan(key, x, out, codec, mean)
         return FusedCall(x, out, self.ws.next_epoch("qar"), plan)
 
-    def _plan(self, key: tuple, numel: int, codec: str, mean: bool) -> Plan:
+    def _plan(self, key: tuple, x: torch.Tensor, out: torch.Tensor, codec: str, mean: bool) -> Plan:
+        numel = x.numel()
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}: expected one of {tuple(CODECS)}")
         cb = chunk_blocks_for(numel, self.world)
@@ -295,25 +301,30 @@ class FusedQuantizedAllReduce:
             raise RuntimeError("the quantized all-reduce needs 16-byte aligned symmetric buffers")
         # Plans made before a buffer grew point into the old one: drop them (their keys plan anew).
         self._plans = {k: p for k, p in self._plans.items() if p.recv is recv and p.gather is gather}
-        large, small = self.tile_blocks
-        tile = large if triton.cdiv(cb, large) >= self.max_programs else small
-        programs = min(self.max_programs, triton.cdiv(cb, tile))
-        args = Arguments(_quantized_all_reduce_kernel, ("x_ptr", "out_ptr", "epoch", "first_phase", "last_phase"),
-                         numel=numel, chunk_blocks=cb, recv_ptrs=recv.peer_ptrs, gather_ptrs=gather.peer_ptrs,
-                         ready_ptrs=self.ready.peer_ptrs, done_ptrs=self.done.peer_ptrs, error_ptr=self.errors.word,
-                         rank=self.rank, num_programs=programs, max_programs=self.max_programs,
-                         spin_limit=self.spin_limit, WORLD=self.world, MEAN=mean, ROWS=tile,
-                         **kernel_constants(CODECS[codec]))
-        # enable_fp_fusion=False: no fused multiply-add of decode and sum, so the sum equals the bulk twin's.
-        options = {} if self._launches.interpret else dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
-        plan = self._plans[key] = Plan(key, cb, tile, programs, recv, gather, args, options)
+        per_call = ("x_ptr", "out_ptr", "epoch", "first_phase", "last_phase")
+        fixed = dict(numel=numel, chunk_blocks=cb, recv_ptrs=recv.peer_ptrs, gather_ptrs=gather.peer_ptrs,
+                     ready_ptrs=self.ready.peer_ptrs, done_ptrs=self.done.peer_ptrs, error_ptr=self.errors.word,
+                     rank=self.rank, num_programs=self.max_programs, max_programs=self.max_programs,
+                     spin_limit=self.spin_limit, WORLD=self.world, MEAN=mean, ROWS=self.tile_blocks,
+                     **kernel_constants(CODECS[codec]))
+        programs = min(self.max_programs, triton.cdiv(cb, self.tile_blocks))
+        # The binary first (num_programs is not specialised: any value compiles it), then the grid it allows.
+        binary = self._launches.compiled(key, (programs, 1, 1),
+                                         Arguments(_quantized_all_reduce_kernel, per_call, **fixed)(x, out, 1, 0, 2),
+                                         self.options)
+        if binary is not None:
+            per_sm = resident_programs_per_sm(binary.n_regs, binary.metadata.num_warps, binary.metadata.shared)
+            programs = min(programs, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        fixed["num_programs"] = programs
+        args = Arguments(_quantized_all_reduce_kernel, per_call, **fixed)
+        plan = self._plans[key] = Plan(key, programs, recv, gather, args)
         return plan
 
     def run(self, call: FusedCall, first_phase: int = 0, last_phase: int = 2) -> None:
         """Launch phases first_phase..last_phase of the call (all three on GPUs: one launch)."""
         plan = call.plan
         self._launches(plan.key, (plan.num_programs, 1, 1),
-                       plan.args(call.x, call.out, call.epoch, first_phase, last_phase), plan.options)
+                       plan.args(call.x, call.out, call.epoch, first_phase, last_phase), self.options)
 
     def finish(self, call: FusedCall) -> torch.Tensor:
         """The call's result (raises at once on the CPU, at a later call on GPUs, if a wait timed out)."""
@@ -326,6 +337,6 @@ class FusedQuantizedAllReduce:
         return self.finish(call)
 
 
-def co_resident_programs(device: torch.device) -> int:
-    """The grid cap on a GPU: PROGRAMS_PER_SM per SM (the same on every rank: the tile split must agree)."""
+def max_programs_for(device: torch.device) -> int:
+    """`max_programs` on a GPU: PROGRAMS_PER_SM per SM (the same on every rank: the tile split must agree)."""
     return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count

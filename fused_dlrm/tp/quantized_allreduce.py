@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS, Encoded, decode, encode
-from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, chunk_blocks_for, co_resident_programs,
+from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, chunk_blocks_for, max_programs_for,
                                                     sum_in_rank_order)
 
 GRAD_ALLREDUCE_CODECS = ("nccl", "fp16", "fp8", "q8", "q6", "q4")  # the values of comm.grad_allreduce
@@ -93,7 +93,7 @@ def fused_for_group(group: dist.ProcessGroup | None, device: torch.device) -> Fu
     """The group's fused all-reduce (its symmetric workspace is allocated collectively at the first call)."""
     group = group or dist.group.WORLD
     if group not in _FUSED:
-        _FUSED[group] = FusedQuantizedAllReduce(CudaSymmetricWorkspace(group), co_resident_programs(device))
+        _FUSED[group] = FusedQuantizedAllReduce(CudaSymmetricWorkspace(group), max_programs_for(device))
     return _FUSED[group]
 
 
