@@ -1,4 +1,4 @@
-"""All-gather primitives and AllGather + GEMM on simulated worlds of 2 and 4 ranks (interpreter on the CPU).
+"""All-gather primitives and AllGather + GEMM on simulated worlds of 2, 4 and 8 ranks (interpreter on the CPU).
 
 Every rank's producer runs before any rank's consumer (one process); buffers and outputs start poisoned (NaN) so
 unwritten elements show; results are compared with pure-torch references (torch.cat, float64 matmul).
@@ -38,7 +38,7 @@ def run_gather(ops, shards, producers):
     return [op.finish(e, p).clone() for op, e, p in zip(ops, epochs, producers)]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 @pytest.mark.parametrize("producer", PRODUCERS)
 def test_all_gather_matches_cat(world_size, producer):
     rows, cols = 7, 13  # chunks of 3 rows: the last chunk has 1
@@ -103,12 +103,14 @@ def relative_error(got, expected):
     return float((got.double() - expected).norm() / expected.norm())
 
 
-@pytest.mark.parametrize("world_size,config", [(2, SMALL), (4, SMALL), (2, STRADDLE)])
+@pytest.mark.parametrize("world_size,config,rows", [(2, SMALL, 41), (4, SMALL, 41), (8, SMALL, 20),
+                                                    (2, STRADDLE, 41)])
 @pytest.mark.parametrize("producer", ["copy_engine", "device"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_all_gather_matmul_matches_reference(world_size, config, producer, dtype):
-    rows, k, n = 41, 24, 19  # rows, K and N not multiples of the tiles; SMALL: chunks of 16 rows (the last has 9);
-    # STRADDLE: chunks of 24 rows, so the 16-row tile of rows 16..31 reads two chunks
+def test_all_gather_matmul_matches_reference(world_size, config, rows, producer, dtype):
+    k, n = 24, 19  # rows, K and N not multiples of the tiles; SMALL: chunks of 16 rows, the last has 9 (4 in the
+    # world of 8, given fewer rows: the interpreter's time grows with world x world x rows); STRADDLE: chunks of 24
+    # rows, so the 16-row tile of rows 16..31 reads two chunks
     gen = torch.Generator().manual_seed(11 * world_size)
     workspaces = matmul_world(world_size)
     for return_gathered in (False, True):  # two consecutive calls: both halves of the double buffer
@@ -123,7 +125,8 @@ def test_all_gather_matmul_matches_reference(world_size, config, producer, dtype
 
 
 @pytest.mark.parametrize("world_size,rows,chunk_rows,block_m", [
-    (2, 1000, 256, 128), (2, 1000, 200, 128), (4, 45, 24, 16), (2, 7, 3, 4), (3, 64, 64, 16), (2, 40, 100, 16)])
+    (2, 1000, 256, 128), (2, 1000, 200, 128), (4, 45, 24, 16), (2, 7, 3, 4), (3, 64, 64, 16), (2, 40, 100, 16),
+    (8, 45, 24, 16), (8, 300, 100, 64)])
 def test_every_tile_waits_for_every_chunk_it_reads(world_size, rows, chunk_rows, block_m):
     """The GEMM's own tile walk and chunk helpers: every (source, row, N-block) is computed exactly once, and each
     tile waits for exactly the chunks holding its rows (chunk_rows differing from block_m, tiles straddling chunks).
@@ -264,7 +267,7 @@ def test_all_gather_matmul_on_one_rank_is_a_matmul():
         torch.testing.assert_close(gathered, x, rtol=0, atol=0)
 
 
-COMPILE_FOR_SM90 = """
+COMPILE_FOR_SM90 = r"""
 from fused_dlrm.kernels import allgather, allgather_gemm
 
 for dtype in ("fp16", "bf16"):

@@ -1,4 +1,4 @@
-"""FusedCombine on simulated worlds of 2 and 4 ranks (Triton interpreter): expert GEMM 2 stored into the sources'
+"""FusedCombine on simulated worlds of 2, 4 and 8 ranks (Triton interpreter): expert GEMM 2 stored into the sources'
 combine buffers with per-tile flags, then each source's weighted unpermute, against a float64 reference."""
 
 from __future__ import annotations
@@ -94,13 +94,14 @@ def assert_close(got, want, tol):
 
 
 def make_case(name: str, world_size: int) -> Case:
-    tokens = [9, 7, 8, 6][:world_size]
+    tokens = [9, 7, 8, 6, 10, 5, 7, 4][:world_size]  # uneven; the first 2 or 4 for the smaller worlds
     last_rank = range((world_size - 1) * LOCAL, world_size * LOCAL)
     return {
         "balanced": Case(tokens),
-        "skewed": Case([12, 10, 11, 9][:world_size], bias={1: 8.0}),  # about half of all assignments to expert 1
+        # about half of all assignments to expert 1
+        "skewed": Case([12, 10, 11, 9, 14, 6, 8, 5][:world_size], bias={1: 8.0}),
         "idle expert": Case(tokens, top_k=3, bias={2: NEVER}),
-        "rank without tokens": Case([11, 0, 9, 6][:world_size]),
+        "rank without tokens": Case([11, 0, 9, 6, 12, 3, 7, 8][:world_size]),
         "dropped": Case(tokens, keep=0.6),
         "last rank receives nothing": Case(tokens, bias={e: NEVER for e in last_rank}),
     }[name]
@@ -109,7 +110,7 @@ def make_case(name: str, world_size: int) -> Case:
 NAMES = ["balanced", "skewed", "idle expert", "rank without tokens", "dropped", "last rank receives nothing"]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 @pytest.mark.parametrize("name", NAMES)
 def test_matches_reference(world_size, name):
     case = make_case(name, world_size)
@@ -131,7 +132,7 @@ def test_matches_reference(world_size, name):
         assert counts[:, -LOCAL:].sum() == 0
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_consecutive_epochs_on_the_same_flags(world_size):
     """Changing loads (buffers grow, flag slots move between owners), fp16 and fp32, one workspace."""
     world = World(world_size, num_programs=2)

@@ -93,7 +93,24 @@ SCENARIOS = [
     ("rank 0 receives nothing", 2, 2, [10, 12], 2, [NEVER, NEVER, 0, 0], 8),
     ("4 ranks, expert 2 idle, uneven", 4, 2, [9, 0, 14, 6], 2, [0, 0, NEVER, 0, 0, 0, 0, 0], 8),
     ("4 ranks, skewed, rank 3 receives nothing", 4, 1, [12, 7, 0, 15], 2, [0, 6, 0, NEVER], 32),
+    ("8 ranks, skewed, expert 2 idle, rank 1 without tokens", 8, 2, [13, 0, 9, 16, 7, 11, 5, 10], 2,
+     [0, 6, NEVER] + [0] * 13, 8),
+    ("8 ranks, rank 6 receives nothing, rank 3 without tokens", 8, 1, [5, 17, 9, 0, 12, 3, 8, 14], 3,
+     [0] * 6 + [NEVER, 0], 16),
 ]
+
+
+def check_scenario(name, counts, world, local):
+    """The scenario did what its name says."""
+    per_owner = counts.view(-1, world, local).sum(dim=(0, 2))
+    if "skewed" in name:
+        assert counts[:, 1].sum() >= 0.4 * counts.sum(), counts
+    if "idle" in name:
+        assert counts[:, 2].sum() == 0, counts
+    if "receives nothing" in name:
+        assert per_owner[int(name.split(" receives nothing")[0][-1])] == 0, counts
+    if "without tokens" in name:
+        assert counts[int(name.split(" without tokens")[0][-1])].sum() == 0, counts
 
 
 @pytest.mark.parametrize("name,world,local,tokens,top_k,bias,block_m", SCENARIOS, ids=[s[0] for s in SCENARIOS])
@@ -102,51 +119,47 @@ def test_received_rows_and_h_match_the_bulk_dispatch(name, world, local, tokens,
     gen = torch.Generator().manual_seed(len(name))
     for _ in range(2):  # both halves of the double buffer
         counts = check_step(w, tokens, top_k, bias, gen)
-    # The scenario did what its name says.
-    per_owner = counts.view(world, world, local).sum(dim=(0, 2))
-    if "skewed" in name:
-        assert counts[:, 1].sum() >= 0.4 * counts.sum(), counts
-    if "idle" in name:
-        assert counts[:, 2].sum() == 0, counts
-    if "receives nothing" in name:
-        assert per_owner[int(name.split("rank ")[-1][0])] == 0, counts
-    if "without tokens" in name:
-        assert counts[1].sum() == 0
+    check_scenario(name, counts, world, local)
 
 
+@pytest.mark.parametrize("world,tokens", [(4, [30, 25, 0, 40]), (8, [30, 25, 0, 40, 12, 33, 0, 21])],
+                         ids=["4 ranks", "8 ranks"])
 @pytest.mark.parametrize("remote_first", [False, True])
-def test_gemm_tiles_cover_each_expert_in_the_order_the_rows_move(remote_first):
-    w = World(4, 2)
-    xs, token_of_rows, counts, layouts = w.routed_batch([30, 25, 0, 40], 2, None, torch.Generator().manual_seed(4))
+def test_gemm_tiles_cover_each_expert_in_the_order_the_rows_move(remote_first, world, tokens):
+    w, rows = World(world, 2), 4  # rows per tile
+    xs, token_of_rows, counts, layouts = w.routed_batch(tokens, 2, None, torch.Generator().manual_seed(4))
     for rank, lay in enumerate(layouts):
-        expert, begin, end, order = w.dispatch[rank]._row_tiles(lay, 4, remote_first)
-        ends = lay.recv_offsets[::4][1:].tolist()  # every local expert's end row
-        covered = torch.cat([torch.arange(b, min(b + 4, e)) for b, e in zip(begin.tolist(), end.tolist())])
+        expert, begin, end, order = w.dispatch[rank]._row_tiles(lay, rows, remote_first)
+        ends = lay.recv_offsets[::world][1:].tolist()  # every local expert's end row
+        covered = torch.cat([torch.arange(b, min(b + rows, e)) for b, e in zip(begin.tolist(), end.tolist())])
         assert torch.equal(covered, torch.arange(lay.recv_source_rank.numel()))  # tile ids: expert by expert
         assert end.tolist() == [ends[e] for e in expert.tolist()]
         assert sorted(order.tolist()) == list(range(order.numel()))
         # Forward: rows arrive from this rank at once, then rank - 1 (which pushes here first), ...
         # backward: rows leave for rank + 1 first, this rank's own last.
-        rotated = (lay.recv_source_rank - rank - 1) % 4 if remote_first else (rank - lay.recv_source_rank) % 4
-        key = [int(rotated[begin[i]:end[i]][:4].max()) for i in order.tolist()]
+        rotated = ((lay.recv_source_rank - rank - 1) % world if remote_first
+                   else (rank - lay.recv_source_rank) % world)
+        key = [int(rotated[begin[i]:end[i]][:rows].max()) for i in order.tolist()]
         assert key == sorted(key) and len(set(key)) > 1, key
 
     # Backward: every source finds the owner's tile of each of its rows from C alone.
+    owner_tiles = [d._row_tiles(lay, rows, remote_first) for d, lay in zip(w.dispatch, layouts)]
     for source, lay in enumerate(layouts):
-        tile_of_row = w.dispatch[source]._owner_tile_of_row(lay, 4, tiles_per_rank=100)
+        tile_of_row = w.dispatch[source]._owner_tile_of_row(lay, rows, tiles_per_rank=100)
         for row, (owner, at) in enumerate(zip(lay.send_dest_rank.tolist(), lay.send_dest_row.tolist())):
-            _, begin, end, _ = w.dispatch[owner]._row_tiles(layouts[owner], 4, remote_first)
-            tile = int(((begin <= at) & (at < torch.clamp(begin + 4, max=end))).nonzero())
+            _, begin, end, _ = owner_tiles[owner]
+            tile = int(((begin <= at) & (at < torch.clamp(begin + rows, max=end))).nonzero())
             assert tile_of_row[row] == owner * 100 + tile
 
 
-def test_consecutive_epochs_on_the_same_flags_with_changing_routing():
-    w = World(4, 1, block_m=8, num_programs=2)
-    gen = torch.Generator().manual_seed(5)
+@pytest.mark.parametrize("world", [4, 8])
+def test_consecutive_epochs_on_the_same_flags_with_changing_routing(world):
+    w = World(world, 1, block_m=8, num_programs=2)
+    gen = torch.Generator().manual_seed(5 + world)
     capacities = set()
     for step in range(10):
-        tokens = torch.randint(0, 4 + 2 * step, (4,), generator=gen).tolist()  # grows: so does the capacity
-        bias = (torch.randn(4, generator=gen) * 3).tolist()
+        tokens = torch.randint(0, 4 + 2 * step, (world,), generator=gen).tolist()  # grows: so does the capacity
+        bias = (torch.randn(world, generator=gen) * 3).tolist()
         check_step(w, tokens, 2, bias, gen, poison=step % 3 == 0)
         capacities.add(w.dispatch[0].capacity)
     assert w.dispatch[0].ws.next_epoch("moe_dispatch") == 11
@@ -171,6 +184,9 @@ def test_fp16_rows():
 BACKWARD = [
     ("2 ranks, skewed, rank 1 without tokens", 2, 2, [15, 0], 2, [0, 6, 0, 0], None),
     ("4 ranks, rank 3 receives nothing, capacity drops", 4, 1, [11, 6, 0, 13], 3, [0, 0, 0, NEVER], 1.0),
+    ("8 ranks, expert 1 oversubscribed, expert 2 idle, rank 5 receives nothing, rank 2 without tokens, "
+     "capacity drops", 8, 2, [9, 14, 0, 7, 11, 6, 13, 8], 2, [0, 5, NEVER] + [0] * 7 + [NEVER, NEVER] + [0] * 4,
+     1.0),
 ]
 
 
@@ -205,6 +221,7 @@ def test_backward_matches_autograd_of_the_bulk_path(name, world, local, tokens, 
                 scale = want.abs().max().item() if want.numel() else 0.0
                 torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * scale,
                                            msg=lambda m: f"rank {r} {what}: {m}")
+    check_scenario(name, counts, world, local)
     if capacity is not None:
         assert sum(int((p.inverse == p.order.numel()).sum()) for p in perms) > 0  # some assignments dropped
 
