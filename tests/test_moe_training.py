@@ -1,4 +1,5 @@
-"""MoE Transformer training on bytes of Python's stdlib: config, loss falls, exact resume, 2 gloo ranks, corpus."""
+"""MoE Transformer training on bytes of Python's stdlib: config, loss falls, exact resume, 2 and 4 gloo ranks,
+corpus."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ SMALL = ["model=moe_transformer", "trainer.progress=false", "trainer.eval_every=
 SAME_AS_ONE_PROCESS = SMALL + ["trainer.max_steps=10", "trainer.log_every=1", "trainer.checkpoint_every=0",
                                "model.aux_coeff=0", "model.z_coeff=0", "model.optimizer._target_=torch.optim.SGD",
                                "model.optimizer.lr=0.5"]
+# 4 ranks, 2 experts each; a smaller step: the curve falls steadily.
+FOUR_RANKS = SAME_AS_ONE_PROCESS + ["model.num_experts=8", "trainer.max_steps=8", "data.global_batch_size=16",
+                                    "model.optimizer.lr=0.1"]
 
 
 def config(*overrides: str):
@@ -72,13 +76,28 @@ def test_resume_continues_the_exact_loss_curve(tmp_path):
     assert resumed.evals == full.evals
 
 
+def _gloo(rank: int, world: int) -> DistEnv:
+    return DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+
+
+def _same_curve_as_one_process(env: DistEnv, run_dir: Path, one_process_losses, overrides) -> list[float]:
+    """Without the per-rank auxiliary losses a run over ranks computes the gradient of the same global-batch loss
+    as one process: the same curve up to float summation order (SGD: Adam would hide a gradient scale error)."""
+    losses = [l for _, l in train(config(*overrides), env, run_dir).losses]
+    torch.testing.assert_close(losses, one_process_losses, rtol=2e-4, atol=2e-4)
+    return losses
+
+
+def _experts_split(rank: int, world: int, num_experts: int) -> None:
+    layer = MoETransformer(num_experts=num_experts, seed=0).blocks[0].ffn
+    local = num_experts // world
+    assert layer.num_local_experts == local and layer.experts.first_expert == local * rank
+
+
 def _two_ranks(rank: int, world: int, tmp: str, one_process_losses) -> None:
-    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    env = _gloo(rank, world)
     tmp = Path(tmp)
-    # Without the per-rank auxiliary losses the 2-rank run computes the gradient of the same global-batch loss
-    # as one process: the same curve up to float summation order (SGD: Adam would hide a gradient scale error).
-    exact = train(config(*SAME_AS_ONE_PROCESS), env, tmp / "no_aux")
-    torch.testing.assert_close([l for _, l in exact.losses], one_process_losses, rtol=2e-4, atol=2e-4)
+    _same_curve_as_one_process(env, tmp / "no_aux", one_process_losses, SAME_AS_ONE_PROCESS)
 
     common = SMALL + ["trainer.max_steps=20", "trainer.log_every=5", "trainer.checkpoint_every=10"]
     full = train(config(*common), env, tmp / "full")
@@ -86,9 +105,7 @@ def _two_ranks(rank: int, world: int, tmp: str, one_process_losses) -> None:
     assert resumed.losses == [(s, l) for s, l in full.losses if s > 10]
 
     # experts split over the ranks, everything else identical on both after training
-    model = MoETransformer(num_experts=4, seed=0)
-    layer = model.blocks[0].ffn
-    assert layer.num_local_experts == 2 and layer.experts.first_expert == 2 * rank
+    _experts_split(rank, world, 4)
     losses = torch.tensor([l for _, l in full.losses])
     gathered = [torch.zeros_like(losses) for _ in range(world)]
     dist.all_gather(gathered, losses)
@@ -101,10 +118,10 @@ def _replicated_checksum(model) -> torch.Tensor:
 
 
 def _replicas_agree(rank: int, world: int, tmp: str) -> None:
+    """AdamW steps with the per-rank z-loss: the replicated parameters stay identical on every rank."""
     from moe.train import build_model, sync_gradients
     cfg = config(*SMALL)
-    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-    model = build_model(cfg, env)
+    model = build_model(cfg, _gloo(rank, world))
     data = ByteWindows(stdlib_corpus(100_000), "train", 64, 8, rank, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     for step in range(3):
@@ -118,12 +135,25 @@ def _replicas_agree(rank: int, world: int, tmp: str) -> None:
     mine = _replicated_checksum(model)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)
-    assert torch.equal(gathered[0], gathered[1])
+    assert all(torch.equal(g, mine) for g in gathered)
+
+
+def _four_ranks(rank: int, world: int, tmp: str, one_process_losses) -> None:
+    losses = _same_curve_as_one_process(_gloo(rank, world), Path(tmp) / "four", one_process_losses, FOUR_RANKS)
+    assert losses[-1] < losses[0] - 1.0, losses
+    _experts_split(rank, world, 8)
+    _replicas_agree(rank, world, tmp)
 
 
 def test_two_ranks_match_one_process_resume_exactly_and_agree(tmp_path):
     one = train(config(*SAME_AS_ONE_PROCESS), CPU, tmp_path / "one")
     run_world(2, _two_ranks, str(tmp_path), [l for _, l in one.losses])
+
+
+def test_four_ranks_match_one_process_and_agree(tmp_path):
+    """Experts over 4 ranks (2 each): the loss curve of one process, falling; replicas identical."""
+    one = train(config(*FOUR_RANKS), CPU, tmp_path / "one")
+    run_world(4, _four_ranks, str(tmp_path), [l for _, l in one.losses])
 
 
 def test_replicated_parameters_stay_identical_over_ranks(tmp_path):

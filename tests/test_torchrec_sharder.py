@@ -1,6 +1,6 @@
 """FusedEmbeddingBagCollectionSharder under torchrec's DistributedModelParallel, against stock torchrec.
 
-Two (and once three) gloo processes on the CPU. Each rank gets its slice of the same global batches. Three
+Two (once three, once four) gloo processes on the CPU. Each rank gets its slice of the same global batches. Three
 models start from the same weights:
   * ours:      DMP + FusedEmbeddingBagCollectionSharder, plan from torchrec's planner;
   * stock:     DMP + torchrec's EmbeddingBagCollectionSharder, table-wise FUSED plan with the same placement
@@ -54,6 +54,8 @@ TABLES = [
 # The unsharded reference (nn.EmbeddingBag) takes per-sample weights with SUM pooling only.
 SUM_TABLES = [EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
                                  feature_names=t.feature_names) for t in TABLES]
+# One table more than 4 ranks: some rank owns two.
+FIFTH = EmbeddingBagConfig(name="t4", embedding_dim=8, num_embeddings=40, feature_names=["f5"])
 
 
 def keys_of(tables) -> list[str]:
@@ -175,6 +177,12 @@ def test_two_ranks_match_stock_torchrec_and_unsharded():
 def test_three_ranks_one_owns_nothing():
     # 3 ranks, 2 tables: the third rank owns no table but still sends its inputs and receives its outputs.
     run_world(3, compare_with_stock_torchrec, [("rowwise_adagrad", False, 9, TABLES[:2], True)])
+
+
+def test_four_ranks_five_tables():
+    # 5 tables spread over 4 ranks (checked): one rank owns two. Global batch 10: local batches 3, 3, 2, 2.
+    run_world(4, compare_with_stock_torchrec, [("rowwise_adagrad", False, 10, TABLES + [FIFTH], True),
+                                               ("sgd", True, 11, SUM_TABLES + [FIFTH], False)])
 
 
 # ------------------------------------------------------------------------------------------------------------
