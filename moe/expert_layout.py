@@ -41,7 +41,8 @@ class ExpertLayout:
 
 def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int) -> ExpertLayout:
     """counts: int64 [world, num_experts] on any device; the layout's tensors live on that device. Reading the
-    counts is the one host sync of a fused MoE layer; the rest is computed on the host and sent in one copy."""
+    counts is the one host sync of a fused MoE layer: per-expert and per-block starts are computed on the host
+    and sent in one copy, and the per-row tensors expand them on the device (sizes known: no further sync)."""
     world, num_experts = counts.shape
     if num_experts != world * num_local_experts:
         raise ValueError(f"counts has {num_experts} experts; expected {world} ranks x {num_local_experts}")
@@ -51,28 +52,38 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int)
     block_starts = torch.cumsum(owner_blocks.reshape(world, -1), dim=1) - owner_blocks.reshape(world, -1)
     source_starts = torch.cumsum(c, dim=1) - c  # [source, g]: first permuted row of expert g on the source
 
+    # As a source: expert g's rows (starting at source_starts[rank, g]) go to its owner's block (g, rank).
     mine = c[rank]
     dest_of_expert = torch.arange(num_experts) // num_local_experts
     local_of_expert = torch.arange(num_experts) % num_local_experts
-    block_of_expert = block_starts[dest_of_expert, local_of_expert * world + rank]  # start of (e, rank) per owner
-    send_dest_rank = torch.repeat_interleave(dest_of_expert, mine)
-    send_dest_row = torch.repeat_interleave(block_of_expert, mine) + _ranks_within(mine)
-
-    my_blocks = owner_blocks[rank].reshape(-1)  # (e, s) block sizes
+    block_of_expert = block_starts[dest_of_expert, local_of_expert * world + rank]
+    # As an owner: block (e, s) holds source s's rows of expert e, starting at recv_offsets[e * world + s].
+    my_blocks = owner_blocks[rank].reshape(-1)
     recv_offsets = torch.zeros(my_blocks.numel() + 1, dtype=torch.int64)
     recv_offsets[1:] = torch.cumsum(my_blocks, 0)
     sources = torch.arange(world).repeat(num_local_experts)
     experts = torch.arange(num_local_experts).repeat_interleave(world) + rank * num_local_experts
-    recv_source_rank = torch.repeat_interleave(sources, my_blocks)
-    recv_source_row = torch.repeat_interleave(source_starts[sources, experts], my_blocks) + _ranks_within(my_blocks)
 
+    # Row i of a run that starts at row `first` of its side maps to `start + (i - first)`: one expansion of
+    # (start - first) per run plus the row index.
+    (mine_d, dest_of_expert, send_shift, recv_offsets, my_blocks_d, sources, recv_shift) = host_to_device(
+        [mine, dest_of_expert, block_of_expert - source_starts[rank], recv_offsets, my_blocks, sources,
+         source_starts[sources, experts] - recv_offsets[:-1]], counts.device)
+    num_sent, num_received = int(mine.sum()), int(my_blocks.sum())
+
+    def expand(values: torch.Tensor, sizes: torch.Tensor, total: int) -> torch.Tensor:
+        return torch.repeat_interleave(values, sizes, output_size=total)
+
+    rows_sent = torch.arange(num_sent, device=counts.device)
+    rows_received = torch.arange(num_received, device=counts.device)
     recv_rows = owner_blocks.reshape(world, -1).sum(dim=1)
-    send_dest_rank, send_dest_row, recv_offsets, recv_source_rank, recv_source_row = host_to_device(
-        [send_dest_rank, send_dest_row, recv_offsets, recv_source_rank, recv_source_row], counts.device)
     return ExpertLayout(
         counts=counts, host_counts=c, rank=rank, world=world, num_local_experts=num_local_experts,
-        send_dest_rank=send_dest_rank, send_dest_row=send_dest_row, recv_offsets=recv_offsets,
-        recv_source_rank=recv_source_rank, recv_source_row=recv_source_row,
+        send_dest_rank=expand(dest_of_expert, mine_d, num_sent),
+        send_dest_row=expand(send_shift, mine_d, num_sent) + rows_sent,
+        recv_offsets=recv_offsets,
+        recv_source_rank=expand(sources, my_blocks_d, num_received),
+        recv_source_row=expand(recv_shift, my_blocks_d, num_received) + rows_received,
         tokens_per_local_expert=owner_blocks[rank].sum(dim=1).tolist(),
         max_recv_rows=int(recv_rows.max()), max_send_rows=int(c.sum(dim=1).max()))
 
@@ -93,9 +104,3 @@ def gather_counts(tokens_per_expert: torch.Tensor, group: dist.ProcessGroup | No
     out = tokens_per_expert.new_empty(world * tokens_per_expert.numel())  # flat: gloo checks the sizes
     dist.all_gather_into_tensor(out, tokens_per_expert.contiguous(), group=group)
     return out.view(world, -1)
-
-
-def _ranks_within(sizes: torch.Tensor) -> torch.Tensor:
-    """[0 .. sizes[0]-1, 0 .. sizes[1]-1, ...]"""
-    starts = torch.cumsum(sizes, 0) - sizes
-    return torch.arange(int(sizes.sum())) - torch.repeat_interleave(starts, sizes)
