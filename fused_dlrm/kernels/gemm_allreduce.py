@@ -74,7 +74,9 @@ def _wait_or_record(flag, epoch, spin_limit, error_ptr, peer, tile):
         record_timeout(error_ptr, 1, peer, tile, epoch)
 
 
-@triton.jit(do_not_specialize=["epoch"])  # one compiled variant for every epoch
+# One compiled variant for every epoch; the halves' sizes follow the symmetric buffers, which a larger call grows
+# under the same plan key: not specialised, so the key's cached binary stays valid for them.
+@triton.jit(do_not_specialize=["epoch", "recv_half", "out_half"])
 def _gemm_allreduce_kernel(
     x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn,
     recv_ptrs, out_ptrs, ready_ptrs, done_ptrs, error_ptr,
