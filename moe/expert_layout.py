@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fused_dlrm.dist.host_copy import host_to_device
+
 
 @dataclass
 class ExpertLayout:
@@ -86,14 +88,6 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int)
         recv_source_row=expand(recv_shift, my_blocks_d, num_received) + rows_received,
         tokens_per_local_expert=owner_blocks[rank].sum(dim=1).tolist(),
         max_recv_rows=int(recv_rows.max()), max_send_rows=int(c.sum(dim=1).max()))
-
-
-def host_to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Host tensors of one dtype -> views of one device tensor, moved in one copy. On GPUs the copy is from
-    pinned memory and non-blocking: a copy from pageable memory waits for the GPU to drain first."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
-    return [part.view(t.shape) for part, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors)]
 
 
 def gather_counts(tokens_per_expert: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.expert_layout import host_to_device
+from fused_dlrm.dist.host_copy import host_to_device
 
 
 def swiglu(a13: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
-from fused_dlrm.kernels import allgather
+from fused_dlrm.kernels import peer_flags
 from fused_dlrm.kernels.allgather import PRODUCERS, SymmetricAllGather, all_gather_reference
 from fused_dlrm.kernels.allgather_gemm import (GemmConfig, all_gather_matmul, all_gather_matmul_bulk,
                                                all_gather_matmul_reference, op_for, tile_map)
@@ -75,10 +75,10 @@ def test_a_producer_waits_for_the_peer_to_release_its_half():
     shards = [torch.randn(4, 3) for _ in ops]
     run_gather(ops, shards, ["copy_engine"] * 2)
     ops[0].start(shards[0], "copy_engine")  # epoch 2: rank 1 has acknowledged epoch 1, so this may go ahead
-    ops[0].errors.after_wait(2)
+    ops[0].errors.after_wait()
     ops[0].start(shards[0], "copy_engine")  # epoch 3 would overwrite epoch 1's half: rank 1 never took epoch 2
     with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 3 waiting for rank 1 to release"):
-        ops[0].errors.after_wait(3)
+        ops[0].errors.after_wait()
 
 
 SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, chunk_rows=16, num_programs=3, spin_limit=50)
@@ -194,7 +194,7 @@ def test_no_tile_reads_a_chunk_before_its_flag(monkeypatch, producer):
         epochs = [op.start(s, producer) for op, s in zip(ops, shards)]
         ops[1].finish(epochs[1], shards[1], weight, producer)
         gather, in_flight = ops[0].gather, {}
-        launch, wait = ops[0]._launch, allgather.wait_at_least
+        launch, wait = ops[0]._launch, peer_flags.wait_at_least
 
         def launch_before_the_chunks_land(x, w, out, epoch, push, compute):
             if compute:
@@ -215,7 +215,7 @@ def test_no_tile_reads_a_chunk_before_its_flag(monkeypatch, producer):
             return wait(flag, epoch, spin_limit)
 
         monkeypatch.setattr(ops[0], "_launch", launch_before_the_chunks_land)
-        monkeypatch.setattr(allgather, "wait_at_least", wait_then_land)
+        monkeypatch.setattr(peer_flags, "wait_at_least", wait_then_land)  # under wait_or_record
         out = ops[0].finish(epochs[0], shards[0], weight, producer)
         monkeypatch.undo()
         assert not in_flight, "every chunk of rank 1 was waited for"

@@ -28,13 +28,13 @@ def test_the_first_timeout_is_kept_until_the_host_reads_it():
     _record_kernel[(3,)](errors.word, 2, 6)  # a later launch's timeouts are consequences: not recorded
     assert errors.word.tolist()[:5] == [1, 0, 0, 5, 1]
     with pytest.raises(PeerWaitTimeout, match=r"^op: rank 3 timed out at step 5 waiting for rank 0, slice 0 "):
-        errors.after_wait(6)  # the step comes from the word (the failing launch), not from the latest call
+        errors.after_wait()  # the step comes from the word: the failing launch's, not the latest call's
     assert not errors.word.any()
-    errors.after_wait(7)  # read and cleared: nothing left to raise
+    errors.after_wait()  # read and cleared: nothing left to raise
     _record_kernel[(2,)](errors.word, 2, 8)
     with pytest.raises(PeerWaitTimeout, match=r"^op: rank 3 timed out at step 8 waiting for rank 0 to release its "
                                               r"buffer \(rank 0 never finished step 7\)"):
-        errors.after_wait(8)
+        errors.after_wait()
 
 
 def test_copy_schedule_copies_every_n_calls_when_none_is_in_flight():

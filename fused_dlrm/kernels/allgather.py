@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import _Workspace
-from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, wait_at_least, wait_ready
+from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, wait_or_record, wait_ready
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 
 PRODUCERS = ("device", "copy_engine", "pull")
@@ -53,11 +53,7 @@ def all_gather_reference(shards: list[torch.Tensor]) -> torch.Tensor:
 @triton.jit
 def wait_chunk(ready_ptr, source, chunk, chunks, epoch, spin_limit, error_ptr):
     """Bounded wait until flag (source, chunk) at ready_ptr >= epoch; a timeout records (1, source, chunk)."""
-    failed = tl.atomic_add(error_ptr, 0) != 0  # a wait of this launch already timed out: do not spin again
-    arrived = wait_at_least(ready_ptr + source * chunks + chunk, epoch, tl.where(failed, 0, spin_limit))
-    if arrived == 0:
-        record_timeout(error_ptr, 1, source, chunk, epoch)
-    return arrived
+    return wait_or_record(ready_ptr + source * chunks + chunk, epoch, spin_limit, error_ptr, source, chunk)
 
 
 @triton.jit
@@ -290,7 +286,7 @@ class SymmetricAllGather:
         wait_ready(self.ready.local, self.ack.peer_ptrs, self.errors.word, self.rank, self.world, epoch,
                    self.chunks, self.spin_limit)
         self.join()
-        self.errors.after_wait(epoch)
+        self.errors.after_wait()
         return self.gathered(epoch)
 
     def __call__(self, shard: torch.Tensor, producer: str = "device") -> torch.Tensor:

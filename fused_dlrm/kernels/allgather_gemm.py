@@ -226,7 +226,7 @@ class AllGatherMatmul:
             self.gather.pull_published(epoch)
         self._launch(x_shard, weight, out, epoch, push=producer == "device" and self.fused_push, compute=True)
         self.gather.join()
-        self.gather.errors.after_wait(epoch)
+        self.gather.errors.after_wait()
         if not return_gathered:
             return out
         # After the launch: every peer chunk has arrived; the half is overwritten only two calls later.

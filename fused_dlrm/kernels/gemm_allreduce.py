@@ -43,7 +43,7 @@ import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
-from fused_dlrm.kernels.peer_flags import PeerErrors, record_timeout, signal_ready, wait_at_least
+from fused_dlrm.kernels.peer_flags import PeerErrors, signal_ready, wait_or_record
 
 PRODUCE, REDUCE, WAIT = 1, 2, 4  # the phases of a launch (PHASES is their sum)
 ALL_PHASES = PRODUCE | REDUCE | WAIT
@@ -62,16 +62,6 @@ def gemm_allreduce_bulk(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGro
     out = x @ w
     dist.all_reduce(out, group=group)
     return out
-
-
-@triton.jit
-def _wait_or_record(flag, epoch, spin_limit, error_ptr, peer, tile):
-    """Bounded wait for *flag >= epoch; a timeout records (1, peer, tile). Once one is recorded, later waits give
-    up at once (the launch must end)."""
-    failed = tl.atomic_add(error_ptr, 0) != 0
-    ok = wait_at_least(flag, epoch, tl.where(failed, 0, spin_limit))
-    if ok == 0:
-        record_timeout(error_ptr, 1, peer, tile, epoch)
 
 
 # One compiled variant for every epoch; the halves' sizes follow the symmetric buffers, which a larger call grows
@@ -134,7 +124,7 @@ def _gemm_allreduce_kernel(
                 chunk = 0
                 while chunk < split_k:
                     producer = (j * split_k + chunk) % num_programs
-                    _wait_or_record(ready + source * num_programs + producer, epoch, spin_limit, error_ptr,
+                    wait_or_record(ready + source * num_programs + producer, epoch, spin_limit, error_ptr,
                                     source, rank * tiles_per_rank + j)
                     chunk += 1
             tl.debug_barrier()  # the flags this program's threads acquired cover the partials any of them loads
@@ -158,7 +148,7 @@ def _gemm_allreduce_kernel(
     if PHASES & 4:  # wait until every owner's program `pid` has stored its tiles here
         done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
         for owner in tl.static_range(WORLD):
-            _wait_or_record(done + owner * num_programs + pid, epoch, spin_limit, error_ptr, owner, pid)
+            wait_or_record(done + owner * num_programs + pid, epoch, spin_limit, error_ptr, owner, pid)
 
 
 def default_split_k(m: int, k: int, num_tiles: int, num_programs: int) -> int:
@@ -268,5 +258,5 @@ class GemmAllReduce:
     def output(self, epoch: int, plan: Plan) -> torch.Tensor:
         """The [M, N] result of call `epoch` (once its WAIT phase ran), launched with `plan`; valid until the call
         after next."""
-        self.errors.after_wait(epoch)
+        self.errors.after_wait()
         return plan.outputs[epoch % 2]

@@ -53,6 +53,18 @@ def record_timeout(error_ptr, code, peer, slot, epoch):
 
 
 @triton.jit
+def wait_or_record(flag, epoch, spin_limit, error_ptr, peer, slot):
+    """Bounded wait for *flag >= epoch; returns whether it got there. A timeout records (1, peer, slot, epoch);
+    once a timeout is recorded (and not yet read by the host), waits look once instead of spinning: their
+    results are lost anyway, and the launch must end."""
+    failed = tl.atomic_add(error_ptr, 0) != 0
+    arrived = wait_at_least(flag, epoch, tl.where(failed, 0, spin_limit))
+    if arrived == 0:
+        record_timeout(error_ptr, 1, peer, slot, epoch)
+    return arrived
+
+
+@triton.jit
 def consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr):
     """Before storing into `dest`'s double-buffered output: has dest acknowledged epoch - 1 (so it no longer
     reads what epoch - 2 wrote there)? A timeout records error 2 and returns False (the caller skips its stores)."""
@@ -181,8 +193,8 @@ class PeerErrors:
         self._host = torch.zeros(8, dtype=torch.int32, pin_memory=True) if device.type == "cuda" else None
         self._event = torch.cuda.Event() if device.type == "cuda" else None
 
-    def after_wait(self, epoch: int) -> None:
-        """Call `epoch`'s waits are enqueued (the message names the step the kernel recorded, the failing one)."""
+    def after_wait(self) -> None:
+        """A call's waits are enqueued (a timeout's message names the step the kernel recorded: the failing one)."""
         if self._host is None:
             self._raise_if_set(self.word.tolist())
         elif self.schedule.call():

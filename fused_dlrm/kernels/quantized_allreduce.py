@@ -60,7 +60,7 @@ import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned, resident_programs_per_sm
-from fused_dlrm.kernels.peer_flags import PeerErrors, record_timeout, wait_at_least
+from fused_dlrm.kernels.peer_flags import PeerErrors, wait_or_record
 from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, block_values, decode_reference, encode_blocks,
                                              encode_reference, error_bound, kernel_constants, load_blocks,
                                              store_blocks)
@@ -111,16 +111,6 @@ def two_shot_error_bound(xs: list[torch.Tensor], codec: str, mean: bool = False)
     if mean:
         return first / world + error_bound((exact.abs() + first) / world, codec)
     return first + error_bound(exact.abs() + first, codec)
-
-
-@triton.jit
-def _wait(flag, epoch, spin_limit, error_ptr, peer, slot):
-    """Bounded wait for *flag >= epoch; a timeout records (1, peer, slot). Once a wait of the launch timed out,
-    the others only look once (the result is lost anyway; the host raises)."""
-    failed = tl.atomic_add(error_ptr, 0) != 0
-    up = wait_at_least(flag, epoch, tl.where(failed, 0, spin_limit))
-    if up == 0:
-        record_timeout(error_ptr, 1, peer, slot, epoch)
 
 
 @triton.jit
@@ -186,7 +176,7 @@ def _quantized_all_reduce_kernel(
         ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
         for k in tl.static_range(1, WORLD):
             peer = (rank + k) % WORLD
-            _wait(ready + peer * max_programs + pid, epoch, spin_limit, error_ptr, peer, pid)
+            wait_or_record(ready + peer * max_programs + pid, epoch, spin_limit, error_ptr, peer, pid)
         tl.debug_barrier()  # my own tiles, stored by this program's threads in phase 1
         payload, scales = _encoded(recv_ptrs, rank, slots, WORDS)
         t = pid
@@ -212,7 +202,7 @@ def _quantized_all_reduce_kernel(
         for k in tl.static_range(WORLD):
             src = (rank + k) % WORLD
             if k > 0:
-                _wait(done + src * max_programs + pid, epoch, spin_limit, error_ptr, src, max_programs + pid)
+                wait_or_record(done + src * max_programs + pid, epoch, spin_limit, error_ptr, src, max_programs + pid)
             t = pid
             while t < tiles:
                 rows = t * ROWS + i
@@ -328,7 +318,7 @@ class FusedQuantizedAllReduce:
 
     def finish(self, call: FusedCall) -> torch.Tensor:
         """The call's result (raises at once on the CPU, at a later call on GPUs, if a wait timed out)."""
-        self.errors.after_wait(call.epoch)
+        self.errors.after_wait()
         return call.out
 
     def __call__(self, x: torch.Tensor, codec: str, mean: bool = False) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torchrec import KeyedJaggedTensor
 
 from fused_dlrm.dist.alltoall import all_to_all_v, exchange_counts
+from fused_dlrm.dist.host_copy import host_to_device
 
 
 @dataclass
@@ -79,10 +80,8 @@ class BulkInputDist:
         header = [[local_batch] + [per_key_values[key_index[f]] for f in feats] + [0] * (width - 1 - len(feats))
                   for feats in self.features_of_rank]
         values_to = [sum(row[1:]) for row in header]
-        header = torch.tensor(header, dtype=torch.int64)
-        if device.type == "cuda":  # a pageable copy would wait for the GPU
-            header = header.pin_memory()
-        recv_header = exchange_counts(header.to(device, non_blocking=True), self.group).tolist()
+        header, = host_to_device([torch.tensor(header, dtype=torch.int64)], device)
+        recv_header = exchange_counts(header, self.group).tolist()
         mine = self.features_of_rank[self.rank]
         batch_sizes = [row[0] for row in recv_header]
         counts = [row[1:1 + len(mine)] for row in recv_header]  # [source][feature]: values received

@@ -34,10 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready
 from fused_dlrm.kernels.peer_tiles import remote_first_order
-from moe.expert_layout import ExpertLayout, host_to_device
+from moe.expert_layout import ExpertLayout
 from moe.experts import _grouped_mm_works, group_ends
 from moe.permute import Permutation, unpermute
 
@@ -370,7 +371,7 @@ class FusedCombine:
                 BLOCK_T=b.block_tokens, BLOCK_N=b.block_n, OUT_DTYPE=TL_DTYPES[plan.dtype],
                 COPY_ROWS=rows_out is not None, num_warps=b.consumer_warps)
         _acknowledge_kernel[(1,)](plan.ack.peer_ptrs, self.rank, epoch, WORLD=self.world)
-        self.errors.after_wait(epoch)
+        self.errors.after_wait()
         return out
 
     def start_backward(self, grad_y: torch.Tensor, perm: Permutation, weights: torch.Tensor,
@@ -419,7 +420,7 @@ class FusedCombine:
                 num_warps=b.gemm_warps, num_stages=stages)
         grad_w2 = _grouped_weight_grad(h, g, sizes)  # stream order: after the kernel saw every row's flag
         _acknowledge_kernel[(1,)](ack.peer_ptrs, self.rank, epoch, WORLD=self.world)
-        self.errors.after_wait(epoch)
+        self.errors.after_wait()
         return grad_h, grad_w2
 
     def _gradient_buffers(self, layout: ExpertLayout, dtype: torch.dtype):

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready, wait_at_least
 from fused_dlrm.kernels.peer_tiles import remote_first_order
@@ -398,7 +399,7 @@ class FusedDispatch:
         _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self.rank, epoch, WORLD=self.world)
         if self._push_stream is not None:  # then what the push read may be freed, and `received` is complete
             torch.cuda.current_stream().wait_stream(self._push_stream)
-        self.errors.after_wait(epoch)
+        self.errors.after_wait()
         return received, h
 
     # -- backward: the rows' gradient goes back to its sources (a combine), summed over each token's k rows ----
@@ -445,7 +446,7 @@ class FusedDispatch:
                 BLOCK_T=block_tokens, BLOCK_N=cfg.block_n, OUT_DTYPE=TL_DTYPES[dx.dtype], COPY_ROWS=False,
                 num_warps=4 if dx.is_cuda else 1)
         _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self.rank, epoch, WORLD=self.world)
-        self.errors.after_wait(epoch)
+        self.errors.after_wait()
         return dx
 
     def _grad_buffers(self, layout: ExpertLayout, dtype: torch.dtype):
@@ -490,9 +491,7 @@ class FusedDispatch:
         first_row = torch.cumsum(sizes, 0) - sizes
         begin = first_row[expert] + (torch.arange(expert.numel()) - first_tile[expert]) * block_m
         tiles = torch.stack([expert, begin, first_row[expert] + sizes[expert]])
-        if device.type == "cuda":  # a pageable copy would wait for the GPU
-            tiles = tiles.pin_memory()
-        tiles = tiles.to(device, non_blocking=True)
+        tiles, = host_to_device([tiles], device)
         rows = tiles[1, :, None] + torch.arange(block_m, device=device)[None, :]
         inside = rows < tiles[2, :, None]
         source = layout.recv_source_rank[torch.where(inside, rows, tiles[1, :, None])]
