@@ -9,9 +9,9 @@ place, so no per-occurrence [N, dim] gradient is materialised and each touched r
 The gradient of an occurrence of bag (feature f, sample b) is grad[b, col_f : col_f + dim] times its scale
 (per-sample weight if weighted, times 1 / max(bag length, 1) if f is mean-pooled).
 
-Host side: a handful of torch ops and exactly one host sync (`unique_consecutive`: the launch grid is the number
-of segments). `embedding_backward_reference` is the pure-torch definition (the per-table path the CPU runs);
-the kernel must agree with it.
+Host side: a handful of torch ops and no host sync: the segment count stays on the device, and a fixed grid of
+persistent programs walks the segments. `embedding_backward_reference` is the pure-torch definition (the
+per-table path the CPU runs); the kernel must agree with it.
 """
 
 from __future__ import annotations
@@ -70,52 +70,73 @@ def embedding_backward_reference(bags: OwnedBags, grad: torch.Tensor, optimizer:
         optimizer.step(table, torch.cat(rows[table]), torch.cat(row_grads[table]))
 
 
+def segment_starts(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segments (runs of equal values) of the sorted `keys` [n > 0], without a host sync: returns `starts` [n + 1],
+    whose first `num_segments` entries are the segments' first indices (the rest is unspecified), and
+    `num_segments`, a 1-element tensor on the device (its value is never read on the host)."""
+    n = keys.numel()
+    is_start = torch.empty(n, dtype=torch.bool, device=keys.device)
+    is_start[:1].fill_(True)  # `is_start[0] = True` would copy a host scalar: a sync on CUDA
+    torch.ne(keys[1:], keys[:-1], out=is_start[1:])
+    count = torch.cumsum(is_start, 0)  # segments up to each occurrence
+    # Segment k's first index goes to slot k, every other index to the dump slot n (mask indexing instead would
+    # need the count on the host for its output size).
+    starts = torch.empty(n + 1, dtype=torch.int64, device=keys.device)
+    starts.scatter_(0, torch.where(is_start, count - 1, n), torch.arange(n, device=keys.device))
+    return starts, count[-1:]
+
+
 @triton.jit
 def _embedding_backward_kernel(
-    keys_ptr, seg_ends_ptr, seg_counts_ptr,  # per segment: its (table << 32 | row), end and count of occurrences
+    keys_ptr, starts_ptr, num_segments_ptr, num_values,  # sorted keys (table << 32 | row); segment_starts
     grad_ptr, grad_offsets_ptr, scales_ptr,  # per occurrence, in key order: where its gradient starts, its scale
     table_ptrs, momentum_ptrs, dims_ptr,  # per table: weight address, momentum address, dim
     lr, eps,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr,
     ADAGRAD: tl.constexpr,
 ):
-    seg = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
-    key = tl.load(keys_ptr + seg)
-    t = key >> 32
-    row = key - (t << 32)
-    dim = tl.load(dims_ptr + t)
-    d_mask = d < dim
+    # Persistent: the grid does not depend on the segment count (on the device only), so the programs stride over
+    # the segments (`while`: the interpreter cannot range() over loaded values).
+    num_segments = tl.load(num_segments_ptr)
+    seg = tl.program_id(0)
+    while seg < num_segments:
+        j = tl.load(starts_ptr + seg)
+        end = tl.load(starts_ptr + seg + 1, mask=seg + 1 < num_segments, other=num_values)  # last: to the end
+        key = tl.load(keys_ptr + j)
+        t = key >> 32
+        row = key - (t << 32)
+        dim = tl.load(dims_ptr + t)
+        d_mask = d < dim
 
-    # Sum the gradients of the segment's occurrences, BLOCK_N at a time (`while`: the interpreter cannot range()
-    # over loaded values). Columns past the table's dim load as 0 and stay 0.
-    end = tl.load(seg_ends_ptr + seg)
-    j = end - tl.load(seg_counts_ptr + seg)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    while j < end:
-        occ = j + n
-        m = occ < end
-        offset = tl.load(grad_offsets_ptr + occ, mask=m, other=0)
-        g = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=m[:, None] & d_mask[None, :], other=0.0)
-        if HAS_SCALE:
-            g = g * tl.load(scales_ptr + occ, mask=m, other=0.0)[:, None]
-        acc += tl.sum(g, axis=0)
-        j += BLOCK_N
+        # Sum the gradients of the segment's occurrences, BLOCK_N at a time. Columns past the table's dim load as
+        # 0 and stay 0.
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        while j < end:
+            occ = j + n
+            m = occ < end
+            offset = tl.load(grad_offsets_ptr + occ, mask=m, other=0)
+            g = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=m[:, None] & d_mask[None, :], other=0.0)
+            if HAS_SCALE:
+                g = g * tl.load(scales_ptr + occ, mask=m, other=0.0)[:, None]
+            acc += tl.sum(g, axis=0)
+            j += BLOCK_N
 
-    # The row is this program's alone (keys are unique per segment): plain read-modify-write, no atomics.
-    table = tl.load(table_ptrs + t).to(tl.pointer_type(TABLE_DTYPE))
-    w_ptrs = table + row * dim + d
-    w = tl.load(w_ptrs, mask=d_mask, other=0.0).to(tl.float32)
-    if ADAGRAD:
-        momentum = tl.load(momentum_ptrs + t).to(tl.pointer_type(tl.float32))
-        m_row = tl.load(momentum + row) + tl.div_rn(tl.sum(acc * acc, axis=0), dim.to(tl.float32))
-        tl.store(momentum + row, m_row)
-        # IEEE sqrt and division (tl.sqrt and `/` are approximate on GPUs), as the torch path computes them.
-        w = w - acc * tl.div_rn(lr, tl.sqrt_rn(m_row) + eps)
-    else:
-        w = w - lr * acc
-    tl.store(w_ptrs, w.to(TABLE_DTYPE), mask=d_mask)
+        # The row is this program's alone (keys are unique per segment): plain read-modify-write, no atomics.
+        table = tl.load(table_ptrs + t).to(tl.pointer_type(TABLE_DTYPE))
+        w_ptrs = table + row * dim + d
+        w = tl.load(w_ptrs, mask=d_mask, other=0.0).to(tl.float32)
+        if ADAGRAD:
+            momentum = tl.load(momentum_ptrs + t).to(tl.pointer_type(tl.float32))
+            m_row = tl.load(momentum + row) + tl.div_rn(tl.sum(acc * acc, axis=0), dim.to(tl.float32))
+            tl.store(momentum + row, m_row)
+            # IEEE sqrt and division (tl.sqrt and `/` are approximate on GPUs), as the torch path computes them.
+            w = w - acc * tl.div_rn(lr, tl.sqrt_rn(m_row) + eps)
+        else:
+            w = w - lr * acc
+        tl.store(w_ptrs, w.to(TABLE_DTYPE), mask=d_mask)
+        seg += tl.num_programs(0)
 
 
 class BackwardTables:
@@ -164,7 +185,7 @@ class BackwardTables:
 def launch_embedding_backward(bags: OwnedBags, grad: torch.Tensor, tables: BackwardTables,
                               config: EmbeddingOptimizerConfig) -> None:
     """Update every owned table in place (and the row-wise Adagrad momentum in `tables.momentum`) from the
-    gradient of the pooled output `grad` [global batch, owned dims]. One host sync, one kernel launch."""
+    gradient of the pooled output `grad` [global batch, owned dims]. No host sync, one kernel launch."""
     adagrad = config.name == "rowwise_adagrad"
     if adagrad and tables.momentum is None:
         raise ValueError("row-wise Adagrad needs the momentum of every table")
@@ -194,11 +215,17 @@ def launch_embedding_backward(bags: OwnedBags, grad: torch.Tensor, tables: Backw
     grad_offsets = grad_offsets[order]
     if scales is not None:
         scales = scales[order]
-    segment_keys, counts = torch.unique_consecutive(keys, return_counts=True)  # the host sync: grid size
-    ends = torch.cumsum(counts, 0)
+    starts, num_segments = segment_starts(keys)
+    # Persistent grid, sized without the segment count (at most n). 32 programs per SM: the most blocks an SM
+    # holds at once on sm_90 (and 32 x NUM_WARPS = 64 warps, its most warps), so all of them are resident in one
+    # wave and each walks several of the (mostly tiny) segments. The interpreter runs programs one by one: few.
+    if device.type == "cuda":
+        num_programs = min(n, 32 * torch.cuda.get_device_properties(device).multi_processor_count)
+    else:
+        num_programs = min(n, 4)
 
-    _embedding_backward_kernel[(segment_keys.numel(),)](
-        segment_keys, ends, counts,
+    _embedding_backward_kernel[(num_programs,)](
+        keys, starts, num_segments, n,
         grad, grad_offsets, scales if scales is not None else grad_offsets,  # stand-in, never read
         tables.table_ptrs, tables.momentum_ptrs, tables.dims,
         config.lr, config.eps,

@@ -8,8 +8,8 @@ every `checkpoint_every` steps a checkpoint is written (only after the loss was 
 On GPUs the next batch's host-to-device copy and input all-to-all run ahead on side streams (`next_batch`). The
 host waits for the GPU inside a step only where a size must be known on the host: the input all-to-all's value
 counts and received sizes, and its index range check (on the side stream, behind the copy only, when
-prefetching), and the embedding backward's grid size (`unique_consecutive`, one per step); then every `log_every`
-steps the loss reduction. A step launched while the previous one still runs is otherwise free of host syncs.
+prefetching); then every `log_every` steps the loss reduction (the embedding backward's segment count stays on
+the GPU: its kernel is persistent). A step launched while the previous one still runs is otherwise free of host syncs.
 
 The bookkeeping around the step (counters, loss check, metrics.jsonl, cadence) is a `TrainingRun` (schedule.py),
 shared with the MoE loop; what is DLRM's own comes in as callbacks: the log fields, evaluation and checkpoint.
