@@ -150,6 +150,7 @@ def sweep_lookup(cfg: Config, rank: int, world: int) -> list[dict]:
                         [False] * cfg.tables_per_gpu, device, block_rows=max(1, budget // (block_len * cfg.dim)),
                         block_len=block_len, num_warps=warps)
                     lookup.kernel_programs = per_sm * sms
+                    lookup._kernel_launches.clear()  # launches bind the features and program count
                     with torch.no_grad():
                         ms = time_ms(lambda: lookup.pool(bags), warmup=3, iters=10)
                     rows.append({"block_len": block_len, "budget": budget, "num_warps": warps, "per_sm": per_sm,

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_dlrm.kernels.launch import Arguments, CompiledLaunches
 from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, set_flag
 
 
@@ -100,7 +101,7 @@ def _poll_ready(flags, epoch, count, spin_limit, BLOCK: tl.constexpr):
     return tl.min(seen, axis=0) >= epoch, tl.min(tl.where(seen < epoch, offs, BLOCK), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])  # one compiled binary serves every step (kernels/launch.py)
 def _wait_ready_kernel(ready_ptr, ack_ptrs, error_ptr, rank, epoch, slots_per_rank, spin_limit,
                        BLOCK: tl.constexpr):
     producer = tl.program_id(0)
@@ -122,6 +123,23 @@ def _wait_ready_nvshmem_kernel(ready_ptr, ack_ptr, error_ptr, rank, epoch, slots
         set_flag(ack_ptr + rank, epoch, rank, producer)
     else:
         record_timeout(error_ptr, 1, producer, late, epoch)
+
+
+class ReadyWait:
+    """`wait_ready` (p2p) for an exchange whose flags, acks and error word stay the same: the arguments are
+    built once and each epoch launches the compiled binary (kernels/launch.py), a few microseconds of host
+    time instead of Triton's per-call argument binding."""
+
+    def __init__(self, ready: torch.Tensor, acks: torch.Tensor, error: torch.Tensor, rank: int, world_size: int,
+                 slots_per_rank: int, spin_limit: int):
+        self._launches = CompiledLaunches(_wait_ready_kernel)
+        self._args = Arguments(_wait_ready_kernel, ("epoch",), ready_ptr=ready, ack_ptrs=acks, error_ptr=error,
+                               rank=rank, slots_per_rank=slots_per_rank, spin_limit=spin_limit,
+                               BLOCK=triton.next_power_of_2(slots_per_rank))
+        self._grid = (world_size, 1, 1)
+
+    def __call__(self, epoch: int) -> None:
+        self._launches("wait", self._grid, self._args(epoch), {})
 
 
 class PeerWaitTimeout(RuntimeError):

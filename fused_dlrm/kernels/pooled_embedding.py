@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
 from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, put_rows, signal_ready_nvshmem
 from fused_dlrm.kernels.peer_flags import released_once_per_dest, signal_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, tile_coords
@@ -79,7 +80,7 @@ def _pool_tile(t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, me
     return dest, f, rows, row_mask, first_row, dim, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])  # one compiled binary serves every step (kernels/launch.py)
 def _pooled_embedding_kernel(
     values_ptr, offsets_ptr, weights_ptr,  # bags, CSR over (owned feature, global sample)
     table_ptrs, dims_ptr, cols_ptr, mean_ptr,  # per owned feature: table address, dim, output column, is-mean
@@ -153,26 +154,45 @@ def _pooled_embedding_nvshmem_kernel(
     signal_ready_nvshmem(ready_ptr, rank * num_programs + pid, epoch, rank, WORLD)
 
 
-def launch_pooled_embedding(values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
-                            features: "FeatureTable", plan: PeerTilePlan, global_batch: int,
-                            out_ptrs: torch.Tensor, out_row_base: torch.Tensor, out_row_len: int,
-                            num_programs: int, rank: int = 0, epoch: int = 0, ready_ptrs=None, ack=None,
-                            error=None, spin_limit: int = 0) -> None:
-    """Enqueue one launch. With `ready_ptrs`, every program raises flag `rank * num_programs + pid` of `epoch`
-    in every rank after its stores, once `ack[dest] >= epoch - 1`."""
-    world = out_ptrs.numel()
-    signal = ready_ptrs is not None
-    dummy = offsets  # stands in for pointers a specialisation never reads
-    _pooled_embedding_kernel[(num_programs,)](
-        values, offsets, weights if weights is not None else dummy,
-        features.table_ptrs, features.dims, features.cols, features.mean,
-        plan.dest_order, plan.tile_starts, plan.row_begin, plan.row_end, plan.feature_begin,
-        out_ptrs, out_row_base, out_row_len,
-        ready_ptrs if signal else dummy, ack if signal else dummy, error if signal else dummy,
-        rank, epoch, global_batch, plan.num_tiles, num_programs, spin_limit,
-        WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_B=features.block_rows,
-        BLOCK_L=features.block_len, BLOCK_D=features.block_dim, TABLE_DTYPE=TL_DTYPES[features.dtype],
-        HAS_WEIGHTS=weights is not None, SIGNAL=signal, num_warps=features.num_warps)
+class PooledEmbeddingLaunch:
+    """Launches of the p2p kernel over one tile plan: the fused exchange's (with flags: each program raises flag
+    `rank * num_programs + pid` of the call's epoch in every rank after its stores, once `ack[dest] >= epoch - 1`)
+    or the bulk path's lookup (no flags, one destination). What stays the same from call to call is bound once;
+    a call fills in the bags, the output's pointer table and the epoch and, on GPUs, launches the compiled
+    binary (kernels/launch.py): the host time of a call is a fraction of Triton's argument binding."""
+
+    PER_CALL = ("values_ptr", "offsets_ptr", "weights_ptr", "out_ptrs", "epoch", "HAS_WEIGHTS")
+
+    def __init__(self, features: "FeatureTable", plan: PeerTilePlan, global_batch: int, out_row_base: torch.Tensor,
+                 out_row_len: int, num_programs: int, rank: int = 0, ready_ptrs: torch.Tensor | None = None,
+                 ack: torch.Tensor | None = None, error: torch.Tensor | None = None, spin_limit: int = 0):
+        world = plan.dest_order.numel()
+        signal = ready_ptrs is not None
+        dummy = plan.dest_order  # stands in for pointers a specialisation never reads
+        self._args = Arguments(
+            _pooled_embedding_kernel, self.PER_CALL,
+            table_ptrs=features.table_ptrs, dims_ptr=features.dims, cols_ptr=features.cols, mean_ptr=features.mean,
+            dest_order_ptr=plan.dest_order, tile_starts_ptr=plan.tile_starts, row_begin_ptr=plan.row_begin,
+            row_end_ptr=plan.row_end, feature_begin_ptr=plan.feature_begin, out_row_base_ptr=out_row_base,
+            out_row_len=out_row_len, ready_ptrs=ready_ptrs if signal else dummy, ack_ptr=ack if signal else dummy,
+            error_ptr=error if signal else dummy, rank=rank, global_batch=global_batch, num_tiles=plan.num_tiles,
+            num_programs=num_programs, spin_limit=spin_limit, WORLD=world, WORLD_P2=triton.next_power_of_2(world),
+            BLOCK_B=features.block_rows, BLOCK_L=features.block_len, BLOCK_D=features.block_dim,
+            TABLE_DTYPE=TL_DTYPES[features.dtype], SIGNAL=signal)
+        self._grid = (num_programs, 1, 1)
+        self._options = dict(num_warps=features.num_warps)
+        self._launches = CompiledLaunches(_pooled_embedding_kernel)
+
+    def __call__(self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+                 out_ptrs: torch.Tensor, epoch: int = 0) -> None:
+        """Enqueue one launch. out_ptrs: int64 [world], the output address of every destination (16-byte
+        aligned, as all the tables a caller passes: they are fixed by the binary's specialisation)."""
+        # The binary's specialisation follows the bags' dtypes and alignment and whether they carry weights.
+        weights_key = None if weights is None else (weights.dtype, aligned(weights))
+        key = (values.dtype, aligned(values), aligned(offsets), weights_key)
+        has_weights = weights is not None
+        args = self._args(values, offsets, weights if has_weights else offsets, out_ptrs, epoch, has_weights)
+        self._launches(key, self._grid, args, self._options)
 
 
 def launch_pooled_embedding_nvshmem(values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,

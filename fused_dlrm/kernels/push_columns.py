@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
 from fused_dlrm.kernels.peer_flags import released_once_per_dest, signal_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, tile_coords
 
@@ -25,7 +26,7 @@ def push_columns_reference(src: torch.Tensor, src_cols: list[int], dims: list[in
         dst[dst_row_base:dst_row_base + src.shape[0], d:d + n] = src[:, s:s + n]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])  # one compiled binary serves every step (kernels/launch.py)
 def _push_columns_kernel(
     src_ptr, src_row_len, src_cols_ptr, dst_cols_ptr, dims_ptr,  # per feature (grouped by destination)
     dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,  # the tile plan
@@ -56,13 +57,28 @@ def _push_columns_kernel(
     signal_ready(ready_ptrs, rank * num_programs + pid, epoch, WORLD)
 
 
-def launch_push_columns(src: torch.Tensor, src_cols: torch.Tensor, dst_cols: torch.Tensor, dims: torch.Tensor,
-                        block_dim: int, plan: PeerTilePlan, out_ptrs: torch.Tensor, out_row_base: torch.Tensor,
-                        out_row_len: torch.Tensor, ready_ptrs: torch.Tensor, ack: torch.Tensor, error: torch.Tensor,
-                        rank: int, epoch: int, num_programs: int, spin_limit: int, block_rows: int = 16) -> None:
-    world = out_ptrs.numel()
-    _push_columns_kernel[(num_programs,)](
-        src, src.shape[1], src_cols, dst_cols, dims,
-        plan.dest_order, plan.tile_starts, plan.row_begin, plan.row_end, plan.feature_begin,
-        out_ptrs, out_row_base, out_row_len, ready_ptrs, ack, error, rank, epoch, plan.num_tiles, num_programs,
-        spin_limit, WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_R=block_rows, BLOCK_D=block_dim)
+class PushColumnsLaunch:
+    """Launches of the push over one tile plan: what stays the same from call to call is bound once; a call fills
+    in the source, the destinations' pointer table and the epoch and, on GPUs, launches the compiled binary
+    (kernels/launch.py). Each program raises flag `rank * num_programs + pid` of the epoch in every rank after
+    its stores, once `ack[dest] >= epoch - 1`."""
+
+    def __init__(self, src_row_len: int, src_cols: torch.Tensor, dst_cols: torch.Tensor, dims: torch.Tensor,
+                 block_dim: int, plan: PeerTilePlan, out_row_base: torch.Tensor, out_row_len: torch.Tensor,
+                 ready_ptrs: torch.Tensor, ack: torch.Tensor, error: torch.Tensor, rank: int, num_programs: int,
+                 spin_limit: int, block_rows: int = 16):
+        world = plan.dest_order.numel()
+        self._args = Arguments(
+            _push_columns_kernel, ("src_ptr", "out_ptrs", "epoch"),
+            src_row_len=src_row_len, src_cols_ptr=src_cols, dst_cols_ptr=dst_cols, dims_ptr=dims,
+            dest_order_ptr=plan.dest_order, tile_starts_ptr=plan.tile_starts, row_begin_ptr=plan.row_begin,
+            row_end_ptr=plan.row_end, feature_begin_ptr=plan.feature_begin, out_row_base_ptr=out_row_base,
+            out_row_len_ptr=out_row_len, ready_ptrs=ready_ptrs, ack_ptr=ack, error_ptr=error, rank=rank,
+            num_tiles=plan.num_tiles, num_programs=num_programs, spin_limit=spin_limit, WORLD=world,
+            WORLD_P2=triton.next_power_of_2(world), BLOCK_R=block_rows, BLOCK_D=block_dim)
+        self._grid = (num_programs, 1, 1)
+        self._launches = CompiledLaunches(_push_columns_kernel)
+
+    def __call__(self, src: torch.Tensor, out_ptrs: torch.Tensor, epoch: int) -> None:
+        """src: [rows, src_row_len] fp32, contiguous; out_ptrs: int64 [world], every destination's buffer."""
+        self._launches(aligned(src), self._grid, self._args(src, out_ptrs, epoch), {})

@@ -15,7 +15,6 @@ result), so a simulated world in one process can start every rank before any wai
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -23,11 +22,11 @@ import triton
 from torch import nn
 from torchrec import EmbeddingBagConfig
 
-from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, NvshmemSymmetricWorkspace, _Workspace
-from fused_dlrm.kernels.peer_flags import PeerErrors, wait_ready
-from fused_dlrm.kernels.peer_tiles import default_num_programs, plan_peer_tiles
-from fused_dlrm.kernels.pooled_embedding import FeatureTable, launch_pooled_embedding, launch_pooled_embedding_nvshmem
-from fused_dlrm.kernels.push_columns import launch_push_columns
+from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, NvshmemSymmetricWorkspace, PeerBuffer, _Workspace
+from fused_dlrm.kernels.peer_flags import PeerErrors, ReadyWait, wait_ready
+from fused_dlrm.kernels.peer_tiles import PeerTilePlan, default_num_programs, plan_peer_tiles
+from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLaunch, launch_pooled_embedding_nvshmem
+from fused_dlrm.kernels.push_columns import PushColumnsLaunch
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 
@@ -59,6 +58,22 @@ def build_fused_exchange(lookup: PooledEmbeddingLookup, features_of_rank: list[l
                                comm.num_programs or default_num_programs(device), comm.wait_timeout_spins)
 
 
+@dataclass
+class _Plan:
+    """What every call with one tuple of local batch sizes shares, built once: the symmetric buffers it points
+    into, the pointer tables and this rank's views of both halves of each double buffer (by epoch parity), and
+    the p2p launches with their fixed arguments. The host work of a call is then a lookup and a few launches."""
+    buffers: tuple[PeerBuffer, PeerBuffer]  # pooled output, gradient: the plan is rebuilt when one of them grows
+    forward_tiles: PeerTilePlan
+    pooled_half: int  # elements per half of the pooled output
+    pooled: tuple[torch.Tensor, torch.Tensor]  # this rank's [local batch, all dims] result, per half
+    grad: tuple[torch.Tensor, torch.Tensor]  # this rank's [global batch, owned dims] gradient, per half
+    pooled_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None  # p2p: every rank's half, per half
+    grad_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None
+    forward: PooledEmbeddingLaunch | None = None  # p2p
+    push: PushColumnsLaunch | None = None  # p2p
+
+
 class FusedPooledAllToAll(nn.Module):
     def __init__(self, lookup: PooledEmbeddingLookup, features_of_rank: list[list[str]],
                  dims: dict[str, int], feature_order: list[str], workspace: _Workspace,
@@ -88,35 +103,32 @@ class FusedPooledAllToAll(nn.Module):
         self.push_row_len = as_tensor(self.owned_dim)
         self.errors = PeerErrors(device, self.rank, "fused embedding all-to-all")
         self.nvshmem = workspace.transport == "nvshmem"
-        self._plans = lru_cache(maxsize=8)(self._plans_for)
+        self._plans: dict[tuple[int, ...], _Plan] = {}
         self._zero_rows = torch.zeros(self.world, dtype=torch.int64, device=device)
+        self._waits: dict[str, ReadyWait] = {}
 
     # -- forward ------------------------------------------------------------------------------------------------
     def start(self, bags: OwnedBags) -> int:
         self.errors.check()
         epoch = self.ws.next_epoch("pooled")
-        sizes = tuple(bags.batch_sizes)
-        forward_plan, _, _ = self._plans(sizes)
-        half = max(sizes) * self.row_len
-        out = self.ws.buffer("pooled", 2 * half, torch.float32)
-        ready, ack = self._flags("pooled")
-        common = dict(values=bags.values, offsets=bags.csr_offsets(), weights=bags.weights, features=self.owned,
-                      plan=forward_plan, global_batch=bags.global_batch, out_row_len=self.row_len,
-                      num_programs=self.num_programs, rank=self.rank, epoch=epoch, error=self.errors.word,
-                      spin_limit=self.spin_limit)
+        plan = self._plan(bags.batch_sizes)
         if self.nvshmem:
+            ready, ack = self._flags("pooled")
             scratch = self.ws.buffer("pooled_scratch", self.num_programs * self.owned.block_rows
                                      * self.owned.block_dim, torch.float32)
-            launch_pooled_embedding_nvshmem(out=_local_half(out, epoch, half), scratch=scratch.local,
-                                            ready=ready.local, ack=ack.local, **common)
+            half = plan.pooled_half
+            launch_pooled_embedding_nvshmem(
+                bags.values, bags.csr_offsets(), bags.weights, self.owned, plan.forward_tiles, bags.global_batch,
+                out=plan.buffers[0].local[(epoch % 2) * half:][:half], out_row_len=self.row_len,
+                scratch=scratch.local, num_programs=self.num_programs, rank=self.rank, epoch=epoch,
+                ready=ready.local, ack=ack.local, error=self.errors.word, spin_limit=self.spin_limit)
         else:
-            launch_pooled_embedding(out_ptrs=_half(out, epoch, half), out_row_base=self._zero_rows,
-                                    ready_ptrs=ready.peer_ptrs, ack=ack.local, **common)
+            plan.forward(bags.values, bags.csr_offsets(), bags.weights, plan.pooled_ptrs[epoch % 2], epoch)
         return epoch
 
     def finish(self, bags: OwnedBags, epoch: int) -> torch.Tensor:
-        sizes = bags.batch_sizes
-        return self._wait("pooled", epoch, max(sizes) * self.row_len, sizes[self.rank], self.row_len)
+        self._wait("pooled", epoch)
+        return self._plan(bags.batch_sizes).pooled[epoch % 2]
 
     # -- backward -----------------------------------------------------------------------------------------------
     def start_backward(self, bags: OwnedBags, grad: torch.Tensor) -> int:
@@ -124,22 +136,13 @@ class FusedPooledAllToAll(nn.Module):
             raise RuntimeError(NVSHMEM_FORWARD_ONLY)
         self.errors.check()
         epoch = self.ws.next_epoch("grad")
-        sizes = tuple(bags.batch_sizes)
-        _, push_plan, batch_start = self._plans(sizes)
-        half = bags.global_batch * max(self.owned_dim + [1])
-        out = self.ws.buffer("grad", 2 * half, torch.float32)
-        ready, ack = self._flags("grad")
-        my_rows = torch.full((self.world,), batch_start[self.rank], dtype=torch.int64, device=grad.device)
-        columns = (self.push_src_cols, self.push_dst_cols, self.push_dims, self.push_block_dim, push_plan)
-        launch_push_columns(grad.float().contiguous(), *columns, _half(out, epoch, half), my_rows,
-                            self.push_row_len, ready.peer_ptrs, ack.local, self.errors.word, self.rank, epoch,
-                            self.num_programs, self.spin_limit, PUSH_BLOCK_ROWS)
+        plan = self._plan(bags.batch_sizes)
+        plan.push(grad.float().contiguous(), plan.grad_ptrs[epoch % 2], epoch)
         return epoch
 
     def finish_backward(self, bags: OwnedBags, epoch: int) -> None:
-        half = bags.global_batch * max(self.owned_dim + [1])
-        grad = self._wait("grad", epoch, half, bags.global_batch, self.owned_dim[self.rank])
-        self.lookup.apply_gradient(bags, grad)
+        self._wait("grad", epoch)
+        self.lookup.apply_gradient(bags, self._plan(bags.batch_sizes).grad[epoch % 2])
 
     def _flags(self, exchange: str):
         """The exchange's ready flags (one per producer program) and acks (one per consumer); 64-bit words with
@@ -148,40 +151,77 @@ class FusedPooledAllToAll(nn.Module):
         return (self.ws.buffer(f"{exchange}_ready", self.world * self.num_programs, dtype),
                 self.ws.buffer(f"{exchange}_ack", self.world, dtype))
 
-    def _wait(self, exchange: str, epoch: int, half: int, rows: int, cols: int) -> torch.Tensor:
-        """Enqueue the wait for every producer's flags of `epoch`; then `exchange`'s [rows, cols] result is ready."""
+    def _wait(self, exchange: str, epoch: int) -> None:
+        """Enqueue the wait for every producer's flags of `exchange`'s `epoch`; its result is ready after it."""
         ready, ack = self._flags(exchange)
-        wait_ready(ready.local, ack.local if self.nvshmem else ack.peer_ptrs, self.errors.word, self.rank,
-                   self.world, epoch, self.num_programs, self.spin_limit, nvshmem=self.nvshmem)
+        if self.nvshmem:
+            wait_ready(ready.local, ack.local, self.errors.word, self.rank, self.world, epoch, self.num_programs,
+                       self.spin_limit, nvshmem=True)
+        else:
+            wait = self._waits.get(exchange)
+            if wait is None:  # flags never grow (they carry epochs): one wait per exchange
+                wait = self._waits[exchange] = ReadyWait(ready.local, ack.peer_ptrs, self.errors.word, self.rank,
+                                                         self.world, self.num_programs, self.spin_limit)
+            wait(epoch)
         self.errors.after_wait()
-        base = (epoch % 2) * half
-        return self.ws.buffer(exchange, 2 * half, torch.float32).local[base:base + rows * cols].view(rows, cols)
 
     def forward(self, bags: OwnedBags) -> torch.Tensor:
         if self.lookup.training and torch.is_grad_enabled():
             return _FusedExchange.apply(self.lookup._anchor, self, bags)
         return self.finish(bags, self.start(bags))
 
-    def _plans_for(self, sizes: tuple[int, ...]):
+    def _plan(self, batch_sizes: list[int]) -> _Plan:
+        sizes = tuple(batch_sizes)
+        plan = self._plans.get(sizes)
+        return plan if plan is not None else self._new_plan(sizes)
+
+    def _new_plan(self, sizes: tuple[int, ...]) -> _Plan:
+        """Built on the first call with these sizes, in the same order on every rank (allocation is collective)."""
         batch_start = [sum(sizes[:r]) for r in range(self.world + 1)]
-        n_mine = len(self.features_of_rank[self.rank])
-        forward = plan_peer_tiles(self.rank, [(batch_start[s], batch_start[s + 1]) for s in range(self.world)],
-                                  [(0, n_mine)] * self.world, self.owned.block_rows, self.ws.device)
-        first = [sum(len(f) for f in self.features_of_rank[:r]) for r in range(self.world)]
-        push = plan_peer_tiles(self.rank, [(0, sizes[self.rank])] * self.world,
-                               [(first[r], len(self.features_of_rank[r])) for r in range(self.world)],
-                               PUSH_BLOCK_ROWS, self.ws.device)
-        return forward, push, batch_start
+        global_batch, device = batch_start[-1], self.ws.device
+        pooled_half = max(sizes) * self.row_len
+        pooled = self.ws.buffer("pooled", 2 * pooled_half, torch.float32)
+        pooled_ready, pooled_ack = self._flags("pooled")
+        grad_half = global_batch * max(self.owned_dim + [1])
+        grad = pooled if self.nvshmem else self.ws.buffer("grad", 2 * grad_half, torch.float32)  # nvshmem: no backward
+        # Plans made before a buffer grew point into the old one: drop them (their sizes plan anew).
+        self._plans = {k: p for k, p in self._plans.items() if p.buffers[0] is pooled and p.buffers[1] is grad}
+        forward_tiles = plan_peer_tiles(self.rank, [(batch_start[s], batch_start[s + 1]) for s in range(self.world)],
+                                        [(0, len(self.features_of_rank[self.rank]))] * self.world,
+                                        self.owned.block_rows, device)
+        plan = _Plan(buffers=(pooled, grad), forward_tiles=forward_tiles, pooled_half=pooled_half,
+                     pooled=_halves(pooled.local, pooled_half, sizes[self.rank], self.row_len),
+                     grad=_halves(grad.local, grad_half, global_batch, self.owned_dim[self.rank]))
+        if not self.nvshmem:
+            grad_ready, grad_ack = self._flags("grad")
+            first = [sum(len(f) for f in self.features_of_rank[:r]) for r in range(self.world)]
+            push_tiles = plan_peer_tiles(self.rank, [(0, sizes[self.rank])] * self.world,
+                                         [(first[r], len(self.features_of_rank[r])) for r in range(self.world)],
+                                         PUSH_BLOCK_ROWS, device)
+            plan.pooled_ptrs = _half_ptrs(pooled, pooled_half)
+            plan.grad_ptrs = _half_ptrs(grad, grad_half)
+            common = dict(error=self.errors.word, rank=self.rank, num_programs=self.num_programs,
+                          spin_limit=self.spin_limit)
+            plan.forward = PooledEmbeddingLaunch(self.owned, forward_tiles, global_batch, self._zero_rows,
+                                                 self.row_len, ready_ptrs=pooled_ready.peer_ptrs,
+                                                 ack=pooled_ack.local, **common)
+            my_rows = torch.full((self.world,), batch_start[self.rank], dtype=torch.int64, device=device)
+            plan.push = PushColumnsLaunch(self.row_len, self.push_src_cols, self.push_dst_cols, self.push_dims,
+                                          self.push_block_dim, push_tiles, my_rows, self.push_row_len,
+                                          grad_ready.peer_ptrs, grad_ack.local, block_rows=PUSH_BLOCK_ROWS,
+                                          **common)
+        self._plans[sizes] = plan
+        return plan
 
 
-def _half(buffer, epoch: int, half_numel: int) -> torch.Tensor:
-    """Peer addresses of the half of a double buffer that `epoch` uses."""
-    return buffer.peer_ptrs + (epoch % 2) * half_numel * buffer.local.element_size()
+def _halves(local: torch.Tensor, half: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [rows, cols] views at the start of both halves of a double buffer."""
+    return tuple(local[h * half:h * half + rows * cols].view(rows, cols) for h in range(2))
 
 
-def _local_half(buffer, epoch: int, half_numel: int) -> torch.Tensor:
-    """This rank's half of a double buffer that `epoch` uses (nvshmem addresses it in every PE)."""
-    return buffer.local[(epoch % 2) * half_numel:][:half_numel]
+def _half_ptrs(buffer: PeerBuffer, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Peer-pointer tables of both halves of a double buffer."""
+    return tuple(buffer.peer_ptrs + h * half * buffer.local.element_size() for h in range(2))
 
 
 class _FusedExchange(torch.autograd.Function):

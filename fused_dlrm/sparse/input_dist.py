@@ -10,7 +10,7 @@ Host syncs: the local value counts per feature (they split the values), and the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -30,16 +30,20 @@ class OwnedBags:
     weights: torch.Tensor | None  # [N] per-sample weights, or None
     feature_value_offsets: list[int]  # host: feature f's values are values[o[f]:o[f+1]]
     batch_sizes: list[int]  # local batch size of every source rank; their sum is the global batch
+    _csr_offsets: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def global_batch(self) -> int:
         return sum(self.batch_sizes)
 
     def csr_offsets(self) -> torch.Tensor:
-        """[num_features * global_batch + 1] start of every bag in `values` (feature-major), as kernels take it."""
-        offsets = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64, device=self.values.device)
-        torch.cumsum(self.lengths.reshape(-1), 0, out=offsets[1:])
-        return offsets
+        """[num_features * global_batch + 1] start of every bag in `values` (feature-major), as kernels take it;
+        computed once per batch (the forward and a re-run forward share it)."""
+        if self._csr_offsets is None:
+            offsets = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64, device=self.values.device)
+            torch.cumsum(self.lengths.reshape(-1), 0, out=offsets[1:])
+            self._csr_offsets = offsets
+        return self._csr_offsets
 
     def feature_bags(self, f: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(values, lengths, weights) of the f-th owned feature."""

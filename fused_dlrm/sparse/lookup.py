@@ -13,7 +13,7 @@ from torchrec import EmbeddingBagConfig, PoolingType
 from fused_dlrm.kernels.embedding_backward import (BackwardTables, embedding_backward_reference,
                                                   launch_embedding_backward)
 from fused_dlrm.kernels.peer_tiles import default_num_programs, plan_peer_tiles
-from fused_dlrm.kernels.pooled_embedding import FeatureTable, launch_pooled_embedding, pooled_embedding_reference
+from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLaunch, pooled_embedding_reference
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizer, EmbeddingOptimizerConfig
 
@@ -63,7 +63,7 @@ class PooledEmbeddingLookup(nn.Module):
         self.features = [(f, t.name) for t in tables for f in t.feature_names]
         self.optimizer = EmbeddingOptimizer(optimizer, weights)
         self._kernel_features: FeatureTable | None = None  # built on the first GPU lookup
-        self._kernel_plans: dict = {}  # global batch size -> tile plan of the GPU lookup
+        self._kernel_launches: dict = {}  # global batch size -> the GPU lookup's launch (its tile plan bound)
         self.kernel_programs: int | None = None  # persistent programs of the GPU lookup; None: 32 per SM
         self._backward_tables: BackwardTables | None = None  # built on the first GPU backward
         # A leaf that requires grad: it makes autograd call our backward, which updates the tables.
@@ -101,22 +101,22 @@ class PooledEmbeddingLookup(nn.Module):
             self._kernel_features = FeatureTable([self.weights[t] for _, t in self.features],
                                                  [sum(dims[:i]) for i in range(len(dims))],
                                                  [self.is_mean(t) for _, t in self.features], device)
+        launch = self._kernel_launches.get(bags.global_batch)
+        if launch is None:  # built once per batch size: its tensors are host-to-device copies
+            plan = plan_peer_tiles(0, [(0, bags.global_batch)], [(0, len(self.features))],
+                                   self._kernel_features.block_rows, device)
+            launch = self._kernel_launches[bags.global_batch] = PooledEmbeddingLaunch(
+                self._kernel_features, plan, bags.global_batch, torch.zeros(1, dtype=torch.int64, device=device),
+                self.output_dim, self.kernel_programs or default_num_programs(device))
         out = torch.empty(bags.global_batch, self.output_dim, device=device)
-        plan = self._kernel_plans.get(bags.global_batch)
-        if plan is None:  # built once per batch size: its tensors are host-to-device copies
-            plan = self._kernel_plans[bags.global_batch] = plan_peer_tiles(
-                0, [(0, bags.global_batch)], [(0, len(self.features))], self._kernel_features.block_rows, device)
-        launch_pooled_embedding(bags.values, bags.csr_offsets(), bags.weights, self._kernel_features, plan,
-                                bags.global_batch, out_ptrs=torch.tensor([out.data_ptr()], device=device),
-                                out_row_base=torch.zeros(1, dtype=torch.int64, device=device),
-                                out_row_len=self.output_dim,
-                                num_programs=self.kernel_programs or default_num_programs(device))
+        # The output's address reaches the kernel as a fill's argument: no host-to-device copy to wait for.
+        launch(bags.values, bags.csr_offsets(), bags.weights, torch.full((1,), out.data_ptr(), device=device))
         return out
 
     @torch.no_grad()
     def apply_gradient(self, bags: OwnedBags, grad: torch.Tensor) -> None:
         """Sum each table's row gradients over its features and apply the optimizer: on GPUs one fused Triton
-        launch for all tables (one host sync), on the CPU the per-table torch reference. Either way the optimizer
+        launch for all tables (no host sync), on the CPU the per-table torch reference. Either way the optimizer
         state stays in `self.optimizer.momentum` (checkpoints read it there)."""
         features = [(t, self.is_mean(t)) for _, t in self.features]
         if self._anchor.device.type != "cuda":
