@@ -16,7 +16,7 @@ import torch
 from torchrec import EmbeddingBagConfig, PoolingType
 
 from fused_dlrm.kernels import embedding_backward
-from fused_dlrm.kernels.embedding_backward import BackwardTables, launch_embedding_backward, segment_starts
+from fused_dlrm.kernels.embedding_backward import BackwardTables, launch_embedding_backward, segments
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
@@ -148,26 +148,23 @@ def test_no_occurrence_at_all_is_a_no_op():
         assert torch.equal(w, before[name])
 
 
-def test_segment_starts_match_unique_consecutive():
-    keys = torch.tensor([3, 3, 3, 5, 8, 8, 9, 11, 11, 11, 11, 12])  # repeated and unique keys, sorted
-    starts, num_segments = segment_starts(keys)
-    segment_keys, counts = torch.unique_consecutive(keys, return_counts=True)
-    assert num_segments.shape == (1,) and int(num_segments) == segment_keys.numel()
-    expected = torch.cumsum(counts, 0) - counts
-    assert torch.equal(starts[:segment_keys.numel()], expected)
-    assert torch.equal(keys[starts[:segment_keys.numel()]], segment_keys)
-    for keys in (torch.tensor([4]), torch.tensor([2, 2, 2]), torch.arange(5)):  # one segment, all one, all unique
-        starts, num_segments = segment_starts(keys)
-        segment_keys, counts = torch.unique_consecutive(keys, return_counts=True)
-        assert int(num_segments) == segment_keys.numel()
-        assert torch.equal(starts[:segment_keys.numel()], torch.cumsum(counts, 0) - counts)
+def test_segments_match_unique_consecutive():
+    sorted_keys = [torch.tensor([3, 3, 3, 5, 8, 8, 9, 11, 11, 11, 11, 12]),  # repeated and unique keys
+                   torch.tensor([4]), torch.tensor([2, 2, 2]), torch.arange(5)]  # one key, all one, all unique
+    for keys in sorted_keys:
+        starts, segment_keys, num_segments = segments(keys)
+        expected_keys, counts = torch.unique_consecutive(keys, return_counts=True)
+        k = expected_keys.numel()
+        assert num_segments.shape == (1,) and int(num_segments) == k
+        assert torch.equal(starts[:k], torch.cumsum(counts, 0) - counts)
+        assert torch.equal(segment_keys[:k], expected_keys)
 
 
-def test_segment_starts_have_no_data_dependent_shape():
+def test_segments_have_no_data_dependent_shape():
     """On the meta device any op needing the keys' values on the host (unique, nonzero, mask indexing, .item())
     fails: the segment tables must build there, so they need no host sync on a GPU."""
-    starts, num_segments = segment_starts(torch.empty(1000, dtype=torch.int64, device="meta"))
-    assert starts.shape == (1001,) and num_segments.shape == (1,)
+    starts, segment_keys, num_segments = segments(torch.empty(1000, dtype=torch.int64, device="meta"))
+    assert starts.shape == segment_keys.shape == (1001,) and num_segments.shape == (1,)
     assert starts.device.type == num_segments.device.type == "meta"
 
 
@@ -182,12 +179,19 @@ def test_launch_has_no_data_dependent_shape(monkeypatch):
                             [names.index(t) for _, t in lookup.features],
                             [lookup.tables[t].pooling == PoolingType.MEAN for _, t in lookup.features], meta)
     grids = []
-    monkeypatch.setattr(embedding_backward, "_embedding_backward_kernel",
-                        {(4,): lambda *args, **kwargs: grids.append((4,))})  # kernel[grid](...)
+
+    class Launches:  # CompiledLaunches without a kernel: no binary (as in the interpreter), records the grid
+        def compiled(self, key, grid, args, options):
+            return None
+
+        def __call__(self, key, grid, args, options):
+            grids.append(grid)
+
+    monkeypatch.setattr(embedding_backward, "_LAUNCHES", Launches())
     bags = random_bags(6, True, torch.Generator().manual_seed(5))
     launch_embedding_backward(on(bags, meta), torch.empty(6, lookup.output_dim, device=meta), tables,
                               lookup.optimizer.config)
-    assert grids == [(4,)]  # min(n, 4) programs off the GPU
+    assert grids == [(4, 1, 1)]  # min(n, 4) programs off the GPU
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_dlrm.kernels.launch import CompiledLaunches, aligned, resident_programs_per_sm
 from fused_dlrm.kernels.pooled_embedding import TL_DTYPES, common_table_dtype
 
 if TYPE_CHECKING:  # only annotations: importing fused_dlrm.sparse here would be circular (lookup.py imports us)
@@ -70,25 +71,29 @@ def embedding_backward_reference(bags: OwnedBags, grad: torch.Tensor, optimizer:
         optimizer.step(table, torch.cat(rows[table]), torch.cat(row_grads[table]))
 
 
-def segment_starts(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Segments (runs of equal values) of the sorted `keys` [n > 0], without a host sync: returns `starts` [n + 1],
-    whose first `num_segments` entries are the segments' first indices (the rest is unspecified), and
-    `num_segments`, a 1-element tensor on the device (its value is never read on the host)."""
+def segments(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Segments (runs of equal values) of the sorted `keys` [n > 0], without a host sync: `starts` and
+    `segment_keys` [n + 1], whose first `num_segments` entries are each segment's first index and key (the rest
+    is unspecified), and `num_segments`, a 1-element tensor on the device (its value is never read on the host).
+    The kernel reads a segment's key beside its start rather than through it: one dependent load less."""
     n = keys.numel()
     is_start = torch.empty(n, dtype=torch.bool, device=keys.device)
     is_start[:1].fill_(True)  # `is_start[0] = True` would copy a host scalar: a sync on CUDA
     torch.ne(keys[1:], keys[:-1], out=is_start[1:])
     count = torch.cumsum(is_start, 0)  # segments up to each occurrence
-    # Segment k's first index goes to slot k, every other index to the dump slot n (mask indexing instead would
-    # need the count on the host for its output size).
+    # Segment k's first index and key go to slot k, every other occurrence's to the dump slot n (mask indexing
+    # instead would need the count on the host for its output size).
+    slot = torch.where(is_start, count - 1, n)
     starts = torch.empty(n + 1, dtype=torch.int64, device=keys.device)
-    starts.scatter_(0, torch.where(is_start, count - 1, n), torch.arange(n, device=keys.device))
-    return starts, count[-1:]
+    starts.scatter_(0, slot, torch.arange(n, device=keys.device))
+    segment_keys = torch.empty(n + 1, dtype=keys.dtype, device=keys.device)
+    segment_keys.scatter_(0, slot, keys)
+    return starts, segment_keys, count[-1:]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_values"])  # one compiled binary serves every batch (kernels/launch.py)
 def _embedding_backward_kernel(
-    keys_ptr, starts_ptr, num_segments_ptr, num_values,  # sorted keys (table << 32 | row); segment_starts
+    starts_ptr, keys_ptr, num_segments_ptr, num_values,  # segments(): first occurrence and key (table << 32 | row)
     grad_ptr, grad_offsets_ptr, scales_ptr,  # per occurrence, in key order: where its gradient starts, its scale
     table_ptrs, momentum_ptrs, dims_ptr,  # per table: weight address, momentum address, dim
     lr, eps,
@@ -104,11 +109,19 @@ def _embedding_backward_kernel(
     while seg < num_segments:
         j = tl.load(starts_ptr + seg)
         end = tl.load(starts_ptr + seg + 1, mask=seg + 1 < num_segments, other=num_values)  # last: to the end
-        key = tl.load(keys_ptr + j)
+        key = tl.load(keys_ptr + seg)
         t = key >> 32
         row = key - (t << 32)
         dim = tl.load(dims_ptr + t)
         d_mask = d < dim
+        # The row is this program's alone (keys are unique per segment): plain read-modify-write, no atomics. Its
+        # loads are issued before the gradients' so that their latencies overlap.
+        table = tl.load(table_ptrs + t).to(tl.pointer_type(TABLE_DTYPE))
+        w_ptrs = table + row * dim + d
+        w = tl.load(w_ptrs, mask=d_mask, other=0.0).to(tl.float32)
+        if ADAGRAD:
+            momentum = tl.load(momentum_ptrs + t).to(tl.pointer_type(tl.float32)) + row
+            m_row = tl.load(momentum)
 
         # Sum the gradients of the segment's occurrences, BLOCK_N at a time. Columns past the table's dim load as
         # 0 and stay 0.
@@ -123,14 +136,9 @@ def _embedding_backward_kernel(
             acc += tl.sum(g, axis=0)
             j += BLOCK_N
 
-        # The row is this program's alone (keys are unique per segment): plain read-modify-write, no atomics.
-        table = tl.load(table_ptrs + t).to(tl.pointer_type(TABLE_DTYPE))
-        w_ptrs = table + row * dim + d
-        w = tl.load(w_ptrs, mask=d_mask, other=0.0).to(tl.float32)
         if ADAGRAD:
-            momentum = tl.load(momentum_ptrs + t).to(tl.pointer_type(tl.float32))
-            m_row = tl.load(momentum + row) + tl.div_rn(tl.sum(acc * acc, axis=0), dim.to(tl.float32))
-            tl.store(momentum + row, m_row)
+            m_row = m_row + tl.div_rn(tl.sum(acc * acc, axis=0), dim.to(tl.float32))
+            tl.store(momentum, m_row)
             # IEEE sqrt and division (tl.sqrt and `/` are approximate on GPUs), as the torch path computes them.
             w = w - acc * tl.div_rn(lr, tl.sqrt_rn(m_row) + eps)
         else:
@@ -215,19 +223,28 @@ def launch_embedding_backward(bags: OwnedBags, grad: torch.Tensor, tables: Backw
     grad_offsets = grad_offsets[order]
     if scales is not None:
         scales = scales[order]
-    starts, num_segments = segment_starts(keys)
-    # Persistent grid, sized without the segment count (at most n). 32 programs per SM: the most blocks an SM
-    # holds at once on sm_90 (and 32 x NUM_WARPS = 64 warps, its most warps), so all of them are resident in one
-    # wave and each walks several of the (mostly tiny) segments. The interpreter runs programs one by one: few.
-    if device.type == "cuda":
-        num_programs = min(n, 32 * torch.cuda.get_device_properties(device).multi_processor_count)
-    else:
-        num_programs = min(n, 4)
+    starts, segment_keys, num_segments = segments(keys)
 
-    _embedding_backward_kernel[(num_programs,)](
-        keys, starts, num_segments, n,
-        grad, grad_offsets, scales if scales is not None else grad_offsets,  # stand-in, never read
-        tables.table_ptrs, tables.momentum_ptrs, tables.dims,
-        config.lr, config.eps,
-        BLOCK_N=max(1, TILE_ELEMENTS // tables.block_dim), BLOCK_D=tables.block_dim,
-        TABLE_DTYPE=TL_DTYPES[tables.dtype], HAS_SCALE=scales is not None, ADAGRAD=adagrad, num_warps=NUM_WARPS)
+    args = (starts, segment_keys, num_segments, n,
+            grad, grad_offsets, scales if scales is not None else grad_offsets,  # stand-in, never read
+            tables.table_ptrs, tables.momentum_ptrs, tables.dims, config.lr, config.eps,
+            max(1, TILE_ELEMENTS // tables.block_dim), tables.block_dim, TL_DTYPES[tables.dtype], scales is not None,
+            adagrad)
+    # What the binary's specialisation follows from besides the constexprs: the alignment of the tensors that
+    # are views (the gradient may be one into a symmetric buffer; the segment count is the cumsum's last value);
+    # the other tensors are fresh allocations or the tables' fixed metadata.
+    key = (tables.dtype, tables.block_dim, scales is not None, adagrad, aligned(grad), aligned(num_segments))
+    options = dict(num_warps=NUM_WARPS)
+    # Persistent grid, sized without the segment count (at most n): as many programs as are resident at once
+    # (from the compiled binary's registers and shared memory), so they all run in one wave and each walks its
+    # share of the (mostly tiny) segments; a larger grid would leave a second wave of programs that start only
+    # when the first ones have walked all of theirs. The interpreter runs programs one by one: few.
+    programs = min(n, 4)
+    binary = _LAUNCHES.compiled(key, (programs, 1, 1), args, options)
+    if binary is not None:
+        per_sm = resident_programs_per_sm(binary.n_regs, NUM_WARPS, binary.metadata.shared)
+        programs = min(n, per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
+    _LAUNCHES(key, (programs, 1, 1), args, options)
+
+
+_LAUNCHES = CompiledLaunches(_embedding_backward_kernel)
