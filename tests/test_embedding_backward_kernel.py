@@ -20,6 +20,7 @@ from fused_dlrm.kernels.embedding_backward import BackwardTables, launch_embeddi
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
+from sm90 import compile_for_sm90
 
 DTYPES = {"fp32": (torch.float32, 1e-5), "fp16": (torch.float16, 1e-3), "bf16": (torch.bfloat16, 1e-2)}
 
@@ -93,13 +94,18 @@ def assert_same_state(got: PooledEmbeddingLookup, expected: PooledEmbeddingLooku
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
-@pytest.mark.parametrize("dtype,weighted", [("fp32", False), ("fp32", True), ("fp16", True), ("bf16", False)])
-def test_kernel_matches_torch_path(optimizer, dtype, weighted):
+@pytest.mark.parametrize("dtype,weighted,wide_keys", [("fp32", False, False), ("fp32", True, False),
+                                                      ("fp16", True, False), ("bf16", False, False),
+                                                      ("fp32", True, True)])
+def test_kernel_matches_torch_path(optimizer, dtype, weighted, wide_keys):
+    """wide_keys: 64-bit sort keys (rows too many for 32), forced on these small tables."""
     torch_dtype, tol = DTYPES[dtype]
     reference, fused = make_lookup(optimizer, torch_dtype), make_lookup(optimizer, torch_dtype, DEVICE)
     copy_state(reference, fused)  # init_table draws differently on a GPU
     untouched = reference.weights[UNREAD].clone()
     tables = backward_tables(fused)
+    if wide_keys:
+        tables.row_bits, tables.key_dtype = 40, torch.int64
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         bags = random_bags(6, weighted, gen)
@@ -112,6 +118,15 @@ def test_kernel_matches_torch_path(optimizer, dtype, weighted):
     assert torch.equal(fused.weights[UNREAD].cpu(), untouched)
     if optimizer == "rowwise_adagrad":
         assert torch.equal(fused.optimizer.momentum[UNREAD].cpu(), reference.optimizer.momentum[UNREAD])
+
+
+def test_sort_keys_are_32_bit_while_table_and_row_fit():
+    """table << row_bits | row: 4 tables of 2**29 rows take 2 + 29 bits (int32), 8 tables 3 + 29 (int64)."""
+    meta = torch.device("meta")
+    for count, dtype in ((4, torch.int32), (8, torch.int64)):
+        weights = [torch.empty(2**29, 4, device=meta) for _ in range(count)]
+        tables = BackwardTables(weights, None, list(range(count)), [False] * count, meta)
+        assert (tables.row_bits, tables.key_dtype) == (29, dtype)
 
 
 def test_untouched_rows_keep_weight_and_state():
@@ -164,7 +179,7 @@ def test_segments_have_no_data_dependent_shape():
     """On the meta device any op needing the keys' values on the host (unique, nonzero, mask indexing, .item())
     fails: the segment tables must build there, so they need no host sync on a GPU."""
     starts, segment_keys, num_segments = segments(torch.empty(1000, dtype=torch.int64, device="meta"))
-    assert starts.shape == segment_keys.shape == (1001,) and num_segments.shape == (1,)
+    assert starts.shape == (2000,) and segment_keys.shape == (1000,) and num_segments.shape == (1,)
     assert starts.device.type == num_segments.device.type == "meta"
 
 
@@ -188,6 +203,7 @@ def test_launch_has_no_data_dependent_shape(monkeypatch):
             grids.append(grid)
 
     monkeypatch.setattr(embedding_backward, "_LAUNCHES", Launches())
+    monkeypatch.setattr(embedding_backward, "_OCCURRENCE_LAUNCHES", lambda *args: None)
     bags = random_bags(6, True, torch.Generator().manual_seed(5))
     launch_embedding_backward(on(bags, meta), torch.empty(6, lookup.output_dim, device=meta), tables,
                               lookup.optimizer.config)
@@ -225,3 +241,26 @@ def test_gpu_lookup_matches_cpu_without_host_sync(optimizer):
         torch.testing.assert_close(fused.optimizer.momentum[name].cpu(), reference.optimizer.momentum[name],
                                    rtol=1e-5, atol=1e-6)
 
+
+
+COMPILE_FOR_SM90 = """
+from fused_dlrm.kernels import embedding_backward as eb
+
+types = {n: "*i64" for n in ("values_ptr", "csr_ptr", "feature_table_ptr", "cols_ptr", "grad_offsets_ptr",
+                             "starts_ptr", "num_segments_ptr", "table_ptrs", "momentum_ptrs")}
+types.update(weights_ptr="*fp32", scales_ptr="*fp32", grad_ptr="*fp32", mean_ptr="*i1", dims_ptr="*i32",
+             lr="fp32", eps="fp32", num_values="i64")
+for key_dtype, key_type in ((tl.int32, "*i32"), (tl.int64, "*i64")):
+    types["keys_ptr"] = key_type
+    for scale in (False, True):
+        build(eb._occurrences_kernel, types, dict(BLOCK_BAGS=16, BLOCK_L=8, HAS_WEIGHTS=scale, HAS_SCALE=scale,
+                                                  KEY_DTYPE=key_dtype))
+        for adagrad in (False, True):
+            build(eb._embedding_backward_kernel, types, dict(BLOCK_N=2, BLOCK_D=256, TABLE_DTYPE=tl.float16,
+                                                             HAS_SCALE=scale, ADAGRAD=adagrad), num_warps=2)
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """Both backward kernels as the GPU compiles them, 32- and 64-bit sort keys."""
+    compile_for_sm90(COMPILE_FOR_SM90)

@@ -1,7 +1,8 @@
 """Backward of the pooled lookup fused with the exact embedding optimizer, for all owned tables in one launch.
 
-Like fbgemm's TBE backward: every occurrence (value) of the bags gets a sort key (table << 32 | row); sorting the
-keys groups all occurrences of one row of one table, across bags and across the features that share the table.
+Like fbgemm's TBE backward: every occurrence (value) of the bags gets a sort key (table << row_bits | row: 32-bit
+when it fits, so the radix sort makes half the passes); sorting the keys groups all occurrences of one row of one
+table, across bags and across the features that share the table.
 One program per group (segment) sums the occurrences' gradients in fp32 and applies the update to its row in
 place, so no per-occurrence [N, dim] gradient is materialised and each touched row is read and written once:
   SGD:                 w -= lr * g
@@ -9,13 +10,17 @@ place, so no per-occurrence [N, dim] gradient is materialised and each touched r
 The gradient of an occurrence of bag (feature f, sample b) is grad[b, col_f : col_f + dim] times its scale
 (per-sample weight if weighted, times 1 / max(bag length, 1) if f is mean-pooled).
 
-Host side: a handful of torch ops and no host sync: the segment count stays on the device, and a fixed grid of
-persistent programs walks the segments. `embedding_backward_reference` is the pure-torch definition (the
-per-table path the CPU runs); the kernel must agree with it.
+Two steps, no host sync: `plan_embedding_backward` needs only the bags (one kernel writes every occurrence's key,
+gradient offset and scale; a sort; the segments, whose count stays on the device), so the lookup runs it during
+the forward on a side stream, where it overlaps the exchange and the dense part of the step;
+`launch_embedding_backward` then needs the gradient: a fixed grid of persistent programs walks the segments.
+`embedding_backward_reference` is the pure-torch definition (the per-table path the CPU runs); the kernels must
+agree with it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,28 +77,68 @@ def embedding_backward_reference(bags: OwnedBags, grad: torch.Tensor, optimizer:
 
 
 def segments(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Segments (runs of equal values) of the sorted `keys` [n > 0], without a host sync: `starts` and
-    `segment_keys` [n + 1], whose first `num_segments` entries are each segment's first index and key (the rest
-    is unspecified), and `num_segments`, a 1-element tensor on the device (its value is never read on the host).
+    """Segments (runs of equal values) of the sorted `keys` [n > 0], without a host sync: `starts` [2n] and
+    `segment_keys` [n], whose first `num_segments` entries are each segment's first index and key (the rest is
+    unspecified), and `num_segments`, a 1-element tensor on the device (its value is never read on the host).
     The kernel reads a segment's key beside its start rather than through it: one dependent load less."""
     n = keys.numel()
     is_start = torch.empty(n, dtype=torch.bool, device=keys.device)
     is_start[:1].fill_(True)  # `is_start[0] = True` would copy a host scalar: a sync on CUDA
     torch.ne(keys[1:], keys[:-1], out=is_start[1:])
-    count = torch.cumsum(is_start, 0)  # segments up to each occurrence
-    # Segment k's first index and key go to slot k, every other occurrence's to the dump slot n (mask indexing
-    # instead would need the count on the host for its output size).
-    slot = torch.where(is_start, count - 1, n)
-    starts = torch.empty(n + 1, dtype=torch.int64, device=keys.device)
-    starts.scatter_(0, slot, torch.arange(n, device=keys.device))
-    segment_keys = torch.empty(n + 1, dtype=keys.dtype, device=keys.device)
-    segment_keys.scatter_(0, slot, keys)
-    return starts, segment_keys, count[-1:]
+    segment = torch.cumsum(is_start, 0) - 1  # of each occurrence
+    positions = torch.arange(n, device=keys.device)
+    # Segment k's first index goes to slot k, every other occurrence's index to a slot of its own past n (mask
+    # indexing instead would need the count on the host; one shared dump slot serialises ~n stores on a GPU).
+    starts = torch.empty(2 * n, dtype=torch.int64, device=keys.device)
+    starts.scatter_(0, torch.where(is_start, segment, n + positions), positions)
+    # The occurrences of a segment share its key: whichever store lands, slot k holds it.
+    segment_keys = torch.empty(n, dtype=keys.dtype, device=keys.device)
+    segment_keys.scatter_(0, segment, keys)
+    return starts, segment_keys, segment[-1:] + 1
+
+
+@triton.jit(do_not_specialize=["num_bags", "batch"])  # one compiled binary serves every batch (kernels/launch.py)
+def _occurrences_kernel(
+    values_ptr, csr_ptr, weights_ptr,  # the bags: CSR over (owned feature, global sample), feature-major
+    feature_table_ptr, cols_ptr, mean_ptr,  # per owned feature: its table, first gradient column, mean-pooled
+    keys_ptr, grad_offsets_ptr, scales_ptr,  # out, per occurrence: sort key, where its gradient starts, its scale
+    num_bags, batch, row_len, row_bits,
+    BLOCK_BAGS: tl.constexpr, BLOCK_L: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    KEY_DTYPE: tl.constexpr,
+):
+    """Every occurrence of BLOCK_BAGS bags, BLOCK_L positions at a time: what the backward needs of it before the
+    sort (one kernel for what would be a dozen elementwise torch ops, each a launch of host time)."""
+    bag = tl.program_id(0) * BLOCK_BAGS + tl.arange(0, BLOCK_BAGS)
+    bag_mask = bag < num_bags
+    start = tl.load(csr_ptr + bag, mask=bag_mask, other=0)
+    length = tl.load(csr_ptr + bag + 1, mask=bag_mask, other=0) - start
+    feature = bag // batch
+    table = tl.load(feature_table_ptr + feature, mask=bag_mask, other=0)
+    grad_offset = (bag - feature * batch) * row_len + tl.load(cols_ptr + feature, mask=bag_mask, other=0)
+    # IEEE division (`/` is approximate on GPUs), as the torch reference computes 1 / length.
+    inv_len = tl.div_rn(1.0, tl.maximum(length, 1).to(tl.float32))
+    scale = tl.where(tl.load(mean_ptr + feature, mask=bag_mask, other=0) != 0, inv_len, 1.0)
+    lanes = tl.arange(0, BLOCK_L)
+    longest = tl.max(length, axis=0)
+    j = 0
+    while j < longest:  # `while`: the interpreter cannot range() over loaded values
+        pos = j + lanes
+        m = bag_mask[:, None] & (pos[None, :] < length[:, None])
+        occ = start[:, None] + pos[None, :]
+        row = tl.load(values_ptr + occ, mask=m, other=0).to(tl.int64)
+        tl.store(keys_ptr + occ, ((table[:, None] << row_bits) | row).to(KEY_DTYPE), mask=m)
+        tl.store(grad_offsets_ptr + occ, grad_offset[:, None] + tl.zeros_like(occ), mask=m)
+        if HAS_SCALE:
+            occ_scale = scale[:, None] + tl.zeros([BLOCK_BAGS, BLOCK_L], tl.float32)
+            if HAS_WEIGHTS:
+                occ_scale = tl.load(weights_ptr + occ, mask=m, other=0.0).to(tl.float32) * occ_scale
+            tl.store(scales_ptr + occ, occ_scale, mask=m)
+        j += BLOCK_L
 
 
 @triton.jit(do_not_specialize=["num_values"])  # one compiled binary serves every batch (kernels/launch.py)
 def _embedding_backward_kernel(
-    starts_ptr, keys_ptr, num_segments_ptr, num_values,  # segments(): first occurrence and key (table << 32 | row)
+    starts_ptr, keys_ptr, num_segments_ptr, num_values, row_bits,  # segments(): first index, key (t << row_bits | row)
     grad_ptr, grad_offsets_ptr, scales_ptr,  # per occurrence, in key order: where its gradient starts, its scale
     table_ptrs, momentum_ptrs, dims_ptr,  # per table: weight address, momentum address, dim
     lr, eps,
@@ -109,9 +154,9 @@ def _embedding_backward_kernel(
     while seg < num_segments:
         j = tl.load(starts_ptr + seg)
         end = tl.load(starts_ptr + seg + 1, mask=seg + 1 < num_segments, other=num_values)  # last: to the end
-        key = tl.load(keys_ptr + seg)
-        t = key >> 32
-        row = key - (t << 32)
+        key = tl.load(keys_ptr + seg).to(tl.int64)
+        t = key >> row_bits
+        row = key - (t << row_bits)
         dim = tl.load(dims_ptr + t)
         d_mask = d < dim
         # The row is this program's alone (keys are unique per segment): plain read-modify-write, no atomics. Its
@@ -156,7 +201,7 @@ class BackwardTables:
         """momentum: the optimizer's fp32 [rows] state of each table (row-wise Adagrad), None for SGD."""
         self.dtype = common_table_dtype(weights)
         for w in weights:
-            if w.shape[0] >= 2**31 or not w.is_contiguous():  # the row is the low 32 bits of the sort key
+            if w.shape[0] >= 2**31 or not w.is_contiguous():  # rows and tables share a 64-bit sort key at most
                 raise ValueError(f"tables must be contiguous with < 2**31 rows, got {tuple(w.shape)}")
         if momentum is not None and any(m.dtype != torch.float32 or m.shape != w.shape[:1]
                                         for m, w in zip(momentum, weights, strict=True)):
@@ -175,6 +220,10 @@ class BackwardTables:
                                     torch.int64)
         self.dims = tensor(dims, torch.int32)
         self.feature_table = tensor(feature_tables, torch.int64)
+        # Sort keys table << row_bits | row in 32 bits when they fit (a radix sort's passes follow the key width).
+        self.row_bits = max(max((w.shape[0] - 1).bit_length() for w in weights) if weights else 1, 1)
+        fits = self.row_bits + max(len(weights) - 1, 1).bit_length() <= 31
+        self.key_dtype = torch.int32 if fits else torch.int64
         self.cols = tensor([sum(feature_dims[:i]) for i in range(len(feature_dims))], torch.int64)
         self.mean = tensor(mean, torch.bool)
         self.any_mean = any(mean)
@@ -190,50 +239,73 @@ class BackwardTables:
         return self._addresses(weights, momentum) == self.addresses
 
 
+@dataclass
+class BackwardPlan:
+    """What the backward needs of one batch's bags, in key order (plan_embedding_backward)."""
+    num_values: int
+    starts: torch.Tensor  # segments(): each segment's first occurrence
+    segment_keys: torch.Tensor  # and its key
+    num_segments: torch.Tensor  # [1], on the device
+    grad_offsets: torch.Tensor  # per occurrence: where its gradient starts in the pooled gradient
+    scales: torch.Tensor | None  # per occurrence: per-sample weight x 1 / bag length (mean pooling), if any
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.starts, self.segment_keys, self.num_segments, self.grad_offsets, self.scales)
+                if t is not None]
+
+
+def plan_embedding_backward(bags: OwnedBags, tables: BackwardTables) -> BackwardPlan | None:
+    """The bag-only half of the backward (None when the bags hold no occurrence): every occurrence's key, gradient
+    offset and scale (one kernel), the stable sort by key (a segment sums in occurrence order), the segments."""
+    values, n = bags.values, bags.values.numel()
+    if n == 0:
+        return None
+    device = values.device
+    has_scale = bags.weights is not None or tables.any_mean
+    keys = torch.empty(n, dtype=tables.key_dtype, device=device)
+    grad_offsets = torch.empty(n, dtype=torch.int64, device=device)
+    scales = torch.empty(n, dtype=torch.float32, device=device) if has_scale else None
+    csr = bags.csr_offsets()
+    num_bags = bags.lengths.numel()
+    block_bags = 16
+    args = (values, csr, bags.weights if bags.weights is not None else csr,  # stand-in, never read
+            tables.feature_table, tables.cols, tables.mean, keys, grad_offsets, scales if has_scale else keys,
+            num_bags, bags.global_batch, tables.row_len, tables.row_bits,
+            block_bags, 8, bags.weights is not None, has_scale, TL_DTYPES_INT[tables.key_dtype])
+    key = (values.dtype, aligned(values), None if bags.weights is None else (bags.weights.dtype,
+                                                                            aligned(bags.weights)), has_scale)
+    _OCCURRENCE_LAUNCHES(key, (triton.cdiv(num_bags, block_bags), 1, 1), args, dict(num_warps=4))
+    keys, order = torch.sort(keys, stable=True)
+    starts, segment_keys, num_segments = segments(keys)
+    return BackwardPlan(n, starts, segment_keys, num_segments, grad_offsets[order],
+                        None if scales is None else scales[order])
+
+
 def launch_embedding_backward(bags: OwnedBags, grad: torch.Tensor, tables: BackwardTables,
-                              config: EmbeddingOptimizerConfig) -> None:
+                              config: EmbeddingOptimizerConfig, plan: BackwardPlan | None = None) -> None:
     """Update every owned table in place (and the row-wise Adagrad momentum in `tables.momentum`) from the
-    gradient of the pooled output `grad` [global batch, owned dims]. No host sync, one kernel launch."""
+    gradient of the pooled output `grad` [global batch, owned dims]. `plan`: plan_embedding_backward(bags, tables)
+    if it was made already (during the forward), else it is made now. No host sync."""
     adagrad = config.name == "rowwise_adagrad"
     if adagrad and tables.momentum is None:
         raise ValueError("row-wise Adagrad needs the momentum of every table")
-    values, lengths = bags.values, bags.lengths.reshape(-1)
-    n, batch = values.numel(), bags.global_batch
-    if grad.shape != (batch, tables.row_len):
-        raise ValueError(f"gradient of shape {tuple(grad.shape)}, expected {(batch, tables.row_len)}")
-    if n == 0:  # no occurrence: no row to update (and no sync)
+    if grad.shape != (bags.global_batch, tables.row_len):
+        raise ValueError(f"gradient of shape {tuple(grad.shape)}, expected {(bags.global_batch, tables.row_len)}")
+    plan = plan or plan_embedding_backward(bags, tables)
+    if plan is None:  # no occurrence: no row to update
         return
     grad = grad.float().contiguous()
-    device = values.device
-
-    # Per occurrence: its bag (feature-major: f * batch + b), hence feature and sample. output_size avoids a sync.
-    bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths, output_size=n)
-    feature = bag // batch
-    grad_offsets = (bag - feature * batch) * tables.row_len + tables.cols[feature]
-    keys = (tables.feature_table[feature] << 32) | values
-    scales = None
-    if bags.weights is not None:
-        scales = bags.weights.float()
-    if tables.any_mean:
-        inv_len = torch.where(tables.mean[feature], 1.0 / lengths.clamp(min=1).float()[bag], 1.0)
-        scales = inv_len if scales is None else scales * inv_len
-
-    # Group the occurrences of each (table, row); stable, so a segment sums in occurrence order.
-    keys, order = torch.sort(keys, stable=True)
-    grad_offsets = grad_offsets[order]
-    if scales is not None:
-        scales = scales[order]
-    starts, segment_keys, num_segments = segments(keys)
-
-    args = (starts, segment_keys, num_segments, n,
-            grad, grad_offsets, scales if scales is not None else grad_offsets,  # stand-in, never read
+    n = plan.num_values
+    args = (plan.starts, plan.segment_keys, plan.num_segments, n, tables.row_bits,
+            grad, plan.grad_offsets, plan.scales if plan.scales is not None else plan.grad_offsets,  # stand-in
             tables.table_ptrs, tables.momentum_ptrs, tables.dims, config.lr, config.eps,
-            max(1, TILE_ELEMENTS // tables.block_dim), tables.block_dim, TL_DTYPES[tables.dtype], scales is not None,
-            adagrad)
-    # What the binary's specialisation follows from besides the constexprs: the alignment of the tensors that
-    # are views (the gradient may be one into a symmetric buffer; the segment count is the cumsum's last value);
-    # the other tensors are fresh allocations or the tables' fixed metadata.
-    key = (tables.dtype, tables.block_dim, scales is not None, adagrad, aligned(grad), aligned(num_segments))
+            max(1, TILE_ELEMENTS // tables.block_dim), tables.block_dim, TL_DTYPES[tables.dtype],
+            plan.scales is not None, adagrad)
+    # What the binary's specialisation follows from besides the constexprs: the keys' width and the alignment of
+    # the tensors that are views (the gradient may be one into a symmetric buffer; the segment count is the last
+    # element of a cumsum); the other tensors are fresh allocations or the tables' fixed metadata.
+    key = (tables.dtype, tables.key_dtype, tables.block_dim, plan.scales is not None, adagrad, aligned(grad),
+           aligned(plan.num_segments))
     options = dict(num_warps=NUM_WARPS)
     # Persistent grid, sized without the segment count (at most n): as many programs as are resident at once
     # (from the compiled binary's registers and shared memory), so they all run in one wave and each walks its
@@ -243,8 +315,10 @@ def launch_embedding_backward(bags: OwnedBags, grad: torch.Tensor, tables: Backw
     binary = _LAUNCHES.compiled(key, (programs, 1, 1), args, options)
     if binary is not None:
         per_sm = resident_programs_per_sm(binary.n_regs, NUM_WARPS, binary.metadata.shared)
-        programs = min(n, per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
+        programs = min(n, per_sm * torch.cuda.get_device_properties(grad.device).multi_processor_count)
     _LAUNCHES(key, (programs, 1, 1), args, options)
 
 
+TL_DTYPES_INT = {torch.int32: tl.int32, torch.int64: tl.int64}
+_OCCURRENCE_LAUNCHES = CompiledLaunches(_occurrences_kernel)
 _LAUNCHES = CompiledLaunches(_embedding_backward_kernel)
