@@ -11,9 +11,9 @@ The gradient of an occurrence of bag (feature f, sample b) is grad[b, col_f : co
 (per-sample weight if weighted, times 1 / max(bag length, 1) if f is mean-pooled).
 
 Two steps, no host sync: `plan_embedding_backward` needs only the bags (one kernel writes every occurrence's key,
-gradient offset and scale; a sort; the segments, whose count stays on the device), so the lookup runs it during
-the forward on a side stream, where it overlaps the exchange and the dense part of the step;
-`launch_embedding_backward` then needs the gradient: a fixed grid of persistent programs walks the segments.
+gradient offset and scale; a sort; the segments, whose count stays on the device); then a fixed grid of persistent
+programs walks the segments with the gradient. (Running the plan during the forward on a side stream was tried on
+2 x H200: no gain in the benchmark, a lower whole-step ratio; docs/benchmarks.md.)
 `embedding_backward_reference` is the pure-torch definition (the per-table path the CPU runs); the kernels must
 agree with it.
 """
@@ -249,10 +249,6 @@ class BackwardPlan:
     grad_offsets: torch.Tensor  # per occurrence: where its gradient starts in the pooled gradient
     scales: torch.Tensor | None  # per occurrence: per-sample weight x 1 / bag length (mean pooling), if any
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.starts, self.segment_keys, self.num_segments, self.grad_offsets, self.scales)
-                if t is not None]
-
 
 def plan_embedding_backward(bags: OwnedBags, tables: BackwardTables) -> BackwardPlan | None:
     """The bag-only half of the backward (None when the bags hold no occurrence): every occurrence's key, gradient
@@ -282,16 +278,15 @@ def plan_embedding_backward(bags: OwnedBags, tables: BackwardTables) -> Backward
 
 
 def launch_embedding_backward(bags: OwnedBags, grad: torch.Tensor, tables: BackwardTables,
-                              config: EmbeddingOptimizerConfig, plan: BackwardPlan | None = None) -> None:
+                              config: EmbeddingOptimizerConfig) -> None:
     """Update every owned table in place (and the row-wise Adagrad momentum in `tables.momentum`) from the
-    gradient of the pooled output `grad` [global batch, owned dims]. `plan`: plan_embedding_backward(bags, tables)
-    if it was made already (during the forward), else it is made now. No host sync."""
+    gradient of the pooled output `grad` [global batch, owned dims]. No host sync."""
     adagrad = config.name == "rowwise_adagrad"
     if adagrad and tables.momentum is None:
         raise ValueError("row-wise Adagrad needs the momentum of every table")
     if grad.shape != (bags.global_batch, tables.row_len):
         raise ValueError(f"gradient of shape {tuple(grad.shape)}, expected {(bags.global_batch, tables.row_len)}")
-    plan = plan or plan_embedding_backward(bags, tables)
+    plan = plan_embedding_backward(bags, tables)
     if plan is None:  # no occurrence: no row to update
         return
     grad = grad.float().contiguous()

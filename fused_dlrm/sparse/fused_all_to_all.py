@@ -28,7 +28,7 @@ from fused_dlrm.kernels.peer_tiles import PeerTilePlan, default_num_programs, pl
 from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLaunch, launch_pooled_embedding_nvshmem
 from fused_dlrm.kernels.push_columns import PushColumnsLaunch
 from fused_dlrm.sparse.input_dist import OwnedBags
-from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, PreparedBackward
+from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 
 PUSH_BLOCK_ROWS = 16  # rows per tile of the gradient push
 NVSHMEM_FORWARD_ONLY = (
@@ -140,10 +140,9 @@ class FusedPooledAllToAll(nn.Module):
         plan.push(grad.float().contiguous(), plan.grad_ptrs[epoch % 2], epoch)
         return epoch
 
-    def finish_backward(self, bags: OwnedBags, epoch: int, prepared: PreparedBackward | None = None) -> None:
-        """prepared: the lookup's prepare_backward(bags) from the forward, if it was called."""
+    def finish_backward(self, bags: OwnedBags, epoch: int) -> None:
         self._wait("grad", epoch)
-        self.lookup.apply_gradient(bags, self._plan(bags.batch_sizes).grad[epoch % 2], prepared)
+        self.lookup.apply_gradient(bags, self._plan(bags.batch_sizes).grad[epoch % 2])
 
     def _flags(self, exchange: str):
         """The exchange's ready flags (one per producer program) and acks (one per consumer); 64-bit words with
@@ -229,11 +228,10 @@ class _FusedExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, exchange: FusedPooledAllToAll, bags: OwnedBags):
         ctx.exchange, ctx.bags = exchange, bags
-        ctx.prepared = exchange.lookup.prepare_backward(bags)
         return exchange.finish(bags, exchange.start(bags))
 
     @staticmethod
     def backward(ctx, grad):
         ex = ctx.exchange
-        ex.finish_backward(ctx.bags, ex.start_backward(ctx.bags, grad), ctx.prepared)
+        ex.finish_backward(ctx.bags, ex.start_backward(ctx.bags, grad))
         return None, None, None

@@ -6,14 +6,12 @@ require no gradient: dense optimizers and DDP never see them, and no [rows, dim]
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, PoolingType
 
-from fused_dlrm.kernels.embedding_backward import (BackwardPlan, BackwardTables, embedding_backward_reference,
-                                                  launch_embedding_backward, plan_embedding_backward)
+from fused_dlrm.kernels.embedding_backward import (BackwardTables, embedding_backward_reference,
+                                                  launch_embedding_backward)
 from fused_dlrm.kernels.peer_tiles import default_num_programs, plan_peer_tiles
 from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLaunch, pooled_embedding_reference
 from fused_dlrm.sparse.input_dist import OwnedBags
@@ -36,23 +34,15 @@ class Table(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
 
 
-@dataclass
-class PreparedBackward:
-    """The backward's bag-only half, started during the forward on a side stream (prepare_backward)."""
-    plan: BackwardPlan | None  # None: the bags hold no occurrence
-    done: torch.cuda.Event  # recorded on the side stream after the plan's last launch
-
-
 class _LookupWithFusedUpdate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, lookup: "PooledEmbeddingLookup", bags: OwnedBags):
         ctx.lookup, ctx.bags = lookup, bags
-        ctx.prepared = lookup.prepare_backward(bags)
         return lookup.pool(bags)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.lookup.apply_gradient(ctx.bags, grad, ctx.prepared)
+        ctx.lookup.apply_gradient(ctx.bags, grad)
         return None, None, None
 
 
@@ -76,7 +66,6 @@ class PooledEmbeddingLookup(nn.Module):
         self._kernel_launches: dict = {}  # global batch size -> the GPU lookup's launch (its tile plan bound)
         self.kernel_programs: int | None = None  # persistent programs of the GPU lookup; None: 32 per SM
         self._backward_tables: BackwardTables | None = None  # built on the first GPU backward
-        self._side_stream: torch.cuda.Stream | None = None  # of prepare_backward
         # A leaf that requires grad: it makes autograd call our backward, which updates the tables.
         self._anchor = torch.empty(0, device=device, requires_grad=True)
 
@@ -124,56 +113,24 @@ class PooledEmbeddingLookup(nn.Module):
         launch(bags.values, bags.csr_offsets(), bags.weights, torch.full((1,), out.data_ptr(), device=device))
         return out
 
-    def prepare_backward(self, bags: OwnedBags) -> PreparedBackward | None:
-        """On GPUs, start the backward's bag-only half (plan_embedding_backward: occurrence keys, sort, segments)
-        now, on a side stream: it overlaps the lookup, the exchange and the dense part of the step instead of
-        delaying the embedding update, and its launches leave the host before the backward. None on the CPU,
-        whose reference path needs no plan. Call it before the forward's own launches (the side stream waits for
-        what the current stream has enqueued so far: the bags)."""
-        if self._anchor.device.type != "cuda" or not self.features:
-            return None
-        tables = self._kernel_tables()
-        bag_tensors = [t for t in (bags.values, bags.csr_offsets(), bags.weights) if t is not None]  # made here
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(self._anchor.device)
-        side = self._side_stream
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            plan = plan_embedding_backward(bags, tables)
-        for t in bag_tensors:  # read on the side stream: not reused before that work is done
-            t.record_stream(side)
-        return PreparedBackward(plan, side.record_event())
-
     @torch.no_grad()
-    def apply_gradient(self, bags: OwnedBags, grad: torch.Tensor, prepared: PreparedBackward | None = None) -> None:
-        """Sum each table's row gradients over its features and apply the optimizer: on GPUs one fused Triton
-        launch for all tables (no host sync; `prepared`: from prepare_backward during the forward, else the plan is
-        made now), on the CPU the per-table torch reference. Either way the optimizer state stays in
-        `self.optimizer.momentum` (checkpoints read it there)."""
+    def apply_gradient(self, bags: OwnedBags, grad: torch.Tensor) -> None:
+        """Sum each table's row gradients over its features and apply the optimizer: on GPUs two Triton launches
+        for all tables (no host sync), on the CPU the per-table torch reference. Either way the optimizer
+        state stays in `self.optimizer.momentum` (checkpoints read it there)."""
+        features = [(t, self.is_mean(t)) for _, t in self.features]
         if self._anchor.device.type != "cuda":
-            embedding_backward_reference(bags, grad, self.optimizer, [(t, self.is_mean(t)) for _, t in self.features])
+            embedding_backward_reference(bags, grad, self.optimizer, features)
             return
-        plan = None
-        if prepared is not None:
-            stream = torch.cuda.current_stream()
-            stream.wait_event(prepared.done)
-            plan = prepared.plan
-            for t in plan.tensors() if plan is not None else []:  # made on the side stream, used on this one
-                t.record_stream(stream)
-        launch_embedding_backward(bags, grad, self._kernel_tables(), self.optimizer.config, plan)
-
-    def _kernel_tables(self) -> BackwardTables:
-        """The backward kernels' table metadata: built on first use (its device tensors cost a sync each), again
-        only if a table or its optimizer state moved."""
         names = list(self.tables)
         weights = [self.weights[n] for n in names]
         momentum = [self.optimizer.momentum[n] for n in names] if self.optimizer.momentum else None
+        # Built on the first GPU backward (its device tensors cost a sync each), again only if a tensor moved.
         tables = self._backward_tables
         if tables is None or not tables.describes(weights, momentum):
-            tables = self._backward_tables = BackwardTables(
-                weights, momentum, [names.index(t) for _, t in self.features],
-                [self.is_mean(t) for _, t in self.features], self._anchor.device)
-        return tables
+            tables = self._backward_tables = BackwardTables(weights, momentum, [names.index(t) for t, _ in features],
+                                                            [mean for _, mean in features], grad.device)
+        launch_embedding_backward(bags, grad, tables, self.optimizer.config)
 
     def is_mean(self, table: str) -> bool:
         return self.tables[table].pooling == PoolingType.MEAN
