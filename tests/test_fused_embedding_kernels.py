@@ -141,6 +141,30 @@ def train_like_one_owner(world, batch_sizes, steps, gen, check_outputs):
         torch.testing.assert_close(world.weights[name], reference.weights[name], rtol=1e-5, atol=1e-6)
 
 
+def test_batch_sizes_that_change_between_steps():
+    """Plans are made per tuple of batch sizes and point into the symmetric buffers: a larger batch grows the
+    buffers (no plan may store into the old ones), a smaller or an earlier one is served again. Outputs against
+    the reference on poisoned buffers, tables against the one-rank bulk lookup after every step."""
+    tables = make_tables([4, 8, 3, 6], [10, 20, 7, 9])
+    world, reference = World(tables, 2, num_programs=2), World(tables, 1)
+    gen = torch.Generator().manual_seed(4)
+    for batch_sizes in ([2, 1], [5, 4], [2, 1], [1, 3], [5, 4]):
+        lengths, values, weights = random_bags(tables, batch_sizes, True, gen)
+        bags = [world.owned_bags(r, lengths, values, weights, batch_sizes) for r in range(2)]
+        for ex in world.exchanges:  # any element a step does not write stays NaN
+            ex.ws.buffer("pooled", 2 * max(batch_sizes) * ex.row_len, torch.float32).local.fill_(float("nan"))
+            ex.ws.buffer("grad", 2 * sum(batch_sizes) * max(ex.owned_dim), torch.float32).local.fill_(float("nan"))
+        outs = world.forward(bags)
+        for got, expected in zip(outs, expected_outputs(world, lengths, values, weights, batch_sizes)):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        grads = [torch.randn(o.shape, generator=gen) for o in outs]
+        world.backward(bags, grads)
+        reference.lookups[0].apply_gradient(reference.owned_bags(0, lengths, values, weights, [sum(batch_sizes)]),
+                                            torch.cat(grads))
+        for name in world.weights:
+            torch.testing.assert_close(world.weights[name], reference.weights[name], rtol=1e-5, atol=1e-6)
+
+
 def test_many_consecutive_epochs_on_the_same_flags():
     tables = make_tables([4, 2], [6, 5])
     batch_sizes = [2, 1]
