@@ -9,10 +9,12 @@ features, uneven dims, a mean-pooled table, empty bags and a table that no bag r
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
 import torch
+import triton.language as tl
 from torchrec import EmbeddingBagConfig, PoolingType
 
 from fused_dlrm.kernels import embedding_backward
@@ -241,6 +243,18 @@ def test_gpu_lookup_matches_cpu_without_host_sync(optimizer):
         torch.testing.assert_close(fused.optimizer.momentum[name].cpu(), reference.optimizer.momentum[name],
                                    rtol=1e-5, atol=1e-6)
 
+
+
+def test_shared_binaries_do_not_specialise_on_ints():
+    """Both kernels' compiled binaries are shared by every lookup of a process under keys that hold no ints, so
+    no int argument may be specialised (Triton would bake 1 in as a constant, or assume divisibility by 16)."""
+    for kernel in (embedding_backward._occurrences_kernel, embedding_backward._embedding_backward_kernel):
+        # JITFunction, or the interpreter's wrapper of one (which keeps the decorator's arguments)
+        unspecialised = getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"]
+        ints = [name for name, p in inspect.signature(kernel.fn).parameters.items()
+                if p.annotation not in (tl.constexpr, "tl.constexpr") and not name.endswith(("_ptr", "_ptrs"))
+                and name not in ("lr", "eps")]  # pointers and floats are not specialised on their values
+        assert ints and set(ints) <= set(unspecialised), set(ints) - set(unspecialised)
 
 
 COMPILE_FOR_SM90 = """

@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # only annotations: importing fused_dlrm.sparse here would be
 # with skewed rows agreed).
 TILE_ELEMENTS = 512
 NUM_WARPS = 2
+KEY_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64}  # sort keys
 
 
 def pooled_lookup_row_grads(grad: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
@@ -97,7 +98,9 @@ def segments(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return starts, segment_keys, segment[-1:] + 1
 
 
-@triton.jit(do_not_specialize=["num_bags", "batch"])  # one compiled binary serves every batch (kernels/launch.py)
+# The ints are not specialised: one compiled binary serves every batch and every lookup's tables (kernels/launch.py;
+# the binaries are shared by all lookups of a process, and their keys hold no ints).
+@triton.jit(do_not_specialize=["num_bags", "batch", "row_len", "row_bits"])
 def _occurrences_kernel(
     values_ptr, csr_ptr, weights_ptr,  # the bags: CSR over (owned feature, global sample), feature-major
     feature_table_ptr, cols_ptr, mean_ptr,  # per owned feature: its table, first gradient column, mean-pooled
@@ -136,7 +139,7 @@ def _occurrences_kernel(
         j += BLOCK_L
 
 
-@triton.jit(do_not_specialize=["num_values"])  # one compiled binary serves every batch (kernels/launch.py)
+@triton.jit(do_not_specialize=["num_values", "row_bits"])  # as above
 def _embedding_backward_kernel(
     starts_ptr, keys_ptr, num_segments_ptr, num_values, row_bits,  # segments(): first index, key (t << row_bits | row)
     grad_ptr, grad_offsets_ptr, scales_ptr,  # per occurrence, in key order: where its gradient starts, its scale
@@ -267,9 +270,10 @@ def plan_embedding_backward(bags: OwnedBags, tables: BackwardTables) -> Backward
     args = (values, csr, bags.weights if bags.weights is not None else csr,  # stand-in, never read
             tables.feature_table, tables.cols, tables.mean, keys, grad_offsets, scales if has_scale else keys,
             num_bags, bags.global_batch, tables.row_len, tables.row_bits,
-            block_bags, 8, bags.weights is not None, has_scale, TL_DTYPES_INT[tables.key_dtype])
-    key = (values.dtype, aligned(values), None if bags.weights is None else (bags.weights.dtype,
-                                                                            aligned(bags.weights)), has_scale)
+            block_bags, 8, bags.weights is not None, has_scale, KEY_DTYPES[tables.key_dtype])
+    # The binary's specialisation: the constexprs, the bags' dtypes and alignment (other tensors are fresh).
+    weights_key = None if bags.weights is None else (bags.weights.dtype, aligned(bags.weights))
+    key = (values.dtype, aligned(values), aligned(csr), weights_key, has_scale, tables.key_dtype)
     _OCCURRENCE_LAUNCHES(key, (triton.cdiv(num_bags, block_bags), 1, 1), args, dict(num_warps=4))
     keys, order = torch.sort(keys, stable=True)
     starts, segment_keys, num_segments = segments(keys)
@@ -314,6 +318,5 @@ def launch_embedding_backward(bags: OwnedBags, grad: torch.Tensor, tables: Backw
     _LAUNCHES(key, (programs, 1, 1), args, options)
 
 
-TL_DTYPES_INT = {torch.int32: tl.int32, torch.int64: tl.int64}
 _OCCURRENCE_LAUNCHES = CompiledLaunches(_occurrences_kernel)
 _LAUNCHES = CompiledLaunches(_embedding_backward_kernel)
