@@ -117,7 +117,8 @@ def _occurrences_kernel(
     length = tl.load(csr_ptr + bag + 1, mask=bag_mask, other=0) - start
     feature = bag // batch
     table = tl.load(feature_table_ptr + feature, mask=bag_mask, other=0)
-    grad_offset = (bag - feature * batch) * row_len + tl.load(cols_ptr + feature, mask=bag_mask, other=0)
+    sample = (bag - feature * batch).to(tl.int64)  # sample * row_len may pass 2**31 (batch x all dims)
+    grad_offset = sample * row_len + tl.load(cols_ptr + feature, mask=bag_mask, other=0)
     # IEEE division (`/` is approximate on GPUs), as the torch reference computes 1 / length.
     inv_len = tl.div_rn(1.0, tl.maximum(length, 1).to(tl.float32))
     scale = tl.where(tl.load(mean_ptr + feature, mask=bag_mask, other=0) != 0, inv_len, 1.0)
