@@ -8,6 +8,7 @@ already on their owner (the input all-to-all is outside the timed region). Varia
   bulk:  the project's lookup kernel + NCCL all-to-all (backward: NCCL + row gradients + exact SGD)
   fused: the lookup kernel storing into peers' symmetric memory with ready flags (backward: gradient push;
          --transport nvshmem: forward only)
+  lookup: the lookup kernel alone, the bulk path's compute (its gathered-row rate against fbgemm's TBE)
 Speed of light = max(gathered row bytes / device copy bandwidth, bytes sent to peers / peer write bandwidth),
 both bandwidths measured in this run.
 """
@@ -110,7 +111,8 @@ def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iter
     result = {"config": cfg.name, **cfg.__dict__, "world_size": world}
     with torch.no_grad():
         result["fwd_ms"] = {name: time_ms(fn, iters=iters) for name, fn in
-                            (("torch", torch_reference), ("bulk", bulk), ("fused", fused_forward))}
+                            (("torch", torch_reference), ("bulk", bulk), ("fused", fused_forward),
+                             ("lookup", lambda: lookup.pool(bags)))}
     lookup.train()
 
     def train_step(fn):
@@ -202,10 +204,11 @@ def main(argv: list[str]) -> None:
         print(f"{meta['device']} x{world}  fused transport {args.transport}  copy {hbm / 1e12:.2f} TB/s  "
               f"peer write {peer_text}")
         print(f"{'config':34} {'torch':>8} {'bulk':>8} {'fused':>8} {'SOL':>7} {'fused%SOL':>9} "
-              f"{'fused GB/s':>10} | {'fb bulk':>8} {'fb fused':>8} {'speedup':>7}")
+              f"{'fused GB/s':>10} {'lookup':>7} {'GB/s':>5} | {'fb bulk':>8} {'fb fused':>8} {'speedup':>7}")
         for r in results:
             fw, fb = r["fwd_ms"], r["fwd_bwd_ms"]
             fused_fb = f"{fb['fused']:8.3f} {fb['bulk'] / fb['fused']:6.2f}x" if "fused" in fb else f"{'-':>8} {'-':>7}"
             print(f"{r['config']:34} {fw['torch']:8.3f} {fw['bulk']:8.3f} {fw['fused']:8.3f} {r['sol_ms']:7.3f} "
-                  f"{r['pct_sol']['fused']:8.0f}% {r['gathered_GBps']['fused']:10.0f} | {fb['bulk']:8.3f} {fused_fb}")
+                  f"{r['pct_sol']['fused']:8.0f}% {r['gathered_GBps']['fused']:10.0f} {fw['lookup']:7.3f} "
+                  f"{r['gathered_GBps']['lookup']:5.0f} | {fb['bulk']:8.3f} {fused_fb}")
     dist.destroy_process_group()
