@@ -165,6 +165,19 @@ def test_batch_sizes_that_change_between_steps():
             torch.testing.assert_close(world.weights[name], reference.weights[name], rtol=1e-5, atol=1e-6)
 
 
+def test_forward_only_plan_of_uneven_owners():
+    """The nvshmem transport's plans hold no gradient buffer (it has no backward): with one rank owning three of
+    four tables, gradient views over the pooled buffer would not fit. Plan building alone (NVSHMEM needs GPUs)."""
+    tables = make_tables([64, 4, 4, 4], [100, 10, 10, 10])  # t0 alone on one rank, the three small on the other
+    world = World(tables, 2)
+    assert sorted(len(f) for f in world.features_of_rank) == [1, 3]
+    for ex in world.exchanges:
+        ex.nvshmem = True
+        plan = ex._plan([3, 2])
+        assert plan.grad is None and plan.push is None and len(plan.buffers) == 1
+        assert plan.pooled[0].shape == (plan.pooled[0].shape[0], ex.row_len)
+
+
 def test_many_consecutive_epochs_on_the_same_flags():
     tables = make_tables([4, 2], [6, 5])
     batch_sizes = [2, 1]

@@ -42,6 +42,10 @@ if TYPE_CHECKING:  # only annotations: importing fused_dlrm.sparse here would be
 TILE_ELEMENTS = 512
 NUM_WARPS = 2
 KEY_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64}  # sort keys
+# The occurrence kernel takes OCCURRENCE_BAGS bags per program, OCCURRENCE_POSITIONS of their positions at a time
+# (not tuned: it moves ~20 bytes per occurrence, a few percent of the update kernel's traffic).
+OCCURRENCE_BAGS = 16
+OCCURRENCE_POSITIONS = 8
 
 
 def pooled_lookup_row_grads(grad: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
@@ -267,15 +271,14 @@ def plan_embedding_backward(bags: OwnedBags, tables: BackwardTables) -> Backward
     scales = torch.empty(n, dtype=torch.float32, device=device) if has_scale else None
     csr = bags.csr_offsets()
     num_bags = bags.lengths.numel()
-    block_bags = 16
     args = (values, csr, bags.weights if bags.weights is not None else csr,  # stand-in, never read
             tables.feature_table, tables.cols, tables.mean, keys, grad_offsets, scales if has_scale else keys,
             num_bags, bags.global_batch, tables.row_len, tables.row_bits,
-            block_bags, 8, bags.weights is not None, has_scale, KEY_DTYPES[tables.key_dtype])
+            OCCURRENCE_BAGS, OCCURRENCE_POSITIONS, bags.weights is not None, has_scale, KEY_DTYPES[tables.key_dtype])
     # The binary's specialisation: the constexprs, the bags' dtypes and alignment (other tensors are fresh).
     weights_key = None if bags.weights is None else (bags.weights.dtype, aligned(bags.weights))
     key = (values.dtype, aligned(values), aligned(csr), weights_key, has_scale, tables.key_dtype)
-    _OCCURRENCE_LAUNCHES(key, (triton.cdiv(num_bags, block_bags), 1, 1), args, dict(num_warps=4))
+    _OCCURRENCE_LAUNCHES(key, (triton.cdiv(num_bags, OCCURRENCE_BAGS), 1, 1), args, dict(num_warps=4))
     keys, order = torch.sort(keys, stable=True)
     starts, segment_keys, num_segments = segments(keys)
     return BackwardPlan(n, starts, segment_keys, num_segments, grad_offsets[order],

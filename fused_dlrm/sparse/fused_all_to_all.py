@@ -63,15 +63,16 @@ class _Plan:
     """What every call with one tuple of local batch sizes shares, built once: the symmetric buffers it points
     into, the pointer tables and this rank's views of both halves of each double buffer (by epoch parity), and
     the p2p launches with their fixed arguments. The host work of a call is then a lookup and a few launches."""
-    buffers: tuple[PeerBuffer, PeerBuffer]  # pooled output, gradient: the plan is rebuilt when one of them grows
+    buffers: tuple[PeerBuffer, ...]  # pooled output (and gradient, p2p): the plan is rebuilt when one grows
     forward_tiles: PeerTilePlan
     pooled_half: int  # elements per half of the pooled output
     pooled: tuple[torch.Tensor, torch.Tensor]  # this rank's [local batch, all dims] result, per half
-    grad: tuple[torch.Tensor, torch.Tensor]  # this rank's [global batch, owned dims] gradient, per half
-    pooled_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None  # p2p: every rank's half, per half
+    # p2p only (the nvshmem transport has no backward):
+    grad: tuple[torch.Tensor, torch.Tensor] | None = None  # this rank's [global batch, owned dims] gradient
+    pooled_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None  # every rank's half, per half
     grad_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None
-    forward: PooledEmbeddingLaunch | None = None  # p2p
-    push: PushColumnsLaunch | None = None  # p2p
+    forward: PooledEmbeddingLaunch | None = None
+    push: PushColumnsLaunch | None = None
 
 
 class FusedPooledAllToAll(nn.Module):
@@ -183,16 +184,17 @@ class FusedPooledAllToAll(nn.Module):
         pooled = self.ws.buffer("pooled", 2 * pooled_half, torch.float32)
         pooled_ready, pooled_ack = self._flags("pooled")
         grad_half = global_batch * max(self.owned_dim + [1])
-        grad = pooled if self.nvshmem else self.ws.buffer("grad", 2 * grad_half, torch.float32)  # nvshmem: no backward
+        buffers = (pooled,) if self.nvshmem else (pooled, self.ws.buffer("grad", 2 * grad_half, torch.float32))
         # Plans made before a buffer grew point into the old one: drop them (their sizes plan anew).
-        self._plans = {k: p for k, p in self._plans.items() if p.buffers[0] is pooled and p.buffers[1] is grad}
+        self._plans = {k: p for k, p in self._plans.items() if all(a is b for a, b in zip(p.buffers, buffers))}
         forward_tiles = plan_peer_tiles(self.rank, [(batch_start[s], batch_start[s + 1]) for s in range(self.world)],
                                         [(0, len(self.features_of_rank[self.rank]))] * self.world,
                                         self.owned.block_rows, device)
-        plan = _Plan(buffers=(pooled, grad), forward_tiles=forward_tiles, pooled_half=pooled_half,
-                     pooled=_halves(pooled.local, pooled_half, sizes[self.rank], self.row_len),
-                     grad=_halves(grad.local, grad_half, global_batch, self.owned_dim[self.rank]))
+        plan = _Plan(buffers=buffers, forward_tiles=forward_tiles, pooled_half=pooled_half,
+                     pooled=_halves(pooled.local, pooled_half, sizes[self.rank], self.row_len))
         if not self.nvshmem:
+            grad = buffers[1]
+            plan.grad = _halves(grad.local, grad_half, global_batch, self.owned_dim[self.rank])
             grad_ready, grad_ack = self._flags("grad")
             first = [sum(len(f) for f in self.features_of_rank[:r]) for r in range(self.world)]
             push_tiles = plan_peer_tiles(self.rank, [(0, sizes[self.rank])] * self.world,
