@@ -204,12 +204,17 @@ def test_wait_times_out_with_rank_and_slice_instead_of_hanging():
         world.exchanges[0].finish(bags[0], epoch)
 
 
+def test_fewer_programs_than_ranks_is_a_clear_error():
+    with pytest.raises(ValueError, match="num_programs=2 is below the world size 3"):
+        World(make_tables([4, 8, 3], [10, 20, 7]), 3, num_programs=2)
+
+
 @pytest.mark.parametrize("world_size,batch_sizes", [(4, [3, 0, 5, 2]), (8, [2, 1, 0, 3, 1, 2, 0, 1])])
 def test_larger_worlds_forward_and_backward(world_size, batch_sizes):
     """Worlds of 4 and 8 ranks (the remote-first rotation over more peers; ranks with no samples, ranks owning
     no table): outputs against the reference, tables against the one-rank bulk lookup."""
     tables = make_tables([4, 8, 3, 6, 5, 2], [10, 20, 7, 9, 30, 4])
-    world = World(tables, world_size, num_programs=2)
+    world = World(tables, world_size, num_programs=world_size + 3)  # an uneven split of programs over destinations
     train_like_one_owner(world, batch_sizes, steps=2, gen=torch.Generator().manual_seed(world_size),
                          check_outputs=True)
 
@@ -220,8 +225,8 @@ from fused_dlrm.kernels import peer_flags, pooled_embedding, push_columns
 tables = {n: "*i64" for n in ("values_ptr", "offsets_ptr", "table_ptrs", "cols_ptr", "row_begin_ptr", "row_end_ptr",
                               "out_ptrs", "out_row_base_ptr", "ready_ptrs", "src_cols_ptr", "dst_cols_ptr",
                               "out_row_len_ptr", "ack_ptrs")}
-small = {n: "*i32" for n in ("dims_ptr", "mean_ptr", "dest_order_ptr", "tile_starts_ptr", "feature_begin_ptr",
-                             "ack_ptr", "error_ptr", "ready_ptr")}
+small = {n: "*i32" for n in ("dims_ptr", "mean_ptr", "dest_order_ptr", "tile_starts_ptr", "program_starts_ptr",
+                             "feature_begin_ptr", "ack_ptr", "error_ptr", "ready_ptr")}
 types = {**tables, **small, "weights_ptr": "*fp32", "src_ptr": "*fp32", "global_batch": "i64", "out_row_len": "i64",
          "src_row_len": "i64"}
 for table_dtype in (tl.float32, tl.bfloat16):  # rank and epoch 1 arrive as constexprs

@@ -83,6 +83,9 @@ class FusedPooledAllToAll(nn.Module):
         super().__init__()
         self.lookup, self.ws = lookup, workspace
         self.rank, self.world = workspace.rank, workspace.world_size
+        if num_programs < self.world:  # the programs are split among the destinations (kernels/peer_tiles.py)
+            raise ValueError(f"comm.num_programs={num_programs} is below the world size {self.world}: every "
+                             f"destination needs a program")
         self.num_programs, self.spin_limit = num_programs, spin_limit
         self.features_of_rank = features_of_rank
         self.dims = [dims[f] for f in feature_order]
@@ -121,7 +124,7 @@ class FusedPooledAllToAll(nn.Module):
             launch_pooled_embedding_nvshmem(
                 bags.values, bags.csr_offsets(), bags.weights, self.owned, plan.forward_tiles, bags.global_batch,
                 out=plan.buffers[0].local[(epoch % 2) * half:][:half], out_row_len=self.row_len,
-                scratch=scratch.local, num_programs=self.num_programs, rank=self.rank, epoch=epoch,
+                scratch=scratch.local, rank=self.rank, epoch=epoch,
                 ready=ready.local, ack=ack.local, error=self.errors.word, spin_limit=self.spin_limit)
         else:
             plan.forward(bags.values, bags.csr_offsets(), bags.weights, plan.pooled_ptrs[epoch % 2], epoch)
@@ -189,7 +192,7 @@ class FusedPooledAllToAll(nn.Module):
         self._plans = {k: p for k, p in self._plans.items() if all(a is b for a, b in zip(p.buffers, buffers))}
         forward_tiles = plan_peer_tiles(self.rank, [(batch_start[s], batch_start[s + 1]) for s in range(self.world)],
                                         [(0, len(self.features_of_rank[self.rank]))] * self.world,
-                                        self.owned.block_rows, device)
+                                        self.owned.block_rows, self.num_programs, device)
         plan = _Plan(buffers=buffers, forward_tiles=forward_tiles, pooled_half=pooled_half,
                      pooled=_halves(pooled.local, pooled_half, sizes[self.rank], self.row_len))
         if not self.nvshmem:
@@ -199,11 +202,10 @@ class FusedPooledAllToAll(nn.Module):
             first = [sum(len(f) for f in self.features_of_rank[:r]) for r in range(self.world)]
             push_tiles = plan_peer_tiles(self.rank, [(0, sizes[self.rank])] * self.world,
                                          [(first[r], len(self.features_of_rank[r])) for r in range(self.world)],
-                                         PUSH_BLOCK_ROWS, device)
+                                         PUSH_BLOCK_ROWS, self.num_programs, device)
             plan.pooled_ptrs = _half_ptrs(pooled, pooled_half)
             plan.grad_ptrs = _half_ptrs(grad, grad_half)
-            common = dict(error=self.errors.word, rank=self.rank, num_programs=self.num_programs,
-                          spin_limit=self.spin_limit)
+            common = dict(error=self.errors.word, rank=self.rank, spin_limit=self.spin_limit)
             plan.forward = PooledEmbeddingLaunch(self.owned, forward_tiles, global_batch, self._zero_rows,
                                                  self.row_len, ready_ptrs=pooled_ready.peer_ptrs,
                                                  ack=pooled_ack.local, **common)

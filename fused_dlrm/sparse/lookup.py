@@ -104,10 +104,11 @@ class PooledEmbeddingLookup(nn.Module):
         launch = self._kernel_launches.get(bags.global_batch)
         if launch is None:  # built once per batch size: its tensors are host-to-device copies
             plan = plan_peer_tiles(0, [(0, bags.global_batch)], [(0, len(self.features))],
-                                   self._kernel_features.block_rows, device)
+                                   self._kernel_features.block_rows,
+                                   self.kernel_programs or default_num_programs(device), device)
             launch = self._kernel_launches[bags.global_batch] = PooledEmbeddingLaunch(
                 self._kernel_features, plan, bags.global_batch, torch.zeros(1, dtype=torch.int64, device=device),
-                self.output_dim, self.kernel_programs or default_num_programs(device))
+                self.output_dim)
         out = torch.empty(bags.global_batch, self.output_dim, device=device)
         # The output's address reaches the kernel as a fill's argument: no host-to-device copy to wait for.
         launch(bags.values, bags.csr_offsets(), bags.weights, torch.full((1,), out.data_ptr(), device=device))
