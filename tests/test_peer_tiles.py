@@ -75,3 +75,11 @@ def test_every_tile_is_walked_once_and_remote_groups_come_first(rank, rows, feat
     assert plan.dest_order.tolist()[-1] == rank  # local last, the next rank first
     assert plan.dest_order.tolist()[0] == (rank + 1) % world
     assert plan.program_starts.tolist()[-1] == programs
+
+
+def test_a_cheaper_local_tile_gives_the_peers_more_programs():
+    rows, features = [(0, 64), (64, 128)], [(0, 4), (0, 4)]
+    even = plan_peer_tiles(0, rows, features, 4, 60, torch.device("cpu")).program_starts.tolist()
+    cheap = plan_peer_tiles(0, rows, features, 4, 60, torch.device("cpu"), local_tile_cost=0.2).program_starts.tolist()
+    assert even == [0, 30, 60]  # group 0: the peer (rank 1), group 1: this rank
+    assert cheap == [0, 50, 60]

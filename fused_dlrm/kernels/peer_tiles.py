@@ -3,8 +3,9 @@
 A launch covers, for every destination rank, a grid of (feature, block of rows) tiles: one group of tiles per
 destination. Groups are numbered in a communication-aware order: remote ranks first, rotated by rank (rank r
 starts with r+1, so ranks do not all hit one peer at once), the local rank last. The persistent programs are
-split among the groups in proportion to their tiles, in the same order, and each program walks its group's
-tiles u, u + stride, ...: every link and the local memory are busy together from the first tile to the last.
+split among the groups in proportion to their work (tiles x cost of a tile: a local tile may cost less than a
+remote one), in the same order, and each program walks its group's tiles u, u + stride, ...: every link and
+the local memory are busy together from the first tile to the last.
 (Walking one remote-first list with all programs made the launch link-bound while the remote tiles lasted and
 memory-bound after: at world 2 the lookup with remote stores took 466 µs against 370 µs storing locally,
 docs/benchmarks.md.) Consumers lose nothing by it: a program raises its flags once, after its last tile.
@@ -41,26 +42,28 @@ def remote_first_order(rank: int, world_size: int) -> list[int]:
     return [(rank + k) % world_size for k in range(1, world_size + 1)]
 
 
-def split_programs(tiles: list[int], num_programs: int) -> list[int]:
-    """Programs per group: one for each group with tiles, then each further program to the group with the most
-    tiles per program (shares in proportion to the tiles)."""
-    shares = [1 if n else 0 for n in tiles]
+def split_programs(work: list[float], num_programs: int) -> list[int]:
+    """Programs per group: one for each group with work, then each further program to the group with the most
+    work per program (shares in proportion to the work)."""
+    shares = [1 if w else 0 for w in work]
     if num_programs < sum(shares):
         raise ValueError(f"{num_programs} programs cannot walk {sum(shares)} destinations' tiles: use at least one "
                          f"program per destination")
     for _ in range(num_programs - sum(shares)):
-        shares[max(range(len(tiles)), key=lambda k: tiles[k] / shares[k] if tiles[k] else -1.0)] += 1
+        shares[max(range(len(work)), key=lambda k: work[k] / shares[k] if work[k] else -1.0)] += 1
     return shares
 
 
 def plan_peer_tiles(rank: int, rows: list[tuple[int, int]], features: list[tuple[int, int]], block_rows: int,
-                    num_programs: int, device: torch.device) -> PeerTilePlan:
-    """rows[d] = (begin, end) and features[d] = (first, count) of destination d."""
+                    num_programs: int, device: torch.device, local_tile_cost: float = 1.0) -> PeerTilePlan:
+    """rows[d] = (begin, end) and features[d] = (first, count) of destination d. local_tile_cost: the time of a
+    tile for this rank against one for a peer (1: the tile's compute decides; below 1: the link does)."""
     world = len(rows)
     order = remote_first_order(rank, world)
     tiles = [features[d][1] * triton.cdiv(rows[d][1] - rows[d][0], block_rows) for d in order]
+    work = [n * (local_tile_cost if d == rank else 1.0) for n, d in zip(tiles, order)]
     tile_starts, program_starts = [0], [0]
-    for n, p in zip(tiles, split_programs(tiles, num_programs)):
+    for n, p in zip(tiles, split_programs(work, num_programs)):
         tile_starts.append(tile_starts[-1] + n)
         program_starts.append(program_starts[-1] + p)
 
