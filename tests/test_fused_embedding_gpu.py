@@ -13,7 +13,7 @@ from torchrec import DataType, EmbeddingBagConfig, KeyedJaggedTensor, PoolingTyp
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection
-from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
+from fused_dlrm.sparse.fused_all_to_all import NVSHMEM_OPT_IN, FusedCommConfig
 from world import run_world
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -83,27 +83,28 @@ def test_fused_forward_backward_equal_bulk_for_1000_steps_and_timeout_raises():
 
 
 def _nvshmem_forward_equals_bulk(rank: int, world: int, steps: int) -> None:
-    """The nvshmem transport is forward-only: its outputs equal bulk's on poisoned buffers; a backward raises."""
+    """The nvshmem transport is forward-only: its outputs equal bulk's in back-to-back steps (no barrier between
+    them: the ack guard alone protects the double buffer); a backward raises; a lone rank times out. Mismatches
+    are collected and asserted at the end, so a failing rank cannot leave its peer waiting in a collective."""
     device = torch.device("cuda", rank)
     opt = EmbeddingOptimizerConfig("sgd", lr=0.05)
     bulk = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0)
     fused = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0,
                                           comm=FusedCommConfig(transport="nvshmem", wait_timeout_spins=2_000_000))
     exchange = fused.fused
+    late = []
     for step in range(steps):
         kjt = local_kjt(step, 37, rank, world, device)
-        dist.barrier()  # poison this step's half of the output; nobody writes it before the second barrier
-        half = 19 * exchange.row_len
-        buf = exchange.ws.buffer("pooled", 2 * half, torch.float32).local
-        buf[((exchange.ws._epochs.get("pooled", 0) + 1) % 2) * half:][:half].fill_(float("nan"))
-        torch.cuda.synchronize()
-        dist.barrier()
         with torch.no_grad():
-            torch.testing.assert_close(fused(kjt).values(), bulk(kjt).values(), rtol=1e-5, atol=1e-6)
+            expected, got = bulk(kjt).values(), fused(kjt).values()
+            if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
+                late.append(step)
+    dist.barrier()
     exchange.errors.check(block=True)
     with pytest.raises(RuntimeError, match="comm.transport=nvshmem runs the forward only"):
         fused(local_kjt(0, 37, rank, world, device)).values().sum().backward()
     _lone_rank_times_out(fused, rank, world, device, steps + 2)
+    assert not late, f"rank {rank}: outputs differ from bulk at steps {late}"
 
 
 def _lone_rank_times_out(fused, rank: int, world: int, device, epoch: int) -> None:
@@ -120,8 +121,11 @@ def _lone_rank_times_out(fused, rank: int, world: int, device, epoch: int) -> No
     dist.barrier()
 
 
-def test_nvshmem_transport_forward_equals_bulk_and_backward_is_refused():
-    run_world(2, _nvshmem_forward_equals_bulk, 200, backend="nccl")
+@pytest.mark.xfail(strict=True, reason="known race (2026-11-23, docs/benchmarks.md): consumers read a peer's rows "
+                                       "before they arrive; the transport is disabled without FUSED_DLRM_NVSHMEM_KNOWN_RACE")
+def test_nvshmem_transport_forward_equals_bulk_and_backward_is_refused(monkeypatch):
+    monkeypatch.setenv(NVSHMEM_OPT_IN, "1")  # the spawned ranks inherit it
+    run_world(2, _nvshmem_forward_equals_bulk, 30, backend="nccl")
 
 
 def _half_precision_tables(rank: int, world: int) -> None:

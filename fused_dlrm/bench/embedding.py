@@ -7,7 +7,7 @@ already on their owner (the input all-to-all is outside the timed region). Varia
          build dense [rows, dim] gradients)
   bulk:  the project's lookup kernel + NCCL all-to-all (backward: NCCL + row gradients + exact SGD)
   fused: the lookup kernel storing into peers' symmetric memory with ready flags (backward: gradient push;
-         --transport nvshmem: forward only)
+         --transport nvshmem: forward only, and disabled by a known race: sparse/fused_all_to_all.py)
   lookup: the lookup kernel alone, the bulk path's compute (its gathered-row rate against fbgemm's TBE)
 Speed of light = max(gathered row bytes / device copy bandwidth, bytes sent to peers / peer write bandwidth),
 both bandwidths measured in this run.

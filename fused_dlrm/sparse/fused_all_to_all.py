@@ -14,6 +14,7 @@ result), so a simulated world in one process can start every rank before any wai
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,11 @@ PUSH_BLOCK_ROWS = 16  # rows per tile of the gradient push
 # The push is a copy: a tile for this rank moves over HBM (~2 TB/s of copied bytes on H200), one for a peer over
 # NVLink (~0.38 TB/s), so the programs are split about 1 : 5 between a local and a remote tile.
 PUSH_LOCAL_TILE_COST = 0.2
+NVSHMEM_OPT_IN = "FUSED_DLRM_NVSHMEM_KNOWN_RACE"
+NVSHMEM_DISABLED = (
+    "comm.transport=nvshmem is disabled: on 2 x H200 (2026-11-23) its consumers read a peer's rows before they "
+    "arrived in 12 of 30 back-to-back steps (flags seen ahead of the puts; an extra fence or quiet did not help; "
+    f"docs/benchmarks.md). Use comm.transport=p2p; set {NVSHMEM_OPT_IN}=1 only to reproduce the race")
 NVSHMEM_FORWARD_ONLY = (
     "comm.transport=nvshmem runs the forward only (evaluation, inference): its gradient push gave wrong embedding "
     "updates on 2 x H200 (2026-11-22) and was removed; train with comm.transport=p2p or comm=bulk")
@@ -52,6 +58,8 @@ def build_fused_exchange(lookup: PooledEmbeddingLookup, features_of_rank: list[l
     workspaces = {"p2p": CudaSymmetricWorkspace, "nvshmem": NvshmemSymmetricWorkspace}
     if comm.transport not in workspaces:
         raise ValueError(f"comm.transport={comm.transport!r} is unknown; expected one of {list(workspaces)}")
+    if comm.transport == "nvshmem" and os.environ.get(NVSHMEM_OPT_IN) != "1":
+        raise RuntimeError(NVSHMEM_DISABLED)
     if device.type != "cuda" or not dist.is_initialized():
         raise RuntimeError("comm=fused needs CUDA GPUs under torchrun (symmetric memory); use comm=bulk on the CPU")
     workspace = workspaces[comm.transport](group)
