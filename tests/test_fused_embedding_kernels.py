@@ -225,8 +225,8 @@ from fused_dlrm.kernels import peer_flags, pooled_embedding, push_columns
 tables = {n: "*i64" for n in ("values_ptr", "offsets_ptr", "table_ptrs", "cols_ptr", "row_begin_ptr", "row_end_ptr",
                               "out_ptrs", "out_row_base_ptr", "ready_ptrs", "src_cols_ptr", "dst_cols_ptr",
                               "out_row_len_ptr", "ack_ptrs")}
-small = {n: "*i32" for n in ("dims_ptr", "mean_ptr", "dest_order_ptr", "tile_starts_ptr", "program_starts_ptr",
-                             "feature_begin_ptr", "ack_ptr", "error_ptr", "ready_ptr")}
+small = {n: "*i32" for n in ("dims_ptr", "mean_ptr", "dest_order_ptr", "tile_starts_ptr", "walk_starts_ptr",
+                             "program_starts_ptr", "feature_begin_ptr", "ack_ptr", "error_ptr", "ready_ptr")}
 types = {**tables, **small, "weights_ptr": "*fp32", "src_ptr": "*fp32", "global_batch": "i64", "out_row_len": "i64",
          "src_row_len": "i64"}
 for table_dtype in (tl.float32, tl.bfloat16):  # rank and epoch 1 arrive as constexprs

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_dlrm.kernels.peer_tiles import plan_peer_tiles, program_group, split_programs, tile_coords
+from fused_dlrm.kernels.peer_tiles import plan_peer_tiles, program_walk, split_programs, tile_coords
 
 
 @pytest.mark.parametrize("tiles,programs", [([10, 10], 4224), ([100, 1, 1], 3), ([0, 5, 0], 4), ([3, 0, 9], 5),
@@ -36,42 +36,47 @@ def test_too_few_programs_is_a_clear_error():
 
 
 @triton.jit
-def _walk_kernel(visits_ptr, order_ptr, tile_starts_ptr, program_starts_ptr, dest_order_ptr, row_begin_ptr,
-                 row_end_ptr, feature_begin_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+def _walk_kernel(visits_ptr, dests_ptr, tile_starts_ptr, walk_starts_ptr, program_starts_ptr, dest_order_ptr,
+                 row_begin_ptr, row_end_ptr, feature_begin_ptr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
                  BLOCK_ROWS: tl.constexpr, ROW_LEN: tl.constexpr):
-    """Each program counts a visit of every (feature, row) its tiles cover and the position it got there."""
+    """Each program counts a visit of every (feature, row) its tiles cover and records the destinations it saw
+    (a bit per destination)."""
     pid = tl.program_id(0)
-    k, u, count, stride = program_group(pid, tile_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
-    step = 0
-    while u < count:
-        dest, f, rows, row_mask, first_row = tile_coords(k, u, dest_order_ptr, row_begin_ptr, row_end_ptr,
-                                                         feature_begin_ptr, BLOCK_ROWS)
-        at = f.to(tl.int64) * ROW_LEN + rows
-        tl.atomic_add(visits_ptr + at, 1, mask=row_mask)
-        tl.store(order_ptr + at, step, mask=row_mask)
-        u += stride
-        step += 1
+    t, end, stride = program_walk(pid, walk_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
+    while t < end:
+        dest, f, rows, row_mask, first_row = tile_coords(t, dest_order_ptr, tile_starts_ptr, row_begin_ptr,
+                                                         row_end_ptr, feature_begin_ptr, WORLD, WORLD_P2,
+                                                         BLOCK_ROWS)
+        tl.atomic_add(visits_ptr + f.to(tl.int64) * ROW_LEN + rows, 1, mask=row_mask)
+        tl.atomic_or(dests_ptr + pid, 1 << dest)
+        t += stride
+
+
+CASES = [(1, [(0, 5), (5, 5), (5, 12)], [(0, 2), (2, 3), (5, 1)], 2, 7),  # a destination with no rows
+         (0, [(0, 9), (9, 17)], [(0, 3), (0, 3)], 4, 2),  # one program per destination
+         (3, [(0, 3), (3, 4), (4, 10), (10, 11)], [(0, 1), (1, 1), (2, 2), (4, 1)], 1, 13)]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
-@pytest.mark.parametrize("rank,rows,features,block_rows,programs", [
-    (1, [(0, 5), (5, 5), (5, 12)], [(0, 2), (2, 3), (5, 1)], 2, 7),  # a destination with no rows
-    (0, [(0, 9), (9, 17)], [(0, 3), (0, 3)], 4, 2),  # one program per destination
-    (3, [(0, 3), (3, 4), (4, 10), (10, 11)], [(0, 1), (1, 1), (2, 2), (4, 1)], 1, 13)])
-def test_every_tile_is_walked_once_and_remote_groups_come_first(rank, rows, features, block_rows, programs):
-    plan = plan_peer_tiles(rank, rows, features, block_rows, programs, torch.device("cpu"))
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("rank,rows,features,block_rows,programs", CASES)
+def test_every_tile_is_walked_once_and_remote_groups_come_first(rank, rows, features, block_rows, programs, split):
+    plan = plan_peer_tiles(rank, rows, features, block_rows, programs, torch.device("cpu"),
+                           local_tile_cost=1.0 if split else None)
     row_len = rows[-1][1]
     num_features = max(first + count for first, count in features)
     visits = torch.zeros(num_features * row_len, dtype=torch.int32)
-    order = torch.full_like(visits, -1)
+    dests = torch.zeros(programs, dtype=torch.int32)
     world = len(rows)
-    _walk_kernel[(programs,)](visits, order, plan.tile_starts, plan.program_starts, plan.dest_order,
-                              plan.row_begin, plan.row_end, plan.feature_begin, WORLD=world,
+    _walk_kernel[(programs,)](visits, dests, plan.tile_starts, plan.walk_starts, plan.program_starts,
+                              plan.dest_order, plan.row_begin, plan.row_end, plan.feature_begin, WORLD=world,
                               WORLD_P2=triton.next_power_of_2(world), BLOCK_ROWS=block_rows, ROW_LEN=row_len)
     expected = torch.zeros(num_features, row_len, dtype=torch.int32)
     for (begin, end), (first, count) in zip(rows, features):
         expected[first:first + count, begin:end] = 1
     assert torch.equal(visits.view(num_features, row_len), expected)
+    if split:  # every program stays with one destination
+        assert all(d & (d - 1) == 0 for d in dests.tolist())
     assert plan.dest_order.tolist()[-1] == rank  # local last, the next rank first
     assert plan.dest_order.tolist()[0] == (rank + 1) % world
     assert plan.program_starts.tolist()[-1] == programs

@@ -21,7 +21,7 @@ import triton.language as tl
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
 from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, put_rows, signal_ready_nvshmem
 from fused_dlrm.kernels.peer_flags import released_once_per_dest, signal_ready
-from fused_dlrm.kernels.peer_tiles import PeerTilePlan, program_group, tile_coords
+from fused_dlrm.kernels.peer_tiles import PeerTilePlan, program_walk, tile_coords
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -43,15 +43,16 @@ def pooled_embedding_reference(weight: torch.Tensor, values: torch.Tensor, lengt
 
 
 @triton.jit
-def _pool_tile(k, u, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
-               dest_order_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
-               BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr,
-               HAS_WEIGHTS: tl.constexpr):
-    """Tile u of the plan's group k: (destination, feature, its rows, row mask, the destination's first row, dim,
-    the pooled [BLOCK_B, BLOCK_D] fp32 values)."""
+def _pool_tile(t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
+               dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
+               WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr,
+               BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
+    """Tile t of the plan: (destination, feature, its rows, row mask, the destination's first row, dim, the
+    pooled [BLOCK_B, BLOCK_D] fp32 values)."""
     d = tl.arange(0, BLOCK_D)
-    dest, f, rows, row_mask, first_row = tile_coords(k, u, dest_order_ptr, row_begin_ptr, row_end_ptr,
-                                                     feature_begin_ptr, BLOCK_B)
+    dest, f, rows, row_mask, first_row = tile_coords(
+        t, dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,
+        WORLD, WORLD_P2, BLOCK_B)
     bag = f.to(tl.int64) * global_batch + rows
     start = tl.load(offsets_ptr + bag, mask=row_mask, other=0)
     length = tl.load(offsets_ptr + bag + 1, mask=row_mask, other=0) - start
@@ -83,7 +84,8 @@ def _pool_tile(k, u, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr,
 def _pooled_embedding_kernel(
     values_ptr, offsets_ptr, weights_ptr,  # bags, CSR over (owned feature, global sample)
     table_ptrs, dims_ptr, cols_ptr, mean_ptr,  # per owned feature: table address, dim, output column, is-mean
-    dest_order_ptr, tile_starts_ptr, program_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,  # plan
+    dest_order_ptr, tile_starts_ptr, walk_starts_ptr, program_starts_ptr, row_begin_ptr, row_end_ptr,
+    feature_begin_ptr,  # plan
     out_ptrs, out_row_base_ptr, out_row_len,  # per destination: output address, its row of the plan's first
     ready_ptrs, ack_ptr, error_ptr,
     rank, epoch, global_batch, num_programs, spin_limit,
@@ -94,13 +96,13 @@ def _pooled_embedding_kernel(
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     # The tiles of one destination (peer_tiles.py); `while` loops: the interpreter cannot range() over loads.
-    k, u, count, stride = program_group(pid, tile_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
+    t, end, stride = program_walk(pid, walk_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
     known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
-    while u < count:
+    while t < end:
         dest, f, rows, row_mask, first_row, dim, acc = _pool_tile(
-            k, u, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
-            dest_order_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
-            BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS)
+            t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
+            dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
+            WORLD, WORLD_P2, BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS)
         store_mask = row_mask[:, None] & (d < dim)[None, :]
         if SIGNAL:
             known_dest, released = released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr,
@@ -110,7 +112,7 @@ def _pooled_embedding_kernel(
         out_rows = (tl.load(out_row_base_ptr + dest) + rows - first_row).to(tl.int64)
         col = tl.load(cols_ptr + f)
         tl.store(out + out_rows[:, None] * out_row_len + col + d[None, :], acc, mask=store_mask)
-        u += stride
+        t += stride
     if SIGNAL:
         signal_ready(ready_ptrs, rank * num_programs + pid, epoch, WORLD)
 
@@ -118,7 +120,8 @@ def _pooled_embedding_kernel(
 @triton.jit
 def _pooled_embedding_nvshmem_kernel(
     values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, cols_ptr, mean_ptr,
-    dest_order_ptr, tile_starts_ptr, program_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,
+    dest_order_ptr, tile_starts_ptr, walk_starts_ptr, program_starts_ptr, row_begin_ptr, row_end_ptr,
+    feature_begin_ptr,
     out_ptr, out_row_len, scratch_ptr,  # this rank's symmetric output (same offsets in every rank); put staging
     ready_ptr, ack_ptr, error_ptr,
     rank, epoch, global_batch, num_programs, spin_limit,
@@ -131,13 +134,13 @@ def _pooled_embedding_nvshmem_kernel(
     d = tl.arange(0, BLOCK_D)
     b = tl.arange(0, BLOCK_B)
     scratch = scratch_ptr + pid.to(tl.int64) * BLOCK_B * BLOCK_D
-    k, u, count, stride = program_group(pid, tile_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
+    t, end, stride = program_walk(pid, walk_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
     known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
-    while u < count:
+    while t < end:
         dest, f, rows, row_mask, first_row, dim, acc = _pool_tile(
-            k, u, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
-            dest_order_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
-            BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS)
+            t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
+            dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
+            WORLD, WORLD_P2, BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS)
         known_dest, released = released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr,
                                                       known_dest, released)
         first_out_row = tl.min(tl.where(row_mask, rows, 2**62), axis=0) - first_row
@@ -149,7 +152,7 @@ def _pooled_embedding_nvshmem_kernel(
             tl.store(scratch + b[:, None] * BLOCK_D + d[None, :], acc)
             put_rows(dst, out_row_len, scratch, BLOCK_D, dim * 4,
                      tl.where(released, tl.sum(row_mask.to(tl.int32), axis=0), 0), dest)
-        u += stride
+        t += stride
     signal_ready_nvshmem(ready_ptr, rank * num_programs + pid, epoch, rank, WORLD)
 
 
@@ -172,7 +175,7 @@ class PooledEmbeddingLaunch:
             _pooled_embedding_kernel, self.PER_CALL,
             table_ptrs=features.table_ptrs, dims_ptr=features.dims, cols_ptr=features.cols, mean_ptr=features.mean,
             dest_order_ptr=plan.dest_order, tile_starts_ptr=plan.tile_starts,
-            program_starts_ptr=plan.program_starts, row_begin_ptr=plan.row_begin,
+            walk_starts_ptr=plan.walk_starts, program_starts_ptr=plan.program_starts, row_begin_ptr=plan.row_begin,
             row_end_ptr=plan.row_end, feature_begin_ptr=plan.feature_begin, out_row_base_ptr=out_row_base,
             out_row_len=out_row_len, ready_ptrs=ready_ptrs if signal else dummy, ack_ptr=ack if signal else dummy,
             error_ptr=error if signal else dummy, rank=rank, global_batch=global_batch,
@@ -205,7 +208,8 @@ def launch_pooled_embedding_nvshmem(values: torch.Tensor, offsets: torch.Tensor,
     nvshmem_kernel(_pooled_embedding_nvshmem_kernel)[(plan.num_programs,)](
         values, offsets, weights if weights is not None else offsets,
         features.table_ptrs, features.dims, features.cols, features.mean,
-        plan.dest_order, plan.tile_starts, plan.program_starts, plan.row_begin, plan.row_end, plan.feature_begin,
+        plan.dest_order, plan.tile_starts, plan.walk_starts, plan.program_starts, plan.row_begin, plan.row_end,
+        plan.feature_begin,
         out, out_row_len, scratch, ready, ack, error,
         rank, epoch, global_batch, plan.num_programs, spin_limit,
         WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_B=features.block_rows,

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
 from fused_dlrm.kernels.peer_flags import released_once_per_dest, signal_ready
-from fused_dlrm.kernels.peer_tiles import PeerTilePlan, program_group, tile_coords
+from fused_dlrm.kernels.peer_tiles import PeerTilePlan, program_walk, tile_coords
 
 
 def push_columns_reference(src: torch.Tensor, src_cols: list[int], dims: list[int], dst: torch.Tensor,
@@ -29,18 +29,20 @@ def push_columns_reference(src: torch.Tensor, src_cols: list[int], dims: list[in
 @triton.jit(do_not_specialize=["epoch"])  # one compiled binary serves every step (kernels/launch.py)
 def _push_columns_kernel(
     src_ptr, src_row_len, src_cols_ptr, dst_cols_ptr, dims_ptr,  # per feature (grouped by destination)
-    dest_order_ptr, tile_starts_ptr, program_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,  # plan
+    dest_order_ptr, tile_starts_ptr, walk_starts_ptr, program_starts_ptr, row_begin_ptr, row_end_ptr,  # plan
+    feature_begin_ptr,
     out_ptrs, out_row_base_ptr, out_row_len_ptr,  # per destination
     ready_ptrs, ack_ptr, error_ptr, rank, epoch, num_programs, spin_limit,
     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
-    k, u, count, stride = program_group(pid, tile_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
+    t, end, stride = program_walk(pid, walk_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
     known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
-    while u < count:  # `while`: the interpreter cannot range() over loaded values
-        dest, f, rows, row_mask, first_row = tile_coords(k, u, dest_order_ptr, row_begin_ptr, row_end_ptr,
-                                                         feature_begin_ptr, BLOCK_R)
+    while t < end:  # `while`: the interpreter cannot range() over loaded values
+        dest, f, rows, row_mask, first_row = tile_coords(
+            t, dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,
+            WORLD, WORLD_P2, BLOCK_R)
         dim = tl.load(dims_ptr + f)
         mask = row_mask[:, None] & (d < dim)[None, :]
         src = src_ptr + rows.to(tl.int64)[:, None] * src_row_len + tl.load(src_cols_ptr + f) + d[None, :]
@@ -52,7 +54,7 @@ def _push_columns_kernel(
         out_rows = (tl.load(out_row_base_ptr + dest) + rows - first_row).to(tl.int64)
         dst = out + out_rows[:, None] * tl.load(out_row_len_ptr + dest) + tl.load(dst_cols_ptr + f) + d[None, :]
         tl.store(dst, tile, mask=mask)
-        u += stride
+        t += stride
     signal_ready(ready_ptrs, rank * num_programs + pid, epoch, WORLD)
 
 
@@ -71,7 +73,7 @@ class PushColumnsLaunch:
             _push_columns_kernel, ("src_ptr", "out_ptrs", "epoch"),
             src_row_len=src_row_len, src_cols_ptr=src_cols, dst_cols_ptr=dst_cols, dims_ptr=dims,
             dest_order_ptr=plan.dest_order, tile_starts_ptr=plan.tile_starts,
-            program_starts_ptr=plan.program_starts, row_begin_ptr=plan.row_begin,
+            walk_starts_ptr=plan.walk_starts, program_starts_ptr=plan.program_starts, row_begin_ptr=plan.row_begin,
             row_end_ptr=plan.row_end, feature_begin_ptr=plan.feature_begin, out_row_base_ptr=out_row_base,
             out_row_len_ptr=out_row_len, ready_ptrs=ready_ptrs, ack_ptr=ack, error_ptr=error, rank=rank,
             num_programs=plan.num_programs, spin_limit=spin_limit, WORLD=world,

@@ -31,10 +31,7 @@ from fused_dlrm.kernels.push_columns import PushColumnsLaunch
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 
-PUSH_BLOCK_ROWS = 16  # rows per tile of the gradient push
-# The push is a copy: a tile for this rank moves over HBM (~2 TB/s of copied bytes on H200), one for a peer over
-# NVLink (~0.38 TB/s), so the programs are split about 1 : 5 between a local and a remote tile.
-PUSH_LOCAL_TILE_COST = 0.2
+PUSH_BLOCK_ROWS = 16  # rows per tile of the gradient push (a copy: one remote-first walk, kernels/peer_tiles.py)
 NVSHMEM_OPT_IN = "FUSED_DLRM_NVSHMEM_KNOWN_RACE"
 NVSHMEM_DISABLED = (
     "comm.transport=nvshmem is disabled: on 2 x H200 (2026-11-23) its consumers read a peer's rows before they "
@@ -213,7 +210,7 @@ class FusedPooledAllToAll(nn.Module):
             first = [sum(len(f) for f in self.features_of_rank[:r]) for r in range(self.world)]
             push_tiles = plan_peer_tiles(self.rank, [(0, sizes[self.rank])] * self.world,
                                          [(first[r], len(self.features_of_rank[r])) for r in range(self.world)],
-                                         PUSH_BLOCK_ROWS, self.num_programs, device, PUSH_LOCAL_TILE_COST)
+                                         PUSH_BLOCK_ROWS, self.num_programs, device, local_tile_cost=None)
             plan.pooled_ptrs = _half_ptrs(pooled, pooled_half)
             plan.grad_ptrs = _half_ptrs(grad, grad_half)
             common = dict(error=self.errors.word, rank=self.rank, spin_limit=self.spin_limit)
