@@ -5,6 +5,8 @@ CI has no GPU: this runs on the device machine (docs/benchmarks.md says when it 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -121,10 +123,11 @@ def _lone_rank_times_out(fused, rank: int, world: int, device, epoch: int) -> No
     dist.barrier()
 
 
-@pytest.mark.xfail(strict=True, reason="known race (2026-11-23, docs/benchmarks.md): consumers read a peer's rows "
-                                       "before they arrive; the transport is disabled without FUSED_DLRM_NVSHMEM_KNOWN_RACE")
-def test_nvshmem_transport_forward_equals_bulk_and_backward_is_refused(monkeypatch):
-    monkeypatch.setenv(NVSHMEM_OPT_IN, "1")  # the spawned ranks inherit it
+@pytest.mark.skipif(os.environ.get(NVSHMEM_OPT_IN) != "1",
+                    reason="the nvshmem transport is disabled by a known race (2026-11-23, docs/benchmarks.md): its "
+                           f"consumers read a peer's rows before they arrive, and this test then hangs on 2 x H200; "
+                           f"{NVSHMEM_OPT_IN}=1 runs it to reproduce")
+def test_nvshmem_transport_forward_equals_bulk_and_backward_is_refused():
     run_world(2, _nvshmem_forward_equals_bulk, 30, backend="nccl")
 
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_dlrm.kernels.peer_tiles import plan_peer_tiles, program_walk, split_programs, tile_coords
+from fused_dlrm.kernels.peer_tiles import next_tile_group, plan_peer_tiles, program_walk, split_programs, tile_coords
 
 
 @pytest.mark.parametrize("tiles,programs", [([10, 10], 4224), ([100, 1, 1], 3), ([0, 5, 0], 4), ([3, 0, 9], 5),
@@ -43,10 +43,11 @@ def _walk_kernel(visits_ptr, dests_ptr, tile_starts_ptr, walk_starts_ptr, progra
     (a bit per destination)."""
     pid = tl.program_id(0)
     t, end, stride = program_walk(pid, walk_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
+    k, group_start, group_end = 0, 0, tl.load(tile_starts_ptr + 1)
     while t < end:
-        dest, f, rows, row_mask, first_row = tile_coords(t, dest_order_ptr, tile_starts_ptr, row_begin_ptr,
-                                                         row_end_ptr, feature_begin_ptr, WORLD, WORLD_P2,
-                                                         BLOCK_ROWS)
+        k, group_start, group_end = next_tile_group(t, k, group_start, group_end, tile_starts_ptr)
+        dest, f, rows, row_mask, first_row = tile_coords(k, t - group_start, dest_order_ptr, row_begin_ptr,
+                                                         row_end_ptr, feature_begin_ptr, BLOCK_ROWS)
         tl.atomic_add(visits_ptr + f.to(tl.int64) * ROW_LEN + rows, 1, mask=row_mask)
         tl.atomic_or(dests_ptr + pid, 1 << dest)
         t += stride

@@ -21,7 +21,7 @@ import triton.language as tl
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
 from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, put_rows, signal_ready_nvshmem
 from fused_dlrm.kernels.peer_flags import released_once_per_dest, signal_ready
-from fused_dlrm.kernels.peer_tiles import PeerTilePlan, program_walk, tile_coords
+from fused_dlrm.kernels.peer_tiles import PeerTilePlan, next_tile_group, program_walk, tile_coords
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -43,16 +43,15 @@ def pooled_embedding_reference(weight: torch.Tensor, values: torch.Tensor, lengt
 
 
 @triton.jit
-def _pool_tile(t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
-               dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
-               WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr,
-               BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
-    """Tile t of the plan: (destination, feature, its rows, row mask, the destination's first row, dim, the
-    pooled [BLOCK_B, BLOCK_D] fp32 values)."""
+def _pool_tile(k, u, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
+               dest_order_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
+               BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr,
+               HAS_WEIGHTS: tl.constexpr):
+    """Tile u of the plan's group k: (destination, feature, its rows, row mask, the destination's first row, dim,
+    the pooled [BLOCK_B, BLOCK_D] fp32 values)."""
     d = tl.arange(0, BLOCK_D)
-    dest, f, rows, row_mask, first_row = tile_coords(
-        t, dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,
-        WORLD, WORLD_P2, BLOCK_B)
+    dest, f, rows, row_mask, first_row = tile_coords(k, u, dest_order_ptr, row_begin_ptr, row_end_ptr,
+                                                     feature_begin_ptr, BLOCK_B)
     bag = f.to(tl.int64) * global_batch + rows
     start = tl.load(offsets_ptr + bag, mask=row_mask, other=0)
     length = tl.load(offsets_ptr + bag + 1, mask=row_mask, other=0) - start
@@ -97,12 +96,14 @@ def _pooled_embedding_kernel(
     d = tl.arange(0, BLOCK_D)
     # The tiles of one destination (peer_tiles.py); `while` loops: the interpreter cannot range() over loads.
     t, end, stride = program_walk(pid, walk_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
+    k, group_start, group_end = 0, 0, tl.load(tile_starts_ptr + 1)
     known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
     while t < end:
+        k, group_start, group_end = next_tile_group(t, k, group_start, group_end, tile_starts_ptr)
         dest, f, rows, row_mask, first_row, dim, acc = _pool_tile(
-            t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
-            dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
-            WORLD, WORLD_P2, BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS)
+            k, t - group_start, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
+            dest_order_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
+            BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS)
         store_mask = row_mask[:, None] & (d < dim)[None, :]
         if SIGNAL:
             known_dest, released = released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr,
@@ -135,12 +136,14 @@ def _pooled_embedding_nvshmem_kernel(
     b = tl.arange(0, BLOCK_B)
     scratch = scratch_ptr + pid.to(tl.int64) * BLOCK_B * BLOCK_D
     t, end, stride = program_walk(pid, walk_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
+    k, group_start, group_end = 0, 0, tl.load(tile_starts_ptr + 1)
     known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
     while t < end:
+        k, group_start, group_end = next_tile_group(t, k, group_start, group_end, tile_starts_ptr)
         dest, f, rows, row_mask, first_row, dim, acc = _pool_tile(
-            t, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
-            dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
-            WORLD, WORLD_P2, BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS)
+            k, t - group_start, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr, mean_ptr,
+            dest_order_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr, global_batch,
+            BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS)
         known_dest, released = released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr,
                                                       known_dest, released)
         first_out_row = tl.min(tl.where(row_mask, rows, 2**62), axis=0) - first_row

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
 from fused_dlrm.kernels.peer_flags import released_once_per_dest, signal_ready
-from fused_dlrm.kernels.peer_tiles import PeerTilePlan, program_walk, tile_coords
+from fused_dlrm.kernels.peer_tiles import PeerTilePlan, next_tile_group, program_walk, tile_coords
 
 
 def push_columns_reference(src: torch.Tensor, src_cols: list[int], dims: list[int], dst: torch.Tensor,
@@ -38,11 +38,12 @@ def _push_columns_kernel(
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     t, end, stride = program_walk(pid, walk_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
+    k, group_start, group_end = 0, 0, tl.load(tile_starts_ptr + 1)
     known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
     while t < end:  # `while`: the interpreter cannot range() over loaded values
-        dest, f, rows, row_mask, first_row = tile_coords(
-            t, dest_order_ptr, tile_starts_ptr, row_begin_ptr, row_end_ptr, feature_begin_ptr,
-            WORLD, WORLD_P2, BLOCK_R)
+        k, group_start, group_end = next_tile_group(t, k, group_start, group_end, tile_starts_ptr)
+        dest, f, rows, row_mask, first_row = tile_coords(k, t - group_start, dest_order_ptr, row_begin_ptr,
+                                                         row_end_ptr, feature_begin_ptr, BLOCK_R)
         dim = tl.load(dims_ptr + f)
         mask = row_mask[:, None] & (d < dim)[None, :]
         src = src_ptr + rows.to(tl.int64)[:, None] * src_row_len + tl.load(src_cols_ptr + f) + d[None, :]
