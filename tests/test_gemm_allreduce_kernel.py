@@ -70,10 +70,10 @@ def test_matches_reference(world_size, m, dtype):
         assert_all_reduced(world(xs, ws), xs, ws)
 
 
-@pytest.mark.parametrize("world_size,n", [(4, 20), (2, 7), (4, 130)])
+@pytest.mark.parametrize("world_size,n", [(4, 20), (2, 7), (4, 130), (8, 130)])
 def test_skewed_shapes(world_size, n):
     """Ranks owning no tile (N = 20 is two tiles for 4 ranks; N = 7 one partial tile) and more tiles than
-    programs (N = 130 at 3 programs)."""
+    programs (N = 130 at 3 programs; at 8 ranks a partial tile on the last owner)."""
     world = World(world_size)
     gen = torch.Generator().manual_seed(n)
     xs, ws = random_inputs(world_size, 3, 24, n, torch.bfloat16, gen)

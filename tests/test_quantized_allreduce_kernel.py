@@ -78,7 +78,7 @@ def test_low_precision_inputs_keep_their_dtype(world_size, dtype):
         assert all(torch.equal(y, want) for y in got)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_tiny_and_skewed_sizes(world_size):
     """Fewer values than ranks, one block, and sizes whose last chunk is mostly padding."""
     world = world_of(world_size, max_programs=4)

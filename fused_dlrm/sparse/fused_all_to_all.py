@@ -1,9 +1,10 @@
 """Lookup + output dist as one unit: pooled tiles go straight from the owner's kernel into their rank's output.
 
 Forward: one persistent kernel pools the owned tables for the whole global batch and stores every tile into the
-destination rank's symmetric output ([local batch, sum of all dims], config column order), remote ranks first;
-a small wait kernel then polls the ready flags of each producer. Backward: each rank pushes the columns of its
-output gradient into the owners' symmetric gradient buffers the same way; once its flags are up, the owner
+destination rank's symmetric output ([local batch, sum of all dims], config column order), its programs split
+among the destinations (kernels/peer_tiles.py); a small wait kernel then polls the ready flags of each producer.
+Backward: each rank pushes the columns of its output gradient into the owners' symmetric gradient buffers (one
+remote-first walk); once its flags are up, the owner
 accumulates row gradients and applies the embedding optimizer (the bulk path's code).
 
 Outputs live in double-buffered symmetric memory (by step parity): the tensor a step returns stays valid until
