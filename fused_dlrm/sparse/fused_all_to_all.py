@@ -4,8 +4,8 @@ Forward: one persistent kernel pools the owned tables for the whole global batch
 destination rank's symmetric output ([local batch, sum of all dims], config column order), its programs split
 among the destinations (kernels/peer_tiles.py); a small wait kernel then polls the ready flags of each producer.
 Backward: each rank pushes the columns of its output gradient into the owners' symmetric gradient buffers (one
-remote-first walk); once its flags are up, the owner
-accumulates row gradients and applies the embedding optimizer (the bulk path's code).
+remote-first walk); once its flags are up, the owner accumulates row gradients and applies the embedding
+optimizer (the bulk path's code).
 
 Outputs live in double-buffered symmetric memory (by step parity): the tensor a step returns stays valid until
 the call after next. Every rank must call in the same order (the flags carry per-exchange step counters).
