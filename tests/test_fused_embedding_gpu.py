@@ -125,7 +125,7 @@ def _lone_rank_times_out(fused, rank: int, world: int, device, epoch: int) -> No
 
 @pytest.mark.skipif(os.environ.get(NVSHMEM_OPT_IN) != "1",
                     reason="the nvshmem transport is disabled by a known race (2026-11-23, docs/benchmarks.md): its "
-                           f"consumers read a peer's rows before they arrive, and this test then hangs on 2 x H200; "
+                           "consumers read a peer's rows before they arrive, and this test then hangs on 2 x H200; "
                            f"{NVSHMEM_OPT_IN}=1 runs it to reproduce")
 def test_nvshmem_transport_forward_equals_bulk_and_backward_is_refused():
     run_world(2, _nvshmem_forward_equals_bulk, 30, backend="nccl")
