@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchrec import DataType, EmbeddingBagConfig, PoolingType
-from torchrec.models.dlrm import DLRM, InteractionArch
+from torchrec.models.dlrm import DLRM, InteractionArch, SparseArch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
@@ -30,22 +31,65 @@ def make_tables(feature_names: Sequence[str], num_rows: int | Sequence[int], emb
             for f, r in zip(feature_names, rows)]
 
 
+class ViewSparseArch(SparseArch):
+    """torchrec's SparseArch, same output, without its copies when it can: the collection's KeyedTensor already
+    holds its features in the arch's order with one dim each, so [B, F * D] is [B, F, D] as a view. torchrec's
+    split into features and `cat` copies the pooled output forward and its gradient backward (two passes over
+    268 MB per step at the paper config)."""
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        pooled = self.embedding_bag_collection(features)
+        values = pooled.values()
+        if (pooled.keys() == self.sparse_feature_names and values.is_contiguous()
+                and all(n == self.D for n in pooled.length_per_key())):
+            return values.view(-1, self.F, self.D)
+        sparse = pooled.to_dict()
+        return torch.cat([sparse[name] for name in self.sparse_feature_names], dim=1).reshape(-1, self.F, self.D)
+
+
+class _PairwiseDots(torch.autograd.Function):
+    """The F + F(F - 1) / 2 dot products of the dense row with each sparse row, then of the sparse rows' pairs
+    (i < j, row-major: torchrec's order after its dense-with-sparse pairs), without building [dense; sparse].
+
+    Forward: two batched products, dense x sparse and sparse x sparse^T ([F, F], aligned where F is); backward:
+    the pairs' gradient placed in the upper triangle G, then d sparse = (G + G^T) sparse + g_dense_pairs x dense
+    (one product where autograd would take two) and d dense = g_dense_pairs x sparse."""
+
+    @staticmethod
+    def forward(ctx, dense: torch.Tensor, sparse: torch.Tensor, pair_index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(dense, sparse, pair_index)
+        with_dense = torch.bmm(sparse, dense.unsqueeze(2)).squeeze(2)  # [B, F]
+        products = torch.bmm(sparse, sparse.transpose(1, 2)).flatten(1)  # [B, F * F]
+        return torch.cat((with_dense, products.index_select(1, pair_index)), dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        dense, sparse, pair_index = ctx.saved_tensors
+        b, f, _ = sparse.shape
+        grad_with_dense = grad[:, :f]
+        upper = grad.new_zeros(b, f * f).index_copy_(1, pair_index, grad[:, f:]).view(b, f, f)
+        grad_sparse = torch.bmm(upper + upper.transpose(1, 2), sparse)
+        grad_sparse.addcmul_(grad_with_dense.unsqueeze(2), dense.unsqueeze(1))
+        grad_dense = torch.bmm(grad_with_dense.unsqueeze(1), sparse).squeeze(1)
+        return grad_dense, grad_sparse, None
+
+
 class PairwiseInteractionArch(InteractionArch):
-    """torchrec's InteractionArch, same output, with the upper-triangle pairs taken by `index_select` on the
-    flattened [F + 1, F + 1] products: its backward is a scatter-add (each pair once), where the 2-D advanced
-    index torchrec uses has a sort-based backward (4.2 ms of a 20 ms step at the paper config on H200)."""
+    """torchrec's InteractionArch, same output: [dense, its dot with every sparse row, the sparse rows' pairwise
+    dots]. torchrec concatenates [dense; sparse] (a copy), takes the full [F + 1, F + 1] products through an
+    odd-sized (F + 1 = 129: unaligned, slow on GPUs) batched GEMM and indexes pairs with a 2-D advanced index
+    whose backward sorts (4.2 ms of a 20 ms step at the paper config on H200); `_PairwiseDots` does neither."""
 
     def __init__(self, num_sparse_features: int) -> None:
         super().__init__(num_sparse_features)
-        rows, cols = self.triu_indices
-        self.register_buffer("pair_index", rows * (self.F + 1) + cols, persistent=False)
+        rows, cols = torch.triu_indices(self.F, self.F, offset=1)
+        self.register_buffer("pair_index", rows * self.F + cols, persistent=False)
 
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         if self.F <= 0:
             return dense_features
-        combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
-        products = torch.bmm(combined, combined.transpose(1, 2)).flatten(1)
-        return torch.cat((dense_features, products.index_select(1, self.pair_index)), dim=1)
+        pairs = _PairwiseDots.apply(dense_features, sparse_features, self.pair_index)
+        return torch.cat((dense_features, pairs), dim=1)
 
 
 def build_dlrm(tables: list[EmbeddingBagConfig], dense_in_features: int, dense_arch: Sequence[int],
@@ -58,6 +102,7 @@ def build_dlrm(tables: list[EmbeddingBagConfig], dense_in_features: int, dense_a
     sparse = ShardedEmbeddingBagCollection(tables, embedding_optimizer, device=device, seed=seed, comm=comm)
     model = DLRM(embedding_bag_collection=sparse, dense_in_features=dense_in_features,
                  dense_arch_layer_sizes=list(dense_arch), over_arch_layer_sizes=list(over_arch), dense_device=device)
+    model.sparse_arch = ViewSparseArch(sparse)
     model.inter_arch = PairwiseInteractionArch(model.inter_arch.F).to(device)
     return model
 
