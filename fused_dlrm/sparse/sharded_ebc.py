@@ -70,9 +70,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
         tables_of_rank = [[by_name[n] for n in self.plan.tables_of(r)] for r in range(self.world_size)]
         features_of_rank = [[f for t in ts for f in t.feature_names] for ts in tables_of_rank]
         dims_of_rank = [[t.embedding_dim for t in ts for _ in t.feature_names] for ts in tables_of_rank]
-        self.input_dist = BulkInputDist(features_of_rank, group)
-        seeds = {t.name: seed * 100_003 + i for i, t in enumerate(tables)}  # a table's init ignores the plan
         device = torch.device(device)
+        # On GPUs the input dist has a communicator of its own: NCCL runs one group's collectives in issue order,
+        # so a prefetched batch's all-to-alls (and the host, which waits for their sizes) would queue behind the
+        # running step's collectives instead of overlapping the step.
+        input_group = group
+        if device.type == "cuda" and self.world_size > 1:
+            input_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
+        self.input_dist = BulkInputDist(features_of_rank, input_group)
+        seeds = {t.name: seed * 100_003 + i for i, t in enumerate(tables)}  # a table's init ignores the plan
         self.embedding_bags = nn.ModuleDict(
             {t.name: Table(init_table(t, seeds[t.name], device).to(_DTYPES[t.data_type.name]))
              for t in tables_of_rank[self.rank]})

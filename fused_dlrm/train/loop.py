@@ -5,11 +5,12 @@ into it, dense gradients averaged by DDP) -> dense optimizer step. Every `log_ev
 over ranks and checked for NaN/inf; every `eval_every` steps AUC and log loss are measured on held-out data;
 every `checkpoint_every` steps a checkpoint is written (only after the loss was checked).
 
-On GPUs the next batch's host-to-device copy and input all-to-all run ahead on side streams (`next_batch`). The
-host waits for the GPU inside a step only where a size must be known on the host: the input all-to-all's value
-counts and received sizes, and its index range check (on the side stream, behind the copy only, when
-prefetching); then every `log_every` steps the loss reduction (the embedding backward's segment count stays on
-the GPU: its kernel is persistent). A step launched while the previous one still runs is otherwise free of host syncs.
+On GPUs the next batch's generation or host-to-device copy and its input all-to-all run ahead on side streams
+(`next_batch`; the input dist has a communicator of its own). The host waits for the GPU inside a step only where a
+size must be known on the host: the input all-to-all's value counts and received sizes, and its index range check
+(on the side stream, behind the batch only, when prefetching); then every `log_every` steps the loss reduction (the
+embedding backward's segment count stays on the GPU: its kernel is persistent). A step launched while the previous
+one still runs is otherwise free of host syncs.
 
 The bookkeeping around the step (counters, loss check, metrics.jsonl, cadence) is a `TrainingRun` (schedule.py),
 shared with the MoE loop; what is DLRM's own comes in as callbacks: the log fields, evaluation and checkpoint.
@@ -95,26 +96,29 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
                       items_per_step=cfg.data.global_batch_size, log_fields=log_fields, evaluate=run_eval,
                       save=checkpoint)
 
-    copy_stream = torch.cuda.Stream(env.device) if env.device.type == "cuda" else None
+    copy_stream = None
+    if env.device.type == "cuda":
+        copy_stream = torch.cuda.Stream(env.device)
+        copy_stream.wait_stream(torch.cuda.current_stream())  # once: the model and data set-up are complete
 
     def next_batch():
         """The next (epoch, batch) on the device, its input all-to-all already under way when prefetching.
 
-        On GPUs the host batch is pinned and copied on a side stream, and the input all-to-all is issued behind
-        that copy only (prefetch's stream waits on the stream current here): both run while the kernels of the
-        step just enqueued still execute, and the host never waits for that step. The main stream waits for the
-        copy from here on. On the CPU, or for a batch generated on the GPU, it is a plain call (torch.cuda.stream(None)
-        does nothing).
+        On GPUs the batch is made (generated on the GPU, or pinned and copied from the host) on a side stream and
+        the input all-to-all is issued behind it only (prefetch's stream waits on the stream current here, and the
+        input dist has its own communicator): both run while the kernels of the step just enqueued still execute,
+        and the host's waits for the all-to-all's sizes never wait for that step. The main stream waits for the
+        side stream from here on. On the CPU it is a plain call (torch.cuda.stream(None) does nothing).
         """
-        epoch, batch = next(batches)
-        ahead = copy_stream is not None and batch.labels.device.type == "cpu"  # else made on the main stream
-        with torch.cuda.stream(copy_stream if ahead else None):
-            batch = to_device(batch.pin_memory() if ahead else batch, env.device)
+        with torch.cuda.stream(copy_stream):
+            epoch, batch = next(batches)
+            on_host = batch.labels.device.type == "cpu"
+            batch = to_device(batch.pin_memory() if on_host and copy_stream is not None else batch, env.device)
             if t.prefetch_input_dist and not done(epoch):
                 sparse.prefetch(batch.sparse_features)
-        if ahead:
+        if copy_stream is not None:
             main = torch.cuda.current_stream()
-            batch.record_stream(main)  # made on the copy stream, read on the main one
+            batch.record_stream(main)  # made on the side stream, read on the main one
             main.wait_stream(copy_stream)
         return epoch, batch
 
