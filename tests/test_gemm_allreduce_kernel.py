@@ -82,12 +82,13 @@ def test_skewed_shapes(world_size, n):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("split_k,m,k", [(3, 2, 100), (None, 1, 200)])
+@pytest.mark.parametrize("split_k,m,k", [(3, 2, 100), (None, 1, 1024)])
 def test_split_k(world_size, split_k, m, k):
-    """K in chunks over 5 programs (3 given; 4 by default_split_k for a GEMV with K = 200): each tile's units
+    """K in chunks over 5 programs (3 given; 2 by default_split_k for a GEMV with K = 1024): each tile's units
     come from several programs of every source."""
     if split_k is None:
-        assert default_split_k(m, k, 5, 5) == 4  # 4 units per program, limited by K / (40 M) = 5
+        assert default_split_k(m, k, 5, 5, 16) == 2  # 2 units per program (K / (16 BLOCK_K) would allow 4)
+        assert default_split_k(m, 200, 5, 5, 16) == 1  # K = 200: chunks of 16 BLOCK_K tiles leave one
     world = World(world_size, num_programs=5, split_k=split_k)
     gen = torch.Generator().manual_seed(3)
     for _ in range(2):

@@ -14,8 +14,9 @@ world). One launch, three phases per program:
 The fixed order makes the result bit-identical on every rank.
 
 Programs wait for flags raised by other programs of the same launch, here and on peers: the grid must be
-co-resident. The default, PROGRAMS_PER_SM = 2, fits the launched configurations on sm_90 (ptxas, 4 warps, 3
-stages: at most 226 registers per thread and 96 KiB of shared memory per program, at BLOCK_M 64); were it not
+co-resident. The default, PROGRAMS_PER_SM = 2, fits the launched configurations on sm_90 (8 warps; 5 stages at
+BLOCK_M 16: 64 registers, 80 KiB of shared memory per program; 3 stages above: 105 registers, 96 KiB at BLOCK_M
+64; ptxas figures of the 2026-11-23 sweep on 2 x H200, docs/benchmarks.md); were it not
 co-resident (e.g. a larger `programs_per_sm` or `num_stages` given to the constructor for a sweep), the waits
 would time out and raise, not hang. The Triton interpreter runs programs one after another, so a
 simulated world launches the three phases separately (`PHASES`), every rank's phase before the next phase.
@@ -151,10 +152,12 @@ def _gemm_allreduce_kernel(
             wait_or_record(done + owner * num_programs + pid, epoch, spin_limit, error_ptr, owner, pid)
 
 
-def default_split_k(m: int, k: int, num_tiles: int, num_programs: int) -> int:
-    """K chunks per tile: about 4 (tile, chunk) units per program, so that the programs' shares differ by a
-    quarter at most; but the fp32 partials (split_k * M * N * 4 bytes) at most 1/20 of the weight (K * N * 2)."""
-    return max(1, min(triton.cdiv(4 * num_programs, num_tiles), k // (40 * m)))
+def default_split_k(m: int, k: int, num_tiles: int, num_programs: int, block_k: int) -> int:
+    """K chunks per tile: about 2 (tile, chunk) units per program; but chunks of at least 16 BLOCK_K tiles (the
+    software pipeline drains at the end of each unit: shorter chunks were slower in the 2 x H200 sweep, e.g. a GEMV
+    of K = 8192 took 65 us in 8 chunks and 59 us in 4) and fp32 partials (split_k * M * N * 4 bytes) of at most
+    1/20 of the weight (K * N * 2)."""
+    return max(1, min(triton.cdiv(2 * num_programs, num_tiles), k // (16 * block_k), k // (40 * m)))
 
 
 @dataclass
@@ -166,6 +169,7 @@ class Plan:
     out: PeerBuffer
     outputs: tuple[torch.Tensor, torch.Tensor]
     args: Arguments  # filled per call with x, w and the epoch
+    options: dict  # launch options (num_warps, num_stages)
 
 
 class GemmAllReduce:
@@ -174,7 +178,8 @@ class GemmAllReduce:
     Every rank must call with the same M, K, N, dtype and the same number of times (flags carry per-call
     epochs). Block sizes are fixed per instance (Triton compiles one kernel per (BLOCK_M, K_TILES, dtype)); the
     launch has `num_programs` persistent programs, by default `programs_per_sm` (PROGRAMS_PER_SM) per SM;
-    `num_stages`: Triton's software pipelining depth of the K loop. Both are not tuned on GPUs yet (parameters
+    `num_stages`: Triton's software pipelining depth of the K loop (None: 5 at BLOCK_M 16, 3 above, where 5
+    stages no longer leave room for two programs per SM). Defaults from a sweep on 2 x H200 (parameters
     for a sweep; the grid must stay co-resident, see the module docstring).
 
     Host time per call is kept small (a GEMV's kernel takes tens of microseconds): what depends only on the
@@ -184,8 +189,8 @@ class GemmAllReduce:
     """
 
     def __init__(self, workspace: _Workspace, num_programs: int | None = None, spin_limit: int = 20_000_000,
-                 block_n: int = 64, block_k: int = 128, split_k: int | None = None, num_warps: int = 4,
-                 num_stages: int = 3, programs_per_sm: int = PROGRAMS_PER_SM):
+                 block_n: int = 64, block_k: int = 128, split_k: int | None = None, num_warps: int = 8,
+                 num_stages: int | None = None, programs_per_sm: int = PROGRAMS_PER_SM):
         if getattr(workspace, "transport", "p2p") != "p2p":
             raise NotImplementedError("the fused GEMM + all-reduce stores through peer pointers (transport p2p)")
         self.ws = workspace
@@ -195,7 +200,7 @@ class GemmAllReduce:
             num_programs = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
         self.num_programs, self.spin_limit = num_programs, spin_limit
         self.block_n, self.block_k, self.split_k = block_n, block_k, split_k
-        self.options = dict(num_warps=num_warps, num_stages=num_stages)  # launch options
+        self.num_warps, self.num_stages = num_warps, num_stages
         self.errors = PeerErrors(device, self.rank, "fused GEMM + all-reduce")
         self.ready = workspace.buffer("gemm_allreduce_ready", self.world * num_programs, torch.int32)
         self.done = workspace.buffer("gemm_allreduce_done", self.world * num_programs, torch.int32)
@@ -220,7 +225,7 @@ class GemmAllReduce:
         """Enqueue `phases` of call `epoch` (ALL_PHASES on GPUs; one phase at a time in a simulated world)."""
         key = self._key(x, w, phases)
         plan = self._plans.get(key) or self._plan(key, x, w, phases)
-        self._launches(key, (self.num_programs, 1, 1), plan.args(x, w, epoch), self.options)
+        self._launches(key, (self.num_programs, 1, 1), plan.args(x, w, epoch), plan.options)
         return plan
 
     def _plan(self, key: tuple, x: torch.Tensor, w: torch.Tensor, phases: int) -> Plan:
@@ -232,7 +237,7 @@ class GemmAllReduce:
         P = self.num_programs
         num_tiles = triton.cdiv(n, self.block_n)
         tiles_per_rank = triton.cdiv(num_tiles, self.world)
-        split_k = self.split_k or default_split_k(m, k, num_tiles, P)
+        split_k = self.split_k or default_split_k(m, k, num_tiles, P, self.block_k)
         k_tiles = triton.cdiv(triton.cdiv(k, split_k), self.block_k)
         split_k = triton.cdiv(k, k_tiles * self.block_k)  # K chunks of whole BLOCK_K tiles, none of them empty
         recv = self.ws.buffer("gemm_allreduce_recv", 2 * self.world * split_k * tiles_per_rank * m * self.block_n,
@@ -243,6 +248,8 @@ class GemmAllReduce:
         half = out.local.numel() // 2
         outputs = out.local[:m * n].view(m, n), out.local[half:half + m * n].view(m, n)
         interpret = self._launches.interpret
+        block_m = max(16, triton.next_power_of_2(m))
+        options = dict(num_warps=self.num_warps, num_stages=self.num_stages or (5 if block_m == 16 else 3))
         args = Arguments(
             _gemm_allreduce_kernel, ("x_ptr", "w_ptr", "epoch"),
             stride_xm=x.stride(0), stride_xk=x.stride(1), stride_wk=w.stride(0), stride_wn=w.stride(1),
@@ -250,9 +257,9 @@ class GemmAllReduce:
             done_ptrs=self.done.peer_ptrs, error_ptr=self.errors.word, rank=self.rank, M=m, N=n, K=k,
             recv_half=recv.local.numel() // 2, out_half=half, num_tiles=num_tiles, tiles_per_rank=tiles_per_rank,
             split_k=split_k, k_chunk=k_tiles * self.block_k, num_programs=P, spin_limit=self.spin_limit,
-            WORLD=self.world, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=self.block_n,
+            WORLD=self.world, BLOCK_M=block_m, BLOCK_N=self.block_n,
             BLOCK_K=self.block_k, K_TILES=k_tiles, OUT_DTYPE=TL_DTYPES[x.dtype], DOT_FP32=interpret, PHASES=phases)
-        plan = self._plans[key] = Plan(key, recv, out, outputs, args)
+        plan = self._plans[key] = Plan(key, recv, out, outputs, args, options)
         return plan
 
     def output(self, epoch: int, plan: Plan) -> torch.Tensor:
