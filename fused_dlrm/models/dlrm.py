@@ -35,7 +35,8 @@ class ViewSparseArch(SparseArch):
     """torchrec's SparseArch, same output, without its copies when it can: the collection's KeyedTensor already
     holds its features in the arch's order with one dim each, so [B, F * D] is [B, F, D] as a view. torchrec's
     split into features and `cat` copies the pooled output forward and its gradient backward (two passes over
-    268 MB per step at the paper config)."""
+    268 MB per step at the paper config). With comm=fused the view is of the exchange's symmetric output, valid
+    until the forward after next: the interaction saves it for this step's backward, which runs before that."""
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         pooled = self.embedding_bag_collection(features)
