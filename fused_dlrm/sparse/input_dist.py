@@ -2,10 +2,13 @@
 
 After it, the owner of a table holds the bags of that table's features for every sample of the global batch, in
 source-rank order (rank 0's samples first). Bulk-synchronous, with torch.distributed:
-  1. a header all-to-all: local batch size and value count of each feature per destination (sizes must be known
-     on the host);
+  1. a header all-to-all: local batch size, out-of-range index count, and the value count of each feature per
+     destination (sizes must be known on the host);
   2. lengths all-to-all; 3. values all-to-all (4. per-sample weights, when the KJT has them).
-Host syncs: the local value counts per feature (they split the values), and the received header.
+One host sync: the header sent and the header received, read together. Everything else stays on the device: the
+regroups before and after the exchange are one gather each (not a split + cat per feature, whose host time grows
+with the feature count), and the index range check rides in the header, so that a bad index raises on every rank
+at the same point instead of leaving the others waiting in a collective.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import torch.distributed as dist
 from torchrec import KeyedJaggedTensor
 
 from fused_dlrm.dist.alltoall import all_to_all_v, exchange_counts
-from fused_dlrm.dist.host_copy import host_to_device
 
 
 @dataclass
@@ -52,68 +54,123 @@ class OwnedBags:
         return self.values[a:b], self.lengths[f], weights
 
 
-class BulkInputDist:
-    """Table-wise input distribution with torch.distributed all-to-alls (gloo on CPU, NCCL on GPU)."""
+def segment_gather_index(counts: torch.Tensor, order: torch.Tensor, total: int) -> torch.Tensor:
+    """The index that gathers a tensor's segments in another order, built on the device.
 
-    def __init__(self, features_of_rank: list[list[str]], group: dist.ProcessGroup | None = None):
+    Segment i is counts[i] consecutive elements ([n] int64, on the device); `order` is a permutation of the segments
+    and `total` their summed size (known on the host). x[index] holds segment order[0]'s elements, then
+    order[1]'s, and so on."""
+    starts = torch.cumsum(counts, 0) - counts
+    moved = counts[order]
+    shift = starts[order] - (torch.cumsum(moved, 0) - moved)  # from each segment's new start to its old one
+    return torch.arange(total, device=counts.device) + torch.repeat_interleave(shift, moved, output_size=total)
+
+
+@dataclass
+class _KeyPlan:
+    """What one KJT key order needs, on the device, built once: the send regroup and the header's layout."""
+    perm: torch.Tensor | None  # the keys in rank-grouped order, None when the KJT already has that order
+    header_keys: torch.Tensor  # [world, width]: the key of each destination's feature f (num_keys: zero padding)
+    rows: torch.Tensor  # [num_keys]: the table size behind each key (valid indices are [0, rows))
+    recv_order: torch.Tensor  # received (source, feature) segments in (feature, source) order
+
+
+class BulkInputDist:
+    """Table-wise input distribution with torch.distributed all-to-alls (gloo on CPU, NCCL on GPU).
+
+    tables: for every feature, (table name, rows): indices outside [0, rows) raise IndexError on every rank."""
+
+    def __init__(self, features_of_rank: list[list[str]], tables: dict[str, tuple[str, int]],
+                 group: dist.ProcessGroup | None = None):
         self.features_of_rank = features_of_rank
+        self.tables = tables
         self.group = group
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.send_order = [f for feats in features_of_rank for f in feats]  # rank-grouped feature order
+        self.width = max(len(feats) for feats in features_of_rank)
+        self._plans: dict[tuple, _KeyPlan] = {}
+
+    def _plan(self, keys: list[str], device: torch.device) -> _KeyPlan:
+        plan = self._plans.get((tuple(keys), device))
+        if plan is None:
+            index = {k: i for i, k in enumerate(keys)}
+            perm = [index[f] for f in self.send_order]
+            header = [[index[f] for f in feats] + [len(keys)] * (self.width - len(feats))
+                      for feats in self.features_of_rank]
+            # Built once per key order: a host list turned into a device tensor is a copy that waits for the GPU.
+            # Received values are (source, feature)-major; the lookup wants (feature, source)-major.
+            mine, world = len(self.features_of_rank[self.rank]), len(self.features_of_rank)
+            recv_order = [s * mine + f for f in range(mine) for s in range(world)]
+            plan = _KeyPlan(perm=None if perm == sorted(perm) else torch.tensor(perm, device=device),
+                            header_keys=torch.tensor(header, device=device),
+                            rows=torch.tensor([self.tables[k][1] for k in keys], device=device),
+                            recv_order=torch.tensor(recv_order, device=device))
+            self._plans[(tuple(keys), device)] = plan
+        return plan
 
     def __call__(self, kjt: KeyedJaggedTensor) -> OwnedBags:
         world, device = len(self.features_of_rank), kjt.values().device
-        key_index = {k: i for i, k in enumerate(kjt.keys())}
-        perm = [key_index[f] for f in self.send_order]
-        local_batch = kjt.stride()
-        lengths = kjt.lengths().view(len(key_index), local_batch).long()
-        per_key_values = lengths.sum(dim=1).tolist()  # host sync: value splits must be known on the host
+        keys, values, local_batch = list(kjt.keys()), kjt.values(), kjt.stride()
+        plan = self._plan(keys, device)
+        lengths = kjt.lengths().view(len(keys), local_batch).long()
+        counts = lengths.sum(dim=1)  # values per key
+        limit = torch.repeat_interleave(plan.rows, counts, output_size=values.numel())
+        out_of_range = ((values < 0) | (values >= limit)).sum()
 
-        # Regroup the key-major KJT so each destination's features are one contiguous run.
-        value_chunks = torch.split(kjt.values(), per_key_values)
-        send_values = torch.cat([value_chunks[i] for i in perm]) if perm else kjt.values()[:0]
-        send_lengths = lengths[perm].reshape(-1)
-        send_weights = None
-        if kjt.weights_or_none() is not None:
-            weight_chunks = torch.split(kjt.weights(), per_key_values)
-            send_weights = torch.cat([weight_chunks[i] for i in perm]) if perm else kjt.weights()[:0]
+        # Header to rank d: [local batch, out-of-range count, value count of each of d's features (zero-padded)].
+        padded = torch.cat([counts, counts.new_zeros(1)])
+        header = torch.cat([torch.stack([torch.full_like(out_of_range, local_batch), out_of_range]).expand(world, 2),
+                            padded[plan.header_keys]], dim=1)
+        recv = exchange_counts(header, self.group)
+        both = torch.cat([header, recv]).tolist()  # the host sync
+        sent_header, recv_header = both[:world], both[world:]
+        bad = [s for s, row in enumerate(recv_header) if row[1]]
+        if bad:
+            raise self._index_error(kjt, counts, limit, bad)
 
-        # Header to rank d: [local batch, value count of each of d's features (zero-padded)]. What comes back sizes
-        # everything the owner receives, so the header exchange is the second and last host sync.
-        width = 1 + max(len(feats) for feats in self.features_of_rank)
-        header = [[local_batch] + [per_key_values[key_index[f]] for f in feats] + [0] * (width - 1 - len(feats))
-                  for feats in self.features_of_rank]
-        values_to = [sum(row[1:]) for row in header]
-        header, = host_to_device([torch.tensor(header, dtype=torch.int64)], device)
-        recv_header = exchange_counts(header, self.group).tolist()
         mine = self.features_of_rank[self.rank]
         batch_sizes = [row[0] for row in recv_header]
-        counts = [row[1:1 + len(mine)] for row in recv_header]  # [source][feature]: values received
-        values_from = [sum(row) for row in counts]
+        counts_from = [row[2:2 + len(mine)] for row in recv_header]  # [source][feature]: values received
+        values_to = [sum(row[2:]) for row in sent_header]
+        values_from = [sum(row) for row in counts_from]
+
+        # Regroup the key-major KJT so each destination's features are one contiguous run.
+        send_lengths, send_values, send_weights = lengths, values, kjt.weights_or_none()
+        if plan.perm is not None:
+            send_lengths = lengths[plan.perm]
+            index = segment_gather_index(counts, plan.perm, values.numel())
+            send_values = values[index]
+            send_weights = None if send_weights is None else send_weights[index]
 
         send_length_splits = [len(feats) * local_batch for feats in self.features_of_rank]
         recv_length_splits = [len(mine) * b for b in batch_sizes]
-        recv_lengths = all_to_all_v(send_lengths, send_length_splits, recv_length_splits, self.group)
+        recv_lengths = all_to_all_v(send_lengths.reshape(-1), send_length_splits, recv_length_splits, self.group)
         recv_values = all_to_all_v(send_values, values_to, values_from, self.group)
         recv_weights = None if send_weights is None else all_to_all_v(send_weights, values_to, values_from, self.group)
 
-        # Received data is (source, feature)-major; the lookup wants (feature, source)-major.
         per_source_lengths = [chunk.view(len(mine), b) for chunk, b in
                               zip(torch.split(recv_lengths, recv_length_splits), batch_sizes)]
         owned_lengths = torch.cat(per_source_lengths, dim=1)
-        order = [s * len(mine) + f for f in range(len(mine)) for s in range(world)]
-        flat_counts = [c for row in counts for c in row]
-        values = _regroup(recv_values, flat_counts, order)
-        weights = None if recv_weights is None else _regroup(recv_weights, flat_counts, order)
+        values, weights = recv_values, recv_weights
+        if world > 1 and len(mine) > 1:  # with one source or one feature the two orders are the same
+            index = segment_gather_index(recv[:, 2:2 + len(mine)].reshape(-1), plan.recv_order, recv_values.numel())
+            values = recv_values[index]
+            weights = None if recv_weights is None else recv_weights[index]
         offsets = [0]
         for f in range(len(mine)):
-            offsets.append(offsets[-1] + sum(counts[s][f] for s in range(world)))
+            offsets.append(offsets[-1] + sum(counts_from[s][f] for s in range(world)))
         return OwnedBags(features=mine, values=values, lengths=owned_lengths, weights=weights,
                          feature_value_offsets=offsets, batch_sizes=batch_sizes)
 
-
-def _regroup(x: torch.Tensor, chunk_sizes: list[int], order: list[int]) -> torch.Tensor:
-    if not order:
-        return x[:0]
-    chunks = torch.split(x, chunk_sizes)
-    return torch.cat([chunks[i] for i in order])
+    def _index_error(self, kjt: KeyedJaggedTensor, counts: torch.Tensor, limit: torch.Tensor,
+                     bad_sources: list[int]) -> IndexError:
+        """Every rank raises; a rank whose own batch holds a bad index names its feature and value."""
+        if self.rank not in bad_sources:
+            return IndexError(f"rank {self.rank}: rank(s) {bad_sources} sent out-of-range indices (their error names "
+                              "the feature and the index)")
+        values = kjt.values()
+        i = int(((values < 0) | (values >= limit)).nonzero()[0])
+        key = kjt.keys()[int(torch.searchsorted(torch.cumsum(counts, 0), i, right=True))]
+        table, rows = self.tables[key]
+        return IndexError(f"rank {self.rank}: feature '{key}' has index {int(values[i])}, outside table '{table}' "
+                          f"of {rows} rows")

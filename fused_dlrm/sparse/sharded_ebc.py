@@ -64,8 +64,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if len(set(self.feature_names)) != len(self.feature_names):
             raise ValueError(f"a feature may feed one table only, got {self.feature_names}")
         self._feature_dims = [t.embedding_dim for t in tables for _ in t.feature_names]
-        self._rows_of_feature = {f: t.num_embeddings for t in tables for f in t.feature_names}
-        self._table_of_feature = {f: t.name for t in tables for f in t.feature_names}
 
         tables_of_rank = [[by_name[n] for n in self.plan.tables_of(r)] for r in range(self.world_size)]
         features_of_rank = [[f for t in ts for f in t.feature_names] for ts in tables_of_rank]
@@ -77,7 +75,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         input_group = group
         if device.type == "cuda" and self.world_size > 1:
             input_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
-        self.input_dist = BulkInputDist(features_of_rank, input_group)
+        self.input_dist = BulkInputDist(features_of_rank, {f: (t.name, t.num_embeddings) for t in tables
+                                                           for f in t.feature_names}, input_group)
         seeds = {t.name: seed * 100_003 + i for i, t in enumerate(tables)}  # a table's init ignores the plan
         self.embedding_bags = nn.ModuleDict(
             {t.name: Table(init_table(t, seeds[t.name], device).to(_DTYPES[t.data_type.name]))
@@ -133,25 +132,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return bags
 
     def check_features(self, features: KeyedJaggedTensor) -> None:
-        """Unknown or missing keys and out-of-range indices raise here, before any rank communicates."""
+        """Unknown or missing keys raise here, before any rank communicates (a host-only check). Out-of-range
+        indices raise in the input dist, on every rank (its header carries their count)."""
         keys = list(features.keys())
         unknown = sorted(set(keys) - set(self.feature_names))
         missing = sorted(set(self.feature_names) - set(keys))
         if unknown or missing:
             raise KeyError(f"KeyedJaggedTensor keys do not match the tables' features: unknown {unknown}, "
                            f"missing {missing}")
-        values = features.values()
-        if values.numel() == 0:
-            return
-        lengths_per_key = features.lengths().view(len(keys), -1).sum(dim=1)
-        rows = torch.tensor([self._rows_of_feature[k] for k in keys], device=values.device)
-        limit = torch.repeat_interleave(rows, lengths_per_key, output_size=values.numel())
-        bad = (values < 0) | (values >= limit)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            key = keys[int(torch.searchsorted(torch.cumsum(lengths_per_key, 0), i, right=True))]
-            raise IndexError(f"feature '{key}' has index {int(values[i])}, outside table "
-                             f"'{self._table_of_feature[key]}' of {self._rows_of_feature[key]} rows")
 
 
 def _column_order(tables: list[EmbeddingBagConfig], features_of_rank: list[list[str]]) -> list[int]:
