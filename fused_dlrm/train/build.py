@@ -81,4 +81,9 @@ def batch_stream(dataset, start_step: int, steps_per_epoch: int | None) -> Itera
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    return batch.to(device, non_blocking=True) if device.type == "cuda" else batch
+    """The batch on `device`; from the host through pinned memory (a pageable copy waits for the GPU to drain)."""
+    if device.type != "cuda":
+        return batch
+    if batch.labels.device.type == "cpu":
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)

@@ -5,10 +5,11 @@ into it, dense gradients averaged by DDP) -> dense optimizer step. Every `log_ev
 over ranks and checked for NaN/inf; every `eval_every` steps AUC and log loss are measured on held-out data;
 every `checkpoint_every` steps a checkpoint is written (only after the loss was checked).
 
-On GPUs the next batch's generation or host-to-device copy and its input all-to-all run ahead on side streams
+Batches are made `trainer.batches_ahead` ahead by a thread (`BatchesAhead`: generation, or pinning and the
+host-to-device copy, on a stream of its own on GPUs); the next batch's input all-to-all runs ahead on a side stream
 (`next_batch`; the input dist has a communicator of its own). The host waits for the GPU inside a step only where a
-size must be known on the host: the input all-to-all's value counts and received sizes, and its index range check
-(on the side stream, behind the batch only, when prefetching); then every `log_every` steps the loss reduction (the
+size must be known on the host: once for the input all-to-all's header (sizes and the index range check; on the
+side stream, behind the batch only, when prefetching); then every `log_every` steps the loss reduction (the
 embedding backward's segment count stays on the GPU: its kernel is persistent). A step launched while the previous
 one still runs is otherwise free of host syncs.
 
@@ -19,6 +20,7 @@ shared with the MoE loop; what is DLRM's own comes in as callbacks: the log fiel
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -28,6 +30,7 @@ from omegaconf import DictConfig
 
 from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.sparse.fused_all_to_all import NVSHMEM_FORWARD_ONLY
+from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
 from fused_dlrm.train.metrics import CTRMetrics
@@ -104,21 +107,22 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     def next_batch():
         """The next (epoch, batch) on the device, its input all-to-all already under way when prefetching.
 
-        On GPUs the batch is made (generated on the GPU, or pinned and copied from the host) on a side stream and
-        the input all-to-all is issued behind it only (prefetch's stream waits on the stream current here, and the
-        input dist has its own communicator): both run while the kernels of the step just enqueued still execute,
-        and the host's waits for the all-to-all's sizes never wait for that step. The main stream waits for the
-        side stream from here on. On the CPU it is a plain call (torch.cuda.stream(None) does nothing).
+        The batch was made (generated, or pinned and copied from the host) by the `BatchesAhead` thread, or made
+        here when `trainer.batches_ahead=0`. On GPUs the input all-to-all is issued on a side stream behind the
+        batch only (prefetch's stream waits on the stream current here, and the input dist has its own
+        communicator): it runs while the kernels of the step just enqueued still execute, and the host's wait for
+        the all-to-all's sizes never waits for that step. The main stream waits for the side stream from here on.
+        On the CPU it is a plain call (torch.cuda.stream(None) does nothing).
         """
         with torch.cuda.stream(copy_stream):
             epoch, batch = next(batches)
-            on_host = batch.labels.device.type == "cpu"
-            batch = to_device(batch.pin_memory() if on_host and copy_stream is not None else batch, env.device)
+            if not t.batches_ahead:
+                batch = to_device(batch, env.device)
             if t.prefetch_input_dist and not done(epoch):
                 sparse.prefetch(batch.sparse_features)
         if copy_stream is not None:
             main = torch.cuda.current_stream()
-            batch.record_stream(main)  # made on the side stream, read on the main one
+            batch.record_stream(main)  # made on another stream, read on the main one
             main.wait_stream(copy_stream)
         return epoch, batch
 
@@ -127,10 +131,11 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
                 or (t.epochs is not None and epoch >= t.epochs))
 
     batches = batch_stream(train_data, step, cfg.data.get("steps_per_epoch"))
-    epoch, batch = next_batch()
-    while not done(epoch):
-        loss = train_step(model, optimizer, batch, env.world_size)
-        run.end_step(loss)  # step += 1; the loss summed on the device
-        epoch, batch = next_batch()  # its input dist overlaps this step's tail on the GPU
-        run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
+    with BatchesAhead(batches, env.device, t.batches_ahead) if t.batches_ahead else nullcontext(batches) as batches:
+        epoch, batch = next_batch()
+        while not done(epoch):
+            loss = train_step(model, optimizer, batch, env.world_size)
+            run.end_step(loss)  # step += 1; the loss summed on the device
+            epoch, batch = next_batch()  # its input dist overlaps this step's tail on the GPU
+            run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
     return run.finish()  # the last loss check, evaluation and checkpoint
