@@ -4,7 +4,9 @@ Two lookups start from the same random tables and momentum; one applies each ste
 reference (the CPU path of PooledEmbeddingLookup.apply_gradient), the other with the kernel (compiled, on the GPU
 where there is one). After several steps
 their tables and momentum must agree. The bags have duplicate rows within and across bags, a table read by two
-features, uneven dims, a mean-pooled table, empty bags and a table that no bag reads.
+features, uneven dims, a mean-pooled table, empty bags and a table that no bag reads. The hot-segment tests lower
+the hot kernel's threshold and tiles so that these small shapes give it Zipf-like hot rows, rows of exactly the
+threshold and one more, and segments of several of its steps.
 """
 
 from __future__ import annotations
@@ -61,6 +63,17 @@ def on(bags: OwnedBags, device: torch.device) -> OwnedBags:
                      bags.batch_sizes)
 
 
+def owned_bags(lengths: torch.Tensor, values: list[torch.Tensor], weighted: bool, gen: torch.Generator) -> OwnedBags:
+    """The bags of every feature of TABLES over one batch: lengths [F, B], the values of each feature."""
+    offsets = [0]
+    for v in values:
+        offsets.append(offsets[-1] + v.numel())
+    all_values = torch.cat(values)
+    weights = torch.rand(all_values.numel(), generator=gen) + 0.5 if weighted else None
+    return OwnedBags(features=[f for t in TABLES for f in t.feature_names], values=all_values, lengths=lengths,
+                     weights=weights, feature_value_offsets=offsets, batch_sizes=[lengths.shape[1]])
+
+
 def random_bags(batch: int, weighted: bool, gen: torch.Generator) -> OwnedBags:
     """Skewed values over few rows (duplicates within and across bags), empty bags, one long bag."""
     lengths = torch.randint(0, 5, (len(ROWS), batch), generator=gen)
@@ -68,13 +81,57 @@ def random_bags(batch: int, weighted: bool, gen: torch.Generator) -> OwnedBags:
     lengths[0, -1] = 12  # a long bag: t0 has 10 rows, so it repeats rows
     lengths[-1] = 0  # the last feature (table t4) reads nothing
     values = [(torch.rand(int(l.sum()), generator=gen) ** 3 * r).long() for r, l in zip(ROWS, lengths)]
-    offsets = [0]
-    for v in values:
-        offsets.append(offsets[-1] + v.numel())
-    all_values = torch.cat(values)
-    weights = torch.rand(all_values.numel(), generator=gen) + 0.5 if weighted else None
-    return OwnedBags(features=[f for t in TABLES for f in t.feature_names], values=all_values, lengths=lengths,
-                     weights=weights, feature_value_offsets=offsets, batch_sizes=[batch])
+    return owned_bags(lengths, values, weighted, gen)
+
+
+HOT_THRESHOLD = 8  # the tests' threshold (the module's is for GPU shapes)
+EXACT_TABLE, AT_THRESHOLD, ABOVE_THRESHOLD = "t3", 299, 298  # rows of exactly HOT_THRESHOLD and one more occurrences
+
+
+def hot_bags(batch: int, weighted: bool, gen: torch.Generator) -> OwnedBags:
+    """Zipf(1.05)-distributed rows (rank r drawn with probability ~ (r + 1)^-1.05: a few hot rows per table, t0's
+    read by both its features) in bags of 0 to 8; t3's feature also gets exactly HOT_THRESHOLD occurrences of one
+    row and HOT_THRESHOLD + 1 of another (rows that Zipf draws do not reach)."""
+    lengths = torch.randint(0, 9, (len(ROWS), batch), generator=gen)
+    lengths[-1] = 0  # the last feature (table t4) reads nothing
+    exact = [f for t in TABLES for f in t.feature_names].index(TABLES[3].feature_names[0])
+    values = []
+    for f, (rows, length) in enumerate(zip(ROWS, lengths)):
+        count = int(length.sum())
+        extra = [AT_THRESHOLD] * HOT_THRESHOLD + [ABOVE_THRESHOLD] * (HOT_THRESHOLD + 1) if f == exact else []
+        zipf = (torch.arange(rows - 2, dtype=torch.float64) + 1) ** -1.05  # the last 2 rows: never drawn
+        drawn = (torch.multinomial(zipf, count - len(extra), replacement=True, generator=gen) if count
+                 else torch.empty(0, dtype=torch.int64))  # multinomial draws at least one
+        v = torch.cat([drawn, torch.tensor(extra, dtype=torch.int64)])
+        values.append(v[torch.randperm(count, generator=gen)])
+    return owned_bags(lengths, values, weighted, gen)
+
+
+def row_counts(bags: OwnedBags) -> dict[str, torch.Tensor]:
+    """Occurrences of every row of every table, over all its features (the segment lengths); asserts what the
+    hot-segment tests rely on: rows of exactly the threshold and one more, rows of more than 3 of the hot kernel's
+    steps (of 4 occurrences), a hot row of t0 read by both of its features."""
+    counts = {t.name: torch.zeros(t.num_embeddings, dtype=torch.int64) for t in TABLES}
+    for i, t in enumerate(t for t in TABLES for _ in t.feature_names):
+        counts[t.name] += torch.bincount(bags.feature_bags(i)[0], minlength=t.num_embeddings)
+    assert counts[EXACT_TABLE][AT_THRESHOLD] == HOT_THRESHOLD
+    assert counts[EXACT_TABLE][ABOVE_THRESHOLD] == HOT_THRESHOLD + 1
+    assert sum(int((c > 3 * 4).sum()) for c in counts.values()) >= 3
+    f0, f1 = (torch.bincount(bags.feature_bags(i)[0], minlength=TABLES[0].num_embeddings) for i in (0, 1))
+    assert ((f0 > 0) & (f1 > 0) & (f0 + f1 > HOT_THRESHOLD)).any()
+    return counts
+
+
+@pytest.fixture
+def hot_path(monkeypatch):
+    """The module's constants scaled to the tests' shapes (block dim 16): the narrow kernel takes 2 occurrences a
+    step (as at dim 256), the hot one 4 (a hot segment is several steps) and scans windows of 4 segments (every
+    program several)."""
+    monkeypatch.setattr(embedding_backward, "HOT_THRESHOLD", HOT_THRESHOLD)
+    monkeypatch.setattr(embedding_backward, "TILE_ELEMENTS", 32)
+    monkeypatch.setattr(embedding_backward, "HOT_TILE_ELEMENTS", 64)
+    monkeypatch.setattr(embedding_backward, "HOT_SCAN_SEGMENTS", 4)
+    return monkeypatch
 
 
 def backward_tables(lookup: PooledEmbeddingLookup) -> BackwardTables:
@@ -122,6 +179,62 @@ def test_kernel_matches_torch_path(optimizer, dtype, weighted, wide_keys):
         assert torch.equal(fused.optimizer.momentum[UNREAD].cpu(), reference.optimizer.momentum[UNREAD])
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("dtype,weighted,hot_tile", [("fp32", True, 64), ("fp32", False, 8192),
+                                                     ("fp16", True, 64)])
+def test_hot_segments_match_torch_path(hot_path, optimizer, dtype, weighted, hot_tile):
+    """Zipf-like rows, the long segments through the hot kernel: a few steps each (hot_tile 64: 4 occurrences a
+    step), or one masked step (8192, the module's tile: 512 occurrences at block dim 16)."""
+    hot_path.setattr(embedding_backward, "HOT_TILE_ELEMENTS", hot_tile)
+    torch_dtype, tol = DTYPES[dtype]
+    reference, fused = make_lookup(optimizer, torch_dtype), make_lookup(optimizer, torch_dtype, DEVICE)
+    copy_state(reference, fused)
+    tables = backward_tables(fused)
+    gen = torch.Generator().manual_seed(12)
+    for _ in range(3):
+        bags = hot_bags(16, weighted, gen)
+        row_counts(bags)  # asserts that the bags have what the test is for
+        grad = torch.randn(16, reference.output_dim, generator=gen)
+        reference.apply_gradient(bags, grad)
+        launch_embedding_backward(on(bags, DEVICE), grad.to(DEVICE), tables, fused.optimizer.config)
+        assert_same_state(fused, reference, tol)
+        if torch_dtype != torch.float32:  # as in test_kernel_matches_torch_path
+            copy_state(reference, fused)
+
+
+def adagrad_step(bags: OwnedBags):
+    """One row-wise Adagrad backward of fresh tables on `bags`: (lookup, weights before, momentum before)."""
+    lookup = make_lookup("rowwise_adagrad", torch.float32, DEVICE)
+    before = {n: w.to("cpu", copy=True) for n, w in lookup.weights.items()}
+    momentum = {n: m.to("cpu", copy=True) for n, m in lookup.optimizer.momentum.items()}
+    batch = bags.global_batch
+    launch_embedding_backward(on(bags, DEVICE), torch.randn(batch, lookup.output_dim, device=DEVICE),
+                              backward_tables(lookup), lookup.optimizer.config)
+    return lookup, before, momentum
+
+
+@pytest.mark.parametrize("kernel", ["_LAUNCHES", "_HOT_LAUNCHES"])
+def test_each_segment_goes_to_one_kernel(hot_path, kernel):
+    """With either kernel's launch dropped, the other updates exactly its own rows: those of at most (narrow) or
+    more than (hot) HOT_THRESHOLD occurrences, the rows of exactly the threshold and one more included."""
+    class Dropped:  # no binary (as in the interpreter), no launch
+        def compiled(self, key, grid, args, options):
+            return None
+
+        def __call__(self, key, grid, args, options):
+            pass
+
+    hot_path.setattr(embedding_backward, kernel, Dropped())
+    bags = hot_bags(16, True, torch.Generator().manual_seed(13))
+    lookup, before, momentum = adagrad_step(bags)
+    for table, counts in row_counts(bags).items():
+        hot = counts > HOT_THRESHOLD
+        mine = (counts > 0) & (hot if kernel == "_LAUNCHES" else ~hot)  # the rows of the kernel left
+        changed = (lookup.weights[table].cpu() != before[table]).any(dim=1)
+        assert torch.equal(changed, mine), table
+        assert torch.equal(lookup.optimizer.momentum[table].cpu() != momentum[table], mine), table
+
+
 def test_sort_keys_are_32_bit_while_table_and_row_fit():
     """table << row_bits | row: 4 tables of 2**29 rows take 2 + 29 bits (int32), 8 tables 3 + 29 (int64)."""
     meta = torch.device("meta")
@@ -132,12 +245,8 @@ def test_sort_keys_are_32_bit_while_table_and_row_fit():
 
 
 def test_untouched_rows_keep_weight_and_state():
-    lookup = make_lookup("rowwise_adagrad", torch.float32, DEVICE)
-    before = {n: w.to("cpu", copy=True) for n, w in lookup.weights.items()}
-    momentum = {n: m.to("cpu", copy=True) for n, m in lookup.optimizer.momentum.items()}
     bags = random_bags(5, True, torch.Generator().manual_seed(2))
-    launch_embedding_backward(on(bags, DEVICE), torch.randn(5, lookup.output_dim, device=DEVICE),
-                              backward_tables(lookup), lookup.optimizer.config)
+    lookup, before, momentum = adagrad_step(bags)
     after = {n: w.cpu() for n, w in lookup.weights.items()}
     after_momentum = {n: m.cpu() for n, m in lookup.optimizer.momentum.items()}
     for i, (_, table) in enumerate(lookup.features):
@@ -205,11 +314,14 @@ def test_launch_has_no_data_dependent_shape(monkeypatch):
             grids.append(grid)
 
     monkeypatch.setattr(embedding_backward, "_LAUNCHES", Launches())
+    monkeypatch.setattr(embedding_backward, "_HOT_LAUNCHES", Launches())
     monkeypatch.setattr(embedding_backward, "_OCCURRENCE_LAUNCHES", lambda *args: None)
+    monkeypatch.setattr(embedding_backward, "HOT_SCAN_SEGMENTS", 4)  # at least 4 windows: 4 hot programs
     bags = random_bags(6, True, torch.Generator().manual_seed(5))
+    assert bags.values.numel() > embedding_backward.HOT_THRESHOLD  # so the hot kernel is launched
     launch_embedding_backward(on(bags, meta), torch.empty(6, lookup.output_dim, device=meta), tables,
                               lookup.optimizer.config)
-    assert grids == [(4, 1, 1)]  # min(n, 4) programs off the GPU
+    assert grids == [(4, 1, 1), (4, 1, 1)]  # min(n, 4) and min(windows, 4) programs off the GPU
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -246,9 +358,10 @@ def test_gpu_lookup_matches_cpu_without_host_sync(optimizer):
 
 
 def test_shared_binaries_do_not_specialise_on_ints():
-    """Both kernels' compiled binaries are shared by every lookup of a process under keys that hold no ints, so
+    """The kernels' compiled binaries are shared by every lookup of a process under keys that hold no ints, so
     no int argument may be specialised (Triton would bake 1 in as a constant, or assume divisibility by 16)."""
-    for kernel in (embedding_backward._occurrences_kernel, embedding_backward._embedding_backward_kernel):
+    for kernel in (embedding_backward._occurrences_kernel, embedding_backward._embedding_backward_kernel,
+                   embedding_backward._hot_segments_kernel):
         # JITFunction, or the interpreter's wrapper of one (which keeps the decorator's arguments)
         unspecialised = getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"]
         ints = [name for name, p in inspect.signature(kernel.fn).parameters.items()
@@ -272,9 +385,12 @@ for key_dtype, key_type in ((tl.int32, "*i32"), (tl.int64, "*i64")):
         for adagrad in (False, True):
             build(eb._embedding_backward_kernel, types, dict(BLOCK_N=2, BLOCK_D=256, TABLE_DTYPE=tl.float16,
                                                              HAS_SCALE=scale, ADAGRAD=adagrad), num_warps=2)
+            build(eb._hot_segments_kernel, types, dict(BLOCK_SCAN=512, BLOCK_N=32, BLOCK_D=256,
+                                                       TABLE_DTYPE=tl.float16, HAS_SCALE=scale, ADAGRAD=adagrad),
+                  num_warps=8)
 """
 
 
 def test_kernels_compile_for_sm90():
-    """Both backward kernels as the GPU compiles them, 32- and 64-bit sort keys."""
+    """The backward kernels as the GPU compiles them, 32- and 64-bit sort keys."""
     compile_for_sm90(COMPILE_FOR_SM90)

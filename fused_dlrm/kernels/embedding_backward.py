@@ -1,4 +1,4 @@
-"""Backward of the pooled lookup fused with the exact embedding optimizer, for all owned tables in one launch.
+"""Backward of the pooled lookup fused with the exact embedding optimizer, for all owned tables at once.
 
 Like fbgemm's TBE backward: every occurrence (value) of the bags gets a sort key (table << row_bits | row: 32-bit
 when it fits, so the radix sort makes half the passes); sorting the keys groups all occurrences of one row of one
@@ -11,8 +11,16 @@ The gradient of an occurrence of bag (feature f, sample b) is grad[b, col_f : co
 (per-sample weight if weighted, times 1 / max(bag length, 1) if f is mean-pooled).
 
 Two steps, no host sync: `plan_embedding_backward` needs only the bags (one kernel writes every occurrence's key,
-gradient offset and scale; a sort; the segments, whose count stays on the device); then a fixed grid of persistent
-programs walks the segments with the gradient. (Running the plan during the forward on a side stream was tried on
+gradient offset and scale; a sort; the segments, whose count stays on the device); then two kernels of persistent
+programs (a fixed grid each) walk the segments with the gradient, every segment in exactly one of them by its
+length:
+  _embedding_backward_kernel   segments of at most HOT_THRESHOLD occurrences (nearly every row): a narrow tile of
+                               few registers, many programs, one segment per step;
+  _hot_segments_kernel         the longer ones (the hot rows of skewed, Zipf-like data, over half of all
+                               occurrences): a wide tile, so that a row of 4k occurrences is ~130 steps of one
+                               program instead of ~2k, which were the first kernel's critical path.
+Neither builds a list of the hot segments: the first skips them from the start and end it loads anyway, the
+second finds them in the segment starts. (Running the plan during the forward on a side stream was tried on
 2 x H200: no gain in the benchmark, a lower whole-step ratio; docs/benchmarks.md.)
 `embedding_backward_reference` is the pure-torch definition (the per-table path the CPU runs); the kernels must
 agree with it.
@@ -41,6 +49,18 @@ if TYPE_CHECKING:  # only annotations: importing fused_dlrm.sparse here would be
 # with skewed rows agreed).
 TILE_ELEMENTS = 512
 NUM_WARPS = 2
+# Segments of more than HOT_THRESHOLD occurrences go to the hot-segment kernel, which gathers HOT_TILE_ELEMENTS //
+# BLOCK_D occurrences at a time (32 at dim 256) over HOT_NUM_WARPS warps. 32 occurrences are 16 steps of the narrow
+# kernel at dim 256, one of the wide one: shorter segments would leave most of the wide tile's lanes masked, longer
+# ones hold the narrow kernel's programs on them (under Zipf(1.05), rows of more than 32 occurrences hold over half
+# of all occurrences; a table's hottest row ~10% of the table's). First choices, to be swept on a GPU
+# (scratch/bench_embedding_backward.py); the threshold is a kernel argument, not a constexpr.
+HOT_THRESHOLD = 32
+HOT_TILE_ELEMENTS = 8192
+HOT_NUM_WARPS = 8
+# The hot kernel reads the lengths of HOT_SCAN_SEGMENTS segments at once: 2 a thread over 8 warps (more cost it
+# registers over the update).
+HOT_SCAN_SEGMENTS = 512
 KEY_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64}  # sort keys
 # The occurrence kernel takes OCCURRENCE_BAGS bags per program, OCCURRENCE_POSITIONS of their positions at a time
 # (not tuned: it moves ~20 bytes per occurrence, a few percent of the update kernel's traffic).
@@ -144,40 +164,51 @@ def _occurrences_kernel(
         j += BLOCK_L
 
 
-@triton.jit(do_not_specialize=["num_values", "row_bits"])  # as above
-def _embedding_backward_kernel(
-    starts_ptr, keys_ptr, num_segments_ptr, num_values, row_bits,  # segments(): first index, key (t << row_bits | row)
-    grad_ptr, grad_offsets_ptr, scales_ptr,  # per occurrence, in key order: where its gradient starts, its scale
-    table_ptrs, momentum_ptrs, dims_ptr,  # per table: weight address, momentum address, dim
-    lr, eps,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr,
-    ADAGRAD: tl.constexpr,
-):
+@triton.jit
+def _update_row(j, end, key, row_bits, grad_ptr, grad_offsets_ptr, scales_ptr, table_ptrs, momentum_ptrs, dims_ptr,
+                lr, eps, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr,
+                HAS_SCALE: tl.constexpr, ADAGRAD: tl.constexpr, WIDE: tl.constexpr):
+    """Sum the gradients of the occurrences j .. end - 1 (one segment) in fp32, BLOCK_N at a time, and apply the
+    optimizer to their row (key = t << row_bits | row). WIDE (the hot-segment kernel's tile): sum [BLOCK_N,
+    BLOCK_D] tiles and reduce over the occurrences once at the end (no cross-warp reduction per step), and load
+    the next step's offsets and scales before this step's gradients are used (one memory latency per step, not
+    two)."""
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
-    # Persistent: the grid does not depend on the segment count (on the device only), so the programs stride over
-    # the segments (`while`: the interpreter cannot range() over loaded values).
-    num_segments = tl.load(num_segments_ptr)
-    seg = tl.program_id(0)
-    while seg < num_segments:
-        j = tl.load(starts_ptr + seg)
-        end = tl.load(starts_ptr + seg + 1, mask=seg + 1 < num_segments, other=num_values)  # last: to the end
-        key = tl.load(keys_ptr + seg).to(tl.int64)
-        t = key >> row_bits
-        row = key - (t << row_bits)
-        dim = tl.load(dims_ptr + t)
-        d_mask = d < dim
-        # The row is this program's alone (keys are unique per segment): plain read-modify-write, no atomics. Its
-        # loads are issued before the gradients' so that their latencies overlap.
-        table = tl.load(table_ptrs + t).to(tl.pointer_type(TABLE_DTYPE))
-        w_ptrs = table + row * dim + d
-        w = tl.load(w_ptrs, mask=d_mask, other=0.0).to(tl.float32)
-        if ADAGRAD:
-            momentum = tl.load(momentum_ptrs + t).to(tl.pointer_type(tl.float32)) + row
-            m_row = tl.load(momentum)
+    t = key >> row_bits
+    row = key - (t << row_bits)
+    dim = tl.load(dims_ptr + t)
+    d_mask = d < dim
+    # The row is this program's alone (keys are unique per segment, and a segment is either kernel's, never both):
+    # plain read-modify-write, no atomics. Its loads are issued before the gradients' so that their latencies
+    # overlap.
+    table = tl.load(table_ptrs + t).to(tl.pointer_type(TABLE_DTYPE))
+    w_ptrs = table + row * dim + d
+    w = tl.load(w_ptrs, mask=d_mask, other=0.0).to(tl.float32)
+    if ADAGRAD:
+        momentum = tl.load(momentum_ptrs + t).to(tl.pointer_type(tl.float32)) + row
+        m_row = tl.load(momentum)
 
-        # Sum the gradients of the segment's occurrences, BLOCK_N at a time. Columns past the table's dim load as
-        # 0 and stay 0.
+    # Columns past the table's dim load as 0 and stay 0.
+    if WIDE:
+        tile = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        m = j + n < end
+        offset = tl.load(grad_offsets_ptr + j + n, mask=m, other=0)
+        if HAS_SCALE:
+            scale = tl.load(scales_ptr + j + n, mask=m, other=0.0)
+        while j < end:
+            g = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=m[:, None] & d_mask[None, :], other=0.0)
+            if HAS_SCALE:
+                g_scale = scale
+            j += BLOCK_N
+            m = j + n < end
+            offset = tl.load(grad_offsets_ptr + j + n, mask=m, other=0)
+            if HAS_SCALE:
+                scale = tl.load(scales_ptr + j + n, mask=m, other=0.0)
+                g = g * g_scale[:, None]
+            tile += g
+        acc = tl.sum(tile, axis=0)
+    else:
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         while j < end:
             occ = j + n
@@ -189,15 +220,75 @@ def _embedding_backward_kernel(
             acc += tl.sum(g, axis=0)
             j += BLOCK_N
 
-        if ADAGRAD:
-            m_row = m_row + tl.div_rn(tl.sum(acc * acc, axis=0), dim.to(tl.float32))
-            tl.store(momentum, m_row)
-            # IEEE sqrt and division (tl.sqrt and `/` are approximate on GPUs), as the torch path computes them.
-            w = w - acc * tl.div_rn(lr, tl.sqrt_rn(m_row) + eps)
-        else:
-            w = w - lr * acc
-        tl.store(w_ptrs, w.to(TABLE_DTYPE), mask=d_mask)
+    if ADAGRAD:
+        m_row = m_row + tl.div_rn(tl.sum(acc * acc, axis=0), dim.to(tl.float32))
+        tl.store(momentum, m_row)
+        # IEEE sqrt and division (tl.sqrt and `/` are approximate on GPUs), as the torch path computes them.
+        w = w - acc * tl.div_rn(lr, tl.sqrt_rn(m_row) + eps)
+    else:
+        w = w - lr * acc
+    tl.store(w_ptrs, w.to(TABLE_DTYPE), mask=d_mask)
+
+
+@triton.jit(do_not_specialize=["num_values", "row_bits", "hot_threshold"])  # as above
+def _embedding_backward_kernel(
+    starts_ptr, keys_ptr, num_segments_ptr, num_values, row_bits,  # segments(): first index, key (t << row_bits | row)
+    grad_ptr, grad_offsets_ptr, scales_ptr,  # per occurrence, in key order: where its gradient starts, its scale
+    table_ptrs, momentum_ptrs, dims_ptr,  # per table: weight address, momentum address, dim
+    lr, eps, hot_threshold,  # segments of more occurrences are _hot_segments_kernel's
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr,
+    ADAGRAD: tl.constexpr,
+):
+    # Persistent: the grid does not depend on the segment count (on the device only), so the programs stride over
+    # the segments (`while`: the interpreter cannot range() over loaded values).
+    num_segments = tl.load(num_segments_ptr)
+    seg = tl.program_id(0)
+    while seg < num_segments:
+        j = tl.load(starts_ptr + seg)
+        end = tl.load(starts_ptr + seg + 1, mask=seg + 1 < num_segments, other=num_values)  # last: to the end
+        key = tl.load(keys_ptr + seg).to(tl.int64)  # beside start and end, not after the test: latencies overlap
+        if end - j <= hot_threshold:
+            _update_row(j, end, key, row_bits, grad_ptr, grad_offsets_ptr, scales_ptr, table_ptrs, momentum_ptrs,
+                        dims_ptr, lr, eps, BLOCK_N, BLOCK_D, TABLE_DTYPE, HAS_SCALE, ADAGRAD, False)
         seg += tl.num_programs(0)
+
+
+@triton.jit
+def _first_hot_segment(starts_ptr, first, last, num_segments, num_values, hot_threshold, BLOCK_SCAN: tl.constexpr):
+    """The first of the segments first .. last - 1 (last - first <= BLOCK_SCAN) with more than hot_threshold
+    occurrences, or last."""
+    seg = first + tl.arange(0, BLOCK_SCAN)
+    start = tl.load(starts_ptr + seg, mask=seg < last, other=0)
+    end = tl.load(starts_ptr + seg + 1, mask=seg + 1 < num_segments, other=num_values)
+    return tl.min(tl.where((seg < last) & (end - start > hot_threshold), seg, last), axis=0)
+
+
+@triton.jit(do_not_specialize=["num_values", "row_bits", "hot_threshold"])  # as above
+def _hot_segments_kernel(
+    starts_ptr, keys_ptr, num_segments_ptr, num_values, row_bits,  # as _embedding_backward_kernel's
+    grad_ptr, grad_offsets_ptr, scales_ptr,
+    table_ptrs, momentum_ptrs, dims_ptr,
+    lr, eps, hot_threshold,  # the segments of more occurrences than this are this kernel's
+    BLOCK_SCAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, ADAGRAD: tl.constexpr,
+):
+    # No list of the hot segments is built (an atomic append in the other kernel costs it registers; torch ops
+    # cost a launch each): persistent programs stride over windows of BLOCK_SCAN segments, find the hot ones from
+    # the starts (8 bytes a segment) and take them in turn. After each, the rest of the window is read again
+    # (from L2) rather than kept in registers over the update.
+    num_segments = tl.load(num_segments_ptr)
+    first = tl.program_id(0) * BLOCK_SCAN
+    while first < num_segments:
+        last = tl.minimum(first + BLOCK_SCAN, num_segments)
+        seg = _first_hot_segment(starts_ptr, first, last, num_segments, num_values, hot_threshold, BLOCK_SCAN)
+        while seg < last:
+            j = tl.load(starts_ptr + seg)
+            end = tl.load(starts_ptr + seg + 1, mask=seg + 1 < num_segments, other=num_values)
+            key = tl.load(keys_ptr + seg).to(tl.int64)
+            _update_row(j, end, key, row_bits, grad_ptr, grad_offsets_ptr, scales_ptr, table_ptrs, momentum_ptrs,
+                        dims_ptr, lr, eps, BLOCK_N, BLOCK_D, TABLE_DTYPE, HAS_SCALE, ADAGRAD, True)
+            seg = _first_hot_segment(starts_ptr, seg + 1, last, num_segments, num_values, hot_threshold, BLOCK_SCAN)
+        first += BLOCK_SCAN * tl.num_programs(0)
 
 
 class BackwardTables:
@@ -299,28 +390,42 @@ def launch_embedding_backward(bags: OwnedBags, grad: torch.Tensor, tables: Backw
         return
     grad = grad.float().contiguous()
     n = plan.num_values
-    args = (plan.starts, plan.segment_keys, plan.num_segments, n, tables.row_bits,
-            grad, plan.grad_offsets, plan.scales if plan.scales is not None else plan.grad_offsets,  # stand-in
-            tables.table_ptrs, tables.momentum_ptrs, tables.dims, config.lr, config.eps,
-            max(1, TILE_ELEMENTS // tables.block_dim), tables.block_dim, TL_DTYPES[tables.dtype],
-            plan.scales is not None, adagrad)
-    # What the binary's specialisation follows from besides the constexprs: the keys' width and the alignment of
+    has_scale = plan.scales is not None
+    common = (plan.starts, plan.segment_keys, plan.num_segments, n, tables.row_bits,
+              grad, plan.grad_offsets, plan.scales if has_scale else plan.grad_offsets,  # stand-in
+              tables.table_ptrs, tables.momentum_ptrs, tables.dims, config.lr, config.eps, HOT_THRESHOLD)
+    constexprs = (tables.block_dim, TL_DTYPES[tables.dtype], has_scale, adagrad)
+    # What the binaries' specialisation follows from besides the constexprs: the keys' width and the alignment of
     # the tensors that are views (the gradient may be one into a symmetric buffer; the segment count is the last
-    # element of a cumsum); the other tensors are fresh allocations or the tables' fixed metadata.
-    key = (tables.dtype, tables.key_dtype, tables.block_dim, plan.scales is not None, adagrad, aligned(grad),
+    # element of a cumsum); the other tensors are fresh allocations or the tables' fixed metadata. The tiles and
+    # warps come from module constants, which the tests and the benchmark change: in the keys too.
+    key = (tables.dtype, tables.key_dtype, tables.block_dim, has_scale, adagrad, aligned(grad),
            aligned(plan.num_segments))
-    options = dict(num_warps=NUM_WARPS)
-    # Persistent grid, sized without the segment count (at most n): as many programs as are resident at once
-    # (from the compiled binary's registers and shared memory), so they all run in one wave and each walks its
-    # share of the (mostly tiny) segments; a larger grid would leave a second wave of programs that start only
-    # when the first ones have walked all of theirs. The interpreter runs programs one by one: few.
-    programs = min(n, 4)
-    binary = _LAUNCHES.compiled(key, (programs, 1, 1), args, options)
+    block_n = max(1, TILE_ELEMENTS // tables.block_dim)
+    _launch_persistent(_LAUNCHES, key + (block_n, NUM_WARPS), n, common + (block_n, *constexprs), NUM_WARPS,
+                       grad.device)
+    if n > HOT_THRESHOLD:  # else no segment is hot
+        hot_block_n = max(1, HOT_TILE_ELEMENTS // tables.block_dim)
+        _launch_persistent(_HOT_LAUNCHES, key + (HOT_SCAN_SEGMENTS, hot_block_n, HOT_NUM_WARPS),
+                           triton.cdiv(n, HOT_SCAN_SEGMENTS),  # windows of segments, at most
+                           common + (HOT_SCAN_SEGMENTS, hot_block_n, *constexprs), HOT_NUM_WARPS, grad.device)
+
+
+def _launch_persistent(launches: CompiledLaunches, key: tuple, most: int, args: tuple, num_warps: int,
+                       device: torch.device) -> None:
+    """Launch a persistent kernel on at most `most` programs (it strides over its work by the grid size): as many
+    as are resident at once (from the compiled binary's registers and shared memory), so they all run in one wave
+    and each walks its share of the (mostly tiny) segments; a larger grid would leave a second wave of programs
+    that start only when the first ones have walked all of theirs. The interpreter runs programs one by one: few."""
+    options = dict(num_warps=num_warps)
+    programs = min(most, 4)
+    binary = launches.compiled(key, (programs, 1, 1), args, options)
     if binary is not None:
-        per_sm = resident_programs_per_sm(binary.n_regs, NUM_WARPS, binary.metadata.shared)
-        programs = min(n, per_sm * torch.cuda.get_device_properties(grad.device).multi_processor_count)
-    _LAUNCHES(key, (programs, 1, 1), args, options)
+        per_sm = resident_programs_per_sm(binary.n_regs, num_warps, binary.metadata.shared)
+        programs = min(most, per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
+    launches(key, (programs, 1, 1), args, options)
 
 
 _OCCURRENCE_LAUNCHES = CompiledLaunches(_occurrences_kernel)
 _LAUNCHES = CompiledLaunches(_embedding_backward_kernel)
+_HOT_LAUNCHES = CompiledLaunches(_hot_segments_kernel)
