@@ -138,7 +138,15 @@ class SyntheticCriteo:
         w_dense = torch.randn(num_dense, generator=teacher_gen, dtype=torch.float64)
         self._w_dense = (w_dense * (_DENSE_LOGIT_STD / w_dense.norm())).float()
         self._hash_salt = _derive_seed(seed, "hash") % _HASH_MOD
+        self._device_copies: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sparse_scale, self._bias = self._calibrate_teacher()
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(feature parameters, teacher's dense weights) on `device`, copied once: a copy from pageable host
+        memory per batch would wait for the GPU each time."""
+        if device not in self._device_copies:
+            self._device_copies[device] = (self._feature_params.to(device), self._w_dense.to(device))
+        return self._device_copies[device]
 
     def _calibrate_teacher(self) -> tuple[float, float]:
         """Return the teacher's (sparse scale, bias), fitted on a fixed sample of features.
@@ -172,14 +180,17 @@ class SyntheticCriteo:
         Tensors are created on ``gen``'s device.
         """
         device = gen.device
-        num_rows, max_lengths, scramble_mult, scramble_offset = self._feature_params.to(device)
+        num_rows, max_lengths, scramble_mult, scramble_offset = self._on(device)[0]
         num_features = len(self.feature_names)
         dense = torch.randn(batch_size, self.num_dense, generator=gen, device=device)
         # float64 so that floor(u * (max + 1)) can never round up to max + 1.
         u = torch.rand(num_features, batch_size, generator=gen, device=device, dtype=torch.float64)
         lengths = torch.floor(u * (max_lengths + 1).unsqueeze(1)).long()
 
-        feature_of_value = torch.repeat_interleave(torch.arange(num_features, device=device), lengths.sum(dim=1))
+        per_feature = lengths.sum(dim=1)
+        total = int(per_feature.sum())  # the one host sync: the value count sizes the draws
+        feature_of_value = torch.repeat_interleave(torch.arange(num_features, device=device), per_feature,
+                                                   output_size=total)
         rows = num_rows[feature_of_value]
         u = torch.rand(feature_of_value.numel(), generator=gen, device=device, dtype=torch.float64)
         # Inverse CDF of the continuous power law x^-alpha on [1, N + 1); floor(x) - 1 is in [0, N).
@@ -208,7 +219,8 @@ class SyntheticCriteo:
     def _sparse_term(self, lengths: torch.Tensor, values: torch.Tensor, batch_size: int) -> torch.Tensor:
         """Sum over features of the mean row hash of each bag (empty bags contribute 0), shape ``[B]``."""
         lengths = lengths.long()
-        bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths,
+                                               output_size=values.numel())
         hashes = self._row_hash(bag_of_value // batch_size, values)
         bag_sums = torch.zeros(lengths.numel(), device=lengths.device).index_add_(0, bag_of_value, hashes)
         bag_means = bag_sums / lengths.clamp(min=1)
@@ -216,7 +228,7 @@ class SyntheticCriteo:
 
     def _logits(self, dense: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         batch_size = dense.shape[0]
-        w_dense = self._w_dense.to(dense.device)
+        w_dense = self._on(dense.device)[1]
         sparse = self._sparse_term(lengths, values, batch_size)
         return dense @ w_dense + self._sparse_scale * sparse + self._bias
 
@@ -237,9 +249,9 @@ class SyntheticCriteo:
         dense, lengths, values = self._sample_features(gen, self.local_batch_size)
         probs = torch.sigmoid(self._logits(dense, lengths, values))
         labels = torch.bernoulli(probs, generator=gen)
-        sparse = KeyedJaggedTensor.from_lengths_sync(
-            keys=self.feature_names, values=values, lengths=lengths.int()
-        )
+        # Not from_lengths_sync: its per-key value counts would be one more wait for the GPU.
+        sparse = KeyedJaggedTensor(keys=self.feature_names, values=values, lengths=lengths.int(),
+                                   stride=self.local_batch_size)
         return Batch(dense_features=dense, sparse_features=sparse, labels=labels)
 
     def __iter__(self) -> Iterator[Batch]:

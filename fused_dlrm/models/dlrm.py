@@ -115,8 +115,11 @@ def data_parallel(model: DLRM, grad_allreduce: str = "nccl") -> nn.Module:
         return model
     device = next(model.dense_arch.parameters()).device
     ids = [device] if device.type == "cuda" else None
-    model.dense_arch = DistributedDataParallel(model.dense_arch, device_ids=ids)
-    model.over_arch = DistributedDataParallel(model.over_arch, device_ids=ids)
+    # Gradients as views of DDP's buckets (no copy from the bucket back to .grad after the all-reduce), and a static
+    # graph (every dense parameter gets a gradient every step: no search for unused ones): less host time per step.
+    options = dict(device_ids=ids, gradient_as_bucket_view=True, static_graph=True)
+    model.dense_arch = DistributedDataParallel(model.dense_arch, **options)
+    model.over_arch = DistributedDataParallel(model.over_arch, **options)
     if grad_allreduce != "nccl":
         for arch in (model.dense_arch, model.over_arch):
             arch.register_comm_hook(QuantizedHookState(grad_allreduce), quantized_allreduce_hook)
