@@ -183,10 +183,10 @@ def test_two_gpus_fused_columns_timed(tmp_path):
     assert "no fused MoE Transformer" in step["fused"]["unavailable"] and step["bulk"]["fwd_bwd_ms"] > 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the worker's streams and events)")
-def test_gpu_batches_made_ahead_train_as_without_prefetch(tmp_path):
-    """The loop's next batch is made and input-distributed by the worker thread on streams of its own: the same
-    losses with and without the input dist ahead. (Not comparable with the CPU: tables and dense layers initialise from the
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (side-stream copy of the next batch)")
+def test_gpu_batches_copied_ahead_train_as_without_prefetch(tmp_path):
+    """The loop's next batch is pinned, copied and input-distributed on side streams: the same losses with and
+    without the input dist ahead. (Not comparable with the CPU: tables and dense layers initialise from the
     device's generator.)"""
     gpu = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), backend=None)
     common = [*DLRM[1:], "trainer.max_steps=12", "trainer.log_every=1", "trainer.progress=false",
