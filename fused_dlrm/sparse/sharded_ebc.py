@@ -69,12 +69,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         features_of_rank = [[f for t in ts for f in t.feature_names] for ts in tables_of_rank]
         dims_of_rank = [[t.embedding_dim for t in ts for _ in t.feature_names] for ts in tables_of_rank]
         device = torch.device(device)
-        # The input dist has a communicator of its own: NCCL runs one group's collectives in issue order, so a
-        # prefetched batch's all-to-alls (and the host, which waits for their sizes) would queue behind the running
-        # step's collectives instead of overlapping the step; and a prefetch may be issued by another thread than
-        # the step's collectives (train/next_batch.py), which one group would not keep in the same order on every rank.
+        # On GPUs the input dist has a communicator of its own: NCCL runs one group's collectives in issue order,
+        # so a prefetched batch's all-to-alls (and the host, which waits for their sizes) would queue behind the
+        # running step's collectives instead of overlapping the step.
         input_group = group
-        if self.world_size > 1:
+        if device.type == "cuda" and self.world_size > 1:
             input_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
         self.input_dist = BulkInputDist(features_of_rank, {f: (t.name, t.num_embeddings) for t in tables
                                                            for f in t.feature_names}, input_group)
@@ -86,8 +85,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                             {n: m.weight.data for n, m in self.embedding_bags.items()},
                                             optimizer, device)
         self.output_dist = BulkOutputDist(dims_of_rank, _column_order(tables, features_of_rank), group)
-        # Prefetched batches by the id of their KJT (the KJT is kept too, so the id is not reused meanwhile).
-        self._prefetched: dict[int, tuple[KeyedJaggedTensor, object, torch.cuda.Event | None]] = {}
+        self._prefetched: tuple[KeyedJaggedTensor, object] | None = None
         self._side_stream = None
         self.fused = None
         if comm is not None:
@@ -110,29 +108,24 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Distribute a coming batch's input now, on a side stream on GPUs, so that forward(features) finds its
-        bags ready, as torchrec's TrainPipelineSparseDist does. Every rank must prefetch the same batches in the same
-        order, from one thread at a time (the all-to-alls are collectives); that thread may be another than the one
-        running forward, which then waits for exactly this batch's all-to-alls (an event), not for later ones."""
+        bags ready, as torchrec's TrainPipelineSparseDist does: call it after the current step's backward, on
+        every rank at the same point (the all-to-alls must be issued in the same order everywhere)."""
         self.check_features(features)
         if features.values().device.type != "cuda":
-            self._prefetched[id(features)] = (features, self.input_dist(features), None)
+            self._prefetched = (features, self.input_dist(features))
             return
         self._side_stream = self._side_stream or torch.cuda.Stream(features.values().device)
         self._side_stream.wait_stream(torch.cuda.current_stream())  # the KJT was made on the current stream
         with torch.cuda.stream(self._side_stream):
-            bags = self.input_dist(features)
-            done = torch.cuda.Event()
-            done.record()
-        self._prefetched[id(features)] = (features, bags, done)
+            self._prefetched = (features, self.input_dist(features))
 
     def _take_prefetched(self, features: KeyedJaggedTensor):
-        entry = self._prefetched.pop(id(features), None)
-        if entry is None or entry[0] is not features:
+        if self._prefetched is None or self._prefetched[0] is not features:
             return None
-        _, bags, done = entry
-        if done is not None:  # made on the side stream, read on this one
+        bags, self._prefetched = self._prefetched[1], None
+        if bags.values.is_cuda:  # made on the side stream, read on this one
             main = torch.cuda.current_stream()
-            main.wait_event(done)
+            main.wait_stream(self._side_stream)
             for t in (bags.values, bags.lengths, bags.weights):
                 if t is not None:
                     t.record_stream(main)

@@ -5,12 +5,13 @@ into it, dense gradients averaged by DDP) -> dense optimizer step. Every `log_ev
 over ranks and checked for NaN/inf; every `eval_every` steps AUC and log loss are measured on held-out data;
 every `checkpoint_every` steps a checkpoint is written (only after the loss was checked).
 
-The next batch is made, and its input all-to-all issued, by a worker thread (`NextBatch`) while this thread
-enqueues the current step: generation or the pinned host-to-device copy, then the all-to-all on a side stream and a
-communicator of its own; the worker is idle while evaluation or checkpoints run. The training thread waits for the
-GPU only every `log_every` steps, for the loss reduction (the embedding backward's segment count stays on the GPU:
-its kernel is persistent); the worker waits once per batch, for the input all-to-all's header (sizes and the index
-range check), and the synthetic generator once, for its value count.
+Batches are made `trainer.batches_ahead` ahead by a thread (`BatchesAhead`: generation, or pinning and the
+host-to-device copy, on a stream of its own on GPUs); the next batch's input all-to-all runs ahead on a side stream
+(`next_batch`; the input dist has a communicator of its own). The host waits for the GPU inside a step only where a
+size must be known on the host: once for the input all-to-all's header (sizes and the index range check; on the
+side stream, behind the batch only, when prefetching); then every `log_every` steps the loss reduction (the
+embedding backward's segment count stays on the GPU: its kernel is persistent). A step launched while the previous
+one still runs is otherwise free of host syncs.
 
 The bookkeeping around the step (counters, loss check, metrics.jsonl, cadence) is a `TrainingRun` (schedule.py),
 shared with the MoE loop; what is DLRM's own comes in as callbacks: the log fields, evaluation and checkpoint.
@@ -19,6 +20,7 @@ shared with the MoE loop; what is DLRM's own comes in as callbacks: the log fiel
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -28,7 +30,7 @@ from omegaconf import DictConfig
 
 from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.sparse.fused_all_to_all import NVSHMEM_FORWARD_ONLY
-from fused_dlrm.train.next_batch import NextBatch
+from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
 from fused_dlrm.train.metrics import CTRMetrics
@@ -97,24 +99,43 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
                       items_per_step=cfg.data.global_batch_size, log_fields=log_fields, evaluate=run_eval,
                       save=checkpoint)
 
-    def prepare(epoch: int, batch, used_at_step: int) -> None:
-        """On the worker thread, after the batch is made: its input all-to-all, if a step will train on it (on GPUs
-        on a side stream behind the batch only, on a communicator of its own: it overlaps the running step, and
-        its wait for the sizes waits for neither that step's kernels nor its collectives)."""
-        if t.prefetch_input_dist and not done(used_at_step, epoch):
-            sparse.prefetch(batch.sparse_features)
+    copy_stream = None
+    if env.device.type == "cuda":
+        copy_stream = torch.cuda.Stream(env.device)
+        copy_stream.wait_stream(torch.cuda.current_stream())  # once: the model and data set-up are complete
 
-    def done(step: int, epoch: int) -> bool:
-        return (t.max_steps is not None and step >= t.max_steps) or (t.epochs is not None and epoch >= t.epochs)
+    def next_batch():
+        """The next (epoch, batch) on the device, its input all-to-all already under way when prefetching.
+
+        The batch was made (generated, or pinned and copied from the host) by the `BatchesAhead` thread, or made
+        here when `trainer.batches_ahead=0`. On GPUs the input all-to-all is issued on a side stream behind the
+        batch only (prefetch's stream waits on the stream current here, and the input dist has its own
+        communicator): it runs while the kernels of the step just enqueued still execute, and the host's wait for
+        the all-to-all's sizes never waits for that step. The main stream waits for the side stream from here on.
+        On the CPU it is a plain call (torch.cuda.stream(None) does nothing).
+        """
+        with torch.cuda.stream(copy_stream):
+            epoch, batch = next(batches)
+            if not t.batches_ahead:
+                batch = to_device(batch, env.device)
+            if t.prefetch_input_dist and not done(epoch):
+                sparse.prefetch(batch.sparse_features)
+        if copy_stream is not None:
+            main = torch.cuda.current_stream()
+            batch.record_stream(main)  # made on another stream, read on the main one
+            main.wait_stream(copy_stream)
+        return epoch, batch
+
+    def done(epoch: int) -> bool:
+        return ((t.max_steps is not None and run.step >= t.max_steps)
+                or (t.epochs is not None and epoch >= t.epochs))
 
     batches = batch_stream(train_data, step, cfg.data.get("steps_per_epoch"))
-    with NextBatch(batches, env.device, prepare) as next_batch:
-        next_batch.request(run.step)
-        epoch, batch = next_batch.take()
-        while not done(run.step, epoch):
-            next_batch.request(run.step + 1)  # made, and its input all-to-all issued, while this step is enqueued
+    with BatchesAhead(batches, env.device, t.batches_ahead) if t.batches_ahead else nullcontext(batches) as batches:
+        epoch, batch = next_batch()
+        while not done(epoch):
             loss = train_step(model, optimizer, batch, env.world_size)
             run.end_step(loss)  # step += 1; the loss summed on the device
-            epoch, batch = next_batch.take()  # the worker is idle from here to the next request
+            epoch, batch = next_batch()  # its input dist overlaps this step's tail on the GPU
             run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
     return run.finish()  # the last loss check, evaluation and checkpoint
