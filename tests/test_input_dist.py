@@ -1,9 +1,11 @@
-"""The input dist's device-side pieces: the segment regroup, and the index range check carried in its header."""
+"""The input dist's device-side pieces: the segment regroup, and the checks of the batch carried in its header
+(every rank raises when one rank's batch is bad, and goes on with the next good one)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torchrec import KeyedJaggedTensor
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection
@@ -32,22 +34,47 @@ def test_segment_gather_index_of_nothing():
     assert segment_gather_index(counts, torch.tensor([2, 0, 1]), 0).numel() == 0
 
 
-def _out_of_range_on_rank_1(rank: int, world: int) -> None:
+def _bad_batch_on_rank_1(rank: int, world: int, bad: str) -> None:
     sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig())
     keys = [f for t in TABLES for f in t.feature_names]
     lengths, values, _ = global_batch(0, 6, TABLES, False)
     start, stop = local_batch_bounds(6, rank, world)
     good = sharded(to_kjt(keys, lengths, values, None, start, stop)).values().clone()
-    values[2][-1] = 57  # f2 reads t1 (57 rows); the last bag belongs to rank 1's samples
-    expected = ("rank 1: feature 'f2' has index 57, outside table 't1' of 57 rows" if rank == 1
-                else r"rank 0: rank\(s\) \[1\] sent out-of-range indices")
-    with pytest.raises(IndexError, match=expected):
-        sharded(to_kjt(keys, lengths, values, None, start, stop))
+    kjt = to_kjt(keys, lengths, values, None, start, stop)
+    if rank == 1 and bad == "index":
+        values[2][-1] = 57  # f2 reads t1 (57 rows); the last bag belongs to rank 1's samples
+        kjt = to_kjt(keys, lengths, values, None, start, stop)
+    elif rank == 1 and bad == "keys":
+        kjt = KeyedJaggedTensor(keys=keys[:-1] + ["nope"], values=kjt.values(), lengths=kjt.lengths())
+    elif rank == 1 and bad == "values":  # one value more than the lengths account for
+        kjt = KeyedJaggedTensor(keys=keys, values=torch.cat([kjt.values(), kjt.values()[:1]]),
+                                lengths=kjt.lengths())
+    error, mine, theirs = {
+        "index": (IndexError, "rank 1: feature 'f2' has index 57, outside table 't1' of 57 rows",
+                  r"rank 0: rank\(s\) \[1\] sent out-of-range indices"),
+        "keys": (KeyError, r"rank 1: .*keys do not match the tables' features: unknown \['nope'\], missing \['f4'\]",
+                 r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose keys do not match"),
+        "values": (ValueError, r"rank 1: the KeyedJaggedTensor has \d+ values but its lengths sum to \d+",
+                   r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values and lengths disagree"),
+    }[bad]
+    with pytest.raises(error, match=mine if rank == 1 else theirs):
+        sharded(kjt)
     # Nothing was lost: every rank goes on with the next good batch, and the tables were not touched.
-    values[2][-1] = 0
     lengths, values, _ = global_batch(0, 6, TABLES, False)
     torch.testing.assert_close(sharded(to_kjt(keys, lengths, values, None, start, stop)).values(), good)
 
 
-def test_out_of_range_index_raises_on_every_rank():
-    run_world(2, _out_of_range_on_rank_1)
+@pytest.mark.parametrize("bad", ["index", "keys", "values"])
+def test_a_bad_batch_raises_on_every_rank(bad):
+    run_world(2, _bad_batch_on_rank_1, bad)
+
+
+def test_values_longer_than_lengths_one_process():
+    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig())
+    keys = [f for t in TABLES for f in t.feature_names]
+    lengths, values, _ = global_batch(0, 4, TABLES, False)
+    kjt = to_kjt(keys, lengths, values, None, 0, 4)
+    longer = KeyedJaggedTensor(keys=keys, values=torch.cat([kjt.values(), torch.tensor([10**9])]),
+                               lengths=kjt.lengths())
+    with pytest.raises(ValueError, match=r"rank 0: the KeyedJaggedTensor has \d+ values but its lengths sum to"):
+        sharded(longer)

@@ -2,12 +2,13 @@
 
 After it, the owner of a table holds the bags of that table's features for every sample of the global batch, in
 source-rank order (rank 0's samples first). Bulk-synchronous, with torch.distributed:
-  1. a header all-to-all: local batch size, out-of-range index count, and the value count of each feature per
-     destination (sizes must be known on the host);
+  1. a header all-to-all: local batch size, what is wrong with the batch (unknown or missing keys, values that
+     disagree with the lengths, out-of-range indices), and the value count of each feature per destination
+     (sizes must be known on the host);
   2. lengths all-to-all; 3. values all-to-all (4. per-sample weights, when the KJT has them).
 One host sync: the header sent and the header received, read together. Everything else stays on the device: the
 regroups before and after the exchange are one gather each (not a split + cat per feature, whose host time grows
-with the feature count), and the index range check rides in the header, so that a bad index raises on every rank
+with the feature count), and the checks of the batch ride in the header, so that a bad batch raises on every rank
 at the same point instead of leaving the others waiting in a collective.
 """
 
@@ -66,6 +67,10 @@ def segment_gather_index(counts: torch.Tensor, order: torch.Tensor, total: int) 
     return torch.arange(total, device=counts.device) + torch.repeat_interleave(shift, moved, output_size=total)
 
 
+# The header's first columns, then each destination's per-feature value counts.
+_BATCH, _BAD_KEYS, _EXTRA_VALUES, _OUT_OF_RANGE, _FIRST_COUNT = range(5)
+
+
 @dataclass
 class _KeyPlan:
     """What one KJT key order needs, on the device, built once: the send regroup and the header's layout."""
@@ -78,7 +83,8 @@ class _KeyPlan:
 class BulkInputDist:
     """Table-wise input distribution with torch.distributed all-to-alls (gloo on CPU, NCCL on GPU).
 
-    tables: for every feature, (table name, rows): indices outside [0, rows) raise IndexError on every rank."""
+    tables: for every feature, (table name, rows). A KJT with other keys raises KeyError, one whose values and
+    lengths disagree ValueError, and indices outside [0, rows) IndexError: on every rank."""
 
     def __init__(self, features_of_rank: list[list[str]], tables: dict[str, tuple[str, int]],
                  group: dist.ProcessGroup | None = None):
@@ -111,27 +117,34 @@ class BulkInputDist:
     def __call__(self, kjt: KeyedJaggedTensor) -> OwnedBags:
         world, device = len(self.features_of_rank), kjt.values().device
         keys, values, local_batch = list(kjt.keys()), kjt.values(), kjt.stride()
-        plan = self._plan(keys, device)
-        lengths = kjt.lengths().view(len(keys), local_batch).long()
-        counts = lengths.sum(dim=1)  # values per key
-        limit = torch.repeat_interleave(plan.rows, counts, output_size=values.numel())
-        out_of_range = ((values < 0) | (values >= limit)).sum()
-
-        # Header to rank d: [local batch, out-of-range count, value count of each of d's features (zero-padded)].
-        padded = torch.cat([counts, counts.new_zeros(1)])
-        header = torch.cat([torch.stack([torch.full_like(out_of_range, local_batch), out_of_range]).expand(world, 2),
-                            padded[plan.header_keys]], dim=1)
+        key_problem = self._key_problem(keys)
+        if key_problem:  # no plan for these keys: send a header that only says so, as every rank must
+            header = torch.zeros(world, _FIRST_COUNT + self.width, dtype=torch.int64, device=device)
+            header[:, _BAD_KEYS] = 1
+            counts = limit = None
+        else:
+            plan = self._plan(keys, device)
+            lengths = kjt.lengths().view(len(keys), local_batch).long()
+            counts = lengths.sum(dim=1)  # values per key
+            # Each value's table size by a search over the keys' ends (not an expansion sized by the value count,
+            # which a KJT whose values and lengths disagree would overrun).
+            key_of_value = torch.searchsorted(torch.cumsum(counts, 0), torch.arange(values.numel(), device=device),
+                                              right=True).clamp_(max=len(keys) - 1)
+            limit = plan.rows[key_of_value]
+            out_of_range = ((values < 0) | (values >= limit)).sum()
+            header_start = torch.stack([torch.full_like(out_of_range, local_batch), torch.zeros_like(out_of_range),
+                                        values.numel() - counts.sum(), out_of_range])
+            padded = torch.cat([counts, counts.new_zeros(1)])
+            header = torch.cat([header_start.expand(world, _FIRST_COUNT), padded[plan.header_keys]], dim=1)
         recv = exchange_counts(header, self.group)
         both = torch.cat([header, recv]).tolist()  # the host sync
         sent_header, recv_header = both[:world], both[world:]
-        bad = [s for s, row in enumerate(recv_header) if row[1]]
-        if bad:
-            raise self._index_error(kjt, counts, limit, bad)
+        self._raise_for_bad_input(recv_header, kjt, key_problem, counts, limit)
 
         mine = self.features_of_rank[self.rank]
-        batch_sizes = [row[0] for row in recv_header]
-        counts_from = [row[2:2 + len(mine)] for row in recv_header]  # [source][feature]: values received
-        values_to = [sum(row[2:]) for row in sent_header]
+        batch_sizes = [row[_BATCH] for row in recv_header]
+        counts_from = [row[_FIRST_COUNT:_FIRST_COUNT + len(mine)] for row in recv_header]  # [source][feature]
+        values_to = [sum(row[_FIRST_COUNT:]) for row in sent_header]
         values_from = [sum(row) for row in counts_from]
 
         # Regroup the key-major KJT so each destination's features are one contiguous run.
@@ -153,7 +166,8 @@ class BulkInputDist:
         owned_lengths = torch.cat(per_source_lengths, dim=1)
         values, weights = recv_values, recv_weights
         if world > 1 and len(mine) > 1:  # with one source or one feature the two orders are the same
-            index = segment_gather_index(recv[:, 2:2 + len(mine)].reshape(-1), plan.recv_order, recv_values.numel())
+            index = segment_gather_index(recv[:, _FIRST_COUNT:_FIRST_COUNT + len(mine)].reshape(-1), plan.recv_order,
+                                         recv_values.numel())
             values = recv_values[index]
             weights = None if recv_weights is None else recv_weights[index]
         offsets = [0]
@@ -162,15 +176,36 @@ class BulkInputDist:
         return OwnedBags(features=mine, values=values, lengths=owned_lengths, weights=weights,
                          feature_value_offsets=offsets, batch_sizes=batch_sizes)
 
-    def _index_error(self, kjt: KeyedJaggedTensor, counts: torch.Tensor, limit: torch.Tensor,
-                     bad_sources: list[int]) -> IndexError:
-        """Every rank raises; a rank whose own batch holds a bad index names its feature and value."""
-        if self.rank not in bad_sources:
-            return IndexError(f"rank {self.rank}: rank(s) {bad_sources} sent out-of-range indices (their error names "
-                              "the feature and the index)")
-        values = kjt.values()
-        i = int(((values < 0) | (values >= limit)).nonzero()[0])
-        key = kjt.keys()[int(torch.searchsorted(torch.cumsum(counts, 0), i, right=True))]
-        table, rows = self.tables[key]
-        return IndexError(f"rank {self.rank}: feature '{key}' has index {int(values[i])}, outside table '{table}' "
-                          f"of {rows} rows")
+    def _key_problem(self, keys: list[str]) -> str:
+        """Why these KJT keys cannot be distributed ('' when they can)."""
+        unknown = sorted(set(keys) - set(self.tables))
+        missing = sorted(set(self.tables) - set(keys))
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        if not (unknown or missing or repeated):
+            return ""
+        return (f"KeyedJaggedTensor keys do not match the tables' features: unknown {unknown}, missing {missing}"
+                + (f", repeated {repeated}" if repeated else ""))
+
+    def _raise_for_bad_input(self, recv_header: list[list[int]], kjt: KeyedJaggedTensor, key_problem: str,
+                             counts: torch.Tensor | None, limit: torch.Tensor | None) -> None:
+        """Every rank raises the same kind of error when any rank's batch is bad (the header carries each source's
+        verdict); the rank whose batch it is says what is wrong with it."""
+        for column, error, what in ((_BAD_KEYS, KeyError, "KeyedJaggedTensors whose keys do not match the tables"),
+                                    (_EXTRA_VALUES, ValueError, "KeyedJaggedTensors whose values and lengths disagree"),
+                                    (_OUT_OF_RANGE, IndexError, "out-of-range indices")):
+            bad = [s for s, row in enumerate(recv_header) if row[column]]
+            if not bad:
+                continue
+            if self.rank not in bad:
+                raise error(f"rank {self.rank}: rank(s) {bad} sent {what} (their error says more)")
+            if column == _BAD_KEYS:
+                raise error(f"rank {self.rank}: {key_problem}")
+            values = kjt.values()
+            if column == _EXTRA_VALUES:
+                raise error(f"rank {self.rank}: the KeyedJaggedTensor has {values.numel()} values but its lengths "
+                            f"sum to {int(counts.sum())}")
+            i = int(((values < 0) | (values >= limit)).nonzero()[0])
+            key = kjt.keys()[int(torch.searchsorted(torch.cumsum(counts, 0), i, right=True))]
+            table, rows = self.tables[key]
+            raise error(f"rank {self.rank}: feature '{key}' has index {int(values[i])}, outside table '{table}' "
+                        f"of {rows} rows")

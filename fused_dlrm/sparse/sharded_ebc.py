@@ -97,7 +97,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         bags = self._take_prefetched(features)
         if bags is None:
-            self.check_features(features)
             bags = self.input_dist(features)
         if self.fused is not None:
             values = self.fused(bags)
@@ -109,8 +108,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Distribute a coming batch's input now, on a side stream on GPUs, so that forward(features) finds its
         bags ready, as torchrec's TrainPipelineSparseDist does: call it after the current step's backward, on
-        every rank at the same point (the all-to-alls must be issued in the same order everywhere)."""
-        self.check_features(features)
+        every rank at the same point (the all-to-alls must be issued in the same order everywhere). A bad batch
+        raises here, on every rank (the input dist checks it)."""
         if features.values().device.type != "cuda":
             self._prefetched = (features, self.input_dist(features))
             return
@@ -130,17 +129,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 if t is not None:
                     t.record_stream(main)
         return bags
-
-    def check_features(self, features: KeyedJaggedTensor) -> None:
-        """Unknown or missing keys raise here, before any rank communicates (a host-only check). Out-of-range
-        indices raise in the input dist, on every rank (its header carries their count)."""
-        keys = list(features.keys())
-        unknown = sorted(set(keys) - set(self.feature_names))
-        missing = sorted(set(self.feature_names) - set(keys))
-        if unknown or missing:
-            raise KeyError(f"KeyedJaggedTensor keys do not match the tables' features: unknown {unknown}, "
-                           f"missing {missing}")
-
 
 def _column_order(tables: list[EmbeddingBagConfig], features_of_rank: list[list[str]]) -> list[int]:
     """For each output column in config feature order, its column in the rank-grouped layout."""

@@ -82,7 +82,6 @@ def check_comm(comm: str) -> None:
 class Seams:
     """The three stages of one comm implementation, plus the tables they own on this rank."""
 
-    check_features: Callable[[KeyedJaggedTensor], None]  # raises before any rank communicates
     input_dist: Callable[[KeyedJaggedTensor], OwnedBags]  # local batch, every feature -> owned features, global batch
     lookup: PooledEmbeddingLookup  # OwnedBags -> [global batch, owned dims]; updates the tables in backward
     output_dist: Callable[[torch.Tensor, list[int]], torch.Tensor]  # -> [local batch, all dims], EBC feature order
@@ -104,7 +103,7 @@ def build_seams(comm: str, tables: list[EmbeddingBagConfig], optimizer: Embeddin
     check_comm(comm)
     core = ShardedEmbeddingBagCollection(tables, optimizer, device=device, group=group, plan=plan,
                                          comm=FusedCommConfig() if comm == "fused" else None)
-    return Seams(check_features=core.check_features, input_dist=core.input_dist, lookup=core.lookup,
+    return Seams(input_dist=core.input_dist, lookup=core.lookup,
                  output_dist=core.output_dist, embedding_bags=core.embedding_bags, exchange=core.fused)
 
 
@@ -217,7 +216,6 @@ class TableWiseShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, Tabl
         if env.world_size != plan.world_size:
             raise ValueError(f"plan is for {plan.world_size} ranks, the sharding env has {env.world_size}")
         seams = build_seams(comm, tables, optimizer, plan, torch.device(device or "cpu"), env.process_group)
-        self._check_features = seams.check_features
         self._input_dist = seams.input_dist
         self._output_dist = seams.output_dist
         self._lookup = seams.lookup  # a submodule so that train()/eval() reach it (it fuses only in training)
@@ -251,7 +249,6 @@ class TableWiseShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, Tabl
         from the pipeline and from ShardedModule.forward.
         """
         features = self._prepare(features)
-        self._check_features(features)
         bags = self._input_dist(features)
         return KJTListSplitsAwaitable([NoWait(NoWait(DistributedBags(bags)))], ctx)
 
