@@ -96,34 +96,42 @@ class BulkInputDist:
         self.width = max(len(feats) for feats in features_of_rank)
         self._plans: dict[tuple, _KeyPlan] = {}
 
-    def _plan(self, keys: list[str], device: torch.device) -> _KeyPlan:
+    def _plan(self, keys: list[str], device: torch.device) -> tuple[_KeyPlan | None, str]:
+        """(the plan of this key order, '') or (None, why these keys cannot be distributed). Checked and built
+        once per key order: the check alone costs ~0.1 ms of host time per batch at 128 features."""
         plan = self._plans.get((tuple(keys), device))
-        if plan is None:
-            index = {k: i for i, k in enumerate(keys)}
-            perm = [index[f] for f in self.send_order]
-            header = [[index[f] for f in feats] + [len(keys)] * (self.width - len(feats))
-                      for feats in self.features_of_rank]
-            # Built once per key order: a host list turned into a device tensor is a copy that waits for the GPU.
-            # Received values are (source, feature)-major; the lookup wants (feature, source)-major.
-            mine, world = len(self.features_of_rank[self.rank]), len(self.features_of_rank)
-            recv_order = [s * mine + f for f in range(mine) for s in range(world)]
-            plan = _KeyPlan(perm=None if perm == sorted(perm) else torch.tensor(perm, device=device),
-                            header_keys=torch.tensor(header, device=device),
-                            rows=torch.tensor([self.tables[k][1] for k in keys], device=device),
-                            recv_order=torch.tensor(recv_order, device=device))
-            self._plans[(tuple(keys), device)] = plan
-        return plan
+        if plan is not None:
+            return plan, ""
+        unknown = sorted(set(keys) - set(self.tables))
+        missing = sorted(set(self.tables) - set(keys))
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        if unknown or missing or repeated:
+            return None, (f"KeyedJaggedTensor keys do not match the tables' features: unknown {unknown}, missing "
+                          f"{missing}" + (f", repeated {repeated}" if repeated else ""))
+        index = {k: i for i, k in enumerate(keys)}
+        perm = [index[f] for f in self.send_order]
+        header = [[index[f] for f in feats] + [len(keys)] * (self.width - len(feats))
+                  for feats in self.features_of_rank]
+        # Built once per key order: a host list turned into a device tensor is a copy that waits for the GPU.
+        # Received values are (source, feature)-major; the lookup wants (feature, source)-major.
+        mine, world = len(self.features_of_rank[self.rank]), len(self.features_of_rank)
+        recv_order = [s * mine + f for f in range(mine) for s in range(world)]
+        plan = _KeyPlan(perm=None if perm == sorted(perm) else torch.tensor(perm, device=device),
+                        header_keys=torch.tensor(header, device=device),
+                        rows=torch.tensor([self.tables[k][1] for k in keys], device=device),
+                        recv_order=torch.tensor(recv_order, device=device))
+        self._plans[(tuple(keys), device)] = plan
+        return plan, ""
 
     def __call__(self, kjt: KeyedJaggedTensor) -> OwnedBags:
         world, device = len(self.features_of_rank), kjt.values().device
         keys, values, local_batch = list(kjt.keys()), kjt.values(), kjt.stride()
-        key_problem = self._key_problem(keys)
-        if key_problem:  # no plan for these keys: send a header that only says so, as every rank must
+        plan, key_problem = self._plan(keys, device)
+        if plan is None:  # no plan for these keys: send a header that only says so, as every rank must
             header = torch.zeros(world, _FIRST_COUNT + self.width, dtype=torch.int64, device=device)
             header[:, _BAD_KEYS] = 1
             counts = limit = None
         else:
-            plan = self._plan(keys, device)
             lengths = kjt.lengths().view(len(keys), local_batch).long()
             counts = lengths.sum(dim=1)  # values per key
             # Each value's table size by a search over the keys' ends (not an expansion sized by the value count,
@@ -175,16 +183,6 @@ class BulkInputDist:
             offsets.append(offsets[-1] + sum(counts_from[s][f] for s in range(world)))
         return OwnedBags(features=mine, values=values, lengths=owned_lengths, weights=weights,
                          feature_value_offsets=offsets, batch_sizes=batch_sizes)
-
-    def _key_problem(self, keys: list[str]) -> str:
-        """Why these KJT keys cannot be distributed ('' when they can)."""
-        unknown = sorted(set(keys) - set(self.tables))
-        missing = sorted(set(self.tables) - set(keys))
-        repeated = sorted({k for k in keys if keys.count(k) > 1})
-        if not (unknown or missing or repeated):
-            return ""
-        return (f"KeyedJaggedTensor keys do not match the tables' features: unknown {unknown}, missing {missing}"
-                + (f", repeated {repeated}" if repeated else ""))
 
     def _raise_for_bad_input(self, recv_header: list[list[int]], kjt: KeyedJaggedTensor, key_problem: str,
                              counts: torch.Tensor | None, limit: torch.Tensor | None) -> None:

@@ -8,8 +8,8 @@ every `checkpoint_every` steps a checkpoint is written (only after the loss was 
 Batches are made `trainer.batches_ahead` ahead by a thread (`BatchesAhead`: generation, or pinning and the
 host-to-device copy, on a stream of its own on GPUs); the next batch's input all-to-all runs ahead on a side stream
 (`next_batch`; the input dist has a communicator of its own). The host waits for the GPU inside a step only where a
-size must be known on the host: once for the input all-to-all's header (sizes and the index range check; on the
-side stream, behind the batch only, when prefetching); then every `log_every` steps the loss reduction (the
+size must be known on the host: once for the input all-to-all's header (sizes and the checks of the batch; on
+the side stream, behind the batch only, when prefetching); then every `log_every` steps the loss reduction (the
 embedding backward's segment count stays on the GPU: its kernel is persistent). A step launched while the previous
 one still runs is otherwise free of host syncs.
 
