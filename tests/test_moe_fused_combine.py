@@ -216,3 +216,20 @@ def test_kernels_compile_for_sm90():
     """What only the GPU compiler enforces (types, tl.dot shapes and dtypes, shared memory of the launch
     configurations), checked without a GPU: compile for sm_90 in a process without the interpreter."""
     compile_for_sm90(COMPILE_FOR_SM90)
+
+
+def test_dot_precision_follows_torch_tf32_setting():
+    """fp32 products go through TF32 in the fused kernels exactly where torch's own fp32 GEMMs do (trainer.tf32):
+    the bulk twin and the fused path then round alike."""
+    from moe.kernels.fused_combine import dot_precision
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert dot_precision(torch.float32, cuda) == "tf32"
+        assert dot_precision(torch.float32, cpu) == "ieee"  # the interpreter: exact
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert dot_precision(torch.float32, cuda) == "ieee"
+        assert dot_precision(torch.bfloat16, cuda) is None
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before

@@ -43,6 +43,18 @@ from moe.experts import _grouped_mm_works, group_ends
 from moe.permute import Permutation, unpermute
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+# Per-call ints of the kernels here and in fused_dispatch are do_not_specialize: Triton specialises an int on == 1 and
+# on % 16 == 0, so epoch 16 (or a new row count) would compile another variant in the middle of training (0.4-0.8 s
+# a kernel on the H200 hosts, 2026-11-23).
+
+
+def dot_precision(dtype: torch.dtype, device: torch.device) -> str | None:
+    """tl.dot's input precision: fp32 operands through TF32 where torch's own fp32 GEMMs use it (on GPUs with
+    torch.backends.cuda.matmul.allow_tf32, which trainer.tf32 sets), exact ("ieee") otherwise; None (Triton's
+    default) for fp16 / bf16."""
+    if dtype != torch.float32:
+        return None
+    return "tf32" if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 @dataclass
@@ -234,7 +246,7 @@ def _acknowledge_kernel(ack_ptrs, rank, epoch, WORLD: tl.constexpr):
     signal_ready(ack_ptrs, rank, epoch, WORLD)
 
 
-@triton.jit(do_not_specialize=["num_rows", "first_block", "epoch", "spin_limit"])  # one variant for all steps
+@triton.jit(do_not_specialize=["num_rows", "num_blocks", "first_block", "epoch", "spin_limit"])  # one variant for all steps
 def _push_gradient_kernel(grad_ptr, token_ptr, weight_ptr, dest_rank_ptr, dest_row_ptr, rows_ptrs, ready_ptrs,
                           ack_ptr, error_ptr, rank, num_rows, num_blocks, first_block, slots_per_rank, epoch,
                           spin_limit, D_MODEL: tl.constexpr, WORLD: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -340,7 +352,7 @@ class FusedCombine:
                 h.contiguous(), w2.contiguous(), plan.tiles, plan.rows.peer_ptrs, plan.ready.peer_ptrs,
                 plan.ack.local, self.errors.word, num_row_tiles, grid, epoch, self.spin_limit,
                 FFN=h.shape[1], D_MODEL=self.d_model, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=block_k,
-                OUT_DTYPE=TL_DTYPES[h.dtype], PRECISION="ieee" if h.dtype == torch.float32 else None,
+                OUT_DTYPE=TL_DTYPES[h.dtype], PRECISION=dot_precision(h.dtype, h.device),
                 num_warps=b.gemm_warps, num_stages=stages)
         return epoch
 
@@ -416,7 +428,7 @@ class FusedCombine:
                 rows.local, w2.contiguous(), grad_h, tiles, layout.recv_source_rank,
                 layout.recv_source_row, ready.local, self.errors.word, tiles.shape[1], slots, epoch,
                 self.spin_limit, FFN=ffn, D_MODEL=self.d_model, BLOCK_M=b.block_m, BLOCK_N=b.block_n,
-                BLOCK_K=block_k, BLOCK_R=b.block_rows, PRECISION="ieee" if dtype == torch.float32 else None,
+                BLOCK_K=block_k, BLOCK_R=b.block_rows, PRECISION=dot_precision(dtype, h.device),
                 num_warps=b.gemm_warps, num_stages=stages)
         grad_w2 = _grouped_weight_grad(h, g, sizes)  # stream order: after the kernel saw every row's flag
         _acknowledge_kernel[(1,)](ack.peer_ptrs, self.rank, epoch, WORLD=self.world)

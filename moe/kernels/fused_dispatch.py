@@ -50,10 +50,9 @@ from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout
 from moe.experts import _grouped_mm_works, group_ends, swiglu
-from moe.kernels.fused_combine import _weighted_unpermute_kernel
+from moe.kernels.fused_combine import TL_DTYPES, _weighted_unpermute_kernel, dot_precision
 from moe.permute import Permutation
 
-TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 PUSH_TILE_ELEMENTS = 8192  # elements a push program moves per step ([block_m, BLOCK_D]): 16-byte stores, no spills
 PUSH_SMS = 16  # SMs the GEMM leaves free for this rank's push, which runs beside it (see `_gemm_programs`)
 
@@ -100,7 +99,7 @@ def _gate_up(x: torch.Tensor, sizes: list[int], w13: torch.Tensor) -> torch.Tens
 
 
 # -- push ---------------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["epoch", "row_base", "chunks", "flag_stride", "num_units", "spin_limit"])
 def _push_rows_kernel(
     x_ptr, token_ptr, dest_row_ptr, bounds_ptr, dest_order_ptr,  # this rank's rows and its units
     rows_ptrs, ready_ptrs, ack_ptr, error_ptr,  # peers' receive buffers and flag buffers, my acks, my error word
@@ -153,7 +152,7 @@ def _row_tile(t, tiles_ptr, num_row_tiles, col_blocks, BLOCK_M: tl.constexpr):
     return mt, expert, begin, rows, rows < tl.load(tiles_ptr + 2 * num_row_tiles + mt), t % col_blocks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_row_tiles", "epoch", "flag_stride", "num_tiles", "spin_limit"])
 def _gated_gemm_kernel(
     rows_ptr, x_ptr, token_ptr, w13_ptr, h_ptr,  # received rows (this epoch's half), this rank's tokens and
     # token_of_row, [L, D, 2 * FFN] weights (w1 columns, then w3), [rows, FFN] output
@@ -225,7 +224,7 @@ def _add_product_transposed(acc, a_rows, w_cols, row_mask, n_mask, K: tl.constex
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_row_tiles", "epoch", "tiles_per_rank", "num_tiles", "spin_limit"])
 def _gated_gemm_backward_kernel(
     da13_ptr, w13_ptr,  # [rows, 2 * FFN] gradient of x @ w13[e], [L, D, 2 * FFN] weights
     tiles_ptr, num_row_tiles,  # the row tiles (FusedDispatch._row_tiles, remote first)
@@ -261,7 +260,7 @@ def _gated_gemm_backward_kernel(
         t = tl.atomic_add(next_ptr, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])
 def _ack_sources_kernel(ack_ptrs, error_ptr, rank, epoch, WORLD: tl.constexpr):
     """After the kernel that read a peer-written buffer (stream order): tell every peer this rank is done."""
     if tl.load(error_ptr) == 0:
@@ -394,7 +393,7 @@ class FusedDispatch:
             layout.recv_source_rank, layout.recv_source_row, ready.local, self.errors.word, self._tile_counter(),
             self.rank, epoch, self.capacity // self.chunk, num_tiles, self.spin_limit,
             D=d, FFN=ffn, CHUNK=self.chunk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            PRECISION="ieee" if w13.dtype == torch.float32 else "tf32",
+            PRECISION=dot_precision(w13.dtype, w13.device),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self.rank, epoch, WORLD=self.world)
         if self._push_stream is not None:  # then what the push read may be freed, and `received` is complete
@@ -423,7 +422,7 @@ class FusedDispatch:
             layout.recv_source_row, grad.peer_ptrs, ready.peer_ptrs, ack.local, self.errors.word,
             self._tile_counter(), self.rank, epoch, tiles_per_rank, num_tiles, self.spin_limit,
             D=self.d_model, FFN=self.ffn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            WORLD=self.world, PRECISION="ieee" if da13.dtype == torch.float32 else "tf32",
+            WORLD=self.world, PRECISION=dot_precision(da13.dtype, da13.device),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return epoch, dw13
 
