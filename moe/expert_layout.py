@@ -32,6 +32,8 @@ class ExpertLayout:
     # this rank as a source: its permuted rows (grouped by global expert)
     send_dest_rank: torch.Tensor  # int64 [rows sent]
     send_dest_row: torch.Tensor  # int64 [rows sent]: row in the owner's receive buffer
+    host_dest_block_start: torch.Tensor  # int64 [num_experts] on the CPU: where this rank's rows of expert g start in
+    # the receive rows of g's owner
     # this rank as an owner: the rows its experts receive
     recv_offsets: torch.Tensor  # int64 [num_local_experts * world + 1]: block (e, s) starts at [e * world + s]
     recv_source_rank: torch.Tensor  # int64 [rows received]
@@ -82,7 +84,7 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int)
     return ExpertLayout(
         counts=counts, host_counts=c, rank=rank, world=world, num_local_experts=num_local_experts,
         send_dest_rank=expand(dest_of_expert, mine_d, num_sent),
-        send_dest_row=expand(send_shift, mine_d, num_sent) + rows_sent,
+        send_dest_row=expand(send_shift, mine_d, num_sent) + rows_sent, host_dest_block_start=block_of_expert,
         recv_offsets=recv_offsets,
         recv_source_rank=expand(sources, my_blocks_d, num_received),
         recv_source_row=expand(recv_shift, my_blocks_d, num_received) + rows_received,

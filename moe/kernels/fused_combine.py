@@ -323,8 +323,7 @@ class FusedCombine:
 
     def prepare(self, layout: ExpertLayout, dtype: torch.dtype) -> CombinePlan:
         """The epoch's buffers (allocated or grown: collective on GPUs) and tile tables, from the counts on the
-        host. `start` and `finish` call it for their layout; calling it earlier, while the host has the counts
-        anyway (before the dispatch), keeps host work and syncs out of the way of the kernels."""
+        host. `start` and `finish` call it for their layout (once per layout)."""
         if self._plan is not None and self._plan.layout is layout and self._plan.dtype == dtype:
             return self._plan
         counts = layout.host_counts

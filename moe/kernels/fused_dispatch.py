@@ -345,11 +345,7 @@ class FusedDispatch:
         epoch = self.ws.next_epoch("moe_dispatch")
         rows, ready, ack = self._buffers(layout, x.dtype)
         chunks = triton.cdiv(layout.max_recv_rows, self.chunk)
-        # Source rows of unit (d, c): [bounds[d, c], bounds[d, c + 1]); the key increases over the permuted rows.
-        key = layout.send_dest_rank * self.capacity + layout.send_dest_row
-        starts = (torch.arange(self.world, device=key.device)[:, None] * self.capacity
-                  + torch.arange(chunks + 1, device=key.device)[None, :] * self.chunk)
-        bounds = torch.searchsorted(key, starts.reshape(-1))
+        bounds = self._unit_bounds(layout, chunks)
         x, token_of_row = x.contiguous(), token_of_row.contiguous()
         # Until `finish`: the GEMM reads this rank's rows from x, and the push (on GPUs on its own stream) all.
         self._started[epoch] = (rows, ready, ack, x, token_of_row, bounds)
@@ -370,6 +366,18 @@ class FusedDispatch:
             with torch.cuda.stream(self._push_stream):
                 launch()
         return epoch
+
+    def _unit_bounds(self, layout: ExpertLayout, chunks: int) -> torch.Tensor:
+        """int64 [world * (chunks + 1)]: this rank's permuted rows of unit (d, c) are [bounds[d, c], bounds[d, c +
+        1]): those before owner d, plus, of each of its blocks in d (one per local expert of d, in order), the rows
+        that land before receive row c * chunk. On the host from the counts, sent in one copy."""
+        sent = layout.host_counts[self.rank].view(self.world, self.num_local_experts)  # [owner, local expert]
+        block_start = layout.host_dest_block_start.view(self.world, self.num_local_experts)
+        before_owner = torch.cumsum(sent.sum(dim=1), 0) - sent.sum(dim=1)
+        chunk_start = torch.arange(chunks + 1) * self.chunk
+        landed = (chunk_start[None, :, None] - block_start[:, None, :]).clamp(min=0).minimum(sent[:, None, :])
+        bounds = before_owner[:, None] + landed.sum(dim=2)
+        return host_to_device([bounds.reshape(-1)], layout.send_dest_row.device)[0]
 
     def finish(self, epoch: int, layout: ExpertLayout, w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The grouped GEMM over the received rows, each tile waiting for the chunks it reads.
@@ -481,22 +489,26 @@ class FusedDispatch:
         """int64 [4, row tiles]: local expert, first row, end row (expert by expert: the tile id), then the walk
         order. Forward (the rows arrive): tiles of this rank's rows only first, then by the rotated rank of the
         latest source among the tile's rows (rank - 1 pushes here first). Backward (the rows leave): by the
-        rotated rank of the tile's sources, rank + 1 first, tiles holding this rank's rows last. No host sync."""
-        device = layout.recv_source_rank.device
-        sizes = torch.tensor(layout.tokens_per_local_expert, dtype=torch.int64)
+        rotated rank of the tile's sources, rank + 1 first, tiles holding this rank's rows last. Computed on the
+        host from the counts (a few hundred tiles) and sent in one copy: no device op before the GEMM's launch."""
+        L, world = self.num_local_experts, self.world
+        blocks = layout.host_counts[:, self.rank * L:(self.rank + 1) * L].t()  # [local expert, source] rows
+        block_start = (torch.cumsum(blocks.reshape(-1), 0) - blocks.reshape(-1)).view(L, world)
+        sizes = blocks.sum(dim=1)
         per_expert = (sizes + block_m - 1) // block_m
-        expert = torch.repeat_interleave(torch.arange(sizes.numel()), per_expert)
+        expert = torch.repeat_interleave(torch.arange(L), per_expert)
         first_tile = torch.cumsum(per_expert, 0) - per_expert
         first_row = torch.cumsum(sizes, 0) - sizes
         begin = first_row[expert] + (torch.arange(expert.numel()) - first_tile[expert]) * block_m
-        tiles = torch.stack([expert, begin, first_row[expert] + sizes[expert]])
-        tiles, = host_to_device([tiles], device)
-        rows = tiles[1, :, None] + torch.arange(block_m, device=device)[None, :]
-        inside = rows < tiles[2, :, None]
-        source = layout.recv_source_rank[torch.where(inside, rows, tiles[1, :, None])]
-        rotated = (source - self.rank - 1) % self.world if remote_first else (self.rank - source) % self.world
-        order = torch.sort(torch.where(inside, rotated, 0).amax(dim=1), stable=True).indices
-        return torch.cat([tiles, order[None, :]])
+        end = (first_row + sizes)[expert]  # of the tile's expert; the tile's rows end at min(begin + block_m, end)
+        # Source s's rows of expert e are block (e, s): a tile reads from s if that block meets its rows.
+        lo = block_start[expert]
+        reads = ((blocks[expert] > 0) & (lo < torch.minimum(begin + block_m, end)[:, None])
+                 & (lo + blocks[expert] > begin[:, None]))
+        sources = torch.arange(world)
+        rotated = (sources - self.rank - 1) % world if remote_first else (self.rank - sources) % world
+        order = torch.sort(torch.where(reads, rotated, 0).amax(dim=1), stable=True).indices
+        return host_to_device([torch.stack([expert, begin, end, order])], layout.recv_source_rank.device)[0]
 
     def _gemm_programs(self, num_tiles: int) -> int:
         """Persistent GEMM programs. On GPUs the tiles wait for flags that push kernels raise (this GPU's on the
