@@ -92,6 +92,18 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int)
         max_recv_rows=int(recv_rows.max()), max_send_rows=int(c.sum(dim=1).max()))
 
 
+def expert_row_tiles(sizes: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The row tiles of a grouped GEMM over contiguous experts of `sizes` rows (int64, on the CPU): tiles of
+    block_m rows that never straddle two experts, numbered expert by expert. Returns (expert, first row, end
+    row of the tile's expert) per tile; a tile's rows are first .. min(first + block_m, end) - 1."""
+    per_expert = (sizes + block_m - 1) // block_m
+    expert = torch.repeat_interleave(torch.arange(sizes.numel()), per_expert)
+    first_tile = torch.cumsum(per_expert, 0) - per_expert
+    first_row = torch.cumsum(sizes, 0) - sizes
+    begin = first_row[expert] + (torch.arange(expert.numel()) - first_tile[expert]) * block_m
+    return expert, begin, (first_row + sizes)[expert]
+
+
 def gather_counts(tokens_per_expert: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's rows per global expert -> C [world, num_experts] (an all-gather; itself in one process)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:

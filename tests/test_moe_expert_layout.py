@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe.expert_layout import build_expert_layout, gather_counts
+from moe.expert_layout import build_expert_layout, expert_row_tiles, gather_counts
 from world import run_world
 
 
@@ -44,3 +44,17 @@ def _gathered(rank, world):
 
 def test_gather_counts_on_gloo():
     run_world(2, _gathered)
+
+
+def test_expert_row_tiles_cover_each_expert_without_straddling():
+    """Every row of every expert lies in exactly one tile of its own expert, tiles numbered expert by expert."""
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(50):
+        sizes = torch.randint(0, 90, (int(torch.randint(1, 7, (1,), generator=gen)),), generator=gen)
+        sizes[torch.rand(sizes.numel(), generator=gen) < 0.3] = 0  # experts without rows
+        for block_m in (1, 16, 64):
+            expert, begin, end = expert_row_tiles(sizes, block_m)
+            want = [(e, first + i, first + n) for e, (first, n) in
+                    enumerate(zip((torch.cumsum(sizes, 0) - sizes).tolist(), sizes.tolist()))
+                    for i in range(0, n, block_m)]
+            assert list(zip(expert.tolist(), begin.tolist(), end.tolist())) == want

@@ -294,3 +294,26 @@ def test_kernels_compile_for_sm90():
     """What only the GPU compiler enforces (types, tl.dot shapes and dtypes, shared memory of the launch
     configurations), checked without a GPU: compile for sm_90 in a process without the interpreter."""
     compile_for_sm90(COMPILE_FOR_SM90)
+
+
+@pytest.mark.parametrize("world,local", [(1, 3), (2, 4), (3, 2), (4, 2)])
+def test_push_units_from_counts_match_a_search_over_the_rows(world, local):
+    """The push's unit bounds, computed on the host from the counts, are where each (owner, chunk) starts among
+    the source's permuted rows: a search over the rows' (owner, receive row) keys, which the device did before."""
+    gen = torch.Generator().manual_seed(world * 10 + local)
+    for trial in range(6):
+        counts = torch.randint(0, 300, (world, world * local), generator=gen)
+        counts[:, trial % (world * local)] = 0  # an expert without rows
+        if trial == 1:
+            counts[-1] = 0  # a rank without tokens
+        if trial == 2:
+            counts[:, 0] = 3000  # skewed
+        for rank, ws in enumerate(SimulatedWorld(world).workspaces()):
+            for chunk in (16, 64):
+                dispatch = FusedDispatch(ws, D_MODEL, FFN, local, 2, 1000, block_m=chunk)
+                layout = build_expert_layout(counts, rank, local)
+                dispatch.capacity = max(chunk, 1 << max(0, (layout.max_recv_rows - 1).bit_length()))
+                chunks = -(-layout.max_recv_rows // chunk)
+                key = layout.send_dest_rank * dispatch.capacity + layout.send_dest_row
+                starts = torch.arange(world)[:, None] * dispatch.capacity + torch.arange(chunks + 1) * chunk
+                assert torch.equal(dispatch._unit_bounds(layout, chunks), torch.searchsorted(key, starts.reshape(-1)))

@@ -38,7 +38,7 @@ from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready
 from fused_dlrm.kernels.peer_tiles import remote_first_order
-from moe.expert_layout import ExpertLayout
+from moe.expert_layout import ExpertLayout, expert_row_tiles
 from moe.experts import _grouped_mm_works, group_ends
 from moe.permute import Permutation, unpermute
 
@@ -441,10 +441,8 @@ class FusedCombine:
         rows = self.ws.buffer("combine_grad_rows", _round_up(layout.max_recv_rows) * self.d_model, dtype)
         ready = self.ws.buffer(f"combine_grad_ready_{slots}", self.world * slots, torch.int32)
         ack = self.ws.buffer("combine_grad_ack", self.world, torch.int32)
-        sizes = layout.tokens_per_local_expert
-        tiles = torch.tensor([(e, first + i, first + n) for e, (first, n) in enumerate(zip(_starts(sizes), sizes))
-                              for i in range(0, n, self.blocks.block_m)], dtype=torch.int64).reshape(-1, 3)
-        self._grad = (layout, dtype, rows, ready, ack, slots, host_to_device([tiles.t()], self.ws.device)[0])
+        tiles = torch.stack(expert_row_tiles(torch.tensor(layout.tokens_per_local_expert), self.blocks.block_m))
+        self._grad = (layout, dtype, rows, ready, ack, slots, host_to_device([tiles], self.ws.device)[0])
         return rows, ready, ack, slots
 
     def _buffers(self, counts: torch.Tensor, dtype: torch.dtype):
@@ -489,10 +487,6 @@ class FusedCombine:
         expert = torch.repeat_interleave(torch.arange(mine.numel(), device=mine.device), mine, output_size=num_rows)
         within = torch.arange(num_rows, device=mine.device) - starts[expert]
         return (torch.cumsum(tiles_per, 0) - tiles_per)[expert] + within // self.blocks.block_m
-
-
-def _starts(sizes: list[int]) -> list[int]:
-    return [sum(sizes[:i]) for i in range(len(sizes))]
 
 
 def _grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -48,7 +48,7 @@ from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready, wait_at_least
 from fused_dlrm.kernels.peer_tiles import remote_first_order
-from moe.expert_layout import ExpertLayout
+from moe.expert_layout import ExpertLayout, expert_row_tiles
 from moe.experts import _grouped_mm_works, group_ends, swiglu
 from moe.kernels.fused_combine import TL_DTYPES, _weighted_unpermute_kernel, dot_precision
 from moe.permute import Permutation
@@ -494,13 +494,7 @@ class FusedDispatch:
         L, world = self.num_local_experts, self.world
         blocks = layout.host_counts[:, self.rank * L:(self.rank + 1) * L].t()  # [local expert, source] rows
         block_start = (torch.cumsum(blocks.reshape(-1), 0) - blocks.reshape(-1)).view(L, world)
-        sizes = blocks.sum(dim=1)
-        per_expert = (sizes + block_m - 1) // block_m
-        expert = torch.repeat_interleave(torch.arange(L), per_expert)
-        first_tile = torch.cumsum(per_expert, 0) - per_expert
-        first_row = torch.cumsum(sizes, 0) - sizes
-        begin = first_row[expert] + (torch.arange(expert.numel()) - first_tile[expert]) * block_m
-        end = (first_row + sizes)[expert]  # of the tile's expert; the tile's rows end at min(begin + block_m, end)
+        expert, begin, end = expert_row_tiles(blocks.sum(dim=1), block_m)
         # Source s's rows of expert e are block (e, s): a tile reads from s if that block meets its rows.
         lo = block_start[expert]
         reads = ((blocks[expert] > 0) & (lo < torch.minimum(begin + block_m, end)[:, None])
