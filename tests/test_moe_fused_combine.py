@@ -233,3 +233,21 @@ def test_dot_precision_follows_torch_tf32_setting():
         assert dot_precision(torch.bfloat16, cuda) is None
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_flag_slot_of_each_permuted_row(world):
+    """Source s numbers the owner tiles holding its rows expert by expert: slot = tiles of the experts before g
+    + the row's index within its expert // BLOCK_M, computed row by row here."""
+    gen = torch.Generator().manual_seed(world)
+    for trial in range(4):
+        counts = torch.randint(0, 300, (world, world * LOCAL), generator=gen)
+        counts[:, trial % (world * LOCAL)] = 0
+        for rank, ws in enumerate(SimulatedWorld(world).workspaces()):
+            combine = FusedCombine(ws, D_MODEL, LOCAL, 2, 1000)
+            block_m = combine.blocks.block_m
+            want, tiles_before = [], 0
+            for n in counts[rank].tolist():
+                want += [tiles_before + i // block_m for i in range(n)]
+                tiles_before += -(-n // block_m)
+            assert combine._tile_of_row(build_expert_layout(counts, rank, LOCAL)).tolist() == want

@@ -317,3 +317,31 @@ def test_push_units_from_counts_match_a_search_over_the_rows(world, local):
                 key = layout.send_dest_rank * dispatch.capacity + layout.send_dest_row
                 starts = torch.arange(world)[:, None] * dispatch.capacity + torch.arange(chunks + 1) * chunk
                 assert torch.equal(dispatch._unit_bounds(layout, chunks), torch.searchsorted(key, starts.reshape(-1)))
+
+
+@pytest.mark.parametrize("world,local", [(1, 3), (2, 4), (3, 2), (4, 2)])
+def test_owner_tile_of_each_sent_row(world, local):
+    """The backward's flag slot of each row this rank sent: its owner, then the owner's row tile (tiles never
+    straddle the owner's experts) holding the row's receive position, computed row by row here."""
+    gen = torch.Generator().manual_seed(world * 10 + local)
+    for trial in range(5):
+        counts = torch.randint(0, 150, (world, world * local), generator=gen)
+        counts[:, trial % (world * local)] = 0
+        if trial == 1:
+            counts[0] = 0  # a rank without tokens
+        if trial == 2:
+            counts = torch.randint(0, 3, (world, world * local), generator=gen)  # runs shorter than a tile
+        for rank, ws in enumerate(SimulatedWorld(world).workspaces()):
+            layout = build_expert_layout(counts, rank, local)
+            dispatch = FusedDispatch(ws, D_MODEL, FFN, local, 2, 1000)
+            for block_m in (1, 16, 64):
+                tiles_per_rank = -(-layout.max_recv_rows // block_m) + local
+                want = []
+                for g, n in enumerate(counts[rank].tolist()):
+                    owner, e = divmod(g, local)
+                    sizes = counts[:, owner * local:(owner + 1) * local].sum(dim=0).tolist()
+                    tiles_before = sum(-(-size // block_m) for size in sizes[:e])
+                    first = int(counts[:, owner * local:owner * local + e].sum()) + int(counts[:rank, g].sum())
+                    want += [owner * tiles_per_rank + tiles_before + (first + i - sum(sizes[:e])) // block_m
+                             for i in range(n)]
+                assert dispatch._owner_tile_of_row(layout, block_m, tiles_per_rank).tolist() == want

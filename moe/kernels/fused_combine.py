@@ -478,15 +478,13 @@ class FusedCombine:
                             rep(slot_base[sources, g]) + i])
 
     def _tile_of_row(self, layout: ExpertLayout) -> torch.Tensor:
-        """int64 [this rank's permuted rows]: the flag slot (without the column block) of each row's tile; on the
-        layout's device, without a host sync."""
-        mine = layout.counts[self.rank]
-        num_rows = layout.send_dest_rank.numel()
-        tiles_per = triton.cdiv(mine, self.blocks.block_m)
-        starts = torch.cumsum(mine, 0) - mine
-        expert = torch.repeat_interleave(torch.arange(mine.numel(), device=mine.device), mine, output_size=num_rows)
-        within = torch.arange(num_rows, device=mine.device) - starts[expert]
-        return (torch.cumsum(tiles_per, 0) - tiles_per)[expert] + within // self.blocks.block_m
+        """int64 [this rank's permuted rows]: the flag slot (without the column block) of each row's tile. Slots
+        number the tiles in row order (expert by expert), so slot k repeats over tile k's rows: the tile sizes
+        come from the counts on the host, then one expansion on the device."""
+        _, begin, end = expert_row_tiles(layout.host_counts[self.rank], self.blocks.block_m)
+        sizes, = host_to_device([torch.minimum(begin + self.blocks.block_m, end) - begin],
+                                layout.send_dest_rank.device)
+        return torch.repeat_interleave(sizes, output_size=layout.send_dest_rank.numel())
 
 
 def _grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: list[int]) -> torch.Tensor:

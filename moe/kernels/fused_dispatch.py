@@ -473,17 +473,25 @@ class FusedDispatch:
 
     def _owner_tile_of_row(self, layout: ExpertLayout, block_m: int, tiles_per_rank: int) -> torch.Tensor:
         """int64 [this rank's permuted rows]: owner * tiles_per_rank + the owner's row tile holding the row (tiles
-        are numbered expert by expert, as `_row_tiles` does on the owner; every rank knows C)."""
-        counts, L = layout.counts, self.num_local_experts
-        sizes = counts.sum(dim=0).view(self.world, L)  # [owner, local expert] rows
+        are numbered expert by expert, as `_row_tiles` does on the owner; every rank knows C). This rank's rows of
+        expert g are one run in g's owner, which the owner's tiles cut into pieces; each piece's slot and length
+        come from the counts on the host, then one expansion on the device."""
+        c, L = layout.host_counts, self.num_local_experts
+        sizes = c.sum(dim=0).view(self.world, L)  # [owner, local expert] rows
         tiles = (sizes + block_m - 1) // block_m
-        tile_base = torch.cumsum(tiles, 1) - tiles
-        row_base = torch.cumsum(sizes, 1) - sizes
-        experts = torch.arange(counts.shape[1], device=counts.device)
-        expert = torch.repeat_interleave(experts, counts[self.rank], output_size=layout.send_dest_row.numel()) % L
-        owner = layout.send_dest_rank
-        return (owner * tiles_per_rank + tile_base[owner, expert]
-                + (layout.send_dest_row - row_base[owner, expert]) // block_m)
+        tile_base, row_base = torch.cumsum(tiles, 1) - tiles, torch.cumsum(sizes, 1) - sizes
+        owner, expert = torch.arange(c.shape[1]) // L, torch.arange(c.shape[1]) % L
+        sent = c[self.rank]
+        start = layout.host_dest_block_start - row_base[owner, expert]  # of g's run within its owner's expert
+        first_tile = start // block_m
+        pieces = torch.where(sent > 0, (start + sent - 1) // block_m - first_tile + 1, 0)
+        g = torch.repeat_interleave(torch.arange(c.shape[1]), pieces)
+        tile = first_tile[g] + torch.arange(g.numel()) - (torch.cumsum(pieces, 0) - pieces)[g]
+        length = (torch.minimum((tile + 1) * block_m, start[g] + sent[g])
+                  - torch.maximum(tile * block_m, start[g]))
+        slot = owner[g] * tiles_per_rank + tile_base[owner[g], expert[g]] + tile
+        slot, length = host_to_device([slot, length], layout.send_dest_rank.device)
+        return torch.repeat_interleave(slot, length, output_size=layout.send_dest_rank.numel())
 
     def _row_tiles(self, layout: ExpertLayout, block_m: int, remote_first: bool) -> torch.Tensor:
         """int64 [4, row tiles]: local expert, first row, end row (expert by expert: the tile id), then the walk
