@@ -117,13 +117,15 @@ class SwiGLUExperts(nn.Module):
         self.w2 = nn.Parameter(torch.stack(w2).to(dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        """x: [sum(tokens_per_expert), d_model], expert e's rows contiguous and in expert order."""
+        """x: [sum(tokens_per_expert), d_model], expert e's rows contiguous and in expert order. The experts
+        compute in x's dtype (the weights are cast to it: mixed precision keeps them fp32)."""
         if len(tokens_per_expert) != self.num_experts or sum(tokens_per_expert) != x.shape[0]:
             raise ValueError(f"tokens_per_expert {tokens_per_expert} does not describe {self.num_experts} experts "
                              f"and {x.shape[0]} rows")
+        w13, w2 = self.w13.to(x.dtype), self.w2.to(x.dtype)
         if x.is_cuda and _grouped_mm_works(x.device, x.dtype, self.w13.shape[1], self.w2.shape[1]):
-            return _swiglu_grouped(x, tokens_per_expert, self.w13, self.w2)
-        return _swiglu_loop(x, tokens_per_expert, self.w13, self.w2)
+            return _swiglu_grouped(x, tokens_per_expert, w13, w2)
+        return _swiglu_loop(x, tokens_per_expert, w13, w2)
 
 
 def expert_seed(seed: int, expert: int) -> int:

@@ -89,7 +89,9 @@ class MoELayer(nn.Module):
         counts that size the exchanges (one), and permute's row count when a capacity can drop assignments.
         `logit_bias` is passed to the router (tests force skewed routings with it).
         """
-        routing = self.router(x, logit_bias)
+        routing = self.router(x, logit_bias)  # under autocast: bf16 logits, routed in fp32 (moe.routing.route)
+        if torch.is_autocast_enabled(x.device.type):  # mixed precision: the rows and the experts in its dtype
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         kept = None if routing.capacity is None else routing.kept  # dropless: no host sync in permute
         # Rows are grouped by global expert, hence by destination rank.
         if self.comm == "fused":
@@ -97,7 +99,7 @@ class MoELayer(nn.Module):
             counts = gather_counts(perm.tokens_per_expert, self.group)  # [source, global expert]
             layout = build_expert_layout(counts, self.rank, self.num_local_experts)
             e = self.experts
-            y = _FusedExperts.apply(x, routing.weights, e.w13, e.w2, self, layout, perm)
+            y = _FusedExperts.apply(x, routing.weights, e.w13.to(x.dtype), e.w2.to(x.dtype), self, layout, perm)
             recv_counts = counts[:, self.rank * self.num_local_experts:(self.rank + 1) * self.num_local_experts]
         else:
             rows, perm = permute(x, routing.expert_ids, self.num_experts, kept)

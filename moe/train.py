@@ -48,8 +48,17 @@ def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
                            num_heads=m.num_heads, ffn=m.ffn, num_experts=m.num_experts, top_k=m.top_k,
                            moe_every=m.moe_every, shared_expert=m.shared_expert,
                            capacity_factor=m.capacity_factor, seed=cfg.seed, group=dp_group, tp_group=tp_group,
-                           tp_comm=m.tp_comm, moe_comm=cfg.comm.mode, moe_fused=cfg.comm)
+                           tp_comm=m.tp_comm, moe_comm=cfg.comm.mode, moe_fused=cfg.comm,
+                           compute_dtype=compute_dtype(m.get("precision", "fp32")))
     return model.to(env.device)
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """model.precision -> MoETransformer's compute_dtype (None: the fp32 parameters' own)."""
+    dtypes = {"fp32": None, "bf16": torch.bfloat16}
+    if precision not in dtypes:
+        raise ValueError(f"model.precision={precision!r}: expected one of {sorted(dtypes)}")
+    return dtypes[precision]
 
 
 def build_data(cfg: DictConfig, env: DistEnv, run_dir: Path) -> tuple[ByteWindows, ByteWindows]:

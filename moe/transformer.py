@@ -148,14 +148,21 @@ class MoETransformer(nn.Module):
                  ffn: int = 128, num_experts: int = 4, top_k: int = 2, moe_every: int = 1,
                  shared_expert: bool = False, capacity_factor: float | None = None, seed: int = 0,
                  group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
-                 tp_comm: str = "bulk", moe_comm: str = "bulk", moe_fused=None):
+                 tp_comm: str = "bulk", moe_comm: str = "bulk", moe_fused=None,
+                 compute_dtype: torch.dtype | None = None):
         """group: the data-parallel group (expert parallelism, gradient averaging; None: the world);
         tp_group: the tensor-parallel group (None: no tensor parallelism); tp_comm: bulk | fused;
-        moe_comm / moe_fused: the MoE layers' dispatch and combine (MoELayer's comm and fused)."""
+        moe_comm / moe_fused: the MoE layers' dispatch and combine (MoELayer's comm and fused);
+        compute_dtype: torch.bfloat16 / float16 runs the forward under autocast to it (mixed precision: the
+        parameters stay as they are, the logits come out in fp32); None: the parameters' dtype."""
         super().__init__()
         if moe_every not in (1, 2):
             raise ValueError(f"moe_every must be 1 or 2, got {moe_every}")
+        if compute_dtype is not None and tp_group is not None and tp_comm == "fused":
+            raise ValueError("mixed precision (model.precision=bf16) with model.tp_comm=fused is not supported yet: "
+                             "the fused TP kernels take the fp32 weights as they are; use model.tp_comm=bulk")
         self.group = group
+        self.compute_dtype = compute_dtype
         tp = TPLayout(tp_group, tp_comm, seed, num_layers)
         self.embedding = nn.Embedding(vocab_size, d_model)
         blocks = []
@@ -193,6 +200,11 @@ class MoETransformer(nn.Module):
 
         aux: load_balancing_loss and z_loss summed over the MoE layers (this rank's tokens, unscaled), and
         tokens_per_expert: one [num_experts] tensor per MoE layer (this rank's kept assignments)."""
+        with torch.autocast(tokens.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None):
+            logits, aux = self._forward(tokens)
+        return logits.float(), aux
+
+    def _forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
         x = self.embedding(tokens)
         lb = z = x.new_zeros(())
         tokens_per_expert = []

@@ -164,3 +164,26 @@ def test_one_process_matches_reference(dtype, rtol):
         Scenario("no tokens", [0], 4),
     ]
     compare_with_reference(0, 1, scenarios, dtype, rtol)
+
+
+def test_autocast_runs_rows_and_experts_in_bf16_with_fp32_weights():
+    """Mixed precision (model.precision=bf16): under autocast the layer computes exactly what its bf16 copy
+    computes on bf16 input, while its weights and their gradients stay fp32."""
+    import copy
+    layer = MoELayer(32, 24, 4, 2, seed=3)
+    reference = copy.deepcopy(layer).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 32, generator=gen).requires_grad_()
+    grad = torch.randn(40, 32, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, _ = layer(x)
+    (y.float() * grad).sum().backward()
+    x_ref = x.detach().to(torch.bfloat16).requires_grad_()
+    y_ref, _ = reference(x_ref)
+    (y_ref.float() * grad).sum().backward()
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_ref)
+    for (name, p), q in zip(layer.named_parameters(), reference.parameters()):
+        assert p.dtype == p.grad.dtype == torch.float32, name
+        torch.testing.assert_close(p.grad, q.grad.float(), rtol=0, atol=0, msg=name)
+    # x's gradient sums the router's and the experts' parts in fp32 here, in bf16 in the reference
+    torch.testing.assert_close(x.grad, x_ref.grad.float(), rtol=2e-2, atol=2e-2)

@@ -80,6 +80,17 @@ def test_moe_standalone_one_process(tmp_path):
     assert moe["bulk"]["fwd_ms"] > 0 and moe["bulk"]["fwd_bwd_ms"] > 0
 
 
+def test_moe_report_in_mixed_precision(tmp_path):
+    """model.precision=bf16: the MoE layer is timed under autocast, as the model runs it, and says so."""
+    report_main([*MOE, "model.precision=bf16", f"hydra.run.dir={tmp_path}"])
+    report, table = read(tmp_path)
+    moe = check_report(report, table, ["MoE layer (route, dispatch all-to-all, experts, combine all-to-all)",
+                                       "gradient all-reduce", STEP], world=1)[
+        "MoE layer (route, dispatch all-to-all, experts, combine all-to-all)"]
+    assert moe["shapes"].startswith("96 tokens x d=32 bfloat16, 4 experts")
+    assert moe["bulk"]["fwd_ms"] > 0 and moe["bulk"]["fwd_bwd_ms"] > 0
+
+
 def test_dlrm_after_training_two_gloo_ranks(tmp_path):
     """train.py report=true under torchrun: trains 2 steps, then the report of both ranks, written once."""
     run_torchrun([*DLRM, "report=true", "trainer.max_steps=2", "trainer.progress=false", "data.eval_batches=1",

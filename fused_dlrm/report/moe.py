@@ -41,8 +41,11 @@ def fused_moe(cfg: DictConfig, env: DistEnv, layer: MoELayer) -> tuple[MoELayer 
     return fused, build_model(fused_cfg, env)
 
 
-def layer_modes(layer: MoELayer, x: torch.Tensor, grad: torch.Tensor) -> Mode:
-    forward = lambda: layer(x)[0]
+def layer_modes(layer: MoELayer, x: torch.Tensor, grad: torch.Tensor, compute_dtype: torch.dtype | None) -> Mode:
+    """The layer as the model runs it: under autocast to its compute dtype when it trains in mixed precision."""
+    def forward():
+        with torch.autocast(x.device.type, dtype=compute_dtype, enabled=compute_dtype is not None):
+            return layer(x)[0]
     return {"fwd": no_grad(forward), "fwd_bwd": forward_backward(forward, grad)}
 
 
@@ -81,15 +84,18 @@ def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
         per_expert = layer(x)[1]["tokens_per_expert"]
     owner = torch.arange(layer.num_experts, device=x.device) // layer.num_local_experts
     remote_rows = int(per_expert[owner != layer.rank].sum())
-    forward_bytes = 2 * remote_rows * m.d_model * x.element_size()
+    compute_dtype = bulk.model.compute_dtype  # None: fp32 throughout
+    rows_dtype = compute_dtype or x.dtype  # what the dispatch and combine move
+    forward_bytes = 2 * remote_rows * m.d_model * rows_dtype.itemsize
     num_moe = sum(1 for module in bulk.model.modules() if isinstance(module, MoELayer))
     moe_layer = CommLayer(
         "MoE layer (route, dispatch all-to-all, experts, combine all-to-all)",
-        f"{x.shape[0]} tokens x d={m.d_model} {str(x.dtype).removeprefix('torch.')}, {m.num_experts} experts "
+        f"{x.shape[0]} tokens x d={m.d_model} {str(rows_dtype).removeprefix('torch.')}, {m.num_experts} experts "
         f"({layer.num_local_experts} here) top-{m.top_k}, ffn {m.ffn}",
         {"fwd": forward_bytes, "fwd_bwd": 2 * forward_bytes},
-        layer_modes(layer, x, bulk.grad),
-        fused_layer if isinstance(fused_layer, str) else layer_modes(fused_layer, x, bulk.grad), count=num_moe)
+        layer_modes(layer, x, bulk.grad, compute_dtype),
+        fused_layer if isinstance(fused_layer, str) else layer_modes(fused_layer, x, bulk.grad, compute_dtype),
+        count=num_moe)
     moe_layer.notes.append("input: random hidden states of the real shape (the routing is that of random tokens)")
 
     experts = {id(p) for p in expert_parameters(bulk.model)}
