@@ -77,8 +77,9 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype, d_model: int, ff
 
     def run(experts, dtype):
         # The first call may come under no_grad (an eval forward) or inside a backward: either would make the
-        # probe's own backward fail and cache False, i.e. the slow loop for good.
-        with torch.enable_grad():
+        # probe's own backward fail and cache False, i.e. the slow loop for good. Under autocast (mixed
+        # precision) too: the probe computes in the dtypes it names.
+        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
             inputs = [t.detach().to(dtype).requires_grad_() for t in (x, w13, w2)]
             out = experts(inputs[0], [4, 2], *inputs[1:])
             out.backward(grad.to(dtype))
