@@ -469,13 +469,14 @@ class FusedCombine:
         sources = torch.tensor(remote_first_order(self.rank, world)).repeat_interleave(local)
         experts = torch.arange(local).repeat(world)
         g = self.rank * local + experts
-        n = tiles_per[sources, g]
-        i = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-        rep = lambda v: torch.repeat_interleave(v, n)  # noqa: E731
-        first_h = rep(recv_offsets[experts * world + sources]) + i * bm
-        count = torch.clamp(rep(counts[sources, g]) - i * bm, max=bm)
-        return torch.stack([first_h, count, rep(experts), rep(sources), rep(source_start[sources, g]) + i * bm,
-                            rep(slot_base[sources, g]) + i])
+        n = tiles_per[sources, g]  # tiles of each (expert, source) block, in walk order
+        # Per block, then expanded to its tiles in one go; tile i of a block starts i * bm rows further on.
+        block = torch.repeat_interleave(torch.stack([
+            recv_offsets[experts * world + sources], counts[sources, g], experts, sources, source_start[sources, g],
+            slot_base[sources, g], torch.cumsum(n, 0) - n]), n, dim=1)
+        i = torch.arange(block.shape[1]) - block[6]
+        return torch.stack([block[0] + i * bm, torch.clamp(block[1] - i * bm, max=bm), block[2], block[3],
+                            block[4] + i * bm, block[5] + i])
 
     def _tile_of_row(self, layout: ExpertLayout) -> torch.Tensor:
         """int64 [this rank's permuted rows]: the flag slot (without the column block) of each row's tile. Slots
