@@ -1,4 +1,4 @@
-"""MoELayer(comm="fused") against comm="bulk" on 2 GPUs (NCCL, torch SymmetricMemory), bf16.
+"""MoELayer(comm="fused") against comm="bulk" on 2 GPUs (NCCL, torch SymmetricMemory), bf16 (and fp32 under bf16 autocast).
 
 Both layers are built from the same seed, so they hold the same router and expert weights; they see the same
 tokens and output gradient. Outputs, input gradients, router and expert-weight gradients must agree within
@@ -98,6 +98,30 @@ def many_steps(rank, world):
     fused.dispatch.errors.check(block=True)
 
 
+def mixed_precision(rank, world):
+    """fp32 layers under bf16 autocast (model.precision=bf16): the fused kernels get bf16 rows and bf16 copies of
+    the experts, as the bulk GEMMs do; outputs and gradients agree, and the fp32 weights get fp32 gradients."""
+    gen = torch.Generator().manual_seed(200 + rank)
+    kw = dict(seed=SEED, dtype=torch.float32, device="cuda")
+    fused = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, comm="fused", fused=FusedMoEConfig(wait_timeout_spins=1 << 26),
+                     **kw)
+    bulk = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, **kw)
+    for step in range(3):  # the second and third reuse the buffers and flags
+        x = torch.randn(256 + 64 * step, D_MODEL, generator=gen).cuda()
+        grad = torch.randn(x.shape, generator=gen).cuda()
+        results = []
+        for layer in (fused, bulk):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                results.append(run(layer, x, None, grad))
+        (y, gx, _), (want_y, want_gx, _) = results
+        assert y.dtype == want_y.dtype == torch.bfloat16
+        close(y, want_y, f"autocast step {step}: output")
+        close(gx, want_gx, f"autocast step {step}: input gradient")
+        for (name, p), q in zip(fused.named_parameters(), bulk.parameters()):
+            assert p.grad.dtype == torch.float32, name
+            close(p.grad, q.grad, f"autocast step {step}: {name} gradient")
+
+
 def peer_never_starts(rank, world, backward):
     """Epoch 1 runs on both ranks; at epoch 2 rank 1 never starts (the forward exchange, or the backward one):
     rank 0's wait gives up and names rank 1."""
@@ -132,6 +156,10 @@ def peer_never_starts(rank, world, backward):
 
 def test_fused_matches_bulk_forward_and_backward():
     run_world(2, scenarios, backend="nccl")
+
+
+def test_fused_matches_bulk_under_bf16_autocast():
+    run_world(2, mixed_precision, backend="nccl")
 
 
 def test_thousand_consecutive_steps():
