@@ -1,4 +1,5 @@
-"""MoELayer(comm="fused") against comm="bulk" on 2 GPUs (NCCL, torch SymmetricMemory), bf16 (and fp32 under bf16 autocast).
+"""MoELayer(comm="fused") against comm="bulk" on 2 GPUs (NCCL, torch SymmetricMemory), bf16 (and fp32 layers
+under bf16 autocast).
 
 Both layers are built from the same seed, so they hold the same router and expert weights; they see the same
 tokens and output gradient. Outputs, input gradients, router and expert-weight gradients must agree within
