@@ -10,7 +10,9 @@ Every `log_every` steps the losses are reduced over ranks and checked for NaN/in
 load are logged; every `eval_every` steps the eval loss is measured; every `checkpoint_every` steps a checkpoint
 is written (only after the loss was checked). Only trainer.max_steps is supported (no epochs). The step itself is
 `train_step` (also timed by fused_dlrm/report/moe.py); the bookkeeping around it is a `TrainingRun`
-(fused_dlrm/train/schedule.py, shared with the DLRM loop).
+(fused_dlrm/train/schedule.py, shared with the DLRM loop). Host syncs of a step on GPUs: each MoE layer's counts (they
+size its exchanges; with a capacity factor also its kept rows) and, every log_every steps, the loss check; none
+for the batch (a pinned, non-blocking copy).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from fused_dlrm.dist import DistEnv, all_reduce_sum
+from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
 from fused_dlrm.tp import quantized_all_reduce
@@ -120,7 +123,7 @@ def evaluate(model: nn.Module, dataset: ByteWindows, num_batches: int, env: Dist
     model.eval()
     with torch.no_grad():
         for step in range(num_batches):
-            inputs, targets = (t.to(env.device) for t in dataset.batch(step))
+            inputs, targets = host_to_device(list(dataset.batch(step)), env.device)
             logits, _ = model(inputs)
             total[0] += token_cross_entropy_sum(logits, targets)
             total[1] += targets.numel()
@@ -194,7 +197,9 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
                       items_per_step=cfg.data.global_batch_size * cfg.data.seq_len, log_fields=log_fields,
                       evaluate=run_eval, save=checkpoint)
     while run.step < t.max_steps:
-        inputs, targets = (x.to(env.device) for x in train_data.batch(run.step))
+        # Through pinned memory in one non-blocking copy: a pageable copy would make the host wait for the GPU
+        # to finish the previous step first.
+        inputs, targets = host_to_device(list(train_data.batch(run.step)), env.device)
         loss, terms, tokens_per_expert = train_step(model, optimizer, inputs, targets, dp_size, m.aux_coeff,
                                                     m.z_coeff, cfg.comm.grad_allreduce)
         if num_moe_layers:
