@@ -429,7 +429,7 @@ class FusedCombine:
                 self.spin_limit, FFN=ffn, D_MODEL=self.d_model, BLOCK_M=b.block_m, BLOCK_N=b.block_n,
                 BLOCK_K=block_k, BLOCK_R=b.block_rows, PRECISION=dot_precision(dtype, h.device),
                 num_warps=b.gemm_warps, num_stages=stages)
-        grad_w2 = _grouped_weight_grad(h, g, sizes)  # stream order: after the kernel saw every row's flag
+        grad_w2 = grouped_weight_grad(h, g, sizes)  # stream order: after the kernel saw every row's flag
         _acknowledge_kernel[(1,)](ack.peer_ptrs, self.rank, epoch, WORLD=self.world)
         self.errors.after_wait()
         return grad_h, grad_w2
@@ -488,7 +488,7 @@ class FusedCombine:
         return torch.repeat_interleave(sizes, output_size=layout.send_dest_rank.numel())
 
 
-def _grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """[groups, x cols, grad cols]: x_e^T @ grad_e per group of rows (zero for a group without rows)."""
     if not x.shape[0]:
         return x.new_zeros(len(counts), x.shape[1], grad.shape[1])

@@ -50,7 +50,8 @@ from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout, expert_row_tiles
 from moe.experts import _grouped_mm_works, group_ends, swiglu
-from moe.kernels.fused_combine import TL_DTYPES, _weighted_unpermute_kernel, dot_precision
+from moe.kernels.fused_combine import TL_DTYPES, _weighted_unpermute_kernel, dot_precision, grouped_weight_grad
+from moe.kernels.swiglu_backward import swiglu_backward
 from moe.permute import Permutation
 
 PUSH_TILE_ELEMENTS = 8192  # elements a push program moves per step ([block_m, BLOCK_D]): 16-byte stores, no spills
@@ -80,14 +81,13 @@ def gated_gemm_reference(received: torch.Tensor, tokens_per_local_expert: list[i
 
 def gated_gemm_grads(received: torch.Tensor, tokens_per_local_expert: list[int], w13: torch.Tensor,
                      dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da13, dw13) for h = silu(a1) * a3, [a1 | a3] = a13 = x @ w13[e], given dh (torch autograd; a13 is
-    recomputed: the forward kernel keeps only h). The backward kernel turns da13 into dx."""
-    w13 = w13.detach().requires_grad_()
-    with torch.enable_grad():
+    """(da13, dw13) for h = silu(a1) * a3, [a1 | a3] = a13 = x @ w13[e], given dh: a13 is recomputed (the forward
+    kernel keeps only h), SwiGLU's backward is one kernel, dw13[e] = x_e^T @ da13_e. The backward kernel turns
+    da13 into dx."""
+    with torch.no_grad():
         a13 = _gate_up(received, tokens_per_local_expert, w13)
-        da13, = torch.autograd.grad(swiglu(a13), a13, dh)
-        dw13, = torch.autograd.grad(a13, w13, da13)
-    return da13.contiguous(), dw13
+    da13 = swiglu_backward(a13, dh)
+    return da13, grouped_weight_grad(received, da13, tokens_per_local_expert)
 
 
 def _gate_up(x: torch.Tensor, sizes: list[int], w13: torch.Tensor) -> torch.Tensor:
