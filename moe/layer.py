@@ -163,7 +163,10 @@ class _FusedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, w13, w2, layer: MoELayer, layout: ExpertLayout, perm: Permutation):
         training = any(ctx.needs_input_grad)
-        received, h = layer.dispatch.finish(layer.dispatch.start(x, perm.order // perm.top_k, layout), layout, w13)
+        # Training keeps GEMM 1's products (a13) for the SwiGLU gradient, as autograd keeps the bulk experts'.
+        a13 = x.new_empty(sum(layout.tokens_per_local_expert), w13.shape[2]) if training else None
+        received, h = layer.dispatch.finish(layer.dispatch.start(x, perm.order // perm.top_k, layout), layout, w13,
+                                            a13_out=a13)
         if training:  # the receive buffer is the sources' again at the next call
             received = received.clone()
         # Only now the combine's tables (host work, ~1 ms on the H200 hosts): they overlap GEMM 1 instead of
@@ -173,12 +176,12 @@ class _FusedExperts(torch.autograd.Function):
         y = layer.combine.finish(epoch, layout, perm, weights, rows_out=rows)
         if training:
             ctx.layer, ctx.layout, ctx.perm = layer, layout, perm
-            ctx.save_for_backward(received, h, rows, weights, w13, w2)
+            ctx.save_for_backward(received, h, a13, rows, weights, w13, w2)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        received, h, rows, weights, w13, w2 = ctx.saved_tensors
+        received, h, a13, rows, weights, w13, w2 = ctx.saved_tensors
         layer, layout, perm = ctx.layer, ctx.layout, ctx.perm
         grad_y = grad_y.contiguous()
         grad_weights = None
@@ -189,7 +192,7 @@ class _FusedExperts(torch.autograd.Function):
             grad_weights = grad_weights.view_as(weights).to(weights.dtype)
         epoch = layer.combine.start_backward(grad_y.to(h.dtype), perm, weights, layout)
         grad_h, grad_w2 = layer.combine.finish_backward(epoch, layout, h, w2)
-        epoch, grad_w13 = layer.dispatch.start_backward(grad_h, received, layout, w13)
+        epoch, grad_w13 = layer.dispatch.start_backward(grad_h, received, layout, w13, a13)
         grad_x = layer.dispatch.finish_backward(epoch, layout, perm)
         return grad_x, grad_weights, grad_w13, grad_w2, None, None, None
 

@@ -64,8 +64,13 @@ class World:
             d.ws.buffer("moe_dispatch_rows", 0, torch.float32).local.fill_(float("nan"))
 
     def step(self, xs, token_of_rows, layouts):
+        """Every rank pushes, then every owner's GEMM: [(received, h, a13)] per rank; a13 (the products before
+        the activation, kept for training) starts as NaN, so that a row the GEMM does not store shows."""
         epochs = [d.start(x, t, lay) for d, x, t, lay in zip(self.dispatch, xs, token_of_rows, layouts)]
-        return [d.finish(e, lay, w13) for d, e, lay, w13 in zip(self.dispatch, epochs, layouts, self.w13)]
+        a13s = [torch.full((sum(lay.tokens_per_local_expert), w13.shape[2]), float("nan"), dtype=w13.dtype)
+                for lay, w13 in zip(layouts, self.w13)]
+        return [(*d.finish(e, lay, w13, a13_out=a13), a13)
+                for d, e, lay, w13, a13 in zip(self.dispatch, epochs, layouts, self.w13, a13s)]
 
 
 def check_step(world: World, tokens, top_k, bias, gen, poison=True):
@@ -73,7 +78,7 @@ def check_step(world: World, tokens, top_k, bias, gen, poison=True):
     if poison and world.dispatch[0].capacity:
         world.poison()
     got = world.step(xs, token_of_rows, layouts)
-    for owner, (received, h) in enumerate(got):
+    for owner, (received, h, a13) in enumerate(got):
         want_rows = dispatch_reference(xs, token_of_rows, counts, owner, world.local)
         sizes = layouts[owner].tokens_per_local_expert
         want_h = gated_gemm_reference(want_rows.double(), sizes, world.w13[owner].double())
@@ -82,6 +87,11 @@ def check_step(world: World, tokens, top_k, bias, gen, poison=True):
         scale = want_h.abs().max().item() if want_h.numel() else 0.0
         torch.testing.assert_close(h.double(), want_h, rtol=1e-5, atol=1e-5 * scale,
                                    msg=lambda m: f"rank {owner} h: {m}")
+        w13 = world.w13[owner].double()
+        want_a13 = torch.cat([x @ w13[e] for e, x in enumerate(torch.split(want_rows.double(), sizes))])
+        scale = want_a13.abs().max().item() if want_a13.numel() else 0.0
+        torch.testing.assert_close(a13.double(), want_a13, rtol=1e-5, atol=1e-5 * scale,
+                                   msg=lambda m: f"rank {owner} a13: {m}")
     return counts
 
 
@@ -173,7 +183,7 @@ def test_fp16_rows():
     gen = torch.Generator().manual_seed(6)
     xs, token_of_rows, counts, layouts = w.routed_batch([11, 8], 2, None, gen)
     xs = [x.half() for x in xs]
-    for owner, (received, h) in enumerate(w.step(xs, token_of_rows, layouts)):
+    for owner, (received, h, _) in enumerate(w.step(xs, token_of_rows, layouts)):
         want_rows = dispatch_reference(xs, token_of_rows, counts, owner, 2)
         want_h = gated_gemm_reference(want_rows.double(), layouts[owner].tokens_per_local_expert,
                                       w.w13[owner].double())
@@ -194,16 +204,16 @@ BACKWARD = [
 def test_backward_matches_autograd_of_the_bulk_path(name, world, local, tokens, top_k, bias, capacity):
     w = World(world, local, block_m=8)
     gen = torch.Generator().manual_seed(len(name))
-    for _ in range(2):  # the gradient buffer and its flags reused
+    for keep_a13 in (False, True):  # GEMM 1 recomputed, then the forward's a13; the gradient buffer reused
         perms = []
         xs, token_of_rows, counts, layouts = w.routed_batch(tokens, top_k, bias, gen, capacity, perms)
         forward = w.step(xs, token_of_rows, layouts)
-        dhs = [torch.randn(h.shape, generator=gen) for _, h in forward]
+        dhs = [torch.randn(h.shape, generator=gen) for _, h, _ in forward]
         for d in w.dispatch:  # poison: a gradient row nobody stores shows as NaN in dx
             if d.ws.world.buffers:
                 d._grad_buffers(layouts[d.rank], torch.float32)[0].local.fill_(float("nan"))
-        started = [d.start_backward(dh, received, lay, w13) for d, dh, (received, _), lay, w13
-                   in zip(w.dispatch, dhs, forward, layouts, w.w13)]
+        started = [d.start_backward(dh, received, lay, w13, a13 if keep_a13 else None)
+                   for d, dh, (received, _, a13), lay, w13 in zip(w.dispatch, dhs, forward, layouts, w.w13)]
         dxs = [d.finish_backward(e, lay, p) for d, (e, _), lay, p in zip(w.dispatch, started, layouts, perms)]
 
         # The reference, in float64: autograd through the bulk dispatch and the gated GEMM to each source's
@@ -280,11 +290,12 @@ tables = {n: "*i64" for n in ("token_ptr", "dest_row_ptr", "bounds_ptr", "rows_p
                               "source_ptr", "source_row_ptr", "grad_ptrs")}
 flags = {n: "*i32" for n in ("dest_order_ptr", "ack_ptr", "error_ptr", "ready_ptr", "next_ptr")}
 for dtype, block_k, stages in (("bf16", 64, 3), ("fp16", 64, 3), ("fp32", 32, 2)):  # as gemm_config gives them
-    data = {n: "*" + dtype for n in ("x_ptr", "rows_ptr", "w13_ptr", "h_ptr", "da13_ptr")}
+    data = {n: "*" + dtype for n in ("x_ptr", "rows_ptr", "w13_ptr", "h_ptr", "a13_ptr", "da13_ptr")}
     ptrs = {**tables, **flags, **data}
     gemm = dict(D=2048, FFN=1408, BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k,
-                PRECISION="ieee" if dtype == "fp32" else "tf32")
-    build(fd._gated_gemm_kernel, ptrs, dict(CHUNK=64, **gemm), 8, stages)
+                PRECISION="tf32" if dtype == "fp32" else None)  # as dot_precision gives them in training
+    for store_a13 in (False, True):
+        build(fd._gated_gemm_kernel, ptrs, dict(CHUNK=64, STORE_A13=store_a13, **gemm), 8, stages)
     build(fd._gated_gemm_backward_kernel, ptrs, dict(WORLD=2, **gemm), 8, stages)
     build(fd._push_rows_kernel, ptrs, dict(D=2048, CHUNK=64, BLOCK_D=128), 4, 3)
 """

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moe.kernels.swiglu_backward import swiglu_backward, swiglu_backward_reference
+from sm90 import compile_for_sm90
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
 
@@ -32,3 +33,13 @@ def test_no_rows_and_shape_errors():
         swiglu_backward(torch.zeros(3, 8), torch.zeros(3, 5))
     with pytest.raises(ValueError, match="out must be"):
         swiglu_backward(torch.zeros(3, 8), torch.zeros(3, 4), out=torch.zeros(3, 8, dtype=torch.float16))
+
+
+def test_kernel_compiles_for_sm90():
+    """bf16, as training runs it, which the interpreter cannot compute (triton-lang/triton#11584)."""
+    compile_for_sm90("""
+from moe.kernels.swiglu_backward import _swiglu_backward_kernel, BLOCK_ROWS, BLOCK_COLS
+for dtype in ("bf16", "fp16", "fp32"):
+    ptrs = {n: "*" + dtype for n in ("a13_ptr", "dh_ptr", "da13_ptr")}
+    build(_swiglu_backward_kernel, ptrs, dict(FFN=1408, BLOCK_R=BLOCK_ROWS, BLOCK_F=BLOCK_COLS))
+""")

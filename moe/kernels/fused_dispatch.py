@@ -22,8 +22,9 @@ then by the source whose rows arrive last (rank - 1 pushes to this rank first). 
 stream, so the GEMM overlaps it; the GEMM leaves PUSH_SMS SMs free, so that the pushes the peers wait for always
 find room. After the GEMM a one-program kernel acknowledges the epoch to every source.
 
-Backward (`start_backward` on the owner, `finish_backward` on the source): a13 = x @ w13[e] is recomputed, da13 =
-[da1 | da3] and dw13 come from torch; a persistent GEMM computes dx tiles = da13 @ w13[e]^T (= da1 @ w1[e]^T +
+Backward (`start_backward` on the owner, `finish_backward` on the source): a13 = x @ w13[e], which the forward GEMM
+stores when training (`finish(a13_out=...)`; recomputed otherwise), gives da13 = [da1 | da3] in one kernel
+(moe.kernels.swiglu_backward) and dw13 = x_e^T @ da13_e (torch); a persistent GEMM computes dx tiles = da13 @ w13[e]^T (= da1 @ w1[e]^T +
 da3 @ w3[e]^T: one k loop over 2 * ffn), tiles holding rows of remote sources first (rank + 1 first), stores each
 row at its source's permuted row in the source's gradient buffer and raises flag (owner, row tile, column block)
 in every rank. Each source knows from C which owner tile holds each of its rows, and sums every token's kept rows
@@ -80,12 +81,13 @@ def gated_gemm_reference(received: torch.Tensor, tokens_per_local_expert: list[i
 
 
 def gated_gemm_grads(received: torch.Tensor, tokens_per_local_expert: list[int], w13: torch.Tensor,
-                     dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da13, dw13) for h = silu(a1) * a3, [a1 | a3] = a13 = x @ w13[e], given dh: a13 is recomputed (the forward
-    kernel keeps only h), SwiGLU's backward is one kernel, dw13[e] = x_e^T @ da13_e. The backward kernel turns
-    da13 into dx."""
-    with torch.no_grad():
-        a13 = _gate_up(received, tokens_per_local_expert, w13)
+                     dh: torch.Tensor, a13: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da13, dw13) for h = silu(a1) * a3, [a1 | a3] = a13 = x @ w13[e], given dh: a13 as the forward kept it, or
+    recomputed; SwiGLU's backward is one kernel, dw13[e] = x_e^T @ da13_e. The backward kernel turns da13 into
+    dx."""
+    if a13 is None:
+        with torch.no_grad():
+            a13 = _gate_up(received, tokens_per_local_expert, w13)
     da13 = swiglu_backward(a13, dh)
     return da13, grouped_weight_grad(received, da13, tokens_per_local_expert)
 
@@ -154,13 +156,13 @@ def _row_tile(t, tiles_ptr, num_row_tiles, col_blocks, BLOCK_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_row_tiles", "epoch", "flag_stride", "num_tiles", "spin_limit"])
 def _gated_gemm_kernel(
-    rows_ptr, x_ptr, token_ptr, w13_ptr, h_ptr,  # received rows (this epoch's half), this rank's tokens and
-    # token_of_row, [L, D, 2 * FFN] weights (w1 columns, then w3), [rows, FFN] output
+    rows_ptr, x_ptr, token_ptr, w13_ptr, h_ptr, a13_ptr,  # received rows (this epoch's half), this rank's tokens
+    # and token_of_row, [L, D, 2 * FFN] weights (w1 columns, then w3), [rows, FFN] output, [rows, 2 * FFN] a13
     tiles_ptr, num_row_tiles,  # the row tiles (FusedDispatch._row_tiles)
     source_ptr, source_row_ptr, ready_ptr, error_ptr, next_ptr,  # recv_source_rank/row, my flags, error, counter
     rank, epoch, flag_stride, num_tiles, spin_limit,
     D: tl.constexpr, FFN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STORE_A13: tl.constexpr,
 ):
     n_tiles = tl.cdiv(FFN, BLOCK_N)
     lanes = tl.arange(0, BLOCK_M)
@@ -206,8 +208,12 @@ def _gated_gemm_kernel(
             acc1 = tl.dot(a, tl.load(w_at, mask=w_mask, other=0.0), acc1, input_precision=PRECISION)
             acc3 = tl.dot(a, tl.load(w_at + FFN, mask=w_mask, other=0.0), acc3, input_precision=PRECISION)
         h = acc1 * tl.sigmoid(acc1) * acc3
-        tl.store(h_ptr + rows.to(tl.int64)[:, None] * FFN + ns[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & n_mask[None, :])
+        out_mask = row_mask[:, None] & n_mask[None, :]
+        tl.store(h_ptr + rows.to(tl.int64)[:, None] * FFN + ns[None, :], h.to(h_ptr.dtype.element_ty), mask=out_mask)
+        if STORE_A13:  # training: the backward's SwiGLU gradient reads it instead of recomputing the GEMM
+            a13_at = a13_ptr + rows.to(tl.int64)[:, None] * (2 * FFN) + ns[None, :]
+            tl.store(a13_at, acc1.to(a13_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(a13_at + FFN, acc3.to(a13_ptr.dtype.element_ty), mask=out_mask)
         t = tl.atomic_add(next_ptr, 1)
 
 
@@ -379,12 +385,14 @@ class FusedDispatch:
         bounds = before_owner[:, None] + landed.sum(dim=2)
         return host_to_device([bounds.reshape(-1)], layout.send_dest_row.device)[0]
 
-    def finish(self, epoch: int, layout: ExpertLayout, w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def finish(self, epoch: int, layout: ExpertLayout, w13: torch.Tensor, a13_out: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The grouped GEMM over the received rows, each tile waiting for the chunks it reads.
 
         Returns (received [recv_rows, d_model]: a view of the symmetric receive buffer, valid until the next
         `finish` call; h = silu(received @ w1[e]) * (received @ w3[e]) [recv_rows, ffn], a new tensor), w13 =
-        [w1 | w3] read in place."""
+        [w1 | w3] read in place. `a13_out` ([recv_rows, 2 ffn], w13's dtype), if given, receives the products
+        before the activation (training keeps them for `start_backward`)."""
         L, d, ffn = self.num_local_experts, self.d_model, self.ffn
         rows, ready, ack, x, token_of_row, _ = self._started.pop(epoch)
         _check_w13(w13, L, d, ffn, rows.local.dtype)
@@ -392,16 +400,20 @@ class FusedDispatch:
         base = (epoch % 2) * self.capacity * d
         received = rows.local[base:base + recv_rows * d].view(recv_rows, d)
         h = torch.empty(recv_rows, ffn, dtype=w13.dtype, device=w13.device)
+        if a13_out is not None and (a13_out.shape != (recv_rows, 2 * ffn) or a13_out.dtype != w13.dtype
+                                    or not a13_out.is_contiguous()):
+            raise ValueError(f"a13_out must be a contiguous [{recv_rows}, {2 * ffn}] {w13.dtype} tensor, got "
+                             f"{tuple(a13_out.shape)} {a13_out.dtype}")
         cfg = gemm_config(self.ws.device, w13.dtype)
         tiles = self._row_tiles(layout, cfg.block_m, remote_first=False)
         num_tiles = tiles.shape[1] * triton.cdiv(ffn, cfg.block_n)
         programs = self._gemm_programs(num_tiles)
         _gated_gemm_kernel[(programs,)](
-            rows.local[base:], x, token_of_row, w13, h, tiles, tiles.shape[1],
+            rows.local[base:], x, token_of_row, w13, h, h if a13_out is None else a13_out, tiles, tiles.shape[1],
             layout.recv_source_rank, layout.recv_source_row, ready.local, self.errors.word, self._tile_counter(),
             self.rank, epoch, self.capacity // self.chunk, num_tiles, self.spin_limit,
             D=d, FFN=ffn, CHUNK=self.chunk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            PRECISION=dot_precision(w13.dtype, w13.device),
+            PRECISION=dot_precision(w13.dtype, w13.device), STORE_A13=a13_out is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self.rank, epoch, WORLD=self.world)
         if self._push_stream is not None:  # then what the push read may be freed, and `received` is complete
@@ -410,16 +422,17 @@ class FusedDispatch:
         return received, h
 
     # -- backward: the rows' gradient goes back to its sources (a combine), summed over each token's k rows ----
-    def start_backward(self, dh: torch.Tensor, received: torch.Tensor, layout: ExpertLayout, w13: torch.Tensor
-                       ) -> tuple[int, torch.Tensor]:
-        """Owner side: dh = dL/dh [recv_rows, ffn] and the forward's `received` rows -> (epoch, dw13).
+    def start_backward(self, dh: torch.Tensor, received: torch.Tensor, layout: ExpertLayout, w13: torch.Tensor,
+                       a13: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+        """Owner side: dh = dL/dh [recv_rows, ffn] and the forward's `received` rows (and its a13, which spares
+        recomputing GEMM 1) -> (epoch, dw13).
         The kernel stores the rows' gradient da13 @ w13[e]^T straight into each source's
         gradient buffer at the row's permuted position, tiles for remote sources first. Every rank calls
         `start_backward` before any rank calls `finish_backward`."""
         self.errors.check()
         epoch = self.ws.next_epoch("moe_dispatch_grad")
         _check_w13(w13, self.num_local_experts, self.d_model, self.ffn, received.dtype)
-        da13, dw13 = gated_gemm_grads(received, layout.tokens_per_local_expert, w13, dh)
+        da13, dw13 = gated_gemm_grads(received, layout.tokens_per_local_expert, w13, dh, a13)
         grad, ready, ack, tiles_per_rank = self._grad_buffers(layout, received.dtype)
         cfg = gemm_config(self.ws.device, received.dtype)
         tiles = self._row_tiles(layout, cfg.block_m, remote_first=True)
