@@ -246,7 +246,8 @@ def _acknowledge_kernel(ack_ptrs, rank, epoch, WORLD: tl.constexpr):
     signal_ready(ack_ptrs, rank, epoch, WORLD)
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_blocks", "first_block", "epoch", "spin_limit"])  # one variant for all steps
+# one variant for all steps
+@triton.jit(do_not_specialize=["num_rows", "num_blocks", "first_block", "epoch", "spin_limit"])
 def _push_gradient_kernel(grad_ptr, token_ptr, weight_ptr, dest_rank_ptr, dest_row_ptr, rows_ptrs, ready_ptrs,
                           ack_ptr, error_ptr, rank, num_rows, num_blocks, first_block, slots_per_rank, epoch,
                           spin_limit, D_MODEL: tl.constexpr, WORLD: tl.constexpr, BLOCK_R: tl.constexpr,

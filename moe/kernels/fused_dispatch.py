@@ -24,10 +24,10 @@ find room. After the GEMM a one-program kernel acknowledges the epoch to every s
 
 Backward (`start_backward` on the owner, `finish_backward` on the source): a13 = x @ w13[e], which the forward GEMM
 stores when training (`finish(a13_out=...)`; recomputed otherwise), gives da13 = [da1 | da3] in one kernel
-(moe.kernels.swiglu_backward) and dw13 = x_e^T @ da13_e (torch); a persistent GEMM computes dx tiles = da13 @ w13[e]^T (= da1 @ w1[e]^T +
-da3 @ w3[e]^T: one k loop over 2 * ffn), tiles holding rows of remote sources first (rank + 1 first), stores each
-row at its source's permuted row in the source's gradient buffer and raises flag (owner, row tile, column block)
-in every rank. Each source knows from C which owner tile holds each of its rows, and sums every token's kept rows
+(moe.kernels.swiglu_backward) and dw13 = x_e^T @ da13_e (torch); a persistent GEMM computes dx tiles =
+da13 @ w13[e]^T (= da1 @ w1[e]^T + da3 @ w3[e]^T: one k loop over 2 * ffn), tiles holding rows of remote sources
+first (rank + 1 first), stores each row at its source's permuted row in the source's gradient buffer and raises
+flag (owner, row tile, column block) in every rank. Each source knows from C which owner tile holds each of its rows, and sums every token's kept rows
 as their flags come up (FusedCombine's consumer kernel with unit weights); it then acknowledges the epoch to the
 owners, who wait for that before the next store.
 
