@@ -71,21 +71,33 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int)
     # Row i of a run (an expert's rows on the source side, a block on the owner side) that starts at row `first`
     # of its side maps to `start + (i - first)`. Both sides in one expansion: [rank, start - first] per run, then
     # the row index added (the owner side's rows are numbered after the source side's, which its shift undoes).
-    # Three device ops: each is ~30 us of host time on the H200 hosts, and the GPU waits for them.
+    # Three device ops: each is ~30 us of host time on the H200 hosts, and the GPU waits for them. Each side
+    # starts on a 16-byte boundary (filler rows after each side, in runs of their own): Triton specialises
+    # pointers on that alignment, and a changing one would compile kernels anew in the middle of training.
     num_sent, num_received = int(mine.sum()), int(my_blocks.sum())
-    runs = torch.stack([torch.cat([dest_of_expert, sources]),
-                        torch.cat([block_of_expert - source_starts[rank],
-                                   source_starts[sources, experts] - recv_offsets[:-1] - num_sent])])
-    runs, run_rows, recv_offsets = host_to_device([runs, torch.cat([mine, my_blocks]), recv_offsets], counts.device)
-    rows = torch.repeat_interleave(runs, run_rows, dim=1, output_size=num_sent + num_received)
-    rows[1] += torch.arange(num_sent + num_received, device=counts.device)
+    sent_span, span = _even(num_sent), _even(num_sent) + _even(num_received)
+    zero = torch.zeros(1, dtype=torch.int64)
+    runs = torch.stack([torch.cat([dest_of_expert, zero, sources, zero]),
+                        torch.cat([block_of_expert - source_starts[rank], zero,
+                                   source_starts[sources, experts] - recv_offsets[:-1] - sent_span, zero])])
+    sizes = torch.cat([mine, torch.tensor([sent_span - num_sent]), my_blocks,
+                       torch.tensor([span - sent_span - num_received])])
+    runs, sizes, recv_offsets = host_to_device([runs, sizes, recv_offsets], counts.device)
+    rows = torch.repeat_interleave(runs, sizes, dim=1, output_size=span)
+    rows[1] += torch.arange(span, device=counts.device)
+    send, recv = rows[:, :num_sent], rows[:, sent_span:sent_span + num_received]
     recv_rows = owner_blocks.reshape(world, -1).sum(dim=1)
     return ExpertLayout(
         counts=counts, host_counts=c, rank=rank, world=world, num_local_experts=num_local_experts,
-        send_dest_rank=rows[0, :num_sent], send_dest_row=rows[1, :num_sent], host_dest_block_start=block_of_expert,
-        recv_offsets=recv_offsets, recv_source_rank=rows[0, num_sent:], recv_source_row=rows[1, num_sent:],
+        send_dest_rank=send[0], send_dest_row=send[1], host_dest_block_start=block_of_expert,
+        recv_offsets=recv_offsets, recv_source_rank=recv[0], recv_source_row=recv[1],
         tokens_per_local_expert=owner_blocks[rank].sum(dim=1).tolist(),
         max_recv_rows=int(recv_rows.max()), max_send_rows=int(c.sum(dim=1).max()))
+
+
+def _even(n: int) -> int:
+    """n rounded up to a multiple of 2: int64 rows of that many end on a 16-byte boundary."""
+    return n + n % 2
 
 
 def expert_row_tiles(sizes: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
