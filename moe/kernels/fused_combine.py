@@ -39,7 +39,7 @@ from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout, expert_row_tiles
-from moe.experts import _grouped_mm_works, group_ends
+from moe.experts import grouped_weight_grad
 from moe.permute import Permutation, unpermute
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -487,18 +487,6 @@ class FusedCombine:
         sizes, = host_to_device([torch.minimum(begin + self.blocks.block_m, end) - begin],
                                 layout.send_dest_rank.device)
         return torch.repeat_interleave(sizes, output_size=layout.send_dest_rank.numel())
-
-
-def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """[groups, x cols, grad cols]: x_e^T @ grad_e per group of rows (zero for a group without rows)."""
-    if not x.shape[0]:
-        return x.new_zeros(len(counts), x.shape[1], grad.shape[1])
-    if x.is_cuda and _grouped_mm_works(x.device, x.dtype, x.shape[1], grad.shape[1]):
-        out = torch._grouped_mm(x.t(), grad, offs=group_ends(counts, x.device))
-        for e in (e for e, n in enumerate(counts) if n == 0):  # torch._grouped_mm leaves these unwritten
-            out[e].zero_()
-        return out
-    return torch.stack([a.t() @ g for a, g in zip(torch.split(x, counts), torch.split(grad, counts))])
 
 
 def _round_up(rows: int) -> int:
