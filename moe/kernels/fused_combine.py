@@ -44,8 +44,8 @@ from moe.permute import Permutation, unpermute
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 # Per-call ints of the kernels here and in fused_dispatch are do_not_specialize: Triton specialises an int on == 1 and
-# on % 16 == 0, so epoch 16 (or a new row count) would compile another variant in the middle of training (0.4-0.8 s
-# a kernel on the H200 hosts, 2026-11-23).
+# on % 16 == 0, so epoch 16 (or a new row count) would compile other variants in the middle of training (the 16th
+# forward of a layer took 840 ms on 2 x H200, 2026-11-23).
 
 
 def dot_precision(dtype: torch.dtype, device: torch.device) -> str | None:
