@@ -35,7 +35,8 @@ class ExpertLayout:
     host_dest_block_start: torch.Tensor  # int64 [num_experts] on the CPU: where this rank's rows of expert g start in
     # the receive rows of g's owner
     # this rank as an owner: the rows its experts receive
-    recv_offsets: torch.Tensor  # int64 [num_local_experts * world + 1]: block (e, s) starts at [e * world + s]
+    recv_offsets: torch.Tensor  # int64 [num_local_experts * world + 1] on the CPU: block (e, s) starts at
+    # [e * world + s] (the host builds the owners' tile tables from it)
     recv_source_rank: torch.Tensor  # int64 [rows received]
     recv_source_row: torch.Tensor  # int64 [rows received]: row in the source's permuted rows
     tokens_per_local_expert: list[int]
@@ -82,7 +83,7 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int)
                                    source_starts[sources, experts] - recv_offsets[:-1] - sent_span, zero])])
     sizes = torch.cat([mine, torch.tensor([sent_span - num_sent]), my_blocks,
                        torch.tensor([span - sent_span - num_received])])
-    runs, sizes, recv_offsets = host_to_device([runs, sizes, recv_offsets], counts.device)
+    runs, sizes = host_to_device([runs, sizes], counts.device)
     rows = torch.repeat_interleave(runs, sizes, dim=1, output_size=span)
     rows[1] += torch.arange(span, device=counts.device)
     send, recv = rows[:, :num_sent], rows[:, sent_span:sent_span + num_received]

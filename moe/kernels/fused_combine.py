@@ -329,7 +329,7 @@ class FusedCombine:
             return self._plan
         counts = layout.host_counts
         rows, ready, ack = self._buffers(counts, dtype)
-        tiles, = host_to_device([self._owner_tiles(counts)], self.ws.device)
+        tiles, = host_to_device([self._owner_tiles(layout)], self.ws.device)
         self._plan = CombinePlan(layout, dtype, rows, ready, ack, tiles, self._tile_of_row(layout))
         return self._plan
 
@@ -458,12 +458,11 @@ class FusedCombine:
         ack = self.ws.buffer("combine_ack", self.world, torch.int32)
         return rows, ready, ack
 
-    def _owner_tiles(self, counts: torch.Tensor) -> torch.Tensor:
+    def _owner_tiles(self, layout: ExpertLayout) -> torch.Tensor:
         """int64 [6, row tiles]: first h row, rows, local expert, source, first source row, flag slot; tiles of
         remote sources first (rotated by rank), then this rank's own."""
         bm, world, local = self.blocks.block_m, self.world, self.num_local_experts
-        blocks = counts[:, self.rank * local:(self.rank + 1) * local].t().reshape(-1)  # receive order (e, s)
-        recv_offsets = torch.cumsum(blocks, 0) - blocks
+        counts, recv_offsets = layout.host_counts, layout.recv_offsets
         tiles_per = triton.cdiv(counts, bm)  # [source, global expert]
         slot_base = torch.cumsum(tiles_per, 1) - tiles_per
         source_start = torch.cumsum(counts, 1) - counts

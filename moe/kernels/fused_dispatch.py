@@ -514,7 +514,7 @@ class FusedDispatch:
         host from the counts (a few hundred tiles) and sent in one copy: no device op before the GEMM's launch."""
         L, world = self.num_local_experts, self.world
         blocks = layout.host_counts[:, self.rank * L:(self.rank + 1) * L].t()  # [local expert, source] rows
-        block_start = (torch.cumsum(blocks.reshape(-1), 0) - blocks.reshape(-1)).view(L, world)
+        block_start = layout.recv_offsets[:-1].view(L, world)
         expert, begin, end = expert_row_tiles(blocks.sum(dim=1), block_m)
         # Source s's rows of expert e are block (e, s): a tile reads from s if that block meets its rows.
         lo = block_start[expert]
