@@ -40,6 +40,7 @@ from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout, expert_row_tiles
 from moe.experts import grouped_weight_grad
+from moe.kernels.tile_order import grouped_tile
 from moe.permute import Permutation, unpermute
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -137,7 +138,8 @@ def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, out_ptrs, ready_ptrs, ack_ptr,
                         num_row_tiles, num_programs, epoch, spin_limit,
                         FFN: tl.constexpr, D_MODEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """Persistent: tiles pid, pid + P, ... of (row tile, column block); the tile table is remote-first."""
+    """Persistent: steps pid, pid + P, ... of the (row tile, column block) walk in grouped order (tile_order); the
+    tile table is remote-first."""
     N_COL: tl.constexpr = (D_MODEL + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)
@@ -145,8 +147,7 @@ def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, out_ptrs, ready_ptrs, ack_ptr,
     ks = tl.arange(0, BLOCK_K)
     t = pid
     while t < num_row_tiles * N_COL:
-        tile = t // N_COL
-        col = t % N_COL
+        tile, col = grouped_tile(t, num_row_tiles, N_COL)
         # tile table rows: first h row, row count, local expert, source rank, first source row, flag slot
         h_row = tl.load(tiles_ptr + tile)
         count = tl.load(tiles_ptr + num_row_tiles + tile)
@@ -277,10 +278,11 @@ def _gradient_gemm_kernel(g_ptr, w2_ptr, out_ptr, tiles_ptr, source_rank_ptr, so
                           num_row_tiles, slots_per_rank, epoch, spin_limit,
                           FFN: tl.constexpr, D_MODEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (row tile, ffn block): grad_h = g @ w2[e]^T once the tile's rows have arrived."""
+    """Program (row tile, ffn block), in grouped order (tile_order): grad_h = g @ w2[e]^T once the tile's rows have
+    arrived."""
     N_COL: tl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N
-    tile = tl.program_id(0) // N_COL
-    n = (tl.program_id(0) % N_COL) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile, col = grouped_tile(tl.program_id(0), num_row_tiles, N_COL)
+    n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     expert = tl.load(tiles_ptr + tile)
     rows = tl.load(tiles_ptr + num_row_tiles + tile) + tl.arange(0, BLOCK_M)
     row_mask = rows < tl.load(tiles_ptr + 2 * num_row_tiles + tile)

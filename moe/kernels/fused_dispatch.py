@@ -17,8 +17,9 @@ expert e's rows are recv_offsets[e * world] .. recv_offsets[(e + 1) * world]. A 
 straight from x (no wait: the push copies them into the buffer only for `received`) and polls (bounded) the flags
 of its other rows, then computes h = silu(x @ w1[e]) * (x @ w3[e]) with both products sharing the A tile (fp32
 accumulation); w1 and w3 are the column halves of the experts' w13 [L, d_model, 2 * ffn], read in place.
-Persistent programs take tiles from a counter, in walk order: tiles whose rows all came from this rank first,
-then by the source whose rows arrive last (rank - 1 pushes to this rank first). On GPUs the push runs on a side
+Persistent programs take tiles from a counter, row tiles in walk order (grouped: moe.kernels.tile_order): tiles
+whose rows all came from this rank first, then by the source whose rows arrive last (rank - 1 pushes to this rank
+first). On GPUs the push runs on a side
 stream, so the GEMM overlaps it; the GEMM leaves PUSH_SMS SMs free, so that the pushes the peers wait for always
 find room. After the GEMM a one-program kernel acknowledges the epoch to every source.
 
@@ -53,6 +54,7 @@ from moe.expert_layout import ExpertLayout, expert_row_tiles
 from moe.experts import _grouped_mm_works, group_ends, grouped_weight_grad, swiglu
 from moe.kernels.fused_combine import TL_DTYPES, _weighted_unpermute_kernel, dot_precision
 from moe.kernels.swiglu_backward import swiglu_backward
+from moe.kernels.tile_order import grouped_tile
 from moe.permute import Permutation
 
 PUSH_TILE_ELEMENTS = 8192  # elements a push program moves per step ([block_m, BLOCK_D]): 16-byte stores, no spills
@@ -146,12 +148,13 @@ def _poll(flags, mask, epoch, BLOCK: tl.constexpr):
 
 @triton.jit
 def _row_tile(t, tiles_ptr, num_row_tiles, col_blocks, BLOCK_M: tl.constexpr):
-    """Walk step t -> (row tile id, its local expert, first row, rows, row mask, column block)."""
-    mt = tl.load(tiles_ptr + 3 * num_row_tiles + t // col_blocks)
+    """Walk step t (in grouped order) -> (row tile id, its local expert, first row, rows, row mask, column block)."""
+    position, col = grouped_tile(t, num_row_tiles, col_blocks)
+    mt = tl.load(tiles_ptr + 3 * num_row_tiles + position)
     expert = tl.load(tiles_ptr + mt)
     begin = tl.load(tiles_ptr + num_row_tiles + mt)
     rows = begin + tl.arange(0, BLOCK_M)
-    return mt, expert, begin, rows, rows < tl.load(tiles_ptr + 2 * num_row_tiles + mt), t % col_blocks
+    return mt, expert, begin, rows, rows < tl.load(tiles_ptr + 2 * num_row_tiles + mt), col
 
 
 @triton.jit(do_not_specialize=["num_row_tiles", "epoch", "flag_stride", "num_tiles", "spin_limit"])
