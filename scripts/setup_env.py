@@ -93,7 +93,7 @@ PLOT_DEPS = ["numpy", "packaging", "six", "python-dateutil", "pyparsing", "cycle
              "pillow", "contourpy", "matplotlib"]
 # Imported after an offline install to check the result.
 VERIFY_MODULES = [
-    "torch", "fbgemm_gpu", "torchrec", "hydra", "omegaconf", "torchmetrics", "tqdm", "tensordict", "iopath",
+    "torch", "fbgemm_gpu", "torchrec", "hydra", "omegaconf", "torchmetrics", "tqdm", "tensordict", "iopath", "numpy",
 ]
 # Import name -> distribution, where they differ by more than "_" vs "-" (for error messages).
 MODULE_DISTRIBUTIONS = {"hydra": "hydra-core", "antlr4": "antlr4-python3-runtime", "yaml": "PyYAML"}

@@ -228,7 +228,7 @@ IMAGE_WHEELS = [
     "torchrec-1.6.1-py312-none-any.whl",
 ]
 # What that image has of what the plan looks at (numpy, pyyaml, ... it has too).
-IMAGE_VERSIONS = {"pyre-extensions": "0.0.32", "torchmetrics": "1.8.2", "tqdm": "4.67.1", "pytest": "8.4.1"}
+IMAGE_VERSIONS = {"numpy": "2.1.2", "pyre-extensions": "0.0.32", "torchmetrics": "1.8.2", "tqdm": "4.67.1", "pytest": "8.4.1"}
 CPU_16 = se.Pairing("fbgemm-gpu-cpu", "1.6.0", "1.6.1")
 # ... and after the offline install.
 IMAGE_DONE = {**IMAGE_VERSIONS, "fbgemm-gpu-cpu": "1.6.0", "torchrec": "1.6.1", "tensordict": "0.15.3",
@@ -262,7 +262,8 @@ def test_plan_offline_gpu_image(tmp_path):
 def test_plan_offline_every_install_is_no_deps_and_no_index(tmp_path, target):
     wheels = [*IMAGE_WHEELS, "triton-3.6.0-cp312-cp312-manylinux_2_27_x86_64.whl",
               "pyre_extensions-0.0.32-py3-none-any.whl", "torchmetrics-1.8.2-py3-none-any.whl",
-              "tqdm-4.67.1-py3-none-any.whl", "pytest-8.4.1-py3-none-any.whl"]
+              "tqdm-4.67.1-py3-none-any.whl", "pytest-8.4.1-py3-none-any.whl",
+              "numpy-2.1.2-cp312-cp312-manylinux_2_17_x86_64.whl"]
     opts = _offline_opts(tmp_path, wheels, test=True, target=tmp_path / "site" if target else None)
     cmds = se.plan_commands(CPU_16, _state({}, triton_ok=False, project_editable=False), opts, None)
     installs = _installs(cmds)
@@ -272,7 +273,7 @@ def test_plan_offline_every_install_is_no_deps_and_no_index(tmp_path, target):
         assert not {"-c", "--report", "--dry-run", "-r"} & set(cmd), cmd
     reqs = installs[0][installs[0].index("--upgrade") + 1:] if target else installs[0][8:]
     assert reqs == [*OFFLINE_ORDER[:2], "triton==3.6.0", *OFFLINE_ORDER[2:4], "pyre-extensions",
-                    *OFFLINE_ORDER[4:], "torchmetrics>=1.0", "tqdm", "pytest>=7"]
+                    *OFFLINE_ORDER[4:], "torchmetrics>=1.0", "tqdm", "numpy", "pytest>=7"]
     # Without --target the project itself is installed last, editable, also without its deps.
     assert (installs[-1][8:] == ["-e", str(REPO_ROOT)]) is not target
 

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
-def host_to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Host tensors of one dtype -> views of one device tensor, moved in one copy. On GPUs the copy is from
-    pinned memory and non-blocking: a copy from pageable memory waits for the GPU to drain first."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+def host_to_device(arrays: list[torch.Tensor | np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors or numpy arrays of one dtype -> views of one device tensor, moved in one copy. On GPUs the
+    copy is from pinned memory and non-blocking: a copy from pageable memory waits for the GPU to drain first.
+    The MoE layer builds its tables in numpy: an op on a small array costs ~1 us of host time there, a torch op on
+    a CPU tensor ~10 us on the GPU hosts, and the GPU waits for that host work."""
+    if all(isinstance(a, np.ndarray) for a in arrays):
+        flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]))
+    else:
+        flat = torch.cat([torch.as_tensor(a).reshape(-1) for a in arrays])
     flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
-    return [part.view(t.shape) for part, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors)]
+    if len(arrays) == 1:
+        return [flat.view(tuple(arrays[0].shape))]
+    return [part.view(tuple(a.shape)) for part, a in zip(torch.split(flat, [int(np.prod(a.shape)) for a in arrays]),
+                                                         arrays)]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -444,14 +445,14 @@ class FusedCombine:
         rows = self.ws.buffer("combine_grad_rows", _round_up(layout.max_recv_rows) * self.d_model, dtype)
         ready = self.ws.buffer(f"combine_grad_ready_{slots}", self.world * slots, torch.int32)
         ack = self.ws.buffer("combine_grad_ack", self.world, torch.int32)
-        tiles = torch.stack(expert_row_tiles(torch.tensor(layout.tokens_per_local_expert), self.blocks.block_m))
+        tiles = np.stack(expert_row_tiles(layout.tokens_per_local_expert, self.blocks.block_m))
         self._grad = (layout, dtype, rows, ready, ack, slots, host_to_device([tiles], self.ws.device)[0])
         return rows, ready, ack, slots
 
-    def _buffers(self, counts: torch.Tensor, dtype: torch.dtype):
+    def _buffers(self, counts: np.ndarray, dtype: torch.dtype):
         """The combine rows, the flags and the acks, sized from C alone (so every rank asks for the same)."""
-        max_rows = int(counts.sum(dim=1).max())
-        slots = int(triton.cdiv(counts, self.blocks.block_m).sum(dim=1).max())
+        max_rows = int(counts.sum(axis=1).max())
+        slots = int(triton.cdiv(counts, self.blocks.block_m).sum(axis=1).max())
         # Grown in steps of about 1/8 so that changing loads rarely re-allocate (a collective on GPUs).
         rows = self.ws.buffer("combine_rows", _round_up(max_rows) * self.d_model, dtype)
         # Flags are never reset, so a larger flag buffer is a new one; zeros read as "not ready" for any epoch.
@@ -460,32 +461,32 @@ class FusedCombine:
         ack = self.ws.buffer("combine_ack", self.world, torch.int32)
         return rows, ready, ack
 
-    def _owner_tiles(self, layout: ExpertLayout) -> torch.Tensor:
+    def _owner_tiles(self, layout: ExpertLayout) -> np.ndarray:
         """int64 [6, row tiles]: first h row, rows, local expert, source, first source row, flag slot; tiles of
         remote sources first (rotated by rank), then this rank's own."""
         bm, world, local = self.blocks.block_m, self.world, self.num_local_experts
         counts, recv_offsets = layout.host_counts, layout.recv_offsets
         tiles_per = triton.cdiv(counts, bm)  # [source, global expert]
-        slot_base = torch.cumsum(tiles_per, 1) - tiles_per
-        source_start = torch.cumsum(counts, 1) - counts
-        sources = torch.tensor(remote_first_order(self.rank, world)).repeat_interleave(local)
-        experts = torch.arange(local).repeat(world)
+        slot_base = np.cumsum(tiles_per, axis=1) - tiles_per
+        source_start = np.cumsum(counts, axis=1) - counts
+        sources = np.repeat(remote_first_order(self.rank, world), local)
+        experts = np.tile(np.arange(local), world)
         g = self.rank * local + experts
         n = tiles_per[sources, g]  # tiles of each (expert, source) block, in walk order
         # Per block, then expanded to its tiles in one go; tile i of a block starts i * bm rows further on.
-        block = torch.repeat_interleave(torch.stack([
+        block = np.repeat(np.stack([
             recv_offsets[experts * world + sources], counts[sources, g], experts, sources, source_start[sources, g],
-            slot_base[sources, g], torch.cumsum(n, 0) - n]), n, dim=1)
-        i = torch.arange(block.shape[1]) - block[6]
-        return torch.stack([block[0] + i * bm, torch.clamp(block[1] - i * bm, max=bm), block[2], block[3],
-                            block[4] + i * bm, block[5] + i])
+            slot_base[sources, g], np.cumsum(n) - n]), n, axis=1)
+        i = np.arange(block.shape[1]) - block[6]
+        return np.stack([block[0] + i * bm, np.minimum(block[1] - i * bm, bm), block[2], block[3],
+                         block[4] + i * bm, block[5] + i])
 
     def _tile_of_row(self, layout: ExpertLayout) -> torch.Tensor:
         """int64 [this rank's permuted rows]: the flag slot (without the column block) of each row's tile. Slots
         number the tiles in row order (expert by expert), so slot k repeats over tile k's rows: the tile sizes
         come from the counts on the host, then one expansion on the device."""
         _, begin, end = expert_row_tiles(layout.host_counts[self.rank], self.blocks.block_m)
-        sizes, = host_to_device([torch.minimum(begin + self.blocks.block_m, end) - begin],
+        sizes, = host_to_device([np.minimum(begin + self.blocks.block_m, end) - begin],
                                 layout.send_dest_rank.device)
         return torch.repeat_interleave(sizes, output_size=layout.send_dest_rank.numel())
 

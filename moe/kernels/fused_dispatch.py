@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -380,12 +381,13 @@ class FusedDispatch:
         """int64 [world * (chunks + 1)]: this rank's permuted rows of unit (d, c) are [bounds[d, c], bounds[d, c +
         1]): those before owner d, plus, of each of its blocks in d (one per local expert of d, in order), the rows
         that land before receive row c * chunk. On the host from the counts, sent in one copy."""
-        sent = layout.host_counts[self.rank].view(self.world, self.num_local_experts)  # [owner, local expert]
-        block_start = layout.host_dest_block_start.view(self.world, self.num_local_experts)
-        before_owner = torch.cumsum(sent.sum(dim=1), 0) - sent.sum(dim=1)
-        chunk_start = torch.arange(chunks + 1) * self.chunk
-        landed = (chunk_start[None, :, None] - block_start[:, None, :]).clamp(min=0).minimum(sent[:, None, :])
-        bounds = before_owner[:, None] + landed.sum(dim=2)
+        sent = layout.host_counts[self.rank].reshape(self.world, self.num_local_experts)  # [owner, local expert]
+        block_start = layout.host_dest_block_start.reshape(self.world, self.num_local_experts)
+        per_owner = sent.sum(axis=1)
+        before_owner = np.cumsum(per_owner) - per_owner
+        chunk_start = np.arange(chunks + 1) * self.chunk
+        landed = np.minimum(np.maximum(chunk_start[None, :, None] - block_start[:, None, :], 0), sent[:, None, :])
+        bounds = before_owner[:, None] + landed.sum(axis=2)
         return host_to_device([bounds.reshape(-1)], layout.send_dest_row.device)[0]
 
     def finish(self, epoch: int, layout: ExpertLayout, w13: torch.Tensor, a13_out: torch.Tensor | None = None
@@ -493,18 +495,17 @@ class FusedDispatch:
         expert g are one run in g's owner, which the owner's tiles cut into pieces; each piece's slot and length
         come from the counts on the host, then one expansion on the device."""
         c, L = layout.host_counts, self.num_local_experts
-        sizes = c.sum(dim=0).view(self.world, L)  # [owner, local expert] rows
+        sizes = c.sum(axis=0).reshape(self.world, L)  # [owner, local expert] rows
         tiles = (sizes + block_m - 1) // block_m
-        tile_base, row_base = torch.cumsum(tiles, 1) - tiles, torch.cumsum(sizes, 1) - sizes
-        owner, expert = torch.arange(c.shape[1]) // L, torch.arange(c.shape[1]) % L
+        tile_base, row_base = np.cumsum(tiles, axis=1) - tiles, np.cumsum(sizes, axis=1) - sizes
+        owner, expert = np.divmod(np.arange(c.shape[1]), L)
         sent = c[self.rank]
         start = layout.host_dest_block_start - row_base[owner, expert]  # of g's run within its owner's expert
         first_tile = start // block_m
-        pieces = torch.where(sent > 0, (start + sent - 1) // block_m - first_tile + 1, 0)
-        g = torch.repeat_interleave(torch.arange(c.shape[1]), pieces)
-        tile = first_tile[g] + torch.arange(g.numel()) - (torch.cumsum(pieces, 0) - pieces)[g]
-        length = (torch.minimum((tile + 1) * block_m, start[g] + sent[g])
-                  - torch.maximum(tile * block_m, start[g]))
+        pieces = np.where(sent > 0, (start + sent - 1) // block_m - first_tile + 1, 0)
+        g = np.repeat(np.arange(c.shape[1]), pieces)
+        tile = first_tile[g] + np.arange(g.size) - (np.cumsum(pieces) - pieces)[g]
+        length = np.minimum((tile + 1) * block_m, start[g] + sent[g]) - np.maximum(tile * block_m, start[g])
         slot = owner[g] * tiles_per_rank + tile_base[owner[g], expert[g]] + tile
         slot, length = host_to_device([slot, length], layout.send_dest_rank.device)
         return torch.repeat_interleave(slot, length, output_size=layout.send_dest_rank.numel())
@@ -516,17 +517,17 @@ class FusedDispatch:
         rotated rank of the tile's sources, rank + 1 first, tiles holding this rank's rows last. Computed on the
         host from the counts (a few hundred tiles) and sent in one copy: no device op before the GEMM's launch."""
         L, world = self.num_local_experts, self.world
-        blocks = layout.host_counts[:, self.rank * L:(self.rank + 1) * L].t()  # [local expert, source] rows
-        block_start = layout.recv_offsets[:-1].view(L, world)
-        expert, begin, end = expert_row_tiles(blocks.sum(dim=1), block_m)
+        blocks = layout.host_counts[:, self.rank * L:(self.rank + 1) * L].T  # [local expert, source] rows
+        block_start = layout.recv_offsets[:-1].reshape(L, world)
+        expert, begin, end = expert_row_tiles(blocks.sum(axis=1), block_m)
         # Source s's rows of expert e are block (e, s): a tile reads from s if that block meets its rows.
         lo = block_start[expert]
-        reads = ((blocks[expert] > 0) & (lo < torch.minimum(begin + block_m, end)[:, None])
+        reads = ((blocks[expert] > 0) & (lo < np.minimum(begin + block_m, end)[:, None])
                  & (lo + blocks[expert] > begin[:, None]))
-        sources = torch.arange(world)
+        sources = np.arange(world)
         rotated = (sources - self.rank - 1) % world if remote_first else (self.rank - sources) % world
-        order = torch.sort(torch.where(reads, rotated, 0).amax(dim=1), stable=True).indices
-        return host_to_device([torch.stack([expert, begin, end, order])], layout.recv_source_rank.device)[0]
+        order = np.argsort(np.where(reads, rotated, 0).max(axis=1, initial=0), kind="stable")
+        return host_to_device([np.stack([expert, begin, end, order])], layout.recv_source_rank.device)[0]
 
     def _gemm_programs(self, num_tiles: int) -> int:
         """Persistent GEMM programs. On GPUs the tiles wait for flags that push kernels raise (this GPU's on the
