@@ -37,7 +37,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.sparse import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.torchrec_sharder import (FusedEmbeddingBagCollectionSharder, TableWiseShardedEBC,
-                                                table_wise_plan_from_torchrec)
+                                                table_wise_plan_from_torchrec, torchrec_in_backward_optimizer)
 from bags import global_batch, to_kjt
 from world import run_world
 
@@ -84,10 +84,8 @@ def stock_torchrec(reference: EmbeddingBagCollection, owner: dict[str, int], opt
                    world: int) -> DistributedModelParallel:
     """torchrec's own sharding of the same tables: table-wise, FUSED, placed as `owner` says."""
     model = SparseModel(copy.deepcopy(reference))
-    if optimizer == "sgd":
-        apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": LR})  # -> EXACT_SGD
-    else:
-        apply_optimizer_in_backward(RowWiseAdagrad, model.ebc.parameters(), {"lr": LR, "eps": EPS})  # EXACT_ROWWISE
+    optimizer_class, kwargs = torchrec_in_backward_optimizer(EmbeddingOptimizerConfig(optimizer, lr=LR, eps=EPS))
+    apply_optimizer_in_backward(optimizer_class, model.ebc.parameters(), kwargs)  # -> EXACT_SGD / EXACT_ROWWISE_...
     sharder = EmbeddingBagCollectionSharder()
     module_plan = construct_module_sharding_plan(
         model.ebc, {name: table_wise(rank=r, compute_kernel="fused") for name, r in owner.items()},

@@ -39,12 +39,14 @@ def run_world(world_size: int, fn, *args, backend: str = "gloo") -> None:
         mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), backend, fn, args), nprocs=world_size, join=True)
 
 
-def run_torchrun(args: list[str], nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node=<nproc> --standalone train.py <args>` from the repository root; fails on error."""
+def run_torchrun(args: list[str], nproc: int = 2, timeout: int = 600,
+                 program: tuple[str, ...] = ("train.py",)) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=<nproc> --standalone <program> <args>` from the repository root; fails on error.
+    program: a script, or ("-m", module)."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", "train.py",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *program,
            *args]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -1,10 +1,10 @@
-"""python -m fused_dlrm.bench <suite> [options]; suites: embedding, tp."""
+"""python -m fused_dlrm.bench <suite> [options]; suites: embedding, tp, dlrm_step."""
 
 import sys
 
-from fused_dlrm.bench import embedding, tp
+from fused_dlrm.bench import dlrm_step, embedding, tp
 
-SUITES = {"embedding": embedding.main, "tp": tp.main}
+SUITES = {"embedding": embedding.main, "tp": tp.main, "dlrm_step": dlrm_step.main}
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in SUITES:

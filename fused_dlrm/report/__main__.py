@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from fused_dlrm.dist import destroy_distributed, init_distributed
 from fused_dlrm.report import write_report
-from fused_dlrm.train.rundir import agree_on_run_dir, register_resolvers
-
-CONF = Path(__file__).resolve().parents[2] / "conf"
+from fused_dlrm.train.build import compose_config
+from fused_dlrm.train.rundir import agree_on_run_dir
 
 
 def main(overrides: list[str]) -> None:
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        full = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    full = compose_config(overrides, return_hydra_config=True)
     run_dir = full.hydra.run.dir
     cfg = OmegaConf.masked_copy(full, [k for k in full if k != "hydra"])
     logging.basicConfig(level=logging.INFO, force=True, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")

@@ -26,6 +26,12 @@ def repeats(env: DistEnv) -> tuple[int, int]:
     return (10, 50) if env.device.type == "cuda" else (1, 5)
 
 
+def timing_method(env: DistEnv, warmup: int, iters: int) -> dict:
+    """How time_ms took the times, written next to them."""
+    return {"method": "CUDA events" if env.device.type == "cuda" else "host perf_counter",
+            "warmup": warmup, "iters": iters, "statistic": "median over iters, slowest rank"}
+
+
 def measure_bandwidth(env: DistEnv) -> float | None:
     """Peer write bandwidth in bytes/s, or None where it cannot be measured (CPU, one process)."""
     if env.device.type != "cuda" or env.world_size == 1:
@@ -69,7 +75,6 @@ def measure(layers: list[CommLayer], env: DistEnv) -> dict:
     warmup, iters = repeats(env)
     bandwidth = measure_bandwidth(env)
     entries = [measure_layer(layer, env, bandwidth, warmup, iters) for layer in layers]
-    return {"timing": {"method": "CUDA events" if env.device.type == "cuda" else "host perf_counter",
-                       "warmup": warmup, "iters": iters, "statistic": "median over iters, slowest rank"},
+    return {"timing": timing_method(env, warmup, iters),
             "peer_bandwidth_GBps": bandwidth / 1e9 if bandwidth else None,
             "layers": entries}

@@ -46,6 +46,11 @@ def divide_gradient_like_torchrec(values: torch.Tensor, world_size: int) -> torc
 _DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 
 
+def table_seeds(tables: list[EmbeddingBagConfig], seed: int) -> dict[str, int]:
+    """The seed of each table's initialisation (init_table): from its place in the config, not from the plan."""
+    return {t.name: seed * 100_003 + i for i, t in enumerate(tables)}
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: list[EmbeddingBagConfig], optimizer: EmbeddingOptimizerConfig,
                  device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None,
@@ -77,7 +82,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             input_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
         self.input_dist = BulkInputDist(features_of_rank, {f: (t.name, t.num_embeddings) for t in tables
                                                            for f in t.feature_names}, input_group)
-        seeds = {t.name: seed * 100_003 + i for i, t in enumerate(tables)}  # a table's init ignores the plan
+        seeds = table_seeds(tables, seed)
         self.embedding_bags = nn.ModuleDict(
             {t.name: Table(init_table(t, seeds[t.name], device).to(_DTYPES[t.data_type.name]))
              for t in tables_of_rank[self.rank]})

@@ -55,6 +55,7 @@ from torchrec.distributed.types import (
     ShardingType,
 )
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.streamable import Multistreamable
 
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, FusedPooledAllToAll
@@ -105,6 +106,14 @@ def build_seams(comm: str, tables: list[EmbeddingBagConfig], optimizer: Embeddin
                                          comm=FusedCommConfig() if comm == "fused" else None)
     return Seams(input_dist=core.input_dist, lookup=core.lookup,
                  output_dist=core.output_dist, embedding_bags=core.embedding_bags, exchange=core.fused)
+
+
+def torchrec_in_backward_optimizer(config: EmbeddingOptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict]:
+    """(class, kwargs) for torchrec's apply_optimizer_in_backward that make its stock EmbeddingBagCollectionSharder
+    run the same update as `config` (fbgemm's EXACT_SGD / EXACT_ROWWISE_ADAGRAD)."""
+    if config.name == "sgd":
+        return torch.optim.SGD, {"lr": config.lr}
+    return RowWiseAdagrad, {"lr": config.lr, "eps": config.eps}
 
 
 # ----------------------------------------------------------------------------------------------------------------

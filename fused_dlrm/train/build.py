@@ -3,29 +3,48 @@
 from __future__ import annotations
 
 from itertools import count
-from typing import Iterator
+from pathlib import Path
+from typing import Iterator, Sequence
 
 import torch
+from hydra import compose, initialize_config_dir
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torchrec import EmbeddingBagConfig
 from torchrec.datasets.utils import Batch
 
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.models.dlrm import build_dlrm, data_parallel, make_tables
 from fused_dlrm.sparse import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
+from fused_dlrm.train.rundir import register_resolvers
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def compose_config(overrides: Sequence[str], return_hydra_config: bool = False) -> DictConfig:
+    """The config train.py would run with these overrides, composed from the repository's conf/ (for entry points
+    that are not @hydra.main: the report, the benchmarks)."""
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides), return_hydra_config=return_hydra_config)
 
 
 def feature_names(data_cfg: DictConfig) -> list[str]:
     return [f"cat_{i}" for i in range(data_cfg.num_sparse)]
 
 
-def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
+def config_tables(cfg: DictConfig) -> list[EmbeddingBagConfig]:
+    """The embedding tables of cfg's DLRM, one per sparse feature."""
     m = cfg.model
     rows = m.num_rows if isinstance(m.num_rows, int) else list(m.num_rows)
-    tables = make_tables(feature_names(cfg.data), rows, m.embedding_dim, m.pooling, m.data_type)
-    model = build_dlrm(tables, cfg.data.num_dense, m.dense_arch, m.over_arch,
+    return make_tables(feature_names(cfg.data), rows, m.embedding_dim, m.pooling, m.data_type)
+
+
+def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
+    m = cfg.model
+    model = build_dlrm(config_tables(cfg), cfg.data.num_dense, m.dense_arch, m.over_arch,
                        EmbeddingOptimizerConfig(**m.embedding_optimizer), env.device, seed=cfg.seed,
                        comm=fused_comm(cfg.comm))
     return data_parallel(model, cfg.comm.grad_allreduce)

@@ -1,0 +1,152 @@
+"""python -m fused_dlrm.bench dlrm_step on the CPU: torchrec's stock sharder and the project's bulk sharder under
+DistributedModelParallel + TrainPipelineSparseDist, 2 gloo ranks at tiny shapes. Both must train the same model:
+the same shapes, the first step's loss equal to the unsharded model's on the same batch, the same loss at every
+step; the table and the JSON must hold what was measured. The torchrec baseline's "cannot run here" path is
+simulated (this machine has no GPU) and must say why in one line, with no number for it."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import fbgemm_gpu
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection
+
+from fused_dlrm.bench import dlrm_step
+from fused_dlrm.dist import DistEnv, init_distributed
+from fused_dlrm.sparse.lookup import init_table
+from fused_dlrm.sparse.sharded_ebc import table_seeds
+from fused_dlrm.train.build import build_dataset, config_tables
+from world import run_torchrun, run_world
+
+CPU = torch.device("cpu")
+ROWS = [300, 1000, 700, 64, 2000, 500]
+DIM = 8
+# Uneven rows, a global batch that 2 ranks split 19 / 18.
+TINY = [f"model.num_rows=[{','.join(map(str, ROWS))}]", "data.num_sparse=6", f"model.embedding_dim={DIM}",
+        "model.dense_arch=[16,8]", "model.over_arch=[32,1]", "data.global_batch_size=37"]
+WARMUP, STEPS = 1, 3
+
+
+def first_step_loss(args) -> tuple[float, int]:
+    """(the loss of the initial model on the first global batch, its dense parameter count), unsharded in this
+    process: the model every variant starts from, on both ranks' slices of the batch."""
+    cfg = dlrm_step.config(args)
+    cfg.data.train.device = "cpu"
+    model = dlrm_step.build_model(cfg, CPU)
+    dense = sum(p.numel() for p in model.parameters() if not p.is_meta)  # the tables are on the meta device
+    tables = config_tables(cfg)
+    ebc = EmbeddingBagCollection(tables)
+    seeds = table_seeds(tables, cfg.seed)
+    with torch.no_grad():
+        for t in tables:
+            ebc.embedding_bags[t.name].weight.copy_(init_table(t, seeds[t.name], CPU))
+    model.model.sparse_arch.embedding_bag_collection = ebc
+    total, samples = 0.0, 0
+    for rank in range(2):
+        batch = build_dataset(cfg, "train", DistEnv(rank, 2, rank, CPU, "gloo")).batch(0)
+        with torch.no_grad():
+            total += float(model(batch)[0]) * batch.labels.numel()
+        samples += batch.labels.numel()
+    return total / samples, dense
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    return {line.split()[0]: line.split()[1:] for line in stdout.splitlines()
+            if line.split()[:1] and line.split()[0] in dlrm_step.VARIANTS}
+
+
+def test_torchrec_and_bulk_train_the_same_model(tmp_path):
+    out = tmp_path / "dlrm_step.json"
+    argv = ["dlrm_step", "--warmup", str(WARMUP), "--steps", str(STEPS), "--batches", "3", "--out", str(out), *TINY]
+    done = run_torchrun(argv, program=("-m", "fused_dlrm.bench"), timeout=300)
+    report = json.loads(out.read_text())
+    variants = report["variants"]
+    assert list(variants) == ["torchrec", "bulk", "fused"]
+    assert variants["fused"] == {"unavailable": "no fused path on this machine (CPU)"}
+    assert report["timing"] == {"method": "host perf_counter", "warmup": WARMUP, "iters": STEPS,
+                                "statistic": "median over iters, slowest rank"}
+    assert report["environment"]["machine"]["world_size"] == 2
+    assert report["config"]["num_rows"] == ROWS and report["config"]["global_batch_size"] == 37
+
+    expected_loss, dense = first_step_loss(dlrm_step.parse_args(TINY))
+    torchrec, bulk = variants["torchrec"], variants["bulk"]
+    for name, r in (("torchrec", torchrec), ("bulk", bulk)):
+        assert r["warmup_steps"] == WARMUP and r["timed_steps"] == STEPS
+        assert r["steps_run"] == len(r["losses"]) == WARMUP + STEPS, name
+        assert r["loss_first"] == r["losses"][0] and r["loss_last"] == r["losses"][-1], name
+        assert r["loss_first"] == pytest.approx(expected_loss, rel=1e-5), name
+        assert r["global_batch"] == 37 and r["samples_per_s"] == pytest.approx(37e3 / r["step_ms"]), name
+        assert r["model"] == {"tables": len(ROWS), "embedding_parameters": sum(ROWS) * DIM, "dense_parameters": dense}
+        assert r["sharding"]["sharding_types"] == ["table_wise"] and r["sharding"]["compute_kernels"] == ["fused"]
+        assert r["sharding"]["pipelined_modules"] == [r["sharding"]["module"]], name  # the pipeline ran its input dist
+    assert torchrec["sharding"]["module"] == "ShardedEmbeddingBagCollection"  # torchrec's own, fbgemm's TBE
+    assert bulk["sharding"]["module"] == "TableWiseShardedEBC"
+    # Same model, batches and optimizers: the same loss curve (fp32, summation order aside), and it moved.
+    assert bulk["losses"] == pytest.approx(torchrec["losses"], rel=1e-5)
+    assert len(set(torchrec["losses"])) == len(torchrec["losses"])
+    assert torchrec["speedup_vs_torchrec"] == 1.0
+    assert bulk["speedup_vs_torchrec"] == pytest.approx(torchrec["step_ms"] / bulk["step_ms"])
+
+    rows = table_rows(done.stdout)
+    for name, r in (("torchrec", torchrec), ("bulk", bulk)):
+        step_ms, samples, first, last, ratio = rows[name]
+        assert float(step_ms) == pytest.approx(r["step_ms"], abs=1e-3)
+        assert float(samples) == pytest.approx(r["samples_per_s"], abs=1)
+        assert float(first) == pytest.approx(r["loss_first"], abs=1e-5)
+        assert float(last) == pytest.approx(r["loss_last"], abs=1e-5)
+        assert ratio == f"{r['speedup_vs_torchrec']:.2f}x"
+    assert rows["fused"] == "not run: no fused path on this machine (CPU)".split()
+    assert "dlrm_step: fused: no fused path on this machine (CPU)" in done.stdout.splitlines()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The torchrec baseline where it cannot run: on GPUs with fbgemm-gpu's CPU build.
+
+
+def test_check_for_fbgemm_cuda_kernels():
+    reason = dlrm_step.torchrec_unavailable(torch.device("cuda"), cuda_kernels=lambda: False)
+    assert reason.startswith("the torchrec baseline needs fbgemm-gpu (CUDA) and was not run")
+    assert dlrm_step.torchrec_unavailable(torch.device("cuda"), cuda_kernels=lambda: True) is None
+    assert dlrm_step.torchrec_unavailable(CPU, cuda_kernels=lambda: False) is None  # fbgemm's CPU kernels run it
+    if fbgemm_gpu.__variant__ == "cpu":  # CI installs fbgemm-gpu-cpu: the real probe must see no CUDA kernels
+        assert not dlrm_step.fbgemm_cuda_kernels()
+        assert "is its cpu build" in dlrm_step.torchrec_unavailable(torch.device("cuda"))
+
+
+def _suite_without_torchrec(rank: int, world: int, argv: list[str], tmp: str) -> None:
+    real = dlrm_step.torchrec_unavailable
+    # No GPU here: the check as it goes on a GPU whose fbgemm_gpu has no CUDA kernels.
+    dlrm_step.torchrec_unavailable = lambda device: real(torch.device("cuda"), cuda_kernels=lambda: False)
+    args = dlrm_step.parse_args(argv)
+    cfg = dlrm_step.config(args)
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        dlrm_step.run(args, cfg, init_distributed(cfg.trainer.device, cfg.comm.backend))
+    Path(tmp, f"stdout{rank}.txt").write_text(stdout.getvalue())
+
+
+def test_torchrec_baseline_that_cannot_run_says_so(tmp_path):
+    out = tmp_path / "report.json"
+    run_world(1, _suite_without_torchrec, ["--variants", "torchrec,bulk", "--warmup", "0", "--steps", "2",
+                                           "--batches", "2", "--out", str(out), *TINY], str(tmp_path))
+    stdout = (tmp_path / "stdout0.txt").read_text().splitlines()
+    reason = dlrm_step.torchrec_unavailable(torch.device("cuda"), cuda_kernels=lambda: False)
+    assert stdout[0] == f"dlrm_step: torchrec: {reason}"  # one line, up front
+    report = json.loads(out.read_text())
+    assert report["variants"]["torchrec"] == {"unavailable": reason}
+    bulk = report["variants"]["bulk"]
+    assert bulk["steps_run"] == 2 and bulk["speedup_vs_torchrec"] is None  # no baseline: no ratio
+    rows = table_rows("\n".join(stdout))
+    assert rows["torchrec"] == f"not run: {reason}".split()
+    assert rows["bulk"][-1] == "n/a"
+
+
+def test_needs_a_process_group(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit, match="needs a process group .* run it under torchrun"):
+        dlrm_step.main(["--steps", "1", *TINY, "trainer.device=cpu"])
