@@ -197,7 +197,7 @@ class _FusedExperts(torch.autograd.Function):
 
 
 def _combine_programs(device: torch.device) -> int:
-    """Two persistent GEMM programs per SM (96 KB of shared memory and ~100 registers per thread each, so both
-    fit): one's epilogue (stores to peers, flags) overlaps the other's main loop. The interpreter runs programs
-    one after another: a few suffice."""
+    """Two persistent GEMM programs per SM, the grid the GEMM sweeps timed (with 128 x 256 tiles only one fits on
+    an SM at a time: the second half of the grid runs as the first finishes). The interpreter runs programs one
+    after another: a few suffice."""
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4

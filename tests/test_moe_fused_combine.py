@@ -190,24 +190,28 @@ def test_backward_source_that_never_starts_times_out_naming_rank_and_slice():
 
 
 COMPILE_FOR_SM90 = """
+import torch
 from moe.kernels import fused_combine as fc
 
 flags = {n: "*i32" for n in ("ack_ptr", "error_ptr", "ready_ptr")}
 tables = {n: "*i64" for n in ("tiles_ptr", "out_ptrs", "ready_ptrs", "rows_ptrs", "inverse_ptr", "tile_of_row_ptr",
                               "owner_of_row_ptr", "token_ptr", "dest_rank_ptr", "dest_row_ptr", "source_rank_ptr",
                               "source_row_ptr")}
-shape = dict(D_MODEL=2048, BLOCK_N=128)
-for dtype, block_k, stages in (("bf16", 64, 3), ("fp16", 64, 3), ("fp32", 32, 2)):  # as FusedCombine launches them
+b = fc.combine_blocks(torch.device("cuda"))  # the blocks FusedCombine launches on GPUs
+shape = dict(D_MODEL=2048, BLOCK_N=b.block_n)
+for dtype in ("bf16", "fp16", "fp32"):
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    block_k, stages = fc._gemm_steps(b, torch_dtype, True)
     data = {n: "*" + dtype for n in ("h_ptr", "w2_ptr", "rows_ptr", "out_ptr", "copy_ptr", "grad_ptr", "g_ptr")}
     ptrs = {**flags, **tables, **data, "weights_ptr": "*fp32", "weight_ptr": "*fp32"}
     out = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
-    gemm = dict(FFN=1408, BLOCK_M=128, BLOCK_K=block_k, PRECISION="ieee" if dtype == "fp32" else None, **shape)
-    build(fc._expert_down_kernel, ptrs, dict(OUT_DTYPE=out, **gemm), 8, stages)
-    build(fc._gradient_gemm_kernel, ptrs, dict(BLOCK_R=32, **gemm), 8, stages)
-    build(fc._weighted_unpermute_kernel, ptrs, dict(TOP_K=6, K_P2=8, BLOCK_T=16, OUT_DTYPE=out, COPY_ROWS=True,
-                                                           **shape), 4, 3)
-    build(fc._push_gradient_kernel, ptrs, dict(D_MODEL=2048, WORLD=2, BLOCK_R=32, BLOCK_D=128, OUT_DTYPE=out),
-                 4, 3)
+    gemm = dict(FFN=1408, BLOCK_M=b.block_m, BLOCK_K=block_k, PRECISION="ieee" if dtype == "fp32" else None, **shape)
+    build(fc._expert_down_kernel, ptrs, dict(OUT_DTYPE=out, **gemm), b.gemm_warps, stages)
+    build(fc._gradient_gemm_kernel, ptrs, dict(BLOCK_R=b.block_rows, **gemm), b.gemm_warps, stages)
+    build(fc._weighted_unpermute_kernel, ptrs, dict(TOP_K=6, K_P2=8, BLOCK_T=b.block_tokens, OUT_DTYPE=out,
+                                                    COPY_ROWS=True, **shape), b.consumer_warps, 3)
+    build(fc._push_gradient_kernel, ptrs, dict(D_MODEL=2048, WORLD=2, BLOCK_R=b.block_rows, BLOCK_D=b.block_d,
+                                               OUT_DTYPE=out), 4, 3)
 build(fc._acknowledge_kernel, {"ack_ptrs": "*i64"}, dict(WORLD=4), 4, 3)
 """
 
