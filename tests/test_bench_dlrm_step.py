@@ -34,10 +34,10 @@ WARMUP, STEPS = 1, 3
 
 def first_step_loss(args) -> tuple[float, int]:
     """(the loss of the initial model on the first global batch, its dense parameter count), unsharded in this
-    process: the model every variant starts from, on both ranks' slices of the batch."""
+    process with torchrec's arches: the model every variant starts from, on both ranks' slices of the batch."""
     cfg = dlrm_step.config(args)
     cfg.data.train.device = "cpu"
-    model = dlrm_step.build_model(cfg, CPU)
+    model = dlrm_step.build_model(cfg, CPU, "torchrec")
     dense = sum(p.numel() for p in model.parameters() if not p.is_meta)  # the tables are on the meta device
     tables = config_tables(cfg)
     ebc = EmbeddingBagCollection(tables)
@@ -60,9 +60,11 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
             if line.split()[:1] and line.split()[0] in dlrm_step.VARIANTS}
 
 
-def test_torchrec_and_bulk_train_the_same_model(tmp_path):
+@pytest.mark.parametrize("arches", ["torchrec", "lean"])  # lean: train.py's arches, through the pipeline's fx trace
+def test_torchrec_and_bulk_train_the_same_model(tmp_path, arches):
     out = tmp_path / "dlrm_step.json"
-    argv = ["dlrm_step", "--warmup", str(WARMUP), "--steps", str(STEPS), "--batches", "3", "--out", str(out), *TINY]
+    argv = ["dlrm_step", "--warmup", str(WARMUP), "--steps", str(STEPS), "--batches", "3", "--arches", arches,
+            "--out", str(out), *TINY]
     done = run_torchrun(argv, program=("-m", "fused_dlrm.bench"), timeout=300)
     report = json.loads(out.read_text())
     variants = report["variants"]
@@ -72,6 +74,7 @@ def test_torchrec_and_bulk_train_the_same_model(tmp_path):
                                 "statistic": "median over iters, slowest rank"}
     assert report["environment"]["machine"]["world_size"] == 2
     assert report["config"]["num_rows"] == ROWS and report["config"]["global_batch_size"] == 37
+    assert report["config"]["arches"] == arches
 
     expected_loss, dense = first_step_loss(dlrm_step.parse_args(TINY))
     torchrec, bulk = variants["torchrec"], variants["bulk"]

@@ -1,10 +1,11 @@
 """The DLRM training step through torchrec's own stack: torchrec's sharder (the baseline) against the project's.
 
     torchrun --nproc_per_node=2 -m fused_dlrm.bench dlrm_step [--variants torchrec,bulk,fused] [--warmup N]
-        [--steps N] [--batches N] [--out FILE] [train.py overrides ...]
+        [--steps N] [--batches N] [--arches torchrec|lean] [--out FILE] [train.py overrides ...]
 
-One model for every variant: torchrec's DLRM (its own arches) in its DLRMTrain wrapper (BCE loss) around an
-EmbeddingBagCollection, shaped by the config train.py would compose from the same overrides (model=dlrm_paper,
+One model for every variant: torchrec's DLRM in its DLRMTrain wrapper (BCE loss) around an EmbeddingBagCollection,
+with torchrec's arches or (--arches lean) the same model with train.py's ViewSparseArch and PairwiseInteractionArch
+(models/dlrm.py), shaped by the config train.py would compose from the same overrides (model=dlrm_paper,
 and so its data group synthetic_paper, unless a model= override is given; shrink it with train.py's overrides,
 e.g. model.num_rows=1000 data.num_sparse=8 data.global_batch_size=64).
 Every variant is DistributedModelParallel over that model, stepped by torchrec's TrainPipelineSparseDist, with the
@@ -52,6 +53,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from fused_dlrm.bench.timing import time_ms
 from fused_dlrm.dist import DistEnv, all_reduce_sum, destroy_distributed, init_distributed
+from fused_dlrm.models.dlrm import with_lean_arches
 from fused_dlrm.report.layers import no_fused_path
 from fused_dlrm.report.measure import repeats, timing_method
 from fused_dlrm.report.render import environment, write_json
@@ -101,10 +103,8 @@ def unavailable(variant: str, env: DistEnv) -> str | None:
 # The model, sharded by one variant, and its optimizers.
 
 
-def build_model(cfg: DictConfig, device: torch.device) -> DLRMTrain:
-    """The unsharded model: every variant builds it alike (seeded dense arches). torchrec's arches, not the
-    project's (models/dlrm.py): ViewSparseArch branches on its input, which TrainPipelineSparseDist's fx tracing of
-    the model refuses."""
+def build_model(cfg: DictConfig, device: torch.device, arches: str = "torchrec") -> DLRMTrain:
+    """The unsharded model: every variant builds it alike (seeded dense arches); arches "lean": train.py's."""
     m = cfg.model
     torch.manual_seed(cfg.seed)
     # Tables on the meta device: DMP materialises only this rank's shards (all 128 paper tables are 13 GB).
@@ -112,7 +112,7 @@ def build_model(cfg: DictConfig, device: torch.device) -> DLRMTrain:
     dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=cfg.data.num_dense,
                 dense_arch_layer_sizes=list(m.dense_arch), over_arch_layer_sizes=list(m.over_arch),
                 dense_device=device)
-    return DLRMTrain(dlrm)
+    return DLRMTrain(with_lean_arches(dlrm) if arches == "lean" else dlrm)
 
 
 def shard(model: DLRMTrain, variant: str, cfg: DictConfig, env: DistEnv) -> DistributedModelParallel:
@@ -197,8 +197,9 @@ def global_losses(losses: list[torch.Tensor], local_batch: int, env: DistEnv) ->
     return (totals[:-1] / global_batch).tolist(), global_batch
 
 
-def run_variant(variant: str, cfg: DictConfig, env: DistEnv, batches: list[Batch], warmup: int, steps: int) -> dict:
-    dmp = shard(build_model(cfg, env.device), variant, cfg, env)
+def run_variant(variant: str, cfg: DictConfig, env: DistEnv, batches: list[Batch], warmup: int, steps: int,
+                arches: str) -> dict:
+    dmp = shard(build_model(cfg, env.device, arches), variant, cfg, env)
     init_tables(dmp, cfg)
     pipeline = TrainPipelineSparseDist(dmp, step_optimizer(dmp, cfg), env.device)
     stream = cycle(batches)  # every variant starts from the first batch
@@ -243,7 +244,8 @@ def describe(cfg: DictConfig) -> dict:
             "dense_optimizer": OmegaConf.to_container(cfg.trainer.dense_optimizer, resolve=True)}
 
 
-def run_suite(cfg: DictConfig, env: DistEnv, variants: list[str], warmup: int, steps: int, num_batches: int) -> dict:
+def run_suite(cfg: DictConfig, env: DistEnv, variants: list[str], warmup: int, steps: int, num_batches: int,
+              arches: str = "torchrec") -> dict:
     """Every rank runs every variant (they are collectives); the report is the same on all ranks."""
     reasons = {v: unavailable(v, env) for v in variants}
     for v, reason in reasons.items():
@@ -257,7 +259,7 @@ def run_suite(cfg: DictConfig, env: DistEnv, variants: list[str], warmup: int, s
             continue
         if env.is_main:
             print(f"dlrm_step: {v}: {warmup} warm-up + {steps} timed steps", flush=True)
-        results[v] = run_variant(v, cfg, env, batches, warmup, steps)
+        results[v] = run_variant(v, cfg, env, batches, warmup, steps, arches)
         gc.collect()  # the variant's model (DDP holds reference cycles) goes before the next one is built
         if env.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -267,7 +269,8 @@ def run_suite(cfg: DictConfig, env: DistEnv, variants: list[str], warmup: int, s
             r["speedup_vs_torchrec"] = baseline / r["step_ms"] if baseline else None
     return {"environment": environment(env),
             "fbgemm_gpu": {"version": fbgemm_gpu.__version__, "variant": getattr(fbgemm_gpu, "__variant__", None)},
-            "config": describe(cfg), "timing": timing_method(env, warmup, steps), "variants": results}
+            "config": {**describe(cfg), "arches": arches}, "timing": timing_method(env, warmup, steps),
+            "variants": results}
 
 
 def render_table(report: dict) -> str:
@@ -276,7 +279,7 @@ def render_table(report: dict) -> str:
     rows = f"{rows:,}" if isinstance(rows, int) else f"{min(rows):,}..{max(rows):,}"
     lines = [f"DLRM training step, DistributedModelParallel + TrainPipelineSparseDist, {machine['world_size']} x "
              f"{machine['device']} ({machine['backend']}): {c['tables']} tables x {rows} rows x "
-             f"D={c['embedding_dim']} {c['data_type']}, global batch {c['global_batch_size']}; "
+             f"D={c['embedding_dim']} {c['data_type']}, global batch {c['global_batch_size']}, {c['arches']} arches; "
              f"median of {t['iters']} steps after {t['warmup']} warm-up, slowest rank ({t['method']})",
              f"{'variant':10} {'step ms':>10} {'samples/s':>11} {'loss first':>11} {'loss last':>10} "
              f"{'vs torchrec':>12}"]
@@ -298,6 +301,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="untimed steps first (default: 10 on GPUs, 1 on the CPU)")
     parser.add_argument("--steps", type=int, help="timed steps (default: 50 on GPUs, 5 on the CPU)")
     parser.add_argument("--batches", type=int, default=8, help="distinct batches, made up front and cycled")
+    parser.add_argument("--arches", choices=("torchrec", "lean"), default="torchrec",
+                        help="torchrec's DLRM arches, or train.py's ViewSparseArch + PairwiseInteractionArch (same "
+                             "model, less copying)")
     parser.add_argument("--out", help="write the report as JSON here (rank 0)")
     parser.add_argument("overrides", nargs="*", help="train.py's Hydra overrides, e.g. model.num_rows=1000")
     args = parser.parse_args(argv)
@@ -327,7 +333,7 @@ def run(args: argparse.Namespace, cfg: DictConfig, env: DistEnv) -> dict:
         cfg.data.train.device = env.device.type
     default_warmup, default_steps = repeats(env)
     report = run_suite(cfg, env, args.variants, default_warmup if args.warmup is None else args.warmup,
-                       default_steps if args.steps is None else args.steps, args.batches)
+                       default_steps if args.steps is None else args.steps, args.batches, args.arches)
     if env.is_main:
         print(render_table(report), flush=True)
         if args.out:

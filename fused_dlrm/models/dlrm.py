@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchrec import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.models.dlrm import DLRM, InteractionArch, SparseArch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
@@ -39,13 +39,26 @@ class ViewSparseArch(SparseArch):
     until the forward after next: the interaction saves it for this step's backward, which runs before that."""
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = self.embedding_bag_collection(features)
-        values = pooled.values()
-        if (pooled.keys() == self.sparse_feature_names and values.is_contiguous()
-                and all(n == self.D for n in pooled.length_per_key())):
-            return values.view(-1, self.F, self.D)
-        sparse = pooled.to_dict()
-        return torch.cat([sparse[name] for name in self.sparse_feature_names], dim=1).reshape(-1, self.F, self.D)
+        return pooled_features(self.embedding_bag_collection(features), self.sparse_feature_names, self.F, self.D)
+
+
+def pooled_features(pooled: KeyedTensor, names: list[str], num_features: int, dim: int) -> torch.Tensor:
+    """pooled [B, sum of dims] -> [B, F, D] in `names` order: a view where the KeyedTensor already is that."""
+    values = pooled.values()
+    if pooled.keys() == names and values.is_contiguous() and all(n == dim for n in pooled.length_per_key()):
+        return values.view(-1, num_features, dim)
+    sparse = pooled.to_dict()
+    return torch.cat([sparse[name] for name in names], dim=1).reshape(-1, num_features, dim)
+
+
+def pairwise_dots(dense: torch.Tensor, sparse: torch.Tensor, pair_index: torch.Tensor) -> torch.Tensor:
+    return _PairwiseDots.apply(dense, sparse, pair_index)
+
+
+# torchrec's TrainPipelineSparseDist traces the model with torch.fx: these run as calls in its graph (the first
+# branches on its input, the second is an autograd Function), which lets the pipeline run our arches.
+torch.fx.wrap("pooled_features")
+torch.fx.wrap("pairwise_dots")
 
 
 class _PairwiseDots(torch.autograd.Function):
@@ -89,7 +102,7 @@ class PairwiseInteractionArch(InteractionArch):
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         if self.F <= 0:
             return dense_features
-        pairs = _PairwiseDots.apply(dense_features, sparse_features, self.pair_index)
+        pairs = pairwise_dots(dense_features, sparse_features, self.pair_index)
         return torch.cat((dense_features, pairs), dim=1)
 
 
@@ -103,8 +116,15 @@ def build_dlrm(tables: list[EmbeddingBagConfig], dense_in_features: int, dense_a
     sparse = ShardedEmbeddingBagCollection(tables, embedding_optimizer, device=device, seed=seed, comm=comm)
     model = DLRM(embedding_bag_collection=sparse, dense_in_features=dense_in_features,
                  dense_arch_layer_sizes=list(dense_arch), over_arch_layer_sizes=list(over_arch), dense_device=device)
-    model.sparse_arch = ViewSparseArch(sparse)
-    model.inter_arch = PairwiseInteractionArch(model.inter_arch.F).to(device)
+    return with_lean_arches(model)
+
+
+def with_lean_arches(model: DLRM) -> DLRM:
+    """torchrec's SparseArch and InteractionArch swapped for ViewSparseArch and PairwiseInteractionArch: the same
+    outputs, less copying (also under torchrec's TrainPipelineSparseDist, whose fx tracing they pass)."""
+    model.sparse_arch = ViewSparseArch(model.sparse_arch.embedding_bag_collection)
+    dense_device = next(model.dense_arch.parameters()).device
+    model.inter_arch = PairwiseInteractionArch(model.inter_arch.F).to(dense_device)
     return model
 
 
