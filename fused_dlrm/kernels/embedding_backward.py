@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned, resident_programs_per_sm
-from fused_dlrm.kernels.pooled_embedding import TL_DTYPES, common_table_dtype
+from fused_dlrm.kernels import TL_DTYPES
+from fused_dlrm.kernels.pooled_embedding import common_table_dtype
 
 if TYPE_CHECKING:  # only annotations: importing fused_dlrm.sparse here would be circular (lookup.py imports us)
     from fused_dlrm.sparse.input_dist import OwnedBags

@@ -18,12 +18,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fused_dlrm.kernels import TL_DTYPES
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
 from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, put_rows, signal_ready_nvshmem
 from fused_dlrm.kernels.peer_flags import released_once_per_dest, signal_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, next_tile_group, program_walk, tile_coords
-
-TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def pooled_embedding_reference(weight: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,

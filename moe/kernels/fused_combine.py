@@ -37,6 +37,7 @@ import triton.language as tl
 
 from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
+from fused_dlrm.kernels import TL_DTYPES
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout, expert_row_tiles
@@ -44,7 +45,6 @@ from moe.experts import grouped_weight_grad
 from moe.kernels.tile_order import grouped_tile
 from moe.permute import Permutation, unpermute
 
-TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 # Per-call ints of the kernels here and in fused_dispatch are do_not_specialize: Triton specialises an int on == 1 and
 # on % 16 == 0, so epoch 16 (or a new row count) would compile other variants in the middle of training (the 16th
 # forward of a layer took 840 ms on 2 x H200, 2026-11-23).

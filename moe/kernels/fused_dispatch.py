@@ -49,11 +49,12 @@ import triton.language as tl
 
 from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.dist.symmetric import _Workspace
+from fused_dlrm.kernels import TL_DTYPES
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready, wait_at_least
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout, expert_row_tiles
 from moe.experts import _grouped_mm_works, group_ends, grouped_weight_grad, swiglu
-from moe.kernels.fused_combine import TL_DTYPES, _weighted_unpermute_kernel, dot_precision
+from moe.kernels.fused_combine import _weighted_unpermute_kernel, dot_precision
 from moe.kernels.swiglu_backward import swiglu_backward
 from moe.kernels.tile_order import grouped_tile
 from moe.permute import Permutation
