@@ -59,6 +59,7 @@ class MoELayer(nn.Module):
         if comm not in ("bulk", "fused"):
             raise ValueError(f"comm={comm!r}: expected 'bulk' or 'fused'")
         self.comm = comm
+        self.d_model = d_model
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world
         self.router = TopKRouter(d_model, num_experts, top_k, renormalize, capacity_factor, seed, dtype, device)
@@ -89,6 +90,7 @@ class MoELayer(nn.Module):
         counts that size the exchanges (one), and permute's row count when a capacity can drop assignments.
         `logit_bias` is passed to the router (tests force skewed routings with it).
         """
+        self._check_inputs(x, logit_bias)
         routing = self.router(x, logit_bias)  # under autocast: bf16 logits, routed in fp32 (moe.routing.route)
         if torch.is_autocast_enabled(x.device.type):  # mixed precision: the rows and the experts in its dtype
             x = x.to(torch.get_autocast_dtype(x.device.type))
@@ -115,6 +117,14 @@ class MoELayer(nn.Module):
             "tokens_per_local_expert": recv_counts.sum(dim=0),
         }
         return y, aux
+
+
+    def _check_inputs(self, x: torch.Tensor, logit_bias: torch.Tensor | None) -> None:
+        if x.dim() != 2 or x.shape[1] != self.d_model or not x.is_floating_point():
+            raise ValueError(f"MoELayer takes x as floating-point [tokens, d_model={self.d_model}], got "
+                             f"{list(x.shape)} {x.dtype}")
+        if logit_bias is not None and logit_bias.shape != (self.num_experts,):
+            raise ValueError(f"logit_bias must be [num_experts={self.num_experts}], got {list(logit_bias.shape)}")
 
 
 class _BulkRows:

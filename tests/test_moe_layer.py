@@ -187,3 +187,14 @@ def test_autocast_runs_rows_and_experts_in_bf16_with_fp32_weights():
         torch.testing.assert_close(p.grad, q.grad.float(), rtol=0, atol=0, msg=name)
     # x's gradient sums the router's and the experts' parts in fp32 here, in bf16 in the reference
     torch.testing.assert_close(x.grad, x_ref.grad.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("x, bias, message", [
+    (torch.randn(5, 8), None, r"floating-point \[tokens, d_model=16\], got \[5, 8\]"),
+    (torch.randn(2, 5, 16), None, r"got \[2, 5, 16\]"),
+    (torch.ones(5, 16, dtype=torch.int64), None, r"got \[5, 16\] torch.int64"),
+    (torch.randn(5, 16), torch.zeros(3), r"logit_bias must be \[num_experts=4\], got \[3\]"),
+])
+def test_bad_input_is_named(x, bias, message):
+    with pytest.raises(ValueError, match=message):
+        MoELayer(16, 24, 4, 2)(x, bias)
