@@ -66,10 +66,10 @@ def peer_bandwidth(nbytes: int = 256 << 20) -> float:
     return nbytes / (ms * 1e-3)
 
 
-def per_call_us(fn: Callable[[], object], calls: int = 20) -> float:
+def per_call_us(fn: Callable[[], object], calls: int = 20, warmup: int = 10, iters: int = 50) -> float:
     """Microseconds per call of fn, timed over `calls` back-to-back calls (launch overhead included, as in a
-    model where the next call follows at once)."""
+    model where the next call follows at once); warmup and iters count such runs of `calls` calls."""
     def run():
         for _ in range(calls):
             fn()
-    return time_ms(run) * 1e3 / calls
+    return time_ms(run, warmup, iters) * 1e3 / calls
