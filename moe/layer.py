@@ -118,7 +118,6 @@ class MoELayer(nn.Module):
         }
         return y, aux
 
-
     def _check_inputs(self, x: torch.Tensor, logit_bias: torch.Tensor | None) -> None:
         if x.dim() != 2 or x.shape[1] != self.d_model or not x.is_floating_point():
             raise ValueError(f"MoELayer takes x as floating-point [tokens, d_model={self.d_model}], got "
