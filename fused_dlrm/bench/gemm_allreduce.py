@@ -1,6 +1,7 @@
 """Benchmark section of `python -m fused_dlrm.bench tp`: GEMV/GEMM + AllReduce (row-parallel linear).
 
-out[M, N] = sum over ranks of x_r[M, K] @ w_r[K, N] (K per rank), bf16, timed in the same run as:
+A row-parallel linear of K in-features: out[M, N] = sum over ranks r of x_r[M, K / world] @ w_r[K / world, N]
+(issue 5's shapes name the layer's K, split over the ranks), bf16, timed in the same run as:
   bulk:     x @ w, then NCCL all_reduce (the bulk twin)
   fused:    kernels.gemm_allreduce (one persistent launch)
   baseline: x @ w into a symmetric buffer, then torch's symmetric-memory one-shot all-reduce
@@ -45,7 +46,9 @@ def run(quick: bool) -> list[dict]:
     hbm, peer = hbm_bandwidth(), peer_bandwidth()
     op = GemmAllReduce(CudaSymmetricWorkspace())
     rows = []
-    for m, k, n in QUICK_SHAPES if quick else SHAPES:
+    world = dist.get_world_size()
+    for m, k_layer, n in QUICK_SHAPES if quick else SHAPES:
+        k = k_layer // world
         gen = torch.Generator(device="cuda").manual_seed(rank)
         x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
         w = (torch.randn(k, n, device="cuda", generator=gen) / k ** 0.5).bfloat16()
@@ -53,7 +56,7 @@ def run(quick: bool) -> list[dict]:
         fused_us = per_call_us(lambda: op(x, w))
         baseline = symm_mem_baseline(x, w)
         light_us = max(k * n * w.element_size() / hbm, m * n * x.element_size() / peer) * 1e6
-        rows.append({"op": "GEMM + AllReduce", "shape": f"M={m} K={k} (per rank) N={n}", "dtype": "bf16",
+        rows.append({"op": "GEMM + AllReduce", "shape": f"M={m} K={k_layer} ({k}/rank) N={n}", "dtype": "bf16",
                      "bulk_us": bulk_us, "fused_us": fused_us, "baseline_name": "matmul + symm_mem one_shot",
                      "baseline_us": per_call_us(baseline) if baseline else None, "speedup": bulk_us / fused_us,
                      "sol_pct": 100 * light_us / fused_us})
