@@ -103,7 +103,7 @@ def sync_gradients(model: nn.Module, world_size: int, grad_allreduce: str = "ncc
         dist.all_reduce(flat, group=group)
         flat.div_(world_size)
     else:
-        flat = quantized_all_reduce(flat, grad_allreduce, group=group, mean=True)
+        quantized_all_reduce(flat, grad_allreduce, group=group, mean=True, out=flat)
     offset = 0
     for p in replicated:
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))

@@ -48,6 +48,23 @@ def test_quantized_all_reduce_within_bound(world):
     run_world(world, _reduce)
 
 
+def _into_out(rank: int, world: int) -> None:
+    xs = inputs(world, 4099)
+    for codec in ("nccl", "q6"):
+        want = quantized_all_reduce(xs[rank], codec, mean=True)
+        given = torch.full_like(xs[rank], float("nan"))
+        assert quantized_all_reduce(xs[rank], codec, mean=True, out=given) is given
+        x = xs[rank].clone()
+        assert quantized_all_reduce(x, codec, mean=True, out=x) is x
+        assert torch.equal(given, want) and torch.equal(x, want), codec
+        with pytest.raises(ValueError, match="out must be contiguous"):
+            quantized_all_reduce(xs[rank], codec, out=torch.empty(4099, dtype=torch.float64))
+
+
+def test_result_into_a_given_output_or_in_place():
+    run_world(2, _into_out)
+
+
 def _ddp_hook(rank: int, world: int, device_type: str = "cpu") -> None:
     """Also run on 2 GPUs by tests/test_quantized_allreduce_gpu.py (there the hook takes the fused kernel)."""
     device = torch.device(device_type, rank if device_type == "cuda" else 0)

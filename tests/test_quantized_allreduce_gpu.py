@@ -54,6 +54,9 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
                 bulk = quantized_all_reduce(xs[rank], codec, mean=mean, fused=False)
                 assert y.dtype == dtype and y.shape == xs[rank].shape
                 assert torch.equal(y, bulk), (dtype, n, codec, mean)
+                in_place = xs[rank].clone()
+                quantized_all_reduce(in_place, codec, mean=mean, fused=True, out=in_place)
+                assert torch.equal(in_place, y), (dtype, n, codec, mean)
                 assert_same_on_every_rank(y, world)
                 if dtype == torch.float32:
                     err = (y.double() - exact / (world if mean else 1)).abs()

@@ -169,3 +169,29 @@ def test_kernels_compile_for_sm90_with_vector_payload_accesses():
     128-bit vectors (64-bit for q6); the default tiles of 32 blocks give a thread 1-4 words, in narrower accesses.
     Checked on CI's CPUs by compiling for sm_90 without the interpreter."""
     compile_for_sm90(COMPILE_FOR_SM90)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "q4"])
+def test_in_place_and_into_a_given_output(codec):
+    """out=x (in place: every program reads its own tiles of x before it writes them) and out= a given tensor
+    give the new-tensor result; every element of a NaN-poisoned given output is written."""
+    world = world_of(2, max_programs=2)
+    xs = inputs(2, 4171, "normal", seed=11)  # 3 tiles per chunk on 2 programs
+    want = quantized_all_reduce_reference(xs, codec)
+    for in_place in (True, False):
+        targets = [x.clone() if in_place else torch.full_like(x, float("nan")) for x in xs]
+        sources = targets if in_place else xs
+        calls = [ar.start(x, codec, out=t) for ar, x, t in zip(world, sources, targets)]
+        for phase in (0, 1, 2):
+            for r in range(2):
+                world[r].run(calls[r], phase, phase)
+        got = [ar.finish(call) for ar, call in zip(world, calls)]
+        assert all(y is t and torch.equal(y, want) for y, t in zip(got, targets)), in_place
+
+
+def test_a_wrong_output_is_refused_before_anything_runs():
+    ar = world_of(2)[0]
+    x = inputs(2, 100, "normal")[0]
+    for out in (torch.empty(99), torch.empty(100, dtype=torch.float64), torch.empty(200)[::2]):
+        with pytest.raises(ValueError, match="out must be contiguous"):
+            ar.start(x, "q8", out=out)

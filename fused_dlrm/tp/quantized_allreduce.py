@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS, Encoded, decode, encode
-from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, chunk_blocks_for, max_programs_for,
-                                                    sum_in_rank_order)
+from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, check_out, chunk_blocks_for,
+                                                    max_programs_for, sum_in_rank_order)
 
 GRAD_ALLREDUCE_CODECS = ("nccl", "fp16", "fp8", "q8", "q6", "q4")  # the values of comm.grad_allreduce
 PLAIN = ("nccl", "none")
@@ -41,21 +41,26 @@ def chooser(nbytes: int, codec: str, min_bytes: int = MIN_QUANTIZED_BYTES) -> st
     return "nccl" if nbytes < min_bytes else codec
 
 
-def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup | None = None,
-                         mean: bool = False, fused: bool | None = None) -> torch.Tensor:
-    """A new tensor (x's shape and dtype): the sum (mean with mean=True) over the group's ranks of x.
-    fused: the one-launch kernel (default: on CUDA tensors of an NCCL group), else the bulk twin."""
+def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup | None = None, mean: bool = False,
+                         fused: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The sum (mean with mean=True) over the group's ranks of x, in `out` (contiguous, x's shape and dtype; x
+    itself to reduce in place) or, by default, a new tensor. fused: the one-launch kernel (default: on CUDA
+    tensors of an NCCL group), else the bulk twin."""
     if codec not in PLAIN and codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}: expected one of {PLAIN + tuple(CODECS)}")
     if codec in PLAIN:
-        out = x.clone()
+        if out is not None:
+            check_out(x, out)
+        out = x.clone() if out is None else (out if out is x else out.copy_(x))
         dist.all_reduce(out, group=group)
         return out.div_(dist.get_world_size(group)) if mean else out
     group = group or dist.group.WORLD
     if fused is None:
         fused = x.is_cuda and _backend(group) == "nccl"
     if fused:
-        return fused_for_group(group, x.device)(x, codec, mean)
+        return fused_for_group(group, x.device)(x, codec, mean, out)  # checks out
+    if out is not None:
+        check_out(x, out)
     world = dist.get_world_size(group)
     numel = x.numel()
     chunk_blocks = chunk_blocks_for(numel, world)  # whole blocks per chunk
@@ -67,7 +72,8 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
     mine = _wire(encode(sum_in_rank_order(list(parts), mean), codec), 1)
     gathered = mine.new_empty((world, mine.shape[1]))
     dist.all_gather_into_tensor(gathered, mine, group=group)
-    return decode(_unwire(gathered, codec), codec, numel).view(x.shape).to(x.dtype)
+    result = decode(_unwire(gathered, codec), codec, numel).view(x.shape).to(x.dtype)
+    return result if out is None else out.copy_(result)
 
 
 def _wire(enc: Encoded, parts: int) -> torch.Tensor:
@@ -118,5 +124,5 @@ def quantized_allreduce_hook(state: QuantizedHookState,
     grads = bucket.buffer()
     codec = chooser(grads.numel() * grads.element_size(), state.codec, state.min_bytes)
     fut = torch.futures.Future()
-    fut.set_result(quantized_all_reduce(grads, codec, state.group, mean=True))
+    fut.set_result(quantized_all_reduce(grads, codec, state.group, mean=True, out=grads))  # in place: no copy back
     return fut
