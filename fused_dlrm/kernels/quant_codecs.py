@@ -13,16 +13,18 @@ of its codes (words 0-3, 8 to a word), then their high 2 bits (words 4-5, 16 to 
 | codec | code per value | scale | bytes per block | reference error bound per element (x fp32, s the block's scale) |
 | --- | --- | --- | --- | --- |
 | fp16 | fp16 bits | none | 64 | |x| * 2^-11 + 2^-25 (round to nearest; |x| <= 65504) |
-| fp8 | e4m3 (fn) bits | absmax / 448 | 34 | |x| * 2^-4 + s * 2^-10 (relative for normals, s * 2^-10 below 2^-6 * s) |
+| fp8 | e4m3 (fn) bits | absmax / 448 | 34 | |x| * (2^-4 + 2^-20) + s * 2^-10 (relative for normals, s * 2^-10 below 2^-6 * s) |
 | q8 | 8-bit int | absmax / 127 | 34 | s / 2 |
 | q6 | 6-bit int, 4 + 2 bit planes | absmax / 31 | 26 | s / 2 |
 | q4 | 4-bit int | absmax / 7 | 18 | s / 2 |
 
 Scales are stored in fp16 rounded *up* (never below absmax / qmax), so |x / s| <= qmax: integer codes need no
-saturation and e4m3 never overflows; a block of zeros gets scale 0 and decodes to zeros. Integer codes are
-floor(x / s + 0.5) (ties away from -inf), stored offset-binary (q + 2^(b-1)). The bounds hold up to fp32
-rounding of x / s and q * s (relative 2^-24; `error_bound` adds that slack) and require absmax <= 65504 * qmax
-(the fp16 scale's range; gradients beyond that are already lost).
+saturation and e4m3 never overflows; a block of zeros gets scale 0 and decodes to zeros. A value is scaled as
+v = x * (1 / s), the reciprocal and the product each rounded to fp32 (so |v| may pass qmax by an fp32 step, which
+the clamp of integer codes and e4m3's rounding absorb). Integer codes are floor(v + 0.5) (ties away from -inf),
+stored offset-binary (q + 2^(b-1)). The bounds hold up to the fp32 roundings of 1 / s, x * (1 / s), v + 0.5 and
+q * s (relative 2^-24 each; `error_bound` adds that slack) and require absmax <= 65504 * qmax (the fp16 scale's
+range; gradients beyond that are already lost).
 
 `encode_reference` / `decode_reference` are the pure-torch definition; the Triton kernels agree with them bit
 for bit (tests/test_quant_codecs.py). fp32 -> e4m3 rounding and e4m3 -> fp32 are done with integer bit
@@ -36,6 +38,7 @@ to 128 bits (q6: 64; the all-reduce's PTX is checked by tests/test_quantized_all
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,6 +50,10 @@ BLOCK = 32  # values per block (one scale)
 BLOCKS_PER_PROGRAM = 32  # blocks one kernel program encodes or decodes (not tuned)
 
 FP16, FP8, INT = 0, 1, 2  # kinds of codec (the kernels' KIND)
+# Launch option of every kernel that encodes or decodes: no fused multiply-add (of x * (1 / s) and + 0.5 when
+# encoding, of decode and sum in the all-reduce), so the kernels round as the reference does. The interpreter
+# takes no such option (and fuses nothing).
+NO_FMA = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
 
 
 @dataclass(frozen=True)
@@ -142,7 +149,7 @@ def encode_reference(x: torch.Tensor, codec: str, num_blocks: int | None = None)
     else:
         scales = _scale_up(xb.abs().amax(1) / c.qmax)
         sf = scales.float()[:, None]
-        v = xb / torch.where(sf > 0, sf, 1.0)  # an all-zero block has scale 0 and codes 0
+        v = xb * torch.where(sf > 0, 1.0 / sf, 1.0)  # an all-zero block has scale 0 and codes 0
         if c.kind == FP8:
             codes = v.to(torch.float8_e4m3fn).view(torch.uint8).int()
         else:
@@ -174,8 +181,8 @@ def error_bound(x: torch.Tensor, codec: str) -> torch.Tensor:
         return a * 2.0**-11 + 2.0**-25
     s = block_scales(x, codec).float().repeat_interleave(BLOCK)[:a.numel()]
     if c.kind == FP8:
-        return a * 2.0**-4 + s * 2.0**-10
-    return s * (0.5 + c.qmax * 2.0**-22)  # the slack: x / s and q * s are rounded in fp32
+        return a * (2.0**-4 + 2.0**-20) + s * 2.0**-10
+    return s * (0.5 + (c.qmax + 1) * 2.0**-21)  # the slack: 1 / s, x * (1 / s), v + 0.5 and q * s rounded in fp32
 
 
 @triton.jit
@@ -217,8 +224,11 @@ def encode_blocks(x, KIND: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexp
         s = ratio.to(tl.float16)
         s = (s.to(tl.int16, bitcast=True) + (s.to(tl.float32) < ratio).to(tl.int16)).to(tl.float16, bitcast=True)
         sf = s.to(tl.float32)
-        # div_rn: IEEE division on GPU too (Triton's `/` is approximate there), so the codes match the reference.
-        v = tl.math.div_rn(x, tl.where(sf > 0, sf, 1.0)[:, None])
+        # One IEEE reciprocal per block (div_rn: Triton's `/` is approximate on GPUs), then a product per value: a
+        # division per value (~10 instructions on sm_90) made the encode compute-bound. The launches disable fp
+        # fusion, so x * inv is rounded before the + 0.5 below, as in the reference.
+        inv = tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), tl.where(sf > 0, sf, 1.0))
+        v = x * inv[:, None]
         if KIND == 1:
             u = _fp32_to_e4m3(v)
         else:
@@ -306,7 +316,7 @@ def encode(x: torch.Tensor, codec: str, num_blocks: int | None = None) -> Encode
     enc = Encoded(torch.empty(nb, c.words, dtype=torch.int32, device=x.device),
                   torch.empty(nb if c.scaled else 0, dtype=torch.float16, device=x.device))
     _codec_kernel[(triton.cdiv(nb, BLOCKS_PER_PROGRAM),)](x, *enc, x.numel(), nb, DECODE=False,
-                                                          ROWS=BLOCKS_PER_PROGRAM, **kernel_constants(c))
+                                                          ROWS=BLOCKS_PER_PROGRAM, **kernel_constants(c), **NO_FMA)
     return enc
 
 
@@ -321,5 +331,6 @@ def decode(enc: Encoded, codec: str, numel: int) -> torch.Tensor:
                          f"of {numel} values")
     out = torch.empty(numel, dtype=torch.float32, device=payload.device)
     _codec_kernel[(triton.cdiv(nb, BLOCKS_PER_PROGRAM),)](out, payload.contiguous(), scales.contiguous(), numel, nb,
-                                                          DECODE=True, ROWS=BLOCKS_PER_PROGRAM, **kernel_constants(c))
+                                                          DECODE=True, ROWS=BLOCKS_PER_PROGRAM, **kernel_constants(c),
+                                                          **NO_FMA)
     return out

@@ -61,9 +61,9 @@ import triton.language as tl
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned, resident_programs_per_sm
 from fused_dlrm.kernels.peer_flags import PeerErrors, wait_or_record
-from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, block_values, decode_reference, encode_blocks,
-                                             encode_reference, error_bound, kernel_constants, load_blocks,
-                                             store_blocks)
+from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, NO_FMA, block_values, decode_reference,
+                                             encode_blocks, encode_reference, error_bound, kernel_constants,
+                                             load_blocks, store_blocks)
 
 # Kernel times at 64 MiB bf16, 2 ranks (2026-11-22, 2x H200, a5789bd), fp16 / q8 / q4 codec, by programs per
 # SM, blocks per tile and warps: P2 t128 w4 (the former default) 238 / 246 / 253 us; P4 t64 w4 235 / 199 / 188;
@@ -268,8 +268,9 @@ class FusedQuantizedAllReduce:
         self.done = workspace.buffer("qar_done", flags, torch.int32)
         self._plans: dict[tuple, Plan] = {}
         self._launches = CompiledLaunches(_quantized_all_reduce_kernel)
-        # enable_fp_fusion=False: no fused multiply-add of decode and sum, so the sum equals the bulk twin's.
-        self.options = {} if self._launches.interpret else dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
+        # NO_FMA: no fused multiply-add (of decode and sum, of the encode's scaling), so the arithmetic equals the
+        # bulk twin's.
+        self.options = {} if self._launches.interpret else dict(num_warps=NUM_WARPS, **NO_FMA)
 
     @staticmethod
     def _key(x: torch.Tensor, out: torch.Tensor, codec: str, mean: bool) -> tuple:
