@@ -115,6 +115,23 @@ def test_many_consecutive_calls_on_the_same_flags():
     assert world.ops[0].ws.next_epoch("gemm_allreduce") == 61
 
 
+def test_grids_that_change_with_the_shape_share_the_flags():
+    """The default grid rule (one program per SM for shapes of at most one N tile per SM) with 2 "SMs" of 3
+    programs each: N = 20 (2 tiles) runs on 2 programs, N = 70 (5 tiles) on 6, alternating, on flags laid out for
+    6 programs (a flag slot keeps its meaning whatever the grid). The interpreter runs the phases one after
+    another, so this checks the grid choice and the results, not the timing of the flags."""
+    world = World(2, num_programs=6)
+    for op in world.ops:
+        op.fixed_grid, op.sm_count = False, 2
+    gen = torch.Generator().manual_seed(6)
+    for step in range(8):
+        n = (20, 70, 70, 20)[step % 4]
+        xs, ws = random_inputs(2, 1, 40, n, torch.bfloat16, gen)
+        world.poison()
+        assert_all_reduced(world(xs, ws), xs, ws)
+        assert world.ops[0]._plans[world.ops[0]._key(xs[0], ws[0], WAIT)].num_programs == (2 if n == 20 else 6)
+
+
 def test_timeout_names_rank_and_slice():
     """Rank 1 never launches: rank 0's reduce times out waiting for rank 1's partial of its first tile."""
     world = World(2)

@@ -72,7 +72,7 @@ def _gemm_allreduce_kernel(
     x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn,
     recv_ptrs, out_ptrs, ready_ptrs, done_ptrs, error_ptr,
     rank, epoch, M, N, K, recv_half, out_half, num_tiles, tiles_per_rank, split_k, k_chunk, num_programs,
-    spin_limit,
+    flag_stride, spin_limit,
     WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr, OUT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, PHASES: tl.constexpr,
 ):
@@ -112,7 +112,7 @@ def _gemm_allreduce_kernel(
                 tl.store(recv + slot + rows[:, None] * BLOCK_N + cols[None, :], acc, mask=row_mask[:, None])
                 u += num_programs
             tl.debug_barrier()  # this program's stores for `owner` before its flag there
-            flag = tl.load(ready_ptrs + owner).to(tl.pointer_type(tl.int32)) + rank * num_programs + pid
+            flag = tl.load(ready_ptrs + owner).to(tl.pointer_type(tl.int32)) + rank * flag_stride + pid
             tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
 
     if PHASES & 2:  # reduce the owned tiles, then store them into every rank's output
@@ -125,7 +125,7 @@ def _gemm_allreduce_kernel(
                 chunk = 0
                 while chunk < split_k:
                     producer = (j * split_k + chunk) % num_programs
-                    wait_or_record(ready + source * num_programs + producer, epoch, spin_limit, error_ptr,
+                    wait_or_record(ready + source * flag_stride + producer, epoch, spin_limit, error_ptr,
                                     source, rank * tiles_per_rank + j)
                     chunk += 1
             tl.debug_barrier()  # the flags this program's threads acquired cover the partials any of them loads
@@ -144,12 +144,12 @@ def _gemm_allreduce_kernel(
                 out = tl.load(out_ptrs + dest).to(tl.pointer_type(OUT_DTYPE)) + parity * out_half
                 tl.store(out + rows[:, None] * N + n[None, :], result, mask=row_mask[:, None] & (n[None, :] < N))
             j += num_programs
-        signal_ready(done_ptrs, rank * num_programs + pid, epoch, WORLD)
+        signal_ready(done_ptrs, rank * flag_stride + pid, epoch, WORLD)
 
     if PHASES & 4:  # wait until every owner's program `pid` has stored its tiles here
         done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
         for owner in tl.static_range(WORLD):
-            wait_or_record(done + owner * num_programs + pid, epoch, spin_limit, error_ptr, owner, pid)
+            wait_or_record(done + owner * flag_stride + pid, epoch, spin_limit, error_ptr, owner, pid)
 
 
 def default_split_k(m: int, k: int, num_tiles: int, num_programs: int, block_k: int) -> int:
@@ -165,6 +165,7 @@ class Plan:
     """What every call of one key (GemmAllReduce._key) does alike: buffers, tiling and kernel arguments, computed
     once, and the output's two views (by epoch parity)."""
     key: tuple
+    num_programs: int  # the grid
     recv: PeerBuffer
     out: PeerBuffer
     outputs: tuple[torch.Tensor, torch.Tensor]
@@ -177,7 +178,11 @@ class GemmAllReduce:
 
     Every rank must call with the same M, K, N, dtype and the same number of times (flags carry per-call
     epochs). Block sizes are fixed per instance (Triton compiles one kernel per (BLOCK_M, K_TILES, dtype)); the
-    launch has `num_programs` persistent programs, by default `programs_per_sm` (PROGRAMS_PER_SM) per SM;
+    launch has `num_programs` persistent programs, by default `programs_per_sm` per SM, and with
+    programs_per_sm=None PROGRAMS_PER_SM per SM, but one per SM for a shape of at most one N tile per SM (the
+    2 x H200 sweep of call TP3, M=1, K=4096 per rank: N=8192 (128 tiles) took 34.4 us on one program per SM
+    against 42.0 on two, half of them idle while their flags are still polled; N=28672 78.2 against 80.2 the
+    other way round); the flags are sized for the largest grid;
     `num_stages`: Triton's software pipelining depth of the K loop (None: 5 at BLOCK_M 16, 3 above, where 5
     stages no longer leave room for two programs per SM). Defaults from a sweep on 2 x H200 (parameters
     for a sweep; the grid must stay co-resident, see the module docstring).
@@ -190,15 +195,17 @@ class GemmAllReduce:
 
     def __init__(self, workspace: _Workspace, num_programs: int | None = None, spin_limit: int = 20_000_000,
                  block_n: int = 64, block_k: int = 128, split_k: int | None = None, num_warps: int = 8,
-                 num_stages: int | None = None, programs_per_sm: int = PROGRAMS_PER_SM):
+                 num_stages: int | None = None, programs_per_sm: int | None = None):
         if getattr(workspace, "transport", "p2p") != "p2p":
             raise NotImplementedError("the fused GEMM + all-reduce stores through peer pointers (transport p2p)")
         self.ws = workspace
         self.rank, self.world = workspace.rank, workspace.world_size
         device = workspace.device
+        self.fixed_grid = num_programs is not None or programs_per_sm is not None
         if num_programs is None:
-            num_programs = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-        self.num_programs, self.spin_limit = num_programs, spin_limit
+            self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+            num_programs = (programs_per_sm or PROGRAMS_PER_SM) * self.sm_count
+        self.num_programs, self.spin_limit = num_programs, spin_limit  # the largest grid: the flags' stride
         self.block_n, self.block_k, self.split_k = block_n, block_k, split_k
         self.num_warps, self.num_stages = num_warps, num_stages
         self.errors = PeerErrors(device, self.rank, "fused GEMM + all-reduce")
@@ -210,6 +217,12 @@ class GemmAllReduce:
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         epoch = self.next_epoch()
         return self.output(epoch, self.launch(x, w, epoch, ALL_PHASES))
+
+    def _programs(self, num_tiles: int) -> int:
+        """A plan's grid (see the class docstring)."""
+        if self.fixed_grid or num_tiles > self.sm_count:
+            return self.num_programs
+        return self.sm_count
 
     def next_epoch(self) -> int:
         self.errors.check()
@@ -225,7 +238,7 @@ class GemmAllReduce:
         """Enqueue `phases` of call `epoch` (ALL_PHASES on GPUs; one phase at a time in a simulated world)."""
         key = self._key(x, w, phases)
         plan = self._plans.get(key) or self._plan(key, x, w, phases)
-        self._launches(key, (self.num_programs, 1, 1), plan.args(x, w, epoch), plan.options)
+        self._launches(key, (plan.num_programs, 1, 1), plan.args(x, w, epoch), plan.options)
         return plan
 
     def _plan(self, key: tuple, x: torch.Tensor, w: torch.Tensor, phases: int) -> Plan:
@@ -234,8 +247,8 @@ class GemmAllReduce:
                                                                                              torch.bfloat16):
             raise ValueError(f"expected x [M <= {MAX_ROWS}, K] and w [K, N] of one dtype, fp16 or bf16; got "
                              f"{tuple(x.shape)} {x.dtype} and {tuple(w.shape)} {w.dtype}")
-        P = self.num_programs
         num_tiles = triton.cdiv(n, self.block_n)
+        P = self._programs(num_tiles)
         tiles_per_rank = triton.cdiv(num_tiles, self.world)
         split_k = self.split_k or default_split_k(m, k, num_tiles, P, self.block_k)
         k_tiles = triton.cdiv(triton.cdiv(k, split_k), self.block_k)
@@ -256,10 +269,11 @@ class GemmAllReduce:
             recv_ptrs=recv.peer_ptrs, out_ptrs=out.peer_ptrs, ready_ptrs=self.ready.peer_ptrs,
             done_ptrs=self.done.peer_ptrs, error_ptr=self.errors.word, rank=self.rank, M=m, N=n, K=k,
             recv_half=recv.local.numel() // 2, out_half=half, num_tiles=num_tiles, tiles_per_rank=tiles_per_rank,
-            split_k=split_k, k_chunk=k_tiles * self.block_k, num_programs=P, spin_limit=self.spin_limit,
+            split_k=split_k, k_chunk=k_tiles * self.block_k, num_programs=P, flag_stride=self.num_programs,
+            spin_limit=self.spin_limit,
             WORLD=self.world, BLOCK_M=block_m, BLOCK_N=self.block_n,
             BLOCK_K=self.block_k, K_TILES=k_tiles, OUT_DTYPE=TL_DTYPES[x.dtype], DOT_FP32=interpret, PHASES=phases)
-        plan = self._plans[key] = Plan(key, recv, out, outputs, args, options)
+        plan = self._plans[key] = Plan(key, P, recv, out, outputs, args, options)
         return plan
 
     def output(self, epoch: int, plan: Plan) -> torch.Tensor:
