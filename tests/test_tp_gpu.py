@@ -61,14 +61,18 @@ def _timeout(rank, world):
     from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce
     from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 
-    op = GemmAllReduce(CudaSymmetricWorkspace(), spin_limit=100_000)
+    ws = CudaSymmetricWorkspace()
     x, w = _inputs(rank, 4, 256, 512)
-    op(x, w)  # both ranks: allocates the buffers (collective)
-    torch.cuda.synchronize()
+    # Step 1 on both ranks with the default bound: it allocates the buffers (collective) and compiles the
+    # kernel, whose time differs between the ranks by more than the short bound below lets a peer lag.
+    GemmAllReduce(ws)(x, w)
+    op = GemmAllReduce(ws, spin_limit=100_000)  # the same flags and epochs
+    op(x, w)  # step 2, both ranks
+    op.errors.check(block=True)
     dist.barrier()
-    if rank == 0:  # rank 1 skips the second call
+    if rank == 0:  # rank 1 skips step 3
         op(x, w)
-        with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 2 waiting for rank 1"):
+        with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 3 waiting for rank 1"):
             op.errors.check(block=True)
     dist.barrier()
 
