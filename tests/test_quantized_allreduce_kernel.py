@@ -155,9 +155,7 @@ for name, c in CODECS.items():
     assert not re.search(r"(ld|st)\\.global\\.[bsu]8", ptx), name
     assert not re.search(r"ld\\.global\\.b32", ptx), name  # no scalar word loads (flags: ld.global.sys.acquire)
     vector = 2 if name == "q6" else 4  # q6's blocks are 24 bytes: 8-byte aligned
-    # loaded: world tiles in the reduce, world - 1 in the gather; stored: world in the scatter, world - 1 (the
-    # peers' gathers) in the reduce
-    expected = (2 * world - 1) * rows * c.words // (4 * 32 * vector)
+    expected = 2 * world * rows * c.words // (4 * 32 * vector)  # 2 x world tiles loaded, 2 x world stored
     for op in ("ld", "st"):  # 4 warps of 32 threads
         assert len(re.findall(rf"{op}\\.global\\.v{vector}\\.b32", ptx)) == expected, (name, op)
     for decode in (False, True):

@@ -274,22 +274,14 @@ def load_blocks(payload_ptr, scale_ptr, r, mask, KIND: tl.constexpr, OFFSET: tl.
     if WORDS > LOW:
         high = tl.load(at + LOW + tl.arange(0, WORDS - LOW)[None, :], mask=mask[:, None], other=0)
         u = u | (_unpack_plane(high, WORDS - LOW) << LOW)
-    s = 0.0  # fp16: no scale
-    if KIND != 0:
-        s = tl.load(scale_ptr + r, mask=mask, other=0.0).to(tl.float32)
-    return decode_codes(u, s, KIND, OFFSET)
-
-
-@triton.jit
-def decode_codes(u, s, KIND: tl.constexpr, OFFSET: tl.constexpr):
-    """fp32 [ROWS, 32]: the values of codes u (int32 [ROWS, 32], one block per row) with scales s (fp32 [ROWS];
-    ignored by fp16)."""
     if KIND == 0:
         x = u.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    elif KIND == 1:
-        x = _e4m3_to_fp32(u) * s[:, None]
     else:
-        x = (u - OFFSET).to(tl.float32) * s[:, None]
+        s = tl.load(scale_ptr + r, mask=mask, other=0.0).to(tl.float32)[:, None]
+        if KIND == 1:
+            x = _e4m3_to_fp32(u) * s
+        else:
+            x = (u - OFFSET).to(tl.float32) * s
     return x
 
 

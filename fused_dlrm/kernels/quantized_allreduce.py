@@ -14,13 +14,12 @@ three phases per program:
    of chunk d and store them straight into d's `recv` at [source = me]; then, d a peer, raise flag ready[me, p]
    in d (release, system scope) with the call's epoch;
 2. reduce: wait (bounded) for ready[s, p] >= epoch from every peer s, decode the tiles of my chunk from every
-   source and sum them in fp32 in rank order 0, 1, ... (divided by world with mean), re-encode the sum, store it
-   into every peer's `gather` at [source = me] and its decoding (the values the peers will decode) into my
-   output at chunk me, then raise done[me, p] in every peer;
-3. gather: for every peer s, wait for done[s, p] >= epoch, decode s's reduced tiles and store them into the
-   output at chunk s.
-A program's own slots need no flag: the tiles it reads from recv[me] are the ones it stored there itself (tiles
-p, p + P, ... in every phase), so a barrier of its threads orders them.
+   source and sum them in fp32 in rank order 0, 1, ... (divided by world with mean), re-encode the sum and store
+   it into every rank's `gather` at [source = me] (remote first), then raise done[me, p] in every peer;
+3. gather: for every source s (self first), wait for done[s, p] >= epoch (s a peer), decode s's reduced tiles
+   and store them into the output at chunk s.
+A program's own slots need no flag: the tiles it reads from recv[me] and gather[me] are the ones it stored there
+itself (tiles p, p + P, ... in every phase), so a barrier of its threads orders them.
 Every rank decodes the same bytes, so results are bit-identical on all ranks, and equal to
 `quantized_all_reduce_reference` (the bulk twin's steps with exchanges as indexing).
 
@@ -33,8 +32,7 @@ ordered on its stream, so its launch e + 1 starts after all its programs of laun
   guards phase 1's slots.
 - gather: program p of rank r stores into a peer s's gather[r] (tiles of p) at call e + 1 only after it waited
   for ready[s, p] >= e + 1, raised by s during launch e + 1, after s's launch e (the reader of gather at call
-  e) finished (gather[me] is never written: phase 2 decodes my chunk in registers). So the flags of phase 2
-  guard phase 3's slots.
+  e) finished; into its own gather after its own launch e. So the flags of phase 2 guard phase 3's slots.
 A second half by epoch parity would guard nothing more, so there is none (half the symmetric memory).
 Flags hold epochs (never reset, compared with >=); they are laid out [source][max_programs], so calls of any
 size use the same flags. Every wait is bounded: a timeout records (1, peer, slice) in the error word (slice
@@ -63,7 +61,7 @@ import triton.language as tl
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned, resident_programs_per_sm
 from fused_dlrm.kernels.peer_flags import PeerErrors, wait_or_record
-from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, NO_FMA, block_values, decode_codes, decode_reference,
+from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, NO_FMA, block_values, decode_reference,
                                              encode_blocks, encode_reference, error_bound, kernel_constants,
                                              load_blocks, store_blocks)
 
@@ -152,13 +150,6 @@ def _round_to(x, dtype: tl.constexpr):
     return x.to(dtype)
 
 
-@triton.jit
-def _store_values(out_ptr, numel, blocks, row_mask, x):
-    """Store fp32 x [ROWS, 32], the values of `blocks` (int [ROWS], where row_mask), into the output in its dtype."""
-    idx = block_values(blocks)
-    tl.store(out_ptr + idx, _round_to(x, out_ptr.dtype.element_ty), mask=(idx < numel) & row_mask[:, None])
-
-
 # Values that change from call to call or rank to rank are not specialized (Triton would compile a variant for
 # epoch == 1, rank == 1, ...): fewer compilations. numel is (its divisibility by 16 lets loads be wide vectors).
 @triton.jit(do_not_specialize=["chunk_blocks", "rank", "epoch", "num_programs", "spin_limit", "first_phase",
@@ -206,26 +197,28 @@ def _quantized_all_reduce_kernel(
             if MEAN:
                 acc = tl.math.div_rn(acc, tl.full(acc.shape, WORLD, tl.float32))
             codes, scale = encode_blocks(acc, KIND, QMAX, OFFSET)
-            for k in tl.static_range(WORLD - 1):  # the peers'; my own reduced chunk goes to the output at once
+            for k in tl.static_range(WORLD):
                 gather, gather_scales = _encoded(gather_ptrs, (rank + 1 + k) % WORLD, slots, WORDS)
                 store_blocks(gather, gather_scales, mine + rows, row_mask, codes, scale, KIND, WORDS, LOW)
-            _store_values(out_ptr, numel, mine + rows, row_mask, decode_codes(codes, scale.to(tl.float32), KIND,
-                                                                                 OFFSET))
             t += num_programs
         for k in tl.static_range(WORLD - 1):  # the peers
             _signal(done_ptrs, (rank + 1 + k) % WORLD, rank * max_programs + pid, epoch)
-    if last_phase >= 2:  # 3. gather the peers' reduced chunks into the output
+    if last_phase >= 2:  # 3. gather every reduced chunk into the output
         done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
         payload, scales = _encoded(gather_ptrs, rank, slots, WORDS)
-        for k in tl.static_range(1, WORLD):
+        tl.debug_barrier()  # my own reduced tiles, stored by this program's threads in phase 2
+        for k in tl.static_range(WORLD):
             src = (rank + k) % WORLD
-            wait_or_record(done + src * max_programs + pid, epoch, spin_limit, error_ptr, src, max_programs + pid)
+            if k > 0:
+                wait_or_record(done + src * max_programs + pid, epoch, spin_limit, error_ptr, src, max_programs + pid)
             t = pid
             while t < tiles:
                 rows = t * ROWS + i
                 row_mask = rows < chunk_blocks
                 x = load_blocks(payload, scales, src * chunk_blocks + rows, row_mask, KIND, OFFSET, WORDS, LOW)
-                _store_values(out_ptr, numel, src * chunk_blocks + rows, row_mask, x)
+                idx = block_values(src * chunk_blocks + rows)
+                out = _round_to(x, out_ptr.dtype.element_ty)
+                tl.store(out_ptr + idx, out, mask=(idx < numel) & row_mask[:, None])
                 t += num_programs
 
 
