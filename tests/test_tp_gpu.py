@@ -64,7 +64,8 @@ def _timeout(rank, world):
     ws = CudaSymmetricWorkspace()
     x, w = _inputs(rank, 4, 256, 512)
     # Step 1 on both ranks with the default bound: it allocates the buffers (collective) and compiles the
-    # kernel, whose time differs between the ranks by more than the short bound below lets a peer lag.
+    # kernel, whose time may differ between the ranks by more than the short bound below lets a peer lag (with
+    # that bound, step 1 once timed out).
     GemmAllReduce(ws)(x, w)
     op = GemmAllReduce(ws, spin_limit=100_000)  # the same flags and epochs
     op(x, w)  # step 2, both ranks

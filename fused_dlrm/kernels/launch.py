@@ -29,6 +29,12 @@ from typing import Any, Hashable
 import torch
 
 
+def interpreting() -> bool:
+    """Whether Triton kernels run in its interpreter (TRITON_INTERPRET=1: CI's CPUs), which has no compiled
+    binaries and takes no compiler options."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def aligned(t: torch.Tensor) -> bool:
     """Whether t's address is 16-byte aligned (Triton specialises pointer arguments on it)."""
     return t.data_ptr() % 16 == 0
@@ -79,7 +85,7 @@ class CompiledLaunches:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        self.interpret = interpreting()
         self._binaries: dict[Hashable, Any] = {}
 
     def compiled(self, key: Hashable, grid: tuple[int, int, int], args: tuple, options: dict):

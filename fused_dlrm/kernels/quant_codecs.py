@@ -18,10 +18,10 @@ of its codes (words 0-3, 8 to a word), then their high 2 bits (words 4-5, 16 to 
 | q6 | 6-bit int, 4 + 2 bit planes | absmax / 31 | 26 | s / 2 |
 | q4 | 4-bit int | absmax / 7 | 18 | s / 2 |
 
-Scales are stored in fp16 rounded *up* (never below absmax / qmax), so |x / s| <= qmax: integer codes need no
-saturation and e4m3 never overflows; a block of zeros gets scale 0 and decodes to zeros. A value is scaled as
-v = x * (1 / s), the reciprocal and the product each rounded to fp32 (so |v| may pass qmax by an fp32 step, which
-the clamp of integer codes and e4m3's rounding absorb). Integer codes are floor(v + 0.5) (ties away from -inf),
+Scales are stored in fp16 rounded *up* (never below absmax / qmax), so |x / s| <= qmax; a block of zeros gets
+scale 0 and decodes to zeros. A value is scaled as v = x * (1 / s), the reciprocal and the product each rounded
+to fp32, so |v| may pass qmax by a few fp32 steps: integer codes are clamped to +-qmax, and e4m3's rounding
+brings such a v back to 448 (no overflow). Integer codes are floor(v + 0.5) (ties away from -inf),
 stored offset-binary (q + 2^(b-1)). The bounds hold up to the fp32 roundings of 1 / s, x * (1 / s), v + 0.5 and
 q * s (relative 2^-24 each; `error_bound` adds that slack) and require absmax <= 65504 * qmax (the fp16 scale's
 range; gradients beyond that are already lost).
@@ -38,13 +38,14 @@ to 128 bits (q6: 64; the all-reduce's PTX is checked by tests/test_quantized_all
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from fused_dlrm.kernels.launch import interpreting
 
 BLOCK = 32  # values per block (one scale)
 BLOCKS_PER_PROGRAM = 32  # blocks one kernel program encodes or decodes (not tuned)
@@ -53,7 +54,7 @@ FP16, FP8, INT = 0, 1, 2  # kinds of codec (the kernels' KIND)
 # Launch option of every kernel that encodes or decodes: no fused multiply-add (of x * (1 / s) and + 0.5 when
 # encoding, of decode and sum in the all-reduce), so the kernels round as the reference does. The interpreter
 # takes no such option (and fuses nothing).
-NO_FMA = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
+NO_FMA = {} if interpreting() else {"enable_fp_fusion": False}
 
 
 @dataclass(frozen=True)
