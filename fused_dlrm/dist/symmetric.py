@@ -7,8 +7,9 @@ Implementations of one interface (`transport` says which kernels a fused operato
 - `CudaSymmetricWorkspace` ("p2p"): torch SymmetricMemory (`_symmetric_memory.empty` + `rendezvous`), NVLink peers.
 - `NvshmemSymmetricWorkspace` ("nvshmem"): the same API on torch's NVSHMEM backend; kernels put through NVSHMEM
   (kernels/nvshmem_puts.py) at this rank's own symmetric addresses, which also reaches other nodes.
-- `SimulatedWorkspace`: a world of ranks simulated in one process on the CPU (one tensor per rank), so the
-  kernels' logic runs under TRITON_INTERPRET=1 in CI. Kernels of all ranks are launched in turn, producers first.
+- `SimulatedWorkspace`: a world of ranks simulated in one process (one tensor per rank), so the kernels' logic
+  runs under TRITON_INTERPRET=1 in CI; kernels of all ranks are launched in turn, producers first. On one GPU the
+  same world times a kernel's phases one by one (peer stores then land in local memory, not over NVLink).
 
 Buffers are allocated on first use and grown (never shrunk) when a larger size is asked for. Every rank must ask
 for the same names in the same order: allocation is collective on GPUs, and takes the largest size asked for.
@@ -119,10 +120,11 @@ def use_nvshmem_backend() -> None:
 
 
 class SimulatedWorld:
-    """The shared memory of a simulated world: rank r's buffers are plain CPU tensors, visible to every rank."""
+    """The shared memory of a simulated world: rank r's buffers are plain tensors on `device` (the CPU for the
+    interpreter), visible to every rank."""
 
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    def __init__(self, world_size: int, device: torch.device | str = "cpu"):
+        self.world_size, self.device = world_size, torch.device(device)
         self.buffers: dict[str, list[torch.Tensor]] = {}
 
     def workspaces(self) -> list["SimulatedWorkspace"]:
@@ -133,7 +135,7 @@ class SimulatedWorkspace(_Workspace):
     def __init__(self, world: SimulatedWorld, rank: int):
         super().__init__()
         self.world, self.rank, self.world_size = world, rank, world.world_size
-        self.device = torch.device("cpu")
+        self.device = world.device
         self._allocations = 0
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> PeerBuffer:
@@ -142,9 +144,9 @@ class SimulatedWorkspace(_Workspace):
         self._allocations += 1
         tensors = self.world.buffers.get(key)
         if tensors is None or tensors[0].numel() < numel or tensors[0].dtype != dtype:
-            tensors = [torch.zeros(numel, dtype=dtype) for _ in range(self.world_size)]
+            tensors = [torch.zeros(numel, dtype=dtype, device=self.device) for _ in range(self.world_size)]
             self.world.buffers[key] = tensors
-        ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+        ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=self.device)
         return PeerBuffer(local=tensors[self.rank], peer_ptrs=ptrs)
 
     def peer_tensors(self, buf: PeerBuffer) -> list[torch.Tensor]:

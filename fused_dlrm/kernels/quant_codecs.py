@@ -247,9 +247,18 @@ def _pack_plane(u, SHIFT: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _unpack_plane(words, BITS: tl.constexpr):
-    """int32 [ROWS, 32]: the codes of BITS bits packed in words [ROWS, BITS]."""
-    u = (words[:, :, None] >> (BITS * tl.arange(0, 32 // BITS))[None, None, :]) & ((1 << BITS) - 1)
-    return tl.reshape(u, [words.shape[0], 32])
+    """int32 [ROWS, 32]: the codes of BITS bits packed in words [ROWS, BITS].
+
+    Each word is halved (low bits, high bits) until single codes remain, the halves joined into a new last
+    dimension of 2 each time: tl.join keeps a word's codes in the thread that loaded it, so a thread ends with
+    32 // BITS consecutive values. (Shifting a broadcast [ROWS, BITS, 32 // BITS] let Triton spread a word's codes
+    over the threads of a warp where nothing else fixed the layout: the all-reduce's reduce phase then took warp
+    shuffles for every block's max and every packed word.)"""
+    u = words
+    for level in tl.static_range(5):
+        if (32 >> level) > BITS:  # halves of 32 >> level bits each hold codes: split them
+            u = tl.join(u, u >> (16 >> level))  # bits above a half are cleared at the end
+    return tl.reshape(u, [words.shape[0], 32]) & ((1 << BITS) - 1)
 
 
 @triton.jit
