@@ -278,15 +278,17 @@ for dtype in ("fp16", "bf16"):
         build(allgather_gemm._all_gather_matmul_kernel, types, dict(
             rank=1, WORLD=2, PUSH=push, COMPUTE=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32,
             K_TILES=4, GROUP_M=8, PUSH_R=16, PUSH_C=512, DOT_FP32=False))
-kernel = build(allgather_gemm._all_gather_matmul_kernel, types, dict(  # GemmConfig() as on the GPU (rank 0: not
-    stride_wk=1, WORLD=2, PUSH=True, COMPUTE=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, K_TILES=8,  # a constexpr)
-    GROUP_M=8, PUSH_R=16, PUSH_C=512, DOT_FP32=False), num_warps=8,
-    divisible=("K", "N", "stride_wn", "chunk_rows", "half_offset"))  # as a Linear's weight.t() at K=512
-# Both operands of the pipelined wgmma get one shared buffer per stage (3): with fewer for one of them (2 for A
-# when the tiles also stored A), the loads running 2 iterations ahead overwrote A under an in-flight wgmma.
+c = allgather_gemm.GemmConfig()  # as on the GPU (rank 0: not a constexpr)
+kernel = build(allgather_gemm._all_gather_matmul_kernel, types, dict(
+    stride_wk=1, WORLD=2, PUSH=True, COMPUTE=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+    K_TILES=512 // c.block_k, GROUP_M=c.group_m, PUSH_R=16, PUSH_C=512, DOT_FP32=False), num_warps=c.num_warps,
+    num_stages=c.num_stages, divisible=("K", "N", "stride_wn", "chunk_rows", "half_offset"))  # a Linear's
+# weight.t() at K=512. Both operands of the pipelined wgmma get one shared buffer per stage: with fewer for one of
+# them (2 for A at 3 stages when the tiles also stored A), the loads running ahead overwrote A under an in-flight
+# wgmma.
 import re
 depths = re.findall(r"ttg.local_alloc : \(\) -> !ttg.memdesc<(\d+)x", kernel.asm["ttgir"])
-assert depths == ["3", "3"], depths
+assert depths == [str(c.num_stages)] * 2, depths
 types = {"x_ptr": "*fp16", "data_ptrs": "*i64", "ready_ptrs": "*i64", "ack_ptr": "*i32", "error_ptr": "*i32",
          "half_offset": "i64"}
 build(allgather._push_kernel, types, dict(rank=1, chunks=1, WORLD=4, BLOCK_R=16, BLOCK_C=512))

@@ -68,12 +68,14 @@ class GemmConfig:
     block_m: int = 128
     block_n: int = 256  # 128 x 256 tiles beat 128 x 128 at every benchmarked shape on H200 (2026-11-22)
     block_k: int = 64
-    group_m: int = 8  # M-blocks walked together per N sweep (L2 reuse of the weight)
+    group_m: int = 16  # M-blocks walked together per N sweep (L2 reuse of the weight)
     chunk_rows: int = 256  # rows per flag (best a multiple of block_m; a tile straddling two chunks waits for
     # both): small enough to spread the device push over many programs (a pushing program computes its tiles
     # late) and to start remote tiles early
     num_warps: int = 8
-    num_stages: int = 3
+    # 4 stages and groups of 16 M-blocks: the GEMM alone (flags already up) at M=8192, N=11008/2, K=4096 fp16 on one
+    # H200 took 555.6 us against 661.1 at 3 stages and groups of 8 (cuBLAS 538.5; 2026-11-23, docs/benchmarks.md)
+    num_stages: int = 4
     num_programs: int | None = None  # persistent programs; None: one per SM (all co-resident)
     spin_limit: int = 20_000_000
 
