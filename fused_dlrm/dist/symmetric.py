@@ -34,6 +34,7 @@ class _Workspace:
     world_size: int
     device: torch.device
     transport = "p2p"  # the simulated world stores through peer pointers too
+    simulated = False  # True: the ranks' kernels run one after another in one process (launch phase by phase)
 
     def __init__(self):
         self._buffers: dict[str, PeerBuffer] = {}
@@ -132,6 +133,8 @@ class SimulatedWorld:
 
 
 class SimulatedWorkspace(_Workspace):
+    simulated = True
+
     def __init__(self, world: SimulatedWorld, rank: int):
         super().__init__()
         self.world, self.rank, self.world_size = world, rank, world.world_size

@@ -19,7 +19,8 @@ peers. The shards travel through `SymmetricAllGather`'s buffers and flags:
   launch, not a push kernel on another stream: two kernels whose programs wait on each other deadlock when the
   consumer's persistent programs take every SM before the producer's are scheduled; inside one launch whose grid
   is at most one program per SM, every program is resident. (The interpreter runs a launch's programs one after
-  another, so in the simulated world the same kernel runs twice: push only for every rank, then compute.)
+  another, so in a simulated world, on the CPU or on one GPU, the same kernel runs twice: push only for every
+  rank, then compute.)
 The last program to finish acknowledges the epoch to every peer (a never-reset launch counter of this op reaching
 launches * programs): the guard that lets peers overwrite the other half of the double buffer next time.
 With return_gathered=True the gathered input (the column-parallel backward needs it) is copied out of the
@@ -45,6 +46,7 @@ import triton.language as tl
 
 from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels.allgather import SymmetricAllGather, push_chunk, wait_chunk
+from fused_dlrm.kernels.launch import interpreting
 from fused_dlrm.kernels.peer_flags import signal_ready
 
 GEMM_PRODUCERS = ("copy_engine", "device")
@@ -200,7 +202,7 @@ class AllGatherMatmul:
                                          spin_limit=config.spin_limit)
         self.rank, self.world = workspace.rank, workspace.world_size
         self.rows, self.k = rows, k
-        self.fused_push = workspace.device.type == "cuda"  # False: the interpreter (see the module docstring)
+        self.fused_push = not workspace.simulated  # a simulated world pushes in a launch of its own (module docstring)
         self.num_programs = config.num_programs or self.gather.num_programs
         self.counter = torch.zeros(1, dtype=torch.int64, device=workspace.device)  # programs done, never reset
         self.launches = 0  # compute launches of this op: the counter reaches launches * programs at each ack
@@ -250,7 +252,7 @@ class AllGatherMatmul:
             self.launches * self.num_programs,
             WORLD=self.world, PUSH=push, COMPUTE=compute,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, K_TILES=triton.cdiv(self.k, c.block_k),
-            GROUP_M=c.group_m, PUSH_R=g.block_rows, PUSH_C=g.block_cols, DOT_FP32=not self.fused_push,
+            GROUP_M=c.group_m, PUSH_R=g.block_rows, PUSH_C=g.block_cols, DOT_FP32=interpreting(),
             num_warps=c.num_warps, num_stages=c.num_stages)
 
 

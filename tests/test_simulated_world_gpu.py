@@ -1,0 +1,95 @@
+"""The tensor-parallel kernels as compiled for a GPU, checked on ONE GPU (skipped without one).
+
+A simulated world of ranks keeps every rank's buffers on that one GPU, and each kernel phase is launched for every
+rank in turn, as the interpreter tests do on the CPU (producers before consumers, so no launch waits on one that
+has not started). What the interpreter never runs (compiled layouts, vector widths, software pipelining, the
+codecs' launches without fp fusion, the production tile configurations) meets the same references, on any machine
+with a single GPU; the 2-GPU tests (test_*_gpu.py) add the real transport and the one-launch form. Outputs and
+buffers start poisoned (NaN) so unwritten elements show.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fused_dlrm.dist.symmetric import SimulatedWorld
+from fused_dlrm.kernels.allgather_gemm import AllGatherMatmul, GemmConfig, all_gather_matmul_reference
+from fused_dlrm.kernels.gemm_allreduce import PRODUCE, REDUCE, WAIT, GemmAllReduce, gemm_allreduce_reference
+from fused_dlrm.kernels.quant_codecs import CODECS
+from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, max_programs_for,
+                                                    quantized_all_reduce_reference)
+from test_quantized_allreduce_gpu import world_inputs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def poison(world: SimulatedWorld) -> None:
+    for tensors in world.buffers.values():
+        for t in tensors:
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_quantized_all_reduce_equals_the_reference_bit_for_bit(world_size):
+    """Every codec, fp32 and bf16, sum and mean, sizes that are no multiple of world * 32, up to 4M values; the
+    reference (the bulk twin's arithmetic) runs on the CPU. The ops keep their flags over all calls."""
+    world = SimulatedWorld(world_size, "cuda")
+    ops = [FusedQuantizedAllReduce(ws, max_programs_for(torch.device("cuda"))) for ws in world.workspaces()]
+    for i, n in enumerate([45, 4099, 1_000_003, 2**22 + 17]):
+        mean = i % 2 == 1
+        for dtype in (torch.float32, torch.bfloat16):
+            xs = world_inputs(n, world_size, dtype, seed=n)
+            for codec in CODECS:
+                outs = [torch.full_like(x, float("nan")) for x in xs]
+                calls = [op.start(x, codec, mean, out=out) for op, x, out in zip(ops, xs, outs)]
+                for phase in range(3):
+                    for op, call in zip(ops, calls):
+                        op.run(call, phase, phase)
+                expected = quantized_all_reduce_reference([x.cpu() for x in xs], codec, mean)
+                for op, call in zip(ops, calls):
+                    assert torch.equal(op.finish(call).cpu(), expected), (n, dtype, codec, mean)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gemm_all_reduce_matches_the_float64_sum(world_size):
+    """The default plans (grid, split over K, stages) of a GEMV at issue 5's size and of odd shapes; every
+    rank's output identical (fixed reduction order); both halves of the double buffers."""
+    world = SimulatedWorld(world_size, "cuda")
+    ops = [GemmAllReduce(ws) for ws in world.workspaces()]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m, k, n in [(1, 4096, 8192), (5, 1000, 3000), (64, 2048, 1234), (16, 512, 28672), (1, 4096, 8192)]:
+        xs = [torch.randn(m, k, device="cuda", generator=gen).bfloat16() for _ in range(world_size)]
+        ws = [(torch.randn(k, n, device="cuda", generator=gen) / k ** 0.5).bfloat16() for _ in range(world_size)]
+        poison(world)
+        epochs = [op.next_epoch() for op in ops]
+        for phase in (PRODUCE, REDUCE, WAIT):
+            plans = [op.launch(x, w, e, phase) for op, x, w, e in zip(ops, xs, ws, epochs)]
+        outs = [op.output(e, plan) for op, e, plan in zip(ops, epochs, plans)]
+        expected = gemm_allreduce_reference(xs, ws)
+        err = float((outs[0].double() - expected).abs().max() / expected.abs().max())
+        assert not outs[0].isnan().any() and err < 1e-2, (m, k, n, err)
+        assert all(torch.equal(out, outs[0]) for out in outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("chunk_rows", [256, 192])
+def test_all_gather_matmul_device_push(dtype, chunk_rows):
+    """The production GEMM configuration (GemmConfig's tiles and stages) on a partial last N tile; chunks of 192
+    rows make 128-row tiles straddle two chunks. Every rank's push first, then every rank's GEMM."""
+    world_size, rows, k, n = 2, 640, 1024, 1000
+    config = GemmConfig(chunk_rows=chunk_rows)
+    world = SimulatedWorld(world_size, "cuda")
+    ops = [AllGatherMatmul(ws, rows, k, dtype, config) for ws in world.workspaces()]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    weight = (torch.randn(k, n, device="cuda", generator=gen) / k ** 0.5).to(dtype)
+    for _ in range(3):  # both halves of the double buffer, and back
+        shards = [torch.randn(rows, k, device="cuda", generator=gen).to(dtype) for _ in range(world_size)]
+        poison(world)
+        epochs = [op.start(shard, "device") for op, shard in zip(ops, shards)]
+        outs = [op.finish(e, shard, weight, "device") for op, e, shard in zip(ops, epochs, shards)]
+        expected = all_gather_matmul_reference(shards, weight)
+        for out in outs:
+            err = float((out.double() - expected).norm() / expected.norm())
+            assert not out.isnan().any() and err < 2e-3, err
