@@ -9,7 +9,7 @@ python3 scripts/setup_env.py --wheels .whl --target /tmp/site > $OUT/setup.log 2
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests
 T() { local t=$1 name=$2; shift 2; timeout $t python3 -m pytest -v -p no:warnings "$@" > $OUT/$name.log 2>&1; echo "rc=$?" >> $OUT/$name.log; }
 R() { local t=$1 name=$2; shift 2; timeout $t torchrun --nproc_per_node=2 --standalone "$@" > $OUT/$name.log 2>&1; echo "rc=$?" >> $OUT/$name.log; }
-for f in fused_embedding torchrec_sharder moe_fused moe_fused_dispatch quantized_allreduce tp allgather; do
+for f in simulated_world fused_embedding torchrec_sharder moe_fused moe_fused_dispatch quantized_allreduce tp allgather; do
   T 300 test_$f tests/test_${f}_gpu.py
 done
 T 120 test_embedding_backward tests/test_embedding_backward_kernel.py
