@@ -14,20 +14,26 @@ import pytest
 import torch
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
+from fused_dlrm.kernels import gemm_allreduce
 from fused_dlrm.kernels.gemm_allreduce import (PRODUCE, REDUCE, WAIT, GemmAllReduce, default_split_k,
                                                gemm_allreduce_reference)
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+from sm90 import compile_for_sm90
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative to the largest |output|: one output rounding
 
 
+ALGORITHMS = ("one_shot", "two_shot")
+
+
 class World:
-    def __init__(self, world_size: int, num_programs: int = 3, split_k: int | None = None):
+    def __init__(self, world_size: int, num_programs: int = 3, split_k: int | None = None,
+                 algorithm: str = "two_shot"):
         self.shared = SimulatedWorld(world_size)
         self.ops = [GemmAllReduce(ws, num_programs=num_programs, spin_limit=50, block_n=16, block_k=16,
-                                  split_k=split_k) for ws in self.shared.workspaces()]
+                                  split_k=split_k, algorithm=algorithm) for ws in self.shared.workspaces()]
 
     def poison(self) -> None:
         for tensors in self.shared.buffers.values():
@@ -57,12 +63,13 @@ def assert_all_reduced(outs, xs, ws):
         assert torch.equal(got, outs[0])  # the fixed reduction order makes every rank's copy identical
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("m", [1, 5, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_matches_reference(world_size, m, dtype):
+def test_matches_reference(world_size, m, dtype, algorithm):
     """N = 50: four tiles of 16, the last one partial; at 4 ranks one tile per rank. K = 40: a partial K tile."""
-    world = World(world_size)
+    world = World(world_size, algorithm=algorithm)
     gen = torch.Generator().manual_seed(m)
     for _ in range(2):  # both halves of the double buffers
         xs, ws = random_inputs(world_size, m, 40, 50, dtype, gen)
@@ -70,26 +77,28 @@ def test_matches_reference(world_size, m, dtype):
         assert_all_reduced(world(xs, ws), xs, ws)
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("world_size,n", [(4, 20), (2, 7), (4, 130), (8, 130)])
-def test_skewed_shapes(world_size, n):
+def test_skewed_shapes(world_size, n, algorithm):
     """Ranks owning no tile (N = 20 is two tiles for 4 ranks; N = 7 one partial tile) and more tiles than
     programs (N = 130 at 3 programs; at 8 ranks a partial tile on the last owner)."""
-    world = World(world_size)
+    world = World(world_size, algorithm=algorithm)
     gen = torch.Generator().manual_seed(n)
     xs, ws = random_inputs(world_size, 3, 24, n, torch.bfloat16, gen)
     world.poison()
     assert_all_reduced(world(xs, ws), xs, ws)
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("split_k,m,k", [(3, 2, 100), (None, 1, 1024)])
-def test_split_k(world_size, split_k, m, k):
+def test_split_k(world_size, split_k, m, k, algorithm):
     """K in chunks over 5 programs (3 given; 2 by default_split_k for a GEMV with K = 1024): each tile's units
     come from several programs of every source."""
     if split_k is None:
         assert default_split_k(m, k, 5, 5, 16) == 2  # 2 units per program (K / (16 BLOCK_K) would allow 4)
         assert default_split_k(m, 200, 5, 5, 16) == 1  # K = 200: chunks of 16 BLOCK_K tiles leave one
-    world = World(world_size, num_programs=5, split_k=split_k)
+    world = World(world_size, num_programs=5, split_k=split_k, algorithm=algorithm)
     gen = torch.Generator().manual_seed(3)
     for _ in range(2):
         xs, ws = random_inputs(world_size, m, k, 70, torch.float16, gen)
@@ -97,22 +106,28 @@ def test_split_k(world_size, split_k, m, k):
         assert_all_reduced(world(xs, ws), xs, ws)
 
 
-def test_one_launch_in_a_world_of_one():
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_one_launch_in_a_world_of_one(algorithm):
     """The GPU form (all phases in one launch) where the interpreter can run it: one rank, one program."""
-    op = GemmAllReduce(SimulatedWorld(1).workspaces()[0], num_programs=1, spin_limit=50, block_n=16, block_k=16)
+    op = GemmAllReduce(SimulatedWorld(1).workspaces()[0], num_programs=1, spin_limit=50, block_n=16, block_k=16,
+                       algorithm=algorithm)
     gen = torch.Generator().manual_seed(4)
     xs, ws = random_inputs(1, 5, 40, 50, torch.bfloat16, gen)
     assert_all_reduced([op(xs[0], ws[0])], xs, ws)
 
 
-def test_many_consecutive_calls_on_the_same_flags():
-    world = World(2, num_programs=2)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_many_consecutive_calls_on_the_same_flags(algorithm):
+    world = World(2, num_programs=2, algorithm=algorithm)
     gen = torch.Generator().manual_seed(5)
     for step in range(60):
         xs, ws = random_inputs(2, 2, 16, 20, torch.bfloat16, gen)
         outs = world(xs, ws)
         assert_all_reduced(outs, xs, ws)
     assert world.ops[0].ws.next_epoch("gemm_allreduce") == 61
+    # One-shot raises no output flags (no rank stores into another's output); two-shot raised all of them.
+    done = torch.stack(world.ops[0].ws.peer_tensors(world.ops[0].done))
+    assert done.eq(0).all() if algorithm == "one_shot" else done.eq(60).all()
 
 
 def test_grids_that_change_with_the_shape_share_the_flags():
@@ -123,18 +138,56 @@ def test_grids_that_change_with_the_shape_share_the_flags():
     world = World(2, num_programs=6)
     for op in world.ops:
         op.fixed_grid, op.sm_count = False, 2
-    gen = torch.Generator().manual_seed(6)
+    for n, plan in alternating_calls(world, 1, seed=6):
+        assert plan.num_programs == (2 if n == 20 else 6)
+
+
+def alternating_calls(world: World, m: int, seed: int):
+    """Calls alternating N = 20 and N = 70 (20, 70, 70, 20, twice) on one world's flags and double buffers, each
+    checked; yields N and rank 0's plan of each call."""
+    gen = torch.Generator().manual_seed(seed)
     for step in range(8):
         n = (20, 70, 70, 20)[step % 4]
-        xs, ws = random_inputs(2, 1, 40, n, torch.bfloat16, gen)
+        xs, ws = random_inputs(2, m, 40, n, torch.bfloat16, gen)
         world.poison()
         assert_all_reduced(world(xs, ws), xs, ws)
-        assert world.ops[0]._plans[world.ops[0]._key(xs[0], ws[0], WAIT)].num_programs == (2 if n == 20 else 6)
+        yield n, world.ops[0]._plans[world.ops[0]._key(xs[0], ws[0], WAIT)]
 
 
-def test_timeout_names_rank_and_slice():
-    """Rank 1 never launches: rank 0's reduce times out waiting for rank 1's partial of its first tile."""
+def test_auto_alternates_algorithms_on_the_same_flags(monkeypatch):
+    """algorithm="auto" by the bytes a rank pushes: with the bound at 512, M=4 fp32 partials of N=20 (320 bytes)
+    run one-shot and of N=70 (1,120 bytes) two-shot, alternating on one op's flags and double buffers (a one-shot
+    call after a two-shot one, and back, in both halves)."""
+    monkeypatch.setattr(gemm_allreduce, "ONE_SHOT_MAX_BYTES", 512)
+    world = World(2, split_k=1, algorithm="auto")
+    for n, plan in alternating_calls(world, 4, seed=7):
+        assert plan.one_shot == (n == 20)
+
+
+def test_prepare_plans_without_launching():
+    """prepare() makes (on GPUs also compiles) the plan the next call of that shape uses, and launches nothing:
+    no flag is raised."""
     world = World(2)
+    gen = torch.Generator().manual_seed(8)
+    xs, ws = random_inputs(2, 3, 40, 50, torch.bfloat16, gen)
+    plans = [op.prepare(x, w, PRODUCE) for op, x, w in zip(world.ops, xs, ws)]  # the simulated launches' keys
+    flags = world.ops[0].ws.peer_tensors(world.ops[0].ready)  # every rank's, shared by the ops
+    assert all(f.eq(0).all() for f in flags)
+    assert_all_reduced(world(xs, ws), xs, ws)
+    assert all(f.eq(1).any() for f in flags)  # the call raised them
+    assert all(op._plans[op._key(x, w, PRODUCE)] is plan for op, x, w, plan in zip(world.ops, xs, ws, plans))
+
+
+def test_unknown_algorithm_is_an_error():
+    with pytest.raises(ValueError, match="algorithm='three_shot'"):
+        GemmAllReduce(SimulatedWorld(2).workspaces()[0], num_programs=1, algorithm="three_shot")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_timeout_names_rank_and_slice(algorithm):
+    """Rank 1 never launches: rank 0's reduce times out waiting for rank 1's partial of its first tile (tile 0 in
+    both algorithms: rank 0 owns the first tiles)."""
+    world = World(2, algorithm=algorithm)
     gen = torch.Generator().manual_seed(6)
     xs, ws = random_inputs(2, 1, 16, 40, torch.bfloat16, gen)
     op = world.ops[0]
@@ -143,3 +196,24 @@ def test_timeout_names_rank_and_slice():
         plan = op.launch(xs[0], ws[0], epoch, phase)
     with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 1 waiting for rank 1, slice 0"):
         op.output(epoch, plan)
+
+
+COMPILE_FOR_SM90 = r"""
+from fused_dlrm.kernels import gemm_allreduce
+
+types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "error_ptr": "*i32"}
+types.update({n: "*i64" for n in ("recv_ptrs", "out_ptrs", "ready_ptrs", "done_ptrs")})
+for one_shot in (True, False):
+    for block_m, stages in ((16, 5), (64, 3)):  # the plans' defaults
+        kernel = build(gemm_allreduce._gemm_allreduce_kernel, types, dict(
+            M=block_m, N=8192, K=4096, WORLD=2, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, K_TILES=16,
+            OUT_DTYPE=gemm_allreduce.tl.bfloat16, DOT_FP32=False, PHASES=gemm_allreduce.ALL_PHASES,
+            ONE_SHOT=one_shot), num_warps=8, num_stages=stages, divisible=("stride_xm", "stride_wk"))
+        # Two programs per SM (PROGRAMS_PER_SM) need at most half the SM's shared memory and registers.
+        assert kernel.metadata.shared <= 113 * 1024, (one_shot, block_m, kernel.metadata.shared)
+"""
+
+
+def test_kernel_compiles_for_sm90():
+    """Both algorithms at the plans' default tiles compile for sm_90 within two programs per SM's shared memory."""
+    compile_for_sm90(COMPILE_FOR_SM90)

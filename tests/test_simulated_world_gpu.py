@@ -52,12 +52,14 @@ def test_quantized_all_reduce_equals_the_reference_bit_for_bit(world_size):
                     assert torch.equal(op.finish(call).cpu(), expected), (n, dtype, codec, mean)
 
 
+@pytest.mark.parametrize("algorithm", ["auto", "two_shot"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_gemm_all_reduce_matches_the_float64_sum(world_size):
+def test_gemm_all_reduce_matches_the_float64_sum(world_size, algorithm):
     """The default plans (grid, split over K, stages) of a GEMV at issue 5's size and of odd shapes; every
-    rank's output identical (fixed reduction order); both halves of the double buffers."""
+    rank's output identical (fixed reduction order); both halves of the double buffers. "auto" runs these
+    shapes one-shot."""
     world = SimulatedWorld(world_size, "cuda")
-    ops = [GemmAllReduce(ws) for ws in world.workspaces()]
+    ops = [GemmAllReduce(ws, algorithm=algorithm) for ws in world.workspaces()]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for m, k, n in [(1, 4096, 8192), (5, 1000, 3000), (64, 2048, 1234), (16, 512, 28672), (1, 4096, 8192)]:
         xs = [torch.randn(m, k, device="cuda", generator=gen).bfloat16() for _ in range(world_size)]
@@ -71,6 +73,40 @@ def test_gemm_all_reduce_matches_the_float64_sum(world_size):
         err = float((outs[0].double() - expected).abs().max() / expected.abs().max())
         assert not outs[0].isnan().any() and err < 1e-2, (m, k, n, err)
         assert all(torch.equal(out, outs[0]) for out in outs)
+        assert plans[0].one_shot == (algorithm == "auto")
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+def test_gemm_all_reduce_in_one_launch_per_rank_on_two_streams(algorithm):
+    """The GPU form, one launch per call with real waits on the peer's flags: the two ranks on two streams of the
+    one GPU, each on half of the SMs (so both grids are resident at once), 60 calls back to back on the same
+    flags, every 10th checked."""
+    world = SimulatedWorld(2, "cuda")
+    programs = torch.cuda.get_device_properties(0).multi_processor_count // 2
+    ops = [GemmAllReduce(ws, num_programs=programs, algorithm=algorithm) for ws in world.workspaces()]
+    streams = [torch.cuda.Stream() for _ in ops]
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for m, k, n in [(1, 4096, 8192), (64, 1000, 3000)]:
+        xs = [torch.randn(m, k, device="cuda", generator=gen).bfloat16() for _ in ops]
+        ws = [(torch.randn(k, n, device="cuda", generator=gen) / k ** 0.5).bfloat16() for _ in ops]
+        for op, x, w in zip(ops, xs, ws):
+            op.prepare(x, w)  # compiled and loaded before rank 0's first launch spins on rank 1's flags
+        poison(world)
+        torch.cuda.synchronize()
+        for call in range(60):
+            scale = 1.0 + call % 7
+            outs = []
+            for op, stream, x, w in zip(ops, streams, xs, ws):
+                with torch.cuda.stream(stream):
+                    outs.append(op(x * scale, w))
+            if call % 10 == 9:
+                torch.cuda.synchronize()
+                expected = gemm_allreduce_reference([x * scale for x in xs], ws)
+                err = float((outs[0].double() - expected).abs().max() / expected.abs().max())
+                assert not outs[0].isnan().any() and err < 1e-2, (m, k, n, call, err)
+                assert torch.equal(outs[0], outs[1])
+    for op in ops:
+        op.errors.check(block=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -37,11 +37,14 @@ def _fused_matches_bulk(rank, world):
     from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
     from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce, gemm_allreduce_bulk
 
-    op = GemmAllReduce(CudaSymmetricWorkspace())
-    for m in (1, 16, 64):
-        for k, n in SHAPES:
-            x, w = _inputs(rank, m, k, n)
-            _check(op(x, w).clone(), gemm_allreduce_bulk(x, w), f"M={m} K={k} N={n}")
+    ws = CudaSymmetricWorkspace()
+    for algorithm in ("one_shot", "two_shot"):  # on the same flags and buffers
+        op = GemmAllReduce(ws, algorithm=algorithm)
+        for m in (1, 16, 64):
+            for k, n in SHAPES:
+                x, w = _inputs(rank, m, k, n)
+                _check(op(x, w).clone(), gemm_allreduce_bulk(x, w), f"{algorithm} M={m} K={k} N={n}")
+    op = GemmAllReduce(ws)
     # 1,000 calls on the same flags and double buffers, fresh data every call, checked every 100th.
     x, w = _inputs(rank, 1, 8192, 8192)
     for step in range(1000):

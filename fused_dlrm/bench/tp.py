@@ -35,11 +35,11 @@ def _us(value: float | None) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'op':24} {'shape':32} {'dtype':5} {'bulk us':>9} {'fused us':>9} {'speedup':>7} {'%SOL':>5}  "
+    print(f"{'op':26} {'shape':32} {'dtype':5} {'bulk us':>9} {'fused us':>9} {'speedup':>7} {'%SOL':>5}  "
           f"baseline")
     for r in rows:
         baseline = f"{r['baseline_name']} {r['baseline_us']:.1f} us" if r["baseline_us"] is not None else "-"
-        print(f"{r['op']:24} {r['shape']:32} {r['dtype']:5} {_us(r['bulk_us'])} {_us(r['fused_us'])} "
+        print(f"{r['op']:26} {r['shape']:32} {r['dtype']:5} {_us(r['bulk_us'])} {_us(r['fused_us'])} "
               f"{r['speedup']:6.2f}x {r['sol_pct']:4.0f}%  {baseline}")
 
 

@@ -1,17 +1,24 @@
 """GEMV/GEMM + AllReduce in one persistent launch (row-parallel linear: decode and small-batch prefill).
 
 out[M, N] = sum over ranks r of x_r[M, K_r] @ w_r[K_r, N], for M in 1..64, fp16/bf16 in, fp32 accumulation.
-N is cut into tiles of BLOCK_N; rank d owns the contiguous range of tiles [d * T, (d + 1) * T), T = cdiv(tiles,
-world). One launch, three phases per program:
-1. produce (zero-copy reduce-scatter): the partial product of every tile, split over K into `split_k` chunks so
-   that a GEMV has enough work units to fill the GPU, stored in fp32 straight into the owner's receive slot
-   [source rank, K chunk, tile]. Owners are walked remote first, rotated by rank, the local rank last; program p
-   takes the units p, p + P, ... of each owner and then raises its flag (source rank, p) in that owner.
+N is cut into tiles of BLOCK_N, and each tile's K into `split_k` chunks so that a GEMV has enough (tile, chunk)
+work units to fill the GPU. Two algorithms, one launch each:
+
+two-shot: rank d owns the contiguous range of tiles [d * T, (d + 1) * T), T = cdiv(tiles, world). Three phases
+per program:
+1. produce (zero-copy reduce-scatter): the fp32 partial product of every unit, stored straight into the owner's
+   receive slot [source rank, K chunk, tile]. Owners are walked remote first, rotated by rank, the local rank
+   last; program p takes the units p, p + P, ... of each owner and then raises its flag (source rank, p) there.
 2. reduce + all-gather: for each owned tile, wait for the flags of exactly the programs that produced its units,
    sum the partials in a fixed order (source rank, then K chunk) in fp32, and store the rounded result into every
    rank's output (remote first); then raise flag (owner rank, p) in every rank.
 3. wait: program p polls the output flags (owner, p) of every owner; when the launch ends the output is complete.
-The fixed order makes the result bit-identical on every rank.
+one-shot: every rank receives every unit's partial (produce stores each unit into every rank's slot, then raises
+its flag in every rank) and reduces all tiles itself into its own output: one round of flags instead of two, and
+no output stores to peers, for (world - 1) times the partials pushed. `algorithm="auto"` takes it while a rank
+pushes at most ONE_SHOT_MAX_BYTES (every shape of issue 5's benchmark on 2 ranks), where a call is bound by
+reading the weight and by flag latency rather than by bytes over the links.
+Either way the fixed order makes the result bit-identical on every rank.
 
 Programs wait for flags raised by other programs of the same launch, here and on peers: the grid must be
 co-resident. The default, PROGRAMS_PER_SM = 2, fits the launched configurations on sm_90 (8 warps; 5 stages at
@@ -21,13 +28,14 @@ co-resident (e.g. a larger `programs_per_sm` or `num_stages` given to the constr
 would time out and raise, not hang. The Triton interpreter runs programs one after another, so a
 simulated world launches the three phases separately (`PHASES`), every rank's phase before the next phase.
 
-Buffers (symmetric, double-buffered by epoch parity): a rank can only start call e + 2 once the output flags of
-call e + 1 are up everywhere, i.e. every owner has finished reading the partials of call e and every rank has
-started call e + 1; so the half that call e + 2 overwrites is no longer read. The returned output is a view of
-symmetric memory, valid until the call after next (later stores to it come from call e + 2). Flags carry the
-epoch, are never reset and are compared with `>=`; a wait that times out records (1, peer, slice) in the error
-word, which `PeerErrors` raises on the host as PeerWaitTimeout (slice: the N tile being reduced, or in the wait
-phase the program whose output flag is missing).
+Buffers (symmetric, double-buffered by epoch parity): a rank can only start call e + 2 once its call e + 1 has
+seen a flag of call e + 1 from every peer (two-shot: the output flags; one-shot: the partials' flags, as it
+reduces every tile from every rank), i.e. every peer has started call e + 1 and so finished reading the partials
+of call e; so the half that call e + 2 overwrites is no longer read. The returned output is a view of symmetric
+memory, valid until the call after next (later stores to it come from call e + 2). Flags carry the epoch, are
+never reset and are compared with `>=`; a wait that times out records (1, peer, slice) in the error word, which
+`PeerErrors` raises on the host as PeerWaitTimeout (slice: the N tile being reduced, or in the wait phase the
+program whose output flag is missing).
 
 `gemm_allreduce_reference` is the pure-torch definition; `gemm_allreduce_bulk` the bulk twin (matmul, then
 torch.distributed.all_reduce).
@@ -50,6 +58,8 @@ PRODUCE, REDUCE, WAIT = 1, 2, 4  # the phases of a launch (PHASES is their sum)
 ALL_PHASES = PRODUCE | REDUCE | WAIT
 MAX_ROWS = 64
 PROGRAMS_PER_SM = 2
+ALGORITHMS = ("auto", "one_shot", "two_shot")
+ONE_SHOT_MAX_BYTES = 8 << 20  # auto: one-shot while the partials a rank pushes to its peers stay below this
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -65,6 +75,31 @@ def gemm_allreduce_bulk(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGro
     return out
 
 
+@triton.jit
+def _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, M, N, K, tile, chunk, k_chunk,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                  DOT_FP32: tl.constexpr):
+    """This rank's [BLOCK_M, BLOCK_N] fp32 partial product of N tile `tile` over K chunk `chunk`."""
+    rows = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = chunk * k_chunk
+    k_end = tl.minimum(k_begin + k_chunk, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i in range(K_TILES):
+        k = k_begin + i * BLOCK_K + ks
+        k_mask = k < k_end
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
+                    mask=(rows < M)[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptr + k[:, None].to(tl.int64) * stride_wk + n[None, :] * stride_wn,  # K*N > 2^31
+                    mask=k_mask[:, None] & (n[None, :] < N), other=0.0)
+        if DOT_FP32:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+    return acc
+
+
 # One compiled variant for every epoch; the halves' sizes follow the symmetric buffers, which a larger call grows
 # under the same plan key: not specialised, so the key's cached binary stays valid for them.
 @triton.jit(do_not_specialize=["epoch", "recv_half", "out_half"])
@@ -75,48 +110,52 @@ def _gemm_allreduce_kernel(
     flag_stride, spin_limit,
     WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr, OUT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, PHASES: tl.constexpr,
+    ONE_SHOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
     row_mask = rows < M
     slot_size = M * BLOCK_N  # one partial tile in a receive slot: [M, BLOCK_N] fp32
     parity = epoch % 2
 
-    if PHASES & 1:  # produce: partial tiles into their owners' receive slots
-        for step in tl.static_range(1, WORLD + 1):
-            owner = (rank + step) % WORLD
-            owned = tl.minimum(tl.maximum(num_tiles - owner * tiles_per_rank, 0), tiles_per_rank)
-            recv = tl.load(recv_ptrs + owner).to(tl.pointer_type(tl.float32)) + parity * recv_half
+    if PHASES & 1:  # produce: partial tiles into the receive slots of the ranks that reduce them
+        if ONE_SHOT:  # every tile to every rank
             u = pid
-            while u < owned * split_k:
+            while u < num_tiles * split_k:
                 j = u // split_k
                 chunk = u % split_k
-                n = (owner * tiles_per_rank + j) * BLOCK_N + cols
-                k_begin = chunk * k_chunk
-                k_end = tl.minimum(k_begin + k_chunk, K)
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for i in range(K_TILES):
-                    k = k_begin + i * BLOCK_K + ks
-                    k_mask = k < k_end
-                    a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
-                                mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                    b = tl.load(w_ptr + k[:, None].to(tl.int64) * stride_wk + n[None, :] * stride_wn,  # K*N > 2^31
-                                mask=k_mask[:, None] & (n[None, :] < N), other=0.0)
-                    if DOT_FP32:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
-                        acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-                    else:
-                        acc += tl.dot(a, b)
+                acc = _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, M, N, K, j, chunk,
+                                    k_chunk, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, DOT_FP32)
                 slot = ((rank * split_k + chunk) * tiles_per_rank + j) * slot_size
-                tl.store(recv + slot + rows[:, None] * BLOCK_N + cols[None, :], acc, mask=row_mask[:, None])
+                for step in tl.static_range(1, WORLD + 1):  # remote first, rotated by rank
+                    recv = tl.load(recv_ptrs + (rank + step) % WORLD).to(tl.pointer_type(tl.float32))
+                    tl.store(recv + parity * recv_half + slot + rows[:, None] * BLOCK_N + cols[None, :], acc,
+                             mask=row_mask[:, None])
                 u += num_programs
-            tl.debug_barrier()  # this program's stores for `owner` before its flag there
-            flag = tl.load(ready_ptrs + owner).to(tl.pointer_type(tl.int32)) + rank * flag_stride + pid
-            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+            signal_ready(ready_ptrs, rank * flag_stride + pid, epoch, WORLD)
+        else:  # each tile to its owner, owners remote first, rotated by rank
+            for step in tl.static_range(1, WORLD + 1):
+                owner = (rank + step) % WORLD
+                owned = tl.minimum(tl.maximum(num_tiles - owner * tiles_per_rank, 0), tiles_per_rank)
+                recv = tl.load(recv_ptrs + owner).to(tl.pointer_type(tl.float32)) + parity * recv_half
+                u = pid
+                while u < owned * split_k:
+                    j = u // split_k
+                    chunk = u % split_k
+                    acc = _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, M, N, K,
+                                        owner * tiles_per_rank + j, chunk, k_chunk, BLOCK_M, BLOCK_N, BLOCK_K,
+                                        K_TILES, DOT_FP32)
+                    slot = ((rank * split_k + chunk) * tiles_per_rank + j) * slot_size
+                    tl.store(recv + slot + rows[:, None] * BLOCK_N + cols[None, :], acc, mask=row_mask[:, None])
+                    u += num_programs
+                tl.debug_barrier()  # this program's stores for `owner` before its flag there
+                flag = tl.load(ready_ptrs + owner).to(tl.pointer_type(tl.int32)) + rank * flag_stride + pid
+                tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
 
-    if PHASES & 2:  # reduce the owned tiles, then store them into every rank's output
-        owned = tl.minimum(tl.maximum(num_tiles - rank * tiles_per_rank, 0), tiles_per_rank)
+    if PHASES & 2:  # reduce this rank's tiles (one-shot: all of them), store them into the output(s)
+        first_tile = 0 if ONE_SHOT else rank * tiles_per_rank
+        owned = tl.minimum(tl.maximum(num_tiles - first_tile, 0), tiles_per_rank)
         recv = tl.load(recv_ptrs + rank).to(tl.pointer_type(tl.float32)) + parity * recv_half
         ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
         j = pid
@@ -126,7 +165,7 @@ def _gemm_allreduce_kernel(
                 while chunk < split_k:
                     producer = (j * split_k + chunk) % num_programs
                     wait_or_record(ready + source * flag_stride + producer, epoch, spin_limit, error_ptr,
-                                    source, rank * tiles_per_rank + j)
+                                    source, first_tile + j)
                     chunk += 1
             tl.debug_barrier()  # the flags this program's threads acquired cover the partials any of them loads
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -138,18 +177,24 @@ def _gemm_allreduce_kernel(
                                    other=0.0, cache_modifier=".cg")  # peers wrote these: not from L1
                     chunk += 1
             result = acc.to(OUT_DTYPE)
-            n = (rank * tiles_per_rank + j) * BLOCK_N + cols
-            for step in tl.static_range(1, WORLD + 1):
-                dest = (rank + step) % WORLD
-                out = tl.load(out_ptrs + dest).to(tl.pointer_type(OUT_DTYPE)) + parity * out_half
-                tl.store(out + rows[:, None] * N + n[None, :], result, mask=row_mask[:, None] & (n[None, :] < N))
+            n = (first_tile + j) * BLOCK_N + cols
+            out_mask = row_mask[:, None] & (n[None, :] < N)
+            if ONE_SHOT:  # every rank reduces every tile itself
+                out = tl.load(out_ptrs + rank).to(tl.pointer_type(OUT_DTYPE)) + parity * out_half
+                tl.store(out + rows[:, None] * N + n[None, :], result, mask=out_mask)
+            else:
+                for step in tl.static_range(1, WORLD + 1):
+                    out = tl.load(out_ptrs + (rank + step) % WORLD).to(tl.pointer_type(OUT_DTYPE)) + parity * out_half
+                    tl.store(out + rows[:, None] * N + n[None, :], result, mask=out_mask)
             j += num_programs
-        signal_ready(done_ptrs, rank * flag_stride + pid, epoch, WORLD)
+        if not ONE_SHOT:
+            signal_ready(done_ptrs, rank * flag_stride + pid, epoch, WORLD)
 
-    if PHASES & 4:  # wait until every owner's program `pid` has stored its tiles here
-        done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
-        for owner in tl.static_range(WORLD):
-            wait_or_record(done + owner * flag_stride + pid, epoch, spin_limit, error_ptr, owner, pid)
+    if PHASES & 4:  # wait until every owner's program `pid` has stored its tiles here (one-shot: no peer does)
+        if not ONE_SHOT:
+            done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
+            for owner in tl.static_range(WORLD):
+                wait_or_record(done + owner * flag_stride + pid, epoch, spin_limit, error_ptr, owner, pid)
 
 
 def default_split_k(m: int, k: int, num_tiles: int, num_programs: int, block_k: int) -> int:
@@ -171,6 +216,7 @@ class Plan:
     outputs: tuple[torch.Tensor, torch.Tensor]
     args: Arguments  # filled per call with x, w and the epoch
     options: dict  # launch options (num_warps, num_stages)
+    one_shot: bool
 
 
 class GemmAllReduce:
@@ -185,7 +231,8 @@ class GemmAllReduce:
     other way round); the flags are sized for the largest grid;
     `num_stages`: Triton's software pipelining depth of the K loop (None: 5 at BLOCK_M 16, 3 above, where 5
     stages no longer leave room for two programs per SM). Defaults from a sweep on 2 x H200 (parameters
-    for a sweep; the grid must stay co-resident, see the module docstring).
+    for a sweep; the grid must stay co-resident, see the module docstring). `algorithm`: "one_shot",
+    "two_shot", or "auto" (by the bytes a rank pushes, see the module docstring).
 
     Host time per call is kept small (a GEMV's kernel takes tens of microseconds): what depends only on the
     call's key is computed once into a `Plan`, and GPUs launch the plan's compiled binary (kernels/launch.py).
@@ -195,7 +242,9 @@ class GemmAllReduce:
 
     def __init__(self, workspace: _Workspace, num_programs: int | None = None, spin_limit: int = 20_000_000,
                  block_n: int = 64, block_k: int = 128, split_k: int | None = None, num_warps: int = 8,
-                 num_stages: int | None = None, programs_per_sm: int | None = None):
+                 num_stages: int | None = None, programs_per_sm: int | None = None, algorithm: str = "auto"):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm={algorithm!r}: expected one of {ALGORITHMS}")
         if getattr(workspace, "transport", "p2p") != "p2p":
             raise NotImplementedError("the fused GEMM + all-reduce stores through peer pointers (transport p2p)")
         self.ws = workspace
@@ -208,6 +257,7 @@ class GemmAllReduce:
         self.num_programs, self.spin_limit = num_programs, spin_limit  # the largest grid: the flags' stride
         self.block_n, self.block_k, self.split_k = block_n, block_k, split_k
         self.num_warps, self.num_stages = num_warps, num_stages
+        self.algorithm = algorithm
         self.errors = PeerErrors(device, self.rank, "fused GEMM + all-reduce")
         self.ready = workspace.buffer("gemm_allreduce_ready", self.world * num_programs, torch.int32)
         self.done = workspace.buffer("gemm_allreduce_done", self.world * num_programs, torch.int32)
@@ -236,10 +286,22 @@ class GemmAllReduce:
 
     def launch(self, x: torch.Tensor, w: torch.Tensor, epoch: int, phases: int) -> Plan:
         """Enqueue `phases` of call `epoch` (ALL_PHASES on GPUs; one phase at a time in a simulated world)."""
-        key = self._key(x, w, phases)
-        plan = self._plans.get(key) or self._plan(key, x, w, phases)
+        key, plan = self._plan_of(x, w, phases)
         self._launches(key, (plan.num_programs, 1, 1), plan.args(x, w, epoch), plan.options)
         return plan
+
+    def prepare(self, x: torch.Tensor, w: torch.Tensor, phases: int = ALL_PHASES) -> Plan:
+        """The plan of calls like (x, w), made and (on GPUs) compiled and loaded now, launching nothing. A first
+        call does this itself; calling it ahead keeps the compile out of a call whose peers are already waiting
+        (loading a binary can wait for the GPU to go idle, which a launch spinning on a peer's flags never does
+        when two ranks share one GPU)."""
+        key, plan = self._plan_of(x, w, phases)
+        self._launches.compiled(key, (plan.num_programs, 1, 1), plan.args(x, w, 0), plan.options)
+        return plan
+
+    def _plan_of(self, x: torch.Tensor, w: torch.Tensor, phases: int) -> tuple[tuple, Plan]:
+        key = self._key(x, w, phases)
+        return key, self._plans.get(key) or self._plan(key, x, w, phases)
 
     def _plan(self, key: tuple, x: torch.Tensor, w: torch.Tensor, phases: int) -> Plan:
         (m, k), n = x.shape, w.shape[1]
@@ -249,10 +311,11 @@ class GemmAllReduce:
                              f"{tuple(x.shape)} {x.dtype} and {tuple(w.shape)} {w.dtype}")
         num_tiles = triton.cdiv(n, self.block_n)
         P = self._programs(num_tiles)
-        tiles_per_rank = triton.cdiv(num_tiles, self.world)
         split_k = self.split_k or default_split_k(m, k, num_tiles, P, self.block_k)
         k_tiles = triton.cdiv(triton.cdiv(k, split_k), self.block_k)
         split_k = triton.cdiv(k, k_tiles * self.block_k)  # K chunks of whole BLOCK_K tiles, none of them empty
+        one_shot = self._one_shot(split_k * m * n * 4)
+        tiles_per_rank = num_tiles if one_shot else triton.cdiv(num_tiles, self.world)  # the tiles a rank reduces
         recv = self.ws.buffer("gemm_allreduce_recv", 2 * self.world * split_k * tiles_per_rank * m * self.block_n,
                               torch.float32)
         out = self.ws.buffer("gemm_allreduce_out", 2 * m * n, x.dtype)
@@ -272,9 +335,16 @@ class GemmAllReduce:
             split_k=split_k, k_chunk=k_tiles * self.block_k, num_programs=P, flag_stride=self.num_programs,
             spin_limit=self.spin_limit,
             WORLD=self.world, BLOCK_M=block_m, BLOCK_N=self.block_n,
-            BLOCK_K=self.block_k, K_TILES=k_tiles, OUT_DTYPE=TL_DTYPES[x.dtype], DOT_FP32=interpret, PHASES=phases)
-        plan = self._plans[key] = Plan(key, P, recv, out, outputs, args, options)
+            BLOCK_K=self.block_k, K_TILES=k_tiles, OUT_DTYPE=TL_DTYPES[x.dtype], DOT_FP32=interpret, PHASES=phases,
+            ONE_SHOT=one_shot)
+        plan = self._plans[key] = Plan(key, P, recv, out, outputs, args, options, one_shot)
         return plan
+
+    def _one_shot(self, partial_bytes: int) -> bool:
+        """Whether a call whose fp32 partials take `partial_bytes` runs one-shot (see the module docstring)."""
+        if self.algorithm != "auto":
+            return self.algorithm == "one_shot"
+        return (self.world - 1) * partial_bytes <= ONE_SHOT_MAX_BYTES
 
     def output(self, epoch: int, plan: Plan) -> torch.Tensor:
         """The [M, N] result of call `epoch` (once its WAIT phase ran), launched with `plan`; valid until the call
