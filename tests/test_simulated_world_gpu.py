@@ -52,6 +52,31 @@ def test_quantized_all_reduce_equals_the_reference_bit_for_bit(world_size):
                     assert torch.equal(op.finish(call).cpu(), expected), (n, dtype, codec, mean)
 
 
+def test_quantized_all_reduce_in_one_launch_per_rank_on_two_streams():
+    """The GPU form, one launch per call with real waits on the peer's flags: the two ranks on two streams of the
+    one GPU, each with at most 2 programs per SM (so both grids are resident at once), every codec three times
+    on the same flags, bit-equal to the CPU reference."""
+    world = SimulatedWorld(2, "cuda")
+    programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    ops = [FusedQuantizedAllReduce(ws, programs) for ws in world.workspaces()]
+    streams = [torch.cuda.Stream() for _ in ops]
+    for n in [4099, 2**22 + 17]:
+        xs = world_inputs(n, 2, torch.bfloat16, seed=n)
+        for codec in [*CODECS] * 3:
+            outs = [torch.full_like(x, float("nan")) for x in xs]
+            calls = [op.start(x, codec, out=out) for op, x, out in zip(ops, xs, outs)]  # plans and compiles
+            torch.cuda.synchronize()
+            for op, call, stream in zip(ops, calls, streams):
+                with torch.cuda.stream(stream):
+                    op.run(call)
+            torch.cuda.synchronize()
+            expected = quantized_all_reduce_reference([x.cpu() for x in xs], codec, False)
+            for op, call in zip(ops, calls):
+                assert torch.equal(op.finish(call).cpu(), expected), (n, codec)
+    for op in ops:
+        op.errors.check(block=True)
+
+
 @pytest.mark.parametrize("algorithm", ["auto", "two_shot"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gemm_all_reduce_matches_the_float64_sum(world_size, algorithm):
