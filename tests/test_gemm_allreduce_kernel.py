@@ -93,17 +93,19 @@ def test_skewed_shapes(world_size, n, algorithm):
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("split_k,m,k", [(3, 2, 100), (None, 1, 1024)])
 def test_split_k(world_size, split_k, m, k, algorithm):
-    """K in chunks over 5 programs (3 given; 2 by default_split_k for a GEMV with K = 1024): each tile's units
-    come from several programs of every source."""
+    """K in chunks over 5 programs (3 given for N = 70, five tiles; 2 by default_split_k for a GEMV with K = 1024
+    and N = 20, two tiles): each tile's units come from several programs of every source."""
     if split_k is None:
-        assert default_split_k(m, k, 5, 5, 16) == 2  # 2 units per program (K / (16 BLOCK_K) would allow 4)
-        assert default_split_k(m, 200, 5, 5, 16) == 1  # K = 200: chunks of 16 BLOCK_K tiles leave one
+        assert default_split_k(m, k, 2, 5, 16) == 2  # units within one per program (K / (16 BLOCK_K) allows 4)
+        assert default_split_k(m, k, 5, 5, 16) == 1  # as many tiles as programs: no split
+        assert default_split_k(m, 200, 2, 5, 16) == 1  # K = 200: chunks of 16 BLOCK_K tiles leave one
     world = World(world_size, num_programs=5, split_k=split_k, algorithm=algorithm)
     gen = torch.Generator().manual_seed(3)
     for _ in range(2):
-        xs, ws = random_inputs(world_size, m, k, 70, torch.float16, gen)
+        xs, ws = random_inputs(world_size, m, k, 70 if split_k else 20, torch.float16, gen)
         world.poison()
         assert_all_reduced(world(xs, ws), xs, ws)
+    assert all(plan.split_k == (split_k or 2) for plan in world.ops[0]._plans.values())
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

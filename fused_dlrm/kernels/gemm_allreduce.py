@@ -198,11 +198,13 @@ def _gemm_allreduce_kernel(
 
 
 def default_split_k(m: int, k: int, num_tiles: int, num_programs: int, block_k: int) -> int:
-    """K chunks per tile: about 2 (tile, chunk) units per program; but chunks of at least 16 BLOCK_K tiles (the
-    software pipeline drains at the end of each unit: shorter chunks were slower in the 2 x H200 sweep, e.g. a GEMV
-    of K = 8192 took 65 us in 8 chunks and 59 us in 4) and fp32 partials (split_k * M * N * 4 bytes) of at most
-    1/20 of the weight (K * N * 2)."""
-    return max(1, min(triton.cdiv(2 * num_programs, num_tiles), k // (16 * block_k), k // (40 * m)))
+    """K chunks per tile: only as many as keep the (tile, chunk) units within one per program, so a shape of as
+    many tiles as programs or more is not split (the produce phase alone on one H200, M=1, K=4096 per rank, bf16:
+    N=28672 on 264 programs 62.4 us unsplit against 67.1 in 2 chunks, N=8192 on 132 programs 21.3 against 24.0,
+    K=8192 41.8 in 3 chunks against 36.5; cuBLAS 57.2 / 19.2 / 35.8; docs/benchmarks.md, 2026-11-23); chunks of
+    at least 16 BLOCK_K tiles (the software pipeline drains at the end of each unit) and fp32 partials
+    (split_k * M * N * 4 bytes) of at most 1/20 of the weight (K * N * 2)."""
+    return max(1, min(num_programs // num_tiles, k // (16 * block_k), k // (40 * m)))
 
 
 @dataclass
@@ -217,6 +219,7 @@ class Plan:
     args: Arguments  # filled per call with x, w and the epoch
     options: dict  # launch options (num_warps, num_stages)
     one_shot: bool
+    split_k: int  # K chunks per tile
 
 
 class GemmAllReduce:
@@ -337,7 +340,7 @@ class GemmAllReduce:
             WORLD=self.world, BLOCK_M=block_m, BLOCK_N=self.block_n,
             BLOCK_K=self.block_k, K_TILES=k_tiles, OUT_DTYPE=TL_DTYPES[x.dtype], DOT_FP32=interpret, PHASES=phases,
             ONE_SHOT=one_shot)
-        plan = self._plans[key] = Plan(key, P, recv, out, outputs, args, options, one_shot)
+        plan = self._plans[key] = Plan(key, P, recv, out, outputs, args, options, one_shot, split_k)
         return plan
 
     def _one_shot(self, partial_bytes: int) -> bool:
