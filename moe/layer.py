@@ -27,7 +27,7 @@ from moe.expert_layout import ExpertLayout, build_expert_layout, gather_counts
 from moe.experts import SwiGLUExperts
 from moe.kernels.fused_combine import FusedCombine
 from moe.kernels.fused_dispatch import FusedDispatch
-from moe.permute import Permutation, permute, reorder_rows, unpermute
+from moe.permute import Permutation, permute, reorder_rows, routing_weights_grad, unpermute
 from moe.routing import TopKRouter
 
 DISPATCH_PUSH_PROGRAMS = 64  # the push runs beside the first GEMM on the SMs that GEMM leaves free
@@ -180,7 +180,7 @@ class _FusedExperts(torch.autograd.Function):
         # Only now the combine's tables (host work, ~1 ms on the H200 hosts): they overlap GEMM 1 instead of
         # delaying its launch.
         epoch = layer.combine.start(h, w2, layout)
-        rows = x.new_empty(perm.order.numel(), x.shape[1]) if ctx.needs_input_grad[1] else None
+        rows = x.new_empty(weights.numel(), x.shape[1]) if ctx.needs_input_grad[1] else None  # by assignment
         y = layer.combine.finish(epoch, layout, perm, weights, rows_out=rows)
         if training:
             ctx.layer, ctx.layout, ctx.perm = layer, layout, perm
@@ -192,12 +192,7 @@ class _FusedExperts(torch.autograd.Function):
         received, h, a13, rows, weights, w13, w2 = ctx.saved_tensors
         layer, layout, perm = ctx.layer, ctx.layout, ctx.perm
         grad_y = grad_y.contiguous()
-        grad_weights = None
-        if ctx.needs_input_grad[1]:
-            per_row = (grad_y[perm.order // perm.top_k].float() * rows.float()).sum(dim=1)
-            grad_weights = torch.zeros(weights.numel(), dtype=torch.float32, device=weights.device)
-            grad_weights[perm.order] = per_row  # dropped assignments: no row, zero gradient
-            grad_weights = grad_weights.view_as(weights).to(weights.dtype)
+        grad_weights = routing_weights_grad(rows, grad_y, weights) if ctx.needs_input_grad[1] else None
         epoch = layer.combine.start_backward(grad_y.to(h.dtype), perm, weights, layout)
         grad_h, grad_w2 = layer.combine.finish_backward(epoch, layout, h, w2)
         epoch, grad_w13 = layer.dispatch.start_backward(grad_h, received, layout, w13, a13)

@@ -125,6 +125,16 @@ class _Unpermute(torch.autograd.Function):
             row_weights = weights.to(rows.dtype).reshape(-1).index_select(0, perm.order)
             grad_rows = grad_y.index_select(0, perm.order // perm.top_k) * row_weights[:, None]
         if ctx.needs_input_grad[1]:
-            gathered = _gather(rows, perm.inverse).view(*weights.shape, rows.shape[1])
-            grad_weights = torch.bmm(gathered, grad_y.unsqueeze(2)).view_as(weights).to(weights.dtype)
+            grad_weights = routing_weights_grad(_gather(rows, perm.inverse), grad_y, weights)
         return grad_rows, grad_weights, None
+
+
+def routing_weights_grad(assignment_rows: torch.Tensor, grad_y: torch.Tensor,
+                         weights: torch.Tensor) -> torch.Tensor:
+    """The gradient of y[t] = sum_j weights[t, j] * row(t, j) with respect to the weights [T, k]:
+    <grad_y[t], row(t, j)>, from the rows in assignment order ([T * k, d], token t's j-th at t * k + j; zeros for
+    a dropped assignment), one batched [k, d] x [d, 1] product per token in the rows' dtype, cast to the weights'.
+    The bulk and the fused layer both take it from here: the same arithmetic."""
+    num_tokens, top_k = weights.shape
+    per_token = assignment_rows.view(num_tokens, top_k, assignment_rows.shape[1])
+    return torch.bmm(per_token, grad_y.to(assignment_rows.dtype).unsqueeze(2)).view_as(weights).to(weights.dtype)

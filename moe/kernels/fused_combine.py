@@ -213,7 +213,7 @@ def _weighted_unpermute_kernel(rows_ptr, inverse_ptr, weights_ptr, tile_of_row_p
                                BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr,
                                COPY_ROWS: tl.constexpr):
     """Program (token block, column block): wait for the tiles holding its rows, then the weighted sum; with
-    COPY_ROWS also a copy of each row it read (every kept row is read by exactly one assignment)."""
+    COPY_ROWS also a copy of each assignment's row, token by token (a dropped assignment's: zeros)."""
     N_COL: tl.constexpr = (D_MODEL + BLOCK_N - 1) // BLOCK_N
     col = tl.program_id(1)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -237,8 +237,9 @@ def _weighted_unpermute_kernel(rows_ptr, inverse_ptr, weights_ptr, tile_of_row_p
         at = r[:, None] * D_MODEL + cols[None, :]
         x = tl.load(rows_ptr + at, mask=ok[:, None] & col_mask[None, :], other=0.0,
                     cache_modifier=".cg")  # peers wrote these rows: not from L1
-        if COPY_ROWS:
-            tl.store(copy_ptr + at, x, mask=ok[:, None] & col_mask[None, :])
+        if COPY_ROWS:  # in assignment order, zeros for the dropped: the routing weights' gradient reads them so
+            tl.store(copy_ptr + (tokens * TOP_K + j)[:, None] * D_MODEL + cols[None, :], x,
+                     mask=token_mask[:, None] & col_mask[None, :])
         acc += x.to(tl.float32) * w[:, None]
     tl.store(out_ptr + tokens[:, None] * D_MODEL + cols[None, :], acc.to(OUT_DTYPE),
              mask=token_mask[:, None] & col_mask[None, :])
@@ -363,17 +364,18 @@ class FusedCombine:
     def finish(self, epoch: int, layout: ExpertLayout, perm: Permutation, weights: torch.Tensor,
                rows_out: torch.Tensor | None = None) -> torch.Tensor:
         """[tokens, d_model] in h's dtype: per token the weighted sum (fp32) of its k expert outputs, each block
-        of tokens read as soon as the owners' flags of its rows are up. `rows_out` ([this rank's permuted rows,
-        d_model], h's dtype), if given, receives the expert output rows (the routing weights' gradient needs
-        them; the combine buffer itself is the owners' again once `finish` acknowledges the epoch)."""
+        of tokens read as soon as the owners' flags of its rows are up. `rows_out` ([tokens * top_k, d_model],
+        h's dtype), if given, receives each assignment's expert output row in assignment order (token t's j-th at
+        t * top_k + j; zeros for a dropped one): the routing weights' gradient needs them, and the combine buffer
+        itself is the owners' again once `finish` acknowledges the epoch."""
         if self._plan is None or self._plan.layout is not layout:
             raise RuntimeError("finish must follow start with the same layout")
         plan = self._plan
         num_tokens, top_k = weights.shape
-        if rows_out is not None and (rows_out.shape != (layout.send_dest_rank.numel(), self.d_model)
+        if rows_out is not None and (rows_out.shape != (weights.numel(), self.d_model)
                                      or rows_out.dtype != plan.dtype or not rows_out.is_contiguous()):
-            raise ValueError(f"rows_out must be a contiguous [{layout.send_dest_rank.numel()}, {self.d_model}] "
-                             f"{plan.dtype} tensor, got {tuple(rows_out.shape)} {rows_out.dtype}")
+            raise ValueError(f"rows_out must be a contiguous [{weights.numel()}, {self.d_model}] {plan.dtype} "
+                             f"tensor, got {tuple(rows_out.shape)} {rows_out.dtype}")
         out = torch.empty(num_tokens, self.d_model, dtype=plan.dtype, device=weights.device)
         if num_tokens:
             b = self.blocks
