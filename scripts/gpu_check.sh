@@ -2,13 +2,21 @@
 # The GPU checks and timings behind docs/benchmarks.md, on a machine with 2 GPUs (or more: the first two are used)
 # and the wheels of ../shared/tools/gpu-wheels.sh in .whl/: set-up (offline), every GPU test, the benchmarks,
 # DLRM and MoE training bulk vs fused. Results go to $OUT (default ./gpu_out); a summary is printed at the end.
+# All of it takes longer than one 10-minute device call: name the steps to run, e.g.
+#   bash scripts/gpu_check.sh test_tp test_quantized_allreduce bench_tp
+# (steps: test_<name> for tests/test_<name>_gpu.py and test_embedding_backward, bench_embedding,
+# bench_embedding_nvshmem, bench_moe, bench_tp, train; none named: all of them).
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
 python3 scripts/setup_env.py --wheels .whl --target /tmp/site > $OUT/setup.log 2>&1 || { tail -20 $OUT/setup.log; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests
-T() { local t=$1 name=$2; shift 2; timeout $t python3 -m pytest -v -p no:warnings "$@" > $OUT/$name.log 2>&1; echo "rc=$?" >> $OUT/$name.log; }
-R() { local t=$1 name=$2; shift 2; timeout $t torchrun --nproc_per_node=2 --standalone "$@" > $OUT/$name.log 2>&1; echo "rc=$?" >> $OUT/$name.log; }
+STEPS=" $* "
+want() { [ "$STEPS" = "  " ] || [[ "$STEPS" == *" $1 "* ]]; }
+T() { local t=$1 name=$2; shift 2; want $name || return 0
+      timeout $t python3 -m pytest -v -p no:warnings "$@" > $OUT/$name.log 2>&1; echo "rc=$?" >> $OUT/$name.log; }
+R() { local t=$1 name=$2; shift 2; want ${STEP:-$name} || return 0
+      timeout $t torchrun --nproc_per_node=2 --standalone "$@" > $OUT/$name.log 2>&1; echo "rc=$?" >> $OUT/$name.log; }
 for f in simulated_world fused_embedding torchrec_sharder moe_fused moe_fused_dispatch quantized_allreduce tp allgather; do
   T 300 test_$f tests/test_${f}_gpu.py
 done
@@ -19,7 +27,16 @@ R 300 bench_moe -m moe.bench --out $OUT/bench_moe.json
 R 200 bench_tp -m fused_dlrm.bench tp --out $OUT/bench_tp.json
 DLRM="model.num_rows=100000 model.embedding_dim=64 model.dense_arch=[512,256,64] model.over_arch=[512,256,1] data.global_batch_size=8192 data.train.mean_pooling=10 trainer.max_steps=300 trainer.log_every=50 trainer.eval_every=300 trainer.checkpoint_every=0 trainer.progress=false"
 MOE="model=moe_transformer trainer.max_steps=200 trainer.log_every=50 trainer.eval_every=200 trainer.checkpoint_every=0 trainer.progress=false"
-for c in bulk fused; do R 120 dlrm_$c train.py comm=$c $DLRM hydra.run.dir=$OUT/dlrm_$c; R 120 moe_$c train.py comm=$c $MOE hydra.run.dir=$OUT/moe_$c; done
-for f in $OUT/test_*.log; do echo "== $(basename $f)"; grep -E "PASSED|FAILED|ERROR|rc=" $f | cut -c1-160; done
-for f in bench_embedding bench_embedding_nvshmem bench_moe bench_tp; do echo "== $f"; grep -vE "Warning|warn|^\s*$" $OUT/$f.log | tail -14; done
-for c in bulk fused; do echo "== dlrm $c"; grep -E "step (250|300) |auc|Error" $OUT/dlrm_$c.log | tail -3; echo "== moe $c"; grep -E "step (150|200) |Error" $OUT/moe_$c.log | tail -3; done
+for c in bulk fused; do
+  STEP=train R 120 dlrm_$c train.py comm=$c $DLRM hydra.run.dir=$OUT/dlrm_$c
+  STEP=train R 120 moe_$c train.py comm=$c $MOE hydra.run.dir=$OUT/moe_$c
+done
+for f in $OUT/test_*.log; do [ -e "$f" ] || continue; echo "== $(basename $f)"; grep -E "PASSED|FAILED|ERROR|rc=" $f | cut -c1-160; done
+for f in bench_embedding bench_embedding_nvshmem bench_moe bench_tp; do
+  [ -e $OUT/$f.log ] || continue; echo "== $f"; grep -vE "Warning|warn|^\s*$" $OUT/$f.log | tail -14
+done
+for c in bulk fused; do
+  [ -e $OUT/dlrm_$c.log ] && { echo "== dlrm $c"; grep -E "step (250|300) |auc|Error" $OUT/dlrm_$c.log | tail -3; }
+  [ -e $OUT/moe_$c.log ] && { echo "== moe $c"; grep -E "step (150|200) |Error" $OUT/moe_$c.log | tail -3; }
+done
+exit 0
