@@ -289,14 +289,21 @@ from moe.kernels import fused_dispatch as fd
 tables = {n: "*i64" for n in ("token_ptr", "dest_row_ptr", "bounds_ptr", "rows_ptrs", "ready_ptrs", "tiles_ptr",
                               "source_ptr", "source_row_ptr", "grad_ptrs")}
 flags = {n: "*i32" for n in ("dest_order_ptr", "ack_ptr", "error_ptr", "ready_ptr", "next_ptr")}
-for dtype, block_k, stages in (("bf16", 64, 3), ("fp16", 64, 3), ("fp32", 32, 2)):  # as gemm_config gives them
+import torch
+cuda = torch.device("cuda")
+for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
     data = {n: "*" + dtype for n in ("x_ptr", "rows_ptr", "w13_ptr", "h_ptr", "a13_ptr", "da13_ptr")}
     ptrs = {**tables, **flags, **data}
-    gemm = dict(D=2048, FFN=1408, BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k,
-                PRECISION="tf32" if dtype == "fp32" else None)  # as dot_precision gives them in training
-    for store_a13 in (False, True):
-        build(fd._gated_gemm_kernel, ptrs, dict(CHUNK=64, STORE_A13=store_a13, **gemm), 8, stages)
-    build(fd._gated_gemm_backward_kernel, ptrs, dict(WORLD=2, **gemm), 8, stages)
+    precision = "tf32" if dtype == "fp32" else None  # as dot_precision gives them in training
+    for backward in (False, True):  # as gemm_config gives them: shared memory must fit
+        c = fd.gemm_config(cuda, torch_dtype, backward)
+        gemm = dict(D=2048, FFN=1408, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PRECISION=precision)
+        if backward:
+            build(fd._gated_gemm_backward_kernel, ptrs, dict(WORLD=2, **gemm), c.num_warps, c.num_stages)
+        else:
+            for store_a13 in (False, True):
+                build(fd._gated_gemm_kernel, ptrs, dict(CHUNK=64, STORE_A13=store_a13, **gemm), c.num_warps,
+                      c.num_stages)
     build(fd._push_rows_kernel, ptrs, dict(D=2048, CHUNK=64, BLOCK_D=128), 4, 3)
 """
 

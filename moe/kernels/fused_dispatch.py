@@ -289,15 +289,20 @@ class GemmConfig:
     num_stages: int
 
 
-def gemm_config(device: torch.device, dtype: torch.dtype) -> GemmConfig:
-    """H200 bf16/fp16: 128 x 128 tiles (two fp32 accumulators), k steps of 64, 3 stages (144 KB of shared memory,
-    no register spills per ptxas); fp32 (IEEE, slow, for checks) half the k step and 2 stages to fit in shared
-    memory; the interpreter: tl.dot's minimum."""
+def gemm_config(device: torch.device, dtype: torch.dtype, backward: bool = False) -> GemmConfig:
+    """The gated GEMM's (and with backward=True its backward GEMM's) configuration. H200 bf16/fp16: 128 x 128
+    tiles (the forward has two fp32 accumulators: gate and up); K loops from a sweep on one H200 (8192 tokens,
+    d=2048, ffn=1408, 32 local experts, top-6; 2026-11-23, docs/benchmarks.md): the forward in k steps of 32 over
+    6 stages (1,122 us against 1,255 at 64 over 3), the backward in steps of 64 over 4 (1,203 against 1,382); fp32
+    (IEEE, slow, for checks) k steps of 32 and 2 stages to fit in shared memory; the interpreter: tl.dot's
+    minimum. Tiles are the same either way (the backward's flags number them)."""
     if device.type != "cuda":
         return GemmConfig(16, 16, 16, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return GemmConfig(128, 128, 32, num_warps=8, num_stages=2)
-    return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
+    if backward:
+        return GemmConfig(128, 128, 64, num_warps=8, num_stages=4)
+    return GemmConfig(128, 128, 32, num_warps=8, num_stages=6)
 
 
 def _check_w13(w13: torch.Tensor, L: int, d: int, ffn: int, dtype: torch.dtype) -> None:
@@ -440,7 +445,7 @@ class FusedDispatch:
         _check_w13(w13, self.num_local_experts, self.d_model, self.ffn, received.dtype)
         da13, dw13 = gated_gemm_grads(received, layout.tokens_per_local_expert, w13, dh, a13)
         grad, ready, ack, tiles_per_rank = self._grad_buffers(layout, received.dtype)
-        cfg = gemm_config(self.ws.device, received.dtype)
+        cfg = gemm_config(self.ws.device, received.dtype, backward=True)
         tiles = self._row_tiles(layout, cfg.block_m, remote_first=True)
         num_tiles = tiles.shape[1] * triton.cdiv(self.d_model, cfg.block_n)
         programs = self._gemm_programs(num_tiles)
