@@ -1,0 +1,89 @@
+"""One GPU, world of 1: the MoE layer bulk against fused (a simulated one-rank workspace, so the fused kernels run
+with nothing to exchange) at issue 4's first config's per-rank GEMM work: 8192 tokens, d=2048, ffn=1408, 32
+experts, top-6 (49,152 rows), bf16. Prints the fused gradients' error against bulk, the GPU kernel time per
+forward and forward+backward (torch profiler, 10 calls after warm-up, the 12 largest kernels), and the wall
+time per call (20 calls back to back; host time inside the calls; one call between CUDA events).
+
+    PYTHONPATH=. python scripts/one_gpu/moe_layer.py
+
+(docs/benchmarks.md, ninth session: calls G8-G10 ran the profile and the wall timing as two scratch scripts, the
+wall timing without zeroing the gradients between calls.)
+"""
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fused_dlrm.dist.symmetric import SimulatedWorld
+from moe import MoELayer
+
+T, D, F, E, K = 8192, 2048, 1408, 32, 6
+x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+g = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+layers = {c: MoELayer(D, F, E, K, seed=1, dtype=torch.bfloat16, device="cuda", comm=c,
+                      workspace=SimulatedWorld(1, "cuda").workspaces()[0] if c == "fused" else None)
+          for c in ("bulk", "fused")}
+
+
+def fwd(layer):
+    with torch.no_grad():
+        layer(x)
+
+
+def fwd_bwd(layer):
+    xx = x.detach().requires_grad_()
+    y, _ = layer(xx)
+    y.backward(g)
+    layer.zero_grad(set_to_none=True)
+
+
+grads = {}
+for c, layer in layers.items():
+    layer.zero_grad(set_to_none=True)
+    xx = x.detach().requires_grad_()
+    y, _ = layer(xx)
+    y.backward(g)
+    grads[c] = {"y": y.float(), "x": xx.grad.float(), **{n: p.grad.float() for n, p in layer.named_parameters()}}
+    layer.zero_grad(set_to_none=True)
+for n, want in grads["bulk"].items():
+    print(f"{n}: relative error fused vs bulk {float((grads['fused'][n] - want).abs().max() / want.abs().max()):.2e}")
+
+for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+    for c, layer in layers.items():
+        for _ in range(3):
+            fn(layer)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn(layer)
+            torch.cuda.synchronize()
+        rows = sorted(((e.key, e.device_time_total / 10, e.count // 10) for e in prof.key_averages()
+                       if e.device_time_total > 0), key=lambda r: -r[1])
+        print(f"== {what} {c}: GPU kernel time per call {sum(r[1] for r in rows) / 1e3:.2f} ms")
+        for name, us, n in rows[:12]:
+            print(f"  {us:8.1f} us  x{n:<3} {name[:100]}")
+
+for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+    for c, layer in layers.items():
+        walls, hosts, synced = [], [], []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start, host = time.perf_counter(), 0.0
+            for _ in range(20):
+                t = time.perf_counter()
+                fn(layer)
+                host += time.perf_counter() - t
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - start) / 20 * 1e3)
+            hosts.append(host / 20 * 1e3)
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            a.record()
+            fn(layer)
+            b.record()
+            torch.cuda.synchronize()
+            synced.append(a.elapsed_time(b))
+        print(f"{what:8} {c:6} wall per call back to back {statistics.median(walls):.2f} ms, host in the call "
+              f"{statistics.median(hosts):.2f} ms, one call synced {statistics.median(synced):.2f} ms")
