@@ -28,9 +28,9 @@ stores when training (`finish(a13_out=...)`; recomputed otherwise), gives da13 =
 (moe.kernels.swiglu_backward) and dw13 = x_e^T @ da13_e (torch); a persistent GEMM computes dx tiles =
 da13 @ w13[e]^T (= da1 @ w1[e]^T + da3 @ w3[e]^T: one k loop over 2 * ffn), tiles holding rows of remote sources
 first (rank + 1 first), stores each row at its source's permuted row in the source's gradient buffer and raises
-flag (owner, row tile, column block) in every rank. Each source knows from C which owner tile holds each of its rows, and sums every token's kept rows
-as their flags come up (FusedCombine's consumer kernel with unit weights); it then acknowledges the epoch to the
-owners, who wait for that before the next store.
+flag (owner, row tile, column block) in every rank. Each source knows from C which owner tile holds each of its
+rows, and sums every token's kept rows as their flags come up (FusedCombine's consumer kernel with unit weights);
+it then acknowledges the epoch to the owners, who wait for that before the next store.
 
 Guards: receive rows are double-buffered by epoch parity, and a source stores epoch e only after the owner has
 acknowledged epoch e - 1 (peer_flags.consumer_released): the `received` view that `finish` returns stays valid
@@ -295,7 +295,7 @@ def gemm_config(device: torch.device, dtype: torch.dtype, backward: bool = False
     d=2048, ffn=1408, 32 local experts, top-6; 2026-11-23, docs/benchmarks.md): the forward in k steps of 32 over
     6 stages (1,122 us against 1,255 at 64 over 3), the backward in steps of 64 over 4 (1,203 against 1,382); fp32
     (IEEE, slow, for checks) k steps of 32 and 2 stages to fit in shared memory; the interpreter: tl.dot's
-    minimum. Tiles are the same either way (the backward's flags number them)."""
+    minimum. The backward's flags and tables number its tiles: everything about them asks with backward=True."""
     if device.type != "cuda":
         return GemmConfig(16, 16, 16, num_warps=4, num_stages=1)
     if dtype == torch.float32:
@@ -463,7 +463,7 @@ class FusedDispatch:
         gradients, each block of tokens summed as soon as the owners' flags of its rows are up (FusedCombine's
         consumer kernel with unit weights); then the epoch is acknowledged to every owner."""
         grad, ready, ack, tiles_per_rank = self._grad_buffers(layout, self._grad_dtype)
-        cfg = gemm_config(self.ws.device, self._grad_dtype)  # the tiles start_backward's flags number
+        cfg = gemm_config(self.ws.device, self._grad_dtype, backward=True)  # the tiles start_backward's flags number
         num_tokens = perm.inverse.numel() // perm.top_k
         dx = torch.empty(num_tokens, self.d_model, dtype=self._grad_dtype, device=perm.inverse.device)
         if num_tokens:
@@ -484,7 +484,7 @@ class FusedDispatch:
         """(gradient rows [max_send_rows, d] of each source, flags per (owner, row tile, column block), acks,
         row tiles per owner): one buffer, guarded by the sources' acks (the sum reads it, dx is a new tensor)."""
         self._grad_dtype = dtype
-        cfg = gemm_config(self.ws.device, dtype)
+        cfg = gemm_config(self.ws.device, dtype, backward=True)  # the backward GEMM's tiles
         rows = self.ws.buffer("moe_dispatch_grad_rows", triton.next_power_of_2(layout.max_send_rows) * self.d_model,
                               dtype)
         # Row tiles of any owner: at most cdiv(rows, BLOCK_M) + one partial tile per local expert.
