@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-
-from fused_dlrm.dist.host_copy import host_to_device
+import triton
+import triton.language as tl
 
 
 @dataclass
@@ -33,6 +33,9 @@ class ExpertLayout:
     # this rank as a source: its permuted rows (grouped by global expert)
     send_dest_rank: torch.Tensor  # int64 [rows sent]
     send_dest_row: torch.Tensor  # int64 [rows sent]: row in the owner's receive buffer
+    send_tile: torch.Tensor  # int64 [rows sent]: the tile holding the row when each expert's rows are cut into
+    # tiles of `tile_rows`, numbered expert by expert (the combine's flag slots)
+    tile_rows: int
     host_dest_block_start: np.ndarray  # int64 [num_experts]: where this rank's rows of expert g start in the
     # receive rows of g's owner
     # this rank as an owner: the rows its experts receive
@@ -45,11 +48,11 @@ class ExpertLayout:
     max_send_rows: int  # over all ranks: combine buffers are sized by it
 
 
-def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int) -> ExpertLayout:
+def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int) -> ExpertLayout:
     """counts: int64 [world, num_experts] on any device; the layout's tensors live on that device. Reading the
-    counts is the one host sync of a fused MoE layer: per-expert and per-block starts are computed on the host
-    (numpy: see host_to_device) and sent in one copy, and the per-row tensors expand them on the device (sizes
-    known: no further sync)."""
+    counts is the one host sync of a fused MoE layer. The host derives the sizes and the per-block starts the
+    tile tables need (numpy: see host_to_device); the per-row tables come from the counts on the device, in one
+    kernel (no copy from the host: the host's time per layer is what the fused layer is short of)."""
     world, num_experts = counts.shape
     if num_experts != world * num_local_experts:
         raise ValueError(f"counts has {num_experts} experts; expected {world} ranks x {num_local_experts}")
@@ -57,40 +60,106 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int)
     # owner_blocks[d]: [L, world] counts in receive order; offsets of every block in every owner's buffer.
     owner_blocks = c.reshape(world, world, num_local_experts).transpose(1, 2, 0).reshape(world, -1)
     block_starts = np.cumsum(owner_blocks, axis=1) - owner_blocks  # [owner, e * world + source]
-    source_starts = np.cumsum(c, axis=1) - c  # [source, g]: first permuted row of expert g on the source
-
-    # As a source: expert g's rows (starting at source_starts[rank, g]) go to its owner's block (g, rank).
-    mine = c[rank]
     dest_of_expert, local_of_expert = np.divmod(np.arange(num_experts), num_local_experts)
-    block_of_expert = block_starts[dest_of_expert, local_of_expert * world + rank]
-    # As an owner: block (e, s) holds source s's rows of expert e, starting at recv_offsets[e * world + s].
     my_blocks = owner_blocks[rank]
-    recv_offsets = np.concatenate([[0], np.cumsum(my_blocks)])
-    sources = np.tile(np.arange(world), num_local_experts)
-    experts = np.repeat(np.arange(num_local_experts), world) + rank * num_local_experts
-
-    # Row i of a run (an expert's rows on the source side, a block on the owner side) that starts at row `first`
-    # of its side maps to `start + (i - first)`. Both sides in one expansion: [rank, start - first] per run, then
-    # the row index added (the owner side's rows are numbered after the source side's, which its shift undoes).
-    # Three device ops: each is ~30 us of host time on the H200 hosts, and the GPU waits for them. Each side
-    # starts on a 16-byte boundary (filler rows after each side, in runs of their own): Triton specialises
-    # pointers on that alignment, and a changing one would compile kernels anew in the middle of training.
-    num_sent, num_received = int(mine.sum()), int(my_blocks.sum())
-    sent_span, span = _even(num_sent), _even(num_sent) + _even(num_received)
-    runs = np.stack([np.concatenate([dest_of_expert, [0], sources, [0]]),
-                     np.concatenate([block_of_expert - source_starts[rank], [0],
-                                     source_starts[sources, experts] - recv_offsets[:-1] - sent_span, [0]])])
-    sizes = np.concatenate([mine, [sent_span - num_sent], my_blocks, [span - sent_span - num_received]])
-    runs, sizes = host_to_device([runs, sizes], counts.device)
-    rows = torch.repeat_interleave(runs, sizes, dim=1, output_size=span)
-    rows[1] += torch.arange(span, device=counts.device)
-    send, recv = rows[:, :num_sent], rows[:, sent_span:sent_span + num_received]
+    tables = expert_rows(counts, rank, num_local_experts, tile_rows, int(c[rank].sum()), int(my_blocks.sum()))
     return ExpertLayout(
         counts=counts, host_counts=c, rank=rank, world=world, num_local_experts=num_local_experts,
-        send_dest_rank=send[0], send_dest_row=send[1], host_dest_block_start=block_of_expert,
-        recv_offsets=recv_offsets, recv_source_rank=recv[0], recv_source_row=recv[1],
+        send_dest_rank=tables[0], send_dest_row=tables[1], send_tile=tables[2], tile_rows=tile_rows,
+        host_dest_block_start=block_starts[dest_of_expert, local_of_expert * world + rank],
+        recv_offsets=np.concatenate([[0], np.cumsum(my_blocks)]), recv_source_rank=tables[3],
+        recv_source_row=tables[4],
         tokens_per_local_expert=my_blocks.reshape(num_local_experts, world).sum(axis=1).tolist(),
         max_recv_rows=int(owner_blocks.sum(axis=1).max()), max_send_rows=int(c.sum(axis=1).max()))
+
+
+@triton.jit(do_not_specialize=["rank", "num_sent", "num_received", "send_programs"])  # one variant for all steps
+def _expert_rows_kernel(counts_ptr, send_rank_ptr, send_row_ptr, send_tile_ptr, recv_rank_ptr, recv_row_ptr,
+                        rank, num_sent, num_received, send_programs, WORLD: tl.constexpr, L: tl.constexpr,
+                        W_P2: tl.constexpr, E_P2: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Programs [0, send_programs): BLOCK of this rank's permuted rows each; the rest: BLOCK of its received rows.
+    A row finds its run (an expert's rows on the source side, a block on the owner side) by comparing its index
+    with the runs' ends; a run's values come from the counts, which every program reads whole ([world, E])."""
+    E: tl.constexpr = WORLD * L
+    pid = tl.program_id(0)
+    g = tl.arange(0, E_P2)  # global expert, or the owner's block (local expert g // WORLD, source g % WORLD)
+    s = tl.arange(0, W_P2)
+    if pid < send_programs:
+        i = pid * BLOCK + tl.arange(0, BLOCK)
+        mine = tl.load(counts_ptr + rank * E + g, mask=g < E, other=0).to(tl.int32)
+        first = tl.cumsum(mine, axis=0) - mine  # of expert g's rows
+        expert = tl.sum((first + mine <= i[:, None]).to(tl.int32), axis=1)  # the first run not ended before i
+        hit = g[None, :] == expert[:, None]
+        within = i - tl.sum(tl.where(hit, first[None, :], 0), axis=1)
+        owner = expert // L
+        # Block (local expert, rank) of its owner starts after the owner's rows of earlier local experts and
+        # after the rows of this expert from earlier sources.
+        c = tl.load(counts_ptr + s[:, None] * E + g[None, :], mask=(s[:, None] < WORLD) & (g[None, :] < E),
+                    other=0).to(tl.int32)
+        rows_of_expert = tl.sum(c, axis=0)
+        from_earlier_sources = tl.sum(tl.where(s[:, None] < rank, c, 0), axis=0)
+        earlier = (g[None, :] // L == owner[:, None]) & (g[None, :] < expert[:, None])
+        block = (tl.sum(tl.where(earlier, rows_of_expert[None, :], 0), axis=1)
+                 + tl.sum(tl.where(hit, from_earlier_sources[None, :], 0), axis=1))
+        tiles = (mine + TILE_ROWS - 1) // TILE_ROWS
+        first_tile = tl.sum(tl.where(hit, (tl.cumsum(tiles, axis=0) - tiles)[None, :], 0), axis=1)
+        ok = i < num_sent
+        tl.store(send_rank_ptr + i, owner.to(tl.int64), mask=ok)
+        tl.store(send_row_ptr + i, (block + within).to(tl.int64), mask=ok)
+        tl.store(send_tile_ptr + i, (first_tile + within // TILE_ROWS).to(tl.int64), mask=ok)
+    else:
+        j = (pid - send_programs) * BLOCK + tl.arange(0, BLOCK)
+        size = tl.load(counts_ptr + (g % WORLD) * E + rank * L + g // WORLD, mask=g < E, other=0).to(tl.int32)
+        first = tl.cumsum(size, axis=0) - size
+        block = tl.sum((first + size <= j[:, None]).to(tl.int32), axis=1)
+        within = j - tl.sum(tl.where(g[None, :] == block[:, None], first[None, :], 0), axis=1)
+        source = block % WORLD
+        ok = j < num_received
+        # The source's permuted rows of the expert start after its rows of earlier experts.
+        rows_before = tl.load(counts_ptr + source[:, None] * E + g[None, :],
+                              mask=ok[:, None] & (g[None, :] < rank * L + block[:, None] // WORLD), other=0)
+        tl.store(recv_rank_ptr + j, source.to(tl.int64), mask=ok)
+        tl.store(recv_row_ptr + j, tl.sum(rows_before.to(tl.int32), axis=1).to(tl.int64) + within, mask=ok)
+
+
+def expert_rows(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int, num_sent: int,
+                num_received: int) -> list[torch.Tensor]:
+    """The per-row tables on counts' device: [send_dest_rank, send_dest_row, send_tile] of this rank's permuted
+    rows and [recv_source_rank, recv_source_row] of its received rows (int64), views of one buffer, each
+    starting on a 16-byte boundary: Triton specialises pointers on that alignment, and a changing one would
+    compile kernels anew in the middle of training."""
+    world, num_experts = counts.shape
+    sent, received = _even(num_sent), _even(num_received)
+    flat = torch.empty(3 * sent + 2 * received, dtype=torch.int64, device=counts.device)
+    tables = [flat[k * sent:k * sent + num_sent] for k in range(3)]
+    tables += [flat[3 * sent + k * received:3 * sent + k * received + num_received] for k in range(2)]
+    e_p2 = triton.next_power_of_2(num_experts)
+    block = max(16, min(128, 8192 // e_p2))  # [block, experts] intermediates
+    send_programs = triton.cdiv(num_sent, block)
+    programs = send_programs + triton.cdiv(num_received, block)
+    if programs:
+        _expert_rows_kernel[(programs,)](
+            counts.contiguous(), *tables, rank, num_sent, num_received, send_programs, WORLD=world,
+            L=num_local_experts, W_P2=triton.next_power_of_2(world), E_P2=e_p2, TILE_ROWS=tile_rows, BLOCK=block,
+            num_warps=4 if counts.is_cuda else 1)
+    return tables
+
+
+def expert_rows_reference(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int
+                          ) -> list[list[int]]:
+    """What `expert_rows` computes, row by row in Python: every owner's receive order is (local expert,
+    source, the source's row order), a source's permuted rows are grouped by global expert."""
+    c = counts.tolist()
+    world, num_experts = len(c), len(c[0])
+    first_row = [[sum(row[:g]) for g in range(num_experts)] for row in c]  # of expert g's rows, per source
+    received = {d: [(s, first_row[s][d * num_local_experts + e] + k) for e in range(num_local_experts)
+                    for s in range(world) for k in range(c[s][d * num_local_experts + e])] for d in range(world)}
+    where = {(s, row): (d, at) for d, rows in received.items() for at, (s, row) in enumerate(rows)}
+    sent = [where[rank, i] for i in range(sum(c[rank]))]
+    tiles = [sum(-(-n // tile_rows) for n in c[rank][:g]) + k // tile_rows
+             for g in range(num_experts) for k in range(c[rank][g])]
+    return [[d for d, _ in sent], [at for _, at in sent], tiles, [s for s, _ in received[rank]],
+            [row for _, row in received[rank]]]
 
 
 def _even(n: int) -> int:

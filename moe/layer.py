@@ -99,7 +99,7 @@ class MoELayer(nn.Module):
         if self.comm == "fused":
             _, perm = permute(x.new_empty(x.shape[0], 0), routing.expert_ids, self.num_experts, kept)
             counts = gather_counts(perm.tokens_per_expert, self.group)  # [source, global expert]
-            layout = build_expert_layout(counts, self.rank, self.num_local_experts)
+            layout = build_expert_layout(counts, self.rank, self.num_local_experts, self.combine.blocks.block_m)
             y = _FusedExperts.apply(x, routing.weights, *self.experts.weights_as(x.dtype), self, layout, perm)
             recv_counts = counts[:, self.rank * self.num_local_experts:(self.rank + 1) * self.num_local_experts]
         else:

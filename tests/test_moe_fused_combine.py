@@ -50,7 +50,8 @@ class World:
             perms.append(perm)
             weights.append(top * kept)
         counts = torch.stack([p.tokens_per_expert for p in perms])
-        return perms, weights, [build_expert_layout(counts, r, LOCAL) for r in range(self.world_size)], counts
+        return perms, weights, [build_expert_layout(counts, r, LOCAL, self.combines[0].blocks.block_m)
+                                 for r in range(self.world_size)], counts
 
     def step(self, case: Case, gen: torch.Generator, dtype=torch.float32, starting=None):
         """One epoch on every rank (those in `starting`, default all, run start), forward and, when every rank
@@ -241,19 +242,11 @@ def test_dot_precision_follows_torch_tf32_setting():
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_flag_slot_of_each_permuted_row(world):
-    """Source s numbers the owner tiles holding its rows expert by expert: slot = tiles of the experts before g
-    + the row's index within its expert // BLOCK_M, computed row by row here."""
-    gen = torch.Generator().manual_seed(world)
-    for trial in range(4):
-        counts = torch.randint(0, 300, (world, world * LOCAL), generator=gen)
-        counts[:, trial % (world * LOCAL)] = 0
-        for rank, ws in enumerate(SimulatedWorld(world).workspaces()):
-            combine = FusedCombine(ws, D_MODEL, LOCAL, 2, 1000)
-            block_m = combine.blocks.block_m
-            want, tiles_before = [], 0
-            for n in counts[rank].tolist():
-                want += [tiles_before + i // block_m for i in range(n)]
-                tiles_before += -(-n // block_m)
-            assert combine._tile_of_row(build_expert_layout(counts, rank, LOCAL)).tolist() == want
+def test_a_layout_cut_into_other_tiles_is_refused():
+    """The combine's flag slots number its own tiles (layout.send_tile): a layout cut for another tile size would
+    make the consumers wait on the wrong flags."""
+    counts = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]])
+    combine = FusedCombine(SimulatedWorld(2).workspaces()[0], D_MODEL, LOCAL, 2, 1000)
+    layout = build_expert_layout(counts, 0, LOCAL, tile_rows=2 * combine.blocks.block_m)
+    with pytest.raises(ValueError, match="tiles of"):
+        combine.prepare(layout, torch.float32)

@@ -55,7 +55,7 @@ class World:
             if perms is not None:
                 perms.append(perm)
         counts = torch.stack(per_expert)  # what gather_counts all-gathers
-        layouts = [build_expert_layout(counts, r, self.local) for r in range(self.world)]
+        layouts = [build_expert_layout(counts, r, self.local, tile_rows=16) for r in range(self.world)]
         return xs, token_of_rows, counts, layouts
 
     def poison(self) -> None:
@@ -329,7 +329,7 @@ def test_push_units_from_counts_match_a_search_over_the_rows(world, local):
         for rank, ws in enumerate(SimulatedWorld(world).workspaces()):
             for chunk in (16, 64):
                 dispatch = FusedDispatch(ws, D_MODEL, FFN, local, 2, 1000, block_m=chunk)
-                layout = build_expert_layout(counts, rank, local)
+                layout = build_expert_layout(counts, rank, local, tile_rows=16)
                 dispatch.capacity = max(chunk, 1 << max(0, (layout.max_recv_rows - 1).bit_length()))
                 chunks = -(-layout.max_recv_rows // chunk)
                 key = layout.send_dest_rank * dispatch.capacity + layout.send_dest_row
@@ -350,7 +350,7 @@ def test_owner_tile_of_each_sent_row(world, local):
         if trial == 2:
             counts = torch.randint(0, 3, (world, world * local), generator=gen)  # runs shorter than a tile
         for rank, ws in enumerate(SimulatedWorld(world).workspaces()):
-            layout = build_expert_layout(counts, rank, local)
+            layout = build_expert_layout(counts, rank, local, tile_rows=16)
             dispatch = FusedDispatch(ws, D_MODEL, FFN, local, 2, 1000)
             for block_m in (1, 16, 64):
                 tiles_per_rank = -(-layout.max_recv_rows // block_m) + local

@@ -68,7 +68,7 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
         _, perm = permute(x, route(logits, TOP_K).expert_ids, EXPERTS)
         token_of_row = perm.order // TOP_K
         counts = gather_counts(perm.tokens_per_expert)
-        layout = build_expert_layout(counts, rank, local)
+        layout = build_expert_layout(counts, rank, local, tile_rows=128)  # the combine's tiles: unused
         if step % 10 == 0 and step:  # poison the receive and gradient rows; no peer writes them between barriers
             torch.cuda.synchronize()
             dist.barrier()
@@ -102,7 +102,7 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
     x, logits = step_batch(0, rank, world, device)
     _, perm = permute(x, route(logits, TOP_K).expert_ids, EXPERTS)
     counts = gather_counts(perm.tokens_per_expert)
-    layout = build_expert_layout(counts, rank, local)
+    layout = build_expert_layout(counts, rank, local, tile_rows=128)  # the combine's tiles: unused
     assert counts[1, :local].sum() > 0  # rank 1 has rows for rank 0
     torch.cuda.synchronize()
     dist.barrier()

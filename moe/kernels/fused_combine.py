@@ -69,7 +69,8 @@ class CombinePlan:
     ready: PeerBuffer  # int32 flags, per (flag slot, column block)
     ack: PeerBuffer  # int32 [world]: the epoch each source has finished reading
     tiles: torch.Tensor  # int64 [6, row tiles] of the owner GEMM (see FusedCombine._owner_tiles)
-    tile_of_row: torch.Tensor  # int64 [this rank's permuted rows]: flag slot of the tile holding each row
+    tile_of_row: torch.Tensor  # int64 [this rank's permuted rows]: flag slot of the tile holding each row (the
+    # layout's send_tile)
 
 
 @dataclass(frozen=True)
@@ -332,10 +333,13 @@ class FusedCombine:
         host. `start` and `finish` call it for their layout (once per layout)."""
         if self._plan is not None and self._plan.layout is layout and self._plan.dtype == dtype:
             return self._plan
+        if layout.tile_rows != self.blocks.block_m:
+            raise ValueError(f"the layout cuts tiles of {layout.tile_rows} rows; this combine's flags number tiles of "
+                             f"{self.blocks.block_m} (build_expert_layout(..., tile_rows=combine.blocks.block_m))")
         counts = layout.host_counts
         rows, ready, ack = self._buffers(counts, dtype)
         tiles, = host_to_device([self._owner_tiles(layout)], self.ws.device)
-        self._plan = CombinePlan(layout, dtype, rows, ready, ack, tiles, self._tile_of_row(layout))
+        self._plan = CombinePlan(layout, dtype, rows, ready, ack, tiles, layout.send_tile)
         return self._plan
 
     def start(self, h: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout) -> int:
@@ -483,15 +487,6 @@ class FusedCombine:
         i = np.arange(block.shape[1]) - block[6]
         return np.stack([block[0] + i * bm, np.minimum(block[1] - i * bm, bm), block[2], block[3],
                          block[4] + i * bm, block[5] + i])
-
-    def _tile_of_row(self, layout: ExpertLayout) -> torch.Tensor:
-        """int64 [this rank's permuted rows]: the flag slot (without the column block) of each row's tile. Slots
-        number the tiles in row order (expert by expert), so slot k repeats over tile k's rows: the tile sizes
-        come from the counts on the host, then one expansion on the device."""
-        _, begin, end = expert_row_tiles(layout.host_counts[self.rank], self.blocks.block_m)
-        sizes, = host_to_device([np.minimum(begin + self.blocks.block_m, end) - begin],
-                                layout.send_dest_rank.device)
-        return torch.repeat_interleave(sizes, output_size=layout.send_dest_rank.numel())
 
 
 def _round_up(rows: int) -> int:

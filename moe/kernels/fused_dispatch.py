@@ -385,16 +385,13 @@ class FusedDispatch:
 
     def _unit_bounds(self, layout: ExpertLayout, chunks: int) -> torch.Tensor:
         """int64 [world * (chunks + 1)]: this rank's permuted rows of unit (d, c) are [bounds[d, c], bounds[d, c +
-        1]): those before owner d, plus, of each of its blocks in d (one per local expert of d, in order), the rows
-        that land before receive row c * chunk. On the host from the counts, sent in one copy."""
-        sent = layout.host_counts[self.rank].reshape(self.world, self.num_local_experts)  # [owner, local expert]
-        block_start = layout.host_dest_block_start.reshape(self.world, self.num_local_experts)
-        per_owner = sent.sum(axis=1)
-        before_owner = np.cumsum(per_owner) - per_owner
-        chunk_start = np.arange(chunks + 1) * self.chunk
-        landed = np.minimum(np.maximum(chunk_start[None, :, None] - block_start[:, None, :], 0), sent[:, None, :])
-        bounds = before_owner[:, None] + landed.sum(axis=2)
-        return host_to_device([bounds.reshape(-1)], layout.send_dest_row.device)[0]
+        1]): those before owner d, plus those that land in d before receive row c * chunk. The permuted rows are
+        grouped by owner and, within an owner, land in increasing rows (its blocks of this rank, in expert order),
+        so with owner-major keys each bound is a binary search: three device ops, nothing from the host."""
+        stride = (chunks + 1) * self.chunk  # past any receive row
+        keys = torch.add(layout.send_dest_row, layout.send_dest_rank, alpha=stride)
+        starts = torch.arange(0, self.world * stride, self.chunk, device=keys.device)  # d * stride + c * chunk
+        return torch.searchsorted(keys, starts)
 
     def finish(self, epoch: int, layout: ExpertLayout, w13: torch.Tensor, a13_out: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:

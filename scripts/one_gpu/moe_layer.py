@@ -1,15 +1,19 @@
 """One GPU, world of 1: the MoE layer bulk against fused (a simulated one-rank workspace, so the fused kernels run
 with nothing to exchange) at issue 4's first config's per-rank GEMM work: 8192 tokens, d=2048, ffn=1408, 32
 experts, top-6 (49,152 rows), bf16. Prints the fused gradients' error against bulk, the GPU kernel time per
-forward and forward+backward (torch profiler, 10 calls after warm-up, the 12 largest kernels), and the wall
-time per call (20 calls back to back; host time inside the calls; one call between CUDA events).
+forward and forward+backward (torch profiler, 10 calls after warm-up, the 12 largest kernels; the share of the
+calls' span the GPU sat idle), the wall time per call (20 calls back to back; host time inside the calls; one call
+between CUDA events), and where the host's time goes in a forward (cProfile, the project's functions).
 
-    PYTHONPATH=. python scripts/one_gpu/moe_layer.py
+    PYTHONPATH=. python scripts/one_gpu/moe_layer.py [errors] [kernels] [wall] [host]   (default: all four)
 
 (docs/benchmarks.md, ninth session: calls G8-G10 ran the profile and the wall timing as two scratch scripts, the
 wall timing without zeroing the gradients between calls.)
 """
+import cProfile
+import pstats
 import statistics
+import sys
 import time
 
 import torch
@@ -18,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from moe import MoELayer
 
+SECTIONS = sys.argv[1:] or ["errors", "kernels", "wall", "host"]
 T, D, F, E, K = 8192, 2048, 1408, 32, 6
 x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
 g = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
@@ -39,17 +44,17 @@ def fwd_bwd(layer):
 
 
 grads = {}
-for c, layer in layers.items():
+for c, layer in layers.items() if "errors" in SECTIONS else ():
     layer.zero_grad(set_to_none=True)
     xx = x.detach().requires_grad_()
     y, _ = layer(xx)
     y.backward(g)
     grads[c] = {"y": y.float(), "x": xx.grad.float(), **{n: p.grad.float() for n, p in layer.named_parameters()}}
     layer.zero_grad(set_to_none=True)
-for n, want in grads["bulk"].items():
+for n, want in grads.get("bulk", {}).items():
     print(f"{n}: relative error fused vs bulk {float((grads['fused'][n] - want).abs().max() / want.abs().max()):.2e}")
 
-for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)) if "kernels" in SECTIONS else ():
     for c, layer in layers.items():
         for _ in range(3):
             fn(layer)
@@ -58,16 +63,26 @@ for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
             for _ in range(10):
                 fn(layer)
             torch.cuda.synchronize()
+        kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                         if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+        busy, last = 0, kernels[0][0]
+        for begin, end in kernels:  # the union of the kernels' intervals
+            busy += max(0, end - max(begin, last))
+            last = max(last, end)
+        idle = 1 - busy / (last - kernels[0][0])
         rows = sorted(((e.key, e.device_time_total / 10, e.count // 10) for e in prof.key_averages()
                        if e.device_time_total > 0), key=lambda r: -r[1])
-        print(f"== {what} {c}: GPU kernel time per call {sum(r[1] for r in rows) / 1e3:.2f} ms")
+        print(f"== {what} {c}: GPU kernel time per call {sum(r[1] for r in rows) / 1e3:.2f} ms; GPU idle "
+              f"{100 * idle:.0f}% of the span")
         for name, us, n in rows[:12]:
             print(f"  {us:8.1f} us  x{n:<3} {name[:100]}")
 
-for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)) if "wall" in SECTIONS else ():
     for c, layer in layers.items():
         walls, hosts, synced = [], [], []
-        for _ in range(3):
+        for _ in range(3):  # warm-up (compiles on a first call)
+            fn(layer)
+        for _ in range(5):
             torch.cuda.synchronize()
             start, host = time.perf_counter(), 0.0
             for _ in range(20):
@@ -87,3 +102,19 @@ for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
             synced.append(a.elapsed_time(b))
         print(f"{what:8} {c:6} wall per call back to back {statistics.median(walls):.2f} ms, host in the call "
               f"{statistics.median(hosts):.2f} ms, one call synced {statistics.median(synced):.2f} ms")
+
+for c, layer in layers.items() if "host" in SECTIONS else ():
+    for _ in range(3):
+        fwd(layer)
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(20):
+        fwd(layer)
+    torch.cuda.synchronize()
+    profiler.disable()
+    print(f"== host time of 20 forwards, {c} (cProfile): the project's functions, cumulative; then every function "
+          f"by its own time")
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("cumulative").print_stats(r"moe/|fused_dlrm/", 25)
+    stats.sort_stats("tottime").print_stats(30)
