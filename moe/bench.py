@@ -83,7 +83,8 @@ def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[
         expert_out = e(received, sizes)
         return {"dispatch": lambda: exchange.to_owners(rows), "experts": lambda: e(received, sizes),
                 "combine": lambda: unpermute(exchange.to_sources(expert_out), perm, routing.weights)}
-    layout = build_expert_layout(counts, rank, local, layer.combine.blocks.block_m)
+    layout = build_expert_layout(counts, rank, local, layer.combine.blocks.block_m,
+                                 gemm_config(x.device, x.dtype, backward=True).block_m)
     token_of_row = perm.order // perm.top_k
     dispatch, combine = layer.dispatch, layer.combine
 

@@ -36,6 +36,10 @@ class ExpertLayout:
     send_tile: torch.Tensor  # int64 [rows sent]: the tile holding the row when each expert's rows are cut into
     # tiles of `tile_rows`, numbered expert by expert (the combine's flag slots)
     tile_rows: int
+    send_owner_tile: torch.Tensor  # int64 [rows sent]: the tile holding the row in its owner when each local
+    # expert's received rows are cut into tiles of `owner_tile_rows`, numbered expert by expert (the flag slots of
+    # the dispatch's backward)
+    owner_tile_rows: int
     host_dest_block_start: np.ndarray  # int64 [num_experts]: where this rank's rows of expert g start in the
     # receive rows of g's owner
     # this rank as an owner: the rows its experts receive
@@ -48,8 +52,10 @@ class ExpertLayout:
     max_send_rows: int  # over all ranks: combine buffers are sized by it
 
 
-def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int) -> ExpertLayout:
-    """counts: int64 [world, num_experts] on any device; the layout's tensors live on that device. Reading the
+def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int,
+                        owner_tile_rows: int) -> ExpertLayout:
+    """counts: int64 [world, num_experts] on any device; the layout's tensors live on that device. `tile_rows`,
+    `owner_tile_rows`: the row tiles of the combine's GEMM and of the dispatch's backward GEMM. Reading the
     counts is the one host sync of a fused MoE layer. The host derives the sizes and the per-block starts the
     tile tables need (numpy: see host_to_device); the per-row tables come from the counts on the device, in one
     kernel (no copy from the host: the host's time per layer is what the fused layer is short of)."""
@@ -62,21 +68,24 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int,
     block_starts = np.cumsum(owner_blocks, axis=1) - owner_blocks  # [owner, e * world + source]
     dest_of_expert, local_of_expert = np.divmod(np.arange(num_experts), num_local_experts)
     my_blocks = owner_blocks[rank]
-    tables = expert_rows(counts, rank, num_local_experts, tile_rows, int(c[rank].sum()), int(my_blocks.sum()))
+    tables = expert_rows(counts, rank, num_local_experts, (tile_rows, owner_tile_rows), int(c[rank].sum()),
+                         int(my_blocks.sum()))
     return ExpertLayout(
         counts=counts, host_counts=c, rank=rank, world=world, num_local_experts=num_local_experts,
         send_dest_rank=tables[0], send_dest_row=tables[1], send_tile=tables[2], tile_rows=tile_rows,
+        send_owner_tile=tables[3], owner_tile_rows=owner_tile_rows,
         host_dest_block_start=block_starts[dest_of_expert, local_of_expert * world + rank],
-        recv_offsets=np.concatenate([[0], np.cumsum(my_blocks)]), recv_source_rank=tables[3],
-        recv_source_row=tables[4],
+        recv_offsets=np.concatenate([[0], np.cumsum(my_blocks)]), recv_source_rank=tables[4],
+        recv_source_row=tables[5],
         tokens_per_local_expert=my_blocks.reshape(num_local_experts, world).sum(axis=1).tolist(),
         max_recv_rows=int(owner_blocks.sum(axis=1).max()), max_send_rows=int(c.sum(axis=1).max()))
 
 
 @triton.jit(do_not_specialize=["rank", "num_sent", "num_received", "send_programs"])  # one variant for all steps
-def _expert_rows_kernel(counts_ptr, send_rank_ptr, send_row_ptr, send_tile_ptr, recv_rank_ptr, recv_row_ptr,
-                        rank, num_sent, num_received, send_programs, WORLD: tl.constexpr, L: tl.constexpr,
-                        W_P2: tl.constexpr, E_P2: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _expert_rows_kernel(counts_ptr, send_rank_ptr, send_row_ptr, send_tile_ptr, send_owner_tile_ptr, recv_rank_ptr,
+                        recv_row_ptr, rank, num_sent, num_received, send_programs, WORLD: tl.constexpr,
+                        L: tl.constexpr, W_P2: tl.constexpr, E_P2: tl.constexpr, TILE_ROWS: tl.constexpr,
+                        OWNER_TILE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Programs [0, send_programs): BLOCK of this rank's permuted rows each; the rest: BLOCK of its received rows.
     A row finds its run (an expert's rows on the source side, a block on the owner side) by comparing its index
     with the runs' ends; a run's values come from the counts, which every program reads whole ([world, E])."""
@@ -98,15 +107,18 @@ def _expert_rows_kernel(counts_ptr, send_rank_ptr, send_row_ptr, send_tile_ptr, 
                     other=0).to(tl.int32)
         rows_of_expert = tl.sum(c, axis=0)
         from_earlier_sources = tl.sum(tl.where(s[:, None] < rank, c, 0), axis=0)
-        earlier = (g[None, :] // L == owner[:, None]) & (g[None, :] < expert[:, None])
-        block = (tl.sum(tl.where(earlier, rows_of_expert[None, :], 0), axis=1)
-                 + tl.sum(tl.where(hit, from_earlier_sources[None, :], 0), axis=1))
+        earlier = (g[None, :] // L == owner[:, None]) & (g[None, :] < expert[:, None])  # the owner's experts before
+        in_expert = tl.sum(tl.where(hit, from_earlier_sources[None, :], 0), axis=1) + within  # owner's row - expert's
         tiles = (mine + TILE_ROWS - 1) // TILE_ROWS
         first_tile = tl.sum(tl.where(hit, (tl.cumsum(tiles, axis=0) - tiles)[None, :], 0), axis=1)
+        owner_tiles = (rows_of_expert + OWNER_TILE_ROWS - 1) // OWNER_TILE_ROWS
         ok = i < num_sent
         tl.store(send_rank_ptr + i, owner.to(tl.int64), mask=ok)
-        tl.store(send_row_ptr + i, (block + within).to(tl.int64), mask=ok)
+        tl.store(send_row_ptr + i, (tl.sum(tl.where(earlier, rows_of_expert[None, :], 0), axis=1)
+                                    + in_expert).to(tl.int64), mask=ok)
         tl.store(send_tile_ptr + i, (first_tile + within // TILE_ROWS).to(tl.int64), mask=ok)
+        tl.store(send_owner_tile_ptr + i, (tl.sum(tl.where(earlier, owner_tiles[None, :], 0), axis=1)
+                                           + in_expert // OWNER_TILE_ROWS).to(tl.int64), mask=ok)
     else:
         j = (pid - send_programs) * BLOCK + tl.arange(0, BLOCK)
         size = tl.load(counts_ptr + (g % WORLD) * E + rank * L + g // WORLD, mask=g < E, other=0).to(tl.int32)
@@ -122,17 +134,18 @@ def _expert_rows_kernel(counts_ptr, send_rank_ptr, send_row_ptr, send_tile_ptr, 
         tl.store(recv_row_ptr + j, tl.sum(rows_before.to(tl.int32), axis=1).to(tl.int64) + within, mask=ok)
 
 
-def expert_rows(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int, num_sent: int,
+def expert_rows(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: tuple[int, int], num_sent: int,
                 num_received: int) -> list[torch.Tensor]:
-    """The per-row tables on counts' device: [send_dest_rank, send_dest_row, send_tile] of this rank's permuted
-    rows and [recv_source_rank, recv_source_row] of its received rows (int64), views of one buffer, each
+    """The per-row tables on counts' device: [send_dest_rank, send_dest_row, send_tile, send_owner_tile] of this
+    rank's permuted rows (tile_rows: the source's tiles, the owner's) and [recv_source_rank, recv_source_row] of
+    its received rows (int64), views of one buffer, each
     starting on a 16-byte boundary: Triton specialises pointers on that alignment, and a changing one would
     compile kernels anew in the middle of training."""
     world, num_experts = counts.shape
     sent, received = _even(num_sent), _even(num_received)
-    flat = torch.empty(3 * sent + 2 * received, dtype=torch.int64, device=counts.device)
-    tables = [flat[k * sent:k * sent + num_sent] for k in range(3)]
-    tables += [flat[3 * sent + k * received:3 * sent + k * received + num_received] for k in range(2)]
+    flat = torch.empty(4 * sent + 2 * received, dtype=torch.int64, device=counts.device)
+    tables = [flat[k * sent:k * sent + num_sent] for k in range(4)]
+    tables += [flat[4 * sent + k * received:4 * sent + k * received + num_received] for k in range(2)]
     e_p2 = triton.next_power_of_2(num_experts)
     block = max(16, min(128, 8192 // e_p2))  # [block, experts] intermediates
     send_programs = triton.cdiv(num_sent, block)
@@ -140,12 +153,13 @@ def expert_rows(counts: torch.Tensor, rank: int, num_local_experts: int, tile_ro
     if programs:
         _expert_rows_kernel[(programs,)](
             counts.contiguous(), *tables, rank, num_sent, num_received, send_programs, WORLD=world,
-            L=num_local_experts, W_P2=triton.next_power_of_2(world), E_P2=e_p2, TILE_ROWS=tile_rows, BLOCK=block,
+            L=num_local_experts, W_P2=triton.next_power_of_2(world), E_P2=e_p2, TILE_ROWS=tile_rows[0],
+            OWNER_TILE_ROWS=tile_rows[1], BLOCK=block,
             num_warps=4 if counts.is_cuda else 1)
     return tables
 
 
-def expert_rows_reference(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int
+def expert_rows_reference(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: tuple[int, int]
                           ) -> list[list[int]]:
     """What `expert_rows` computes, row by row in Python: every owner's receive order is (local expert,
     source, the source's row order), a source's permuted rows are grouped by global expert."""
@@ -156,9 +170,14 @@ def expert_rows_reference(counts: torch.Tensor, rank: int, num_local_experts: in
                     for s in range(world) for k in range(c[s][d * num_local_experts + e])] for d in range(world)}
     where = {(s, row): (d, at) for d, rows in received.items() for at, (s, row) in enumerate(rows)}
     sent = [where[rank, i] for i in range(sum(c[rank]))]
-    tiles = [sum(-(-n // tile_rows) for n in c[rank][:g]) + k // tile_rows
+    tiles = [sum(-(-n // tile_rows[0]) for n in c[rank][:g]) + k // tile_rows[0]
              for g in range(num_experts) for k in range(c[rank][g])]
-    return [[d for d, _ in sent], [at for _, at in sent], tiles, [s for s, _ in received[rank]],
+    owner_tiles = []
+    for d, at in sent:  # the owner's local expert whose rows hold `at`, then the tile within it
+        rows = [sum(c[s][d * num_local_experts + e] for s in range(world)) for e in range(num_local_experts)]
+        e = max(e for e in range(num_local_experts) if sum(rows[:e]) <= at and rows[e])
+        owner_tiles.append(sum(-(-n // tile_rows[1]) for n in rows[:e]) + (at - sum(rows[:e])) // tile_rows[1])
+    return [[d for d, _ in sent], [at for _, at in sent], tiles, owner_tiles, [s for s, _ in received[rank]],
             [row for _, row in received[rank]]]
 
 

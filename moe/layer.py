@@ -26,7 +26,7 @@ from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, _Workspace
 from moe.expert_layout import ExpertLayout, build_expert_layout, gather_counts
 from moe.experts import SwiGLUExperts
 from moe.kernels.fused_combine import FusedCombine
-from moe.kernels.fused_dispatch import FusedDispatch
+from moe.kernels.fused_dispatch import FusedDispatch, gemm_config
 from moe.permute import Permutation, permute, reorder_rows, routing_weights_grad, unpermute
 from moe.routing import TopKRouter
 
@@ -99,7 +99,8 @@ class MoELayer(nn.Module):
         if self.comm == "fused":
             _, perm = permute(x.new_empty(x.shape[0], 0), routing.expert_ids, self.num_experts, kept)
             counts = gather_counts(perm.tokens_per_expert, self.group)  # [source, global expert]
-            layout = build_expert_layout(counts, self.rank, self.num_local_experts, self.combine.blocks.block_m)
+            layout = build_expert_layout(counts, self.rank, self.num_local_experts, self.combine.blocks.block_m,
+                                         gemm_config(x.device, x.dtype, backward=True).block_m)
             y = _FusedExperts.apply(x, routing.weights, *self.experts.weights_as(x.dtype), self, layout, perm)
             recv_counts = counts[:, self.rank * self.num_local_experts:(self.rank + 1) * self.num_local_experts]
         else:

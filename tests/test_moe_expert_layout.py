@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from moe.expert_layout import build_expert_layout, expert_row_tiles, expert_rows, expert_rows_reference, gather_counts
+from moe.expert_layout import (build_expert_layout, expert_row_tiles, expert_rows, expert_rows_reference,
+                               gather_counts)
 from sm90 import compile_for_sm90
 from world import run_world
 
@@ -14,7 +15,7 @@ def test_dispatch_and_combine_addresses_are_inverse(world, local):
     counts = torch.randint(0, 5, (world, world * local), generator=gen)
     counts[0] = 0  # a rank with no tokens
     counts[:, -1] = 0  # an expert nobody routes to
-    layouts = [build_expert_layout(counts, r, local, tile_rows=4) for r in range(world)]
+    layouts = [build_expert_layout(counts, r, local, tile_rows=4, owner_tile_rows=8) for r in range(world)]
     for s, lay in enumerate(layouts):
         assert lay.send_dest_row.numel() == int(counts[s].sum())
         for i, (d, row) in enumerate(zip(lay.send_dest_rank.tolist(), lay.send_dest_row.tolist())):
@@ -35,23 +36,23 @@ def test_dispatch_and_combine_addresses_are_inverse(world, local):
 
 @pytest.mark.parametrize("world,local", [(1, 3), (2, 2), (3, 5), (4, 3), (8, 8)])
 def test_per_row_tables_match_the_row_by_row_reference(world, local):
-    """The kernel's tables (every row's owner and receive row, its combine tile; every received row's source and
-    source row) against a Python loop over the rows: skewed counts, a rank with no rows, an empty expert."""
+    """The kernel's tables (every row's owner and receive row, its tile on either side; every received row's source
+    and source row) against a Python loop over the rows: skewed counts, a rank with no rows, an empty expert."""
     gen = torch.Generator().manual_seed(world * 10 + local)
     counts = torch.randint(0, 40, (world, world * local), generator=gen)
     counts[:, 0] += 100  # skewed: one hot expert
     counts[world - 1] = 0  # a rank that routes nothing
     counts[:, -1] = 0  # an expert nobody routes to
     for rank in range(world):
-        for tile_rows in (1, 16):
+        for tile_rows in ((1, 16), (16, 1), (16, 64)):
             want = expert_rows_reference(counts, rank, local, tile_rows)
-            got = expert_rows(counts, rank, local, tile_rows, len(want[0]), len(want[3]))
+            got = expert_rows(counts, rank, local, tile_rows, len(want[0]), len(want[4]))
             assert [t.tolist() for t in got] == want, (rank, tile_rows)
 
 
 def test_counts_must_match_the_expert_split():
     with pytest.raises(ValueError, match="expected 2 ranks x 3"):
-        build_expert_layout(torch.zeros(2, 4, dtype=torch.int64), 0, 3, tile_rows=4)
+        build_expert_layout(torch.zeros(2, 4, dtype=torch.int64), 0, 3, tile_rows=4, owner_tile_rows=8)
 
 
 def _gathered(rank, world):
@@ -82,8 +83,9 @@ def test_per_row_tables_start_on_16_byte_boundaries():
     counts (odd counts here) would make the fused kernels compile new variants in the middle of training."""
     counts = torch.tensor([[3, 0, 5, 1], [2, 7, 0, 3]])
     for rank in range(2):
-        lay = build_expert_layout(counts, rank, 2, tile_rows=4)
-        for name in ("send_dest_rank", "send_dest_row", "recv_source_rank", "recv_source_row"):
+        lay = build_expert_layout(counts, rank, 2, tile_rows=4, owner_tile_rows=8)
+        for name in ("send_dest_rank", "send_dest_row", "send_tile", "send_owner_tile", "recv_source_rank",
+                     "recv_source_row"):
             assert getattr(lay, name).data_ptr() % 16 == 0, (rank, name)
 
 
@@ -95,5 +97,5 @@ ptrs = {n: "*i64" for n in _expert_rows_kernel.arg_names if n.endswith("_ptr")}
 for world, local in ((2, 32), (8, 32)):
     e_p2 = triton.next_power_of_2(world * local)
     build(_expert_rows_kernel, ptrs, dict(WORLD=world, L=local, W_P2=world, E_P2=e_p2, TILE_ROWS=128,
-                                          BLOCK=max(16, min(128, 8192 // e_p2))))
+                                          OWNER_TILE_ROWS=128, BLOCK=max(16, min(128, 8192 // e_p2))))
 """)

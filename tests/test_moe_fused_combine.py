@@ -50,7 +50,7 @@ class World:
             perms.append(perm)
             weights.append(top * kept)
         counts = torch.stack([p.tokens_per_expert for p in perms])
-        return perms, weights, [build_expert_layout(counts, r, LOCAL, self.combines[0].blocks.block_m)
+        return perms, weights, [build_expert_layout(counts, r, LOCAL, self.combines[0].blocks.block_m, 16)
                                  for r in range(self.world_size)], counts
 
     def step(self, case: Case, gen: torch.Generator, dtype=torch.float32, starting=None):
@@ -247,6 +247,6 @@ def test_a_layout_cut_into_other_tiles_is_refused():
     make the consumers wait on the wrong flags."""
     counts = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]])
     combine = FusedCombine(SimulatedWorld(2).workspaces()[0], D_MODEL, LOCAL, 2, 1000)
-    layout = build_expert_layout(counts, 0, LOCAL, tile_rows=2 * combine.blocks.block_m)
+    layout = build_expert_layout(counts, 0, LOCAL, tile_rows=2 * combine.blocks.block_m, owner_tile_rows=16)
     with pytest.raises(ValueError, match="tiles of"):
         combine.prepare(layout, torch.float32)

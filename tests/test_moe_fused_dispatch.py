@@ -16,7 +16,7 @@ import torch
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from moe.expert_layout import build_expert_layout
-from moe.kernels.fused_dispatch import FusedDispatch, dispatch_reference, gated_gemm_reference
+from moe.kernels.fused_dispatch import FusedDispatch, dispatch_reference, gated_gemm_reference, gemm_config
 from moe.permute import permute, unpermute
 from moe.routing import route
 from sm90 import compile_for_sm90
@@ -31,8 +31,9 @@ class World:
     """`world` ranks of FusedDispatch over one SimulatedWorld, with their local experts' w13 = [w1 | w3]."""
 
     def __init__(self, world: int, local: int, block_m: int = 8, num_programs: int = 3, spin_limit: int = 50,
-                 seed: int = 0):
-        self.world, self.local = world, local
+                 seed: int = 0, backward_tile_rows: int = gemm_config(torch.device("cpu"), torch.float32,
+                                                                      backward=True).block_m):
+        self.world, self.local, self.backward_tile_rows = world, local, backward_tile_rows
         gen = torch.Generator().manual_seed(seed)
         self.w13 = [torch.randn(local, D_MODEL, 2 * FFN, generator=gen) / D_MODEL ** 0.5 for _ in range(world)]
         self.dispatch = [FusedDispatch(ws, D_MODEL, FFN, local, num_programs, spin_limit, block_m)
@@ -55,7 +56,8 @@ class World:
             if perms is not None:
                 perms.append(perm)
         counts = torch.stack(per_expert)  # what gather_counts all-gathers
-        layouts = [build_expert_layout(counts, r, self.local, tile_rows=16) for r in range(self.world)]
+        layouts = [build_expert_layout(counts, r, self.local, tile_rows=16, owner_tile_rows=self.backward_tile_rows)
+                   for r in range(self.world)]
         return xs, token_of_rows, counts, layouts
 
     def poison(self) -> None:
@@ -136,7 +138,8 @@ def test_received_rows_and_h_match_the_bulk_dispatch(name, world, local, tokens,
                          ids=["4 ranks", "8 ranks"])
 @pytest.mark.parametrize("remote_first", [False, True])
 def test_gemm_tiles_cover_each_expert_in_the_order_the_rows_move(remote_first, world, tokens):
-    w, rows = World(world, 2), 4  # rows per tile
+    rows = 4  # rows per tile
+    w = World(world, 2, backward_tile_rows=rows)
     xs, token_of_rows, counts, layouts = w.routed_batch(tokens, 2, None, torch.Generator().manual_seed(4))
     for rank, lay in enumerate(layouts):
         expert, begin, end, order = w.dispatch[rank]._row_tiles(lay, rows, remote_first)
@@ -155,11 +158,10 @@ def test_gemm_tiles_cover_each_expert_in_the_order_the_rows_move(remote_first, w
     # Backward: every source finds the owner's tile of each of its rows from C alone.
     owner_tiles = [d._row_tiles(lay, rows, remote_first) for d, lay in zip(w.dispatch, layouts)]
     for source, lay in enumerate(layouts):
-        tile_of_row = w.dispatch[source]._owner_tile_of_row(lay, rows, tiles_per_rank=100)
         for row, (owner, at) in enumerate(zip(lay.send_dest_rank.tolist(), lay.send_dest_row.tolist())):
             _, begin, end, _ = owner_tiles[owner]
             tile = int(((begin <= at) & (at < torch.clamp(begin + rows, max=end))).nonzero())
-            assert tile_of_row[row] == owner * 100 + tile
+            assert lay.send_owner_tile[row] == tile
 
 
 @pytest.mark.parametrize("world", [4, 8])
@@ -315,9 +317,9 @@ def test_kernels_compile_for_sm90():
 
 
 @pytest.mark.parametrize("world,local", [(1, 3), (2, 4), (3, 2), (4, 2)])
-def test_push_units_from_counts_match_a_search_over_the_rows(world, local):
-    """The push's unit bounds, computed on the host from the counts, are where each (owner, chunk) starts among
-    the source's permuted rows: a search over the rows' (owner, receive row) keys, which the device did before."""
+def test_push_units_count_the_rows_before_each_owner_and_chunk(world, local):
+    """The push's unit bounds: unit (owner d, chunk c) starts after this rank's rows for owners before d and its rows
+    for d that land before receive row c * chunk, counted row by row here."""
     gen = torch.Generator().manual_seed(world * 10 + local)
     for trial in range(6):
         counts = torch.randint(0, 300, (world, world * local), generator=gen)
@@ -329,37 +331,9 @@ def test_push_units_from_counts_match_a_search_over_the_rows(world, local):
         for rank, ws in enumerate(SimulatedWorld(world).workspaces()):
             for chunk in (16, 64):
                 dispatch = FusedDispatch(ws, D_MODEL, FFN, local, 2, 1000, block_m=chunk)
-                layout = build_expert_layout(counts, rank, local, tile_rows=16)
-                dispatch.capacity = max(chunk, 1 << max(0, (layout.max_recv_rows - 1).bit_length()))
+                layout = build_expert_layout(counts, rank, local, tile_rows=16, owner_tile_rows=16)
                 chunks = -(-layout.max_recv_rows // chunk)
-                key = layout.send_dest_rank * dispatch.capacity + layout.send_dest_row
-                starts = torch.arange(world)[:, None] * dispatch.capacity + torch.arange(chunks + 1) * chunk
-                assert torch.equal(dispatch._unit_bounds(layout, chunks), torch.searchsorted(key, starts.reshape(-1)))
-
-
-@pytest.mark.parametrize("world,local", [(1, 3), (2, 4), (3, 2), (4, 2)])
-def test_owner_tile_of_each_sent_row(world, local):
-    """The backward's flag slot of each row this rank sent: its owner, then the owner's row tile (tiles never
-    straddle the owner's experts) holding the row's receive position, computed row by row here."""
-    gen = torch.Generator().manual_seed(world * 10 + local)
-    for trial in range(5):
-        counts = torch.randint(0, 150, (world, world * local), generator=gen)
-        counts[:, trial % (world * local)] = 0
-        if trial == 1:
-            counts[0] = 0  # a rank without tokens
-        if trial == 2:
-            counts = torch.randint(0, 3, (world, world * local), generator=gen)  # runs shorter than a tile
-        for rank, ws in enumerate(SimulatedWorld(world).workspaces()):
-            layout = build_expert_layout(counts, rank, local, tile_rows=16)
-            dispatch = FusedDispatch(ws, D_MODEL, FFN, local, 2, 1000)
-            for block_m in (1, 16, 64):
-                tiles_per_rank = -(-layout.max_recv_rows // block_m) + local
-                want = []
-                for g, n in enumerate(counts[rank].tolist()):
-                    owner, e = divmod(g, local)
-                    sizes = counts[:, owner * local:(owner + 1) * local].sum(dim=0).tolist()
-                    tiles_before = sum(-(-size // block_m) for size in sizes[:e])
-                    first = int(counts[:, owner * local:owner * local + e].sum()) + int(counts[:rank, g].sum())
-                    want += [owner * tiles_per_rank + tiles_before + (first + i - sum(sizes[:e])) // block_m
-                             for i in range(n)]
-                assert dispatch._owner_tile_of_row(layout, block_m, tiles_per_rank).tolist() == want
+                owner, row = layout.send_dest_rank, layout.send_dest_row  # [rows] -> [owner d, chunk c, rows]
+                d, c = torch.arange(world)[:, None, None], torch.arange(chunks + 1)[None, :, None]
+                want = ((owner < d) | ((owner == d) & (row < c * chunk))).sum(dim=2)
+                assert torch.equal(dispatch._unit_bounds(layout, chunks), want.reshape(-1))

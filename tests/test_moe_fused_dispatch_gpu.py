@@ -18,10 +18,13 @@ from fused_dlrm.dist import all_to_all_v, exchange_counts
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from moe.expert_layout import build_expert_layout, gather_counts
-from moe.kernels.fused_dispatch import FusedDispatch, gated_gemm_reference
+from moe.kernels.fused_dispatch import FusedDispatch, gated_gemm_reference, gemm_config
 from moe.permute import permute
 from moe.routing import route
 from world import run_world
+
+# The row tiles of the dispatch's backward GEMM, which the layouts number (the combine's are unused here).
+BACKWARD_TILE_ROWS = gemm_config(torch.device("cuda"), torch.bfloat16, backward=True).block_m
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
@@ -68,7 +71,7 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
         _, perm = permute(x, route(logits, TOP_K).expert_ids, EXPERTS)
         token_of_row = perm.order // TOP_K
         counts = gather_counts(perm.tokens_per_expert)
-        layout = build_expert_layout(counts, rank, local, tile_rows=128)  # the combine's tiles: unused
+        layout = build_expert_layout(counts, rank, local, tile_rows=128, owner_tile_rows=BACKWARD_TILE_ROWS)
         if step % 10 == 0 and step:  # poison the receive and gradient rows; no peer writes them between barriers
             torch.cuda.synchronize()
             dist.barrier()
@@ -102,7 +105,7 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
     x, logits = step_batch(0, rank, world, device)
     _, perm = permute(x, route(logits, TOP_K).expert_ids, EXPERTS)
     counts = gather_counts(perm.tokens_per_expert)
-    layout = build_expert_layout(counts, rank, local, tile_rows=128)  # the combine's tiles: unused
+    layout = build_expert_layout(counts, rank, local, tile_rows=128, owner_tile_rows=BACKWARD_TILE_ROWS)
     assert counts[1, :local].sum() > 0  # rank 1 has rows for rank 0
     torch.cuda.synchronize()
     dist.barrier()

@@ -133,7 +133,8 @@ def peer_never_starts(rank, world, backward):
     ids = torch.randint(0, 2 * world, (64, TOP_K), generator=gen).cuda()
     weights = torch.rand(64, TOP_K, generator=gen).cuda()
     _, perm = permute(torch.zeros(64, 0, device="cuda"), ids, 2 * world)
-    layout = build_expert_layout(gather_counts(perm.tokens_per_expert), rank, 2, combine.blocks.block_m)
+    layout = build_expert_layout(gather_counts(perm.tokens_per_expert), rank, 2, combine.blocks.block_m,
+                                 owner_tile_rows=128)  # the dispatch's backward tiles: unused
     h = torch.randn(sum(layout.tokens_per_local_expert), FFN, generator=gen).to("cuda", torch.bfloat16)
     w2 = torch.randn(2, FFN, D_MODEL, generator=gen).to("cuda", torch.bfloat16)
     grad_y = torch.randn(64, D_MODEL, generator=gen).to("cuda", torch.bfloat16)

@@ -461,6 +461,9 @@ class FusedDispatch:
         consumer kernel with unit weights); then the epoch is acknowledged to every owner."""
         grad, ready, ack, tiles_per_rank = self._grad_buffers(layout, self._grad_dtype)
         cfg = gemm_config(self.ws.device, self._grad_dtype, backward=True)  # the tiles start_backward's flags number
+        if layout.owner_tile_rows != cfg.block_m:
+            raise ValueError(f"the layout numbers owner tiles of {layout.owner_tile_rows} rows; the backward GEMM's "
+                             f"flags number tiles of {cfg.block_m} (build_expert_layout's owner_tile_rows)")
         num_tokens = perm.inverse.numel() // perm.top_k
         dx = torch.empty(num_tokens, self.d_model, dtype=self._grad_dtype, device=perm.inverse.device)
         if num_tokens:
@@ -468,8 +471,9 @@ class FusedDispatch:
             _weighted_unpermute_kernel[(triton.cdiv(num_tokens, block_tokens), triton.cdiv(self.d_model,
                                                                                             cfg.block_n))](
                 grad.local, perm.inverse, torch.ones(num_tokens, perm.top_k, device=dx.device),
-                self._owner_tile_of_row(layout, cfg.block_m, tiles_per_rank), layout.send_dest_rank, ready.local,
-                self.errors.word, dx, dx, num_tokens, layout.send_dest_rank.numel(), epoch, self.spin_limit,
+                torch.add(layout.send_owner_tile, layout.send_dest_rank, alpha=tiles_per_rank),  # flag slots
+                layout.send_dest_rank, ready.local, self.errors.word, dx, dx, num_tokens,
+                layout.send_dest_rank.numel(), epoch, self.spin_limit,
                 D_MODEL=self.d_model, TOP_K=perm.top_k, K_P2=triton.next_power_of_2(perm.top_k),
                 BLOCK_T=block_tokens, BLOCK_N=cfg.block_n, OUT_DTYPE=TL_DTYPES[dx.dtype], COPY_ROWS=False,
                 num_warps=4 if dx.is_cuda else 1)
@@ -491,27 +495,6 @@ class FusedDispatch:
                                torch.int32)
         ack = self.ws.buffer("moe_dispatch_grad_ack", self.world, torch.int32)
         return rows, ready, ack, tiles_per_rank
-
-    def _owner_tile_of_row(self, layout: ExpertLayout, block_m: int, tiles_per_rank: int) -> torch.Tensor:
-        """int64 [this rank's permuted rows]: owner * tiles_per_rank + the owner's row tile holding the row (tiles
-        are numbered expert by expert, as `_row_tiles` does on the owner; every rank knows C). This rank's rows of
-        expert g are one run in g's owner, which the owner's tiles cut into pieces; each piece's slot and length
-        come from the counts on the host, then one expansion on the device."""
-        c, L = layout.host_counts, self.num_local_experts
-        sizes = c.sum(axis=0).reshape(self.world, L)  # [owner, local expert] rows
-        tiles = (sizes + block_m - 1) // block_m
-        tile_base, row_base = np.cumsum(tiles, axis=1) - tiles, np.cumsum(sizes, axis=1) - sizes
-        owner, expert = np.divmod(np.arange(c.shape[1]), L)
-        sent = c[self.rank]
-        start = layout.host_dest_block_start - row_base[owner, expert]  # of g's run within its owner's expert
-        first_tile = start // block_m
-        pieces = np.where(sent > 0, (start + sent - 1) // block_m - first_tile + 1, 0)
-        g = np.repeat(np.arange(c.shape[1]), pieces)
-        tile = first_tile[g] + np.arange(g.size) - (np.cumsum(pieces) - pieces)[g]
-        length = np.minimum((tile + 1) * block_m, start[g] + sent[g]) - np.maximum(tile * block_m, start[g])
-        slot = owner[g] * tiles_per_rank + tile_base[owner[g], expert[g]] + tile
-        slot, length = host_to_device([slot, length], layout.send_dest_rank.device)
-        return torch.repeat_interleave(slot, length, output_size=layout.send_dest_rank.numel())
 
     def _row_tiles(self, layout: ExpertLayout, block_m: int, remote_first: bool) -> torch.Tensor:
         """int64 [4, row tiles]: local expert, first row, end row (expert by expert: the tile id), then the walk
