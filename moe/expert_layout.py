@@ -40,8 +40,6 @@ class ExpertLayout:
     # expert's received rows are cut into tiles of `owner_tile_rows`, numbered expert by expert (the flag slots of
     # the dispatch's backward)
     owner_tile_rows: int
-    host_dest_block_start: np.ndarray  # int64 [num_experts]: where this rank's rows of expert g start in the
-    # receive rows of g's owner
     # this rank as an owner: the rows its experts receive
     recv_offsets: np.ndarray  # int64 [num_local_experts * world + 1]: block (e, s) starts at [e * world + s] (the
     # host builds the owners' tile tables from it)
@@ -56,17 +54,15 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int,
                         owner_tile_rows: int) -> ExpertLayout:
     """counts: int64 [world, num_experts] on any device; the layout's tensors live on that device. `tile_rows`,
     `owner_tile_rows`: the row tiles of the combine's GEMM and of the dispatch's backward GEMM. Reading the
-    counts is the one host sync of a fused MoE layer. The host derives the sizes and the per-block starts the
-    tile tables need (numpy: see host_to_device); the per-row tables come from the counts on the device, in one
+    counts is the one host sync of a fused MoE layer. The host derives, in numpy, the sizes and the receive
+    blocks' starts that the small tile tables need; the per-row tables come from the counts on the device, in one
     kernel (no copy from the host: the host's time per layer is what the fused layer is short of)."""
     world, num_experts = counts.shape
     if num_experts != world * num_local_experts:
         raise ValueError(f"counts has {num_experts} experts; expected {world} ranks x {num_local_experts}")
     c = counts.cpu().numpy()
-    # owner_blocks[d]: [L, world] counts in receive order; offsets of every block in every owner's buffer.
+    # owner_blocks[d]: [L, world] counts in receive order (every owner's: the buffers are sized by the largest).
     owner_blocks = c.reshape(world, world, num_local_experts).transpose(1, 2, 0).reshape(world, -1)
-    block_starts = np.cumsum(owner_blocks, axis=1) - owner_blocks  # [owner, e * world + source]
-    dest_of_expert, local_of_expert = np.divmod(np.arange(num_experts), num_local_experts)
     my_blocks = owner_blocks[rank]
     tables = expert_rows(counts, rank, num_local_experts, (tile_rows, owner_tile_rows), int(c[rank].sum()),
                          int(my_blocks.sum()))
@@ -74,7 +70,6 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int,
         counts=counts, host_counts=c, rank=rank, world=world, num_local_experts=num_local_experts,
         send_dest_rank=tables[0], send_dest_row=tables[1], send_tile=tables[2], tile_rows=tile_rows,
         send_owner_tile=tables[3], owner_tile_rows=owner_tile_rows,
-        host_dest_block_start=block_starts[dest_of_expert, local_of_expert * world + rank],
         recv_offsets=np.concatenate([[0], np.cumsum(my_blocks)]), recv_source_rank=tables[4],
         recv_source_row=tables[5],
         tokens_per_local_expert=my_blocks.reshape(num_local_experts, world).sum(axis=1).tolist(),
@@ -138,9 +133,8 @@ def expert_rows(counts: torch.Tensor, rank: int, num_local_experts: int, tile_ro
                 num_received: int) -> list[torch.Tensor]:
     """The per-row tables on counts' device: [send_dest_rank, send_dest_row, send_tile, send_owner_tile] of this
     rank's permuted rows (tile_rows: the source's tiles, the owner's) and [recv_source_rank, recv_source_row] of
-    its received rows (int64), views of one buffer, each
-    starting on a 16-byte boundary: Triton specialises pointers on that alignment, and a changing one would
-    compile kernels anew in the middle of training."""
+    its received rows (int64), views of one buffer, each starting on a 16-byte boundary: Triton specialises
+    pointers on that alignment, and a changing one would compile kernels anew in the middle of training."""
     world, num_experts = counts.shape
     sent, received = _even(num_sent), _even(num_received)
     flat = torch.empty(4 * sent + 2 * received, dtype=torch.int64, device=counts.device)

@@ -22,7 +22,6 @@ from torch.profiler import ProfilerActivity, profile
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from moe import MoELayer
 
-SECTIONS = sys.argv[1:] or ["errors", "kernels", "wall", "host"]
 T, D, F, E, K = 8192, 2048, 1408, 32, 6
 x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
 g = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
@@ -43,78 +42,99 @@ def fwd_bwd(layer):
     layer.zero_grad(set_to_none=True)
 
 
-grads = {}
-for c, layer in layers.items() if "errors" in SECTIONS else ():
-    layer.zero_grad(set_to_none=True)
-    xx = x.detach().requires_grad_()
-    y, _ = layer(xx)
-    y.backward(g)
-    grads[c] = {"y": y.float(), "x": xx.grad.float(), **{n: p.grad.float() for n, p in layer.named_parameters()}}
-    layer.zero_grad(set_to_none=True)
-for n, want in grads.get("bulk", {}).items():
-    print(f"{n}: relative error fused vs bulk {float((grads['fused'][n] - want).abs().max() / want.abs().max()):.2e}")
+def errors():
+    """Outputs and gradients of one forward+backward, fused against bulk."""
+    grads = {}
+    for c, layer in layers.items():
+        layer.zero_grad(set_to_none=True)
+        xx = x.detach().requires_grad_()
+        y, _ = layer(xx)
+        y.backward(g)
+        grads[c] = {"y": y.detach().float(), "x": xx.grad.float(),
+                    **{n: p.grad.float() for n, p in layer.named_parameters()}}
+        layer.zero_grad(set_to_none=True)
+    for n, want in grads["bulk"].items():
+        error = (grads["fused"][n] - want).abs().max() / want.abs().max()
+        print(f"{n}: relative error fused vs bulk {float(error):.2e}")
 
-for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)) if "kernels" in SECTIONS else ():
+
+def kernels():
+    """GPU kernel time per call (torch profiler) and the GPU's idle share of the calls' span."""
+    for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        for c, layer in layers.items():
+            for _ in range(3):
+                fn(layer)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    fn(layer)
+                torch.cuda.synchronize()
+            intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                               if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+            busy, last = 0, intervals[0][0]
+            for begin, end in intervals:  # the union of the kernels' intervals
+                busy += max(0, end - max(begin, last))
+                last = max(last, end)
+            idle = 1 - busy / (last - intervals[0][0])
+            rows = sorted(((e.key, e.device_time_total / 10, e.count // 10) for e in prof.key_averages()
+                           if e.device_time_total > 0), key=lambda r: -r[1])
+            print(f"== {what} {c}: GPU kernel time per call {sum(r[1] for r in rows) / 1e3:.2f} ms; GPU idle "
+                  f"{100 * idle:.0f}% of the span")
+            for name, us, n in rows[:12]:
+                print(f"  {us:8.1f} us  x{n:<3} {name[:100]}")
+
+
+def wall():
+    """Wall and host time per call back to back, and one call between CUDA events."""
+    for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        for c, layer in layers.items():
+            walls, hosts, synced = [], [], []
+            for _ in range(3):  # warm-up (compiles on a first call)
+                fn(layer)
+            for _ in range(5):
+                torch.cuda.synchronize()
+                start, in_call = time.perf_counter(), 0.0
+                for _ in range(20):
+                    t = time.perf_counter()
+                    fn(layer)
+                    in_call += time.perf_counter() - t
+                torch.cuda.synchronize()
+                walls.append((time.perf_counter() - start) / 20 * 1e3)
+                hosts.append(in_call / 20 * 1e3)
+            for _ in range(10):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                a.record()
+                fn(layer)
+                b.record()
+                torch.cuda.synchronize()
+                synced.append(a.elapsed_time(b))
+            print(f"{what:8} {c:6} wall per call back to back {statistics.median(walls):.2f} ms, host in the call "
+                  f"{statistics.median(hosts):.2f} ms, one call synced {statistics.median(synced):.2f} ms")
+
+
+def host():
+    """Where the host's time goes in 20 forwards (cProfile)."""
     for c, layer in layers.items():
         for _ in range(3):
-            fn(layer)
+            fwd(layer)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                fn(layer)
-            torch.cuda.synchronize()
-        kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                         if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
-        busy, last = 0, kernels[0][0]
-        for begin, end in kernels:  # the union of the kernels' intervals
-            busy += max(0, end - max(begin, last))
-            last = max(last, end)
-        idle = 1 - busy / (last - kernels[0][0])
-        rows = sorted(((e.key, e.device_time_total / 10, e.count // 10) for e in prof.key_averages()
-                       if e.device_time_total > 0), key=lambda r: -r[1])
-        print(f"== {what} {c}: GPU kernel time per call {sum(r[1] for r in rows) / 1e3:.2f} ms; GPU idle "
-              f"{100 * idle:.0f}% of the span")
-        for name, us, n in rows[:12]:
-            print(f"  {us:8.1f} us  x{n:<3} {name[:100]}")
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(20):
+            fwd(layer)
+        torch.cuda.synchronize()
+        profiler.disable()
+        print(f"== host time of 20 forwards, {c} (cProfile): the project's functions, cumulative; then every function "
+              f"by its own time")
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("cumulative").print_stats(r"moe/|fused_dlrm/", 25)
+        stats.sort_stats("tottime").print_stats(30)
 
-for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)) if "wall" in SECTIONS else ():
-    for c, layer in layers.items():
-        walls, hosts, synced = [], [], []
-        for _ in range(3):  # warm-up (compiles on a first call)
-            fn(layer)
-        for _ in range(5):
-            torch.cuda.synchronize()
-            start, host = time.perf_counter(), 0.0
-            for _ in range(20):
-                t = time.perf_counter()
-                fn(layer)
-                host += time.perf_counter() - t
-            torch.cuda.synchronize()
-            walls.append((time.perf_counter() - start) / 20 * 1e3)
-            hosts.append(host / 20 * 1e3)
-        for _ in range(10):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            a.record()
-            fn(layer)
-            b.record()
-            torch.cuda.synchronize()
-            synced.append(a.elapsed_time(b))
-        print(f"{what:8} {c:6} wall per call back to back {statistics.median(walls):.2f} ms, host in the call "
-              f"{statistics.median(hosts):.2f} ms, one call synced {statistics.median(synced):.2f} ms")
 
-for c, layer in layers.items() if "host" in SECTIONS else ():
-    for _ in range(3):
-        fwd(layer)
-    torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(20):
-        fwd(layer)
-    torch.cuda.synchronize()
-    profiler.disable()
-    print(f"== host time of 20 forwards, {c} (cProfile): the project's functions, cumulative; then every function "
-          f"by its own time")
-    stats = pstats.Stats(profiler)
-    stats.sort_stats("cumulative").print_stats(r"moe/|fused_dlrm/", 25)
-    stats.sort_stats("tottime").print_stats(30)
+SECTIONS = {"errors": errors, "kernels": kernels, "wall": wall, "host": host}
+unknown = [name for name in sys.argv[1:] if name not in SECTIONS]
+if unknown:
+    sys.exit(f"unknown sections {unknown}: expected some of {', '.join(SECTIONS)}")
+for name in sys.argv[1:] or SECTIONS:
+    SECTIONS[name]()
