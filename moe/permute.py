@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
-from moe.routing import count_per_expert
+from moe.routing import count_per_expert, tokens_per_program
 
 
 @dataclass
@@ -29,22 +31,116 @@ def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
     """x [T, d], expert_ids [T, k] -> (rows [A, d] grouped by expert, Permutation); A = kept assignments.
     kept None: every assignment is kept (dropless routing; no host sync)."""
     top_k = expert_ids.shape[1]
-    flat = expert_ids.reshape(-1)
+    keys = expert_ids.reshape(-1)
     if kept is not None:
         # Dropped assignments sort after every expert (key num_experts) and are cut off.
-        flat = torch.where(kept.reshape(-1), flat, num_experts)
-    # Stable, so that within an expert the rows keep token order.
-    keys, order = torch.sort(flat, stable=True)
-    tokens_per_expert = count_per_expert(keys, num_experts + 1)[:num_experts]
+        keys = torch.where(kept.reshape(-1), keys, num_experts)
+    order, inverse, tokens_per_expert, offsets = expert_order(keys, num_experts, top_k)
     # Without drops every assignment is a row; with them, the one host sync: the rows' count sizes them.
-    num_rows = flat.numel() if kept is None else int(tokens_per_expert.sum())
-    order = order[:num_rows]
-    inverse = torch.full_like(flat, num_rows)
-    inverse[order] = torch.arange(num_rows, device=flat.device)
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    offsets[1:] = tokens_per_expert.cumsum(0)
-    perm = Permutation(order, inverse, tokens_per_expert, offsets, top_k)
+    num_rows = keys.numel() if kept is None else int(offsets[-1])
+    perm = Permutation(order[:num_rows], inverse, tokens_per_expert, offsets, top_k)
     return _Permute.apply(x, perm), perm
+
+
+def expert_order(keys: torch.Tensor, num_experts: int, top_k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keys [T * k]: each assignment's expert, num_experts where dropped -> (order [T * k]: the assignment of each
+    row, rows grouped by expert and in assignment order within one, only the first A = kept assignments
+    meaningful; inverse [T * k]: each assignment's row, A where dropped; tokens_per_expert [E]; offsets [E + 1]),
+    int64, without a host sync. CUDA: two kernels (`expert_order_kernels`; torch's stable sort alone is ~16
+    launches); elsewhere the torch reference."""
+    if keys.is_cuda and keys.numel():
+        return expert_order_kernels(keys, num_experts, top_k)
+    return expert_order_reference(keys, num_experts)
+
+
+def expert_order_reference(keys: torch.Tensor, num_experts: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    sorted_keys, order = torch.sort(keys, stable=True)  # stable: token order within an expert
+    tokens_per_expert = count_per_expert(sorted_keys, num_experts + 1)[:num_experts]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=keys.device)
+    offsets[1:] = tokens_per_expert.cumsum(0)
+    inverse = torch.empty_like(keys)
+    inverse[order] = torch.arange(keys.numel(), device=keys.device)
+    return order, torch.minimum(inverse, offsets[-1]), tokens_per_expert, offsets
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _expert_block_counts_kernel(keys_ptr, block_counts_ptr, num_tokens, E: tl.constexpr, E_P2: tl.constexpr,
+                                TOP_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """block_counts[b, e]: assignments to expert e among the tokens of block b."""
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, E_P2)
+    counts = tl.zeros((E_P2,), tl.int32)
+    for i in tl.static_range(TOP_K):
+        key = tl.load(keys_ptr + t * TOP_K + i, mask=t < num_tokens, other=E)
+        counts += tl.sum((key[:, None] == e[None, :]).to(tl.int32), axis=0)
+    tl.store(block_counts_ptr + pid * E + e, counts, mask=e < E)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
+def _expert_order_kernel(keys_ptr, block_counts_ptr, order_ptr, inverse_ptr, tokens_per_expert_ptr, offsets_ptr,
+                         num_tokens, num_blocks, E: tl.constexpr, E_P2: tl.constexpr, TOP_K: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCKS_P2: tl.constexpr, CHUNK: tl.constexpr):
+    """A counting sort: the row of assignment (t, i) to expert e is e's first row, plus e's assignments in
+    earlier blocks (every program sums the block counts itself), in earlier tokens of this block, and earlier in
+    this token (a repeated expert)."""
+    pid = tl.program_id(0)
+    e = tl.arange(0, E_P2)
+    expert = e < E
+    total = tl.zeros((E_P2,), tl.int32)
+    before = tl.zeros((E_P2,), tl.int32)
+    for b0 in range(0, BLOCKS_P2, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        c = tl.load(block_counts_ptr + b[:, None] * E + e[None, :], mask=(b < num_blocks)[:, None] & expert[None, :],
+                    other=0)
+        total += tl.sum(c, axis=0)
+        before += tl.sum(tl.where((b < pid)[:, None], c, 0), axis=0)
+    first = tl.cumsum(total, axis=0) - total
+    num_rows = tl.sum(total, axis=0)
+    if pid == 0:
+        tl.store(tokens_per_expert_ptr + e, total.to(tl.int64), mask=expert)
+        tl.store(offsets_ptr + e, first.to(tl.int64), mask=expert)
+        tl.store(offsets_ptr + E, num_rows.to(tl.int64))
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    token = t < num_tokens
+    per_token = tl.zeros((BLOCK_T, E_P2), tl.int32)
+    for i in tl.static_range(TOP_K):
+        key = tl.load(keys_ptr + t * TOP_K + i, mask=token, other=E)
+        per_token += (key[:, None] == e[None, :]).to(tl.int32)
+    row_of = (first + before)[None, :] + tl.cumsum(per_token, axis=0) - per_token  # [token, expert]: next row
+    for i in tl.static_range(TOP_K):
+        key = tl.load(keys_ptr + t * TOP_K + i, mask=token, other=E)
+        hit = key[:, None] == e[None, :]
+        row = tl.sum(tl.where(hit, row_of, 0), axis=1)
+        row_of += hit.to(tl.int32)
+        kept = key < E
+        a = t * TOP_K + i
+        tl.store(order_ptr + row, a.to(tl.int64), mask=token & kept)
+        tl.store(inverse_ptr + a, tl.where(kept, row, num_rows).to(tl.int64), mask=token)
+
+
+def expert_order_kernels(keys: torch.Tensor, num_experts: int, top_k: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`expert_order` through its two kernels (also on the CPU, in Triton's interpreter); keys not empty."""
+    num_tokens = keys.numel() // top_k
+    block = tokens_per_program(num_experts)
+    blocks = triton.cdiv(num_tokens, block)
+    e_p2, blocks_p2 = triton.next_power_of_2(num_experts), triton.next_power_of_2(blocks)
+    block_counts = torch.empty(blocks, num_experts, dtype=torch.int32, device=keys.device)
+    order, inverse = torch.empty_like(keys), torch.empty_like(keys)
+    tokens_per_expert = torch.empty(num_experts, dtype=torch.int64, device=keys.device)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=keys.device)
+    warps = 4 if keys.is_cuda else 1
+    keys = keys.contiguous()
+    _expert_block_counts_kernel[(blocks,)](keys, block_counts, num_tokens, E=num_experts, E_P2=e_p2, TOP_K=top_k,
+                                           BLOCK_T=block, num_warps=warps)
+    _expert_order_kernel[(blocks,)](
+        keys, block_counts, order, inverse, tokens_per_expert, offsets, num_tokens, blocks, E=num_experts,
+        E_P2=e_p2, TOP_K=top_k, BLOCK_T=block, BLOCKS_P2=blocks_p2, CHUNK=max(1, min(blocks_p2, 4096 // e_p2)),
+        num_warps=warps)
+    return order, inverse, tokens_per_expert, offsets
 
 
 def unpermute(rows: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
 from torch import nn
+
+from fused_dlrm.kernels import TL_DTYPES
 
 
 @dataclass
@@ -35,23 +40,15 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
           capacity_factor: float | None = None) -> Routing:
     """Route tokens given their router logits [T, num_experts]."""
     num_tokens, num_experts = logits.shape
-    # Softmax, log-sum-exp and the losses in fp32 at least: bf16 logits would make near-equal probabilities tie.
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    probs = torch.softmax(logits, dim=-1)
-    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    choice = top_k_softmax(logits, top_k, renormalize)
+    expert_ids, weights, wanted_per_expert = choice.expert_ids, choice.weights, choice.tokens_per_expert
 
-    flat = expert_ids.reshape(-1)  # token order: token t's k assignments are t*k .. t*k+k-1
-    wanted_per_expert = count_per_expert(flat, num_experts)
-
-    # Load balancing: f_e is the fraction of assignments (before dropping: what the router asked for) that went
-    # to e and carries no gradient; P_e is the mean router probability of e. max(., 1) makes a rank without
-    # tokens contribute 0 instead of NaN.
-    f = wanted_per_expert.to(probs.dtype) / max(num_tokens * top_k, 1)
-    p = probs.sum(dim=0) / max(num_tokens, 1)
-    aux_loss = num_experts * (f * p).sum()
-    z_loss = torch.logsumexp(logits, dim=-1).square().sum() / max(num_tokens, 1)
+    # Load balancing: num_experts * sum_e f_e * P_e, where f_e is the fraction of assignments (before dropping:
+    # what the router asked for) that went to e and carries no gradient, P_e the mean router probability of e.
+    # max(., 1) makes a rank without tokens contribute 0 instead of NaN.
+    scale = num_experts / (max(num_tokens * top_k, 1) * max(num_tokens, 1))
+    aux_loss = torch.dot(wanted_per_expert.to(choice.prob_sums.dtype), choice.prob_sums) * scale
+    z_loss = torch.dot(choice.lse, choice.lse) / max(num_tokens, 1)
 
     capacity = None
     kept = torch.ones_like(expert_ids, dtype=torch.bool)
@@ -60,6 +57,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
         capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
         # Position of each assignment among its expert's assignments, in token order (a stable sort lines them
         # up expert by expert): the first `capacity` stay.
+        flat = expert_ids.reshape(-1)  # token order: token t's k assignments are t*k .. t*k+k-1
         keys, order = torch.sort(flat, stable=True)
         first = torch.cumsum(wanted_per_expert, 0) - wanted_per_expert
         position = torch.empty_like(flat)
@@ -76,6 +74,174 @@ def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     two syncs."""
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
     return counts.scatter_add_(0, ids, torch.ones_like(ids))
+
+
+class TopKSoftmax(NamedTuple):
+    """The router's choice before any capacity: per token its k best experts and their weights, and what the
+    losses need."""
+
+    weights: torch.Tensor  # [T, k] softmax probabilities of the chosen experts (renormalised if asked), fp32+
+    expert_ids: torch.Tensor  # [T, k] int64, best first
+    lse: torch.Tensor  # [T] log-sum-exp of each token's logits (the z-loss's term)
+    tokens_per_expert: torch.Tensor  # [num_experts] int64, assignments per expert
+    prob_sums: torch.Tensor  # [num_experts] sum over tokens of each expert's probability
+
+
+def top_k_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> TopKSoftmax:
+    """Softmax of the logits (fp32 at least: bf16 logits would make near-equal probabilities tie), the top k per
+    token, the log-sum-exps and the per-expert counts and probability sums, with autograd to the logits. CUDA:
+    one kernel each way (`top_k_softmax_kernels`; torch's ops for the same are ~25 launches, logsumexp alone a
+    dozen kernels, on the host's critical path of every MoE layer); elsewhere, and for float64 logits, the torch
+    reference."""
+    if logits.is_cuda and logits.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return top_k_softmax_kernels(logits, top_k, renormalize)
+    return top_k_softmax_reference(logits, top_k, renormalize)
+
+
+def top_k_softmax_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> TopKSoftmax:
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    probs = torch.softmax(logits, dim=-1)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return TopKSoftmax(weights, expert_ids, torch.logsumexp(logits, dim=-1),
+                       count_per_expert(expert_ids.reshape(-1), logits.shape[1]), probs.sum(dim=0))
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _top_k_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, lse_ptr, block_counts_ptr, block_probs_ptr, num_tokens,
+                          E: tl.constexpr, E_P2: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr,
+                          RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """BLOCK_T tokens per program; per-block expert counts and probability sums (summed by the launcher in a
+    fixed order: deterministic, unlike float atomics)."""
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, E_P2)
+    j = tl.arange(0, K_P2)
+    token, expert = t < num_tokens, e < E
+    z = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=token[:, None] & expert[None, :]).to(tl.float32)
+    z = tl.where(expert[None, :], z, float("-inf"))
+    z = tl.where(token[:, None], z, 0.0)  # rows past the end: any finite values (nothing of them is stored)
+    most = tl.max(z, axis=1)
+    p = tl.exp(z - most[:, None])
+    total = tl.sum(p, axis=1)
+    probs = p / total[:, None]
+    left = tl.where(expert[None, :], probs, -1.0)
+    top_w = tl.zeros((BLOCK_T, K_P2), tl.float32)
+    top_e = tl.zeros((BLOCK_T, K_P2), tl.int32)
+    chosen = tl.zeros((BLOCK_T, E_P2), tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(left, axis=1)
+        # The lowest index among equal probabilities; NaN logits match nothing: clamped to a real expert (the
+        # loss is NaN then, and no later kernel may index out of range).
+        pick = tl.minimum(tl.min(tl.where(left == best[:, None], e[None, :], E_P2), axis=1), E - 1)
+        hit = e[None, :] == pick[:, None]
+        top_w = tl.where(j[None, :] == i, best[:, None], top_w)
+        top_e = tl.where(j[None, :] == i, pick[:, None], top_e)
+        chosen += hit.to(tl.int32)
+        left = tl.where(hit, -1.0, left)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
+    out = token[:, None] & (j[None, :] < TOP_K)
+    tl.store(weights_ptr + t[:, None] * TOP_K + j[None, :], top_w, mask=out)
+    tl.store(ids_ptr + t[:, None] * TOP_K + j[None, :], top_e.to(tl.int64), mask=out)
+    tl.store(lse_ptr + t, most + tl.log(total), mask=token)
+    tl.store(block_counts_ptr + pid * E + e, tl.sum(tl.where(token[:, None], chosen, 0), axis=0), mask=expert)
+    tl.store(block_probs_ptr + pid * E + e, tl.sum(tl.where(token[:, None], probs, 0.0), axis=0), mask=expert)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _top_k_softmax_backward_kernel(logits_ptr, lse_ptr, ids_ptr, grad_weights_ptr, grad_lse_ptr,
+                                   grad_block_probs_ptr, grad_logits_ptr, num_tokens, E: tl.constexpr,
+                                   E_P2: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                                   HAS_GRAD_WEIGHTS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
+                                   HAS_GRAD_PROBS: tl.constexpr, BLOCK_T: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """d/dlogits of the weights, the log-sum-exps and the per-block probability sums, the probabilities
+    recomputed from the logits and the log-sum-exp: softmax'(z)^T g_p + p * g_lse, where g_p collects the
+    weights' gradient at the chosen experts (through the renormalisation w = p / S: (g - <g, w>) / S) and the
+    block's probability-sum gradient at every expert."""
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, E_P2)
+    token, expert = t < num_tokens, e < E
+    valid = token[:, None] & expert[None, :]
+    z = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=valid).to(tl.float32)
+    lse = tl.load(lse_ptr + t, mask=token, other=0.0)
+    probs = tl.where(valid, tl.exp(z - lse[:, None]), 0.0)
+    grad_p = tl.zeros((BLOCK_T, E_P2), tl.float32)
+    if HAS_GRAD_PROBS:
+        grad_p += tl.load(grad_block_probs_ptr + pid * E + e, mask=expert, other=0.0)[None, :]
+    if HAS_GRAD_WEIGHTS:
+        g = tl.zeros((BLOCK_T, E_P2), tl.float32)
+        picked = tl.zeros((BLOCK_T, E_P2), tl.int32)
+        for i in tl.static_range(TOP_K):
+            pick = tl.load(ids_ptr + t * TOP_K + i, mask=token, other=E_P2)
+            hit = e[None, :] == pick[:, None]
+            g += tl.where(hit, tl.load(grad_weights_ptr + t * TOP_K + i, mask=token, other=0.0)[:, None], 0.0)
+            picked += hit.to(tl.int32)
+        picked = picked > 0
+        if RENORMALIZE:
+            chosen_sum = tl.where(token, tl.sum(tl.where(picked, probs, 0.0), axis=1), 1.0)  # 1: rows past the end
+            weighted = tl.sum(g * probs, axis=1) / chosen_sum
+            g = tl.where(picked, (g - weighted[:, None]) / chosen_sum[:, None], 0.0)
+        grad_p += g
+    grad_z = probs * (grad_p - tl.sum(grad_p * probs, axis=1)[:, None])
+    if HAS_GRAD_LSE:
+        grad_z += tl.load(grad_lse_ptr + t, mask=token, other=0.0)[:, None] * probs
+    tl.store(grad_logits_ptr + t[:, None] * E + e[None, :], grad_z.to(OUT_DTYPE), mask=valid)
+
+
+def tokens_per_program(num_experts: int) -> int:
+    """Tokens per program of the routing and permutation kernels: [tokens, experts] tiles of up to 4096 values."""
+    return max(16, min(128, 4096 // triton.next_power_of_2(num_experts)))
+
+
+class _TopKSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, top_k: int, renormalize: bool):
+        logits = logits.contiguous()
+        num_tokens, num_experts = logits.shape
+        block = tokens_per_program(num_experts)
+        blocks = triton.cdiv(num_tokens, block)
+        weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+        expert_ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+        lse = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
+        block_counts = torch.zeros(blocks, num_experts, dtype=torch.int32, device=logits.device)
+        block_probs = torch.zeros(blocks, num_experts, dtype=torch.float32, device=logits.device)
+        if blocks:
+            _top_k_softmax_kernel[(blocks,)](
+                logits, weights, expert_ids, lse, block_counts, block_probs, num_tokens, E=num_experts,
+                E_P2=triton.next_power_of_2(num_experts), TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
+                RENORMALIZE=renormalize, BLOCK_T=block, num_warps=4 if logits.is_cuda else 1)
+        ctx.save_for_backward(logits, lse, expert_ids)
+        ctx.renormalize, ctx.block = renormalize, block
+        ctx.mark_non_differentiable(expert_ids, block_counts)
+        ctx.set_materialize_grads(False)  # unused outputs get no gradient kernel input
+        return weights, expert_ids, lse, block_counts, block_probs
+
+    @staticmethod
+    def backward(ctx, grad_weights, _ids, grad_lse, _counts, grad_block_probs):
+        logits, lse, expert_ids = ctx.saved_tensors
+        num_tokens, num_experts = logits.shape
+        grad_logits = torch.empty_like(logits)
+        blocks = triton.cdiv(num_tokens, ctx.block)
+        if blocks:
+            some = grad_weights if grad_weights is not None else lse  # a pointer for each absent gradient
+            _top_k_softmax_backward_kernel[(blocks,)](
+                logits, lse, expert_ids, some if grad_weights is None else grad_weights.contiguous(),
+                some if grad_lse is None else grad_lse.contiguous(),
+                some if grad_block_probs is None else grad_block_probs.contiguous(), grad_logits, num_tokens,
+                E=num_experts, E_P2=triton.next_power_of_2(num_experts), TOP_K=expert_ids.shape[1],
+                RENORMALIZE=ctx.renormalize, HAS_GRAD_WEIGHTS=grad_weights is not None,
+                HAS_GRAD_LSE=grad_lse is not None, HAS_GRAD_PROBS=grad_block_probs is not None, BLOCK_T=ctx.block,
+                OUT_DTYPE=TL_DTYPES[logits.dtype], num_warps=4 if logits.is_cuda else 1)
+        return grad_logits, None, None
+
+
+def top_k_softmax_kernels(logits: torch.Tensor, top_k: int, renormalize: bool) -> TopKSoftmax:
+    """`top_k_softmax` through the two kernels (fp32 / fp16 / bf16 logits; on the CPU in Triton's interpreter)."""
+    weights, expert_ids, lse, block_counts, block_probs = _TopKSoftmax.apply(logits, top_k, renormalize)
+    return TopKSoftmax(weights, expert_ids, lse, block_counts.sum(dim=0), block_probs.sum(dim=0))
 
 
 class TopKRouter(nn.Module):

@@ -11,7 +11,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe import permute, unpermute
-from moe.permute import reorder_rows
+from moe.permute import expert_order_kernels, expert_order_reference, reorder_rows
+from sm90 import compile_for_sm90
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # of the kernels' tensors (CPU: interpreter)
 
 
 def assignments(num_tokens: int, num_experts: int, top_k: int, drop: float, seed: int):
@@ -36,6 +39,33 @@ def test_gradcheck(top_k, drop):
     rows = rows.detach().requires_grad_()
     assert torch.autograd.gradcheck(lambda x: permute(x, expert_ids, num_experts, kept)[0], (x,))
     assert torch.autograd.gradcheck(lambda rows, weights: unpermute(rows, perm, weights), (rows, weights))
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, case", [
+    (37, 6, 2, "distinct"), (1100, 128, 3, "zipf"), (300, 64, 6, "zipf"), (129, 8, 4, "repeats"),
+    (64, 16, 2, "dropped"), (10, 4, 2, "all dropped"), (1, 1, 1, "distinct")])
+def test_expert_order_kernels_equal_the_stable_sort(num_tokens, num_experts, top_k, case):
+    """The counting-sort kernels (interpreter) against torch's stable sort, every output equal: Zipf-skewed
+    experts (some empty), more blocks than one chunk of the block counts (1100 tokens of 128 experts), an expert
+    repeated within a token, dropped assignments (key num_experts)."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    if case == "distinct":
+        keys, _ = assignments(num_tokens, num_experts, top_k, 0.0, seed=num_tokens)
+    elif case == "zipf":
+        weights = 1 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** 1.5
+        keys = torch.multinomial(weights.expand(num_tokens, -1), top_k, generator=generator)
+    else:
+        keys = torch.randint(0, num_experts, (num_tokens, top_k), generator=generator)
+        if case != "repeats":
+            drop = torch.rand(num_tokens, top_k, generator=generator) < (0.3 if case == "dropped" else 2)
+            keys = torch.where(drop, num_experts, keys)
+    keys = keys.reshape(-1)
+    got = [t.cpu() for t in expert_order_kernels(keys.to(DEVICE), num_experts, top_k)]
+    want = expert_order_reference(keys, num_experts)
+    num_rows = int(want[3][-1])
+    assert torch.equal(got[0][:num_rows], want[0][:num_rows])
+    for g, w in zip(got[1:], want[1:]):
+        assert g.dtype == torch.int64 and torch.equal(g, w)
 
 
 class RecordOps(TorchDispatchMode):
@@ -140,3 +170,18 @@ def test_reorder_rows_is_a_gather_both_ways():
     with RecordOps() as recorded:
         reorder_rows(x, order, inverse).backward(torch.randn(7, 3, dtype=torch.float64))
     assert "index_select" in recorded.ops and not recorded.ops & ACCUMULATING, recorded.ops
+
+
+def test_expert_order_kernels_compile_for_sm90():
+    """The permutation's kernels as GPUs launch them (int64 keys; 64 experts top-6, 8 top-2, 256 top-8)."""
+    compile_for_sm90("""
+from moe.permute import _expert_block_counts_kernel, _expert_order_kernel
+from moe.routing import tokens_per_program
+for experts, k in ((64, 6), (8, 2), (256, 8)):
+    e_p2 = triton.next_power_of_2(experts)
+    shape = dict(E=experts, E_P2=e_p2, TOP_K=k, BLOCK_T=tokens_per_program(experts))
+    build(_expert_block_counts_kernel, dict(keys_ptr="*i64", block_counts_ptr="*i32"), shape)
+    build(_expert_order_kernel, {n: "*i32" if n == "block_counts_ptr" else "*i64"
+                                 for n in _expert_order_kernel.arg_names if n.endswith("_ptr")},
+          dict(shape, BLOCKS_P2=128, CHUNK=max(1, min(128, 4096 // e_p2))))
+""")

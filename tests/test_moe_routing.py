@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from moe import TopKRouter, permute, route, unpermute
-from moe.routing import count_per_expert
+from moe.routing import count_per_expert, top_k_softmax_kernels, top_k_softmax_reference
+from sm90 import compile_for_sm90
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # of the kernels' tensors (CPU: interpreter)
 
 
 def reference_route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
@@ -62,6 +65,61 @@ def test_route_matches_reference(top_k, renormalize):
     assert (routing.weights[:, :-1] >= routing.weights[:, 1:]).all()
     if renormalize:
         torch.testing.assert_close(routing.weights.sum(dim=1), torch.ones(37, dtype=torch.float64))
+
+
+def zipf_logits(num_tokens: int, num_experts: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random logits with a Zipf-like bias: a few experts take most tokens, the last ones almost none."""
+    generator = torch.Generator().manual_seed(seed)
+    bias = -torch.log(torch.arange(1, num_experts + 1, dtype=torch.float64)) * 2
+    return (torch.randn(num_tokens, num_experts, generator=generator, dtype=torch.float64) + bias).to(dtype)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize", [
+    (37, 6, 2, True), (300, 64, 6, True), (130, 33, 3, False), (5, 4, 4, True), (70, 1, 1, False), (0, 8, 2, True)])
+def test_top_k_softmax_kernels_match_the_torch_reference(num_tokens, num_experts, top_k, renormalize):
+    """The router's two kernels (interpreter) against torch: choice, weights, log-sum-exps, counts, probability
+    sums, and the logits' gradient through all of them (each output given a random gradient)."""
+    logits = zipf_logits(num_tokens, num_experts, torch.float32, seed=num_tokens)
+    generator = torch.Generator().manual_seed(1)
+    grads = [torch.randn(num_tokens, top_k, generator=generator), torch.randn(num_tokens, generator=generator),
+             torch.randn(num_experts, generator=generator)]
+    results = []
+    for fn, device in ((top_k_softmax_kernels, DEVICE), (top_k_softmax_reference, "cpu")):
+        z = logits.to(device).requires_grad_()
+        choice = fn(z, top_k, renormalize)
+        outputs = (choice.weights, choice.lse, choice.prob_sums)
+        sum((out * g.to(device)).sum() for out, g in zip(outputs, grads)).backward()
+        results.append((choice._replace(**{f: getattr(choice, f).cpu() for f in choice._fields}), z.grad.cpu()))
+    (got, got_grad), (want, want_grad) = results
+    assert torch.equal(got.expert_ids, want.expert_ids)
+    assert torch.equal(got.tokens_per_expert, want.tokens_per_expert) and got.tokens_per_expert.dtype == torch.int64
+    for name in ("weights", "lse", "prob_sums"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("used", ["weights", "lse", "prob_sums"])
+def test_top_k_softmax_kernels_with_one_output_used(used):
+    """Outputs that take no part in the loss send no gradient (the kernel's absent-gradient branches)."""
+    logits = zipf_logits(50, 8, torch.float32, seed=3)
+    grads = []
+    for fn, device in ((top_k_softmax_kernels, DEVICE), (top_k_softmax_reference, "cpu")):
+        z = logits.to(device).requires_grad_()
+        getattr(fn(z, 2, True), used).sum().backward()
+        grads.append(z.grad.cpu())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_top_k_softmax_kernels_take_bf16_logits_and_never_index_out_of_range():
+    logits = zipf_logits(40, 16, torch.bfloat16, seed=4).to(DEVICE).requires_grad_()
+    choice = top_k_softmax_kernels(logits, 3, True)
+    want = top_k_softmax_reference(logits.cpu(), 3, True)  # fp32 arithmetic on the same bf16 values
+    assert torch.equal(choice.expert_ids.cpu(), want.expert_ids) and choice.weights.dtype == torch.float32
+    choice.weights.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    nan = torch.full((3, 16), float("nan"), device=DEVICE)
+    assert ((top_k_softmax_kernels(nan, 3, True).expert_ids >= 0)
+            & (top_k_softmax_kernels(nan, 3, True).expert_ids < 16)).all()
 
 
 def test_hand_computed_losses():
@@ -196,3 +254,24 @@ def test_unpermute_without_any_row_has_zero_output_and_gradients(num_tokens):
     assert y.shape == (num_tokens, 3) and not y.any()
     y.sum().backward()
     assert x.grad is not None and not x.grad.any() and weights.grad is not None and not weights.grad.any()
+
+
+def test_router_kernels_compile_for_sm90():
+    """The routing kernels as GPUs launch them: bf16 logits, 64 experts top-6 and 8 experts top-2, both
+    directions; renormalised or not; every gradient present or none but the weights'."""
+    compile_for_sm90("""
+from moe.routing import _top_k_softmax_backward_kernel, _top_k_softmax_kernel, tokens_per_program
+for experts, k in ((64, 6), (8, 2)):
+    e_p2 = triton.next_power_of_2(experts)
+    shape = dict(E=experts, E_P2=e_p2, TOP_K=k, BLOCK_T=tokens_per_program(experts))
+    for renormalize in (True, False):
+        build(_top_k_softmax_kernel, dict(logits_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64", lse_ptr="*fp32",
+                                          block_counts_ptr="*i32", block_probs_ptr="*fp32"),
+              dict(shape, K_P2=triton.next_power_of_2(k), RENORMALIZE=renormalize))
+        for present in (True, False):
+            build(_top_k_softmax_backward_kernel,
+                  {n: "*i64" if n == "ids_ptr" else "*bf16" if "logits" in n else "*fp32"
+                   for n in _top_k_softmax_backward_kernel.arg_names if n.endswith("_ptr")},
+                  dict(shape, RENORMALIZE=renormalize, HAS_GRAD_WEIGHTS=True, HAS_GRAD_LSE=present,
+                       HAS_GRAD_PROBS=present, OUT_DTYPE=tl.bfloat16))
+""")

@@ -3,9 +3,11 @@ with nothing to exchange) at issue 4's first config's per-rank GEMM work: 8192 t
 experts, top-6 (49,152 rows), bf16. Prints the fused gradients' error against bulk, the GPU kernel time per
 forward and forward+backward (torch profiler, 10 calls after warm-up, the 12 largest kernels; the share of the
 calls' span the GPU sat idle), the wall time per call (20 calls back to back; host time inside the calls; one call
-between CUDA events), and where the host's time goes in a forward (cProfile, the project's functions).
+between CUDA events), where the host's time goes in a forward (cProfile, the project's functions), and the
+timeline of one forward in a back-to-back run: every top-level host op and GPU kernel with its start, length and
+the GPU's idle gap before it.
 
-    PYTHONPATH=. python scripts/one_gpu/moe_layer.py [errors] [kernels] [wall] [host]   (default: all four)
+    PYTHONPATH=. python scripts/one_gpu/moe_layer.py [errors] [kernels] [wall] [host] [timeline]   (default: all)
 
 (docs/benchmarks.md, ninth session: calls G8-G10 ran the profile and the wall timing as two scratch scripts, the
 wall timing without zeroing the gradients between calls.)
@@ -132,7 +134,39 @@ def host():
         stats.sort_stats("tottime").print_stats(30)
 
 
-SECTIONS = {"errors": errors, "kernels": kernels, "wall": wall, "host": host}
+def timeline():
+    """One forward in a back-to-back run (the 3rd of 4 profiled calls), host ops (H: top-level ops, Triton's
+    launches among them) and GPU work (G) merged by start time, in us from the call's start; for G the GPU's
+    idle time since the previous kernel ended."""
+    for c, layer in layers.items():
+        for _ in range(3):
+            fwd(layer)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(4):
+                with torch.profiler.record_function(f"call {i}"):
+                    fwd(layer)
+            torch.cuda.synchronize()
+        events = prof.events()
+        call = next(e for e in events if e.name == "call 2")
+        begin, end = call.time_range.start, call.time_range.end
+        next_call = next(e for e in events if e.name == "call 3").time_range.start
+        host = [("H", e) for e in events if e.device_type.name == "CPU" and e.cpu_parent is call]
+        gpu = sorted((e for e in events if e.device_type.name == "CUDA" and not e.name.startswith("call ")),
+                     key=lambda e: e.time_range.start)  # (the record_function ranges appear on the GPU too)
+        last_end = max((e.time_range.end for e in gpu if e.time_range.start < begin), default=begin)
+        gpu = [("G", e) for e in gpu if begin <= e.time_range.start < next_call]
+        print(f"== timeline of one {c} forward: host call {(end - begin):.0f} us")
+        for kind, e in sorted(host + gpu, key=lambda ke: ke[1].time_range.start):
+            start, length = e.time_range.start - begin, e.time_range.end - e.time_range.start
+            gap = ""
+            if kind == "G":
+                gap = f"  idle {max(0, e.time_range.start - last_end):6.0f}"
+                last_end = max(last_end, e.time_range.end)
+            print(f"  {kind} {start:8.0f} {length:7.0f}{gap}  {e.name[:90]}")
+
+
+SECTIONS = {"errors": errors, "kernels": kernels, "wall": wall, "host": host, "timeline": timeline}
 unknown = [name for name in sys.argv[1:] if name not in SECTIONS]
 if unknown:
     sys.exit(f"unknown sections {unknown}: expected some of {', '.join(SECTIONS)}")
