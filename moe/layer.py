@@ -101,7 +101,8 @@ class MoELayer(nn.Module):
             counts = gather_counts(perm.tokens_per_expert, self.group)  # [source, global expert]
             layout = build_expert_layout(counts, self.rank, self.num_local_experts, self.combine.blocks.block_m,
                                          gemm_config(x.device, x.dtype, backward=True).block_m)
-            y = _FusedExperts.apply(x, routing.weights, *self.experts.weights_as(x.dtype), self, layout, perm)
+            y = _FusedExperts.apply(x, routing.weights, *self.experts.weights_as(x.dtype), self, layout, perm,
+                                    torch.is_grad_enabled())
             recv_counts = counts[:, self.rank * self.num_local_experts:(self.rank + 1) * self.num_local_experts]
         else:
             rows, perm = permute(x, routing.expert_ids, self.num_experts, kept)
@@ -170,8 +171,12 @@ class _FusedExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weights, w13, w2, layer: MoELayer, layout: ExpertLayout, perm: Permutation):
-        training = any(ctx.needs_input_grad)
+    def forward(ctx, x, weights, w13, w2, layer: MoELayer, layout: ExpertLayout, perm: Permutation,
+                grad_enabled: bool):
+        # Inside forward grad mode is always off, and needs_input_grad ignores the caller's: under no_grad the
+        # parameters still "need" a gradient, and the copies below would be made for a backward that never comes.
+        needs_grad = [grad_enabled and needs for needs in ctx.needs_input_grad]
+        training = any(needs_grad)
         # Training keeps GEMM 1's products (a13) for the SwiGLU gradient, as autograd keeps the bulk experts'.
         a13 = x.new_empty(sum(layout.tokens_per_local_expert), w13.shape[2]) if training else None
         received, h = layer.dispatch.finish(layer.dispatch.start(x, perm.order // perm.top_k, layout), layout, w13,
@@ -181,7 +186,7 @@ class _FusedExperts(torch.autograd.Function):
         # Only now the combine's tables (host work, ~1 ms on the H200 hosts): they overlap GEMM 1 instead of
         # delaying its launch.
         epoch = layer.combine.start(h, w2, layout)
-        rows = x.new_empty(weights.numel(), x.shape[1]) if ctx.needs_input_grad[1] else None  # by assignment
+        rows = x.new_empty(weights.numel(), x.shape[1]) if needs_grad[1] else None  # by assignment
         y = layer.combine.finish(epoch, layout, perm, weights, rows_out=rows)
         if training:
             ctx.layer, ctx.layout, ctx.perm = layer, layout, perm
@@ -198,7 +203,7 @@ class _FusedExperts(torch.autograd.Function):
         grad_h, grad_w2 = layer.combine.finish_backward(epoch, layout, h, w2)
         epoch, grad_w13 = layer.dispatch.start_backward(grad_h, received, layout, w13, a13)
         grad_x = layer.dispatch.finish_backward(epoch, layout, perm)
-        return grad_x, grad_weights, grad_w13, grad_w2, None, None, None
+        return grad_x, grad_weights, grad_w13, grad_w2, None, None, None, None
 
 
 def _combine_programs(device: torch.device) -> int:
