@@ -60,6 +60,7 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int,
     world, num_experts = counts.shape
     if num_experts != world * num_local_experts:
         raise ValueError(f"counts has {num_experts} experts; expected {world} ranks x {num_local_experts}")
+    counts = counts.contiguous()  # kernels read it whole
     c = counts.cpu().numpy()
     # owner_blocks[d]: [L, world] counts in receive order (every owner's: the buffers are sized by the largest).
     owner_blocks = c.reshape(world, world, num_local_experts).transpose(1, 2, 0).reshape(world, -1)

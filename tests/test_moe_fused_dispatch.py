@@ -12,10 +12,13 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from moe.expert_layout import build_expert_layout
+from moe.kernels import fused_dispatch as fd
 from moe.kernels.fused_dispatch import FusedDispatch, dispatch_reference, gated_gemm_reference, gemm_config
 from moe.permute import permute, unpermute
 from moe.routing import route
@@ -288,7 +291,7 @@ def test_weights_must_be_one_contiguous_w13():
 COMPILE_FOR_SM90 = """
 from moe.kernels import fused_dispatch as fd
 
-tables = {n: "*i64" for n in ("token_ptr", "dest_row_ptr", "bounds_ptr", "rows_ptrs", "ready_ptrs", "tiles_ptr",
+tables = {n: "*i64" for n in ("token_ptr", "dest_row_ptr", "counts_ptr", "rows_ptrs", "ready_ptrs", "tiles_ptr",
                               "source_ptr", "source_row_ptr", "grad_ptrs")}
 flags = {n: "*i32" for n in ("dest_order_ptr", "ack_ptr", "error_ptr", "ready_ptr", "next_ptr")}
 import torch
@@ -306,7 +309,8 @@ for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("
             for store_a13 in (False, True):
                 build(fd._gated_gemm_kernel, ptrs, dict(CHUNK=64, STORE_A13=store_a13, **gemm), c.num_warps,
                       c.num_stages)
-    build(fd._push_rows_kernel, ptrs, dict(D=2048, CHUNK=64, BLOCK_D=128), 4, 3)
+    build(fd._push_rows_kernel, ptrs, dict(D=2048, CHUNK=64, BLOCK_D=128, WORLD=2, L=32, W_P2=2, L_P2=32, E_P2=64),
+          4, 3)
 """
 
 
@@ -316,11 +320,25 @@ def test_kernels_compile_for_sm90():
     compile_for_sm90(COMPILE_FOR_SM90)
 
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # of the kernel's tensors (CPU: interpreter)
+
+
+@triton.jit
+def _unit_rows_kernel(counts_ptr, out_ptr, rank, chunks, CHUNK: tl.constexpr, WORLD: tl.constexpr, L: tl.constexpr,
+                      W_P2: tl.constexpr, L_P2: tl.constexpr, E_P2: tl.constexpr):
+    """The push's `_unit_rows` of unit (owner program_id(0), chunk program_id(1)) into out[owner, chunk, 2]."""
+    dest, c = tl.program_id(0), tl.program_id(1)
+    lo, hi = fd._unit_rows(counts_ptr, rank, dest, c, CHUNK, WORLD, L, W_P2, L_P2, E_P2)
+    tl.store(out_ptr + (dest * chunks + c) * 2, lo)
+    tl.store(out_ptr + (dest * chunks + c) * 2 + 1, hi)
+
+
 @pytest.mark.parametrize("world,local", [(1, 3), (2, 4), (3, 2), (4, 2)])
 def test_push_units_count_the_rows_before_each_owner_and_chunk(world, local):
-    """The push's unit bounds: unit (owner d, chunk c) starts after this rank's rows for owners before d and its rows
-    for d that land before receive row c * chunk, counted row by row here."""
+    """The push's units: unit (owner d, chunk c) is this rank's permuted rows from those for owners before d plus
+    its rows for d below receive row c * chunk, to those below row (c + 1) * chunk, counted row by row here."""
     gen = torch.Generator().manual_seed(world * 10 + local)
+    p2 = triton.next_power_of_2
     for trial in range(6):
         counts = torch.randint(0, 300, (world, world * local), generator=gen)
         counts[:, trial % (world * local)] = 0  # an expert without rows
@@ -328,12 +346,14 @@ def test_push_units_count_the_rows_before_each_owner_and_chunk(world, local):
             counts[-1] = 0  # a rank without tokens
         if trial == 2:
             counts[:, 0] = 3000  # skewed
-        for rank, ws in enumerate(SimulatedWorld(world).workspaces()):
+        for rank in range(world):
             for chunk in (16, 64):
-                dispatch = FusedDispatch(ws, D_MODEL, FFN, local, 2, 1000, block_m=chunk)
                 layout = build_expert_layout(counts, rank, local, tile_rows=16, owner_tile_rows=16)
                 chunks = -(-layout.max_recv_rows // chunk)
                 owner, row = layout.send_dest_rank, layout.send_dest_row  # [rows] -> [owner d, chunk c, rows]
                 d, c = torch.arange(world)[:, None, None], torch.arange(chunks + 1)[None, :, None]
-                want = ((owner < d) | ((owner == d) & (row < c * chunk))).sum(dim=2)
-                assert torch.equal(dispatch._unit_bounds(layout, chunks), want.reshape(-1))
+                before = ((owner < d) | ((owner == d) & (row < c * chunk))).sum(dim=2)
+                got = torch.full((world, chunks, 2), -1, dtype=torch.int64, device=DEVICE)
+                _unit_rows_kernel[(world, chunks)](counts.to(DEVICE), got, rank, chunks, CHUNK=chunk, WORLD=world, L=local,
+                                                   W_P2=p2(world), L_P2=p2(local), E_P2=p2(world * local))
+                assert torch.equal(got.cpu(), torch.stack([before[:, :-1], before[:, 1:]], dim=2))

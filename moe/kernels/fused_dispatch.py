@@ -105,12 +105,34 @@ def _gate_up(x: torch.Tensor, sizes: list[int], w13: torch.Tensor) -> torch.Tens
 
 
 # -- push ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _unit_rows(counts_ptr, rank, dest, c, CHUNK: tl.constexpr, WORLD: tl.constexpr, L: tl.constexpr,
+               W_P2: tl.constexpr, L_P2: tl.constexpr, E_P2: tl.constexpr):
+    """Unit (owner dest, chunk c) of this rank's push: its permuted rows [lo, hi), from the counts C [world, E].
+    Rows before `lo` go to owners before dest or land in dest below receive row c * CHUNK; this rank's rows of
+    dest's local expert e are one block there, starting after dest's rows of earlier experts and after this
+    expert's rows from earlier sources."""
+    E: tl.constexpr = WORLD * L
+    g = tl.arange(0, E_P2)
+    earlier_owners = tl.sum(tl.load(counts_ptr + rank * E + g, mask=g < dest * L, other=0), axis=0)
+    s = tl.arange(0, W_P2)[:, None]
+    e = tl.arange(0, L_P2)[None, :]
+    blocks = tl.load(counts_ptr + s * E + dest * L + e, mask=(s < WORLD) & (e < L), other=0)  # [source, expert]
+    rows_of_expert = tl.sum(blocks, axis=0)
+    start = tl.cumsum(rows_of_expert, axis=0) - rows_of_expert + tl.sum(tl.where(s < rank, blocks, 0), axis=0)
+    mine = tl.sum(tl.where(s == rank, blocks, 0), axis=0)
+    lo = earlier_owners + tl.sum(tl.minimum(tl.maximum(c * CHUNK - start, 0), mine), axis=0)
+    hi = earlier_owners + tl.sum(tl.minimum(tl.maximum((c + 1) * CHUNK - start, 0), mine), axis=0)
+    return lo, hi
+
+
 @triton.jit(do_not_specialize=["epoch", "row_base", "chunks", "flag_stride", "num_units", "spin_limit"])
 def _push_rows_kernel(
-    x_ptr, token_ptr, dest_row_ptr, bounds_ptr, dest_order_ptr,  # this rank's rows and its units
+    x_ptr, token_ptr, dest_row_ptr, counts_ptr, dest_order_ptr,  # this rank's rows, C [world, E], owner order
     rows_ptrs, ready_ptrs, ack_ptr, error_ptr,  # peers' receive buffers and flag buffers, my acks, my error word
     rank, epoch, row_base, chunks, flag_stride, num_units, num_programs, spin_limit,
-    D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, WORLD: tl.constexpr, L: tl.constexpr,
+    W_P2: tl.constexpr, L_P2: tl.constexpr, E_P2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     lanes = tl.arange(0, CHUNK)
@@ -119,8 +141,7 @@ def _push_rows_kernel(
     while u < num_units:  # `while`: the interpreter cannot range() from a program id
         dest = tl.load(dest_order_ptr + u // chunks)
         c = u % chunks
-        lo = tl.load(bounds_ptr + dest * (chunks + 1) + c)
-        hi = tl.load(bounds_ptr + dest * (chunks + 1) + c + 1)
+        lo, hi = _unit_rows(counts_ptr, rank, dest, c, CHUNK, WORLD, L, W_P2, L_P2, E_P2)
         if hi > lo:
             rows = lo + lanes
             mask = rows < hi
@@ -361,19 +382,20 @@ class FusedDispatch:
         epoch = self.ws.next_epoch("moe_dispatch")
         rows, ready, ack = self._buffers(layout, x.dtype)
         chunks = triton.cdiv(layout.max_recv_rows, self.chunk)
-        bounds = self._unit_bounds(layout, chunks)
         x, token_of_row = x.contiguous(), token_of_row.contiguous()
         # Until `finish`: the GEMM reads this rank's rows from x, and the push (on GPUs on its own stream) all.
-        self._started[epoch] = (rows, ready, ack, x, token_of_row, bounds)
+        self._started[epoch] = (rows, ready, ack, x, token_of_row, layout.counts)
         block_d = max(16, min(triton.next_power_of_2(self.d_model), PUSH_TILE_ELEMENTS // self.chunk))
 
         def launch():
             _push_rows_kernel[(self.num_programs,)](
-                x, token_of_row, layout.send_dest_row, bounds, self._dest_order,
+                x, token_of_row, layout.send_dest_row, layout.counts, self._dest_order,
                 rows.peer_ptrs, ready.peer_ptrs, ack.local, self.errors.word,
                 self.rank, epoch, (epoch % 2) * self.capacity, chunks, self.capacity // self.chunk,
                 self.world * chunks, self.num_programs, self.spin_limit,
-                D=self.d_model, CHUNK=self.chunk, BLOCK_D=block_d)
+                D=self.d_model, CHUNK=self.chunk, BLOCK_D=block_d, WORLD=self.world, L=self.num_local_experts,
+                W_P2=triton.next_power_of_2(self.world), L_P2=triton.next_power_of_2(self.num_local_experts),
+                E_P2=triton.next_power_of_2(self.world * self.num_local_experts))
 
         if self._push_stream is None:
             launch()
@@ -382,16 +404,6 @@ class FusedDispatch:
             with torch.cuda.stream(self._push_stream):
                 launch()
         return epoch
-
-    def _unit_bounds(self, layout: ExpertLayout, chunks: int) -> torch.Tensor:
-        """int64 [world * (chunks + 1)]: this rank's permuted rows of unit (d, c) are [bounds[d, c], bounds[d, c +
-        1]): those before owner d, plus those that land in d before receive row c * chunk. The permuted rows are
-        grouped by owner and, within an owner, land in increasing rows (its blocks of this rank, in expert order),
-        so with owner-major keys each bound is a binary search: three device ops, nothing from the host."""
-        stride = (chunks + 1) * self.chunk  # past any receive row
-        keys = torch.add(layout.send_dest_row, layout.send_dest_rank, alpha=stride)
-        starts = torch.arange(0, self.world * stride, self.chunk, device=keys.device)  # d * stride + c * chunk
-        return torch.searchsorted(keys, starts)
 
     def finish(self, epoch: int, layout: ExpertLayout, w13: torch.Tensor, a13_out: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
