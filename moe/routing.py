@@ -206,8 +206,8 @@ class _TopKSoftmax(torch.autograd.Function):
         weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
         expert_ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
         lse = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
-        block_counts = torch.zeros(blocks, num_experts, dtype=torch.int32, device=logits.device)
-        block_probs = torch.zeros(blocks, num_experts, dtype=torch.float32, device=logits.device)
+        block_counts = torch.empty(blocks, num_experts, dtype=torch.int32, device=logits.device)  # all written
+        block_probs = torch.empty(blocks, num_experts, dtype=torch.float32, device=logits.device)
         if blocks:
             _top_k_softmax_kernel[(blocks,)](
                 logits, weights, expert_ids, lse, block_counts, block_probs, num_tokens, E=num_experts,
@@ -226,11 +226,10 @@ class _TopKSoftmax(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         blocks = triton.cdiv(num_tokens, ctx.block)
         if blocks:
-            some = grad_weights if grad_weights is not None else lse  # a pointer for each absent gradient
+            # An absent gradient's pointer is never read (its HAS_ flag is off): any tensor will do.
+            grads = [lse if g is None else g.contiguous() for g in (grad_weights, grad_lse, grad_block_probs)]
             _top_k_softmax_backward_kernel[(blocks,)](
-                logits, lse, expert_ids, some if grad_weights is None else grad_weights.contiguous(),
-                some if grad_lse is None else grad_lse.contiguous(),
-                some if grad_block_probs is None else grad_block_probs.contiguous(), grad_logits, num_tokens,
+                logits, lse, expert_ids, *grads, grad_logits, num_tokens,
                 E=num_experts, E_P2=triton.next_power_of_2(num_experts), TOP_K=expert_ids.shape[1],
                 RENORMALIZE=ctx.renormalize, HAS_GRAD_WEIGHTS=grad_weights is not None,
                 HAS_GRAD_LSE=grad_lse is not None, HAS_GRAD_PROBS=grad_block_probs is not None, BLOCK_T=ctx.block,
