@@ -354,6 +354,6 @@ def test_push_units_count_the_rows_before_each_owner_and_chunk(world, local):
                 d, c = torch.arange(world)[:, None, None], torch.arange(chunks + 1)[None, :, None]
                 before = ((owner < d) | ((owner == d) & (row < c * chunk))).sum(dim=2)
                 got = torch.full((world, chunks, 2), -1, dtype=torch.int64, device=DEVICE)
-                _unit_rows_kernel[(world, chunks)](counts.to(DEVICE), got, rank, chunks, CHUNK=chunk, WORLD=world, L=local,
-                                                   W_P2=p2(world), L_P2=p2(local), E_P2=p2(world * local))
+                _unit_rows_kernel[(world, chunks)](counts.to(DEVICE), got, rank, chunks, CHUNK=chunk, WORLD=world,
+                                                   L=local, W_P2=p2(world), L_P2=p2(local), E_P2=p2(world * local))
                 assert torch.equal(got.cpu(), torch.stack([before[:, :-1], before[:, 1:]], dim=2))
