@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.routing import count_per_expert, tokens_per_program
 
 
 @dataclass
@@ -52,6 +51,20 @@ def expert_order(keys: torch.Tensor, num_experts: int, top_k: int
     if keys.is_cuda and keys.numel():
         return expert_order_kernels(keys, num_experts, top_k)
     return expert_order_reference(keys, num_experts)
+
+
+def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [num_experts]: how often each index in [0, num_experts) occurs in the 1-d `ids`. A scatter-add of
+    ones (exact in integers, so deterministic): torch.bincount on CUDA reads the ids' min and max back to the host,
+    two syncs."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids))
+
+
+def tokens_per_program(num_experts: int) -> int:
+    """Tokens per program of the permutation's and the router's kernels: [tokens, experts] tiles of up to 4096
+    values."""
+    return max(16, min(128, 4096 // triton.next_power_of_2(num_experts)))
 
 
 def expert_order_reference(keys: torch.Tensor, num_experts: int

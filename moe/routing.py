@@ -16,6 +16,7 @@ import triton.language as tl
 from torch import nn
 
 from fused_dlrm.kernels import TL_DTYPES
+from moe.permute import count_per_expert, expert_order, tokens_per_program
 
 
 @dataclass
@@ -55,25 +56,14 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
     tokens_per_expert = wanted_per_expert
     if capacity_factor is not None:
         capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
-        # Position of each assignment among its expert's assignments, in token order (a stable sort lines them
-        # up expert by expert): the first `capacity` stay.
+        # Position of each assignment among its expert's assignments, in token order (the permutation's row
+        # minus the expert's first row): the first `capacity` stay.
         flat = expert_ids.reshape(-1)  # token order: token t's k assignments are t*k .. t*k+k-1
-        keys, order = torch.sort(flat, stable=True)
-        first = torch.cumsum(wanted_per_expert, 0) - wanted_per_expert
-        position = torch.empty_like(flat)
-        position[order] = torch.arange(flat.numel(), device=flat.device) - first[keys]
-        kept = (position < capacity).view(num_tokens, top_k)
+        _, row, _, first_row = expert_order(flat, num_experts, top_k)
+        kept = (row - first_row[flat] < capacity).view(num_tokens, top_k)
         weights = weights * kept
         tokens_per_expert = wanted_per_expert.clamp(max=capacity)
     return Routing(expert_ids, weights, kept, aux_loss, z_loss, tokens_per_expert, capacity)
-
-
-def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 [num_experts]: how often each index in [0, num_experts) occurs in the 1-d `ids`. A scatter-add of
-    ones (exact in integers, so deterministic): torch.bincount on CUDA reads the ids' min and max back to the host,
-    two syncs."""
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    return counts.scatter_add_(0, ids, torch.ones_like(ids))
 
 
 class TopKSoftmax(NamedTuple):
@@ -189,11 +179,6 @@ def _top_k_softmax_backward_kernel(logits_ptr, lse_ptr, ids_ptr, grad_weights_pt
     if HAS_GRAD_LSE:
         grad_z += tl.load(grad_lse_ptr + t, mask=token, other=0.0)[:, None] * probs
     tl.store(grad_logits_ptr + t[:, None] * E + e[None, :], grad_z.to(OUT_DTYPE), mask=valid)
-
-
-def tokens_per_program(num_experts: int) -> int:
-    """Tokens per program of the routing and permutation kernels: [tokens, experts] tiles of up to 4096 values."""
-    return max(16, min(128, 4096 // triton.next_power_of_2(num_experts)))
 
 
 class _TopKSoftmax(torch.autograd.Function):

@@ -6,6 +6,12 @@
 #   bash scripts/gpu_check.sh test_tp test_quantized_allreduce bench_tp
 # (steps: test_<name> for tests/test_<name>_gpu.py and test_embedding_backward, bench_embedding,
 # bench_embedding_nvshmem, bench_moe, bench_tp, train; none named: all of them).
+GPU_TESTS="simulated_world fused_embedding torchrec_sharder moe_fused moe_fused_dispatch quantized_allreduce tp allgather"
+KNOWN=" $(for f in $GPU_TESTS; do printf 'test_%s ' $f; done)test_embedding_backward bench_embedding bench_embedding_nvshmem"
+KNOWN="$KNOWN bench_moe bench_tp train "
+for s in "$@"; do  # a misspelt step would otherwise run nothing and report nothing
+  [[ "$KNOWN" == *" $s "* ]] || { echo "unknown step '$s'; the steps:$KNOWN" >&2; exit 2; }
+done
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
@@ -17,7 +23,7 @@ T() { local t=$1 name=$2; shift 2; want $name || return 0
       timeout $t python3 -m pytest -v -p no:warnings "$@" > $OUT/$name.log 2>&1; echo "rc=$?" >> $OUT/$name.log; }
 R() { local t=$1 name=$2; shift 2; want ${STEP:-$name} || return 0
       timeout $t torchrun --nproc_per_node=2 --standalone "$@" > $OUT/$name.log 2>&1; echo "rc=$?" >> $OUT/$name.log; }
-for f in simulated_world fused_embedding torchrec_sharder moe_fused moe_fused_dispatch quantized_allreduce tp allgather; do
+for f in $GPU_TESTS; do
   T 300 test_$f tests/test_${f}_gpu.py
 done
 T 120 test_embedding_backward tests/test_embedding_backward_kernel.py

@@ -176,7 +176,7 @@ def test_expert_order_kernels_compile_for_sm90():
     """The permutation's kernels as GPUs launch them (int64 keys; 64 experts top-6, 8 top-2, 256 top-8)."""
     compile_for_sm90("""
 from moe.permute import _expert_block_counts_kernel, _expert_order_kernel
-from moe.routing import tokens_per_program
+from moe.permute import tokens_per_program
 for experts, k in ((64, 6), (8, 2), (256, 8)):
     e_p2 = triton.next_power_of_2(experts)
     shape = dict(E=experts, E_P2=e_p2, TOP_K=k, BLOCK_T=tokens_per_program(experts))

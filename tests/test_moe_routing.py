@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from moe import TopKRouter, permute, route, unpermute
-from moe.routing import count_per_expert, top_k_softmax_kernels, top_k_softmax_reference
+from moe.permute import count_per_expert
+from moe.routing import top_k_softmax_kernels, top_k_softmax_reference
 from sm90 import compile_for_sm90
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # of the kernels' tensors (CPU: interpreter)
@@ -260,7 +261,8 @@ def test_router_kernels_compile_for_sm90():
     """The routing kernels as GPUs launch them: bf16 logits, 64 experts top-6 and 8 experts top-2, both
     directions; renormalised or not; every gradient present or none but the weights'."""
     compile_for_sm90("""
-from moe.routing import _top_k_softmax_backward_kernel, _top_k_softmax_kernel, tokens_per_program
+from moe.permute import tokens_per_program
+from moe.routing import _top_k_softmax_backward_kernel, _top_k_softmax_kernel
 for experts, k in ((64, 6), (8, 2)):
     e_p2 = triton.next_power_of_2(experts)
     shape = dict(E=experts, E_P2=e_p2, TOP_K=k, BLOCK_T=tokens_per_program(experts))
