@@ -9,7 +9,8 @@ asking, where its rows go:
   the order its grouped GEMM consumes; block (e, s) starts at recv_offsets[e * world + s].
 Dispatch stores source row i at `send_dest_row[i]` of owner `send_dest_rank[i]`; combine stores the owner's
 expert output row j back at row `recv_source_row[j]` of rank `recv_source_rank[j]`, the source's permuted order,
-which `moe.permute.unpermute` consumes.
+which `moe.permute.unpermute` consumes. The owner's grouped GEMMs walk row tiles that the tile tables list
+(`tile_tables`), in the order their rows arrive or leave.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+
+from fused_dlrm.kernels.peer_tiles import remote_first_order
 
 
 @dataclass
@@ -48,6 +51,12 @@ class ExpertLayout:
     tokens_per_local_expert: list[int]
     max_recv_rows: int  # over all ranks: receive buffers are sized by it (same on every rank)
     max_send_rows: int  # over all ranks: combine buffers are sized by it
+    # this rank as an owner: the row tiles of its grouped GEMMs (`tile_tables`), int64 on the counts' device
+    gemm_tiles: torch.Tensor  # [5, tiles of owner_tile_rows]: local expert, first row, end row of the expert, then
+    # two walk orders: the rows' arrival (dispatch GEMM 1) and their departure (its backward GEMM)
+    combine_tiles: torch.Tensor  # [6, tiles of tile_rows]: first row, rows, local expert, source, first source row,
+    # flag slot; one (local expert, source) block each, remote sources first (the combine's GEMM 2)
+    combine_grad_tiles: torch.Tensor  # [3, tiles of tile_rows]: local expert, first row, end row (its grad_h GEMM)
 
 
 def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int,
@@ -55,8 +64,8 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int,
     """counts: int64 [world, num_experts] on any device; the layout's tensors live on that device. `tile_rows`,
     `owner_tile_rows`: the row tiles of the combine's GEMM and of the dispatch's backward GEMM. Reading the
     counts is the one host sync of a fused MoE layer. The host derives, in numpy, the sizes and the receive
-    blocks' starts that the small tile tables need; the per-row tables come from the counts on the device, in one
-    kernel (no copy from the host: the host's time per layer is what the fused layer is short of)."""
+    blocks' starts and the tile counts; the per-row tables and the tile tables come from the counts on the device,
+    in one kernel each (no copy from the host: the host's time per layer is what the fused layer is short of)."""
     world, num_experts = counts.shape
     if num_experts != world * num_local_experts:
         raise ValueError(f"counts has {num_experts} experts; expected {world} ranks x {num_local_experts}")
@@ -67,6 +76,7 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int,
     my_blocks = owner_blocks[rank]
     tables = expert_rows(counts, rank, num_local_experts, (tile_rows, owner_tile_rows), int(c[rank].sum()),
                          int(my_blocks.sum()))
+    tiles = tile_tables(counts, c, rank, num_local_experts, tile_rows, owner_tile_rows)
     return ExpertLayout(
         counts=counts, host_counts=c, rank=rank, world=world, num_local_experts=num_local_experts,
         send_dest_rank=tables[0], send_dest_row=tables[1], send_tile=tables[2], tile_rows=tile_rows,
@@ -74,7 +84,8 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int,
         recv_offsets=np.concatenate([[0], np.cumsum(my_blocks)]), recv_source_rank=tables[4],
         recv_source_row=tables[5],
         tokens_per_local_expert=my_blocks.reshape(num_local_experts, world).sum(axis=1).tolist(),
-        max_recv_rows=int(owner_blocks.sum(axis=1).max()), max_send_rows=int(c.sum(axis=1).max()))
+        max_recv_rows=int(owner_blocks.sum(axis=1).max()), max_send_rows=int(c.sum(axis=1).max()),
+        gemm_tiles=tiles[0], combine_tiles=tiles[1], combine_grad_tiles=tiles[2])
 
 
 @triton.jit(do_not_specialize=["rank", "num_sent", "num_received", "send_programs"])  # one variant for all steps
@@ -192,6 +203,224 @@ def expert_row_tiles(sizes: np.ndarray, block_m: int) -> tuple[np.ndarray, np.nd
     first_row = np.cumsum(sizes) - sizes
     begin = first_row[expert] + (np.arange(expert.size) - first_tile[expert]) * block_m
     return expert, begin, (first_row + sizes)[expert]
+
+
+# -- the owner's tile tables ---------------------------------------------------------------------------------------
+def tile_counts(host_counts: np.ndarray, rank: int, num_local_experts: int, tile_rows: int,
+                owner_tile_rows: int) -> tuple[int, int, int]:
+    """Rows of the three tile tables (gemm, combine, combine_grad) of owner `rank`, from C on the host."""
+    blocks = host_counts[:, rank * num_local_experts:(rank + 1) * num_local_experts]  # [source, local expert]
+    sizes = blocks.sum(axis=0)
+    return (int((-(-sizes // owner_tile_rows)).sum()), int((-(-blocks // tile_rows)).sum()),
+            int((-(-sizes // tile_rows)).sum()))
+
+
+def tile_tables_reference(host_counts: np.ndarray, rank: int, num_local_experts: int, tile_rows: int,
+                          owner_tile_rows: int) -> list[np.ndarray]:
+    """What `tile_tables` computes, in numpy: [gemm_tiles, combine_tiles, combine_grad_tiles] (ExpertLayout).
+    Walk orders: arrival, tiles of this rank's rows only first, then by the rotated rank of the latest source among
+    the tile's rows (rank - 1 pushes here first); departure, by the rotated rank of the tile's sources, rank + 1
+    first, tiles holding this rank's rows last (stable: expert order among equals)."""
+    c, L = np.asarray(host_counts, dtype=np.int64), num_local_experts
+    world = c.shape[0]
+    blocks = c[:, rank * L:(rank + 1) * L].T  # [local expert, source] rows
+    sizes = blocks.sum(axis=1)
+    block_start = (np.cumsum(blocks.reshape(-1)) - blocks.reshape(-1)).reshape(L, world)  # block (e, s)'s first row
+    expert, begin, end = expert_row_tiles(sizes, owner_tile_rows)
+    lo = block_start[expert]  # source s's rows of expert e are block (e, s): a tile reads from s if they meet
+    reads = ((blocks[expert] > 0) & (lo < np.minimum(begin + owner_tile_rows, end)[:, None])
+             & (lo + blocks[expert] > begin[:, None]))
+    sources = np.arange(world)
+    orders = [np.argsort(np.where(reads, rotated, 0).max(axis=1, initial=0), kind="stable")
+              for rotated in ((rank - sources) % world, (sources - rank - 1) % world)]
+    gemm = np.stack([expert, begin, end, *orders])
+
+    tiles_per = -(-c // tile_rows)  # [source, global expert]
+    slot_base = np.cumsum(tiles_per, axis=1) - tiles_per
+    source_start = np.cumsum(c, axis=1) - c
+    walk_sources = np.repeat(remote_first_order(rank, world), L)
+    experts = np.tile(np.arange(L), world)
+    g = rank * L + experts
+    n = tiles_per[walk_sources, g]  # tiles of each (expert, source) block, in walk order
+    # Per block, then expanded to its tiles in one go; tile i of a block starts i * tile_rows rows further on.
+    block = np.repeat(np.stack([block_start[experts, walk_sources], c[walk_sources, g], experts, walk_sources,
+                                source_start[walk_sources, g], slot_base[walk_sources, g], np.cumsum(n) - n]), n,
+                      axis=1)
+    i = np.arange(block.shape[1]) - block[6]
+    combine = np.stack([block[0] + i * tile_rows, np.minimum(block[1] - i * tile_rows, tile_rows), block[2],
+                        block[3], block[4] + i * tile_rows, block[5] + i])
+    return [gemm, combine, np.stack(expert_row_tiles(sizes, tile_rows))]
+
+
+@triton.jit
+def _pick(values, index, R: tl.constexpr):
+    """values[index] for a vector of R values and a vector of indices in [0, R) (one compare per pair: R is the
+    experts' or the blocks' count)."""
+    r = tl.arange(0, R)
+    return tl.sum(tl.where(r[None, :] == index[:, None], values[None, :], 0), axis=1)
+
+
+@triton.jit
+def _run_of(i, run_lengths):
+    """The run holding item i when runs of `run_lengths` items follow each other (empty runs hold none)."""
+    ends = tl.cumsum(run_lengths, axis=0)
+    return tl.sum((ends[None, :] <= i[:, None]).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _expert_tiles(i, sizes, BLOCK_M: tl.constexpr, L_P2: tl.constexpr):
+    """Tiles i of BLOCK_M rows over contiguous experts of `sizes` rows -> (expert, first row, end row)."""
+    tiles = (sizes + BLOCK_M - 1) // BLOCK_M
+    first_row = tl.cumsum(sizes, axis=0) - sizes
+    expert = _run_of(i, tiles)
+    begin = _pick(first_row, expert, L_P2) + (i - _pick(tl.cumsum(tiles, axis=0) - tiles, expert, L_P2)) * BLOCK_M
+    return expert, begin, _pick(first_row + sizes, expert, L_P2)
+
+
+@triton.jit
+def _walk_keys(expert, begin, end, blocks, rank, WORLD: tl.constexpr, W_P2: tl.constexpr, L_P2: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """Per tile, the rotated rank of the last source its rows arrive from (rank - 1 first) and of the first they
+    leave to (rank + 1 first); 0 for tiles of this rank's rows only. blocks: [source, local expert] rows."""
+    s = tl.arange(0, W_P2)[:, None]
+    sizes = tl.sum(blocks, axis=0)
+    first_row = tl.cumsum(sizes, axis=0) - sizes
+    arrive = tl.zeros_like(expert)
+    leave = tl.zeros_like(expert)
+    for source in tl.static_range(WORLD):  # block (e, source) of the owner's rows
+        lo = _pick(first_row + tl.sum(tl.where(s < source, blocks, 0), axis=0), expert, L_P2)
+        n = _pick(tl.sum(tl.where(s == source, blocks, 0), axis=0), expert, L_P2)
+        reads = (n > 0) & (lo < tl.minimum(begin + BLOCK_M, end)) & (lo + n > begin)
+        arrive = tl.maximum(arrive, tl.where(reads, (rank - source + WORLD) % WORLD, 0))
+        leave = tl.maximum(leave, tl.where(reads, (source - rank - 1 + WORLD) % WORLD, 0))
+    return arrive, leave
+
+
+@triton.jit
+def _key_counts(key, valid, W_P2: tl.constexpr):
+    """[tiles, keys]: 1 where the tile has that key."""
+    return ((key[:, None] == tl.arange(0, W_P2)[None, :]) & valid[:, None]).to(tl.int32)
+
+
+@triton.jit
+def _place(key, valid, before, W_P2: tl.constexpr):
+    """A chunk's places in a stable sort by key, given the tiles placed before it per key (`before`: those of
+    smaller keys and of this key in earlier chunks) -> (places, `before` for the next chunk)."""
+    hits = _key_counts(key, valid, W_P2)
+    within = tl.sum(tl.where(hits != 0, tl.cumsum(hits, axis=0) - 1, 0), axis=1)
+    return _pick(before, key, W_P2) + within, before + tl.sum(hits, axis=0)
+
+
+@triton.jit(do_not_specialize=["rank", "n_gemm", "n_combine", "n_grad"])  # one variant for all steps
+def _tile_tables_kernel(counts_ptr, gemm_ptr, combine_ptr, grad_ptr, rank, n_gemm, n_combine, n_grad,
+                        WORLD: tl.constexpr, L: tl.constexpr, W_P2: tl.constexpr, L_P2: tl.constexpr,
+                        E_P2: tl.constexpr, TILE_ROWS: tl.constexpr, OWNER_TILE_ROWS: tl.constexpr,
+                        CHUNK: tl.constexpr):
+    """Program 0: gemm_tiles, program 1: combine_tiles, program 2: combine_grad_tiles (ExpertLayout), each over
+    its tiles CHUNK at a time. The walk orders are a stable counting sort by key: a tile's place is the number of
+    tiles of smaller keys plus those of its key before it (two passes: the keys' totals, then the places). `while`
+    loops: the interpreter cannot range() up to an argument."""
+    E: tl.constexpr = WORLD * L
+    pid = tl.program_id(0)
+    s = tl.arange(0, W_P2)
+    e = tl.arange(0, L_P2)
+    lanes = tl.arange(0, CHUNK)
+    blocks = tl.load(counts_ptr + s[:, None] * E + rank * L + e[None, :], mask=(s[:, None] < WORLD) & (e[None, :] < L),
+                     other=0).to(tl.int32)  # [source, local expert]
+    sizes = tl.sum(blocks, axis=0)
+    if pid == 0:
+        arrivals = tl.zeros([W_P2], tl.int32)  # tiles per key
+        departures = tl.zeros([W_P2], tl.int32)
+        first = 0
+        while first < n_gemm:
+            i = first + lanes
+            expert, begin, end = _expert_tiles(i, sizes, OWNER_TILE_ROWS, L_P2)
+            arrive, leave = _walk_keys(expert, begin, end, blocks, rank, WORLD, W_P2, L_P2, OWNER_TILE_ROWS)
+            arrivals += tl.sum(_key_counts(arrive, i < n_gemm, W_P2), axis=0)
+            departures += tl.sum(_key_counts(leave, i < n_gemm, W_P2), axis=0)
+            first += CHUNK
+        arrivals = tl.cumsum(arrivals, axis=0) - arrivals  # now: tiles placed before each key
+        departures = tl.cumsum(departures, axis=0) - departures
+        first = 0
+        while first < n_gemm:
+            i = first + lanes
+            valid = i < n_gemm
+            expert, begin, end = _expert_tiles(i, sizes, OWNER_TILE_ROWS, L_P2)
+            arrive, leave = _walk_keys(expert, begin, end, blocks, rank, WORLD, W_P2, L_P2, OWNER_TILE_ROWS)
+            tl.store(gemm_ptr + i, expert.to(tl.int64), mask=valid)
+            tl.store(gemm_ptr + n_gemm + i, begin.to(tl.int64), mask=valid)
+            tl.store(gemm_ptr + 2 * n_gemm + i, end.to(tl.int64), mask=valid)
+            place, arrivals = _place(arrive, valid, arrivals, W_P2)
+            tl.store(gemm_ptr + 3 * n_gemm + place, i.to(tl.int64), mask=valid)
+            place, departures = _place(leave, valid, departures, W_P2)
+            tl.store(gemm_ptr + 4 * n_gemm + place, i.to(tl.int64), mask=valid)
+            first += CHUNK
+    elif pid == 1:
+        # Blocks in walk order: b = k * L + e is local expert e's block from source rank + 1 + k (this rank last).
+        b = tl.arange(0, E_P2)
+        in_walk = b < E
+        source = (rank + 1 + b // L) % WORLD
+        local = b % L
+        expert = rank * L + local
+        rows = tl.load(counts_ptr + source * E + expert, mask=in_walk, other=0).to(tl.int32)
+        # The block's first row at the owner: rows of earlier local experts, then this expert's from earlier sources.
+        first_row = (_pick(tl.cumsum(sizes, axis=0) - sizes, local, L_P2)
+                     + tl.sum(tl.where(s[:, None] < source[None, :],
+                                       tl.load(counts_ptr + s[:, None] * E + expert[None, :],
+                                               mask=(s[:, None] < WORLD) & in_walk[None, :], other=0), 0),
+                              axis=0).to(tl.int32))
+        # The source's rows of earlier global experts: where its rows of this expert start, and their flag slots.
+        g = tl.arange(0, E_P2)[None, :]
+        earlier = tl.load(counts_ptr + source[:, None] * E + g, mask=in_walk[:, None] & (g < expert[:, None]),
+                          other=0).to(tl.int32)
+        source_row = tl.sum(earlier, axis=1)
+        slot = tl.sum((earlier + TILE_ROWS - 1) // TILE_ROWS, axis=1)
+        tiles = (rows + TILE_ROWS - 1) // TILE_ROWS
+        first_tile = tl.cumsum(tiles, axis=0) - tiles
+        first = 0
+        while first < n_combine:
+            i = first + lanes
+            valid = i < n_combine
+            block = _run_of(i, tiles)
+            k = i - _pick(first_tile, block, E_P2)  # the tile's place in its block
+            out = combine_ptr + i
+            tl.store(out, (_pick(first_row, block, E_P2) + k * TILE_ROWS).to(tl.int64), mask=valid)
+            tl.store(out + n_combine, tl.minimum(_pick(rows, block, E_P2) - k * TILE_ROWS, TILE_ROWS).to(tl.int64),
+                     mask=valid)
+            tl.store(out + 2 * n_combine, _pick(local, block, E_P2).to(tl.int64), mask=valid)
+            tl.store(out + 3 * n_combine, _pick(source, block, E_P2).to(tl.int64), mask=valid)
+            tl.store(out + 4 * n_combine, (_pick(source_row, block, E_P2) + k * TILE_ROWS).to(tl.int64), mask=valid)
+            tl.store(out + 5 * n_combine, (_pick(slot, block, E_P2) + k).to(tl.int64), mask=valid)
+            first += CHUNK
+    else:
+        first = 0
+        while first < n_grad:
+            i = first + lanes
+            valid = i < n_grad
+            expert, begin, end = _expert_tiles(i, sizes, TILE_ROWS, L_P2)
+            tl.store(grad_ptr + i, expert.to(tl.int64), mask=valid)
+            tl.store(grad_ptr + n_grad + i, begin.to(tl.int64), mask=valid)
+            tl.store(grad_ptr + 2 * n_grad + i, end.to(tl.int64), mask=valid)
+            first += CHUNK
+
+
+def tile_tables(counts: torch.Tensor, host_counts: np.ndarray, rank: int, num_local_experts: int, tile_rows: int,
+                owner_tile_rows: int) -> list[torch.Tensor]:
+    """[gemm_tiles, combine_tiles, combine_grad_tiles] (ExpertLayout) of owner `rank` on counts' device, in one
+    launch (`tile_tables_reference` in numpy); views of one buffer, each starting on a 16-byte boundary."""
+    world = counts.shape[0]
+    sizes = tile_counts(host_counts, rank, num_local_experts, tile_rows, owner_tile_rows)
+    shapes = [(5, sizes[0]), (6, sizes[1]), (3, sizes[2])]
+    starts = np.cumsum([0] + [_even(k * n) for k, n in shapes])
+    flat = torch.empty(int(starts[-1]), dtype=torch.int64, device=counts.device)
+    tables = [flat[int(a):int(a) + k * n].view(k, n) for a, (k, n) in zip(starts, shapes)]
+    if max(sizes):
+        _tile_tables_kernel[(3,)](
+            counts, *tables, rank, *sizes, WORLD=world, L=num_local_experts, W_P2=triton.next_power_of_2(world),
+            L_P2=triton.next_power_of_2(num_local_experts), E_P2=triton.next_power_of_2(world * num_local_experts),
+            TILE_ROWS=tile_rows, OWNER_TILE_ROWS=owner_tile_rows, CHUNK=64 if counts.is_cuda else 16,
+            num_warps=4 if counts.is_cuda else 1)
+    return tables
 
 
 def gather_counts(tokens_per_expert: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

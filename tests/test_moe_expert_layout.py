@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe.expert_layout import (build_expert_layout, expert_row_tiles, expert_rows, expert_rows_reference,
-                               gather_counts)
+                               gather_counts, tile_tables, tile_tables_reference)
 from sm90 import compile_for_sm90
 from world import run_world
 
@@ -50,6 +50,27 @@ def test_per_row_tables_match_the_row_by_row_reference(world, local):
             assert [t.tolist() for t in got] == want, (rank, tile_rows)
 
 
+@pytest.mark.parametrize("world,local", [(1, 3), (2, 2), (3, 5), (4, 3), (2, 16)])
+def test_tile_tables_match_the_numpy_reference(world, local):
+    """The tile kernel's three tables (the dispatch GEMMs' tiles with both walk orders, the combine's tiles per
+    (expert, source) block with their flag slots, the combine gradient GEMM's tiles) against numpy: skewed counts
+    (more tiles than one chunk of the kernel), a rank with no rows, an empty expert; tiles of 1 row, equal and
+    different tile sizes."""
+    gen = torch.Generator().manual_seed(world * 10 + local + 1)
+    counts = torch.randint(0, 40, (world, world * local), generator=gen)
+    counts[:, 0] += 100
+    counts[world - 1] = 0
+    counts[:, -1] = 0
+    host = counts.numpy()
+    for rank in range(world):
+        for tile_rows, owner_tile_rows in ((4, 8), (16, 16), (1, 16), (16, 1)):
+            got = tile_tables(counts, host, rank, local, tile_rows, owner_tile_rows)
+            want = tile_tables_reference(host, rank, local, tile_rows, owner_tile_rows)
+            for name, g, w in zip(("gemm", "combine", "combine_grad"), got, want):
+                assert g.tolist() == w.tolist(), (rank, tile_rows, owner_tile_rows, name)
+                assert g.data_ptr() % 16 == 0, name  # Triton specialises pointers on this alignment
+
+
 def test_counts_must_match_the_expert_split():
     with pytest.raises(ValueError, match="expected 2 ranks x 3"):
         build_expert_layout(torch.zeros(2, 4, dtype=torch.int64), 0, 3, tile_rows=4, owner_tile_rows=8)
@@ -87,6 +108,18 @@ def test_per_row_tables_start_on_16_byte_boundaries():
         for name in ("send_dest_rank", "send_dest_row", "send_tile", "send_owner_tile", "recv_source_rank",
                      "recv_source_row"):
             assert getattr(lay, name).data_ptr() % 16 == 0, (rank, name)
+
+
+def test_tile_tables_kernel_compiles_for_sm90():
+    """The tile tables' kernel as GPUs launch it (2 ranks x 32 experts, 8 x 32; 128-row tiles)."""
+    compile_for_sm90("""
+from moe.expert_layout import _tile_tables_kernel
+ptrs = {n: "*i64" for n in _tile_tables_kernel.arg_names if n.endswith("_ptr")}
+for world, local in ((2, 32), (8, 32)):
+    build(_tile_tables_kernel, ptrs, dict(WORLD=world, L=local, W_P2=world, L_P2=local,
+                                          E_P2=triton.next_power_of_2(world * local), TILE_ROWS=128,
+                                          OWNER_TILE_ROWS=128, CHUNK=64))
+""")
 
 
 def test_rows_kernel_compiles_for_sm90():

@@ -145,7 +145,8 @@ def test_gemm_tiles_cover_each_expert_in_the_order_the_rows_move(remote_first, w
     w = World(world, 2, backward_tile_rows=rows)
     xs, token_of_rows, counts, layouts = w.routed_batch(tokens, 2, None, torch.Generator().manual_seed(4))
     for rank, lay in enumerate(layouts):
-        expert, begin, end, order = w.dispatch[rank]._row_tiles(lay, rows, remote_first)
+        expert, begin, end, arrival, departure = lay.gemm_tiles
+        order = departure if remote_first else arrival
         ends = lay.recv_offsets[::world][1:].tolist()  # every local expert's end row
         covered = torch.cat([torch.arange(b, min(b + rows, e)) for b, e in zip(begin.tolist(), end.tolist())])
         assert torch.equal(covered, torch.arange(lay.recv_source_rank.numel()))  # tile ids: expert by expert
@@ -159,10 +160,9 @@ def test_gemm_tiles_cover_each_expert_in_the_order_the_rows_move(remote_first, w
         assert key == sorted(key) and len(set(key)) > 1, key
 
     # Backward: every source finds the owner's tile of each of its rows from C alone.
-    owner_tiles = [d._row_tiles(lay, rows, remote_first) for d, lay in zip(w.dispatch, layouts)]
     for source, lay in enumerate(layouts):
         for row, (owner, at) in enumerate(zip(lay.send_dest_rank.tolist(), lay.send_dest_row.tolist())):
-            _, begin, end, _ = owner_tiles[owner]
+            _, begin, end, _, _ = layouts[owner].gemm_tiles
             tile = int(((begin <= at) & (at < torch.clamp(begin + rows, max=end))).nonzero())
             assert lay.send_owner_tile[row] == tile
 

@@ -5,7 +5,7 @@ Owner side (`start`): a persistent grouped GEMM out = h @ w2[e] over the rows th
 (local expert, source) block by BLOCK_N columns, so all its rows belong to one source; it is stored at
 `recv_source_row` of that source's symmetric combine buffer (the source's permuted-row order, zero-copy), then
 the tile's ready flag in the source's flag buffer is raised (release, system scope). Tiles for remote sources
-come first, rotated by rank (peer_tiles.remote_first_order); this rank's own tiles last.
+come first, rotated by rank (the layout's combine_tiles); this rank's own tiles last.
 
 Source side (`finish`): a weighted-unpermute kernel; each program takes a block of tokens x BLOCK_N columns,
 waits (bounded) for the flags of exactly the tiles that hold its tokens' k rows, and sums weight * row in
@@ -35,12 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels import TL_DTYPES
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready
-from fused_dlrm.kernels.peer_tiles import remote_first_order
-from moe.expert_layout import ExpertLayout, expert_row_tiles
+from moe.expert_layout import ExpertLayout
 from moe.experts import grouped_weight_grad
 from moe.kernels.tile_order import grouped_tile
 from moe.permute import Permutation, unpermute
@@ -68,7 +66,7 @@ class CombinePlan:
     rows: PeerBuffer  # the combine buffer: this rank's permuted rows, written by their owners
     ready: PeerBuffer  # int32 flags, per (flag slot, column block)
     ack: PeerBuffer  # int32 [world]: the epoch each source has finished reading
-    tiles: torch.Tensor  # int64 [6, row tiles] of the owner GEMM (see FusedCombine._owner_tiles)
+    tiles: torch.Tensor  # int64 [6, row tiles] of the owner GEMM (the layout's combine_tiles)
     tile_of_row: torch.Tensor  # int64 [this rank's permuted rows]: flag slot of the tile holding each row (the
     # layout's send_tile)
 
@@ -329,17 +327,15 @@ class FusedCombine:
         self._grad: tuple | None = None  # (layout, dtype, rows, ready, ack, slots per rank, tiles) of the backward
 
     def prepare(self, layout: ExpertLayout, dtype: torch.dtype) -> CombinePlan:
-        """The epoch's buffers (allocated or grown: collective on GPUs) and tile tables, from the counts on the
-        host. `start` and `finish` call it for their layout (once per layout)."""
+        """The epoch's buffers (allocated or grown: collective on GPUs, sized from the counts on the host) and the
+        layout's tile tables. `start` and `finish` call it for their layout (once per layout)."""
         if self._plan is not None and self._plan.layout is layout and self._plan.dtype == dtype:
             return self._plan
         if layout.tile_rows != self.blocks.block_m:
             raise ValueError(f"the layout cuts tiles of {layout.tile_rows} rows; this combine's flags number tiles of "
                              f"{self.blocks.block_m} (build_expert_layout(..., tile_rows=combine.blocks.block_m))")
-        counts = layout.host_counts
-        rows, ready, ack = self._buffers(counts, dtype)
-        tiles, = host_to_device([self._owner_tiles(layout)], self.ws.device)
-        self._plan = CombinePlan(layout, dtype, rows, ready, ack, tiles, layout.send_tile)
+        rows, ready, ack = self._buffers(layout.host_counts, dtype)
+        self._plan = CombinePlan(layout, dtype, rows, ready, ack, layout.combine_tiles, layout.send_tile)
         return self._plan
 
     def start(self, h: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout) -> int:
@@ -452,8 +448,7 @@ class FusedCombine:
         rows = self.ws.buffer("combine_grad_rows", _round_up(layout.max_recv_rows) * self.d_model, dtype)
         ready = self.ws.buffer(f"combine_grad_ready_{slots}", self.world * slots, torch.int32)
         ack = self.ws.buffer("combine_grad_ack", self.world, torch.int32)
-        tiles = np.stack(expert_row_tiles(layout.tokens_per_local_expert, self.blocks.block_m))
-        self._grad = (layout, dtype, rows, ready, ack, slots, host_to_device([tiles], self.ws.device)[0])
+        self._grad = (layout, dtype, rows, ready, ack, slots, layout.combine_grad_tiles)
         return rows, ready, ack, slots
 
     def _buffers(self, counts: np.ndarray, dtype: torch.dtype):
@@ -467,26 +462,6 @@ class FusedCombine:
         ready = self.ws.buffer(f"combine_ready_{slots}", slots * self.num_col, torch.int32)
         ack = self.ws.buffer("combine_ack", self.world, torch.int32)
         return rows, ready, ack
-
-    def _owner_tiles(self, layout: ExpertLayout) -> np.ndarray:
-        """int64 [6, row tiles]: first h row, rows, local expert, source, first source row, flag slot; tiles of
-        remote sources first (rotated by rank), then this rank's own."""
-        bm, world, local = self.blocks.block_m, self.world, self.num_local_experts
-        counts, recv_offsets = layout.host_counts, layout.recv_offsets
-        tiles_per = triton.cdiv(counts, bm)  # [source, global expert]
-        slot_base = np.cumsum(tiles_per, axis=1) - tiles_per
-        source_start = np.cumsum(counts, axis=1) - counts
-        sources = np.repeat(remote_first_order(self.rank, world), local)
-        experts = np.tile(np.arange(local), world)
-        g = self.rank * local + experts
-        n = tiles_per[sources, g]  # tiles of each (expert, source) block, in walk order
-        # Per block, then expanded to its tiles in one go; tile i of a block starts i * bm rows further on.
-        block = np.repeat(np.stack([
-            recv_offsets[experts * world + sources], counts[sources, g], experts, sources, source_start[sources, g],
-            slot_base[sources, g], np.cumsum(n) - n]), n, axis=1)
-        i = np.arange(block.shape[1]) - block[6]
-        return np.stack([block[0] + i * bm, np.minimum(block[1] - i * bm, bm), block[2], block[3],
-                         block[4] + i * bm, block[5] + i])
 
 
 def _round_up(rows: int) -> int:

@@ -42,17 +42,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels import TL_DTYPES
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready, wait_at_least
 from fused_dlrm.kernels.peer_tiles import remote_first_order
-from moe.expert_layout import ExpertLayout, expert_row_tiles
+from moe.expert_layout import ExpertLayout
 from moe.experts import _grouped_mm_works, group_ends, grouped_weight_grad, swiglu
 from moe.kernels.fused_combine import _weighted_unpermute_kernel, dot_precision
 from moe.kernels.swiglu_backward import swiglu_backward
@@ -170,10 +168,11 @@ def _poll(flags, mask, epoch, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(t, tiles_ptr, num_row_tiles, col_blocks, BLOCK_M: tl.constexpr):
-    """Walk step t (in grouped order) -> (row tile id, its local expert, first row, rows, row mask, column block)."""
+def _row_tile(t, tiles_ptr, num_row_tiles, col_blocks, BLOCK_M: tl.constexpr, ORDER: tl.constexpr):
+    """Walk step t (in grouped order) -> (row tile id, its local expert, first row, rows, row mask, column block).
+    tiles_ptr: the layout's gemm_tiles, whose row ORDER (3: arrival, 4: departure) is the walk."""
     position, col = grouped_tile(t, num_row_tiles, col_blocks)
-    mt = tl.load(tiles_ptr + 3 * num_row_tiles + position)
+    mt = tl.load(tiles_ptr + ORDER * num_row_tiles + position)
     expert = tl.load(tiles_ptr + mt)
     begin = tl.load(tiles_ptr + num_row_tiles + mt)
     rows = begin + tl.arange(0, BLOCK_M)
@@ -184,7 +183,7 @@ def _row_tile(t, tiles_ptr, num_row_tiles, col_blocks, BLOCK_M: tl.constexpr):
 def _gated_gemm_kernel(
     rows_ptr, x_ptr, token_ptr, w13_ptr, h_ptr, a13_ptr,  # received rows (this epoch's half), this rank's tokens
     # and token_of_row, [L, D, 2 * FFN] weights (w1 columns, then w3), [rows, FFN] output, [rows, 2 * FFN] a13
-    tiles_ptr, num_row_tiles,  # the row tiles (FusedDispatch._row_tiles)
+    tiles_ptr, num_row_tiles,  # the row tiles (ExpertLayout.gemm_tiles; walked in arrival order)
     source_ptr, source_row_ptr, ready_ptr, error_ptr, next_ptr,  # recv_source_rank/row, my flags, error, counter
     rank, epoch, flag_stride, num_tiles, spin_limit,
     D: tl.constexpr, FFN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -195,7 +194,7 @@ def _gated_gemm_kernel(
     ks = tl.arange(0, BLOCK_K)
     t = tl.atomic_add(next_ptr, 1)
     while t < num_tiles:
-        _, expert, begin, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M)
+        _, expert, begin, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M, 3)
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
 
         # This rank's own rows are read from x (its push copies them into the buffer only for `received`). For
@@ -259,7 +258,7 @@ def _add_product_transposed(acc, a_rows, w_cols, row_mask, n_mask, K: tl.constex
 @triton.jit(do_not_specialize=["num_row_tiles", "epoch", "tiles_per_rank", "num_tiles", "spin_limit"])
 def _gated_gemm_backward_kernel(
     da13_ptr, w13_ptr,  # [rows, 2 * FFN] gradient of x @ w13[e], [L, D, 2 * FFN] weights
-    tiles_ptr, num_row_tiles,  # the row tiles (FusedDispatch._row_tiles, remote first)
+    tiles_ptr, num_row_tiles,  # the row tiles (ExpertLayout.gemm_tiles; walked in departure order)
     source_ptr, source_row_ptr, grad_ptrs, ready_ptrs, ack_ptr, error_ptr, next_ptr,
     rank, epoch, tiles_per_rank, num_tiles, spin_limit,
     D: tl.constexpr, FFN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -274,7 +273,7 @@ def _gated_gemm_backward_kernel(
         released = released & consumer_released(ack_ptr, s, epoch, spin_limit, error_ptr)
     t = tl.atomic_add(next_ptr, 1)
     while t < num_tiles:
-        mt, expert, _, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M)
+        mt, expert, _, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M, 4)
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = ns < D
         g_at = rows.to(tl.int64)[:, None] * (2 * FFN)
@@ -324,6 +323,13 @@ def gemm_config(device: torch.device, dtype: torch.dtype, backward: bool = False
     if backward:
         return GemmConfig(128, 128, 64, num_warps=8, num_stages=4)
     return GemmConfig(128, 128, 32, num_warps=8, num_stages=6)
+
+
+def _check_tile_rows(layout: ExpertLayout, block_m: int) -> None:
+    """The GEMMs walk the layout's row tiles, which also number the backward's flags: same rows per tile."""
+    if layout.owner_tile_rows != block_m:
+        raise ValueError(f"the layout cuts the owner's row tiles of {layout.owner_tile_rows} rows; the GEMM's tiles "
+                         f"have {block_m} (build_expert_layout's owner_tile_rows)")
 
 
 def _check_w13(w13: torch.Tensor, L: int, d: int, ffn: int, dtype: torch.dtype) -> None:
@@ -425,7 +431,8 @@ class FusedDispatch:
             raise ValueError(f"a13_out must be a contiguous [{recv_rows}, {2 * ffn}] {w13.dtype} tensor, got "
                              f"{tuple(a13_out.shape)} {a13_out.dtype}")
         cfg = gemm_config(self.ws.device, w13.dtype)
-        tiles = self._row_tiles(layout, cfg.block_m, remote_first=False)
+        _check_tile_rows(layout, cfg.block_m)
+        tiles = layout.gemm_tiles
         num_tiles = tiles.shape[1] * triton.cdiv(ffn, cfg.block_n)
         programs = self._gemm_programs(num_tiles)
         _gated_gemm_kernel[(programs,)](
@@ -455,7 +462,8 @@ class FusedDispatch:
         da13, dw13 = gated_gemm_grads(received, layout.tokens_per_local_expert, w13, dh, a13)
         grad, ready, ack, tiles_per_rank = self._grad_buffers(layout, received.dtype)
         cfg = gemm_config(self.ws.device, received.dtype, backward=True)
-        tiles = self._row_tiles(layout, cfg.block_m, remote_first=True)
+        _check_tile_rows(layout, cfg.block_m)
+        tiles = layout.gemm_tiles
         num_tiles = tiles.shape[1] * triton.cdiv(self.d_model, cfg.block_n)
         programs = self._gemm_programs(num_tiles)
         _gated_gemm_backward_kernel[(programs,)](
@@ -473,9 +481,7 @@ class FusedDispatch:
         consumer kernel with unit weights); then the epoch is acknowledged to every owner."""
         grad, ready, ack, tiles_per_rank = self._grad_buffers(layout, self._grad_dtype)
         cfg = gemm_config(self.ws.device, self._grad_dtype, backward=True)  # the tiles start_backward's flags number
-        if layout.owner_tile_rows != cfg.block_m:
-            raise ValueError(f"the layout numbers owner tiles of {layout.owner_tile_rows} rows; the backward GEMM's "
-                             f"flags number tiles of {cfg.block_m} (build_expert_layout's owner_tile_rows)")
+        _check_tile_rows(layout, cfg.block_m)
         num_tokens = perm.inverse.numel() // perm.top_k
         dx = torch.empty(num_tokens, self.d_model, dtype=self._grad_dtype, device=perm.inverse.device)
         if num_tokens:
@@ -507,25 +513,6 @@ class FusedDispatch:
                                torch.int32)
         ack = self.ws.buffer("moe_dispatch_grad_ack", self.world, torch.int32)
         return rows, ready, ack, tiles_per_rank
-
-    def _row_tiles(self, layout: ExpertLayout, block_m: int, remote_first: bool) -> torch.Tensor:
-        """int64 [4, row tiles]: local expert, first row, end row (expert by expert: the tile id), then the walk
-        order. Forward (the rows arrive): tiles of this rank's rows only first, then by the rotated rank of the
-        latest source among the tile's rows (rank - 1 pushes here first). Backward (the rows leave): by the
-        rotated rank of the tile's sources, rank + 1 first, tiles holding this rank's rows last. Computed on the
-        host from the counts (a few hundred tiles) and sent in one copy: no device op before the GEMM's launch."""
-        L, world = self.num_local_experts, self.world
-        blocks = layout.host_counts[:, self.rank * L:(self.rank + 1) * L].T  # [local expert, source] rows
-        block_start = layout.recv_offsets[:-1].reshape(L, world)
-        expert, begin, end = expert_row_tiles(blocks.sum(axis=1), block_m)
-        # Source s's rows of expert e are block (e, s): a tile reads from s if that block meets its rows.
-        lo = block_start[expert]
-        reads = ((blocks[expert] > 0) & (lo < np.minimum(begin + block_m, end)[:, None])
-                 & (lo + blocks[expert] > begin[:, None]))
-        sources = np.arange(world)
-        rotated = (sources - self.rank - 1) % world if remote_first else (self.rank - sources) % world
-        order = np.argsort(np.where(reads, rotated, 0).max(axis=1, initial=0), kind="stable")
-        return host_to_device([np.stack([expert, begin, end, order])], layout.recv_source_rank.device)[0]
 
     def _gemm_programs(self, num_tiles: int) -> int:
         """Persistent GEMM programs. On GPUs the tiles wait for flags that push kernels raise (this GPU's on the
