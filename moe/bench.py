@@ -9,9 +9,9 @@ bias that sends about half of the tokens to expert 0). Phases, each timed alone 
   fused: dispatch = FusedDispatch: the push into the owners' buffers + the first GEMM waiting per tile;
          combine = FusedCombine: the second GEMM storing into the sources' buffers + the flag-waiting unpermute
          (no separate experts phase)
-Totals time the whole layer (routing, permutation and counts exchange included), forward and forward+backward
-(the fused backward moves both gradients the same way). Ideal overlap: communication (bulk dispatch + combine; twice that for
-forward+backward) hidden entirely under everything else: ideal = max(bulk total - comm, comm); the table gives
+Totals time the whole layer (routing, permutation and counts exchange included), forward and forward+backward (the
+fused backward moves both gradients the same way). Ideal overlap: communication (bulk dispatch + combine; twice that
+for forward+backward) hidden entirely under everything else: ideal = max(bulk total - comm, comm); the table gives
 ideal / fused total in %. "fwd b2b" is the forward's time per call over 20 calls back to back (no sync between
 them, as layers follow each other in a model): the host's enqueue time counts there as it does in training, and
 it can differ from the synced figure either way. The fused output is checked against bulk first (relative error).
@@ -85,7 +85,7 @@ def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[
                 "combine": lambda: unpermute(exchange.to_sources(expert_out), perm, routing.weights)}
     layout = build_expert_layout(counts, rank, local, layer.combine.blocks.block_m,
                                  gemm_config(x.device, x.dtype, backward=True).block_m)
-    token_of_row = perm.order // perm.top_k
+    token_of_row = perm.token_of_row
     dispatch, combine = layer.dispatch, layer.combine
 
     def dispatch_and_gemm1():

@@ -426,7 +426,7 @@ def tile_tables(counts: torch.Tensor, host_counts: np.ndarray, rank: int, num_lo
 def gather_counts(tokens_per_expert: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's rows per global expert -> C [world, num_experts] (an all-gather; itself in one process)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return tokens_per_expert.view(1, -1).clone()
+        return tokens_per_expert.view(1, -1)
     world = dist.get_world_size(group)
     out = tokens_per_expert.new_empty(world * tokens_per_expert.numel())  # flat: gloo checks the sizes
     dist.all_gather_into_tensor(out, tokens_per_expert.contiguous(), group=group)

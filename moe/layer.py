@@ -27,7 +27,7 @@ from moe.expert_layout import ExpertLayout, build_expert_layout, gather_counts
 from moe.experts import SwiGLUExperts
 from moe.kernels.fused_combine import FusedCombine
 from moe.kernels.fused_dispatch import FusedDispatch, gemm_config
-from moe.permute import Permutation, permute, reorder_rows, routing_weights_grad, unpermute
+from moe.permute import Permutation, permutation, permute, reorder_rows, routing_weights_grad, unpermute
 from moe.routing import TopKRouter
 
 DISPATCH_PUSH_PROGRAMS = 64  # the push runs beside the first GEMM on the SMs that GEMM leaves free
@@ -97,7 +97,7 @@ class MoELayer(nn.Module):
         kept = None if routing.capacity is None else routing.kept  # dropless: no host sync in permute
         # Rows are grouped by global expert, hence by destination rank.
         if self.comm == "fused":
-            _, perm = permute(x.new_empty(x.shape[0], 0), routing.expert_ids, self.num_experts, kept)
+            perm = permutation(routing.expert_ids, self.num_experts, kept)
             counts = gather_counts(perm.tokens_per_expert, self.group)  # [source, global expert]
             layout = build_expert_layout(counts, self.rank, self.num_local_experts, self.combine.blocks.block_m,
                                          gemm_config(x.device, x.dtype, backward=True).block_m)
@@ -179,7 +179,7 @@ class _FusedExperts(torch.autograd.Function):
         training = any(needs_grad)
         # Training keeps GEMM 1's products (a13) for the SwiGLU gradient, as autograd keeps the bulk experts'.
         a13 = x.new_empty(sum(layout.tokens_per_local_expert), w13.shape[2]) if training else None
-        received, h = layer.dispatch.finish(layer.dispatch.start(x, perm.order // perm.top_k, layout), layout, w13,
+        received, h = layer.dispatch.finish(layer.dispatch.start(x, perm.token_of_row, layout), layout, w13,
                                             a13_out=a13)
         if training:  # the receive buffer is the sources' again at the next call
             received = received.clone()

@@ -9,6 +9,7 @@ token's k rows in a fixed order: deterministic.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import triton
@@ -24,11 +25,22 @@ class Permutation:
     offsets: torch.Tensor  # [num_experts + 1] int64, expert e's rows are offsets[e] : offsets[e + 1]
     top_k: int
 
+    @cached_property
+    def token_of_row(self) -> torch.Tensor:
+        """[A] int64: the token of each permuted row (computed once, read by the forward and the backward)."""
+        return self.order // self.top_k
+
 
 def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
             kept: torch.Tensor | None = None) -> tuple[torch.Tensor, Permutation]:
-    """x [T, d], expert_ids [T, k] -> (rows [A, d] grouped by expert, Permutation); A = kept assignments.
-    kept None: every assignment is kept (dropless routing; no host sync)."""
+    """x [T, d], expert_ids [T, k] -> (rows [A, d] grouped by expert, Permutation); A = kept assignments."""
+    perm = permutation(expert_ids, num_experts, kept)
+    return _Permute.apply(x, perm), perm
+
+
+def permutation(expert_ids: torch.Tensor, num_experts: int, kept: torch.Tensor | None = None) -> Permutation:
+    """expert_ids [T, k] -> the Permutation that groups the kept assignments by expert (the fused layer moves the
+    rows itself). kept None: every assignment is kept (dropless routing; no host sync)."""
     top_k = expert_ids.shape[1]
     keys = expert_ids.reshape(-1)
     if kept is not None:
@@ -37,8 +49,7 @@ def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
     order, inverse, tokens_per_expert, offsets = expert_order(keys, num_experts, top_k)
     # Without drops every assignment is a row; with them, the one host sync: the rows' count sizes them.
     num_rows = keys.numel() if kept is None else int(offsets[-1])
-    perm = Permutation(order[:num_rows], inverse, tokens_per_expert, offsets, top_k)
-    return _Permute.apply(x, perm), perm
+    return Permutation(order[:num_rows], inverse, tokens_per_expert, offsets, top_k)
 
 
 def expert_order(keys: torch.Tensor, num_experts: int, top_k: int
@@ -203,7 +214,7 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, perm: Permutation) -> torch.Tensor:
         ctx.perm, ctx.num_tokens = perm, x.shape[0]
-        return x.index_select(0, perm.order // perm.top_k)
+        return x.index_select(0, perm.token_of_row)
 
     @staticmethod
     def backward(ctx, grad_rows: torch.Tensor):
@@ -232,7 +243,7 @@ class _Unpermute(torch.autograd.Function):
         grad_rows = grad_weights = None
         if ctx.needs_input_grad[0]:
             row_weights = weights.to(rows.dtype).reshape(-1).index_select(0, perm.order)
-            grad_rows = grad_y.index_select(0, perm.order // perm.top_k) * row_weights[:, None]
+            grad_rows = grad_y.index_select(0, perm.token_of_row) * row_weights[:, None]
         if ctx.needs_input_grad[1]:
             grad_weights = routing_weights_grad(_gather(rows, perm.inverse), grad_y, weights)
         return grad_rows, grad_weights, None

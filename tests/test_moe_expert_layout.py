@@ -8,6 +8,8 @@ from moe.expert_layout import (build_expert_layout, expert_row_tiles, expert_row
 from sm90 import compile_for_sm90
 from world import run_world
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # of the kernels' tensors (CPU: interpreter)
+
 
 @pytest.mark.parametrize("world,local", [(1, 3), (2, 2), (4, 1), (4, 3)])
 def test_dispatch_and_combine_addresses_are_inverse(world, local):
@@ -46,7 +48,7 @@ def test_per_row_tables_match_the_row_by_row_reference(world, local):
     for rank in range(world):
         for tile_rows in ((1, 16), (16, 1), (16, 64)):
             want = expert_rows_reference(counts, rank, local, tile_rows)
-            got = expert_rows(counts, rank, local, tile_rows, len(want[0]), len(want[4]))
+            got = expert_rows(counts.to(DEVICE), rank, local, tile_rows, len(want[0]), len(want[4]))
             assert [t.tolist() for t in got] == want, (rank, tile_rows)
 
 
@@ -64,7 +66,7 @@ def test_tile_tables_match_the_numpy_reference(world, local):
     host = counts.numpy()
     for rank in range(world):
         for tile_rows, owner_tile_rows in ((4, 8), (16, 16), (1, 16), (16, 1)):
-            got = tile_tables(counts, host, rank, local, tile_rows, owner_tile_rows)
+            got = tile_tables(counts.to(DEVICE), host, rank, local, tile_rows, owner_tile_rows)
             want = tile_tables_reference(host, rank, local, tile_rows, owner_tile_rows)
             for name, g, w in zip(("gemm", "combine", "combine_grad"), got, want):
                 assert g.tolist() == w.tolist(), (rank, tile_rows, owner_tile_rows, name)

@@ -408,7 +408,7 @@ class FusedCombine:
             # Remote first: start with the rows of rank + 1 (rows are grouped by owner), wrap around to this rank.
             before_next = int(counts[self.rank, :(self.rank + 1) * self.num_local_experts].sum())
             _push_gradient_kernel[(num_blocks,)](
-                grad_y.contiguous(), perm.order // perm.top_k, weights.reshape(-1)[perm.order].float(),
+                grad_y.contiguous(), perm.token_of_row, weights.reshape(-1)[perm.order].float(),
                 layout.send_dest_rank, layout.send_dest_row, rows.peer_ptrs, ready.peer_ptrs, ack.local,
                 self.errors.word, self.rank, num_rows, num_blocks, before_next // b.block_rows, slots, epoch,
                 self.spin_limit, D_MODEL=self.d_model, WORLD=self.world, BLOCK_R=b.block_rows, BLOCK_D=b.block_d,

@@ -168,6 +168,17 @@ def _poll(flags, mask, epoch, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _next_tile(next_ptr, num_tiles):
+    """A program's next walk step from the launch's counter. Each program claims steps until one lies past the
+    end, so a launch makes num_tiles + programs claims; the last of them resets the counter for the next launch
+    (stream order), which saves a fill per launch."""
+    t = tl.atomic_add(next_ptr, 1)
+    if t == num_tiles + tl.num_programs(0) - 1:
+        tl.atomic_xchg(next_ptr, 0)
+    return t
+
+
+@triton.jit
 def _row_tile(t, tiles_ptr, num_row_tiles, col_blocks, BLOCK_M: tl.constexpr, ORDER: tl.constexpr):
     """Walk step t (in grouped order) -> (row tile id, its local expert, first row, rows, row mask, column block).
     tiles_ptr: the layout's gemm_tiles, whose row ORDER (3: arrival, 4: departure) is the walk."""
@@ -192,7 +203,7 @@ def _gated_gemm_kernel(
     n_tiles = tl.cdiv(FFN, BLOCK_N)
     lanes = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
-    t = tl.atomic_add(next_ptr, 1)
+    t = _next_tile(next_ptr, num_tiles)
     while t < num_tiles:
         _, expert, begin, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M, 3)
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -239,7 +250,7 @@ def _gated_gemm_kernel(
             a13_at = a13_ptr + rows.to(tl.int64)[:, None] * (2 * FFN) + ns[None, :]
             tl.store(a13_at, acc1.to(a13_ptr.dtype.element_ty), mask=out_mask)
             tl.store(a13_at + FFN, acc3.to(a13_ptr.dtype.element_ty), mask=out_mask)
-        t = tl.atomic_add(next_ptr, 1)
+        t = _next_tile(next_ptr, num_tiles)
 
 
 @triton.jit
@@ -271,7 +282,7 @@ def _gated_gemm_backward_kernel(
     released = consumer_released(ack_ptr, 0, epoch, spin_limit, error_ptr)
     for s in tl.static_range(1, WORLD):
         released = released & consumer_released(ack_ptr, s, epoch, spin_limit, error_ptr)
-    t = tl.atomic_add(next_ptr, 1)
+    t = _next_tile(next_ptr, num_tiles)
     while t < num_tiles:
         mt, expert, _, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M, 4)
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -288,7 +299,7 @@ def _gated_gemm_backward_kernel(
         tl.store(out[:, None] + at, acc.to(da13_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & n_mask[None, :] & released)
         signal_ready(ready_ptrs, (rank * tiles_per_rank + mt) * n_tiles + col, epoch, WORLD)
-        t = tl.atomic_add(next_ptr, 1)
+        t = _next_tile(next_ptr, num_tiles)
 
 
 @triton.jit(do_not_specialize=["epoch"])
@@ -365,6 +376,10 @@ class FusedDispatch:
         self._push_stream = torch.cuda.Stream(workspace.device) if cuda else None
         self._sms = torch.cuda.get_device_properties(workspace.device).multi_processor_count if cuda else 0
         self._started: dict[int, tuple] = {}  # epoch -> its buffers and the tensors its kernels read
+        # The GEMMs' programs take tiles in walk order from this counter, so a program that starts late (its SM
+        # still busy with the push) takes fewer tiles instead of delaying the end. Each launch leaves it at 0
+        # (`_next_tile`); the GEMMs run one after the other on one stream.
+        self._tile_counter = torch.zeros(1, dtype=torch.int32, device=workspace.device)
         self._grad_dtype = torch.float32  # of the gradient rows, set by start_backward
 
     def _buffers(self, layout: ExpertLayout, dtype: torch.dtype):
@@ -437,7 +452,7 @@ class FusedDispatch:
         programs = self._gemm_programs(num_tiles)
         _gated_gemm_kernel[(programs,)](
             rows.local[base:], x, token_of_row, w13, h, h if a13_out is None else a13_out, tiles, tiles.shape[1],
-            layout.recv_source_rank, layout.recv_source_row, ready.local, self.errors.word, self._tile_counter(),
+            layout.recv_source_rank, layout.recv_source_row, ready.local, self.errors.word, self._tile_counter,
             self.rank, epoch, self.capacity // self.chunk, num_tiles, self.spin_limit,
             D=d, FFN=ffn, CHUNK=self.chunk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             PRECISION=dot_precision(w13.dtype, w13.device), STORE_A13=a13_out is not None,
@@ -469,7 +484,7 @@ class FusedDispatch:
         _gated_gemm_backward_kernel[(programs,)](
             da13, w13, tiles, tiles.shape[1], layout.recv_source_rank,
             layout.recv_source_row, grad.peer_ptrs, ready.peer_ptrs, ack.local, self.errors.word,
-            self._tile_counter(), self.rank, epoch, tiles_per_rank, num_tiles, self.spin_limit,
+            self._tile_counter, self.rank, epoch, tiles_per_rank, num_tiles, self.spin_limit,
             D=self.d_model, FFN=self.ffn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             WORLD=self.world, PRECISION=dot_precision(da13.dtype, da13.device),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -521,8 +536,3 @@ class FusedDispatch:
         if self._push_stream is None:
             return max(1, min(num_tiles, self.num_programs))
         return max(1, min(num_tiles, self._sms - PUSH_SMS))
-
-    def _tile_counter(self) -> torch.Tensor:
-        """The next tile of a GEMM launch: programs take tiles in walk order from this counter, so a program that
-        starts late (its SM still busy with the push) takes fewer tiles instead of delaying the end."""
-        return torch.zeros(1, dtype=torch.int32, device=self.ws.device)
