@@ -43,14 +43,6 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
     num_tokens, num_experts = logits.shape
     choice = top_k_softmax(logits, top_k, renormalize)
     expert_ids, weights, wanted_per_expert = choice.expert_ids, choice.weights, choice.tokens_per_expert
-
-    # Load balancing: num_experts * sum_e f_e * P_e, where f_e is the fraction of assignments (before dropping:
-    # what the router asked for) that went to e and carries no gradient, P_e the mean router probability of e.
-    # max(., 1) makes a rank without tokens contribute 0 instead of NaN.
-    scale = num_experts / (max(num_tokens * top_k, 1) * max(num_tokens, 1))
-    aux_loss = torch.dot(wanted_per_expert.to(choice.prob_sums.dtype), choice.prob_sums) * scale
-    z_loss = torch.dot(choice.lse, choice.lse) / max(num_tokens, 1)
-
     capacity = None
     kept = torch.ones_like(expert_ids, dtype=torch.bool)
     tokens_per_expert = wanted_per_expert
@@ -63,26 +55,34 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
         kept = (row - first_row[flat] < capacity).view(num_tokens, top_k)
         weights = weights * kept
         tokens_per_expert = wanted_per_expert.clamp(max=capacity)
-    return Routing(expert_ids, weights, kept, aux_loss, z_loss, tokens_per_expert, capacity)
+    return Routing(expert_ids, weights, kept, choice.aux_loss, choice.z_loss, tokens_per_expert, capacity)
 
 
 class TopKSoftmax(NamedTuple):
-    """The router's choice before any capacity: per token its k best experts and their weights, and what the
-    losses need."""
+    """The router's choice before any capacity: per token its k best experts and their weights; the counts and
+    the two losses, which need the whole softmax."""
 
     weights: torch.Tensor  # [T, k] softmax probabilities of the chosen experts (renormalised if asked), fp32+
     expert_ids: torch.Tensor  # [T, k] int64, best first
-    lse: torch.Tensor  # [T] log-sum-exp of each token's logits (the z-loss's term)
     tokens_per_expert: torch.Tensor  # [num_experts] int64, assignments per expert
-    prob_sums: torch.Tensor  # [num_experts] sum over tokens of each expert's probability
+    aux_loss: torch.Tensor  # scalar: load balancing, num_experts * sum_e f_e * P_e (see `loss_scales`)
+    z_loss: torch.Tensor  # scalar: mean over tokens of logsumexp(logits)^2
+
+
+def loss_scales(num_tokens: int, top_k: int, num_experts: int) -> tuple[float, float]:
+    """(aux, z) such that aux_loss = aux * sum_e count_e * prob_sum_e and z_loss = z * sum_t lse_t^2.
+
+    Load balancing: num_experts * sum_e f_e * P_e, where f_e is the fraction of assignments (before dropping:
+    what the router asked for) that went to e and carries no gradient, P_e the mean router probability of e.
+    max(., 1) makes a rank without tokens contribute 0 instead of NaN."""
+    return num_experts / (max(num_tokens * top_k, 1) * max(num_tokens, 1)), 1 / max(num_tokens, 1)
 
 
 def top_k_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> TopKSoftmax:
     """Softmax of the logits (fp32 at least: bf16 logits would make near-equal probabilities tie), the top k per
-    token, the log-sum-exps and the per-expert counts and probability sums, with autograd to the logits. CUDA:
-    one kernel each way (`top_k_softmax_kernels`; torch's ops for the same are ~25 launches, logsumexp alone a
-    dozen kernels, on the host's critical path of every MoE layer); elsewhere, and for float64 logits, the torch
-    reference."""
+    token, the per-expert counts and the loss terms, with autograd to the logits. CUDA: two kernels forward, one
+    backward (`top_k_softmax_kernels`; torch's ops for the same are ~30 launches, logsumexp alone a dozen kernels,
+    on the host's critical path of every MoE layer); elsewhere, and for float64 logits, the torch reference."""
     if logits.is_cuda and logits.dtype in (torch.float32, torch.float16, torch.bfloat16):
         return top_k_softmax_kernels(logits, top_k, renormalize)
     return top_k_softmax_reference(logits, top_k, renormalize)
@@ -90,12 +90,16 @@ def top_k_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> TopKSo
 
 def top_k_softmax_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> TopKSoftmax:
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    num_tokens, num_experts = logits.shape
     probs = torch.softmax(logits, dim=-1)
     weights, expert_ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return TopKSoftmax(weights, expert_ids, torch.logsumexp(logits, dim=-1),
-                       count_per_expert(expert_ids.reshape(-1), logits.shape[1]), probs.sum(dim=0))
+    counts = count_per_expert(expert_ids.reshape(-1), num_experts)
+    lse = torch.logsumexp(logits, dim=-1)
+    aux_scale, z_scale = loss_scales(num_tokens, top_k, num_experts)
+    return TopKSoftmax(weights, expert_ids, counts, torch.dot(counts.to(probs.dtype), probs.sum(dim=0)) * aux_scale,
+                       torch.dot(lse, lse) * z_scale)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -140,16 +144,41 @@ def _top_k_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, lse_ptr, block_count
     tl.store(block_probs_ptr + pid * E + e, tl.sum(tl.where(token[:, None], probs, 0.0), axis=0), mask=expert)
 
 
+@triton.jit(do_not_specialize=["num_tokens", "blocks"])
+def _router_totals_kernel(block_counts_ptr, block_probs_ptr, lse_ptr, counts_ptr, aux_ptr, z_ptr, num_tokens, blocks,
+                          aux_scale, z_scale, E: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: the per-block counts and probability sums summed over the blocks in order (deterministic,
+    unlike float atomics), then the losses: aux = aux_scale * <counts, prob sums>, z = z_scale * sum lse^2.
+    `while` loops: the interpreter cannot range() up to an argument."""
+    e = tl.arange(0, E_P2)
+    counts = tl.zeros([E_P2], tl.int32)
+    probs = tl.zeros([E_P2], tl.float32)
+    b = 0
+    while b < blocks:
+        counts += tl.load(block_counts_ptr + b * E + e, mask=e < E, other=0)
+        probs += tl.load(block_probs_ptr + b * E + e, mask=e < E, other=0.0)
+        b += 1
+    tl.store(counts_ptr + e, counts.to(tl.int64), mask=e < E)
+    tl.store(aux_ptr, tl.sum(counts.to(tl.float32) * probs, axis=0) * aux_scale)
+    squares = tl.zeros([BLOCK], tl.float32)
+    t = 0
+    while t < num_tokens:
+        lse = tl.load(lse_ptr + t + tl.arange(0, BLOCK), mask=t + tl.arange(0, BLOCK) < num_tokens, other=0.0)
+        squares += lse * lse
+        t += BLOCK
+    tl.store(z_ptr, tl.sum(squares, axis=0) * z_scale)
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
-def _top_k_softmax_backward_kernel(logits_ptr, lse_ptr, ids_ptr, grad_weights_ptr, grad_lse_ptr,
-                                   grad_block_probs_ptr, grad_logits_ptr, num_tokens, E: tl.constexpr,
+def _top_k_softmax_backward_kernel(logits_ptr, lse_ptr, ids_ptr, counts_ptr, grad_weights_ptr, grad_aux_ptr,
+                                   grad_z_ptr, grad_logits_ptr, num_tokens, aux_scale, z_scale, E: tl.constexpr,
                                    E_P2: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                                   HAS_GRAD_WEIGHTS: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
-                                   HAS_GRAD_PROBS: tl.constexpr, BLOCK_T: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """d/dlogits of the weights, the log-sum-exps and the per-block probability sums, the probabilities
-    recomputed from the logits and the log-sum-exp: softmax'(z)^T g_p + p * g_lse, where g_p collects the
-    weights' gradient at the chosen experts (through the renormalisation w = p / S: (g - <g, w>) / S) and the
-    block's probability-sum gradient at every expert."""
+                                   HAS_GRAD_WEIGHTS: tl.constexpr, HAS_GRAD_AUX: tl.constexpr,
+                                   HAS_GRAD_Z: tl.constexpr, BLOCK_T: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """d/dlogits of the weights and the two losses, the probabilities recomputed from the logits and the
+    log-sum-exp: softmax'(z)^T g_p + p * g_lse, where g_p collects the weights' gradient at the chosen experts
+    (through the renormalisation w = p / S: (g - <g, w>) / S) and the load-balancing loss's at every expert
+    (g_aux * aux_scale * count_e), and g_lse = g_z * z_scale * 2 lse."""
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, E_P2)
@@ -159,8 +188,9 @@ def _top_k_softmax_backward_kernel(logits_ptr, lse_ptr, ids_ptr, grad_weights_pt
     lse = tl.load(lse_ptr + t, mask=token, other=0.0)
     probs = tl.where(valid, tl.exp(z - lse[:, None]), 0.0)
     grad_p = tl.zeros((BLOCK_T, E_P2), tl.float32)
-    if HAS_GRAD_PROBS:
-        grad_p += tl.load(grad_block_probs_ptr + pid * E + e, mask=expert, other=0.0)[None, :]
+    if HAS_GRAD_AUX:
+        counts = tl.load(counts_ptr + e, mask=expert, other=0).to(tl.float32)
+        grad_p += (tl.load(grad_aux_ptr) * aux_scale * counts)[None, :]
     if HAS_GRAD_WEIGHTS:
         g = tl.zeros((BLOCK_T, E_P2), tl.float32)
         picked = tl.zeros((BLOCK_T, E_P2), tl.int32)
@@ -176,8 +206,8 @@ def _top_k_softmax_backward_kernel(logits_ptr, lse_ptr, ids_ptr, grad_weights_pt
             g = tl.where(picked, (g - weighted[:, None]) / chosen_sum[:, None], 0.0)
         grad_p += g
     grad_z = probs * (grad_p - tl.sum(grad_p * probs, axis=1)[:, None])
-    if HAS_GRAD_LSE:
-        grad_z += tl.load(grad_lse_ptr + t, mask=token, other=0.0)[:, None] * probs
+    if HAS_GRAD_Z:
+        grad_z += (tl.load(grad_z_ptr) * z_scale * 2 * lse)[:, None] * probs
     tl.store(grad_logits_ptr + t[:, None] * E + e[None, :], grad_z.to(OUT_DTYPE), mask=valid)
 
 
@@ -188,44 +218,51 @@ class _TopKSoftmax(torch.autograd.Function):
         num_tokens, num_experts = logits.shape
         block = tokens_per_program(num_experts)
         blocks = triton.cdiv(num_tokens, block)
+        e_p2 = triton.next_power_of_2(num_experts)
+        warps = 4 if logits.is_cuda else 1
         weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
         expert_ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
         lse = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
         block_counts = torch.empty(blocks, num_experts, dtype=torch.int32, device=logits.device)  # all written
         block_probs = torch.empty(blocks, num_experts, dtype=torch.float32, device=logits.device)
+        counts = torch.empty(num_experts, dtype=torch.int64, device=logits.device)
+        aux_loss, z_loss = (torch.empty((), dtype=torch.float32, device=logits.device) for _ in range(2))
         if blocks:
             _top_k_softmax_kernel[(blocks,)](
                 logits, weights, expert_ids, lse, block_counts, block_probs, num_tokens, E=num_experts,
-                E_P2=triton.next_power_of_2(num_experts), TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
-                RENORMALIZE=renormalize, BLOCK_T=block, num_warps=4 if logits.is_cuda else 1)
-        ctx.save_for_backward(logits, lse, expert_ids)
-        ctx.renormalize, ctx.block = renormalize, block
-        ctx.mark_non_differentiable(expert_ids, block_counts)
+                E_P2=e_p2, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+                BLOCK_T=block, num_warps=warps)
+        scales = loss_scales(num_tokens, top_k, num_experts)
+        _router_totals_kernel[(1,)](block_counts, block_probs, lse, counts, aux_loss, z_loss, num_tokens, blocks,
+                                    *scales, E=num_experts, E_P2=e_p2, BLOCK=1024 if logits.is_cuda else 64,
+                                    num_warps=warps)
+        ctx.save_for_backward(logits, lse, expert_ids, counts)
+        ctx.renormalize, ctx.block, ctx.scales = renormalize, block, scales
+        ctx.mark_non_differentiable(expert_ids, counts)
         ctx.set_materialize_grads(False)  # unused outputs get no gradient kernel input
-        return weights, expert_ids, lse, block_counts, block_probs
+        return weights, expert_ids, counts, aux_loss, z_loss
 
     @staticmethod
-    def backward(ctx, grad_weights, _ids, grad_lse, _counts, grad_block_probs):
-        logits, lse, expert_ids = ctx.saved_tensors
+    def backward(ctx, grad_weights, _ids, _counts, grad_aux, grad_z):
+        logits, lse, expert_ids, counts = ctx.saved_tensors
         num_tokens, num_experts = logits.shape
         grad_logits = torch.empty_like(logits)
         blocks = triton.cdiv(num_tokens, ctx.block)
         if blocks:
             # An absent gradient's pointer is never read (its HAS_ flag is off): any tensor will do.
-            grads = [lse if g is None else g.contiguous() for g in (grad_weights, grad_lse, grad_block_probs)]
+            grads = [lse if g is None else g.contiguous() for g in (grad_weights, grad_aux, grad_z)]
             _top_k_softmax_backward_kernel[(blocks,)](
-                logits, lse, expert_ids, *grads, grad_logits, num_tokens,
+                logits, lse, expert_ids, counts, *grads, grad_logits, num_tokens, *ctx.scales,
                 E=num_experts, E_P2=triton.next_power_of_2(num_experts), TOP_K=expert_ids.shape[1],
                 RENORMALIZE=ctx.renormalize, HAS_GRAD_WEIGHTS=grad_weights is not None,
-                HAS_GRAD_LSE=grad_lse is not None, HAS_GRAD_PROBS=grad_block_probs is not None, BLOCK_T=ctx.block,
+                HAS_GRAD_AUX=grad_aux is not None, HAS_GRAD_Z=grad_z is not None, BLOCK_T=ctx.block,
                 OUT_DTYPE=TL_DTYPES[logits.dtype], num_warps=4 if logits.is_cuda else 1)
         return grad_logits, None, None
 
 
 def top_k_softmax_kernels(logits: torch.Tensor, top_k: int, renormalize: bool) -> TopKSoftmax:
-    """`top_k_softmax` through the two kernels (fp32 / fp16 / bf16 logits; on the CPU in Triton's interpreter)."""
-    weights, expert_ids, lse, block_counts, block_probs = _TopKSoftmax.apply(logits, top_k, renormalize)
-    return TopKSoftmax(weights, expert_ids, lse, block_counts.sum(dim=0), block_probs.sum(dim=0))
+    """`top_k_softmax` through the kernels (fp32 / fp16 / bf16 logits; on the CPU in Triton's interpreter)."""
+    return TopKSoftmax(*_TopKSoftmax.apply(logits, top_k, renormalize))
 
 
 class TopKRouter(nn.Module):

@@ -78,28 +78,28 @@ def zipf_logits(num_tokens: int, num_experts: int, dtype: torch.dtype, seed: int
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize", [
     (37, 6, 2, True), (300, 64, 6, True), (130, 33, 3, False), (5, 4, 4, True), (70, 1, 1, False), (0, 8, 2, True)])
 def test_top_k_softmax_kernels_match_the_torch_reference(num_tokens, num_experts, top_k, renormalize):
-    """The router's two kernels (interpreter) against torch: choice, weights, log-sum-exps, counts, probability
-    sums, and the logits' gradient through all of them (each output given a random gradient)."""
+    """The router's kernels (interpreter) against torch: choice, weights, counts, both losses, and the logits'
+    gradient through all of them (each output given a random gradient)."""
     logits = zipf_logits(num_tokens, num_experts, torch.float32, seed=num_tokens)
     generator = torch.Generator().manual_seed(1)
-    grads = [torch.randn(num_tokens, top_k, generator=generator), torch.randn(num_tokens, generator=generator),
-             torch.randn(num_experts, generator=generator)]
+    grads = [torch.randn(num_tokens, top_k, generator=generator), torch.randn((), generator=generator),
+             torch.randn((), generator=generator)]
     results = []
     for fn, device in ((top_k_softmax_kernels, DEVICE), (top_k_softmax_reference, "cpu")):
         z = logits.to(device).requires_grad_()
         choice = fn(z, top_k, renormalize)
-        outputs = (choice.weights, choice.lse, choice.prob_sums)
+        outputs = (choice.weights, choice.aux_loss, choice.z_loss)
         sum((out * g.to(device)).sum() for out, g in zip(outputs, grads)).backward()
         results.append((choice._replace(**{f: getattr(choice, f).cpu() for f in choice._fields}), z.grad.cpu()))
     (got, got_grad), (want, want_grad) = results
     assert torch.equal(got.expert_ids, want.expert_ids)
     assert torch.equal(got.tokens_per_expert, want.tokens_per_expert) and got.tokens_per_expert.dtype == torch.int64
-    for name in ("weights", "lse", "prob_sums"):
+    for name in ("weights", "aux_loss", "z_loss"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("used", ["weights", "lse", "prob_sums"])
+@pytest.mark.parametrize("used", ["weights", "aux_loss", "z_loss"])
 def test_top_k_softmax_kernels_with_one_output_used(used):
     """Outputs that take no part in the loss send no gradient (the kernel's absent-gradient branches)."""
     logits = zipf_logits(50, 8, torch.float32, seed=3)
@@ -262,18 +262,22 @@ def test_router_kernels_compile_for_sm90():
     directions; renormalised or not; every gradient present or none but the weights'."""
     compile_for_sm90("""
 from moe.permute import tokens_per_program
-from moe.routing import _top_k_softmax_backward_kernel, _top_k_softmax_kernel
+from moe.routing import _router_totals_kernel, _top_k_softmax_backward_kernel, _top_k_softmax_kernel
+scales = dict(aux_scale="fp32", z_scale="fp32")
 for experts, k in ((64, 6), (8, 2)):
     e_p2 = triton.next_power_of_2(experts)
     shape = dict(E=experts, E_P2=e_p2, TOP_K=k, BLOCK_T=tokens_per_program(experts))
+    build(_router_totals_kernel, dict(block_counts_ptr="*i32", block_probs_ptr="*fp32", lse_ptr="*fp32",
+                                      counts_ptr="*i64", aux_ptr="*fp32", z_ptr="*fp32", **scales),
+          dict(E=experts, E_P2=e_p2, BLOCK=1024))
     for renormalize in (True, False):
         build(_top_k_softmax_kernel, dict(logits_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i64", lse_ptr="*fp32",
                                           block_counts_ptr="*i32", block_probs_ptr="*fp32"),
               dict(shape, K_P2=triton.next_power_of_2(k), RENORMALIZE=renormalize))
         for present in (True, False):
             build(_top_k_softmax_backward_kernel,
-                  {n: "*i64" if n == "ids_ptr" else "*bf16" if "logits" in n else "*fp32"
-                   for n in _top_k_softmax_backward_kernel.arg_names if n.endswith("_ptr")},
-                  dict(shape, RENORMALIZE=renormalize, HAS_GRAD_WEIGHTS=True, HAS_GRAD_LSE=present,
-                       HAS_GRAD_PROBS=present, OUT_DTYPE=tl.bfloat16))
+                  {**{n: "*i64" if n in ("ids_ptr", "counts_ptr") else "*bf16" if "logits" in n else "*fp32"
+                      for n in _top_k_softmax_backward_kernel.arg_names if n.endswith("_ptr")}, **scales},
+                  dict(shape, RENORMALIZE=renormalize, HAS_GRAD_WEIGHTS=True, HAS_GRAD_AUX=present,
+                       HAS_GRAD_Z=present, OUT_DTYPE=tl.bfloat16))
 """)
