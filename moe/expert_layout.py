@@ -23,6 +23,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from fused_dlrm.kernels.launch import CompiledLaunches, aligned
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 
 
@@ -148,6 +149,7 @@ def expert_rows(counts: torch.Tensor, rank: int, num_local_experts: int, tile_ro
     its received rows (int64), views of one buffer, each starting on a 16-byte boundary: Triton specialises
     pointers on that alignment, and a changing one would compile kernels anew in the middle of training."""
     world, num_experts = counts.shape
+    counts = counts.contiguous()  # read whole
     sent, received = _even(num_sent), _even(num_received)
     flat = torch.empty(4 * sent + 2 * received, dtype=torch.int64, device=counts.device)
     tables = [flat[k * sent:k * sent + num_sent] for k in range(4)]
@@ -157,11 +159,10 @@ def expert_rows(counts: torch.Tensor, rank: int, num_local_experts: int, tile_ro
     send_programs = triton.cdiv(num_sent, block)
     programs = send_programs + triton.cdiv(num_received, block)
     if programs:
-        _expert_rows_kernel[(programs,)](
-            counts.contiguous(), *tables, rank, num_sent, num_received, send_programs, WORLD=world,
-            L=num_local_experts, W_P2=triton.next_power_of_2(world), E_P2=e_p2, TILE_ROWS=tile_rows[0],
-            OWNER_TILE_ROWS=tile_rows[1], BLOCK=block,
-            num_warps=4 if counts.is_cuda else 1)
+        shape = (world, num_local_experts, triton.next_power_of_2(world), e_p2, *tile_rows, block)
+        args = (counts, *tables, rank, num_sent, num_received, send_programs, *shape)
+        _ROWS_LAUNCHES((counts.device, counts.dtype, *shape, *map(aligned, (counts, *tables))), (programs, 1, 1), args,
+                       dict(num_warps=4 if counts.is_cuda else 1))
     return tables
 
 
@@ -408,19 +409,25 @@ def tile_tables(counts: torch.Tensor, host_counts: np.ndarray, rank: int, num_lo
                 owner_tile_rows: int) -> list[torch.Tensor]:
     """[gemm_tiles, combine_tiles, combine_grad_tiles] (ExpertLayout) of owner `rank` on counts' device, in one
     launch (`tile_tables_reference` in numpy); views of one buffer, each starting on a 16-byte boundary."""
-    world = counts.shape[0]
+    world, counts = counts.shape[0], counts.contiguous()  # read whole
     sizes = tile_counts(host_counts, rank, num_local_experts, tile_rows, owner_tile_rows)
     shapes = [(5, sizes[0]), (6, sizes[1]), (3, sizes[2])]
     starts = np.cumsum([0] + [_even(k * n) for k, n in shapes])
     flat = torch.empty(int(starts[-1]), dtype=torch.int64, device=counts.device)
     tables = [flat[int(a):int(a) + k * n].view(k, n) for a, (k, n) in zip(starts, shapes)]
     if max(sizes):
-        _tile_tables_kernel[(3,)](
-            counts, *tables, rank, *sizes, WORLD=world, L=num_local_experts, W_P2=triton.next_power_of_2(world),
-            L_P2=triton.next_power_of_2(num_local_experts), E_P2=triton.next_power_of_2(world * num_local_experts),
-            TILE_ROWS=tile_rows, OWNER_TILE_ROWS=owner_tile_rows, CHUNK=64 if counts.is_cuda else 16,
-            num_warps=4 if counts.is_cuda else 1)
+        shape = (world, num_local_experts, triton.next_power_of_2(world), triton.next_power_of_2(num_local_experts),
+                 triton.next_power_of_2(world * num_local_experts), tile_rows, owner_tile_rows,
+                 64 if counts.is_cuda else 16)
+        _TILE_LAUNCHES((counts.device, counts.dtype, *shape, *map(aligned, (counts, *tables))), (3, 1, 1),
+                       (counts, *tables, rank, *sizes, *shape), dict(num_warps=4 if counts.is_cuda else 1))
     return tables
+
+
+# The layout's kernels are on the host's path to the first expert GEMM: launched through their compiled binaries
+# (fused_dlrm.kernels.launch), keyed on their constexprs, device and tensors' alignment.
+_ROWS_LAUNCHES = CompiledLaunches(_expert_rows_kernel)
+_TILE_LAUNCHES = CompiledLaunches(_tile_tables_kernel)
 
 
 def gather_counts(tokens_per_expert: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -48,6 +48,7 @@ import triton.language as tl
 
 from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels import TL_DTYPES
+from fused_dlrm.kernels.launch import CompiledLaunches, aligned
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready, wait_at_least
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout
@@ -374,6 +375,10 @@ class FusedDispatch:
                                         device=workspace.device)
         cuda = workspace.device.type == "cuda"
         self._push_stream = torch.cuda.Stream(workspace.device) if cuda else None
+        # The push and GEMM 1 are on the host's path to the first expert GEMM: launched through their compiled
+        # binaries (fused_dlrm.kernels.launch), keyed on what they are specialised on besides this object's ints.
+        self._push_launches = CompiledLaunches(_push_rows_kernel)
+        self._gemm_launches = CompiledLaunches(_gated_gemm_kernel)
         self._sms = torch.cuda.get_device_properties(workspace.device).multi_processor_count if cuda else 0
         self._started: dict[int, tuple] = {}  # epoch -> its buffers and the tensors its kernels read
         # The GEMMs' programs take tiles in walk order from this counter, so a program that starts late (its SM
@@ -407,16 +412,16 @@ class FusedDispatch:
         # Until `finish`: the GEMM reads this rank's rows from x, and the push (on GPUs on its own stream) all.
         self._started[epoch] = (rows, ready, ack, x, token_of_row, layout.counts)
         block_d = max(16, min(triton.next_power_of_2(self.d_model), PUSH_TILE_ELEMENTS // self.chunk))
+        tensors = (x, token_of_row, layout.send_dest_row, layout.counts, self._dest_order, rows.peer_ptrs,
+                   ready.peer_ptrs, ack.local, self.errors.word)
+        args = (*tensors, self.rank, epoch, (epoch % 2) * self.capacity, chunks, self.capacity // self.chunk,
+                self.world * chunks, self.num_programs, self.spin_limit, self.d_model, self.chunk, block_d, self.world,
+                self.num_local_experts, triton.next_power_of_2(self.world),
+                triton.next_power_of_2(self.num_local_experts),
+                triton.next_power_of_2(self.world * self.num_local_experts))
 
         def launch():
-            _push_rows_kernel[(self.num_programs,)](
-                x, token_of_row, layout.send_dest_row, layout.counts, self._dest_order,
-                rows.peer_ptrs, ready.peer_ptrs, ack.local, self.errors.word,
-                self.rank, epoch, (epoch % 2) * self.capacity, chunks, self.capacity // self.chunk,
-                self.world * chunks, self.num_programs, self.spin_limit,
-                D=self.d_model, CHUNK=self.chunk, BLOCK_D=block_d, WORLD=self.world, L=self.num_local_experts,
-                W_P2=triton.next_power_of_2(self.world), L_P2=triton.next_power_of_2(self.num_local_experts),
-                E_P2=triton.next_power_of_2(self.world * self.num_local_experts))
+            self._push_launches((x.dtype, block_d, *map(aligned, tensors)), (self.num_programs, 1, 1), args, {})
 
         if self._push_stream is None:
             launch()
@@ -450,13 +455,13 @@ class FusedDispatch:
         tiles = layout.gemm_tiles
         num_tiles = tiles.shape[1] * triton.cdiv(ffn, cfg.block_n)
         programs = self._gemm_programs(num_tiles)
-        _gated_gemm_kernel[(programs,)](
-            rows.local[base:], x, token_of_row, w13, h, h if a13_out is None else a13_out, tiles, tiles.shape[1],
-            layout.recv_source_rank, layout.recv_source_row, ready.local, self.errors.word, self._tile_counter,
-            self.rank, epoch, self.capacity // self.chunk, num_tiles, self.spin_limit,
-            D=d, FFN=ffn, CHUNK=self.chunk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            PRECISION=dot_precision(w13.dtype, w13.device), STORE_A13=a13_out is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        tensors = (rows.local[base:], x, token_of_row, w13, h, h if a13_out is None else a13_out, tiles,
+                   layout.recv_source_rank, layout.recv_source_row, ready.local, self.errors.word, self._tile_counter)
+        precision, store_a13 = dot_precision(w13.dtype, w13.device), a13_out is not None
+        args = (*tensors[:7], tiles.shape[1], *tensors[7:], self.rank, epoch, self.capacity // self.chunk, num_tiles,
+                self.spin_limit, d, ffn, self.chunk, cfg.block_m, cfg.block_n, cfg.block_k, precision, store_a13)
+        self._gemm_launches((x.dtype, w13.dtype, cfg, precision, store_a13, *map(aligned, tensors)), (programs, 1, 1),
+                            args, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self.rank, epoch, WORLD=self.world)
         if self._push_stream is not None:  # then what the push read may be freed, and `received` is complete
             torch.cuda.current_stream().wait_stream(self._push_stream)
