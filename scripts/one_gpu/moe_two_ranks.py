@@ -1,0 +1,127 @@
+"""One GPU, a simulated world of 2 ranks: the fused MoE operators as compiled, forward and backward, against float64.
+
+FusedDispatch (push + GEMM 1) and FusedCombine (GEMM 2 + weighted unpermute), then the combine's and the
+dispatch's backward, every rank's producers launched before any consumer. Six epochs on the same objects, each with
+fresh routing: balanced, a rank without tokens, one hot expert, a rank that receives nothing, uneven, a hot expert
+on the other rank. fp32 (IEEE dot products), d_model=256, ffn=192, 4 experts per rank, top-2, 128-row tiles: the
+tiles straddle sources, so the 2-rank walk orders (arrival, departure) are not trivial, and they are printed.
+Errors are relative to the largest reference value; received rows must be exact. Exits 1 above 1e-4.
+
+    PYTHONPATH=. python scripts/one_gpu/moe_two_ranks.py       (on the CPU: a small smoke run in the interpreter)
+
+(docs/benchmarks.md, twelfth session: call F4.)
+"""
+import sys
+
+import torch
+
+from fused_dlrm.dist.symmetric import SimulatedWorld
+from moe.expert_layout import build_expert_layout
+from moe.experts import swiglu
+from moe.kernels.fused_combine import FusedCombine, fused_combine_backward_reference, fused_combine_reference
+from moe.kernels.fused_dispatch import FusedDispatch, dispatch_reference, gated_gemm_reference, gemm_config
+from moe.permute import Permutation, permutation
+from moe.routing import route
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SMALL = DEVICE.type == "cpu"  # TRITON_INTERPRET=1: a smoke run
+W, L, D, F, K = (2, 4, 40, 24, 2) if SMALL else (2, 4, 256, 192, 2)
+E = W * L
+SPINS = 10_000_000
+CASES = [([700, 500], None), ([900, 0], None), ([600, 650], [0, 6, 0, 0, 0, 0, 0, 0]),
+         ([800, 300], [-30, -30, -30, -30, 0, 0, 0, 0]), ([1000, 1200], None), ([333, 777], [0] * 7 + [5])]
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double().cpu() - want.double().cpu()).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def dispatch_backward_reference(received, dh, w13, lay, perms, tokens):
+    """Float64 autograd through each owner's SwiGLU GEMM: (dw13 per owner, dx per source: each received row's
+    gradient summed into its source's token)."""
+    dw13s, dxs = [], [torch.zeros(t, D, dtype=torch.float64) for t in tokens]
+    for r in range(W):
+        x, sizes = received[r].cpu().double().requires_grad_(), lay[r].tokens_per_local_expert
+        a13 = torch.cat([rows @ w13[r].cpu().double()[e] for e, rows in enumerate(torch.split(x, sizes))])
+        a13.retain_grad()
+        (swiglu(a13) * dh[r].cpu().double()).sum().backward()
+        dw13s.append(torch.stack([rows.t() @ g for rows, g in zip(torch.split(x.detach(), sizes),
+                                                                  torch.split(a13.grad, sizes))]))
+        source, row = lay[r].recv_source_rank.cpu(), lay[r].recv_source_row.cpu()
+        for s in range(W):
+            mine = source == s
+            dxs[s].index_add_(0, perms[s].token_of_row.cpu()[row[mine]], x.grad[mine])
+    return dw13s, dxs
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    dispatch = [FusedDispatch(ws, D, F, L, 16, SPINS) for ws in SimulatedWorld(W, DEVICE).workspaces()]
+    combine = [FusedCombine(ws, D, L, 32, SPINS) for ws in SimulatedWorld(W, DEVICE).workspaces()]
+    w13 = [torch.randn(L, D, 2 * F, device=DEVICE) / D ** 0.5 for _ in range(W)]
+    w2 = [torch.randn(L, F, D, device=DEVICE) / F ** 0.5 for _ in range(W)]
+    worst = 0.0
+    for step, (tokens, bias) in enumerate(CASES[:2] if SMALL else CASES):
+        tokens = [t // 40 for t in tokens] if SMALL else tokens
+        xs = [torch.randn(t, D, device=DEVICE) for t in tokens]
+        logit_bias = 0 if bias is None else torch.tensor(bias, device=DEVICE)
+        routings = [route(torch.randn(t, E, device=DEVICE) + logit_bias, K) for t in tokens]
+        perms = [permutation(r.expert_ids, E) for r in routings]
+        cpu_perms = [Permutation(p.order.cpu(), p.inverse.cpu(), p.tokens_per_expert.cpu(), p.offsets.cpu(), K)
+                     for p in perms]
+        weights = [r.weights for r in routings]
+        counts = torch.stack([p.tokens_per_expert for p in perms])
+        lay = [build_expert_layout(counts, r, L, combine[0].blocks.block_m,
+                                   gemm_config(DEVICE, torch.float32, backward=True).block_m) for r in range(W)]
+        errors = {}
+
+        # Forward: every rank pushes, then every owner's GEMM 1; GEMM 2's stores, then every source's unpermute.
+        epochs = [d.start(x, p.token_of_row, la) for d, x, p, la in zip(dispatch, xs, perms, lay)]
+        a13s = [torch.full((sum(la.tokens_per_local_expert), 2 * F), float("nan"), device=DEVICE) for la in lay]
+        out = [d.finish(e, la, w, a13_out=a) for d, e, la, w, a in zip(dispatch, epochs, lay, w13, a13s)]
+        received, hs = [o[0].clone() for o in out], [o[1] for o in out]
+        for r in range(W):
+            want = dispatch_reference(xs, [p.token_of_row for p in perms], counts, r, L)
+            errors[f"rows{r}"] = (received[r] - want).abs().max().item() if want.numel() else 0.0
+            if want.numel():
+                errors[f"h{r}"] = relative(hs[r], gated_gemm_reference(want.double(), lay[r].tokens_per_local_expert,
+                                                                       w13[r].double()))
+        epochs = [c.start(h, w, la) for c, h, w, la in zip(combine, hs, w2, lay)]
+        ys = [c.finish(e, la, p, w) for c, e, la, p, w in zip(combine, epochs, lay, perms, weights)]
+        want_ys = fused_combine_reference([h.cpu() for h in hs], [w.cpu() for w in w2], lay, cpu_perms,
+                                          [w.cpu() for w in weights])
+        errors.update({f"y{r}": relative(ys[r], want_ys[r]) for r in range(W) if tokens[r]})
+
+        # Backward: the output gradient to the owners (grad_h, grad_w2), then dx back to the sources (and dw13).
+        grad_ys = [torch.randn(t, D, device=DEVICE) for t in tokens]
+        epochs = [c.start_backward(g, p, w, la) for c, g, p, w, la in zip(combine, grad_ys, perms, weights, lay)]
+        grads = [c.finish_backward(e, la, h, w) for c, e, la, h, w in zip(combine, epochs, lay, hs, w2)]
+        want_grads = fused_combine_backward_reference([g.cpu() for g in grad_ys], cpu_perms,
+                                                      [w.cpu() for w in weights], [h.cpu() for h in hs],
+                                                      [w.cpu() for w in w2], lay)
+        for r, ((grad_h, grad_w2), (want_h, want_w2)) in enumerate(zip(grads, want_grads)):
+            if want_h.numel():
+                errors[f"grad_h{r}"], errors[f"grad_w2_{r}"] = relative(grad_h, want_h), relative(grad_w2, want_w2)
+        dhs = [g[0] for g in grads]
+        started = [d.start_backward(dh, rec, la, w, a) for d, dh, rec, la, w, a in
+                   zip(dispatch, dhs, received, lay, w13, a13s)]
+        dxs = [d.finish_backward(e, la, p) for d, (e, _), la, p in zip(dispatch, started, lay, perms)]
+        want_dw13s, want_dxs = dispatch_backward_reference(received, dhs, w13, lay, perms, tokens)
+        for r in range(W):
+            if want_dw13s[r].abs().max() > 0:
+                errors[f"dw13_{r}"] = relative(started[r][1], want_dw13s[r])
+            if tokens[r]:
+                errors[f"dx{r}"] = relative(dxs[r], want_dxs[r])
+        for op in dispatch + combine:
+            op.errors.check(block=True)
+        worst = max(worst, *errors.values())
+        print(f"step {step}, tokens {tokens}, counts {counts.tolist()}:")
+        print("  " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+        print(f"  rank 0's GEMM tiles: arrival order {lay[0].gemm_tiles[3].tolist()}, departure order "
+              f"{lay[0].gemm_tiles[4].tolist()}")
+    print(f"worst relative error {worst:.2e}")
+    return 0 if worst < 1e-4 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
