@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 
-
 @dataclass
 class Permutation:
     order: torch.Tensor  # [A] assignment index of each permuted row: by expert, token order within an expert

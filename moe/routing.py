@@ -106,8 +106,8 @@ def top_k_softmax_reference(logits: torch.Tensor, top_k: int, renormalize: bool)
 def _top_k_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, lse_ptr, block_counts_ptr, block_probs_ptr, num_tokens,
                           E: tl.constexpr, E_P2: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr,
                           RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
-    """BLOCK_T tokens per program; per-block expert counts and probability sums (summed by the launcher in a
-    fixed order: deterministic, unlike float atomics)."""
+    """BLOCK_T tokens per program; per-block expert counts and probability sums (summed over the blocks in a fixed
+    order by `_router_totals_kernel`: deterministic, unlike float atomics)."""
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, E_P2)
