@@ -16,6 +16,7 @@ from torchrec import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.models.dlrm import DLRM, InteractionArch, SparseArch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from fused_dlrm.kernels.pairwise_interaction import pairwise_interaction
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
 from fused_dlrm.tp import QuantizedHookState, quantized_allreduce_hook
@@ -51,59 +52,23 @@ def pooled_features(pooled: KeyedTensor, names: list[str], num_features: int, di
     return torch.cat([sparse[name] for name in names], dim=1).reshape(-1, num_features, dim)
 
 
-def pairwise_dots(dense: torch.Tensor, sparse: torch.Tensor, pair_index: torch.Tensor) -> torch.Tensor:
-    return _PairwiseDots.apply(dense, sparse, pair_index)
-
-
 # torchrec's TrainPipelineSparseDist traces the model with torch.fx: these run as calls in its graph (the first
-# branches on its input, the second is an autograd Function), which lets the pipeline run our arches.
+# branches on its input, the second on its device), which lets the pipeline run our arches.
 torch.fx.wrap("pooled_features")
-torch.fx.wrap("pairwise_dots")
-
-
-class _PairwiseDots(torch.autograd.Function):
-    """The F + F(F - 1) / 2 dot products of the dense row with each sparse row, then of the sparse rows' pairs
-    (i < j, row-major: torchrec's order after its dense-with-sparse pairs), without building [dense; sparse].
-
-    Forward: two batched products, dense x sparse and sparse x sparse^T ([F, F], aligned where F is); backward:
-    the pairs' gradient placed in the upper triangle G, then d sparse = (G + G^T) sparse + g_dense_pairs x dense
-    (one product where autograd would take two) and d dense = g_dense_pairs x sparse."""
-
-    @staticmethod
-    def forward(ctx, dense: torch.Tensor, sparse: torch.Tensor, pair_index: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(dense, sparse, pair_index)
-        with_dense = torch.bmm(sparse, dense.unsqueeze(2)).squeeze(2)  # [B, F]
-        products = torch.bmm(sparse, sparse.transpose(1, 2)).flatten(1)  # [B, F * F]
-        return torch.cat((with_dense, products.index_select(1, pair_index)), dim=1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        dense, sparse, pair_index = ctx.saved_tensors
-        b, f, _ = sparse.shape
-        grad_with_dense = grad[:, :f]
-        upper = grad.new_zeros(b, f * f).index_copy_(1, pair_index, grad[:, f:]).view(b, f, f)
-        grad_sparse = torch.bmm(upper + upper.transpose(1, 2), sparse)
-        grad_sparse.addcmul_(grad_with_dense.unsqueeze(2), dense.unsqueeze(1))
-        grad_dense = torch.bmm(grad_with_dense.unsqueeze(1), sparse).squeeze(1)
-        return grad_dense, grad_sparse, None
+torch.fx.wrap("pairwise_interaction")
 
 
 class PairwiseInteractionArch(InteractionArch):
     """torchrec's InteractionArch, same output: [dense, its dot with every sparse row, the sparse rows' pairwise
     dots]. torchrec concatenates [dense; sparse] (a copy), takes the full [F + 1, F + 1] products through an
     odd-sized (F + 1 = 129: unaligned, slow on GPUs) batched GEMM and indexes pairs with a 2-D advanced index
-    whose backward sorts (4.2 ms of a 20 ms step at the paper config on H200); `_PairwiseDots` does neither."""
-
-    def __init__(self, num_sparse_features: int) -> None:
-        super().__init__(num_sparse_features)
-        rows, cols = torch.triu_indices(self.F, self.F, offset=1)
-        self.register_buffer("pair_index", rows * self.F + cols, persistent=False)
+    whose backward sorts (4.2 ms of a 20 ms step at the paper config on H200). On GPUs one kernel per direction
+    does it all (`fused_dlrm.kernels.pairwise_interaction`); elsewhere the same products as torch ops."""
 
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         if self.F <= 0:
             return dense_features
-        pairs = pairwise_dots(dense_features, sparse_features, self.pair_index)
-        return torch.cat((dense_features, pairs), dim=1)
+        return pairwise_interaction(dense_features, sparse_features)
 
 
 def build_dlrm(tables: list[EmbeddingBagConfig], dense_in_features: int, dense_arch: Sequence[int],
