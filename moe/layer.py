@@ -22,12 +22,13 @@ from torch import nn
 
 from fused_dlrm.dist import all_to_all_v, exchange_counts
 from fused_dlrm.dist.alltoall import world_size
+from fused_dlrm.dist.reorder import inverse_permutation, reorder
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, _Workspace
 from moe.expert_layout import ExpertLayout, build_expert_layout, gather_counts
 from moe.experts import SwiGLUExperts
 from moe.kernels.fused_combine import FusedCombine
 from moe.kernels.fused_dispatch import FusedDispatch, gemm_config
-from moe.permute import Permutation, permutation, permute, reorder_rows, routing_weights_grad, unpermute
+from moe.permute import Permutation, permutation, permute, routing_weights_grad, unpermute
 from moe.routing import TopKRouter
 
 DISPATCH_PUSH_PROGRAMS = 64  # the push runs beside the first GEMM on the SMs that GEMM leaves free
@@ -147,15 +148,14 @@ class _BulkRows:
             torch.arange(num_local_experts, device=device).repeat(world), recv_counts.reshape(-1),
             output_size=sum(self.recv_splits))
         self.regroup = torch.sort(local_expert_of_row, stable=True).indices
-        self.undo_regroup = torch.empty_like(self.regroup)
-        self.undo_regroup[self.regroup] = torch.arange(self.regroup.numel(), device=device)
+        self.undo_regroup = inverse_permutation(self.regroup)
 
     def to_owners(self, rows: torch.Tensor) -> torch.Tensor:
         received = all_to_all_v(rows, self.send_splits, self.recv_splits, self.group)
-        return reorder_rows(received, self.regroup, self.undo_regroup)
+        return reorder(received, 0, self.regroup, self.undo_regroup)
 
     def to_sources(self, rows: torch.Tensor) -> torch.Tensor:
-        return all_to_all_v(reorder_rows(rows, self.undo_regroup, self.regroup), self.recv_splits, self.send_splits,
+        return all_to_all_v(reorder(rows, 0, self.undo_regroup, self.regroup), self.recv_splits, self.send_splits,
                             self.group)
 
 

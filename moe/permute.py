@@ -176,24 +176,6 @@ def unpermute(rows: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> t
     return _Unpermute.apply(rows, weights, perm)
 
 
-def reorder_rows(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """x[order] for a permutation `order` of x's rows (inverse: its inverse), whose backward is the gather
-    grad[inverse] rather than the sort-based accumulate of x[order]'s."""
-    return _ReorderRows.apply(x, order, inverse)
-
-
-class _ReorderRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, order)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        inverse, = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
-
-
 def _gather(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """[T * k, d]: rows[inverse], exact zeros for the dropped assignments (inverse = A). They read a clamped row
     that is then zeroed, so a NaN or inf there does not leak."""

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fused_dlrm.dist.reorder import inverse_permutation, reorder
 from moe import permute, unpermute
-from moe.permute import expert_order_kernels, expert_order_reference, reorder_rows
+from moe.permute import expert_order_kernels, expert_order_reference
 from sm90 import compile_for_sm90
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # of the kernels' tensors (CPU: interpreter)
@@ -158,17 +159,19 @@ def test_dropless_permute_needs_no_host_sync():
     assert rows.shape == (num_tokens * top_k, 3) and perm.order.shape == (num_tokens * top_k,)
 
 
-def test_reorder_rows_is_a_gather_both_ways():
-    """The bulk exchange's regrouping: x[order] with gradient grad[inverse], no accumulating op."""
+@pytest.mark.parametrize("dim", [0, 1])
+def test_reorder_is_a_gather_both_ways(dim):
+    """The bulk exchanges' regrouping (MoE rows, pooled embeddings' columns): x[order] along `dim` with gradient
+    grad[inverse], no accumulating op."""
     generator = torch.Generator().manual_seed(3)
     order = torch.randperm(7, generator=generator)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(7)
-    x = torch.randn(7, 3, generator=generator, dtype=torch.float64, requires_grad=True)
-    assert torch.equal(reorder_rows(x, order, inverse), x[order])
-    assert torch.autograd.gradcheck(lambda x: reorder_rows(x, order, inverse), (x,))
+    inverse = inverse_permutation(order)
+    assert torch.equal(order[inverse], torch.arange(7))
+    x = torch.randn(7, 7, generator=generator, dtype=torch.float64, requires_grad=True)
+    assert torch.equal(reorder(x, dim, order, inverse), x.index_select(dim, order))
+    assert torch.autograd.gradcheck(lambda x: reorder(x, dim, order, inverse), (x,))
     with RecordOps() as recorded:
-        reorder_rows(x, order, inverse).backward(torch.randn(7, 3, dtype=torch.float64))
+        reorder(x, dim, order, inverse).backward(torch.randn(7, 7, dtype=torch.float64))
     assert "index_select" in recorded.ops and not recorded.ops & ACCUMULATING, recorded.ops
 
 

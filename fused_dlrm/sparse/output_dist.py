@@ -1,8 +1,7 @@
 """Output distribution: each owner's pooled embeddings [global batch, its dims] -> each rank's [local batch, all dims].
 
 Bulk-synchronous: one variable-split all-to-all (autograd sends the gradient back the same way), then one column
-gather into the configured feature order, whose backward gathers with the inverse order (autograd's index_select
-backward zero-fills and scatter-adds: 0.96 ms against 0.43 for the gather at [4096, 32768] fp32 on an H200).
+gather into the configured feature order (`reorder`: its backward gathers by the inverse order).
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fused_dlrm.dist.alltoall import all_to_all_v
+from fused_dlrm.dist.reorder import inverse_permutation, reorder
 
 
 class BulkOutputDist:
@@ -37,19 +37,6 @@ class BulkOutputDist:
         rank_grouped = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
         if self._index is None or self._index[0].device != rank_grouped.device:
             order = torch.tensor(self.column_order, dtype=torch.int64, device=rank_grouped.device)
-            self._index = (order, torch.argsort(order))
-        return _PermuteColumns.apply(rank_grouped, *self._index)
+            self._index = (order, inverse_permutation(order))
+        return reorder(rank_grouped, 1, *self._index)
 
-
-class _PermuteColumns(torch.autograd.Function):
-    """x[:, order] for a permutation `order`; the gradient is grad[:, inverse] (each column is taken once)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        return x.index_select(1, order)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        inverse, = ctx.saved_tensors
-        return grad.index_select(1, inverse), None, None
