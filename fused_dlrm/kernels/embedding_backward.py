@@ -17,7 +17,7 @@ length:
   _embedding_backward_kernel   segments of at most HOT_THRESHOLD occurrences (nearly every row): a narrow tile of
                                few registers, many programs, one segment per step;
   _hot_segments_kernel         the longer ones (the hot rows of skewed, Zipf-like data, over half of all
-                               occurrences): a wide tile, so that a row of 4k occurrences is ~130 steps of one
+                               occurrences): a wide tile, so that a row of 4k occurrences is ~65 steps of one
                                program instead of ~2k, which were the first kernel's critical path.
 Neither builds a list of the hot segments: the first skips them from the start and end it loads anyway, the
 second finds them in the segment starts. (Running the plan during the forward on a side stream was tried on
@@ -45,21 +45,23 @@ if TYPE_CHECKING:  # only annotations: importing fused_dlrm.sparse here would be
 
 
 # A segment's occurrences are gathered TILE_ELEMENTS // BLOCK_D at a time (at least 1): a hot row's gradient rows
-# load in parallel, while a row seen once (most rows) wastes few masked lanes. 512 elements over 2 warps was the
-# fastest on an H200 (64 tables of dim 256, 1.3M occurrences: 1.30 ms vs 1.93 ms for 2048 over 4 warps; dim 64
-# with skewed rows agreed).
-TILE_ELEMENTS = 512
-NUM_WARPS = 2
+# load in parallel, while a row seen once (most rows) wastes few masked lanes.
 # Segments of more than HOT_THRESHOLD occurrences go to the hot-segment kernel, which gathers HOT_TILE_ELEMENTS //
-# BLOCK_D occurrences at a time (32 at dim 256) over HOT_NUM_WARPS warps. 32 occurrences are 16 steps of the narrow
-# kernel at dim 256, one of the wide one: shorter segments would leave most of the wide tile's lanes masked, longer
-# ones hold the narrow kernel's programs on them (under Zipf(1.05), rows of more than 32 occurrences hold over half
-# of all occurrences; a table's hottest row ~10% of the table's). First choices, to be swept on a GPU
-# (scratch/bench_embedding_backward.py); the threshold is a kernel argument, not a constexpr.
+# BLOCK_D occurrences at a time (64 at dim 256) over HOT_NUM_WARPS warps. 32 occurrences are 16 steps of the narrow
+# kernel at dim 256, half a step of the wide one: shorter segments would leave most of the wide tile's lanes masked,
+# longer ones hold the narrow kernel's programs on them (under Zipf(1.05), rows of more than 32 occurrences hold
+# over half of all occurrences; a table's hottest row ~10% of the table's). The threshold is a kernel argument,
+# not a constexpr.
+# Swept on an H200 (docs/benchmarks.md, 2026-11-24: 64 tables x 100k rows, batch 4096, pooling ~10, row-wise
+# Adagrad, dims 256 / 128 / 64, Zipf(1.05) and uniform rows): one warp for the narrow kernel (was 2) and 16384
+# elements over 4 warps for the hot one (was 8192 over 8) took the whole backward from 1.80 / 1.94 / 1.18 ms to
+# 1.61 / 1.13 / 1.03 (Zipf) and from 2.05 / 1.96 / 2.15 to 1.84 / 1.44 / 1.34 (uniform).
+TILE_ELEMENTS = 512
+NUM_WARPS = 1
 HOT_THRESHOLD = 32
-HOT_TILE_ELEMENTS = 8192
-HOT_NUM_WARPS = 8
-# The hot kernel reads the lengths of HOT_SCAN_SEGMENTS segments at once: 2 a thread over 8 warps (more cost it
+HOT_TILE_ELEMENTS = 16384
+HOT_NUM_WARPS = 4
+# The hot kernel reads the lengths of HOT_SCAN_SEGMENTS segments at once: 4 a thread over 4 warps (more cost it
 # registers over the update).
 HOT_SCAN_SEGMENTS = 512
 KEY_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64}  # sort keys
