@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from fused_dlrm.bench.timing import per_call_us, time_ms
 from moe.expert_layout import build_expert_layout, gather_counts
+from moe.kernels.fused_dispatch import gemm_config
 from moe.layer import MoELayer, _BulkRows
 from moe.permute import permute, unpermute
 
