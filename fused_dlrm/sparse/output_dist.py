@@ -24,7 +24,7 @@ class BulkOutputDist:
             raise ValueError(f"column_order must take every one of the ranks' {sum(map(sum, dims_of_rank))} columns "
                              f"once, got {len(column_order)} columns")
         self.column_order = column_order
-        self._index: torch.Tensor | None = None
+        self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # the order and its inverse, on the device
 
     def __call__(self, pooled: torch.Tensor, batch_sizes: list[int]) -> torch.Tensor:
         my_dim = sum(self.dims_of_rank[self.rank])
@@ -39,4 +39,3 @@ class BulkOutputDist:
             order = torch.tensor(self.column_order, dtype=torch.int64, device=rank_grouped.device)
             self._index = (order, inverse_permutation(order))
         return reorder(rank_grouped, 1, *self._index)
-
