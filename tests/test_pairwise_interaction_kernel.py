@@ -10,8 +10,8 @@ import pytest
 import torch
 from torchrec.models.dlrm import InteractionArch
 
-from fused_dlrm.kernels.pairwise_interaction import (PairwiseInteraction, kernel_supports, pairwise_interaction,
-                                                     pairwise_interaction_reference)
+from fused_dlrm.kernels.pairwise_interaction import (PairwiseInteraction, kernel_supports, num_pairs,
+                                                     pairwise_interaction, pairwise_interaction_reference)
 from sm90 import compile_for_sm90
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # of the kernels' tensors (CPU: interpreter)
@@ -36,9 +36,15 @@ SHAPES = [(5, 26, 16, False), (3, 17, 40, True), (2, 1, 24, False), (2, 128, 72,
                                                                      else []))
 def test_matches_float64_autograd(batch, features, dim, padded_rows, tf32, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
-    dense, sparse, gen = _inputs(batch, features, dim, batch * 1000 + features * 10 + dim, padded_rows)
+    # fresh data per case, so an output block reused from an earlier case holds wrong values, not right ones
+    dense, sparse, gen = _inputs(batch, features, dim, batch * 1000 + features * 10 + dim + tf32, padded_rows)
     assert not kernel_supports(dense, sparse) and sparse.is_contiguous() != padded_rows
     d, s = dense.requires_grad_(), sparse.requires_grad_()  # (clone would drop the padded rows' strides)
+    # NaN blocks of the kernels' outputs' sizes, freed together: the allocator tends to hand them out next, and
+    # elements a kernel leaves unwritten then show as NaN
+    poison = [torch.full(shape, float("nan"), device=DEVICE)
+              for shape in ((batch, dim + features + num_pairs(features)), (batch, dim), (batch, features, dim))]
+    del poison
     out = PairwiseInteraction.apply(d, s)
     grad = torch.randn(out.shape, generator=gen).to(DEVICE)
     out.backward(grad)
@@ -46,11 +52,11 @@ def test_matches_float64_autograd(batch, features, dim, padded_rows, tf32, monke
     d64, s64 = dense.detach().double().requires_grad_(), sparse.detach().double().requires_grad_()
     want = pairwise_interaction_reference(d64, s64)
     want.backward(grad.double())
-    assert out.shape == want.shape == (batch, dim + features + features * (features - 1) // 2)
+    assert out.shape == want.shape == (batch, dim + features + num_pairs(features))
     for name, got, ref in (("out", out.detach(), want.detach()), ("dense grad", d.grad, d64.grad),
                            ("sparse grad", s.grad, s64.grad)):
-        error = float((got.double() - ref).norm() / ref.norm())
-        assert error <= (2e-3 if tf32 else 1e-5), f"{name}: relative error {error:.2e}"
+        error = float((got.double() - ref).norm() / ref.norm())  # NaN if any element was left unwritten
+        assert error <= (2e-3 if tf32 else 1e-5), f"{name}: relative error {error:.2e}"  # (False for NaN)
 
 
 def test_reference_is_torchrecs_interaction():
