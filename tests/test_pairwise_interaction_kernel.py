@@ -10,7 +10,7 @@ import pytest
 import torch
 from torchrec.models.dlrm import InteractionArch
 
-from fused_dlrm.kernels.pairwise_interaction import (PairwiseInteraction, kernel_supports, num_pairs,
+from fused_dlrm.kernels.pairwise_interaction import (PairwiseInteraction, kernels_refuse, num_pairs,
                                                      pairwise_interaction, pairwise_interaction_reference)
 from sm90 import compile_for_sm90
 
@@ -38,7 +38,7 @@ def test_matches_float64_autograd(batch, features, dim, padded_rows, tf32, monke
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
     # fresh data per case, so an output block reused from an earlier case holds wrong values, not right ones
     dense, sparse, gen = _inputs(batch, features, dim, batch * 1000 + features * 10 + dim + tf32, padded_rows)
-    assert not kernel_supports(dense, sparse) and sparse.is_contiguous() != padded_rows
+    assert not kernels_refuse(dense, sparse) and sparse.is_contiguous() != padded_rows
     d, s = dense.requires_grad_(), sparse.requires_grad_()  # (clone would drop the padded rows' strides)
     # NaN blocks of the kernels' outputs' sizes, freed together: the allocator tends to hand them out next, and
     # elements a kernel leaves unwritten then show as NaN
@@ -72,9 +72,9 @@ def test_empty_batch_and_what_the_kernels_refuse():
     out = PairwiseInteraction.apply(d, s)
     out.sum().backward()
     assert out.shape == (0, 16 + 5 + 10) and d.grad.shape == (0, 16) and s.grad.shape == (0, 5, 16)
-    assert "F <= 128" in kernel_supports(torch.randn(2, 16), torch.randn(2, 129, 16))
-    assert "dtypes" in kernel_supports(torch.randn(2, 16), torch.randn(2, 3, 16, dtype=torch.float64))
-    assert "not [B, D] and [B, F, D]" in kernel_supports(torch.randn(2, 8), torch.randn(2, 3, 16))
+    assert "F <= 128" in kernels_refuse(torch.randn(2, 16), torch.randn(2, 129, 16))
+    assert "dtypes" in kernels_refuse(torch.randn(2, 16), torch.randn(2, 3, 16, dtype=torch.float64))
+    assert "not [B, D] and [B, F, D]" in kernels_refuse(torch.randn(2, 8), torch.randn(2, 3, 16))
     # inputs the kernels refuse take the torch path
     assert pairwise_interaction(torch.randn(2, 16).double(), torch.randn(2, 3, 16).double()).shape == (2, 16 + 3 + 3)
 

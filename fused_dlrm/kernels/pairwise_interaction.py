@@ -158,8 +158,8 @@ class PairwiseInteraction(torch.autograd.Function):
         return grad_dense, grad_sparse
 
 
-def kernel_supports(dense: torch.Tensor, sparse: torch.Tensor) -> str:
-    """Why the kernels cannot take these inputs ("" when they can)."""
+def kernels_refuse(dense: torch.Tensor, sparse: torch.Tensor) -> str:
+    """Why the kernels refuse these inputs, or "" when they take them."""
     if sparse.dim() != 3 or dense.shape != (sparse.shape[0], sparse.shape[2]):
         return f"dense {tuple(dense.shape)} and sparse {tuple(sparse.shape)} are not [B, D] and [B, F, D]"
     if dense.dtype != sparse.dtype or dense.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -173,7 +173,7 @@ def kernel_supports(dense: torch.Tensor, sparse: torch.Tensor) -> str:
 
 def pairwise_interaction(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
     """torchrec InteractionArch's output for dense [B, D] and sparse [B, F, D]: the kernels on GPUs, torch ops
-    elsewhere (and for inputs the kernels do not take: see `kernel_supports`)."""
-    if sparse.is_cuda and not kernel_supports(dense, sparse):
+    elsewhere (and for inputs the kernels do not take: see `kernels_refuse`)."""
+    if sparse.is_cuda and not kernels_refuse(dense, sparse):
         return PairwiseInteraction.apply(dense, sparse)
     return pairwise_interaction_reference(dense, sparse)
