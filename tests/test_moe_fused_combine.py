@@ -210,7 +210,8 @@ for dtype in ("bf16", "fp16", "fp32"):
     out = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
     gemm = dict(FFN=1408, BLOCK_M=b.block_m, BLOCK_K=block_k, PRECISION="ieee" if dtype == "fp32" else None, **shape)
     build(fc._expert_down_kernel, ptrs, dict(OUT_DTYPE=out, **gemm), b.gemm_warps, stages)
-    build(fc._gradient_gemm_kernel, ptrs, dict(BLOCK_R=b.block_rows, **gemm), b.gemm_warps, stages)
+    w2 = {"w2_desc": f"tensordesc<{dtype}[1, {b.block_n}, {block_k}]>"}  # TMA (moe.kernels.weight_tiles)
+    build(fc._gradient_gemm_kernel, {**ptrs, **w2}, dict(BLOCK_R=b.block_rows, **gemm), b.gemm_warps, stages)
     build(fc._weighted_unpermute_kernel, ptrs, dict(TOP_K=6, K_P2=8, BLOCK_T=b.block_tokens, OUT_DTYPE=out,
                                                     COPY_ROWS=True, **shape), b.consumer_warps, 3)
     build(fc._push_gradient_kernel, ptrs, dict(D_MODEL=2048, WORLD=2, BLOCK_R=b.block_rows, BLOCK_D=b.block_d,

@@ -297,14 +297,17 @@ flags = {n: "*i32" for n in ("dest_order_ptr", "ack_ptr", "error_ptr", "ready_pt
 import torch
 cuda = torch.device("cuda")
 for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
-    data = {n: "*" + dtype for n in ("x_ptr", "rows_ptr", "w13_ptr", "h_ptr", "a13_ptr", "da13_ptr")}
+    data = {n: "*" + dtype for n in ("x_ptr", "rows_ptr", "w13_ptr", "h_ptr", "a13_ptr")}
     ptrs = {**tables, **flags, **data}
     precision = "tf32" if dtype == "fp32" else None  # as dot_precision gives them in training
     for backward in (False, True):  # as gemm_config gives them: shared memory must fit
         c = fd.gemm_config(cuda, torch_dtype, backward)
         gemm = dict(D=2048, FFN=1408, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PRECISION=precision)
-        if backward:
-            build(fd._gated_gemm_backward_kernel, ptrs, dict(WORLD=2, **gemm), c.num_warps, c.num_stages)
+        if backward:  # its operands come through TMA descriptors (moe.kernels.weight_tiles)
+            descriptors = {"da13_desc": f"tensordesc<{dtype}[{c.block_m}, {c.block_k}]>",
+                           "w13_desc": f"tensordesc<{dtype}[1, {c.block_n}, {c.block_k}]>"}
+            build(fd._gated_gemm_backward_kernel, {**ptrs, **descriptors}, dict(WORLD=2, **gemm), c.num_warps,
+                  c.num_stages)
         else:
             for store_a13 in (False, True):
                 build(fd._gated_gemm_kernel, ptrs, dict(CHUNK=64, STORE_A13=store_a13, **gemm), c.num_warps,

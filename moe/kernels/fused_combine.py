@@ -41,6 +41,7 @@ from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_
 from moe.expert_layout import ExpertLayout
 from moe.experts import grouped_weight_grad
 from moe.kernels.tile_order import grouped_tile
+from moe.kernels.tma_tiles import descriptor, transposed_weight_tile
 from moe.permute import Permutation, unpermute
 
 # Per-call ints of the kernels here and in fused_dispatch are do_not_specialize: Triton specialises an int on == 1 and
@@ -276,12 +277,12 @@ def _push_gradient_kernel(grad_ptr, token_ptr, weight_ptr, dest_rank_ptr, dest_r
 
 
 @triton.jit(do_not_specialize=["num_row_tiles", "epoch", "spin_limit"])  # one variant for all steps
-def _gradient_gemm_kernel(g_ptr, w2_ptr, out_ptr, tiles_ptr, source_rank_ptr, source_row_ptr, ready_ptr, error_ptr,
+def _gradient_gemm_kernel(g_ptr, w2_desc, out_ptr, tiles_ptr, source_rank_ptr, source_row_ptr, ready_ptr, error_ptr,
                           num_row_tiles, slots_per_rank, epoch, spin_limit,
                           FFN: tl.constexpr, D_MODEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     """Program (row tile, ffn block), in grouped order (tile_order): grad_h = g @ w2[e]^T once the tile's rows have
-    arrived."""
+    arrived. w2 [L, FFN, D_MODEL] comes through a TMA descriptor; g through pointers (peers wrote it, after flags)."""
     N_COL: tl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N
     tile, col = grouped_tile(tl.program_id(0), num_row_tiles, N_COL)
     n = col * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -294,17 +295,15 @@ def _gradient_gemm_kernel(g_ptr, w2_ptr, out_ptr, tiles_ptr, source_rank_ptr, so
     _report_late(seen, epoch, rows[:, None], source[:, None], slot[:, None], error_ptr)
     tl.debug_barrier()  # the flags this program's threads acquired cover the rows any of them reads
     ks = tl.arange(0, BLOCK_K)
-    n_mask = n < FFN
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, D_MODEL, BLOCK_K):
-        k_mask = (k0 + ks) < D_MODEL
-        a = tl.load(g_ptr + rows[:, None] * D_MODEL + (k0 + ks)[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0, cache_modifier=".cg")  # peers wrote these rows: not from L1
-        b = tl.load(w2_ptr + expert * (FFN * D_MODEL) + n[None, :] * D_MODEL + (k0 + ks)[:, None],
-                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # w2[e]^T
+        a = tl.load(g_ptr + rows[:, None] * D_MODEL + (k0 + ks)[None, :],
+                    mask=row_mask[:, None] & (k0 + ks < D_MODEL)[None, :], other=0.0,
+                    cache_modifier=".cg")  # peers wrote these rows: not from L1
+        b = transposed_weight_tile(w2_desc, expert, col * BLOCK_N, k0, BLOCK_N, BLOCK_K)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     tl.store(out_ptr + rows[:, None] * FFN + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & n_mask[None, :])
+             mask=row_mask[:, None] & (n < FFN)[None, :])
 
 
 class FusedCombine:
@@ -431,7 +430,7 @@ class FusedCombine:
         if tiles.shape[1]:
             block_k, stages = _gemm_steps(b, dtype, h.is_cuda)
             _gradient_gemm_kernel[(tiles.shape[1] * triton.cdiv(ffn, b.block_n),)](
-                rows.local, w2.contiguous(), grad_h, tiles, layout.recv_source_rank,
+                rows.local, descriptor(w2, [1, b.block_n, block_k], "w2"), grad_h, tiles, layout.recv_source_rank,
                 layout.recv_source_row, ready.local, self.errors.word, tiles.shape[1], slots, epoch,
                 self.spin_limit, FFN=ffn, D_MODEL=self.d_model, BLOCK_M=b.block_m, BLOCK_N=b.block_n,
                 BLOCK_K=block_k, BLOCK_R=b.block_rows, PRECISION=dot_precision(dtype, h.device),

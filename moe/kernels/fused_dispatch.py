@@ -25,12 +25,13 @@ find room. After the GEMM a one-program kernel acknowledges the epoch to every s
 
 Backward (`start_backward` on the owner, `finish_backward` on the source): a13 = x @ w13[e], which the forward GEMM
 stores when training (`finish(a13_out=...)`; recomputed otherwise), gives da13 = [da1 | da3] in one kernel
-(moe.kernels.swiglu_backward) and dw13 = x_e^T @ da13_e (torch); a persistent GEMM computes dx tiles =
-da13 @ w13[e]^T (= da1 @ w1[e]^T + da3 @ w3[e]^T: one k loop over 2 * ffn), tiles holding rows of remote sources
-first (rank + 1 first), stores each row at its source's permuted row in the source's gradient buffer and raises
-flag (owner, row tile, column block) in every rank. Each source knows from C which owner tile holds each of its
-rows, and sums every token's kept rows as their flags come up (FusedCombine's consumer kernel with unit weights);
-it then acknowledges the epoch to the owners, who wait for that before the next store.
+(moe.kernels.swiglu_backward) and dw13 = x_e^T @ da13_e (torch); a persistent GEMM (operands through TMA:
+moe.kernels.tma_tiles) computes dx tiles = da13 @ w13[e]^T (= da1 @ w1[e]^T + da3 @ w3[e]^T: one k loop over 2 *
+ffn), tiles holding rows of remote sources first (rank + 1 first), stores each row at its source's permuted row in
+the source's gradient buffer and raises flag (owner, row tile, column block) in every rank. Each source knows from C
+which owner tile holds each of its rows, and sums every token's kept rows as their flags come up (FusedCombine's
+consumer kernel with unit weights); it then acknowledges the epoch to the owners, who wait for that before the next
+store.
 
 Guards: receive rows are double-buffered by epoch parity, and a source stores epoch e only after the owner has
 acknowledged epoch e - 1 (peer_flags.consumer_released): the `received` view that `finish` returns stays valid
@@ -56,6 +57,7 @@ from moe.experts import _grouped_mm_works, group_ends, grouped_weight_grad, swig
 from moe.kernels.fused_combine import _weighted_unpermute_kernel, dot_precision
 from moe.kernels.swiglu_backward import swiglu_backward
 from moe.kernels.tile_order import grouped_tile
+from moe.kernels.tma_tiles import descriptor, transposed_weight_tile
 from moe.permute import Permutation
 
 PUSH_TILE_ELEMENTS = 8192  # elements a push program moves per step ([block_m, BLOCK_D]): 16-byte stores, no spills
@@ -254,22 +256,9 @@ def _gated_gemm_kernel(
         t = _next_tile(next_ptr, num_tiles)
 
 
-@triton.jit
-def _add_product_transposed(acc, a_rows, w_cols, row_mask, n_mask, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PRECISION: tl.constexpr):
-    """acc + a @ w^T for a tile: a_rows [BLOCK_M, 1] and w_cols [1, BLOCK_N] point at k = 0 of rows of length K."""
-    ks = tl.arange(0, BLOCK_K)
-    for k in range(0, K, BLOCK_K):
-        k_mask = k + ks < K
-        a = tl.load(a_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_cols + k + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    return acc
-
-
 @triton.jit(do_not_specialize=["num_row_tiles", "epoch", "tiles_per_rank", "num_tiles", "spin_limit"])
 def _gated_gemm_backward_kernel(
-    da13_ptr, w13_ptr,  # [rows, 2 * FFN] gradient of x @ w13[e], [L, D, 2 * FFN] weights
+    da13_desc, w13_desc,  # TMA descriptors: [rows, 2 * FFN] gradient of x @ w13[e], [L, D, 2 * FFN] weights
     tiles_ptr, num_row_tiles,  # the row tiles (ExpertLayout.gemm_tiles; walked in departure order)
     source_ptr, source_row_ptr, grad_ptrs, ready_ptrs, ack_ptr, error_ptr, next_ptr,
     rank, epoch, tiles_per_rank, num_tiles, spin_limit,
@@ -285,20 +274,18 @@ def _gated_gemm_backward_kernel(
         released = released & consumer_released(ack_ptr, s, epoch, spin_limit, error_ptr)
     t = _next_tile(next_ptr, num_tiles)
     while t < num_tiles:
-        mt, expert, _, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M, 4)
+        mt, expert, begin, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M, 4)
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = ns < D
-        g_at = rows.to(tl.int64)[:, None] * (2 * FFN)
-        w_at = expert * D * (2 * FFN) + ns[None, :] * (2 * FFN)  # w13[e]^T: column n of the tile is row n of w13[e]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc = _add_product_transposed(acc, da13_ptr + g_at, w13_ptr + w_at, row_mask, n_mask, 2 * FFN, BLOCK_K,
-                                      PRECISION)
+        for k in range(0, 2 * FFN, BLOCK_K):  # da13 was written by this rank's own kernels: TMA reads it
+            w = transposed_weight_tile(w13_desc, expert, col * BLOCK_N, k, BLOCK_N, BLOCK_K)
+            acc = tl.dot(da13_desc.load([begin.to(tl.int32), k]), w, acc, input_precision=PRECISION)
         source = tl.load(source_ptr + rows, mask=row_mask, other=0)
-        out = tl.load(grad_ptrs + source, mask=row_mask, other=0).to(tl.pointer_type(da13_ptr.dtype.element_ty))
+        out = tl.load(grad_ptrs + source, mask=row_mask, other=0).to(tl.pointer_type(da13_desc.dtype))
         out = tl.multiple_of(out, 16)  # symmetric buffers are aligned: vector stores
         at = tl.load(source_row_ptr + rows, mask=row_mask, other=0)[:, None] * D + ns[None, :]
-        tl.store(out[:, None] + at, acc.to(da13_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & n_mask[None, :] & released)
+        tl.store(out[:, None] + at, acc.to(da13_desc.dtype),
+                 mask=row_mask[:, None] & (ns < D)[None, :] & released)
         signal_ready(ready_ptrs, (rank * tiles_per_rank + mt) * n_tiles + col, epoch, WORLD)
         t = _next_tile(next_ptr, num_tiles)
 
@@ -325,7 +312,8 @@ def gemm_config(device: torch.device, dtype: torch.dtype, backward: bool = False
     """The gated GEMM's (and with backward=True its backward GEMM's) configuration. H200 bf16/fp16: 128 x 128
     tiles (the forward has two fp32 accumulators: gate and up); K loops from a sweep on one H200 (8192 tokens,
     d=2048, ffn=1408, 32 local experts, top-6; 2026-11-23, docs/benchmarks.md): the forward in k steps of 32 over
-    6 stages (1,122 us against 1,255 at 64 over 3), the backward in steps of 64 over 4 (1,203 against 1,382); fp32
+    6 stages (1,122 us against 1,255 at 64 over 3); the backward (TMA tiles) 128 x 256 in steps of 64 over 3
+    (2026-11-24: 946-958 us against 1,074-1,084 at 128 x 128 over 4 stages, 1,213-1,224 before TMA); fp32
     (IEEE, slow, for checks) k steps of 32 and 2 stages to fit in shared memory; the interpreter: tl.dot's
     minimum. The backward's flags and tables number its tiles: everything about them asks with backward=True."""
     if device.type != "cuda":
@@ -333,7 +321,7 @@ def gemm_config(device: torch.device, dtype: torch.dtype, backward: bool = False
     if dtype == torch.float32:
         return GemmConfig(128, 128, 32, num_warps=8, num_stages=2)
     if backward:
-        return GemmConfig(128, 128, 64, num_warps=8, num_stages=4)
+        return GemmConfig(128, 256, 64, num_warps=8, num_stages=3)
     return GemmConfig(128, 128, 32, num_warps=8, num_stages=6)
 
 
@@ -485,14 +473,15 @@ class FusedDispatch:
         _check_tile_rows(layout, cfg.block_m)
         tiles = layout.gemm_tiles
         num_tiles = tiles.shape[1] * triton.cdiv(self.d_model, cfg.block_n)
-        programs = self._gemm_programs(num_tiles)
-        _gated_gemm_backward_kernel[(programs,)](
-            da13, w13, tiles, tiles.shape[1], layout.recv_source_rank,
-            layout.recv_source_row, grad.peer_ptrs, ready.peer_ptrs, ack.local, self.errors.word,
-            self._tile_counter, self.rank, epoch, tiles_per_rank, num_tiles, self.spin_limit,
-            D=self.d_model, FFN=self.ffn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            WORLD=self.world, PRECISION=dot_precision(da13.dtype, da13.device),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if tiles.shape[1]:  # no row tiles: nothing to compute, store or flag
+            _gated_gemm_backward_kernel[(self._gemm_programs(num_tiles),)](
+                descriptor(da13, [cfg.block_m, cfg.block_k], "da13"),
+                descriptor(w13, [1, cfg.block_n, cfg.block_k], "w13"), tiles, tiles.shape[1],
+                layout.recv_source_rank, layout.recv_source_row, grad.peer_ptrs, ready.peer_ptrs, ack.local,
+                self.errors.word, self._tile_counter, self.rank, epoch, tiles_per_rank, num_tiles, self.spin_limit,
+                D=self.d_model, FFN=self.ffn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                WORLD=self.world, PRECISION=dot_precision(da13.dtype, da13.device),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return epoch, dw13
 
     def finish_backward(self, epoch: int, layout: ExpertLayout, perm: Permutation) -> torch.Tensor:
