@@ -3,9 +3,9 @@ with nothing to exchange) at issue 4's first config's per-rank GEMM work: 8192 t
 experts, top-6 (49,152 rows), bf16. Prints the fused gradients' error against bulk, the GPU kernel time per
 forward and forward+backward (torch profiler, 10 calls after warm-up, the 12 largest kernels; the share of the
 calls' span the GPU sat idle), the wall time per call (20 calls back to back; host time inside the calls; one call
-between CUDA events), where the host's time goes in a forward (cProfile, the project's functions), and the
-timeline of one forward in a back-to-back run: every top-level host op and GPU kernel with its start, length and
-the GPU's idle gap before it.
+between CUDA events), where the host's time goes in a forward and in a forward + backward (cProfile), and the
+timeline of one forward and of one forward + backward in a back-to-back run: every top-level host op and GPU
+kernel with its start, length and the GPU's idle gap before it.
 
     PYTHONPATH=. python scripts/one_gpu/moe_layer.py [errors] [kernels] [wall] [host] [timeline]   (default: all)
 
@@ -13,6 +13,7 @@ the GPU's idle gap before it.
 wall timing without zeroing the gradients between calls.)
 """
 import cProfile
+import itertools
 import pstats
 import statistics
 import sys
@@ -116,36 +117,38 @@ def wall():
 
 
 def host():
-    """Where the host's time goes in 20 forwards (cProfile)."""
-    for c, layer in layers.items():
-        for _ in range(3):
-            fwd(layer)
-        torch.cuda.synchronize()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(20):
-            fwd(layer)
-        torch.cuda.synchronize()
-        profiler.disable()
-        print(f"== host time of 20 forwards, {c} (cProfile): the project's functions, cumulative; then every function "
-              f"by its own time")
-        stats = pstats.Stats(profiler)
-        stats.sort_stats("cumulative").print_stats(r"moe/|fused_dlrm/", 25)
-        stats.sort_stats("tottime").print_stats(30)
+    """Where the host's time goes in 20 forwards, and in 20 forwards + backwards (cProfile)."""
+    for what, fn in (("forwards", fwd), ("forwards + backwards", fwd_bwd)):
+        for c, layer in layers.items():
+            for _ in range(3):
+                fn(layer)
+            torch.cuda.synchronize()
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(20):
+                fn(layer)
+            torch.cuda.synchronize()
+            profiler.disable()
+            print(f"== host time of 20 {what}, {c} (cProfile): the project's functions, cumulative; then every "
+                  f"function by its own time")
+            stats = pstats.Stats(profiler)
+            stats.sort_stats("cumulative").print_stats(r"moe/|fused_dlrm/", 25)
+            stats.sort_stats("tottime").print_stats(25)
 
 
 def timeline():
-    """One forward in a back-to-back run (the 3rd of 4 profiled calls), host ops (H: top-level ops, Triton's
-    launches among them) and GPU work (G) merged by start time, in us from the call's start; for G the GPU's
-    idle time since the previous kernel ended."""
-    for c, layer in layers.items():
+    """One forward, and one forward + backward, in a back-to-back run (the 3rd of 4 profiled calls), host ops (H:
+    top-level ops, Triton's launches among them) and GPU work (G) merged by start time, in us from the call's
+    start; for G the GPU's idle time since the previous kernel ended."""
+    for (what, fn), (c, layer) in itertools.product((("forward", fwd), ("forward + backward", fwd_bwd)),
+                                                    layers.items()):
         for _ in range(3):
-            fwd(layer)
+            fn(layer)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for i in range(4):
                 with torch.profiler.record_function(f"call {i}"):
-                    fwd(layer)
+                    fn(layer)
             torch.cuda.synchronize()
         events = prof.events()
         call = next(e for e in events if e.name == "call 2")
@@ -156,7 +159,7 @@ def timeline():
                      key=lambda e: e.time_range.start)  # (the record_function ranges appear on the GPU too)
         last_end = max((e.time_range.end for e in gpu if e.time_range.start < begin), default=begin)
         gpu = [("G", e) for e in gpu if begin <= e.time_range.start < next_call]
-        print(f"== timeline of one {c} forward: host call {(end - begin):.0f} us")
+        print(f"== timeline of one {c} {what}: host call {(end - begin):.0f} us")
         for kind, e in sorted(host + gpu, key=lambda ke: ke[1].time_range.start):
             start, length = e.time_range.start - begin, e.time_range.end - e.time_range.start
             gap = ""
