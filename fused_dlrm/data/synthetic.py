@@ -18,16 +18,13 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from fused_dlrm.data.batching import local_batch_bounds
+from fused_dlrm.kernels.bag_hash_means import HASH_MOD, bag_hash_means
 
 # Largest supported table: keeps ``index * multiplier`` of the row scramble (both < 2**31) inside int64.
 MAX_ROWS = 2**31
 # Knuth's multiplicative-hash prime (~2**32 / golden ratio). It is larger than MAX_ROWS, so it never
 # divides a table size and is therefore coprime with every allowed ``num_rows``: the scramble is a bijection.
 _SCRAMBLE_PRIME = 2654435761
-# Modulus of the teacher's integer hash: a Mersenne prime below 2**31, so products with the
-# 31-bit multipliers below stay inside int64.
-_HASH_MOD = 2**31 - 1
-_HASH_MULTIPLIERS = (1_103_515_245, 1_664_525_077, 2_038_074_743)
 
 # Teacher calibration: standard deviations of the dense and sparse parts of the logit (total ~1.6)
 # and the target positive rate (Criteo-like CTR).
@@ -137,7 +134,8 @@ class SyntheticCriteo:
         teacher_gen = torch.Generator().manual_seed(_derive_seed(seed, "teacher"))
         w_dense = torch.randn(num_dense, generator=teacher_gen, dtype=torch.float64)
         self._w_dense = (w_dense * (_DENSE_LOGIT_STD / w_dense.norm())).float()
-        self._hash_salt = _derive_seed(seed, "hash") % _HASH_MOD
+        self._hash_salt = _derive_seed(seed, "hash") % HASH_MOD
+        self._max_length = max(round(2 * m) for m in mean_pooling)  # the longest bag a batch can hold
         self._device_copies: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sparse_scale, self._bias = self._calibrate_teacher()
 
@@ -205,26 +203,10 @@ class SyntheticCriteo:
         values = (ranks * scramble_mult[feature_of_value] + scramble_offset[feature_of_value]) % rows
         return dense, lengths.flatten(), values
 
-    def _row_hash(self, features: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Deterministic hash of (feature, index) mapped to [-1, 1]; the teacher's per-row weight."""
-        a, b, c = _HASH_MULTIPLIERS
-        # Every intermediate stays below 2**31, so products with the 31-bit multipliers fit int64.
-        x = (values % _HASH_MOD * a + (features + 1) * b + self._hash_salt) % _HASH_MOD
-        x = x ^ (x >> 15)
-        x = (x * c + a) % _HASH_MOD
-        x = x ^ (x >> 13)
-        x = (x * b) % _HASH_MOD
-        return (x.double() * (2.0 / (_HASH_MOD - 1)) - 1.0).float()
-
     def _sparse_term(self, lengths: torch.Tensor, values: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """Sum over features of the mean row hash of each bag (empty bags contribute 0), shape ``[B]``."""
-        lengths = lengths.long()
-        bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths,
-                                               output_size=values.numel())
-        hashes = self._row_hash(bag_of_value // batch_size, values)
-        bag_sums = torch.zeros(lengths.numel(), device=lengths.device).index_add_(0, bag_of_value, hashes)
-        bag_means = bag_sums / lengths.clamp(min=1)
-        return bag_means.view(len(self.feature_names), batch_size).sum(dim=0)
+        """Sum over features of the mean row hash of each bag (empty bags contribute 0), shape ``[B]``: one
+        kernel on GPUs (fused_dlrm.kernels.bag_hash_means)."""
+        return bag_hash_means(lengths, values, batch_size, self._hash_salt, self._max_length)
 
     def _logits(self, dense: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         batch_size = dense.shape[0]
