@@ -155,7 +155,7 @@ class SyntheticCriteo:
         gen = torch.Generator().manual_seed(_derive_seed(self.seed, "calibration"))
         dense, lengths, values = self._sample_features(gen, _CALIBRATION_SAMPLES)
         dense_part = dense @ self._w_dense
-        sparse_part = self._sparse_term(lengths, values, _CALIBRATION_SAMPLES)
+        sparse_part = self._sparse_term(lengths, values, _CALIBRATION_SAMPLES, self._max_length)
         sparse_std = sparse_part.std().item()
         # A constant sparse term (e.g. every table has one row, or every bag is empty) is absorbed by the bias.
         sparse_scale = _SPARSE_LOGIT_STD / sparse_std if sparse_std > 1e-6 else 1.0
@@ -203,15 +203,17 @@ class SyntheticCriteo:
         values = (ranks * scramble_mult[feature_of_value] + scramble_offset[feature_of_value]) % rows
         return dense, lengths.flatten(), values
 
-    def _sparse_term(self, lengths: torch.Tensor, values: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """Sum over features of the mean row hash of each bag (empty bags contribute 0), shape ``[B]``: one
-        kernel on GPUs (fused_dlrm.kernels.bag_hash_means)."""
-        return bag_hash_means(lengths, values, batch_size, self._hash_salt, self._max_length)
+    def _sparse_term(self, lengths: torch.Tensor, values: torch.Tensor, batch_size: int,
+                     max_length: int) -> torch.Tensor:
+        """Sum over features of the mean row hash of each bag (empty bags contribute 0), shape ``[B]``; no bag
+        longer than ``max_length``. One kernel on GPUs (fused_dlrm.kernels.bag_hash_means)."""
+        return bag_hash_means(lengths, values, batch_size, self._hash_salt, max_length)
 
-    def _logits(self, dense: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def _logits(self, dense: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor,
+                max_length: int) -> torch.Tensor:
         batch_size = dense.shape[0]
         w_dense = self._on(dense.device)[1]
-        sparse = self._sparse_term(lengths, values, batch_size)
+        sparse = self._sparse_term(lengths, values, batch_size, max_length)
         return dense @ w_dense + self._sparse_scale * sparse + self._bias
 
     def teacher_logits(self, batch: Batch) -> torch.Tensor:
@@ -219,7 +221,9 @@ class SyntheticCriteo:
         kjt = batch.sparse_features
         if list(kjt.keys()) != self.feature_names:
             raise ValueError(f"batch has sparse features {kjt.keys()}, expected {self.feature_names}")
-        return self._logits(batch.dense_features, kjt.lengths(), kjt.values())
+        lengths = kjt.lengths()
+        longest = int(lengths.max()) if lengths.numel() else 0  # any batch's bags, not only this stream's
+        return self._logits(batch.dense_features, lengths, kjt.values(), longest)
 
     def batch(self, step: int) -> Batch:
         """This rank's slice of global batch ``step``: a function of (seed, split, step, rank, world_size)."""
@@ -229,7 +233,7 @@ class SyntheticCriteo:
             _derive_seed(self.seed, self.split, step, self.rank)
         )
         dense, lengths, values = self._sample_features(gen, self.local_batch_size)
-        probs = torch.sigmoid(self._logits(dense, lengths, values))
+        probs = torch.sigmoid(self._logits(dense, lengths, values, self._max_length))
         labels = torch.bernoulli(probs, generator=gen)
         # Not from_lengths_sync: its per-key value counts would be one more wait for the GPU.
         sparse = KeyedJaggedTensor(keys=self.feature_names, values=values, lengths=lengths.int(),

@@ -89,8 +89,8 @@ def _bag_hash_means_kernel(lengths_ptr, offsets_ptr, values_ptr, partial_ptr, ba
 
 def bag_hash_means(lengths: torch.Tensor, values: torch.Tensor, batch_size: int, salt: int,
                    max_length: int) -> torch.Tensor:
-    """bag_hash_means_reference's result (every bag at most max_length long): the kernel on GPUs, the torch
-    reference elsewhere."""
+    """bag_hash_means_reference's result: the kernel on GPUs, the torch reference elsewhere. No bag may be longer
+    than max_length (the kernel's loop bound; a longer bag's tail would be left out)."""
     if values.is_cuda:
         return launch_bag_hash_means(lengths, values, batch_size, salt, max_length)
     return bag_hash_means_reference(lengths, values, batch_size, salt)
