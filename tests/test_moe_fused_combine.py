@@ -243,6 +243,16 @@ def test_dot_precision_follows_torch_tf32_setting():
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
+def test_a_w2_the_backward_cannot_read_is_refused_in_the_forward():
+    """w2 rows of 6 fp32 (24 bytes): TMA, which the backward's grad_h GEMM reads w2 through, needs multiples of 16."""
+    counts = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]])
+    combine = FusedCombine(SimulatedWorld(2).workspaces()[0], 6, LOCAL, 2, 1000)
+    layout = build_expert_layout(counts, 0, LOCAL, tile_rows=combine.blocks.block_m, owner_tile_rows=16)
+    h = torch.randn(sum(layout.tokens_per_local_expert), 8)
+    with pytest.raises(ValueError, match="w2 .* through TMA"):
+        combine.start(h, torch.randn(LOCAL, 8, 6), layout)
+
+
 def test_a_layout_cut_into_other_tiles_is_refused():
     """The combine's flag slots number its own tiles (layout.send_tile): a layout cut for another tile size would
     make the consumers wait on the wrong flags."""

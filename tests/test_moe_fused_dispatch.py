@@ -286,6 +286,11 @@ def test_weights_must_be_one_contiguous_w13():
     for bad in (w.w13[0][:, :, :FFN], halves, w.w13[0].double()):
         with pytest.raises(ValueError, match="w13 must be a contiguous"):
             w.dispatch[0].finish(w.dispatch[0].start(xs[0], token_of_rows[0], layouts[0]), layouts[0], bad)
+    # Contiguous and of the right shape, but starting 4 bytes off a 16-byte boundary: the backward's TMA could not
+    # read it, so the forward refuses it.
+    shifted = torch.empty(w.w13[0].numel() + 1)[1:].view(w.w13[0].shape).copy_(w.w13[0])
+    with pytest.raises(ValueError, match="w13 .* through TMA"):
+        w.dispatch[0].finish(w.dispatch[0].start(xs[0], token_of_rows[0], layouts[0]), layouts[0], shifted)
 
 
 COMPILE_FOR_SM90 = """

@@ -20,11 +20,12 @@ import triton.language as tl
 
 HASH_MOD = 2**31 - 1  # a Mersenne prime below 2**31: products with the 31-bit multipliers stay inside int64
 HASH_MULTIPLIERS = (1_103_515_245, 1_664_525_077, 2_038_074_743)
+HASH_SCALE = 2.0 / (HASH_MOD - 1)  # maps [0, HASH_MOD - 1] onto [0, 2] (then shifted to [-1, 1])
 BLOCK_SAMPLES = 128
 FEATURES_PER_PROGRAM = 8
 _MOD = tl.constexpr(HASH_MOD)
 _A, _B, _C = (tl.constexpr(m) for m in HASH_MULTIPLIERS)
-_SCALE = tl.constexpr(2.0 / (HASH_MOD - 1))
+_SCALE = tl.constexpr(HASH_SCALE)
 
 
 def row_hash(features: torch.Tensor, values: torch.Tensor, salt: int) -> torch.Tensor:
@@ -36,7 +37,7 @@ def row_hash(features: torch.Tensor, values: torch.Tensor, salt: int) -> torch.T
     x = (x * c + a) % HASH_MOD
     x = x ^ (x >> 13)
     x = (x * b) % HASH_MOD
-    return (x.double() * (2.0 / (HASH_MOD - 1)) - 1.0).float()
+    return (x.double() * HASH_SCALE - 1.0).float()
 
 
 def bag_hash_means_reference(lengths: torch.Tensor, values: torch.Tensor, batch_size: int,

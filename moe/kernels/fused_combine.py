@@ -41,7 +41,7 @@ from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_
 from moe.expert_layout import ExpertLayout
 from moe.experts import grouped_weight_grad
 from moe.kernels.tile_order import grouped_tile
-from moe.kernels.tma_tiles import descriptor, transposed_weight_tile
+from moe.kernels.tma_tiles import descriptor, require_tma_readable, transposed_weight_tile
 from moe.permute import Permutation, unpermute
 
 # Per-call ints of the kernels here and in fused_dispatch are do_not_specialize: Triton specialises an int on == 1 and
@@ -345,6 +345,8 @@ class FusedCombine:
             raise ValueError(f"w2 {tuple(w2.shape)} {w2.dtype} does not fit h {tuple(h.shape)} {h.dtype}")
         if h.shape[0] != sum(layout.tokens_per_local_expert):
             raise ValueError(f"h has {h.shape[0]} rows; the layout gives {sum(layout.tokens_per_local_expert)}")
+        w2 = w2.contiguous()
+        require_tma_readable(w2, "w2")  # the backward reads it through TMA
         plan = self.prepare(layout, h.dtype)
         epoch = self.ws.next_epoch("combine")
         num_row_tiles = plan.tiles.shape[1]
@@ -353,7 +355,7 @@ class FusedCombine:
             grid = min(self.num_programs, num_row_tiles * self.num_col)
             block_k, stages = _gemm_steps(b, h.dtype, h.is_cuda)
             _expert_down_kernel[(grid,)](
-                h.contiguous(), w2.contiguous(), plan.tiles, plan.rows.peer_ptrs, plan.ready.peer_ptrs,
+                h.contiguous(), w2, plan.tiles, plan.rows.peer_ptrs, plan.ready.peer_ptrs,
                 plan.ack.local, self.errors.word, num_row_tiles, grid, epoch, self.spin_limit,
                 FFN=h.shape[1], D_MODEL=self.d_model, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=block_k,
                 OUT_DTYPE=TL_DTYPES[h.dtype], PRECISION=dot_precision(h.dtype, h.device),
@@ -429,11 +431,12 @@ class FusedCombine:
         b = self.blocks
         if tiles.shape[1]:
             block_k, stages = _gemm_steps(b, dtype, h.is_cuda)
+            w2_tiles = descriptor(w2.contiguous(), [1, b.block_n, block_k], "w2")
             _gradient_gemm_kernel[(tiles.shape[1] * triton.cdiv(ffn, b.block_n),)](
-                rows.local, descriptor(w2, [1, b.block_n, block_k], "w2"), grad_h, tiles, layout.recv_source_rank,
-                layout.recv_source_row, ready.local, self.errors.word, tiles.shape[1], slots, epoch,
-                self.spin_limit, FFN=ffn, D_MODEL=self.d_model, BLOCK_M=b.block_m, BLOCK_N=b.block_n,
-                BLOCK_K=block_k, BLOCK_R=b.block_rows, PRECISION=dot_precision(dtype, h.device),
+                rows.local, w2_tiles, grad_h, tiles, layout.recv_source_rank, layout.recv_source_row, ready.local,
+                self.errors.word, tiles.shape[1], slots, epoch, self.spin_limit, FFN=ffn, D_MODEL=self.d_model,
+                BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=block_k, BLOCK_R=b.block_rows,
+                PRECISION=dot_precision(dtype, h.device),
                 num_warps=b.gemm_warps, num_stages=stages)
         grad_w2 = grouped_weight_grad(h, g, sizes)  # stream order: after the kernel saw every row's flag
         _acknowledge_kernel[(1,)](ack.peer_ptrs, self.rank, epoch, WORLD=self.world)

@@ -57,7 +57,7 @@ from moe.experts import _grouped_mm_works, group_ends, grouped_weight_grad, swig
 from moe.kernels.fused_combine import _weighted_unpermute_kernel, dot_precision
 from moe.kernels.swiglu_backward import swiglu_backward
 from moe.kernels.tile_order import grouped_tile
-from moe.kernels.tma_tiles import descriptor, transposed_weight_tile
+from moe.kernels.tma_tiles import descriptor, require_tma_readable, transposed_weight_tile
 from moe.permute import Permutation
 
 PUSH_TILE_ELEMENTS = 8192  # elements a push program moves per step ([block_m, BLOCK_D]): 16-byte stores, no spills
@@ -337,6 +337,7 @@ def _check_w13(w13: torch.Tensor, L: int, d: int, ffn: int, dtype: torch.dtype) 
     if w13.shape != (L, d, 2 * ffn) or w13.dtype != dtype or not w13.is_contiguous():
         raise ValueError(f"w13 must be a contiguous [{L}, {d}, {2 * ffn}] of the rows' dtype {dtype}, got "
                          f"{tuple(w13.shape)} {w13.dtype}{'' if w13.is_contiguous() else ', not contiguous'}")
+    require_tma_readable(w13, "w13")  # its backward reads it through TMA
 
 
 class FusedDispatch:

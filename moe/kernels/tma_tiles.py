@@ -9,8 +9,8 @@ pointers after their flags: TMA reads go through the async proxy, and nothing he
 acquire.
 
 Descriptors are built on the host (no device scratch allocator to install). TMA needs a 16-byte aligned start, a
-contiguous last dim and 16-byte aligned row strides; `descriptor` raises naming the tensor where they are
-missing.
+contiguous last dim and 16-byte aligned row strides; `require_tma_readable` (which `descriptor` calls) raises
+naming the tensor where they are missing.
 """
 
 from __future__ import annotations
@@ -21,13 +21,19 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
-def descriptor(t: torch.Tensor, block_shape: list[int], what: str) -> TensorDescriptor:
-    """A TMA descriptor over t that loads blocks of block_shape."""
+def require_tma_readable(t: torch.Tensor, what: str) -> None:
+    """Raise, naming the tensor, unless TMA can read t. The forwards call it on the weights their backward will read
+    this way, so that bad shapes fail before any work is done."""
     size = t.element_size()
     if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
-        raise ValueError(f"{what} {tuple(t.shape)} {t.dtype} with strides {t.stride()}: the GEMM reads it through "
-                         "TMA, which needs a 16-byte aligned start, a contiguous last dim and rows whose length in "
-                         "bytes is a multiple of 16 (bf16 / fp16: a multiple of 8 elements)")
+        raise ValueError(f"{what} {tuple(t.shape)} {t.dtype} with strides {t.stride()}: the MoE backward reads it "
+                         "through TMA, which needs a 16-byte aligned start, a contiguous last dim and rows whose "
+                         "length in bytes is a multiple of 16 (bf16 / fp16: a multiple of 8 elements)")
+
+
+def descriptor(t: torch.Tensor, block_shape: list[int], what: str) -> TensorDescriptor:
+    """A TMA descriptor over t that loads blocks of block_shape."""
+    require_tma_readable(t, what)
     return TensorDescriptor.from_tensor(t, block_shape)
 
 
