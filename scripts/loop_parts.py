@@ -1,0 +1,117 @@
+"""Where a DLRM training step's wall time goes: `train.py`'s own loop, timed in its parts, without a profiler
+(a profiler's host overhead turns this loop host-bound and hides what binds it).
+
+    torchrun --nproc_per_node=2 scripts/loop_parts.py model=dlrm_paper comm=fused trainer.max_steps=150 ...
+
+Every rank prints, as medians over steps PARTS_START .. PARTS_START + PARTS_STEPS (environment; 60 and 60):
+- wall: host time from one step's start to the next's;
+- host: inside train_step (enqueueing forward, backward, optimizer), and outside it: next() (waiting for the batch
+  thread), the next batch's prefetch split into its host work before the header all-to-all, the wait for the
+  header (the one host sync of a step), and the rest of the input dist; after_step (log / eval cadence);
+- GPU (CUDA events on the main stream): from a step's first kernel to its last, and from there to the next step's
+  first (the main stream idle between steps, waiting for the host or for the prefetch's side stream).
+If wall ~ host inside + outside while the GPU's span is shorter, the host binds the step.
+The loop's functions are wrapped here (not changed): what runs is train.py's loop itself.
+"""
+import os
+import runpy
+import statistics
+import sys
+import time
+
+import torch
+
+import fused_dlrm.sparse.input_dist as input_dist
+import fused_dlrm.train.loop as loop
+from fused_dlrm.sparse.sharded_ebc import ShardedEmbeddingBagCollection
+from fused_dlrm.train.batches_ahead import BatchesAhead
+from fused_dlrm.train.schedule import TrainingRun
+
+START, STEPS = int(os.environ.get("PARTS_START", 60)), int(os.environ.get("PARTS_STEPS", 60))
+CUDA = torch.cuda.is_available()
+host = {k: [] for k in ("wall", "train_step", "outside", "next", "before_header", "header_wait", "prefetch",
+                        "after_step")}
+events = []  # (main-stream event at a step's start, at its end)
+state = {"step": 0, "last_start": None, "last_end": None, "prefetch_start": None}
+
+
+def measuring() -> bool:
+    return START <= state["step"] < START + STEPS
+
+
+def timed(key, function):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        result = function(*args, **kwargs)
+        if measuring():
+            host[key].append(time.perf_counter() - start)
+        return result
+    return wrapper
+
+
+def prefetch(self, features):
+    state["prefetch_start"] = time.perf_counter()
+    try:
+        return timed("prefetch", original_prefetch)(self, features)
+    finally:
+        state["prefetch_start"] = None
+
+
+def exchange_counts(*args, **kwargs):
+    """The header all-to-all; inside a prefetch, followed by the sync the input dist makes right after it."""
+    start = time.perf_counter()
+    recv = original_exchange_counts(*args, **kwargs)
+    if state["prefetch_start"] is not None and measuring():
+        if CUDA:
+            torch.cuda.current_stream().synchronize()
+        host["before_header"].append(start - state["prefetch_start"])
+        host["header_wait"].append(time.perf_counter() - start)
+    return recv
+
+
+def train_step(*args, **kwargs):
+    start = time.perf_counter()
+    if measuring() and state["last_end"] is not None:
+        host["outside"].append(start - state["last_end"])
+        host["wall"].append(start - state["last_start"])
+    state["last_start"] = start
+    began = ended = None
+    if CUDA:
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began.record()
+    loss = original_train_step(*args, **kwargs)
+    if measuring():
+        host["train_step"].append(time.perf_counter() - start)
+        if CUDA:
+            ended.record()
+            events.append((began, ended))
+    state["step"] += 1
+    state["last_end"] = time.perf_counter()
+    if state["step"] == START + STEPS:
+        report()
+    return loss
+
+
+def report() -> None:
+    ms = {k: statistics.median(v) * 1e3 if v else float("nan") for k, v in host.items()}
+    gpu = ""
+    if CUDA:
+        torch.cuda.synchronize()
+        span = statistics.median(b.elapsed_time(e) for b, e in events)
+        idle = statistics.median(events[i][1].elapsed_time(events[i + 1][0]) for i in range(len(events) - 1))
+        gpu = f" | GPU main stream: step span {span:.2f}, idle to the next step {idle:.2f}"
+    rest = ms["prefetch"] - ms["before_header"] - ms["header_wait"]
+    print(f"== rank {os.environ.get('RANK', 0)}, ms per step: wall {ms['wall']:.2f} | host: train_step "
+          f"{ms['train_step']:.2f}, outside {ms['outside']:.2f} (next() {ms['next']:.2f}, prefetch {ms['prefetch']:.2f}"
+          f" = before header {ms['before_header']:.2f} + header wait {ms['header_wait']:.2f} + rest {rest:.2f}, "
+          f"after_step {ms['after_step']:.2f}){gpu}", flush=True)
+
+
+original_train_step, loop.train_step = loop.train_step, train_step
+original_prefetch, ShardedEmbeddingBagCollection.prefetch = ShardedEmbeddingBagCollection.prefetch, prefetch
+original_exchange_counts, input_dist.exchange_counts = input_dist.exchange_counts, exchange_counts
+BatchesAhead.__next__ = timed("next", BatchesAhead.__next__)
+TrainingRun.after_step = timed("after_step", TrainingRun.after_step)
+sys.argv = ["train.py"] + sys.argv[1:]
+runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py"),
+               run_name="__main__")
