@@ -31,18 +31,19 @@ R 200 bench_embedding -m fused_dlrm.bench embedding --out $OUT/bench_embedding.j
 R 60 bench_embedding_nvshmem -m fused_dlrm.bench embedding --quick --transport nvshmem --out $OUT/bench_nvshmem.json
 R 300 bench_moe -m moe.bench --out $OUT/bench_moe.json
 R 200 bench_tp -m fused_dlrm.bench tp --out $OUT/bench_tp.json
-DLRM="model.num_rows=100000 model.embedding_dim=64 model.dense_arch=[512,256,64] model.over_arch=[512,256,1] data.global_batch_size=8192 data.train.mean_pooling=10 trainer.max_steps=300 trainer.log_every=50 trainer.eval_every=300 trainer.checkpoint_every=0 trainer.progress=false"
-MOE="model=moe_transformer trainer.max_steps=200 trainer.log_every=50 trainer.eval_every=200 trainer.checkpoint_every=0 trainer.progress=false"
+# Issue 6's two training configs; the DLRM loop timed in its parts (scripts/loop_parts.py: steps 60-119).
+DLRM="model=dlrm_paper trainer.max_steps=150 trainer.log_every=50 trainer.eval_every=150 trainer.checkpoint_every=0 trainer.progress=false"
+MOE="model=moe_transformer_finegrained model.precision=bf16 trainer.max_steps=30 trainer.log_every=5 trainer.eval_every=30 trainer.checkpoint_every=0 trainer.progress=false"
 for c in bulk fused; do
-  STEP=train R 120 dlrm_$c train.py comm=$c $DLRM hydra.run.dir=$OUT/dlrm_$c
-  STEP=train R 120 moe_$c train.py comm=$c $MOE hydra.run.dir=$OUT/moe_$c
+  STEP=train R 120 dlrm_$c scripts/loop_parts.py comm=$c $DLRM hydra.run.dir=$OUT/dlrm_$c
+  STEP=train R 150 moe_$c train.py comm=$c $MOE hydra.run.dir=$OUT/moe_$c
 done
 for f in $OUT/test_*.log; do [ -e "$f" ] || continue; echo "== $(basename $f)"; grep -E "PASSED|FAILED|ERROR|rc=" $f | cut -c1-160; done
 for f in bench_embedding bench_embedding_nvshmem bench_moe bench_tp; do
   [ -e $OUT/$f.log ] || continue; echo "== $f"; grep -vE "Warning|warn|^\s*$" $OUT/$f.log | tail -14
 done
 for c in bulk fused; do
-  [ -e $OUT/dlrm_$c.log ] && { echo "== dlrm $c"; grep -E "step (250|300) |auc|Error" $OUT/dlrm_$c.log | tail -3; }
-  [ -e $OUT/moe_$c.log ] && { echo "== moe $c"; grep -E "step (150|200) |Error" $OUT/moe_$c.log | tail -3; }
+  [ -e $OUT/dlrm_$c.log ] && { echo "== dlrm $c"; grep -E "== rank|step (100|150) |auc|Error" $OUT/dlrm_$c.log | cut -c1-330; }
+  [ -e $OUT/moe_$c.log ] && { echo "== moe $c"; grep -E "step (20|25|30) |Error" $OUT/moe_$c.log | cut -c1-160; }
 done
 exit 0
