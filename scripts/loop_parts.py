@@ -115,3 +115,6 @@ TrainingRun.after_step = timed("after_step", TrainingRun.after_step)
 sys.argv = ["train.py"] + sys.argv[1:]
 runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py"),
                run_name="__main__")
+if state["step"] < START + STEPS:  # no report printed: say why rather than end silently
+    sys.exit(f"loop_parts: the run took {state['step']} steps, fewer than PARTS_START + PARTS_STEPS = "
+             f"{START + STEPS}: raise trainer.max_steps or lower PARTS_START / PARTS_STEPS")

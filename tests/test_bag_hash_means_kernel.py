@@ -53,3 +53,12 @@ types = {"lengths_ptr": "*i64", "offsets_ptr": "*i64", "values_ptr": "*i64", "pa
 build(bhm._bag_hash_means_kernel, types,
       dict(MAX_LENGTH=20, BLOCK=bhm.BLOCK_SAMPLES, FEATURES=bhm.FEATURES_PER_PROGRAM))
 """)
+
+
+def test_int32_indices_hash_as_int64():
+    """The hash's products need int64: int32 indices (as a file's KJT may carry) are widened, not overflowed."""
+    gen = torch.Generator().manual_seed(9)
+    lengths = torch.randint(0, 5, (4 * 32,), generator=gen)
+    values = torch.randint(2**30, 2**31 - 1, (int(lengths.sum()),), generator=gen)
+    want = bhm.bag_hash_means(lengths, values, 32, 77, 4)
+    torch.testing.assert_close(bhm.bag_hash_means(lengths, values.int(), 32, 77, 4), want, rtol=0, atol=0)

@@ -155,7 +155,7 @@ class SyntheticCriteo:
         gen = torch.Generator().manual_seed(_derive_seed(self.seed, "calibration"))
         dense, lengths, values = self._sample_features(gen, _CALIBRATION_SAMPLES)
         dense_part = dense @ self._w_dense
-        sparse_part = self._sparse_term(lengths, values, _CALIBRATION_SAMPLES, self._max_length)
+        sparse_part = bag_hash_means(lengths, values, _CALIBRATION_SAMPLES, self._hash_salt, self._max_length)
         sparse_std = sparse_part.std().item()
         # A constant sparse term (e.g. every table has one row, or every bag is empty) is absorbed by the bias.
         sparse_scale = _SPARSE_LOGIT_STD / sparse_std if sparse_std > 1e-6 else 1.0
@@ -203,17 +203,13 @@ class SyntheticCriteo:
         values = (ranks * scramble_mult[feature_of_value] + scramble_offset[feature_of_value]) % rows
         return dense, lengths.flatten(), values
 
-    def _sparse_term(self, lengths: torch.Tensor, values: torch.Tensor, batch_size: int,
-                     max_length: int) -> torch.Tensor:
-        """Sum over features of the mean row hash of each bag (empty bags contribute 0), shape ``[B]``; no bag
-        longer than ``max_length``. One kernel on GPUs (fused_dlrm.kernels.bag_hash_means)."""
-        return bag_hash_means(lengths, values, batch_size, self._hash_salt, max_length)
-
     def _logits(self, dense: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor,
                 max_length: int) -> torch.Tensor:
+        """The teacher's logit; no bag longer than ``max_length``. Its sparse term, per sample the sum over features
+        of the bag's mean row hash, is one kernel on GPUs (fused_dlrm.kernels.bag_hash_means)."""
         batch_size = dense.shape[0]
         w_dense = self._on(dense.device)[1]
-        sparse = self._sparse_term(lengths, values, batch_size, max_length)
+        sparse = bag_hash_means(lengths, values, batch_size, self._hash_salt, max_length)
         return dense @ w_dense + self._sparse_scale * sparse + self._bias
 
     def teacher_logits(self, batch: Batch) -> torch.Tensor:

@@ -92,6 +92,7 @@ def bag_hash_means(lengths: torch.Tensor, values: torch.Tensor, batch_size: int,
                    max_length: int) -> torch.Tensor:
     """bag_hash_means_reference's result: the kernel on GPUs, the torch reference elsewhere. No bag may be longer
     than max_length (the kernel's loop bound; a longer bag's tail would be left out)."""
+    values = values.long()  # the hash's products need int64 (int32 indices would overflow, here and in torch)
     if values.is_cuda:
         return launch_bag_hash_means(lengths, values, batch_size, salt, max_length)
     return bag_hash_means_reference(lengths, values, batch_size, salt)
