@@ -49,18 +49,6 @@ def group_ends(counts: list[int], device: torch.device) -> torch.Tensor:
     return host_to_device([torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)], device)[0]
 
 
-def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """[groups, x cols, grad cols]: x_e^T @ grad_e per group of rows (zero for a group without rows)."""
-    if not x.shape[0]:
-        return x.new_zeros(len(counts), x.shape[1], grad.shape[1])
-    if x.is_cuda and _grouped_mm_works(x.device, x.dtype, x.shape[1], grad.shape[1]):
-        out = torch._grouped_mm(x.t(), grad, offs=group_ends(counts, x.device))
-        for e in (e for e, n in enumerate(counts) if n == 0):  # torch._grouped_mm leaves these unwritten
-            out[e].zero_()
-        return out
-    return torch.stack([a.t() @ g for a, g in zip(torch.split(x, counts), torch.split(grad, counts))])
-
-
 def probe_tolerance(dtype: torch.dtype, device: torch.device) -> float:
     """The relative error a right result of `dtype` GEMMs stays below: 1e-2 for a few roundings to the 8- or
     11-bit mantissas of bf16 / fp16, and to TF32's 10 bits (fp32 on GPUs that allow it, read when probed); 1e-4
@@ -129,18 +117,13 @@ class SwiGLUExperts(nn.Module):
         self.w13 = nn.Parameter(torch.stack(w13).to(dtype=dtype, device=device))
         self.w2 = nn.Parameter(torch.stack(w2).to(dtype=dtype, device=device))
 
-    def weights_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) in `dtype`, the parameters themselves when they have it (mixed precision casts them, and
-        autograd brings their gradients back in their own dtype)."""
-        return self.w13.to(dtype), self.w2.to(dtype)
-
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """x: [sum(tokens_per_expert), d_model], expert e's rows contiguous and in expert order. The experts
         compute in x's dtype (the weights are cast to it: mixed precision keeps them fp32)."""
         if len(tokens_per_expert) != self.num_experts or sum(tokens_per_expert) != x.shape[0]:
             raise ValueError(f"tokens_per_expert {tokens_per_expert} does not describe {self.num_experts} experts "
                              f"and {x.shape[0]} rows")
-        w13, w2 = self.weights_as(x.dtype)
+        w13, w2 = self.w13.to(x.dtype), self.w2.to(x.dtype)  # autograd casts the gradients back
         if x.is_cuda and _grouped_mm_works(x.device, x.dtype, self.w13.shape[1], self.w2.shape[1]):
             return _swiglu_grouped(x, tokens_per_expert, w13, w2)
         return _swiglu_loop(x, tokens_per_expert, w13, w2)

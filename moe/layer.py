@@ -102,7 +102,7 @@ class MoELayer(nn.Module):
             counts = gather_counts(perm.tokens_per_expert, self.group)  # [source, global expert]
             layout = build_expert_layout(counts, self.rank, self.num_local_experts, self.combine.blocks.block_m,
                                          gemm_config(x.device, x.dtype, backward=True).block_m)
-            y = _FusedExperts.apply(x, routing.weights, *self.experts.weights_as(x.dtype), self, layout, perm,
+            y = _FusedExperts.apply(x, routing.weights, self.experts.w13, self.experts.w2, self, layout, perm,
                                     torch.is_grad_enabled())
             recv_counts = counts[:, self.rank * self.num_local_experts:(self.rank + 1) * self.num_local_experts]
         else:
@@ -168,15 +168,20 @@ class _FusedExperts(torch.autograd.Function):
     tile for just those rows; FusedDispatch.start_backward stores the input-gradient tiles straight into the
     sources' buffers and finish_backward sums each token's rows as their flags arrive. The routing weights'
     gradient needs each row's expert output: the forward's consumer kept a copy.
+
+    The expert weights come in as the parameters and are cast to the rows' dtype here (mixed precision), so that
+    the weight-gradient GEMMs store their gradients in the parameters' dtype: no bf16 gradient for autograd to
+    cast back to fp32 in a pass of its own.
     """
 
     @staticmethod
-    def forward(ctx, x, weights, w13, w2, layer: MoELayer, layout: ExpertLayout, perm: Permutation,
+    def forward(ctx, x, weights, w13_param, w2_param, layer: MoELayer, layout: ExpertLayout, perm: Permutation,
                 grad_enabled: bool):
         # Inside forward grad mode is always off, and needs_input_grad ignores the caller's: under no_grad the
         # parameters still "need" a gradient, and the copies below would be made for a backward that never comes.
         needs_grad = [grad_enabled and needs for needs in ctx.needs_input_grad]
         training = any(needs_grad)
+        w13, w2 = w13_param.to(x.dtype), w2_param.to(x.dtype)  # the parameters themselves when of x's dtype
         # Training keeps GEMM 1's products (a13) for the SwiGLU gradient, as autograd keeps the bulk experts'.
         a13 = x.new_empty(sum(layout.tokens_per_local_expert), w13.shape[2]) if training else None
         received, h = layer.dispatch.finish(layer.dispatch.start(x, perm.token_of_row, layout), layout, w13,
@@ -189,7 +194,7 @@ class _FusedExperts(torch.autograd.Function):
         rows = x.new_empty(weights.numel(), x.shape[1]) if needs_grad[1] else None  # by assignment
         y = layer.combine.finish(epoch, layout, perm, weights, rows_out=rows)
         if training:
-            ctx.layer, ctx.layout, ctx.perm = layer, layout, perm
+            ctx.layer, ctx.layout, ctx.perm, ctx.weight_dtype = layer, layout, perm, w13_param.dtype
             ctx.save_for_backward(received, h, a13, rows, weights, w13, w2)
         return y
 
@@ -200,8 +205,8 @@ class _FusedExperts(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         grad_weights = routing_weights_grad(rows, grad_y, weights) if ctx.needs_input_grad[1] else None
         epoch = layer.combine.start_backward(grad_y.to(h.dtype), perm, weights, layout)
-        grad_h, grad_w2 = layer.combine.finish_backward(epoch, layout, h, w2)
-        epoch, grad_w13 = layer.dispatch.start_backward(grad_h, received, layout, w13, a13)
+        grad_h, grad_w2 = layer.combine.finish_backward(epoch, layout, h, w2, ctx.weight_dtype)
+        epoch, grad_w13 = layer.dispatch.start_backward(grad_h, received, layout, w13, a13, ctx.weight_dtype)
         grad_x = layer.dispatch.finish_backward(epoch, layout, perm)
         return grad_x, grad_weights, grad_w13, grad_w2, None, None, None, None
 

@@ -229,7 +229,7 @@ def test_kernels_compile_for_sm90():
 def test_dot_precision_follows_torch_tf32_setting():
     """fp32 products go through TF32 in the fused kernels exactly where torch's own fp32 GEMMs do (trainer.tf32):
     the bulk twin and the fused path then round alike."""
-    from moe.kernels.fused_combine import dot_precision
+    from fused_dlrm.kernels import dot_precision
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     before = torch.backends.cuda.matmul.allow_tf32
     try:

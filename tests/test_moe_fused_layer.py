@@ -72,7 +72,7 @@ def test_fused_needs_cuda_under_torchrun():
 def test_fused_layer_matches_bulk_under_autocast():
     """Mixed precision: the fused layer's kernels get 16-bit rows and 16-bit copies of the fp32 experts, as the
     bulk layer's GEMMs do; outputs and gradients agree to that rounding, and the fp32 weights get fp32
-    gradients. fp16 here: the Triton interpreter multiplies the bit patterns of bf16 `tl.dot` operands (values
+    gradients (the fused experts' unrounded). fp16 here: the Triton interpreter multiplies the bit patterns of bf16 `tl.dot` operands (values
     ~1e10; triton-lang/triton#11584, "not supported yet"), so bf16 is checked on GPUs only
     (tests/test_moe_fused_gpu.py, moe.bench)."""
     workspace = SimulatedWorld(1).workspaces()[0]
@@ -94,6 +94,10 @@ def test_fused_layer_matches_bulk_under_autocast():
     for g, want in zip(grads, want_grads):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, want, rtol=2e-2, atol=5e-2)
+    # The fused backward stores the expert weights' gradients in fp32; the bulk one's are 16-bit values cast back.
+    for layer, rounded in ((fused, False), (bulk, True)):
+        for g in (layer.experts.w13.grad, layer.experts.w2.grad):
+            assert torch.equal(g.half().float(), g) == rounded
 
 
 @interpreter

@@ -36,10 +36,10 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
-from fused_dlrm.kernels import TL_DTYPES
+from fused_dlrm.kernels import TL_DTYPES, dot_precision
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready
 from moe.expert_layout import ExpertLayout
-from moe.experts import grouped_weight_grad
+from moe.kernels.grouped_weight_grad import grouped_weight_grad
 from moe.kernels.tile_order import grouped_tile
 from moe.kernels.tma_tiles import descriptor, require_tma_readable, transposed_weight_tile
 from moe.permute import Permutation, unpermute
@@ -47,15 +47,6 @@ from moe.permute import Permutation, unpermute
 # Per-call ints of the kernels here and in fused_dispatch are do_not_specialize: Triton specialises an int on == 1 and
 # on % 16 == 0, so epoch 16 (or a new row count) would compile other variants in the middle of training (the 16th
 # forward of a layer took 840 ms on 2 x H200, 2026-11-23).
-
-
-def dot_precision(dtype: torch.dtype, device: torch.device) -> str | None:
-    """tl.dot's input precision: fp32 operands through TF32 where torch's own fp32 GEMMs use it (on GPUs with
-    torch.backends.cuda.matmul.allow_tf32, which trainer.tf32 sets), exact ("ieee") otherwise; None (Triton's
-    default) for fp16 / bf16."""
-    if dtype != torch.float32:
-        return None
-    return "tf32" if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 @dataclass
@@ -416,11 +407,11 @@ class FusedCombine:
                 OUT_DTYPE=TL_DTYPES[grad_y.dtype])
         return epoch
 
-    def finish_backward(self, epoch: int, layout: ExpertLayout, h: torch.Tensor, w2: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Owner side: (grad_h = g @ w2[e]^T [received rows, ffn], grad_w2 = h^T g [local experts, ffn, d_model])
-        for the received gradient rows g, each GEMM tile waiting for the flags of its rows; then the epoch is
-        acknowledged to every source."""
+    def finish_backward(self, epoch: int, layout: ExpertLayout, h: torch.Tensor, w2: torch.Tensor,
+                        weight_grad_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Owner side: (grad_h = g @ w2[e]^T [received rows, ffn], grad_w2 = h^T g [local experts, ffn, d_model]
+        in weight_grad_dtype, None: h's) for the received gradient rows g, each GEMM tile waiting for the flags of
+        its rows; then the epoch is acknowledged to every source."""
         if self._grad is None or self._grad[0] is not layout:
             raise RuntimeError("finish_backward must follow start_backward with the same layout")
         _, dtype, rows, ready, ack, slots, tiles = self._grad
@@ -438,7 +429,7 @@ class FusedCombine:
                 BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=block_k, BLOCK_R=b.block_rows,
                 PRECISION=dot_precision(dtype, h.device),
                 num_warps=b.gemm_warps, num_stages=stages)
-        grad_w2 = grouped_weight_grad(h, g, sizes)  # stream order: after the kernel saw every row's flag
+        grad_w2 = grouped_weight_grad(h, g, sizes, weight_grad_dtype)  # stream order: after the kernel saw every row's flag
         _acknowledge_kernel[(1,)](ack.peer_ptrs, self.rank, epoch, WORLD=self.world)
         self.errors.after_wait()
         return grad_h, grad_w2

@@ -48,13 +48,14 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import _Workspace
-from fused_dlrm.kernels import TL_DTYPES
+from fused_dlrm.kernels import TL_DTYPES, dot_precision
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready, wait_at_least
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from moe.expert_layout import ExpertLayout
-from moe.experts import _grouped_mm_works, group_ends, grouped_weight_grad, swiglu
-from moe.kernels.fused_combine import _weighted_unpermute_kernel, dot_precision
+from moe.experts import _grouped_mm_works, group_ends, swiglu
+from moe.kernels.fused_combine import _weighted_unpermute_kernel
+from moe.kernels.grouped_weight_grad import grouped_weight_grad
 from moe.kernels.swiglu_backward import swiglu_backward
 from moe.kernels.tile_order import grouped_tile
 from moe.kernels.tma_tiles import descriptor, require_tma_readable, transposed_weight_tile
@@ -86,15 +87,16 @@ def gated_gemm_reference(received: torch.Tensor, tokens_per_local_expert: list[i
 
 
 def gated_gemm_grads(received: torch.Tensor, tokens_per_local_expert: list[int], w13: torch.Tensor,
-                     dh: torch.Tensor, a13: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     dh: torch.Tensor, a13: torch.Tensor | None = None, weight_grad_dtype: torch.dtype | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(da13, dw13) for h = silu(a1) * a3, [a1 | a3] = a13 = x @ w13[e], given dh: a13 as the forward kept it, or
-    recomputed; SwiGLU's backward is one kernel, dw13[e] = x_e^T @ da13_e. The backward kernel turns da13 into
-    dx."""
+    recomputed; SwiGLU's backward is one kernel, dw13[e] = x_e^T @ da13_e (in weight_grad_dtype; None: the rows').
+    The backward kernel turns da13 into dx."""
     if a13 is None:
         with torch.no_grad():
             a13 = _gate_up(received, tokens_per_local_expert, w13)
     da13 = swiglu_backward(a13, dh)
-    return da13, grouped_weight_grad(received, da13, tokens_per_local_expert)
+    return da13, grouped_weight_grad(received, da13, tokens_per_local_expert, weight_grad_dtype)
 
 
 def _gate_up(x: torch.Tensor, sizes: list[int], w13: torch.Tensor) -> torch.Tensor:
@@ -459,16 +461,18 @@ class FusedDispatch:
 
     # -- backward: the rows' gradient goes back to its sources (a combine), summed over each token's k rows ----
     def start_backward(self, dh: torch.Tensor, received: torch.Tensor, layout: ExpertLayout, w13: torch.Tensor,
-                       a13: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+                       a13: torch.Tensor | None = None, weight_grad_dtype: torch.dtype | None = None
+                       ) -> tuple[int, torch.Tensor]:
         """Owner side: dh = dL/dh [recv_rows, ffn] and the forward's `received` rows (and its a13, which spares
-        recomputing GEMM 1) -> (epoch, dw13).
+        recomputing GEMM 1) -> (epoch, dw13), dw13 in weight_grad_dtype (None: the rows'; mixed precision asks
+        for its fp32 parameters' dtype).
         The kernel stores the rows' gradient da13 @ w13[e]^T straight into each source's
         gradient buffer at the row's permuted position, tiles for remote sources first. Every rank calls
         `start_backward` before any rank calls `finish_backward`."""
         self.errors.check()
         epoch = self.ws.next_epoch("moe_dispatch_grad")
         _check_w13(w13, self.num_local_experts, self.d_model, self.ffn, received.dtype)
-        da13, dw13 = gated_gemm_grads(received, layout.tokens_per_local_expert, w13, dh, a13)
+        da13, dw13 = gated_gemm_grads(received, layout.tokens_per_local_expert, w13, dh, a13, weight_grad_dtype)
         grad, ready, ack, tiles_per_rank = self._grad_buffers(layout, received.dtype)
         cfg = gemm_config(self.ws.device, received.dtype, backward=True)
         _check_tile_rows(layout, cfg.block_m)
