@@ -99,6 +99,8 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
                       items_per_step=cfg.data.global_batch_size, log_fields=log_fields, evaluate=run_eval,
                       save=checkpoint)
 
+    # plain values: the loop reads them every step, and a DictConfig attribute costs ~10 us of host time
+    max_steps, epochs, batches_ahead, prefetch = t.max_steps, t.epochs, t.batches_ahead, t.prefetch_input_dist
     copy_stream = None
     if env.device.type == "cuda":
         copy_stream = torch.cuda.Stream(env.device)
@@ -116,9 +118,9 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         """
         with torch.cuda.stream(copy_stream):
             epoch, batch = next(batches)
-            if not t.batches_ahead:
+            if not batches_ahead:
                 batch = to_device(batch, env.device)
-            if t.prefetch_input_dist and not done(epoch):
+            if prefetch and not done(epoch):
                 sparse.prefetch(batch.sparse_features)
         if copy_stream is not None:
             main = torch.cuda.current_stream()
@@ -127,11 +129,10 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         return epoch, batch
 
     def done(epoch: int) -> bool:
-        return ((t.max_steps is not None and run.step >= t.max_steps)
-                or (t.epochs is not None and epoch >= t.epochs))
+        return (max_steps is not None and run.step >= max_steps) or (epochs is not None and epoch >= epochs)
 
     batches = batch_stream(train_data, step, cfg.data.get("steps_per_epoch"))
-    with BatchesAhead(batches, env.device, t.batches_ahead) if t.batches_ahead else nullcontext(batches) as batches:
+    with BatchesAhead(batches, env.device, batches_ahead) if batches_ahead else nullcontext(batches) as batches:
         epoch, batch = next_batch()
         while not done(epoch):
             loss = train_step(model, optimizer, batch, env.world_size)

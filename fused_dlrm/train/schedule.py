@@ -83,7 +83,10 @@ class TrainingRun:
     def __init__(self, trainer: DictConfig, env: DistEnv, run_dir: Path, checkpoint_dir: Path, step: int, *,
                  items: str, items_per_step: int, log_fields: LogFields, evaluate: Callable[[int], dict],
                  save: Callable[[int], None], log: logging.Logger, loss_terms: int = 1):
-        self.trainer, self.env, self.checkpoint_dir, self.log = trainer, env, checkpoint_dir, log
+        self.env, self.checkpoint_dir, self.log = env, checkpoint_dir, log
+        # plain ints: read every step, and a DictConfig attribute costs ~10 us of host time
+        self.log_every, self.eval_every = trainer.log_every, trainer.eval_every
+        self.checkpoint_every = trainer.checkpoint_every
         self.items, self.items_per_step = items, items_per_step
         self.log_fields, self.evaluate, self.save = log_fields, evaluate, save
         self.step = self.saved_step = step
@@ -106,14 +109,14 @@ class TrainingRun:
     def after_step(self) -> None:
         """What this step's number calls for: a loss check (every log_every steps and before every checkpoint),
         a checkpoint, an evaluation."""
-        t, step = self.trainer, self.step
-        saving = bool(t.checkpoint_every) and step % t.checkpoint_every == 0
-        if step % t.log_every == 0 or saving:
+        step = self.step
+        saving = bool(self.checkpoint_every) and step % self.checkpoint_every == 0
+        if step % self.log_every == 0 or saving:
             self.check_loss()
         start = time.perf_counter()
         if saving:
             self.checkpoint()
-        if t.eval_every and step % t.eval_every == 0:
+        if self.eval_every and step % self.eval_every == 0:
             self.run_eval()
         self.interval_start += time.perf_counter() - start  # the interval times steps, not checkpoints or evals
 
@@ -123,7 +126,7 @@ class TrainingRun:
             self.check_loss()
         if (self.result.evals[-1]["step"] if self.result.evals else None) != self.step:
             self.run_eval()
-        if self.trainer.checkpoint_every and self.saved_step != self.step:
+        if self.checkpoint_every and self.saved_step != self.step:
             self.checkpoint()
         self.bar.close()
         self.result.step = self.step
