@@ -17,7 +17,8 @@ def test_dispatch_and_combine_addresses_are_inverse(world, local):
     counts = torch.randint(0, 5, (world, world * local), generator=gen)
     counts[0] = 0  # a rank with no tokens
     counts[:, -1] = 0  # an expert nobody routes to
-    layouts = [build_expert_layout(counts, r, local, tile_rows=4, owner_tile_rows=8) for r in range(world)]
+    layouts = [build_expert_layout(counts.to(DEVICE), r, local, tile_rows=4, owner_tile_rows=8)
+               for r in range(world)]
     for s, lay in enumerate(layouts):
         assert lay.send_dest_row.numel() == int(counts[s].sum())
         for i, (d, row) in enumerate(zip(lay.send_dest_rank.tolist(), lay.send_dest_row.tolist())):
@@ -28,7 +29,7 @@ def test_dispatch_and_combine_addresses_are_inverse(world, local):
         assert lay.max_send_rows == int(counts.sum(dim=1).max())
         # Receive order: (local expert, source rank, source row): the bulk layer's regrouped order.
         expert = torch.repeat_interleave(torch.arange(local), torch.tensor(lay.tokens_per_local_expert))
-        key = (expert * world + lay.recv_source_rank) * 1000 + lay.recv_source_row
+        key = (expert * world + lay.recv_source_rank.cpu()) * 1000 + lay.recv_source_row.cpu()
         assert torch.equal(key, torch.sort(key).values)
         for e in range(local):
             for s in range(world):
@@ -106,7 +107,7 @@ def test_per_row_tables_start_on_16_byte_boundaries():
     counts (odd counts here) would make the fused kernels compile new variants in the middle of training."""
     counts = torch.tensor([[3, 0, 5, 1], [2, 7, 0, 3]])
     for rank in range(2):
-        lay = build_expert_layout(counts, rank, 2, tile_rows=4, owner_tile_rows=8)
+        lay = build_expert_layout(counts.to(DEVICE), rank, 2, tile_rows=4, owner_tile_rows=8)
         for name in ("send_dest_rank", "send_dest_row", "send_tile", "send_owner_tile", "recv_source_rank",
                      "recv_source_row"):
             assert getattr(lay, name).data_ptr() % 16 == 0, (rank, name)
