@@ -72,9 +72,9 @@ def test_fused_needs_cuda_under_torchrun():
 def test_fused_layer_matches_bulk_under_autocast():
     """Mixed precision: the fused layer's kernels get 16-bit rows and 16-bit copies of the fp32 experts, as the
     bulk layer's GEMMs do; outputs and gradients agree to that rounding, and the fp32 weights get fp32
-    gradients (the fused experts' unrounded). fp16 here: the Triton interpreter multiplies the bit patterns of bf16 `tl.dot` operands (values
-    ~1e10; triton-lang/triton#11584, "not supported yet"), so bf16 is checked on GPUs only
-    (tests/test_moe_fused_gpu.py, moe.bench)."""
+    gradients (the fused experts' unrounded). fp16 here: the Triton interpreter multiplies the bit patterns of
+    bf16 `tl.dot` operands (values ~1e10; triton-lang/triton#11584, "not supported yet"), so bf16 is checked on
+    GPUs only (tests/test_moe_fused_gpu.py, moe.bench)."""
     workspace = SimulatedWorld(1).workspaces()[0]
     fused = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused", workspace=workspace)
     bulk = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED)

@@ -429,7 +429,8 @@ class FusedCombine:
                 BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=block_k, BLOCK_R=b.block_rows,
                 PRECISION=dot_precision(dtype, h.device),
                 num_warps=b.gemm_warps, num_stages=stages)
-        grad_w2 = grouped_weight_grad(h, g, sizes, weight_grad_dtype)  # stream order: after the kernel saw every row's flag
+        # stream order: after the kernel saw every row's flag
+        grad_w2 = grouped_weight_grad(h, g, sizes, weight_grad_dtype)
         _acknowledge_kernel[(1,)](ack.peer_ptrs, self.rank, epoch, WORLD=self.world)
         self.errors.after_wait()
         return grad_h, grad_w2

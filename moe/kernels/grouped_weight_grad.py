@@ -80,8 +80,9 @@ def launch_grouped_weight_grad(x: torch.Tensor, g: torch.Tensor, group_ends: tor
         raise ValueError(f"out {tuple(out.shape)} {out.dtype}: expected contiguous {(groups, m, n)} {out_dtype}")
     if groups:
         grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N), groups)
+        block_k = BLOCK_K * 2 // x.element_size()  # the same bytes per K step for 16- and 32-bit rows
         _grouped_weight_grad_kernel[grid](x, g, out, group_ends, M=m, N=n, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                          BLOCK_K=BLOCK_K * 2 // x.element_size(), PRECISION=dot_precision(x.dtype, x.device),
+                                          BLOCK_K=block_k, PRECISION=dot_precision(x.dtype, x.device),
                                           OUT_DTYPE=TL_DTYPES[out_dtype], INTERPRETED=interpreting(),
                                           num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
