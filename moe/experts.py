@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fused_dlrm.dist.host_copy import host_to_device
+from moe.kernels.grouped_weight_grad import grouped_weight_grad_reference, launch_grouped_weight_grad
+from moe.kernels.swiglu_backward import swiglu_backward
 
 
 def swiglu(a13: torch.Tensor) -> torch.Tensor:
@@ -24,24 +26,66 @@ def _swiglu_loop(x: torch.Tensor, counts: list[int], w13, w2) -> torch.Tensor:
     return torch.cat([swiglu(rows @ w13[e]) @ w2[e] for e, rows in enumerate(torch.split(x, counts))])
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous: torch._grouped_mm's backward rejects the expanded
-    (stride 0) gradients that e.g. out.sum() produces."""
+class _GroupedSwiGLU(torch.autograd.Function):
+    """The experts through torch._grouped_mm (the bulk path on GPUs): two GEMMs for all experts, gate and up in
+    one. The weights come in as the parameters and are cast to the rows' dtype here, so that the weight gradients
+    are stored in the parameters' dtype by their GEMM (`_weight_grad`), with no cast pass for autograd to add:
+    the same arithmetic as the fused layer's backward (moe/layer.py, _FusedExperts), so that bulk against fused
+    times the communication, not a difference in compute. SwiGLU's backward is one kernel, as there."""
 
     @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
+    def forward(ctx, x, w13_param, w2_param, counts: list[int]):
+        offs = group_ends(counts, x.device)
+        w13, w2 = w13_param.to(x.dtype), w2_param.to(x.dtype)  # the parameters themselves when of x's dtype
+        a13 = torch._grouped_mm(x, w13, offs=offs)
+        h = swiglu(a13)
+        ctx.counts, ctx.weight_dtype = counts, w13_param.dtype
+        ctx.save_for_backward(x, a13, h, w13, w2, offs)
+        return torch._grouped_mm(h, w2, offs=offs)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.contiguous()
+        x, a13, h, w13, w2, offs = ctx.saved_tensors
+        grad = grad.contiguous()  # e.g. out.sum()'s gradient is expanded (stride 0)
+        da13 = swiglu_backward(a13, torch._grouped_mm(grad, w2.transpose(1, 2), offs=offs))
+        grad_x = torch._grouped_mm(da13, w13.transpose(1, 2), offs=offs)
+        grad_w13 = _weight_grad(x, da13, offs, ctx.counts, ctx.weight_dtype)
+        grad_w2 = _weight_grad(h, grad, offs, ctx.counts, ctx.weight_dtype)
+        return grad_x, grad_w13, grad_w2, None
 
 
 def _swiglu_grouped(x: torch.Tensor, counts: list[int], w13, w2) -> torch.Tensor:
-    """The same with torch._grouped_mm: two kernels for all experts, gate and up in one (offs = group ends)."""
+    """The experts through torch._grouped_mm (weights of any dtype: they are cast to x's)."""
+    return _GroupedSwiGLU.apply(x, w13, w2, counts)
+
+
+def _weight_grad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor, counts: list[int],
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """x_e^T @ grad_e per group (offs: group ends on x's device) in out_dtype, where torch._grouped_mm runs:
+    torch._grouped_mm when it stores that dtype (it was ~1.2x faster than the kernel, M3), the kernel otherwise
+    (mixed precision's fp32 gradients from bf16 rows)."""
+    if out_dtype != x.dtype:
+        return launch_grouped_weight_grad(x.contiguous(), grad.contiguous(), offs, out_dtype)
+    if not x.shape[0]:
+        return x.new_zeros(len(counts), x.shape[1], grad.shape[1])
+    out = torch._grouped_mm(x.t(), grad, offs=offs)
+    for e in (e for e, n in enumerate(counts) if n == 0):  # torch._grouped_mm leaves these unwritten
+        out[e].zero_()
+    return out
+
+
+def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: list[int], out_dtype: torch.dtype | None = None
+                        ) -> torch.Tensor:
+    """[groups, x cols, grad cols] of out_dtype (None: x's): x_e^T @ grad_e per group of `counts` rows (zero for a
+    group without rows). On GPUs as the bulk experts' backward takes it (`_weight_grad`), the kernel where
+    torch._grouped_mm does not run; the float64 reference elsewhere (the tests' CPU path)."""
+    out_dtype = out_dtype or x.dtype
+    if not x.is_cuda:
+        return grouped_weight_grad_reference(x, grad, counts).to(out_dtype)
     offs = group_ends(counts, x.device)
-    h = swiglu(torch._grouped_mm(x, w13, offs=offs))
-    return _ContiguousGrad.apply(torch._grouped_mm(h, w2, offs=offs))
+    if _grouped_mm_works(x.device, x.dtype, x.shape[1], grad.shape[1]):
+        return _weight_grad(x, grad, offs, counts, out_dtype)
+    return launch_grouped_weight_grad(x.contiguous(), grad.contiguous(), offs, out_dtype)
 
 
 def group_ends(counts: list[int], device: torch.device) -> torch.Tensor:
@@ -123,10 +167,10 @@ class SwiGLUExperts(nn.Module):
         if len(tokens_per_expert) != self.num_experts or sum(tokens_per_expert) != x.shape[0]:
             raise ValueError(f"tokens_per_expert {tokens_per_expert} does not describe {self.num_experts} experts "
                              f"and {x.shape[0]} rows")
-        w13, w2 = self.w13.to(x.dtype), self.w2.to(x.dtype)  # autograd casts the gradients back
         if x.is_cuda and _grouped_mm_works(x.device, x.dtype, self.w13.shape[1], self.w2.shape[1]):
-            return _swiglu_grouped(x, tokens_per_expert, w13, w2)
-        return _swiglu_loop(x, tokens_per_expert, w13, w2)
+            return _swiglu_grouped(x, tokens_per_expert, self.w13, self.w2)
+        # autograd casts the gradients back to the parameters' dtype
+        return _swiglu_loop(x, tokens_per_expert, self.w13.to(x.dtype), self.w2.to(x.dtype))
 
 
 def expert_seed(seed: int, expert: int) -> int:

@@ -1,7 +1,10 @@
-"""The torch._grouped_mm probe of the SwiGLU experts: its tolerance, and the probe itself where the CPU runs
-torch._grouped_mm (the GPU answers the same question with the same code)."""
+"""The SwiGLU experts: the torch._grouped_mm probe (its tolerance, and the probe itself where the CPU runs
+torch._grouped_mm: the GPU answers the same question with the same code), the torch._grouped_mm path's outputs and
+gradients against float64 (on the CPU in the interpreter, and on a GPU), the seeded weights."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -53,6 +56,12 @@ def test_wrong_results_fail():
     assert matches_reference(_swiglu_loop(x.float(), [4, 2], *(w.float() for w in ws)), want, single)
 
 
+# The torch._grouped_mm path's backward launches Triton kernels (SwiGLU's backward, the weight gradients): on CPU
+# tensors only the interpreter runs them.
+cpu_grouped_mm_path = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                         reason="CPU tensors: Triton runs them in its interpreter")
+
+
 def _cpu_grouped_mm() -> bool:
     try:
         torch._grouped_mm(torch.ones(2, 16, dtype=torch.bfloat16), torch.ones(1, 16, 16, dtype=torch.bfloat16),
@@ -62,6 +71,7 @@ def _cpu_grouped_mm() -> bool:
     return True
 
 
+@cpu_grouped_mm_path
 @pytest.mark.skipif(not _cpu_grouped_mm(), reason="this torch has no torch._grouped_mm on the CPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_probe_accepts_a_working_grouped_mm_and_rejects_a_wrong_or_failing_one(dtype, monkeypatch):
@@ -94,3 +104,57 @@ def test_w13_holds_each_experts_seeded_w1_then_w3_and_a_slice_equals_the_whole()
         w2 = torch.randn(ffn, d_model, generator=gen, dtype=torch.float64) / ffn ** 0.5
         assert torch.equal(whole.w13[e], torch.cat([w1, w3], dim=1)) and torch.equal(whole.w2[e], w2)
     assert torch.equal(part.w13, whole.w13[2:]) and torch.equal(part.w2, whole.w2[2:])
+
+
+def experts_case(rows_dtype, param_dtype, counts, d_model=32, ffn=24, seed=0):
+    """Rows, parameters (leaves) and an output gradient; the float64 loop's output and gradients from the same
+    rounded inputs (the weights as the experts compute with them: cast to the rows' dtype)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(counts), d_model, generator=gen).to(rows_dtype).requires_grad_()
+    params = [(torch.randn(len(counts), a, b, generator=gen) / a ** 0.5).to(param_dtype).requires_grad_()
+              for a, b in ((d_model, 2 * ffn), (ffn, d_model))]
+    grad = torch.randn(sum(counts), d_model, generator=gen).to(rows_dtype)
+    inputs = [t.detach().to(rows_dtype).double().requires_grad_() for t in (x, *params)]
+    _swiglu_loop(inputs[0], counts, *inputs[1:]).backward(grad.double())
+    want = [_swiglu_loop(*(t.detach() for t in inputs[:1]), counts, *(t.detach() for t in inputs[1:]))]
+    return x, params, grad, want + [t.grad for t in inputs]
+
+
+@cpu_grouped_mm_path
+@pytest.mark.skipif(not _cpu_grouped_mm(), reason="this torch has no torch._grouped_mm on the CPU")
+@pytest.mark.parametrize("rows_dtype,param_dtype,tol", [
+    (torch.float16, torch.float32, 1e-2),  # mixed precision (fp16: the interpreter's dots cannot take bf16)
+    (torch.bfloat16, torch.bfloat16, 2e-2),  # torch._grouped_mm's weight gradients
+    (torch.float32, torch.float32, 1e-4)])
+def test_grouped_experts_match_float64_with_gradients_in_the_parameters_dtype(rows_dtype, param_dtype, tol):
+    """The bulk experts' torch._grouped_mm path (the CPU runs it here; the GPU the same code), its backward one
+    SwiGLU kernel and the weight-gradient GEMMs: outputs and every gradient against the float64 loop, uneven
+    experts and one without rows; the weight gradients come out in the parameters' dtype, unrounded."""
+    counts = [5, 0, 11, 3]
+    x, params, grad, want = experts_case(rows_dtype, param_dtype, counts)
+    out = experts._swiglu_grouped(x, counts, *params)
+    out.backward(grad)
+    got = [out, x.grad, *(p.grad for p in params)]
+    assert [t.dtype for t in got] == [rows_dtype, rows_dtype, param_dtype, param_dtype]
+    for g, w in zip(got, want):
+        assert matches_reference(g, w, tol)
+    assert not params[0].grad[1].any() and not params[1].grad[1].any()  # the expert without rows
+    if param_dtype != rows_dtype:  # stored by the GEMM in fp32, not a bf16 result cast back
+        assert not torch.equal(params[1].grad, params[1].grad.to(rows_dtype).to(param_dtype))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_experts_on_gpu_take_grouped_mm_with_fp32_weight_gradients():
+    counts = [700, 0, 1, 257, 3000, 64, 0, 129]  # skewed, two experts without rows
+    x, params, grad, want = experts_case(torch.bfloat16, torch.float32, counts, d_model=256, ffn=192)
+    layer = SwiGLUExperts(len(counts), 256, 192, device="cuda")
+    with torch.no_grad():
+        layer.w13.copy_(params[0]), layer.w2.copy_(params[1])
+    x = x.detach().cuda().requires_grad_()
+    out = layer(x, counts)
+    out.backward(grad.cuda())
+    assert experts._grouped_mm_works(x.device, torch.bfloat16, 256, 192)
+    for g, w in zip([out, x.grad, layer.w13.grad, layer.w2.grad], want):
+        assert matches_reference(g.cpu(), w, 2e-2)
+    assert layer.w2.grad.dtype == torch.float32
+    assert not torch.equal(layer.w2.grad, layer.w2.grad.bfloat16().float())

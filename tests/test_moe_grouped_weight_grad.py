@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from moe.kernels.grouped_weight_grad import (BLOCK_K, grouped_weight_grad, grouped_weight_grad_reference,
-                                             launch_grouped_weight_grad)
+from moe.experts import grouped_weight_grad
+from moe.kernels.grouped_weight_grad import BLOCK_K, grouped_weight_grad_reference, launch_grouped_weight_grad
 from sm90 import compile_for_sm90
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")

@@ -39,7 +39,7 @@ from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels import TL_DTYPES, dot_precision
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready
 from moe.expert_layout import ExpertLayout
-from moe.kernels.grouped_weight_grad import grouped_weight_grad
+from moe.experts import grouped_weight_grad
 from moe.kernels.tile_order import grouped_tile
 from moe.kernels.tma_tiles import descriptor, require_tma_readable, transposed_weight_tile
 from moe.permute import Permutation, unpermute

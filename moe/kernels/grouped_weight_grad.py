@@ -20,7 +20,6 @@ import triton.language as tl
 
 from fused_dlrm.kernels import TL_DTYPES, dot_precision
 from fused_dlrm.kernels.launch import interpreting
-from moe.experts import _grouped_mm_works, group_ends
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64  # BLOCK_K for 16-bit rows; fp32 rows take half (shared memory)
 NUM_WARPS, NUM_STAGES = 8, 3
@@ -86,22 +85,3 @@ def launch_grouped_weight_grad(x: torch.Tensor, g: torch.Tensor, group_ends: tor
                                           OUT_DTYPE=TL_DTYPES[out_dtype], INTERPRETED=interpreting(),
                                           num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
-
-
-def grouped_weight_grad(x: torch.Tensor, grad: torch.Tensor, counts: list[int], out_dtype: torch.dtype | None = None
-                        ) -> torch.Tensor:
-    """[groups, x cols, grad cols] of out_dtype (None: x's): x_e^T @ grad_e per group of `counts` rows (zero for a
-    group without rows). On GPUs torch._grouped_mm where it runs and stores that dtype (it was ~1.2x faster than
-    the kernel here, M3), the kernel otherwise (mixed precision's fp32 gradients from bf16 rows); the float64
-    reference elsewhere (the tests' CPU path)."""
-    out_dtype = out_dtype or x.dtype
-    if x.is_cuda and out_dtype == x.dtype and _grouped_mm_works(x.device, x.dtype, x.shape[1], grad.shape[1]):
-        if not x.shape[0]:
-            return x.new_zeros(len(counts), x.shape[1], grad.shape[1])
-        out = torch._grouped_mm(x.t(), grad, offs=group_ends(counts, x.device))
-        for e in (e for e, n in enumerate(counts) if n == 0):  # torch._grouped_mm leaves these unwritten
-            out[e].zero_()
-        return out
-    if x.is_cuda:
-        return launch_grouped_weight_grad(x.contiguous(), grad.contiguous(), group_ends(counts, x.device), out_dtype)
-    return grouped_weight_grad_reference(x, grad, counts).to(out_dtype)

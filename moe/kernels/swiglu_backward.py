@@ -10,10 +10,9 @@ in a13's dtype.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from moe.experts import swiglu
 
 BLOCK_ROWS = 16
 BLOCK_COLS = 128  # of one half: 256 contiguous bytes of a bf16 row per load
@@ -37,10 +36,11 @@ def _swiglu_backward_kernel(a13_ptr, dh_ptr, da13_ptr, rows, FFN: tl.constexpr, 
 
 
 def swiglu_backward_reference(a13: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
-    """torch autograd of moe.experts.swiglu in float64."""
+    """torch autograd of silu(gate) * up (moe.experts.swiglu) in float64."""
     a13 = a13.double().requires_grad_()
     with torch.enable_grad():
-        da13, = torch.autograd.grad(swiglu(a13), a13, dh.double())
+        gate, up = a13.chunk(2, dim=-1)
+        da13, = torch.autograd.grad(F.silu(gate) * up, a13, dh.double())
     return da13
 
 
