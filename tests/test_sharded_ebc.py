@@ -127,3 +127,35 @@ def test_fused_comm_is_refused_clearly_where_it_cannot_run(monkeypatch):
     for transport in ("p2p", "nvshmem"):
         with pytest.raises(RuntimeError, match="comm=fused needs CUDA GPUs under torchrun"):
             ShardedEmbeddingBagCollection(tables, opt, comm=FusedCommConfig(transport=transport))
+
+
+def _headers_exchanged_ahead(rank: int, world: int) -> None:
+    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig()).eval()
+    keys = [f for t in TABLES for f in t.feature_names]
+    start, stop = local_batch_bounds(6, rank, world)
+    batches = [global_batch(step, 6, TABLES, False) for step in range(3)]
+    kjts = [to_kjt(keys, lengths, values, None, start, stop) for lengths, values, _ in batches]
+    expected = [sharded(kjt).values() for kjt in kjts]
+    # The loop's order: prefetch batch i, start batch i + 1's header, forward batch i.
+    sharded.prefetch(kjts[0])
+    sharded.prefetch_header(kjts[1])
+    torch.testing.assert_close(sharded(kjts[0]).values(), expected[0], rtol=0, atol=0)
+    sharded.prefetch(kjts[1])  # its header went ahead
+    sharded.prefetch_header(kjts[2])
+    torch.testing.assert_close(sharded(kjts[1]).values(), expected[1], rtol=0, atol=0)
+    sharded.prefetch(kjts[0])  # not the batch whose header went ahead: exchanged whole (batch 2's is dropped)
+    torch.testing.assert_close(sharded(kjts[0]).values(), expected[0], rtol=0, atol=0)
+
+    # A bad batch whose header went ahead raises at its prefetch, on every rank, and not before.
+    lengths, values, _ = batches[2]
+    values[2][-1] = 57  # f2 reads t1, which has 57 rows
+    culprit = int(lengths[2].nonzero().max()) >= local_batch_bounds(6, 1, world)[0]  # the sample is rank 1's
+    bad = to_kjt(keys, lengths, values, None, start, stop)
+    sharded.prefetch_header(bad)
+    message = "feature 'f2' has index 57" if rank == int(culprit) else r"rank\(s\) \[%d\] sent out-of-range" % culprit
+    with pytest.raises(IndexError, match=message):
+        sharded.prefetch(bad)
+
+
+def test_headers_exchanged_a_step_ahead_give_the_same_bags_and_errors():
+    run_world(2, _headers_exchanged_ahead)

@@ -80,6 +80,21 @@ class _KeyPlan:
     recv_order: torch.Tensor  # received (source, feature) segments in (feature, source) order
 
 
+@dataclass
+class PendingHeader:
+    """A batch whose header all-to-all is under way (`BulkInputDist.start`): what `finish` needs of it."""
+
+    kjt: KeyedJaggedTensor
+    plan: _KeyPlan | None
+    key_problem: str
+    lengths: torch.Tensor | None  # [keys, local batch] int64
+    counts: torch.Tensor | None  # values per key
+    limit: torch.Tensor | None  # each value's table size
+    recv: torch.Tensor  # the headers received, on the device
+    both: torch.Tensor  # the headers sent and received; in pinned host memory on GPUs
+    ready: torch.cuda.Event | None  # recorded after the copy into `both` (GPUs)
+
+
 class BulkInputDist:
     """Table-wise input distribution with torch.distributed all-to-alls (gloo on CPU, NCCL on GPU).
 
@@ -124,9 +139,15 @@ class BulkInputDist:
         return plan, ""
 
     def __call__(self, kjt: KeyedJaggedTensor) -> OwnedBags:
+        return self.finish(self.start(kjt))
+
+    def start(self, kjt: KeyedJaggedTensor) -> PendingHeader:
+        """The header all-to-all of a batch, and its copy to the host, enqueued; nothing waits. `finish` does the
+        rest, on the same stream, any time later: a batch's header can be exchanged a step before its values."""
         world, device = len(self.features_of_rank), kjt.values().device
         keys, values, local_batch = list(kjt.keys()), kjt.values(), kjt.stride()
         plan, key_problem = self._plan(keys, device)
+        lengths = None
         if plan is None:  # no plan for these keys: send a header that only says so, as every rank must
             header = torch.zeros(world, _FIRST_COUNT + self.width, dtype=torch.int64, device=device)
             header[:, _BAD_KEYS] = 1
@@ -145,9 +166,23 @@ class BulkInputDist:
             padded = torch.cat([counts, counts.new_zeros(1)])
             header = torch.cat([header_start.expand(world, _FIRST_COUNT), padded[plan.header_keys]], dim=1)
         recv = exchange_counts(header, self.group)
-        both = torch.cat([header, recv]).tolist()  # the host sync
+        both, ready = torch.cat([header, recv]), None
+        if both.is_cuda:  # into pinned memory without waiting; `finish` waits for this event instead
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            both, ready = host, torch.cuda.Event()
+            ready.record()
+        return PendingHeader(kjt, plan, key_problem, lengths, counts, limit, recv, both, ready)
+
+    def finish(self, pending: PendingHeader) -> OwnedBags:
+        """The rest of `start`'s batch: its checks, then lengths, values and weights exchanged and regrouped."""
+        kjt, plan, lengths, counts, recv = pending.kjt, pending.plan, pending.lengths, pending.counts, pending.recv
+        world, values, local_batch = len(self.features_of_rank), kjt.values(), kjt.stride()
+        if pending.ready is not None:
+            pending.ready.synchronize()
+        both = pending.both.tolist()  # the host sync (none left when the event above has long passed)
         sent_header, recv_header = both[:world], both[world:]
-        self._raise_for_bad_input(recv_header, kjt, key_problem, counts, limit)
+        self._raise_for_bad_input(recv_header, kjt, pending.key_problem, counts, pending.limit)
 
         mine = self.features_of_rank[self.rank]
         batch_sizes = [row[_BATCH] for row in recv_header]

@@ -90,7 +90,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                             {n: m.weight.data for n, m in self.embedding_bags.items()},
                                             optimizer, device)
         self.output_dist = BulkOutputDist(dims_of_rank, _column_order(tables, features_of_rank), group)
-        self._prefetched: tuple[KeyedJaggedTensor, object] | None = None
+        self._prefetched: tuple[KeyedJaggedTensor, object, torch.cuda.Event | None] | None = None
+        self._pending_header: tuple[KeyedJaggedTensor, object] | None = None
         self._side_stream = None
         self.fused = None
         if comm is not None:
@@ -110,30 +111,50 @@ class ShardedEmbeddingBagCollection(nn.Module):
         values = divide_gradient_like_torchrec(values, self.world_size)
         return KeyedTensor(keys=self.feature_names, length_per_key=self._feature_dims, values=values, key_dim=1)
 
+    def prefetch_header(self, features: KeyedJaggedTensor) -> None:
+        """Start a batch's input dist further ahead: only its header all-to-all (sizes and checks) and the header's
+        copy to the host, on the side stream on GPUs; nothing waits. The `prefetch` of this batch, a step later,
+        then finds the sizes on the host instead of waiting for them. Same calling rules as `prefetch`."""
+        with self._on_side_stream(features):
+            self._pending_header = (features, self.input_dist.start(features))
+
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Distribute a coming batch's input now, on a side stream on GPUs, so that forward(features) finds its
         bags ready, as torchrec's TrainPipelineSparseDist does: call it after the current step's backward, on
         every rank at the same point (the all-to-alls must be issued in the same order everywhere). A bad batch
-        raises here, on every rank (the input dist checks it)."""
+        raises here, on every rank (the input dist checks it). If `prefetch_header(features)` came first, only the
+        rest of the input dist is left to do."""
+        pending, self._pending_header = self._pending_header, None
+        with self._on_side_stream(features):
+            if pending is None or pending[0] is not features:
+                pending = (features, self.input_dist.start(features))
+            bags, ready = self.input_dist.finish(pending[1]), None
+            if bags.values.is_cuda:  # what the forward waits for: not a header started on this stream later
+                ready = torch.cuda.Event()
+                ready.record()
+            self._prefetched = (features, bags, ready)
+
+    def _on_side_stream(self, features: KeyedJaggedTensor):
+        """The input dist's stream: on GPUs a side stream that first waits for the stream current here (where the
+        KJT was made); on the CPU, nothing to switch (torch.cuda.stream(None) does nothing)."""
         if features.values().device.type != "cuda":
-            self._prefetched = (features, self.input_dist(features))
-            return
+            return torch.cuda.stream(None)
         self._side_stream = self._side_stream or torch.cuda.Stream(features.values().device)
-        self._side_stream.wait_stream(torch.cuda.current_stream())  # the KJT was made on the current stream
-        with torch.cuda.stream(self._side_stream):
-            self._prefetched = (features, self.input_dist(features))
+        self._side_stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(self._side_stream)
 
     def _take_prefetched(self, features: KeyedJaggedTensor):
         if self._prefetched is None or self._prefetched[0] is not features:
             return None
-        bags, self._prefetched = self._prefetched[1], None
-        if bags.values.is_cuda:  # made on the side stream, read on this one
+        (_, bags, ready), self._prefetched = self._prefetched, None
+        if ready is not None:  # made on the side stream, read on this one
             main = torch.cuda.current_stream()
-            main.wait_stream(self._side_stream)
+            main.wait_event(ready)
             for t in (bags.values, bags.lengths, bags.weights):
                 if t is not None:
                     t.record_stream(main)
         return bags
+
 
 def _column_order(tables: list[EmbeddingBagConfig], features_of_rank: list[list[str]]) -> list[int]:
     """For each output column in config feature order, its column in the rank-grouped layout."""

@@ -9,7 +9,8 @@ Batches are made `trainer.batches_ahead` ahead by a thread (`BatchesAhead`: gene
 host-to-device copy, on a stream of its own on GPUs); the next batch's input all-to-all runs ahead on a side stream
 (`next_batch`; the input dist has a communicator of its own). The host waits for the GPU inside a step only where a
 size must be known on the host: once for the input all-to-all's header (sizes and the checks of the batch; on
-the side stream, behind the batch only, when prefetching); then every `log_every` steps the loss reduction (the
+the side stream, behind the batch only, when prefetching; with `trainer.header_ahead` exchanged a step earlier
+still, so that the wait has passed when the host reads it); then every `log_every` steps the loss reduction (the
 embedding backward's segment count stays on the GPU: its kernel is persistent). A step launched while the previous
 one still runs is otherwise free of host syncs.
 
@@ -101,10 +102,17 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
 
     # plain values: the loop reads them every step, and a DictConfig attribute costs ~10 us of host time
     max_steps, epochs, batches_ahead, prefetch = t.max_steps, t.epochs, t.batches_ahead, t.prefetch_input_dist
+    header_ahead = t.header_ahead
     copy_stream = None
     if env.device.type == "cuda":
         copy_stream = torch.cuda.Stream(env.device)
         copy_stream.wait_stream(torch.cuda.current_stream())  # once: the model and data set-up are complete
+
+    following = []  # with trainer.header_ahead: the batch after the next one, its header already exchanged
+
+    def fetch():
+        epoch, batch = next(batches)
+        return epoch, (batch if batches_ahead else to_device(batch, env.device))
 
     def next_batch():
         """The next (epoch, batch) on the device, its input all-to-all already under way when prefetching.
@@ -112,20 +120,25 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         The batch was made (generated, or pinned and copied from the host) by the `BatchesAhead` thread, or made
         here when `trainer.batches_ahead=0`. On GPUs the input all-to-all is issued on a side stream behind the
         batch only (prefetch's stream waits on the stream current here, and the input dist has its own
-        communicator): it runs while the kernels of the step just enqueued still execute, and the host's wait for
-        the all-to-all's sizes never waits for that step. The main stream waits for the side stream from here on.
-        On the CPU it is a plain call (torch.cuda.stream(None) does nothing).
+        communicator): it runs while the kernels of the step just enqueued still execute. The main stream waits
+        for the side stream from here on. With `trainer.header_ahead` the batch after it is fetched too and its
+        header all-to-all (the sizes the host must know) starts now, so that next step's prefetch finds the sizes
+        on the host instead of waiting for them while the GPU drains. On the CPU it is a plain call
+        (torch.cuda.stream(None) does nothing).
         """
         with torch.cuda.stream(copy_stream):
-            epoch, batch = next(batches)
-            if not batches_ahead:
-                batch = to_device(batch, env.device)
-            if prefetch and not done(epoch):
+            epoch, batch = following.pop() if following else fetch()
+            ahead = prefetch and not done(epoch)
+            if ahead:
                 sparse.prefetch(batch.sparse_features)
         if copy_stream is not None:
             main = torch.cuda.current_stream()
             batch.record_stream(main)  # made on another stream, read on the main one
-            main.wait_stream(copy_stream)
+            main.wait_stream(copy_stream)  # the work enqueued there so far: not the following batch's below
+        if ahead and header_ahead:
+            with torch.cuda.stream(copy_stream):
+                following.append(fetch())
+                sparse.prefetch_header(following[0][1].sparse_features)
         return epoch, batch
 
     def done(epoch: int) -> bool:
