@@ -6,8 +6,9 @@
 Every rank prints, as medians over steps PARTS_START .. PARTS_START + PARTS_STEPS (environment; 60 and 60):
 - wall: host time from one step's start to the next's;
 - host: inside train_step (enqueueing forward, backward, optimizer), and outside it: next() (waiting for the batch
-  thread), the next batch's prefetch split into its host work before the header all-to-all, the wait for the
-  header (the one host sync of a step), and the rest of the input dist; after_step (log / eval cadence);
+  thread), the next batch's prefetch, the header of the one after it (`prefetch_header`, with
+  trainer.header_ahead), after_step (log / eval cadence); and across those, the input dist's `start` (the header
+  all-to-all enqueued) and its wait for the header on the host (the one host sync of a step; GPUs only);
 - GPU (CUDA events on the main stream): from a step's first kernel to its last, and from there to the next step's
   first (the main stream idle between steps, waiting for the host or for the prefetch's side stream).
 If wall ~ host inside + outside while the GPU's span is shorter, the host binds the step.
@@ -21,18 +22,18 @@ import time
 
 import torch
 
-import fused_dlrm.sparse.input_dist as input_dist
 import fused_dlrm.train.loop as loop
+from fused_dlrm.sparse.input_dist import BulkInputDist
 from fused_dlrm.sparse.sharded_ebc import ShardedEmbeddingBagCollection
 from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.schedule import TrainingRun
 
 START, STEPS = int(os.environ.get("PARTS_START", 60)), int(os.environ.get("PARTS_STEPS", 60))
 CUDA = torch.cuda.is_available()
-host = {k: [] for k in ("wall", "train_step", "outside", "next", "before_header", "header_wait", "prefetch",
-                        "after_step")}
+host = {k: [] for k in ("wall", "train_step", "outside", "next", "prefetch", "header_start", "header_wait",
+                        "prefetch_header", "after_step")}
 events = []  # (main-stream event at a step's start, at its end)
-state = {"step": 0, "last_start": None, "last_end": None, "prefetch_start": None}
+state = {"step": 0, "last_start": None, "last_end": None}
 
 
 def measuring() -> bool:
@@ -49,24 +50,18 @@ def timed(key, function):
     return wrapper
 
 
-def prefetch(self, features):
-    state["prefetch_start"] = time.perf_counter()
-    try:
-        return timed("prefetch", original_prefetch)(self, features)
-    finally:
-        state["prefetch_start"] = None
+def start(self, kjt):
+    """A batch's header all-to-all enqueued (with trainer.header_ahead, a step before its prefetch)."""
+    return timed("header_start", original_start)(self, kjt)
 
 
-def exchange_counts(*args, **kwargs):
-    """The header all-to-all; inside a prefetch, followed by the sync the input dist makes right after it."""
-    start = time.perf_counter()
-    recv = original_exchange_counts(*args, **kwargs)
-    if state["prefetch_start"] is not None and measuring():
-        if CUDA:
-            torch.cuda.current_stream().synchronize()
-        host["before_header"].append(start - state["prefetch_start"])
-        host["header_wait"].append(time.perf_counter() - start)
-    return recv
+def finish(self, pending):
+    """The rest of a batch's input dist, after waiting for its header on the host (the event of `start`)."""
+    if pending.ready is not None and measuring():
+        begin = time.perf_counter()
+        pending.ready.synchronize()
+        host["header_wait"].append(time.perf_counter() - begin)
+    return original_finish(self, pending)
 
 
 def train_step(*args, **kwargs):
@@ -100,16 +95,17 @@ def report() -> None:
         span = statistics.median(b.elapsed_time(e) for b, e in events)
         idle = statistics.median(events[i][1].elapsed_time(events[i + 1][0]) for i in range(len(events) - 1))
         gpu = f" | GPU main stream: step span {span:.2f}, idle to the next step {idle:.2f}"
-    rest = ms["prefetch"] - ms["before_header"] - ms["header_wait"]
     print(f"== rank {os.environ.get('RANK', 0)}, ms per step: wall {ms['wall']:.2f} | host: train_step "
           f"{ms['train_step']:.2f}, outside {ms['outside']:.2f} (next() {ms['next']:.2f}, prefetch {ms['prefetch']:.2f}"
-          f" = before header {ms['before_header']:.2f} + header wait {ms['header_wait']:.2f} + rest {rest:.2f}, "
-          f"after_step {ms['after_step']:.2f}){gpu}", flush=True)
+          f", prefetch_header {ms['prefetch_header']:.2f}, after_step {ms['after_step']:.2f}); input dist: header "
+          f"start {ms['header_start']:.2f}, wait for the header {ms['header_wait']:.2f}{gpu}", flush=True)
 
 
 original_train_step, loop.train_step = loop.train_step, train_step
-original_prefetch, ShardedEmbeddingBagCollection.prefetch = ShardedEmbeddingBagCollection.prefetch, prefetch
-original_exchange_counts, input_dist.exchange_counts = input_dist.exchange_counts, exchange_counts
+ShardedEmbeddingBagCollection.prefetch = timed("prefetch", ShardedEmbeddingBagCollection.prefetch)
+ShardedEmbeddingBagCollection.prefetch_header = timed("prefetch_header", ShardedEmbeddingBagCollection.prefetch_header)
+original_start, BulkInputDist.start = BulkInputDist.start, start
+original_finish, BulkInputDist.finish = BulkInputDist.finish, finish
 BatchesAhead.__next__ = timed("next", BatchesAhead.__next__)
 TrainingRun.after_step = timed("after_step", TrainingRun.after_step)
 sys.argv = ["train.py"] + sys.argv[1:]
