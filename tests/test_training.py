@@ -150,7 +150,8 @@ def test_epochs_over_criteo_files(tmp_path):
 
 def _prefetch_same_curve(rank: int, world: int, tmp: str) -> None:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-    common = SMALL + ["trainer.max_steps=12", "trainer.eval_every=6", "trainer.checkpoint_every=0", "trainer.log_every=1"]
+    common = SMALL + ["trainer.max_steps=12", "trainer.eval_every=6", "trainer.checkpoint_every=0",
+                      "trainer.log_every=1"]
     headers = train(config(*common, "trainer.prefetch_input_dist=true"), env, Path(tmp) / "headers")
     ahead = train(config(*common, "trainer.header_ahead=false"), env, Path(tmp) / "ahead")
     inline = train(config(*common, "trainer.prefetch_input_dist=false"), env, Path(tmp) / "inline")

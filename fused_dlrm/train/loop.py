@@ -121,9 +121,9 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         here when `trainer.batches_ahead=0`. On GPUs the input all-to-all is issued on a side stream behind the
         batch only (prefetch's stream waits on the stream current here, and the input dist has its own
         communicator): it runs while the kernels of the step just enqueued still execute. The forward makes the
-        main stream wait for those bags (an event). With `trainer.header_ahead` the batch after it is fetched too and its
-        header all-to-all (the sizes the host must know) starts now, so that next step's prefetch finds the sizes
-        on the host instead of waiting for them while the GPU drains. On the CPU it is a plain call
+        main stream wait for those bags (an event). With `trainer.header_ahead` the batch after it is fetched too
+        and its header all-to-all (the sizes the host must know) starts now, so that next step's prefetch finds
+        the sizes on the host instead of waiting for them while the GPU drains. On the CPU it is a plain call
         (torch.cuda.stream(None) does nothing).
         """
         with torch.cuda.stream(copy_stream):
