@@ -46,11 +46,14 @@ class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, a13, h, w13, w2, offs = ctx.saved_tensors
+        needs_x, needs_w13, needs_w2, _ = ctx.needs_input_grad  # frozen experts, or rows of no graph: skipped
         grad = grad.contiguous()  # e.g. out.sum()'s gradient is expanded (stride 0)
+        grad_w2 = _weight_grad(h, grad, offs, ctx.counts, ctx.weight_dtype) if needs_w2 else None
+        if not (needs_x or needs_w13):
+            return None, None, grad_w2, None
         da13 = swiglu_backward(a13, torch._grouped_mm(grad, w2.transpose(1, 2), offs=offs))
-        grad_x = torch._grouped_mm(da13, w13.transpose(1, 2), offs=offs)
-        grad_w13 = _weight_grad(x, da13, offs, ctx.counts, ctx.weight_dtype)
-        grad_w2 = _weight_grad(h, grad, offs, ctx.counts, ctx.weight_dtype)
+        grad_x = torch._grouped_mm(da13, w13.transpose(1, 2), offs=offs) if needs_x else None
+        grad_w13 = _weight_grad(x, da13, offs, ctx.counts, ctx.weight_dtype) if needs_w13 else None
         return grad_x, grad_w13, grad_w2, None
 
 

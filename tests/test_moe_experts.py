@@ -143,6 +143,21 @@ def test_grouped_experts_match_float64_with_gradients_in_the_parameters_dtype(ro
         assert not torch.equal(params[1].grad, params[1].grad.to(rows_dtype).to(param_dtype))
 
 
+@cpu_grouped_mm_path
+@pytest.mark.skipif(not _cpu_grouped_mm(), reason="this torch has no torch._grouped_mm on the CPU")
+def test_grouped_experts_compute_only_the_gradients_asked_for():
+    """Frozen experts still pass the rows' gradient; rows outside the graph still give the weights theirs."""
+    counts = [5, 0, 11, 3]
+    x, params, grad, want = experts_case(torch.float32, torch.float32, counts, seed=1)
+    frozen = [p.detach() for p in params]
+    experts._swiglu_grouped(x, counts, *frozen).backward(grad)
+    assert matches_reference(x.grad, want[1], 1e-4)
+    rows = x.detach()
+    experts._swiglu_grouped(rows, counts, params[0], params[1].detach()).backward(grad)
+    assert rows.grad is None and params[1].grad is None
+    assert matches_reference(params[0].grad, want[2], 1e-4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_experts_on_gpu_take_grouped_mm_with_fp32_weight_gradients():
     counts = [700, 0, 1, 257, 3000, 64, 0, 129]  # skewed, two experts without rows
