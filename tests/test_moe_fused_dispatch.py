@@ -279,6 +279,16 @@ def test_push_times_out_when_the_owner_never_finished_the_previous_epoch():
         w.dispatch[0].finish(epoch, layouts[0], w.w13[0])
 
 
+def test_gemm_1_leaves_sms_to_the_push_and_the_backward_gemm_takes_them_all():
+    """On GPUs (a push stream, 132 SMs): GEMM 1 waits for pushes, whose SMs it must leave free (or two GPUs could
+    each wait on the other's push); the backward GEMM waits for none. Never more programs than tiles."""
+    d = World(2, 2, block_m=8).dispatch[0]
+    d._push_stream, d._sms = object(), 132  # as on an H200
+    assert d._gemm_programs(10_000, beside_push=True) == 132 - fd.PUSH_SMS
+    assert d._gemm_programs(10_000, beside_push=False) == 132
+    assert d._gemm_programs(40, beside_push=False) == 40
+
+
 def test_weights_must_be_one_contiguous_w13():
     w = World(2, 2)
     xs, token_of_rows, _, layouts = w.routed_batch([6, 5], 2, None, torch.Generator().manual_seed(10))

@@ -313,8 +313,9 @@ def gemm_config(device: torch.device, dtype: torch.dtype, backward: bool = False
     """The gated GEMM's (and with backward=True its backward GEMM's) configuration. H200 bf16/fp16: 128 x 128
     tiles (the forward has two fp32 accumulators: gate and up); K loops from a sweep on one H200 (8192 tokens,
     d=2048, ffn=1408, 32 local experts, top-6; 2026-11-23, docs/benchmarks.md): the forward in k steps of 32 over
-    6 stages (1,122 us against 1,255 at 64 over 3); the backward (TMA tiles) 128 x 256 in steps of 64 over 3
-    (2026-11-24: 946-958 us against 1,074-1,084 at 128 x 128 over 4 stages, 1,213-1,224 before TMA); fp32
+    6 stages (1,122 us against 1,255 at 64 over 3); the backward (TMA tiles) 128 x 256 in steps of 64 over 4
+    (2026-11-24: 946-958 us against 1,074-1,084 at 128 x 128 over 4 stages, 1,213-1,224 before TMA; later that day,
+    on every SM: 861 us at 4 stages, 869 at 3, and at d=4096, ffn=14336 5,249 against 5,352); fp32
     (IEEE, slow, for checks) k steps of 32 and 2 stages to fit in shared memory; the interpreter: tl.dot's
     minimum. The backward's flags and tables number its tiles: everything about them asks with backward=True."""
     if device.type != "cuda":
@@ -322,7 +323,7 @@ def gemm_config(device: torch.device, dtype: torch.dtype, backward: bool = False
     if dtype == torch.float32:
         return GemmConfig(128, 128, 32, num_warps=8, num_stages=2)
     if backward:
-        return GemmConfig(128, 256, 64, num_warps=8, num_stages=3)
+        return GemmConfig(128, 256, 64, num_warps=8, num_stages=4)
     return GemmConfig(128, 128, 32, num_warps=8, num_stages=6)
 
 
@@ -444,7 +445,7 @@ class FusedDispatch:
         _check_tile_rows(layout, cfg.block_m)
         tiles = layout.gemm_tiles
         num_tiles = tiles.shape[1] * triton.cdiv(ffn, cfg.block_n)
-        programs = self._gemm_programs(num_tiles)
+        programs = self._gemm_programs(num_tiles, beside_push=True)
         tensors = (rows.local[base:], x, token_of_row, w13, h, h if a13_out is None else a13_out, tiles,
                    layout.recv_source_rank, layout.recv_source_row, ready.local, self.errors.word, self._tile_counter)
         precision, store_a13 = dot_precision(w13.dtype, w13.device), a13_out is not None
@@ -478,7 +479,7 @@ class FusedDispatch:
         tiles = layout.gemm_tiles
         num_tiles = tiles.shape[1] * triton.cdiv(self.d_model, cfg.block_n)
         if tiles.shape[1]:  # no row tiles: nothing to compute, store or flag
-            _gated_gemm_backward_kernel[(self._gemm_programs(num_tiles),)](
+            _gated_gemm_backward_kernel[(self._gemm_programs(num_tiles, beside_push=False),)](
                 descriptor(da13, [cfg.block_m, cfg.block_k], "da13"),
                 descriptor(w13, [1, cfg.block_n, cfg.block_k], "w13"), tiles, tiles.shape[1],
                 layout.recv_source_rank, layout.recv_source_row, grad.peer_ptrs, ready.peer_ptrs, ack.local,
@@ -527,10 +528,11 @@ class FusedDispatch:
         ack = self.ws.buffer("moe_dispatch_grad_ack", self.world, torch.int32)
         return rows, ready, ack, tiles_per_rank
 
-    def _gemm_programs(self, num_tiles: int) -> int:
-        """Persistent GEMM programs. On GPUs the tiles wait for flags that push kernels raise (this GPU's on the
-        side stream, and the peers'): one program per SM, leaving PUSH_SMS SMs free so that the pushes always
-        find room to run."""
+    def _gemm_programs(self, num_tiles: int, beside_push: bool) -> int:
+        """Persistent GEMM programs, one per SM on GPUs. GEMM 1's tiles wait for flags that push kernels raise
+        (this GPU's on the side stream, and the peers'): it leaves PUSH_SMS SMs free so that the pushes always
+        find room to run. The backward GEMM waits for no push (only for the acks of the previous epoch) and
+        takes every SM."""
         if self._push_stream is None:
             return max(1, min(num_tiles, self.num_programs))
-        return max(1, min(num_tiles, self._sms - PUSH_SMS))
+        return max(1, min(num_tiles, self._sms - (PUSH_SMS if beside_push else 0)))

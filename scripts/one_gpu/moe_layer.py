@@ -1,22 +1,24 @@
 """One GPU, world of 1: the MoE layer bulk against fused (a simulated one-rank workspace, so the fused kernels run
-with nothing to exchange) at issue 4's first config's per-rank GEMM work: 8192 tokens, d=2048, ffn=1408, 32
-experts, top-6 (49,152 rows), bf16. Prints the fused gradients' error against bulk, the GPU kernel time per
-forward and forward+backward (torch profiler, 10 calls after warm-up, the 12 largest kernels; the share of the
-calls' span the GPU sat idle), the wall time per call (20 calls back to back; host time inside the calls; one call
-between CUDA events), where the host's time goes in a forward and in a forward + backward (cProfile), and the
-timeline of one forward and of one forward + backward in a back-to-back run: every top-level host op and GPU
+with nothing to exchange) at the per-rank GEMM work of issue 4's first config on 2 GPUs (default: 8192 tokens,
+d=2048, ffn=1408, 32 experts, top-6: 49,152 rows) or, with `--config second`, of its second (8192 tokens, d=4096,
+ffn=14336, 4 experts, top-2: 16,384 rows), bf16. Prints the fused gradients' error against bulk, the GPU kernel
+time per forward and forward+backward (torch profiler, 10 calls after warm-up, the 12 largest kernels; the share
+of the calls' span the GPU sat idle), the wall time per call (20 calls back to back; host time inside the calls;
+one call between CUDA events), where the host's time goes in a forward and in a forward + backward (cProfile), and
+the timeline of one forward and of one forward + backward in a back-to-back run: every top-level host op and GPU
 kernel with its start, length and the GPU's idle gap before it.
 
-    PYTHONPATH=. python scripts/one_gpu/moe_layer.py [errors] [kernels] [wall] [host] [timeline]   (default: all)
+    PYTHONPATH=. python scripts/one_gpu/moe_layer.py [--config first|second] [errors] [kernels] [wall] [host]
+        [timeline]   (default: all)
 
 (docs/benchmarks.md, ninth session: calls G8-G10 ran the profile and the wall timing as two scratch scripts, the
 wall timing without zeroing the gradients between calls.)
 """
+import argparse
 import cProfile
 import itertools
 import pstats
 import statistics
-import sys
 import time
 
 import torch
@@ -25,7 +27,12 @@ from torch.profiler import ProfilerActivity, profile
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from moe import MoELayer
 
-T, D, F, E, K = 8192, 2048, 1408, 32, 6
+CONFIGS = {"first": (8192, 2048, 1408, 32, 6), "second": (8192, 4096, 14336, 4, 2)}  # tokens, d, ffn, experts, k
+parser = argparse.ArgumentParser(prog="scripts/one_gpu/moe_layer.py")
+parser.add_argument("--config", choices=CONFIGS, default="first")
+parser.add_argument("sections", nargs="*", help="errors kernels wall host timeline (default: all)")
+args = parser.parse_args()
+T, D, F, E, K = CONFIGS[args.config]
 x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
 g = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
 layers = {c: MoELayer(D, F, E, K, seed=1, dtype=torch.bfloat16, device="cuda", comm=c,
@@ -170,8 +177,8 @@ def timeline():
 
 
 SECTIONS = {"errors": errors, "kernels": kernels, "wall": wall, "host": host, "timeline": timeline}
-unknown = [name for name in sys.argv[1:] if name not in SECTIONS]
+unknown = [name for name in args.sections if name not in SECTIONS]
 if unknown:
-    sys.exit(f"unknown sections {unknown}: expected some of {', '.join(SECTIONS)}")
-for name in sys.argv[1:] or SECTIONS:
+    parser.error(f"unknown sections {unknown}: expected some of {', '.join(SECTIONS)}")
+for name in args.sections or SECTIONS:
     SECTIONS[name]()
