@@ -281,10 +281,14 @@ def test_push_times_out_when_the_owner_never_finished_the_previous_epoch():
 
 def test_gemm_1_leaves_sms_to_the_push_and_the_backward_gemm_takes_them_all():
     """On GPUs (a push stream, 132 SMs): GEMM 1 waits for pushes, whose SMs it must leave free (or two GPUs could
-    each wait on the other's push); the backward GEMM waits for none. Never more programs than tiles."""
+    each wait on the other's push), and its helpers queue behind the push for them; the backward GEMM waits for
+    none. Never more programs than tiles; no helpers without a push stream (the interpreter)."""
     d = World(2, 2, block_m=8).dispatch[0]
+    assert d._helper_programs(10_000, 4) == 0
     d._push_stream, d._sms = object(), 132  # as on an H200
     assert d._gemm_programs(10_000, beside_push=True) == 132 - fd.PUSH_SMS
+    assert d._helper_programs(10_000, 132 - fd.PUSH_SMS) == fd.PUSH_SMS
+    assert d._helper_programs(120, 116) == 4 and d._helper_programs(50, 50) == 0
     assert d._gemm_programs(10_000, beside_push=False) == 132
     assert d._gemm_programs(40, beside_push=False) == 40
 

@@ -21,7 +21,8 @@ Persistent programs take tiles from a counter, row tiles in walk order (grouped:
 whose rows all came from this rank first, then by the source whose rows arrive last (rank - 1 pushes to this rank
 first). On GPUs the push runs on a side
 stream, so the GEMM overlaps it; the GEMM leaves PUSH_SMS SMs free, so that the pushes the peers wait for always
-find room. After the GEMM a one-program kernel acknowledges the epoch to every source.
+find room, and PUSH_SMS more programs of it wait behind the push on the push's stream, taking tiles from the same
+counter once the push is done. After the GEMM a one-program kernel acknowledges the epoch to every source.
 
 Backward (`start_backward` on the owner, `finish_backward` on the source): a13 = x @ w13[e], which the forward GEMM
 stores when training (`finish(a13_out=...)`; recomputed otherwise), gives da13 = [da1 | da3] in one kernel
@@ -172,12 +173,12 @@ def _poll(flags, mask, epoch, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _next_tile(next_ptr, num_tiles):
-    """A program's next walk step from the launch's counter. Each program claims steps until one lies past the
-    end, so a launch makes num_tiles + programs claims; the last of them resets the counter for the next launch
-    (stream order), which saves a fill per launch."""
+def _next_tile(next_ptr, num_tiles, claimants):
+    """A program's next walk step from the counter, which `claimants` programs share (one launch's, or GEMM 1's
+    two launches'). Each program claims steps until one lies past the end, so num_tiles + claimants claims are
+    made; the last of them resets the counter for the next GEMM (stream order), which saves a fill per launch."""
     t = tl.atomic_add(next_ptr, 1)
-    if t == num_tiles + tl.num_programs(0) - 1:
+    if t == num_tiles + claimants - 1:
         tl.atomic_xchg(next_ptr, 0)
     return t
 
@@ -194,20 +195,20 @@ def _row_tile(t, tiles_ptr, num_row_tiles, col_blocks, BLOCK_M: tl.constexpr, OR
     return mt, expert, begin, rows, rows < tl.load(tiles_ptr + 2 * num_row_tiles + mt), col
 
 
-@triton.jit(do_not_specialize=["num_row_tiles", "epoch", "flag_stride", "num_tiles", "spin_limit"])
+@triton.jit(do_not_specialize=["num_row_tiles", "epoch", "flag_stride", "num_tiles", "claimants", "spin_limit"])
 def _gated_gemm_kernel(
     rows_ptr, x_ptr, token_ptr, w13_ptr, h_ptr, a13_ptr,  # received rows (this epoch's half), this rank's tokens
     # and token_of_row, [L, D, 2 * FFN] weights (w1 columns, then w3), [rows, FFN] output, [rows, 2 * FFN] a13
     tiles_ptr, num_row_tiles,  # the row tiles (ExpertLayout.gemm_tiles; walked in arrival order)
     source_ptr, source_row_ptr, ready_ptr, error_ptr, next_ptr,  # recv_source_rank/row, my flags, error, counter
-    rank, epoch, flag_stride, num_tiles, spin_limit,
+    rank, epoch, flag_stride, num_tiles, claimants, spin_limit,  # claimants: programs of the launches sharing next_ptr
     D: tl.constexpr, FFN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STORE_A13: tl.constexpr,
 ):
     n_tiles = tl.cdiv(FFN, BLOCK_N)
     lanes = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
-    t = _next_tile(next_ptr, num_tiles)
+    t = _next_tile(next_ptr, num_tiles, claimants)
     while t < num_tiles:
         _, expert, begin, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M, 3)
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -254,7 +255,7 @@ def _gated_gemm_kernel(
             a13_at = a13_ptr + rows.to(tl.int64)[:, None] * (2 * FFN) + ns[None, :]
             tl.store(a13_at, acc1.to(a13_ptr.dtype.element_ty), mask=out_mask)
             tl.store(a13_at + FFN, acc3.to(a13_ptr.dtype.element_ty), mask=out_mask)
-        t = _next_tile(next_ptr, num_tiles)
+        t = _next_tile(next_ptr, num_tiles, claimants)
 
 
 @triton.jit(do_not_specialize=["num_row_tiles", "epoch", "tiles_per_rank", "num_tiles", "spin_limit"])
@@ -273,7 +274,7 @@ def _gated_gemm_backward_kernel(
     released = consumer_released(ack_ptr, 0, epoch, spin_limit, error_ptr)
     for s in tl.static_range(1, WORLD):
         released = released & consumer_released(ack_ptr, s, epoch, spin_limit, error_ptr)
-    t = _next_tile(next_ptr, num_tiles)
+    t = _next_tile(next_ptr, num_tiles, tl.num_programs(0))
     while t < num_tiles:
         mt, expert, begin, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M, 4)
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -288,7 +289,7 @@ def _gated_gemm_backward_kernel(
         tl.store(out[:, None] + at, acc.to(da13_desc.dtype),
                  mask=row_mask[:, None] & (ns < D)[None, :] & released)
         signal_ready(ready_ptrs, (rank * tiles_per_rank + mt) * n_tiles + col, epoch, WORLD)
-        t = _next_tile(next_ptr, num_tiles)
+        t = _next_tile(next_ptr, num_tiles, tl.num_programs(0))
 
 
 @triton.jit(do_not_specialize=["epoch"])
@@ -373,8 +374,9 @@ class FusedDispatch:
         self._sms = torch.cuda.get_device_properties(workspace.device).multi_processor_count if cuda else 0
         self._started: dict[int, tuple] = {}  # epoch -> its buffers and the tensors its kernels read
         # The GEMMs' programs take tiles in walk order from this counter, so a program that starts late (its SM
-        # still busy with the push) takes fewer tiles instead of delaying the end. Each launch leaves it at 0
-        # (`_next_tile`); the GEMMs run one after the other on one stream.
+        # still busy with the push) takes fewer tiles instead of delaying the end. Each GEMM leaves it at 0
+        # (`_next_tile`); the GEMMs run one after the other on one stream (GEMM 1's helpers on the push's stream,
+        # which the current stream waits for before the next).
         self._tile_counter = torch.zeros(1, dtype=torch.int32, device=workspace.device)
         self._grad_dtype = torch.float32  # of the gradient rows, set by start_backward
 
@@ -446,16 +448,24 @@ class FusedDispatch:
         tiles = layout.gemm_tiles
         num_tiles = tiles.shape[1] * triton.cdiv(ffn, cfg.block_n)
         programs = self._gemm_programs(num_tiles, beside_push=True)
+        helpers = self._helper_programs(num_tiles, programs)
         tensors = (rows.local[base:], x, token_of_row, w13, h, h if a13_out is None else a13_out, tiles,
                    layout.recv_source_rank, layout.recv_source_row, ready.local, self.errors.word, self._tile_counter)
         precision, store_a13 = dot_precision(w13.dtype, w13.device), a13_out is not None
         args = (*tensors[:7], tiles.shape[1], *tensors[7:], self.rank, epoch, self.capacity // self.chunk, num_tiles,
-                self.spin_limit, d, ffn, self.chunk, cfg.block_m, cfg.block_n, cfg.block_k, precision, store_a13)
-        self._gemm_launches((x.dtype, w13.dtype, cfg, precision, store_a13, *map(aligned, tensors)), (programs, 1, 1),
-                            args, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-        _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self.rank, epoch, WORLD=self.world)
-        if self._push_stream is not None:  # then what the push read may be freed, and `received` is complete
+                programs + helpers, self.spin_limit, d, ffn, self.chunk, cfg.block_m, cfg.block_n, cfg.block_k,
+                precision, store_a13)
+        key = (x.dtype, w13.dtype, cfg, precision, store_a13, *map(aligned, tensors))
+        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if helpers:  # they read what this stream made for GEMM 1 since the push was launched (w13, say)
+            self._push_stream.wait_stream(torch.cuda.current_stream())
+        self._gemm_launches(key, (programs, 1, 1), args, options)
+        if helpers:
+            with torch.cuda.stream(self._push_stream):
+                self._gemm_launches(key, (helpers, 1, 1), args, options)
+        if self._push_stream is not None:  # then what the push read may be freed, and `received` and h are complete
             torch.cuda.current_stream().wait_stream(self._push_stream)
+        _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self.rank, epoch, WORLD=self.world)
         self.errors.after_wait()
         return received, h
 
@@ -536,3 +546,10 @@ class FusedDispatch:
         if self._push_stream is None:
             return max(1, min(num_tiles, self.num_programs))
         return max(1, min(num_tiles, self._sms - (PUSH_SMS if beside_push else 0)))
+
+    def _helper_programs(self, num_tiles: int, programs: int) -> int:
+        """GEMM 1's programs queued behind the push on its stream (GPUs only), up to PUSH_SMS and never more than
+        the tiles the other programs leave: once the push is done, its SMs take tiles from the same counter."""
+        if self._push_stream is None:
+            return 0
+        return max(0, min(PUSH_SMS, num_tiles - programs))
