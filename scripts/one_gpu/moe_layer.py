@@ -6,10 +6,11 @@ time per forward and forward+backward (torch profiler, 10 calls after warm-up, t
 of the calls' span the GPU sat idle), the wall time per call (20 calls back to back; host time inside the calls;
 one call between CUDA events), where the host's time goes in a forward and in a forward + backward (cProfile), and
 the timeline of one forward and of one forward + backward in a back-to-back run: every top-level host op and GPU
-kernel with its start, length and the GPU's idle gap before it.
+kernel with its start, length and the GPU's idle gap before it; `repeat`: 1,000 fused forward+backward calls on
+the same input, each bit-equal to the first (every GEMM tile computed exactly once, whichever program takes it).
 
     PYTHONPATH=. python scripts/one_gpu/moe_layer.py [--config first|second] [errors] [kernels] [wall] [host]
-        [timeline]   (default: all)
+        [timeline] [repeat]   (default: all)
 
 (docs/benchmarks.md, ninth session: calls G8-G10 ran the profile and the wall timing as two scratch scripts, the
 wall timing without zeroing the gradients between calls.)
@@ -30,7 +31,7 @@ from moe import MoELayer
 CONFIGS = {"first": (8192, 2048, 1408, 32, 6), "second": (8192, 4096, 14336, 4, 2)}  # tokens, d, ffn, experts, k
 parser = argparse.ArgumentParser(prog="scripts/one_gpu/moe_layer.py")
 parser.add_argument("--config", choices=CONFIGS, default="first")
-parser.add_argument("sections", nargs="*", help="errors kernels wall host timeline (default: all)")
+parser.add_argument("sections", nargs="*", help="errors kernels wall host timeline repeat (default: all)")
 args = parser.parse_args()
 T, D, F, E, K = CONFIGS[args.config]
 x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
@@ -176,7 +177,33 @@ def timeline():
             print(f"  {kind} {start:8.0f} {length:7.0f}{gap}  {e.name[:90]}")
 
 
-SECTIONS = {"errors": errors, "kernels": kernels, "wall": wall, "host": host, "timeline": timeline}
+def repeat(calls: int = 1000):
+    """The fused layer's forward+backward, `calls` times on the same input: the output and every gradient must be
+    bit-equal to the first call's, and no wait may time out."""
+    layer = layers["fused"]
+
+    def call():
+        xx = x.detach().requires_grad_()
+        y, _ = layer(xx)
+        y.backward(g)
+        out = [y.detach(), xx.grad, *(p.grad for p in layer.parameters())]
+        layer.zero_grad(set_to_none=True)
+        return out
+
+    first = call()
+    differing = 0
+    for i in range(1, calls):
+        if not all(torch.equal(a, b) for a, b in zip(call(), first)):
+            differing += 1
+            print(f"call {i}: differs from the first")
+    layer.dispatch.errors.check(block=True)
+    layer.combine.errors.check(block=True)
+    print(f"repeat: {calls} fused forward+backward calls, {differing} differing from the first")
+    if differing:
+        raise SystemExit(1)
+
+
+SECTIONS = {"errors": errors, "kernels": kernels, "wall": wall, "host": host, "timeline": timeline, "repeat": repeat}
 unknown = [name for name in args.sections if name not in SECTIONS]
 if unknown:
     parser.error(f"unknown sections {unknown}: expected some of {', '.join(SECTIONS)}")
