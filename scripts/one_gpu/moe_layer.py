@@ -34,6 +34,7 @@ parser.add_argument("--config", choices=CONFIGS, default="first")
 parser.add_argument("sections", nargs="*", help="errors kernels wall host timeline repeat (default: all)")
 args = parser.parse_args()
 T, D, F, E, K = CONFIGS[args.config]
+torch.manual_seed(0)  # the same data in every run: errors comparable from run to run
 x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
 g = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
 layers = {c: MoELayer(D, F, E, K, seed=1, dtype=torch.bfloat16, device="cuda", comm=c,
@@ -46,26 +47,23 @@ def fwd(layer):
         layer(x)
 
 
-def fwd_bwd(layer):
+def fwd_bwd(layer) -> dict[str, torch.Tensor]:
+    """One forward+backward from zero gradients: the output, x's gradient and the parameters', by name (the
+    layer's gradients are None again afterwards)."""
+    layer.zero_grad(set_to_none=True)
     xx = x.detach().requires_grad_()
     y, _ = layer(xx)
     y.backward(g)
+    out = {"y": y.detach(), "x": xx.grad, **{n: p.grad for n, p in layer.named_parameters()}}
     layer.zero_grad(set_to_none=True)
+    return out
 
 
 def errors():
     """Outputs and gradients of one forward+backward, fused against bulk."""
-    grads = {}
-    for c, layer in layers.items():
-        layer.zero_grad(set_to_none=True)
-        xx = x.detach().requires_grad_()
-        y, _ = layer(xx)
-        y.backward(g)
-        grads[c] = {"y": y.detach().float(), "x": xx.grad.float(),
-                    **{n: p.grad.float() for n, p in layer.named_parameters()}}
-        layer.zero_grad(set_to_none=True)
-    for n, want in grads["bulk"].items():
-        error = (grads["fused"][n] - want).abs().max() / want.abs().max()
+    got, want = fwd_bwd(layers["fused"]), fwd_bwd(layers["bulk"])
+    for n, w in want.items():
+        error = (got[n].float() - w.float()).abs().max() / w.float().abs().max()
         print(f"{n}: relative error fused vs bulk {float(error):.2e}")
 
 
@@ -181,19 +179,10 @@ def repeat(calls: int = 1000):
     """The fused layer's forward+backward, `calls` times on the same input: the output and every gradient must be
     bit-equal to the first call's, and no wait may time out."""
     layer = layers["fused"]
-
-    def call():
-        xx = x.detach().requires_grad_()
-        y, _ = layer(xx)
-        y.backward(g)
-        out = [y.detach(), xx.grad, *(p.grad for p in layer.parameters())]
-        layer.zero_grad(set_to_none=True)
-        return out
-
-    first = call()
+    first = fwd_bwd(layer)
     differing = 0
     for i in range(1, calls):
-        if not all(torch.equal(a, b) for a, b in zip(call(), first)):
+        if not all(torch.equal(t, first[n]) for n, t in fwd_bwd(layer).items()):
             differing += 1
             print(f"call {i}: differs from the first")
     layer.dispatch.errors.check(block=True)

@@ -4,8 +4,8 @@ FusedDispatch (push + GEMM 1) and FusedCombine (GEMM 2 + weighted unpermute), th
 dispatch's backward, every rank's producers launched before any consumer. Six epochs on the same objects, each with
 fresh routing: balanced, a rank without tokens, one hot expert, a rank that receives nothing, uneven, a hot expert
 on the other rank. fp32 (IEEE dot products), d_model=256, ffn=1408, 4 experts per rank, top-2, 128-row tiles: the
-tiles straddle sources, so the 2-rank walk orders (arrival, departure) are not trivial, and they are printed; GEMM 1
-has more tiles than the programs beside the push, so its helpers behind the push take some.
+tiles straddle sources, so the 2-rank walk orders (arrival, departure) are not trivial, and they are printed; in the
+larger steps GEMM 1 has more tiles than the programs beside the push, so its helpers behind the push take some.
 Errors are relative to the largest reference value; received rows must be exact. Exits 1 above 1e-4.
 
     PYTHONPATH=. python scripts/one_gpu/moe_two_ranks.py       (on the CPU: a small smoke run in the interpreter)
