@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 
 from fused_dlrm.bench.timing import per_call_us, time_ms
-from moe.expert_layout import build_expert_layout, gather_counts
-from moe.kernels.fused_dispatch import gemm_config
+from moe.expert_layout import gather_counts
 from moe.layer import MoELayer, _BulkRows
 from moe.permute import permute, unpermute
 
@@ -84,15 +83,12 @@ def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[
         expert_out = e(received, sizes)
         return {"dispatch": lambda: exchange.to_owners(rows), "experts": lambda: e(received, sizes),
                 "combine": lambda: unpermute(exchange.to_sources(expert_out), perm, routing.weights)}
-    layout = build_expert_layout(counts, rank, local, layer.combine.blocks.block_m,
-                                 gemm_config(x.device, x.dtype, backward=True).block_m)
-    token_of_row = perm.token_of_row
-    dispatch, combine = layer.dispatch, layer.combine
+    combine = layer.combine
 
-    def dispatch_and_gemm1():
-        return dispatch.finish(dispatch.start(x, token_of_row, layout), layout, e.w13)[1]
+    def dispatch_and_gemm1():  # the layer's: launched before the host reads the counts (its layout)
+        return layer._fused_dispatch(x, counts, perm, e.w13, keep_a13=False)
 
-    h = dispatch_and_gemm1()
+    layout, _, h, _ = dispatch_and_gemm1()
     return {"dispatch": dispatch_and_gemm1,
             "combine": lambda: combine.finish(combine.start(h, e.w2, layout), layout, perm, routing.weights)}
 

@@ -60,23 +60,82 @@ class ExpertLayout:
     combine_grad_tiles: torch.Tensor  # [3, tiles of tile_rows]: local expert, first row, end row (its grad_h GEMM)
 
 
+@dataclass
+class DispatchTables:
+    """What the dispatch's forward (the push and GEMM 1) reads, made from the counts on the device, so that the
+    host launches them without waiting for the counts: the receive side covers `capacity` rows, chosen before the
+    counts were seen. Rows past it are neither pushed nor computed; once the counts reach the host the caller
+    compares ExpertLayout.max_recv_rows with the capacity and, when the rows did not fit, dispatches again in larger
+    buffers."""
+    counts: torch.Tensor  # int64 [world, num_experts], C[s, g]
+    rank: int
+    world: int
+    num_local_experts: int
+    tile_rows: tuple[int, int]  # the combine's row tiles, the owner's (expert_rows)
+    capacity: int  # receive rows covered
+    rows: list[torch.Tensor]  # expert_rows' tables; the two receive tables have `capacity` entries
+    gemm_tiles: torch.Tensor  # [5, max row tiles]: ExpertLayout.gemm_tiles, its first `row_tiles` columns filled
+    row_tiles: torch.Tensor  # int64 [1]: the row tiles gemm_tiles lists
+
+    @property
+    def send_dest_row(self) -> torch.Tensor:
+        return self.rows[1]
+
+    @property
+    def recv_source_rank(self) -> torch.Tensor:
+        return self.rows[4]
+
+    @property
+    def recv_source_row(self) -> torch.Tensor:
+        return self.rows[5]
+
+
+def _checked(counts: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """counts, contiguous (kernels read it whole), once its experts are known to split over its ranks."""
+    world, num_experts = counts.shape
+    if num_experts != world * num_local_experts:
+        raise ValueError(f"counts has {num_experts} experts; expected {world} ranks x {num_local_experts}")
+    return counts.contiguous()
+
+
+def dispatch_tables(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int, owner_tile_rows: int,
+                    num_sent: int, capacity: int) -> DispatchTables:
+    """DispatchTables for `capacity` receive rows; num_sent (this rank's permuted rows) is the permutation's length,
+    which the host knows. Two kernel launches, no host sync."""
+    world, counts = counts.shape[0], _checked(counts, num_local_experts)
+    rows = expert_rows(counts, rank, num_local_experts, (tile_rows, owner_tile_rows), num_sent, capacity)
+    # Row tiles of `capacity` rows: at most one partial tile per local expert besides the full ones.
+    gemm, listed = gemm_tile_table(counts, rank, num_local_experts, tile_rows, owner_tile_rows,
+                                   triton.cdiv(capacity, owner_tile_rows) + num_local_experts)
+    return DispatchTables(counts, rank, world, num_local_experts, (tile_rows, owner_tile_rows), capacity, rows, gemm,
+                          listed)
+
+
 def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int,
-                        owner_tile_rows: int) -> ExpertLayout:
+                        owner_tile_rows: int, dispatched: DispatchTables | None = None,
+                        host_counts: torch.Tensor | None = None) -> ExpertLayout:
     """counts: int64 [world, num_experts] on any device; the layout's tensors live on that device. `tile_rows`,
     `owner_tile_rows`: the row tiles of the combine's GEMM and of the dispatch's backward GEMM. Reading the
     counts is the one host sync of a fused MoE layer. The host derives, in numpy, the sizes and the receive
     blocks' starts and the tile counts; the per-row tables and the tile tables come from the counts on the device,
-    in one kernel each (no copy from the host: the host's time per layer is what the fused layer is short of)."""
-    world, num_experts = counts.shape
-    if num_experts != world * num_local_experts:
-        raise ValueError(f"counts has {num_experts} experts; expected {world} ranks x {num_local_experts}")
-    counts = counts.contiguous()  # kernels read it whole
-    c = counts.cpu().numpy()
+    in one kernel each (no copy from the host: the host's time per layer is what the fused layer is short of).
+    `dispatched`: the dispatch's tables of these counts, whose per-row tables are reused when they hold every
+    received row. `host_counts`: the counts already copied to the host (fused_dlrm.dist.host_copy.PendingHostCopy:
+    a `.cpu()` here would wait for every kernel queued since the counts were made)."""
+    world, counts = counts.shape[0], _checked(counts, num_local_experts)
+    c = (counts.cpu() if host_counts is None else host_counts).numpy()
     # owner_blocks[d]: [L, world] counts in receive order (every owner's: the buffers are sized by the largest).
     owner_blocks = c.reshape(world, world, num_local_experts).transpose(1, 2, 0).reshape(world, -1)
     my_blocks = owner_blocks[rank]
-    tables = expert_rows(counts, rank, num_local_experts, (tile_rows, owner_tile_rows), int(c[rank].sum()),
-                         int(my_blocks.sum()))
+    num_received = int(my_blocks.sum())
+    if dispatched is not None and dispatched.tile_rows != (tile_rows, owner_tile_rows):
+        raise ValueError(f"the dispatch's tables cut tiles of {dispatched.tile_rows} rows, the layout "
+                         f"{(tile_rows, owner_tile_rows)}")
+    if dispatched is not None and dispatched.capacity >= num_received:
+        tables = dispatched.rows[:4] + [t[:num_received] for t in dispatched.rows[4:]]
+    else:
+        tables = expert_rows(counts, rank, num_local_experts, (tile_rows, owner_tile_rows), int(c[rank].sum()),
+                             num_received)
     tiles = tile_tables(counts, c, rank, num_local_experts, tile_rows, owner_tile_rows)
     return ExpertLayout(
         counts=counts, host_counts=c, rank=rank, world=world, num_local_experts=num_local_experts,
@@ -134,7 +193,7 @@ def _expert_rows_kernel(counts_ptr, send_rank_ptr, send_row_ptr, send_tile_ptr, 
         block = tl.sum((first + size <= j[:, None]).to(tl.int32), axis=1)
         within = j - tl.sum(tl.where(g[None, :] == block[:, None], first[None, :], 0), axis=1)
         source = block % WORLD
-        ok = j < num_received
+        ok = j < tl.minimum(num_received, tl.sum(size, axis=0))  # num_received may be a capacity
         # The source's permuted rows of the expert start after its rows of earlier experts.
         rows_before = tl.load(counts_ptr + source[:, None] * E + g[None, :],
                               mask=ok[:, None] & (g[None, :] < rank * L + block[:, None] // WORLD), other=0)
@@ -147,7 +206,9 @@ def expert_rows(counts: torch.Tensor, rank: int, num_local_experts: int, tile_ro
     """The per-row tables on counts' device: [send_dest_rank, send_dest_row, send_tile, send_owner_tile] of this
     rank's permuted rows (tile_rows: the source's tiles, the owner's) and [recv_source_rank, recv_source_row] of
     its received rows (int64), views of one buffer, each starting on a 16-byte boundary: Triton specialises
-    pointers on that alignment, and a changing one would compile kernels anew in the middle of training."""
+    pointers on that alignment, and a changing one would compile kernels anew in the middle of training.
+    `num_received`: the receive tables' length, the rows received or, before the host knows them, a capacity
+    (the kernel fills the first min(capacity, rows received) entries and leaves the rest as they are)."""
     world, num_experts = counts.shape
     counts = counts.contiguous()  # read whole
     sent, received = _even(num_sent), _even(num_received)
@@ -313,14 +374,16 @@ def _place(key, valid, before, W_P2: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["rank", "n_gemm", "n_combine", "n_grad"])  # one variant for all steps
-def _tile_tables_kernel(counts_ptr, gemm_ptr, combine_ptr, grad_ptr, rank, n_gemm, n_combine, n_grad,
+def _tile_tables_kernel(counts_ptr, gemm_ptr, gemm_count_ptr, combine_ptr, grad_ptr, rank, n_gemm, n_combine, n_grad,
                         WORLD: tl.constexpr, L: tl.constexpr, W_P2: tl.constexpr, L_P2: tl.constexpr,
                         E_P2: tl.constexpr, TILE_ROWS: tl.constexpr, OWNER_TILE_ROWS: tl.constexpr,
                         CHUNK: tl.constexpr):
     """Program 0: gemm_tiles, program 1: combine_tiles, program 2: combine_grad_tiles (ExpertLayout), each over
-    its tiles CHUNK at a time. The walk orders are a stable counting sort by key: a tile's place is the number of
-    tiles of smaller keys plus those of its key before it (two passes: the keys' totals, then the places). `while`
-    loops: the interpreter cannot range() up to an argument."""
+    its tiles CHUNK at a time. gemm_tiles has n_gemm columns: the owner's row tiles, or before the host knows them
+    a bound; program 0 lists the first min(n_gemm, row tiles) and stores that number at gemm_count_ptr. The walk
+    orders are a stable counting sort by key: a tile's place is the number of tiles of smaller keys plus those of
+    its key before it (two passes: the keys' totals, then the places). `while` loops: the interpreter cannot
+    range() up to an argument."""
     E: tl.constexpr = WORLD * L
     pid = tl.program_id(0)
     s = tl.arange(0, W_P2)
@@ -330,22 +393,24 @@ def _tile_tables_kernel(counts_ptr, gemm_ptr, combine_ptr, grad_ptr, rank, n_gem
                      other=0).to(tl.int32)  # [source, local expert]
     sizes = tl.sum(blocks, axis=0)
     if pid == 0:
+        listed = tl.minimum(tl.sum((sizes + OWNER_TILE_ROWS - 1) // OWNER_TILE_ROWS, axis=0), n_gemm)
+        tl.store(gemm_count_ptr, listed.to(tl.int64))
         arrivals = tl.zeros([W_P2], tl.int32)  # tiles per key
         departures = tl.zeros([W_P2], tl.int32)
         first = 0
-        while first < n_gemm:
+        while first < listed:
             i = first + lanes
             expert, begin, end = _expert_tiles(i, sizes, OWNER_TILE_ROWS, L_P2)
             arrive, leave = _walk_keys(expert, begin, end, blocks, rank, WORLD, W_P2, L_P2, OWNER_TILE_ROWS)
-            arrivals += tl.sum(_key_counts(arrive, i < n_gemm, W_P2), axis=0)
-            departures += tl.sum(_key_counts(leave, i < n_gemm, W_P2), axis=0)
+            arrivals += tl.sum(_key_counts(arrive, i < listed, W_P2), axis=0)
+            departures += tl.sum(_key_counts(leave, i < listed, W_P2), axis=0)
             first += CHUNK
         arrivals = tl.cumsum(arrivals, axis=0) - arrivals  # now: tiles placed before each key
         departures = tl.cumsum(departures, axis=0) - departures
         first = 0
-        while first < n_gemm:
+        while first < listed:
             i = first + lanes
-            valid = i < n_gemm
+            valid = i < listed
             expert, begin, end = _expert_tiles(i, sizes, OWNER_TILE_ROWS, L_P2)
             arrive, leave = _walk_keys(expert, begin, end, blocks, rank, WORLD, W_P2, L_P2, OWNER_TILE_ROWS)
             tl.store(gemm_ptr + i, expert.to(tl.int64), mask=valid)
@@ -409,17 +474,36 @@ def tile_tables(counts: torch.Tensor, host_counts: np.ndarray, rank: int, num_lo
                 owner_tile_rows: int) -> list[torch.Tensor]:
     """[gemm_tiles, combine_tiles, combine_grad_tiles] (ExpertLayout) of owner `rank` on counts' device, in one
     launch (`tile_tables_reference` in numpy); views of one buffer, each starting on a 16-byte boundary."""
-    world, counts = counts.shape[0], counts.contiguous()  # read whole
     sizes = tile_counts(host_counts, rank, num_local_experts, tile_rows, owner_tile_rows)
-    shapes = [(5, sizes[0]), (6, sizes[1]), (3, sizes[2])]
+    gemm, _, combine, grad = _tile_tables(counts, rank, num_local_experts, tile_rows, owner_tile_rows, sizes, 3)
+    return [gemm, combine, grad]
+
+
+def gemm_tile_table(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int, owner_tile_rows: int,
+                    max_row_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemm_tiles (ExpertLayout) of owner `rank` with `max_row_tiles` columns, without reading the counts on the
+    host: the first min(max_row_tiles, row tiles) columns are the owner's row tiles, and their number comes back
+    on the device (int64 [1])."""
+    gemm, listed, _, _ = _tile_tables(counts, rank, num_local_experts, tile_rows, owner_tile_rows,
+                                      (max_row_tiles, 0, 0), 1)
+    return gemm, listed
+
+
+def _tile_tables(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int, owner_tile_rows: int,
+                 sizes: tuple[int, int, int], programs: int) -> list[torch.Tensor]:
+    """[gemm_tiles, gemm tiles listed, combine_tiles, combine_grad_tiles] of sizes[k] columns, views of one buffer;
+    `programs`: 3 fills every table, 1 gemm_tiles only."""
+    world, counts = counts.shape[0], counts.contiguous()  # read whole
+    shapes = [(5, sizes[0]), (1, 1), (6, sizes[1]), (3, sizes[2])]
     starts = np.cumsum([0] + [_even(k * n) for k, n in shapes])
     flat = torch.empty(int(starts[-1]), dtype=torch.int64, device=counts.device)
     tables = [flat[int(a):int(a) + k * n].view(k, n) for a, (k, n) in zip(starts, shapes)]
+    tables[1] = tables[1].view(1)
     if max(sizes):
         shape = (world, num_local_experts, triton.next_power_of_2(world), triton.next_power_of_2(num_local_experts),
                  triton.next_power_of_2(world * num_local_experts), tile_rows, owner_tile_rows,
                  64 if counts.is_cuda else 16)
-        _TILE_LAUNCHES((counts.device, counts.dtype, *shape, *map(aligned, (counts, *tables))), (3, 1, 1),
+        _TILE_LAUNCHES((counts.device, counts.dtype, *shape, *map(aligned, (counts, *tables))), (programs, 1, 1),
                        (counts, *tables, rank, *sizes, *shape), dict(num_warps=4 if counts.is_cuda else 1))
     return tables
 

@@ -9,7 +9,9 @@ comm="fused" (CUDA symmetric memory, under torchrun): every rank all-gathers the
 address of every row (moe.expert_layout). Each source pushes its routed rows into the owners' buffers and the
 owner's first expert GEMM waits per tile for just the rows it reads (moe.kernels.fused_dispatch); the second
 expert GEMM stores its output tiles straight into the sources' buffers and each source's weighted unpermute
-consumes them as their flags arrive (moe.kernels.fused_combine). Backward: see _FusedExperts.
+consumes them as their flags arrive (moe.kernels.fused_combine). The host launches the push and the first GEMM
+before it reads the counts (their tables are made on the GPU, for the receive capacity of earlier calls), so the
+counts' host sync and the layout's host work overlap the GEMM (`_fused_dispatch`). Backward: see _FusedExperts.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from torch import nn
 
 from fused_dlrm.dist import all_to_all_v, exchange_counts
 from fused_dlrm.dist.alltoall import world_size
+from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.dist.reorder import inverse_permutation, reorder
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, _Workspace
-from moe.expert_layout import ExpertLayout, build_expert_layout, gather_counts
+from moe.expert_layout import DispatchTables, ExpertLayout, build_expert_layout, dispatch_tables, gather_counts
 from moe.experts import SwiGLUExperts
 from moe.kernels.fused_combine import FusedCombine
 from moe.kernels.fused_dispatch import FusedDispatch, gemm_config
@@ -88,7 +91,8 @@ class MoELayer(nn.Module):
         coefficients), tokens_per_expert ([num_experts], this rank's kept assignments), dropped (assignments
         dropped by the capacity) and tokens_per_local_expert ([num_local_experts], rows this rank's experts ran),
         all tensors on x's device (reading them on the host waits for the GPU). Host syncs of a forward: the
-        counts that size the exchanges (one), and permute's row count when a capacity can drop assignments.
+        counts that size the exchanges (one; comm="fused" reads them once the first expert GEMM is queued), and
+        permute's row count when a capacity can drop assignments.
         `logit_bias` is passed to the router (tests force skewed routings with it).
         """
         self._check_inputs(x, logit_bias)
@@ -100,9 +104,7 @@ class MoELayer(nn.Module):
         if self.comm == "fused":
             perm = permutation(routing.expert_ids, self.num_experts, kept)
             counts = gather_counts(perm.tokens_per_expert, self.group)  # [source, global expert]
-            layout = build_expert_layout(counts, self.rank, self.num_local_experts, self.combine.blocks.block_m,
-                                         gemm_config(x.device, x.dtype, backward=True).block_m)
-            y = _FusedExperts.apply(x, routing.weights, self.experts.w13, self.experts.w2, self, layout, perm,
+            y = _FusedExperts.apply(x, routing.weights, self.experts.w13, self.experts.w2, self, counts, perm,
                                     torch.is_grad_enabled())
             recv_counts = counts[:, self.rank * self.num_local_experts:(self.rank + 1) * self.num_local_experts]
         else:
@@ -120,6 +122,49 @@ class MoELayer(nn.Module):
             "tokens_per_local_expert": recv_counts.sum(dim=0),
         }
         return y, aux
+
+    def _fused_dispatch(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation, w13: torch.Tensor,
+                        keep_a13: bool) -> tuple[ExpertLayout, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The fused dispatch and GEMM 1 -> (layout, received rows, h, a13 if keep_a13), cut to the rows received.
+
+        The push and the GEMM are launched from tables the GPU makes from the counts, for the receive capacity
+        that earlier calls reserved; only then the host reads the counts (the layout), while the GEMM runs. When
+        this call's rows did not fit (every rank sees it in the same counts) the dispatch runs again in buffers
+        reserved for them. The first call has no capacity yet: it reads its counts first."""
+        on_host = PendingHostCopy(counts)  # enqueued before the dispatch: reading it waits for the counts only
+        layout = None
+        if not self.dispatch.capacity:
+            layout = self._layout(counts, x, on_host.get())
+            self.dispatch.reserve(layout.max_recv_rows)
+        tables, received, h, a13 = self._dispatch_at_capacity(x, counts, perm, w13, keep_a13)
+        if layout is None:
+            layout = self._layout(counts, x, on_host.get(), tables)  # the host sync, with GEMM 1 queued
+        if layout.max_recv_rows > self.dispatch.capacity:
+            if x.is_cuda:  # the first try's kernels end before its buffers go
+                torch.cuda.current_stream(x.device).synchronize()
+            self.dispatch.reserve(layout.max_recv_rows)
+            tables, received, h, a13 = self._dispatch_at_capacity(x, counts, perm, w13, keep_a13)
+        rows = sum(layout.tokens_per_local_expert)
+        return layout, received[:rows], h[:rows], None if a13 is None else a13[:rows]
+
+    def _dispatch_at_capacity(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation, w13: torch.Tensor,
+                              keep_a13: bool):
+        """Push + GEMM 1 over DispatchTables of the current capacity -> (tables, received, h, a13), capacity rows."""
+        tables = dispatch_tables(counts, self.rank, self.num_local_experts, *self._tile_rows(x),
+                                 perm.token_of_row.numel(), self.dispatch.capacity)
+        # Training keeps GEMM 1's products (a13) for the SwiGLU gradient, as autograd keeps the bulk experts'.
+        a13 = x.new_empty(self.dispatch.capacity, w13.shape[2]) if keep_a13 else None
+        received, h = self.dispatch.finish(self.dispatch.start(x, perm.token_of_row, tables), w13, a13_out=a13)
+        return tables, received, h, a13
+
+    def _layout(self, counts: torch.Tensor, x: torch.Tensor, host_counts: torch.Tensor,
+                dispatched: DispatchTables | None = None) -> ExpertLayout:
+        return build_expert_layout(counts, self.rank, self.num_local_experts, *self._tile_rows(x),
+                                   dispatched=dispatched, host_counts=host_counts)
+
+    def _tile_rows(self, x: torch.Tensor) -> tuple[int, int]:
+        """Row tiles of the combine's GEMM and of the owner's (the dispatch's backward GEMM numbers its flags)."""
+        return self.combine.blocks.block_m, gemm_config(x.device, x.dtype, backward=True).block_m
 
     def _check_inputs(self, x: torch.Tensor, logit_bias: torch.Tensor | None) -> None:
         if x.dim() != 2 or x.shape[1] != self.d_model or not x.is_floating_point():
@@ -175,21 +220,17 @@ class _FusedExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weights, w13_param, w2_param, layer: MoELayer, layout: ExpertLayout, perm: Permutation,
+    def forward(ctx, x, weights, w13_param, w2_param, layer: MoELayer, counts: torch.Tensor, perm: Permutation,
                 grad_enabled: bool):
         # Inside forward grad mode is always off, and needs_input_grad ignores the caller's: under no_grad the
         # parameters still "need" a gradient, and the copies below would be made for a backward that never comes.
         needs_grad = [grad_enabled and needs for needs in ctx.needs_input_grad]
         training = any(needs_grad)
         w13, w2 = w13_param.to(x.dtype), w2_param.to(x.dtype)  # the parameters themselves when of x's dtype
-        # Training keeps GEMM 1's products (a13) for the SwiGLU gradient, as autograd keeps the bulk experts'.
-        a13 = x.new_empty(sum(layout.tokens_per_local_expert), w13.shape[2]) if training else None
-        received, h = layer.dispatch.finish(layer.dispatch.start(x, perm.token_of_row, layout), layout, w13,
-                                            a13_out=a13)
+        layout, received, h, a13 = layer._fused_dispatch(x, counts, perm, w13, keep_a13=training)
         if training:  # the receive buffer is the sources' again at the next call
             received = received.clone()
-        # Only now the combine's tables (host work, ~1 ms on the H200 hosts): they overlap GEMM 1 instead of
-        # delaying its launch.
+        # The combine's tables (host work): they overlap GEMM 1 instead of delaying its launch.
         epoch = layer.combine.start(h, w2, layout)
         rows = x.new_empty(weights.numel(), x.shape[1]) if needs_grad[1] else None  # by assignment
         y = layer.combine.finish(epoch, layout, perm, weights, rows_out=rows)

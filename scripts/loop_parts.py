@@ -57,9 +57,9 @@ def start(self, kjt):
 
 def finish(self, pending):
     """The rest of a batch's input dist, after waiting for its header on the host (the event of `start`)."""
-    if pending.ready is not None and measuring():
+    if pending.both.ready is not None and measuring():
         begin = time.perf_counter()
-        pending.ready.synchronize()
+        pending.both.ready.synchronize()
         host["header_wait"].append(time.perf_counter() - begin)
     return original_finish(self, pending)
 

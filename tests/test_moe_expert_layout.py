@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from moe.expert_layout import (build_expert_layout, expert_row_tiles, expert_rows, expert_rows_reference,
-                               gather_counts, tile_tables, tile_tables_reference)
+from moe.expert_layout import (build_expert_layout, dispatch_tables, expert_row_tiles, expert_rows,
+                               expert_rows_reference, gather_counts, tile_tables, tile_tables_reference)
 from sm90 import compile_for_sm90
 from world import run_world
 
@@ -51,6 +51,44 @@ def test_per_row_tables_match_the_row_by_row_reference(world, local):
             want = expert_rows_reference(counts, rank, local, tile_rows)
             got = expert_rows(counts.to(DEVICE), rank, local, tile_rows, len(want[0]), len(want[4]))
             assert [t.tolist() for t in got] == want, (rank, tile_rows)
+
+
+@pytest.mark.parametrize("world,local", [(2, 2), (3, 5), (4, 3)])
+def test_dispatch_tables_made_before_the_host_knows_the_rows(world, local):
+    """DispatchTables from the counts on the device at a receive capacity: at one that holds the rows, the layout's
+    tables (the receive ones and gemm_tiles padded past the rows and tiles received; the layout then reuses the
+    per-row tables), at one that does not, the rows and tiles below it; the tiles listed come back on the device."""
+    gen = torch.Generator().manual_seed(world * 10 + local)
+    counts = torch.randint(0, 40, (world, world * local), generator=gen)
+    counts[:, 0] += 100  # skewed: one hot expert
+    counts[world - 1] = 0  # a rank that routes nothing
+    counts[:, -1] = 0  # an expert nobody routes to
+    for rank in range(world):
+        lay = build_expert_layout(counts.to(DEVICE), rank, local, tile_rows=4, owner_tile_rows=8)
+        received, tiles = lay.recv_source_rank.numel(), lay.gemm_tiles.shape[1]
+        for capacity in (lay.max_recv_rows + 37, received // 2 + 1):
+            tables = dispatch_tables(counts.to(DEVICE), rank, local, 4, 8, int(counts[rank].sum()), capacity)
+            fits = min(received, capacity)
+            listed = min(tiles, -(-capacity // 8) + local)
+            assert tables.row_tiles.item() == listed
+            assert tables.recv_source_rank.numel() == tables.recv_source_row.numel() == capacity
+            assert torch.equal(tables.recv_source_rank[:fits], lay.recv_source_rank[:fits])
+            assert torch.equal(tables.recv_source_row[:fits], lay.recv_source_row[:fits])
+            for got, want in zip(tables.rows[:4], (lay.send_dest_rank, lay.send_dest_row, lay.send_tile,
+                                                   lay.send_owner_tile)):
+                assert torch.equal(got, want)
+            if fits == received:  # both walk orders are the layout's
+                assert torch.equal(tables.gemm_tiles[:, :listed], lay.gemm_tiles)
+                again = build_expert_layout(counts.to(DEVICE), rank, local, 4, 8, dispatched=tables,
+                                            host_counts=counts)
+                assert again.recv_source_rank.data_ptr() == tables.recv_source_rank.data_ptr()
+                assert torch.equal(again.recv_source_row, lay.recv_source_row)
+            else:  # the tiles below the capacity, each once in either walk
+                assert torch.equal(tables.gemm_tiles[:3, :listed], lay.gemm_tiles[:3, :listed])
+                for order in tables.gemm_tiles[3:, :listed]:
+                    assert sorted(order.tolist()) == list(range(listed))
+    with pytest.raises(ValueError, match="the dispatch's tables cut tiles of"):
+        build_expert_layout(counts.to(DEVICE), 0, local, 4, 16, dispatched=tables)
 
 
 @pytest.mark.parametrize("world,local", [(1, 3), (2, 2), (3, 5), (4, 3), (2, 16)])

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
-from moe.expert_layout import build_expert_layout
+from moe.expert_layout import build_expert_layout, dispatch_tables
 from moe.kernels import fused_dispatch as fd
 from moe.kernels.fused_dispatch import FusedDispatch, dispatch_reference, gated_gemm_reference, gemm_config
 from moe.permute import permute, unpermute
@@ -68,14 +68,24 @@ class World:
         for d in self.dispatch:
             d.ws.buffer("moe_dispatch_rows", 0, torch.float32).local.fill_(float("nan"))
 
-    def step(self, xs, token_of_rows, layouts):
-        """Every rank pushes, then every owner's GEMM: [(received, h, a13)] per rank; a13 (the products before
-        the activation, kept for training) starts as NaN, so that a row the GEMM does not store shows."""
-        epochs = [d.start(x, t, lay) for d, x, t, lay in zip(self.dispatch, xs, token_of_rows, layouts)]
-        a13s = [torch.full((sum(lay.tokens_per_local_expert), w13.shape[2]), float("nan"), dtype=w13.dtype)
-                for lay, w13 in zip(layouts, self.w13)]
-        return [(*d.finish(e, lay, w13, a13_out=a13), a13)
-                for d, e, lay, w13, a13 in zip(self.dispatch, epochs, layouts, self.w13, a13s)]
+    def tables(self, token_of_rows, layouts, capacity: int | None = None):
+        """Every rank's DispatchTables, after reserving receive rows for these layouts (or `capacity`: the
+        layer's way, which learns the rows after the launch)."""
+        for d in self.dispatch:
+            d.reserve(capacity or max(lay.max_recv_rows for lay in layouts))
+        return [dispatch_tables(lay.counts, r, self.local, 16, self.backward_tile_rows, t.numel(), d.capacity)
+                for r, (d, t, lay) in enumerate(zip(self.dispatch, token_of_rows, layouts))]
+
+    def step(self, xs, token_of_rows, layouts, capacity: int | None = None):
+        """Every rank pushes, then every owner's GEMM: [(received, h, a13)] per rank, cut to the rows received;
+        a13 (the products before the activation, kept for training) starts as NaN, so that a row the GEMM does
+        not store shows."""
+        tables = self.tables(token_of_rows, layouts, capacity)
+        epochs = [d.start(x, t, tab) for d, x, t, tab in zip(self.dispatch, xs, token_of_rows, tables)]
+        a13s = [torch.full((d.capacity, w13.shape[2]), float("nan"), dtype=w13.dtype)
+                for d, w13 in zip(self.dispatch, self.w13)]
+        out = [(*d.finish(e, w13, a13_out=a13), a13) for d, e, w13, a13 in zip(self.dispatch, epochs, self.w13, a13s)]
+        return [tuple(t[:sum(lay.tokens_per_local_expert)] for t in o) for o, lay in zip(out, layouts)]
 
 
 def check_step(world: World, tokens, top_k, bias, gen, poison=True):
@@ -181,6 +191,31 @@ def test_consecutive_epochs_on_the_same_flags_with_changing_routing(world):
     assert len(capacities) > 1  # the receive buffer grew on the way, with fresh flags
 
 
+def test_rows_past_the_capacity_are_neither_pushed_nor_computed():
+    """The layer launches the dispatch before the host has seen the counts, at the capacity of earlier calls. When
+    this call's rows do not fit, the rows below the capacity are still right, those past it are left alone, and no
+    wait times out (no flag is awaited for a chunk that was not pushed); the layer then dispatches again."""
+    w = World(2, 2, block_m=8)
+    gen = torch.Generator().manual_seed(12)
+    xs, token_of_rows, counts, layouts = w.routed_batch([20, 18], 2, None, gen)
+    assert min(lay.max_recv_rows for lay in layouts) > 16
+    tables = w.tables(token_of_rows, layouts, capacity=16)
+    assert all(d.capacity == 16 for d in w.dispatch)
+    epochs = [d.start(x, t, tab) for d, x, t, tab in zip(w.dispatch, xs, token_of_rows, tables)]
+    for owner, (d, e, w13) in enumerate(zip(w.dispatch, epochs, w.w13)):
+        a13 = torch.full((16, 2 * FFN), float("nan"))
+        received, h = d.finish(e, w13, a13_out=a13)
+        rows = dispatch_reference(xs, token_of_rows, counts, owner, w.local).double()
+        lay = layouts[owner]
+        assert sum(lay.tokens_per_local_expert) > 16
+        want_h = gated_gemm_reference(rows, lay.tokens_per_local_expert, w13.double())[:16]
+        assert torch.equal(received, rows[:16].float())
+        torch.testing.assert_close(h.double(), want_h, rtol=1e-5, atol=1e-5 * want_h.abs().max().item())
+        assert not a13.isnan().any()
+    # The next call at a capacity that fits, on the same flags' successors (a new capacity: fresh flags).
+    check_step(w, [20, 18], 2, None, gen)
+
+
 def test_fp16_rows():
     # fp16 stands for the half types here: the interpreter's tl.dot mishandles bf16 (the GPU test runs bf16).
     w = World(2, 2, block_m=16)
@@ -246,16 +281,17 @@ def test_gemm_times_out_naming_the_peer_and_chunk_when_a_source_never_pushes():
     gen = torch.Generator().manual_seed(7)
     xs, token_of_rows, counts, layouts = w.routed_batch([10, 12], 2, None, gen)
     assert counts[1, :2].sum() > 0  # rank 1 has rows for rank 0
-    epoch = w.dispatch[0].start(xs[0], token_of_rows[0], layouts[0])  # rank 1 never pushes
+    epoch = w.dispatch[0].start(xs[0], token_of_rows[0], w.tables(token_of_rows, layouts)[0])  # rank 1 never pushes
     with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1 waiting for rank 1, slice \d"):
-        w.dispatch[0].finish(epoch, layouts[0], w.w13[0])
+        w.dispatch[0].finish(epoch, w.w13[0])
 
 
 def test_gemm_waits_for_the_one_chunk_whose_flag_is_down_and_never_for_its_own_rows():
     w = World(4, 2, block_m=8)
     gen = torch.Generator().manual_seed(9)
     xs, token_of_rows, counts, layouts = w.routed_batch([20, 15, 18, 12], 2, None, gen)
-    epochs = [d.start(x, t, lay) for d, x, t, lay in zip(w.dispatch, xs, token_of_rows, layouts)]
+    epochs = [d.start(x, t, tab) for d, x, t, tab in zip(w.dispatch, xs, token_of_rows, w.tables(token_of_rows,
+                                                                                                  layouts))]
     owner = 1
     row = int((layouts[owner].recv_source_rank != owner).nonzero().max())  # the last row from another rank
     source = int(layouts[owner].recv_source_rank[row])
@@ -264,7 +300,7 @@ def test_gemm_waits_for_the_one_chunk_whose_flag_is_down_and_never_for_its_own_r
     ready.local.view(4, -1)[source, row // 8] = 0  # as if that chunk had not arrived
     with pytest.raises(PeerWaitTimeout, match=rf"rank 1 timed out at step 1 waiting for rank {source}, slice "
                                               rf"{row // 8} "):
-        w.dispatch[owner].finish(epochs[owner], layouts[owner], w.w13[owner])
+        w.dispatch[owner].finish(epochs[owner], w.w13[owner])
 
 
 def test_push_times_out_when_the_owner_never_finished_the_previous_epoch():
@@ -272,11 +308,12 @@ def test_push_times_out_when_the_owner_never_finished_the_previous_epoch():
     gen = torch.Generator().manual_seed(8)
     xs, token_of_rows, _, layouts = w.routed_batch([10, 12], 2, None, gen)
     w.step(xs, token_of_rows, layouts)
-    w.dispatch[1].start(xs[1], token_of_rows[1], layouts[1])  # epoch 2 of rank 1 is never finished
-    w.dispatch[0].finish(w.dispatch[0].start(xs[0], token_of_rows[0], layouts[0]), layouts[0], w.w13[0])
-    epoch = w.dispatch[0].start(xs[0], token_of_rows[0], layouts[0])  # rank 1 still holds epoch 2's rows
+    tables = w.tables(token_of_rows, layouts)
+    w.dispatch[1].start(xs[1], token_of_rows[1], tables[1])  # epoch 2 of rank 1 is never finished
+    w.dispatch[0].finish(w.dispatch[0].start(xs[0], token_of_rows[0], tables[0]), w.w13[0])
+    epoch = w.dispatch[0].start(xs[0], token_of_rows[0], tables[0])  # rank 1 still holds epoch 2's rows
     with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 3 waiting for rank 1 to release"):
-        w.dispatch[0].finish(epoch, layouts[0], w.w13[0])
+        w.dispatch[0].finish(epoch, w.w13[0])
 
 
 def test_gemm_1_leaves_sms_to_the_push_and_the_backward_gemm_takes_them_all():
@@ -296,22 +333,23 @@ def test_gemm_1_leaves_sms_to_the_push_and_the_backward_gemm_takes_them_all():
 def test_weights_must_be_one_contiguous_w13():
     w = World(2, 2)
     xs, token_of_rows, _, layouts = w.routed_batch([6, 5], 2, None, torch.Generator().manual_seed(10))
+    tables = w.tables(token_of_rows, layouts)[0]
     halves = torch.randn(2, D_MODEL, 4 * FFN)[:, :, :2 * FFN]  # the right shape, but every row strided
     for bad in (w.w13[0][:, :, :FFN], halves, w.w13[0].double()):
         with pytest.raises(ValueError, match="w13 must be a contiguous"):
-            w.dispatch[0].finish(w.dispatch[0].start(xs[0], token_of_rows[0], layouts[0]), layouts[0], bad)
+            w.dispatch[0].finish(w.dispatch[0].start(xs[0], token_of_rows[0], tables), bad)
     # Contiguous and of the right shape, but starting 4 bytes off a 16-byte boundary: the backward's TMA could not
     # read it, so the forward refuses it.
     shifted = torch.empty(w.w13[0].numel() + 1)[1:].view(w.w13[0].shape).copy_(w.w13[0])
     with pytest.raises(ValueError, match="w13 .* through TMA"):
-        w.dispatch[0].finish(w.dispatch[0].start(xs[0], token_of_rows[0], layouts[0]), layouts[0], shifted)
+        w.dispatch[0].finish(w.dispatch[0].start(xs[0], token_of_rows[0], tables), shifted)
 
 
 COMPILE_FOR_SM90 = """
 from moe.kernels import fused_dispatch as fd
 
 tables = {n: "*i64" for n in ("token_ptr", "dest_row_ptr", "counts_ptr", "rows_ptrs", "ready_ptrs", "tiles_ptr",
-                              "source_ptr", "source_row_ptr", "grad_ptrs")}
+                              "row_tiles_ptr", "source_ptr", "source_row_ptr", "grad_ptrs")}
 flags = {n: "*i32" for n in ("dest_order_ptr", "ack_ptr", "error_ptr", "ready_ptr", "next_ptr")}
 import torch
 cuda = torch.device("cuda")

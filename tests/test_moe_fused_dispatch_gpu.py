@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fused_dlrm.dist import all_to_all_v, exchange_counts
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
-from moe.expert_layout import build_expert_layout, gather_counts
+from moe.expert_layout import build_expert_layout, dispatch_tables, gather_counts
 from moe.kernels.fused_dispatch import FusedDispatch, gated_gemm_reference, gemm_config
 from moe.permute import permute
 from moe.routing import route
@@ -58,6 +58,16 @@ def bulk_dispatch(rows: torch.Tensor, tokens_per_expert: torch.Tensor, world: in
     return received[torch.sort(expert_of_row, stable=True).indices]
 
 
+def dispatch_at_layout(dispatch, x, token_of_row, layout, w13):
+    """Push + GEMM 1 in buffers reserved for the layout -> (received, h) of the rows received."""
+    dispatch.reserve(layout.max_recv_rows)
+    tables = dispatch_tables(layout.counts, layout.rank, layout.num_local_experts, 128, BACKWARD_TILE_ROWS,
+                             token_of_row.numel(), dispatch.capacity)
+    received, h = dispatch.finish(dispatch.start(x, token_of_row, tables), w13)
+    rows = sum(layout.tokens_per_local_expert)
+    return received[:rows], h[:rows]
+
+
 def _fused_equals_bulk(rank: int, world: int) -> None:
     device = torch.device("cuda", rank)
     local = EXPERTS // world
@@ -79,7 +89,7 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
                 ws.buffer(name, 0, torch.bfloat16).local.fill_(float("nan"))
             torch.cuda.synchronize()
             dist.barrier()
-        received, h = dispatch.finish(dispatch.start(x, token_of_row, layout), layout, w13)
+        received, h = dispatch_at_layout(dispatch, x, token_of_row, layout, w13)
         dh = torch.randn(h.shape, device=device, generator=torch.Generator(device).manual_seed(step)).bfloat16()
         epoch, dw13 = dispatch.start_backward(dh, received, layout, w13)
         dx = dispatch.finish_backward(epoch, layout, perm)
@@ -111,7 +121,7 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
     dist.barrier()
     if rank == 0:
         dispatch.spin_limit = 100_000
-        dispatch.finish(dispatch.start(x, perm.order // TOP_K, layout), layout, w13)
+        dispatch_at_layout(dispatch, x, perm.order // TOP_K, layout, w13)
         with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1001 waiting for rank 1, slice"):
             dispatch.errors.check(block=True)
     torch.cuda.synchronize()

@@ -61,6 +61,29 @@ def test_fused_layer_matches_bulk(tokens, bias, capacity):
     assert workspace.next_epoch("combine") == 3
 
 
+@interpreter
+def test_fused_layer_dispatches_again_when_the_rows_outgrow_the_capacity():
+    """The fused layer launches its dispatch at the receive capacity of earlier calls and reads the counts
+    afterwards: a call with more rows than that dispatches again in larger buffers, with the same results."""
+    workspace = SimulatedWorld(1).workspaces()[0]
+    fused = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused", workspace=workspace)
+    bulk = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED)
+    gen = torch.Generator().manual_seed(7)
+    capacities = []
+    for tokens in (6, 40, 12):  # 12 rows, then 80 (past the first capacity: 64, the chunk), then 24
+        x, grad = torch.randn(tokens, D_MODEL, generator=gen), torch.randn(tokens, D_MODEL, generator=gen)
+        for layer in (fused, bulk):
+            layer.zero_grad()
+        (y, gx, _), (want_y, want_gx, _) = run(fused, x, None, grad), run(bulk, x, None, grad)
+        torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5 * max(want_y.abs().max().item(), 1.0))
+        torch.testing.assert_close(gx, want_gx, rtol=1e-5, atol=1e-5)
+        for (name, p), q in zip(fused.named_parameters(), bulk.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        capacities.append(fused.dispatch.capacity)
+    assert capacities == [64, 128, 128]
+    assert workspace.next_epoch("moe_dispatch") == 5  # the second call dispatched twice
+
+
 def test_fused_needs_cuda_under_torchrun():
     with pytest.raises(RuntimeError, match="comm=fused needs CUDA GPUs under torchrun"):
         MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, comm="fused")

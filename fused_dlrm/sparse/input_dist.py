@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torchrec import KeyedJaggedTensor
 
 from fused_dlrm.dist.alltoall import all_to_all_v, exchange_counts
+from fused_dlrm.dist.host_copy import PendingHostCopy
 
 
 @dataclass
@@ -91,8 +92,7 @@ class PendingHeader:
     counts: torch.Tensor | None  # values per key
     limit: torch.Tensor | None  # each value's table size
     recv: torch.Tensor  # the headers received, on the device
-    both: torch.Tensor  # the headers sent and received; in pinned host memory on GPUs
-    ready: torch.cuda.Event | None  # recorded after the copy into `both` (GPUs)
+    both: PendingHostCopy  # the headers sent and received, on their way to the host
 
 
 class BulkInputDist:
@@ -166,21 +166,14 @@ class BulkInputDist:
             padded = torch.cat([counts, counts.new_zeros(1)])
             header = torch.cat([header_start.expand(world, _FIRST_COUNT), padded[plan.header_keys]], dim=1)
         recv = exchange_counts(header, self.group)
-        both, ready = torch.cat([header, recv]), None
-        if both.is_cuda:  # into pinned memory without waiting; `finish` waits for this event instead
-            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-            host.copy_(both, non_blocking=True)
-            both, ready = host, torch.cuda.Event()
-            ready.record()
-        return PendingHeader(kjt, plan, key_problem, lengths, counts, limit, recv, both, ready)
+        both = PendingHostCopy(torch.cat([header, recv]))  # `finish` waits for this copy only
+        return PendingHeader(kjt, plan, key_problem, lengths, counts, limit, recv, both)
 
     def finish(self, pending: PendingHeader) -> OwnedBags:
         """The rest of `start`'s batch: its checks, then lengths, values and weights exchanged and regrouped."""
         kjt, plan, lengths, counts, recv = pending.kjt, pending.plan, pending.lengths, pending.counts, pending.recv
         world, values, local_batch = len(self.features_of_rank), kjt.values(), kjt.stride()
-        if pending.ready is not None:
-            pending.ready.synchronize()
-        both = pending.both.tolist()  # the host sync (none left when the event above has long passed)
+        both = pending.both.get().tolist()  # the host sync (none left when the copy has long ended)
         sent_header, recv_header = both[:world], both[world:]
         self._raise_for_bad_input(recv_header, kjt, pending.key_problem, counts, pending.limit)
 

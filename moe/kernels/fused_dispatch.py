@@ -4,11 +4,17 @@ owner's persistent grouped GEMM waits, tile by tile, for just the rows it reads.
 Push (`FusedDispatch.start`, every source): persistent programs walk units (destination rank d, chunk c), where
 chunk c is receive rows [c * block_m, (c + 1) * block_m) of d's buffer; destinations remote first, rotated by rank
 (peer_tiles.remote_first_order), this rank last. A unit gathers the source's permuted rows that land in that
-chunk (row i is x[token_of_row[i]]: no permuted copy is made) and stores each at row `layout.send_dest_row[i]`
+chunk (row i is x[token_of_row[i]]: no permuted copy is made) and stores each at row `tables.send_dest_row[i]`
 of d's receive buffer, then raises flag (source rank, c) in d's flag buffer.
 
-Ready rule (what the owner derives from its layout alone): receive row j of the owner is ready once flag
-(layout.recv_source_rank[j], j // block_m) holds the epoch. A source raises flag (s, c) only in the owner whose
+Both halves read moe.expert_layout.DispatchTables, which kernels make from the all-gathered counts on the device:
+the host launches the push and the GEMM without reading the counts (it reads them while the GEMM runs, for the
+combine and the backward). The tables cover the receive capacity that `reserve` set from earlier calls' counts;
+rows past it are neither pushed nor computed, and the caller, who sees ExpertLayout.max_recv_rows afterwards,
+reserves more and dispatches again.
+
+Ready rule (what the owner derives from the counts alone): receive row j of the owner is ready once flag
+(tables.recv_source_rank[j], j // block_m) holds the epoch. A source raises flag (s, c) only in the owner whose
 chunk c holds its rows, after storing all of them (a source's rows to one owner are increasing in its receive
 rows, so the rows of one unit are a contiguous range of the source's permuted rows).
 
@@ -37,7 +43,7 @@ store.
 Guards: receive rows are double-buffered by epoch parity, and a source stores epoch e only after the owner has
 acknowledged epoch e - 1 (peer_flags.consumer_released): the `received` view that `finish` returns stays valid
 until the next `finish` call. Flags carry epochs and are never reset; the receive capacity (and with it the flag
-buffer) only grows, by powers of two, the same on every rank (it follows layout.max_recv_rows).
+buffer) only grows, by powers of two, the same on every rank (`reserve`, from layout.max_recv_rows).
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ from fused_dlrm.kernels import TL_DTYPES, dot_precision
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready, wait_at_least
 from fused_dlrm.kernels.peer_tiles import remote_first_order
-from moe.expert_layout import ExpertLayout
+from moe.expert_layout import DispatchTables, ExpertLayout
 from moe.experts import _grouped_mm_works, group_ends, grouped_weight_grad, swiglu
 from moe.kernels.fused_combine import _weighted_unpermute_kernel
 from moe.kernels.swiglu_backward import swiglu_backward
@@ -184,33 +190,39 @@ def _next_tile(next_ptr, num_tiles, claimants):
 
 
 @triton.jit
-def _row_tile(t, tiles_ptr, num_row_tiles, col_blocks, BLOCK_M: tl.constexpr, ORDER: tl.constexpr):
+def _row_tile(t, tiles_ptr, width, num_row_tiles, col_blocks, BLOCK_M: tl.constexpr, ORDER: tl.constexpr):
     """Walk step t (in grouped order) -> (row tile id, its local expert, first row, rows, row mask, column block).
-    tiles_ptr: the layout's gemm_tiles, whose row ORDER (3: arrival, 4: departure) is the walk."""
+    tiles_ptr: gemm_tiles ([5, width], listing num_row_tiles: ExpertLayout's or DispatchTables'), whose row ORDER
+    (3: arrival, 4: departure) is the walk."""
     position, col = grouped_tile(t, num_row_tiles, col_blocks)
-    mt = tl.load(tiles_ptr + ORDER * num_row_tiles + position)
+    mt = tl.load(tiles_ptr + ORDER * width + position)
     expert = tl.load(tiles_ptr + mt)
-    begin = tl.load(tiles_ptr + num_row_tiles + mt)
+    begin = tl.load(tiles_ptr + width + mt)
     rows = begin + tl.arange(0, BLOCK_M)
-    return mt, expert, begin, rows, rows < tl.load(tiles_ptr + 2 * num_row_tiles + mt), col
+    return mt, expert, begin, rows, rows < tl.load(tiles_ptr + 2 * width + mt), col
 
 
-@triton.jit(do_not_specialize=["num_row_tiles", "epoch", "flag_stride", "num_tiles", "claimants", "spin_limit"])
+@triton.jit(do_not_specialize=["tiles_width", "epoch", "flag_stride", "claimants", "spin_limit"])
 def _gated_gemm_kernel(
     rows_ptr, x_ptr, token_ptr, w13_ptr, h_ptr, a13_ptr,  # received rows (this epoch's half), this rank's tokens
     # and token_of_row, [L, D, 2 * FFN] weights (w1 columns, then w3), [rows, FFN] output, [rows, 2 * FFN] a13
-    tiles_ptr, num_row_tiles,  # the row tiles (ExpertLayout.gemm_tiles; walked in arrival order)
+    tiles_ptr, tiles_width, row_tiles_ptr,  # the row tiles (DispatchTables.gemm_tiles; walked in arrival order)
     source_ptr, source_row_ptr, ready_ptr, error_ptr, next_ptr,  # recv_source_rank/row, my flags, error, counter
-    rank, epoch, flag_stride, num_tiles, claimants, spin_limit,  # claimants: programs of the launches sharing next_ptr
+    rank, epoch, flag_stride, claimants, spin_limit,  # claimants: programs of the launches sharing next_ptr
     D: tl.constexpr, FFN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STORE_A13: tl.constexpr,
 ):
     n_tiles = tl.cdiv(FFN, BLOCK_N)
+    num_row_tiles = tl.load(row_tiles_ptr).to(tl.int32)  # the host launched before it knew them
+    num_tiles = num_row_tiles * n_tiles
+    capacity = flag_stride * CHUNK  # receive rows: rows past them were not pushed (too many this call)
     lanes = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     t = _next_tile(next_ptr, num_tiles, claimants)
     while t < num_tiles:
-        _, expert, begin, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M, 3)
+        _, expert, begin, rows, row_mask, col = _row_tile(t, tiles_ptr, tiles_width, num_row_tiles, n_tiles,
+                                                          BLOCK_M, 3)
+        row_mask = row_mask & (rows < capacity)
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
 
         # This rank's own rows are read from x (its push copies them into the buffer only for `received`). For
@@ -276,7 +288,8 @@ def _gated_gemm_backward_kernel(
         released = released & consumer_released(ack_ptr, s, epoch, spin_limit, error_ptr)
     t = _next_tile(next_ptr, num_tiles, tl.num_programs(0))
     while t < num_tiles:
-        mt, expert, begin, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, n_tiles, BLOCK_M, 4)
+        mt, expert, begin, rows, row_mask, col = _row_tile(t, tiles_ptr, num_row_tiles, num_row_tiles, n_tiles,
+                                                           BLOCK_M, 4)
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, 2 * FFN, BLOCK_K):  # da13 was written by this rank's own kernels: TMA reads it
@@ -328,10 +341,10 @@ def gemm_config(device: torch.device, dtype: torch.dtype, backward: bool = False
     return GemmConfig(128, 128, 32, num_warps=8, num_stages=6)
 
 
-def _check_tile_rows(layout: ExpertLayout, block_m: int) -> None:
+def _check_tile_rows(owner_tile_rows: int, block_m: int) -> None:
     """The GEMMs walk the layout's row tiles, which also number the backward's flags: same rows per tile."""
-    if layout.owner_tile_rows != block_m:
-        raise ValueError(f"the layout cuts the owner's row tiles of {layout.owner_tile_rows} rows; the GEMM's tiles "
+    if owner_tile_rows != block_m:
+        raise ValueError(f"the layout cuts the owner's row tiles of {owner_tile_rows} rows; the GEMM's tiles "
                          f"have {block_m} (build_expert_layout's owner_tile_rows)")
 
 
@@ -380,11 +393,18 @@ class FusedDispatch:
         self._tile_counter = torch.zeros(1, dtype=torch.int32, device=workspace.device)
         self._grad_dtype = torch.float32  # of the gradient rows, set by start_backward
 
-    def _buffers(self, layout: ExpertLayout, dtype: torch.dtype):
-        """(receive rows, ready flags, acks) for this layout; collective on GPUs when the capacity grows."""
-        if layout.world != self.world or layout.rank != self.rank or layout.num_local_experts != self.num_local_experts:
-            raise ValueError("the layout does not describe this rank of this dispatch")
-        self.capacity = max(self.capacity, self.chunk, triton.next_power_of_2(layout.max_recv_rows))
+    def reserve(self, max_recv_rows: int) -> None:
+        """Receive buffers for `max_recv_rows` rows per owner (ExpertLayout.max_recv_rows, the same on every rank):
+        the capacity grows to the next power of two, collectively on GPUs, and never shrinks."""
+        self.capacity = max(self.capacity, self.chunk, triton.next_power_of_2(max_recv_rows))
+
+    def _buffers(self, tables: DispatchTables, dtype: torch.dtype):
+        """(receive rows, ready flags, acks) of the current capacity, which the tables must cover."""
+        if tables.world != self.world or tables.rank != self.rank or tables.num_local_experts != self.num_local_experts:
+            raise ValueError("the tables do not describe this rank of this dispatch")
+        if tables.capacity != self.capacity or not self.capacity:
+            raise ValueError(f"the tables cover {tables.capacity} receive rows, the dispatch's buffers {self.capacity} "
+                             f"(reserve, then dispatch_tables with the dispatch's capacity)")
         rows = self.ws.buffer("moe_dispatch_rows", 2 * self.capacity * self.d_model, dtype)
         # A new capacity gets fresh flags (zero < any epoch): flag buffers cannot grow.
         ready = self.ws.buffer(f"moe_dispatch_ready_{self.capacity}", self.world * self.capacity // self.chunk,
@@ -392,23 +412,24 @@ class FusedDispatch:
         ack = self.ws.buffer("moe_dispatch_ack", self.world, torch.int32)
         return rows, ready, ack
 
-    def start(self, x: torch.Tensor, token_of_row: torch.Tensor, layout: ExpertLayout) -> int:
+    def start(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables) -> int:
         """Push this rank's permuted rows (row i is x[token_of_row[i]]) into the owners' receive buffers at
-        layout.send_dest_row, raising the per-chunk flags; returns the epoch."""
+        tables.send_dest_row, raising the per-chunk flags; returns the epoch. Rows landing past the capacity are
+        not pushed."""
         self.errors.check()
         if x.dim() != 2 or x.shape[1] != self.d_model or x.dtype not in TL_DTYPES:
             raise ValueError(f"x must be [tokens, {self.d_model}] fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
+        rows, ready, ack = self._buffers(tables, x.dtype)
         epoch = self.ws.next_epoch("moe_dispatch")
-        rows, ready, ack = self._buffers(layout, x.dtype)
-        chunks = triton.cdiv(layout.max_recv_rows, self.chunk)
+        chunks = self.capacity // self.chunk
         x, token_of_row = x.contiguous(), token_of_row.contiguous()
         # Until `finish`: the GEMM reads this rank's rows from x, and the push (on GPUs on its own stream) all.
-        self._started[epoch] = (rows, ready, ack, x, token_of_row, layout.counts)
+        self._started[epoch] = (rows, ready, ack, x, token_of_row, tables)
         block_d = max(16, min(triton.next_power_of_2(self.d_model), PUSH_TILE_ELEMENTS // self.chunk))
-        tensors = (x, token_of_row, layout.send_dest_row, layout.counts, self._dest_order, rows.peer_ptrs,
+        tensors = (x, token_of_row, tables.send_dest_row, tables.counts, self._dest_order, rows.peer_ptrs,
                    ready.peer_ptrs, ack.local, self.errors.word)
-        args = (*tensors, self.rank, epoch, (epoch % 2) * self.capacity, chunks, self.capacity // self.chunk,
-                self.world * chunks, self.num_programs, self.spin_limit, self.d_model, self.chunk, block_d, self.world,
+        args = (*tensors, self.rank, epoch, (epoch % 2) * self.capacity, chunks, chunks, self.world * chunks,
+                self.num_programs, self.spin_limit, self.d_model, self.chunk, block_d, self.world,
                 self.num_local_experts, triton.next_power_of_2(self.world),
                 triton.next_power_of_2(self.num_local_experts),
                 triton.next_power_of_2(self.world * self.num_local_experts))
@@ -424,35 +445,36 @@ class FusedDispatch:
                 launch()
         return epoch
 
-    def finish(self, epoch: int, layout: ExpertLayout, w13: torch.Tensor, a13_out: torch.Tensor | None = None
+    def finish(self, epoch: int, w13: torch.Tensor, a13_out: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The grouped GEMM over the received rows, each tile waiting for the chunks it reads.
 
-        Returns (received [recv_rows, d_model]: a view of the symmetric receive buffer, valid until the next
-        `finish` call; h = silu(received @ w1[e]) * (received @ w3[e]) [recv_rows, ffn], a new tensor), w13 =
-        [w1 | w3] read in place. `a13_out` ([recv_rows, 2 ffn], w13's dtype), if given, receives the products
-        before the activation (training keeps them for `start_backward`)."""
+        Returns (received [capacity, d_model]: a view of the symmetric receive buffer, valid until the next
+        `finish` call; h = silu(received @ w1[e]) * (received @ w3[e]) [capacity, ffn], a new tensor), w13 =
+        [w1 | w3] read in place. Only the first ExpertLayout.tokens_per_local_expert rows are the received ones
+        (the host learns their number after the launch). `a13_out` ([capacity, 2 ffn], w13's dtype), if given,
+        receives the products before the activation (training keeps them for `start_backward`)."""
         L, d, ffn = self.num_local_experts, self.d_model, self.ffn
-        rows, ready, ack, x, token_of_row, _ = self._started.pop(epoch)
+        rows, ready, ack, x, token_of_row, tables = self._started.pop(epoch)
         _check_w13(w13, L, d, ffn, rows.local.dtype)
-        recv_rows = sum(layout.tokens_per_local_expert)
         base = (epoch % 2) * self.capacity * d
-        received = rows.local[base:base + recv_rows * d].view(recv_rows, d)
-        h = torch.empty(recv_rows, ffn, dtype=w13.dtype, device=w13.device)
-        if a13_out is not None and (a13_out.shape != (recv_rows, 2 * ffn) or a13_out.dtype != w13.dtype
+        received = rows.local[base:base + self.capacity * d].view(self.capacity, d)
+        h = torch.empty(self.capacity, ffn, dtype=w13.dtype, device=w13.device)
+        if a13_out is not None and (a13_out.shape != (self.capacity, 2 * ffn) or a13_out.dtype != w13.dtype
                                     or not a13_out.is_contiguous()):
-            raise ValueError(f"a13_out must be a contiguous [{recv_rows}, {2 * ffn}] {w13.dtype} tensor, got "
+            raise ValueError(f"a13_out must be a contiguous [{self.capacity}, {2 * ffn}] {w13.dtype} tensor, got "
                              f"{tuple(a13_out.shape)} {a13_out.dtype}")
         cfg = gemm_config(self.ws.device, w13.dtype)
-        _check_tile_rows(layout, cfg.block_m)
-        tiles = layout.gemm_tiles
-        num_tiles = tiles.shape[1] * triton.cdiv(ffn, cfg.block_n)
+        _check_tile_rows(tables.tile_rows[1], cfg.block_m)
+        tiles = tables.gemm_tiles
+        num_tiles = tiles.shape[1] * triton.cdiv(ffn, cfg.block_n)  # at most: the GEMM reads how many are listed
         programs = self._gemm_programs(num_tiles, beside_push=True)
         helpers = self._helper_programs(num_tiles, programs)
-        tensors = (rows.local[base:], x, token_of_row, w13, h, h if a13_out is None else a13_out, tiles,
-                   layout.recv_source_rank, layout.recv_source_row, ready.local, self.errors.word, self._tile_counter)
+        tensors = (rows.local[base:], x, token_of_row, w13, h, h if a13_out is None else a13_out, tiles)
+        tensors += (tables.row_tiles, tables.recv_source_rank, tables.recv_source_row, ready.local, self.errors.word,
+                    self._tile_counter)
         precision, store_a13 = dot_precision(w13.dtype, w13.device), a13_out is not None
-        args = (*tensors[:7], tiles.shape[1], *tensors[7:], self.rank, epoch, self.capacity // self.chunk, num_tiles,
+        args = (*tensors[:7], tiles.shape[1], *tensors[7:], self.rank, epoch, self.capacity // self.chunk,
                 programs + helpers, self.spin_limit, d, ffn, self.chunk, cfg.block_m, cfg.block_n, cfg.block_k,
                 precision, store_a13)
         key = (x.dtype, w13.dtype, cfg, precision, store_a13, *map(aligned, tensors))
@@ -485,7 +507,7 @@ class FusedDispatch:
         da13, dw13 = gated_gemm_grads(received, layout.tokens_per_local_expert, w13, dh, a13, weight_grad_dtype)
         grad, ready, ack, tiles_per_rank = self._grad_buffers(layout, received.dtype)
         cfg = gemm_config(self.ws.device, received.dtype, backward=True)
-        _check_tile_rows(layout, cfg.block_m)
+        _check_tile_rows(layout.owner_tile_rows, cfg.block_m)
         tiles = layout.gemm_tiles
         num_tiles = tiles.shape[1] * triton.cdiv(self.d_model, cfg.block_n)
         if tiles.shape[1]:  # no row tiles: nothing to compute, store or flag
@@ -505,7 +527,7 @@ class FusedDispatch:
         consumer kernel with unit weights); then the epoch is acknowledged to every owner."""
         grad, ready, ack, tiles_per_rank = self._grad_buffers(layout, self._grad_dtype)
         cfg = gemm_config(self.ws.device, self._grad_dtype, backward=True)  # the tiles start_backward's flags number
-        _check_tile_rows(layout, cfg.block_m)
+        _check_tile_rows(layout.owner_tile_rows, cfg.block_m)
         num_tokens = perm.inverse.numel() // perm.top_k
         dx = torch.empty(num_tokens, self.d_model, dtype=self._grad_dtype, device=perm.inverse.device)
         if num_tokens:

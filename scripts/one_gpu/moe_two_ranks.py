@@ -17,7 +17,7 @@ import sys
 import torch
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
-from moe.expert_layout import build_expert_layout
+from moe.expert_layout import build_expert_layout, dispatch_tables
 from moe.experts import swiglu
 from moe.kernels.fused_combine import FusedCombine, fused_combine_backward_reference, fused_combine_reference
 from moe.kernels.fused_dispatch import FusedDispatch, dispatch_reference, gated_gemm_reference, gemm_config
@@ -61,6 +61,7 @@ def main() -> int:
     combine = [FusedCombine(ws, D, L, 32, SPINS) for ws in SimulatedWorld(W, DEVICE).workspaces()]
     w13 = [torch.randn(L, D, 2 * F, device=DEVICE) / D ** 0.5 for _ in range(W)]
     w2 = [torch.randn(L, F, D, device=DEVICE) / F ** 0.5 for _ in range(W)]
+    tile_rows = combine[0].blocks.block_m, gemm_config(DEVICE, torch.float32, backward=True).block_m
     worst = 0.0
     for step, (tokens, bias) in enumerate(CASES[:2] if SMALL else CASES):
         tokens = [t // 40 for t in tokens] if SMALL else tokens
@@ -72,15 +73,20 @@ def main() -> int:
                      for p in perms]
         weights = [r.weights for r in routings]
         counts = torch.stack([p.tokens_per_expert for p in perms])
-        lay = [build_expert_layout(counts, r, L, combine[0].blocks.block_m,
-                                   gemm_config(DEVICE, torch.float32, backward=True).block_m) for r in range(W)]
+        lay = [build_expert_layout(counts, r, L, *tile_rows) for r in range(W)]
         errors = {}
 
         # Forward: every rank pushes, then every owner's GEMM 1; GEMM 2's stores, then every source's unpermute.
-        epochs = [d.start(x, p.token_of_row, la) for d, x, p, la in zip(dispatch, xs, perms, lay)]
-        a13s = [torch.full((sum(la.tokens_per_local_expert), 2 * F), float("nan"), device=DEVICE) for la in lay]
-        out = [d.finish(e, la, w, a13_out=a) for d, e, la, w, a in zip(dispatch, epochs, lay, w13, a13s)]
-        received, hs = [o[0].clone() for o in out], [o[1] for o in out]
+        for d in dispatch:
+            d.reserve(lay[0].max_recv_rows)
+        tables = [dispatch_tables(counts, r, L, *tile_rows, p.token_of_row.numel(), d.capacity)
+                  for r, (d, p) in enumerate(zip(dispatch, perms))]
+        epochs = [d.start(x, p.token_of_row, t) for d, x, p, t in zip(dispatch, xs, perms, tables)]
+        a13s = [torch.full((d.capacity, 2 * F), float("nan"), device=DEVICE) for d in dispatch]
+        out = [d.finish(e, w, a13_out=a) for d, e, w, a in zip(dispatch, epochs, w13, a13s)]
+        rows = [sum(la.tokens_per_local_expert) for la in lay]
+        received, hs = [o[0][:n].clone() for o, n in zip(out, rows)], [o[1][:n] for o, n in zip(out, rows)]
+        a13s = [a[:n] for a, n in zip(a13s, rows)]
         for r in range(W):
             want = dispatch_reference(xs, [p.token_of_row for p in perms], counts, r, L)
             errors[f"rows{r}"] = (received[r] - want).abs().max().item() if want.numel() else 0.0
