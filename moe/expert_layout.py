@@ -11,6 +11,10 @@ Dispatch stores source row i at `send_dest_row[i]` of owner `send_dest_rank[i]`;
 expert output row j back at row `recv_source_row[j]` of rank `recv_source_rank[j]`, the source's permuted order,
 which `moe.permute.unpermute` consumes. The owner's grouped GEMMs walk row tiles that the tile tables list
 (`tile_tables`), in the order their rows arrive or leave.
+
+The dispatch's forward needs no host-known size: its share of the tables (`DispatchTables`) is made from the
+counts on the device at a receive capacity chosen beforehand, so that the host launches it before it reads the
+counts (`build_expert_layout`, the one host sync).
 """
 
 from __future__ import annotations

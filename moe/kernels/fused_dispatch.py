@@ -359,9 +359,10 @@ def _check_w13(w13: torch.Tensor, L: int, d: int, ffn: int, dtype: torch.dtype) 
 class FusedDispatch:
     """Dispatch + first expert GEMM of one MoE layer on one rank (see the module docstring).
 
-    `start` then `finish` (and for the gradient `start_backward` then `finish_backward`), in the same order on
-    every rank (flags carry this object's epochs); in a simulated world every rank calls `start` before any rank
-    calls `finish`. `errors.check()` after `finish` raises PeerWaitTimeout naming rank, peer and chunk when a
+    `reserve` (receive rows, from a layout's max_recv_rows), then `start` and `finish` with DispatchTables made at
+    that capacity (and for the gradient `start_backward` then `finish_backward`, with the ExpertLayout), in the
+    same order on every rank (flags carry this object's epochs); in a simulated world every rank calls `start`
+    before any rank calls `finish`. `errors.check()` after `finish` raises PeerWaitTimeout naming rank, peer and chunk when a
     wait timed out (at once on the CPU). One object per MoE layer: the view `finish` returns lives in its buffers.
     `num_programs`: persistent programs of the push kernel (on GPUs it runs on a side stream, concurrently with
     the GEMM of this epoch); `block_m`: receive rows per ready flag (a power of two).

@@ -1,7 +1,8 @@
 """One GPU, world of 1: the MoE layer bulk against fused (a simulated one-rank workspace, so the fused kernels run
 with nothing to exchange) at the per-rank GEMM work of issue 4's first config on 2 GPUs (default: 8192 tokens,
 d=2048, ffn=1408, 32 experts, top-6: 49,152 rows) or, with `--config second`, of its second (8192 tokens, d=4096,
-ffn=14336, 4 experts, top-2: 16,384 rows), bf16. Prints the fused gradients' error against bulk, the GPU kernel
+ffn=14336, 4 experts, top-2: 16,384 rows) or `--config third` (16,384 tokens, d=1024, ffn=512, 32 experts, top-8:
+131,072 rows), bf16. Prints the fused gradients' error against bulk, the GPU kernel
 time per forward and forward+backward (torch profiler, 10 calls after warm-up, the 12 largest kernels; the share
 of the calls' span the GPU sat idle), the wall time per call (20 calls back to back; host time inside the calls;
 one call between CUDA events), where the host's time goes in a forward and in a forward + backward (cProfile), and
@@ -9,7 +10,7 @@ the timeline of one forward and of one forward + backward in a back-to-back run:
 kernel with its start, length and the GPU's idle gap before it; `repeat`: 1,000 fused forward+backward calls on
 the same input, each bit-equal to the first (every GEMM tile computed exactly once, whichever program takes it).
 
-    PYTHONPATH=. python scripts/one_gpu/moe_layer.py [--config first|second] [errors] [kernels] [wall] [host]
+    PYTHONPATH=. python scripts/one_gpu/moe_layer.py [--config first|second|third] [errors] [kernels] [wall] [host]
         [timeline] [repeat]   (default: all)
 
 (docs/benchmarks.md, ninth session: calls G8-G10 ran the profile and the wall timing as two scratch scripts, the
@@ -28,7 +29,8 @@ from torch.profiler import ProfilerActivity, profile
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from moe import MoELayer
 
-CONFIGS = {"first": (8192, 2048, 1408, 32, 6), "second": (8192, 4096, 14336, 4, 2)}  # tokens, d, ffn, experts, k
+CONFIGS = {"first": (8192, 2048, 1408, 32, 6), "second": (8192, 4096, 14336, 4, 2),  # tokens, d, ffn, experts, k
+           "third": (16384, 1024, 512, 32, 8)}
 parser = argparse.ArgumentParser(prog="scripts/one_gpu/moe_layer.py")
 parser.add_argument("--config", choices=CONFIGS, default="first")
 parser.add_argument("sections", nargs="*", help="errors kernels wall host timeline repeat (default: all)")
