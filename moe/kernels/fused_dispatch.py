@@ -362,10 +362,10 @@ class FusedDispatch:
     `reserve` (receive rows, from a layout's max_recv_rows), then `start` and `finish` with DispatchTables made at
     that capacity (and for the gradient `start_backward` then `finish_backward`, with the ExpertLayout), in the
     same order on every rank (flags carry this object's epochs); in a simulated world every rank calls `start`
-    before any rank calls `finish`. `errors.check()` after `finish` raises PeerWaitTimeout naming rank, peer and chunk when a
-    wait timed out (at once on the CPU). One object per MoE layer: the view `finish` returns lives in its buffers.
-    `num_programs`: persistent programs of the push kernel (on GPUs it runs on a side stream, concurrently with
-    the GEMM of this epoch); `block_m`: receive rows per ready flag (a power of two).
+    before any rank calls `finish`. `errors.check()` after `finish` raises PeerWaitTimeout naming rank, peer and
+    chunk when a wait timed out (at once on the CPU). One object per MoE layer: the view `finish` returns lives in
+    its buffers. `num_programs`: persistent programs of the push kernel (on GPUs it runs on a side stream,
+    concurrently with the GEMM of this epoch); `block_m`: receive rows per ready flag (a power of two).
     """
 
     def __init__(self, workspace: _Workspace, d_model: int, ffn: int, num_local_experts: int, num_programs: int,

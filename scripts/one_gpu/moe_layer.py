@@ -8,10 +8,11 @@ of the calls' span the GPU sat idle), the wall time per call (20 calls back to b
 one call between CUDA events), where the host's time goes in a forward and in a forward + backward (cProfile), and
 the timeline of one forward and of one forward + backward in a back-to-back run: every top-level host op and GPU
 kernel with its start, length and the GPU's idle gap before it; `repeat`: 1,000 fused forward+backward calls on
-the same input, each bit-equal to the first (every GEMM tile computed exactly once, whichever program takes it).
+the same input, each bit-equal to the first (every GEMM tile computed exactly once, whichever program takes it);
+`grow`: a new fused layer whose second call's rows outgrow its first call's receive capacity, against bulk.
 
-    PYTHONPATH=. python scripts/one_gpu/moe_layer.py [--config first|second|third] [errors] [kernels] [wall] [host]
-        [timeline] [repeat]   (default: all)
+    PYTHONPATH=. python scripts/one_gpu/moe_layer.py [--config first|second|third] [errors] [grow] [kernels] [wall]
+        [host] [timeline] [repeat]   (default: all)
 
 (docs/benchmarks.md, ninth session: calls G8-G10 ran the profile and the wall timing as two scratch scripts, the
 wall timing without zeroing the gradients between calls.)
@@ -33,7 +34,7 @@ CONFIGS = {"first": (8192, 2048, 1408, 32, 6), "second": (8192, 4096, 14336, 4, 
            "third": (16384, 1024, 512, 32, 8)}
 parser = argparse.ArgumentParser(prog="scripts/one_gpu/moe_layer.py")
 parser.add_argument("--config", choices=CONFIGS, default="first")
-parser.add_argument("sections", nargs="*", help="errors kernels wall host timeline repeat (default: all)")
+parser.add_argument("sections", nargs="*", help="errors grow kernels wall host timeline repeat (default: all)")
 args = parser.parse_args()
 T, D, F, E, K = CONFIGS[args.config]
 torch.manual_seed(0)  # the same data in every run: errors comparable from run to run
@@ -49,13 +50,13 @@ def fwd(layer):
         layer(x)
 
 
-def fwd_bwd(layer) -> dict[str, torch.Tensor]:
-    """One forward+backward from zero gradients: the output, x's gradient and the parameters', by name (the
-    layer's gradients are None again afterwards)."""
+def fwd_bwd(layer, tokens: int = T) -> dict[str, torch.Tensor]:
+    """One forward+backward of the first `tokens` tokens from zero gradients: the output, x's gradient and the
+    parameters', by name (the layer's gradients are None again afterwards)."""
     layer.zero_grad(set_to_none=True)
-    xx = x.detach().requires_grad_()
+    xx = x[:tokens].detach().requires_grad_()
     y, _ = layer(xx)
-    y.backward(g)
+    y.backward(g[:tokens])
     out = {"y": y.detach(), "x": xx.grad, **{n: p.grad for n, p in layer.named_parameters()}}
     layer.zero_grad(set_to_none=True)
     return out
@@ -63,10 +64,27 @@ def fwd_bwd(layer) -> dict[str, torch.Tensor]:
 
 def errors():
     """Outputs and gradients of one forward+backward, fused against bulk."""
-    got, want = fwd_bwd(layers["fused"]), fwd_bwd(layers["bulk"])
+    print_errors(fwd_bwd(layers["fused"]), fwd_bwd(layers["bulk"]))
+
+
+def print_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     for n, w in want.items():
         error = (got[n].float() - w.float()).abs().max() / w.float().abs().max()
         print(f"{n}: relative error fused vs bulk {float(error):.2e}")
+
+
+def grow():
+    """A new fused layer called on a quarter of the tokens, then all of them, then half: the second call's rows
+    outgrow the receive capacity the first reserved, so it dispatches again in larger buffers (two dispatches);
+    every call's output and gradients against bulk."""
+    workspace = SimulatedWorld(1, "cuda").workspaces()[0]
+    fused = MoELayer(D, F, E, K, seed=1, dtype=torch.bfloat16, device="cuda", comm="fused", workspace=workspace)
+    for tokens in (T // 4, T, T // 2):
+        print(f"== {tokens} tokens")
+        print_errors(fwd_bwd(fused, tokens), fwd_bwd(layers["bulk"], tokens))
+        print(f"receive capacity {fused.dispatch.capacity} rows, dispatches so far "
+              f"{workspace._epochs['moe_dispatch']}")  # the exchange's epoch counter
+    fused.dispatch.errors.check(block=True)
 
 
 def kernels():
@@ -194,7 +212,8 @@ def repeat(calls: int = 1000):
         raise SystemExit(1)
 
 
-SECTIONS = {"errors": errors, "kernels": kernels, "wall": wall, "host": host, "timeline": timeline, "repeat": repeat}
+SECTIONS = {"errors": errors, "grow": grow, "kernels": kernels, "wall": wall, "host": host, "timeline": timeline,
+            "repeat": repeat}
 unknown = [name for name in args.sections if name not in SECTIONS]
 if unknown:
     parser.error(f"unknown sections {unknown}: expected some of {', '.join(SECTIONS)}")
