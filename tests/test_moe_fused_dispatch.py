@@ -330,6 +330,15 @@ def test_gemm_1_leaves_sms_to_the_push_and_the_backward_gemm_takes_them_all():
     assert d._gemm_programs(40, beside_push=False) == 40
 
 
+def test_the_receive_capacity_grows_in_eighths_and_never_shrinks():
+    """Steps of an eighth of a power of two (h and a13 are allocated at the capacity: a power of two could double
+    them), a multiple of the chunk (8 rows here), never below it, never smaller than before."""
+    d = World(2, 2, block_m=8).dispatch[0]
+    for rows, want in ((3, 8), (80, 80), (81, 88), (16_390, 18_432), (100, 18_432)):
+        d.reserve(rows)
+        assert d.capacity == want, rows
+
+
 def test_weights_must_be_one_contiguous_w13():
     w = World(2, 2)
     xs, token_of_rows, _, layouts = w.routed_batch([6, 5], 2, None, torch.Generator().manual_seed(10))

@@ -43,7 +43,7 @@ store.
 Guards: receive rows are double-buffered by epoch parity, and a source stores epoch e only after the owner has
 acknowledged epoch e - 1 (peer_flags.consumer_released): the `received` view that `finish` returns stays valid
 until the next `finish` call. Flags carry epochs and are never reset; the receive capacity (and with it the flag
-buffer) only grows, by powers of two, the same on every rank (`reserve`, from layout.max_recv_rows).
+buffer) only grows, in steps of about an eighth, the same on every rank (`reserve`, from layout.max_recv_rows).
 """
 
 from __future__ import annotations
@@ -396,8 +396,12 @@ class FusedDispatch:
 
     def reserve(self, max_recv_rows: int) -> None:
         """Receive buffers for `max_recv_rows` rows per owner (ExpertLayout.max_recv_rows, the same on every rank):
-        the capacity grows to the next power of two, collectively on GPUs, and never shrinks."""
-        self.capacity = max(self.capacity, self.chunk, triton.next_power_of_2(max_recv_rows))
+        collective on GPUs when the capacity grows, which it does in steps of an eighth of a power of two (a
+        multiple of the chunk); it never shrinks. Finer steps than powers of two: h and a13 are allocated at the
+        capacity, and a power of two could double them (rows just past 16,384 at issue 4's second config)."""
+        rows = max(max_recv_rows, self.chunk)
+        step = max(self.chunk, 1 << max(0, rows.bit_length() - 4))
+        self.capacity = max(self.capacity, triton.cdiv(rows, step) * step)
 
     def _buffers(self, tables: DispatchTables, dtype: torch.dtype):
         """(receive rows, ready flags, acks) of the current capacity, which the tables must cover."""
