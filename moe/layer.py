@@ -148,7 +148,7 @@ class MoELayer(nn.Module):
         return layout, received[:rows], h[:rows], None if a13 is None else a13[:rows]
 
     def _dispatch_at_capacity(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation, w13: torch.Tensor,
-                              keep_a13: bool):
+                              keep_a13: bool) -> tuple[DispatchTables, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Push + GEMM 1 over DispatchTables of the current capacity -> (tables, received, h, a13), capacity rows."""
         tables = dispatch_tables(counts, self.rank, self.num_local_experts, *self._tile_rows(x),
                                  perm.token_of_row.numel(), self.dispatch.capacity)

@@ -37,15 +37,21 @@ def test_dispatch_and_combine_addresses_are_inverse(world, local):
                 assert end - begin == counts[s, d * local + e]
 
 
+def skewed_counts(world: int, local: int, seed: int) -> torch.Tensor:
+    """Random counts C [world, experts] with one hot expert, a rank that routes nothing and an expert nobody
+    routes to."""
+    counts = torch.randint(0, 40, (world, world * local), generator=torch.Generator().manual_seed(seed))
+    counts[:, 0] += 100
+    counts[world - 1] = 0
+    counts[:, -1] = 0
+    return counts
+
+
 @pytest.mark.parametrize("world,local", [(1, 3), (2, 2), (3, 5), (4, 3), (8, 8)])
 def test_per_row_tables_match_the_row_by_row_reference(world, local):
     """The kernel's tables (every row's owner and receive row, its tile on either side; every received row's source
     and source row) against a Python loop over the rows: skewed counts, a rank with no rows, an empty expert."""
-    gen = torch.Generator().manual_seed(world * 10 + local)
-    counts = torch.randint(0, 40, (world, world * local), generator=gen)
-    counts[:, 0] += 100  # skewed: one hot expert
-    counts[world - 1] = 0  # a rank that routes nothing
-    counts[:, -1] = 0  # an expert nobody routes to
+    counts = skewed_counts(world, local, seed=world * 10 + local)
     for rank in range(world):
         for tile_rows in ((1, 16), (16, 1), (16, 64)):
             want = expert_rows_reference(counts, rank, local, tile_rows)
@@ -58,11 +64,7 @@ def test_dispatch_tables_made_before_the_host_knows_the_rows(world, local):
     """DispatchTables from the counts on the device at a receive capacity: at one that holds the rows, the layout's
     tables (the receive ones and gemm_tiles padded past the rows and tiles received; the layout then reuses the
     per-row tables), at one that does not, the rows and tiles below it; the tiles listed come back on the device."""
-    gen = torch.Generator().manual_seed(world * 10 + local)
-    counts = torch.randint(0, 40, (world, world * local), generator=gen)
-    counts[:, 0] += 100  # skewed: one hot expert
-    counts[world - 1] = 0  # a rank that routes nothing
-    counts[:, -1] = 0  # an expert nobody routes to
+    counts = skewed_counts(world, local, seed=world * 10 + local)
     for rank in range(world):
         lay = build_expert_layout(counts.to(DEVICE), rank, local, tile_rows=4, owner_tile_rows=8)
         received, tiles = lay.recv_source_rank.numel(), lay.gemm_tiles.shape[1]
@@ -97,11 +99,7 @@ def test_tile_tables_match_the_numpy_reference(world, local):
     (expert, source) block with their flag slots, the combine gradient GEMM's tiles) against numpy: skewed counts
     (more tiles than one chunk of the kernel), a rank with no rows, an empty expert; tiles of 1 row, equal and
     different tile sizes."""
-    gen = torch.Generator().manual_seed(world * 10 + local + 1)
-    counts = torch.randint(0, 40, (world, world * local), generator=gen)
-    counts[:, 0] += 100
-    counts[world - 1] = 0
-    counts[:, -1] = 0
+    counts = skewed_counts(world, local, seed=world * 10 + local + 1)
     host = counts.numpy()
     for rank in range(world):
         for tile_rows, owner_tile_rows in ((4, 8), (16, 16), (1, 16), (16, 1)):
