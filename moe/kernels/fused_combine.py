@@ -126,7 +126,7 @@ def fused_combine_backward_reference(grad_ys: list[torch.Tensor], perms: list[Pe
     return out
 
 
-@triton.jit(do_not_specialize=["num_row_tiles", "epoch", "spin_limit"])  # one variant for all steps
+@triton.jit(do_not_specialize=["num_row_tiles", "num_programs", "epoch", "spin_limit"])  # one variant for all steps
 def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, out_ptrs, ready_ptrs, ack_ptr, error_ptr,
                         num_row_tiles, num_programs, epoch, spin_limit,
                         FFN: tl.constexpr, D_MODEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -242,7 +242,7 @@ def _acknowledge_kernel(ack_ptrs, rank, epoch, WORLD: tl.constexpr):
 
 
 # one variant for all steps
-@triton.jit(do_not_specialize=["num_rows", "num_blocks", "first_block", "epoch", "spin_limit"])
+@triton.jit(do_not_specialize=["num_rows", "num_blocks", "first_block", "slots_per_rank", "epoch", "spin_limit"])
 def _push_gradient_kernel(grad_ptr, token_ptr, weight_ptr, dest_rank_ptr, dest_row_ptr, rows_ptrs, ready_ptrs,
                           ack_ptr, error_ptr, rank, num_rows, num_blocks, first_block, slots_per_rank, epoch,
                           spin_limit, D_MODEL: tl.constexpr, WORLD: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -267,7 +267,7 @@ def _push_gradient_kernel(grad_ptr, token_ptr, weight_ptr, dest_rank_ptr, dest_r
     signal_ready(ready_ptrs, rank * slots_per_rank + block, epoch, WORLD)
 
 
-@triton.jit(do_not_specialize=["num_row_tiles", "epoch", "spin_limit"])  # one variant for all steps
+@triton.jit(do_not_specialize=["num_row_tiles", "slots_per_rank", "epoch", "spin_limit"])  # one variant for all steps
 def _gradient_gemm_kernel(g_ptr, w2_desc, out_ptr, tiles_ptr, source_rank_ptr, source_row_ptr, ready_ptr, error_ptr,
                           num_row_tiles, slots_per_rank, epoch, spin_limit,
                           FFN: tl.constexpr, D_MODEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

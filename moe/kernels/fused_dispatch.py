@@ -135,7 +135,7 @@ def _unit_rows(counts_ptr, rank, dest, c, CHUNK: tl.constexpr, WORLD: tl.constex
     return lo, hi
 
 
-@triton.jit(do_not_specialize=["epoch", "row_base", "chunks", "flag_stride", "num_units", "spin_limit"])
+@triton.jit(do_not_specialize=["epoch", "row_base", "chunks", "flag_stride", "num_units", "num_programs", "spin_limit"])
 def _push_rows_kernel(
     x_ptr, token_ptr, dest_row_ptr, counts_ptr, dest_order_ptr,  # this rank's rows, C [world, E], owner order
     rows_ptrs, ready_ptrs, ack_ptr, error_ptr,  # peers' receive buffers and flag buffers, my acks, my error word

@@ -18,7 +18,7 @@ BLOCK_ROWS = 16
 BLOCK_COLS = 128  # of one half: 256 contiguous bytes of a bf16 row per load
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # one variant for all row counts (no compile when rows % 16 first is 0)
 def _swiglu_backward_kernel(a13_ptr, dh_ptr, da13_ptr, rows, FFN: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_F: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
