@@ -63,6 +63,11 @@ class ExpertLayout:
     # flag slot; one (local expert, source) block each, remote sources first (the combine's GEMM 2)
     combine_grad_tiles: torch.Tensor  # [3, tiles of tile_rows]: local expert, first row, end row (its grad_h GEMM)
 
+    @property
+    def total_rows(self) -> int:
+        """Rows of the call over all ranks: the most one owner can receive."""
+        return int(self.host_counts.sum())
+
 
 @dataclass
 class DispatchTables:
@@ -92,6 +97,24 @@ class DispatchTables:
     @property
     def recv_source_row(self) -> torch.Tensor:
         return self.rows[5]
+
+
+def receive_capacity(rows: int, current: int, total_rows: int, multiple: int = 1) -> int:
+    """The receive rows per owner to hold a call's `rows` (ExpertLayout.max_recv_rows) when `current` rows were
+    held so far (0: none yet); the same on every rank, as its inputs are.
+
+    It never shrinks. When it grows, it takes a quarter more than asked, up to `total_rows` (every row of the call
+    to one owner, the most any call of that size can ask for): under drifting routing the largest owner's rows creep
+    up, and growing to each new peak re-allocates collectively and, in the layer, dispatches again (24 times in
+    40 steps of the fine-grained MoE Transformer's 8 layers on 2 x H200; 7 with a quarter to spare). Steps of an
+    eighth of a power of two, a multiple of `multiple`: the capacity sizes per-layer activations (h, a13), so no
+    doubling."""
+    rows = max(rows, multiple)  # no call asks for less (a call with no rows at all needs buffers too)
+    if rows <= current:
+        return current
+    want = max(rows, min(rows + rows // 4, total_rows))
+    step = max(multiple, (1 << max(0, want.bit_length() - 4)) // multiple * multiple)
+    return -(-want // step) * step
 
 
 def _checked(counts: torch.Tensor, num_local_experts: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ counts' host sync and the layout's host work overlap the GEMM (`_fused_dispatch`
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,8 @@ from moe.kernels.fused_combine import FusedCombine
 from moe.kernels.fused_dispatch import FusedDispatch, gemm_config
 from moe.permute import Permutation, permutation, permute, routing_weights_grad, unpermute
 from moe.routing import TopKRouter
+
+log = logging.getLogger(__name__)
 
 DISPATCH_PUSH_PROGRAMS = 64  # the push runs beside the first GEMM on the SMs that GEMM leaves free
 
@@ -135,14 +138,17 @@ class MoELayer(nn.Module):
         layout = None
         if not self.dispatch.capacity:
             layout = self._layout(counts, x, on_host.get())
-            self.dispatch.reserve(layout.max_recv_rows)
+            self.dispatch.reserve(layout.max_recv_rows, layout.total_rows)
         tables, received, h, a13 = self._dispatch_at_capacity(x, counts, perm, w13, keep_a13)
         if layout is None:
             layout = self._layout(counts, x, on_host.get(), tables)  # the host sync, with GEMM 1 queued
         if layout.max_recv_rows > self.dispatch.capacity:
             if x.is_cuda:  # the first try's kernels end before its buffers go
                 torch.cuda.current_stream(x.device).synchronize()
-            self.dispatch.reserve(layout.max_recv_rows)
+            old_capacity = self.dispatch.capacity
+            self.dispatch.reserve(layout.max_recv_rows, layout.total_rows)
+            log.info("MoE dispatch: %d rows per owner outgrew the receive capacity %d: dispatched again at %d",
+                     layout.max_recv_rows, old_capacity, self.dispatch.capacity)
             tables, received, h, a13 = self._dispatch_at_capacity(x, counts, perm, w13, keep_a13)
         rows = sum(layout.tokens_per_local_expert)
         return layout, received[:rows], h[:rows], None if a13 is None else a13[:rows]

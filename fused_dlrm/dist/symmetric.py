@@ -17,10 +17,14 @@ for the same names in the same order: allocation is collective on GPUs, and take
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,8 +54,12 @@ class _Workspace:
         if found is None or found.local.numel() < numel or found.local.dtype != dtype:
             if found is not None and dtype == torch.int32:
                 raise RuntimeError(f"flag buffer {name!r} cannot grow: flags carry epochs and are never reset")
-            found = self._allocate(max(numel, 1), dtype)
-            self._buffers[name] = found
+            start_s = time.perf_counter()
+            allocated = self._allocate(max(numel, 1), dtype)
+            # Growing is a collective and keeps the old buffer allocated: worth a line in the log.
+            log.log(logging.DEBUG if found is None else logging.INFO, "symmetric buffer %r: %d x %s in %.1f ms", name,
+                    allocated.local.numel(), dtype, (time.perf_counter() - start_s) * 1e3)
+            self._buffers[name] = found = allocated
         return found
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> PeerBuffer:

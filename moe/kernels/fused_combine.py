@@ -38,7 +38,7 @@ import triton.language as tl
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels import TL_DTYPES, dot_precision
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready
-from moe.expert_layout import ExpertLayout
+from moe.expert_layout import ExpertLayout, receive_capacity
 from moe.experts import grouped_weight_grad
 from moe.kernels.tile_order import grouped_tile
 from moe.kernels.tma_tiles import descriptor, require_tma_readable, transposed_weight_tile
@@ -315,6 +315,8 @@ class FusedCombine:
         self.errors = PeerErrors(workspace.device, self.rank, "fused MoE combine")
         self._plan: CombinePlan | None = None
         self._grad: tuple | None = None  # (layout, dtype, rows, ready, ack, slots per rank, tiles) of the backward
+        self._rows_capacity = 0  # rows of the combine's receive buffer (each source's own rows)
+        self._grad_capacity = 0  # the owners' gradient rows: grown as the dispatch's receive capacity is
 
     def prepare(self, layout: ExpertLayout, dtype: torch.dtype) -> CombinePlan:
         """The epoch's buffers (allocated or grown: collective on GPUs, sized from the counts on the host) and the
@@ -439,7 +441,8 @@ class FusedCombine:
         """The owners' gradient rows (receive order), flags per (source, row block), acks, from the layout's
         maxima (the same on every rank); and the owner GEMM's row tiles (local expert, first row, end)."""
         slots = triton.next_power_of_2(max(1, triton.cdiv(layout.max_send_rows, self.blocks.block_rows)))
-        rows = self.ws.buffer("combine_grad_rows", _round_up(layout.max_recv_rows) * self.d_model, dtype)
+        self._grad_capacity = receive_capacity(layout.max_recv_rows, self._grad_capacity, layout.total_rows)
+        rows = self.ws.buffer("combine_grad_rows", self._grad_capacity * self.d_model, dtype)
         ready = self.ws.buffer(f"combine_grad_ready_{slots}", self.world * slots, torch.int32)
         ack = self.ws.buffer("combine_grad_ack", self.world, torch.int32)
         self._grad = (layout, dtype, rows, ready, ack, slots, layout.combine_grad_tiles)
@@ -449,15 +452,12 @@ class FusedCombine:
         """The combine rows, the flags and the acks, sized from C alone (so every rank asks for the same)."""
         max_rows = int(counts.sum(axis=1).max())
         slots = int(triton.cdiv(counts, self.blocks.block_m).sum(axis=1).max())
-        # Grown in steps of about 1/8 so that changing loads rarely re-allocate (a collective on GPUs).
-        rows = self.ws.buffer("combine_rows", _round_up(max_rows) * self.d_model, dtype)
+        # Grown with room to spare, so that changing loads rarely re-allocate (a collective on GPUs).
+        self._rows_capacity = receive_capacity(max_rows, self._rows_capacity, int(counts.sum()))
+        rows = self.ws.buffer("combine_rows", self._rows_capacity * self.d_model, dtype)
         # Flags are never reset, so a larger flag buffer is a new one; zeros read as "not ready" for any epoch.
         slots = triton.next_power_of_2(max(slots, 1))
         ready = self.ws.buffer(f"combine_ready_{slots}", slots * self.num_col, torch.int32)
         ack = self.ws.buffer("combine_ack", self.world, torch.int32)
         return rows, ready, ack
 
-
-def _round_up(rows: int) -> int:
-    step = max(1, 1 << max(0, rows.bit_length() - 4))
-    return max(1, triton.cdiv(rows, step) * step)

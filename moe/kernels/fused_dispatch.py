@@ -43,7 +43,7 @@ store.
 Guards: receive rows are double-buffered by epoch parity, and a source stores epoch e only after the owner has
 acknowledged epoch e - 1 (peer_flags.consumer_released): the `received` view that `finish` returns stays valid
 until the next `finish` call. Flags carry epochs and are never reset; the receive capacity (and with it the flag
-buffer) only grows, in steps of about an eighth, the same on every rank (`reserve`, from layout.max_recv_rows).
+buffer) only grows, with room to spare, the same on every rank (`reserve`: expert_layout.receive_capacity).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from fused_dlrm.kernels import TL_DTYPES, dot_precision
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready, wait_at_least
 from fused_dlrm.kernels.peer_tiles import remote_first_order
-from moe.expert_layout import DispatchTables, ExpertLayout
+from moe.expert_layout import DispatchTables, ExpertLayout, receive_capacity
 from moe.experts import _grouped_mm_works, group_ends, grouped_weight_grad, swiglu
 from moe.kernels.fused_combine import _weighted_unpermute_kernel
 from moe.kernels.swiglu_backward import swiglu_backward
@@ -394,14 +394,11 @@ class FusedDispatch:
         self._tile_counter = torch.zeros(1, dtype=torch.int32, device=workspace.device)
         self._grad_dtype = torch.float32  # of the gradient rows, set by start_backward
 
-    def reserve(self, max_recv_rows: int) -> None:
-        """Receive buffers for `max_recv_rows` rows per owner (ExpertLayout.max_recv_rows, the same on every rank):
-        collective on GPUs when the capacity grows, which it does in steps of an eighth of a power of two (a
-        multiple of the chunk); it never shrinks. Finer steps than powers of two: h and a13 are allocated at the
-        capacity, and a power of two could double them (rows just past 16,384 at issue 4's second config)."""
-        rows = max(max_recv_rows, self.chunk)
-        step = max(self.chunk, 1 << max(0, rows.bit_length() - 4))
-        self.capacity = max(self.capacity, triton.cdiv(rows, step) * step)
+    def reserve(self, max_recv_rows: int, total_rows: int = 0) -> None:
+        """Receive buffers for `max_recv_rows` rows per owner (ExpertLayout.max_recv_rows, the same on every rank),
+        with room to spare up to `total_rows` (ExpertLayout.total_rows) when they grow (`receive_capacity`): a
+        collective on GPUs when the capacity grows; it never shrinks."""
+        self.capacity = receive_capacity(max_recv_rows, self.capacity, total_rows, self.chunk)
 
     def _buffers(self, tables: DispatchTables, dtype: torch.dtype):
         """(receive rows, ready flags, acks) of the current capacity, which the tables must cover."""
