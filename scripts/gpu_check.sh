@@ -31,12 +31,13 @@ R 200 bench_embedding -m fused_dlrm.bench embedding --out $OUT/bench_embedding.j
 R 60 bench_embedding_nvshmem -m fused_dlrm.bench embedding --quick --transport nvshmem --out $OUT/bench_nvshmem.json
 R 300 bench_moe -m moe.bench --out $OUT/bench_moe.json
 R 200 bench_tp -m fused_dlrm.bench tp --out $OUT/bench_tp.json
-# Issue 6's two training configs; the DLRM loop timed in its parts (scripts/loop_parts.py: steps 60-119).
+# Issue 6's two training configs; the DLRM loop timed in its parts (scripts/loop_parts.py: steps 60-119), the MoE
+# loop step by step (scripts/step_times.py: steps 11-40; one slow step shows instead of hiding in an interval).
 DLRM="model=dlrm_paper trainer.max_steps=150 trainer.log_every=50 trainer.eval_every=150 trainer.checkpoint_every=0 trainer.progress=false"
-MOE="model=moe_transformer_finegrained model.precision=bf16 trainer.max_steps=30 trainer.log_every=5 trainer.eval_every=30 trainer.checkpoint_every=0 trainer.progress=false"
+MOE="model=moe_transformer_finegrained model.precision=bf16 trainer.max_steps=40 trainer.log_every=1 trainer.eval_every=40 trainer.checkpoint_every=0 trainer.progress=false"
 for c in bulk fused; do
   STEP=train R 120 dlrm_$c scripts/loop_parts.py comm=$c $DLRM hydra.run.dir=$OUT/dlrm_$c
-  STEP=train R 150 moe_$c train.py comm=$c $MOE hydra.run.dir=$OUT/moe_$c
+  STEP=train R 180 moe_$c train.py comm=$c $MOE hydra.run.dir=$OUT/moe_$c
 done
 for f in $OUT/test_*.log; do [ -e "$f" ] || continue; echo "== $(basename $f)"; grep -E "PASSED|FAILED|ERROR|rc=" $f | cut -c1-160; done
 for f in bench_embedding bench_embedding_nvshmem bench_moe bench_tp; do
@@ -44,6 +45,8 @@ for f in bench_embedding bench_embedding_nvshmem bench_moe bench_tp; do
 done
 for c in bulk fused; do
   [ -e $OUT/dlrm_$c.log ] && { echo "== dlrm $c"; grep -E "== rank|step (100|150) |auc|Error" $OUT/dlrm_$c.log | cut -c1-330; }
-  [ -e $OUT/moe_$c.log ] && { echo "== moe $c"; grep -E "step (20|25|30) |Error" $OUT/moe_$c.log | cut -c1-160; }
+  [ -e $OUT/moe_$c.log ] && { echo "== moe $c"; grep -E "step (10|40) |Error" $OUT/moe_$c.log | cut -c1-160
+    python3 scripts/step_times.py $OUT/moe_$c
+    echo "dispatched again: $(grep -c outgrew $OUT/moe_$c.log), symmetric buffers grown: $(grep -c 'INFO.*symmetric buffer' $OUT/moe_$c.log)"; }
 done
 exit 0

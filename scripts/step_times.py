@@ -1,0 +1,40 @@
+"""Per-step times of a training run from its metrics.jsonl (train.py writes one line per logged interval): median,
+mean and slowest `step_ms` over the intervals that end at or after `--from` (default 11: past compilation and
+warm-up). With `trainer.log_every=1` every step is its own interval, so one slow step (a compile, a collective
+re-allocation) shows as the slowest instead of hiding in a 5-step mean.
+
+    python scripts/step_times.py RUN_DIR [RUN_DIR ...] [--from 11]
+"""
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def step_times(run_dir: Path, first: int) -> dict[int, float]:
+    """step -> step_ms of the intervals ending at step >= first (evaluation lines carry no step_ms)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise SystemExit(f"{path}: no such file (the run did not log, or its directory is another)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["step"]: r["step_ms"] for r in rows if "step_ms" in r and r["step"] >= first}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", nargs="+", type=Path)
+    parser.add_argument("--from", dest="first", type=int, default=11, help="first step counted")
+    args = parser.parse_args()
+    for run_dir in args.run_dirs:
+        times = step_times(run_dir, args.first)
+        if not times:
+            print(f"{run_dir}: no logged interval ends at step >= {args.first}")
+            continue
+        slowest = max(times, key=times.get)
+        median, mean = statistics.median(times.values()), statistics.mean(times.values())
+        print(f"{run_dir}: {len(times)} intervals from step {args.first}: step_ms median {median:.1f} mean {mean:.1f}"
+              f" slowest {times[slowest]:.1f} (step {slowest})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""scripts/step_times.py: per-step times of a run from its metrics.jsonl."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "step_times.py"
+
+
+def _run(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True)
+
+
+def test_median_mean_and_the_slowest_step_past_warm_up(tmp_path):
+    times = {step: 130.0 + step % 3 for step in range(1, 41)}
+    times[1], times[21] = 19_000.0, 666.0  # compilation (not counted), one slow step (counted)
+    lines = [{"step": s, "loss": 3.0, "step_ms": ms} for s, ms in times.items()] + [{"step": 40, "eval_loss": 3.1}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    counted = [ms for s, ms in times.items() if s >= 11]
+    out = _run(tmp_path).stdout
+    assert "30 intervals from step 11" in out and "median 131.0" in out
+    assert f"mean {sum(counted) / len(counted):.1f}" in out and "slowest 666.0 (step 21)" in out
+    assert "2 intervals from step 39: step_ms median 130.5" in _run(tmp_path, "--from", 39).stdout  # 130, 131
+
+
+def test_a_missing_run_is_an_error_that_names_the_file(tmp_path):
+    result = _run(tmp_path / "nowhere")
+    assert result.returncode != 0 and "nowhere/metrics.jsonl: no such file" in result.stderr
