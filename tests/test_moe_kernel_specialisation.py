@@ -1,9 +1,10 @@
 """No MoE kernel compiles again in the middle of training because an int argument changed.
 
 Triton specialises an int argument on == 1 and on % 16 == 0 unless it is do_not_specialize; a row count, tile
-count or grid that crosses such a value compiles another variant (hundreds of ms: a 666 ms step of the fine-grained
-MoE Transformer on 2 x H200, 2026-11-24, when the SwiGLU backward's row count first was a multiple of 16). So
-every int argument is do_not_specialize but the rank, which is fixed per process; floats are never specialised.
+count or grid that crosses such a value compiles another variant: 112 ms for the SwiGLU backward's first row count
+that was a multiple of 16 on one H200, and the likely cause of a 666 ms step of the fine-grained MoE Transformer on
+2 x H200 (2026-11-24, docs/benchmarks.md R5, R6). So every int argument is do_not_specialize but the rank, which is
+fixed per process; floats are never specialised.
 """
 
 import importlib
