@@ -16,8 +16,15 @@ def step_times(run_dir: Path, first: int) -> dict[int, float]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise SystemExit(f"{path}: no such file (the run did not log, or its directory is another)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {r["step"]: r["step_ms"] for r in rows if "step_ms" in r and r["step"] >= first}
+    times = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except json.JSONDecodeError as error:  # e.g. a run killed while writing its last line
+            raise SystemExit(f"{path}, line {number}: not JSON ({error})") from error
+        if "step_ms" in row and row["step"] >= first:
+            times[row["step"]] = row["step_ms"]
+    return times
 
 
 def main() -> None:

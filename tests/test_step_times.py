@@ -26,3 +26,9 @@ def test_median_mean_and_the_slowest_step_past_warm_up(tmp_path):
 def test_a_missing_run_is_an_error_that_names_the_file(tmp_path):
     result = _run(tmp_path / "nowhere")
     assert result.returncode != 0 and "nowhere/metrics.jsonl: no such file" in result.stderr
+
+
+def test_a_broken_line_is_an_error_that_names_file_and_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "step_ms": 130.0}\n{"step": 2, "step_')
+    result = _run(tmp_path)
+    assert result.returncode != 0 and "metrics.jsonl, line 2: not JSON" in result.stderr

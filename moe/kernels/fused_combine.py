@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -326,7 +325,7 @@ class FusedCombine:
         if layout.tile_rows != self.blocks.block_m:
             raise ValueError(f"the layout cuts tiles of {layout.tile_rows} rows; this combine's flags number tiles of "
                              f"{self.blocks.block_m} (build_expert_layout(..., tile_rows=combine.blocks.block_m))")
-        rows, ready, ack = self._buffers(layout.host_counts, dtype)
+        rows, ready, ack = self._buffers(layout, dtype)
         self._plan = CombinePlan(layout, dtype, rows, ready, ack, layout.combine_tiles, layout.send_tile)
         return self._plan
 
@@ -448,12 +447,13 @@ class FusedCombine:
         self._grad = (layout, dtype, rows, ready, ack, slots, layout.combine_grad_tiles)
         return rows, ready, ack, slots
 
-    def _buffers(self, counts: np.ndarray, dtype: torch.dtype):
+    def _buffers(self, layout: ExpertLayout, dtype: torch.dtype):
         """The combine rows, the flags and the acks, sized from C alone (so every rank asks for the same)."""
+        counts = layout.host_counts
         max_rows = int(counts.sum(axis=1).max())
         slots = int(triton.cdiv(counts, self.blocks.block_m).sum(axis=1).max())
         # Grown with room to spare, so that changing loads rarely re-allocate (a collective on GPUs).
-        self._rows_capacity = receive_capacity(max_rows, self._rows_capacity, int(counts.sum()))
+        self._rows_capacity = receive_capacity(max_rows, self._rows_capacity, layout.total_rows)
         rows = self.ws.buffer("combine_rows", self._rows_capacity * self.d_model, dtype)
         # Flags are never reset, so a larger flag buffer is a new one; zeros read as "not ready" for any epoch.
         slots = triton.next_power_of_2(max(slots, 1))
