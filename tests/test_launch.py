@@ -1,6 +1,7 @@
 """Low-overhead launches (kernels/launch.py) without a GPU: the argument lists, the binary cache's bookkeeping (with
-a stand-in kernel: CI cannot load binaries), and the keys and plans of the fused quantized all-reduce and GEMM +
-all-reduce (16-byte alignment and dtype in the key; plans dropped when their buffers grow)."""
+a stand-in kernel: CI cannot load binaries), the CUDA graph cache's policy (stand-in graphs), and the keys and
+plans of the fused quantized all-reduce and GEMM + all-reduce (16-byte alignment and dtype in the key; plans
+dropped when their buffers grow)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.gemm_allreduce import ALL_PHASES, GemmAllReduce
-from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned, resident_programs_per_sm
+from fused_dlrm.kernels import launch
+from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, GraphReplays, aligned, resident_programs_per_sm
 from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce, quantized_all_reduce_reference
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
@@ -75,6 +77,34 @@ def test_the_interpreter_always_launches_through_the_jit_function():
         launches("a", (4, 1, 1), ("x", 10, epoch, 64), {})
     assert launches.compiled("a", (4, 1, 1), ("x", 10, 1, 64), {}) is None
     assert kernel.log == [("jit launch", (4, 1, 1), ("x", 10, 1, 64)), ("jit launch", (4, 1, 1), ("x", 10, 2, 64))]
+
+
+class StandInGraph:
+    """What GraphReplays uses of a captured CUDA graph: replay(), which runs the captured work again."""
+    def __init__(self, log, work):
+        self.log, self.work = log, work
+
+    def replay(self):
+        self.log.append("replay")
+        self.work()
+
+
+def test_graphs_are_captured_on_a_key_second_call_and_the_oldest_dropped(monkeypatch):
+    log, capturing = [], [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(launch, "_capture", lambda work: log.append("capture") or StandInGraph(log, work))
+    replays = GraphReplays(max_graphs=2)
+    for key in ("a", "a", "a", "b", "b", "c", "c", "a"):
+        replays(key, lambda key=key: log.append(key))
+    assert log == ["a", "capture", "replay", "a", "replay", "a",
+                   "b", "capture", "replay", "b",
+                   "c", "capture", "replay", "c",
+                   "capture", "replay", "a"]  # a's graph, the oldest of 3 > 2, was dropped; a was seen before
+    assert len(replays) == 2
+    log.clear()
+    capturing[0] = True  # inside a caller's capture: launched, so that the caller's graph holds the kernel
+    replays("c", lambda: log.append("c"))
+    assert log == ["c"]
 
 
 def test_resident_programs_per_sm():

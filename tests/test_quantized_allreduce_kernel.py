@@ -143,7 +143,8 @@ import re
 from fused_dlrm.kernels import quant_codecs, quantized_allreduce
 from fused_dlrm.kernels.quant_codecs import CODECS, kernel_constants
 
-types = {"x_ptr": "*bf16", "out_ptr": "*bf16", "error_ptr": "*i32"}  # numel not divisible: x, out not vectors
+# numel not divisible: x, out not vectors
+types = {"x_ptr": "*bf16", "out_ptr": "*bf16", "error_ptr": "*i32", "step_ptr": "*i32"}
 types.update({n: "*i64" for n in ("recv_ptrs", "gather_ptrs", "ready_ptrs", "done_ptrs")})
 world, rows = 2, 128
 for name, c in CODECS.items():
@@ -153,7 +154,8 @@ for name, c in CODECS.items():
     ptx = build(quantized_allreduce._quantized_all_reduce_kernel, types,
                 dict(WORLD=world, MEAN=False, ROWS=rows, **kernel_constants(c))).asm["ptx"]
     assert not re.search(r"(ld|st)\\.global\\.[bsu]8", ptx), name
-    assert not re.search(r"ld\\.global\\.b32", ptx), name  # no scalar word loads (flags: ld.global.sys.acquire)
+    # no scalar word loads (flags: ld.global.sys.acquire; the step counter: ld.volatile)
+    assert not re.search(r"ld\\.global\\.b32", ptx), name
     vector = 2 if name == "q6" else 4  # q6's blocks are 24 bytes: 8-byte aligned
     expected = 2 * world * rows * c.words // (4 * 32 * vector)  # 2 x world tiles loaded, 2 x world stored
     for op in ("ld", "st"):  # 4 warps of 32 threads

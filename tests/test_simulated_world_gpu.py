@@ -77,6 +77,35 @@ def test_quantized_all_reduce_in_one_launch_per_rank_on_two_streams():
         op.errors.check(block=True)
 
 
+def test_quantized_all_reduce_replays_its_graph_on_two_streams():
+    """Calls on the same x and out replay a CUDA graph from their second call on (the kernel reads its epoch from
+    the device): new data at every call, real waits on the peer's flags (two streams, as above), bit-equal to
+    the CPU reference at every call, including the one that captures."""
+    world = SimulatedWorld(2, "cuda")
+    programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    ops = [FusedQuantizedAllReduce(ws, programs) for ws in world.workspaces()]
+    streams = [torch.cuda.Stream() for _ in ops]
+    xs = [torch.empty(4099, dtype=torch.bfloat16, device="cuda") for _ in ops]
+    outs = [torch.empty_like(x) for x in xs]
+    for step in range(6):
+        for x, new in zip(xs, world_inputs(4099, 2, torch.bfloat16, seed=step)):
+            x.copy_(new)
+        for out in outs:
+            out.fill_(float("nan"))
+        calls = [op.start(x, "q8", out=out) for op, x, out in zip(ops, xs, outs)]
+        torch.cuda.synchronize()
+        for op, call, stream in zip(ops, calls, streams):
+            with torch.cuda.stream(stream):
+                op.run(call)
+        torch.cuda.synchronize()
+        expected = quantized_all_reduce_reference([x.cpu() for x in xs], "q8", False)
+        for op, call in zip(ops, calls):
+            assert torch.equal(op.finish(call).cpu(), expected), step
+            assert len(call.plan.replays) == (step >= 1)  # captured at the second call
+    for op in ops:
+        op.errors.check(block=True)
+
+
 @pytest.mark.parametrize("algorithm", ["auto", "two_shot"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gemm_all_reduce_matches_the_float64_sum(world_size, algorithm):

@@ -103,3 +103,57 @@ class CompiledLaunches:
             self.kernel[grid](*args, **options)
         else:
             binary[grid](*args)
+
+
+class GraphReplays:
+    """CUDA graphs of launches that repeat with exactly the same arguments, addresses included (a kernel whose
+    per-call state lives on the device, like an epoch counter): a graph's replay costs ~2.6 us of host time, a
+    launch through the binary ~9-10 us (H200 host, triton 3.6).
+
+    The caller names a launch by a key that determines all of its arguments (the addresses of the tensors it
+    passes anew); a key is captured the second time it comes, so tensors allocated anew at every call never cost
+    a capture. At most `max_graphs` graphs (and 4x as many keys seen once) are kept, the oldest dropped. Inside a
+    caller's own graph capture the launch is made directly (and captured into the caller's graph)."""
+
+    def __init__(self, max_graphs: int = 16):
+        self.max_graphs = max_graphs
+        self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self._seen: dict[Hashable, None] = {}
+
+    def __call__(self, key: Hashable, launch) -> None:
+        """Replay key's graph, or run `launch()` (no arguments) and capture it on the key's second call."""
+        if torch.cuda.is_current_stream_capturing():
+            launch()
+            return
+        graph = self._graphs.get(key)
+        if graph is None:
+            if key not in self._seen:
+                _keep(self._seen, key, None, 4 * self.max_graphs)
+                launch()
+                return
+            graph = _capture(launch)
+            _keep(self._graphs, key, graph, self.max_graphs)
+        graph.replay()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+
+def _keep(cache: dict, key: Hashable, value, limit: int) -> None:
+    """cache[key] = value, dropping the oldest entry beyond `limit` (dicts keep insertion order)."""
+    cache[key] = value
+    if len(cache) > limit:
+        del cache[next(iter(cache))]
+
+
+def _capture(launch) -> torch.cuda.CUDAGraph:
+    """launch()'s work captured (not run) into a graph, on a side stream (graphs cannot be captured on the
+    default stream); errors of other threads' CUDA calls meanwhile are theirs (thread-local capture)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            launch()
+        finally:
+            graph.capture_end()
+    return graph

@@ -35,16 +35,21 @@ ordered on its stream, so its launch e + 1 starts after all its programs of laun
   e) finished; into its own gather after its own launch e. So the flags of phase 2 guard phase 3's slots.
 A second half by epoch parity would guard nothing more, so there is none (half the symmetric memory).
 Flags hold epochs (never reset, compared with >=); they are laid out [source][max_programs], so calls of any
-size use the same flags. Every wait is bounded: a timeout records (1, peer, slice) in the error word (slice
-p < max_programs: peer's scatter of tile set p; max_programs + p: peer's reduced tile set p) and later waits
-stop spinning until the host has read it; `PeerErrors` raises it naming rank, peer, slice and step.
+size use the same flags. A call's epoch comes from the device, not from the host: each rank's step counter
+(`step_ptr`: [epoch of its last call, programs of the running call done]) is read by every program at its start
+(+ 1), and the last program of the launch that runs phase 3 to finish stores the new epoch. So a launch's
+arguments are the same from call to call: a repeated call replays a CUDA graph (`GraphReplays`: ~2.6 us of
+host time against ~9-10 us through the binary's launcher), and a caller may capture the op into a graph of its
+own. Every wait is bounded: a timeout records (1, peer, slice) in the error word (slice p < max_programs:
+peer's scatter of tile set p; max_programs + p: peer's reduced tile set p) and later waits stop spinning until
+the host has read it; `PeerErrors` raises it naming rank, peer, slice and step.
 
 On GPUs every program waits on the same-numbered program of every peer's launch, so the grid must be
 co-resident: it is capped at what the compiled binary fits on the GPU at once (launch.resident_programs_per_sm
 from its registers, warps and shared memory; at 4 warps, 64 MiB of bf16 compiles for sm_90 to 32 (fp16), 38
 (q4), 39 (q8), 52 (fp8) and 71 (q6) registers per thread), and at `max_programs` = PROGRAMS_PER_SM (12) per SM,
 the flags' stride. The ranks' grids must agree (the tile split is by program): the binary is the same on every
-rank (rank and epoch are not specialised) as long as the ranks' inputs are alike, in size and, like every
+rank (rank is not specialised) as long as the ranks' inputs are alike, in size and, like every
 symmetric buffer, in 16-byte alignment (were the grids to differ, ranks would wait for flags that no program
 raises: at least one rank times out). In the interpreter (one program at a time) a simulated world runs each
 phase on every rank before the next (`run(call, phase, phase)`).
@@ -59,7 +64,7 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
-from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned, resident_programs_per_sm
+from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, GraphReplays, aligned, resident_programs_per_sm
 from fused_dlrm.kernels.peer_flags import PeerErrors, wait_or_record
 from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, NO_FMA, block_values, decode_reference,
                                              encode_blocks, encode_reference, error_bound, kernel_constants,
@@ -154,16 +159,16 @@ def _round_to(x, dtype: tl.constexpr):
 
 
 # Values that change from call to call or rank to rank are not specialized (Triton would compile a variant for
-# epoch == 1, rank == 1, ...): fewer compilations. numel is (its divisibility by 16 lets loads be wide vectors).
-@triton.jit(do_not_specialize=["chunk_blocks", "rank", "epoch", "num_programs", "spin_limit", "first_phase",
-                               "last_phase"])
+# rank == 1, num_programs == 1, ...): fewer compilations. numel is (its divisibility by 16 lets loads be wide vectors).
+@triton.jit(do_not_specialize=["chunk_blocks", "rank", "num_programs", "spin_limit", "first_phase", "last_phase"])
 def _quantized_all_reduce_kernel(
-    x_ptr, out_ptr, numel, chunk_blocks, recv_ptrs, gather_ptrs, ready_ptrs, done_ptrs, error_ptr,
-    rank, epoch, num_programs, max_programs, spin_limit, first_phase, last_phase,
+    x_ptr, out_ptr, numel, chunk_blocks, recv_ptrs, gather_ptrs, ready_ptrs, done_ptrs, error_ptr, step_ptr,
+    rank, num_programs, max_programs, spin_limit, first_phase, last_phase,
     WORLD: tl.constexpr, MEAN: tl.constexpr, KIND: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexpr,
     WORDS: tl.constexpr, LOW: tl.constexpr, ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    epoch = tl.load(step_ptr, volatile=True) + 1  # this call's epoch (module docstring: the step counter)
     tiles = tl.cdiv(chunk_blocks, ROWS)
     i = tl.arange(0, ROWS)
     slots = WORLD * chunk_blocks  # blocks in every recv and gather buffer: [source][chunk_blocks], < 2 GiB
@@ -223,6 +228,11 @@ def _quantized_all_reduce_kernel(
                 out = _round_to(x, out_ptr.dtype.element_ty)
                 tl.store(out_ptr + idx, out, mask=(idx < numel) & row_mask[:, None])
                 t += num_programs
+        # The call is over for this program; the last of the grid to get here advances the step counter (every
+        # program has read it: each did so before its own arrival).
+        if tl.atomic_add(step_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.store(step_ptr + 1, 0)
+            tl.store(step_ptr, epoch)
 
 
 @dataclass
@@ -233,15 +243,15 @@ class Plan:
     num_programs: int  # the grid
     recv: PeerBuffer
     gather: PeerBuffer
-    args: Arguments  # filled per call with x, out, epoch and the phases
+    args: Arguments  # filled per call with x, out and the phases
+    replays: GraphReplays  # graphs of this plan's calls (they point into its buffers), by x's and out's addresses
 
 
 @dataclass
 class FusedCall:
-    """One all-reduce in flight: its input, output, epoch and plan."""
+    """One all-reduce in flight: its input, output and plan."""
     x: torch.Tensor
     out: torch.Tensor
-    epoch: int
     plan: Plan
 
 
@@ -255,9 +265,9 @@ class FusedQuantizedAllReduce:
     the interpreter tests cover many tiles).
 
     Host time per call is kept small (the op is latency-bound at small sizes): what depends only on the call's
-    key is computed once into a `Plan`, and GPUs launch the plan's compiled binary (kernels/launch.py); a call
-    makes its output, takes an epoch and fills in the arguments. Plans are dropped when a larger message grows the
-    symmetric buffers they point into.
+    key is computed once into a `Plan`, and GPUs launch the plan's compiled binary (kernels/launch.py), or replay
+    the graph of an earlier call with the same x and out (the epoch is on the device). Plans are dropped, with
+    their graphs, when a larger message grows the symmetric buffers they point into.
     """
 
     def __init__(self, workspace: _Workspace, max_programs: int, spin_limit: int = 20_000_000,
@@ -269,6 +279,7 @@ class FusedQuantizedAllReduce:
         flags = self.world * max_programs
         self.ready = workspace.buffer("qar_ready", flags, torch.int32)
         self.done = workspace.buffer("qar_done", flags, torch.int32)
+        self.step = torch.zeros(2, dtype=torch.int32, device=workspace.device)  # the kernel's step counter
         self._plans: dict[tuple, Plan] = {}
         self._launches = CompiledLaunches(_quantized_all_reduce_kernel)
         # NO_FMA: no fused multiply-add (of decode and sum, of the encode's scaling), so the arithmetic equals the
@@ -293,7 +304,7 @@ class FusedQuantizedAllReduce:
         check_out(x, out)
         key = self._key(x, out, codec, mean)
         plan = self._plans.get(key) or self._plan(key, x, out, codec, mean)
-        return FusedCall(x, out, self.ws.next_epoch("qar"), plan)
+        return FusedCall(x, out, plan)
 
     def _plan(self, key: tuple, x: torch.Tensor, out: torch.Tensor, codec: str, mean: bool) -> Plan:
         numel = x.numel()
@@ -308,30 +319,37 @@ class FusedQuantizedAllReduce:
             raise RuntimeError("the quantized all-reduce needs 16-byte aligned symmetric buffers")
         # Plans made before a buffer grew point into the old one: drop them (their keys plan anew).
         self._plans = {k: p for k, p in self._plans.items() if p.recv is recv and p.gather is gather}
-        per_call = ("x_ptr", "out_ptr", "epoch", "first_phase", "last_phase")
+        per_call = ("x_ptr", "out_ptr", "first_phase", "last_phase")
         fixed = dict(numel=numel, chunk_blocks=cb, recv_ptrs=recv.peer_ptrs, gather_ptrs=gather.peer_ptrs,
                      ready_ptrs=self.ready.peer_ptrs, done_ptrs=self.done.peer_ptrs, error_ptr=self.errors.word,
+                     step_ptr=self.step,
                      rank=self.rank, num_programs=self.max_programs, max_programs=self.max_programs,
                      spin_limit=self.spin_limit, WORLD=self.world, MEAN=mean, ROWS=self.tile_blocks,
                      **kernel_constants(CODECS[codec]))
         programs = min(self.max_programs, triton.cdiv(cb, self.tile_blocks))
         # The binary first (num_programs is not specialised: any value compiles it), then the grid it allows.
         binary = self._launches.compiled(key, (programs, 1, 1),
-                                         Arguments(_quantized_all_reduce_kernel, per_call, **fixed)(x, out, 1, 0, 2),
+                                         Arguments(_quantized_all_reduce_kernel, per_call, **fixed)(x, out, 0, 2),
                                          self.options)
         if binary is not None:
             per_sm = resident_programs_per_sm(binary.n_regs, binary.metadata.num_warps, binary.metadata.shared)
             programs = min(programs, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
         fixed["num_programs"] = programs
         args = Arguments(_quantized_all_reduce_kernel, per_call, **fixed)
-        plan = self._plans[key] = Plan(key, programs, recv, gather, args)
+        plan = self._plans[key] = Plan(key, programs, recv, gather, args, GraphReplays())
         return plan
 
     def run(self, call: FusedCall, first_phase: int = 0, last_phase: int = 2) -> None:
-        """Launch phases first_phase..last_phase of the call (all three on GPUs: one launch)."""
+        """Launch phases first_phase..last_phase of the call (all three on GPUs: one launch, or its graph)."""
+        if self._launches.interpret or (first_phase, last_phase) != (0, 2):
+            self._launch(call, first_phase, last_phase)
+        else:
+            call.plan.replays((call.x.data_ptr(), call.out.data_ptr()), lambda: self._launch(call, 0, 2))
+
+    def _launch(self, call: FusedCall, first_phase: int, last_phase: int) -> None:
         plan = call.plan
-        self._launches(plan.key, (plan.num_programs, 1, 1),
-                       plan.args(call.x, call.out, call.epoch, first_phase, last_phase), self.options)
+        self._launches(plan.key, (plan.num_programs, 1, 1), plan.args(call.x, call.out, first_phase, last_phase),
+                       self.options)
 
     def finish(self, call: FusedCall) -> torch.Tensor:
         """The call's result (raises at once on the CPU, at a later call on GPUs, if a wait timed out)."""
