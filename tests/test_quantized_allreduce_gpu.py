@@ -2,8 +2,8 @@
 
 Bit-equal to the bulk twin (codec kernels around NCCL all_to_all / all_gather) for every codec, bf16 and fp32
 inputs, sum and mean; bit-identical across ranks; within the documented bound of the fp64 sum; 1,000
-consecutive calls of changing sizes and codecs on the same flags; the DDP hook (q8, fused) within the bound of
-plain DDP; a missing peer raises PeerWaitTimeout.
+consecutive calls of changing sizes and codecs on the same flags; calls that replay CUDA graphs; the DDP hook
+(q8, fused) within the bound of plain DDP; a missing peer raises PeerWaitTimeout.
 CI has no GPU: this runs on the device machine.
 """
 
@@ -83,6 +83,29 @@ def _many_calls(rank: int, world: int) -> None:
 
 def test_one_thousand_consecutive_calls_on_the_same_flags():
     run_world(2, _many_calls, backend="nccl")
+
+
+def _graph_replays(rank: int, world: int) -> None:
+    x = torch.empty(300_000, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(x)
+    op = fused_for_group(None, x.device)
+    for step in range(200):  # new data in the same tensors: every call after the first replays a graph
+        x.copy_(world_inputs(x.numel(), world, torch.bfloat16, seed=step)[rank])
+        out.fill_(float("nan"))
+        quantized_all_reduce(x, "q8", fused=True, out=out)
+        if step % 20 == 0 or step >= 195:
+            assert torch.equal(out, quantized_all_reduce(x, "q8", fused=False)), step
+        quantized_all_reduce(x, "q4", fused=True, out=x)  # in place: a graph of its own
+    op.errors.check(block=True)
+    call = op.start(x, "q8", out=out)
+    assert len(call.plan.replays) == 1
+    assert_same_on_every_rank(out, world)
+
+
+def test_calls_on_the_same_tensors_replay_a_graph():
+    """The epoch comes from the device, so the 2nd and later calls on the same x and out replay a CUDA graph:
+    still bit-equal to the bulk twin, with new data at every call, in between in-place calls of another codec."""
+    run_world(2, _graph_replays, backend="nccl")
 
 
 def test_ddp_hook_within_bound_of_plain_ddp():
