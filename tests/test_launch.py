@@ -89,22 +89,32 @@ class StandInGraph:
         self.work()
 
 
-def test_graphs_are_captured_on_a_key_second_call_and_the_oldest_dropped(monkeypatch):
+def test_graphs_are_captured_on_a_key_second_call_and_kept(monkeypatch):
     log, capturing = [], [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setattr(launch, "_capture", lambda work: log.append("capture") or StandInGraph(log, work))
     replays = GraphReplays(max_graphs=2)
-    for key in ("a", "a", "a", "b", "b", "c", "c", "a"):
+    for key in ("a", "a", "a", "b", "b", "c", "c", "c", "a"):
         replays(key, lambda key=key: log.append(key))
     assert log == ["a", "capture", "replay", "a", "replay", "a",
                    "b", "capture", "replay", "b",
-                   "c", "capture", "replay", "c",
-                   "capture", "replay", "a"]  # a's graph, the oldest of 3 > 2, was dropped; a was seen before
+                   "c", "c", "c",  # two graphs held: c launches directly, and no graph is dropped for it
+                   "replay", "a"]
     assert len(replays) == 2
     log.clear()
     capturing[0] = True  # inside a caller's capture: launched, so that the caller's graph holds the kernel
-    replays("c", lambda: log.append("c"))
-    assert log == ["c"]
+    replays("a", lambda: log.append("a"))
+    assert log == ["a"]
+
+
+def test_keys_seen_once_are_forgotten_oldest_first(monkeypatch):
+    log = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(launch, "_capture", lambda work: log.append("capture") or StandInGraph(log, work))
+    replays = GraphReplays(max_graphs=1)  # remembers 4 keys seen once
+    for key in ("a", "b", "c", "d", "e", "a", "e"):
+        replays(key, lambda key=key: log.append(key))
+    assert log == ["a", "b", "c", "d", "e", "a", "capture", "replay", "e"]  # a was forgotten when e came
 
 
 def test_resident_programs_per_sm():

@@ -111,39 +111,38 @@ class GraphReplays:
     launch through the binary ~9-10 us (H200 host, triton 3.6).
 
     The caller names a launch by a key that determines all of its arguments (the addresses of the tensors it
-    passes anew); a key is captured the second time it comes, so tensors allocated anew at every call never cost
-    a capture. At most `max_graphs` graphs (and 4x as many keys seen once) are kept, the oldest dropped. Inside a
-    caller's own graph capture the launch is made directly (and captured into the caller's graph)."""
+    passes anew); a key is captured the second time it comes (~1 ms), so tensors allocated anew at every call
+    never cost a capture. Graphs are kept, never dropped: once `max_graphs` are held, other keys launch directly
+    (dropping the oldest would capture anew at every call when more than max_graphs keys take turns). Keys seen
+    once are remembered up to 4 x max_graphs, the oldest forgotten. Inside a caller's own graph capture the launch
+    is made directly (and captured into the caller's graph)."""
 
-    def __init__(self, max_graphs: int = 16):
+    def __init__(self, max_graphs: int = 64):
         self.max_graphs = max_graphs
         self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self._seen: dict[Hashable, None] = {}
 
     def __call__(self, key: Hashable, launch) -> None:
-        """Replay key's graph, or run `launch()` (no arguments) and capture it on the key's second call."""
-        if torch.cuda.is_current_stream_capturing():
+        """Replay key's graph, or run `launch()` (no arguments), capturing it first on the key's second call."""
+        if torch.cuda.is_current_stream_capturing():  # inside a caller's capture: its graph takes the launch
             launch()
             return
         graph = self._graphs.get(key)
+        if graph is None and key in self._seen and len(self._graphs) < self.max_graphs:
+            graph = self._graphs[key] = _capture(launch)
         if graph is None:
-            if key not in self._seen:
-                _keep(self._seen, key, None, 4 * self.max_graphs)
-                launch()
-                return
-            graph = _capture(launch)
-            _keep(self._graphs, key, graph, self.max_graphs)
-        graph.replay()
+            self._remember(key)
+            launch()
+        else:
+            graph.replay()
+
+    def _remember(self, key: Hashable) -> None:
+        self._seen[key] = None
+        if len(self._seen) > 4 * self.max_graphs:
+            del self._seen[next(iter(self._seen))]
 
     def __len__(self) -> int:
         return len(self._graphs)
-
-
-def _keep(cache: dict, key: Hashable, value, limit: int) -> None:
-    """cache[key] = value, dropping the oldest entry beyond `limit` (dicts keep insertion order)."""
-    cache[key] = value
-    if len(cache) > limit:
-        del cache[next(iter(cache))]
 
 
 def _capture(launch) -> torch.cuda.CUDAGraph:
