@@ -116,6 +116,17 @@ def test_many_consecutive_calls_on_the_same_flags():
         world[0].finish(call)
 
 
+def test_the_epoch_slots_follow_calls_of_any_grid():
+    """The epoch lives on the device, one slot per program: calls whose grids grow and shrink (1, 4, 2, 3, 4
+    programs of at most 4) each read the epoch of the call before, whoever wrote its slot."""
+    world = [FusedQuantizedAllReduce(ws, 4, 50, tile_blocks=1) for ws in SimulatedWorld(2).workspaces()]
+    for step, blocks in enumerate([1, 4, 2, 3, 4], start=1):  # chunk blocks = tiles = programs
+        xs = inputs(2, 2 * 32 * blocks, "normal", seed=step)
+        got = all_reduce(world, xs, "q8")
+        assert all(torch.equal(y, quantized_all_reduce_reference(xs, "q8")) for y in got), step
+        assert all(ar.step.tolist() == [step] * 4 for ar in world), step
+
+
 def test_timeout_in_the_reduce_names_rank_peer_and_slice():
     world = world_of(2, max_programs=2)
     xs = inputs(2, 3000, "normal")
