@@ -14,8 +14,10 @@ from torch import nn
 from torchrec import EmbeddingBagConfig
 from torchrec.datasets.utils import Batch
 
+from fused_dlrm.data import local_batch_bounds
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.models.dlrm import build_dlrm, data_parallel, make_tables
+from fused_dlrm.models.graphed_arches import graph_dense_arches
 from fused_dlrm.sparse import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
 from fused_dlrm.train.rundir import register_resolvers
@@ -47,6 +49,9 @@ def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     model = build_dlrm(config_tables(cfg), cfg.data.num_dense, m.dense_arch, m.over_arch,
                        EmbeddingOptimizerConfig(**m.embedding_optimizer), env.device, seed=cfg.seed,
                        comm=fused_comm(cfg.comm))
+    if cfg.trainer.cuda_graphs and env.device.type == "cuda":  # before DDP: its hooks stay outside the graphs
+        start, stop = local_batch_bounds(cfg.data.global_batch_size, env.rank, env.world_size)
+        graph_dense_arches(model, stop - start)
     return data_parallel(model, cfg.comm.grad_allreduce)
 
 

@@ -1,7 +1,8 @@
 """The training loop: read it top to bottom.
 
 One step: batch -> DLRM forward (sparse all-to-alls inside) -> loss -> backward (embedding optimizer fused
-into it, dense gradients averaged by DDP) -> dense optimizer step. Every `log_every` steps the loss is reduced
+into it, dense gradients averaged by DDP) -> dense optimizer step. On GPUs the dense arches replay CUDA graphs
+(`trainer.cuda_graphs`, captured by build_model). Every `log_every` steps the loss is reduced
 over ranks and checked for NaN/inf; every `eval_every` steps AUC and log loss are measured on held-out data;
 every `checkpoint_every` steps a checkpoint is written (only after the loss was checked).
 

@@ -1,0 +1,101 @@
+"""The dense arches replayed as CUDA graphs (trainer.cuda_graphs) train as the eager arches do. ONE GPU (skipped
+without one): training at world 1, and DDP over two gloo processes that share the GPU (the graphed backward's
+gradients reach DDP's all-reduce, which stays outside the graphs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec.models.dlrm import DenseArch, OverArch
+
+from fused_dlrm.dist import DistEnv
+from fused_dlrm.models.dlrm import data_parallel
+from fused_dlrm.models.graphed_arches import GraphedForward, graph_dense_arches
+from fused_dlrm.train.loop import train
+from test_training import SMALL, config
+from world import run_world
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+GPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), backend=None)
+
+
+def test_training_with_graphed_arches_follows_the_eager_loss_curve(tmp_path, monkeypatch):
+    replays = []
+    decide = GraphedForward.replays
+    monkeypatch.setattr(GraphedForward, "replays", lambda self, x: replays.append(decide(self, x)) or replays[-1])
+    common = SMALL + ["trainer.device=cuda", "trainer.max_steps=12", "trainer.log_every=1", "trainer.eval_every=6",
+                      "trainer.checkpoint_every=0"]
+    eager = train(config(*common, "trainer.cuda_graphs=false"), GPU, tmp_path / "eager")
+    assert replays == []
+    graphed = train(config(*common, "trainer.cuda_graphs=true"), GPU, tmp_path / "graphed")
+    # two arches per training step replay; evaluation (no grad, eval mode) runs eagerly
+    assert replays.count(True) == 2 * 12 and replays.count(False) == 2 * 2 * 2, replays
+    losses = lambda r: torch.tensor([loss for _, loss in r.losses], dtype=torch.float64)
+    torch.testing.assert_close(losses(graphed), losses(eager), rtol=1e-5, atol=1e-6)
+    for got, want in zip(graphed.evals, eager.evals):
+        assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-5 for k in want), (got, want)
+
+
+class _Arches(nn.Module):
+    def __init__(self, device: torch.device):
+        super().__init__()
+        torch.manual_seed(0)
+        self.dense_arch = DenseArch(13, [64, 16], device)
+        self.over_arch = OverArch(16 + 40, [32, 16, 1], device)
+
+
+def _step(arches: nn.Module, dense: torch.Tensor, pooled: torch.Tensor, labels: torch.Tensor) -> None:
+    """The arches' part of a DLRM step: the interaction stands in as a concatenation with a leaf that needs grad."""
+    x = torch.cat([arches.dense_arch(dense), pooled], dim=1)
+    loss = F.binary_cross_entropy_with_logits(arches.over_arch(x).squeeze(-1), labels)
+    loss.backward()
+
+
+def _ddp_sums_graphed_gradients(rank: int, world: int) -> None:
+    device = torch.device("cuda", 0)  # both processes on the one GPU; gloo all-reduces the CUDA gradients
+    batch = 24
+    models = []
+    for graphed in (False, True):
+        arches = _Arches(device)
+        if graphed:
+            graph_dense_arches(arches, batch)
+        models.append((data_parallel(arches), torch.optim.Adam(arches.parameters(), lr=1e-2)))
+    gen = torch.Generator(device).manual_seed(100 + rank)  # each rank its own data
+    for _ in range(4):
+        dense = torch.randn(batch, 13, device=device, generator=gen)
+        pooled = torch.randn(batch, 40, device=device, generator=gen, requires_grad=True)
+        labels = torch.rand(batch, device=device, generator=gen).round()
+        grads = []
+        for arches, optimizer in models:
+            optimizer.zero_grad(set_to_none=True)
+            leaf = pooled.detach().requires_grad_()
+            _step(arches, dense, leaf, labels)
+            grads.append([leaf.grad] + [p.grad.clone() for p in arches.parameters()])
+            optimizer.step()
+        for got, want in zip(grads[1], grads[0]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # the all-reduced gradients kept the ranks' parameters equal
+    flat = torch.cat([p.detach().flatten() for p in models[1][0].parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    torch.distributed.all_gather(gathered, flat)
+    torch.testing.assert_close(gathered[1], gathered[0], rtol=0, atol=0)
+    assert isinstance(models[1][0].dense_arch.module.forward, GraphedForward)
+
+
+def test_ddp_all_reduces_the_graphed_gradients():
+    run_world(2, _ddp_sums_graphed_gradients)
+
+
+def test_capture_refuses_arches_already_in_ddp():
+    run_world(1, _refuses_ddp)
+
+
+def _refuses_ddp(rank: int, world: int) -> None:
+    arches = _Arches(torch.device("cuda", 0))
+    arches.dense_arch = nn.parallel.DistributedDataParallel(arches.dense_arch, device_ids=[torch.device("cuda", 0)])
+    with pytest.raises(ValueError, match="before DDP"):
+        graph_dense_arches(arches, 8)
