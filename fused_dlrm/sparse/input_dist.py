@@ -22,6 +22,8 @@ from torchrec import KeyedJaggedTensor
 
 from fused_dlrm.dist.alltoall import all_to_all_v, exchange_counts
 from fused_dlrm.dist.host_copy import PendingHostCopy
+from fused_dlrm.kernels.batch_header import (BAD_KEYS, BATCH, EXTRA_VALUES, FIRST_COUNT, OUT_OF_RANGE, batch_header,
+                                             value_limits)
 
 
 @dataclass
@@ -68,8 +70,6 @@ def segment_gather_index(counts: torch.Tensor, order: torch.Tensor, total: int) 
     return torch.arange(total, device=counts.device) + torch.repeat_interleave(shift, moved, output_size=total)
 
 
-# The header's first columns, then each destination's per-feature value counts.
-_BATCH, _BAD_KEYS, _EXTRA_VALUES, _OUT_OF_RANGE, _FIRST_COUNT = range(5)
 
 
 @dataclass
@@ -90,7 +90,6 @@ class PendingHeader:
     key_problem: str
     lengths: torch.Tensor | None  # [keys, local batch] int64
     counts: torch.Tensor | None  # values per key
-    limit: torch.Tensor | None  # each value's table size
     recv: torch.Tensor  # the headers received, on the device
     both: PendingHostCopy  # the headers sent and received, on their way to the host
 
@@ -149,25 +148,16 @@ class BulkInputDist:
         plan, key_problem = self._plan(keys, device)
         lengths = None
         if plan is None:  # no plan for these keys: send a header that only says so, as every rank must
-            header = torch.zeros(world, _FIRST_COUNT + self.width, dtype=torch.int64, device=device)
-            header[:, _BAD_KEYS] = 1
-            counts = limit = None
+            header = torch.zeros(world, FIRST_COUNT + self.width, dtype=torch.int64, device=device)
+            header[:, BAD_KEYS] = 1
+            counts = None
         else:
             lengths = kjt.lengths().view(len(keys), local_batch).long()
             counts = lengths.sum(dim=1)  # values per key
-            # Each value's table size by a search over the keys' ends (not an expansion sized by the value count,
-            # which a KJT whose values and lengths disagree would overrun).
-            key_of_value = torch.searchsorted(torch.cumsum(counts, 0), torch.arange(values.numel(), device=device),
-                                              right=True).clamp_(max=len(keys) - 1)
-            limit = plan.rows[key_of_value]
-            out_of_range = ((values < 0) | (values >= limit)).sum()
-            header_start = torch.stack([torch.full_like(out_of_range, local_batch), torch.zeros_like(out_of_range),
-                                        values.numel() - counts.sum(), out_of_range])
-            padded = torch.cat([counts, counts.new_zeros(1)])
-            header = torch.cat([header_start.expand(world, _FIRST_COUNT), padded[plan.header_keys]], dim=1)
+            header = batch_header(values, counts, plan.rows, plan.header_keys, local_batch)  # one kernel on GPUs
         recv = exchange_counts(header, self.group)
         both = PendingHostCopy(torch.cat([header, recv]))  # `finish` waits for this copy only
-        return PendingHeader(kjt, plan, key_problem, lengths, counts, limit, recv, both)
+        return PendingHeader(kjt, plan, key_problem, lengths, counts, recv, both)
 
     def finish(self, pending: PendingHeader) -> OwnedBags:
         """The rest of `start`'s batch: its checks, then lengths, values and weights exchanged and regrouped."""
@@ -175,12 +165,12 @@ class BulkInputDist:
         world, values, local_batch = len(self.features_of_rank), kjt.values(), kjt.stride()
         both = pending.both.get().tolist()  # the host sync (none left when the copy has long ended)
         sent_header, recv_header = both[:world], both[world:]
-        self._raise_for_bad_input(recv_header, kjt, pending.key_problem, counts, pending.limit)
+        self._raise_for_bad_input(recv_header, kjt, pending.key_problem, counts, plan)
 
         mine = self.features_of_rank[self.rank]
-        batch_sizes = [row[_BATCH] for row in recv_header]
-        counts_from = [row[_FIRST_COUNT:_FIRST_COUNT + len(mine)] for row in recv_header]  # [source][feature]
-        values_to = [sum(row[_FIRST_COUNT:]) for row in sent_header]
+        batch_sizes = [row[BATCH] for row in recv_header]
+        counts_from = [row[FIRST_COUNT:FIRST_COUNT + len(mine)] for row in recv_header]  # [source][feature]
+        values_to = [sum(row[FIRST_COUNT:]) for row in sent_header]
         values_from = [sum(row) for row in counts_from]
 
         # Regroup the key-major KJT so each destination's features are one contiguous run.
@@ -202,7 +192,7 @@ class BulkInputDist:
         owned_lengths = torch.cat(per_source_lengths, dim=1)
         values, weights = recv_values, recv_weights
         if world > 1 and len(mine) > 1:  # with one source or one feature the two orders are the same
-            index = segment_gather_index(recv[:, _FIRST_COUNT:_FIRST_COUNT + len(mine)].reshape(-1), plan.recv_order,
+            index = segment_gather_index(recv[:, FIRST_COUNT:FIRST_COUNT + len(mine)].reshape(-1), plan.recv_order,
                                          recv_values.numel())
             values = recv_values[index]
             weights = None if recv_weights is None else recv_weights[index]
@@ -213,24 +203,24 @@ class BulkInputDist:
                          feature_value_offsets=offsets, batch_sizes=batch_sizes)
 
     def _raise_for_bad_input(self, recv_header: list[list[int]], kjt: KeyedJaggedTensor, key_problem: str,
-                             counts: torch.Tensor | None, limit: torch.Tensor | None) -> None:
+                             counts: torch.Tensor | None, plan: _KeyPlan | None) -> None:
         """Every rank raises the same kind of error when any rank's batch is bad (the header carries each source's
         verdict); the rank whose batch it is says what is wrong with it."""
-        for column, error, what in ((_BAD_KEYS, KeyError, "KeyedJaggedTensors whose keys do not match the tables"),
-                                    (_EXTRA_VALUES, ValueError, "KeyedJaggedTensors whose values and lengths disagree"),
-                                    (_OUT_OF_RANGE, IndexError, "out-of-range indices")):
+        for column, error, what in ((BAD_KEYS, KeyError, "KeyedJaggedTensors whose keys do not match the tables"),
+                                    (EXTRA_VALUES, ValueError, "KeyedJaggedTensors whose values and lengths disagree"),
+                                    (OUT_OF_RANGE, IndexError, "out-of-range indices")):
             bad = [s for s, row in enumerate(recv_header) if row[column]]
             if not bad:
                 continue
             if self.rank not in bad:
                 raise error(f"rank {self.rank}: rank(s) {bad} sent {what} (their error says more)")
-            if column == _BAD_KEYS:
+            if column == BAD_KEYS:
                 raise error(f"rank {self.rank}: {key_problem}")
             values = kjt.values()
-            if column == _EXTRA_VALUES:
+            if column == EXTRA_VALUES:
                 raise error(f"rank {self.rank}: the KeyedJaggedTensor has {values.numel()} values but its lengths "
                             f"sum to {int(counts.sum())}")
-            i = int(((values < 0) | (values >= limit)).nonzero()[0])
+            i = int(((values < 0) | (values >= value_limits(values, counts, plan.rows))).nonzero()[0])
             key = kjt.keys()[int(torch.searchsorted(torch.cumsum(counts, 0), i, right=True))]
             table, rows = self.tables[key]
             raise error(f"rank {self.rank}: feature '{key}' has index {int(values[i])}, outside table '{table}' "

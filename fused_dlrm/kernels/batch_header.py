@@ -1,0 +1,111 @@
+"""The input dist's header of one batch: what every destination must know before the batch's values travel.
+
+Row r of the header goes to rank r: [local batch size, bad keys (0 here), values beyond the lengths' sum,
+out-of-range indices, then the value count of each feature rank r owns (0 where rank r owns fewer features than
+the widest)]. As torch ops this is ~20 small launches per batch, ~0.7-1.3 ms of host time per DLRM step
+(docs/benchmarks.md); here the counts and their running ends are two torch ops and one kernel does the rest:
+each program checks a block of values against the table of the key it falls in (a binary search over the keys'
+ends) and adds its out-of-range count into every row; program 0 writes the other columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_dlrm.kernels.launch import CompiledLaunches, aligned
+
+# The header's columns: these, then each destination's per-feature value counts.
+BATCH, BAD_KEYS, EXTRA_VALUES, OUT_OF_RANGE, FIRST_COUNT = range(5)
+_BATCH, _BAD_KEYS, _EXTRA_VALUES, _OUT_OF_RANGE, _FIRST_COUNT = (tl.constexpr(c) for c in range(5))
+BLOCK_VALUES = 1024
+
+
+def value_limits(values: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Each value's table size: rows of the key it falls in by the counts. A search over the keys' ends, not an
+    expansion sized by the value count (a KJT whose values and lengths disagree would overrun it); values past the
+    lengths' sum count against the last key."""
+    key = torch.searchsorted(torch.cumsum(counts, 0), torch.arange(values.numel(), device=values.device),
+                             right=True).clamp_(max=counts.numel() - 1)
+    return rows[key]
+
+
+def batch_header_reference(values: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor,
+                           header_keys: torch.Tensor, local_batch: int) -> torch.Tensor:
+    """The header [world, FIRST_COUNT + width] int64. counts: values per key [keys] int64; rows: each key's table
+    size; header_keys [world, width]: the key of destination r's feature f (num_keys: padding)."""
+    limit = value_limits(values, counts, rows)
+    out_of_range = ((values < 0) | (values >= limit)).sum()
+    first = torch.stack([torch.full_like(out_of_range, local_batch), torch.zeros_like(out_of_range),
+                         values.numel() - counts.sum(), out_of_range])
+    padded = torch.cat([counts, counts.new_zeros(1)])
+    return torch.cat([first.expand(header_keys.shape[0], FIRST_COUNT), padded[header_keys]], dim=1)
+
+
+@triton.jit(do_not_specialize=["n_values", "num_keys", "local_batch", "world", "width"])
+def _batch_header_kernel(values_ptr, counts_ptr, ends_ptr, rows_ptr, header_keys_ptr, header_ptr,
+                         n_values, num_keys, local_batch, world, width,
+                         BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr, WORLD_BLOCK: tl.constexpr,
+                         WIDTH_BLOCK: tl.constexpr):
+    """header must hold zeros in its OUT_OF_RANGE column (the programs add into it)."""
+    pid = tl.program_id(0)
+    row_len = _FIRST_COUNT + width
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n_values
+    # The key of value i: the first key whose end (running sum of counts) exceeds i, the last key past them all.
+    lo = tl.zeros([BLOCK], dtype=tl.int32)
+    hi = tl.zeros([BLOCK], dtype=tl.int32) + num_keys
+    for _ in range(SEARCH_STEPS):  # a constexpr bound: ceil(log2(num_keys + 1)) halvings
+        searching = live & (lo < hi)
+        mid = (lo + hi) // 2
+        end = tl.load(ends_ptr + mid, mask=searching, other=0)
+        right = end <= i
+        lo = tl.where(searching & right, mid + 1, lo)
+        hi = tl.where(searching & ~right, mid, hi)
+    key = tl.minimum(lo, num_keys - 1)
+    limit = tl.load(rows_ptr + key, mask=live, other=0)
+    v = tl.load(values_ptr + i, mask=live, other=0)
+    n_bad = tl.sum((live & ((v < 0) | (v >= limit))).to(tl.int64), axis=0)
+    r = tl.arange(0, WORLD_BLOCK)
+    row = header_ptr + r * row_len  # each destination's header row
+    zero = tl.zeros([WORLD_BLOCK], dtype=tl.int64)
+    tl.atomic_add(row + _OUT_OF_RANGE, zero + n_bad, mask=(r < world) & (n_bad > 0))
+    if pid == 0:
+        in_world = r < world
+        tl.store(row + _BATCH, zero + local_batch, mask=in_world)
+        tl.store(row + _BAD_KEYS, zero, mask=in_world)
+        tl.store(row + _EXTRA_VALUES, zero + (n_values - tl.load(ends_ptr + num_keys - 1)), mask=in_world)
+        f = tl.arange(0, WIDTH_BLOCK)[None, :]
+        cell = in_world[:, None] & (f < width)
+        k = tl.load(header_keys_ptr + r[:, None] * width + f, mask=cell, other=0)
+        count = tl.load(counts_ptr + k, mask=cell & (k < num_keys), other=0)
+        tl.store(row[:, None] + _FIRST_COUNT + f, count, mask=cell)
+
+
+_LAUNCHES = CompiledLaunches(_batch_header_kernel)
+
+
+def batch_header(values: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor, header_keys: torch.Tensor,
+                 local_batch: int) -> torch.Tensor:
+    """batch_header_reference's header: the kernel on GPUs, the torch reference elsewhere."""
+    if values.is_cuda and counts.numel() > 0:
+        return launch_batch_header(values, counts, rows, header_keys, local_batch)
+    return batch_header_reference(values, counts, rows, header_keys, local_batch)
+
+
+def launch_batch_header(values: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor, header_keys: torch.Tensor,
+                        local_batch: int) -> torch.Tensor:
+    """The kernel, on the tensors' device (the CPU under TRITON_INTERPRET=1); at least one key."""
+    world, width = header_keys.shape
+    num_keys = counts.numel()
+    header = torch.zeros(world, FIRST_COUNT + width, dtype=torch.int64, device=values.device)
+    constexprs = (BLOCK_VALUES, max(1, num_keys.bit_length()), triton.next_power_of_2(world),
+                  triton.next_power_of_2(max(width, 1)))
+    args = (values, counts, torch.cumsum(counts, 0), rows, header_keys, header, values.numel(), num_keys,
+            local_batch, world, width, *constexprs)
+    # The specialisation besides the constexprs: the values' dtype and alignment (a KJT's values may be a view);
+    # the other tensors are fresh allocations or a plan's own.
+    key = (values.dtype, aligned(values), counts.dtype, rows.dtype, *constexprs)
+    _LAUNCHES(key, (max(1, triton.cdiv(values.numel(), BLOCK_VALUES)), 1, 1), args, dict(num_warps=4))
+    return header
