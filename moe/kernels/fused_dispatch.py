@@ -135,11 +135,11 @@ def _unit_rows(counts_ptr, rank, dest, c, CHUNK: tl.constexpr, WORLD: tl.constex
     return lo, hi
 
 
-@triton.jit(do_not_specialize=["epoch", "row_base", "chunks", "flag_stride", "num_units", "num_programs", "spin_limit"])
+@triton.jit(do_not_specialize=["epoch", "row_base", "chunks", "num_units", "num_programs", "spin_limit"])
 def _push_rows_kernel(
     x_ptr, token_ptr, dest_row_ptr, counts_ptr, dest_order_ptr,  # this rank's rows, C [world, E], owner order
     rows_ptrs, ready_ptrs, ack_ptr, error_ptr,  # peers' receive buffers and flag buffers, my acks, my error word
-    rank, epoch, row_base, chunks, flag_stride, num_units, num_programs, spin_limit,
+    rank, epoch, row_base, chunks, num_units, num_programs, spin_limit,  # chunks: per destination, its flags' stride
     D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, WORLD: tl.constexpr, L: tl.constexpr,
     W_P2: tl.constexpr, L_P2: tl.constexpr, E_P2: tl.constexpr,
 ):
@@ -165,7 +165,7 @@ def _push_rows_kernel(
                 tl.store(out + at[:, None] * D + k + cols[None, :], v, mask=m)
             # One flag, in the owner only (peer_flags.signal_ready raises a slot in every rank).
             tl.debug_barrier()
-            flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * flag_stride + c
+            flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * chunks + c
             tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
         u += num_programs
 
@@ -430,7 +430,7 @@ class FusedDispatch:
         block_d = max(16, min(triton.next_power_of_2(self.d_model), PUSH_TILE_ELEMENTS // self.chunk))
         tensors = (x, token_of_row, tables.send_dest_row, tables.counts, self._dest_order, rows.peer_ptrs,
                    ready.peer_ptrs, ack.local, self.errors.word)
-        args = (*tensors, self.rank, epoch, (epoch % 2) * self.capacity, chunks, chunks, self.world * chunks,
+        args = (*tensors, self.rank, epoch, (epoch % 2) * self.capacity, chunks, self.world * chunks,
                 self.num_programs, self.spin_limit, self.d_model, self.chunk, block_d, self.world,
                 self.num_local_experts, triton.next_power_of_2(self.world),
                 triton.next_power_of_2(self.num_local_experts),
