@@ -1,6 +1,6 @@
 """The dense arches replayed as CUDA graphs (trainer.cuda_graphs) train as the eager arches do. ONE GPU (skipped
-without one): training at world 1, and DDP over two gloo processes that share the GPU (the graphed backward's
-gradients reach DDP's all-reduce, which stays outside the graphs)."""
+without one): training at world 1 (and resumed from a checkpoint), and DDP over two gloo processes that share the
+GPU (the graphed backward's gradients reach DDP's all-reduce, which stays outside the graphs)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,18 @@ def test_training_with_graphed_arches_follows_the_eager_loss_curve(tmp_path, mon
     torch.testing.assert_close(losses(graphed), losses(eager), rtol=1e-5, atol=1e-6)
     for got, want in zip(graphed.evals, eager.evals):
         assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-5 for k in want), (got, want)
+
+
+def test_resume_with_graphs_continues_the_exact_loss_curve(tmp_path):
+    """Loading a checkpoint copies into the parameters and optimizer state in place: the graphs captured at build
+    read the loaded values (had it replaced the tensors, the resumed curve would follow stale weights)."""
+    common = SMALL + ["trainer.device=cuda", "trainer.max_steps=30", "trainer.eval_every=0",
+                      "trainer.checkpoint_every=10", "trainer.log_every=1", "trainer.cuda_graphs=true"]
+    full = train(config(*common), GPU, tmp_path / "full")
+    resumed = train(config(*common, f"trainer.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_20'}"), GPU,
+                    tmp_path / "resumed")
+    want = [loss for step, loss in full.losses if step > 20]
+    assert len(want) == 10 and [loss for _, loss in resumed.losses] == pytest.approx(want, rel=1e-6)
 
 
 class _Arches(nn.Module):
