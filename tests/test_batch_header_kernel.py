@@ -85,3 +85,12 @@ types = {{"values_ptr": "{values_type}", "counts_ptr": "*i64", "ends_ptr": "*i64
          "header_keys_ptr": "*i64", "header_ptr": "*i64"}}
 build(bh._batch_header_kernel, types, dict(BLOCK=bh.BLOCK_VALUES, SEARCH_STEPS=8, WORLD_BLOCK=2, WIDTH_BLOCK=64))
 """)
+
+
+def test_strided_values():
+    values, counts, rows = _batch(11, 5, 30, 0, 3, torch.int64)
+    strided = torch.stack([values, torch.full_like(values, -5)], dim=1)[:, 0]  # every other element of a buffer
+    header_keys = _header_keys(5, 2, 11)
+    want = bh.batch_header_reference(values, counts, rows, header_keys, 30)
+    assert not strided.is_contiguous()
+    assert torch.equal(bh.launch_batch_header(strided, counts, rows, header_keys, 30), want)

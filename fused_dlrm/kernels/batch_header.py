@@ -99,6 +99,7 @@ def launch_batch_header(values: torch.Tensor, counts: torch.Tensor, rows: torch.
     """The kernel, on the tensors' device (the CPU under TRITON_INTERPRET=1); at least one key."""
     world, width = header_keys.shape
     num_keys = counts.numel()
+    values = values.contiguous()  # the kernel reads values[i] at values_ptr + i
     header = torch.zeros(world, FIRST_COUNT + width, dtype=torch.int64, device=values.device)
     constexprs = (BLOCK_VALUES, max(1, num_keys.bit_length()), triton.next_power_of_2(world),
                   triton.next_power_of_2(max(width, 1)))
