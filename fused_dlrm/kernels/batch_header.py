@@ -2,8 +2,9 @@
 
 Row r of the header goes to rank r: [local batch size, bad keys (0 here), values beyond the lengths' sum,
 out-of-range indices, then the value count of each feature rank r owns (0 where rank r owns fewer features than
-the widest)]. As torch ops this is ~20 small launches per batch, ~0.7-1.3 ms of host time per DLRM step
-(docs/benchmarks.md); here the counts and their running ends are two torch ops and one kernel does the rest:
+the widest)]. As torch ops this is ~20 small launches per batch: with them the header's start (its all-to-all
+and copy to the host included) took 0.58-0.63 ms of host time per DLRM step, with the kernel 0.32-0.35 (one H200,
+docs/benchmarks.md T4). Here the counts and their running ends are two torch ops and one kernel does the rest:
 each program checks a block of values against the table of the key it falls in (a binary search over the keys'
 ends) and adds its out-of-range count into every row; program 0 writes the other columns.
 """
@@ -18,25 +19,24 @@ from fused_dlrm.kernels.launch import CompiledLaunches, aligned
 
 # The header's columns: these, then each destination's per-feature value counts.
 BATCH, BAD_KEYS, EXTRA_VALUES, OUT_OF_RANGE, FIRST_COUNT = range(5)
-_BATCH, _BAD_KEYS, _EXTRA_VALUES, _OUT_OF_RANGE, _FIRST_COUNT = (tl.constexpr(c) for c in range(5))
+_BATCH, _BAD_KEYS, _EXTRA_VALUES, _OUT_OF_RANGE, _FIRST_COUNT = (
+    tl.constexpr(c) for c in (BATCH, BAD_KEYS, EXTRA_VALUES, OUT_OF_RANGE, FIRST_COUNT))  # as the kernel sees them
 BLOCK_VALUES = 1024
 
 
-def value_limits(values: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Each value's table size: rows of the key it falls in by the counts. A search over the keys' ends, not an
-    expansion sized by the value count (a KJT whose values and lengths disagree would overrun it); values past the
-    lengths' sum count against the last key."""
-    key = torch.searchsorted(torch.cumsum(counts, 0), torch.arange(values.numel(), device=values.device),
-                             right=True).clamp_(max=counts.numel() - 1)
-    return rows[key]
+def value_keys(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The key each value falls in by the counts. A search over the keys' ends, not an expansion sized by the
+    value count (a KJT whose values and lengths disagree would overrun it); values past the lengths' sum fall in
+    the last key."""
+    return torch.searchsorted(torch.cumsum(counts, 0), torch.arange(values.numel(), device=values.device),
+                              right=True).clamp_(max=counts.numel() - 1)
 
 
 def batch_header_reference(values: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor,
                            header_keys: torch.Tensor, local_batch: int) -> torch.Tensor:
     """The header [world, FIRST_COUNT + width] int64. counts: values per key [keys] int64; rows: each key's table
     size; header_keys [world, width]: the key of destination r's feature f (num_keys: padding)."""
-    limit = value_limits(values, counts, rows)
-    out_of_range = ((values < 0) | (values >= limit)).sum()
+    out_of_range = ((values < 0) | (values >= rows[value_keys(values, counts)])).sum()
     first = torch.stack([torch.full_like(out_of_range, local_batch), torch.zeros_like(out_of_range),
                          values.numel() - counts.sum(), out_of_range])
     padded = torch.cat([counts, counts.new_zeros(1)])

@@ -23,7 +23,7 @@ from torchrec import KeyedJaggedTensor
 from fused_dlrm.dist.alltoall import all_to_all_v, exchange_counts
 from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.kernels.batch_header import (BAD_KEYS, BATCH, EXTRA_VALUES, FIRST_COUNT, OUT_OF_RANGE, batch_header,
-                                             value_limits)
+                                             value_keys)
 
 
 @dataclass
@@ -68,8 +68,6 @@ def segment_gather_index(counts: torch.Tensor, order: torch.Tensor, total: int) 
     moved = counts[order]
     shift = starts[order] - (torch.cumsum(moved, 0) - moved)  # from each segment's new start to its old one
     return torch.arange(total, device=counts.device) + torch.repeat_interleave(shift, moved, output_size=total)
-
-
 
 
 @dataclass
@@ -220,8 +218,9 @@ class BulkInputDist:
             if column == EXTRA_VALUES:
                 raise error(f"rank {self.rank}: the KeyedJaggedTensor has {values.numel()} values but its lengths "
                             f"sum to {int(counts.sum())}")
-            i = int(((values < 0) | (values >= value_limits(values, counts, plan.rows))).nonzero()[0])
-            key = kjt.keys()[int(torch.searchsorted(torch.cumsum(counts, 0), i, right=True))]
+            keys = value_keys(values, counts)
+            i = int(((values < 0) | (values >= plan.rows[keys])).nonzero()[0])
+            key = kjt.keys()[int(keys[i])]
             table, rows = self.tables[key]
             raise error(f"rank {self.rank}: feature '{key}' has index {int(values[i])}, outside table '{table}' "
                         f"of {rows} rows")
