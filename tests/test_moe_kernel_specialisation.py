@@ -27,8 +27,10 @@ def kernels():
 
 @pytest.mark.parametrize("name,kernel", list(kernels()), ids=lambda v: v if isinstance(v, str) else "")
 def test_every_int_argument_that_changes_between_calls_is_not_specialised(name, kernel):
-    # JITFunction, or the interpreter's wrapper of one (which keeps the decorator's arguments)
-    unspecialised = getattr(kernel, "do_not_specialize", None) or kernel.kwargs.get("do_not_specialize") or []
+    # JITFunction, or the interpreter's wrapper of one (which keeps the decorator's arguments); a JITFunction has no
+    # `kwargs`, so a kernel without do_not_specialize must not reach for them on GPUs
+    decorator_kwargs = getattr(kernel, "kwargs", {})
+    unspecialised = getattr(kernel, "do_not_specialize", None) or decorator_kwargs.get("do_not_specialize") or []
     values = [n for n, p in inspect.signature(kernel.fn).parameters.items()
               if p.annotation not in (tl.constexpr, "tl.constexpr") and not n.endswith(("_ptr", "_ptrs", "_desc"))]
     assert set(values) - FIXED_OR_FLOAT <= set(unspecialised), set(values) - FIXED_OR_FLOAT - set(unspecialised)
