@@ -2,14 +2,15 @@
 with nothing to exchange) at the per-rank GEMM work of issue 4's first config on 2 GPUs (default: 8192 tokens,
 d=2048, ffn=1408, 32 experts, top-6: 49,152 rows) or, with `--config second`, of its second (8192 tokens, d=4096,
 ffn=14336, 4 experts, top-2: 16,384 rows) or `--config third` (16,384 tokens, d=1024, ffn=512, 32 experts, top-8:
-131,072 rows), bf16. Prints the fused gradients' error against bulk, the GPU kernel
-time per forward and forward+backward (torch profiler, 10 calls after warm-up, the 12 largest kernels; the share
-of the calls' span the GPU sat idle), the wall time per call (20 calls back to back; host time inside the calls;
-one call between CUDA events), where the host's time goes in a forward and in a forward + backward (cProfile), and
-the timeline of one forward and of one forward + backward in a back-to-back run: every top-level host op and GPU
-kernel with its start, length and the GPU's idle gap before it; `repeat`: 1,000 fused forward+backward calls on
-the same input, each bit-equal to the first (every GEMM tile computed exactly once, whichever program takes it);
-`grow`: a new fused layer whose second call's rows outgrow its first call's receive capacity, against bulk.
+131,072 rows), bf16. Prints the fused gradients' error against bulk, the GPU's span per forward and
+forward+backward and the 12 longest kernels in it (torch profiler, 10 calls after warm-up; concurrent launches of a
+kernel counted once; the share of the span the GPU sat idle), the wall time per call (20 calls back to back; host
+time inside the calls; one call between CUDA events), where the host's time goes in a forward and in a forward +
+backward (cProfile), and the timeline of one forward and of one forward + backward in a back-to-back run: every
+top-level host op and GPU kernel with its start, length and the GPU's idle gap before it; `repeat`: 1,000 fused
+forward+backward calls on the same input, each bit-equal to the first (every GEMM tile computed exactly once,
+whichever program takes it); `grow`: a new fused layer whose second call's rows outgrow its first call's receive
+capacity, against bulk.
 
     PYTHONPATH=. python scripts/one_gpu/moe_layer.py [--config first|second|third] [errors] [grow] [kernels] [wall]
         [host] [timeline] [repeat]   (default: all)
@@ -88,7 +89,9 @@ def grow():
 
 
 def kernels():
-    """GPU kernel time per call (torch profiler) and the GPU's idle share of the calls' span."""
+    """Per call (torch profiler, 10 calls after warm-up, each synced and apart): the GPU's span, the share of it the
+    GPU sat idle, and the 12 longest kernels by the time covered by their launches in the call (the union of their
+    intervals: concurrent launches of one kernel, such as GEMM 1's helpers, count once), medians over the calls."""
     for what, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
         for c, layer in layers.items():
             for _ in range(3):
@@ -97,19 +100,36 @@ def kernels():
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
                     fn(layer)
-                torch.cuda.synchronize()
-            intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                               if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
-            busy, last = 0, intervals[0][0]
-            for begin, end in intervals:  # the union of the kernels' intervals
-                busy += max(0, end - max(begin, last))
-                last = max(last, end)
-            idle = 1 - busy / (last - intervals[0][0])
-            rows = sorted(((e.key, e.device_time_total / 10, e.count // 10) for e in prof.key_averages()
-                           if e.device_time_total > 0), key=lambda r: -r[1])
-            print(f"== {what} {c}: GPU kernel time per call {sum(r[1] for r in rows) / 1e3:.2f} ms; GPU idle "
-                  f"{100 * idle:.0f}% of the span")
-            for name, us, n in rows[:12]:
+                    torch.cuda.synchronize()
+                    time.sleep(0.005)  # calls apart: a gap of more than 2 ms separates them below
+            events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"
+                             and e.time_range.end > e.time_range.start), key=lambda e: e.time_range.start)
+            calls = [[events[0]]]
+            for e in events[1:]:
+                if e.time_range.start - max(f.time_range.end for f in calls[-1]) > 2000:
+                    calls.append([])
+                calls[-1].append(e)
+            spans, idle, by_name = [], [], {}
+            for call in calls:
+                begin, end = call[0].time_range.start, max(e.time_range.end for e in call)
+                busy, last = 0, begin
+                for e in call:  # the union of the kernels' intervals
+                    busy += max(0, e.time_range.end - max(e.time_range.start, last))
+                    last = max(last, e.time_range.end)
+                spans.append(end - begin)
+                idle.append(1 - busy / (end - begin))
+                names = {}  # name -> (time in the union of its launches' intervals, last end, launches)
+                for e in call:
+                    covered, last_end, n = names.get(e.name, (0, 0, 0))
+                    covered += max(0, e.time_range.end - max(e.time_range.start, last_end))
+                    names[e.name] = (covered, max(last_end, e.time_range.end), n + 1)
+                for name, (covered, _, n) in names.items():
+                    by_name.setdefault(name, []).append((covered, n))
+            print(f"== {what} {c}: {len(calls)} calls, GPU span per call {statistics.median(spans) / 1e3:.2f} ms, "
+                  f"idle {100 * statistics.median(idle):.0f}% of it")
+            rows = sorted(((statistics.median(s for s, _ in v), v[0][1], name) for name, v in by_name.items()),
+                          reverse=True)
+            for us, n, name in rows[:12]:
                 print(f"  {us:8.1f} us  x{n:<3} {name[:100]}")
 
 
