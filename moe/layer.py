@@ -45,7 +45,7 @@ class FusedMoEConfig:
     """Settings of comm="fused" (any object with these two attributes will do)."""
 
     num_programs: int | None = None  # persistent programs of the dispatch push and of the combine GEMM; None:
-    # DISPATCH_PUSH_PROGRAMS and two per SM
+    # DISPATCH_PUSH_PROGRAMS and one per SM
     wait_timeout_spins: int = 20_000_000  # polls of a flag before a wait gives up and names rank and slice
 
 
@@ -259,7 +259,8 @@ class _FusedExperts(torch.autograd.Function):
 
 
 def _combine_programs(device: torch.device) -> int:
-    """Two persistent GEMM programs per SM, the grid the GEMM sweeps timed (with 128 x 256 tiles only one fits on
-    an SM at a time: the second half of the grid runs as the first finishes). The interpreter runs programs one
-    after another: a few suffice."""
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    """One persistent GEMM program per SM (with 128 x 256 tiles only one fits on an SM at a time). Two per SM, as
+    before, ran the second half of the grid only as the first finished: at world 1 on one H200 one per SM took GEMM 2
+    2-5% less time (docs/benchmarks.md, 2026-11-25). The interpreter runs programs one after another: a few
+    suffice."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
