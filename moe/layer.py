@@ -128,7 +128,8 @@ class MoELayer(nn.Module):
 
     def _fused_dispatch(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation, w13: torch.Tensor,
                         keep_a13: bool) -> tuple[ExpertLayout, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The fused dispatch and GEMM 1 -> (layout, received rows, h, a13 if keep_a13), cut to the rows received.
+        """The fused dispatch and GEMM 1 -> (layout, received rows (this rank's own among them only if keep_a13), h,
+        a13 if keep_a13), cut to the rows received.
 
         The push and the GEMM are launched from tables the GPU makes from the counts, for the receive capacity
         that earlier calls reserved; only then the host reads the counts (the layout), while the GEMM runs. When
@@ -158,9 +159,12 @@ class MoELayer(nn.Module):
         """Push + GEMM 1 over DispatchTables of the current capacity -> (tables, received, h, a13), capacity rows."""
         tables = dispatch_tables(counts, self.rank, self.num_local_experts, *self._tile_rows(x),
                                  perm.token_of_row.numel(), self.dispatch.capacity)
-        # Training keeps GEMM 1's products (a13) for the SwiGLU gradient, as autograd keeps the bulk experts'.
+        # Training keeps GEMM 1's products (a13) for the SwiGLU gradient, as autograd keeps the bulk experts', and
+        # every received row for the weight gradient: without it, this rank's own rows are not copied (GEMM 1 reads
+        # them from x), which leaves the push only the peers' rows.
         a13 = x.new_empty(self.dispatch.capacity, w13.shape[2]) if keep_a13 else None
-        received, h = self.dispatch.finish(self.dispatch.start(x, perm.token_of_row, tables), w13, a13_out=a13)
+        epoch = self.dispatch.start(x, perm.token_of_row, tables, own_rows=keep_a13)
+        received, h = self.dispatch.finish(epoch, w13, a13_out=a13)
         return tables, received, h, a13
 
     def _layout(self, counts: torch.Tensor, x: torch.Tensor, host_counts: torch.Tensor,

@@ -76,12 +76,13 @@ class World:
         return [dispatch_tables(lay.counts, r, self.local, 16, self.backward_tile_rows, t.numel(), d.capacity)
                 for r, (d, t, lay) in enumerate(zip(self.dispatch, token_of_rows, layouts))]
 
-    def step(self, xs, token_of_rows, layouts, capacity: int | None = None):
+    def step(self, xs, token_of_rows, layouts, capacity: int | None = None, own_rows: bool = True):
         """Every rank pushes, then every owner's GEMM: [(received, h, a13)] per rank, cut to the rows received;
         a13 (the products before the activation, kept for training) starts as NaN, so that a row the GEMM does
         not store shows."""
         tables = self.tables(token_of_rows, layouts, capacity)
-        epochs = [d.start(x, t, tab) for d, x, t, tab in zip(self.dispatch, xs, token_of_rows, tables)]
+        epochs = [d.start(x, t, tab, own_rows=own_rows) for d, x, t, tab in zip(self.dispatch, xs, token_of_rows,
+                                                                              tables)]
         a13s = [torch.full((d.capacity, w13.shape[2]), float("nan"), dtype=w13.dtype)
                 for d, w13 in zip(self.dispatch, self.w13)]
         out = [(*d.finish(e, w13, a13_out=a13), a13) for d, e, w13, a13 in zip(self.dispatch, epochs, self.w13, a13s)]
@@ -189,6 +190,26 @@ def test_consecutive_epochs_on_the_same_flags_with_changing_routing(world):
         capacities.add(w.dispatch[0].capacity)
     assert w.dispatch[0].ws.next_epoch("moe_dispatch") == 11
     assert len(capacities) > 1  # the receive buffer grew on the way, with fresh flags
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_without_own_rows_the_push_copies_only_the_peers_rows(world):
+    """own_rows=False (a forward without a backward): GEMM 1 still reads every row and computes the same h, and
+    the push leaves the rows a rank keeps out of its own buffer (they stay poisoned in `received`): at world 1 it
+    copies nothing."""
+    w = World(world, 2, block_m=8, num_programs=2)
+    gen = torch.Generator().manual_seed(21 + world)
+    xs, token_of_rows, counts, layouts = w.routed_batch([11, 0, 14][:world], 2, None, gen)
+    want = [tuple(t.clone() for t in out) for out in w.step(xs, token_of_rows, layouts)]  # received: a view
+    w.poison()
+    got = w.step(xs, token_of_rows, layouts, own_rows=False)
+    for owner, ((received, h, a13), (want_received, want_h, want_a13)) in enumerate(zip(got, want)):
+        torch.testing.assert_close(h, want_h, rtol=0, atol=0)
+        torch.testing.assert_close(a13, want_a13, rtol=0, atol=0)
+        own = layouts[owner].recv_source_rank == owner
+        assert received[own].isnan().all()
+        torch.testing.assert_close(received[~own], want_received[~own], rtol=0, atol=0)
+    assert sum(int(lay.recv_source_rank.eq(r).sum()) for r, lay in enumerate(layouts)) > 0  # some rows were kept
 
 
 def test_rows_past_the_capacity_are_neither_pushed_nor_computed():
@@ -386,8 +407,9 @@ for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("
             for store_a13 in (False, True):
                 build(fd._gated_gemm_kernel, ptrs, dict(CHUNK=64, STORE_A13=store_a13, **gemm), c.num_warps,
                       c.num_stages)
-    build(fd._push_rows_kernel, ptrs, dict(D=2048, CHUNK=64, BLOCK_D=128, WORLD=2, L=32, W_P2=2, L_P2=32, E_P2=64),
-          4, 3)
+    for own_rows in (False, True):
+        build(fd._push_rows_kernel, ptrs, dict(D=2048, CHUNK=64, BLOCK_D=128, WORLD=2, L=32, W_P2=2, L_P2=32, E_P2=64,
+                                               OWN_ROWS=own_rows), 4, 3)
 """
 
 

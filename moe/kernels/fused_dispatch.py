@@ -141,8 +141,10 @@ def _push_rows_kernel(
     rows_ptrs, ready_ptrs, ack_ptr, error_ptr,  # peers' receive buffers and flag buffers, my acks, my error word
     rank, epoch, row_base, chunks, num_units, num_programs, spin_limit,  # chunks: per destination, its flags' stride
     D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, WORLD: tl.constexpr, L: tl.constexpr,
-    W_P2: tl.constexpr, L_P2: tl.constexpr, E_P2: tl.constexpr,
+    W_P2: tl.constexpr, L_P2: tl.constexpr, E_P2: tl.constexpr, OWN_ROWS: tl.constexpr,
 ):
+    """OWN_ROWS: also copy the rows this rank keeps into its own buffer (GEMM 1 reads them from x, waiting for no
+    flag: only `received` needs them, for the training backward's weight gradient)."""
     pid = tl.program_id(0)
     lanes = tl.arange(0, CHUNK)
     cols = tl.arange(0, BLOCK_D)
@@ -151,7 +153,7 @@ def _push_rows_kernel(
         dest = tl.load(dest_order_ptr + u // chunks)
         c = u % chunks
         lo, hi = _unit_rows(counts_ptr, rank, dest, c, CHUNK, WORLD, L, W_P2, L_P2, E_P2)
-        if hi > lo:
+        if (hi > lo) & (OWN_ROWS | (dest != rank)):
             rows = lo + lanes
             mask = rows < hi
             token = tl.load(token_ptr + rows, mask=mask, other=0).to(tl.int64)
@@ -414,10 +416,12 @@ class FusedDispatch:
         ack = self.ws.buffer("moe_dispatch_ack", self.world, torch.int32)
         return rows, ready, ack
 
-    def start(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables) -> int:
+    def start(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, own_rows: bool = True
+              ) -> int:
         """Push this rank's permuted rows (row i is x[token_of_row[i]]) into the owners' receive buffers at
         tables.send_dest_row, raising the per-chunk flags; returns the epoch. Rows landing past the capacity are
-        not pushed."""
+        not pushed. own_rows=False leaves out the rows this rank keeps: GEMM 1 reads those from x, and only
+        `received` (the training backward's weight gradient) would show them (at world 1 nothing is copied)."""
         self.errors.check()
         if x.dim() != 2 or x.shape[1] != self.d_model or x.dtype not in TL_DTYPES:
             raise ValueError(f"x must be [tokens, {self.d_model}] fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
@@ -434,10 +438,11 @@ class FusedDispatch:
                 self.num_programs, self.spin_limit, self.d_model, self.chunk, block_d, self.world,
                 self.num_local_experts, triton.next_power_of_2(self.world),
                 triton.next_power_of_2(self.num_local_experts),
-                triton.next_power_of_2(self.world * self.num_local_experts))
+                triton.next_power_of_2(self.world * self.num_local_experts), own_rows)
 
         def launch():
-            self._push_launches((x.dtype, block_d, *map(aligned, tensors)), (self.num_programs, 1, 1), args, {})
+            self._push_launches((x.dtype, block_d, own_rows, *map(aligned, tensors)), (self.num_programs, 1, 1), args,
+                                {})
 
         if self._push_stream is None:
             launch()
@@ -452,9 +457,10 @@ class FusedDispatch:
         """The grouped GEMM over the received rows, each tile waiting for the chunks it reads.
 
         Returns (received [capacity, d_model]: a view of the symmetric receive buffer, valid until the next
-        `finish` call; h = silu(received @ w1[e]) * (received @ w3[e]) [capacity, ffn], a new tensor), w13 =
-        [w1 | w3] read in place. Only the first ExpertLayout.tokens_per_local_expert rows are the received ones
-        (the host learns their number after the launch). `a13_out` ([capacity, 2 ffn], w13's dtype), if given,
+        `finish` call, holding this rank's own rows only if `start` copied them; h = silu(received @ w1[e]) *
+        (received @ w3[e]) [capacity, ffn], a new tensor), w13 = [w1 | w3] read in place. Only the first
+        ExpertLayout.tokens_per_local_expert rows are the received ones (the host learns their number after the
+        launch). `a13_out` ([capacity, 2 ffn], w13's dtype), if given,
         receives the products before the activation (training keeps them for `start_backward`)."""
         L, d, ffn = self.num_local_experts, self.d_model, self.ffn
         rows, ready, ack, x, token_of_row, tables = self._started.pop(epoch)
