@@ -460,8 +460,8 @@ class FusedDispatch:
         `finish` call, holding this rank's own rows only if `start` copied them; h = silu(received @ w1[e]) *
         (received @ w3[e]) [capacity, ffn], a new tensor), w13 = [w1 | w3] read in place. Only the first
         ExpertLayout.tokens_per_local_expert rows are the received ones (the host learns their number after the
-        launch). `a13_out` ([capacity, 2 ffn], w13's dtype), if given,
-        receives the products before the activation (training keeps them for `start_backward`)."""
+        launch). `a13_out` ([capacity, 2 ffn], w13's dtype), if given, receives the products before the activation
+        (training keeps them for `start_backward`)."""
         L, d, ffn = self.num_local_experts, self.d_model, self.ffn
         rows, ready, ack, x, token_of_row, tables = self._started.pop(epoch)
         _check_w13(w13, L, d, ffn, rows.local.dtype)
