@@ -11,7 +11,8 @@ owner's first expert GEMM waits per tile for just the rows it reads (moe.kernels
 expert GEMM stores its output tiles straight into the sources' buffers and each source's weighted unpermute
 consumes them as their flags arrive (moe.kernels.fused_combine). The host launches the push and the first GEMM
 before it reads the counts (their tables are made on the GPU, for the receive capacity of earlier calls), so the
-counts' host sync and the layout's host work overlap the GEMM (`_fused_dispatch`). Backward: see _FusedExperts.
+counts' host sync and the layout's host work overlap the GEMM (`_fused_dispatch`); on GPUs those launches are
+replayed as a CUDA graph once a call repeats (`_dispatch_at_capacity`). Backward: see _FusedExperts.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from fused_dlrm.dist.alltoall import world_size
 from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.dist.reorder import inverse_permutation, reorder
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, _Workspace
+from fused_dlrm.kernels.graphed_calls import GraphedCalls, Lease
 from moe.expert_layout import DispatchTables, ExpertLayout, build_expert_layout, dispatch_tables, gather_counts
 from moe.experts import SwiGLUExperts
 from moe.kernels.fused_combine import FusedCombine
@@ -42,11 +44,12 @@ DISPATCH_PUSH_PROGRAMS = 64  # the push runs beside the first GEMM on the SMs th
 
 @dataclass(frozen=True)
 class FusedMoEConfig:
-    """Settings of comm="fused" (any object with these two attributes will do)."""
+    """Settings of comm="fused"."""
 
     num_programs: int | None = None  # persistent programs of the dispatch push and of the combine GEMM; None:
     # DISPATCH_PUSH_PROGRAMS and one per SM
     wait_timeout_spins: int = 20_000_000  # polls of a flag before a wait gives up and names rank and slice
+    cuda_graphs: bool = True  # GPUs: the dispatch's launches before the counts' host sync replayed as CUDA graphs
 
 
 class MoELayer(nn.Module):
@@ -72,7 +75,7 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(d_model, num_experts, top_k, renormalize, capacity_factor, seed, dtype, device)
         self.experts = SwiGLUExperts(self.num_local_experts, d_model, ffn, self.rank * self.num_local_experts,
                                      seed, dtype, device)
-        self.dispatch = self.combine = None
+        self.dispatch = self.combine = self._dispatch_graphs = None
         if comm == "fused":
             if workspace is None:
                 on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
@@ -86,6 +89,7 @@ class MoELayer(nn.Module):
                                           fused.num_programs or DISPATCH_PUSH_PROGRAMS, spins)
             self.combine = FusedCombine(workspace, d_model, self.num_local_experts,
                                         fused.num_programs or _combine_programs(workspace.device), spins)
+            self._dispatch_graphs = GraphedCalls() if fused.cuda_graphs and workspace.device.type == "cuda" else None
 
     def forward(self, x: torch.Tensor, logit_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """x: [tokens, d_model] (this rank's tokens, possibly none) -> (y [tokens, d_model], aux).
@@ -126,10 +130,9 @@ class MoELayer(nn.Module):
         }
         return y, aux
 
-    def _fused_dispatch(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation, w13: torch.Tensor,
-                        keep_a13: bool) -> tuple[ExpertLayout, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The fused dispatch and GEMM 1 -> (layout, received rows (this rank's own among them only if keep_a13), h,
-        a13 if keep_a13), cut to the rows received.
+    def _fused_dispatch(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation, w13_param: torch.Tensor,
+                        keep_a13: bool) -> tuple[ExpertLayout, _Dispatched]:
+        """The fused dispatch and GEMM 1 -> (layout, what it made), cut to the rows received.
 
         The push and the GEMM are launched from tables the GPU makes from the counts, for the receive capacity
         that earlier calls reserved; only then the host reads the counts (the layout), while the GEMM runs. When
@@ -140,32 +143,52 @@ class MoELayer(nn.Module):
         if not self.dispatch.capacity:
             layout = self._layout(counts, x, on_host.get())
             self.dispatch.reserve(layout.max_recv_rows, layout.total_rows)
-        tables, received, h, a13 = self._dispatch_at_capacity(x, counts, perm, w13, keep_a13)
+        out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13)
         if layout is None:
-            layout = self._layout(counts, x, on_host.get(), tables)  # the host sync, with GEMM 1 queued
+            layout = self._layout(counts, x, on_host.get(), out.tables)  # the host sync, with GEMM 1 queued
         if layout.max_recv_rows > self.dispatch.capacity:
             if x.is_cuda:  # the first try's kernels end before its buffers go
                 torch.cuda.current_stream(x.device).synchronize()
             old_capacity = self.dispatch.capacity
             self.dispatch.reserve(layout.max_recv_rows, layout.total_rows)
+            if self._dispatch_graphs is not None:  # their keys name the old capacity: they cannot come again
+                self._dispatch_graphs.clear()
             log.info("MoE dispatch: %d rows per owner outgrew the receive capacity %d: dispatched again at %d",
                      layout.max_recv_rows, old_capacity, self.dispatch.capacity)
-            tables, received, h, a13 = self._dispatch_at_capacity(x, counts, perm, w13, keep_a13)
-        rows = sum(layout.tokens_per_local_expert)
-        return layout, received[:rows], h[:rows], None if a13 is None else a13[:rows]
+            out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13)
+        return layout, out.cut(sum(layout.tokens_per_local_expert))
 
-    def _dispatch_at_capacity(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation, w13: torch.Tensor,
-                              keep_a13: bool) -> tuple[DispatchTables, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Push + GEMM 1 over DispatchTables of the current capacity -> (tables, received, h, a13), capacity rows."""
-        tables = dispatch_tables(counts, self.rank, self.num_local_experts, *self._tile_rows(x),
-                                 perm.token_of_row.numel(), self.dispatch.capacity)
-        # Training keeps GEMM 1's products (a13) for the SwiGLU gradient, as autograd keeps the bulk experts', and
-        # every received row for the weight gradient: without it, this rank's own rows are not copied (GEMM 1 reads
-        # them from x), which leaves the push only the peers' rows.
-        a13 = x.new_empty(self.dispatch.capacity, w13.shape[2]) if keep_a13 else None
-        epoch = self.dispatch.start(x, perm.token_of_row, tables, own_rows=keep_a13)
-        received, h = self.dispatch.finish(epoch, w13, a13_out=a13)
-        return tables, received, h, a13
+    def _dispatch_at_capacity(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation,
+                              w13_param: torch.Tensor, keep_a13: bool) -> _Dispatched:
+        """Push + GEMM 1 over DispatchTables of the current capacity (capacity rows).
+
+        Their launches, and the tables' and the weights' cast before them, are kernels only, which read the epoch
+        from the device: on GPUs they are replayed as a CUDA graph once a call repeats their key (shapes, dtypes,
+        capacity, the weights' and the symmetric buffers' addresses), with x, the permutation and the counts copied
+        into the graph's own tensors (fused_dlrm.kernels.graphed_calls). A training forward holds its outputs
+        (h, a13, the tables) with a Lease until its backward is done."""
+        dispatch = self.dispatch
+        epoch = dispatch.begin(x.dtype)
+
+        def launch(x: torch.Tensor, token_of_row: torch.Tensor, counts: torch.Tensor):
+            w13 = w13_param.to(x.dtype)  # mixed precision: the rows' dtype (the parameter itself when it is)
+            tables = dispatch_tables(counts, self.rank, self.num_local_experts, *self._tile_rows(x),
+                                     token_of_row.numel(), dispatch.capacity)
+            # Training keeps GEMM 1's products (a13) for the SwiGLU gradient, as autograd keeps the bulk experts',
+            # and every received row for the weight gradient: without it, this rank's own rows are not copied (GEMM
+            # 1 reads them from x), which leaves the push only the peers' rows.
+            a13 = x.new_empty(dispatch.capacity, w13.shape[2]) if keep_a13 else None
+            h = dispatch.launch(x, token_of_row, tables, w13, a13_out=a13, own_rows=keep_a13)
+            return tables, h, a13, w13
+
+        inputs = (x, perm.token_of_row, counts)
+        if self._dispatch_graphs is None:
+            (tables, h, a13, w13), lease = launch(*inputs), None
+        else:
+            key = (tuple((t.shape, t.stride(), t.dtype) for t in inputs), keep_a13, dispatch.capacity,
+                   w13_param.data_ptr(), w13_param.dtype, dispatch.buffer_addresses(x.dtype))
+            (tables, h, a13, w13), lease = self._dispatch_graphs(key, launch, inputs, hold=keep_a13)
+        return _Dispatched(tables, dispatch.end(epoch), h, a13, w13, lease)
 
     def _layout(self, counts: torch.Tensor, x: torch.Tensor, host_counts: torch.Tensor,
                 dispatched: DispatchTables | None = None) -> ExpertLayout:
@@ -182,6 +205,22 @@ class MoELayer(nn.Module):
                              f"{list(x.shape)} {x.dtype}")
         if logit_bias is not None and logit_bias.shape != (self.num_experts,):
             raise ValueError(f"logit_bias must be [num_experts={self.num_experts}], got {list(logit_bias.shape)}")
+
+
+@dataclass
+class _Dispatched:
+    """What the fused dispatch and GEMM 1 made: `capacity` rows, or the rows received once `cut`."""
+
+    tables: DispatchTables
+    received: torch.Tensor  # this rank's own rows among them only if the push copied them (training)
+    h: torch.Tensor
+    a13: torch.Tensor | None  # training only
+    w13: torch.Tensor  # the weights GEMM 1 read (cast to the rows' dtype)
+    lease: Lease | None  # on h, a13, w13 and the tables, when they are a CUDA graph's (training)
+
+    def cut(self, rows: int) -> _Dispatched:
+        return _Dispatched(self.tables, self.received[:rows], self.h[:rows],
+                           None if self.a13 is None else self.a13[:rows], self.w13, self.lease)
 
 
 class _BulkRows:
@@ -236,21 +275,22 @@ class _FusedExperts(torch.autograd.Function):
         # parameters still "need" a gradient, and the copies below would be made for a backward that never comes.
         needs_grad = [grad_enabled and needs for needs in ctx.needs_input_grad]
         training = any(needs_grad)
-        w13, w2 = w13_param.to(x.dtype), w2_param.to(x.dtype)  # the parameters themselves when of x's dtype
-        layout, received, h, a13 = layer._fused_dispatch(x, counts, perm, w13, keep_a13=training)
-        if training:  # the receive buffer is the sources' again at the next call
-            received = received.clone()
+        w2 = w2_param.to(x.dtype)  # the parameter itself when of x's dtype (w13's cast is the dispatch's)
+        layout, out = layer._fused_dispatch(x, counts, perm, w13_param, keep_a13=training)
         # The combine's tables (host work): they overlap GEMM 1 instead of delaying its launch.
-        epoch = layer.combine.start(h, w2, layout)
+        epoch = layer.combine.start(out.h, w2, layout)
         rows = x.new_empty(weights.numel(), x.shape[1]) if needs_grad[1] else None  # by assignment
         y = layer.combine.finish(epoch, layout, perm, weights, rows_out=rows)
-        if training:
+        if training:  # the receive buffer is the sources' again at the next call
             ctx.layer, ctx.layout, ctx.perm, ctx.weight_dtype = layer, layout, perm, w13_param.dtype
-            ctx.save_for_backward(received, h, a13, rows, weights, w13, w2)
+            ctx.lease = out.lease
+            ctx.save_for_backward(out.received.clone(), out.h, out.a13, rows, weights, out.w13, w2)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
+        if ctx.lease is not None:
+            ctx.lease.check()
         received, h, a13, rows, weights, w13, w2 = ctx.saved_tensors
         layer, layout, perm = ctx.layer, ctx.layout, ctx.perm
         grad_y = grad_y.contiguous()
@@ -259,6 +299,8 @@ class _FusedExperts(torch.autograd.Function):
         grad_h, grad_w2 = layer.combine.finish_backward(epoch, layout, h, w2, ctx.weight_dtype)
         epoch, grad_w13 = layer.dispatch.start_backward(grad_h, received, layout, w13, a13, ctx.weight_dtype)
         grad_x = layer.dispatch.finish_backward(epoch, layout, perm)
+        if ctx.lease is not None:  # the dispatch's graph may rewrite h, a13, w13 and the tables again
+            ctx.lease.release()
         return grad_x, grad_weights, grad_w13, grad_w2, None, None, None, None
 
 

@@ -34,6 +34,7 @@ from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
 from fused_dlrm.tp import quantized_all_reduce
 from fused_dlrm.tp.linear import tp_groups
 from moe.data import ByteWindows, load_corpus
+from moe.layer import FusedMoEConfig
 from moe.transformer import MoETransformer, expert_parameters
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,17 @@ def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
                            num_heads=m.num_heads, ffn=m.ffn, num_experts=m.num_experts, top_k=m.top_k,
                            moe_every=m.moe_every, shared_expert=m.shared_expert,
                            capacity_factor=m.capacity_factor, seed=cfg.seed, group=dp_group, tp_group=tp_group,
-                           tp_comm=m.tp_comm, moe_comm=cfg.comm.mode, moe_fused=cfg.comm,
+                           tp_comm=m.tp_comm, moe_comm=cfg.comm.mode, moe_fused=fused_moe_config(cfg),
                            compute_dtype=compute_dtype(m.get("precision", "fp32")))
     return model.to(env.device)
+
+
+def fused_moe_config(cfg: DictConfig) -> FusedMoEConfig | None:
+    """The MoE layers' comm=fused settings (None for comm=bulk)."""
+    if cfg.comm.mode != "fused":
+        return None
+    return FusedMoEConfig(num_programs=cfg.comm.num_programs, wait_timeout_spins=cfg.comm.wait_timeout_spins,
+                          cuda_graphs=cfg.trainer.cuda_graphs)
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:

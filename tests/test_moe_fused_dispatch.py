@@ -316,7 +316,7 @@ def test_gemm_waits_for_the_one_chunk_whose_flag_is_down_and_never_for_its_own_r
     owner = 1
     row = int((layouts[owner].recv_source_rank != owner).nonzero().max())  # the last row from another rank
     source = int(layouts[owner].recv_source_rank[row])
-    ready = w.dispatch[owner]._started[epochs[owner]][1]
+    ready = w.dispatch[owner]._buffers(xs[owner].dtype)[1]
     ready.local.view(4, -1)[owner] = 0  # its own rows: the GEMM reads them from x and never waits for them
     ready.local.view(4, -1)[source, row // 8] = 0  # as if that chunk had not arrived
     with pytest.raises(PeerWaitTimeout, match=rf"rank 1 timed out at step 1 waiting for rank {source}, slice "
@@ -388,7 +388,7 @@ from moe.kernels import fused_dispatch as fd
 
 tables = {n: "*i64" for n in ("token_ptr", "dest_row_ptr", "counts_ptr", "rows_ptrs", "ready_ptrs", "tiles_ptr",
                               "row_tiles_ptr", "source_ptr", "source_row_ptr", "grad_ptrs")}
-flags = {n: "*i32" for n in ("dest_order_ptr", "ack_ptr", "error_ptr", "ready_ptr", "next_ptr")}
+flags = {n: "*i32" for n in ("dest_order_ptr", "ack_ptr", "error_ptr", "ready_ptr", "next_ptr", "epoch_ptr")}
 import torch
 cuda = torch.device("cuda")
 for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):

@@ -12,6 +12,9 @@ import pytest
 import torch
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
+from fused_dlrm.kernels import graphed_calls
+from fused_dlrm.kernels.graphed_calls import GraphedCalls
+from graph_stand_in import stand_in_capture
 from moe import MoELayer
 
 D_MODEL, FFN, EXPERTS, TOP_K, SEED = 16, 24, 4, 2, 3
@@ -131,8 +134,9 @@ def test_fused_layer_under_no_grad_keeps_nothing_for_a_backward():
     workspace = SimulatedWorld(1).workspaces()[0]
     layer = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused", workspace=workspace)
     kept = []
-    finish, combine_finish = layer.dispatch.finish, layer.combine.finish
-    layer.dispatch.finish = lambda *a, a13_out=None: kept.append(a13_out) or finish(*a, a13_out=a13_out)
+    launch, combine_finish = layer.dispatch.launch, layer.combine.finish
+    layer.dispatch.launch = lambda *a, a13_out=None, own_rows: kept.append(a13_out) or launch(*a, a13_out=a13_out,
+                                                                                             own_rows=own_rows)
     layer.combine.finish = lambda *a, rows_out=None: kept.append(rows_out) or combine_finish(*a, rows_out=rows_out)
     x = torch.randn(9, D_MODEL, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -141,3 +145,62 @@ def test_fused_layer_under_no_grad_keeps_nothing_for_a_backward():
     y_train, _ = layer(x)
     assert y_train.requires_grad and all(t is not None for t in kept[2:]) and len(kept) == 4
     torch.testing.assert_close(y_eval, y_train.detach(), rtol=0, atol=0)
+
+
+def fused_pair(monkeypatch, log):
+    """Two fused layers of the same weights, the first replaying its dispatch through stand-in graphs (CPU: the
+    graph's work runs again on its own copies of the inputs, tests/graph_stand_in.py), the second eager."""
+    monkeypatch.setattr(graphed_calls, "_capture", stand_in_capture(log))
+    layers = [MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused",
+                       workspace=SimulatedWorld(1).workspaces()[0]) for _ in range(2)]
+    layers[0]._dispatch_graphs = GraphedCalls()
+    return layers
+
+
+@interpreter
+def test_graphed_dispatch_gives_the_eager_results(monkeypatch):
+    """Steps of one shape and changing routing: the graphed layer captures at the second step and replays from the
+    third on, with each step's tokens and routing; outputs and every gradient equal the eager layer's, and the
+    epochs the kernels count on the device stay those the host counts (the receive buffer's halves)."""
+    log = []
+    graphed, eager = fused_pair(monkeypatch, log)
+    gen = torch.Generator().manual_seed(21)
+    for step in range(5):
+        x, grad = torch.randn(14, D_MODEL, generator=gen), torch.randn(14, D_MODEL, generator=gen)
+        bias = torch.randn(EXPERTS, generator=gen) * 3  # another routing every step
+        for layer in (graphed, eager):
+            layer.zero_grad()
+        (y, gx, _), (want_y, want_gx, _) = run(graphed, x, bias, grad), run(eager, x, bias, grad)
+        torch.testing.assert_close(y, want_y, rtol=0, atol=0)
+        torch.testing.assert_close(gx, want_gx, rtol=0, atol=0)
+        for (name, p), q in zip(graphed.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        with torch.no_grad():  # another key (no a13 kept): its own graph
+            torch.testing.assert_close(graphed(x, bias)[0], eager(x, bias)[0], rtol=0, atol=0)
+    assert log == ["capture", "replay", "capture", "replay"] + ["replay", "replay"] * 3
+    for layer in (graphed, eager):
+        assert int(layer.dispatch._epoch_done) == layer.dispatch.ws.next_epoch("moe_dispatch") - 1 == 10
+
+
+@interpreter
+def test_a_second_forward_before_the_backward_does_not_rewrite_the_first(monkeypatch):
+    """Two forwards, then their backwards (micro-batches, recomputation): the first forward's outputs are a
+    graph's and are held for its backward, so the second forward runs without the graph."""
+    log = []
+    graphed, eager = fused_pair(monkeypatch, log)
+    gen = torch.Generator().manual_seed(22)
+    xs = [torch.randn(10, D_MODEL, generator=gen) for _ in range(4)]
+    grads = [torch.randn(10, D_MODEL, generator=gen) for _ in range(4)]
+    for layer in (graphed, eager):
+        run(layer, xs[0], None, grads[0])  # the key's first call
+        layer.zero_grad()
+        x1, x2 = xs[1].clone().requires_grad_(), xs[2].clone().requires_grad_()
+        y1, y2 = layer(x1)[0], layer(x2)[0]
+        ((y2 * grads[2]).sum() + (y1 * grads[1]).sum()).backward()
+        layer.grads = [x1.grad, x2.grad] + [p.grad for p in layer.parameters()]
+    assert log == ["capture", "replay"]  # the second forward ran eagerly
+    for g, want in zip(graphed.grads, eager.grads):
+        torch.testing.assert_close(g, want, rtol=0, atol=0)
+    y, _, _ = run(graphed, xs[3], None, grads[3])  # both backwards are done: the graph replays again
+    assert log == ["capture", "replay", "replay"]
+    torch.testing.assert_close(y, run(eager, xs[3], None, grads[3])[0], rtol=0, atol=0)

@@ -120,7 +120,7 @@ class GraphReplays:
     def __init__(self, max_graphs: int = 64):
         self.max_graphs = max_graphs
         self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
-        self._seen: dict[Hashable, None] = {}
+        self._seen = RecentKeys(4 * max_graphs)
 
     def __call__(self, key: Hashable, launch) -> None:
         """Replay key's graph, or run `launch()` (no arguments), capturing it first on the key's second call."""
@@ -131,18 +131,32 @@ class GraphReplays:
         if graph is None and key in self._seen and len(self._graphs) < self.max_graphs:
             graph = self._graphs[key] = _capture(launch)
         if graph is None:
-            self._remember(key)
+            self._seen.add(key)
             launch()
         else:
             graph.replay()
 
-    def _remember(self, key: Hashable) -> None:
-        self._seen[key] = None
-        if len(self._seen) > 4 * self.max_graphs:
-            del self._seen[next(iter(self._seen))]
-
     def __len__(self) -> int:
         return len(self._graphs)
+
+
+class RecentKeys:
+    """Keys seen lately: up to `limit`, the oldest forgotten first."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._keys: dict[Hashable, None] = {}
+
+    def add(self, key: Hashable) -> None:
+        self._keys[key] = None
+        if len(self._keys) > self.limit:
+            del self._keys[next(iter(self._keys))]
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._keys
+
+    def clear(self) -> None:
+        self._keys.clear()
 
 
 def _capture(launch) -> torch.cuda.CUDAGraph:

@@ -135,16 +135,19 @@ def _unit_rows(counts_ptr, rank, dest, c, CHUNK: tl.constexpr, WORLD: tl.constex
     return lo, hi
 
 
-@triton.jit(do_not_specialize=["epoch", "row_base", "chunks", "num_units", "num_programs", "spin_limit"])
+@triton.jit(do_not_specialize=["chunks", "num_units", "num_programs", "spin_limit"])
 def _push_rows_kernel(
     x_ptr, token_ptr, dest_row_ptr, counts_ptr, dest_order_ptr,  # this rank's rows, C [world, E], owner order
-    rows_ptrs, ready_ptrs, ack_ptr, error_ptr,  # peers' receive buffers and flag buffers, my acks, my error word
-    rank, epoch, row_base, chunks, num_units, num_programs, spin_limit,  # chunks: per destination, its flags' stride
+    rows_ptrs, ready_ptrs, ack_ptr, error_ptr, epoch_ptr,  # peers' receive buffers and flag buffers, my acks, my
+    # error word, the last epoch acknowledged (this call's is the next)
+    rank, chunks, num_units, num_programs, spin_limit,  # chunks: per destination, its flags' stride
     D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, WORLD: tl.constexpr, L: tl.constexpr,
     W_P2: tl.constexpr, L_P2: tl.constexpr, E_P2: tl.constexpr, OWN_ROWS: tl.constexpr,
 ):
     """OWN_ROWS: also copy the rows this rank keeps into its own buffer (GEMM 1 reads them from x, waiting for no
     flag: only `received` needs them, for the training backward's weight gradient)."""
+    epoch = tl.load(epoch_ptr) + 1
+    row_base = (epoch % 2) * chunks * CHUNK  # the double buffer's half of this epoch
     pid = tl.program_id(0)
     lanes = tl.arange(0, CHUNK)
     cols = tl.arange(0, BLOCK_D)
@@ -152,23 +155,24 @@ def _push_rows_kernel(
     while u < num_units:  # `while`: the interpreter cannot range() from a program id
         dest = tl.load(dest_order_ptr + u // chunks)
         c = u % chunks
-        lo, hi = _unit_rows(counts_ptr, rank, dest, c, CHUNK, WORLD, L, W_P2, L_P2, E_P2)
-        if (hi > lo) & (OWN_ROWS | (dest != rank)):
-            rows = lo + lanes
-            mask = rows < hi
-            token = tl.load(token_ptr + rows, mask=mask, other=0).to(tl.int64)
-            at = (row_base + tl.load(dest_row_ptr + rows, mask=mask, other=0)).to(tl.int64)
-            mask = mask & consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
-            out = tl.load(rows_ptrs + dest).to(tl.pointer_type(x_ptr.dtype.element_ty))
-            out = tl.multiple_of(out, 16)  # symmetric buffers are aligned: vector stores
-            for k in range(0, D, BLOCK_D):
-                m = mask[:, None] & (k + cols < D)[None, :]
-                v = tl.load(x_ptr + token[:, None] * D + k + cols[None, :], mask=m)
-                tl.store(out + at[:, None] * D + k + cols[None, :], v, mask=m)
-            # One flag, in the owner only (peer_flags.signal_ready raises a slot in every rank).
-            tl.debug_barrier()
-            flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * chunks + c
-            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+        if OWN_ROWS | (dest != rank):  # a unit of rows this rank keeps is left out without a look at the counts
+            lo, hi = _unit_rows(counts_ptr, rank, dest, c, CHUNK, WORLD, L, W_P2, L_P2, E_P2)
+            if hi > lo:
+                rows = lo + lanes
+                mask = rows < hi
+                token = tl.load(token_ptr + rows, mask=mask, other=0).to(tl.int64)
+                at = (row_base + tl.load(dest_row_ptr + rows, mask=mask, other=0)).to(tl.int64)
+                mask = mask & consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+                out = tl.load(rows_ptrs + dest).to(tl.pointer_type(x_ptr.dtype.element_ty))
+                out = tl.multiple_of(out, 16)  # symmetric buffers are aligned: vector stores
+                for k in range(0, D, BLOCK_D):
+                    m = mask[:, None] & (k + cols < D)[None, :]
+                    v = tl.load(x_ptr + token[:, None] * D + k + cols[None, :], mask=m)
+                    tl.store(out + at[:, None] * D + k + cols[None, :], v, mask=m)
+                # One flag, in the owner only (peer_flags.signal_ready raises a slot in every rank).
+                tl.debug_barrier()
+                flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * chunks + c
+                tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
         u += num_programs
 
 
@@ -204,20 +208,23 @@ def _row_tile(t, tiles_ptr, width, num_row_tiles, col_blocks, BLOCK_M: tl.conste
     return mt, expert, begin, rows, rows < tl.load(tiles_ptr + 2 * width + mt), col
 
 
-@triton.jit(do_not_specialize=["tiles_width", "epoch", "flag_stride", "claimants", "spin_limit"])
+@triton.jit(do_not_specialize=["tiles_width", "flag_stride", "claimants", "spin_limit"])
 def _gated_gemm_kernel(
-    rows_ptr, x_ptr, token_ptr, w13_ptr, h_ptr, a13_ptr,  # received rows (this epoch's half), this rank's tokens
+    rows_ptr, x_ptr, token_ptr, w13_ptr, h_ptr, a13_ptr,  # received rows (both halves), this rank's tokens
     # and token_of_row, [L, D, 2 * FFN] weights (w1 columns, then w3), [rows, FFN] output, [rows, 2 * FFN] a13
     tiles_ptr, tiles_width, row_tiles_ptr,  # the row tiles (DispatchTables.gemm_tiles; walked in arrival order)
-    source_ptr, source_row_ptr, ready_ptr, error_ptr, next_ptr,  # recv_source_rank/row, my flags, error, counter
-    rank, epoch, flag_stride, claimants, spin_limit,  # claimants: programs of the launches sharing next_ptr
+    source_ptr, source_row_ptr, ready_ptr, error_ptr, next_ptr, epoch_ptr,  # recv_source_rank/row, my flags,
+    # error, counter, the last epoch acknowledged (this call's is the next)
+    rank, flag_stride, claimants, spin_limit,  # claimants: programs of the launches sharing next_ptr
     D: tl.constexpr, FFN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STORE_A13: tl.constexpr,
 ):
+    epoch = tl.load(epoch_ptr) + 1
     n_tiles = tl.cdiv(FFN, BLOCK_N)
     num_row_tiles = tl.load(row_tiles_ptr).to(tl.int32)  # the host launched before it knew them
     num_tiles = num_row_tiles * n_tiles
     capacity = flag_stride * CHUNK  # receive rows: rows past them were not pushed (too many this call)
+    rows_ptr += ((epoch % 2) * capacity).to(tl.int64) * D  # this epoch's half of the double buffer
     lanes = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     t = _next_tile(next_ptr, num_tiles, claimants)
@@ -308,12 +315,18 @@ def _gated_gemm_backward_kernel(
 
 
 @triton.jit(do_not_specialize=["epoch"])
-def _ack_sources_kernel(ack_ptrs, error_ptr, rank, epoch, WORLD: tl.constexpr):
-    """After the kernel that read a peer-written buffer (stream order): tell every peer this rank is done."""
+def _ack_sources_kernel(ack_ptrs, error_ptr, epoch_ptr, rank, epoch, WORLD: tl.constexpr,
+                        EPOCH_ON_DEVICE: tl.constexpr):
+    """After the kernel that read a peer-written buffer (stream order): tell every peer this rank is done.
+    EPOCH_ON_DEVICE (the forward): the epoch is the one after epoch_ptr's, which this kernel then advances."""
+    if EPOCH_ON_DEVICE:
+        epoch = tl.load(epoch_ptr) + 1
     if tl.load(error_ptr) == 0:
         for s in tl.static_range(WORLD):
             ack = tl.load(ack_ptrs + s).to(tl.pointer_type(tl.int32)) + rank
             tl.atomic_xchg(ack, epoch, sem="release", scope="sys")
+    if EPOCH_ON_DEVICE:
+        tl.store(epoch_ptr, epoch)
 
 
 @dataclass(frozen=True)
@@ -364,10 +377,12 @@ class FusedDispatch:
     `reserve` (receive rows, from a layout's max_recv_rows), then `start` and `finish` with DispatchTables made at
     that capacity (and for the gradient `start_backward` then `finish_backward`, with the ExpertLayout), in the
     same order on every rank (flags carry this object's epochs); in a simulated world every rank calls `start`
-    before any rank calls `finish`. `errors.check()` after `finish` raises PeerWaitTimeout naming rank, peer and
-    chunk when a wait timed out (at once on the CPU). One object per MoE layer: the view `finish` returns lives in
-    its buffers. `num_programs`: persistent programs of the push kernel (on GPUs it runs on a side stream,
-    concurrently with the GEMM of this epoch); `block_m`: receive rows per ready flag (a power of two).
+    before any rank calls `finish`. Where ranks are processes (or a world of one), `begin`, `launch`, `end` do the
+    same in one go, and `launch` is kernels only (a CUDA graph can capture it). `errors.check()` after `finish`
+    raises PeerWaitTimeout naming rank, peer and chunk when a wait timed out (at once on the CPU). One object per
+    MoE layer: the view `finish` returns lives in its buffers. `num_programs`: persistent programs of the push
+    kernel (on GPUs it runs on a side stream, concurrently with the GEMM of this epoch); `block_m`: receive rows per
+    ready flag (a power of two).
     """
 
     def __init__(self, workspace: _Workspace, d_model: int, ffn: int, num_local_experts: int, num_programs: int,
@@ -388,12 +403,17 @@ class FusedDispatch:
         self._push_launches = CompiledLaunches(_push_rows_kernel)
         self._gemm_launches = CompiledLaunches(_gated_gemm_kernel)
         self._sms = torch.cuda.get_device_properties(workspace.device).multi_processor_count if cuda else 0
-        self._started: dict[int, tuple] = {}  # epoch -> its buffers and the tensors its kernels read
+        self._started: dict[int, tuple] = {}  # epoch -> the tensors its GEMM reads (between `start` and `finish`)
         # The GEMMs' programs take tiles in walk order from this counter, so a program that starts late (its SM
         # still busy with the push) takes fewer tiles instead of delaying the end. Each GEMM leaves it at 0
         # (`_next_tile`); the GEMMs run one after the other on one stream (GEMM 1's helpers on the push's stream,
         # which the current stream waits for before the next).
         self._tile_counter = torch.zeros(1, dtype=torch.int32, device=workspace.device)
+        # The forward's last epoch acknowledged, on the device: the push and GEMM 1 take the next one, and the
+        # acknowledgement after GEMM 1 advances it (in step with the host's count, `begin`). So their launches
+        # repeat exactly from epoch to epoch, and a CUDA graph of them replays (moe.dispatch_graphs).
+        self._epoch_done = torch.zeros(1, dtype=torch.int32, device=workspace.device)
+        self._rows_dtype = torch.float32  # of the receive rows, set by the push
         self._grad_dtype = torch.float32  # of the gradient rows, set by start_backward
 
     def reserve(self, max_recv_rows: int, total_rows: int = 0) -> None:
@@ -402,13 +422,10 @@ class FusedDispatch:
         collective on GPUs when the capacity grows; it never shrinks."""
         self.capacity = receive_capacity(max_recv_rows, self.capacity, total_rows, self.chunk)
 
-    def _buffers(self, tables: DispatchTables, dtype: torch.dtype):
-        """(receive rows, ready flags, acks) of the current capacity, which the tables must cover."""
-        if tables.world != self.world or tables.rank != self.rank or tables.num_local_experts != self.num_local_experts:
-            raise ValueError("the tables do not describe this rank of this dispatch")
-        if tables.capacity != self.capacity or not self.capacity:
-            raise ValueError(f"the tables cover {tables.capacity} receive rows, the dispatch's buffers {self.capacity} "
-                             f"(reserve, then dispatch_tables with the dispatch's capacity)")
+    def _buffers(self, dtype: torch.dtype):
+        """(receive rows, ready flags, acks) of the current capacity."""
+        if not self.capacity:
+            raise ValueError("no receive capacity yet: reserve first")
         rows = self.ws.buffer("moe_dispatch_rows", 2 * self.capacity * self.d_model, dtype)
         # A new capacity gets fresh flags (zero < any epoch): flag buffers cannot grow.
         ready = self.ws.buffer(f"moe_dispatch_ready_{self.capacity}", self.world * self.capacity // self.chunk,
@@ -416,27 +433,76 @@ class FusedDispatch:
         ack = self.ws.buffer("moe_dispatch_ack", self.world, torch.int32)
         return rows, ready, ack
 
+    def begin(self, dtype: torch.dtype) -> int:
+        """The host's part before an epoch's launches (`launch`): raises a timeout seen so far, makes the buffers of
+        the current capacity for rows of `dtype` (a collective when they grow) and counts the epoch on the host
+        (the device counts it too: `_epoch_done`) -> the epoch."""
+        self.errors.check()
+        self._buffers(dtype)
+        self._rows_dtype = dtype
+        return self.ws.next_epoch("moe_dispatch")
+
+    def buffer_addresses(self, dtype: torch.dtype) -> tuple[int, ...]:
+        """The symmetric buffers' addresses that `launch` bakes into its kernels' arguments for rows of `dtype`."""
+        return tuple(b.local.data_ptr() for b in self._buffers(dtype))
+
+    def launch(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, w13: torch.Tensor,
+               a13_out: torch.Tensor | None = None, own_rows: bool = True) -> torch.Tensor:
+        """The kernels of one epoch between `begin` and `end`: the push of this rank's permuted rows (row i is
+        x[token_of_row[i]]) into the owners' receive buffers at tables.send_dest_row, raising the per-chunk flags
+        (rows landing past the capacity are not pushed), then GEMM 1, then the acknowledgement -> h (see
+        `finish`). The kernels read the epoch and the receive buffer's half from the device, so that a CUDA graph
+        can capture these launches and replay them at any later epoch. own_rows=False leaves out the rows this
+        rank keeps: GEMM 1 reads those from x, and only `received` (the training backward's weight gradient)
+        would show them (at world 1 nothing is copied)."""
+        return self._gemm(*self._push(x, token_of_row, tables, own_rows), w13, a13_out)
+
+    def end(self, epoch: int) -> torch.Tensor:
+        """The host's part after an epoch's launches -> received [capacity, d_model]: a view of the symmetric
+        receive buffer, valid until the next epoch's `end`, holding this rank's own rows only if the push copied
+        them."""
+        self.errors.after_wait()
+        rows = self.ws.buffer("moe_dispatch_rows", 2 * self.capacity * self.d_model, self._rows_dtype)
+        base = (epoch % 2) * self.capacity * self.d_model
+        return rows.local[base:base + self.capacity * self.d_model].view(self.capacity, self.d_model)
+
     def start(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, own_rows: bool = True
               ) -> int:
-        """Push this rank's permuted rows (row i is x[token_of_row[i]]) into the owners' receive buffers at
-        tables.send_dest_row, raising the per-chunk flags; returns the epoch. Rows landing past the capacity are
-        not pushed. own_rows=False leaves out the rows this rank keeps: GEMM 1 reads those from x, and only
-        `received` (the training backward's weight gradient) would show them (at world 1 nothing is copied)."""
-        self.errors.check()
+        """`begin`, then the push of `launch` -> the epoch (`finish` runs the rest: in a simulated world every rank
+        pushes before any rank computes)."""
+        epoch = self.begin(x.dtype)
+        self._started[epoch] = self._push(x, token_of_row, tables, own_rows)
+        return epoch
+
+    def finish(self, epoch: int, w13: torch.Tensor, a13_out: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The grouped GEMM over the received rows, each tile waiting for the chunks it reads, then `end`.
+
+        Returns (received [capacity, d_model] (`end`); h = silu(received @ w1[e]) * (received @ w3[e]) [capacity,
+        ffn], a new tensor), w13 = [w1 | w3] read in place. Only the first ExpertLayout.tokens_per_local_expert
+        rows are the received ones (the host learns their number after the launch). `a13_out` ([capacity, 2 ffn],
+        w13's dtype), if given, receives the products before the activation (training keeps them for
+        `start_backward`)."""
+        h = self._gemm(*self._started.pop(epoch), w13, a13_out)
+        return self.end(epoch), h
+
+    def _push(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, own_rows: bool) -> tuple:
+        """Launch the push -> what GEMM 1 reads besides the weights (x, token_of_row, tables)."""
         if x.dim() != 2 or x.shape[1] != self.d_model or x.dtype not in TL_DTYPES:
             raise ValueError(f"x must be [tokens, {self.d_model}] fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
-        rows, ready, ack = self._buffers(tables, x.dtype)
-        epoch = self.ws.next_epoch("moe_dispatch")
+        if tables.world != self.world or tables.rank != self.rank or tables.num_local_experts != self.num_local_experts:
+            raise ValueError("the tables do not describe this rank of this dispatch")
+        if tables.capacity != self.capacity:
+            raise ValueError(f"the tables cover {tables.capacity} receive rows, the dispatch's buffers {self.capacity} "
+                             f"(reserve, then dispatch_tables with the dispatch's capacity)")
+        rows, ready, ack = self._buffers(x.dtype)
         chunks = self.capacity // self.chunk
         x, token_of_row = x.contiguous(), token_of_row.contiguous()
-        # Until `finish`: the GEMM reads this rank's rows from x, and the push (on GPUs on its own stream) all.
-        self._started[epoch] = (rows, ready, ack, x, token_of_row, tables)
         block_d = max(16, min(triton.next_power_of_2(self.d_model), PUSH_TILE_ELEMENTS // self.chunk))
         tensors = (x, token_of_row, tables.send_dest_row, tables.counts, self._dest_order, rows.peer_ptrs,
-                   ready.peer_ptrs, ack.local, self.errors.word)
-        args = (*tensors, self.rank, epoch, (epoch % 2) * self.capacity, chunks, self.world * chunks,
-                self.num_programs, self.spin_limit, self.d_model, self.chunk, block_d, self.world,
-                self.num_local_experts, triton.next_power_of_2(self.world),
+                   ready.peer_ptrs, ack.local, self.errors.word, self._epoch_done)
+        args = (*tensors, self.rank, chunks, self.world * chunks, self.num_programs, self.spin_limit, self.d_model,
+                self.chunk, block_d, self.world, self.num_local_experts, triton.next_power_of_2(self.world),
                 triton.next_power_of_2(self.num_local_experts),
                 triton.next_power_of_2(self.world * self.num_local_experts), own_rows)
 
@@ -450,23 +516,14 @@ class FusedDispatch:
             self._push_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._push_stream):
                 launch()
-        return epoch
+        return x, token_of_row, tables
 
-    def finish(self, epoch: int, w13: torch.Tensor, a13_out: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The grouped GEMM over the received rows, each tile waiting for the chunks it reads.
-
-        Returns (received [capacity, d_model]: a view of the symmetric receive buffer, valid until the next
-        `finish` call, holding this rank's own rows only if `start` copied them; h = silu(received @ w1[e]) *
-        (received @ w3[e]) [capacity, ffn], a new tensor), w13 = [w1 | w3] read in place. Only the first
-        ExpertLayout.tokens_per_local_expert rows are the received ones (the host learns their number after the
-        launch). `a13_out` ([capacity, 2 ffn], w13's dtype), if given, receives the products before the activation
-        (training keeps them for `start_backward`)."""
+    def _gemm(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, w13: torch.Tensor,
+              a13_out: torch.Tensor | None) -> torch.Tensor:
+        """Launch GEMM 1 (on GPUs beside the push) and the acknowledgement -> h [capacity, ffn]."""
         L, d, ffn = self.num_local_experts, self.d_model, self.ffn
-        rows, ready, ack, x, token_of_row, tables = self._started.pop(epoch)
-        _check_w13(w13, L, d, ffn, rows.local.dtype)
-        base = (epoch % 2) * self.capacity * d
-        received = rows.local[base:base + self.capacity * d].view(self.capacity, d)
+        rows, ready, ack = self._buffers(x.dtype)
+        _check_w13(w13, L, d, ffn, x.dtype)
         h = torch.empty(self.capacity, ffn, dtype=w13.dtype, device=w13.device)
         if a13_out is not None and (a13_out.shape != (self.capacity, 2 * ffn) or a13_out.dtype != w13.dtype
                                     or not a13_out.is_contiguous()):
@@ -478,11 +535,11 @@ class FusedDispatch:
         num_tiles = tiles.shape[1] * triton.cdiv(ffn, cfg.block_n)  # at most: the GEMM reads how many are listed
         programs = self._gemm_programs(num_tiles, beside_push=True)
         helpers = self._helper_programs(num_tiles, programs)
-        tensors = (rows.local[base:], x, token_of_row, w13, h, h if a13_out is None else a13_out, tiles)
+        tensors = (rows.local, x, token_of_row, w13, h, h if a13_out is None else a13_out, tiles)
         tensors += (tables.row_tiles, tables.recv_source_rank, tables.recv_source_row, ready.local, self.errors.word,
-                    self._tile_counter)
+                    self._tile_counter, self._epoch_done)
         precision, store_a13 = dot_precision(w13.dtype, w13.device), a13_out is not None
-        args = (*tensors[:7], tiles.shape[1], *tensors[7:], self.rank, epoch, self.capacity // self.chunk,
+        args = (*tensors[:7], tiles.shape[1], *tensors[7:], self.rank, self.capacity // self.chunk,
                 programs + helpers, self.spin_limit, d, ffn, self.chunk, cfg.block_m, cfg.block_n, cfg.block_k,
                 precision, store_a13)
         key = (x.dtype, w13.dtype, cfg, precision, store_a13, *map(aligned, tensors))
@@ -495,9 +552,9 @@ class FusedDispatch:
                 self._gemm_launches(key, (helpers, 1, 1), args, options)
         if self._push_stream is not None:  # then what the push read may be freed, and `received` and h are complete
             torch.cuda.current_stream().wait_stream(self._push_stream)
-        _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self.rank, epoch, WORLD=self.world)
-        self.errors.after_wait()
-        return received, h
+        _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self._epoch_done, self.rank, 0, WORLD=self.world,
+                                  EPOCH_ON_DEVICE=True)
+        return h
 
     # -- backward: the rows' gradient goes back to its sources (a combine), summed over each token's k rows ----
     def start_backward(self, dh: torch.Tensor, received: torch.Tensor, layout: ExpertLayout, w13: torch.Tensor,
@@ -549,7 +606,8 @@ class FusedDispatch:
                 D_MODEL=self.d_model, TOP_K=perm.top_k, K_P2=triton.next_power_of_2(perm.top_k),
                 BLOCK_T=block_tokens, BLOCK_N=cfg.block_n, OUT_DTYPE=TL_DTYPES[dx.dtype], COPY_ROWS=False,
                 num_warps=4 if dx.is_cuda else 1)
-        _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self.rank, epoch, WORLD=self.world)
+        _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self._epoch_done, self.rank, epoch,
+                                  WORLD=self.world, EPOCH_ON_DEVICE=False)
         self.errors.after_wait()
         return dx
 
