@@ -57,9 +57,10 @@ class _Graph:
 
 class GraphedCalls:
     """CUDA graphs of a function's calls by key (see the module docstring). At most `max_graphs` are kept, each
-    holding its outputs' memory; once they are, other keys run without a graph (dropping one for another would
-    capture anew at every call when more keys take turns). `clear` drops them all (keys that cannot come again).
-    Keys seen once are remembered up to 4 x max_graphs, the oldest forgotten."""
+    holding its outputs' memory between calls (a training MoE layer's h and a13: activation memory that eager
+    calls would hand back to the allocator after the backward); once they are, other keys run without a graph
+    (dropping one for another would capture anew at every call when more keys take turns). `clear` drops them all
+    (keys that cannot come again). Keys seen once are remembered up to 4 x max_graphs, the oldest forgotten."""
 
     def __init__(self, max_graphs: int = 4):
         self.max_graphs = max_graphs
@@ -68,7 +69,10 @@ class GraphedCalls:
 
     def __call__(self, key: Hashable, fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], hold: bool = False
                  ) -> tuple[Any, Lease | None]:
-        """fn(*inputs), or its graph's replay -> (outputs, a Lease on them if `hold`, else None)."""
+        """fn(*inputs), or its graph's replay -> (outputs, a Lease on them if `hold`, else None). Inside a caller's
+        own graph capture fn runs (and is captured into the caller's graph)."""
+        if torch.cuda.is_current_stream_capturing():
+            return fn(*inputs), Lease() if hold else None
         graph = self._graphs.get(key)
         if graph is not None and graph.in_use():
             graph = None  # its outputs are still someone's: run on new tensors
