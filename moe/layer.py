@@ -50,6 +50,7 @@ class FusedMoEConfig:
     # DISPATCH_PUSH_PROGRAMS and one per SM
     wait_timeout_spins: int = 20_000_000  # polls of a flag before a wait gives up and names rank and slice
     cuda_graphs: bool = True  # GPUs: the dispatch's launches before the counts' host sync replayed as CUDA graphs
+    # (less host time per forward; each graph keeps its h, a13 and tables allocated between calls)
 
 
 class MoELayer(nn.Module):
