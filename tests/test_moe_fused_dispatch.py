@@ -456,3 +456,18 @@ def test_push_units_count_the_rows_before_each_owner_and_chunk(world, local):
                 _unit_rows_kernel[(world, chunks)](counts.to(DEVICE), got, rank, chunks, CHUNK=chunk, WORLD=world,
                                                    L=local, W_P2=p2(world), L_P2=p2(local), E_P2=p2(world * local))
                 assert torch.equal(got.cpu(), torch.stack([before[:, :-1], before[:, 1:]], dim=2))
+
+
+def test_bad_rows_or_tables_are_refused_before_the_epoch_is_counted():
+    """The device counts the forward's epochs as the host does; a refused call must count on neither, or every later
+    call would wait for flags of the wrong epoch."""
+    w = World(2, 2, block_m=8)
+    gen = torch.Generator().manual_seed(12)
+    xs, token_of_rows, _, layouts = w.routed_batch([6, 5], 2, None, gen)
+    tables = w.tables(token_of_rows, layouts)
+    d = w.dispatch[0]
+    for x, tab, match in ((xs[0][:, :-1], tables[0], "x must be"), (xs[0].double(), tables[0], "x must be"),
+                          (xs[0], tables[1], "do not describe this rank")):
+        with pytest.raises(ValueError, match=match):
+            d.start(x, token_of_rows[0], tab)
+    assert int(d._epoch_done) == 0 and d.ws.next_epoch("moe_dispatch") == 1

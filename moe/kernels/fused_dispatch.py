@@ -470,6 +470,7 @@ class FusedDispatch:
               ) -> int:
         """`begin`, then the push of `launch` -> the epoch (`finish` runs the rest: in a simulated world every rank
         pushes before any rank computes)."""
+        self._check_rows(x, tables)  # before the epoch is counted: a bad call leaves the host's count as the device's
         epoch = self.begin(x.dtype)
         self._started[epoch] = self._push(x, token_of_row, tables, own_rows)
         return epoch
@@ -486,8 +487,7 @@ class FusedDispatch:
         h = self._gemm(*self._started.pop(epoch), w13, a13_out)
         return self.end(epoch), h
 
-    def _push(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, own_rows: bool) -> tuple:
-        """Launch the push -> what GEMM 1 reads besides the weights (x, token_of_row, tables)."""
+    def _check_rows(self, x: torch.Tensor, tables: DispatchTables) -> None:
         if x.dim() != 2 or x.shape[1] != self.d_model or x.dtype not in TL_DTYPES:
             raise ValueError(f"x must be [tokens, {self.d_model}] fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
         if tables.world != self.world or tables.rank != self.rank or tables.num_local_experts != self.num_local_experts:
@@ -495,6 +495,10 @@ class FusedDispatch:
         if tables.capacity != self.capacity:
             raise ValueError(f"the tables cover {tables.capacity} receive rows, the dispatch's buffers {self.capacity} "
                              f"(reserve, then dispatch_tables with the dispatch's capacity)")
+
+    def _push(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, own_rows: bool) -> tuple:
+        """Launch the push -> what GEMM 1 reads besides the weights (x, token_of_row, tables)."""
+        self._check_rows(x, tables)
         rows, ready, ack = self._buffers(x.dtype)
         chunks = self.capacity // self.chunk
         x, token_of_row = x.contiguous(), token_of_row.contiguous()
