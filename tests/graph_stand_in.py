@@ -41,6 +41,6 @@ def _write_into(old, new):
     elif isinstance(old, (list, tuple)):
         for o, n in zip(old, new):
             _write_into(o, n)
-    elif dataclasses.is_dataclass(old):
-        for field in dataclasses.fields(old):
-            _write_into(getattr(old, field.name), getattr(new, field.name))
+    elif dataclasses.is_dataclass(old):  # its fields and what its cached properties hold
+        for name, value in vars(old).items():
+            _write_into(value, vars(new)[name])

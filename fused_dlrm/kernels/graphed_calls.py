@@ -71,7 +71,7 @@ class GraphedCalls:
                  ) -> tuple[Any, Lease | None]:
         """fn(*inputs), or its graph's replay -> (outputs, a Lease on them if `hold`, else None). Inside a caller's
         own graph capture fn runs (and is captured into the caller's graph)."""
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             return fn(*inputs), Lease() if hold else None
         graph = self._graphs.get(key)
         if graph is not None and graph.in_use():
@@ -97,6 +97,11 @@ class GraphedCalls:
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+
+def _capturing() -> bool:
+    """Whether this thread's current CUDA stream is being captured into a graph (never without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _capture(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> tuple[Any, tuple[torch.Tensor, ...], Any]:
