@@ -169,7 +169,7 @@ class MoELayer(nn.Module):
         into the graph's own tensors (fused_dlrm.kernels.graphed_calls). A training forward holds its outputs
         (h, a13, the tables) with a Lease until its backward is done."""
         dispatch = self.dispatch
-        epoch = dispatch.begin(x.dtype)
+        epoch = dispatch.begin(x)
 
         def launch(x: torch.Tensor, token_of_row: torch.Tensor, counts: torch.Tensor):
             w13 = w13_param.to(x.dtype)  # mixed precision: the rows' dtype (the parameter itself when it is)

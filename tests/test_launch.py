@@ -92,7 +92,7 @@ class StandInGraph:
 def test_graphs_are_captured_on_a_key_second_call_and_kept(monkeypatch):
     log, capturing = [], [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setattr(launch, "_capture", lambda work: log.append("capture") or StandInGraph(log, work))
+    monkeypatch.setattr(launch, "capture_graph", lambda work: log.append("capture") or StandInGraph(log, work))
     replays = GraphReplays(max_graphs=2)
     for key in ("a", "a", "a", "b", "b", "c", "c", "c", "a"):
         replays(key, lambda key=key: log.append(key))
@@ -110,7 +110,7 @@ def test_graphs_are_captured_on_a_key_second_call_and_kept(monkeypatch):
 def test_keys_seen_once_are_forgotten_oldest_first(monkeypatch):
     log = []
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(launch, "_capture", lambda work: log.append("capture") or StandInGraph(log, work))
+    monkeypatch.setattr(launch, "capture_graph", lambda work: log.append("capture") or StandInGraph(log, work))
     replays = GraphReplays(max_graphs=1)  # remembers 4 keys seen once
     for key in ("a", "b", "c", "d", "e", "a", "e"):
         replays(key, lambda key=key: log.append(key))

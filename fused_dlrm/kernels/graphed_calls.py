@@ -4,8 +4,8 @@ launches becomes one replay, plus a copy of each input.
 `GraphedCalls(key, fn, inputs)` runs `fn(*inputs)`. The caller names a call by a key that determines everything
 fn does besides the inputs' values: shapes, dtypes, and the addresses of the tensors fn reads that are not inputs
 (parameters, buffers). The first call of a key runs fn; the second captures fn on the graph's own copies of the
-inputs (`torch.cuda.graph`, a pool of its own) and replays it; later calls copy their inputs into those copies and
-replay. fn's outputs are then the graph's own tensors, rewritten by every replay of that key.
+inputs (`launch.capture_graph`, a memory pool of its own) and replays it; later calls copy their inputs into those
+copies and replay. fn's outputs are then the graph's own tensors, rewritten by every replay of that key.
 
 Outputs that must outlive the call (a training forward's, which its backward reads) are held by a `Lease` that
 the caller keeps with them and releases once done with them. While a key's lease is held (not released, not
@@ -22,7 +22,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from fused_dlrm.kernels.launch import RecentKeys
+from fused_dlrm.kernels.launch import RecentKeys, capture_graph
 
 
 class Lease:
@@ -105,10 +105,9 @@ def _capturing() -> bool:
 
 
 def _capture(fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> tuple[Any, tuple[torch.Tensor, ...], Any]:
-    """fn's work on copies of the inputs, captured (not run) into a graph -> (graph, the copies, fn's outputs).
-    Errors of other threads' CUDA calls meanwhile are theirs (thread-local capture)."""
+    """fn's work on copies of the inputs, captured (not run) into a graph of its own memory pool
+    (launch.capture_graph) -> (graph, the copies, fn's outputs)."""
     own = tuple(t.clone() for t in inputs)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        outputs = fn(*own)
-    return graph, own, outputs
+    outputs = []
+    graph = capture_graph(lambda: outputs.append(fn(*own)))
+    return graph, own, outputs[0]

@@ -129,7 +129,7 @@ class GraphReplays:
             return
         graph = self._graphs.get(key)
         if graph is None and key in self._seen and len(self._graphs) < self.max_graphs:
-            graph = self._graphs[key] = _capture(launch)
+            graph = self._graphs[key] = capture_graph(launch)
         if graph is None:
             self._seen.add(key)
             launch()
@@ -159,7 +159,7 @@ class RecentKeys:
         self._keys.clear()
 
 
-def _capture(launch) -> torch.cuda.CUDAGraph:
+def capture_graph(launch) -> torch.cuda.CUDAGraph:
     """launch()'s work captured (not run) into a graph, on a side stream (graphs cannot be captured on the
     default stream); errors of other threads' CUDA calls meanwhile are theirs (thread-local capture)."""
     graph = torch.cuda.CUDAGraph()

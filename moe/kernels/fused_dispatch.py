@@ -411,9 +411,9 @@ class FusedDispatch:
         self._tile_counter = torch.zeros(1, dtype=torch.int32, device=workspace.device)
         # The forward's last epoch acknowledged, on the device: the push and GEMM 1 take the next one, and the
         # acknowledgement after GEMM 1 advances it (in step with the host's count, `begin`). So their launches
-        # repeat exactly from epoch to epoch, and a CUDA graph of them replays (moe.dispatch_graphs).
+        # repeat exactly from epoch to epoch, and a CUDA graph of them replays (moe.layer._dispatch_at_capacity).
         self._epoch_done = torch.zeros(1, dtype=torch.int32, device=workspace.device)
-        self._rows_dtype = torch.float32  # of the receive rows, set by the push
+        self._rows_dtype = torch.float32  # of the receive rows, set by `begin`
         self._grad_dtype = torch.float32  # of the gradient rows, set by start_backward
 
     def reserve(self, max_recv_rows: int, total_rows: int = 0) -> None:
@@ -433,13 +433,16 @@ class FusedDispatch:
         ack = self.ws.buffer("moe_dispatch_ack", self.world, torch.int32)
         return rows, ready, ack
 
-    def begin(self, dtype: torch.dtype) -> int:
-        """The host's part before an epoch's launches (`launch`): raises a timeout seen so far, makes the buffers of
-        the current capacity for rows of `dtype` (a collective when they grow) and counts the epoch on the host
-        (the device counts it too: `_epoch_done`) -> the epoch."""
+    def begin(self, x: torch.Tensor) -> int:
+        """The host's part before an epoch's launches (`launch`) of rows x: refuses a bad x, raises a timeout seen
+        so far, makes the buffers of the current capacity for x's dtype (a collective when they grow) and counts
+        the epoch on the host (the device counts it too: `_epoch_done`; a refused call counts on neither) -> the
+        epoch."""
+        if x.dim() != 2 or x.shape[1] != self.d_model or x.dtype not in TL_DTYPES:
+            raise ValueError(f"x must be [tokens, {self.d_model}] fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
         self.errors.check()
-        self._buffers(dtype)
-        self._rows_dtype = dtype
+        self._buffers(x.dtype)
+        self._rows_dtype = x.dtype
         return self.ws.next_epoch("moe_dispatch")
 
     def buffer_addresses(self, dtype: torch.dtype) -> tuple[int, ...]:
@@ -455,6 +458,7 @@ class FusedDispatch:
         can capture these launches and replay them at any later epoch. own_rows=False leaves out the rows this
         rank keeps: GEMM 1 reads those from x, and only `received` (the training backward's weight gradient)
         would show them (at world 1 nothing is copied)."""
+        self._check_tables(tables)
         return self._gemm(*self._push(x, token_of_row, tables, own_rows), w13, a13_out)
 
     def end(self, epoch: int) -> torch.Tensor:
@@ -470,8 +474,8 @@ class FusedDispatch:
               ) -> int:
         """`begin`, then the push of `launch` -> the epoch (`finish` runs the rest: in a simulated world every rank
         pushes before any rank computes)."""
-        self._check_rows(x, tables)  # before the epoch is counted: a bad call leaves the host's count as the device's
-        epoch = self.begin(x.dtype)
+        self._check_tables(tables)  # before `begin` counts the epoch
+        epoch = self.begin(x)
         self._started[epoch] = self._push(x, token_of_row, tables, own_rows)
         return epoch
 
@@ -487,9 +491,7 @@ class FusedDispatch:
         h = self._gemm(*self._started.pop(epoch), w13, a13_out)
         return self.end(epoch), h
 
-    def _check_rows(self, x: torch.Tensor, tables: DispatchTables) -> None:
-        if x.dim() != 2 or x.shape[1] != self.d_model or x.dtype not in TL_DTYPES:
-            raise ValueError(f"x must be [tokens, {self.d_model}] fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
+    def _check_tables(self, tables: DispatchTables) -> None:
         if tables.world != self.world or tables.rank != self.rank or tables.num_local_experts != self.num_local_experts:
             raise ValueError("the tables do not describe this rank of this dispatch")
         if tables.capacity != self.capacity:
@@ -498,7 +500,6 @@ class FusedDispatch:
 
     def _push(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, own_rows: bool) -> tuple:
         """Launch the push -> what GEMM 1 reads besides the weights (x, token_of_row, tables)."""
-        self._check_rows(x, tables)
         rows, ready, ack = self._buffers(x.dtype)
         chunks = self.capacity // self.chunk
         x, token_of_row = x.contiguous(), token_of_row.contiguous()
@@ -556,8 +557,8 @@ class FusedDispatch:
                 self._gemm_launches(key, (helpers, 1, 1), args, options)
         if self._push_stream is not None:  # then what the push read may be freed, and `received` and h are complete
             torch.cuda.current_stream().wait_stream(self._push_stream)
-        _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self._epoch_done, self.rank, 0, WORLD=self.world,
-                                  EPOCH_ON_DEVICE=True)
+        _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self._epoch_done, self.rank, 0,  # read on the device
+                                  WORLD=self.world, EPOCH_ON_DEVICE=True)
         return h
 
     # -- backward: the rows' gradient goes back to its sources (a combine), summed over each token's k rows ----
