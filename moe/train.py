@@ -2,10 +2,10 @@
 
 One step: this rank's slice of the global batch -> MoETransformer forward (the dispatch / combine all-to-alls
 inside every MoE layer) -> loss = cross-entropy + aux_coeff * load balancing + z_coeff * z loss -> backward ->
-`sync_gradients` (replicated parameters averaged over ranks) -> optimizer step. With model.tp_size > 1 the
+`sync_gradients` (replicated parameters' gradients summed over ranks) -> optimizer step. With model.tp_size > 1 the
 world is split into tensor-parallel groups of consecutive ranks (the attention and dense FFN projections sharded
 over each, activations replicated inside it) and data-parallel groups across them: the batch is split over the
-data-parallel ranks (a TP group shares one slice), and gradients are averaged over the data-parallel group.
+data-parallel ranks (a TP group shares one slice), and gradients are summed over the data-parallel group.
 Every `log_every` steps the losses are reduced over ranks and checked for NaN/inf, and tokens/s and the expert
 load are logged; every `eval_every` steps the eval loss is measured; every `checkpoint_every` steps a checkpoint
 is written (only after the loss was checked). Only trainer.max_steps is supported (no epochs). The step itself is
@@ -90,15 +90,16 @@ def sum_over(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
 
 def sync_gradients(model: nn.Module, world_size: int, grad_allreduce: str = "nccl",
                    group: dist.ProcessGroup | None = None) -> None:
-    """After backward: make every gradient that of the global-batch mean loss.
+    """After backward: make every gradient that of the step's loss, given that each rank differentiated its share.
 
     world_size ranks of the data-parallel `group` (None: the world). Inside a TP group every rank already holds
     the complete gradient of its parameters (the TP linears' collectives), identical for the replicated ones.
-    The loss each rank differentiates is its local sum times world / global tokens (DDP's convention), so:
-    data-parallel replicas (everything but the experts' w13/w2) are all-reduce-averaged, in one flat buffer;
-    the experts' gradients are already complete on their owner (all_to_all_v's backward brought every rank's
-    share home) but carry that factor of world size, which is divided out (torchrec's gradient division).
-    grad_allreduce other than "nccl" averages the replicated ones with that codec (fused_dlrm.tp).
+    Each rank differentiates its share of the loss (train_step: its local sum over the global token count, its
+    auxiliary losses over world_size), so the data-parallel replicas (everything but the experts' w13/w2) are
+    all-reduce-summed, in one flat buffer, and the experts' gradients are complete on their owner as they are (the
+    exchanges' backward brought every rank's share home): no pass over them, which on 2 x H200 would read and
+    write the fine-grained config's 2.2B expert gradients (~4.3 ms per step, docs/benchmarks.md).
+    grad_allreduce other than "nccl" sums the replicated ones with that codec (fused_dlrm.tp).
     """
     if world_size == 1:
         return
@@ -110,16 +111,12 @@ def sync_gradients(model: nn.Module, world_size: int, grad_allreduce: str = "ncc
     flat = torch.cat([p.grad.reshape(-1) for p in replicated])
     if grad_allreduce == "nccl":
         dist.all_reduce(flat, group=group)
-        flat.div_(world_size)
     else:
-        quantized_all_reduce(flat, grad_allreduce, group=group, mean=True, out=flat)
+        quantized_all_reduce(flat, grad_allreduce, group=group, out=flat)
     offset = 0
     for p in replicated:
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
         offset += p.numel()
-    for p in expert_parameters(model):
-        if p.grad is not None:
-            p.grad.div_(world_size)
 
 
 def token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -149,15 +146,17 @@ def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: 
     over the data-parallel group (dp_size ranks), optimizer step. Returns the detached total loss, its terms
     [cross-entropy, load balancing, z loss] and the kept assignments per expert of each MoE layer."""
     logits, aux = model(inputs)
-    # Sum over the local tokens / global tokens, times the data-parallel world size: averaging the replicated
-    # gradients over the data-parallel ranks (sync_gradients) then gives the gradient of the global-batch
-    # mean, uneven local batches weighted correctly. The auxiliary losses are per rank (over its tokens, as
-    # Megatron's router computes them).
+    # The step's loss: the global-batch mean cross-entropy as this rank estimates it (its local sum over the global
+    # tokens, times the data-parallel world size; the logged value), plus this rank's auxiliary losses (over its
+    # tokens, as Megatron's router computes them).
     global_tokens = sum_over(torch.full((), float(targets.numel()), device=targets.device), model.group)  # no copy
     ce = token_cross_entropy_sum(logits, targets) * dp_size / global_tokens
     loss = ce + aux_coeff * aux["load_balancing_loss"] + z_coeff * aux["z_loss"]
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    # Each rank differentiates its share (1/dp_size) of the loss: summing the replicated gradients over the ranks
+    # (sync_gradients) then gives the gradient of the global-batch mean, uneven local batches weighted correctly,
+    # and the experts' gradients need no rescaling.
+    (loss / dp_size).backward()
     sync_gradients(model, dp_size, grad_allreduce, model.group)
     optimizer.step()
     terms = [ce.detach(), aux["load_balancing_loss"].detach(), aux["z_loss"].detach()]
