@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -92,7 +93,8 @@ class MoELayer(nn.Module):
                                         fused.num_programs or _combine_programs(workspace.device), spins)
             self._dispatch_graphs = GraphedCalls() if fused.cuda_graphs and workspace.device.type == "cuda" else None
 
-    def forward(self, x: torch.Tensor, logit_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    def forward(self, x: torch.Tensor, logit_bias: torch.Tensor | None = None,
+                alongside: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
         """x: [tokens, d_model] (this rank's tokens, possibly none) -> (y [tokens, d_model], aux).
 
         aux: load_balancing_loss and z_loss (scalars over this rank's tokens, unscaled: the caller applies its
@@ -102,8 +104,13 @@ class MoELayer(nn.Module):
         counts that size the exchanges (one; comm="fused" reads them once the first expert GEMM is queued), and
         permute's row count when a capacity can drop assignments.
         `logit_bias` is passed to the router (tests force skewed routings with it).
+        `alongside`: work that does not depend on the routing (the Transformer's shared expert), run once the counts
+        are on their way to the host and before the host waits for them, so that the GPU runs it while the host
+        syncs (Megatron overlaps its shared expert with the dispatch alike); its result [tokens, d_model] is added to
+        the routed output: y = routed + alongside().
         """
         self._check_inputs(x, logit_bias)
+        overlap = _Alongside(alongside)
         routing = self.router(x, logit_bias)  # under autocast: bf16 logits, routed in fp32 (moe.routing.route)
         if torch.is_autocast_enabled(x.device.type):  # mixed precision: the rows and the experts in its dtype
             x = x.to(torch.get_autocast_dtype(x.device.type))
@@ -113,15 +120,18 @@ class MoELayer(nn.Module):
             perm = permutation(routing.expert_ids, self.num_experts, kept)
             counts = gather_counts(perm.tokens_per_expert, self.group)  # [source, global expert]
             y = _FusedExperts.apply(x, routing.weights, self.experts.w13, self.experts.w2, self, counts, perm,
-                                    torch.is_grad_enabled())
+                                    torch.is_grad_enabled(), overlap)
             recv_counts = counts[:, self.rank * self.num_local_experts:(self.rank + 1) * self.num_local_experts]
         else:
             rows, perm = permute(x, routing.expert_ids, self.num_experts, kept)
             send_counts = perm.tokens_per_expert.view(self.world, self.num_local_experts)
-            exchange = _BulkRows(send_counts, exchange_counts(send_counts, self.group), self.group)
+            recv_counts = exchange_counts(send_counts, self.group)
+            on_host = PendingHostCopy(torch.stack([send_counts, recv_counts]))  # every size of the exchange
+            overlap()
+            exchange = _BulkRows(recv_counts, on_host.get(), self.group)  # the host sync
             expert_out = self.experts(exchange.to_owners(rows), exchange.tokens_per_local_expert)
             y = unpermute(exchange.to_sources(expert_out), perm, routing.weights)
-            recv_counts = exchange.recv_counts
+        y = overlap.added_to(y)
         aux = {
             "load_balancing_loss": routing.aux_loss,
             "z_loss": routing.z_loss,
@@ -132,19 +142,21 @@ class MoELayer(nn.Module):
         return y, aux
 
     def _fused_dispatch(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation, w13_param: torch.Tensor,
-                        keep_a13: bool) -> tuple[ExpertLayout, _Dispatched]:
+                        keep_a13: bool, overlap: _Alongside) -> tuple[ExpertLayout, _Dispatched]:
         """The fused dispatch and GEMM 1 -> (layout, what it made), cut to the rows received.
 
         The push and the GEMM are launched from tables the GPU makes from the counts, for the receive capacity
         that earlier calls reserved; only then the host reads the counts (the layout), while the GEMM runs. When
         this call's rows did not fit (every rank sees it in the same counts) the dispatch runs again in buffers
-        reserved for them. The first call has no capacity yet: it reads its counts first."""
+        reserved for them. The first call has no capacity yet: it reads its counts first. `overlap` is queued
+        behind GEMM 1, before the host waits for the counts."""
         on_host = PendingHostCopy(counts)  # enqueued before the dispatch: reading it waits for the counts only
         layout = None
         if not self.dispatch.capacity:
             layout = self._layout(counts, x, on_host.get())
             self.dispatch.reserve(layout.max_recv_rows, layout.total_rows)
         out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13)
+        overlap()
         if layout is None:
             layout = self._layout(counts, x, on_host.get(), out.tables)  # the host sync, with GEMM 1 queued
         if layout.max_recv_rows > self.dispatch.capacity:
@@ -224,16 +236,37 @@ class _Dispatched:
                            None if self.a13 is None else self.a13[:rows], self.w13, self.lease)
 
 
+class _Alongside:
+    """MoELayer.forward's `alongside`, run once where the layer calls it, in the caller's grad mode (grad is off
+    inside an autograd Function's forward; the result's own graph joins the caller's through its inputs)."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor] | None):
+        self.fn, self.grad_enabled, self.result = fn, torch.is_grad_enabled(), None
+
+    def __call__(self) -> None:
+        if self.fn is not None and self.result is None:
+            with torch.set_grad_enabled(self.grad_enabled):
+                self.result = self.fn()
+
+    def added_to(self, y: torch.Tensor) -> torch.Tensor:
+        self()  # a path that never called it (no host sync to hide it behind)
+        if self.result is None:
+            return y
+        if self.result.shape != y.shape:
+            raise ValueError(f"alongside returned {list(self.result.shape)}; the layer's output is {list(y.shape)}")
+        return y + self.result
+
+
 class _BulkRows:
     """The all-to-all of rows between sources (permuted order: by global expert, hence by owner) and owners
     (their experts' order: local expert, then source rank, then source order), with autograd."""
 
-    def __init__(self, send_counts: torch.Tensor, recv_counts: torch.Tensor, group: dist.ProcessGroup | None):
-        """send_counts[r, e]: rows this rank sends to expert e of rank r; recv_counts[s, e]: rows rank s sends to
-        this rank's local expert e."""
+    def __init__(self, recv_counts: torch.Tensor, host_counts: torch.Tensor, group: dist.ProcessGroup | None):
+        """recv_counts[s, e]: rows rank s sends to this rank's local expert e; host_counts: on the host, stacked,
+        send_counts[r, e] (rows this rank sends to expert e of rank r) and recv_counts."""
         world, num_local_experts = recv_counts.shape
         self.recv_counts, self.group = recv_counts, group
-        host_send, host_recv = torch.stack([send_counts, recv_counts]).cpu()  # the one host sync: every size
+        host_send, host_recv = host_counts
         self.send_splits = host_send.sum(dim=1).tolist()
         self.recv_splits = host_recv.sum(dim=1).tolist()
         self.tokens_per_local_expert = host_recv.sum(dim=0).tolist()
@@ -271,13 +304,13 @@ class _FusedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights, w13_param, w2_param, layer: MoELayer, counts: torch.Tensor, perm: Permutation,
-                grad_enabled: bool):
+                grad_enabled: bool, overlap: _Alongside):
         # Inside forward grad mode is always off, and needs_input_grad ignores the caller's: under no_grad the
         # parameters still "need" a gradient, and the copies below would be made for a backward that never comes.
         needs_grad = [grad_enabled and needs for needs in ctx.needs_input_grad]
         training = any(needs_grad)
         w2 = w2_param.to(x.dtype)  # the parameter itself when of x's dtype (w13's cast is the dispatch's)
-        layout, out = layer._fused_dispatch(x, counts, perm, w13_param, keep_a13=training)
+        layout, out = layer._fused_dispatch(x, counts, perm, w13_param, training, overlap)
         # The combine's tables (host work): they overlap GEMM 1 instead of delaying its launch.
         epoch = layer.combine.start(out.h, w2, layout)
         rows = x.new_empty(weights.numel(), x.shape[1]) if needs_grad[1] else None  # by assignment
@@ -302,7 +335,7 @@ class _FusedExperts(torch.autograd.Function):
         grad_x = layer.dispatch.finish_backward(epoch, layout, perm)
         if ctx.lease is not None:  # the dispatch's graph may rewrite h, a13, w13 and the tables again
             ctx.lease.release()
-        return grad_x, grad_weights, grad_w13, grad_w2, None, None, None, None
+        return grad_x, grad_weights, grad_w13, grad_w2, None, None, None, None, None
 
 
 def _combine_programs(device: torch.device) -> int:

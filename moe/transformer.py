@@ -135,11 +135,11 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x))
         h = self.ffn_norm(x)
         if isinstance(self.ffn, MoELayer):
-            y, aux = self.ffn(h.reshape(-1, h.shape[-1]))
-            y = y.view_as(h)
-            if self.shared_expert is not None:
-                y = y + self.shared_expert(h)
-            return x + y, aux
+            flat = h.reshape(-1, h.shape[-1])
+            # The shared expert needs no routing: the layer runs it while its counts travel to the host.
+            shared = None if self.shared_expert is None else lambda: self.shared_expert(flat)
+            y, aux = self.ffn(flat, alongside=shared)
+            return x + y.view_as(h), aux
         return x + self.ffn(h), None
 
 
@@ -150,7 +150,7 @@ class MoETransformer(nn.Module):
                  group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
                  tp_comm: str = "bulk", moe_comm: str = "bulk", moe_fused=None,
                  compute_dtype: torch.dtype | None = None):
-        """group: the data-parallel group (expert parallelism, gradient averaging; None: the world);
+        """group: the data-parallel group (expert parallelism, the gradients' sum; None: the world);
         tp_group: the tensor-parallel group (None: no tensor parallelism); tp_comm: bulk | fused;
         moe_comm / moe_fused: the MoE layers' dispatch and combine (MoELayer's comm and fused);
         compute_dtype: torch.bfloat16 / float16 runs the forward under autocast to it (mixed precision: the

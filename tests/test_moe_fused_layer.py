@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels import graphed_calls
 from fused_dlrm.kernels.graphed_calls import GraphedCalls
@@ -85,6 +86,48 @@ def test_fused_layer_dispatches_again_when_the_rows_outgrow_the_capacity():
         capacities.append(fused.dispatch.capacity)
     assert capacities == [64, 128, 128]
     assert workspace.next_epoch("moe_dispatch") == 5  # the second call dispatched twice
+
+
+@interpreter
+@pytest.mark.parametrize("comm", ["bulk", "fused"])
+def test_alongside_runs_before_the_host_sync_and_adds_to_the_output(comm, monkeypatch):
+    """`alongside` (the Transformer's shared expert) is called once the counts are on their way to the host and
+    before the host reads them (the fused layer's first call reads its counts before it dispatches), once, in the
+    caller's grad mode: y = routed + alongside(), with that sum's gradients."""
+    workspace = SimulatedWorld(1).workspaces()[0] if comm == "fused" else None
+    layer = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm=comm, workspace=workspace)
+    shared = torch.nn.Linear(D_MODEL, D_MODEL)
+    events = []
+    read = PendingHostCopy.get
+    monkeypatch.setattr(PendingHostCopy, "get", lambda self: events.append("counts read") or read(self))
+    gen = torch.Generator().manual_seed(31)
+    for step in range(3):
+        x, grad = torch.randn(12, D_MODEL, generator=gen), torch.randn(12, D_MODEL, generator=gen)
+        results = []
+        for overlapped in (True, False):
+            xi = x.clone().requires_grad_()
+            for module in (layer, shared):
+                module.zero_grad()
+            events.clear()
+            if overlapped:
+                y, _ = layer(xi, alongside=lambda: events.append("alongside") or shared(xi))
+                first_read = events.index("counts read")
+                assert events.count("alongside") == 1
+                assert (events.index("alongside") > first_read) if comm == "fused" and step == 0 else (
+                    events.index("alongside") < first_read), events
+            else:
+                y = layer(xi)[0] + shared(xi)
+            (y * grad).sum().backward()
+            results.append((y.detach(), xi.grad, [p.grad for p in (*layer.parameters(), *shared.parameters())]))
+        (y, gx, grads), (want_y, want_gx, want_grads) = results
+        torch.testing.assert_close(y, want_y, rtol=0, atol=0)
+        torch.testing.assert_close(gx, want_gx, rtol=1e-6, atol=1e-6)
+        for g, want in zip(grads, want_grads):
+            torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        assert not layer(x, alongside=lambda: shared(x))[0].requires_grad
+    with pytest.raises(ValueError, match=r"alongside returned \[12, 3\]; the layer's output is \[12, 16\]"):
+        layer(x, alongside=lambda: x[:, :3])
 
 
 def test_fused_needs_cuda_under_torchrun():
