@@ -241,19 +241,21 @@ class _Alongside:
     inside an autograd Function's forward; the result's own graph joins the caller's through its inputs)."""
 
     def __init__(self, fn: Callable[[], torch.Tensor] | None):
-        self.fn, self.grad_enabled, self.result = fn, torch.is_grad_enabled(), None
+        self.fn, self.grad_enabled, self.result, self.ran = fn, torch.is_grad_enabled(), None, fn is None
 
     def __call__(self) -> None:
-        if self.fn is not None and self.result is None:
+        if not self.ran:
+            self.ran = True
             with torch.set_grad_enabled(self.grad_enabled):
                 self.result = self.fn()
 
     def added_to(self, y: torch.Tensor) -> torch.Tensor:
         self()  # a path that never called it (no host sync to hide it behind)
-        if self.result is None:
+        if self.fn is None:
             return y
-        if self.result.shape != y.shape:
-            raise ValueError(f"alongside returned {list(self.result.shape)}; the layer's output is {list(y.shape)}")
+        if not isinstance(self.result, torch.Tensor) or self.result.shape != y.shape:
+            got = list(self.result.shape) if isinstance(self.result, torch.Tensor) else type(self.result).__name__
+            raise ValueError(f"alongside returned {got}; the layer's output is {list(y.shape)}")
         return y + self.result
 
 

@@ -128,6 +128,10 @@ def test_alongside_runs_before_the_host_sync_and_adds_to_the_output(comm, monkey
         assert not layer(x, alongside=lambda: shared(x))[0].requires_grad
     with pytest.raises(ValueError, match=r"alongside returned \[12, 3\]; the layer's output is \[12, 16\]"):
         layer(x, alongside=lambda: x[:, :3])
+    calls = []
+    with pytest.raises(ValueError, match=r"alongside returned NoneType"):
+        layer(x, alongside=lambda: calls.append(1))
+    assert calls == [1]
 
 
 def test_fused_needs_cuda_under_torchrun():
