@@ -237,20 +237,19 @@ class _Dispatched:
 
 
 class _Alongside:
-    """MoELayer.forward's `alongside`, run once where the layer calls it, in the caller's grad mode (grad is off
-    inside an autograd Function's forward; the result's own graph joins the caller's through its inputs)."""
+    """MoELayer.forward's `alongside`, called by each path once, where it hides the host's sync; in the caller's
+    grad mode (grad is off inside an autograd Function's forward; the result's own graph joins the caller's
+    through its inputs)."""
 
     def __init__(self, fn: Callable[[], torch.Tensor] | None):
-        self.fn, self.grad_enabled, self.result, self.ran = fn, torch.is_grad_enabled(), None, fn is None
+        self.fn, self.grad_enabled, self.result = fn, torch.is_grad_enabled(), None
 
     def __call__(self) -> None:
-        if not self.ran:
-            self.ran = True
+        if self.fn is not None:
             with torch.set_grad_enabled(self.grad_enabled):
                 self.result = self.fn()
 
     def added_to(self, y: torch.Tensor) -> torch.Tensor:
-        self()  # a path that never called it (no host sync to hide it behind)
         if self.fn is None:
             return y
         if not isinstance(self.result, torch.Tensor) or self.result.shape != y.shape:

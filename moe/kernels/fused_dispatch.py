@@ -466,7 +466,7 @@ class FusedDispatch:
         receive buffer, valid until the next epoch's `end`, holding this rank's own rows only if the push copied
         them."""
         self.errors.after_wait()
-        rows = self.ws.buffer("moe_dispatch_rows", 2 * self.capacity * self.d_model, self._rows_dtype)
+        rows = self._buffers(self._rows_dtype)[0]
         base = (epoch % 2) * self.capacity * self.d_model
         return rows.local[base:base + self.capacity * self.d_model].view(self.capacity, self.d_model)
 
