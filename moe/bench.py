@@ -8,7 +8,8 @@ bias that sends about half of the tokens to expert 0). Phases, each timed alone 
          GEMMs); combine = NCCL all-to-all back + weighted unpermute
   fused: dispatch = FusedDispatch: the push into the owners' buffers + the first GEMM waiting per tile;
          combine = FusedCombine: the second GEMM storing into the sources' buffers + the flag-waiting unpermute
-         (no separate experts phase)
+         (no separate experts phase); buffers sized for the config's tokens per GPU (max_tokens_per_rank: no
+         host sync in the forward)
 Totals time the whole layer (routing, permutation and counts exchange included), forward and forward+backward (the
 fused backward moves both gradients the same way). Ideal overlap: communication (bulk dispatch + combine; twice that
 for forward+backward) hidden entirely under everything else: ideal = max(bulk total - comm, comm); the table gives
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from fused_dlrm.bench.timing import per_call_us, time_ms
 from moe.expert_layout import gather_counts
-from moe.layer import MoELayer, _BulkRows
+from moe.layer import FusedMoEConfig, MoELayer, _Alongside, _BulkRows
 from moe.permute import permute, unpermute
 
 
@@ -77,7 +78,8 @@ def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[
     counts = gather_counts(perm.tokens_per_expert)
     e = layer.experts
     if layer.comm == "bulk":
-        exchange = _BulkRows(counts[rank].view(world, -1), counts[:, rank * local:(rank + 1) * local], None)
+        send, recv = counts[rank].view(world, -1), counts[:, rank * local:(rank + 1) * local]
+        exchange = _BulkRows(recv, torch.stack([send, recv]).cpu(), layer.group)
         received = exchange.to_owners(rows)
         sizes = exchange.tokens_per_local_expert
         expert_out = e(received, sizes)
@@ -85,19 +87,21 @@ def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[
                 "combine": lambda: unpermute(exchange.to_sources(expert_out), perm, routing.weights)}
     combine = layer.combine
 
-    def dispatch_and_gemm1():  # the layer's: launched before the host reads the counts (its layout)
-        return layer._fused_dispatch(x, counts, perm, e.w13, keep_a13=False)
+    def dispatch_and_gemm1():  # the layer's, as a forward without a backward runs it
+        return layer._fused_dispatch(x, counts, perm, e.w13, keep_a13=False, overlap=_Alongside(None))[1]
 
-    layout, _, h, _ = dispatch_and_gemm1()
+    out = dispatch_and_gemm1()
     return {"dispatch": dispatch_and_gemm1,
-            "combine": lambda: combine.finish(combine.start(h, e.w2, layout), layout, perm, routing.weights)}
+            "combine": lambda: combine.finish(combine.start(out.h, e.w2, out.tables), out.tables, perm,
+                                              routing.weights)}
 
 
 def run_config(cfg: Config, iters: int) -> dict:
     rank = dist.get_rank()
     kw = dict(seed=1, dtype=torch.bfloat16, device="cuda")
     bulk = MoELayer(cfg.d_model, cfg.ffn, cfg.experts, cfg.top_k, **kw)
-    fused = MoELayer(cfg.d_model, cfg.ffn, cfg.experts, cfg.top_k, comm="fused", **kw)
+    fused = MoELayer(cfg.d_model, cfg.ffn, cfg.experts, cfg.top_k, comm="fused",
+                     fused=FusedMoEConfig(max_tokens_per_rank=cfg.tokens), **kw)
     gen = torch.Generator(device="cuda").manual_seed(100 + rank)
     x = torch.randn(cfg.tokens, cfg.d_model, device="cuda", dtype=torch.bfloat16, generator=gen)
     grad = torch.randn(cfg.tokens, cfg.d_model, device="cuda", dtype=torch.bfloat16, generator=gen)

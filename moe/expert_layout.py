@@ -12,9 +12,9 @@ expert output row j back at row `recv_source_row[j]` of rank `recv_source_rank[j
 which `moe.permute.unpermute` consumes. The owner's grouped GEMMs walk row tiles that the tile tables list
 (`tile_tables`), in the order their rows arrive or leave.
 
-The dispatch's forward needs no host-known size: its share of the tables (`DispatchTables`) is made from the
-counts on the device at a receive capacity chosen beforehand, so that the host launches it before it reads the
-counts (`build_expert_layout`, the one host sync).
+The forward needs no host-known size: its tables (`DispatchTables`: the dispatch's and the combine's) are made from
+the counts on the device at a receive capacity chosen beforehand, so that the host launches the whole forward
+without reading the counts; the backward's tables (`build_expert_layout`) come from the counts on the host.
 """
 
 from __future__ import annotations
@@ -59,8 +59,6 @@ class ExpertLayout:
     # this rank as an owner: the row tiles of its grouped GEMMs (`tile_tables`), int64 on the counts' device
     gemm_tiles: torch.Tensor  # [5, tiles of owner_tile_rows]: local expert, first row, end row of the expert, then
     # two walk orders: the rows' arrival (dispatch GEMM 1) and their departure (its backward GEMM)
-    combine_tiles: torch.Tensor  # [6, tiles of tile_rows]: first row, rows, local expert, source, first source row,
-    # flag slot; one (local expert, source) block each, remote sources first (the combine's GEMM 2)
     combine_grad_tiles: torch.Tensor  # [3, tiles of tile_rows]: local expert, first row, end row (its grad_h GEMM)
 
     @property
@@ -71,11 +69,12 @@ class ExpertLayout:
 
 @dataclass
 class DispatchTables:
-    """What the dispatch's forward (the push and GEMM 1) reads, made from the counts on the device, so that the
-    host launches them without waiting for the counts: the receive side covers `capacity` rows, chosen before the
-    counts were seen. Rows past it are neither pushed nor computed; once the counts reach the host the caller
-    compares ExpertLayout.max_recv_rows with the capacity and, when the rows did not fit, dispatches again in larger
-    buffers."""
+    """What the forward's kernels (the dispatch's push and GEMM 1, the combine's GEMM 2 and weighted unpermute)
+    read, made from the counts on the device, so that the host launches them without waiting for the counts: the
+    receive side covers `capacity` rows, chosen before the counts were seen. Rows past it are neither pushed nor
+    computed; unless the capacity is a bound no routing can exceed (moe.layer: FusedMoEConfig.max_tokens_per_rank),
+    the caller compares ExpertLayout.max_recv_rows with it once the counts reach the host and, when the rows did
+    not fit, dispatches again in larger buffers."""
     counts: torch.Tensor  # int64 [world, num_experts], C[s, g]
     rank: int
     world: int
@@ -85,10 +84,22 @@ class DispatchTables:
     rows: list[torch.Tensor]  # expert_rows' tables; the two receive tables have `capacity` entries
     gemm_tiles: torch.Tensor  # [5, max row tiles]: ExpertLayout.gemm_tiles, its first `row_tiles` columns filled
     row_tiles: torch.Tensor  # int64 [1]: the row tiles gemm_tiles lists
+    combine_tiles: torch.Tensor  # [6, max tiles]: the combine GEMM's row tiles, its first `combine_row_tiles`
+    # columns filled: first row, rows, local expert, source, first source row, flag slot; one (local expert, source)
+    # block each, remote sources first
+    combine_row_tiles: torch.Tensor  # int64 [1]: the tiles combine_tiles lists
+
+    @property
+    def send_dest_rank(self) -> torch.Tensor:
+        return self.rows[0]
 
     @property
     def send_dest_row(self) -> torch.Tensor:
         return self.rows[1]
+
+    @property
+    def send_tile(self) -> torch.Tensor:
+        return self.rows[2]
 
     @property
     def recv_source_rank(self) -> torch.Tensor:
@@ -131,11 +142,14 @@ def dispatch_tables(counts: torch.Tensor, rank: int, num_local_experts: int, til
     which the host knows. Two kernel launches, no host sync."""
     world, counts = counts.shape[0], _checked(counts, num_local_experts)
     rows = expert_rows(counts, rank, num_local_experts, (tile_rows, owner_tile_rows), num_sent, capacity)
-    # Row tiles of `capacity` rows: at most one partial tile per local expert besides the full ones.
-    gemm, listed = gemm_tile_table(counts, rank, num_local_experts, tile_rows, owner_tile_rows,
-                                   triton.cdiv(capacity, owner_tile_rows) + num_local_experts)
+    # Row tiles of `capacity` rows: at most one partial tile per local expert (GEMM 1) or per (local expert, source)
+    # block (GEMM 2) besides the full ones.
+    bounds = (triton.cdiv(capacity, owner_tile_rows) + num_local_experts,
+              triton.cdiv(capacity, tile_rows) + num_local_experts * world, 0)
+    gemm, listed, combine, combine_listed, _ = _tile_tables(counts, rank, num_local_experts, tile_rows,
+                                                            owner_tile_rows, bounds, 2)
     return DispatchTables(counts, rank, world, num_local_experts, (tile_rows, owner_tile_rows), capacity, rows, gemm,
-                          listed)
+                          listed, combine, combine_listed)
 
 
 def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int,
@@ -172,7 +186,7 @@ def build_expert_layout(counts: torch.Tensor, rank: int, num_local_experts: int,
         recv_source_row=tables[5],
         tokens_per_local_expert=my_blocks.reshape(num_local_experts, world).sum(axis=1).tolist(),
         max_recv_rows=int(owner_blocks.sum(axis=1).max()), max_send_rows=int(c.sum(axis=1).max()),
-        gemm_tiles=tiles[0], combine_tiles=tiles[1], combine_grad_tiles=tiles[2])
+        gemm_tiles=tiles[0], combine_grad_tiles=tiles[1])
 
 
 @triton.jit(do_not_specialize=["rank", "num_sent", "num_received", "send_programs"])  # one variant for all steps
@@ -296,17 +310,22 @@ def expert_row_tiles(sizes: np.ndarray, block_m: int) -> tuple[np.ndarray, np.nd
 
 # -- the owner's tile tables ---------------------------------------------------------------------------------------
 def tile_counts(host_counts: np.ndarray, rank: int, num_local_experts: int, tile_rows: int,
-                owner_tile_rows: int) -> tuple[int, int, int]:
-    """Rows of the three tile tables (gemm, combine, combine_grad) of owner `rank`, from C on the host."""
-    blocks = host_counts[:, rank * num_local_experts:(rank + 1) * num_local_experts]  # [source, local expert]
-    sizes = blocks.sum(axis=0)
-    return (int((-(-sizes // owner_tile_rows)).sum()), int((-(-blocks // tile_rows)).sum()),
-            int((-(-sizes // tile_rows)).sum()))
+                owner_tile_rows: int) -> tuple[int, int]:
+    """Columns of the layout's two tile tables (gemm_tiles, combine_grad_tiles) of owner `rank`, from C on the
+    host."""
+    sizes = host_counts[:, rank * num_local_experts:(rank + 1) * num_local_experts].sum(axis=0)
+    return int((-(-sizes // owner_tile_rows)).sum()), int((-(-sizes // tile_rows)).sum())
+
+
+def send_slots(host_counts: np.ndarray, tile_rows: int) -> int:
+    """The most combine flag slots one source numbers (its tiles of `tile_rows` per global expert), from C."""
+    return int((-(-np.asarray(host_counts) // tile_rows)).sum(axis=1).max())
 
 
 def tile_tables_reference(host_counts: np.ndarray, rank: int, num_local_experts: int, tile_rows: int,
                           owner_tile_rows: int) -> list[np.ndarray]:
-    """What `tile_tables` computes, in numpy: [gemm_tiles, combine_tiles, combine_grad_tiles] (ExpertLayout).
+    """In numpy: [gemm_tiles, combine_tiles, combine_grad_tiles] (the layout's `tile_tables`; combine_tiles:
+    DispatchTables').
     Walk orders: arrival, tiles of this rank's rows only first, then by the rotated rank of the latest source among
     the tile's rows (rank - 1 pushes here first); departure, by the rotated rank of the tile's sources, rank + 1
     first, tiles holding this rank's rows last (stable: expert order among equals)."""
@@ -401,13 +420,14 @@ def _place(key, valid, before, W_P2: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["rank", "n_gemm", "n_combine", "n_grad"])  # one variant for all steps
-def _tile_tables_kernel(counts_ptr, gemm_ptr, gemm_count_ptr, combine_ptr, grad_ptr, rank, n_gemm, n_combine, n_grad,
-                        WORLD: tl.constexpr, L: tl.constexpr, W_P2: tl.constexpr, L_P2: tl.constexpr,
-                        E_P2: tl.constexpr, TILE_ROWS: tl.constexpr, OWNER_TILE_ROWS: tl.constexpr,
-                        CHUNK: tl.constexpr):
-    """Program 0: gemm_tiles, program 1: combine_tiles, program 2: combine_grad_tiles (ExpertLayout), each over
-    its tiles CHUNK at a time. gemm_tiles has n_gemm columns: the owner's row tiles, or before the host knows them
-    a bound; program 0 lists the first min(n_gemm, row tiles) and stores that number at gemm_count_ptr. The walk
+def _tile_tables_kernel(counts_ptr, gemm_ptr, gemm_count_ptr, combine_ptr, combine_count_ptr, grad_ptr, rank, n_gemm,
+                        n_combine, n_grad, WORLD: tl.constexpr, L: tl.constexpr, W_P2: tl.constexpr,
+                        L_P2: tl.constexpr, E_P2: tl.constexpr, TILE_ROWS: tl.constexpr,
+                        OWNER_TILE_ROWS: tl.constexpr, CHUNK: tl.constexpr):
+    """Program 0: gemm_tiles, program 1: combine_tiles (DispatchTables), program 2: combine_grad_tiles (ExpertLayout),
+    each over its tiles CHUNK at a time. gemm_tiles has n_gemm columns and combine_tiles n_combine: before the host
+    knows the owner's row tiles, a bound; programs 0 and 1 list the first min(bound, tiles) and store that number at
+    gemm_count_ptr / combine_count_ptr. The walk
     orders are a stable counting sort by key: a tile's place is the number of tiles of smaller keys plus those of
     its key before it (two passes: the keys' totals, then the places). `while` loops: the interpreter cannot
     range() up to an argument."""
@@ -470,10 +490,12 @@ def _tile_tables_kernel(counts_ptr, gemm_ptr, gemm_count_ptr, combine_ptr, grad_
         slot = tl.sum((earlier + TILE_ROWS - 1) // TILE_ROWS, axis=1)
         tiles = (rows + TILE_ROWS - 1) // TILE_ROWS
         first_tile = tl.cumsum(tiles, axis=0) - tiles
+        listed = tl.minimum(tl.sum(tiles, axis=0), n_combine)
+        tl.store(combine_count_ptr, listed.to(tl.int64))
         first = 0
-        while first < n_combine:
+        while first < listed:
             i = first + lanes
-            valid = i < n_combine
+            valid = i < listed
             block = _run_of(i, tiles)
             k = i - _pick(first_tile, block, E_P2)  # the tile's place in its block
             out = combine_ptr + i
@@ -499,33 +521,24 @@ def _tile_tables_kernel(counts_ptr, gemm_ptr, gemm_count_ptr, combine_ptr, grad_
 
 def tile_tables(counts: torch.Tensor, host_counts: np.ndarray, rank: int, num_local_experts: int, tile_rows: int,
                 owner_tile_rows: int) -> list[torch.Tensor]:
-    """[gemm_tiles, combine_tiles, combine_grad_tiles] (ExpertLayout) of owner `rank` on counts' device, in one
-    launch (`tile_tables_reference` in numpy); views of one buffer, each starting on a 16-byte boundary."""
-    sizes = tile_counts(host_counts, rank, num_local_experts, tile_rows, owner_tile_rows)
-    gemm, _, combine, grad = _tile_tables(counts, rank, num_local_experts, tile_rows, owner_tile_rows, sizes, 3)
-    return [gemm, combine, grad]
-
-
-def gemm_tile_table(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int, owner_tile_rows: int,
-                    max_row_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """gemm_tiles (ExpertLayout) of owner `rank` with `max_row_tiles` columns, without reading the counts on the
-    host: the first min(max_row_tiles, row tiles) columns are the owner's row tiles, and their number comes back
-    on the device (int64 [1])."""
-    gemm, listed, _, _ = _tile_tables(counts, rank, num_local_experts, tile_rows, owner_tile_rows,
-                                      (max_row_tiles, 0, 0), 1)
-    return gemm, listed
+    """[gemm_tiles, combine_grad_tiles] (ExpertLayout) of owner `rank` on counts' device, in one launch
+    (`tile_tables_reference` in numpy); views of one buffer, each starting on a 16-byte boundary."""
+    n_gemm, n_grad = tile_counts(host_counts, rank, num_local_experts, tile_rows, owner_tile_rows)
+    gemm, _, _, _, grad = _tile_tables(counts, rank, num_local_experts, tile_rows, owner_tile_rows,
+                                       (n_gemm, 0, n_grad), 3)
+    return [gemm, grad]
 
 
 def _tile_tables(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int, owner_tile_rows: int,
                  sizes: tuple[int, int, int], programs: int) -> list[torch.Tensor]:
-    """[gemm_tiles, gemm tiles listed, combine_tiles, combine_grad_tiles] of sizes[k] columns, views of one buffer;
-    `programs`: 3 fills every table, 1 gemm_tiles only."""
+    """[gemm_tiles, gemm tiles listed, combine_tiles, combine tiles listed, combine_grad_tiles] of sizes[k]
+    columns, views of one buffer; `programs`: 3 fills every table, 2 the first two."""
     world, counts = counts.shape[0], counts.contiguous()  # read whole
-    shapes = [(5, sizes[0]), (1, 1), (6, sizes[1]), (3, sizes[2])]
+    shapes = [(5, sizes[0]), (1, 1), (6, sizes[1]), (1, 1), (3, sizes[2])]
     starts = np.cumsum([0] + [_even(k * n) for k, n in shapes])
     flat = torch.empty(int(starts[-1]), dtype=torch.int64, device=counts.device)
     tables = [flat[int(a):int(a) + k * n].view(k, n) for a, (k, n) in zip(starts, shapes)]
-    tables[1] = tables[1].view(1)
+    tables[1], tables[3] = tables[1].view(1), tables[3].view(1)
     if max(sizes):
         shape = (world, num_local_experts, triton.next_power_of_2(world), triton.next_power_of_2(num_local_experts),
                  triton.next_power_of_2(world * num_local_experts), tile_rows, owner_tile_rows,

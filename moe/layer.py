@@ -9,9 +9,12 @@ comm="fused" (CUDA symmetric memory, under torchrun): every rank all-gathers the
 address of every row (moe.expert_layout). Each source pushes its routed rows into the owners' buffers and the
 owner's first expert GEMM waits per tile for just the rows it reads (moe.kernels.fused_dispatch); the second
 expert GEMM stores its output tiles straight into the sources' buffers and each source's weighted unpermute
-consumes them as their flags arrive (moe.kernels.fused_combine). The host launches the push and the first GEMM
-before it reads the counts (their tables are made on the GPU, for the receive capacity of earlier calls), so the
-counts' host sync and the layout's host work overlap the GEMM (`_fused_dispatch`); on GPUs those launches are
+consumes them as their flags arrive (moe.kernels.fused_combine). Every table of the forward's kernels is made from
+the counts on the GPU, for a receive capacity chosen before the counts are seen, so the host launches the forward
+without waiting for them. With FusedMoEConfig.max_tokens_per_rank that capacity is a bound no routing can exceed and
+the host never reads the counts in the forward (the backward's layout reads them, long after their copy ended);
+without it the capacity is that of earlier calls, and the host reads the counts once the first GEMM is queued,
+to dispatch again should the rows have outgrown it (`_fused_dispatch`). On GPUs the dispatch's launches are
 replayed as a CUDA graph once a call repeats (`_dispatch_at_capacity`). Backward: see _FusedExperts.
 """
 
@@ -23,6 +26,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import triton
 from torch import nn
 
 from fused_dlrm.dist import all_to_all_v, exchange_counts
@@ -31,7 +35,8 @@ from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.dist.reorder import inverse_permutation, reorder
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, _Workspace
 from fused_dlrm.kernels.graphed_calls import GraphedCalls, Lease
-from moe.expert_layout import DispatchTables, ExpertLayout, build_expert_layout, dispatch_tables, gather_counts
+from moe.expert_layout import (DispatchTables, ExpertLayout, build_expert_layout, dispatch_tables, gather_counts,
+                               send_slots)
 from moe.experts import SwiGLUExperts
 from moe.kernels.fused_combine import FusedCombine
 from moe.kernels.fused_dispatch import FusedDispatch, gemm_config
@@ -52,6 +57,11 @@ class FusedMoEConfig:
     wait_timeout_spins: int = 20_000_000  # polls of a flag before a wait gives up and names rank and slice
     cuda_graphs: bool = True  # GPUs: the dispatch's launches before the counts' host sync replayed as CUDA graphs
     # (less host time per forward; each graph keeps its h, a13 and tables allocated between calls)
+    max_tokens_per_rank: int | None = None  # the most tokens any rank passes to one forward. With it the forward
+    # never waits for the counts on the host: the buffers hold the most rows any routing of that many tokens can
+    # bring (an owner receives at most world x max_tokens_per_rank x min(top_k, local experts) rows: at world > 1
+    # up to world times what balanced routing needs), and a call with more tokens is refused. None: the buffers
+    # grow to the rows seen, and each forward reads the counts on the host (one sync).
 
 
 class MoELayer(nn.Module):
@@ -77,7 +87,7 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(d_model, num_experts, top_k, renormalize, capacity_factor, seed, dtype, device)
         self.experts = SwiGLUExperts(self.num_local_experts, d_model, ffn, self.rank * self.num_local_experts,
                                      seed, dtype, device)
-        self.dispatch = self.combine = self._dispatch_graphs = None
+        self.dispatch = self.combine = self._dispatch_graphs = self.max_tokens = None
         if comm == "fused":
             if workspace is None:
                 on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
@@ -92,6 +102,16 @@ class MoELayer(nn.Module):
             self.combine = FusedCombine(workspace, d_model, self.num_local_experts,
                                         fused.num_programs or _combine_programs(workspace.device), spins)
             self._dispatch_graphs = GraphedCalls() if fused.cuda_graphs and workspace.device.type == "cuda" else None
+            self.max_tokens = fused.max_tokens_per_rank
+            if self.max_tokens is not None:
+                if self.max_tokens < 1:
+                    raise ValueError(f"max_tokens_per_rank={self.max_tokens} must be positive")
+                most_received = self.world * self.max_tokens * min(top_k, self.num_local_experts)
+                self.dispatch.reserve(most_received, most_received)  # never outgrown
+                # A source's flag slots: one per tile of each expert's rows, at most one partial tile per expert.
+                most_sent = self.max_tokens * top_k
+                self.combine.reserve(most_sent, triton.cdiv(most_sent, self.combine.blocks.block_m)
+                                     + min(num_experts, most_sent))
 
     def forward(self, x: torch.Tensor, logit_bias: torch.Tensor | None = None,
                 alongside: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
@@ -101,8 +121,9 @@ class MoELayer(nn.Module):
         coefficients), tokens_per_expert ([num_experts], this rank's kept assignments), dropped (assignments
         dropped by the capacity) and tokens_per_local_expert ([num_local_experts], rows this rank's experts ran),
         all tensors on x's device (reading them on the host waits for the GPU). Host syncs of a forward: the
-        counts that size the exchanges (one; comm="fused" reads them once the first expert GEMM is queued), and
-        permute's row count when a capacity can drop assignments.
+        counts that size the exchanges (bulk; comm="fused" reads them once the first expert GEMM is queued, and
+        with max_tokens_per_rank not at all: its backward does), and permute's row count when a capacity can drop
+        assignments.
         `logit_bias` is passed to the router (tests force skewed routings with it).
         `alongside`: work that does not depend on the routing (the Transformer's shared expert), run once the counts
         are on their way to the host and before the host waits for them, so that the GPU runs it while the host
@@ -142,34 +163,37 @@ class MoELayer(nn.Module):
         return y, aux
 
     def _fused_dispatch(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation, w13_param: torch.Tensor,
-                        keep_a13: bool, overlap: _Alongside) -> tuple[ExpertLayout, _Dispatched]:
-        """The fused dispatch and GEMM 1 -> (layout, what it made), cut to the rows received.
+                        keep_a13: bool, overlap: _Alongside) -> tuple[_HostLayout, _Dispatched]:
+        """The fused dispatch and GEMM 1 -> (the call's layout, built when first asked for; what the dispatch made,
+        at the receive capacity), with the combine's buffers reserved.
 
-        The push and the GEMM are launched from tables the GPU makes from the counts, for the receive capacity
-        that earlier calls reserved; only then the host reads the counts (the layout), while the GEMM runs. When
-        this call's rows did not fit (every rank sees it in the same counts) the dispatch runs again in buffers
-        reserved for them. The first call has no capacity yet: it reads its counts first. `overlap` is queued
-        behind GEMM 1, before the host waits for the counts."""
-        on_host = PendingHostCopy(counts)  # enqueued before the dispatch: reading it waits for the counts only
-        layout = None
+        The push and the GEMM are launched from tables the GPU makes from the counts. With max_tokens_per_rank
+        their capacity is a bound no routing exceeds, and the host does not read the counts. Without it, the
+        capacity is the one earlier calls reserved, and only then the host reads the counts (the layout), while the
+        GEMM runs; when this call's rows did not fit (every rank sees it in the same counts) the dispatch runs
+        again in buffers reserved for them. The first call has no capacity yet: it reads its counts first.
+        `overlap` is queued behind GEMM 1, before the host waits for the counts."""
+        # enqueued before the dispatch: reading it waits for the counts only
+        layout = _HostLayout(self, counts, PendingHostCopy(counts), self._tile_rows(x))
         if not self.dispatch.capacity:
-            layout = self._layout(counts, x, on_host.get())
-            self.dispatch.reserve(layout.max_recv_rows, layout.total_rows)
+            self.dispatch.reserve(layout.get().max_recv_rows, layout.get().total_rows)
         out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13)
         overlap()
-        if layout is None:
-            layout = self._layout(counts, x, on_host.get(), out.tables)  # the host sync, with GEMM 1 queued
-        if layout.max_recv_rows > self.dispatch.capacity:
+        if self.max_tokens is not None:
+            return layout, out
+        lay = layout.get(out.tables)  # the host sync, with GEMM 1 queued
+        if lay.max_recv_rows > self.dispatch.capacity:
             if x.is_cuda:  # the first try's kernels end before its buffers go
                 torch.cuda.current_stream(x.device).synchronize()
             old_capacity = self.dispatch.capacity
-            self.dispatch.reserve(layout.max_recv_rows, layout.total_rows)
+            self.dispatch.reserve(lay.max_recv_rows, lay.total_rows)
             if self._dispatch_graphs is not None:  # their keys name the old capacity: they cannot come again
                 self._dispatch_graphs.clear()
             log.info("MoE dispatch: %d rows per owner outgrew the receive capacity %d: dispatched again at %d",
-                     layout.max_recv_rows, old_capacity, self.dispatch.capacity)
+                     lay.max_recv_rows, old_capacity, self.dispatch.capacity)
             out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13)
-        return layout, out.cut(sum(layout.tokens_per_local_expert))
+        self.combine.reserve(lay.max_send_rows, send_slots(lay.host_counts, lay.tile_rows), lay.total_rows)
+        return layout, out
 
     def _dispatch_at_capacity(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation,
                               w13_param: torch.Tensor, keep_a13: bool) -> _Dispatched:
@@ -203,11 +227,6 @@ class MoELayer(nn.Module):
             (tables, h, a13, w13), lease = self._dispatch_graphs(key, launch, inputs, hold=keep_a13)
         return _Dispatched(tables, dispatch.end(epoch), h, a13, w13, lease)
 
-    def _layout(self, counts: torch.Tensor, x: torch.Tensor, host_counts: torch.Tensor,
-                dispatched: DispatchTables | None = None) -> ExpertLayout:
-        return build_expert_layout(counts, self.rank, self.num_local_experts, *self._tile_rows(x),
-                                   dispatched=dispatched, host_counts=host_counts)
-
     def _tile_rows(self, x: torch.Tensor) -> tuple[int, int]:
         """Row tiles of the combine's GEMM and of the owner's (the dispatch's backward GEMM numbers its flags)."""
         return self.combine.blocks.block_m, gemm_config(x.device, x.dtype, backward=True).block_m
@@ -216,8 +235,28 @@ class MoELayer(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.d_model or not x.is_floating_point():
             raise ValueError(f"MoELayer takes x as floating-point [tokens, d_model={self.d_model}], got "
                              f"{list(x.shape)} {x.dtype}")
+        if self.comm == "fused" and self.max_tokens is not None and x.shape[0] > self.max_tokens:
+            raise ValueError(f"rank {self.rank}: {x.shape[0]} tokens, more than max_tokens_per_rank="
+                             f"{self.max_tokens} (FusedMoEConfig), which sizes the fused exchange's buffers")
         if logit_bias is not None and logit_bias.shape != (self.num_experts,):
             raise ValueError(f"logit_bias must be [num_experts={self.num_experts}], got {list(logit_bias.shape)}")
+
+
+class _HostLayout:
+    """A call's ExpertLayout, built from the counts' copy to the host when first asked for: in the forward without
+    max_tokens_per_rank (the host sync), else in the backward, long after the copy ended (none under no_grad)."""
+
+    def __init__(self, layer: MoELayer, counts: torch.Tensor, on_host: PendingHostCopy, tile_rows: tuple[int, int]):
+        self.layer, self.counts, self.on_host, self.tile_rows = layer, counts, on_host, tile_rows
+        self._layout: ExpertLayout | None = None
+
+    def get(self, dispatched: DispatchTables | None = None) -> ExpertLayout:
+        """`dispatched`: the call's tables, whose per-row tables the layout reuses when they hold every row."""
+        if self._layout is None:
+            layer = self.layer
+            self._layout = build_expert_layout(self.counts, layer.rank, layer.num_local_experts, *self.tile_rows,
+                                               dispatched=dispatched, host_counts=self.on_host.get())
+        return self._layout
 
 
 @dataclass
@@ -230,10 +269,6 @@ class _Dispatched:
     a13: torch.Tensor | None  # training only
     w13: torch.Tensor  # the weights GEMM 1 read (cast to the rows' dtype)
     lease: Lease | None  # on h, a13, w13 and the tables, when they are a CUDA graph's (training)
-
-    def cut(self, rows: int) -> _Dispatched:
-        return _Dispatched(self.tables, self.received[:rows], self.h[:rows],
-                           None if self.a13 is None else self.a13[:rows], self.w13, self.lease)
 
 
 class _Alongside:
@@ -312,13 +347,12 @@ class _FusedExperts(torch.autograd.Function):
         training = any(needs_grad)
         w2 = w2_param.to(x.dtype)  # the parameter itself when of x's dtype (w13's cast is the dispatch's)
         layout, out = layer._fused_dispatch(x, counts, perm, w13_param, training, overlap)
-        # The combine's tables (host work): they overlap GEMM 1 instead of delaying its launch.
-        epoch = layer.combine.start(out.h, w2, layout)
+        epoch = layer.combine.start(out.h, w2, out.tables)
         rows = x.new_empty(weights.numel(), x.shape[1]) if needs_grad[1] else None  # by assignment
-        y = layer.combine.finish(epoch, layout, perm, weights, rows_out=rows)
+        y = layer.combine.finish(epoch, out.tables, perm, weights, rows_out=rows)
         if training:  # the receive buffer is the sources' again at the next call
-            ctx.layer, ctx.layout, ctx.perm, ctx.weight_dtype = layer, layout, perm, w13_param.dtype
-            ctx.lease = out.lease
+            ctx.layer, ctx.layout, ctx.tables, ctx.perm = layer, layout, out.tables, perm
+            ctx.weight_dtype, ctx.lease = w13_param.dtype, out.lease
             ctx.save_for_backward(out.received.clone(), out.h, out.a13, rows, weights, out.w13, w2)
         return y
 
@@ -327,7 +361,9 @@ class _FusedExperts(torch.autograd.Function):
         if ctx.lease is not None:
             ctx.lease.check()
         received, h, a13, rows, weights, w13, w2 = ctx.saved_tensors
-        layer, layout, perm = ctx.layer, ctx.layout, ctx.perm
+        layer, layout, perm = ctx.layer, ctx.layout.get(ctx.tables), ctx.perm
+        n = sum(layout.tokens_per_local_expert)  # the rows received, of the capacity's
+        received, h, a13 = received[:n], h[:n], a13[:n]
         grad_y = grad_y.contiguous()
         grad_weights = routing_weights_grad(rows, grad_y, weights) if ctx.needs_input_grad[1] else None
         epoch = layer.combine.start_backward(grad_y.to(h.dtype), perm, weights, layout)

@@ -52,17 +52,21 @@ def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
                            num_heads=m.num_heads, ffn=m.ffn, num_experts=m.num_experts, top_k=m.top_k,
                            moe_every=m.moe_every, shared_expert=m.shared_expert,
                            capacity_factor=m.capacity_factor, seed=cfg.seed, group=dp_group, tp_group=tp_group,
-                           tp_comm=m.tp_comm, moe_comm=cfg.comm.mode, moe_fused=fused_moe_config(cfg),
+                           tp_comm=m.tp_comm, moe_comm=cfg.comm.mode, moe_fused=fused_moe_config(cfg, env),
                            compute_dtype=compute_dtype(m.get("precision", "fp32")))
     return model.to(env.device)
 
 
-def fused_moe_config(cfg: DictConfig) -> FusedMoEConfig | None:
-    """The MoE layers' comm=fused settings (None for comm=bulk)."""
+def fused_moe_config(cfg: DictConfig, env: DistEnv) -> FusedMoEConfig | None:
+    """The MoE layers' comm=fused settings (None for comm=bulk). Every batch has the same shape, so the exchanges'
+    buffers are sized for the largest rank's share of one (its tokens: max_tokens_per_rank), and no forward waits
+    for the routing's counts on the host."""
     if cfg.comm.mode != "fused":
         return None
+    dp_size = env.world_size // cfg.model.tp_size
+    most_samples = -(-cfg.data.global_batch_size // dp_size)  # local_batch_bounds: the first ranks take one more
     return FusedMoEConfig(num_programs=cfg.comm.num_programs, wait_timeout_spins=cfg.comm.wait_timeout_spins,
-                          cuda_graphs=cfg.trainer.cuda_graphs)
+                          cuda_graphs=cfg.trainer.cuda_graphs, max_tokens_per_rank=most_samples * cfg.data.seq_len)
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:

@@ -63,24 +63,30 @@ def test_per_row_tables_match_the_row_by_row_reference(world, local):
 def test_dispatch_tables_made_before_the_host_knows_the_rows(world, local):
     """DispatchTables from the counts on the device at a receive capacity: at one that holds the rows, the layout's
     tables (the receive ones and gemm_tiles padded past the rows and tiles received; the layout then reuses the
-    per-row tables), at one that does not, the rows and tiles below it; the tiles listed come back on the device."""
+    per-row tables) and the combine's tiles, at one that does not, the rows and tiles below it; the tiles listed
+    come back on the device."""
     counts = skewed_counts(world, local, seed=world * 10 + local)
     for rank in range(world):
         lay = build_expert_layout(counts.to(DEVICE), rank, local, tile_rows=4, owner_tile_rows=8)
         received, tiles = lay.recv_source_rank.numel(), lay.gemm_tiles.shape[1]
+        combine_tiles = tile_tables_reference(counts.numpy(), rank, local, 4, 8)[1]
         for capacity in (lay.max_recv_rows + 37, received // 2 + 1):
             tables = dispatch_tables(counts.to(DEVICE), rank, local, 4, 8, int(counts[rank].sum()), capacity)
             fits = min(received, capacity)
             listed = min(tiles, -(-capacity // 8) + local)
             assert tables.row_tiles.item() == listed
+            combine_listed = min(combine_tiles.shape[1], -(-capacity // 4) + local * world)
+            assert tables.combine_row_tiles.item() == combine_listed
+            assert tables.combine_tiles[:, :combine_listed].tolist() == combine_tiles[:, :combine_listed].tolist()
             assert tables.recv_source_rank.numel() == tables.recv_source_row.numel() == capacity
             assert torch.equal(tables.recv_source_rank[:fits], lay.recv_source_rank[:fits])
             assert torch.equal(tables.recv_source_row[:fits], lay.recv_source_row[:fits])
             for got, want in zip(tables.rows[:4], (lay.send_dest_rank, lay.send_dest_row, lay.send_tile,
                                                    lay.send_owner_tile)):
                 assert torch.equal(got, want)
-            if fits == received:  # both walk orders are the layout's
+            if fits == received:  # both walk orders are the layout's, every combine tile listed
                 assert torch.equal(tables.gemm_tiles[:, :listed], lay.gemm_tiles)
+                assert combine_listed == combine_tiles.shape[1]
                 again = build_expert_layout(counts.to(DEVICE), rank, local, 4, 8, dispatched=tables,
                                             host_counts=counts)
                 assert again.recv_source_rank.data_ptr() == tables.recv_source_rank.data_ptr()
@@ -98,14 +104,18 @@ def test_tile_tables_match_the_numpy_reference(world, local):
     """The tile kernel's three tables (the dispatch GEMMs' tiles with both walk orders, the combine's tiles per
     (expert, source) block with their flag slots, the combine gradient GEMM's tiles) against numpy: skewed counts
     (more tiles than one chunk of the kernel), a rank with no rows, an empty expert; tiles of 1 row, equal and
-    different tile sizes."""
+    different tile sizes. The layout's tables, and the combine's from DispatchTables at the rows received."""
     counts = skewed_counts(world, local, seed=world * 10 + local + 1)
     host = counts.numpy()
     for rank in range(world):
+        received = int(host[:, rank * local:(rank + 1) * local].sum())
         for tile_rows, owner_tile_rows in ((4, 8), (16, 16), (1, 16), (16, 1)):
-            got = tile_tables(counts.to(DEVICE), host, rank, local, tile_rows, owner_tile_rows)
+            gemm, grad = tile_tables(counts.to(DEVICE), host, rank, local, tile_rows, owner_tile_rows)
+            tables = dispatch_tables(counts.to(DEVICE), rank, local, tile_rows, owner_tile_rows,
+                                     int(host[rank].sum()), received)
+            combine = tables.combine_tiles[:, :tables.combine_row_tiles.item()]
             want = tile_tables_reference(host, rank, local, tile_rows, owner_tile_rows)
-            for name, g, w in zip(("gemm", "combine", "combine_grad"), got, want):
+            for name, g, w in zip(("gemm", "combine", "combine_grad"), (gemm, combine, grad), want):
                 assert g.tolist() == w.tolist(), (rank, tile_rows, owner_tile_rows, name)
                 assert g.data_ptr() % 16 == 0, name  # Triton specialises pointers on this alignment
 

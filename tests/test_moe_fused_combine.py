@@ -11,7 +11,7 @@ import torch
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
-from moe.expert_layout import build_expert_layout
+from moe.expert_layout import build_expert_layout, dispatch_tables, send_slots
 from moe.kernels.fused_combine import FusedCombine, fused_combine_backward_reference, fused_combine_reference
 from moe.permute import permute
 from sm90 import compile_for_sm90
@@ -20,6 +20,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 
 D_MODEL, FFN, LOCAL = 40, 20, 2  # d_model spans 3 column blocks of 16, the last one partial
 NEVER = -30.0
+OWNER_TILE_ROWS = 16  # the dispatch's backward tiles: unused here
 
 
 @dataclass
@@ -50,19 +51,31 @@ class World:
             perms.append(perm)
             weights.append(top * kept)
         counts = torch.stack([p.tokens_per_expert for p in perms])
-        return perms, weights, [build_expert_layout(counts, r, LOCAL, self.combines[0].blocks.block_m, 16)
-                                 for r in range(self.world_size)], counts
+        return perms, weights, [build_expert_layout(counts, r, LOCAL, self.combines[0].blocks.block_m,
+                                                    OWNER_TILE_ROWS) for r in range(self.world_size)], counts
 
-    def step(self, case: Case, gen: torch.Generator, dtype=torch.float32, starting=None):
+    def tables(self, counts: torch.Tensor, perms, capacity: int):
+        """Every rank's forward tables at a receive capacity (made on the device, as the layer does before the
+        host sees the counts), the combines reserved for the counts."""
+        for c in self.combines:
+            c.reserve(int(counts.sum(dim=1).max()), send_slots(counts.numpy(), c.blocks.block_m))
+        return [dispatch_tables(counts, r, LOCAL, self.combines[0].blocks.block_m, OWNER_TILE_ROWS,
+                                p.order.numel(), capacity) for r, p in enumerate(perms)]
+
+    def step(self, case: Case, gen: torch.Generator, dtype=torch.float32, starting=None, spare_rows=5):
         """One epoch on every rank (those in `starting`, default all, run start), forward and, when every rank
-        started, backward. Returns (outputs, expected outputs, counts)."""
+        started, backward. The GEMM's input holds `spare_rows` rows past the most any owner receives, NaN (a tile
+        past the listed ones would show). Returns (outputs, expected outputs, counts)."""
         perms, weights, layouts, counts = self.route(case, gen)
+        capacity = layouts[0].max_recv_rows + spare_rows
+        tables = self.tables(counts, perms, capacity)
         hs = [torch.randn(sum(lay.tokens_per_local_expert), FFN, generator=gen).to(dtype) for lay in layouts]
+        padded = [torch.cat([h, torch.full((capacity - h.shape[0], FFN), float("nan"), dtype=dtype)]) for h in hs]
         w2s = [torch.randn(LOCAL, FFN, D_MODEL, generator=gen).to(dtype) for _ in layouts]
         starting = range(self.world_size) if starting is None else starting
-        epochs = {r: self.combines[r].start(hs[r], w2s[r], layouts[r]) for r in starting}  # every producer first
+        epochs = {r: self.combines[r].start(padded[r], w2s[r], tables[r]) for r in starting}  # every producer first
         rows_out = [torch.full((w.numel(), D_MODEL), float("nan"), dtype=dtype) for w in weights]
-        outs = [c.finish(epochs[r] if r in epochs else c.ws.next_epoch("combine"), layouts[r], perms[r], weights[r],
+        outs = [c.finish(epochs[r] if r in epochs else c.ws.next_epoch("combine"), tables[r], perms[r], weights[r],
                          rows_out=rows_out[r])
                 for r, c in enumerate(self.combines)]
         expected = fused_combine_reference(hs, w2s, layouts, perms, weights)
@@ -197,9 +210,9 @@ import torch
 from moe.kernels import fused_combine as fc
 
 flags = {n: "*i32" for n in ("ack_ptr", "error_ptr", "ready_ptr")}
-tables = {n: "*i64" for n in ("tiles_ptr", "out_ptrs", "ready_ptrs", "rows_ptrs", "inverse_ptr", "tile_of_row_ptr",
-                              "owner_of_row_ptr", "token_ptr", "dest_rank_ptr", "dest_row_ptr", "source_rank_ptr",
-                              "source_row_ptr")}
+tables = {n: "*i64" for n in ("tiles_ptr", "tile_count_ptr", "out_ptrs", "ready_ptrs", "rows_ptrs", "inverse_ptr",
+                              "tile_of_row_ptr", "owner_of_row_ptr", "token_ptr", "dest_rank_ptr", "dest_row_ptr",
+                              "source_rank_ptr", "source_row_ptr")}
 b = fc.combine_blocks(torch.device("cuda"))  # the blocks FusedCombine launches on GPUs
 shape = dict(D_MODEL=2048, BLOCK_N=b.block_n)
 for dtype in ("bf16", "fp16", "fp32"):
@@ -243,21 +256,33 @@ def test_dot_precision_follows_torch_tf32_setting():
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
+COUNTS = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]])
+
+
+def _refused(combine: FusedCombine, ffn: int, tile_rows: int, reserved: int = 9) -> None:
+    """start on rank 0's tables of COUNTS at 20 receive rows, after reserving `reserved` rows per source."""
+    tables = dispatch_tables(COUNTS, 0, LOCAL, tile_rows, OWNER_TILE_ROWS, 9, 20)
+    combine.reserve(reserved, send_slots(COUNTS.numpy(), combine.blocks.block_m))
+    combine.start(torch.randn(20, ffn), torch.randn(LOCAL, ffn, combine.d_model), tables)
+
+
 def test_a_w2_the_backward_cannot_read_is_refused_in_the_forward():
     """w2 rows of 6 fp32 (24 bytes): TMA, which the backward's grad_h GEMM reads w2 through, needs multiples of 16."""
-    counts = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]])
     combine = FusedCombine(SimulatedWorld(2).workspaces()[0], 6, LOCAL, 2, 1000)
-    layout = build_expert_layout(counts, 0, LOCAL, tile_rows=combine.blocks.block_m, owner_tile_rows=16)
-    h = torch.randn(sum(layout.tokens_per_local_expert), 8)
     with pytest.raises(ValueError, match="w2 .* through TMA"):
-        combine.start(h, torch.randn(LOCAL, 8, 6), layout)
+        _refused(combine, 8, combine.blocks.block_m)
 
 
-def test_a_layout_cut_into_other_tiles_is_refused():
-    """The combine's flag slots number its own tiles (layout.send_tile): a layout cut for another tile size would
-    make the consumers wait on the wrong flags."""
-    counts = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]])
+def test_tables_cut_into_other_tiles_are_refused():
+    """The combine's flag slots number its own tiles (DispatchTables.send_tile): tables cut for another tile size
+    would make the consumers wait on the wrong flags."""
     combine = FusedCombine(SimulatedWorld(2).workspaces()[0], D_MODEL, LOCAL, 2, 1000)
-    layout = build_expert_layout(counts, 0, LOCAL, tile_rows=2 * combine.blocks.block_m, owner_tile_rows=16)
     with pytest.raises(ValueError, match="tiles of"):
-        combine.prepare(layout, torch.float32)
+        _refused(combine, FFN, 2 * combine.blocks.block_m)
+
+
+def test_rows_past_the_reserved_ones_are_refused():
+    """Rank 0 sends 9 rows; a combine buffer reserved for 8 per source cannot hold them."""
+    combine = FusedCombine(SimulatedWorld(2).workspaces()[0], D_MODEL, LOCAL, 2, 1000)
+    with pytest.raises(ValueError, match="9 rows to combine; 8 reserved"):
+        _refused(combine, FFN, combine.blocks.block_m, reserved=8)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
-from moe.expert_layout import build_expert_layout, gather_counts
+from moe.expert_layout import build_expert_layout, dispatch_tables, gather_counts, send_slots
 from moe.kernels.fused_combine import FusedCombine
 from moe.layer import FusedMoEConfig, MoELayer
 from moe.permute import permute
@@ -133,9 +133,12 @@ def peer_never_starts(rank, world, backward):
     ids = torch.randint(0, 2 * world, (64, TOP_K), generator=gen).cuda()
     weights = torch.rand(64, TOP_K, generator=gen).cuda()
     _, perm = permute(torch.zeros(64, 0, device="cuda"), ids, 2 * world)
-    layout = build_expert_layout(gather_counts(perm.tokens_per_expert), rank, 2, combine.blocks.block_m,
-                                 owner_tile_rows=128)  # the dispatch's backward tiles: unused
-    h = torch.randn(sum(layout.tokens_per_local_expert), FFN, generator=gen).to("cuda", torch.bfloat16)
+    counts = gather_counts(perm.tokens_per_expert)
+    layout = build_expert_layout(counts, rank, 2, combine.blocks.block_m, owner_tile_rows=128)  # 128: unused here
+    received = sum(layout.tokens_per_local_expert)
+    tables = dispatch_tables(counts, rank, 2, combine.blocks.block_m, 128, perm.order.numel(), received)
+    combine.reserve(layout.max_send_rows, send_slots(layout.host_counts, combine.blocks.block_m))
+    h = torch.randn(received, FFN, generator=gen).to("cuda", torch.bfloat16)
     w2 = torch.randn(2, FFN, D_MODEL, generator=gen).to("cuda", torch.bfloat16)
     grad_y = torch.randn(64, D_MODEL, generator=gen).to("cuda", torch.bfloat16)
 
@@ -143,7 +146,7 @@ def peer_never_starts(rank, world, backward):
         if backward:
             combine.finish_backward(combine.start_backward(grad_y, perm, weights, layout), layout, h, w2)
         else:
-            combine.finish(combine.start(h, w2, layout), layout, perm, weights)
+            combine.finish(combine.start(h, w2, tables), tables, perm, weights)
 
     step()
     combine.errors.check(block=True)

@@ -17,6 +17,7 @@ from fused_dlrm.kernels import graphed_calls
 from fused_dlrm.kernels.graphed_calls import GraphedCalls
 from graph_stand_in import stand_in_capture
 from moe import MoELayer
+from moe.layer import FusedMoEConfig
 
 D_MODEL, FFN, EXPERTS, TOP_K, SEED = 16, 24, 4, 2, 3
 NEVER = -30.0
@@ -32,6 +33,7 @@ def run(layer, x, bias, grad):
 
 
 @interpreter
+@pytest.mark.parametrize("bounded", [False, True], ids=["grown", "bounded"])
 @pytest.mark.parametrize("tokens,bias,capacity", [
     (13, None, None),
     (17, [0.0, 6.0, 0.0, 0.0], None),  # skewed
@@ -39,10 +41,13 @@ def run(layer, x, bias, grad):
     (15, [0.0, 3.0, 0.0, 0.0], 1.0),  # dropped assignments
     (0, None, None),  # no tokens
 ])
-def test_fused_layer_matches_bulk(tokens, bias, capacity):
+def test_fused_layer_matches_bulk(tokens, bias, capacity, bounded):
+    """Buffers grown to the rows seen, or sized for max_tokens_per_rank (here more than the call's tokens: the
+    kernels must walk only the rows received)."""
     workspace = SimulatedWorld(1).workspaces()[0]
+    config = FusedMoEConfig(max_tokens_per_rank=tokens + 5 if bounded else None)
     fused = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, capacity_factor=capacity, seed=SEED, comm="fused",
-                     workspace=workspace)
+                     fused=config, workspace=workspace)
     bulk = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, capacity_factor=capacity, seed=SEED)
     gen = torch.Generator().manual_seed(tokens)
     bias = None if bias is None else torch.tensor(bias)
@@ -86,6 +91,37 @@ def test_fused_layer_dispatches_again_when_the_rows_outgrow_the_capacity():
         capacities.append(fused.dispatch.capacity)
     assert capacities == [64, 128, 128]
     assert workspace.next_epoch("moe_dispatch") == 5  # the second call dispatched twice
+
+
+@interpreter
+def test_bounded_forward_never_reads_the_counts_on_the_host(monkeypatch):
+    """With max_tokens_per_rank the buffers hold any routing of that many tokens: the forward dispatches once and
+    never waits for the counts (the backward reads them once; a forward under no_grad never), and a call with more
+    tokens is refused, naming the rank and the limit."""
+    workspace = SimulatedWorld(1).workspaces()[0]
+    layer = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused",
+                     fused=FusedMoEConfig(max_tokens_per_rank=20), workspace=workspace)
+    assert layer.dispatch.capacity >= 20 * TOP_K
+    reads = []
+    read = PendingHostCopy.get
+    monkeypatch.setattr(PendingHostCopy, "get", lambda self: reads.append("read") or read(self))
+    gen = torch.Generator().manual_seed(41)
+    for tokens in (20, 7, 0, 20):
+        x, grad = torch.randn(tokens, D_MODEL, generator=gen), torch.randn(tokens, D_MODEL, generator=gen)
+        xi = x.clone().requires_grad_()
+        with torch.no_grad():
+            layer(x, torch.tensor([9.0, 0.0, 0.0, 0.0]))  # every token to expert 0: the most rows one expert gets
+        y, _ = layer(xi)
+        assert reads == []
+        (y * grad).sum().backward()
+        assert reads == ["read"]
+        reads.clear()
+    assert workspace.next_epoch("moe_dispatch") == 9  # once per forward
+    with pytest.raises(ValueError, match="rank 0: 21 tokens, more than max_tokens_per_rank=20"):
+        layer(torch.randn(21, D_MODEL))
+    with pytest.raises(ValueError, match="max_tokens_per_rank=0 must be positive"):
+        MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, comm="fused", fused=FusedMoEConfig(max_tokens_per_rank=0),
+                 workspace=SimulatedWorld(1).workspaces()[0])
 
 
 @interpreter

@@ -19,7 +19,7 @@ from fused_dlrm.dist import DistEnv
 from fused_dlrm.report.layers import (STEP, CommLayer, Mode, forward_backward,
                                       grad_allreduce_layer, no_fused_path, no_grad)
 from moe.layer import FusedMoEConfig, MoELayer
-from moe.train import build_data, build_model, train_step
+from moe.train import build_data, build_model, fused_moe_config, train_step
 from moe.transformer import expert_parameters
 
 
@@ -30,14 +30,14 @@ def fused_moe(cfg: DictConfig, env: DistEnv, layer: MoELayer) -> tuple[MoELayer 
     if reason:
         return reason, reason
     m = cfg.model
-    fused = MoELayer(m.d_model, m.ffn, m.num_experts, m.top_k, group=layer.group, capacity_factor=m.capacity_factor,
-                     device=env.device, comm="fused", fused=FusedMoEConfig())
-    with torch.no_grad():  # router then experts in both (the model's layer renames its experts module only)
-        for mine, theirs in zip(fused.parameters(), layer.parameters(), strict=True):
-            mine.copy_(theirs)
     defaults = {"num_programs": FusedMoEConfig.num_programs, "wait_timeout_spins": FusedMoEConfig.wait_timeout_spins}
     comm = {**defaults, **OmegaConf.to_container(cfg.comm, resolve=True), "mode": "fused", "transport": "p2p"}
     fused_cfg = OmegaConf.create({**OmegaConf.to_container(cfg, resolve=True), "comm": comm})
+    fused = MoELayer(m.d_model, m.ffn, m.num_experts, m.top_k, group=layer.group, capacity_factor=m.capacity_factor,
+                     device=env.device, comm="fused", fused=fused_moe_config(fused_cfg, env))
+    with torch.no_grad():  # router then experts in both (the model's layer renames its experts module only)
+        for mine, theirs in zip(fused.parameters(), layer.parameters(), strict=True):
+            mine.copy_(theirs)
     return fused, build_model(fused_cfg, env)
 
 

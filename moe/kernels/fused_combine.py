@@ -5,7 +5,8 @@ Owner side (`start`): a persistent grouped GEMM out = h @ w2[e] over the rows th
 (local expert, source) block by BLOCK_N columns, so all its rows belong to one source; it is stored at
 `recv_source_row` of that source's symmetric combine buffer (the source's permuted-row order, zero-copy), then
 the tile's ready flag in the source's flag buffer is raised (release, system scope). Tiles for remote sources
-come first, rotated by rank (the layout's combine_tiles); this rank's own tiles last.
+come first, rotated by rank (DispatchTables.combine_tiles, made from the counts on the GPU, whose number the kernel
+reads from memory: the host launches it without knowing the counts); this rank's own tiles last.
 
 Source side (`finish`): a weighted-unpermute kernel; each program takes a block of tokens x BLOCK_N columns,
 waits (bounded) for the flags of exactly the tiles that hold its tokens' k rows, and sums weight * row in
@@ -37,7 +38,7 @@ import triton.language as tl
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels import TL_DTYPES, dot_precision
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready
-from moe.expert_layout import ExpertLayout, receive_capacity
+from moe.expert_layout import DispatchTables, ExpertLayout, receive_capacity
 from moe.experts import grouped_weight_grad
 from moe.kernels.tile_order import grouped_tile
 from moe.kernels.tma_tiles import descriptor, require_tma_readable, transposed_weight_tile
@@ -50,16 +51,13 @@ from moe.permute import Permutation, unpermute
 
 @dataclass
 class CombinePlan:
-    """One epoch's addresses, derived from the layout's counts: what `prepare` computes ahead of the kernels."""
+    """One epoch's tables and buffers, from `start` to `finish`."""
 
-    layout: ExpertLayout
+    tables: DispatchTables  # combine_tiles: the owner GEMM's row tiles; send_tile: the flag slot of each row's tile
     dtype: torch.dtype
     rows: PeerBuffer  # the combine buffer: this rank's permuted rows, written by their owners
     ready: PeerBuffer  # int32 flags, per (flag slot, column block)
     ack: PeerBuffer  # int32 [world]: the epoch each source has finished reading
-    tiles: torch.Tensor  # int64 [6, row tiles] of the owner GEMM (the layout's combine_tiles)
-    tile_of_row: torch.Tensor  # int64 [this rank's permuted rows]: flag slot of the tile holding each row (the
-    # layout's send_tile)
 
 
 @dataclass(frozen=True)
@@ -125,28 +123,29 @@ def fused_combine_backward_reference(grad_ys: list[torch.Tensor], perms: list[Pe
     return out
 
 
-@triton.jit(do_not_specialize=["num_row_tiles", "num_programs", "epoch", "spin_limit"])  # one variant for all steps
-def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, out_ptrs, ready_ptrs, ack_ptr, error_ptr,
-                        num_row_tiles, num_programs, epoch, spin_limit,
+@triton.jit(do_not_specialize=["width", "num_programs", "epoch", "spin_limit"])  # one variant for all steps
+def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, tile_count_ptr, out_ptrs, ready_ptrs, ack_ptr, error_ptr,
+                        width, num_programs, epoch, spin_limit,
                         FFN: tl.constexpr, D_MODEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """Persistent: steps pid, pid + P, ... of the (row tile, column block) walk in grouped order (tile_order); the
-    tile table is remote-first."""
+    tile table ([6, width], its first *tile_count_ptr columns listed) is remote-first."""
     N_COL: tl.constexpr = (D_MODEL + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)
     n = tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
+    num_row_tiles = tl.load(tile_count_ptr).to(tl.int32)
     t = pid
     while t < num_row_tiles * N_COL:
         tile, col = grouped_tile(t, num_row_tiles, N_COL)
         # tile table rows: first h row, row count, local expert, source rank, first source row, flag slot
         h_row = tl.load(tiles_ptr + tile)
-        count = tl.load(tiles_ptr + num_row_tiles + tile)
-        expert = tl.load(tiles_ptr + 2 * num_row_tiles + tile)
-        dest = tl.load(tiles_ptr + 3 * num_row_tiles + tile)
-        dest_row = tl.load(tiles_ptr + 4 * num_row_tiles + tile)
-        slot = tl.load(tiles_ptr + 5 * num_row_tiles + tile)
+        count = tl.load(tiles_ptr + width + tile)
+        expert = tl.load(tiles_ptr + 2 * width + tile)
+        dest = tl.load(tiles_ptr + 3 * width + tile)
+        dest_row = tl.load(tiles_ptr + 4 * width + tile)
+        slot = tl.load(tiles_ptr + 5 * width + tile)
         cols = col * BLOCK_N + n
         row_mask = m < count
         col_mask = cols < D_MODEL
@@ -299,8 +298,10 @@ def _gradient_gemm_kernel(g_ptr, w2_desc, out_ptr, tiles_ptr, source_rank_ptr, s
 class FusedCombine:
     """Expert GEMM 2 + the combine all-to-all + the weighted unpermute, on a symmetric workspace.
 
-    Every rank calls `start` (owner side) and then `finish` (source side) once per epoch, in the same order;
-    in a simulated world every rank's `start` runs before any `finish`.
+    Every rank calls `reserve` (whenever the rows to combine may have grown), then `start` (owner side) and `finish`
+    (source side) once per epoch, in the same order, with the epoch's DispatchTables; in a simulated world every
+    rank's `start` runs before any `finish`. The backward (`start_backward`, `finish_backward`) takes the
+    ExpertLayout.
     """
 
     def __init__(self, workspace: _Workspace, d_model: int, num_local_experts: int, num_programs: int,
@@ -315,54 +316,58 @@ class FusedCombine:
         self._plan: CombinePlan | None = None
         self._grad: tuple | None = None  # (layout, dtype, rows, ready, ack, slots per rank, tiles) of the backward
         self._rows_capacity = 0  # rows of the combine's receive buffer (each source's own rows)
+        self._slots = 0  # flag slots per column block of that buffer
         self._grad_capacity = 0  # the owners' gradient rows: grown as the dispatch's receive capacity is
 
-    def prepare(self, layout: ExpertLayout, dtype: torch.dtype) -> CombinePlan:
-        """The epoch's buffers (allocated or grown: collective on GPUs, sized from the counts on the host) and the
-        layout's tile tables. `start` and `finish` call it for their layout (once per layout)."""
-        if self._plan is not None and self._plan.layout is layout and self._plan.dtype == dtype:
-            return self._plan
-        if layout.tile_rows != self.blocks.block_m:
-            raise ValueError(f"the layout cuts tiles of {layout.tile_rows} rows; this combine's flags number tiles of "
-                             f"{self.blocks.block_m} (build_expert_layout(..., tile_rows=combine.blocks.block_m))")
-        rows, ready, ack = self._buffers(layout, dtype)
-        self._plan = CombinePlan(layout, dtype, rows, ready, ack, layout.combine_tiles, layout.send_tile)
-        return self._plan
+    def reserve(self, max_send_rows: int, max_send_slots: int, total_rows: int = 0) -> None:
+        """Combine buffers for `max_send_rows` permuted rows and `max_send_slots` flag slots (expert_layout.send_slots)
+        per source, the most of any rank (the same on every rank), with room to spare up to `total_rows` when they
+        grow (`receive_capacity`); never shrinking. The buffers are made (a collective on GPUs) by the next
+        `start`."""
+        self._rows_capacity = receive_capacity(max_send_rows, self._rows_capacity, total_rows)
+        self._slots = max(self._slots, triton.next_power_of_2(max(max_send_slots, 1)))
 
-    def start(self, h: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout) -> int:
-        """h [received rows, ffn] in receive order, w2 [local experts, ffn, d_model] (h's dtype): enqueue the GEMM
-        whose tiles land in their sources' combine buffers. Returns the epoch to pass to `finish`."""
+    def start(self, h: torch.Tensor, w2: torch.Tensor, tables: DispatchTables) -> int:
+        """h [tables.capacity, ffn] in receive order (its first rows the ones received), w2 [local experts, ffn,
+        d_model] (h's dtype): enqueue the GEMM whose tiles land in their sources' combine buffers, over the tiles
+        that tables.combine_tiles lists (the GPU reads how many). Returns the epoch to pass to `finish`."""
         self.errors.check()
         if w2.shape != (self.num_local_experts, h.shape[1], self.d_model) or w2.dtype != h.dtype:
             raise ValueError(f"w2 {tuple(w2.shape)} {w2.dtype} does not fit h {tuple(h.shape)} {h.dtype}")
-        if h.shape[0] != sum(layout.tokens_per_local_expert):
-            raise ValueError(f"h has {h.shape[0]} rows; the layout gives {sum(layout.tokens_per_local_expert)}")
+        if h.shape[0] != tables.capacity:
+            raise ValueError(f"h has {h.shape[0]} rows; the tables cover {tables.capacity}")
+        if tables.tile_rows[0] != self.blocks.block_m:
+            raise ValueError(f"the tables cut tiles of {tables.tile_rows[0]} rows; this combine's flags number tiles "
+                             f"of {self.blocks.block_m} (dispatch_tables(..., tile_rows=combine.blocks.block_m))")
+        if tables.send_tile.numel() > self._rows_capacity:
+            raise ValueError(f"{tables.send_tile.numel()} rows to combine; {self._rows_capacity} reserved (reserve "
+                             f"first, for the most rows any rank sends)")
         w2 = w2.contiguous()
         require_tma_readable(w2, "w2")  # the backward reads it through TMA
-        plan = self.prepare(layout, h.dtype)
+        plan = self._plan = CombinePlan(tables, h.dtype, *self._buffers(h.dtype))
         epoch = self.ws.next_epoch("combine")
-        num_row_tiles = plan.tiles.shape[1]
-        if num_row_tiles:
+        tiles = tables.combine_tiles
+        if tiles.shape[1]:
             b = self.blocks
-            grid = min(self.num_programs, num_row_tiles * self.num_col)
+            grid = min(self.num_programs, tiles.shape[1] * self.num_col)
             block_k, stages = _gemm_steps(b, h.dtype, h.is_cuda)
             _expert_down_kernel[(grid,)](
-                h.contiguous(), w2, plan.tiles, plan.rows.peer_ptrs, plan.ready.peer_ptrs,
-                plan.ack.local, self.errors.word, num_row_tiles, grid, epoch, self.spin_limit,
+                h.contiguous(), w2, tiles, tables.combine_row_tiles, plan.rows.peer_ptrs, plan.ready.peer_ptrs,
+                plan.ack.local, self.errors.word, tiles.shape[1], grid, epoch, self.spin_limit,
                 FFN=h.shape[1], D_MODEL=self.d_model, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=block_k,
                 OUT_DTYPE=TL_DTYPES[h.dtype], PRECISION=dot_precision(h.dtype, h.device),
                 num_warps=b.gemm_warps, num_stages=stages)
         return epoch
 
-    def finish(self, epoch: int, layout: ExpertLayout, perm: Permutation, weights: torch.Tensor,
+    def finish(self, epoch: int, tables: DispatchTables, perm: Permutation, weights: torch.Tensor,
                rows_out: torch.Tensor | None = None) -> torch.Tensor:
         """[tokens, d_model] in h's dtype: per token the weighted sum (fp32) of its k expert outputs, each block
         of tokens read as soon as the owners' flags of its rows are up. `rows_out` ([tokens * top_k, d_model],
         h's dtype), if given, receives each assignment's expert output row in assignment order (token t's j-th at
         t * top_k + j; zeros for a dropped one): the routing weights' gradient needs them, and the combine buffer
         itself is the owners' again once `finish` acknowledges the epoch."""
-        if self._plan is None or self._plan.layout is not layout:
-            raise RuntimeError("finish must follow start with the same layout")
+        if self._plan is None or self._plan.tables is not tables:
+            raise RuntimeError("finish must follow start with the same tables")
         plan = self._plan
         num_tokens, top_k = weights.shape
         if rows_out is not None and (rows_out.shape != (weights.numel(), self.d_model)
@@ -374,9 +379,9 @@ class FusedCombine:
             b = self.blocks
             grid = (triton.cdiv(num_tokens, b.block_tokens), self.num_col)
             _weighted_unpermute_kernel[grid](
-                plan.rows.local, perm.inverse, weights.float().contiguous(), plan.tile_of_row,
-                layout.send_dest_rank, plan.ready.local, self.errors.word, out,
-                out if rows_out is None else rows_out, num_tokens, layout.send_dest_rank.numel(), epoch,
+                plan.rows.local, perm.inverse, weights.float().contiguous(), tables.send_tile,
+                tables.send_dest_rank, plan.ready.local, self.errors.word, out,
+                out if rows_out is None else rows_out, num_tokens, tables.send_dest_rank.numel(), epoch,
                 self.spin_limit,
                 D_MODEL=self.d_model, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
                 BLOCK_T=b.block_tokens, BLOCK_N=b.block_n, OUT_DTYPE=TL_DTYPES[plan.dtype],
@@ -447,17 +452,11 @@ class FusedCombine:
         self._grad = (layout, dtype, rows, ready, ack, slots, layout.combine_grad_tiles)
         return rows, ready, ack, slots
 
-    def _buffers(self, layout: ExpertLayout, dtype: torch.dtype):
-        """The combine rows, the flags and the acks, sized from C alone (so every rank asks for the same)."""
-        counts = layout.host_counts
-        max_rows = int(counts.sum(axis=1).max())
-        slots = int(triton.cdiv(counts, self.blocks.block_m).sum(axis=1).max())
-        # Grown with room to spare, so that changing loads rarely re-allocate (a collective on GPUs).
-        self._rows_capacity = receive_capacity(max_rows, self._rows_capacity, layout.total_rows)
+    def _buffers(self, dtype: torch.dtype):
+        """The combine rows, the flags and the acks of the reserved sizes (the same on every rank)."""
         rows = self.ws.buffer("combine_rows", self._rows_capacity * self.d_model, dtype)
         # Flags are never reset, so a larger flag buffer is a new one; zeros read as "not ready" for any epoch.
-        slots = triton.next_power_of_2(max(slots, 1))
-        ready = self.ws.buffer(f"combine_ready_{slots}", slots * self.num_col, torch.int32)
+        ready = self.ws.buffer(f"combine_ready_{self._slots}", self._slots * self.num_col, torch.int32)
         ack = self.ws.buffer("combine_ack", self.world, torch.int32)
         return rows, ready, ack
 

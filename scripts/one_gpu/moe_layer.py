@@ -4,7 +4,9 @@ d=2048, ffn=1408, 32 experts, top-6: 49,152 rows) or, with `--config second`, of
 ffn=14336, 4 experts, top-2: 16,384 rows) or `--config third` (16,384 tokens, d=1024, ffn=512, 32 experts, top-8:
 131,072 rows), bf16. Prints the fused gradients' error against bulk, the GPU's span per forward and
 forward+backward and the 12 longest kernels in it (torch profiler, 10 calls after warm-up; concurrent launches of a
-kernel counted once; the share of the span the GPU sat idle), the wall time per call (20 calls back to back; host
+kernel counted once; the share of the span the GPU sat idle), for bulk and two fused layers ("fused": buffers
+grown to the rows seen, the forward reads the counts on the host; "bounded": sized for the config's tokens,
+FusedMoEConfig.max_tokens_per_rank, no host sync in the forward), the wall time per call (20 calls back to back; host
 time inside the calls; one call between CUDA events), where the host's time goes in a forward and in a forward +
 backward (cProfile), and the timeline of one forward and of one forward + backward in a back-to-back run: every
 top-level host op and GPU kernel with its start, length and the GPU's idle gap before it; `repeat`: 1,000 fused
@@ -30,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from moe import MoELayer
+from moe.layer import FusedMoEConfig
 
 CONFIGS = {"first": (8192, 2048, 1408, 32, 6), "second": (8192, 4096, 14336, 4, 2),  # tokens, d, ffn, experts, k
            "third": (16384, 1024, 512, 32, 8)}
@@ -41,9 +44,17 @@ T, D, F, E, K = CONFIGS[args.config]
 torch.manual_seed(0)  # the same data in every run: errors comparable from run to run
 x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
 g = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-layers = {c: MoELayer(D, F, E, K, seed=1, dtype=torch.bfloat16, device="cuda", comm=c,
-                      workspace=SimulatedWorld(1, "cuda").workspaces()[0] if c == "fused" else None)
-          for c in ("bulk", "fused")}
+
+def fused_layer(max_tokens: int | None = None) -> MoELayer:
+    return MoELayer(D, F, E, K, seed=1, dtype=torch.bfloat16, device="cuda", comm="fused",
+                    fused=FusedMoEConfig(max_tokens_per_rank=max_tokens),
+                    workspace=SimulatedWorld(1, "cuda").workspaces()[0])
+
+
+# "fused": buffers grown to the rows seen (the forward reads the counts on the host); "bounded": sized for T tokens
+# (max_tokens_per_rank: no host sync in the forward)
+layers = {"bulk": MoELayer(D, F, E, K, seed=1, dtype=torch.bfloat16, device="cuda"), "fused": fused_layer(),
+          "bounded": fused_layer(T)}
 
 
 def fwd(layer):
@@ -64,8 +75,11 @@ def fwd_bwd(layer, tokens: int = T) -> dict[str, torch.Tensor]:
 
 
 def errors():
-    """Outputs and gradients of one forward+backward, fused against bulk."""
-    print_errors(fwd_bwd(layers["fused"]), fwd_bwd(layers["bulk"]))
+    """Outputs and gradients of one forward+backward, either fused layer against bulk."""
+    want = fwd_bwd(layers["bulk"])
+    for c in ("fused", "bounded"):
+        print(f"== {c}")
+        print_errors(fwd_bwd(layers[c]), want)
 
 
 def print_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -78,8 +92,8 @@ def grow():
     """A new fused layer called on a quarter of the tokens, then all of them, then half: the second call's rows
     outgrow the receive capacity the first reserved, so it dispatches again in larger buffers (two dispatches);
     every call's output and gradients against bulk."""
-    workspace = SimulatedWorld(1, "cuda").workspaces()[0]
-    fused = MoELayer(D, F, E, K, seed=1, dtype=torch.bfloat16, device="cuda", comm="fused", workspace=workspace)
+    fused = fused_layer()
+    workspace = fused.dispatch.ws
     for tokens in (T // 4, T, T // 2):
         print(f"== {tokens} tokens")
         print_errors(fwd_bwd(fused, tokens), fwd_bwd(layers["bulk"], tokens))
@@ -216,9 +230,9 @@ def timeline():
 
 
 def repeat(calls: int = 1000):
-    """The fused layer's forward+backward, `calls` times on the same input: the output and every gradient must be
-    bit-equal to the first call's, and no wait may time out."""
-    layer = layers["fused"]
+    """The bounded fused layer's forward+backward, `calls` times on the same input: the output and every gradient
+    must be bit-equal to the first call's, and no wait may time out."""
+    layer = layers["bounded"]
     first = fwd_bwd(layer)
     differing = 0
     for i in range(1, calls):

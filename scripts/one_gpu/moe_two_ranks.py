@@ -17,7 +17,7 @@ import sys
 import torch
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
-from moe.expert_layout import build_expert_layout, dispatch_tables
+from moe.expert_layout import build_expert_layout, dispatch_tables, send_slots
 from moe.experts import swiglu
 from moe.kernels.fused_combine import FusedCombine, fused_combine_backward_reference, fused_combine_reference
 from moe.kernels.fused_dispatch import FusedDispatch, dispatch_reference, gated_gemm_reference, gemm_config
@@ -93,8 +93,10 @@ def main() -> int:
             if want.numel():
                 errors[f"h{r}"] = relative(hs[r], gated_gemm_reference(want.double(), lay[r].tokens_per_local_expert,
                                                                        w13[r].double()))
-        epochs = [c.start(h, w, la) for c, h, w, la in zip(combine, hs, w2, lay)]
-        ys = [c.finish(e, la, p, w) for c, e, la, p, w in zip(combine, epochs, lay, perms, weights)]
+        for c in combine:
+            c.reserve(lay[0].max_send_rows, send_slots(lay[0].host_counts, tile_rows[0]))
+        epochs = [c.start(o[1], w, t) for c, o, w, t in zip(combine, out, w2, tables)]  # h of capacity rows
+        ys = [c.finish(e, t, p, w) for c, e, t, p, w in zip(combine, epochs, tables, perms, weights)]
         want_ys = fused_combine_reference([h.cpu() for h in hs], [w.cpu() for w in w2], lay, cpu_perms,
                                           [w.cpu() for w in weights])
         errors.update({f"y{r}": relative(ys[r], want_ys[r]) for r in range(W) if tokens[r]})
