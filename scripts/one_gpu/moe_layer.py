@@ -2,8 +2,9 @@
 with nothing to exchange) at the per-rank GEMM work of issue 4's first config on 2 GPUs (default: 8192 tokens,
 d=2048, ffn=1408, 32 experts, top-6: 49,152 rows) or, with `--config second`, of its second (8192 tokens, d=4096,
 ffn=14336, 4 experts, top-2: 16,384 rows) or `--config third` (16,384 tokens, d=1024, ffn=512, 32 experts, top-8:
-131,072 rows), bf16. Prints the fused gradients' error against bulk, the GPU's span per forward and
-forward+backward and the 12 longest kernels in it (torch profiler, 10 calls after warm-up; concurrent launches of a
+131,072 rows) or `--config quick` (moe.bench --quick's: 2048 tokens, d=512, ffn=256, 8 experts, top-2), bf16.
+Prints the fused gradients' error against bulk, the GPU's span per forward and forward+backward and the 12 longest
+kernels in it (torch profiler, 10 calls after warm-up; concurrent launches of a
 kernel counted once; the share of the span the GPU sat idle), for bulk and two fused layers ("fused": buffers
 grown to the rows seen, the forward reads the counts on the host; "bounded": sized for the config's tokens,
 FusedMoEConfig.max_tokens_per_rank, no host sync in the forward), the wall time per call (20 calls back to back; host
@@ -35,7 +36,7 @@ from moe import MoELayer
 from moe.layer import FusedMoEConfig
 
 CONFIGS = {"first": (8192, 2048, 1408, 32, 6), "second": (8192, 4096, 14336, 4, 2),  # tokens, d, ffn, experts, k
-           "third": (16384, 1024, 512, 32, 8)}
+           "third": (16384, 1024, 512, 32, 8), "quick": (2048, 512, 256, 8, 2)}  # quick: moe.bench --quick's
 parser = argparse.ArgumentParser(prog="scripts/one_gpu/moe_layer.py")
 parser.add_argument("--config", choices=CONFIGS, default="first")
 parser.add_argument("sections", nargs="*", help="errors grow kernels wall host timeline repeat (default: all)")
