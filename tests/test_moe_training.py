@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
+from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.train.rundir import register_resolvers
 from moe.data import ByteWindows, load_corpus, stdlib_corpus
-from moe.train import build_model, train
+from moe.train import build_model, fused_moe_config, train
 from moe.transformer import MoETransformer, expert_parameters
 from world import run_torchrun, run_world
 
@@ -45,6 +46,18 @@ def test_config_composes_and_data_switches_with_the_model():
     assert cfg.model.name == "moe_transformer" and cfg.data.path is None and cfg.data.seq_len == 64
     assert "train" not in cfg.data  # the bytes group, not synthetic
     assert config().data.train._target_.endswith("SyntheticCriteo")  # DLRM keeps its data
+
+
+def test_fused_layers_are_sized_for_the_largest_share_of_a_batch():
+    """comm=fused: max_tokens_per_rank is the most tokens a data-parallel rank's batch holds (5 samples over 2
+    ranks: 3 on rank 0), so the fused forward never reads the counts on the host and no batch is refused."""
+    cfg = config(*SMALL, "comm=fused", "data.global_batch_size=5")
+    for world, tp_size in ((2, 1), (4, 2)):  # 2 data-parallel ranks either way
+        cfg.model.tp_size = tp_size
+        env = DistEnv(rank=1, world_size=world, local_rank=1, device=torch.device("cpu"), backend="gloo")
+        most = max(stop - start for start, stop in (local_batch_bounds(5, r, 2) for r in range(2)))
+        assert fused_moe_config(cfg, env).max_tokens_per_rank == most * cfg.data.seq_len == 3 * 64
+    assert fused_moe_config(config(*SMALL), CPU) is None  # comm=bulk
 
 
 def test_loss_falls_and_metrics_are_logged(tmp_path, caplog):
