@@ -261,7 +261,8 @@ class _HostLayout:
 
 @dataclass
 class _Dispatched:
-    """What the fused dispatch and GEMM 1 made: `capacity` rows, or the rows received once `cut`."""
+    """What the fused dispatch and GEMM 1 made: `capacity` rows, the received ones first (the backward cuts them to
+    the layout's count)."""
 
     tables: DispatchTables
     received: torch.Tensor  # this rank's own rows among them only if the push copied them (training)
@@ -272,9 +273,9 @@ class _Dispatched:
 
 
 class _Alongside:
-    """MoELayer.forward's `alongside`, called by each path once, where it hides the host's sync; in the caller's
-    grad mode (grad is off inside an autograd Function's forward; the result's own graph joins the caller's
-    through its inputs)."""
+    """MoELayer.forward's `alongside`, called by each path once, behind the dispatch (where it hides the host's sync
+    when there is one); in the caller's grad mode (grad is off inside an autograd Function's forward; the result's
+    own graph joins the caller's through its inputs)."""
 
     def __init__(self, fn: Callable[[], torch.Tensor] | None):
         self.fn, self.grad_enabled, self.result = fn, torch.is_grad_enabled(), None
