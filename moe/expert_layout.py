@@ -427,10 +427,9 @@ def _tile_tables_kernel(counts_ptr, gemm_ptr, gemm_count_ptr, combine_ptr, combi
     """Program 0: gemm_tiles, program 1: combine_tiles (DispatchTables), program 2: combine_grad_tiles (ExpertLayout),
     each over its tiles CHUNK at a time. gemm_tiles has n_gemm columns and combine_tiles n_combine: before the host
     knows the owner's row tiles, a bound; programs 0 and 1 list the first min(bound, tiles) and store that number at
-    gemm_count_ptr / combine_count_ptr. The walk
-    orders are a stable counting sort by key: a tile's place is the number of tiles of smaller keys plus those of
-    its key before it (two passes: the keys' totals, then the places). `while` loops: the interpreter cannot
-    range() up to an argument."""
+    gemm_count_ptr / combine_count_ptr. The walk orders are a stable counting sort by key: a tile's place is the
+    number of tiles of smaller keys plus those of its key before it (two passes: the keys' totals, then the
+    places). `while` loops: the interpreter cannot range() up to an argument."""
     E: tl.constexpr = WORLD * L
     pid = tl.program_id(0)
     s = tl.arange(0, W_P2)

@@ -27,6 +27,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
+from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
@@ -63,10 +64,10 @@ def fused_moe_config(cfg: DictConfig, env: DistEnv) -> FusedMoEConfig | None:
     for the routing's counts on the host."""
     if cfg.comm.mode != "fused":
         return None
-    dp_size = env.world_size // cfg.model.tp_size
-    most_samples = -(-cfg.data.global_batch_size // dp_size)  # local_batch_bounds: the first ranks take one more
+    start, stop = local_batch_bounds(cfg.data.global_batch_size, 0, env.world_size // cfg.model.tp_size)
+    # rank 0's share: the first ranks take one sample more when the batch does not split evenly
     return FusedMoEConfig(num_programs=cfg.comm.num_programs, wait_timeout_spins=cfg.comm.wait_timeout_spins,
-                          cuda_graphs=cfg.trainer.cuda_graphs, max_tokens_per_rank=most_samples * cfg.data.seq_len)
+                          cuda_graphs=cfg.trainer.cuda_graphs, max_tokens_per_rank=(stop - start) * cfg.data.seq_len)
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:
