@@ -108,7 +108,7 @@ def relative_error(got, expected):
 @pytest.mark.parametrize("producer", ["copy_engine", "device"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_all_gather_matmul_matches_reference(world_size, config, rows, producer, dtype):
-    k, n = 24, 19  # rows, K and N not multiples of the tiles; SMALL: chunks of 16 rows, the last has 9 (4 in the
+    k, n = 24, 19  # rows, K and N not multiples of the tiles (K a multiple of 8: TMA); SMALL: chunks of 16 rows, the last has 9 (4 in the
     # world of 8, given fewer rows: the interpreter's time grows with world x world x rows); STRADDLE: chunks of 24
     # rows, so the 16-row tile of rows 16..31 reads two chunks
     gen = torch.Generator().manual_seed(11 * world_size)
@@ -154,7 +154,7 @@ def test_a_chunk_that_has_not_landed_is_reported_and_touches_only_its_rows(produ
     """A simulated world where the GEMM runs before one chunk of rank 1 has landed (its data still poison, its flag
     down): rank 0 must report that chunk, and every output row outside it must be exact (no tile reads it unless it
     waited for it; STRADDLE's tiles of rows 16..31 read chunks 0 and 1)."""
-    rows, k, n, missing = 45, 16, 20, 1
+    rows, k, n, missing = 45, 16, 24, 1
     gen = torch.Generator().manual_seed(13)
     workspaces = matmul_world(2)
     shards = [torch.randn(rows, k, generator=gen).to(torch.float16) for _ in range(2)]
@@ -184,7 +184,7 @@ def test_no_tile_reads_a_chunk_before_its_flag(monkeypatch, producer):
     (poison, flags down); a chunk lands (data, then flag) only when a tile first waits for its flag. Tiles run in
     walk order (one program); STRADDLE's tile of rows 16..31 reads chunk 1 before any tile of rows 32.. waits for
     it, so a tile that read rows whose flag it did not wait for returns poison instead of the product."""
-    rows, k, n = 45, 16, 20
+    rows, k, n = 45, 16, 24
     config = dataclasses.replace(STRADDLE, num_programs=1)
     gen = torch.Generator().manual_seed(19)
     shards = [torch.randn(rows, k, generator=gen).to(torch.float16) for _ in range(2)]
@@ -241,7 +241,7 @@ def test_all_gather_matmul_many_calls_alternating_producers():
     workspaces = matmul_world(2)
     for step in range(8):
         shards = [torch.randn(17, 16, generator=gen).to(torch.float16) for _ in range(2)]
-        weight = torch.randn(16, 20, generator=gen).to(torch.float16)
+        weight = torch.randn(16, 24, generator=gen).to(torch.float16)
         for out in run_matmul(workspaces, shards, weight, ["copy_engine", "device"][step % 2]):
             assert relative_error(out, all_gather_matmul_reference(shards, weight)) < 2e-3
 
@@ -260,35 +260,59 @@ def test_all_gather_matmul_on_one_rank_is_a_matmul():
     ws = matmul_world(1)[0]
     gen = torch.Generator().manual_seed(9)
     for _ in range(2):
-        x = torch.randn(33, 20, generator=gen).to(torch.float16)
-        weight = torch.randn(20, 18, generator=gen).to(torch.float16)
+        x = torch.randn(33, 24, generator=gen).to(torch.float16)
+        weight = torch.randn(18, 24, generator=gen).to(torch.float16).t()
         out, gathered = all_gather_matmul(x, weight, ws, "device", return_gathered=True, config=SMALL)
         assert relative_error(out, all_gather_matmul_reference([x], weight)) < 2e-3
         torch.testing.assert_close(gathered, x, rtol=0, atol=0)
+
+
+def test_all_gather_matmul_refuses_what_tma_cannot_read_before_any_work():
+    """Rows of K not a multiple of 8 elements, or a weight whose lying rows are not, are refused with the reason;
+    a refused weight leaves the exchange untouched (no producer started, so no peer waits) and the next call works."""
+    ws = matmul_world(1)[0]
+    with pytest.raises(ValueError, match="K=20 is not a multiple of 8"):
+        all_gather_matmul(torch.randn(8, 20).half(), torch.randn(20, 16).half(), ws, "device", config=SMALL)
+    x = torch.randn(8, 16).half()
+    op = op_for(ws, x, SMALL)
+    for bad in (torch.randn(16, 20).half(),  # N contiguous, rows of 40 bytes
+                torch.randn(40, 16).half()[::2],  # neither dim contiguous
+                torch.randn(16, 24).float()):  # another dtype
+        with pytest.raises(ValueError, match="weight"):
+            all_gather_matmul(x, bad, ws, "device", config=SMALL)
+    assert op.gather.next_epoch() == 1, "no refused call took an epoch"
+    weight = torch.randn(16, 24).half()
+    assert relative_error(all_gather_matmul(x, weight, ws, "device", config=SMALL),
+                          all_gather_matmul_reference([x], weight)) < 2e-3
 
 
 COMPILE_FOR_SM90 = r"""
 from fused_dlrm.kernels import allgather, allgather_gemm
 
 for dtype in ("fp16", "bf16"):
-    types = {n: "*" + dtype for n in ("x_ptr", "w_ptr", "out_ptr", "data_ptr")}
+    types = {n: "*" + dtype for n in ("x_ptr", "out_ptr")}
     types.update({n: "*i64" for n in ("data_ptrs", "ready_ptrs", "ack_ptrs", "counter_ptr")})
     types.update({n: "*i32" for n in ("ready_ptr", "ack_ptr", "error_ptr")}, half_offset="i64", ack_target="i64")
-    for push in (True, False):  # rank 1 arrives as a constexpr
+    for push, w_nk in ((True, True), (False, False)):  # rank 1 arrives as a constexpr
+        types.update(x_desc=f"tensordesc<{dtype}[1, 64, 32]>", gathered_desc=f"tensordesc<{dtype}[1, 64, 32]>",
+                     w_desc=f"tensordesc<{dtype}[64, 32]>" if w_nk else f"tensordesc<{dtype}[32, 64]>")
         build(allgather_gemm._all_gather_matmul_kernel, types, dict(
             rank=1, WORLD=2, PUSH=push, COMPUTE=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32,
-            K_TILES=4, GROUP_M=8, PUSH_R=16, PUSH_C=512, DOT_FP32=False))
-c = allgather_gemm.GemmConfig()  # as on the GPU (rank 0: not a constexpr)
+            K_TILES=4, GROUP_M=8, PUSH_R=16, PUSH_C=512, W_NK=w_nk, ON_GPU=True))
+c = allgather_gemm.GemmConfig()  # as on the GPU (rank 0: not a constexpr), a Linear's weight.t() at K=512
+types.update(x_desc=f"tensordesc<bf16[1, {c.block_m}, {c.block_k}]>",
+             gathered_desc=f"tensordesc<bf16[1, {c.block_m}, {c.block_k}]>",
+             w_desc=f"tensordesc<bf16[{c.block_n}, {c.block_k}]>")
 kernel = build(allgather_gemm._all_gather_matmul_kernel, types, dict(
-    stride_wk=1, WORLD=2, PUSH=True, COMPUTE=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-    K_TILES=512 // c.block_k, GROUP_M=c.group_m, PUSH_R=16, PUSH_C=512, DOT_FP32=False), num_warps=c.num_warps,
-    num_stages=c.num_stages, divisible=("K", "N", "stride_wn", "chunk_rows", "half_offset"))  # a Linear's
-# weight.t() at K=512. Both operands of the pipelined wgmma get one shared buffer per stage: with fewer for one of
-# them (2 for A at 3 stages when the tiles also stored A), the loads running ahead overwrote A under an in-flight
-# wgmma.
+    WORLD=2, PUSH=True, COMPUTE=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+    K_TILES=512 // c.block_k, GROUP_M=c.group_m, PUSH_R=16, PUSH_C=512, W_NK=True, ON_GPU=True),
+    num_warps=c.num_warps, num_stages=c.num_stages, divisible=("K", "N", "chunk_rows", "half_offset"))
+assert "fence.proxy.async.global" in kernel.asm["ptx"]  # between the flags' acquire and the TMA reads
+# Both operands of a pipelined wgmma get one shared buffer per stage: with fewer for one of them (2 for A at 3
+# stages when the tiles also stored A), the loads running ahead overwrote A under an in-flight wgmma.
 import re
 depths = re.findall(r"ttg.local_alloc : \(\) -> !ttg.memdesc<(\d+)x", kernel.asm["ttgir"])
-assert depths == [str(c.num_stages)] * 2, depths
+assert depths and set(depths) == {str(c.num_stages)}, depths
 types = {"x_ptr": "*fp16", "data_ptrs": "*i64", "ready_ptrs": "*i64", "ack_ptr": "*i32", "error_ptr": "*i32",
          "half_offset": "i64"}
 build(allgather._push_kernel, types, dict(rank=1, chunks=1, WORLD=4, BLOCK_R=16, BLOCK_C=512))

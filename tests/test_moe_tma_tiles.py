@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.tma_tiles import descriptor, transposed_weight_tile
+from fused_dlrm.kernels.tma import descriptor
+from moe.kernels.tma_tiles import transposed_weight_tile
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
 

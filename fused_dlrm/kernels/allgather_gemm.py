@@ -5,11 +5,17 @@ they arrive.
                       return_gathered=False, out=None, config=None) -> out [world * rows, N]
                       (or (out, gathered [world * rows, K]) with return_gathered=True)
 
-The consumer is one persistent Triton GEMM (fp16/bf16 in, fp32 accumulate). Its M-tiles never straddle two
-source ranks; a tile of source s waits (bounded) for the flag of every chunk of s its rows touch (`_tile_chunks`:
-one chunk when chunk_rows is a multiple of block_m, two when a tile straddles a chunk boundary). Sources are taken
-in the order rank, rank - 1, rank - 2, ...: the local shard first (read in place from x_shard, no wait), then the
-peers. The shards travel through `SymmetricAllGather`'s buffers and flags:
+The consumer is one persistent Triton GEMM (fp16/bf16 in, fp32 accumulate) reading both operands through TMA
+(kernels/tma.py: K must be a multiple of 8, and the weight's contiguous dim too). Its M-tiles never straddle two
+source ranks. Sources are taken in the order rank, rank - 1, rank - 2, ...: the local shard first (read in place
+from x_shard, no wait), then the peers. Before its first tile of source s, a program waits (bounded) for the flag
+of every chunk of s that its tiles of s read (`_tile_chunks`: one chunk per tile when chunk_rows is a multiple of
+block_m, two when a tile straddles a chunk boundary), then fences the async proxy (TMA reads what the flags
+cover) and runs those tiles in one loop flattened into the K loop, so each tile's first loads overlap the previous
+tile's epilogue; a peer's chunks all travel at once, so waiting for them per source rather than per tile costs
+little, and per tile would break the flattened loop (its loads run stages ahead, into the next tile). Against
+pointer loads and a loop per tile: 504 against 520 us at issue 5's shape on one H200, cuBLAS 499
+(docs/benchmarks.md, 2026-11-25). The shards travel through `SymmetricAllGather`'s buffers and flags:
 - producer="copy_engine": every rank publishes its shard into its own slot (a local copy, then its own flags);
   the consumer waits once (current stream) for every peer's published shard, then pulls it chunk by chunk with the
   copy engines on one side stream per peer, each chunk followed by a stream-written flag in its *own* memory
@@ -48,6 +54,7 @@ from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels.allgather import SymmetricAllGather, push_chunk, wait_chunk
 from fused_dlrm.kernels.launch import interpreting
 from fused_dlrm.kernels.peer_flags import signal_ready
+from fused_dlrm.kernels.tma import async_proxy_fence, descriptor, require_tma_readable
 
 GEMM_PRODUCERS = ("copy_engine", "device")
 
@@ -107,14 +114,59 @@ def _tile_chunks(mb, rows, chunk_rows, BLOCK_M: tl.constexpr):
     return first_row // chunk_rows, last_row // chunk_rows
 
 
+@triton.jit
+def _tile_product(a_desc, a_index, w_desc, out_ptr, out_row0, t, rank, rows, N, WORLD: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                  GROUP_M: tl.constexpr, W_NK: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Tile t's product, stored at rows out_row0 + its rows of out: A blocks from slice a_index of a_desc
+    ([1, BLOCK_M, BLOCK_K]; zeros past the source's rows), weight blocks from w_desc."""
+    _, mb, nb = _tile(t, rank, rows, N, WORLD, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(K_TILES):
+        a = a_desc.load([a_index, mb * BLOCK_M, kt * BLOCK_K]).reshape(BLOCK_M, BLOCK_K)
+        if W_NK:  # a Linear's weight.t(): blocks lie [BLOCK_N, BLOCK_K], transposed in shared memory
+            w = tl.trans(w_desc.load([nb * BLOCK_N, kt * BLOCK_K]))
+        else:
+            w = w_desc.load([kt * BLOCK_K, nb * BLOCK_N])
+        if DOT_FP32:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, w, acc)
+    rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = out_ptr + (out_row0 + rm)[:, None] * N + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm < rows)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _source_tiles(a_desc, a_index, w_desc, out_ptr, out_row0, t_first, t_end, num_programs, rank, rows, N,
+                  WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  K_TILES: tl.constexpr, GROUP_M: tl.constexpr, W_NK: tl.constexpr, ON_GPU: tl.constexpr):
+    """This program's tiles t_first, t_first + num_programs, ... below t_end, all of one source. On GPUs the tile
+    loop is flattened into the K loop, so a tile's first loads are issued while the previous one's epilogue runs
+    (a plain persistent GEMM at issue 5's shape on one H200: 494 against 500 us through TMA, 508 against 583 through
+    pointers; docs/benchmarks.md 2026-11-25); the interpreter cannot take a runtime bound in a for loop, so it
+    walks the same tiles in a while loop."""
+    if ON_GPU:
+        for t in tl.range(t_first, t_end, num_programs, flatten=True):
+            _tile_product(a_desc, a_index, w_desc, out_ptr, out_row0, t, rank, rows, N, WORLD, BLOCK_M, BLOCK_N,
+                          BLOCK_K, K_TILES, GROUP_M, W_NK, False)
+    else:
+        t = t_first
+        while t < t_end:
+            _tile_product(a_desc, a_index, w_desc, out_ptr, out_row0, t, rank, rows, N, WORLD, BLOCK_M, BLOCK_N,
+                          BLOCK_K, K_TILES, GROUP_M, W_NK, True)
+            t += num_programs
+
+
 @triton.jit(do_not_specialize=["epoch", "ack_target"])  # one compiled variant for every epoch
 def _all_gather_matmul_kernel(
-    x_ptr, w_ptr, out_ptr, data_ptr, data_ptrs, ready_ptr, ready_ptrs, ack_ptr, ack_ptrs,
-    counter_ptr, error_ptr, rows, K, N, stride_wk, stride_wn, rank, epoch, chunk_rows, chunks, half_offset,
+    x_ptr, x_desc, gathered_desc, w_desc, out_ptr, data_ptrs, ready_ptr, ready_ptrs, ack_ptr, ack_ptrs,
+    counter_ptr, error_ptr, rows, K, N, rank, epoch, chunk_rows, chunks, half_offset,
     num_programs, spin_limit, ack_target,
     WORLD: tl.constexpr, PUSH: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-    GROUP_M: tl.constexpr, PUSH_R: tl.constexpr, PUSH_C: tl.constexpr, DOT_FP32: tl.constexpr,
+    GROUP_M: tl.constexpr, PUSH_R: tl.constexpr, PUSH_C: tl.constexpr, W_NK: tl.constexpr, ON_GPU: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if PUSH:  # my share of (peer, chunk) pushes, nearest peer first; no local slot: tiles read x_shard in place
@@ -124,41 +176,27 @@ def _all_gather_matmul_kernel(
                        i % chunks, rank, epoch, rows, K, chunk_rows, chunks, half_offset, spin_limit, PUSH_R, PUSH_C)
             i += num_programs
     if COMPUTE:
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        t = pid
-        while t < WORLD * tl.cdiv(rows, BLOCK_M) * tl.cdiv(N, BLOCK_N):
-            source, mb, nb = _tile(t, rank, rows, N, WORLD, BLOCK_M, BLOCK_N, GROUP_M)
-            rm = mb * BLOCK_M + offs_m
-            rn = nb * BLOCK_N + offs_n
-            if source == rank:
-                a_base = x_ptr
-            else:
+        per_source = tl.cdiv(rows, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        _source_tiles(x_desc, 0, w_desc, out_ptr, tl.cast(rank, tl.int64) * rows, pid, per_source, num_programs, rank,
+                      rows, N, WORLD, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, W_NK, ON_GPU)
+        for step in range(1, WORLD):  # then the peers, rank - 1, rank - 2, ...
+            source = (rank + WORLD - step) % WORLD
+            lo = step * per_source
+            t_first = lo + (pid + num_programs - lo % num_programs) % num_programs  # my first tile of this source
+            t = t_first
+            while t < lo + per_source:  # every chunk that my tiles of this source read, before any of them runs
+                _, mb, _ = _tile(t, rank, rows, N, WORLD, BLOCK_M, BLOCK_N, GROUP_M)
                 first, last = _tile_chunks(mb, rows, chunk_rows, BLOCK_M)
                 c = first
-                while c <= last:  # every chunk whose rows the tile reads
+                while c <= last:
                     wait_chunk(ready_ptr, source, c, chunks, epoch, spin_limit, error_ptr)
                     c += 1
-                a_base = data_ptr + half_offset + source.to(tl.int64) * rows * K
-            a_ptrs = a_base + rm.to(tl.int64)[:, None] * K + offs_k[None, :]
-            w_ptrs = w_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kt in range(K_TILES):  # a constexpr trip count: compiled loops over it are software-pipelined
-                k = kt * BLOCK_K
-                a_mask = (rm < rows)[:, None] & (offs_k + k < K)[None, :]
-                # .cg: served from L2, never from an L1 line of this buffer half read two epochs ago
-                a = tl.load(a_ptrs, mask=a_mask, other=0.0, cache_modifier=".cg")
-                w = tl.load(w_ptrs, mask=(offs_k + k < K)[:, None] & (rn < N)[None, :], other=0.0)
-                if DOT_FP32:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
-                    acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
-                else:
-                    acc = tl.dot(a, w, acc)
-                a_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K * stride_wk
-            out = out_ptr + (source.to(tl.int64) * rows + rm)[:, None] * N + rn[None, :]
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm < rows)[:, None] & (rn < N)[None, :])
-            t += num_programs
+                t += num_programs
+            tl.debug_barrier()  # the flags every thread saw ...
+            async_proxy_fence(ON_GPU)  # ... order the rows they cover before the TMA reads below
+            _source_tiles(gathered_desc, source, w_desc, out_ptr, source.to(tl.int64) * rows, t_first,
+                          lo + per_source, num_programs, rank, rows, N, WORLD, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES,
+                          GROUP_M, W_NK, ON_GPU)
         # The last program done acknowledges the epoch to every rank: all reads of the buffer half are over.
         # ack_target = (this op's compute launches so far) * programs: not epoch * programs, which another op on
         # the same exchange (same shape class, another tile config) would have moved on.
@@ -197,6 +235,9 @@ class AllGatherMatmul:
     def __init__(self, workspace: _Workspace, rows: int, k: int, dtype: torch.dtype, config: GemmConfig):
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"all_gather_matmul: dtype {dtype} (expected fp16 or bf16)")
+        if k % 8:
+            raise ValueError(f"all_gather_matmul: K={k} is not a multiple of 8: the GEMM reads the rows through "
+                             "TMA, whose rows must be a multiple of 16 bytes")
         self.config = config
         self.gather = SymmetricAllGather(workspace, rows, k, dtype, max(1, config.chunk_rows), name="allgather_matmul",
                                          spin_limit=config.spin_limit)
@@ -222,8 +263,7 @@ class AllGatherMatmul:
     def finish(self, epoch: int, x_shard: torch.Tensor, weight: torch.Tensor, producer: str,
                return_gathered: bool = False, out: torch.Tensor | None = None):
         x_shard = x_shard.contiguous()
-        if weight.shape[0] != self.k or weight.dtype != x_shard.dtype:
-            raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype}: expected ({self.k}, N) {x_shard.dtype}")
+        self.check_weight(weight, x_shard.dtype)
         m = self.world * self.rows
         out = torch.empty((m, weight.shape[1]), dtype=x_shard.dtype, device=x_shard.device) if out is None else out
         if producer == "copy_engine":
@@ -238,21 +278,35 @@ class AllGatherMatmul:
         gathered[self.rank * self.rows:(self.rank + 1) * self.rows] = x_shard  # device push leaves it unwritten
         return out, gathered
 
+    def check_weight(self, weight: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Raise unless the GEMM can read weight [K, N] (before any work is done); returns whether it reads it
+        as a Linear's weight.t() (K contiguous: blocks transposed in shared memory) rather than N contiguous."""
+        if weight.dim() != 2 or weight.shape[0] != self.k or weight.dtype != dtype:
+            raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype}: expected ({self.k}, N) {dtype}")
+        k_contiguous = weight.stride(1) != 1
+        require_tma_readable(weight.t() if k_contiguous else weight, "all_gather_matmul's weight (as it lies)")
+        return k_contiguous
+
     def _launch(self, x, weight, out, epoch, push: bool, compute: bool) -> None:
         g, c = self.gather, self.config
-        n = weight.shape[1] if compute else 0
+        n, w_nk, descriptors = 0, False, (None, None, None)
         if compute:
             self.launches += 1
+            n, w_nk = weight.shape[1], self.check_weight(weight, x.dtype)
+            descriptors = (descriptor(x.view(1, self.rows, self.k), [1, c.block_m, c.block_k], "x_shard"),
+                           descriptor(g.gathered(epoch).view(self.world, self.rows, self.k),
+                                      [1, c.block_m, c.block_k], "the gathered buffer"),
+                           descriptor(weight.t() if w_nk else weight,
+                                      [c.block_n, c.block_k] if w_nk else [c.block_k, c.block_n], "weight"))
         _all_gather_matmul_kernel[(self.num_programs,)](
-            x, x if weight is None else weight, x if out is None else out,
-            g.data.local, g.data.peer_ptrs, g.ready.local, g.ready.peer_ptrs, g.ack.local, g.ack.peer_ptrs,
+            x, *descriptors, x if out is None else out,
+            g.data.peer_ptrs, g.ready.local, g.ready.peer_ptrs, g.ack.local, g.ack.peer_ptrs,
             self.counter, g.errors.word, self.rows, self.k, n,
-            0 if weight is None else weight.stride(0), 0 if weight is None else weight.stride(1),
             self.rank, epoch, g.chunk_rows, g.chunks, g.half_offset(epoch), self.num_programs, c.spin_limit,
             self.launches * self.num_programs,
             WORLD=self.world, PUSH=push, COMPUTE=compute,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, K_TILES=triton.cdiv(self.k, c.block_k),
-            GROUP_M=c.group_m, PUSH_R=g.block_rows, PUSH_C=g.block_cols, DOT_FP32=interpreting(),
+            GROUP_M=c.group_m, PUSH_R=g.block_rows, PUSH_C=g.block_cols, W_NK=w_nk, ON_GPU=not interpreting(),
             num_warps=c.num_warps, num_stages=c.num_stages)
 
 
@@ -275,4 +329,5 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, workspace: _W
     """all_gather(x_shard) @ weight over the workspace's group; x_shard [rows, K] (same rows on every rank),
     weight [K, N] (any strides, e.g. a Linear's weight.t()). Every rank calls with the same shapes and producer."""
     op = op_for(workspace, x_shard, config)
+    op.check_weight(weight, x_shard.dtype)  # before the producer starts: a refusal leaves no peer waiting
     return op.finish(op.start(x_shard, producer), x_shard, weight, producer, return_gathered, out)

@@ -41,7 +41,8 @@ from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_
 from moe.expert_layout import DispatchTables, ExpertLayout, receive_capacity
 from moe.experts import grouped_weight_grad
 from moe.kernels.tile_order import grouped_tile
-from moe.kernels.tma_tiles import descriptor, require_tma_readable, transposed_weight_tile
+from fused_dlrm.kernels.tma import descriptor, require_tma_readable
+from moe.kernels.tma_tiles import transposed_weight_tile
 from moe.permute import Permutation, unpermute
 
 # Per-call ints of the kernels here and in fused_dispatch are do_not_specialize: Triton specialises an int on == 1 and

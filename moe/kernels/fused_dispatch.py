@@ -64,7 +64,8 @@ from moe.experts import _grouped_mm_works, group_ends, grouped_weight_grad, swig
 from moe.kernels.fused_combine import _weighted_unpermute_kernel
 from moe.kernels.swiglu_backward import swiglu_backward
 from moe.kernels.tile_order import grouped_tile
-from moe.kernels.tma_tiles import descriptor, require_tma_readable, transposed_weight_tile
+from fused_dlrm.kernels.tma import descriptor, require_tma_readable
+from moe.kernels.tma_tiles import transposed_weight_tile
 from moe.permute import Permutation
 
 PUSH_TILE_ELEMENTS = 8192  # elements a push program moves per step ([block_m, BLOCK_D]): 16-byte stores, no spills
