@@ -183,3 +183,35 @@ def test_all_gather_matmul_device_push(dtype, chunk_rows):
         for out in outs:
             err = float((out.double() - expected).norm() / expected.norm())
             assert not out.isnan().any() and err < 2e-3, err
+
+
+@pytest.mark.parametrize("weight_layout", ["linear", "contiguous"])
+def test_all_gather_matmul_waits_for_a_producer_running_alongside(weight_layout):
+    """Rank 1's push runs on another stream behind a sleep while rank 0's GEMM (the production tiles, with SMs to
+    spare for the push) already waits for its chunks in a poisoned buffer: the tiles of rank 1's rows must read
+    them only after their flags (on one GPU this checks the waits against a concurrent producer, not the ordering
+    across NVLink)."""
+    rows, k, n = 1024, 512, 1000
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    config = GemmConfig(chunk_rows=192, num_programs=sms - 16)
+    world = SimulatedWorld(2, "cuda")
+    ops = [AllGatherMatmul(ws, rows, k, torch.float16, config) for ws in world.workspaces()]
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).half()
+    weight = weight.t() if weight_layout == "linear" else weight.t().contiguous()
+    side = torch.cuda.Stream()
+    for _ in range(3):  # both halves of the double buffer, and back
+        shards = [torch.randn(rows, k, device="cuda", generator=gen).half() for _ in range(2)]
+        poison(world)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)  # ~10 ms: rank 0's GEMM has long started when rank 1 pushes
+            epoch1 = ops[1].start(shards[1], "device")
+        out = ops[0].finish(ops[0].start(shards[0], "device"), shards[0], weight, "device")
+        torch.cuda.synchronize()
+        expected = all_gather_matmul_reference(shards, weight)
+        err = float((out.double() - expected).norm() / expected.norm())
+        assert not out.isnan().any() and err < 2e-3, err
+        ops[1].finish(epoch1, shards[1], weight, "device")  # its ack lets rank 0 push into it next time
+    for op in ops:
+        op.gather.errors.check(block=True)
