@@ -31,6 +31,7 @@ from torch import nn
 
 from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, TPLinear
 from moe.experts import SwiGLUExperts
+from moe.kernels.rotary import rotary
 from moe.layer import MoELayer
 
 
@@ -88,16 +89,6 @@ class ShardedMoELayer(MoELayer):
     @property
     def experts(self) -> SwiGLUExperts:
         return self._modules[self._experts_name]
-
-
-def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding of x [B, heads, S, head_dim] (rotate-half form, positions 0..S-1)."""
-    seq, dim = x.shape[-2], x.shape[-1]
-    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    angles = torch.arange(seq, device=x.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    cos, sin = torch.cat([angles, angles], -1).cos().to(x.dtype), torch.cat([angles, angles], -1).sin().to(x.dtype)
-    x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class CausalSelfAttention(nn.Module):
