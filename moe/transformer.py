@@ -31,7 +31,7 @@ from torch import nn
 
 from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, TPLinear
 from moe.experts import SwiGLUExperts
-from moe.kernels.rotary import rotary
+from moe.kernels.rotary import rotary_qkv
 from moe.layer import MoELayer
 
 
@@ -107,8 +107,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(rotary(q), rotary(k), v, is_causal=True)
+        q, k, v = rotary_qkv(self.qkv(x).view(b, s, 3, self.local_heads, self.head_dim))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
