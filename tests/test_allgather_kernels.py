@@ -108,9 +108,9 @@ def relative_error(got, expected):
 @pytest.mark.parametrize("producer", ["copy_engine", "device"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_all_gather_matmul_matches_reference(world_size, config, rows, producer, dtype):
-    k, n = 24, 19  # rows, K and N not multiples of the tiles (K a multiple of 8: TMA); SMALL: chunks of 16 rows, the last has 9 (4 in the
-    # world of 8, given fewer rows: the interpreter's time grows with world x world x rows); STRADDLE: chunks of 24
-    # rows, so the 16-row tile of rows 16..31 reads two chunks
+    k, n = 24, 19  # rows, K and N not multiples of the tiles (K a multiple of 8: TMA); SMALL: chunks of 16 rows,
+    # the last has 9 (4 in the world of 8, given fewer rows: the interpreter's time grows with world x world x rows);
+    # STRADDLE: chunks of 24 rows, so the 16-row tile of rows 16..31 reads two chunks
     gen = torch.Generator().manual_seed(11 * world_size)
     workspaces = matmul_world(world_size)
     for return_gathered in (False, True):  # two consecutive calls: both halves of the double buffer

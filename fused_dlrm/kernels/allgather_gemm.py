@@ -326,8 +326,9 @@ def op_for(workspace: _Workspace, x_shard: torch.Tensor, config: GemmConfig | No
 def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, workspace: _Workspace,
                       producer: str = "copy_engine", *, return_gathered: bool = False,
                       out: torch.Tensor | None = None, config: GemmConfig | None = None):
-    """all_gather(x_shard) @ weight over the workspace's group; x_shard [rows, K] (same rows on every rank),
-    weight [K, N] (any strides, e.g. a Linear's weight.t()). Every rank calls with the same shapes and producer."""
+    """all_gather(x_shard) @ weight over the workspace's group; x_shard [rows, K] (same rows on every rank, K a
+    multiple of 8), weight [K, N] with N or K contiguous (e.g. a Linear's weight.t()) and rows of a multiple of 16
+    bytes as it lies. Every rank calls with the same shapes and producer."""
     op = op_for(workspace, x_shard, config)
     op.check_weight(weight, x_shard.dtype)  # before the producer starts: a refusal leaves no peer waiting
     return op.finish(op.start(x_shard, producer), x_shard, weight, producer, return_gathered, out)
