@@ -25,7 +25,8 @@ from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 SHAPES = [(8192, 11008, 4096), (4096, 11008, 4096), (16384, 8192, 8192)]  # M (gathered), N (all ranks), K
 QUICK_SHAPES = SHAPES[:1]
 # Chunks of 64 rows: with the default 256, only world - 1 times 16 programs push at issue 5's shape (2 MB each over
-# NVLink, then their tiles); R2 found the fused op 220 us over its GEMM alone (docs/benchmarks.md, 2026-11-25).
+# NVLink, then their tiles); R2's fused op took ~220 us more than its GEMM alone takes on one H200
+# (docs/benchmarks.md, 2026-11-25).
 CONFIGS = {"128x256x64": GemmConfig(), "128x256x64, chunks of 64 rows": GemmConfig(chunk_rows=64),
            "128x128x64": GemmConfig(block_n=128)}
 QUICK_CONFIGS = dict(list(CONFIGS.items())[:1])
