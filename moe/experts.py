@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fused_dlrm.dist.host_copy import host_to_device
+from fused_dlrm.train.compute_copies import compute_weight
 from moe.kernels.grouped_weight_grad import grouped_weight_grad_reference, launch_grouped_weight_grad
 from moe.kernels.swiglu_backward import swiglu_backward
 
@@ -36,7 +37,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w13_param, w2_param, counts: list[int]):
         offs = group_ends(counts, x.device)
-        w13, w2 = w13_param.to(x.dtype), w2_param.to(x.dtype)  # the parameters themselves when of x's dtype
+        # the parameters themselves when of x's dtype; their compute copies, which the optimizer writes, if any
+        w13, w2 = compute_weight(w13_param, x.dtype), compute_weight(w2_param, x.dtype)
         a13 = torch._grouped_mm(x, w13, offs=offs)
         h = swiglu(a13)
         ctx.counts, ctx.weight_dtype = counts, w13_param.dtype

@@ -35,6 +35,7 @@ from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.dist.reorder import inverse_permutation, reorder
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, _Workspace
 from fused_dlrm.kernels.graphed_calls import GraphedCalls, Lease
+from fused_dlrm.train.compute_copies import compute_weight, has_compute_copy, refresh_compute_copy
 from moe.expert_layout import (DispatchTables, ExpertLayout, build_expert_layout, dispatch_tables, gather_counts,
                                send_slots)
 from moe.experts import SwiGLUExperts
@@ -208,7 +209,7 @@ class MoELayer(nn.Module):
         epoch = dispatch.begin(x)
 
         def launch(x: torch.Tensor, token_of_row: torch.Tensor, counts: torch.Tensor):
-            w13 = w13_param.to(x.dtype)  # mixed precision: the rows' dtype (the parameter itself when it is)
+            w13 = compute_weight(w13_param, x.dtype)  # mixed precision: the rows' dtype (the copy, if any)
             tables = dispatch_tables(counts, self.rank, self.num_local_experts, *self._tile_rows(x),
                                      token_of_row.numel(), dispatch.capacity)
             # Training keeps GEMM 1's products (a13) for the SwiGLU gradient, as autograd keeps the bulk experts',
@@ -222,8 +223,10 @@ class MoELayer(nn.Module):
         if self._dispatch_graphs is None:
             (tables, h, a13, w13), lease = launch(*inputs), None
         else:
+            refresh_compute_copy(w13_param)  # a replay runs no Python: the copy it reads must be current
             key = (tuple((t.shape, t.stride(), t.dtype) for t in inputs), keep_a13, dispatch.capacity,
-                   w13_param.data_ptr(), w13_param.dtype, dispatch.buffer_addresses(x.dtype))
+                   w13_param.data_ptr(), w13_param.dtype, has_compute_copy(w13_param, x.dtype),
+                   dispatch.buffer_addresses(x.dtype))
             (tables, h, a13, w13), lease = self._dispatch_graphs(key, launch, inputs, hold=keep_a13)
         return _Dispatched(tables, dispatch.end(epoch), h, a13, w13, lease)
 
@@ -346,7 +349,7 @@ class _FusedExperts(torch.autograd.Function):
         # parameters still "need" a gradient, and the copies below would be made for a backward that never comes.
         needs_grad = [grad_enabled and needs for needs in ctx.needs_input_grad]
         training = any(needs_grad)
-        w2 = w2_param.to(x.dtype)  # the parameter itself when of x's dtype (w13's cast is the dispatch's)
+        w2 = compute_weight(w2_param, x.dtype)  # the parameter itself when of x's dtype (w13's is the dispatch's)
         layout, out = layer._fused_dispatch(x, counts, perm, w13_param, training, overlap)
         epoch = layer.combine.start(out.h, w2, out.tables)
         rows = x.new_empty(weights.numel(), x.shape[1]) if needs_grad[1] else None  # by assignment

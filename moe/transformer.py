@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, TPLinear
+from fused_dlrm.train.compute_copies import want_compute_copy
 from moe.experts import SwiGLUExperts
 from moe.kernels.rotary import rotary_qkv
 from moe.layer import MoELayer
@@ -145,7 +146,8 @@ class MoETransformer(nn.Module):
         tp_group: the tensor-parallel group (None: no tensor parallelism); tp_comm: bulk | fused;
         moe_comm / moe_fused: the MoE layers' dispatch and combine (MoELayer's comm and fused);
         compute_dtype: torch.bfloat16 / float16 runs the forward under autocast to it (mixed precision: the
-        parameters stay as they are, the logits come out in fp32); None: the parameters' dtype."""
+        parameters stay as they are, the logits come out in fp32; the experts' weights are marked for compute
+        copies); None: the parameters' dtype."""
         super().__init__()
         if moe_every not in (1, 2):
             raise ValueError(f"moe_every must be 1 or 2, got {moe_every}")
@@ -170,6 +172,12 @@ class MoETransformer(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.norm = nn.RMSNorm(d_model, eps=1e-6)
         self._init_replicated(seed)
+        if compute_dtype is not None and compute_dtype != torch.float32:
+            # The experts' weights are most of the model: an optimizer that writes compute copies
+            # (fused_dlrm.train.adamw.AdamW, the configs' default) saves each forward their cast.
+            for experts in (m for m in self.modules() if isinstance(m, SwiGLUExperts)):
+                want_compute_copy(experts.w13, compute_dtype)
+                want_compute_copy(experts.w2, compute_dtype)
 
     def _init_replicated(self, seed: int) -> None:
         """Normal(0, 0.02) for the embedding, ones for the norms, from one generator in parameter order; the

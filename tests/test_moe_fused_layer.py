@@ -16,6 +16,8 @@ from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels import graphed_calls
 from fused_dlrm.kernels.graphed_calls import GraphedCalls
 from graph_stand_in import stand_in_capture
+from fused_dlrm.train.adamw import AdamW
+from fused_dlrm.train.compute_copies import want_compute_copy
 from moe import MoELayer
 from moe.layer import FusedMoEConfig
 
@@ -287,3 +289,35 @@ def test_a_second_forward_before_the_backward_does_not_rewrite_the_first(monkeyp
     y, _, _ = run(graphed, xs[3], None, grads[3])  # both backwards are done: the graph replays again
     assert log == ["capture", "replay", "replay"]
     torch.testing.assert_close(y, run(eager, xs[3], None, grads[3])[0], rtol=0, atol=0)
+
+
+@interpreter
+def test_fused_layer_computes_with_the_compute_copies(monkeypatch):
+    """Mixed precision with compute copies (fp16: see test_fused_layer_matches_bulk_under_autocast): once AdamW has
+    written them, the dispatch and combine compute with the experts' copies, the graphed layer replaying, and give
+    the results of an eager twin that casts the same weights; a poisoned copy shows in the output; a torch write to
+    a weight (its version moves) has its copy rewritten before the next forward."""
+    log = []
+    graphed, eager = fused_pair(monkeypatch, log)
+    experts = graphed.experts
+    for p in (experts.w13, experts.w2):
+        want_compute_copy(p, torch.float16)
+    gen = torch.Generator().manual_seed(23)
+    x, grad = torch.randn(12, D_MODEL, generator=gen), torch.randn(12, D_MODEL, generator=gen)
+
+    def run16(layer):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return run(layer, x, None, grad)[0]
+
+    optimizer = AdamW(graphed.parameters(), fused=True, lr=1e-2)
+    run16(graphed)  # the key's first call, eager
+    optimizer.step()  # writes the copies
+    eager.load_state_dict(graphed.state_dict())
+    for _ in range(2):  # capture, then replay
+        assert torch.equal(run16(graphed), run16(eager))
+    assert log[-1] == "replay"
+    experts.w13.compute_copy.tensor.fill_(float("nan"))  # the copy's own version moves, not the weight's
+    assert run16(graphed).isnan().all()
+    with torch.no_grad():
+        experts.w13.mul_(1.0)
+    assert torch.equal(run16(graphed), run16(eager))

@@ -78,9 +78,13 @@ def test_loss_falls_and_metrics_are_logged(tmp_path, caplog):
     assert (tmp_path / "corpus.txt").stat().st_size == 300000
 
 
-def test_resume_continues_the_exact_loss_curve(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_continues_the_exact_loss_curve(tmp_path, precision):
+    """bf16: the experts' weights step through the AdamW kernel that writes their compute copies (the
+    interpreter here), whose state must come back from the checkpoint as torch's does."""
     common = SMALL + ["trainer.max_steps=24", "trainer.log_every=4", "trainer.checkpoint_every=8",
-                      "data.global_batch_size=16", "model.moe_every=2", "model.shared_expert=true"]
+                      "data.global_batch_size=16", "model.moe_every=2", "model.shared_expert=true",
+                      f"model.precision={precision}"]
     full = train(config(*common), CPU, tmp_path / "full")
     assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step_16", "step_24"]
     resumed = train(config(*common, f"trainer.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_16'}"),

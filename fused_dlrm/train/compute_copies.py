@@ -1,0 +1,82 @@
+"""Low-precision compute copies of fp32 parameters, written by the optimizer's step.
+
+Mixed precision keeps fp32 weights and computes in bf16, so every forward casts the weights it uses: for the MoE
+experts a pass over billions of weights per step, right after the optimizer's own pass over them. A model marks the
+parameters it wants copies of (`want_compute_copy`); an optimizer that writes copies (fused_dlrm.train.adamw.AdamW)
+creates one when it first steps such a parameter and rewrites it in the same pass as every update after;
+`compute_weight` hands the model the copy, or casts as before where there is none.
+
+A copy is current while its parameter's version counter has not moved since it was written: the optimizer's kernel
+leaves the counter (it records the version after writing), every torch in-place op moves it (copy_, load_state_dict,
+a checkpoint's load, foreach ops), so such a change is seen and the copy rewritten at its next use. Writes through
+`param.data` are not seen, nor are torch's fused optimizers' (their kernels leave the counter too): stepping a
+parameter that has a copy with another optimizer leaves the copy stale.
+
+The copy is not in autograd's graph: callers route the gradient to the parameter themselves (custom autograd
+Functions that take the parameter as an input, as the MoE experts' do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class _Copy:
+    tensor: torch.Tensor
+    version: int  # the parameter's version counter when the copy was written
+
+
+def want_compute_copy(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
+    """Mark an fp32 parameter as computed with in `dtype` (bf16 / fp16): an optimizer that writes copies keeps one."""
+    if param.dtype != torch.float32 or dtype not in LOW_PRECISION:
+        raise ValueError(f"compute copies are bf16 / fp16 copies of fp32 parameters, got a {param.dtype} parameter "
+                         f"and {dtype}")
+    param.compute_copy_dtype = dtype
+
+
+def wanted_dtype(param: torch.Tensor) -> torch.dtype | None:
+    """The dtype `param` is marked to be computed with (None: unmarked)."""
+    return getattr(param, "compute_copy_dtype", None)
+
+
+def copy_to_write(param: torch.nn.Parameter) -> torch.Tensor:
+    """The optimizer's: the copy its step is about to write (made, contiguous, at the first call)."""
+    copy = getattr(param, "compute_copy", None)
+    if copy is None:
+        copy = param.compute_copy = _Copy(torch.empty(param.shape, dtype=wanted_dtype(param), device=param.device),
+                                          version=-1)
+    return copy.tensor
+
+
+def written(param: torch.nn.Parameter) -> None:
+    """The optimizer's: the copy now holds the parameter as it is."""
+    param.compute_copy.version = param._version
+
+
+def refresh_compute_copy(param: torch.nn.Parameter) -> None:
+    """Rewrite param's copy if the parameter changed since the copy was written (no-op without a copy). Callers
+    replaying a CUDA graph that reads the copy call it before the replay, which runs no Python."""
+    copy = getattr(param, "compute_copy", None)
+    if copy is not None and copy.version != param._version:
+        copy.tensor.copy_(param.detach())
+        copy.version = param._version
+
+
+def has_compute_copy(param: torch.nn.Parameter, dtype: torch.dtype) -> bool:
+    """Whether `compute_weight(param, dtype)` returns a copy (else a cast)."""
+    copy = getattr(param, "compute_copy", None)
+    return copy is not None and copy.tensor.dtype == dtype
+
+
+def compute_weight(param: torch.nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
+    """param in `dtype`: its compute copy when it has one of that dtype (rewritten first if stale), else
+    param.to(dtype) (param itself when of that dtype)."""
+    if not has_compute_copy(param, dtype):
+        return param.to(dtype)
+    refresh_compute_copy(param)
+    return param.compute_copy.tensor
