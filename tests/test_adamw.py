@@ -4,7 +4,7 @@ its fallbacks, and the copies' staleness check (on a GPU where there is one, els
 import pytest
 import torch
 
-from fused_dlrm.kernels.adamw import adamw_reference, launch_adamw
+from fused_dlrm.kernels.adamw import AdamWStep, adamw_reference, launch_adamw
 from fused_dlrm.train import compute_copies
 from fused_dlrm.train.adamw import AdamW
 from fused_dlrm.train.compute_copies import compute_weight, has_compute_copy, want_compute_copy
@@ -43,8 +43,8 @@ def test_kernel_matches_float64_over_steps(n, copy_dtype):
     beta1, beta2 = HYPER["betas"]
     for step in range(1, 4):
         g = torch.randn(n, generator=generator)
-        launch_adamw(p, g.to(DEVICE), m, v, torch.tensor(float(step), device=DEVICE), HYPER["lr"], beta1, beta2,
-                     HYPER["eps"], HYPER["weight_decay"], copy=copy)
+        launch_adamw(g.to(DEVICE), AdamWStep(p, m, v, torch.tensor(float(step), device=DEVICE), HYPER["lr"], beta1,
+                                             beta2, HYPER["eps"], HYPER["weight_decay"], copy))
         want = adamw_reference(*want[:1], g.double(), *want[1:], step, HYPER["lr"], beta1, beta2, HYPER["eps"],
                                HYPER["weight_decay"])
         for got, ref in zip((p, m, v), want):
@@ -57,13 +57,15 @@ def test_kernel_refuses_bad_operands():
     p = torch.randn(8, device=DEVICE)
     step = torch.tensor(1.0, device=DEVICE)
     with pytest.raises(ValueError, match="grad must be contiguous fp32"):
-        launch_adamw(p, p.half(), p.clone(), p.clone(), step, 1e-3, 0.9, 0.99, 1e-8, 0.0)
+        launch_adamw(p.half(), AdamWStep(p, p.clone(), p.clone(), step, 1e-3, 0.9, 0.99, 1e-8, 0.0))
+    with pytest.raises(ValueError, match="exp_avg_sq must be contiguous fp32"):
+        AdamWStep(p, p.clone(), p[:4], step, 1e-3, 0.9, 0.99, 1e-8, 0.0)
     with pytest.raises(ValueError, match="the copy must be"):
-        launch_adamw(p, p.clone(), p.clone(), p.clone(), step, 1e-3, 0.9, 0.99, 1e-8, 0.0, copy=p.clone())
+        AdamWStep(p, p.clone(), p.clone(), step, 1e-3, 0.9, 0.99, 1e-8, 0.0, copy=p.clone())
     with pytest.raises(ValueError, match="step must be one element"):
-        launch_adamw(p, p.clone(), p.clone(), p.clone(), p[:2], 1e-3, 0.9, 0.99, 1e-8, 0.0)
+        AdamWStep(p, p.clone(), p.clone(), p[:2], 1e-3, 0.9, 0.99, 1e-8, 0.0)
     with pytest.raises(ValueError, match="betas"):
-        launch_adamw(p, p.clone(), p.clone(), p.clone(), step, 1e-3, 1.0, 0.99, 1e-8, 0.0)
+        AdamWStep(p, p.clone(), p.clone(), step, 1e-3, 1.0, 0.99, 1e-8, 0.0)
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:
@@ -151,7 +153,7 @@ def test_compute_weight_casts_without_a_copy_and_marks_only_fp32_weights():
 def test_kernel_rounds_to_nearest_on_sm90():
     compile_for_sm90('''
 from fused_dlrm.kernels import adamw
-types = {n: "*fp32" for n in ("param_ptr", "grad_ptr", "exp_avg_ptr", "exp_avg_sq_ptr", "step_ptr")}
+types = {n: "*fp32" for n in ("grad_ptr", "param_ptr", "exp_avg_ptr", "exp_avg_sq_ptr", "step_ptr")}
 types.update({n: "fp32" for n in ("lr", "beta1", "beta2", "log2_beta1", "log2_beta2", "eps", "weight_decay")})
 kernel = adamw._adamw_kernel
 ptx = build(kernel, {**types, "copy_ptr": "*bf16"}, dict(HAS_COPY=True, BLOCK=adamw.BLOCK), num_warps=8).asm["ptx"]

@@ -11,6 +11,7 @@ the step count on the device), in fp32.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,18 +32,59 @@ def adamw_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     return param - (lr / (1 - beta1 ** step)) * exp_avg / denom, exp_avg, exp_avg_sq
 
 
+@dataclass
+class AdamWStep:
+    """One fp32 parameter's AdamW step: the operands (contiguous fp32 of the parameter's shape on its device), the
+    step count including this step (one element on that device: the kernel reads it, so no launch waits for a host
+    value), the hyperparameters and the bf16 / fp16 copy to write (None: none)."""
+
+    param: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    copy: torch.Tensor | None = None
+
+    def __post_init__(self):
+        param = self.param
+        for name in ("param", "exp_avg", "exp_avg_sq"):
+            _check(name, getattr(self, name), param, (torch.float32,), "fp32")
+        if self.copy is not None:
+            _check("the copy", self.copy, param, (torch.bfloat16, torch.float16), "bf16 / fp16")
+        if self.step.numel() != 1 or self.step.device != param.device:
+            raise ValueError(f"AdamW kernel: step must be one element on {param.device}, got "
+                             f"{tuple(self.step.shape)} on {self.step.device}")
+        if not 0.0 <= self.beta1 < 1.0 or not 0.0 <= self.beta2 < 1.0:
+            raise ValueError(f"AdamW kernel: betas must lie in [0, 1), got ({self.beta1}, {self.beta2})")
+
+
+def _check(name: str, t: torch.Tensor, param: torch.Tensor, dtypes: tuple, what: str) -> None:
+    if t.dtype not in dtypes or not t.is_contiguous() or t.shape != param.shape or t.device != param.device:
+        raise ValueError(f"AdamW kernel: {name} must be contiguous {what} of the parameter's shape "
+                         f"{tuple(param.shape)} on {param.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _log2(beta: float) -> float:
+    """log2(beta) for beta^step = exp2(step log2(beta)); -inf for 0 (then beta^step is 0: step >= 1)."""
+    return math.log2(beta) if beta > 0 else -math.inf
+
+
 @triton.jit
-def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, step_ptr, n, lr, beta1, beta2,
+def _adamw_kernel(grad_ptr, param_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, step_ptr, n, lr, beta1, beta2,
                   log2_beta1, log2_beta2, eps, weight_decay, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
-    """Program i: elements [i BLOCK, (i + 1) BLOCK) of the flat fp32 param, grad and moments, updated in place;
-    the step count (this step's, already counted) read from step_ptr, so the launch needs no host value of it."""
+    """Program i: elements [i BLOCK, (i + 1) BLOCK) of the flat parameter, its moments and copy, stepped with their
+    gradient: torch's fused AdamW's arithmetic, bias corrections from the step count at step_ptr (this step's)."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     step = tl.load(step_ptr).to(tl.float32)
     bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)  # 1 - beta1^step
     bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
-    p = tl.load(param_ptr + offsets, mask=mask)
     g = tl.load(grad_ptr + offsets, mask=mask)
+    p = tl.load(param_ptr + offsets, mask=mask)
     m = tl.load(exp_avg_ptr + offsets, mask=mask)
     v = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
     p -= lr * weight_decay * p
@@ -56,34 +98,13 @@ def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, st
         tl.store(copy_ptr + offsets, p.to(copy_ptr.dtype.element_ty), mask=mask)
 
 
-def launch_adamw(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 step: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                 copy: torch.Tensor | None = None) -> None:
-    """One AdamW step of `param` in place (fp32, contiguous, as grad and both moments), step: the count including
-    this step, a one-element tensor on param's device; `copy` (bf16 / fp16, param's shape) receives the updated
-    weight rounded to its dtype."""
-    tensors = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    for name, t in tensors.items():
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != param.shape or t.device != param.device:
-            raise ValueError(f"AdamW kernel: {name} must be contiguous fp32 of param's shape {tuple(param.shape)} "
-                             f"on {param.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if copy is not None and (copy.dtype not in (torch.bfloat16, torch.float16) or not copy.is_contiguous()
-                             or copy.shape != param.shape or copy.device != param.device):
-        raise ValueError(f"AdamW kernel: the copy must be contiguous bf16 / fp16 of param's shape "
-                         f"{tuple(param.shape)} on {param.device}, got {copy.dtype} {tuple(copy.shape)}")
-    if step.numel() != 1 or step.device != param.device:
-        raise ValueError(f"AdamW kernel: step must be one element on {param.device}, got {tuple(step.shape)} on "
-                         f"{step.device}")
-    if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"AdamW kernel: betas must lie in [0, 1), got ({beta1}, {beta2})")
-    n = param.numel()
+def launch_adamw(grad: torch.Tensor, step: AdamWStep) -> None:
+    """Take `step` with `grad` (contiguous fp32 of the parameter's shape): the parameter and moments in place, the
+    updated weight rounded into the copy (to nearest even)."""
+    _check("grad", grad, step.param, (torch.float32,), "fp32")
+    p, n = step.param, step.param.numel()
     if n:
         _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-            param, grad, exp_avg, exp_avg_sq, param if copy is None else copy, step, n, lr, beta1, beta2,
-            _log2(beta1), _log2(beta2), eps, weight_decay, HAS_COPY=copy is not None, BLOCK=BLOCK,
-            num_warps=8)
-
-
-def _log2(beta: float) -> float:
-    """log2(beta) for beta^step = exp2(step log2(beta)); -inf for 0 (then beta^step is 0: step >= 1)."""
-    return math.log2(beta) if beta > 0 else -math.inf
+            grad, p, step.exp_avg, step.exp_avg_sq, p if step.copy is None else step.copy, step.step, n, step.lr,
+            step.beta1, step.beta2, _log2(step.beta1), _log2(step.beta2), step.eps, step.weight_decay,
+            HAS_COPY=step.copy is not None, BLOCK=BLOCK, num_warps=8)

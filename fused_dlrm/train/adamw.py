@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fused_dlrm.kernels.adamw import launch_adamw
+from fused_dlrm.kernels.adamw import AdamWStep, launch_adamw
 from fused_dlrm.kernels.launch import interpreting
 from fused_dlrm.train import compute_copies
 
@@ -53,8 +53,8 @@ class AdamW(torch.optim.AdamW):
         torch._foreach_add_([s["step"] for s in states], 1)  # one launch for all counts, as torch's fused step
         beta1, beta2 = group["betas"]
         for p, state in zip(params, states):
-            launch_adamw(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"], beta1, beta2,
-                         group["eps"], group["weight_decay"], copy=compute_copies.copy_to_write(p))
+            launch_adamw(p.grad, AdamWStep(p, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"], beta1,
+                                           beta2, group["eps"], group["weight_decay"], compute_copies.copy_to_write(p)))
             compute_copies.written(p)
 
     def _state(self, p: torch.nn.Parameter) -> dict:
