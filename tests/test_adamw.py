@@ -160,3 +160,16 @@ ptx = build(kernel, {**types, "copy_ptr": "*bf16"}, dict(HAS_COPY=True, BLOCK=ad
 assert "cvt.rn.bf16x2.f32" in ptx or "cvt.rn.bf16.f32" in ptx, "the bf16 copy is not rounded to nearest"
 build(kernel, {**types, "copy_ptr": "*fp32"}, dict(HAS_COPY=False, BLOCK=adamw.BLOCK), num_warps=8)
 ''')
+
+
+def test_a_swapped_or_moved_weight_has_its_copy_rewritten_or_dropped():
+    p = torch.nn.Parameter(torch.randn(3, 40, device=DEVICE))
+    want_compute_copy(p, torch.bfloat16)
+    p.grad = torch.randn_like(p)
+    AdamW([p], fused=True, lr=1e-2).step()
+    copy = compute_weight(p, torch.bfloat16)
+    p.data = torch.randn(3, 40, device=DEVICE)  # a new tensor under the parameter: the version counter stays
+    assert compute_weight(p, torch.bfloat16) is copy and torch.equal(copy, p.detach().to(torch.bfloat16))
+    p.data = torch.randn(5, 40, device=DEVICE)  # another shape (as another device): the copy no longer fits
+    assert not has_compute_copy(p, torch.bfloat16) and not hasattr(p, "compute_copy")
+    assert torch.equal(compute_weight(p, torch.bfloat16), p.detach().to(torch.bfloat16))

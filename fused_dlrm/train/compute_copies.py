@@ -6,9 +6,10 @@ parameters it wants copies of (`want_compute_copy`); an optimizer that writes co
 creates one when it first steps such a parameter and rewrites it in the same pass as every update after;
 `compute_weight` hands the model the copy, or casts as before where there is none.
 
-A copy is current while its parameter's version counter has not moved since it was written: the optimizer's kernel
-leaves the counter (it records the version after writing), every torch in-place op moves it (copy_, load_state_dict,
-a checkpoint's load, foreach ops), so such a change is seen and the copy rewritten at its next use. Writes through
+A copy is current while its parameter's version counter and address have not moved since it was written: the
+optimizer's kernel leaves the counter (it records the version after writing), every torch in-place op moves it
+(copy_, load_state_dict, a checkpoint's load, foreach ops), and `param.data = ...` moves the address, so such a change
+is seen and the copy rewritten at its next use (a copy of another shape or device is dropped). In-place writes to
 `param.data` are not seen, nor are torch's fused optimizers' (their kernels leave the counter too): stepping a
 parameter that has a copy with another optimizer leaves the copy stale.
 
@@ -28,7 +29,7 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 @dataclass
 class _Copy:
     tensor: torch.Tensor
-    version: int  # the parameter's version counter when the copy was written
+    written_at: tuple[int, int] | None  # the parameter's (address, version counter) when the copy was written
 
 
 def want_compute_copy(param: torch.nn.Parameter, dtype: torch.dtype) -> None:
@@ -46,30 +47,30 @@ def wanted_dtype(param: torch.Tensor) -> torch.dtype | None:
 
 def copy_to_write(param: torch.nn.Parameter) -> torch.Tensor:
     """The optimizer's: the copy its step is about to write (made, contiguous, at the first call)."""
-    copy = getattr(param, "compute_copy", None)
+    copy = _copy(param)
     if copy is None:
         copy = param.compute_copy = _Copy(torch.empty(param.shape, dtype=wanted_dtype(param), device=param.device),
-                                          version=-1)
+                                          written_at=None)
     return copy.tensor
 
 
 def written(param: torch.nn.Parameter) -> None:
     """The optimizer's: the copy now holds the parameter as it is."""
-    param.compute_copy.version = param._version
+    param.compute_copy.written_at = _state(param)
 
 
 def refresh_compute_copy(param: torch.nn.Parameter) -> None:
     """Rewrite param's copy if the parameter changed since the copy was written (no-op without a copy). Callers
     replaying a CUDA graph that reads the copy call it before the replay, which runs no Python."""
-    copy = getattr(param, "compute_copy", None)
-    if copy is not None and copy.version != param._version:
+    copy = _copy(param)
+    if copy is not None and copy.written_at != _state(param):
         copy.tensor.copy_(param.detach())
-        copy.version = param._version
+        copy.written_at = _state(param)
 
 
 def has_compute_copy(param: torch.nn.Parameter, dtype: torch.dtype) -> bool:
     """Whether `compute_weight(param, dtype)` returns a copy (else a cast)."""
-    copy = getattr(param, "compute_copy", None)
+    copy = _copy(param)
     return copy is not None and copy.tensor.dtype == dtype
 
 
@@ -80,3 +81,18 @@ def compute_weight(param: torch.nn.Parameter, dtype: torch.dtype) -> torch.Tenso
         return param.to(dtype)
     refresh_compute_copy(param)
     return param.compute_copy.tensor
+
+
+def _state(param: torch.nn.Parameter) -> tuple[int, int]:
+    """What a write to the parameter changes: its address (`param.data = ...`) or its version counter."""
+    return param.data_ptr(), param._version
+
+
+def _copy(param: torch.nn.Parameter) -> _Copy | None:
+    """param's copy, dropped if the parameter no longer has its shape or device (e.g. the module moved by .to(),
+    which swaps param.data)."""
+    copy = getattr(param, "compute_copy", None)
+    if copy is not None and (copy.tensor.shape != param.shape or copy.tensor.device != param.device):
+        del param.compute_copy
+        return None
+    return copy
