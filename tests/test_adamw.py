@@ -173,3 +173,7 @@ def test_a_swapped_or_moved_weight_has_its_copy_rewritten_or_dropped():
     p.data = torch.randn(5, 40, device=DEVICE)  # another shape (as another device): the copy no longer fits
     assert not has_compute_copy(p, torch.bfloat16) and not hasattr(p, "compute_copy")
     assert torch.equal(compute_weight(p, torch.bfloat16), p.detach().to(torch.bfloat16))
+    p.grad = torch.randn_like(p)
+    AdamW([p], fused=True, lr=1e-2).step()
+    want_compute_copy(p, torch.float16)  # marked for another dtype: the bf16 copy goes, the next step writes fp16
+    assert not has_compute_copy(p, torch.bfloat16)

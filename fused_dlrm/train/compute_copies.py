@@ -89,10 +89,11 @@ def _state(param: torch.nn.Parameter) -> tuple[int, int]:
 
 
 def _copy(param: torch.nn.Parameter) -> _Copy | None:
-    """param's copy, dropped if the parameter no longer has its shape or device (e.g. the module moved by .to(),
-    which swaps param.data)."""
+    """param's copy, dropped if it no longer has the parameter's shape or device (e.g. the module moved by .to(),
+    which swaps param.data) or the dtype the parameter is marked for."""
     copy = getattr(param, "compute_copy", None)
-    if copy is not None and (copy.tensor.shape != param.shape or copy.tensor.device != param.device):
+    if copy is not None and (copy.tensor.shape != param.shape or copy.tensor.device != param.device
+                             or copy.tensor.dtype != wanted_dtype(param)):
         del param.compute_copy
         return None
     return copy
