@@ -38,10 +38,10 @@ import triton.language as tl
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels import TL_DTYPES, dot_precision
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready
+from fused_dlrm.kernels.tma import descriptor, require_tma_readable
 from moe.expert_layout import DispatchTables, ExpertLayout, receive_capacity
 from moe.experts import grouped_weight_grad
 from moe.kernels.tile_order import grouped_tile
-from fused_dlrm.kernels.tma import descriptor, require_tma_readable
 from moe.kernels.tma_tiles import transposed_weight_tile
 from moe.permute import Permutation, unpermute
 

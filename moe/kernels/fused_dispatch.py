@@ -59,12 +59,12 @@ from fused_dlrm.kernels import TL_DTYPES, dot_precision
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready, wait_at_least
 from fused_dlrm.kernels.peer_tiles import remote_first_order
+from fused_dlrm.kernels.tma import descriptor, require_tma_readable
 from moe.expert_layout import DispatchTables, ExpertLayout, receive_capacity
 from moe.experts import _grouped_mm_works, group_ends, grouped_weight_grad, swiglu
 from moe.kernels.fused_combine import _weighted_unpermute_kernel
 from moe.kernels.swiglu_backward import swiglu_backward
 from moe.kernels.tile_order import grouped_tile
-from fused_dlrm.kernels.tma import descriptor, require_tma_readable
 from moe.kernels.tma_tiles import transposed_weight_tile
 from moe.permute import Permutation
 
