@@ -12,7 +12,9 @@ Implementations of one interface (`transport` says which kernels a fused operato
   same world times a kernel's phases one by one (peer stores then land in local memory, not over NVLink).
 
 Buffers are allocated on first use and grown (never shrunk) when a larger size is asked for. Every rank must ask
-for the same names in the same order: allocation is collective on GPUs, and takes the largest size asked for.
+for the same names in the same order: allocation is collective on GPUs, and takes the largest size asked for. A
+grown buffer's old memory is released once nothing holds its PeerBuffer any more (torch synchronises the device
+before it unmaps symmetric memory, and a peer's mapping keeps the memory alive for that peer until it lets go).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 class PeerBuffer:
     local: torch.Tensor  # this rank's buffer (1-D)
     peer_ptrs: torch.Tensor  # int64 [world]: base address of every rank's buffer, readable by kernels
+    handle: object = None  # what keeps the peers' buffers mapped (alive) for this rank while it holds this
 
 
 class _Workspace:
@@ -55,14 +58,14 @@ class _Workspace:
             if found is not None and dtype == torch.int32:
                 raise RuntimeError(f"flag buffer {name!r} cannot grow: flags carry epochs and are never reset")
             start_s = time.perf_counter()
-            allocated = self._allocate(max(numel, 1), dtype)
-            # Growing is a collective and keeps the old buffer allocated: worth a line in the log.
+            allocated = self._allocate(name, max(numel, 1), dtype)
+            # Growing is a collective that synchronises the device: worth a line in the log.
             log.log(logging.DEBUG if found is None else logging.INFO, "symmetric buffer %r: %d x %s in %.1f ms", name,
                     allocated.local.numel(), dtype, (time.perf_counter() - start_s) * 1e3)
             self._buffers[name] = found = allocated
         return found
 
-    def _allocate(self, numel: int, dtype: torch.dtype) -> PeerBuffer:
+    def _allocate(self, name: str, numel: int, dtype: torch.dtype) -> PeerBuffer:
         raise NotImplementedError
 
     def peer_tensors(self, buf: PeerBuffer) -> list[torch.Tensor]:
@@ -80,9 +83,8 @@ class CudaSymmetricWorkspace(_Workspace):
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self._handles = []  # keep rendezvous handles alive with their buffers
 
-    def _allocate(self, numel: int, dtype: torch.dtype) -> PeerBuffer:
+    def _allocate(self, name: str, numel: int, dtype: torch.dtype) -> PeerBuffer:
         # Every rank allocates the largest size any rank asks for: NVSHMEM's heap puts a buffer at the same offset
         # in every PE only if all PEs allocate the same sizes in the same order, and some sizes depend on the
         # rank (the nvshmem lookup's scratch follows the rank's own tables).
@@ -93,9 +95,8 @@ class CudaSymmetricWorkspace(_Workspace):
         local.zero_()
         torch.cuda.synchronize()
         dist.barrier(group=self.group)  # no peer may write before every rank has zeroed its buffer
-        self._handles.append(handle)
         ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=self.device)
-        return PeerBuffer(local=local, peer_ptrs=ptrs)
+        return PeerBuffer(local=local, peer_ptrs=ptrs, handle=handle)
 
     def peer_tensors(self, buf: PeerBuffer) -> list[torch.Tensor]:
         handle = self._symm_mem.rendezvous(buf.local, self.group.group_name)  # cached: no collective after the first
@@ -134,7 +135,7 @@ class SimulatedWorld:
 
     def __init__(self, world_size: int, device: torch.device | str = "cpu"):
         self.world_size, self.device = world_size, torch.device(device)
-        self.buffers: dict[str, list[torch.Tensor]] = {}
+        self.buffers: dict[str, list[torch.Tensor]] = {}  # by name: every rank's tensor of the newest buffer
 
     def workspaces(self) -> list["SimulatedWorkspace"]:
         return [SimulatedWorkspace(self, r) for r in range(self.world_size)]
@@ -147,18 +148,17 @@ class SimulatedWorkspace(_Workspace):
         super().__init__()
         self.world, self.rank, self.world_size = world, rank, world.world_size
         self.device = world.device
-        self._allocations = 0
 
-    def _allocate(self, numel: int, dtype: torch.dtype) -> PeerBuffer:
-        # The n-th allocation of every rank is the same symmetric buffer; the first rank to ask creates it.
-        key = f"{self._allocations}"
-        self._allocations += 1
-        tensors = self.world.buffers.get(key)
+    def _allocate(self, name: str, numel: int, dtype: torch.dtype) -> PeerBuffer:
+        # Every rank's buffer of one name is the same symmetric buffer; the first rank to ask (for more) makes it.
+        # Each rank's PeerBuffer holds all ranks' tensors, as a GPU rank's handle maps its peers' memory: a buffer
+        # that grew is freed once no rank holds it.
+        tensors = self.world.buffers.get(name)
         if tensors is None or tensors[0].numel() < numel or tensors[0].dtype != dtype:
             tensors = [torch.zeros(numel, dtype=dtype, device=self.device) for _ in range(self.world_size)]
-            self.world.buffers[key] = tensors
+            self.world.buffers[name] = tensors
         ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=self.device)
-        return PeerBuffer(local=tensors[self.rank], peer_ptrs=ptrs)
+        return PeerBuffer(local=tensors[self.rank], peer_ptrs=ptrs, handle=tensors)
 
     def peer_tensors(self, buf: PeerBuffer) -> list[torch.Tensor]:
-        return next(ts for ts in self.world.buffers.values() if ts[self.rank] is buf.local)
+        return buf.handle
