@@ -14,7 +14,8 @@ Implementations of one interface (`transport` says which kernels a fused operato
 Buffers are allocated on first use and grown (never shrunk) when a larger size is asked for. Every rank must ask
 for the same names in the same order: allocation is collective on GPUs, and takes the largest size asked for. A
 grown buffer's old memory is released once nothing holds its PeerBuffer any more (torch synchronises the device
-before it unmaps symmetric memory, and a peer's mapping keeps the memory alive for that peer until it lets go).
+before it unmaps symmetric memory, and a peer's mapping keeps the memory alive for that peer until it lets go);
+the nvshmem workspace keeps every buffer instead (NVSHMEM frees collectively).
 """
 
 from __future__ import annotations
@@ -113,6 +114,14 @@ class NvshmemSymmetricWorkspace(CudaSymmetricWorkspace):
             raise RuntimeError("comm.transport=nvshmem: this torch has no NVSHMEM (use transport=p2p or comm=bulk)")
         use_nvshmem_backend()
         super().__init__(group)
+        self._kept: list[PeerBuffer] = []  # every buffer allocated (see _allocate)
+
+    def _allocate(self, name: str, numel: int, dtype: torch.dtype) -> PeerBuffer:
+        # nvshmem_free is a collective of all PEs: a buffer released by garbage collection, at another moment in
+        # every rank, could hang it. Here the buffers stay allocated for the process's life, grown ones included.
+        allocated = super()._allocate(name, numel, dtype)
+        self._kept.append(allocated)
+        return allocated
 
 
 def use_nvshmem_backend() -> None:
