@@ -35,7 +35,7 @@ from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.dist.reorder import inverse_permutation, reorder
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, _Workspace
 from fused_dlrm.kernels.graphed_calls import GraphedCalls, Lease
-from fused_dlrm.train.compute_copies import compute_weight, has_compute_copy, refresh_compute_copy
+from fused_dlrm.train.compute_copies import compute_copy, compute_weight, refresh_compute_copy
 from moe.expert_layout import (DispatchTables, ExpertLayout, build_expert_layout, dispatch_tables, gather_counts,
                                send_slots)
 from moe.experts import SwiGLUExperts
@@ -224,8 +224,9 @@ class MoELayer(nn.Module):
             (tables, h, a13, w13), lease = launch(*inputs), None
         else:
             refresh_compute_copy(w13_param)  # a replay runs no Python: the copy it reads must be current
+            copy = compute_copy(w13_param, x.dtype)  # a copy made anew (dropped, then rewritten) is another key
             key = (tuple((t.shape, t.stride(), t.dtype) for t in inputs), keep_a13, dispatch.capacity,
-                   w13_param.data_ptr(), w13_param.dtype, has_compute_copy(w13_param, x.dtype),
+                   w13_param.data_ptr(), w13_param.dtype, None if copy is None else copy.data_ptr(),
                    dispatch.buffer_addresses(x.dtype))
             (tables, h, a13, w13), lease = self._dispatch_graphs(key, launch, inputs, hold=keep_a13)
         return _Dispatched(tables, dispatch.end(epoch), h, a13, w13, lease)

@@ -7,7 +7,7 @@ import torch
 from fused_dlrm.kernels.adamw import AdamWStep, adamw_reference, launch_adamw
 from fused_dlrm.train import compute_copies
 from fused_dlrm.train.adamw import AdamW
-from fused_dlrm.train.compute_copies import compute_weight, has_compute_copy, want_compute_copy
+from fused_dlrm.train.compute_copies import compute_copy, compute_weight, want_compute_copy
 from sm90 import compile_for_sm90
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # conftest: the interpreter without a GPU
@@ -98,8 +98,8 @@ def test_optimizer_follows_torch_fused_adamw_and_writes_the_copies():
         assert torch.equal(mine[0].grad, reference[0].grad)  # the gradient hidden from torch's step is back
         assert_rounded(compute_copies.copy_to_write(mine[0]), mine[0])
         assert compute_weight(mine[0], torch.bfloat16) is mine[0].compute_copy.tensor
-    assert torch.equal(mine[2], reference[2]) and not has_compute_copy(mine[2], torch.bfloat16)  # no gradient
-    assert not has_compute_copy(mine[1], torch.bfloat16)
+    assert torch.equal(mine[2], reference[2]) and compute_copy(mine[2], torch.bfloat16) is None  # no gradient
+    assert compute_copy(mine[1], torch.bfloat16) is None
     state, want = ours.state[mine[0]], theirs.state[reference[0]]
     assert state.keys() == want.keys() and float(state["step"]) == float(want["step"]) == 4.0
     assert state["step"].dtype == want["step"].dtype and state["step"].device == want["step"].device
@@ -135,7 +135,7 @@ def test_groups_the_kernel_does_not_take_step_through_torch_without_copies(optio
     for _ in range(2):
         _step_both(ours, theirs, mine, reference, generator)
     assert all(torch.equal(a, b) for a, b in zip(mine, reference))
-    assert not has_compute_copy(mine[0], torch.bfloat16)
+    assert compute_copy(mine[0], torch.bfloat16) is None
     assert torch.equal(compute_weight(mine[0], torch.bfloat16), mine[0].detach().to(torch.bfloat16))
 
 
@@ -171,9 +171,9 @@ def test_a_swapped_or_moved_weight_has_its_copy_rewritten_or_dropped():
     p.data = torch.randn(3, 40, device=DEVICE)  # a new tensor under the parameter: the version counter stays
     assert compute_weight(p, torch.bfloat16) is copy and torch.equal(copy, p.detach().to(torch.bfloat16))
     p.data = torch.randn(5, 40, device=DEVICE)  # another shape (as another device): the copy no longer fits
-    assert not has_compute_copy(p, torch.bfloat16) and not hasattr(p, "compute_copy")
+    assert compute_copy(p, torch.bfloat16) is None and not hasattr(p, "compute_copy")
     assert torch.equal(compute_weight(p, torch.bfloat16), p.detach().to(torch.bfloat16))
     p.grad = torch.randn_like(p)
     AdamW([p], fused=True, lr=1e-2).step()
     want_compute_copy(p, torch.float16)  # marked for another dtype: the bf16 copy goes, the next step writes fp16
-    assert not has_compute_copy(p, torch.bfloat16)
+    assert compute_copy(p, torch.bfloat16) is None

@@ -321,3 +321,17 @@ def test_fused_layer_computes_with_the_compute_copies(monkeypatch):
     with torch.no_grad():
         experts.w13.mul_(1.0)
     assert torch.equal(run16(graphed), run16(eager))
+    # A copy dropped and made anew (marked for another dtype and back) lives elsewhere: a graph of the old one
+    # must not replay (its key names the copy's address; the stand-in graph would not show the old address read).
+    old_copy = experts.w13.compute_copy.tensor
+    graphed.zero_grad()  # the poisoned call's gradients
+    want_compute_copy(experts.w13, torch.bfloat16)
+    run16(graphed)
+    want_compute_copy(experts.w13, torch.float16)
+    optimizer.step()
+    eager.load_state_dict(graphed.state_dict())
+    assert experts.w13.compute_copy.tensor.data_ptr() != old_copy.data_ptr()
+    old_copy.fill_(float("nan"))
+    calls = len(log)
+    assert torch.equal(run16(graphed), run16(eager))
+    assert log[calls:] == [], "a graph of the old copy replayed"

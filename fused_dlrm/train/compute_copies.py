@@ -68,19 +68,20 @@ def refresh_compute_copy(param: torch.nn.Parameter) -> None:
         copy.written_at = _state(param)
 
 
-def has_compute_copy(param: torch.nn.Parameter, dtype: torch.dtype) -> bool:
-    """Whether `compute_weight(param, dtype)` returns a copy (else a cast)."""
+def compute_copy(param: torch.nn.Parameter, dtype: torch.dtype) -> torch.Tensor | None:
+    """The copy `compute_weight(param, dtype)` returns (as it is, not refreshed), None where it casts instead."""
     copy = _copy(param)
-    return copy is not None and copy.tensor.dtype == dtype
+    return copy.tensor if copy is not None and copy.tensor.dtype == dtype else None
 
 
 def compute_weight(param: torch.nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
     """param in `dtype`: its compute copy when it has one of that dtype (rewritten first if stale), else
     param.to(dtype) (param itself when of that dtype)."""
-    if not has_compute_copy(param, dtype):
+    copy = compute_copy(param, dtype)
+    if copy is None:
         return param.to(dtype)
     refresh_compute_copy(param)
-    return param.compute_copy.tensor
+    return copy
 
 
 def _state(param: torch.nn.Parameter) -> tuple[int, int]:
