@@ -88,7 +88,7 @@ def test_torchrec_and_bulk_train_the_same_model(tmp_path, arches):
         assert r["sharding"]["sharding_types"] == ["table_wise"] and r["sharding"]["compute_kernels"] == ["fused"]
         assert r["sharding"]["pipelined_modules"] == [r["sharding"]["module"]], name  # the pipeline ran its input dist
     assert torchrec["sharding"]["module"] == "ShardedEmbeddingBagCollection"  # torchrec's own, fbgemm's TBE
-    assert bulk["sharding"]["module"] == "TableWiseShardedEBC"
+    assert bulk["sharding"]["module"] == "FusedShardedEBC"
     # Same model, batches and optimizers: the same loss curve (fp32, summation order aside), and it moved.
     assert bulk["losses"] == pytest.approx(torchrec["losses"], rel=1e-5)
     assert len(set(torchrec["losses"])) == len(torchrec["losses"])

@@ -1,6 +1,6 @@
 """The fused embedding all-to-all on a simulated world: every rank's kernels in one process (interpreter on CPU).
 
-Each rank owns some tables; its producer kernel stores pooled tiles into every rank's symmetric output, the wait
+Each rank owns some tables (or column shards of tables); its producer kernel stores pooled tiles into every rank's symmetric output, the wait
 kernels check the flags, and the outputs must equal the pure-torch pooled lookup of the whole global batch sliced
 per rank. Backward pushes gradient columns to the owners, whose tables must end up as the bulk path's.
 """
@@ -20,7 +20,8 @@ from fused_dlrm.sparse.fused_all_to_all import FusedPooledAllToAll
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
-from fused_dlrm.sparse.plan import plan_table_wise
+from fused_dlrm.sparse.plan import plan_sharding
+from fused_dlrm.sparse.sharded_ebc import shard_columns
 from sm90 import compile_for_sm90
 
 # The simulated world is CPU tensors: it needs the interpreter (set by conftest.py where there is no GPU).
@@ -47,25 +48,28 @@ def random_bags(tables, batch_sizes, weighted, gen):
 
 
 class World:
-    """W ranks of the fused exchange, sharing one SimulatedWorld."""
+    """W ranks of the fused exchange, sharing one SimulatedWorld; column_shards as plan_sharding takes it."""
 
-    def __init__(self, tables, world_size, dtype=torch.float32, optimizer="rowwise_adagrad", num_programs=3):
+    def __init__(self, tables, world_size, dtype=torch.float32, optimizer="rowwise_adagrad", num_programs=3,
+                 column_shards=1):
         self.tables, self.world_size, self.optimizer = tables, world_size, optimizer
-        self.plan = plan_table_wise(tables, world_size)
-        by_name = {t.name: t for t in tables}
-        self.features_of_rank = [[f for n in self.plan.tables_of(r) for f in by_name[n].feature_names]
-                                 for r in range(world_size)]
+        self.column_shards = column_shards
+        self.plan = plan_sharding(tables, world_size, column_shards)
+        slices = self.plan.feature_slices(tables)
+        self.features_of_rank = [[s.feature for s in mine] for mine in slices]
         self.weights = {t.name: init_table(t, i, torch.device("cpu")).to(dtype) for i, t in enumerate(tables)}
-        dims = {f: t.embedding_dim for t in tables for f in t.feature_names}
-        order = [f for t in tables for f in t.feature_names]
+        self.shards = {s.name: shard_columns(self.weights[s.table], s) for s in self.plan.shards}
         cfg = EmbeddingOptimizerConfig(optimizer, lr=0.1)
         self.lookups, self.exchanges = [], []
         for ws in SimulatedWorld(world_size).workspaces():
-            owned = [by_name[n] for n in self.plan.tables_of(ws.rank)]
-            lookup = PooledEmbeddingLookup(owned, {t.name: self.weights[t.name] for t in owned}, cfg, ws.device)
+            owned = self.plan.shard_configs(tables, ws.rank)
+            lookup = PooledEmbeddingLookup(owned, {t.name: self.shards[t.name] for t in owned}, cfg, ws.device)
             self.lookups.append(lookup)
-            self.exchanges.append(FusedPooledAllToAll(lookup, self.features_of_rank, dims, order, ws,
-                                                      num_programs=num_programs, spin_limit=50))
+            self.exchanges.append(FusedPooledAllToAll(lookup, slices, ws, num_programs=num_programs, spin_limit=50))
+
+    def table(self, name):
+        """A table as trained: its shards' columns side by side."""
+        return torch.cat([self.shards[s.name] for s in self.plan.shards if s.table == name], dim=1)
 
     def owned_bags(self, rank, lengths, values, weights, batch_sizes) -> OwnedBags:
         idx = [int(f[1:]) for f in self.features_of_rank[rank]]
@@ -89,7 +93,7 @@ class World:
 
 
 def expected_outputs(world, lengths, values, weights, batch_sizes):
-    full = torch.cat([pooled_embedding_reference(world.weights[t.name], values[i], lengths[i],
+    full = torch.cat([pooled_embedding_reference(world.table(t.name), values[i], lengths[i],
                                                  None if weights is None else weights[i],
                                                  t.pooling == PoolingType.MEAN)
                       for i, t in enumerate(world.tables)], dim=1)
@@ -125,7 +129,8 @@ def test_backward_updates_tables_like_the_bulk_path(optimizer):
 def train_like_one_owner(world, batch_sizes, steps, gen, check_outputs):
     """`steps` forward + backward steps of `world` and of one rank owning every table (the bulk lookup) on the
     same bags and gradients; outputs against the reference if asked, and the tables must end up equal."""
-    reference = World(world.tables, 1, optimizer=world.optimizer)
+    # One rank holding every table, cut as in `world` (row-wise Adagrad keeps one accumulator per shard and row).
+    reference = World(world.tables, 1, optimizer=world.optimizer, column_shards=world.column_shards)
     for _ in range(steps):
         lengths, values, weights = random_bags(world.tables, batch_sizes, True, gen)
         bags = [world.owned_bags(r, lengths, values, weights, batch_sizes) for r in range(world.world_size)]
@@ -137,8 +142,8 @@ def train_like_one_owner(world, batch_sizes, steps, gen, check_outputs):
         world.backward(bags, grads)
         ref_bags = reference.owned_bags(0, lengths, values, weights, [sum(batch_sizes)])
         reference.lookups[0].apply_gradient(ref_bags, torch.cat(grads))
-    for name in world.weights:
-        torch.testing.assert_close(world.weights[name], reference.weights[name], rtol=1e-5, atol=1e-6)
+    for t in world.tables:
+        torch.testing.assert_close(world.table(t.name), reference.table(t.name), rtol=1e-5, atol=1e-6)
 
 
 def test_batch_sizes_that_change_between_steps():
@@ -161,8 +166,8 @@ def test_batch_sizes_that_change_between_steps():
         world.backward(bags, grads)
         reference.lookups[0].apply_gradient(reference.owned_bags(0, lengths, values, weights, [sum(batch_sizes)]),
                                             torch.cat(grads))
-        for name in world.weights:
-            torch.testing.assert_close(world.weights[name], reference.weights[name], rtol=1e-5, atol=1e-6)
+        for t in tables:
+            torch.testing.assert_close(world.table(t.name), reference.table(t.name), rtol=1e-5, atol=1e-6)
 
 
 def test_forward_only_plan_of_uneven_owners():
@@ -217,6 +222,23 @@ def test_larger_worlds_forward_and_backward(world_size, batch_sizes):
     world = World(tables, world_size, num_programs=world_size + 3)  # an uneven split of programs over destinations
     train_like_one_owner(world, batch_sizes, steps=2, gen=torch.Generator().manual_seed(world_size),
                          check_outputs=True)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("world_size,batch_sizes,column_shards", [(2, [3, 4], {"t1": 2, "t3": 4}),
+                                                                   (3, [2, 0, 5], 2)])
+def test_column_shards_forward_and_backward(optimizer, world_size, batch_sizes, column_shards):
+    """Tables cut into column shards: every shard's rank receives its table's bags and stores its columns at
+    their place in each sample's row; the gradient's columns return to each shard. With t3 in 4 shards over 2
+    ranks, each rank holds two of them (the same feature twice in its bags)."""
+    tables = make_tables([4, 8, 6, 16], [10, 20, 7, 9])  # t2 mean-pooled
+    world = World(tables, world_size, optimizer=optimizer, num_programs=world_size + 2, column_shards=column_shards)
+    shards = [(s.table, s.rank, s.col, s.dim) for s in world.plan.shards]
+    if world_size == 2:
+        assert sorted(r for t, r, _, _ in shards if t == "t3") == [0, 0, 1, 1]
+        assert len([f for f in world.features_of_rank[0] if f == "f3"]) == 2
+    assert len(shards) == 8
+    train_like_one_owner(world, batch_sizes, steps=2, gen=torch.Generator().manual_seed(5), check_outputs=True)
 
 
 COMPILE_FOR_SM90 = """

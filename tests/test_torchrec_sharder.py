@@ -2,12 +2,12 @@
 
 Two (once three, once four) gloo processes on the CPU. Each rank gets its slice of the same global batches. Three
 models start from the same weights:
-  * ours:      DMP + FusedEmbeddingBagCollectionSharder, plan from torchrec's planner;
-  * stock:     DMP + torchrec's EmbeddingBagCollectionSharder, table-wise FUSED plan with the same placement
-               (explicit plan), fbgemm's CPU TBE with the optimizer from apply_optimizer_in_backward
-               (EXACT_ROWWISE_ADAGRAD / EXACT_SGD);
+  * ours:      DMP + FusedEmbeddingBagCollectionSharder, plan from torchrec's planner (or one given: column-wise);
+  * stock:     DMP + torchrec's EmbeddingBagCollectionSharder under the same plan, fbgemm's CPU TBE with the
+               optimizer from apply_optimizer_in_backward (EXACT_ROWWISE_ADAGRAD / EXACT_SGD);
   * reference: the unsharded EBC on the whole global batch, with torchrec.optim's RowWiseAdagrad / torch SGD, its
-               gradient divided by the world size when torchrec's gradient division is on (its default).
+               gradient divided by the world size when torchrec's gradient division is on (its default). (Column
+               shards keep a row-wise Adagrad accumulator each, in torchrec as in ours: there only stock compares.)
 Forward outputs (by key: stock torchrec orders its output by sharding, ours keeps the EBC's order) and the owned
 tables after every step must agree, as must the fused optimizers' state. A last run checks TrainPipelineSparseDist
 (input dist one batch ahead) against a plain loop.
@@ -16,17 +16,19 @@ tables after every step must agree, as must the fused optimizers' state. A last 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
 from torchrec.datasets.utils import Batch
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.comm_ops import set_gradient_division
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -36,8 +38,8 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.sparse import EmbeddingOptimizerConfig
-from fused_dlrm.sparse.torchrec_sharder import (FusedEmbeddingBagCollectionSharder, TableWiseShardedEBC,
-                                                table_wise_plan_from_torchrec, torchrec_in_backward_optimizer)
+from fused_dlrm.sparse.torchrec_sharder import (FusedEmbeddingBagCollectionSharder, FusedShardedEBC,
+                                                plan_from_torchrec, torchrec_in_backward_optimizer)
 from bags import global_batch, to_kjt
 from world import run_world
 
@@ -76,49 +78,69 @@ def dot_by_key(kt: KeyedTensor, grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return sum((v * grads[k]).sum() for k, v in kt.to_dict().items())
 
 
-def local_shard(sharded_tensor) -> torch.Tensor:
-    return sharded_tensor.local_shards()[0].tensor
+def local_shard(sharded_tensor, col: int = 0) -> torch.Tensor:
+    """This rank's shard of a torchrec ShardedTensor that starts at column `col` (a table's, or its rows')."""
+    found = [s.tensor for s in sharded_tensor.local_shards() if s.metadata.shard_offsets[-1] == col]
+    assert len(found) == 1, (col, [s.metadata for s in sharded_tensor.local_shards()])
+    return found[0]
 
 
-def stock_torchrec(reference: EmbeddingBagCollection, owner: dict[str, int], optimizer: str,
-                   world: int) -> DistributedModelParallel:
-    """torchrec's own sharding of the same tables: table-wise, FUSED, placed as `owner` says."""
+def stock_shard_state(tensor, plan, shard) -> torch.Tensor:
+    """A shard's row-wise Adagrad accumulator in torchrec's optimizer state: the k-th column shard of a table at
+    row k * rows of its [shards x rows] ShardedTensor (a table-wise table's at 0)."""
+    names = [s.name for s in plan.shards if s.table == shard.table]
+    return local_shard(tensor, names.index(shard.name) * tensor.shape[0] // len(names))
+
+
+def stock_torchrec(reference: EmbeddingBagCollection, module_plan, optimizer: str) -> DistributedModelParallel:
+    """torchrec's own sharding of the same tables under the same plan (FUSED kernels)."""
     model = SparseModel(copy.deepcopy(reference))
     optimizer_class, kwargs = torchrec_in_backward_optimizer(EmbeddingOptimizerConfig(optimizer, lr=LR, eps=EPS))
     apply_optimizer_in_backward(optimizer_class, model.ebc.parameters(), kwargs)  # -> EXACT_SGD / EXACT_ROWWISE_...
-    sharder = EmbeddingBagCollectionSharder()
-    module_plan = construct_module_sharding_plan(
-        model.ebc, {name: table_wise(rank=r, compute_kernel="fused") for name, r in owner.items()},
-        sharder=sharder, local_size=world, world_size=world, device_type="cpu")
-    dmp = DistributedModelParallel(model, sharders=[sharder], device=CPU, plan=ShardingPlan({"ebc": module_plan}))
+    dmp = DistributedModelParallel(model, sharders=[EmbeddingBagCollectionSharder()], device=CPU,
+                                   plan=ShardingPlan({"ebc": module_plan}))
     # On the CPU torchrec re-initialises the sharded tables instead of copying the unsharded ones: copy them.
     with torch.no_grad():
         for key, value in dmp.state_dict().items():
             for shard in value.local_shards():
-                shard.tensor.copy_(reference.embedding_bags[key.split(".")[2]].weight)
+                col, dim = shard.metadata.shard_offsets[1], shard.metadata.shard_sizes[1]
+                shard.tensor.copy_(reference.embedding_bags[key.split(".")[2]].weight[:, col:col + dim])
     return dmp
 
 
+def explicit_plan(tables, generators: dict, world: int, sharder) -> dict:
+    """torchrec's module plan from sharding_plan's generators (table_wise(rank=..), column_wise(ranks=..))."""
+    return construct_module_sharding_plan(EmbeddingBagCollection(tables, device=torch.device("meta")),
+                                          generators, sharder=sharder, local_size=world, world_size=world,
+                                          device_type="cpu")
+
+
 def compare_with_stock_torchrec(rank: int, world: int, cases) -> None:
-    for optimizer, weighted, batch, tables, divide in cases:
+    """cases: (optimizer, weighted, global batch, tables, gradient division, column-wise: column_wise_plans's plan
+    or the planner's)."""
+    for optimizer, weighted, batch, tables, divide, column_wise in cases:
         # torchrec divides the pooled gradient by the world size by default (tables see the mean over ranks of
         # the per-rank gradients); off, they see the sum. Our sharded module follows the same switch.
         set_gradient_division(divide)
         torch.manual_seed(0)
         reference = EmbeddingBagCollection(tables, is_weighted=weighted)
-        ours = DistributedModelParallel(
-            SparseModel(copy.deepcopy(reference)),
-            sharders=[FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig(optimizer, lr=LR, eps=EPS))],
-            device=CPU)  # the planner's plan
+        sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig(optimizer, lr=LR, eps=EPS))
+        plan = None  # the planner's
+        if column_wise:
+            plan = ShardingPlan({"ebc": explicit_plan(tables, column_wise_plans(world), world, sharder)})
+        ours = DistributedModelParallel(SparseModel(copy.deepcopy(reference)), sharders=[sharder], device=CPU,
+                                        plan=plan)
         sharded = ours.module.ebc
-        assert isinstance(sharded, TableWiseShardedEBC)
-        owner = {name: ps.ranks[0] for name, ps in ours.plan.get_plan_for_module("ebc").items()}
-        assert {ps.sharding_type for ps in ours.plan.get_plan_for_module("ebc").values()} == {"table_wise"}
-        assert sharded.plan.owner == owner
-        assert len(set(owner.values())) == min(world, len(tables))  # the planner spread the tables
-        mine = [name for name in owner if owner[name] == rank]
-        assert list(ours.state_dict()) == [f"ebc.embedding_bags.{name}.weight" for name in mine]
-        stock = stock_torchrec(reference, owner, optimizer, world)
+        assert isinstance(sharded, FusedShardedEBC)
+        module_plan = ours.plan.get_plan_for_module("ebc")
+        if not column_wise:  # the planner spread the tables, whole
+            assert {ps.sharding_type for ps in module_plan.values()} == {"table_wise"}
+            assert len({ps.ranks[0] for ps in module_plan.values()}) == min(world, len(tables))
+        mine = sharded.plan.shards_of(rank)
+        assert sorted(ours.state_dict()) == sorted(f"ebc.embedding_bags.{s.name}.weight" for s in mine)
+        # Whole tables, or SGD: the unsharded reference updates the rows as the shards do.
+        same_updates = optimizer == "sgd" or all(len(ps.ranks) == 1 for ps in module_plan.values())
+        stock = stock_torchrec(reference, module_plan, optimizer)
 
         ref_opt = (torch.optim.SGD(reference.parameters(), lr=LR) if optimizer == "sgd"
                    else RowWiseAdagrad(reference.parameters(), lr=LR, eps=EPS))
@@ -130,7 +152,8 @@ def compare_with_stock_torchrec(rank: int, world: int, cases) -> None:
             got = ours(to_kjt(keys, lengths, values, weights, start, stop))
             got_stock = stock(to_kjt(keys, lengths, values, weights, start, stop))
             assert got.keys() == keys and got.length_per_key() == dims  # the EBC's order, as unsharded
-            torch.testing.assert_close(got.values(), expected.values()[start:stop], rtol=1e-5, atol=1e-6)
+            if same_updates or step == 0:
+                torch.testing.assert_close(got.values(), expected.values()[start:stop], rtol=1e-5, atol=1e-6)
             assert sorted(got_stock.keys()) == sorted(keys)
             for key, value in got_stock.to_dict().items():
                 torch.testing.assert_close(got.to_dict()[key], value, rtol=1e-5, atol=1e-6)
@@ -146,41 +169,64 @@ def compare_with_stock_torchrec(rank: int, world: int, cases) -> None:
             stock.fused_optimizer.step()
 
             stock_state = stock.state_dict()
-            for name in mine:
-                weight = sharded.embedding_bags[name].weight
-                torch.testing.assert_close(weight, reference.embedding_bags[name].weight, rtol=1e-5, atol=1e-6)
-                torch.testing.assert_close(weight, local_shard(stock_state[f"ebc.embedding_bags.{name}.weight"]),
-                                           rtol=1e-5, atol=1e-6)
+            for s in mine:
+                weight = sharded.embedding_bags[s.name].weight
+                if same_updates:
+                    torch.testing.assert_close(weight, reference.embedding_bags[s.table].weight[:, s.col:s.col + s.dim],
+                                               rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(weight, local_shard(stock_state[f"ebc.embedding_bags.{s.table}.weight"],
+                                                               s.col), rtol=1e-5, atol=1e-6)
 
-        # The fused optimizer's state: same keys as torchrec's, same row-wise Adagrad accumulators.
+        # The fused optimizer's state: torchrec's keys (a column shard's under its own name), the same row-wise
+        # Adagrad accumulators.
         our_state = ours.fused_optimizer.state_dict()["state"]
         stock_opt_state = stock.fused_optimizer.state_dict()["state"]
-        assert sorted(our_state) == sorted(stock_opt_state) == sorted(f"ebc.embedding_bags.{n}.weight" for n in mine)
-        for param_key, state in our_state.items():
-            assert sorted(state) == sorted(stock_opt_state[param_key])
+        assert sorted(our_state) == [f"ebc.embedding_bags.{s.name}.weight" for s in sorted(mine, key=lambda s: s.name)]
+        assert sorted(stock_opt_state) == sorted({f"ebc.embedding_bags.{s.table}.weight" for s in mine})
+        for s in mine:
+            state, stock_table_state = (our_state[f"ebc.embedding_bags.{s.name}.weight"],
+                                        stock_opt_state[f"ebc.embedding_bags.{s.table}.weight"])
+            assert sorted(state) == sorted(k.replace(s.table, s.name, 1) for k in stock_table_state)
             for state_key, tensor in state.items():
-                torch.testing.assert_close(tensor.flatten(), local_shard(stock_opt_state[param_key][state_key])
-                                           .flatten(), rtol=1e-5, atol=1e-7)
+                stock_tensor = stock_table_state[state_key.replace(s.name, s.table, 1)]
+                torch.testing.assert_close(tensor.flatten(), stock_shard_state(stock_tensor, sharded.plan, s).flatten(),
+                                           rtol=1e-5, atol=1e-7)
 
 
 def test_two_ranks_match_stock_torchrec_and_unsharded():
     run_world(2, compare_with_stock_torchrec, [
         # Global batch 7 over 2 ranks: local batches 4 and 3.
-        ("rowwise_adagrad", False, 7, TABLES, True),
-        ("sgd", True, 8, SUM_TABLES, True),
-        ("sgd", False, 7, TABLES, False),
+        ("rowwise_adagrad", False, 7, TABLES, True, False),
+        ("sgd", True, 8, SUM_TABLES, True, False),
+        ("sgd", False, 7, TABLES, False, False),
     ])
 
 
 def test_three_ranks_one_owns_nothing():
     # 3 ranks, 2 tables: the third rank owns no table but still sends its inputs and receives its outputs.
-    run_world(3, compare_with_stock_torchrec, [("rowwise_adagrad", False, 9, TABLES[:2], True)])
+    run_world(3, compare_with_stock_torchrec, [("rowwise_adagrad", False, 9, TABLES[:2], True, False)])
 
 
 def test_four_ranks_five_tables():
     # 5 tables spread over 4 ranks (checked): one rank owns two. Global batch 10: local batches 3, 3, 2, 2.
-    run_world(4, compare_with_stock_torchrec, [("rowwise_adagrad", False, 10, TABLES + [FIFTH], True),
-                                               ("sgd", True, 11, SUM_TABLES + [FIFTH], False)])
+    run_world(4, compare_with_stock_torchrec, [("rowwise_adagrad", False, 10, TABLES + [FIFTH], True, False),
+                                               ("sgd", True, 11, SUM_TABLES + [FIFTH], False, False)])
+
+
+def column_wise_plans(world: int) -> dict:
+    """t2 (16 columns) in 4 shards, two or three of them on one rank; t3 (12) in 3; the rest whole."""
+    return {"t0": table_wise(rank=world - 1, compute_kernel="fused"),
+            "t1": table_wise(rank=0, compute_kernel="fused"),
+            "t2": column_wise(ranks=[1, 0, 1, world - 1], compute_kernel="fused"),
+            "t3": column_wise(ranks=[world - 1, 0, world - 1], compute_kernel="fused")}
+
+
+def test_column_wise_plans_match_stock_torchrec():
+    # torchrec's sharding_plan.column_wise: each shard's rank receives its table's bags (rank 1 twice for t2),
+    # pools its columns into their place, and updates them with an accumulator of its own (row-wise Adagrad).
+    run_world(2, compare_with_stock_torchrec, [("rowwise_adagrad", False, 7, TABLES, True, True),
+                                               ("sgd", True, 8, SUM_TABLES, False, True)])
+    run_world(3, compare_with_stock_torchrec, [("rowwise_adagrad", False, 9, TABLES, True, True)])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -259,7 +305,7 @@ def pipeline_matches_plain_loop(rank: int, world: int, steps: int) -> None:
         piped_out.append(pipeline.progress(it))
     with pytest.raises(StopIteration):
         pipeline.progress(it)
-    assert [type(m) for m in pipeline._pipelined_modules] == [TableWiseShardedEBC]  # it did pipeline our module
+    assert [type(m) for m in pipeline._pipelined_modules] == [FusedShardedEBC]  # it did pipeline our module
 
     for (loss_a, logits_a), (loss_b, logits_b) in zip(plain_out, piped_out):
         torch.testing.assert_close(loss_a, loss_b)
@@ -280,11 +326,11 @@ def test_train_pipeline_sparse_dist_matches_plain_loop():
 # One process: sharder surface, plan conversion, errors (no process group: a world of one).
 
 
-def test_sharder_offers_table_wise_fused_only():
+def test_sharder_offers_table_wise_and_column_wise_fused():
     sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig())
     assert sharder.module_type is EmbeddingBagCollection
-    assert sharder.sharding_types("cpu") == sharder.sharding_types("cuda") == ["table_wise"]
-    assert sharder.compute_kernels("table_wise", "cpu") == ["fused"]
+    assert sharder.sharding_types("cpu") == sharder.sharding_types("cuda") == ["table_wise", "column_wise"]
+    assert sharder.compute_kernels("table_wise", "cpu") == sharder.compute_kernels("column_wise", "cuda") == ["fused"]
     assert sharder.compute_kernels("row_wise", "cuda") == []
     assert sorted(sharder.shardable_parameters(EmbeddingBagCollection(TABLES))) == ["t0", "t1", "t2", "t3"]
 
@@ -299,19 +345,31 @@ def tw(rank: int) -> ParameterSharding:
 
 
 def test_plan_conversion_and_its_errors():
-    plan = table_wise_plan_from_torchrec(TABLES, {"t3": tw(0), "t2": tw(1), "t1": tw(1), "t0": tw(0)}, 2)
-    assert plan.owner == {"t0": 0, "t1": 1, "t2": 1, "t3": 0} and plan.tables_of(0) == ["t0", "t3"]
+    plan = plan_from_torchrec(TABLES, {"t3": tw(0), "t2": tw(1), "t1": tw(1), "t0": tw(0)}, 2)
+    assert [(s.table, s.rank, s.col, s.dim, s.name) for s in plan.shards_of(0)] == [("t0", 0, 0, 4, "t0"),
+                                                                                   ("t3", 0, 0, 12, "t3")]
+    cw = explicit_plan(TABLES, column_wise_plans(2), 2, FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig()))
+    plan = plan_from_torchrec(TABLES, cw, 2)
+    assert [(s.name, s.rank) for s in plan.shards if s.table == "t2"] == [
+        ("t2_cols_0_to_3", 1), ("t2_cols_4_to_7", 0), ("t2_cols_8_to_11", 1), ("t2_cols_12_to_15", 1)]
     good = {t.name: tw(0) for t in TABLES}
-    with pytest.raises(ValueError, match="table 't1': sharding type 'row_wise' is not supported.*'table_wise' only"):
-        table_wise_plan_from_torchrec(TABLES, {**good, "t1": ParameterSharding("row_wise", "fused", [0, 1])}, 2)
+    with pytest.raises(ValueError, match="table 't1': sharding type 'row_wise' is not supported.*'column_wise'"):
+        plan_from_torchrec(TABLES, {**good, "t1": ParameterSharding("row_wise", "fused", [0, 1])}, 2)
     with pytest.raises(ValueError, match="table 't2': compute kernel 'dense' is not supported"):
-        table_wise_plan_from_torchrec(TABLES, {**good, "t2": ParameterSharding("table_wise", "dense", [0])}, 2)
+        plan_from_torchrec(TABLES, {**good, "t2": ParameterSharding("table_wise", "dense", [0])}, 2)
     with pytest.raises(ValueError, match="no entry for table 't3'"):
-        table_wise_plan_from_torchrec(TABLES, {k: v for k, v in good.items() if k != "t3"}, 2)
+        plan_from_torchrec(TABLES, {k: v for k, v in good.items() if k != "t3"}, 2)
     with pytest.raises(ValueError, match="rank 2 outside a world of 2"):
-        table_wise_plan_from_torchrec(TABLES, {**good, "t0": tw(2)}, 2)
+        plan_from_torchrec(TABLES, {**good, "t0": tw(2)}, 2)
     with pytest.raises(ValueError, match=r"does not have: \['zz'\]"):
-        table_wise_plan_from_torchrec(TABLES, {**good, "zz": tw(0)}, 2)
+        plan_from_torchrec(TABLES, {**good, "zz": tw(0)}, 2)
+    with pytest.raises(ValueError, match="'t2': a column-wise entry needs one shard of its sharding_spec per rank"):
+        plan_from_torchrec(TABLES, {**good, "t2": ParameterSharding("column_wise", "fused", [0, 1])}, 2)
+    shards = cw["t2"].sharding_spec.shards  # columns 8-11 left out, 16-19 past the end
+    gap = dataclasses.replace(cw["t2"], sharding_spec=EnumerableShardingSpec(
+        [dataclasses.replace(m, shard_offsets=[0, 4 * (i + (i > 1))]) for i, m in enumerate(shards)]))
+    with pytest.raises(ValueError, match=r"table 't2': column shards \[\(0, 4\), \(4, 4\), \(12, 4\), \(16, 4\)\]"):
+        plan_from_torchrec(TABLES, {**cw, "t2": gap}, 2)
 
 
 def test_one_rank_module_copies_weights_and_matches_unsharded():

@@ -57,7 +57,7 @@ from fused_dlrm.models.dlrm import with_lean_arches
 from fused_dlrm.report.layers import no_fused_path
 from fused_dlrm.report.measure import repeats, timing_method
 from fused_dlrm.report.render import environment, write_json
-from fused_dlrm.sparse import EmbeddingOptimizerConfig, plan_table_wise
+from fused_dlrm.sparse import EmbeddingOptimizerConfig, plan_sharding
 from fused_dlrm.sparse.lookup import init_table
 from fused_dlrm.sparse.sharded_ebc import table_seeds
 from fused_dlrm.sparse.torchrec_sharder import FusedEmbeddingBagCollectionSharder, torchrec_in_backward_optimizer
@@ -117,6 +117,9 @@ def build_model(cfg: DictConfig, device: torch.device, arches: str = "torchrec")
 
 def shard(model: DLRMTrain, variant: str, cfg: DictConfig, env: DistEnv) -> DistributedModelParallel:
     """DMP over `model` with the variant's sharder; every variant gets the same table-wise placement."""
+    if cfg.model.column_shards != 1:  # init_tables copies whole tables
+        raise ValueError(f"dlrm_step compares table-wise placements only, got model.column_shards="
+                         f"{cfg.model.column_shards}")
     ebc = model.model.sparse_arch.embedding_bag_collection
     optimizer = EmbeddingOptimizerConfig(**cfg.model.embedding_optimizer)
     if variant == "torchrec":
@@ -125,9 +128,9 @@ def shard(model: DLRMTrain, variant: str, cfg: DictConfig, env: DistEnv) -> Dist
         sharder = EmbeddingBagCollectionSharder()
     else:
         sharder = FusedEmbeddingBagCollectionSharder(optimizer, comm=variant)
-    owner = plan_table_wise(ebc.embedding_bag_configs(), env.world_size).owner
+    shards = plan_sharding(ebc.embedding_bag_configs(), env.world_size).shards  # table-wise: one per table
     module_plan = construct_module_sharding_plan(
-        ebc, {name: table_wise(rank=rank, compute_kernel="fused") for name, rank in owner.items()}, sharder=sharder,
+        ebc, {s.table: table_wise(rank=s.rank, compute_kernel="fused") for s in shards}, sharder=sharder,
         local_size=int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)), world_size=env.world_size,
         device_type=env.device.type)
     return DistributedModelParallel(model, device=env.device, sharders=[sharder],

@@ -34,6 +34,7 @@ from fused_dlrm.kernels.pooled_embedding import FeatureTable
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.output_dist import BulkOutputDist
+from fused_dlrm.sparse.plan import FeatureSlice
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,9 @@ def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iter
     bags = make_bags(cfg, rank, world, device)
     dims_of_rank = [[cfg.dim] * cfg.tables_per_gpu for _ in range(world)]
     bulk_dist = BulkOutputDist(dims_of_rank, list(range(world * cfg.tables_per_gpu * cfg.dim)))
-    fused = build_fused_exchange(lookup, features_of_rank, tables, comm, None, device)
+    slices = [[FeatureSlice(f, f"t_{f}", (r * cfg.tables_per_gpu + i) * cfg.dim, cfg.dim) for i, f in enumerate(feats)]
+              for r, feats in enumerate(features_of_rank)]  # the output row: rank 0's tables, then rank 1's, ...
+    fused = build_fused_exchange(lookup, slices, comm, None, device)
     local_batch = bags.batch_sizes[rank]
     grad = torch.randn(local_batch, world * cfg.tables_per_gpu * cfg.dim, device=device)
 

@@ -17,7 +17,7 @@ from torchrec.models.dlrm import DLRM, InteractionArch, SparseArch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from fused_dlrm.kernels.pairwise_interaction import pairwise_interaction
-from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection
+from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection, TableShardingPlan
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
 from fused_dlrm.tp import QuantizedHookState, quantized_allreduce_hook
 
@@ -73,12 +73,14 @@ class PairwiseInteractionArch(InteractionArch):
 
 def build_dlrm(tables: list[EmbeddingBagConfig], dense_in_features: int, dense_arch: Sequence[int],
                over_arch: Sequence[int], embedding_optimizer: EmbeddingOptimizerConfig, device: torch.device,
-               seed: int = 0, comm: FusedCommConfig | None = None) -> DLRM:
-    """The DLRM of torchrec with sharded tables; call `data_parallel` on it when the world has several ranks."""
+               seed: int = 0, comm: FusedCommConfig | None = None, plan: TableShardingPlan | None = None) -> DLRM:
+    """The DLRM of torchrec with sharded tables (plan: None for table-wise); call `data_parallel` on it when the
+    world has several ranks."""
     if over_arch[-1] != 1:
         raise ValueError(f"the over arch must end in one logit, got layer sizes {list(over_arch)}")
     torch.manual_seed(seed)  # same dense init on every rank (DDP also broadcasts rank 0's)
-    sparse = ShardedEmbeddingBagCollection(tables, embedding_optimizer, device=device, seed=seed, comm=comm)
+    sparse = ShardedEmbeddingBagCollection(tables, embedding_optimizer, device=device, seed=seed, comm=comm,
+                                           plan=plan)
     model = DLRM(embedding_bag_collection=sparse, dense_in_features=dense_in_features,
                  dense_arch_layer_sizes=list(dense_arch), over_arch_layer_sizes=list(over_arch), dense_device=device)
     return with_lean_arches(model)

@@ -22,8 +22,6 @@ import torch
 import torch.distributed as dist
 import triton
 from torch import nn
-from torchrec import EmbeddingBagConfig
-
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, NvshmemSymmetricWorkspace, PeerBuffer, _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, ReadyWait, wait_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, default_num_programs, plan_peer_tiles
@@ -31,6 +29,7 @@ from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLau
 from fused_dlrm.kernels.push_columns import PushColumnsLaunch
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
+from fused_dlrm.sparse.plan import FeatureSlice
 
 PUSH_BLOCK_ROWS = 16  # rows per tile of the gradient push (a copy: one remote-first walk, kernels/peer_tiles.py)
 NVSHMEM_OPT_IN = "FUSED_DLRM_NVSHMEM_KNOWN_RACE"
@@ -50,9 +49,9 @@ class FusedCommConfig:
     wait_timeout_spins: int = 20_000_000  # polls of a flag before a wait gives up and reports rank and slice
 
 
-def build_fused_exchange(lookup: PooledEmbeddingLookup, features_of_rank: list[list[str]],
-                         tables: list[EmbeddingBagConfig], comm: FusedCommConfig,
-                         group: dist.ProcessGroup | None, device: torch.device) -> "FusedPooledAllToAll":
+def build_fused_exchange(lookup: PooledEmbeddingLookup, slices_of_rank: list[list[FeatureSlice]],
+                         comm: FusedCommConfig, group: dist.ProcessGroup | None,
+                         device: torch.device) -> "FusedPooledAllToAll":
     workspaces = {"p2p": CudaSymmetricWorkspace, "nvshmem": NvshmemSymmetricWorkspace}
     if comm.transport not in workspaces:
         raise ValueError(f"comm.transport={comm.transport!r} is unknown; expected one of {list(workspaces)}")
@@ -61,10 +60,8 @@ def build_fused_exchange(lookup: PooledEmbeddingLookup, features_of_rank: list[l
     if device.type != "cuda" or not dist.is_initialized():
         raise RuntimeError("comm=fused needs CUDA GPUs under torchrun (symmetric memory); use comm=bulk on the CPU")
     workspace = workspaces[comm.transport](group)
-    dims = {f: t.embedding_dim for t in tables for f in t.feature_names}
-    order = [f for t in tables for f in t.feature_names]
-    return FusedPooledAllToAll(lookup, features_of_rank, dims, order, workspace,
-                               comm.num_programs or default_num_programs(device), comm.wait_timeout_spins)
+    return FusedPooledAllToAll(lookup, slices_of_rank, workspace, comm.num_programs or default_num_programs(device),
+                               comm.wait_timeout_spins)
 
 
 @dataclass
@@ -85,10 +82,10 @@ class _Plan:
 
 
 class FusedPooledAllToAll(nn.Module):
-    def __init__(self, lookup: PooledEmbeddingLookup, features_of_rank: list[list[str]],
-                 dims: dict[str, int], feature_order: list[str], workspace: _Workspace,
-                 num_programs: int, spin_limit: int):
-        """features_of_rank[r]: features rank r owns, in its lookup's column order; feature_order: the output's."""
+    def __init__(self, lookup: PooledEmbeddingLookup, slices_of_rank: list[list[FeatureSlice]],
+                 workspace: _Workspace, num_programs: int, spin_limit: int):
+        """slices_of_rank[r]: what rank r's lookup pools, in its column order, and where each slice's columns
+        belong in the output row (TableShardingPlan.feature_slices; together they cover the row once)."""
         super().__init__()
         self.lookup, self.ws = lookup, workspace
         self.rank, self.world = workspace.rank, workspace.world_size
@@ -96,23 +93,24 @@ class FusedPooledAllToAll(nn.Module):
             raise ValueError(f"comm.num_programs={num_programs} is below the world size {self.world}: every "
                              f"destination needs a program")
         self.num_programs, self.spin_limit = num_programs, spin_limit
-        self.features_of_rank = features_of_rank
-        self.dims = [dims[f] for f in feature_order]
-        self.row_len = sum(self.dims)
-        config_col = dict(zip(feature_order, [sum(self.dims[:i]) for i in range(len(self.dims))]))
+        mine = slices_of_rank[self.rank]
+        if [(s.feature, s.table) for s in mine] != lookup.features:
+            raise ValueError(f"rank {self.rank}'s slices {[(s.feature, s.table) for s in mine]} are not its "
+                             f"lookup's (feature, table) columns {lookup.features}")
+        self.slices_of_rank = slices_of_rank
+        every = [s for slices in slices_of_rank for s in slices]  # rank by rank: the push's order
+        self.row_len = sum(s.dim for s in every)
         device = workspace.device
-        mine = features_of_rank[self.rank]
-        self.owned = FeatureTable([lookup.weights[t] for _, t in lookup.features], [config_col[f] for f in mine],
-                                  [lookup.is_mean(t) for _, t in lookup.features], device)
-        # Backward: my gradient columns (config order) -> each owner's lookup columns, grouped by owner.
-        pushed = [(f, r) for r in range(self.world) for f in features_of_rank[r]]
-        lookup_col = {f: sum(dims[g] for g in feats[:i]) for feats in features_of_rank for i, f in enumerate(feats)}
-        self.owned_dim = [sum(dims[f] for f in feats) for feats in features_of_rank]
+        self.owned = FeatureTable([lookup.weights[s.table] for s in mine], [s.col for s in mine],
+                                  [lookup.is_mean(s.table) for s in mine], device)
+        # Backward: my gradient columns (output order) -> each owner's lookup columns, grouped by owner.
+        lookup_cols = [sum(s.dim for s in slices[:i]) for slices in slices_of_rank for i in range(len(slices))]
+        self.owned_dim = [sum(s.dim for s in slices) for slices in slices_of_rank]
         as_tensor = lambda xs, dt=torch.int64: torch.tensor(xs or [0], dtype=dt, device=device)
-        self.push_src_cols = as_tensor([config_col[f] for f, _ in pushed])
-        self.push_dst_cols = as_tensor([lookup_col[f] for f, _ in pushed])
-        self.push_dims = as_tensor([dims[f] for f, _ in pushed], torch.int32)
-        self.push_block_dim = triton.next_power_of_2(max(self.dims or [1]))
+        self.push_src_cols = as_tensor([s.col for s in every])
+        self.push_dst_cols = as_tensor(lookup_cols)
+        self.push_dims = as_tensor([s.dim for s in every], torch.int32)
+        self.push_block_dim = triton.next_power_of_2(max([s.dim for s in every] or [1]))
         self.push_row_len = as_tensor(self.owned_dim)
         self.errors = PeerErrors(device, self.rank, "fused embedding all-to-all")
         self.nvshmem = workspace.transport == "nvshmem"
@@ -200,7 +198,7 @@ class FusedPooledAllToAll(nn.Module):
         # Plans made before a buffer grew point into the old one: drop them (their sizes plan anew).
         self._plans = {k: p for k, p in self._plans.items() if all(a is b for a, b in zip(p.buffers, buffers))}
         forward_tiles = plan_peer_tiles(self.rank, [(batch_start[s], batch_start[s + 1]) for s in range(self.world)],
-                                        [(0, len(self.features_of_rank[self.rank]))] * self.world,
+                                        [(0, len(self.slices_of_rank[self.rank]))] * self.world,
                                         self.owned.block_rows, self.num_programs, device)
         plan = _Plan(buffers=buffers, forward_tiles=forward_tiles, pooled_half=pooled_half,
                      pooled=_halves(pooled.local, pooled_half, sizes[self.rank], self.row_len))
@@ -208,9 +206,9 @@ class FusedPooledAllToAll(nn.Module):
             grad = buffers[1]
             plan.grad = _halves(grad.local, grad_half, global_batch, self.owned_dim[self.rank])
             grad_ready, grad_ack = self._flags("grad")
-            first = [sum(len(f) for f in self.features_of_rank[:r]) for r in range(self.world)]
+            first = [sum(len(f) for f in self.slices_of_rank[:r]) for r in range(self.world)]
             push_tiles = plan_peer_tiles(self.rank, [(0, sizes[self.rank])] * self.world,
-                                         [(first[r], len(self.features_of_rank[r])) for r in range(self.world)],
+                                         [(first[r], len(self.slices_of_rank[r])) for r in range(self.world)],
                                          PUSH_BLOCK_ROWS, self.num_programs, device, local_tile_cost=None)
             plan.pooled_ptrs = _half_ptrs(pooled, pooled_half)
             plan.grad_ptrs = _half_ptrs(grad, grad_half)

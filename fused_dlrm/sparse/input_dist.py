@@ -1,7 +1,8 @@
 """Input distribution: each rank's KeyedJaggedTensor (its local batch, every feature) -> each owner's bags.
 
-After it, the owner of a table holds the bags of that table's features for every sample of the global batch, in
-source-rank order (rank 0's samples first). Bulk-synchronous, with torch.distributed:
+After it, every rank holding a table (or a column shard of one: plan.py) holds the bags of that table's features
+for every sample of the global batch, in source-rank order (rank 0's samples first); a feature whose table is cut
+into column shards travels to each shard's rank. Bulk-synchronous, with torch.distributed:
   1. a header all-to-all: local batch size, what is wrong with the batch (unknown or missing keys, values that
      disagree with the lengths, out-of-range indices), and the value count of each feature per destination
      (sizes must be known on the host);
@@ -61,9 +62,9 @@ class OwnedBags:
 def segment_gather_index(counts: torch.Tensor, order: torch.Tensor, total: int) -> torch.Tensor:
     """The index that gathers a tensor's segments in another order, built on the device.
 
-    Segment i is counts[i] consecutive elements ([n] int64, on the device); `order` is a permutation of the segments
-    and `total` their summed size (known on the host). x[index] holds segment order[0]'s elements, then
-    order[1]'s, and so on."""
+    Segment i is counts[i] consecutive elements ([n] int64, on the device); `order` lists segments (each at most
+    once, or several times: a feature bound for several ranks) and `total` is their summed size (known on the
+    host). x[index] holds segment order[0]'s elements, then order[1]'s, and so on."""
     starts = torch.cumsum(counts, 0) - counts
     moved = counts[order]
     shift = starts[order] - (torch.cumsum(moved, 0) - moved)  # from each segment's new start to its old one
@@ -93,9 +94,11 @@ class PendingHeader:
 
 
 class BulkInputDist:
-    """Table-wise input distribution with torch.distributed all-to-alls (gloo on CPU, NCCL on GPU).
+    """Input distribution with torch.distributed all-to-alls (gloo on CPU, NCCL on GPU).
 
-    tables: for every feature, (table name, rows). A KJT with other keys raises KeyError, one whose values and
+    features_of_rank[r]: the features rank r receives, in its lookup's order (a feature may go to several ranks,
+    and to one rank several times: once per column shard of its table there); tables: for every feature, (table
+    name, rows). A KJT with other keys raises KeyError, one whose values and
     lengths disagree ValueError, and indices outside [0, rows) IndexError: on every rank."""
 
     def __init__(self, features_of_rank: list[list[str]], tables: dict[str, tuple[str, int]],
@@ -128,7 +131,7 @@ class BulkInputDist:
         # Received values are (source, feature)-major; the lookup wants (feature, source)-major.
         mine, world = len(self.features_of_rank[self.rank]), len(self.features_of_rank)
         recv_order = [s * mine + f for f in range(mine) for s in range(world)]
-        plan = _KeyPlan(perm=None if perm == sorted(perm) else torch.tensor(perm, device=device),
+        plan = _KeyPlan(perm=None if perm == list(range(len(keys))) else torch.tensor(perm, device=device),
                         header_keys=torch.tensor(header, device=device),
                         rows=torch.tensor([self.tables[k][1] for k in keys], device=device),
                         recv_order=torch.tensor(recv_order, device=device))
@@ -175,7 +178,7 @@ class BulkInputDist:
         send_lengths, send_values, send_weights = lengths, values, kjt.weights_or_none()
         if plan.perm is not None:
             send_lengths = lengths[plan.perm]
-            index = segment_gather_index(counts, plan.perm, values.numel())
+            index = segment_gather_index(counts, plan.perm, sum(values_to))
             send_values = values[index]
             send_weights = None if send_weights is None else send_weights[index]
 

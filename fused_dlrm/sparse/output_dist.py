@@ -33,7 +33,8 @@ class BulkOutputDist:
         send = [b * my_dim for b in batch_sizes]
         recv = [my_batch * sum(dims) for dims in self.dims_of_rank]
         received = all_to_all_v(pooled.reshape(-1), send, recv, self.group)
-        blocks = [chunk.view(my_batch, sum(dims)) for chunk, dims in zip(torch.split(received, recv), self.dims_of_rank)]
+        blocks = [chunk.view(my_batch, sum(dims))
+                  for chunk, dims in zip(torch.split(received, recv), self.dims_of_rank)]
         rank_grouped = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
         if self._index is None or self._index[0].device != rank_grouped.device:
             order = torch.tensor(self.column_order, dtype=torch.int64, device=rank_grouped.device)

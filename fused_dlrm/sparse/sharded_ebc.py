@@ -1,4 +1,5 @@
-"""ShardedEmbeddingBagCollection: torchrec's EmbeddingBagCollection interface, tables sharded table-wise over ranks.
+"""ShardedEmbeddingBagCollection: torchrec's EmbeddingBagCollection interface, tables sharded over ranks (table-wise
+or column-wise: plan.py).
 
 forward(KeyedJaggedTensor of the local batch) -> KeyedTensor [local batch, sum of feature dims], in three seams
 that the fused kernels replace: input dist (KJT all-to-all) -> lookup (owned tables, whole global batch) ->
@@ -18,7 +19,7 @@ from fused_dlrm.sparse.input_dist import BulkInputDist
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, Table, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.output_dist import BulkOutputDist
-from fused_dlrm.sparse.plan import TableWisePlan, plan_table_wise
+from fused_dlrm.sparse.plan import FeatureSlice, Shard, TableShardingPlan, plan_sharding
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -54,25 +55,25 @@ def table_seeds(tables: list[EmbeddingBagConfig], seed: int) -> dict[str, int]:
 class ShardedEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: list[EmbeddingBagConfig], optimizer: EmbeddingOptimizerConfig,
                  device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None,
-                 plan: TableWisePlan | None = None, seed: int = 0, comm: FusedCommConfig | None = None):
-        """comm: None for the bulk-synchronous path (torch.distributed all-to-alls), or the fused exchange's
-        settings (CUDA only): lookup and output dist then run as one kernel that stores into peers' memory."""
+                 plan: TableShardingPlan | None = None, seed: int = 0, comm: FusedCommConfig | None = None):
+        """plan: None for table-wise (plan_sharding's); comm: None for the bulk-synchronous path
+        (torch.distributed all-to-alls), or the fused exchange's settings (CUDA only): lookup and output dist then
+        run as one kernel that stores into peers' memory."""
         super().__init__()
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.plan = plan or plan_table_wise(tables, self.world_size)
+        self.plan = plan or plan_sharding(tables, self.world_size)
         if self.plan.world_size != self.world_size:
             raise ValueError(f"plan is for {self.plan.world_size} ranks, the process group has {self.world_size}")
+        self.plan.check(tables)
         self._configs = list(tables)
-        by_name = {t.name: t for t in tables}
         self.feature_names = [f for t in tables for f in t.feature_names]
         if len(set(self.feature_names)) != len(self.feature_names):
             raise ValueError(f"a feature may feed one table only, got {self.feature_names}")
         self._feature_dims = [t.embedding_dim for t in tables for _ in t.feature_names]
 
-        tables_of_rank = [[by_name[n] for n in self.plan.tables_of(r)] for r in range(self.world_size)]
-        features_of_rank = [[f for t in ts for f in t.feature_names] for ts in tables_of_rank]
-        dims_of_rank = [[t.embedding_dim for t in ts for _ in t.feature_names] for ts in tables_of_rank]
+        slices = self.plan.feature_slices(tables)
+        features_of_rank = [[s.feature for s in mine] for mine in slices]
         device = torch.device(device)
         # On GPUs the input dist has a communicator of its own: NCCL runs one group's collectives in issue order,
         # so a prefetched batch's all-to-alls (and the host, which waits for their sizes) would queue behind the
@@ -83,19 +84,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.input_dist = BulkInputDist(features_of_rank, {f: (t.name, t.num_embeddings) for t in tables
                                                            for f in t.feature_names}, input_group)
         seeds = table_seeds(tables, seed)
+        by_name = {t.name: t for t in tables}
         self.embedding_bags = nn.ModuleDict(
-            {t.name: Table(init_table(t, seeds[t.name], device).to(_DTYPES[t.data_type.name]))
-             for t in tables_of_rank[self.rank]})
-        self.lookup = PooledEmbeddingLookup(tables_of_rank[self.rank],
-                                            {n: m.weight.data for n, m in self.embedding_bags.items()},
+            {s.name: Table(shard_columns(init_table(by_name[s.table], seeds[s.table], device), s)
+                           .to(_DTYPES[by_name[s.table].data_type.name]))
+             for s in self.plan.shards_of(self.rank)})
+        shard_tables = self.plan.shard_configs(tables, self.rank)
+        self.lookup = PooledEmbeddingLookup(shard_tables, {n: m.weight.data for n, m in self.embedding_bags.items()},
                                             optimizer, device)
-        self.output_dist = BulkOutputDist(dims_of_rank, _column_order(tables, features_of_rank), group)
+        self.output_dist = BulkOutputDist([[s.dim for s in mine] for mine in slices], _column_order(slices), group)
         self._prefetched: tuple[KeyedJaggedTensor, object, torch.cuda.Event | None] | None = None
         self._pending_header: tuple[KeyedJaggedTensor, object] | None = None
         self._side_stream = None
         self.fused = None
         if comm is not None:
-            self.fused = build_fused_exchange(self.lookup, features_of_rank, tables, comm, group, device)
+            self.fused = build_fused_exchange(self.lookup, slices, comm, group, device)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
@@ -156,12 +159,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return bags
 
 
-def _column_order(tables: list[EmbeddingBagConfig], features_of_rank: list[list[str]]) -> list[int]:
-    """For each output column in config feature order, its column in the rank-grouped layout."""
-    dim_of = {f: t.embedding_dim for t in tables for f in t.feature_names}
-    start, offset = {}, 0
-    for feats in features_of_rank:
-        for f in feats:
-            start[f] = offset
-            offset += dim_of[f]
-    return [start[f] + c for t in tables for f in t.feature_names for c in range(t.embedding_dim)]
+def shard_columns(weight: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """A shard's own table: its columns of the whole table's weight (the whole one itself when table-wise)."""
+    if shard.col == 0 and shard.dim == weight.shape[1]:
+        return weight
+    return weight[:, shard.col:shard.col + shard.dim].contiguous()
+
+
+def _column_order(slices: list[list[FeatureSlice]]) -> list[int]:
+    """For each output column in config feature order, its column in the rank-grouped layout (every rank's
+    slices side by side, as the pooled all-to-all delivers them)."""
+    order = [0] * sum(s.dim for mine in slices for s in mine)
+    grouped = 0
+    for s in (s for mine in slices for s in mine):
+        order[s.col:s.col + s.dim] = range(grouped, grouped + s.dim)
+        grouped += s.dim
+    return order

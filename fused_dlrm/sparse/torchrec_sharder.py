@@ -1,12 +1,12 @@
-"""torchrec swap-in: shard a stock `torchrec.EmbeddingBagCollection` with our table-wise collection under DMP.
+"""torchrec swap-in: shard a stock `torchrec.EmbeddingBagCollection` with our sharded collection under DMP.
 
     model = DistributedModelParallel(
         model, sharders=[FusedEmbeddingBagCollectionSharder(optimizer=EmbeddingOptimizerConfig("rowwise_adagrad"))],
         device=torch.device("cpu"))
 
-`FusedEmbeddingBagCollectionSharder` is a torchrec `BaseEmbeddingSharder`: it offers the planner table-wise
-sharding with the FUSED kernel only, turns the plan it is given into our `TableWisePlan`, and returns a
-`TableWiseShardedEBC`, a torchrec `ShardedModule` whose stages are our three seams:
+`FusedEmbeddingBagCollectionSharder` is a torchrec `BaseEmbeddingSharder`: it offers the planner table-wise and
+column-wise sharding with the FUSED kernel, turns the plan it is given into our `TableShardingPlan`, and returns a
+`FusedShardedEBC`, a torchrec `ShardedModule` whose stages are our three seams:
 
     input_dist(ctx, kjt)       -> our input dist (KJT all-to-all)      wrapped as torchrec's KJTListSplitsAwaitable
     compute(ctx, dist_input)   -> our lookup (optimizer fused into its backward)
@@ -18,13 +18,16 @@ already complete when returned: the pipeline still runs the next batch's input d
 collectives is the same on every rank), it just has nothing left to overlap.
 
 What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
-  * weights: the owned tables start as copies of the unsharded EBC's (torchrec on the CPU re-initialises instead);
+  * weights: the owned tables (or their column shards) start as copies of the unsharded EBC's (torchrec on the CPU
+    re-initialises instead);
   * output: KeyedTensor [local batch, sum of dims] with the EBC's keys in the EBC's feature order;
   * gradients: divided by the world size on the way back to the owners, as torchrec does by default
     (comm_ops.GRADIENT_DIVISION; set_gradient_division(False) gives the sum), like ShardedEmbeddingBagCollection;
   * optimizer: applied in backward; `fused_optimizer` is a torchrec KeyedOptimizer over the owned tables, so DMP's
     fused_optimizer / CombinedOptimizer, LR changes through param_groups, and its state_dict work;
-  * state_dict: `embedding_bags.<table>.weight` for the tables this rank owns (plain tensors, not ShardedTensors).
+  * state_dict: `embedding_bags.<table>.weight` for the tables this rank owns, and
+    `embedding_bags.<table>_cols_<first>_to_<last>.weight` for its column shards (plain tensors, not
+    ShardedTensors: a checkpoint resumes under the same plan).
 
 Which seams implement the stages is chosen by `comm`, in `build_seams`: "bulk" (torch.distributed all-to-alls)
 or "fused" (CUDA: lookup and output dist as one kernel storing into peers' memory, run by
@@ -62,8 +65,8 @@ from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, FusedPooledAllTo
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizer, EmbeddingOptimizerConfig
-from fused_dlrm.sparse.plan import TableWisePlan
-from fused_dlrm.sparse.sharded_ebc import ShardedEmbeddingBagCollection, divide_gradient_like_torchrec
+from fused_dlrm.sparse.plan import Shard, TableShardingPlan, shard_name
+from fused_dlrm.sparse.sharded_ebc import ShardedEmbeddingBagCollection, divide_gradient_like_torchrec, shard_columns
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +89,12 @@ class Seams:
     input_dist: Callable[[KeyedJaggedTensor], OwnedBags]  # local batch, every feature -> owned features, global batch
     lookup: PooledEmbeddingLookup  # OwnedBags -> [global batch, owned dims]; updates the tables in backward
     output_dist: Callable[[torch.Tensor, list[int]], torch.Tensor]  # -> [local batch, all dims], EBC feature order
-    embedding_bags: nn.ModuleDict  # owned tables, `<name>.weight`
+    embedding_bags: nn.ModuleDict  # owned tables and column shards, `<name>.weight`
     exchange: FusedPooledAllToAll | None  # comm="fused": lookup + output dist as one kernel
 
 
 def build_seams(comm: str, tables: list[EmbeddingBagConfig], optimizer: EmbeddingOptimizerConfig,
-                plan: TableWisePlan, device: torch.device, group: dist.ProcessGroup | None) -> Seams:
+                plan: TableShardingPlan, device: torch.device, group: dist.ProcessGroup | None) -> Seams:
     """The stages of `comm` for this rank.
 
     "bulk": our ShardedEmbeddingBagCollection already wires the bulk seams for a plan; take them apart rather than
@@ -120,32 +123,49 @@ def torchrec_in_backward_optimizer(config: EmbeddingOptimizerConfig) -> tuple[ty
 # Plan conversion.
 
 
-def table_wise_plan_from_torchrec(tables: list[EmbeddingBagConfig], params: Mapping[str, ParameterSharding],
-                                  world_size: int) -> TableWisePlan:
-    """torchrec's per-table ParameterSharding -> our TableWisePlan; anything but table-wise + FUSED is refused."""
+SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value)
+
+
+def plan_from_torchrec(tables: list[EmbeddingBagConfig], params: Mapping[str, ParameterSharding],
+                       world_size: int) -> TableShardingPlan:
+    """torchrec's per-table ParameterSharding -> our TableShardingPlan; anything but table-wise or column-wise with the
+    FUSED kernel is refused."""
     names = [t.name for t in tables]
     extra = sorted(set(params) - set(names))
     if extra:
         raise ValueError(f"sharding plan names tables the EmbeddingBagCollection does not have: {extra}")
-    owner: dict[str, int] = {}
-    for name in names:  # config order: TableWisePlan.tables_of keeps it, and so the lookup's column order
-        ps = params.get(name)
+    shards: list[Shard] = []
+    for t in tables:  # config order: the plan's, and so every rank's lookup column order
+        ps = params.get(t.name)
         if ps is None:
-            raise ValueError(f"sharding plan has no entry for table {name!r}; FusedEmbeddingBagCollectionSharder "
+            raise ValueError(f"sharding plan has no entry for table {t.name!r}; FusedEmbeddingBagCollectionSharder "
                              "shards every table of the collection")
-        if ps.sharding_type != ShardingType.TABLE_WISE.value:
-            raise ValueError(f"table {name!r}: sharding type {ps.sharding_type!r} is not supported; "
-                             f"FusedEmbeddingBagCollectionSharder shards {ShardingType.TABLE_WISE.value!r} only")
+        if ps.sharding_type not in SHARDING_TYPES:
+            raise ValueError(f"table {t.name!r}: sharding type {ps.sharding_type!r} is not supported; "
+                             f"FusedEmbeddingBagCollectionSharder shards {list(SHARDING_TYPES)}")
         if ps.compute_kernel != EmbeddingComputeKernel.FUSED.value:
-            raise ValueError(f"table {name!r}: compute kernel {ps.compute_kernel!r} is not supported; the optimizer "
+            raise ValueError(f"table {t.name!r}: compute kernel {ps.compute_kernel!r} is not supported; the optimizer "
                              f"is always fused into backward ({EmbeddingComputeKernel.FUSED.value!r})")
-        if ps.ranks is None or len(ps.ranks) != 1:
-            raise ValueError(f"table {name!r}: a table-wise table lives on exactly one rank, plan gives {ps.ranks}")
-        rank = ps.ranks[0]
-        if not 0 <= rank < world_size:
-            raise ValueError(f"table {name!r}: rank {rank} outside a world of {world_size}")
-        owner[name] = rank
-    return TableWisePlan(world_size=world_size, owner=owner)
+        ranks = ps.ranks or []
+        if ps.sharding_type == ShardingType.TABLE_WISE.value:
+            if len(ranks) != 1:
+                raise ValueError(f"table {t.name!r}: a table-wise table lives on exactly one rank, plan gives {ranks}")
+            cuts = [(0, t.embedding_dim)]
+        else:
+            spec = getattr(ps.sharding_spec, "shards", None)
+            if not spec or len(spec) != len(ranks):
+                raise ValueError(f"table {t.name!r}: a column-wise entry needs one shard of its sharding_spec per "
+                                 f"rank in {ranks}")
+            if any(m.shard_offsets[0] != 0 or m.shard_sizes[0] != t.num_embeddings for m in spec):
+                raise ValueError(f"table {t.name!r}: column shards must hold all {t.num_embeddings} rows")
+            cuts = [(m.shard_offsets[1], m.shard_sizes[1]) for m in spec]
+        for rank, (col, dim) in sorted(zip(ranks, cuts), key=lambda shard: shard[1][0]):
+            if not 0 <= rank < world_size:
+                raise ValueError(f"table {t.name!r}: rank {rank} outside a world of {world_size}")
+            shards.append(Shard(t.name, rank, col, dim, shard_name(t, col, dim)))
+    plan = TableShardingPlan(world_size, tuple(shards))
+    plan.check(tables)
+    return plan
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -153,7 +173,7 @@ def table_wise_plan_from_torchrec(tables: list[EmbeddingBagConfig], params: Mapp
 
 
 @dataclass
-class TableWiseEBCContext(Multistreamable):
+class ShardedEBCContext(Multistreamable):
     """Per-batch state from compute to output_dist: the local batch size of every rank."""
 
     batch_sizes: list[int] = dataclasses.field(default_factory=list)
@@ -206,15 +226,14 @@ class FusedTableOptimizer(FusedOptimizer):
         self._sync_lr()  # the update already happened in backward
 
 
-class TableWiseShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, TableWiseEBCContext],
-                          FusedOptimizerModule):
-    """A torchrec ShardedModule over our seams: table-wise, optimizer fused into backward.
+class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedEBCContext], FusedOptimizerModule):
+    """A torchrec ShardedModule over our seams: table-wise and column-wise, optimizer fused into backward.
 
-    Owns the tables `plan` gives this rank, initialised from `module`'s weights (ours when those are on the meta
-    device). Output: KeyedTensor [local batch, sum of dims] in the EBC's feature order.
+    Owns the tables and column shards `plan` gives this rank, initialised from `module`'s weights (ours when those
+    are on the meta device). Output: KeyedTensor [local batch, sum of dims] in the EBC's feature order.
     """
 
-    def __init__(self, module: EmbeddingBagCollection, plan: TableWisePlan, env: ShardingEnv,
+    def __init__(self, module: EmbeddingBagCollection, plan: TableShardingPlan, env: ShardingEnv,
                  optimizer: EmbeddingOptimizerConfig, device: torch.device | None = None, comm: str = "bulk"):
         super().__init__(qcomm_codecs_registry=None)
         check_comm(comm)
@@ -235,22 +254,24 @@ class TableWiseShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, Tabl
         self._feature_dims = [t.embedding_dim for t in tables for _ in t.feature_names]
 
         with torch.no_grad():
-            for name, table in self.embedding_bags.items():
+            for shard in plan.shards_of(env.rank):
+                weight = self.embedding_bags[shard.name].weight
                 # Like torchrec's fused tables: in_backward_optimizer_filter() keeps them out of dense optimizers.
-                table.weight._in_backward_optimizers = [EmptyFusedOptimizer()]
-                source = module.embedding_bags[name].weight
+                weight._in_backward_optimizers = [EmptyFusedOptimizer()]
+                source = module.embedding_bags[shard.table].weight
                 if source.is_meta:  # nothing to copy: keep our init (torchrec's distribution, seeded per table)
-                    log.info("table %s: unsharded weight is on the meta device, keeping our initialisation", name)
+                    log.info("table %s: unsharded weight is on the meta device, keeping our initialisation",
+                             shard.name)
                     continue
-                table.weight.copy_(source.detach())  # in place: the lookup holds this storage
+                weight.copy_(shard_columns(source.detach(), shard))  # in place: the lookup holds this storage
         self._optim = FusedTableOptimizer(self.embedding_bags, seams.lookup.optimizer)
 
     # -- torchrec ShardedModule interface ------------------------------------------------------------------------
 
-    def create_context(self) -> TableWiseEBCContext:
-        return TableWiseEBCContext()
+    def create_context(self) -> ShardedEBCContext:
+        return ShardedEBCContext()
 
-    def input_dist(self, ctx: TableWiseEBCContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
+    def input_dist(self, ctx: ShardedEBCContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
         """Runs our input dist now; returns torchrec's awaitable-of-awaitable shape around the result.
 
         KJTListSplitsAwaitable is what TrainPipelineSparseDist fuses across modules (it reads `.awaitables`); our
@@ -261,18 +282,18 @@ class TableWiseShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, Tabl
         bags = self._input_dist(features)
         return KJTListSplitsAwaitable([NoWait(NoWait(DistributedBags(bags)))], ctx)
 
-    def compute(self, ctx: TableWiseEBCContext, dist_input: KJTList) -> torch.Tensor:
+    def compute(self, ctx: ShardedEBCContext, dist_input: KJTList) -> torch.Tensor:
         bags = dist_input[0].bags
         ctx.batch_sizes = bags.batch_sizes  # output_dist sends each rank its samples back
         return self._lookup(bags)
 
-    def output_dist(self, ctx: TableWiseEBCContext, output: torch.Tensor) -> LazyAwaitable[KeyedTensor]:
+    def output_dist(self, ctx: ShardedEBCContext, output: torch.Tensor) -> LazyAwaitable[KeyedTensor]:
         values = divide_gradient_like_torchrec(self._output_dist(output, ctx.batch_sizes), self._env.world_size)
         # torchrec's own awaitable: a LazyAwaitable[KeyedTensor] that also supports kt["feature"] lazily.
         return EmbeddingBagCollectionAwaitable(awaitables=[NoWait(values)], embedding_dims=self._feature_dims,
                                                embedding_names=self.feature_names)
 
-    def compute_and_output_dist(self, ctx: TableWiseEBCContext, input: KJTList) -> LazyAwaitable[KeyedTensor]:
+    def compute_and_output_dist(self, ctx: ShardedEBCContext, input: KJTList) -> LazyAwaitable[KeyedTensor]:
         if self._exchange is None:
             return self.output_dist(ctx, self.compute(ctx, input))
         values = divide_gradient_like_torchrec(self._exchange(input[0].bags), self._env.world_size)
@@ -304,7 +325,8 @@ class TableWiseShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, Tabl
 
 
 class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):
-    """Shards `torchrec.EmbeddingBagCollection` table-wise with our module; the optimizer runs in backward.
+    """Shards `torchrec.EmbeddingBagCollection` table-wise or column-wise with our module; the optimizer runs in
+    backward.
 
     optimizer: our embedding optimizer (exact SGD or exact row-wise Adagrad), for every table. Optimizers attached
         to the EBC's parameters with torchrec's apply_optimizer_in_backward / fused_params are not read.
@@ -324,19 +346,19 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollec
         return EmbeddingBagCollection
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
-        return [ShardingType.TABLE_WISE.value]
+        return list(SHARDING_TYPES)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return [EmbeddingComputeKernel.FUSED.value] if sharding_type == ShardingType.TABLE_WISE.value else []
+        return [EmbeddingComputeKernel.FUSED.value] if sharding_type in SHARDING_TYPES else []
 
     def shardable_parameters(self, module: EmbeddingBagCollection) -> dict[str, nn.Parameter]:
         # As torchrec's EmbeddingBagCollectionSharder: plan entries are keyed by table name.
         return {name.split(".")[0]: param for name, param in module.embedding_bags.named_parameters()}
 
     def shard(self, module: EmbeddingBagCollection, params: Mapping[str, ParameterSharding], env: ShardingEnv,
-              device: torch.device | None = None, module_fqn: str | None = None) -> TableWiseShardedEBC:
+              device: torch.device | None = None, module_fqn: str | None = None) -> FusedShardedEBC:
         if any(hasattr(p, "_optimizer_classes") for p in module.parameters()):
             log.warning("%s: optimizers set with apply_optimizer_in_backward are ignored; the sharder's %s is used",
                         module_fqn or "EmbeddingBagCollection", self.optimizer)
-        plan = table_wise_plan_from_torchrec(module.embedding_bag_configs(), params, env.world_size)
-        return TableWiseShardedEBC(module, plan, env, self.optimizer, device=device, comm=self.comm)
+        plan = plan_from_torchrec(module.embedding_bag_configs(), params, env.world_size)
+        return FusedShardedEBC(module, plan, env, self.optimizer, device=device, comm=self.comm)

@@ -18,7 +18,7 @@ from fused_dlrm.data import local_batch_bounds
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.models.dlrm import build_dlrm, data_parallel, make_tables
 from fused_dlrm.models.graphed_arches import graph_dense_arches
-from fused_dlrm.sparse import EmbeddingOptimizerConfig
+from fused_dlrm.sparse import EmbeddingOptimizerConfig, plan_sharding
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
 from fused_dlrm.train.rundir import register_resolvers
 
@@ -46,9 +46,10 @@ def config_tables(cfg: DictConfig) -> list[EmbeddingBagConfig]:
 
 def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     m = cfg.model
-    model = build_dlrm(config_tables(cfg), cfg.data.num_dense, m.dense_arch, m.over_arch,
+    tables = config_tables(cfg)
+    model = build_dlrm(tables, cfg.data.num_dense, m.dense_arch, m.over_arch,
                        EmbeddingOptimizerConfig(**m.embedding_optimizer), env.device, seed=cfg.seed,
-                       comm=fused_comm(cfg.comm))
+                       comm=fused_comm(cfg.comm), plan=plan_sharding(tables, env.world_size, m.column_shards))
     if cfg.trainer.cuda_graphs and env.device.type == "cuda":  # before DDP: its hooks stay outside the graphs
         start, stop = local_batch_bounds(cfg.data.global_batch_size, env.rank, env.world_size)
         graph_dense_arches(model, stop - start)
