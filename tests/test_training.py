@@ -65,17 +65,29 @@ def test_resume_continues_the_exact_loss_curve(tmp_path):
     assert resumed.losses == [(s, l) for s, l in full.losses if s > 20]
 
 
-def _resume_two_ranks(rank: int, world: int, tmp: str) -> None:
+def _resume_two_ranks(rank: int, world: int, tmp: str, column_shards: int) -> None:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
     common = SMALL + ["trainer.max_steps=20", "trainer.eval_every=0", "trainer.checkpoint_every=10",
-                      "data.global_batch_size=101"]  # uneven local batches: 51 and 50
+                      "data.global_batch_size=101",  # uneven local batches: 51 and 50
+                      f"model.column_shards={column_shards}"]
     full = train(config(*common), env, Path(tmp) / "full")
     resumed = train(config(*common, f"trainer.resume_from={tmp}/full/checkpoints/step_10"), env, Path(tmp) / "r10")
     assert resumed.losses == [(s, l) for s, l in full.losses if s > 10]
 
 
-def test_two_rank_resume_is_exact(tmp_path):
-    run_world(2, _resume_two_ranks, str(tmp_path))
+@pytest.mark.parametrize("column_shards", [1, 2])
+def test_two_rank_resume_is_exact(tmp_path, column_shards):
+    # column_shards=2: every table's 16 columns in two shards, one on each rank.
+    run_world(2, _resume_two_ranks, str(tmp_path), column_shards)
+
+
+def test_resume_under_another_sharding_is_a_clear_error(tmp_path):
+    common = SMALL + ["trainer.max_steps=10", "trainer.eval_every=0", "trainer.checkpoint_every=10"]
+    train(config(*common), CPU, tmp_path / "full")
+    resume = f"trainer.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_10'}"
+    with pytest.raises(ValueError, match=r"holds no \['model\..*t_cat_0_cols_0_to_7.weight'.* \(16 of the model's 26 "
+                                         r"entries\).*model.column_shards"):
+        train(config(*common, "model.column_shards=2", resume), CPU, tmp_path / "resumed")
 
 
 class NaNAfterStep(SyntheticCriteo):

@@ -79,6 +79,12 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
             raise FileNotFoundError(f"no step_<N> checkpoint under {path}")
         path = found
     state = _state(model, optimizer, embedding_optimizer)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    missing = [key for key in (f"model.{name}" for name in state["model"]) if key not in saved]
+    if missing:  # DCP would name one key only, deep in its traceback
+        raise ValueError(f"checkpoint {path} holds no {missing[:3]}{' ...' if len(missing) > 3 else ''} "
+                         f"({len(missing)} of the model's {len(state['model'])} entries): it was written for another "
+                         "model, world size (the MoE experts' names) or sharding of the tables (model.column_shards)")
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["dense_optimizer"])
     if embedding_optimizer is not None:
