@@ -14,7 +14,7 @@ from torchrec import DataType, EmbeddingBagConfig, KeyedJaggedTensor, PoolingTyp
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
-from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection
+from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection, plan_sharding
 from fused_dlrm.sparse.fused_all_to_all import NVSHMEM_OPT_IN, FusedCommConfig
 from world import run_world
 
@@ -48,11 +48,12 @@ def local_kjt(step: int, global_batch: int, rank: int, world: int, device) -> Ke
                                                torch.cat(weights).to(device))
 
 
-def _fused_equals_bulk(rank: int, world: int, steps: int) -> None:
+def _fused_equals_bulk(rank: int, world: int, steps: int, column_shards=1) -> None:
     device = torch.device("cuda", rank)
     opt = EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05)
-    bulk = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0)
-    fused = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0,
+    plan = plan_sharding(tables(), world, column_shards)
+    bulk = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0, plan=plan)
+    fused = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0, plan=plan,
                                           comm=FusedCommConfig(wait_timeout_spins=2_000_000))
     exchange = fused.fused
     for step in range(steps):
@@ -82,6 +83,11 @@ def _fused_equals_bulk(rank: int, world: int, steps: int) -> None:
 
 def test_fused_forward_backward_equal_bulk_for_1000_steps_and_timeout_raises():
     run_world(2, _fused_equals_bulk, 1000, backend="nccl")
+
+
+def test_column_shards_fused_equal_bulk():
+    # t5 (128 columns) in 4 shards, two on each rank (its bags arrive twice), t7 (256) and t3 (64) in 2.
+    run_world(2, _fused_equals_bulk, 200, {"t5": 4, "t7": 2, "t3": 2}, backend="nccl")
 
 
 def _nvshmem_forward_equals_bulk(rank: int, world: int, steps: int) -> None:

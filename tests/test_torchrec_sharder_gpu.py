@@ -11,7 +11,9 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.types import ShardingPlan
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.sparse import EmbeddingOptimizerConfig
@@ -39,16 +41,24 @@ class Sparse(torch.nn.Module):
         return self.ebc(kjt).values()
 
 
-def dmp(reference, comm: str, device) -> DistributedModelParallel:
+def dmp(reference, comm: str, device, by_columns: bool = False) -> DistributedModelParallel:
+    """by_columns: t1 in 4 column shards (two on each rank), t2 in 2; else the planner's plan."""
     sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05), comm=comm)
-    return DistributedModelParallel(Sparse(copy.deepcopy(reference)), sharders=[sharder], device=device)
+    plan = None
+    if by_columns:
+        fused = "fused"
+        plan = ShardingPlan({"ebc": construct_module_sharding_plan(reference, {
+            "t0": table_wise(rank=0, compute_kernel=fused), "t1": column_wise(ranks=[0, 1, 1, 0], compute_kernel=fused),
+            "t2": column_wise(ranks=[1, 0], compute_kernel=fused), "t3": table_wise(rank=1, compute_kernel=fused)},
+            sharder=sharder, local_size=2, world_size=2, device_type="cuda")})
+    return DistributedModelParallel(Sparse(copy.deepcopy(reference)), sharders=[sharder], device=device, plan=plan)
 
 
-def _fused_equals_bulk(rank: int, world: int) -> None:
+def _fused_equals_bulk(rank: int, world: int, by_columns: bool) -> None:
     device = torch.device("cuda", rank)
     torch.manual_seed(0)
     reference = EmbeddingBagCollection(TABLES)
-    fused, bulk = dmp(reference, "fused", device), dmp(reference, "bulk", device)
+    fused, bulk = dmp(reference, "fused", device, by_columns), dmp(reference, "bulk", device, by_columns)
     start, stop = local_batch_bounds(37, rank, world)
     for step in range(20):
         lengths, values, _ = global_batch(step, 37, TABLES, False)
@@ -64,8 +74,9 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
         torch.testing.assert_close(state_f[key], state_b[key], rtol=1e-5, atol=1e-6)
 
 
-def test_fused_sharder_equals_bulk_sharder_on_gpus():
-    run_world(2, _fused_equals_bulk, backend="nccl")
+@pytest.mark.parametrize("by_columns", [False, True])
+def test_fused_sharder_equals_bulk_sharder_on_gpus(by_columns):
+    run_world(2, _fused_equals_bulk, by_columns, backend="nccl")
 
 
 class WithLoss(torch.nn.Module):
