@@ -66,13 +66,15 @@ def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]
     local_batch, global_batch = bags.batch_sizes[rank], bags.global_batch
     m = cfg.model
 
-    # input dist: the indices (and lengths) of the features other ranks own leave this rank
+    # input dist: the indices (and lengths) of a feature leave this rank once for every shard of its table that
+    # another rank holds
     keys = list(kjt.keys())
     per_key = kjt.lengths().view(len(keys), -1).sum(dim=1).tolist()
-    mine = set(bags.features)
+    copies = {k: sum(feats.count(k) for r, feats in enumerate(sparse.input_dist.features_of_rank) if r != rank)
+              for k in keys}
     index_bytes = kjt.values().element_size() + (kjt.weights().element_size() if kjt.weights_or_none() is not None
                                                  else 0)
-    sent = sum(n * index_bytes + local_batch * 8 for k, n in zip(keys, per_key) if k not in mine)
+    sent = sum((n * index_bytes + local_batch * 8) * copies[k] for k, n in zip(keys, per_key))
     input_dist = CommLayer(
         "sparse input dist (KJT all-to-all)",
         f"{local_batch} samples x {len(keys)} features, {kjt.values().numel():,} indices on this rank",
@@ -88,7 +90,8 @@ def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]
     rows = f"{m.num_rows:,}" if isinstance(m.num_rows, int) else f"{min(m.num_rows):,}..{max(m.num_rows):,}"
     lookup = CommLayer(
         "embedding lookup + output dist (pooled all-to-all)",
-        f"{len(keys)} tables ({len(bags.features)} here) x {rows} rows x D={m.embedding_dim} {m.data_type}, "
+        f"{len(keys)} tables ({len(sparse.embedding_bags)} tables or column shards here) x {rows} rows "
+        f"x D={m.embedding_dim} {m.data_type}, "
         f"pooled [{global_batch} x {my_dim}] here -> [{local_batch} x {total_dim}] per rank",
         {"fwd": forward_bytes, "fwd_bwd": forward_bytes + backward_bytes},
         bulk.lookup_modes(grad), fused_or_reason(reason, lambda: fused.lookup_modes(grad)))
