@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import triton
 from torch import nn
+
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, NvshmemSymmetricWorkspace, PeerBuffer, _Workspace
 from fused_dlrm.kernels.peer_flags import PeerErrors, ReadyWait, wait_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, default_num_programs, plan_peer_tiles

@@ -85,6 +85,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                                            for f in t.feature_names}, input_group)
         seeds = table_seeds(tables, seed)
         by_name = {t.name: t for t in tables}
+        # A column shard starts as its columns of the whole table's initialisation (drawn whole for a moment), so
+        # the plan does not change the model.
         self.embedding_bags = nn.ModuleDict(
             {s.name: Table(shard_columns(init_table(by_name[s.table], seeds[s.table], device), s)
                            .to(_DTYPES[by_name[s.table].data_type.name]))
