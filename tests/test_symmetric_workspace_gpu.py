@@ -1,6 +1,7 @@
 """A grown symmetric buffer (torch's CUDA symmetric memory) is freed once nobody holds it, in worlds of one process
 on one GPU and of two on two GPUs (skipped where they are missing). The simulated world's twin:
-test_symmetric_workspace.py."""
+test_symmetric_workspace.py. Memory is read as the device's free memory, which other processes' allocations move
+too: the test needs the GPUs to itself (scripts/gpu_check.sh runs the GPU test files one after another)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def _in_use(free_before: int) -> float:
 
 def _grow_and_free(rank: int, world_size: int) -> None:
     ws = CudaSymmetricWorkspace()
+    # NCCL's and symmetric memory's one-time allocations (communicator, rendezvous) go before the baseline
+    ws.buffer("warm-up", 1024, torch.float32)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info()[0]
