@@ -111,11 +111,12 @@ class GraphReplays:
     launch through the binary ~9-10 us (H200 host, triton 3.6).
 
     The caller names a launch by a key that determines all of its arguments (the addresses of the tensors it
-    passes anew); a key is captured the second time it comes (~1 ms), so tensors allocated anew at every call
-    never cost a capture. Graphs are kept, never dropped: once `max_graphs` are held, other keys launch directly
-    (dropping the oldest would capture anew at every call when more than max_graphs keys take turns). Keys seen
-    once are remembered up to 4 x max_graphs, the oldest forgotten. Inside a caller's own graph capture the launch
-    is made directly (and captured into the caller's graph)."""
+    passes anew); a key is captured the second time it comes (~1 ms, measured before capture_graph synchronised
+    and emptied the allocator's cache), so tensors allocated anew at every call never cost a capture. Graphs are
+    kept, never dropped: once `max_graphs` are held, other keys launch directly (dropping the oldest would capture
+    anew at every call when more than max_graphs keys take turns). Keys seen once are remembered up to 4 x
+    max_graphs, the oldest forgotten. Inside a caller's own graph capture the launch is made directly (and captured
+    into the caller's graph)."""
 
     def __init__(self, max_graphs: int = 64):
         self.max_graphs = max_graphs
