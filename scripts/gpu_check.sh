@@ -6,7 +6,7 @@
 #   bash scripts/gpu_check.sh test_tp test_quantized_allreduce bench_tp
 # (steps: test_<name> for tests/test_<name>_gpu.py and test_embedding_backward, bench_embedding,
 # bench_embedding_nvshmem, bench_moe, bench_tp, train; none named: all of them).
-GPU_TESTS="launch symmetric_workspace simulated_world graphed_arches batch_header fused_embedding torchrec_sharder moe_fused moe_fused_dispatch quantized_allreduce tp allgather"
+GPU_TESTS="launch symmetric_workspace simulated_world graphed_arches batch_header fused_embedding torchrec_sharder moe_fused moe_fused_dispatch moe_graphs quantized_allreduce tp allgather"
 KNOWN=" $(for f in $GPU_TESTS; do printf 'test_%s ' $f; done)test_embedding_backward bench_embedding bench_embedding_nvshmem"
 KNOWN="$KNOWN bench_moe bench_tp train "
 for s in "$@"; do  # a misspelt step would otherwise run nothing and report nothing
