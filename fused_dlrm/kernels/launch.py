@@ -111,12 +111,11 @@ class GraphReplays:
     launch through the binary ~9-10 us (H200 host, triton 3.6).
 
     The caller names a launch by a key that determines all of its arguments (the addresses of the tensors it
-    passes anew); a key is captured the second time it comes (~1 ms, measured before capture_graph synchronised
-    and emptied the allocator's cache), so tensors allocated anew at every call never cost a capture. Graphs are
-    kept, never dropped: once `max_graphs` are held, other keys launch directly (dropping the oldest would capture
-    anew at every call when more than max_graphs keys take turns). Keys seen once are remembered up to 4 x
-    max_graphs, the oldest forgotten. Inside a caller's own graph capture the launch is made directly (and captured
-    into the caller's graph)."""
+    passes anew); a key is captured the second time it comes (~1 ms), so tensors allocated anew at every call
+    never cost a capture. Graphs are kept, never dropped: once `max_graphs` are held, other keys launch directly
+    (dropping the oldest would capture anew at every call when more than max_graphs keys take turns). Keys seen
+    once are remembered up to 4 x max_graphs, the oldest forgotten. Inside a caller's own graph capture the launch
+    is made directly (and captured into the caller's graph)."""
 
     def __init__(self, max_graphs: int = 64):
         self.max_graphs = max_graphs
@@ -164,11 +163,21 @@ def capture_graph(launch) -> torch.cuda.CUDAGraph:
     """launch()'s work captured (not run) into a graph, on a side stream (graphs cannot be captured on the
     default stream); errors of other threads' CUDA calls meanwhile are theirs (thread-local capture).
 
-    Through torch.cuda.graph, which synchronises the device and empties the allocator's cache first: a graph
-    allocates from a memory pool of its own, which cannot take the blocks that the default pool caches. Without
-    that, the fine-grained MoE Transformer's first evaluation ran out of memory in its capture on 80 GB H100s,
-    with 15.8 GiB cached and unused (2026-11-26). A capture is a key's one-off, so its sync is too."""
+    A graph allocates from a memory pool of its own, which cannot take the blocks that the default pool caches:
+    the fine-grained MoE Transformer's first evaluation ran out of memory in its capture on 80 GB H100s, with
+    15.8 GiB cached and unused and 174 MiB free (2026-11-26). So when the default pool caches more unused memory
+    than the device has free, the cache is emptied first. Only then: emptying frees device memory, which waits for
+    the whole device, and a simulated world's ranks on one GPU (tests/test_simulated_world_gpu.py) have a peer's
+    kernel pending there that waits on this rank's launch (torch.cuda.graph, which always empties, hung them
+    until their bounded waits failed)."""
+    cached_unused = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    if cached_unused > torch.cuda.mem_get_info()[0]:
+        torch.cuda.empty_cache()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        launch()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            launch()
+        finally:
+            graph.capture_end()
     return graph
