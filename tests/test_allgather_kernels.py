@@ -15,7 +15,7 @@ import torch
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels import peer_flags
 from fused_dlrm.kernels.allgather import PRODUCERS, SymmetricAllGather, all_gather_reference
-from fused_dlrm.kernels.allgather_gemm import (GemmConfig, all_gather_matmul, all_gather_matmul_bulk,
+from fused_dlrm.kernels.allgather_gemm import (GemmConfig, all_gather_matmul, all_gather_matmul_bulk, lead_rounds,
                                                all_gather_matmul_reference, op_for, tile_map)
 
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
@@ -83,6 +83,10 @@ def test_a_producer_waits_for_the_peer_to_release_its_half():
 
 SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, chunk_rows=16, num_programs=3, spin_limit=50)
 STRADDLE = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, chunk_rows=24, num_programs=3, spin_limit=50)
+# 5 programs, 3 of them pushing (3 chunks of one peer): the 2 others take the first 2 (LEAD) or all 6 (LEAD_ALL)
+# local tiles alone before the rest are dealt among all 5
+LEAD = dataclasses.replace(SMALL, num_programs=5, push_rounds=1)
+LEAD_ALL = dataclasses.replace(SMALL, num_programs=5, push_rounds=9)
 TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
@@ -104,7 +108,8 @@ def relative_error(got, expected):
 
 
 @pytest.mark.parametrize("world_size,config,rows", [(2, SMALL, 41), (4, SMALL, 41), (8, SMALL, 20),
-                                                    (2, STRADDLE, 41)])
+                                                    (2, STRADDLE, 41), (2, LEAD, 41), (2, LEAD_ALL, 41),
+                                                    (3, LEAD, 20)])
 @pytest.mark.parametrize("producer", ["copy_engine", "device"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_all_gather_matmul_matches_reference(world_size, config, rows, producer, dtype):
@@ -339,3 +344,16 @@ def _bulk_twin(rank: int, world: int) -> None:
 
 def test_bulk_twin_on_gloo():
     run_world(2, _bulk_twin)  # 2 ranks only: each spawned rank costs seconds of imports on CI's 2 cores
+
+
+def test_pushing_programs_leave_the_first_local_tiles_to_the_others():
+    """The deal that the LEAD cases above walk, and the estimate of the push's time in tiles at issue 5's shapes
+    (M = 8192 and 16384 over 2 ranks: the push of 32 MiB takes ~1.7 tiles' time, of 128 MiB ~3.5)."""
+    shard = torch.randn(41, 24).half()
+    workspace = matmul_world(2)[0]
+    assert op_for(workspace, shard, LEAD).lead(19) == (2, 2)  # 3 local M-blocks x 2 N-blocks: 6 tiles
+    assert op_for(workspace, shard, LEAD_ALL).lead(19) == (2, 6)
+    assert op_for(workspace, shard, dataclasses.replace(LEAD, num_programs=3)).lead(19) == (0, 0)  # all push
+    assert lead_rounds(2, 4096, 4096, 2, GemmConfig()) == 2
+    assert lead_rounds(2, 8192, 8192, 2, GemmConfig()) == 3
+    assert lead_rounds(2, 8192, 8192, 2, GemmConfig(push_rounds=0)) == 0

@@ -21,7 +21,9 @@ pointer loads and a loop per tile: 504 against 520 us at issue 5's shape on one 
   copy engines on one side stream per peer, each chunk followed by a stream-written flag in its *own* memory
   (`SymmetricAllGather.pull_published`; torch's fused_all_gather_matmul does the same). The GEMM polls only flags
   that its own GPU wrote after its own copies into its own memory.
-- producer="device": the GEMM's own programs first push their share of chunks to the peers, then compute. One
+- producer="device": the GEMM's own programs first push their share of chunks to the peers, then compute; the
+  pushers (the last programs, one per chunk at most) leave the first rounds of local tiles to the others (as many
+  as the push takes tiles' time, `lead_rounds`), so that they do not finish a push's time after the rest. One
   launch, not a push kernel on another stream: two kernels whose programs wait on each other deadlock when the
   consumer's persistent programs take every SM before the producer's are scheduled; inside one launch whose grid
   is at most one program per SM, every program is resident. (The interpreter runs a launch's programs one after
@@ -79,14 +81,31 @@ class GemmConfig:
     block_k: int = 64
     group_m: int = 16  # M-blocks walked together per N sweep (L2 reuse of the weight)
     chunk_rows: int = 256  # rows per flag (best a multiple of block_m; a tile straddling two chunks waits for
-    # both): small enough to spread the device push over many programs (a pushing program computes its tiles
-    # late) and to start remote tiles early
+    # both): small enough to start remote tiles early; one pushing program per chunk
     num_warps: int = 8
     # 4 stages and groups of 16 M-blocks: the GEMM alone (flags already up) at M=8192, N=11008/2, K=4096 fp16 on one
     # H200 took 555.6 us against 661.1 at 3 stages and groups of 8 (cuBLAS 538.5; 2026-11-23, docs/benchmarks.md)
     num_stages: int = 4
     num_programs: int | None = None  # persistent programs; None: one per SM (all co-resident)
     spin_limit: int = 20_000_000
+    push_rounds: int | None = None  # device push: rounds of local tiles that the pushing programs leave to the
+    # others (None: the push's estimated time in tiles' time, `lead_rounds`)
+
+
+# For `lead_rounds`' estimate: a peer write over NVLink per direction, and one SM's fp16/bf16 tensor rate in this
+# GEMM (2×H200 and 2×H100: 375-385 GB/s; 653-731 TFLOP/s over 132 SMs; docs/benchmarks.md and ../shared/GPU.md)
+PEER_WRITE_BYTES_PER_S = 375e9
+SM_FLOPS_PER_S = 5.2e12
+
+
+def lead_rounds(world: int, rows: int, k: int, element_size: int, config: GemmConfig) -> int:
+    """Rounds of local tiles the pushing programs skip: pushing every peer's rows takes them about as long as that
+    many tiles take the others (the link is shared, so few or many pushers finish at about the same time)."""
+    if config.push_rounds is not None:
+        return config.push_rounds
+    push_s = (world - 1) * rows * k * element_size / PEER_WRITE_BYTES_PER_S
+    tile_s = 2 * config.block_m * config.block_n * k / SM_FLOPS_PER_S
+    return round(push_s / tile_s)
 
 
 @triton.jit
@@ -163,7 +182,7 @@ def _source_tiles(a_desc, a_index, w_desc, out_ptr, out_row0, t_first, t_end, nu
 def _all_gather_matmul_kernel(
     x_ptr, x_desc, gathered_desc, w_desc, out_ptr, data_ptrs, ready_ptr, ready_ptrs, ack_ptr, ack_ptrs,
     counter_ptr, error_ptr, rows, K, N, rank, epoch, chunk_rows, chunks, half_offset,
-    num_programs, spin_limit, ack_target,
+    num_programs, lead_programs, lead_tiles, spin_limit, ack_target,
     WORLD: tl.constexpr, PUSH: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
     GROUP_M: tl.constexpr, PUSH_R: tl.constexpr, PUSH_C: tl.constexpr, W_NK: tl.constexpr, ON_GPU: tl.constexpr,
@@ -176,13 +195,19 @@ def _all_gather_matmul_kernel(
                        i % chunks, rank, epoch, rows, K, chunk_rows, chunks, half_offset, spin_limit, PUSH_R, PUSH_C)
             i += num_programs
     if COMPUTE:
+        # The local tiles: the first lead_tiles dealt among the programs that do not push (the pushers are the
+        # last programs), the rest and then the peers' tiles dealt among all, round-robin from lead_tiles on.
         per_source = tl.cdiv(rows, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        _source_tiles(x_desc, 0, w_desc, out_ptr, tl.cast(rank, tl.int64) * rows, pid, per_source, num_programs, rank,
-                      rows, N, WORLD, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, W_NK, ON_GPU)
+        row0 = tl.cast(rank, tl.int64) * rows
+        if pid < lead_programs:
+            _source_tiles(x_desc, 0, w_desc, out_ptr, row0, pid, lead_tiles, lead_programs, rank, rows, N, WORLD,
+                          BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, W_NK, ON_GPU)
+        _source_tiles(x_desc, 0, w_desc, out_ptr, row0, lead_tiles + pid, per_source, num_programs, rank, rows, N,
+                      WORLD, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, W_NK, ON_GPU)
         for step in range(1, WORLD):  # then the peers, rank - 1, rank - 2, ...
             source = (rank + WORLD - step) % WORLD
             lo = step * per_source
-            t_first = lo + (pid + num_programs - lo % num_programs) % num_programs  # my first tile of this source
+            t_first = lo + (pid + num_programs - (lo - lead_tiles) % num_programs) % num_programs  # my first
             t = t_first
             while t < lo + per_source:  # every chunk that my tiles of this source read, before any of them runs
                 _, mb, _ = _tile(t, rank, rows, N, WORLD, BLOCK_M, BLOCK_N, GROUP_M)
@@ -287,6 +312,17 @@ class AllGatherMatmul:
         require_tma_readable(weight.t() if k_contiguous else weight, "all_gather_matmul's weight (as it lies)")
         return k_contiguous
 
+    def lead(self, n: int) -> tuple[int, int]:
+        """(programs that do not push, local tiles dealt among them alone first) for an output of n columns.
+        The same deal whether or not this launch pushes (a simulated world pushes in a launch of its own), so the
+        interpreter tests walk the production deal."""
+        c = self.config
+        pushers = min(self.num_programs, (self.world - 1) * self.gather.chunks)
+        lead_programs = self.num_programs - pushers
+        local_tiles = triton.cdiv(self.rows, c.block_m) * triton.cdiv(n, c.block_n)
+        rounds = lead_rounds(self.world, self.rows, self.k, self.gather.dtype.itemsize, c)
+        return lead_programs, min(rounds * lead_programs, local_tiles)
+
     def _launch(self, x, weight, out, epoch, push: bool, compute: bool) -> None:
         g, c = self.gather, self.config
         n, w_nk, descriptors = 0, False, (None, None, None)
@@ -298,12 +334,13 @@ class AllGatherMatmul:
                                       [1, c.block_m, c.block_k], "the gathered buffer"),
                            descriptor(weight.t() if w_nk else weight,
                                       [c.block_n, c.block_k] if w_nk else [c.block_k, c.block_n], "weight"))
+        lead_programs, lead_tiles = self.lead(n)
         _all_gather_matmul_kernel[(self.num_programs,)](
             x, *descriptors, x if out is None else out,
             g.data.peer_ptrs, g.ready.local, g.ready.peer_ptrs, g.ack.local, g.ack.peer_ptrs,
             self.counter, g.errors.word, self.rows, self.k, n,
-            self.rank, epoch, g.chunk_rows, g.chunks, g.half_offset(epoch), self.num_programs, c.spin_limit,
-            self.launches * self.num_programs,
+            self.rank, epoch, g.chunk_rows, g.chunks, g.half_offset(epoch), self.num_programs, lead_programs,
+            lead_tiles, c.spin_limit, self.launches * self.num_programs,
             WORLD=self.world, PUSH=push, COMPUTE=compute,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, K_TILES=triton.cdiv(self.k, c.block_k),
             GROUP_M=c.group_m, PUSH_R=g.block_rows, PUSH_C=g.block_cols, W_NK=w_nk, ON_GPU=not interpreting(),
