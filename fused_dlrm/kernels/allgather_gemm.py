@@ -1,7 +1,7 @@
 """AllGather + GEMM (column-parallel linear): out = all_gather(x_shard) @ weight, the GEMM consuming chunks as
 they arrive.
 
-    all_gather_matmul(x_shard [rows, K], weight [K, N], workspace, producer="copy_engine" | "device", *,
+    all_gather_matmul(x_shard [rows, K], weight [K, N], workspace, producer="device" | "copy_engine", *,
                       return_gathered=False, out=None, config=None) -> out [world * rows, N]
                       (or (out, gathered [world * rows, K]) with return_gathered=True)
 
@@ -361,11 +361,13 @@ def op_for(workspace: _Workspace, x_shard: torch.Tensor, config: GemmConfig | No
 
 
 def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, workspace: _Workspace,
-                      producer: str = "copy_engine", *, return_gathered: bool = False,
+                      producer: str = "device", *, return_gathered: bool = False,
                       out: torch.Tensor | None = None, config: GemmConfig | None = None):
     """all_gather(x_shard) @ weight over the workspace's group; x_shard [rows, K] (same rows on every rank, K a
     multiple of 8), weight [K, N] with N or K contiguous (e.g. a Linear's weight.t()) and rows of a multiple of 16
-    bytes as it lies. Every rank calls with the same shapes and producer."""
+    bytes as it lies. Every rank calls with the same shapes and producer. The device push is the default: at
+    issue 5's shape on 2 GPUs it took 741 against 1,295 us for the copy engines' pulls (2×H200, 2026-11-24) and
+    733 against 1,440 (2×H100, 2026-11-26; docs/benchmarks.md)."""
     op = op_for(workspace, x_shard, config)
     op.check_weight(weight, x_shard.dtype)  # before the producer starts: a refusal leaves no peer waiting
     return op.finish(op.start(x_shard, producer), x_shard, weight, producer, return_gathered, out)

@@ -9,7 +9,7 @@ all-reduce of the output is Megatron's "g" (backward: the gradient is already re
 comm="bulk": torch.distributed collectives inside autograd functions (gloo on the CPU, NCCL on GPUs).
 comm="fused" (CUDA only, fp16/bf16): RowParallelLinear computes x @ W_r^T and the all-reduce in one launch
 (kernels.gemm_allreduce) when x has at most 64 rows (decode, small prefill), the bulk twin above that; a
-sequence-sharded ColumnParallelLinear runs the all-gather + GEMM (kernels.allgather_gemm, copy-engine producer).
+sequence-sharded ColumnParallelLinear runs the all-gather + GEMM (kernels.allgather_gemm, device push).
 A replicated-input ColumnParallelLinear has no forward communication to fuse. The backward of a fused forward is
 the bulk twin's: the conjugate collective on the gradient (reduce-scatter, resp. none).
 
