@@ -63,7 +63,8 @@ def _matmul(rank: int, world: int) -> None:
     device = torch.device("cuda", rank)
     ws = CudaSymmetricWorkspace()
     rows, k, n = 1000, 512, 320  # rows not a multiple of the 128-row tile; 4 chunks of 256 (the last 232)
-    configs = {"chunks of 256": GemmConfig(), "chunks of 192 (tiles straddle)": GemmConfig(chunk_rows=192)}
+    configs = {"chunks of 256": GemmConfig(), "chunks of 192 (tiles straddle)": GemmConfig(chunk_rows=192),
+               "pushers skip a round (the 16 local tiles go to the others)": GemmConfig(push_rounds=1)}
     failures = {}  # (config, dtype, producer) -> the first failure; every combination runs to the end
     for name, config in configs.items():
         for dtype in (torch.float16, torch.bfloat16):
