@@ -24,10 +24,10 @@ from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 
 SHAPES = [(8192, 11008, 4096), (4096, 11008, 4096), (16384, 8192, 8192)]  # M (gathered), N (all ranks), K
 QUICK_SHAPES = SHAPES[:1]
-# The device push's deal of local tiles (kernels/allgather_gemm.py, `lead_rounds`): estimated (default), none (the
-# pushers take their round-robin share from the start, as before 2026-11-26), and 3 rounds.
+# The device push's deal of local tiles (kernels/allgather_gemm.py, `lead_rounds`): estimated (default), and none
+# (the pushers take their round-robin share from the start, as before 2026-11-26).
 CONFIGS = {"128x256x64": GemmConfig(), "128x256x64, pushers skip no round": GemmConfig(push_rounds=0),
-           "128x256x64, pushers skip 3 rounds": GemmConfig(push_rounds=3), "128x128x64": GemmConfig(block_n=128)}
+           "128x128x64": GemmConfig(block_n=128)}
 QUICK_CONFIGS = dict(list(CONFIGS.items())[:1])
 
 

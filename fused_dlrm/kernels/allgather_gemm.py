@@ -92,18 +92,21 @@ class GemmConfig:
     # others (None: the push's estimated time in tiles' time, `lead_rounds`)
 
 
-# For `lead_rounds`' estimate: a peer write over NVLink per direction, and one SM's fp16/bf16 tensor rate in this
-# GEMM (2×H200 and 2×H100: 375-385 GB/s; 653-731 TFLOP/s over 132 SMs; docs/benchmarks.md and ../shared/GPU.md)
-PEER_WRITE_BYTES_PER_S = 375e9
+# For `lead_rounds`' estimate: the rate at which the pushing programs (one per chunk: 16 at issue 5's shape) move a
+# peer's rows, and one SM's fp16/bf16 tensor rate in this GEMM (653-731 TFLOP/s over 132 SMs on H100/H200). The
+# push rate is fitted, not the link's 385 GB/s: on 2×H200 (2026-11-26, docs/benchmarks.md) the best rounds were
+# 3 at M=8192 (661 us; 2: 673, 4-6: 669-674), 2-5 at M=4096 (336-338; 6: 345) and 3-6 at M=16384 (1,869-1,882;
+# 2: 1,930), which ~200 GB/s gives (2, 3 and 6) and 375 GB/s does not (1, 2 and 3).
+PUSH_BYTES_PER_S = 200e9
 SM_FLOPS_PER_S = 5.2e12
 
 
 def lead_rounds(world: int, rows: int, k: int, element_size: int, config: GemmConfig) -> int:
     """Rounds of local tiles the pushing programs skip: pushing every peer's rows takes them about as long as that
-    many tiles take the others (the link is shared, so few or many pushers finish at about the same time)."""
+    many tiles take the others."""
     if config.push_rounds is not None:
         return config.push_rounds
-    push_s = (world - 1) * rows * k * element_size / PEER_WRITE_BYTES_PER_S
+    push_s = (world - 1) * rows * k * element_size / PUSH_BYTES_PER_S
     tile_s = 2 * config.block_m * config.block_n * k / SM_FLOPS_PER_S
     return round(push_s / tile_s)
 
