@@ -9,6 +9,8 @@ already on their owner (the input all-to-all is outside the timed region). Varia
   fused: the lookup kernel storing into peers' symmetric memory with ready flags (backward: gradient push;
          --transport nvshmem: forward only, and disabled by a known race: sparse/fused_all_to_all.py)
   lookup: the lookup kernel alone, the bulk path's compute (its gathered-row rate against fbgemm's TBE)
+Forward times are medians of single calls, the ranks lined up by a barrier before each, and (b2b) per call over
+20 calls back to back.
 Speed of light = max(gathered row bytes / device copy bandwidth, bytes sent to peers / peer write bandwidth),
 both bandwidths measured in this run.
 """
@@ -25,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torchrec import EmbeddingBagConfig
 
-from fused_dlrm.bench.timing import hbm_bandwidth, peer_bandwidth, time_ms
+from fused_dlrm.bench.timing import hbm_bandwidth, peer_bandwidth, per_call_us, time_ms
 from fused_dlrm.dist.alltoall import all_to_all_v
 from fused_dlrm.dist.symmetric import use_nvshmem_backend
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
@@ -116,6 +118,10 @@ def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iter
         result["fwd_ms"] = {name: time_ms(fn, iters=iters) for name, fn in
                             (("torch", torch_reference), ("bulk", bulk), ("fused", fused_forward),
                              ("lookup", lambda: lookup.pool(bags)))}
+        # Back to back: what a run of calls costs per call, without each call's start skewed between the ranks
+        # (the synced figures above line the ranks up with a barrier, then wait for the later one's launch).
+        result["fwd_b2b_ms"] = {name: per_call_us(fn, warmup=2, iters=10) / 1e3 for name, fn in
+                                (("bulk", bulk), ("fused", fused_forward), ("lookup", lambda: lookup.pool(bags)))}
     lookup.train()
 
     def train_step(fn):
@@ -207,11 +213,13 @@ def main(argv: list[str]) -> None:
         print(f"{meta['device']} x{world}  fused transport {args.transport}  copy {hbm / 1e12:.2f} TB/s  "
               f"peer write {peer_text}")
         print(f"{'config':34} {'torch':>8} {'bulk':>8} {'fused':>8} {'SOL':>7} {'fused%SOL':>9} "
-              f"{'fused GB/s':>10} {'lookup':>7} {'GB/s':>5} | {'fb bulk':>8} {'fb fused':>8} {'speedup':>7}")
+              f"{'fused GB/s':>10} {'lookup':>7} {'GB/s':>5} | {'fb bulk':>8} {'fb fused':>8} {'speedup':>7} | "
+              f"b2b: {'bulk':>6} {'fused':>6} {'lookup':>6}")
         for r in results:
-            fw, fb = r["fwd_ms"], r["fwd_bwd_ms"]
+            fw, fb, b2b = r["fwd_ms"], r["fwd_bwd_ms"], r["fwd_b2b_ms"]
             fused_fb = f"{fb['fused']:8.3f} {fb['bulk'] / fb['fused']:6.2f}x" if "fused" in fb else f"{'-':>8} {'-':>7}"
             print(f"{r['config']:34} {fw['torch']:8.3f} {fw['bulk']:8.3f} {fw['fused']:8.3f} {r['sol_ms']:7.3f} "
                   f"{r['pct_sol']['fused']:8.0f}% {r['gathered_GBps']['fused']:10.0f} {fw['lookup']:7.3f} "
-                  f"{r['gathered_GBps']['lookup']:5.0f} | {fb['bulk']:8.3f} {fused_fb}")
+                  f"{r['gathered_GBps']['lookup']:5.0f} | {fb['bulk']:8.3f} {fused_fb} | "
+                  f"     {b2b['bulk']:6.3f} {b2b['fused']:6.3f} {b2b['lookup']:6.3f}")
     dist.destroy_process_group()
