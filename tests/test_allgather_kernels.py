@@ -201,7 +201,7 @@ def test_no_tile_reads_a_chunk_before_its_flag(monkeypatch, producer):
         gather, in_flight = ops[0].gather, {}
         launch, wait = ops[0]._launch, peer_flags.wait_at_least
 
-        def launch_before_the_chunks_land(x, w, out, epoch, push, compute):
+        def launch_before_the_chunks_land(x, w, out, epoch, push, compute, pushers):
             if compute:
                 theirs = gather.gathered(epoch)[rows:2 * rows]  # rank 1's rows in rank 0's buffer
                 for chunk in range(gather.chunks):
@@ -209,7 +209,7 @@ def test_no_tile_reads_a_chunk_before_its_flag(monkeypatch, producer):
                     in_flight[gather.ready.local[index:].data_ptr()] = (part, theirs[part].clone(), index, epoch)
                     theirs[part] = float("nan")
                     gather.ready.local[index] = epoch - 1
-            launch(x, w, out, epoch, push, compute)
+            launch(x, w, out, epoch, push, compute, pushers)
 
         def wait_then_land(flag, epoch, spin_limit):
             landing = in_flight.pop(int(flag.handle.data.reshape(-1)[0]), None)
@@ -354,6 +354,7 @@ def test_pushing_programs_leave_the_first_local_tiles_to_the_others():
     assert op_for(workspace, shard, LEAD).lead(19) == (2, 2)  # 3 local M-blocks x 2 N-blocks: 6 tiles
     assert op_for(workspace, shard, LEAD_ALL).lead(19) == (2, 6)
     assert op_for(workspace, shard, dataclasses.replace(LEAD, num_programs=3)).lead(19) == (0, 0)  # all push
+    assert op_for(workspace, shard, LEAD).lead(19, pushers=False) == (5, 0)  # copy engines: nobody pushes
     assert lead_rounds(2, 2048, 4096, 2, GemmConfig()) == 2
     assert lead_rounds(2, 4096, 4096, 2, GemmConfig()) == 3
     assert lead_rounds(2, 8192, 8192, 2, GemmConfig()) == 6

@@ -285,7 +285,7 @@ class AllGatherMatmul:
         self.gather.errors.check()
         epoch = self.gather.next_epoch()
         if not self.fused_push:
-            self._launch(x_shard.contiguous(), None, None, epoch, push=True, compute=False)
+            self._launch(x_shard.contiguous(), None, None, epoch, push=True, compute=False, pushers=False)
         return epoch
 
     def finish(self, epoch: int, x_shard: torch.Tensor, weight: torch.Tensor, producer: str,
@@ -296,7 +296,8 @@ class AllGatherMatmul:
         out = torch.empty((m, weight.shape[1]), dtype=x_shard.dtype, device=x_shard.device) if out is None else out
         if producer == "copy_engine":
             self.gather.pull_published(epoch)
-        self._launch(x_shard, weight, out, epoch, push=producer == "device" and self.fused_push, compute=True)
+        self._launch(x_shard, weight, out, epoch, push=producer == "device" and self.fused_push, compute=True,
+                     pushers=producer == "device")
         self.gather.join()
         self.gather.errors.after_wait()
         if not return_gathered:
@@ -315,18 +316,22 @@ class AllGatherMatmul:
         require_tma_readable(weight.t() if k_contiguous else weight, "all_gather_matmul's weight (as it lies)")
         return k_contiguous
 
-    def lead(self, n: int) -> tuple[int, int]:
-        """(programs that do not push, local tiles dealt among them alone first) for an output of n columns.
-        The same deal whether or not this launch pushes (a simulated world pushes in a launch of its own), so the
-        interpreter tests walk the production deal."""
+    def lead(self, n: int, pushers: bool = True) -> tuple[int, int]:
+        """(programs that do not push, local tiles dealt among them alone first) for an output of n columns;
+        pushers=False (copy-engine producer): (all programs, 0). A simulated world's device producer pushes in a
+        launch of its own, and its compute launch deals the tiles as on GPUs, so the interpreter tests walk the
+        production deal."""
         c = self.config
-        pushers = min(self.num_programs, (self.world - 1) * self.gather.chunks)
-        lead_programs = self.num_programs - pushers
+        if not pushers:
+            return self.num_programs, 0
+        lead_programs = self.num_programs - min(self.num_programs, (self.world - 1) * self.gather.chunks)
         local_tiles = triton.cdiv(self.rows, c.block_m) * triton.cdiv(n, c.block_n)
         rounds = lead_rounds(self.world, self.rows, self.k, self.gather.dtype.itemsize, c)
         return lead_programs, min(rounds * lead_programs, local_tiles)
 
-    def _launch(self, x, weight, out, epoch, push: bool, compute: bool) -> None:
+    def _launch(self, x, weight, out, epoch, push: bool, compute: bool, pushers: bool) -> None:
+        """push: this launch pushes the shard; pushers: the device producer's programs push (in this launch or,
+        in a simulated world, in one of their own), so the compute deals them fewer tiles (`lead`)."""
         g, c = self.gather, self.config
         n, w_nk, descriptors = 0, False, (None, None, None)
         if compute:
@@ -337,7 +342,7 @@ class AllGatherMatmul:
                                       [1, c.block_m, c.block_k], "the gathered buffer"),
                            descriptor(weight.t() if w_nk else weight,
                                       [c.block_n, c.block_k] if w_nk else [c.block_k, c.block_n], "weight"))
-        lead_programs, lead_tiles = self.lead(n)
+        lead_programs, lead_tiles = self.lead(n, pushers)
         _all_gather_matmul_kernel[(self.num_programs,)](
             x, *descriptors, x if out is None else out,
             g.data.peer_ptrs, g.ready.local, g.ready.peer_ptrs, g.ack.local, g.ack.peer_ptrs,
