@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks and timings behind docs/benchmarks.md, on a machine with 2 GPUs (or more: the first two are used)
+# The GPU checks and timings behind docs/benchmarks.md, on a machine with 2 GPUs (or more: the first two, see LANES)
 # and the wheels of ../shared/tools/gpu-wheels.sh in .whl/: set-up (offline), every GPU test, the benchmarks,
 # DLRM and MoE training bulk vs fused. Results go to $OUT (default ./gpu_out); a summary is printed at the end.
 # All of it takes longer than one 10-minute device call: name the steps to run, e.g.
 #   bash scripts/gpu_check.sh test_tp test_quantized_allreduce bench_tp
 # (steps: test_<name> for tests/test_<name>_gpu.py and test_embedding_backward, bench_embedding,
 # bench_embedding_nvshmem, bench_moe, bench_tp, train; none named: all of them).
+# LANES=2 on a machine with 4 GPUs or more: the tests on GPUs 0,1 while the benchmarks and training runs go on
+# GPUs 2,3, side by side (the timings then share the host's cores with the tests: say so where you quote them).
 GPU_TESTS="launch symmetric_workspace simulated_world graphed_arches batch_header fused_embedding torchrec_sharder moe_fused moe_fused_dispatch moe_graphs quantized_allreduce tp allgather"
 KNOWN=" $(for f in $GPU_TESTS; do printf 'test_%s ' $f; done)test_embedding_backward bench_embedding bench_embedding_nvshmem"
 KNOWN="$KNOWN bench_moe bench_tp train "
@@ -14,31 +16,39 @@ for s in "$@"; do  # a misspelt step would otherwise run nothing and report noth
 done
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
+TEST_GPUS=${CUDA_VISIBLE_DEVICES:-0,1}; RUN_GPUS=$TEST_GPUS
+[ "${LANES:-1}" = 2 ] && [ "$(nvidia-smi -L | wc -l)" -ge 4 ] && RUN_GPUS=2,3
 python3 scripts/setup_env.py --wheels .whl --target /tmp/site > $OUT/setup.log 2>&1 || { tail -20 $OUT/setup.log; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests
 STEPS=" $* "
 want() { [ "$STEPS" = "  " ] || [[ "$STEPS" == *" $1 "* ]]; }
 T() { local t=$1 name=$2; shift 2; want $name || return 0
-      timeout $t python3 -m pytest -v -p no:warnings "$@" > $OUT/$name.log 2>&1; echo "rc=$?" >> $OUT/$name.log; }
+      CUDA_VISIBLE_DEVICES=$TEST_GPUS timeout $t python3 -m pytest -v -p no:warnings "$@" > $OUT/$name.log 2>&1
+      echo "rc=$? (GPUs $TEST_GPUS)" >> $OUT/$name.log; }
 R() { local t=$1 name=$2; shift 2; want ${STEP:-$name} || return 0
-      timeout $t torchrun --nproc_per_node=2 --standalone "$@" > $OUT/$name.log 2>&1; echo "rc=$?" >> $OUT/$name.log; }
-for f in $GPU_TESTS; do
-  T 300 test_$f tests/test_${f}_gpu.py
-done
-T 120 test_embedding_backward tests/test_embedding_backward_kernel.py
-R 200 bench_embedding -m fused_dlrm.bench embedding --out $OUT/bench_embedding.json
-R 60 bench_embedding_nvshmem -m fused_dlrm.bench embedding --quick --transport nvshmem --out $OUT/bench_nvshmem.json
-R 450 bench_moe -m moe.bench --iters 10 --out $OUT/bench_moe.json  # 228 s at world 1 on one H200 (X4)
-R 200 bench_tp -m fused_dlrm.bench tp --out $OUT/bench_tp.json
+      CUDA_VISIBLE_DEVICES=$RUN_GPUS timeout $t torchrun --nproc_per_node=2 --standalone "$@" > $OUT/$name.log 2>&1
+      echo "rc=$? (GPUs $RUN_GPUS)" >> $OUT/$name.log; }
+tests() {
+  for f in $GPU_TESTS; do
+    T 300 test_$f tests/test_${f}_gpu.py
+  done
+  T 120 test_embedding_backward tests/test_embedding_backward_kernel.py
+}
 # Issue 6's two training configs; the DLRM loop timed in its parts (scripts/loop_parts.py: steps 60-119), the MoE
 # loop step by step (scripts/step_times.py: steps 11-40; one slow step shows instead of hiding in an interval).
 DLRM="model=dlrm_paper trainer.max_steps=150 trainer.log_every=50 trainer.eval_every=150 trainer.checkpoint_every=0 trainer.progress=false"
 MOE="model=moe_transformer_finegrained model.precision=bf16 trainer.max_steps=40 trainer.log_every=1 trainer.eval_every=40 trainer.checkpoint_every=0 trainer.progress=false"
-for c in bulk fused; do
-  STEP=train R 120 dlrm_$c scripts/loop_parts.py comm=$c $DLRM hydra.run.dir=$OUT/dlrm_$c
-  STEP=train R 180 moe_$c train.py comm=$c $MOE hydra.run.dir=$OUT/moe_$c
-done
+runs() {
+  R 200 bench_embedding -m fused_dlrm.bench embedding --out $OUT/bench_embedding.json
+  R 60 bench_embedding_nvshmem -m fused_dlrm.bench embedding --quick --transport nvshmem --out $OUT/bench_nvshmem.json
+  R 450 bench_moe -m moe.bench --iters 10 --out $OUT/bench_moe.json  # 175 s on 2×H100 (11-26)
+  R 200 bench_tp -m fused_dlrm.bench tp --out $OUT/bench_tp.json
+  for c in bulk fused; do
+    STEP=train R 120 dlrm_$c scripts/loop_parts.py comm=$c $DLRM hydra.run.dir=$OUT/dlrm_$c
+    STEP=train R 180 moe_$c train.py comm=$c $MOE hydra.run.dir=$OUT/moe_$c
+  done
+}
+if [ "$RUN_GPUS" != "$TEST_GPUS" ]; then tests & runs; wait; else tests; runs; fi
 for f in $OUT/test_*.log; do [ -e "$f" ] || continue; echo "== $(basename $f)"; grep -E "PASSED|FAILED|ERROR|rc=" $f | cut -c1-160; done
 for f in bench_embedding bench_embedding_nvshmem bench_moe bench_tp; do
   [ -e $OUT/$f.log ] || continue; echo "== $f"; grep -vE "Warning|warn|^\s*$" $OUT/$f.log | tail -14
