@@ -6,8 +6,9 @@
 #   bash scripts/gpu_check.sh test_tp test_quantized_allreduce bench_tp
 # (steps: test_<name> for tests/test_<name>_gpu.py and test_embedding_backward, bench_embedding,
 # bench_embedding_nvshmem, bench_moe, bench_tp, bench_dlrm_step, train; none named: all of them).
-# LANES=2 on a machine with 4 GPUs or more: the tests on GPUs 0,1 while the benchmarks and training runs go on
-# GPUs 2,3, side by side (the timings then share the host's cores with the tests: say so where you quote them).
+# LANES=2 on a machine with 4 GPUs or more (CUDA_VISIBLE_DEVICES unset): the tests on GPUs 0,1 while the
+# benchmarks and training runs go on GPUs 2,3, side by side (the timings then share the host's cores with the
+# tests: say so where you quote them).
 GPU_TESTS="launch symmetric_workspace simulated_world graphed_arches batch_header fused_embedding torchrec_sharder moe_fused moe_fused_dispatch moe_graphs quantized_allreduce tp allgather"
 KNOWN=" $(for f in $GPU_TESTS; do printf 'test_%s ' $f; done)test_embedding_backward bench_embedding bench_embedding_nvshmem"
 KNOWN="$KNOWN bench_moe bench_tp bench_dlrm_step train "
@@ -17,7 +18,7 @@ done
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 TEST_GPUS=${CUDA_VISIBLE_DEVICES:-0,1}; RUN_GPUS=$TEST_GPUS
-[ "${LANES:-1}" = 2 ] && [ "$(nvidia-smi -L | wc -l)" -ge 4 ] && RUN_GPUS=2,3
+[ "${LANES:-1}" = 2 ] && [ -z "${CUDA_VISIBLE_DEVICES:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 4 ] && RUN_GPUS=2,3
 python3 scripts/setup_env.py --wheels .whl --target /tmp/site > $OUT/setup.log 2>&1 || { tail -20 $OUT/setup.log; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests
 STEPS=" $* "

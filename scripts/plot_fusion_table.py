@@ -1,6 +1,6 @@
 """The README's "What fusion buys" table as a picture: one bar per row, the ratio the row states (bulk time /
-fused time; above 1: fused is faster), labelled with the row's operator, date, commit and shape. The table is the one source of the figures (each of
-them recorded in docs/benchmarks.md); rerun this after editing it:
+fused time; above 1: fused is faster), labelled with the row's operator, date, commit and shape. The table is the
+one source of the figures (each of them recorded in docs/benchmarks.md); rerun this after editing it:
 
     python scripts/plot_fusion_table.py [--readme README.md] [--out docs/what_fusion_buys.png]
 """
