@@ -12,6 +12,9 @@ Every rank prints, as medians over steps PARTS_START .. PARTS_START + PARTS_STEP
 - GPU (CUDA events on the main stream): from a step's first kernel to its last, and from there to the next step's
   first (the main stream idle between steps, waiting for the host or for the prefetch's side stream).
 If wall ~ host inside + outside while the GPU's span is shorter, the host binds the step.
+With PARTS_PROFILE=N (GPUs), the N steps after those are recorded by torch.profiler (CUDA activity only, to
+keep its host overhead small) and each rank prints the GPU's busy time per step (the union of its kernels on all
+streams: below the wall, the GPU waits for the host or for a peer) and the kernels taking the most of it.
 The loop's functions are wrapped here (not changed): what runs is train.py's loop itself.
 """
 import os
@@ -30,6 +33,8 @@ from fused_dlrm.train.schedule import TrainingRun
 
 START, STEPS = int(os.environ.get("PARTS_START", 60)), int(os.environ.get("PARTS_STEPS", 60))
 CUDA = torch.cuda.is_available()
+PROFILE_STEPS = int(os.environ.get("PARTS_PROFILE", 0)) if CUDA else 0
+profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if PROFILE_STEPS else None
 host = {k: [] for k in ("wall", "train_step", "outside", "next", "prefetch", "header_start", "header_wait",
                         "prefetch_header", "after_step")}
 events = []  # (main-stream event at a step's start, at its end)
@@ -81,9 +86,16 @@ def train_step(*args, **kwargs):
             ended.record()
             events.append((began, ended))
     state["step"] += 1
-    state["last_end"] = time.perf_counter()
     if state["step"] == START + STEPS:
         report()
+        if profiler is not None:
+            torch.cuda.synchronize()
+            profiler.start()
+    if profiler is not None and state["step"] == START + STEPS + PROFILE_STEPS:
+        torch.cuda.synchronize()
+        profiler.stop()
+        report_kernels()
+    state["last_end"] = time.perf_counter()
     return loss
 
 
@@ -101,6 +113,23 @@ def report() -> None:
           f"start {ms['header_start']:.2f}, wait for the header {ms['header_wait']:.2f}{gpu}", flush=True)
 
 
+def report_kernels() -> None:
+    """GPU busy time per profiled step (union of kernel intervals, all streams) and the largest kernels."""
+    kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy, end = 0.0, float("-inf")
+    for e in sorted(kernels, key=lambda e: e.time_range.start):
+        start, stop = max(e.time_range.start, end), e.time_range.end
+        busy += max(0.0, stop - start)
+        end = max(end, stop)
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us()
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    per_step = ", ".join(f"{name[:60]} {us / PROFILE_STEPS / 1e3:.3f}" for name, us in top)
+    print(f"== rank {os.environ.get('RANK', 0)}, profiled steps: GPU busy {busy / PROFILE_STEPS / 1e3:.2f} ms per step "
+          f"({len(kernels) / PROFILE_STEPS:.0f} kernels); largest, ms per step: {per_step}", flush=True)
+
+
 original_train_step, loop.train_step = loop.train_step, train_step
 ShardedEmbeddingBagCollection.prefetch = timed("prefetch", ShardedEmbeddingBagCollection.prefetch)
 ShardedEmbeddingBagCollection.prefetch_header = timed("prefetch_header", ShardedEmbeddingBagCollection.prefetch_header)
@@ -111,6 +140,6 @@ TrainingRun.after_step = timed("after_step", TrainingRun.after_step)
 sys.argv = ["train.py"] + sys.argv[1:]
 runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py"),
                run_name="__main__")
-if state["step"] < START + STEPS:  # no report printed: say why rather than end silently
-    sys.exit(f"loop_parts: the run took {state['step']} steps, fewer than PARTS_START + PARTS_STEPS = "
-             f"{START + STEPS}: raise trainer.max_steps or lower PARTS_START / PARTS_STEPS")
+if state["step"] < START + STEPS + PROFILE_STEPS:  # no report printed: say why rather than end silently
+    sys.exit(f"loop_parts: the run took {state['step']} steps, fewer than PARTS_START + PARTS_STEPS (+ PARTS_PROFILE)"
+             f" = {START + STEPS + PROFILE_STEPS}: raise trainer.max_steps or lower those")

@@ -9,8 +9,10 @@ already on their owner (the input all-to-all is outside the timed region). Varia
   fused: the lookup kernel storing into peers' symmetric memory with ready flags (backward: gradient push;
          --transport nvshmem: forward only, and disabled by a known race: sparse/fused_all_to_all.py)
   lookup: the lookup kernel alone, the bulk path's compute (its gathered-row rate against fbgemm's TBE)
-Forward times are medians of single calls, the ranks lined up by a barrier before each, and (b2b) per call over
-20 calls back to back.
+Times are medians of single calls, the ranks' GPUs lined up before each with the call already enqueued
+(bench/timing.py, start="device": the call's device time); the forward also lined up by a host barrier only
+(as before 11-26: a rank whose host leaves the barrier later delays the other's collective) and (b2b) per call
+over 20 calls back to back (host launch time included).
 Speed of light = max(gathered row bytes / device copy bandwidth, bytes sent to peers / peer write bandwidth),
 both bandwidths measured in this run.
 """
@@ -115,11 +117,12 @@ def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iter
 
     result = {"config": cfg.name, **cfg.__dict__, "world_size": world}
     with torch.no_grad():
-        result["fwd_ms"] = {name: time_ms(fn, iters=iters) for name, fn in
+        result["fwd_ms"] = {name: time_ms(fn, iters=iters, start="device") for name, fn in
                             (("torch", torch_reference), ("bulk", bulk), ("fused", fused_forward),
                              ("lookup", lambda: lookup.pool(bags)))}
-        # Back to back: what a run of calls costs per call, without each call's start skewed between the ranks
-        # (the synced figures above line the ranks up with a barrier, then wait for the later one's launch).
+        result["fwd_host_start_ms"] = {name: time_ms(fn, iters=iters) for name, fn in
+                                       (("bulk", bulk), ("fused", fused_forward))}
+        # Back to back: what a run of calls costs per call, host launches included, without a start per call.
         result["fwd_b2b_ms"] = {name: per_call_us(fn, warmup=2, iters=10) / 1e3 for name, fn in
                                 (("bulk", bulk), ("fused", fused_forward), ("lookup", lambda: lookup.pool(bags)))}
     lookup.train()
@@ -128,7 +131,7 @@ def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iter
         return lambda: fn().backward(grad)
 
     trained = (("bulk", bulk),) if fused.nvshmem else (("bulk", bulk), ("fused", fused_forward))  # forward-only
-    result["fwd_bwd_ms"] = {name: time_ms(train_step(fn), iters=iters) for name, fn in trained}
+    result["fwd_bwd_ms"] = {name: time_ms(train_step(fn), iters=iters, start="device") for name, fn in trained}
     fused.errors.check(block=True)
 
     gathered = bags.values.numel() * cfg.dim * 4
@@ -214,12 +217,13 @@ def main(argv: list[str]) -> None:
               f"peer write {peer_text}")
         print(f"{'config':34} {'torch':>8} {'bulk':>8} {'fused':>8} {'SOL':>7} {'fused%SOL':>9} "
               f"{'fused GB/s':>10} {'lookup':>7} {'GB/s':>5} | {'fb bulk':>8} {'fb fused':>8} {'speedup':>7} | "
-              f"b2b: {'bulk':>6} {'fused':>6} {'lookup':>6}")
+              f"host start: {'bulk':>6} {'fused':>6} | b2b: {'bulk':>6} {'fused':>6} {'lookup':>6}")
         for r in results:
-            fw, fb, b2b = r["fwd_ms"], r["fwd_bwd_ms"], r["fwd_b2b_ms"]
+            fw, fb, hs, b2b = r["fwd_ms"], r["fwd_bwd_ms"], r["fwd_host_start_ms"], r["fwd_b2b_ms"]
             fused_fb = f"{fb['fused']:8.3f} {fb['bulk'] / fb['fused']:6.2f}x" if "fused" in fb else f"{'-':>8} {'-':>7}"
             print(f"{r['config']:34} {fw['torch']:8.3f} {fw['bulk']:8.3f} {fw['fused']:8.3f} {r['sol_ms']:7.3f} "
                   f"{r['pct_sol']['fused']:8.0f}% {r['gathered_GBps']['fused']:10.0f} {fw['lookup']:7.3f} "
                   f"{r['gathered_GBps']['lookup']:5.0f} | {fb['bulk']:8.3f} {fused_fb} | "
-                  f"     {b2b['bulk']:6.3f} {b2b['fused']:6.3f} {b2b['lookup']:6.3f}")
+                  f"            {hs['bulk']:6.3f} {hs['fused']:6.3f} |      {b2b['bulk']:6.3f} {b2b['fused']:6.3f} "
+                  f"{b2b['lookup']:6.3f}")
     dist.destroy_process_group()

@@ -2,10 +2,18 @@
 
 On GPUs a run is timed with CUDA events; on the CPU with the host's perf_counter. Without a process group (one
 process) the ranks' line-up and the max over ranks are skipped.
+
+Two ways to line the ranks up before a timed run (`time_ms(start=...)`):
+- "host": a process-group barrier, then each rank records its start and enqueues. A rank whose host leaves the
+  barrier later starts later, and a collective's time on the other rank includes that skew.
+- "device": the same, then a barrier kernel across the GPUs (symmetric memory) and a head start (a GPU sleep
+  longer than enqueueing the run), then the start event. Both GPUs start the run together with it already
+  enqueued: the run's device time, as a step in a loop that runs ahead of its host sees it.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Callable
@@ -14,10 +22,25 @@ import torch
 import torch.distributed as dist
 
 
-def _run_ms(fn: Callable[[], object], device: torch.device) -> float:
+HEAD_START_CYCLES = 2_000_000  # ~1 ms at the H100 / H200 clocks: longer than any run's enqueue timed here
+
+
+@functools.cache
+def _device_barrier(device: torch.device):
+    """The world's symmetric-memory handle whose barrier() lines the GPUs up on the current stream."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    buf = symm_mem.empty(1, device=device)
+    return symm_mem.rendezvous(buf, dist.group.WORLD)
+
+
+def _run_ms(fn: Callable[[], object], device: torch.device, on_device: bool = False) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if on_device:
+            _device_barrier(device).barrier(channel=0)
+            torch.cuda._sleep(HEAD_START_CYCLES)
         start.record()
         fn()
         end.record()
@@ -28,18 +51,23 @@ def _run_ms(fn: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - start_s) * 1e3
 
 
-def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50, device: torch.device | None = None) -> float:
+def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50, device: torch.device | None = None,
+            start: str = "host") -> float:
     """Median over `iters` runs of fn (after `warmup` runs), ranks lined up before each run; the slowest rank's
-    median. device: where fn works (CUDA events there, host timer on the CPU); None: the current GPU."""
+    median. device: where fn works (CUDA events there, host timer on the CPU); None: the current GPU.
+    start: how the ranks are lined up, "host" or "device" (GPUs of a group of several ranks; see the module)."""
+    if start not in ("host", "device"):
+        raise ValueError(f"start must be 'host' or 'device', not {start!r}")
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     grouped = dist.is_initialized()
+    on_device = start == "device" and grouped and device.type == "cuda" and dist.get_world_size() > 1
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         if grouped:
             dist.barrier()
-        times.append(_run_ms(fn, device))
+        times.append(_run_ms(fn, device, on_device))
     median = torch.tensor(statistics.median(times), dtype=torch.float64, device=device)
     if grouped:
         dist.all_reduce(median, op=dist.ReduceOp.MAX)
