@@ -5,8 +5,6 @@ CI has no GPU: this runs on the device machine (docs/benchmarks.md says when it 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +13,7 @@ from torchrec import DataType, EmbeddingBagConfig, KeyedJaggedTensor, PoolingTyp
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection, plan_sharding
-from fused_dlrm.sparse.fused_all_to_all import NVSHMEM_OPT_IN, FusedCommConfig
+from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
 from world import run_world
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -90,29 +88,42 @@ def test_column_shards_fused_equal_bulk():
     run_world(2, _fused_equals_bulk, 200, {"t5": 4, "t7": 2, "t3": 2}, backend="nccl")
 
 
-def _nvshmem_forward_equals_bulk(rank: int, world: int, steps: int) -> None:
-    """The nvshmem transport is forward-only: its outputs equal bulk's in back-to-back steps (no barrier between
-    them: the ack guard alone protects the double buffer); a backward raises; a lone rank times out. Mismatches
-    are collected and asserted at the end, so a failing rank cannot leave its peer waiting in a collective."""
+def _nvshmem_equals_bulk(rank: int, world: int, steps: int) -> None:
+    """The nvshmem transport, forward and backward, equals bulk in back-to-back steps (no barrier between them:
+    the ack guard alone protects the double buffers); every producer flag holds exactly the last epoch at the end
+    (NVSHMEM's SIGNAL_SET: 0, the value torch's docstring gives, adds instead, and the waits passed early); a lone
+    rank times out. Mismatches are collected and asserted at the end, so a failing rank cannot leave its peer
+    waiting in a collective."""
     device = torch.device("cuda", rank)
-    opt = EmbeddingOptimizerConfig("sgd", lr=0.05)
+    opt = EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05)
     bulk = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0)
     fused = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0,
                                           comm=FusedCommConfig(transport="nvshmem", wait_timeout_spins=2_000_000))
     exchange = fused.fused
-    late = []
+    wrong = {"output": [], "weights": []}
     for step in range(steps):
-        kjt = local_kjt(step, 37, rank, world, device)
-        with torch.no_grad():
-            expected, got = bulk(kjt).values(), fused(kjt).values()
-            if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
-                late.append(step)
+        kjt = local_kjt(step, 37, rank, world, device)  # uneven local batches: 19 and 18
+        a, b = bulk(kjt), fused(kjt)
+        if not torch.allclose(b.values(), a.values(), rtol=1e-5, atol=1e-6):
+            wrong["output"].append(step)
+        grad = torch.randn(a.values().shape, device=device, generator=torch.Generator(device).manual_seed(step))
+        a.values().backward(grad)
+        b.values().backward(grad)
+        if not all(torch.allclose(fused.embedding_bags[n].weight, bulk.embedding_bags[n].weight, rtol=1e-5,
+                                  atol=1e-6) for n in bulk.embedding_bags):
+            wrong["weights"].append(step)
+    torch.cuda.synchronize()
     dist.barrier()
     exchange.errors.check(block=True)
-    with pytest.raises(RuntimeError, match="comm.transport=nvshmem runs the forward only"):
-        fused(local_kjt(0, 37, rank, world, device)).values().sum().backward()
-    _lone_rank_times_out(fused, rank, world, device, steps + 2)
-    assert not late, f"rank {rank}: outputs differ from bulk at steps {late}"
+    peer = 1 - rank
+    flags = {}
+    for name in ("pooled", "grad"):
+        ready, _ = exchange._flags(name)
+        slots = ready.local[peer * exchange.num_programs:(peer + 1) * exchange.num_programs]
+        flags[name] = sorted(set(slots.tolist()))
+    _lone_rank_times_out(fused, rank, world, device, steps + 1)
+    assert not wrong["output"] and not wrong["weights"], f"rank {rank}: differs from bulk at steps {wrong}"
+    assert flags == {"pooled": [steps], "grad": [steps]}, f"rank {rank}: rank {peer}'s flags hold {flags}"
 
 
 def _lone_rank_times_out(fused, rank: int, world: int, device, epoch: int) -> None:
@@ -129,12 +140,8 @@ def _lone_rank_times_out(fused, rank: int, world: int, device, epoch: int) -> No
     dist.barrier()
 
 
-@pytest.mark.skipif(os.environ.get(NVSHMEM_OPT_IN) != "1",
-                    reason="the nvshmem transport is disabled by a known race (2026-11-23, docs/benchmarks.md): its "
-                           "consumers read a peer's rows before they arrive, and this test then hangs on 2 x H200; "
-                           f"{NVSHMEM_OPT_IN}=1 runs it to reproduce")
-def test_nvshmem_transport_forward_equals_bulk_and_backward_is_refused():
-    run_world(2, _nvshmem_forward_equals_bulk, 30, backend="nccl")
+def test_nvshmem_transport_forward_backward_equal_bulk_and_timeout_raises():
+    run_world(2, _nvshmem_equals_bulk, 300, backend="nccl")
 
 
 def _half_precision_tables(rank: int, world: int) -> None:

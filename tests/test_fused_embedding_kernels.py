@@ -170,17 +170,22 @@ def test_batch_sizes_that_change_between_steps():
             torch.testing.assert_close(world.table(t.name), reference.table(t.name), rtol=1e-5, atol=1e-6)
 
 
-def test_forward_only_plan_of_uneven_owners():
-    """The nvshmem transport's plans hold no gradient buffer (it has no backward): with one rank owning three of
-    four tables, gradient views over the pooled buffer would not fit. Plan building alone (NVSHMEM needs GPUs)."""
+def test_nvshmem_plan_of_uneven_owners():
+    """The nvshmem transport's plans: no p2p launches; the gradient in a buffer of its own, which holds the largest
+    owner's [global batch, owned dims] in both halves (with one rank owning three of four tables, views over the
+    pooled buffer would not fit), and a symmetric source for the gradient's puts. Plan building alone (NVSHMEM
+    needs GPUs)."""
     tables = make_tables([64, 4, 4, 4], [100, 10, 10, 10])  # t0 alone on one rank, the three small on the other
     world = World(tables, 2)
     assert sorted(len(f) for f in world.features_of_rank) == [1, 3]
     for ex in world.exchanges:
         ex.nvshmem = True
         plan = ex._plan([3, 2])
-        assert plan.grad is None and plan.push is None and len(plan.buffers) == 1
-        assert plan.pooled[0].shape == (plan.pooled[0].shape[0], ex.row_len)
+        assert plan.push is None and plan.forward is None and len(plan.buffers) == 3
+        pooled, grad, source = (b.local for b in plan.buffers)
+        assert [g.shape for g in plan.grad] == [(5, ex.owned_dim[ex.rank])] * 2
+        assert grad.numel() >= 2 * 5 * max(ex.owned_dim) and plan.grad_half == 5 * max(ex.owned_dim)
+        assert source.numel() >= 3 * ex.row_len and plan.pooled[0].shape == (3 if ex.rank == 0 else 2, ex.row_len)
 
 
 def test_many_consecutive_epochs_on_the_same_flags():

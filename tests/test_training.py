@@ -114,9 +114,10 @@ def test_missing_resume_path_is_a_clear_error(tmp_path):
         train(cfg, CPU, tmp_path)
 
 
-def test_nvshmem_transport_refuses_training_before_set_up(tmp_path):
-    with pytest.raises(ValueError, match="comm.transport=nvshmem runs the forward only"):
-        train(config(*SMALL, "comm=fused", "comm.transport=nvshmem"), CPU, tmp_path)
+def test_fused_comm_on_the_cpu_is_a_clear_error_for_either_transport(tmp_path):
+    for transport in ("p2p", "nvshmem"):
+        with pytest.raises(RuntimeError, match="comm=fused needs CUDA GPUs under torchrun"):
+            train(config(*SMALL, "comm=fused", f"comm.transport={transport}"), CPU, tmp_path)
 
 
 def test_missing_data_file_is_a_clear_error(tmp_path):

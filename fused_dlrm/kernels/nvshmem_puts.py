@@ -22,7 +22,9 @@ import triton
 import triton.language as tl
 from torch.distributed._symmetric_memory import _nvshmem_triton as nvshmem
 
-SIGNAL_SET = tl.constexpr(0)  # NVSHMEM_SIGNAL_SET
+# NVSHMEM_SIGNAL_SET is 9 (NVSHMEMI_AMO_SIGNAL_SET; ADD is 10). torch's _nvshmem_triton docstring says 0, which
+# NVSHMEM's NVLink path treats as an add: flags then grew past every epoch and the waits passed early.
+SIGNAL_SET = tl.constexpr(9)
 
 
 @functools.cache

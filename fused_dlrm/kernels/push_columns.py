@@ -3,9 +3,8 @@
 The backward of the fused embedding all-to-all: each rank holds the gradient of its local batch for every feature
 ([local batch, sum of dims], config column order) and stores the columns of each feature into the owner's
 gradient buffer ([global batch, owned dims], the owner's lookup order) at the rows of its own samples.
-`push_columns_reference` is the pure-torch definition. Transport: p2p (stores through peer pointers). An nvshmem
-twin (row puts from a symmetric copy of the source) gave wrong gradients on 2 x H200 (2026-11-22) and was
-removed: the nvshmem transport of the fused exchange is forward-only (sparse/fused_all_to_all.py).
+`push_columns_reference` is the pure-torch definition. Transports: p2p stores through peer pointers; nvshmem
+stores local tiles and puts remote ones row by row from a symmetric copy of the source (nvshmem_puts.py).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
+from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, put_rows, signal_ready_nvshmem
 from fused_dlrm.kernels.peer_flags import released_once_per_dest, signal_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, next_tile_group, program_walk, tile_coords
 
@@ -85,3 +85,59 @@ class PushColumnsLaunch:
     def __call__(self, src: torch.Tensor, out_ptrs: torch.Tensor, epoch: int) -> None:
         """src: [rows, src_row_len] fp32, contiguous; out_ptrs: int64 [world], every destination's buffer."""
         self._launches(aligned(src), self._grid, self._args(src, out_ptrs, epoch), {})
+
+
+@triton.jit
+def _push_columns_nvshmem_kernel(
+    src_ptr, src_row_len, src_cols_ptr, dst_cols_ptr, dims_ptr,  # src: symmetric (the puts read it)
+    dest_order_ptr, tile_starts_ptr, walk_starts_ptr, program_starts_ptr, row_begin_ptr, row_end_ptr,
+    feature_begin_ptr,
+    out_ptr, out_row_base_ptr, out_row_len_ptr,  # out: this rank's symmetric buffer (same offsets in every PE)
+    ready_ptr, ack_ptr, error_ptr, rank, epoch, num_programs, spin_limit,
+    WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """nvshmem transport: the same walk as the p2p kernel; local tiles are stored, remote ones put row by row (a
+    tile's rows are contiguous in the source, strided in the destination) at the destination PE's offsets."""
+    pid = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    r = tl.arange(0, BLOCK_R)
+    t, end, stride = program_walk(pid, walk_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
+    k, group_start, group_end = 0, 0, tl.load(tile_starts_ptr + 1)
+    known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
+    while t < end:
+        k, group_start, group_end = next_tile_group(t, k, group_start, group_end, tile_starts_ptr)
+        dest, f, rows, row_mask, first_row = tile_coords(k, t - group_start, dest_order_ptr, row_begin_ptr,
+                                                         row_end_ptr, feature_begin_ptr, BLOCK_R)
+        dim = tl.load(dims_ptr + f)
+        known_dest, released = released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr, known_dest,
+                                                      released)
+        first = tl.min(tl.where(row_mask, rows, 2**62), axis=0)
+        src = src_ptr + first.to(tl.int64) * src_row_len + tl.load(src_cols_ptr + f)
+        out_row_len = tl.load(out_row_len_ptr + dest)
+        out_row = (tl.load(out_row_base_ptr + dest) + first - first_row).to(tl.int64)
+        dst = out_ptr + out_row * out_row_len + tl.load(dst_cols_ptr + f)
+        if dest == rank:
+            mask = row_mask[:, None] & (d < dim)[None, :] & released
+            tile = tl.load(src + r[:, None] * src_row_len + d[None, :], mask=mask)
+            tl.store(dst + r[:, None] * out_row_len + d[None, :], tile, mask=mask)
+        else:
+            put_rows(dst, out_row_len, src, src_row_len, dim * 4,
+                     tl.where(released, tl.sum(row_mask.to(tl.int32), axis=0), 0), dest)
+        t += stride
+    signal_ready_nvshmem(ready_ptr, rank * num_programs + pid, epoch, rank, WORLD)
+
+
+def launch_push_columns_nvshmem(src: torch.Tensor, src_cols: torch.Tensor, dst_cols: torch.Tensor,
+                                dims: torch.Tensor, block_dim: int, plan: PeerTilePlan, out: torch.Tensor,
+                                out_row_base: torch.Tensor, out_row_len: torch.Tensor, ready: torch.Tensor,
+                                ack: torch.Tensor, error: torch.Tensor, rank: int, epoch: int, spin_limit: int,
+                                block_rows: int = 16) -> None:
+    """The nvshmem transport's launch: `src` (fp32 [rows, src_row_len], symmetric), `out` (this rank's half of
+    the symmetric gradient buffer) and the int64 `ready` / `ack` words (symmetric)."""
+    world = plan.dest_order.numel()
+    nvshmem_kernel(_push_columns_nvshmem_kernel)[(plan.num_programs,)](
+        src, src.shape[1], src_cols, dst_cols, dims,
+        plan.dest_order, plan.tile_starts, plan.walk_starts, plan.program_starts, plan.row_begin, plan.row_end,
+        plan.feature_begin,
+        out, out_row_base, out_row_len, ready, ack, error, rank, epoch, plan.num_programs, spin_limit,
+        WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_R=block_rows, BLOCK_D=block_dim)

@@ -5,7 +5,8 @@ destination rank's symmetric output ([local batch, sum of all dims], config colu
 among the destinations (kernels/peer_tiles.py); a small wait kernel then polls the ready flags of each producer.
 Backward: each rank pushes the columns of its output gradient into the owners' symmetric gradient buffers (one
 remote-first walk); once its flags are up, the owner accumulates row gradients and applies the embedding
-optimizer (the bulk path's code).
+optimizer (the bulk path's code). Transports: p2p (stores through peer pointers) and nvshmem (remote rows put
+through NVSHMEM, from a symmetric copy of the gradient in the backward; crosses nodes).
 
 Outputs live in double-buffered symmetric memory (by step parity): the tensor a step returns stays valid until
 the call after next. Every rank must call in the same order (the flags carry per-exchange step counters).
@@ -15,7 +16,6 @@ result), so a simulated world in one process can start every rank before any wai
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,20 +27,12 @@ from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, NvshmemSymmetricWo
 from fused_dlrm.kernels.peer_flags import PeerErrors, ReadyWait, wait_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, default_num_programs, plan_peer_tiles
 from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLaunch, launch_pooled_embedding_nvshmem
-from fused_dlrm.kernels.push_columns import PushColumnsLaunch
+from fused_dlrm.kernels.push_columns import PushColumnsLaunch, launch_push_columns_nvshmem
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 from fused_dlrm.sparse.plan import FeatureSlice
 
 PUSH_BLOCK_ROWS = 16  # rows per tile of the gradient push (a copy: one remote-first walk, kernels/peer_tiles.py)
-NVSHMEM_OPT_IN = "FUSED_DLRM_NVSHMEM_KNOWN_RACE"
-NVSHMEM_DISABLED = (
-    "comm.transport=nvshmem is disabled: on 2 x H200 (2026-11-23) its consumers read a peer's rows before they "
-    "arrived in 12 of 30 back-to-back steps (flags seen ahead of the puts; an extra fence or quiet did not help; "
-    f"docs/benchmarks.md). Use comm.transport=p2p; set {NVSHMEM_OPT_IN}=1 only to reproduce the race")
-NVSHMEM_FORWARD_ONLY = (
-    "comm.transport=nvshmem runs the forward only (evaluation, inference): its gradient push gave wrong embedding "
-    "updates on 2 x H200 (2026-11-22) and was removed; train with comm.transport=p2p or comm=bulk")
 
 
 @dataclass(frozen=True)
@@ -56,8 +48,6 @@ def build_fused_exchange(lookup: PooledEmbeddingLookup, slices_of_rank: list[lis
     workspaces = {"p2p": CudaSymmetricWorkspace, "nvshmem": NvshmemSymmetricWorkspace}
     if comm.transport not in workspaces:
         raise ValueError(f"comm.transport={comm.transport!r} is unknown; expected one of {list(workspaces)}")
-    if comm.transport == "nvshmem" and os.environ.get(NVSHMEM_OPT_IN) != "1":
-        raise RuntimeError(NVSHMEM_DISABLED)
     if device.type != "cuda" or not dist.is_initialized():
         raise RuntimeError("comm=fused needs CUDA GPUs under torchrun (symmetric memory); use comm=bulk on the CPU")
     workspace = workspaces[comm.transport](group)
@@ -70,12 +60,15 @@ class _Plan:
     """What every call with one tuple of local batch sizes shares, built once: the symmetric buffers it points
     into, the pointer tables and this rank's views of both halves of each double buffer (by epoch parity), and
     the p2p launches with their fixed arguments. The host work of a call is then a lookup and a few launches."""
-    buffers: tuple[PeerBuffer, ...]  # pooled output (and gradient, p2p): the plan is rebuilt when one grows
+    buffers: tuple[PeerBuffer, ...]  # pooled output, gradient (nvshmem: and the gradient's symmetric source)
     forward_tiles: PeerTilePlan
+    push_tiles: PeerTilePlan
+    push_row_base: torch.Tensor  # per destination: the first row of my samples in its gradient buffer
     pooled_half: int  # elements per half of the pooled output
+    grad_half: int
     pooled: tuple[torch.Tensor, torch.Tensor]  # this rank's [local batch, all dims] result, per half
-    # p2p only (the nvshmem transport has no backward):
-    grad: tuple[torch.Tensor, torch.Tensor] | None = None  # this rank's [global batch, owned dims] gradient
+    grad: tuple[torch.Tensor, torch.Tensor]  # this rank's [global batch, owned dims] gradient, per half
+    # p2p only:
     pooled_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None  # every rank's half, per half
     grad_ptrs: tuple[torch.Tensor, torch.Tensor] | None = None
     forward: PooledEmbeddingLaunch | None = None
@@ -144,12 +137,21 @@ class FusedPooledAllToAll(nn.Module):
 
     # -- backward -----------------------------------------------------------------------------------------------
     def start_backward(self, bags: OwnedBags, grad: torch.Tensor) -> int:
-        if self.nvshmem:
-            raise RuntimeError(NVSHMEM_FORWARD_ONLY)
         self.errors.check()
         epoch = self.ws.next_epoch("grad")
         plan = self._plan(bags.batch_sizes)
-        plan.push(grad.float().contiguous(), plan.grad_ptrs[epoch % 2], epoch)
+        if self.nvshmem:
+            src = plan.buffers[2].local[:grad.numel()].view(grad.shape)
+            src.copy_(grad)  # the puts read symmetric memory (a registered source across nodes)
+            ready, ack = self._flags("grad")
+            launch_push_columns_nvshmem(
+                src, self.push_src_cols, self.push_dst_cols, self.push_dims, self.push_block_dim, plan.push_tiles,
+                out=plan.buffers[1].local[(epoch % 2) * plan.grad_half:][:plan.grad_half],
+                out_row_base=plan.push_row_base, out_row_len=self.push_row_len, ready=ready.local, ack=ack.local,
+                error=self.errors.word, rank=self.rank, epoch=epoch, spin_limit=self.spin_limit,
+                block_rows=PUSH_BLOCK_ROWS)
+        else:
+            plan.push(grad.float().contiguous(), plan.grad_ptrs[epoch % 2], epoch)
         return epoch
 
     def finish_backward(self, bags: OwnedBags, epoch: int) -> None:
@@ -195,29 +197,32 @@ class FusedPooledAllToAll(nn.Module):
         pooled = self.ws.buffer("pooled", 2 * pooled_half, torch.float32)
         pooled_ready, pooled_ack = self._flags("pooled")
         grad_half = global_batch * max(self.owned_dim + [1])
-        buffers = (pooled,) if self.nvshmem else (pooled, self.ws.buffer("grad", 2 * grad_half, torch.float32))
+        buffers = (pooled, self.ws.buffer("grad", 2 * grad_half, torch.float32))
+        if self.nvshmem:  # every rank asks for the same sizes: NVSHMEM allocations are collective
+            buffers += (self.ws.buffer("grad_source", pooled_half, torch.float32),)
         # Plans made before a buffer grew point into the old one: drop them (their sizes plan anew).
         self._plans = {k: p for k, p in self._plans.items() if all(a is b for a, b in zip(p.buffers, buffers))}
         forward_tiles = plan_peer_tiles(self.rank, [(batch_start[s], batch_start[s + 1]) for s in range(self.world)],
                                         [(0, len(self.slices_of_rank[self.rank]))] * self.world,
                                         self.owned.block_rows, self.num_programs, device)
-        plan = _Plan(buffers=buffers, forward_tiles=forward_tiles, pooled_half=pooled_half,
-                     pooled=_halves(pooled.local, pooled_half, sizes[self.rank], self.row_len))
+        first = [sum(len(f) for f in self.slices_of_rank[:r]) for r in range(self.world)]
+        push_tiles = plan_peer_tiles(self.rank, [(0, sizes[self.rank])] * self.world,
+                                     [(first[r], len(self.slices_of_rank[r])) for r in range(self.world)],
+                                     PUSH_BLOCK_ROWS, self.num_programs, device, local_tile_cost=None)
+        my_rows = torch.full((self.world,), batch_start[self.rank], dtype=torch.int64, device=device)
+        plan = _Plan(buffers=buffers, forward_tiles=forward_tiles, push_tiles=push_tiles, push_row_base=my_rows,
+                     pooled_half=pooled_half, grad_half=grad_half,
+                     pooled=_halves(pooled.local, pooled_half, sizes[self.rank], self.row_len),
+                     grad=_halves(buffers[1].local, grad_half, global_batch, self.owned_dim[self.rank]))
         if not self.nvshmem:
             grad = buffers[1]
-            plan.grad = _halves(grad.local, grad_half, global_batch, self.owned_dim[self.rank])
             grad_ready, grad_ack = self._flags("grad")
-            first = [sum(len(f) for f in self.slices_of_rank[:r]) for r in range(self.world)]
-            push_tiles = plan_peer_tiles(self.rank, [(0, sizes[self.rank])] * self.world,
-                                         [(first[r], len(self.slices_of_rank[r])) for r in range(self.world)],
-                                         PUSH_BLOCK_ROWS, self.num_programs, device, local_tile_cost=None)
             plan.pooled_ptrs = _half_ptrs(pooled, pooled_half)
             plan.grad_ptrs = _half_ptrs(grad, grad_half)
             common = dict(error=self.errors.word, rank=self.rank, spin_limit=self.spin_limit)
             plan.forward = PooledEmbeddingLaunch(self.owned, forward_tiles, global_batch, self._zero_rows,
                                                  self.row_len, ready_ptrs=pooled_ready.peer_ptrs,
                                                  ack=pooled_ack.local, **common)
-            my_rows = torch.full((self.world,), batch_start[self.rank], dtype=torch.int64, device=device)
             plan.push = PushColumnsLaunch(self.row_len, self.push_src_cols, self.push_dst_cols, self.push_dims,
                                           self.push_block_dim, push_tiles, my_rows, self.push_row_len,
                                           grad_ready.peer_ptrs, grad_ack.local, block_rows=PUSH_BLOCK_ROWS,

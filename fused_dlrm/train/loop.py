@@ -31,7 +31,6 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from fused_dlrm.dist import DistEnv, all_reduce_sum
-from fused_dlrm.sparse.fused_all_to_all import NVSHMEM_FORWARD_ONLY
 from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
@@ -72,8 +71,6 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     t = cfg.trainer
     if t.max_steps is None and t.epochs is None:
         raise ValueError("set trainer.max_steps or trainer.epochs")
-    if cfg.comm.mode == "fused" and cfg.comm.get("transport") == "nvshmem":
-        raise ValueError(NVSHMEM_FORWARD_ONLY)  # before any set-up: training needs the backward
     model = build_model(cfg, env)
     sparse = model.sparse_arch.embedding_bag_collection
     optimizer = instantiate(t.dense_optimizer, params=dense_parameters(model))
