@@ -14,7 +14,8 @@ Every rank prints, as medians over steps PARTS_START .. PARTS_START + PARTS_STEP
 If wall ~ host inside + outside while the GPU's span is shorter, the host binds the step.
 With PARTS_PROFILE=N (GPUs), the N steps after those are recorded by torch.profiler (CUDA activity only, to
 keep its host overhead small) and each rank prints the GPU's busy time per step (the union of its kernels on all
-streams: below the wall, the GPU waits for the host or for a peer) and the kernels taking the most of it.
+streams: below the wall, the GPU waits for the host; also without NCCL's kernels and the ready waits, which may
+spin for a peer) and the kernels taking the most of it.
 The loop's functions are wrapped here (not changed): what runs is train.py's loop itself.
 """
 import os
@@ -113,21 +114,33 @@ def report() -> None:
           f"start {ms['header_start']:.2f}, wait for the header {ms['header_wait']:.2f}{gpu}", flush=True)
 
 
-def report_kernels() -> None:
-    """GPU busy time per profiled step (union of kernel intervals, all streams) and the largest kernels."""
-    kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+WAITING_KERNELS = ("ncclDevKernel", "_wait_ready")  # they spin until a peer arrives: busy, but maybe only waiting
+
+
+def busy_us(kernels) -> float:
+    """The union of the kernels' intervals."""
     busy, end = 0.0, float("-inf")
     for e in sorted(kernels, key=lambda e: e.time_range.start):
         start, stop = max(e.time_range.start, end), e.time_range.end
         busy += max(0.0, stop - start)
         end = max(end, stop)
+    return busy
+
+
+def report_kernels() -> None:
+    """GPU busy time per profiled step (union of kernel intervals, all streams; and without the kernels that may
+    only wait for a peer: NCCL's and the ready wait) and the largest kernels."""
+    kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = busy_us(kernels)
+    computing = busy_us([e for e in kernels if not any(w in e.name for w in WAITING_KERNELS)])
     by_name: dict[str, float] = {}
     for e in kernels:
         by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us()
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     per_step = ", ".join(f"{name[:60]} {us / PROFILE_STEPS / 1e3:.3f}" for name, us in top)
     print(f"== rank {os.environ.get('RANK', 0)}, profiled steps: GPU busy {busy / PROFILE_STEPS / 1e3:.2f} ms per step "
-          f"({len(kernels) / PROFILE_STEPS:.0f} kernels); largest, ms per step: {per_step}", flush=True)
+          f"(without NCCL and ready waits: {computing / PROFILE_STEPS / 1e3:.2f}; {len(kernels) / PROFILE_STEPS:.0f} "
+          f"kernels); largest, ms per step: {per_step}", flush=True)
 
 
 original_train_step, loop.train_step = loop.train_step, train_step

@@ -128,6 +128,17 @@ def test_keys_in_any_order():
     torch.testing.assert_close(got.values(), expected.values())
 
 
+def _agree_on_programs(rank: int, world: int) -> None:
+    from fused_dlrm.sparse.fused_all_to_all import agreed_num_programs
+
+    # as on GPUs of different SM counts: each rank's default differs, the flag layout needs one count
+    assert agreed_num_programs([4224, 3456][rank], None, torch.device("cpu")) == 3456
+
+
+def test_ranks_agree_on_the_fused_exchange_program_count():
+    run_world(2, _agree_on_programs)
+
+
 def test_fused_comm_is_refused_clearly_where_it_cannot_run():
     from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
 

@@ -51,8 +51,16 @@ def build_fused_exchange(lookup: PooledEmbeddingLookup, slices_of_rank: list[lis
     if device.type != "cuda" or not dist.is_initialized():
         raise RuntimeError("comm=fused needs CUDA GPUs under torchrun (symmetric memory); use comm=bulk on the CPU")
     workspace = workspaces[comm.transport](group)
-    return FusedPooledAllToAll(lookup, slices_of_rank, workspace, comm.num_programs or default_num_programs(device),
-                               comm.wait_timeout_spins)
+    num_programs = agreed_num_programs(comm.num_programs or default_num_programs(device), group, device)
+    return FusedPooledAllToAll(lookup, slices_of_rank, workspace, num_programs, comm.wait_timeout_spins)
+
+
+def agreed_num_programs(requested: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
+    """The one program count of every rank: ready flags are laid out by producer rank × program count, so the
+    ranks must agree, and the default (per SM) differs between GPU models. The smallest request serves all."""
+    count = torch.tensor([requested], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=group)
+    return int(count.item())
 
 
 @dataclass
