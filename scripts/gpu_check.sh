@@ -45,9 +45,19 @@ runs() {
   R 450 bench_moe -m moe.bench --iters 10 --out $OUT/bench_moe.json  # 175 s on 2×H100 (11-26)
   R 200 bench_tp -m fused_dlrm.bench tp --out $OUT/bench_tp.json
   # torchrec's own sharder against ours under DMP + TrainPipelineSparseDist; torchrec's row needs fbgemm-gpu's
-  # CUDA build in .whl (../shared/GPU.md), else it says why and is left out. With `train` in the same call, issue
-  # 6's torchrec ratio: its step here against the fused dlrm loop's.
-  R 300 bench_dlrm_step -m fused_dlrm.bench dlrm_step --out $OUT/bench_dlrm_step.json
+  # CUDA build (../shared/GPU.md), else it says why and is left out. That wheel (465 MB) fits no single call:
+  # `split -b 58m` it locally, carry one part per call and copy it to a folder outside the tree while the
+  # machine stays warm; FBGEMM_PARTS=that folder joins them and installs the CUDA build into a target of its
+  # own, ahead of /tmp/site for this step only. With `train` in the same call, issue 6's torchrec ratio: its
+  # step here against the fused dlrm loop's.
+  if want bench_dlrm_step && [ -n "${FBGEMM_PARTS:-}" ] && [ ! -d /tmp/site_fbgemm_cuda/torchrec ]; then
+    mkdir -p /tmp/wheels_fbgemm_cuda && cp .whl/*.whl /tmp/wheels_fbgemm_cuda/ && rm -f /tmp/wheels_fbgemm_cuda/fbgemm_gpu_cpu-*
+    cat "$FBGEMM_PARTS"/part* > /tmp/wheels_fbgemm_cuda/fbgemm_gpu-1.6.0-cp312-cp312-manylinux_2_28_x86_64.whl
+    PYTHONPATH= python3 scripts/setup_env.py --wheels /tmp/wheels_fbgemm_cuda --target /tmp/site_fbgemm_cuda \
+      > $OUT/setup_fbgemm_cuda.log 2>&1 || tail -5 $OUT/setup_fbgemm_cuda.log
+  fi
+  PYTHONPATH=$( [ -d /tmp/site_fbgemm_cuda/torchrec ] && echo /tmp/site_fbgemm_cuda: )$PYTHONPATH \
+    R 300 bench_dlrm_step -m fused_dlrm.bench dlrm_step --out $OUT/bench_dlrm_step.json
   for c in bulk fused; do
     STEP=train R 120 dlrm_$c scripts/loop_parts.py comm=$c $DLRM hydra.run.dir=$OUT/dlrm_$c
     STEP=train R 180 moe_$c train.py comm=$c $MOE hydra.run.dir=$OUT/moe_$c
