@@ -131,13 +131,15 @@ def _lone_rank_times_out(fused, rank: int, world: int, device, epoch: int) -> No
     exchange = fused.fused
     bags = fused.input_dist(local_kjt(0, 37, rank, world, device))
     dist.barrier()
-    if rank == 0:
-        exchange.spin_limit = 100_000
-        with torch.no_grad():
-            exchange.finish(bags, exchange.start(bags))
-        with pytest.raises(PeerWaitTimeout, match=rf"rank 0 timed out at step {epoch} waiting for rank 1, slice"):
-            exchange.errors.check(block=True)
-    dist.barrier()
+    try:
+        if rank == 0:
+            exchange.spin_limit = 100_000
+            with torch.no_grad():
+                exchange.finish(bags, exchange.start(bags))
+            with pytest.raises(PeerWaitTimeout, match=rf"rank 0 timed out at step {epoch} waiting for rank 1, slice"):
+                exchange.errors.check(block=True)
+    finally:  # a failure on rank 0 must not leave rank 1 waiting here for ever
+        dist.barrier()
 
 
 def test_nvshmem_transport_forward_backward_equal_bulk_and_timeout_raises():
