@@ -81,8 +81,9 @@ def test_a_producer_waits_for_the_peer_to_release_its_half():
         ops[0].errors.after_wait()
 
 
-SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, chunk_rows=16, num_programs=3, spin_limit=50)
-STRADDLE = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, chunk_rows=24, num_programs=3, spin_limit=50)
+SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, chunk_rows=16, copy_rows=16, num_programs=3,
+                   spin_limit=50)
+STRADDLE = dataclasses.replace(SMALL, chunk_rows=24, copy_rows=24)
 # 5 programs, 3 of them pushing (3 chunks of one peer): the 2 others take the first 2 (LEAD) or all 6 (LEAD_ALL)
 # local tiles alone before the rest are dealt among all 5
 LEAD = dataclasses.replace(SMALL, num_programs=5, push_rounds=1)
@@ -166,7 +167,7 @@ def test_a_chunk_that_has_not_landed_is_reported_and_touches_only_its_rows(produ
     weight = torch.randn(k, n, generator=gen).to(torch.float16)
     ops = [op_for(ws, shards[0], STRADDLE) for ws in workspaces]
     epochs = [op.start(s, producer) for op, s in zip(ops, shards)]
-    g0, g1 = ops[0].gather, ops[1].gather
+    g0, g1 = ops[0].gather_for(producer), ops[1].gather_for(producer)
     lost = slice(missing * g0.chunk_rows, min((missing + 1) * g0.chunk_rows, rows))
     if producer == "copy_engine":  # rank 1 has not published that chunk: its own flag and slot
         g1.ready.local[1 * g1.chunks + missing] = epochs[1] - 1
@@ -198,10 +199,10 @@ def test_no_tile_reads_a_chunk_before_its_flag(monkeypatch, producer):
     for _ in range(2):  # both halves of the double buffer
         epochs = [op.start(s, producer) for op, s in zip(ops, shards)]
         ops[1].finish(epochs[1], shards[1], weight, producer)
-        gather, in_flight = ops[0].gather, {}
+        gather, in_flight = ops[0].gather_for(producer), {}
         launch, wait = ops[0]._launch, peer_flags.wait_at_least
 
-        def launch_before_the_chunks_land(x, w, out, epoch, push, compute, pushers):
+        def launch_before_the_chunks_land(x, w, out, epoch, push, compute, pushers, exchange=None):
             if compute:
                 theirs = gather.gathered(epoch)[rows:2 * rows]  # rank 1's rows in rank 0's buffer
                 for chunk in range(gather.chunks):
@@ -209,7 +210,7 @@ def test_no_tile_reads_a_chunk_before_its_flag(monkeypatch, producer):
                     in_flight[gather.ready.local[index:].data_ptr()] = (part, theirs[part].clone(), index, epoch)
                     theirs[part] = float("nan")
                     gather.ready.local[index] = epoch - 1
-            launch(x, w, out, epoch, push, compute, pushers)
+            launch(x, w, out, epoch, push, compute, pushers, exchange)
 
         def wait_then_land(flag, epoch, spin_limit):
             landing = in_flight.pop(int(flag.handle.data.reshape(-1)[0]), None)
@@ -359,3 +360,34 @@ def test_pushing_programs_leave_the_first_local_tiles_to_the_others():
     assert lead_rounds(2, 4096, 4096, 2, GemmConfig()) == 3
     assert lead_rounds(2, 8192, 8192, 2, GemmConfig()) == 6
     assert lead_rounds(2, 8192, 8192, 2, GemmConfig(push_rounds=0)) == 0
+
+
+def test_the_copy_engines_copy_each_peer_in_one_piece_by_default():
+    """Every chunk of the copy-engine producer is a cudaMemcpyAsync and a stream_write_value32_ on the host (~15-20
+    us each on GPUs); at 256-row chunks issue 5's shape took 16 + 16 of each per call and the op ran host-bound.
+    By default (copy_rows=None) a rank publishes and pulls each shard in one copy, one flag, as torch's op."""
+    from collections import Counter
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.copy_ and args[0].dtype == torch.float16:  # data, not flags
+                self.sizes[args[0].numel()] += 1
+            return func(*args, **(kwargs or {}))
+
+    rows, k = 1024, 16
+    shards = [torch.randn(rows, k).half() for _ in range(2)]
+    ops = [op_for(ws, shards[0], GemmConfig(chunk_rows=256, spin_limit=50)) for ws in matmul_world(2)]
+    gathers = [op.gather_for("copy_engine") for op in ops]
+    assert gathers[0].chunks == 1 and ops[0].gather.chunks == 4  # the device push keeps its 256-row chunks
+    with Copies() as publish:
+        epochs = [op.start(s, "copy_engine") for op, s in zip(ops, shards)]
+    with Copies() as pull:
+        for g, e in zip(gathers, epochs):
+            g.pull_published(e)
+    assert publish.sizes == {rows * k: 2} and pull.sizes == {rows * k: 2}  # one copy per rank and phase
+    torch.testing.assert_close(gathers[0].gathered(epochs[0])[rows:], shards[1], rtol=0, atol=0)

@@ -80,8 +80,11 @@ class GemmConfig:
     block_n: int = 256  # 128 x 256 tiles beat 128 x 128 at every benchmarked shape on H200 (2026-11-22)
     block_k: int = 64
     group_m: int = 16  # M-blocks walked together per N sweep (L2 reuse of the weight)
-    chunk_rows: int = 256  # rows per flag (best a multiple of block_m; a tile straddling two chunks waits for
-    # both): small enough to start remote tiles early; one pushing program per chunk
+    chunk_rows: int = 256  # device push: rows per flag (best a multiple of block_m; a tile straddling two chunks
+    # waits for both): small enough to start remote tiles early; one pushing program per chunk
+    copy_rows: int | None = None  # copy-engine producer: rows per copy and flag (None: the whole shard, one
+    # cudaMemcpyAsync + one stream-written flag per peer, as torch's fused_all_gather_matmul). Each chunk costs the
+    # host a copy_ and a stream_write_value32_; at 256 rows (16 chunks, publish + pull) that was 64 ops per call
     num_warps: int = 8
     # 4 stages and groups of 16 M-blocks: the GEMM alone (flags already up) at M=8192, N=11008/2, K=4096 fp16 on one
     # H200 took 555.6 us against 661.1 at 3 stages and groups of 8 (cuBLAS 538.5; 2026-11-23, docs/benchmarks.md)
@@ -273,15 +276,28 @@ class AllGatherMatmul:
         self.rows, self.k = rows, k
         self.fused_push = not workspace.simulated  # a simulated world pushes in a launch of its own (module docstring)
         self.num_programs = config.num_programs or self.gather.num_programs
+        self._copy_gather: SymmetricAllGather | None = None  # the copy-engine producer's, built on first use
         self.counter = torch.zeros(1, dtype=torch.int64, device=workspace.device)  # programs done, never reset
         self.launches = 0  # compute launches of this op: the counter reaches launches * programs at each ack
+
+    def gather_for(self, producer: str) -> SymmetricAllGather:
+        """The device push's exchange (chunks of chunk_rows), or the copy engines' (chunks of copy_rows: few large
+        copies; its own buffers, allocated on the first copy-engine call; the op's one error word)."""
+        if producer != "copy_engine":
+            return self.gather
+        if self._copy_gather is None:
+            g = self.gather
+            self._copy_gather = SymmetricAllGather(g.ws, self.rows, self.k, g.dtype, self.config.copy_rows or self.rows,
+                                                   name="allgather_matmul_ce", spin_limit=self.config.spin_limit)
+            self._copy_gather.errors = g.errors
+        return self._copy_gather
 
     def start(self, x_shard: torch.Tensor, producer: str) -> int:
         """Enqueue the producer side; returns the epoch (on GPUs the device push runs inside `finish`'s launch)."""
         if producer not in GEMM_PRODUCERS:
             raise ValueError(f"unknown producer {producer!r}: expected one of {GEMM_PRODUCERS}")
         if producer == "copy_engine":  # publish into our own slot; peers pull it (see the module docstring)
-            return self.gather.start(x_shard, "pull")
+            return self.gather_for(producer).start(x_shard, "pull")
         self.gather.errors.check()
         epoch = self.gather.next_epoch()
         if not self.fused_push:
@@ -294,16 +310,17 @@ class AllGatherMatmul:
         self.check_weight(weight, x_shard.dtype)
         m = self.world * self.rows
         out = torch.empty((m, weight.shape[1]), dtype=x_shard.dtype, device=x_shard.device) if out is None else out
+        g = self.gather_for(producer)
         if producer == "copy_engine":
-            self.gather.pull_published(epoch)
-        self._launch(x_shard, weight, out, epoch, push=producer == "device" and self.fused_push, compute=True,
-                     pushers=producer == "device")
-        self.gather.join()
-        self.gather.errors.after_wait()
+            g.pull_published(epoch)
+        self._launch(x_shard, weight, out, epoch, producer == "device" and self.fused_push, True,  # push, compute
+                     producer == "device", g)  # pushers, the exchange
+        g.join()
+        g.errors.after_wait()
         if not return_gathered:
             return out
         # After the launch: every peer chunk has arrived; the half is overwritten only two calls later.
-        gathered = self.gather.gathered(epoch).clone()
+        gathered = g.gathered(epoch).clone()
         gathered[self.rank * self.rows:(self.rank + 1) * self.rows] = x_shard  # device push leaves it unwritten
         return out, gathered
 
@@ -329,10 +346,11 @@ class AllGatherMatmul:
         rounds = lead_rounds(self.world, self.rows, self.k, self.gather.dtype.itemsize, c)
         return lead_programs, min(rounds * lead_programs, local_tiles)
 
-    def _launch(self, x, weight, out, epoch, push: bool, compute: bool, pushers: bool) -> None:
+    def _launch(self, x, weight, out, epoch, push: bool, compute: bool, pushers: bool,
+                gather: SymmetricAllGather | None = None) -> None:
         """push: this launch pushes the shard; pushers: the device producer's programs push (in this launch or,
         in a simulated world, in one of their own), so the compute deals them fewer tiles (`lead`)."""
-        g, c = self.gather, self.config
+        g, c = gather or self.gather, self.config
         n, w_nk, descriptors = 0, False, (None, None, None)
         if compute:
             self.launches += 1
