@@ -15,7 +15,8 @@ If wall ~ host inside + outside while the GPU's span is shorter, the host binds 
 With PARTS_PROFILE=N (GPUs), the N steps after those are recorded by torch.profiler (CUDA activity only, to
 keep its host overhead small) and each rank prints the GPU's busy time per step (the union of its kernels on all
 streams: below the wall, the GPU waits for the host; also without NCCL's kernels and the ready waits, which may
-spin for a peer) and the kernels taking the most of it.
+spin for a peer) and the kernels taking the most of it; with PARTS_TRACE=DIR too, each rank writes those steps'
+kernels as a Chrome trace, DIR/loop_rank<r>.json (to follow the critical path offline, without device time).
 The loop's functions are wrapped here (not changed): what runs is train.py's loop itself.
 """
 import os
@@ -130,6 +131,10 @@ def busy_us(kernels) -> float:
 def report_kernels() -> None:
     """GPU busy time per profiled step (union of kernel intervals, all streams; and without the kernels that may
     only wait for a peer: NCCL's and the ready wait) and the largest kernels."""
+    trace_dir = os.environ.get("PARTS_TRACE")
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        profiler.export_chrome_trace(os.path.join(trace_dir, f"loop_rank{os.environ.get('RANK', 0)}.json"))
     kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = busy_us(kernels)
     computing = busy_us([e for e in kernels if not any(w in e.name for w in WAITING_KERNELS)])
