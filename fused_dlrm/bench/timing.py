@@ -34,13 +34,14 @@ def _device_barrier(device: torch.device):
     return symm_mem.rendezvous(buf, dist.group.WORLD)
 
 
-def _run_ms(fn: Callable[[], object], device: torch.device, on_device: bool = False) -> float:
+def _run_ms(fn: Callable[[], object], device: torch.device, on_device: bool = False,
+            head_start_cycles: int = HEAD_START_CYCLES) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if on_device:
             _device_barrier(device).barrier(channel=0)
-            torch.cuda._sleep(HEAD_START_CYCLES)
+            torch.cuda._sleep(head_start_cycles)
         start.record()
         fn()
         end.record()
@@ -52,10 +53,12 @@ def _run_ms(fn: Callable[[], object], device: torch.device, on_device: bool = Fa
 
 
 def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50, device: torch.device | None = None,
-            start: str = "host") -> float:
+            start: str = "host", head_start_cycles: int = HEAD_START_CYCLES) -> float:
     """Median over `iters` runs of fn (after `warmup` runs), ranks lined up before each run; the slowest rank's
     median. device: where fn works (CUDA events there, host timer on the CPU); None: the current GPU.
-    start: how the ranks are lined up, "host" or "device" (GPUs of a group of several ranks; see the module)."""
+    start: how the ranks are lined up, "host" or "device" (GPUs of a group of several ranks; see the module);
+    head_start_cycles: the GPU sleep of a "device" start (time the same call at two: if they agree, the host's
+    enqueueing was hidden)."""
     if start not in ("host", "device"):
         raise ValueError(f"start must be 'host' or 'device', not {start!r}")
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
@@ -67,7 +70,7 @@ def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50, device:
     for _ in range(iters):
         if grouped:
             dist.barrier()
-        times.append(_run_ms(fn, device, on_device))
+        times.append(_run_ms(fn, device, on_device, head_start_cycles))
     median = torch.tensor(statistics.median(times), dtype=torch.float64, device=device)
     if grouped:
         dist.all_reduce(median, op=dist.ReduceOp.MAX)
