@@ -13,11 +13,12 @@ bias that sends about half of the tokens to expert 0). Phases, each timed alone 
 Totals time the whole layer (routing, permutation and counts exchange included), forward and forward+backward (the
 fused backward moves both gradients the same way). The forward also with the GPUs lined up and a head start
 (fused_dlrm/bench/timing.py, start="device": its device time once enqueued; a host sync inside a call, as in
-bulk's split sizes, still shows), at two head starts (1 and 3 ms): where they agree the host was hidden. Ideal overlap: communication (bulk dispatch + combine; twice that
-for forward+backward) hidden entirely under everything else: ideal = max(bulk total - comm, comm); the table gives
-ideal / fused total in %. "fwd b2b" is the forward's time per call over 20 calls back to back (no sync between
-them, as layers follow each other in a model): the host's enqueue time counts there as it does in training, and
-it can differ from the synced figure either way. The fused output is checked against bulk first (relative error).
+bulk's split sizes, still shows), at two head starts (1 and 3 ms): where they agree the host was hidden. Ideal
+overlap: communication (bulk dispatch + combine; twice that for forward+backward) hidden entirely under
+everything else: ideal = max(bulk total - comm, comm); the table gives ideal / fused total in %. "fwd b2b" is the
+forward's time per call over 20 calls back to back (no sync between them, as layers follow each other in a model):
+the host's enqueue time counts there as it does in training, and it can differ from the synced figure either way.
+The fused output is checked against bulk first (relative error).
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ def run_config(cfg: Config, iters: int) -> dict:
 
 def table(results: list[dict]) -> str:
     head = (f"{'config':<44} {'path':<6} {'dispatch':>8} {'experts':>8} {'combine':>8} {'fwd':>8} {'fwd+bwd':>8}"
-            f" {'fwd b2b':>8} {'fwd dev':>8} {'dev 3x':>8} {'%ideal f':>8} {'%ideal fb':>9} {'speedup f/fb/b2b/dev':>22} {'rel err':>8}")
+            f" {'fwd b2b':>8} {'fwd dev':>8} {'dev 3x':>8} {'%ideal f':>8} {'%ideal fb':>9}"
+            f" {'speedup f/fb/b2b/dev':>22} {'rel err':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         for path in ("bulk", "fused"):

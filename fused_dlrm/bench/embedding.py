@@ -222,7 +222,8 @@ def main(argv: list[str]) -> None:
             fw, fb, hs, b2b = r["fwd_ms"], r["fwd_bwd_ms"], r["fwd_host_start_ms"], r["fwd_b2b_ms"]
             print(f"{r['config']:34} {fw['torch']:8.3f} {fw['bulk']:8.3f} {fw['fused']:8.3f} {r['sol_ms']:7.3f} "
                   f"{r['pct_sol']['fused']:8.0f}% {r['gathered_GBps']['fused']:10.0f} {fw['lookup']:7.3f} "
-                  f"{r['gathered_GBps']['lookup']:5.0f} | {fb['bulk']:8.3f} {fb['fused']:8.3f} {fb['bulk'] / fb['fused']:6.2f}x | "
+                  f"{r['gathered_GBps']['lookup']:5.0f} | {fb['bulk']:8.3f} {fb['fused']:8.3f} "
+                  f"{fb['bulk'] / fb['fused']:6.2f}x | "
                   f"            {hs['bulk']:6.3f} {hs['fused']:6.3f} |      {b2b['bulk']:6.3f} {b2b['fused']:6.3f} "
                   f"{b2b['lookup']:6.3f}")
     dist.destroy_process_group()

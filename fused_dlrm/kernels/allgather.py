@@ -135,7 +135,8 @@ class SymmetricAllGather:
 
     def __init__(self, workspace: _Workspace, rows: int, cols: int, dtype: torch.dtype, chunk_rows: int | None = None,
                  name: str = "allgather", num_programs: int | None = None, spin_limit: int = 20_000_000,
-                 block_rows: int = 16, block_cols: int = 512):
+                 block_rows: int = 16, block_cols: int = 512, errors: PeerErrors | None = None):
+        """errors: the error word to report into (shared by the exchanges of one op); None: a new one."""
         self.ws, self.rank, self.world = workspace, workspace.rank, workspace.world_size
         self.rows, self.cols, self.dtype = rows, cols, dtype
         self.chunk_rows = max(1, min(chunk_rows or rows, rows))
@@ -144,7 +145,7 @@ class SymmetricAllGather:
         self.data = workspace.buffer(self.exchange, 2 * self.world * rows * cols, dtype)
         self.ready = workspace.buffer(self.exchange + ":ready", self.world * self.chunks, torch.int32)
         self.ack = workspace.buffer(self.exchange + ":ack", self.world, torch.int32)
-        self.errors = PeerErrors(workspace.device, self.rank, "all-gather")
+        self.errors = errors or PeerErrors(workspace.device, self.rank, "all-gather")
         cuda = workspace.device.type == "cuda"
         self.num_programs = num_programs or (
             torch.cuda.get_device_properties(workspace.device).multi_processor_count if cuda else 2)

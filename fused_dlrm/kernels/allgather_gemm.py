@@ -288,8 +288,8 @@ class AllGatherMatmul:
         if self._copy_gather is None:
             g = self.gather
             self._copy_gather = SymmetricAllGather(g.ws, self.rows, self.k, g.dtype, self.config.copy_rows or self.rows,
-                                                   name="allgather_matmul_ce", spin_limit=self.config.spin_limit)
-            self._copy_gather.errors = g.errors
+                                                   name="allgather_matmul_ce", spin_limit=self.config.spin_limit,
+                                                   errors=g.errors)
         return self._copy_gather
 
     def start(self, x_shard: torch.Tensor, producer: str) -> int:
