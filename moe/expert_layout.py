@@ -228,18 +228,21 @@ def _expert_rows_kernel(counts_ptr, send_rank_ptr, send_row_ptr, send_tile_ptr, 
         tl.store(send_owner_tile_ptr + i, (tl.sum(tl.where(earlier, owner_tiles[None, :], 0), axis=1)
                                            + in_expert // OWNER_TILE_ROWS).to(tl.int64), mask=ok)
     else:
-        j = (pid - send_programs) * BLOCK + tl.arange(0, BLOCK)
+        first_j = (pid - send_programs) * BLOCK
         size = tl.load(counts_ptr + (g % WORLD) * E + rank * L + g // WORLD, mask=g < E, other=0).to(tl.int32)
-        first = tl.cumsum(size, axis=0) - size
-        block = tl.sum((first + size <= j[:, None]).to(tl.int32), axis=1)
-        within = j - tl.sum(tl.where(g[None, :] == block[:, None], first[None, :], 0), axis=1)
-        source = block % WORLD
-        ok = j < tl.minimum(num_received, tl.sum(size, axis=0))  # num_received may be a capacity
-        # The source's permuted rows of the expert start after its rows of earlier experts.
-        rows_before = tl.load(counts_ptr + source[:, None] * E + g[None, :],
-                              mask=ok[:, None] & (g[None, :] < rank * L + block[:, None] // WORLD), other=0)
-        tl.store(recv_rank_ptr + j, source.to(tl.int64), mask=ok)
-        tl.store(recv_row_ptr + j, tl.sum(rows_before.to(tl.int32), axis=1).to(tl.int64) + within, mask=ok)
+        filled = tl.minimum(num_received, tl.sum(size, axis=0))  # num_received may be a capacity
+        if first_j < filled:  # a bounded capacity is often twice the rows received: the rest have nothing to do
+            j = first_j + tl.arange(0, BLOCK)
+            first = tl.cumsum(size, axis=0) - size
+            block = tl.sum((first + size <= j[:, None]).to(tl.int32), axis=1)
+            within = j - tl.sum(tl.where(g[None, :] == block[:, None], first[None, :], 0), axis=1)
+            source = block % WORLD
+            ok = j < filled
+            # The source's permuted rows of the expert start after its rows of earlier experts.
+            rows_before = tl.load(counts_ptr + source[:, None] * E + g[None, :],
+                                  mask=ok[:, None] & (g[None, :] < rank * L + block[:, None] // WORLD), other=0)
+            tl.store(recv_rank_ptr + j, source.to(tl.int64), mask=ok)
+            tl.store(recv_row_ptr + j, tl.sum(rows_before.to(tl.int32), axis=1).to(tl.int64) + within, mask=ok)
 
 
 def expert_rows(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: tuple[int, int], num_sent: int,
