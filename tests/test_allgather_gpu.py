@@ -98,6 +98,7 @@ def _timeout(rank: int, world: int) -> None:
     weight = fresh(0, 1, (128, 64), torch.float16, device)
     for producer in GEMM_PRODUCERS:
         op = op_for(CudaSymmetricWorkspace(), x, GemmConfig(spin_limit=100_000))  # allocation is collective
+        op.gather_for(producer)  # so is the copy engines' exchange, made on first use: both ranks make it here
         if rank == 0:  # rank 1 never produces: rank 0's tiles of rank 1's chunks time out instead of hanging
             op.finish(op.start(x, producer), x, weight, producer)
             with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1 waiting for rank 1, slice 0"):

@@ -282,7 +282,9 @@ class AllGatherMatmul:
 
     def gather_for(self, producer: str) -> SymmetricAllGather:
         """The device push's exchange (chunks of chunk_rows), or the copy engines' (chunks of copy_rows: few large
-        copies; its own buffers, allocated on the first copy-engine call; the op's one error word)."""
+        copies; its own buffers, allocated on the first copy-engine call; the op's one error word). That first
+        call allocates symmetric memory, a collective: every rank must make it (a rank that skipped it would leave
+        the others waiting in the allocation, on the host, where no flag's bound applies)."""
         if producer != "copy_engine":
             return self.gather
         if self._copy_gather is None:
