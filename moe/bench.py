@@ -99,12 +99,12 @@ def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[
                                               routing.weights)}
 
 
-def run_config(cfg: Config, iters: int) -> dict:
+def run_config(cfg: Config, iters: int, dispatch: str = "rows") -> dict:
     rank = dist.get_rank()
     kw = dict(seed=1, dtype=torch.bfloat16, device="cuda")
     bulk = MoELayer(cfg.d_model, cfg.ffn, cfg.experts, cfg.top_k, **kw)
     fused = MoELayer(cfg.d_model, cfg.ffn, cfg.experts, cfg.top_k, comm="fused",
-                     fused=FusedMoEConfig(max_tokens_per_rank=cfg.tokens), **kw)
+                     fused=FusedMoEConfig(max_tokens_per_rank=cfg.tokens, dispatch=dispatch), **kw)
     gen = torch.Generator(device="cuda").manual_seed(100 + rank)
     x = torch.randn(cfg.tokens, cfg.d_model, device="cuda", dtype=torch.bfloat16, generator=gen)
     grad = torch.randn(cfg.tokens, cfg.d_model, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -177,18 +177,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m moe.bench")
     parser.add_argument("--quick", action="store_true", help="small configs only")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--dispatch", choices=("rows", "tokens"), default="rows",
+                        help="the fused layer's dispatch (FusedMoEConfig.dispatch)")
     parser.add_argument("--out", help="write every number as JSON here")
     args = parser.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    results = [run_config(cfg, args.iters) for cfg in (QUICK if args.quick else CONFIGS)]
+    results = [run_config(cfg, args.iters, args.dispatch) for cfg in (QUICK if args.quick else CONFIGS)]
     if dist.get_rank() == 0:
-        print(f"{dist.get_world_size()} x {torch.cuda.get_device_name()}, bf16")
+        print(f"{dist.get_world_size()} x {torch.cuda.get_device_name()}, bf16, fused dispatch by {args.dispatch[:-1]}")
         print(table(results))
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"gpus": dist.get_world_size(), "device": torch.cuda.get_device_name(),
-                           "results": results}, f, indent=1)
+                           "dispatch": args.dispatch, "results": results}, f, indent=1)
     dist.destroy_process_group()
 
 

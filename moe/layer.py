@@ -63,6 +63,10 @@ class FusedMoEConfig:
     # bring (an owner receives at most world x max_tokens_per_rank x min(top_k, local experts) rows: at world > 1
     # up to world times what balanced routing needs), and a call with more tokens is refused. None: the buffers
     # grow to the rows seen, and each forward reads the counts on the host (one sync).
+    dispatch: str = "rows"  # "rows": every routed row is pushed to its expert's owner; "tokens" (needs
+    # max_tokens_per_rank): each token once per owner rank whatever number of its experts that rank holds, GEMM 1
+    # reading the rows through token ids (moe.kernels.fused_dispatch); at top_k >= world, world x fewer bytes.
+    # Interpreter-tested; not yet measured on GPUs, hence not the default.
 
 
 class MoELayer(nn.Module):
@@ -97,9 +101,15 @@ class MoELayer(nn.Module):
                                        "on the CPU")
                 workspace = CudaSymmetricWorkspace(group)
             fused = fused or FusedMoEConfig()
+            if fused.dispatch not in ("rows", "tokens"):
+                raise ValueError(f"FusedMoEConfig.dispatch={fused.dispatch!r}: expected 'rows' or 'tokens'")
+            if fused.dispatch == "tokens" and fused.max_tokens_per_rank is None:
+                raise ValueError("FusedMoEConfig.dispatch='tokens' sizes its buffers by max_tokens_per_rank: set it")
             spins = fused.wait_timeout_spins
+            by_token = fused.max_tokens_per_rank if fused.dispatch == "tokens" else None
             self.dispatch = FusedDispatch(workspace, d_model, ffn, self.num_local_experts,
-                                          fused.num_programs or DISPATCH_PUSH_PROGRAMS, spins)
+                                          fused.num_programs or DISPATCH_PUSH_PROGRAMS, spins, max_tokens=by_token,
+                                          top_k=top_k)
             self.combine = FusedCombine(workspace, d_model, self.num_local_experts,
                                         fused.num_programs or _combine_programs(workspace.device), spins)
             self._dispatch_graphs = GraphedCalls() if fused.cuda_graphs and workspace.device.type == "cuda" else None
@@ -208,28 +218,32 @@ class MoELayer(nn.Module):
         dispatch = self.dispatch
         epoch = dispatch.begin(x)
 
-        def launch(x: torch.Tensor, token_of_row: torch.Tensor, counts: torch.Tensor):
+        def launch(x: torch.Tensor, token_of_row: torch.Tensor, counts: torch.Tensor,
+                   inverse: torch.Tensor | None = None):
             w13 = compute_weight(w13_param, x.dtype)  # mixed precision: the rows' dtype (the copy, if any)
             tables = dispatch_tables(counts, self.rank, self.num_local_experts, *self._tile_rows(x),
                                      token_of_row.numel(), dispatch.capacity)
             # Training keeps GEMM 1's products (a13) for the SwiGLU gradient, as autograd keeps the bulk experts',
             # and every received row for the weight gradient: without it, this rank's own rows are not copied (GEMM
-            # 1 reads them from x), which leaves the push only the peers' rows.
+            # 1 reads them from x), which leaves the push only the peers' rows. By token GEMM 1 stores the rows.
             a13 = x.new_empty(dispatch.capacity, w13.shape[2]) if keep_a13 else None
-            h = dispatch.launch(x, token_of_row, tables, w13, a13_out=a13, own_rows=keep_a13)
-            return tables, h, a13, w13
+            rows = x.new_empty(dispatch.capacity, x.shape[1]) if keep_a13 and dispatch.by_token else None
+            h = dispatch.launch(x, token_of_row, tables, w13, a13_out=a13, own_rows=keep_a13, inverse=inverse,
+                                rows_out=rows)
+            return tables, h, a13, w13, rows
 
-        inputs = (x, perm.token_of_row, counts)
+        inputs = (x, perm.token_of_row, counts) + ((perm.inverse,) if dispatch.by_token else ())
         if self._dispatch_graphs is None:
-            (tables, h, a13, w13), lease = launch(*inputs), None
+            (tables, h, a13, w13, rows), lease = launch(*inputs), None
         else:
             refresh_compute_copy(w13_param)  # a replay runs no Python: the copy it reads must be current
             copy = compute_copy(w13_param, x.dtype)  # a copy made anew (dropped, then rewritten) is another key
             key = (tuple((t.shape, t.stride(), t.dtype) for t in inputs), keep_a13, dispatch.capacity,
                    w13_param.data_ptr(), w13_param.dtype, None if copy is None else copy.data_ptr(),
                    dispatch.buffer_addresses(x.dtype))
-            (tables, h, a13, w13), lease = self._dispatch_graphs(key, launch, inputs, hold=keep_a13)
-        return _Dispatched(tables, dispatch.end(epoch), h, a13, w13, lease)
+            (tables, h, a13, w13, rows), lease = self._dispatch_graphs(key, launch, inputs, hold=keep_a13)
+        received = dispatch.end(epoch)  # by token None: `rows`, which GEMM 1 stored
+        return _Dispatched(tables, rows if dispatch.by_token else received, h, a13, w13, lease)
 
     def _tile_rows(self, x: torch.Tensor) -> tuple[int, int]:
         """Row tiles of the combine's GEMM and of the owner's (the dispatch's backward GEMM numbers its flags)."""
@@ -269,7 +283,8 @@ class _Dispatched:
     the layout's count)."""
 
     tables: DispatchTables
-    received: torch.Tensor  # this rank's own rows among them only if the push copied them (training)
+    received: torch.Tensor | None  # this rank's own rows among them only if the push copied them (training); by
+    # token, GEMM 1's copy of every row it read (training; None otherwise)
     h: torch.Tensor
     a13: torch.Tensor | None  # training only
     w13: torch.Tensor  # the weights GEMM 1 read (cast to the rows' dtype)
@@ -355,10 +370,13 @@ class _FusedExperts(torch.autograd.Function):
         epoch = layer.combine.start(out.h, w2, out.tables)
         rows = x.new_empty(weights.numel(), x.shape[1]) if needs_grad[1] else None  # by assignment
         y = layer.combine.finish(epoch, out.tables, perm, weights, rows_out=rows)
-        if training:  # the receive buffer is the sources' again at the next call
+        if training:
             ctx.layer, ctx.layout, ctx.tables, ctx.perm = layer, layout, out.tables, perm
             ctx.weight_dtype, ctx.lease = w13_param.dtype, out.lease
-            ctx.save_for_backward(out.received.clone(), out.h, out.a13, rows, weights, out.w13, w2)
+            # The receive buffer is the sources' again at the next call: kept as a copy. By token the rows are
+            # GEMM 1's own (a new tensor, or the graph's under the lease, as h and a13).
+            received = out.received if layer.dispatch.by_token else out.received.clone()
+            ctx.save_for_backward(received, out.h, out.a13, rows, weights, out.w13, w2)
         return y
 
     @staticmethod

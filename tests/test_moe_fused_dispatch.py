@@ -35,19 +35,22 @@ class World:
 
     def __init__(self, world: int, local: int, block_m: int = 8, num_programs: int = 3, spin_limit: int = 50,
                  seed: int = 0, backward_tile_rows: int = gemm_config(torch.device("cpu"), torch.float32,
-                                                                      backward=True).block_m):
+                                                                      backward=True).block_m,
+                 max_tokens: int | None = None, top_k: int = 1):
+        """max_tokens: dispatch by token (each token once per peer), up to that many tokens per rank."""
         self.world, self.local, self.backward_tile_rows = world, local, backward_tile_rows
         gen = torch.Generator().manual_seed(seed)
         self.w13 = [torch.randn(local, D_MODEL, 2 * FFN, generator=gen) / D_MODEL ** 0.5 for _ in range(world)]
-        self.dispatch = [FusedDispatch(ws, D_MODEL, FFN, local, num_programs, spin_limit, block_m)
+        self.dispatch = [FusedDispatch(ws, D_MODEL, FFN, local, num_programs, spin_limit, block_m, max_tokens, top_k)
                          for ws in SimulatedWorld(world).workspaces()]
+        self.perms = []  # the last routed batch's permutations (dispatch by token reads their inverse)
 
     def routed_batch(self, tokens: list[int], top_k: int, bias: list[float] | None, gen: torch.Generator,
                      capacity_factor: float | None = None, perms: list | None = None):
         """Each rank's tokens, permuted rows' tokens, all-gathered counts and layouts, from routing random logits
         (the permutations go to `perms` when given)."""
         experts = self.world * self.local
-        xs, token_of_rows, per_expert = [], [], []
+        xs, token_of_rows, per_expert, self.perms = [], [], [], []
         for n in tokens:
             x = torch.randn(n, D_MODEL, generator=gen)
             logits = torch.randn(n, experts, generator=gen) + (0 if bias is None else torch.tensor(bias))
@@ -58,15 +61,22 @@ class World:
             per_expert.append(perm.tokens_per_expert)
             if perms is not None:
                 perms.append(perm)
+            self.perms.append(perm)
         counts = torch.stack(per_expert)  # what gather_counts all-gathers
         layouts = [build_expert_layout(counts, r, self.local, tile_rows=16, owner_tile_rows=self.backward_tile_rows)
                    for r in range(self.world)]
         return xs, token_of_rows, counts, layouts
 
     def poison(self) -> None:
-        """NaN in every receive row, so that a row nobody pushed shows in `received` and in h."""
+        """NaN in every receive row (by token: in every token slot, and another token's id in every id slot), so
+        that a row nobody pushed shows in `received` and in h."""
         for d in self.dispatch:
-            d.ws.buffer("moe_dispatch_rows", 0, torch.float32).local.fill_(float("nan"))
+            if d.by_token:
+                tokens, ids, _, _ = d._buffers(torch.float32)
+                tokens.local.fill_(float("nan"))
+                ids.local.fill_(d.max_tokens - 1)
+            else:
+                d.ws.buffer("moe_dispatch_rows", 0, torch.float32).local.fill_(float("nan"))
 
     def tables(self, token_of_rows, layouts, capacity: int | None = None):
         """Every rank's DispatchTables, after reserving receive rows for these layouts (or `capacity`: the
@@ -81,11 +91,14 @@ class World:
         a13 (the products before the activation, kept for training) starts as NaN, so that a row the GEMM does
         not store shows."""
         tables = self.tables(token_of_rows, layouts, capacity)
-        epochs = [d.start(x, t, tab, own_rows=own_rows) for d, x, t, tab in zip(self.dispatch, xs, token_of_rows,
-                                                                              tables)]
+        inverses = [p.inverse for p in self.perms] if self.dispatch[0].by_token else [None] * self.world
+        epochs = [d.start(x, t, tab, own_rows=own_rows, inverse=inv)
+                  for d, x, t, tab, inv in zip(self.dispatch, xs, token_of_rows, tables, inverses)]
         a13s = [torch.full((d.capacity, w13.shape[2]), float("nan"), dtype=w13.dtype)
                 for d, w13 in zip(self.dispatch, self.w13)]
-        out = [(*d.finish(e, w13, a13_out=a13), a13) for d, e, w13, a13 in zip(self.dispatch, epochs, self.w13, a13s)]
+        rows = [torch.full((d.capacity, D_MODEL), float("nan")) if d.by_token else None for d in self.dispatch]
+        out = [(*d.finish(e, w13, a13_out=a13, rows_out=r), a13)
+               for d, e, w13, a13, r in zip(self.dispatch, epochs, self.w13, a13s, rows)]
         return [tuple(t[:sum(lay.tokens_per_local_expert)] for t in o) for o, lay in zip(out, layouts)]
 
 
@@ -139,9 +152,11 @@ def check_scenario(name, counts, world, local):
         assert counts[int(name.split(" without tokens")[0][-1])].sum() == 0, counts
 
 
+@pytest.mark.parametrize("by_token", [False, True], ids=["by row", "by token"])
 @pytest.mark.parametrize("name,world,local,tokens,top_k,bias,block_m", SCENARIOS, ids=[s[0] for s in SCENARIOS])
-def test_received_rows_and_h_match_the_bulk_dispatch(name, world, local, tokens, top_k, bias, block_m):
-    w = World(world, local, block_m)
+def test_received_rows_and_h_match_the_bulk_dispatch(name, world, local, tokens, top_k, bias, block_m, by_token):
+    # by token: room for 3 tokens more than the largest rank has, so that slots past a rank's tokens stay unused
+    w = World(world, local, block_m, max_tokens=max(tokens) + 3 if by_token else None, top_k=top_k)
     gen = torch.Generator().manual_seed(len(name))
     for _ in range(2):  # both halves of the double buffer
         counts = check_step(w, tokens, top_k, bias, gen)
@@ -261,9 +276,11 @@ BACKWARD = [
 ]
 
 
+@pytest.mark.parametrize("by_token", [False, True], ids=["by row", "by token"])
 @pytest.mark.parametrize("name,world,local,tokens,top_k,bias,capacity", BACKWARD, ids=[b[0] for b in BACKWARD])
-def test_backward_matches_autograd_of_the_bulk_path(name, world, local, tokens, top_k, bias, capacity):
-    w = World(world, local, block_m=8)
+def test_backward_matches_autograd_of_the_bulk_path(name, world, local, tokens, top_k, bias, capacity, by_token):
+    """By token the forward's `received` (which the weight gradient reads) is GEMM 1's copy of the rows."""
+    w = World(world, local, block_m=8, max_tokens=max(tokens) + 2 if by_token else None, top_k=top_k)
     gen = torch.Generator().manual_seed(len(name))
     for keep_a13 in (False, True):  # GEMM 1 recomputed, then the forward's a13; the gradient buffer reused
         perms = []
@@ -297,13 +314,17 @@ def test_backward_matches_autograd_of_the_bulk_path(name, world, local, tokens, 
         assert sum(int((p.inverse == p.order.numel()).sum()) for p in perms) > 0  # some assignments dropped
 
 
-def test_gemm_times_out_naming_the_peer_and_chunk_when_a_source_never_pushes():
-    w = World(2, 2, block_m=8)
+@pytest.mark.parametrize("by_token", [False, True], ids=["by row", "by token"])
+def test_gemm_times_out_naming_the_peer_and_chunk_when_a_source_never_pushes(by_token):
+    """By token the slice is the first unit of the epoch that did not arrive: here none did."""
+    w = World(2, 2, block_m=8, max_tokens=12 if by_token else None, top_k=2)
     gen = torch.Generator().manual_seed(7)
     xs, token_of_rows, counts, layouts = w.routed_batch([10, 12], 2, None, gen)
     assert counts[1, :2].sum() > 0  # rank 1 has rows for rank 0
-    epoch = w.dispatch[0].start(xs[0], token_of_rows[0], w.tables(token_of_rows, layouts)[0])  # rank 1 never pushes
-    with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1 waiting for rank 1, slice \d"):
+    epoch = w.dispatch[0].start(xs[0], token_of_rows[0], w.tables(token_of_rows, layouts)[0],
+                                inverse=w.perms[0].inverse)  # rank 1 never pushes
+    slice_ = "0" if by_token else r"\d"
+    with pytest.raises(PeerWaitTimeout, match=rf"rank 0 timed out at step 1 waiting for rank 1, slice {slice_}"):
         w.dispatch[0].finish(epoch, w.w13[0])
 
 
@@ -322,6 +343,53 @@ def test_gemm_waits_for_the_one_chunk_whose_flag_is_down_and_never_for_its_own_r
     with pytest.raises(PeerWaitTimeout, match=rf"rank 1 timed out at step 1 waiting for rank {source}, slice "
                                               rf"{row // 8} "):
         w.dispatch[owner].finish(epochs[owner], w.w13[owner])
+
+
+def test_by_token_the_gemm_waits_for_every_unit_of_a_source_and_never_for_its_own_rows():
+    """A source's count one unit short: the owner's GEMM times out naming that source and its last unit; the
+    owner's own count (never raised: its rows come from x) is not waited for."""
+    w = World(4, 2, block_m=8, max_tokens=20, top_k=2)
+    gen = torch.Generator().manual_seed(9)
+    xs, token_of_rows, counts, layouts = w.routed_batch([20, 15, 18, 12], 2, None, gen)
+    tables = w.tables(token_of_rows, layouts)
+    epochs = [d.start(x, t, tab, inverse=p.inverse)
+              for d, x, t, tab, p in zip(w.dispatch, xs, token_of_rows, tables, w.perms)]
+    owner, d = 1, w.dispatch[1]
+    source = int(layouts[owner].recv_source_rank[layouts[owner].recv_source_rank != owner][-1])
+    arrived = d._buffers(xs[owner].dtype)[2].local
+    assert arrived[owner] == 0 and arrived[source] == d.units  # epoch 1: every unit once
+    arrived[source] -= 1
+    with pytest.raises(PeerWaitTimeout, match=rf"rank 1 timed out at step 1 waiting for rank {source}, slice "
+                                              rf"{d.units - 1} "):
+        d.finish(epochs[owner], w.w13[owner])
+
+
+def test_by_token_each_token_crosses_once_per_peer_and_only_to_peers_it_chose():
+    """The token buffer of every owner holds, at [source, token], exactly the tokens of that source that chose one
+    of the owner's experts (NaN elsewhere: nothing else was stored), and its id buffer the token of each of the
+    source's permuted rows bound there."""
+    w = World(4, 2, block_m=8, max_tokens=24, top_k=3)
+    gen = torch.Generator().manual_seed(12)
+    xs, token_of_rows, counts, layouts = w.routed_batch([21, 0, 24, 9], 3, [0, 4, NEVER, 0, 0, 0, 0, 0], gen)
+    w.tables(token_of_rows, layouts)
+    w.poison()
+    w.step(xs, token_of_rows, layouts)
+    for owner, d in enumerate(w.dispatch):
+        tokens, ids, _, _ = (b.local for b in d._buffers(torch.float32))
+        half = 1  # epoch 1's half of the double buffer
+        tokens = tokens.view(2, w.world, d.max_tokens, D_MODEL)[half]
+        ids = ids.view(2, w.world, d.max_rows)[half]
+        for source, (x, perm) in enumerate(zip(xs, w.perms)):
+            if source == owner:
+                assert tokens[source].isnan().all()  # own rows are read from x: never stored
+                continue
+            lo = int(counts[source, :owner * w.local].sum())
+            hi = lo + int(counts[source, owner * w.local:(owner + 1) * w.local].sum())
+            chose = torch.zeros(d.max_tokens, dtype=torch.bool)
+            chose[token_of_rows[source][lo:hi]] = True
+            assert torch.equal(tokens[source][:x.shape[0]][chose[:x.shape[0]]], x[chose[:x.shape[0]]])
+            assert tokens[source][~chose].isnan().all()
+            assert torch.equal(ids[source][lo:hi], token_of_rows[source][lo:hi].int())
 
 
 def test_push_times_out_when_the_owner_never_finished_the_previous_epoch():
@@ -387,12 +455,16 @@ COMPILE_FOR_SM90 = """
 from moe.kernels import fused_dispatch as fd
 
 tables = {n: "*i64" for n in ("token_ptr", "dest_row_ptr", "counts_ptr", "rows_ptrs", "ready_ptrs", "tiles_ptr",
-                              "row_tiles_ptr", "source_ptr", "source_row_ptr", "grad_ptrs")}
-flags = {n: "*i32" for n in ("dest_order_ptr", "ack_ptr", "error_ptr", "ready_ptr", "next_ptr", "epoch_ptr")}
+                              "row_tiles_ptr", "source_ptr", "source_row_ptr", "grad_ptrs", "inverse_ptr",
+                              "tokens_ptrs", "ids_ptrs", "arrived_ptrs")}
+flags = {n: "*i32" for n in ("dest_order_ptr", "ack_ptr", "error_ptr", "ready_ptr", "next_ptr", "epoch_ptr",
+                             "ids_ptr")}
+by_row, by_token = dict(BY_TOKEN=False, WORLD=2, MAX_TOKENS=1, MAX_ROWS=1), dict(BY_TOKEN=True, WORLD=2,
+                                                                                  MAX_TOKENS=8192, MAX_ROWS=49152)
 import torch
 cuda = torch.device("cuda")
 for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
-    data = {n: "*" + dtype for n in ("x_ptr", "rows_ptr", "w13_ptr", "h_ptr", "a13_ptr")}
+    data = {n: "*" + dtype for n in ("x_ptr", "rows_ptr", "w13_ptr", "h_ptr", "a13_ptr", "rows_out_ptr")}
     ptrs = {**tables, **flags, **data}
     precision = "tf32" if dtype == "fp32" else None  # as dot_precision gives them in training
     for backward in (False, True):  # as gemm_config gives them: shared memory must fit
@@ -405,11 +477,14 @@ for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("
                   c.num_stages)
         else:
             for store_a13 in (False, True):
-                build(fd._gated_gemm_kernel, ptrs, dict(CHUNK=64, STORE_A13=store_a13, **gemm), c.num_warps,
-                      c.num_stages)
+                for mode, ready in ((by_row, "*i32"), (by_token, "*i64")):  # by token: units arrived, int64
+                    build(fd._gated_gemm_kernel, {**ptrs, "ready_ptr": ready},
+                          dict(CHUNK=64, STORE_A13=store_a13, **mode, **gemm), c.num_warps, c.num_stages)
     for own_rows in (False, True):
         build(fd._push_rows_kernel, ptrs, dict(D=2048, CHUNK=64, BLOCK_D=128, WORLD=2, L=32, W_P2=2, L_P2=32, E_P2=64,
                                                OWN_ROWS=own_rows), 4, 3)
+    build(fd._push_tokens_kernel, ptrs, dict(D=2048, MAX_TOKENS=8192, MAX_ROWS=49152, CHUNK=64, IDS=512, UNITS=128,
+                                             BLOCK_D=128, WORLD=2, L=32, TOP_K=6, K_P2=8, E_P2=64), 4, 3)
 """
 
 

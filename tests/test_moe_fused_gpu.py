@@ -29,10 +29,11 @@ TOL = 3e-2
 NEVER = -30.0
 
 
-def layers(capacity_factor=None, max_tokens=None):
-    """(fused, bulk); max_tokens: the fused layer's max_tokens_per_rank (None: buffers grown to the rows seen)."""
+def layers(capacity_factor=None, max_tokens=None, dispatch="rows"):
+    """(fused, bulk); max_tokens: the fused layer's max_tokens_per_rank (None: buffers grown to the rows seen);
+    dispatch: FusedMoEConfig.dispatch."""
     kw = dict(capacity_factor=capacity_factor, seed=SEED, dtype=torch.bfloat16, device="cuda")
-    config = FusedMoEConfig(wait_timeout_spins=1 << 26, max_tokens_per_rank=max_tokens)
+    config = FusedMoEConfig(wait_timeout_spins=1 << 26, max_tokens_per_rank=max_tokens, dispatch=dispatch)
     fused = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, comm="fused", fused=config, **kw)
     return fused, MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, **kw)
 
@@ -68,9 +69,9 @@ def compare(fused, bulk, tokens, bias, gen, what):
     return aux
 
 
-def scenarios(rank, world, max_tokens):
+def scenarios(rank, world, max_tokens, dispatch):
     gen = torch.Generator().manual_seed(rank)
-    fused, bulk = layers(max_tokens=max_tokens)
+    fused, bulk = layers(max_tokens=max_tokens, dispatch=dispatch)
     aux = compare(fused, bulk, 512, None, gen, "balanced")
     aux = compare(fused, bulk, 512, [0, 8.0] + [0] * (EXPERTS - 2), gen, "skewed")
     counts = aux["tokens_per_expert"].clone()
@@ -79,14 +80,14 @@ def scenarios(rank, world, max_tokens):
     compare(fused, bulk, 0 if rank == 1 else 384, None, gen, "rank 1 without tokens")
     aux = compare(fused, bulk, 300, [0] * (EXPERTS // 2) + [NEVER] * (EXPERTS // 2), gen, "rank 1 receives nothing")
     assert rank == 0 or aux["tokens_per_local_expert"].sum() == 0
-    fused, bulk = layers(capacity_factor=1.0, max_tokens=max_tokens)
+    fused, bulk = layers(capacity_factor=1.0, max_tokens=max_tokens, dispatch=dispatch)
     aux = compare(fused, bulk, 256, [0, 3.0] + [0] * (EXPERTS - 2), gen, "capacity, skewed")
     assert aux["dropped"] > 0
 
 
-def many_steps(rank, world, max_tokens):
+def many_steps(rank, world, max_tokens, dispatch):
     gen = torch.Generator().manual_seed(100 + rank)
-    fused, bulk = layers(max_tokens=max_tokens)
+    fused, bulk = layers(max_tokens=max_tokens, dispatch=dispatch)
     for step in range(1000):
         tokens = 64 + (step * 37 + rank * 101) % 448  # uneven, changing: buffers grow, flag slots move
         bias = [0.0] * EXPERTS
@@ -160,12 +161,13 @@ def peer_never_starts(rank, world, backward):
     dist.barrier()
 
 
-BUFFERS = pytest.mark.parametrize("max_tokens", [None, 512], ids=["grown", "bounded"])
+BUFFERS = pytest.mark.parametrize("max_tokens,dispatch", [(None, "rows"), (512, "rows"), (512, "tokens")],
+                                  ids=["grown", "bounded", "bounded, by token"])
 
 
 @BUFFERS
-def test_fused_matches_bulk_forward_and_backward(max_tokens):
-    run_world(2, scenarios, max_tokens, backend="nccl")
+def test_fused_matches_bulk_forward_and_backward(max_tokens, dispatch):
+    run_world(2, scenarios, max_tokens, dispatch, backend="nccl")
 
 
 def test_fused_matches_bulk_under_bf16_autocast():
@@ -173,8 +175,8 @@ def test_fused_matches_bulk_under_bf16_autocast():
 
 
 @BUFFERS
-def test_thousand_consecutive_steps(max_tokens):
-    run_world(2, many_steps, max_tokens, backend="nccl")
+def test_thousand_consecutive_steps(max_tokens, dispatch):
+    run_world(2, many_steps, max_tokens, dispatch, backend="nccl")
 
 
 @pytest.mark.parametrize("backward", [False, True])

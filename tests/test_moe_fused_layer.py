@@ -35,7 +35,7 @@ def run(layer, x, bias, grad):
 
 
 @interpreter
-@pytest.mark.parametrize("bounded", [False, True], ids=["grown", "bounded"])
+@pytest.mark.parametrize("mode", ["grown", "bounded", "bounded, by token"])
 @pytest.mark.parametrize("tokens,bias,capacity", [
     (13, None, None),
     (17, [0.0, 6.0, 0.0, 0.0], None),  # skewed
@@ -43,11 +43,12 @@ def run(layer, x, bias, grad):
     (15, [0.0, 3.0, 0.0, 0.0], 1.0),  # dropped assignments
     (0, None, None),  # no tokens
 ])
-def test_fused_layer_matches_bulk(tokens, bias, capacity, bounded):
+def test_fused_layer_matches_bulk(tokens, bias, capacity, mode):
     """Buffers grown to the rows seen, or sized for max_tokens_per_rank (here more than the call's tokens: the
-    kernels must walk only the rows received)."""
+    kernels must walk only the rows received), the dispatch by row or by token (GEMM 1 storing `received`)."""
     workspace = SimulatedWorld(1).workspaces()[0]
-    config = FusedMoEConfig(max_tokens_per_rank=tokens + 5 if bounded else None)
+    config = FusedMoEConfig(max_tokens_per_rank=tokens + 5 if mode != "grown" else None,
+                            dispatch="tokens" if "by token" in mode else "rows")
     fused = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, capacity_factor=capacity, seed=SEED, comm="fused",
                      fused=config, workspace=workspace)
     bulk = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, capacity_factor=capacity, seed=SEED)
@@ -124,6 +125,12 @@ def test_bounded_forward_never_reads_the_counts_on_the_host(monkeypatch):
     with pytest.raises(ValueError, match="max_tokens_per_rank=0 must be positive"):
         MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, comm="fused", fused=FusedMoEConfig(max_tokens_per_rank=0),
                  workspace=SimulatedWorld(1).workspaces()[0])
+    with pytest.raises(ValueError, match="dispatch='tokens' sizes its buffers by max_tokens_per_rank: set it"):
+        MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, comm="fused", fused=FusedMoEConfig(dispatch="tokens"),
+                 workspace=SimulatedWorld(1).workspaces()[0])
+    with pytest.raises(ValueError, match="dispatch='token': expected 'rows' or 'tokens'"):
+        MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, comm="fused", workspace=SimulatedWorld(1).workspaces()[0],
+                 fused=FusedMoEConfig(max_tokens_per_rank=4, dispatch="token"))
 
 
 @interpreter
@@ -220,8 +227,8 @@ def test_fused_layer_under_no_grad_keeps_nothing_for_a_backward():
     layer = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused", workspace=workspace)
     kept = []
     launch, combine_finish = layer.dispatch.launch, layer.combine.finish
-    layer.dispatch.launch = lambda *a, a13_out=None, own_rows: kept.append(a13_out) or launch(*a, a13_out=a13_out,
-                                                                                             own_rows=own_rows)
+    layer.dispatch.launch = lambda *a, a13_out=None, own_rows, **kw: kept.append(a13_out) or launch(
+        *a, a13_out=a13_out, own_rows=own_rows, **kw)
     layer.combine.finish = lambda *a, rows_out=None: kept.append(rows_out) or combine_finish(*a, rows_out=rows_out)
     x = torch.randn(9, D_MODEL, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -232,23 +239,26 @@ def test_fused_layer_under_no_grad_keeps_nothing_for_a_backward():
     torch.testing.assert_close(y_eval, y_train.detach(), rtol=0, atol=0)
 
 
-def fused_pair(monkeypatch, log):
+def fused_pair(monkeypatch, log, config: FusedMoEConfig | None = None):
     """Two fused layers of the same weights, the first replaying its dispatch through stand-in graphs (CPU: the
     graph's work runs again on its own copies of the inputs, tests/graph_stand_in.py), the second eager."""
     monkeypatch.setattr(graphed_calls, "_capture", stand_in_capture(log))
-    layers = [MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused",
+    layers = [MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused", fused=config,
                        workspace=SimulatedWorld(1).workspaces()[0]) for _ in range(2)]
     layers[0]._dispatch_graphs = GraphedCalls()
     return layers
 
 
 @interpreter
-def test_graphed_dispatch_gives_the_eager_results(monkeypatch):
+@pytest.mark.parametrize("config", [None, FusedMoEConfig(max_tokens_per_rank=14, dispatch="tokens")],
+                         ids=["grown", "bounded, by token"])
+def test_graphed_dispatch_gives_the_eager_results(monkeypatch, config):
     """Steps of one shape and changing routing: the graphed layer captures at the second step and replays from the
     third on, with each step's tokens and routing; outputs and every gradient equal the eager layer's, and the
-    epochs the kernels count on the device stay those the host counts (the receive buffer's halves)."""
+    epochs the kernels count on the device stay those the host counts (the receive buffer's halves). By token the
+    permutation's inverse is one of the graph's inputs, and `received` one of its outputs."""
     log = []
-    graphed, eager = fused_pair(monkeypatch, log)
+    graphed, eager = fused_pair(monkeypatch, log, config)
     gen = torch.Generator().manual_seed(21)
     for step in range(5):
         x, grad = torch.randn(14, D_MODEL, generator=gen), torch.randn(14, D_MODEL, generator=gen)

@@ -30,6 +30,17 @@ stream, so the GEMM overlaps it; the GEMM leaves PUSH_SMS SMs free, so that the 
 find room, and PUSH_SMS more programs of it wait behind the push on the push's stream, taking tiles from the same
 counter once the push is done. After the GEMM a one-program kernel acknowledges the epoch to every source.
 
+Dispatch by token (`max_tokens`): with top_k experts over few ranks a token often has several experts on one
+rank, and its row then crosses the link once per expert. By token, each source stores each token once into every
+peer that owns an expert it chose, at [source, token] of that peer's token buffer (max_tokens slots per source,
+double-buffered by epoch parity), together with the token of each of its permuted rows bound there (an int32 id
+buffer [source, permuted row]); unit (peer, c) moves tokens [c * block_m, (c + 1) * block_m) and a slice of the ids,
+then adds one to the peer's int64 count of units arrived from this source (`_push_tokens_kernel`). GEMM 1 reads a
+peer's row j as token ids[source, source row] of the token buffer, once the count of the row's source reached
+epoch x units (every unit of this epoch: a tile's rows may be any of the source's tokens; this rank's own tiles
+go first and hide the wait). `received` is then not a buffer the push fills: when training, GEMM 1's first column
+block stores the rows it read (`rows_out`). The guard (acks) is the same.
+
 Backward (`start_backward` on the owner, `finish_backward` on the source): a13 = x @ w13[e], which the forward GEMM
 stores when training (`finish(a13_out=...)`; recomputed otherwise), gives da13 = [da1 | da3] in one kernel
 (moe.kernels.swiglu_backward) and dw13 = x_e^T @ da13_e (torch); a persistent GEMM (operands through TMA:
@@ -177,11 +188,66 @@ def _push_rows_kernel(
         u += num_programs
 
 
+@triton.jit(do_not_specialize=["num_tokens", "num_rows", "num_programs", "spin_limit"])
+def _push_tokens_kernel(
+    x_ptr, token_ptr, inverse_ptr, counts_ptr, dest_order_ptr,  # this rank's tokens, token_of_row, each
+    # assignment's permuted row, C [world, E], owner order
+    tokens_ptrs, ids_ptrs, arrived_ptrs, ack_ptr, error_ptr, epoch_ptr,  # peers' token and token-id buffers and
+    # arrival counts, my acks, my error word, the last epoch acknowledged (this call's is the next)
+    rank, num_tokens, num_rows, num_programs, spin_limit,
+    D: tl.constexpr, MAX_TOKENS: tl.constexpr, MAX_ROWS: tl.constexpr, CHUNK: tl.constexpr, IDS: tl.constexpr,
+    UNITS: tl.constexpr, BLOCK_D: tl.constexpr, WORLD: tl.constexpr, L: tl.constexpr, TOP_K: tl.constexpr,
+    K_P2: tl.constexpr, E_P2: tl.constexpr,
+):
+    """Dispatch by token: unit (peer d, c) stores tokens [c * CHUNK, (c + 1) * CHUNK) that chose an expert of d,
+    each once, at [source = rank, token] of d's token buffer, and the token of each of this rank's permuted rows
+    [c * IDS, (c + 1) * IDS) that go to d at [rank, row] of d's id buffer; then it adds one to d's count of units
+    arrived from this rank (int64, never reset: epoch e is complete at e * UNITS). Peers only: GEMM 1 reads this
+    rank's own rows from x."""
+    epoch = tl.load(epoch_ptr) + 1
+    slot = (epoch % 2) * WORLD + rank  # [half][source] of the peers' buffers
+    E: tl.constexpr = WORLD * L
+    g = tl.arange(0, E_P2)
+    mine = tl.load(counts_ptr + rank * E + g, mask=g < E, other=0)  # my rows per global expert
+    lanes = tl.arange(0, CHUNK)
+    cols = tl.arange(0, BLOCK_D)
+    k_lanes = tl.arange(0, K_P2)
+    id_lanes = tl.arange(0, IDS)
+    u = tl.program_id(0)
+    while u < (WORLD - 1) * UNITS:  # `while`: the interpreter cannot range() from a program id
+        dest = tl.load(dest_order_ptr + u // UNITS)  # the order lists the peers first, remote-first, rotated
+        c = u % UNITS
+        # My permuted rows for d's experts: [lo, hi) (rows are grouped by global expert, hence by owner).
+        lo = tl.sum(tl.where(g < dest * L, mine, 0), axis=0)
+        hi = lo + tl.sum(tl.where((g >= dest * L) & (g < (dest + 1) * L), mine, 0), axis=0)
+        released = consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+        t = c * CHUNK + lanes
+        rows_of = tl.load(inverse_ptr + t[:, None] * TOP_K + k_lanes[None, :],
+                          mask=(t < num_tokens)[:, None] & (k_lanes < TOP_K)[None, :], other=-1)
+        chose = tl.max(((rows_of >= lo) & (rows_of < hi)).to(tl.int32), axis=1) > 0  # a dropped one is past hi
+        mask = (t < num_tokens) & chose & released
+        out = tl.load(tokens_ptrs + dest).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        out = tl.multiple_of(out, 16)  # symmetric buffers are aligned: vector stores
+        at = (slot * MAX_TOKENS + t).to(tl.int64)
+        for k in range(0, D, BLOCK_D):
+            m = mask[:, None] & (k + cols < D)[None, :]
+            v = tl.load(x_ptr + t.to(tl.int64)[:, None] * D + k + cols[None, :], mask=m)
+            tl.store(out + at[:, None] * D + k + cols[None, :], v, mask=m)
+        r = c * IDS + id_lanes
+        r_mask = (r >= lo) & (r < hi) & (r < num_rows) & released
+        ids = tl.load(ids_ptrs + dest).to(tl.pointer_type(tl.int32)) + slot * MAX_ROWS
+        tl.store(ids + r, tl.load(token_ptr + r, mask=r_mask, other=0).to(tl.int32), mask=r_mask)
+        tl.debug_barrier()  # every thread's stores before the count
+        arrived = tl.load(arrived_ptrs + dest).to(tl.pointer_type(tl.int64)) + rank
+        tl.atomic_add(arrived, 1, sem="release", scope="sys")
+        u += num_programs
+
+
 # -- grouped gated GEMM -------------------------------------------------------------------------------------------
 @triton.jit
 def _poll(flags, mask, epoch, BLOCK: tl.constexpr):
-    """The flags of a tile's rows (acquire); rows outside the mask count as ready."""
-    seen = tl.atomic_add(flags, tl.zeros([BLOCK], tl.int32), mask=mask, sem="acquire", scope="sys")
+    """The flags of a tile's rows (acquire); rows outside the mask count as ready (as `epoch`)."""
+    seen = tl.atomic_add(flags, tl.zeros([BLOCK], flags.dtype.element_ty), mask=mask, sem="acquire", scope="sys")
     return tl.where(mask, seen, epoch)
 
 
@@ -209,63 +275,98 @@ def _row_tile(t, tiles_ptr, width, num_row_tiles, col_blocks, BLOCK_M: tl.conste
     return mt, expert, begin, rows, rows < tl.load(tiles_ptr + 2 * width + mt), col
 
 
-@triton.jit(do_not_specialize=["tiles_width", "flag_stride", "claimants", "spin_limit"])
+@triton.jit(do_not_specialize=["tiles_width", "capacity", "flag_stride", "claimants", "spin_limit"])
 def _gated_gemm_kernel(
-    rows_ptr, x_ptr, token_ptr, w13_ptr, h_ptr, a13_ptr,  # received rows (both halves), this rank's tokens
-    # and token_of_row, [L, D, 2 * FFN] weights (w1 columns, then w3), [rows, FFN] output, [rows, 2 * FFN] a13
+    rows_ptr, x_ptr, token_ptr, w13_ptr, h_ptr, a13_ptr, rows_out_ptr,  # received rows (both halves; by token:
+    # the token buffer), this rank's tokens and token_of_row, [L, D, 2 * FFN] weights (w1 columns, then w3),
+    # [rows, FFN] output, [rows, 2 * FFN] a13, [rows, D] the rows read (by token, training)
     tiles_ptr, tiles_width, row_tiles_ptr,  # the row tiles (DispatchTables.gemm_tiles; walked in arrival order)
-    source_ptr, source_row_ptr, ready_ptr, error_ptr, next_ptr, epoch_ptr,  # recv_source_rank/row, my flags,
-    # error, counter, the last epoch acknowledged (this call's is the next)
-    rank, flag_stride, claimants, spin_limit,  # claimants: programs of the launches sharing next_ptr
+    source_ptr, source_row_ptr, ready_ptr, ids_ptr, error_ptr, next_ptr, epoch_ptr,  # recv_source_rank/row, my
+    # flags (by token: units arrived per source), my token ids (by token), error, counter, the last epoch
+    # acknowledged (this call's is the next)
+    rank, capacity, flag_stride, claimants, spin_limit,  # flag_stride: flags per source (by token: units);
+    # claimants: programs of the launches sharing next_ptr
     D: tl.constexpr, FFN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STORE_A13: tl.constexpr,
+    BY_TOKEN: tl.constexpr, WORLD: tl.constexpr, MAX_TOKENS: tl.constexpr, MAX_ROWS: tl.constexpr,
 ):
+    """BY_TOKEN: a peer's row is token ids[source, source row] of the token buffer's [source] block, ready once
+    `flag_stride` units of this epoch arrived from that source; the rows read are stored into rows_out (col 0's
+    tiles) when STORE_A13 (training: `received`). Else a peer's row is receive row `row`, ready once flag
+    (source, row // CHUNK) holds the epoch."""
     epoch = tl.load(epoch_ptr) + 1
     n_tiles = tl.cdiv(FFN, BLOCK_N)
     num_row_tiles = tl.load(row_tiles_ptr).to(tl.int32)  # the host launched before it knew them
     num_tiles = num_row_tiles * n_tiles
-    capacity = flag_stride * CHUNK  # receive rows: rows past them were not pushed (too many this call)
-    rows_ptr += ((epoch % 2) * capacity).to(tl.int64) * D  # this epoch's half of the double buffer
+    if BY_TOKEN:
+        rows_ptr += ((epoch % 2) * WORLD * MAX_TOKENS).to(tl.int64) * D  # this epoch's half of the double buffer
+        ids_ptr += (epoch % 2) * WORLD * MAX_ROWS
+        ready = epoch.to(tl.int64) * flag_stride  # a source's count once all its units of this epoch arrived
+    else:
+        rows_ptr += ((epoch % 2) * capacity).to(tl.int64) * D
+        ready = epoch.to(tl.int64)  # of the other branch's type
     lanes = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     t = _next_tile(next_ptr, num_tiles, claimants)
     while t < num_tiles:
         _, expert, begin, rows, row_mask, col = _row_tile(t, tiles_ptr, tiles_width, num_row_tiles, n_tiles,
                                                           BLOCK_M, 3)
-        row_mask = row_mask & (rows < capacity)
+        row_mask = row_mask & (rows < capacity)  # rows past the capacity were not pushed (too many this call)
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
 
         # This rank's own rows are read from x (its push copies them into the buffer only for `received`). For
-        # the others, wait for the chunks this tile reads: flag (source of the row, row // CHUNK) of each row;
-        # spin on one missing flag at a time, then look again at all of them.
+        # the others, wait for what this tile reads: by token, every unit of each row's source; else flag (source
+        # of the row, row // CHUNK) of each row. Spin on one missing flag at a time, then look again at all.
         source = tl.load(source_ptr + rows, mask=row_mask, other=0)
         local = row_mask & (source == rank)
         remote = row_mask & (source != rank)
-        flags = ready_ptr + source * flag_stride + rows // CHUNK
+        if BY_TOKEN:
+            flags = ready_ptr + source
+        else:
+            flags = ready_ptr + source * flag_stride + rows // CHUNK
         failed = tl.atomic_add(error_ptr, 0) != 0  # a wait of this launch already timed out: do not spin again
         limit = tl.where(failed, 0, spin_limit)
-        seen = _poll(flags, remote, epoch, BLOCK_M)
+        seen = _poll(flags, remote, ready, BLOCK_M)
         timed_out = failed & failed  # False, of the type the loop assigns
-        while (tl.min(seen, axis=0) < epoch) & ~timed_out:
-            late_row = begin + tl.min(tl.where(seen < epoch, lanes, BLOCK_M), axis=0)
-            late_flag = ready_ptr + tl.load(source_ptr + late_row) * flag_stride + late_row // CHUNK
-            timed_out = ~wait_at_least(late_flag, epoch, limit)
-            seen = _poll(flags, remote, epoch, BLOCK_M)
+        while (tl.min(seen, axis=0) < ready) & ~timed_out:
+            late_row = begin + tl.min(tl.where(seen < ready, lanes, BLOCK_M), axis=0)
+            late_source = tl.load(source_ptr + late_row)
+            if BY_TOKEN:
+                late_flag = ready_ptr + late_source
+            else:
+                late_flag = ready_ptr + late_source * flag_stride + late_row // CHUNK
+            timed_out = ~wait_at_least(late_flag, ready, limit)
+            seen = _poll(flags, remote, ready, BLOCK_M)
         if timed_out & ~failed:
-            late_row = begin + tl.min(tl.where(seen < epoch, lanes, BLOCK_M), axis=0)
-            record_timeout(error_ptr, 1, tl.load(source_ptr + late_row), late_row // CHUNK, epoch)
+            late_row = begin + tl.min(tl.where(seen < ready, lanes, BLOCK_M), axis=0)
+            late_source = tl.load(source_ptr + late_row)
+            if BY_TOKEN:  # the slice: the first unit of this epoch that did not arrive
+                late_slice = (tl.load(ready_ptr + late_source) - ready + flag_stride).to(tl.int32)
+            else:
+                late_slice = late_row // CHUNK
+            record_timeout(error_ptr, 1, late_source, late_slice, epoch)
         tl.debug_barrier()  # the flags this program's threads acquired cover the rows any of them loads
 
-        token = tl.load(token_ptr + tl.load(source_row_ptr + rows, mask=local, other=0), mask=local, other=0)
-        a_rows = tl.where(local, x_ptr + token.to(tl.int64) * D, rows_ptr + rows.to(tl.int64) * D)[:, None]
+        source_row = tl.load(source_row_ptr + rows, mask=row_mask, other=0)
+        token = tl.load(token_ptr + source_row, mask=local, other=0)
+        if BY_TOKEN:  # peers wrote the ids: not from L1
+            peer_token = tl.load(ids_ptr + source * MAX_ROWS + source_row, mask=remote, other=0, cache_modifier=".cg")
+            peer_row = rows_ptr + (source * MAX_TOKENS + peer_token).to(tl.int64) * D
+        else:
+            peer_row = rows_ptr + rows.to(tl.int64) * D
+        a_rows = tl.where(local, x_ptr + token.to(tl.int64) * D, peer_row)[:, None]
         w_cols = expert * D * (2 * FFN) + ns[None, :]  # w1's columns; w3's are FFN further on
         n_mask = ns < FFN
         acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, D, BLOCK_K):
             k_mask = k + ks < D
-            a = tl.load(a_rows + k + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0,
+            a_mask = row_mask[:, None] & k_mask[None, :]
+            a = tl.load(a_rows + k + ks[None, :], mask=a_mask, other=0.0,
                         cache_modifier=".cg")  # peers wrote the received rows: not from L1
+            if BY_TOKEN & STORE_A13:
+                if col == 0:  # `received` for the backward's weight gradient: the rows, once
+                    tl.store(rows_out_ptr + rows.to(tl.int64)[:, None] * D + k + ks[None, :], a, mask=a_mask)
             w_mask = k_mask[:, None] & n_mask[None, :]
             w_at = w13_ptr + w_cols + (k + ks)[:, None] * (2 * FFN)
             acc1 = tl.dot(a, tl.load(w_at, mask=w_mask, other=0.0), acc1, input_precision=PRECISION)
@@ -384,12 +485,27 @@ class FusedDispatch:
     MoE layer: the view `finish` returns lives in its buffers. `num_programs`: persistent programs of the push
     kernel (on GPUs it runs on a side stream, concurrently with the GEMM of this epoch); `block_m`: receive rows per
     ready flag (a power of two).
+
+    `max_tokens` (dispatch by token): each token goes to each peer once, whatever number of that peer's experts
+    it chose (top_k experts over few ranks: several), into a [source, token] buffer of max_tokens per source,
+    with the token of each of the source's permuted rows that the peer owns; GEMM 1 reads a peer's row through
+    those ids, and waits for everything its source sent (a count of units per source; the tokens are
+    world x fewer bytes than the rows at top_k >= world). By row (None) each routed row is sent. By token,
+    `block_m` is the tokens per unit, and the training forward's `received` is stored by GEMM 1 (`rows_out`).
     """
 
     def __init__(self, workspace: _Workspace, d_model: int, ffn: int, num_local_experts: int, num_programs: int,
-                 spin_limit: int, block_m: int = 64):
+                 spin_limit: int, block_m: int = 64, max_tokens: int | None = None, top_k: int = 1):
         if block_m & (block_m - 1):
             raise ValueError(f"block_m={block_m} must be a power of two")
+        if max_tokens is not None and (max_tokens < 1 or top_k < 1):
+            raise ValueError(f"max_tokens={max_tokens} and top_k={top_k} must be positive")
+        self.max_tokens = max_tokens  # dispatch by token when set
+        if max_tokens is not None:
+            self.max_rows = max_tokens * top_k  # a source's permuted rows at most (its token ids per peer)
+            self.units = triton.cdiv(max_tokens, block_m)  # per peer: tokens in units of block_m, ids alike
+            self.ids_per_unit = triton.next_power_of_2(triton.cdiv(self.max_rows, self.units))
+            self.top_k = top_k
         self.ws, self.rank, self.world = workspace, workspace.rank, workspace.world_size
         self.d_model, self.ffn, self.num_local_experts = d_model, ffn, num_local_experts
         self.num_programs, self.spin_limit, self.chunk = num_programs, spin_limit, block_m
@@ -402,6 +518,7 @@ class FusedDispatch:
         # The push and GEMM 1 are on the host's path to the first expert GEMM: launched through their compiled
         # binaries (fused_dlrm.kernels.launch), keyed on what they are specialised on besides this object's ints.
         self._push_launches = CompiledLaunches(_push_rows_kernel)
+        self._push_token_launches = CompiledLaunches(_push_tokens_kernel)
         self._gemm_launches = CompiledLaunches(_gated_gemm_kernel)
         self._sms = torch.cuda.get_device_properties(workspace.device).multi_processor_count if cuda else 0
         self._started: dict[int, tuple] = {}  # epoch -> the tensors its GEMM reads (between `start` and `finish`)
@@ -423,10 +540,21 @@ class FusedDispatch:
         collective on GPUs when the capacity grows; it never shrinks."""
         self.capacity = receive_capacity(max_recv_rows, self.capacity, total_rows, self.chunk)
 
+    @property
+    def by_token(self) -> bool:
+        return self.max_tokens is not None
+
     def _buffers(self, dtype: torch.dtype):
-        """(receive rows, ready flags, acks) of the current capacity."""
+        """By row: (receive rows, ready flags, acks) of the current capacity. By token: (tokens [2, world,
+        max_tokens, d], their ids [2, world, max_rows] int32, units arrived per source int64, acks)."""
         if not self.capacity:
             raise ValueError("no receive capacity yet: reserve first")
+        if self.by_token:
+            slots = 2 * self.world
+            return (self.ws.buffer("moe_dispatch_tokens", slots * self.max_tokens * self.d_model, dtype),
+                    self.ws.buffer("moe_dispatch_token_ids", slots * self.max_rows, torch.int32),
+                    self.ws.buffer("moe_dispatch_arrived", self.world, torch.int64),
+                    self.ws.buffer("moe_dispatch_ack", self.world, torch.int32))
         rows = self.ws.buffer("moe_dispatch_rows", 2 * self.capacity * self.d_model, dtype)
         # A new capacity gets fresh flags (zero < any epoch): flag buffers cannot grow.
         ready = self.ws.buffer(f"moe_dispatch_ready_{self.capacity}", self.world * self.capacity // self.chunk,
@@ -441,6 +569,9 @@ class FusedDispatch:
         epoch."""
         if x.dim() != 2 or x.shape[1] != self.d_model or x.dtype not in TL_DTYPES:
             raise ValueError(f"x must be [tokens, {self.d_model}] fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
+        if self.by_token and x.shape[0] > self.max_tokens:
+            raise ValueError(f"rank {self.rank}: {x.shape[0]} tokens, more than the dispatch's max_tokens="
+                             f"{self.max_tokens}")
         self.errors.check()
         self._buffers(x.dtype)
         self._rows_dtype = x.dtype
@@ -451,46 +582,51 @@ class FusedDispatch:
         return tuple(b.local.data_ptr() for b in self._buffers(dtype))
 
     def launch(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, w13: torch.Tensor,
-               a13_out: torch.Tensor | None = None, own_rows: bool = True) -> torch.Tensor:
+               a13_out: torch.Tensor | None = None, own_rows: bool = True, inverse: torch.Tensor | None = None,
+               rows_out: torch.Tensor | None = None) -> torch.Tensor:
         """The kernels of one epoch between `begin` and `end`: the push of this rank's permuted rows (row i is
         x[token_of_row[i]]) into the owners' receive buffers at tables.send_dest_row, raising the per-chunk flags
         (rows landing past the capacity are not pushed), then GEMM 1, then the acknowledgement -> h (see
         `finish`). The kernels read the epoch and the receive buffer's half from the device, so that a CUDA graph
         can capture these launches and replay them at any later epoch. own_rows=False leaves out the rows this
         rank keeps: GEMM 1 reads those from x, and only `received` (the training backward's weight gradient)
-        would show them (at world 1 nothing is copied)."""
+        would show them (at world 1 nothing is copied). By token: `inverse` (Permutation.inverse) says which
+        tokens go to which peer, and `rows_out` [capacity, d_model] receives `received` (with a13_out)."""
         self._check_tables(tables)
-        return self._gemm(*self._push(x, token_of_row, tables, own_rows), w13, a13_out)
+        return self._gemm(*self._push(x, token_of_row, tables, own_rows, inverse), w13, a13_out, rows_out)
 
-    def end(self, epoch: int) -> torch.Tensor:
+    def end(self, epoch: int) -> torch.Tensor | None:
         """The host's part after an epoch's launches -> received [capacity, d_model]: a view of the symmetric
         receive buffer, valid until the next epoch's `end`, holding this rank's own rows only if the push copied
-        them."""
+        them (by token: None; the rows are `launch`'s rows_out)."""
         self.errors.after_wait()
+        if self.by_token:
+            return None
         rows = self._buffers(self._rows_dtype)[0]
         base = (epoch % 2) * self.capacity * self.d_model
         return rows.local[base:base + self.capacity * self.d_model].view(self.capacity, self.d_model)
 
-    def start(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, own_rows: bool = True
-              ) -> int:
+    def start(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, own_rows: bool = True,
+              inverse: torch.Tensor | None = None) -> int:
         """`begin`, then the push of `launch` -> the epoch (`finish` runs the rest: in a simulated world every rank
         pushes before any rank computes)."""
         self._check_tables(tables)  # before `begin` counts the epoch
         epoch = self.begin(x)
-        self._started[epoch] = self._push(x, token_of_row, tables, own_rows)
+        self._started[epoch] = self._push(x, token_of_row, tables, own_rows, inverse)
         return epoch
 
-    def finish(self, epoch: int, w13: torch.Tensor, a13_out: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def finish(self, epoch: int, w13: torch.Tensor, a13_out: torch.Tensor | None = None,
+               rows_out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The grouped GEMM over the received rows, each tile waiting for the chunks it reads, then `end`.
 
         Returns (received [capacity, d_model] (`end`); h = silu(received @ w1[e]) * (received @ w3[e]) [capacity,
         ffn], a new tensor), w13 = [w1 | w3] read in place. Only the first ExpertLayout.tokens_per_local_expert
         rows are the received ones (the host learns their number after the launch). `a13_out` ([capacity, 2 ffn],
         w13's dtype), if given, receives the products before the activation (training keeps them for
-        `start_backward`)."""
-        h = self._gemm(*self._started.pop(epoch), w13, a13_out)
-        return self.end(epoch), h
+        `start_backward`). By token, received is rows_out (None without it)."""
+        h = self._gemm(*self._started.pop(epoch), w13, a13_out, rows_out)
+        received = self.end(epoch)
+        return rows_out if self.by_token else received, h
 
     def _check_tables(self, tables: DispatchTables) -> None:
         if tables.world != self.world or tables.rank != self.rank or tables.num_local_experts != self.num_local_experts:
@@ -499,22 +635,35 @@ class FusedDispatch:
             raise ValueError(f"the tables cover {tables.capacity} receive rows, the dispatch's buffers {self.capacity} "
                              f"(reserve, then dispatch_tables with the dispatch's capacity)")
 
-    def _push(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, own_rows: bool) -> tuple:
+    def _push(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, own_rows: bool,
+              inverse: torch.Tensor | None) -> tuple:
         """Launch the push -> what GEMM 1 reads besides the weights (x, token_of_row, tables)."""
-        rows, ready, ack = self._buffers(x.dtype)
-        chunks = self.capacity // self.chunk
         x, token_of_row = x.contiguous(), token_of_row.contiguous()
         block_d = max(16, min(triton.next_power_of_2(self.d_model), PUSH_TILE_ELEMENTS // self.chunk))
-        tensors = (x, token_of_row, tables.send_dest_row, tables.counts, self._dest_order, rows.peer_ptrs,
-                   ready.peer_ptrs, ack.local, self.errors.word, self._epoch_done)
-        args = (*tensors, self.rank, chunks, self.world * chunks, self.num_programs, self.spin_limit, self.d_model,
-                self.chunk, block_d, self.world, self.num_local_experts, triton.next_power_of_2(self.world),
-                triton.next_power_of_2(self.num_local_experts),
-                triton.next_power_of_2(self.world * self.num_local_experts), own_rows)
+        e_p2 = triton.next_power_of_2(self.world * self.num_local_experts)
+        if self.by_token:
+            if inverse is None or inverse.numel() != x.shape[0] * self.top_k:
+                raise ValueError(f"dispatch by token needs the permutation's inverse [{x.shape[0]} x {self.top_k}]")
+            tokens, ids, arrived, ack = self._buffers(x.dtype)
+            inverse = inverse.contiguous()
+            tensors = (x, token_of_row, inverse, tables.counts, self._dest_order, tokens.peer_ptrs, ids.peer_ptrs,
+                       arrived.peer_ptrs, ack.local, self.errors.word, self._epoch_done)
+            args = (*tensors, self.rank, x.shape[0], token_of_row.numel(), self.num_programs, self.spin_limit,
+                    self.d_model, self.max_tokens, self.max_rows, self.chunk, self.ids_per_unit, self.units, block_d,
+                    self.world, self.num_local_experts, self.top_k, triton.next_power_of_2(self.top_k), e_p2)
+            kernel_launches, key = self._push_token_launches, (x.dtype, block_d, *map(aligned, tensors))
+        else:
+            rows, ready, ack = self._buffers(x.dtype)
+            chunks = self.capacity // self.chunk
+            tensors = (x, token_of_row, tables.send_dest_row, tables.counts, self._dest_order, rows.peer_ptrs,
+                       ready.peer_ptrs, ack.local, self.errors.word, self._epoch_done)
+            args = (*tensors, self.rank, chunks, self.world * chunks, self.num_programs, self.spin_limit,
+                    self.d_model, self.chunk, block_d, self.world, self.num_local_experts,
+                    triton.next_power_of_2(self.world), triton.next_power_of_2(self.num_local_experts), e_p2, own_rows)
+            kernel_launches, key = self._push_launches, (x.dtype, block_d, own_rows, *map(aligned, tensors))
 
         def launch():
-            self._push_launches((x.dtype, block_d, own_rows, *map(aligned, tensors)), (self.num_programs, 1, 1), args,
-                                {})
+            kernel_launches(key, (self.num_programs, 1, 1), args, {})
 
         if self._push_stream is None:
             launch()
@@ -525,10 +674,21 @@ class FusedDispatch:
         return x, token_of_row, tables
 
     def _gemm(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, w13: torch.Tensor,
-              a13_out: torch.Tensor | None) -> torch.Tensor:
+              a13_out: torch.Tensor | None, rows_out: torch.Tensor | None = None) -> torch.Tensor:
         """Launch GEMM 1 (on GPUs beside the push) and the acknowledgement -> h [capacity, ffn]."""
         L, d, ffn = self.num_local_experts, self.d_model, self.ffn
-        rows, ready, ack = self._buffers(x.dtype)
+        if self.by_token:
+            tokens, ids, arrived, ack = self._buffers(x.dtype)
+            rows, ids, ready = tokens.local, ids.local, arrived.local
+            if (rows_out is None) != (a13_out is None) or (rows_out is not None and (
+                    rows_out.shape != (self.capacity, d) or rows_out.dtype != x.dtype or not rows_out.is_contiguous())):
+                raise ValueError(f"dispatch by token: rows_out (a contiguous [{self.capacity}, {d}] {x.dtype} tensor) "
+                                 f"comes with a13_out, both or neither")
+            flag_stride = self.units
+        else:
+            rows, ready, ack = self._buffers(x.dtype)
+            rows, ready, ids = rows.local, ready.local, ready.local  # ids: unused
+            flag_stride = self.capacity // self.chunk
         _check_w13(w13, L, d, ffn, x.dtype)
         h = torch.empty(self.capacity, ffn, dtype=w13.dtype, device=w13.device)
         if a13_out is not None and (a13_out.shape != (self.capacity, 2 * ffn) or a13_out.dtype != w13.dtype
@@ -541,14 +701,16 @@ class FusedDispatch:
         num_tiles = tiles.shape[1] * triton.cdiv(ffn, cfg.block_n)  # at most: the GEMM reads how many are listed
         programs = self._gemm_programs(num_tiles, beside_push=True)
         helpers = self._helper_programs(num_tiles, programs)
-        tensors = (rows.local, x, token_of_row, w13, h, h if a13_out is None else a13_out, tiles)
-        tensors += (tables.row_tiles, tables.recv_source_rank, tables.recv_source_row, ready.local, self.errors.word,
+        a13 = h if a13_out is None else a13_out
+        tensors = (rows, x, token_of_row, w13, h, a13, a13 if rows_out is None else rows_out, tiles)
+        tensors += (tables.row_tiles, tables.recv_source_rank, tables.recv_source_row, ready, ids, self.errors.word,
                     self._tile_counter, self._epoch_done)
         precision, store_a13 = dot_precision(w13.dtype, w13.device), a13_out is not None
-        args = (*tensors[:7], tiles.shape[1], *tensors[7:], self.rank, self.capacity // self.chunk,
+        by_token = (self.max_tokens, self.max_rows) if self.by_token else (1, 1)
+        args = (*tensors[:8], tiles.shape[1], *tensors[8:], self.rank, self.capacity, flag_stride,
                 programs + helpers, self.spin_limit, d, ffn, self.chunk, cfg.block_m, cfg.block_n, cfg.block_k,
-                precision, store_a13)
-        key = (x.dtype, w13.dtype, cfg, precision, store_a13, *map(aligned, tensors))
+                precision, store_a13, self.by_token, self.world, *by_token)
+        key = (x.dtype, w13.dtype, cfg, precision, store_a13, self.by_token, *map(aligned, tensors))
         options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if helpers:  # they read what this stream made for GEMM 1 since the push was launched (w13, say)
             self._push_stream.wait_stream(torch.cuda.current_stream())
