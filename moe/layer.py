@@ -288,7 +288,7 @@ class _Dispatched:
     h: torch.Tensor
     a13: torch.Tensor | None  # training only
     w13: torch.Tensor  # the weights GEMM 1 read (cast to the rows' dtype)
-    lease: Lease | None  # on h, a13, w13 and the tables, when they are a CUDA graph's (training)
+    lease: Lease | None  # on h, a13, w13, the tables and (by token) `received`, when a CUDA graph's (training)
 
 
 class _Alongside:

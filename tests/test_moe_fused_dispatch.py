@@ -316,7 +316,7 @@ def test_backward_matches_autograd_of_the_bulk_path(name, world, local, tokens, 
 
 @pytest.mark.parametrize("by_token", [False, True], ids=["by row", "by token"])
 def test_gemm_times_out_naming_the_peer_and_chunk_when_a_source_never_pushes(by_token):
-    """By token the slice is the first unit of the epoch that did not arrive: here none did."""
+    """By token the slice is how many of the epoch's units arrived from that source: here none."""
     w = World(2, 2, block_m=8, max_tokens=12 if by_token else None, top_k=2)
     gen = torch.Generator().manual_seed(7)
     xs, token_of_rows, counts, layouts = w.routed_batch([10, 12], 2, None, gen)
@@ -346,8 +346,8 @@ def test_gemm_waits_for_the_one_chunk_whose_flag_is_down_and_never_for_its_own_r
 
 
 def test_by_token_the_gemm_waits_for_every_unit_of_a_source_and_never_for_its_own_rows():
-    """A source's count one unit short: the owner's GEMM times out naming that source and its last unit; the
-    owner's own count (never raised: its rows come from x) is not waited for."""
+    """A source's count one unit short: the owner's GEMM times out naming that source and the units that arrived;
+    the owner's own count (never raised: its rows come from x) is not waited for."""
     w = World(4, 2, block_m=8, max_tokens=20, top_k=2)
     gen = torch.Generator().manual_seed(9)
     xs, token_of_rows, counts, layouts = w.routed_batch([20, 15, 18, 12], 2, None, gen)
@@ -362,6 +362,20 @@ def test_by_token_the_gemm_waits_for_every_unit_of_a_source_and_never_for_its_ow
     with pytest.raises(PeerWaitTimeout, match=rf"rank 1 timed out at step 1 waiting for rank {source}, slice "
                                               rf"{d.units - 1} "):
         d.finish(epochs[owner], w.w13[owner])
+
+
+def test_by_token_a_launch_refused_for_its_outputs_pushes_nothing():
+    """A push adds to the peers' arrival counts: `launch` refuses bad GEMM outputs before it pushes, or the counts
+    would stay an epoch ahead of every later GEMM's wait."""
+    w = World(2, 2, block_m=8, max_tokens=12, top_k=2)
+    xs, token_of_rows, _, layouts = w.routed_batch([10, 12], 2, None, torch.Generator().manual_seed(13))
+    tables = w.tables(token_of_rows, layouts)
+    d = w.dispatch[0]
+    d.begin(xs[0])
+    with pytest.raises(ValueError, match="rows_out .* comes with a13_out, both or neither"):
+        d.launch(xs[0], token_of_rows[0], tables[0], w.w13[0], a13_out=torch.empty(d.capacity, 2 * FFN),
+                 inverse=w.perms[0].inverse)
+    assert int(w.dispatch[1]._buffers(torch.float32)[2].local.abs().sum()) == 0  # nothing arrived at the peer
 
 
 def test_by_token_each_token_crosses_once_per_peer_and_only_to_peers_it_chose():

@@ -315,36 +315,33 @@ def _gated_gemm_kernel(
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
 
         # This rank's own rows are read from x (its push copies them into the buffer only for `received`). For
-        # the others, wait for what this tile reads: by token, every unit of each row's source; else flag (source
-        # of the row, row // CHUNK) of each row. Spin on one missing flag at a time, then look again at all.
+        # the others, wait for what this tile reads: by token, the count of each source it reads (one thread
+        # each); else flag (source of the row, row // CHUNK) of each row, spinning on one missing flag at a time,
+        # then looking again at all of them.
         source = tl.load(source_ptr + rows, mask=row_mask, other=0)
         local = row_mask & (source == rank)
         remote = row_mask & (source != rank)
-        if BY_TOKEN:
-            flags = ready_ptr + source
-        else:
-            flags = ready_ptr + source * flag_stride + rows // CHUNK
         failed = tl.atomic_add(error_ptr, 0) != 0  # a wait of this launch already timed out: do not spin again
         limit = tl.where(failed, 0, spin_limit)
-        seen = _poll(flags, remote, ready, BLOCK_M)
-        timed_out = failed & failed  # False, of the type the loop assigns
-        while (tl.min(seen, axis=0) < ready) & ~timed_out:
-            late_row = begin + tl.min(tl.where(seen < ready, lanes, BLOCK_M), axis=0)
-            late_source = tl.load(source_ptr + late_row)
-            if BY_TOKEN:
-                late_flag = ready_ptr + late_source
-            else:
-                late_flag = ready_ptr + late_source * flag_stride + late_row // CHUNK
-            timed_out = ~wait_at_least(late_flag, ready, limit)
+        timed_out = failed & failed  # False, of the type the waits assign
+        if BY_TOKEN:
+            for s in tl.static_range(WORLD):
+                if (tl.max((remote & (source == s)).to(tl.int32), axis=0) > 0) & ~timed_out:
+                    timed_out = ~wait_at_least(ready_ptr + s, ready, limit)
+                    if timed_out & ~failed:  # the slice: how many of this epoch's units arrived
+                        arrived = tl.atomic_add(ready_ptr + s, 0, sem="acquire", scope="sys") - ready + flag_stride
+                        record_timeout(error_ptr, 1, s, arrived.to(tl.int32), epoch)
+        else:
+            flags = ready_ptr + source * flag_stride + rows // CHUNK
             seen = _poll(flags, remote, ready, BLOCK_M)
-        if timed_out & ~failed:
-            late_row = begin + tl.min(tl.where(seen < ready, lanes, BLOCK_M), axis=0)
-            late_source = tl.load(source_ptr + late_row)
-            if BY_TOKEN:  # the slice: the first unit of this epoch that did not arrive
-                late_slice = (tl.load(ready_ptr + late_source) - ready + flag_stride).to(tl.int32)
-            else:
-                late_slice = late_row // CHUNK
-            record_timeout(error_ptr, 1, late_source, late_slice, epoch)
+            while (tl.min(seen, axis=0) < ready) & ~timed_out:
+                late_row = begin + tl.min(tl.where(seen < ready, lanes, BLOCK_M), axis=0)
+                late_flag = ready_ptr + tl.load(source_ptr + late_row) * flag_stride + late_row // CHUNK
+                timed_out = ~wait_at_least(late_flag, ready, limit)
+                seen = _poll(flags, remote, ready, BLOCK_M)
+            if timed_out & ~failed & (tl.min(seen, axis=0) < ready):  # (all may have come since the wait gave up)
+                late_row = begin + tl.min(tl.where(seen < ready, lanes, BLOCK_M), axis=0)
+                record_timeout(error_ptr, 1, tl.load(source_ptr + late_row), late_row // CHUNK, epoch)
         tl.debug_barrier()  # the flags this program's threads acquired cover the rows any of them loads
 
         source_row = tl.load(source_row_ptr + rows, mask=row_mask, other=0)
@@ -593,6 +590,7 @@ class FusedDispatch:
         would show them (at world 1 nothing is copied). By token: `inverse` (Permutation.inverse) says which
         tokens go to which peer, and `rows_out` [capacity, d_model] receives `received` (with a13_out)."""
         self._check_tables(tables)
+        self._check_gemm_outputs(x, w13, a13_out, rows_out)  # before the push: a push counts in the peers
         return self._gemm(*self._push(x, token_of_row, tables, own_rows, inverse), w13, a13_out, rows_out)
 
     def end(self, epoch: int) -> torch.Tensor | None:
@@ -628,6 +626,21 @@ class FusedDispatch:
         received = self.end(epoch)
         return rows_out if self.by_token else received, h
 
+    def _check_gemm_outputs(self, x: torch.Tensor, w13: torch.Tensor, a13_out: torch.Tensor | None,
+                            rows_out: torch.Tensor | None) -> None:
+        """What GEMM 1 is given besides the push's inputs. `launch` asks before its push: by token a push counts
+        in the peers' arrival counts, which a GEMM that then refused to run would leave an epoch ahead."""
+        _check_w13(w13, self.num_local_experts, self.d_model, self.ffn, x.dtype)
+        if a13_out is not None and (a13_out.shape != (self.capacity, 2 * self.ffn) or a13_out.dtype != w13.dtype
+                                    or not a13_out.is_contiguous()):
+            raise ValueError(f"a13_out must be a contiguous [{self.capacity}, {2 * self.ffn}] {w13.dtype} tensor, "
+                             f"got {tuple(a13_out.shape)} {a13_out.dtype}")
+        if self.by_token and ((rows_out is None) != (a13_out is None) or (rows_out is not None and (
+                rows_out.shape != (self.capacity, self.d_model) or rows_out.dtype != x.dtype
+                or not rows_out.is_contiguous()))):
+            raise ValueError(f"dispatch by token: rows_out (a contiguous [{self.capacity}, {self.d_model}] {x.dtype} "
+                             f"tensor) comes with a13_out, both or neither")
+
     def _check_tables(self, tables: DispatchTables) -> None:
         if tables.world != self.world or tables.rank != self.rank or tables.num_local_experts != self.num_local_experts:
             raise ValueError("the tables do not describe this rank of this dispatch")
@@ -646,6 +659,8 @@ class FusedDispatch:
                 raise ValueError(f"dispatch by token needs the permutation's inverse [{x.shape[0]} x {self.top_k}]")
             tokens, ids, arrived, ack = self._buffers(x.dtype)
             inverse = inverse.contiguous()
+            if self._push_stream is not None:  # a copy, if one was made, is read on the push stream
+                inverse.record_stream(self._push_stream)
             tensors = (x, token_of_row, inverse, tables.counts, self._dest_order, tokens.peer_ptrs, ids.peer_ptrs,
                        arrived.peer_ptrs, ack.local, self.errors.word, self._epoch_done)
             args = (*tensors, self.rank, x.shape[0], token_of_row.numel(), self.num_programs, self.spin_limit,
@@ -677,24 +692,16 @@ class FusedDispatch:
               a13_out: torch.Tensor | None, rows_out: torch.Tensor | None = None) -> torch.Tensor:
         """Launch GEMM 1 (on GPUs beside the push) and the acknowledgement -> h [capacity, ffn]."""
         L, d, ffn = self.num_local_experts, self.d_model, self.ffn
+        self._check_gemm_outputs(x, w13, a13_out, rows_out)
         if self.by_token:
             tokens, ids, arrived, ack = self._buffers(x.dtype)
             rows, ids, ready = tokens.local, ids.local, arrived.local
-            if (rows_out is None) != (a13_out is None) or (rows_out is not None and (
-                    rows_out.shape != (self.capacity, d) or rows_out.dtype != x.dtype or not rows_out.is_contiguous())):
-                raise ValueError(f"dispatch by token: rows_out (a contiguous [{self.capacity}, {d}] {x.dtype} tensor) "
-                                 f"comes with a13_out, both or neither")
             flag_stride = self.units
         else:
             rows, ready, ack = self._buffers(x.dtype)
             rows, ready, ids = rows.local, ready.local, ready.local  # ids: unused
             flag_stride = self.capacity // self.chunk
-        _check_w13(w13, L, d, ffn, x.dtype)
         h = torch.empty(self.capacity, ffn, dtype=w13.dtype, device=w13.device)
-        if a13_out is not None and (a13_out.shape != (self.capacity, 2 * ffn) or a13_out.dtype != w13.dtype
-                                    or not a13_out.is_contiguous()):
-            raise ValueError(f"a13_out must be a contiguous [{self.capacity}, {2 * ffn}] {w13.dtype} tensor, got "
-                             f"{tuple(a13_out.shape)} {a13_out.dtype}")
         cfg = gemm_config(self.ws.device, w13.dtype)
         _check_tile_rows(tables.tile_rows[1], cfg.block_m)
         tiles = tables.gemm_tiles
