@@ -622,14 +622,17 @@ class FusedDispatch:
         rows are the received ones (the host learns their number after the launch). `a13_out` ([capacity, 2 ffn],
         w13's dtype), if given, receives the products before the activation (training keeps them for
         `start_backward`). By token, received is rows_out (None without it)."""
-        h = self._gemm(*self._started.pop(epoch), w13, a13_out, rows_out)
+        started = self._started.pop(epoch)
+        self._check_gemm_outputs(started[0], w13, a13_out, rows_out)
+        h = self._gemm(*started, w13, a13_out, rows_out)
         received = self.end(epoch)
         return rows_out if self.by_token else received, h
 
     def _check_gemm_outputs(self, x: torch.Tensor, w13: torch.Tensor, a13_out: torch.Tensor | None,
                             rows_out: torch.Tensor | None) -> None:
-        """What GEMM 1 is given besides the push's inputs. `launch` asks before its push: by token a push counts
-        in the peers' arrival counts, which a GEMM that then refused to run would leave an epoch ahead."""
+        """What GEMM 1 is given besides the push's inputs, checked before `_gemm` (by `launch` before its push: by
+        token a push counts in the peers' arrival counts, which a GEMM that then refused to run would leave an
+        epoch ahead)."""
         _check_w13(w13, self.num_local_experts, self.d_model, self.ffn, x.dtype)
         if a13_out is not None and (a13_out.shape != (self.capacity, 2 * self.ffn) or a13_out.dtype != w13.dtype
                                     or not a13_out.is_contiguous()):
@@ -690,9 +693,9 @@ class FusedDispatch:
 
     def _gemm(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, w13: torch.Tensor,
               a13_out: torch.Tensor | None, rows_out: torch.Tensor | None = None) -> torch.Tensor:
-        """Launch GEMM 1 (on GPUs beside the push) and the acknowledgement -> h [capacity, ffn]."""
+        """Launch GEMM 1 (on GPUs beside the push) and the acknowledgement -> h [capacity, ffn] (the caller has
+        checked w13, a13_out and rows_out: `_check_gemm_outputs`)."""
         L, d, ffn = self.num_local_experts, self.d_model, self.ffn
-        self._check_gemm_outputs(x, w13, a13_out, rows_out)
         if self.by_token:
             tokens, ids, arrived, ack = self._buffers(x.dtype)
             rows, ids, ready = tokens.local, ids.local, arrived.local
