@@ -1,6 +1,6 @@
 """Benchmark of the expert-parallel MoE layer, bulk against fused, bf16 (not a test).
 
-`torchrun --nproc_per_node=2 --standalone -m moe.bench [--quick] [--out FILE]`
+`torchrun --nproc_per_node=2 --standalone -m moe.bench [--quick] [--configs 1,3] [--dispatch rows tokens] [--out FILE]`
 
 Per config, on every rank: tokens/GPU random bf16 tokens, the layer's own router (skewed configs add a logit
 bias that sends about half of the tokens to expert 0). Phases, each timed alone on prepared inputs:
@@ -18,7 +18,8 @@ overlap: communication (bulk dispatch + combine; twice that for forward+backward
 everything else: ideal = max(bulk total - comm, comm); the table gives ideal / fused total in %. "fwd b2b" is the
 forward's time per call over 20 calls back to back (no sync between them, as layers follow each other in a model):
 the host's enqueue time counts there as it does in training, and it can differ from the synced figure either way.
-The fused output is checked against bulk first (relative error).
+The fused output is checked against bulk first (relative error). With `--dispatch rows tokens` both fused dispatches
+(FusedMoEConfig.dispatch) are timed in the same run against the same bulk layer: rows "fused", tokens "fused/tok".
 """
 
 from __future__ import annotations
@@ -99,28 +100,37 @@ def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[
                                               routing.weights)}
 
 
-def run_config(cfg: Config, iters: int, dispatch: str = "rows") -> dict:
+def fused_path(dispatch: str) -> str:
+    """The result's key (and the table's label) of the fused layer with this dispatch."""
+    return "fused" if dispatch == "rows" else "fused/tok"
+
+
+def run_config(cfg: Config, iters: int, dispatches: tuple[str, ...] = ("rows",)) -> dict:
     rank = dist.get_rank()
     kw = dict(seed=1, dtype=torch.bfloat16, device="cuda")
-    bulk = MoELayer(cfg.d_model, cfg.ffn, cfg.experts, cfg.top_k, **kw)
-    fused = MoELayer(cfg.d_model, cfg.ffn, cfg.experts, cfg.top_k, comm="fused",
-                     fused=FusedMoEConfig(max_tokens_per_rank=cfg.tokens, dispatch=dispatch), **kw)
+    layers = {"bulk": MoELayer(cfg.d_model, cfg.ffn, cfg.experts, cfg.top_k, **kw)}
+    for dispatch in dispatches:
+        layers[fused_path(dispatch)] = MoELayer(
+            cfg.d_model, cfg.ffn, cfg.experts, cfg.top_k, comm="fused",
+            fused=FusedMoEConfig(max_tokens_per_rank=cfg.tokens, dispatch=dispatch), **kw)
     gen = torch.Generator(device="cuda").manual_seed(100 + rank)
     x = torch.randn(cfg.tokens, cfg.d_model, device="cuda", dtype=torch.bfloat16, generator=gen)
     grad = torch.randn(cfg.tokens, cfg.d_model, device="cuda", dtype=torch.bfloat16, generator=gen)
+    result = {"config": asdict(cfg), "name": cfg.name, "fused_paths": list(layers)[1:]}
     with torch.no_grad():
-        bias = skew_bias(bulk, x) if cfg.skewed else None
-        want, aux = bulk(x, bias)
-        got, _ = fused(x, bias)
-        error = torch.tensor(((got.float() - want.float()).abs().max() / want.float().abs().max()).item(),
-                             device="cuda")
-        dist.all_reduce(error, op=dist.ReduceOp.MAX)
+        bias = skew_bias(layers["bulk"], x) if cfg.skewed else None
+        want, aux = layers["bulk"](x, bias)
+        for path in result["fused_paths"]:
+            got, _ = layers[path](x, bias)
+            error = torch.tensor(((got.float() - want.float()).abs().max() / want.float().abs().max()).item(),
+                                 device="cuda")
+            dist.all_reduce(error, op=dist.ReduceOp.MAX)
+            result[f"max_relative_error {path}"] = error.item()
         busiest = aux["tokens_per_local_expert"].sum().float()
         dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
-    result = {"config": asdict(cfg), "name": cfg.name, "max_relative_error": error.item(),
-              "busiest_rank_rows": int(busiest.item())}
+    result["busiest_rank_rows"] = int(busiest.item())
     x_grad = x.clone().requires_grad_()
-    for name, layer in (("bulk", bulk), ("fused", fused)):
+    for name, layer in layers.items():
         with torch.no_grad():
             row = {phase: time_ms(fn, warmup=3, iters=iters) for phase, fn in phases(layer, x, bias).items()}
             row["forward"] = time_ms(lambda: layer(x, bias), warmup=3, iters=iters)
@@ -138,38 +148,41 @@ def run_config(cfg: Config, iters: int, dispatch: str = "rows") -> dict:
         row["forward+backward"] = time_ms(forward_backward, warmup=3, iters=iters)
         result[name] = row
     comm = result["bulk"]["dispatch"] + result["bulk"]["combine"]
-    for what, moved in (("forward", comm), ("forward+backward", 2 * comm)):
-        ideal = max(result["bulk"][what] - moved, moved)
-        result[f"ideal_{what}"] = ideal
-        result[f"fused_%_of_ideal_{what}"] = 100 * ideal / result["fused"][what]
-        result[f"speedup_{what}"] = result["bulk"][what] / result["fused"][what]
-    for what in ("forward, back to back", "forward, GPUs lined up"):
-        result[f"speedup_{what}"] = result["bulk"][what] / result["fused"][what]
+    for path in result["fused_paths"]:
+        fused = result[path]
+        for what, moved in (("forward", comm), ("forward+backward", 2 * comm)):
+            ideal = max(result["bulk"][what] - moved, moved)
+            result[f"ideal_{what}"] = ideal
+            fused[f"%_of_ideal_{what}"] = 100 * ideal / fused[what]
+            fused[f"speedup_{what}"] = result["bulk"][what] / fused[what]
+        for what in ("forward, back to back", "forward, GPUs lined up"):
+            fused[f"speedup_{what}"] = result["bulk"][what] / fused[what]
+        fused["max_relative_error"] = result.pop(f"max_relative_error {path}")
     return result
 
 
 def table(results: list[dict]) -> str:
-    head = (f"{'config':<44} {'path':<6} {'dispatch':>8} {'experts':>8} {'combine':>8} {'fwd':>8} {'fwd+bwd':>8}"
+    head = (f"{'config':<44} {'path':<9} {'dispatch':>8} {'experts':>8} {'combine':>8} {'fwd':>8} {'fwd+bwd':>8}"
             f" {'fwd b2b':>8} {'fwd dev':>8} {'dev 3x':>8} {'%ideal f':>8} {'%ideal fb':>9}"
             f" {'speedup f/fb/b2b/dev':>22} {'rel err':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
-        for path in ("bulk", "fused"):
+        for path in ("bulk", *r["fused_paths"]):
             t = r[path]
             experts = f"{t['experts']:.3f}" if "experts" in t else "-"
-            line = (f"{r['name'] if path == 'bulk' else '':<44} {path:<6} {t['dispatch']:>8.3f} {experts:>8}"
+            line = (f"{r['name'] if path == 'bulk' else '':<44} {path:<9} {t['dispatch']:>8.3f} {experts:>8}"
                     f" {t['combine']:>8.3f} {t['forward']:>8.3f} {t['forward+backward']:>8.3f}"
                     f" {t['forward, back to back']:>8.3f} {t['forward, GPUs lined up']:>8.3f}"
                     f" {t['forward, GPUs lined up, 3x head start']:>8.3f}")
-            if path == "fused":
-                line += (f" {r['fused_%_of_ideal_forward']:>7.0f}% {r['fused_%_of_ideal_forward+backward']:>8.0f}%"
-                         f" {r['speedup_forward']:>6.2f}/{r['speedup_forward+backward']:.2f}"
-                         f"/{r['speedup_forward, back to back']:.2f}/{r['speedup_forward, GPUs lined up']:<5.2f}"
-                         f" {r['max_relative_error']:>8.1e}")
+            if path != "bulk":
+                line += (f" {t['%_of_ideal_forward']:>7.0f}% {t['%_of_ideal_forward+backward']:>8.0f}%"
+                         f" {t['speedup_forward']:>6.2f}/{t['speedup_forward+backward']:.2f}"
+                         f"/{t['speedup_forward, back to back']:.2f}/{t['speedup_forward, GPUs lined up']:<5.2f}"
+                         f" {t['max_relative_error']:>8.1e}")
             lines.append(line)
     lines.append("ms, median of the slowest rank (fwd b2b: per call, 20 calls back to back; fwd dev: GPUs lined up, "
                  "the call enqueued during a 1 ms head start, dev 3x: 3 ms). bulk: experts = both GEMMs; fused: "
-                 "dispatch includes GEMM 1 and combine GEMM 2.")
+                 "dispatch includes GEMM 1 and combine GEMM 2; fused/tok: the dispatch by token.")
     return "\n".join(lines)
 
 
@@ -177,15 +190,23 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m moe.bench")
     parser.add_argument("--quick", action="store_true", help="small configs only")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--dispatch", choices=("rows", "tokens"), default="rows",
-                        help="the fused layer's dispatch (FusedMoEConfig.dispatch)")
+    parser.add_argument("--configs", help="which of the configs, 1-based and comma-separated (default: all)")
+    parser.add_argument("--dispatch", choices=("rows", "tokens"), nargs="+", default=["rows"],
+                        help="the fused layers' dispatches (FusedMoEConfig.dispatch), each timed in the same run")
     parser.add_argument("--out", help="write every number as JSON here")
     args = parser.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    results = [run_config(cfg, args.iters, args.dispatch) for cfg in (QUICK if args.quick else CONFIGS)]
+    configs = QUICK if args.quick else CONFIGS
+    if args.configs:
+        picked = [int(i) for i in args.configs.split(",")]
+        if not all(1 <= i <= len(configs) for i in picked):
+            parser.error(f"--configs {args.configs}: there are configs 1 to {len(configs)}")
+        configs = [configs[i - 1] for i in picked]
+    results = [run_config(cfg, args.iters, tuple(args.dispatch)) for cfg in configs]
     if dist.get_rank() == 0:
-        print(f"{dist.get_world_size()} x {torch.cuda.get_device_name()}, bf16, fused dispatch by {args.dispatch[:-1]}")
+        print(f"{dist.get_world_size()} x {torch.cuda.get_device_name()}, bf16, fused dispatch by "
+              + " and by ".join(d[:-1] for d in args.dispatch))
         print(table(results))
         if args.out:
             with open(args.out, "w") as f:
