@@ -352,6 +352,13 @@ def _gated_gemm_kernel(
         else:
             peer_row = rows_ptr + rows.to(tl.int64) * D
         a_rows = tl.where(local, x_ptr + token.to(tl.int64) * D, peer_row)[:, None]
+        if BY_TOKEN & STORE_A13:
+            if col == 0:  # `received` for the backward's weight gradient: the rows, once. A loop of its own: stored
+                # from inside the GEMM's pipelined k loop, the rows corrupted the products on sm_90 (triton 3.6)
+                for k in range(0, D, BLOCK_K):
+                    a_mask = row_mask[:, None] & (k + ks < D)[None, :]
+                    a = tl.load(a_rows + k + ks[None, :], mask=a_mask, other=0.0, cache_modifier=".cg")
+                    tl.store(rows_out_ptr + rows.to(tl.int64)[:, None] * D + k + ks[None, :], a, mask=a_mask)
         w_cols = expert * D * (2 * FFN) + ns[None, :]  # w1's columns; w3's are FFN further on
         n_mask = ns < FFN
         acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -361,9 +368,6 @@ def _gated_gemm_kernel(
             a_mask = row_mask[:, None] & k_mask[None, :]
             a = tl.load(a_rows + k + ks[None, :], mask=a_mask, other=0.0,
                         cache_modifier=".cg")  # peers wrote the received rows: not from L1
-            if BY_TOKEN & STORE_A13:
-                if col == 0:  # `received` for the backward's weight gradient: the rows, once
-                    tl.store(rows_out_ptr + rows.to(tl.int64)[:, None] * D + k + ks[None, :], a, mask=a_mask)
             w_mask = k_mask[:, None] & n_mask[None, :]
             w_at = w13_ptr + w_cols + (k + ks)[:, None] * (2 * FFN)
             acc1 = tl.dot(a, tl.load(w_at, mask=w_mask, other=0.0), acc1, input_precision=PRECISION)
