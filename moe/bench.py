@@ -1,6 +1,6 @@
 """Benchmark of the expert-parallel MoE layer, bulk against fused, bf16 (not a test).
 
-`torchrun --nproc_per_node=2 --standalone -m moe.bench [--quick] [--configs 1,3] [--dispatch rows tokens] [--out FILE]`
+`torchrun --nproc_per_node=2 --standalone -m moe.bench [--quick] [--configs 1,3] [--dispatch rows|tokens ...] [--out FILE]`
 
 Per config, on every rank: tokens/GPU random bf16 tokens, the layer's own router (skewed configs add a logit
 bias that sends about half of the tokens to expert 0). Phases, each timed alone on prepared inputs:
@@ -18,8 +18,8 @@ overlap: communication (bulk dispatch + combine; twice that for forward+backward
 everything else: ideal = max(bulk total - comm, comm); the table gives ideal / fused total in %. "fwd b2b" is the
 forward's time per call over 20 calls back to back (no sync between them, as layers follow each other in a model):
 the host's enqueue time counts there as it does in training, and it can differ from the synced figure either way.
-The fused output is checked against bulk first (relative error). With `--dispatch rows tokens` both fused dispatches
-(FusedMoEConfig.dispatch) are timed in the same run against the same bulk layer: rows "fused", tokens "fused/tok".
+The fused output is checked against bulk first (relative error). Both fused dispatches (FusedMoEConfig.dispatch;
+`--dispatch` picks) are timed in the same run against the same bulk layer: by row "fused", by token "fused/tok".
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small configs only")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--configs", help="which of the configs, 1-based and comma-separated (default: all)")
-    parser.add_argument("--dispatch", choices=("rows", "tokens"), nargs="+", default=["rows"],
+    parser.add_argument("--dispatch", choices=("rows", "tokens"), nargs="+", default=["rows", "tokens"],
                         help="the fused layers' dispatches (FusedMoEConfig.dispatch), each timed in the same run")
     parser.add_argument("--out", help="write every number as JSON here")
     args = parser.parse_args(argv)

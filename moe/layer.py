@@ -63,10 +63,12 @@ class FusedMoEConfig:
     # bring (an owner receives at most world x max_tokens_per_rank x min(top_k, local experts) rows: at world > 1
     # up to world times what balanced routing needs), and a call with more tokens is refused. None: the buffers
     # grow to the rows seen, and each forward reads the counts on the host (one sync).
-    dispatch: str = "rows"  # "rows": every routed row is pushed to its expert's owner; "tokens" (needs
+    dispatch: str = "auto"  # "rows": every routed row is pushed to its expert's owner; "tokens" (needs
     # max_tokens_per_rank): each token once per owner rank whatever number of its experts that rank holds, GEMM 1
-    # reading the rows through token ids (moe.kernels.fused_dispatch); at top_k >= world, world x fewer bytes.
-    # Interpreter-tested; not yet measured on GPUs, hence not the default.
+    # reading the rows through token ids and storing `received` for the backward (moe.kernels.fused_dispatch); at
+    # top_k >= world, world x fewer bytes, and no copy of the receive buffer for the backward. "auto": tokens with
+    # max_tokens_per_rank, else rows (2x H200, 2026-11-26: the fine-grained MoE step 107.0 ms by token, 109.7 by
+    # row; docs/benchmarks.md).
 
 
 class MoELayer(nn.Module):
@@ -101,12 +103,14 @@ class MoELayer(nn.Module):
                                        "on the CPU")
                 workspace = CudaSymmetricWorkspace(group)
             fused = fused or FusedMoEConfig()
-            if fused.dispatch not in ("rows", "tokens"):
-                raise ValueError(f"FusedMoEConfig.dispatch={fused.dispatch!r}: expected 'rows' or 'tokens'")
+            if fused.dispatch not in ("auto", "rows", "tokens"):
+                raise ValueError(f"FusedMoEConfig.dispatch={fused.dispatch!r}: expected 'auto', 'rows' or 'tokens'")
             if fused.dispatch == "tokens" and fused.max_tokens_per_rank is None:
                 raise ValueError("FusedMoEConfig.dispatch='tokens' sizes its buffers by max_tokens_per_rank: set it")
+            if fused.max_tokens_per_rank is not None and fused.max_tokens_per_rank < 1:
+                raise ValueError(f"max_tokens_per_rank={fused.max_tokens_per_rank} must be positive")
             spins = fused.wait_timeout_spins
-            by_token = fused.max_tokens_per_rank if fused.dispatch == "tokens" else None
+            by_token = fused.max_tokens_per_rank if fused.dispatch != "rows" else None
             self.dispatch = FusedDispatch(workspace, d_model, ffn, self.num_local_experts,
                                           fused.num_programs or DISPATCH_PUSH_PROGRAMS, spins, max_tokens=by_token,
                                           top_k=top_k)
@@ -115,8 +119,6 @@ class MoELayer(nn.Module):
             self._dispatch_graphs = GraphedCalls() if fused.cuda_graphs and workspace.device.type == "cuda" else None
             self.max_tokens = fused.max_tokens_per_rank
             if self.max_tokens is not None:
-                if self.max_tokens < 1:
-                    raise ValueError(f"max_tokens_per_rank={self.max_tokens} must be positive")
                 most_received = self.world * self.max_tokens * min(top_k, self.num_local_experts)
                 self.dispatch.reserve(most_received, most_received)  # never outgrown
                 # A source's flag slots: one per tile of each expert's rows, at most one partial tile per expert.

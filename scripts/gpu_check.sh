@@ -5,13 +5,13 @@
 # All of it takes longer than one 10-minute device call: name the steps to run, e.g.
 #   bash scripts/gpu_check.sh test_tp test_quantized_allreduce bench_tp
 # (steps: test_<name> for tests/test_<name>_gpu.py and test_embedding_backward, bench_embedding,
-# bench_embedding_nvshmem, bench_moe, bench_moe_tokens, bench_tp, bench_dlrm_step, train; none named: all of them).
+# bench_embedding_nvshmem, bench_moe, bench_tp, bench_dlrm_step, train; none named: all of them).
 # LANES=2 on a machine with 4 GPUs or more (CUDA_VISIBLE_DEVICES unset): the tests on GPUs 0,1 while the
 # benchmarks and training runs go on GPUs 2,3, side by side (the timings then share the host's cores with the
 # tests: say so where you quote them).
 GPU_TESTS="launch symmetric_workspace simulated_world graphed_arches batch_header fused_embedding torchrec_sharder moe_fused moe_fused_dispatch moe_graphs quantized_allreduce tp allgather"
 KNOWN=" $(for f in $GPU_TESTS; do printf 'test_%s ' $f; done)test_embedding_backward bench_embedding bench_embedding_nvshmem"
-KNOWN="$KNOWN bench_moe bench_moe_tokens bench_tp bench_dlrm_step train "
+KNOWN="$KNOWN bench_moe bench_tp bench_dlrm_step train "
 for s in "$@"; do  # a misspelt step would otherwise run nothing and report nothing
   [[ "$KNOWN" == *" $s "* ]] || { echo "unknown step '$s'; the steps:$KNOWN" >&2; exit 2; }
 done
@@ -43,8 +43,7 @@ MOE="model=moe_transformer_finegrained model.precision=bf16 trainer.max_steps=60
 runs() {
   R 200 bench_embedding -m fused_dlrm.bench embedding --out $OUT/bench_embedding.json
   R 60 bench_embedding_nvshmem -m fused_dlrm.bench embedding --quick --transport nvshmem --out $OUT/bench_nvshmem.json
-  R 450 bench_moe -m moe.bench --iters 10 --out $OUT/bench_moe.json  # 175 s on 2×H100 (11-26)
-  R 450 bench_moe_tokens -m moe.bench --iters 10 --dispatch tokens --out $OUT/bench_moe_tokens.json  # by token
+  R 450 bench_moe -m moe.bench --iters 10 --out $OUT/bench_moe.json  # both dispatches: 95 s for configs 1, 3 (H200)
   R 200 bench_tp -m fused_dlrm.bench tp --out $OUT/bench_tp.json
   # torchrec's own sharder against ours under DMP + TrainPipelineSparseDist; torchrec's row needs fbgemm-gpu's
   # CUDA build (../shared/GPU.md), else it says why and is left out. That wheel (465 MB) fits no single call:
@@ -67,7 +66,7 @@ runs() {
 }
 if [ "$RUN_GPUS" != "$TEST_GPUS" ]; then tests & runs; wait; else tests; runs; fi
 for f in $OUT/test_*.log; do [ -e "$f" ] || continue; echo "== $(basename $f)"; grep -E "PASSED|FAILED|ERROR|rc=" $f | cut -c1-160; done
-for f in bench_embedding bench_embedding_nvshmem bench_moe bench_moe_tokens bench_tp bench_dlrm_step; do
+for f in bench_embedding bench_embedding_nvshmem bench_moe bench_tp bench_dlrm_step; do
   [ -e $OUT/$f.log ] || continue; echo "== $f"; grep -vE "Warning|warn|^\s*$" $OUT/$f.log | tail -14
 done
 for c in bulk fused; do

@@ -128,9 +128,19 @@ def test_bounded_forward_never_reads_the_counts_on_the_host(monkeypatch):
     with pytest.raises(ValueError, match="dispatch='tokens' sizes its buffers by max_tokens_per_rank: set it"):
         MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, comm="fused", fused=FusedMoEConfig(dispatch="tokens"),
                  workspace=SimulatedWorld(1).workspaces()[0])
-    with pytest.raises(ValueError, match="dispatch='token': expected 'rows' or 'tokens'"):
+    with pytest.raises(ValueError, match="dispatch='token': expected 'auto', 'rows' or 'tokens'"):
         MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, comm="fused", workspace=SimulatedWorld(1).workspaces()[0],
                  fused=FusedMoEConfig(max_tokens_per_rank=4, dispatch="token"))
+
+
+def test_dispatch_auto_is_by_token_where_the_tokens_are_bounded():
+    """dispatch="auto" (the default): by token with max_tokens_per_rank (its buffers are sized by it), else by row;
+    an explicit choice stands."""
+    for max_tokens, dispatch, by_token in ((None, "auto", False), (4, "auto", True), (4, "rows", False),
+                                           (4, "tokens", True)):
+        layer = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, comm="fused", workspace=SimulatedWorld(1).workspaces()[0],
+                         fused=FusedMoEConfig(max_tokens_per_rank=max_tokens, dispatch=dispatch))
+        assert layer.dispatch.by_token == by_token, (max_tokens, dispatch)
 
 
 @interpreter
