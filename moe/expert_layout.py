@@ -139,7 +139,7 @@ def _checked(counts: torch.Tensor, num_local_experts: int) -> torch.Tensor:
 def dispatch_tables(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int, owner_tile_rows: int,
                     num_sent: int, capacity: int) -> DispatchTables:
     """DispatchTables for `capacity` receive rows; num_sent (this rank's permuted rows) is the permutation's length,
-    which the host knows. Two kernel launches, no host sync."""
+    which the host knows. Three kernel launches, no host sync."""
     world, counts = counts.shape[0], _checked(counts, num_local_experts)
     rows = expert_rows(counts, rank, num_local_experts, (tile_rows, owner_tile_rows), num_sent, capacity)
     # Row tiles of `capacity` rows: at most one partial tile per local expert (GEMM 1) or per (local expert, source)
@@ -147,7 +147,7 @@ def dispatch_tables(counts: torch.Tensor, rank: int, num_local_experts: int, til
     bounds = (triton.cdiv(capacity, owner_tile_rows) + num_local_experts,
               triton.cdiv(capacity, tile_rows) + num_local_experts * world, 0)
     gemm, listed, combine, combine_listed, _ = _tile_tables(counts, rank, num_local_experts, tile_rows,
-                                                            owner_tile_rows, bounds, 2)
+                                                            owner_tile_rows, bounds)
     return DispatchTables(counts, rank, world, num_local_experts, (tile_rows, owner_tile_rows), capacity, rows, gemm,
                           listed, combine, combine_listed)
 
@@ -422,17 +422,19 @@ def _place(key, valid, before, W_P2: tl.constexpr):
     return _pick(before, key, W_P2) + within, before + tl.sum(hits, axis=0)
 
 
-@triton.jit(do_not_specialize=["rank", "n_gemm", "n_combine", "n_grad"])  # one variant for all steps
-def _tile_tables_kernel(counts_ptr, gemm_ptr, gemm_count_ptr, combine_ptr, combine_count_ptr, grad_ptr, rank, n_gemm,
-                        n_combine, n_grad, WORLD: tl.constexpr, L: tl.constexpr, W_P2: tl.constexpr,
-                        L_P2: tl.constexpr, E_P2: tl.constexpr, TILE_ROWS: tl.constexpr,
-                        OWNER_TILE_ROWS: tl.constexpr, CHUNK: tl.constexpr):
-    """Program 0: gemm_tiles, program 1: combine_tiles (DispatchTables), program 2: combine_grad_tiles (ExpertLayout),
-    each over its tiles CHUNK at a time. gemm_tiles has n_gemm columns and combine_tiles n_combine: before the host
-    knows the owner's row tiles, a bound; programs 0 and 1 list the first min(bound, tiles) and store that number at
-    gemm_count_ptr / combine_count_ptr. The walk orders are a stable counting sort by key: a tile's place is the
-    number of tiles of smaller keys plus those of its key before it (two passes: the keys' totals, then the
-    places). `while` loops: the interpreter cannot range() up to an argument."""
+@triton.jit(do_not_specialize=["rank", "n_gemm", "n_combine", "n_grad", "gemm_chunks", "combine_chunks"])
+def _tile_tables_kernel(counts_ptr, gemm_ptr, gemm_count_ptr, combine_ptr, combine_count_ptr, grad_ptr, keys_ptr,
+                        rank, n_gemm, n_combine, n_grad, gemm_chunks, combine_chunks,
+                        WORLD: tl.constexpr, L: tl.constexpr, W_P2: tl.constexpr, L_P2: tl.constexpr,
+                        E_P2: tl.constexpr, TILE_ROWS: tl.constexpr, OWNER_TILE_ROWS: tl.constexpr,
+                        CHUNK: tl.constexpr, PLACES: tl.constexpr):
+    """One program per CHUNK tiles of a table: gemm_tiles' chunks, then combine_tiles' (DispatchTables), then
+    combine_grad_tiles' (ExpertLayout). gemm_tiles has n_gemm columns and combine_tiles n_combine: before the host
+    knows the owner's row tiles, a bound; the tables list the first min(bound, tiles), and that number is stored at
+    gemm_count_ptr / combine_count_ptr. Launched twice: first (PLACES=False) every table's columns, except the
+    GEMM's walk orders, whose chunks store their tiles per key (keys [gemm_chunks, 2, W_P2]); then (PLACES=True,
+    the GEMM's chunks) the walk orders, a stable counting sort by key: a tile's place is the number of tiles of
+    smaller keys, plus those of its key in earlier chunks, plus those before it in its chunk."""
     E: tl.constexpr = WORLD * L
     pid = tl.program_id(0)
     s = tl.arange(0, W_P2)
@@ -441,112 +443,120 @@ def _tile_tables_kernel(counts_ptr, gemm_ptr, gemm_count_ptr, combine_ptr, combi
     blocks = tl.load(counts_ptr + s[:, None] * E + rank * L + e[None, :], mask=(s[:, None] < WORLD) & (e[None, :] < L),
                      other=0).to(tl.int32)  # [source, local expert]
     sizes = tl.sum(blocks, axis=0)
-    if pid == 0:
+    if pid < gemm_chunks:
         listed = tl.minimum(tl.sum((sizes + OWNER_TILE_ROWS - 1) // OWNER_TILE_ROWS, axis=0), n_gemm)
-        tl.store(gemm_count_ptr, listed.to(tl.int64))
-        arrivals = tl.zeros([W_P2], tl.int32)  # tiles per key
-        departures = tl.zeros([W_P2], tl.int32)
-        first = 0
-        while first < listed:
-            i = first + lanes
-            expert, begin, end = _expert_tiles(i, sizes, OWNER_TILE_ROWS, L_P2)
-            arrive, leave = _walk_keys(expert, begin, end, blocks, rank, WORLD, W_P2, L_P2, OWNER_TILE_ROWS)
-            arrivals += tl.sum(_key_counts(arrive, i < listed, W_P2), axis=0)
-            departures += tl.sum(_key_counts(leave, i < listed, W_P2), axis=0)
-            first += CHUNK
-        arrivals = tl.cumsum(arrivals, axis=0) - arrivals  # now: tiles placed before each key
-        departures = tl.cumsum(departures, axis=0) - departures
-        first = 0
-        while first < listed:
-            i = first + lanes
-            valid = i < listed
-            expert, begin, end = _expert_tiles(i, sizes, OWNER_TILE_ROWS, L_P2)
-            arrive, leave = _walk_keys(expert, begin, end, blocks, rank, WORLD, W_P2, L_P2, OWNER_TILE_ROWS)
+        i = pid * CHUNK + lanes
+        valid = i < listed
+        expert, begin, end = _expert_tiles(i, sizes, OWNER_TILE_ROWS, L_P2)
+        arrive, leave = _walk_keys(expert, begin, end, blocks, rank, WORLD, W_P2, L_P2, OWNER_TILE_ROWS)
+        if PLACES:
+            arrivals = tl.zeros([W_P2], tl.int32)  # tiles per key, all chunks
+            departures = tl.zeros([W_P2], tl.int32)
+            arrivals_before = tl.zeros([W_P2], tl.int32)  # tiles per key in the chunks before this one
+            departures_before = tl.zeros([W_P2], tl.int32)
+            first = 0
+            while first < gemm_chunks:  # `while`: the interpreter cannot range() up to an argument
+                chunks = first + lanes
+                at = keys_ptr + chunks[:, None] * (2 * W_P2) + s[None, :]
+                there = (chunks < gemm_chunks)[:, None]
+                arrive_counts = tl.load(at, mask=there, other=0)
+                leave_counts = tl.load(at + W_P2, mask=there, other=0)
+                arrivals += tl.sum(arrive_counts, axis=0)
+                departures += tl.sum(leave_counts, axis=0)
+                arrivals_before += tl.sum(tl.where((chunks < pid)[:, None], arrive_counts, 0), axis=0)
+                departures_before += tl.sum(tl.where((chunks < pid)[:, None], leave_counts, 0), axis=0)
+                first += CHUNK
+            place, _ = _place(arrive, valid, tl.cumsum(arrivals, axis=0) - arrivals + arrivals_before, W_P2)
+            tl.store(gemm_ptr + 3 * n_gemm + place, i.to(tl.int64), mask=valid)
+            place, _ = _place(leave, valid, tl.cumsum(departures, axis=0) - departures + departures_before, W_P2)
+            tl.store(gemm_ptr + 4 * n_gemm + place, i.to(tl.int64), mask=valid)
+        else:
+            if pid == 0:
+                tl.store(gemm_count_ptr, listed.to(tl.int64))
             tl.store(gemm_ptr + i, expert.to(tl.int64), mask=valid)
             tl.store(gemm_ptr + n_gemm + i, begin.to(tl.int64), mask=valid)
             tl.store(gemm_ptr + 2 * n_gemm + i, end.to(tl.int64), mask=valid)
-            place, arrivals = _place(arrive, valid, arrivals, W_P2)
-            tl.store(gemm_ptr + 3 * n_gemm + place, i.to(tl.int64), mask=valid)
-            place, departures = _place(leave, valid, departures, W_P2)
-            tl.store(gemm_ptr + 4 * n_gemm + place, i.to(tl.int64), mask=valid)
-            first += CHUNK
-    elif pid == 1:
+            tl.store(keys_ptr + pid * (2 * W_P2) + s, tl.sum(_key_counts(arrive, valid, W_P2), axis=0))
+            tl.store(keys_ptr + pid * (2 * W_P2) + W_P2 + s, tl.sum(_key_counts(leave, valid, W_P2), axis=0))
+    elif pid < gemm_chunks + combine_chunks:
         # Blocks in walk order: b = k * L + e is local expert e's block from source rank + 1 + k (this rank last).
         b = tl.arange(0, E_P2)
         in_walk = b < E
         source = (rank + 1 + b // L) % WORLD
         local = b % L
-        expert = rank * L + local
-        rows = tl.load(counts_ptr + source * E + expert, mask=in_walk, other=0).to(tl.int32)
+        global_expert = rank * L + local
+        rows = tl.load(counts_ptr + source * E + global_expert, mask=in_walk, other=0).to(tl.int32)
         # The block's first row at the owner: rows of earlier local experts, then this expert's from earlier sources.
         first_row = (_pick(tl.cumsum(sizes, axis=0) - sizes, local, L_P2)
                      + tl.sum(tl.where(s[:, None] < source[None, :],
-                                       tl.load(counts_ptr + s[:, None] * E + expert[None, :],
+                                       tl.load(counts_ptr + s[:, None] * E + global_expert[None, :],
                                                mask=(s[:, None] < WORLD) & in_walk[None, :], other=0), 0),
                               axis=0).to(tl.int32))
         # The source's rows of earlier global experts: where its rows of this expert start, and their flag slots.
         g = tl.arange(0, E_P2)[None, :]
-        earlier = tl.load(counts_ptr + source[:, None] * E + g, mask=in_walk[:, None] & (g < expert[:, None]),
+        earlier = tl.load(counts_ptr + source[:, None] * E + g, mask=in_walk[:, None] & (g < global_expert[:, None]),
                           other=0).to(tl.int32)
         source_row = tl.sum(earlier, axis=1)
         slot = tl.sum((earlier + TILE_ROWS - 1) // TILE_ROWS, axis=1)
         tiles = (rows + TILE_ROWS - 1) // TILE_ROWS
         first_tile = tl.cumsum(tiles, axis=0) - tiles
         listed = tl.minimum(tl.sum(tiles, axis=0), n_combine)
-        tl.store(combine_count_ptr, listed.to(tl.int64))
-        first = 0
-        while first < listed:
-            i = first + lanes
-            valid = i < listed
-            block = _run_of(i, tiles)
-            k = i - _pick(first_tile, block, E_P2)  # the tile's place in its block
-            out = combine_ptr + i
-            tl.store(out, (_pick(first_row, block, E_P2) + k * TILE_ROWS).to(tl.int64), mask=valid)
-            tl.store(out + n_combine, tl.minimum(_pick(rows, block, E_P2) - k * TILE_ROWS, TILE_ROWS).to(tl.int64),
-                     mask=valid)
-            tl.store(out + 2 * n_combine, _pick(local, block, E_P2).to(tl.int64), mask=valid)
-            tl.store(out + 3 * n_combine, _pick(source, block, E_P2).to(tl.int64), mask=valid)
-            tl.store(out + 4 * n_combine, (_pick(source_row, block, E_P2) + k * TILE_ROWS).to(tl.int64), mask=valid)
-            tl.store(out + 5 * n_combine, (_pick(slot, block, E_P2) + k).to(tl.int64), mask=valid)
-            first += CHUNK
+        if pid == gemm_chunks:
+            tl.store(combine_count_ptr, listed.to(tl.int64))
+        i = (pid - gemm_chunks) * CHUNK + lanes
+        valid = i < listed
+        block = _run_of(i, tiles)
+        k = i - _pick(first_tile, block, E_P2)  # the tile's place in its block
+        out = combine_ptr + i
+        tl.store(out, (_pick(first_row, block, E_P2) + k * TILE_ROWS).to(tl.int64), mask=valid)
+        tl.store(out + n_combine, tl.minimum(_pick(rows, block, E_P2) - k * TILE_ROWS, TILE_ROWS).to(tl.int64),
+                 mask=valid)
+        tl.store(out + 2 * n_combine, _pick(local, block, E_P2).to(tl.int64), mask=valid)
+        tl.store(out + 3 * n_combine, _pick(source, block, E_P2).to(tl.int64), mask=valid)
+        tl.store(out + 4 * n_combine, (_pick(source_row, block, E_P2) + k * TILE_ROWS).to(tl.int64), mask=valid)
+        tl.store(out + 5 * n_combine, (_pick(slot, block, E_P2) + k).to(tl.int64), mask=valid)
     else:
-        first = 0
-        while first < n_grad:
-            i = first + lanes
-            valid = i < n_grad
-            expert, begin, end = _expert_tiles(i, sizes, TILE_ROWS, L_P2)
-            tl.store(grad_ptr + i, expert.to(tl.int64), mask=valid)
-            tl.store(grad_ptr + n_grad + i, begin.to(tl.int64), mask=valid)
-            tl.store(grad_ptr + 2 * n_grad + i, end.to(tl.int64), mask=valid)
-            first += CHUNK
+        i = (pid - gemm_chunks - combine_chunks) * CHUNK + lanes
+        valid = i < n_grad
+        expert, begin, end = _expert_tiles(i, sizes, TILE_ROWS, L_P2)
+        tl.store(grad_ptr + i, expert.to(tl.int64), mask=valid)
+        tl.store(grad_ptr + n_grad + i, begin.to(tl.int64), mask=valid)
+        tl.store(grad_ptr + 2 * n_grad + i, end.to(tl.int64), mask=valid)
 
 
 def tile_tables(counts: torch.Tensor, host_counts: np.ndarray, rank: int, num_local_experts: int, tile_rows: int,
                 owner_tile_rows: int) -> list[torch.Tensor]:
     """[gemm_tiles, combine_grad_tiles] (ExpertLayout) of owner `rank` on counts' device, in one launch
-    (`tile_tables_reference` in numpy); views of one buffer, each starting on a 16-byte boundary."""
+    (`tile_tables_reference` in numpy; two launches); views of one buffer, each starting on a 16-byte boundary."""
     n_gemm, n_grad = tile_counts(host_counts, rank, num_local_experts, tile_rows, owner_tile_rows)
     gemm, _, _, _, grad = _tile_tables(counts, rank, num_local_experts, tile_rows, owner_tile_rows,
-                                       (n_gemm, 0, n_grad), 3)
+                                       (n_gemm, 0, n_grad))
     return [gemm, grad]
 
 
 def _tile_tables(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int, owner_tile_rows: int,
-                 sizes: tuple[int, int, int], programs: int) -> list[torch.Tensor]:
+                 sizes: tuple[int, int, int]) -> list[torch.Tensor]:
     """[gemm_tiles, gemm tiles listed, combine_tiles, combine tiles listed, combine_grad_tiles] of sizes[k]
-    columns, views of one buffer; `programs`: 3 fills every table, 2 the first two."""
+    columns (0: that table is not made), views of one buffer."""
     world, counts = counts.shape[0], counts.contiguous()  # read whole
     shapes = [(5, sizes[0]), (1, 1), (6, sizes[1]), (1, 1), (3, sizes[2])]
     starts = np.cumsum([0] + [_even(k * n) for k, n in shapes])
     flat = torch.empty(int(starts[-1]), dtype=torch.int64, device=counts.device)
     tables = [flat[int(a):int(a) + k * n].view(k, n) for a, (k, n) in zip(starts, shapes)]
     tables[1], tables[3] = tables[1].view(1), tables[3].view(1)
-    if max(sizes):
-        shape = (world, num_local_experts, triton.next_power_of_2(world), triton.next_power_of_2(num_local_experts),
-                 triton.next_power_of_2(world * num_local_experts), tile_rows, owner_tile_rows,
-                 64 if counts.is_cuda else 16)
-        _TILE_LAUNCHES((counts.device, counts.dtype, *shape, *map(aligned, (counts, *tables))), (programs, 1, 1),
-                       (counts, *tables, rank, *sizes, *shape), dict(num_warps=4 if counts.is_cuda else 1))
+    chunk = 64 if counts.is_cuda else 16
+    chunks = [triton.cdiv(n, chunk) for n in sizes]
+    if sum(chunks):
+        w_p2 = triton.next_power_of_2(world)
+        keys = torch.empty(max(chunks[0], 1) * 2 * w_p2, dtype=torch.int32, device=counts.device)
+        shape = (world, num_local_experts, w_p2, triton.next_power_of_2(num_local_experts),
+                 triton.next_power_of_2(world * num_local_experts), tile_rows, owner_tile_rows, chunk)
+        tensors = (counts, *tables, keys)
+        for places, programs in ((False, sum(chunks)), (True, chunks[0])):
+            if programs:
+                _TILE_LAUNCHES((counts.device, counts.dtype, *shape, places, *map(aligned, tensors)),
+                               (programs, 1, 1), (*tensors, rank, *sizes, *chunks[:2], *shape, places),
+                               dict(num_warps=4 if counts.is_cuda else 1))
     return tables
 
 

@@ -164,10 +164,12 @@ def test_tile_tables_kernel_compiles_for_sm90():
     compile_for_sm90("""
 from moe.expert_layout import _tile_tables_kernel
 ptrs = {n: "*i64" for n in _tile_tables_kernel.arg_names if n.endswith("_ptr")}
+ptrs["keys_ptr"] = "*i32"
 for world, local in ((2, 32), (8, 32)):
-    build(_tile_tables_kernel, ptrs, dict(WORLD=world, L=local, W_P2=world, L_P2=local,
-                                          E_P2=triton.next_power_of_2(world * local), TILE_ROWS=128,
-                                          OWNER_TILE_ROWS=128, CHUNK=64))
+    for places in (False, True):
+        build(_tile_tables_kernel, ptrs, dict(WORLD=world, L=local, W_P2=world, L_P2=local,
+                                              E_P2=triton.next_power_of_2(world * local), TILE_ROWS=128,
+                                              OWNER_TILE_ROWS=128, CHUNK=64, PLACES=places))
 """)
 
 
