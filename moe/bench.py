@@ -1,6 +1,7 @@
 """Benchmark of the expert-parallel MoE layer, bulk against fused, bf16 (not a test).
 
-`torchrun --nproc_per_node=2 --standalone -m moe.bench [--quick] [--configs 1,3] [--dispatch rows|tokens ...] [--out FILE]`
+`torchrun --nproc_per_node=2 --standalone -m moe.bench [--quick] [--configs 1,3] [--fused rows tokens tokens+combine]
+[--out FILE]`
 
 Per config, on every rank: tokens/GPU random bf16 tokens, the layer's own router (skewed configs add a logit
 bias that sends about half of the tokens to expert 0). Phases, each timed alone on prepared inputs:
@@ -18,8 +19,10 @@ overlap: communication (bulk dispatch + combine; twice that for forward+backward
 everything else: ideal = max(bulk total - comm, comm); the table gives ideal / fused total in %. "fwd b2b" is the
 forward's time per call over 20 calls back to back (no sync between them, as layers follow each other in a model):
 the host's enqueue time counts there as it does in training, and it can differ from the synced figure either way.
-The fused output is checked against bulk first (relative error). Both fused dispatches (FusedMoEConfig.dispatch;
-`--dispatch` picks) are timed in the same run against the same bulk layer: by row "fused", by token "fused/tok".
+The fused output is checked against bulk first (relative error). The fused layers `--fused` picks are timed in the
+same run against the same bulk layer: dispatch and combine by row "fused"; the dispatch by token "fused/tok"; and
+the combine by token as well "fused/tok+c" (FusedMoEConfig.dispatch and .combine; the combine by token serves
+forwards without the routing weights' gradient, so its fwd+bwd combines by row).
 """
 
 from __future__ import annotations
@@ -89,30 +92,32 @@ def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[
         expert_out = e(received, sizes)
         return {"dispatch": lambda: exchange.to_owners(rows), "experts": lambda: e(received, sizes),
                 "combine": lambda: unpermute(exchange.to_sources(expert_out), perm, routing.weights)}
-    combine = layer.combine
+    row_weights = routing.weights.reshape(-1)[perm.order].float()
 
     def dispatch_and_gemm1():  # the layer's, as a forward without a backward runs it
-        return layer._fused_dispatch(x, counts, perm, e.w13, keep_a13=False, overlap=_Alongside(None))[1]
+        return layer._fused_dispatch(x, counts, perm, e.w13, keep_a13=False, overlap=_Alongside(None),
+                                     row_weights=row_weights)[1]
 
     out = dispatch_and_gemm1()
     return {"dispatch": dispatch_and_gemm1,
-            "combine": lambda: combine.finish(combine.start(out.h, e.w2, out.tables), out.tables, perm,
-                                              routing.weights)}
+            "combine": lambda: layer._fused_combine(out, e.w2, perm, routing.weights, row_weights)}
 
 
-def fused_path(dispatch: str) -> str:
-    """The result's key (and the table's label) of the fused layer with this dispatch."""
-    return "fused" if dispatch == "rows" else "fused/tok"
+FUSED_PATHS = {  # --fused: the result's key (and the table's label) and the layer's FusedMoEConfig choices
+    "rows": ("fused", dict(dispatch="rows")),
+    "tokens": ("fused/tok", dict(dispatch="tokens", combine="rows")),
+    "tokens+combine": ("fused/tok+c", dict(dispatch="tokens", combine="auto")),
+}
 
 
-def run_config(cfg: Config, iters: int, dispatches: tuple[str, ...] = ("rows",)) -> dict:
+def run_config(cfg: Config, iters: int, fused: tuple[str, ...] = ("rows",)) -> dict:
     rank = dist.get_rank()
     kw = dict(seed=1, dtype=torch.bfloat16, device="cuda")
     layers = {"bulk": MoELayer(cfg.d_model, cfg.ffn, cfg.experts, cfg.top_k, **kw)}
-    for dispatch in dispatches:
-        layers[fused_path(dispatch)] = MoELayer(
-            cfg.d_model, cfg.ffn, cfg.experts, cfg.top_k, comm="fused",
-            fused=FusedMoEConfig(max_tokens_per_rank=cfg.tokens, dispatch=dispatch), **kw)
+    for choice in fused:
+        path, choices = FUSED_PATHS[choice]
+        layers[path] = MoELayer(cfg.d_model, cfg.ffn, cfg.experts, cfg.top_k, comm="fused",
+                                fused=FusedMoEConfig(max_tokens_per_rank=cfg.tokens, **choices), **kw)
     gen = torch.Generator(device="cuda").manual_seed(100 + rank)
     x = torch.randn(cfg.tokens, cfg.d_model, device="cuda", dtype=torch.bfloat16, generator=gen)
     grad = torch.randn(cfg.tokens, cfg.d_model, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -182,7 +187,8 @@ def table(results: list[dict]) -> str:
             lines.append(line)
     lines.append("ms, median of the slowest rank (fwd b2b: per call, 20 calls back to back; fwd dev: GPUs lined up, "
                  "the call enqueued during a 1 ms head start, dev 3x: 3 ms). bulk: experts = both GEMMs; fused: "
-                 "dispatch includes GEMM 1 and combine GEMM 2; fused/tok: the dispatch by token.")
+                 "dispatch includes GEMM 1 and combine GEMM 2; fused/tok: the dispatch by token; fused/tok+c: the "
+                 "combine by token too (forward only: training combines by row).")
     return "\n".join(lines)
 
 
@@ -191,8 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small configs only")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--configs", help="which of the configs, 1-based and comma-separated (default: all)")
-    parser.add_argument("--dispatch", choices=("rows", "tokens"), nargs="+", default=["rows", "tokens"],
-                        help="the fused layers' dispatches (FusedMoEConfig.dispatch), each timed in the same run")
+    parser.add_argument("--fused", choices=list(FUSED_PATHS), nargs="+", default=list(FUSED_PATHS),
+                        help="the fused layers (FusedMoEConfig.dispatch and .combine), each timed in the same run")
     parser.add_argument("--out", help="write every number as JSON here")
     args = parser.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -203,15 +209,14 @@ def main(argv: list[str] | None = None) -> None:
         if not all(1 <= i <= len(configs) for i in picked):
             parser.error(f"--configs {args.configs}: there are configs 1 to {len(configs)}")
         configs = [configs[i - 1] for i in picked]
-    results = [run_config(cfg, args.iters, tuple(args.dispatch)) for cfg in configs]
+    results = [run_config(cfg, args.iters, tuple(args.fused)) for cfg in configs]
     if dist.get_rank() == 0:
-        print(f"{dist.get_world_size()} x {torch.cuda.get_device_name()}, bf16, fused dispatch by "
-              + " and by ".join(d[:-1] for d in args.dispatch))
+        print(f"{dist.get_world_size()} x {torch.cuda.get_device_name()}, bf16, fused: {', '.join(args.fused)}")
         print(table(results))
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"gpus": dist.get_world_size(), "device": torch.cuda.get_device_name(),
-                           "dispatch": args.dispatch, "results": results}, f, indent=1)
+                           "fused": args.fused, "results": results}, f, indent=1)
     dist.destroy_process_group()
 
 

@@ -69,6 +69,11 @@ class FusedMoEConfig:
     # top_k >= world, world x fewer bytes, and no copy of the receive buffer for the backward. "auto": tokens with
     # max_tokens_per_rank, else rows (2x H200, 2026-11-26: the fine-grained MoE step 107.0 ms by token, 109.7 by
     # row; docs/benchmarks.md).
+    combine: str = "auto"  # "rows": every routed row's expert output goes back to its source, which sums a
+    # token's k rows; "auto": with the dispatch by token, wherever the routing weights need no gradient (no_grad:
+    # inference, evaluation; or the experts trained alone), the owner sums each token's rows on its experts,
+    # weighted, and one row per (token, owner) crosses (moe.kernels.fused_combine); else rows. Training through
+    # the router keeps "rows": the routing weights' gradient reads each assignment's expert output on the source.
 
 
 class MoELayer(nn.Module):
@@ -105,6 +110,8 @@ class MoELayer(nn.Module):
             fused = fused or FusedMoEConfig()
             if fused.dispatch not in ("auto", "rows", "tokens"):
                 raise ValueError(f"FusedMoEConfig.dispatch={fused.dispatch!r}: expected 'auto', 'rows' or 'tokens'")
+            if fused.combine not in ("auto", "rows"):
+                raise ValueError(f"FusedMoEConfig.combine={fused.combine!r}: expected 'auto' or 'rows'")
             if fused.dispatch == "tokens" and fused.max_tokens_per_rank is None:
                 raise ValueError("FusedMoEConfig.dispatch='tokens' sizes its buffers by max_tokens_per_rank: set it")
             if fused.max_tokens_per_rank is not None and fused.max_tokens_per_rank < 1:
@@ -115,7 +122,8 @@ class MoELayer(nn.Module):
                                           fused.num_programs or DISPATCH_PUSH_PROGRAMS, spins, max_tokens=by_token,
                                           top_k=top_k)
             self.combine = FusedCombine(workspace, d_model, self.num_local_experts,
-                                        fused.num_programs or _combine_programs(workspace.device), spins)
+                                        fused.num_programs or _combine_programs(workspace.device), spins,
+                                        max_tokens=by_token if fused.combine == "auto" else None, top_k=top_k)
             self._dispatch_graphs = GraphedCalls() if fused.cuda_graphs and workspace.device.type == "cuda" else None
             self.max_tokens = fused.max_tokens_per_rank
             if self.max_tokens is not None:
@@ -176,7 +184,8 @@ class MoELayer(nn.Module):
         return y, aux
 
     def _fused_dispatch(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation, w13_param: torch.Tensor,
-                        keep_a13: bool, overlap: _Alongside) -> tuple[_HostLayout, _Dispatched]:
+                        keep_a13: bool, overlap: _Alongside, row_weights: torch.Tensor
+                        ) -> tuple[_HostLayout, _Dispatched]:
         """The fused dispatch and GEMM 1 -> (the call's layout, built when first asked for; what the dispatch made,
         at the receive capacity), with the combine's buffers reserved.
 
@@ -185,12 +194,13 @@ class MoELayer(nn.Module):
         capacity is the one earlier calls reserved, and only then the host reads the counts (the layout), while the
         GEMM runs; when this call's rows did not fit (every rank sees it in the same counts) the dispatch runs
         again in buffers reserved for them. The first call has no capacity yet: it reads its counts first.
-        `overlap` is queued behind GEMM 1, before the host waits for the counts."""
+        `overlap` is queued behind GEMM 1, before the host waits for the counts. `row_weights`: each permuted row's
+        routing weight (fp32), which the dispatch by token sends with its token id."""
         # enqueued before the dispatch: reading it waits for the counts only
         layout = _HostLayout(self, counts, PendingHostCopy(counts), self._tile_rows(x))
         if not self.dispatch.capacity:
             self.dispatch.reserve(layout.get().max_recv_rows, layout.get().total_rows)
-        out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13)
+        out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13, row_weights)
         overlap()
         if self.max_tokens is not None:
             return layout, out
@@ -204,12 +214,12 @@ class MoELayer(nn.Module):
                 self._dispatch_graphs.clear()
             log.info("MoE dispatch: %d rows per owner outgrew the receive capacity %d: dispatched again at %d",
                      lay.max_recv_rows, old_capacity, self.dispatch.capacity)
-            out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13)
+            out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13, row_weights)
         self.combine.reserve(lay.max_send_rows, send_slots(lay.host_counts, lay.tile_rows), lay.total_rows)
         return layout, out
 
     def _dispatch_at_capacity(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation,
-                              w13_param: torch.Tensor, keep_a13: bool) -> _Dispatched:
+                              w13_param: torch.Tensor, keep_a13: bool, row_weights: torch.Tensor) -> _Dispatched:
         """Push + GEMM 1 over DispatchTables of the current capacity (capacity rows).
 
         Their launches, and the tables' and the weights' cast before them, are kernels only, which read the epoch
@@ -221,7 +231,7 @@ class MoELayer(nn.Module):
         epoch = dispatch.begin(x)
 
         def launch(x: torch.Tensor, token_of_row: torch.Tensor, counts: torch.Tensor,
-                   inverse: torch.Tensor | None = None):
+                   inverse: torch.Tensor | None = None, row_weights: torch.Tensor | None = None):
             w13 = compute_weight(w13_param, x.dtype)  # mixed precision: the rows' dtype (the copy, if any)
             tables = dispatch_tables(counts, self.rank, self.num_local_experts, *self._tile_rows(x),
                                      token_of_row.numel(), dispatch.capacity)
@@ -231,10 +241,10 @@ class MoELayer(nn.Module):
             a13 = x.new_empty(dispatch.capacity, w13.shape[2]) if keep_a13 else None
             rows = x.new_empty(dispatch.capacity, x.shape[1]) if keep_a13 and dispatch.by_token else None
             h = dispatch.launch(x, token_of_row, tables, w13, a13_out=a13, own_rows=keep_a13, inverse=inverse,
-                                rows_out=rows)
+                                rows_out=rows, row_weights=row_weights)
             return tables, h, a13, w13, rows
 
-        inputs = (x, perm.token_of_row, counts) + ((perm.inverse,) if dispatch.by_token else ())
+        inputs = (x, perm.token_of_row, counts) + ((perm.inverse, row_weights) if dispatch.by_token else ())
         if self._dispatch_graphs is None:
             (tables, h, a13, w13, rows), lease = launch(*inputs), None
         else:
@@ -245,7 +255,19 @@ class MoELayer(nn.Module):
                    dispatch.buffer_addresses(x.dtype))
             (tables, h, a13, w13, rows), lease = self._dispatch_graphs(key, launch, inputs, hold=keep_a13)
         received = dispatch.end(epoch)  # by token None: `rows`, which GEMM 1 stored
-        return _Dispatched(tables, rows if dispatch.by_token else received, h, a13, w13, lease)
+        return _Dispatched(tables, rows if dispatch.by_token else received, h, a13, w13, lease, epoch)
+
+    def _fused_combine(self, out: _Dispatched, w2: torch.Tensor, perm: Permutation, weights: torch.Tensor,
+                       row_weights: torch.Tensor, rows_out: torch.Tensor | None = None) -> torch.Tensor:
+        """GEMM 2 and the combine of a dispatched call -> [tokens, d_model]: by token where the combine is made for
+        it (FusedMoEConfig.combine) and no assignment's row is asked for (rows_out: the routing weights'
+        gradient reads them), else by row."""
+        if self.combine.max_tokens is not None and rows_out is None:
+            epoch = self.combine.start_by_token(out.h, w2, out.tables, self.dispatch.rows_by_source(out.epoch),
+                                                perm.token_of_row, row_weights)
+            return self.combine.finish_by_token(epoch, out.tables, perm)
+        epoch = self.combine.start(out.h, w2, out.tables)
+        return self.combine.finish(epoch, out.tables, perm, weights, rows_out=rows_out)
 
     def _tile_rows(self, x: torch.Tensor) -> tuple[int, int]:
         """Row tiles of the combine's GEMM and of the owner's (the dispatch's backward GEMM numbers its flags)."""
@@ -291,6 +313,7 @@ class _Dispatched:
     a13: torch.Tensor | None  # training only
     w13: torch.Tensor  # the weights GEMM 1 read (cast to the rows' dtype)
     lease: Lease | None  # on h, a13, w13, the tables and (by token) `received`, when a CUDA graph's (training)
+    epoch: int  # the dispatch's (by token: its rows' tokens and weights, FusedDispatch.rows_by_source)
 
 
 class _Alongside:
@@ -353,7 +376,8 @@ class _FusedExperts(torch.autograd.Function):
     (times its routing weight) into its owner's buffer and finish_backward's GEMM (grad_h = g @ w2^T) waits per
     tile for just those rows; FusedDispatch.start_backward stores the input-gradient tiles straight into the
     sources' buffers and finish_backward sums each token's rows as their flags arrive. The routing weights'
-    gradient needs each row's expert output: the forward's consumer kept a copy.
+    gradient needs each row's expert output: the forward's consumer kept a copy. Where no such gradient is asked
+    for and the dispatch is by token, the combine is by token too (FusedMoEConfig.combine).
 
     The expert weights come in as the parameters and are cast to the rows' dtype here (mixed precision), so that
     the weight-gradient GEMMs store their gradients in the parameters' dtype: no bf16 gradient for autograd to
@@ -368,10 +392,10 @@ class _FusedExperts(torch.autograd.Function):
         needs_grad = [grad_enabled and needs for needs in ctx.needs_input_grad]
         training = any(needs_grad)
         w2 = compute_weight(w2_param, x.dtype)  # the parameter itself when of x's dtype (w13's is the dispatch's)
-        layout, out = layer._fused_dispatch(x, counts, perm, w13_param, training, overlap)
-        epoch = layer.combine.start(out.h, w2, out.tables)
+        row_weights = weights.reshape(-1)[perm.order].float()
+        layout, out = layer._fused_dispatch(x, counts, perm, w13_param, training, overlap, row_weights)
         rows = x.new_empty(weights.numel(), x.shape[1]) if needs_grad[1] else None  # by assignment
-        y = layer.combine.finish(epoch, out.tables, perm, weights, rows_out=rows)
+        y = layer._fused_combine(out, w2, perm, weights, row_weights, rows)
         if training:
             ctx.layer, ctx.layout, ctx.tables, ctx.perm = layer, layout, out.tables, perm
             ctx.weight_dtype, ctx.lease = w13_param.dtype, out.lease

@@ -43,7 +43,7 @@ MOE="model=moe_transformer_finegrained model.precision=bf16 trainer.max_steps=60
 runs() {
   R 200 bench_embedding -m fused_dlrm.bench embedding --out $OUT/bench_embedding.json
   R 60 bench_embedding_nvshmem -m fused_dlrm.bench embedding --quick --transport nvshmem --out $OUT/bench_nvshmem.json
-  R 450 bench_moe -m moe.bench --iters 10 --out $OUT/bench_moe.json  # both dispatches: 95 s for configs 1, 3 (H200)
+  R 450 bench_moe -m moe.bench --iters 10 --out $OUT/bench_moe.json  # three fused layers (two dispatches, two combines)
   R 200 bench_tp -m fused_dlrm.bench tp --out $OUT/bench_tp.json
   # torchrec's own sharder against ours under DMP + TrainPipelineSparseDist; torchrec's row needs fbgemm-gpu's
   # CUDA build (../shared/GPU.md), else it says why and is left out. That wheel (465 MB) fits no single call:

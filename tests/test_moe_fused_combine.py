@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 D_MODEL, FFN, LOCAL = 40, 20, 2  # d_model spans 3 column blocks of 16, the last one partial
 NEVER = -30.0
 OWNER_TILE_ROWS = 16  # the dispatch's backward tiles: unused here
+TOP_K = 3  # the combine by token's bound on a token's experts: the most of any case
 
 
 @dataclass
@@ -32,10 +33,10 @@ class Case:
 
 
 class World:
-    def __init__(self, world_size: int, num_programs: int = 3, spin_limit: int = 100):
+    def __init__(self, world_size: int, num_programs: int = 3, spin_limit: int = 100, max_tokens: int = 16):
         self.world_size = world_size
         self.num_experts = world_size * LOCAL
-        self.combines = [FusedCombine(ws, D_MODEL, LOCAL, num_programs, spin_limit)
+        self.combines = [FusedCombine(ws, D_MODEL, LOCAL, num_programs, spin_limit, max_tokens, TOP_K)
                          for ws in SimulatedWorld(world_size).workspaces()]
 
     def route(self, case: Case, gen: torch.Generator):
@@ -100,6 +101,41 @@ class World:
             if len(starting) == self.world_size:
                 c.ws.buffer("combine_grad_rows", 0, dtype).local.fill_(float("nan"))
         return outs, expected, counts
+
+
+    def step_by_token(self, case: Case, gen: torch.Generator, dtype=torch.float32, starting=None):
+        """One epoch of the combine by token on every rank (those in `starting` run start_by_token); each owner
+        gets what the dispatch by token would have pushed: the peers' rows' tokens and weights, garbage elsewhere
+        (a row read that the owner does not own would show). The parts buffers are NaN before: a part read that
+        no owner stored shows. Returns (outputs, expected outputs, counts)."""
+        perms, weights, layouts, counts = self.route(case, gen)
+        capacity = layouts[0].max_recv_rows + 5
+        tables = self.tables(counts, perms, capacity)
+        hs = [torch.randn(sum(lay.tokens_per_local_expert), FFN, generator=gen).to(dtype) for lay in layouts]
+        padded = [torch.cat([h, torch.full((capacity - h.shape[0], FFN), float("nan"), dtype=dtype)]) for h in hs]
+        w2s = [torch.randn(LOCAL, FFN, D_MODEL, generator=gen).to(dtype) for _ in layouts]
+        row_weights = [w.reshape(-1)[p.order].float() for w, p in zip(weights, perms)]
+        max_tokens = self.combines[0].max_tokens
+        max_rows = max_tokens * TOP_K
+        for c in self.combines:
+            c.ws.buffer("combine_parts", 0, dtype).local.fill_(float("nan"))
+        starting = range(self.world_size) if starting is None else starting
+        epochs = {}
+        for owner in starting:  # every producer first
+            row_tokens = torch.full((self.world_size, max_rows), max_tokens - 1, dtype=torch.int32)
+            source_weights = torch.full((self.world_size, max_rows), float("nan"))
+            for source, perm in enumerate(perms):
+                if source != owner:  # the dispatch pushes the rows of the owner's experts
+                    lo = int(counts[source, :owner * LOCAL].sum())
+                    hi = lo + int(counts[source, owner * LOCAL:(owner + 1) * LOCAL].sum())
+                    row_tokens[source, lo:hi] = perm.token_of_row[lo:hi].int()
+                    source_weights[source, lo:hi] = row_weights[source][lo:hi]
+            epochs[owner] = self.combines[owner].start_by_token(padded[owner], w2s[owner], tables[owner],
+                                                                (row_tokens, source_weights),
+                                                                perms[owner].token_of_row, row_weights[owner])
+        outs = [c.finish_by_token(epochs[r] if r in epochs else c.ws.next_epoch("combine"), tables[r], perms[r])
+                for r, c in enumerate(self.combines)]
+        return outs, fused_combine_reference(hs, w2s, layouts, perms, weights), counts
 
 
 def assert_close(got, want, tol):
@@ -174,22 +210,61 @@ def test_deterministic():
         assert torch.equal(a, b)
 
 
-def test_owner_that_never_starts_times_out_naming_rank_and_slice():
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_by_token_matches_reference(world_size, name):
+    """The combine by token (each owner sums a token's rows before one part crosses) against float64."""
+    world = World(world_size)
+    gen = torch.Generator().manual_seed(world_size * 10 + len(name))
+    outs, expected, _ = world.step_by_token(make_case(name, world_size), gen)
+    for got, want in zip(outs, expected):
+        assert_close(got, want, 1e-5)
+
+
+def test_by_token_consecutive_epochs_mixed_with_the_combine_by_row():
+    """Routing changes every epoch (a token's rows of the last epoch must not linger), fp16 and fp32, and epochs
+    by row in between: both count the same epochs and share the acks."""
+    world = World(4, num_programs=2)
+    gen = torch.Generator().manual_seed(15)
+    for step in range(5):
+        tokens = [int(t) for t in torch.randint(0, 16, (4,), generator=gen)]
+        case = Case(tokens, top_k=3, bias={step % 8: 3.0})
+        dtype, tol = (torch.float16, 2e-3) if step % 2 else (torch.float32, 1e-5)
+        outs, expected, _ = (world.step(case, gen, dtype) if step == 2 else world.step_by_token(case, gen, dtype))
+        for got, want in zip(outs, expected):
+            assert got.dtype == dtype
+            assert_close(got, want, tol)
+
+
+def test_by_token_deterministic():
+    world = World(2)
+    runs = [world.step_by_token(Case([13, 11], top_k=3), torch.Generator().manual_seed(9))[0] for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+BY_TOKEN = pytest.mark.parametrize("by_token", [False, True], ids=["by row", "by token"])
+
+
+@BY_TOKEN
+def test_owner_that_never_starts_times_out_naming_rank_and_slice(by_token):
     world = World(2, spin_limit=20)
-    gen = torch.Generator().manual_seed(3)
+    step = world.step_by_token if by_token else world.step
     with pytest.raises(PeerWaitTimeout, match=r"fused MoE combine: rank 0 timed out at step 1 waiting for rank 1, "
                                               r"slice \d+"):
-        world.step(Case([6, 5]), gen, starting=[0])
+        step(Case([6, 5]), torch.Generator().manual_seed(3), starting=[0])
 
 
-def test_source_that_never_acknowledges_blocks_its_owners_with_an_error():
+@BY_TOKEN
+def test_source_that_never_acknowledges_blocks_its_owners_with_an_error(by_token):
     """Rank 1's acknowledgement of epoch 1 is lost: at epoch 2 rank 0 must not overwrite rank 1's rows, and says so."""
     world = World(2, spin_limit=20)
+    step = world.step_by_token if by_token else world.step
     gen = torch.Generator().manual_seed(4)
-    world.step(Case([6, 5]), gen)
+    step(Case([6, 5]), gen)
     world.combines[0].ws.buffer("combine_ack", 2, torch.int32).local[1] = 0
     with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 2 waiting for rank 1 to release its buffer"):
-        world.step(Case([6, 5]), gen)
+        step(Case([6, 5]), gen)
 
 
 def test_backward_source_that_never_starts_times_out_naming_rank_and_slice():
@@ -222,13 +297,26 @@ for dtype in ("bf16", "fp16", "fp32"):
     ptrs = {**flags, **tables, **data, "weights_ptr": "*fp32", "weight_ptr": "*fp32"}
     out = getattr(tl, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])
     gemm = dict(FFN=1408, BLOCK_M=b.block_m, BLOCK_K=block_k, PRECISION="ieee" if dtype == "fp32" else None, **shape)
-    build(fc._expert_down_kernel, ptrs, dict(OUT_DTYPE=out, **gemm), b.gemm_warps, stages)
+    for local in (False, True):
+        build(fc._expert_down_kernel, {**ptrs, "y_ptr": "*" + dtype}, dict(OUT_DTYPE=out, STORE_LOCAL=local, **gemm),
+              b.gemm_warps, stages)
     w2 = {"w2_desc": f"tensordesc<{dtype}[1, {b.block_n}, {block_k}]>"}  # TMA (moe.kernels.weight_tiles)
     build(fc._gradient_gemm_kernel, {**ptrs, **w2}, dict(BLOCK_R=b.block_rows, **gemm), b.gemm_warps, stages)
     build(fc._weighted_unpermute_kernel, ptrs, dict(TOP_K=6, K_P2=8, BLOCK_T=b.block_tokens, OUT_DTYPE=out,
                                                     COPY_ROWS=True, **shape), b.consumer_warps, 3)
     build(fc._push_gradient_kernel, ptrs, dict(D_MODEL=2048, WORLD=2, BLOCK_R=b.block_rows, BLOCK_D=b.block_d,
                                                OUT_DTYPE=out), 4, 3)
+    build(fc._sum_token_rows_kernel, {**ptrs, "y_ptr": "*" + dtype, "rows_of_token_ptr": "*i32",
+                                      "weight_of_row_ptr": "*fp32", "source_order_ptr": "*i32", "parts_ptrs": "*i64"},
+          dict(MAX_TOKENS=8192, L=32, L_P2=32, ROWS=6, BLOCK_T=b.block_tokens, OUT_DTYPE=out, **shape),
+          b.consumer_warps, 3)
+    build(fc._sum_owner_parts_kernel, {**ptrs, "parts_ptr": "*" + dtype},
+          dict(MAX_TOKENS=8192, TOP_K=6, K_P2=8, WORLD=2, BLOCK_T=b.block_tokens, OUT_DTYPE=out, **shape),
+          b.consumer_warps, 3)
+build(fc._rows_of_tokens_kernel, {**tables, "row_tokens_ptr": "*i32", "row_weights_ptr": "*fp32",
+                                  "own_weight_ptr": "*fp32", "rows_of_token_ptr": "*i32", "weight_of_row_ptr": "*fp32",
+                                  "own_token_ptr": "*i64"},
+      dict(BLOCK_M=b.block_m, MAX_TOKENS=8192, MAX_ROWS=8192 * 6, L=32), 4, 3)
 build(fc._acknowledge_kernel, {"ack_ptrs": "*i64"}, dict(WORLD=4), 4, 3)
 """
 

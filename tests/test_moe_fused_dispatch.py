@@ -44,13 +44,14 @@ class World:
         self.dispatch = [FusedDispatch(ws, D_MODEL, FFN, local, num_programs, spin_limit, block_m, max_tokens, top_k)
                          for ws in SimulatedWorld(world).workspaces()]
         self.perms = []  # the last routed batch's permutations (dispatch by token reads their inverse)
+        self.row_weights = []  # and each permuted row's routing weight (which goes with its token id)
 
     def routed_batch(self, tokens: list[int], top_k: int, bias: list[float] | None, gen: torch.Generator,
                      capacity_factor: float | None = None, perms: list | None = None):
         """Each rank's tokens, permuted rows' tokens, all-gathered counts and layouts, from routing random logits
         (the permutations go to `perms` when given)."""
         experts = self.world * self.local
-        xs, token_of_rows, per_expert, self.perms = [], [], [], []
+        xs, token_of_rows, per_expert, self.perms, self.row_weights = [], [], [], [], []
         for n in tokens:
             x = torch.randn(n, D_MODEL, generator=gen)
             logits = torch.randn(n, experts, generator=gen) + (0 if bias is None else torch.tensor(bias))
@@ -62,6 +63,7 @@ class World:
             if perms is not None:
                 perms.append(perm)
             self.perms.append(perm)
+            self.row_weights.append(routing.weights.reshape(-1)[perm.order].float())
         counts = torch.stack(per_expert)  # what gather_counts all-gathers
         layouts = [build_expert_layout(counts, r, self.local, tile_rows=16, owner_tile_rows=self.backward_tile_rows)
                    for r in range(self.world)]
@@ -72,9 +74,10 @@ class World:
         that a row nobody pushed shows in `received` and in h."""
         for d in self.dispatch:
             if d.by_token:
-                tokens, ids, _, _ = d._buffers(torch.float32)
+                tokens, ids, weights, _, _ = d._buffers(torch.float32)
                 tokens.local.fill_(float("nan"))
                 ids.local.fill_(d.max_tokens - 1)
+                weights.local.fill_(float("nan"))
             else:
                 d.ws.buffer("moe_dispatch_rows", 0, torch.float32).local.fill_(float("nan"))
 
@@ -86,14 +89,19 @@ class World:
         return [dispatch_tables(lay.counts, r, self.local, 16, self.backward_tile_rows, t.numel(), d.capacity)
                 for r, (d, t, lay) in enumerate(zip(self.dispatch, token_of_rows, layouts))]
 
+    def by_token_inputs(self, rank: int) -> dict:
+        """What `start` takes besides the rows by token: the permutation's inverse and the rows' weights."""
+        if not self.dispatch[0].by_token:
+            return {}
+        return dict(inverse=self.perms[rank].inverse, row_weights=self.row_weights[rank])
+
     def step(self, xs, token_of_rows, layouts, capacity: int | None = None, own_rows: bool = True):
         """Every rank pushes, then every owner's GEMM: [(received, h, a13)] per rank, cut to the rows received;
         a13 (the products before the activation, kept for training) starts as NaN, so that a row the GEMM does
         not store shows."""
         tables = self.tables(token_of_rows, layouts, capacity)
-        inverses = [p.inverse for p in self.perms] if self.dispatch[0].by_token else [None] * self.world
-        epochs = [d.start(x, t, tab, own_rows=own_rows, inverse=inv)
-                  for d, x, t, tab, inv in zip(self.dispatch, xs, token_of_rows, tables, inverses)]
+        epochs = [d.start(x, t, tab, own_rows=own_rows, **self.by_token_inputs(r))
+                  for r, (d, x, t, tab) in enumerate(zip(self.dispatch, xs, token_of_rows, tables))]
         a13s = [torch.full((d.capacity, w13.shape[2]), float("nan"), dtype=w13.dtype)
                 for d, w13 in zip(self.dispatch, self.w13)]
         rows = [torch.full((d.capacity, D_MODEL), float("nan")) if d.by_token else None for d in self.dispatch]
@@ -322,7 +330,7 @@ def test_gemm_times_out_naming_the_peer_and_chunk_when_a_source_never_pushes(by_
     xs, token_of_rows, counts, layouts = w.routed_batch([10, 12], 2, None, gen)
     assert counts[1, :2].sum() > 0  # rank 1 has rows for rank 0
     epoch = w.dispatch[0].start(xs[0], token_of_rows[0], w.tables(token_of_rows, layouts)[0],
-                                inverse=w.perms[0].inverse)  # rank 1 never pushes
+                                **w.by_token_inputs(0))  # rank 1 never pushes
     slice_ = "0" if by_token else r"\d"
     with pytest.raises(PeerWaitTimeout, match=rf"rank 0 timed out at step 1 waiting for rank 1, slice {slice_}"):
         w.dispatch[0].finish(epoch, w.w13[0])
@@ -352,11 +360,11 @@ def test_by_token_the_gemm_waits_for_every_unit_of_a_source_and_never_for_its_ow
     gen = torch.Generator().manual_seed(9)
     xs, token_of_rows, counts, layouts = w.routed_batch([20, 15, 18, 12], 2, None, gen)
     tables = w.tables(token_of_rows, layouts)
-    epochs = [d.start(x, t, tab, inverse=p.inverse)
-              for d, x, t, tab, p in zip(w.dispatch, xs, token_of_rows, tables, w.perms)]
+    epochs = [d.start(x, t, tab, **w.by_token_inputs(r))
+              for r, (d, x, t, tab) in enumerate(zip(w.dispatch, xs, token_of_rows, tables))]
     owner, d = 1, w.dispatch[1]
     source = int(layouts[owner].recv_source_rank[layouts[owner].recv_source_rank != owner][-1])
-    arrived = d._buffers(xs[owner].dtype)[2].local
+    arrived = d._buffers(xs[owner].dtype)[3].local
     assert arrived[owner] == 0 and arrived[source] == d.units  # epoch 1: every unit once
     arrived[source] -= 1
     with pytest.raises(PeerWaitTimeout, match=rf"rank 1 timed out at step 1 waiting for rank {source}, slice "
@@ -374,14 +382,14 @@ def test_by_token_a_launch_refused_for_its_outputs_pushes_nothing():
     d.begin(xs[0])
     with pytest.raises(ValueError, match="rows_out .* comes with a13_out, both or neither"):
         d.launch(xs[0], token_of_rows[0], tables[0], w.w13[0], a13_out=torch.empty(d.capacity, 2 * FFN),
-                 inverse=w.perms[0].inverse)
-    assert int(w.dispatch[1]._buffers(torch.float32)[2].local.abs().sum()) == 0  # nothing arrived at the peer
+                 **w.by_token_inputs(0))
+    assert int(w.dispatch[1]._buffers(torch.float32)[3].local.abs().sum()) == 0  # nothing arrived at the peer
 
 
 def test_by_token_each_token_crosses_once_per_peer_and_only_to_peers_it_chose():
     """The token buffer of every owner holds, at [source, token], exactly the tokens of that source that chose one
     of the owner's experts (NaN elsewhere: nothing else was stored), and its id buffer the token of each of the
-    source's permuted rows bound there."""
+    source's permuted rows bound there, with its routing weight; `rows_by_source` gives the owner both."""
     w = World(4, 2, block_m=8, max_tokens=24, top_k=3)
     gen = torch.Generator().manual_seed(12)
     xs, token_of_rows, counts, layouts = w.routed_batch([21, 0, 24, 9], 3, [0, 4, NEVER, 0, 0, 0, 0, 0], gen)
@@ -389,10 +397,10 @@ def test_by_token_each_token_crosses_once_per_peer_and_only_to_peers_it_chose():
     w.poison()
     w.step(xs, token_of_rows, layouts)
     for owner, d in enumerate(w.dispatch):
-        tokens, ids, _, _ = (b.local for b in d._buffers(torch.float32))
+        tokens = d._buffers(torch.float32)[0].local
         half = 1  # epoch 1's half of the double buffer
         tokens = tokens.view(2, w.world, d.max_tokens, D_MODEL)[half]
-        ids = ids.view(2, w.world, d.max_rows)[half]
+        ids, weights = d.rows_by_source(1)
         for source, (x, perm) in enumerate(zip(xs, w.perms)):
             if source == owner:
                 assert tokens[source].isnan().all()  # own rows are read from x: never stored
@@ -404,6 +412,8 @@ def test_by_token_each_token_crosses_once_per_peer_and_only_to_peers_it_chose():
             assert torch.equal(tokens[source][:x.shape[0]][chose[:x.shape[0]]], x[chose[:x.shape[0]]])
             assert tokens[source][~chose].isnan().all()
             assert torch.equal(ids[source][lo:hi], token_of_rows[source][lo:hi].int())
+            assert torch.equal(weights[source][lo:hi], w.row_weights[source][lo:hi])
+            assert weights[source][:lo].isnan().all() and weights[source][hi:].isnan().all()
 
 
 def test_push_times_out_when_the_owner_never_finished_the_previous_epoch():
@@ -470,7 +480,8 @@ from moe.kernels import fused_dispatch as fd
 
 tables = {n: "*i64" for n in ("token_ptr", "dest_row_ptr", "counts_ptr", "rows_ptrs", "ready_ptrs", "tiles_ptr",
                               "row_tiles_ptr", "source_ptr", "source_row_ptr", "grad_ptrs", "inverse_ptr",
-                              "tokens_ptrs", "ids_ptrs", "arrived_ptrs")}
+                              "tokens_ptrs", "ids_ptrs", "weights_ptrs", "arrived_ptrs")}
+tables["row_weight_ptr"] = "*fp32"
 flags = {n: "*i32" for n in ("dest_order_ptr", "ack_ptr", "error_ptr", "ready_ptr", "next_ptr", "epoch_ptr",
                              "ids_ptr")}
 by_row, by_token = dict(BY_TOKEN=False, WORLD=2, MAX_TOKENS=1, MAX_ROWS=1), dict(BY_TOKEN=True, WORLD=2,

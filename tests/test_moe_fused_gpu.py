@@ -4,8 +4,9 @@ under bf16 autocast).
 Both layers are built from the same seed, so they hold the same router and expert weights; they see the same
 tokens and output gradient. Outputs, input gradients, router and expert-weight gradients must agree within
 TOL relative to the largest element (bf16: both paths round products and sums to bf16 in different places;
-the fused combine sums in fp32). Then 1,000 consecutive fused steps with changing loads (checked against bulk
-every 100), and a peer that never starts an exchange, forward or backward (a bounded wait that raises).
+the fused combine sums in fp32); so must the fused output under no_grad (by token: the combine by token). Then
+1,000 consecutive fused steps with changing loads (checked against bulk every 100, an evaluation forward every 10),
+and a peer that never starts an exchange, forward or backward (a bounded wait that raises).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def compare(fused, bulk, tokens, bias, gen, what):
     y, gx, aux = run(fused, x, bias, grad)
     want_y, want_gx, want_aux = run(bulk, x, bias, grad)
     close(y, want_y, f"{what}: output")
+    with torch.no_grad():  # by token, the combine by token (a forward without the routing weights' gradient)
+        close(fused(x, bias)[0], want_y, f"{what}: output under no_grad")
     close(gx, want_gx, f"{what}: input gradient")
     for (name, p), q in zip(fused.named_parameters(), bulk.parameters()):
         close(p.grad, q.grad, f"{what}: {name} gradient")
@@ -97,6 +100,9 @@ def many_steps(rank, world, max_tokens, dispatch):
         else:
             x = torch.randn(tokens, D_MODEL, generator=gen).to("cuda", torch.bfloat16)
             run(fused, x, torch.tensor(bias, device="cuda"), torch.randn(tokens, D_MODEL, generator=gen).cuda())
+            if step % 10 == 5:  # an evaluation forward in between (by token: the combine by token)
+                with torch.no_grad():
+                    fused(x, torch.tensor(bias, device="cuda"))
     fused.combine.errors.check(block=True)
     fused.dispatch.errors.check(block=True)
 

@@ -249,6 +249,44 @@ def test_fused_layer_under_no_grad_keeps_nothing_for_a_backward():
     torch.testing.assert_close(y_eval, y_train.detach(), rtol=0, atol=0)
 
 
+@interpreter
+@pytest.mark.parametrize("combine", ["auto", "rows"])
+def test_the_combine_is_by_token_where_no_routing_weights_gradient_is_asked(combine):
+    """combine="auto" with the dispatch by token: forwards under no_grad, or training the experts alone (a frozen
+    router over inputs that need no gradient), sum each token's rows on the owner (start_by_token); a forward whose
+    routing weights need a gradient combines by row, whose source keeps each assignment's row for it. "rows":
+    always by row. Outputs and gradients equal the bulk layer's."""
+    workspace = SimulatedWorld(1).workspaces()[0]
+    layer = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused", workspace=workspace,
+                     fused=FusedMoEConfig(max_tokens_per_rank=16, combine=combine))
+    bulk = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED)
+    used = []
+    by_token, by_row = layer.combine.start_by_token, layer.combine.start
+    layer.combine.start_by_token = lambda *a: used.append("tokens") or by_token(*a)
+    layer.combine.start = lambda *a: used.append("rows") or by_row(*a)
+    gen = torch.Generator().manual_seed(21)
+    x, grad = torch.randn(14, D_MODEL, generator=gen), torch.randn(14, D_MODEL, generator=gen)
+    with torch.no_grad():
+        y_eval, want_eval = layer(x)[0], bulk(x)[0]
+    y, gx, _ = run(layer, x, None, grad)
+    want_y, want_gx, _ = run(bulk, x, None, grad)
+    for module in (layer, bulk):
+        module.zero_grad()
+        module.router.requires_grad_(False)
+    experts_only = layer(x)[0]
+    (experts_only * grad).sum().backward()
+    (bulk(x)[0] * grad).sum().backward()
+    assert used == (["tokens", "rows", "tokens"] if combine == "auto" else ["rows"] * 3)
+    for got, want in ((y_eval, want_eval), (y, want_y), (experts_only.detach(), want_y)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx, want_gx, rtol=1e-5, atol=1e-5)
+    for p, q in zip(layer.experts.parameters(), bulk.experts.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="combine='tokens': expected 'auto' or 'rows'"):
+        MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, comm="fused", workspace=workspace,
+                 fused=FusedMoEConfig(max_tokens_per_rank=4, combine="tokens"))
+
+
 def fused_pair(monkeypatch, log, config: FusedMoEConfig | None = None):
     """Two fused layers of the same weights, the first replaying its dispatch through stand-in graphs (CPU: the
     graph's work runs again on its own copies of the inputs, tests/graph_stand_in.py), the second eager."""

@@ -19,6 +19,17 @@ s has acknowledged E - 1, i.e. its consumer finished reading the previous rows a
 combine buffer suffices (the consumer reads it, the result is a fresh tensor) and no flag of E can be mistaken
 for one of E - 1 by a slot that another owner used.
 
+By token (`start_by_token` / `finish_by_token`; FusedCombine(max_tokens=...), with the dispatch by token, which
+brings the owner each peer row's token id and routing weight): with top_k experts over few ranks a token has
+several experts on one owner, and by row each of their outputs crosses. By token the owner's GEMM 2 stores its
+tiles locally; a kernel over the tile table notes each received row under (source, token, local expert); then
+per (source, token block), remote sources first, the owner sums weight * row over the token's rows here in fp32
+(sorted: the same order every run) and stores that one part at [owner, token] of the source's parts buffer, one
+flag per (owner, token block), behind the same ack guard. The source adds its tokens' parts in rank order,
+waiting for the flags of the owners its tokens chose. At top_k >= world about top_k / world fewer rows
+cross. Each assignment's own row never reaches the source, so a forward whose routing weights need a gradient
+combines by row (moe.layer).
+
 Backward, the same move reversed. Source (`start_backward`): each program takes BLOCK_R of the source's permuted
 rows, forms their gradient rows grad_y[token] * weight (no copy) and stores each at `send_dest_row` of its owner's
 symmetric gradient buffer (receive order), then raises flag (source, block) in every rank; blocks start at the
@@ -37,7 +48,8 @@ import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels import TL_DTYPES, dot_precision
-from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready
+from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready, wait_or_record
+from fused_dlrm.kernels.peer_tiles import remote_first_order
 from fused_dlrm.kernels.tma import descriptor, require_tma_readable
 from moe.expert_layout import DispatchTables, ExpertLayout, receive_capacity
 from moe.experts import grouped_weight_grad
@@ -125,12 +137,15 @@ def fused_combine_backward_reference(grad_ys: list[torch.Tensor], perms: list[Pe
 
 
 @triton.jit(do_not_specialize=["width", "num_programs", "epoch", "spin_limit"])  # one variant for all steps
-def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, tile_count_ptr, out_ptrs, ready_ptrs, ack_ptr, error_ptr,
+def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, tile_count_ptr, out_ptrs, ready_ptrs, ack_ptr, error_ptr, y_ptr,
                         width, num_programs, epoch, spin_limit,
                         FFN: tl.constexpr, D_MODEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                        STORE_LOCAL: tl.constexpr):
     """Persistent: steps pid, pid + P, ... of the (row tile, column block) walk in grouped order (tile_order); the
-    tile table ([6, width], its first *tile_count_ptr columns listed) is remote-first."""
+    tile table ([6, width], its first *tile_count_ptr columns listed) is remote-first. STORE_LOCAL (the combine by
+    token): tiles go to y [rows, D_MODEL] in receive order on this rank, without flags (the owner sums each
+    token's rows before anything crosses)."""
     N_COL: tl.constexpr = (D_MODEL + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)
@@ -160,16 +175,128 @@ def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, tile_count_ptr, out_ptrs, read
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * D_MODEL
-        # The guard, as late as possible: the source has finished reading the previous epoch's rows.
-        released = consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
-        out = tl.multiple_of(tl.load(out_ptrs + dest).to(tl.pointer_type(OUT_DTYPE)), 16)  # aligned: vector stores
-        out_ptr = out + (dest_row + m)[:, None] * D_MODEL + cols[None, :]
-        tl.store(out_ptr, acc.to(OUT_DTYPE), mask=row_mask[:, None] & col_mask[None, :] & released)
-        if released:
-            flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + slot * N_COL + col
-            tl.debug_barrier()  # every thread's stores of the tile before the flag
-            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+        if STORE_LOCAL:
+            tl.store(y_ptr + (h_row + m)[:, None] * D_MODEL + cols[None, :], acc.to(OUT_DTYPE),
+                     mask=row_mask[:, None] & col_mask[None, :])
+        else:
+            # The guard, as late as possible: the source has finished reading the previous epoch's rows.
+            released = consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+            out = tl.multiple_of(tl.load(out_ptrs + dest).to(tl.pointer_type(OUT_DTYPE)), 16)  # vector stores
+            out_ptr = out + (dest_row + m)[:, None] * D_MODEL + cols[None, :]
+            tl.store(out_ptr, acc.to(OUT_DTYPE), mask=row_mask[:, None] & col_mask[None, :] & released)
+            if released:
+                flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + slot * N_COL + col
+                tl.debug_barrier()  # every thread's stores of the tile before the flag
+                tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
         t += num_programs
+
+
+# -- the combine by token: one row per (token, owner) crosses, the owner's weighted sum of that token's rows ----
+@triton.jit
+def _rows_of_tokens_kernel(tiles_ptr, tile_count_ptr, width, row_tokens_ptr, row_weights_ptr, own_token_ptr,
+                           own_weight_ptr, rows_of_token_ptr, weight_of_row_ptr, rank,
+                           BLOCK_M: tl.constexpr, MAX_TOKENS: tl.constexpr, MAX_ROWS: tl.constexpr,
+                           L: tl.constexpr):
+    """Program p: row tile p of the combine's table. Each of its receive rows R (local expert e, source s, source
+    row i) is token t of s with weight w: rows_of_token[s, t, e] = R, weight_of_row[R] = w. A peer's t and w are
+    what its dispatch push sent ([source, source row]); this rank's own come from its permutation."""
+    tile = tl.program_id(0)
+    if tile < tl.load(tile_count_ptr):
+        m = tl.arange(0, BLOCK_M)
+        h_row = tl.load(tiles_ptr + tile)
+        row_mask = m < tl.load(tiles_ptr + width + tile)
+        expert = tl.load(tiles_ptr + 2 * width + tile)
+        source = tl.load(tiles_ptr + 3 * width + tile)
+        source_row = tl.load(tiles_ptr + 4 * width + tile) + m
+        if source == rank:
+            token = tl.load(own_token_ptr + source_row, mask=row_mask, other=0).to(tl.int64)
+            weight = tl.load(own_weight_ptr + source_row, mask=row_mask, other=0.0)
+        else:  # peers wrote these: not from L1
+            token = tl.load(row_tokens_ptr + source * MAX_ROWS + source_row, mask=row_mask, other=0,
+                            cache_modifier=".cg").to(tl.int64)
+            weight = tl.load(row_weights_ptr + source * MAX_ROWS + source_row, mask=row_mask, other=0.0,
+                             cache_modifier=".cg")
+        rows = h_row + m
+        tl.store(rows_of_token_ptr + (source * MAX_TOKENS + token) * L + expert, rows, mask=row_mask)
+        tl.store(weight_of_row_ptr + rows, weight, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["token_blocks", "epoch", "spin_limit"])  # one variant for all steps
+def _sum_token_rows_kernel(y_ptr, rows_of_token_ptr, weight_of_row_ptr, source_order_ptr, parts_ptrs, ready_ptrs,
+                           ack_ptr, error_ptr, rank, token_blocks, epoch, spin_limit,
+                           D_MODEL: tl.constexpr, MAX_TOKENS: tl.constexpr, L: tl.constexpr, L_P2: tl.constexpr,
+                           ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                           OUT_DTYPE: tl.constexpr):
+    """Program (source s, token block), sources remote first: per token of s that has rows here (at most ROWS =
+    min(top_k, L)), the sum of weight * row (in descending receive row: the same sum on every run), BLOCK_N
+    columns at a time, stored at [this rank, token] of s's parts buffer; then flag (this rank, token block) in s.
+    One flag per program: its release waits for the stores to reach the peer, which programs of all columns
+    would each have waited for."""
+    source = tl.load(source_order_ptr + tl.program_id(0) // token_blocks)
+    block = tl.program_id(0) % token_blocks
+    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = tokens < MAX_TOKENS
+    es = tl.arange(0, L_P2)
+    rows = tl.load(rows_of_token_ptr + (source * MAX_TOKENS + tokens)[:, None] * L + es[None, :],
+                   mask=token_mask[:, None] & (es < L)[None, :], other=-1)
+    # A token's few rows here first: ROWS steps instead of one per local expert (most of them -1).
+    rows = tl.sort(rows, dim=1, descending=True)
+    here = tl.max(rows, axis=1) >= 0
+    # The guard: s has finished reading the previous epoch's parts.
+    released = consumer_released(ack_ptr, source, epoch, spin_limit, error_ptr)
+    parts = tl.multiple_of(tl.load(parts_ptrs + source).to(tl.pointer_type(OUT_DTYPE)), 16)  # vector stores
+    parts += (rank * MAX_TOKENS + tokens).to(tl.int64)[:, None] * D_MODEL
+    for first_col in tl.static_range(0, D_MODEL, BLOCK_N):
+        cols = first_col + tl.arange(0, BLOCK_N)
+        col_mask = cols < D_MODEL
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(ROWS):
+            row = tl.sum(tl.where(es[None, :] == j, rows, 0), axis=1)
+            ok = row >= 0
+            w = tl.load(weight_of_row_ptr + row, mask=ok, other=0.0)
+            y = tl.load(y_ptr + row.to(tl.int64)[:, None] * D_MODEL + cols[None, :],
+                        mask=ok[:, None] & col_mask[None, :], other=0.0)
+            acc += y.to(tl.float32) * w[:, None]
+        tl.store(parts + cols[None, :], acc.to(OUT_DTYPE), mask=(here & released)[:, None] & col_mask[None, :])
+    if released:
+        flag = tl.load(ready_ptrs + source).to(tl.pointer_type(tl.int32)) + rank * token_blocks + block
+        tl.debug_barrier()  # every thread's stores before the flag
+        tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_rows", "token_blocks", "epoch", "spin_limit"])
+def _sum_owner_parts_kernel(parts_ptr, inverse_ptr, owner_of_row_ptr, ready_ptr, error_ptr, out_ptr, num_tokens,
+                            num_rows, token_blocks, epoch, spin_limit,
+                            D_MODEL: tl.constexpr, MAX_TOKENS: tl.constexpr, TOP_K: tl.constexpr,
+                            K_P2: tl.constexpr, WORLD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                            OUT_DTYPE: tl.constexpr):
+    """Program (token block, column block) of the source: for each owner (rank order: the same sum on every run)
+    that holds an expert of one of its tokens, wait (bounded) for that owner's flag of the block, then add its
+    parts of those tokens."""
+    block = tl.program_id(0)
+    col = tl.program_id(1)
+    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = tokens < num_tokens
+    js = tl.arange(0, K_P2)
+    row = tl.load(inverse_ptr + tokens[:, None] * TOP_K + js[None, :],
+                  mask=token_mask[:, None] & (js[None, :] < TOP_K), other=num_rows)
+    kept = row < num_rows  # dropped assignments point one past the last row
+    owner = tl.load(owner_of_row_ptr + row, mask=kept, other=-1)
+    cols = col * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < D_MODEL
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for o in tl.static_range(WORLD):
+        has = tl.max((owner == o).to(tl.int32), axis=1) > 0
+        if tl.max(has.to(tl.int32), axis=0) > 0:
+            slot = o * token_blocks + block
+            wait_or_record(ready_ptr + slot, epoch, spin_limit, error_ptr, o, slot)
+            tl.debug_barrier()  # the flag one thread acquired covers the parts every thread reads
+            at = (o * MAX_TOKENS + tokens).to(tl.int64)[:, None] * D_MODEL + cols[None, :]
+            part = tl.load(parts_ptr + at, mask=has[:, None] & col_mask[None, :], other=0.0,
+                           cache_modifier=".cg")  # peers wrote these: not from L1
+            acc += part.to(tl.float32)
+    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * D_MODEL + cols[None, :], acc.to(OUT_DTYPE),
+             mask=token_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -306,7 +433,7 @@ class FusedCombine:
     """
 
     def __init__(self, workspace: _Workspace, d_model: int, num_local_experts: int, num_programs: int,
-                 spin_limit: int):
+                 spin_limit: int, max_tokens: int | None = None, top_k: int = 1):
         self.ws = workspace
         self.rank, self.world = workspace.rank, workspace.world_size
         self.d_model, self.num_local_experts = d_model, num_local_experts
@@ -319,6 +446,19 @@ class FusedCombine:
         self._rows_capacity = 0  # rows of the combine's receive buffer (each source's own rows)
         self._slots = 0  # flag slots per column block of that buffer
         self._grad_capacity = 0  # the owners' gradient rows: grown as the dispatch's receive capacity is
+        self.max_tokens = max_tokens  # the combine by token (start_by_token): the most tokens of any source,
+        self.top_k = top_k  # and the experts of each token
+        if max_tokens is not None:
+            if max_tokens < 1 or top_k < 1:
+                raise ValueError(f"max_tokens={max_tokens} and top_k={top_k} must be positive")
+            self._token_blocks = triton.cdiv(max_tokens, self.blocks.block_tokens)
+            self._source_order = torch.tensor(remote_first_order(self.rank, self.world), dtype=torch.int32,
+                                              device=workspace.device)
+            # rows_of_token[s, t, e]: the receive row of source s's token t at local expert e, or -1
+            self._rows_of_token = torch.empty(self.world * max_tokens * num_local_experts, dtype=torch.int32,
+                                              device=workspace.device)
+            self._token_plan: DispatchTables | None = None
+            self._token_dtype = torch.float32
 
     def reserve(self, max_send_rows: int, max_send_slots: int, total_rows: int = 0) -> None:
         """Combine buffers for `max_send_rows` permuted rows and `max_send_slots` flag slots (expert_layout.send_slots)
@@ -332,6 +472,78 @@ class FusedCombine:
         """h [tables.capacity, ffn] in receive order (its first rows the ones received), w2 [local experts, ffn,
         d_model] (h's dtype): enqueue the GEMM whose tiles land in their sources' combine buffers, over the tiles
         that tables.combine_tiles lists (the GPU reads how many). Returns the epoch to pass to `finish`."""
+        self._check_gemm_inputs(h, w2, tables)
+        if tables.send_tile.numel() > self._rows_capacity:
+            raise ValueError(f"{tables.send_tile.numel()} rows to combine; {self._rows_capacity} reserved (reserve "
+                             f"first, for the most rows any rank sends)")
+        plan = self._plan = CombinePlan(tables, h.dtype, *self._buffers(h.dtype))
+        epoch = self.ws.next_epoch("combine")
+        self._expert_down(h, w2, tables, epoch, plan.rows.peer_ptrs, plan.ready.peer_ptrs, plan.ack.local)
+        return epoch
+
+    def start_by_token(self, h: torch.Tensor, w2: torch.Tensor, tables: DispatchTables,
+                       sources: tuple[torch.Tensor, torch.Tensor], token_of_row: torch.Tensor,
+                       row_weights: torch.Tensor) -> int:
+        """The combine by token, owner side (needs `max_tokens`): GEMM 2 over h (as `start`) into a local y, then
+        per (source, token) the weighted sum of the token's rows here, stored at [this rank, token] of the source's
+        parts buffer with a flag per (this rank, token block), sources remote first. `sources`: the
+        peers' rows' (token ids, routing weights) [world, max_rows] (FusedDispatch.rows_by_source); this rank's
+        own rows' from token_of_row and row_weights (fp32, per permuted row). Returns the epoch for
+        `finish_by_token`."""
+        if self.max_tokens is None:
+            raise RuntimeError("start_by_token: this combine was made without max_tokens")
+        self._check_gemm_inputs(h, w2, tables)
+        row_tokens, source_weights = sources
+        max_rows = self.max_tokens * self.top_k
+        if (row_tokens.shape != (self.world, max_rows) or source_weights.shape != row_tokens.shape
+                or row_tokens.dtype != torch.int32 or source_weights.dtype != torch.float32
+                or row_weights.shape != token_of_row.shape or row_weights.dtype != torch.float32):
+            raise ValueError(f"sources must be int32 token ids and fp32 weights [{self.world}, max_tokens x top_k = "
+                             f"{max_rows}], row_weights fp32 like token_of_row {tuple(token_of_row.shape)}")
+        parts, ready, ack = self._token_buffers(h.dtype)
+        epoch = self.ws.next_epoch("combine")
+        self._token_plan = tables
+        b, width = self.blocks, tables.combine_tiles.shape[1]
+        weight_of_row = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        if width:
+            self._rows_of_token.fill_(-1)  # tokens without a row here this epoch
+            _rows_of_tokens_kernel[(width,)](
+                tables.combine_tiles, tables.combine_row_tiles, width, row_tokens, source_weights,
+                token_of_row.contiguous(), row_weights.contiguous(), self._rows_of_token, weight_of_row, self.rank,
+                BLOCK_M=b.block_m, MAX_TOKENS=self.max_tokens, MAX_ROWS=max_rows, L=self.num_local_experts)
+        y = h.new_empty(h.shape[0], self.d_model)
+        self._expert_down(h, w2, tables, epoch, y=y)
+        L = self.num_local_experts
+        _sum_token_rows_kernel[(self.world * self._token_blocks,)](
+            y, self._rows_of_token, weight_of_row, self._source_order, parts.peer_ptrs, ready.peer_ptrs, ack.local,
+            self.errors.word, self.rank, self._token_blocks, epoch, self.spin_limit,
+            D_MODEL=self.d_model, MAX_TOKENS=self.max_tokens, L=L, L_P2=triton.next_power_of_2(L),
+            ROWS=min(self.top_k, L), BLOCK_T=b.block_tokens, BLOCK_N=b.block_n, OUT_DTYPE=TL_DTYPES[h.dtype],
+            num_warps=b.consumer_warps)
+        return epoch
+
+    def finish_by_token(self, epoch: int, tables: DispatchTables, perm: Permutation) -> torch.Tensor:
+        """The combine by token, source side -> [tokens, d_model] in h's dtype: per token the sum (fp32, in rank
+        order) of the parts of the owners that hold its experts, each block of tokens read as soon as those
+        owners' flags are up; then the epoch is acknowledged to every owner."""
+        if self._token_plan is not tables:
+            raise RuntimeError("finish_by_token must follow start_by_token with the same tables")
+        parts, ready, ack = self._token_buffers(self._token_dtype)
+        num_tokens = perm.inverse.numel() // perm.top_k
+        out = torch.empty(num_tokens, self.d_model, dtype=self._token_dtype, device=perm.inverse.device)
+        if num_tokens:
+            b = self.blocks
+            _sum_owner_parts_kernel[(triton.cdiv(num_tokens, b.block_tokens), self.num_col)](
+                parts.local, perm.inverse, tables.send_dest_rank, ready.local, self.errors.word, out, num_tokens,
+                tables.send_dest_rank.numel(), self._token_blocks, epoch, self.spin_limit,
+                D_MODEL=self.d_model, MAX_TOKENS=self.max_tokens, TOP_K=perm.top_k,
+                K_P2=triton.next_power_of_2(perm.top_k), WORLD=self.world, BLOCK_T=b.block_tokens,
+                BLOCK_N=b.block_n, OUT_DTYPE=TL_DTYPES[self._token_dtype], num_warps=b.consumer_warps)
+        _acknowledge_kernel[(1,)](ack.peer_ptrs, self.rank, epoch, WORLD=self.world)
+        self.errors.after_wait()
+        return out
+
+    def _check_gemm_inputs(self, h: torch.Tensor, w2: torch.Tensor, tables: DispatchTables) -> None:
         self.errors.check()
         if w2.shape != (self.num_local_experts, h.shape[1], self.d_model) or w2.dtype != h.dtype:
             raise ValueError(f"w2 {tuple(w2.shape)} {w2.dtype} does not fit h {tuple(h.shape)} {h.dtype}")
@@ -340,25 +552,27 @@ class FusedCombine:
         if tables.tile_rows[0] != self.blocks.block_m:
             raise ValueError(f"the tables cut tiles of {tables.tile_rows[0]} rows; this combine's flags number tiles "
                              f"of {self.blocks.block_m} (dispatch_tables(..., tile_rows=combine.blocks.block_m))")
-        if tables.send_tile.numel() > self._rows_capacity:
-            raise ValueError(f"{tables.send_tile.numel()} rows to combine; {self._rows_capacity} reserved (reserve "
-                             f"first, for the most rows any rank sends)")
-        w2 = w2.contiguous()
-        require_tma_readable(w2, "w2")  # the backward reads it through TMA
-        plan = self._plan = CombinePlan(tables, h.dtype, *self._buffers(h.dtype))
-        epoch = self.ws.next_epoch("combine")
+        require_tma_readable(w2.contiguous(), "w2")  # the backward reads it through TMA
+
+    def _expert_down(self, h: torch.Tensor, w2: torch.Tensor, tables: DispatchTables, epoch: int,
+                     out_ptrs: torch.Tensor | None = None, ready_ptrs: torch.Tensor | None = None,
+                     ack: torch.Tensor | None = None, y: torch.Tensor | None = None) -> None:
+        """GEMM 2 over the tiles tables.combine_tiles lists: into the sources' buffers (out_ptrs, with flags and
+        the ack guard) or, given y, into y on this rank."""
         tiles = tables.combine_tiles
-        if tiles.shape[1]:
-            b = self.blocks
-            grid = min(self.num_programs, tiles.shape[1] * self.num_col)
-            block_k, stages = _gemm_steps(b, h.dtype, h.is_cuda)
-            _expert_down_kernel[(grid,)](
-                h.contiguous(), w2, tiles, tables.combine_row_tiles, plan.rows.peer_ptrs, plan.ready.peer_ptrs,
-                plan.ack.local, self.errors.word, tiles.shape[1], grid, epoch, self.spin_limit,
-                FFN=h.shape[1], D_MODEL=self.d_model, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=block_k,
-                OUT_DTYPE=TL_DTYPES[h.dtype], PRECISION=dot_precision(h.dtype, h.device),
-                num_warps=b.gemm_warps, num_stages=stages)
-        return epoch
+        if not tiles.shape[1]:
+            return
+        b = self.blocks
+        grid = min(self.num_programs, tiles.shape[1] * self.num_col)
+        block_k, stages = _gemm_steps(b, h.dtype, h.is_cuda)
+        local = y is not None
+        exchange = (y, y, y) if local else (out_ptrs, ready_ptrs, ack)  # a local store reads none of them
+        _expert_down_kernel[(grid,)](
+            h.contiguous(), w2.contiguous(), tiles, tables.combine_row_tiles, *exchange, self.errors.word,
+            y if local else h, tiles.shape[1], grid, epoch, self.spin_limit,
+            FFN=h.shape[1], D_MODEL=self.d_model, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=block_k,
+            OUT_DTYPE=TL_DTYPES[h.dtype], PRECISION=dot_precision(h.dtype, h.device), STORE_LOCAL=local,
+            num_warps=b.gemm_warps, num_stages=stages)
 
     def finish(self, epoch: int, tables: DispatchTables, perm: Permutation, weights: torch.Tensor,
                rows_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -452,6 +666,14 @@ class FusedCombine:
         ack = self.ws.buffer("combine_grad_ack", self.world, torch.int32)
         self._grad = (layout, dtype, rows, ready, ack, slots, layout.combine_grad_tiles)
         return rows, ready, ack, slots
+
+    def _token_buffers(self, dtype: torch.dtype):
+        """The combine by token's parts [owner, max_tokens, d_model], its flags per (owner, token block) and the
+        acks (shared with the combine by row: both count the same epochs)."""
+        self._token_dtype = dtype
+        parts = self.ws.buffer("combine_parts", self.world * self.max_tokens * self.d_model, dtype)
+        ready = self.ws.buffer("combine_parts_ready", self.world * self._token_blocks, torch.int32)
+        return parts, ready, self.ws.buffer("combine_ack", self.world, torch.int32)
 
     def _buffers(self, dtype: torch.dtype):
         """The combine rows, the flags and the acks of the reserved sizes (the same on every rank)."""

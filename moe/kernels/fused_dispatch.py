@@ -190,20 +190,22 @@ def _push_rows_kernel(
 
 @triton.jit(do_not_specialize=["num_tokens", "num_rows", "num_programs", "spin_limit"])
 def _push_tokens_kernel(
-    x_ptr, token_ptr, inverse_ptr, counts_ptr, dest_order_ptr,  # this rank's tokens, token_of_row, each
-    # assignment's permuted row, C [world, E], owner order
-    tokens_ptrs, ids_ptrs, arrived_ptrs, ack_ptr, error_ptr, epoch_ptr,  # peers' token and token-id buffers and
-    # arrival counts, my acks, my error word, the last epoch acknowledged (this call's is the next)
+    x_ptr, token_ptr, row_weight_ptr, inverse_ptr, counts_ptr, dest_order_ptr,  # this rank's tokens,
+    # token_of_row, each permuted row's routing weight, each assignment's permuted row, C [world, E], owner order
+    tokens_ptrs, ids_ptrs, weights_ptrs, arrived_ptrs, ack_ptr, error_ptr, epoch_ptr,  # peers' token, token-id
+    # and row-weight buffers and arrival counts, my acks, my error word, the last epoch acknowledged (this call's
+    # is the next)
     rank, num_tokens, num_rows, num_programs, spin_limit,
     D: tl.constexpr, MAX_TOKENS: tl.constexpr, MAX_ROWS: tl.constexpr, CHUNK: tl.constexpr, IDS: tl.constexpr,
     UNITS: tl.constexpr, BLOCK_D: tl.constexpr, WORLD: tl.constexpr, L: tl.constexpr, TOP_K: tl.constexpr,
     K_P2: tl.constexpr, E_P2: tl.constexpr,
 ):
     """Dispatch by token: unit (peer d, c) stores tokens [c * CHUNK, (c + 1) * CHUNK) that chose an expert of d,
-    each once, at [source = rank, token] of d's token buffer, and the token of each of this rank's permuted rows
-    [c * IDS, (c + 1) * IDS) that go to d at [rank, row] of d's id buffer; then it adds one to d's count of units
-    arrived from this rank (int64, never reset: epoch e is complete at e * UNITS). Peers only: GEMM 1 reads this
-    rank's own rows from x."""
+    each once, at [source = rank, token] of d's token buffer, and the token and routing weight of each of this
+    rank's permuted rows [c * IDS, (c + 1) * IDS) that go to d at [rank, row] of d's id and weight buffers (the
+    combine by token sums a token's rows on d with them); then it adds one to d's count of units arrived from this
+    rank (int64, never reset: epoch e is complete at e * UNITS). Peers only: GEMM 1 reads this rank's own rows
+    from x."""
     epoch = tl.load(epoch_ptr) + 1
     slot = (epoch % 2) * WORLD + rank  # [half][source] of the peers' buffers
     E: tl.constexpr = WORLD * L
@@ -237,6 +239,8 @@ def _push_tokens_kernel(
         r_mask = (r >= lo) & (r < hi) & (r < num_rows) & released
         ids = tl.load(ids_ptrs + dest).to(tl.pointer_type(tl.int32)) + slot * MAX_ROWS
         tl.store(ids + r, tl.load(token_ptr + r, mask=r_mask, other=0).to(tl.int32), mask=r_mask)
+        row_weights = tl.load(weights_ptrs + dest).to(tl.pointer_type(tl.float32)) + slot * MAX_ROWS
+        tl.store(row_weights + r, tl.load(row_weight_ptr + r, mask=r_mask, other=0.0), mask=r_mask)
         tl.debug_barrier()  # every thread's stores before the count
         arrived = tl.load(arrived_ptrs + dest).to(tl.pointer_type(tl.int64)) + rank
         tl.atomic_add(arrived, 1, sem="release", scope="sys")
@@ -547,13 +551,15 @@ class FusedDispatch:
 
     def _buffers(self, dtype: torch.dtype):
         """By row: (receive rows, ready flags, acks) of the current capacity. By token: (tokens [2, world,
-        max_tokens, d], their ids [2, world, max_rows] int32, units arrived per source int64, acks)."""
+        max_tokens, d], the sources' rows' token ids [2, world, max_rows] int32 and routing weights (fp32, alike),
+        units arrived per source int64, acks)."""
         if not self.capacity:
             raise ValueError("no receive capacity yet: reserve first")
         if self.by_token:
             slots = 2 * self.world
             return (self.ws.buffer("moe_dispatch_tokens", slots * self.max_tokens * self.d_model, dtype),
                     self.ws.buffer("moe_dispatch_token_ids", slots * self.max_rows, torch.int32),
+                    self.ws.buffer("moe_dispatch_row_weights", slots * self.max_rows, torch.float32),
                     self.ws.buffer("moe_dispatch_arrived", self.world, torch.int64),
                     self.ws.buffer("moe_dispatch_ack", self.world, torch.int32))
         rows = self.ws.buffer("moe_dispatch_rows", 2 * self.capacity * self.d_model, dtype)
@@ -584,7 +590,7 @@ class FusedDispatch:
 
     def launch(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, w13: torch.Tensor,
                a13_out: torch.Tensor | None = None, own_rows: bool = True, inverse: torch.Tensor | None = None,
-               rows_out: torch.Tensor | None = None) -> torch.Tensor:
+               rows_out: torch.Tensor | None = None, row_weights: torch.Tensor | None = None) -> torch.Tensor:
         """The kernels of one epoch between `begin` and `end`: the push of this rank's permuted rows (row i is
         x[token_of_row[i]]) into the owners' receive buffers at tables.send_dest_row, raising the per-chunk flags
         (rows landing past the capacity are not pushed), then GEMM 1, then the acknowledgement -> h (see
@@ -592,10 +598,12 @@ class FusedDispatch:
         can capture these launches and replay them at any later epoch. own_rows=False leaves out the rows this
         rank keeps: GEMM 1 reads those from x, and only `received` (the training backward's weight gradient)
         would show them (at world 1 nothing is copied). By token: `inverse` (Permutation.inverse) says which
-        tokens go to which peer, and `rows_out` [capacity, d_model] receives `received` (with a13_out)."""
+        tokens go to which peer, `row_weights` (fp32, one per permuted row: its routing weight) go with the token
+        ids (`rows_by_source`), and `rows_out` [capacity, d_model] receives `received` (with a13_out)."""
         self._check_tables(tables)
         self._check_gemm_outputs(x, w13, a13_out, rows_out)  # before the push: a push counts in the peers
-        return self._gemm(*self._push(x, token_of_row, tables, own_rows, inverse), w13, a13_out, rows_out)
+        return self._gemm(*self._push(x, token_of_row, tables, own_rows, inverse, row_weights), w13, a13_out,
+                          rows_out)
 
     def end(self, epoch: int) -> torch.Tensor | None:
         """The host's part after an epoch's launches -> received [capacity, d_model]: a view of the symmetric
@@ -608,13 +616,23 @@ class FusedDispatch:
         base = (epoch % 2) * self.capacity * self.d_model
         return rows.local[base:base + self.capacity * self.d_model].view(self.capacity, self.d_model)
 
+    def rows_by_source(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """By token, after `end` of `epoch`: (token ids [world, max_rows] int32, routing weights [world, max_rows]
+        fp32) of every peer's permuted rows that this rank owns, at [source, source row] (this rank's own slot is
+        not written). Views of the buffers' half of that epoch: valid until the epoch after next starts here."""
+        if not self.by_token:
+            raise RuntimeError("rows_by_source: only the dispatch by token sends its rows' tokens and weights")
+        _, ids, weights, _, _ = self._buffers(self._rows_dtype)
+        half = slice((epoch % 2) * self.world * self.max_rows, (epoch % 2 + 1) * self.world * self.max_rows)
+        return ids.local[half].view(self.world, self.max_rows), weights.local[half].view(self.world, self.max_rows)
+
     def start(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, own_rows: bool = True,
-              inverse: torch.Tensor | None = None) -> int:
+              inverse: torch.Tensor | None = None, row_weights: torch.Tensor | None = None) -> int:
         """`begin`, then the push of `launch` -> the epoch (`finish` runs the rest: in a simulated world every rank
         pushes before any rank computes)."""
         self._check_tables(tables)  # before `begin` counts the epoch
         epoch = self.begin(x)
-        self._started[epoch] = self._push(x, token_of_row, tables, own_rows, inverse)
+        self._started[epoch] = self._push(x, token_of_row, tables, own_rows, inverse, row_weights)
         return epoch
 
     def finish(self, epoch: int, w13: torch.Tensor, a13_out: torch.Tensor | None = None,
@@ -656,7 +674,7 @@ class FusedDispatch:
                              f"(reserve, then dispatch_tables with the dispatch's capacity)")
 
     def _push(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, own_rows: bool,
-              inverse: torch.Tensor | None) -> tuple:
+              inverse: torch.Tensor | None, row_weights: torch.Tensor | None) -> tuple:
         """Launch the push -> what GEMM 1 reads besides the weights (x, token_of_row, tables)."""
         x, token_of_row = x.contiguous(), token_of_row.contiguous()
         block_d = max(16, min(triton.next_power_of_2(self.d_model), PUSH_TILE_ELEMENTS // self.chunk))
@@ -664,12 +682,17 @@ class FusedDispatch:
         if self.by_token:
             if inverse is None or inverse.numel() != x.shape[0] * self.top_k:
                 raise ValueError(f"dispatch by token needs the permutation's inverse [{x.shape[0]} x {self.top_k}]")
-            tokens, ids, arrived, ack = self._buffers(x.dtype)
-            inverse = inverse.contiguous()
+            if row_weights is None or row_weights.shape != token_of_row.shape or row_weights.dtype != torch.float32:
+                raise ValueError(f"dispatch by token needs row_weights: fp32 [{token_of_row.numel()}], the routing "
+                                 f"weight of each permuted row")
+            tokens, ids, weights, arrived, ack = self._buffers(x.dtype)
+            inverse, row_weights = inverse.contiguous(), row_weights.contiguous()
             if self._push_stream is not None:  # a copy, if one was made, is read on the push stream
                 inverse.record_stream(self._push_stream)
-            tensors = (x, token_of_row, inverse, tables.counts, self._dest_order, tokens.peer_ptrs, ids.peer_ptrs,
-                       arrived.peer_ptrs, ack.local, self.errors.word, self._epoch_done)
+                row_weights.record_stream(self._push_stream)
+            tensors = (x, token_of_row, row_weights, inverse, tables.counts, self._dest_order, tokens.peer_ptrs,
+                       ids.peer_ptrs, weights.peer_ptrs, arrived.peer_ptrs, ack.local, self.errors.word,
+                       self._epoch_done)
             args = (*tensors, self.rank, x.shape[0], token_of_row.numel(), self.num_programs, self.spin_limit,
                     self.d_model, self.max_tokens, self.max_rows, self.chunk, self.ids_per_unit, self.units, block_d,
                     self.world, self.num_local_experts, self.top_k, triton.next_power_of_2(self.top_k), e_p2)
@@ -701,7 +724,7 @@ class FusedDispatch:
         checked w13, a13_out and rows_out: `_check_gemm_outputs`)."""
         L, d, ffn = self.num_local_experts, self.d_model, self.ffn
         if self.by_token:
-            tokens, ids, arrived, ack = self._buffers(x.dtype)
+            tokens, ids, _, arrived, ack = self._buffers(x.dtype)
             rows, ids, ready = tokens.local, ids.local, arrived.local
             flag_stride = self.units
         else:
