@@ -68,7 +68,7 @@ def fused_moe_config(cfg: DictConfig, env: DistEnv) -> FusedMoEConfig | None:
     # rank 0's share: the first ranks take one sample more when the batch does not split evenly
     return FusedMoEConfig(num_programs=cfg.comm.num_programs, wait_timeout_spins=cfg.comm.wait_timeout_spins,
                           cuda_graphs=cfg.trainer.cuda_graphs, max_tokens_per_rank=(stop - start) * cfg.data.seq_len,
-                          dispatch=cfg.comm.moe_dispatch)
+                          dispatch=cfg.comm.moe_dispatch, combine=cfg.comm.moe_combine)
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:

@@ -57,6 +57,9 @@ def test_fused_layers_are_sized_for_the_largest_share_of_a_batch():
         env = DistEnv(rank=1, world_size=world, local_rank=1, device=torch.device("cpu"), backend="gloo")
         most = max(stop - start for start, stop in (local_batch_bounds(5, r, 2) for r in range(2)))
         assert fused_moe_config(cfg, env).max_tokens_per_rank == most * cfg.data.seq_len == 3 * 64
+    assert (fused_moe_config(cfg, env).dispatch, fused_moe_config(cfg, env).combine) == ("auto", "auto")
+    cfg.comm.moe_combine = "rows"
+    assert fused_moe_config(cfg, env).combine == "rows"
     assert fused_moe_config(config(*SMALL), CPU) is None  # comm=bulk
 
 

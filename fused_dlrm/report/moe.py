@@ -31,7 +31,7 @@ def fused_moe(cfg: DictConfig, env: DistEnv, layer: MoELayer) -> tuple[MoELayer 
         return reason, reason
     m = cfg.model
     defaults = {"num_programs": FusedMoEConfig.num_programs, "wait_timeout_spins": FusedMoEConfig.wait_timeout_spins,
-                "moe_dispatch": FusedMoEConfig.dispatch}
+                "moe_dispatch": FusedMoEConfig.dispatch, "moe_combine": FusedMoEConfig.combine}
     comm = {**defaults, **OmegaConf.to_container(cfg.comm, resolve=True), "mode": "fused", "transport": "p2p"}
     fused_cfg = OmegaConf.create({**OmegaConf.to_container(cfg, resolve=True), "comm": comm})
     fused = MoELayer(m.d_model, m.ffn, m.num_experts, m.top_k, group=layer.group, capacity_factor=m.capacity_factor,

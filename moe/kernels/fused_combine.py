@@ -86,6 +86,7 @@ class CombineBlocks:
     consumer_warps: int
     block_rows: int  # backward push: permuted rows per program (and per ready flag)
     block_d: int  # backward push: columns per step
+    part_cols: int  # the combine by token's owner-side sum: columns per step
 
 
 def _gemm_steps(blocks: CombineBlocks, dtype: torch.dtype, cuda: bool) -> tuple[int, int]:
@@ -97,8 +98,8 @@ def _gemm_steps(blocks: CombineBlocks, dtype: torch.dtype, cuda: bool) -> tuple[
 def combine_blocks(device: torch.device) -> CombineBlocks:
     if device.type == "cuda":  # bf16 tensor-core tiles for H100/H200: 128 x 256 was the sweep's best GEMM 2 at
         # d=2048, ffn=1408 and at d=4096, ffn=14336 (docs/benchmarks.md, sixth session)
-        return CombineBlocks(128, 256, 64, 8, 3, 16, 4, 32, 128)
-    return CombineBlocks(16, 16, 16, 1, 1, 8, 1, 8, 16)  # the interpreter: small tiles, small test shapes
+        return CombineBlocks(128, 256, 64, 8, 3, 16, 4, 32, 128, 256)
+    return CombineBlocks(16, 16, 16, 1, 1, 8, 1, 8, 16, 16)  # the interpreter: small tiles, small test shapes
 
 
 def fused_combine_reference(hs: list[torch.Tensor], w2s: list[torch.Tensor], layouts: list[ExpertLayout],
@@ -518,7 +519,7 @@ class FusedCombine:
             y, self._rows_of_token, weight_of_row, self._source_order, parts.peer_ptrs, ready.peer_ptrs, ack.local,
             self.errors.word, self.rank, self._token_blocks, epoch, self.spin_limit,
             D_MODEL=self.d_model, MAX_TOKENS=self.max_tokens, L=L, L_P2=triton.next_power_of_2(L),
-            ROWS=min(self.top_k, L), BLOCK_T=b.block_tokens, BLOCK_N=b.block_n, OUT_DTYPE=TL_DTYPES[h.dtype],
+            ROWS=min(self.top_k, L), BLOCK_T=b.block_tokens, BLOCK_N=b.part_cols, OUT_DTYPE=TL_DTYPES[h.dtype],
             num_warps=b.consumer_warps)
         return epoch
 
