@@ -118,7 +118,7 @@ class World:
         max_tokens = self.combines[0].max_tokens
         max_rows = max_tokens * TOP_K
         for c in self.combines:
-            c.ws.buffer("combine_parts", 0, dtype).local.fill_(float("nan"))
+            c._token_buffers(dtype)[0].local.fill_(float("nan"))  # made at full size first
         starting = range(self.world_size) if starting is None else starting
         epochs = {}
         for owner in starting:  # every producer first
@@ -234,6 +234,27 @@ def test_by_token_consecutive_epochs_mixed_with_the_combine_by_row():
         for got, want in zip(outs, expected):
             assert got.dtype == dtype
             assert_close(got, want, tol)
+
+
+def test_by_token_one_part_crosses_per_token_and_owner_it_chose():
+    """Each source's parts buffer holds, at [owner, token], the owner's weighted sum of that token's rows there,
+    for exactly the tokens that chose one of the owner's experts: NaN (the poison) everywhere else."""
+    world = World(4)
+    case = Case([13, 0, 16, 9], top_k=3, bias={2: 3.0})
+    outs, _, counts = world.step_by_token(case, torch.Generator().manual_seed(17))
+    perms, _, _, _ = world.route(case, torch.Generator().manual_seed(17))  # the step's routing again
+    for source, (combine, perm) in enumerate(zip(world.combines, perms)):
+        parts = combine.ws.buffer("combine_parts", 0, torch.float32).local
+        parts = parts[:4 * combine.max_tokens * D_MODEL].view(4, combine.max_tokens, D_MODEL)
+        owner_of_row = torch.repeat_interleave(torch.arange(4 * LOCAL) // LOCAL, perm.tokens_per_expert)
+        for owner in range(4):
+            chose = torch.zeros(combine.max_tokens, dtype=torch.bool)
+            chose[perm.token_of_row[owner_of_row == owner]] = True
+            assert not parts[owner][chose].isnan().any()
+            assert parts[owner][~chose].isnan().all()
+        if case.tokens[source]:  # the parts add up to the output
+            stored = torch.nan_to_num(parts[:, :case.tokens[source]]).sum(dim=0)
+            torch.testing.assert_close(stored, outs[source], rtol=1e-6, atol=1e-6)
 
 
 def test_by_token_deterministic():
