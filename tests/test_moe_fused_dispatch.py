@@ -571,3 +571,13 @@ def test_bad_rows_or_tables_are_refused_before_the_epoch_is_counted():
         with pytest.raises(ValueError, match=match):
             d.start(x, token_of_rows[0], tab)
     assert int(d._epoch_done) == 0 and d.ws.next_epoch("moe_dispatch") == 1
+    w = World(2, 2, block_m=8, max_tokens=8, top_k=2)  # by token: the permutation's inverse and the rows' weights
+    xs, token_of_rows, _, layouts = w.routed_batch([6, 5], 2, None, gen)
+    tables, d = w.tables(token_of_rows, layouts), w.dispatch[0]
+    good = w.by_token_inputs(0)
+    for bad, match in ((dict(good, inverse=None), "needs the permutation's inverse"),
+                       (dict(good, row_weights=good["row_weights"].double()), "needs row_weights"),
+                       (dict(good, row_weights=None), "needs row_weights")):
+        with pytest.raises(ValueError, match=match):
+            d.start(xs[0], token_of_rows[0], tables[0], **bad)
+    assert int(d._epoch_done) == 0 and d.ws.next_epoch("moe_dispatch") == 1

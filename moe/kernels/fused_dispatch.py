@@ -631,6 +631,7 @@ class FusedDispatch:
         """`begin`, then the push of `launch` -> the epoch (`finish` runs the rest: in a simulated world every rank
         pushes before any rank computes)."""
         self._check_tables(tables)  # before `begin` counts the epoch
+        self._check_by_token_inputs(x, token_of_row, inverse, row_weights)
         epoch = self.begin(x)
         self._started[epoch] = self._push(x, token_of_row, tables, own_rows, inverse, row_weights)
         return epoch
@@ -666,6 +667,16 @@ class FusedDispatch:
             raise ValueError(f"dispatch by token: rows_out (a contiguous [{self.capacity}, {self.d_model}] {x.dtype} "
                              f"tensor) comes with a13_out, both or neither")
 
+    def _check_by_token_inputs(self, x: torch.Tensor, token_of_row: torch.Tensor, inverse: torch.Tensor | None,
+                               row_weights: torch.Tensor | None) -> None:
+        if not self.by_token:
+            return
+        if inverse is None or inverse.numel() != x.shape[0] * self.top_k:
+            raise ValueError(f"dispatch by token needs the permutation's inverse [{x.shape[0]} x {self.top_k}]")
+        if row_weights is None or row_weights.shape != token_of_row.shape or row_weights.dtype != torch.float32:
+            raise ValueError(f"dispatch by token needs row_weights: fp32 [{token_of_row.numel()}], the routing "
+                             f"weight of each permuted row")
+
     def _check_tables(self, tables: DispatchTables) -> None:
         if tables.world != self.world or tables.rank != self.rank or tables.num_local_experts != self.num_local_experts:
             raise ValueError("the tables do not describe this rank of this dispatch")
@@ -680,11 +691,7 @@ class FusedDispatch:
         block_d = max(16, min(triton.next_power_of_2(self.d_model), PUSH_TILE_ELEMENTS // self.chunk))
         e_p2 = triton.next_power_of_2(self.world * self.num_local_experts)
         if self.by_token:
-            if inverse is None or inverse.numel() != x.shape[0] * self.top_k:
-                raise ValueError(f"dispatch by token needs the permutation's inverse [{x.shape[0]} x {self.top_k}]")
-            if row_weights is None or row_weights.shape != token_of_row.shape or row_weights.dtype != torch.float32:
-                raise ValueError(f"dispatch by token needs row_weights: fp32 [{token_of_row.numel()}], the routing "
-                                 f"weight of each permuted row")
+            self._check_by_token_inputs(x, token_of_row, inverse, row_weights)
             tokens, ids, weights, arrived, ack = self._buffers(x.dtype)
             inverse, row_weights = inverse.contiguous(), row_weights.contiguous()
             if self._push_stream is not None:  # a copy, if one was made, is read on the push stream
