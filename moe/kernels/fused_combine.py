@@ -506,8 +506,8 @@ class FusedCombine:
         self._token_plan = tables
         b, width = self.blocks, tables.combine_tiles.shape[1]
         weight_of_row = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        self._rows_of_token.fill_(-1)  # tokens without a row here this epoch (the sum reads every token's entries)
         if width:
-            self._rows_of_token.fill_(-1)  # tokens without a row here this epoch
             _rows_of_tokens_kernel[(width,)](
                 tables.combine_tiles, tables.combine_row_tiles, width, row_tokens, source_weights,
                 token_of_row.contiguous(), row_weights.contiguous(), self._rows_of_token, weight_of_row, self.rank,
