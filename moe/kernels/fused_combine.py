@@ -193,7 +193,7 @@ def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, tile_count_ptr, out_ptrs, read
 
 
 # -- the combine by token: one row per (token, owner) crosses, the owner's weighted sum of that token's rows ----
-@triton.jit
+@triton.jit(do_not_specialize=["width"])  # one variant for all steps
 def _rows_of_tokens_kernel(tiles_ptr, tile_count_ptr, width, row_tokens_ptr, row_weights_ptr, own_token_ptr,
                            own_weight_ptr, rows_of_token_ptr, weight_of_row_ptr, rank,
                            BLOCK_M: tl.constexpr, MAX_TOKENS: tl.constexpr, MAX_ROWS: tl.constexpr,
