@@ -181,5 +181,5 @@ ptrs = {n: "*i64" for n in _expert_rows_kernel.arg_names if n.endswith("_ptr")}
 for world, local in ((2, 32), (8, 32)):
     e_p2 = triton.next_power_of_2(world * local)
     build(_expert_rows_kernel, ptrs, dict(WORLD=world, L=local, W_P2=world, E_P2=e_p2, TILE_ROWS=128,
-                                          OWNER_TILE_ROWS=128, BLOCK=max(16, min(128, 8192 // e_p2))))
+                                          OWNER_TILE_ROWS=128, BLOCK=256))
 """)
