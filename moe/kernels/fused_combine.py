@@ -23,9 +23,9 @@ By token (`start_by_token` / `finish_by_token`; FusedCombine(max_tokens=...), wi
 brings the owner each peer row's token id and routing weight): with top_k experts over few ranks a token has
 several experts on one owner, and by row each of their outputs crosses. By token the owner's GEMM 2 stores its
 tiles locally; a kernel over the tile table notes each received row under (source, token, local expert); then
-per (source, token block), remote sources first, the owner sums weight * row over the token's rows here in fp32
-(sorted: the same order every run) and stores that one part at [owner, token] of the source's parts buffer, one
-flag per (owner, token block), behind the same ack guard. The source adds its tokens' parts in rank order,
+per (token block, source), the sources alternating (remote stores beside local sums), the owner sums weight * row
+over the token's rows here in fp32 (sorted: the same order every run) and stores that one part at [owner, token]
+of the source's parts buffer, one flag per (owner, token block), behind the same ack guard. The source adds its tokens' parts in rank order,
 waiting for the flags of the owners its tokens chose. At top_k >= world about top_k / world fewer rows
 cross. Each assignment's own row never reaches the source, so a forward whose routing weights need a gradient
 combines by row (moe.layer).
@@ -225,16 +225,17 @@ def _rows_of_tokens_kernel(tiles_ptr, tile_count_ptr, width, row_tokens_ptr, row
 @triton.jit(do_not_specialize=["token_blocks", "epoch", "spin_limit"])  # one variant for all steps
 def _sum_token_rows_kernel(y_ptr, rows_of_token_ptr, weight_of_row_ptr, source_order_ptr, parts_ptrs, ready_ptrs,
                            ack_ptr, error_ptr, rank, token_blocks, epoch, spin_limit,
-                           D_MODEL: tl.constexpr, MAX_TOKENS: tl.constexpr, L: tl.constexpr, L_P2: tl.constexpr,
-                           ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                           D_MODEL: tl.constexpr, MAX_TOKENS: tl.constexpr, WORLD: tl.constexpr, L: tl.constexpr,
+                           L_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                            OUT_DTYPE: tl.constexpr):
-    """Program (source s, token block), sources remote first: per token of s that has rows here (at most ROWS =
-    min(top_k, L)), the sum of weight * row (in descending receive row: the same sum on every run), BLOCK_N
-    columns at a time, stored at [this rank, token] of s's parts buffer; then flag (this rank, token block) in s.
-    One flag per program: its release waits for the stores to reach the peer, which programs of all columns
-    would each have waited for."""
-    source = tl.load(source_order_ptr + tl.program_id(0) // token_blocks)
-    block = tl.program_id(0) % token_blocks
+    """Program (token block, source s), the sources of a block remote first: per token of s that has rows here (at
+    most ROWS = min(top_k, L)), the sum of weight * row (in descending receive row: the same sum on every run),
+    BLOCK_N columns at a time, stored at [this rank, token] of s's parts buffer; then flag (this rank, token block)
+    in s. Sources alternate from program to program, so that stores to peers (bound by the link) run beside the
+    local sums (bound by memory) rather than before them. One flag per program: its release waits for the stores
+    to reach the peer, which programs of all columns would each have waited for."""
+    source = tl.load(source_order_ptr + tl.program_id(0) % WORLD)
+    block = tl.program_id(0) // WORLD
     tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
     token_mask = tokens < MAX_TOKENS
     es = tl.arange(0, L_P2)
@@ -487,7 +488,7 @@ class FusedCombine:
                        row_weights: torch.Tensor) -> int:
         """The combine by token, owner side (needs `max_tokens`): GEMM 2 over h (as `start`) into a local y, then
         per (source, token) the weighted sum of the token's rows here, stored at [this rank, token] of the source's
-        parts buffer with a flag per (this rank, token block), sources remote first. `sources`: the
+        parts buffer with a flag per (this rank, token block), sources alternating. `sources`: the
         peers' rows' (token ids, routing weights) [world, max_rows] (FusedDispatch.rows_by_source); this rank's
         own rows' from token_of_row and row_weights (fp32, per permuted row). Returns the epoch for
         `finish_by_token`."""
@@ -518,7 +519,8 @@ class FusedCombine:
         _sum_token_rows_kernel[(self.world * self._token_blocks,)](
             y, self._rows_of_token, weight_of_row, self._source_order, parts.peer_ptrs, ready.peer_ptrs, ack.local,
             self.errors.word, self.rank, self._token_blocks, epoch, self.spin_limit,
-            D_MODEL=self.d_model, MAX_TOKENS=self.max_tokens, L=L, L_P2=triton.next_power_of_2(L),
+            D_MODEL=self.d_model, MAX_TOKENS=self.max_tokens, WORLD=self.world, L=L,
+            L_P2=triton.next_power_of_2(L),
             ROWS=min(self.top_k, L), BLOCK_T=b.block_tokens, BLOCK_N=b.part_cols, OUT_DTYPE=TL_DTYPES[h.dtype],
             num_warps=b.consumer_warps)
         return epoch
