@@ -329,7 +329,7 @@ for dtype in ("bf16", "fp16", "fp32"):
                                                OUT_DTYPE=out), 4, 3)
     build(fc._sum_token_rows_kernel, {**ptrs, "y_ptr": "*" + dtype, "rows_of_token_ptr": "*i32",
                                       "weight_of_row_ptr": "*fp32", "source_order_ptr": "*i32", "parts_ptrs": "*i64"},
-          dict(MAX_TOKENS=8192, L=32, L_P2=32, ROWS=6, BLOCK_T=b.block_tokens, OUT_DTYPE=out, **shape),
+          dict(MAX_TOKENS=8192, WORLD=2, L=32, L_P2=32, ROWS=6, BLOCK_T=b.block_tokens, OUT_DTYPE=out, **shape),
           b.consumer_warps, 3)
     build(fc._sum_owner_parts_kernel, {**ptrs, "parts_ptr": "*" + dtype},
           dict(MAX_TOKENS=8192, TOP_K=6, K_P2=8, WORLD=2, BLOCK_T=b.block_tokens, OUT_DTYPE=out, **shape),
