@@ -47,11 +47,20 @@ def skewed_counts(world: int, local: int, seed: int) -> torch.Tensor:
     return counts
 
 
-@pytest.mark.parametrize("world,local", [(1, 3), (2, 2), (3, 5), (4, 3), (8, 8)])
-def test_per_row_tables_match_the_row_by_row_reference(world, local):
+def tiny_runs(world: int, local: int, seed: int) -> torch.Tensor:
+    """Counts of 0-2 rows per (rank, expert): a kernel program's rows span many experts' runs, empty ones among
+    them."""
+    return torch.randint(0, 3, (world, world * local), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("world,local,make_counts", [(1, 3, skewed_counts), (2, 2, skewed_counts),
+                                                     (3, 5, skewed_counts), (4, 3, skewed_counts),
+                                                     (8, 8, skewed_counts), (4, 8, tiny_runs)])
+def test_per_row_tables_match_the_row_by_row_reference(world, local, make_counts):
     """The kernel's tables (every row's owner and receive row, its tile on either side; every received row's source
-    and source row) against a Python loop over the rows: skewed counts, a rank with no rows, an empty expert."""
-    counts = skewed_counts(world, local, seed=world * 10 + local)
+    and source row) against a Python loop over the rows: skewed counts, a rank with no rows, an empty expert; or
+    runs of 0-2 rows, many to a program."""
+    counts = make_counts(world, local, seed=world * 10 + local)
     for rank in range(world):
         for tile_rows in ((1, 16), (16, 1), (16, 64)):
             want = expert_rows_reference(counts, rank, local, tile_rows)
