@@ -25,9 +25,9 @@ several experts on one owner, and by row each of their outputs crosses. By token
 tiles locally; a kernel over the tile table notes each received row under (source, token, local expert); then
 per (token block, source), the sources alternating (remote stores beside local sums), the owner sums weight * row
 over the token's rows here in fp32 (sorted: the same order every run) and stores that one part at [owner, token]
-of the source's parts buffer, one flag per (owner, token block), behind the same ack guard. The source adds its tokens' parts in rank order,
-waiting for the flags of the owners its tokens chose. At top_k >= world about top_k / world fewer rows
-cross. Each assignment's own row never reaches the source, so a forward whose routing weights need a gradient
+of the source's parts buffer, one flag per (owner, token block), behind the same ack guard. The source adds its
+tokens' parts in rank order, waiting for the flags of the owners its tokens chose. At top_k >= world about
+top_k / world fewer rows cross. Each assignment's own row never reaches the source, so a forward whose routing weights need a gradient
 combines by row (moe.layer).
 
 Backward, the same move reversed. Source (`start_backward`): each program takes BLOCK_R of the source's permuted
