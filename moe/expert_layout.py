@@ -273,7 +273,7 @@ def expert_rows(counts: torch.Tensor, rank: int, num_local_experts: int, tile_ro
     tables = [flat[k * sent:k * sent + num_sent] for k in range(4)]
     tables += [flat[4 * sent + k * received:4 * sent + k * received + num_received] for k in range(2)]
     e_p2 = triton.next_power_of_2(num_experts)
-    block = 256 if counts.is_cuda else 16
+    block = 256 if counts.is_cuda else 16  # rows per program (a few runs each); small on the CPU: runs cross blocks
     send_programs = triton.cdiv(num_sent, block)
     programs = send_programs + triton.cdiv(num_received, block)
     if programs:

@@ -27,8 +27,8 @@ per (token block, source), the sources alternating (remote stores beside local s
 over the token's rows here in fp32 (sorted: the same order every run) and stores that one part at [owner, token]
 of the source's parts buffer, one flag per (owner, token block), behind the same ack guard. The source adds its
 tokens' parts in rank order, waiting for the flags of the owners its tokens chose. At top_k >= world about
-top_k / world fewer rows cross. Each assignment's own row never reaches the source, so a forward whose routing weights need a gradient
-combines by row (moe.layer).
+top_k / world fewer rows cross. Each assignment's own row never reaches the source, so a forward whose routing
+weights need a gradient combines by row (moe.layer).
 
 Backward, the same move reversed. Source (`start_backward`): each program takes BLOCK_R of the source's permuted
 rows, forms their gradient rows grad_y[token] * weight (no copy) and stores each at `send_dest_row` of its owner's
