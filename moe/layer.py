@@ -223,15 +223,19 @@ class MoELayer(nn.Module):
         """Push + GEMM 1 over DispatchTables of the current capacity (capacity rows).
 
         Their launches, and the tables' and the weights' cast before them, are kernels only, which read the epoch
-        from the device: on GPUs they are replayed as a CUDA graph once a call repeats their key (shapes, dtypes,
-        capacity, the weights' and the symmetric buffers' addresses), with x, the permutation and the counts copied
-        into the graph's own tensors (fused_dlrm.kernels.graphed_calls). A training forward holds its outputs
-        (h, a13, the tables) with a Lease until its backward is done."""
+        and x's address from the device (FusedDispatch.begin stores them): on GPUs they are replayed as a CUDA graph
+        once a call repeats their key (shapes, dtypes, capacity, the weights' and the symmetric buffers'
+        addresses), with the permutation and the counts copied into the graph's own tensors
+        (fused_dlrm.kernels.graphed_calls); x is read in place. A training forward holds its outputs (h, a13, the
+        tables) with a Lease until its backward is done."""
         dispatch = self.dispatch
+        x = x.contiguous()
+        if x.data_ptr() % 16:  # the kernels read x through its address, as 16-byte vectors
+            x = x.clone()
         epoch = dispatch.begin(x)
 
-        def launch(x: torch.Tensor, token_of_row: torch.Tensor, counts: torch.Tensor,
-                   inverse: torch.Tensor | None = None, row_weights: torch.Tensor | None = None):
+        def launch(token_of_row: torch.Tensor, counts: torch.Tensor, inverse: torch.Tensor | None = None,
+                   row_weights: torch.Tensor | None = None):  # x: this call's (a replay reads it at its address)
             w13 = compute_weight(w13_param, x.dtype)  # mixed precision: the rows' dtype (the copy, if any)
             tables = dispatch_tables(counts, self.rank, self.num_local_experts, *self._tile_rows(x),
                                      token_of_row.numel(), dispatch.capacity)
@@ -244,15 +248,15 @@ class MoELayer(nn.Module):
                                 rows_out=rows, row_weights=row_weights)
             return tables, h, a13, w13, rows
 
-        inputs = (x, perm.token_of_row, counts) + ((perm.inverse, row_weights) if dispatch.by_token else ())
+        inputs = (perm.token_of_row, counts) + ((perm.inverse, row_weights) if dispatch.by_token else ())
         if self._dispatch_graphs is None:
             (tables, h, a13, w13, rows), lease = launch(*inputs), None
         else:
             refresh_compute_copy(w13_param)  # a replay runs no Python: the copy it reads must be current
             copy = compute_copy(w13_param, x.dtype)  # a copy made anew (dropped, then rewritten) is another key
-            key = (tuple((t.shape, t.stride(), t.dtype) for t in inputs), keep_a13, dispatch.capacity,
-                   w13_param.data_ptr(), w13_param.dtype, None if copy is None else copy.data_ptr(),
-                   dispatch.buffer_addresses(x.dtype))
+            key = (x.shape, x.dtype, tuple((t.shape, t.stride(), t.dtype) for t in inputs), keep_a13,
+                   dispatch.capacity, w13_param.data_ptr(), w13_param.dtype,
+                   None if copy is None else copy.data_ptr(), dispatch.buffer_addresses(x.dtype))
             (tables, h, a13, w13, rows), lease = self._dispatch_graphs(key, launch, inputs, hold=keep_a13)
         received = dispatch.end(epoch)  # by token None: `rows`, which GEMM 1 stored
         return _Dispatched(tables, rows if dispatch.by_token else received, h, a13, w13, lease, epoch)

@@ -480,7 +480,7 @@ from moe.kernels import fused_dispatch as fd
 
 tables = {n: "*i64" for n in ("token_ptr", "dest_row_ptr", "counts_ptr", "rows_ptrs", "ready_ptrs", "tiles_ptr",
                               "row_tiles_ptr", "source_ptr", "source_row_ptr", "grad_ptrs", "inverse_ptr",
-                              "tokens_ptrs", "ids_ptrs", "weights_ptrs", "arrived_ptrs")}
+                              "tokens_ptrs", "ids_ptrs", "weights_ptrs", "arrived_ptrs", "x_address_ptr")}
 tables["row_weight_ptr"] = "*fp32"
 flags = {n: "*i32" for n in ("dest_order_ptr", "ack_ptr", "error_ptr", "ready_ptr", "next_ptr", "epoch_ptr",
                              "ids_ptr")}
@@ -489,7 +489,8 @@ by_row, by_token = dict(BY_TOKEN=False, WORLD=2, MAX_TOKENS=1, MAX_ROWS=1), dict
 import torch
 cuda = torch.device("cuda")
 for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
-    data = {n: "*" + dtype for n in ("x_ptr", "rows_ptr", "w13_ptr", "h_ptr", "a13_ptr", "rows_out_ptr")}
+    data = {n: "*" + dtype for n in ("rows_ptr", "w13_ptr", "h_ptr", "a13_ptr", "rows_out_ptr")}
+    x_dtype = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
     ptrs = {**tables, **flags, **data}
     precision = "tf32" if dtype == "fp32" else None  # as dot_precision gives them in training
     for backward in (False, True):  # as gemm_config gives them: shared memory must fit
@@ -507,9 +508,10 @@ for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("
                           dict(CHUNK=64, STORE_A13=store_a13, **mode, **gemm), c.num_warps, c.num_stages)
     for own_rows in (False, True):
         build(fd._push_rows_kernel, ptrs, dict(D=2048, CHUNK=64, BLOCK_D=128, WORLD=2, L=32, W_P2=2, L_P2=32, E_P2=64,
-                                               OWN_ROWS=own_rows), 4, 3)
+                                               OWN_ROWS=own_rows, X_DTYPE=x_dtype), 4, 3)
     build(fd._push_tokens_kernel, ptrs, dict(D=2048, MAX_TOKENS=8192, MAX_ROWS=49152, CHUNK=64, IDS=512, UNITS=128,
-                                             BLOCK_D=128, WORLD=2, L=32, TOP_K=6, K_P2=8, E_P2=64), 4, 3)
+                                             BLOCK_D=128, WORLD=2, L=32, TOP_K=6, K_P2=8, E_P2=64, X_DTYPE=x_dtype),
+          4, 3)
 """
 
 

@@ -41,8 +41,10 @@ def replays(layer) -> int:
 def test_graphed_dispatch_equals_eager(dtype, autocast):
     graphed, eager = pair(dtype)
     gen = torch.Generator().manual_seed(1)
+    xs = []  # each step's x kept, so that every step's lies elsewhere: a replay reads x at its address
     for i, tokens in enumerate([300] * 6 + [900] * 4 + [300] * 3):  # 900 tokens outgrow the capacity once
         x = torch.randn(tokens, D_MODEL, generator=gen).to("cuda", dtype)
+        xs.append(x)
         grad = torch.randn(tokens, D_MODEL, generator=gen).cuda()
         bias = (torch.randn(EXPERTS, generator=gen) * 2).cuda()  # another routing every step
         for got, want in zip(step(graphed, x, bias, grad, autocast), step(eager, x, bias, grad, autocast)):

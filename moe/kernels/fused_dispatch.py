@@ -127,6 +127,13 @@ def _gate_up(x: torch.Tensor, sizes: list[int], w13: torch.Tensor) -> torch.Tens
 
 # -- push ---------------------------------------------------------------------------------------------------------
 @triton.jit
+def _x_rows(x_address_ptr, DTYPE: tl.constexpr):
+    """This rank's tokens x, whose address `FusedDispatch.begin` stored on the device: a CUDA graph of the launches
+    reads each call's x in place instead of a copy of it in the graph's own memory (begin checks the alignment)."""
+    return tl.multiple_of(tl.load(x_address_ptr).to(tl.pointer_type(DTYPE)), 16)
+
+
+@triton.jit
 def _unit_rows(counts_ptr, rank, dest, c, CHUNK: tl.constexpr, WORLD: tl.constexpr, L: tl.constexpr,
                W_P2: tl.constexpr, L_P2: tl.constexpr, E_P2: tl.constexpr):
     """Unit (owner dest, chunk c) of this rank's push: its permuted rows [lo, hi), from the counts C [world, E].
@@ -149,15 +156,17 @@ def _unit_rows(counts_ptr, rank, dest, c, CHUNK: tl.constexpr, WORLD: tl.constex
 
 @triton.jit(do_not_specialize=["chunks", "num_units", "num_programs", "spin_limit"])
 def _push_rows_kernel(
-    x_ptr, token_ptr, dest_row_ptr, counts_ptr, dest_order_ptr,  # this rank's rows, C [world, E], owner order
+    x_address_ptr, token_ptr, dest_row_ptr, counts_ptr, dest_order_ptr,  # where this rank's rows are (`_x_rows`),
+    # C [world, E], owner order
     rows_ptrs, ready_ptrs, ack_ptr, error_ptr, epoch_ptr,  # peers' receive buffers and flag buffers, my acks, my
     # error word, the last epoch acknowledged (this call's is the next)
     rank, chunks, num_units, num_programs, spin_limit,  # chunks: per destination, its flags' stride
     D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, WORLD: tl.constexpr, L: tl.constexpr,
-    W_P2: tl.constexpr, L_P2: tl.constexpr, E_P2: tl.constexpr, OWN_ROWS: tl.constexpr,
+    W_P2: tl.constexpr, L_P2: tl.constexpr, E_P2: tl.constexpr, OWN_ROWS: tl.constexpr, X_DTYPE: tl.constexpr,
 ):
     """OWN_ROWS: also copy the rows this rank keeps into its own buffer (GEMM 1 reads them from x, waiting for no
     flag: only `received` needs them, for the training backward's weight gradient)."""
+    x_ptr = _x_rows(x_address_ptr, X_DTYPE)
     epoch = tl.load(epoch_ptr) + 1
     row_base = (epoch % 2) * chunks * CHUNK  # the double buffer's half of this epoch
     pid = tl.program_id(0)
@@ -190,15 +199,16 @@ def _push_rows_kernel(
 
 @triton.jit(do_not_specialize=["num_tokens", "num_rows", "num_programs", "spin_limit"])
 def _push_tokens_kernel(
-    x_ptr, token_ptr, row_weight_ptr, inverse_ptr, counts_ptr, dest_order_ptr,  # this rank's tokens,
-    # token_of_row, each permuted row's routing weight, each assignment's permuted row, C [world, E], owner order
+    x_address_ptr, token_ptr, row_weight_ptr, inverse_ptr, counts_ptr, dest_order_ptr,  # where this rank's tokens
+    # are (`_x_rows`), token_of_row, each permuted row's routing weight, each assignment's permuted row, C [world,
+    # E], owner order
     tokens_ptrs, ids_ptrs, weights_ptrs, arrived_ptrs, ack_ptr, error_ptr, epoch_ptr,  # peers' token, token-id
     # and row-weight buffers and arrival counts, my acks, my error word, the last epoch acknowledged (this call's
     # is the next)
     rank, num_tokens, num_rows, num_programs, spin_limit,
     D: tl.constexpr, MAX_TOKENS: tl.constexpr, MAX_ROWS: tl.constexpr, CHUNK: tl.constexpr, IDS: tl.constexpr,
     UNITS: tl.constexpr, BLOCK_D: tl.constexpr, WORLD: tl.constexpr, L: tl.constexpr, TOP_K: tl.constexpr,
-    K_P2: tl.constexpr, E_P2: tl.constexpr,
+    K_P2: tl.constexpr, E_P2: tl.constexpr, X_DTYPE: tl.constexpr,
 ):
     """Dispatch by token: unit (peer d, c) stores tokens [c * CHUNK, (c + 1) * CHUNK) that chose an expert of d,
     each once, at [source = rank, token] of d's token buffer, and the token and routing weight of each of this
@@ -206,6 +216,7 @@ def _push_tokens_kernel(
     combine by token sums a token's rows on d with them); then it adds one to d's count of units arrived from this
     rank (int64, never reset: epoch e is complete at e * UNITS). Peers only: GEMM 1 reads this rank's own rows
     from x."""
+    x_ptr = _x_rows(x_address_ptr, X_DTYPE)
     epoch = tl.load(epoch_ptr) + 1
     slot = (epoch % 2) * WORLD + rank  # [half][source] of the peers' buffers
     E: tl.constexpr = WORLD * L
@@ -281,9 +292,9 @@ def _row_tile(t, tiles_ptr, width, num_row_tiles, col_blocks, BLOCK_M: tl.conste
 
 @triton.jit(do_not_specialize=["tiles_width", "capacity", "flag_stride", "claimants", "spin_limit"])
 def _gated_gemm_kernel(
-    rows_ptr, x_ptr, token_ptr, w13_ptr, h_ptr, a13_ptr, rows_out_ptr,  # received rows (both halves; by token:
-    # the token buffer), this rank's tokens and token_of_row, [L, D, 2 * FFN] weights (w1 columns, then w3),
-    # [rows, FFN] output, [rows, 2 * FFN] a13, [rows, D] the rows read (by token, training)
+    rows_ptr, x_address_ptr, token_ptr, w13_ptr, h_ptr, a13_ptr, rows_out_ptr,  # received rows (both halves; by
+    # token: the token buffer), where this rank's tokens are (`_x_rows`) and token_of_row, [L, D, 2 * FFN] weights
+    # (w1 columns, then w3), [rows, FFN] output, [rows, 2 * FFN] a13, [rows, D] the rows read (by token, training)
     tiles_ptr, tiles_width, row_tiles_ptr,  # the row tiles (DispatchTables.gemm_tiles; walked in arrival order)
     source_ptr, source_row_ptr, ready_ptr, ids_ptr, error_ptr, next_ptr, epoch_ptr,  # recv_source_rank/row, my
     # flags (by token: units arrived per source), my token ids (by token), error, counter, the last epoch
@@ -298,6 +309,7 @@ def _gated_gemm_kernel(
     `flag_stride` units of this epoch arrived from that source; the rows read are stored into rows_out (col 0's
     tiles) when STORE_A13 (training: `received`). Else a peer's row is receive row `row`, ready once flag
     (source, row // CHUNK) holds the epoch."""
+    x_ptr = _x_rows(x_address_ptr, rows_ptr.dtype.element_ty)
     epoch = tl.load(epoch_ptr) + 1
     n_tiles = tl.cdiv(FFN, BLOCK_N)
     num_row_tiles = tl.load(row_tiles_ptr).to(tl.int32)  # the host launched before it knew them
@@ -536,6 +548,9 @@ class FusedDispatch:
         # acknowledgement after GEMM 1 advances it (in step with the host's count, `begin`). So their launches
         # repeat exactly from epoch to epoch, and a CUDA graph of them replays (moe.layer._dispatch_at_capacity).
         self._epoch_done = torch.zeros(1, dtype=torch.int32, device=workspace.device)
+        # The address of the epoch's x, stored by `begin`: the kernels read x through it (`_x_rows`), so a graph of
+        # the launches needs no copy of x (tens of MB).
+        self._x_address = torch.zeros(1, dtype=torch.int64, device=workspace.device)
         self._rows_dtype = torch.float32  # of the receive rows, set by `begin`
         self._grad_dtype = torch.float32  # of the gradient rows, set by start_backward
 
@@ -571,17 +586,22 @@ class FusedDispatch:
 
     def begin(self, x: torch.Tensor) -> int:
         """The host's part before an epoch's launches (`launch`) of rows x: refuses a bad x, raises a timeout seen
-        so far, makes the buffers of the current capacity for x's dtype (a collective when they grow) and counts
-        the epoch on the host (the device counts it too: `_epoch_done`; a refused call counts on neither) -> the
-        epoch."""
+        so far, makes the buffers of the current capacity for x's dtype (a collective when they grow), stores x's
+        address on the device, where the kernels read it (in stream order: until they ran, x must be neither freed
+        nor rewritten, as for any kernel's input) and counts the epoch on the host (the device counts it too:
+        `_epoch_done`; a refused call counts on neither) -> the epoch."""
         if x.dim() != 2 or x.shape[1] != self.d_model or x.dtype not in TL_DTYPES:
             raise ValueError(f"x must be [tokens, {self.d_model}] fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
+        if not x.is_contiguous() or x.data_ptr() % 16 or x.device != self._x_address.device:
+            raise ValueError(f"x must be contiguous, 16-byte aligned and on {self._x_address.device}: the kernels "
+                             f"read it through its address (MoELayer passes a copy where it is not)")
         if self.by_token and x.shape[0] > self.max_tokens:
             raise ValueError(f"rank {self.rank}: {x.shape[0]} tokens, more than the dispatch's max_tokens="
                              f"{self.max_tokens}")
         self.errors.check()
         self._buffers(x.dtype)
         self._rows_dtype = x.dtype
+        self._x_address.fill_(x.data_ptr())
         return self.ws.next_epoch("moe_dispatch")
 
     def buffer_addresses(self, dtype: torch.dtype) -> tuple[int, ...]:
@@ -687,7 +707,7 @@ class FusedDispatch:
     def _push(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, own_rows: bool,
               inverse: torch.Tensor | None, row_weights: torch.Tensor | None) -> tuple:
         """Launch the push -> what GEMM 1 reads besides the weights (x, token_of_row, tables)."""
-        x, token_of_row = x.contiguous(), token_of_row.contiguous()
+        token_of_row = token_of_row.contiguous()  # x is (`begin`), and the kernels read it at _x_address
         block_d = max(16, min(triton.next_power_of_2(self.d_model), PUSH_TILE_ELEMENTS // self.chunk))
         e_p2 = triton.next_power_of_2(self.world * self.num_local_experts)
         if self.by_token:
@@ -697,21 +717,23 @@ class FusedDispatch:
             if self._push_stream is not None:  # a copy, if one was made, is read on the push stream
                 inverse.record_stream(self._push_stream)
                 row_weights.record_stream(self._push_stream)
-            tensors = (x, token_of_row, row_weights, inverse, tables.counts, self._dest_order, tokens.peer_ptrs,
-                       ids.peer_ptrs, weights.peer_ptrs, arrived.peer_ptrs, ack.local, self.errors.word,
-                       self._epoch_done)
+            tensors = (self._x_address, token_of_row, row_weights, inverse, tables.counts, self._dest_order,
+                       tokens.peer_ptrs, ids.peer_ptrs, weights.peer_ptrs, arrived.peer_ptrs, ack.local,
+                       self.errors.word, self._epoch_done)
             args = (*tensors, self.rank, x.shape[0], token_of_row.numel(), self.num_programs, self.spin_limit,
                     self.d_model, self.max_tokens, self.max_rows, self.chunk, self.ids_per_unit, self.units, block_d,
-                    self.world, self.num_local_experts, self.top_k, triton.next_power_of_2(self.top_k), e_p2)
+                    self.world, self.num_local_experts, self.top_k, triton.next_power_of_2(self.top_k), e_p2,
+                    TL_DTYPES[x.dtype])
             kernel_launches, key = self._push_token_launches, (x.dtype, block_d, *map(aligned, tensors))
         else:
             rows, ready, ack = self._buffers(x.dtype)
             chunks = self.capacity // self.chunk
-            tensors = (x, token_of_row, tables.send_dest_row, tables.counts, self._dest_order, rows.peer_ptrs,
-                       ready.peer_ptrs, ack.local, self.errors.word, self._epoch_done)
+            tensors = (self._x_address, token_of_row, tables.send_dest_row, tables.counts, self._dest_order,
+                       rows.peer_ptrs, ready.peer_ptrs, ack.local, self.errors.word, self._epoch_done)
             args = (*tensors, self.rank, chunks, self.world * chunks, self.num_programs, self.spin_limit,
                     self.d_model, self.chunk, block_d, self.world, self.num_local_experts,
-                    triton.next_power_of_2(self.world), triton.next_power_of_2(self.num_local_experts), e_p2, own_rows)
+                    triton.next_power_of_2(self.world), triton.next_power_of_2(self.num_local_experts), e_p2, own_rows,
+                    TL_DTYPES[x.dtype])
             kernel_launches, key = self._push_launches, (x.dtype, block_d, own_rows, *map(aligned, tensors))
 
         def launch():
@@ -746,7 +768,7 @@ class FusedDispatch:
         programs = self._gemm_programs(num_tiles, beside_push=True)
         helpers = self._helper_programs(num_tiles, programs)
         a13 = h if a13_out is None else a13_out
-        tensors = (rows, x, token_of_row, w13, h, a13, a13 if rows_out is None else rows_out, tiles)
+        tensors = (rows, self._x_address, token_of_row, w13, h, a13, a13 if rows_out is None else rows_out, tiles)
         tensors += (tables.row_tiles, tables.recv_source_rank, tables.recv_source_row, ready, ids, self.errors.word,
                     self._tile_counter, self._epoch_done)
         precision, store_a13 = dot_precision(w13.dtype, w13.device), a13_out is not None
