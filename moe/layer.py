@@ -21,6 +21,7 @@ replayed as a CUDA graph once a call repeats (`_dispatch_at_capacity`). Backward
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -138,10 +139,11 @@ class MoELayer(nn.Module):
                 alongside: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
         """x: [tokens, d_model] (this rank's tokens, possibly none) -> (y [tokens, d_model], aux).
 
-        aux: load_balancing_loss and z_loss (scalars over this rank's tokens, unscaled: the caller applies its
-        coefficients), tokens_per_expert ([num_experts], this rank's kept assignments), dropped (assignments
-        dropped by the capacity) and tokens_per_local_expert ([num_local_experts], rows this rank's experts ran),
-        all tensors on x's device (reading them on the host waits for the GPU). Host syncs of a forward: the
+        aux (MoEStatistics): load_balancing_loss and z_loss (scalars over this rank's tokens, unscaled: the caller
+        applies its coefficients), tokens_per_expert ([num_experts], this rank's kept assignments), dropped
+        (assignments dropped by the capacity) and tokens_per_local_expert ([num_local_experts], rows this rank's
+        experts ran; these two computed when first read), all tensors on x's device (reading them on the host
+        waits for the GPU). Host syncs of a forward: the
         counts that size the exchanges (bulk; comm="fused" reads them once the first expert GEMM is queued, and
         with max_tokens_per_rank not at all: its backward does), and permute's row count when a capacity can drop
         assignments.
@@ -174,13 +176,11 @@ class MoELayer(nn.Module):
             expert_out = self.experts(exchange.to_owners(rows), exchange.tokens_per_local_expert)
             y = unpermute(exchange.to_sources(expert_out), perm, routing.weights)
         y = overlap.added_to(y)
-        aux = {
-            "load_balancing_loss": routing.aux_loss,
-            "z_loss": routing.z_loss,
-            "tokens_per_expert": routing.tokens_per_expert,
-            "dropped": (~routing.kept).sum(),
-            "tokens_per_local_expert": recv_counts.sum(dim=0),
-        }
+        kept = routing.kept
+        aux = MoEStatistics({"load_balancing_loss": routing.aux_loss, "z_loss": routing.z_loss,
+                             "tokens_per_expert": routing.tokens_per_expert},
+                            derived={"dropped": lambda: (~kept).sum(),
+                                     "tokens_per_local_expert": lambda: recv_counts.sum(dim=0)})
         return y, aux
 
     def _fused_dispatch(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation, w13_param: torch.Tensor,
@@ -286,6 +286,28 @@ class MoELayer(nn.Module):
                              f"{self.max_tokens} (FusedMoEConfig), which sizes the fused exchange's buffers")
         if logit_bias is not None and logit_bias.shape != (self.num_experts,):
             raise ValueError(f"logit_bias must be [num_experts={self.num_experts}], got {list(logit_bias.shape)}")
+
+
+class MoEStatistics(Mapping):
+    """MoELayer.forward's aux: tensors, and statistics derived from the routing that are computed when first read
+    (small reductions that a training step does not read: their kernels run only where someone asks)."""
+
+    def __init__(self, values: dict[str, torch.Tensor], derived: dict[str, Callable[[], torch.Tensor]]):
+        self._values, self._derived = dict(values), dict(derived)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self._derived:
+            self._values[key] = self._derived.pop(key)()
+        return self._values[key]
+
+    def __contains__(self, key: object) -> bool:  # without computing it (Mapping's would)
+        return key in self._values or key in self._derived
+
+    def __iter__(self):
+        return iter([*self._values, *self._derived])
+
+    def __len__(self) -> int:
+        return len(self._values) + len(self._derived)
 
 
 class _HostLayout:

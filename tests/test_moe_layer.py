@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe import MoELayer, SwiGLUExperts, TopKRouter
+from moe.layer import MoEStatistics
 from test_moe_routing import reference_route
 from world import run_world
 
@@ -198,3 +199,16 @@ def test_autocast_runs_rows_and_experts_in_bf16_with_fp32_weights():
 def test_bad_input_is_named(x, bias, message):
     with pytest.raises(ValueError, match=message):
         MoELayer(16, 24, 4, 2)(x, bias)
+
+
+def test_statistics_derived_when_first_read():
+    """aux's derived statistics (dropped, tokens_per_local_expert) run their reductions only when read, once."""
+    calls = []
+    stats = MoEStatistics({"a": torch.tensor(1)}, derived={"b": lambda: calls.append("b") or torch.tensor(2)})
+    assert list(stats) == ["a", "b"] and len(stats) == 2 and "b" in stats and not calls
+    assert stats["b"] == 2 and stats["b"] == 2 and calls == ["b"]
+    assert list(stats) == ["a", "b"]
+    with pytest.raises(KeyError):
+        stats["c"]
+    _, aux = MoELayer(16, 24, 4, 2)(torch.randn(5, 16))
+    assert aux["dropped"] == 0 and aux["tokens_per_local_expert"].sum() == 10
