@@ -267,8 +267,8 @@ class MoELayer(nn.Module):
         it (FusedMoEConfig.combine) and no assignment's row is asked for (rows_out: the routing weights'
         gradient reads them), else by row."""
         if self.combine.max_tokens is not None and rows_out is None:
-            epoch = self.combine.start_by_token(out.h, w2, out.tables, self.dispatch.rows_by_source(out.epoch),
-                                                perm.token_of_row, row_weights)
+            epoch = self.combine.start_by_token(out.h, w2, out.tables, self.dispatch.rows_by_source(out.epoch), perm,
+                                                row_weights)
             return self.combine.finish_by_token(epoch, out.tables, perm)
         epoch = self.combine.start(out.h, w2, out.tables)
         return self.combine.finish(epoch, out.tables, perm, weights, rows_out=rows_out)

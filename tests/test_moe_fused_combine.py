@@ -132,7 +132,7 @@ class World:
                     source_weights[source, lo:hi] = row_weights[source][lo:hi]
             epochs[owner] = self.combines[owner].start_by_token(padded[owner], w2s[owner], tables[owner],
                                                                 (row_tokens, source_weights),
-                                                                perms[owner].token_of_row, row_weights[owner])
+                                                                perms[owner], row_weights[owner])
         outs = [c.finish_by_token(epochs[r] if r in epochs else c.ws.next_epoch("combine"), tables[r], perms[r])
                 for r, c in enumerate(self.combines)]
         return outs, fused_combine_reference(hs, w2s, layouts, perms, weights), counts
@@ -327,13 +327,13 @@ for dtype in ("bf16", "fp16", "fp32"):
                                                     COPY_ROWS=True, **shape), b.consumer_warps, 3)
     build(fc._push_gradient_kernel, ptrs, dict(D_MODEL=2048, WORLD=2, BLOCK_R=b.block_rows, BLOCK_D=b.block_d,
                                                OUT_DTYPE=out), 4, 3)
-    build(fc._sum_token_rows_kernel, {**ptrs, "y_ptr": "*" + dtype, "rows_of_token_ptr": "*i32",
-                                      "weight_of_row_ptr": "*fp32", "source_order_ptr": "*i32", "parts_ptrs": "*i64"},
-          dict(MAX_TOKENS=8192, WORLD=2, L=32, L_P2=32, ROWS=6, BLOCK_T=b.block_tokens, OUT_DTYPE=out, **shape),
-          b.consumer_warps, 3)
-    build(fc._sum_owner_parts_kernel, {**ptrs, "parts_ptr": "*" + dtype},
-          dict(MAX_TOKENS=8192, TOP_K=6, K_P2=8, WORLD=2, BLOCK_T=b.block_tokens, OUT_DTYPE=out, **shape),
-          b.consumer_warps, 3)
+    for first, sources in ((0, 2), (0, 1), (1, 1)):  # one launch; a simulated world's two
+        build(fc._sum_token_rows_kernel, {**ptrs, "y_ptr": "*" + dtype, "rows_of_token_ptr": "*i32",
+                                          "weight_of_row_ptr": "*fp32", "source_order_ptr": "*i32",
+                                          "parts_ptrs": "*i64", "ack_ptrs": "*i64", "counters_ptr": "*i32"},
+              dict(MAX_TOKENS=8192, WORLD=2, L=32, L_P2=32, ROWS=6, TOP_K=6, K_P2=8, BLOCK_T=b.part_tokens,
+                   OUT_DTYPE=out, FIRST=first, SOURCES=sources, ACK=first + sources == 2, **shape),
+              b.consumer_warps, 3)
 build(fc._rows_of_tokens_kernel, {**tables, "row_tokens_ptr": "*i32", "row_weights_ptr": "*fp32",
                                   "own_weight_ptr": "*fp32", "rows_of_token_ptr": "*i32", "weight_of_row_ptr": "*fp32",
                                   "own_token_ptr": "*i64"},

@@ -25,10 +25,11 @@ several experts on one owner, and by row each of their outputs crosses. By token
 tiles locally; a kernel over the tile table notes each received row under (source, token, local expert); then
 per (token block, source), the sources alternating (remote stores beside local sums), the owner sums weight * row
 over the token's rows here in fp32 (sorted: the same order every run) and stores that one part at [owner, token]
-of the source's parts buffer, one flag per (owner, token block), behind the same ack guard. The source adds its
-tokens' parts in rank order, waiting for the flags of the owners its tokens chose. At top_k >= world about
-top_k / world fewer rows cross. Each assignment's own row never reaches the source, so a forward whose routing
-weights need a gradient combines by row (moe.layer).
+of the source's parts buffer, one flag per (owner, token block), behind the same ack guard. In the same kernel the
+items of the rank's own tokens, once their own part is stored, add their tokens' parts in rank order, waiting for
+the flags of the owners those tokens chose (items are taken by ticket, so these waits cannot deadlock); the last
+item done acknowledges the epoch. At top_k >= world about top_k / world fewer rows cross. Each assignment's own
+row never reaches the source, so a forward whose routing weights need a gradient combines by row (moe.layer).
 
 Backward, the same move reversed. Source (`start_backward`): each program takes BLOCK_R of the source's permuted
 rows, forms their gradient rows grad_y[token] * weight (no copy) and stores each at `send_dest_row` of its owner's
@@ -48,6 +49,7 @@ import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels import TL_DTYPES, dot_precision
+from fused_dlrm.kernels.launch import CompiledLaunches, aligned
 from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready, wait_or_record
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from fused_dlrm.kernels.tma import descriptor, require_tma_readable
@@ -73,6 +75,17 @@ class CombinePlan:
     ack: PeerBuffer  # int32 [world]: the epoch each source has finished reading
 
 
+@dataclass
+class TokenSum:
+    """One epoch of the combine by token, from `start_by_token` to `finish_by_token`."""
+
+    tables: DispatchTables
+    perm: Permutation  # the source's: its tokens' rows and their owners
+    y: torch.Tensor  # GEMM 2's output over the rows this rank received
+    weight_of_row: torch.Tensor  # each received row's routing weight (fp32)
+    out: torch.Tensor  # the source's result [tokens, d_model]
+
+
 @dataclass(frozen=True)
 class CombineBlocks:
     """Tile shapes of both kernels; BLOCK_M and BLOCK_N also define the flag slots, so every rank uses the same."""
@@ -86,7 +99,8 @@ class CombineBlocks:
     consumer_warps: int
     block_rows: int  # backward push: permuted rows per program (and per ready flag)
     block_d: int  # backward push: columns per step
-    part_cols: int  # the combine by token's owner-side sum: columns per step
+    part_cols: int  # the combine by token's sum: columns per step
+    part_tokens: int  # the combine by token's sum: tokens per item (and per flag)
 
 
 def _gemm_steps(blocks: CombineBlocks, dtype: torch.dtype, cuda: bool) -> tuple[int, int]:
@@ -98,8 +112,10 @@ def _gemm_steps(blocks: CombineBlocks, dtype: torch.dtype, cuda: bool) -> tuple[
 def combine_blocks(device: torch.device) -> CombineBlocks:
     if device.type == "cuda":  # bf16 tensor-core tiles for H100/H200: 128 x 256 was the sweep's best GEMM 2 at
         # d=2048, ffn=1408 and at d=4096, ffn=14336 (docs/benchmarks.md, sixth session)
-        return CombineBlocks(128, 256, 64, 8, 3, 16, 4, 32, 128, 256)
-    return CombineBlocks(16, 16, 16, 1, 1, 8, 1, 8, 16, 16)  # the interpreter: small tiles, small test shapes
+        # The sum by token: 8 tokens per item (2xH100, 2026-11-27: 154 us per forward at the first config against
+        # 189 at 16; docs/benchmarks.md).
+        return CombineBlocks(128, 256, 64, 8, 3, 16, 4, 32, 128, 256, 8)
+    return CombineBlocks(16, 16, 16, 1, 1, 8, 1, 8, 16, 16, 8)  # the interpreter: small tiles, small test shapes
 
 
 def fused_combine_reference(hs: list[torch.Tensor], w2s: list[torch.Tensor], layouts: list[ExpertLayout],
@@ -222,20 +238,39 @@ def _rows_of_tokens_kernel(tiles_ptr, tile_count_ptr, width, row_tokens_ptr, row
         tl.store(weight_of_row_ptr + rows, weight, mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["token_blocks", "epoch", "spin_limit"])  # one variant for all steps
+@triton.jit(do_not_specialize=["token_blocks", "num_tokens", "num_rows", "epoch", "spin_limit"])  # one variant
 def _sum_token_rows_kernel(y_ptr, rows_of_token_ptr, weight_of_row_ptr, source_order_ptr, parts_ptrs, ready_ptrs,
-                           ack_ptr, error_ptr, rank, token_blocks, epoch, spin_limit,
+                           ack_ptrs, inverse_ptr, owner_of_row_ptr, out_ptr, counters_ptr, error_ptr, rank,
+                           token_blocks, num_tokens, num_rows, epoch, spin_limit,
                            D_MODEL: tl.constexpr, MAX_TOKENS: tl.constexpr, WORLD: tl.constexpr, L: tl.constexpr,
-                           L_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                           OUT_DTYPE: tl.constexpr):
-    """Program (token block, source s), the sources of a block remote first: per token of s that has rows here (at
-    most ROWS = min(top_k, L)), the sum of weight * row (in descending receive row: the same sum on every run),
-    BLOCK_N columns at a time, stored at [this rank, token] of s's parts buffer; then flag (this rank, token block)
-    in s. Sources alternate from program to program, so that stores to peers (bound by the link) run beside the
-    local sums (bound by memory) rather than before them. One flag per program: its release waits for the stores
-    to reach the peer, which programs of all columns would each have waited for."""
-    source = tl.load(source_order_ptr + tl.program_id(0) % WORLD)
-    block = tl.program_id(0) // WORLD
+                           L_P2: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                           FIRST: tl.constexpr, SOURCES: tl.constexpr, ACK: tl.constexpr):
+    """Item (token block, source s) of the combine by token; a launch runs the SOURCES sources from
+    source_order[FIRST] on (remote first, this rank last) of every token block, sources alternating from item to
+    item, so that stores to peers (bound by the link) run beside the local sums (bound by memory).
+
+    Owner side, every item: per token of s that has rows here (at most ROWS = min(top_k, L)), the sum of weight *
+    row (in descending receive row: the same sum on every run), stored at [this rank, token] of s's parts buffer.
+    For a peer s, flag (this rank, token block) in s follows (one per item: its release waits for the stores to
+    reach the peer, which items of all columns would each have waited for).
+    Source side, the items of this rank's own tokens (s = rank), after their own part: for each owner (rank order:
+    the same sum on every run) that holds an expert of one of the block's tokens, wait (bounded) for that owner's
+    flag of the block, then add its parts; out = the sum.
+
+    Items are taken by ticket (one atomic per program), so every item before a program's is held by a program
+    that runs: a source item of block b waits only for peers' items of blocks up to b, which come before it in
+    every rank's ticket order, so no set of waiting programs can keep the items they wait for from running (and
+    the own part is computed before the wait: a late poll of a flag that has mostly come). The last ticket resets
+    the counter for the next launch. ACK (a launch with the own items): the last item to finish acknowledges the
+    epoch to every owner (this rank has read all its parts), instead of a kernel after this one.
+    counters: [next ticket, items done], each left at 0."""
+    items = SOURCES * token_blocks
+    item = tl.atomic_add(counters_ptr, 1)
+    if item == items - 1:
+        tl.atomic_xchg(counters_ptr, 0)
+    source = tl.load(source_order_ptr + FIRST + item % SOURCES)
+    block = item // SOURCES
     tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
     token_mask = tokens < MAX_TOKENS
     es = tl.arange(0, L_P2)
@@ -245,9 +280,10 @@ def _sum_token_rows_kernel(y_ptr, rows_of_token_ptr, weight_of_row_ptr, source_o
     rows = tl.sort(rows, dim=1, descending=True)
     here = tl.max(rows, axis=1) >= 0
     # The guard: s has finished reading the previous epoch's parts.
-    released = consumer_released(ack_ptr, source, epoch, spin_limit, error_ptr)
-    parts = tl.multiple_of(tl.load(parts_ptrs + source).to(tl.pointer_type(OUT_DTYPE)), 16)  # vector stores
-    parts += (rank * MAX_TOKENS + tokens).to(tl.int64)[:, None] * D_MODEL
+    released = consumer_released(tl.load(ack_ptrs + rank).to(tl.pointer_type(tl.int32)), source, epoch, spin_limit,
+                                 error_ptr)
+    parts_of_source = tl.multiple_of(tl.load(parts_ptrs + source).to(tl.pointer_type(OUT_DTYPE)), 16)  # vectors
+    parts = parts_of_source + (rank * MAX_TOKENS + tokens).to(tl.int64)[:, None] * D_MODEL
     for first_col in tl.static_range(0, D_MODEL, BLOCK_N):
         cols = first_col + tl.arange(0, BLOCK_N)
         col_mask = cols < D_MODEL
@@ -260,45 +296,54 @@ def _sum_token_rows_kernel(y_ptr, rows_of_token_ptr, weight_of_row_ptr, source_o
                         mask=ok[:, None] & col_mask[None, :], other=0.0)
             acc += y.to(tl.float32) * w[:, None]
         tl.store(parts + cols[None, :], acc.to(OUT_DTYPE), mask=(here & released)[:, None] & col_mask[None, :])
-    if released:
-        flag = tl.load(ready_ptrs + source).to(tl.pointer_type(tl.int32)) + rank * token_blocks + block
-        tl.debug_barrier()  # every thread's stores before the flag
-        tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+    tl.debug_barrier()  # every thread's stores before the flag, or before the own part is read back
+    if source != rank:
+        if released:
+            flag = tl.load(ready_ptrs + source).to(tl.pointer_type(tl.int32)) + rank * token_blocks + block
+            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+    else:
+        own_ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
+        _sum_owner_parts(parts_of_source, tokens, inverse_ptr, owner_of_row_ptr, own_ready, error_ptr, out_ptr, rank,
+                         num_tokens, num_rows, token_blocks, block, epoch, spin_limit, D_MODEL, MAX_TOKENS, TOP_K,
+                         K_P2, WORLD, BLOCK_T, BLOCK_N, OUT_DTYPE)
+    if ACK:
+        tl.debug_barrier()  # this item's loads and stores before it counts as done
+        if tl.atomic_add(counters_ptr + 1, 1, sem="acq_rel") == items - 1:  # every item's reads are done
+            tl.atomic_xchg(counters_ptr + 1, 0)
+            signal_ready(ack_ptrs, rank, epoch, WORLD)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_rows", "token_blocks", "epoch", "spin_limit"])
-def _sum_owner_parts_kernel(parts_ptr, inverse_ptr, owner_of_row_ptr, ready_ptr, error_ptr, out_ptr, num_tokens,
-                            num_rows, token_blocks, epoch, spin_limit,
-                            D_MODEL: tl.constexpr, MAX_TOKENS: tl.constexpr, TOP_K: tl.constexpr,
-                            K_P2: tl.constexpr, WORLD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                            OUT_DTYPE: tl.constexpr):
-    """Program (token block, column block) of the source: for each owner (rank order: the same sum on every run)
-    that holds an expert of one of its tokens, wait (bounded) for that owner's flag of the block, then add its
-    parts of those tokens."""
-    block = tl.program_id(0)
-    col = tl.program_id(1)
-    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
+@triton.jit
+def _sum_owner_parts(parts_ptr, tokens, inverse_ptr, owner_of_row_ptr, ready_ptr, error_ptr, out_ptr, rank,
+                     num_tokens, num_rows, token_blocks, block, epoch, spin_limit, D_MODEL: tl.constexpr,
+                     MAX_TOKENS: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, WORLD: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """The source's sum of a block of its tokens: out[t] = the parts [owner, t] (this rank's parts buffer, in
+    rank order) of the owners that hold an expert of t, each peer's once its flag of the block is up."""
     token_mask = tokens < num_tokens
     js = tl.arange(0, K_P2)
     row = tl.load(inverse_ptr + tokens[:, None] * TOP_K + js[None, :],
                   mask=token_mask[:, None] & (js[None, :] < TOP_K), other=num_rows)
     kept = row < num_rows  # dropped assignments point one past the last row
     owner = tl.load(owner_of_row_ptr + row, mask=kept, other=-1)
-    cols = col * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < D_MODEL
-    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for o in tl.static_range(WORLD):
-        has = tl.max((owner == o).to(tl.int32), axis=1) > 0
-        if tl.max(has.to(tl.int32), axis=0) > 0:
-            slot = o * token_blocks + block
-            wait_or_record(ready_ptr + slot, epoch, spin_limit, error_ptr, o, slot)
-            tl.debug_barrier()  # the flag one thread acquired covers the parts every thread reads
+        if o != rank:
+            if tl.max(tl.max((owner == o).to(tl.int32), axis=1), axis=0) > 0:
+                slot = o * token_blocks + block
+                wait_or_record(ready_ptr + slot, epoch, spin_limit, error_ptr, o, slot)
+    tl.debug_barrier()  # the flags one thread acquired cover the parts every thread reads
+    for first_col in tl.static_range(0, D_MODEL, BLOCK_N):
+        cols = first_col + tl.arange(0, BLOCK_N)
+        col_mask = cols < D_MODEL
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for o in tl.static_range(WORLD):
+            has = tl.max((owner == o).to(tl.int32), axis=1) > 0
             at = (o * MAX_TOKENS + tokens).to(tl.int64)[:, None] * D_MODEL + cols[None, :]
             part = tl.load(parts_ptr + at, mask=has[:, None] & col_mask[None, :], other=0.0,
                            cache_modifier=".cg")  # peers wrote these: not from L1
             acc += part.to(tl.float32)
-    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * D_MODEL + cols[None, :], acc.to(OUT_DTYPE),
-             mask=token_mask[:, None] & col_mask[None, :])
+        tl.store(out_ptr + tokens.to(tl.int64)[:, None] * D_MODEL + cols[None, :], acc.to(OUT_DTYPE),
+                 mask=token_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -453,14 +498,17 @@ class FusedCombine:
         if max_tokens is not None:
             if max_tokens < 1 or top_k < 1:
                 raise ValueError(f"max_tokens={max_tokens} and top_k={top_k} must be positive")
-            self._token_blocks = triton.cdiv(max_tokens, self.blocks.block_tokens)
+            self._token_blocks = triton.cdiv(max_tokens, self.blocks.part_tokens)
+            self._sum_launches = CompiledLaunches(_sum_token_rows_kernel)
             self._source_order = torch.tensor(remote_first_order(self.rank, self.world), dtype=torch.int32,
                                               device=workspace.device)
             # rows_of_token[s, t, e]: the receive row of source s's token t at local expert e, or -1
             self._rows_of_token = torch.empty(self.world * max_tokens * num_local_experts, dtype=torch.int32,
                                               device=workspace.device)
-            self._token_plan: DispatchTables | None = None
+            self._token_sum: TokenSum | None = None
             self._token_dtype = torch.float32
+            # The sum by token's [next ticket, items done] (`_sum_token_rows_kernel`, which leaves them at 0).
+            self._counters = torch.zeros(2, dtype=torch.int32, device=workspace.device)
 
     def reserve(self, max_send_rows: int, max_send_slots: int, total_rows: int = 0) -> None:
         """Combine buffers for `max_send_rows` permuted rows and `max_send_slots` flag slots (expert_layout.send_slots)
@@ -484,27 +532,33 @@ class FusedCombine:
         return epoch
 
     def start_by_token(self, h: torch.Tensor, w2: torch.Tensor, tables: DispatchTables,
-                       sources: tuple[torch.Tensor, torch.Tensor], token_of_row: torch.Tensor,
+                       sources: tuple[torch.Tensor, torch.Tensor], perm: Permutation,
                        row_weights: torch.Tensor) -> int:
-        """The combine by token, owner side (needs `max_tokens`): GEMM 2 over h (as `start`) into a local y, then
-        per (source, token) the weighted sum of the token's rows here, stored at [this rank, token] of the source's
-        parts buffer with a flag per (this rank, token block), sources alternating. `sources`: the
-        peers' rows' (token ids, routing weights) [world, max_rows] (FusedDispatch.rows_by_source); this rank's
-        own rows' from token_of_row and row_weights (fp32, per permuted row). Returns the epoch for
-        `finish_by_token`."""
+        """The combine by token (needs `max_tokens`): GEMM 2 over h (as `start`) into a local y, then one kernel
+        (`_sum_token_rows_kernel`) of items (token block, source): per (source, token) the weighted sum of the
+        token's rows here, stored at [this rank, token] of the source's parts buffer with a flag per (this rank,
+        token block) in each peer; and, in the items of this rank's own tokens, the sum of every owner's parts once
+        their flags are up. In a simulated world (ranks one after another) this launch runs the peers' items only
+        and `finish_by_token` the own ones. `sources`: the peers' rows' (token ids, routing weights) [world,
+        max_rows] (FusedDispatch.rows_by_source); this rank's own rows' from perm.token_of_row and row_weights
+        (fp32, per permuted row). Returns the epoch for `finish_by_token`."""
         if self.max_tokens is None:
             raise RuntimeError("start_by_token: this combine was made without max_tokens")
         self._check_gemm_inputs(h, w2, tables)
         row_tokens, source_weights = sources
         max_rows = self.max_tokens * self.top_k
+        token_of_row = perm.token_of_row
         if (row_tokens.shape != (self.world, max_rows) or source_weights.shape != row_tokens.shape
                 or row_tokens.dtype != torch.int32 or source_weights.dtype != torch.float32
                 or row_weights.shape != token_of_row.shape or row_weights.dtype != torch.float32):
             raise ValueError(f"sources must be int32 token ids and fp32 weights [{self.world}, max_tokens x top_k = "
                              f"{max_rows}], row_weights fp32 like token_of_row {tuple(token_of_row.shape)}")
-        parts, ready, ack = self._token_buffers(h.dtype)
+        num_tokens = perm.inverse.numel() // perm.top_k
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"rank {self.rank}: {num_tokens} tokens, more than the combine's max_tokens="
+                             f"{self.max_tokens}")
+        self._token_buffers(h.dtype)
         epoch = self.ws.next_epoch("combine")
-        self._token_plan = tables
         b, width = self.blocks, tables.combine_tiles.shape[1]
         weight_of_row = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         self._rows_of_token.fill_(-1)  # tokens without a row here this epoch (the sum reads every token's entries)
@@ -515,36 +569,48 @@ class FusedCombine:
                 BLOCK_M=b.block_m, MAX_TOKENS=self.max_tokens, MAX_ROWS=max_rows, L=self.num_local_experts)
         y = h.new_empty(h.shape[0], self.d_model)
         self._expert_down(h, w2, tables, epoch, y=y)
-        L = self.num_local_experts
-        _sum_token_rows_kernel[(self.world * self._token_blocks,)](
-            y, self._rows_of_token, weight_of_row, self._source_order, parts.peer_ptrs, ready.peer_ptrs, ack.local,
-            self.errors.word, self.rank, self._token_blocks, epoch, self.spin_limit,
-            D_MODEL=self.d_model, MAX_TOKENS=self.max_tokens, WORLD=self.world, L=L,
-            L_P2=triton.next_power_of_2(L),
-            ROWS=min(self.top_k, L), BLOCK_T=b.block_tokens, BLOCK_N=b.part_cols, OUT_DTYPE=TL_DTYPES[h.dtype],
-            num_warps=b.consumer_warps)
+        out = torch.empty(num_tokens, self.d_model, dtype=h.dtype, device=h.device)
+        self._token_sum = TokenSum(tables, perm, y, weight_of_row, out)
+        # One launch where ranks run at once; a simulated world runs the own items (which wait for the peers')
+        # after every rank's start.
+        self._sum_token_rows(epoch, 0, self.world - 1 if self.ws.simulated else self.world)
         return epoch
 
     def finish_by_token(self, epoch: int, tables: DispatchTables, perm: Permutation) -> torch.Tensor:
         """The combine by token, source side -> [tokens, d_model] in h's dtype: per token the sum (fp32, in rank
-        order) of the parts of the owners that hold its experts, each block of tokens read as soon as those
-        owners' flags are up; then the epoch is acknowledged to every owner."""
-        if self._token_plan is not tables:
-            raise RuntimeError("finish_by_token must follow start_by_token with the same tables")
-        parts, ready, ack = self._token_buffers(self._token_dtype)
-        num_tokens = perm.inverse.numel() // perm.top_k
-        out = torch.empty(num_tokens, self.d_model, dtype=self._token_dtype, device=perm.inverse.device)
-        if num_tokens:
-            b = self.blocks
-            _sum_owner_parts_kernel[(triton.cdiv(num_tokens, b.block_tokens), self.num_col)](
-                parts.local, perm.inverse, tables.send_dest_rank, ready.local, self.errors.word, out, num_tokens,
-                tables.send_dest_rank.numel(), self._token_blocks, epoch, self.spin_limit,
-                D_MODEL=self.d_model, MAX_TOKENS=self.max_tokens, TOP_K=perm.top_k,
-                K_P2=triton.next_power_of_2(perm.top_k), WORLD=self.world, BLOCK_T=b.block_tokens,
-                BLOCK_N=b.block_n, OUT_DTYPE=TL_DTYPES[self._token_dtype], num_warps=b.consumer_warps)
-        _acknowledge_kernel[(1,)](ack.peer_ptrs, self.rank, epoch, WORLD=self.world)
+        order) of the parts of the owners that hold its experts (the items of `start_by_token`'s launch; in a
+        simulated world launched here); the launch with those items acknowledges the epoch to every owner."""
+        plan = self._token_sum
+        if plan is None or plan.tables is not tables or plan.perm is not perm:
+            raise RuntimeError("finish_by_token must follow start_by_token with the same tables and permutation")
+        if self.ws.simulated:
+            self._sum_token_rows(epoch, self.world - 1, 1)
+        self._token_sum = None
         self.errors.after_wait()
-        return out
+        return plan.out
+
+    def _sum_token_rows(self, epoch: int, first: int, sources: int) -> None:
+        """Launch the items of sources source_order[first : first + sources] of every token block (the launch
+        with the own items, the last source, acknowledges the epoch)."""
+        if not sources:
+            return
+        plan, perm = self._token_sum, self._token_sum.perm
+        parts, ready, ack = self._token_buffers(self._token_dtype)
+        b, L = self.blocks, self.num_local_experts
+        tensors = (plan.y, self._rows_of_token, plan.weight_of_row, self._source_order, parts.peer_ptrs,
+                   ready.peer_ptrs, ack.peer_ptrs, perm.inverse, plan.tables.send_dest_rank, plan.out, self._counters,
+                   self.errors.word)
+        args = (*tensors, self.rank, self._token_blocks, plan.out.shape[0], plan.tables.send_dest_rank.numel(), epoch,
+                self.spin_limit, self.d_model, self.max_tokens, self.world, L, triton.next_power_of_2(L),
+                min(self.top_k, L), perm.top_k, triton.next_power_of_2(perm.top_k), b.part_tokens, b.part_cols,
+                TL_DTYPES[self._token_dtype], first, sources, first + sources == self.world)
+        key = (self._token_dtype, first, sources, perm.top_k, *map(aligned, tensors))
+        grid, options = (sources * self._token_blocks, 1, 1), dict(num_warps=b.consumer_warps)
+        if key not in self._sum_launches and self._sum_launches.compiled(key, grid, args, options) is not None:
+            # A new variant compiles (seconds, at other times on each rank) before its launch: lined up after it,
+            # no rank's waits run out while a peer is still compiling.
+            self.ws.barrier()
+        self._sum_launches(key, grid, args, options)
 
     def _check_gemm_inputs(self, h: torch.Tensor, w2: torch.Tensor, tables: DispatchTables) -> None:
         self.errors.check()
