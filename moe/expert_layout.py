@@ -218,20 +218,17 @@ def _expert_rows_kernel(counts_ptr, send_rank_ptr, send_row_ptr, send_tile_ptr, 
         expert = tl.sum((ends <= pid * BLOCK).to(tl.int32), axis=0)  # the first run not ended before the block
         last_expert = tl.sum((ends <= last).to(tl.int32), axis=0)  # the run of the block's last row
         while expert <= last_expert:
-            this = g == expert
-            first = tl.sum(tl.where(this, ends - mine, 0), axis=0)
-            within = i - first
+            within = i - _at(ends - mine, g, expert)
             owner = expert // L
             # Block (local expert, rank) of its owner starts after the owner's rows of earlier local experts and
             # after the rows of this expert from earlier sources.
             earlier = (g // L == owner) & (g < expert)
-            in_expert = tl.sum(tl.where(this, from_earlier_sources, 0), axis=0) + within  # owner's row - expert's
-            ok = (within >= 0) & (within < tl.sum(tl.where(this, mine, 0), axis=0)) & (i < num_sent)
+            in_expert = _at(from_earlier_sources, g, expert) + within  # owner's row - expert's
+            ok = (within >= 0) & (within < _at(mine, g, expert)) & (i < num_sent)
             tl.store(send_rank_ptr + i, owner.to(tl.int64), mask=ok)
             tl.store(send_row_ptr + i, (tl.sum(tl.where(earlier, rows_of_expert, 0), axis=0) + in_expert).to(tl.int64),
                      mask=ok)
-            tl.store(send_tile_ptr + i, (tl.sum(tl.where(this, first_tiles, 0), axis=0)
-                                         + within // TILE_ROWS).to(tl.int64), mask=ok)
+            tl.store(send_tile_ptr + i, (_at(first_tiles, g, expert) + within // TILE_ROWS).to(tl.int64), mask=ok)
             tl.store(send_owner_tile_ptr + i, (tl.sum(tl.where(earlier, owner_tiles, 0), axis=0)
                                                + in_expert // OWNER_TILE_ROWS).to(tl.int64), mask=ok)
             expert += 1
@@ -246,10 +243,9 @@ def _expert_rows_kernel(counts_ptr, send_rank_ptr, send_row_ptr, send_tile_ptr, 
             block = tl.sum((ends <= first_j).to(tl.int32), axis=0)
             last_block = tl.sum((ends <= last).to(tl.int32), axis=0)
             while block <= last_block:
-                this = g == block
-                within = j - tl.sum(tl.where(this, ends - size, 0), axis=0)
+                within = j - _at(ends - size, g, block)
                 source = block % WORLD
-                ok = (within >= 0) & (within < tl.sum(tl.where(this, size, 0), axis=0)) & (j < filled)
+                ok = (within >= 0) & (within < _at(size, g, block)) & (j < filled)
                 # The source's permuted rows of the expert start after its rows of earlier experts.
                 rows_before = tl.sum(tl.load(counts_ptr + source * E + g, mask=g < rank * L + block // WORLD,
                                              other=0).to(tl.int32), axis=0)
@@ -382,6 +378,12 @@ def _pick(values, index, R: tl.constexpr):
     experts' or the blocks' count)."""
     r = tl.arange(0, R)
     return tl.sum(tl.where(r[None, :] == index[:, None], values[None, :], 0), axis=1)
+
+
+@triton.jit
+def _at(values, g, index):
+    """values[index] for a vector of values at g = arange(...) and one index (`_pick`'s scalar form)."""
+    return tl.sum(tl.where(g == index, values, 0), axis=0)
 
 
 @triton.jit
