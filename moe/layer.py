@@ -136,17 +136,16 @@ class MoELayer(nn.Module):
                                      + min(num_experts, most_sent))
 
     def forward(self, x: torch.Tensor, logit_bias: torch.Tensor | None = None,
-                alongside: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
+                alongside: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, MoEStatistics]:
         """x: [tokens, d_model] (this rank's tokens, possibly none) -> (y [tokens, d_model], aux).
 
         aux (MoEStatistics): load_balancing_loss and z_loss (scalars over this rank's tokens, unscaled: the caller
         applies its coefficients), tokens_per_expert ([num_experts], this rank's kept assignments), dropped
         (assignments dropped by the capacity) and tokens_per_local_expert ([num_local_experts], rows this rank's
         experts ran; these two computed when first read), all tensors on x's device (reading them on the host
-        waits for the GPU). Host syncs of a forward: the
-        counts that size the exchanges (bulk; comm="fused" reads them once the first expert GEMM is queued, and
-        with max_tokens_per_rank not at all: its backward does), and permute's row count when a capacity can drop
-        assignments.
+        waits for the GPU). Host syncs of a forward: the counts that size the exchanges (bulk; comm="fused" reads
+        them once the first expert GEMM is queued, and with max_tokens_per_rank not at all: its backward does), and
+        permute's row count when a capacity can drop assignments.
         `logit_bias` is passed to the router (tests force skewed routings with it).
         `alongside`: work that does not depend on the routing (the Transformer's shared expert), run once the counts
         are on their way to the host and before the host waits for them, so that the GPU runs it while the host
