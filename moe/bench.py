@@ -39,7 +39,7 @@ import torch.distributed as dist
 from fused_dlrm.bench.timing import HEAD_START_CYCLES, per_call_us, time_ms
 from moe.expert_layout import gather_counts
 from moe.layer import FusedMoEConfig, MoELayer, _Alongside, _BulkRows
-from moe.permute import permute, unpermute
+from moe.permute import permutation, permute, unpermute
 
 
 @dataclass(frozen=True)
@@ -92,15 +92,15 @@ def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[
         expert_out = e(received, sizes)
         return {"dispatch": lambda: exchange.to_owners(rows), "experts": lambda: e(received, sizes),
                 "combine": lambda: unpermute(exchange.to_sources(expert_out), perm, routing.weights)}
-    row_weights = routing.weights.reshape(-1)[perm.order].float()
+    kept = None if routing.capacity is None else routing.kept  # the layer's permutation
+    perm = permutation(routing.expert_ids, layer.num_experts, kept, routing.weights, routing.block_counts)
 
     def dispatch_and_gemm1():  # the layer's, as a forward without a backward runs it
-        return layer._fused_dispatch(x, counts, perm, e.w13, keep_a13=False, overlap=_Alongside(None),
-                                     row_weights=row_weights)[1]
+        return layer._fused_dispatch(x, counts, perm, e.w13, keep_a13=False, overlap=_Alongside(None))[1]
 
     out = dispatch_and_gemm1()
     return {"dispatch": dispatch_and_gemm1,
-            "combine": lambda: layer._fused_combine(out, e.w2, perm, routing.weights, row_weights)}
+            "combine": lambda: layer._fused_combine(out, e.w2, perm, routing.weights)}
 
 
 FUSED_PATHS = {  # --fused: the result's key (and the table's label) and the layer's FusedMoEConfig choices

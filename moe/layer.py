@@ -160,7 +160,7 @@ class MoELayer(nn.Module):
         kept = None if routing.capacity is None else routing.kept  # dropless: no host sync in permute
         # Rows are grouped by global expert, hence by destination rank.
         if self.comm == "fused":
-            perm = permutation(routing.expert_ids, self.num_experts, kept)
+            perm = permutation(routing.expert_ids, self.num_experts, kept, routing.weights, routing.block_counts)
             counts = gather_counts(perm.tokens_per_expert, self.group)  # [source, global expert]
             y = _FusedExperts.apply(x, routing.weights, self.experts.w13, self.experts.w2, self, counts, perm,
                                     torch.is_grad_enabled(), overlap)
@@ -183,8 +183,7 @@ class MoELayer(nn.Module):
         return y, aux
 
     def _fused_dispatch(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation, w13_param: torch.Tensor,
-                        keep_a13: bool, overlap: _Alongside, row_weights: torch.Tensor
-                        ) -> tuple[_HostLayout, _Dispatched]:
+                        keep_a13: bool, overlap: _Alongside) -> tuple[_HostLayout, _Dispatched]:
         """The fused dispatch and GEMM 1 -> (the call's layout, built when first asked for; what the dispatch made,
         at the receive capacity), with the combine's buffers reserved.
 
@@ -193,13 +192,13 @@ class MoELayer(nn.Module):
         capacity is the one earlier calls reserved, and only then the host reads the counts (the layout), while the
         GEMM runs; when this call's rows did not fit (every rank sees it in the same counts) the dispatch runs
         again in buffers reserved for them. The first call has no capacity yet: it reads its counts first.
-        `overlap` is queued behind GEMM 1, before the host waits for the counts. `row_weights`: each permuted row's
-        routing weight (fp32), which the dispatch by token sends with its token id."""
+        `overlap` is queued behind GEMM 1, before the host waits for the counts. The dispatch by token sends each
+        row's routing weight (perm.row_weights: `permutation` was given the weights) with its token id."""
         # enqueued before the dispatch: reading it waits for the counts only
         layout = _HostLayout(self, counts, PendingHostCopy(counts), self._tile_rows(x))
         if not self.dispatch.capacity:
             self.dispatch.reserve(layout.get().max_recv_rows, layout.get().total_rows)
-        out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13, row_weights)
+        out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13)
         overlap()
         if self.max_tokens is not None:
             return layout, out
@@ -213,12 +212,12 @@ class MoELayer(nn.Module):
                 self._dispatch_graphs.clear()
             log.info("MoE dispatch: %d rows per owner outgrew the receive capacity %d: dispatched again at %d",
                      lay.max_recv_rows, old_capacity, self.dispatch.capacity)
-            out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13, row_weights)
+            out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13)
         self.combine.reserve(lay.max_send_rows, send_slots(lay.host_counts, lay.tile_rows), lay.total_rows)
         return layout, out
 
     def _dispatch_at_capacity(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation,
-                              w13_param: torch.Tensor, keep_a13: bool, row_weights: torch.Tensor) -> _Dispatched:
+                              w13_param: torch.Tensor, keep_a13: bool) -> _Dispatched:
         """Push + GEMM 1 over DispatchTables of the current capacity (capacity rows).
 
         Their launches, and the tables' and the weights' cast before them, are kernels only, which read the epoch
@@ -247,7 +246,7 @@ class MoELayer(nn.Module):
                                 rows_out=rows, row_weights=row_weights)
             return tables, h, a13, w13, rows
 
-        inputs = (perm.token_of_row, counts) + ((perm.inverse, row_weights) if dispatch.by_token else ())
+        inputs = (perm.token_of_row, counts) + ((perm.inverse, perm.row_weights) if dispatch.by_token else ())
         if self._dispatch_graphs is None:
             (tables, h, a13, w13, rows), lease = launch(*inputs), None
         else:
@@ -261,13 +260,12 @@ class MoELayer(nn.Module):
         return _Dispatched(tables, rows if dispatch.by_token else received, h, a13, w13, lease, epoch)
 
     def _fused_combine(self, out: _Dispatched, w2: torch.Tensor, perm: Permutation, weights: torch.Tensor,
-                       row_weights: torch.Tensor, rows_out: torch.Tensor | None = None) -> torch.Tensor:
+                       rows_out: torch.Tensor | None = None) -> torch.Tensor:
         """GEMM 2 and the combine of a dispatched call -> [tokens, d_model]: by token where the combine is made for
         it (FusedMoEConfig.combine) and no assignment's row is asked for (rows_out: the routing weights'
         gradient reads them), else by row."""
         if self.combine.max_tokens is not None and rows_out is None:
-            epoch = self.combine.start_by_token(out.h, w2, out.tables, self.dispatch.rows_by_source(out.epoch), perm,
-                                                row_weights)
+            epoch = self.combine.start_by_token(out.h, w2, out.tables, self.dispatch.rows_by_source(out.epoch), perm)
             return self.combine.finish_by_token(epoch, out.tables, perm)
         epoch = self.combine.start(out.h, w2, out.tables)
         return self.combine.finish(epoch, out.tables, perm, weights, rows_out=rows_out)
@@ -417,10 +415,9 @@ class _FusedExperts(torch.autograd.Function):
         needs_grad = [grad_enabled and needs for needs in ctx.needs_input_grad]
         training = any(needs_grad)
         w2 = compute_weight(w2_param, x.dtype)  # the parameter itself when of x's dtype (w13's is the dispatch's)
-        row_weights = weights.reshape(-1)[perm.order].float()
-        layout, out = layer._fused_dispatch(x, counts, perm, w13_param, training, overlap, row_weights)
+        layout, out = layer._fused_dispatch(x, counts, perm, w13_param, training, overlap)
         rows = x.new_empty(weights.numel(), x.shape[1]) if needs_grad[1] else None  # by assignment
-        y = layer._fused_combine(out, w2, perm, weights, row_weights, rows)
+        y = layer._fused_combine(out, w2, perm, weights, rows)
         if training:
             ctx.layer, ctx.layout, ctx.tables, ctx.perm = layer, layout, out.tables, perm
             ctx.weight_dtype, ctx.lease = w13_param.dtype, out.lease

@@ -9,7 +9,7 @@ token's k rows in a fixed order: deterministic.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from typing import NamedTuple
 
 import torch
 import triton
@@ -23,11 +23,12 @@ class Permutation:
     tokens_per_expert: torch.Tensor  # [num_experts] int64, rows of each expert
     offsets: torch.Tensor  # [num_experts + 1] int64, expert e's rows are offsets[e] : offsets[e + 1]
     top_k: int
+    token_of_row: torch.Tensor | None = None  # [A] int64: the token of each row (order // top_k where not given)
+    row_weights: torch.Tensor | None = None  # [A] fp32: each row's routing weight, where `permutation` had them
 
-    @cached_property
-    def token_of_row(self) -> torch.Tensor:
-        """[A] int64: the token of each permuted row (computed once, read by the forward and the backward)."""
-        return self.order // self.top_k
+    def __post_init__(self):
+        if self.token_of_row is None:
+            self.token_of_row = self.order // self.top_k
 
 
 def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
@@ -37,30 +38,49 @@ def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
     return _Permute.apply(x, perm), perm
 
 
-def permutation(expert_ids: torch.Tensor, num_experts: int, kept: torch.Tensor | None = None) -> Permutation:
+def permutation(expert_ids: torch.Tensor, num_experts: int, kept: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None, block_counts: torch.Tensor | None = None) -> Permutation:
     """expert_ids [T, k] -> the Permutation that groups the kept assignments by expert (the fused layer moves the
-    rows itself). kept None: every assignment is kept (dropless routing; no host sync)."""
+    rows itself). kept None: every assignment is kept (dropless routing; no host sync). weights [T, k] (the
+    routing weights), if given: the rows' weights in fp32 (Permutation.row_weights), gathered by the same kernel.
+    block_counts: the kept assignments' counts per block of tokens, if the router made them (Routing.block_counts:
+    the CUDA kernels' first pass)."""
     top_k = expert_ids.shape[1]
     keys = expert_ids.reshape(-1)
     if kept is not None:
         # Dropped assignments sort after every expert (key num_experts) and are cut off.
         keys = torch.where(kept.reshape(-1), keys, num_experts)
-    order, inverse, tokens_per_expert, offsets = expert_order(keys, num_experts, top_k)
+    flat_weights = None if weights is None else weights.reshape(-1)
+    order, inverse, tokens_per_expert, offsets, token_of_row, row_weights = expert_order(
+        keys, num_experts, top_k, flat_weights, block_counts)
     # Without drops every assignment is a row; with them, the one host sync: the rows' count sizes them.
     num_rows = keys.numel() if kept is None else int(offsets[-1])
-    return Permutation(order[:num_rows], inverse, tokens_per_expert, offsets, top_k)
+    return Permutation(order[:num_rows], inverse, tokens_per_expert, offsets, top_k, token_of_row[:num_rows],
+                       None if row_weights is None else row_weights[:num_rows])
 
 
-def expert_order(keys: torch.Tensor, num_experts: int, top_k: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """keys [T * k]: each assignment's expert, num_experts where dropped -> (order [T * k]: the assignment of each
-    row, rows grouped by expert and in assignment order within one, only the first A = kept assignments
-    meaningful; inverse [T * k]: each assignment's row, A where dropped; tokens_per_expert [E]; offsets [E + 1]),
-    int64, without a host sync. CUDA: two kernels (`expert_order_kernels`; torch's stable sort alone is ~16
-    launches); elsewhere the torch reference."""
+class ExpertOrder(NamedTuple):
+    """`expert_order`'s result: int64 but for row_weights; [T * k] of rows, of which only the first A (the kept
+    assignments) are meaningful, where not said otherwise."""
+
+    order: torch.Tensor  # the assignment of each row: grouped by expert, in assignment order within one
+    inverse: torch.Tensor  # [T * k] each assignment's row, A where dropped
+    tokens_per_expert: torch.Tensor  # [E]
+    offsets: torch.Tensor  # [E + 1]
+    token_of_row: torch.Tensor  # order // top_k
+    row_weights: torch.Tensor | None  # fp32: the given weights [T * k] by row (None without them)
+
+
+def expert_order(keys: torch.Tensor, num_experts: int, top_k: int, weights: torch.Tensor | None = None,
+                 block_counts: torch.Tensor | None = None) -> ExpertOrder:
+    """keys [T * k]: each assignment's expert, num_experts where dropped (weights [T * k]: theirs, optional) ->
+    the rows grouped by expert, without a host sync. CUDA: two kernels (`expert_order_kernels`; torch's stable
+    sort alone is ~16 launches), one where the keys' block counts are given; elsewhere the torch reference."""
     if keys.is_cuda and keys.numel():
-        return expert_order_kernels(keys, num_experts, top_k)
-    return expert_order_reference(keys, num_experts)
+        return expert_order_kernels(keys, num_experts, top_k, weights, block_counts)
+    order, inverse, tokens_per_expert, offsets = expert_order_reference(keys, num_experts)
+    row_weights = None if weights is None else weights.float()[order]
+    return ExpertOrder(order, inverse, tokens_per_expert, offsets, order // top_k, row_weights)
 
 
 def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -90,25 +110,27 @@ def expert_order_reference(keys: torch.Tensor, num_experts: int
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _expert_block_counts_kernel(keys_ptr, block_counts_ptr, num_tokens, E: tl.constexpr, E_P2: tl.constexpr,
-                                TOP_K: tl.constexpr, BLOCK_T: tl.constexpr):
-    """block_counts[b, e]: assignments to expert e among the tokens of block b."""
+                                TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr):
+    """block_counts[b, e]: assignments to expert e among the tokens of block b (its BLOCK_T x TOP_K keys, read
+    at once, BLOCK_A = their number rounded up to a power of 2; dropped ones, key E, not counted)."""
     pid = tl.program_id(0)
-    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    a = pid * BLOCK_T * TOP_K + tl.arange(0, BLOCK_A)
+    mine = (tl.arange(0, BLOCK_A) < BLOCK_T * TOP_K) & (a < num_tokens * TOP_K)
+    key = tl.load(keys_ptr + a, mask=mine, other=E)
+    counts = tl.histogram(key.to(tl.int32), E_P2, mask=mine & (key < E))
     e = tl.arange(0, E_P2)
-    counts = tl.zeros((E_P2,), tl.int32)
-    for i in tl.static_range(TOP_K):
-        key = tl.load(keys_ptr + t * TOP_K + i, mask=t < num_tokens, other=E)
-        counts += tl.sum((key[:, None] == e[None, :]).to(tl.int32), axis=0)
     tl.store(block_counts_ptr + pid * E + e, counts, mask=e < E)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
 def _expert_order_kernel(keys_ptr, block_counts_ptr, order_ptr, inverse_ptr, tokens_per_expert_ptr, offsets_ptr,
-                         num_tokens, num_blocks, E: tl.constexpr, E_P2: tl.constexpr, TOP_K: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCKS_P2: tl.constexpr, CHUNK: tl.constexpr):
+                         token_of_row_ptr, weights_ptr, row_weights_ptr, num_tokens, num_blocks, E: tl.constexpr,
+                         E_P2: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCKS_P2: tl.constexpr,
+                         CHUNK: tl.constexpr, WEIGHTS: tl.constexpr):
     """A counting sort: the row of assignment (t, i) to expert e is e's first row, plus e's assignments in
     earlier blocks (every program sums the block counts itself), in earlier tokens of this block, and earlier in
-    this token (a repeated expert)."""
+    this token (a repeated expert). Each row's token too, and with WEIGHTS its weight (fp32): two gathers by the
+    order fewer."""
     pid = tl.program_id(0)
     e = tl.arange(0, E_P2)
     expert = e < E
@@ -142,28 +164,41 @@ def _expert_order_kernel(keys_ptr, block_counts_ptr, order_ptr, inverse_ptr, tok
         a = t * TOP_K + i
         tl.store(order_ptr + row, a.to(tl.int64), mask=token & kept)
         tl.store(inverse_ptr + a, tl.where(kept, row, num_rows).to(tl.int64), mask=token)
+        tl.store(token_of_row_ptr + row, t.to(tl.int64), mask=token & kept)
+        if WEIGHTS:
+            weight = tl.load(weights_ptr + a, mask=token & kept, other=0.0).to(tl.float32)
+            tl.store(row_weights_ptr + row, weight, mask=token & kept)
 
 
-def expert_order_kernels(keys: torch.Tensor, num_experts: int, top_k: int
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`expert_order` through its two kernels (also on the CPU, in Triton's interpreter); keys not empty."""
+def expert_order_kernels(keys: torch.Tensor, num_experts: int, top_k: int, weights: torch.Tensor | None = None,
+                         block_counts: torch.Tensor | None = None) -> ExpertOrder:
+    """`expert_order` through its two kernels (also on the CPU, in Triton's interpreter); keys not empty.
+    block_counts ([blocks of tokens_per_program(num_experts) tokens, num_experts] int32), if given, are the
+    first kernel's result."""
     num_tokens = keys.numel() // top_k
     block = tokens_per_program(num_experts)
     blocks = triton.cdiv(num_tokens, block)
     e_p2, blocks_p2 = triton.next_power_of_2(num_experts), triton.next_power_of_2(blocks)
-    block_counts = torch.empty(blocks, num_experts, dtype=torch.int32, device=keys.device)
-    order, inverse = torch.empty_like(keys), torch.empty_like(keys)
+    order, inverse, token_of_row = torch.empty_like(keys), torch.empty_like(keys), torch.empty_like(keys)
+    row_weights = None if weights is None else torch.empty(keys.numel(), dtype=torch.float32, device=keys.device)
     tokens_per_expert = torch.empty(num_experts, dtype=torch.int64, device=keys.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=keys.device)
     warps = 4 if keys.is_cuda else 1
     keys = keys.contiguous()
-    _expert_block_counts_kernel[(blocks,)](keys, block_counts, num_tokens, E=num_experts, E_P2=e_p2, TOP_K=top_k,
-                                           BLOCK_T=block, num_warps=warps)
+    if block_counts is None:
+        block_counts = torch.empty(blocks, num_experts, dtype=torch.int32, device=keys.device)
+        _expert_block_counts_kernel[(blocks,)](keys, block_counts, num_tokens, E=num_experts, E_P2=e_p2,
+                                               TOP_K=top_k, BLOCK_T=block,
+                                               BLOCK_A=triton.next_power_of_2(block * top_k), num_warps=warps)
+    elif block_counts.shape != (blocks, num_experts) or block_counts.dtype != torch.int32:
+        raise ValueError(f"block_counts must be int32 [{blocks}, {num_experts}] (blocks of {block} tokens), got "
+                         f"{list(block_counts.shape)} {block_counts.dtype}")
+    gathered = (order, order) if weights is None else (weights.contiguous(), row_weights)  # (unused: any tensor)
     _expert_order_kernel[(blocks,)](
-        keys, block_counts, order, inverse, tokens_per_expert, offsets, num_tokens, blocks, E=num_experts,
-        E_P2=e_p2, TOP_K=top_k, BLOCK_T=block, BLOCKS_P2=blocks_p2, CHUNK=max(1, min(blocks_p2, 4096 // e_p2)),
-        num_warps=warps)
-    return order, inverse, tokens_per_expert, offsets
+        keys, block_counts, order, inverse, tokens_per_expert, offsets, token_of_row, *gathered, num_tokens, blocks,
+        E=num_experts, E_P2=e_p2, TOP_K=top_k, BLOCK_T=block, BLOCKS_P2=blocks_p2,
+        CHUNK=max(1, min(blocks_p2, 4096 // e_p2)), WEIGHTS=weights is not None, num_warps=warps)
+    return ExpertOrder(order, inverse, tokens_per_expert, offsets, token_of_row, row_weights)
 
 
 def unpermute(rows: torch.Tensor, perm: Permutation, weights: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,10 @@ class Routing:
     z_loss: torch.Tensor  # scalar, mean over tokens of logsumexp(logits)^2
     tokens_per_expert: torch.Tensor  # [num_experts] int64, kept assignments per expert
     capacity: int | None  # assignments an expert keeps, None when dropless
+    # [blocks, num_experts] int32: the assignments to each expert per block of `tokens_per_program` tokens, which
+    # the router's kernel counts on the way (the permutation's first pass: `permutation(block_counts=...)`); None
+    # from the torch reference and when a capacity dropped assignments
+    block_counts: torch.Tensor | None = None
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -51,11 +55,13 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
         # Position of each assignment among its expert's assignments, in token order (the permutation's row
         # minus the expert's first row): the first `capacity` stay.
         flat = expert_ids.reshape(-1)  # token order: token t's k assignments are t*k .. t*k+k-1
-        _, row, _, first_row = expert_order(flat, num_experts, top_k)
-        kept = (row - first_row[flat] < capacity).view(num_tokens, top_k)
+        ordered = expert_order(flat, num_experts, top_k)
+        kept = (ordered.inverse - ordered.offsets[flat] < capacity).view(num_tokens, top_k)
         weights = weights * kept
         tokens_per_expert = wanted_per_expert.clamp(max=capacity)
-    return Routing(expert_ids, weights, kept, choice.aux_loss, choice.z_loss, tokens_per_expert, capacity)
+    block_counts = choice.block_counts if capacity is None else None
+    return Routing(expert_ids, weights, kept, choice.aux_loss, choice.z_loss, tokens_per_expert, capacity,
+                   block_counts)
 
 
 class TopKSoftmax(NamedTuple):
@@ -67,6 +73,7 @@ class TopKSoftmax(NamedTuple):
     tokens_per_expert: torch.Tensor  # [num_experts] int64, assignments per expert
     aux_loss: torch.Tensor  # scalar: load balancing, num_experts * sum_e f_e * P_e (see `loss_scales`)
     z_loss: torch.Tensor  # scalar: mean over tokens of logsumexp(logits)^2
+    block_counts: torch.Tensor | None = None  # [blocks, num_experts] int32 (the kernels'; see Routing)
 
 
 def loss_scales(num_tokens: int, top_k: int, num_experts: int) -> tuple[float, float]:
@@ -103,11 +110,11 @@ def top_k_softmax_reference(logits: torch.Tensor, top_k: int, renormalize: bool)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _top_k_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, lse_ptr, block_counts_ptr, block_probs_ptr, num_tokens,
-                          E: tl.constexpr, E_P2: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr,
-                          RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
-    """BLOCK_T tokens per program; per-block expert counts and probability sums (summed over the blocks in a fixed
-    order by `_router_totals_kernel`: deterministic, unlike float atomics)."""
+def _top_k_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, lse_ptr, block_counts_ptr, block_probs_ptr,
+                          block_lse_squares_ptr, num_tokens, E: tl.constexpr, E_P2: tl.constexpr,
+                          TOP_K: tl.constexpr, K_P2: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """BLOCK_T tokens per program; per-block expert counts, probability sums and sums of lse^2 (summed over the
+    blocks in a fixed order by `_router_totals_kernel`: deterministic, unlike float atomics)."""
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, E_P2)
@@ -139,33 +146,33 @@ def _top_k_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, lse_ptr, block_count
     out = token[:, None] & (j[None, :] < TOP_K)
     tl.store(weights_ptr + t[:, None] * TOP_K + j[None, :], top_w, mask=out)
     tl.store(ids_ptr + t[:, None] * TOP_K + j[None, :], top_e.to(tl.int64), mask=out)
-    tl.store(lse_ptr + t, most + tl.log(total), mask=token)
+    lse = most + tl.log(total)
+    tl.store(lse_ptr + t, lse, mask=token)
+    tl.store(block_lse_squares_ptr + pid, tl.sum(tl.where(token, lse * lse, 0.0), axis=0))
     tl.store(block_counts_ptr + pid * E + e, tl.sum(tl.where(token[:, None], chosen, 0), axis=0), mask=expert)
     tl.store(block_probs_ptr + pid * E + e, tl.sum(tl.where(token[:, None], probs, 0.0), axis=0), mask=expert)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "blocks"])
-def _router_totals_kernel(block_counts_ptr, block_probs_ptr, lse_ptr, counts_ptr, aux_ptr, z_ptr, num_tokens, blocks,
-                          aux_scale, z_scale, E: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: the per-block counts and probability sums summed over the blocks in order (deterministic,
-    unlike float atomics), then the losses: aux = aux_scale * <counts, prob sums>, z = z_scale * sum lse^2.
-    `while` loops: the interpreter cannot range() up to an argument."""
+@triton.jit(do_not_specialize=["blocks"])
+def _router_totals_kernel(block_counts_ptr, block_probs_ptr, block_lse_squares_ptr, counts_ptr, aux_ptr, z_ptr,
+                          blocks, aux_scale, z_scale, E: tl.constexpr, E_P2: tl.constexpr, BLOCKS_P2: tl.constexpr,
+                          CHUNK: tl.constexpr):
+    """One program: the per-block counts, probability sums and lse^2 sums summed over the blocks, CHUNK blocks at
+    a time (a fixed order: deterministic, unlike float atomics), then the losses: aux = aux_scale * <counts,
+    prob sums>, z = z_scale * sum lse^2. The loop runs to BLOCKS_P2 (the interpreter cannot range() up to an
+    argument)."""
     e = tl.arange(0, E_P2)
     counts = tl.zeros([E_P2], tl.int32)
     probs = tl.zeros([E_P2], tl.float32)
-    b = 0
-    while b < blocks:
-        counts += tl.load(block_counts_ptr + b * E + e, mask=e < E, other=0)
-        probs += tl.load(block_probs_ptr + b * E + e, mask=e < E, other=0.0)
-        b += 1
+    squares = tl.zeros([CHUNK], tl.float32)
+    for b0 in range(0, BLOCKS_P2, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        tile = (b < blocks)[:, None] & (e < E)[None, :]
+        counts += tl.sum(tl.load(block_counts_ptr + b[:, None] * E + e[None, :], mask=tile, other=0), axis=0)
+        probs += tl.sum(tl.load(block_probs_ptr + b[:, None] * E + e[None, :], mask=tile, other=0.0), axis=0)
+        squares += tl.load(block_lse_squares_ptr + b, mask=b < blocks, other=0.0)
     tl.store(counts_ptr + e, counts.to(tl.int64), mask=e < E)
     tl.store(aux_ptr, tl.sum(counts.to(tl.float32) * probs, axis=0) * aux_scale)
-    squares = tl.zeros([BLOCK], tl.float32)
-    t = 0
-    while t < num_tokens:
-        lse = tl.load(lse_ptr + t + tl.arange(0, BLOCK), mask=t + tl.arange(0, BLOCK) < num_tokens, other=0.0)
-        squares += lse * lse
-        t += BLOCK
     tl.store(z_ptr, tl.sum(squares, axis=0) * z_scale)
 
 
@@ -225,25 +232,27 @@ class _TopKSoftmax(torch.autograd.Function):
         lse = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
         block_counts = torch.empty(blocks, num_experts, dtype=torch.int32, device=logits.device)  # all written
         block_probs = torch.empty(blocks, num_experts, dtype=torch.float32, device=logits.device)
+        block_lse_squares = torch.empty(blocks, dtype=torch.float32, device=logits.device)
         counts = torch.empty(num_experts, dtype=torch.int64, device=logits.device)
         aux_loss, z_loss = (torch.empty((), dtype=torch.float32, device=logits.device) for _ in range(2))
         if blocks:
             _top_k_softmax_kernel[(blocks,)](
-                logits, weights, expert_ids, lse, block_counts, block_probs, num_tokens, E=num_experts,
-                E_P2=e_p2, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+                logits, weights, expert_ids, lse, block_counts, block_probs, block_lse_squares, num_tokens,
+                E=num_experts, E_P2=e_p2, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
                 BLOCK_T=block, num_warps=warps)
         scales = loss_scales(num_tokens, top_k, num_experts)
-        _router_totals_kernel[(1,)](block_counts, block_probs, lse, counts, aux_loss, z_loss, num_tokens, blocks,
-                                    *scales, E=num_experts, E_P2=e_p2, BLOCK=1024 if logits.is_cuda else 64,
-                                    num_warps=warps)
+        blocks_p2 = triton.next_power_of_2(max(blocks, 1))
+        _router_totals_kernel[(1,)](block_counts, block_probs, block_lse_squares, counts, aux_loss, z_loss, blocks,
+                                    *scales, E=num_experts, E_P2=e_p2, BLOCKS_P2=blocks_p2,
+                                    CHUNK=max(1, min(blocks_p2, 4096 // e_p2)), num_warps=warps)
         ctx.save_for_backward(logits, lse, expert_ids, counts)
         ctx.renormalize, ctx.block, ctx.scales = renormalize, block, scales
-        ctx.mark_non_differentiable(expert_ids, counts)
+        ctx.mark_non_differentiable(expert_ids, counts, block_counts)
         ctx.set_materialize_grads(False)  # unused outputs get no gradient kernel input
-        return weights, expert_ids, counts, aux_loss, z_loss
+        return weights, expert_ids, counts, aux_loss, z_loss, block_counts
 
     @staticmethod
-    def backward(ctx, grad_weights, _ids, _counts, grad_aux, grad_z):
+    def backward(ctx, grad_weights, _ids, _counts, grad_aux, grad_z, _block_counts):
         logits, lse, expert_ids, counts = ctx.saved_tensors
         num_tokens, num_experts = logits.shape
         grad_logits = torch.empty_like(logits)

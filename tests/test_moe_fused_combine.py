@@ -13,7 +13,7 @@ from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from moe.expert_layout import build_expert_layout, dispatch_tables, send_slots
 from moe.kernels.fused_combine import FusedCombine, fused_combine_backward_reference, fused_combine_reference
-from moe.permute import permute
+from moe.permute import permutation
 from sm90 import compile_for_sm90
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
@@ -48,9 +48,8 @@ class World:
                 logits[:, e] += b
             top, ids = torch.topk(torch.softmax(logits, -1), case.top_k, dim=-1)
             kept = torch.rand(ids.shape, generator=gen) < case.keep
-            _, perm = permute(torch.zeros(t, 1), ids, self.num_experts, kept)
-            perms.append(perm)
             weights.append(top * kept)
+            perms.append(permutation(ids, self.num_experts, kept, weights[-1]))
         counts = torch.stack([p.tokens_per_expert for p in perms])
         return perms, weights, [build_expert_layout(counts, r, LOCAL, self.combines[0].blocks.block_m,
                                                     OWNER_TILE_ROWS) for r in range(self.world_size)], counts
@@ -114,7 +113,6 @@ class World:
         hs = [torch.randn(sum(lay.tokens_per_local_expert), FFN, generator=gen).to(dtype) for lay in layouts]
         padded = [torch.cat([h, torch.full((capacity - h.shape[0], FFN), float("nan"), dtype=dtype)]) for h in hs]
         w2s = [torch.randn(LOCAL, FFN, D_MODEL, generator=gen).to(dtype) for _ in layouts]
-        row_weights = [w.reshape(-1)[p.order].float() for w, p in zip(weights, perms)]
         max_tokens = self.combines[0].max_tokens
         max_rows = max_tokens * TOP_K
         for c in self.combines:
@@ -129,10 +127,9 @@ class World:
                     lo = int(counts[source, :owner * LOCAL].sum())
                     hi = lo + int(counts[source, owner * LOCAL:(owner + 1) * LOCAL].sum())
                     row_tokens[source, lo:hi] = perm.token_of_row[lo:hi].int()
-                    source_weights[source, lo:hi] = row_weights[source][lo:hi]
+                    source_weights[source, lo:hi] = perm.row_weights[lo:hi]
             epochs[owner] = self.combines[owner].start_by_token(padded[owner], w2s[owner], tables[owner],
-                                                                (row_tokens, source_weights),
-                                                                perms[owner], row_weights[owner])
+                                                                (row_tokens, source_weights), perms[owner])
         outs = [c.finish_by_token(epochs[r] if r in epochs else c.ws.next_epoch("combine"), tables[r], perms[r])
                 for r, c in enumerate(self.combines)]
         return outs, fused_combine_reference(hs, w2s, layouts, perms, weights), counts

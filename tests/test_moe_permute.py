@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fused_dlrm.dist.reorder import inverse_permutation, reorder
 from moe import permute, unpermute
-from moe.permute import expert_order_kernels, expert_order_reference
+from moe.permute import expert_order_kernels, expert_order_reference, permutation
+from moe.routing import top_k_softmax_kernels
 from sm90 import compile_for_sm90
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # of the kernels' tensors (CPU: interpreter)
@@ -61,12 +62,47 @@ def test_expert_order_kernels_equal_the_stable_sort(num_tokens, num_experts, top
             drop = torch.rand(num_tokens, top_k, generator=generator) < (0.3 if case == "dropped" else 2)
             keys = torch.where(drop, num_experts, keys)
     keys = keys.reshape(-1)
-    got = [t.cpu() for t in expert_order_kernels(keys.to(DEVICE), num_experts, top_k)]
+    routing_weights = torch.rand(keys.shape, generator=generator, dtype=torch.bfloat16)
+    got = expert_order_kernels(keys.to(DEVICE), num_experts, top_k, routing_weights.to(DEVICE))
     want = expert_order_reference(keys, num_experts)
     num_rows = int(want[3][-1])
-    assert torch.equal(got[0][:num_rows], want[0][:num_rows])
-    for g, w in zip(got[1:], want[1:]):
-        assert g.dtype == torch.int64 and torch.equal(g, w)
+    assert torch.equal(got.order.cpu()[:num_rows], want[0][:num_rows])
+    for g, w in zip(got[1:4], want[1:]):
+        assert g.dtype == torch.int64 and torch.equal(g.cpu(), w)
+    assert got.token_of_row.dtype == torch.int64
+    assert torch.equal(got.token_of_row.cpu()[:num_rows], want[0][:num_rows] // top_k)
+    assert got.row_weights.dtype == torch.float32
+    assert torch.equal(got.row_weights.cpu()[:num_rows], routing_weights.float()[want[0][:num_rows]])
+    assert expert_order_kernels(keys.to(DEVICE), num_experts, top_k).row_weights is None
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.4])
+def test_permutation_gives_each_rows_token_and_weight(drop):
+    """Permutation.token_of_row and row_weights (the layer's push reads them) are the rows' own, cut to the kept
+    rows."""
+    expert_ids, kept = assignments(11, 5, 3, drop, seed=5)
+    weights = torch.rand(11, 3, generator=torch.Generator().manual_seed(5), dtype=torch.bfloat16)
+    perm = permutation(expert_ids, 5, kept, weights)
+    assert perm.token_of_row.shape == perm.order.shape == perm.row_weights.shape
+    assert torch.equal(perm.token_of_row, perm.order // 3)
+    assert perm.row_weights.dtype == torch.float32
+    assert torch.equal(perm.row_weights, weights.reshape(-1).float()[perm.order])
+    assert permutation(expert_ids, 5, kept).row_weights is None
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(300, 64, 6), (37, 6, 2), (129, 8, 4)])
+def test_the_routers_block_counts_are_the_permutations_first_pass(num_tokens, num_experts, top_k):
+    """The router's kernel counts each block's assignments on the way (Routing.block_counts); the permutation
+    given them skips its first kernel and orders the rows the same (interpreter)."""
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(num_tokens))
+    choice = top_k_softmax_kernels(logits.to(DEVICE), top_k, True)
+    keys = choice.expert_ids.reshape(-1)
+    given = expert_order_kernels(keys, num_experts, top_k, choice.weights.reshape(-1), choice.block_counts)
+    counted = expert_order_kernels(keys, num_experts, top_k, choice.weights.reshape(-1))
+    for a, b in zip(given, counted):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="block_counts must be int32"):
+        expert_order_kernels(keys, num_experts, top_k, block_counts=choice.block_counts.long())
 
 
 class RecordOps(TorchDispatchMode):
@@ -183,8 +219,11 @@ from moe.permute import tokens_per_program
 for experts, k in ((64, 6), (8, 2), (256, 8)):
     e_p2 = triton.next_power_of_2(experts)
     shape = dict(E=experts, E_P2=e_p2, TOP_K=k, BLOCK_T=tokens_per_program(experts))
-    build(_expert_block_counts_kernel, dict(keys_ptr="*i64", block_counts_ptr="*i32"), shape)
-    build(_expert_order_kernel, {n: "*i32" if n == "block_counts_ptr" else "*i64"
-                                 for n in _expert_order_kernel.arg_names if n.endswith("_ptr")},
-          dict(shape, BLOCKS_P2=128, CHUNK=max(1, min(128, 4096 // e_p2))))
+    build(_expert_block_counts_kernel, dict(keys_ptr="*i64", block_counts_ptr="*i32"),
+          dict(shape, BLOCK_A=triton.next_power_of_2(shape["BLOCK_T"] * k)))
+    floats = dict(block_counts_ptr="*i32", weights_ptr="*fp32", row_weights_ptr="*fp32")
+    for weights in (False, True):
+        build(_expert_order_kernel, {n: floats.get(n, "*i64") for n in _expert_order_kernel.arg_names
+                                     if n.endswith("_ptr")},
+              dict(shape, BLOCKS_P2=128, CHUNK=max(1, min(128, 4096 // e_p2)), WEIGHTS=weights))
 """)

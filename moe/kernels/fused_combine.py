@@ -532,27 +532,27 @@ class FusedCombine:
         return epoch
 
     def start_by_token(self, h: torch.Tensor, w2: torch.Tensor, tables: DispatchTables,
-                       sources: tuple[torch.Tensor, torch.Tensor], perm: Permutation,
-                       row_weights: torch.Tensor) -> int:
+                       sources: tuple[torch.Tensor, torch.Tensor], perm: Permutation) -> int:
         """The combine by token (needs `max_tokens`): GEMM 2 over h (as `start`) into a local y, then one kernel
         (`_sum_token_rows_kernel`) of items (token block, source): per (source, token) the weighted sum of the
         token's rows here, stored at [this rank, token] of the source's parts buffer with a flag per (this rank,
         token block) in each peer; and, in the items of this rank's own tokens, the sum of every owner's parts once
         their flags are up. In a simulated world (ranks one after another) this launch runs the peers' items only
         and `finish_by_token` the own ones. `sources`: the peers' rows' (token ids, routing weights) [world,
-        max_rows] (FusedDispatch.rows_by_source); this rank's own rows' from perm.token_of_row and row_weights
-        (fp32, per permuted row). Returns the epoch for `finish_by_token`."""
+        max_rows] (FusedDispatch.rows_by_source); this rank's own rows' from perm.token_of_row and
+        perm.row_weights (`permutation` given the routing weights). Returns the epoch for `finish_by_token`."""
         if self.max_tokens is None:
             raise RuntimeError("start_by_token: this combine was made without max_tokens")
         self._check_gemm_inputs(h, w2, tables)
         row_tokens, source_weights = sources
         max_rows = self.max_tokens * self.top_k
-        token_of_row = perm.token_of_row
+        token_of_row, row_weights = perm.token_of_row, perm.row_weights
+        if row_weights is None:
+            raise ValueError("start_by_token needs the rows' routing weights: permutation(..., weights)")
         if (row_tokens.shape != (self.world, max_rows) or source_weights.shape != row_tokens.shape
-                or row_tokens.dtype != torch.int32 or source_weights.dtype != torch.float32
-                or row_weights.shape != token_of_row.shape or row_weights.dtype != torch.float32):
+                or row_tokens.dtype != torch.int32 or source_weights.dtype != torch.float32):
             raise ValueError(f"sources must be int32 token ids and fp32 weights [{self.world}, max_tokens x top_k = "
-                             f"{max_rows}], row_weights fp32 like token_of_row {tuple(token_of_row.shape)}")
+                             f"{max_rows}]")
         num_tokens = perm.inverse.numel() // perm.top_k
         if num_tokens > self.max_tokens:
             raise ValueError(f"rank {self.rank}: {num_tokens} tokens, more than the combine's max_tokens="
