@@ -36,6 +36,7 @@ from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.dist.reorder import inverse_permutation, reorder
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, _Workspace
 from fused_dlrm.kernels.graphed_calls import GraphedCalls, Lease
+from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT
 from fused_dlrm.train.compute_copies import compute_copy, compute_weight, refresh_compute_copy
 from moe.expert_layout import (DispatchTables, ExpertLayout, build_expert_layout, dispatch_tables, gather_counts,
                                send_slots)
@@ -56,7 +57,7 @@ class FusedMoEConfig:
 
     num_programs: int | None = None  # persistent programs of the dispatch push and of the combine GEMM; None:
     # DISPATCH_PUSH_PROGRAMS and one per SM
-    wait_timeout_spins: int = 20_000_000  # polls of a flag before a wait gives up and names rank and slice
+    wait_timeout_spins: int = DEFAULT_SPIN_LIMIT  # polls of a flag before a wait gives up and names rank and slice
     cuda_graphs: bool = True  # GPUs: the dispatch's launches before the counts' host sync replayed as CUDA graphs
     # (less host time per forward; each graph keeps its h, a13 and tables allocated between calls)
     max_tokens_per_rank: int | None = None  # the most tokens any rank passes to one forward. With it the forward

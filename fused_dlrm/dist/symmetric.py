@@ -73,9 +73,6 @@ class _Workspace:
         """Every rank's `buf` as a tensor this rank can `copy_` into (copy engines take tensors, not addresses)."""
         raise NotImplementedError
 
-    def barrier(self) -> None:
-        """Line the ranks' hosts up (a process group's barrier; nothing to do where ranks run one after another)."""
-
 
 class CudaSymmetricWorkspace(_Workspace):
     def __init__(self, group: dist.ProcessGroup | None = None):
@@ -105,9 +102,6 @@ class CudaSymmetricWorkspace(_Workspace):
     def peer_tensors(self, buf: PeerBuffer) -> list[torch.Tensor]:
         handle = self._symm_mem.rendezvous(buf.local, self.group.group_name)  # cached: no collective after the first
         return [handle.get_buffer(p, (buf.local.numel(),), buf.local.dtype) for p in range(self.world_size)]
-
-    def barrier(self) -> None:
-        dist.barrier(group=self.group)
 
 
 class NvshmemSymmetricWorkspace(CudaSymmetricWorkspace):

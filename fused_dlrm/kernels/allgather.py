@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import _Workspace
-from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, wait_or_record, wait_ready
+from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, PeerErrors, consumer_released, wait_or_record, wait_ready
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 
 PRODUCERS = ("device", "copy_engine", "pull")
@@ -134,7 +134,7 @@ class SymmetricAllGather:
     """All-gather of a [rows, cols] shard per rank into every rank's symmetric buffer [world * rows, cols]."""
 
     def __init__(self, workspace: _Workspace, rows: int, cols: int, dtype: torch.dtype, chunk_rows: int | None = None,
-                 name: str = "allgather", num_programs: int | None = None, spin_limit: int = 20_000_000,
+                 name: str = "allgather", num_programs: int | None = None, spin_limit: int = DEFAULT_SPIN_LIMIT,
                  block_rows: int = 16, block_cols: int = 512, errors: PeerErrors | None = None):
         """errors: the error word to report into (shared by the exchanges of one op); None: a new one."""
         self.ws, self.rank, self.world = workspace, workspace.rank, workspace.world_size

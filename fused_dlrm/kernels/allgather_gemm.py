@@ -55,7 +55,7 @@ import triton.language as tl
 from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels.allgather import SymmetricAllGather, push_chunk, wait_chunk
 from fused_dlrm.kernels.launch import interpreting
-from fused_dlrm.kernels.peer_flags import signal_ready
+from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, signal_ready
 from fused_dlrm.kernels.tma import async_proxy_fence, descriptor, require_tma_readable
 
 GEMM_PRODUCERS = ("copy_engine", "device")
@@ -90,7 +90,7 @@ class GemmConfig:
     # H200 took 555.6 us against 661.1 at 3 stages and groups of 8 (cuBLAS 538.5; 2026-11-23, docs/benchmarks.md)
     num_stages: int = 4
     num_programs: int | None = None  # persistent programs; None: one per SM (all co-resident)
-    spin_limit: int = 20_000_000
+    spin_limit: int = DEFAULT_SPIN_LIMIT
     push_rounds: int | None = None  # device push: rounds of local tiles that the pushing programs leave to the
     # others (None: the push's estimated time in tiles' time, `lead_rounds`)
 

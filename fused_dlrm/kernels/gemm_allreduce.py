@@ -52,7 +52,7 @@ import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
-from fused_dlrm.kernels.peer_flags import PeerErrors, signal_ready, wait_or_record
+from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, PeerErrors, signal_ready, wait_or_record
 
 PRODUCE, REDUCE, WAIT = 1, 2, 4  # the phases of a launch (PHASES is their sum)
 ALL_PHASES = PRODUCE | REDUCE | WAIT
@@ -243,7 +243,7 @@ class GemmAllReduce:
     Plans are dropped when a larger shape grows the symmetric buffers they point into.
     """
 
-    def __init__(self, workspace: _Workspace, num_programs: int | None = None, spin_limit: int = 20_000_000,
+    def __init__(self, workspace: _Workspace, num_programs: int | None = None, spin_limit: int = DEFAULT_SPIN_LIMIT,
                  block_n: int = 64, block_k: int = 128, split_k: int | None = None, num_warps: int = 8,
                  num_stages: int | None = None, programs_per_sm: int | None = None, algorithm: str = "auto"):
         if algorithm not in ALGORITHMS:

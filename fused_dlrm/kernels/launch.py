@@ -97,10 +97,6 @@ class CompiledLaunches:
             self._binaries[key] = binary
         return binary
 
-    def __contains__(self, key: Hashable) -> bool:
-        """Whether the key's binary is compiled (the interpreter compiles none)."""
-        return key in self._binaries
-
     def __call__(self, key: Hashable, grid: tuple[int, int, int], args: tuple, options: dict) -> None:
         binary = self.compiled(key, grid, args, options)
         if binary is None:

@@ -18,6 +18,12 @@ import triton.language as tl
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches
 from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, set_flag
 
+# Polls of a flag before a wait gives up: about 54 s at the 217 ns per poll measured on H100 (2026-11-27,
+# docs/benchmarks.md). Longer than a peer's host may lag behind: a first call compiling its kernels (seconds
+# each; at the old bound of 20,000,000 polls, 4.3 s, a first MoE forward timed out), a checkpoint, a pause; a
+# lost peer still ends in an error naming rank and slice. Passed as an i32 argument: below 2**31.
+DEFAULT_SPIN_LIMIT = 250_000_000
+
 
 @triton.jit
 def signal_ready(ready_ptrs, slot, epoch, WORLD: tl.constexpr):

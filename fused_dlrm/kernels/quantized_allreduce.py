@@ -68,7 +68,7 @@ import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, GraphReplays, aligned, resident_programs_per_sm
-from fused_dlrm.kernels.peer_flags import PeerErrors, wait_or_record
+from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, PeerErrors, wait_or_record
 from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, NO_FMA, block_values, decode_reference,
                                              encode_blocks, encode_reference, error_bound, kernel_constants,
                                              load_blocks, store_blocks)
@@ -275,7 +275,7 @@ class FusedQuantizedAllReduce:
     their graphs, when a larger message grows the symmetric buffers they point into.
     """
 
-    def __init__(self, workspace: _Workspace, max_programs: int, spin_limit: int = 20_000_000,
+    def __init__(self, workspace: _Workspace, max_programs: int, spin_limit: int = DEFAULT_SPIN_LIMIT,
                  tile_blocks: int = TILE_BLOCKS):
         self.ws, self.max_programs, self.spin_limit, self.tile_blocks = workspace, max_programs, spin_limit, tile_blocks
         self.rank, self.world = workspace.rank, workspace.world_size

@@ -24,7 +24,7 @@ import triton
 from torch import nn
 
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, NvshmemSymmetricWorkspace, PeerBuffer, _Workspace
-from fused_dlrm.kernels.peer_flags import PeerErrors, ReadyWait, wait_ready
+from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, PeerErrors, ReadyWait, wait_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, default_num_programs, plan_peer_tiles
 from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLaunch, launch_pooled_embedding_nvshmem
 from fused_dlrm.kernels.push_columns import PushColumnsLaunch, launch_push_columns_nvshmem
@@ -39,7 +39,7 @@ PUSH_BLOCK_ROWS = 16  # rows per tile of the gradient push (a copy: one remote-f
 class FusedCommConfig:
     transport: str = "p2p"  # p2p: CUDA symmetric memory over NVLink; nvshmem: NVSHMEM puts (crosses nodes)
     num_programs: int | None = None  # persistent programs per launch; None: 32 per SM
-    wait_timeout_spins: int = 20_000_000  # polls of a flag before a wait gives up and reports rank and slice
+    wait_timeout_spins: int = DEFAULT_SPIN_LIMIT  # polls of a flag before a wait gives up and names rank and slice
 
 
 def build_fused_exchange(lookup: PooledEmbeddingLookup, slices_of_rank: list[list[FeatureSlice]],

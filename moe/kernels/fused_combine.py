@@ -605,12 +605,7 @@ class FusedCombine:
                 min(self.top_k, L), perm.top_k, triton.next_power_of_2(perm.top_k), b.part_tokens, b.part_cols,
                 TL_DTYPES[self._token_dtype], first, sources, first + sources == self.world)
         key = (self._token_dtype, first, sources, perm.top_k, *map(aligned, tensors))
-        grid, options = (sources * self._token_blocks, 1, 1), dict(num_warps=b.consumer_warps)
-        if key not in self._sum_launches and self._sum_launches.compiled(key, grid, args, options) is not None:
-            # A new variant compiles (seconds, at other times on each rank) before its launch: lined up after it,
-            # no rank's waits run out while a peer is still compiling.
-            self.ws.barrier()
-        self._sum_launches(key, grid, args, options)
+        self._sum_launches(key, (sources * self._token_blocks, 1, 1), args, dict(num_warps=b.consumer_warps))
 
     def _check_gemm_inputs(self, h: torch.Tensor, w2: torch.Tensor, tables: DispatchTables) -> None:
         self.errors.check()
