@@ -110,15 +110,15 @@ def expert_order_reference(keys: torch.Tensor, num_experts: int
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _expert_block_counts_kernel(keys_ptr, block_counts_ptr, num_tokens, E: tl.constexpr, E_P2: tl.constexpr,
-                                TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr):
-    """block_counts[b, e]: assignments to expert e among the tokens of block b (its BLOCK_T x TOP_K keys, read
-    at once, BLOCK_A = their number rounded up to a power of 2; dropped ones, key E, not counted)."""
+                                TOP_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """block_counts[b, e]: assignments to expert e among the tokens of block b."""
     pid = tl.program_id(0)
-    a = pid * BLOCK_T * TOP_K + tl.arange(0, BLOCK_A)
-    mine = (tl.arange(0, BLOCK_A) < BLOCK_T * TOP_K) & (a < num_tokens * TOP_K)
-    key = tl.load(keys_ptr + a, mask=mine, other=E)
-    counts = tl.histogram(key.to(tl.int32), E_P2, mask=mine & (key < E))
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, E_P2)
+    counts = tl.zeros((E_P2,), tl.int32)
+    for i in tl.static_range(TOP_K):
+        key = tl.load(keys_ptr + t * TOP_K + i, mask=t < num_tokens, other=E)
+        counts += tl.sum((key[:, None] == e[None, :]).to(tl.int32), axis=0)
     tl.store(block_counts_ptr + pid * E + e, counts, mask=e < E)
 
 
@@ -188,8 +188,7 @@ def expert_order_kernels(keys: torch.Tensor, num_experts: int, top_k: int, weigh
     if block_counts is None:
         block_counts = torch.empty(blocks, num_experts, dtype=torch.int32, device=keys.device)
         _expert_block_counts_kernel[(blocks,)](keys, block_counts, num_tokens, E=num_experts, E_P2=e_p2,
-                                               TOP_K=top_k, BLOCK_T=block,
-                                               BLOCK_A=triton.next_power_of_2(block * top_k), num_warps=warps)
+                                               TOP_K=top_k, BLOCK_T=block, num_warps=warps)
     elif block_counts.shape != (blocks, num_experts) or block_counts.dtype != torch.int32:
         raise ValueError(f"block_counts must be int32 [{blocks}, {num_experts}] (blocks of {block} tokens), got "
                          f"{list(block_counts.shape)} {block_counts.dtype}")

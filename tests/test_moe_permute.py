@@ -219,8 +219,7 @@ from moe.permute import tokens_per_program
 for experts, k in ((64, 6), (8, 2), (256, 8)):
     e_p2 = triton.next_power_of_2(experts)
     shape = dict(E=experts, E_P2=e_p2, TOP_K=k, BLOCK_T=tokens_per_program(experts))
-    build(_expert_block_counts_kernel, dict(keys_ptr="*i64", block_counts_ptr="*i32"),
-          dict(shape, BLOCK_A=triton.next_power_of_2(shape["BLOCK_T"] * k)))
+    build(_expert_block_counts_kernel, dict(keys_ptr="*i64", block_counts_ptr="*i32"), shape)
     floats = dict(block_counts_ptr="*i32", weights_ptr="*fp32", row_weights_ptr="*fp32")
     for weights in (False, True):
         build(_expert_order_kernel, {n: floats.get(n, "*i64") for n in _expert_order_kernel.arg_names
