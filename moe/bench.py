@@ -81,7 +81,11 @@ def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[
     """The phases of one forward, each a function of prepared inputs."""
     rank, world, local = layer.rank, layer.world, layer.num_local_experts
     routing = layer.router(x, bias)
-    rows, perm = permute(x, routing.expert_ids, layer.num_experts, routing.kept)
+    kept = None if routing.capacity is None else routing.kept  # the layer's permutation, in both modes
+    if layer.comm == "bulk":
+        rows, perm = permute(x, routing.expert_ids, layer.num_experts, kept, routing.block_counts)
+    else:  # the fused dispatch sends each row's routing weight
+        perm = permutation(routing.expert_ids, layer.num_experts, kept, routing.weights, routing.block_counts)
     counts = gather_counts(perm.tokens_per_expert)
     e = layer.experts
     if layer.comm == "bulk":
@@ -92,8 +96,6 @@ def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[
         expert_out = e(received, sizes)
         return {"dispatch": lambda: exchange.to_owners(rows), "experts": lambda: e(received, sizes),
                 "combine": lambda: unpermute(exchange.to_sources(expert_out), perm, routing.weights)}
-    kept = None if routing.capacity is None else routing.kept  # the layer's permutation
-    perm = permutation(routing.expert_ids, layer.num_experts, kept, routing.weights, routing.block_counts)
 
     def dispatch_and_gemm1():  # the layer's, as a forward without a backward runs it
         return layer._fused_dispatch(x, counts, perm, e.w13, keep_a13=False, overlap=_Alongside(None))[1]

@@ -167,7 +167,7 @@ class MoELayer(nn.Module):
                                     torch.is_grad_enabled(), overlap)
             recv_counts = counts[:, self.rank * self.num_local_experts:(self.rank + 1) * self.num_local_experts]
         else:
-            rows, perm = permute(x, routing.expert_ids, self.num_experts, kept)
+            rows, perm = permute(x, routing.expert_ids, self.num_experts, kept, routing.block_counts)
             send_counts = perm.tokens_per_expert.view(self.world, self.num_local_experts)
             recv_counts = exchange_counts(send_counts, self.group)
             on_host = PendingHostCopy(torch.stack([send_counts, recv_counts]))  # every size of the exchange

@@ -31,10 +31,11 @@ class Permutation:
             self.token_of_row = self.order // self.top_k
 
 
-def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
-            kept: torch.Tensor | None = None) -> tuple[torch.Tensor, Permutation]:
-    """x [T, d], expert_ids [T, k] -> (rows [A, d] grouped by expert, Permutation); A = kept assignments."""
-    perm = permutation(expert_ids, num_experts, kept)
+def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, kept: torch.Tensor | None = None,
+            block_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, Permutation]:
+    """x [T, d], expert_ids [T, k] -> (rows [A, d] grouped by expert, Permutation); A = kept assignments.
+    block_counts: as for `permutation`."""
+    perm = permutation(expert_ids, num_experts, kept, block_counts=block_counts)
     return _Permute.apply(x, perm), perm
 
 
@@ -43,8 +44,10 @@ def permutation(expert_ids: torch.Tensor, num_experts: int, kept: torch.Tensor |
     """expert_ids [T, k] -> the Permutation that groups the kept assignments by expert (the fused layer moves the
     rows itself). kept None: every assignment is kept (dropless routing; no host sync). weights [T, k] (the
     routing weights), if given: the rows' weights in fp32 (Permutation.row_weights), gathered by the same kernel.
-    block_counts: the kept assignments' counts per block of tokens, if the router made them (Routing.block_counts:
-    the CUDA kernels' first pass)."""
+    block_counts: every assignment's counts per block of tokens, if the router made them (Routing.block_counts:
+    the CUDA kernels' first pass); dropless only (they count no drops)."""
+    if kept is not None and block_counts is not None:
+        raise ValueError("block_counts count every assignment: they cannot order a routing that drops some (kept)")
     top_k = expert_ids.shape[1]
     keys = expert_ids.reshape(-1)
     if kept is not None:

@@ -88,6 +88,9 @@ def test_permutation_gives_each_rows_token_and_weight(drop):
     assert perm.row_weights.dtype == torch.float32
     assert torch.equal(perm.row_weights, weights.reshape(-1).float()[perm.order])
     assert permutation(expert_ids, 5, kept).row_weights is None
+    if kept is not None:  # block counts (the router's) count every assignment: a routing with drops refuses them
+        with pytest.raises(ValueError, match="block_counts count every assignment"):
+            permutation(expert_ids, 5, kept, weights, torch.zeros(1, 5, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k", [(300, 64, 6), (37, 6, 2), (129, 8, 4)])
