@@ -438,7 +438,7 @@ class _FusedExperts(torch.autograd.Function):
         received, h, a13 = received[:n], h[:n], a13[:n]
         grad_y = grad_y.contiguous()
         grad_weights = routing_weights_grad(rows, grad_y, weights) if ctx.needs_input_grad[1] else None
-        epoch = layer.combine.start_backward(grad_y.to(h.dtype), perm, weights, layout)
+        epoch = layer.combine.start_backward(grad_y.to(h.dtype), perm, layout)
         grad_h, grad_w2 = layer.combine.finish_backward(epoch, layout, h, w2, ctx.weight_dtype)
         epoch, grad_w13 = layer.dispatch.start_backward(grad_h, received, layout, w13, a13, ctx.weight_dtype)
         grad_x = layer.dispatch.finish_backward(epoch, layout, perm)

@@ -3,6 +3,7 @@ combine buffers with per-tile flags, then each source's weighted unpermute, agai
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -87,8 +88,7 @@ class World:
         tol = 1e-2 if dtype == torch.float16 else 1e-5
         if len(starting) == self.world_size:  # backward: the output gradient to the owners, GEMM 2's gradients
             grad_ys = [torch.randn(t, D_MODEL, generator=gen).to(dtype) for t in case.tokens]
-            epochs = [c.start_backward(g, p, w, lay) for c, g, p, w, lay in zip(self.combines, grad_ys, perms, weights,
-                                                                                layouts)]
+            epochs = [c.start_backward(g, p, lay) for c, g, p, lay in zip(self.combines, grad_ys, perms, layouts)]
             grads = [c.finish_backward(e, lay, h, w2) for c, e, lay, h, w2 in zip(self.combines, epochs, layouts, hs,
                                                                                      w2s)]
             expected_grads = fused_combine_backward_reference(grad_ys, perms, weights, hs, w2s, layouts)
@@ -292,7 +292,7 @@ def test_backward_source_that_never_starts_times_out_naming_rank_and_slice():
     assert counts[1, :LOCAL].sum() > 0  # rank 1 has rows for rank 0's experts
     h = torch.randn(sum(layouts[0].tokens_per_local_expert), FFN, generator=gen)
     combine = world.combines[0]
-    epoch = combine.start_backward(torch.randn(7, D_MODEL, generator=gen), perms[0], weights[0], layouts[0])
+    epoch = combine.start_backward(torch.randn(7, D_MODEL, generator=gen), perms[0], layouts[0])
     with pytest.raises(PeerWaitTimeout, match=r"fused MoE combine: rank 0 timed out at step 1 waiting for rank 1, "
                                               r"slice \d+"):
         combine.finish_backward(epoch, layouts[0], h, torch.randn(LOCAL, FFN, D_MODEL, generator=gen))
@@ -392,3 +392,13 @@ def test_rows_past_the_reserved_ones_are_refused():
     combine = FusedCombine(SimulatedWorld(2).workspaces()[0], D_MODEL, LOCAL, 2, 1000)
     with pytest.raises(ValueError, match="9 rows to combine; 8 reserved"):
         _refused(combine, FFN, combine.blocks.block_m, reserved=8)
+
+def test_a_permutation_without_routing_weights_is_refused_by_the_backward():
+    """The backward scales each row's gradient by perm.row_weights: a permutation made without the weights has
+    none, and the push must not run on a missing operand."""
+    world = World(2)
+    gen = torch.Generator().manual_seed(8)
+    perms, _, layouts, _ = world.route(Case([7, 9]), gen)
+    unweighted = dataclasses.replace(perms[0], row_weights=None)
+    with pytest.raises(ValueError, match="needs the rows' routing weights"):
+        world.combines[0].start_backward(torch.randn(7, D_MODEL, generator=gen), unweighted, layouts[0])

@@ -20,7 +20,7 @@ from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from moe.expert_layout import build_expert_layout, dispatch_tables, gather_counts, send_slots
 from moe.kernels.fused_combine import FusedCombine
 from moe.layer import FusedMoEConfig, MoELayer
-from moe.permute import permute
+from moe.permute import permutation
 from world import run_world
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -140,7 +140,7 @@ def peer_never_starts(rank, world, backward):
     gen = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, 2 * world, (64, TOP_K), generator=gen).cuda()
     weights = torch.rand(64, TOP_K, generator=gen).cuda()
-    _, perm = permute(torch.zeros(64, 0, device="cuda"), ids, 2 * world)
+    perm = permutation(ids, 2 * world, weights=weights)
     counts = gather_counts(perm.tokens_per_expert)
     layout = build_expert_layout(counts, rank, 2, combine.blocks.block_m, owner_tile_rows=128)  # 128: unused here
     received = sum(layout.tokens_per_local_expert)
@@ -152,7 +152,7 @@ def peer_never_starts(rank, world, backward):
 
     def step():
         if backward:
-            combine.finish_backward(combine.start_backward(grad_y, perm, weights, layout), layout, h, w2)
+            combine.finish_backward(combine.start_backward(grad_y, perm, layout), layout, h, w2)
         else:
             combine.finish(combine.start(h, w2, tables), tables, perm, weights)
 

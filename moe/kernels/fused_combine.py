@@ -669,12 +669,14 @@ class FusedCombine:
         self.errors.after_wait()
         return out
 
-    def start_backward(self, grad_y: torch.Tensor, perm: Permutation, weights: torch.Tensor,
-                       layout: ExpertLayout) -> int:
-        """Source side of the backward: each permuted row's gradient grad_y[token] * weight goes to row
-        `send_dest_row` of its owner's gradient buffer, flags raised per (this rank, row block). Every rank calls
-        `start_backward` before any rank calls `finish_backward`. Returns the epoch."""
+    def start_backward(self, grad_y: torch.Tensor, perm: Permutation, layout: ExpertLayout) -> int:
+        """Source side of the backward: each permuted row's gradient grad_y[token] * its routing weight
+        (perm.row_weights: `permutation` given the weights) goes to row `send_dest_row` of its owner's gradient
+        buffer, flags raised per (this rank, row block). Every rank calls `start_backward` before any rank calls
+        `finish_backward`. Returns the epoch."""
         self.errors.check()
+        if perm.row_weights is None:
+            raise ValueError("start_backward needs the rows' routing weights: permutation(..., weights)")
         counts = layout.host_counts
         rows, ready, ack, slots = self._gradient_buffers(layout, grad_y.dtype)
         epoch = self.ws.next_epoch("combine_grad")
@@ -685,7 +687,7 @@ class FusedCombine:
             # Remote first: start with the rows of rank + 1 (rows are grouped by owner), wrap around to this rank.
             before_next = int(counts[self.rank, :(self.rank + 1) * self.num_local_experts].sum())
             _push_gradient_kernel[(num_blocks,)](
-                grad_y.contiguous(), perm.token_of_row, weights.reshape(-1)[perm.order].float(),
+                grad_y.contiguous(), perm.token_of_row, perm.row_weights,
                 layout.send_dest_rank, layout.send_dest_row, rows.peer_ptrs, ready.peer_ptrs, ack.local,
                 self.errors.word, self.rank, num_rows, num_blocks, before_next // b.block_rows, slots, epoch,
                 self.spin_limit, D_MODEL=self.d_model, WORLD=self.world, BLOCK_R=b.block_rows, BLOCK_D=b.block_d,

@@ -68,7 +68,7 @@ def main() -> int:
         xs = [torch.randn(t, D, device=DEVICE) for t in tokens]
         logit_bias = 0 if bias is None else torch.tensor(bias, device=DEVICE)
         routings = [route(torch.randn(t, E, device=DEVICE) + logit_bias, K) for t in tokens]
-        perms = [permutation(r.expert_ids, E) for r in routings]
+        perms = [permutation(r.expert_ids, E, weights=r.weights) for r in routings]
         cpu_perms = [Permutation(p.order.cpu(), p.inverse.cpu(), p.tokens_per_expert.cpu(), p.offsets.cpu(), K)
                      for p in perms]
         weights = [r.weights for r in routings]
@@ -103,7 +103,7 @@ def main() -> int:
 
         # Backward: the output gradient to the owners (grad_h, grad_w2), then dx back to the sources (and dw13).
         grad_ys = [torch.randn(t, D, device=DEVICE) for t in tokens]
-        epochs = [c.start_backward(g, p, w, la) for c, g, p, w, la in zip(combine, grad_ys, perms, weights, lay)]
+        epochs = [c.start_backward(g, p, la) for c, g, p, la in zip(combine, grad_ys, perms, lay)]
         grads = [c.finish_backward(e, la, h, w) for c, e, la, h, w in zip(combine, epochs, lay, hs, w2)]
         want_grads = fused_combine_backward_reference([g.cpu() for g in grad_ys], cpu_perms,
                                                       [w.cpu() for w in weights], [h.cpu() for h in hs],
