@@ -393,12 +393,21 @@ def test_rows_past_the_reserved_ones_are_refused():
     with pytest.raises(ValueError, match="9 rows to combine; 8 reserved"):
         _refused(combine, FFN, combine.blocks.block_m, reserved=8)
 
-def test_a_permutation_without_routing_weights_is_refused_by_the_backward():
-    """The backward scales each row's gradient by perm.row_weights: a permutation made without the weights has
-    none, and the push must not run on a missing operand."""
+
+def test_a_permutation_without_routing_weights_is_refused():
+    """The backward (and the combine by token) scale each row by perm.row_weights: a permutation made without the
+    weights has none, and no kernel may run on a missing operand."""
     world = World(2)
     gen = torch.Generator().manual_seed(8)
-    perms, _, layouts, _ = world.route(Case([7, 9]), gen)
+    perms, _, layouts, counts = world.route(Case([7, 9]), gen)
     unweighted = dataclasses.replace(perms[0], row_weights=None)
-    with pytest.raises(ValueError, match="needs the rows' routing weights"):
-        world.combines[0].start_backward(torch.randn(7, D_MODEL, generator=gen), unweighted, layouts[0])
+    combine = world.combines[0]
+    with pytest.raises(ValueError, match="start_backward needs the rows' routing weights"):
+        combine.start_backward(torch.randn(7, D_MODEL, generator=gen), unweighted, layouts[0])
+    received = sum(layouts[0].tokens_per_local_expert)
+    tables = world.tables(counts, perms, received)[0]
+    h = torch.randn(received, FFN, generator=gen)
+    sources = (torch.zeros(2, combine.max_tokens * TOP_K, dtype=torch.int32),
+               torch.zeros(2, combine.max_tokens * TOP_K))
+    with pytest.raises(ValueError, match="start_by_token needs the rows' routing weights"):
+        combine.start_by_token(h, torch.randn(LOCAL, FFN, D_MODEL, generator=gen), tables, sources, unweighted)

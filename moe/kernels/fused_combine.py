@@ -546,9 +546,7 @@ class FusedCombine:
         self._check_gemm_inputs(h, w2, tables)
         row_tokens, source_weights = sources
         max_rows = self.max_tokens * self.top_k
-        token_of_row, row_weights = perm.token_of_row, perm.row_weights
-        if row_weights is None:
-            raise ValueError("start_by_token needs the rows' routing weights: permutation(..., weights)")
+        token_of_row, row_weights = perm.token_of_row, _row_weights(perm, "start_by_token")
         if (row_tokens.shape != (self.world, max_rows) or source_weights.shape != row_tokens.shape
                 or row_tokens.dtype != torch.int32 or source_weights.dtype != torch.float32):
             raise ValueError(f"sources must be int32 token ids and fp32 weights [{self.world}, max_tokens x top_k = "
@@ -675,8 +673,7 @@ class FusedCombine:
         buffer, flags raised per (this rank, row block). Every rank calls `start_backward` before any rank calls
         `finish_backward`. Returns the epoch."""
         self.errors.check()
-        if perm.row_weights is None:
-            raise ValueError("start_backward needs the rows' routing weights: permutation(..., weights)")
+        row_weights = _row_weights(perm, "start_backward")
         counts = layout.host_counts
         rows, ready, ack, slots = self._gradient_buffers(layout, grad_y.dtype)
         epoch = self.ws.next_epoch("combine_grad")
@@ -687,7 +684,7 @@ class FusedCombine:
             # Remote first: start with the rows of rank + 1 (rows are grouped by owner), wrap around to this rank.
             before_next = int(counts[self.rank, :(self.rank + 1) * self.num_local_experts].sum())
             _push_gradient_kernel[(num_blocks,)](
-                grad_y.contiguous(), perm.token_of_row, perm.row_weights,
+                grad_y.contiguous(), perm.token_of_row, row_weights,
                 layout.send_dest_rank, layout.send_dest_row, rows.peer_ptrs, ready.peer_ptrs, ack.local,
                 self.errors.word, self.rank, num_rows, num_blocks, before_next // b.block_rows, slots, epoch,
                 self.spin_limit, D_MODEL=self.d_model, WORLD=self.world, BLOCK_R=b.block_rows, BLOCK_D=b.block_d,
@@ -749,3 +746,10 @@ class FusedCombine:
         ack = self.ws.buffer("combine_ack", self.world, torch.int32)
         return rows, ready, ack
 
+
+def _row_weights(perm: Permutation, caller: str) -> torch.Tensor:
+    """perm.row_weights, which the combine by token and the backward scale rows by; refused where the permutation
+    was made without the routing weights."""
+    if perm.row_weights is None:
+        raise ValueError(f"{caller} needs the rows' routing weights: permutation(..., weights)")
+    return perm.row_weights
