@@ -102,7 +102,7 @@ def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[
 
     out = dispatch_and_gemm1()
     return {"dispatch": dispatch_and_gemm1,
-            "combine": lambda: layer._fused_combine(out, e.w2, perm, routing.weights)}
+            "combine": lambda: layer._fused_combine(out, e.w2, perm, routing.weights)[0]}
 
 
 FUSED_PATHS = {  # --fused: the result's key (and the table's label) and the layer's FusedMoEConfig choices
@@ -190,7 +190,7 @@ def table(results: list[dict]) -> str:
     lines.append("ms, median of the slowest rank (fwd b2b: per call, 20 calls back to back; fwd dev: GPUs lined up, "
                  "the call enqueued during a 1 ms head start, dev 3x: 3 ms). bulk: experts = both GEMMs; fused: "
                  "dispatch includes GEMM 1 and combine GEMM 2; fused/tok: the dispatch by token; fused/tok+c: the "
-                 "combine by token too (forward only: training combines by row).")
+                 "combine by token too, forward and backward.")
     return "\n".join(lines)
 
 

@@ -41,7 +41,7 @@ from fused_dlrm.train.compute_copies import compute_copy, compute_weight, refres
 from moe.expert_layout import (DispatchTables, ExpertLayout, build_expert_layout, dispatch_tables, gather_counts,
                                send_slots)
 from moe.experts import SwiGLUExperts
-from moe.kernels.fused_combine import FusedCombine
+from moe.kernels.fused_combine import FusedCombine, OwnerRows
 from moe.kernels.fused_dispatch import FusedDispatch, gemm_config
 from moe.permute import Permutation, permutation, permute, routing_weights_grad, unpermute
 from moe.routing import TopKRouter
@@ -72,10 +72,10 @@ class FusedMoEConfig:
     # max_tokens_per_rank, else rows (2x H200, 2026-11-26: the fine-grained MoE step 107.0 ms by token, 109.7 by
     # row; docs/benchmarks.md).
     combine: str = "auto"  # "rows": every routed row's expert output goes back to its source, which sums a
-    # token's k rows; "auto": with the dispatch by token, wherever the routing weights need no gradient (no_grad:
-    # inference, evaluation; or the experts trained alone), the owner sums each token's rows on its experts,
-    # weighted, and one row per (token, owner) crosses (moe.kernels.fused_combine); else rows. Training through
-    # the router keeps "rows": the routing weights' gradient reads each assignment's expert output on the source.
+    # token's k rows (and, training, keeps each for the routing weights' gradient); "auto": with the dispatch by
+    # token, the owner sums each token's rows on its experts, weighted, and one row per (token, owner) crosses;
+    # its backward sends the output gradient once per (token, owner) and the owner, which kept its rows, returns
+    # each row's routing weight gradient (4 bytes) (moe.kernels.fused_combine); else rows.
 
 
 class MoELayer(nn.Module):
@@ -261,15 +261,19 @@ class MoELayer(nn.Module):
         return _Dispatched(tables, rows if dispatch.by_token else received, h, a13, w13, lease, epoch)
 
     def _fused_combine(self, out: _Dispatched, w2: torch.Tensor, perm: Permutation, weights: torch.Tensor,
-                       rows_out: torch.Tensor | None = None) -> torch.Tensor:
-        """GEMM 2 and the combine of a dispatched call -> [tokens, d_model]: by token where the combine is made for
-        it (FusedMoEConfig.combine) and no assignment's row is asked for (rows_out: the routing weights'
-        gradient reads them), else by row."""
-        if self.combine.max_tokens is not None and rows_out is None:
+                       rows_out: torch.Tensor | None = None) -> tuple[torch.Tensor, OwnerRows | None]:
+        """GEMM 2 and the combine of a dispatched call -> ([tokens, d_model], what the owner keeps for the backward
+        by token): by token where the combine is made for it (FusedMoEConfig.combine), else by row (rows_out:
+        each assignment's row, for the routing weights' gradient; None for the owner rows)."""
+        if self.combine_by_token:
             epoch = self.combine.start_by_token(out.h, w2, out.tables, self.dispatch.rows_by_source(out.epoch), perm)
             return self.combine.finish_by_token(epoch, out.tables, perm)
         epoch = self.combine.start(out.h, w2, out.tables)
-        return self.combine.finish(epoch, out.tables, perm, weights, rows_out=rows_out)
+        return self.combine.finish(epoch, out.tables, perm, weights, rows_out=rows_out), None
+
+    @property
+    def combine_by_token(self) -> bool:
+        return self.combine is not None and self.combine.max_tokens is not None
 
     def _tile_rows(self, x: torch.Tensor) -> tuple[int, int]:
         """Row tiles of the combine's GEMM and of the owner's (the dispatch's backward GEMM numbers its flags)."""
@@ -400,8 +404,10 @@ class _FusedExperts(torch.autograd.Function):
     (times its routing weight) into its owner's buffer and finish_backward's GEMM (grad_h = g @ w2^T) waits per
     tile for just those rows; FusedDispatch.start_backward stores the input-gradient tiles straight into the
     sources' buffers and finish_backward sums each token's rows as their flags arrive. The routing weights'
-    gradient needs each row's expert output: the forward's consumer kept a copy. Where no such gradient is asked
-    for and the dispatch is by token, the combine is by token too (FusedMoEConfig.combine).
+    gradient needs each row's expert output: by row the forward's consumer kept a copy. With the dispatch by token
+    the combine is by token too (FusedMoEConfig.combine): the owner keeps its rows, its backward GEMM reads each
+    row's output gradient through the row's token (pushed once per token and owner: start_backward_by_token) and
+    sends the source each row's routing weight gradient.
 
     The expert weights come in as the parameters and are cast to the rows' dtype here (mixed precision), so that
     the weight-gradient GEMMs store their gradients in the parameters' dtype: no bf16 gradient for autograd to
@@ -417,31 +423,44 @@ class _FusedExperts(torch.autograd.Function):
         training = any(needs_grad)
         w2 = compute_weight(w2_param, x.dtype)  # the parameter itself when of x's dtype (w13's is the dispatch's)
         layout, out = layer._fused_dispatch(x, counts, perm, w13_param, training, overlap)
-        rows = x.new_empty(weights.numel(), x.shape[1]) if needs_grad[1] else None  # by assignment
-        y = layer._fused_combine(out, w2, perm, weights, rows)
+        # By row the routing weights' gradient reads each assignment's row (copied by the source, in assignment
+        # order); by token the owners compute it from the rows they keep.
+        rows = x.new_empty(weights.numel(), x.shape[1]) if needs_grad[1] and not layer.combine_by_token else None
+        y, owner = layer._fused_combine(out, w2, perm, weights, rows)
         if training:
             ctx.layer, ctx.layout, ctx.tables, ctx.perm = layer, layout, out.tables, perm
-            ctx.weight_dtype, ctx.lease = w13_param.dtype, out.lease
+            ctx.weight_dtype, ctx.lease, ctx.weights_dtype = w13_param.dtype, out.lease, weights.dtype
             # The receive buffer is the sources' again at the next call: kept as a copy. By token the rows are
             # GEMM 1's own (a new tensor, or the graph's under the lease, as h and a13).
             received = out.received if layer.dispatch.by_token else out.received.clone()
-            ctx.save_for_backward(received, out.h, out.a13, rows, weights, out.w13, w2)
+            kept = (owner.y, owner.weight, owner.token) if owner is not None else (rows, weights, None)
+            ctx.save_for_backward(received, out.h, out.a13, out.w13, w2, *kept)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         if ctx.lease is not None:
             ctx.lease.check()
-        received, h, a13, rows, weights, w13, w2 = ctx.saved_tensors
+        received, h, a13, w13, w2, *kept = ctx.saved_tensors
         layer, layout, perm = ctx.layer, ctx.layout.get(ctx.tables), ctx.perm
         n = sum(layout.tokens_per_local_expert)  # the rows received, of the capacity's
         received, h, a13 = received[:n], h[:n], a13[:n]
-        grad_y = grad_y.contiguous()
-        grad_weights = routing_weights_grad(rows, grad_y, weights) if ctx.needs_input_grad[1] else None
-        epoch = layer.combine.start_backward(grad_y.to(h.dtype), perm, layout)
-        grad_h, grad_w2 = layer.combine.finish_backward(epoch, layout, h, w2, ctx.weight_dtype)
-        epoch, grad_w13 = layer.dispatch.start_backward(grad_h, received, layout, w13, a13, ctx.weight_dtype)
-        grad_x = layer.dispatch.finish_backward(epoch, layout, perm)
+        grad_y = grad_y.contiguous().to(h.dtype)
+        grad_weights = None
+        if layer.combine_by_token:
+            epoch = layer.combine.start_backward_by_token(grad_y, perm, layout)
+            grad_h, grad_w2 = layer.combine.finish_backward_by_token(epoch, layout, h, w2, OwnerRows(*kept),
+                                                                     ctx.weight_dtype)
+        else:
+            rows, weights, _ = kept
+            grad_weights = routing_weights_grad(rows, grad_y, weights) if ctx.needs_input_grad[1] else None
+            epoch = layer.combine.start_backward(grad_y, perm, layout)
+            grad_h, grad_w2 = layer.combine.finish_backward(epoch, layout, h, w2, ctx.weight_dtype)
+        dispatch_epoch, grad_w13 = layer.dispatch.start_backward(grad_h, received, layout, w13, a13,
+                                                                 ctx.weight_dtype)
+        grad_x = layer.dispatch.finish_backward(dispatch_epoch, layout, perm)
+        if layer.combine_by_token and ctx.needs_input_grad[1]:  # late: the owners' words have long arrived
+            grad_weights = layer.combine.routing_weights_grad_by_token(epoch, perm).to(ctx.weights_dtype)
         if ctx.lease is not None:  # the dispatch's graph may rewrite h, a13, w13 and the tables again
             ctx.lease.release()
         return grad_x, grad_weights, grad_w13, grad_w2, None, None, None, None, None

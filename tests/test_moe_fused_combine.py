@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -13,7 +14,8 @@ import torch
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from moe.expert_layout import build_expert_layout, dispatch_tables, send_slots
-from moe.kernels.fused_combine import FusedCombine, fused_combine_backward_reference, fused_combine_reference
+from moe.kernels.fused_combine import (FusedCombine, fused_combine_backward_reference, fused_combine_reference,
+                                      routing_weights_grad_reference)
 from moe.permute import permutation
 from sm90 import compile_for_sm90
 
@@ -130,9 +132,34 @@ class World:
                     source_weights[source, lo:hi] = perm.row_weights[lo:hi]
             epochs[owner] = self.combines[owner].start_by_token(padded[owner], w2s[owner], tables[owner],
                                                                 (row_tokens, source_weights), perms[owner])
-        outs = [c.finish_by_token(epochs[r] if r in epochs else c.ws.next_epoch("combine"), tables[r], perms[r])
-                for r, c in enumerate(self.combines)]
-        return outs, fused_combine_reference(hs, w2s, layouts, perms, weights), counts
+        finished = [c.finish_by_token(epochs[r] if r in epochs else c.ws.next_epoch("combine"), tables[r], perms[r])
+                    for r, c in enumerate(self.combines)]
+        if len(starting) == self.world_size:
+            self.backward_by_token(case, gen, dtype, perms, weights, layouts, hs, w2s,
+                                   [owner for _, owner in finished])
+        return [out for out, _ in finished], fused_combine_reference(hs, w2s, layouts, perms, weights), counts
+
+    def backward_by_token(self, case: Case, gen: torch.Generator, dtype, perms, weights, layouts, hs, w2s, owners):
+        """The backward of a combine by token on every rank: each source's output gradient to the owners of its
+        tokens' experts (the gradient token buffers NaN before: a read of a token not pushed shows), the owners'
+        GEMM 2 gradients, the routing weights' gradients back at the sources; all against float64."""
+        for c in self.combines:
+            c._token_gradient_buffers(dtype)[0].local.fill_(float("nan"))
+        grad_ys = [torch.randn(t, D_MODEL, generator=gen).to(dtype) for t in case.tokens]
+        epochs = [c.start_backward_by_token(g, p, lay) for c, g, p, lay in zip(self.combines, grad_ys, perms,
+                                                                               layouts)]
+        grads = [c.finish_backward_by_token(e, lay, h, w2, owner)
+                 for c, e, lay, h, w2, owner in zip(self.combines, epochs, layouts, hs, w2s, owners)]
+        weight_grads = [c.routing_weights_grad_by_token(e, p) for c, e, p in zip(self.combines, epochs, perms)]
+        tol = 1e-2 if dtype == torch.float16 else 1e-5
+        for (grad_h, grad_w2), (want_h, want_w2) in zip(
+                grads, fused_combine_backward_reference(grad_ys, perms, weights, hs, w2s, layouts)):
+            assert grad_h.dtype == dtype
+            assert_close(grad_h, want_h, tol)
+            assert_close(grad_w2, want_w2, tol)
+        for got, want in zip(weight_grads, routing_weights_grad_reference(grad_ys, hs, w2s, layouts, perms)):
+            assert got.dtype == torch.float32
+            assert_close(got, want, tol)
 
 
 def assert_close(got, want, tol):
@@ -235,7 +262,8 @@ def test_by_token_consecutive_epochs_mixed_with_the_combine_by_row():
 
 def test_by_token_one_part_crosses_per_token_and_owner_it_chose():
     """Each source's parts buffer holds, at [owner, token], the owner's weighted sum of that token's rows there,
-    for exactly the tokens that chose one of the owner's experts: NaN (the poison) everywhere else."""
+    for exactly the tokens that chose one of the owner's experts: NaN (the poison) everywhere else; and so,
+    in the backward, does each owner's gradient token buffer with the sources' output gradients."""
     world = World(4)
     case = Case([13, 0, 16, 9], top_k=3, bias={2: 3.0})
     outs, _, counts = world.step_by_token(case, torch.Generator().manual_seed(17))
@@ -252,6 +280,17 @@ def test_by_token_one_part_crosses_per_token_and_owner_it_chose():
         if case.tokens[source]:  # the parts add up to the output
             stored = torch.nan_to_num(parts[:, :case.tokens[source]]).sum(dim=0)
             torch.testing.assert_close(stored, outs[source], rtol=1e-6, atol=1e-6)
+    # The backward the same way reversed: each owner's gradient token buffer holds, at [source, token], the
+    # source's output gradient for exactly the tokens that chose one of the owner's experts (its own tokens too).
+    for owner, combine in enumerate(world.combines):
+        grads = combine.ws.buffer("combine_grad_tokens", 0, torch.float32).local
+        grads = grads[:4 * combine.max_tokens * D_MODEL].view(4, combine.max_tokens, D_MODEL)
+        for source, perm in enumerate(perms):
+            owner_of_row = torch.repeat_interleave(torch.arange(4 * LOCAL) // LOCAL, perm.tokens_per_expert)
+            chose = torch.zeros(combine.max_tokens, dtype=torch.bool)
+            chose[perm.token_of_row[owner_of_row == owner]] = True
+            assert not grads[source][chose].isnan().any()
+            assert grads[source][~chose].isnan().all()
 
 
 def test_by_token_deterministic():
@@ -283,6 +322,36 @@ def test_source_that_never_acknowledges_blocks_its_owners_with_an_error(by_token
     world.combines[0].ws.buffer("combine_ack", 2, torch.int32).local[1] = 0
     with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 2 waiting for rank 1 to release its buffer"):
         step(Case([6, 5]), gen)
+
+
+def test_backward_by_token_peers_that_never_start_or_finish_time_out_naming_rank_and_slice():
+    """Rank 1 never pushes its output gradient: rank 0's GEMM names rank 1 and a flag slot. Rank 1's GEMM never
+    runs either: rank 0's routing weights' gradient names rank 1 and the row whose word never came."""
+    world = World(2, spin_limit=20)
+    gen = torch.Generator().manual_seed(8)
+    case = Case([7, 9])
+    world.step_by_token(case, gen)  # one whole epoch first
+    perms, _, layouts, counts = world.route(case, gen)
+    assert counts[1, :LOCAL].sum() > 0 and counts[0, LOCAL:].sum() > 0  # rows both ways
+    tables = world.tables(counts, perms, layouts[0].max_recv_rows)
+    combine = world.combines[0]
+    h = torch.randn(tables[0].capacity, FFN, generator=gen)
+    w2 = torch.randn(LOCAL, FFN, D_MODEL, generator=gen)
+    sources = (torch.zeros(2, combine.max_tokens * TOP_K, dtype=torch.int32),
+               torch.zeros(2, combine.max_tokens * TOP_K))
+    combine._sum_token_rows = lambda *a: None  # the forward's parts are not this test's concern
+    combine.start_by_token(h, w2, tables[0], sources, perms[0])
+    owner = combine._token_sum.owner
+    epoch = combine.start_backward_by_token(torch.randn(7, D_MODEL, generator=gen), perms[0], layouts[0])
+    received = sum(layouts[0].tokens_per_local_expert)
+    with pytest.raises(PeerWaitTimeout, match=r"fused MoE combine: rank 0 timed out at step 2 waiting for rank 1, "
+                                              r"slice \d+"):
+        combine.finish_backward_by_token(epoch, layouts[0], h[:received], w2, owner)
+    rows_of_rank_1 = range(int(counts[0, :LOCAL].sum()), int(counts[0].sum()))
+    with pytest.raises(PeerWaitTimeout, match=r"fused MoE combine: rank 0 timed out at step 2 waiting for rank 1, "
+                                              r"slice (\d+)") as raised:
+        combine.routing_weights_grad_by_token(epoch, perms[0])
+    assert int(re.search(r"slice (\d+)", str(raised.value)).group(1)) in rows_of_rank_1
 
 
 def test_backward_source_that_never_starts_times_out_naming_rank_and_slice():
@@ -324,6 +393,14 @@ for dtype in ("bf16", "fp16", "fp32"):
                                                     COPY_ROWS=True, **shape), b.consumer_warps, 3)
     build(fc._push_gradient_kernel, ptrs, dict(D_MODEL=2048, WORLD=2, BLOCK_R=b.block_rows, BLOCK_D=b.block_d,
                                                OUT_DTYPE=out), 4, 3)
+    by_token = {"dest_order_ptr": "*i32", "tokens_ptrs": "*i64", "tokens_ptr": "*" + dtype, "y_ptr": "*" + dtype,
+                "weight_of_row_ptr": "*fp32", "token_of_row_ptr": "*i32", "g_out_ptr": "*" + dtype,
+                "weight_grad_ptrs": "*i64"}
+    build(fc._push_token_gradients_kernel, {**ptrs, **by_token},
+          dict(D_MODEL=2048, MAX_TOKENS=8192, TOP_K=6, K_P2=8, WORLD=2, BLOCK_T=b.part_tokens, BLOCK_D=b.block_d),
+          4, 3)
+    build(fc._gradient_gemm_by_token_kernel, {**ptrs, **w2, **by_token},
+          dict(MAX_TOKENS=8192, BLOCK_T=b.part_tokens, **gemm), b.gemm_warps, stages)
     for first, sources in ((0, 2), (0, 1), (1, 1)):  # one launch; a simulated world's two
         build(fc._sum_token_rows_kernel, {**ptrs, "y_ptr": "*" + dtype, "rows_of_token_ptr": "*i32",
                                           "weight_of_row_ptr": "*fp32", "source_order_ptr": "*i32",
@@ -333,8 +410,10 @@ for dtype in ("bf16", "fp16", "fp32"):
               b.consumer_warps, 3)
 build(fc._rows_of_tokens_kernel, {**tables, "row_tokens_ptr": "*i32", "row_weights_ptr": "*fp32",
                                   "own_weight_ptr": "*fp32", "rows_of_token_ptr": "*i32", "weight_of_row_ptr": "*fp32",
-                                  "own_token_ptr": "*i64"},
+                                  "own_token_ptr": "*i64", "token_of_row_ptr": "*i32"},
       dict(BLOCK_M=b.block_m, MAX_TOKENS=8192, MAX_ROWS=8192 * 6, L=32), 4, 3)
+build(fc._routing_weight_grads_kernel, {**tables, "words_ptr": "*i64", "out_ptr": "*fp32", "error_ptr": "*i32"},
+      dict(TOP_K=6, K_P2=8, BLOCK_T=b.part_tokens), 4, 3)
 build(fc._acknowledge_kernel, {"ack_ptrs": "*i64"}, dict(WORLD=4), 4, 3)
 """
 

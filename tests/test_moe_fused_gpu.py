@@ -63,7 +63,7 @@ def compare(fused, bulk, tokens, bias, gen, what):
     y, gx, aux = run(fused, x, bias, grad)
     want_y, want_gx, want_aux = run(bulk, x, bias, grad)
     close(y, want_y, f"{what}: output")
-    with torch.no_grad():  # by token, the combine by token (a forward without the routing weights' gradient)
+    with torch.no_grad():  # a forward that keeps nothing for a backward
         close(fused(x, bias)[0], want_y, f"{what}: output under no_grad")
     close(gx, want_gx, f"{what}: input gradient")
     for (name, p), q in zip(fused.named_parameters(), bulk.parameters()):

@@ -251,32 +251,36 @@ def test_fused_layer_under_no_grad_keeps_nothing_for_a_backward():
 
 @interpreter
 @pytest.mark.parametrize("combine", ["auto", "rows"])
-def test_the_combine_is_by_token_where_no_routing_weights_gradient_is_asked(combine):
-    """combine="auto" with the dispatch by token: forwards under no_grad, or training the experts alone (a frozen
-    router over inputs that need no gradient), sum each token's rows on the owner (start_by_token); a forward whose
-    routing weights need a gradient combines by row, whose source keeps each assignment's row for it. "rows":
-    always by row. Outputs and gradients equal the bulk layer's."""
+def test_the_combine_follows_the_config_in_every_forward_and_backward(combine):
+    """combine="auto" with the dispatch by token: every forward (under no_grad, training through the router,
+    training the experts alone) sums each token's rows on the owner (start_by_token), and its backward sends the
+    output gradient by token (start_backward_by_token), the owner returning the routing weights' gradient.
+    "rows": always by row. Outputs and gradients (the router's too) equal the bulk layer's."""
     workspace = SimulatedWorld(1).workspaces()[0]
     layer = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused", workspace=workspace,
                      fused=FusedMoEConfig(max_tokens_per_rank=16, combine=combine))
     bulk = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED)
     used = []
-    by_token, by_row = layer.combine.start_by_token, layer.combine.start
-    layer.combine.start_by_token = lambda *a: used.append("tokens") or by_token(*a)
-    layer.combine.start = lambda *a: used.append("rows") or by_row(*a)
+    for name in ("start_by_token", "start", "start_backward_by_token", "start_backward"):
+        method = getattr(layer.combine, name)
+        setattr(layer.combine, name, lambda *a, name=name, method=method: used.append(name) or method(*a))
     gen = torch.Generator().manual_seed(21)
     x, grad = torch.randn(14, D_MODEL, generator=gen), torch.randn(14, D_MODEL, generator=gen)
     with torch.no_grad():
         y_eval, want_eval = layer(x)[0], bulk(x)[0]
     y, gx, _ = run(layer, x, None, grad)
     want_y, want_gx, _ = run(bulk, x, None, grad)
+    for p, q in zip(layer.router.parameters(), bulk.router.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
     for module in (layer, bulk):
         module.zero_grad()
         module.router.requires_grad_(False)
     experts_only = layer(x)[0]
     (experts_only * grad).sum().backward()
     (bulk(x)[0] * grad).sum().backward()
-    assert used == (["tokens", "rows", "tokens"] if combine == "auto" else ["rows"] * 3)
+    forward, backward = ("start_by_token", "start_backward_by_token") if combine == "auto" else ("start",
+                                                                                                  "start_backward")
+    assert used == [forward, forward, backward, forward, backward]
     for got, want in ((y_eval, want_eval), (y, want_y), (experts_only.detach(), want_y)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx, want_gx, rtol=1e-5, atol=1e-5)

@@ -29,7 +29,8 @@ of the source's parts buffer, one flag per (owner, token block), behind the same
 items of the rank's own tokens, once their own part is stored, add their tokens' parts in rank order, waiting for
 the flags of the owners those tokens chose (items are taken by ticket, so these waits cannot deadlock); the last
 item done acknowledges the epoch. At top_k >= world about top_k / world fewer rows cross. Each assignment's own
-row never reaches the source, so a forward whose routing weights need a gradient combines by row (moe.layer).
+row never reaches the source: the owner keeps its rows (OwnerRows: GEMM 2's output, each row's weight and token)
+for the backward by token.
 
 Backward, the same move reversed. Source (`start_backward`): each program takes BLOCK_R of the source's permuted
 rows, forms their gradient rows grad_y[token] * weight (no copy) and stores each at `send_dest_row` of its owner's
@@ -37,6 +38,17 @@ symmetric gradient buffer (receive order), then raises flag (source, block) in e
 rows of rank + 1 (remote first, rotated). Owner (`finish_backward`): grad_h = g @ w2[e]^T, each tile waiting for
 the flags of its rows' (source, block); then grad_w2 = h^T g (torch), and the epoch is acknowledged to every
 source, which guards the gradient buffer the same way.
+
+Backward by token (after a forward by token): the source (`start_backward_by_token`) stores grad_y[t] once into
+each rank that holds an expert of t (itself too: a local copy), at [source, t] of its gradient token buffer, a
+flag per (source, token block). The owner's GEMM (`finish_backward_by_token`) reads row R's output gradient
+grad_y_s[t] through its token, each tile waiting for its rows' token blocks, and scales its products by w_R; the
+tiles of the first
+ffn block also store the weighted rows (for grad_w2) and send each row's routing weight gradient <grad_y_s[t],
+y_R> to its source as one int64 word (epoch << 32 | fp32 bits) at the source's permuted row: the word is its own
+flag. The source reads the words late (`routing_weights_grad_by_token`), waiting (bounded) for this epoch in
+each; an owner rewrites a source's words only in the next epoch's GEMM, which waits for that source's next
+push, which its stream runs after this read.
 """
 
 from __future__ import annotations
@@ -76,14 +88,33 @@ class CombinePlan:
 
 
 @dataclass
+class OwnerRows:
+    """What the owner's forward by token keeps for the backward by token, per received row (receive order,
+    the tables' capacity of rows, the received ones first)."""
+
+    y: torch.Tensor  # GEMM 2's output [rows, d_model]: the routing weights' gradient reads it
+    weight: torch.Tensor  # the row's routing weight (fp32)
+    token: torch.Tensor  # the row's token on its source (int32): its gradient is grad_y[token] there
+
+
+@dataclass
 class TokenSum:
     """One epoch of the combine by token, from `start_by_token` to `finish_by_token`."""
 
     tables: DispatchTables
     perm: Permutation  # the source's: its tokens' rows and their owners
-    y: torch.Tensor  # GEMM 2's output over the rows this rank received
-    weight_of_row: torch.Tensor  # each received row's routing weight (fp32)
+    owner: OwnerRows
     out: torch.Tensor  # the source's result [tokens, d_model]
+
+
+@dataclass
+class TokenGradients:
+    """One epoch of the backward by token, from `start_backward_by_token` to `routing_weights_grad_by_token`."""
+
+    layout: ExpertLayout
+    perm: Permutation
+    grad_y: torch.Tensor  # this rank's, read in place by its own GEMM
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -122,6 +153,25 @@ def fused_combine_reference(hs: list[torch.Tensor], w2s: list[torch.Tensor], lay
                             perms: list[Permutation], weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """The whole world in float64: owner d's expert outputs h_d @ w2_d[e] go back to their sources' permuted rows,
     which each source unpermutes with its routing weights. Returns every rank's [tokens, d_model]."""
+    return [unpermute(rows, perm, w.double())
+            for rows, perm, w in zip(_expert_rows_reference(hs, w2s, layouts), perms, weights)]
+
+
+def routing_weights_grad_reference(grad_ys: list[torch.Tensor], hs: list[torch.Tensor], w2s: list[torch.Tensor],
+                                   layouts: list[ExpertLayout], perms: list[Permutation]) -> list[torch.Tensor]:
+    """Float64: each rank's [tokens, top_k] gradient of its routing weights, <grad_y[t], expert output of (t, j)>
+    (0 for a dropped assignment)."""
+    out = []
+    for rows, grad_y, perm in zip(_expert_rows_reference(hs, w2s, layouts), grad_ys, perms):
+        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])  # a dropped assignment's row: one past the last
+        per_assignment = rows[perm.inverse].view(-1, perm.top_k, rows.shape[1])
+        out.append(torch.einsum("tkd,td->tk", per_assignment, grad_y.double()))
+    return out
+
+
+def _expert_rows_reference(hs: list[torch.Tensor], w2s: list[torch.Tensor],
+                           layouts: list[ExpertLayout]) -> list[torch.Tensor]:
+    """Float64: each source's permuted rows' expert outputs h_d @ w2_d[e], from their owners d."""
     d_model = w2s[0].shape[-1]
     combined = [torch.full((lay.send_dest_row.numel(), d_model), float("nan"), dtype=torch.float64)
                 for lay in layouts]
@@ -131,7 +181,7 @@ def fused_combine_reference(hs: list[torch.Tensor], w2s: list[torch.Tensor], lay
         for s in range(lay.world):
             mine = lay.recv_source_rank.cpu() == s
             combined[s][lay.recv_source_row.cpu()[mine]] = out[mine]
-    return [unpermute(rows, perm, w.double()) for rows, perm, w in zip(combined, perms, weights)]
+    return combined
 
 
 def fused_combine_backward_reference(grad_ys: list[torch.Tensor], perms: list[Permutation],
@@ -211,12 +261,13 @@ def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, tile_count_ptr, out_ptrs, read
 # -- the combine by token: one row per (token, owner) crosses, the owner's weighted sum of that token's rows ----
 @triton.jit(do_not_specialize=["width"])  # one variant for all steps
 def _rows_of_tokens_kernel(tiles_ptr, tile_count_ptr, width, row_tokens_ptr, row_weights_ptr, own_token_ptr,
-                           own_weight_ptr, rows_of_token_ptr, weight_of_row_ptr, rank,
+                           own_weight_ptr, rows_of_token_ptr, weight_of_row_ptr, token_of_row_ptr, rank,
                            BLOCK_M: tl.constexpr, MAX_TOKENS: tl.constexpr, MAX_ROWS: tl.constexpr,
                            L: tl.constexpr):
     """Program p: row tile p of the combine's table. Each of its receive rows R (local expert e, source s, source
-    row i) is token t of s with weight w: rows_of_token[s, t, e] = R, weight_of_row[R] = w. A peer's t and w are
-    what its dispatch push sent ([source, source row]); this rank's own come from its permutation."""
+    row i) is token t of s with weight w: rows_of_token[s, t, e] = R, weight_of_row[R] = w, token_of_row[R] = t
+    (the backward by token reads the row's gradient as [s, t]). A peer's t and w are what its dispatch push sent
+    ([source, source row]); this rank's own come from its permutation."""
     tile = tl.program_id(0)
     if tile < tl.load(tile_count_ptr):
         m = tl.arange(0, BLOCK_M)
@@ -236,6 +287,7 @@ def _rows_of_tokens_kernel(tiles_ptr, tile_count_ptr, width, row_tokens_ptr, row
         rows = h_row + m
         tl.store(rows_of_token_ptr + (source * MAX_TOKENS + token) * L + expert, rows, mask=row_mask)
         tl.store(weight_of_row_ptr + rows, weight, mask=row_mask)
+        tl.store(token_of_row_ptr + rows, token.to(tl.int32), mask=row_mask)
 
 
 @triton.jit(do_not_specialize=["token_blocks", "num_tokens", "num_rows", "epoch", "spin_limit"])  # one variant
@@ -470,6 +522,121 @@ def _gradient_gemm_kernel(g_ptr, w2_desc, out_ptr, tiles_ptr, source_rank_ptr, s
              mask=row_mask[:, None] & (n < FFN)[None, :])
 
 
+# -- the backward by token: grad_y crosses once per (token, owner); the routing weights' gradient comes back --------
+@triton.jit(do_not_specialize=["num_tokens", "num_rows", "token_blocks", "epoch", "spin_limit"])  # one variant
+def _push_token_gradients_kernel(grad_ptr, inverse_ptr, owner_of_row_ptr, dest_order_ptr, tokens_ptrs, ready_ptrs,
+                                 ack_ptr, error_ptr, rank, num_tokens, num_rows, token_blocks, epoch, spin_limit,
+                                 D_MODEL: tl.constexpr, MAX_TOKENS: tl.constexpr, TOP_K: tl.constexpr,
+                                 K_P2: tl.constexpr, WORLD: tl.constexpr, BLOCK_T: tl.constexpr,
+                                 BLOCK_D: tl.constexpr):
+    """Program (token block b, rank dest_order[i]), ranks interleaved (remote first, rotated, this rank last):
+    grad_y[t] of the block's tokens that chose an expert of that rank, once each, at [this rank, t] of its
+    gradient token buffer; then flag (this rank, b) there, raised for every block of this call's tokens (with or
+    without rows). This rank's own slot is a local copy: the owner's GEMM reads every row from one buffer."""
+    pid = tl.program_id(0)
+    dest = tl.load(dest_order_ptr + pid % WORLD)
+    block = pid // WORLD
+    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = tokens < num_tokens
+    js = tl.arange(0, K_P2)
+    row = tl.load(inverse_ptr + tokens[:, None] * TOP_K + js[None, :],
+                  mask=token_mask[:, None] & (js[None, :] < TOP_K), other=num_rows)
+    kept = row < num_rows  # dropped assignments point one past the last row
+    owner = tl.load(owner_of_row_ptr + row, mask=kept, other=-1)
+    chose = tl.max((owner == dest).to(tl.int32), axis=1) > 0
+    released = consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+    mask = token_mask & chose & released
+    out = tl.load(tokens_ptrs + dest).to(tl.pointer_type(grad_ptr.dtype.element_ty))
+    out = tl.multiple_of(out, 16)  # symmetric buffers are aligned: vector stores
+    at = (rank * MAX_TOKENS + tokens).to(tl.int64)
+    for k in range(0, D_MODEL, BLOCK_D):
+        cols = k + tl.arange(0, BLOCK_D)
+        m = mask[:, None] & (cols < D_MODEL)[None, :]
+        g = tl.load(grad_ptr + tokens.to(tl.int64)[:, None] * D_MODEL + cols[None, :], mask=m)
+        tl.store(out + at[:, None] * D_MODEL + cols[None, :], g, mask=m)
+    tl.debug_barrier()  # every thread's stores before the flag
+    if released:
+        flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * token_blocks + block
+        tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["num_row_tiles", "token_blocks", "epoch", "spin_limit"])  # one variant for all steps
+def _gradient_gemm_by_token_kernel(tokens_ptr, w2_desc, y_ptr, weight_of_row_ptr, token_of_row_ptr,
+                                   out_ptr, g_out_ptr, weight_grad_ptrs, tiles_ptr, source_rank_ptr, source_row_ptr,
+                                   ready_ptr, error_ptr, num_row_tiles, token_blocks, epoch, spin_limit,
+                                   FFN: tl.constexpr, D_MODEL: tl.constexpr, MAX_TOKENS: tl.constexpr,
+                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                   BLOCK_T: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (row tile, ffn block), in grouped order (tile_order): receive row R (source s, token t, weight w)
+    has the gradient g_R = w * grad_y_s[t], grad_y_s[t] read from [s, t] of the gradient token buffer once flag
+    (s, t's block) is up; grad_h = w * (grad_y_s[t] @ w2[e]^T). The tiles of the first ffn block also store g (for
+    grad_w2 = h^T g) and the routing weight's gradient <grad_y_s[t], y_R> (y: GEMM 2's forward output, kept here)
+    at s's permuted row of R in s's weight-gradient words, with the epoch in the word's high half (no flag: the
+    word is its own)."""
+    N_COL: tl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N
+    tile, col = grouped_tile(tl.program_id(0), num_row_tiles, N_COL)
+    n = col * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(tiles_ptr + tile)
+    rows = tl.load(tiles_ptr + num_row_tiles + tile) + tl.arange(0, BLOCK_M)
+    row_mask = rows < tl.load(tiles_ptr + 2 * num_row_tiles + tile)
+    source = tl.load(source_rank_ptr + rows, mask=row_mask, other=0)
+    token = tl.load(token_of_row_ptr + rows, mask=row_mask, other=0)
+    weight = tl.load(weight_of_row_ptr + rows, mask=row_mask, other=0.0)
+    slot = source * token_blocks + token // BLOCK_T
+    seen = _wait_rows(ready_ptr + slot[:, None], row_mask[:, None], epoch, spin_limit)
+    _report_late(seen, epoch, rows[:, None], source[:, None], slot[:, None], error_ptr)
+    tl.debug_barrier()  # the flags this program's threads acquired cover the rows any of them reads
+    g_rows = tokens_ptr + (source.to(tl.int64) * MAX_TOKENS + token.to(tl.int64)) * D_MODEL
+    ks = tl.arange(0, BLOCK_K)
+    if col == 0:  # in a loop of its own, before the GEMM's (a branch inside that loop would keep it from pipelining)
+        dots = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, D_MODEL, BLOCK_K):
+            m = row_mask[:, None] & (k0 + ks < D_MODEL)[None, :]
+            g = tl.load(g_rows[:, None] + (k0 + ks)[None, :], mask=m, other=0.0, cache_modifier=".cg")
+            at = rows.to(tl.int64)[:, None] * D_MODEL + (k0 + ks)[None, :]
+            y = tl.load(y_ptr + at, mask=m, other=0.0)
+            dots += tl.sum(g.to(tl.float32) * y.to(tl.float32), axis=1)
+            tl.store(g_out_ptr + at, (g.to(tl.float32) * weight[:, None]).to(g.dtype), mask=m)
+        words = tl.load(weight_grad_ptrs + source, mask=row_mask, other=0).to(tl.pointer_type(tl.int64))
+        bits = dots.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        word = (epoch.to(tl.int64) << 32) | bits
+        tl.store(words + tl.load(source_row_ptr + rows, mask=row_mask, other=0), word, mask=row_mask)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, D_MODEL, BLOCK_K):
+        a = tl.load(g_rows[:, None] + (k0 + ks)[None, :], mask=row_mask[:, None] & (k0 + ks < D_MODEL)[None, :],
+                    other=0.0, cache_modifier=".cg")  # peers wrote these rows: not from L1
+        b = transposed_weight_tile(w2_desc, expert, col * BLOCK_N, k0, BLOCK_N, BLOCK_K)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    acc = acc * weight[:, None]  # the row's weight after the product: a row scale commutes with it
+    tl.store(out_ptr + rows[:, None] * FFN + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & (n < FFN)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_rows", "epoch", "spin_limit"])  # one variant for all steps
+def _routing_weight_grads_kernel(words_ptr, inverse_ptr, owner_of_row_ptr, out_ptr, error_ptr, num_tokens, num_rows,
+                                 epoch, spin_limit, TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program b: tokens [b * BLOCK_T, ...) of this rank: out[t, j] = the gradient the owner of assignment (t, j)
+    stored in this rank's word of its permuted row, once the word carries this epoch (bounded spin; a late one
+    names its owner and row); 0 for a dropped assignment."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    js = tl.arange(0, K_P2)
+    assignment = tokens[:, None] * TOP_K + js[None, :]
+    in_range = (tokens < num_tokens)[:, None] & (js < TOP_K)[None, :]
+    row = tl.load(inverse_ptr + assignment, mask=in_range, other=num_rows)
+    kept = row < num_rows  # dropped assignments point one past the last row
+    word = tl.atomic_add(words_ptr + row, tl.zeros(row.shape, tl.int64), mask=kept, sem="relaxed", scope="sys")
+    spins = 0
+    while (tl.max(tl.max(tl.where(kept, (word >> 32) != epoch, False).to(tl.int32), axis=1), axis=0) > 0) \
+            & (spins < spin_limit):
+        word = tl.atomic_add(words_ptr + row, tl.zeros(row.shape, tl.int64), mask=kept, sem="relaxed", scope="sys")
+        spins += 1
+    owner = tl.load(owner_of_row_ptr + row, mask=kept, other=0)
+    _report_late(tl.where(kept & ((word >> 32) != epoch), epoch - 1, epoch), epoch, assignment, owner, row,
+                 error_ptr)
+    grad = (word & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    tl.store(out_ptr + assignment, tl.where(kept, grad, 0.0), mask=in_range)
+
+
 class FusedCombine:
     """Expert GEMM 2 + the combine all-to-all + the weighted unpermute, on a symmetric workspace.
 
@@ -506,6 +673,7 @@ class FusedCombine:
             self._rows_of_token = torch.empty(self.world * max_tokens * num_local_experts, dtype=torch.int32,
                                               device=workspace.device)
             self._token_sum: TokenSum | None = None
+            self._token_grad: TokenGradients | None = None
             self._token_dtype = torch.float32
             # The sum by token's [next ticket, items done] (`_sum_token_rows_kernel`, which leaves them at 0).
             self._counters = torch.zeros(2, dtype=torch.int32, device=workspace.device)
@@ -558,26 +726,30 @@ class FusedCombine:
         self._token_buffers(h.dtype)
         epoch = self.ws.next_epoch("combine")
         b, width = self.blocks, tables.combine_tiles.shape[1]
-        weight_of_row = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        owner = OwnerRows(h.new_empty(h.shape[0], self.d_model),
+                          torch.empty(h.shape[0], dtype=torch.float32, device=h.device),
+                          torch.empty(h.shape[0], dtype=torch.int32, device=h.device))
         self._rows_of_token.fill_(-1)  # tokens without a row here this epoch (the sum reads every token's entries)
         if width:
             _rows_of_tokens_kernel[(width,)](
                 tables.combine_tiles, tables.combine_row_tiles, width, row_tokens, source_weights,
-                token_of_row.contiguous(), row_weights.contiguous(), self._rows_of_token, weight_of_row, self.rank,
-                BLOCK_M=b.block_m, MAX_TOKENS=self.max_tokens, MAX_ROWS=max_rows, L=self.num_local_experts)
-        y = h.new_empty(h.shape[0], self.d_model)
-        self._expert_down(h, w2, tables, epoch, y=y)
+                token_of_row.contiguous(), row_weights.contiguous(), self._rows_of_token, owner.weight, owner.token,
+                self.rank, BLOCK_M=b.block_m, MAX_TOKENS=self.max_tokens, MAX_ROWS=max_rows,
+                L=self.num_local_experts)
+        self._expert_down(h, w2, tables, epoch, y=owner.y)
         out = torch.empty(num_tokens, self.d_model, dtype=h.dtype, device=h.device)
-        self._token_sum = TokenSum(tables, perm, y, weight_of_row, out)
+        self._token_sum = TokenSum(tables, perm, owner, out)
         # One launch where ranks run at once; a simulated world runs the own items (which wait for the peers')
         # after every rank's start.
         self._sum_token_rows(epoch, 0, self.world - 1 if self.ws.simulated else self.world)
         return epoch
 
-    def finish_by_token(self, epoch: int, tables: DispatchTables, perm: Permutation) -> torch.Tensor:
-        """The combine by token, source side -> [tokens, d_model] in h's dtype: per token the sum (fp32, in rank
-        order) of the parts of the owners that hold its experts (the items of `start_by_token`'s launch; in a
-        simulated world launched here); the launch with those items acknowledges the epoch to every owner."""
+    def finish_by_token(self, epoch: int, tables: DispatchTables,
+                        perm: Permutation) -> tuple[torch.Tensor, OwnerRows]:
+        """The combine by token, source side -> ([tokens, d_model] in h's dtype, what this rank as owner keeps for
+        a backward by token): per token the sum (fp32, in rank order) of the parts of the owners that hold its
+        experts (the items of `start_by_token`'s launch; in a simulated world launched here); the launch with
+        those items acknowledges the epoch to every owner."""
         plan = self._token_sum
         if plan is None or plan.tables is not tables or plan.perm is not perm:
             raise RuntimeError("finish_by_token must follow start_by_token with the same tables and permutation")
@@ -585,7 +757,7 @@ class FusedCombine:
             self._sum_token_rows(epoch, self.world - 1, 1)
         self._token_sum = None
         self.errors.after_wait()
-        return plan.out
+        return plan.out, plan.owner
 
     def _sum_token_rows(self, epoch: int, first: int, sources: int) -> None:
         """Launch the items of sources source_order[first : first + sources] of every token block (the launch
@@ -595,7 +767,7 @@ class FusedCombine:
         plan, perm = self._token_sum, self._token_sum.perm
         parts, ready, ack = self._token_buffers(self._token_dtype)
         b, L = self.blocks, self.num_local_experts
-        tensors = (plan.y, self._rows_of_token, plan.weight_of_row, self._source_order, parts.peer_ptrs,
+        tensors = (plan.owner.y, self._rows_of_token, plan.owner.weight, self._source_order, parts.peer_ptrs,
                    ready.peer_ptrs, ack.peer_ptrs, perm.inverse, plan.tables.send_dest_rank, plan.out, self._counters,
                    self.errors.word)
         args = (*tensors, self.rank, self._token_blocks, plan.out.shape[0], plan.tables.send_dest_rank.numel(), epoch,
@@ -718,6 +890,98 @@ class FusedCombine:
         _acknowledge_kernel[(1,)](ack.peer_ptrs, self.rank, epoch, WORLD=self.world)
         self.errors.after_wait()
         return grad_h, grad_w2
+
+    def start_backward_by_token(self, grad_y: torch.Tensor, perm: Permutation, layout: ExpertLayout) -> int:
+        """Source side of the backward by token (after a forward by token): grad_y[t] once to each rank that holds
+        an expert of t (this one included: a local copy), at [this rank, t] of its gradient token buffer, a flag
+        per (this rank, token block) there. Every rank calls it before any rank calls `finish_backward_by_token`.
+        Returns the epoch."""
+        self.errors.check()
+        if self.max_tokens is None:
+            raise RuntimeError("start_backward_by_token: this combine was made without max_tokens")
+        num_tokens = perm.inverse.numel() // perm.top_k
+        if grad_y.shape != (num_tokens, self.d_model):
+            raise ValueError(f"grad_y {tuple(grad_y.shape)}: expected [{num_tokens}, {self.d_model}]")
+        tokens, ready, ack, _ = self._token_gradient_buffers(grad_y.dtype)
+        grad_y = grad_y.contiguous()
+        epoch = self.ws.next_epoch("combine_grad")  # shared with the backward by row: one ack buffer
+        blocks = triton.cdiv(num_tokens, self.blocks.part_tokens)
+        if blocks:
+            _push_token_gradients_kernel[(self.world * blocks,)](
+                grad_y, perm.inverse, layout.send_dest_rank, self._source_order, tokens.peer_ptrs, ready.peer_ptrs,
+                ack.local, self.errors.word, self.rank, num_tokens, layout.send_dest_rank.numel(),
+                self._token_blocks, epoch, self.spin_limit, D_MODEL=self.d_model, MAX_TOKENS=self.max_tokens,
+                TOP_K=perm.top_k, K_P2=triton.next_power_of_2(perm.top_k), WORLD=self.world,
+                BLOCK_T=self.blocks.part_tokens, BLOCK_D=self.blocks.block_d)
+        self._token_grad = TokenGradients(layout, perm, grad_y, epoch)
+        return epoch
+
+    def finish_backward_by_token(self, epoch: int, layout: ExpertLayout, h: torch.Tensor, w2: torch.Tensor,
+                                 owner: OwnerRows,
+                                 weight_grad_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Owner side: (grad_h, grad_w2) as `finish_backward`, each received row's gradient w * grad_y[t] read
+        through its token (`owner`: what `finish_by_token` returned in the forward), each GEMM tile waiting for the
+        flags of its rows' token blocks; the tiles also send each row's routing weight gradient <grad_y[t], y> to
+        its source (`routing_weights_grad_by_token`). Then the epoch is acknowledged to every source."""
+        plan = self._token_grad
+        if plan is None or plan.layout is not layout or plan.epoch != epoch:
+            raise RuntimeError("finish_backward_by_token must follow start_backward_by_token with the same layout")
+        tokens, ready, ack, words = self._token_gradient_buffers(plan.grad_y.dtype)
+        sizes = layout.tokens_per_local_expert
+        received, ffn = sum(sizes), h.shape[1]
+        if owner.y.shape[0] < received or h.shape[0] != received:
+            raise ValueError(f"h has {h.shape[0]} rows and the forward's owner rows {owner.y.shape[0]}; "
+                             f"{received} rows were received")
+        dtype = plan.grad_y.dtype
+        grad_h = torch.empty(received, ffn, dtype=dtype, device=h.device)
+        g = torch.empty(received, self.d_model, dtype=dtype, device=h.device)  # w * grad_y[t], for grad_w2
+        tiles = layout.combine_grad_tiles
+        if tiles.shape[1]:
+            b = self.blocks
+            block_k, stages = _gemm_steps(b, dtype, h.is_cuda)
+            w2_tiles = descriptor(w2.contiguous(), [1, b.block_n, block_k], "w2")
+            _gradient_gemm_by_token_kernel[(tiles.shape[1] * triton.cdiv(ffn, b.block_n),)](
+                tokens.local, w2_tiles, owner.y, owner.weight, owner.token, grad_h, g, words.peer_ptrs,
+                tiles, layout.recv_source_rank, layout.recv_source_row, ready.local, self.errors.word,
+                tiles.shape[1], self._token_blocks, epoch, self.spin_limit, FFN=ffn, D_MODEL=self.d_model,
+                MAX_TOKENS=self.max_tokens, BLOCK_M=b.block_m, BLOCK_N=b.block_n, BLOCK_K=block_k,
+                BLOCK_T=b.part_tokens, PRECISION=dot_precision(dtype, h.device),
+                num_warps=b.gemm_warps, num_stages=stages)
+        # stream order: after the kernel saw every row's flag
+        grad_w2 = grouped_weight_grad(h, g, sizes, weight_grad_dtype)
+        _acknowledge_kernel[(1,)](ack.peer_ptrs, self.rank, epoch, WORLD=self.world)
+        self.errors.after_wait()
+        return grad_h, grad_w2
+
+    def routing_weights_grad_by_token(self, epoch: int, perm: Permutation) -> torch.Tensor:
+        """Source side, after every owner's `finish_backward_by_token` was enqueued: the gradient of the routing
+        weights [tokens, top_k] (fp32; 0 where dropped), <grad_y[t], y of assignment (t, j)>, which the owners
+        stored into this rank's words (a bounded wait for each)."""
+        plan = self._token_grad
+        if plan is None or plan.perm is not perm or plan.epoch != epoch:
+            raise RuntimeError("routing_weights_grad_by_token must follow start_backward_by_token with the same "
+                               "permutation")
+        self._token_grad = None
+        words = self._token_gradient_buffers(plan.grad_y.dtype)[3]
+        num_tokens = perm.inverse.numel() // perm.top_k
+        out = torch.empty(num_tokens, perm.top_k, dtype=torch.float32, device=plan.grad_y.device)
+        if num_tokens:
+            block = self.blocks.part_tokens
+            _routing_weight_grads_kernel[(triton.cdiv(num_tokens, block),)](
+                words.local, perm.inverse, plan.layout.send_dest_rank, out, self.errors.word, num_tokens,
+                plan.layout.send_dest_rank.numel(), epoch, self.spin_limit, TOP_K=perm.top_k,
+                K_P2=triton.next_power_of_2(perm.top_k), BLOCK_T=block)
+        self.errors.after_wait()
+        return out
+
+    def _token_gradient_buffers(self, dtype: torch.dtype):
+        """The backward by token's gradient tokens [source, max_tokens, d_model], their flags per (source, token
+        block), the acks (shared with the backward by row) and the routing weights' gradient words [max_tokens x
+        top_k] (int64: epoch << 32 | fp32 bits), by the source's permuted row."""
+        return (self.ws.buffer("combine_grad_tokens", self.world * self.max_tokens * self.d_model, dtype),
+                self.ws.buffer("combine_grad_tokens_ready", self.world * self._token_blocks, torch.int32),
+                self.ws.buffer("combine_grad_ack", self.world, torch.int32),
+                self.ws.buffer("combine_weight_grads", self.max_tokens * self.top_k, torch.int64))
 
     def _gradient_buffers(self, layout: ExpertLayout, dtype: torch.dtype):
         """The owners' gradient rows (receive order), flags per (source, row block), acks, from the layout's
