@@ -366,6 +366,17 @@ def _sum_token_rows_kernel(y_ptr, rows_of_token_ptr, weight_of_row_ptr, source_o
 
 
 @triton.jit
+def _owners_of_assignments(tokens, num_tokens, inverse_ptr, owner_of_row_ptr, num_rows, TOP_K: tl.constexpr,
+                           K_P2: tl.constexpr):
+    """[tokens, K_P2]: the owner rank of each of the tokens' assignments; -1 where dropped (the inverse points one
+    past the last row), past top_k or past the tokens."""
+    js = tl.arange(0, K_P2)
+    row = tl.load(inverse_ptr + tokens[:, None] * TOP_K + js[None, :],
+                  mask=(tokens < num_tokens)[:, None] & (js[None, :] < TOP_K), other=num_rows)
+    return tl.load(owner_of_row_ptr + row, mask=row < num_rows, other=-1)
+
+
+@triton.jit
 def _sum_owner_parts(parts_ptr, tokens, inverse_ptr, owner_of_row_ptr, ready_ptr, error_ptr, out_ptr, rank,
                      num_tokens, num_rows, token_blocks, block, epoch, spin_limit, D_MODEL: tl.constexpr,
                      MAX_TOKENS: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr, WORLD: tl.constexpr,
@@ -373,11 +384,7 @@ def _sum_owner_parts(parts_ptr, tokens, inverse_ptr, owner_of_row_ptr, ready_ptr
     """The source's sum of a block of its tokens: out[t] = the parts [owner, t] (this rank's parts buffer, in
     rank order) of the owners that hold an expert of t, each peer's once its flag of the block is up."""
     token_mask = tokens < num_tokens
-    js = tl.arange(0, K_P2)
-    row = tl.load(inverse_ptr + tokens[:, None] * TOP_K + js[None, :],
-                  mask=token_mask[:, None] & (js[None, :] < TOP_K), other=num_rows)
-    kept = row < num_rows  # dropped assignments point one past the last row
-    owner = tl.load(owner_of_row_ptr + row, mask=kept, other=-1)
+    owner = _owners_of_assignments(tokens, num_tokens, inverse_ptr, owner_of_row_ptr, num_rows, TOP_K, K_P2)
     for o in tl.static_range(WORLD):
         if o != rank:
             if tl.max(tl.max((owner == o).to(tl.int32), axis=1), axis=0) > 0:
@@ -466,6 +473,27 @@ def _acknowledge_kernel(ack_ptrs, rank, epoch, WORLD: tl.constexpr):
     signal_ready(ack_ptrs, rank, epoch, WORLD)
 
 
+@triton.jit
+def _gradient_tile(tiles_ptr, num_row_tiles, source_rank_ptr, FFN: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """This program's step of a gradient GEMM's walk (grouped order: tile_order) over the layout's
+    combine_grad_tiles -> (local expert, receive rows, row mask, the rows' source ranks, ffn block)."""
+    tile, col = grouped_tile(tl.program_id(0), num_row_tiles, (FFN + BLOCK_N - 1) // BLOCK_N)
+    expert = tl.load(tiles_ptr + tile)
+    rows = tl.load(tiles_ptr + num_row_tiles + tile) + tl.arange(0, BLOCK_M)
+    row_mask = rows < tl.load(tiles_ptr + 2 * num_row_tiles + tile)
+    return expert, rows, row_mask, tl.load(source_rank_ptr + rows, mask=row_mask, other=0), col
+
+
+@triton.jit
+def _wait_tile_rows(ready_ptr, slot, rows, row_mask, source, epoch, spin_limit, error_ptr):
+    """Bounded wait for each row's flag `slot` (a late one recorded with its source and slot), then a barrier: the
+    flags this program's threads acquired cover the rows any of them reads."""
+    seen = _wait_rows(ready_ptr + slot[:, None], row_mask[:, None], epoch, spin_limit)
+    _report_late(seen, epoch, rows[:, None], source[:, None], slot[:, None], error_ptr)
+    tl.debug_barrier()
+
+
 # one variant for all steps
 @triton.jit(do_not_specialize=["num_rows", "num_blocks", "first_block", "slots_per_rank", "epoch", "spin_limit"])
 def _push_gradient_kernel(grad_ptr, token_ptr, weight_ptr, dest_rank_ptr, dest_row_ptr, rows_ptrs, ready_ptrs,
@@ -499,17 +527,11 @@ def _gradient_gemm_kernel(g_ptr, w2_desc, out_ptr, tiles_ptr, source_rank_ptr, s
                           BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     """Program (row tile, ffn block), in grouped order (tile_order): grad_h = g @ w2[e]^T once the tile's rows have
     arrived. w2 [L, FFN, D_MODEL] comes through a TMA descriptor; g through pointers (peers wrote it, after flags)."""
-    N_COL: tl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N
-    tile, col = grouped_tile(tl.program_id(0), num_row_tiles, N_COL)
+    expert, rows, row_mask, source, col = _gradient_tile(tiles_ptr, num_row_tiles, source_rank_ptr, FFN, BLOCK_M,
+                                                         BLOCK_N)
     n = col * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert = tl.load(tiles_ptr + tile)
-    rows = tl.load(tiles_ptr + num_row_tiles + tile) + tl.arange(0, BLOCK_M)
-    row_mask = rows < tl.load(tiles_ptr + 2 * num_row_tiles + tile)
-    source = tl.load(source_rank_ptr + rows, mask=row_mask, other=0)
     slot = source * slots_per_rank + tl.load(source_row_ptr + rows, mask=row_mask, other=0) // BLOCK_R
-    seen = _wait_rows(ready_ptr + slot[:, None], row_mask[:, None], epoch, spin_limit)
-    _report_late(seen, epoch, rows[:, None], source[:, None], slot[:, None], error_ptr)
-    tl.debug_barrier()  # the flags this program's threads acquired cover the rows any of them reads
+    _wait_tile_rows(ready_ptr, slot, rows, row_mask, source, epoch, spin_limit, error_ptr)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, D_MODEL, BLOCK_K):
@@ -538,11 +560,7 @@ def _push_token_gradients_kernel(grad_ptr, inverse_ptr, owner_of_row_ptr, dest_o
     block = pid // WORLD
     tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
     token_mask = tokens < num_tokens
-    js = tl.arange(0, K_P2)
-    row = tl.load(inverse_ptr + tokens[:, None] * TOP_K + js[None, :],
-                  mask=token_mask[:, None] & (js[None, :] < TOP_K), other=num_rows)
-    kept = row < num_rows  # dropped assignments point one past the last row
-    owner = tl.load(owner_of_row_ptr + row, mask=kept, other=-1)
+    owner = _owners_of_assignments(tokens, num_tokens, inverse_ptr, owner_of_row_ptr, num_rows, TOP_K, K_P2)
     chose = tl.max((owner == dest).to(tl.int32), axis=1) > 0
     released = consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
     mask = token_mask & chose & released
@@ -573,19 +591,13 @@ def _gradient_gemm_by_token_kernel(tokens_ptr, w2_desc, y_ptr, weight_of_row_ptr
     grad_w2 = h^T g) and the routing weight's gradient <grad_y_s[t], y_R> (y: GEMM 2's forward output, kept here)
     at s's permuted row of R in s's weight-gradient words, with the epoch in the word's high half (no flag: the
     word is its own)."""
-    N_COL: tl.constexpr = (FFN + BLOCK_N - 1) // BLOCK_N
-    tile, col = grouped_tile(tl.program_id(0), num_row_tiles, N_COL)
+    expert, rows, row_mask, source, col = _gradient_tile(tiles_ptr, num_row_tiles, source_rank_ptr, FFN, BLOCK_M,
+                                                         BLOCK_N)
     n = col * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert = tl.load(tiles_ptr + tile)
-    rows = tl.load(tiles_ptr + num_row_tiles + tile) + tl.arange(0, BLOCK_M)
-    row_mask = rows < tl.load(tiles_ptr + 2 * num_row_tiles + tile)
-    source = tl.load(source_rank_ptr + rows, mask=row_mask, other=0)
     token = tl.load(token_of_row_ptr + rows, mask=row_mask, other=0)
     weight = tl.load(weight_of_row_ptr + rows, mask=row_mask, other=0.0)
-    slot = source * token_blocks + token // BLOCK_T
-    seen = _wait_rows(ready_ptr + slot[:, None], row_mask[:, None], epoch, spin_limit)
-    _report_late(seen, epoch, rows[:, None], source[:, None], slot[:, None], error_ptr)
-    tl.debug_barrier()  # the flags this program's threads acquired cover the rows any of them reads
+    _wait_tile_rows(ready_ptr, source * token_blocks + token // BLOCK_T, rows, row_mask, source, epoch, spin_limit,
+                    error_ptr)
     g_rows = tokens_ptr + (source.to(tl.int64) * MAX_TOKENS + token.to(tl.int64)) * D_MODEL
     ks = tl.arange(0, BLOCK_K)
     if col == 0:  # in a loop of its own, before the GEMM's (a branch inside that loop would keep it from pipelining)
