@@ -21,8 +21,7 @@ forward's time per call over 20 calls back to back (no sync between them, as lay
 the host's enqueue time counts there as it does in training, and it can differ from the synced figure either way.
 The fused output is checked against bulk first (relative error). The fused layers `--fused` picks are timed in the
 same run against the same bulk layer: dispatch and combine by row "fused"; the dispatch by token "fused/tok"; and
-the combine by token as well "fused/tok+c" (FusedMoEConfig.dispatch and .combine; the combine by token serves
-forwards without the routing weights' gradient, so its fwd+bwd combines by row).
+the combine by token as well "fused/tok+c" (FusedMoEConfig.dispatch and .combine; by token in its backward too).
 """
 
 from __future__ import annotations

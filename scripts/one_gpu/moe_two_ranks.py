@@ -1,7 +1,9 @@
 """One GPU, a simulated world of 2 ranks: the fused MoE operators as compiled, forward and backward, against float64.
 
 FusedDispatch (push + GEMM 1) and FusedCombine (GEMM 2 + weighted unpermute), then the combine's and the
-dispatch's backward, every rank's producers launched before any consumer. Six epochs on the same objects, each with
+dispatch's backward, every rank's producers launched before any consumer; then the combine by token (each owner's
+sum of a token's rows, given the peers' token ids and weights the dispatch by token would have pushed) and its
+backward (output gradients by token, the routing weights' gradient back at the sources). Six epochs on the same objects, each with
 fresh routing: balanced, a rank without tokens, one hot expert, a rank that receives nothing, uneven, a hot expert
 on the other rank. fp32 (IEEE dot products), d_model=256, ffn=1408, 4 experts per rank, top-2, 128-row tiles: the
 tiles straddle sources, so the 2-rank walk orders (arrival, departure) are not trivial, and they are printed; in the
@@ -19,7 +21,8 @@ import torch
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from moe.expert_layout import build_expert_layout, dispatch_tables, send_slots
 from moe.experts import swiglu
-from moe.kernels.fused_combine import FusedCombine, fused_combine_backward_reference, fused_combine_reference
+from moe.kernels.fused_combine import (FusedCombine, fused_combine_backward_reference, fused_combine_reference,
+                                      routing_weights_grad_reference)
 from moe.kernels.fused_dispatch import FusedDispatch, dispatch_reference, gated_gemm_reference, gemm_config
 from moe.permute import Permutation, permutation
 from moe.routing import route
@@ -55,10 +58,28 @@ def dispatch_backward_reference(received, dh, w13, lay, perms, tokens):
     return dw13s, dxs
 
 
+def peer_rows(owner: int, perms: list[Permutation], counts: torch.Tensor,
+              max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the dispatch by token brings `owner` besides the rows: each peer's permuted rows' token ids and routing
+    weights bound for its experts, at [source, source row] (sentinels elsewhere: a read the owner does not own
+    would show)."""
+    row_tokens = torch.full((W, max_tokens * K), max_tokens - 1, dtype=torch.int32, device=DEVICE)
+    row_weights = torch.full((W, max_tokens * K), float("nan"), device=DEVICE)
+    for source, perm in enumerate(perms):
+        if source != owner:
+            lo = int(counts[source, :owner * L].sum())
+            hi = lo + int(counts[source, owner * L:(owner + 1) * L].sum())
+            row_tokens[source, lo:hi] = perm.token_of_row[lo:hi].int()
+            row_weights[source, lo:hi] = perm.row_weights[lo:hi]
+    return row_tokens, row_weights
+
+
 def main() -> int:
     torch.manual_seed(0)
     dispatch = [FusedDispatch(ws, D, F, L, 16, SPINS) for ws in SimulatedWorld(W, DEVICE).workspaces()]
-    combine = [FusedCombine(ws, D, L, 32, SPINS) for ws in SimulatedWorld(W, DEVICE).workspaces()]
+    max_tokens = max(max(tokens) for tokens, _ in CASES)
+    combine = [FusedCombine(ws, D, L, 32, SPINS, max_tokens=max_tokens, top_k=K)
+               for ws in SimulatedWorld(W, DEVICE).workspaces()]
     w13 = [torch.randn(L, D, 2 * F, device=DEVICE) / D ** 0.5 for _ in range(W)]
     w2 = [torch.randn(L, F, D, device=DEVICE) / F ** 0.5 for _ in range(W)]
     tile_rows = combine[0].blocks.block_m, gemm_config(DEVICE, torch.float32, backward=True).block_m
@@ -121,6 +142,23 @@ def main() -> int:
                 errors[f"dw13_{r}"] = relative(started[r][1], want_dw13s[r])
             if tokens[r]:
                 errors[f"dx{r}"] = relative(dxs[r], want_dxs[r])
+        # The combine by token and its backward, on the same GEMM 1 outputs.
+        epochs = [c.start_by_token(o[1], w, t, peer_rows(r, perms, counts, max_tokens), p)
+                  for r, (c, o, w, t, p) in enumerate(zip(combine, out, w2, tables, perms))]
+        finished = [c.finish_by_token(e, t, p) for c, e, t, p in zip(combine, epochs, tables, perms)]
+        errors.update({f"y_tok{r}": relative(finished[r][0], want_ys[r]) for r in range(W) if tokens[r]})
+        epochs = [c.start_backward_by_token(g, p, la) for c, g, p, la in zip(combine, grad_ys, perms, lay)]
+        grads = [c.finish_backward_by_token(e, la, h, w, owner)
+                 for c, e, la, h, w, (_, owner) in zip(combine, epochs, lay, hs, w2, finished)]
+        weight_grads = [c.routing_weights_grad_by_token(e, p) for c, e, p in zip(combine, epochs, perms)]
+        want_weight_grads = routing_weights_grad_reference([g.cpu() for g in grad_ys], [h.cpu() for h in hs],
+                                                           [w.cpu() for w in w2], lay, cpu_perms)
+        for r, ((grad_h, grad_w2), (want_h, want_w2)) in enumerate(zip(grads, want_grads)):
+            if want_h.numel():
+                errors[f"grad_h_tok{r}"] = relative(grad_h, want_h)
+                errors[f"grad_w2_tok{r}"] = relative(grad_w2, want_w2)
+            if tokens[r]:
+                errors[f"weight_grad_tok{r}"] = relative(weight_grads[r], want_weight_grads[r])
         for op in dispatch + combine:
             op.errors.check(block=True)
         worst = max(worst, *errors.values())
