@@ -273,6 +273,8 @@ class MoELayer(nn.Module):
 
     @property
     def combine_by_token(self) -> bool:
+        """Whether the combine and its backward go by token (comm="fused", FusedMoEConfig.combine="auto" with the
+        dispatch by token)."""
         return self.combine is not None and self.combine.max_tokens is not None
 
     def _tile_rows(self, x: torch.Tensor) -> tuple[int, int]:
