@@ -637,9 +637,11 @@ def _routing_weight_grads_kernel(words_ptr, inverse_ptr, owner_of_row_ptr, out_p
     row = tl.load(inverse_ptr + assignment, mask=in_range, other=num_rows)
     kept = row < num_rows  # dropped assignments point one past the last row
     word = tl.atomic_add(words_ptr + row, tl.zeros(row.shape, tl.int64), mask=kept, sem="relaxed", scope="sys")
+    # A timeout recorded already (not yet read by the host): look once, as peer_flags' waits do.
+    limit = tl.where(tl.atomic_add(error_ptr, 0) != 0, 0, spin_limit)
     spins = 0
     while (tl.max(tl.max(tl.where(kept, (word >> 32) != epoch, False).to(tl.int32), axis=1), axis=0) > 0) \
-            & (spins < spin_limit):
+            & (spins < limit):
         word = tl.atomic_add(words_ptr + row, tl.zeros(row.shape, tl.int64), mask=kept, sem="relaxed", scope="sys")
         spins += 1
     owner = tl.load(owner_of_row_ptr + row, mask=kept, other=0)
