@@ -186,8 +186,11 @@ def make_case(name: str, world_size: int) -> Case:
 NAMES = ["balanced", "skewed", "idle expert", "rank without tokens", "dropped", "last rank receives nothing"]
 
 
-@pytest.mark.parametrize("world_size", [2, 4, 8])
-@pytest.mark.parametrize("name", NAMES)
+# Every scenario at 2 and 4 ranks; at 8 (the interpreter's slowest: ~19 s each) the two most uneven loads.
+WORLDS_AND_NAMES = [(w, n) for w in (2, 4) for n in NAMES] + [(8, "skewed"), (8, "rank without tokens")]
+
+
+@pytest.mark.parametrize("world_size,name", WORLDS_AND_NAMES, ids=[f"{n}-{w}" for w, n in WORLDS_AND_NAMES])
 def test_matches_reference(world_size, name):
     case = make_case(name, world_size)
     world = World(world_size)
@@ -208,7 +211,7 @@ def test_matches_reference(world_size, name):
         assert counts[:, -LOCAL:].sum() == 0
 
 
-@pytest.mark.parametrize("world_size", [2, 4, 8])
+@pytest.mark.parametrize("world_size", [2, 4])  # 8 ranks: test_matches_reference (one step); here 70 s
 def test_consecutive_epochs_on_the_same_flags(world_size):
     """Changing loads (buffers grow, flag slots move between owners), fp16 and fp32, one workspace."""
     world = World(world_size, num_programs=2)

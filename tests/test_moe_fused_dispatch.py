@@ -540,13 +540,15 @@ def test_push_units_count_the_rows_before_each_owner_and_chunk(world, local):
     its rows for d below receive row c * chunk, to those below row (c + 1) * chunk, counted row by row here."""
     gen = torch.Generator().manual_seed(world * 10 + local)
     p2 = triton.next_power_of_2
-    for trial in range(6):
-        counts = torch.randint(0, 300, (world, world * local), generator=gen)
+    for trial in range(3):  # random, a rank without tokens, skewed; each with an expert without rows
+        # Sizes give several chunks of 16 and 64 rows per owner while keeping the interpreter's grid small (every
+        # program is simulated: counts of 300 and 3,000 took minutes).
+        counts = torch.randint(0, 80, (world, world * local), generator=gen)
         counts[:, trial % (world * local)] = 0  # an expert without rows
         if trial == 1:
             counts[-1] = 0  # a rank without tokens
         if trial == 2:
-            counts[:, 0] = 3000  # skewed
+            counts[:, 0] = 600  # skewed
         for rank in range(world):
             for chunk in (16, 64):
                 layout = build_expert_layout(counts, rank, local, tile_rows=16, owner_tile_rows=16)
