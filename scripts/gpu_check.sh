@@ -9,7 +9,7 @@
 # LANES=2 on a machine with 4 GPUs or more (CUDA_VISIBLE_DEVICES unset): the tests on GPUs 0,1 while the
 # benchmarks and training runs go on GPUs 2,3, side by side (the timings then share the host's cores with the
 # tests: say so where you quote them).
-GPU_TESTS="launch symmetric_workspace simulated_world graphed_arches batch_header fused_embedding torchrec_sharder moe_fused moe_fused_dispatch moe_graphs quantized_allreduce tp allgather"
+GPU_TESTS="launch symmetric_workspace simulated_world graphed_arches batch_header segment_gather fused_embedding torchrec_sharder moe_fused moe_fused_dispatch moe_graphs quantized_allreduce tp allgather"
 KNOWN=" $(for f in $GPU_TESTS; do printf 'test_%s ' $f; done)test_embedding_backward bench_embedding bench_embedding_nvshmem"
 KNOWN="$KNOWN bench_moe bench_tp bench_dlrm_step train "
 for s in "$@"; do  # a misspelt step would otherwise run nothing and report nothing

@@ -1,5 +1,5 @@
-"""The input dist's device-side pieces: the segment regroup, and the checks of the batch carried in its header
-(every rank raises when one rank's batch is bad, and goes on with the next good one)."""
+"""The input dist's checks of the batch carried in its header (every rank raises when one rank's batch is bad, and
+goes on with the next good one); its segment regroup: test_segment_gather_kernel.py."""
 
 from __future__ import annotations
 
@@ -9,29 +9,9 @@ from torchrec import KeyedJaggedTensor
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection
-from fused_dlrm.sparse.input_dist import segment_gather_index
 from bags import global_batch, to_kjt
 from test_sharded_ebc import TABLES
 from world import run_world
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_segment_gather_index_matches_split_and_cat(seed):
-    gen = torch.Generator().manual_seed(seed)
-    counts = torch.randint(0, 5, (17,), generator=gen)
-    counts[3] = 0  # empty segments, first and last included
-    counts[0] = 0
-    counts[-1] = 0
-    x = torch.randn(int(counts.sum()), generator=gen)
-    order = torch.randperm(counts.numel(), generator=gen)
-    chunks = torch.split(x, counts.tolist())
-    expected = torch.cat([chunks[i] for i in order.tolist()])
-    torch.testing.assert_close(x[segment_gather_index(counts, order, x.numel())], expected, rtol=0, atol=0)
-
-
-def test_segment_gather_index_of_nothing():
-    counts = torch.zeros(3, dtype=torch.long)
-    assert segment_gather_index(counts, torch.tensor([2, 0, 1]), 0).numel() == 0
 
 
 def _bad_batch_on_rank_1(rank: int, world: int, bad: str) -> None:

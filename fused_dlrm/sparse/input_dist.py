@@ -8,9 +8,9 @@ into column shards travels to each shard's rank. Bulk-synchronous, with torch.di
      (sizes must be known on the host);
   2. lengths all-to-all; 3. values all-to-all (4. per-sample weights, when the KJT has them).
 One host sync: the header sent and the header received, read together. Everything else stays on the device: the
-regroups before and after the exchange are one gather each (not a split + cat per feature, whose host time grows
-with the feature count), and the checks of the batch ride in the header, so that a bad batch raises on every rank
-at the same point instead of leaving the others waiting in a collective.
+regroups before and after the exchange are one kernel each on GPUs (kernels/segment_gather.py; not a split + cat
+per feature, whose host time grows with the feature count), and the checks of the batch ride in the header, so
+that a bad batch raises on every rank at the same point instead of leaving the others waiting in a collective.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from fused_dlrm.dist.alltoall import all_to_all_v, exchange_counts
 from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.kernels.batch_header import (BAD_KEYS, BATCH, EXTRA_VALUES, FIRST_COUNT, OUT_OF_RANGE, batch_header,
                                              value_keys)
+from fused_dlrm.kernels.segment_gather import gather_segments
 
 
 @dataclass
@@ -57,18 +58,6 @@ class OwnedBags:
         a, b = self.feature_value_offsets[f], self.feature_value_offsets[f + 1]
         weights = None if self.weights is None else self.weights[a:b]
         return self.values[a:b], self.lengths[f], weights
-
-
-def segment_gather_index(counts: torch.Tensor, order: torch.Tensor, total: int) -> torch.Tensor:
-    """The index that gathers a tensor's segments in another order, built on the device.
-
-    Segment i is counts[i] consecutive elements ([n] int64, on the device); `order` lists segments (each at most
-    once, or several times: a feature bound for several ranks) and `total` is their summed size (known on the
-    host). x[index] holds segment order[0]'s elements, then order[1]'s, and so on."""
-    starts = torch.cumsum(counts, 0) - counts
-    moved = counts[order]
-    shift = starts[order] - (torch.cumsum(moved, 0) - moved)  # from each segment's new start to its old one
-    return torch.arange(total, device=counts.device) + torch.repeat_interleave(shift, moved, output_size=total)
 
 
 @dataclass
@@ -178,9 +167,9 @@ class BulkInputDist:
         send_lengths, send_values, send_weights = lengths, values, kjt.weights_or_none()
         if plan.perm is not None:
             send_lengths = lengths[plan.perm]
-            index = segment_gather_index(counts, plan.perm, sum(values_to))
-            send_values = values[index]
-            send_weights = None if send_weights is None else send_weights[index]
+            total = sum(values_to)
+            send_values = gather_segments(values, counts, plan.perm, total)
+            send_weights = None if send_weights is None else gather_segments(send_weights, counts, plan.perm, total)
 
         send_length_splits = [len(feats) * local_batch for feats in self.features_of_rank]
         recv_length_splits = [len(mine) * b for b in batch_sizes]
@@ -193,10 +182,10 @@ class BulkInputDist:
         owned_lengths = torch.cat(per_source_lengths, dim=1)
         values, weights = recv_values, recv_weights
         if world > 1 and len(mine) > 1:  # with one source or one feature the two orders are the same
-            index = segment_gather_index(recv[:, FIRST_COUNT:FIRST_COUNT + len(mine)].reshape(-1), plan.recv_order,
-                                         recv_values.numel())
-            values = recv_values[index]
-            weights = None if recv_weights is None else recv_weights[index]
+            received = recv[:, FIRST_COUNT:FIRST_COUNT + len(mine)].reshape(-1)  # (source, feature) segments
+            values = gather_segments(recv_values, received, plan.recv_order, recv_values.numel())
+            weights = None if recv_weights is None else gather_segments(recv_weights, received, plan.recv_order,
+                                                                        recv_values.numel())
         offsets = [0]
         for f in range(len(mine)):
             offsets.append(offsets[-1] + sum(counts_from[s][f] for s in range(world)))
