@@ -17,9 +17,14 @@ keep its host overhead small) and each rank prints the GPU's busy time per step 
 streams: below the wall, the GPU waits for the host; also without NCCL's kernels and the ready waits, which may
 spin for a peer) and the kernels taking the most of it; with PARTS_TRACE=DIR too, each rank writes those steps'
 kernels as a Chrome trace, DIR/loop_rank<r>.json (to follow the critical path offline, without device time).
+With PARTS_HOST_PROFILE=N, the N loop iterations after those run under cProfile (the main thread: the batch thread
+is not profiled) and each rank prints the functions taking the most host time, cumulative, in ms per step (the
+profiler's own overhead included: ~20% on the DLRM paper loop, docs/benchmarks.md 2026-11-28).
 The loop's functions are wrapped here (not changed): what runs is train.py's loop itself.
 """
+import cProfile
 import os
+import pstats
 import runpy
 import statistics
 import sys
@@ -37,6 +42,9 @@ START, STEPS = int(os.environ.get("PARTS_START", 60)), int(os.environ.get("PARTS
 CUDA = torch.cuda.is_available()
 PROFILE_STEPS = int(os.environ.get("PARTS_PROFILE", 0)) if CUDA else 0
 profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if PROFILE_STEPS else None
+HOST_PROFILE_STEPS = int(os.environ.get("PARTS_HOST_PROFILE", 0))
+HOST_FIRST = START + STEPS + PROFILE_STEPS
+host_profiler = cProfile.Profile() if HOST_PROFILE_STEPS else None
 host = {k: [] for k in ("wall", "train_step", "outside", "next", "prefetch", "header_start", "header_wait",
                         "prefetch_header", "after_step")}
 events = []  # (main-stream event at a step's start, at its end)
@@ -97,6 +105,11 @@ def train_step(*args, **kwargs):
         torch.cuda.synchronize()
         profiler.stop()
         report_kernels()
+    if host_profiler is not None and state["step"] == HOST_FIRST:
+        host_profiler.enable()
+    if host_profiler is not None and state["step"] == HOST_FIRST + HOST_PROFILE_STEPS:
+        host_profiler.disable()
+        report_host()
     state["last_end"] = time.perf_counter()
     return loss
 
@@ -148,6 +161,17 @@ def report_kernels() -> None:
           f"kernels); largest, ms per step: {per_step}", flush=True)
 
 
+def report_host(top: int = 25) -> None:
+    """The functions taking the most host time over the profiled iterations, cumulative, in ms per step."""
+    stats = pstats.Stats(host_profiler).stats  # (file, line, name) -> (primitive calls, calls, own, cumulative, ..)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][3])[:top]
+    lines = "\n".join(f"  {ct / HOST_PROFILE_STEPS * 1e3:7.3f} cumulative {tt / HOST_PROFILE_STEPS * 1e3:7.3f} own "
+                      f"{nc / HOST_PROFILE_STEPS:6.1f} calls  {os.path.basename(file)}:{line}({name})"
+                      for (file, line, name), (_, nc, tt, ct, _) in rows)
+    print(f"== rank {os.environ.get('RANK', 0)}, host profile, ms per step over {HOST_PROFILE_STEPS} steps:\n{lines}",
+          flush=True)
+
+
 original_train_step, loop.train_step = loop.train_step, train_step
 ShardedEmbeddingBagCollection.prefetch = timed("prefetch", ShardedEmbeddingBagCollection.prefetch)
 ShardedEmbeddingBagCollection.prefetch_header = timed("prefetch_header", ShardedEmbeddingBagCollection.prefetch_header)
@@ -158,6 +182,6 @@ TrainingRun.after_step = timed("after_step", TrainingRun.after_step)
 sys.argv = ["train.py"] + sys.argv[1:]
 runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py"),
                run_name="__main__")
-if state["step"] < START + STEPS + PROFILE_STEPS:  # no report printed: say why rather than end silently
-    sys.exit(f"loop_parts: the run took {state['step']} steps, fewer than PARTS_START + PARTS_STEPS (+ PARTS_PROFILE)"
-             f" = {START + STEPS + PROFILE_STEPS}: raise trainer.max_steps or lower those")
+if state["step"] < HOST_FIRST + HOST_PROFILE_STEPS:  # a report not printed: say why rather than end silently
+    sys.exit(f"loop_parts: the run took {state['step']} steps, fewer than PARTS_START + PARTS_STEPS (+ PARTS_PROFILE "
+             f"+ PARTS_HOST_PROFILE) = {HOST_FIRST + HOST_PROFILE_STEPS}: raise trainer.max_steps or lower those")
