@@ -76,7 +76,7 @@ def launch_gather_segments(x: torch.Tensor, counts: torch.Tensor, order: torch.T
     if total == 0:
         return out
     list_block = triton.next_power_of_2(max(counts.numel(), order.numel()))
-    parts = max(1, triton.cdiv(total, order.numel() * ELEMENTS_PER_PROGRAM))
+    parts = min(max(1, triton.cdiv(total, order.numel() * ELEMENTS_PER_PROGRAM)), 65_535)  # a grid's y limit
     args = (x, counts, order, out, counts.numel(), order.numel(), BLOCK_ELEMENTS, list_block)
     # The specialisation besides the constexprs: dtypes and the alignment of x (a view: a KJT's values) and of
     # counts (a column block of the received header, made contiguous: a copy, or itself when already so).
