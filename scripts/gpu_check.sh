@@ -4,13 +4,16 @@
 # DLRM and MoE training bulk vs fused. Results go to $OUT (default ./gpu_out); a summary is printed at the end.
 # All of it takes longer than one 10-minute device call: name the steps to run, e.g.
 #   bash scripts/gpu_check.sh test_tp test_quantized_allreduce bench_tp
-# (steps: test_<name> for tests/test_<name>_gpu.py and test_embedding_backward, bench_embedding,
-# bench_embedding_nvshmem, bench_moe, bench_tp, bench_dlrm_step, train; none named: all of them).
+# (steps: test_<name> for tests/test_<name>_gpu.py, test_gpu_cases (the GPU tests of GPU_CASES' CPU test files,
+# selected by "gpu" in their names), bench_embedding, bench_embedding_nvshmem, bench_moe, bench_tp, bench_dlrm_step,
+# train; none named: all of them).
 # LANES=2 on a machine with 4 GPUs or more (CUDA_VISIBLE_DEVICES unset): the tests on GPUs 0,1 while the
 # benchmarks and training runs go on GPUs 2,3, side by side (the timings then share the host's cores with the
 # tests: say so where you quote them).
 GPU_TESTS="launch symmetric_workspace simulated_world graphed_arches batch_header segment_gather fused_embedding torchrec_sharder moe_fused moe_fused_dispatch moe_graphs quantized_allreduce tp allgather"
-KNOWN=" $(for f in $GPU_TESTS; do printf 'test_%s ' $f; done)test_embedding_backward bench_embedding bench_embedding_nvshmem"
+# CPU test files that also hold GPU tests (skipped on CI): their tests named *gpu* run in the step test_gpu_cases
+GPU_CASES="embedding_backward_kernel moe_experts moe_grouped_weight_grad report"
+KNOWN=" $(for f in $GPU_TESTS; do printf 'test_%s ' $f; done)test_gpu_cases bench_embedding bench_embedding_nvshmem"
 KNOWN="$KNOWN bench_moe bench_tp bench_dlrm_step train "
 for s in "$@"; do  # a misspelt step would otherwise run nothing and report nothing
   [[ "$KNOWN" == *" $s "* ]] || { echo "unknown step '$s'; the steps:$KNOWN" >&2; exit 2; }
@@ -33,7 +36,7 @@ tests() {
   for f in $GPU_TESTS; do
     T 300 test_$f tests/test_${f}_gpu.py
   done
-  T 120 test_embedding_backward tests/test_embedding_backward_kernel.py
+  T 600 test_gpu_cases $(for f in $GPU_CASES; do printf 'tests/test_%s.py ' $f; done) -k gpu
 }
 # Issue 6's two training configs; the DLRM loop timed in its parts (scripts/loop_parts.py: steps 60-119), the MoE
 # loop by its intervals of 20 steps ending at steps 40 and 60 (scripts/step_times.py): logged every 20 steps, as

@@ -35,7 +35,12 @@ class World:
         self.ops = [GemmAllReduce(ws, num_programs=num_programs, spin_limit=50, block_n=16, block_k=16,
                                   split_k=split_k, algorithm=algorithm) for ws in self.shared.workspaces()]
 
-    def poison(self) -> None:
+    def poison(self, xs, ws) -> None:
+        """NaN into every floating buffer of the world, after the ops have made their buffers for calls like
+        (xs, ws) (an op makes them on its first call of a shape: poisoned before that, nothing would be)."""
+        for op, x, w in zip(self.ops, xs, ws):
+            for phase in (PRODUCE, REDUCE, WAIT):
+                op.prepare(x, w, phase)
         for tensors in self.shared.buffers.values():
             for t in tensors:
                 if t.is_floating_point():
@@ -73,7 +78,7 @@ def test_matches_reference(world_size, m, dtype, algorithm):
     gen = torch.Generator().manual_seed(m)
     for _ in range(2):  # both halves of the double buffers
         xs, ws = random_inputs(world_size, m, 40, 50, dtype, gen)
-        world.poison()
+        world.poison(xs, ws)
         assert_all_reduced(world(xs, ws), xs, ws)
 
 
@@ -85,7 +90,7 @@ def test_skewed_shapes(world_size, n, algorithm):
     world = World(world_size, algorithm=algorithm)
     gen = torch.Generator().manual_seed(n)
     xs, ws = random_inputs(world_size, 3, 24, n, torch.bfloat16, gen)
-    world.poison()
+    world.poison(xs, ws)
     assert_all_reduced(world(xs, ws), xs, ws)
 
 
@@ -103,7 +108,7 @@ def test_split_k(world_size, split_k, m, k, algorithm):
     gen = torch.Generator().manual_seed(3)
     for _ in range(2):
         xs, ws = random_inputs(world_size, m, k, 70 if split_k else 20, torch.float16, gen)
-        world.poison()
+        world.poison(xs, ws)
         assert_all_reduced(world(xs, ws), xs, ws)
     assert all(plan.split_k == (split_k or 2) for plan in world.ops[0]._plans.values())
 
@@ -151,7 +156,7 @@ def alternating_calls(world: World, m: int, seed: int):
     for step in range(8):
         n = (20, 70, 70, 20)[step % 4]
         xs, ws = random_inputs(2, m, 40, n, torch.bfloat16, gen)
-        world.poison()
+        world.poison(xs, ws)
         assert_all_reduced(world(xs, ws), xs, ws)
         yield n, world.ops[0]._plans[world.ops[0]._key(xs[0], ws[0], WAIT)]
 

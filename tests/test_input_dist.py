@@ -39,7 +39,8 @@ def _bad_batch_on_rank_1(rank: int, world: int, bad: str) -> None:
     }[bad]
     with pytest.raises(error, match=mine if rank == 1 else theirs):
         sharded(kjt)
-    # Nothing was lost: every rank goes on with the next good batch, and the tables were not touched.
+    # Nothing was lost: every rank goes on with the next good batch, pooled as before the bad one (nothing of the
+    # bad batch stayed behind in the input dist).
     lengths, values, _ = global_batch(0, 6, TABLES, False)
     torch.testing.assert_close(sharded(to_kjt(keys, lengths, values, None, start, stop)).values(), good)
 

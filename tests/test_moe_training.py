@@ -18,6 +18,7 @@ from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.train.rundir import register_resolvers
 from moe.data import ByteWindows, load_corpus, stdlib_corpus
+import moe.train as moe_train
 from moe.train import build_model, fused_moe_config, train
 from moe.transformer import MoETransformer, expert_parameters
 from world import run_torchrun, run_world
@@ -120,16 +121,26 @@ def _two_ranks(rank: int, world: int, tmp: str, one_process_losses) -> None:
     _same_curve_as_one_process(env, tmp / "no_aux", one_process_losses, SAME_AS_ONE_PROCESS)
 
     common = SMALL + ["trainer.max_steps=20", "trainer.log_every=5", "trainer.checkpoint_every=10"]
-    full = train(config(*common), env, tmp / "full")
+    built = []  # the model train() trains, to compare its replicated parameters across ranks afterwards
+
+    def recording_build_model(cfg, env):
+        built.append(build_model(cfg, env))
+        return built[-1]
+
+    moe_train.build_model = recording_build_model
+    try:
+        full = train(config(*common), env, tmp / "full")
+    finally:
+        moe_train.build_model = build_model
     resumed = train(config(*common, f"trainer.resume_from={tmp}/full/checkpoints/step_10"), env, tmp / "r10")
     assert resumed.losses == [(s, l) for s, l in full.losses if s > 10]
 
     # experts split over the ranks, everything else identical on both after training
     _experts_split(rank, world, 4)
-    losses = torch.tensor([l for _, l in full.losses])
-    gathered = [torch.zeros_like(losses) for _ in range(world)]
-    dist.all_gather(gathered, losses)
-    assert torch.equal(gathered[0], gathered[1])
+    mine = _replicated_checksum(built[0])
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    assert all(torch.equal(g, mine) for g in gathered)
 
 
 def _replicated_checksum(model) -> torch.Tensor:
