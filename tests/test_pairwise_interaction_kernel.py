@@ -40,11 +40,9 @@ def test_matches_float64_autograd(batch, features, dim, padded_rows, tf32, monke
     dense, sparse, gen = _inputs(batch, features, dim, batch * 1000 + features * 10 + dim + tf32, padded_rows)
     assert not kernels_refuse(dense, sparse) and sparse.is_contiguous() != padded_rows
     d, s = dense.requires_grad_(), sparse.requires_grad_()  # (clone would drop the padded rows' strides)
-    # NaN blocks of the kernels' outputs' sizes, freed together: the allocator tends to hand them out next, and
-    # elements a kernel leaves unwritten then show as NaN
-    poison = [torch.full(shape, float("nan"), device=DEVICE)
-              for shape in ((batch, dim + features + num_pairs(features)), (batch, dim), (batch, features, dim))]
-    del poison
+    # The kernels' outputs (allocated with new_empty) start as NaN, so elements a kernel leaves unwritten show
+    new_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda t, *size, **kw: new_empty(t, *size, **kw).fill_(float("nan")))
     out = PairwiseInteraction.apply(d, s)
     grad = torch.randn(out.shape, generator=gen).to(DEVICE)
     out.backward(grad)
