@@ -19,7 +19,8 @@ spin for a peer) and the kernels taking the most of it; with PARTS_TRACE=DIR too
 kernels as a Chrome trace, DIR/loop_rank<r>.json (to follow the critical path offline, without device time).
 With PARTS_HOST_PROFILE=N, the N loop iterations after those run under cProfile (the main thread: the batch thread
 is not profiled) and each rank prints the functions taking the most host time, cumulative, in ms per step (the
-profiler's own overhead included: ~20% on the DLRM paper loop, docs/benchmarks.md 2026-11-28).
+profiler's own overhead included: ~20% on the DLRM paper loop, docs/benchmarks.md 2026-11-28); with PARTS_HOST_DUMP=DIR
+too, each rank also writes the profile as DIR/host_rank<r>.prof (pstats: callers and own times, offline).
 The loop's functions are wrapped here (not changed): what runs is train.py's loop itself.
 """
 import cProfile
@@ -163,6 +164,10 @@ def report_kernels() -> None:
 
 def report_host(top: int = 25) -> None:
     """The functions taking the most host time over the profiled iterations, cumulative, in ms per step."""
+    dump_dir = os.environ.get("PARTS_HOST_DUMP")
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        host_profiler.dump_stats(os.path.join(dump_dir, f"host_rank{os.environ.get('RANK', 0)}.prof"))
     stats = pstats.Stats(host_profiler).stats  # (file, line, name) -> (primitive calls, calls, own, cumulative, ..)
     rows = sorted(stats.items(), key=lambda kv: -kv[1][3])[:top]
     lines = "\n".join(f"  {ct / HOST_PROFILE_STEPS * 1e3:7.3f} cumulative {tt / HOST_PROFILE_STEPS * 1e3:7.3f} own "
