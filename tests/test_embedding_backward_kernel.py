@@ -20,7 +20,7 @@ import triton.language as tl
 from torchrec import EmbeddingBagConfig, PoolingType
 
 from fused_dlrm.kernels import embedding_backward
-from fused_dlrm.kernels.embedding_backward import BackwardTables, launch_embedding_backward, segments
+from fused_dlrm.kernels.embedding_backward import BackwardTables, launch_embedding_backward
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
@@ -272,26 +272,6 @@ def test_no_occurrence_at_all_is_a_no_op():
                               backward_tables(lookup), lookup.optimizer.config)
     for name, w in lookup.weights.items():
         assert torch.equal(w, before[name])
-
-
-def test_segments_match_unique_consecutive():
-    sorted_keys = [torch.tensor([3, 3, 3, 5, 8, 8, 9, 11, 11, 11, 11, 12]),  # repeated and unique keys
-                   torch.tensor([4]), torch.tensor([2, 2, 2]), torch.arange(5)]  # one key, all one, all unique
-    for keys in sorted_keys:
-        starts, segment_keys, num_segments = segments(keys)
-        expected_keys, counts = torch.unique_consecutive(keys, return_counts=True)
-        k = expected_keys.numel()
-        assert num_segments.shape == (1,) and int(num_segments) == k
-        assert torch.equal(starts[:k], torch.cumsum(counts, 0) - counts)
-        assert torch.equal(segment_keys[:k], expected_keys)
-
-
-def test_segments_have_no_data_dependent_shape():
-    """On the meta device any op needing the keys' values on the host (unique, nonzero, mask indexing, .item())
-    fails: the segment tables must build there, so they need no host sync on a GPU."""
-    starts, segment_keys, num_segments = segments(torch.empty(1000, dtype=torch.int64, device="meta"))
-    assert starts.shape == (2000,) and segment_keys.shape == (1000,) and num_segments.shape == (1,)
-    assert starts.device.type == num_segments.device.type == "meta"
 
 
 def test_launch_has_no_data_dependent_shape(monkeypatch):

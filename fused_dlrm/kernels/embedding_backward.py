@@ -11,9 +11,9 @@ The gradient of an occurrence of bag (feature f, sample b) is grad[b, col_f : co
 (per-sample weight if weighted, times 1 / max(bag length, 1) if f is mean-pooled).
 
 Two steps, no host sync: `plan_embedding_backward` needs only the bags (one kernel writes every occurrence's key,
-gradient offset and scale; a sort; the segments, whose count stays on the device); then two kernels of persistent
-programs (a fixed grid each) walk the segments with the gradient, every segment in exactly one of them by its
-length:
+gradient offset and scale; a sort; the segments, two kernels of kernels/sorted_segments.py, whose count stays on
+the device); then two kernels of persistent programs (a fixed grid each) walk the segments with the gradient,
+every segment in exactly one of them by its length:
   _embedding_backward_kernel   segments of at most HOT_THRESHOLD occurrences (nearly every row): a narrow tile of
                                few registers, many programs, one segment per step;
   _hot_segments_kernel         the longer ones (the hot rows of skewed, Zipf-like data, over half of all
@@ -38,6 +38,7 @@ import triton.language as tl
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned, resident_programs_per_sm
 from fused_dlrm.kernels import TL_DTYPES
 from fused_dlrm.kernels.pooled_embedding import common_table_dtype
+from fused_dlrm.kernels.sorted_segments import sorted_segments
 
 if TYPE_CHECKING:  # only annotations: importing fused_dlrm.sparse here would be circular (lookup.py imports us)
     from fused_dlrm.sparse.input_dist import OwnedBags
@@ -102,27 +103,6 @@ def embedding_backward_reference(bags: OwnedBags, grad: torch.Tensor, optimizer:
                                                                        mean))
     for table in rows:
         optimizer.step(table, torch.cat(rows[table]), torch.cat(row_grads[table]))
-
-
-def segments(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Segments (runs of equal values) of the sorted `keys` [n > 0], without a host sync: `starts` [2n] and
-    `segment_keys` [n], whose first `num_segments` entries are each segment's first index and key (the rest is
-    unspecified), and `num_segments`, a 1-element tensor on the device (its value is never read on the host).
-    The kernel reads a segment's key beside its start rather than through it: one dependent load less."""
-    n = keys.numel()
-    is_start = torch.empty(n, dtype=torch.bool, device=keys.device)
-    is_start[:1].fill_(True)  # `is_start[0] = True` would copy a host scalar: a sync on CUDA
-    torch.ne(keys[1:], keys[:-1], out=is_start[1:])
-    segment = torch.cumsum(is_start, 0) - 1  # of each occurrence
-    positions = torch.arange(n, device=keys.device)
-    # Segment k's first index goes to slot k, every other occurrence's index to a slot of its own past n (mask
-    # indexing instead would need the count on the host; one shared dump slot serialises ~n stores on a GPU).
-    starts = torch.empty(2 * n, dtype=torch.int64, device=keys.device)
-    starts.scatter_(0, torch.where(is_start, segment, n + positions), positions)
-    # The occurrences of a segment share its key: whichever store lands, slot k holds it.
-    segment_keys = torch.empty(n, dtype=keys.dtype, device=keys.device)
-    segment_keys.scatter_(0, segment, keys)
-    return starts, segment_keys, segment[-1:] + 1
 
 
 # The ints are not specialised: one compiled binary serves every batch and every lookup's tables (kernels/launch.py;
@@ -235,7 +215,7 @@ def _update_row(j, end, key, row_bits, grad_ptr, grad_offsets_ptr, scales_ptr, t
 
 @triton.jit(do_not_specialize=["num_values", "row_bits", "hot_threshold"])  # as above
 def _embedding_backward_kernel(
-    starts_ptr, keys_ptr, num_segments_ptr, num_values, row_bits,  # segments(): first index, key (t << row_bits | row)
+    starts_ptr, keys_ptr, num_segments_ptr, num_values, row_bits,  # sorted_segments(): first index, key
     grad_ptr, grad_offsets_ptr, scales_ptr,  # per occurrence, in key order: where its gradient starts, its scale
     table_ptrs, momentum_ptrs, dims_ptr,  # per table: weight address, momentum address, dim
     lr, eps, hot_threshold,  # segments of more occurrences are _hot_segments_kernel's
@@ -345,7 +325,7 @@ class BackwardTables:
 class BackwardPlan:
     """What the backward needs of one batch's bags, in key order (plan_embedding_backward)."""
     num_values: int
-    starts: torch.Tensor  # segments(): each segment's first occurrence
+    starts: torch.Tensor  # sorted_segments(): each segment's first occurrence
     segment_keys: torch.Tensor  # and its key
     num_segments: torch.Tensor  # [1], on the device
     grad_offsets: torch.Tensor  # per occurrence: where its gradient starts in the pooled gradient
@@ -374,7 +354,7 @@ def plan_embedding_backward(bags: OwnedBags, tables: BackwardTables) -> Backward
     key = (values.dtype, aligned(values), aligned(csr), weights_key, has_scale, tables.key_dtype)
     _OCCURRENCE_LAUNCHES(key, (triton.cdiv(num_bags, OCCURRENCE_BAGS), 1, 1), args, dict(num_warps=4))
     keys, order = torch.sort(keys, stable=True)
-    starts, segment_keys, num_segments = segments(keys)
+    starts, segment_keys, num_segments = sorted_segments(keys)
     return BackwardPlan(n, starts, segment_keys, num_segments, grad_offsets[order],
                         None if scales is None else scales[order])
 
