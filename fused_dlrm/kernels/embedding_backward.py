@@ -314,7 +314,7 @@ class BackwardTables:
 
     @staticmethod
     def _addresses(weights, momentum) -> tuple[int, ...]:
-        return tuple(w.data_ptr() for w in weights) + tuple(m.data_ptr() for m in momentum or [])
+        return tuple(map(torch.Tensor.data_ptr, [*weights, *(momentum or [])]))  # checked per step: no genexpr
 
     def describes(self, weights: list[torch.Tensor], momentum: list[torch.Tensor] | None) -> bool:
         """Whether these are still the tensors it was built for (host-only check: no device work)."""

@@ -16,6 +16,7 @@ that a bad batch raises on every rank at the same point instead of leaving the o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -186,9 +187,7 @@ class BulkInputDist:
             values = gather_segments(recv_values, received, plan.recv_order, recv_values.numel())
             weights = None if recv_weights is None else gather_segments(recv_weights, received, plan.recv_order,
                                                                         recv_values.numel())
-        offsets = [0]
-        for f in range(len(mine)):
-            offsets.append(offsets[-1] + sum(counts_from[s][f] for s in range(world)))
+        offsets = list(accumulate((sum(per_source) for per_source in zip(*counts_from)), initial=0))  # [feature]
         return OwnedBags(features=mine, values=values, lengths=owned_lengths, weights=weights,
                          feature_value_offsets=offsets, batch_sizes=batch_sizes)
 

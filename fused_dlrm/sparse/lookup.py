@@ -62,6 +62,7 @@ class PooledEmbeddingLookup(nn.Module):
         # (feature, table) in output column order: tables in plan order, each table's features in config order.
         self.features = [(f, t.name) for t in tables for f in t.feature_names]
         self.optimizer = EmbeddingOptimizer(optimizer, weights)
+        self._feature_pooling = [(t, self.is_mean(t)) for _, t in self.features]  # (table, mean-pooled) per column
         self._kernel_features: FeatureTable | None = None  # built on the first GPU lookup
         self._kernel_launches: dict = {}  # global batch size -> the GPU lookup's launch (its tile plan bound)
         self.kernel_programs: int | None = None  # persistent programs of the GPU lookup; None: 32 per SM
@@ -119,7 +120,7 @@ class PooledEmbeddingLookup(nn.Module):
         """Sum each table's row gradients over its features and apply the optimizer: on GPUs two Triton launches
         for all tables (no host sync), on the CPU the per-table torch reference. Either way the optimizer
         state stays in `self.optimizer.momentum` (checkpoints read it there)."""
-        features = [(t, self.is_mean(t)) for _, t in self.features]
+        features = self._feature_pooling
         if self._anchor.device.type != "cuda":
             embedding_backward_reference(bags, grad, self.optimizer, features)
             return
