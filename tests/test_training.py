@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from fused_dlrm.data import SyntheticCriteo
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.train.build import build_model
 from fused_dlrm.train.loop import train
-from fused_dlrm.train.schedule import NonFiniteLossError
+from fused_dlrm.train.schedule import NonFiniteLossError, TrainingRun
 from fused_dlrm.train.rundir import register_resolvers
 from world import run_torchrun, run_world
 
@@ -106,6 +107,25 @@ def test_nan_loss_stops_with_message_and_keeps_last_good_checkpoint(tmp_path):
     with pytest.raises(NonFiniteLossError, match=r"between steps 11 and 15.*Last good checkpoint: .*step_10"):
         train(cfg, CPU, tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_10"]
+
+
+@pytest.mark.parametrize("losses", [[1.0, float("inf"), 2.0], [float("-inf"), 1.0], [float("inf"), float("-inf")],
+                                    [0.5, float("nan")]])
+def test_any_nonfinite_loss_of_an_interval_stops_the_run(tmp_path, losses):
+    """The loss check reads only the interval's summed losses: one NaN, +inf or -inf step (or two infinities of
+    opposite signs) among finite ones must still stop it; finite losses must not."""
+    trainer = OmegaConf.create({"log_every": len(losses), "eval_every": 0, "checkpoint_every": 0,
+                                "max_steps": None, "progress": False})
+    run = TrainingRun(trainer, CPU, tmp_path, tmp_path / "checkpoints", 0, items="samples", items_per_step=1,
+                      log_fields=lambda interval: ({"loss": interval.losses[0]}, ""), evaluate=lambda step: {},
+                      save=lambda step: None, log=logging.getLogger(__name__))
+    for loss in [0.25, 0.5, 0.75][:len(losses)]:
+        run.end_step(torch.tensor(loss))
+    assert run.check_loss() == pytest.approx(sum([0.25, 0.5, 0.75][:len(losses)]) / len(losses))
+    for loss in losses:
+        run.end_step(torch.tensor(loss))
+    with pytest.raises(NonFiniteLossError, match=f"between steps {len(losses) + 1} and {2 * len(losses)}"):
+        run.check_loss()
 
 
 def test_missing_resume_path_is_a_clear_error(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +30,10 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
-def stop_if_nonfinite(nonfinite_steps: float, first_step: int, last_step: int, checkpoint_dir: Path) -> None:
-    """Stop the run, naming the step range and the last good checkpoint, if any step's loss was NaN or inf."""
-    if nonfinite_steps > 0:
+def stop_if_nonfinite(loss_sum: float, first_step: int, last_step: int, checkpoint_dir: Path) -> None:
+    """Stop the run, naming the step range and the last good checkpoint, if any step's loss was NaN or inf: the
+    sum of the steps' losses is then NaN or inf too (a sum of finite losses could only overflow past 3e38)."""
+    if not math.isfinite(loss_sum):
         last = latest_checkpoint(checkpoint_dir) if checkpoint_dir.exists() else None
         raise NonFiniteLossError(f"loss became NaN or inf between steps {first_step} and {last_step}; stopping. "
                                  f"Last good checkpoint: {last or 'none'}")
@@ -94,14 +96,14 @@ class TrainingRun:
         self.metrics = MetricsLog(run_dir, env.is_main)
         self.bar = tqdm(total=trainer.max_steps, initial=step, disable=not (env.is_main and trainer.progress),
                         desc="train")
-        # [sum of each loss term over the interval's steps, count of steps whose total loss was non-finite]
+        # [sum of each loss term over the interval's steps, sum of the total loss (its NaN / inf check)]
         self.loss_sum = torch.zeros(loss_terms + 1, device=env.device)
         self.interval_start, self.interval_steps = time.perf_counter(), 0
 
     def end_step(self, loss: torch.Tensor, terms: Sequence[torch.Tensor] | None = None) -> None:
         """Count a step: its detached total loss (checked for NaN/inf) and the terms to log (default: the loss),
-        summed on the device (no host sync)."""
-        self.loss_sum += torch.stack([*(terms if terms is not None else [loss]), (~torch.isfinite(loss)).float()])
+        summed on the device (no host sync; one op for a lone loss, which both entries take)."""
+        self.loss_sum += loss if terms is None else torch.stack([*terms, loss])
         self.step += 1
         self.interval_steps += 1
         self.bar.update(1)
