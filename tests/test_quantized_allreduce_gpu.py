@@ -1,4 +1,5 @@
-"""GPU check of the fused one-launch quantized all-reduce against its bulk twin (2 GPUs, NCCL; skipped without them).
+"""GPU check of the fused one-launch quantized all-reduce against its bulk twin (2 GPUs, NCCL; skipped without them;
+the repeated calls' direct replays also at world 1 on one GPU).
 
 Bit-equal to the bulk twin (codec kernels around NCCL all_to_all / all_gather) for every codec, bf16 and fp32
 inputs, sum and mean; bit-identical across ranks; within the documented bound of the fp64 sum; 1,000
@@ -21,7 +22,7 @@ from fused_dlrm.tp.quantized_allreduce import fused_for_group, quantized_all_red
 from test_quantized_allreduce import _ddp_hook
 from world import run_world
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 SIZES = [1, 45, 4099, 1_000_003, 3 * 2**22 + 17]  # none a multiple of world * 32; up to ~12.6M values
 
@@ -64,6 +65,7 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
     fused_for_group(None, xs[0].device).errors.check(block=True)
 
 
+@two_gpus
 def test_fused_equals_bulk_twin_every_codec():
     run_world(2, _fused_equals_bulk, backend="nccl")
 
@@ -81,6 +83,7 @@ def _many_calls(rank: int, world: int) -> None:
     assert_same_on_every_rank(y, world)
 
 
+@two_gpus
 def test_one_thousand_consecutive_calls_on_the_same_flags():
     run_world(2, _many_calls, backend="nccl")
 
@@ -102,12 +105,14 @@ def _graph_replays(rank: int, world: int) -> None:
     assert_same_on_every_rank(out, world)
 
 
+@two_gpus
 def test_calls_on_the_same_tensors_replay_a_graph():
     """The epoch comes from the device, so the 2nd and later calls on the same x and out replay a CUDA graph:
     still bit-equal to the bulk twin, with new data at every call, in between in-place calls of another codec."""
     run_world(2, _graph_replays, backend="nccl")
 
 
+@two_gpus
 def test_ddp_hook_within_bound_of_plain_ddp():
     run_world(2, _ddp_hook, "cuda", backend="nccl")
 
@@ -124,5 +129,54 @@ def _missing_peer(rank: int, world: int) -> None:
     dist.barrier()
 
 
+@two_gpus
 def test_missing_peer_times_out_naming_rank_and_slice():
     run_world(2, _missing_peer, backend="nccl")
+
+
+def _repeats_replay_their_own_graph(rank: int, world: int) -> None:
+    op = fused_for_group(None, torch.device("cuda"))
+
+    def check(x, codec, out):
+        out.fill_(float("nan"))
+        y = op(x, codec, out=out)
+        assert y is out and torch.equal(out, quantized_all_reduce(x, codec, fused=False)), (x.numel(), codec)
+
+    def repeats_are_live_graphs():  # each one a graph that a live plan still holds for its addresses
+        return all(any(g is p.replays.graph(k[:2]) for p in op._plans.values()) for k, g in op._repeats.items())
+
+    small, small_out = torch.empty(5000, dtype=torch.bfloat16, device="cuda"), torch.empty(5000, dtype=torch.bfloat16,
+                                                                                          device="cuda")
+    for step in range(6):  # new data every call: the 2nd captures the graph, the 3rd on replay it directly
+        small.copy_(world_inputs(small.numel(), world, torch.bfloat16, seed=step)[rank])
+        check(small, "q8", small_out)
+        check(small, "fp8", small_out)  # another codec on the same tensors: a graph (and plan) of its own
+    assert len(op._repeats) == 2 and repeats_are_live_graphs()
+    large = world_inputs(3_000_000, world, torch.bfloat16, seed=7)[rank]  # grows the buffers: plans and graphs go
+    check(large, "q8", torch.empty_like(large))
+    assert repeats_are_live_graphs() and not op._repeats
+    for step in range(4):  # the small calls plan, capture and replay anew
+        small.copy_(world_inputs(small.numel(), world, torch.bfloat16, seed=10 + step)[rank])
+        check(small, "q8", small_out)
+    assert len(op._repeats) == 1 and repeats_are_live_graphs()
+    strided = world_inputs(10_000, world, torch.bfloat16, seed=20)[rank][::2]  # copied to be read: never a repeat
+    for _ in range(3):
+        check(strided, "q8", torch.empty(5000, dtype=torch.bfloat16, device="cuda"))
+    op.errors.check(block=True)  # no error-word copy in flight (its event is not queried inside a capture)
+    captured = torch.cuda.CUDAGraph()  # a caller's own capture of a repeated call: launched into it, not replayed
+    with torch.cuda.graph(captured):
+        op(small, "q8", out=small_out)
+    small.copy_(world_inputs(small.numel(), world, torch.bfloat16, seed=30)[rank])
+    small_out.fill_(float("nan"))
+    captured.replay()
+    assert torch.equal(small_out, quantized_all_reduce(small, "q8", fused=False))
+    op.errors.check(block=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_repeated_calls_replay_their_graph_directly_at_world_one():
+    """FusedQuantizedAllReduce.__call__'s repeats: a call on the same x and out as an earlier one replays that
+    call's graph without planning (new data every call, two codecs on the same tensors); a larger message grows
+    the buffers and drops the repeats with their plans; a strided x is never one; inside a caller's capture the
+    call is launched into the caller's graph. Results equal the bulk twin's (world 1: one GPU suffices)."""
+    run_world(1, _repeats_replay_their_own_graph, backend="nccl")

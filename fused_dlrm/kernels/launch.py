@@ -139,6 +139,10 @@ class GraphReplays:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def graph(self, key: Hashable) -> torch.cuda.CUDAGraph | None:
+        """key's graph, once captured."""
+        return self._graphs.get(key)
+
 
 class RecentKeys:
     """Keys seen lately: up to `limit`, the oldest forgotten first."""

@@ -87,8 +87,10 @@ def _unwire(wire: torch.Tensor, codec: str) -> Encoded:
     """The encoding that `_wire` cut into the rows of wire."""
     c = CODECS[codec]
     split = wire.shape[1] // c.block_bytes * 4 * c.words  # payload bytes of a range
-    return Encoded(wire[:, :split].contiguous().view(torch.int32).view(-1, c.words),
-                   wire[:, split:].contiguous().view(torch.float16).view(-1))
+    # reshape(-1), not contiguous(): a single row's column range counts as contiguous, but its row stride (the
+    # whole wire row, not always a multiple of 4 bytes) would stop the int32 view; flat, only its start matters.
+    return Encoded(wire[:, :split].reshape(-1).view(torch.int32).view(-1, c.words),
+                   wire[:, split:].reshape(-1).view(torch.float16))
 
 
 _FUSED: dict[dist.ProcessGroup, FusedQuantizedAllReduce] = {}
