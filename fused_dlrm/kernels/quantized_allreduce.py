@@ -43,7 +43,7 @@ by another program of the launch: no atomics, no fences (a last-arriver counter 
 program, cost 0.8 us of GPU time per call on one H200). So a launch's arguments are the same from call to call:
 a repeated call replays a CUDA graph (`GraphReplays`: ~2.6 us of host time against ~9-10 us through the
 binary's launcher; `__call__` finds the graph of a call repeating an earlier one's x, out, codec and mean in one
-dictionary lookup: ~9 us of host time per 32 KiB call on one H200 against ~15 us through plan and replay),
+dictionary lookup: a 32 KiB call's host time fell from ~3 replays' worth to ~2.2, docs/benchmarks.md 2026-11-29),
 and a caller may capture the op into a graph of its own. Every wait is bounded: a timeout
 records (1, peer, slice) in the error word (slice p < max_programs: peer's scatter of tile set p; max_programs
 + p: peer's reduced tile set p) and later waits stop spinning until the host has read it; `PeerErrors` raises it
