@@ -147,7 +147,7 @@ def _repeats_replay_their_own_graph(rank: int, world: int) -> None:
 
     small, small_out = torch.empty(5000, dtype=torch.bfloat16, device="cuda"), torch.empty(5000, dtype=torch.bfloat16,
                                                                                           device="cuda")
-    for step in range(6):  # new data every call: the 2nd captures the graph, the 3rd on replay it directly
+    for step in range(6):  # new data every call: the 2nd captures the graph; from the 3rd on it is replayed directly
         small.copy_(world_inputs(small.numel(), world, torch.bfloat16, seed=step)[rank])
         check(small, "q8", small_out)
         check(small, "fp8", small_out)  # another codec on the same tensors: a graph (and plan) of its own

@@ -325,11 +325,10 @@ class FusedQuantizedAllReduce:
         recv, gather = self.ws.buffer("qar_recv", slots, torch.uint8), self.ws.buffer("qar_gather", slots, torch.uint8)
         if (recv.local.data_ptr() | gather.local.data_ptr()) % 16:  # the kernel's vector accesses rely on it
             raise RuntimeError("the quantized all-reduce needs 16-byte aligned symmetric buffers")
-        # Plans made before a buffer grew point into the old one: drop them (their keys plan anew), and the graphs
-        # of their calls with them.
+        # Plans made before a buffer grew point into the old one: drop them (their keys plan anew). The repeats may
+        # hold their graphs: forget them all (planning is rare; a repeat finds its graph again at its next call).
         self._plans = {k: p for k, p in self._plans.items() if p.recv is recv and p.gather is gather}
-        self._repeats = {k: g for k, g in self._repeats.items() if any(g is p.replays.graph(k[:2])
-                                                                       for p in self._plans.values())}
+        self._repeats.clear()
         per_call = ("x_ptr", "out_ptr", "first_phase", "last_phase")
         fixed = dict(numel=numel, chunk_blocks=cb, recv_ptrs=recv.peer_ptrs, gather_ptrs=gather.peer_ptrs,
                      ready_ptrs=self.ready.peer_ptrs, done_ptrs=self.done.peer_ptrs, error_ptr=self.errors.word,
