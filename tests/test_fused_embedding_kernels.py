@@ -14,6 +14,8 @@ import torch
 from torchrec import EmbeddingBagConfig, PoolingType
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
+from fused_dlrm.kernels.pairwise_interaction import (_config, _launch_backward, num_pairs, offered_gradient_push,
+                                                     pairwise_interaction, pairwise_interaction_reference)
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from fused_dlrm.kernels.pooled_embedding import pooled_embedding_reference
 from fused_dlrm.sparse.fused_all_to_all import FusedPooledAllToAll
@@ -51,17 +53,19 @@ class World:
     """W ranks of the fused exchange, sharing one SimulatedWorld; column_shards as plan_sharding takes it."""
 
     def __init__(self, tables, world_size, dtype=torch.float32, optimizer="rowwise_adagrad", num_programs=3,
-                 column_shards=1):
+                 column_shards=1, device="cpu"):
+        """device: "cpu" (the interpreter) or "cuda" (every rank's kernels compiled, on one GPU)."""
         self.tables, self.world_size, self.optimizer = tables, world_size, optimizer
-        self.column_shards = column_shards
+        self.column_shards, self.device = column_shards, torch.device(device)
         self.plan = plan_sharding(tables, world_size, column_shards)
         slices = self.plan.feature_slices(tables)
         self.features_of_rank = [[s.feature for s in mine] for mine in slices]
-        self.weights = {t.name: init_table(t, i, torch.device("cpu")).to(dtype) for i, t in enumerate(tables)}
+        self.weights = {t.name: init_table(t, i, torch.device("cpu")).to(dtype).to(self.device)
+                        for i, t in enumerate(tables)}
         self.shards = {s.name: shard_columns(self.weights[s.table], s) for s in self.plan.shards}
         cfg = EmbeddingOptimizerConfig(optimizer, lr=0.1)
         self.lookups, self.exchanges = [], []
-        for ws in SimulatedWorld(world_size).workspaces():
+        for ws in SimulatedWorld(world_size, self.device).workspaces():
             owned = self.plan.shard_configs(tables, ws.rank)
             lookup = PooledEmbeddingLookup(owned, {t.name: self.shards[t.name] for t in owned}, cfg, ws.device)
             self.lookups.append(lookup)
@@ -77,17 +81,18 @@ class World:
         offsets = [0]
         for v in vals:
             offsets.append(offsets[-1] + v.numel())
-        return OwnedBags(features=self.features_of_rank[rank], values=torch.cat(vals) if vals else torch.zeros(0, dtype=torch.long),
-                         lengths=lengths[idx].reshape(len(idx), lengths.shape[1]),
-                         weights=None if weights is None else (torch.cat([weights[i] for i in idx]) if idx else torch.zeros(0)),
+        on = lambda t: t.to(self.device)
+        return OwnedBags(features=self.features_of_rank[rank], values=on(torch.cat(vals) if vals else torch.zeros(0, dtype=torch.long)),
+                         lengths=on(lengths[idx].reshape(len(idx), lengths.shape[1])),
+                         weights=None if weights is None else on(torch.cat([weights[i] for i in idx]) if idx else torch.zeros(0)),
                          feature_value_offsets=offsets, batch_sizes=list(batch_sizes))
 
     def forward(self, bags):
         epochs = [ex.start(b) for ex, b in zip(self.exchanges, bags)]  # every producer first
         return [ex.finish(b, e).clone() for ex, b, e in zip(self.exchanges, bags, epochs)]
 
-    def backward(self, bags, grads):
-        epochs = [ex.start_backward(b, g) for ex, b, g in zip(self.exchanges, bags, grads)]
+    def backward(self, bags, grads, scale=1.0):
+        epochs = [ex.start_backward(b, g, scale) for ex, b, g in zip(self.exchanges, bags, grads)]
         for ex, b, e in zip(self.exchanges, bags, epochs):
             ex.finish_backward(b, e)
 
@@ -119,16 +124,20 @@ def test_forward_matches_reference(world_size, batch_sizes, dtype, weighted):
             torch.testing.assert_close(g, e, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
-def test_backward_updates_tables_like_the_bulk_path(optimizer):
+@pytest.mark.parametrize("optimizer,scale", [("sgd", 1.0), ("rowwise_adagrad", 1.0), ("sgd", 1 / 3),
+                                             ("rowwise_adagrad", 1 / 3)])
+def test_backward_updates_tables_like_the_bulk_path(optimizer, scale):
+    """scale 1/3: torchrec's division of the gradient by the world size, applied by the push."""
     tables = make_tables([4, 8, 3, 6], [10, 20, 7, 9])
     world = World(tables, 3, optimizer=optimizer)
-    train_like_one_owner(world, [3, 4, 2], steps=3, gen=torch.Generator().manual_seed(1), check_outputs=False)
+    train_like_one_owner(world, [3, 4, 2], steps=3, gen=torch.Generator().manual_seed(1), check_outputs=False,
+                         scale=scale)
 
 
-def train_like_one_owner(world, batch_sizes, steps, gen, check_outputs):
+def train_like_one_owner(world, batch_sizes, steps, gen, check_outputs, scale=1.0):
     """`steps` forward + backward steps of `world` and of one rank owning every table (the bulk lookup) on the
-    same bags and gradients; outputs against the reference if asked, and the tables must end up equal."""
+    same bags and gradients (pushed times `scale`); outputs against the reference if asked, and the tables must
+    end up equal."""
     # One rank holding every table, cut as in `world` (row-wise Adagrad keeps one accumulator per shard and row).
     reference = World(world.tables, 1, optimizer=world.optimizer, column_shards=world.column_shards)
     for _ in range(steps):
@@ -139,9 +148,9 @@ def train_like_one_owner(world, batch_sizes, steps, gen, check_outputs):
             for g, e in zip(outs, expected_outputs(world, lengths, values, weights, batch_sizes)):
                 torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
         grads = [torch.randn(o.shape, generator=gen) for o in outs]
-        world.backward(bags, grads)
+        world.backward(bags, grads, scale)
         ref_bags = reference.owned_bags(0, lengths, values, weights, [sum(batch_sizes)])
-        reference.lookups[0].apply_gradient(ref_bags, torch.cat(grads))
+        reference.lookups[0].apply_gradient(ref_bags, torch.cat(grads) * scale)
     for t in world.tables:
         torch.testing.assert_close(world.table(t.name), reference.table(t.name), rtol=1e-5, atol=1e-6)
 
@@ -246,6 +255,107 @@ def test_column_shards_forward_and_backward(optimizer, world_size, batch_sizes, 
     train_like_one_owner(world, batch_sizes, steps=2, gen=torch.Generator().manual_seed(5), check_outputs=True)
 
 
+# -- DLRM's interaction on the exchange's output: its backward stores d S into the owners' buffers itself --------
+
+def interaction_reference_grads(dense, sparse, grad_out):
+    """d dense and d sparse of the interaction, in float64 (torch autograd through the reference)."""
+    d64, s64 = dense.double().requires_grad_(), sparse.detach().double().requires_grad_()
+    pairwise_interaction_reference(d64, s64).backward(grad_out.double())
+    return d64.grad, s64.grad
+
+
+INTERACTION_PUSH_CASES = [(2, [3, 7], 1), (3, [2, 0, 4], 1), (2, [3, 4], {"t1": 2, "t3": 2})]
+
+
+@pytest.mark.parametrize("world_size,batch_sizes,column_shards", INTERACTION_PUSH_CASES)
+def test_interaction_backward_pushes_the_gradient_into_the_owners(world_size, batch_sizes, column_shards):
+    check_interaction_push(world_size, batch_sizes, column_shards, "cpu")
+
+
+def check_interaction_push(world_size, batch_sizes, column_shards, device, dim=64, features=5):
+    """The interaction's pushing backward kernel, rank by rank on a simulated world: d S times the scale lands
+    in the owners' gradient buffers (poisoned: an unwritten element turns a table NaN) under the push's flags, so
+    the owners' tables end as the one-rank bulk lookup's given the float64 reference gradient; d x against the
+    reference. Two steps (both buffer halves), a rank with no samples, more samples than programs (rank 1 of
+    [3, 7] over 4 programs), and column shards (a feature's 64 columns split between owners in blocks of the
+    kernel's 32). Also on one GPU (test_simulated_world_gpu.py), the kernels as compiled."""
+    tables = make_tables([dim] * features, [10 + (37 * i) % 50 for i in range(features)])  # f2, f5, ... mean
+    # SGD: row-wise Adagrad's step would hardly change with the gradient's scale
+    world = World(tables, world_size, optimizer="sgd", num_programs=4, column_shards=column_shards, device=device)
+    reference = World(tables, 1, optimizer="sgd", column_shards=column_shards, device=device)
+    block = _config("backward", torch.float32, dim)[0]
+    assert all(ex.pushes_in_blocks(dim, block) for ex in world.exchanges)  # the kernel's precondition
+    scale, gen = 1 / world_size, torch.Generator().manual_seed(7)
+    for _ in range(2):
+        lengths, values, weights = random_bags(tables, batch_sizes, True, gen)
+        bags = [world.owned_bags(r, lengths, values, weights, batch_sizes) for r in range(world_size)]
+        for ex in world.exchanges:
+            ex.ws.buffer("grad", 2 * sum(batch_sizes) * max(ex.owned_dim), torch.float32).local.fill_(float("nan"))
+        sparse = [o.view(-1, features, dim) for o in world.forward(bags)]
+        dense = [torch.randn(b, dim, generator=gen).to(device) for b in batch_sizes]
+        grad_out = [torch.randn(b, dim + features + num_pairs(features), generator=gen).to(device)
+                    for b in batch_sizes]
+        destinations = [ex.gradient_destinations(b, scale) for ex, b in zip(world.exchanges, bags)]
+        grad_dense = [torch.full_like(d, float("nan")) for d in dense]
+        for r in range(world_size):  # every producer before any owner waits
+            _launch_backward(grad_out[r], dense[r], sparse[r], grad_dense[r], None, destinations[r])
+        for ex, b, d in zip(world.exchanges, bags, destinations):
+            ex.finish_backward(b, d.epoch)
+        wanted = [interaction_reference_grads(*args) for args in zip(dense, sparse, grad_out)]
+        for got, (want, _) in zip(grad_dense, wanted):
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        reference.lookups[0].apply_gradient(reference.owned_bags(0, lengths, values, weights, [sum(batch_sizes)]),
+                                            torch.cat([g.flatten(1) for _, g in wanted]).float() * scale)
+    for t in tables:
+        torch.testing.assert_close(world.table(t.name), reference.table(t.name), rtol=1e-5, atol=1e-6)
+
+
+def test_blocks_pushable_only_when_each_has_one_owner_contiguously():
+    """t1 cut into 4 shards of 16 columns over 2 ranks: a block of 32 columns spans two owners, one of 16 does not;
+    features of 6 columns start unaligned in the owners' rows."""
+    world = World(make_tables([64] * 3, [10, 20, 7]), 2, column_shards={"t1": 4})
+    assert sorted({s.rank for s in world.plan.shards if s.table == "t1"}) == [0, 1]
+    for ex in world.exchanges:
+        assert not ex.pushes_in_blocks(64, 32) and ex.pushes_in_blocks(64, 16)
+    for ex in World(make_tables([6] * 3, [10, 20, 7]), 2).exchanges:
+        assert not ex.pushes_in_blocks(6, 16)
+
+
+@pytest.mark.parametrize("dim,pushed", [(64, True), (6, False)])
+def test_interaction_on_the_exchange_output_takes_its_gradient_push(dim, pushed):
+    """Through autograd (one rank): pairwise_interaction on a view of the exchange's training output finds the
+    exchange's offer, its backward pushes, and the exchange's backward (given no gradient) only waits and applies:
+    tables as the bulk lookup's with the reference gradient, two steps. Features of 6 columns are not offered
+    (the kernel's row blocks would start unaligned in the owner's row): the gradient then returns through
+    autograd to the exchange's own push, with the same result. A second consumer of the output is a clear error,
+    not a silently lost gradient."""
+    features, batch = 4, 5
+    tables = make_tables([dim] * features, [10, 20, 7, 9])
+    world = World(tables, 1, optimizer="sgd", num_programs=3)
+    reference = World(tables, 1, optimizer="sgd")
+    exchange, gen = world.exchanges[0], torch.Generator().manual_seed(8)
+    for _ in range(2):
+        lengths, values, weights = random_bags(tables, [batch], True, gen)
+        bags = world.owned_bags(0, lengths, values, weights, [batch])
+        sparse = exchange(bags, 0.5).view(batch, features, dim)
+        assert (offered_gradient_push(sparse) is not None) == pushed
+        dense = torch.randn(batch, dim, generator=gen).requires_grad_()
+        grad_out = torch.randn(batch, dim + features + num_pairs(features), generator=gen)
+        pairwise_interaction(dense, sparse).backward(grad_out)
+        want_dense, want_sparse = interaction_reference_grads(dense.detach(), sparse, grad_out)
+        torch.testing.assert_close(dense.grad.double(), want_dense, rtol=1e-5, atol=1e-5)
+        reference.lookups[0].apply_gradient(reference.owned_bags(0, lengths, values, weights, [batch]),
+                                            want_sparse.flatten(1).float() * 0.5)
+        for t in tables:
+            torch.testing.assert_close(world.table(t.name), reference.table(t.name), rtol=1e-5, atol=1e-6)
+    if not pushed:
+        return
+    out = exchange(bags, 1.0)
+    both = pairwise_interaction(torch.randn(batch, dim), out.view(batch, features, dim)).sum() + out.sum()
+    with pytest.raises(RuntimeError, match="has a consumer besides the one that pushed its gradient"):
+        both.backward()
+
+
 COMPILE_FOR_SM90 = """
 from fused_dlrm.kernels import peer_flags, pooled_embedding, push_columns
 
@@ -255,6 +365,7 @@ tables = {n: "*i64" for n in ("values_ptr", "offsets_ptr", "table_ptrs", "cols_p
 small = {n: "*i32" for n in ("dims_ptr", "mean_ptr", "dest_order_ptr", "tile_starts_ptr", "walk_starts_ptr",
                              "program_starts_ptr", "feature_begin_ptr", "ack_ptr", "error_ptr", "ready_ptr")}
 types = {**tables, **small, "weights_ptr": "*fp32", "src_ptr": "*fp32", "global_batch": "i64", "out_row_len": "i64",
+         "scale": "fp32",
          "src_row_len": "i64"}
 for table_dtype in (tl.float32, tl.bfloat16):  # rank and epoch 1 arrive as constexprs
     for signal in (True, False):

@@ -86,10 +86,23 @@ from fused_dlrm.kernels.pairwise_interaction import (_interaction_forward_kernel
 pointers = {"forward": ("dense_ptr", "sparse_ptr", "out_ptr"),
             "backward": ("grad_ptr", "dense_ptr", "sparse_ptr", "grad_dense_ptr", "grad_sparse_ptr")}
 kernels = {"forward": _interaction_forward_kernel, "backward": _interaction_backward_kernel}
+push_args = ("out_ptrs", "out_row_base_ptr", "out_row_len_ptr", "col_dest_ptr", "col_dst_ptr", "ready_ptrs",
+             "ack_ptr", "error_ptr", "rank", "epoch", "num_programs", "spin_limit", "scale")
+push_types = {"out_ptrs": "*i64", "out_row_base_ptr": "*i64", "out_row_len_ptr": "*i64", "col_dest_ptr": "*i32",
+              "col_dst_ptr": "*i32", "ready_ptrs": "*i64", "ack_ptr": "*i32", "error_ptr": "*i32", "scale": "fp32",
+              "batch": "i64"}
 for (direction, kind), (block_d, num_warps) in CONFIGS.items():
     dtype, precision = ("bf16", "tf32") if kind == "16-bit" else ("fp32", kind)
     for f, d in ((128, 256), (26, 16)):
         shape = dict(F=f, D=d, BLOCK_F=_block_f(f), BLOCK_D=min(block_d, d), PRECISION=precision)
-        build(kernels[direction], {n: "*" + dtype for n in pointers[direction]}, shape, num_warps=num_warps,
-              num_stages=1)
+        types = {n: "*" + dtype for n in pointers[direction]}
+        if direction == "forward":
+            build(kernels[direction], types, shape, num_warps=num_warps, num_stages=1)
+            continue
+        # one program per sample (the push's arguments None), and pushing into 2 ranks (fp32: the exchange's)
+        build(kernels[direction], types, {**shape, **dict.fromkeys(push_args), "PUSH": False, "WORLD": 0},
+              num_warps=num_warps, num_stages=1)
+        if dtype == "fp32":
+            build(kernels[direction], {**types, **push_types},
+                  {**shape, "grad_sparse_ptr": None, "PUSH": True, "WORLD": 2}, num_warps=num_warps, num_stages=1)
 """)

@@ -1,4 +1,5 @@
-"""The tensor-parallel kernels as compiled for a GPU, checked on ONE GPU (skipped without one).
+"""The tensor-parallel kernels and the DLRM interaction's gradient push as compiled for a GPU, checked on ONE GPU
+(skipped without one).
 
 A simulated world of ranks keeps every rank's buffers on that one GPU, and each kernel phase is launched for every
 rank in turn, as the interpreter tests do on the CPU (producers before consumers, so no launch waits on one that
@@ -19,6 +20,7 @@ from fused_dlrm.kernels.gemm_allreduce import PRODUCE, REDUCE, WAIT, GemmAllRedu
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, max_programs_for,
                                                     quantized_all_reduce_reference)
+from test_fused_embedding_kernels import INTERACTION_PUSH_CASES, check_interaction_push
 from test_quantized_allreduce_gpu import world_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -215,3 +217,11 @@ def test_all_gather_matmul_waits_for_a_producer_running_alongside(weight_layout)
         ops[1].finish(epoch1, shards[1], weight, "device")  # its ack lets rank 0 push into it next time
     for op in ops:
         op.gather.errors.check(block=True)
+
+
+@pytest.mark.parametrize("world_size,batch_sizes,column_shards,features,dim",
+                         [(*case, 5, 64) for case in INTERACTION_PUSH_CASES] + [(2, [300, 257], 1, 26, 16)])
+def test_interaction_backward_pushes_into_the_owners(world_size, batch_sizes, column_shards, features, dim):
+    """DLRM's interaction storing d S into the fused embedding exchange's owners, as compiled (the interpreter
+    test's check, test_fused_embedding_kernels.py), and at Criteo's F = 26, D = 16 over 557 samples."""
+    check_interaction_push(world_size, batch_sizes, column_shards, "cuda", dim, features)

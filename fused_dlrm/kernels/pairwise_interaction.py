@@ -12,6 +12,11 @@ sample reads S in column blocks: the forward computes S S^T with tl.dot and stor
 into the output row (no [B, F, F] tensor, no cat); the backward gathers G from the pairs' gradient, and stores
 d S and d x in the same pass over S.
 
+With comm=fused, S is (a view of) the fused embedding exchange's output in training, and d S is what that
+exchange's backward pushes to the tables' owners: the backward kernel then stores d S there itself (times
+torchrec's division by the world size, through peer pointers, raising the push's ready flags: the protocol of
+kernels/push_columns.py), instead of writing d S here for the push to read and copy.
+
 fp32 products use TF32 when torch's fp32 matmuls do (torch.backends.cuda.matmul.allow_tf32), as the torch path's
 batched products would (relative errors 7.7e-4 against cuBLAS's 2.9e-4 at the paper shape), else three TF32
 products each (1.4e-7 to 2e-7, fp32's own error is 2.8e-7). F up to MAX_FEATURES: the [F, F] tile lives in
@@ -25,6 +30,8 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned
+from fused_dlrm.kernels.peer_flags import consumer_released, signal_ready
+from fused_dlrm.kernels.push_columns import GradientDestinations
 
 MAX_FEATURES = 128
 
@@ -63,29 +70,71 @@ def _interaction_forward_kernel(dense_ptr, sparse_ptr, out_ptr, dense_stride, sp
     tl.store(out_row + D + F + _pair_position(i, j, F), products.to(out_ty), mask=(i < j) & (j < F))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "epoch"])  # one compiled binary serves every step (kernels/launch.py)
 def _interaction_backward_kernel(grad_ptr, dense_ptr, sparse_ptr, grad_dense_ptr, grad_sparse_ptr, grad_stride,
-                                 dense_stride, sparse_stride_b, sparse_stride_f, F: tl.constexpr, D: tl.constexpr,
-                                 BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
+                                 dense_stride, sparse_stride_b, sparse_stride_f, batch,
+                                 out_ptrs, out_row_base_ptr, out_row_len_ptr, col_dest_ptr, col_dst_ptr, ready_ptrs,
+                                 ack_ptr, error_ptr, rank, epoch, num_programs, spin_limit, scale,
+                                 F: tl.constexpr, D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
+                                 PRECISION: tl.constexpr, PUSH: tl.constexpr, WORLD: tl.constexpr):
+    """One program per sample, d S stored into grad_sparse; or, with PUSH, up to the fused exchange's program count
+    (samples pid, pid + grid, ...) storing d S * scale straight into the owners' gradient buffers (column c = f * D
+    + d of a sample's row goes to rank col_dest[c], column col_dst[c], row out_row_base[rank] + b) once every
+    owner released that buffer half, then raising flags rank * num_programs + slot everywhere, for slots pid,
+    pid + grid, ... below num_programs (the owners wait for all of them)."""
+    pid = tl.program_id(0)
     f = tl.arange(0, BLOCK_F)
-    grad_row = grad_ptr + b * grad_stride
     i, j = f[:, None], f[None, :]
     lo, hi = tl.minimum(i, j), tl.maximum(i, j)
-    pairs = tl.load(grad_row + D + F + _pair_position(lo, hi, F), mask=(i != j) & (hi < F), other=0.0)  # G
-    grad_with_dense = tl.load(grad_row + D + f, mask=f < F, other=0.0).to(tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        mask = (f < F)[:, None] & (d < D)[None, :]
-        s = tl.load(sparse_ptr + b * sparse_stride_b + f[:, None] * sparse_stride_f + d[None, :], mask=mask,
-                    other=0.0)
-        x = tl.load(dense_ptr + b * dense_stride + d, mask=d < D, other=0.0).to(tl.float32)
-        grad_s = tl.dot(pairs.to(s.dtype), s, input_precision=PRECISION) + grad_with_dense[:, None] * x[None, :]
-        tl.store(grad_sparse_ptr + (b * F + f[:, None]) * D + d[None, :],
-                 grad_s.to(grad_sparse_ptr.dtype.element_ty), mask=mask)
-        grad_x = tl.load(grad_row + d, mask=d < D, other=0.0).to(tl.float32)
-        grad_x += tl.sum(grad_with_dense[:, None] * s.to(tl.float32), axis=0)
-        tl.store(grad_dense_ptr + b * D + d, grad_x.to(grad_dense_ptr.dtype.element_ty), mask=d < D)
+    released = tl.full([], 1, tl.int1)
+    if PUSH:  # every owner acknowledged epoch - 1: it no longer reads this half
+        for dest in tl.static_range(WORLD):
+            released = released & consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+    b = pid.to(tl.int64)
+    while b < batch:  # `while`: the interpreter cannot range() over an argument
+        grad_row = grad_ptr + b * grad_stride
+        pairs = tl.load(grad_row + D + F + _pair_position(lo, hi, F), mask=(i != j) & (hi < F), other=0.0)  # G
+        grad_with_dense = tl.load(grad_row + D + f, mask=f < F, other=0.0).to(tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            mask = (f < F)[:, None] & (d < D)[None, :]
+            s = tl.load(sparse_ptr + b * sparse_stride_b + f[:, None] * sparse_stride_f + d[None, :], mask=mask,
+                        other=0.0)
+            x = tl.load(dense_ptr + b * dense_stride + d, mask=d < D, other=0.0).to(tl.float32)
+            grad_s = tl.dot(pairs.to(s.dtype), s, input_precision=PRECISION) + grad_with_dense[:, None] * x[None, :]
+            if PUSH:
+                _store_pushed(grad_s, b, f * D + d0, f < F, d - d0, mask & released, out_ptrs, out_row_base_ptr,
+                              out_row_len_ptr, col_dest_ptr, col_dst_ptr, scale, WORLD)
+            else:
+                tl.store(grad_sparse_ptr + (b * F + f[:, None]) * D + d[None, :],
+                         grad_s.to(grad_sparse_ptr.dtype.element_ty), mask=mask)
+            grad_x = tl.load(grad_row + d, mask=d < D, other=0.0).to(tl.float32)
+            grad_x += tl.sum(grad_with_dense[:, None] * s.to(tl.float32), axis=0)
+            tl.store(grad_dense_ptr + b * D + d, grad_x.to(grad_dense_ptr.dtype.element_ty), mask=d < D)
+        b += tl.num_programs(0)
+    if PUSH:
+        slot = pid
+        while slot < num_programs:  # a grid below num_programs (fewer samples) raises the others' flags too
+            signal_ready(ready_ptrs, rank * num_programs + slot, epoch, WORLD)
+            slot += tl.num_programs(0)
+
+
+@triton.jit
+def _store_pushed(grad_s, b, first_cols, rows, offsets, mask, out_ptrs, out_row_base_ptr, out_row_len_ptr,
+                  col_dest_ptr, col_dst_ptr, scale, WORLD: tl.constexpr):
+    """Store grad_s * scale (fp32) at sample b's row of its owners: each row's block of columns (starting at output
+    column first_cols[row]) goes to one owner, contiguously and 16-byte aligned (`GradientPush.serves` checks), so
+    the address is one per row, its owner's row start chosen by a select over the (few) ranks, and the stores stay
+    vectorised along the columns."""
+    dest = tl.load(col_dest_ptr + first_cols, mask=rows, other=0)
+    row_start = tl.zeros(first_cols.shape, tl.int64)
+    for w in tl.static_range(WORLD):
+        row = tl.load(out_row_base_ptr + w) + b
+        start = tl.load(out_ptrs + w) + row * tl.load(out_row_len_ptr + w) * 4
+        row_start = tl.where(dest == w, start, row_start)
+    address = row_start + tl.load(col_dst_ptr + first_cols, mask=rows, other=0).to(tl.int64) * 4
+    row_ptrs = tl.multiple_of(address.to(tl.pointer_type(tl.float32)), 16)
+    tl.store(row_ptrs[:, None] + offsets[None, :], grad_s * scale, mask=mask)
 
 
 def pairwise_interaction_reference(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
@@ -122,28 +171,70 @@ _LAUNCHES = {"forward": CompiledLaunches(_interaction_forward_kernel),
              "backward": CompiledLaunches(_interaction_backward_kernel)}
 
 
-def _launch(direction: str, tensors: tuple[torch.Tensor, ...], strides: tuple[int, ...], batch: int,
-            num_features: int, dim: int) -> None:
-    kind = _product_kind(tensors[0].dtype)
+def _config(direction: str, dtype: torch.dtype, dim: int) -> tuple[int, int, str]:
+    """(BLOCK_D, num_warps, tl.dot's input precision) of a direction at this dtype and D."""
+    kind = _product_kind(dtype)
     block_d, num_warps = CONFIGS[direction, kind]
-    block_d = min(block_d, max(16, triton.next_power_of_2(dim)))
     precision = "tf32x3" if kind == "tf32x3" else "tf32"  # (ignored by 16-bit products)
-    key = (tuple(t.dtype for t in tensors), tuple(aligned(t) for t in tensors), strides, num_features, dim,
-           block_d, num_warps, precision)
-    args = (*tensors, *strides, num_features, dim, _block_f(num_features), block_d, precision)
-    _LAUNCHES[direction](key, (batch, 1, 1), args, dict(num_warps=num_warps, num_stages=1))
+    return min(block_d, max(16, triton.next_power_of_2(dim))), num_warps, precision
+
+
+def _launch_forward(dense: torch.Tensor, sparse: torch.Tensor, out: torch.Tensor) -> None:
+    (b, f, d), tensors = sparse.shape, (dense, sparse, out)
+    block_d, num_warps, precision = _config("forward", sparse.dtype, d)
+    strides = (dense.stride(0), *sparse.stride()[:2], out.stride(0))
+    key = (tuple(t.dtype for t in tensors), tuple(aligned(t) for t in tensors), strides, f, d, block_d, num_warps,
+           precision)
+    args = (*tensors, *strides, f, d, _block_f(f), block_d, precision)
+    _LAUNCHES["forward"](key, (b, 1, 1), args, dict(num_warps=num_warps, num_stages=1))
+
+
+def _launch_backward(grad: torch.Tensor, dense: torch.Tensor, sparse: torch.Tensor, grad_dense: torch.Tensor,
+                     grad_sparse: torch.Tensor | None, push: GradientDestinations | None) -> None:
+    """d S into grad_sparse (one program per sample), or pushed to `push`'s owners (its programs, even for an
+    empty batch: the owners wait for every program's flag)."""
+    (b, f, d), tensors = sparse.shape, (grad, dense, sparse, grad_dense, grad_sparse)
+    block_d, num_warps, precision = _config("backward", sparse.dtype, d)
+    strides = (grad.stride(0), dense.stride(0), *sparse.stride()[:2])
+    world = 0 if push is None else push.out_ptrs.numel()
+    key = (tuple(t.dtype for t in tensors if t is not None), tuple(aligned(t) for t in tensors if t is not None),
+           strides, f, d, block_d, num_warps, precision, world)
+    if push is None:
+        grid, pushed = b, (None,) * 13
+    else:  # a program per sample (no more than the flags' program count), one for an empty batch
+        grid = min(push.num_programs, max(b, 1))
+        pushed = (push.out_ptrs, push.out_row_base, push.out_row_len, push.col_dest, push.col_dst, push.ready_ptrs,
+                  push.ack, push.error, push.rank, push.epoch, push.num_programs, push.spin_limit, push.scale)
+    args = (*tensors, *strides, b, *pushed, f, d, _block_f(f), block_d, precision, push is not None, world)
+    _LAUNCHES["backward"](key, (grid, 1, 1), args, dict(num_warps=num_warps, num_stages=1))
+
+
+def offered_gradient_push(sparse: torch.Tensor):
+    """The gradient push that the autograd node which made `sparse` (through views only) offers, if it serves
+    this tensor: the fused embedding exchange's (sparse/fused_all_to_all.py: GradientPush), whose output the
+    interaction's backward can then store its gradient into the owners' buffers instead of returning it."""
+    node = sparse.grad_fn
+    while node is not None and type(node).__name__ == "ViewBackward0":
+        node = node.next_functions[0][0]
+    push = getattr(node, "gradient_push", None)
+    if push is None or sparse.dtype != torch.float32:  # (the exchange's output is fp32)
+        return None
+    return push if push.serves(sparse, _config("backward", sparse.dtype, sparse.shape[2])[0]) else None
 
 
 class PairwiseInteraction(torch.autograd.Function):
-    """The kernels with autograd: dense [B, D], sparse [B, F, D] (rows contiguous in D) -> [B, D + F + pairs]."""
+    """The kernels with autograd: dense [B, D], sparse [B, F, D] (rows contiguous in D) -> [B, D + F + pairs].
+    With `push` (offered_gradient_push), the backward stores the sparse input's gradient into the owners of the
+    embeddings (and returns none for it)."""
 
     @staticmethod
-    def forward(ctx, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, dense: torch.Tensor, sparse: torch.Tensor, push=None) -> torch.Tensor:
         b, f, d = sparse.shape
         out = dense.new_empty(b, d + f + num_pairs(f))
         if b:
-            _launch("forward", (dense, sparse, out), (dense.stride(0), *sparse.stride()[:2], out.stride(0)), b, f, d)
+            _launch_forward(dense, sparse, out)
         ctx.save_for_backward(dense, sparse)
+        ctx.push = push
         return out
 
     @staticmethod
@@ -151,11 +242,14 @@ class PairwiseInteraction(torch.autograd.Function):
         dense, sparse = ctx.saved_tensors
         b, f, d = sparse.shape
         grad = grad if grad.stride(1) == 1 else grad.contiguous()
-        grad_dense, grad_sparse = dense.new_empty(b, d), sparse.new_empty(b, f, d)
+        grad_dense = dense.new_empty(b, d)
+        if ctx.push is not None:
+            _launch_backward(grad, dense, sparse, grad_dense, None, ctx.push.begin())
+            return grad_dense, None, None
+        grad_sparse = sparse.new_empty(b, f, d)
         if b:
-            _launch("backward", (grad, dense, sparse, grad_dense, grad_sparse),
-                    (grad.stride(0), dense.stride(0), *sparse.stride()[:2]), b, f, d)
-        return grad_dense, grad_sparse
+            _launch_backward(grad, dense, sparse, grad_dense, grad_sparse, None)
+        return grad_dense, grad_sparse, None
 
 
 def kernels_refuse(dense: torch.Tensor, sparse: torch.Tensor) -> str:
@@ -173,7 +267,10 @@ def kernels_refuse(dense: torch.Tensor, sparse: torch.Tensor) -> str:
 
 def pairwise_interaction(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
     """torchrec InteractionArch's output for dense [B, D] and sparse [B, F, D]: the kernels on GPUs, torch ops
-    elsewhere (and for inputs the kernels do not take: see `kernels_refuse`)."""
-    if sparse.is_cuda and not kernels_refuse(dense, sparse):
-        return PairwiseInteraction.apply(dense, sparse)
+    elsewhere (and for inputs the kernels do not take: see `kernels_refuse`). When sparse is the fused embedding
+    exchange's output (a view of it) in training, the backward pushes its gradient to the embeddings' owners
+    (also in a simulated world on the CPU, whose exchange runs in the interpreter)."""
+    push = offered_gradient_push(sparse) if torch.is_grad_enabled() and sparse.requires_grad else None
+    if (sparse.is_cuda or push is not None) and not kernels_refuse(dense, sparse):
+        return PairwiseInteraction.apply(dense, sparse, push)
     return pairwise_interaction_reference(dense, sparse)

@@ -1,13 +1,16 @@
 """Push column blocks of a local [rows, columns] tensor straight into peers' buffers, with ready flags.
 
 The backward of the fused embedding all-to-all: each rank holds the gradient of its local batch for every feature
-([local batch, sum of dims], config column order) and stores the columns of each feature into the owner's
-gradient buffer ([global batch, owned dims], the owner's lookup order) at the rows of its own samples.
+([local batch, sum of dims], config column order) and stores the columns of each feature, times a scale (torchrec's
+division of the gradient by the world size, on the way instead of a pass of its own), into the owner's gradient
+buffer ([global batch, owned dims], the owner's lookup order) at the rows of its own samples.
 `push_columns_reference` is the pure-torch definition. Transports: p2p stores through peer pointers; nvshmem
 stores local tiles and puts remote ones row by row from a symmetric copy of the source (nvshmem_puts.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,10 +23,35 @@ from fused_dlrm.kernels.peer_tiles import PeerTilePlan, next_tile_group, program
 
 
 def push_columns_reference(src: torch.Tensor, src_cols: list[int], dims: list[int], dst: torch.Tensor,
-                           dst_row_base: int, dst_cols: list[int]) -> None:
-    """dst[dst_row_base + i, dst_cols[f] + c] = src[i, src_cols[f] + c] for every feature f."""
+                           dst_row_base: int, dst_cols: list[int], scale: float = 1.0) -> None:
+    """dst[dst_row_base + i, dst_cols[f] + c] = src[i, src_cols[f] + c] * scale for every feature f."""
     for s, d, n in zip(src_cols, dst_cols, dims):
-        dst[dst_row_base:dst_row_base + src.shape[0], d:d + n] = src[:, s:s + n]
+        dst[dst_row_base:dst_row_base + src.shape[0], d:d + n] = src[:, s:s + n] * scale
+
+
+@dataclass(frozen=True)
+class GradientDestinations:
+    """Where a kernel that makes the gradient of the fused exchange's output stores it itself (the pairwise
+    interaction's backward: kernels/pairwise_interaction.py), in this push's protocol: column c of a local sample
+    b's row goes, times `scale`, to rank col_dest[c]'s buffer out_ptrs[rank] at row out_row_base[rank] + b,
+    column col_dst[c] (rows of out_row_len[rank] fp32 values); once ack[rank] >= epoch - 1 (the owner released
+    that half); then ready flags `rank * num_programs + slot`, every slot below `num_programs`, rise in every rank
+    after the stores behind them (the owners' wait counts on all of them). Made per backward by the exchange
+    (sparse/fused_all_to_all.py: GradientPush)."""
+
+    out_ptrs: torch.Tensor  # int64 [world]
+    out_row_base: torch.Tensor  # int64 [world]
+    out_row_len: torch.Tensor  # int64 [world]
+    col_dest: torch.Tensor  # int32 [row length of the exchange's output]
+    col_dst: torch.Tensor  # int32 [row length]
+    ready_ptrs: torch.Tensor  # int64 [world]: every rank's ready flags
+    ack: torch.Tensor  # int32 [world]: the owners' acks, in this rank's memory
+    error: torch.Tensor  # the exchange's error word (peer_flags.PeerErrors)
+    rank: int
+    epoch: int
+    num_programs: int
+    spin_limit: int
+    scale: float
 
 
 @triton.jit(do_not_specialize=["epoch"])  # one compiled binary serves every step (kernels/launch.py)
@@ -32,7 +60,7 @@ def _push_columns_kernel(
     dest_order_ptr, tile_starts_ptr, walk_starts_ptr, program_starts_ptr, row_begin_ptr, row_end_ptr,  # plan
     feature_begin_ptr,
     out_ptrs, out_row_base_ptr, out_row_len_ptr,  # per destination
-    ready_ptrs, ack_ptr, error_ptr, rank, epoch, num_programs, spin_limit,
+    ready_ptrs, ack_ptr, error_ptr, rank, epoch, num_programs, spin_limit, scale,
     WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -54,7 +82,7 @@ def _push_columns_kernel(
         out = tl.load(out_ptrs + dest).to(tl.pointer_type(src_ptr.dtype.element_ty))
         out_rows = (tl.load(out_row_base_ptr + dest) + rows - first_row).to(tl.int64)
         dst = out + out_rows[:, None] * tl.load(out_row_len_ptr + dest) + tl.load(dst_cols_ptr + f) + d[None, :]
-        tl.store(dst, tile, mask=mask)
+        tl.store(dst, tile * scale, mask=mask)
         t += stride
     signal_ready(ready_ptrs, rank * num_programs + pid, epoch, WORLD)
 
@@ -71,7 +99,7 @@ class PushColumnsLaunch:
                  block_rows: int = 16):
         world = plan.dest_order.numel()
         self._args = Arguments(
-            _push_columns_kernel, ("src_ptr", "out_ptrs", "epoch"),
+            _push_columns_kernel, ("src_ptr", "out_ptrs", "epoch", "scale"),
             src_row_len=src_row_len, src_cols_ptr=src_cols, dst_cols_ptr=dst_cols, dims_ptr=dims,
             dest_order_ptr=plan.dest_order, tile_starts_ptr=plan.tile_starts,
             walk_starts_ptr=plan.walk_starts, program_starts_ptr=plan.program_starts, row_begin_ptr=plan.row_begin,
@@ -82,9 +110,10 @@ class PushColumnsLaunch:
         self._grid = (plan.num_programs, 1, 1)
         self._launches = CompiledLaunches(_push_columns_kernel)
 
-    def __call__(self, src: torch.Tensor, out_ptrs: torch.Tensor, epoch: int) -> None:
-        """src: [rows, src_row_len] fp32, contiguous; out_ptrs: int64 [world], every destination's buffer."""
-        self._launches(aligned(src), self._grid, self._args(src, out_ptrs, epoch), {})
+    def __call__(self, src: torch.Tensor, out_ptrs: torch.Tensor, epoch: int, scale: float = 1.0) -> None:
+        """src: [rows, src_row_len] fp32, contiguous; out_ptrs: int64 [world], every destination's buffer; the
+        pushed values are src's times `scale`."""
+        self._launches(aligned(src), self._grid, self._args(src, out_ptrs, epoch, scale), {})
 
 
 @triton.jit

@@ -3,8 +3,9 @@
 Forward: one persistent kernel pools the owned tables for the whole global batch and stores every tile into the
 destination rank's symmetric output ([local batch, sum of all dims], config column order), its programs split
 among the destinations (kernels/peer_tiles.py); a small wait kernel then polls the ready flags of each producer.
-Backward: each rank pushes the columns of its output gradient into the owners' symmetric gradient buffers (one
-remote-first walk); once its flags are up, the owner accumulates row gradients and applies the embedding
+Backward: each rank pushes the columns of its output gradient, times the forward's `gradient_scale` (torchrec's
+division by the world size, applied on the way), into the owners' symmetric gradient buffers (one remote-first
+walk); once its flags are up, the owner accumulates row gradients and applies the embedding
 optimizer (the bulk path's code). Transports: p2p (stores through peer pointers) and nvshmem (remote rows put
 through NVSHMEM, from a symmetric copy of the gradient in the backward; crosses nodes).
 
@@ -27,7 +28,7 @@ from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, NvshmemSymmetricWo
 from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, PeerErrors, ReadyWait, wait_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, default_num_programs, plan_peer_tiles
 from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLaunch, launch_pooled_embedding_nvshmem
-from fused_dlrm.kernels.push_columns import PushColumnsLaunch, launch_push_columns_nvshmem
+from fused_dlrm.kernels.push_columns import GradientDestinations, PushColumnsLaunch, launch_push_columns_nvshmem
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 from fused_dlrm.sparse.plan import FeatureSlice
@@ -114,6 +115,17 @@ class FusedPooledAllToAll(nn.Module):
         self.push_dims = as_tensor([s.dim for s in every], torch.int32)
         self.push_block_dim = triton.next_power_of_2(max([s.dim for s in every] or [1]))
         self.push_row_len = as_tensor(self.owned_dim)
+        # The same mapping per output column, for a consumer that pushes the gradient itself (GradientPush).
+        col_dest, col_dst = [0] * self.row_len, [0] * self.row_len
+        for r, slices in enumerate(slices_of_rank):
+            lookup_col = 0
+            for s in slices:
+                col_dest[s.col:s.col + s.dim] = [r] * s.dim
+                col_dst[s.col:s.col + s.dim] = range(lookup_col, lookup_col + s.dim)
+                lookup_col += s.dim
+        self.col_dest, self.col_dst = as_tensor(col_dest, torch.int32), as_tensor(col_dst, torch.int32)
+        self._col_map = (torch.tensor(col_dest), torch.tensor(col_dst))  # on the host, for `pushes_in_blocks`
+        self._blocks_pushable: dict[tuple[int, int], bool] = {}
         self.errors = PeerErrors(device, self.rank, "fused embedding all-to-all")
         self.nvshmem = workspace.transport == "nvshmem"
         self._plans: dict[tuple[int, ...], _Plan] = {}
@@ -144,13 +156,14 @@ class FusedPooledAllToAll(nn.Module):
         return self._plan(bags.batch_sizes).pooled[epoch % 2]
 
     # -- backward -----------------------------------------------------------------------------------------------
-    def start_backward(self, bags: OwnedBags, grad: torch.Tensor) -> int:
+    def start_backward(self, bags: OwnedBags, grad: torch.Tensor, scale: float = 1.0) -> int:
+        """Push grad * scale (grad: [local batch, all dims]) into the owners' gradient buffers."""
         self.errors.check()
         epoch = self.ws.next_epoch("grad")
         plan = self._plan(bags.batch_sizes)
         if self.nvshmem:
             src = plan.buffers[2].local[:grad.numel()].view(grad.shape)
-            src.copy_(grad)  # the puts read symmetric memory (a registered source across nodes)
+            torch.mul(grad, scale, out=src)  # the puts read symmetric memory (a registered source across nodes)
             ready, ack = self._flags("grad")
             launch_push_columns_nvshmem(
                 src, self.push_src_cols, self.push_dst_cols, self.push_dims, self.push_block_dim, plan.push_tiles,
@@ -159,8 +172,34 @@ class FusedPooledAllToAll(nn.Module):
                 error=self.errors.word, rank=self.rank, epoch=epoch, spin_limit=self.spin_limit,
                 block_rows=PUSH_BLOCK_ROWS)
         else:
-            plan.push(grad.float().contiguous(), plan.grad_ptrs[epoch % 2], epoch)
+            plan.push(grad.float().contiguous(), plan.grad_ptrs[epoch % 2], epoch, scale)
         return epoch
+
+    def pushes_in_blocks(self, dim: int, block: int) -> bool:
+        """Whether, with the output row seen as features of `dim` columns, every block of `block` columns of a
+        feature (the last one cut at dim) goes to one owner, contiguously, starting 16 bytes aligned there (every
+        owner's row too): what a kernel storing the gradient in row blocks needs (GradientPush)."""
+        key = (dim, block)
+        if key not in self._blocks_pushable:
+            (dest, dst), cols = self._col_map, torch.arange(self.row_len)
+            starts = cols % dim % block == 0
+            first = torch.nonzero(starts).squeeze(1)[torch.cumsum(starts.long(), 0) - 1]  # each column's block's
+            self._blocks_pushable[key] = bool(
+                self.row_len % dim == 0 and (dest == dest[first]).all() and (dst - dst[first] == cols - first).all()
+                and (dst[first] % 4 == 0).all() and all(n % 4 == 0 for n in self.owned_dim))
+        return self._blocks_pushable[key]
+
+    def gradient_destinations(self, bags: OwnedBags, scale: float) -> GradientDestinations:
+        """start_backward for a kernel that stores the gradient itself (p2p): the epoch's destinations."""
+        self.errors.check()
+        epoch = self.ws.next_epoch("grad")
+        plan = self._plan(bags.batch_sizes)
+        ready, ack = self._flags("grad")
+        return GradientDestinations(
+            out_ptrs=plan.grad_ptrs[epoch % 2], out_row_base=plan.push_row_base, out_row_len=self.push_row_len,
+            col_dest=self.col_dest, col_dst=self.col_dst, ready_ptrs=ready.peer_ptrs, ack=ack.local,
+            error=self.errors.word, rank=self.rank, epoch=epoch, num_programs=self.num_programs,
+            spin_limit=self.spin_limit, scale=scale)
 
     def finish_backward(self, bags: OwnedBags, epoch: int) -> None:
         self._wait("grad", epoch)
@@ -187,9 +226,10 @@ class FusedPooledAllToAll(nn.Module):
             wait(epoch)
         self.errors.after_wait()
 
-    def forward(self, bags: OwnedBags) -> torch.Tensor:
+    def forward(self, bags: OwnedBags, gradient_scale: float = 1.0) -> torch.Tensor:
+        """[local batch, all dims] pooled; in training, its gradient times `gradient_scale` reaches the owners."""
         if self.lookup.training and torch.is_grad_enabled():
-            return _FusedExchange.apply(self.lookup._anchor, self, bags)
+            return _FusedExchange.apply(self.lookup._anchor, self, bags, gradient_scale)
         return self.finish(bags, self.start(bags))
 
     def _plan(self, batch_sizes: list[int]) -> _Plan:
@@ -249,14 +289,54 @@ def _half_ptrs(buffer: PeerBuffer, half: int) -> tuple[torch.Tensor, torch.Tenso
     return tuple(buffer.peer_ptrs + h * half * buffer.local.element_size() for h in range(2))
 
 
+class GradientPush:
+    """The exchange's backward push, offered to the consumer of its output (DLRM's pairwise interaction,
+    kernels/pairwise_interaction.py: `offered_gradient_push` finds it on this exchange's autograd node): a
+    consumer whose backward kernel makes the output's gradient stores it into the owners' buffers itself
+    (`begin`: the epoch's destinations; its kernel raises the flags), and the exchange's backward then only waits
+    for the flags and applies the rows' gradients. p2p transport only."""
+
+    def __init__(self, exchange: FusedPooledAllToAll, bags: OwnedBags, scale: float, output: torch.Tensor):
+        self.exchange, self.bags, self.scale, self.output = exchange, bags, scale, output
+        self.epoch: int | None = None  # of the push, once begun
+
+    def serves(self, x: torch.Tensor, block: int) -> bool:
+        """x is the output seen as [batch, F, D] (row-major features), and a kernel storing the gradient of x in
+        blocks of `block` columns per feature finds each block one owner's contiguous, aligned columns."""
+        out = self.output
+        return (x.dim() == 3 and x.data_ptr() == out.data_ptr() and x.shape[0] == out.shape[0]
+                and x.shape[1] * x.shape[2] == out.shape[1] and x.stride() == (out.stride(0), x.shape[2], 1)
+                and self.exchange.pushes_in_blocks(x.shape[2], block))
+
+    def begin(self) -> GradientDestinations:
+        if self.epoch is not None:
+            raise RuntimeError("the fused embedding exchange's gradient push was begun twice for one forward")
+        destinations = self.exchange.gradient_destinations(self.bags, self.scale)
+        self.epoch = destinations.epoch
+        return destinations
+
+
 class _FusedExchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, anchor, exchange: FusedPooledAllToAll, bags: OwnedBags):
-        ctx.exchange, ctx.bags = exchange, bags
-        return exchange.finish(bags, exchange.start(bags))
+    def forward(ctx, anchor, exchange: FusedPooledAllToAll, bags: OwnedBags, gradient_scale: float):
+        ctx.exchange, ctx.bags, ctx.scale = exchange, bags, gradient_scale
+        ctx.set_materialize_grads(False)  # None: the consumer pushed the gradient itself
+        out = exchange.finish(bags, exchange.start(bags))
+        ctx.gradient_push = None if exchange.nvshmem else GradientPush(exchange, bags, gradient_scale, out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        ex = ctx.exchange
-        ex.finish_backward(ctx.bags, ex.start_backward(ctx.bags, grad))
-        return None, None, None
+        ex, push = ctx.exchange, ctx.gradient_push
+        if push is not None and push.epoch is not None:
+            if grad is not None:  # the push stored (not added) its gradient: another one cannot join it
+                raise RuntimeError("the fused embedding exchange's output has a consumer besides the one that "
+                                   "pushed its gradient to the owners (the pairwise interaction): their gradients "
+                                   "cannot be summed; use comm=bulk for such a model")
+            epoch = push.epoch
+        else:
+            grad = torch.zeros(ctx.bags.batch_sizes[ex.rank], ex.row_len, device=ex.ws.device) if grad is None \
+                else grad
+            epoch = ex.start_backward(ctx.bags, grad, ctx.scale)
+        ex.finish_backward(ctx.bags, epoch)
+        return None, None, None, None

@@ -35,13 +35,18 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def divide_gradient_like_torchrec(values: torch.Tensor, world_size: int) -> torch.Tensor:
+def torchrec_gradient_scale(world_size: int) -> float:
     """torchrec's pooled all-to-all divides the gradient it returns to the owners by the world size
     (comm_ops.GRADIENT_DIVISION, on by default), so tables see the mean over ranks of the per-rank gradients; so do
-    we, and a model keeps its training dynamics when it swaps sharders. The switch is read at every forward."""
-    if world_size > 1 and get_gradient_division():
-        return _ScaleGradient.apply(values, 1.0 / world_size)
-    return values
+    we, and a model keeps its training dynamics when it swaps sharders. The switch is read at every forward; the
+    fused exchange applies the scale in its push, the bulk path in `divide_gradient_like_torchrec`."""
+    return 1.0 / world_size if world_size > 1 and get_gradient_division() else 1.0
+
+
+def divide_gradient_like_torchrec(values: torch.Tensor, world_size: int) -> torch.Tensor:
+    """values, whose gradient is multiplied by `torchrec_gradient_scale` in the backward."""
+    scale = torchrec_gradient_scale(world_size)
+    return values if scale == 1.0 else _ScaleGradient.apply(values, scale)
 
 
 _DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
@@ -110,10 +115,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if bags is None:
             bags = self.input_dist(features)
         if self.fused is not None:
-            values = self.fused(bags)
+            values = self.fused(bags, torchrec_gradient_scale(self.world_size))
         else:
-            values = self.output_dist(self.lookup(bags), bags.batch_sizes)
-        values = divide_gradient_like_torchrec(values, self.world_size)
+            values = divide_gradient_like_torchrec(self.output_dist(self.lookup(bags), bags.batch_sizes),
+                                                   self.world_size)
         return KeyedTensor(keys=self.feature_names, length_per_key=self._feature_dims, values=values, key_dim=1)
 
     def prefetch_header(self, features: KeyedJaggedTensor) -> None:

@@ -66,7 +66,8 @@ from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizer, EmbeddingOptimizerConfig
 from fused_dlrm.sparse.plan import Shard, TableShardingPlan, shard_name
-from fused_dlrm.sparse.sharded_ebc import ShardedEmbeddingBagCollection, divide_gradient_like_torchrec, shard_columns
+from fused_dlrm.sparse.sharded_ebc import (ShardedEmbeddingBagCollection, divide_gradient_like_torchrec, shard_columns,
+                                          torchrec_gradient_scale)
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +297,7 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
     def compute_and_output_dist(self, ctx: ShardedEBCContext, input: KJTList) -> LazyAwaitable[KeyedTensor]:
         if self._exchange is None:
             return self.output_dist(ctx, self.compute(ctx, input))
-        values = divide_gradient_like_torchrec(self._exchange(input[0].bags), self._env.world_size)
+        values = self._exchange(input[0].bags, torchrec_gradient_scale(self._env.world_size))
         return EmbeddingBagCollectionAwaitable(awaitables=[NoWait(values)], embedding_dims=self._feature_dims,
                                                embedding_names=self.feature_names)
 
