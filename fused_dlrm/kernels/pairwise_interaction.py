@@ -201,12 +201,24 @@ def _launch_backward(grad: torch.Tensor, dense: torch.Tensor, sparse: torch.Tens
            strides, f, d, block_d, num_warps, precision, world)
     if push is None:
         grid, pushed = b, (None,) * 13
-    else:  # a program per sample (no more than the flags' program count), one for an empty batch
-        grid = min(push.num_programs, max(b, 1))
+    else:
+        grid = _push_grid(b, push.num_programs, sparse.device)
         pushed = (push.out_ptrs, push.out_row_base, push.out_row_len, push.col_dest, push.col_dst, push.ready_ptrs,
                   push.ack, push.error, push.rank, push.epoch, push.num_programs, push.spin_limit, push.scale)
     args = (*tensors, *strides, b, *pushed, f, d, _block_f(f), block_d, precision, push is not None, world)
     _LAUNCHES["backward"](key, (grid, 1, 1), args, dict(num_warps=num_warps, num_stages=1))
+
+
+PUSH_PROGRAMS_PER_SM = 4  # a pushing program ends in a release fence over its stores: fewer, longer programs
+
+
+def _push_grid(batch: int, num_programs: int, device: torch.device) -> int:
+    """Programs of a pushing backward: a sample each, up to PUSH_PROGRAMS_PER_SM per SM (each then takes several
+    samples before its flags) and the push's flag count; one for an empty batch (the owners wait for its flags)."""
+    if device.type == "cuda":
+        num_programs = min(num_programs, PUSH_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device)
+                           .multi_processor_count)
+    return max(1, min(batch, num_programs))
 
 
 def offered_gradient_push(sparse: torch.Tensor):
