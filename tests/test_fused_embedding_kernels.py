@@ -284,7 +284,7 @@ def check_interaction_push(world_size, batch_sizes, column_shards, device, dim=6
     world = World(tables, world_size, optimizer="sgd", num_programs=4, column_shards=column_shards, device=device)
     reference = World(tables, 1, optimizer="sgd", column_shards=column_shards, device=device)
     block = _config("backward", torch.float32, dim)[0]
-    assert all(ex.pushes_in_blocks(dim, block) for ex in world.exchanges)  # the kernel's precondition
+    assert all(ex.push_blocks(dim, block) is not None for ex in world.exchanges)  # the kernel's precondition
     scale, gen = 1 / world_size, torch.Generator().manual_seed(7)
     for _ in range(2):
         lengths, values, weights = random_bags(tables, batch_sizes, True, gen)
@@ -295,7 +295,7 @@ def check_interaction_push(world_size, batch_sizes, column_shards, device, dim=6
         dense = [torch.randn(b, dim, generator=gen).to(device) for b in batch_sizes]
         grad_out = [torch.randn(b, dim + features + num_pairs(features), generator=gen).to(device)
                     for b in batch_sizes]
-        destinations = [ex.gradient_destinations(b, scale) for ex, b in zip(world.exchanges, bags)]
+        destinations = [ex.gradient_destinations(b, scale, dim, block) for ex, b in zip(world.exchanges, bags)]
         grad_dense = [torch.full_like(d, float("nan")) for d in dense]
         for r in range(world_size):  # every producer before any owner waits
             _launch_backward(grad_out[r], dense[r], sparse[r], grad_dense[r], None, destinations[r])
@@ -316,9 +316,12 @@ def test_blocks_pushable_only_when_each_has_one_owner_contiguously():
     world = World(make_tables([64] * 3, [10, 20, 7]), 2, column_shards={"t1": 4})
     assert sorted({s.rank for s in world.plan.shards if s.table == "t1"}) == [0, 1]
     for ex in world.exchanges:
-        assert not ex.pushes_in_blocks(64, 32) and ex.pushes_in_blocks(64, 16)
+        assert ex.push_blocks(64, 32) is None
+        owner, first_col = ex.push_blocks(64, 16)  # [4 blocks, 3 features]: t1's four shards, one per block
+        assert sorted(owner[:, 1].tolist()) == [0, 0, 1, 1] and owner[:, 1].tolist() == [
+            next(s.rank for s in world.plan.shards if s.table == "t1" and s.col == 16 * k) for k in range(4)]
     for ex in World(make_tables([6] * 3, [10, 20, 7]), 2).exchanges:
-        assert not ex.pushes_in_blocks(6, 16)
+        assert ex.push_blocks(6, 16) is None
 
 
 @pytest.mark.parametrize("dim,pushed", [(64, True), (6, False)])

@@ -86,10 +86,10 @@ from fused_dlrm.kernels.pairwise_interaction import (_interaction_forward_kernel
 pointers = {"forward": ("dense_ptr", "sparse_ptr", "out_ptr"),
             "backward": ("grad_ptr", "dense_ptr", "sparse_ptr", "grad_dense_ptr", "grad_sparse_ptr")}
 kernels = {"forward": _interaction_forward_kernel, "backward": _interaction_backward_kernel}
-push_args = ("out_ptrs", "out_row_base_ptr", "out_row_len_ptr", "col_dest_ptr", "col_dst_ptr", "ready_ptrs",
+push_args = ("out_ptrs", "out_row_base_ptr", "out_row_len_ptr", "block_dest_ptr", "block_dst_ptr", "ready_ptrs",
              "ack_ptr", "error_ptr", "rank", "epoch", "num_programs", "spin_limit", "scale")
-push_types = {"out_ptrs": "*i64", "out_row_base_ptr": "*i64", "out_row_len_ptr": "*i64", "col_dest_ptr": "*i32",
-              "col_dst_ptr": "*i32", "ready_ptrs": "*i64", "ack_ptr": "*i32", "error_ptr": "*i32", "scale": "fp32",
+push_types = {"out_ptrs": "*i64", "out_row_base_ptr": "*i64", "out_row_len_ptr": "*i64", "block_dest_ptr": "*i32",
+              "block_dst_ptr": "*i32", "ready_ptrs": "*i64", "ack_ptr": "*i32", "error_ptr": "*i32", "scale": "fp32",
               "batch": "i64"}
 for (direction, kind), (block_d, num_warps) in CONFIGS.items():
     dtype, precision = ("bf16", "tf32") if kind == "16-bit" else ("fp32", kind)

@@ -73,14 +73,14 @@ def _interaction_forward_kernel(dense_ptr, sparse_ptr, out_ptr, dense_stride, sp
 @triton.jit(do_not_specialize=["batch", "epoch"])  # one compiled binary serves every step (kernels/launch.py)
 def _interaction_backward_kernel(grad_ptr, dense_ptr, sparse_ptr, grad_dense_ptr, grad_sparse_ptr, grad_stride,
                                  dense_stride, sparse_stride_b, sparse_stride_f, batch,
-                                 out_ptrs, out_row_base_ptr, out_row_len_ptr, col_dest_ptr, col_dst_ptr, ready_ptrs,
+                                 out_ptrs, out_row_base_ptr, out_row_len_ptr, block_dest_ptr, block_dst_ptr, ready_ptrs,
                                  ack_ptr, error_ptr, rank, epoch, num_programs, spin_limit, scale,
                                  F: tl.constexpr, D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
                                  PRECISION: tl.constexpr, PUSH: tl.constexpr, WORLD: tl.constexpr):
     """One program per sample, d S stored into grad_sparse; or, with PUSH, up to the fused exchange's program count
-    (samples pid, pid + grid, ...) storing d S * scale straight into the owners' gradient buffers (column c = f * D
-    + d of a sample's row goes to rank col_dest[c], column col_dst[c], row out_row_base[rank] + b) once every
-    owner released that buffer half, then raising flags rank * num_programs + slot everywhere, for slots pid,
+    (samples pid, pid + grid, ...) storing d S * scale straight into the owners' gradient buffers (the columns
+    d0 .. d0 + BLOCK_D of feature f, block k = d0 / BLOCK_D, go to rank block_dest[k, f], from column
+    block_dst[k, f] on, row out_row_base[rank] + b) once every owner released that buffer half, then raising flags rank * num_programs + slot everywhere, for slots pid,
     pid + grid, ... below num_programs (the owners wait for all of them)."""
     pid = tl.program_id(0)
     f = tl.arange(0, BLOCK_F)
@@ -103,8 +103,8 @@ def _interaction_backward_kernel(grad_ptr, dense_ptr, sparse_ptr, grad_dense_ptr
             x = tl.load(dense_ptr + b * dense_stride + d, mask=d < D, other=0.0).to(tl.float32)
             grad_s = tl.dot(pairs.to(s.dtype), s, input_precision=PRECISION) + grad_with_dense[:, None] * x[None, :]
             if PUSH:
-                _store_pushed(grad_s, b, f * D + d0, f < F, d - d0, mask & released, out_ptrs, out_row_base_ptr,
-                              out_row_len_ptr, col_dest_ptr, col_dst_ptr, scale, WORLD)
+                _store_pushed(grad_s, b, (d0 // BLOCK_D) * F + f, f < F, d - d0, mask & released, out_ptrs,
+                              out_row_base_ptr, out_row_len_ptr, block_dest_ptr, block_dst_ptr, scale, WORLD)
             else:
                 tl.store(grad_sparse_ptr + (b * F + f[:, None]) * D + d[None, :],
                          grad_s.to(grad_sparse_ptr.dtype.element_ty), mask=mask)
@@ -120,19 +120,19 @@ def _interaction_backward_kernel(grad_ptr, dense_ptr, sparse_ptr, grad_dense_ptr
 
 
 @triton.jit
-def _store_pushed(grad_s, b, first_cols, rows, offsets, mask, out_ptrs, out_row_base_ptr, out_row_len_ptr,
-                  col_dest_ptr, col_dst_ptr, scale, WORLD: tl.constexpr):
-    """Store grad_s * scale (fp32) at sample b's row of its owners: each row's block of columns (starting at output
-    column first_cols[row]) goes to one owner, contiguously and 16-byte aligned (`GradientPush.serves` checks), so
-    the address is one per row, its owner's row start chosen by a select over the (few) ranks, and the stores stay
-    vectorised along the columns."""
-    dest = tl.load(col_dest_ptr + first_cols, mask=rows, other=0)
-    row_start = tl.zeros(first_cols.shape, tl.int64)
+def _store_pushed(grad_s, b, blocks, rows, offsets, mask, out_ptrs, out_row_base_ptr, out_row_len_ptr,
+                  block_dest_ptr, block_dst_ptr, scale, WORLD: tl.constexpr):
+    """Store grad_s * scale (fp32) at sample b's row of its owners: each tile row's block of columns (`blocks`: its
+    index in the block tables, contiguous over the features) goes to one owner, contiguously and 16-byte aligned
+    (`GradientPush.serves` checks), so the address is one per row, its owner's row start chosen by a select over
+    the (few) ranks, and the stores stay vectorised along the columns."""
+    dest = tl.load(block_dest_ptr + blocks, mask=rows, other=0)
+    row_start = tl.zeros(blocks.shape, tl.int64)
     for w in tl.static_range(WORLD):
         row = tl.load(out_row_base_ptr + w) + b
         start = tl.load(out_ptrs + w) + row * tl.load(out_row_len_ptr + w) * 4
         row_start = tl.where(dest == w, start, row_start)
-    address = row_start + tl.load(col_dst_ptr + first_cols, mask=rows, other=0).to(tl.int64) * 4
+    address = row_start + tl.load(block_dst_ptr + blocks, mask=rows, other=0).to(tl.int64) * 4
     row_ptrs = tl.multiple_of(address.to(tl.pointer_type(tl.float32)), 16)
     tl.store(row_ptrs[:, None] + offsets[None, :], grad_s * scale, mask=mask)
 
@@ -203,7 +203,7 @@ def _launch_backward(grad: torch.Tensor, dense: torch.Tensor, sparse: torch.Tens
         grid, pushed = b, (None,) * 13
     else:
         grid = _push_grid(b, push.num_programs, sparse.device)
-        pushed = (push.out_ptrs, push.out_row_base, push.out_row_len, push.col_dest, push.col_dst, push.ready_ptrs,
+        pushed = (push.out_ptrs, push.out_row_base, push.out_row_len, push.block_dest, push.block_dst, push.ready_ptrs,
                   push.ack, push.error, push.rank, push.epoch, push.num_programs, push.spin_limit, push.scale)
     args = (*tensors, *strides, b, *pushed, f, d, _block_f(f), block_d, precision, push is not None, world)
     _LAUNCHES["backward"](key, (grid, 1, 1), args, dict(num_warps=num_warps, num_stages=1))
@@ -256,7 +256,8 @@ class PairwiseInteraction(torch.autograd.Function):
         grad = grad if grad.stride(1) == 1 else grad.contiguous()
         grad_dense = dense.new_empty(b, d)
         if ctx.push is not None:
-            _launch_backward(grad, dense, sparse, grad_dense, None, ctx.push.begin())
+            destinations = ctx.push.begin(d, _config("backward", sparse.dtype, d)[0])
+            _launch_backward(grad, dense, sparse, grad_dense, None, destinations)
             return grad_dense, None, None
         grad_sparse = sparse.new_empty(b, f, d)
         if b:

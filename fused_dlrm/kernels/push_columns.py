@@ -32,18 +32,18 @@ def push_columns_reference(src: torch.Tensor, src_cols: list[int], dims: list[in
 @dataclass(frozen=True)
 class GradientDestinations:
     """Where a kernel that makes the gradient of the fused exchange's output stores it itself (the pairwise
-    interaction's backward: kernels/pairwise_interaction.py), in this push's protocol: column c of a local sample
-    b's row goes, times `scale`, to rank col_dest[c]'s buffer out_ptrs[rank] at row out_row_base[rank] + b,
-    column col_dst[c] (rows of out_row_len[rank] fp32 values); once ack[rank] >= epoch - 1 (the owner released
-    that half); then ready flags `rank * num_programs + slot`, every slot below `num_programs`, rise in every rank
+    interaction's backward: kernels/pairwise_interaction.py), in this push's protocol: with the output row seen as
+    features, each cut in blocks of columns, block k of feature f of a local sample b's row goes, times `scale`,
+    to rank r = block_dest[k, f]'s buffer out_ptrs[r], row out_row_base[r] + b (rows of out_row_len[r] fp32
+    values), columns from block_dst[k, f] on; once ack[r] >= epoch - 1 (the owner released that half); then ready flags `rank * num_programs + slot`, every slot below `num_programs`, rise in every rank
     after the stores behind them (the owners' wait counts on all of them). Made per backward by the exchange
     (sparse/fused_all_to_all.py: GradientPush)."""
 
     out_ptrs: torch.Tensor  # int64 [world]
     out_row_base: torch.Tensor  # int64 [world]
     out_row_len: torch.Tensor  # int64 [world]
-    col_dest: torch.Tensor  # int32 [row length of the exchange's output]
-    col_dst: torch.Tensor  # int32 [row length]
+    block_dest: torch.Tensor  # int32 [blocks per feature, features]
+    block_dst: torch.Tensor  # int32 [blocks per feature, features]
     ready_ptrs: torch.Tensor  # int64 [world]: every rank's ready flags
     ack: torch.Tensor  # int32 [world]: the owners' acks, in this rank's memory
     error: torch.Tensor  # the exchange's error word (peer_flags.PeerErrors)

@@ -115,7 +115,8 @@ class FusedPooledAllToAll(nn.Module):
         self.push_dims = as_tensor([s.dim for s in every], torch.int32)
         self.push_block_dim = triton.next_power_of_2(max([s.dim for s in every] or [1]))
         self.push_row_len = as_tensor(self.owned_dim)
-        # The same mapping per output column, for a consumer that pushes the gradient itself (GradientPush).
+        # The same mapping per output column (owner, owner's column), for a consumer that pushes the gradient
+        # itself (GradientPush): on the host, from which `push_blocks` makes its tables.
         col_dest, col_dst = [0] * self.row_len, [0] * self.row_len
         for r, slices in enumerate(slices_of_rank):
             lookup_col = 0
@@ -123,9 +124,8 @@ class FusedPooledAllToAll(nn.Module):
                 col_dest[s.col:s.col + s.dim] = [r] * s.dim
                 col_dst[s.col:s.col + s.dim] = range(lookup_col, lookup_col + s.dim)
                 lookup_col += s.dim
-        self.col_dest, self.col_dst = as_tensor(col_dest, torch.int32), as_tensor(col_dst, torch.int32)
-        self._col_map = (torch.tensor(col_dest), torch.tensor(col_dst))  # on the host, for `pushes_in_blocks`
-        self._blocks_pushable: dict[tuple[int, int], bool] = {}
+        self._col_map = (torch.tensor(col_dest, dtype=torch.int32), torch.tensor(col_dst, dtype=torch.int32))
+        self._push_blocks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor] | None] = {}
         self.errors = PeerErrors(device, self.rank, "fused embedding all-to-all")
         self.nvshmem = workspace.transport == "nvshmem"
         self._plans: dict[tuple[int, ...], _Plan] = {}
@@ -175,29 +175,35 @@ class FusedPooledAllToAll(nn.Module):
             plan.push(grad.float().contiguous(), plan.grad_ptrs[epoch % 2], epoch, scale)
         return epoch
 
-    def pushes_in_blocks(self, dim: int, block: int) -> bool:
-        """Whether, with the output row seen as features of `dim` columns, every block of `block` columns of a
-        feature (the last one cut at dim) goes to one owner, contiguously, starting 16 bytes aligned there (every
-        owner's row too): what a kernel storing the gradient in row blocks needs (GradientPush)."""
+    def push_blocks(self, dim: int, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """With the output row seen as features of `dim` columns, each feature cut in blocks of `block` columns
+        (the last one cut at dim): the owner and the owner's first column of every block, int32 [blocks per
+        feature, features] on the device, for a kernel storing the gradient in row blocks (GradientPush); None
+        unless every block goes to one owner, contiguously, starting 16 bytes aligned there (every owner's row
+        too)."""
         key = (dim, block)
-        if key not in self._blocks_pushable:
+        if key not in self._push_blocks:
             (dest, dst), cols = self._col_map, torch.arange(self.row_len)
             starts = cols % dim % block == 0
             first = torch.nonzero(starts).squeeze(1)[torch.cumsum(starts.long(), 0) - 1]  # each column's block's
-            self._blocks_pushable[key] = bool(
-                self.row_len % dim == 0 and (dest == dest[first]).all() and (dst - dst[first] == cols - first).all()
-                and (dst[first] % 4 == 0).all() and all(n % 4 == 0 for n in self.owned_dim))
-        return self._blocks_pushable[key]
+            pushable = (self.row_len % dim == 0 and (dest == dest[first]).all() and (dst - dst[first] == cols - first)
+                        .all() and (dst[first] % 4 == 0).all() and all(n % 4 == 0 for n in self.owned_dim))
+            blocks = torch.arange(0, dim, block)[:, None] + torch.arange(0, self.row_len, dim)[None, :]  # 1st columns
+            self._push_blocks[key] = (dest[blocks].to(self.ws.device), dst[blocks].to(self.ws.device)) if pushable \
+                else None
+        return self._push_blocks[key]
 
-    def gradient_destinations(self, bags: OwnedBags, scale: float) -> GradientDestinations:
-        """start_backward for a kernel that stores the gradient itself (p2p): the epoch's destinations."""
+    def gradient_destinations(self, bags: OwnedBags, scale: float, dim: int, block: int) -> GradientDestinations:
+        """start_backward for a kernel that stores the gradient itself in row blocks (p2p; `push_blocks(dim,
+        block)` must not be None): the epoch's destinations."""
         self.errors.check()
         epoch = self.ws.next_epoch("grad")
         plan = self._plan(bags.batch_sizes)
         ready, ack = self._flags("grad")
+        block_dest, block_dst = self.push_blocks(dim, block)
         return GradientDestinations(
             out_ptrs=plan.grad_ptrs[epoch % 2], out_row_base=plan.push_row_base, out_row_len=self.push_row_len,
-            col_dest=self.col_dest, col_dst=self.col_dst, ready_ptrs=ready.peer_ptrs, ack=ack.local,
+            block_dest=block_dest, block_dst=block_dst, ready_ptrs=ready.peer_ptrs, ack=ack.local,
             error=self.errors.word, rank=self.rank, epoch=epoch, num_programs=self.num_programs,
             spin_limit=self.spin_limit, scale=scale)
 
@@ -306,12 +312,14 @@ class GradientPush:
         out = self.output
         return (x.dim() == 3 and x.data_ptr() == out.data_ptr() and x.shape[0] == out.shape[0]
                 and x.shape[1] * x.shape[2] == out.shape[1] and x.stride() == (out.stride(0), x.shape[2], 1)
-                and self.exchange.pushes_in_blocks(x.shape[2], block))
+                and self.exchange.push_blocks(x.shape[2], block) is not None)
 
-    def begin(self) -> GradientDestinations:
+    def begin(self, dim: int, block: int) -> GradientDestinations:
+        """The destinations of this forward's gradient, stored by a kernel in blocks of `block` of a feature's
+        `dim` columns (`serves` said yes)."""
         if self.epoch is not None:
             raise RuntimeError("the fused embedding exchange's gradient push was begun twice for one forward")
-        destinations = self.exchange.gradient_destinations(self.bags, self.scale)
+        destinations = self.exchange.gradient_destinations(self.bags, self.scale, dim, block)
         self.epoch = destinations.epoch
         return destinations
 
