@@ -73,15 +73,16 @@ def _interaction_forward_kernel(dense_ptr, sparse_ptr, out_ptr, dense_stride, sp
 @triton.jit(do_not_specialize=["batch", "epoch"])  # one compiled binary serves every step (kernels/launch.py)
 def _interaction_backward_kernel(grad_ptr, dense_ptr, sparse_ptr, grad_dense_ptr, grad_sparse_ptr, grad_stride,
                                  dense_stride, sparse_stride_b, sparse_stride_f, batch,
-                                 out_ptrs, out_row_base_ptr, out_row_len_ptr, block_dest_ptr, block_dst_ptr, ready_ptrs,
-                                 ack_ptr, error_ptr, rank, epoch, num_programs, spin_limit, scale,
+                                 out_ptrs, out_row_base_ptr, out_row_len_ptr, block_dest_ptr, block_dst_ptr,
+                                 ready_ptrs, ack_ptr, error_ptr, rank, epoch, num_programs, spin_limit, scale,
                                  F: tl.constexpr, D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
                                  PRECISION: tl.constexpr, PUSH: tl.constexpr, WORLD: tl.constexpr):
     """One program per sample, d S stored into grad_sparse; or, with PUSH, up to the fused exchange's program count
     (samples pid, pid + grid, ...) storing d S * scale straight into the owners' gradient buffers (the columns
     d0 .. d0 + BLOCK_D of feature f, block k = d0 / BLOCK_D, go to rank block_dest[k, f], from column
-    block_dst[k, f] on, row out_row_base[rank] + b) once every owner released that buffer half, then raising flags rank * num_programs + slot everywhere, for slots pid,
-    pid + grid, ... below num_programs (the owners wait for all of them)."""
+    block_dst[k, f] on, row out_row_base[rank] + b) once every owner released that buffer half, then raising
+    flags rank * num_programs + slot everywhere, for slots pid, pid + grid, ... below num_programs (the owners
+    wait for all of them)."""
     pid = tl.program_id(0)
     f = tl.arange(0, BLOCK_F)
     i, j = f[:, None], f[None, :]
@@ -203,8 +204,9 @@ def _launch_backward(grad: torch.Tensor, dense: torch.Tensor, sparse: torch.Tens
         grid, pushed = b, (None,) * 13
     else:
         grid = _push_grid(b, push.num_programs, sparse.device)
-        pushed = (push.out_ptrs, push.out_row_base, push.out_row_len, push.block_dest, push.block_dst, push.ready_ptrs,
-                  push.ack, push.error, push.rank, push.epoch, push.num_programs, push.spin_limit, push.scale)
+        pushed = (push.out_ptrs, push.out_row_base, push.out_row_len, push.block_dest, push.block_dst,
+                  push.ready_ptrs, push.ack, push.error, push.rank, push.epoch, push.num_programs, push.spin_limit,
+                  push.scale)
     args = (*tensors, *strides, b, *pushed, f, d, _block_f(f), block_d, precision, push is not None, world)
     _LAUNCHES["backward"](key, (grid, 1, 1), args, dict(num_warps=num_warps, num_stages=1))
 

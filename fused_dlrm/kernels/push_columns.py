@@ -35,8 +35,9 @@ class GradientDestinations:
     interaction's backward: kernels/pairwise_interaction.py), in this push's protocol: with the output row seen as
     features, each cut in blocks of columns, block k of feature f of a local sample b's row goes, times `scale`,
     to rank r = block_dest[k, f]'s buffer out_ptrs[r], row out_row_base[r] + b (rows of out_row_len[r] fp32
-    values), columns from block_dst[k, f] on; once ack[r] >= epoch - 1 (the owner released that half); then ready flags `rank * num_programs + slot`, every slot below `num_programs`, rise in every rank
-    after the stores behind them (the owners' wait counts on all of them). Made per backward by the exchange
+    values), columns from block_dst[k, f] on; once ack[r] >= epoch - 1 (the owner released that half); then
+    ready flags `rank * num_programs + slot`, every slot below `num_programs`, rise in every rank after the stores
+    behind them (the owners' wait counts on all of them). Made per backward by the exchange
     (sparse/fused_all_to_all.py: GradientPush)."""
 
     out_ptrs: torch.Tensor  # int64 [world]
