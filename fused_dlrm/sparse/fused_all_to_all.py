@@ -117,13 +117,11 @@ class FusedPooledAllToAll(nn.Module):
         self.push_row_len = as_tensor(self.owned_dim)
         # The same mapping per output column (owner, owner's column), for a consumer that pushes the gradient
         # itself (GradientPush): on the host, from which `push_blocks` makes its tables.
+        owners = [r for r, slices in enumerate(slices_of_rank) for _ in slices]
         col_dest, col_dst = [0] * self.row_len, [0] * self.row_len
-        for r, slices in enumerate(slices_of_rank):
-            lookup_col = 0
-            for s in slices:
-                col_dest[s.col:s.col + s.dim] = [r] * s.dim
-                col_dst[s.col:s.col + s.dim] = range(lookup_col, lookup_col + s.dim)
-                lookup_col += s.dim
+        for s, owner, lookup_col in zip(every, owners, lookup_cols):
+            col_dest[s.col:s.col + s.dim] = [owner] * s.dim
+            col_dst[s.col:s.col + s.dim] = range(lookup_col, lookup_col + s.dim)
         self._col_map = (torch.tensor(col_dest, dtype=torch.int32), torch.tensor(col_dst, dtype=torch.int32))
         self._push_blocks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor] | None] = {}
         self.errors = PeerErrors(device, self.rank, "fused embedding all-to-all")
