@@ -89,6 +89,7 @@ def test_torchrec_and_bulk_train_the_same_model(tmp_path, arches):
         assert r["sharding"]["pipelined_modules"] == [r["sharding"]["module"]], name  # the pipeline ran its input dist
     assert torchrec["sharding"]["module"] == "ShardedEmbeddingBagCollection"  # torchrec's own, fbgemm's TBE
     assert bulk["sharding"]["module"] == "FusedShardedEBC"
+    assert torchrec["sharding"]["backward_pushes"] is None and bulk["sharding"]["backward_pushes"] is None
     # Same model, batches and optimizers: the same loss curve (fp32, summation order aside), and it moved.
     assert bulk["losses"] == pytest.approx(torchrec["losses"], rel=1e-5)
     assert len(set(torchrec["losses"])) == len(torchrec["losses"])
@@ -105,6 +106,39 @@ def test_torchrec_and_bulk_train_the_same_model(tmp_path, arches):
         assert ratio == f"{r['speedup_vs_torchrec']:.2f}x"
     assert rows["fused"] == "not run: no fused path on this machine (CPU)".split()
     assert "dlrm_step: fused: no fused path on this machine (CPU)" in done.stdout.splitlines()
+
+
+def _bulk_and_fused_at_one_rank(rank: int, world: int, argv: list[str], tmp: str) -> None:
+    args = dlrm_step.parse_args(argv)
+    cfg = dlrm_step.config(args)
+    env = init_distributed(cfg.trainer.device, cfg.comm.backend)
+    cfg.data.train.device = env.device.type
+    batches = dlrm_step.make_batches(cfg, env, args.batches)
+    # run_variant, not run_suite: the suite leaves comm=fused out at world 1 (nothing to exchange to time)
+    results = {v: dlrm_step.run_variant(v, cfg, env, batches, args.warmup, args.steps, args.arches)
+               for v in ("bulk", "fused")}
+    report = dlrm_step.suite_report(cfg, env, args.warmup, args.steps, args.arches, results)
+    Path(tmp, "report.json").write_text(json.dumps(report))
+    Path(tmp, "table.txt").write_text(dlrm_step.render_table(report))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (comm=fused)")
+def test_fused_variant_on_one_gpu_pushes_through_the_interaction(tmp_path):
+    """One rank on a GPU, train.py's lean arches under DMP + TrainPipelineSparseDist: the fused sharder trains the
+    bulk sharder's model (same losses) and every backward's table gradient is pushed by the pairwise interaction's
+    kernel (the exchange's output reaches it as a KeyedTensor's values, viewed), not by the exchange's fallback."""
+    tiny = [a for a in TINY if not a.startswith("model.embedding_dim")] + ["model.embedding_dim=16",
+                                                                          "model.dense_arch=[16,16]"]
+    run_world(1, _bulk_and_fused_at_one_rank, ["--warmup", str(WARMUP), "--steps", str(STEPS), "--batches", "3",
+                                               "--arches", "lean", *tiny], str(tmp_path), backend="nccl")
+    bulk, fused = json.loads((tmp_path / "report.json").read_text())["variants"].values()
+    assert fused["sharding"]["module"] == "FusedShardedEBC"
+    assert fused["sharding"]["pipelined_modules"] == ["FusedShardedEBC"]
+    assert fused["sharding"]["backward_pushes"] == {"consumer": WARMUP + STEPS, "exchange": 0}
+    assert len(set(bulk["losses"])) == len(bulk["losses"])  # it trained
+    assert fused["losses"] == pytest.approx(bulk["losses"], rel=1e-4)  # TF32 off: fp32 summation order aside
+    assert (f"fused: the tables' gradient pushed by the interaction's kernel in {WARMUP + STEPS} backwards, by the "
+            "exchange's push kernel in 0") in (tmp_path / "table.txt").read_text().splitlines()
 
 
 # ------------------------------------------------------------------------------------------------------------

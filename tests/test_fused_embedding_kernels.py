@@ -331,7 +331,7 @@ def test_interaction_on_the_exchange_output_takes_its_gradient_push(dim, pushed)
     tables as the bulk lookup's with the reference gradient, two steps. Features of 6 columns are not offered
     (the kernel's row blocks would start unaligned in the owner's row): the gradient then returns through
     autograd to the exchange's own push, with the same result. A second consumer of the output is a clear error,
-    not a silently lost gradient."""
+    not a silently lost gradient. The exchange counts who pushed (backward_pushes)."""
     features, batch = 4, 5
     tables = make_tables([dim] * features, [10, 20, 7, 9])
     world = World(tables, 1, optimizer="sgd", num_programs=3)
@@ -351,6 +351,7 @@ def test_interaction_on_the_exchange_output_takes_its_gradient_push(dim, pushed)
                                             want_sparse.flatten(1).float() * 0.5)
         for t in tables:
             torch.testing.assert_close(world.table(t.name), reference.table(t.name), rtol=1e-5, atol=1e-6)
+    assert exchange.backward_pushes == ({"consumer": 2, "exchange": 0} if pushed else {"consumer": 0, "exchange": 2})
     if not pushed:
         return
     out = exchange(bags, 1.0)

@@ -226,10 +226,13 @@ def sharding(dmp: DistributedModelParallel, pipeline: TrainPipelineSparseDist) -
     """How the variant ran: DMP's plan for the collection, the sharded module, and what the pipeline pipelined
     (a module it cannot pipeline would run its input dist inside the forward instead, silently)."""
     plan = dmp.plan.get_plan_for_module(EBC_PATH)
-    return {"module": type(dmp.module.model.sparse_arch.embedding_bag_collection).__name__,
+    module = dmp.module.model.sparse_arch.embedding_bag_collection
+    return {"module": type(module).__name__,
             "sharding_types": sorted({p.sharding_type for p in plan.values()}),
             "compute_kernels": sorted({p.compute_kernel for p in plan.values()}),
-            "pipelined_modules": [type(m).__name__ for m in pipeline._pipelined_modules]}
+            "pipelined_modules": [type(m).__name__ for m in pipeline._pipelined_modules],
+            # comm=fused: whose kernel pushed the tables' gradient back (the interaction's, or the exchange's)
+            "backward_pushes": getattr(module, "backward_pushes", None)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -266,6 +269,11 @@ def run_suite(cfg: DictConfig, env: DistEnv, variants: list[str], warmup: int, s
         gc.collect()  # the variant's model (DDP holds reference cycles) goes before the next one is built
         if env.device.type == "cuda":
             torch.cuda.empty_cache()
+    return suite_report(cfg, env, warmup, steps, arches, results)
+
+
+def suite_report(cfg: DictConfig, env: DistEnv, warmup: int, steps: int, arches: str, results: dict) -> dict:
+    """The variants' results (speedups over torchrec added) with what they ran on and how they were timed."""
     baseline = results.get(BASELINE, {}).get("step_ms")
     for r in results.values():
         if "step_ms" in r:
@@ -293,6 +301,11 @@ def render_table(report: dict) -> str:
         ratio = r["speedup_vs_torchrec"]
         lines.append(f"{name:10} {r['step_ms']:10.3f} {r['samples_per_s']:11.0f} {r['loss_first']:11.5f} "
                      f"{r['loss_last']:10.5f} {f'{ratio:.2f}x' if ratio else 'n/a':>12}")
+    for name, r in report["variants"].items():
+        pushes = r.get("sharding", {}).get("backward_pushes")
+        if pushes:
+            lines.append(f"{name}: the tables' gradient pushed by the interaction's kernel in {pushes['consumer']} "
+                         f"backwards, by the exchange's push kernel in {pushes['exchange']}")
     lines.append("vs torchrec: torchrec's step time / the variant's (above 1: faster than torchrec)")
     return "\n".join(lines)
 

@@ -129,6 +129,9 @@ class FusedPooledAllToAll(nn.Module):
         self._plans: dict[tuple[int, ...], _Plan] = {}
         self._zero_rows = torch.zeros(self.world, dtype=torch.int64, device=device)
         self._waits: dict[str, ReadyWait] = {}
+        # Who pushed each backward's gradient: the consumer's kernel (GradientPush taken) or this exchange's push
+        # kernel. A silent fallback costs a pass over the gradient; runs report these (bench dlrm_step).
+        self.backward_pushes = {"consumer": 0, "exchange": 0}
 
     # -- forward ------------------------------------------------------------------------------------------------
     def start(self, bags: OwnedBags) -> int:
@@ -340,9 +343,11 @@ class _FusedExchange(torch.autograd.Function):
                                    "pushed its gradient to the owners (the pairwise interaction): their gradients "
                                    "cannot be summed; use comm=bulk for such a model")
             epoch = push.epoch
+            ex.backward_pushes["consumer"] += 1
         else:
             grad = torch.zeros(ctx.bags.batch_sizes[ex.rank], ex.row_len, device=ex.ws.device) if grad is None \
                 else grad
             epoch = ex.start_backward(ctx.bags, grad, ctx.scale)
+            ex.backward_pushes["exchange"] += 1
         ex.finish_backward(ctx.bags, epoch)
         return None, None, None, None

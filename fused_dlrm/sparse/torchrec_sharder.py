@@ -302,6 +302,12 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
                                                embedding_names=self.feature_names)
 
     @property
+    def backward_pushes(self) -> dict[str, int] | None:
+        """comm=fused: how many backwards' gradients the consumer's kernel pushed, and how many the exchange's
+        push kernel (FusedPooledAllToAll.backward_pushes); None for comm=bulk."""
+        return None if self._exchange is None else dict(self._exchange.backward_pushes)
+
+    @property
     def fused_optimizer(self) -> FusedTableOptimizer:
         return self._optim
 

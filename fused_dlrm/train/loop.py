@@ -150,4 +150,8 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
             run.end_step(loss)  # step += 1; the loss summed on the device
             epoch, batch = next_batch()  # its input dist overlaps this step's tail on the GPU
             run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
+    if sparse.fused is not None:  # the exchange's own push is the slower fallback (an extra pass over d S)
+        pushes = sparse.fused.backward_pushes
+        log.info("comm=fused: the tables' gradient pushed to their owners by the interaction's backward kernel in "
+                 "%d steps, by the exchange's push kernel in %d", pushes["consumer"], pushes["exchange"])
     return run.finish()  # the last loss check, evaluation and checkpoint
