@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from fused_dlrm.data import SyntheticCriteo
-from fused_dlrm.dist import DistEnv
-from fused_dlrm.train.build import build_model
-from fused_dlrm.train.loop import train
+from fused_dlrm.dist import DistEnv, all_reduce_sum
+from fused_dlrm.train.build import build_dataset, build_model, dense_parameters
+from fused_dlrm.train.loop import train, train_step
 from fused_dlrm.train.schedule import NonFiniteLossError, TrainingRun
 from fused_dlrm.train.rundir import register_resolvers
 from world import run_torchrun, run_world
@@ -74,6 +76,25 @@ def _resume_two_ranks(rank: int, world: int, tmp: str, column_shards: int) -> No
     full = train(config(*common), env, Path(tmp) / "full")
     resumed = train(config(*common, f"trainer.resume_from={tmp}/full/checkpoints/step_10"), env, Path(tmp) / "r10")
     assert resumed.losses == [(s, l) for s, l in full.losses if s > 10]
+
+
+def _step_loss_is_the_global_batch_mean(rank: int, world: int) -> None:
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    cfg = config(*SMALL, "data.global_batch_size=101")  # uneven local batches: 51 and 50
+    model = build_model(cfg, env)
+    batch = build_dataset(cfg, "train", env).batch(0)
+    with torch.no_grad():
+        logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
+    want = all_reduce_sum(F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")) / 101
+    optimizer = instantiate(cfg.trainer.dense_optimizer, params=dense_parameters(model))
+    loss = train_step(model, optimizer, batch, world)  # this rank's share, times the world size
+    torch.testing.assert_close(all_reduce_sum(loss.clone()) / world, want, rtol=1e-6, atol=0)
+
+
+def test_step_loss_weights_uneven_local_batches_by_the_global_batch():
+    """train_step's loss (the one whose gradient the ranks average) is the mean over the global batch, local
+    batches of 51 and 50 samples weighted by their size: the global batch comes from the input dist's header."""
+    run_world(2, _step_loss_is_the_global_batch_mean)
 
 
 @pytest.mark.parametrize("column_shards", [1, 2])

@@ -103,6 +103,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._prefetched: tuple[KeyedJaggedTensor, object, torch.cuda.Event | None] | None = None
         self._pending_header: tuple[KeyedJaggedTensor, object] | None = None
         self._side_stream = None
+        self.global_batch_size = 0  # samples over all ranks in the last forward's batch (its input dist's header)
         self.fused = None
         if comm is not None:
             self.fused = build_fused_exchange(self.lookup, slices, comm, group, device)
@@ -114,6 +115,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         bags = self._take_prefetched(features)
         if bags is None:
             bags = self.input_dist(features)
+        self.global_batch_size = sum(bags.batch_sizes)
         if self.fused is not None:
             values = self.fused(bags, torchrec_gradient_scale(self.world_size))
         else:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from fused_dlrm.dist import DistEnv, all_reduce_sum
+from fused_dlrm.dist import DistEnv
 from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
@@ -58,9 +58,10 @@ def train_step(model, optimizer, batch, world_size: int) -> torch.Tensor:
     logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
     # Sum over the local batch / global batch, times world size: DDP's average over ranks (and the sparse
     # all-to-all's division by world size, as in torchrec) then give the gradient of the global-batch mean,
-    # uneven local batches weighted correctly.
-    global_batch = all_reduce_sum(torch.full((), float(logits.numel()), device=logits.device))  # no host copy
-    loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") * world_size / global_batch
+    # uneven local batches weighted correctly. The global batch is known on the host since the input dist's
+    # header (every rank's batch size): no collective for it.
+    global_batch = model.sparse_arch.embedding_bag_collection.global_batch_size
+    loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") * (world_size / global_batch)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
