@@ -1,10 +1,11 @@
 """The training loop: read it top to bottom.
 
 One step: batch -> DLRM forward (sparse all-to-alls inside) -> loss -> backward (embedding optimizer fused
-into it, dense gradients averaged by DDP) -> dense optimizer step. On GPUs the dense arches replay CUDA graphs
-(`trainer.cuda_graphs`, captured by build_model). Every `log_every` steps the loss is reduced
-over ranks and checked for NaN/inf; every `eval_every` steps AUC and log loss are measured on held-out data;
-every `checkpoint_every` steps a checkpoint is written (only after the loss was checked).
+into it, dense gradients averaged by DDP) -> dense optimizer step. On GPUs the dense arches and the dense
+optimizer's step replay CUDA graphs (`trainer.cuda_graphs`: captured by build_model, and by graphed_step).
+Every `log_every` steps the loss is reduced over ranks and checked for NaN/inf; every `eval_every` steps AUC and
+log loss are measured on held-out data; every `checkpoint_every` steps a checkpoint is written (only after the
+loss was checked).
 
 Batches are made `trainer.batches_ahead` ahead by a thread (`BatchesAhead`: generation, or pinning and the
 host-to-device copy, on a stream of its own on GPUs); the next batch's input all-to-all runs ahead on a side stream
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,7 @@ from fused_dlrm.dist import DistEnv
 from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
+from fused_dlrm.train.graphed_step import dense_step
 from fused_dlrm.train.metrics import CTRMetrics
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
 
@@ -52,9 +55,10 @@ def evaluate(model, dataset, num_batches: int, env: DistEnv) -> dict[str, float]
     return metrics.compute()
 
 
-def train_step(model, optimizer, batch, world_size: int) -> torch.Tensor:
+def train_step(model, optimizer, batch, world_size: int, step: Callable[[], None] | None = None) -> torch.Tensor:
     """One step on a batch already on the device: forward (sparse all-to-alls inside), loss, backward (embedding
-    optimizer fused into it, dense gradients averaged by DDP), dense optimizer step. Returns the detached loss."""
+    optimizer fused into it, dense gradients averaged by DDP), dense optimizer step (`step`, by default
+    optimizer.step; graphed_step.dense_step's replays a CUDA graph of it). Returns the detached loss."""
     logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
     # Sum over the local batch / global batch, times world size: DDP's average over ranks (and the sparse
     # all-to-all's division by world size, as in torchrec) then give the gradient of the global-batch mean,
@@ -64,7 +68,7 @@ def train_step(model, optimizer, batch, world_size: int) -> torch.Tensor:
     loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") * (world_size / global_batch)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    optimizer.step()
+    (step or optimizer.step)()
     return loss.detach()
 
 
@@ -81,6 +85,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     step = 0
     if t.resume_from:
         step = load_checkpoint(t.resume_from, model, optimizer, sparse.lookup.optimizer)
+    step_optimizer = dense_step(optimizer, t.cuda_graphs, env.device)  # after loading: it sets the groups' options
 
     def log_fields(interval: Interval) -> tuple[dict, str]:
         loss = interval.losses[0]
@@ -147,7 +152,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     with BatchesAhead(batches, env.device, batches_ahead) if batches_ahead else nullcontext(batches) as batches:
         epoch, batch = next_batch()
         while not done(epoch):
-            loss = train_step(model, optimizer, batch, env.world_size)
+            loss = train_step(model, optimizer, batch, env.world_size, step_optimizer)
             run.end_step(loss)  # step += 1; the loss summed on the device
             epoch, batch = next_batch()  # its input dist overlaps this step's tail on the GPU
             run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
