@@ -6,7 +6,7 @@ into column shards travels to each shard's rank. Bulk-synchronous, with torch.di
   1. a header all-to-all: local batch size, what is wrong with the batch (unknown or missing keys, values that
      disagree with the lengths, out-of-range indices), and the value count of each feature per destination
      (sizes must be known on the host);
-  2. lengths all-to-all; 3. values all-to-all (4. per-sample weights, when the KJT has them).
+  2. one all-to-all of lengths and values (3. per-sample weights, when the KJT has them).
 One host sync: the header sent and the header received, read together. Everything else stays on the device: the
 regroups before and after the exchange are one kernel each on GPUs (kernels/segment_gather.py; not a split + cat
 per feature, whose host time grows with the feature count), and the checks of the batch ride in the header, so
@@ -172,15 +172,20 @@ class BulkInputDist:
             send_values = gather_segments(values, counts, plan.perm, total)
             send_weights = None if send_weights is None else gather_segments(send_weights, counts, plan.perm, total)
 
+        # Lengths and values in one all-to-all (a collective's host time less per batch): each destination's
+        # lengths (in the values' dtype for the trip), then its values.
         send_length_splits = [len(feats) * local_batch for feats in self.features_of_rank]
         recv_length_splits = [len(mine) * b for b in batch_sizes]
-        recv_lengths = all_to_all_v(send_lengths.reshape(-1), send_length_splits, recv_length_splits, self.group)
-        recv_values = all_to_all_v(send_values, values_to, values_from, self.group)
+        send = torch.cat([part for pair in zip(send_lengths.reshape(-1).to(send_values.dtype).split(send_length_splits),
+                                               send_values.split(values_to)) for part in pair])
+        received = all_to_all_v(send, [a + b for a, b in zip(send_length_splits, values_to)],
+                                [a + b for a, b in zip(recv_length_splits, values_from)], self.group)
+        parts = received.split([n for pair in zip(recv_length_splits, values_from) for n in pair])
+        recv_values = torch.cat(parts[1::2])
         recv_weights = None if send_weights is None else all_to_all_v(send_weights, values_to, values_from, self.group)
 
-        per_source_lengths = [chunk.view(len(mine), b) for chunk, b in
-                              zip(torch.split(recv_lengths, recv_length_splits), batch_sizes)]
-        owned_lengths = torch.cat(per_source_lengths, dim=1)
+        per_source_lengths = [chunk.view(len(mine), b) for chunk, b in zip(parts[0::2], batch_sizes)]
+        owned_lengths = torch.cat(per_source_lengths, dim=1).to(lengths.dtype)
         values, weights = recv_values, recv_weights
         if world > 1 and len(mine) > 1:  # with one source or one feature the two orders are the same
             received = recv[:, FIRST_COUNT:FIRST_COUNT + len(mine)].reshape(-1)  # (source, feature) segments
