@@ -59,3 +59,22 @@ def test_values_longer_than_lengths_one_process():
                                lengths=kjt.lengths())
     with pytest.raises(ValueError, match=r"rank 0: the KeyedJaggedTensor has \d+ values but its lengths sum to"):
         sharded(longer)
+
+
+def _int32_values_like_int64(rank: int, world: int) -> None:
+    keys = [f for t in TABLES for f in t.feature_names]
+    lengths, values, weights = global_batch(3, 9, TABLES, True)
+    start, stop = local_batch_bounds(9, rank, world)
+    kjt = to_kjt(keys, lengths, values, weights, start, stop)
+    narrow = KeyedJaggedTensor(keys=keys, values=kjt.values().int(), lengths=kjt.lengths(), weights=kjt.weights())
+    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig())
+    wide, small = sharded.input_dist(kjt), sharded.input_dist(narrow)
+    assert small.values.dtype == torch.int32 and small.lengths.dtype == wide.lengths.dtype
+    assert torch.equal(small.values.long(), wide.values) and torch.equal(small.lengths, wide.lengths)
+    assert torch.equal(small.weights, wide.weights) and small.feature_value_offsets == wide.feature_value_offsets
+
+
+def test_int32_values_travel_with_the_lengths_as_int64_ones_do():
+    """Lengths and values share one all-to-all, the lengths in the values' dtype for the trip: int32 indices give
+    the owners the same bags (lengths back in their own dtype), weights alongside, 3 ranks with uneven batches."""
+    run_world(3, _int32_values_like_int64)
