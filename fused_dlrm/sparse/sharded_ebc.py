@@ -115,7 +115,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         bags = self._take_prefetched(features)
         if bags is None:
             bags = self.input_dist(features)
-        self.global_batch_size = sum(bags.batch_sizes)
+        self.global_batch_size = bags.global_batch
         if self.fused is not None:
             values = self.fused(bags, torchrec_gradient_scale(self.world_size))
         else:
