@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from fused_dlrm.train.batches_ahead import BatchesAhead
+from world import run_world
 
 CPU = torch.device("cpu")
 
@@ -60,3 +63,54 @@ def test_close_stops_a_thread_waiting_on_a_full_queue():
 def test_depth_must_be_positive():
     with pytest.raises(ValueError, match="depth must be >= 1"):
         BatchesAhead(iter([]), CPU, depth=0)
+
+
+def test_prepare_runs_on_the_thread_before_its_batch_is_handed_out():
+    prepared = []
+
+    def prepare(b: Batch) -> None:
+        assert threading.current_thread().name == "batches-ahead"
+        prepared.append(int(b.dense_features))
+
+    with BatchesAhead(((0, batch(s)) for s in range(5)), CPU, depth=2, prepare=prepare) as ahead:
+        for step in range(5):
+            _, b = next(ahead)
+            assert int(b.dense_features) == step and step in prepared
+    assert prepared == list(range(5))
+
+
+def test_an_error_in_prepare_reaches_the_consumer_at_its_batch():
+    def prepare(b: Batch) -> None:
+        if int(b.dense_features) == 1:
+            raise IndexError("rank 0: feature 'f' has index 7, outside table 't' of 5 rows")
+
+    with BatchesAhead(((0, batch(s)) for s in range(4)), CPU, prepare=prepare) as ahead:
+        assert int(next(ahead)[1].dense_features) == 0
+        with pytest.raises(IndexError, match="index 7"):
+            next(ahead)
+
+
+def _close_matches_collectives(rank: int, world: int) -> None:
+    """Each rank's prepare runs a collective, at its own pace; both close after 3 batches: no rank is left waiting
+    in a collective that the other never joins, and both made the same number of batches."""
+    made = []
+
+    def prepare(b: Batch) -> None:
+        time.sleep(0.05 * rank)  # rank 1's thread lags: at close it has made fewer batches than rank 0's
+        total = b.dense_features.clone()
+        dist.all_reduce(total)
+        assert float(total) == world * float(b.dense_features)  # the same batch on both ranks
+        made.append(int(b.dense_features))
+
+    stream = ((0, batch(s)) for s in range(100))
+    ahead = BatchesAhead(stream, CPU, depth=2, prepare=prepare)
+    for step in range(3):
+        assert int(next(ahead)[1].dense_features) == step
+    if rank == 0:
+        time.sleep(0.5)  # rank 0's thread has filled its queue and waits to queue one more
+    ahead.close()
+    assert made == list(range(3 + 2 + 1))
+
+
+def test_close_runs_prepare_to_the_same_batch_on_every_rank():
+    run_world(2, _close_matches_collectives)

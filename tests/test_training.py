@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from fused_dlrm.data import SyntheticCriteo
 from fused_dlrm.dist import DistEnv, all_reduce_sum
+from fused_dlrm.sparse.sharded_ebc import ShardedEmbeddingBagCollection
 from fused_dlrm.train.build import build_dataset, build_model, dense_parameters
 from fused_dlrm.train.loop import train, train_step
 from fused_dlrm.train.schedule import NonFiniteLossError, TrainingRun
@@ -206,11 +207,39 @@ def _prefetch_same_curve(rank: int, world: int, tmp: str) -> None:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
     common = SMALL + ["trainer.max_steps=12", "trainer.eval_every=6", "trainer.checkpoint_every=0",
                       "trainer.log_every=1"]
-    headers = train(config(*common, "trainer.prefetch_input_dist=true"), env, Path(tmp) / "headers")
-    ahead = train(config(*common, "trainer.header_ahead=false"), env, Path(tmp) / "ahead")
+    # The batch thread distributes (the default): count the batches it distributed and the forwards that took them.
+    counts = {"distributed": 0, "taken": 0}
+    made_by = ShardedEmbeddingBagCollection.input_dist_on_thread
+    take = ShardedEmbeddingBagCollection._take_prefetched
+
+    def on_thread(self):
+        distribute = made_by(self)
+
+        def counted(features):
+            distribute(features)
+            counts["distributed"] += 1
+        return counted
+
+    def taken(self, features):
+        bags = take(self, features)
+        counts["taken"] += bags is not None
+        return bags
+
+    ShardedEmbeddingBagCollection.input_dist_on_thread, ShardedEmbeddingBagCollection._take_prefetched = on_thread, taken
+    try:
+        thread = train(config(*common), env, Path(tmp) / "thread")
+    finally:
+        ShardedEmbeddingBagCollection.input_dist_on_thread, ShardedEmbeddingBagCollection._take_prefetched = made_by, take
+    # Every step's batch came from the thread. The loop read 13 batches (the 13th says the run is done); on closing,
+    # the thread ran on to 13 + depth (2) + 1, the same count on both ranks, whatever its timing.
+    assert counts == {"distributed": 16, "taken": 12}, counts
+    headers = train(config(*common, "trainer.input_dist_on_thread=false"), env, Path(tmp) / "headers")
+    ahead = train(config(*common, "trainer.input_dist_on_thread=false", "trainer.header_ahead=false"), env,
+                  Path(tmp) / "ahead")
     inline = train(config(*common, "trainer.prefetch_input_dist=false"), env, Path(tmp) / "inline")
-    assert headers.losses == ahead.losses == inline.losses and headers.evals == ahead.evals == inline.evals
-    assert len(headers.losses) == 12
+    assert thread.losses == headers.losses == ahead.losses == inline.losses
+    assert thread.evals == headers.evals == ahead.evals == inline.evals
+    assert len(thread.losses) == 12
 
 
 def test_input_dist_ahead_gives_the_same_training(tmp_path):

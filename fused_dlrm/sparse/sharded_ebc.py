@@ -8,6 +8,9 @@ output dist (pooled all-to-all). The tables are updated by the lookup's backward
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -83,11 +86,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         # On GPUs the input dist has a communicator of its own: NCCL runs one group's collectives in issue order,
         # so a prefetched batch's all-to-alls (and the host, which waits for their sizes) would queue behind the
         # running step's collectives instead of overlapping the step.
-        input_group = group
-        if device.type == "cuda" and self.world_size > 1:
-            input_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
+        self._group = group
         self.input_dist = BulkInputDist(features_of_rank, {f: (t.name, t.num_embeddings) for t in tables
-                                                           for f in t.feature_names}, input_group)
+                                                           for f in t.feature_names},
+                                        self._own_group() if device.type == "cuda" else group)
         seeds = table_seeds(tables, seed)
         by_name = {t.name: t for t in tables}
         # A column shard starts as its columns of the whole table's initialisation (drawn whole for a moment), so
@@ -101,12 +103,40 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                             optimizer, device)
         self.output_dist = BulkOutputDist([[s.dim for s in mine] for mine in slices], _column_order(slices), group)
         self._prefetched: tuple[KeyedJaggedTensor, object, torch.cuda.Event | None] | None = None
+        self._from_thread: list[tuple[KeyedJaggedTensor, object, torch.cuda.Event | None]] = []  # in batch order
+        self._from_thread_lock = threading.Lock()
         self._pending_header: tuple[KeyedJaggedTensor, object] | None = None
         self._side_stream = None
         self.global_batch_size = 0  # samples over all ranks in the last forward's batch (its input dist's header)
         self.fused = None
         if comm is not None:
             self.fused = build_fused_exchange(self.lookup, slices, comm, group, device)
+
+    def _own_group(self) -> dist.ProcessGroup | None:
+        """A new communicator over this collection's ranks (made on every rank at the same point): one group's
+        collectives run in the order they are issued, so the input dist's own lets its all-to-alls overlap the
+        step's instead of queueing behind them. None in one process (no collectives)."""
+        if self.world_size == 1:
+            return self._group
+        return dist.new_group(dist.get_process_group_ranks(self._group or dist.group.WORLD))
+
+    def input_dist_on_thread(self) -> Callable[[KeyedJaggedTensor], None]:
+        """A function for a thread that makes batches ahead (train/batches_ahead.py's `prepare`): it distributes one
+        batch's input there, on the thread's current stream, and leaves the bags for that batch's forward here, so
+        that the input dist's host time leaves the thread that enqueues the steps. Its input dist has a
+        communicator of its own, made now on every rank: the thread's all-to-alls then never interleave with the
+        main thread's (an evaluation's) in different orders on different ranks. Call it on every rank; the thread
+        must run it on the same batches everywhere (a bad batch raises there, on every rank)."""
+        input_dist = BulkInputDist(self.input_dist.features_of_rank, self.input_dist.tables, self._own_group())
+
+        def distribute(features: KeyedJaggedTensor) -> None:
+            bags, ready = input_dist(features), None
+            if bags.values.is_cuda:  # what the forward waits for
+                ready = torch.cuda.Event()
+                ready.record()
+            with self._from_thread_lock:
+                self._from_thread.append((features, bags, ready))
+        return distribute
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
@@ -146,6 +176,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 ready.record()
             self._prefetched = (features, bags, ready)
 
+    def drop_prefetched(self) -> None:
+        """Forget the bags distributed ahead for batches that will not be forwarded (a run's end)."""
+        self._prefetched = None
+        with self._from_thread_lock:
+            self._from_thread.clear()
+
     def _on_side_stream(self, features: KeyedJaggedTensor):
         """The input dist's stream: on GPUs a side stream that first waits for the stream current here (where the
         KJT was made); on the CPU, nothing to switch (torch.cuda.stream(None) does nothing)."""
@@ -156,9 +192,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return torch.cuda.stream(self._side_stream)
 
     def _take_prefetched(self, features: KeyedJaggedTensor):
-        if self._prefetched is None or self._prefetched[0] is not features:
-            return None
-        (_, bags, ready), self._prefetched = self._prefetched, None
+        """The bags of `features` if distributed ahead (prefetch, or the batch thread's), else None."""
+        if self._prefetched is not None and self._prefetched[0] is features:
+            (_, bags, ready), self._prefetched = self._prefetched, None
+        else:
+            with self._from_thread_lock:  # batches come in order: those before this one were never forwarded
+                mine = next((i for i, (kjt, _, _) in enumerate(self._from_thread) if kjt is features), None)
+                if mine is None:
+                    return None
+                _, bags, ready = self._from_thread[mine]
+                del self._from_thread[:mine + 1]
         if ready is not None:  # made on the side stream, read on this one
             main = torch.cuda.current_stream()
             main.wait_event(ready)

@@ -9,13 +9,19 @@ consumer's stream waits on; on the CPU the thread only runs ahead.
 Batches come out in the order of the stream, whatever the timing: the data of a step does not change. An error
 raised while making a batch (a missing file, a malformed line) is raised again by the `next()` that would have
 returned that batch.
+
+`prepare(batch)`, when given, runs on the thread after the batch is on the device (the DLRM loop distributes the
+batch's input there: ShardedEmbeddingBagCollection.input_dist_on_thread). It may hold collectives, which every
+rank must run on the same batches: `close()` lets the thread run on, unqueued, to a batch count that is the same
+on every rank closed at the same step (see close).
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torchrec.datasets.utils import Batch
@@ -28,10 +34,16 @@ _END = object()
 class BatchesAhead:
     """Iterator over (epoch, batch on `device`) from `batches` (host or device batches), made `depth` ahead."""
 
-    def __init__(self, batches: Iterator[tuple[int, Batch]], device: torch.device, depth: int = 2):
+    def __init__(self, batches: Iterator[tuple[int, Batch]], device: torch.device, depth: int = 2,
+                 prepare: Callable[[Batch], None] | None = None):
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.device = device
+        self.depth = depth
+        self._prepare = prepare
+        self._made = 0  # batches made (and prepared) by the thread
+        self._consumed = 0  # batches handed out by next()
+        self._made_by_close = 0  # set by close(): the thread makes this many in all before it ends
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._closed = threading.Event()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -46,16 +58,26 @@ class BatchesAhead:
                 torch.cuda.set_device(self.device)  # the current device is per thread ("cuda" means this one)
             with torch.cuda.stream(self._stream):  # torch.cuda.stream(None) does nothing
                 for epoch, batch in batches:
-                    batch, ready = to_device(batch, self.device), None
-                    if self._stream is not None:
-                        ready = torch.cuda.Event()
-                        ready.record(self._stream)
-                    if not self._put((epoch, batch, ready)):
-                        return
-        except BaseException as error:  # noqa: BLE001: handed to the consumer, raised there
+                    if not self._put(self._make(epoch, batch)):
+                        break
+                else:
+                    self._put(_END)
+                    return
+                # Closed: with `prepare`, make (unqueued) up to the count every rank's thread reaches (close()).
+                for epoch, batch in itertools.islice(batches, max(0, self._made_by_close - self._made)):
+                    self._make(epoch, batch)
+        except BaseException as error:  # noqa: BLE001: handed to the consumer, raised there (dropped once closed)
             self._put(error)
-            return
-        self._put(_END)
+
+    def _make(self, epoch: int, batch: Batch) -> tuple[int, Batch, torch.cuda.Event | None]:
+        batch, ready = to_device(batch, self.device), None
+        if self._prepare is not None:
+            self._prepare(batch)
+        self._made += 1
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return epoch, batch, ready
 
     def _put(self, item) -> bool:
         """Queue `item` unless closed meanwhile (then False): a full queue must not keep the thread alive."""
@@ -79,6 +101,7 @@ class BatchesAhead:
             self._queue.put(item)  # the thread has ended: every later next() raises it too
             raise item
         epoch, batch, ready = item
+        self._consumed += 1
         if ready is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(ready)
@@ -86,7 +109,13 @@ class BatchesAhead:
         return epoch, batch
 
     def close(self) -> None:
-        """Stop the thread (it may be waiting to queue a batch) and drop the batches made ahead."""
+        """Stop the thread (it may be waiting to queue a batch) and drop the batches made ahead.
+
+        With `prepare`, the thread first makes batches up to `consumed + depth + 1` in all (or the stream's end):
+        it never makes more than that (it makes a batch only after queueing the one before, into a queue of
+        `depth`), and ranks closed after the same number of steps reach the same count, so every collective that
+        one rank's `prepare` started is matched on the others instead of waiting for them forever."""
+        self._made_by_close = self._consumed + self.depth + 1 if self._prepare is not None else 0
         self._closed.set()
         self._thread.join()
         while not self._queue.empty():

@@ -8,8 +8,10 @@ log loss are measured on held-out data; every `checkpoint_every` steps a checkpo
 loss was checked).
 
 Batches are made `trainer.batches_ahead` ahead by a thread (`BatchesAhead`: generation, or pinning and the
-host-to-device copy, on a stream of its own on GPUs); the next batch's input all-to-all runs ahead on a side stream
-(`next_batch`; the input dist has a communicator of its own). The host waits for the GPU inside a step only where a
+host-to-device copy, on a stream of its own on GPUs), and with `trainer.input_dist_on_thread` that thread runs
+their input dist too (its all-to-alls, the wait for their sizes and the host time of it all leave the thread
+that enqueues the steps; a communicator of its own). Otherwise the next batch's input all-to-all runs ahead on a
+side stream (`next_batch`; the input dist has a communicator of its own). The host waits for the GPU inside a step only where a
 size must be known on the host: once for the input all-to-all's header (sizes and the checks of the batch; on
 the side stream, behind the batch only, when prefetching; with `trainer.header_ahead` exchanged a step earlier
 still, so that the wait has passed when the host reads it); then every `log_every` steps the loss reduction (the
@@ -107,6 +109,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     # plain values: the loop reads them every step, and a DictConfig attribute costs ~10 us of host time
     max_steps, epochs, batches_ahead, prefetch = t.max_steps, t.epochs, t.batches_ahead, t.prefetch_input_dist
     header_ahead = t.header_ahead
+    on_thread = prefetch and batches_ahead > 0 and t.input_dist_on_thread
     copy_stream = None
     if env.device.type == "cuda":
         copy_stream = torch.cuda.Stream(env.device)
@@ -130,6 +133,8 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         the sizes on the host instead of waiting for them while the GPU drains. On the CPU it is a plain call
         (torch.cuda.stream(None) does nothing).
         """
+        if on_thread:  # distributed by the batch thread; the forward waits for its bags (an event)
+            return next(batches)
         with torch.cuda.stream(copy_stream):
             epoch, batch = following.pop() if following else fetch()
             ahead = prefetch and not done(epoch)
@@ -149,13 +154,19 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         return (max_steps is not None and run.step >= max_steps) or (epochs is not None and epoch >= epochs)
 
     batches = batch_stream(train_data, step, cfg.data.get("steps_per_epoch"))
-    with BatchesAhead(batches, env.device, batches_ahead) if batches_ahead else nullcontext(batches) as batches:
+    prepare = None
+    if on_thread:
+        distribute = sparse.input_dist_on_thread()  # a communicator of its own: on every rank, here
+        prepare = lambda batch: distribute(batch.sparse_features)  # noqa: E731
+    with (BatchesAhead(batches, env.device, batches_ahead, prepare) if batches_ahead else nullcontext(batches)
+          as batches):
         epoch, batch = next_batch()
         while not done(epoch):
             loss = train_step(model, optimizer, batch, env.world_size, step_optimizer)
             run.end_step(loss)  # step += 1; the loss summed on the device
             epoch, batch = next_batch()  # its input dist overlaps this step's tail on the GPU
             run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
+    sparse.drop_prefetched()  # batches distributed ahead that the run ends before
     if sparse.fused is not None:  # the exchange's own push is the slower fallback (an extra pass over d S)
         pushes = sparse.fused.backward_pushes
         log.info("comm=fused: the tables' gradient pushed to their owners by the interaction's backward kernel in "
