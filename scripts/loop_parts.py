@@ -5,7 +5,9 @@
 
 Every rank prints, as medians over steps PARTS_START .. PARTS_START + PARTS_STEPS (environment; 60 and 60):
 - wall: host time from one step's start to the next's;
-- host: inside train_step (enqueueing forward, backward, optimizer), and outside it: next() (waiting for the batch
+- host: inside train_step (enqueueing forward, backward, optimizer; split into the model's forward, loss.backward()
+  with the embedding backward inside it (lookup.apply_gradient, on autograd's thread) and the rest: the loss,
+  zero_grad and the optimizer step), and outside it: next() (waiting for the batch
   thread), the next batch's prefetch, the header of the one after it (`prefetch_header`, with
   trainer.header_ahead), after_step (log / eval cadence); and across those, the input dist's `start` (the header
   all-to-all enqueued) and its wait for the header on the host (the one host sync of a step; GPUs only) -- with
@@ -35,7 +37,10 @@ import time
 import torch
 
 import fused_dlrm.train.loop as loop
+from torchrec.models.dlrm import DLRM
+
 from fused_dlrm.sparse.input_dist import BulkInputDist
+from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 from fused_dlrm.sparse.sharded_ebc import ShardedEmbeddingBagCollection
 from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.schedule import TrainingRun
@@ -47,8 +52,8 @@ profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CU
 HOST_PROFILE_STEPS = int(os.environ.get("PARTS_HOST_PROFILE", 0))
 HOST_FIRST = START + STEPS + PROFILE_STEPS
 host_profiler = cProfile.Profile() if HOST_PROFILE_STEPS else None
-host = {k: [] for k in ("wall", "train_step", "outside", "next", "prefetch", "header_start", "header_wait",
-                        "prefetch_header", "after_step")}
+host = {k: [] for k in ("wall", "train_step", "forward", "backward", "embedding_backward", "outside", "next",
+                        "prefetch", "header_start", "header_wait", "prefetch_header", "after_step")}
 events = []  # (main-stream event at a step's start, at its end)
 state = {"step": 0, "last_start": None, "last_end": None}
 
@@ -124,8 +129,10 @@ def report() -> None:
         span = statistics.median(b.elapsed_time(e) for b, e in events)
         idle = statistics.median(events[i][1].elapsed_time(events[i + 1][0]) for i in range(len(events) - 1))
         gpu = f" | GPU main stream: step span {span:.2f}, idle to the next step {idle:.2f}"
+    rest = ms["train_step"] - ms["forward"] - ms["backward"]
     print(f"== rank {os.environ.get('RANK', 0)}, ms per step: wall {ms['wall']:.2f} | host: train_step "
-          f"{ms['train_step']:.2f}, outside {ms['outside']:.2f} (next() {ms['next']:.2f}, prefetch {ms['prefetch']:.2f}"
+          f"{ms['train_step']:.2f} (forward {ms['forward']:.2f}, backward {ms['backward']:.2f} with the embedding "
+          f"backward {ms['embedding_backward']:.2f}, rest {rest:.2f}), outside {ms['outside']:.2f} (next() {ms['next']:.2f}, prefetch {ms['prefetch']:.2f}"
           f", prefetch_header {ms['prefetch_header']:.2f}, after_step {ms['after_step']:.2f}); input dist: header "
           f"start {ms['header_start']:.2f}, wait for the header {ms['header_wait']:.2f}{gpu}", flush=True)
 
@@ -179,6 +186,9 @@ def report_host(top: int = 25) -> None:
 
 
 original_train_step, loop.train_step = loop.train_step, train_step
+DLRM.forward = timed("forward", DLRM.forward)
+torch.Tensor.backward = timed("backward", torch.Tensor.backward)  # the loop's only backward: its loss's
+PooledEmbeddingLookup.apply_gradient = timed("embedding_backward", PooledEmbeddingLookup.apply_gradient)
 ShardedEmbeddingBagCollection.prefetch = timed("prefetch", ShardedEmbeddingBagCollection.prefetch)
 ShardedEmbeddingBagCollection.prefetch_header = timed("prefetch_header", ShardedEmbeddingBagCollection.prefetch_header)
 original_start, BulkInputDist.start = BulkInputDist.start, start
