@@ -179,3 +179,42 @@ def _headers_exchanged_ahead(rank: int, world: int) -> None:
 
 def test_headers_exchanged_a_step_ahead_give_the_same_bags_and_errors():
     run_world(2, _headers_exchanged_ahead)
+
+
+
+def _distributed_on_the_batch_thread(rank: int, world: int) -> None:
+    from torchrec.datasets.utils import Batch
+
+    from fused_dlrm.train.batches_ahead import BatchesAhead
+
+    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig()).eval()
+    keys = [f for t in TABLES for f in t.feature_names]
+    start, stop = local_batch_bounds(6, rank, world)
+    batches = [global_batch(step, 6, TABLES, False) for step in range(4)]
+    lengths, values, _ = batches[3]
+    values[2][-1] = 57  # f2 reads t1, which has 57 rows: batch 3 is bad
+    culprit = int(lengths[2].nonzero().max()) >= local_batch_bounds(6, 1, world)[0]  # the sample is rank 1's
+    kjts = [to_kjt(keys, lengths, values, None, start, stop) for lengths, values, _ in batches]
+    expected = [sharded(kjt).values() for kjt in kjts[:3]]  # inline, through the collection's own input dist
+    stream = iter([(0, Batch(dense_features=torch.zeros(stop - start, 1), sparse_features=kjt,
+                             labels=torch.zeros(stop - start))) for kjt in kjts])
+    distribute = sharded.input_dist_on_thread()
+    with BatchesAhead(stream, torch.device("cpu"), depth=2,
+                      prepare=lambda batch: distribute(batch.sparse_features)) as ahead:
+        for step in range(3):
+            kjt = next(ahead)[1].sparse_features
+            assert any(k is kjt for k, _, _ in sharded._from_thread)  # distributed by the thread
+            torch.testing.assert_close(sharded(kjt).values(), expected[step], rtol=0, atol=0)
+            assert not any(k is kjt for k, _, _ in sharded._from_thread)  # taken by that forward
+            # an evaluation's forward (inline) while the thread distributes: its own communicator
+            torch.testing.assert_close(sharded(kjts[0]).values(), expected[0], rtol=0, atol=0)
+        message = ("feature 'f2' has index 57" if rank == int(culprit)
+                   else r"rank\(s\) \[%d\] sent out-of-range" % culprit)
+        with pytest.raises(IndexError, match=message):  # on every rank, at the bad batch
+            next(ahead)
+    sharded.drop_prefetched()
+    assert not sharded._from_thread
+
+
+def test_the_batch_thread_distributes_with_the_same_bags_and_errors():
+    run_world(2, _distributed_on_the_batch_thread)
