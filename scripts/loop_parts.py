@@ -19,7 +19,9 @@ With PARTS_PROFILE=N (GPUs), the N steps after those are recorded by torch.profi
 keep its host overhead small) and each rank prints the GPU's busy time per step (the union of its kernels on all
 streams: below the wall, the GPU waits for the host; also without NCCL's kernels and the ready waits, which may
 spin for a peer) and the kernels taking the most of it; with PARTS_TRACE=DIR too, each rank writes those steps'
-kernels as a Chrome trace, DIR/loop_rank<r>.json (to follow the critical path offline, without device time).
+kernels as a Chrome trace, DIR/loop_rank<r>.json (to follow the critical path offline, without device time);
+with PARTS_PROFILE_CPU=1 too, the host's torch ops and autograd nodes (every thread) are recorded as well, at
+the cost of the host overhead that the CUDA-only default avoids (the steps' times are then not the loop's).
 With PARTS_HOST_PROFILE=N, the N loop iterations after those run under cProfile (the main thread: the batch thread
 is not profiled) and each rank prints the functions taking the most host time, cumulative, in ms per step (the
 profiler's own overhead included: ~20% on the DLRM paper loop, docs/benchmarks.md 2026-11-28); with PARTS_HOST_DUMP=DIR
@@ -48,7 +50,9 @@ from fused_dlrm.train.schedule import TrainingRun
 START, STEPS = int(os.environ.get("PARTS_START", 60)), int(os.environ.get("PARTS_STEPS", 60))
 CUDA = torch.cuda.is_available()
 PROFILE_STEPS = int(os.environ.get("PARTS_PROFILE", 0)) if CUDA else 0
-profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if PROFILE_STEPS else None
+ACTIVITIES = [torch.profiler.ProfilerActivity.CUDA] + (
+    [torch.profiler.ProfilerActivity.CPU] if os.environ.get("PARTS_PROFILE_CPU") == "1" else [])
+profiler = torch.profiler.profile(activities=ACTIVITIES) if PROFILE_STEPS else None
 HOST_PROFILE_STEPS = int(os.environ.get("PARTS_HOST_PROFILE", 0))
 HOST_FIRST = START + STEPS + PROFILE_STEPS
 host_profiler = cProfile.Profile() if HOST_PROFILE_STEPS else None
