@@ -115,7 +115,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _own_group(self) -> dist.ProcessGroup | None:
         """A new communicator over this collection's ranks (made on every rank at the same point): one group's
         collectives run in the order they are issued, so the input dist's own lets its all-to-alls overlap the
-        step's instead of queueing behind them. None in one process (no collectives)."""
+        step's instead of queueing behind them. In a world of one, the collection's group (no collectives)."""
         if self.world_size == 1:
             return self._group
         return dist.new_group(dist.get_process_group_ranks(self._group or dist.group.WORLD))
