@@ -20,7 +20,7 @@ import triton.language as tl
 from torchrec import EmbeddingBagConfig, PoolingType
 
 from fused_dlrm.kernels import embedding_backward
-from fused_dlrm.kernels.embedding_backward import BackwardTables, launch_embedding_backward
+from fused_dlrm.kernels.embedding_backward import BackwardTables, launch_embedding_backward, plan_embedding_backward
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
@@ -177,6 +177,35 @@ def test_kernel_matches_torch_path(optimizer, dtype, weighted, wide_keys):
     assert torch.equal(fused.weights[UNREAD].cpu(), untouched)
     if optimizer == "rowwise_adagrad":
         assert torch.equal(fused.optimizer.momentum[UNREAD].cpu(), reference.optimizer.momentum[UNREAD])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_a_plan_made_ahead_updates_as_one_made_in_the_backward(optimizer):
+    """The batch thread makes the plan (sort, segments) before the backward: the same updates as the torch path,
+    bags with and without occurrences."""
+    reference, fused = make_lookup(optimizer, torch.float32), make_lookup(optimizer, torch.float32, DEVICE)
+    copy_state(reference, fused)
+    tables = backward_tables(fused)
+    gen = torch.Generator().manual_seed(3)
+    for batch, empty in ((6, False), (3, True), (5, False)):
+        bags = (owned_bags(torch.zeros(len(ROWS), batch, dtype=torch.int64),
+                           [torch.empty(0, dtype=torch.int64)] * len(ROWS), True, gen) if empty
+                else random_bags(batch, True, gen))
+        grad = torch.randn(batch, reference.output_dim, generator=gen)
+        device_bags = on(bags, DEVICE)
+        plan = plan_embedding_backward(device_bags, tables)
+        assert (plan is None) == empty
+        reference.apply_gradient(bags, grad)
+        launch_embedding_backward(device_bags, grad.to(DEVICE), tables, fused.optimizer.config, plan)
+        assert_same_state(fused, reference, 1e-5)
+    # and the plan given is the one used: another batch's plan updates other rows
+    bags, other = random_bags(6, True, gen), on(random_bags(6, True, gen), DEVICE)
+    grad = torch.randn(6, reference.output_dim, generator=gen)
+    reference.apply_gradient(bags, grad)
+    launch_embedding_backward(on(bags, DEVICE), grad.to(DEVICE), tables, fused.optimizer.config,
+                              plan_embedding_backward(other, tables))
+    with pytest.raises(AssertionError):
+        assert_same_state(fused, reference, 1e-5)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])

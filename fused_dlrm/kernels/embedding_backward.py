@@ -331,6 +331,12 @@ class BackwardPlan:
     grad_offsets: torch.Tensor  # per occurrence: where its gradient starts in the pooled gradient
     scales: torch.Tensor | None  # per occurrence: per-sample weight x 1 / bag length (mean pooling), if any
 
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Made on another stream (a thread's, ahead), read on `stream`: keep the allocator off it until then."""
+        for t in (self.starts, self.segment_keys, self.num_segments, self.grad_offsets, self.scales):
+            if t is not None:
+                t.record_stream(stream)
+
 
 def plan_embedding_backward(bags: OwnedBags, tables: BackwardTables) -> BackwardPlan | None:
     """The bag-only half of the backward (None when the bags hold no occurrence): every occurrence's key, gradient
@@ -360,15 +366,17 @@ def plan_embedding_backward(bags: OwnedBags, tables: BackwardTables) -> Backward
 
 
 def launch_embedding_backward(bags: OwnedBags, grad: torch.Tensor, tables: BackwardTables,
-                              config: EmbeddingOptimizerConfig) -> None:
+                              config: EmbeddingOptimizerConfig, plan: BackwardPlan | None = None) -> None:
     """Update every owned table in place (and the row-wise Adagrad momentum in `tables.momentum`) from the
-    gradient of the pooled output `grad` [global batch, owned dims]. No host sync."""
+    gradient of the pooled output `grad` [global batch, owned dims]. No host sync. `plan`: these bags'
+    plan_embedding_backward if made ahead (it needs only the bags), else made here."""
     adagrad = config.name == "rowwise_adagrad"
     if adagrad and tables.momentum is None:
         raise ValueError("row-wise Adagrad needs the momentum of every table")
     if grad.shape != (bags.global_batch, tables.row_len):
         raise ValueError(f"gradient of shape {tuple(grad.shape)}, expected {(bags.global_batch, tables.row_len)}")
-    plan = plan_embedding_backward(bags, tables)
+    if plan is None:
+        plan = plan_embedding_backward(bags, tables)
     if plan is None:  # no occurrence: no row to update
         return
     grad = grad.float().contiguous()

@@ -40,6 +40,9 @@ class OwnedBags:
     feature_value_offsets: list[int]  # host: feature f's values are values[o[f]:o[f+1]]
     batch_sizes: list[int]  # local batch size of every source rank; their sum is the global batch
     _csr_offsets: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    # The lookup's backward plan of these bags, when made ahead (PooledEmbeddingLookup.plan_backward): it needs
+    # only the bags, so the batch thread makes it and the backward does not.
+    backward_plan: object | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def global_batch(self) -> int:
@@ -53,6 +56,15 @@ class OwnedBags:
             torch.cumsum(self.lengths.reshape(-1), 0, out=offsets[1:])
             self._csr_offsets = offsets
         return self._csr_offsets
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Made on another stream (a side stream, a thread's), read on `stream`: keep the allocator off every
+        tensor of these bags (and of what was made of them ahead) until `stream`'s work so far is done."""
+        for t in (self.values, self.lengths, self.weights, self._csr_offsets):
+            if t is not None:
+                t.record_stream(stream)
+        if self.backward_plan is not None:
+            self.backward_plan.record_stream(stream)
 
     def feature_bags(self, f: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(values, lengths, weights) of the f-th owned feature."""

@@ -11,7 +11,7 @@ from torch import nn
 from torchrec import EmbeddingBagConfig, PoolingType
 
 from fused_dlrm.kernels.embedding_backward import (BackwardTables, embedding_backward_reference,
-                                                  launch_embedding_backward)
+                                                  launch_embedding_backward, plan_embedding_backward)
 from fused_dlrm.kernels.peer_tiles import default_num_programs, plan_peer_tiles
 from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLaunch, pooled_embedding_reference
 from fused_dlrm.sparse.input_dist import OwnedBags
@@ -120,19 +120,30 @@ class PooledEmbeddingLookup(nn.Module):
         """Sum each table's row gradients over its features and apply the optimizer: on GPUs two Triton launches
         for all tables (no host sync), on the CPU the per-table torch reference. Either way the optimizer
         state stays in `self.optimizer.momentum` (checkpoints read it there)."""
-        features = self._feature_pooling
         if self._anchor.device.type != "cuda":
-            embedding_backward_reference(bags, grad, self.optimizer, features)
+            embedding_backward_reference(bags, grad, self.optimizer, self._feature_pooling)
             return
+        launch_embedding_backward(bags, grad, self._kernel_tables(), self.optimizer.config, bags.backward_plan)
+
+    @torch.no_grad()
+    def plan_backward(self, bags: OwnedBags) -> None:
+        """Make the bags' backward plan now (GPUs; the sort and segments of plan_embedding_backward, on the current
+        stream), for apply_gradient to use: the batch thread calls it ahead, off the backward's critical path."""
+        if self._anchor.device.type == "cuda" and self.features:
+            bags.backward_plan = plan_embedding_backward(bags, self._kernel_tables())
+
+    def _kernel_tables(self) -> BackwardTables:
+        """The GPU backward's tables: built on first use (its device tensors cost a sync each), again only if a
+        table or its momentum moved (a plan made with the older one stays valid: it reads the layout only)."""
         names = list(self.tables)
         weights = [self.weights[n] for n in names]
         momentum = [self.optimizer.momentum[n] for n in names] if self.optimizer.momentum else None
-        # Built on the first GPU backward (its device tensors cost a sync each), again only if a tensor moved.
         tables = self._backward_tables
         if tables is None or not tables.describes(weights, momentum):
+            features = self._feature_pooling
             tables = self._backward_tables = BackwardTables(weights, momentum, [names.index(t) for t, _ in features],
-                                                            [mean for _, mean in features], grad.device)
-        launch_embedding_backward(bags, grad, tables, self.optimizer.config)
+                                                            [mean for _, mean in features], self._anchor.device)
+        return tables
 
     def is_mean(self, table: str) -> bool:
         return self.tables[table].pooling == PoolingType.MEAN

@@ -122,8 +122,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def input_dist_on_thread(self) -> Callable[[KeyedJaggedTensor], None]:
         """A function for a thread that makes batches ahead (train/batches_ahead.py's `prepare`): it distributes one
-        batch's input there, on the thread's current stream, and leaves the bags for that batch's forward here, so
-        that the input dist's host time leaves the thread that enqueues the steps. Its input dist has a
+        batch's input there, on the thread's current stream (on GPUs also the lookup's backward plan of the bags:
+        sort and segments), and leaves the bags for that batch's forward here, so that this host time leaves the
+        threads that enqueue the step (the loop's, and autograd's backward). Its input dist has a
         communicator of its own, made now on every rank: the thread's all-to-alls then never interleave with the
         main thread's (an evaluation's) in different orders on different ranks. Call it on every rank; the thread
         must run it on the same batches everywhere (a bad batch raises there, on every rank)."""
@@ -131,8 +132,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
         def distribute(features: KeyedJaggedTensor) -> None:
             bags, ready = input_dist(features), None
-            if bags.values.is_cuda:  # what the forward waits for
-                ready = torch.cuda.Event()
+            if bags.values.is_cuda:
+                self.lookup.plan_backward(bags)  # the backward's sort and segments, here rather than in it
+                ready = torch.cuda.Event()  # what the forward waits for
                 ready.record()
             with self._from_thread_lock:
                 self._from_thread.append((features, bags, ready))
@@ -205,9 +207,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if ready is not None:  # made on the side stream, read on this one
             main = torch.cuda.current_stream()
             main.wait_event(ready)
-            for t in (bags.values, bags.lengths, bags.weights):
-                if t is not None:
-                    t.record_stream(main)
+            bags.record_stream(main)
         return bags
 
 
