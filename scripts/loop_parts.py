@@ -136,7 +136,8 @@ def report() -> None:
     rest = ms["train_step"] - ms["forward"] - ms["backward"]
     print(f"== rank {os.environ.get('RANK', 0)}, ms per step: wall {ms['wall']:.2f} | host: train_step "
           f"{ms['train_step']:.2f} (forward {ms['forward']:.2f}, backward {ms['backward']:.2f} with the embedding "
-          f"backward {ms['embedding_backward']:.2f}, rest {rest:.2f}), outside {ms['outside']:.2f} (next() {ms['next']:.2f}, prefetch {ms['prefetch']:.2f}"
+          f"backward {ms['embedding_backward']:.2f}, rest {rest:.2f}), outside {ms['outside']:.2f} (next() "
+          f"{ms['next']:.2f}, prefetch {ms['prefetch']:.2f}"
           f", prefetch_header {ms['prefetch_header']:.2f}, after_step {ms['after_step']:.2f}); input dist: header "
           f"start {ms['header_start']:.2f}, wait for the header {ms['header_wait']:.2f}{gpu}", flush=True)
 

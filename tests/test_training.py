@@ -225,11 +225,12 @@ def _prefetch_same_curve(rank: int, world: int, tmp: str) -> None:
         counts["taken"] += bags is not None
         return bags
 
-    ShardedEmbeddingBagCollection.input_dist_on_thread, ShardedEmbeddingBagCollection._take_prefetched = on_thread, taken
+    collection = ShardedEmbeddingBagCollection
+    collection.input_dist_on_thread, collection._take_prefetched = on_thread, taken
     try:
         thread = train(config(*common), env, Path(tmp) / "thread")
     finally:
-        ShardedEmbeddingBagCollection.input_dist_on_thread, ShardedEmbeddingBagCollection._take_prefetched = made_by, take
+        collection.input_dist_on_thread, collection._take_prefetched = made_by, take
     # Every step's batch came from the thread. The loop read 13 batches (the 13th says the run is done); on closing,
     # the thread ran on to 13 + depth (2) + 1, the same count on both ranks, whatever its timing.
     assert counts == {"distributed": 16, "taken": 12}, counts

@@ -11,11 +11,12 @@ Batches are made `trainer.batches_ahead` ahead by a thread (`BatchesAhead`: gene
 host-to-device copy, on a stream of its own on GPUs), and with `trainer.input_dist_on_thread` that thread runs
 their input dist too (its all-to-alls, the wait for their sizes and the host time of it all leave the thread
 that enqueues the steps; a communicator of its own). Otherwise the next batch's input all-to-all runs ahead on a
-side stream (`next_batch`; the input dist has a communicator of its own). The host waits for the GPU inside a step only where a
-size must be known on the host: once for the input all-to-all's header (sizes and the checks of the batch; on
-the side stream, behind the batch only, when prefetching; with `trainer.header_ahead` exchanged a step earlier
-still, so that the wait has passed when the host reads it); then every `log_every` steps the loss reduction (the
-embedding backward's segment count stays on the GPU: its kernel is persistent). A step launched while the previous
+side stream (`next_batch`; the input dist has a communicator of its own). The host waits for the GPU inside a step
+only where a size must be known on the host: once for the input all-to-all's header (sizes and the checks of the
+batch; on the batch thread, or on the side stream behind the batch only when prefetching; with
+`trainer.header_ahead` exchanged a step earlier still, so that the wait has passed when the host reads it); then
+every `log_every` steps the loss reduction (the embedding backward's segment count stays on the GPU: its kernel is
+persistent). A step launched while the previous
 one still runs is otherwise free of host syncs.
 
 The bookkeeping around the step (counters, loss check, metrics.jsonl, cadence) is a `TrainingRun` (schedule.py),
@@ -110,8 +111,8 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     max_steps, epochs, batches_ahead, prefetch = t.max_steps, t.epochs, t.batches_ahead, t.prefetch_input_dist
     header_ahead = t.header_ahead
     on_thread = prefetch and batches_ahead > 0 and t.input_dist_on_thread
-    copy_stream = None
-    if env.device.type == "cuda":
+    copy_stream = None  # next_batch's side stream (not used when the batch thread distributes)
+    if env.device.type == "cuda" and not on_thread:
         copy_stream = torch.cuda.Stream(env.device)
         copy_stream.wait_stream(torch.cuda.current_stream())  # once: the model and data set-up are complete
 
