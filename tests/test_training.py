@@ -253,8 +253,7 @@ def _converges_with_q8_gradients(rank: int, world: int, tmp: str) -> None:
     cfg = config("trainer.max_steps=50", "trainer.eval_every=0", "trainer.checkpoint_every=0",
                  "trainer.progress=false", "trainer.log_every=10", "data.eval_batches=4", "comm.grad_allreduce=q8")
     model = build_model(cfg, env)
-    # DDP keeps its registered (hook, state) pairs in _comm_hooks: both dense arches carry the q8 hook.
-    assert all(arch._comm_hooks[0][1].codec == "q8" for arch in (model.dense_arch, model.over_arch))
+    assert all(arch.forward.codec == "q8" for arch in (model.dense_arch, model.over_arch))  # their ArchNodes
     result = train(cfg, env, Path(tmp))
     losses = [loss for _, loss in result.losses]
     assert losses[-1] < losses[0] - 0.05, losses

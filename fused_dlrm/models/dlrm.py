@@ -1,6 +1,6 @@
 """DLRM: torchrec's DenseArch / InteractionArch / OverArch around the project's ShardedEmbeddingBagCollection.
 
-The sparse part is model-parallel (tables sharded table-wise); the dense part is data-parallel (DDP). Tables and
+The sparse part is model-parallel (tables sharded table-wise); the dense part is data-parallel (models/arch_nodes.py). Tables and
 features are named `t_<feature>` / `<feature>`, one table per feature.
 """
 
@@ -9,9 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torchrec import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.models.dlrm import DLRM, InteractionArch, SparseArch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
@@ -19,7 +17,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from fused_dlrm.kernels.pairwise_interaction import pairwise_interaction
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection, TableShardingPlan
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
-from fused_dlrm.tp import QuantizedHookState, quantized_allreduce_hook
 
 
 def make_tables(feature_names: Sequence[str], num_rows: int | Sequence[int], embedding_dim: int,
@@ -74,11 +71,11 @@ class PairwiseInteractionArch(InteractionArch):
 def build_dlrm(tables: list[EmbeddingBagConfig], dense_in_features: int, dense_arch: Sequence[int],
                over_arch: Sequence[int], embedding_optimizer: EmbeddingOptimizerConfig, device: torch.device,
                seed: int = 0, comm: FusedCommConfig | None = None, plan: TableShardingPlan | None = None) -> DLRM:
-    """The DLRM of torchrec with sharded tables (plan: None for table-wise); call `data_parallel` on it when the
-    world has several ranks."""
+    """The DLRM of torchrec with sharded tables (plan: None for table-wise); `arch_nodes.dense_arch_nodes` makes its
+    dense arches data-parallel."""
     if over_arch[-1] != 1:
         raise ValueError(f"the over arch must end in one logit, got layer sizes {list(over_arch)}")
-    torch.manual_seed(seed)  # same dense init on every rank (DDP also broadcasts rank 0's)
+    torch.manual_seed(seed)  # same dense init on every rank (the arch nodes also broadcast rank 0's)
     sparse = ShardedEmbeddingBagCollection(tables, embedding_optimizer, device=device, seed=seed, comm=comm,
                                            plan=plan)
     model = DLRM(embedding_bag_collection=sparse, dense_in_features=dense_in_features,
@@ -92,22 +89,4 @@ def with_lean_arches(model: DLRM) -> DLRM:
     model.sparse_arch = ViewSparseArch(model.sparse_arch.embedding_bag_collection)
     dense_device = next(model.dense_arch.parameters()).device
     model.inter_arch = PairwiseInteractionArch(model.inter_arch.F).to(dense_device)
-    return model
-
-
-def data_parallel(model: DLRM, grad_allreduce: str = "nccl") -> nn.Module:
-    """Wrap the dense arches in DDP: their gradients are averaged over ranks, the sharded tables are left alone.
-    grad_allreduce other than "nccl" averages them with that codec's quantized all-reduce (fused_dlrm.tp)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return model
-    device = next(model.dense_arch.parameters()).device
-    ids = [device] if device.type == "cuda" else None
-    # Gradients as views of DDP's buckets (no copy from the bucket back to .grad after the all-reduce), and a static
-    # graph (every dense parameter gets a gradient every step: no search for unused ones): less host time per step.
-    options = dict(device_ids=ids, gradient_as_bucket_view=True, static_graph=True)
-    model.dense_arch = DistributedDataParallel(model.dense_arch, **options)
-    model.over_arch = DistributedDataParallel(model.over_arch, **options)
-    if grad_allreduce != "nccl":
-        for arch in (model.dense_arch, model.over_arch):
-            arch.register_comm_hook(QuantizedHookState(grad_allreduce), quantized_allreduce_hook)
     return model

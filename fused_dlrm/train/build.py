@@ -16,8 +16,8 @@ from torchrec.datasets.utils import Batch
 
 from fused_dlrm.data import local_batch_bounds
 from fused_dlrm.dist import DistEnv
-from fused_dlrm.models.dlrm import build_dlrm, data_parallel, make_tables
-from fused_dlrm.models.graphed_arches import graph_dense_arches
+from fused_dlrm.models.arch_nodes import dense_arch_nodes
+from fused_dlrm.models.dlrm import build_dlrm, make_tables
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, plan_sharding
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
 from fused_dlrm.train.rundir import register_resolvers
@@ -50,10 +50,11 @@ def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     model = build_dlrm(tables, cfg.data.num_dense, m.dense_arch, m.over_arch,
                        EmbeddingOptimizerConfig(**m.embedding_optimizer), env.device, seed=cfg.seed,
                        comm=fused_comm(cfg.comm), plan=plan_sharding(tables, env.world_size, m.column_shards))
-    if cfg.trainer.cuda_graphs and env.device.type == "cuda":  # before DDP: its hooks stay outside the graphs
+    graph_batch = None
+    if cfg.trainer.cuda_graphs and env.device.type == "cuda":  # captured at the rank's training batch size
         start, stop = local_batch_bounds(cfg.data.global_batch_size, env.rank, env.world_size)
-        graph_dense_arches(model, stop - start)
-    return data_parallel(model, cfg.comm.grad_allreduce)
+        graph_batch = stop - start
+    return dense_arch_nodes(model, cfg.comm.grad_allreduce, graph_batch)  # data-parallel dense arches
 
 
 def fused_comm(comm: DictConfig) -> FusedCommConfig | None:

@@ -1,10 +1,8 @@
-"""The dense arches replayed as CUDA graphs (trainer.cuda_graphs) train as the eager arches do. ONE GPU (skipped
-without one): training at world 1 (and resumed from a checkpoint), and DDP over two gloo processes that share the
-GPU (the graphed backward's gradients reach DDP's all-reduce, which stays outside the graphs)."""
+"""The dense arches' nodes replayed as CUDA graphs (trainer.cuda_graphs) train as the eager nodes do. ONE GPU
+(skipped without one): training at world 1 (and resumed from a checkpoint), and two gloo processes that share the
+GPU (the graphed backward's flat gradients, all-reduced outside the graphs, are DDP's)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +11,7 @@ from torch import nn
 from torchrec.models.dlrm import DenseArch, OverArch
 
 from fused_dlrm.dist import DistEnv
-from fused_dlrm.models.dlrm import data_parallel
-from fused_dlrm.models.graphed_arches import GraphedForward, graph_dense_arches
+from fused_dlrm.models.arch_nodes import ArchGraph, ArchNode, dense_arch_nodes
 from fused_dlrm.train.loop import train
 from test_training import SMALL, config
 from world import run_world
@@ -25,15 +22,14 @@ GPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0)
 
 def test_training_with_graphed_arches_follows_the_eager_loss_curve(tmp_path, monkeypatch):
     replays = []
-    decide = GraphedForward.replays
-    monkeypatch.setattr(GraphedForward, "replays", lambda self, x: replays.append(decide(self, x)) or replays[-1])
+    replay = ArchGraph.forward
+    monkeypatch.setattr(ArchGraph, "forward", lambda self, x: replays.append(x.shape[0]) or replay(self, x))
     common = SMALL + ["trainer.device=cuda", "trainer.max_steps=12", "trainer.log_every=1", "trainer.eval_every=6",
                       "trainer.checkpoint_every=0"]
     eager = train(config(*common, "trainer.cuda_graphs=false"), GPU, tmp_path / "eager")
     assert replays == []
     graphed = train(config(*common, "trainer.cuda_graphs=true"), GPU, tmp_path / "graphed")
-    # two arches per training step replay; evaluation (no grad, eval mode) runs eagerly
-    assert replays.count(True) == 2 * 12 and replays.count(False) == 2 * 2 * 2, replays
+    assert len(replays) == 2 * 12  # two arches per training step replay; evaluation calls the arches themselves
     losses = lambda r: torch.tensor([loss for _, loss in r.losses], dtype=torch.float64)
     torch.testing.assert_close(losses(graphed), losses(eager), rtol=1e-5, atol=1e-6)
     for got, want in zip(graphed.evals, eager.evals):
@@ -67,15 +63,14 @@ def _step(arches: nn.Module, dense: torch.Tensor, pooled: torch.Tensor, labels: 
     loss.backward()
 
 
-def _ddp_sums_graphed_gradients(rank: int, world: int) -> None:
+def _graphed_nodes_average_like_ddp(rank: int, world: int) -> None:
     device = torch.device("cuda", 0)  # both processes on the one GPU; gloo all-reduces the CUDA gradients
     batch = 24
-    models = []
-    for graphed in (False, True):
-        arches = _Arches(device)
-        if graphed:
-            graph_dense_arches(arches, batch)
-        models.append((data_parallel(arches), torch.optim.Adam(arches.parameters(), lr=1e-2)))
+    ddp = _Arches(device)
+    ddp.dense_arch = nn.parallel.DistributedDataParallel(ddp.dense_arch)
+    ddp.over_arch = nn.parallel.DistributedDataParallel(ddp.over_arch)
+    models = [(arches, torch.optim.Adam(arches.parameters(), lr=1e-2))
+              for arches in (ddp, dense_arch_nodes(_Arches(device), graph_batch=batch))]
     gen = torch.Generator(device).manual_seed(100 + rank)  # each rank its own data
     for _ in range(4):
         dense = torch.randn(batch, 13, device=device, generator=gen)
@@ -95,19 +90,9 @@ def _ddp_sums_graphed_gradients(rank: int, world: int) -> None:
     gathered = [torch.empty_like(flat) for _ in range(world)]
     torch.distributed.all_gather(gathered, flat)
     torch.testing.assert_close(gathered[1], gathered[0], rtol=0, atol=0)
-    assert isinstance(models[1][0].dense_arch.module.forward, GraphedForward)
+    node = models[1][0].over_arch.forward
+    assert isinstance(node, ArchNode) and node.graph is not None
 
 
-def test_ddp_all_reduces_the_graphed_gradients():
-    run_world(2, _ddp_sums_graphed_gradients)
-
-
-def test_capture_refuses_arches_already_in_ddp():
-    run_world(1, _refuses_ddp)
-
-
-def _refuses_ddp(rank: int, world: int) -> None:
-    arches = _Arches(torch.device("cuda", 0))
-    arches.dense_arch = nn.parallel.DistributedDataParallel(arches.dense_arch, device_ids=[torch.device("cuda", 0)])
-    with pytest.raises(ValueError, match="before DDP"):
-        graph_dense_arches(arches, 8)
+def test_graphed_nodes_average_the_gradients_as_ddp_does():
+    run_world(2, _graphed_nodes_average_like_ddp)

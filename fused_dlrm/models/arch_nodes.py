@@ -1,0 +1,181 @@
+"""DLRM's dense arches (bottom MLP, over arch) as one autograd node each, their gradients averaged over ranks without
+DDP; on GPUs (`trainer.cuda_graphs`) each node's forward and backward replay CUDA graphs.
+
+Why: a DLRM step on GPUs is bound by the host (docs/benchmarks.md). Under plain autograd every dense parameter has
+an AccumulateGrad node (~20-40 us of host each, 15 at the paper config, all run before the interaction's backward
+can be launched), DDP adds its forward's Python and a hook per parameter, and torch.cuda.make_graphed_callables'
+replays still hand each parameter's gradient through autograd. An `ArchNode` replaces `arch.forward`: a training
+call is one node each way, whose backward writes the parameters' gradients into one flat buffer (the parameters'
+`.grad` are views of it, set once) and starts one all-reduce of that buffer; autograd's final callback (DDP's
+mechanism too) makes the stream wait for it, so the gradients are averaged when backward returns. They are DDP's:
+scaled by 1/world before a sum (a `comm.grad_allreduce` codec: that codec's mean, as the DDP hook did).
+
+The backward *sets* the gradients (no accumulation over several backwards: one per optimizer step, as the
+training loop does). Evaluation (eval mode, or no grad) calls the arch itself. On GPUs `capture` records the
+node's forward (the arch) and backward (the gradients into the flat buffer, and their scale) as two CUDA graphs
+at the rank's training batch size; calls of another shape, dtype or requires_grad run the same node eagerly.
+Parameters must keep their storage (the graphs read it): the optimizer and checkpoint loading update in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fused_dlrm.tp import chooser, quantized_all_reduce
+
+
+class ArchNode:
+    """`arch.forward` as one autograd node whose backward sets the parameters' gradients, averaged over `group`
+    with `grad_allreduce` ("nccl": a plain all-reduce; or a codec of fused_dlrm.tp's quantized all-reduce)."""
+
+    def __init__(self, arch: nn.Module, group: dist.ProcessGroup | None = None, grad_allreduce: str = "nccl"):
+        self.arch, self.eager = arch, arch.forward  # the class's forward, bound: `arch.forward` is this node next
+        self.params = [p for p in arch.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError(f"{type(arch).__name__} has no parameter that needs a gradient")
+        if len({(p.dtype, p.device) for p in self.params}) > 1:
+            raise ValueError(f"{type(arch).__name__}'s parameters differ in dtype or device: one flat gradient "
+                             f"buffer cannot hold them")
+        self.group, self.codec = group, grad_allreduce
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        first = self.params[0]
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=first.dtype, device=first.device)
+        self.grads = [g.view_as(p) for g, p in zip(self.flat.split([p.numel() for p in self.params]), self.params)]
+        # plain all-reduce: a sum of gradients scaled first (DDP's order); a codec averages itself (mean=True)
+        self.scale = 1.0 / self.world if self.world > 1 and grad_allreduce == "nccl" else 1.0
+        self.anchor = torch.empty(0, device=first.device, requires_grad=True)  # makes the output need a gradient
+        self.graph: ArchGraph | None = None
+        if self.world > 1:  # DDP's start: every rank from rank 0's parameters
+            src = dist.get_global_rank(group, 0) if group is not None else 0
+            for p in self.params:
+                dist.broadcast(p.data, src, group=group)
+        arch.forward = self
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.arch.training and torch.is_grad_enabled():
+            return _ArchFunction.apply(x, self.anchor, self)
+        return self.eager(x)
+
+    def capture(self, sample: torch.Tensor) -> None:
+        """Record this node's forward and backward as CUDA graphs for inputs shaped like `sample` (its dtype,
+        device and requires_grad too)."""
+        self.graph = ArchGraph(self, sample)
+
+    def run_forward(self, x: torch.Tensor):
+        """(output, what the backward needs): the graph's replay when x fits it, else the arch under autograd."""
+        if self.graph is not None and self.graph.fits(x):
+            return self.graph.forward(x), self.graph
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_(x.requires_grad)
+            out = self.eager(leaf)
+        return out.detach(), (leaf, out)
+
+    def run_backward(self, saved, grad: torch.Tensor) -> torch.Tensor | None:
+        """The input's gradient (None when the input needs none); the parameters' gradients set and averaged."""
+        if saved is self.graph:
+            grad_x = self.graph.backward(grad)
+        else:
+            leaf, out = saved
+            grad_x = self.gradients(out, leaf, grad)
+        self._average()
+        for p, g in zip(self.params, self.grads):
+            if p.grad is not g:  # None after zero_grad(set_to_none=True)
+                p.grad = g
+        return grad_x
+
+    def gradients(self, out: torch.Tensor, leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+        """Backward through the arch: the parameters' gradients (times `scale`) into the flat buffer, and the
+        input's gradient (None when `leaf` needs none). What the backward graph records."""
+        inputs = ([leaf] if leaf.requires_grad else []) + self.params
+        grads = torch.autograd.grad(out, inputs, grad)
+        torch.cat([g.reshape(-1) for g in grads[-len(self.params):]], out=self.flat)
+        if self.scale != 1.0:
+            self.flat.mul_(self.scale)
+        return grads[0] if leaf.requires_grad else None
+
+    def _average(self) -> None:
+        """The flat gradients summed (or a codec's mean) over the ranks; done when autograd's backward returns."""
+        if self.world == 1:
+            return
+        codec = chooser(self.flat.numel() * self.flat.element_size(), self.codec, 0)
+        if codec != "nccl":  # enqueued on the current stream (fused), or synchronous (its bulk twin)
+            quantized_all_reduce(self.flat, codec, self.group, mean=True, out=self.flat)
+            return
+        work = dist.all_reduce(self.flat, group=self.group, async_op=True)
+        # Runs when the whole backward is done, on the caller's streams: they wait for the all-reduce there.
+        torch.autograd.Variable._execution_engine.queue_callback(work.wait)
+
+
+class _ArchFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor, node: ArchNode) -> torch.Tensor:
+        out, ctx.saved = node.run_forward(x)
+        ctx.node = node
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        saved, ctx.saved = ctx.saved, None
+        return ctx.node.run_backward(saved, grad), None, None
+
+
+class ArchGraph:
+    """An ArchNode's forward and backward as two CUDA graphs over static buffers (a memory pool of their own).
+
+    A replay copies the input (or the output's gradient) into the static buffer and returns a detached alias of
+    the graph's output: valid until the node's next replay (a step's backward runs before the next forward)."""
+
+    def __init__(self, node: ArchNode, sample: torch.Tensor):
+        self.node = node
+        self.input = sample.detach().clone().requires_grad_(sample.requires_grad)
+        # Warm-up off the capture (cuBLAS workspaces, autograd's lazy set-up), on a side stream as
+        # make_graphed_callables does; it writes only the flat buffer, which every backward overwrites.
+        side = torch.cuda.Stream(sample.device)
+        side.wait_stream(torch.cuda.current_stream(sample.device))
+        with torch.cuda.stream(side), torch.enable_grad():
+            for _ in range(3):
+                out = node.eager(self.input)
+                node.gradients(out, self.input, torch.ones_like(out))
+        torch.cuda.current_stream(sample.device).wait_stream(side)
+        del out
+        pool = torch.cuda.graph_pool_handle()
+        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward_graph, pool=pool), torch.enable_grad():
+            self.output = node.eager(self.input)
+        self.grad_output = torch.empty_like(self.output)
+        with torch.cuda.graph(self.backward_graph, pool=pool):
+            self.grad_input = node.gradients(self.output, self.input, self.grad_output)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        s = self.input
+        return x.shape == s.shape and x.dtype == s.dtype and x.device == s.device and x.requires_grad == s.requires_grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.input.detach().copy_(x)
+        self.forward_graph.replay()
+        return self.output.detach()
+
+    def backward(self, grad: torch.Tensor) -> torch.Tensor | None:
+        self.grad_output.copy_(grad)
+        self.backward_graph.replay()
+        return None if self.grad_input is None else self.grad_input.detach()
+
+
+def dense_arch_nodes(model: nn.Module, grad_allreduce: str = "nccl", graph_batch: int | None = None) -> nn.Module:
+    """model.dense_arch and model.over_arch (torchrec's DLRM arches) as ArchNodes over the default group, in place;
+    with `graph_batch` (GPUs), each captured at that many rows (the over arch's input needs a gradient: it comes
+    from the embeddings; the dense features do not)."""
+    arches = (model.dense_arch, model.over_arch)
+    if any(isinstance(a, nn.parallel.DistributedDataParallel) for a in arches):
+        raise ValueError("the dense arches are in DDP already: ArchNodes average their gradients themselves")
+    nodes = [ArchNode(a, grad_allreduce=grad_allreduce) for a in arches]
+    if graph_batch is not None:
+        weight = nodes[0].params[0]
+        rng = torch.Generator(weight.device).manual_seed(0)  # the global generator's stream stays the same
+        for node, needs_grad in zip(nodes, (False, True)):
+            in_features = next(m for m in node.arch.modules() if isinstance(m, nn.Linear)).in_features
+            node.capture(torch.randn(graph_batch, in_features, generator=rng, device=weight.device,
+                                     dtype=weight.dtype).requires_grad_(needs_grad))
+    return model

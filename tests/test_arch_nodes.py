@@ -1,0 +1,181 @@
+"""The dense arches as autograd nodes (models/arch_nodes.py) on the CPU: the gradients of plain autograd, set in one
+flat buffer; evaluation calls the arch itself; over two gloo ranks the gradients and parameters of DDP (plain, and a
+codec's mean); the dispatch between a graph and the eager node (a stand-in graph: CI cannot capture CUDA graphs;
+tests/test_arch_nodes_gpu.py does)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec.models.dlrm import DenseArch, OverArch
+
+from fused_dlrm.models.arch_nodes import ArchGraph, ArchNode, _ArchFunction, dense_arch_nodes
+from world import run_world
+
+CPU = torch.device("cpu")
+
+
+class _Arches(nn.Module):
+    """DLRM's two dense arches, small; the interaction stands in as a concatenation with a leaf that needs grad."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.dense_arch = DenseArch(13, [32, 16], CPU)
+        self.over_arch = OverArch(16 + 24, [32, 8, 1], CPU)
+
+    def loss(self, dense: torch.Tensor, pooled: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.dense_arch(dense), pooled], dim=1)
+        return F.binary_cross_entropy_with_logits(self.over_arch(x).squeeze(-1), labels)
+
+
+def _batch(seed: int, rows: int = 12):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, 13, generator=gen), torch.randn(rows, 24, generator=gen, requires_grad=True),
+            torch.rand(rows, generator=gen).round())
+
+
+def _step(arches: _Arches, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The pooled input's gradient and every parameter's, after one backward."""
+    dense, pooled, labels = batch
+    leaf = pooled.detach().requires_grad_()
+    arches.loss(dense, leaf, labels).backward()
+    return leaf.grad, [p.grad for p in arches.parameters()]
+
+
+def test_a_node_gives_plain_autograds_gradients_in_one_flat_buffer():
+    plain, nodes = _Arches(), dense_arch_nodes(_Arches())
+    batch = _batch(1)
+    want_input, want = _step(plain, batch)
+    got_input, got = _step(nodes, batch)
+    torch.testing.assert_close(got_input, want_input, rtol=1e-6, atol=1e-7)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+    for arch in (nodes.dense_arch, nodes.over_arch):
+        node = arch.forward
+        assert isinstance(node, ArchNode)
+        flat = node.flat
+        for p in arch.parameters():  # views of the flat buffer, in parameter order
+            assert p.grad._base is flat
+    # one node per arch: its output's gradient function is the node's, whose only inputs are x and the anchor
+    out = nodes.over_arch(torch.randn(3, 40, requires_grad=True))
+    assert out.grad_fn.name() == _ArchFunction.__name__ + "Backward"
+    assert len(out.grad_fn.next_functions) == 2
+
+
+def test_the_backward_sets_the_gradients_and_survives_zero_grad():
+    nodes, plain = dense_arch_nodes(_Arches()), _Arches()
+    _step(nodes, _batch(1))
+    second = _batch(2)
+    _, got = _step(nodes, second)  # no zero_grad: set, not added
+    _, want = _step(plain, second)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+    torch.optim.Adam(nodes.parameters()).zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in nodes.parameters())
+    _step(nodes, _batch(3))
+    assert all(p.grad is not None and p.grad._base is nodes.over_arch.forward.flat
+               for p in nodes.over_arch.parameters())
+
+
+@pytest.mark.parametrize("mode", ["eval", "no_grad"])
+def test_evaluation_calls_the_arch_itself(mode):
+    nodes = dense_arch_nodes(_Arches())
+    x = torch.randn(5, 40)
+    want = nodes.over_arch.forward.eager(x)
+    if mode == "eval":
+        nodes.eval()
+    with torch.no_grad() if mode == "no_grad" else torch.enable_grad():
+        got = nodes.over_arch(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert got.grad_fn is None or got.grad_fn.name() != _ArchFunction.__name__ + "Backward"
+
+
+class _EagerGraph(ArchGraph):
+    """ArchGraph's dispatch (`fits`) over the node's eager computation: what a replay returns, recorded."""
+
+    def __init__(self, node: ArchNode, sample: torch.Tensor):
+        self.node, self.input, self.calls = node, sample, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append("forward")
+        with torch.enable_grad():
+            self.leaf = x.detach().requires_grad_(x.requires_grad)
+            self.out = self.node.eager(self.leaf)
+        return self.out.detach()
+
+    def backward(self, grad: torch.Tensor) -> torch.Tensor | None:
+        self.calls.append("backward")
+        return self.node.gradients(self.out, self.leaf, grad)
+
+
+@pytest.mark.parametrize("change", [None, "rows", "dtype", "requires_grad"])
+def test_calls_shaped_like_the_capture_replay_others_run_the_node_eagerly(change):
+    nodes, plain = dense_arch_nodes(_Arches()), _Arches()
+    node = nodes.over_arch.forward
+    graph = node.graph = _EagerGraph(node, torch.randn(12, 40, requires_grad=True))
+    dense, pooled, labels = _batch(4)
+    if change == "rows":
+        dense, pooled, labels = _batch(4, rows=11)
+    elif change == "dtype":
+        graph.input = graph.input.double()
+    elif change == "requires_grad":
+        graph.input = graph.input.detach()
+    _, got = _step(nodes, (dense, pooled, labels))
+    _, want = _step(plain, (dense, pooled, labels))
+    assert graph.calls == ([] if change else ["forward", "backward"])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_arches_in_ddp_are_refused():
+    run_world(1, _refuses_ddp)
+
+
+def _refuses_ddp(rank: int, world: int) -> None:
+    arches = _Arches()
+    arches.dense_arch = nn.parallel.DistributedDataParallel(arches.dense_arch)
+    with pytest.raises(ValueError, match="in DDP already"):
+        dense_arch_nodes(arches)
+
+
+def _average_like_ddp(rank: int, world: int) -> None:
+    torch.manual_seed(rank)  # unequal starts: the nodes and DDP both take rank 0's parameters
+    reference = _Arches()
+    for p in reference.parameters():
+        p.data.add_(rank)
+    ddp = copy.deepcopy(reference)
+    ddp.dense_arch = nn.parallel.DistributedDataParallel(ddp.dense_arch)
+    ddp.over_arch = nn.parallel.DistributedDataParallel(ddp.over_arch)
+    nodes = dense_arch_nodes(copy.deepcopy(reference))
+    q8 = dense_arch_nodes(copy.deepcopy(reference), grad_allreduce="q8")
+    models = (ddp, nodes, q8)
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in models]
+    for step in range(3):
+        batch = _batch(100 * rank + step)  # each rank its own data
+        results = []
+        for model, optimizer in zip(models, optimizers):
+            optimizer.zero_grad(set_to_none=True)
+            grad_input, grads = _step(model, batch)
+            results.append((grad_input, [g.clone() for g in grads]))
+            optimizer.step()
+        (want_input, want), (got_input, got), (_, quantized) = results
+        torch.testing.assert_close(got_input, want_input, rtol=0, atol=0)
+        for g, w in zip(got, want):  # 1/world, then the sum: DDP's arithmetic, bit for bit
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        flat = lambda gs: torch.cat([g.flatten() for g in gs])  # noqa: E731
+        error = (flat(quantized) - flat(want)).norm() / flat(want).norm()
+        assert 0 < error < 0.02, error  # the codec's mean: close to the exact one, not it
+    for model in models:  # every rank's parameters stayed equal
+        params = torch.cat([p.detach().flatten() for p in model.parameters()])
+        gathered = [torch.empty_like(params) for _ in range(world)]
+        torch.distributed.all_gather(gathered, params)
+        torch.testing.assert_close(gathered[1], gathered[0], rtol=0, atol=0)
+
+
+def test_two_ranks_average_the_gradients_as_ddp_does():
+    run_world(2, _average_like_ddp)
