@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.models.dlrm import DenseArch, OverArch
 
-from fused_dlrm.models.arch_nodes import ArchGraph, ArchNode, _ArchFunction, dense_arch_nodes
+from fused_dlrm.models.arch_nodes import ArchGraph, ArchNode, _ArchFunction, dense_arch_nodes, sets_every_gradient
 from world import run_world
 
 CPU = torch.device("cpu")
@@ -80,6 +80,14 @@ def test_the_backward_sets_the_gradients_and_survives_zero_grad():
     _step(nodes, _batch(3))
     assert all(p.grad is not None and p.grad._base is nodes.over_arch.forward.flat
                for p in nodes.over_arch.parameters())
+
+
+def test_a_loop_needs_no_zero_grad_only_when_the_nodes_set_every_gradient_it_steps():
+    plain, nodes = _Arches(), dense_arch_nodes(_Arches())
+    assert sets_every_gradient(nodes, list(nodes.parameters()))
+    assert not sets_every_gradient(plain, list(plain.parameters()))
+    nodes.scale = nn.Parameter(torch.ones(1))  # a parameter outside the nodes: its gradient would accumulate
+    assert not sets_every_gradient(nodes, list(nodes.parameters()))
 
 
 @pytest.mark.parametrize("mode", ["eval", "no_grad"])

@@ -179,3 +179,11 @@ def dense_arch_nodes(model: nn.Module, grad_allreduce: str = "nccl", graph_batch
             node.capture(torch.randn(graph_batch, in_features, generator=rng, device=weight.device,
                                      dtype=weight.dtype).requires_grad_(needs_grad))
     return model
+
+
+def sets_every_gradient(model: nn.Module, params: list[nn.Parameter]) -> bool:
+    """Whether the model's ArchNodes set every one of `params`' gradients whole at each backward: then a training
+    loop stepping these needs no zero_grad (~0.1 ms of host per step)."""
+    set_by_nodes = {id(p) for m in model.modules() if isinstance(m.__dict__.get("forward"), ArchNode)
+                    for p in m.forward.params}
+    return all(id(p) in set_by_nodes for p in params)

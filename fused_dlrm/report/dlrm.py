@@ -15,6 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fused_dlrm.dist import DistEnv
+from fused_dlrm.models.arch_nodes import sets_every_gradient
 from fused_dlrm.report.layers import (STEP, CommLayer, Mode, forward_backward, fused_or_reason,
                                       grad_allreduce_layer, no_fused_path, no_grad)
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
@@ -42,6 +43,7 @@ class _Run:
         self.sparse = self.model.sparse_arch.embedding_bag_collection
         self.optimizer = instantiate(cfg.trainer.dense_optimizer, params=dense_parameters(self.model))
         self.step = dense_step(self.optimizer, cfg.trainer.cuda_graphs, env.device)  # as the training loop's
+        self.zero_grad = not sets_every_gradient(self.model, dense_parameters(self.model))
         _, batch = next(batch_stream(build_dataset(cfg, "train", env), 0, cfg.data.get("steps_per_epoch")))
         self.batch = to_device(batch, env.device)
         self.bags = self.sparse.input_dist(self.batch.sparse_features)
@@ -56,7 +58,8 @@ class _Run:
     def step_modes(self) -> Mode:
         b = self.batch
         return {"fwd": no_grad(lambda: self.model(b.dense_features, b.sparse_features)),
-                "fwd_bwd": lambda: train_step(self.model, self.optimizer, b, self.env.world_size, self.step)}
+                "fwd_bwd": lambda: train_step(self.model, self.optimizer, b, self.env.world_size, self.step,
+                                              self.zero_grad)}
 
 
 def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:

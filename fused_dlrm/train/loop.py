@@ -1,8 +1,9 @@
 """The training loop: read it top to bottom.
 
 One step: batch -> DLRM forward (sparse all-to-alls inside) -> loss -> backward (embedding optimizer fused
-into it, dense gradients averaged by DDP) -> dense optimizer step. On GPUs the dense arches and the dense
-optimizer's step replay CUDA graphs (`trainer.cuda_graphs`: captured by build_model, and by graphed_step).
+into it, dense gradients set and averaged over ranks by the arch nodes, models/arch_nodes.py: no zero_grad) ->
+dense optimizer step. On GPUs the dense arches and the dense optimizer's step replay CUDA graphs
+(`trainer.cuda_graphs`: captured by build_model, and by graphed_step).
 Every `log_every` steps the loss is reduced over ranks and checked for NaN/inf; every `eval_every` steps AUC and
 log loss are measured on held-out data; every `checkpoint_every` steps a checkpoint is written (only after the
 loss was checked).
@@ -36,6 +37,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from fused_dlrm.dist import DistEnv
+from fused_dlrm.models.arch_nodes import sets_every_gradient
 from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
@@ -58,18 +60,21 @@ def evaluate(model, dataset, num_batches: int, env: DistEnv) -> dict[str, float]
     return metrics.compute()
 
 
-def train_step(model, optimizer, batch, world_size: int, step: Callable[[], None] | None = None) -> torch.Tensor:
+def train_step(model, optimizer, batch, world_size: int, step: Callable[[], None] | None = None,
+               zero_grad: bool = True) -> torch.Tensor:
     """One step on a batch already on the device: forward (sparse all-to-alls inside), loss, backward (embedding
-    optimizer fused into it, dense gradients averaged by DDP), dense optimizer step (`step`, by default
-    optimizer.step; graphed_step.dense_step's replays a CUDA graph of it). Returns the detached loss."""
+    optimizer fused into it, dense gradients averaged over ranks by the arch nodes), dense optimizer step (`step`,
+    by default optimizer.step; graphed_step.dense_step's replays a CUDA graph of it). zero_grad=False when the
+    backward sets every gradient the optimizer reads (arch_nodes.sets_every_gradient). Returns the detached loss."""
     logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
-    # Sum over the local batch / global batch, times world size: DDP's average over ranks (and the sparse
+    # Sum over the local batch / global batch, times world size: the average over ranks (and the sparse
     # all-to-all's division by world size, as in torchrec) then give the gradient of the global-batch mean,
     # uneven local batches weighted correctly. The global batch is known on the host since the input dist's
     # header (every rank's batch size): no collective for it.
     global_batch = model.sparse_arch.embedding_bag_collection.global_batch_size
     loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") * (world_size / global_batch)
-    optimizer.zero_grad(set_to_none=True)
+    if zero_grad:
+        optimizer.zero_grad(set_to_none=True)
     loss.backward()
     (step or optimizer.step)()
     return loss.detach()
@@ -89,6 +94,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     if t.resume_from:
         step = load_checkpoint(t.resume_from, model, optimizer, sparse.lookup.optimizer)
     step_optimizer = dense_step(optimizer, t.cuda_graphs, env.device)  # after loading: it sets the groups' options
+    zero_grad = not sets_every_gradient(model, dense_parameters(model))
 
     def log_fields(interval: Interval) -> tuple[dict, str]:
         loss = interval.losses[0]
@@ -163,7 +169,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
           as batches):
         epoch, batch = next_batch()
         while not done(epoch):
-            loss = train_step(model, optimizer, batch, env.world_size, step_optimizer)
+            loss = train_step(model, optimizer, batch, env.world_size, step_optimizer, zero_grad)
             run.end_step(loss)  # step += 1; the loss summed on the device
             epoch, batch = next_batch()  # its input dist overlaps this step's tail on the GPU
             run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
