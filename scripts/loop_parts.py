@@ -7,7 +7,8 @@ Every rank prints, as medians over steps PARTS_START .. PARTS_START + PARTS_STEP
 - wall: host time from one step's start to the next's;
 - host: inside train_step (enqueueing forward, backward, optimizer; split into the model's forward, loss.backward()
   with the embedding backward inside it (lookup.apply_gradient, on autograd's thread) and the rest: the loss,
-  zero_grad and the optimizer step), and outside it: next() (waiting for the batch
+  zero_grad and the optimizer step; or FusedDLRMStep.step, trainer.fused_step's, which calls neither forward nor
+  backward: nan there), and outside it: next() (waiting for the batch
   thread), the next batch's prefetch, the header of the one after it (`prefetch_header`, with
   trainer.header_ahead), after_step (log / eval cadence); and across those, the input dist's `start` (the header
   all-to-all enqueued) and its wait for the header on the host (the one host sync of a step; GPUs only) -- with
@@ -45,6 +46,7 @@ from fused_dlrm.sparse.input_dist import BulkInputDist
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 from fused_dlrm.sparse.sharded_ebc import ShardedEmbeddingBagCollection
 from fused_dlrm.train.batches_ahead import BatchesAhead
+from fused_dlrm.train.fused_step import FusedDLRMStep
 from fused_dlrm.train.schedule import TrainingRun
 
 START, STEPS = int(os.environ.get("PARTS_START", 60)), int(os.environ.get("PARTS_STEPS", 60))
@@ -90,39 +92,42 @@ def finish(self, pending):
     return original_finish(self, pending)
 
 
-def train_step(*args, **kwargs):
-    start = time.perf_counter()
-    if measuring() and state["last_end"] is not None:
-        host["outside"].append(start - state["last_end"])
-        host["wall"].append(start - state["last_start"])
-    state["last_start"] = start
-    began = ended = None
-    if CUDA:
-        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        began.record()
-    loss = original_train_step(*args, **kwargs)
-    if measuring():
-        host["train_step"].append(time.perf_counter() - start)
+def timed_step(original):
+    """A step function (train_step, FusedDLRMStep.step) timed as the step, with the parts' cadence around it."""
+    def step(*args, **kwargs):
+        start = time.perf_counter()
+        if measuring() and state["last_end"] is not None:
+            host["outside"].append(start - state["last_end"])
+            host["wall"].append(start - state["last_start"])
+        state["last_start"] = start
+        began = ended = None
         if CUDA:
-            ended.record()
-            events.append((began, ended))
-    state["step"] += 1
-    if state["step"] == START + STEPS:
-        report()
-        if profiler is not None:
+            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began.record()
+        loss = original(*args, **kwargs)
+        if measuring():
+            host["train_step"].append(time.perf_counter() - start)
+            if CUDA:
+                ended.record()
+                events.append((began, ended))
+        state["step"] += 1
+        if state["step"] == START + STEPS:
+            report()
+            if profiler is not None:
+                torch.cuda.synchronize()
+                profiler.start()
+        if profiler is not None and state["step"] == START + STEPS + PROFILE_STEPS:
             torch.cuda.synchronize()
-            profiler.start()
-    if profiler is not None and state["step"] == START + STEPS + PROFILE_STEPS:
-        torch.cuda.synchronize()
-        profiler.stop()
-        report_kernels()
-    if host_profiler is not None and state["step"] == HOST_FIRST:
-        host_profiler.enable()
-    if host_profiler is not None and state["step"] == HOST_FIRST + HOST_PROFILE_STEPS:
-        host_profiler.disable()
-        report_host()
-    state["last_end"] = time.perf_counter()
-    return loss
+            profiler.stop()
+            report_kernels()
+        if host_profiler is not None and state["step"] == HOST_FIRST:
+            host_profiler.enable()
+        if host_profiler is not None and state["step"] == HOST_FIRST + HOST_PROFILE_STEPS:
+            host_profiler.disable()
+            report_host()
+        state["last_end"] = time.perf_counter()
+        return loss
+    return step
 
 
 def report() -> None:
@@ -190,7 +195,8 @@ def report_host(top: int = 25) -> None:
           flush=True)
 
 
-original_train_step, loop.train_step = loop.train_step, train_step
+loop.train_step = timed_step(loop.train_step)
+FusedDLRMStep.step = timed_step(FusedDLRMStep.step)
 DLRM.forward = timed("forward", DLRM.forward)
 torch.Tensor.backward = timed("backward", torch.Tensor.backward)  # the loop's only backward: its loss's
 PooledEmbeddingLookup.apply_gradient = timed("embedding_backward", PooledEmbeddingLookup.apply_gradient)

@@ -14,8 +14,8 @@ import torch
 from torchrec import EmbeddingBagConfig, PoolingType
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
-from fused_dlrm.kernels.pairwise_interaction import (_config, _launch_backward, num_pairs, offered_gradient_push,
-                                                     pairwise_interaction, pairwise_interaction_reference)
+from fused_dlrm.kernels.pairwise_interaction import (launch_backward, num_pairs, offered_gradient_push,
+                                                     pairwise_interaction, pairwise_interaction_reference, push_block)
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from fused_dlrm.kernels.pooled_embedding import pooled_embedding_reference
 from fused_dlrm.sparse.fused_all_to_all import FusedPooledAllToAll
@@ -283,7 +283,7 @@ def check_interaction_push(world_size, batch_sizes, column_shards, device, dim=6
     # SGD: row-wise Adagrad's step would hardly change with the gradient's scale
     world = World(tables, world_size, optimizer="sgd", num_programs=4, column_shards=column_shards, device=device)
     reference = World(tables, 1, optimizer="sgd", column_shards=column_shards, device=device)
-    block = _config("backward", torch.float32, dim)[0]
+    block = push_block(torch.float32, dim)
     assert all(ex.push_blocks(dim, block) is not None for ex in world.exchanges)  # the kernel's precondition
     scale, gen = 1 / world_size, torch.Generator().manual_seed(7)
     for _ in range(2):
@@ -298,7 +298,7 @@ def check_interaction_push(world_size, batch_sizes, column_shards, device, dim=6
         destinations = [ex.gradient_destinations(b, scale, dim, block) for ex, b in zip(world.exchanges, bags)]
         grad_dense = [torch.full_like(d, float("nan")) for d in dense]
         for r in range(world_size):  # every producer before any owner waits
-            _launch_backward(grad_out[r], dense[r], sparse[r], grad_dense[r], None, destinations[r])
+            launch_backward(grad_out[r], dense[r], sparse[r], grad_dense[r], None, destinations[r])
         for ex, b, d in zip(world.exchanges, bags, destinations):
             ex.finish_backward(b, d.epoch)
         wanted = [interaction_reference_grads(*args) for args in zip(dense, sparse, grad_out)]

@@ -180,7 +180,12 @@ def _config(direction: str, dtype: torch.dtype, dim: int) -> tuple[int, int, str
     return min(block_d, max(16, triton.next_power_of_2(dim))), num_warps, precision
 
 
-def _launch_forward(dense: torch.Tensor, sparse: torch.Tensor, out: torch.Tensor) -> None:
+def push_block(dtype: torch.dtype, dim: int) -> int:
+    """The columns of a feature's row that the pushing backward stores per block (GradientPush.serves, begin)."""
+    return _config("backward", dtype, dim)[0]
+
+
+def launch_forward(dense: torch.Tensor, sparse: torch.Tensor, out: torch.Tensor) -> None:
     (b, f, d), tensors = sparse.shape, (dense, sparse, out)
     block_d, num_warps, precision = _config("forward", sparse.dtype, d)
     strides = (dense.stride(0), *sparse.stride()[:2], out.stride(0))
@@ -190,7 +195,7 @@ def _launch_forward(dense: torch.Tensor, sparse: torch.Tensor, out: torch.Tensor
     _LAUNCHES["forward"](key, (b, 1, 1), args, dict(num_warps=num_warps, num_stages=1))
 
 
-def _launch_backward(grad: torch.Tensor, dense: torch.Tensor, sparse: torch.Tensor, grad_dense: torch.Tensor,
+def launch_backward(grad: torch.Tensor, dense: torch.Tensor, sparse: torch.Tensor, grad_dense: torch.Tensor,
                      grad_sparse: torch.Tensor | None, push: GradientDestinations | None) -> None:
     """d S into grad_sparse (one program per sample), or pushed to `push`'s owners (its programs, even for an
     empty batch: the owners wait for every program's flag)."""
@@ -233,7 +238,7 @@ def offered_gradient_push(sparse: torch.Tensor):
     push = getattr(node, "gradient_push", None)
     if push is None or sparse.dtype != torch.float32:  # (the exchange's output is fp32)
         return None
-    return push if push.serves(sparse, _config("backward", sparse.dtype, sparse.shape[2])[0]) else None
+    return push if push.serves(sparse, push_block(sparse.dtype, sparse.shape[2])) else None
 
 
 class PairwiseInteraction(torch.autograd.Function):
@@ -246,7 +251,7 @@ class PairwiseInteraction(torch.autograd.Function):
         b, f, d = sparse.shape
         out = dense.new_empty(b, d + f + num_pairs(f))
         if b:
-            _launch_forward(dense, sparse, out)
+            launch_forward(dense, sparse, out)
         ctx.save_for_backward(dense, sparse)
         ctx.push = push
         return out
@@ -258,12 +263,12 @@ class PairwiseInteraction(torch.autograd.Function):
         grad = grad if grad.stride(1) == 1 else grad.contiguous()
         grad_dense = dense.new_empty(b, d)
         if ctx.push is not None:
-            destinations = ctx.push.begin(d, _config("backward", sparse.dtype, d)[0])
-            _launch_backward(grad, dense, sparse, grad_dense, None, destinations)
+            destinations = ctx.push.begin(d, push_block(sparse.dtype, d))
+            launch_backward(grad, dense, sparse, grad_dense, None, destinations)
             return grad_dense, None, None
         grad_sparse = sparse.new_empty(b, f, d)
         if b:
-            _launch_backward(grad, dense, sparse, grad_dense, grad_sparse, None)
+            launch_backward(grad, dense, sparse, grad_dense, grad_sparse, None)
         return grad_dense, grad_sparse, None
 
 

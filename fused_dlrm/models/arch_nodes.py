@@ -19,6 +19,8 @@ Parameters must keep their storage (the graphs read it): the optimizer and check
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -79,10 +81,9 @@ class ArchNode:
         else:
             leaf, out = saved
             grad_x = self.gradients(out, leaf, grad)
-        self._average()
-        for p, g in zip(self.params, self.grads):
-            if p.grad is not g:  # None after zero_grad(set_to_none=True)
-                p.grad = g
+        work = self.hand_gradients()
+        if work is not None:  # runs when the whole backward is done, on the caller's streams: they wait for it
+            torch.autograd.Variable._execution_engine.queue_callback(work.wait)
         return grad_x
 
     def gradients(self, out: torch.Tensor, leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
@@ -95,17 +96,20 @@ class ArchNode:
             self.flat.mul_(self.scale)
         return grads[0] if leaf.requires_grad else None
 
-    def _average(self) -> None:
-        """The flat gradients summed (or a codec's mean) over the ranks; done when autograd's backward returns."""
+    def hand_gradients(self) -> dist.Work | None:
+        """Once the flat buffer holds this backward's gradients: the parameters' `.grad` set to its views and its
+        average over the ranks started; returns the all-reduce to wait for before the gradients are read (a plain
+        one's; a codec's is enqueued on the current stream, or synchronous: None)."""
+        for p, g in zip(self.params, self.grads):
+            if p.grad is not g:  # None after zero_grad(set_to_none=True)
+                p.grad = g
         if self.world == 1:
-            return
+            return None
         codec = chooser(self.flat.numel() * self.flat.element_size(), self.codec, 0)
-        if codec != "nccl":  # enqueued on the current stream (fused), or synchronous (its bulk twin)
+        if codec != "nccl":
             quantized_all_reduce(self.flat, codec, self.group, mean=True, out=self.flat)
-            return
-        work = dist.all_reduce(self.flat, group=self.group, async_op=True)
-        # Runs when the whole backward is done, on the caller's streams: they wait for the all-reduce there.
-        torch.autograd.Variable._execution_engine.queue_callback(work.wait)
+            return None
+        return dist.all_reduce(self.flat, group=self.group, async_op=True)
 
 
 class _ArchFunction(torch.autograd.Function):
@@ -121,6 +125,22 @@ class _ArchFunction(torch.autograd.Function):
         return ctx.node.run_backward(saved, grad), None, None
 
 
+def warm_up(fn: Callable[[], object], device: torch.device, times: int = 3) -> None:
+    """Run fn a few times before its capture (cuBLAS workspaces, autograd's lazy set-up), on a side stream as
+    torch.cuda.make_graphed_callables does. A node's fn writes only its flat buffer, which every backward
+    overwrites."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+
+
+def first_linear(arch: nn.Module) -> nn.Linear:
+    return next(m for m in arch.modules() if isinstance(m, nn.Linear))
+
+
 class ArchGraph:
     """An ArchNode's forward and backward as two CUDA graphs over static buffers (a memory pool of their own).
 
@@ -130,16 +150,12 @@ class ArchGraph:
     def __init__(self, node: ArchNode, sample: torch.Tensor):
         self.node = node
         self.input = sample.detach().clone().requires_grad_(sample.requires_grad)
-        # Warm-up off the capture (cuBLAS workspaces, autograd's lazy set-up), on a side stream as
-        # make_graphed_callables does; it writes only the flat buffer, which every backward overwrites.
-        side = torch.cuda.Stream(sample.device)
-        side.wait_stream(torch.cuda.current_stream(sample.device))
-        with torch.cuda.stream(side), torch.enable_grad():
-            for _ in range(3):
+
+        def forward_backward() -> None:
+            with torch.enable_grad():
                 out = node.eager(self.input)
-                node.gradients(out, self.input, torch.ones_like(out))
-        torch.cuda.current_stream(sample.device).wait_stream(side)
-        del out
+            node.gradients(out, self.input, torch.ones_like(out))
+        warm_up(forward_backward, sample.device)
         pool = torch.cuda.graph_pool_handle()
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.forward_graph, pool=pool), torch.enable_grad():
@@ -158,7 +174,8 @@ class ArchGraph:
         return self.output.detach()
 
     def backward(self, grad: torch.Tensor) -> torch.Tensor | None:
-        self.grad_output.copy_(grad)
+        if grad is not self.grad_output:  # a kernel may have stored the gradient there itself
+            self.grad_output.copy_(grad)
         self.backward_graph.replay()
         return None if self.grad_input is None else self.grad_input.detach()
 
@@ -175,7 +192,7 @@ def dense_arch_nodes(model: nn.Module, grad_allreduce: str = "nccl", graph_batch
         weight = nodes[0].params[0]
         rng = torch.Generator(weight.device).manual_seed(0)  # the global generator's stream stays the same
         for node, needs_grad in zip(nodes, (False, True)):
-            in_features = next(m for m in node.arch.modules() if isinstance(m, nn.Linear)).in_features
+            in_features = first_linear(node.arch).in_features
             node.capture(torch.randn(graph_batch, in_features, generator=rng, device=weight.device,
                                      dtype=weight.dtype).requires_grad_(needs_grad))
     return model

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torchrec import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.models.dlrm import DLRM, InteractionArch, SparseArch
@@ -90,3 +91,10 @@ def with_lean_arches(model: DLRM) -> DLRM:
     dense_device = next(model.dense_arch.parameters()).device
     model.inter_arch = PairwiseInteractionArch(model.inter_arch.F).to(dense_device)
     return model
+
+
+def dlrm_loss(logits: torch.Tensor, labels: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """The training loss: binary cross-entropy summed over the local batch, times `scale` (world size / global
+    batch: the data-parallel average over ranks, and the sparse all-to-all's division by the world size, as in
+    torchrec, then give the gradient of the global-batch mean, uneven local batches weighted correctly)."""
+    return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum") * scale

@@ -15,13 +15,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fused_dlrm.dist import DistEnv
-from fused_dlrm.models.arch_nodes import sets_every_gradient
 from fused_dlrm.report.layers import (STEP, CommLayer, Mode, forward_backward, fused_or_reason,
                                       grad_allreduce_layer, no_fused_path, no_grad)
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
 from fused_dlrm.train.graphed_step import dense_step
-from fused_dlrm.train.loop import train_step
+from fused_dlrm.train.loop import make_train_step
 
 
 def with_comm(cfg: DictConfig, mode: str) -> DictConfig:
@@ -43,7 +42,8 @@ class _Run:
         self.sparse = self.model.sparse_arch.embedding_bag_collection
         self.optimizer = instantiate(cfg.trainer.dense_optimizer, params=dense_parameters(self.model))
         self.step = dense_step(self.optimizer, cfg.trainer.cuda_graphs, env.device)  # as the training loop's
-        self.zero_grad = not sets_every_gradient(self.model, dense_parameters(self.model))
+        self.train_step = make_train_step(self.model, self.optimizer, self.step, env.world_size,
+                                          cfg.trainer.fused_step)  # the loop's
         _, batch = next(batch_stream(build_dataset(cfg, "train", env), 0, cfg.data.get("steps_per_epoch")))
         self.batch = to_device(batch, env.device)
         self.bags = self.sparse.input_dist(self.batch.sparse_features)
@@ -58,8 +58,7 @@ class _Run:
     def step_modes(self) -> Mode:
         b = self.batch
         return {"fwd": no_grad(lambda: self.model(b.dense_features, b.sparse_features)),
-                "fwd_bwd": lambda: train_step(self.model, self.optimizer, b, self.env.world_size, self.step,
-                                              self.zero_grad)}
+                "fwd_bwd": lambda: self.train_step(b)}
 
 
 def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:

@@ -143,11 +143,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+    def bags_of(self, features: KeyedJaggedTensor):
+        """The owned bags of a batch: distributed ahead (prefetch, the batch thread), else now; the global batch
+        size noted from their header."""
         bags = self._take_prefetched(features)
         if bags is None:
             bags = self.input_dist(features)
         self.global_batch_size = bags.global_batch
+        return bags
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        bags = self.bags_of(features)
         if self.fused is not None:
             values = self.fused(bags, torchrec_gradient_scale(self.world_size))
         else:

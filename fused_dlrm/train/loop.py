@@ -32,15 +32,17 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig
+from torchrec.datasets.utils import Batch
 
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.models.arch_nodes import sets_every_gradient
+from fused_dlrm.models.dlrm import dlrm_loss
 from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
+from fused_dlrm.train.fused_step import FusedDLRMStep, fused_step_refusal
 from fused_dlrm.train.graphed_step import dense_step
 from fused_dlrm.train.metrics import CTRMetrics
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
@@ -67,17 +69,35 @@ def train_step(model, optimizer, batch, world_size: int, step: Callable[[], None
     by default optimizer.step; graphed_step.dense_step's replays a CUDA graph of it). zero_grad=False when the
     backward sets every gradient the optimizer reads (arch_nodes.sets_every_gradient). Returns the detached loss."""
     logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
-    # Sum over the local batch / global batch, times world size: the average over ranks (and the sparse
-    # all-to-all's division by world size, as in torchrec) then give the gradient of the global-batch mean,
-    # uneven local batches weighted correctly. The global batch is known on the host since the input dist's
-    # header (every rank's batch size): no collective for it.
+    # The global batch is known on the host since the input dist's header (every rank's batch size): no collective.
     global_batch = model.sparse_arch.embedding_bag_collection.global_batch_size
-    loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") * (world_size / global_batch)
+    loss = dlrm_loss(logits, batch.labels, world_size / global_batch)
     if zero_grad:
         optimizer.zero_grad(set_to_none=True)
     loss.backward()
     (step or optimizer.step)()
     return loss.detach()
+
+
+def make_train_step(model, optimizer, step: Callable[[], None], world_size: int, fused_step: bool
+                    ) -> Callable[[Batch], torch.Tensor]:
+    """The loop's step on a batch: with `fused_step` (trainer.fused_step), FusedDLRMStep where it can run this
+    model and the batch fits its graphs; else train_step (without zero_grad when the arch nodes set every dense
+    gradient). Make it before a thread that makes batches starts: the fused step captures a CUDA graph."""
+    zero_grad = not sets_every_gradient(model, dense_parameters(model))
+    fused = None
+    if fused_step:
+        reason = fused_step_refusal(model)
+        if not reason:
+            fused = FusedDLRMStep(model, step, world_size)
+        elif getattr(model.sparse_arch.embedding_bag_collection, "fused", None) is not None:
+            log.info("trainer.fused_step: the autograd step runs instead (%s)", reason)
+
+    def run(batch: Batch) -> torch.Tensor:
+        if fused is not None and fused.takes(batch):
+            return fused.step(batch)
+        return train_step(model, optimizer, batch, world_size, step, zero_grad)
+    return run
 
 
 def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
@@ -94,7 +114,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     if t.resume_from:
         step = load_checkpoint(t.resume_from, model, optimizer, sparse.lookup.optimizer)
     step_optimizer = dense_step(optimizer, t.cuda_graphs, env.device)  # after loading: it sets the groups' options
-    zero_grad = not sets_every_gradient(model, dense_parameters(model))
+    run_step = make_train_step(model, optimizer, step_optimizer, env.world_size, t.fused_step)
 
     def log_fields(interval: Interval) -> tuple[dict, str]:
         loss = interval.losses[0]
@@ -169,7 +189,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
           as batches):
         epoch, batch = next_batch()
         while not done(epoch):
-            loss = train_step(model, optimizer, batch, env.world_size, step_optimizer, zero_grad)
+            loss = run_step(batch)
             run.end_step(loss)  # step += 1; the loss summed on the device
             epoch, batch = next_batch()  # its input dist overlaps this step's tail on the GPU
             run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation

@@ -1,0 +1,139 @@
+"""DLRM's training step on the fused exchange, written out without autograd (`trainer.fused_step`; GPUs, comm=fused
+over p2p, the dense arches graphed).
+
+With the dense arches as nodes replaying CUDA graphs (models/arch_nodes.py), most of what is left of a step's host
+time is autograd's own: the loss's nodes, the interaction's and the exchange's Python Functions, the hand-offs
+between the loop's thread and the engine's (each waiting for the GIL that the batch thread also takes;
+docs/benchmarks.md, 2026-12-01). On the fused path every buffer the step touches is fixed ahead: the exchange's
+output and gradient live in double-buffered symmetric memory, the graphs' inputs and outputs are static. So the step
+is written out as the sequence it is, each piece writing where the next one reads:
+
+    dense arch forward (its node's graph)     dense features -> the bottom MLP's output (the graph's own)
+    exchange forward                          bags -> pooled [B, F * D], this step's half of the symmetric output
+    interaction forward (kernel)              -> the input of the over arch's graph
+    over arch + loss, forward and backward    one CUDA graph (OverArchLossGraph): the loss, the over arch's
+                                              gradients (its node's flat buffer), the interaction output's gradient
+    interaction backward (kernel)             d S straight into the owners' gradient buffers, with the exchange's
+                                              flags (GradientPush's protocol), and d dense into the dense graph's
+                                              gradient input
+    dense arch backward (its node's graph)    the bottom MLP's gradients
+    exchange backward                         the wait for every rank's d S, then the embedding update
+    then the two all-reduces of the dense gradients (each started once its arch's gradients are made) and the
+    dense optimizer's step.
+
+The arithmetic is train_step's, op for op. Calls that do not fit the graphs (another local batch size) take
+train_step; evaluation calls the model as ever.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torchrec.datasets.utils import Batch
+
+from fused_dlrm.kernels.pairwise_interaction import kernels_refuse, launch_backward, launch_forward, push_block
+from fused_dlrm.models.arch_nodes import ArchNode, first_linear, warm_up
+from fused_dlrm.models.dlrm import PairwiseInteractionArch, dlrm_loss
+from fused_dlrm.sparse.sharded_ebc import torchrec_gradient_scale
+
+
+def fused_step_refusal(model: nn.Module) -> str:
+    """Why FusedDLRMStep cannot run this model's training steps, or "" when it can."""
+    sparse_arch = model.sparse_arch
+    sparse = sparse_arch.embedding_bag_collection
+    exchange = getattr(sparse, "fused", None)
+    if exchange is None:
+        return "comm=bulk (or not the project's sharded collection): no fused exchange"
+    if exchange.nvshmem:
+        return "comm.transport=nvshmem: the interaction's backward cannot push the gradient there"
+    nodes = (model.dense_arch.__dict__.get("forward"), model.over_arch.__dict__.get("forward"))
+    if not all(isinstance(n, ArchNode) and n.graph is not None for n in nodes):
+        return "the dense arches are not graphed arch nodes (trainer.cuda_graphs=false?)"
+    if not isinstance(model.inter_arch, PairwiseInteractionArch):
+        return f"the interaction is {type(model.inter_arch).__name__}, not PairwiseInteractionArch"
+    num_features, dim = sparse_arch.F, sparse_arch.D
+    dims = [t.embedding_dim for t in sparse.embedding_bag_configs() for _ in t.feature_names]
+    if sparse.feature_names != sparse_arch.sparse_feature_names or any(d != dim for d in dims):
+        return "the pooled output is not [B, F, D] in the arch's feature order"
+    if exchange.push_blocks(dim, push_block(torch.float32, dim)) is None:
+        return "the interaction's gradient blocks would straddle two owners"
+    rows = nodes[0].graph.input.shape[0]
+    device = nodes[0].graph.input.device
+    return kernels_refuse(torch.empty(rows, dim, device=device), torch.empty(rows, num_features, dim, device=device))
+
+
+class OverArchLossGraph:
+    """The over arch and the loss, forward and backward, as one CUDA graph over static buffers: in, `input` (the
+    interaction's output, which its kernel stores there), the labels and the loss's scale; out, `loss`, the over
+    arch's gradients (its node's flat buffer, times the node's scale) and `grad_input`."""
+
+    def __init__(self, node: ArchNode, rows: int):
+        self.node = node
+        weight = node.params[0]
+        gen = torch.Generator(weight.device).manual_seed(0)  # the global generator's stream stays the same
+        self.input = torch.randn(rows, first_linear(node.arch).in_features, generator=gen, device=weight.device,
+                                 dtype=weight.dtype).requires_grad_()
+        self.labels = torch.rand(rows, generator=gen, device=weight.device).round()
+        self.scale = torch.ones((), device=weight.device)
+        self._scale = 1.0  # the scale's value, on the host
+        warm_up(self._forward_backward, weight.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=torch.cuda.graph_pool_handle()):
+            self.loss, self.grad_input = self._forward_backward()
+
+    def _forward_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.enable_grad():
+            loss = dlrm_loss(self.node.eager(self.input).squeeze(-1), self.labels, self.scale)
+        return loss.detach(), self.node.gradients(loss, self.input, None)
+
+    def run(self, labels: torch.Tensor, scale: float) -> None:
+        """One replay on these labels (the input already stored) with the loss times `scale`."""
+        self.labels.copy_(labels)
+        if scale != self._scale:
+            self.scale.fill_(scale)
+            self._scale = scale
+        self.graph.replay()
+
+
+class FusedDLRMStep:
+    """train_step for a DLRM on the fused exchange (see the module docstring): `takes(batch)` says whether a batch
+    fits its graphs, `step(batch)` runs one step on it (forward, backward with the embedding update, the dense
+    optimizer's `optimizer_step`) and returns the loss (the graph's own: read it before the next step)."""
+
+    def __init__(self, model: nn.Module, optimizer_step: Callable[[], None], world_size: int):
+        reason = fused_step_refusal(model)
+        if reason:
+            raise ValueError(f"the fused DLRM step cannot run this model: {reason}")
+        self.model, self.optimizer_step, self.world_size = model, optimizer_step, world_size
+        self.sparse = model.sparse_arch.embedding_bag_collection
+        self.exchange = self.sparse.fused
+        self.dense, over = model.dense_arch.forward, model.over_arch.forward
+        self.over = OverArchLossGraph(over, self.dense.graph.input.shape[0])
+        self.shape = (self.dense.graph.input.shape[0], model.sparse_arch.F, model.sparse_arch.D)
+        self.block = push_block(torch.float32, self.shape[2])
+
+    def takes(self, batch: Batch) -> bool:
+        return self.model.training and batch.dense_features.shape[0] == self.shape[0]
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        exchange, dense_graph, over = self.exchange, self.dense.graph, self.over
+        bags = self.sparse.bags_of(batch.sparse_features)
+        embedded_dense = dense_graph.forward(batch.dense_features)
+        pooled = exchange.finish(bags, exchange.start(bags)).view(self.shape)
+        launch_forward(embedded_dense, pooled, over.input)
+        over.run(batch.labels, self.world_size / bags.global_batch)
+        over_average = over.node.hand_gradients()
+        destinations = exchange.gradient_destinations(bags, torchrec_gradient_scale(self.world_size), self.shape[2],
+                                                      self.block)
+        launch_backward(over.grad_input, embedded_dense, pooled, dense_graph.grad_output, None, destinations)
+        exchange.backward_pushes["consumer"] += 1
+        dense_graph.backward(dense_graph.grad_output)
+        dense_average = self.dense.hand_gradients()
+        exchange.finish_backward(bags, destinations.epoch)
+        for work in (over_average, dense_average):
+            if work is not None:
+                work.wait()
+        self.optimizer_step()
+        return over.loss
