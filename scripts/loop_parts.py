@@ -7,8 +7,8 @@ Every rank prints, as medians over steps PARTS_START .. PARTS_START + PARTS_STEP
 - wall: host time from one step's start to the next's;
 - host: inside train_step (enqueueing forward, backward, optimizer; split into the model's forward, loss.backward()
   with the embedding backward inside it (lookup.apply_gradient, on autograd's thread) and the rest: the loss,
-  zero_grad and the optimizer step; or FusedDLRMStep.step, trainer.fused_step's, which calls neither forward nor
-  backward: nan there), and outside it: next() (waiting for the batch
+  zero_grad and the optimizer step; or DirectDLRMStep.step, trainer.direct_step's, which calls no forward (nan) and, with
+  comm=fused, no backward (nan)), and outside it: next() (waiting for the batch
   thread), the next batch's prefetch, the header of the one after it (`prefetch_header`, with
   trainer.header_ahead), after_step (log / eval cadence); and across those, the input dist's `start` (the header
   all-to-all enqueued) and its wait for the header on the host (the one host sync of a step; GPUs only) -- with
@@ -46,7 +46,7 @@ from fused_dlrm.sparse.input_dist import BulkInputDist
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 from fused_dlrm.sparse.sharded_ebc import ShardedEmbeddingBagCollection
 from fused_dlrm.train.batches_ahead import BatchesAhead
-from fused_dlrm.train.fused_step import FusedDLRMStep
+from fused_dlrm.train.direct_step import DirectDLRMStep
 from fused_dlrm.train.schedule import TrainingRun
 
 START, STEPS = int(os.environ.get("PARTS_START", 60)), int(os.environ.get("PARTS_STEPS", 60))
@@ -93,7 +93,7 @@ def finish(self, pending):
 
 
 def timed_step(original):
-    """A step function (train_step, FusedDLRMStep.step) timed as the step, with the parts' cadence around it."""
+    """A step function (train_step, DirectDLRMStep.step) timed as the step, with the parts' cadence around it."""
     def step(*args, **kwargs):
         start = time.perf_counter()
         if measuring() and state["last_end"] is not None:
@@ -196,7 +196,7 @@ def report_host(top: int = 25) -> None:
 
 
 loop.train_step = timed_step(loop.train_step)
-FusedDLRMStep.step = timed_step(FusedDLRMStep.step)
+DirectDLRMStep.step = timed_step(DirectDLRMStep.step)
 DLRM.forward = timed("forward", DLRM.forward)
 torch.Tensor.backward = timed("backward", torch.Tensor.backward)  # the loop's only backward: its loss's
 PooledEmbeddingLookup.apply_gradient = timed("embedding_backward", PooledEmbeddingLookup.apply_gradient)

@@ -43,7 +43,7 @@ class _Run:
         self.optimizer = instantiate(cfg.trainer.dense_optimizer, params=dense_parameters(self.model))
         self.step = dense_step(self.optimizer, cfg.trainer.cuda_graphs, env.device)  # as the training loop's
         self.train_step = make_train_step(self.model, self.optimizer, self.step, env.world_size,
-                                          cfg.trainer.fused_step)  # the loop's
+                                          cfg.trainer.direct_step)  # the loop's
         _, batch = next(batch_stream(build_dataset(cfg, "train", env), 0, cfg.data.get("steps_per_epoch")))
         self.batch = to_device(batch, env.device)
         self.bags = self.sparse.input_dist(self.batch.sparse_features)

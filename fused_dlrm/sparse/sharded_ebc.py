@@ -153,13 +153,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return bags
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        bags = self.bags_of(features)
-        if self.fused is not None:
-            values = self.fused(bags, torchrec_gradient_scale(self.world_size))
-        else:
-            values = divide_gradient_like_torchrec(self.output_dist(self.lookup(bags), bags.batch_sizes),
-                                                   self.world_size)
+        values = self.pooled(self.bags_of(features))
         return KeyedTensor(keys=self.feature_names, length_per_key=self._feature_dims, values=values, key_dim=1)
+
+    def pooled(self, bags) -> torch.Tensor:
+        """The batch's pooled embeddings [local batch, sum of dims] (config feature order) from its owned bags: the
+        fused exchange, or the lookup and the output dist's all-to-all; in training, with autograd's backward to
+        the tables."""
+        if self.fused is not None:
+            return self.fused(bags, torchrec_gradient_scale(self.world_size))
+        return divide_gradient_like_torchrec(self.output_dist(self.lookup(bags), bags.batch_sizes), self.world_size)
 
     def prefetch_header(self, features: KeyedJaggedTensor) -> None:
         """Start a batch's input dist further ahead: only its header all-to-all (sizes and checks) and the header's

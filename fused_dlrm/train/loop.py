@@ -42,7 +42,7 @@ from fused_dlrm.models.dlrm import dlrm_loss
 from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
-from fused_dlrm.train.fused_step import FusedDLRMStep, fused_step_refusal
+from fused_dlrm.train.direct_step import DirectDLRMStep, direct_step_refusal
 from fused_dlrm.train.graphed_step import dense_step
 from fused_dlrm.train.metrics import CTRMetrics
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
@@ -79,23 +79,23 @@ def train_step(model, optimizer, batch, world_size: int, step: Callable[[], None
     return loss.detach()
 
 
-def make_train_step(model, optimizer, step: Callable[[], None], world_size: int, fused_step: bool
+def make_train_step(model, optimizer, step: Callable[[], None], world_size: int, direct_step: bool
                     ) -> Callable[[Batch], torch.Tensor]:
-    """The loop's step on a batch: with `fused_step` (trainer.fused_step), FusedDLRMStep where it can run this
+    """The loop's step on a batch: with `direct_step` (trainer.direct_step), DirectDLRMStep where it can run this
     model and the batch fits its graphs; else train_step (without zero_grad when the arch nodes set every dense
-    gradient). Make it before a thread that makes batches starts: the fused step captures a CUDA graph."""
+    gradient). Make it before a thread that makes batches starts: the direct step captures a CUDA graph."""
     zero_grad = not sets_every_gradient(model, dense_parameters(model))
-    fused = None
-    if fused_step:
-        reason = fused_step_refusal(model)
+    direct = None
+    if direct_step:
+        reason = direct_step_refusal(model)
         if not reason:
-            fused = FusedDLRMStep(model, step, world_size)
-        elif getattr(model.sparse_arch.embedding_bag_collection, "fused", None) is not None:
-            log.info("trainer.fused_step: the autograd step runs instead (%s)", reason)
+            direct = DirectDLRMStep(model, step, world_size)
+        elif next(model.parameters()).is_cuda:
+            log.info("trainer.direct_step: the autograd step runs instead (%s)", reason)
 
     def run(batch: Batch) -> torch.Tensor:
-        if fused is not None and fused.takes(batch):
-            return fused.step(batch)
+        if direct is not None and direct.takes(batch):
+            return direct.step(batch)
         return train_step(model, optimizer, batch, world_size, step, zero_grad)
     return run
 
@@ -114,7 +114,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     if t.resume_from:
         step = load_checkpoint(t.resume_from, model, optimizer, sparse.lookup.optimizer)
     step_optimizer = dense_step(optimizer, t.cuda_graphs, env.device)  # after loading: it sets the groups' options
-    run_step = make_train_step(model, optimizer, step_optimizer, env.world_size, t.fused_step)
+    run_step = make_train_step(model, optimizer, step_optimizer, env.world_size, t.direct_step)
 
     def log_fields(interval: Interval) -> tuple[dict, str]:
         loss = interval.losses[0]

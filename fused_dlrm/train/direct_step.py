@@ -1,28 +1,29 @@
-"""DLRM's training step on the fused exchange, written out without autograd (`trainer.fused_step`; GPUs, comm=fused
-over p2p, the dense arches graphed).
+"""DLRM's training step called directly, without autograd around the dense part (`trainer.direct_step`; GPUs, the
+dense arches graphed, the pairwise interaction's kernels).
 
-With the dense arches as nodes replaying CUDA graphs (models/arch_nodes.py), most of what is left of a step's host
+With the dense arches as nodes replaying CUDA graphs (models/arch_nodes.py), much of what is left of a step's host
 time is autograd's own: the loss's nodes, the interaction's and the exchange's Python Functions, the hand-offs
 between the loop's thread and the engine's (each waiting for the GIL that the batch thread also takes;
-docs/benchmarks.md, 2026-12-01). On the fused path every buffer the step touches is fixed ahead: the exchange's
-output and gradient live in double-buffered symmetric memory, the graphs' inputs and outputs are static. So the step
-is written out as the sequence it is, each piece writing where the next one reads:
+docs/benchmarks.md, 2026-12-01). The dense part of the step has fixed shapes and buffers, so it is written out as
+the sequence it is, each piece writing where the next one reads:
 
     dense arch forward (its node's graph)     dense features -> the bottom MLP's output (the graph's own)
-    exchange forward                          bags -> pooled [B, F * D], this step's half of the symmetric output
+    sparse forward                            bags -> pooled [B, F * D]
     interaction forward (kernel)              -> the input of the over arch's graph
     over arch + loss, forward and backward    one CUDA graph (OverArchLossGraph): the loss, the over arch's
                                               gradients (its node's flat buffer), the interaction output's gradient
-    interaction backward (kernel)             d S straight into the owners' gradient buffers, with the exchange's
-                                              flags (GradientPush's protocol), and d dense into the dense graph's
-                                              gradient input
+    interaction backward (kernel)             d dense into the dense graph's gradient input, and d S
     dense arch backward (its node's graph)    the bottom MLP's gradients
-    exchange backward                         the wait for every rank's d S, then the embedding update
+    sparse backward                           d S to the tables' owners, then the embedding update
     then the two all-reduces of the dense gradients (each started once its arch's gradients are made) and the
     dense optimizer's step.
 
-The arithmetic is train_step's, op for op. Calls that do not fit the graphs (another local batch size) take
-train_step; evaluation calls the model as ever.
+The sparse part is the collection's: with comm=fused (p2p) the interaction's backward kernel stores d S straight
+into the owners' symmetric gradient buffers with the exchange's flags (GradientPush's protocol) and the exchange's
+backward waits for them and updates the tables, no autograd at all; with comm=bulk the lookup, the all-to-all and
+their backward stay autograd's (their outputs are new tensors each step), d S handed to them. The arithmetic is
+loop.train_step's, op for op. Calls that do not fit the graphs (another local batch size) take train_step;
+evaluation calls the model as ever.
 """
 
 from __future__ import annotations
@@ -36,31 +37,30 @@ from torchrec.datasets.utils import Batch
 from fused_dlrm.kernels.pairwise_interaction import kernels_refuse, launch_backward, launch_forward, push_block
 from fused_dlrm.models.arch_nodes import ArchNode, first_linear, warm_up
 from fused_dlrm.models.dlrm import PairwiseInteractionArch, dlrm_loss
-from fused_dlrm.sparse.sharded_ebc import torchrec_gradient_scale
+from fused_dlrm.sparse.sharded_ebc import ShardedEmbeddingBagCollection, torchrec_gradient_scale
 
 
-def fused_step_refusal(model: nn.Module) -> str:
-    """Why FusedDLRMStep cannot run this model's training steps, or "" when it can."""
+def direct_step_refusal(model: nn.Module) -> str:
+    """Why DirectDLRMStep cannot run this model's training steps, or "" when it can."""
     sparse_arch = model.sparse_arch
     sparse = sparse_arch.embedding_bag_collection
-    exchange = getattr(sparse, "fused", None)
-    if exchange is None:
-        return "comm=bulk (or not the project's sharded collection): no fused exchange"
-    if exchange.nvshmem:
-        return "comm.transport=nvshmem: the interaction's backward cannot push the gradient there"
+    if not isinstance(sparse, ShardedEmbeddingBagCollection):
+        return f"the embeddings are {type(sparse).__name__}, not the project's sharded collection"
     nodes = (model.dense_arch.__dict__.get("forward"), model.over_arch.__dict__.get("forward"))
     if not all(isinstance(n, ArchNode) and n.graph is not None for n in nodes):
-        return "the dense arches are not graphed arch nodes (trainer.cuda_graphs=false?)"
+        return "the dense arches are not graphed arch nodes (the CPU, or trainer.cuda_graphs=false)"
     if not isinstance(model.inter_arch, PairwiseInteractionArch):
         return f"the interaction is {type(model.inter_arch).__name__}, not PairwiseInteractionArch"
     num_features, dim = sparse_arch.F, sparse_arch.D
     dims = [t.embedding_dim for t in sparse.embedding_bag_configs() for _ in t.feature_names]
     if sparse.feature_names != sparse_arch.sparse_feature_names or any(d != dim for d in dims):
         return "the pooled output is not [B, F, D] in the arch's feature order"
-    if exchange.push_blocks(dim, push_block(torch.float32, dim)) is None:
+    exchange = sparse.fused
+    if exchange is not None and exchange.nvshmem:
+        return "comm.transport=nvshmem: the interaction's backward cannot push the gradient there"
+    if exchange is not None and exchange.push_blocks(dim, push_block(torch.float32, dim)) is None:
         return "the interaction's gradient blocks would straddle two owners"
-    rows = nodes[0].graph.input.shape[0]
-    device = nodes[0].graph.input.device
+    rows, device = nodes[0].graph.input.shape[0], nodes[0].graph.input.device
     return kernels_refuse(torch.empty(rows, dim, device=device), torch.empty(rows, num_features, dim, device=device))
 
 
@@ -97,41 +97,51 @@ class OverArchLossGraph:
         self.graph.replay()
 
 
-class FusedDLRMStep:
-    """train_step for a DLRM on the fused exchange (see the module docstring): `takes(batch)` says whether a batch
-    fits its graphs, `step(batch)` runs one step on it (forward, backward with the embedding update, the dense
-    optimizer's `optimizer_step`) and returns the loss (the graph's own: read it before the next step)."""
+class DirectDLRMStep:
+    """loop.train_step, written out (see the module docstring): `takes(batch)` says whether a batch fits its
+    graphs, `step(batch)` runs one step on it (forward, backward with the embedding update, the dense optimizer's
+    `optimizer_step`) and returns the loss (the graph's own: read it before the next step)."""
 
     def __init__(self, model: nn.Module, optimizer_step: Callable[[], None], world_size: int):
-        reason = fused_step_refusal(model)
+        reason = direct_step_refusal(model)
         if reason:
-            raise ValueError(f"the fused DLRM step cannot run this model: {reason}")
+            raise ValueError(f"the direct DLRM step cannot run this model: {reason}")
         self.model, self.optimizer_step, self.world_size = model, optimizer_step, world_size
         self.sparse = model.sparse_arch.embedding_bag_collection
-        self.exchange = self.sparse.fused
-        self.dense, over = model.dense_arch.forward, model.over_arch.forward
-        self.over = OverArchLossGraph(over, self.dense.graph.input.shape[0])
+        self.dense = model.dense_arch.forward
+        self.over = OverArchLossGraph(model.over_arch.forward, self.dense.graph.input.shape[0])
         self.shape = (self.dense.graph.input.shape[0], model.sparse_arch.F, model.sparse_arch.D)
-        self.block = push_block(torch.float32, self.shape[2])
 
     def takes(self, batch: Batch) -> bool:
         return self.model.training and batch.dense_features.shape[0] == self.shape[0]
 
     def step(self, batch: Batch) -> torch.Tensor:
-        exchange, dense_graph, over = self.exchange, self.dense.graph, self.over
+        dense_graph, over, exchange = self.dense.graph, self.over, self.sparse.fused
         bags = self.sparse.bags_of(batch.sparse_features)
         embedded_dense = dense_graph.forward(batch.dense_features)
-        pooled = exchange.finish(bags, exchange.start(bags)).view(self.shape)
-        launch_forward(embedded_dense, pooled, over.input)
+        if exchange is not None:
+            pooled = exchange.finish(bags, exchange.start(bags)).view(self.shape)
+        else:
+            with torch.enable_grad():  # the lookup and the all-to-all: their backward is autograd's
+                pooled = self.sparse.pooled(bags)
+        sparse = pooled.detach().view(self.shape)
+        launch_forward(embedded_dense, sparse, over.input)
         over.run(batch.labels, self.world_size / bags.global_batch)
         over_average = over.node.hand_gradients()
-        destinations = exchange.gradient_destinations(bags, torchrec_gradient_scale(self.world_size), self.shape[2],
-                                                      self.block)
-        launch_backward(over.grad_input, embedded_dense, pooled, dense_graph.grad_output, None, destinations)
-        exchange.backward_pushes["consumer"] += 1
+        if exchange is not None:  # d S pushed to the owners by the interaction's kernel
+            destinations = exchange.gradient_destinations(bags, torchrec_gradient_scale(self.world_size),
+                                                          self.shape[2], push_block(torch.float32, self.shape[2]))
+            launch_backward(over.grad_input, embedded_dense, sparse, dense_graph.grad_output, None, destinations)
+            exchange.backward_pushes["consumer"] += 1
+        else:
+            grad_sparse = torch.empty_like(sparse)
+            launch_backward(over.grad_input, embedded_dense, sparse, dense_graph.grad_output, grad_sparse, None)
         dense_graph.backward(dense_graph.grad_output)
         dense_average = self.dense.hand_gradients()
-        exchange.finish_backward(bags, destinations.epoch)
+        if exchange is not None:
+            exchange.finish_backward(bags, destinations.epoch)
+        else:
+            pooled.backward(grad_sparse.view_as(pooled))
         for work in (over_average, dense_average):
             if work is not None:
                 work.wait()

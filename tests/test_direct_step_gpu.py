@@ -1,0 +1,47 @@
+"""trainer.direct_step (fused_dlrm/train/direct_step.py) trains as the autograd step does: train.py's DLRM loop, the
+step called directly against autograd's, same seed, in both comm modes: the same losses and evaluations, and every
+training step taken by the direct one. ONE GPU at world 1, and two ranks on two GPUs (NCCL; each skipped without
+its GPUs). On the CPU: tests/test_direct_step.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fused_dlrm.dist import DistEnv
+from fused_dlrm.train.direct_step import DirectDLRMStep
+from fused_dlrm.train.loop import train
+from test_training import SMALL, config
+from world import run_world
+
+
+def _trains_as_autograd(rank: int, world: int, tmp: str) -> None:
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cuda", rank), backend="nccl")
+    taken = []
+    step = DirectDLRMStep.step
+    DirectDLRMStep.step = lambda self, batch: taken.append(1) or step(self, batch)
+    for comm in ("fused", "bulk"):
+        taken.clear()
+        common = SMALL + ["trainer.device=cuda", f"comm={comm}", "trainer.max_steps=16", "trainer.log_every=1",
+                          "trainer.eval_every=8", "trainer.checkpoint_every=0"]
+        autograd = train(config(*common, "trainer.direct_step=false"), env, Path(tmp) / f"autograd_{comm}{rank}")
+        assert taken == []
+        direct = train(config(*common), env, Path(tmp) / f"direct_{comm}{rank}")
+        assert len(taken) == 16, comm
+        losses = lambda r: torch.tensor([loss for _, loss in r.losses], dtype=torch.float64)  # noqa: E731
+        torch.testing.assert_close(losses(direct), losses(autograd), rtol=1e-5, atol=1e-6)
+        assert len(direct.evals) == 2
+        for got, want in zip(direct.evals, autograd.evals):
+            assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-5 for k in want), (comm, got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_one_gpu_trains_as_the_autograd_step(tmp_path):
+    run_world(1, _trains_as_autograd, str(tmp_path), backend="nccl")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_train_as_the_autograd_step(tmp_path):
+    run_world(2, _trains_as_autograd, str(tmp_path), backend="nccl")
