@@ -10,7 +10,7 @@
 # LANES=2 on a machine with 4 GPUs or more (CUDA_VISIBLE_DEVICES unset): the tests on GPUs 0,1 while the
 # benchmarks and training runs go on GPUs 2,3, side by side (the timings then share the host's cores with the
 # tests: say so where you quote them).
-GPU_TESTS="launch symmetric_workspace simulated_world arch_nodes batch_header segment_gather fused_embedding torchrec_sharder moe_fused moe_fused_dispatch moe_graphs quantized_allreduce tp allgather"
+GPU_TESTS="launch symmetric_workspace simulated_world arch_nodes direct_step batch_header segment_gather fused_embedding torchrec_sharder moe_fused moe_fused_dispatch moe_graphs quantized_allreduce tp allgather"
 # CPU test files that also hold GPU tests (skipped on CI): their tests named *gpu* run in the step test_gpu_cases
 GPU_CASES="embedding_backward_kernel sorted_segments_kernel moe_experts moe_grouped_weight_grad report bench_dlrm_step graphed_step"
 KNOWN=" $(for f in $GPU_TESTS; do printf 'test_%s ' $f; done)test_gpu_cases bench_embedding bench_embedding_nvshmem"
