@@ -2,8 +2,10 @@
 
 One step: batch -> DLRM forward (sparse all-to-alls inside) -> loss -> backward (embedding optimizer fused
 into it, dense gradients set and averaged over ranks by the arch nodes, models/arch_nodes.py: no zero_grad) ->
-dense optimizer step. On GPUs the dense arches and the dense optimizer's step replay CUDA graphs
-(`trainer.cuda_graphs`: captured by build_model, and by graphed_step).
+dense optimizer step (`train_step`). On GPUs the dense arches and the dense optimizer's step replay CUDA graphs
+(`trainer.cuda_graphs`: captured by build_model, and by graphed_step), and the same step is called directly
+(`trainer.direct_step`, train/direct_step.py: no autograd around the dense part, the over arch and the loss one
+CUDA graph; `make_train_step` picks it).
 Every `log_every` steps the loss is reduced over ranks and checked for NaN/inf; every `eval_every` steps AUC and
 log loss are measured on held-out data; every `checkpoint_every` steps a checkpoint is written (only after the
 loss was checked).
