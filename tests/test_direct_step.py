@@ -1,13 +1,25 @@
 """trainer.direct_step on the CPU: a model the direct step refuses, and why (it needs the dense arches graphed:
-GPUs, tests/test_direct_step_gpu.py); the loop then takes the autograd step."""
+GPUs, tests/test_direct_step_gpu.py); and the direct step's sequence itself over two gloo ranks with comm=bulk,
+its CUDA graphs stood in for by the same computations run eagerly (the interaction's kernels in Triton's
+interpreter): the loss curve and evaluations of the autograd step, every step taken directly, the dense gradients'
+all-reduces waited for outside autograd."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import torch
+
+import fused_dlrm.train.build as build
+import fused_dlrm.train.direct_step as direct_step
+from fused_dlrm.dist import DistEnv
+from fused_dlrm.models.arch_nodes import ArchGraph, ArchNode, first_linear
 from fused_dlrm.train.build import build_model
-from fused_dlrm.train.direct_step import DirectDLRMStep, direct_step_refusal
+from fused_dlrm.train.direct_step import DirectDLRMStep, OverArchLossGraph, direct_step_refusal
+from fused_dlrm.train.loop import train
 from test_training import CPU, SMALL, config
+from world import run_world
 
 
 def test_a_model_without_graphed_arches_is_refused_with_its_reason():
@@ -15,3 +27,69 @@ def test_a_model_without_graphed_arches_is_refused_with_its_reason():
     assert "not graphed arch nodes" in direct_step_refusal(model)
     with pytest.raises(ValueError, match="not graphed arch nodes"):
         DirectDLRMStep(model, lambda: None, 1)
+
+
+class _EagerArchGraph(ArchGraph):
+    """ArchGraph's interface (input, output's gradient buffer, forward, backward) over the node's eager
+    computation."""
+
+    def __init__(self, node: ArchNode, rows: int, needs_grad: bool):
+        self.node = node
+        self.input = torch.empty(rows, first_linear(node.arch).in_features).requires_grad_(needs_grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            self.leaf = x.detach().requires_grad_(self.input.requires_grad)
+            self.output = self.node.eager(self.leaf)
+        self.grad_output = torch.empty_like(self.output)
+        return self.output.detach()
+
+    def backward(self, grad: torch.Tensor) -> torch.Tensor | None:
+        return self.node.gradients(self.output, self.leaf, grad)
+
+
+class _EagerOverArchLoss(OverArchLossGraph):
+    """OverArchLossGraph's interface over its computation run eagerly at every call."""
+
+    def __init__(self, node: ArchNode, rows: int):
+        self.node = node
+        self.input = torch.empty(rows, first_linear(node.arch).in_features, requires_grad=True)
+        self.labels, self.scale = torch.empty(rows), torch.ones(())
+
+    def run(self, labels: torch.Tensor, scale: float) -> None:
+        self.labels.copy_(labels)
+        self.scale.fill_(scale)
+        self.loss, self.grad_input = self._forward_backward()
+
+
+def _bulk_direct_step_trains_as_autograd(rank: int, world: int, tmp: str) -> None:
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    rows = 128 // world  # SMALL's global batch, split evenly
+    make_nodes = build.dense_arch_nodes
+
+    def nodes_with_stand_in_graphs(model, grad_allreduce, graph_batch):
+        model = make_nodes(model, grad_allreduce, graph_batch)
+        model.dense_arch.forward.graph = _EagerArchGraph(model.dense_arch.forward, rows, needs_grad=False)
+        model.over_arch.forward.graph = _EagerArchGraph(model.over_arch.forward, rows, needs_grad=True)
+        return model
+    build.dense_arch_nodes = nodes_with_stand_in_graphs
+    direct_step.OverArchLossGraph = _EagerOverArchLoss
+    taken = []
+    step = DirectDLRMStep.step
+    DirectDLRMStep.step = lambda self, batch: taken.append(1) or step(self, batch)
+    common = SMALL + ["trainer.max_steps=12", "trainer.log_every=1", "trainer.eval_every=6",
+                      "trainer.checkpoint_every=0"]
+    autograd = train(config(*common, "trainer.direct_step=false"), env, Path(tmp) / f"autograd{rank}")
+    assert taken == []
+    direct = train(config(*common), env, Path(tmp) / f"direct{rank}")
+    assert len(taken) == 12
+    # the direct step's interaction is the Triton kernel (interpreted), autograd's on the CPU the torch reference
+    losses = lambda r: torch.tensor([loss for _, loss in r.losses], dtype=torch.float64)  # noqa: E731
+    torch.testing.assert_close(losses(direct), losses(autograd), rtol=1e-4, atol=1e-6)
+    assert len(direct.evals) == 2
+    for got, want in zip(direct.evals, autograd.evals):
+        assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-4 for k in want), (got, want)
+
+
+def test_two_ranks_bulk_direct_step_trains_as_the_autograd_step(tmp_path):
+    run_world(2, _bulk_direct_step_trains_as_autograd, str(tmp_path))
