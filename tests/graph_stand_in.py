@@ -1,14 +1,19 @@
-"""A stand-in for a captured CUDA graph, for CPU tests of fused_dlrm.kernels.graphed_calls and its users.
+"""Stand-ins for captured CUDA graphs, for CPU tests.
 
-`capture(fn, inputs)` runs fn once on copies of the inputs (standing for the capture, whose work the first replay
-does); every later `replay()` runs fn again on those copies and writes its outputs into the first call's, as a
-graph rewrites its own tensors."""
+For fused_dlrm.kernels.graphed_calls and its users: `capture(fn, inputs)` runs fn once on copies of the inputs
+(standing for the capture, whose work the first replay does); every later `replay()` runs fn again on those copies
+and writes its outputs into the first call's, as a graph rewrites its own tensors.
+
+For the arch nodes (fused_dlrm.models.arch_nodes): `EagerArchGraph`, ArchGraph's interface over the node's eager
+computation."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+
+from fused_dlrm.models.arch_nodes import ArchGraph, ArchNode
 
 
 class StandInGraph:
@@ -44,3 +49,23 @@ def _write_into(old, new):
     elif dataclasses.is_dataclass(old):  # its fields and what its cached properties hold
         for name, value in vars(old).items():
             _write_into(value, vars(new)[name])
+
+
+class EagerArchGraph(ArchGraph):
+    """An ArchNode's graph (`fits` calls shaped like `input`; forward; the output's gradient buffer; backward) run
+    eagerly, each call logged in `calls`."""
+
+    def __init__(self, node: ArchNode, input: torch.Tensor):
+        self.node, self.input, self.calls = node, input, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append("forward")
+        with torch.enable_grad():
+            self.leaf = x.detach().requires_grad_(self.input.requires_grad)
+            self.output = self.node.eager(self.leaf)
+        self.grad_output = torch.empty_like(self.output)
+        return self.output.detach()
+
+    def backward(self, grad: torch.Tensor) -> torch.Tensor | None:
+        self.calls.append("backward")
+        return self.node.gradients(self.output, self.leaf, grad)

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.models.dlrm import DenseArch, OverArch
 
-from fused_dlrm.models.arch_nodes import ArchGraph, ArchNode, _ArchFunction, dense_arch_nodes, sets_every_gradient
+from fused_dlrm.models.arch_nodes import ArchNode, _ArchFunction, dense_arch_nodes, sets_every_gradient
+from graph_stand_in import EagerArchGraph
 from world import run_world
 
 CPU = torch.device("cpu")
@@ -103,29 +104,11 @@ def test_evaluation_calls_the_arch_itself(mode):
     assert got.grad_fn is None or got.grad_fn.name() != _ArchFunction.__name__ + "Backward"
 
 
-class _EagerGraph(ArchGraph):
-    """ArchGraph's dispatch (`fits`) over the node's eager computation: what a replay returns, recorded."""
-
-    def __init__(self, node: ArchNode, sample: torch.Tensor):
-        self.node, self.input, self.calls = node, sample, []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls.append("forward")
-        with torch.enable_grad():
-            self.leaf = x.detach().requires_grad_(x.requires_grad)
-            self.out = self.node.eager(self.leaf)
-        return self.out.detach()
-
-    def backward(self, grad: torch.Tensor) -> torch.Tensor | None:
-        self.calls.append("backward")
-        return self.node.gradients(self.out, self.leaf, grad)
-
-
 @pytest.mark.parametrize("change", [None, "rows", "dtype", "requires_grad"])
 def test_calls_shaped_like_the_capture_replay_others_run_the_node_eagerly(change):
     nodes, plain = dense_arch_nodes(_Arches()), _Arches()
     node = nodes.over_arch.forward
-    graph = node.graph = _EagerGraph(node, torch.randn(12, 40, requires_grad=True))
+    graph = node.graph = EagerArchGraph(node, torch.randn(12, 40, requires_grad=True))
     dense, pooled, labels = _batch(4)
     if change == "rows":
         dense, pooled, labels = _batch(4, rows=11)

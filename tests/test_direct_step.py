@@ -14,11 +14,12 @@ import torch
 import fused_dlrm.train.build as build
 import fused_dlrm.train.direct_step as direct_step
 from fused_dlrm.dist import DistEnv
-from fused_dlrm.models.arch_nodes import ArchGraph, ArchNode, first_linear
+from fused_dlrm.models.arch_nodes import ArchNode, first_linear
 from fused_dlrm.train.build import build_model
 from fused_dlrm.train.direct_step import DirectDLRMStep, OverArchLossGraph, direct_step_refusal
 from fused_dlrm.train.loop import train
 from test_training import CPU, SMALL, config
+from graph_stand_in import EagerArchGraph
 from world import run_world
 
 
@@ -27,25 +28,6 @@ def test_a_model_without_graphed_arches_is_refused_with_its_reason():
     assert "not graphed arch nodes" in direct_step_refusal(model)
     with pytest.raises(ValueError, match="not graphed arch nodes"):
         DirectDLRMStep(model, lambda: None, 1)
-
-
-class _EagerArchGraph(ArchGraph):
-    """ArchGraph's interface (input, output's gradient buffer, forward, backward) over the node's eager
-    computation."""
-
-    def __init__(self, node: ArchNode, rows: int, needs_grad: bool):
-        self.node = node
-        self.input = torch.empty(rows, first_linear(node.arch).in_features).requires_grad_(needs_grad)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.enable_grad():
-            self.leaf = x.detach().requires_grad_(self.input.requires_grad)
-            self.output = self.node.eager(self.leaf)
-        self.grad_output = torch.empty_like(self.output)
-        return self.output.detach()
-
-    def backward(self, grad: torch.Tensor) -> torch.Tensor | None:
-        return self.node.gradients(self.output, self.leaf, grad)
 
 
 class _EagerOverArchLoss(OverArchLossGraph):
@@ -69,8 +51,9 @@ def _bulk_direct_step_trains_as_autograd(rank: int, world: int, tmp: str) -> Non
 
     def nodes_with_stand_in_graphs(model, grad_allreduce, graph_batch):
         model = make_nodes(model, grad_allreduce, graph_batch)
-        model.dense_arch.forward.graph = _EagerArchGraph(model.dense_arch.forward, rows, needs_grad=False)
-        model.over_arch.forward.graph = _EagerArchGraph(model.over_arch.forward, rows, needs_grad=True)
+        for arch, needs_grad in ((model.dense_arch, False), (model.over_arch, True)):
+            sample = torch.empty(rows, first_linear(arch).in_features).requires_grad_(needs_grad)
+            arch.forward.graph = EagerArchGraph(arch.forward, sample)
         return model
     build.dense_arch_nodes = nodes_with_stand_in_graphs
     direct_step.OverArchLossGraph = _EagerOverArchLoss
