@@ -48,7 +48,7 @@ def _step(arches: _Arches, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return leaf.grad, [p.grad for p in arches.parameters()]
 
 
-def test_a_node_gives_plain_autograds_gradients_in_one_flat_buffer():
+def test_a_node_gives_plain_autograd_gradients_in_one_flat_buffer():
     plain, nodes = _Arches(), dense_arch_nodes(_Arches())
     batch = _batch(1)
     want_input, want = _step(plain, batch)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fused_dlrm.tp import chooser, quantized_all_reduce
+from fused_dlrm.tp import quantized_all_reduce
 
 
 class ArchNode:
@@ -105,9 +105,8 @@ class ArchNode:
                 p.grad = g
         if self.world == 1:
             return None
-        codec = chooser(self.flat.numel() * self.flat.element_size(), self.codec, 0)
-        if codec != "nccl":
-            quantized_all_reduce(self.flat, codec, self.group, mean=True, out=self.flat)
+        if self.codec != "nccl":
+            quantized_all_reduce(self.flat, self.codec, self.group, mean=True, out=self.flat)
             return None
         return dist.all_reduce(self.flat, group=self.group, async_op=True)
 
@@ -183,12 +182,12 @@ class ArchGraph:
 def dense_arch_nodes(model: nn.Module, grad_allreduce: str = "nccl", graph_batch: int | None = None) -> nn.Module:
     """model.dense_arch and model.over_arch (torchrec's DLRM arches) as ArchNodes over the default group, in place;
     with `graph_batch` (GPUs), each captured at that many rows (the over arch's input needs a gradient: it comes
-    from the embeddings; the dense features do not)."""
+    from the embeddings; the dense features do not); a rank without samples (0) runs them eagerly."""
     arches = (model.dense_arch, model.over_arch)
     if any(isinstance(a, nn.parallel.DistributedDataParallel) for a in arches):
         raise ValueError("the dense arches are in DDP already: ArchNodes average their gradients themselves")
     nodes = [ArchNode(a, grad_allreduce=grad_allreduce) for a in arches]
-    if graph_batch is not None:
+    if graph_batch:
         weight = nodes[0].params[0]
         rng = torch.Generator(weight.device).manual_seed(0)  # the global generator's stream stays the same
         for node, needs_grad in zip(nodes, (False, True)):

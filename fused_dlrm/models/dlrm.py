@@ -1,7 +1,7 @@
 """DLRM: torchrec's DenseArch / InteractionArch / OverArch around the project's ShardedEmbeddingBagCollection.
 
-The sparse part is model-parallel (tables sharded table-wise); the dense part is data-parallel (models/arch_nodes.py). Tables and
-features are named `t_<feature>` / `<feature>`, one table per feature.
+The sparse part is model-parallel (tables sharded table-wise); the dense part is data-parallel
+(models/arch_nodes.py). Tables and features are named `t_<feature>` / `<feature>`, one table per feature.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 from torchrec.distributed.comm_ops import get_gradient_division
 
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
-from fused_dlrm.sparse.input_dist import BulkInputDist
+from fused_dlrm.sparse.input_dist import BulkInputDist, OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, Table, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.output_dist import BulkOutputDist
@@ -143,7 +143,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
 
-    def bags_of(self, features: KeyedJaggedTensor):
+    def bags_of(self, features: KeyedJaggedTensor) -> OwnedBags:
         """The owned bags of a batch: distributed ahead (prefetch, the batch thread), else now; the global batch
         size noted from their header."""
         bags = self._take_prefetched(features)
@@ -156,7 +156,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         values = self.pooled(self.bags_of(features))
         return KeyedTensor(keys=self.feature_names, length_per_key=self._feature_dims, values=values, key_dim=1)
 
-    def pooled(self, bags) -> torch.Tensor:
+    def pooled(self, bags: OwnedBags) -> torch.Tensor:
         """The batch's pooled embeddings [local batch, sum of dims] (config feature order) from its owned bags: the
         fused exchange, or the lookup and the output dist's all-to-all; in training, with autograd's backward to
         the tables."""

@@ -111,6 +111,7 @@ class DirectDLRMStep:
         self.dense = model.dense_arch.forward
         self.over = OverArchLossGraph(model.over_arch.forward, self.dense.graph.input.shape[0])
         self.shape = (self.dense.graph.input.shape[0], model.sparse_arch.F, model.sparse_arch.D)
+        self.push_block = push_block(torch.float32, self.shape[2])  # the pushing backward's column blocks
 
     def takes(self, batch: Batch) -> bool:
         return self.model.training and batch.dense_features.shape[0] == self.shape[0]
@@ -120,7 +121,7 @@ class DirectDLRMStep:
         bags = self.sparse.bags_of(batch.sparse_features)
         embedded_dense = dense_graph.forward(batch.dense_features)
         if exchange is not None:
-            pooled = exchange.finish(bags, exchange.start(bags)).view(self.shape)
+            pooled = exchange.finish(bags, exchange.start(bags))
         else:
             with torch.enable_grad():  # the lookup and the all-to-all: their backward is autograd's
                 pooled = self.sparse.pooled(bags)
@@ -130,7 +131,7 @@ class DirectDLRMStep:
         over_average = over.node.hand_gradients()
         if exchange is not None:  # d S pushed to the owners by the interaction's kernel
             destinations = exchange.gradient_destinations(bags, torchrec_gradient_scale(self.world_size),
-                                                          self.shape[2], push_block(torch.float32, self.shape[2]))
+                                                          self.shape[2], self.push_block)
             launch_backward(over.grad_input, embedded_dense, sparse, dense_graph.grad_output, None, destinations)
             exchange.backward_pushes["consumer"] += 1
         else:
