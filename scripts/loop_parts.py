@@ -7,11 +7,12 @@ Every rank prints, as medians over steps PARTS_START .. PARTS_START + PARTS_STEP
 - wall: host time from one step's start to the next's;
 - host: inside train_step (enqueueing forward, backward, optimizer; split into the model's forward, loss.backward()
   with the embedding backward inside it (lookup.apply_gradient, on autograd's thread) and the rest: the loss,
-  zero_grad and the optimizer step; or DirectDLRMStep.step, trainer.direct_step's, which calls no forward (nan)
-  and, with comm=fused, no backward (nan)), and outside it: next() (waiting for the batch thread), the next
-  batch's prefetch, the header of the one after it (`prefetch_header`, with trainer.header_ahead), after_step (log / eval cadence); and across those, the input dist's `start` (the header
-  all-to-all enqueued) and its wait for the header on the host (the one host sync of a step; GPUs only) -- with
-  trainer.input_dist_on_thread, the batch thread's (prefetch and prefetch_header then do not run: nan);
+  zero_grad and the optimizer step; or DirectDLRMStep.step, trainer.direct_step's, which calls no forward (nan) and,
+  with comm=fused, no backward (nan)), and outside it: next() (waiting for the batch thread), the next batch's
+  prefetch, the header of the one after it (`prefetch_header`, with trainer.header_ahead), after_step (log / eval
+  cadence); and across those, the input dist's `start` (the header all-to-all enqueued) and its wait for the header
+  on the host (the one host sync of a step; GPUs only) -- with trainer.input_dist_on_thread, the batch thread's
+  (prefetch and prefetch_header then do not run: nan);
 - GPU (CUDA events on the main stream): from a step's first kernel to its last, and from there to the next step's
   first (the main stream idle between steps, waiting for the host or for the prefetch's side stream).
 If wall ~ host inside + outside while the GPU's span is shorter, the host binds the step.
