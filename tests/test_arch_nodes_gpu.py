@@ -12,6 +12,7 @@ from torchrec.models.dlrm import DenseArch, OverArch
 
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.models.arch_nodes import ArchGraph, ArchNode, dense_arch_nodes
+from fused_dlrm.train.direct_step import OverArchLossGraph
 from fused_dlrm.train.loop import train
 from test_training import SMALL, config
 from world import run_world
@@ -20,16 +21,22 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 GPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), backend=None)
 
 
-def test_training_with_graphed_arches_follows_the_eager_loss_curve(tmp_path, monkeypatch):
-    replays = []
-    replay = ArchGraph.forward
+@pytest.mark.parametrize("direct_step", [False, True])
+def test_training_with_graphed_arches_follows_the_eager_loss_curve(tmp_path, monkeypatch, direct_step):
+    """Autograd's step replays both arches' graphs; the direct step the dense arch's and the over arch's with the
+    loss (OverArchLossGraph). The eager nodes (no graphs) take autograd's step either way."""
+    replays, over_loss_replays = [], []
+    replay, over_loss_replay = ArchGraph.forward, OverArchLossGraph.run
     monkeypatch.setattr(ArchGraph, "forward", lambda self, x: replays.append(x.shape[0]) or replay(self, x))
+    monkeypatch.setattr(OverArchLossGraph, "run", lambda self, labels, scale: over_loss_replays.append(1)
+                        or over_loss_replay(self, labels, scale))
     common = SMALL + ["trainer.device=cuda", "trainer.max_steps=12", "trainer.log_every=1", "trainer.eval_every=6",
-                      "trainer.checkpoint_every=0"]
+                      "trainer.checkpoint_every=0", f"trainer.direct_step={str(direct_step).lower()}"]
     eager = train(config(*common, "trainer.cuda_graphs=false"), GPU, tmp_path / "eager")
-    assert replays == []
+    assert replays == [] and over_loss_replays == []
     graphed = train(config(*common, "trainer.cuda_graphs=true"), GPU, tmp_path / "graphed")
-    assert len(replays) == 2 * 12  # two arches per training step replay; evaluation calls the arches themselves
+    # per training step; evaluation calls the arches themselves
+    assert (len(replays), len(over_loss_replays)) == ((12, 12) if direct_step else (2 * 12, 0))
     losses = lambda r: torch.tensor([loss for _, loss in r.losses], dtype=torch.float64)
     torch.testing.assert_close(losses(graphed), losses(eager), rtol=1e-5, atol=1e-6)
     for got, want in zip(graphed.evals, eager.evals):
