@@ -23,6 +23,7 @@ has no GPU, does not run the binary path.
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any, Hashable
 
@@ -163,9 +164,10 @@ class RecentKeys:
         self._keys.clear()
 
 
-def capture_graph(launch) -> torch.cuda.CUDAGraph:
+def capture_graph(launch, pool=None) -> torch.cuda.CUDAGraph:
     """launch()'s work captured (not run) into a graph, on a side stream (graphs cannot be captured on the
-    default stream); errors of other threads' CUDA calls meanwhile are theirs (thread-local capture).
+    default stream); errors of other threads' CUDA calls meanwhile are theirs (thread-local capture). `pool`: a
+    memory pool shared with other graphs (torch.cuda.graph_pool_handle()), else one of its own.
 
     A graph allocates from a memory pool of its own, which cannot take the blocks that the default pool caches:
     the fine-grained MoE Transformer's first evaluation ran out of memory in its capture on 80 GB H100s, with
@@ -173,15 +175,27 @@ def capture_graph(launch) -> torch.cuda.CUDAGraph:
     than the device has free, the cache is emptied first. Only then: emptying frees device memory, which waits for
     the whole device, and a simulated world's ranks on one GPU (tests/test_simulated_world_gpu.py) have a peer's
     kernel pending there that waits on this rank's launch (torch.cuda.graph, which always empties, hung them
-    until their bounded waits failed)."""
+    until their bounded waits failed).
+
+    No garbage collection runs inside the capture: one there destroys unrelated garbage on this thread, and
+    destroying a CUDA graph (an earlier training run's, held by a reference cycle) is not permitted while a stream
+    captures: it invalidates the capture (2026-12-01, one H200: the direct step's test, whose second run captured
+    its arch graphs while the first run's graphs were garbage; CUDAGraph::reset warned "operation not permitted
+    when stream is capturing"). torch.cuda.graph collects before capturing instead: a full collection per capture."""
     cached_unused = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     if cached_unused > torch.cuda.mem_get_info()[0]:
         torch.cuda.empty_cache()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(torch.cuda.Stream()):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            launch()
-        finally:
-            graph.capture_end()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                launch()
+            finally:
+                graph.capture_end()
+    finally:
+        if collecting:
+            gc.enable()
     return graph
