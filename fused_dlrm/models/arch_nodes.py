@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fused_dlrm.kernels.launch import capture_graph
 from fused_dlrm.tp import quantized_all_reduce
 
 
@@ -155,13 +156,18 @@ class ArchGraph:
                 out = node.eager(self.input)
             node.gradients(out, self.input, torch.ones_like(out))
         warm_up(forward_backward, sample.device)
+        outputs = []
+
+        def forward() -> None:
+            with torch.enable_grad():
+                outputs.append(node.eager(self.input))
         pool = torch.cuda.graph_pool_handle()
-        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.forward_graph, pool=pool), torch.enable_grad():
-            self.output = node.eager(self.input)
+        self.forward_graph = capture_graph(forward, pool)
+        self.output = outputs.pop()
         self.grad_output = torch.empty_like(self.output)
-        with torch.cuda.graph(self.backward_graph, pool=pool):
-            self.grad_input = node.gradients(self.output, self.input, self.grad_output)
+        self.backward_graph = capture_graph(
+            lambda: outputs.append(node.gradients(self.output, self.input, self.grad_output)), pool)
+        self.grad_input = outputs.pop()
 
     def fits(self, x: torch.Tensor) -> bool:
         s = self.input

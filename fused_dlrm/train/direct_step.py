@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
 
+from fused_dlrm.kernels.launch import capture_graph
 from fused_dlrm.kernels.pairwise_interaction import kernels_refuse, launch_backward, launch_forward, push_block
 from fused_dlrm.models.arch_nodes import ArchNode, first_linear, warm_up
 from fused_dlrm.models.dlrm import PairwiseInteractionArch, dlrm_loss
@@ -79,9 +80,9 @@ class OverArchLossGraph:
         self.scale = torch.ones((), device=weight.device)
         self._scale = 1.0  # the scale's value, on the host
         warm_up(self._forward_backward, weight.device)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=torch.cuda.graph_pool_handle()):
-            self.loss, self.grad_input = self._forward_backward()
+        outputs = []
+        self.graph = capture_graph(lambda: outputs.append(self._forward_backward()))
+        self.loss, self.grad_input = outputs.pop()
 
     def _forward_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.enable_grad():
