@@ -4,7 +4,8 @@
     torchrun --nproc_per_node=2 scripts/loop_parts.py model=dlrm_paper comm=fused trainer.max_steps=150 ...
 
 Every rank prints, as medians over steps PARTS_START .. PARTS_START + PARTS_STEPS (environment; 60 and 60):
-- wall: host time from one step's start to the next's;
+- wall: host time per step, from the end of the step before to this one's end (outside + train_step: the loop's
+  period, measured over the same steps as the parts, so that each part's median stays below it);
 - host: inside train_step (enqueueing forward, backward, optimizer; split into the model's forward, loss.backward()
   with the embedding backward inside it (lookup.apply_gradient, on autograd's thread) and the rest: the loss,
   zero_grad and the optimizer step; or DirectDLRMStep.step, trainer.direct_step's, which calls no forward (nan) and,
@@ -61,7 +62,7 @@ host_profiler = cProfile.Profile() if HOST_PROFILE_STEPS else None
 host = {k: [] for k in ("wall", "train_step", "forward", "backward", "embedding_backward", "outside", "next",
                         "prefetch", "header_start", "header_wait", "prefetch_header", "after_step")}
 events = []  # (main-stream event at a step's start, at its end)
-state = {"step": 0, "last_start": None, "last_end": None}
+state = {"step": 0, "last_end": None}
 
 
 def measuring() -> bool:
@@ -98,15 +99,16 @@ def timed_step(original):
         start = time.perf_counter()
         if measuring() and state["last_end"] is not None:
             host["outside"].append(start - state["last_end"])
-            host["wall"].append(start - state["last_start"])
-        state["last_start"] = start
         began = ended = None
         if CUDA:
             began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             began.record()
         loss = original(*args, **kwargs)
         if measuring():
-            host["train_step"].append(time.perf_counter() - start)
+            end = time.perf_counter()
+            host["train_step"].append(end - start)
+            if state["last_end"] is not None:
+                host["wall"].append(end - state["last_end"])
             if CUDA:
                 ended.record()
                 events.append((began, ended))
