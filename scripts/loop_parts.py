@@ -16,7 +16,8 @@ Every rank prints, as medians over steps PARTS_START .. PARTS_START + PARTS_STEP
   (prefetch and prefetch_header then do not run: nan);
 - GPU (CUDA events on the main stream): from a step's first kernel to its last, and from there to the next step's
   first (the main stream idle between steps, waiting for the host or for the prefetch's side stream).
-If wall ~ host inside + outside while the GPU's span is shorter, the host binds the step.
+The wall is train_step + outside by construction; with the GPU's span below it and the main stream idle between
+steps, the host binds the step; a wall spent in next() is the loop waiting for the batch thread (itself, or the GPU).
 With PARTS_PROFILE=N (GPUs), the N steps after those are recorded by torch.profiler (CUDA activity only, to
 keep its host overhead small) and each rank prints the GPU's busy time per step (the union of its kernels on all
 streams: below the wall, the GPU waits for the host; also without NCCL's kernels and the ready waits, which may
