@@ -34,7 +34,7 @@ from fused_dlrm.dist import all_to_all_v, exchange_counts
 from fused_dlrm.dist.alltoall import world_size
 from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.dist.reorder import inverse_permutation, reorder
-from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, _Workspace
+from fused_dlrm.dist.symmetric import _Workspace, cuda_workspace
 from fused_dlrm.kernels.graphed_calls import GraphedCalls, Lease
 from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT
 from fused_dlrm.train.compute_copies import compute_copy, compute_weight, refresh_compute_copy
@@ -83,7 +83,7 @@ class MoELayer(nn.Module):
                  capacity_factor: float | None = None, renormalize: bool = True, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  comm: str = "bulk", fused: FusedMoEConfig | None = None, workspace: _Workspace | None = None):
-        """`workspace` (comm="fused"): the symmetric memory to use instead of a CudaSymmetricWorkspace over
+        """`workspace` (comm="fused"): the symmetric memory to use instead of `cuda_workspace` over
         `group` (tests pass a simulated one)."""
         super().__init__()
         self.group = group
@@ -108,7 +108,7 @@ class MoELayer(nn.Module):
                 if not on_cuda or not dist.is_initialized():  # device None: a model moved to the GPU later
                     raise RuntimeError("comm=fused needs CUDA GPUs under torchrun (symmetric memory); use comm=bulk "
                                        "on the CPU")
-                workspace = CudaSymmetricWorkspace(group)
+                workspace = cuda_workspace(group)
             fused = fused or FusedMoEConfig()
             if fused.dispatch not in ("auto", "rows", "tokens"):
                 raise ValueError(f"FusedMoEConfig.dispatch={fused.dispatch!r}: expected 'auto', 'rows' or 'tokens'")

@@ -1,7 +1,7 @@
 """trainer.direct_step (fused_dlrm/train/direct_step.py) trains as the autograd step does: train.py's DLRM loop, the
 step called directly against autograd's, same seed, in both comm modes: the same losses and evaluations, and every
 training step taken by the direct one. ONE GPU at world 1, and two ranks on two GPUs (NCCL; each skipped without
-its GPUs). On the CPU: tests/test_direct_step.py."""
+its GPUs), or sharing one GPU (gloo). On the CPU: tests/test_direct_step.py."""
 
 from __future__ import annotations
 
@@ -9,16 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.train.direct_step import DirectDLRMStep
 from fused_dlrm.train.loop import train
 from test_training import SMALL, config
-from world import run_world
+from world import TWO_RANK_BACKENDS, run_world
 
 
 def _trains_as_autograd(rank: int, world: int, tmp: str) -> None:
-    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cuda", rank), backend="nccl")
+    device = torch.device("cuda", torch.cuda.current_device())
+    env = DistEnv(rank=rank, world_size=world, local_rank=device.index, device=device, backend=dist.get_backend())
     taken = []
     step = DirectDLRMStep.step
     DirectDLRMStep.step = lambda self, batch: taken.append(1) or step(self, batch)
@@ -42,6 +44,6 @@ def test_one_gpu_trains_as_the_autograd_step(tmp_path):
     run_world(1, _trains_as_autograd, str(tmp_path), backend="nccl")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_gpus_train_as_the_autograd_step(tmp_path):
-    run_world(2, _trains_as_autograd, str(tmp_path), backend="nccl")
+@pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
+def test_two_ranks_train_as_the_autograd_step(tmp_path, backend):
+    run_world(2, _trains_as_autograd, str(tmp_path), backend=backend)

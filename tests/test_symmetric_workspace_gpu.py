@@ -1,7 +1,8 @@
 """A grown symmetric buffer (torch's CUDA symmetric memory) is freed once nobody holds it, in worlds of one process
 on one GPU and of two on two GPUs (skipped where they are missing). The simulated world's twin:
 test_symmetric_workspace.py. Memory is read as the device's free memory, which other processes' allocations move
-too: the test needs the GPUs to itself (scripts/gpu_check.sh runs the GPU test files one after another)."""
+too: the test needs the GPUs to itself (scripts/gpu_check.sh runs the GPU test files one after another). Two ranks
+sharing one GPU get CUDA IPC buffers instead (CudaIpcWorkspace), mapped in every rank as they grow."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import gc
 import pytest
 import torch
 
-from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
-from world import run_world
+from fused_dlrm.dist.symmetric import CudaIpcWorkspace, CudaSymmetricWorkspace, cuda_workspace
+from world import ONE_GPU, run_world
 
 GIB = 2**30
 
@@ -55,3 +56,23 @@ def test_a_grown_buffer_is_freed(world_size):
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPU(s)")
     run_world(world_size, _grow_and_free, backend="nccl")
+
+
+def _shared_by_ipc(rank: int, world_size: int) -> None:
+    ws = cuda_workspace()
+    assert isinstance(ws, CudaIpcWorkspace)
+    for size in (1000, 300_000):  # the grown buffer is mapped in every rank too
+        buf = ws.buffer("rows", size, torch.float32)
+        peers = ws.peer_tensors(buf)
+        assert buf.peer_ptrs.tolist() == [t.data_ptr() for t in peers] and peers[rank].data_ptr() == buf.local.data_ptr()
+        assert buf.local.eq(0).all()
+        torch.distributed.barrier()
+        peers[(rank + 1) % world_size].fill_(float(size + rank))
+        torch.cuda.synchronize()
+        torch.distributed.barrier()
+        assert buf.local.eq(float(size + (rank - 1) % world_size)).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_ranks_sharing_a_gpu_share_buffers_by_ipc():
+    run_world(2, _shared_by_ipc, backend=ONE_GPU)

@@ -1,4 +1,4 @@
-"""Run a function on a world of gloo processes on the CPU, as pytest tests need it."""
+"""Run a function on a world of processes (gloo on the CPU, NCCL on GPUs, or gloo with ranks sharing one GPU)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,19 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+ONE_GPU = "one_gpu"  # run_world's backend for ranks sharing GPU 0: gloo collectives, p2p buffers by CUDA IPC
+
+# A two-rank GPU test's worlds: two GPUs under NCCL, and two ranks sharing one GPU, which checks the world-2 paths'
+# results on a one-GPU machine (dist/symmetric.CudaIpcWorkspace; the GPU time-slices the ranks, so never timings).
+TWO_RANK_BACKENDS = [
+    pytest.param("nccl", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")),
+    pytest.param(ONE_GPU, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")),
+]
 
 
 def _worker(rank: int, world_size: int, store_path: str, backend: str, fn, args) -> None:
@@ -20,6 +30,9 @@ def _worker(rank: int, world_size: int, store_path: str, backend: str, fn, args)
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device_id = torch.device("cuda", rank)
+    elif backend == ONE_GPU:
+        torch.cuda.set_device(0)
+        backend = "gloo"
     dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
                             device_id=device_id)
     # No destroy after a failure: with NCCL it waits for the peers, which may be inside a collective that this
@@ -31,7 +44,7 @@ def _worker(rank: int, world_size: int, store_path: str, backend: str, fn, args)
 
 def run_world(world_size: int, fn, *args, backend: str = "gloo") -> None:
     """Call fn(rank, world_size, *args) in `world_size` fresh processes; a failure in any of them fails the caller.
-    backend="nccl" gives rank r the GPU r.
+    backend="nccl" gives rank r the GPU r; backend=ONE_GPU puts every rank on GPU 0 (gloo collectives).
 
     `fn` must be importable (a module-level function) since the processes are spawned, not forked.
     """

@@ -5,6 +5,9 @@ int64 tables of peer base addresses (`peer_ptrs`) and convert them with `tl.load
 
 Implementations of one interface (`transport` says which kernels a fused operator launches):
 - `CudaSymmetricWorkspace` ("p2p"): torch SymmetricMemory (`_symmetric_memory.empty` + `rendezvous`), NVLink peers.
+- `CudaIpcWorkspace` (also "p2p"): plain device tensors shared by CUDA IPC handles, for ranks that share one GPU,
+  which SymmetricMemory refuses: a one-GPU machine runs world-2 paths with two processes (gloo collectives; the
+  GPU time-slices them, so it checks results, not speed). `cuda_workspace` picks between the two.
 - `NvshmemSymmetricWorkspace` ("nvshmem"): the same API on torch's NVSHMEM backend; kernels put through NVSHMEM
   (kernels/nvshmem_puts.py) at this rank's own symmetric addresses, which also reaches other nodes.
 - `SimulatedWorkspace`: a world of ranks simulated in one process (one tensor per rank), so the kernels' logic
@@ -21,6 +24,7 @@ the nvshmem workspace keeps every buffer instead (NVSHMEM frees collectively).
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass
 
@@ -89,9 +93,7 @@ class CudaSymmetricWorkspace(_Workspace):
         # Every rank allocates the largest size any rank asks for: NVSHMEM's heap puts a buffer at the same offset
         # in every PE only if all PEs allocate the same sizes in the same order, and some sizes depend on the
         # rank (the nvshmem lookup's scratch follows the rank's own tables).
-        agreed = torch.tensor([numel], dtype=torch.int64, device=self.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-        local = self._symm_mem.empty(int(agreed), dtype=dtype, device=self.device)
+        local = self._symm_mem.empty(self._agreed_numel(numel), dtype=dtype, device=self.device)
         handle = self._symm_mem.rendezvous(local, self.group.group_name)
         local.zero_()
         torch.cuda.synchronize()
@@ -102,6 +104,48 @@ class CudaSymmetricWorkspace(_Workspace):
     def peer_tensors(self, buf: PeerBuffer) -> list[torch.Tensor]:
         handle = self._symm_mem.rendezvous(buf.local, self.group.group_name)  # cached: no collective after the first
         return [handle.get_buffer(p, (buf.local.numel(),), buf.local.dtype) for p in range(self.world_size)]
+
+    def _agreed_numel(self, numel: int) -> int:
+        agreed = torch.tensor([numel], dtype=torch.int64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        return int(agreed)
+
+
+class CudaIpcWorkspace(CudaSymmetricWorkspace):
+    """Ranks of one host sharing a GPU: each buffer is a device tensor whose CUDA IPC handle every peer opens (torch's
+    SymmetricMemory refuses ranks on one device). Kernels and flags are the p2p ones."""
+
+    def _allocate(self, name: str, numel: int, dtype: torch.dtype) -> PeerBuffer:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        local = torch.zeros(self._agreed_numel(numel), dtype=dtype, device=self.device)
+        torch.cuda.synchronize()
+        rebuild, args = reduce_tensor(local)  # the handle of local's allocation, its offset, a reference count
+        shared: list = [None] * self.world_size
+        dist.all_gather_object(shared, args, group=self.group)
+        tensors = [local if r == self.rank else rebuild(*shared[r]) for r in range(self.world_size)]
+        dist.barrier(group=self.group)  # no peer may write before every rank has zeroed its buffer
+        ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=self.device)
+        return PeerBuffer(local=local, peer_ptrs=ptrs, handle=tensors)
+
+    def peer_tensors(self, buf: PeerBuffer) -> list[torch.Tensor]:
+        return buf.handle
+
+
+def cuda_workspace(group: dist.ProcessGroup | None = None) -> CudaSymmetricWorkspace:
+    """The p2p workspace of `group`: SymmetricMemory, or CUDA IPC where two of its ranks share a GPU."""
+    group = group or dist.group.WORLD
+    return CudaIpcWorkspace(group) if ranks_share_a_gpu(group) else CudaSymmetricWorkspace(group)
+
+
+def ranks_share_a_gpu(group: dist.ProcessGroup) -> bool:
+    """Whether two ranks of `group` run on one GPU; never under NCCL, which refuses that (no collective then)."""
+    if dist.get_backend(group) == "nccl":
+        return False
+    here = (socket.gethostname(), str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid))
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, here, group=group)
+    return len(set(everyone)) < len(everyone)
 
 
 class NvshmemSymmetricWorkspace(CudaSymmetricWorkspace):

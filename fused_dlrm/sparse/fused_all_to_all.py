@@ -24,7 +24,7 @@ import torch.distributed as dist
 import triton
 from torch import nn
 
-from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace, NvshmemSymmetricWorkspace, PeerBuffer, _Workspace
+from fused_dlrm.dist.symmetric import NvshmemSymmetricWorkspace, PeerBuffer, _Workspace, cuda_workspace
 from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, PeerErrors, ReadyWait, wait_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, default_num_programs, plan_peer_tiles
 from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLaunch, launch_pooled_embedding_nvshmem
@@ -46,7 +46,7 @@ class FusedCommConfig:
 def build_fused_exchange(lookup: PooledEmbeddingLookup, slices_of_rank: list[list[FeatureSlice]],
                          comm: FusedCommConfig, group: dist.ProcessGroup | None,
                          device: torch.device) -> "FusedPooledAllToAll":
-    workspaces = {"p2p": CudaSymmetricWorkspace, "nvshmem": NvshmemSymmetricWorkspace}
+    workspaces = {"p2p": cuda_workspace, "nvshmem": NvshmemSymmetricWorkspace}
     if comm.transport not in workspaces:
         raise ValueError(f"comm.transport={comm.transport!r} is unknown; expected one of {list(workspaces)}")
     if device.type != "cuda" or not dist.is_initialized():

@@ -150,9 +150,9 @@ class _FusedRowParallel(torch.autograd.Function):
 def _workspace(group: dist.ProcessGroup):
     """One symmetric workspace per group, shared by its layers' fused ops: the layers run in the same order on
     every rank, so the ops' per-call epochs agree."""
-    from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
+    from fused_dlrm.dist.symmetric import cuda_workspace
 
-    return CudaSymmetricWorkspace(group)
+    return cuda_workspace(group)
 
 
 @lru_cache(maxsize=None)

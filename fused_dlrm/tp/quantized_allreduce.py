@@ -23,7 +23,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
+from fused_dlrm.dist.symmetric import cuda_workspace
 from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS, Encoded, decode, encode
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, check_out, chunk_blocks_for,
                                                     max_programs_for, sum_in_rank_order)
@@ -101,7 +101,7 @@ def fused_for_group(group: dist.ProcessGroup | None, device: torch.device) -> Fu
     """The group's fused all-reduce (its symmetric workspace is allocated collectively at the first call)."""
     group = group or dist.group.WORLD
     if group not in _FUSED:
-        _FUSED[group] = FusedQuantizedAllReduce(CudaSymmetricWorkspace(group), max_programs_for(device))
+        _FUSED[group] = FusedQuantizedAllReduce(cuda_workspace(group), max_programs_for(device))
     return _FUSED[group]
 
 
