@@ -15,7 +15,7 @@ from fused_dlrm.models.arch_nodes import ArchGraph, ArchNode, dense_arch_nodes
 from fused_dlrm.train.direct_step import OverArchLossGraph
 from fused_dlrm.train.loop import train
 from test_training import SMALL, config
-from world import run_world
+from world import ONE_GPU, run_world
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 GPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), backend=None)
@@ -71,7 +71,7 @@ def _step(arches: nn.Module, dense: torch.Tensor, pooled: torch.Tensor, labels: 
 
 
 def _graphed_nodes_average_like_ddp(rank: int, world: int) -> None:
-    device = torch.device("cuda", 0)  # both processes on the one GPU; gloo all-reduces the CUDA gradients
+    device = torch.device("cuda", 0)  # both processes on the one GPU (ONE_GPU); gloo all-reduces the CUDA gradients
     batch = 24
     ddp = _Arches(device)
     ddp.dense_arch = nn.parallel.DistributedDataParallel(ddp.dense_arch)
@@ -102,4 +102,4 @@ def _graphed_nodes_average_like_ddp(rank: int, world: int) -> None:
 
 
 def test_graphed_nodes_average_the_gradients_as_ddp_does():
-    run_world(2, _graphed_nodes_average_like_ddp)
+    run_world(2, _graphed_nodes_average_like_ddp, backend=ONE_GPU)

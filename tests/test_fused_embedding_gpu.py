@@ -1,4 +1,5 @@
-"""GPU check of the fused embedding all-to-all against the bulk path (2 GPUs, NCCL; skipped without them).
+"""GPU check of the fused embedding all-to-all against the bulk path (2 GPUs, NCCL; skipped without them; the
+p2p checks also with two ranks sharing one GPU).
 
 CI has no GPU: this runs on the device machine (docs/benchmarks.md says when it last ran there).
 """
@@ -14,9 +15,9 @@ from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection, plan_sharding
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
-from world import run_world
+from world import TWO_RANK_BACKENDS, run_world
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 DIMS = [8, 16, 32, 64, 8, 128, 24, 256]
 ROWS = [1000, 50, 7, 3000, 100, 500, 20, 2000]
@@ -47,7 +48,7 @@ def local_kjt(step: int, global_batch: int, rank: int, world: int, device) -> Ke
 
 
 def _fused_equals_bulk(rank: int, world: int, steps: int, column_shards=1) -> None:
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", torch.cuda.current_device())
     opt = EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05)
     plan = plan_sharding(tables(), world, column_shards)
     bulk = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0, plan=plan)
@@ -79,13 +80,15 @@ def _fused_equals_bulk(rank: int, world: int, steps: int, column_shards=1) -> No
     _lone_rank_times_out(fused, rank, world, device, steps + 1)
 
 
-def test_fused_forward_backward_equal_bulk_for_1000_steps_and_timeout_raises():
-    run_world(2, _fused_equals_bulk, 1000, backend="nccl")
+@pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
+def test_fused_forward_backward_equal_bulk_for_1000_steps_and_timeout_raises(backend):
+    run_world(2, _fused_equals_bulk, 1000, backend=backend)
 
 
-def test_column_shards_fused_equal_bulk():
+@pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
+def test_column_shards_fused_equal_bulk(backend):
     # t5 (128 columns) in 4 shards, two on each rank (its bags arrive twice), t7 (256) and t3 (64) in 2.
-    run_world(2, _fused_equals_bulk, 200, {"t5": 4, "t7": 2, "t3": 2}, backend="nccl")
+    run_world(2, _fused_equals_bulk, 200, {"t5": 4, "t7": 2, "t3": 2}, backend=backend)
 
 
 def _nvshmem_equals_bulk(rank: int, world: int, steps: int) -> None:
@@ -142,12 +145,13 @@ def _lone_rank_times_out(fused, rank: int, world: int, device, epoch: int) -> No
         dist.barrier()
 
 
+@two_gpus
 def test_nvshmem_transport_forward_backward_equal_bulk_and_timeout_raises():
     run_world(2, _nvshmem_equals_bulk, 300, backend="nccl")
 
 
 def _half_precision_tables(rank: int, world: int) -> None:
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", torch.cuda.current_device())
     for data_type, tol in ((DataType.FP16, 1e-3), (DataType.BF16, 1e-2)):
         opt = EmbeddingOptimizerConfig("sgd", lr=0.05)
         bulk = ShardedEmbeddingBagCollection(tables(data_type), opt, device=device, seed=1)
@@ -160,5 +164,6 @@ def _half_precision_tables(rank: int, world: int) -> None:
             b.values().sum().backward()
 
 
-def test_fp16_and_bf16_tables():
-    run_world(2, _half_precision_tables, backend="nccl")
+@pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
+def test_fp16_and_bf16_tables(backend):
+    run_world(2, _half_precision_tables, backend=backend)
