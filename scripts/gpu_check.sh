@@ -2,6 +2,8 @@
 # The GPU checks and timings behind docs/benchmarks.md, on a machine with 2 GPUs (or more: the first two, see LANES)
 # and the wheels of ../shared/tools/gpu-wheels.sh in .whl/: set-up (offline), every GPU test, the benchmarks,
 # DLRM and MoE training bulk vs fused. Results go to $OUT (default ./gpu_out); a summary is printed at the end.
+# On one GPU the test steps still run every test that needs one GPU, the two-rank tests' ONE_GPU cases among them
+# (tests/world.py: both ranks on that GPU, results only); the benchmarks and training runs need two.
 # All of it takes longer than one 10-minute device call: name the steps to run, e.g.
 #   bash scripts/gpu_check.sh test_tp test_quantized_allreduce bench_tp
 # (steps: test_<name> for tests/test_<name>_gpu.py, test_gpu_cases (the GPU tests of GPU_CASES' CPU test files,
