@@ -1,5 +1,5 @@
 """MoELayer(comm="fused") against comm="bulk" on 2 GPUs (NCCL, torch SymmetricMemory), bf16 (and fp32 layers
-under bf16 autocast).
+under bf16 autocast); all but the 1,000 steps also with two ranks sharing one GPU (gloo, CUDA IPC).
 
 Both layers are built from the same seed, so they hold the same router and expert weights; they see the same
 tokens and output gradient. Outputs, input gradients, router and expert-weight gradients must agree within
@@ -15,15 +15,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
+from fused_dlrm.dist.symmetric import cuda_workspace
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from moe.expert_layout import build_expert_layout, dispatch_tables, gather_counts, send_slots
 from moe.kernels.fused_combine import FusedCombine
 from moe.layer import FusedMoEConfig, MoELayer
 from moe.permute import permutation
-from world import run_world
+from world import TWO_RANK_BACKENDS, run_world
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+BACKENDS = pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
 
 D_MODEL, FFN, EXPERTS, TOP_K, SEED = 256, 192, 8, 2, 11
 TOL = 3e-2
@@ -134,7 +135,7 @@ def mixed_precision(rank, world):
 def peer_never_starts(rank, world, backward):
     """Epoch 1 runs on both ranks; at epoch 2 rank 1 never starts (the forward exchange, or the backward one):
     rank 0's wait gives up and names rank 1."""
-    workspace = CudaSymmetricWorkspace()
+    workspace = cuda_workspace()
     # Epoch 1 compiles the kernels, and the ranks may be seconds apart: a long limit there, a short one at epoch 2.
     combine = FusedCombine(workspace, D_MODEL, 2, num_programs=8, spin_limit=20_000_000)
     gen = torch.Generator().manual_seed(rank)
@@ -171,20 +172,24 @@ BUFFERS = pytest.mark.parametrize("max_tokens,dispatch", [(None, "rows"), (512, 
                                   ids=["grown", "bounded", "bounded, by token"])
 
 
+@BACKENDS
 @BUFFERS
-def test_fused_matches_bulk_forward_and_backward(max_tokens, dispatch):
-    run_world(2, scenarios, max_tokens, dispatch, backend="nccl")
+def test_fused_matches_bulk_forward_and_backward(max_tokens, dispatch, backend):
+    run_world(2, scenarios, max_tokens, dispatch, backend=backend)
 
 
-def test_fused_matches_bulk_under_bf16_autocast():
-    run_world(2, mixed_precision, backend="nccl")
+@BACKENDS
+def test_fused_matches_bulk_under_bf16_autocast(backend):
+    run_world(2, mixed_precision, backend=backend)
 
 
+@two_gpus
 @BUFFERS
 def test_thousand_consecutive_steps(max_tokens, dispatch):
     run_world(2, many_steps, max_tokens, dispatch, backend="nccl")
 
 
+@BACKENDS
 @pytest.mark.parametrize("backward", [False, True])
-def test_peer_that_never_starts_raises(backward):
-    run_world(2, peer_never_starts, backward, backend="nccl")
+def test_peer_that_never_starts_raises(backward, backend):
+    run_world(2, peer_never_starts, backward, backend=backend)

@@ -1,6 +1,6 @@
 """On 2 GPUs: the fused GEMV/GEMM + all-reduce against its bulk twin (matmul + NCCL all_reduce), repeated calls on
 the same flags, a timeout, and the fused TP linears (sequence-sharded column-parallel, row-parallel) against the
-bulk ones, forward and backward."""
+bulk ones, forward and backward (also with two ranks sharing one GPU: gloo, CUDA IPC)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from world import run_world
+from world import TWO_RANK_BACKENDS, run_world
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 SHAPES = [(8192, 8192), (8192, 28672), (1000, 1037)]  # (K per rank, N): the benchmark's targets, an uneven one
 
@@ -55,6 +55,7 @@ def _fused_matches_bulk(rank, world):
     op.errors.check(block=True)
 
 
+@two_gpus
 def test_fused_gemm_allreduce_matches_bulk():
     run_world(2, _fused_matches_bulk, backend="nccl")
 
@@ -81,6 +82,7 @@ def _timeout(rank, world):
     dist.barrier()
 
 
+@two_gpus
 def test_timeout_names_rank_and_slice():
     run_world(2, _timeout, backend="nccl")
 
@@ -109,6 +111,7 @@ def _linears_fused_match_bulk(rank, world, sequence_sharded):
         assert err < 2e-2, f"{name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
 @pytest.mark.parametrize("sequence_sharded", [False, True])
-def test_tp_linears_fused_match_bulk(sequence_sharded):
-    run_world(2, _linears_fused_match_bulk, sequence_sharded, backend="nccl")
+def test_tp_linears_fused_match_bulk(sequence_sharded, backend):
+    run_world(2, _linears_fused_match_bulk, sequence_sharded, backend=backend)
