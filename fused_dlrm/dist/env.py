@@ -33,6 +33,10 @@ def _pick_device(device: str, local_rank: int) -> torch.device:
     if device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("device=cuda was asked for but torch sees no CUDA device")
+        if local_rank >= torch.cuda.device_count():  # else set_device fails with "invalid device ordinal"
+            raise RuntimeError(f"LOCAL_RANK={local_rank} has no GPU of its own: torch sees "
+                               f"{torch.cuda.device_count()} CUDA device(s); start at most that many processes per "
+                               "node (torchrun --nproc_per_node)")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     if device == "cpu":

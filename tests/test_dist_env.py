@@ -1,0 +1,47 @@
+"""dist/env.py's choices of device and backend, and its errors for what cannot run (CPU: the GPU cases are
+simulated by patching what torch reports)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fused_dlrm.dist.env import _pick_backend, _pick_device, init_distributed
+
+
+def test_auto_picks_the_machine_s_device_and_backend():
+    device = _pick_device("auto", 0)
+    assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert _pick_backend("auto", device) == ("nccl" if device.type == "cuda" else "gloo")
+    assert _pick_backend("auto", torch.device("cpu")) == "gloo"
+    assert _pick_backend("gloo", torch.device("cpu")) == "gloo"
+
+
+def test_unknown_or_impossible_choices_raise():
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        _pick_device("tpu", 0)
+    with pytest.raises(ValueError, match="unknown backend 'mpi'"):
+        _pick_backend("mpi", torch.device("cpu"))
+    with pytest.raises(ValueError, match="backend=nccl needs device=cuda"):
+        _pick_backend("nccl", torch.device("cpu"))
+
+
+def test_cuda_without_a_gpu_raises(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="torch sees no CUDA device"):
+        _pick_device("cuda", 0)
+
+
+def test_more_local_ranks_than_gpus_raises_naming_the_rank(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1 has no GPU of its own: torch sees 1 CUDA device\(s\)"):
+        _pick_device("cuda", 1)
+
+
+def test_one_process_without_torchrun_has_no_process_group(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    env = init_distributed("cpu")
+    assert (env.rank, env.world_size, env.backend, env.device) == (0, 1, None, torch.device("cpu"))
+    assert env.is_main
