@@ -158,11 +158,11 @@ class ArchGraph:
         warm_up(forward_backward, sample.device)
         outputs = []
 
-        def forward() -> None:
+        def record_forward() -> None:
             with torch.enable_grad():
                 outputs.append(node.eager(self.input))
         pool = torch.cuda.graph_pool_handle()
-        self.forward_graph = capture_graph(forward, pool)
+        self.forward_graph = capture_graph(record_forward, pool)
         self.output = outputs.pop()
         self.grad_output = torch.empty_like(self.output)
         self.backward_graph = capture_graph(
