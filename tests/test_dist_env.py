@@ -32,11 +32,40 @@ def test_cuda_without_a_gpu_raises(monkeypatch):
         _pick_device("cuda", 0)
 
 
-def test_more_local_ranks_than_gpus_raises_naming_the_rank(monkeypatch):
+def one_gpu_machine(monkeypatch, count: int = 1) -> list[int]:
+    """torch as it looks on a machine with `count` GPUs; returns the indices set_device is called with."""
+    chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    return chosen
+
+
+def test_more_local_ranks_than_gpus_raises_naming_the_rank(monkeypatch):
+    one_gpu_machine(monkeypatch)
     with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1 has no GPU of its own: torch sees 1 CUDA device\(s\)"):
         _pick_device("cuda", 1)
+    with pytest.raises(RuntimeError, match=r"device=cuda:1: torch sees 1 CUDA device\(s\)"):
+        _pick_device("cuda:1", 0)
+    with pytest.raises(ValueError, match="unknown device 'cuda:one'"):
+        _pick_device("cuda:one", 0)
+
+
+def test_cuda_index_puts_every_local_rank_on_that_gpu(monkeypatch):
+    chosen = one_gpu_machine(monkeypatch, count=2)
+    assert [_pick_device("cuda:1", r) for r in (0, 1)] == [torch.device("cuda", 1)] * 2
+    assert _pick_device("cuda", 0) == torch.device("cuda", 0)
+    assert chosen == [1, 1, 0]
+
+
+def test_ranks_sharing_a_gpu_under_nccl_raise_before_joining(monkeypatch):
+    one_gpu_machine(monkeypatch)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match="device=cuda:0 puts every local rank on one GPU, which NCCL refuses"):
+        init_distributed("cuda:0")
 
 
 def test_one_process_without_torchrun_has_no_process_group(monkeypatch):

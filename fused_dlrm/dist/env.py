@@ -28,20 +28,22 @@ class DistEnv:
 
 
 def _pick_device(device: str, local_rank: int) -> torch.device:
+    """auto | cpu | cuda (the GPU of this LOCAL_RANK) | cuda:N (GPU N, for every rank of the node)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("device=cuda was asked for but torch sees no CUDA device")
-        if local_rank >= torch.cuda.device_count():  # else set_device fails with "invalid device ordinal"
-            raise RuntimeError(f"LOCAL_RANK={local_rank} has no GPU of its own: torch sees "
-                               f"{torch.cuda.device_count()} CUDA device(s); start at most that many processes per "
-                               "node (torchrun --nproc_per_node)")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
     if device == "cpu":
         return torch.device("cpu")
-    raise ValueError(f"unknown device {device!r}: expected auto, cpu or cuda")
+    if device != "cuda" and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise ValueError(f"unknown device {device!r}: expected auto, cpu, cuda or cuda:<index>")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device={device} was asked for but torch sees no CUDA device")
+    index, count = (local_rank if device == "cuda" else int(device[5:])), torch.cuda.device_count()
+    if index >= count:  # else set_device fails with "invalid device ordinal"
+        who = f"LOCAL_RANK={local_rank} has no GPU of its own" if device == "cuda" else f"device={device}"
+        raise RuntimeError(f"{who}: torch sees {count} CUDA device(s); start at most that many processes per node "
+                           "(torchrun --nproc_per_node), or put them on one GPU with device=cuda:<index>")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def _pick_backend(backend: str, device: torch.device) -> str:
@@ -66,6 +68,9 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     if "WORLD_SIZE" not in os.environ:
         return DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None)
     chosen = _pick_backend(backend, dev)
+    if chosen == "nccl" and device.startswith("cuda:") and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        raise ValueError(f"device={device} puts every local rank on one GPU, which NCCL refuses: use backend=gloo "
+                         "(the fused operators then share memory by CUDA IPC; the GPU time-slices the ranks)")
     if not dist.is_initialized():
         dist.init_process_group(
             backend=chosen,
