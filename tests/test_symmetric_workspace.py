@@ -1,15 +1,20 @@
 """Symmetric workspaces (fused_dlrm/dist/symmetric.py): buffers shared by name, grown on demand, and freed once
-they grew and nobody holds them, in the simulated world (torch's CUDA symmetric memory: the _gpu twin)."""
+they grew and nobody holds them, in the simulated world (torch's CUDA symmetric memory: the _gpu twin); and which
+ranks count as sharing a GPU (cuda_workspace's choice of CUDA IPC), with the GPUs' identities patched."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.distributed as dist
 
-from fused_dlrm.dist.symmetric import SimulatedWorld
+from fused_dlrm.dist.symmetric import SimulatedWorld, ranks_share_a_gpu
+from world import run_world
 
 
 def test_ranks_share_a_buffer_by_name_and_a_grown_one_is_freed_once_no_rank_holds_it():
@@ -35,3 +40,14 @@ def test_ranks_share_a_buffer_by_name_and_a_grown_one_is_freed_once_no_rank_hold
     ranks[0].buffer("flags", 4, torch.int32)
     with pytest.raises(RuntimeError, match="cannot grow"):
         ranks[0].buffer("flags", 8, torch.int32)
+
+
+def _sharing(rank: int, world: int, gpus: list[str], shared: bool) -> None:
+    torch.cuda.current_device = lambda: 0  # this spawned process's torch only
+    torch.cuda.get_device_properties = lambda index: SimpleNamespace(uuid=gpus[rank])
+    assert ranks_share_a_gpu(dist.group.WORLD) is shared
+
+
+@pytest.mark.parametrize("gpus,shared", [(["GPU-a", "GPU-b", "GPU-c"], False), (["GPU-a", "GPU-b", "GPU-a"], True)])
+def test_ranks_share_a_gpu_when_two_have_one_uuid(gpus, shared):
+    run_world(len(gpus), _sharing, gpus, shared)
