@@ -18,9 +18,9 @@ from fused_dlrm.kernels.allgather import PRODUCERS, SymmetricAllGather
 from fused_dlrm.kernels.allgather_gemm import (GEMM_PRODUCERS, GemmConfig, all_gather_matmul, all_gather_matmul_bulk,
                                                op_for)
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
-from world import run_world
+from world import TWO_GPUS, run_world
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+pytestmark = TWO_GPUS
 
 CALLS = 1000
 SPINS = 2_000_000  # a lost flag fails the test in seconds instead of hanging it

@@ -15,9 +15,8 @@ from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection, plan_sharding
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
-from world import TWO_RANK_BACKENDS, run_world
+from world import TWO_GPUS, TWO_RANK_BACKENDS, run_world
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 DIMS = [8, 16, 32, 64, 8, 128, 24, 256]
 ROWS = [1000, 50, 7, 3000, 100, 500, 20, 2000]
@@ -145,7 +144,7 @@ def _lone_rank_times_out(fused, rank: int, world: int, device, epoch: int) -> No
         dist.barrier()
 
 
-@two_gpus
+@TWO_GPUS
 def test_nvshmem_transport_forward_backward_equal_bulk_and_timeout_raises():
     run_world(2, _nvshmem_equals_bulk, 300, backend="nccl")
 

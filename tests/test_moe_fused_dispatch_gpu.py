@@ -21,12 +21,12 @@ from moe.expert_layout import build_expert_layout, dispatch_tables, gather_count
 from moe.kernels.fused_dispatch import FusedDispatch, gated_gemm_reference, gemm_config
 from moe.permute import permute
 from moe.routing import route
-from world import run_world
+from world import TWO_GPUS, run_world
 
 # The row tiles of the dispatch's backward GEMM, which the layouts number (the combine's are unused here).
 BACKWARD_TILE_ROWS = gemm_config(torch.device("cuda"), torch.bfloat16, backward=True).block_m
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+pytestmark = TWO_GPUS
 
 D_MODEL, FFN, EXPERTS, TOP_K = 512, 352, 8, 2  # ffn not a multiple of the 128-wide tiles
 

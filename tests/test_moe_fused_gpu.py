@@ -21,9 +21,8 @@ from moe.expert_layout import build_expert_layout, dispatch_tables, gather_count
 from moe.kernels.fused_combine import FusedCombine
 from moe.layer import FusedMoEConfig, MoELayer
 from moe.permute import permutation
-from world import TWO_RANK_BACKENDS, run_world
+from world import TWO_GPUS, TWO_RANK_BACKENDS, run_world
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 BACKENDS = pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
 
 D_MODEL, FFN, EXPERTS, TOP_K, SEED = 256, 192, 8, 2, 11
@@ -183,7 +182,7 @@ def test_fused_matches_bulk_under_bf16_autocast(backend):
     run_world(2, mixed_precision, backend=backend)
 
 
-@two_gpus
+@TWO_GPUS
 @BUFFERS
 def test_thousand_consecutive_steps(max_tokens, dispatch):
     run_world(2, many_steps, max_tokens, dispatch, backend="nccl")

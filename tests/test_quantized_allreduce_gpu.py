@@ -20,9 +20,8 @@ from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce, max_programs_for, two_shot_error_bound
 from fused_dlrm.tp.quantized_allreduce import fused_for_group, quantized_all_reduce
 from test_quantized_allreduce import _ddp_hook
-from world import run_world
+from world import TWO_GPUS, run_world
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 SIZES = [1, 45, 4099, 1_000_003, 3 * 2**22 + 17]  # none a multiple of world * 32; up to ~12.6M values
 
@@ -65,7 +64,7 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
     fused_for_group(None, xs[0].device).errors.check(block=True)
 
 
-@two_gpus
+@TWO_GPUS
 def test_fused_equals_bulk_twin_every_codec():
     run_world(2, _fused_equals_bulk, backend="nccl")
 
@@ -83,7 +82,7 @@ def _many_calls(rank: int, world: int) -> None:
     assert_same_on_every_rank(y, world)
 
 
-@two_gpus
+@TWO_GPUS
 def test_one_thousand_consecutive_calls_on_the_same_flags():
     run_world(2, _many_calls, backend="nccl")
 
@@ -105,14 +104,14 @@ def _graph_replays(rank: int, world: int) -> None:
     assert_same_on_every_rank(out, world)
 
 
-@two_gpus
+@TWO_GPUS
 def test_calls_on_the_same_tensors_replay_a_graph():
     """The epoch comes from the device, so the 2nd and later calls on the same x and out replay a CUDA graph:
     still bit-equal to the bulk twin, with new data at every call, in between in-place calls of another codec."""
     run_world(2, _graph_replays, backend="nccl")
 
 
-@two_gpus
+@TWO_GPUS
 def test_ddp_hook_within_bound_of_plain_ddp():
     run_world(2, _ddp_hook, "cuda", backend="nccl")
 
@@ -129,7 +128,7 @@ def _missing_peer(rank: int, world: int) -> None:
     dist.barrier()
 
 
-@two_gpus
+@TWO_GPUS
 def test_missing_peer_times_out_naming_rank_and_slice():
     run_world(2, _missing_peer, backend="nccl")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import weakref
-
 from types import SimpleNamespace
 
 import pytest

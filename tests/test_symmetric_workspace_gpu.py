@@ -64,7 +64,8 @@ def _shared_by_ipc(rank: int, world_size: int) -> None:
     for size in (1000, 300_000):  # the grown buffer is mapped in every rank too
         buf = ws.buffer("rows", size, torch.float32)
         peers = ws.peer_tensors(buf)
-        assert buf.peer_ptrs.tolist() == [t.data_ptr() for t in peers] and peers[rank].data_ptr() == buf.local.data_ptr()
+        assert buf.peer_ptrs.tolist() == [t.data_ptr() for t in peers]
+        assert peers[rank].data_ptr() == buf.local.data_ptr()
         assert buf.local.eq(0).all()
         torch.distributed.barrier()
         peers[(rank + 1) % world_size].fill_(float(size + rank))

@@ -19,9 +19,9 @@ from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.sparse import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.torchrec_sharder import FusedEmbeddingBagCollectionSharder
 from bags import global_batch, to_kjt
-from world import run_world
+from world import TWO_GPUS, run_world
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+pytestmark = TWO_GPUS
 
 TABLES = [
     EmbeddingBagConfig(name="t0", embedding_dim=16, num_embeddings=100, feature_names=["f0", "f1"]),

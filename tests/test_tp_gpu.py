@@ -8,9 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from world import TWO_RANK_BACKENDS, run_world
+from world import TWO_GPUS, TWO_RANK_BACKENDS, run_world
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 SHAPES = [(8192, 8192), (8192, 28672), (1000, 1037)]  # (K per rank, N): the benchmark's targets, an uneven one
 
@@ -55,7 +54,7 @@ def _fused_matches_bulk(rank, world):
     op.errors.check(block=True)
 
 
-@two_gpus
+@TWO_GPUS
 def test_fused_gemm_allreduce_matches_bulk():
     run_world(2, _fused_matches_bulk, backend="nccl")
 
@@ -82,7 +81,7 @@ def _timeout(rank, world):
     dist.barrier()
 
 
-@two_gpus
+@TWO_GPUS
 def test_timeout_names_rank_and_slice():
     run_world(2, _timeout, backend="nccl")
 

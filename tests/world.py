@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 ONE_GPU = "one_gpu"  # run_world's backend for ranks sharing GPU 0: gloo collectives, p2p buffers by CUDA IPC
 
 # A two-rank GPU test's worlds: two GPUs under NCCL, and two ranks sharing one GPU, which checks the world-2 paths'
 # results on a one-GPU machine (dist/symmetric.CudaIpcWorkspace; the GPU time-slices the ranks, so never timings).
 TWO_RANK_BACKENDS = [
-    pytest.param("nccl", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")),
+    pytest.param("nccl", marks=TWO_GPUS),
     pytest.param(ONE_GPU, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")),
 ]
 
