@@ -58,14 +58,17 @@ def test_cuda_index_puts_every_local_rank_on_that_gpu(monkeypatch):
     assert chosen == [1, 1, 0]
 
 
-def test_ranks_sharing_a_gpu_under_nccl_raise_before_joining(monkeypatch):
+def test_ranks_sharing_a_gpu_get_gloo_and_nccl_raises_before_joining(monkeypatch):
+    gpu = torch.device("cuda", 0)
+    assert _pick_backend("auto", gpu, gpu_shared=True) == "gloo"
+    assert _pick_backend("auto", gpu) == "nccl"
     one_gpu_machine(monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    with pytest.raises(ValueError, match="device=cuda:0 puts every local rank on one GPU, which NCCL refuses"):
-        init_distributed("cuda:0")
+    with pytest.raises(ValueError, match="every local rank runs on cuda:0, which NCCL refuses: use backend=gloo"):
+        init_distributed("cuda:0", "nccl")
 
 
 def test_one_process_without_torchrun_has_no_process_group(monkeypatch):

@@ -46,11 +46,15 @@ def _pick_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _pick_backend(backend: str, device: torch.device) -> str:
+def _pick_backend(backend: str, device: torch.device, gpu_shared: bool = False) -> str:
+    """gpu_shared: the node's ranks all run on `device` (device=cuda:N), which NCCL refuses."""
     if backend == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
+        return "nccl" if device.type == "cuda" and not gpu_shared else "gloo"
     if backend == "nccl" and device.type != "cuda":
         raise ValueError("backend=nccl needs device=cuda; use gloo on the CPU")
+    if backend == "nccl" and gpu_shared:
+        raise ValueError(f"every local rank runs on {device}, which NCCL refuses: use backend=gloo or auto (the "
+                         "fused operators then share memory by CUDA IPC; the GPU time-slices the ranks)")
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"unknown backend {backend!r}: expected auto, nccl or gloo")
     return backend
@@ -67,10 +71,8 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     dev = _pick_device(device, local_rank)
     if "WORLD_SIZE" not in os.environ:
         return DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None)
-    chosen = _pick_backend(backend, dev)
-    if chosen == "nccl" and device.startswith("cuda:") and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
-        raise ValueError(f"device={device} puts every local rank on one GPU, which NCCL refuses: use backend=gloo "
-                         "(the fused operators then share memory by CUDA IPC; the GPU time-slices the ranks)")
+    gpu_shared = device.startswith("cuda:") and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1
+    chosen = _pick_backend(backend, dev, gpu_shared)
     if not dist.is_initialized():
         dist.init_process_group(
             backend=chosen,
