@@ -46,10 +46,10 @@ def local_kjt(step: int, global_batch: int, rank: int, world: int, device) -> Ke
                                                torch.cat(weights).to(device))
 
 
-def _fused_equals_bulk(rank: int, world: int, steps: int, column_shards=1) -> None:
+def _fused_equals_bulk(rank: int, world: int, steps: int, column_shards=1, row_shards=1) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     opt = EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05)
-    plan = plan_sharding(tables(), world, column_shards)
+    plan = plan_sharding(tables(), world, column_shards, row_shards)
     bulk = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0, plan=plan)
     fused = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0, plan=plan,
                                           comm=FusedCommConfig(wait_timeout_spins=2_000_000))
@@ -88,6 +88,13 @@ def test_fused_forward_backward_equal_bulk_for_1000_steps_and_timeout_raises(bac
 def test_column_shards_fused_equal_bulk(backend):
     # t5 (128 columns) in 4 shards, two on each rank (its bags arrive twice), t7 (256) and t3 (64) in 2.
     run_world(2, _fused_equals_bulk, 200, {"t5": 4, "t7": 2, "t3": 2}, backend=backend)
+
+
+@pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
+def test_row_blocks_fused_equal_bulk(backend):
+    # t0 (1000 rows) in 3 row blocks, two on one rank; t2 (mean-pooled, 7 rows) and t7 (2000) in 2: the wide row's
+    # later blocks' columns poisoned too, the parts summed after either exchange.
+    run_world(2, _fused_equals_bulk, 200, 1, {"t0": 3, "t2": 2, "t7": 2}, backend=backend)
 
 
 def _nvshmem_equals_bulk(rank: int, world: int, steps: int) -> None:

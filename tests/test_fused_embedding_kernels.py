@@ -23,7 +23,8 @@ from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.plan import plan_sharding
-from fused_dlrm.sparse.sharded_ebc import shard_columns
+from fused_dlrm.sparse.row_wise import RowBlockSum, RowBuckets
+from fused_dlrm.sparse.sharded_ebc import shard_weight
 from sm90 import compile_for_sm90
 
 # The simulated world is CPU tensors: it needs the interpreter (set by conftest.py where there is no GPU).
@@ -50,19 +51,27 @@ def random_bags(tables, batch_sizes, weighted, gen):
 
 
 class World:
-    """W ranks of the fused exchange, sharing one SimulatedWorld; column_shards as plan_sharding takes it."""
+    """W ranks of the fused exchange, sharing one SimulatedWorld; column_shards and row_shards as plan_sharding
+    takes them. With row blocks, `forward` returns each rank's real rows (the blocks' parts summed by
+    RowBlockSum, as ShardedEmbeddingBagCollection does) and `backward` takes their gradients."""
 
     def __init__(self, tables, world_size, dtype=torch.float32, optimizer="rowwise_adagrad", num_programs=3,
-                 column_shards=1, device="cpu"):
+                 column_shards=1, device="cpu", row_shards=1):
         """device: "cpu" (the interpreter) or "cuda" (every rank's kernels compiled, on one GPU)."""
         self.tables, self.world_size, self.optimizer = tables, world_size, optimizer
         self.column_shards, self.device = column_shards, torch.device(device)
-        self.plan = plan_sharding(tables, world_size, column_shards)
+        self.plan = plan_sharding(tables, world_size, column_shards, row_shards)
         slices = self.plan.feature_slices(tables)
         self.features_of_rank = [[s.feature for s in mine] for mine in slices]
+        self.keys = [f for t in tables for f in t.feature_names]
+        columns = self.plan.row_wise_columns(tables)
+        self.buckets = RowBuckets.of(self.keys, self.plan.row_blocks(tables), [c.feature for c in columns if c.mean],
+                                     torch.device("cpu")) if columns else None
+        self.row_sum = RowBlockSum(sum(t.embedding_dim * len(t.feature_names) for t in tables), columns) \
+            if columns else None
         self.weights = {t.name: init_table(t, i, torch.device("cpu")).to(dtype).to(self.device)
                         for i, t in enumerate(tables)}
-        self.shards = {s.name: shard_columns(self.weights[s.table], s) for s in self.plan.shards}
+        self.shards = {s.name: shard_weight(self.weights[s.table], s) for s in self.plan.shards}
         cfg = EmbeddingOptimizerConfig(optimizer, lr=0.1)
         self.lookups, self.exchanges = [], []
         for ws in SimulatedWorld(world_size, self.device).workspaces():
@@ -70,28 +79,52 @@ class World:
             lookup = PooledEmbeddingLookup(owned, {t.name: self.shards[t.name] for t in owned}, cfg, ws.device)
             self.lookups.append(lookup)
             self.exchanges.append(FusedPooledAllToAll(lookup, slices, ws, num_programs=num_programs, spin_limit=50))
+        self._wide = None  # the last forward's wide rows and real rows, for backward (row blocks)
 
     def table(self, name):
-        """A table as trained: its shards' columns side by side."""
-        return torch.cat([self.shards[s.name] for s in self.plan.shards if s.table == name], dim=1)
+        """A table as trained: its shards' columns side by side, or its row blocks one under the other."""
+        mine = [s for s in self.plan.shards if s.table == name]
+        return torch.cat([self.shards[s.name] for s in mine], dim=0 if mine[0].rows is not None else 1)
 
     def owned_bags(self, rank, lengths, values, weights, batch_sizes) -> OwnedBags:
-        idx = [int(f[1:]) for f in self.features_of_rank[rank]]
+        keys, uncut = self.keys, lengths
+        if self.buckets is not None:  # the global batch cut by row block: each block's bags over all samples
+            cut_values, cut_lengths, cut_weights = self.buckets.cut(
+                torch.cat(values), lengths, None if weights is None else torch.cat(weights))
+            ends = torch.cumsum(cut_lengths.sum(1), 0).tolist()
+            values = list(cut_values.tensor_split(ends[:-1]))
+            weights = None if weights is None else list(cut_weights.tensor_split(ends[:-1]))
+            lengths, keys = cut_lengths, self.buckets.keys
+        idx = [keys.index(f) for f in self.features_of_rank[rank]]
         vals = [values[i] for i in idx]
         offsets = [0]
         for v in vals:
             offsets.append(offsets[-1] + v.numel())
         on = lambda t: t.to(self.device)
-        return OwnedBags(features=self.features_of_rank[rank], values=on(torch.cat(vals) if vals else torch.zeros(0, dtype=torch.long)),
+        bags = OwnedBags(features=self.features_of_rank[rank], values=on(torch.cat(vals) if vals else torch.zeros(0, dtype=torch.long)),
                          lengths=on(lengths[idx].reshape(len(idx), lengths.shape[1])),
                          weights=None if weights is None else on(torch.cat([weights[i] for i in idx]) if idx else torch.zeros(0)),
                          feature_value_offsets=offsets, batch_sizes=list(batch_sizes))
+        if self.buckets is not None:  # rank's own samples' bag sizes (uncut lengths)
+            start = sum(batch_sizes[:rank])
+            divisors = self.buckets.pooling_divisors(uncut[:, start:start + batch_sizes[rank]])
+            bags.pooling_divisors = None if divisors is None else on(divisors)
+        return bags
 
     def forward(self, bags):
         epochs = [ex.start(b) for ex, b in zip(self.exchanges, bags)]  # every producer first
-        return [ex.finish(b, e).clone() for ex, b, e in zip(self.exchanges, bags, epochs)]
+        outs = [ex.finish(b, e).clone() for ex, b, e in zip(self.exchanges, bags, epochs)]
+        if self.row_sum is None:
+            return outs
+        wide = [o.requires_grad_() for o in outs]
+        real = [self.row_sum(w, b.pooling_divisors) for w, b in zip(wide, bags)]
+        self._wide = (wide, real)
+        return [r.detach() for r in real]
 
     def backward(self, bags, grads, scale=1.0):
+        if self.row_sum is not None:  # each block's part receives its sample's gradient (a mean's divided)
+            wide, real = self._wide
+            grads = torch.autograd.grad(real, wide, grads)
         epochs = [ex.start_backward(b, g, scale) for ex, b, g in zip(self.exchanges, bags, grads)]
         for ex, b, e in zip(self.exchanges, bags, epochs):
             ex.finish_backward(b, e)
@@ -253,6 +286,21 @@ def test_column_shards_forward_and_backward(optimizer, world_size, batch_sizes, 
         assert len([f for f in world.features_of_rank[0] if f == "f3"]) == 2
     assert len(shards) == 8
     train_like_one_owner(world, batch_sizes, steps=2, gen=torch.Generator().manual_seed(5), check_outputs=True)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("world_size,batch_sizes,row_shards", [(2, [3, 4], {"t1": 2, "t2": 3}), (3, [2, 0, 5], 3)])
+def test_row_blocks_forward_and_backward(optimizer, world_size, batch_sizes, row_shards):
+    """Tables cut into row blocks: each block's rank pools its part of every bag into the wide row (poisoned: an
+    unwritten element shows), the parts sum to the reference's pooled row (t2's mean divided by the bag size), and
+    every block receives its samples' gradient; the tables end as one uncut owner's (row-wise Adagrad keeps the
+    same accumulator per row). Every table in 3 blocks over 3 ranks, one rank with no samples."""
+    tables = make_tables([4, 8, 6, 16], [10, 20, 7, 9])  # t2 mean-pooled
+    world = World(tables, world_size, optimizer=optimizer, num_programs=world_size + 2, row_shards=row_shards)
+    assert world.row_sum is not None and all(ex.row_len > 42 for ex in world.exchanges)  # 42: the real row
+    for ex in world.exchanges:
+        ex.ws.buffer("pooled", 2 * max(batch_sizes) * ex.row_len, torch.float32).local.fill_(float("nan"))
+    train_like_one_owner(world, batch_sizes, steps=2, gen=torch.Generator().manual_seed(6), check_outputs=True)
 
 
 # -- DLRM's interaction on the exchange's output: its backward stores d S into the owners' buffers itself --------

@@ -8,14 +8,15 @@ import torch
 from torchrec import KeyedJaggedTensor
 
 from fused_dlrm.data.batching import local_batch_bounds
-from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection
+from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection, plan_sharding
 from bags import global_batch, to_kjt
 from test_sharded_ebc import TABLES
 from world import run_world
 
 
-def _bad_batch_on_rank_1(rank: int, world: int, bad: str) -> None:
-    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig())
+def _bad_batch_on_rank_1(rank: int, world: int, bad: str, row_shards) -> None:
+    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig(),
+                                            plan=plan_sharding(TABLES, world, row_shards=row_shards))
     keys = [f for t in TABLES for f in t.feature_names]
     lengths, values, _ = global_batch(0, 6, TABLES, False)
     start, stop = local_batch_bounds(6, rank, world)
@@ -46,8 +47,11 @@ def _bad_batch_on_rank_1(rank: int, world: int, bad: str) -> None:
 
 
 @pytest.mark.parametrize("bad", ["index", "keys", "values"])
-def test_a_bad_batch_raises_on_every_rank(bad):
-    run_world(2, _bad_batch_on_rank_1, bad)
+@pytest.mark.parametrize("row_shards", [1, {"t1": 2, "t3": 3}], ids=["whole", "row_blocks"])
+def test_a_bad_batch_raises_on_every_rank(bad, row_shards):
+    """With row blocks (t1, which f2 reads, in two) the checks are of the batch as sent, before its cut: the
+    error names the feature, the index and the table as the user knows them."""
+    run_world(2, _bad_batch_on_rank_1, bad, row_shards)
 
 
 def test_values_longer_than_lengths_one_process():
@@ -61,20 +65,23 @@ def test_values_longer_than_lengths_one_process():
         sharded(longer)
 
 
-def _int32_values_like_int64(rank: int, world: int) -> None:
+def _int32_values_like_int64(rank: int, world: int, row_shards) -> None:
     keys = [f for t in TABLES for f in t.feature_names]
     lengths, values, weights = global_batch(3, 9, TABLES, True)
     start, stop = local_batch_bounds(9, rank, world)
     kjt = to_kjt(keys, lengths, values, weights, start, stop)
     narrow = KeyedJaggedTensor(keys=keys, values=kjt.values().int(), lengths=kjt.lengths(), weights=kjt.weights())
-    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig())
+    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig(),
+                                            plan=plan_sharding(TABLES, world, row_shards=row_shards))
     wide, small = sharded.input_dist(kjt), sharded.input_dist(narrow)
     assert small.values.dtype == torch.int32 and small.lengths.dtype == wide.lengths.dtype
     assert torch.equal(small.values.long(), wide.values) and torch.equal(small.lengths, wide.lengths)
     assert torch.equal(small.weights, wide.weights) and small.feature_value_offsets == wide.feature_value_offsets
 
 
-def test_int32_values_travel_with_the_lengths_as_int64_ones_do():
+@pytest.mark.parametrize("row_shards", [1, {"t0": 3, "t3": 2}], ids=["whole", "row_blocks"])
+def test_int32_values_travel_with_the_lengths_as_int64_ones_do(row_shards):
     """Lengths and values share one all-to-all, the lengths in the values' dtype for the trip: int32 indices give
-    the owners the same bags (lengths back in their own dtype), weights alongside, 3 ranks with uneven batches."""
-    run_world(3, _int32_values_like_int64)
+    the owners the same bags (lengths back in their own dtype), weights alongside, 3 ranks with uneven batches;
+    and so do int32 indices cut by row block."""
+    run_world(3, _int32_values_like_int64, row_shards)

@@ -14,6 +14,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection, plan_sharding
+from fused_dlrm.sparse.sharded_ebc import shard_weight
 from bags import global_batch, to_kjt
 from world import run_world
 
@@ -31,18 +32,17 @@ SUM_TABLES = [EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim, num
 
 
 def compare_with_torchrec(rank: int, world: int, optimizer: str, weighted: bool, batch: int, tables,
-                          column_shards=1) -> None:
-    """column_shards as plan_sharding takes it. Column shards keep a row-wise Adagrad accumulator each, which the
-    unsharded module does not: with them, compare SGD."""
+                          column_shards=1, row_shards=1) -> None:
+    """column_shards and row_shards as plan_sharding takes them. Column shards keep a row-wise Adagrad accumulator
+    each, which the unsharded module does not: with them, compare SGD (row blocks keep the same accumulators)."""
     torch.manual_seed(0)
     reference = EmbeddingBagCollection(tables, is_weighted=weighted)
     lr = 0.05
     sharded = ShardedEmbeddingBagCollection(tables, EmbeddingOptimizerConfig(optimizer, lr=lr, eps=1e-8),
-                                            plan=plan_sharding(tables, world, column_shards))
+                                            plan=plan_sharding(tables, world, column_shards, row_shards))
     mine = sharded.plan.shards_of(rank)
     assert sorted(sharded.embedding_bags) == sorted(s.name for s in mine)
-    reference_columns = {s.name: lambda s=s: reference.embedding_bags[s.table].weight[:, s.col:s.col + s.dim]
-                         for s in mine}
+    reference_columns = {s.name: lambda s=s: shard_weight(reference.embedding_bags[s.table].weight, s) for s in mine}
     for name, table in sharded.embedding_bags.items():
         table.weight.data.copy_(reference_columns[name]())
     ref_opt = (torch.optim.SGD(reference.parameters(), lr=lr) if optimizer == "sgd"
@@ -86,6 +86,20 @@ def test_column_shards_match_torchrec(weighted):
     tables = SUM_TABLES if weighted else TABLES
     run_world(2, compare_with_torchrec, "sgd", weighted, 7, tables, {"t1": 2, "t2": 4})
     run_world(3, compare_with_torchrec, "sgd", weighted, 8, tables, {"t0": 2, "t2": 2})
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_row_blocks_match_torchrec(optimizer, weighted):
+    # t3 (300 rows) in 3 blocks over 2 ranks (two on one), t1 (57 rows, mean-pooled unless weighted) in 2: each
+    # index reaches only its block's rank, and a sample's blocks' parts are summed (a mean's divided by its bag's
+    # size). Row blocks keep torchrec's row-wise Adagrad accumulators: both optimizers compare.
+    tables = SUM_TABLES if weighted else TABLES
+    run_world(2, compare_with_torchrec, optimizer, weighted, 7, tables, 1, {"t1": 2, "t3": 3})
+    # Three ranks (local batches 2, 2, 1), t0 read by two features cut in 3 blocks, t2 cut in columns (with SGD:
+    # column shards keep accumulators of their own).
+    column_shards = {"t2": 2} if optimizer == "sgd" else 1
+    run_world(3, compare_with_torchrec, optimizer, weighted, 5, tables, column_shards, {"t0": 3, "t1": 3})
 
 
 def test_more_ranks_than_tables():
@@ -182,12 +196,13 @@ def test_headers_exchanged_a_step_ahead_give_the_same_bags_and_errors():
 
 
 
-def _distributed_on_the_batch_thread(rank: int, world: int) -> None:
+def _distributed_on_the_batch_thread(rank: int, world: int, row_shards) -> None:
     from torchrec.datasets.utils import Batch
 
     from fused_dlrm.train.batches_ahead import BatchesAhead
 
-    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig()).eval()
+    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig(),
+                                            plan=plan_sharding(TABLES, world, row_shards=row_shards)).eval()
     keys = [f for t in TABLES for f in t.feature_names]
     start, stop = local_batch_bounds(6, rank, world)
     batches = [global_batch(step, 6, TABLES, False) for step in range(4)]
@@ -216,5 +231,8 @@ def _distributed_on_the_batch_thread(rank: int, world: int) -> None:
     assert not sharded._from_thread
 
 
-def test_the_batch_thread_distributes_with_the_same_bags_and_errors():
-    run_world(2, _distributed_on_the_batch_thread)
+@pytest.mark.parametrize("row_shards", [1, {"t1": 2, "t0": 2}], ids=["whole", "row_blocks"])
+def test_the_batch_thread_distributes_with_the_same_bags_and_errors(row_shards):
+    """The thread's input dist is the collection's, row blocks included (a mean-pooled one, t1, whose bag sizes
+    the bags carry)."""
+    run_world(2, _distributed_on_the_batch_thread, row_shards)

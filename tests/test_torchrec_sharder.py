@@ -2,12 +2,14 @@
 
 Two (once three, once four) gloo processes on the CPU. Each rank gets its slice of the same global batches. Three
 models start from the same weights:
-  * ours:      DMP + FusedEmbeddingBagCollectionSharder, plan from torchrec's planner (or one given: column-wise);
+  * ours:      DMP + FusedEmbeddingBagCollectionSharder, plan from torchrec's planner kept to whole tables (or one
+               given: column-wise, row-wise, mixed);
   * stock:     DMP + torchrec's EmbeddingBagCollectionSharder under the same plan, fbgemm's CPU TBE with the
                optimizer from apply_optimizer_in_backward (EXACT_ROWWISE_ADAGRAD / EXACT_SGD);
   * reference: the unsharded EBC on the whole global batch, with torchrec.optim's RowWiseAdagrad / torch SGD, its
                gradient divided by the world size when torchrec's gradient division is on (its default). (Column
-               shards keep a row-wise Adagrad accumulator each, in torchrec as in ours: there only stock compares.)
+               shards keep a row-wise Adagrad accumulator each, in torchrec as in ours: there only stock compares;
+               row blocks keep the table's per-row accumulators.)
 Forward outputs (by key: stock torchrec orders its output by sharding, ours keeps the EBC's order) and the owned
 tables after every step must agree, as must the fused optimizers' state. A last run checks TrainPipelineSparseDist
 (input dist one batch ahead) against a plain loop.
@@ -20,15 +22,17 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
 from torchrec.datasets.utils import Batch
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.comm_ops import set_gradient_division
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -38,6 +42,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.sparse import EmbeddingOptimizerConfig
+from fused_dlrm.sparse.sharded_ebc import shard_weight
 from fused_dlrm.sparse.torchrec_sharder import (FusedEmbeddingBagCollectionSharder, FusedShardedEBC,
                                                 plan_from_torchrec, torchrec_in_backward_optimizer)
 from bags import global_batch, to_kjt
@@ -58,6 +63,8 @@ SUM_TABLES = [EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim, num
                                  feature_names=t.feature_names) for t in TABLES]
 # One table more than 4 ranks: some rank owns two.
 FIFTH = EmbeddingBagConfig(name="t4", embedding_dim=8, num_embeddings=40, feature_names=["f5"])
+# One row: torchrec's row-wise cut over two ranks leaves the second block empty, so ours holds the table whole.
+ONE_ROW = EmbeddingBagConfig(name="t5", embedding_dim=4, num_embeddings=1, feature_names=["f6"])
 
 
 def keys_of(tables) -> list[str]:
@@ -78,18 +85,21 @@ def dot_by_key(kt: KeyedTensor, grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return sum((v * grads[k]).sum() for k, v in kt.to_dict().items())
 
 
-def local_shard(sharded_tensor, col: int = 0) -> torch.Tensor:
-    """This rank's shard of a torchrec ShardedTensor that starts at column `col` (a table's, or its rows')."""
-    found = [s.tensor for s in sharded_tensor.local_shards() if s.metadata.shard_offsets[-1] == col]
-    assert len(found) == 1, (col, [s.metadata for s in sharded_tensor.local_shards()])
+def local_shard(sharded_tensor, offsets: list[int]) -> torch.Tensor:
+    """This rank's shard of a torchrec ShardedTensor that starts at `offsets` ([row, column] of a table)."""
+    found = [s.tensor for s in sharded_tensor.local_shards() if list(s.metadata.shard_offsets) == offsets]
+    assert len(found) == 1, (offsets, [s.metadata for s in sharded_tensor.local_shards()])
     return found[0]
 
 
 def stock_shard_state(tensor, plan, shard) -> torch.Tensor:
-    """A shard's row-wise Adagrad accumulator in torchrec's optimizer state: the k-th column shard of a table at
-    row k * rows of its [shards x rows] ShardedTensor (a table-wise table's at 0)."""
+    """A shard's row-wise Adagrad accumulator in torchrec's optimizer state: a row block's at its first row of the
+    table's [rows] ShardedTensor; the k-th column shard of a table at row k * rows of its [shards x rows] one (a
+    table-wise table's at 0)."""
+    if shard.rows is not None:
+        return local_shard(tensor, [shard.row])
     names = [s.name for s in plan.shards if s.table == shard.table]
-    return local_shard(tensor, names.index(shard.name) * tensor.shape[0] // len(names))
+    return local_shard(tensor, [names.index(shard.name) * tensor.shape[0] // len(names)])
 
 
 def stock_torchrec(reference: EmbeddingBagCollection, module_plan, optimizer: str) -> DistributedModelParallel:
@@ -103,44 +113,57 @@ def stock_torchrec(reference: EmbeddingBagCollection, module_plan, optimizer: st
     with torch.no_grad():
         for key, value in dmp.state_dict().items():
             for shard in value.local_shards():
-                col, dim = shard.metadata.shard_offsets[1], shard.metadata.shard_sizes[1]
-                shard.tensor.copy_(reference.embedding_bags[key.split(".")[2]].weight[:, col:col + dim])
+                (row, col), (rows, dim) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                shard.tensor.copy_(reference.embedding_bags[key.split(".")[2]].weight[row:row + rows, col:col + dim])
     return dmp
 
 
 def explicit_plan(tables, generators: dict, world: int, sharder) -> dict:
-    """torchrec's module plan from sharding_plan's generators (table_wise(rank=..), column_wise(ranks=..))."""
+    """torchrec's module plan from sharding_plan's generators (table_wise(rank=..), column_wise(ranks=..),
+    row_wise()), for the generators of `tables`."""
     return construct_module_sharding_plan(EmbeddingBagCollection(tables, device=torch.device("meta")),
-                                          generators, sharder=sharder, local_size=world, world_size=world,
-                                          device_type="cpu")
+                                          {t.name: generators[t.name] for t in tables}, sharder=sharder,
+                                          local_size=world, world_size=world, device_type="cpu")
+
+
+def table_wise_planner_plan(model: nn.Module, tables, world: int, sharder) -> ShardingPlan:
+    """torchrec's planner as DMP runs it without a plan, kept to table-wise sharding (offered row-wise, it cuts
+    every one of these small tables into row blocks on the CPU)."""
+    planner = EmbeddingShardingPlanner(
+        Topology(world_size=world, compute_device="cpu", local_world_size=world),
+        constraints={t.name: ParameterConstraints(sharding_types=["table_wise"]) for t in tables})
+    return planner.collective_plan(model, [sharder], dist.group.WORLD)
 
 
 def compare_with_stock_torchrec(rank: int, world: int, cases) -> None:
-    """cases: (optimizer, weighted, global batch, tables, gradient division, column-wise: column_wise_plans's plan
-    or the planner's)."""
-    for optimizer, weighted, batch, tables, divide, column_wise in cases:
+    """cases: (optimizer, weighted, global batch, tables, gradient division, plans: a function of the world size
+    giving sharding_plan's generators per table, or None for the planner's table-wise plan, stock: whether stock
+    torchrec runs the case too; without it the unsharded reference must update as the shards do)."""
+    for optimizer, weighted, batch, tables, divide, plans, with_stock in cases:
         # torchrec divides the pooled gradient by the world size by default (tables see the mean over ranks of
         # the per-rank gradients); off, they see the sum. Our sharded module follows the same switch.
         set_gradient_division(divide)
         torch.manual_seed(0)
         reference = EmbeddingBagCollection(tables, is_weighted=weighted)
         sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig(optimizer, lr=LR, eps=EPS))
-        plan = None  # the planner's
-        if column_wise:
-            plan = ShardingPlan({"ebc": explicit_plan(tables, column_wise_plans(world), world, sharder)})
-        ours = DistributedModelParallel(SparseModel(copy.deepcopy(reference)), sharders=[sharder], device=CPU,
-                                        plan=plan)
+        model = SparseModel(copy.deepcopy(reference))
+        if plans is None:
+            plan = table_wise_planner_plan(model, tables, world, sharder)
+        else:
+            plan = ShardingPlan({"ebc": explicit_plan(tables, plans(world), world, sharder)})
+        ours = DistributedModelParallel(model, sharders=[sharder], device=CPU, plan=plan)
         sharded = ours.module.ebc
         assert isinstance(sharded, FusedShardedEBC)
         module_plan = ours.plan.get_plan_for_module("ebc")
-        if not column_wise:  # the planner spread the tables, whole
+        if plans is None:  # the planner spread the tables, whole
             assert {ps.sharding_type for ps in module_plan.values()} == {"table_wise"}
             assert len({ps.ranks[0] for ps in module_plan.values()}) == min(world, len(tables))
         mine = sharded.plan.shards_of(rank)
         assert sorted(ours.state_dict()) == sorted(f"ebc.embedding_bags.{s.name}.weight" for s in mine)
-        # Whole tables, or SGD: the unsharded reference updates the rows as the shards do.
-        same_updates = optimizer == "sgd" or all(len(ps.ranks) == 1 for ps in module_plan.values())
-        stock = stock_torchrec(reference, module_plan, optimizer)
+        # No column shards, or SGD: the unsharded reference updates the rows as the shards do.
+        same_updates = optimizer == "sgd" or all(ps.sharding_type != "column_wise" for ps in module_plan.values())
+        assert same_updates or with_stock, "nothing to compare the updates with"
+        stock = stock_torchrec(reference, module_plan, optimizer) if with_stock else None
 
         ref_opt = (torch.optim.SGD(reference.parameters(), lr=LR) if optimizer == "sgd"
                    else RowWiseAdagrad(reference.parameters(), lr=LR, eps=EPS))
@@ -150,13 +173,14 @@ def compare_with_stock_torchrec(rank: int, world: int, cases) -> None:
             lengths, values, weights = global_batch(step, batch, tables, weighted)
             expected = reference(to_kjt(keys, lengths, values, weights, 0, batch))
             got = ours(to_kjt(keys, lengths, values, weights, start, stop))
-            got_stock = stock(to_kjt(keys, lengths, values, weights, start, stop))
             assert got.keys() == keys and got.length_per_key() == dims  # the EBC's order, as unsharded
             if same_updates or step == 0:
                 torch.testing.assert_close(got.values(), expected.values()[start:stop], rtol=1e-5, atol=1e-6)
-            assert sorted(got_stock.keys()) == sorted(keys)
-            for key, value in got_stock.to_dict().items():
-                torch.testing.assert_close(got.to_dict()[key], value, rtol=1e-5, atol=1e-6)
+            if stock is not None:
+                got_stock = stock(to_kjt(keys, lengths, values, weights, start, stop))
+                assert sorted(got_stock.keys()) == sorted(keys)
+                for key, value in got_stock.to_dict().items():
+                    torch.testing.assert_close(got.to_dict()[key], value, rtol=1e-5, atol=1e-6)
 
             grad = torch.randn(expected.values().shape, generator=torch.Generator().manual_seed(step))
             ref_opt.zero_grad()
@@ -164,24 +188,28 @@ def compare_with_stock_torchrec(rank: int, world: int, cases) -> None:
             ref_opt.step()
             local_grads = dict(zip(keys, torch.split(grad[start:stop], dims, dim=1)))
             dot_by_key(got, local_grads).backward()
-            dot_by_key(got_stock, local_grads).backward()
             ours.fused_optimizer.step()
-            stock.fused_optimizer.step()
+            if stock is not None:
+                dot_by_key(got_stock, local_grads).backward()
+                stock.fused_optimizer.step()
 
-            stock_state = stock.state_dict()
+            stock_state = {} if stock is None else stock.state_dict()
             for s in mine:
                 weight = sharded.embedding_bags[s.name].weight
                 if same_updates:
-                    torch.testing.assert_close(weight, reference.embedding_bags[s.table].weight[:, s.col:s.col + s.dim],
+                    torch.testing.assert_close(weight, shard_weight(reference.embedding_bags[s.table].weight, s),
                                                rtol=1e-5, atol=1e-6)
-                torch.testing.assert_close(weight, local_shard(stock_state[f"ebc.embedding_bags.{s.table}.weight"],
-                                                               s.col), rtol=1e-5, atol=1e-6)
+                if stock is not None:
+                    torch.testing.assert_close(weight, local_shard(stock_state[f"ebc.embedding_bags.{s.table}.weight"],
+                                                                   [s.row, s.col]), rtol=1e-5, atol=1e-6)
 
-        # The fused optimizer's state: torchrec's keys (a column shard's under its own name), the same row-wise
-        # Adagrad accumulators.
+        # The fused optimizer's state: torchrec's keys (a column shard's or row block's under its own name), the
+        # same row-wise Adagrad accumulators.
         our_state = ours.fused_optimizer.state_dict()["state"]
-        stock_opt_state = stock.fused_optimizer.state_dict()["state"]
         assert sorted(our_state) == [f"ebc.embedding_bags.{s.name}.weight" for s in sorted(mine, key=lambda s: s.name)]
+        if stock is None:
+            continue
+        stock_opt_state = stock.fused_optimizer.state_dict()["state"]
         assert sorted(stock_opt_state) == sorted({f"ebc.embedding_bags.{s.table}.weight" for s in mine})
         for s in mine:
             state, stock_table_state = (our_state[f"ebc.embedding_bags.{s.name}.weight"],
@@ -196,21 +224,21 @@ def compare_with_stock_torchrec(rank: int, world: int, cases) -> None:
 def test_two_ranks_match_stock_torchrec_and_unsharded():
     run_world(2, compare_with_stock_torchrec, [
         # Global batch 7 over 2 ranks: local batches 4 and 3.
-        ("rowwise_adagrad", False, 7, TABLES, True, False),
-        ("sgd", True, 8, SUM_TABLES, True, False),
-        ("sgd", False, 7, TABLES, False, False),
+        ("rowwise_adagrad", False, 7, TABLES, True, None, True),
+        ("sgd", True, 8, SUM_TABLES, True, None, True),
+        ("sgd", False, 7, TABLES, False, None, True),
     ])
 
 
 def test_three_ranks_one_owns_nothing():
     # 3 ranks, 2 tables: the third rank owns no table but still sends its inputs and receives its outputs.
-    run_world(3, compare_with_stock_torchrec, [("rowwise_adagrad", False, 9, TABLES[:2], True, False)])
+    run_world(3, compare_with_stock_torchrec, [("rowwise_adagrad", False, 9, TABLES[:2], True, None, True)])
 
 
 def test_four_ranks_five_tables():
     # 5 tables spread over 4 ranks (checked): one rank owns two. Global batch 10: local batches 3, 3, 2, 2.
-    run_world(4, compare_with_stock_torchrec, [("rowwise_adagrad", False, 10, TABLES + [FIFTH], True, False),
-                                               ("sgd", True, 11, SUM_TABLES + [FIFTH], False, False)])
+    run_world(4, compare_with_stock_torchrec, [("rowwise_adagrad", False, 10, TABLES + [FIFTH], True, None, True),
+                                               ("sgd", True, 11, SUM_TABLES + [FIFTH], False, None, True)])
 
 
 def column_wise_plans(world: int) -> dict:
@@ -224,9 +252,51 @@ def column_wise_plans(world: int) -> dict:
 def test_column_wise_plans_match_stock_torchrec():
     # torchrec's sharding_plan.column_wise: each shard's rank receives its table's bags (rank 1 twice for t2),
     # pools its columns into their place, and updates them with an accumulator of its own (row-wise Adagrad).
-    run_world(2, compare_with_stock_torchrec, [("rowwise_adagrad", False, 7, TABLES, True, True),
-                                               ("sgd", True, 8, SUM_TABLES, False, True)])
-    run_world(3, compare_with_stock_torchrec, [("rowwise_adagrad", False, 9, TABLES, True, True)])
+    run_world(2, compare_with_stock_torchrec, [("rowwise_adagrad", False, 7, TABLES, True, column_wise_plans, True),
+                                               ("sgd", True, 8, SUM_TABLES, False, column_wise_plans, True)])
+    run_world(3, compare_with_stock_torchrec, [("rowwise_adagrad", False, 9, TABLES, True, column_wise_plans, True)])
+
+
+def row_wise_plans(world: int) -> dict:
+    """Every table in row blocks, one per rank (torchrec's cut: t2's 7 rows in 4 and 3 over two ranks, 3, 3, 1 over
+    three)."""
+    return {t.name: row_wise(compute_kernel="fused") for t in TABLES + [FIFTH, ONE_ROW]}
+
+
+def mixed_plans(world: int) -> dict:
+    """t0 and t3 in row blocks next to a table-wise t1 (mean-pooled) and a column-wise t2."""
+    return {"t0": row_wise(compute_kernel="fused"), "t1": table_wise(rank=world - 1, compute_kernel="fused"),
+            "t2": column_wise(ranks=[1, 0, 1, world - 1], compute_kernel="fused"),
+            "t3": row_wise(compute_kernel="fused")}
+
+
+def mean_row_wise_plans(world: int) -> dict:
+    """The mean-pooled t1 in row blocks next to table-wise t0 and t2; t3 and the one-row t5 in row blocks."""
+    return {"t0": table_wise(rank=world - 1, compute_kernel="fused"), "t1": row_wise(compute_kernel="fused"),
+            "t2": table_wise(rank=0, compute_kernel="fused"), "t3": row_wise(compute_kernel="fused"),
+            "t5": row_wise(compute_kernel="fused")}
+
+
+def test_row_wise_plans_match_stock_torchrec():
+    """torchrec's sharding_plan.row_wise: each index reaches only its block's rank, and a sample's blocks' parts
+    are summed (a mean-pooled table's divided by its bag size); row blocks keep the table's per-row Adagrad
+    accumulators, so the unsharded reference compares too.
+
+    Stock torchrec's CPU row-wise (fbgemm's block_bucketize, gloo) runs here, but not in three cases, which compare
+    with the unsharded EBC alone: unequal local batches fail in its reduce-scatter (gloo's all-gather refuses
+    unequal sizes); a mean-pooled row-wise table next to table-wise ones gives those table-wise tables wrong
+    outputs (akin to torchrec issue #2808, mean and sum pooling mixed under row-wise sharding); and the empty block
+    of a table with fewer rows than ranks fails in its backward ("CPU exact rowwise adagrad ... more than 2B rows",
+    under SGD too).
+    """
+    run_world(2, compare_with_stock_torchrec, [
+        ("rowwise_adagrad", False, 8, TABLES, True, row_wise_plans, True),
+        ("sgd", True, 8, SUM_TABLES, False, row_wise_plans, True),
+        ("rowwise_adagrad", False, 8, TABLES, True, mixed_plans, True),
+        ("rowwise_adagrad", False, 7, TABLES + [ONE_ROW], True, mean_row_wise_plans, False),
+        ("sgd", True, 7, SUM_TABLES, True, mixed_plans, False),  # local batches 4 and 3
+    ])
+    run_world(3, compare_with_stock_torchrec, [("rowwise_adagrad", False, 9, TABLES, True, row_wise_plans, True)])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -326,12 +396,13 @@ def test_train_pipeline_sparse_dist_matches_plain_loop():
 # One process: sharder surface, plan conversion, errors (no process group: a world of one).
 
 
-def test_sharder_offers_table_wise_and_column_wise_fused():
+def test_sharder_offers_table_wise_column_wise_and_row_wise_fused():
     sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig())
     assert sharder.module_type is EmbeddingBagCollection
-    assert sharder.sharding_types("cpu") == sharder.sharding_types("cuda") == ["table_wise", "column_wise"]
+    assert sharder.sharding_types("cpu") == sharder.sharding_types("cuda") == ["table_wise", "column_wise", "row_wise"]
     assert sharder.compute_kernels("table_wise", "cpu") == sharder.compute_kernels("column_wise", "cuda") == ["fused"]
-    assert sharder.compute_kernels("row_wise", "cuda") == []
+    assert sharder.compute_kernels("row_wise", "cpu") == sharder.compute_kernels("row_wise", "cuda") == ["fused"]
+    assert sharder.compute_kernels("table_row_wise", "cuda") == []
     assert sorted(sharder.shardable_parameters(EmbeddingBagCollection(TABLES))) == ["t0", "t1", "t2", "t3"]
 
 
@@ -353,8 +424,8 @@ def test_plan_conversion_and_its_errors():
     assert [(s.name, s.rank) for s in plan.shards if s.table == "t2"] == [
         ("t2_cols_0_to_3", 1), ("t2_cols_4_to_7", 0), ("t2_cols_8_to_11", 1), ("t2_cols_12_to_15", 1)]
     good = {t.name: tw(0) for t in TABLES}
-    with pytest.raises(ValueError, match="table 't1': sharding type 'row_wise' is not supported.*'column_wise'"):
-        plan_from_torchrec(TABLES, {**good, "t1": ParameterSharding("row_wise", "fused", [0, 1])}, 2)
+    with pytest.raises(ValueError, match="table 't1': sharding type 'table_row_wise' is not supported.*'row_wise'"):
+        plan_from_torchrec(TABLES, {**good, "t1": ParameterSharding("table_row_wise", "fused", [0, 1])}, 2)
     with pytest.raises(ValueError, match="table 't2': compute kernel 'dense' is not supported"):
         plan_from_torchrec(TABLES, {**good, "t2": ParameterSharding("table_wise", "dense", [0])}, 2)
     with pytest.raises(ValueError, match="no entry for table 't3'"):
@@ -370,6 +441,45 @@ def test_plan_conversion_and_its_errors():
         [dataclasses.replace(m, shard_offsets=[0, 4 * (i + (i > 1))]) for i, m in enumerate(shards)]))
     with pytest.raises(ValueError, match=r"table 't2': column shards \[\(0, 4\), \(4, 4\), \(12, 4\), \(16, 4\)\]"):
         plan_from_torchrec(TABLES, {**cw, "t2": gap}, 2)
+
+
+def rw(*blocks: tuple[int, int, int, int]) -> ParameterSharding:
+    """A row-wise entry of blocks (rank, first row, rows, columns)."""
+    return ParameterSharding("row_wise", "fused", [rank for rank, *_ in blocks], EnumerableShardingSpec(
+        [ShardMetadata([row, 0], [rows, dim], f"rank:{rank}/cpu") for rank, row, rows, dim in blocks]))
+
+
+def test_row_wise_plan_conversion_and_its_errors():
+    # torchrec's cut over 4 ranks: t4's 5 rows in 2, 2, 1 and an empty block (dropped); t5's one row in one block
+    # and three empty ones: the whole table, on the rank of its block.
+    t4 = dataclasses.replace(FIFTH, num_embeddings=5)
+    tables = TABLES + [t4, ONE_ROW]
+    four = explicit_plan(tables, row_wise_plans(4), 4, FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig()))
+    assert [list(m.shard_sizes) for m in four["t4"].sharding_spec.shards] == [[2, 8], [2, 8], [1, 8], [0, 8]]
+    plan = plan_from_torchrec(tables, four, 4)
+    assert [(s.name, s.rank, s.col, s.dim, s.row, s.rows) for s in plan.shards if s.table in ("t4", "t5")] == [
+        ("t4_rows_0_to_1", 0, 0, 8, 0, 2), ("t4_rows_2_to_3", 1, 0, 8, 2, 2), ("t4_rows_4_to_4", 2, 0, 8, 4, 1),
+        ("t5", 0, 0, 4, 0, None)]
+    # Blocks in row order whatever the ranks' order; next to table-wise and column-wise tables.
+    cw = explicit_plan(TABLES, column_wise_plans(2), 2, FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig()))
+    mixed = {**cw, "t3": rw((1, 150, 150, 12), (0, 0, 150, 12))}
+    plan = plan_from_torchrec(TABLES, mixed, 2)
+    assert [(s.name, s.rank, s.row, s.rows) for s in plan.shards if s.table == "t3"] == [
+        ("t3_rows_0_to_149", 0, 0, 150), ("t3_rows_150_to_299", 1, 150, 150)]
+    assert [s.name for s in plan.shards_of(1)] == ["t0", "t2_cols_0_to_3", "t2_cols_8_to_11", "t2_cols_12_to_15",
+                                                   "t3_rows_150_to_299"]
+
+    with pytest.raises(ValueError, match=r"table 't3': row blocks \[\(0, 150\), \(160, 140\)\] \(row, rows\) are not "
+                                         "two or more that cover its 300 rows"):
+        plan_from_torchrec(TABLES, {**cw, "t3": rw((0, 0, 150, 12), (1, 160, 140, 12))}, 2)
+    with pytest.raises(ValueError, match=r"table 't3': row blocks \[\(0, 150\)\] \(row, rows\) are not two or more"):
+        plan_from_torchrec(TABLES, {**cw, "t3": rw((0, 0, 150, 12), (1, 150, 0, 12))}, 2)
+    with pytest.raises(ValueError, match="table 't3': row blocks must hold all 12 columns"):
+        plan_from_torchrec(TABLES, {**cw, "t3": rw((0, 0, 150, 12), (1, 150, 150, 6))}, 2)
+    with pytest.raises(ValueError, match="'t3': a row-wise entry needs one shard of its sharding_spec per rank"):
+        plan_from_torchrec(TABLES, {**cw, "t3": ParameterSharding("row_wise", "fused", [0, 1])}, 2)
+    with pytest.raises(ValueError, match="table 't3': rank 2 outside a world of 2"):
+        plan_from_torchrec(TABLES, {**cw, "t3": rw((0, 0, 150, 12), (2, 150, 150, 12))}, 2)
 
 
 def test_one_rank_module_copies_weights_and_matches_unsharded():

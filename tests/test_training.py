@@ -69,11 +69,11 @@ def test_resume_continues_the_exact_loss_curve(tmp_path):
     assert resumed.losses == [(s, l) for s, l in full.losses if s > 20]
 
 
-def _resume_two_ranks(rank: int, world: int, tmp: str, column_shards: int) -> None:
+def _resume_two_ranks(rank: int, world: int, tmp: str, shards: str) -> None:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
     common = SMALL + ["trainer.max_steps=20", "trainer.eval_every=0", "trainer.checkpoint_every=10",
                       "data.global_batch_size=101",  # uneven local batches: 51 and 50
-                      f"model.column_shards={column_shards}"]
+                      shards]
     full = train(config(*common), env, Path(tmp) / "full")
     resumed = train(config(*common, f"trainer.resume_from={tmp}/full/checkpoints/step_10"), env, Path(tmp) / "r10")
     assert resumed.losses == [(s, l) for s, l in full.losses if s > 10]
@@ -98,10 +98,28 @@ def test_step_loss_weights_uneven_local_batches_by_the_global_batch():
     run_world(2, _step_loss_is_the_global_batch_mean)
 
 
-@pytest.mark.parametrize("column_shards", [1, 2])
-def test_two_rank_resume_is_exact(tmp_path, column_shards):
-    # column_shards=2: every table's 16 columns in two shards, one on each rank.
-    run_world(2, _resume_two_ranks, str(tmp_path), column_shards)
+@pytest.mark.parametrize("shards", ["model.column_shards=1", "model.column_shards=2", "model.row_shards=2"])
+def test_two_rank_resume_is_exact(tmp_path, shards):
+    # column_shards=2: every table's 16 columns in two shards, one on each rank; row_shards=2: its rows.
+    run_world(2, _resume_two_ranks, str(tmp_path), shards)
+
+
+def _row_blocks_train_as_whole_tables(rank: int, world: int, tmp: str) -> None:
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    common = SMALL + ["trainer.max_steps=20", "trainer.eval_every=10", "trainer.log_every=1",
+                      "data.global_batch_size=101", "model.pooling=mean"]
+    whole = train(config(*common), env, Path(tmp) / "whole")
+    cut = train(config(*common, "model.row_shards=3"), env, Path(tmp) / "cut")
+    assert [s for s, _ in cut.losses] == [s for s, _ in whole.losses] and len(cut.losses) == 20
+    torch.testing.assert_close([l for _, l in cut.losses], [l for _, l in whole.losses], rtol=1e-5, atol=0)
+    torch.testing.assert_close(cut.evals, whole.evals, rtol=1e-5, atol=0)
+
+
+def test_row_blocks_train_as_whole_tables(tmp_path):
+    """Every table (mean-pooled) cut into 3 row blocks over 2 ranks trains as the whole tables do: the same init
+    (the blocks are rows of the whole table's), the same row-wise Adagrad state per row, the same losses and
+    evaluations to float rounding (the blocks' parts are summed in another order than one bag's rows)."""
+    run_world(2, _row_blocks_train_as_whole_tables, str(tmp_path))
 
 
 def test_resume_under_another_sharding_is_a_clear_error(tmp_path):

@@ -117,9 +117,9 @@ def build_model(cfg: DictConfig, device: torch.device, arches: str = "torchrec")
 
 def shard(model: DLRMTrain, variant: str, cfg: DictConfig, env: DistEnv) -> DistributedModelParallel:
     """DMP over `model` with the variant's sharder; every variant gets the same table-wise placement."""
-    if cfg.model.column_shards != 1:  # init_tables copies whole tables
+    if cfg.model.column_shards != 1 or cfg.model.row_shards != 1:  # init_tables copies whole tables
         raise ValueError(f"dlrm_step compares table-wise placements only, got model.column_shards="
-                         f"{cfg.model.column_shards}")
+                         f"{cfg.model.column_shards}, model.row_shards={cfg.model.row_shards}")
     ebc = model.model.sparse_arch.embedding_bag_collection
     optimizer = EmbeddingOptimizerConfig(**cfg.model.embedding_optimizer)
     if variant == "torchrec":

@@ -2,7 +2,8 @@
 
 After it, every rank holding a table (or a column shard of one: plan.py) holds the bags of that table's features
 for every sample of the global batch, in source-rank order (rank 0's samples first); a feature whose table is cut
-into column shards travels to each shard's rank. Bulk-synchronous, with torch.distributed:
+into column shards travels to each shard's rank, one whose table is cut into row blocks is cut first, each block's
+indices going to its rank only (sparse/row_wise.py). Bulk-synchronous, with torch.distributed:
   1. a header all-to-all: local batch size, what is wrong with the batch (unknown or missing keys, values that
      disagree with the lengths, out-of-range indices), and the value count of each feature per destination
      (sizes must be known on the host);
@@ -27,6 +28,8 @@ from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.kernels.batch_header import (BAD_KEYS, BATCH, EXTRA_VALUES, FIRST_COUNT, OUT_OF_RANGE, batch_header,
                                              value_keys)
 from fused_dlrm.kernels.segment_gather import gather_segments
+from fused_dlrm.sparse.plan import RowBlock
+from fused_dlrm.sparse.row_wise import RowBuckets
 
 
 @dataclass
@@ -39,6 +42,9 @@ class OwnedBags:
     weights: torch.Tensor | None  # [N] per-sample weights, or None
     feature_value_offsets: list[int]  # host: feature f's values are values[o[f]:o[f+1]]
     batch_sizes: list[int]  # local batch size of every source rank; their sum is the global batch
+    # [local batch, mean-pooled row-wise features]: this rank's own samples' bag sizes, which divide the sums of
+    # their row blocks' parts (row_wise.RowBlockSum); None without such features
+    pooling_divisors: torch.Tensor | None = None
     _csr_offsets: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     # The lookup's backward plan of these bags, when made ahead (PooledEmbeddingLookup.plan_backward): it needs
     # only the bags, so the batch thread makes it and the backward does not.
@@ -60,7 +66,7 @@ class OwnedBags:
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """Made on another stream (a side stream, a thread's), read on `stream`: keep the allocator off every
         tensor of these bags (and of what was made of them ahead) until `stream`'s work so far is done."""
-        for t in (self.values, self.lengths, self.weights, self._csr_offsets):
+        for t in (self.values, self.lengths, self.weights, self.pooling_divisors, self._csr_offsets):
             if t is not None:
                 t.record_stream(stream)
         if self.backward_plan is not None:
@@ -80,6 +86,10 @@ class _KeyPlan:
     header_keys: torch.Tensor  # [world, width]: the key of each destination's feature f (num_keys: zero padding)
     rows: torch.Tensor  # [num_keys]: the table size behind each key (valid indices are [0, rows))
     recv_order: torch.Tensor  # received (source, feature) segments in (feature, source) order
+    # With row-wise tables: the cut of the KJT (perm and header_keys are then over its keys), and a header_keys of
+    # padding only, for the checks of the uncut batch
+    buckets: RowBuckets | None = None
+    no_keys: torch.Tensor | None = None
 
 
 @dataclass
@@ -89,8 +99,9 @@ class PendingHeader:
     kjt: KeyedJaggedTensor
     plan: _KeyPlan | None
     key_problem: str
-    lengths: torch.Tensor | None  # [keys, local batch] int64
-    counts: torch.Tensor | None  # values per key
+    counts: torch.Tensor | None  # values per key of the KJT (its errors are reported on it)
+    sent: tuple | None  # (values, lengths [keys, local batch] int64, counts, weights) to send: the KJT's, or its cut
+    pooling_divisors: torch.Tensor | None  # OwnedBags.pooling_divisors
     recv: torch.Tensor  # the headers received, on the device
     both: PendingHostCopy  # the headers sent and received, on their way to the host
 
@@ -104,10 +115,14 @@ class BulkInputDist:
     lengths disagree ValueError, and indices outside [0, rows) IndexError: on every rank."""
 
     def __init__(self, features_of_rank: list[list[str]], tables: dict[str, tuple[str, int]],
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, row_blocks: dict[str, list[RowBlock]] | None = None,
+                 mean_row_wise: list[str] = ()):
+        """row_blocks: the row-wise features' blocks (plan.row_blocks; the ranks receive the blocks' features);
+        mean_row_wise: those whose bag sizes the bags carry (OwnedBags.pooling_divisors), in that order."""
         self.features_of_rank = features_of_rank
         self.tables = tables
         self.group = group
+        self.row_blocks, self.mean_row_wise = row_blocks or {}, list(mean_row_wise)
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.send_order = [f for feats in features_of_rank for f in feats]  # rank-grouped feature order
         self.width = max(len(feats) for feats in features_of_rank)
@@ -125,18 +140,21 @@ class BulkInputDist:
         if unknown or missing or repeated:
             return None, (f"KeyedJaggedTensor keys do not match the tables' features: unknown {unknown}, missing "
                           f"{missing}" + (f", repeated {repeated}" if repeated else ""))
-        index = {k: i for i, k in enumerate(keys)}
+        buckets = RowBuckets.of(keys, self.row_blocks, self.mean_row_wise, device) if self.row_blocks else None
+        sent_keys = keys if buckets is None else buckets.keys
+        index = {k: i for i, k in enumerate(sent_keys)}
         perm = [index[f] for f in self.send_order]
-        header = [[index[f] for f in feats] + [len(keys)] * (self.width - len(feats))
+        header = [[index[f] for f in feats] + [len(sent_keys)] * (self.width - len(feats))
                   for feats in self.features_of_rank]
         # Built once per key order: a host list turned into a device tensor is a copy that waits for the GPU.
         # Received values are (source, feature)-major; the lookup wants (feature, source)-major.
         mine, world = len(self.features_of_rank[self.rank]), len(self.features_of_rank)
         recv_order = [s * mine + f for f in range(mine) for s in range(world)]
-        plan = _KeyPlan(perm=None if perm == list(range(len(keys))) else torch.tensor(perm, device=device),
+        plan = _KeyPlan(perm=None if perm == list(range(len(sent_keys))) else torch.tensor(perm, device=device),
                         header_keys=torch.tensor(header, device=device),
                         rows=torch.tensor([self.tables[k][1] for k in keys], device=device),
-                        recv_order=torch.tensor(recv_order, device=device))
+                        recv_order=torch.tensor(recv_order, device=device), buckets=buckets,
+                        no_keys=None if buckets is None else torch.full((world, self.width), len(keys), device=device))
         self._plans[(tuple(keys), device)] = plan
         return plan, ""
 
@@ -149,26 +167,36 @@ class BulkInputDist:
         world, device = len(self.features_of_rank), kjt.values().device
         keys, values, local_batch = list(kjt.keys()), kjt.values(), kjt.stride()
         plan, key_problem = self._plan(keys, device)
-        lengths = None
+        counts = sent = divisors = None
         if plan is None:  # no plan for these keys: send a header that only says so, as every rank must
             header = torch.zeros(world, FIRST_COUNT + self.width, dtype=torch.int64, device=device)
             header[:, BAD_KEYS] = 1
-            counts = None
-        else:
+        elif plan.buckets is None:
             lengths = kjt.lengths().view(len(keys), local_batch).long()
             counts = lengths.sum(dim=1)  # values per key
             header = batch_header(values, counts, plan.rows, plan.header_keys, local_batch)  # one kernel on GPUs
+            sent = (values, lengths, counts, kjt.weights_or_none())
+        else:  # the checks of the uncut batch, the counts of its cut
+            lengths = kjt.lengths().view(len(keys), local_batch).long()
+            counts = lengths.sum(dim=1)
+            header = batch_header(values, counts, plan.rows, plan.no_keys, local_batch)
+            cut_values, cut_lengths, cut_weights = plan.buckets.cut(values, lengths, kjt.weights_or_none())
+            cut_counts = cut_lengths.sum(dim=1)
+            header[:, FIRST_COUNT:] = torch.cat([cut_counts, cut_counts.new_zeros(1)])[plan.header_keys]
+            sent = (cut_values, cut_lengths, cut_counts, cut_weights)
+            divisors = plan.buckets.pooling_divisors(lengths)
         recv = exchange_counts(header, self.group)
         both = PendingHostCopy(torch.cat([header, recv]))  # `finish` waits for this copy only
-        return PendingHeader(kjt, plan, key_problem, lengths, counts, recv, both)
+        return PendingHeader(kjt, plan, key_problem, counts, sent, divisors, recv, both)
 
     def finish(self, pending: PendingHeader) -> OwnedBags:
         """The rest of `start`'s batch: its checks, then lengths, values and weights exchanged and regrouped."""
-        kjt, plan, lengths, counts, recv = pending.kjt, pending.plan, pending.lengths, pending.counts, pending.recv
-        world, values, local_batch = len(self.features_of_rank), kjt.values(), kjt.stride()
+        kjt, plan, recv = pending.kjt, pending.plan, pending.recv
+        world, local_batch = len(self.features_of_rank), kjt.stride()
         both = pending.both.get().tolist()  # the host sync (none left when the copy has long ended)
         sent_header, recv_header = both[:world], both[world:]
-        self._raise_for_bad_input(recv_header, kjt, pending.key_problem, counts, plan)
+        self._raise_for_bad_input(recv_header, kjt, pending.key_problem, pending.counts, plan)
+        values, lengths, counts, weights = pending.sent
 
         mine = self.features_of_rank[self.rank]
         batch_sizes = [row[BATCH] for row in recv_header]
@@ -177,7 +205,7 @@ class BulkInputDist:
         values_from = [sum(row) for row in counts_from]
 
         # Regroup the key-major KJT so each destination's features are one contiguous run.
-        send_lengths, send_values, send_weights = lengths, values, kjt.weights_or_none()
+        send_lengths, send_values, send_weights = lengths, values, weights
         if plan.perm is not None:
             send_lengths = lengths[plan.perm]
             total = sum(values_to)
@@ -206,7 +234,8 @@ class BulkInputDist:
                                                                         recv_values.numel())
         offsets = list(accumulate((sum(per_source) for per_source in zip(*counts_from)), initial=0))  # [feature]
         return OwnedBags(features=mine, values=values, lengths=owned_lengths, weights=weights,
-                         feature_value_offsets=offsets, batch_sizes=batch_sizes)
+                         feature_value_offsets=offsets, batch_sizes=batch_sizes,
+                         pooling_divisors=pending.pooling_divisors)
 
     def _raise_for_bad_input(self, recv_header: list[list[int]], kjt: KeyedJaggedTensor, key_problem: str,
                              counts: torch.Tensor | None, plan: _KeyPlan | None) -> None:

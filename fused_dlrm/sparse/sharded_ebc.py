@@ -1,9 +1,10 @@
-"""ShardedEmbeddingBagCollection: torchrec's EmbeddingBagCollection interface, tables sharded over ranks (table-wise
-or column-wise: plan.py).
+"""ShardedEmbeddingBagCollection: torchrec's EmbeddingBagCollection interface, tables sharded over ranks (table-wise,
+column-wise or row-wise: plan.py).
 
 forward(KeyedJaggedTensor of the local batch) -> KeyedTensor [local batch, sum of feature dims], in three seams
 that the fused kernels replace: input dist (KJT all-to-all) -> lookup (owned tables, whole global batch) ->
-output dist (pooled all-to-all). The tables are updated by the lookup's backward (see lookup.py).
+output dist (pooled all-to-all), then, with row-wise tables, the sum of each sample's row blocks (row_wise.py).
+The tables are updated by the lookup's backward (see lookup.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, Table, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.output_dist import BulkOutputDist
 from fused_dlrm.sparse.plan import FeatureSlice, Shard, TableShardingPlan, plan_sharding
+from fused_dlrm.sparse.row_wise import RowBlockSum
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -82,6 +84,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
         slices = self.plan.feature_slices(tables)
         features_of_rank = [[s.feature for s in mine] for mine in slices]
+        row_wise = self.plan.row_wise_columns(tables)
+        # Row-wise tables: their blocks' parts of a pooled row travel in a wider row, summed after the output dist.
+        self.row_block_sum = RowBlockSum(sum(self._feature_dims), row_wise) if row_wise else None
         device = torch.device(device)
         # On GPUs the input dist has a communicator of its own: NCCL runs one group's collectives in issue order,
         # so a prefetched batch's all-to-alls (and the host, which waits for their sizes) would queue behind the
@@ -89,13 +94,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._group = group
         self.input_dist = BulkInputDist(features_of_rank, {f: (t.name, t.num_embeddings) for t in tables
                                                            for f in t.feature_names},
-                                        self._own_group() if device.type == "cuda" else group)
+                                        self._own_group() if device.type == "cuda" else group,
+                                        self.plan.row_blocks(tables), [c.feature for c in row_wise if c.mean])
         seeds = table_seeds(tables, seed)
         by_name = {t.name: t for t in tables}
         # A column shard starts as its columns of the whole table's initialisation (drawn whole for a moment), so
         # the plan does not change the model.
         self.embedding_bags = nn.ModuleDict(
-            {s.name: Table(shard_columns(init_table(by_name[s.table], seeds[s.table], device), s)
+            {s.name: Table(shard_weight(init_table(by_name[s.table], seeds[s.table], device), s)
                            .to(_DTYPES[by_name[s.table].data_type.name]))
              for s in self.plan.shards_of(self.rank)})
         shard_tables = self.plan.shard_configs(tables, self.rank)
@@ -128,7 +134,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         communicator of its own, made now on every rank: the thread's all-to-alls then never interleave with the
         main thread's (an evaluation's) in different orders on different ranks. Call it on every rank; the thread
         must run it on the same batches everywhere (a bad batch raises there, on every rank)."""
-        input_dist = BulkInputDist(self.input_dist.features_of_rank, self.input_dist.tables, self._own_group())
+        input_dist = BulkInputDist(self.input_dist.features_of_rank, self.input_dist.tables, self._own_group(),
+                                   self.input_dist.row_blocks, self.input_dist.mean_row_wise)
 
         def distribute(features: KeyedJaggedTensor) -> None:
             bags, ready = input_dist(features), None
@@ -161,8 +168,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         fused exchange, or the lookup and the output dist's all-to-all; in training, with autograd's backward to
         the tables."""
         if self.fused is not None:
-            return self.fused(bags, torchrec_gradient_scale(self.world_size))
-        return divide_gradient_like_torchrec(self.output_dist(self.lookup(bags), bags.batch_sizes), self.world_size)
+            pooled = self.fused(bags, torchrec_gradient_scale(self.world_size))
+        else:
+            pooled = divide_gradient_like_torchrec(self.output_dist(self.lookup(bags), bags.batch_sizes),
+                                                   self.world_size)
+        return pooled if self.row_block_sum is None else self.row_block_sum(pooled, bags.pooling_divisors)
 
     def prefetch_header(self, features: KeyedJaggedTensor) -> None:
         """Start a batch's input dist further ahead: only its header all-to-all (sizes and checks) and the header's
@@ -220,11 +230,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return bags
 
 
-def shard_columns(weight: torch.Tensor, shard: Shard) -> torch.Tensor:
-    """A shard's own table: its columns of the whole table's weight (the whole one itself when table-wise)."""
-    if shard.col == 0 and shard.dim == weight.shape[1]:
+def shard_weight(weight: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """A shard's own table: its rows and columns of the whole table's weight (the whole one itself when
+    table-wise)."""
+    rows = weight.shape[0] if shard.rows is None else shard.rows
+    if (shard.row, rows, shard.col, shard.dim) == (0, weight.shape[0], 0, weight.shape[1]):
         return weight
-    return weight[:, shard.col:shard.col + shard.dim].contiguous()
+    return weight[shard.row:shard.row + rows, shard.col:shard.col + shard.dim].contiguous()
 
 
 def _column_order(slices: list[list[FeatureSlice]]) -> list[int]:

@@ -4,13 +4,14 @@
         model, sharders=[FusedEmbeddingBagCollectionSharder(optimizer=EmbeddingOptimizerConfig("rowwise_adagrad"))],
         device=torch.device("cpu"))
 
-`FusedEmbeddingBagCollectionSharder` is a torchrec `BaseEmbeddingSharder`: it offers the planner table-wise and
-column-wise sharding with the FUSED kernel, turns the plan it is given into our `TableShardingPlan`, and returns a
-`FusedShardedEBC`, a torchrec `ShardedModule` whose stages are our three seams:
+`FusedEmbeddingBagCollectionSharder` is a torchrec `BaseEmbeddingSharder`: it offers the planner table-wise,
+column-wise and row-wise sharding with the FUSED kernel, turns the plan it is given into our `TableShardingPlan`, and
+returns a `FusedShardedEBC`, a torchrec `ShardedModule` whose stages are our three seams:
 
     input_dist(ctx, kjt)       -> our input dist (KJT all-to-all)      wrapped as torchrec's KJTListSplitsAwaitable
     compute(ctx, dist_input)   -> our lookup (optimizer fused into its backward)
     output_dist(ctx, pooled)   -> our output dist (pooled all-to-all)  wrapped as a LazyAwaitable[KeyedTensor]
+                                  then, with row-wise tables, the sum of each sample's row blocks (row_wise.py)
 
 That is the interface DMP's forward (`ShardedModule.forward`) and `TrainPipelineSparseDist` (input_dist one batch
 ahead, then `compute_and_output_dist`) call. The bulk seams communicate synchronously, so the awaitables are
@@ -18,16 +19,17 @@ already complete when returned: the pipeline still runs the next batch's input d
 collectives is the same on every rank), it just has nothing left to overlap.
 
 What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
-  * weights: the owned tables (or their column shards) start as copies of the unsharded EBC's (torchrec on the CPU
-    re-initialises instead);
+  * weights: the owned tables (or their column shards, row blocks) start as copies of the unsharded EBC's (torchrec
+    on the CPU re-initialises instead);
   * output: KeyedTensor [local batch, sum of dims] with the EBC's keys in the EBC's feature order;
   * gradients: divided by the world size on the way back to the owners, as torchrec does by default
     (comm_ops.GRADIENT_DIVISION; set_gradient_division(False) gives the sum), like ShardedEmbeddingBagCollection;
   * optimizer: applied in backward; `fused_optimizer` is a torchrec KeyedOptimizer over the owned tables, so DMP's
     fused_optimizer / CombinedOptimizer, LR changes through param_groups, and its state_dict work;
-  * state_dict: `embedding_bags.<table>.weight` for the tables this rank owns, and
-    `embedding_bags.<table>_cols_<first>_to_<last>.weight` for its column shards (plain tensors, not
-    ShardedTensors: a checkpoint resumes under the same plan).
+  * state_dict: `embedding_bags.<table>.weight` for the tables this rank owns,
+    `embedding_bags.<table>_cols_<first>_to_<last>.weight` for its column shards and
+    `embedding_bags.<table>_rows_<first>_to_<last>.weight` for its row blocks (plain tensors, not ShardedTensors: a
+    checkpoint resumes under the same plan).
 
 Which seams implement the stages is chosen by `comm`, in `build_seams`: "bulk" (torch.distributed all-to-alls)
 or "fused" (CUDA: lookup and output dist as one kernel storing into peers' memory, run by
@@ -66,7 +68,8 @@ from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizer, EmbeddingOptimizerConfig
 from fused_dlrm.sparse.plan import Shard, TableShardingPlan, shard_name
-from fused_dlrm.sparse.sharded_ebc import (ShardedEmbeddingBagCollection, divide_gradient_like_torchrec, shard_columns,
+from fused_dlrm.sparse.row_wise import RowBlockSum
+from fused_dlrm.sparse.sharded_ebc import (ShardedEmbeddingBagCollection, divide_gradient_like_torchrec, shard_weight,
                                           torchrec_gradient_scale)
 
 log = logging.getLogger(__name__)
@@ -89,9 +92,11 @@ class Seams:
 
     input_dist: Callable[[KeyedJaggedTensor], OwnedBags]  # local batch, every feature -> owned features, global batch
     lookup: PooledEmbeddingLookup  # OwnedBags -> [global batch, owned dims]; updates the tables in backward
-    output_dist: Callable[[torch.Tensor, list[int]], torch.Tensor]  # -> [local batch, all dims], EBC feature order
-    embedding_bags: nn.ModuleDict  # owned tables and column shards, `<name>.weight`
+    # -> [local batch, all dims], EBC feature order (with row-wise tables: the wide row, their blocks' parts apart)
+    output_dist: Callable[[torch.Tensor, list[int]], torch.Tensor]
+    embedding_bags: nn.ModuleDict  # owned tables, column shards and row blocks, `<name>.weight`
     exchange: FusedPooledAllToAll | None  # comm="fused": lookup + output dist as one kernel
+    row_block_sum: RowBlockSum | None  # the wide row -> the real one; None when no table is row-wise
 
 
 def build_seams(comm: str, tables: list[EmbeddingBagConfig], optimizer: EmbeddingOptimizerConfig,
@@ -109,7 +114,8 @@ def build_seams(comm: str, tables: list[EmbeddingBagConfig], optimizer: Embeddin
     core = ShardedEmbeddingBagCollection(tables, optimizer, device=device, group=group, plan=plan,
                                          comm=FusedCommConfig() if comm == "fused" else None)
     return Seams(input_dist=core.input_dist, lookup=core.lookup,
-                 output_dist=core.output_dist, embedding_bags=core.embedding_bags, exchange=core.fused)
+                 output_dist=core.output_dist, embedding_bags=core.embedding_bags, exchange=core.fused,
+                 row_block_sum=core.row_block_sum)
 
 
 def torchrec_in_backward_optimizer(config: EmbeddingOptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict]:
@@ -124,13 +130,14 @@ def torchrec_in_backward_optimizer(config: EmbeddingOptimizerConfig) -> tuple[ty
 # Plan conversion.
 
 
-SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value)
+SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value, ShardingType.ROW_WISE.value)
 
 
 def plan_from_torchrec(tables: list[EmbeddingBagConfig], params: Mapping[str, ParameterSharding],
                        world_size: int) -> TableShardingPlan:
-    """torchrec's per-table ParameterSharding -> our TableShardingPlan; anything but table-wise or column-wise with the
-    FUSED kernel is refused."""
+    """torchrec's per-table ParameterSharding -> our TableShardingPlan; anything but table-wise, column-wise or row-wise
+    with the FUSED kernel is refused. Empty row blocks (torchrec's planner gives a table with fewer rows than ranks
+    some) are dropped; a table left with one block is table-wise."""
     names = [t.name for t in tables]
     extra = sorted(set(params) - set(names))
     if extra:
@@ -151,19 +158,28 @@ def plan_from_torchrec(tables: list[EmbeddingBagConfig], params: Mapping[str, Pa
         if ps.sharding_type == ShardingType.TABLE_WISE.value:
             if len(ranks) != 1:
                 raise ValueError(f"table {t.name!r}: a table-wise table lives on exactly one rank, plan gives {ranks}")
-            cuts = [(0, t.embedding_dim)]
+            cuts = [(rank, 0, t.embedding_dim, 0, None) for rank in ranks]  # (rank, col, dim, row, rows)
         else:
             spec = getattr(ps.sharding_spec, "shards", None)
+            kind = ps.sharding_type.replace("_", "-")
             if not spec or len(spec) != len(ranks):
-                raise ValueError(f"table {t.name!r}: a column-wise entry needs one shard of its sharding_spec per "
+                raise ValueError(f"table {t.name!r}: a {kind} entry needs one shard of its sharding_spec per "
                                  f"rank in {ranks}")
-            if any(m.shard_offsets[0] != 0 or m.shard_sizes[0] != t.num_embeddings for m in spec):
-                raise ValueError(f"table {t.name!r}: column shards must hold all {t.num_embeddings} rows")
-            cuts = [(m.shard_offsets[1], m.shard_sizes[1]) for m in spec]
-        for rank, (col, dim) in sorted(zip(ranks, cuts), key=lambda shard: shard[1][0]):
+            if ps.sharding_type == ShardingType.COLUMN_WISE.value:
+                if any(m.shard_offsets[0] != 0 or m.shard_sizes[0] != t.num_embeddings for m in spec):
+                    raise ValueError(f"table {t.name!r}: column shards must hold all {t.num_embeddings} rows")
+                cuts = [(rank, m.shard_offsets[1], m.shard_sizes[1], 0, None) for rank, m in zip(ranks, spec)]
+            else:
+                if any(m.shard_offsets[1] != 0 or m.shard_sizes[1] != t.embedding_dim for m in spec):
+                    raise ValueError(f"table {t.name!r}: row blocks must hold all {t.embedding_dim} columns")
+                cuts = [(rank, 0, t.embedding_dim, m.shard_offsets[0], m.shard_sizes[0])
+                        for rank, m in zip(ranks, spec) if m.shard_sizes[0] != 0]
+                if len(cuts) == 1 and cuts[0][3:] == (0, t.num_embeddings):  # the one block is the whole table
+                    cuts = [(cuts[0][0], 0, t.embedding_dim, 0, None)]
+        for rank, col, dim, row, rows in sorted(cuts, key=lambda cut: (cut[3], cut[1])):  # by row, then column
             if not 0 <= rank < world_size:
                 raise ValueError(f"table {t.name!r}: rank {rank} outside a world of {world_size}")
-            shards.append(Shard(t.name, rank, col, dim, shard_name(t, col, dim)))
+            shards.append(Shard(t.name, rank, col, dim, shard_name(t, col, dim, row, rows), row, rows))
     plan = TableShardingPlan(world_size, tuple(shards))
     plan.check(tables)
     return plan
@@ -175,12 +191,15 @@ def plan_from_torchrec(tables: list[EmbeddingBagConfig], params: Mapping[str, Pa
 
 @dataclass
 class ShardedEBCContext(Multistreamable):
-    """Per-batch state from compute to output_dist: the local batch size of every rank."""
+    """Per-batch state from compute to output_dist: the local batch size of every rank, and the bag sizes that
+    divide this rank's mean-pooled row-wise features (OwnedBags.pooling_divisors; None without such features)."""
 
     batch_sizes: list[int] = dataclasses.field(default_factory=list)
+    pooling_divisors: torch.Tensor | None = None
 
     def record_stream(self, stream: torch.Stream) -> None:
-        pass  # host-side ints only
+        if self.pooling_divisors is not None:  # the batch sizes are host-side ints
+            self.pooling_divisors.record_stream(stream)
 
 
 @dataclass
@@ -190,7 +209,7 @@ class DistributedBags(Multistreamable):
     bags: OwnedBags
 
     def record_stream(self, stream: torch.Stream) -> None:
-        for t in (self.bags.values, self.bags.lengths, self.bags.weights):
+        for t in (self.bags.values, self.bags.lengths, self.bags.weights, self.bags.pooling_divisors):
             if t is not None:
                 t.record_stream(stream)
 
@@ -228,10 +247,10 @@ class FusedTableOptimizer(FusedOptimizer):
 
 
 class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedEBCContext], FusedOptimizerModule):
-    """A torchrec ShardedModule over our seams: table-wise and column-wise, optimizer fused into backward.
+    """A torchrec ShardedModule over our seams: table-wise, column-wise and row-wise, optimizer fused into backward.
 
-    Owns the tables and column shards `plan` gives this rank, initialised from `module`'s weights (ours when those
-    are on the meta device). Output: KeyedTensor [local batch, sum of dims] in the EBC's feature order.
+    Owns the tables, column shards and row blocks `plan` gives this rank, initialised from `module`'s weights (ours
+    when those are on the meta device). Output: KeyedTensor [local batch, sum of dims] in the EBC's feature order.
     """
 
     def __init__(self, module: EmbeddingBagCollection, plan: TableShardingPlan, env: ShardingEnv,
@@ -249,6 +268,7 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
         self._output_dist = seams.output_dist
         self._lookup = seams.lookup  # a submodule so that train()/eval() reach it (it fuses only in training)
         self._exchange = seams.exchange
+        self._row_block_sum = seams.row_block_sum
         self.embedding_bags = seams.embedding_bags
         self.plan = plan
         self.feature_names = [f for t in tables for f in t.feature_names]
@@ -264,7 +284,7 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
                     log.info("table %s: unsharded weight is on the meta device, keeping our initialisation",
                              shard.name)
                     continue
-                weight.copy_(shard_columns(source.detach(), shard))  # in place: the lookup holds this storage
+                weight.copy_(shard_weight(source.detach(), shard))  # in place: the lookup holds this storage
         self._optim = FusedTableOptimizer(self.embedding_bags, seams.lookup.optimizer)
 
     # -- torchrec ShardedModule interface ------------------------------------------------------------------------
@@ -286,10 +306,12 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
     def compute(self, ctx: ShardedEBCContext, dist_input: KJTList) -> torch.Tensor:
         bags = dist_input[0].bags
         ctx.batch_sizes = bags.batch_sizes  # output_dist sends each rank its samples back
+        ctx.pooling_divisors = bags.pooling_divisors  # and divides their mean-pooled row-wise sums
         return self._lookup(bags)
 
     def output_dist(self, ctx: ShardedEBCContext, output: torch.Tensor) -> LazyAwaitable[KeyedTensor]:
         values = divide_gradient_like_torchrec(self._output_dist(output, ctx.batch_sizes), self._env.world_size)
+        values = self._real_row(values, ctx.pooling_divisors)
         # torchrec's own awaitable: a LazyAwaitable[KeyedTensor] that also supports kt["feature"] lazily.
         return EmbeddingBagCollectionAwaitable(awaitables=[NoWait(values)], embedding_dims=self._feature_dims,
                                                embedding_names=self.feature_names)
@@ -297,7 +319,9 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
     def compute_and_output_dist(self, ctx: ShardedEBCContext, input: KJTList) -> LazyAwaitable[KeyedTensor]:
         if self._exchange is None:
             return self.output_dist(ctx, self.compute(ctx, input))
-        values = self._exchange(input[0].bags, torchrec_gradient_scale(self._env.world_size))
+        bags = input[0].bags
+        values = self._real_row(self._exchange(bags, torchrec_gradient_scale(self._env.world_size)),
+                                bags.pooling_divisors)
         return EmbeddingBagCollectionAwaitable(awaitables=[NoWait(values)], embedding_dims=self._feature_dims,
                                                embedding_names=self.feature_names)
 
@@ -317,6 +341,11 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
 
     # -- helpers --------------------------------------------------------------------------------------------------
 
+    def _real_row(self, values: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
+        """The output dist's row -> [local batch, sum of dims]: with row-wise tables, each sample's row blocks'
+        parts summed (mean-pooled ones divided by their bag sizes)."""
+        return values if self._row_block_sum is None else self._row_block_sum(values, divisors)
+
     def _prepare(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Per-sample weights as torchrec's EBC reads them: used only by a weighted collection, required there."""
         if features.variable_stride_per_key():
@@ -332,8 +361,10 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
 
 
 class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):
-    """Shards `torchrec.EmbeddingBagCollection` table-wise or column-wise with our module; the optimizer runs in
-    backward.
+    """Shards `torchrec.EmbeddingBagCollection` table-wise, column-wise or row-wise with our module; the optimizer runs
+    in backward. Offered these, torchrec's planner on the CPU cuts small tables into row blocks (stock torchrec's
+    sharder there makes them data-parallel, which we do not offer); ParameterConstraints(sharding_types=...) keep
+    tables whole.
 
     optimizer: our embedding optimizer (exact SGD or exact row-wise Adagrad), for every table. Optimizers attached
         to the EBC's parameters with torchrec's apply_optimizer_in_backward / fused_params are not read.

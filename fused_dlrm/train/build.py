@@ -49,7 +49,8 @@ def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     tables = config_tables(cfg)
     model = build_dlrm(tables, cfg.data.num_dense, m.dense_arch, m.over_arch,
                        EmbeddingOptimizerConfig(**m.embedding_optimizer), env.device, seed=cfg.seed,
-                       comm=fused_comm(cfg.comm), plan=plan_sharding(tables, env.world_size, m.column_shards))
+                       comm=fused_comm(cfg.comm),
+                       plan=plan_sharding(tables, env.world_size, m.column_shards, m.row_shards))
     graph_batch = None
     if cfg.trainer.cuda_graphs and env.device.type == "cuda":  # captured at the rank's training batch size
         start, stop = local_batch_bounds(cfg.data.global_batch_size, env.rank, env.world_size)

@@ -84,7 +84,8 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     if missing:  # DCP would name one key only, deep in its traceback
         raise ValueError(f"checkpoint {path} holds no {missing[:3]}{' ...' if len(missing) > 3 else ''} "
                          f"({len(missing)} of the model's {len(state['model'])} entries): it was written for another "
-                         "model, world size (the MoE experts' names) or sharding of the tables (model.column_shards)")
+                         "model, world size (the MoE experts' names) or sharding of the tables (model.column_shards, "
+                         "model.row_shards)")
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["dense_optimizer"])
     if embedding_optimizer is not None:

@@ -56,6 +56,8 @@ def direct_step_refusal(model: nn.Module) -> str:
     dims = [t.embedding_dim for t in sparse.embedding_bag_configs() for _ in t.feature_names]
     if sparse.feature_names != sparse_arch.sparse_feature_names or any(d != dim for d in dims):
         return "the pooled output is not [B, F, D] in the arch's feature order"
+    if sparse.row_block_sum is not None:
+        return "row-wise tables: a pooled row is the sum of their blocks' parts, which the direct step does not add"
     exchange = sparse.fused
     if exchange is not None and exchange.nvshmem:
         return "comm.transport=nvshmem: the interaction's backward cannot push the gradient there"

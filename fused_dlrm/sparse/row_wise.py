@@ -1,0 +1,105 @@
+"""What row-wise sharding adds around the input and output dists (plan.py says how a table is cut into row blocks).
+
+Before the input dist, `RowBuckets` cuts each row-wise feature's bags by row block: every index goes to the block
+holding its row, rebased to the block's first row, as that block's feature (`RowBlock.feature`); the input dist then
+sends each block's feature to its rank only, like any feature. After the output dist, `RowBlockSum` adds the
+blocks' pooled parts of each sample (block order: the same sum on every run) and divides a mean-pooled feature's
+sum by the sample's bag size, which only the sample's own rank knows (`pooling_divisors`). Both are torch ops that
+never wait for the GPU; autograd carries the gradient back through the sum (every block receives the sample's
+gradient) and the division.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fused_dlrm.sparse.plan import RowBlock, RowWiseColumns
+
+
+@dataclass
+class RowBuckets:
+    """The cut of one KJT key order: for key k, its blocks' first rows and where its first block's key falls in
+    the cut KJT's key order (`keys`)."""
+    keys: list[str]  # the cut KJT's keys: each row-wise key replaced by its blocks' features, in row order
+    firsts: torch.Tensor  # [keys, max blocks] int64: block b's first row (past a key's blocks: int64's max)
+    first_key: torch.Tensor  # [keys] int64: the cut key of each key's block 0
+    mean_keys: torch.Tensor  # the keys whose bag sizes divide their pooled sums (mean-pooled row-wise features)
+
+    @classmethod
+    def of(cls, keys: list[str], blocks: dict[str, list[RowBlock]], mean_features: list[str],
+           device: torch.device) -> "RowBuckets":
+        width = max(len(b) for b in blocks.values())
+        firsts, first_key, cut = [], [], []
+        for k in keys:
+            mine = blocks.get(k)
+            starts = [b.row for b in mine] if mine else [0]
+            firsts.append(starts + [torch.iinfo(torch.int64).max] * (width - len(starts)))
+            first_key.append(len(cut))
+            cut += [b.feature for b in mine] if mine else [k]
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
+        return cls(cut, as_tensor(firsts), as_tensor(first_key), as_tensor([keys.index(f) for f in mean_features]))
+
+    def cut(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(values, lengths [cut keys, batch], weights) of the cut KJT. An index outside its table goes to its first
+        or last block and stays outside that block's rows (the input dist's header reports it on the uncut KJT); a
+        KJT whose values and lengths disagree is cut without failing (the header reports it too)."""
+        num_keys, batch = lengths.shape
+        n = values.numel()
+        if n == 0 or batch == 0:  # nothing to cut (values without samples: the header reports them)
+            return values, lengths.new_zeros(len(self.keys), batch), weights
+        ends = torch.cumsum(lengths.reshape(-1), 0)
+        bag = torch.searchsorted(ends, torch.arange(n, device=values.device), right=True).clamp_(max=ends.numel() - 1)
+        key, sample = bag // batch, bag % batch
+        firsts = self.firsts[key]  # [n, max blocks]
+        block = (values[:, None] >= firsts[:, 1:]).sum(1)
+        cut_key = self.first_key[key] + block
+        order = torch.sort(cut_key, stable=True).indices  # by cut key, each key's values keeping their order
+        cut_values = (values - firsts.gather(1, block[:, None]).squeeze(1)).to(values.dtype)[order]
+        cut_lengths = torch.zeros(len(self.keys) * batch, dtype=lengths.dtype, device=values.device)
+        cut_lengths.index_add_(0, cut_key * batch + sample, torch.ones_like(cut_key, dtype=lengths.dtype))
+        return cut_values, cut_lengths.view(len(self.keys), batch), None if weights is None else weights[order]
+
+    def pooling_divisors(self, lengths: torch.Tensor) -> torch.Tensor | None:
+        """[batch, mean-pooled row-wise features]: their bag sizes (at least 1: an empty bag's mean is 0), from the
+        uncut lengths [keys, batch]; None without such features."""
+        if self.mean_keys.numel() == 0:
+            return None
+        return lengths[self.mean_keys].t().clamp(min=1).float()
+
+
+class RowBlockSum:
+    """The wide pooled row [batch, real + blocks' columns] (plan.row_wise_columns) -> the real row [batch, real]."""
+
+    def __init__(self, real_len: int, columns: list[RowWiseColumns]):
+        self.real_len = real_len
+        self.columns = columns
+        self.mean_features = [c.feature for c in columns if c.mean]
+        self._index: dict[torch.device, tuple] = {}
+
+    def _tables(self, device: torch.device):
+        """Per later block b (1, 2, ...): (destination columns, wide source columns); and for the division, each
+        real column's divisor (0: none, i + 1: mean feature i)."""
+        if device not in self._index:
+            layers = []
+            for b in range(1, max(len(c.block_cols) for c in self.columns)):
+                pairs = [(c.col + i, c.block_cols[b] + i) for c in self.columns if b < len(c.block_cols)
+                         for i in range(c.dim)]
+                layers.append(tuple(torch.tensor(p, dtype=torch.int64, device=device) for p in zip(*pairs)))
+            divisor = [0] * self.real_len
+            for i, c in enumerate(c for c in self.columns if c.mean):
+                divisor[c.col:c.col + c.dim] = [i + 1] * c.dim
+            self._index[device] = (layers, torch.tensor(divisor, dtype=torch.int64, device=device))
+        return self._index[device]
+
+    def __call__(self, wide: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
+        layers, divisor = self._tables(wide.device)
+        out = wide[:, :self.real_len]
+        for dst, src in layers:  # block by block: every sum in the same order
+            out = out.index_add(1, dst, wide.index_select(1, src))
+        if self.mean_features:
+            denominators = torch.cat([divisors.new_ones(divisors.shape[0], 1), divisors], dim=1)
+            out = out / denominators[:, divisor]
+        return out
