@@ -1,6 +1,7 @@
 """The torchrec swap-in with comm="fused" on 2 GPUs: DistributedModelParallel + FusedEmbeddingBagCollectionSharder
 (fused kernels, NCCL for the input dist) against the same sharder with comm="bulk", plain loop and
-TrainPipelineSparseDist. Skipped without 2 GPUs; CI has none (docs/benchmarks.md says when it ran).
+TrainPipelineSparseDist. Skipped without 2 GPUs (the fused-against-bulk check also runs with two ranks sharing one
+GPU: world.ONE_GPU); CI has none (docs/benchmarks.md says when it ran).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
+from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingPlan
 
@@ -19,9 +20,7 @@ from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.sparse import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.torchrec_sharder import FusedEmbeddingBagCollectionSharder
 from bags import global_batch, to_kjt
-from world import TWO_GPUS, run_world
-
-pytestmark = TWO_GPUS
+from world import TWO_GPUS, TWO_RANK_BACKENDS, run_world
 
 TABLES = [
     EmbeddingBagConfig(name="t0", embedding_dim=16, num_embeddings=100, feature_names=["f0", "f1"]),
@@ -41,24 +40,33 @@ class Sparse(torch.nn.Module):
         return self.ebc(kjt).values()
 
 
-def dmp(reference, comm: str, device, by_columns: bool = False) -> DistributedModelParallel:
-    """by_columns: t1 in 4 column shards (two on each rank), t2 in 2; else the planner's plan."""
+FUSED = "fused"
+PLANS = {  # sharding_plan's generators per table, or None: the planner's plan
+    "planner": None,
+    # t1 in 4 column shards (two on each rank), t2 in 2
+    "columns": {"t0": table_wise(rank=0, compute_kernel=FUSED),
+                "t1": column_wise(ranks=[0, 1, 1, 0], compute_kernel=FUSED),
+                "t2": column_wise(ranks=[1, 0], compute_kernel=FUSED), "t3": table_wise(rank=1, compute_kernel=FUSED)},
+    # t0 (read by two features), t1 (mean-pooled) and t3 in row blocks, one on each rank
+    "rows": {"t0": row_wise(compute_kernel=FUSED), "t1": row_wise(compute_kernel=FUSED),
+             "t2": table_wise(rank=1, compute_kernel=FUSED), "t3": row_wise(compute_kernel=FUSED)},
+}
+
+
+def dmp(reference, comm: str, device, plan: str = "planner") -> DistributedModelParallel:
+    """plan: a key of PLANS."""
     sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05), comm=comm)
-    plan = None
-    if by_columns:
-        fused = "fused"
-        plan = ShardingPlan({"ebc": construct_module_sharding_plan(reference, {
-            "t0": table_wise(rank=0, compute_kernel=fused), "t1": column_wise(ranks=[0, 1, 1, 0], compute_kernel=fused),
-            "t2": column_wise(ranks=[1, 0], compute_kernel=fused), "t3": table_wise(rank=1, compute_kernel=fused)},
-            sharder=sharder, local_size=2, world_size=2, device_type="cuda")})
-    return DistributedModelParallel(Sparse(copy.deepcopy(reference)), sharders=[sharder], device=device, plan=plan)
+    generators = PLANS[plan]
+    sharding = None if generators is None else ShardingPlan({"ebc": construct_module_sharding_plan(
+        reference, generators, sharder=sharder, local_size=2, world_size=2, device_type="cuda")})
+    return DistributedModelParallel(Sparse(copy.deepcopy(reference)), sharders=[sharder], device=device, plan=sharding)
 
 
-def _fused_equals_bulk(rank: int, world: int, by_columns: bool) -> None:
-    device = torch.device("cuda", rank)
+def _fused_equals_bulk(rank: int, world: int, plan: str) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     reference = EmbeddingBagCollection(TABLES)
-    fused, bulk = dmp(reference, "fused", device, by_columns), dmp(reference, "bulk", device, by_columns)
+    fused, bulk = dmp(reference, "fused", device, plan), dmp(reference, "bulk", device, plan)
     start, stop = local_batch_bounds(37, rank, world)
     for step in range(20):
         lengths, values, _ = global_batch(step, 37, TABLES, False)
@@ -74,9 +82,10 @@ def _fused_equals_bulk(rank: int, world: int, by_columns: bool) -> None:
         torch.testing.assert_close(state_f[key], state_b[key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("by_columns", [False, True])
-def test_fused_sharder_equals_bulk_sharder_on_gpus(by_columns):
-    run_world(2, _fused_equals_bulk, by_columns, backend="nccl")
+@pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_fused_sharder_equals_bulk_sharder_on_gpus(plan, backend):
+    run_world(2, _fused_equals_bulk, plan, backend=backend)
 
 
 class WithLoss(torch.nn.Module):
@@ -122,5 +131,6 @@ def _pipeline_with_fused(rank: int, world: int) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@TWO_GPUS
 def test_fused_sharder_under_train_pipeline_sparse_dist_on_gpus():
     run_world(2, _pipeline_with_fused, backend="nccl")
