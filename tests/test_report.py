@@ -69,6 +69,16 @@ def test_dlrm_standalone_one_process(tmp_path):
     assert "50 samples x 6 features" in layers["sparse input dist (KJT all-to-all)"]["shapes"]
 
 
+def test_dlrm_with_row_blocks_one_process(tmp_path):
+    """Row-wise tables: the lookup layer is timed through the blocks' sum, with the output's gradient."""
+    report_main([*DLRM, "model.row_shards=2", f"hydra.run.dir={tmp_path}"])
+    report, table = read(tmp_path)
+    layers = check_report(report, table, ["sparse input dist (KJT all-to-all)", LOOKUP, "gradient all-reduce", STEP],
+                          world=1)
+    assert "(12 tables, column shards or row blocks here)" in layers[LOOKUP]["shapes"]
+    assert layers[LOOKUP]["bulk"]["fwd_bwd_ms"] > 0
+
+
 def test_moe_standalone_one_process(tmp_path):
     report_main([*MOE, f"hydra.run.dir={tmp_path}"])
     report, table = read(tmp_path)

@@ -49,10 +49,7 @@ class _Run:
         self.bags = self.sparse.input_dist(self.batch.sparse_features)
 
     def lookup_modes(self, grad: torch.Tensor) -> Mode:
-        if self.sparse.fused is not None:
-            exchange = lambda: self.sparse.fused(self.bags)
-        else:
-            exchange = lambda: self.sparse.output_dist(self.sparse.lookup(self.bags), self.bags.batch_sizes)
+        exchange = lambda: self.sparse.pooled(self.bags)  # the fused exchange, or lookup + all-to-all (+ row blocks)
         return {"fwd": no_grad(exchange), "fwd_bwd": forward_backward(exchange, grad)}
 
     def step_modes(self) -> Mode:
@@ -71,31 +68,34 @@ def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]
     m = cfg.model
 
     # input dist: the indices (and lengths) of a feature leave this rank once for every shard of its table that
-    # another rank holds
+    # another rank holds (of a row-wise table: each index for its row block's rank)
     keys = list(kjt.keys())
-    per_key = kjt.lengths().view(len(keys), -1).sum(dim=1).tolist()
+    sent_keys, sent_lengths = sparse.input_dist.sent_keys(kjt)
+    per_key = sent_lengths.sum(dim=1).tolist()
     copies = {k: sum(feats.count(k) for r, feats in enumerate(sparse.input_dist.features_of_rank) if r != rank)
-              for k in keys}
+              for k in sent_keys}
     index_bytes = kjt.values().element_size() + (kjt.weights().element_size() if kjt.weights_or_none() is not None
                                                  else 0)
-    sent = sum((n * index_bytes + local_batch * 8) * copies[k] for k, n in zip(keys, per_key))
+    sent = sum((n * index_bytes + local_batch * 8) * copies[k] for k, n in zip(sent_keys, per_key))
     input_dist = CommLayer(
         "sparse input dist (KJT all-to-all)",
         f"{local_batch} samples x {len(keys)} features, {kjt.values().numel():,} indices on this rank",
         {"fwd": sent}, {"fwd": lambda: sparse.input_dist(kjt)},
         "no fused input dist yet: both modes run this bulk all-to-all (sizes known on the host)")
 
-    # lookup + output dist: the owner's pooled rows for other ranks' samples go out; their gradients come back
+    # lookup + output dist: the owner's pooled rows for other ranks' samples go out; their gradients come back (the
+    # columns of every row block's part, with row-wise tables: a wider row than the output's)
     my_dim = sparse.lookup.output_dim
     total_dim = sum(t.embedding_dim * len(t.feature_names) for t in sparse.embedding_bag_configs())
+    wide_dim = sum(map(sum, sparse.output_dist.dims_of_rank))
     grad = torch.randn(local_batch, total_dim, device=env.device)
     forward_bytes = (global_batch - local_batch) * my_dim * 4
-    backward_bytes = local_batch * (total_dim - my_dim) * 4
+    backward_bytes = local_batch * (wide_dim - my_dim) * 4
     rows = f"{m.num_rows:,}" if isinstance(m.num_rows, int) else f"{min(m.num_rows):,}..{max(m.num_rows):,}"
     lookup = CommLayer(
         "embedding lookup + output dist (pooled all-to-all)",
-        f"{len(keys)} tables ({len(sparse.embedding_bags)} tables or column shards here) x {rows} rows "
-        f"x D={m.embedding_dim} {m.data_type}, "
+        f"{len(keys)} tables ({len(sparse.embedding_bags)} tables, column shards or row blocks here) x {rows} "
+        f"rows x D={m.embedding_dim} {m.data_type}, "
         f"pooled [{global_batch} x {my_dim}] here -> [{local_batch} x {total_dim}] per rank",
         {"fwd": forward_bytes, "fwd_bwd": forward_bytes + backward_bytes},
         bulk.lookup_modes(grad), fused_or_reason(reason, lambda: fused.lookup_modes(grad)))

@@ -161,6 +161,17 @@ class BulkInputDist:
     def __call__(self, kjt: KeyedJaggedTensor) -> OwnedBags:
         return self.finish(self.start(kjt))
 
+    def sent_keys(self, kjt: KeyedJaggedTensor) -> tuple[list[str], torch.Tensor]:
+        """The keys and lengths [keys, local batch] of `kjt` as they travel: cut by row block where tables are
+        row-wise (each block's key goes to its rank only), else the KJT's own (what a report counts)."""
+        keys, lengths = list(kjt.keys()), kjt.lengths().view(len(kjt.keys()), kjt.stride()).long()
+        plan, problem = self._plan(keys, kjt.values().device)
+        if plan is None:
+            raise KeyError(problem)
+        if plan.buckets is None:
+            return keys, lengths
+        return plan.buckets.keys, plan.buckets.cut(kjt.values(), lengths, None)[1]
+
     def start(self, kjt: KeyedJaggedTensor) -> PendingHeader:
         """The header all-to-all of a batch, and its copy to the host, enqueued; nothing waits. `finish` does the
         rest, on the same stream, any time later: a batch's header can be exchanged a step before its values."""
