@@ -110,9 +110,8 @@ def test_row_blocks_cut_like_torchrec_and_widen_the_row():
         FeatureSlice("fb@b_rows_668_to_999", "b_rows_668_to_999", 56, 4)]
     slices = [s for mine in plan.feature_slices(TABLES) for s in mine]
     assert sorted(c for s in slices for c in range(s.col, s.col + s.dim)) == list(range(60))  # each once
-    assert plan.row_blocks(TABLES)["fb"] == [RowBlock("fb@b_rows_0_to_333", 0, 334),
-                                             RowBlock("fb@b_rows_334_to_667", 334, 334),
-                                             RowBlock("fb@b_rows_668_to_999", 668, 332)]
+    assert plan.row_blocks(TABLES)["fb"] == [RowBlock("fb@b_rows_0_to_333", 0), RowBlock("fb@b_rows_334_to_667", 334),
+                                             RowBlock("fb@b_rows_668_to_999", 668)]
     assert "fc" not in plan.row_blocks(TABLES)
     configs = plan.shard_configs(TABLES, 1)
     assert [(c.name, c.num_embeddings, c.embedding_dim, c.feature_names) for c in configs] == [
@@ -127,6 +126,8 @@ def test_row_blocks_cut_like_torchrec_and_widen_the_row():
 def test_row_block_errors():
     with pytest.raises(ValueError, match="table 'a': row_shards=2 with column_shards=2: a table is cut into row"):
         plan_sharding(TABLES, 2, column_shards=2, row_shards=2)
+    with pytest.raises(ValueError, match="table 'a': row_shards must be >= 1, got 0"):
+        plan_sharding(TABLES, 2, row_shards=0)
     with pytest.raises(ValueError, match=r"row_shards names tables the collection does not have: \['z'\]"):
         plan_sharding(TABLES, 2, row_shards={"z": 2})
     plan = plan_sharding(TABLES, 2, row_shards={"b": 2})

@@ -236,3 +236,43 @@ def test_the_batch_thread_distributes_with_the_same_bags_and_errors(row_shards):
     """The thread's input dist is the collection's, row blocks included (a mean-pooled one, t1, whose bag sizes
     the bags carry)."""
     run_world(2, _distributed_on_the_batch_thread, row_shards)
+
+
+def _row_blocks_like_whole_tables(rank: int, world: int, optimizer: str) -> None:
+    opt = EmbeddingOptimizerConfig(optimizer, lr=0.05, eps=1e-8)
+    whole = ShardedEmbeddingBagCollection(TABLES, opt)
+    cut = ShardedEmbeddingBagCollection(TABLES, opt, plan=plan_sharding(TABLES, world, row_shards={"t1": 3, "t3": 2}))
+    for weight in (table.weight for table in cut.embedding_bags.values()):  # a block's memory: its rows only
+        assert weight.untyped_storage().nbytes() == weight.nbytes
+    keys = [f for t in TABLES for f in t.feature_names]
+    order = [4, 2, 0, 3, 1]  # the KJT's keys in another order than the tables'
+    start, stop = local_batch_bounds(9, rank, world)
+    for step in range(3):
+        lengths, values, weights = global_batch(step, 9, TABLES, True)  # weights on t1's mean too
+        kjt = to_kjt([keys[i] for i in order], lengths[order], [values[i] for i in order],
+                     [weights[i] for i in order], start, stop)
+        cut.prefetch_header(kjt)  # the header a step ahead, then the rest
+        cut.prefetch(kjt)
+        got, want = cut(kjt).values(), whole(kjt).values()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(step))
+        (got * grad).sum().backward()
+        (want * grad).sum().backward()
+    for s in cut.plan.shards_of(rank):
+        if s.table in whole.embedding_bags:
+            torch.testing.assert_close(cut.embedding_bags[s.name].weight,
+                                       shard_weight(whole.embedding_bags[s.table].weight, s), rtol=1e-5, atol=1e-6)
+    lengths, values, weights = global_batch(0, 9, TABLES, True)
+    values[2][0] = -1  # f2 reads t1, cut in 3 blocks: the uncut index is reported
+    culprit = int(lengths[2].nonzero()[0]) >= local_batch_bounds(9, 1, world)[0]  # whose sample holds it
+    message = "feature 'f2' has index -1, outside table 't1'" if rank == int(culprit) else "sent out-of-range"
+    with pytest.raises(IndexError, match=message):
+        cut(to_kjt(keys, lengths, values, weights, start, stop))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_row_blocks_equal_whole_tables(optimizer):
+    """A row-wise plan against the table-wise one of the same module, where torchrec cannot compare: weights on a
+    mean-pooled table cut in 3 blocks, the KJT's keys in another order, the header sent a step ahead, a negative
+    index; and each block owns only its rows' memory."""
+    run_world(2, _row_blocks_like_whole_tables, optimizer)

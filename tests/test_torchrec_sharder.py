@@ -2,8 +2,8 @@
 
 Two (once three, once four) gloo processes on the CPU. Each rank gets its slice of the same global batches. Three
 models start from the same weights:
-  * ours:      DMP + FusedEmbeddingBagCollectionSharder, plan from torchrec's planner kept to whole tables (or one
-               given: column-wise, row-wise, mixed);
+  * ours:      DMP + FusedEmbeddingBagCollectionSharder, plan from torchrec's planner (the sharder's default offer:
+               whole tables here) or one given (column-wise, row-wise, mixed);
   * stock:     DMP + torchrec's EmbeddingBagCollectionSharder under the same plan, fbgemm's CPU TBE with the
                optimizer from apply_optimizer_in_backward (EXACT_ROWWISE_ADAGRAD / EXACT_SGD);
   * reference: the unsharded EBC on the whole global batch, with torchrec.optim's RowWiseAdagrad / torch SGD, its
@@ -22,7 +22,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
@@ -31,7 +30,6 @@ from torchrec.datasets.utils import Batch
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.comm_ops import set_gradient_division
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
@@ -43,8 +41,8 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.sparse import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.sharded_ebc import shard_weight
-from fused_dlrm.sparse.torchrec_sharder import (FusedEmbeddingBagCollectionSharder, FusedShardedEBC,
-                                                plan_from_torchrec, torchrec_in_backward_optimizer)
+from fused_dlrm.sparse.torchrec_sharder import (OFFERED_BY_DEFAULT, SHARDING_TYPES, FusedEmbeddingBagCollectionSharder,
+                                                FusedShardedEBC, plan_from_torchrec, torchrec_in_backward_optimizer)
 from bags import global_batch, to_kjt
 from world import run_world
 
@@ -126,18 +124,10 @@ def explicit_plan(tables, generators: dict, world: int, sharder) -> dict:
                                           local_size=world, world_size=world, device_type="cpu")
 
 
-def table_wise_planner_plan(model: nn.Module, tables, world: int, sharder) -> ShardingPlan:
-    """torchrec's planner as DMP runs it without a plan, kept to table-wise sharding (offered row-wise, it cuts
-    every one of these small tables into row blocks on the CPU)."""
-    planner = EmbeddingShardingPlanner(
-        Topology(world_size=world, compute_device="cpu", local_world_size=world),
-        constraints={t.name: ParameterConstraints(sharding_types=["table_wise"]) for t in tables})
-    return planner.collective_plan(model, [sharder], dist.group.WORLD)
-
-
 def compare_with_stock_torchrec(rank: int, world: int, cases) -> None:
     """cases: (optimizer, weighted, global batch, tables, gradient division, plans: a function of the world size
-    giving sharding_plan's generators per table, or None for the planner's table-wise plan, stock: whether stock
+    giving sharding_plan's generators per table, or None for the planner's plan (DMP's own, the sharder's default
+offer: table-wise here), stock: whether stock
     torchrec runs the case too; without it the unsharded reference must update as the shards do)."""
     for optimizer, weighted, batch, tables, divide, plans, with_stock in cases:
         # torchrec divides the pooled gradient by the world size by default (tables see the mean over ranks of
@@ -145,13 +135,13 @@ def compare_with_stock_torchrec(rank: int, world: int, cases) -> None:
         set_gradient_division(divide)
         torch.manual_seed(0)
         reference = EmbeddingBagCollection(tables, is_weighted=weighted)
-        sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig(optimizer, lr=LR, eps=EPS))
-        model = SparseModel(copy.deepcopy(reference))
-        if plans is None:
-            plan = table_wise_planner_plan(model, tables, world, sharder)
-        else:
-            plan = ShardingPlan({"ebc": explicit_plan(tables, plans(world), world, sharder)})
-        ours = DistributedModelParallel(model, sharders=[sharder], device=CPU, plan=plan)
+        # Offered row-wise only where a plan asks for it (the planner's default offer: table- and column-wise).
+        sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig(optimizer, lr=LR, eps=EPS),
+                                                     sharding_types=OFFERED_BY_DEFAULT if plans is None
+                                                     else SHARDING_TYPES)
+        plan = None if plans is None else ShardingPlan({"ebc": explicit_plan(tables, plans(world), world, sharder)})
+        ours = DistributedModelParallel(SparseModel(copy.deepcopy(reference)), sharders=[sharder], device=CPU,
+                                        plan=plan)
         sharded = ours.module.ebc
         assert isinstance(sharded, FusedShardedEBC)
         module_plan = ours.plan.get_plan_for_module("ebc")
@@ -396,14 +386,18 @@ def test_train_pipeline_sparse_dist_matches_plain_loop():
 # One process: sharder surface, plan conversion, errors (no process group: a world of one).
 
 
-def test_sharder_offers_table_wise_column_wise_and_row_wise_fused():
+def test_sharder_offers_table_wise_column_wise_and_row_wise_when_asked():
     sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig())
     assert sharder.module_type is EmbeddingBagCollection
-    assert sharder.sharding_types("cpu") == sharder.sharding_types("cuda") == ["table_wise", "column_wise", "row_wise"]
+    assert sharder.sharding_types("cpu") == sharder.sharding_types("cuda") == ["table_wise", "column_wise"]
     assert sharder.compute_kernels("table_wise", "cpu") == sharder.compute_kernels("column_wise", "cuda") == ["fused"]
-    assert sharder.compute_kernels("row_wise", "cpu") == sharder.compute_kernels("row_wise", "cuda") == ["fused"]
-    assert sharder.compute_kernels("table_row_wise", "cuda") == []
+    assert sharder.compute_kernels("row_wise", "cpu") == sharder.compute_kernels("table_row_wise", "cuda") == []
     assert sorted(sharder.shardable_parameters(EmbeddingBagCollection(TABLES))) == ["t0", "t1", "t2", "t3"]
+    every = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig(), sharding_types=SHARDING_TYPES)
+    assert every.sharding_types("cuda") == ["table_wise", "column_wise", "row_wise"]
+    assert every.compute_kernels("row_wise", "cpu") == ["fused"]
+    with pytest.raises(ValueError, match=r"sharding_types \['row_wise', 'data_parallel'\]: expected some of"):
+        FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig(), sharding_types=["row_wise", "data_parallel"])
 
 
 def test_unknown_comm_is_refused():
@@ -454,7 +448,8 @@ def test_row_wise_plan_conversion_and_its_errors():
     # and three empty ones: the whole table, on the rank of its block.
     t4 = dataclasses.replace(FIFTH, num_embeddings=5)
     tables = TABLES + [t4, ONE_ROW]
-    four = explicit_plan(tables, row_wise_plans(4), 4, FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig()))
+    every = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig(), sharding_types=SHARDING_TYPES)
+    four = explicit_plan(tables, row_wise_plans(4), 4, every)
     assert [list(m.shard_sizes) for m in four["t4"].sharding_spec.shards] == [[2, 8], [2, 8], [1, 8], [0, 8]]
     plan = plan_from_torchrec(tables, four, 4)
     assert [(s.name, s.rank, s.col, s.dim, s.row, s.rows) for s in plan.shards if s.table in ("t4", "t5")] == [

@@ -18,7 +18,7 @@ from torchrec.distributed.types import ShardingPlan
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.sparse import EmbeddingOptimizerConfig
-from fused_dlrm.sparse.torchrec_sharder import FusedEmbeddingBagCollectionSharder
+from fused_dlrm.sparse.torchrec_sharder import OFFERED_BY_DEFAULT, SHARDING_TYPES, FusedEmbeddingBagCollectionSharder
 from bags import global_batch, to_kjt
 from world import TWO_GPUS, TWO_RANK_BACKENDS, run_world
 
@@ -54,9 +54,11 @@ PLANS = {  # sharding_plan's generators per table, or None: the planner's plan
 
 
 def dmp(reference, comm: str, device, plan: str = "planner") -> DistributedModelParallel:
-    """plan: a key of PLANS."""
-    sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05), comm=comm)
+    """plan: a key of PLANS (the planner's: with the sharder's default offer)."""
     generators = PLANS[plan]
+    sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05), comm=comm,
+                                                 sharding_types=OFFERED_BY_DEFAULT if generators is None
+                                                 else SHARDING_TYPES)
     sharding = None if generators is None else ShardingPlan({"ebc": construct_module_sharding_plan(
         reference, generators, sharder=sharder, local_size=2, world_size=2, device_type="cuda")})
     return DistributedModelParallel(Sparse(copy.deepcopy(reference)), sharders=[sharder], device=device, plan=sharding)

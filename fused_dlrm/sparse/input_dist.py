@@ -16,6 +16,7 @@ that a bad batch raises on every rank at the same point instead of leaving the o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -93,6 +94,15 @@ class _KeyPlan:
 
 
 @dataclass
+class _Sent:
+    """A batch as it travels: the KJT's tensors, or those of its cut by row block (sparse/row_wise.py)."""
+    values: torch.Tensor
+    lengths: torch.Tensor  # [keys, local batch] int64
+    counts: torch.Tensor  # values per key
+    weights: torch.Tensor | None
+
+
+@dataclass
 class PendingHeader:
     """A batch whose header all-to-all is under way (`BulkInputDist.start`): what `finish` needs of it."""
 
@@ -100,7 +110,7 @@ class PendingHeader:
     plan: _KeyPlan | None
     key_problem: str
     counts: torch.Tensor | None  # values per key of the KJT (its errors are reported on it)
-    sent: tuple | None  # (values, lengths [keys, local batch] int64, counts, weights) to send: the KJT's, or its cut
+    sent: _Sent | None  # what travels: the KJT's, or its cut
     pooling_divisors: torch.Tensor | None  # OwnedBags.pooling_divisors
     recv: torch.Tensor  # the headers received, on the device
     both: PendingHostCopy  # the headers sent and received, on their way to the host
@@ -116,7 +126,7 @@ class BulkInputDist:
 
     def __init__(self, features_of_rank: list[list[str]], tables: dict[str, tuple[str, int]],
                  group: dist.ProcessGroup | None = None, row_blocks: dict[str, list[RowBlock]] | None = None,
-                 mean_row_wise: list[str] = ()):
+                 mean_row_wise: Sequence[str] = ()):
         """row_blocks: the row-wise features' blocks (plan.row_blocks; the ranks receive the blocks' features);
         mean_row_wise: those whose bag sizes the bags carry (OwnedBags.pooling_divisors), in that order."""
         self.features_of_rank = features_of_rank
@@ -182,20 +192,19 @@ class BulkInputDist:
         if plan is None:  # no plan for these keys: send a header that only says so, as every rank must
             header = torch.zeros(world, FIRST_COUNT + self.width, dtype=torch.int64, device=device)
             header[:, BAD_KEYS] = 1
-        elif plan.buckets is None:
+        else:
             lengths = kjt.lengths().view(len(keys), local_batch).long()
             counts = lengths.sum(dim=1)  # values per key
-            header = batch_header(values, counts, plan.rows, plan.header_keys, local_batch)  # one kernel on GPUs
-            sent = (values, lengths, counts, kjt.weights_or_none())
-        else:  # the checks of the uncut batch, the counts of its cut
-            lengths = kjt.lengths().view(len(keys), local_batch).long()
-            counts = lengths.sum(dim=1)
-            header = batch_header(values, counts, plan.rows, plan.no_keys, local_batch)
-            cut_values, cut_lengths, cut_weights = plan.buckets.cut(values, lengths, kjt.weights_or_none())
-            cut_counts = cut_lengths.sum(dim=1)
-            header[:, FIRST_COUNT:] = torch.cat([cut_counts, cut_counts.new_zeros(1)])[plan.header_keys]
-            sent = (cut_values, cut_lengths, cut_counts, cut_weights)
-            divisors = plan.buckets.pooling_divisors(lengths)
+            sent = _Sent(values, lengths, counts, kjt.weights_or_none())
+            if plan.buckets is None:
+                header = batch_header(values, counts, plan.rows, plan.header_keys, local_batch)  # one kernel on GPUs
+            else:  # the checks of the uncut batch, the counts of its cut
+                header = batch_header(values, counts, plan.rows, plan.no_keys, local_batch)
+                cut_values, cut_lengths, cut_weights = plan.buckets.cut(values, lengths, sent.weights)
+                cut_counts = cut_lengths.sum(dim=1)
+                header[:, FIRST_COUNT:] = torch.cat([cut_counts, cut_counts.new_zeros(1)])[plan.header_keys]
+                sent = _Sent(cut_values, cut_lengths, cut_counts, cut_weights)
+                divisors = plan.buckets.pooling_divisors(lengths)
         recv = exchange_counts(header, self.group)
         both = PendingHostCopy(torch.cat([header, recv]))  # `finish` waits for this copy only
         return PendingHeader(kjt, plan, key_problem, counts, sent, divisors, recv, both)
@@ -207,7 +216,8 @@ class BulkInputDist:
         both = pending.both.get().tolist()  # the host sync (none left when the copy has long ended)
         sent_header, recv_header = both[:world], both[world:]
         self._raise_for_bad_input(recv_header, kjt, pending.key_problem, pending.counts, plan)
-        values, lengths, counts, weights = pending.sent
+        sent = pending.sent
+        values, lengths, counts, weights = sent.values, sent.lengths, sent.counts, sent.weights
 
         mine = self.features_of_rank[self.rank]
         batch_sizes = [row[BATCH] for row in recv_header]

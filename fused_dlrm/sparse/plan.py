@@ -50,10 +50,10 @@ class Shard:
 
 @dataclass(frozen=True)
 class RowBlock:
-    """One row block's share of a feature: indices in [row, row + rows), sent as feature `feature` rebased to 0."""
+    """One row block's share of a feature: indices from `row` up to the next block's first row, sent as feature
+    `feature` rebased to 0."""
     feature: str
     row: int
-    rows: int
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,8 @@ class RowWiseColumns:
 @dataclass(frozen=True)
 class FeatureSlice:
     """What one rank's lookup pools for one feature: `dim` columns of shard table `table`, which belong at column
-    `col` of the output row [all feature dims, in the collection's feature order]."""
+    `col` of the output row [all feature dims, in the collection's feature order], or, for a row block after a
+    table's first, of the wide row's columns after it (`TableShardingPlan.row_wise_columns`)."""
     feature: str
     table: str
     col: int
@@ -96,15 +97,15 @@ def row_block_bounds(rows: int, blocks: int) -> list[tuple[int, int]]:
 @dataclass(frozen=True)
 class TableShardingPlan:
     world_size: int
-    shards: tuple[Shard, ...]  # in the tables' config order, each table's shards by column
+    shards: tuple[Shard, ...]  # in the tables' config order, each table's shards by column (row blocks by row)
 
     def shards_of(self, rank: int) -> list[Shard]:
         """The shards `rank` holds, in plan order: the order of its lookup's tables and output columns."""
         return [s for s in self.shards if s.rank == rank]
 
     def check(self, tables: Sequence[EmbeddingBagConfig]) -> None:
-        """Raise unless the plan cuts exactly these tables into shards that cover each table's columns once, in
-        order, on ranks of the world."""
+        """Raise unless the plan cuts exactly these tables into shards that cover each table's columns (or, row
+        blocks, its rows) once, in order, on ranks of the world."""
         by_name = {t.name: t for t in tables}
         planned = list(dict.fromkeys(s.table for s in self.shards))
         if planned != list(by_name):
@@ -159,7 +160,7 @@ class TableShardingPlan:
             mine = sorted((s for s in self.shards if s.table == t.name and s.rows is not None), key=lambda s: s.row)
             for f in t.feature_names:
                 if mine:
-                    blocks[f] = [RowBlock(s.feature(f), s.row, s.rows) for s in mine]
+                    blocks[f] = [RowBlock(s.feature(f), s.row) for s in mine]
         return blocks
 
     def row_wise_columns(self, tables: Sequence[EmbeddingBagConfig]) -> list[RowWiseColumns]:
@@ -170,7 +171,9 @@ class TableShardingPlan:
         columns = []
         for t in tables:
             blocks = sum(s.table == t.name and s.rows is not None for s in self.shards)
-            for f in t.feature_names if blocks else ():
+            if not blocks:
+                continue
+            for f in t.feature_names:
                 cols = (start[f],) + tuple(extra + t.embedding_dim * b for b in range(blocks - 1))
                 extra += t.embedding_dim * (blocks - 1)
                 columns.append(RowWiseColumns(f, start[f], t.embedding_dim, cols, t.pooling == PoolingType.MEAN))
@@ -226,7 +229,9 @@ def plan_sharding(tables: Sequence[EmbeddingBagConfig], world_size: int,
         n, m = per_table["column_shards"].get(t.name, 1), per_table["row_shards"].get(t.name, 1)
         if n < 1 or t.embedding_dim % n:
             raise ValueError(f"table {t.name!r}: {t.embedding_dim} columns do not split into {n} equal column shards")
-        if m < 1 or (m > 1 and n > 1):
+        if m < 1:
+            raise ValueError(f"table {t.name!r}: row_shards must be >= 1, got {m}")
+        if m > 1 and n > 1:
             raise ValueError(f"table {t.name!r}: row_shards={m} with column_shards={n}: a table is cut into row "
                              f"blocks or into column shards, not both")
         rows = row_block_bounds(t.num_embeddings, m)

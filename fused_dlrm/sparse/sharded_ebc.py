@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from itertools import groupby
 
 import torch
 import torch.distributed as dist
@@ -98,12 +99,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                         self.plan.row_blocks(tables), [c.feature for c in row_wise if c.mean])
         seeds = table_seeds(tables, seed)
         by_name = {t.name: t for t in tables}
-        # A column shard starts as its columns of the whole table's initialisation (drawn whole for a moment), so
-        # the plan does not change the model.
-        self.embedding_bags = nn.ModuleDict(
-            {s.name: Table(shard_weight(init_table(by_name[s.table], seeds[s.table], device), s)
-                           .to(_DTYPES[by_name[s.table].data_type.name]))
-             for s in self.plan.shards_of(self.rank)})
+        # A shard starts as its rows and columns of the whole table's initialisation, so that the plan does not
+        # change the model: each table is drawn whole, once per rank holding shards of it, for a moment.
+        self.embedding_bags = nn.ModuleDict()
+        for name, shards in groupby(self.plan.shards_of(self.rank), key=lambda s: s.table):
+            table = by_name[name]
+            whole = init_table(table, seeds[name], device)
+            for s in shards:
+                self.embedding_bags[s.name] = Table(shard_weight(whole, s).to(_DTYPES[table.data_type.name]))
+            del whole
         shard_tables = self.plan.shard_configs(tables, self.rank)
         self.lookup = PooledEmbeddingLookup(shard_tables, {n: m.weight.data for n, m in self.embedding_bags.items()},
                                             optimizer, device)
@@ -231,12 +235,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
 
 def shard_weight(weight: torch.Tensor, shard: Shard) -> torch.Tensor:
-    """A shard's own table: its rows and columns of the whole table's weight (the whole one itself when
-    table-wise)."""
+    """A shard's own table: a copy of its rows and columns of the whole table's weight (the whole one itself when
+    table-wise). A copy, not a view: a row block's rows are contiguous in the whole table, and a view would keep
+    all of it alive."""
     rows = weight.shape[0] if shard.rows is None else shard.rows
     if (shard.row, rows, shard.col, shard.dim) == (0, weight.shape[0], 0, weight.shape[1]):
         return weight
-    return weight[shard.row:shard.row + rows, shard.col:shard.col + shard.dim].contiguous()
+    return weight[shard.row:shard.row + rows, shard.col:shard.col + shard.dim].clone(
+        memory_format=torch.contiguous_format)
 
 
 def _column_order(slices: list[list[FeatureSlice]]) -> list[int]:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,6 +131,7 @@ def torchrec_in_backward_optimizer(config: EmbeddingOptimizerConfig) -> tuple[ty
 
 
 SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value, ShardingType.ROW_WISE.value)
+OFFERED_BY_DEFAULT = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value)  # the sharder's default
 
 
 def plan_from_torchrec(tables: list[EmbeddingBagConfig], params: Mapping[str, ParameterSharding],
@@ -362,32 +363,40 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
 
 class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):
     """Shards `torchrec.EmbeddingBagCollection` table-wise, column-wise or row-wise with our module; the optimizer runs
-    in backward. Offered these, torchrec's planner on the CPU cuts small tables into row blocks (stock torchrec's
-    sharder there makes them data-parallel, which we do not offer); ParameterConstraints(sharding_types=...) keep
-    tables whole.
+    in backward.
 
     optimizer: our embedding optimizer (exact SGD or exact row-wise Adagrad), for every table. Optimizers attached
         to the EBC's parameters with torchrec's apply_optimizer_in_backward / fused_params are not read.
-    comm: which input dist / lookup / output dist implementation ("bulk"; "fused" is not implemented yet).
+    comm: which input dist / lookup / output dist implementation: "bulk" (torch.distributed, any device) or "fused"
+        (CUDA: lookup and output dist as one kernel).
+    sharding_types: what the planner is offered (a plan given to DMP may use any of SHARDING_TYPES that is offered).
+        Row-wise only when asked: offered it, torchrec's planner on the CPU cuts nearly every table into row blocks
+        (stock torchrec's sharder makes small tables data-parallel there, which we do not offer), and row blocks
+        cost time (docs/benchmarks.md, 12-02).
     """
 
-    def __init__(self, optimizer: EmbeddingOptimizerConfig, comm: str = "bulk"):
+    def __init__(self, optimizer: EmbeddingOptimizerConfig, comm: str = "bulk",
+                 sharding_types: Sequence[str] = OFFERED_BY_DEFAULT):
         super().__init__(fused_params=None, qcomm_codecs_registry=None)
         if not isinstance(optimizer, EmbeddingOptimizerConfig):
             raise TypeError(f"optimizer must be an EmbeddingOptimizerConfig, got {type(optimizer).__name__}")
         check_comm(comm)  # fail before planning, not at shard time
+        unknown = sorted(set(sharding_types) - set(SHARDING_TYPES))
+        if unknown or not sharding_types:
+            raise ValueError(f"sharding_types {list(sharding_types)}: expected some of {list(SHARDING_TYPES)}")
         self.optimizer = optimizer
         self.comm = comm
+        self.offered = list(sharding_types)
 
     @property
     def module_type(self) -> type[EmbeddingBagCollection]:
         return EmbeddingBagCollection
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
-        return list(SHARDING_TYPES)
+        return list(self.offered)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return [EmbeddingComputeKernel.FUSED.value] if sharding_type in SHARDING_TYPES else []
+        return [EmbeddingComputeKernel.FUSED.value] if sharding_type in self.offered else []
 
     def shardable_parameters(self, module: EmbeddingBagCollection) -> dict[str, nn.Parameter]:
         # As torchrec's EmbeddingBagCollectionSharder: plan entries are keyed by table name.
