@@ -11,6 +11,7 @@ gradient) and the division.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,28 +19,32 @@ import torch
 from fused_dlrm.sparse.plan import RowBlock, RowWiseColumns
 
 
+# A value v of key k, clamped to +-2**40 (tables hold < 2**31 rows), sits at k * _KEY_SPAN + v on one line on which
+# every cut key starts at a point (`RowBuckets.starts`): one search over those few points finds each value's cut
+# key, without a [values x blocks] comparison.
+_KEY_SPAN, _CLAMP = 2 ** 42, 2 ** 40
+
+
 @dataclass
 class RowBuckets:
-    """The cut of one KJT key order: for key k, its blocks' first rows and where its first block's key falls in
-    the cut KJT's key order (`keys`)."""
+    """The cut of one KJT key order: where each cut key starts on the line of (key, index) and its block's first
+    row."""
     keys: list[str]  # the cut KJT's keys: each row-wise key replaced by its blocks' features, in row order
-    firsts: torch.Tensor  # [keys, max blocks] int64: block b's first row (past a key's blocks: int64's max)
-    first_key: torch.Tensor  # [keys] int64: the cut key of each key's block 0
+    starts: torch.Tensor  # [cut keys] int64, ascending: key k's block 0 below any of k's values, block b at its row
+    first_rows: torch.Tensor  # [cut keys] int64: what a value of that cut key is rebased by
     mean_keys: torch.Tensor  # the keys whose bag sizes divide their pooled sums (mean-pooled row-wise features)
 
     @classmethod
-    def of(cls, keys: list[str], blocks: dict[str, list[RowBlock]], mean_features: list[str],
+    def of(cls, keys: list[str], blocks: dict[str, list[RowBlock]], mean_features: Sequence[str],
            device: torch.device) -> "RowBuckets":
-        width = max(len(b) for b in blocks.values())
-        firsts, first_key, cut = [], [], []
-        for k in keys:
-            mine = blocks.get(k)
-            starts = [b.row for b in mine] if mine else [0]
-            firsts.append(starts + [torch.iinfo(torch.int64).max] * (width - len(starts)))
-            first_key.append(len(cut))
-            cut += [b.feature for b in mine] if mine else [k]
+        starts, first_rows, cut = [], [], []
+        for k, key in enumerate(keys):
+            mine = blocks.get(key) or [RowBlock(key, 0)]
+            starts += [k * _KEY_SPAN - 2 * _CLAMP] + [k * _KEY_SPAN + b.row for b in mine[1:]]
+            first_rows += [b.row for b in mine]
+            cut += [b.feature for b in mine]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
-        return cls(cut, as_tensor(firsts), as_tensor(first_key), as_tensor([keys.index(f) for f in mean_features]))
+        return cls(cut, as_tensor(starts), as_tensor(first_rows), as_tensor([keys.index(f) for f in mean_features]))
 
     def cut(self, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -53,11 +58,11 @@ class RowBuckets:
         ends = torch.cumsum(lengths.reshape(-1), 0)
         bag = torch.searchsorted(ends, torch.arange(n, device=values.device), right=True).clamp_(max=ends.numel() - 1)
         key, sample = bag // batch, bag % batch
-        firsts = self.firsts[key]  # [n, max blocks]
-        block = (values[:, None] >= firsts[:, 1:]).sum(1)
-        cut_key = self.first_key[key] + block
-        order = torch.sort(cut_key, stable=True).indices  # by cut key, each key's values keeping their order
-        cut_values = (values - firsts.gather(1, block[:, None]).squeeze(1)).to(values.dtype)[order]
+        line = key * _KEY_SPAN + values.long().clamp(-_CLAMP, _CLAMP)
+        cut_key = torch.searchsorted(self.starts, line, right=True) - 1
+        # by cut key, each key's values keeping their order (int32 keys: half the radix sort's passes)
+        order = torch.sort(cut_key.int(), stable=True).indices
+        cut_values = (values - self.first_rows[cut_key]).to(values.dtype)[order]
         cut_lengths = torch.zeros(len(self.keys) * batch, dtype=lengths.dtype, device=values.device)
         cut_lengths.index_add_(0, cut_key * batch + sample, torch.ones_like(cut_key, dtype=lengths.dtype))
         return cut_values, cut_lengths.view(len(self.keys), batch), None if weights is None else weights[order]
