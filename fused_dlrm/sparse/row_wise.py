@@ -85,26 +85,25 @@ class RowBlockSum:
         self._index: dict[torch.device, tuple] = {}
 
     def _tables(self, device: torch.device):
-        """Per later block b (1, 2, ...): (destination columns, wide source columns); and for the division, each
-        real column's divisor (0: none, i + 1: mean feature i)."""
+        """Per later block b (1, 2, ...): (destination columns, wide source columns); and for the division, the
+        mean-pooled features' columns and the feature of each (its divisor's column)."""
         if device not in self._index:
+            as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
             layers = []
             for b in range(1, max(len(c.block_cols) for c in self.columns)):
                 pairs = [(c.col + i, c.block_cols[b] + i) for c in self.columns if b < len(c.block_cols)
                          for i in range(c.dim)]
-                layers.append(tuple(torch.tensor(p, dtype=torch.int64, device=device) for p in zip(*pairs)))
-            divisor = [0] * self.real_len
-            for i, c in enumerate(c for c in self.columns if c.mean):
-                divisor[c.col:c.col + c.dim] = [i + 1] * c.dim
-            self._index[device] = (layers, torch.tensor(divisor, dtype=torch.int64, device=device))
+                layers.append(tuple(as_tensor(p) for p in zip(*pairs)))
+            means = [c for c in self.columns if c.mean]
+            self._index[device] = (layers, as_tensor([c.col + i for c in means for i in range(c.dim)]),
+                                   as_tensor([k for k, c in enumerate(means) for _ in range(c.dim)]))
         return self._index[device]
 
     def __call__(self, wide: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
-        layers, divisor = self._tables(wide.device)
+        layers, mean_cols, mean_of_col = self._tables(wide.device)
         out = wide[:, :self.real_len]
         for dst, src in layers:  # block by block: every sum in the same order
             out = out.index_add(1, dst, wide.index_select(1, src))
-        if self.mean_features:
-            denominators = torch.cat([divisors.new_ones(divisors.shape[0], 1), divisors], dim=1)
-            out = out / denominators[:, divisor]
+        if self.mean_features:  # only the mean-pooled features' columns: no pass over the rest
+            out = out.index_copy(1, mean_cols, out.index_select(1, mean_cols) / divisors[:, mean_of_col])
         return out
