@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fused_dlrm.kernels.batch_header import value_keys
 from fused_dlrm.sparse.plan import RowBlock, RowWiseColumns
 
 
@@ -51,12 +52,10 @@ class RowBuckets:
         """(values, lengths [cut keys, batch], weights) of the cut KJT. An index outside its table goes to its first
         or last block and stays outside that block's rows (the input dist's header reports it on the uncut KJT); a
         KJT whose values and lengths disagree is cut without failing (the header reports it too)."""
-        num_keys, batch = lengths.shape
-        n = values.numel()
-        if n == 0 or batch == 0:  # nothing to cut (values without samples: the header reports them)
+        batch = lengths.shape[1]
+        if values.numel() == 0 or batch == 0:  # nothing to cut (values without samples: the header reports them)
             return values, lengths.new_zeros(len(self.keys), batch), weights
-        ends = torch.cumsum(lengths.reshape(-1), 0)
-        bag = torch.searchsorted(ends, torch.arange(n, device=values.device), right=True).clamp_(max=ends.numel() - 1)
+        bag = value_keys(values, lengths.reshape(-1))  # each value's (key, sample), robust to a bad batch
         key, sample = bag // batch, bag % batch
         line = key * _KEY_SPAN + values.long().clamp(-_CLAMP, _CLAMP)
         cut_key = torch.searchsorted(self.starts, line, right=True) - 1
