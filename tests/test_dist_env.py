@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from fused_dlrm.dist.env import _pick_backend, _pick_device, init_distributed
 
@@ -69,6 +70,23 @@ def test_ranks_sharing_a_gpu_get_gloo_and_nccl_raises_before_joining(monkeypatch
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(ValueError, match="every local rank runs on cuda:0, which NCCL refuses: use backend=gloo"):
         init_distributed("cuda:0", "nccl")
+
+
+@pytest.mark.parametrize("device,backend,bound", [("cuda", "nccl", True), ("cuda:0", "gloo", False),
+                                                  ("cuda", "gloo", False)])
+def test_only_nccl_groups_are_bound_to_the_device(monkeypatch, device, backend, bound):
+    """A gloo group bound to a device made dist.new_group fail on a GPU (torch's split path, which gloo lacks)."""
+    one_gpu_machine(monkeypatch)
+    for name, value in dict(WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", RANK="0", LOCAL_RANK="0").items():
+        monkeypatch.setenv(name, value)
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    env = init_distributed(device, backend)
+    assert env.backend == backend
+    assert calls[0]["backend"] == backend
+    assert calls[0]["device_id"] == (torch.device("cuda", 0) if bound else None)
 
 
 def test_one_process_without_torchrun_has_no_process_group(monkeypatch):

@@ -77,7 +77,9 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
         dist.init_process_group(
             backend=chosen,
             timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=dev if dev.type == "cuda" else None,
+            # NCCL only: a device bound to a gloo group sends new_group down torch's split path, which gloo lacks
+            # (torch 2.11: a group leaving this rank out, e.g. model.tp_size's groups, raised AttributeError).
+            device_id=dev if chosen == "nccl" else None,
         )
     if dist.get_world_size() != world_size:
         raise RuntimeError(f"process group has {dist.get_world_size()} ranks but WORLD_SIZE={world_size}")
