@@ -9,6 +9,7 @@ element or unwritten partial tile shows.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -70,10 +71,11 @@ def assert_all_reduced(outs, xs, ws):
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("m", [1, 5, 64])
+@pytest.mark.parametrize("m", [1, 5, 64, 150])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_matches_reference(world_size, m, dtype, algorithm):
-    """N = 50: four tiles of 16, the last one partial; at 4 ranks one tile per rank. K = 40: a partial K tile."""
+    """N = 50: four tiles of 16, the last one partial; at 4 ranks one tile per rank. K = 40: a partial K tile.
+    M = 150: MANY_ROWS's two rows of tiles of 128, the second one partial (22 rows)."""
     world = World(world_size, algorithm=algorithm)
     gen = torch.Generator().manual_seed(m)
     for _ in range(2):  # both halves of the double buffers
@@ -83,13 +85,16 @@ def test_matches_reference(world_size, m, dtype, algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-@pytest.mark.parametrize("world_size,n", [(4, 20), (2, 7), (4, 130), (8, 130)])
-def test_skewed_shapes(world_size, n, algorithm):
+@pytest.mark.parametrize("world_size,m,n", [(4, 3, 20), (2, 3, 7), (4, 3, 130), (8, 3, 130), (4, 150, 40),
+                                            (8, 65, 7)])
+def test_skewed_shapes(world_size, m, n, algorithm):
     """Ranks owning no tile (N = 20 is two tiles for 4 ranks; N = 7 one partial tile) and more tiles than
-    programs (N = 130 at 3 programs; at 8 ranks a partial tile on the last owner)."""
+    programs (N = 130 at 3 programs; at 8 ranks a partial tile on the last owner). Many rows (tiles of 128
+    rows): M = 150 and N = 40 are 2 x 3 tiles over 4 ranks, so rank 1's two tiles lie in both rows of tiles and
+    rank 3 owns none; M = 65 and N = 7: one tile of 65 rows over 8 ranks."""
     world = World(world_size, algorithm=algorithm)
     gen = torch.Generator().manual_seed(n)
-    xs, ws = random_inputs(world_size, 3, 24, n, torch.bfloat16, gen)
+    xs, ws = random_inputs(world_size, m, 24, n, torch.bfloat16, gen)
     world.poison(xs, ws)
     assert_all_reduced(world(xs, ws), xs, ws)
 
@@ -138,15 +143,15 @@ def test_many_consecutive_calls_on_the_same_flags(algorithm):
 
 
 def test_grids_that_change_with_the_shape_share_the_flags():
-    """The default grid rule (one program per SM for shapes of at most one N tile per SM) with 2 "SMs" of 3
-    programs each: N = 20 (2 tiles) runs on 2 programs, N = 70 (5 tiles) on 6, alternating, on flags laid out for
+    """FEW_ROWS's grid rule (one program per SM for shapes of at most one tile per SM, else PROGRAMS_PER_SM)
+    with 3 "SMs": N = 20 (2 tiles) runs on 3 programs, N = 70 (5 tiles) on 6, alternating, on flags laid out for
     6 programs (a flag slot keeps its meaning whatever the grid). The interpreter runs the phases one after
     another, so this checks the grid choice and the results, not the timing of the flags."""
     world = World(2, num_programs=6)
     for op in world.ops:
-        op.fixed_grid, op.sm_count = False, 2
+        op.given_programs, op.sm_count = None, 3
     for n, plan in alternating_calls(world, 1, seed=6):
-        assert plan.num_programs == (2 if n == 20 else 6)
+        assert plan.num_programs == (3 if n == 20 else 6)
 
 
 def alternating_calls(world: World, m: int, seed: int):
@@ -210,17 +215,35 @@ from fused_dlrm.kernels import gemm_allreduce
 
 types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "error_ptr": "*i32"}
 types.update({n: "*i64" for n in ("recv_ptrs", "out_ptrs", "ready_ptrs", "done_ptrs")})
+many = gemm_allreduce.MANY_ROWS
 for one_shot in (True, False):
-    for block_m, stages in ((16, 5), (64, 3)):  # the plans' defaults
+    # The plans' defaults: FEW_ROWS at 16 and 64 rows (two programs per SM), MANY_ROWS (one per SM).
+    for m, block_m, block_n, block_k, stages, per_sm in ((16, 16, 64, 128, 5, 2), (64, 64, 64, 128, 3, 2),
+                                                         (4096, many.block_m, many.block_n, many.block_k,
+                                                          many.num_stages, many.programs_per_sm)):
         kernel = build(gemm_allreduce._gemm_allreduce_kernel, types, dict(
-            M=block_m, N=8192, K=4096, WORLD=2, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, K_TILES=16,
-            OUT_DTYPE=gemm_allreduce.tl.bfloat16, DOT_FP32=False, PHASES=gemm_allreduce.ALL_PHASES,
-            ONE_SHOT=one_shot), num_warps=8, num_stages=stages, divisible=("stride_xm", "stride_wk"))
-        # Two programs per SM (PROGRAMS_PER_SM) need at most half the SM's shared memory and registers.
-        assert kernel.metadata.shared <= 113 * 1024, (one_shot, block_m, kernel.metadata.shared)
+            M=m, N=8192, K=4096, WORLD=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            K_TILES=4096 // block_k, OUT_DTYPE=gemm_allreduce.tl.bfloat16, DOT_FP32=False,
+            PHASES=gemm_allreduce.ALL_PHASES, ONE_SHOT=one_shot), num_warps=8, num_stages=stages,
+            divisible=("stride_xm", "stride_wk"))
+        # per_sm programs on one SM: each within 1 / per_sm of its 227 KiB of shared memory.
+        assert kernel.metadata.shared <= 227 * 1024 // per_sm, (one_shot, block_m, kernel.metadata.shared)
 """
 
 
 def test_kernel_compiles_for_sm90():
-    """Both algorithms at the plans' default tiles compile for sm_90 within two programs per SM's shared memory."""
+    """Both algorithms at the plans' default tiles compile for sm_90 within their programs per SM's shared
+    memory."""
     compile_for_sm90(COMPILE_FOR_SM90)
+
+
+def test_tiling_by_rows():
+    """Up to 64 rows FEW_ROWS's tiles, more MANY_ROWS's; given fields replace both tilings' own."""
+    op = GemmAllReduce(SimulatedWorld(1).workspaces()[0], num_programs=1, block_n=16)
+    assert op._tiling(64) == replace(gemm_allreduce.FEW_ROWS, block_n=16)
+    assert op._tiling(65) == replace(gemm_allreduce.MANY_ROWS, block_n=16)
+    gen = torch.Generator().manual_seed(7)
+    for m, block_m in ((5, 16), (64, 64), (65, 128), (300, 128)):
+        xs, ws = random_inputs(1, m, 8, 20, torch.bfloat16, gen)
+        args = op.prepare(xs[0], ws[0]).args(xs[0], ws[0], 0)
+        assert args[gemm_allreduce._gemm_allreduce_kernel.arg_names.index("BLOCK_M")] == block_m

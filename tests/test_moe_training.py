@@ -256,11 +256,11 @@ def test_bf16_mixed_precision_trains_with_fp32_weights(tmp_path):
     assert logits.dtype == torch.float32
 
 
-def test_unknown_precision_and_bf16_with_fused_tp_are_clear_errors():
+def test_unknown_precision_and_fp32_with_fused_tp_are_clear_errors():
     with pytest.raises(ValueError, match="model.precision='fp8'"):
         build_model(config(*SMALL, "model.precision=fp8"), CPU)
-    with pytest.raises(ValueError, match="tp_comm=fused is not supported yet"):
-        MoETransformer(tp_group=object(), tp_comm="fused", compute_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="tp_comm=fused computes .* in bf16 or fp16.*set model.precision=bf16"):
+        MoETransformer(tp_group=object(), tp_comm="fused", compute_dtype=None)
 
 
 def _bf16_two_ranks(rank: int, world: int, tmp: str, one_process_losses) -> None:

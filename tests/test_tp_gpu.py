@@ -39,7 +39,7 @@ def _fused_matches_bulk(rank, world):
     ws = CudaSymmetricWorkspace()
     for algorithm in ("one_shot", "two_shot"):  # on the same flags and buffers
         op = GemmAllReduce(ws, algorithm=algorithm)
-        for m in (1, 16, 64):
+        for m in (1, 16, 64, 1000):  # 1000: rows of tiles, the last one partial
             for k, n in SHAPES:
                 x, w = _inputs(rank, m, k, n)
                 _check(op(x, w).clone(), gemm_allreduce_bulk(x, w), f"{algorithm} M={m} K={k} N={n}")
@@ -86,31 +86,39 @@ def test_timeout_names_rank_and_slice():
     run_world(2, _timeout, backend="nccl")
 
 
-def _linears_fused_match_bulk(rank, world, sequence_sharded):
+def _linears_fused_match_bulk(rank, world, sequence_sharded, rows, autocast):
     from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, _fused_all_reduce, tp_groups
 
     tp, _ = tp_groups(2)
+    epochs = _fused_all_reduce(tp).ws._epochs.get("gemm_allreduce", 0)
     layers = {comm: (ColumnParallelLinear(512, 1024, tp, comm, seed=1, sequence_sharded=sequence_sharded),
                      RowParallelLinear(1024, 512, tp, comm, seed=2)) for comm in ("bulk", "fused")}
     results = {}
     for comm, (up, down) in layers.items():
-        up.cuda().bfloat16()
-        down.cuda().bfloat16()
-        # Sequence-sharded: this rank's 16 x 2 rows, gathered to 64; replicated: the same 64 rows on every rank.
+        # autocast: fp32 weights and input, computed in bf16 (mixed precision); else bf16 weights and input.
+        dtype = torch.float32 if autocast else torch.bfloat16
+        up.cuda().to(dtype)
+        down.cuda().to(dtype)
+        # Sequence-sharded: this rank's rows / 2, gathered; replicated: the same rows on every rank.
         gen = torch.Generator(device="cuda").manual_seed(3 + (rank if sequence_sharded else 0))
-        x = torch.randn(16 if sequence_sharded else 32, 2, 512, device="cuda", generator=gen).bfloat16()
-        x.requires_grad_()
-        y = down(torch.relu(up(x)))  # 64 rows: the fused all-reduce's largest M
+        x = torch.randn(rows // 4 if sequence_sharded else rows // 2, 2, 512, device="cuda", generator=gen)
+        x = x.to(dtype).requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            y = down(torch.relu(up(x)))
+        assert y.dtype == torch.bfloat16
         gen.manual_seed(5)  # the output is replicated: the same gradient on every rank
         y.backward(torch.randn(y.shape, device="cuda", generator=gen).bfloat16())
+        assert x.grad.dtype == up.weight.grad.dtype == down.weight.grad.dtype == dtype
         results[comm] = (y.detach(), x.grad, up.weight.grad, down.weight.grad)
-    assert _fused_all_reduce(tp).ws._epochs.get("gemm_allreduce") == 1  # the fused forward ran, not the bulk twin
+    assert _fused_all_reduce(tp).ws._epochs.get("gemm_allreduce") == epochs + 1  # the fused forward ran, not bulk
     for name, fused, bulk in zip(("y", "x.grad", "up.grad", "down.grad"), results["fused"], results["bulk"]):
         err = float((fused.float() - bulk.float()).abs().max() / bulk.float().abs().max())
         assert err < 2e-2, f"{name}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("rows", [64, 1000])  # one row of tiles (decode-sized); a training step's tokens
 @pytest.mark.parametrize("sequence_sharded", [False, True])
-def test_tp_linears_fused_match_bulk(sequence_sharded, backend):
-    run_world(2, _linears_fused_match_bulk, sequence_sharded, backend=backend)
+def test_tp_linears_fused_match_bulk(sequence_sharded, rows, autocast, backend):
+    run_world(2, _linears_fused_match_bulk, sequence_sharded, rows, autocast, backend=backend)

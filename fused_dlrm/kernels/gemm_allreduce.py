@@ -1,10 +1,13 @@
-"""GEMV/GEMM + AllReduce in one persistent launch (row-parallel linear: decode and small-batch prefill).
+"""GEMV/GEMM + AllReduce in one persistent launch (row-parallel linear: decode, prefill and training).
 
-out[M, N] = sum over ranks r of x_r[M, K_r] @ w_r[K_r, N], for M in 1..64, fp16/bf16 in, fp32 accumulation.
-N is cut into tiles of BLOCK_N, and each tile's K into `split_k` chunks so that a GEMV has enough (tile, chunk)
-work units to fill the GPU. Two algorithms, one launch each:
+out[M, N] = sum over ranks r of x_r[M, K_r] @ w_r[K_r, N], fp16/bf16 in, fp32 accumulation. The output is cut
+into tiles of [BLOCK_M, BLOCK_N], numbered row of tiles by row of tiles (tile t: M tile t // n_tiles, N tile
+t % n_tiles): up to 64 rows are one row of tiles (BLOCK_M: M rounded up to a power of two, at least 16), more
+rows are cut into rows of larger tiles (the FEW_ROWS and MANY_ROWS tilings). Each tile's K is cut into `split_k`
+chunks so that a GEMV has enough (tile, chunk) work units to fill the GPU. Two algorithms, one launch each:
 
-two-shot: rank d owns the contiguous range of tiles [d * T, (d + 1) * T), T = cdiv(tiles, world). Three phases
+two-shot: rank d owns the contiguous range of tiles [d * T, (d + 1) * T), T = cdiv(tiles, world) (for many rows:
+a band of output rows, as a reduce-scatter over rows would give it). Three phases
 per program:
 1. produce (zero-copy reduce-scatter): the fp32 partial product of every unit, stored straight into the owner's
    receive slot [source rank, K chunk, tile]. Owners are walked remote first, rotated by rank, the local rank
@@ -21,9 +24,9 @@ reading the weight and by flag latency rather than by bytes over the links.
 Either way the fixed order makes the result bit-identical on every rank.
 
 Programs wait for flags raised by other programs of the same launch, here and on peers: the grid must be
-co-resident. The default, PROGRAMS_PER_SM = 2, fits the launched configurations on sm_90 (8 warps; 5 stages at
+co-resident. FEW_ROWS's PROGRAMS_PER_SM = 2 fits its configurations on sm_90 (8 warps; 5 stages at
 BLOCK_M 16: 64 registers, 80 KiB of shared memory per program; 3 stages above: 105 registers, 96 KiB at BLOCK_M
-64; ptxas figures of the 2026-11-23 sweep on 2 x H200, docs/benchmarks.md); were it not
+64; ptxas figures of the 2026-11-23 sweep on 2 x H200, docs/benchmarks.md), MANY_ROWS runs one per SM; were it not
 co-resident (e.g. a larger `programs_per_sm` or `num_stages` given to the constructor for a sweep), the waits
 would time out and raise, not hang. The Triton interpreter runs programs one after another, so a
 simulated world launches the three phases separately (`PHASES`), every rank's phase before the next phase.
@@ -34,7 +37,7 @@ reduces every tile from every rank), i.e. every peer has started call e + 1 and 
 of call e; so the half that call e + 2 overwrites is no longer read. The returned output is a view of symmetric
 memory, valid until the call after next (later stores to it come from call e + 2). Flags carry the epoch, are
 never reset and are compared with `>=`; a wait that times out records (1, peer, slice) in the error word, which
-`PeerErrors` raises on the host as PeerWaitTimeout (slice: the N tile being reduced, or in the wait phase the
+`PeerErrors` raises on the host as PeerWaitTimeout (slice: the tile being reduced, or in the wait phase the
 program whose output flag is missing).
 
 `gemm_allreduce_reference` is the pure-torch definition; `gemm_allreduce_bulk` the bulk twin (matmul, then
@@ -43,7 +46,7 @@ torch.distributed.all_reduce).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -56,7 +59,6 @@ from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, PeerErrors, signal
 
 PRODUCE, REDUCE, WAIT = 1, 2, 4  # the phases of a launch (PHASES is their sum)
 ALL_PHASES = PRODUCE | REDUCE | WAIT
-MAX_ROWS = 64
 PROGRAMS_PER_SM = 2
 ALGORITHMS = ("auto", "one_shot", "two_shot")
 ONE_SHOT_MAX_BYTES = 8 << 20  # auto: one-shot while the partials a rank pushes to its peers stay below this
@@ -76,20 +78,21 @@ def gemm_allreduce_bulk(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGro
 
 
 @triton.jit
-def _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, M, N, K, tile, chunk, k_chunk,
+def _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, M, N, K, tile, n_tiles, chunk, k_chunk,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                   DOT_FP32: tl.constexpr):
-    """This rank's [BLOCK_M, BLOCK_N] fp32 partial product of N tile `tile` over K chunk `chunk`."""
-    rows = tl.arange(0, BLOCK_M)
+    """This rank's [BLOCK_M, BLOCK_N] fp32 partial product of tile `tile` (M tile tile // n_tiles, N tile
+    tile % n_tiles) over K chunk `chunk`."""
+    rows = (tile // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
-    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = (tile % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = chunk * k_chunk
     k_end = tl.minimum(k_begin + k_chunk, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i in range(K_TILES):
         k = k_begin + i * BLOCK_K + ks
         k_mask = k < k_end
-        a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
+        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :] * stride_xk,  # M*K > 2^31
                     mask=(rows < M)[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptr + k[:, None].to(tl.int64) * stride_wk + n[None, :] * stride_wn,  # K*N > 2^31
                     mask=k_mask[:, None] & (n[None, :] < N), other=0.0)
@@ -106,7 +109,7 @@ def _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, M, N
 def _gemm_allreduce_kernel(
     x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn,
     recv_ptrs, out_ptrs, ready_ptrs, done_ptrs, error_ptr,
-    rank, epoch, M, N, K, recv_half, out_half, num_tiles, tiles_per_rank, split_k, k_chunk, num_programs,
+    rank, epoch, M, N, K, recv_half, out_half, num_tiles, n_tiles, tiles_per_rank, split_k, k_chunk, num_programs,
     flag_stride, spin_limit,
     WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr, OUT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, PHASES: tl.constexpr,
@@ -115,8 +118,7 @@ def _gemm_allreduce_kernel(
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    slot_size = M * BLOCK_N  # one partial tile in a receive slot: [M, BLOCK_N] fp32
+    slot_size = tl.minimum(M, BLOCK_M) * BLOCK_N  # one partial tile in a receive slot: [<= BLOCK_M, BLOCK_N] fp32
     parity = epoch % 2
 
     if PHASES & 1:  # produce: partial tiles into the receive slots of the ranks that reduce them
@@ -125,9 +127,10 @@ def _gemm_allreduce_kernel(
             while u < num_tiles * split_k:
                 j = u // split_k
                 chunk = u % split_k
-                acc = _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, M, N, K, j, chunk,
-                                    k_chunk, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, DOT_FP32)
-                slot = ((rank * split_k + chunk) * tiles_per_rank + j) * slot_size
+                acc = _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, M, N, K, j, n_tiles,
+                                    chunk, k_chunk, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, DOT_FP32)
+                slot = ((rank * split_k + chunk) * tiles_per_rank + j).to(tl.int64) * slot_size
+                row_mask = (j // n_tiles) * BLOCK_M + rows < M
                 for step in tl.static_range(1, WORLD + 1):  # remote first, rotated by rank
                     recv = tl.load(recv_ptrs + (rank + step) % WORLD).to(tl.pointer_type(tl.float32))
                     tl.store(recv + parity * recv_half + slot + rows[:, None] * BLOCK_N + cols[None, :], acc,
@@ -143,10 +146,11 @@ def _gemm_allreduce_kernel(
                 while u < owned * split_k:
                     j = u // split_k
                     chunk = u % split_k
-                    acc = _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, M, N, K,
-                                        owner * tiles_per_rank + j, chunk, k_chunk, BLOCK_M, BLOCK_N, BLOCK_K,
-                                        K_TILES, DOT_FP32)
-                    slot = ((rank * split_k + chunk) * tiles_per_rank + j) * slot_size
+                    tile = owner * tiles_per_rank + j
+                    acc = _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, M, N, K, tile,
+                                        n_tiles, chunk, k_chunk, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, DOT_FP32)
+                    slot = ((rank * split_k + chunk) * tiles_per_rank + j).to(tl.int64) * slot_size
+                    row_mask = (tile // n_tiles) * BLOCK_M + rows < M
                     tl.store(recv + slot + rows[:, None] * BLOCK_N + cols[None, :], acc, mask=row_mask[:, None])
                     u += num_programs
                 tl.debug_barrier()  # this program's stores for `owner` before its flag there
@@ -168,24 +172,28 @@ def _gemm_allreduce_kernel(
                                     source, first_tile + j)
                     chunk += 1
             tl.debug_barrier()  # the flags this program's threads acquired cover the partials any of them loads
+            tile = first_tile + j
+            out_rows = (tile // n_tiles) * BLOCK_M + rows
+            row_mask = out_rows < M
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for source in tl.static_range(WORLD):
                 chunk = 0
                 while chunk < split_k:
-                    slot = ((source * split_k + chunk) * tiles_per_rank + j) * slot_size
+                    slot = ((source * split_k + chunk) * tiles_per_rank + j).to(tl.int64) * slot_size
                     acc += tl.load(recv + slot + rows[:, None] * BLOCK_N + cols[None, :], mask=row_mask[:, None],
                                    other=0.0, cache_modifier=".cg")  # peers wrote these: not from L1
                     chunk += 1
             result = acc.to(OUT_DTYPE)
-            n = (first_tile + j) * BLOCK_N + cols
+            n = (tile % n_tiles) * BLOCK_N + cols
             out_mask = row_mask[:, None] & (n[None, :] < N)
+            out_offsets = out_rows[:, None].to(tl.int64) * N + n[None, :]
             if ONE_SHOT:  # every rank reduces every tile itself
                 out = tl.load(out_ptrs + rank).to(tl.pointer_type(OUT_DTYPE)) + parity * out_half
-                tl.store(out + rows[:, None] * N + n[None, :], result, mask=out_mask)
+                tl.store(out + out_offsets, result, mask=out_mask)
             else:
                 for step in tl.static_range(1, WORLD + 1):
                     out = tl.load(out_ptrs + (rank + step) % WORLD).to(tl.pointer_type(OUT_DTYPE)) + parity * out_half
-                    tl.store(out + rows[:, None] * N + n[None, :], result, mask=out_mask)
+                    tl.store(out + out_offsets, result, mask=out_mask)
             j += num_programs
         if not ONE_SHOT:
             signal_ready(done_ptrs, rank * flag_stride + pid, epoch, WORLD)
@@ -207,6 +215,26 @@ def default_split_k(m: int, k: int, num_tiles: int, num_programs: int, block_k: 
     return max(1, min(num_programs // num_tiles, k // (16 * block_k), k // (40 * m)))
 
 
+@dataclass(frozen=True)
+class Tiling:
+    """A plan's tiles and launch shape."""
+    block_m: int  # the most rows of a tile (fewer rows: M rounded up to a power of two, at least 16)
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int | None  # Triton's pipelining depth of the K loop; None: 5 at BLOCK_M 16, 3 above (where 5
+    #                         stages leave no room for two programs per SM)
+    programs_per_sm: int | None  # None: PROGRAMS_PER_SM, but one per SM for at most one tile per SM
+
+
+# Up to 64 rows (decode, small prefill): one row of tiles; sweeps on 2 x H200 (docs/benchmarks.md, 2026-11-23).
+FEW_ROWS = Tiling(block_m=64, block_n=64, block_k=128, num_warps=8, num_stages=None, programs_per_sm=None)
+# More rows (a training step's tokens): the largest tiles, one program per SM (144 KiB of shared memory). On one
+# H200, M = 4096 to 16384, the produce phase took 1.18-1.52x cuBLAS's x @ w against 2.3-3.9x for FEW_ROWS's tiles
+# and 1.56-2.0x for 128 x 128 (docs/benchmarks.md, 2026-12-02, scripts/one_gpu/gemm_allreduce_rows.py).
+MANY_ROWS = Tiling(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, programs_per_sm=1)
+
+
 @dataclass
 class Plan:
     """What every call of one key (GemmAllReduce._key) does alike: buffers, tiling and kernel arguments, computed
@@ -226,16 +254,14 @@ class GemmAllReduce:
     """out = sum over the workspace's ranks of x @ w, fused into one launch (see the module docstring).
 
     Every rank must call with the same M, K, N, dtype and the same number of times (flags carry per-call
-    epochs). Block sizes are fixed per instance (Triton compiles one kernel per (BLOCK_M, K_TILES, dtype)); the
-    launch has `num_programs` persistent programs, by default `programs_per_sm` per SM, and with
-    programs_per_sm=None PROGRAMS_PER_SM per SM, but one per SM for a shape of at most one N tile per SM (the
-    2 x H200 sweep of call TP3, M=1, K=4096 per rank: N=8192 (128 tiles) took 34.4 us on one program per SM
-    against 42.0 on two, half of them idle while their flags are still polled; N=28672 78.2 against 80.2 the
-    other way round); the flags are sized for the largest grid;
-    `num_stages`: Triton's software pipelining depth of the K loop (None: 5 at BLOCK_M 16, 3 above, where 5
-    stages no longer leave room for two programs per SM). Defaults from a sweep on 2 x H200 (parameters
-    for a sweep; the grid must stay co-resident, see the module docstring). `algorithm`: "one_shot",
-    "two_shot", or "auto" (by the bytes a rank pushes, see the module docstring).
+    epochs). A plan tiles by FEW_ROWS up to 64 rows and by MANY_ROWS above; `block_m` ... `programs_per_sm`,
+    where given, replace those tilings' fields (for tests and sweeps; the grid must stay co-resident, see the
+    module docstring). The launch has `num_programs` persistent programs when given, else the tiling's
+    programs per SM, and for FEW_ROWS PROGRAMS_PER_SM per SM, but one per SM for a shape of at most one tile per
+    SM (the 2 x H200 sweep of call TP3, M=1, K=4096 per rank: N=8192 (128 tiles) took 34.4 us on one program per
+    SM against 42.0 on two, half of them idle while their flags are still polled; N=28672 78.2 against 80.2 the
+    other way round); the flags are sized for the largest grid. `algorithm`: "one_shot", "two_shot", or "auto"
+    (by the bytes a rank pushes, see the module docstring).
 
     Host time per call is kept small (a GEMV's kernel takes tens of microseconds): what depends only on the
     call's key is computed once into a `Plan`, and GPUs launch the plan's compiled binary (kernels/launch.py).
@@ -244,8 +270,9 @@ class GemmAllReduce:
     """
 
     def __init__(self, workspace: _Workspace, num_programs: int | None = None, spin_limit: int = DEFAULT_SPIN_LIMIT,
-                 block_n: int = 64, block_k: int = 128, split_k: int | None = None, num_warps: int = 8,
-                 num_stages: int | None = None, programs_per_sm: int | None = None, algorithm: str = "auto"):
+                 block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                 split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                 programs_per_sm: int | None = None, algorithm: str = "auto"):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={algorithm!r}: expected one of {ALGORITHMS}")
         if getattr(workspace, "transport", "p2p") != "p2p":
@@ -253,13 +280,15 @@ class GemmAllReduce:
         self.ws = workspace
         self.rank, self.world = workspace.rank, workspace.world_size
         device = workspace.device
-        self.fixed_grid = num_programs is not None or programs_per_sm is not None
+        given = dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                     programs_per_sm=programs_per_sm)
+        self.tilings = [replace(t, **{k: v for k, v in given.items() if v is not None}) for t in (FEW_ROWS, MANY_ROWS)]
+        self.given_programs = num_programs
         if num_programs is None:
             self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-            num_programs = (programs_per_sm or PROGRAMS_PER_SM) * self.sm_count
+            num_programs = max(t.programs_per_sm or PROGRAMS_PER_SM for t in self.tilings) * self.sm_count
         self.num_programs, self.spin_limit = num_programs, spin_limit  # the largest grid: the flags' stride
-        self.block_n, self.block_k, self.split_k = block_n, block_k, split_k
-        self.num_warps, self.num_stages = num_warps, num_stages
+        self.split_k = split_k
         self.algorithm = algorithm
         self.errors = PeerErrors(device, self.rank, "fused GEMM + all-reduce")
         self.ready = workspace.buffer("gemm_allreduce_ready", self.world * num_programs, torch.int32)
@@ -271,11 +300,17 @@ class GemmAllReduce:
         epoch = self.next_epoch()
         return self.output(epoch, self.launch(x, w, epoch, ALL_PHASES))
 
-    def _programs(self, num_tiles: int) -> int:
+    def _tiling(self, m: int) -> Tiling:
+        few, many = self.tilings
+        return few if m <= few.block_m else many
+
+    def _programs(self, num_tiles: int, tiling: Tiling) -> int:
         """A plan's grid (see the class docstring)."""
-        if self.fixed_grid or num_tiles > self.sm_count:
-            return self.num_programs
-        return self.sm_count
+        if self.given_programs is not None:
+            return self.given_programs
+        if tiling.programs_per_sm is not None:
+            return tiling.programs_per_sm * self.sm_count
+        return self.sm_count if num_tiles <= self.sm_count else PROGRAMS_PER_SM * self.sm_count
 
     def next_epoch(self) -> int:
         self.errors.check()
@@ -308,37 +343,40 @@ class GemmAllReduce:
 
     def _plan(self, key: tuple, x: torch.Tensor, w: torch.Tensor, phases: int) -> Plan:
         (m, k), n = x.shape, w.shape[1]
-        if not 1 <= m <= MAX_ROWS or w.shape[0] != k or x.dtype != w.dtype or x.dtype not in (torch.float16,
-                                                                                             torch.bfloat16):
-            raise ValueError(f"expected x [M <= {MAX_ROWS}, K] and w [K, N] of one dtype, fp16 or bf16; got "
+        if m < 1 or w.shape[0] != k or x.dtype != w.dtype or x.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"expected x [M, K] and w [K, N] of one dtype, fp16 or bf16; got "
                              f"{tuple(x.shape)} {x.dtype} and {tuple(w.shape)} {w.dtype}")
-        num_tiles = triton.cdiv(n, self.block_n)
-        P = self._programs(num_tiles)
-        split_k = self.split_k or default_split_k(m, k, num_tiles, P, self.block_k)
-        k_tiles = triton.cdiv(triton.cdiv(k, split_k), self.block_k)
-        split_k = triton.cdiv(k, k_tiles * self.block_k)  # K chunks of whole BLOCK_K tiles, none of them empty
+        tiling = self._tiling(m)
+        block_m = max(16, triton.next_power_of_2(min(m, tiling.block_m)))
+        n_tiles = triton.cdiv(n, tiling.block_n)
+        num_tiles = triton.cdiv(m, block_m) * n_tiles
+        P = self._programs(num_tiles, tiling)
+        split_k = self.split_k or default_split_k(m, k, num_tiles, P, tiling.block_k)
+        k_tiles = triton.cdiv(triton.cdiv(k, split_k), tiling.block_k)
+        split_k = triton.cdiv(k, k_tiles * tiling.block_k)  # K chunks of whole BLOCK_K tiles, none of them empty
         one_shot = self._one_shot(split_k * m * n * 4)
         tiles_per_rank = num_tiles if one_shot else triton.cdiv(num_tiles, self.world)  # the tiles a rank reduces
-        recv = self.ws.buffer("gemm_allreduce_recv", 2 * self.world * split_k * tiles_per_rank * m * self.block_n,
-                              torch.float32)
+        slot_rows = min(m, block_m)
+        recv = self.ws.buffer("gemm_allreduce_recv",
+                              2 * self.world * split_k * tiles_per_rank * slot_rows * tiling.block_n, torch.float32)
         out = self.ws.buffer("gemm_allreduce_out", 2 * m * n, x.dtype)
         # Plans made before a buffer grew point into the old one: drop them (their keys plan anew).
         self._plans = {k: p for k, p in self._plans.items() if p.recv is recv and p.out is out}
         half = out.local.numel() // 2
         outputs = out.local[:m * n].view(m, n), out.local[half:half + m * n].view(m, n)
         interpret = self._launches.interpret
-        block_m = max(16, triton.next_power_of_2(m))
-        options = dict(num_warps=self.num_warps, num_stages=self.num_stages or (5 if block_m == 16 else 3))
+        options = dict(num_warps=tiling.num_warps, num_stages=tiling.num_stages or (5 if block_m == 16 else 3))
         args = Arguments(
             _gemm_allreduce_kernel, ("x_ptr", "w_ptr", "epoch"),
             stride_xm=x.stride(0), stride_xk=x.stride(1), stride_wk=w.stride(0), stride_wn=w.stride(1),
             recv_ptrs=recv.peer_ptrs, out_ptrs=out.peer_ptrs, ready_ptrs=self.ready.peer_ptrs,
             done_ptrs=self.done.peer_ptrs, error_ptr=self.errors.word, rank=self.rank, M=m, N=n, K=k,
-            recv_half=recv.local.numel() // 2, out_half=half, num_tiles=num_tiles, tiles_per_rank=tiles_per_rank,
-            split_k=split_k, k_chunk=k_tiles * self.block_k, num_programs=P, flag_stride=self.num_programs,
+            recv_half=recv.local.numel() // 2, out_half=half, num_tiles=num_tiles, n_tiles=n_tiles,
+            tiles_per_rank=tiles_per_rank,
+            split_k=split_k, k_chunk=k_tiles * tiling.block_k, num_programs=P, flag_stride=self.num_programs,
             spin_limit=self.spin_limit,
-            WORLD=self.world, BLOCK_M=block_m, BLOCK_N=self.block_n,
-            BLOCK_K=self.block_k, K_TILES=k_tiles, OUT_DTYPE=TL_DTYPES[x.dtype], DOT_FP32=interpret, PHASES=phases,
+            WORLD=self.world, BLOCK_M=block_m, BLOCK_N=tiling.block_n,
+            BLOCK_K=tiling.block_k, K_TILES=k_tiles, OUT_DTYPE=TL_DTYPES[x.dtype], DOT_FP32=interpret, PHASES=phases,
             ONE_SHOT=one_shot)
         plan = self._plans[key] = Plan(key, P, recv, out, outputs, args, options, one_shot, split_k)
         return plan

@@ -7,9 +7,11 @@ RowParallelLinear: y[..., out] = sum_r x_r @ W_r^T, rank r holding columns r of 
 all-reduce of the output is Megatron's "g" (backward: the gradient is already replicated, nothing to do).
 
 comm="bulk": torch.distributed collectives inside autograd functions (gloo on the CPU, NCCL on GPUs).
-comm="fused" (CUDA only, fp16/bf16): RowParallelLinear computes x @ W_r^T and the all-reduce in one launch
-(kernels.gemm_allreduce) when x has at most 64 rows (decode, small prefill), the bulk twin above that; a
-sequence-sharded ColumnParallelLinear runs the all-gather + GEMM (kernels.allgather_gemm, device push).
+comm="fused" (CUDA only; fp16/bf16 inputs, or fp32 ones under CUDA autocast to fp16/bf16, which are cast as
+autocast casts a linear's operands; fp32 without autocast takes the bulk twin): RowParallelLinear computes
+x @ W_r^T and the all-reduce in one launch (kernels.gemm_allreduce: any number of rows, from decode's one to a
+training step's tokens); a sequence-sharded ColumnParallelLinear runs the all-gather + GEMM (kernels.allgather_gemm,
+device push).
 A replicated-input ColumnParallelLinear has no forward communication to fuse. The backward of a fused forward is
 the bulk twin's: the conjugate collective on the gradient (reduce-scatter, resp. none).
 
@@ -29,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fused_dlrm.kernels.allgather_gemm import all_gather_matmul
-from fused_dlrm.kernels.gemm_allreduce import MAX_ROWS, GemmAllReduce
+from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce
 
 COMMS = ("bulk", "fused")
+LOW_PRECISION = (torch.float16, torch.bfloat16)  # what the fused kernels compute in
 
 
 def tp_groups(tp_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
@@ -181,13 +184,20 @@ class TPLinear(nn.Module):
         """This rank's shard of the weight."""
         return self._parameters[self._name]
 
-    def _check_fused(self, x: torch.Tensor) -> bool:
-        """Whether to run the fused kernels (comm=fused, a group of several ranks, fp16/bf16); refuses the CPU."""
+    def _fused_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype the fused kernels compute in (comm=fused, a group of several ranks): x's when fp16/bf16, else
+        CUDA autocast's when that is fp16/bf16 (mixed precision: x and the weight are cast, as autocast casts a
+        linear's operands); None: the bulk twin (fp32 without autocast; the kernels take fp16/bf16). Refuses the
+        CPU."""
         if self.comm != "fused" or self.tp_size == 1:
-            return False
+            return None
         if not x.is_cuda:
             raise RuntimeError("comm=fused needs CUDA tensors (symmetric memory); use comm=bulk on the CPU")
-        return x.dtype in (torch.float16, torch.bfloat16)
+        if x.dtype in LOW_PRECISION:
+            return x.dtype
+        if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in LOW_PRECISION:
+            return torch.get_autocast_dtype("cuda")
+        return None
 
 
 class ColumnParallelLinear(TPLinear):
@@ -210,10 +220,11 @@ class ColumnParallelLinear(TPLinear):
         if self.tp_size == 1:
             return F.linear(x, self.weight)
         if not self.sequence_sharded:
-            self._check_fused(x)  # refuses the CPU; nothing to fuse in forward
+            self._fused_dtype(x)  # refuses the CPU; nothing to fuse in forward
             return F.linear(_CopyToTP.apply(x, self.group), self.weight)
-        if self._check_fused(x):
-            y = _FusedGatherMatmul.apply(x.reshape(-1, x.shape[-1]), self.weight.to(x.dtype), self.group)
+        dtype = self._fused_dtype(x)
+        if dtype is not None:
+            y = _FusedGatherMatmul.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.weight.to(dtype), self.group)
             return y.view(self.tp_size * x.shape[0], *x.shape[1:-1], y.shape[-1])
         return F.linear(_GatherRows.apply(x, self.group), self.weight)
 
@@ -235,8 +246,9 @@ class RowParallelLinear(TPLinear):
         if self.tp_size == 1:
             return F.linear(x, self.weight)
         x2d = x.reshape(-1, x.shape[-1])
-        if self._check_fused(x) and x2d.shape[0] <= MAX_ROWS:
-            y = _FusedRowParallel.apply(x2d, self.weight.to(x.dtype), _fused_all_reduce(self.group))
+        dtype = self._fused_dtype(x)
+        if dtype is not None:
+            y = _FusedRowParallel.apply(x2d.to(dtype), self.weight.to(dtype), _fused_all_reduce(self.group))
         else:
             y = _ReduceFromTP.apply(F.linear(x2d, self.weight), self.group)
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -45,8 +45,6 @@ for m, k, n, variants in [
     ops = []
     for v in variants:
         op = GemmAllReduce(SimulatedWorld(2, "cuda").workspaces()[0], algorithm="one_shot", **v)
-        if not v:
-            op.fixed_grid = False  # the library default: the grid rule
         plan = op.prepare(x, w, PRODUCE)
         ops.append((v, op, plan))
     res = {str(v): [] for v, _, _ in ops}
