@@ -18,12 +18,60 @@ from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizer, EmbeddingOptimizerConfig
 
 
+# A table's initialisation is defined in chunks of this many rows, each drawn from a generator of its own, so that
+# any rows of it can be drawn without the rest (a row block on its rank). Read at call time (tests shrink it).
+INIT_CHUNK_ROWS = 1 << 18
+
+# Chunk c > 0 of a table seeded s is seeded s + c * _CHUNK_SEED_STEP (mod 2^64), not s + c: that is chunk 0 of the
+# table seeded s + c (table_seeds gives a collection's tables consecutive seeds). The CPU generator keeps a seed's low
+# 32 bits, so chunk c of seed s and chunk c' of seed s' share a generator only if s - s' = (c' - c) * step (mod 2^32):
+# never within one table (the step is odd), and across tables never while their seeds differ by less than 170034
+# and the chunk numbers stay below 16384 (4e9 rows), as k * step (mod 2^32) stays that far from 0 for 0 < |k| <
+# 16384 (tests/test_table_init.py). CUDA's generator keeps all 64 bits: never while the seeds differ by less than
+# the step.
+_CHUNK_SEED_STEP = 0x9E3779B9  # 2^32 / the golden ratio, odd: its multiples stay far from 0 (mod 2^32)
+
+
+def init_chunk_seed(seed: int, chunk: int) -> int:
+    """The seed of chunk `chunk`'s generator: chunk 0's is the table's own (a table of one chunk is drawn as it was
+    before chunks existed), a later one's derived from (seed, chunk)."""
+    return seed if chunk == 0 else (seed + chunk * _CHUNK_SEED_STEP) % 2**64
+
+
+def init_block(config: EmbeddingBagConfig, seed: int, device: torch.device, row: int = 0, rows: int | None = None,
+               col: int = 0, dim: int | None = None) -> torch.Tensor:
+    """Rows [row, row + rows) and columns [col, col + dim) of the table's initialisation (None: to the table's end):
+    torchrec's default init, U(-sqrt(1/num_embeddings), sqrt(1/num_embeddings)), drawn in chunks of INIT_CHUNK_ROWS
+    rows, each full width [chunk rows, embedding_dim] from its own generator (init_chunk_seed), so every block
+    and column shard of a table holds the same values as the table drawn whole. Only the chunks the rows overlap
+    are drawn, one at a time into the result: at most the result and one chunk are alive."""
+    num_rows, width = config.num_embeddings, config.embedding_dim
+    rows = num_rows - row if rows is None else rows
+    dim = width - col if dim is None else dim
+    if not (0 <= row <= row + rows <= num_rows and 0 <= col <= col + dim <= width):
+        raise ValueError(f"table {config.name} ([{num_rows}, {width}]) has no rows [{row}, {row + rows}) and "
+                         f"columns [{col}, {col + dim})")
+    chunk_rows = INIT_CHUNK_ROWS
+    bound = (1.0 / num_rows) ** 0.5
+    out = None
+    for c in range(row // chunk_rows, -(-(row + rows) // chunk_rows) if rows else 0):  # the chunks overlapping the rows
+        start = c * chunk_rows
+        chunk = torch.empty(min(chunk_rows, num_rows - start), width, device=device)
+        chunk.uniform_(-bound, bound, generator=torch.Generator(device=device).manual_seed(init_chunk_seed(seed, c)))
+        if (start, len(chunk), col, dim) == (row, rows, 0, width):  # the block is this one chunk
+            return chunk
+        if out is None:
+            out = torch.empty(rows, dim, device=device)
+        first, stop = max(row, start), min(row + rows, start + len(chunk))
+        out[first - row:stop - row] = chunk[first - start:stop - start, col:col + dim]
+        del chunk  # before the next one is drawn
+    return torch.empty(0, dim, device=device) if out is None else out
+
+
 def init_table(config: EmbeddingBagConfig, seed: int, device: torch.device) -> torch.Tensor:
-    """torchrec's default init, U(-sqrt(1/rows), sqrt(1/rows)), from a generator of its own per table."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    bound = (1.0 / config.num_embeddings) ** 0.5
-    w = torch.empty(config.num_embeddings, config.embedding_dim, device=device)
-    return w.uniform_(-bound, bound, generator=gen)
+    """The whole table's initialisation (init_block); a table of at most INIT_CHUNK_ROWS rows is one draw of
+    [rows, dim] from a generator seeded `seed`."""
+    return init_block(config, seed, device)
 
 
 class Table(nn.Module):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from itertools import groupby
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,7 @@ from torchrec.distributed.comm_ops import get_gradient_division
 
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
 from fused_dlrm.sparse.input_dist import BulkInputDist, OwnedBags
-from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, Table, init_table
+from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, Table, init_block
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.output_dist import BulkOutputDist
 from fused_dlrm.sparse.plan import FeatureSlice, Shard, TableShardingPlan, plan_sharding
@@ -59,7 +58,7 @@ _DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 
 
 def table_seeds(tables: list[EmbeddingBagConfig], seed: int) -> dict[str, int]:
-    """The seed of each table's initialisation (init_table): from its place in the config, not from the plan."""
+    """The seed of each table's initialisation (init_block): from its place in the config, not from the plan."""
     return {t.name: seed * 100_003 + i for i, t in enumerate(tables)}
 
 
@@ -99,15 +98,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                         self.plan.row_blocks(tables), [c.feature for c in row_wise if c.mean])
         seeds = table_seeds(tables, seed)
         by_name = {t.name: t for t in tables}
-        # A shard starts as its rows and columns of the whole table's initialisation, so that the plan does not
-        # change the model: each table is drawn whole, once per rank holding shards of it, for a moment.
+        # A shard starts as its rows and columns of its table's initialisation, so that the plan does not change the
+        # model; init_block draws only the chunks of rows the shard overlaps, never a whole table cut into blocks.
         self.embedding_bags = nn.ModuleDict()
-        for name, shards in groupby(self.plan.shards_of(self.rank), key=lambda s: s.table):
-            table = by_name[name]
-            whole = init_table(table, seeds[name], device)
-            for s in shards:
-                self.embedding_bags[s.name] = Table(shard_weight(whole, s).to(_DTYPES[table.data_type.name]))
-            del whole
+        for s in self.plan.shards_of(self.rank):
+            table = by_name[s.table]
+            weight = init_block(table, seeds[s.table], device, s.row, s.num_rows(table), s.col, s.dim)
+            self.embedding_bags[s.name] = Table(weight.to(_DTYPES[table.data_type.name]))
         shard_tables = self.plan.shard_configs(tables, self.rank)
         self.lookup = PooledEmbeddingLookup(shard_tables, {n: m.weight.data for n, m in self.embedding_bags.items()},
                                             optimizer, device)
@@ -236,7 +233,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
 def shard_weight(weight: torch.Tensor, shard: Shard) -> torch.Tensor:
     """A shard's own table: a copy of its rows and columns of the whole table's weight (the whole one itself when
-    table-wise). A copy, not a view: a row block's rows are contiguous in the whole table, and a view would keep
+    table-wise), as the sharder takes it from torchrec's unsharded table (the collection draws its shards alone:
+    init_block). A copy, not a view: a row block's rows are contiguous in the whole table, and a view would keep
     all of it alive."""
     rows = weight.shape[0] if shard.rows is None else shard.rows
     if (shard.row, rows, shard.col, shard.dim) == (0, weight.shape[0], 0, weight.shape[1]):
