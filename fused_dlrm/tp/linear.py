@@ -12,8 +12,9 @@ autocast casts a linear's operands; fp32 without autocast takes the bulk twin): 
 x @ W_r^T and the all-reduce in one launch (kernels.gemm_allreduce: any number of rows, from decode's one to a
 training step's tokens); a sequence-sharded ColumnParallelLinear runs the all-gather + GEMM (kernels.allgather_gemm,
 device push).
-A replicated-input ColumnParallelLinear has no forward communication to fuse. The backward of a fused forward is
-the bulk twin's: the conjugate collective on the gradient (reduce-scatter, resp. none).
+A replicated-input ColumnParallelLinear has no forward communication to fuse; its backward's all-reduce of the
+input gradient is, with the matmul that makes it (grad @ W_r, the same kernel). The sequence-sharded one's backward
+reduce-scatter is the bulk twin's; RowParallelLinear's backward has no communication.
 
 Initialisation is a function of (seed, std) only: every rank draws the full [out, in] weight from one generator
 and keeps its shard, so a TP-sharded model equals the unsharded one (tp = 1). The shard is registered as
@@ -149,6 +150,23 @@ class _FusedRowParallel(torch.autograd.Function):
         return grad @ weight, grad.t() @ x2d, None
 
 
+class _FusedColumnParallel(torch.autograd.Function):
+    """Forward: x @ W^T, local (x is replicated); backward: the input gradient grad @ W and its all-reduce
+    (Megatron's "f") in one launch, the weight gradient locally."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, op):
+        ctx.save_for_backward(x2d, weight)
+        ctx.op = op
+        return x2d @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2d, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        return ctx.op(grad, weight).clone(), grad.t() @ x2d, None  # the op's output is reused by the call after next
+
+
 @lru_cache(maxsize=None)
 def _workspace(group: dist.ProcessGroup):
     """One symmetric workspace per group, shared by its layers' fused ops: the layers run in the same order on
@@ -219,10 +237,13 @@ class ColumnParallelLinear(TPLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight)
-        if not self.sequence_sharded:
-            self._fused_dtype(x)  # refuses the CPU; nothing to fuse in forward
-            return F.linear(_CopyToTP.apply(x, self.group), self.weight)
         dtype = self._fused_dtype(x)
+        if not self.sequence_sharded:
+            if dtype is not None:
+                y = _FusedColumnParallel.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.weight.to(dtype),
+                                               _fused_all_reduce(self.group))
+                return y.view(*x.shape[:-1], y.shape[-1])
+            return F.linear(_CopyToTP.apply(x, self.group), self.weight)
         if dtype is not None:
             y = _FusedGatherMatmul.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.weight.to(dtype), self.group)
             return y.view(self.tp_size * x.shape[0], *x.shape[1:-1], y.shape[-1])
