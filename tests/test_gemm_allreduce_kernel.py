@@ -17,7 +17,7 @@ import torch
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels import gemm_allreduce
 from fused_dlrm.kernels.gemm_allreduce import (PRODUCE, REDUCE, WAIT, GemmAllReduce, default_split_k,
-                                               gemm_allreduce_reference)
+                                               gemm_allreduce_reference, gemm_reduce_scatter_reference)
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from sm90 import compile_for_sm90
 
@@ -36,21 +36,22 @@ class World:
         self.ops = [GemmAllReduce(ws, num_programs=num_programs, spin_limit=50, block_n=16, block_k=16,
                                   split_k=split_k, algorithm=algorithm) for ws in self.shared.workspaces()]
 
-    def poison(self, xs, ws) -> None:
+    def poison(self, xs, ws, scatter: bool = False) -> None:
         """NaN into every floating buffer of the world, after the ops have made their buffers for calls like
         (xs, ws) (an op makes them on its first call of a shape: poisoned before that, nothing would be)."""
         for op, x, w in zip(self.ops, xs, ws):
             for phase in (PRODUCE, REDUCE, WAIT):
-                op.prepare(x, w, phase)
+                op.prepare(x, w, phase, scatter)
         for tensors in self.shared.buffers.values():
             for t in tensors:
                 if t.is_floating_point():
                     t.fill_(float("nan"))
 
-    def __call__(self, xs, ws) -> list[torch.Tensor]:
+    def __call__(self, xs, ws, scatter: bool = False) -> list[torch.Tensor]:
+        """Every rank's output of one call; scatter: the reduce-scatter form."""
         epochs = [op.next_epoch() for op in self.ops]
         for phase in (PRODUCE, REDUCE, WAIT):
-            plans = [op.launch(x, w, e, phase) for op, x, w, e in zip(self.ops, xs, ws, epochs)]
+            plans = [op.launch(x, w, e, phase, scatter) for op, x, w, e in zip(self.ops, xs, ws, epochs)]
         return [op.output(e, plan).clone() for op, e, plan in zip(self.ops, epochs, plans)]
 
 
@@ -163,7 +164,7 @@ def alternating_calls(world: World, m: int, seed: int):
         xs, ws = random_inputs(2, m, 40, n, torch.bfloat16, gen)
         world.poison(xs, ws)
         assert_all_reduced(world(xs, ws), xs, ws)
-        yield n, world.ops[0]._plans[world.ops[0]._key(xs[0], ws[0], WAIT)]
+        yield n, world.ops[0]._plans[world.ops[0]._key(xs[0], ws[0], WAIT, False)]
 
 
 def test_auto_alternates_algorithms_on_the_same_flags(monkeypatch):
@@ -187,12 +188,78 @@ def test_prepare_plans_without_launching():
     assert all(f.eq(0).all() for f in flags)
     assert_all_reduced(world(xs, ws), xs, ws)
     assert all(f.eq(1).any() for f in flags)  # the call raised them
-    assert all(op._plans[op._key(x, w, PRODUCE)] is plan for op, x, w, plan in zip(world.ops, xs, ws, plans))
+    assert all(op._plans[op._key(x, w, PRODUCE, False)] is plan for op, x, w, plan in zip(world.ops, xs, ws, plans))
 
 
 def test_unknown_algorithm_is_an_error():
     with pytest.raises(ValueError, match="algorithm='three_shot'"):
         GemmAllReduce(SimulatedWorld(2).workspaces()[0], num_programs=1, algorithm="three_shot")
+
+
+def assert_reduce_scattered(outs, xs, ws):
+    for got, expected in zip(outs, gemm_reduce_scatter_reference(xs, ws), strict=True):
+        assert got.shape == expected.shape and not got.isnan().any()
+        err = (got.double() - expected).abs().max() / expected.abs().max()
+        assert err < TOLERANCE[got.dtype], f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("world_size,m", [(2, 2), (2, 10), (2, 300), (4, 4), (4, 260)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduce_scatter_matches_reference(world_size, m, dtype):
+    """Each rank gets its band of M / world rows of the sum: bands of one row, of 5, of 150 (MANY_ROWS's tiles of
+    128: the band's second row of tiles has 22 rows), of 65 (one tile of 65 rows). N = 50: four tiles of 16, the
+    last one partial; K = 40: a partial K tile. Two calls: both halves of the double buffers."""
+    world = World(world_size)
+    gen = torch.Generator().manual_seed(m)
+    for _ in range(2):
+        xs, ws = random_inputs(world_size, m, 40, 50, dtype, gen)
+        world.poison(xs, ws, scatter=True)
+        assert_reduce_scattered(world(xs, ws, scatter=True), xs, ws)
+
+
+def test_reduce_scatter_splits_k():
+    """K in 3 chunks over 5 programs: each tile's units come from several programs of every source."""
+    world = World(2, num_programs=5, split_k=3)
+    gen = torch.Generator().manual_seed(8)
+    xs, ws = random_inputs(2, 6, 100, 70, torch.float16, gen)
+    world.poison(xs, ws, scatter=True)
+    assert_reduce_scattered(world(xs, ws, scatter=True), xs, ws)
+    assert all(plan.split_k == 3 for plan in world.ops[0]._plans.values())
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_reduce_scatter_and_all_reduce_alternate_on_the_same_flags(algorithm):
+    """Calls of both forms in turn on one world's flags, epochs and double buffers, every output checked."""
+    world = World(2, algorithm=algorithm)
+    gen = torch.Generator().manual_seed(9)
+    for step in range(6):
+        scatter = step % 3 != 1
+        xs, ws = random_inputs(2, 4 + 2 * step, 24, 40, torch.bfloat16, gen)
+        outs = world(xs, ws, scatter=scatter)
+        if scatter:
+            assert_reduce_scattered(outs, xs, ws)
+        else:
+            assert_all_reduced(outs, xs, ws)
+
+
+def test_reduce_scatter_needs_equal_bands():
+    op = GemmAllReduce(SimulatedWorld(2).workspaces()[0], num_programs=1)
+    x, w = torch.ones(5, 8, dtype=torch.bfloat16), torch.ones(8, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cuts M=5 rows into 2 equal bands"):
+        op.prepare(x, w, scatter=True)
+
+
+def test_reduce_scatter_timeout_names_rank_and_slice():
+    """Rank 1 never launches: rank 0's reduce times out waiting for rank 1's partial of its band's first tile."""
+    world = World(2)
+    gen = torch.Generator().manual_seed(10)
+    xs, ws = random_inputs(2, 4, 16, 40, torch.bfloat16, gen)
+    op = world.ops[0]
+    epoch = op.next_epoch()
+    for phase in (PRODUCE, REDUCE, WAIT):
+        plan = op.launch(xs[0], ws[0], epoch, phase, scatter=True)
+    with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 1 waiting for rank 1, slice 0"):
+        op.output(epoch, plan)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -216,7 +283,7 @@ from fused_dlrm.kernels import gemm_allreduce
 types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "error_ptr": "*i32"}
 types.update({n: "*i64" for n in ("recv_ptrs", "out_ptrs", "ready_ptrs", "done_ptrs")})
 many = gemm_allreduce.MANY_ROWS
-for one_shot in (True, False):
+for one_shot, scatter in ((True, False), (False, False), (False, True)):
     # The plans' defaults: FEW_ROWS at 16 and 64 rows (two programs per SM), MANY_ROWS (one per SM).
     for m, block_m, block_n, block_k, stages, per_sm in ((16, 16, 64, 128, 5, 2), (64, 64, 64, 128, 3, 2),
                                                          (4096, many.block_m, many.block_n, many.block_k,
@@ -224,16 +291,16 @@ for one_shot in (True, False):
         kernel = build(gemm_allreduce._gemm_allreduce_kernel, types, dict(
             M=m, N=8192, K=4096, WORLD=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             K_TILES=4096 // block_k, OUT_DTYPE=gemm_allreduce.tl.bfloat16, DOT_FP32=False,
-            PHASES=gemm_allreduce.ALL_PHASES, ONE_SHOT=one_shot), num_warps=8, num_stages=stages,
+            PHASES=gemm_allreduce.ALL_PHASES, ONE_SHOT=one_shot, SCATTER=scatter), num_warps=8, num_stages=stages,
             divisible=("stride_xm", "stride_wk"))
         # per_sm programs on one SM: each within 1 / per_sm of its 227 KiB of shared memory.
-        assert kernel.metadata.shared <= 227 * 1024 // per_sm, (one_shot, block_m, kernel.metadata.shared)
+        assert kernel.metadata.shared <= 227 * 1024 // per_sm, (one_shot, scatter, block_m, kernel.metadata.shared)
 """
 
 
 def test_kernel_compiles_for_sm90():
-    """Both algorithms at the plans' default tiles compile for sm_90 within their programs per SM's shared
-    memory."""
+    """Both algorithms and the reduce-scatter form at the plans' default tiles compile for sm_90 within their
+    programs per SM's shared memory."""
     compile_for_sm90(COMPILE_FOR_SM90)
 
 

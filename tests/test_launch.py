@@ -145,16 +145,19 @@ def test_quantized_all_reduce_key_follows_alignment_and_dtype_not_shape():
     assert key(x, out, "q8", True) != key(x, out, "q4", True) != key(x, out, "q4", False)
 
 
-def test_gemm_allreduce_key_follows_strides_alignment_and_dtype():
-    key = GemmAllReduce._key
+def test_gemm_allreduce_key_follows_strides_alignment_dtype_and_form():
+    def key(x, w, phases=ALL_PHASES, scatter=False):
+        return GemmAllReduce._key(x, w, phases, scatter)
+
     x = torch.zeros(4, 48, dtype=torch.float16)
     w = torch.zeros(48, 32, dtype=torch.float16)
-    assert key(x, w, ALL_PHASES) == key(x.clone(), w.clone(), ALL_PHASES)
-    assert key(x, w.t().contiguous().t(), ALL_PHASES) != key(x, w, ALL_PHASES)  # strides (K, 1) vs (1, K)
+    assert key(x, w) == key(x.clone(), w.clone())
+    assert key(x, w.t().contiguous().t()) != key(x, w)  # strides (K, 1) vs (1, K)
     flat = torch.zeros(4 * 48 + 1, dtype=torch.float16)
-    assert key(flat[1:].view(4, 48), w, ALL_PHASES) != key(flat[:-1].view(4, 48), w, ALL_PHASES)
-    assert key(x.bfloat16(), w.bfloat16(), ALL_PHASES) != key(x, w, ALL_PHASES)
-    assert key(x, w, ALL_PHASES) != key(x, w, 1)
+    assert key(flat[1:].view(4, 48), w) != key(flat[:-1].view(4, 48), w)
+    assert key(x.bfloat16(), w.bfloat16()) != key(x, w)
+    assert key(x, w) != key(x, w, 1)
+    assert key(x, w) != key(x, w, scatter=True)
 
 
 @interpreter

@@ -16,7 +16,8 @@ import torch
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.allgather_gemm import AllGatherMatmul, GemmConfig, all_gather_matmul_reference
-from fused_dlrm.kernels.gemm_allreduce import PRODUCE, REDUCE, WAIT, GemmAllReduce, gemm_allreduce_reference
+from fused_dlrm.kernels.gemm_allreduce import (PRODUCE, REDUCE, WAIT, GemmAllReduce, gemm_allreduce_reference,
+                                               gemm_reduce_scatter_reference)
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, max_programs_for,
                                                     quantized_all_reduce_reference)
@@ -131,6 +132,26 @@ def test_gemm_all_reduce_matches_the_float64_sum(world_size, algorithm):
         assert not outs[0].isnan().any() and err < 1e-2, (m, k, n, err)
         assert all(torch.equal(out, outs[0]) for out in outs)
         assert plans[0].one_shot == (algorithm == "auto") or m > 64
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gemm_reduce_scatter_matches_the_float64_sum(world_size):
+    """The reduce-scatter form's default plans: each rank's band of rows of the float64 sum (bands of 2 rows, and
+    of 334 and 501: MANY_ROWS's tiles)."""
+    world = SimulatedWorld(world_size, "cuda")
+    ops = [GemmAllReduce(ws) for ws in world.workspaces()]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for m, k, n in [(6, 1000, 3000), (1002, 1024, 2000), (6, 1000, 3000)]:
+        xs = [torch.randn(m, k, device="cuda", generator=gen).bfloat16() for _ in range(world_size)]
+        ws = [(torch.randn(k, n, device="cuda", generator=gen) / k ** 0.5).bfloat16() for _ in range(world_size)]
+        poison(world)
+        epochs = [op.next_epoch() for op in ops]
+        for phase in (PRODUCE, REDUCE, WAIT):
+            plans = [op.launch(x, w, e, phase, scatter=True) for op, x, w, e in zip(ops, xs, ws, epochs)]
+        outs = [op.output(e, plan) for op, e, plan in zip(ops, epochs, plans)]
+        for out, expected in zip(outs, gemm_reduce_scatter_reference(xs, ws), strict=True):
+            err = float((out.double() - expected).abs().max() / expected.abs().max())
+            assert out.shape == expected.shape and not out.isnan().any() and err < 1e-2, (m, k, n, err)
 
 
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])

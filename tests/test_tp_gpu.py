@@ -1,6 +1,7 @@
-"""On 2 GPUs: the fused GEMV/GEMM + all-reduce against its bulk twin (matmul + NCCL all_reduce), repeated calls on
-the same flags, a timeout, and the fused TP linears (column-parallel, replicated or sequence-sharded, and
-row-parallel) against the bulk ones, forward and backward (also with two ranks sharing one GPU: gloo, CUDA IPC)."""
+"""On 2 GPUs: the fused GEMV/GEMM + all-reduce and its reduce-scatter form against their bulk twins (matmul + NCCL
+all_reduce / reduce_scatter_tensor), repeated calls on the same flags, a timeout, and the fused TP linears
+(column-parallel, replicated or sequence-sharded input, and row-parallel, replicated or sequence-sharded output)
+against the bulk ones, forward and backward (also with two ranks sharing one GPU: gloo, CUDA IPC)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _check(fused, bulk, what):
 
 def _fused_matches_bulk(rank, world):
     from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
-    from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce, gemm_allreduce_bulk
+    from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce, gemm_allreduce_bulk, gemm_reduce_scatter_bulk
 
     ws = CudaSymmetricWorkspace()
     for algorithm in ("one_shot", "two_shot"):  # on the same flags and buffers
@@ -44,6 +45,12 @@ def _fused_matches_bulk(rank, world):
                 x, w = _inputs(rank, m, k, n)
                 _check(op(x, w).clone(), gemm_allreduce_bulk(x, w), f"{algorithm} M={m} K={k} N={n}")
     op = GemmAllReduce(ws)
+    for m in (16, 1000):  # the reduce-scatter form: each rank's band of rows, on the same flags
+        for k, n in SHAPES:
+            x, w = _inputs(rank, m, k, n)
+            got, expected = op.reduce_scatter(x, w).float(), gemm_reduce_scatter_bulk(x, w).float()
+            err = float((got - expected).abs().max() / expected.abs().max())
+            assert got.shape == (m // 2, n) and not got.isnan().any() and err < 2e-2, (m, k, n, err)
     # 1,000 calls on the same flags and double buffers, fresh data every call, checked every 100th.
     x, w = _inputs(rank, 1, 8192, 8192)
     for step in range(1000):
@@ -91,8 +98,10 @@ def _linears_fused_match_bulk(rank, world, sequence_sharded, rows, autocast):
 
     tp, _ = tp_groups(2)
     epochs = _fused_all_reduce(tp).ws._epochs.get("gemm_allreduce", 0)
+    # Sequence-sharded: the sequence-parallel pair (input rows all-gathered, output rows reduce-scattered).
     layers = {comm: (ColumnParallelLinear(512, 1024, tp, comm, seed=1, sequence_sharded=sequence_sharded),
-                     RowParallelLinear(1024, 512, tp, comm, seed=2)) for comm in ("bulk", "fused")}
+                     RowParallelLinear(1024, 512, tp, comm, seed=2, sequence_sharded=sequence_sharded))
+              for comm in ("bulk", "fused")}
     results = {}
     for comm, (up, down) in layers.items():
         # autocast: fp32 weights and input, computed in bf16 (mixed precision); else bf16 weights and input.
@@ -106,12 +115,13 @@ def _linears_fused_match_bulk(rank, world, sequence_sharded, rows, autocast):
         with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
             y = down(torch.relu(up(x)))
         assert y.dtype == torch.bfloat16
-        gen.manual_seed(5)  # the output is replicated: the same gradient on every rank
+        gen.manual_seed(5 + (rank if sequence_sharded else 0))  # replicated output: the same gradient everywhere
         y.backward(torch.randn(y.shape, device="cuda", generator=gen).bfloat16())
         assert x.grad.dtype == up.weight.grad.dtype == down.weight.grad.dtype == dtype
         results[comm] = (y.detach(), x.grad, up.weight.grad, down.weight.grad)
-    # The fused ops ran, not the bulk twins: the row-parallel forward, and the replicated column-parallel backward.
-    assert _fused_all_reduce(tp).ws._epochs.get("gemm_allreduce") == epochs + (1 if sequence_sharded else 2)
+    # The fused ops ran, not the bulk twins: the row-parallel forward (all-reduce or reduce-scatter) and the
+    # column-parallel backward (the same).
+    assert _fused_all_reduce(tp).ws._epochs.get("gemm_allreduce") == epochs + 2
     for name, fused, bulk in zip(("y", "x.grad", "up.grad", "down.grad"), results["fused"], results["bulk"]):
         err = float((fused.float() - bulk.float()).abs().max() / bulk.float().abs().max())
         assert err < 2e-2, f"{name}: relative error {err:.2e}"

@@ -84,6 +84,21 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
     _close(mine.grad, ref_rows.grad.view(tp_size, 4, D_IN)[r])
     _close(seq.weight.grad, w_seq.grad[r * per:(r + 1) * per])
 
+    # Sequence-sharded output: rank r gets rows r of the all-reduced sum (a reduce-scatter over dim 0).
+    scatter = RowParallelLinear(D_HID, D_IN, tp, seed=15, std=0.4, sequence_sharded=True).double()
+    w_scatter = _reference_weight(D_IN, D_HID, 15, 0.4)
+    h = torch.randn(4 * tp_size, 3, D_HID, generator=gen, dtype=torch.float64)
+    h_tp, h_ref = h[..., r * per:(r + 1) * per].clone().requires_grad_(), h.clone().requires_grad_()
+    out, expected = scatter(h_tp), F.linear(h_ref, w_scatter)
+    _close(out, expected.view(tp_size, 4, 3, D_IN)[r])
+    grad = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+    out.backward(grad.view(tp_size, 4, 3, D_IN)[r])
+    expected.backward(grad)
+    _close(h_tp.grad, h_ref.grad[..., r * per:(r + 1) * per])
+    _close(scatter.weight.grad, w_scatter.grad[:, r * per:(r + 1) * per])
+    with pytest.raises(ValueError, match=f"dim 0 of x \\({tp_size + 1}\\) into {tp_size} equal parts"):
+        scatter(torch.randn(tp_size + 1, per, dtype=torch.float64))
+
     with pytest.raises(RuntimeError, match="comm=fused needs CUDA"):
         RowParallelLinear(D_HID, D_IN, tp, comm="fused")(torch.randn(2, D_HID // tp_size))
     with pytest.raises(ValueError, match="does not split"):

@@ -22,6 +22,10 @@ no output stores to peers, for (world - 1) times the partials pushed. `algorithm
 pushes at most ONE_SHOT_MAX_BYTES (every shape of issue 5's benchmark on 2 ranks), where a call is bound by
 reading the weight and by flag latency rather than by bytes over the links.
 Either way the fixed order makes the result bit-identical on every rank.
+reduce-scatter form (`reduce_scatter`, the sequence-parallel linears' collective): two-shot without the all-gather.
+Rank d owns the tiles of its band of output rows [d, d + 1) * M / world (tiled band by band, a band's last row of
+tiles cut at its end), reduces them into its own [M / world, N] output, and raises no output flags (the wait
+phase has nothing to wait for).
 
 Programs wait for flags raised by other programs of the same launch, here and on peers: the grid must be
 co-resident. FEW_ROWS's PROGRAMS_PER_SM = 2 fits its configurations on sm_90 (8 warps; 5 stages at
@@ -32,16 +36,16 @@ would time out and raise, not hang. The Triton interpreter runs programs one aft
 simulated world launches the three phases separately (`PHASES`), every rank's phase before the next phase.
 
 Buffers (symmetric, double-buffered by epoch parity): a rank can only start call e + 2 once its call e + 1 has
-seen a flag of call e + 1 from every peer (two-shot: the output flags; one-shot: the partials' flags, as it
-reduces every tile from every rank), i.e. every peer has started call e + 1 and so finished reading the partials
-of call e; so the half that call e + 2 overwrites is no longer read. The returned output is a view of symmetric
+seen a flag of call e + 1 from every peer (two-shot: the output flags; one-shot and reduce-scatter: the partials'
+flags, as it reduces tiles from every rank), i.e. every peer has started call e + 1 and so finished reading the
+partials of call e; so the half that call e + 2 overwrites is no longer read. The returned output is a view of symmetric
 memory, valid until the call after next (later stores to it come from call e + 2). Flags carry the epoch, are
 never reset and are compared with `>=`; a wait that times out records (1, peer, slice) in the error word, which
 `PeerErrors` raises on the host as PeerWaitTimeout (slice: the tile being reduced, or in the wait phase the
 program whose output flag is missing).
 
 `gemm_allreduce_reference` is the pure-torch definition; `gemm_allreduce_bulk` the bulk twin (matmul, then
-torch.distributed.all_reduce).
+torch.distributed.all_reduce); `gemm_reduce_scatter_reference` / `_bulk` the same for the reduce-scatter form.
 """
 
 from __future__ import annotations
@@ -77,15 +81,47 @@ def gemm_allreduce_bulk(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGro
     return out
 
 
+def gemm_reduce_scatter_reference(xs: list[torch.Tensor], ws: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Rank r's part of the reduce-scatter form: rows [r, r + 1) * M / world of sum_r xs[r] @ ws[r], float64."""
+    return list(gemm_allreduce_reference(xs, ws).chunk(len(xs)))
+
+
+def gemm_reduce_scatter_bulk(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None = None
+                             ) -> torch.Tensor:
+    """The reduce-scatter form's bulk twin: the local partial product, then reduce_scatter_tensor over its rows."""
+    out = x @ w
+    band = out.new_empty(out.shape[0] // dist.get_world_size(group), out.shape[1])
+    dist.reduce_scatter_tensor(band, out, group=group)
+    return band
+
+
 @triton.jit
-def _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, M, N, K, tile, n_tiles, chunk, k_chunk,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-                  DOT_FP32: tl.constexpr):
-    """This rank's [BLOCK_M, BLOCK_N] fp32 partial product of tile `tile` (M tile tile // n_tiles, N tile
-    tile % n_tiles) over K chunk `chunk`."""
-    rows = (tile // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _tile_place(tile, n_tiles, tiles_per_rank, band_rows, M, BLOCK_M: tl.constexpr, SCATTER: tl.constexpr):
+    """(first row, end of its rows, N tile) of output tile `tile`. All-reduce: the tiles of [M, N] row of tiles by
+    row of tiles. Reduce-scatter: owner d's tiles_per_rank tiles cover its band of rows [d, d + 1) * band_rows,
+    row of tiles by row of tiles, the last one cut at the band's end."""
+    if SCATTER:
+        owner = tile // tiles_per_rank
+        j = tile % tiles_per_rank
+        first = owner * band_rows + (j // n_tiles) * BLOCK_M
+        end = (owner + 1) * band_rows
+        n_tile = j % n_tiles
+    else:
+        first = (tile // n_tiles) * BLOCK_M
+        end = M
+        n_tile = tile % n_tiles
+    return first, end, n_tile
+
+
+@triton.jit
+def _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, first_row, row_end, n_tile, N, K,
+                  chunk, k_chunk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  K_TILES: tl.constexpr, DOT_FP32: tl.constexpr):
+    """This rank's [BLOCK_M, BLOCK_N] fp32 partial product of rows [first_row, row_end) (at most BLOCK_M) and N
+    tile `n_tile` over K chunk `chunk`."""
+    rows = first_row + tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
-    n = (tile % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = chunk * k_chunk
     k_end = tl.minimum(k_begin + k_chunk, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -93,7 +129,7 @@ def _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, M, N
         k = k_begin + i * BLOCK_K + ks
         k_mask = k < k_end
         a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :] * stride_xk,  # M*K > 2^31
-                    mask=(rows < M)[:, None] & k_mask[None, :], other=0.0)
+                    mask=(rows < row_end)[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptr + k[:, None].to(tl.int64) * stride_wk + n[None, :] * stride_wn,  # K*N > 2^31
                     mask=k_mask[:, None] & (n[None, :] < N), other=0.0)
         if DOT_FP32:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
@@ -109,16 +145,16 @@ def _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, M, N
 def _gemm_allreduce_kernel(
     x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn,
     recv_ptrs, out_ptrs, ready_ptrs, done_ptrs, error_ptr,
-    rank, epoch, M, N, K, recv_half, out_half, num_tiles, n_tiles, tiles_per_rank, split_k, k_chunk, num_programs,
-    flag_stride, spin_limit,
+    rank, epoch, M, N, K, recv_half, out_half, num_tiles, n_tiles, tiles_per_rank, band_rows, slot_rows, split_k,
+    k_chunk, num_programs, flag_stride, spin_limit,
     WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr, OUT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, PHASES: tl.constexpr,
-    ONE_SHOT: tl.constexpr,
+    ONE_SHOT: tl.constexpr, SCATTER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    slot_size = tl.minimum(M, BLOCK_M) * BLOCK_N  # one partial tile in a receive slot: [<= BLOCK_M, BLOCK_N] fp32
+    slot_size = slot_rows * BLOCK_N  # one partial tile in a receive slot: [slot_rows <= BLOCK_M, BLOCK_N] fp32
     parity = epoch % 2
 
     if PHASES & 1:  # produce: partial tiles into the receive slots of the ranks that reduce them
@@ -127,10 +163,11 @@ def _gemm_allreduce_kernel(
             while u < num_tiles * split_k:
                 j = u // split_k
                 chunk = u % split_k
-                acc = _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, M, N, K, j, n_tiles,
-                                    chunk, k_chunk, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, DOT_FP32)
+                first, end, n_tile = _tile_place(j, n_tiles, tiles_per_rank, band_rows, M, BLOCK_M, SCATTER)
+                acc = _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, first, end, n_tile, N,
+                                    K, chunk, k_chunk, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, DOT_FP32)
                 slot = ((rank * split_k + chunk) * tiles_per_rank + j).to(tl.int64) * slot_size
-                row_mask = (j // n_tiles) * BLOCK_M + rows < M
+                row_mask = first + rows < end
                 for step in tl.static_range(1, WORLD + 1):  # remote first, rotated by rank
                     recv = tl.load(recv_ptrs + (rank + step) % WORLD).to(tl.pointer_type(tl.float32))
                     tl.store(recv + parity * recv_half + slot + rows[:, None] * BLOCK_N + cols[None, :], acc,
@@ -146,11 +183,12 @@ def _gemm_allreduce_kernel(
                 while u < owned * split_k:
                     j = u // split_k
                     chunk = u % split_k
-                    tile = owner * tiles_per_rank + j
-                    acc = _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, M, N, K, tile,
-                                        n_tiles, chunk, k_chunk, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, DOT_FP32)
+                    first, end, n_tile = _tile_place(owner * tiles_per_rank + j, n_tiles, tiles_per_rank, band_rows,
+                                                     M, BLOCK_M, SCATTER)
+                    acc = _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, first, end, n_tile,
+                                        N, K, chunk, k_chunk, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, DOT_FP32)
                     slot = ((rank * split_k + chunk) * tiles_per_rank + j).to(tl.int64) * slot_size
-                    row_mask = (tile // n_tiles) * BLOCK_M + rows < M
+                    row_mask = first + rows < end
                     tl.store(recv + slot + rows[:, None] * BLOCK_N + cols[None, :], acc, mask=row_mask[:, None])
                     u += num_programs
                 tl.debug_barrier()  # this program's stores for `owner` before its flag there
@@ -172,9 +210,9 @@ def _gemm_allreduce_kernel(
                                     source, first_tile + j)
                     chunk += 1
             tl.debug_barrier()  # the flags this program's threads acquired cover the partials any of them loads
-            tile = first_tile + j
-            out_rows = (tile // n_tiles) * BLOCK_M + rows
-            row_mask = out_rows < M
+            first, end, n_tile = _tile_place(first_tile + j, n_tiles, tiles_per_rank, band_rows, M, BLOCK_M, SCATTER)
+            out_rows = first + rows
+            row_mask = out_rows < end
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for source in tl.static_range(WORLD):
                 chunk = 0
@@ -184,10 +222,12 @@ def _gemm_allreduce_kernel(
                                    other=0.0, cache_modifier=".cg")  # peers wrote these: not from L1
                     chunk += 1
             result = acc.to(OUT_DTYPE)
-            n = (tile % n_tiles) * BLOCK_N + cols
+            n = n_tile * BLOCK_N + cols
             out_mask = row_mask[:, None] & (n[None, :] < N)
+            if SCATTER:  # this rank's band of rows is its whole output
+                out_rows -= rank * band_rows
             out_offsets = out_rows[:, None].to(tl.int64) * N + n[None, :]
-            if ONE_SHOT:  # every rank reduces every tile itself
+            if ONE_SHOT or SCATTER:  # one-shot: every rank reduces every tile itself; scatter: its rows alone
                 out = tl.load(out_ptrs + rank).to(tl.pointer_type(OUT_DTYPE)) + parity * out_half
                 tl.store(out + out_offsets, result, mask=out_mask)
             else:
@@ -195,11 +235,11 @@ def _gemm_allreduce_kernel(
                     out = tl.load(out_ptrs + (rank + step) % WORLD).to(tl.pointer_type(OUT_DTYPE)) + parity * out_half
                     tl.store(out + out_offsets, result, mask=out_mask)
             j += num_programs
-        if not ONE_SHOT:
+        if not ONE_SHOT and not SCATTER:
             signal_ready(done_ptrs, rank * flag_stride + pid, epoch, WORLD)
 
-    if PHASES & 4:  # wait until every owner's program `pid` has stored its tiles here (one-shot: no peer does)
-        if not ONE_SHOT:
+    if PHASES & 4:  # wait until every owner's program `pid` has stored its tiles here (one-shot, scatter: no peer does)
+        if not ONE_SHOT and not SCATTER:
             done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
             for owner in tl.static_range(WORLD):
                 wait_or_record(done + owner * flag_stride + pid, epoch, spin_limit, error_ptr, owner, pid)
@@ -300,6 +340,12 @@ class GemmAllReduce:
         epoch = self.next_epoch()
         return self.output(epoch, self.launch(x, w, epoch, ALL_PHASES))
 
+    def reduce_scatter(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """This rank's band of rows of the sum over ranks of x @ w: rows [rank, rank + 1) * M / world (M a multiple
+        of the world size), as reduce_scatter_tensor cuts them; on the same flags and epochs as __call__."""
+        epoch = self.next_epoch()
+        return self.output(epoch, self.launch(x, w, epoch, ALL_PHASES, scatter=True))
+
     def _tiling(self, m: int) -> Tiling:
         few, many = self.tilings
         return few if m <= few.block_m else many
@@ -317,53 +363,61 @@ class GemmAllReduce:
         return self.ws.next_epoch("gemm_allreduce")
 
     @staticmethod
-    def _key(x: torch.Tensor, w: torch.Tensor, phases: int) -> tuple:
+    def _key(x: torch.Tensor, w: torch.Tensor, phases: int, scatter: bool) -> tuple:
         """What the plan and the compiled kernel's specialisation follow from: shapes (M, N, K are specialised),
-        strides (passed as ints), dtypes, the 16-byte alignment of x and w, and the phases (a constexpr)."""
-        return x.shape, w.shape, x.stride(), w.stride(), x.dtype, w.dtype, aligned(x), aligned(w), phases
+        strides (passed as ints), dtypes, the 16-byte alignment of x and w, the phases and the form (constexprs)."""
+        return x.shape, w.shape, x.stride(), w.stride(), x.dtype, w.dtype, aligned(x), aligned(w), phases, scatter
 
-    def launch(self, x: torch.Tensor, w: torch.Tensor, epoch: int, phases: int) -> Plan:
-        """Enqueue `phases` of call `epoch` (ALL_PHASES on GPUs; one phase at a time in a simulated world)."""
-        key, plan = self._plan_of(x, w, phases)
+    def launch(self, x: torch.Tensor, w: torch.Tensor, epoch: int, phases: int, scatter: bool = False) -> Plan:
+        """Enqueue `phases` of call `epoch` (ALL_PHASES on GPUs; one phase at a time in a simulated world);
+        scatter: the reduce-scatter form."""
+        key, plan = self._plan_of(x, w, phases, scatter)
         self._launches(key, (plan.num_programs, 1, 1), plan.args(x, w, epoch), plan.options)
         return plan
 
-    def prepare(self, x: torch.Tensor, w: torch.Tensor, phases: int = ALL_PHASES) -> Plan:
+    def prepare(self, x: torch.Tensor, w: torch.Tensor, phases: int = ALL_PHASES, scatter: bool = False) -> Plan:
         """The plan of calls like (x, w), made and (on GPUs) compiled and loaded now, launching nothing. A first
         call does this itself; calling it ahead keeps the compile out of a call whose peers are already waiting
         (loading a binary can wait for the GPU to go idle, which a launch spinning on a peer's flags never does
         when two ranks share one GPU)."""
-        key, plan = self._plan_of(x, w, phases)
+        key, plan = self._plan_of(x, w, phases, scatter)
         self._launches.compiled(key, (plan.num_programs, 1, 1), plan.args(x, w, 0), plan.options)
         return plan
 
-    def _plan_of(self, x: torch.Tensor, w: torch.Tensor, phases: int) -> tuple[tuple, Plan]:
-        key = self._key(x, w, phases)
-        return key, self._plans.get(key) or self._plan(key, x, w, phases)
+    def _plan_of(self, x: torch.Tensor, w: torch.Tensor, phases: int, scatter: bool) -> tuple[tuple, Plan]:
+        key = self._key(x, w, phases, scatter)
+        return key, self._plans.get(key) or self._plan(key, x, w, phases, scatter)
 
-    def _plan(self, key: tuple, x: torch.Tensor, w: torch.Tensor, phases: int) -> Plan:
+    def _plan(self, key: tuple, x: torch.Tensor, w: torch.Tensor, phases: int, scatter: bool) -> Plan:
         (m, k), n = x.shape, w.shape[1]
         if m < 1 or w.shape[0] != k or x.dtype != w.dtype or x.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"expected x [M, K] and w [K, N] of one dtype, fp16 or bf16; got "
                              f"{tuple(x.shape)} {x.dtype} and {tuple(w.shape)} {w.dtype}")
-        tiling = self._tiling(m)
-        block_m = max(16, triton.next_power_of_2(min(m, tiling.block_m)))
+        if scatter and m % self.world:
+            raise ValueError(f"a reduce-scatter cuts M={m} rows into {self.world} equal bands: M must be a multiple "
+                             f"of the world size")
+        out_rows = m // self.world if scatter else m  # the rows of this rank's output
+        tiling = self._tiling(out_rows)
+        block_m = max(16, triton.next_power_of_2(min(out_rows, tiling.block_m)))
         n_tiles = triton.cdiv(n, tiling.block_n)
-        num_tiles = triton.cdiv(m, block_m) * n_tiles
+        output_tiles = triton.cdiv(out_rows, block_m) * n_tiles  # the tiles of one output
+        num_tiles = output_tiles * (self.world if scatter else 1)
         P = self._programs(num_tiles, tiling)
         split_k = self.split_k or default_split_k(m, k, num_tiles, P, tiling.block_k)
         k_tiles = triton.cdiv(triton.cdiv(k, split_k), tiling.block_k)
         split_k = triton.cdiv(k, k_tiles * tiling.block_k)  # K chunks of whole BLOCK_K tiles, none of them empty
-        one_shot = self._one_shot(split_k * m * n * 4)
-        tiles_per_rank = num_tiles if one_shot else triton.cdiv(num_tiles, self.world)  # the tiles a rank reduces
-        slot_rows = min(m, block_m)
+        one_shot = not scatter and self._one_shot(split_k * m * n * 4)
+        # The tiles a rank reduces: scatter, its band's; one-shot, all; two-shot, a contiguous range.
+        tiles_per_rank = output_tiles if scatter or one_shot else triton.cdiv(num_tiles, self.world)
+        slot_rows = min(out_rows, block_m)
         recv = self.ws.buffer("gemm_allreduce_recv",
                               2 * self.world * split_k * tiles_per_rank * slot_rows * tiling.block_n, torch.float32)
-        out = self.ws.buffer("gemm_allreduce_out", 2 * m * n, x.dtype)
+        out = self.ws.buffer("gemm_allreduce_out", 2 * out_rows * n, x.dtype)
         # Plans made before a buffer grew point into the old one: drop them (their keys plan anew).
         self._plans = {k: p for k, p in self._plans.items() if p.recv is recv and p.out is out}
         half = out.local.numel() // 2
-        outputs = out.local[:m * n].view(m, n), out.local[half:half + m * n].view(m, n)
+        size = out_rows * n
+        outputs = out.local[:size].view(out_rows, n), out.local[half:half + size].view(out_rows, n)
         interpret = self._launches.interpret
         options = dict(num_warps=tiling.num_warps, num_stages=tiling.num_stages or (5 if block_m == 16 else 3))
         args = Arguments(
@@ -372,12 +426,11 @@ class GemmAllReduce:
             recv_ptrs=recv.peer_ptrs, out_ptrs=out.peer_ptrs, ready_ptrs=self.ready.peer_ptrs,
             done_ptrs=self.done.peer_ptrs, error_ptr=self.errors.word, rank=self.rank, M=m, N=n, K=k,
             recv_half=recv.local.numel() // 2, out_half=half, num_tiles=num_tiles, n_tiles=n_tiles,
-            tiles_per_rank=tiles_per_rank,
-            split_k=split_k, k_chunk=k_tiles * tiling.block_k, num_programs=P, flag_stride=self.num_programs,
-            spin_limit=self.spin_limit,
+            tiles_per_rank=tiles_per_rank, band_rows=out_rows, slot_rows=slot_rows, split_k=split_k,
+            k_chunk=k_tiles * tiling.block_k, num_programs=P, flag_stride=self.num_programs, spin_limit=self.spin_limit,
             WORLD=self.world, BLOCK_M=block_m, BLOCK_N=tiling.block_n,
             BLOCK_K=tiling.block_k, K_TILES=k_tiles, OUT_DTYPE=TL_DTYPES[x.dtype], DOT_FP32=interpret, PHASES=phases,
-            ONE_SHOT=one_shot)
+            ONE_SHOT=one_shot, SCATTER=scatter)
         plan = self._plans[key] = Plan(key, P, recv, out, outputs, args, options, one_shot, split_k)
         return plan
 
@@ -388,7 +441,7 @@ class GemmAllReduce:
         return (self.world - 1) * partial_bytes <= ONE_SHOT_MAX_BYTES
 
     def output(self, epoch: int, plan: Plan) -> torch.Tensor:
-        """The [M, N] result of call `epoch` (once its WAIT phase ran), launched with `plan`; valid until the call
-        after next."""
+        """The [M, N] result of call `epoch` (reduce-scatter: [M / world, N]) once its WAIT phase ran, launched with
+        `plan`; valid until the call after next."""
         self.errors.after_wait()
         return plan.outputs[epoch % 2]

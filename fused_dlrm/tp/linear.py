@@ -4,7 +4,8 @@ ColumnParallelLinear: y[..., out / tp] = x @ W_r^T, rank r holding rows r of W [
 Its input is either replicated (the whole x on every rank; backward all-reduces the input gradient: Megatron's
 "f") or sequence-sharded (rows of x split over ranks, all-gathered before the matmul; backward reduce-scatters).
 RowParallelLinear: y[..., out] = sum_r x_r @ W_r^T, rank r holding columns r of W (input features split); the
-all-reduce of the output is Megatron's "g" (backward: the gradient is already replicated, nothing to do).
+all-reduce of the output is Megatron's "g" (backward: the gradient is already replicated, nothing to do), or with
+a sequence-sharded output (sequence parallelism) a reduce-scatter over dim 0 (backward all-gathers the gradient).
 
 comm="bulk": torch.distributed collectives inside autograd functions (gloo on the CPU, NCCL on GPUs).
 comm="fused" (CUDA only; fp16/bf16 inputs, or fp32 ones under CUDA autocast to fp16/bf16, which are cast as
@@ -13,8 +14,9 @@ x @ W_r^T and the all-reduce in one launch (kernels.gemm_allreduce: any number o
 training step's tokens); a sequence-sharded ColumnParallelLinear runs the all-gather + GEMM (kernels.allgather_gemm,
 device push).
 A replicated-input ColumnParallelLinear has no forward communication to fuse; its backward's all-reduce of the
-input gradient is, with the matmul that makes it (grad @ W_r, the same kernel). The sequence-sharded one's backward
-reduce-scatter is the bulk twin's; RowParallelLinear's backward has no communication.
+input gradient is, with the matmul that makes it (grad @ W_r, the same kernel); the sequence-sharded one's
+backward reduce-scatters the input gradient in that kernel's reduce-scatter form. A RowParallelLinear with a
+sequence-sharded output runs GEMM + reduce-scatter forward, and all-gather + GEMM for its input gradient backward.
 
 Initialisation is a function of (seed, std) only: every rank draws the full [out, in] weight from one generator
 and keeps its shard, so a TP-sharded model equals the unsharded one (tp = 1). The shard is registered as
@@ -118,9 +120,23 @@ class _GatherRows(torch.autograd.Function):
         return _reduce_scatter_rows(grad, ctx.group), None
 
 
+class _ReduceScatterRows(torch.autograd.Function):
+    """Forward: reduce-scatter of the partial outputs' rows (dim 0); backward: all-gather of the gradient's rows."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _reduce_scatter_rows(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _GatherRows.apply(grad, ctx.group), None
+
+
 class _FusedGatherMatmul(torch.autograd.Function):
     """Forward: all-gather of x's rows and x @ W^T as one fused op (it also returns the gathered rows, which the
-    weight gradient needs); backward: the gathered input's gradient reduce-scattered, as _GatherRows does."""
+    weight gradient needs); backward: the gathered input's gradient grad @ W reduce-scattered over rows in one
+    launch (the GEMM + all-reduce kernel's reduce-scatter form)."""
 
     @staticmethod
     def forward(ctx, x2d, weight, group):
@@ -132,7 +148,27 @@ class _FusedGatherMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gathered, weight = ctx.saved_tensors
-        return _reduce_scatter_rows(grad @ weight, ctx.group), grad.t() @ gathered, None
+        grad = grad.contiguous()
+        grad_x = _fused_all_reduce(ctx.group).reduce_scatter(grad, weight).clone()  # reused by the call after next
+        return grad_x, grad.t() @ gathered, None
+
+
+class _FusedRowParallelScatter(torch.autograd.Function):
+    """Forward: x @ W^T and the reduce-scatter of its rows in one launch; backward: the gradient's rows
+    all-gathered and multiplied by W in one fused op (all-gather + GEMM), the weight gradient from the gathered
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, group):
+        ctx.save_for_backward(x2d, weight)
+        ctx.group = group
+        return _fused_all_reduce(group).reduce_scatter(x2d, weight.t()).clone()  # reused by the call after next
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2d, weight = ctx.saved_tensors
+        grad_x, gathered = all_gather_matmul(grad.contiguous(), weight, _workspace(ctx.group), return_gathered=True)
+        return grad_x, gathered.t() @ x2d, None
 
 
 class _FusedRowParallel(torch.autograd.Function):
@@ -252,22 +288,33 @@ class ColumnParallelLinear(TPLinear):
 
 class RowParallelLinear(TPLinear):
     """Input features split over the group (x holds this rank's features, e.g. a column-parallel output); the
-    output is the all-reduced sum, replicated on every rank."""
+    output is the all-reduced sum, replicated on every rank, or with `sequence_sharded` this rank's rows of it:
+    dim 0 of the output cut into equal parts over the ranks (dim 0 of x a multiple of the group size)."""
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None = None,
-                 comm: str = "bulk", seed: int = 0, std: float = 0.02):
+                 comm: str = "bulk", seed: int = 0, std: float = 0.02, sequence_sharded: bool = False):
         size, rank = _size_rank(group)
         if in_features % size:
             raise ValueError(f"in_features={in_features} does not split over {size} ranks")
         per_rank = in_features // size
         super().__init__(full_weight(out_features, in_features, seed, std)[:, rank * per_rank:(rank + 1) * per_rank],
                          group, comm)
+        self.sequence_sharded = sequence_sharded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight)
+        if self.sequence_sharded and x.shape[0] % self.tp_size:
+            raise ValueError(f"a sequence-sharded output cuts dim 0 of x ({x.shape[0]}) into {self.tp_size} equal "
+                             "parts: it must be a multiple of the group size")
         x2d = x.reshape(-1, x.shape[-1])
         dtype = self._fused_dtype(x)
+        if self.sequence_sharded:
+            if dtype is not None:
+                y = _FusedRowParallelScatter.apply(x2d.to(dtype), self.weight.to(dtype), self.group)
+            else:
+                y = _ReduceScatterRows.apply(F.linear(x2d, self.weight), self.group)
+            return y.view(x.shape[0] // self.tp_size, *x.shape[1:-1], y.shape[-1])
         if dtype is not None:
             y = _FusedRowParallel.apply(x2d.to(dtype), self.weight.to(dtype), _fused_all_reduce(self.group))
         else:
