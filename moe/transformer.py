@@ -151,7 +151,7 @@ class MoETransformer(nn.Module):
         super().__init__()
         if moe_every not in (1, 2):
             raise ValueError(f"moe_every must be 1 or 2, got {moe_every}")
-        if compute_dtype is None and tp_group is not None and tp_comm == "fused":
+        if compute_dtype not in (torch.bfloat16, torch.float16) and tp_group is not None and tp_comm == "fused":
             raise ValueError("model.tp_comm=fused computes the tensor-parallel projections in bf16 or fp16 (the fused "
                              "kernels' dtypes): set model.precision=bf16, or use model.tp_comm=bulk")
         self.group = group

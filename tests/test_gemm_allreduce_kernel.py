@@ -242,6 +242,14 @@ def test_reduce_scatter_and_all_reduce_alternate_on_the_same_flags(algorithm):
             assert_all_reduced(outs, xs, ws)
 
 
+def test_a_call_needing_halves_of_2_31_elements_is_refused_before_allocating():
+    """The halves' offsets are kernel arguments not in the plan key: a larger call would reuse an int32 binary."""
+    op = GemmAllReduce(SimulatedWorld(2).workspaces()[0], num_programs=1)
+    x, w = torch.empty(1 << 20, 8, dtype=torch.bfloat16), torch.empty(8, 1 << 12, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs buffers of 2\\^31 elements or more per half"):
+        op.prepare(x, w)
+
+
 def test_reduce_scatter_needs_equal_bands():
     op = GemmAllReduce(SimulatedWorld(2).workspaces()[0], num_programs=1)
     x, w = torch.ones(5, 8, dtype=torch.bfloat16), torch.ones(8, 4, dtype=torch.bfloat16)

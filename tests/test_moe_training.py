@@ -261,6 +261,8 @@ def test_unknown_precision_and_fp32_with_fused_tp_are_clear_errors():
         build_model(config(*SMALL, "model.precision=fp8"), CPU)
     with pytest.raises(ValueError, match="tp_comm=fused computes .* in bf16 or fp16.*set model.precision=bf16"):
         MoETransformer(tp_group=object(), tp_comm="fused", compute_dtype=None)
+    with pytest.raises(ValueError, match="tp_comm=fused computes"):
+        MoETransformer(tp_group=object(), tp_comm="fused", compute_dtype=torch.float32)
 
 
 def _bf16_two_ranks(rank: int, world: int, tmp: str, one_process_losses) -> None:

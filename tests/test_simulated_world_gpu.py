@@ -131,7 +131,8 @@ def test_gemm_all_reduce_matches_the_float64_sum(world_size, algorithm):
         err = float((outs[0].double() - expected).abs().max() / expected.abs().max())
         assert not outs[0].isnan().any() and err < 1e-2, (m, k, n, err)
         assert all(torch.equal(out, outs[0]) for out in outs)
-        assert plans[0].one_shot == (algorithm == "auto") or m > 64
+        if m <= 64:  # the training step's rows take either algorithm under "auto", by their bytes
+            assert plans[0].one_shot == (algorithm == "auto")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

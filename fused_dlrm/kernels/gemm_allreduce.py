@@ -6,8 +6,7 @@ t % n_tiles): up to 64 rows are one row of tiles (BLOCK_M: M rounded up to a pow
 rows are cut into rows of larger tiles (the FEW_ROWS and MANY_ROWS tilings). Each tile's K is cut into `split_k`
 chunks so that a GEMV has enough (tile, chunk) work units to fill the GPU. Two algorithms, one launch each:
 
-two-shot: rank d owns the contiguous range of tiles [d * T, (d + 1) * T), T = cdiv(tiles, world) (for many rows:
-a band of output rows, as a reduce-scatter over rows would give it). Three phases
+two-shot: rank d owns the contiguous range of tiles [d * T, (d + 1) * T), T = cdiv(tiles, world). Three phases
 per program:
 1. produce (zero-copy reduce-scatter): the fp32 partial product of every unit, stored straight into the owner's
    receive slot [source rank, K chunk, tile]. Owners are walked remote first, rotated by rank, the local rank
@@ -128,9 +127,10 @@ def _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, firs
     for i in range(K_TILES):
         k = k_begin + i * BLOCK_K + ks
         k_mask = k < k_end
-        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :] * stride_xk,  # M*K > 2^31
+        # int64 offsets: M*K or K*N may pass 2^31, in either layout (a Linear's weight.t() has stride_wn = K)
+        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :].to(tl.int64) * stride_xk,
                     mask=(rows < row_end)[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptr + k[:, None].to(tl.int64) * stride_wk + n[None, :] * stride_wn,  # K*N > 2^31
+        b = tl.load(w_ptr + k[:, None].to(tl.int64) * stride_wk + n[None, :].to(tl.int64) * stride_wn,
                     mask=k_mask[:, None] & (n[None, :] < N), other=0.0)
         if DOT_FP32:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -258,7 +258,7 @@ def default_split_k(m: int, k: int, num_tiles: int, num_programs: int, block_k: 
 @dataclass(frozen=True)
 class Tiling:
     """A plan's tiles and launch shape."""
-    block_m: int  # the most rows of a tile (fewer rows: M rounded up to a power of two, at least 16)
+    block_m: int  # the most rows of a tile, a power of two (fewer rows: M rounded up to one, at least 16)
     block_n: int
     block_k: int
     num_warps: int
@@ -293,10 +293,10 @@ class Plan:
 class GemmAllReduce:
     """out = sum over the workspace's ranks of x @ w, fused into one launch (see the module docstring).
 
-    Every rank must call with the same M, K, N, dtype and the same number of times (flags carry per-call
-    epochs). A plan tiles by FEW_ROWS up to 64 rows and by MANY_ROWS above; `block_m` ... `programs_per_sm`,
-    where given, replace those tilings' fields (for tests and sweeps; the grid must stay co-resident, see the
-    module docstring). The launch has `num_programs` persistent programs when given, else the tiling's
+    Every rank must make the same calls in the same order: the same form (__call__ or reduce_scatter, which is
+    always two-shot), M, K, N and dtype (flags carry per-call epochs). A plan tiles by FEW_ROWS up to 64 rows and
+    by MANY_ROWS above; `block_m` ... `programs_per_sm`, where given, replace those tilings' fields (for tests and
+    sweeps; the grid must stay co-resident, see the module docstring). The launch has `num_programs` persistent programs when given, else the tiling's
     programs per SM, and for FEW_ROWS PROGRAMS_PER_SM per SM, but one per SM for a shape of at most one tile per
     SM (the 2 x H200 sweep of call TP3, M=1, K=4096 per rank: N=8192 (128 tiles) took 34.4 us on one program per
     SM against 42.0 on two, half of them idle while their flags are still polled; N=28672 78.2 against 80.2 the
@@ -410,8 +410,11 @@ class GemmAllReduce:
         # The tiles a rank reduces: scatter, its band's; one-shot, all; two-shot, a contiguous range.
         tiles_per_rank = output_tiles if scatter or one_shot else triton.cdiv(num_tiles, self.world)
         slot_rows = min(out_rows, block_m)
-        recv = self.ws.buffer("gemm_allreduce_recv",
-                              2 * self.world * split_k * tiles_per_rank * slot_rows * tiling.block_n, torch.float32)
+        recv_size = 2 * self.world * split_k * tiles_per_rank * slot_rows * tiling.block_n
+        if max(recv_size, 2 * out_rows * n) // 2 >= 2**31:  # the halves' offsets are not in the key: keep them int32
+            raise ValueError(f"a call of x {tuple(x.shape)} and w {tuple(w.shape)} needs buffers of 2^31 elements or "
+                             "more per half: split it")
+        recv = self.ws.buffer("gemm_allreduce_recv", recv_size, torch.float32)
         out = self.ws.buffer("gemm_allreduce_out", 2 * out_rows * n, x.dtype)
         # Plans made before a buffer grew point into the old one: drop them (their keys plan anew).
         self._plans = {k: p for k, p in self._plans.items() if p.recv is recv and p.out is out}
