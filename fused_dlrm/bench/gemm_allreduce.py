@@ -4,7 +4,8 @@ A row-parallel linear of K in-features: out[M, N] = sum over ranks r of x_r[M, K
 (issue 5's shapes name the layer's K, split over the ranks), bf16, timed in the same run as:
   bulk:     x @ w, then NCCL all_reduce (the bulk twin)
   fused:    kernels.gemm_allreduce (one persistent launch), a row for each algorithm (one-shot: what "auto"
-            takes for these shapes on 2 ranks; two-shot)
+            takes for the decode-sized shapes on 2 ranks; two-shot); at a training step's rows also its
+            reduce-scatter form against matmul + reduce_scatter_tensor
   baseline: x @ w into a symmetric buffer, then torch's symmetric-memory one-shot all-reduce
 Every time is per call, from back-to-back calls (so the host's launch cost hides behind the GPU where it can).
 Speed of light: max(weight bytes / device copy bandwidth, output bytes / peer write bandwidth, cuBLAS's x @ w
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from fused_dlrm.bench.timing import hbm_bandwidth, peer_bandwidth, per_call_us
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
-from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce, gemm_allreduce_bulk
+from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce, gemm_allreduce_bulk, gemm_reduce_scatter_bulk
 
 # M, K, N: decode-sized (issue 5's), then a training step's tokens (MANY_ROWS's tiles)
 SHAPES = [(1, 8192, 8192), (1, 8192, 28672), (16, 8192, 8192), (64, 8192, 8192), (64, 8192, 28672),
@@ -67,6 +68,12 @@ def run(quick: bool) -> list[dict]:
                          "dtype": "bf16", "bulk_us": bulk_us, "fused_us": fused_us,
                          "baseline_name": "matmul + symm_mem one_shot", "baseline_us": baseline_us,
                          "speedup": bulk_us / fused_us, "sol_pct": 100 * light_us / fused_us})
+        if m % world == 0 and m > 64:  # a training step's rows: the reduce-scatter form (sequence parallelism)
+            bulk_us = per_call_us(lambda: gemm_reduce_scatter_bulk(x, w))
+            fused_us = per_call_us(lambda: ops["two_shot"].reduce_scatter(x, w))
+            rows.append({"op": "GEMM + ReduceScatter", "shape": f"M={m} K={k_layer} ({k}/rank) N={n}",
+                         "dtype": "bf16", "bulk_us": bulk_us, "fused_us": fused_us, "baseline_name": None,
+                         "baseline_us": None, "speedup": bulk_us / fused_us, "sol_pct": 100 * light_us / fused_us})
     for op in ops.values():
         op.errors.check(block=True)
     return rows
