@@ -250,6 +250,14 @@ def test_a_call_needing_halves_of_2_31_elements_is_refused_before_allocating():
         op.prepare(x, w)
 
 
+def test_an_empty_batch_launches_nothing():
+    """M = 0 on every rank (the bulk twins take it too): an empty output, and no epoch spent."""
+    op = GemmAllReduce(SimulatedWorld(2).workspaces()[0], num_programs=1)
+    x, w = torch.empty(0, 8, dtype=torch.bfloat16), torch.ones(8, 4, dtype=torch.bfloat16)
+    assert op(x, w).shape == (0, 4) and op.reduce_scatter(x, w).shape == (0, 4)
+    assert op.ws._epochs.get("gemm_allreduce") is None and not op._plans
+
+
 def test_reduce_scatter_needs_equal_bands():
     op = GemmAllReduce(SimulatedWorld(2).workspaces()[0], num_programs=1)
     x, w = torch.ones(5, 8, dtype=torch.bfloat16), torch.ones(8, 4, dtype=torch.bfloat16)

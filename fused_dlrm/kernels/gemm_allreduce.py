@@ -294,14 +294,15 @@ class GemmAllReduce:
     """out = sum over the workspace's ranks of x @ w, fused into one launch (see the module docstring).
 
     Every rank must make the same calls in the same order: the same form (__call__ or reduce_scatter, which is
-    always two-shot), M, K, N and dtype (flags carry per-call epochs). A plan tiles by FEW_ROWS up to 64 rows and
-    by MANY_ROWS above; `block_m` ... `programs_per_sm`, where given, replace those tilings' fields (for tests and
-    sweeps; the grid must stay co-resident, see the module docstring). The launch has `num_programs` persistent programs when given, else the tiling's
-    programs per SM, and for FEW_ROWS PROGRAMS_PER_SM per SM, but one per SM for a shape of at most one tile per
-    SM (the 2 x H200 sweep of call TP3, M=1, K=4096 per rank: N=8192 (128 tiles) took 34.4 us on one program per
-    SM against 42.0 on two, half of them idle while their flags are still polled; N=28672 78.2 against 80.2 the
-    other way round); the flags are sized for the largest grid. `algorithm`: "one_shot", "two_shot", or "auto"
-    (by the bytes a rank pushes, see the module docstring).
+    always two-shot), M, K, N and dtype (flags carry per-call epochs); a call of M = 0 launches nothing on any
+    rank and returns an empty output. A plan tiles by FEW_ROWS up to 64 rows and by MANY_ROWS above; `block_m` ...
+    `programs_per_sm`, where given, replace those tilings' fields (for tests and sweeps; the grid must stay
+    co-resident, see the module docstring). The launch has `num_programs` persistent programs when given, else
+    the tiling's programs per SM, and for FEW_ROWS PROGRAMS_PER_SM per SM, but one per SM for a shape of at most
+    one tile per SM (the 2 x H200 sweep of call TP3, M=1, K=4096 per rank: N=8192 (128 tiles) took 34.4 us on one
+    program per SM against 42.0 on two, half of them idle while their flags are still polled; N=28672 78.2 against
+    80.2 the other way round); the flags are sized for the largest grid. `algorithm`: "one_shot", "two_shot", or
+    "auto" (by the bytes a rank pushes, see the module docstring).
 
     Host time per call is kept small (a GEMV's kernel takes tens of microseconds): what depends only on the
     call's key is computed once into a `Plan`, and GPUs launch the plan's compiled binary (kernels/launch.py).
@@ -337,12 +338,16 @@ class GemmAllReduce:
         self._launches = CompiledLaunches(_gemm_allreduce_kernel)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:  # an empty batch: nothing to reduce (every rank has M = 0)
+            return x.new_empty(0, w.shape[1])
         epoch = self.next_epoch()
         return self.output(epoch, self.launch(x, w, epoch, ALL_PHASES))
 
     def reduce_scatter(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """This rank's band of rows of the sum over ranks of x @ w: rows [rank, rank + 1) * M / world (M a multiple
         of the world size), as reduce_scatter_tensor cuts them; on the same flags and epochs as __call__."""
+        if x.shape[0] == 0:
+            return x.new_empty(0, w.shape[1])
         epoch = self.next_epoch()
         return self.output(epoch, self.launch(x, w, epoch, ALL_PHASES, scatter=True))
 
