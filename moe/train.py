@@ -4,8 +4,10 @@ One step: this rank's slice of the global batch -> MoETransformer forward (the d
 inside every MoE layer) -> loss = cross-entropy + aux_coeff * load balancing + z_coeff * z loss -> backward ->
 `sync_gradients` (replicated parameters' gradients summed over ranks) -> optimizer step. With model.tp_size > 1 the
 world is split into tensor-parallel groups of consecutive ranks (the attention and dense FFN projections sharded
-over each, activations replicated inside it) and data-parallel groups across them: the batch is split over the
-data-parallel ranks (a TP group shares one slice), and gradients are summed over the data-parallel group.
+over each, activations replicated inside it, or with model.sequence_parallel cut over it) and data-parallel groups
+across them: the batch is split over the data-parallel ranks (a TP group shares one slice, which under sequence
+parallelism the model cuts again: MoETransformer.local_tokens), and gradients are summed over the ranks holding
+different tokens (MoETransformer.gradient_groups).
 Every `log_every` steps the losses are reduced over ranks and checked for NaN/inf, and tokens/s and the expert
 load are logged; every `eval_every` steps the eval loss is measured; every `checkpoint_every` steps a checkpoint
 is written (only after the loss was checked). Only trainer.max_steps is supported (no epochs). The step itself is
@@ -25,7 +27,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from torch import nn
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv, all_reduce_sum
@@ -36,7 +37,7 @@ from fused_dlrm.tp import quantized_all_reduce
 from fused_dlrm.tp.linear import tp_groups
 from moe.data import ByteWindows, load_corpus
 from moe.layer import FusedMoEConfig
-from moe.transformer import MoETransformer, expert_parameters
+from moe.transformer import MoETransformer
 
 log = logging.getLogger(__name__)
 
@@ -53,21 +54,26 @@ def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
                            num_heads=m.num_heads, ffn=m.ffn, num_experts=m.num_experts, top_k=m.top_k,
                            moe_every=m.moe_every, shared_expert=m.shared_expert,
                            capacity_factor=m.capacity_factor, seed=cfg.seed, group=dp_group, tp_group=tp_group,
-                           tp_comm=m.tp_comm, moe_comm=cfg.comm.mode, moe_fused=fused_moe_config(cfg, env),
+                           tp_comm=m.tp_comm, sequence_parallel=m.get("sequence_parallel", False),
+                           moe_comm=cfg.comm.mode, moe_fused=fused_moe_config(cfg, env),
                            compute_dtype=compute_dtype(m.get("precision", "fp32")))
     return model.to(env.device)
 
 
 def fused_moe_config(cfg: DictConfig, env: DistEnv) -> FusedMoEConfig | None:
     """The MoE layers' comm=fused settings (None for comm=bulk). Every batch has the same shape, so the exchanges'
-    buffers are sized for the largest rank's share of one (its tokens: max_tokens_per_rank), and no forward waits
-    for the routing's counts on the host."""
+    buffers are sized for the largest rank's share of one (its tokens: max_tokens_per_rank; under sequence
+    parallelism a TP rank's part of its slice), and no forward waits for the routing's counts on the host."""
     if cfg.comm.mode != "fused":
         return None
-    start, stop = local_batch_bounds(cfg.data.global_batch_size, 0, env.world_size // cfg.model.tp_size)
+    tp_size = cfg.model.tp_size
+    start, stop = local_batch_bounds(cfg.data.global_batch_size, 0, env.world_size // tp_size)
     # rank 0's share: the first ranks take one sample more when the batch does not split evenly
+    max_tokens = (stop - start) * cfg.data.seq_len
+    if cfg.model.get("sequence_parallel", False) and tp_size > 1:
+        max_tokens = -(-max_tokens // tp_size)
     return FusedMoEConfig(num_programs=cfg.comm.num_programs, wait_timeout_spins=cfg.comm.wait_timeout_spins,
-                          cuda_graphs=cfg.trainer.cuda_graphs, max_tokens_per_rank=(stop - start) * cfg.data.seq_len,
+                          cuda_graphs=cfg.trainer.cuda_graphs, max_tokens_per_rank=max_tokens,
                           dispatch=cfg.comm.moe_dispatch, combine=cfg.comm.moe_combine)
 
 
@@ -94,49 +100,54 @@ def sum_over(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return t
 
 
-def sync_gradients(model: nn.Module, world_size: int, grad_allreduce: str = "nccl",
-                   group: dist.ProcessGroup | None = None) -> None:
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in the group (None: the world; 1 in one process)."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def sync_gradients(model: MoETransformer, grad_allreduce: str = "nccl") -> None:
     """After backward: make every gradient that of the step's loss, given that each rank differentiated its share.
 
-    world_size ranks of the data-parallel `group` (None: the world). Inside a TP group every rank already holds
-    the complete gradient of its parameters (the TP linears' collectives), identical for the replicated ones.
     Each rank differentiates its share of the loss (train_step: its local sum over the global token count, its
-    auxiliary losses over world_size), so the data-parallel replicas (everything but the experts' w13/w2) are
-    all-reduce-summed, in one flat buffer, and the experts' gradients are complete on their owner as they are (the
+    auxiliary losses over the ranks holding different tokens), so the gradients of what several of those ranks
+    hold (everything but the experts' w13/w2) are all-reduce-summed, in one flat buffer per group
+    (MoETransformer.gradient_groups: inside a TP group the linears' collectives already made each shard's gradient
+    complete for the group's tokens). The experts' gradients are complete on their owner as they are (the
     exchanges' backward brought every rank's share home): no pass over them, which on 2 x H200 would read and
     write the fine-grained config's 2.2B expert gradients (~4.3 ms per step, docs/benchmarks.md).
-    grad_allreduce other than "nccl" sums the replicated ones with that codec (fused_dlrm.tp).
+    grad_allreduce other than "nccl" sums them with that codec (fused_dlrm.tp).
     """
-    if world_size == 1:
-        return
-    experts = {id(p) for p in expert_parameters(model)}
-    replicated = [p for p in model.parameters() if id(p) not in experts]
-    for p in replicated:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in replicated])
-    if grad_allreduce == "nccl":
-        dist.all_reduce(flat, group=group)
-    else:
-        quantized_all_reduce(flat, grad_allreduce, group=group, out=flat)
-    offset = 0
-    for p in replicated:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+    for params, group in model.gradient_groups():
+        if group_size(group) == 1 or not params:
+            continue
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        if grad_allreduce == "nccl":
+            dist.all_reduce(flat, group=group)
+        else:
+            quantized_all_reduce(flat, grad_allreduce, group=group, out=flat)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
 
 
 def token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
 
 
-def evaluate(model: nn.Module, dataset: ByteWindows, num_batches: int, env: DistEnv) -> float:
-    """Mean cross-entropy per byte over `num_batches` eval batches of the global batch (a collective)."""
+def evaluate(model: MoETransformer, dataset: ByteWindows, num_batches: int, env: DistEnv) -> float:
+    """Mean cross-entropy per byte over `num_batches` eval batches of the global batch (a collective; a TP
+    group's ranks count their tokens twice, or under sequence parallelism each its own: the mean is the same)."""
     total = torch.zeros(2, device=env.device)
     model.eval()
     with torch.no_grad():
         for step in range(num_batches):
             inputs, targets = host_to_device(list(dataset.batch(step)), env.device)
             logits, _ = model(inputs)
+            targets = model.local_tokens(targets)
             total[0] += token_cross_entropy_sum(logits, targets)
             total[1] += targets.numel()
     model.train()
@@ -145,25 +156,27 @@ def evaluate(model: nn.Module, dataset: ByteWindows, num_batches: int, env: Dist
 
 
 def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
-               dp_size: int, aux_coeff: float, z_coeff: float, grad_allreduce: str = "nccl",
+               aux_coeff: float, z_coeff: float, grad_allreduce: str = "nccl",
                ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """One step on this rank's slice of the batch, already on the device: forward (dispatch / combine inside every
-    MoE layer), loss = cross-entropy + aux_coeff * load balancing + z_coeff * z loss, backward, `sync_gradients`
-    over the data-parallel group (dp_size ranks), optimizer step. Returns the detached total loss, its terms
-    [cross-entropy, load balancing, z loss] and the kept assignments per expert of each MoE layer."""
+    MoE layer), loss = cross-entropy + aux_coeff * load balancing + z_coeff * z loss, backward, `sync_gradients`,
+    optimizer step. Returns the detached total loss, its terms [cross-entropy, load balancing, z loss] and the
+    kept assignments per expert of each MoE layer."""
     logits, aux = model(inputs)
+    targets = model.local_tokens(targets)
+    shares = group_size(model.group)  # the ranks holding different tokens
     # The step's loss: the global-batch mean cross-entropy as this rank estimates it (its local sum over the global
-    # tokens, times the data-parallel world size; the logged value), plus this rank's auxiliary losses (over its
-    # tokens, as Megatron's router computes them).
+    # tokens, times the number of shares; the logged value), plus this rank's auxiliary losses (over its tokens, as
+    # Megatron's router computes them).
     global_tokens = sum_over(torch.full((), float(targets.numel()), device=targets.device), model.group)  # no copy
-    ce = token_cross_entropy_sum(logits, targets) * dp_size / global_tokens
+    ce = token_cross_entropy_sum(logits, targets) * shares / global_tokens
     loss = ce + aux_coeff * aux["load_balancing_loss"] + z_coeff * aux["z_loss"]
     optimizer.zero_grad(set_to_none=True)
-    # Each rank differentiates its share (1/dp_size) of the loss: summing the replicated gradients over the ranks
+    # Each rank differentiates its share (1/shares) of the loss: summing the gradients over the ranks
     # (sync_gradients) then gives the gradient of the global-batch mean, uneven local batches weighted correctly,
     # and the experts' gradients need no rescaling.
-    (loss / dp_size).backward()
-    sync_gradients(model, dp_size, grad_allreduce, model.group)
+    (loss / shares).backward()
+    sync_gradients(model, grad_allreduce)
     optimizer.step()
     terms = [ce.detach(), aux["load_balancing_loss"].detach(), aux["z_loss"].detach()]
     return loss.detach(), terms, aux["tokens_per_expert"]
@@ -174,7 +187,6 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     if t.max_steps is None:
         raise ValueError("the MoE Transformer trains for trainer.max_steps steps (trainer.epochs is not supported)")
     model = build_model(cfg, env)
-    dp_size = env.world_size // m.tp_size
     optimizer = instantiate(m.optimizer, params=model.parameters())
     train_data, eval_data = build_data(cfg, env, run_dir)
     checkpoint_dir = Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints"
@@ -189,7 +201,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     def log_fields(interval: Interval) -> tuple[dict, str]:
         """The interval's losses, speed and expert load (reduced over ranks here: a collective)."""
         ce, lb, z = interval.losses
-        load = sum_over(expert_load.clone(), model.group).double()  # a TP group's ranks route the same tokens
+        load = sum_over(expert_load.clone(), model.group).double()  # over the ranks routing different tokens
         expert_load.zero_()
         # max / mean tokens per expert of each MoE layer, over all ranks (1.0: perfectly balanced)
         imbalance = (load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9)).tolist()
@@ -214,8 +226,8 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         # Through pinned memory in one non-blocking copy: a pageable copy would make the host wait for the GPU
         # to finish the previous step first.
         inputs, targets = host_to_device(list(train_data.batch(run.step)), env.device)
-        loss, terms, tokens_per_expert = train_step(model, optimizer, inputs, targets, dp_size, m.aux_coeff,
-                                                    m.z_coeff, cfg.comm.grad_allreduce)
+        loss, terms, tokens_per_expert = train_step(model, optimizer, inputs, targets, m.aux_coeff, m.z_coeff,
+                                                    cfg.comm.grad_allreduce)
         if num_moe_layers:
             expert_load += torch.stack(tokens_per_expert)
         run.end_step(loss, terms)  # step += 1; the losses summed on the device

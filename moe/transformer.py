@@ -6,11 +6,20 @@ every `moe_every`-th layer (layers moe_every-1, 2*moe_every-1, ...) and a dense 
 `shared_expert` a dense SwiGLU runs on every token beside the routed experts and is added to their output.
 The output head is tied to the byte embedding (logits = h @ embedding.weight.T).
 
+Activations are rows, one per token of the batch in [B, S] order ([B * S, d]).
+
 Tensor parallelism (`tp_group` of tp_size ranks, fused_dlrm.tp.linear): attention's qkv projection is
 column-parallel with the heads split over the group and its output projection row-parallel; the dense SwiGLU
-FFNs and the shared expert have w1, w3 column-parallel and w2 row-parallel. Activations between them are
-replicated inside a TP group; the MoE layers run expert parallelism over `group` (the data-parallel group, whose
-ranks hold different tokens). tp_size 1 (no tp_group) runs the same layers without communication.
+FFNs and the shared expert have w13 (w1 and w3 as one) column-parallel and w2 row-parallel. tp_size 1 (no
+tp_group) runs the same layers without communication. Between the projections the rows are either
+- replicated inside a TP group (Megatron's f / g all-reduces; the MoE layers run expert parallelism over
+  `group`, the data-parallel group, whose ranks hold different tokens), or
+- with `sequence_parallel`, cut over the TP group: each rank holds a contiguous 1/tp_size of the rows
+  (`local_tokens`) through the embedding, the norms, the residual stream, the MoE layers and the loss; the qkv
+  and w13 projections all-gather the rows before their GEMM and the row-parallel ones reduce-scatter after it
+  (Megatron's sequence parallelism; the same bytes as the all-reduce, a tp_size-th of the norms' work and
+  activations). Every rank of the world then holds different tokens, so the MoE layers' experts are split over
+  the whole world (expert parallelism over TP x DP, as Megatron's "parallel folding" with expert TP 1).
 
 Initialisation is a function of the seed only: the projections draw their full weight from a seed derived from
 (seed, layer, name) and keep their shard, so any tp_size gives the tp_size = 1 model; the other replicated
@@ -43,33 +52,42 @@ def derive_seed(*parts: object) -> int:
 
 
 class TPLayout:
-    """What every tensor-parallel projection of the model shares: the group, its comm and the seeds."""
+    """What every tensor-parallel projection of the model shares: the group, its comm, whether the rows between
+    the projections are cut over the group (sequence parallelism) and the seeds."""
 
-    def __init__(self, group: dist.ProcessGroup | None, comm: str, seed: int, num_layers: int):
+    def __init__(self, group: dist.ProcessGroup | None, comm: str, sequence_parallel: bool, seed: int,
+                 num_layers: int):
         self.group, self.comm, self.seed = group, comm, seed
         self.size = dist.get_world_size(group) if group is not None else 1
+        self.sequence_parallel = sequence_parallel and self.size > 1
         self.residual_std = 0.02 / math.sqrt(2 * num_layers)  # projections that write into the residual stream
 
-    def column(self, d_in: int, d_out: int, *name: object, parts: int = 1) -> ColumnParallelLinear:
-        return ColumnParallelLinear(d_in, d_out, self.group, self.comm, derive_seed(self.seed, *name), 0.02, parts)
+    def column(self, d_in: int, d_out: int, *name: object, parts: int = 1,
+               part_names: tuple[str, ...] = ()) -> ColumnParallelLinear:
+        """part_names: each part drawn from a seed of its own name (layers fused into one keep their init)."""
+        seed = tuple(derive_seed(self.seed, *name, p) for p in part_names) or derive_seed(self.seed, *name)
+        return ColumnParallelLinear(d_in, d_out, self.group, self.comm, seed, 0.02, parts,
+                                    sequence_sharded=self.sequence_parallel)
 
     def row(self, d_in: int, d_out: int, *name: object) -> RowParallelLinear:
-        return RowParallelLinear(d_in, d_out, self.group, self.comm, derive_seed(self.seed, *name), self.residual_std)
+        return RowParallelLinear(d_in, d_out, self.group, self.comm, derive_seed(self.seed, *name), self.residual_std,
+                                 sequence_sharded=self.sequence_parallel)
 
 
 class SwiGLU(nn.Module):
-    """Dense FFN: (silu(x W1) * (x W3)) W2; w1, w3 column-parallel, w2 row-parallel."""
+    """Dense FFN: (silu(x W1) * (x W3)) W2; w1 and w3 as one column-parallel w13 (one GEMM, and under sequence
+    parallelism one all-gather), w2 row-parallel."""
 
     def __init__(self, d_model: int, ffn: int, tp: TPLayout, *name: object):
         super().__init__()
         if ffn % tp.size:
             raise ValueError(f"ffn={ffn} must be a multiple of model.tp_size={tp.size}")
-        self.w1 = tp.column(d_model, ffn, *name, "w1")
-        self.w3 = tp.column(d_model, ffn, *name, "w3")
+        self.w13 = tp.column(d_model, 2 * ffn, *name, parts=2, part_names=("w1", "w3"))
         self.w2 = tp.row(ffn, d_model, *name, "w2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class ShardedMoELayer(MoELayer):
@@ -106,11 +124,13 @@ class CausalSelfAttention(nn.Module):
         self.qkv = tp.column(d_model, 3 * d_model, *name, "qkv", parts=3)
         self.out = tp.row(d_model, d_model, *name, "out")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
+    def forward(self, x: torch.Tensor, batch_shape: tuple[int, int]) -> torch.Tensor:
+        """x: this rank's rows [rows, d] of a batch of `batch_shape` (B, S); qkv holds all B * S rows (gathered
+        under sequence parallelism), the output this rank's rows again."""
+        b, s = batch_shape
         q, k, v = rotary_qkv(self.qkv(x).view(b, s, 3, self.local_heads, self.head_dim))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+        return self.out(y.transpose(1, 2).reshape(b * s, self.local_heads * self.head_dim))
 
 
 class Block(nn.Module):
@@ -123,15 +143,15 @@ class Block(nn.Module):
         self.ffn = ffn
         self.shared_expert = shared
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, batch_shape: tuple[int, int]) -> tuple[torch.Tensor, dict | None]:
+        """x: this rank's rows [rows, d] of a batch of `batch_shape` (B, S)."""
+        x = x + self.attn(self.attn_norm(x), batch_shape)
         h = self.ffn_norm(x)
         if isinstance(self.ffn, MoELayer):
-            flat = h.reshape(-1, h.shape[-1])
             # The shared expert needs no routing: the layer runs it while its counts travel to the host.
-            shared = None if self.shared_expert is None else lambda: self.shared_expert(flat)
-            y, aux = self.ffn(flat, alongside=shared)
-            return x + y.view_as(h), aux
+            shared = None if self.shared_expert is None else lambda: self.shared_expert(h)
+            y, aux = self.ffn(h, alongside=shared)
+            return x + y, aux
         return x + self.ffn(h), None
 
 
@@ -140,10 +160,11 @@ class MoETransformer(nn.Module):
                  ffn: int = 128, num_experts: int = 4, top_k: int = 2, moe_every: int = 1,
                  shared_expert: bool = False, capacity_factor: float | None = None, seed: int = 0,
                  group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
-                 tp_comm: str = "bulk", moe_comm: str = "bulk", moe_fused=None,
+                 tp_comm: str = "bulk", sequence_parallel: bool = False, moe_comm: str = "bulk", moe_fused=None,
                  compute_dtype: torch.dtype | None = None):
-        """group: the data-parallel group (expert parallelism, the gradients' sum; None: the world);
-        tp_group: the tensor-parallel group (None: no tensor parallelism); tp_comm: bulk | fused;
+        """group: the data-parallel group (None: the world); tp_group: the tensor-parallel group (None: no tensor
+        parallelism), the two tiling the world as fused_dlrm.tp.tp_groups makes them; tp_comm: bulk | fused;
+        sequence_parallel: the rows cut over the TP group between its projections (no effect without one);
         moe_comm / moe_fused: the MoE layers' dispatch and combine (MoELayer's comm and fused);
         compute_dtype: torch.bfloat16 / float16 runs the forward under autocast to it (mixed precision: the
         parameters stay as they are, the logits come out in fp32; the experts' weights are marked for compute
@@ -154,15 +175,20 @@ class MoETransformer(nn.Module):
         if compute_dtype not in (torch.bfloat16, torch.float16) and tp_group is not None and tp_comm == "fused":
             raise ValueError("model.tp_comm=fused computes the tensor-parallel projections in bf16 or fp16 (the fused "
                              "kernels' dtypes): set model.precision=bf16, or use model.tp_comm=bulk")
-        self.group = group
         self.compute_dtype = compute_dtype
-        tp = TPLayout(tp_group, tp_comm, seed, num_layers)
+        tp = TPLayout(tp_group, tp_comm, sequence_parallel, seed, num_layers)
+        self.tp_size, self.sequence_parallel = tp.size, tp.sequence_parallel
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self.data_parallel_group = group
+        # The ranks holding different tokens: they split the experts, and sum the losses and the gradients of what
+        # every rank holds whole (under sequence parallelism: every rank of the world).
+        self.group = None if self.sequence_parallel else group
         self.embedding = nn.Embedding(vocab_size, d_model)
         blocks = []
         for i in range(num_layers):
             is_moe = (i + 1) % moe_every == 0
             if is_moe:
-                ffn_module = ShardedMoELayer(d_model, ffn, num_experts, top_k, group=group,
+                ffn_module = ShardedMoELayer(d_model, ffn, num_experts, top_k, group=self.group,
                                              capacity_factor=capacity_factor, seed=derive_seed(seed, "moe", i),
                                              comm=moe_comm, fused=moe_fused)
             else:
@@ -194,21 +220,50 @@ class MoETransformer(nn.Module):
                     continue
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64) * 0.02)
 
+    def local_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of t [B, S, ...] (tokens, targets) flattened to [B * S, ...]: all of them, or under
+        sequence parallelism its contiguous 1/tp_size (TP rank r: the r-th)."""
+        rows = t.reshape(-1, *t.shape[2:])
+        if not self.sequence_parallel:
+            return rows
+        if rows.shape[0] % self.tp_size:
+            raise ValueError(f"model.sequence_parallel cuts a batch's {rows.shape[0]} tokens ({tuple(t.shape[:2])}) "
+                             f"into model.tp_size={self.tp_size} equal parts: it must be a multiple of it")
+        per_rank = rows.shape[0] // self.tp_size
+        return rows[self.tp_rank * per_rank:(self.tp_rank + 1) * per_rank]
+
+    def gradient_groups(self) -> list[tuple[list[nn.Parameter], dist.ProcessGroup | None]]:
+        """The parameters whose gradients are summed over ranks after backward, with the group each sums over
+        (None: the world): the TP projections' shards over the data-parallel group (a TP group's ranks each hold
+        a different shard, whose gradient already covers the TP group's tokens); everything else but the experts
+        (which are complete on their owner) over `group`. Without sequence parallelism the two groups are one."""
+        experts = {id(p) for p in expert_parameters(self)}
+        shards = {id(p) for m in self.modules() if isinstance(m, TPLinear) for p in m.parameters()}
+        replicated = [p for p in self.parameters() if id(p) not in experts]
+        if not self.sequence_parallel:
+            return [(replicated, self.group)]
+        return [([p for p in replicated if id(p) in shards], self.data_parallel_group),
+                ([p for p in replicated if id(p) not in shards], self.group)]
+
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """tokens [B, S] int64 -> (logits [B, S, vocab], aux).
+        """tokens [B, S] int64 (the same on every rank of a TP group) -> (logits, aux): logits [B, S, vocab], or
+        under sequence parallelism [this rank's rows, vocab] (`local_tokens`' rows).
 
         aux: load_balancing_loss and z_loss summed over the MoE layers (this rank's tokens, unscaled), and
         tokens_per_expert: one [num_experts] tensor per MoE layer (this rank's kept assignments)."""
         with torch.autocast(tokens.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None):
             logits, aux = self._forward(tokens)
+        if not self.sequence_parallel:
+            logits = logits.view(*tokens.shape, -1)
         return logits.float(), aux
 
     def _forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        x = self.embedding(tokens)
+        batch_shape = tuple(tokens.shape)
+        x = self.embedding(self.local_tokens(tokens))
         lb = z = x.new_zeros(())
         tokens_per_expert = []
         for block in self.blocks:
-            x, aux = block(x)
+            x, aux = block(x, batch_shape)
             if aux is not None:
                 lb = lb + aux["load_balancing_loss"]
                 z = z + aux["z_loss"]

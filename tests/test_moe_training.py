@@ -58,6 +58,8 @@ def test_fused_layers_are_sized_for_the_largest_share_of_a_batch():
         env = DistEnv(rank=1, world_size=world, local_rank=1, device=torch.device("cpu"), backend="gloo")
         most = max(stop - start for start, stop in (local_batch_bounds(5, r, 2) for r in range(2)))
         assert fused_moe_config(cfg, env).max_tokens_per_rank == most * cfg.data.seq_len == 3 * 64
+    cfg.model.sequence_parallel = True  # each of the TP pair holds half of its slice's tokens
+    assert fused_moe_config(cfg, env).max_tokens_per_rank == 3 * 64 // 2
     assert (fused_moe_config(cfg, env).dispatch, fused_moe_config(cfg, env).combine) == ("auto", "auto")
     cfg.comm.moe_combine = "rows"
     assert fused_moe_config(cfg, env).combine == "rows"
@@ -161,7 +163,7 @@ def _replicas_agree(rank: int, world: int, tmp: str) -> None:
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1)) + aux["z_loss"]
         optimizer.zero_grad()
         loss.backward()
-        sync_gradients(model, world)
+        sync_gradients(model)
         optimizer.step()
     mine = _replicated_checksum(model)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
@@ -185,6 +187,22 @@ def test_four_ranks_match_one_process_and_agree(tmp_path):
     """Experts over 4 ranks (2 each): the loss curve of one process, falling; replicas identical."""
     one = train(config(*FOUR_RANKS), CPU, tmp_path / "one")
     run_world(4, _four_ranks, str(tmp_path), [l for _, l in one.losses])
+
+
+def _four_ranks_sequence_parallel(rank: int, world: int, tmp: str, one_process_losses, overrides) -> None:
+    _same_curve_as_one_process(_gloo(rank, world), Path(tmp) / "sp", one_process_losses, overrides)
+
+
+def test_four_ranks_sequence_parallel_match_one_process(tmp_path):
+    """tp_size 2 x 2 data-parallel ranks with sequence parallelism: every rank holds a quarter of the tokens (an
+    uneven batch: 5 and 4 samples per data-parallel rank) and 2 of the 8 experts; the loss curve of one process
+    (the gradients summed over the right group each: the projections' shards over the data-parallel one, the rest
+    over the world)."""
+    overrides = FOUR_RANKS + ["data.global_batch_size=9", "model.num_layers=3", "model.moe_every=2",
+                              "model.shared_expert=true"]
+    one = train(config(*overrides), CPU, tmp_path / "one")
+    run_world(4, _four_ranks_sequence_parallel, str(tmp_path), [l for _, l in one.losses],
+              overrides + ["model.tp_size=2", "model.sequence_parallel=true"])
 
 
 def test_replicated_parameters_stay_identical_over_ranks(tmp_path):

@@ -1,7 +1,8 @@
 """On 2 GPUs: the fused GEMV/GEMM + all-reduce and its reduce-scatter form against their bulk twins (matmul + NCCL
 all_reduce / reduce_scatter_tensor), repeated calls on the same flags, a timeout, and the fused TP linears
 (column-parallel, replicated or sequence-sharded input, and row-parallel, replicated or sequence-sharded output)
-against the bulk ones, forward and backward (also with two ranks sharing one GPU: gloo, CUDA IPC)."""
+against the bulk ones, forward and backward, and the MoE Transformer with fused TP (rows replicated or cut over
+the pair) and MoE against bulk (also with two ranks sharing one GPU: gloo, CUDA IPC)."""
 
 from __future__ import annotations
 
@@ -133,3 +134,62 @@ def _linears_fused_match_bulk(rank, world, sequence_sharded, rows, autocast):
 @pytest.mark.parametrize("sequence_sharded", [False, True])
 def test_tp_linears_fused_match_bulk(sequence_sharded, rows, autocast, backend):
     run_world(2, _linears_fused_match_bulk, sequence_sharded, rows, autocast, backend=backend)
+
+
+def _transformer_fused_matches_bulk(rank, world, sequence_parallel):
+    from fused_dlrm.tp.linear import _workspace, tp_groups
+    from moe.layer import FusedMoEConfig
+    from moe.train import sync_gradients, token_cross_entropy_sum
+    from moe.transformer import MoETransformer
+
+    tp, dp = tp_groups(2)
+    gen = torch.Generator(device="cuda").manual_seed(11)  # one batch for the TP pair
+    tokens = torch.randint(0, 256, (4, 129), device="cuda", generator=gen)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    results, ran = {}, {}
+    # The fp32 bulk model is the reference; bulk and fused in bf16 mixed precision are compared with it.
+    for run, comm, dtype in (("reference", "bulk", None), ("bulk", "bulk", torch.bfloat16),
+                             ("fused", "fused", torch.bfloat16)):
+        # Layer 0 dense, layer 1 MoE with a shared expert: every kind of projection.
+        model = MoETransformer(d_model=256, num_layers=2, num_heads=4, ffn=512, num_experts=4, top_k=2, moe_every=2,
+                               shared_expert=True, seed=5, group=dp, tp_group=tp, tp_comm=comm,
+                               sequence_parallel=sequence_parallel, moe_comm=comm,
+                               moe_fused=FusedMoEConfig(max_tokens_per_rank=inputs.numel()) if comm == "fused" else None,
+                               compute_dtype=dtype).cuda()
+        epochs = dict(_workspace(tp)._epochs)
+        logits, _ = model(inputs)
+        loss = token_cross_entropy_sum(logits, model.local_tokens(targets)) / targets.numel()
+        loss.backward()
+        sync_gradients(model)
+        results[run] = {name: p.grad.float() for name, p in model.named_parameters() if p.grad is not None}
+        results[run]["logits"] = logits.detach().float()
+        if comm == "fused":
+            ran = {key: n - epochs.get(key, 0) for key, n in _workspace(tp)._epochs.items()}
+    # The fused TP ops ran for each of the 4 column / row pairs (attention x 2 layers, the dense FFN, the shared
+    # expert), forward and backward: the GEMM + all-reduce kernel (RS or AR form) twice per pair; under sequence
+    # parallelism also the all-gather + GEMM twice per pair.
+    print(f"rank {rank} sequence_parallel={sequence_parallel}: fused calls {ran}")
+    assert ran.pop("gemm_allreduce", 0) == 8, ran
+    assert sum(ran.values()) == (8 if sequence_parallel else 0), ran
+    reference = results["reference"]
+    rows = inputs.numel() // (2 if sequence_parallel else 1)
+    assert reference["logits"].reshape(-1, 256).shape == (rows, 256)
+    assert reference.keys() == results["bulk"].keys() == results["fused"].keys()
+    assert len(reference) == len(list(model.parameters())) + 1  # every parameter has a gradient
+    # Relative error in norm against fp32. bf16 alone gives a few percent here: near-tied top-2 routing choices of
+    # a fresh router flip with any rounding. So the fused model must be about as close to fp32 as bulk bf16 is.
+    errors = {name: tuple(float((results[run][name] - ref).norm() / ref.norm()) for run in ("bulk", "fused"))
+              for name, ref in reference.items()}
+    worst = sorted(errors.items(), key=lambda item: -item[1][1])
+    print(f"rank {rank} sequence_parallel={sequence_parallel}: (bulk, fused) relative errors {worst[:4]}")
+    bad = [(name, e) for name, e in worst if not e[1] < 2 * e[0] + 1e-2]
+    assert not bad and worst[0][1][1] < 0.2, bad or worst[:4]
+
+
+@pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_transformer_fused_matches_bulk(sequence_parallel, backend):
+    """The MoE Transformer at tp_size 2 (world 2), bf16 mixed precision, fused TP and MoE against bulk, both against
+    fp32: logits and every parameter's gradient after sync_gradients, with the rows replicated or cut over the TP
+    pair."""
+    run_world(2, _transformer_fused_matches_bulk, sequence_parallel, backend=backend)

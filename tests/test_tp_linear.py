@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, full_weight, tp_groups
-from moe.transformer import MoETransformer
+from moe.transformer import MoETransformer, expert_parameters
 from world import run_torchrun, run_world
 
 D_IN, D_HID = 12, 24
@@ -110,6 +110,27 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
     with pytest.raises(ValueError, match=f"ffn=65 must be a multiple of model.tp_size={tp_size}"):
         MoETransformer(ffn=65, moe_every=2, tp_group=tp)
 
+    # Sequence parallelism: the rank's contiguous 1/tp of a batch's rows, the experts over the whole world, and
+    # the gradients summed over the data-parallel group (the projections' shards) or the world (the rest).
+    model = MoETransformer(num_experts=2 * world, moe_every=2, shared_expert=True, group=dp, tp_group=tp,
+                           sequence_parallel=True)
+    tokens = torch.arange(4 * 6 * tp_size).view(4, 6 * tp_size)
+    assert torch.equal(model.local_tokens(tokens), tokens.reshape(-1).view(tp_size, -1)[r])
+    with pytest.raises(ValueError, match=f"cuts a batch's {tp_size + 1} tokens \\(\\(1, {tp_size + 1}\\)\\) into "
+                                         f"model.tp_size={tp_size} equal parts"):
+        model.local_tokens(torch.zeros(1, tp_size + 1))
+    assert model.blocks[1].ffn.num_local_experts == 2 and model.blocks[1].ffn.experts.first_expert == 2 * rank
+    (shards, dp_group), (rest, world_group) = model.gradient_groups()
+    assert dp_group is dp and world_group is None
+    tp_linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    assert {id(p) for p in shards} == {id(m.weight) for m in tp_linears} and len(tp_linears) == 2 * 2 + 2 + 2
+    assert all(m.sequence_sharded for m in tp_linears)
+    experts = {id(p) for p in expert_parameters(model)}
+    assert {id(p) for p in rest} == {id(p) for p in model.parameters()} - experts - {id(p) for p in shards}
+    plain = MoETransformer(group=dp, tp_group=tp)  # the rows replicated: one group, the data-parallel one
+    assert [g for _, g in plain.gradient_groups()] == [dp] and not plain.sequence_parallel
+    assert torch.equal(plain.local_tokens(tokens), tokens.reshape(-1))
+
 
 @pytest.mark.parametrize("world_size,tp_size", [(2, 2), (4, 2)])
 def test_tp_layers_match_one_process(world_size, tp_size):
@@ -117,16 +138,31 @@ def test_tp_layers_match_one_process(world_size, tp_size):
     run_world(world_size, _layers_match_one_process, tp_size)
 
 
-def test_moe_transformer_with_tp_2_trains_like_tp_1(tmp_path):
-    """torchrun, 2 gloo ranks, model.tp_size=2 (one data-parallel replica): the loss curve of one process."""
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_moe_transformer_with_tp_2_trains_like_tp_1(tmp_path, sequence_parallel):
+    """torchrun, 2 gloo ranks, model.tp_size=2 (one data-parallel replica): the loss curve of one process. With
+    sequence parallelism each rank holds half the tokens and half the experts (a shared expert and a dense layer
+    too: every kind of projection)."""
     from test_moe_training import CPU, SAME_AS_ONE_PROCESS, config
 
     from moe.train import train
 
     steps = SAME_AS_ONE_PROCESS + ["trainer.max_steps=4", "data.global_batch_size=8"]
+    if sequence_parallel:
+        steps += ["model.num_layers=3", "model.moe_every=2", "model.shared_expert=true"]
     one = train(config(*steps), CPU, tmp_path / "one")
-    run_torchrun([*steps, "model.tp_size=2", f"hydra.run.dir={tmp_path}/tp"])
+    run_torchrun([*steps, "model.tp_size=2", f"model.sequence_parallel={sequence_parallel}",
+                  f"hydra.run.dir={tmp_path}/tp"])
     lines = [json.loads(l) for l in (tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()]
     tp_losses = [l["loss"] for l in lines if "loss" in l]
     assert len(tp_losses) == 4
     torch.testing.assert_close(tp_losses, [l for _, l in one.losses], rtol=2e-4, atol=2e-4)
+
+
+def test_column_parallel_parts_from_seeds_of_their_own():
+    """A tuple of seeds draws each part as its own weight: a SwiGLU's w13 keeps w1's and w3's initialisation."""
+    fused = ColumnParallelLinear(D_IN, 2 * D_HID, seed=(3, 4), std=0.1, parts=2)
+    expected = torch.cat([full_weight(D_HID, D_IN, 3, 0.1), full_weight(D_HID, D_IN, 4, 0.1)]).float()
+    assert torch.equal(fused.weight, expected)
+    with pytest.raises(ValueError, match="3 seeds for 2 part\\(s\\): give one per part, or one int"):
+        ColumnParallelLinear(D_IN, 2 * D_HID, seed=(3, 4, 5), parts=2)

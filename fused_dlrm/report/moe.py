@@ -60,14 +60,14 @@ class _Run:
         self.inputs, self.targets = (t.to(env.device) for t in train_data.batch(0))
         self.layer = next(m for m in model.modules() if isinstance(m, MoELayer))
         generator = torch.Generator(device=env.device).manual_seed(1000 + env.rank)
-        self.x = torch.randn(self.inputs.numel(), cfg.model.d_model, device=env.device, generator=generator)
+        rows = model.local_tokens(self.inputs).numel()  # this rank's tokens (a part of them under sequence parallelism)
+        self.x = torch.randn(rows, cfg.model.d_model, device=env.device, generator=generator)
         self.grad = torch.randn_like(self.x)
 
     def step(self) -> None:
         """One training step: moe/train.py's own."""
         m = self.cfg.model
-        train_step(self.model, self.optimizer, self.inputs, self.targets, self.env.world_size // m.tp_size,
-                   m.aux_coeff, m.z_coeff, self.grad_allreduce)
+        train_step(self.model, self.optimizer, self.inputs, self.targets, m.aux_coeff, m.z_coeff, self.grad_allreduce)
 
     def step_modes(self) -> Mode:
         return {"fwd": no_grad(lambda: self.model(self.inputs)), "fwd_bwd": self.step}

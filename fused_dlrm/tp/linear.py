@@ -254,16 +254,23 @@ class TPLinear(nn.Module):
 class ColumnParallelLinear(TPLinear):
     """Output features split over the group. `parts` > 1: the output is `parts` equal blocks (e.g. q, k, v) each
     split over ranks, so rank r's output is [block 0 of r, block 1 of r, ...] (attention heads stay whole).
+    `seed` a tuple (one per part): each part is drawn as a weight of its own, so that layers fused into one (a
+    SwiGLU's w1 and w3) keep the initialisation they had apart.
     `sequence_sharded`: x holds this rank's rows only; they are all-gathered (dim 0 of x) before the matmul."""
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None = None,
-                 comm: str = "bulk", seed: int = 0, std: float = 0.02, parts: int = 1,
+                 comm: str = "bulk", seed: int | tuple[int, ...] = 0, std: float = 0.02, parts: int = 1,
                  sequence_sharded: bool = False):
         size, rank = _size_rank(group)
         if out_features % (parts * size):
             raise ValueError(f"out_features={out_features} does not split into {parts} part(s) over {size} ranks")
-        per_rank = out_features // (parts * size)
-        full = full_weight(out_features, in_features, seed, std).view(parts, out_features // parts, in_features)
+        per_rank, per_part = out_features // (parts * size), out_features // parts
+        if isinstance(seed, tuple):
+            if len(seed) != parts:
+                raise ValueError(f"{len(seed)} seeds for {parts} part(s): give one per part, or one int")
+            full = torch.stack([full_weight(per_part, in_features, s, std) for s in seed])
+        else:
+            full = full_weight(out_features, in_features, seed, std).view(parts, per_part, in_features)
         super().__init__(full[:, rank * per_rank:(rank + 1) * per_rank].reshape(-1, in_features), group, comm)
         self.sequence_sharded = sequence_sharded
 
