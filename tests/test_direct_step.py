@@ -44,7 +44,7 @@ class _EagerOverArchLoss(OverArchLossGraph):
         self.loss, self.grad_input = self._forward_backward()
 
 
-def _bulk_direct_step_trains_as_autograd(rank: int, world: int, tmp: str) -> None:
+def _bulk_direct_step_trains_as_autograd(rank: int, world: int, tmp: str, sharding: list[str]) -> None:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
     rows = 128 // world  # SMALL's global batch, split evenly
     make_nodes = build.dense_arch_nodes
@@ -60,8 +60,8 @@ def _bulk_direct_step_trains_as_autograd(rank: int, world: int, tmp: str) -> Non
     taken = []
     step = DirectDLRMStep.step
     DirectDLRMStep.step = lambda self, batch: taken.append(1) or step(self, batch)
-    common = SMALL + ["trainer.max_steps=12", "trainer.log_every=1", "trainer.eval_every=6",
-                      "trainer.checkpoint_every=0"]
+    common = SMALL + sharding + ["trainer.max_steps=12", "trainer.log_every=1", "trainer.eval_every=6",
+                                 "trainer.checkpoint_every=0"]
     autograd = train(config(*common, "trainer.direct_step=false"), env, Path(tmp) / f"autograd{rank}")
     assert taken == []
     direct = train(config(*common), env, Path(tmp) / f"direct{rank}")
@@ -74,5 +74,8 @@ def _bulk_direct_step_trains_as_autograd(rank: int, world: int, tmp: str) -> Non
         assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-4 for k in want), (got, want)
 
 
-def test_two_ranks_bulk_direct_step_trains_as_the_autograd_step(tmp_path):
-    run_world(2, _bulk_direct_step_trains_as_autograd, str(tmp_path))
+@pytest.mark.parametrize("sharding", [[], ["model.row_shards=2", "model.pooling=mean"]], ids=["table-wise", "row-wise"])
+def test_two_ranks_bulk_direct_step_trains_as_the_autograd_step(tmp_path, sharding):
+    """row-wise: every table's rows in two blocks, one per rank, mean-pooled (each sample's parts summed, then
+    divided by its bag size after the exchange)."""
+    run_world(2, _bulk_direct_step_trains_as_autograd, str(tmp_path), sharding)

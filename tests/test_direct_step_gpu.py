@@ -1,6 +1,6 @@
 """trainer.direct_step (fused_dlrm/train/direct_step.py) trains as the autograd step does: train.py's DLRM loop, the
-step called directly against autograd's, same seed, in both comm modes: the same losses and evaluations, and every
-training step taken by the direct one. ONE GPU at world 1, and two ranks on two GPUs (NCCL; each skipped without
+step called directly against autograd's, same seed, in both comm modes and three shardings (table-, column- and
+row-wise): the same losses and evaluations, and every training step taken by the direct one. ONE GPU at world 1, and two ranks on two GPUs (NCCL; each skipped without
 its GPUs), or sharing one GPU (gloo). On the CPU: tests/test_direct_step.py."""
 
 from __future__ import annotations
@@ -18,20 +18,38 @@ from test_training import SMALL, config
 from world import TWO_RANK_BACKENDS, run_world
 
 
-def _trains_as_autograd(rank: int, world: int, tmp: str) -> None:
+# Table-wise; column-wise (at world 2 a feature's 16 columns on two owners: the interaction's gradient blocks would
+# straddle them, so the exchange pushes); row-wise and mean-pooled (each sample's block parts summed after the
+# exchange, then divided by its bag size).
+SHARDINGS = {"table-wise": [], "column-wise": ["model.column_shards=2"],
+             "row-wise": ["model.row_shards=2", "model.pooling=mean"]}
+
+
+def _trains_as_autograd(rank: int, world: int, tmp: str, sharding: str) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     env = DistEnv(rank=rank, world_size=world, local_rank=device.index, device=device, backend=dist.get_backend())
-    taken = []
+    taken, pushes = [], []
     step = DirectDLRMStep.step
-    DirectDLRMStep.step = lambda self, batch: taken.append(1) or step(self, batch)
+
+    def counted_step(self, batch):
+        taken.append(1)
+        pushes.append(self.kernel_pushes)
+        return step(self, batch)
+    DirectDLRMStep.step = counted_step
     for comm in ("fused", "bulk"):
         taken.clear()
-        common = SMALL + ["trainer.device=cuda", f"comm={comm}", "trainer.max_steps=16", "trainer.log_every=1",
+        pushes.clear()
+        common = SMALL + SHARDINGS[sharding] + ["trainer.device=cuda", f"comm={comm}", "trainer.max_steps=16", "trainer.log_every=1",
                           "trainer.eval_every=8", "trainer.checkpoint_every=0"]
         autograd = train(config(*common, "trainer.direct_step=false"), env, Path(tmp) / f"autograd_{comm}{rank}")
         assert taken == []
         direct = train(config(*common), env, Path(tmp) / f"direct_{comm}{rank}")
         assert len(taken) == 16, comm
+        # the interaction's kernel pushes d S into the owners' buffers unless a row's blocks are summed or a
+        # gradient block would straddle two owners; then the exchange pushes
+        # (column-wise at world 1: both shards of a feature on the one rank, side by side)
+        expected = comm == "fused" and (sharding == "table-wise" or sharding == "column-wise" and world == 1)
+        assert set(pushes) == {expected}, (comm, sharding, world, set(pushes))
         losses = lambda r: torch.tensor([loss for _, loss in r.losses], dtype=torch.float64)  # noqa: E731
         torch.testing.assert_close(losses(direct), losses(autograd), rtol=1e-5, atol=1e-6)
         assert len(direct.evals) == 2
@@ -40,10 +58,12 @@ def _trains_as_autograd(rank: int, world: int, tmp: str) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_one_gpu_trains_as_the_autograd_step(tmp_path):
-    run_world(1, _trains_as_autograd, str(tmp_path), backend="nccl")
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_one_gpu_trains_as_the_autograd_step(tmp_path, sharding):
+    run_world(1, _trains_as_autograd, str(tmp_path), sharding, backend="nccl")
 
 
 @pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
-def test_two_ranks_train_as_the_autograd_step(tmp_path, backend):
-    run_world(2, _trains_as_autograd, str(tmp_path), backend=backend)
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_two_ranks_train_as_the_autograd_step(tmp_path, sharding, backend):
+    run_world(2, _trains_as_autograd, str(tmp_path), sharding, backend=backend)

@@ -20,9 +20,12 @@ the sequence it is, each piece writing where the next one reads:
 
 The sparse part is the collection's: with comm=fused (p2p) the interaction's backward kernel stores d S straight
 into the owners' symmetric gradient buffers with the exchange's flags (GradientPush's protocol) and the exchange's
-backward waits for them and updates the tables, no autograd at all; with comm=bulk the lookup, the all-to-all and
-their backward stay autograd's (their outputs are new tensors each step), d S handed to them. The arithmetic is
-loop.train_step's, op for op. Calls that do not fit the graphs (another local batch size) take train_step;
+backward waits for them and updates the tables, no autograd at all. Where the kernel cannot store it there (a
+row-wise table: the exchange's row is wider, each row block's part at columns of its own, and a sample's parts are
+summed after it, RowBlockSum; or a gradient block of the kernel would straddle two owners) d S is made locally,
+the row blocks' sum differentiated by autograd, and the exchange pushes the result (its own backward's push). With
+comm=bulk the lookup, the all-to-all, the row blocks' sum and their backward stay autograd's (their outputs are new
+tensors each step), d S handed to them. The arithmetic is loop.train_step's, op for op. Calls that do not fit the graphs (another local batch size) take train_step;
 evaluation calls the model as ever.
 """
 
@@ -56,13 +59,9 @@ def direct_step_refusal(model: nn.Module) -> str:
     dims = [t.embedding_dim for t in sparse.embedding_bag_configs() for _ in t.feature_names]
     if sparse.feature_names != sparse_arch.sparse_feature_names or any(d != dim for d in dims):
         return "the pooled output is not [B, F, D] in the arch's feature order"
-    if sparse.row_block_sum is not None:
-        return "row-wise tables: a pooled row is the sum of their blocks' parts, which the direct step does not add"
     exchange = sparse.fused
     if exchange is not None and exchange.nvshmem:
-        return "comm.transport=nvshmem: the interaction's backward cannot push the gradient there"
-    if exchange is not None and exchange.push_blocks(dim, push_block(torch.float32, dim)) is None:
-        return "the interaction's gradient blocks would straddle two owners"
+        return "comm.transport=nvshmem: the direct step has run with the p2p transport only"
     rows, device = nodes[0].graph.input.shape[0], nodes[0].graph.input.device
     return kernels_refuse(torch.empty(rows, dim, device=device), torch.empty(rows, num_features, dim, device=device))
 
@@ -115,6 +114,10 @@ class DirectDLRMStep:
         self.over = OverArchLossGraph(model.over_arch.forward, self.dense.graph.input.shape[0])
         self.shape = (self.dense.graph.input.shape[0], model.sparse_arch.F, model.sparse_arch.D)
         self.push_block = push_block(torch.float32, self.shape[2])  # the pushing backward's column blocks
+        exchange, self.row_block_sum = self.sparse.fused, self.sparse.row_block_sum
+        # Whether the interaction's backward kernel stores d S into the owners' buffers (else the exchange pushes).
+        self.kernel_pushes = (exchange is not None and self.row_block_sum is None
+                              and exchange.push_blocks(self.shape[2], self.push_block) is not None)
 
     def takes(self, batch: Batch) -> bool:
         return self.model.training and batch.dense_features.shape[0] == self.shape[0]
@@ -123,18 +126,23 @@ class DirectDLRMStep:
         dense_graph, over, exchange = self.dense.graph, self.over, self.sparse.fused
         bags = self.sparse.bags_of(batch.sparse_features)
         embedded_dense = dense_graph.forward(batch.dense_features)
-        if exchange is not None:
-            pooled = exchange.finish(bags, exchange.start(bags))
-        else:
-            with torch.enable_grad():  # the lookup and the all-to-all: their backward is autograd's
+        scale = torchrec_gradient_scale(self.world_size)
+        if exchange is None:
+            with torch.enable_grad():  # the lookup, the all-to-all and the row blocks' sum: autograd's backward
                 pooled = self.sparse.pooled(bags)
-        sparse = pooled.detach().view(self.shape)
+        else:
+            # row-wise: the wide row, whose gradient the blocks' sum's backward makes (a leaf of this step's own)
+            exchanged = exchange.finish(bags, exchange.start(bags)).detach()
+            pooled = exchanged.requires_grad_(self.row_block_sum is not None)
+            if self.row_block_sum is not None:
+                with torch.enable_grad():
+                    pooled = self.row_block_sum(exchanged, bags.pooling_divisors)
+        sparse = pooled.detach().contiguous().view(self.shape)
         launch_forward(embedded_dense, sparse, over.input)
         over.run(batch.labels, self.world_size / bags.global_batch)
         over_average = over.node.hand_gradients()
-        if exchange is not None:  # d S pushed to the owners by the interaction's kernel
-            destinations = exchange.gradient_destinations(bags, torchrec_gradient_scale(self.world_size),
-                                                          self.shape[2], self.push_block)
+        if self.kernel_pushes:  # d S pushed to the owners by the interaction's kernel
+            destinations = exchange.gradient_destinations(bags, scale, self.shape[2], self.push_block)
             launch_backward(over.grad_input, embedded_dense, sparse, dense_graph.grad_output, None, destinations)
             exchange.backward_pushes["consumer"] += 1
         else:
@@ -142,10 +150,17 @@ class DirectDLRMStep:
             launch_backward(over.grad_input, embedded_dense, sparse, dense_graph.grad_output, grad_sparse, None)
         dense_graph.backward(dense_graph.grad_output)
         dense_average = self.dense.hand_gradients()
-        if exchange is not None:
+        if self.kernel_pushes:
             exchange.finish_backward(bags, destinations.epoch)
-        else:
+        elif exchange is None:
             pooled.backward(grad_sparse.view_as(pooled))
+        else:  # the exchange pushes the gradient of its own output (the wide row's, through the blocks' sum)
+            grad = grad_sparse.view_as(pooled)
+            if self.row_block_sum is not None:
+                pooled.backward(grad)
+                grad = exchanged.grad
+            exchange.finish_backward(bags, exchange.start_backward(bags, grad, scale))
+            exchange.backward_pushes["exchange"] += 1
         for work in (over_average, dense_average):
             if work is not None:
                 work.wait()
