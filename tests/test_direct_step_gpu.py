@@ -1,7 +1,8 @@
 """trainer.direct_step (fused_dlrm/train/direct_step.py) trains as the autograd step does: train.py's DLRM loop, the
 step called directly against autograd's, same seed, in both comm modes and three shardings (table-, column- and
-row-wise): the same losses and evaluations, and every training step taken by the direct one. ONE GPU at world 1, and two ranks on two GPUs (NCCL; each skipped without
-its GPUs), or sharing one GPU (gloo). On the CPU: tests/test_direct_step.py."""
+row-wise): the same losses and evaluations, and every training step taken by the direct one. ONE GPU at world 1, and
+two ranks on two GPUs (NCCL; each skipped without its GPUs), or sharing one GPU (gloo). On the CPU:
+tests/test_direct_step.py."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def _trains_as_autograd(rank: int, world: int, tmp: str, sharding: str) -> None:
     for comm in ("fused", "bulk"):
         taken.clear()
         pushes.clear()
-        common = SMALL + SHARDINGS[sharding] + ["trainer.device=cuda", f"comm={comm}", "trainer.max_steps=16", "trainer.log_every=1",
-                          "trainer.eval_every=8", "trainer.checkpoint_every=0"]
+        common = SMALL + SHARDINGS[sharding] + ["trainer.device=cuda", f"comm={comm}", "trainer.max_steps=16",
+                                                "trainer.log_every=1", "trainer.eval_every=8",
+                                                "trainer.checkpoint_every=0"]
         autograd = train(config(*common, "trainer.direct_step=false"), env, Path(tmp) / f"autograd_{comm}{rank}")
         assert taken == []
         direct = train(config(*common), env, Path(tmp) / f"direct_{comm}{rank}")

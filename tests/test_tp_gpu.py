@@ -154,8 +154,9 @@ def _transformer_fused_matches_bulk(rank, world, sequence_parallel):
         model = MoETransformer(d_model=256, num_layers=2, num_heads=4, ffn=512, num_experts=4, top_k=2, moe_every=2,
                                shared_expert=True, seed=5, group=dp, tp_group=tp, tp_comm=comm,
                                sequence_parallel=sequence_parallel, moe_comm=comm,
-                               moe_fused=FusedMoEConfig(max_tokens_per_rank=inputs.numel()) if comm == "fused" else None,
-                               compute_dtype=dtype).cuda()
+                               compute_dtype=dtype,
+                               moe_fused=FusedMoEConfig(max_tokens_per_rank=inputs.numel()) if comm == "fused" else None
+                               ).cuda()
         epochs = dict(_workspace(tp)._epochs)
         logits, _ = model(inputs)
         loss = token_cross_entropy_sum(logits, model.local_tokens(targets)) / targets.numel()

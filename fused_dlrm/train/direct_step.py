@@ -25,8 +25,8 @@ row-wise table: the exchange's row is wider, each row block's part at columns of
 summed after it, RowBlockSum; or a gradient block of the kernel would straddle two owners) d S is made locally,
 the row blocks' sum differentiated by autograd, and the exchange pushes the result (its own backward's push). With
 comm=bulk the lookup, the all-to-all, the row blocks' sum and their backward stay autograd's (their outputs are new
-tensors each step), d S handed to them. The arithmetic is loop.train_step's, op for op. Calls that do not fit the graphs (another local batch size) take train_step;
-evaluation calls the model as ever.
+tensors each step), d S handed to them. The arithmetic is loop.train_step's, op for op. Calls that do not fit the
+graphs (another local batch size) take train_step; evaluation calls the model as ever.
 """
 
 from __future__ import annotations
