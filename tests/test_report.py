@@ -122,6 +122,44 @@ def test_dlrm_after_training_two_gloo_ranks(tmp_path):
     assert (tmp_path / "metrics.jsonl").exists()  # it trained first
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_moe_tensor_parallel_two_gloo_ranks(tmp_path, sequence_parallel):
+    """model.tp_size=2 under torchrun: every kind of TP projection is a layer of its own (real shapes, counted per
+    model, the bytes of its collectives), and the gradients' all-reduce one per group it sums over."""
+    run_torchrun([*MOE, "model.tp_size=2", f"model.sequence_parallel={sequence_parallel}", "model.num_layers=3",
+                  "model.moe_every=2", "model.shared_expert=true", f"hydra.run.dir={tmp_path}"],
+                 program=("-m", "fused_dlrm.report"))
+    report, table = read(tmp_path)
+    column = "all-gather of the rows before the GEMM; backward: reduce-scatter" if sequence_parallel else \
+        "backward: the input gradient's all-reduce"
+    row = "reduce-scatter of the output rows; backward: all-gather" if sequence_parallel else "all-reduce of the output"
+    projections = [f"TP {kind}.{name} ({'column' if name in ('qkv', 'w13') else 'row'}-parallel; "
+                   f"{column if name in ('qkv', 'w13') else row})"
+                   for kind, names in (("attn", ("qkv", "out")), ("ffn", ("w13", "w2")),
+                                       ("shared_expert", ("w13", "w2"))) for name in names]
+    sums = (["gradient all-reduce (TP shards, data-parallel group)", "gradient all-reduce (the rest, world)"]
+            if sequence_parallel else ["gradient all-reduce"])
+    layers = check_report(report, table, ["MoE layer (route, dispatch all-to-all, experts, combine all-to-all)",
+                                          *projections, *sums, STEP], world=2)
+    tokens = 6 * 16 // (2 if sequence_parallel else 1)  # one data-parallel rank: the batch, cut under SP
+    qkv, out = layers[projections[0]], layers[projections[1]]
+    assert [layers[p]["count"] for p in projections] == [3, 3, 2, 2, 1, 1]
+    assert qkv["shapes"] == f"[{tokens}, 32] -> [96, 48] float32 on each of 2 ranks"
+    assert out["shapes"] == f"[96, 16] -> [{tokens}, 32] float32 on each of 2 ranks"
+    whole = 96 * 32 * 4  # the group's rows of d_model, fp32: half of them cross in each collective of 2 ranks
+    if sequence_parallel:
+        assert qkv["bytes_sent"] == out["bytes_sent"] == {"fwd": whole // 2, "fwd_bwd": whole}
+    else:
+        assert qkv["bytes_sent"] == {"fwd": 0, "fwd_bwd": whole} and out["bytes_sent"] == {"fwd": whole,
+                                                                                            "fwd_bwd": whole}
+    for name in projections:
+        assert layers[name]["fused"]["unavailable"] == CPU_REASON and layers[name]["bulk"]["fwd_bwd_ms"] > 0
+    # one data-parallel rank: the projections' shards need no sum; under SP the rest is summed over the world
+    assert layers[sums[0]]["bulk"]["unavailable"] == "one rank in the group"
+    if sequence_parallel:
+        assert layers[sums[1]]["bulk"]["fwd_bwd_ms"] > 0 and "over 2 ranks" not in layers[sums[1]]["shapes"]
+
+
 def test_measure_and_render_with_both_modes(tmp_path):
     """Where a fused mode exists: both timed, speedup and % of speed of light from the measured times."""
     layer = CommLayer("fake exchange", "[4 x 4]", {"fwd": 2_000_000},

@@ -59,28 +59,31 @@ def no_grad(fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-def grad_allreduce_layer(num_params: int, codec: str, env: DistEnv, reason: str | None) -> CommLayer:
-    """The all-reduce of the replicated (data-parallel) gradients, as one flat fp32 buffer: plain NCCL / gloo
-    (bulk) against the configured comm.grad_allreduce codec (fused column, when one is configured).
+def grad_allreduce_layer(num_params: int, codec: str, env: DistEnv, reason: str | None,
+                         group: dist.ProcessGroup | None = None, name: str = "gradient all-reduce") -> CommLayer:
+    """The all-reduce of the replicated (data-parallel) gradients over `group` (None: the world), as one flat fp32
+    buffer: plain NCCL / gloo (bulk) against the configured comm.grad_allreduce codec (fused column, when one is
+    configured).
 
-    Bytes: a ring all-reduce sends 2 (world - 1) / world of the buffer from every rank."""
-    world = env.world_size
+    Bytes: a ring all-reduce sends 2 (ranks - 1) / ranks of the buffer from every rank."""
+    ranks = dist.get_world_size(group) if dist.is_initialized() else 1
     flat = torch.randn(num_params, device=env.device)
-    shapes = f"{num_params:,} fp32 values (flat)"
-    sent = {"fwd_bwd": 2 * (world - 1) * num_params * 4 // world}
-    if world == 1:
-        one = "one process: nothing to all-reduce"
-        return CommLayer("gradient all-reduce", shapes, sent, one, one)
+    shapes = f"{num_params:,} fp32 values (flat)" + ("" if group is None else f" over {ranks} ranks")
+    sent = {"fwd_bwd": 2 * (ranks - 1) * num_params * 4 // ranks}
+    if ranks == 1:
+        one = "one process: nothing to all-reduce" if env.world_size == 1 else "one rank in the group"
+        return CommLayer(name, shapes, sent, one, one)
 
     def plain():
         out = flat.clone()
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=group)
         return out
 
     if reason is None and codec in ("nccl", "none"):
         reason = "comm.grad_allreduce=nccl: no codec configured (set fp16 | fp8 | q8 | q6 | q4 to compare one)"
-    fused = fused_or_reason(reason, lambda: {"fwd_bwd": lambda: quantized_all_reduce(flat, codec, mean=True)})
-    layer = CommLayer("gradient all-reduce", shapes, sent, {"fwd_bwd": plain}, fused)
+    fused = fused_or_reason(reason, lambda: {"fwd_bwd": lambda: quantized_all_reduce(flat, codec, group=group,
+                                                                                     mean=True)})
+    layer = CommLayer(name, shapes, sent, {"fwd_bwd": plain}, fused)
     if not isinstance(fused, str):
         layer.notes.append(f"fused column: the {codec} quantized two-shot all-reduce (fused_dlrm.tp)")
     return layer

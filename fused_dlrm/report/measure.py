@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from fused_dlrm.bench.timing import peer_bandwidth, time_ms
 from fused_dlrm.dist import DistEnv
+from fused_dlrm.dist.symmetric import ranks_share_a_gpu
 from fused_dlrm.report.layers import PASSES, CommLayer
 
 log = logging.getLogger(__name__)
@@ -32,9 +33,15 @@ def timing_method(env: DistEnv, warmup: int, iters: int) -> dict:
             "warmup": warmup, "iters": iters, "statistic": "median over iters, slowest rank"}
 
 
+def shared_gpu(env: DistEnv) -> bool:
+    """Whether ranks of this run share a GPU (a check of results: their times are no comparison)."""
+    return env.device.type == "cuda" and env.world_size > 1 and ranks_share_a_gpu(dist.group.WORLD)
+
+
 def measure_bandwidth(env: DistEnv) -> float | None:
-    """Peer write bandwidth in bytes/s, or None where it cannot be measured (CPU, one process)."""
-    if env.device.type != "cuda" or env.world_size == 1:
+    """Peer write bandwidth in bytes/s, or None where it cannot be measured (CPU, one process, ranks sharing a GPU:
+    no symmetric memory between them, and no peer link to measure)."""
+    if env.device.type != "cuda" or env.world_size == 1 or shared_gpu(env):
         return None
     return peer_bandwidth()
 
@@ -75,6 +82,9 @@ def measure(layers: list[CommLayer], env: DistEnv) -> dict:
     warmup, iters = repeats(env)
     bandwidth = measure_bandwidth(env)
     entries = [measure_layer(layer, env, bandwidth, warmup, iters) for layer in layers]
-    return {"timing": timing_method(env, warmup, iters),
+    timing = timing_method(env, warmup, iters)
+    if shared_gpu(env):
+        timing["caveat"] = "the ranks share one GPU: the report checks results, its times compare nothing"
+    return {"timing": timing,
             "peer_bandwidth_GBps": bandwidth / 1e9 if bandwidth else None,
             "layers": entries}

@@ -1,9 +1,11 @@
 """The communicating layers of the MoE Transformer a config trains, with its real shapes, in both modes.
 
 The MoE layers (route, dispatch all-to-all, experts, combine all-to-all) all share one shape, so one of them is
-timed and counted num_moe_layers times; the replicated gradients' all-reduce (plain against the configured
-comm.grad_allreduce codec); and the whole training step. Whether a fused MoE model exists on this machine is
-decided in one place, `fused_moe`.
+timed and counted num_moe_layers times; with model.tp_size > 1 each kind of tensor-parallel projection
+(report/tp.py); the replicated gradients' all-reduce (plain against the configured comm.grad_allreduce codec); and
+the whole training step. bulk: comm.mode=bulk and model.tp_comm=bulk; fused: comm.mode=fused (the configured fused
+settings, or FusedMoEConfig's defaults when the run is bulk) and, in bf16 mixed precision, model.tp_comm=fused.
+Whether a fused model exists on this machine is decided in one place, `fused_moe`.
 """
 
 from __future__ import annotations
@@ -18,22 +20,34 @@ from torch import nn
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.report.layers import (STEP, CommLayer, Mode, forward_backward,
                                       grad_allreduce_layer, no_fused_path, no_grad)
+from fused_dlrm.report.tp import tp_layers
 from moe.layer import FusedMoEConfig, MoELayer
 from moe.train import build_data, build_model, fused_moe_config, train_step
-from moe.transformer import expert_parameters
+
+
+def with_modes(cfg: DictConfig, mode: str) -> DictConfig:
+    """cfg with the MoE layers' comm and the TP projections' switched to `mode`, as the module docstring says."""
+    c = OmegaConf.to_container(cfg, resolve=True)
+    if mode == "bulk":
+        c["comm"] = {**c["comm"], "mode": "bulk"}
+        c["model"]["tp_comm"] = "bulk"
+    else:
+        defaults = {"num_programs": FusedMoEConfig.num_programs,
+                    "wait_timeout_spins": FusedMoEConfig.wait_timeout_spins,
+                    "moe_dispatch": FusedMoEConfig.dispatch, "moe_combine": FusedMoEConfig.combine}
+        c["comm"] = {**defaults, **c["comm"], "mode": "fused", "transport": "p2p"}
+        c["model"]["tp_comm"] = "fused" if c["model"].get("precision", "fp32") == "bf16" else "bulk"
+    return OmegaConf.create(c)
 
 
 def fused_moe(cfg: DictConfig, env: DistEnv, layer: MoELayer) -> tuple[MoELayer | str, nn.Module | str]:
     """The fused twins of one MoE layer (same shapes and weights as `layer`) and of the whole model (the same
-    config with comm.mode=fused: the same seeded weights), or why there are none here."""
+    config in the fused mode: the same seeded weights), or why there are none here."""
     reason = no_fused_path(env)
     if reason:
         return reason, reason
     m = cfg.model
-    defaults = {"num_programs": FusedMoEConfig.num_programs, "wait_timeout_spins": FusedMoEConfig.wait_timeout_spins,
-                "moe_dispatch": FusedMoEConfig.dispatch, "moe_combine": FusedMoEConfig.combine}
-    comm = {**defaults, **OmegaConf.to_container(cfg.comm, resolve=True), "mode": "fused", "transport": "p2p"}
-    fused_cfg = OmegaConf.create({**OmegaConf.to_container(cfg, resolve=True), "comm": comm})
+    fused_cfg = with_modes(cfg, "fused")
     fused = MoELayer(m.d_model, m.ffn, m.num_experts, m.top_k, group=layer.group, capacity_factor=m.capacity_factor,
                      device=env.device, comm="fused", fused=fused_moe_config(fused_cfg, env))
     with torch.no_grad():  # router then experts in both (the model's layer renames its experts module only)
@@ -75,7 +89,8 @@ class _Run:
 
 def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
     m = cfg.model
-    bulk = _Run(cfg, env, build_model(cfg, env), run_dir, "nccl")
+    bulk_cfg = with_modes(cfg, "bulk")
+    bulk = _Run(bulk_cfg, env, build_model(bulk_cfg, env), run_dir, "nccl")
     layer, x = bulk.layer, bulk.x
     fused_layer, fused_model = fused_moe(cfg, env, layer)
     fused = None if isinstance(fused_model, str) else _Run(cfg, env, fused_model, run_dir, cfg.comm.grad_allreduce)
@@ -99,15 +114,26 @@ def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
         count=num_moe)
     moe_layer.notes.append("input: random hidden states of the real shape (the routing is that of random tokens)")
 
-    experts = {id(p) for p in expert_parameters(bulk.model)}
-    num_replicated = sum(p.numel() for p in bulk.model.parameters() if id(p) not in experts)
-    allreduce = grad_allreduce_layer(num_replicated, cfg.comm.grad_allreduce, env, no_fused_path(env))
+    fused_tp = fused_model
+    if not isinstance(fused_model, str) and m.get("precision", "fp32") != "bf16":
+        fused_tp = "model.tp_comm=fused computes in bf16: set model.precision=bf16"
+    projections = tp_layers(bulk.model, fused_tp, x.shape[0], compute_dtype)
+
+    # the gradients summed after backward, one flat all-reduce per group (MoETransformer.gradient_groups)
+    groups = bulk.model.gradient_groups()
+    allreduces = [grad_allreduce_layer(sum(p.numel() for p in params), cfg.comm.grad_allreduce, env,
+                                       no_fused_path(env), group,
+                                       "gradient all-reduce" + ("" if len(groups) == 1 else f" ({what})"))
+                  for (params, group), what in zip(groups, ("TP shards, data-parallel group", "the rest, world"))]
+
+    def step_bytes(p: str) -> int:
+        moe_bytes = num_moe * forward_bytes * (2 if p == "fwd_bwd" else 1)
+        return moe_bytes + sum(layer.bytes_sent.get(p, 0) * layer.count for layer in [*projections, *allreduces])
 
     step = CommLayer(
         STEP,
         f"{cfg.data.global_batch_size} x {cfg.data.seq_len} tokens over {env.world_size} rank(s), "
         f"{m.num_layers} layers",
-        {"fwd": num_moe * forward_bytes,
-         "fwd_bwd": num_moe * 2 * forward_bytes + allreduce.bytes_sent["fwd_bwd"]},
+        {p: step_bytes(p) for p in ("fwd", "fwd_bwd")},
         bulk.step_modes(), fused_model if isinstance(fused_model, str) else fused.step_modes())
-    return [moe_layer, allreduce, step]
+    return [moe_layer, *projections, *allreduces, step]

@@ -84,6 +84,7 @@ def markdown(report: dict) -> str:
         + (f"measured in this run ({bandwidth:.0f} GB/s), compute not counted." if bandwidth else
            "(n/a: not measurable on this machine)."),
         f"Modes: {report['modes']}",
+        *([f"**Caveat: {t['caveat']}.**"] if "caveat" in t else []),
         "",
         "| layer | shapes | pass | bytes sent | bulk ms | fused ms | speedup | % SOL (bulk / fused) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
