@@ -82,9 +82,11 @@ class MoELayer(nn.Module):
     def __init__(self, d_model: int, ffn: int, num_experts: int, top_k: int, group: dist.ProcessGroup | None = None,
                  capacity_factor: float | None = None, renormalize: bool = True, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 comm: str = "bulk", fused: FusedMoEConfig | None = None, workspace: _Workspace | None = None):
+                 comm: str = "bulk", fused: FusedMoEConfig | None = None, workspace: _Workspace | None = None,
+                 statistics_group: dist.ProcessGroup | None = None):
         """`workspace` (comm="fused"): the symmetric memory to use instead of `cuda_workspace` over
-        `group` (tests pass a simulated one)."""
+        `group` (tests pass a simulated one). `statistics_group`: the ranks sharing one batch slice (sequence
+        parallelism), over which the load-balancing loss counts the expert choices (moe.routing)."""
         super().__init__()
         self.group = group
         self.world = world_size(group)
@@ -98,7 +100,8 @@ class MoELayer(nn.Module):
         self.d_model = d_model
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world
-        self.router = TopKRouter(d_model, num_experts, top_k, renormalize, capacity_factor, seed, dtype, device)
+        self.router = TopKRouter(d_model, num_experts, top_k, renormalize, capacity_factor, seed, dtype, device,
+                                 statistics_group)
         self.experts = SwiGLUExperts(self.num_local_experts, d_model, ffn, self.rank * self.num_local_experts,
                                      seed, dtype, device)
         self.dispatch = self.combine = self._dispatch_graphs = self.max_tokens = None

@@ -1,7 +1,10 @@
 """Top-k softmax router (Megatron / Switch semantics): expert choice, routing weights, auxiliary losses, capacity.
 
 Everything here is computed on the tokens of one rank: the load-balancing loss, the z-loss and the capacity
-are per local batch, as in Megatron's router (which routes before the dispatch all-to-all).
+are per local batch, as in Megatron's router (which routes before the dispatch all-to-all). One exception, as in
+Megatron under sequence parallelism: given a `statistics_group` (the ranks that share one batch slice between
+them), the load-balancing loss counts the expert choices of the whole group (an all-reduce of the counts, on the
+device), so that cutting a slice over ranks leaves the objective and its gradient as they were.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+import torch.distributed as dist
 from torch import nn
 
 from fused_dlrm.kernels import TL_DTYPES
@@ -42,10 +46,10 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
-          capacity_factor: float | None = None) -> Routing:
-    """Route tokens given their router logits [T, num_experts]."""
+          capacity_factor: float | None = None, statistics_group: dist.ProcessGroup | None = None) -> Routing:
+    """Route tokens given their router logits [T, num_experts] (statistics_group: see the module docstring)."""
     num_tokens, num_experts = logits.shape
-    choice = top_k_softmax(logits, top_k, renormalize)
+    choice = top_k_softmax(logits, top_k, renormalize, statistics_group)
     expert_ids, weights, wanted_per_expert = choice.expert_ids, choice.weights, choice.tokens_per_expert
     capacity = None
     kept = torch.ones_like(expert_ids, dtype=torch.bool)
@@ -85,17 +89,31 @@ def loss_scales(num_tokens: int, top_k: int, num_experts: int) -> tuple[float, f
     return num_experts / (max(num_tokens * top_k, 1) * max(num_tokens, 1)), 1 / max(num_tokens, 1)
 
 
-def top_k_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> TopKSoftmax:
+def group_balance(counts: torch.Tensor, num_tokens: int, top_k: int, group: dist.ProcessGroup
+                  ) -> tuple[torch.Tensor, float]:
+    """The load-balancing loss over a group of n ranks holding equal parts of one batch slice: (the counts summed
+    over the group, the aux scale). Each rank's loss is n * scale(n * num_tokens) * <group counts, its own
+    probability sums>: their mean over the group is the loss of the whole slice, and each rank's gradient that
+    loss's with respect to its own tokens."""
+    total = counts.clone()
+    dist.all_reduce(total, group=group)
+    n = dist.get_world_size(group)
+    return total, n * loss_scales(n * num_tokens, top_k, counts.shape[0])[0]
+
+
+def top_k_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
+                  statistics_group: dist.ProcessGroup | None = None) -> TopKSoftmax:
     """Softmax of the logits (fp32 at least: bf16 logits would make near-equal probabilities tie), the top k per
     token, the per-expert counts and the loss terms, with autograd to the logits. CUDA: two kernels forward, one
     backward (`top_k_softmax_kernels`; torch's ops for the same are ~30 launches, logsumexp alone a dozen kernels,
     on the host's critical path of every MoE layer); elsewhere, and for float64 logits, the torch reference."""
     if logits.is_cuda and logits.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return top_k_softmax_kernels(logits, top_k, renormalize)
-    return top_k_softmax_reference(logits, top_k, renormalize)
+        return top_k_softmax_kernels(logits, top_k, renormalize, statistics_group)
+    return top_k_softmax_reference(logits, top_k, renormalize, statistics_group)
 
 
-def top_k_softmax_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> TopKSoftmax:
+def top_k_softmax_reference(logits: torch.Tensor, top_k: int, renormalize: bool,
+                            statistics_group: dist.ProcessGroup | None = None) -> TopKSoftmax:
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     num_tokens, num_experts = logits.shape
     probs = torch.softmax(logits, dim=-1)
@@ -105,8 +123,11 @@ def top_k_softmax_reference(logits: torch.Tensor, top_k: int, renormalize: bool)
     counts = count_per_expert(expert_ids.reshape(-1), num_experts)
     lse = torch.logsumexp(logits, dim=-1)
     aux_scale, z_scale = loss_scales(num_tokens, top_k, num_experts)
-    return TopKSoftmax(weights, expert_ids, counts, torch.dot(counts.to(probs.dtype), probs.sum(dim=0)) * aux_scale,
-                       torch.dot(lse, lse) * z_scale)
+    aux_counts = counts
+    if statistics_group is not None:
+        aux_counts, aux_scale = group_balance(counts, num_tokens, top_k, statistics_group)
+    aux_loss = torch.dot(aux_counts.to(probs.dtype), probs.sum(dim=0)) * aux_scale
+    return TopKSoftmax(weights, expert_ids, counts, aux_loss, torch.dot(lse, lse) * z_scale)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -220,7 +241,7 @@ def _top_k_softmax_backward_kernel(logits_ptr, lse_ptr, ids_ptr, counts_ptr, gra
 
 class _TopKSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, top_k: int, renormalize: bool):
+    def forward(ctx, logits: torch.Tensor, top_k: int, renormalize: bool, statistics_group):
         logits = logits.contiguous()
         num_tokens, num_experts = logits.shape
         block = tokens_per_program(num_experts)
@@ -245,7 +266,12 @@ class _TopKSoftmax(torch.autograd.Function):
         _router_totals_kernel[(1,)](block_counts, block_probs, block_lse_squares, counts, aux_loss, z_loss, blocks,
                                     *scales, E=num_experts, E_P2=e_p2, BLOCKS_P2=blocks_p2,
                                     CHUNK=max(1, min(blocks_p2, 4096 // e_p2)), num_warps=warps)
-        ctx.save_for_backward(logits, lse, expert_ids, counts)
+        aux_counts = counts
+        if statistics_group is not None:  # the loss from the group's counts (its probability sums: this rank's)
+            aux_counts, aux_scale = group_balance(counts, num_tokens, top_k, statistics_group)
+            scales = (aux_scale, scales[1])
+            aux_loss = torch.dot(aux_counts.float(), block_probs.sum(dim=0)) * aux_scale
+        ctx.save_for_backward(logits, lse, expert_ids, aux_counts)
         ctx.renormalize, ctx.block, ctx.scales = renormalize, block, scales
         ctx.mark_non_differentiable(expert_ids, counts, block_counts)
         ctx.set_materialize_grads(False)  # unused outputs get no gradient kernel input
@@ -266,21 +292,24 @@ class _TopKSoftmax(torch.autograd.Function):
                 RENORMALIZE=ctx.renormalize, HAS_GRAD_WEIGHTS=grad_weights is not None,
                 HAS_GRAD_AUX=grad_aux is not None, HAS_GRAD_Z=grad_z is not None, BLOCK_T=ctx.block,
                 OUT_DTYPE=TL_DTYPES[logits.dtype], num_warps=4 if logits.is_cuda else 1)
-        return grad_logits, None, None
+        return grad_logits, None, None, None
 
 
-def top_k_softmax_kernels(logits: torch.Tensor, top_k: int, renormalize: bool) -> TopKSoftmax:
+def top_k_softmax_kernels(logits: torch.Tensor, top_k: int, renormalize: bool,
+                          statistics_group: dist.ProcessGroup | None = None) -> TopKSoftmax:
     """`top_k_softmax` through the kernels (fp32 / fp16 / bf16 logits; on the CPU in Triton's interpreter)."""
-    return TopKSoftmax(*_TopKSoftmax.apply(logits, top_k, renormalize))
+    return TopKSoftmax(*_TopKSoftmax.apply(logits, top_k, renormalize, statistics_group))
 
 
 class TopKRouter(nn.Module):
-    """logits = x @ weight ([d_model, num_experts]), then `route`. The weight is replicated on every rank."""
+    """logits = x @ weight ([d_model, num_experts]), then `route` (statistics_group: see the module docstring).
+    The weight is replicated on every rank."""
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, renormalize: bool = True,
                  capacity_factor: float | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, statistics_group: dist.ProcessGroup | None = None):
         super().__init__()
+        self.statistics_group = statistics_group
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         self.num_experts = num_experts
@@ -297,4 +326,4 @@ class TopKRouter(nn.Module):
         logits = x @ self.weight
         if logit_bias is not None:
             logits = logits + logit_bias
-        return route(logits, self.top_k, self.renormalize, self.capacity_factor)
+        return route(logits, self.top_k, self.renormalize, self.capacity_factor, self.statistics_group)

@@ -44,8 +44,16 @@ log = logging.getLogger(__name__)
 
 def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
     """The model on this rank; with model.tp_size > 1 it creates the TP and data-parallel groups (collective).
-    `model.group` is the data-parallel group (None: the world)."""
+    The model's `group` holds the ranks with different tokens: the data-parallel group, or under sequence
+    parallelism the world (None). A batch sequence parallelism cannot cut is refused here, on every rank alike."""
     m = cfg.model
+    if m.get("sequence_parallel", False) and m.tp_size > 1:
+        shares = env.world_size // m.tp_size
+        for start, stop in (local_batch_bounds(cfg.data.global_batch_size, r, shares) for r in range(shares)):
+            if (stop - start) * cfg.data.seq_len % m.tp_size:
+                raise ValueError(f"model.sequence_parallel cuts each data-parallel rank's tokens into model.tp_size="
+                                 f"{m.tp_size} equal parts: {stop - start} samples x data.seq_len="
+                                 f"{cfg.data.seq_len} do not split")
     if cfg.comm.mode == "fused" and cfg.comm.get("transport", "p2p") != "p2p":
         raise ValueError(f"comm.transport={cfg.comm.transport}: the MoE layers' fused dispatch and combine have the "
                          "p2p transport only")
@@ -117,7 +125,7 @@ def sync_gradients(model: MoETransformer, grad_allreduce: str = "nccl") -> None:
     write the fine-grained config's 2.2B expert gradients (~4.3 ms per step, docs/benchmarks.md).
     grad_allreduce other than "nccl" sums them with that codec (fused_dlrm.tp).
     """
-    for params, group in model.gradient_groups():
+    for _, params, group in model.gradient_groups():
         if group_size(group) == 1 or not params:
             continue
         for p in params:
@@ -140,7 +148,8 @@ def token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torc
 
 def evaluate(model: MoETransformer, dataset: ByteWindows, num_batches: int, env: DistEnv) -> float:
     """Mean cross-entropy per byte over `num_batches` eval batches of the global batch (a collective; a TP
-    group's ranks count their tokens twice, or under sequence parallelism each its own: the mean is the same)."""
+    group's ranks count their tokens tp_size times, or under sequence parallelism each its own: the mean is the
+    same)."""
     total = torch.zeros(2, device=env.device)
     model.eval()
     with torch.no_grad():
@@ -167,7 +176,7 @@ def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: 
     shares = group_size(model.group)  # the ranks holding different tokens
     # The step's loss: the global-batch mean cross-entropy as this rank estimates it (its local sum over the global
     # tokens, times the number of shares; the logged value), plus this rank's auxiliary losses (over its tokens, as
-    # Megatron's router computes them).
+    # Megatron's router computes them; under sequence parallelism the load balancing from its TP group's counts).
     global_tokens = sum_over(torch.full((), float(targets.numel()), device=targets.device), model.group)  # no copy
     ce = token_cross_entropy_sum(logits, targets) * shares / global_tokens
     loss = ce + aux_coeff * aux["load_balancing_loss"] + z_coeff * aux["z_loss"]

@@ -19,7 +19,9 @@ tp_group) runs the same layers without communication. Between the projections th
   and w13 projections all-gather the rows before their GEMM and the row-parallel ones reduce-scatter after it
   (Megatron's sequence parallelism; the same bytes as the all-reduce, a tp_size-th of the norms' work and
   activations). Every rank of the world then holds different tokens, so the MoE layers' experts are split over
-  the whole world (expert parallelism over TP x DP, as Megatron's "parallel folding" with expert TP 1).
+  the whole world (expert parallelism over TP x DP, as Megatron's "parallel folding" with expert TP 1). The
+  load-balancing loss counts the expert choices of the TP group (moe.routing's statistics_group), as Megatron's
+  does, so the objective is that of the replicated rows.
 
 Initialisation is a function of the seed only: the projections draw their full weight from a seed derived from
 (seed, layer, name) and keep their shard, so any tp_size gives the tp_size = 1 model; the other replicated
@@ -172,6 +174,10 @@ class MoETransformer(nn.Module):
         super().__init__()
         if moe_every not in (1, 2):
             raise ValueError(f"moe_every must be 1 or 2, got {moe_every}")
+        if (tp_group is not None and group is None and dist.is_initialized()
+                and dist.get_world_size() > dist.get_world_size(tp_group)):
+            raise ValueError("with a TP group, pass the data-parallel group too (fused_dlrm.tp.tp_groups makes both): "
+                             "None means the whole world, which would sum different TP shards' gradients")
         if compute_dtype not in (torch.bfloat16, torch.float16) and tp_group is not None and tp_comm == "fused":
             raise ValueError("model.tp_comm=fused computes the tensor-parallel projections in bf16 or fp16 (the fused "
                              "kernels' dtypes): set model.precision=bf16, or use model.tp_comm=bulk")
@@ -190,7 +196,8 @@ class MoETransformer(nn.Module):
             if is_moe:
                 ffn_module = ShardedMoELayer(d_model, ffn, num_experts, top_k, group=self.group,
                                              capacity_factor=capacity_factor, seed=derive_seed(seed, "moe", i),
-                                             comm=moe_comm, fused=moe_fused)
+                                             comm=moe_comm, fused=moe_fused,
+                                             statistics_group=tp_group if self.sequence_parallel else None)
             else:
                 ffn_module = SwiGLU(d_model, ffn, tp, "block", i, "ffn")
             shared = SwiGLU(d_model, ffn, tp, "block", i, "shared") if is_moe and shared_expert else None
@@ -232,18 +239,19 @@ class MoETransformer(nn.Module):
         per_rank = rows.shape[0] // self.tp_size
         return rows[self.tp_rank * per_rank:(self.tp_rank + 1) * per_rank]
 
-    def gradient_groups(self) -> list[tuple[list[nn.Parameter], dist.ProcessGroup | None]]:
-        """The parameters whose gradients are summed over ranks after backward, with the group each sums over
-        (None: the world): the TP projections' shards over the data-parallel group (a TP group's ranks each hold
-        a different shard, whose gradient already covers the TP group's tokens); everything else but the experts
-        (which are complete on their owner) over `group`. Without sequence parallelism the two groups are one."""
+    def gradient_groups(self) -> list[tuple[str, list[nn.Parameter], dist.ProcessGroup | None]]:
+        """(what, parameters, group) of the gradients summed over ranks after backward (group None: the world):
+        the TP projections' shards over the data-parallel group (a TP group's ranks each hold a different shard,
+        whose gradient already covers the TP group's tokens); everything else but the experts (which are complete
+        on their owner) over `group`. Without sequence parallelism the two groups are one."""
         experts = {id(p) for p in expert_parameters(self)}
         shards = {id(p) for m in self.modules() if isinstance(m, TPLinear) for p in m.parameters()}
         replicated = [p for p in self.parameters() if id(p) not in experts]
         if not self.sequence_parallel:
-            return [(replicated, self.group)]
-        return [([p for p in replicated if id(p) in shards], self.data_parallel_group),
-                ([p for p in replicated if id(p) not in shards], self.group)]
+            return [("replicated", replicated, self.group)]
+        return [("TP shards, data-parallel group", [p for p in replicated if id(p) in shards],
+                 self.data_parallel_group),
+                ("the rest, world", [p for p in replicated if id(p) not in shards], self.group)]
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """tokens [B, S] int64 (the same on every rank of a TP group) -> (logits, aux): logits [B, S, vocab], or

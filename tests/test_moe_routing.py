@@ -151,6 +151,38 @@ def test_losses_have_router_gradients_and_low_precision_logits_route_in_fp32():
     assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
 
 
+def _group_statistics_match_the_whole_slice(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))
+    generator = torch.Generator().manual_seed(5)  # the same slice on every rank; each takes its part
+    logits = torch.randn(12 * world, 6, generator=generator, dtype=torch.float64)
+    logits[:, 0] += 1.0  # a skewed routing: the load-balancing loss is far from its minimum
+    whole = logits.clone().requires_grad_()
+    expected = top_k_softmax_reference(whole, 2, True)
+    expected.aux_loss.backward()
+    for fn in (top_k_softmax_reference, top_k_softmax_kernels):
+        mine = logits[12 * rank:12 * (rank + 1)].clone().float().requires_grad_()
+        choice = fn(mine, 2, True, group)
+        # counts stay this rank's (they size its exchanges); the loss is the group's
+        torch.testing.assert_close(choice.tokens_per_expert, expected.tokens_per_expert.new_tensor(
+            count_per_expert(expected.expert_ids[12 * rank:12 * (rank + 1)].reshape(-1), 6)))
+        mean = choice.aux_loss.detach().clone()
+        dist.all_reduce(mean, group=group)
+        torch.testing.assert_close(mean.double() / world, expected.aux_loss.detach(), rtol=1e-5, atol=1e-7)
+        (choice.aux_loss / world).backward()  # each rank its share: the gradient of the slice's loss
+        torch.testing.assert_close(mine.grad.double(), whole.grad[12 * rank:12 * (rank + 1)], rtol=1e-4, atol=1e-7)
+
+
+def test_load_balancing_over_a_statistics_group_is_the_whole_slices():
+    """Sequence parallelism cuts a batch slice over ranks: with the group's counts, the mean of the ranks'
+    load-balancing losses is the slice's, and each rank's gradient is the slice loss's for its tokens (torch
+    reference and kernels, 2 gloo ranks)."""
+    from world import run_world
+
+    run_world(2, _group_statistics_match_the_whole_slice)
+
+
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.5])
 def test_capacity_drops_the_last_assignments_of_an_expert(capacity_factor):
     generator = torch.Generator().manual_seed(2)

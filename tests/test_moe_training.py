@@ -66,6 +66,18 @@ def test_fused_layers_are_sized_for_the_largest_share_of_a_batch():
     assert fused_moe_config(config(*SMALL), CPU) is None  # comm=bulk
 
 
+def test_a_batch_sequence_parallelism_cannot_cut_is_refused_before_any_collective():
+    """9 samples over 2 data-parallel ranks (5 and 4) of 63 tokens: rank 0's 315 tokens do not halve. Every rank
+    refuses at build time (no rank may enter a collective that another never joins)."""
+    cfg = config(*SMALL, "model.tp_size=2", "model.sequence_parallel=true", "data.global_batch_size=9",
+                 "data.seq_len=63")
+    for rank in range(4):
+        env = DistEnv(rank=rank, world_size=4, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+        with pytest.raises(ValueError, match="cuts each data-parallel rank's tokens into model.tp_size=2 equal "
+                                             "parts: 5 samples x data.seq_len=63 do not split"):
+            build_model(cfg, env)
+
+
 def test_loss_falls_and_metrics_are_logged(tmp_path, caplog):
     cfg = config(*SMALL, "trainer.max_steps=60", "trainer.log_every=10", "trainer.checkpoint_every=0")
     with caplog.at_level(logging.INFO, logger="moe.train"):

@@ -106,9 +106,12 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
     with pytest.raises(ValueError, match=f"tp_size=3 must divide the world size {world}"):
         tp_groups(3)
     with pytest.raises(ValueError, match=f"num_heads=3 must be a multiple of model.tp_size={tp_size}"):
-        MoETransformer(d_model=48, num_heads=3, tp_group=tp)
+        MoETransformer(d_model=48, num_heads=3, group=dp, tp_group=tp)
     with pytest.raises(ValueError, match=f"ffn=65 must be a multiple of model.tp_size={tp_size}"):
-        MoETransformer(ffn=65, moe_every=2, tp_group=tp)
+        MoETransformer(ffn=65, moe_every=2, group=dp, tp_group=tp)
+    if world > tp_size:  # the world as the data-parallel group would sum different TP shards' gradients
+        with pytest.raises(ValueError, match="with a TP group, pass the data-parallel group too"):
+            MoETransformer(num_experts=world, tp_group=tp)
 
     # Sequence parallelism: the rank's contiguous 1/tp of a batch's rows, the experts over the whole world, and
     # the gradients summed over the data-parallel group (the projections' shards) or the world (the rest).
@@ -120,7 +123,7 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
                                          f"model.tp_size={tp_size} equal parts"):
         model.local_tokens(torch.zeros(1, tp_size + 1))
     assert model.blocks[1].ffn.num_local_experts == 2 and model.blocks[1].ffn.experts.first_expert == 2 * rank
-    (shards, dp_group), (rest, world_group) = model.gradient_groups()
+    (_, shards, dp_group), (_, rest, world_group) = model.gradient_groups()
     assert dp_group is dp and world_group is None
     tp_linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     assert {id(p) for p in shards} == {id(m.weight) for m in tp_linears} and len(tp_linears) == 2 * 2 + 2 + 2
@@ -128,7 +131,7 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
     experts = {id(p) for p in expert_parameters(model)}
     assert {id(p) for p in rest} == {id(p) for p in model.parameters()} - experts - {id(p) for p in shards}
     plain = MoETransformer(group=dp, tp_group=tp)  # the rows replicated: one group, the data-parallel one
-    assert [g for _, g in plain.gradient_groups()] == [dp] and not plain.sequence_parallel
+    assert [g for _, _, g in plain.gradient_groups()] == [dp] and not plain.sequence_parallel
     assert torch.equal(plain.local_tokens(tokens), tokens.reshape(-1))
 
 
@@ -140,14 +143,16 @@ def test_tp_layers_match_one_process(world_size, tp_size):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_moe_transformer_with_tp_2_trains_like_tp_1(tmp_path, sequence_parallel):
-    """torchrun, 2 gloo ranks, model.tp_size=2 (one data-parallel replica): the loss curve of one process. With
-    sequence parallelism each rank holds half the tokens and half the experts (a shared expert and a dense layer
-    too: every kind of projection)."""
+    """torchrun, 2 gloo ranks, model.tp_size=2 (one data-parallel replica): the loss curve of one process, auxiliary
+    losses included. With sequence parallelism each rank holds half the tokens and half the experts (a shared
+    expert and a dense layer too: every kind of projection)."""
     from test_moe_training import CPU, SAME_AS_ONE_PROCESS, config
 
     from moe.train import train
 
-    steps = SAME_AS_ONE_PROCESS + ["trainer.max_steps=4", "data.global_batch_size=8"]
+    # the auxiliary losses on, large: under sequence parallelism the load balancing counts the TP pair's choices
+    steps = SAME_AS_ONE_PROCESS + ["trainer.max_steps=4", "data.global_batch_size=8", "model.aux_coeff=0.5",
+                                   "model.z_coeff=0.01"]
     if sequence_parallel:
         steps += ["model.num_layers=3", "model.moe_every=2", "model.shared_expert=true"]
     one = train(config(*steps), CPU, tmp_path / "one")

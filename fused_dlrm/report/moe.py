@@ -124,7 +124,7 @@ def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
     allreduces = [grad_allreduce_layer(sum(p.numel() for p in params), cfg.comm.grad_allreduce, env,
                                        no_fused_path(env), group,
                                        "gradient all-reduce" + ("" if len(groups) == 1 else f" ({what})"))
-                  for (params, group), what in zip(groups, ("TP shards, data-parallel group", "the rest, world"))]
+                  for what, params, group in groups]
 
     def step_bytes(p: str) -> int:
         moe_bytes = num_moe * forward_bytes * (2 if p == "fwd_bwd" else 1)

@@ -203,6 +203,16 @@ class _FusedColumnParallel(torch.autograd.Function):
         return ctx.op(grad, weight).clone(), grad.t() @ x2d, None  # the op's output is reused by the call after next
 
 
+def _as_autocast(x: torch.Tensor) -> torch.Tensor:
+    """x in autocast's dtype where autocast is on (the dtype F.linear computes in), so that the collective before
+    the matmul (the bulk column-parallel all-gather, and its backward's reduce-scatter or all-reduce) moves those
+    bytes, as the fused kernels and Megatron's do, not the fp32 of a norm's output."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind) and x.is_floating_point():
+        return x.to(torch.get_autocast_dtype(kind))
+    return x
+
+
 @lru_cache(maxsize=None)
 def _workspace(group: dist.ProcessGroup):
     """One symmetric workspace per group, shared by its layers' fused ops: the layers run in the same order on
@@ -283,11 +293,11 @@ class ColumnParallelLinear(TPLinear):
                 y = _FusedColumnParallel.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.weight.to(dtype),
                                                _fused_all_reduce(self.group))
                 return y.view(*x.shape[:-1], y.shape[-1])
-            return F.linear(_CopyToTP.apply(x, self.group), self.weight)
+            return F.linear(_CopyToTP.apply(_as_autocast(x), self.group), self.weight)
         if dtype is not None:
             y = _FusedGatherMatmul.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.weight.to(dtype), self.group)
             return y.view(self.tp_size * x.shape[0], *x.shape[1:-1], y.shape[-1])
-        return F.linear(_GatherRows.apply(x, self.group), self.weight)
+        return F.linear(_GatherRows.apply(_as_autocast(x), self.group), self.weight)
 
 
 class RowParallelLinear(TPLinear):
