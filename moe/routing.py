@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
-import torch.distributed as dist
 from torch import nn
 
 from fused_dlrm.kernels import TL_DTYPES

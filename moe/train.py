@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv, all_reduce_sum
+from fused_dlrm.dist.alltoall import world_size
 from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
@@ -79,7 +80,7 @@ def fused_moe_config(cfg: DictConfig, env: DistEnv) -> FusedMoEConfig | None:
     # rank 0's share: the first ranks take one sample more when the batch does not split evenly
     max_tokens = (stop - start) * cfg.data.seq_len
     if cfg.model.get("sequence_parallel", False) and tp_size > 1:
-        max_tokens = -(-max_tokens // tp_size)
+        max_tokens //= tp_size  # exactly: build_model refuses a batch whose shares do not split
     return FusedMoEConfig(num_programs=cfg.comm.num_programs, wait_timeout_spins=cfg.comm.wait_timeout_spins,
                           cuda_graphs=cfg.trainer.cuda_graphs, max_tokens_per_rank=max_tokens,
                           dispatch=cfg.comm.moe_dispatch, combine=cfg.comm.moe_combine)
@@ -108,11 +109,6 @@ def sum_over(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return t
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
-    """Ranks in the group (None: the world; 1 in one process)."""
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
 def sync_gradients(model: MoETransformer, grad_allreduce: str = "nccl") -> None:
     """After backward: make every gradient that of the step's loss, given that each rank differentiated its share.
 
@@ -126,7 +122,7 @@ def sync_gradients(model: MoETransformer, grad_allreduce: str = "nccl") -> None:
     grad_allreduce other than "nccl" sums them with that codec (fused_dlrm.tp).
     """
     for _, params, group in model.gradient_groups():
-        if group_size(group) == 1 or not params:
+        if world_size(group) == 1 or not params:
             continue
         for p in params:
             if p.grad is None:
@@ -173,7 +169,7 @@ def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: 
     kept assignments per expert of each MoE layer."""
     logits, aux = model(inputs)
     targets = model.local_tokens(targets)
-    shares = group_size(model.group)  # the ranks holding different tokens
+    shares = world_size(model.group)  # the ranks holding different tokens
     # The step's loss: the global-batch mean cross-entropy as this rank estimates it (its local sum over the global
     # tokens, times the number of shares; the logged value), plus this rank's auxiliary losses (over its tokens, as
     # Megatron's router computes them; under sequence parallelism the load balancing from its TP group's counts).

@@ -38,10 +38,10 @@ def shared_gpu(env: DistEnv) -> bool:
     return env.device.type == "cuda" and env.world_size > 1 and ranks_share_a_gpu(dist.group.WORLD)
 
 
-def measure_bandwidth(env: DistEnv) -> float | None:
-    """Peer write bandwidth in bytes/s, or None where it cannot be measured (CPU, one process, ranks sharing a GPU:
-    no symmetric memory between them, and no peer link to measure)."""
-    if env.device.type != "cuda" or env.world_size == 1 or shared_gpu(env):
+def measure_bandwidth(env: DistEnv, shared: bool) -> float | None:
+    """Peer write bandwidth in bytes/s, or None where it cannot be measured (CPU, one process, ranks sharing a GPU
+    (`shared`): no symmetric memory between them, and no peer link to measure)."""
+    if env.device.type != "cuda" or env.world_size == 1 or shared:
         return None
     return peer_bandwidth()
 
@@ -80,10 +80,11 @@ def measure_layer(layer: CommLayer, env: DistEnv, bandwidth: float | None, warmu
 def measure(layers: list[CommLayer], env: DistEnv) -> dict:
     """Time the layers; every rank takes part in every timing (the passes are collectives)."""
     warmup, iters = repeats(env)
-    bandwidth = measure_bandwidth(env)
+    shared = shared_gpu(env)  # a collective: once
+    bandwidth = measure_bandwidth(env, shared)
     entries = [measure_layer(layer, env, bandwidth, warmup, iters) for layer in layers]
     timing = timing_method(env, warmup, iters)
-    if shared_gpu(env):
+    if shared:
         timing["caveat"] = "the ranks share one GPU: the report checks results, its times compare nothing"
     return {"timing": timing,
             "peer_bandwidth_GBps": bandwidth / 1e9 if bandwidth else None,
