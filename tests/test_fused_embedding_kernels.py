@@ -8,6 +8,7 @@ per rank. Backward pushes gradient columns to the owners, whose tables must end 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -312,24 +313,31 @@ def interaction_reference_grads(dense, sparse, grad_out):
     return d64.grad, s64.grad
 
 
-INTERACTION_PUSH_CASES = [(2, [3, 7], 1), (3, [2, 0, 4], 1), (2, [3, 4], {"t1": 2, "t3": 2})]
+# (world size, batch sizes, column shards, row shards)
+INTERACTION_PUSH_CASES = [(2, [3, 7], 1, 1), (3, [2, 0, 4], 1, 1), (2, [3, 4], {"t1": 2, "t3": 2}, 1),
+                          (2, [3, 4], 1, {"t1": 2, "t2": 3}), (3, [2, 0, 5], 1, 3)]
 
 
-@pytest.mark.parametrize("world_size,batch_sizes,column_shards", INTERACTION_PUSH_CASES)
-def test_interaction_backward_pushes_the_gradient_into_the_owners(world_size, batch_sizes, column_shards):
-    check_interaction_push(world_size, batch_sizes, column_shards, "cpu")
+@pytest.mark.parametrize("world_size,batch_sizes,column_shards,row_shards", INTERACTION_PUSH_CASES)
+def test_interaction_backward_pushes_the_gradient_into_the_owners(world_size, batch_sizes, column_shards,
+                                                                  row_shards):
+    check_interaction_push(world_size, batch_sizes, column_shards, row_shards, "cpu")
 
 
-def check_interaction_push(world_size, batch_sizes, column_shards, device, dim=64, features=5):
+def check_interaction_push(world_size, batch_sizes, column_shards, row_shards, device, dim=64, features=5):
     """The interaction's pushing backward kernel, rank by rank on a simulated world: d S times the scale lands
     in the owners' gradient buffers (poisoned: an unwritten element turns a table NaN) under the push's flags, so
     the owners' tables end as the one-rank bulk lookup's given the float64 reference gradient; d x against the
     reference. Two steps (both buffer halves), a rank with no samples, more samples than programs (rank 1 of
-    [3, 7] over 4 programs), and column shards (a feature's 64 columns split between owners in blocks of the
-    kernel's 32). Also on one GPU (test_simulated_world_gpu.py), the kernels as compiled."""
+    [3, 7] over 4 programs), column shards (a feature's 64 columns split between owners in blocks of the
+    kernel's 32), and row blocks (the kernel stores each feature's d S at every block's part of the wide row, t2's
+    mean divided by the bag size; the tables end as one uncut owner's). Also on one GPU
+    (test_simulated_world_gpu.py), the kernels as compiled."""
     tables = make_tables([dim] * features, [10 + (37 * i) % 50 for i in range(features)])  # f2, f5, ... mean
     # SGD: row-wise Adagrad's step would hardly change with the gradient's scale
-    world = World(tables, world_size, optimizer="sgd", num_programs=4, column_shards=column_shards, device=device)
+    world = World(tables, world_size, optimizer="sgd", num_programs=4, column_shards=column_shards, device=device,
+                  row_shards=row_shards)
+    assert (world.row_sum is not None) == (row_shards != 1)
     reference = World(tables, 1, optimizer="sgd", column_shards=column_shards, device=device)
     block = push_block(torch.float32, dim)
     assert all(ex.push_blocks(dim, block) is not None for ex in world.exchanges)  # the kernel's precondition
@@ -344,6 +352,10 @@ def check_interaction_push(world_size, batch_sizes, column_shards, device, dim=6
         grad_out = [torch.randn(b, dim + features + num_pairs(features), generator=gen).to(device)
                     for b in batch_sizes]
         destinations = [ex.gradient_destinations(b, scale, dim, block) for ex, b in zip(world.exchanges, bags)]
+        if world.row_sum is not None:
+            destinations = [replace(d, block_features=world.row_sum.pushed_features(dim, world.device),
+                                    divisors=world.row_sum.feature_divisors(b.pooling_divisors, dim))
+                            for d, b in zip(destinations, bags)]
         grad_dense = [torch.full_like(d, float("nan")) for d in dense]
         for r in range(world_size):  # every producer before any owner waits
             launch_backward(grad_out[r], dense[r], sparse[r], grad_dense[r], None, destinations[r])

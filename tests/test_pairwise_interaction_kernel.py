@@ -86,11 +86,13 @@ from fused_dlrm.kernels.pairwise_interaction import (_interaction_forward_kernel
 pointers = {"forward": ("dense_ptr", "sparse_ptr", "out_ptr"),
             "backward": ("grad_ptr", "dense_ptr", "sparse_ptr", "grad_dense_ptr", "grad_sparse_ptr")}
 kernels = {"forward": _interaction_forward_kernel, "backward": _interaction_backward_kernel}
-push_args = ("out_ptrs", "out_row_base_ptr", "out_row_len_ptr", "block_dest_ptr", "block_dst_ptr", "ready_ptrs",
-             "ack_ptr", "error_ptr", "rank", "epoch", "num_programs", "spin_limit", "scale")
+push_args = ("out_ptrs", "out_row_base_ptr", "out_row_len_ptr", "block_dest_ptr", "block_dst_ptr", "block_stride",
+             "block_features_ptr", "divisors_ptr", "ready_ptrs", "ack_ptr", "error_ptr", "rank", "epoch",
+             "num_programs", "spin_limit", "scale")
 push_types = {"out_ptrs": "*i64", "out_row_base_ptr": "*i64", "out_row_len_ptr": "*i64", "block_dest_ptr": "*i32",
-              "block_dst_ptr": "*i32", "ready_ptrs": "*i64", "ack_ptr": "*i32", "error_ptr": "*i32", "scale": "fp32",
-              "batch": "i64"}
+              "block_dst_ptr": "*i32", "block_stride": "i32", "ready_ptrs": "*i64", "ack_ptr": "*i32",
+              "error_ptr": "*i32", "scale": "fp32", "batch": "i64"}
+row_block_types = {"block_features_ptr": "*i32", "divisors_ptr": "*fp32"}
 for (direction, kind), (block_d, num_warps) in CONFIGS.items():
     dtype, precision = ("bf16", "tf32") if kind == "16-bit" else ("fp32", kind)
     for f, d in ((128, 256), (26, 16)):
@@ -99,10 +101,15 @@ for (direction, kind), (block_d, num_warps) in CONFIGS.items():
         if direction == "forward":
             build(kernels[direction], types, shape, num_warps=num_warps, num_stages=1)
             continue
-        # one program per sample (the push's arguments None), and pushing into 2 ranks (fp32: the exchange's)
-        build(kernels[direction], types, {**shape, **dict.fromkeys(push_args), "PUSH": False, "WORLD": 0},
-              num_warps=num_warps, num_stages=1)
+        # one program per sample (the push's arguments None), and pushing into 2 ranks (fp32: the exchange's),
+        # without and with row blocks (3 blocks, mean-pooled features divided)
+        build(kernels[direction], types, {**shape, **dict.fromkeys(push_args), "PUSH": False, "WORLD": 0,
+                                          "ROW_BLOCKS": 1, "DIVIDE": False}, num_warps=num_warps, num_stages=1)
         if dtype == "fp32":
             build(kernels[direction], {**types, **push_types},
-                  {**shape, "grad_sparse_ptr": None, "PUSH": True, "WORLD": 2}, num_warps=num_warps, num_stages=1)
+                  {**shape, "grad_sparse_ptr": None, "block_features_ptr": None, "divisors_ptr": None, "PUSH": True,
+                   "WORLD": 2, "ROW_BLOCKS": 1, "DIVIDE": False}, num_warps=num_warps, num_stages=1)
+            build(kernels[direction], {**types, **push_types, **row_block_types},
+                  {**shape, "grad_sparse_ptr": None, "PUSH": True, "WORLD": 2, "ROW_BLOCKS": 3, "DIVIDE": True},
+                  num_warps=num_warps, num_stages=1)
 """)

@@ -242,9 +242,11 @@ def test_all_gather_matmul_waits_for_a_producer_running_alongside(weight_layout)
         op.gather.errors.check(block=True)
 
 
-@pytest.mark.parametrize("world_size,batch_sizes,column_shards,features,dim",
-                         [(*case, 5, 64) for case in INTERACTION_PUSH_CASES] + [(2, [300, 257], 1, 26, 16)])
-def test_interaction_backward_pushes_into_the_owners(world_size, batch_sizes, column_shards, features, dim):
+@pytest.mark.parametrize("world_size,batch_sizes,column_shards,row_shards,features,dim",
+                         [(*case, 5, 64) for case in INTERACTION_PUSH_CASES] + [(2, [300, 257], 1, 1, 26, 16)])
+def test_interaction_backward_pushes_into_the_owners(world_size, batch_sizes, column_shards, row_shards, features,
+                                                     dim):
     """DLRM's interaction storing d S into the fused embedding exchange's owners, as compiled (the interpreter
-    test's check, test_fused_embedding_kernels.py), and at Criteo's F = 26, D = 16 over 557 samples."""
-    check_interaction_push(world_size, batch_sizes, column_shards, "cuda", dim, features)
+    test's check, test_fused_embedding_kernels.py, row blocks included), and at Criteo's F = 26, D = 16 over 557
+    samples."""
+    check_interaction_push(world_size, batch_sizes, column_shards, row_shards, "cuda", dim, features)

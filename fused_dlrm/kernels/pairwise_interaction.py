@@ -74,15 +74,19 @@ def _interaction_forward_kernel(dense_ptr, sparse_ptr, out_ptr, dense_stride, sp
 def _interaction_backward_kernel(grad_ptr, dense_ptr, sparse_ptr, grad_dense_ptr, grad_sparse_ptr, grad_stride,
                                  dense_stride, sparse_stride_b, sparse_stride_f, batch,
                                  out_ptrs, out_row_base_ptr, out_row_len_ptr, block_dest_ptr, block_dst_ptr,
+                                 block_stride, block_features_ptr, divisors_ptr,
                                  ready_ptrs, ack_ptr, error_ptr, rank, epoch, num_programs, spin_limit, scale,
                                  F: tl.constexpr, D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-                                 PRECISION: tl.constexpr, PUSH: tl.constexpr, WORLD: tl.constexpr):
+                                 PRECISION: tl.constexpr, PUSH: tl.constexpr, WORLD: tl.constexpr,
+                                 ROW_BLOCKS: tl.constexpr, DIVIDE: tl.constexpr):
     """One program per sample, d S stored into grad_sparse; or, with PUSH, up to the fused exchange's program count
     (samples pid, pid + grid, ...) storing d S * scale straight into the owners' gradient buffers (the columns
     d0 .. d0 + BLOCK_D of feature f, block k = d0 / BLOCK_D, go to rank block_dest[k, f], from column
     block_dst[k, f] on, row out_row_base[rank] + b) once every owner released that buffer half, then raising
     flags rank * num_programs + slot everywhere, for slots pid, pid + grid, ... below num_programs (the owners
-    wait for all of them)."""
+    wait for all of them). With row blocks (ROW_BLOCKS > 1: the exchange's row is wider, GradientDestinations)
+    feature f's d S also goes to the wide features block_features[l, f] >= 0 of the block tables (row stride
+    block_stride), with DIVIDE divided by divisors[b, f] first."""
     pid = tl.program_id(0)
     f = tl.arange(0, BLOCK_F)
     i, j = f[:, None], f[None, :]
@@ -104,8 +108,16 @@ def _interaction_backward_kernel(grad_ptr, dense_ptr, sparse_ptr, grad_dense_ptr
             x = tl.load(dense_ptr + b * dense_stride + d, mask=d < D, other=0.0).to(tl.float32)
             grad_s = tl.dot(pairs.to(s.dtype), s, input_precision=PRECISION) + grad_with_dense[:, None] * x[None, :]
             if PUSH:
-                _store_pushed(grad_s, b, (d0 // BLOCK_D) * F + f, f < F, d - d0, mask & released, out_ptrs,
-                              out_row_base_ptr, out_row_len_ptr, block_dest_ptr, block_dst_ptr, scale, WORLD)
+                if DIVIDE:
+                    grad_s = grad_s / tl.load(divisors_ptr + b * F + f, mask=f < F, other=1.0)[:, None]
+                for layer in tl.static_range(ROW_BLOCKS):  # every row block's part receives the sample's d S
+                    if layer == 0:
+                        wide = f
+                    else:
+                        wide = tl.load(block_features_ptr + layer * F + f, mask=f < F, other=-1)
+                    _store_pushed(grad_s, b, (d0 // BLOCK_D) * block_stride + wide, (f < F) & (wide >= 0), d - d0,
+                                  mask & released & (wide >= 0)[:, None], out_ptrs, out_row_base_ptr,
+                                  out_row_len_ptr, block_dest_ptr, block_dst_ptr, scale, WORLD)
             else:
                 tl.store(grad_sparse_ptr + (b * F + f[:, None]) * D + d[None, :],
                          grad_s.to(grad_sparse_ptr.dtype.element_ty), mask=mask)
@@ -203,16 +215,20 @@ def launch_backward(grad: torch.Tensor, dense: torch.Tensor, sparse: torch.Tenso
     block_d, num_warps, precision = _config("backward", sparse.dtype, d)
     strides = (grad.stride(0), dense.stride(0), *sparse.stride()[:2])
     world = 0 if push is None else push.out_ptrs.numel()
+    row_blocks = 1 if push is None or push.block_features is None else push.block_features.shape[0]
+    divide = push is not None and push.divisors is not None
+    block_stride = f if push is None else push.block_dest.shape[1]
     key = (tuple(t.dtype for t in tensors if t is not None), tuple(aligned(t) for t in tensors if t is not None),
-           strides, f, d, block_d, num_warps, precision, world)
+           strides, f, d, block_d, num_warps, precision, world, block_stride, row_blocks, divide)
     if push is None:
-        grid, pushed = b, (None,) * 13
+        grid, pushed = b, (None,) * 16
     else:
         grid = _push_grid(b, push.num_programs, sparse.device)
-        pushed = (push.out_ptrs, push.out_row_base, push.out_row_len, push.block_dest, push.block_dst,
-                  push.ready_ptrs, push.ack, push.error, push.rank, push.epoch, push.num_programs, push.spin_limit,
-                  push.scale)
-    args = (*tensors, *strides, b, *pushed, f, d, _block_f(f), block_d, precision, push is not None, world)
+        pushed = (push.out_ptrs, push.out_row_base, push.out_row_len, push.block_dest, push.block_dst, block_stride,
+                  push.block_features, push.divisors, push.ready_ptrs, push.ack, push.error, push.rank, push.epoch,
+                  push.num_programs, push.spin_limit, push.scale)
+    args = (*tensors, *strides, b, *pushed, f, d, _block_f(f), block_d, precision, push is not None, world,
+            row_blocks, divide)
     _LAUNCHES["backward"](key, (grid, 1, 1), args, dict(num_warps=num_warps, num_stages=1))
 
 

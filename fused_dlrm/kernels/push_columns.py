@@ -38,7 +38,13 @@ class GradientDestinations:
     values), columns from block_dst[k, f] on; once ack[r] >= epoch - 1 (the owner released that half); then
     ready flags `rank * num_programs + slot`, every slot below `num_programs`, rise in every rank after the stores
     behind them (the owners' wait counts on all of them). Made per backward by the exchange
-    (sparse/fused_all_to_all.py: GradientPush)."""
+    (sparse/fused_all_to_all.py: GradientPush).
+
+    With row blocks the exchange's row is wider than the kernel's (sparse/row_wise.py: each later block's part of a
+    feature at a feature of its own after the real row, summed per sample after the exchange): then the block
+    tables cover the wide row's features, and the kernel stores feature f's gradient also at the wide features
+    block_features[l, f] >= 0 (l >= 1), each divided first by divisors[b, f] (a mean-pooled feature's bag size,
+    else 1): the row blocks' sum's backward, on the way."""
 
     out_ptrs: torch.Tensor  # int64 [world]
     out_row_base: torch.Tensor  # int64 [world]
@@ -53,6 +59,8 @@ class GradientDestinations:
     num_programs: int
     spin_limit: int
     scale: float
+    block_features: torch.Tensor | None = None  # int32 [most row blocks, features] (row blocks only)
+    divisors: torch.Tensor | None = None  # fp32 [local batch, features] (mean-pooled row-wise features only)
 
 
 @triton.jit(do_not_specialize=["epoch"])  # one compiled binary serves every step (kernels/launch.py)

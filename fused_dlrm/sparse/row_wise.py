@@ -82,6 +82,7 @@ class RowBlockSum:
         self.columns = columns
         self.mean_features = [c.feature for c in columns if c.mean]
         self._index: dict[torch.device, tuple] = {}
+        self._mean_features: dict[tuple[torch.device, int], torch.Tensor] = {}  # feature_divisors' columns
 
     def _tables(self, device: torch.device):
         """Per later block b (1, 2, ...): (destination columns, wide source columns); and for the division, the
@@ -97,6 +98,35 @@ class RowBlockSum:
             self._index[device] = (layers, as_tensor([c.col + i for c in means for i in range(c.dim)]),
                                    as_tensor([k for k, c in enumerate(means) for _ in range(c.dim)]))
         return self._index[device]
+
+    def pushed_features(self, dim: int, device: torch.device) -> torch.Tensor:
+        """For a kernel that makes the real row's gradient as [batch, features, dim] and stores it into the wide
+        row's owners (GradientDestinations.block_features; every feature `dim` wide): int32 [most blocks, features],
+        the wide row's feature (its first column / dim) holding row block l's part of feature f (l = 0: f itself),
+        -1 where f has fewer blocks."""
+        if self.real_len % dim or any(c.dim != dim for c in self.columns):
+            raise ValueError(f"the pushed features are {dim} columns wide, not every feature is")
+        table = torch.full((max(len(c.block_cols) for c in self.columns), self.real_len // dim), -1,
+                           dtype=torch.int32)
+        table[0] = torch.arange(table.shape[1])
+        for c in self.columns:
+            for block, col in enumerate(c.block_cols[1:], 1):
+                table[block, c.col // dim] = col // dim
+        return table.to(device)
+
+    def feature_divisors(self, divisors: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+        """[batch, features] fp32 (every feature `dim` wide): what each feature's gradient is divided by on its way
+        to the blocks, its bag size for a mean-pooled row-wise feature (`divisors`' columns), else 1; None without
+        such features."""
+        if not self.mean_features:
+            return None
+        key = (divisors.device, dim)
+        if key not in self._mean_features:
+            self._mean_features[key] = torch.tensor([c.col // dim for c in self.columns if c.mean],
+                                                    device=divisors.device)
+        mean_features = self._mean_features[key]
+        ones = divisors.new_ones(divisors.shape[0], self.real_len // dim)
+        return ones.index_copy_(1, mean_features, divisors)
 
     def __call__(self, wide: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
         layers, mean_cols, mean_of_col = self._tables(wide.device)

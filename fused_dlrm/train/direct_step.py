@@ -20,10 +20,12 @@ the sequence it is, each piece writing where the next one reads:
 
 The sparse part is the collection's: with comm=fused (p2p) the interaction's backward kernel stores d S straight
 into the owners' symmetric gradient buffers with the exchange's flags (GradientPush's protocol) and the exchange's
-backward waits for them and updates the tables, no autograd at all. Where the kernel cannot store it there (a
-row-wise table: the exchange's row is wider, each row block's part at columns of its own, and a sample's parts are
-summed after it, RowBlockSum; or a gradient block of the kernel would straddle two owners) d S is made locally,
-the row blocks' sum differentiated by autograd, and the exchange pushes the result (its own backward's push). With
+backward waits for them and updates the tables, no autograd at all. With row-wise tables the exchange's row is
+wider (each row block's part of a feature at columns of its own; a sample's parts are summed after it, RowBlockSum):
+the kernel then stores each feature's d S at every block's part (a mean-pooled one's divided by the bag size), the
+blocks' sum's backward on the way. Where the kernel cannot store it (the nvshmem transport, whose puts it does not
+make, or a gradient block of the kernel that would straddle two owners) d S is made locally, a row-wise table's
+blocks' sum differentiated by autograd, and the exchange pushes the result (its own backward's push). With
 comm=bulk the lookup, the all-to-all, the row blocks' sum and their backward stay autograd's (their outputs are new
 tensors each step), d S handed to them. The arithmetic is loop.train_step's, op for op. Calls that do not fit the
 graphs (another local batch size) take train_step; evaluation calls the model as ever.
@@ -31,6 +33,7 @@ graphs (another local batch size) take train_step; evaluation calls the model as
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -59,9 +62,6 @@ def direct_step_refusal(model: nn.Module) -> str:
     dims = [t.embedding_dim for t in sparse.embedding_bag_configs() for _ in t.feature_names]
     if sparse.feature_names != sparse_arch.sparse_feature_names or any(d != dim for d in dims):
         return "the pooled output is not [B, F, D] in the arch's feature order"
-    exchange = sparse.fused
-    if exchange is not None and exchange.nvshmem:
-        return "comm.transport=nvshmem: the direct step has run with the p2p transport only"
     rows, device = nodes[0].graph.input.shape[0], nodes[0].graph.input.device
     return kernels_refuse(torch.empty(rows, dim, device=device), torch.empty(rows, num_features, dim, device=device))
 
@@ -115,9 +115,13 @@ class DirectDLRMStep:
         self.shape = (self.dense.graph.input.shape[0], model.sparse_arch.F, model.sparse_arch.D)
         self.push_block = push_block(torch.float32, self.shape[2])  # the pushing backward's column blocks
         exchange, self.row_block_sum = self.sparse.fused, self.sparse.row_block_sum
-        # Whether the interaction's backward kernel stores d S into the owners' buffers (else the exchange pushes).
-        self.kernel_pushes = (exchange is not None and self.row_block_sum is None
+        # Whether the interaction's backward kernel stores d S into the owners' buffers (else the exchange pushes:
+        # always with nvshmem, whose puts the kernel does not make).
+        self.kernel_pushes = (exchange is not None and not exchange.nvshmem
                               and exchange.push_blocks(self.shape[2], self.push_block) is not None)
+        self.pushed_features = None  # row blocks: where the kernel stores each feature's blocks' gradients
+        if self.kernel_pushes and self.row_block_sum is not None:
+            self.pushed_features = self.row_block_sum.pushed_features(self.shape[2], self.dense.graph.input.device)
 
     def takes(self, batch: Batch) -> bool:
         return self.model.training and batch.dense_features.shape[0] == self.shape[0]
@@ -131,9 +135,10 @@ class DirectDLRMStep:
             with torch.enable_grad():  # the lookup, the all-to-all and the row blocks' sum: autograd's backward
                 pooled = self.sparse.pooled(bags)
         else:
-            # row-wise: the wide row, whose gradient the blocks' sum's backward makes (a leaf of this step's own)
+            # row-wise with the exchange pushing: the wide row, whose gradient the blocks' sum's backward makes (a
+            # leaf of this step's own)
             exchanged = exchange.finish(bags, exchange.start(bags)).detach()
-            pooled = exchanged.requires_grad_(self.row_block_sum is not None)
+            pooled = exchanged.requires_grad_(self.row_block_sum is not None and not self.kernel_pushes)
             if self.row_block_sum is not None:
                 with torch.enable_grad():
                     pooled = self.row_block_sum(exchanged, bags.pooling_divisors)
@@ -143,24 +148,30 @@ class DirectDLRMStep:
         over_average = over.node.hand_gradients()
         if self.kernel_pushes:  # d S pushed to the owners by the interaction's kernel
             destinations = exchange.gradient_destinations(bags, scale, self.shape[2], self.push_block)
+            if self.row_block_sum is not None:  # each block's part receives the sample's d S (a mean's divided)
+                destinations = replace(destinations, block_features=self.pushed_features,
+                                       divisors=self.row_block_sum.feature_divisors(bags.pooling_divisors,
+                                                                                    self.shape[2]))
             launch_backward(over.grad_input, embedded_dense, sparse, dense_graph.grad_output, None, destinations)
-            exchange.backward_pushes["consumer"] += 1
+            epoch, pusher = destinations.epoch, "consumer"
         else:
             grad_sparse = torch.empty_like(sparse)
             launch_backward(over.grad_input, embedded_dense, sparse, dense_graph.grad_output, grad_sparse, None)
+            if exchange is not None:
+                # the exchange pushes its own output's gradient (the wide row's, through the blocks' sum), ahead of
+                # the dense backward as the kernel's push is
+                grad = grad_sparse.view_as(pooled)
+                if self.row_block_sum is not None:
+                    pooled.backward(grad)
+                    grad = exchanged.grad
+                epoch, pusher = exchange.start_backward(bags, grad, scale), "exchange"
         dense_graph.backward(dense_graph.grad_output)
         dense_average = self.dense.hand_gradients()
-        if self.kernel_pushes:
-            exchange.finish_backward(bags, destinations.epoch)
-        elif exchange is None:
+        if exchange is None:
             pooled.backward(grad_sparse.view_as(pooled))
-        else:  # the exchange pushes the gradient of its own output (the wide row's, through the blocks' sum)
-            grad = grad_sparse.view_as(pooled)
-            if self.row_block_sum is not None:
-                pooled.backward(grad)
-                grad = exchanged.grad
-            exchange.finish_backward(bags, exchange.start_backward(bags, grad, scale))
-            exchange.backward_pushes["exchange"] += 1
+        else:
+            exchange.finish_backward(bags, epoch)
+            exchange.backward_pushes[pusher] += 1
         for work in (over_average, dense_average):
             if work is not None:
                 work.wait()
