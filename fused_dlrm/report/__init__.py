@@ -18,7 +18,8 @@ from fused_dlrm.report.render import environment, markdown, write_json, write_pn
 log = logging.getLogger(__name__)
 
 MODES_TEXT = ("bulk = comm=bulk with a plain all-reduce of the replicated gradients; fused = comm=fused with the "
-              "configured comm.grad_allreduce.")
+              "configured comm.grad_allreduce. The MoE Transformer's tensor-parallel projections: tp_comm=bulk in "
+              "bulk; in fused, tp_comm=fused in bf16 (its kernels' dtype), else bulk.")
 
 
 def _layers(cfg: DictConfig, env: DistEnv, run_dir: Path):

@@ -49,7 +49,8 @@ def fused_moe(cfg: DictConfig, env: DistEnv, layer: MoELayer) -> tuple[MoELayer 
     m = cfg.model
     fused_cfg = with_modes(cfg, "fused")
     fused = MoELayer(m.d_model, m.ffn, m.num_experts, m.top_k, group=layer.group, capacity_factor=m.capacity_factor,
-                     device=env.device, comm="fused", fused=fused_moe_config(fused_cfg, env))
+                     device=env.device, comm="fused", fused=fused_moe_config(fused_cfg, env),
+                     statistics_group=layer.router.statistics_group)  # the same routing collectives as the bulk one
     with torch.no_grad():  # router then experts in both (the model's layer renames its experts module only)
         for mine, theirs in zip(fused.parameters(), layer.parameters(), strict=True):
             mine.copy_(theirs)
@@ -113,6 +114,9 @@ def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
         fused_layer if isinstance(fused_layer, str) else layer_modes(fused_layer, x, bulk.grad, compute_dtype),
         count=num_moe)
     moe_layer.notes.append("input: random hidden states of the real shape (the routing is that of random tokens)")
+    moe_layer.notes.append("bytes: the bulk all-to-alls' rows, one per (token, expert of another rank); the fused "
+                           "dispatch and combine by token move one per (token, other rank), fewer with top-k > 1, "
+                           "so the fused % of speed of light is an upper bound")
 
     fused_tp = fused_model
     if not isinstance(fused_model, str) and m.get("precision", "fp32") != "bf16":
