@@ -162,25 +162,26 @@ def _group_statistics_match_the_whole_slice(rank: int, world: int) -> None:
     expected = top_k_softmax_reference(whole, 2, True)
     expected.aux_loss.backward()
     for fn in (top_k_softmax_reference, top_k_softmax_kernels):
-        mine = logits[12 * rank:12 * (rank + 1)].clone().float().requires_grad_()
+        mine = logits[12 * rank:12 * (rank + 1)].float().to(DEVICE).requires_grad_()
         choice = fn(mine, 2, True, group)
         # counts stay this rank's (they size its exchanges); the loss is the group's
-        torch.testing.assert_close(choice.tokens_per_expert, expected.tokens_per_expert.new_tensor(
+        torch.testing.assert_close(choice.tokens_per_expert.cpu(), expected.tokens_per_expert.new_tensor(
             count_per_expert(expected.expert_ids[12 * rank:12 * (rank + 1)].reshape(-1), 6)))
         mean = choice.aux_loss.detach().clone()
         dist.all_reduce(mean, group=group)
-        torch.testing.assert_close(mean.double() / world, expected.aux_loss.detach(), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(mean.double().cpu() / world, expected.aux_loss.detach(), rtol=1e-5, atol=1e-7)
         (choice.aux_loss / world).backward()  # each rank its share: the gradient of the slice's loss
-        torch.testing.assert_close(mine.grad.double(), whole.grad[12 * rank:12 * (rank + 1)], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(mine.grad.double().cpu(), whole.grad[12 * rank:12 * (rank + 1)], rtol=1e-4,
+                                   atol=1e-7)
 
 
 def test_load_balancing_over_a_statistics_group_is_the_whole_slices():
     """Sequence parallelism cuts a batch slice over ranks: with the group's counts, the mean of the ranks'
     load-balancing losses is the slice's, and each rank's gradient is the slice loss's for its tokens (torch
-    reference and kernels, 2 gloo ranks)."""
-    from world import run_world
+    reference and kernels, 2 gloo ranks; on a GPU machine both ranks' kernels on the one GPU)."""
+    from world import ONE_GPU, run_world
 
-    run_world(2, _group_statistics_match_the_whole_slice)
+    run_world(2, _group_statistics_match_the_whole_slice, backend=ONE_GPU if DEVICE.type == "cuda" else "gloo")
 
 
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.5])
