@@ -64,8 +64,11 @@ runs() {
   fi
   PYTHONPATH=$( [ -d /tmp/site_fbgemm_cuda/torchrec ] && echo /tmp/site_fbgemm_cuda: )$PYTHONPATH \
     R 300 bench_dlrm_step -m fused_dlrm.bench dlrm_step --out $OUT/bench_dlrm_step.json
+  # DLRM in pairs, one of each order (the host's speed moves between runs by more than a ratio's last digit)
+  for run in 1_bulk 1_fused 2_fused 2_bulk; do
+    STEP=train R 120 dlrm_$run scripts/loop_parts.py comm=${run#*_} $DLRM hydra.run.dir=$OUT/dlrm_$run
+  done
   for c in bulk fused; do
-    STEP=train R 120 dlrm_$c scripts/loop_parts.py comm=$c $DLRM hydra.run.dir=$OUT/dlrm_$c
     STEP=train R 180 moe_$c train.py comm=$c $MOE hydra.run.dir=$OUT/moe_$c
   done
 }
@@ -74,8 +77,15 @@ for f in $OUT/test_*.log; do [ -e "$f" ] || continue; echo "== $(basename $f)"; 
 for f in bench_embedding bench_embedding_nvshmem bench_moe bench_tp bench_dlrm_step; do
   [ -e $OUT/$f.log ] || continue; echo "== $f"; grep -vE "Warning|warn|^\s*$" $OUT/$f.log | tail -14
 done
+for run in 1_bulk 1_fused 2_fused 2_bulk; do
+  [ -e $OUT/dlrm_$run.log ] && { echo "== dlrm $run"; grep -E "== rank|step (100|150) |auc|Error" $OUT/dlrm_$run.log | cut -c1-330; }
+done
+step_ms() { grep -hoE "step 150 loss [0-9.]+ step_ms [0-9.]+" $OUT/dlrm_$1.log 2>/dev/null | awk '{print $NF}'; }
+for pair in 1 2; do
+  bulk=$(step_ms ${pair}_bulk) fused=$(step_ms ${pair}_fused)
+  [ -n "$bulk" ] && [ -n "$fused" ] && echo "DLRM pair $pair: bulk / fused step_ms at step 150 = $bulk / $fused = $(awk "BEGIN {printf \"%.2fx\", $bulk / $fused}")"
+done
 for c in bulk fused; do
-  [ -e $OUT/dlrm_$c.log ] && { echo "== dlrm $c"; grep -E "== rank|step (100|150) |auc|Error" $OUT/dlrm_$c.log | cut -c1-330; }
   [ -e $OUT/moe_$c.log ] && { echo "== moe $c"; grep -E "step (20|60) |Error" $OUT/moe_$c.log | cut -c1-160
     python3 scripts/step_times.py $OUT/moe_$c --from 21
     echo "dispatched again: $(grep -c outgrew $OUT/moe_$c.log), symmetric buffers grown: $(grep -c 'INFO.*symmetric buffer' $OUT/moe_$c.log)"; }
