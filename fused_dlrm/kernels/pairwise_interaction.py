@@ -70,7 +70,9 @@ def _interaction_forward_kernel(dense_ptr, sparse_ptr, out_ptr, dense_stride, sp
     tl.store(out_row + D + F + _pair_position(i, j, F), products.to(out_ty), mask=(i < j) & (j < F))
 
 
-@triton.jit(do_not_specialize=["batch", "epoch"])  # one compiled binary serves every step (kernels/launch.py)
+# One compiled binary serves every step and, in a simulated world, every rank (kernels/launch.py): the ints that
+# change between calls of one key are not specialised (Triton would fold a 1 into the binary).
+@triton.jit(do_not_specialize=["batch", "epoch", "rank", "num_programs", "spin_limit"])
 def _interaction_backward_kernel(grad_ptr, dense_ptr, sparse_ptr, grad_dense_ptr, grad_sparse_ptr, grad_stride,
                                  dense_stride, sparse_stride_b, sparse_stride_f, batch,
                                  out_ptrs, out_row_base_ptr, out_row_len_ptr, block_dest_ptr, block_dst_ptr,
@@ -109,7 +111,8 @@ def _interaction_backward_kernel(grad_ptr, dense_ptr, sparse_ptr, grad_dense_ptr
             grad_s = tl.dot(pairs.to(s.dtype), s, input_precision=PRECISION) + grad_with_dense[:, None] * x[None, :]
             if PUSH:
                 if DIVIDE:
-                    grad_s = grad_s / tl.load(divisors_ptr + b * F + f, mask=f < F, other=1.0)[:, None]
+                    # div_rn: IEEE division, as autograd's through RowBlockSum (`/` is approximate on GPUs)
+                    grad_s = tl.div_rn(grad_s, tl.load(divisors_ptr + b * F + f, mask=f < F, other=1.0)[:, None])
                 for layer in tl.static_range(ROW_BLOCKS):  # every row block's part receives the sample's d S
                     if layer == 0:
                         wide = f

@@ -81,23 +81,20 @@ class RowBlockSum:
         self.real_len = real_len
         self.columns = columns
         self.mean_features = [c.feature for c in columns if c.mean]
-        self._index: dict[torch.device, tuple] = {}
         self._mean_features: dict[tuple[torch.device, int], torch.Tensor] = {}  # feature_divisors' columns
-
-    def _tables(self, device: torch.device):
-        """Per later block b (1, 2, ...): (destination columns, wide source columns); and for the division, the
-        mean-pooled features' columns and the feature of each (its divisor's column)."""
-        if device not in self._index:
-            as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
-            layers = []
-            for b in range(1, max(len(c.block_cols) for c in self.columns)):
-                pairs = [(c.col + i, c.block_cols[b] + i) for c in self.columns if b < len(c.block_cols)
-                         for i in range(c.dim)]
-                layers.append(tuple(as_tensor(p) for p in zip(*pairs)))
-            means = [c for c in self.columns if c.mean]
-            self._index[device] = (layers, as_tensor([c.col + i for c in means for i in range(c.dim)]),
-                                   as_tensor([k for k, c in enumerate(means) for _ in range(c.dim)]))
-        return self._index[device]
+        # Slices, not index tensors: the columns of consecutive features run on in both rows (the paper config,
+        # every table in blocks: one run per block), and a slice add is one pass where index_select + index_add
+        # were three (docs/benchmarks.md, 2026-12-02, fifty-fifth session).
+        self._block_runs = [_runs([(c.col, c.block_cols[b], c.dim) for c in columns if b < len(c.block_cols)])
+                            for b in range(1, max(len(c.block_cols) for c in columns))]
+        means = [(c.col, k, c.dim) for k, c in enumerate(c for c in columns if c.mean)]
+        self._mean_runs = []  # (first column, first divisor, features, dim): mean-pooled features side by side
+        for col, k, dim in means:
+            last = self._mean_runs[-1] if self._mean_runs else None
+            if last and last[3] == dim and last[0] + last[2] * dim == col and last[1] + last[2] == k:
+                self._mean_runs[-1] = (last[0], last[1], last[2] + 1, dim)
+            else:
+                self._mean_runs.append((col, k, 1, dim))
 
     def pushed_features(self, dim: int, device: torch.device) -> torch.Tensor:
         """For a kernel that makes the real row's gradient as [batch, features, dim] and stores it into the wide
@@ -129,10 +126,21 @@ class RowBlockSum:
         return ones.index_copy_(1, mean_features, divisors)
 
     def __call__(self, wide: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
-        layers, mean_cols, mean_of_col = self._tables(wide.device)
-        out = wide[:, :self.real_len]
-        for dst, src in layers:  # block by block: every sum in the same order
-            out = out.index_add(1, dst, wide.index_select(1, src))
-        if self.mean_features:  # only the mean-pooled features' columns: no pass over the rest
-            out = out.index_copy(1, mean_cols, out.index_select(1, mean_cols) / divisors[:, mean_of_col])
+        out = wide[:, :self.real_len].clone()  # block 0's parts, at their place
+        for runs in self._block_runs:  # block by block: every sum in the same order
+            for dst, src, n in runs:
+                out[:, dst:dst + n] += wide[:, src:src + n]
+        for col, k, count, dim in self._mean_runs:  # only the mean-pooled features' columns
+            out[:, col:col + count * dim].unflatten(1, (count, dim)).div_(divisors[:, k:k + count, None])
         return out
+
+
+def _runs(columns: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(destination, source, width) column ranges, the ones that continue each other in both rows joined."""
+    runs: list[tuple[int, int, int]] = []
+    for dst, src, n in columns:
+        if runs and runs[-1][0] + runs[-1][2] == dst and runs[-1][1] + runs[-1][2] == src:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+        else:
+            runs.append((dst, src, n))
+    return runs
