@@ -8,7 +8,6 @@ per rank. Backward pushes gradient columns to the owners, whose tables must end 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import pytest
 import torch
@@ -353,9 +352,7 @@ def check_interaction_push(world_size, batch_sizes, column_shards, row_shards, d
                     for b in batch_sizes]
         destinations = [ex.gradient_destinations(b, scale, dim, block) for ex, b in zip(world.exchanges, bags)]
         if world.row_sum is not None:
-            destinations = [replace(d, block_features=world.row_sum.pushed_features(dim, world.device),
-                                    divisors=world.row_sum.feature_divisors(b.pooling_divisors, dim))
-                            for d, b in zip(destinations, bags)]
+            destinations = [world.row_sum.fan_out(d, b.pooling_divisors, dim) for d, b in zip(destinations, bags)]
         grad_dense = [torch.full_like(d, float("nan")) for d in dense]
         for r in range(world_size):  # every producer before any owner waits
             launch_backward(grad_out[r], dense[r], sparse[r], grad_dense[r], None, destinations[r])
@@ -384,23 +381,30 @@ def test_blocks_pushable_only_when_each_has_one_owner_contiguously():
         assert ex.push_blocks(6, 16) is None
 
 
-@pytest.mark.parametrize("dim,pushed", [(64, True), (6, False)])
-def test_interaction_on_the_exchange_output_takes_its_gradient_push(dim, pushed):
+@pytest.mark.parametrize("dim,pushed,row_shards", [(64, True, 1), (6, False, 1), (64, True, {"t1": 2, "t2": 3}),
+                                                   (6, False, 2)])
+def test_interaction_on_the_exchange_output_takes_its_gradient_push(dim, pushed, row_shards):
     """Through autograd (one rank): pairwise_interaction on a view of the exchange's training output finds the
     exchange's offer, its backward pushes, and the exchange's backward (given no gradient) only waits and applies:
-    tables as the bulk lookup's with the reference gradient, two steps. Features of 6 columns are not offered
-    (the kernel's row blocks would start unaligned in the owner's row): the gradient then returns through
-    autograd to the exchange's own push, with the same result. A second consumer of the output is a clear error,
-    not a silently lost gradient. The exchange counts who pushed (backward_pushes)."""
+    tables as the bulk lookup's with the reference gradient, two steps. With row blocks the offer comes through
+    the blocks' sum of the output (RowBlockPush: each feature's gradient stored at every block's part, t2's mean
+    divided by the bag size; the tables end as one uncut owner's). Features of 6 columns are not offered (the
+    kernel's row blocks would start unaligned in the owner's row): the gradient then returns through autograd to
+    the exchange's own push, with the same result. A second consumer of the output is a clear error, not a
+    silently lost gradient. The exchange counts who pushed (backward_pushes)."""
     features, batch = 4, 5
-    tables = make_tables([dim] * features, [10, 20, 7, 9])
-    world = World(tables, 1, optimizer="sgd", num_programs=3)
+    tables = make_tables([dim] * features, [10, 20, 7, 9])  # t2 mean-pooled
+    world = World(tables, 1, optimizer="sgd", num_programs=3, row_shards=row_shards)
     reference = World(tables, 1, optimizer="sgd")
     exchange, gen = world.exchanges[0], torch.Generator().manual_seed(8)
+
+    def real(wide, bags):  # the real row (row blocks: their parts summed)
+        return wide if world.row_sum is None else world.row_sum(wide, bags.pooling_divisors)
+
     for _ in range(2):
         lengths, values, weights = random_bags(tables, [batch], True, gen)
         bags = world.owned_bags(0, lengths, values, weights, [batch])
-        sparse = exchange(bags, 0.5).view(batch, features, dim)
+        sparse = real(exchange(bags, 0.5), bags).view(batch, features, dim)
         assert (offered_gradient_push(sparse) is not None) == pushed
         dense = torch.randn(batch, dim, generator=gen).requires_grad_()
         grad_out = torch.randn(batch, dim + features + num_pairs(features), generator=gen)
@@ -414,7 +418,7 @@ def test_interaction_on_the_exchange_output_takes_its_gradient_push(dim, pushed)
     assert exchange.backward_pushes == ({"consumer": 2, "exchange": 0} if pushed else {"consumer": 0, "exchange": 2})
     if not pushed:
         return
-    out = exchange(bags, 1.0)
+    out = real(exchange(bags, 1.0), bags)
     both = pairwise_interaction(torch.randn(batch, dim), out.view(batch, features, dim)).sum() + out.sum()
     with pytest.raises(RuntimeError, match="has a consumer besides the one that pushed its gradient"):
         both.backward()

@@ -249,8 +249,9 @@ def _push_grid(batch: int, num_programs: int, device: torch.device) -> int:
 
 def offered_gradient_push(sparse: torch.Tensor):
     """The gradient push that the autograd node which made `sparse` (through views only) offers, if it serves
-    this tensor: the fused embedding exchange's (sparse/fused_all_to_all.py: GradientPush), whose output the
-    interaction's backward can then store its gradient into the owners' buffers instead of returning it."""
+    this tensor: the fused embedding exchange's (sparse/fused_all_to_all.py: GradientPush), or the row blocks' sum
+    of its output's (sparse/row_wise.py: RowBlockPush), whose gradient the interaction's backward can then store
+    into the owners' buffers instead of returning it."""
     node = sparse.grad_fn
     while node is not None and type(node).__name__ == "ViewBackward0":
         node = node.next_functions[0][0]

@@ -28,7 +28,8 @@ from fused_dlrm.dist.symmetric import NvshmemSymmetricWorkspace, PeerBuffer, _Wo
 from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, PeerErrors, ReadyWait, wait_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, default_num_programs, plan_peer_tiles
 from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLaunch, launch_pooled_embedding_nvshmem
-from fused_dlrm.kernels.push_columns import GradientDestinations, PushColumnsLaunch, launch_push_columns_nvshmem
+from fused_dlrm.kernels.push_columns import (GradientDestinations, PushColumnsLaunch, is_feature_view,
+                                             launch_push_columns_nvshmem)
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 from fused_dlrm.sparse.plan import FeatureSlice
@@ -310,10 +311,7 @@ class GradientPush:
     def serves(self, x: torch.Tensor, block: int) -> bool:
         """x is the output seen as [batch, F, D] (row-major features), and a kernel storing the gradient of x in
         blocks of `block` columns per feature finds each block one owner's contiguous, aligned columns."""
-        out = self.output
-        return (x.dim() == 3 and x.data_ptr() == out.data_ptr() and x.shape[0] == out.shape[0]
-                and x.shape[1] * x.shape[2] == out.shape[1] and x.stride() == (out.stride(0), x.shape[2], 1)
-                and self.exchange.push_blocks(x.shape[2], block) is not None)
+        return is_feature_view(x, self.output) and self.exchange.push_blocks(x.shape[2], block) is not None
 
     def begin(self, dim: int, block: int) -> GradientDestinations:
         """The destinations of this forward's gradient, stored by a kernel in blocks of `block` of a feature's

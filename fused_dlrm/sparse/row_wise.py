@@ -5,19 +5,25 @@ holding its row, rebased to the block's first row, as that block's feature (`Row
 sends each block's feature to its rank only, like any feature. After the output dist, `RowBlockSum` adds the
 blocks' pooled parts of each sample (block order: the same sum on every run) and divides a mean-pooled feature's
 sum by the sample's bag size, which only the sample's own rank knows (`pooling_divisors`). Both are torch ops that
-never wait for the GPU; autograd carries the gradient back through the sum (every block receives the sample's
-gradient) and the division.
+never wait for the GPU. The sum's backward gives every block the sample's gradient (a mean's divided); where the
+wide row is the fused exchange's output, the sum offers the exchange's gradient push on (`RowBlockPush`): a consumer
+whose kernel makes the real row's gradient (DLRM's interaction) then stores it at every block's part itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from fused_dlrm.kernels.batch_header import value_keys
+from fused_dlrm.kernels.push_columns import GradientDestinations, is_feature_view
 from fused_dlrm.sparse.plan import RowBlock, RowWiseColumns
+
+if TYPE_CHECKING:  # (fused_all_to_all imports the input dist, which imports this module)
+    from fused_dlrm.sparse.fused_all_to_all import GradientPush
 
 
 # A value v of key k, clamped to +-2**40 (tables hold < 2**31 rows), sits at k * _KEY_SPAN + v on one line on which
@@ -82,6 +88,8 @@ class RowBlockSum:
         self.columns = columns
         self.mean_features = [c.feature for c in columns if c.mean]
         self._mean_features: dict[tuple[torch.device, int], torch.Tensor] = {}  # feature_divisors' columns
+        self._pushed_features: dict[tuple[int, torch.device], torch.Tensor] = {}  # fan_out's tables
+        self._extra_len = sum(c.dim * (len(c.block_cols) - 1) for c in columns)  # the wide row's later blocks
         # Slices, not index tensors: the columns of consecutive features run on in both rows (the paper config,
         # every table in blocks: one run per block), and a slice add is one pass where index_select + index_add
         # were three (docs/benchmarks.md, 2026-12-02, fifty-fifth session).
@@ -125,7 +133,24 @@ class RowBlockSum:
         ones = divisors.new_ones(divisors.shape[0], self.real_len // dim)
         return ones.index_copy_(1, mean_features, divisors)
 
+    def fan_out(self, destinations: GradientDestinations, divisors: torch.Tensor | None,
+                dim: int) -> GradientDestinations:
+        """The exchange's `destinations` (over the wide row) for a kernel that stores the real row's gradient
+        [batch, features, dim]: every feature's at each of its blocks' parts, a mean's divided by its bag size
+        (`divisors`, the bags' pooling_divisors): the sum's backward on the way."""
+        key = (dim, destinations.block_dest.device)
+        if key not in self._pushed_features:
+            self._pushed_features[key] = self.pushed_features(dim, destinations.block_dest.device)
+        return replace(destinations, block_features=self._pushed_features[key],
+                       divisors=self.feature_divisors(divisors, dim))
+
     def __call__(self, wide: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
+        if wide.shape[1] != self.real_len + self._extra_len:
+            raise ValueError(f"a wide row of {wide.shape[1]} columns; the row blocks' sum takes {self.real_len} "
+                             f"real and {self._extra_len} later blocks' columns")
+        return _BlockSum.apply(wide, divisors, self)
+
+    def _sum(self, wide: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
         out = wide[:, :self.real_len].clone()  # block 0's parts, at their place
         for runs in self._block_runs:  # block by block: every sum in the same order
             for dst, src, n in runs:
@@ -133,6 +158,55 @@ class RowBlockSum:
         for col, k, count, dim in self._mean_runs:  # only the mean-pooled features' columns
             out[:, col:col + count * dim].unflatten(1, (count, dim)).div_(divisors[:, k:k + count, None])
         return out
+
+    def _sum_backward(self, grad: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
+        """The wide row's gradient: each block's part receives its feature's (a mean's divided by the bag size)."""
+        if self._mean_runs:
+            grad = grad.clone()
+            for col, k, count, dim in self._mean_runs:
+                grad[:, col:col + count * dim].unflatten(1, (count, dim)).div_(divisors[:, k:k + count, None])
+        wide = grad.new_empty(grad.shape[0], self.real_len + self._extra_len)  # every column is some block's
+        wide[:, :self.real_len] = grad
+        for runs in self._block_runs:
+            for dst, src, n in runs:
+                wide[:, src:src + n] = grad[:, dst:dst + n]
+        return wide
+
+
+class RowBlockPush:
+    """The fused exchange's gradient push (GradientPush) offered on through the row blocks' sum of its output: a
+    consumer's kernel storing the gradient of the real row stores it at every block's part of the exchange's row
+    (RowBlockSum.fan_out); the sum's backward then receives no gradient and passes none on, and the exchange's
+    backward only waits for the flags (GradientPush's protocol)."""
+
+    def __init__(self, push: GradientPush, block_sum: RowBlockSum, divisors: torch.Tensor | None,
+                 output: torch.Tensor):
+        self.push, self.block_sum, self.divisors, self.output = push, block_sum, divisors, output
+
+    def serves(self, x: torch.Tensor, block: int) -> bool:
+        """x is the real row seen as [batch, F, D], every feature D wide, and the exchange's row cut in blocks of
+        `block` columns per feature finds each one owner's contiguous, aligned columns."""
+        return (is_feature_view(x, self.output) and all(c.dim == x.shape[2] for c in self.block_sum.columns)
+                and self.push.exchange.push_blocks(x.shape[2], block) is not None)
+
+    def begin(self, dim: int, block: int) -> GradientDestinations:
+        return self.block_sum.fan_out(self.push.begin(dim, block), self.divisors, dim)
+
+
+class _BlockSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, wide: torch.Tensor, divisors: torch.Tensor | None, block_sum: RowBlockSum) -> torch.Tensor:
+        ctx.block_sum, ctx.divisors = block_sum, divisors
+        ctx.set_materialize_grads(False)  # None: the consumer pushed the gradient itself (RowBlockPush)
+        out = block_sum._sum(wide, divisors)
+        push = getattr(wide.grad_fn, "gradient_push", None)  # the fused exchange's, when wide is its output
+        ctx.gradient_push = None if push is None else RowBlockPush(push, block_sum, divisors, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        # (a gradient here after the consumer pushed: the exchange's backward says there is another consumer)
+        return None if grad is None else ctx.block_sum._sum_backward(grad, ctx.divisors), None, None
 
 
 def _runs(columns: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

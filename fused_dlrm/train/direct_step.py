@@ -33,7 +33,6 @@ graphs (another local batch size) take train_step; evaluation calls the model as
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -119,9 +118,6 @@ class DirectDLRMStep:
         # always with nvshmem, whose puts the kernel does not make).
         self.kernel_pushes = (exchange is not None and not exchange.nvshmem
                               and exchange.push_blocks(self.shape[2], self.push_block) is not None)
-        self.pushed_features = None  # row blocks: where the kernel stores each feature's blocks' gradients
-        if self.kernel_pushes and self.row_block_sum is not None:
-            self.pushed_features = self.row_block_sum.pushed_features(self.shape[2], self.dense.graph.input.device)
 
     def takes(self, batch: Batch) -> bool:
         return self.model.training and batch.dense_features.shape[0] == self.shape[0]
@@ -149,9 +145,7 @@ class DirectDLRMStep:
         if self.kernel_pushes:  # d S pushed to the owners by the interaction's kernel
             destinations = exchange.gradient_destinations(bags, scale, self.shape[2], self.push_block)
             if self.row_block_sum is not None:  # each block's part receives the sample's d S (a mean's divided)
-                destinations = replace(destinations, block_features=self.pushed_features,
-                                       divisors=self.row_block_sum.feature_divisors(bags.pooling_divisors,
-                                                                                    self.shape[2]))
+                destinations = self.row_block_sum.fan_out(destinations, bags.pooling_divisors, self.shape[2])
             launch_backward(over.grad_input, embedded_dense, sparse, dense_graph.grad_output, None, destinations)
             epoch, pusher = destinations.epoch, "consumer"
         else:
