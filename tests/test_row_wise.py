@@ -106,6 +106,8 @@ def test_block_sum_and_its_backward_are_the_loops(batch):
         want[:, c.col:c.col + c.dim] /= divisor
     torch.testing.assert_close(out, want, rtol=1e-12, atol=0)
     torch.testing.assert_close(wide.grad, want_grad, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match=f"a wide row of {wide_len - 1} columns"):
+        RowBlockSum(REAL, columns)(wide.detach()[:, 1:], divisors)
 
 
 def test_pushed_features_and_divisors_name_every_block():
