@@ -7,7 +7,9 @@ per rank. Backward pushes gradient columns to the owners, whose tables must end 
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -422,6 +424,32 @@ def test_interaction_on_the_exchange_output_takes_its_gradient_push(dim, pushed,
     both = pairwise_interaction(torch.randn(batch, dim), out.view(batch, features, dim)).sum() + out.sum()
     with pytest.raises(RuntimeError, match="has a consumer besides the one that pushed its gradient"):
         both.backward()
+
+
+def test_the_row_blocks_sum_frees_its_output_without_the_garbage_collector():
+    """The blocks' sum offers the exchange's push from its autograd node, which its output holds: the offer must not
+    hold the output back (a cycle would keep every step's real row until Python's collector ran), neither before
+    its backward (a forward whose backward never comes) nor after it."""
+    features, batch, dim = 4, 5, 64
+    tables = make_tables([dim] * features, [10, 20, 7, 9])
+    world = World(tables, 1, optimizer="sgd", num_programs=3, row_shards=2)
+    gen = torch.Generator().manual_seed(9)
+    lengths, values, weights = random_bags(tables, [batch], True, gen)
+    bags = world.owned_bags(0, lengths, values, weights, [batch])
+    gc.disable()
+    try:
+        real = world.row_sum(world.exchanges[0](bags, 1.0), bags.pooling_divisors)
+        freed = weakref.ref(real)
+        del real
+        assert freed() is None
+        real = world.row_sum(world.exchanges[0](bags, 1.0), bags.pooling_divisors)
+        freed = weakref.ref(real)
+        pairwise_interaction(torch.randn(batch, dim), real.view(batch, features, dim)).sum().backward()
+        assert world.exchanges[0].backward_pushes["consumer"] == 1  # the offer was taken
+        del real
+        assert freed() is None
+    finally:
+        gc.enable()
 
 
 COMPILE_FOR_SM90 = """

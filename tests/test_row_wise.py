@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fused_dlrm.sparse.plan import RowBlock, RowWiseColumns
+from fused_dlrm.sparse.plan import RowBlock, RowWiseColumns, plan_sharding
 from fused_dlrm.sparse.row_wise import RowBlockSum, RowBuckets
 
 # Keys "a" (rows cut at 4 and 8: three blocks), "b" (whole), "c" (cut at 5); the KJT lists them as b, c, a.
@@ -123,6 +123,18 @@ def test_pushed_features_and_divisors_name_every_block():
     assert block_sum.pushed_features(8, torch.device("cpu")).tolist() == [[0, 1, 2, 3], [4, -1, 5, 7], [-1, -1, 6, -1]]
     divisors = torch.tensor([[3.0], [5.0]])
     assert block_sum.feature_divisors(divisors, 8).tolist() == [[1, 1, 3, 1], [1, 1, 5, 1]]
-    with pytest.raises(ValueError, match="not every feature is"):
+    with pytest.raises(ValueError, match="are not features of 16 columns"):
         block_sum.pushed_features(16, torch.device("cpu"))
+
+
+def test_tables_alike_are_one_slice_per_block():
+    """Tables of one width cut into as many blocks (the paper config's kind) make one group: the sum is one strided
+    slice add per block, not one per feature (plan_sharding's layout, 3 blocks over 2 ranks)."""
+    from torchrec import EmbeddingBagConfig
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=16, num_embeddings=30, feature_names=[f"f{i}"])
+              for i in range(8)]
+    columns = plan_sharding(tables, 2, row_shards=3).row_wise_columns(tables)
+    assert len(columns) == 8 and all(len(c.block_cols) == 3 for c in columns)
+    assert RowBlockSum(8 * 16, columns)._groups == [(0, 8 * 16, 8, 16, 3)]
 

@@ -63,11 +63,12 @@ class GradientDestinations:
     divisors: torch.Tensor | None = None  # fp32 [local batch, features] (mean-pooled row-wise features only)
 
 
-def is_feature_view(x: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether x is `out` [batch, F * D] seen as [batch, F, D] (row-major features, rows contiguous): the shape in
-    which a kernel making the gradient of `out` stores it in row blocks (GradientDestinations)."""
-    return (x.dim() == 3 and x.data_ptr() == out.data_ptr() and x.shape[0] == out.shape[0]
-            and x.shape[1] * x.shape[2] == out.shape[1] and x.stride() == (out.stride(0), x.shape[2], 1))
+def is_feature_view(x: torch.Tensor, data_ptr: int, shape: tuple[int, ...], row_stride: int) -> bool:
+    """Whether x is a 2-D tensor [batch, F * D] (its address, shape and row stride) seen as [batch, F, D] (row-major
+    features, rows contiguous): the shape in which a kernel making that tensor's gradient stores it in row blocks
+    (GradientDestinations)."""
+    return (x.dim() == 3 and x.data_ptr() == data_ptr and x.shape[0] == shape[0]
+            and x.shape[1] * x.shape[2] == shape[1] and x.stride() == (row_stride, x.shape[2], 1))
 
 
 @triton.jit(do_not_specialize=["epoch"])  # one compiled binary serves every step (kernels/launch.py)

@@ -311,7 +311,9 @@ class GradientPush:
     def serves(self, x: torch.Tensor, block: int) -> bool:
         """x is the output seen as [batch, F, D] (row-major features), and a kernel storing the gradient of x in
         blocks of `block` columns per feature finds each block one owner's contiguous, aligned columns."""
-        return is_feature_view(x, self.output) and self.exchange.push_blocks(x.shape[2], block) is not None
+        out = self.output  # (a buffer half: its reuse two steps on replaces its node, ending the node's cycle)
+        return (is_feature_view(x, out.data_ptr(), tuple(out.shape), out.stride(0))
+                and self.exchange.push_blocks(x.shape[2], block) is not None)
 
     def begin(self, dim: int, block: int) -> GradientDestinations:
         """The destinations of this forward's gradient, stored by a kernel in blocks of `block` of a feature's

@@ -90,11 +90,22 @@ class RowBlockSum:
         self._mean_features: dict[tuple[torch.device, int], torch.Tensor] = {}  # feature_divisors' columns
         self._pushed_features: dict[tuple[int, torch.device], torch.Tensor] = {}  # fan_out's tables
         self._extra_len = sum(c.dim * (len(c.block_cols) - 1) for c in columns)  # the wide row's later blocks
-        # Slices, not index tensors: the columns of consecutive features run on in both rows (the paper config,
-        # every table in blocks: one run per block), and a slice add is one pass where index_select + index_add
-        # were three (docs/benchmarks.md, 2026-12-02, fifty-fifth session).
-        self._block_runs = [_runs([(c.col, c.block_cols[b], c.dim) for c in columns if b < len(c.block_cols)])
-                            for b in range(1, max(len(c.block_cols) for c in columns))]
+        # Slices, not index tensors (docs/benchmarks.md, 2026-12-02, fifty-fifth session): a group is features side
+        # by side in both rows, of one width and one block count, each feature's later blocks side by side after
+        # the real row (plan.row_wise_columns' layout), so block b of the whole group is one strided slice: the
+        # paper config, every table in blocks, is one group.
+        self._groups: list[tuple[int, int, int, int, int]] = []  # (column, first later column, features, dim, blocks)
+        for c in columns:
+            blocks = len(c.block_cols)
+            if any(col != c.block_cols[1] + (b - 1) * c.dim for b, col in enumerate(c.block_cols[1:], 1)):
+                raise ValueError(f"feature {c.feature!r}: its later blocks are not side by side (block_cols "
+                                 f"{c.block_cols}): not plan.row_wise_columns' layout")
+            last = self._groups[-1] if self._groups else None
+            if (last and last[3:] == (c.dim, blocks) and last[0] + last[2] * c.dim == c.col
+                    and last[1] + last[2] * (blocks - 1) * c.dim == c.block_cols[1]):
+                self._groups[-1] = (last[0], last[1], last[2] + 1, c.dim, blocks)
+            else:
+                self._groups.append((c.col, c.block_cols[1], 1, c.dim, blocks))
         means = [(c.col, k, c.dim) for k, c in enumerate(c for c in columns if c.mean)]
         self._mean_runs = []  # (first column, first divisor, features, dim): mean-pooled features side by side
         for col, k, dim in means:
@@ -104,13 +115,19 @@ class RowBlockSum:
             else:
                 self._mean_runs.append((col, k, 1, dim))
 
+    def pushable(self, dim: int) -> bool:
+        """Whether the real row seen as features of `dim` columns finds each row-wise feature one of them, and each
+        of its blocks' parts one of the wide row's (pushed_features can name them)."""
+        return self.real_len % dim == 0 and all(c.dim == dim and all(col % dim == 0 for col in c.block_cols)
+                                                for c in self.columns)
+
     def pushed_features(self, dim: int, device: torch.device) -> torch.Tensor:
         """For a kernel that makes the real row's gradient as [batch, features, dim] and stores it into the wide
-        row's owners (GradientDestinations.block_features; every feature `dim` wide): int32 [most blocks, features],
-        the wide row's feature (its first column / dim) holding row block l's part of feature f (l = 0: f itself),
-        -1 where f has fewer blocks."""
-        if self.real_len % dim or any(c.dim != dim for c in self.columns):
-            raise ValueError(f"the pushed features are {dim} columns wide, not every feature is")
+        row's owners (GradientDestinations.block_features; `pushable(dim)`): int32 [most blocks, features], the
+        wide row's feature (its first column / dim) holding row block l's part of feature f (l = 0: f itself), -1
+        where f has fewer blocks."""
+        if not self.pushable(dim):
+            raise ValueError(f"the row-wise features are not features of {dim} columns in both rows")
         table = torch.full((max(len(c.block_cols) for c in self.columns), self.real_len // dim), -1,
                            dtype=torch.int32)
         table[0] = torch.arange(table.shape[1])
@@ -152,9 +169,11 @@ class RowBlockSum:
 
     def _sum(self, wide: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
         out = wide[:, :self.real_len].clone()  # block 0's parts, at their place
-        for runs in self._block_runs:  # block by block: every sum in the same order
-            for dst, src, n in runs:
-                out[:, dst:dst + n] += wide[:, src:src + n]
+        for block in range(1, max(g[4] for g in self._groups)):  # block by block: every sum in the same order
+            for col, first, count, dim, blocks in self._groups:
+                if block < blocks:
+                    later = wide[:, first:first + count * (blocks - 1) * dim].unflatten(1, (count, blocks - 1, dim))
+                    out[:, col:col + count * dim].unflatten(1, (count, dim)).add_(later[:, :, block - 1])
         for col, k, count, dim in self._mean_runs:  # only the mean-pooled features' columns
             out[:, col:col + count * dim].unflatten(1, (count, dim)).div_(divisors[:, k:k + count, None])
         return out
@@ -167,9 +186,9 @@ class RowBlockSum:
                 grad[:, col:col + count * dim].unflatten(1, (count, dim)).div_(divisors[:, k:k + count, None])
         wide = grad.new_empty(grad.shape[0], self.real_len + self._extra_len)  # every column is some block's
         wide[:, :self.real_len] = grad
-        for runs in self._block_runs:
-            for dst, src, n in runs:
-                wide[:, src:src + n] = grad[:, dst:dst + n]
+        for col, first, count, dim, blocks in self._groups:
+            later = wide[:, first:first + count * (blocks - 1) * dim].unflatten(1, (count, blocks - 1, dim))
+            later.copy_(grad[:, col:col + count * dim].unflatten(1, (count, 1, dim)).expand_as(later))
         return wide
 
 
@@ -181,12 +200,16 @@ class RowBlockPush:
 
     def __init__(self, push: GradientPush, block_sum: RowBlockSum, divisors: torch.Tensor | None,
                  output: torch.Tensor):
-        self.push, self.block_sum, self.divisors, self.output = push, block_sum, divisors, output
+        self.push, self.block_sum, self.divisors = push, block_sum, divisors
+        # the output's place and shape, not the tensor: the sum's node holds this offer, and the output holds
+        # its node (a cycle that would keep every step's real row until Python's garbage collector ran)
+        self.output = (output.data_ptr(), tuple(output.shape), output.stride(0))
 
     def serves(self, x: torch.Tensor, block: int) -> bool:
-        """x is the real row seen as [batch, F, D], every feature D wide, and the exchange's row cut in blocks of
-        `block` columns per feature finds each one owner's contiguous, aligned columns."""
-        return (is_feature_view(x, self.output) and all(c.dim == x.shape[2] for c in self.block_sum.columns)
+        """x is the real row seen as [batch, F, D], the row-wise features D-column features in both rows, and the
+        exchange's row cut in blocks of `block` columns per feature finds each one owner's contiguous, aligned
+        columns."""
+        return (is_feature_view(x, *self.output) and self.block_sum.pushable(x.shape[2])
                 and self.push.exchange.push_blocks(x.shape[2], block) is not None)
 
     def begin(self, dim: int, block: int) -> GradientDestinations:
@@ -205,16 +228,7 @@ class _BlockSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None):
+        ctx.gradient_push = None  # its part is done (the consumer's kernel has begun the push, or will not)
         # (a gradient here after the consumer pushed: the exchange's backward says there is another consumer)
         return None if grad is None else ctx.block_sum._sum_backward(grad, ctx.divisors), None, None
 
-
-def _runs(columns: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """(destination, source, width) column ranges, the ones that continue each other in both rows joined."""
-    runs: list[tuple[int, int, int]] = []
-    for dst, src, n in columns:
-        if runs and runs[-1][0] + runs[-1][2] == dst and runs[-1][1] + runs[-1][2] == src:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
-        else:
-            runs.append((dst, src, n))
-    return runs

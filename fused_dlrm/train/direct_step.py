@@ -117,7 +117,8 @@ class DirectDLRMStep:
         # Whether the interaction's backward kernel stores d S into the owners' buffers (else the exchange pushes:
         # always with nvshmem, whose puts the kernel does not make).
         self.kernel_pushes = (exchange is not None and not exchange.nvshmem
-                              and exchange.push_blocks(self.shape[2], self.push_block) is not None)
+                              and exchange.push_blocks(self.shape[2], self.push_block) is not None
+                              and (self.row_block_sum is None or self.row_block_sum.pushable(self.shape[2])))
 
     def takes(self, batch: Batch) -> bool:
         return self.model.training and batch.dense_features.shape[0] == self.shape[0]
