@@ -174,16 +174,18 @@ class RowBlockSum:
                 if block < blocks:
                     later = wide[:, first:first + count * (blocks - 1) * dim].unflatten(1, (count, blocks - 1, dim))
                     out[:, col:col + count * dim].unflatten(1, (count, dim)).add_(later[:, :, block - 1])
-        for col, k, count, dim in self._mean_runs:  # only the mean-pooled features' columns
-            out[:, col:col + count * dim].unflatten(1, (count, dim)).div_(divisors[:, k:k + count, None])
-        return out
+        return self._divide_means_(out, divisors)
+
+    def _divide_means_(self, real: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
+        """real's mean-pooled features' columns divided by their bag sizes, in place (only those columns)."""
+        for col, k, count, dim in self._mean_runs:
+            real[:, col:col + count * dim].unflatten(1, (count, dim)).div_(divisors[:, k:k + count, None])
+        return real
 
     def _sum_backward(self, grad: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
         """The wide row's gradient: each block's part receives its feature's (a mean's divided by the bag size)."""
         if self._mean_runs:
-            grad = grad.clone()
-            for col, k, count, dim in self._mean_runs:
-                grad[:, col:col + count * dim].unflatten(1, (count, dim)).div_(divisors[:, k:k + count, None])
+            grad = self._divide_means_(grad.clone(), divisors)
         wide = grad.new_empty(grad.shape[0], self.real_len + self._extra_len)  # every column is some block's
         wide[:, :self.real_len] = grad
         for col, first, count, dim, blocks in self._groups:
