@@ -162,12 +162,14 @@ class RowBlockSum:
                        divisors=self.feature_divisors(divisors, dim))
 
     def __call__(self, wide: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
+        """The real row, with autograd's backward (`wide_gradient`), and the exchange's push offered on."""
+        return _BlockSum.apply(wide, divisors, self)
+
+    def sum_blocks(self, wide: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
+        """The real row (no autograd)."""
         if wide.shape[1] != self.real_len + self._extra_len:
             raise ValueError(f"a wide row of {wide.shape[1]} columns; the row blocks' sum takes {self.real_len} "
                              f"real and {self._extra_len} later blocks' columns")
-        return _BlockSum.apply(wide, divisors, self)
-
-    def _sum(self, wide: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
         out = wide[:, :self.real_len].clone()  # block 0's parts, at their place
         for block in range(1, max(g[4] for g in self._groups)):  # block by block: every sum in the same order
             for col, first, count, dim, blocks in self._groups:
@@ -182,8 +184,9 @@ class RowBlockSum:
             real[:, col:col + count * dim].unflatten(1, (count, dim)).div_(divisors[:, k:k + count, None])
         return real
 
-    def _sum_backward(self, grad: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
-        """The wide row's gradient: each block's part receives its feature's (a mean's divided by the bag size)."""
+    def wide_gradient(self, grad: torch.Tensor, divisors: torch.Tensor | None) -> torch.Tensor:
+        """The wide row's gradient from the real row's: each block's part receives its feature's (a mean's divided
+        by the bag size)."""
         if self._mean_runs:
             grad = self._divide_means_(grad.clone(), divisors)
         wide = grad.new_empty(grad.shape[0], self.real_len + self._extra_len)  # every column is some block's
@@ -223,7 +226,7 @@ class _BlockSum(torch.autograd.Function):
     def forward(ctx, wide: torch.Tensor, divisors: torch.Tensor | None, block_sum: RowBlockSum) -> torch.Tensor:
         ctx.block_sum, ctx.divisors = block_sum, divisors
         ctx.set_materialize_grads(False)  # None: the consumer pushed the gradient itself (RowBlockPush)
-        out = block_sum._sum(wide, divisors)
+        out = block_sum.sum_blocks(wide, divisors)
         push = getattr(wide.grad_fn, "gradient_push", None)  # the fused exchange's, when wide is its output
         ctx.gradient_push = None if push is None else RowBlockPush(push, block_sum, divisors, out)
         return out
@@ -232,5 +235,5 @@ class _BlockSum(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor | None):
         ctx.gradient_push = None  # its part is done (the consumer's kernel has begun the push, or will not)
         # (a gradient here after the consumer pushed: the exchange's backward says there is another consumer)
-        return None if grad is None else ctx.block_sum._sum_backward(grad, ctx.divisors), None, None
+        return None if grad is None else ctx.block_sum.wide_gradient(grad, ctx.divisors), None, None
 

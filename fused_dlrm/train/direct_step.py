@@ -25,7 +25,7 @@ wider (each row block's part of a feature at columns of its own; a sample's part
 the kernel then stores each feature's d S at every block's part (a mean-pooled one's divided by the bag size), the
 blocks' sum's backward on the way. Where the kernel cannot store it (the nvshmem transport, whose puts it does not
 make, or a gradient block of the kernel that would straddle two owners) d S is made locally, a row-wise table's
-blocks' sum differentiated by autograd, and the exchange pushes the result (its own backward's push). With
+wide-row gradient made from it (RowBlockSum.wide_gradient), and the exchange pushes the result. With
 comm=bulk the lookup, the all-to-all, the row blocks' sum and their backward stay autograd's (their outputs are new
 tensors each step), d S handed to them. The arithmetic is loop.train_step's, op for op. Calls that do not fit the
 graphs (another local batch size) take train_step; evaluation calls the model as ever.
@@ -132,13 +132,9 @@ class DirectDLRMStep:
             with torch.enable_grad():  # the lookup, the all-to-all and the row blocks' sum: autograd's backward
                 pooled = self.sparse.pooled(bags)
         else:
-            # row-wise with the exchange pushing: the wide row, whose gradient the blocks' sum's backward makes (a
-            # leaf of this step's own)
-            exchanged = exchange.finish(bags, exchange.start(bags)).detach()
-            pooled = exchanged.requires_grad_(self.row_block_sum is not None and not self.kernel_pushes)
-            if self.row_block_sum is not None:
-                with torch.enable_grad():
-                    pooled = self.row_block_sum(exchanged, bags.pooling_divisors)
+            pooled = exchange.finish(bags, exchange.start(bags))
+            if self.row_block_sum is not None:  # row-wise: the wide row's blocks summed
+                pooled = self.row_block_sum.sum_blocks(pooled, bags.pooling_divisors)
         sparse = pooled.detach().contiguous().view(self.shape)
         launch_forward(embedded_dense, sparse, over.input)
         over.run(batch.labels, self.world_size / bags.global_batch)
@@ -153,12 +149,11 @@ class DirectDLRMStep:
             grad_sparse = torch.empty_like(sparse)
             launch_backward(over.grad_input, embedded_dense, sparse, dense_graph.grad_output, grad_sparse, None)
             if exchange is not None:
-                # the exchange pushes its own output's gradient (the wide row's, through the blocks' sum), ahead of
-                # the dense backward as the kernel's push is
+                # the exchange pushes its own output's gradient (row-wise: the wide row's), ahead of the dense
+                # backward as the kernel's push is
                 grad = grad_sparse.view_as(pooled)
                 if self.row_block_sum is not None:
-                    pooled.backward(grad)
-                    grad = exchanged.grad
+                    grad = self.row_block_sum.wide_gradient(grad, bags.pooling_divisors)
                 epoch, pusher = exchange.start_backward(bags, grad, scale), "exchange"
         dense_graph.backward(dense_graph.grad_output)
         dense_average = self.dense.hand_gradients()
