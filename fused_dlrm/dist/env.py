@@ -86,6 +86,25 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, backend=chosen)
 
 
+def input_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream for the input side of training (batches made, copied and distributed ahead of their step), at high
+    priority (-1, as torchrec's TrainPipelineSparseDist makes its copy and data-dist streams): its small kernels and
+    copies are scheduled ahead of the step's queued blocks, so the batch thread's waits on them (the input dist's
+    header) do not last a step's kernels (docs/benchmarks.md, 2026-12-02, fifty-sixth session)."""
+    return torch.cuda.Stream(device, priority=-1)
+
+
+def input_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A new communicator over `group`'s ranks (made on every rank at the same point), for the input dist: with
+    NCCL its collectives run on a high-priority stream, for the reason of `input_stream`."""
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    if dist.get_backend(group) != "nccl":
+        return dist.new_group(ranks)
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return dist.new_group(ranks, pg_options=options)
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

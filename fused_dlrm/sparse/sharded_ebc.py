@@ -18,6 +18,7 @@ from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 from torchrec.distributed.comm_ops import get_gradient_division
 
+from fused_dlrm.dist.env import input_group, input_stream
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
 from fused_dlrm.sparse.input_dist import BulkInputDist, OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, Table, init_block
@@ -122,10 +123,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _own_group(self) -> dist.ProcessGroup | None:
         """A new communicator over this collection's ranks (made on every rank at the same point): one group's
         collectives run in the order they are issued, so the input dist's own lets its all-to-alls overlap the
-        step's instead of queueing behind them. In a world of one, the collection's group (no collectives)."""
+        step's instead of queueing behind them (with NCCL, on a high-priority stream). In a world of one, the collection's group (no collectives)."""
         if self.world_size == 1:
             return self._group
-        return dist.new_group(dist.get_process_group_ranks(self._group or dist.group.WORLD))
+        return input_group(self._group)
 
     def input_dist_on_thread(self) -> Callable[[KeyedJaggedTensor], None]:
         """A function for a thread that makes batches ahead (train/batches_ahead.py's `prepare`): it distributes one
@@ -209,7 +210,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         KJT was made); on the CPU, nothing to switch (torch.cuda.stream(None) does nothing)."""
         if features.values().device.type != "cuda":
             return torch.cuda.stream(None)
-        self._side_stream = self._side_stream or torch.cuda.Stream(features.values().device)
+        self._side_stream = self._side_stream or input_stream(features.values().device)
         self._side_stream.wait_stream(torch.cuda.current_stream())
         return torch.cuda.stream(self._side_stream)
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torchrec.datasets.utils import Batch
 
+from fused_dlrm.dist.env import input_stream
 from fused_dlrm.train.build import to_device
 
 _END = object()
@@ -46,7 +47,7 @@ class BatchesAhead:
         self._made_by_close = 0  # set by close(): the thread makes this many in all before it ends
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._closed = threading.Event()
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stream = input_stream(device) if device.type == "cuda" else None
         if self._stream is not None:  # once: the data set-up enqueued on the current stream is complete
             self._stream.wait_stream(torch.cuda.current_stream(device))
         self._thread = threading.Thread(target=self._produce, args=(batches,), name="batches-ahead", daemon=True)

@@ -39,6 +39,7 @@ from omegaconf import DictConfig
 from torchrec.datasets.utils import Batch
 
 from fused_dlrm.dist import DistEnv
+from fused_dlrm.dist.env import input_stream
 from fused_dlrm.models.arch_nodes import sets_every_gradient
 from fused_dlrm.models.dlrm import dlrm_loss
 from fused_dlrm.train.batches_ahead import BatchesAhead
@@ -141,7 +142,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     on_thread = prefetch and batches_ahead > 0 and t.input_dist_on_thread
     copy_stream = None  # next_batch's side stream (not used when the batch thread distributes)
     if env.device.type == "cuda" and not on_thread:
-        copy_stream = torch.cuda.Stream(env.device)
+        copy_stream = input_stream(env.device)
         copy_stream.wait_stream(torch.cuda.current_stream())  # once: the model and data set-up are complete
 
     following = []  # with trainer.header_ahead: the batch after the next one, its header already exchanged
