@@ -19,7 +19,8 @@ def _report(stdout: str) -> dict[str, float]:
     line = next(l for l in stdout.splitlines() if l.startswith("== rank 0, ms per step"))
     names = {"wall": r"wall ([\d.]+)", "train_step": r"train_step ([\d.]+)", "forward": r"forward ([\d.]+)",
              "backward": r"backward ([\d.]+) with", "embedding_backward": r"embedding backward ([\d.]+)",
-             "rest": r"rest (-?[\d.]+)", "outside": r"outside ([\d.]+)", "header_start": r"header start ([\d.]+)"}
+             "rest": r"rest (-?[\d.]+)", "outside": r"outside ([\d.]+)", "header_start": r"header start ([\d.]+)",
+             "batch": r"batch thread: per batch ([\d.]+)", "batch_cpu": r"per batch [\d.]+ \(CPU ([\d.]+)\)"}
     return {k: float(re.search(pattern, line).group(1)) for k, pattern in names.items()}
 
 
