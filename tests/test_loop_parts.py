@@ -9,7 +9,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(tmp_path, *overrides: str, **env: str) -> subprocess.CompletedProcess:
-    args = ["model.num_rows=2000", "data.num_sparse=8", "data.global_batch_size=64", "trainer.progress=false",
+    # trainer.device=cpu: on a GPU machine the loop would take the direct step, which has no forward or backward
+    # of its own to time (nan)
+    args = ["trainer.device=cpu", "model.num_rows=2000", "data.num_sparse=8", "data.global_batch_size=64", "trainer.progress=false",
             "trainer.eval_every=0", "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}", *overrides]
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "loop_parts.py"), *args], capture_output=True,
                           text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, timeout=300)
