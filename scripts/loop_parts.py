@@ -14,8 +14,8 @@ Every rank prints, as medians over steps PARTS_START .. PARTS_START + PARTS_STEP
   cadence); and across those, the input dist's `start` (the header all-to-all enqueued) and its wait for the header
   on the host (the one host sync of a step; GPUs only) -- with trainer.input_dist_on_thread, the batch thread's
   (prefetch and prefetch_header then do not run: nan); and the batch thread's time per batch (making it, copying it
-  and, on the thread, its input dist: above the wall, the thread binds the loop) and its CPU time of that (the
-  rest it waited: for the header, the GPU, the GIL);
+  and, on the thread, its input dist: above the wall, the thread binds the loop) and its CPU time of that (a wait
+  that spins, as cudaEventSynchronize on the header does, counts as CPU; the rest blocked: on the GIL, a queue);
 - GPU (CUDA events on the main stream): from a step's first kernel to its last, and from there to the next step's
   first (the main stream idle between steps, waiting for the host or for the prefetch's side stream).
 The wall is train_step + outside by construction; with the GPU's span below it and the main stream idle between

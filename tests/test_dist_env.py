@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fused_dlrm.dist.env import _pick_backend, _pick_device, init_distributed, input_group, input_stream
-from world import run_world
+from fused_dlrm.dist.env import _pick_backend, _pick_device, init_distributed
 
 
 def test_auto_picks_the_machine_s_device_and_backend():
@@ -96,25 +95,3 @@ def test_one_process_without_torchrun_has_no_process_group(monkeypatch):
     env = init_distributed("cpu")
     assert (env.rank, env.world_size, env.backend, env.device) == (0, 1, None, torch.device("cpu"))
     assert env.is_main
-
-
-def _input_group_exchanges(rank: int, world_size: int) -> None:
-    group = input_group(None)
-    assert group is not dist.group.WORLD and dist.get_process_group_ranks(group) == list(range(world_size))
-    device = torch.device("cuda", rank) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    if device.type == "cuda":  # NCCL: the input dist's collectives on a high-priority stream
-        assert group._get_backend(device).options.is_high_priority_stream
-    sent = torch.arange(world_size, device=device) + 10 * rank
-    received = torch.empty_like(sent)
-    dist.all_to_all_single(received, sent, group=group)
-    assert received.tolist() == [10 * source + rank for source in range(world_size)]
-
-
-def test_the_input_dist_s_group_is_new_and_exchanges():
-    run_world(2, _input_group_exchanges)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_the_input_side_runs_at_high_priority_on_gpus():
-    assert input_stream(torch.device("cuda")).priority < 0
-    run_world(1, _input_group_exchanges, backend="nccl")  # the NCCL group's options (one GPU: a world of one)

@@ -90,19 +90,10 @@ def input_stream(device: torch.device) -> torch.cuda.Stream:
     """A stream for the input side of training (batches made, copied and distributed ahead of their step), at high
     priority (-1, as torchrec's TrainPipelineSparseDist makes its copy and data-dist streams): its small kernels and
     copies are scheduled ahead of the step's queued blocks, so the batch thread's waits on them (the input dist's
-    header) do not last a step's kernels (docs/benchmarks.md, 2026-12-02, fifty-sixth session)."""
+    header) do not last a step's kernels (docs/benchmarks.md, 2026-12-02, fifty-sixth session). The input dist's
+    collectives are synchronous (async_op=False): NCCL runs them on this stream too (only async ones get a stream
+    of NCCL's own), at its priority."""
     return torch.cuda.Stream(device, priority=-1)
-
-
-def input_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """A new communicator over `group`'s ranks (made on every rank at the same point), for the input dist: with
-    NCCL its collectives run on a high-priority stream, for the reason of `input_stream`."""
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    if dist.get_backend(group) != "nccl":
-        return dist.new_group(ranks)
-    options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = True
-    return dist.new_group(ranks, pg_options=options)
 
 
 def destroy_distributed() -> None:

@@ -18,7 +18,7 @@ from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 from torchrec.distributed.comm_ops import get_gradient_division
 
-from fused_dlrm.dist.env import input_group, input_stream
+from fused_dlrm.dist.env import input_stream
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
 from fused_dlrm.sparse.input_dist import BulkInputDist, OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, Table, init_block
@@ -123,10 +123,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _own_group(self) -> dist.ProcessGroup | None:
         """A new communicator over this collection's ranks (made on every rank at the same point): one group's
         collectives run in the order they are issued, so the input dist's own lets its all-to-alls overlap the
-        step's instead of queueing behind them (with NCCL, on a high-priority stream). In a world of one, the collection's group (no collectives)."""
+        step's instead of queueing behind them. In a world of one, the collection's group (no collectives)."""
         if self.world_size == 1:
             return self._group
-        return input_group(self._group)
+        return dist.new_group(dist.get_process_group_ranks(self._group or dist.group.WORLD))
 
     def input_dist_on_thread(self) -> Callable[[KeyedJaggedTensor], None]:
         """A function for a thread that makes batches ahead (train/batches_ahead.py's `prepare`): it distributes one
