@@ -118,7 +118,8 @@ def test_close_runs_prepare_to_the_same_batch_on_every_rank():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_gpus_the_batches_are_made_on_a_high_priority_stream():
-    """The input side's stream outranks the step's (dist/env.py input_stream), and the batches still arrive whole."""
+    """The input side's stream outranks the step's (dist/env.py input_stream), and the batches still arrive whole;
+    an unindexed "cuda" is the caller's GPU (the thread sets it by index)."""
     device = torch.device("cuda")
     with BatchesAhead(((0, batch(s)) for s in range(3)), device) as ahead:
         assert ahead._stream.priority < torch.cuda.current_stream(device).priority

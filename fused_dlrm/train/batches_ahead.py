@@ -39,6 +39,8 @@ class BatchesAhead:
                  prepare: Callable[[Batch], None] | None = None):
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
+        if device.type == "cuda" and device.index is None:  # "cuda": the caller's GPU, which the thread must set
+            device = torch.device("cuda", torch.cuda.current_device())  # by index (set_device refuses "cuda")
         self.device = device
         self.depth = depth
         self._prepare = prepare
@@ -56,7 +58,7 @@ class BatchesAhead:
     def _produce(self, batches: Iterator[tuple[int, Batch]]) -> None:
         try:
             if self._stream is not None:
-                torch.cuda.set_device(self.device)  # the current device is per thread ("cuda" means this one)
+                torch.cuda.set_device(self.device)  # the current device is per thread
             with torch.cuda.stream(self._stream):  # torch.cuda.stream(None) does nothing
                 for epoch, batch in batches:
                     if not self._put(self._make(epoch, batch)):
