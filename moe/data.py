@@ -46,15 +46,18 @@ def stdlib_corpus(size_bytes: int = DEFAULT_SIZE_BYTES) -> bytes:
 
 def load_corpus(path: str | os.PathLike | None, cache: str | os.PathLike | None = None,
                 size_bytes: int = DEFAULT_SIZE_BYTES) -> bytes:
-    """The bytes of `path`; with path None, the stdlib corpus, read from `cache` if there, else built (and
-    written to `cache` when given)."""
+    """The bytes of `path`; with path None, the stdlib corpus of `size_bytes`, read from `cache` if it holds at
+    least that many, else built (and written to `cache` when given)."""
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"corpus file not found: {path}")
         return path.read_bytes()
     if cache is not None and Path(cache).is_file():
-        return Path(cache).read_bytes()
+        data = Path(cache).read_bytes()
+        if len(data) >= size_bytes:  # the corpus of a size is the prefix of any larger one's
+            return data[:size_bytes]
+        # built for fewer bytes (or the stdlib holds no more): built again, not trained on the smaller corpus
     data = stdlib_corpus(size_bytes)
     if cache is not None:  # every rank may build it: write to a private name, then rename atomically
         cache = Path(cache)

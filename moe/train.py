@@ -36,6 +36,7 @@ from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
 from fused_dlrm.tp import quantized_all_reduce
 from fused_dlrm.tp.linear import tp_groups
+from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce
 from moe.data import ByteWindows, load_corpus
 from moe.layer import FusedMoEConfig
 from moe.transformer import MoETransformer
@@ -48,6 +49,8 @@ def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
     The model's `group` holds the ranks with different tokens: the data-parallel group, or under sequence
     parallelism the world (None). A batch sequence parallelism cannot cut is refused here, on every rank alike."""
     m = cfg.model
+    if m.vocab_size < 256:  # else the first byte above it fails in the embedding, at whatever step draws it
+        raise ValueError(f"model.vocab_size={m.vocab_size}: the data are raw bytes, so it must be at least 256")
     if m.get("sequence_parallel", False) and m.tp_size > 1:
         shares = env.world_size // m.tp_size
         for start, stop in (local_batch_bounds(cfg.data.global_batch_size, r, shares) for r in range(shares)):
@@ -191,6 +194,9 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     t, m = cfg.trainer, cfg.model
     if t.max_steps is None:
         raise ValueError("the MoE Transformer trains for trainer.max_steps steps (trainer.epochs is not supported)")
+    if cfg.data.eval_batches < 1:  # the loss of no batch would be 0 / 0, and every run ends with an evaluation
+        raise ValueError(f"data.eval_batches={cfg.data.eval_batches}: the evaluation needs at least one batch")
+    check_grad_allreduce(cfg.comm.grad_allreduce)
     model = build_model(cfg, env)
     optimizer = instantiate(m.optimizer, params=model.parameters())
     train_data, eval_data = build_data(cfg, env, run_dir)

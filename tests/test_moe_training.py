@@ -18,6 +18,7 @@ from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.train.rundir import register_resolvers
 from moe.data import ByteWindows, load_corpus, stdlib_corpus
+from moe.routing import TopKRouter
 import moe.train as moe_train
 from moe.train import build_model, fused_moe_config, train
 from moe.transformer import MoETransformer, expert_parameters
@@ -227,8 +228,10 @@ def test_stdlib_corpus_and_cache(tmp_path):
     assert len(corpus) == 50_000 and corpus.startswith(first[:1000]) and corpus == stdlib_corpus(50_000)
     cache = tmp_path / "sub" / "corpus.txt"
     assert load_corpus(None, cache, 50_000) == corpus and cache.read_bytes() == corpus
-    cache.write_bytes(b"x" * 1000)  # an existing cache is read, not rebuilt
-    assert load_corpus(None, cache, 50_000) == b"x" * 1000
+    cache.write_bytes(b"x" * 60_000)  # an existing cache is read, not rebuilt: its first size_bytes
+    assert load_corpus(None, cache, 50_000) == b"x" * 50_000
+    cache.write_bytes(b"x" * 1000)  # one built for fewer bytes (another config's) is built again
+    assert load_corpus(None, cache, 50_000) == corpus and cache.read_bytes() == corpus
 
 
 def test_batches_are_rank_slices_of_one_global_batch():
@@ -284,6 +287,21 @@ def test_bf16_mixed_precision_trains_with_fp32_weights(tmp_path):
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     logits, _ = model(torch.randint(0, 256, (2, 16)))
     assert logits.dtype == torch.float32
+
+
+def test_bad_settings_are_refused_before_training(tmp_path):
+    """Settings that would train something else than asked (a vocabulary below the bytes, a capacity that drops
+    every assignment), fail late (a codec typo: first at the gradients' all-reduce, never in one process) or log
+    NaN (an evaluation of no batch) are refused when the run starts."""
+    for overrides, error in ((["model.vocab_size=128"], "model.vocab_size=128: the data are raw bytes"),
+                             (["model.capacity_factor=0"], "capacity_factor must be > 0"),
+                             (["model.capacity_factor=-1.0"], "capacity_factor must be > 0"),
+                             (["comm.grad_allreduce=q7"], "comm.grad_allreduce='q7': expected one of"),
+                             (["data.eval_batches=0"], "data.eval_batches=0: the evaluation needs at least one")):
+        with pytest.raises(ValueError, match=error):
+            train(config(*SMALL, "trainer.max_steps=2", *overrides), CPU, tmp_path)
+    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+        TopKRouter(8, 4, 2, capacity_factor=float("nan"))
 
 
 def test_unknown_precision_and_fp32_with_fused_tp_are_clear_errors():

@@ -59,6 +59,10 @@ def _into_out(rank: int, world: int) -> None:
         assert torch.equal(given, want) and torch.equal(x, want), codec
         with pytest.raises(ValueError, match="out must be contiguous"):
             quantized_all_reduce(xs[rank], codec, out=torch.empty(4099, dtype=torch.float64))
+    # integers would come back wrong from a codec (q8 rounds them by block): refused; "nccl" sums them exactly
+    with pytest.raises(TypeError, match="takes fp32, fp16 or bf16 tensors, got torch.int32"):
+        quantized_all_reduce(torch.arange(64, dtype=torch.int32), "q8")
+    assert torch.equal(quantized_all_reduce(torch.arange(64), "nccl"), torch.arange(64) * world)
 
 
 def test_result_into_a_given_output_or_in_place():

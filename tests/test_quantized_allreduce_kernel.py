@@ -202,9 +202,12 @@ def test_in_place_and_into_a_given_output(codec):
         assert all(y is t and torch.equal(y, want) for y, t in zip(got, targets)), in_place
 
 
-def test_a_wrong_output_is_refused_before_anything_runs():
+def test_a_wrong_output_or_input_dtype_is_refused_before_anything_runs():
     ar = world_of(2)[0]
     x = inputs(2, 100, "normal")[0]
     for out in (torch.empty(99), torch.empty(100, dtype=torch.float64), torch.empty(200)[::2]):
         with pytest.raises(ValueError, match="out must be contiguous"):
             ar.start(x, "q8", out=out)
+    for dtype in (torch.int32, torch.int64, torch.float64):  # the codecs would return integers rounded by block
+        with pytest.raises(TypeError, match=f"takes fp32, fp16 or bf16 tensors, got {dtype}"):
+            ar.start(torch.arange(100).to(dtype), "q8")

@@ -103,6 +103,13 @@ def check_out(x: torch.Tensor, out: torch.Tensor) -> None:
                          f"{'' if out.is_contiguous() else ', not contiguous'}")
 
 
+def check_quantizable(x: torch.Tensor) -> None:
+    """The codecs encode fp32 / fp16 / bf16 values: other dtypes would come back wrong (integers) or fail deep inside."""
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"a quantized all-reduce takes fp32, fp16 or bf16 tensors, got {x.dtype} (codec 'nccl' "
+                        f"all-reduces any dtype)")
+
+
 def sum_in_rank_order(parts: list[torch.Tensor], mean: bool) -> torch.Tensor:
     """fp32 sum of the decoded parts, added in rank order (then / world with mean): the arithmetic of phase 2."""
     reduced = parts[0].clone()
@@ -306,6 +313,7 @@ class FusedQuantizedAllReduce:
         program reads and writes only its own tiles, its reads first); None: a new tensor (its allocation is
         ~4 us of host time, a quarter of a small call's)."""
         self.errors.check()
+        check_quantizable(x)
         x = x.contiguous()
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

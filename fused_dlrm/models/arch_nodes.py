@@ -27,6 +27,7 @@ from torch import nn
 
 from fused_dlrm.kernels.launch import capture_graph
 from fused_dlrm.tp import quantized_all_reduce
+from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce
 
 
 class ArchNode:
@@ -41,6 +42,7 @@ class ArchNode:
         if len({(p.dtype, p.device) for p in self.params}) > 1:
             raise ValueError(f"{type(arch).__name__}'s parameters differ in dtype or device: one flat gradient "
                              f"buffer cannot hold them")
+        check_grad_allreduce(grad_allreduce)
         self.group, self.codec = group, grad_allreduce
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         first = self.params[0]

@@ -25,11 +25,18 @@ import torch.distributed as dist
 
 from fused_dlrm.dist.symmetric import cuda_workspace
 from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS, Encoded, decode, encode
-from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, check_out, chunk_blocks_for,
-                                                    max_programs_for, sum_in_rank_order)
+from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, check_out, check_quantizable,
+                                                    chunk_blocks_for, max_programs_for, sum_in_rank_order)
 
 GRAD_ALLREDUCE_CODECS = ("nccl", "fp16", "fp8", "q8", "q6", "q4")  # the values of comm.grad_allreduce
 PLAIN = ("nccl", "none")
+
+
+def check_grad_allreduce(codec: str) -> None:
+    """comm.grad_allreduce, checked when the model is built: a world of one never reaches the all-reduce's own
+    check, and a larger one would reach it only after a whole forward and backward."""
+    if codec not in GRAD_ALLREDUCE_CODECS:
+        raise ValueError(f"comm.grad_allreduce={codec!r}: expected one of {GRAD_ALLREDUCE_CODECS}")
 
 # Below this many bytes an all-reduce is latency-bound and the codec saves nothing worth its rounding error.
 # 64 KiB is an estimate, not yet measured on GPUs (neither for the bulk twin nor for the fused kernel).
@@ -54,6 +61,7 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
         out = x.clone() if out is None else (out if out is x else out.copy_(x))
         dist.all_reduce(out, group=group)
         return out.div_(dist.get_world_size(group)) if mean else out
+    check_quantizable(x)
     group = group or dist.group.WORLD
     if fused is None:
         fused = x.is_cuda and _backend(group) == "nccl"
