@@ -42,8 +42,6 @@ class Routing:
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """Megatron's capacity: the balanced share of assignments per expert, scaled by the capacity factor."""
-    if not capacity_factor > 0:  # 0 or less would drop every assignment: the layer silently off (NaN: the same)
-        raise ValueError(f"capacity_factor must be > 0 (None: dropless), got {capacity_factor}")
     return math.ceil(num_tokens * top_k / num_experts * capacity_factor)
 
 
@@ -318,8 +316,9 @@ class TopKRouter(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.capacity_factor = capacity_factor
-        if capacity_factor is not None:
-            expert_capacity(1, top_k, num_experts, capacity_factor)  # refuses a bad factor now, not in a forward
+        if capacity_factor is not None and not capacity_factor > 0:  # (NaN too) every assignment would be dropped:
+            # a layer silently off, while the load-balancing loss still pulls on this router
+            raise ValueError(f"capacity_factor must be > 0 (None: dropless), got {capacity_factor}")
         generator = torch.Generator().manual_seed(seed)
         weight = torch.randn(d_model, num_experts, generator=generator, dtype=torch.float64) / math.sqrt(d_model)
         self.weight = nn.Parameter(weight.to(dtype=dtype, device=device))
