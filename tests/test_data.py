@@ -397,6 +397,24 @@ def test_criteo_is_reiterable(tmp_path):
     assert [line_ids(b) for b in reader] == [line_ids(b) for b in reader]
 
 
+def test_criteo_unreadable_files_name_the_file_and_line(tmp_path):
+    """A truncated .gz, a byte that is not UTF-8, a plain file named .gz: the error says which file, where."""
+    lines = numbered_lines(6)
+    whole = tmp_path / "whole.gz"
+    with gzip.open(whole, "wt") as f:
+        f.writelines(lines)
+    truncated = tmp_path / "truncated.gz"
+    truncated.write_bytes(whole.read_bytes()[:-12])
+    not_utf8 = tmp_path / "latin1.tsv"
+    not_utf8.write_bytes("".join(lines[:2]).encode() + b"\xff\xfe\n")
+    not_gzip = write(tmp_path / "plain.gz", lines)
+    for path, where in ((truncated, r"truncated.gz: cannot read past line \d+"),
+                        (not_utf8, r"latin1.tsv: cannot read past line \d+"),
+                        (not_gzip, r"plain.gz: cannot read past line 0")):
+        with pytest.raises(ValueError, match=where):
+            list(CriteoTSV(str(path), TABLE_ROWS, 2))
+
+
 def test_criteo_missing_file(tmp_path):
     present = write(tmp_path / "d", numbered_lines(2))
     missing = str(tmp_path / "nope.tsv")

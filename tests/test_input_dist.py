@@ -30,6 +30,13 @@ def _bad_batch_on_rank_1(rank: int, world: int, bad: str, row_shards) -> None:
     elif rank == 1 and bad == "values":  # one value more than the lengths account for
         kjt = KeyedJaggedTensor(keys=keys, values=torch.cat([kjt.values(), kjt.values()[:1]]),
                                 lengths=kjt.lengths())
+    elif rank == 1 and bad == "negative":  # a negative length, the lengths' sum still the value count
+        cut = kjt.lengths().clone()
+        cut[0] += cut[1] + 1
+        cut[1] = -1
+        kjt = KeyedJaggedTensor(keys=keys, values=kjt.values(), lengths=cut)
+    elif rank == 1 and bad == "shape":  # one length short of keys x stride
+        kjt = KeyedJaggedTensor(keys=keys, values=kjt.values(), lengths=kjt.lengths()[:-1], stride=kjt.stride())
     error, mine, theirs = {
         "index": (IndexError, "rank 1: feature 'f2' has index 57, outside table 't1' of 57 rows",
                   r"rank 0: rank\(s\) \[1\] sent out-of-range indices"),
@@ -37,6 +44,10 @@ def _bad_batch_on_rank_1(rank: int, world: int, bad: str, row_shards) -> None:
                  r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose keys do not match"),
         "values": (ValueError, r"rank 1: the KeyedJaggedTensor has \d+ values but its lengths sum to \d+",
                    r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values and lengths disagree"),
+        "negative": (ValueError, "rank 1: feature 'f0' has a negative length -1 at sample 1",
+                     r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values and lengths disagree"),
+        "shape": (ValueError, r"rank 1: the KeyedJaggedTensor has 14 lengths for 5 keys x stride 3",
+                  r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values and lengths disagree"),
     }[bad]
     with pytest.raises(error, match=mine if rank == 1 else theirs):
         sharded(kjt)
@@ -46,7 +57,7 @@ def _bad_batch_on_rank_1(rank: int, world: int, bad: str, row_shards) -> None:
     torch.testing.assert_close(sharded(to_kjt(keys, lengths, values, None, start, stop)).values(), good)
 
 
-@pytest.mark.parametrize("bad", ["index", "keys", "values"])
+@pytest.mark.parametrize("bad", ["index", "keys", "values", "negative", "shape"])
 @pytest.mark.parametrize("row_shards", [1, {"t1": 2, "t3": 3}], ids=["whole", "row_blocks"])
 def test_a_bad_batch_raises_on_every_rank(bad, row_shards):
     """With row blocks (t1, which f2 reads, in two) the checks are of the batch as sent, before its cut: the

@@ -280,3 +280,36 @@ def _converges_with_q8_gradients(rank: int, world: int, tmp: str) -> None:
 
 def test_two_ranks_converge_with_q8_gradient_allreduce(tmp_path):
     run_world(2, _converges_with_q8_gradients, str(tmp_path))
+
+
+def test_bad_run_settings_are_refused_before_training(tmp_path):
+    """Settings that would never end, log NaN, divide by zero after the first step, meet the model on the wrong
+    device or delete checkpoints are refused before the first step."""
+    later = tmp_path / "ckpt" / "step_50"
+    later.mkdir(parents=True)
+    for overrides, error in (
+            (["data.eval_batches=0"], "data.eval_batches=0: the evaluation needs at least one batch"),
+            (["trainer.max_steps=null", "trainer.epochs=1", "data.steps_per_epoch=null"],
+             "set it \\(>= 1\\), or trainer.max_steps; without it the run would never end"),
+            (["trainer.log_every=0"], "trainer.log_every=0: expected a step count >= 1"),
+            (["+data.train.device=cuda"], "data.train.device=cuda makes the batches on a GPU, but the model is on cpu"),
+            (["comm.grad_allreduce=q7"], "comm.grad_allreduce='q7': expected one of"),
+            (["model.pooling=max"], r"model.pooling='max': expected one of \('sum', 'mean'\)"),
+            (["model.data_type=int8"], r"model.data_type='int8': expected one of"),
+            (["model.num_rows=0"], "every table needs a whole number of rows >= 1, got 0"),
+            (["model.row_shards=2.5"], "column_shards and row_shards are whole numbers, got 1 and 2.5"),
+            ([f"trainer.checkpoint_dir={later.parent}"], "already holds step_50, after this run's start at step 0")):
+        with pytest.raises(ValueError, match=error):
+            train(config(*SMALL, "trainer.max_steps=3", *overrides), CPU, tmp_path / "run")
+    assert later.exists()  # nothing deleted
+
+
+def test_the_last_checkpoint_is_written_before_the_last_evaluation(tmp_path, monkeypatch):
+    """An evaluation that fails at the end of a run loses none of its steps."""
+    def failing(*args, **kwargs):
+        raise RuntimeError("evaluation failed")
+    monkeypatch.setattr("fused_dlrm.train.loop.evaluate", failing)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        train(config(*SMALL, "trainer.max_steps=3", "trainer.eval_every=0", "trainer.checkpoint_every=10"), CPU,
+              tmp_path)
+    assert (tmp_path / "checkpoints" / "step_3").is_dir()

@@ -108,9 +108,13 @@ class CriteoTSV:
     def _lines(self) -> Iterator[tuple[str, int, str]]:
         """(path, 1-based line number, line) over all files in order."""
         for path in self.paths:
-            with _open_text(path) as f:
-                for line_number, line in enumerate(f, start=1):
-                    yield path, line_number, line
+            line_number = 0
+            try:
+                with _open_text(path) as f:
+                    for line_number, line in enumerate(f, start=1):
+                        yield path, line_number, line
+            except (OSError, EOFError, UnicodeDecodeError) as error:  # a truncated .gz, a bad byte: say where
+                raise ValueError(f"{path}: cannot read past line {line_number}: {error}") from error
 
     def __iter__(self) -> Iterator[Batch]:
         lines = self._lines()

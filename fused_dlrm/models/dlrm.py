@@ -25,6 +25,12 @@ def make_tables(feature_names: Sequence[str], num_rows: int | Sequence[int], emb
     rows = [num_rows] * len(feature_names) if isinstance(num_rows, int) else list(num_rows)
     if len(rows) != len(feature_names):
         raise ValueError(f"{len(rows)} table sizes for {len(feature_names)} features")
+    if not all(isinstance(r, int) and r >= 1 for r in rows):
+        raise ValueError(f"model.num_rows: every table needs a whole number of rows >= 1, got {num_rows}")
+    for what, value, known in (("pooling", pooling, ("sum", "mean")),
+                               ("data_type", data_type, ("fp32", "fp16", "bf16"))):
+        if value.lower() not in known:  # torchrec's enums would say KeyError: 'MAX'
+            raise ValueError(f"model.{what}={value!r}: expected one of {known}")
     return [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=embedding_dim, num_embeddings=int(r), feature_names=[f],
                                pooling=PoolingType[pooling.upper()], data_type=DataType[data_type.upper()])
             for f, r in zip(feature_names, rows)]

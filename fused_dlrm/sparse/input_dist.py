@@ -108,7 +108,7 @@ class PendingHeader:
 
     kjt: KeyedJaggedTensor
     plan: _KeyPlan | None
-    key_problem: str
+    problem: str  # what is wrong with the KJT's keys (BAD_KEYS) or the shape of its lengths (EXTRA_VALUES), or ''
     counts: torch.Tensor | None  # values per key of the KJT (its errors are reported on it)
     sent: _Sent | None  # what travels: the KJT's, or its cut
     pooling_divisors: torch.Tensor | None  # OwnedBags.pooling_divisors
@@ -187,11 +187,14 @@ class BulkInputDist:
         rest, on the same stream, any time later: a batch's header can be exchanged a step before its values."""
         world, device = len(self.features_of_rank), kjt.values().device
         keys, values, local_batch = list(kjt.keys()), kjt.values(), kjt.stride()
-        plan, key_problem = self._plan(keys, device)
+        plan, problem = self._plan(keys, device)
+        if plan is not None and (kjt.variable_stride_per_key() or kjt.lengths().numel() != len(keys) * local_batch):
+            problem = (f"the KeyedJaggedTensor has {kjt.lengths().numel()} lengths for {len(keys)} keys x stride "
+                       f"{local_batch}" + (" (a variable stride per key)" if kjt.variable_stride_per_key() else ""))
         counts = sent = divisors = None
-        if plan is None:  # no plan for these keys: send a header that only says so, as every rank must
+        if problem:  # a header that only says what is wrong, as every rank must send one
             header = torch.zeros(world, FIRST_COUNT + self.width, dtype=torch.int64, device=device)
-            header[:, BAD_KEYS] = 1
+            header[:, BAD_KEYS if plan is None else EXTRA_VALUES] = 1
         else:
             lengths = kjt.lengths().view(len(keys), local_batch).long()
             counts = lengths.sum(dim=1)  # values per key
@@ -205,9 +208,11 @@ class BulkInputDist:
                 header[:, FIRST_COUNT:] = torch.cat([cut_counts, cut_counts.new_zeros(1)])[plan.header_keys]
                 sent = _Sent(cut_values, cut_lengths, cut_counts, cut_weights)
                 divisors = plan.buckets.pooling_divisors(lengths)
+            # a negative length can leave the sum of lengths equal to the value count: flagged as a disagreement
+            header[:, EXTRA_VALUES].abs_().add_((lengths < 0).any())
         recv = exchange_counts(header, self.group)
         both = PendingHostCopy(torch.cat([header, recv]))  # `finish` waits for this copy only
-        return PendingHeader(kjt, plan, key_problem, counts, sent, divisors, recv, both)
+        return PendingHeader(kjt, plan, problem, counts, sent, divisors, recv, both)
 
     def finish(self, pending: PendingHeader) -> OwnedBags:
         """The rest of `start`'s batch: its checks, then lengths, values and weights exchanged and regrouped."""
@@ -215,7 +220,7 @@ class BulkInputDist:
         world, local_batch = len(self.features_of_rank), kjt.stride()
         both = pending.both.get().tolist()  # the host sync (none left when the copy has long ended)
         sent_header, recv_header = both[:world], both[world:]
-        self._raise_for_bad_input(recv_header, kjt, pending.key_problem, pending.counts, plan)
+        self._raise_for_bad_input(recv_header, kjt, pending.problem, pending.counts, plan)
         sent = pending.sent
         values, lengths, counts, weights = sent.values, sent.lengths, sent.counts, sent.weights
 
@@ -258,7 +263,7 @@ class BulkInputDist:
                          feature_value_offsets=offsets, batch_sizes=batch_sizes,
                          pooling_divisors=pending.pooling_divisors)
 
-    def _raise_for_bad_input(self, recv_header: list[list[int]], kjt: KeyedJaggedTensor, key_problem: str,
+    def _raise_for_bad_input(self, recv_header: list[list[int]], kjt: KeyedJaggedTensor, problem: str,
                              counts: torch.Tensor | None, plan: _KeyPlan | None) -> None:
         """Every rank raises the same kind of error when any rank's batch is bad (the header carries each source's
         verdict); the rank whose batch it is says what is wrong with it."""
@@ -270,9 +275,13 @@ class BulkInputDist:
                 continue
             if self.rank not in bad:
                 raise error(f"rank {self.rank}: rank(s) {bad} sent {what} (their error says more)")
-            if column == BAD_KEYS:
-                raise error(f"rank {self.rank}: {key_problem}")
+            if column == BAD_KEYS or (column == EXTRA_VALUES and problem):
+                raise error(f"rank {self.rank}: {problem}")
             values = kjt.values()
+            if column == EXTRA_VALUES and (kjt.lengths() < 0).any():
+                key, sample = (int(i) for i in (kjt.lengths().view(len(kjt.keys()), -1) < 0).nonzero()[0])
+                raise error(f"rank {self.rank}: feature '{kjt.keys()[key]}' has a negative length "
+                            f"{int(kjt.lengths().view(len(kjt.keys()), -1)[key, sample])} at sample {sample}")
             if column == EXTRA_VALUES:
                 raise error(f"rank {self.rank}: the KeyedJaggedTensor has {values.numel()} values but its lengths "
                             f"sum to {int(counts.sum())}")

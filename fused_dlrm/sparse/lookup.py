@@ -94,6 +94,14 @@ class _LookupWithFusedUpdate(torch.autograd.Function):
         return None, None, None
 
 
+def check_table(t: EmbeddingBagConfig) -> None:
+    """What the lookup can hold: FP32 / FP16 / BF16 rows, SUM or MEAN pooling."""
+    if t.data_type.name not in ("FP32", "FP16", "BF16"):
+        raise NotImplementedError(f"table {t.name}: tables must be FP32, FP16 or BF16, got {t.data_type}")
+    if t.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+        raise ValueError(f"table {t.name}: pooling must be SUM or MEAN, got {t.pooling}")
+
+
 class PooledEmbeddingLookup(nn.Module):
     """Owns some tables; maps an `OwnedBags` to the pooled embeddings [global_batch, sum of feature dims]."""
 
@@ -101,10 +109,7 @@ class PooledEmbeddingLookup(nn.Module):
                  optimizer: EmbeddingOptimizerConfig, device: torch.device):
         super().__init__()
         for t in tables:
-            if t.data_type.name not in ("FP32", "FP16", "BF16"):
-                raise NotImplementedError(f"table {t.name}: tables must be FP32, FP16 or BF16, got {t.data_type}")
-            if t.pooling not in (PoolingType.SUM, PoolingType.MEAN):
-                raise ValueError(f"table {t.name}: pooling must be SUM or MEAN, got {t.pooling}")
+            check_table(t)
         self.tables = {t.name: t for t in tables}
         self.weights = weights  # registered by the owning collection, not here
         # (feature, table) in output column order: tables in plan order, each table's features in config order.

@@ -227,6 +227,8 @@ def plan_sharding(tables: Sequence[EmbeddingBagConfig], world_size: int,
     blocks = []  # (table, col, dim, row, rows): rows None for every row
     for t in tables:
         n, m = per_table["column_shards"].get(t.name, 1), per_table["row_shards"].get(t.name, 1)
+        if not all(isinstance(c, int) and not isinstance(c, bool) for c in (n, m)):
+            raise ValueError(f"table {t.name!r}: column_shards and row_shards are whole numbers, got {n} and {m}")
         if n < 1 or t.embedding_dim % n:
             raise ValueError(f"table {t.name!r}: {t.embedding_dim} columns do not split into {n} equal column shards")
         if m < 1:

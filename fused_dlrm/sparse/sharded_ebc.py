@@ -21,7 +21,7 @@ from torchrec.distributed.comm_ops import get_gradient_division
 from fused_dlrm.dist.env import input_stream
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
 from fused_dlrm.sparse.input_dist import BulkInputDist, OwnedBags
-from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, Table, init_block
+from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, Table, check_table, init_block
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.output_dist import BulkOutputDist
 from fused_dlrm.sparse.plan import FeatureSlice, Shard, TableShardingPlan, plan_sharding
@@ -71,6 +71,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         (torch.distributed all-to-alls), or the fused exchange's settings (CUDA only): lookup and output dist then
         run as one kernel that stores into peers' memory."""
         super().__init__()
+        for t in tables:  # before anything is made of them
+            check_table(t)
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.plan = plan or plan_sharding(tables, self.world_size)

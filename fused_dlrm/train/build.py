@@ -79,6 +79,10 @@ def build_dataset(cfg: DictConfig, split: str, env: DistEnv):
     names = feature_names(cfg.data)
     rows = [m.num_rows] * len(names) if isinstance(m.num_rows, int) else list(m.num_rows)
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.data[split], resolve=True).items() if k != "_target_"}
+    if str(kwargs.get("device", "cpu")).startswith("cuda") and env.device.type != "cuda":
+        # batches made on a GPU for a model on the host would meet it only in the dense arch, as a device mismatch
+        raise ValueError(f"data.{split}.device={kwargs['device']} makes the batches on a GPU, but the model is on "
+                         f"{env.device}: set data.{split}.device=cpu (or trainer.device=cuda)")
     # Called directly rather than through hydra's instantiate, so errors (a missing file) reach the user unwrapped.
     return get_class(cfg.data[split]._target_)(
         num_rows=rows, feature_names=names, global_batch_size=cfg.data.global_batch_size, rank=env.rank,

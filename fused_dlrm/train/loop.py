@@ -107,10 +107,15 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     t = cfg.trainer
     if t.max_steps is None and t.epochs is None:
         raise ValueError("set trainer.max_steps or trainer.epochs")
+    if cfg.data.eval_batches < 1:  # every run ends with an evaluation, whose AUC needs samples
+        raise ValueError(f"data.eval_batches={cfg.data.eval_batches}: the evaluation needs at least one batch")
     model = build_model(cfg, env)
     sparse = model.sparse_arch.embedding_bag_collection
     optimizer = instantiate(t.dense_optimizer, params=dense_parameters(model))
     train_data, eval_data = build_dataset(cfg, "train", env), build_dataset(cfg, "eval", env)
+    if t.max_steps is None and hasattr(train_data, "batch") and not cfg.data.get("steps_per_epoch"):
+        raise ValueError("trainer.epochs with step-indexed (synthetic) data counts epochs of data.steps_per_epoch "
+                         "steps: set it (>= 1), or trainer.max_steps; without it the run would never end")
     checkpoint_dir = Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints"
 
     step = 0

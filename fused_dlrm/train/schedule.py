@@ -85,6 +85,13 @@ class TrainingRun:
     def __init__(self, trainer: DictConfig, env: DistEnv, run_dir: Path, checkpoint_dir: Path, step: int, *,
                  items: str, items_per_step: int, log_fields: LogFields, evaluate: Callable[[int], dict],
                  save: Callable[[int], None], log: logging.Logger, loss_terms: int = 1):
+        if not trainer.log_every >= 1:  # every step count is taken modulo it (and the loss checked at it)
+            raise ValueError(f"trainer.log_every={trainer.log_every}: expected a step count >= 1")
+        later = latest_checkpoint(checkpoint_dir) if trainer.checkpoint_every and checkpoint_dir.exists() else None
+        if later is not None and int(later.name.split("_")[1]) > step:  # its pruning would delete this run's own
+            raise ValueError(f"trainer.checkpoint_dir {checkpoint_dir} already holds {later.name}, after this run's "
+                             f"start at step {step}: resume from it (trainer.resume_from={checkpoint_dir}) or write "
+                             f"into an empty directory")
         self.env, self.checkpoint_dir, self.log = env, checkpoint_dir, log
         # plain ints: read every step, and a DictConfig attribute costs ~10 us of host time
         self.log_every, self.eval_every = trainer.log_every, trainer.eval_every
@@ -123,13 +130,14 @@ class TrainingRun:
         self.interval_start += time.perf_counter() - start  # the interval times steps, not checkpoints or evals
 
     def finish(self) -> TrainResult:
-        """The last loss check, a final evaluation and a final checkpoint, unless the last step already did them."""
+        """The last loss check, a final checkpoint and a final evaluation, unless the last step already did them
+        (the checkpoint first: an evaluation that fails loses no training)."""
         if self.interval_steps:
             self.check_loss()
-        if (self.result.evals[-1]["step"] if self.result.evals else None) != self.step:
-            self.run_eval()
         if self.checkpoint_every and self.saved_step != self.step:
             self.checkpoint()
+        if (self.result.evals[-1]["step"] if self.result.evals else None) != self.step:
+            self.run_eval()
         self.bar.close()
         self.result.step = self.step
         return self.result
