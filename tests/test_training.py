@@ -313,3 +313,15 @@ def test_the_last_checkpoint_is_written_before_the_last_evaluation(tmp_path, mon
         train(config(*SMALL, "trainer.max_steps=3", "trainer.eval_every=0", "trainer.checkpoint_every=10"), CPU,
               tmp_path)
     assert (tmp_path / "checkpoints" / "step_3").is_dir()
+
+
+def test_resume_with_other_sizes_or_embedding_optimizer_is_a_clear_error(tmp_path):
+    common = SMALL + ["trainer.max_steps=5", "trainer.eval_every=0", "trainer.checkpoint_every=5"]
+    train(config(*common, "model.embedding_optimizer.name=sgd"), CPU, tmp_path / "full")
+    resume = f"trainer.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_5'}"
+    with pytest.raises(ValueError, match=r"holds no \['embedding_optimizer\..*momentum'.*another embedding optimizer"):
+        train(config(*common, resume), CPU, tmp_path / "adagrad")
+    with pytest.raises(ValueError,
+                       match=r"holds \['model\..*\[2000, \d+\] \(this run: \[2001, \d+\]\).*model.num_rows"):
+        train(config(*common, "model.embedding_optimizer.name=sgd", "model.num_rows=2001", resume), CPU,
+              tmp_path / "rows")

@@ -67,6 +67,31 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     return final
 
 
+def _check_entries(path: Path, state: dict) -> None:
+    """Every entry this run loads is in the checkpoint, with its shape: DCP would name one key only, deep in a
+    traceback of its own exception type."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    wanted = {f"model.{name}": value for name, value in state["model"].items()}
+    tables = {f"embedding_optimizer.{name}": value for name, value in state.get("embedding_optimizer", {}).items()}
+    missing = [key for key in wanted if key not in saved]
+    if missing:
+        raise ValueError(f"checkpoint {path} holds no {missing[:3]}{' ...' if len(missing) > 3 else ''} "
+                         f"({len(missing)} of the model's {len(wanted)} entries): it was written for another "
+                         "model, world size (the MoE experts' names) or sharding of the tables (model.column_shards, "
+                         "model.row_shards)")
+    missing = [key for key in tables if key not in saved]
+    if missing:
+        raise ValueError(f"checkpoint {path} holds no {missing[:2]}{' ...' if len(missing) > 2 else ''}: it was "
+                         "written with another embedding optimizer (model.embedding_optimizer.name)")
+    wanted.update(tables)
+    wrong = [f"{key} {list(saved[key].size)} (this run: {list(value.shape)})" for key, value in wanted.items()
+             if torch.is_tensor(value) and hasattr(saved[key], "size") and list(saved[key].size) != list(value.shape)]
+    if wrong:
+        raise ValueError(f"checkpoint {path} holds {wrong[:3]}{' ...' if len(wrong) > 3 else ''}: it was written for "
+                         "other sizes (DLRM: model.num_rows, model.embedding_dim, data.num_dense, the arches; the MoE "
+                         "Transformer: model.d_model, model.ffn, model.num_experts, ...)")
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     embedding_optimizer=None) -> int:
     """Load a step_<N> folder, or the latest one under a checkpoint root; returns the step it was taken at."""
@@ -79,13 +104,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
             raise FileNotFoundError(f"no step_<N> checkpoint under {path}")
         path = found
     state = _state(model, optimizer, embedding_optimizer)
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    missing = [key for key in (f"model.{name}" for name in state["model"]) if key not in saved]
-    if missing:  # DCP would name one key only, deep in its traceback
-        raise ValueError(f"checkpoint {path} holds no {missing[:3]}{' ...' if len(missing) > 3 else ''} "
-                         f"({len(missing)} of the model's {len(state['model'])} entries): it was written for another "
-                         "model, world size (the MoE experts' names) or sharding of the tables (model.column_shards, "
-                         "model.row_shards)")
+    _check_entries(path, state)
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["dense_optimizer"])
     if embedding_optimizer is not None:
