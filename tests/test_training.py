@@ -315,7 +315,7 @@ def test_the_last_checkpoint_is_written_before_the_last_evaluation(tmp_path, mon
     assert (tmp_path / "checkpoints" / "step_3").is_dir()
 
 
-def test_resume_with_other_sizes_or_embedding_optimizer_is_a_clear_error(tmp_path):
+def test_resume_with_other_sizes_or_optimizers_is_a_clear_error(tmp_path):
     common = SMALL + ["trainer.max_steps=5", "trainer.eval_every=0", "trainer.checkpoint_every=5"]
     train(config(*common, "model.embedding_optimizer.name=sgd"), CPU, tmp_path / "full")
     resume = f"trainer.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_5'}"
@@ -325,3 +325,16 @@ def test_resume_with_other_sizes_or_embedding_optimizer_is_a_clear_error(tmp_pat
                        match=r"holds \['model\..*\[2000, \d+\] \(this run: \[2001, \d+\]\).*model.num_rows"):
         train(config(*common, "model.embedding_optimizer.name=sgd", "model.num_rows=2001", resume), CPU,
               tmp_path / "rows")
+    # the other way round: state the run has no place for, which DCP would drop without a word
+    train(config(*common), CPU, tmp_path / "adagrad_full")
+    resume_adagrad = f"trainer.resume_from={tmp_path / 'adagrad_full' / 'checkpoints' / 'step_5'}"
+    with pytest.raises(ValueError, match=r"holds \['embedding_optimizer\..*momentum'.*, state this run does not "
+                                         r"keep: it was written with another embedding optimizer"):
+        train(config(*common, "model.embedding_optimizer.name=sgd", resume_adagrad), CPU, tmp_path / "sgd")
+    sgd = ["trainer.dense_optimizer._target_=torch.optim.SGD", "~trainer.dense_optimizer.fused"]
+    with pytest.raises(ValueError, match=r"holds \['dense_optimizer\.state\..*exp_avg'.*, state this run does not "
+                                         r"keep: it was written with another dense optimizer"):
+        train(config(*common, *sgd, resume_adagrad), CPU, tmp_path / "dense_sgd")
+    with pytest.raises(ValueError, match=r"holds no \['dense_optimizer\.state\..*momentum_buffer'.*another dense"):
+        train(config(*common, *sgd, "+trainer.dense_optimizer.momentum=0.9", resume_adagrad), CPU,
+              tmp_path / "dense_momentum")

@@ -67,29 +67,60 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     return final
 
 
-def _check_entries(path: Path, state: dict) -> None:
-    """Every entry this run loads is in the checkpoint, with its shape: DCP would name one key only, deep in a
-    traceback of its own exception type."""
+def _optimizer_entries(state: dict) -> tuple[dict, dict]:
+    """The embedding optimizer's and the dense optimizer's state entries of `state`, by their checkpoint keys."""
+    tables = {f"embedding_optimizer.{name}": value for name, value in state.get("embedding_optimizer", {}).items()}
+    dense = {f"dense_optimizer.state.{param}.{name}": value
+             for param, entries in state["dense_optimizer"].get("state", {}).items() for name, value in entries.items()}
+    return tables, dense
+
+
+def _of_every_rank(value) -> list:
+    if not dist.is_initialized():
+        return [value]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
+def _check_entries(path: Path, state: dict, kept: set[str]) -> None:
+    """Every entry this run loads is in the checkpoint, with its shape, and the checkpoint holds no optimizer state
+    that no rank keeps (`kept`): DCP would name one key only, deep in a traceback of its own exception type, or drop
+    the extra state without a word."""
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     wanted = {f"model.{name}": value for name, value in state["model"].items()}
-    tables = {f"embedding_optimizer.{name}": value for name, value in state.get("embedding_optimizer", {}).items()}
     missing = [key for key in wanted if key not in saved]
     if missing:
         raise ValueError(f"checkpoint {path} holds no {missing[:3]}{' ...' if len(missing) > 3 else ''} "
                          f"({len(missing)} of the model's {len(wanted)} entries): it was written for another "
                          "model, world size (the MoE experts' names) or sharding of the tables (model.column_shards, "
                          "model.row_shards)")
-    missing = [key for key in tables if key not in saved]
-    if missing:
-        raise ValueError(f"checkpoint {path} holds no {missing[:2]}{' ...' if len(missing) > 2 else ''}: it was "
-                         "written with another embedding optimizer (model.embedding_optimizer.name)")
+    tables, dense = _optimizer_entries(state)
+    _check_optimizer_state(path, saved, "embedding_optimizer.", tables, kept,
+                           "embedding optimizer (model.embedding_optimizer.name)")
+    _check_optimizer_state(path, saved, "dense_optimizer.state.", dense, kept,
+                           "dense optimizer (DLRM: trainer.dense_optimizer; the MoE Transformer: model.optimizer)")
     wanted.update(tables)
+    wanted.update(dense)
     wrong = [f"{key} {list(saved[key].size)} (this run: {list(value.shape)})" for key, value in wanted.items()
              if torch.is_tensor(value) and hasattr(saved[key], "size") and list(saved[key].size) != list(value.shape)]
     if wrong:
         raise ValueError(f"checkpoint {path} holds {wrong[:3]}{' ...' if len(wrong) > 3 else ''}: it was written for "
                          "other sizes (DLRM: model.num_rows, model.embedding_dim, data.num_dense, the arches; the MoE "
                          "Transformer: model.d_model, model.ffn, model.num_experts, ...)")
+
+
+def _check_optimizer_state(path: Path, saved, prefix: str, wanted: dict, kept: set[str], optimizer: str) -> None:
+    """The checkpoint's optimizer state (keys under `prefix`) is the state this run's optimizers keep: DCP names
+    missing entries one at a time, and drops extra ones without a word (Adam's moments resumed under SGD)."""
+    missing = [key for key in wanted if key not in saved]
+    extra = sorted(key for key in saved if key.startswith(prefix) and key not in kept)
+    if missing or extra:
+        keys = missing or extra
+        found = f"holds no {keys[:2]}" if missing else f"holds {keys[:2]}"
+        raise ValueError(f"checkpoint {path} {found}{' ...' if len(keys) > 2 else ''}"
+                         f"{'' if missing else ', state this run does not keep'}: it was written with another "
+                         f"{optimizer}")
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -104,7 +135,19 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
             raise FileNotFoundError(f"no step_<N> checkpoint under {path}")
         path = found
     state = _state(model, optimizer, embedding_optimizer)
-    _check_entries(path, state)
+    # each rank's optimizers hold the state of its own tables (and experts): the checkpoint holds every rank's
+    kept = set().union(*_of_every_rank(set().union(*_optimizer_entries(state))))
+    try:
+        _check_entries(path, state, kept)
+        problem = None
+    except ValueError as error:
+        problem = error
+    problems = _of_every_rank(None if problem is None else str(problem))
+    if problem is not None:
+        raise problem
+    bad = [rank for rank, text in enumerate(problems) if text]  # the others would wait for it in DCP's collectives
+    if bad:
+        raise ValueError(f"rank {dist.get_rank()}: rank(s) {bad} cannot resume from {path}: {problems[bad[0]]}")
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["dense_optimizer"])
     if embedding_optimizer is not None:

@@ -1,0 +1,51 @@
+"""load_checkpoint's refusals, on every rank: a rank that cannot resume must not leave the others in DCP's
+collectives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from world import run_world
+
+from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
+
+
+def _model_and_optimizer(momentum_sgd: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 1))
+    params = model.parameters()
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9) if momentum_sgd else torch.optim.Adam(params)
+    model(torch.randn(3, 5)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _one_rank_cannot_resume(rank: int, world: int, root: str) -> None:
+    save_checkpoint(root, 4, *_model_and_optimizer(momentum_sgd=False))
+    # rank 1 resumes under another dense optimizer, rank 0 as saved
+    model, optimizer = _model_and_optimizer(momentum_sgd=rank == 1)
+    if rank == 1:
+        expected = r"holds no \['dense_optimizer\.state\..*momentum_buffer'.*another dense optimizer"
+    else:
+        expected = r"rank 0: rank\(s\) \[1\] cannot resume from .*step_4: .*another dense optimizer"
+    with pytest.raises(ValueError, match=expected):
+        load_checkpoint(root, model, optimizer)
+
+
+def test_a_rank_that_cannot_resume_stops_every_rank(tmp_path):
+    run_world(2, _one_rank_cannot_resume, str(tmp_path))
+
+
+def test_resume_restores_model_and_optimizer_state(tmp_path):
+    model, optimizer = _model_and_optimizer(momentum_sgd=False)
+    save_checkpoint(tmp_path, 4, model, optimizer)
+    other, other_optimizer = _model_and_optimizer(momentum_sgd=False)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p))
+    assert load_checkpoint(tmp_path, other, other_optimizer) == 4
+    for a, b in zip(model.parameters(), other.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        state, loaded = optimizer.state[a], other_optimizer.state[b]
+        torch.testing.assert_close(state["exp_avg_sq"], loaded["exp_avg_sq"], rtol=0, atol=0)
