@@ -6,10 +6,13 @@ program) in every destination rank after their stores. The consumer's wait kerne
 rank, polling that rank's flags; when they are all up it acknowledges the epoch back to the producer, which
 guards the double-buffered output against being overwritten while the consumer may still read it.
 Waits are bounded: every kernel records a timeout through `record_timeout` (the first one per error wins) into an
-error word that `PeerErrors` turns into an exception on the host.
+error word that `PeerErrors` turns into an exception on the host. An op whose ranks publish a signature of their
+call beside their flags records a peer's call that differs from this rank's the same way (`record_mismatch`).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import triton
@@ -23,6 +26,12 @@ from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, set_flag
 # each; at the old bound of 20,000,000 polls, 4.3 s, a first MoE forward timed out), a checkpoint, a pause; a
 # lost peer still ends in an error naming rank and slice. Passed as an i32 argument: below 2**31.
 DEFAULT_SPIN_LIMIT = 250_000_000
+
+# A call's signature: int64 words that every rank's call must share (their meaning is the op's; word 0 its epoch).
+# The error word ([code, peer, slot, epoch, claim, unused x 3], int32) holds, for code 3, both signatures after it.
+SIGNATURE_WORDS = tl.constexpr(8)
+ERROR_WORDS = 8 + 2 * 2 * SIGNATURE_WORDS.value
+MISMATCH = 3  # the error code of a peer's call that differs from this rank's
 
 
 @triton.jit
@@ -46,17 +55,47 @@ def wait_at_least(flag, epoch, spin_limit):
 
 
 @triton.jit
-def record_timeout(error_ptr, code, peer, slot, epoch):
-    """Record a timed-out wait into the error word [code, peer, slot, epoch, claim, unused x 3] unless one is
-    recorded already: the first timeout is the cause, later ones (of this launch, or of later launches before the
-    host reads the word) its consequences. The claim word decides between concurrent programs; the code, which
-    kernels poll to stop spinning, is written last. Codes: 1: `peer` never raised its flag for `slot`; 2: `peer`
-    never released its buffer (slot -1). `epoch`: the step of the failing call, which the host's message names."""
-    if tl.atomic_cas(error_ptr + 4, 0, 1) == 0:
+def _claim_error(error_ptr, peer, slot, epoch):
+    """Claim the error word unless an error is recorded already, and store (peer, slot, epoch) if claimed: the first
+    error is the cause, later ones (of this launch, or of later launches before the host reads the word) its
+    consequences. The claim word decides between concurrent programs; the code, which kernels poll to stop
+    spinning, is written last (by the caller)."""
+    claimed = tl.atomic_cas(error_ptr + 4, 0, 1) == 0
+    if claimed:
         tl.store(error_ptr + 1, peer)
         tl.store(error_ptr + 2, slot)
         tl.store(error_ptr + 3, epoch)
+    return claimed
+
+
+@triton.jit
+def record_timeout(error_ptr, code, peer, slot, epoch):
+    """Record a timed-out wait into the error word [code, peer, slot, epoch, claim, unused x 3] unless one is
+    recorded already (`_claim_error`). Codes: 1: `peer` never raised its flag for `slot`; 2: `peer` never released
+    its buffer (slot -1); 3 is `record_mismatch`'s. `epoch`: the step of the failing call, which the host's message
+    names."""
+    if _claim_error(error_ptr, peer, slot, epoch):
         tl.atomic_xchg(error_ptr, code)
+
+
+@triton.jit
+def record_mismatch(error_ptr, peer, slot, epoch, mine, theirs):
+    """Record (code 3) that `peer`'s call, seen behind its flag for `slot`, differs from this rank's: both
+    signatures (int64 [SIGNATURE_WORDS] each, this rank's first) go after the word's first 8 int32, for the host's
+    message. The first error wins, as with timeouts."""
+    if _claim_error(error_ptr, peer, slot, epoch):
+        signatures = (error_ptr + 8).to(tl.pointer_type(tl.int64)) + tl.arange(0, SIGNATURE_WORDS)
+        tl.store(signatures, mine)
+        tl.store(signatures + SIGNATURE_WORDS, theirs)
+        tl.atomic_xchg(error_ptr, 3)
+
+
+@triton.jit
+def recorded_at(error_ptr, epoch):
+    """Whether the error word holds an error of step `epoch` (not yet read by the host): how a phase launched
+    apart from the one that recorded it (a simulated world) learns that the call has failed."""
+    code = tl.atomic_add(error_ptr, 0, sem="acquire")
+    return (code != 0) & (tl.load(error_ptr + 3, volatile=True) == epoch)
 
 
 @triton.jit
@@ -152,6 +191,11 @@ class PeerWaitTimeout(RuntimeError):
     pass
 
 
+class PeerCallMismatch(ValueError):
+    """A peer called the op with another signature (size, dtype, codec, ...) than this rank: bad input, not a lost
+    peer (a ValueError, as the bulk collectives' check raises)."""
+
+
 def wait_ready(ready: torch.Tensor, acks: torch.Tensor, error: torch.Tensor, rank: int, world_size: int,
                epoch: int, slots_per_rank: int, spin_limit: int, nvshmem: bool = False) -> None:
     """Enqueue the wait for every producer's `slots_per_rank` flags of `epoch` (non-blocking on GPUs).
@@ -209,18 +253,22 @@ class PeerErrors:
     it; meanwhile later waits give up at once (their results are lost anyway).
     """
 
-    def __init__(self, device: torch.device, rank: int, what: str, check_every: int = 16):
-        # [code, peer, slot, epoch, claim] (record_timeout), padded to 32 bytes: one aligned sector
-        self.word = torch.zeros(8, dtype=torch.int32, device=device)
+    def __init__(self, device: torch.device, rank: int, what: str, check_every: int = 16,
+                 describe_calls: Callable[[list[int], list[int]], tuple[str, str]] | None = None):
+        # [code, peer, slot, epoch, claim] (record_timeout), padded to 32 bytes: one aligned sector; then room for
+        # two signatures (record_mismatch)
+        self.word = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
         self.rank, self.what = rank, what
+        # (this rank's signature, the peer's) -> both in words: the op's reading of a mismatch's signatures
+        self.describe_calls = describe_calls
         self.schedule = CopySchedule(check_every)
-        self._host = torch.zeros(8, dtype=torch.int32, pin_memory=True) if device.type == "cuda" else None
+        self._host = torch.zeros(ERROR_WORDS, dtype=torch.int32, pin_memory=True) if device.type == "cuda" else None
         self._event = torch.cuda.Event() if device.type == "cuda" else None
 
     def after_wait(self) -> None:
         """A call's waits are enqueued (a timeout's message names the step the kernel recorded: the failing one)."""
         if self._host is None:
-            self._raise_if_set(self.word.tolist())
+            self._raise_if_set(self.word)
         elif self.schedule.call():
             self._copy()
 
@@ -242,13 +290,19 @@ class PeerErrors:
     def _inspect(self) -> None:
         self._event.synchronize()
         self.schedule.inspected()
-        self._raise_if_set(self._host.tolist())
+        self._raise_if_set(self._host)
 
-    def _raise_if_set(self, word: list[int]) -> None:
-        code, peer, slot, epoch = word[:4]
+    def _raise_if_set(self, word: torch.Tensor) -> None:
+        code, peer, slot, epoch = word[:4].tolist()
         if not code:
             return
+        mine, theirs = word[8:].view(torch.int64).view(2, -1).tolist()
         self.word.zero_()
+        if code == MISMATCH:
+            mine, theirs = self.describe_calls(mine, theirs) if self.describe_calls else (mine, theirs)
+            raise PeerCallMismatch(f"{self.what}: rank {self.rank} at step {epoch}: peer {peer} called it with "
+                                   f"{theirs}; this rank with {mine} (every rank must make the same calls in the "
+                                   f"same order)")
         if code == 2:
             raise PeerWaitTimeout(f"{self.what}: rank {self.rank} timed out at step {epoch} waiting for rank {peer} "
                                   f"to release its buffer (rank {peer} never finished step {epoch - 1})")
