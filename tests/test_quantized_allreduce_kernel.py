@@ -1,17 +1,19 @@
 """The fused one-launch quantized all-reduce on simulated worlds of 2 and 4 ranks (Triton interpreter): equal bit
 for bit to the bulk twin's arithmetic on every rank, within the documented two-shot bound of the fp64 sum, every
-element written, many consecutive calls on the same flags, and timeouts that name rank, peer and slice. Compiled
-for sm_90 (no GPU): every payload word moves in a 128-bit (q6: 64-bit) vector access."""
+element written, many consecutive calls on the same flags, timeouts that name rank, peer and slice, and calls that
+differ between ranks raising on every rank without touching the output. Compiled for sm_90 (no GPU): every
+payload word moves in a 128-bit (q6: 64-bit) vector access."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
-from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerWaitTimeout
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, quantized_all_reduce_reference,
                                                     two_shot_error_bound)
@@ -155,8 +157,8 @@ from fused_dlrm.kernels import quant_codecs, quantized_allreduce
 from fused_dlrm.kernels.quant_codecs import CODECS, kernel_constants
 
 # numel not divisible: x, out not vectors
-types = {"x_ptr": "*bf16", "out_ptr": "*bf16", "error_ptr": "*i32", "step_ptr": "*i32"}
-types.update({n: "*i64" for n in ("recv_ptrs", "gather_ptrs", "ready_ptrs", "done_ptrs")})
+types = {"x_ptr": "*bf16", "out_ptr": "*bf16", "error_ptr": "*i32", "step_ptr": "*i32", "signature_ptr": "*i64"}
+types.update({n: "*i64" for n in ("recv_ptrs", "gather_ptrs", "ready_ptrs", "done_ptrs", "signature_ptrs")})
 world, rows = 2, 128
 for name, c in CODECS.items():
     ptx = build(quantized_allreduce._quantized_all_reduce_kernel, types,
@@ -211,3 +213,58 @@ def test_a_wrong_output_or_input_dtype_is_refused_before_anything_runs():
     for dtype in (torch.int32, torch.int64, torch.float64):  # the codecs would return integers rounded by block
         with pytest.raises(TypeError, match=f"takes fp32, fp16 or bf16 tensors, got {dtype}"):
             ar.start(torch.arange(100).to(dtype), "q8")
+
+
+def different_call(difference: str, world_size: int) -> tuple[int, tuple, str, str]:
+    """The others' numel; rank 1's (numel, dtype, codec, mean), which differs from theirs (q8 fp32 sums) in one way;
+    what the message says of the others' call and of rank 1's. Chunks of 64 blocks: 2 tiles, 2 programs (of 2);
+    "grid": rank 1's chunks are of one tile, so it runs 1 program."""
+    n = 2048 * world_size
+    odd = {"numel": (n + 4, torch.float32, "q8", False), "grid": (500 * world_size, torch.float32, "q8", False),
+           "codec": (n, torch.float32, "q4", False), "dtype": (n, torch.bfloat16, "q8", False),
+           "mean": (n, torch.float32, "q8", True)}[difference]
+    numel, dtype, codec, mean = odd
+    grid = (", a grid of 2 programs", ", a grid of 1 programs") if difference == "grid" else ("", "")
+    return (n, odd, f"{n} float32 elements, codec q8{grid[0]}",
+            f"{numel} {str(dtype)[6:]} elements, codec {codec}{', mean' if mean else ''}{grid[1]}")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the poisoned slots decode to NaN where the codecs read them
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("difference", ["numel", "grid", "codec", "dtype", "mean"])
+def test_calls_that_differ_between_ranks_raise_on_every_rank(world_size, difference):
+    """Every rank raises, naming itself, the peer whose signature it found first and both calls; nothing is stored
+    into the output (x, reduced in place, keeps its values); the next call, alike on every rank, is exact."""
+    n, (numel, dtype, codec, mean), usual, odd = different_call(difference, world_size)
+    world = world_of(world_size, max_programs=2)
+    # Step 1, alike on every rank, leaves slots large enough for step 2's calls: on GPUs a rank that grows a buffer
+    # alone would wait in the allocation's collective before any kernel could compare calls.
+    xs = inputs(world_size, 2 * n, "normal", seed=3)
+    assert all(torch.equal(y, quantized_all_reduce_reference(xs, "q8")) for y in all_reduce(world, xs, "q8"))
+    xs = [data("normal", n, seed=r) for r in range(world_size)]
+    xs[1] = data("normal", numel, seed=1).to(dtype)
+    kept = [x.clone() for x in xs]
+    calls = [ar.start(x, codec if r == 1 else "q8", mean and r == 1, out=x) for r, (ar, x) in enumerate(zip(world, xs))]
+    for call in calls:  # NaN-coding slots: a tile reduced from them would show in x
+        call.plan.recv.local.fill_(255)
+        call.plan.gather.local.fill_(255)
+    for phase in (0, 1, 2):
+        for r in range(world_size):
+            world[r].run(calls[r], phase, phase)
+    for r in range(world_size):
+        # a rank names the first peer it checks whose call differs: rank 1 its next rank, the others rank 1
+        peer, mine, theirs = ((2 % world_size, odd, usual) if r == 1 else (1, usual, odd))
+        expected = (f"rank {r} at step 2: peer {peer} called it with {re.escape(theirs)}; this rank with "
+                    f"{re.escape(mine)} \\(")
+        with pytest.raises(PeerCallMismatch, match=expected):
+            world[r].finish(calls[r])
+        assert torch.equal(xs[r], kept[r]), r  # in place: untouched
+    # The next call (fresh data, NaN-poisoned output and slots) finds flags and slots as after any call.
+    xs = inputs(world_size, 3000, "normal", seed=17)
+    got = all_reduce(world, xs, "q8")
+    want = quantized_all_reduce_reference(xs, "q8")
+    exact = sum(x.double() for x in xs)
+    for y in got:
+        assert torch.equal(y, want)
+        assert (y.double() - exact).norm() / exact.norm() < 1e-2
+    assert ((want.double() - exact).abs() <= two_shot_error_bound(xs, "q8").double()).all()

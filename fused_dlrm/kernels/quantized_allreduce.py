@@ -11,11 +11,13 @@ each plan, hinted to the compiler) its loads and stores, local or over NVLink, a
 share of the tile allows (128-bit from 4 words per thread on; 64-bit for q6's 6-word blocks). One launch runs
 three phases per program:
 1. scatter: for every destination d (remote ranks first, rotated by rank, self last) encode the program's tiles
-   of chunk d and store them straight into d's `recv` at [source = me]; then, d a peer, raise flag ready[me, p]
-   in d (release, system scope) with the call's epoch;
-2. reduce: wait (bounded) for ready[s, p] >= epoch from every peer s, decode the tiles of my chunk from every
-   source and sum them in fp32 in rank order 0, 1, ... (divided by world with mean), re-encode the sum and store
-   it into every rank's `gather` at [source = me] (remote first), then raise done[me, p] in every peer;
+   of chunk d and store them straight into d's `recv` at [source = me]; then, d a peer, store the call's
+   signature into d's `signatures` at [me] and raise flag ready[me, p] in d (release, system scope) with the
+   call's epoch;
+2. reduce: wait (bounded) for ready[s, p] >= epoch from every peer s, check s's signature against mine, decode
+   the tiles of my chunk from every source and sum them in fp32 in rank order 0, 1, ... (divided by world with
+   mean), re-encode the sum and store it into every rank's `gather` at [source = me] (remote first), then raise
+   done[me, p] in every peer;
 3. gather: for every source s (self first), wait for done[s, p] >= epoch (s a peer), decode s's reduced tiles
    and store them into the output at chunk s.
 A program's own slots need no flag: the tiles it reads from recv[me] and gather[me] are the ones it stored there
@@ -29,7 +31,7 @@ ordered on its stream, so its launch e + 1 starts after all its programs of laun
   programs p waited for done[r, p] >= e of every peer r, raised by r's program p after it had read its recv
   tiles of call e (s's own recv was read by that launch e itself). So all of recv of call e has been read,
   whatever the tiling and layout (size, codec) of call e + 1: the flags of phase 3 are the acknowledgement that
-  guards phase 1's slots.
+  guards phase 1's slots. The same holds for `signatures` (stored in phase 1, read in phase 2).
 - gather: program p of rank r stores into a peer s's gather[r] (tiles of p) at call e + 1 only after it waited
   for ready[s, p] >= e + 1, raised by s during launch e + 1, after s's launch e (the reader of gather at call
   e) finished; into its own gather after its own launch e. So the flags of phase 2 guard phase 3's slots.
@@ -49,14 +51,26 @@ records (1, peer, slice) in the error word (slice p < max_programs: peer's scatt
 + p: peer's reduced tile set p) and later waits stop spinning until the host has read it; `PeerErrors` raises it
 naming rank, peer, slice and step.
 
+Ranks whose calls differ (size, codec, dtype, mean: a caller's bug) would read each other's slots in another
+layout and return wrong sums without an error, so every call has a signature (`_signature`: those, the tile
+split and flag stride, and word 0 the epoch) which travels with the data: stored into each peer before the flag
+that releases the tiles, read (as the tiles are) after the flag is seen. A program that finds a peer's signature
+unlike its own records error 3 (both signatures: `PeerErrors` names rank, peer and both calls in words) and
+stores nothing further: no reduced tiles, no output (x, reduced in place, keeps its values); but it raises its
+flags and waits for the peers' as any call does, so the waits of the peers end and later calls find their flags
+and slots as after any call. Every rank compares its signature with every peer's, so every rank raises. (The
+epoch word catches a peer already at its next call: where grids differ, a program whose flag the peer's smaller
+grid never raises waits until the peer's next call raises it, or times out.)
+
 On GPUs every program waits on the same-numbered program of every peer's launch, so the grid must be
 co-resident: it is capped at what the compiled binary fits on the GPU at once (launch.resident_programs_per_sm
 from its registers, warps and shared memory; at 4 warps, 64 MiB of bf16 compiles for sm_90 to 32 (fp16), 38
 (q4), 39 (q8), 52 (fp8) and 71 (q6) registers per thread), and at `max_programs` = PROGRAMS_PER_SM (12) per SM,
 the flags' stride. The ranks' grids must agree (the tile split is by program): the binary is the same on every
 rank (rank is not specialised) as long as the ranks' inputs are alike, in size and, like every
-symmetric buffer, in 16-byte alignment (were the grids to differ, ranks would wait for flags that no program
-raises: at least one rank times out). In the interpreter (one program at a time) a simulated world runs each
+symmetric buffer, in 16-byte alignment (the grid is in the signature: were the grids to differ, every rank
+reports the mismatch, those with the larger grid only once their flagless programs' waits have ended, at the
+latest after spin_limit polls). In the interpreter (one program at a time) a simulated world runs each
 phase on every rank before the next (`run(call, phase, phase)`).
 """
 
@@ -70,7 +84,8 @@ import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, GraphReplays, aligned, resident_programs_per_sm
-from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, PeerErrors, wait_or_record
+from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, record_mismatch,
+                                           recorded_at, wait_or_record)
 from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, NO_FMA, block_values, decode_reference,
                                              encode_blocks, encode_reference, error_bound, kernel_constants,
                                              load_blocks, store_blocks)
@@ -108,6 +123,38 @@ def check_quantizable(x: torch.Tensor) -> None:
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"a quantized all-reduce takes fp32, fp16 or bf16 tensors, got {x.dtype} (codec 'nccl' "
                         f"all-reduces any dtype)")
+
+
+# A call's signature, which every rank's call must share: its dtype and codec as these tables' indices (-1: none of
+# them), so that a mismatch can be named. "none" is "nccl" (both a plain all-reduce).
+SIGNATURE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+                    torch.int16, torch.int8, torch.uint8, torch.bool)
+SIGNATURE_CODECS = ("nccl",) + tuple(CODECS)
+
+
+def call_signature(numel: int, dtype: torch.dtype, codec: str, mean: bool) -> list[int]:
+    """[numel, dtype, codec, mean] as integers: what the ranks' calls of one all-reduce must agree on (the fused
+    kernel's signature adds its epoch and tile split: `FusedQuantizedAllReduce._signature`)."""
+    codec = "nccl" if codec == "none" else codec
+    return [numel, SIGNATURE_DTYPES.index(dtype) if dtype in SIGNATURE_DTYPES else -1,
+            SIGNATURE_CODECS.index(codec) if codec in SIGNATURE_CODECS else -1, int(mean)]
+
+
+def describe_call(signature: list[int]) -> str:
+    """`call_signature` in words: "4096 float32 elements, codec q8" (", mean" with mean)."""
+    numel, dtype, codec, mean = signature[:4]
+    dtype = str(SIGNATURE_DTYPES[dtype]).removeprefix("torch.") if 0 <= dtype < len(SIGNATURE_DTYPES) else "other"
+    codec = SIGNATURE_CODECS[codec] if 0 <= codec < len(SIGNATURE_CODECS) else "unknown"
+    return f"{numel} {dtype} elements, codec {codec}{', mean' if mean else ''}"
+
+
+def describe_signatures(mine: list[int], theirs: list[int]) -> tuple[str, str]:
+    """Two fused calls' signatures (`FusedQuantizedAllReduce._signature`) in words: size, dtype, codec and mean,
+    then the grid, flag stride, tile size and step where they differ."""
+    extras = {5: "a grid of {} programs", 6: "flags for {} programs", 7: "tiles of {} blocks", 0: "step {}"}
+    return tuple(", ".join([describe_call(signature[1:5])] +
+                           [text.format(signature[i]) for i, text in extras.items() if signature[i] != other[i]])
+                 for signature, other in ((mine, theirs), (theirs, mine)))
 
 
 def sum_in_rank_order(parts: list[torch.Tensor], mean: bool) -> torch.Tensor:
@@ -161,6 +208,18 @@ def _encoded(ptrs, peer, num_blocks, WORDS: tl.constexpr):
 
 
 @triton.jit
+def _same_call(signatures, peer, mine, error_ptr, slot, epoch):
+    """Whether peer's call is this rank's: its signature, which it stored into my `signatures` before its flag
+    that this program has seen, equals mine (`FusedQuantizedAllReduce._signature`, word 0 the epoch). A mismatch
+    is recorded (the first error of the op wins)."""
+    theirs = tl.load(signatures + peer * SIGNATURE_WORDS + tl.arange(0, SIGNATURE_WORDS))
+    same = tl.max((theirs != mine).to(tl.int32), axis=0) == 0
+    if not same:
+        record_mismatch(error_ptr, peer, slot, epoch, mine, theirs)
+    return same
+
+
+@triton.jit
 def _round_to(x, dtype: tl.constexpr):
     """fp32 x rounded to nearest even in the output dtype, as torch's .to(dtype): bf16 by bit arithmetic because
     the interpreter's fp32 -> bf16 cast truncates."""
@@ -176,7 +235,7 @@ def _round_to(x, dtype: tl.constexpr):
 @triton.jit(do_not_specialize=["chunk_blocks", "rank", "num_programs", "spin_limit", "first_phase", "last_phase"])
 def _quantized_all_reduce_kernel(
     x_ptr, out_ptr, numel, chunk_blocks, recv_ptrs, gather_ptrs, ready_ptrs, done_ptrs, error_ptr, step_ptr,
-    rank, num_programs, max_programs, spin_limit, first_phase, last_phase,
+    signature_ptr, signature_ptrs, rank, num_programs, max_programs, spin_limit, first_phase, last_phase,
     WORLD: tl.constexpr, MEAN: tl.constexpr, KIND: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexpr,
     WORDS: tl.constexpr, LOW: tl.constexpr, ROWS: tl.constexpr,
 ):
@@ -186,6 +245,10 @@ def _quantized_all_reduce_kernel(
     i = tl.arange(0, ROWS)
     slots = WORLD * chunk_blocks  # blocks in every recv and gather buffer: [source][chunk_blocks], < 2 GiB
     mine = rank * chunk_blocks  # my first block there
+    # This call's signature, word 0 its epoch: stored into every peer beside the data, checked against theirs.
+    words = tl.arange(0, SIGNATURE_WORDS)
+    signature = tl.where(words == 0, epoch.to(tl.int64), tl.load(signature_ptr + words))
+    valid = epoch > 0  # (true) the peers' calls are mine and their tiles arrived, unless phase 2 finds otherwise
     if first_phase <= 0:  # 1. scatter
         for k in tl.static_range(WORLD):
             dest = (rank + 1 + k) % WORLD
@@ -200,15 +263,25 @@ def _quantized_all_reduce_kernel(
                 store_blocks(payload, scales, mine + rows, row_mask, codes, scale, KIND, WORDS, LOW)
                 t += num_programs
             if k < WORLD - 1:  # a peer (my own tiles are read by this program: phase 2 needs only a barrier)
+                # my signature, at [source = me] of dest's: released with the tiles by the flag
+                peer_signatures = tl.load(signature_ptrs + dest).to(tl.pointer_type(tl.int64))
+                tl.store(peer_signatures + rank * SIGNATURE_WORDS + words, signature)
                 _signal(ready_ptrs, dest, rank * max_programs + pid, epoch)
     if (first_phase <= 1) & (last_phase >= 1):  # 2. reduce my chunk
         ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
         for k in tl.static_range(1, WORLD):
             peer = (rank + k) % WORLD
-            wait_or_record(ready + peer * max_programs + pid, epoch, spin_limit, error_ptr, peer, pid)
+            valid &= wait_or_record(ready + peer * max_programs + pid, epoch, spin_limit, error_ptr, peer, pid)
         tl.debug_barrier()  # my own tiles, stored by this program's threads in phase 1
+        if valid:  # every peer's flag is up: read their signatures as their data, behind it
+            signatures = tl.load(signature_ptrs + rank).to(tl.pointer_type(tl.int64))
+            for k in tl.static_range(1, WORLD):
+                peer = (rank + k) % WORLD
+                valid &= _same_call(signatures, peer, signature, error_ptr, pid, epoch)
         payload, scales = _encoded(recv_ptrs, rank, slots, WORDS)
-        t = pid
+        # A failed call reduces nothing (its peers' tiles may be of another layout) but raises its flags: its
+        # peers' waits end, and the flags of later calls follow on.
+        t = tl.where(valid, pid, tiles)
         while t < tiles:
             rows = t * ROWS + i
             row_mask = rows < chunk_blocks
@@ -225,14 +298,19 @@ def _quantized_all_reduce_kernel(
         for k in tl.static_range(WORLD - 1):  # the peers
             _signal(done_ptrs, (rank + 1 + k) % WORLD, rank * max_programs + pid, epoch)
     if last_phase >= 2:  # 3. gather every reduced chunk into the output
+        # A failed call leaves the output as it was (x, reduced in place, keeps its values): phase 2's verdict, or,
+        # launched apart from it, an error the error word holds for this call.
+        valid &= recorded_at(error_ptr, epoch) == 0
         done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
         payload, scales = _encoded(gather_ptrs, rank, slots, WORDS)
         tl.debug_barrier()  # my own reduced tiles, stored by this program's threads in phase 2
         for k in tl.static_range(WORLD):
             src = (rank + k) % WORLD
-            if k > 0:
-                wait_or_record(done + src * max_programs + pid, epoch, spin_limit, error_ptr, src, max_programs + pid)
-            t = pid
+            arrived = valid
+            if k > 0:  # (waited for even by a failed call: these flags guard the peers' next stores into recv)
+                arrived &= wait_or_record(done + src * max_programs + pid, epoch, spin_limit, error_ptr, src,
+                                          max_programs + pid)
+            t = tl.where(arrived, pid, tiles)
             while t < tiles:
                 rows = t * ROWS + i
                 row_mask = rows < chunk_blocks
@@ -258,6 +336,7 @@ class Plan:
     recv: PeerBuffer
     gather: PeerBuffer
     args: Arguments  # filled per call with x, out and the phases
+    signature: torch.Tensor  # int64 [SIGNATURE_WORDS]: the kernel's signature of the plan's calls (word 0 its epoch)
     replays: GraphReplays  # graphs of this plan's calls (they point into its buffers), by x's and out's addresses
 
 
@@ -289,10 +368,13 @@ class FusedQuantizedAllReduce:
         self.ws, self.max_programs, self.spin_limit, self.tile_blocks = workspace, max_programs, spin_limit, tile_blocks
         self.rank, self.world = workspace.rank, workspace.world_size
         self.errors = PeerErrors(workspace.device, self.rank,
-                                 f"fused quantized all-reduce (slices >= {max_programs}: all-gather)")
+                                 f"fused quantized all-reduce (slices >= {max_programs}: all-gather)",
+                                 describe_calls=describe_signatures)
         flags = self.world * max_programs
         self.ready = workspace.buffer("qar_ready", flags, torch.int32)
         self.done = workspace.buffer("qar_done", flags, torch.int32)
+        # every source's signature of its latest call, beside the flags (the kernel's `_same_call`)
+        self.signatures = workspace.buffer("qar_signatures", self.world * SIGNATURE_WORDS, torch.int64)
         self.step = torch.zeros(max_programs, dtype=torch.int32, device=workspace.device)  # the kernel's epochs
         self._plans: dict[tuple, Plan] = {}
         self._repeats: dict[tuple, torch.cuda.CUDAGraph] = {}  # __call__'s graphs by _repeat_key (GPUs only)
@@ -338,9 +420,10 @@ class FusedQuantizedAllReduce:
         self._plans = {k: p for k, p in self._plans.items() if p.recv is recv and p.gather is gather}
         self._repeats.clear()
         per_call = ("x_ptr", "out_ptr", "first_phase", "last_phase")
+        signature = torch.zeros(SIGNATURE_WORDS, dtype=torch.int64, device=x.device)  # filled once the grid is known
         fixed = dict(numel=numel, chunk_blocks=cb, recv_ptrs=recv.peer_ptrs, gather_ptrs=gather.peer_ptrs,
                      ready_ptrs=self.ready.peer_ptrs, done_ptrs=self.done.peer_ptrs, error_ptr=self.errors.word,
-                     step_ptr=self.step,
+                     step_ptr=self.step, signature_ptr=signature, signature_ptrs=self.signatures.peer_ptrs,
                      rank=self.rank, num_programs=self.max_programs, max_programs=self.max_programs,
                      spin_limit=self.spin_limit, WORLD=self.world, MEAN=mean, ROWS=self.tile_blocks,
                      **kernel_constants(CODECS[codec]))
@@ -353,9 +436,16 @@ class FusedQuantizedAllReduce:
             per_sm = resident_programs_per_sm(binary.n_regs, binary.metadata.num_warps, binary.metadata.shared)
             programs = min(programs, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
         fixed["num_programs"] = programs
+        signature.copy_(torch.tensor(self._signature(x, codec, mean, programs)))
         args = Arguments(_quantized_all_reduce_kernel, per_call, **fixed)
-        plan = self._plans[key] = Plan(key, programs, recv, gather, args, GraphReplays())
+        plan = self._plans[key] = Plan(key, programs, recv, gather, args, signature, GraphReplays())
         return plan
+
+    def _signature(self, x: torch.Tensor, codec: str, mean: bool, programs: int) -> list[int]:
+        """What a peer's call must share with this one: the slots' layout (size and codec), what lands in them (mean;
+        the dtype, which rounds input and output), the tile split and flag slots (grid, flag stride, tile size);
+        word 0 is the kernel's epoch (a peer's signature from another call would be of another step)."""
+        return [0, *call_signature(x.numel(), x.dtype, codec, mean), programs, self.max_programs, self.tile_blocks]
 
     def run(self, call: FusedCall, first_phase: int = 0, last_phase: int = 2) -> None:
         """Launch phases first_phase..last_phase of the call (all three on GPUs: one launch, or its graph)."""
