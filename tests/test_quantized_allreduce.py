@@ -1,8 +1,11 @@
 """Quantized two-shot all-reduce on gloo processes (the bulk twin): equal bit for bit to the pure-torch reference
-that the fused kernel also equals, within the documented bound of the exact sum, identical on every rank; the
-DDP hook keeps a tiny model's gradients within the bound of plain DDP."""
+that the fused kernel also equals, within the documented bound of the exact sum, identical on every rank; calls
+that differ between ranks raise ValueError on every rank; the DDP hook keeps a tiny model's gradients within the
+bound of plain DDP."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -100,6 +103,44 @@ def _ddp_hook(rank: int, world: int, device_type: str = "cpu") -> None:
 
 def test_ddp_hook_within_bound_of_plain_ddp():
     run_world(2, _ddp_hook)
+
+
+# Rank 1's call differs from rank 0's (4096 float32 values, q8 sums) in one way: (x, codec, mean) and what the
+# messages say of rank 0's call and of rank 1's. int32 with q8 is refused on its own; here rank 0 learns of it too.
+DIFFERENT_CALLS = {
+    "numel": ((torch.randn(4100), "q8", False), "4100 float32 elements, codec q8"),
+    "codec": ((torch.randn(4096), "q4", False), "4096 float32 elements, codec q4"),
+    "dtype": ((torch.randn(4096).bfloat16(), "q8", False), "4096 bfloat16 elements, codec q8"),
+    "mean": ((torch.randn(4096), "q8", True), "4096 float32 elements, codec q8, mean"),
+    "plain": ((torch.randn(4096), "nccl", False), "4096 float32 elements, codec nccl"),
+    "integers": ((torch.arange(4096, dtype=torch.int32), "q8", False), "4096 int32 elements, codec q8"),
+}
+
+
+def _different_calls(rank: int, world: int) -> None:
+    usual = "4096 float32 elements, codec q8"
+    for difference, ((x, codec, mean), odd) in DIFFERENT_CALLS.items():
+        if rank != 1:
+            x, codec, mean = torch.randn(4096), "q8", False
+        out = torch.full_like(x, float("nan") if x.is_floating_point() else -1)
+        poisoned = out.clone()
+        peer, mine, theirs = (0, odd, usual) if rank == 1 else (1, usual, odd)
+        with pytest.raises(ValueError, match=f"^quantized all-reduce: rank {rank}: peer {peer} called it with "
+                                             f"{re.escape(theirs)}; this rank with {re.escape(mine)} \\("):
+            quantized_all_reduce(x, codec, mean=mean, out=out)
+        assert torch.equal(out.nan_to_num(7), poisoned.nan_to_num(7)), difference  # nothing was received
+        # the next call, alike on every rank, sums (fresh data)
+        xs = inputs(world, 1000 + len(difference))
+        y = quantized_all_reduce(xs[rank], "q8")
+        exact = sum(x.double() for x in xs)
+        assert torch.equal(y, quantized_all_reduce_reference(xs, "q8")), difference
+        assert (y.double() - exact).norm() / exact.norm() < 1e-2
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_calls_that_differ_between_ranks_raise_on_every_rank(world):
+    """Rank 1's call differs from the others' (on gloo, whose collectives would abort the processes)."""
+    run_world(world, _different_calls)
 
 
 def test_chooser_goes_plain_below_the_threshold():

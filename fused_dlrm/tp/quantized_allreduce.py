@@ -15,6 +15,11 @@ one-launch kernel (kernels/quantized_allreduce.py) on a symmetric workspace crea
 (collectively, at the group's first call); elsewhere (gloo, CPU) the bulk twin: the codec kernels around
 all_to_all_single and all_gather_into_tensor, each chunk's encoding (int32 payload words, fp16 scales) sent as one
 message. Codec "nccl" / "none" is a plain dist.all_reduce.
+
+Every rank must call with the same size, dtype, codec and mean. The fused kernel checks its peers' calls on the
+device (a signature beside its flags); on gloo, whose collectives abort the process on messages of other sizes,
+the ranks compare their calls first (`_check_same_call`, one small all-gather), so a mismatch raises
+PeerCallMismatch (a ValueError) on every rank.
 """
 
 from dataclasses import dataclass
@@ -24,9 +29,11 @@ import torch
 import torch.distributed as dist
 
 from fused_dlrm.dist.symmetric import cuda_workspace
+from fused_dlrm.kernels.peer_flags import PeerCallMismatch
 from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS, Encoded, decode, encode
-from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, check_out, check_quantizable,
-                                                    chunk_blocks_for, max_programs_for, sum_in_rank_order)
+from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, call_signature, check_out,
+                                                    check_quantizable, chunk_blocks_for, describe_call,
+                                                    max_programs_for, sum_in_rank_order)
 
 GRAD_ALLREDUCE_CODECS = ("nccl", "fp16", "fp8", "q8", "q6", "q4")  # the values of comm.grad_allreduce
 PLAIN = ("nccl", "none")
@@ -53,6 +60,9 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
     """The sum (mean with mean=True) over the group's ranks of x, in `out` (contiguous, x's shape and dtype; x
     itself to reduce in place) or, by default, a new tensor. fused: the one-launch kernel (default: on CUDA
     tensors of an NCCL group), else the bulk twin."""
+    group = group or dist.group.WORLD
+    if _backend(group) == "gloo":  # before the local checks: a codec or dtype refused on one rank raises on all
+        _check_same_call(x, codec, mean, group)
     if codec not in PLAIN and codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}: expected one of {PLAIN + tuple(CODECS)}")
     if codec in PLAIN:
@@ -62,7 +72,6 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
         dist.all_reduce(out, group=group)
         return out.div_(dist.get_world_size(group)) if mean else out
     check_quantizable(x)
-    group = group or dist.group.WORLD
     if fused is None:
         fused = x.is_cuda and _backend(group) == "nccl"
     if fused:
@@ -82,6 +91,23 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
     dist.all_gather_into_tensor(gathered, mine, group=group)
     result = decode(_unwire(gathered, codec), codec, numel).view(x.shape).to(x.dtype)
     return result if out is None else out.copy_(result)
+
+
+def _check_same_call(x: torch.Tensor, codec: str, mean: bool, group: dist.ProcessGroup) -> None:
+    """Raise PeerCallMismatch (a ValueError, as from the fused kernel) on every rank unless every rank calls with
+    x's size and dtype, this codec and mean: the ranks' `call_signature`s all-gathered, every rank sees the same
+    table. gloo only, where collectives of other sizes abort the process. Not on NCCL: there the bulk twin is the
+    benchmarks' timed baseline of the fused kernel (which checks its peers on the device), and a collective more
+    would be timed with it."""
+    mine = torch.tensor([call_signature(x.numel(), x.dtype, codec, mean)], dtype=torch.int64, device=x.device)
+    everyone = mine.new_empty((dist.get_world_size(group), mine.shape[1]))
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    rank, signatures = dist.get_rank(group), everyone.tolist()
+    for peer, theirs in enumerate(signatures):
+        if theirs != signatures[rank]:
+            raise PeerCallMismatch(f"quantized all-reduce: rank {rank}: peer {peer} called it with "
+                                   f"{describe_call(theirs)}; this rank with {describe_call(signatures[rank])} "
+                                   f"(every rank must make the same calls in the same order)")
 
 
 def _wire(enc: Encoded, parts: int) -> torch.Tensor:
