@@ -157,7 +157,7 @@ from fused_dlrm.kernels import quant_codecs, quantized_allreduce
 from fused_dlrm.kernels.quant_codecs import CODECS, kernel_constants
 
 # numel not divisible: x, out not vectors
-types = {"x_ptr": "*bf16", "out_ptr": "*bf16", "error_ptr": "*i32", "step_ptr": "*i32", "signature_ptr": "*i64"}
+types = {"x_ptr": "*bf16", "out_ptr": "*bf16", "error_ptr": "*i32", "step_ptr": "*i32"}
 types.update({n: "*i64" for n in ("recv_ptrs", "gather_ptrs", "ready_ptrs", "done_ptrs", "signature_ptrs")})
 world, rows = 2, 128
 for name, c in CODECS.items():

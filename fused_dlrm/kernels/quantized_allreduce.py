@@ -52,8 +52,8 @@ records (1, peer, slice) in the error word (slice p < max_programs: peer's scatt
 naming rank, peer, slice and step.
 
 Ranks whose calls differ (size, codec, dtype, mean: a caller's bug) would read each other's slots in another
-layout and return wrong sums without an error, so every call has a signature (`_signature`: those, the tile
-split and flag stride, and word 0 the epoch) which travels with the data: stored into each peer before the flag
+layout and return wrong sums without an error, so every call has a signature (`_call_signature`: those, the tile
+split and flag stride, and the epoch) which travels with the data: stored into each peer before the flag
 that releases the tiles, read (as the tiles are) after the flag is seen. A program that finds a peer's signature
 unlike its own records error 3 (both signatures: `PeerErrors` names rank, peer and both calls in words) and
 stores nothing further: no reduced tiles, no output (x, reduced in place, keeps its values); but it raises its
@@ -134,7 +134,7 @@ SIGNATURE_CODECS = ("nccl",) + tuple(CODECS)
 
 def call_signature(numel: int, dtype: torch.dtype, codec: str, mean: bool) -> list[int]:
     """[numel, dtype, codec, mean] as integers: what the ranks' calls of one all-reduce must agree on (the fused
-    kernel's signature adds its epoch and tile split: `FusedQuantizedAllReduce._signature`)."""
+    kernel's signature adds its epoch and tile split: `_call_signature`)."""
     codec = "nccl" if codec == "none" else codec
     return [numel, SIGNATURE_DTYPES.index(dtype) if dtype in SIGNATURE_DTYPES else -1,
             SIGNATURE_CODECS.index(codec) if codec in SIGNATURE_CODECS else -1, int(mean)]
@@ -149,8 +149,8 @@ def describe_call(signature: list[int]) -> str:
 
 
 def describe_signatures(mine: list[int], theirs: list[int]) -> tuple[str, str]:
-    """Two fused calls' signatures (`FusedQuantizedAllReduce._signature`) in words: size, dtype, codec and mean,
-    then the grid, flag stride, tile size and step where they differ."""
+    """Two fused calls' signatures (the kernel's `_call_signature`) in words: size, dtype, codec and mean, then the
+    grid, flag stride, tile size and step where they differ."""
     extras = {5: "a grid of {} programs", 6: "flags for {} programs", 7: "tiles of {} blocks", 0: "step {}"}
     return tuple(", ".join([describe_call(signature[1:5])] +
                            [text.format(signature[i]) for i, text in extras.items() if signature[i] != other[i]])
@@ -208,10 +208,28 @@ def _encoded(ptrs, peer, num_blocks, WORDS: tl.constexpr):
 
 
 @triton.jit
+def _call_signature(epoch, numel, dtype_code, codec_code, MEAN: tl.constexpr, num_programs, max_programs,
+                    ROWS: tl.constexpr):
+    """What a peer's call must share with this one, as SIGNATURE_WORDS int64 (`describe_signatures` reads them):
+    the epoch (a signature of another call is of another step), what fixes the slots' layout and what lands in
+    them (numel, dtype: `call_signature`'s codes, which round input and output; codec; mean), and the tile split
+    and flag slots (grid, flag stride, tile size)."""
+    w = tl.arange(0, SIGNATURE_WORDS)
+    words = tl.where(w == 0, epoch.to(tl.int64), tl.zeros([SIGNATURE_WORDS], tl.int64))
+    words = tl.where(w == 1, numel, words)
+    words = tl.where(w == 2, dtype_code, words)
+    words = tl.where(w == 3, codec_code, words)
+    words = tl.where(w == 4, 1 if MEAN else 0, words)
+    words = tl.where(w == 5, num_programs, words)
+    words = tl.where(w == 6, max_programs, words)
+    return tl.where(w == 7, ROWS, words)
+
+
+@triton.jit
 def _same_call(signatures, peer, mine, error_ptr, slot, epoch):
     """Whether peer's call is this rank's: its signature, which it stored into my `signatures` before its flag
-    that this program has seen, equals mine (`FusedQuantizedAllReduce._signature`, word 0 the epoch). A mismatch
-    is recorded (the first error of the op wins)."""
+    that this program has seen, equals mine (`_call_signature`). A mismatch is recorded (the first error of the
+    op wins)."""
     theirs = tl.load(signatures + peer * SIGNATURE_WORDS + tl.arange(0, SIGNATURE_WORDS))
     same = tl.max((theirs != mine).to(tl.int32), axis=0) == 0
     if not same:
@@ -235,7 +253,7 @@ def _round_to(x, dtype: tl.constexpr):
 @triton.jit(do_not_specialize=["chunk_blocks", "rank", "num_programs", "spin_limit", "first_phase", "last_phase"])
 def _quantized_all_reduce_kernel(
     x_ptr, out_ptr, numel, chunk_blocks, recv_ptrs, gather_ptrs, ready_ptrs, done_ptrs, error_ptr, step_ptr,
-    signature_ptr, signature_ptrs, rank, num_programs, max_programs, spin_limit, first_phase, last_phase,
+    signature_ptrs, dtype_code, codec_code, rank, num_programs, max_programs, spin_limit, first_phase, last_phase,
     WORLD: tl.constexpr, MEAN: tl.constexpr, KIND: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexpr,
     WORDS: tl.constexpr, LOW: tl.constexpr, ROWS: tl.constexpr,
 ):
@@ -245,9 +263,8 @@ def _quantized_all_reduce_kernel(
     i = tl.arange(0, ROWS)
     slots = WORLD * chunk_blocks  # blocks in every recv and gather buffer: [source][chunk_blocks], < 2 GiB
     mine = rank * chunk_blocks  # my first block there
-    # This call's signature, word 0 its epoch: stored into every peer beside the data, checked against theirs.
-    words = tl.arange(0, SIGNATURE_WORDS)
-    signature = tl.where(words == 0, epoch.to(tl.int64), tl.load(signature_ptr + words))
+    # This call's signature: stored into every peer beside the data, checked against theirs.
+    signature = _call_signature(epoch, numel, dtype_code, codec_code, MEAN, num_programs, max_programs, ROWS)
     valid = epoch > 0  # (true) the peers' calls are mine and their tiles arrived, unless phase 2 finds otherwise
     if first_phase <= 0:  # 1. scatter
         for k in tl.static_range(WORLD):
@@ -265,7 +282,7 @@ def _quantized_all_reduce_kernel(
             if k < WORLD - 1:  # a peer (my own tiles are read by this program: phase 2 needs only a barrier)
                 # my signature, at [source = me] of dest's: released with the tiles by the flag
                 peer_signatures = tl.load(signature_ptrs + dest).to(tl.pointer_type(tl.int64))
-                tl.store(peer_signatures + rank * SIGNATURE_WORDS + words, signature)
+                tl.store(peer_signatures + rank * SIGNATURE_WORDS + tl.arange(0, SIGNATURE_WORDS), signature)
                 _signal(ready_ptrs, dest, rank * max_programs + pid, epoch)
     if (first_phase <= 1) & (last_phase >= 1):  # 2. reduce my chunk
         ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
@@ -336,7 +353,6 @@ class Plan:
     recv: PeerBuffer
     gather: PeerBuffer
     args: Arguments  # filled per call with x, out and the phases
-    signature: torch.Tensor  # int64 [SIGNATURE_WORDS]: the kernel's signature of the plan's calls (word 0 its epoch)
     replays: GraphReplays  # graphs of this plan's calls (they point into its buffers), by x's and out's addresses
 
 
@@ -420,13 +436,13 @@ class FusedQuantizedAllReduce:
         self._plans = {k: p for k, p in self._plans.items() if p.recv is recv and p.gather is gather}
         self._repeats.clear()
         per_call = ("x_ptr", "out_ptr", "first_phase", "last_phase")
-        signature = torch.zeros(SIGNATURE_WORDS, dtype=torch.int64, device=x.device)  # filled once the grid is known
         fixed = dict(numel=numel, chunk_blocks=cb, recv_ptrs=recv.peer_ptrs, gather_ptrs=gather.peer_ptrs,
                      ready_ptrs=self.ready.peer_ptrs, done_ptrs=self.done.peer_ptrs, error_ptr=self.errors.word,
-                     step_ptr=self.step, signature_ptr=signature, signature_ptrs=self.signatures.peer_ptrs,
+                     step_ptr=self.step, signature_ptrs=self.signatures.peer_ptrs,
                      rank=self.rank, num_programs=self.max_programs, max_programs=self.max_programs,
                      spin_limit=self.spin_limit, WORLD=self.world, MEAN=mean, ROWS=self.tile_blocks,
                      **kernel_constants(CODECS[codec]))
+        _, fixed["dtype_code"], fixed["codec_code"], _ = call_signature(numel, x.dtype, codec, mean)
         programs = min(self.max_programs, triton.cdiv(cb, self.tile_blocks))
         # The binary first (num_programs is not specialised: any value compiles it), then the grid it allows.
         binary = self._launches.compiled(key, (programs, 1, 1),
@@ -436,16 +452,9 @@ class FusedQuantizedAllReduce:
             per_sm = resident_programs_per_sm(binary.n_regs, binary.metadata.num_warps, binary.metadata.shared)
             programs = min(programs, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
         fixed["num_programs"] = programs
-        signature.copy_(torch.tensor(self._signature(x, codec, mean, programs)))
         args = Arguments(_quantized_all_reduce_kernel, per_call, **fixed)
-        plan = self._plans[key] = Plan(key, programs, recv, gather, args, signature, GraphReplays())
+        plan = self._plans[key] = Plan(key, programs, recv, gather, args, GraphReplays())
         return plan
-
-    def _signature(self, x: torch.Tensor, codec: str, mean: bool, programs: int) -> list[int]:
-        """What a peer's call must share with this one: the slots' layout (size and codec), what lands in them (mean;
-        the dtype, which rounds input and output), the tile split and flag slots (grid, flag stride, tile size);
-        word 0 is the kernel's epoch (a peer's signature from another call would be of another step)."""
-        return [0, *call_signature(x.numel(), x.dtype, codec, mean), programs, self.max_programs, self.tile_blocks]
 
     def run(self, call: FusedCall, first_phase: int = 0, last_phase: int = 2) -> None:
         """Launch phases first_phase..last_phase of the call (all three on GPUs: one launch, or its graph)."""
