@@ -1,5 +1,5 @@
 """PeerErrors without a GPU: `record_timeout` keeps the first timeout (with its step) until the host reads the word,
-and `CopySchedule` decides when the GPU path copies the word to the host (every `check_every` calls, never while
+`record_mismatch` both calls' signatures for the message, and `CopySchedule` decides when the GPU path copies the word to the host (every `check_every` calls, never while
 a copy is in flight)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_dlrm.kernels.peer_flags import CopySchedule, PeerErrors, PeerWaitTimeout, record_timeout
+from fused_dlrm.kernels.peer_flags import (SIGNATURE_WORDS, CopySchedule, PeerCallMismatch, PeerErrors,
+                                           PeerWaitTimeout, record_mismatch, record_timeout)
 
 
 @triton.jit
@@ -34,6 +35,30 @@ def test_the_first_timeout_is_kept_until_the_host_reads_it():
     _record_kernel[(2,)](errors.word, 2, 8)
     with pytest.raises(PeerWaitTimeout, match=r"^op: rank 3 timed out at step 8 waiting for rank 0 to release its "
                                               r"buffer \(rank 0 never finished step 7\)"):
+        errors.after_wait()
+
+
+@triton.jit
+def _mismatch_kernel(error_ptr, epoch):
+    """Program 0 records a mismatch with peer 2 (signatures [epoch, 10, 11, ...] and [epoch, 20, 21, ...]), then
+    every program a timeout, which comes too late."""
+    w = tl.arange(0, SIGNATURE_WORDS)
+    if tl.program_id(0) == 0:
+        record_mismatch(error_ptr, 2, 7, epoch, tl.where(w == 0, epoch, 9 + w), tl.where(w == 0, epoch, 19 + w))
+    record_timeout(error_ptr, 1, tl.program_id(0), 0, epoch)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
+def test_a_mismatch_keeps_both_signatures_for_the_message():
+    errors = PeerErrors(torch.device("cpu"), rank=1, what="op",
+                        describe_calls=lambda mine, theirs: (f"calls {mine[1:3]}", f"calls {theirs[1:3]}"))
+    _mismatch_kernel[(2,)](errors.word, 4)
+    with pytest.raises(PeerCallMismatch, match=r"^op: rank 1 at step 4: peer 2 called it with calls \[20, 21\]; "
+                                               r"this rank with calls \[10, 11\] \("):
+        errors.after_wait()
+    assert not errors.word.any()
+    _record_kernel[(1,)](errors.word, 1, 5)  # the word serves timeouts again
+    with pytest.raises(PeerWaitTimeout, match="at step 5 waiting for rank 0"):
         errors.after_wait()
 
 
