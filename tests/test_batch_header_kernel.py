@@ -56,6 +56,7 @@ def test_kernel_equals_reference(num_keys, world, local_batch, extra, bad, dtype
     got = bh.launch_batch_header(values, counts, rows, header_keys, local_batch)
     assert torch.equal(got, want), (got, want)
     assert (want[:, bh.OUT_OF_RANGE] > 0).any() == (bad > 0 and bool(((values < 0) | (values >= 500)).any()))
+    assert not want[:, [bh.NO_BATCH, bh.BAD_KEYS]].any()  # the input dist's alone, for a batch that cannot travel
 
 
 def test_no_values():

@@ -65,6 +65,36 @@ def test_a_bad_batch_raises_on_every_rank(bad, row_shards):
     run_world(2, _bad_batch_on_rank_1, bad, row_shards)
 
 
+def _unmade_batch(rank: int, world: int, failing: list[int]) -> None:
+    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig())
+    keys = [f for t in TABLES for f in t.feature_names]
+    start, stop = local_batch_bounds(6, rank, world)
+    lengths, values, _ = global_batch(0, 6, TABLES, False)
+    kjt = to_kjt(keys, lengths, values, None, start, stop)
+    good = sharded.input_dist(kjt)
+    unmade = ValueError(f"day_{rank}.tsv:{10 + rank}: malformed Criteo line: label must be 0 or 1, got '2'")
+    # The header a step ahead, as the loop may exchange it: a good batch's bags come in between, then the failure.
+    pending = (sharded.input_dist.start_failed(unmade, torch.device("cpu")) if rank in failing
+               else sharded.input_dist.start(kjt))
+    torch.testing.assert_close(sharded.input_dist(kjt).values, good.values, rtol=0, atol=0)
+    if rank in failing:  # its own error, the very one (file and line)
+        with pytest.raises(ValueError, match=f"day_{rank}.tsv:{10 + rank}: malformed") as raised:
+            sharded.input_dist.finish(pending)
+        assert raised.value is unmade
+    else:
+        with pytest.raises(RuntimeError, match=r"rank 0: rank\(s\) \[1\] could not make their batch \(their error"):
+            sharded.input_dist.finish(pending)
+    # Nothing stayed behind: the next batch travels as before.
+    torch.testing.assert_close(sharded.input_dist(kjt).values, good.values, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("failing", [[1], [0, 1]], ids=["rank_1", "both"])
+def test_a_batch_a_rank_could_not_make_raises_on_every_rank(failing):
+    """start_failed sends a header saying "no batch" in the batch's place: the rank that could not make it raises
+    its own error (file and line), the others one naming it; where every rank failed, each raises its own."""
+    run_world(2, _unmade_batch, failing, timeout=120)
+
+
 def test_values_longer_than_lengths_one_process():
     sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig())
     keys = [f for t in TABLES for f in t.feature_names]

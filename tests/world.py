@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -43,14 +44,25 @@ def _worker(rank: int, world_size: int, store_path: str, backend: str, fn, args)
     dist.destroy_process_group()
 
 
-def run_world(world_size: int, fn, *args, backend: str = "gloo") -> None:
+def run_world(world_size: int, fn, *args, backend: str = "gloo", timeout: float | None = None) -> None:
     """Call fn(rank, world_size, *args) in `world_size` fresh processes; a failure in any of them fails the caller.
     backend="nccl" gives rank r the GPU r; backend=ONE_GPU puts every rank on GPU 0 (gloo collectives).
+    timeout: seconds after which the ranks still running are killed and the caller fails (a test of what must not
+    hang: a rank left waiting in a collective would otherwise wait for the backend's own timeout, minutes).
 
     `fn` must be importable (a module-level function) since the processes are spawned, not forked.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), backend, fn, args), nprocs=world_size, join=True)
+        ranks = mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), backend, fn, args),
+                         nprocs=world_size, join=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ranks.join(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            if deadline is not None and time.monotonic() >= deadline:
+                running = [rank for rank, p in enumerate(ranks.processes) if p.is_alive()]
+                for p in ranks.processes:
+                    p.kill()
+                    p.join()
+                raise TimeoutError(f"rank(s) {running} of {world_size} still ran after {timeout} s (a hang?)")
 
 
 def run_torchrun(args: list[str], nproc: int = 2, timeout: int = 600,

@@ -1,9 +1,12 @@
 """The input dist's header of one batch: what every destination must know before the batch's values travel.
 
-Row r of the header goes to rank r: [local batch size, bad keys (0 here), values beyond the lengths' sum,
-out-of-range indices, then the value count of each feature rank r owns (0 where rank r owns fewer features than
-the widest)]. As torch ops this is ~20 small launches per batch: with them the header's start (its all-to-all
-and copy to the host included) took 0.58-0.63 ms of host time per DLRM step, with the kernel 0.32-0.35 (one H200,
+Row r of the header goes to rank r: [local batch size, no batch (0 here), bad keys (0 here), values beyond the
+lengths' sum, out-of-range indices, then the value count of each feature rank r owns (0 where rank r owns fewer
+features than the widest)]. Where this rank has no batch to send (it could not make it: NO_BATCH) or its keys or
+its lengths' shape are wrong (BAD_KEYS, EXTRA_VALUES), the input dist sends zeros and that one flag instead.
+
+As torch ops this is ~20 small launches per batch: with them the header's start (its all-to-all and copy to the
+host included) took 0.58-0.63 ms of host time per DLRM step, with the kernel 0.32-0.35 (one H200,
 docs/benchmarks.md T4). Here the counts and their running ends are two torch ops and one kernel does the rest:
 each program checks a block of values against the table of the key it falls in (a binary search over the keys'
 ends) and adds its out-of-range count into every row; program 0 writes the other columns.
@@ -18,9 +21,9 @@ import triton.language as tl
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned
 
 # The header's columns: these, then each destination's per-feature value counts.
-BATCH, BAD_KEYS, EXTRA_VALUES, OUT_OF_RANGE, FIRST_COUNT = range(5)
-_BATCH, _BAD_KEYS, _EXTRA_VALUES, _OUT_OF_RANGE, _FIRST_COUNT = (
-    tl.constexpr(c) for c in (BATCH, BAD_KEYS, EXTRA_VALUES, OUT_OF_RANGE, FIRST_COUNT))  # as the kernel sees them
+BATCH, NO_BATCH, BAD_KEYS, EXTRA_VALUES, OUT_OF_RANGE, FIRST_COUNT = range(6)
+_BATCH, _NO_BATCH, _BAD_KEYS, _EXTRA_VALUES, _OUT_OF_RANGE, _FIRST_COUNT = (
+    tl.constexpr(c) for c in (BATCH, NO_BATCH, BAD_KEYS, EXTRA_VALUES, OUT_OF_RANGE, FIRST_COUNT))  # the kernel's
 BLOCK_VALUES = 1024
 
 
@@ -37,8 +40,9 @@ def batch_header_reference(values: torch.Tensor, counts: torch.Tensor, rows: tor
     """The header [world, FIRST_COUNT + width] int64. counts: values per key [keys] int64; rows: each key's table
     size; header_keys [world, width]: the key of destination r's feature f (num_keys: padding)."""
     out_of_range = ((values < 0) | (values >= rows[value_keys(values, counts)])).sum()
-    first = torch.stack([torch.full_like(out_of_range, local_batch), torch.zeros_like(out_of_range),
-                         values.numel() - counts.sum(), out_of_range])
+    zero = torch.zeros_like(out_of_range)
+    first = torch.stack([torch.full_like(out_of_range, local_batch), zero, zero, values.numel() - counts.sum(),
+                         out_of_range])
     padded = torch.cat([counts, counts.new_zeros(1)])
     return torch.cat([first.expand(header_keys.shape[0], FIRST_COUNT), padded[header_keys]], dim=1)
 
@@ -74,6 +78,7 @@ def _batch_header_kernel(values_ptr, counts_ptr, ends_ptr, rows_ptr, header_keys
     if pid == 0:
         in_world = r < world
         tl.store(row + _BATCH, zero + local_batch, mask=in_world)
+        tl.store(row + _NO_BATCH, zero, mask=in_world)
         tl.store(row + _BAD_KEYS, zero, mask=in_world)
         tl.store(row + _EXTRA_VALUES, zero + (n_values - tl.load(ends_ptr + num_keys - 1)), mask=in_world)
         f = tl.arange(0, WIDTH_BLOCK)[None, :]

@@ -5,13 +5,16 @@ for every sample of the global batch, in source-rank order (rank 0's samples fir
 into column shards travels to each shard's rank, one whose table is cut into row blocks is cut first, each block's
 indices going to its rank only (sparse/row_wise.py). Bulk-synchronous, with torch.distributed:
   1. a header all-to-all: local batch size, what is wrong with the batch (unknown or missing keys, values that
-     disagree with the lengths, out-of-range indices), and the value count of each feature per destination
-     (sizes must be known on the host);
+     disagree with the lengths, out-of-range indices, or no batch at all: this rank could not make it), and the
+     value count of each feature per destination (sizes must be known on the host);
   2. one all-to-all of lengths and values (3. per-sample weights, when the KJT has them).
 One host sync: the header sent and the header received, read together. Everything else stays on the device: the
 regroups before and after the exchange are one kernel each on GPUs (kernels/segment_gather.py; not a split + cat
 per feature, whose host time grows with the feature count), and the checks of the batch ride in the header, so
 that a bad batch raises on every rank at the same point instead of leaving the others waiting in a collective.
+So does a batch that one rank could not make (a malformed file line, a read error): that rank starts the input
+dist with the error in the batch's place (`start_failed`), its header says it has no batch, and `finish` raises
+on every rank (there the error itself, elsewhere one naming the rank).
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from torchrec import KeyedJaggedTensor
 
 from fused_dlrm.dist.alltoall import all_to_all_v, exchange_counts
 from fused_dlrm.dist.host_copy import PendingHostCopy
-from fused_dlrm.kernels.batch_header import (BAD_KEYS, BATCH, EXTRA_VALUES, FIRST_COUNT, OUT_OF_RANGE, batch_header,
-                                             value_keys)
+from fused_dlrm.kernels.batch_header import (BAD_KEYS, BATCH, EXTRA_VALUES, FIRST_COUNT, NO_BATCH, OUT_OF_RANGE,
+                                             batch_header, value_keys)
 from fused_dlrm.kernels.segment_gather import gather_segments
 from fused_dlrm.sparse.plan import RowBlock
 from fused_dlrm.sparse.row_wise import RowBuckets
@@ -104,9 +107,10 @@ class _Sent:
 
 @dataclass
 class PendingHeader:
-    """A batch whose header all-to-all is under way (`BulkInputDist.start`): what `finish` needs of it."""
+    """A batch whose header all-to-all is under way (`BulkInputDist.start`, or `start_failed`: no KJT, the error
+    raised making it): what `finish` needs of it."""
 
-    kjt: KeyedJaggedTensor
+    kjt: KeyedJaggedTensor | None
     plan: _KeyPlan | None
     problem: str  # what is wrong with the KJT's keys (BAD_KEYS) or the shape of its lengths (EXTRA_VALUES), or ''
     counts: torch.Tensor | None  # values per key of the KJT (its errors are reported on it)
@@ -114,6 +118,7 @@ class PendingHeader:
     pooling_divisors: torch.Tensor | None  # OwnedBags.pooling_divisors
     recv: torch.Tensor  # the headers received, on the device
     both: PendingHostCopy  # the headers sent and received, on their way to the host
+    failure: Exception | None = None  # start_failed's: why this rank has no batch (NO_BATCH), raised by `finish`
 
 
 class BulkInputDist:
@@ -122,7 +127,8 @@ class BulkInputDist:
     features_of_rank[r]: the features rank r receives, in its lookup's order (a feature may go to several ranks,
     and to one rank several times: once per column shard of its table there); tables: for every feature, (table
     name, rows). A KJT with other keys raises KeyError, one whose values and
-    lengths disagree ValueError, and indices outside [0, rows) IndexError: on every rank."""
+    lengths disagree ValueError, and indices outside [0, rows) IndexError: on every rank. A batch that a rank could
+    not make (`start_failed`) raises its error there and RuntimeError on the other ranks."""
 
     def __init__(self, features_of_rank: list[list[str]], tables: dict[str, tuple[str, int]],
                  group: dist.ProcessGroup | None = None, row_blocks: dict[str, list[RowBlock]] | None = None,
@@ -185,7 +191,7 @@ class BulkInputDist:
     def start(self, kjt: KeyedJaggedTensor) -> PendingHeader:
         """The header all-to-all of a batch, and its copy to the host, enqueued; nothing waits. `finish` does the
         rest, on the same stream, any time later: a batch's header can be exchanged a step before its values."""
-        world, device = len(self.features_of_rank), kjt.values().device
+        device = kjt.values().device
         keys, values, local_batch = list(kjt.keys()), kjt.values(), kjt.stride()
         plan, problem = self._plan(keys, device)
         if plan is not None and (kjt.variable_stride_per_key() or kjt.lengths().numel() != len(keys) * local_batch):
@@ -193,8 +199,7 @@ class BulkInputDist:
                        f"{local_batch}" + (" (a variable stride per key)" if kjt.variable_stride_per_key() else ""))
         counts = sent = divisors = None
         if problem:  # a header that only says what is wrong, as every rank must send one
-            header = torch.zeros(world, FIRST_COUNT + self.width, dtype=torch.int64, device=device)
-            header[:, BAD_KEYS if plan is None else EXTRA_VALUES] = 1
+            header = self._flag_header(BAD_KEYS if plan is None else EXTRA_VALUES, device)
         else:
             lengths = kjt.lengths().view(len(keys), local_batch).long()
             counts = lengths.sum(dim=1)  # values per key
@@ -210,17 +215,37 @@ class BulkInputDist:
                 divisors = plan.buckets.pooling_divisors(lengths)
             # a negative length can leave the sum of lengths equal to the value count: flagged as a disagreement
             header[:, EXTRA_VALUES].abs_().add_((lengths < 0).any())
-        recv = exchange_counts(header, self.group)
-        both = PendingHostCopy(torch.cat([header, recv]))  # `finish` waits for this copy only
+        recv, both = self._exchange(header)
         return PendingHeader(kjt, plan, problem, counts, sent, divisors, recv, both)
+
+    def start_failed(self, error: Exception, device: torch.device) -> PendingHeader:
+        """`start` for a batch this rank could not make (`error`, raised making it: a malformed line, a read error)
+        while the other ranks made theirs and start its input dist: a header on `device` (the batches') that says
+        this rank has no batch takes the batch's place in the all-to-all, and `finish` raises `error` here and an
+        error naming this rank on the others, instead of leaving them waiting for a header that never comes."""
+        recv, both = self._exchange(self._flag_header(NO_BATCH, device))
+        return PendingHeader(kjt=None, plan=None, problem="", counts=None, sent=None, pooling_divisors=None,
+                             recv=recv, both=both, failure=error)
+
+    def _flag_header(self, column: int, device: torch.device) -> torch.Tensor:
+        """A header that only says what is wrong (`column` set), for a batch that cannot travel."""
+        header = torch.zeros(len(self.features_of_rank), FIRST_COUNT + self.width, dtype=torch.int64, device=device)
+        header[:, column] = 1
+        return header
+
+    def _exchange(self, header: torch.Tensor) -> tuple[torch.Tensor, PendingHostCopy]:
+        """The header all-to-all enqueued: the headers received, and those sent and received on their way to the
+        host (`finish` waits for this copy only)."""
+        recv = exchange_counts(header, self.group)
+        return recv, PendingHostCopy(torch.cat([header, recv]))
 
     def finish(self, pending: PendingHeader) -> OwnedBags:
         """The rest of `start`'s batch: its checks, then lengths, values and weights exchanged and regrouped."""
-        kjt, plan, recv = pending.kjt, pending.plan, pending.recv
-        world, local_batch = len(self.features_of_rank), kjt.stride()
+        world = len(self.features_of_rank)
         both = pending.both.get().tolist()  # the host sync (none left when the copy has long ended)
         sent_header, recv_header = both[:world], both[world:]
-        self._raise_for_bad_input(recv_header, kjt, pending.problem, pending.counts, plan)
+        self._raise_for_bad_input(recv_header, pending)
+        kjt, plan, recv, local_batch = pending.kjt, pending.plan, pending.recv, pending.kjt.stride()
         sent = pending.sent
         values, lengths, counts, weights = sent.values, sent.lengths, sent.counts, sent.weights
 
@@ -263,18 +288,23 @@ class BulkInputDist:
                          feature_value_offsets=offsets, batch_sizes=batch_sizes,
                          pooling_divisors=pending.pooling_divisors)
 
-    def _raise_for_bad_input(self, recv_header: list[list[int]], kjt: KeyedJaggedTensor, problem: str,
-                             counts: torch.Tensor | None, plan: _KeyPlan | None) -> None:
-        """Every rank raises the same kind of error when any rank's batch is bad (the header carries each source's
-        verdict); the rank whose batch it is says what is wrong with it."""
-        for column, error, what in ((BAD_KEYS, KeyError, "KeyedJaggedTensors whose keys do not match the tables"),
-                                    (EXTRA_VALUES, ValueError, "KeyedJaggedTensors whose values and lengths disagree"),
-                                    (OUT_OF_RANGE, IndexError, "out-of-range indices")):
+    def _raise_for_bad_input(self, recv_header: list[list[int]], pending: PendingHeader) -> None:
+        """Every rank raises when any rank's batch is bad or missing (the header carries each source's verdict): the
+        rank whose batch it is says what is wrong with it (a missing one: the error raised making it), the others
+        name that rank (the same kind of error for a bad batch, RuntimeError for a missing one)."""
+        kjt, problem, counts, plan = pending.kjt, pending.problem, pending.counts, pending.plan
+        for column, error, what in (
+                (NO_BATCH, RuntimeError, "could not make their batch"),
+                (BAD_KEYS, KeyError, "sent KeyedJaggedTensors whose keys do not match the tables"),
+                (EXTRA_VALUES, ValueError, "sent KeyedJaggedTensors whose values and lengths disagree"),
+                (OUT_OF_RANGE, IndexError, "sent out-of-range indices")):
             bad = [s for s, row in enumerate(recv_header) if row[column]]
             if not bad:
                 continue
             if self.rank not in bad:
-                raise error(f"rank {self.rank}: rank(s) {bad} sent {what} (their error says more)")
+                raise error(f"rank {self.rank}: rank(s) {bad} {what} (their error says more)")
+            if column == NO_BATCH:
+                raise pending.failure
             if column == BAD_KEYS or (column == EXTRA_VALUES and problem):
                 raise error(f"rank {self.rank}: {problem}")
             values = kjt.values()
