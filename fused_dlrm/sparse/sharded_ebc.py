@@ -5,6 +5,11 @@ forward(KeyedJaggedTensor of the local batch) -> KeyedTensor [local batch, sum o
 that the fused kernels replace: input dist (KJT all-to-all) -> lookup (owned tables, whole global batch) ->
 output dist (pooled all-to-all), then, with row-wise tables, the sum of each sample's row blocks (row_wise.py).
 The tables are updated by the lookup's backward (see lookup.py).
+
+The input dist's entry points (bags_of, prefetch_header, prefetch, the batch thread's function) take a batch's KJT or,
+for a batch this rank could not make, the error raised making it (`FeaturesOrError`): that rank's input dist then
+sends a header saying it has no batch where the batch's would go (BulkInputDist.start_failed), so that every rank
+raises at that batch instead of the others waiting in its all-to-alls.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from torchrec.distributed.comm_ops import get_gradient_division
 
 from fused_dlrm.dist.env import input_stream
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
-from fused_dlrm.sparse.input_dist import BulkInputDist, OwnedBags
+from fused_dlrm.sparse.input_dist import BulkInputDist, OwnedBags, PendingHeader
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, Table, check_table, init_block
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.output_dist import BulkOutputDist
@@ -54,6 +59,9 @@ def divide_gradient_like_torchrec(values: torch.Tensor, world_size: int) -> torc
     scale = torchrec_gradient_scale(world_size)
     return values if scale == 1.0 else _ScaleGradient.apply(values, scale)
 
+
+# A batch's features, or the error that making the batch raised on this rank (the module docstring says why)
+FeaturesOrError = KeyedJaggedTensor | Exception
 
 _DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 
@@ -90,7 +98,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         row_wise = self.plan.row_wise_columns(tables)
         # Row-wise tables: their blocks' parts of a pooled row travel in a wider row, summed after the output dist.
         self.row_block_sum = RowBlockSum(sum(self._feature_dims), row_wise) if row_wise else None
-        device = torch.device(device)
+        device = self.device = torch.device(device)
         # On GPUs the input dist has a communicator of its own: NCCL runs one group's collectives in issue order,
         # so a prefetched batch's all-to-alls (and the host, which waits for their sizes) would queue behind the
         # running step's collectives instead of overlapping the step.
@@ -130,19 +138,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return self._group
         return dist.new_group(dist.get_process_group_ranks(self._group or dist.group.WORLD))
 
-    def input_dist_on_thread(self) -> Callable[[KeyedJaggedTensor], None]:
+    def input_dist_on_thread(self) -> Callable[[FeaturesOrError], None]:
         """A function for a thread that makes batches ahead (train/batches_ahead.py's `prepare`): it distributes one
         batch's input there, on the thread's current stream (on GPUs also the lookup's backward plan of the bags:
         sort and segments), and leaves the bags for that batch's forward here, so that this host time leaves the
         threads that enqueue the step (the loop's, and autograd's backward). Its input dist has a
         communicator of its own, made now on every rank: the thread's all-to-alls then never interleave with the
         main thread's (an evaluation's) in different orders on different ranks. Call it on every rank; the thread
-        must run it on the same batches everywhere (a bad batch raises there, on every rank)."""
+        must run it on the same batches everywhere (a bad batch raises there, on every rank; so does one that a
+        rank could not make, for which that rank's thread calls it with the error: BatchesAhead's prepare_failed)."""
         input_dist = BulkInputDist(self.input_dist.features_of_rank, self.input_dist.tables, self._own_group(),
                                    self.input_dist.row_blocks, self.input_dist.mean_row_wise)
 
-        def distribute(features: KeyedJaggedTensor) -> None:
-            bags, ready = input_dist(features), None
+        def distribute(features: FeaturesOrError) -> None:
+            bags, ready = input_dist.finish(self._start(input_dist, features)), None
             if bags.values.is_cuda:
                 self.lookup.plan_backward(bags)  # the backward's sort and segments, here rather than in it
                 ready = torch.cuda.Event()  # what the forward waits for
@@ -154,12 +163,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
 
-    def bags_of(self, features: KeyedJaggedTensor) -> OwnedBags:
+    def bags_of(self, features: FeaturesOrError) -> OwnedBags:
         """The owned bags of a batch: distributed ahead (prefetch, the batch thread), else now; the global batch
-        size noted from their header."""
+        size noted from their header. Given the error of a batch this rank could not make, the input dist's
+        collectives run all the same and it raises, on every rank (a loop whose forward distributes calls this in
+        that forward's place)."""
         bags = self._take_prefetched(features)
         if bags is None:
-            bags = self.input_dist(features)
+            bags = self.input_dist.finish(self._start(self.input_dist, features))
         self.global_batch_size = bags.global_batch
         return bags
 
@@ -178,45 +189,54 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                                    self.world_size)
         return pooled if self.row_block_sum is None else self.row_block_sum(pooled, bags.pooling_divisors)
 
-    def prefetch_header(self, features: KeyedJaggedTensor) -> None:
+    def prefetch_header(self, features: FeaturesOrError) -> None:
         """Start a batch's input dist further ahead: only its header all-to-all (sizes and checks) and the header's
         copy to the host, on the side stream on GPUs; nothing waits. The `prefetch` of this batch, a step later,
         then finds the sizes on the host instead of waiting for them. Same calling rules as `prefetch`."""
         with self._on_side_stream(features):
-            self._pending_header = (features, self.input_dist.start(features))
+            self._pending_header = (features, self._start(self.input_dist, features))
 
-    def prefetch(self, features: KeyedJaggedTensor) -> None:
+    def prefetch(self, features: FeaturesOrError) -> None:
         """Distribute a coming batch's input now, on a side stream on GPUs, so that forward(features) finds its
         bags ready, as torchrec's TrainPipelineSparseDist does: call it after the current step's backward, on
         every rank at the same point (the all-to-alls must be issued in the same order everywhere). A bad batch
-        raises here, on every rank (the input dist checks it). If `prefetch_header(features)` came first, only the
-        rest of the input dist is left to do."""
+        raises here, on every rank (the input dist checks it), and so does a batch that a rank could not make (that
+        rank passes the error instead of the features). If `prefetch_header(features)` came first, only the rest of
+        the input dist is left to do."""
         pending, self._pending_header = self._pending_header, None
         with self._on_side_stream(features):
             if pending is None or pending[0] is not features:
-                pending = (features, self.input_dist.start(features))
+                pending = (features, self._start(self.input_dist, features))
             bags, ready = self.input_dist.finish(pending[1]), None
             if bags.values.is_cuda:  # what the forward waits for: not a header started on this stream later
                 ready = torch.cuda.Event()
                 ready.record()
             self._prefetched = (features, bags, ready)
 
+    def _start(self, input_dist: BulkInputDist, features: FeaturesOrError) -> PendingHeader:
+        """`input_dist`'s start of a batch, or of the failure to make it (its header says "no batch": every rank's
+        finish raises)."""
+        if isinstance(features, Exception):
+            return input_dist.start_failed(features, self.device)
+        return input_dist.start(features)
+
     def drop_prefetched(self) -> None:
-        """Forget the bags distributed ahead for batches that will not be forwarded (a run's end)."""
-        self._prefetched = None
+        """Forget the bags (and a header) distributed ahead for batches that will not be forwarded (a run's end)."""
+        self._prefetched = self._pending_header = None
         with self._from_thread_lock:
             self._from_thread.clear()
 
-    def _on_side_stream(self, features: KeyedJaggedTensor):
+    def _on_side_stream(self, features: FeaturesOrError):
         """The input dist's stream: on GPUs a side stream that first waits for the stream current here (where the
         KJT was made); on the CPU, nothing to switch (torch.cuda.stream(None) does nothing)."""
-        if features.values().device.type != "cuda":
+        device = self.device if isinstance(features, Exception) else features.values().device
+        if device.type != "cuda":
             return torch.cuda.stream(None)
-        self._side_stream = self._side_stream or input_stream(features.values().device)
+        self._side_stream = self._side_stream or input_stream(device)
         self._side_stream.wait_stream(torch.cuda.current_stream())
         return torch.cuda.stream(self._side_stream)
 
-    def _take_prefetched(self, features: KeyedJaggedTensor):
+    def _take_prefetched(self, features: FeaturesOrError):
         """The bags of `features` if distributed ahead (prefetch, or the batch thread's), else None."""
         if self._prefetched is not None and self._prefetched[0] is features:
             (_, bags, ready), self._prefetched = self._prefetched, None
