@@ -116,6 +116,51 @@ def test_close_runs_prepare_to_the_same_batch_on_every_rank():
     run_world(2, _close_matches_collectives)
 
 
+def _failure_matches_collectives(rank: int, world: int) -> None:
+    """As the input dist: prepare's collective carries "I have a batch", prepare_failed's "I have none" in its
+    place, and a prepare that hears of a peer without a batch raises."""
+    calls = []
+
+    def prepare(b: Batch) -> None:
+        have = torch.ones(1)
+        dist.all_reduce(have)
+        calls.append(int(b.dense_features))
+        if int(have) < world:
+            raise RuntimeError(f"rank {rank}: a peer could not make batch {int(b.dense_features)}")
+
+    def prepare_failed(error: Exception) -> None:
+        assert threading.current_thread().name == "batches-ahead"
+        dist.all_reduce(torch.zeros(1))
+        calls.append(error)
+        raise error
+
+    def stream():  # rank 1 cannot make batch 4
+        for s in range(100):
+            if rank == 1 and s == 4:
+                raise ValueError("part-0.tsv:77: malformed Criteo line")
+            yield 0, batch(s)
+
+    # Consumed to the batch rank 1 could not make: both raise there, each its own error.
+    with BatchesAhead(stream(), CPU, depth=2, prepare=prepare, prepare_failed=prepare_failed) as ahead:
+        assert [int(next(ahead)[1].dense_features) for _ in range(4)] == [0, 1, 2, 3]
+        with pytest.raises(ValueError if rank == 1 else RuntimeError, match="part-0.tsv:77" if rank == 1 else
+                           "rank 0: a peer could not make batch 4"):
+            next(ahead)
+    assert calls[:4] == [0, 1, 2, 3] and len(calls) == 5
+    assert calls[4] == 4 if rank == 0 else isinstance(calls[4], ValueError)  # prepared, or failed in its place
+    # Closed after 3 batches: the thread runs on to 3 + 2 + 1, past batch 4, which it reaches on both ranks alike.
+    calls.clear()
+    ahead = BatchesAhead(stream(), CPU, depth=2, prepare=prepare, prepare_failed=prepare_failed)
+    for step in range(3):
+        assert int(next(ahead)[1].dense_features) == step
+    ahead.close()
+    assert calls[:4] == [0, 1, 2, 3] and len(calls) == 5
+
+
+def test_a_batch_one_rank_could_not_make_runs_prepare_failed_in_its_place():
+    run_world(2, _failure_matches_collectives, timeout=120)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_gpus_the_batches_are_made_on_a_high_priority_stream():
     """The input side's stream outranks the step's (dist/env.py input_stream), and the batches still arrive whole;

@@ -13,7 +13,11 @@ returned that batch.
 `prepare(batch)`, when given, runs on the thread after the batch is on the device (the DLRM loop distributes the
 batch's input there: ShardedEmbeddingBagCollection.input_dist_on_thread). It may hold collectives, which every
 rank must run on the same batches: `close()` lets the thread run on, unqueued, to a batch count that is the same
-on every rank closed at the same step (see close).
+on every rank closed at the same step (see close). Making a batch (pulling it from `batches`) may fail on one rank
+alone, as each rank makes its own slice (a malformed line in this rank's); the peers' `prepare` of that batch
+would then wait in collectives that this rank never joins. So `prepare_failed(error)`, when given, runs in that
+batch's place before the error ends the thread: the DLRM loop's tells the same input dist that this rank has no
+batch, and the `prepare` of that batch raises on every rank (here the error itself, re-raised by the input dist).
 """
 
 from __future__ import annotations
@@ -36,14 +40,15 @@ class BatchesAhead:
     """Iterator over (epoch, batch on `device`) from `batches` (host or device batches), made `depth` ahead."""
 
     def __init__(self, batches: Iterator[tuple[int, Batch]], device: torch.device, depth: int = 2,
-                 prepare: Callable[[Batch], None] | None = None):
+                 prepare: Callable[[Batch], None] | None = None,
+                 prepare_failed: Callable[[Exception], None] | None = None):
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         if device.type == "cuda" and device.index is None:  # "cuda": the caller's GPU, which the thread must set
             device = torch.device("cuda", torch.cuda.current_device())  # by index (set_device refuses "cuda")
         self.device = device
         self.depth = depth
-        self._prepare = prepare
+        self._prepare, self._prepare_failed = prepare, prepare_failed
         self._made = 0  # batches made (and prepared) by the thread
         self._consumed = 0  # batches handed out by next()
         self._made_by_close = 0  # set by close(): the thread makes this many in all before it ends
@@ -60,6 +65,7 @@ class BatchesAhead:
             if self._stream is not None:
                 torch.cuda.set_device(self.device)  # the current device is per thread
             with torch.cuda.stream(self._stream):  # torch.cuda.stream(None) does nothing
+                batches = self._pulled(batches)
                 for epoch, batch in batches:
                     if not self._put(self._make(epoch, batch)):
                         break
@@ -71,6 +77,19 @@ class BatchesAhead:
                     self._make(epoch, batch)
         except BaseException as error:  # noqa: BLE001: handed to the consumer, raised there (dropped once closed)
             self._put(error)
+
+    def _pulled(self, batches: Iterator[tuple[int, Batch]]) -> Iterator[tuple[int, Batch]]:
+        """`batches`; where pulling one raises (making it failed here), `prepare_failed` first runs in its place."""
+        while True:
+            try:
+                made = next(batches)
+            except StopIteration:
+                return
+            except Exception as error:
+                if self._prepare_failed is not None:
+                    self._prepare_failed(error)
+                raise
+            yield made
 
     def _make(self, epoch: int, batch: Batch) -> tuple[int, Batch, torch.cuda.Event | None]:
         batch, ready = to_device(batch, self.device), None
@@ -117,7 +136,9 @@ class BatchesAhead:
         With `prepare`, the thread first makes batches up to `consumed + depth + 1` in all (or the stream's end):
         it never makes more than that (it makes a batch only after queueing the one before, into a queue of
         `depth`), and ranks closed after the same number of steps reach the same count, so every collective that
-        one rank's `prepare` started is matched on the others instead of waiting for them forever."""
+        one rank's `prepare` started is matched on the others instead of waiting for them forever. A batch that this
+        rank could not make counts as made (`prepare_failed` ran the collectives in its place); the thread ends at
+        it, and so do the peers' (their `prepare` of it raised)."""
         self._made_by_close = self._consumed + self.depth + 1 if self._prepare is not None else 0
         self._closed.set()
         self._thread.join()
