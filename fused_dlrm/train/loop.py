@@ -22,6 +22,14 @@ every `log_every` steps the loss reduction (the embedding backward's segment cou
 persistent). A step launched while the previous
 one still runs is otherwise free of host syncs.
 
+Each rank makes its own slice of a global batch, so making one can fail on one rank alone (a malformed line, a read
+error) while the others already wait in that batch's input dist. The error then takes the batch's place
+(`pull_batch`): the input dist sends a header saying this rank has no batch, and every rank raises at that batch
+(this one its error, the others one naming it): on the batch thread (BatchesAhead's prepare_failed), in
+prefetch_header / prefetch, or, prefetch off and in `evaluate`, where the forward would distribute the batch. So
+that a rank without the batch knows as its peers do whether the run goes on to it, the run's end is decided before
+a batch is fetched (max_steps; trainer.epochs ends the batch stream: batch_stream).
+
 The bookkeeping around the step (counters, loss check, metrics.jsonl, cadence) is a `TrainingRun` (schedule.py),
 shared with the MoE loop; what is DLRM's own comes in as callbacks: the log fields, evaluation and checkpoint.
 """
@@ -31,7 +39,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from hydra.utils import instantiate
@@ -42,6 +50,7 @@ from fused_dlrm.dist import DistEnv
 from fused_dlrm.dist.env import input_stream
 from fused_dlrm.models.arch_nodes import sets_every_gradient
 from fused_dlrm.models.dlrm import dlrm_loss
+from fused_dlrm.sparse.sharded_ebc import FeaturesOrError
 from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
@@ -53,12 +62,35 @@ from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
 log = logging.getLogger(__name__)
 
 
+def pull_batch(batches: Iterator[tuple[int, Batch]]) -> Batch | Exception | None:
+    """The next batch of `batches`; None at their end; or the error raised making it. Making a batch can fail on
+    one rank alone (each rank makes its own slice of the global batch: a malformed line in this rank's), and the
+    others would then wait for it in the input dist's all-to-alls: the error goes to the input dist in the batch's
+    place instead (sharded_ebc.FeaturesOrError), which raises it here and an error naming this rank on the others."""
+    try:
+        return next(batches)[1]
+    except StopIteration:
+        return None
+    except Exception as error:  # noqa: BLE001: raised by the input dist, on every rank
+        return error
+
+
+def features_of(batch: Batch | Exception) -> FeaturesOrError:
+    """What the input dist takes of a batch: its sparse features, or the error raised making it (`pull_batch`)."""
+    return batch if isinstance(batch, Exception) else batch.sparse_features
+
+
 def evaluate(model, dataset, num_batches: int, env: DistEnv) -> dict[str, float]:
+    sparse = model.sparse_arch.embedding_bag_collection
     metrics = CTRMetrics(env.device)
     model.eval()
+    batches = batch_stream(dataset, 0, None)
     with torch.no_grad():
-        for _, batch in zip(range(num_batches), batch_stream(dataset, 0, None)):
-            batch = to_device(batch[1], env.device)
+        for _ in range(num_batches):
+            batch = pull_batch(batches)
+            if isinstance(batch, Exception):  # where the forward would distribute it: raises on every rank
+                sparse.bags_of(batch)
+            batch = to_device(batch, env.device)
             logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
             metrics.update(logits, batch.labels)
     model.train()
@@ -142,7 +174,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
                       save=checkpoint)
 
     # plain values: the loop reads them every step, and a DictConfig attribute costs ~10 us of host time
-    max_steps, epochs, batches_ahead, prefetch = t.max_steps, t.epochs, t.batches_ahead, t.prefetch_input_dist
+    max_steps, batches_ahead, prefetch = t.max_steps, t.batches_ahead, t.prefetch_input_dist
     header_ahead = t.header_ahead
     on_thread = prefetch and batches_ahead > 0 and t.input_dist_on_thread
     copy_stream = None  # next_batch's side stream (not used when the batch thread distributes)
@@ -152,12 +184,14 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
 
     following = []  # with trainer.header_ahead: the batch after the next one, its header already exchanged
 
-    def fetch():
-        epoch, batch = next(batches)
-        return epoch, (batch if batches_ahead else to_device(batch, env.device))
+    def fetch() -> Batch | Exception | None:
+        """`pull_batch`'s next batch, on the device."""
+        batch = pull_batch(batches)
+        return to_device(batch, env.device) if isinstance(batch, Batch) and not batches_ahead else batch
 
-    def next_batch():
-        """The next (epoch, batch) on the device, its input all-to-all already under way when prefetching.
+    def next_batch() -> Batch | Exception | None:
+        """The next batch on the device, its input all-to-all already under way when prefetching; None once the run
+        is done (max_steps, or the end of trainer.epochs: batch_stream ends there).
 
         The batch was made (generated, or pinned and copied from the host) by the `BatchesAhead` thread, or made
         here when `trainer.batches_ahead=0`. On GPUs the input all-to-all is issued on a side stream behind the
@@ -167,39 +201,50 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         and its header all-to-all (the sizes the host must know) starts now, so that next step's prefetch finds
         the sizes on the host instead of waiting for them while the GPU drains. On the CPU it is a plain call
         (torch.cuda.stream(None) does nothing).
+
+        A batch this rank could not make is the error raised making it (`pull_batch`), which the input dist takes
+        in the batch's place: the batch thread's prepare_failed, or prefetch_header / prefetch here, then raise on
+        every rank at that batch; with prefetch off it is returned, and the step raises it where its forward would
+        have distributed the batch. Whether the run is done is known before a batch is fetched, on every rank alike.
         """
+        if done():
+            return None
         if on_thread:  # distributed by the batch thread; the forward waits for its bags (an event)
-            return next(batches)
+            return next(batches, (None, None))[1]
         with torch.cuda.stream(copy_stream):
-            epoch, batch = following.pop() if following else fetch()
-            ahead = prefetch and not done(epoch)
-            if ahead:
-                sparse.prefetch(batch.sparse_features)
+            batch = following.pop() if following else fetch()
+            if batch is not None and prefetch:
+                sparse.prefetch(features_of(batch))  # a batch this rank could not make raises here, on every rank
+        if not isinstance(batch, Batch):  # the stream's end; or, prefetch off, a batch this rank could not make
+            return batch
         if copy_stream is not None:
             main = torch.cuda.current_stream()
             batch.record_stream(main)  # made on another stream, read on the main one
             main.wait_stream(copy_stream)  # the work enqueued there so far: not the following batch's below
-        if ahead and header_ahead:
+        if prefetch and header_ahead:
             with torch.cuda.stream(copy_stream):
                 following.append(fetch())
-                sparse.prefetch_header(following[0][1].sparse_features)
-        return epoch, batch
+                if following[0] is not None:
+                    sparse.prefetch_header(features_of(following[0]))
+        return batch
 
-    def done(epoch: int) -> bool:
-        return (max_steps is not None and run.step >= max_steps) or (epochs is not None and epoch >= epochs)
+    def done() -> bool:
+        return max_steps is not None and run.step >= max_steps
 
-    batches = batch_stream(train_data, step, cfg.data.get("steps_per_epoch"))
-    prepare = None
+    batches = batch_stream(train_data, step, cfg.data.get("steps_per_epoch"), t.epochs)
+    prepare = distribute = None
     if on_thread:
         distribute = sparse.input_dist_on_thread()  # a communicator of its own: on every rank, here
         prepare = lambda batch: distribute(batch.sparse_features)  # noqa: E731
-    with (BatchesAhead(batches, env.device, batches_ahead, prepare) if batches_ahead else nullcontext(batches)
-          as batches):
-        epoch, batch = next_batch()
-        while not done(epoch):
+    with (BatchesAhead(batches, env.device, batches_ahead, prepare, prepare_failed=distribute) if batches_ahead
+          else nullcontext(batches) as batches):
+        batch = next_batch()
+        while batch is not None:
+            if isinstance(batch, Exception):  # prefetch off: where the forward would distribute it, every rank raises
+                sparse.bags_of(batch)
             loss = run_step(batch)
             run.end_step(loss)  # step += 1; the loss summed on the device
-            epoch, batch = next_batch()  # its input dist overlaps this step's tail on the GPU
+            batch = next_batch()  # its input dist overlaps this step's tail on the GPU
             run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
     sparse.drop_prefetched()  # batches distributed ahead that the run ends before
     if sparse.fused is not None:  # the exchange's own push is the slower fallback (an extra pass over d S)

@@ -1,0 +1,84 @@
+"""A batch that one rank could not make (a malformed line in its slice of a Criteo file) raises on every rank at
+that batch, in every loop mode and in evaluation: that rank its own error (file and line), the others one naming
+it; none waits in the input dist for a batch that never comes (run_world's timeout fails the test instead)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from fused_dlrm.dist import DistEnv
+from fused_dlrm.train.loop import train
+from test_training import config
+from world import run_world
+
+GLOBAL_BATCH = 16  # rank 1's slice of each global batch: its lines 8..15
+BAD_BATCH = 2
+BAD_LINE = BAD_BATCH * GLOBAL_BATCH + 11 + 1  # 1-based: the 12th line of global batch 2, in rank 1's slice
+
+MODES = {  # the loop's ways of distributing a batch's input (loop.py's docstring)
+    "batch_thread": [],
+    "side_stream": ["trainer.input_dist_on_thread=false"],  # the bad batch's header exchanged a step ahead
+    "side_stream_no_header_ahead": ["trainer.input_dist_on_thread=false", "trainer.header_ahead=false"],
+    "in_forward": ["trainer.prefetch_input_dist=false"],
+    "no_thread_side_stream": ["trainer.batches_ahead=0"],
+    "no_thread_in_forward": ["trainer.batches_ahead=0", "trainer.prefetch_input_dist=false"],
+}
+
+
+def criteo_file(path: Path, lines: int, bad_line: int | None) -> Path:
+    """`lines` random Criteo lines; line `bad_line` (1-based) with a label of 7."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(1, lines + 1):
+        dense = [str(int(x)) if x > 0 else "" for x in torch.randint(-1, 50, (13,), generator=gen)]
+        cats = [f"{int(x):08x}" if x % 7 else "" for x in torch.randint(0, 2**31, (26,), generator=gen)]
+        rows.append("\t".join(["7" if i == bad_line else str(i % 2)] + dense + cats))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def _train_with_a_bad_line(rank: int, world: int, tmp: str, overrides: list[str], raises: bool) -> None:
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    cfg = config("data=criteo", f"data.global_batch_size={GLOBAL_BATCH}", "data.eval_batches=2", "model.num_rows=100",
+                 "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.log_every=1",
+                 "trainer.progress=false", *overrides)
+    bad = re.escape(f"{tmp}/bad.tsv:{BAD_LINE}: malformed Criteo line: label must be 0 or 1, got '7'")
+    if not raises:
+        assert train(cfg, env, Path(tmp) / f"run{rank}").step == cfg.trainer.max_steps
+        return
+    with pytest.raises(ValueError if rank == 1 else RuntimeError,
+                       match=bad if rank == 1 else r"rank 0: rank\(s\) \[1\] could not make their batch \(their error"):
+        train(cfg, env, Path(tmp) / f"run{rank}")
+
+
+def _paths(tmp_path: Path, bad_in: str) -> list[str]:
+    good = criteo_file(tmp_path / "good.tsv", 8 * GLOBAL_BATCH, None)
+    bad = criteo_file(tmp_path / "bad.tsv", 8 * GLOBAL_BATCH, BAD_LINE)
+    train_file, eval_file = (bad, good) if bad_in == "train" else (good, bad)
+    return [f"data.train.paths=[{train_file}]", f"data.eval.paths=[{eval_file}]"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_rank_raises_at_the_batch_one_rank_could_not_make(tmp_path, mode):
+    """Steps 0 and 1 train; batch 2 raises on both ranks."""
+    run_world(2, _train_with_a_bad_line, str(tmp_path), [*_paths(tmp_path, "train"), "trainer.max_steps=6",
+                                                         *MODES[mode]], True, timeout=240)
+
+
+@pytest.mark.parametrize("mode", ["batch_thread", "side_stream"])
+def test_a_batch_past_the_last_step_raises_nowhere(tmp_path, mode):
+    """The bad batch is the one after the last step: made ahead (by the thread, or its header exchanged a step
+    ahead) but never trained on, on any rank: every rank ends the run normally."""
+    run_world(2, _train_with_a_bad_line, str(tmp_path), [*_paths(tmp_path, "train"), f"trainer.max_steps={BAD_BATCH}",
+                                                         *MODES[mode]], False, timeout=240)
+
+
+def test_evaluation_raises_on_every_rank(tmp_path):
+    """The evaluation's batch 2 is bad: the evaluation at step 1 raises on both ranks."""
+    run_world(2, _train_with_a_bad_line, str(tmp_path), [*_paths(tmp_path, "eval"), "trainer.max_steps=4",
+                                                         "trainer.eval_every=1", "data.eval_batches=3"], True,
+              timeout=240)
