@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.train.loop import train
@@ -53,6 +54,9 @@ def _train_with_a_bad_line(rank: int, world: int, tmp: str, overrides: list[str]
     with pytest.raises(ValueError if rank == 1 else RuntimeError,
                        match=bad if rank == 1 else r"rank 0: rank\(s\) \[1\] could not make their batch \(their error"):
         train(cfg, env, Path(tmp) / f"run{rank}")
+    # Both stay up until both raised (a rank whose peer has exited learns of it from the broken connection): a rank
+    # still waiting in the input dist would leave the other here until run_world's timeout.
+    dist.barrier()
 
 
 def _paths(tmp_path: Path, bad_in: str) -> list[str]:
@@ -66,7 +70,7 @@ def _paths(tmp_path: Path, bad_in: str) -> list[str]:
 def test_every_rank_raises_at_the_batch_one_rank_could_not_make(tmp_path, mode):
     """Steps 0 and 1 train; batch 2 raises on both ranks."""
     run_world(2, _train_with_a_bad_line, str(tmp_path), [*_paths(tmp_path, "train"), "trainer.max_steps=6",
-                                                         *MODES[mode]], True, timeout=240)
+                                                         *MODES[mode]], True, timeout=180)
 
 
 @pytest.mark.parametrize("mode", ["batch_thread", "side_stream"])
@@ -74,11 +78,11 @@ def test_a_batch_past_the_last_step_raises_nowhere(tmp_path, mode):
     """The bad batch is the one after the last step: made ahead (by the thread, or its header exchanged a step
     ahead) but never trained on, on any rank: every rank ends the run normally."""
     run_world(2, _train_with_a_bad_line, str(tmp_path), [*_paths(tmp_path, "train"), f"trainer.max_steps={BAD_BATCH}",
-                                                         *MODES[mode]], False, timeout=240)
+                                                         *MODES[mode]], False, timeout=180)
 
 
 def test_evaluation_raises_on_every_rank(tmp_path):
     """The evaluation's batch 2 is bad: the evaluation at step 1 raises on both ranks."""
     run_world(2, _train_with_a_bad_line, str(tmp_path), [*_paths(tmp_path, "eval"), "trainer.max_steps=4",
                                                          "trainer.eval_every=1", "data.eval_batches=3"], True,
-              timeout=240)
+              timeout=180)
