@@ -14,7 +14,7 @@ import torch.distributed as dist
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.train.loop import train
 from test_training import config
-from world import run_world
+from world import ONE_GPU, run_world
 
 GLOBAL_BATCH = 16  # rank 1's slice of each global batch: its lines 8..15
 BAD_BATCH = 2
@@ -42,8 +42,11 @@ def criteo_file(path: Path, lines: int, bad_line: int | None) -> Path:
     return path
 
 
-def _train_with_a_bad_line(rank: int, world: int, tmp: str, overrides: list[str], raises: bool) -> None:
-    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+def _train_with_a_bad_line(rank: int, world: int, tmp: str, overrides: list[str], raises: bool,
+                           device: str = "cpu") -> None:
+    on = torch.device(device)
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank if on.type == "cpu" else on.index, device=on,
+                  backend="gloo")
     cfg = config("data=criteo", f"data.global_batch_size={GLOBAL_BATCH}", "data.eval_batches=2", "model.num_rows=100",
                  "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.log_every=1",
                  "trainer.progress=false", *overrides)
@@ -86,3 +89,12 @@ def test_evaluation_raises_on_every_rank(tmp_path):
     run_world(2, _train_with_a_bad_line, str(tmp_path), [*_paths(tmp_path, "eval"), "trainer.max_steps=4",
                                                          "trainer.eval_every=1", "data.eval_batches=3"], True,
               timeout=180)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("mode", ["batch_thread", "side_stream", "in_forward"])
+def test_every_rank_raises_on_gpu_streams(tmp_path, mode):
+    """The same on a GPU (two ranks sharing it: tests/world.py's ONE_GPU): the "no batch" header made on the batch
+    thread's stream, the side stream or the main one."""
+    run_world(2, _train_with_a_bad_line, str(tmp_path), [*_paths(tmp_path, "train"), "trainer.max_steps=6",
+                                                         *MODES[mode]], True, "cuda:0", backend=ONE_GPU, timeout=240)

@@ -4,7 +4,8 @@ the repeated calls' direct replays also at world 1 on one GPU).
 Bit-equal to the bulk twin (codec kernels around NCCL all_to_all / all_gather) for every codec, bf16 and fp32
 inputs, sum and mean; bit-identical across ranks; within the documented bound of the fp64 sum; 1,000
 consecutive calls of changing sizes and codecs on the same flags; calls that replay CUDA graphs; the DDP hook
-(q8, fused) within the bound of plain DDP; a missing peer raises PeerWaitTimeout.
+(q8, fused) within the bound of plain DDP; a missing peer raises PeerWaitTimeout; ranks calling with other
+codecs raise PeerCallMismatch (two ranks sharing one GPU suffice).
 CI has no GPU: this runs on the device machine.
 """
 
@@ -15,12 +16,12 @@ import torch
 import torch.distributed as dist
 
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
-from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerWaitTimeout
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce, max_programs_for, two_shot_error_bound
 from fused_dlrm.tp.quantized_allreduce import fused_for_group, quantized_all_reduce
 from test_quantized_allreduce import _ddp_hook
-from world import TWO_GPUS, run_world
+from world import ONE_GPU, TWO_GPUS, run_world
 
 
 SIZES = [1, 45, 4099, 1_000_003, 3 * 2**22 + 17]  # none a multiple of world * 32; up to ~12.6M values
@@ -179,3 +180,24 @@ def test_repeated_calls_replay_their_graph_directly_at_world_one():
     the buffers and drops the repeats with their plans; a strided x is never one; inside a caller's capture the
     call is launched into the caller's graph. Results equal the bulk twin's (world 1: one GPU suffices)."""
     run_world(1, _repeats_replay_their_own_graph, backend="nccl")
+
+
+def _codecs_differ(rank: int, world: int) -> None:
+    op = fused_for_group(None, torch.device("cuda", 0))  # the ranks share GPU 0: a CUDA IPC workspace
+    x = world_inputs(100_003, world, torch.float32, seed=3)[rank]
+    kept, mine, theirs = x.clone(), ("q8", "q4")[rank], ("q8", "q4")[1 - rank]
+    with pytest.raises(PeerCallMismatch, match=rf"rank {rank} at step \d+: peer {1 - rank} called it with 100003 "
+                                               rf"float32 elements, codec {theirs}; this rank with 100003 float32 "
+                                               rf"elements, codec {mine}"):
+        op(x, mine, out=x)
+        op.errors.check(block=True)
+    assert torch.equal(x, kept)  # reduced in place: a failed call stores nothing
+    y = op(x, "q8")  # the flags and slots as after any call: the next call is exact
+    assert torch.equal(y, quantized_all_reduce(x, "q8", fused=False))
+    op.errors.check(block=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_ranks_calling_with_other_codecs_raise_on_one_gpu():
+    """The kernel's signatures on a GPU: rank 0 calls with q8, rank 1 with q4; both raise, naming both calls."""
+    run_world(2, _codecs_differ, backend=ONE_GPU, timeout=240)

@@ -390,7 +390,7 @@ class FusedQuantizedAllReduce:
         self.ready = workspace.buffer("qar_ready", flags, torch.int32)
         self.done = workspace.buffer("qar_done", flags, torch.int32)
         # every source's signature of its latest call, beside the flags (the kernel's `_same_call`)
-        self.signatures = workspace.buffer("qar_signatures", self.world * SIGNATURE_WORDS, torch.int64)
+        self.signatures = workspace.buffer("qar_signatures", self.world * SIGNATURE_WORDS.value, torch.int64)
         self.step = torch.zeros(max_programs, dtype=torch.int32, device=workspace.device)  # the kernel's epochs
         self._plans: dict[tuple, Plan] = {}
         self._repeats: dict[tuple, torch.cuda.CUDAGraph] = {}  # __call__'s graphs by _repeat_key (GPUs only)
