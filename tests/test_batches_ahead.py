@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from fused_dlrm.train import batches_ahead
 from fused_dlrm.train.batches_ahead import BatchesAhead
 from world import run_world
 
@@ -159,6 +160,26 @@ def _failure_matches_collectives(rank: int, world: int) -> None:
 
 def test_a_batch_one_rank_could_not_make_runs_prepare_failed_in_its_place():
     run_world(2, _failure_matches_collectives, timeout=120)
+
+
+def test_a_failed_copy_to_the_device_runs_prepare_failed_in_its_place(monkeypatch):
+    """The copy to the device is part of making a batch: where it fails (memory), the peers' prepare of that batch
+    must not wait for this rank either."""
+    copy = batches_ahead.to_device
+
+    def failing_copy(b: Batch, device: torch.device) -> Batch:
+        if int(b.dense_features) == 2:
+            raise RuntimeError("CUDA out of memory (pinning batch 2)")
+        return copy(b, device)
+
+    monkeypatch.setattr(batches_ahead, "to_device", failing_copy)
+    prepared, failed = [], []
+    with BatchesAhead(((0, batch(s)) for s in range(5)), CPU, depth=2,
+                      prepare=lambda b: prepared.append(int(b.dense_features)), prepare_failed=failed.append) as ahead:
+        assert [int(next(ahead)[1].dense_features) for _ in range(2)] == [0, 1]
+        with pytest.raises(RuntimeError, match="pinning batch 2"):
+            next(ahead)
+    assert prepared == [0, 1] and [str(e) for e in failed] == ["CUDA out of memory (pinning batch 2)"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -34,7 +34,20 @@ def _one_rank_cannot_resume(rank: int, world: int, root: str) -> None:
 
 
 def test_a_rank_that_cannot_resume_stops_every_rank(tmp_path):
-    run_world(2, _one_rank_cannot_resume, str(tmp_path))
+    run_world(2, _one_rank_cannot_resume, str(tmp_path), timeout=120)
+
+
+def _one_rank_lacks_the_checkpoint(rank: int, world: int, root: str) -> None:
+    save_checkpoint(root, 4, *_model_and_optimizer(momentum_sgd=False))
+    path = f"{root}/step_{4 if rank == 0 else 9}"  # as a path that one node's disk lacks
+    expected = (r"rank 0: rank\(s\) \[1\] cannot resume from .*step_4: FileNotFoundError: no checkpoint at .*step_9"
+                if rank == 0 else r"no checkpoint at .*step_9")
+    with pytest.raises(ValueError if rank == 0 else FileNotFoundError, match=expected):
+        load_checkpoint(path, *_model_and_optimizer(momentum_sgd=False))
+
+
+def test_a_rank_without_the_checkpoint_stops_every_rank(tmp_path):
+    run_world(2, _one_rank_lacks_the_checkpoint, str(tmp_path), timeout=120)
 
 
 def test_resume_restores_model_and_optimizer_state(tmp_path):

@@ -221,6 +221,14 @@ def test_epochs_over_criteo_files(tmp_path):
     assert resumed.losses == [(s, l) for s, l in full.losses if s > 6]
 
 
+def test_epochs_end_synthetic_runs_only_with_steps_per_epoch(tmp_path):
+    """Step-indexed data: trainer.epochs counts epochs of data.steps_per_epoch steps (2 x 3 here, max_steps
+    further); without steps_per_epoch every step is of epoch 0 and max_steps ends the run."""
+    common = [*SMALL, "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.max_steps=8", "trainer.epochs=2"]
+    assert train(config(*common, "data.steps_per_epoch=3"), CPU, tmp_path / "epochs").step == 6
+    assert train(config(*common, "data.steps_per_epoch=null"), CPU, tmp_path / "steps").step == 8
+
+
 def _prefetch_same_curve(rank: int, world: int, tmp: str) -> None:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
     common = SMALL + ["trainer.max_steps=12", "trainer.eval_every=6", "trainer.checkpoint_every=0",

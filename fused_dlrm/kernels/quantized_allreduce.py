@@ -57,10 +57,13 @@ split and flag stride, and the epoch) which travels with the data: stored into e
 that releases the tiles, read (as the tiles are) after the flag is seen. A program that finds a peer's signature
 unlike its own records error 3 (both signatures: `PeerErrors` names rank, peer and both calls in words) and
 stores nothing further: no reduced tiles, no output (x, reduced in place, keeps its values); but it raises its
-flags and waits for the peers' as any call does, so the waits of the peers end and later calls find their flags
-and slots as after any call. Every rank compares its signature with every peer's, so every rank raises. (The
-epoch word catches a peer already at its next call: where grids differ, a program whose flag the peer's smaller
-grid never raises waits until the peer's next call raises it, or times out.)
+flags, so the waits of the peers end (its own end at once, as after a timeout: the error word is set), and once
+the host has read the error, later calls find their flags and slots as after any call. Every rank compares its
+signature with every peer's, so every rank raises. (The epoch word catches a peer already at its next call: where
+grids differ, a program whose flag the peer's smaller grid never raises waits until the peer's next call raises
+it, or times out.) Not caught: a call that makes only some ranks grow the workspace's buffers (a larger size, a
+codec of larger blocks) waits in the buffers' collective allocation, before any kernel, for peers that never
+join it; a check there would cost a collective at every new plan, which a caller's graph capture cannot hold.
 
 On GPUs every program waits on the same-numbered program of every peer's launch, so the grid must be
 co-resident: it is capped at what the compiled binary fits on the GPU at once (launch.resident_programs_per_sm
@@ -324,7 +327,7 @@ def _quantized_all_reduce_kernel(
         for k in tl.static_range(WORLD):
             src = (rank + k) % WORLD
             arrived = valid
-            if k > 0:  # (waited for even by a failed call: these flags guard the peers' next stores into recv)
+            if k > 0:  # (a failed call's wait looks once: its error word is set)
                 arrived &= wait_or_record(done + src * max_programs + pid, epoch, spin_limit, error_ptr, src,
                                           max_programs + pid)
             t = tl.where(arrived, pid, tiles)

@@ -120,10 +120,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.lookup = PooledEmbeddingLookup(shard_tables, {n: m.weight.data for n, m in self.embedding_bags.items()},
                                             optimizer, device)
         self.output_dist = BulkOutputDist([[s.dim for s in mine] for mine in slices], _column_order(slices), group)
-        self._prefetched: tuple[KeyedJaggedTensor, object, torch.cuda.Event | None] | None = None
-        self._from_thread: list[tuple[KeyedJaggedTensor, object, torch.cuda.Event | None]] = []  # in batch order
+        self._prefetched: tuple[FeaturesOrError, object, torch.cuda.Event | None] | None = None
+        self._from_thread: list[tuple[FeaturesOrError, object, torch.cuda.Event | None]] = []  # in batch order
         self._from_thread_lock = threading.Lock()
-        self._pending_header: tuple[KeyedJaggedTensor, object] | None = None
+        self._pending_header: tuple[FeaturesOrError, object] | None = None
         self._side_stream = None
         self.global_batch_size = 0  # samples over all ranks in the last forward's batch (its input dist's header)
         self.fused = None

@@ -79,10 +79,12 @@ class BatchesAhead:
             self._put(error)
 
     def _pulled(self, batches: Iterator[tuple[int, Batch]]) -> Iterator[tuple[int, Batch]]:
-        """`batches`; where pulling one raises (making it failed here), `prepare_failed` first runs in its place."""
+        """`batches` on the device; where making one raises here (pulling it, or its copy to the device: a malformed
+        line, memory), `prepare_failed` first runs in its place."""
         while True:
             try:
-                made = next(batches)
+                epoch, batch = next(batches)
+                made = epoch, to_device(batch, self.device)
             except StopIteration:
                 return
             except Exception as error:
@@ -92,7 +94,7 @@ class BatchesAhead:
             yield made
 
     def _make(self, epoch: int, batch: Batch) -> tuple[int, Batch, torch.cuda.Event | None]:
-        batch, ready = to_device(batch, self.device), None
+        ready = None
         if self._prepare is not None:
             self._prepare(batch)
         self._made += 1

@@ -93,13 +93,15 @@ def batch_stream(dataset, start_step: int, steps_per_epoch: int | None, epochs: 
                  ) -> Iterator[tuple[int, Batch]]:
     """(epoch, batch) from global step `start_step` on, to the end of `epochs` epochs (endless without).
 
-    Step-indexed datasets (`batch(step)`, epochs of `steps_per_epoch` steps) resume exactly; streamed ones (files)
+    Step-indexed datasets (`batch(step)`, epochs of `steps_per_epoch` steps; without steps_per_epoch every step is
+    of epoch 0 and `epochs` ends nothing, trainer.max_steps does) resume exactly; streamed ones (files)
     are replayed pass after pass and the batches before `start_step` are skipped. The stream ends with the last
     epoch rather than with a batch of the next one: whether a run goes on past a batch is then known without
     that batch, also on a rank that could not make it (train/loop.py).
     """
     if hasattr(dataset, "batch"):
-        for step in count(start_step) if epochs is None else range(start_step, epochs * steps_per_epoch):
+        for step in (range(start_step, epochs * steps_per_epoch) if epochs is not None and steps_per_epoch
+                     else count(start_step)):
             yield (step // steps_per_epoch if steps_per_epoch else 0), dataset.batch(step)
         return
     step = 0

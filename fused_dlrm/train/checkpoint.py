@@ -123,29 +123,34 @@ def _check_optimizer_state(path: Path, saved, prefix: str, wanted: dict, kept: s
                          f"{optimizer}")
 
 
+def _step_folder(path: Path) -> Path:
+    """`path` if a step_<N> folder, else the latest one under it."""
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if _STEP_DIR.match(path.name):
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"no step_<N> checkpoint under {path}")
+    return found
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     embedding_optimizer=None) -> int:
     """Load a step_<N> folder, or the latest one under a checkpoint root; returns the step it was taken at."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    if not _STEP_DIR.match(path.name):
-        found = latest_checkpoint(path)
-        if found is None:
-            raise FileNotFoundError(f"no step_<N> checkpoint under {path}")
-        path = found
     state = _state(model, optimizer, embedding_optimizer)
     # each rank's optimizers hold the state of its own tables (and experts): the checkpoint holds every rank's
     kept = set().union(*_of_every_rank(set().union(*_optimizer_entries(state))))
-    try:
+    try:  # any failure, on any rank (a path one node lacks, unreadable metadata): the others would wait in DCP's
+        path = _step_folder(Path(path))  # collectives for it
         _check_entries(path, state, kept)
         problem = None
-    except ValueError as error:
+    except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
         problem = error
-    problems = _of_every_rank(None if problem is None else str(problem))
+    problems = _of_every_rank(None if problem is None else f"{type(problem).__name__}: {problem}")
     if problem is not None:
         raise problem
-    bad = [rank for rank, text in enumerate(problems) if text]  # the others would wait for it in DCP's collectives
+    bad = [rank for rank, text in enumerate(problems) if text]
     if bad:
         raise ValueError(f"rank {dist.get_rank()}: rank(s) {bad} cannot resume from {path}: {problems[bad[0]]}")
     dcp.load(state, checkpoint_id=path)

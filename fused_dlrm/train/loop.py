@@ -62,13 +62,15 @@ from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
 log = logging.getLogger(__name__)
 
 
-def pull_batch(batches: Iterator[tuple[int, Batch]]) -> Batch | Exception | None:
-    """The next batch of `batches`; None at their end; or the error raised making it. Making a batch can fail on
-    one rank alone (each rank makes its own slice of the global batch: a malformed line in this rank's), and the
-    others would then wait for it in the input dist's all-to-alls: the error goes to the input dist in the batch's
-    place instead (sharded_ebc.FeaturesOrError), which raises it here and an error naming this rank on the others."""
+def pull_batch(batches: Iterator[tuple[int, Batch]], device: torch.device | None) -> Batch | Exception | None:
+    """The next batch of `batches` (copied to `device` unless None); None at their end; or the error raised making
+    it. Making a batch can fail on one rank alone (each rank makes its own slice of the global batch: a malformed
+    line in this rank's; or its copy runs out of memory), and the others would then wait for it in the input dist's
+    all-to-alls: the error goes to the input dist in the batch's place instead (sharded_ebc.FeaturesOrError), which
+    raises it here and an error naming this rank on the others."""
     try:
-        return next(batches)[1]
+        batch = next(batches)[1]
+        return batch if device is None else to_device(batch, device)
     except StopIteration:
         return None
     except Exception as error:  # noqa: BLE001: raised by the input dist, on every rank
@@ -87,10 +89,9 @@ def evaluate(model, dataset, num_batches: int, env: DistEnv) -> dict[str, float]
     batches = batch_stream(dataset, 0, None)
     with torch.no_grad():
         for _ in range(num_batches):
-            batch = pull_batch(batches)
+            batch = pull_batch(batches, env.device)
             if isinstance(batch, Exception):  # where the forward would distribute it: raises on every rank
                 sparse.bags_of(batch)
-            batch = to_device(batch, env.device)
             logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
             metrics.update(logits, batch.labels)
     model.train()
@@ -185,9 +186,8 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     following = []  # with trainer.header_ahead: the batch after the next one, its header already exchanged
 
     def fetch() -> Batch | Exception | None:
-        """`pull_batch`'s next batch, on the device."""
-        batch = pull_batch(batches)
-        return to_device(batch, env.device) if isinstance(batch, Batch) and not batches_ahead else batch
+        """`pull_batch`'s next batch, on the device (the BatchesAhead thread copies its batches there)."""
+        return pull_batch(batches, None if batches_ahead else env.device)
 
     def next_batch() -> Batch | Exception | None:
         """The next batch on the device, its input all-to-all already under way when prefetching; None once the run
