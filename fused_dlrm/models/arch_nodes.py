@@ -188,13 +188,21 @@ class ArchGraph:
 
 
 def dense_arch_nodes(model: nn.Module, grad_allreduce: str = "nccl", graph_batch: int | None = None) -> nn.Module:
-    """model.dense_arch and model.over_arch (torchrec's DLRM arches) as ArchNodes over the default group, in place;
-    with `graph_batch` (GPUs), each captured at that many rows (the over arch's input needs a gradient: it comes
-    from the embeddings; the dense features do not); a rank without samples (0) runs them eagerly."""
+    """model.dense_arch and model.over_arch (torchrec's DLRM arches) as ArchNodes over a group of their own (every
+    rank, made here on every rank), in place; with `graph_batch` (GPUs), each captured at that many rows (the over
+    arch's input needs a gradient: it comes from the embeddings; the dense features do not); a rank without
+    samples (0) runs them eagerly.
+
+    Their own group: the two all-reduces come in one order on every rank (over arch, then dense arch), but their
+    place among the step's other collectives does not. A step called directly (train/direct_step.py) starts the
+    dense arch's before the output dist's backward all-to-all, autograd's after it, and in one step some ranks
+    may take each (a short last batch split unevenly: one rank's batch fits its graphs, its peer's does not). On
+    one group those two would meet each other: a hang."""
     arches = (model.dense_arch, model.over_arch)
     if any(isinstance(a, nn.parallel.DistributedDataParallel) for a in arches):
         raise ValueError("the dense arches are in DDP already: ArchNodes average their gradients themselves")
-    nodes = [ArchNode(a, grad_allreduce=grad_allreduce) for a in arches]
+    group = dist.new_group() if dist.is_initialized() and dist.get_world_size() > 1 else None
+    nodes = [ArchNode(a, group, grad_allreduce) for a in arches]
     if graph_batch:
         weight = nodes[0].params[0]
         rng = torch.Generator(weight.device).manual_seed(0)  # the global generator's stream stays the same
