@@ -214,6 +214,40 @@ def test_batch_sizes_that_change_between_steps():
             torch.testing.assert_close(world.table(t.name), reference.table(t.name), rtol=1e-5, atol=1e-6)
 
 
+def test_kept_outputs_outlive_the_next_step_whatever_its_batch_sizes():
+    """The promise of the double buffers, across plans: a step's output (kept without a clone) is intact after the
+    next step, forward and backward, and the gradient an owner applies is not overwritten by the next step's
+    producers (which only wait for the ack of the step before theirs), whatever batch sizes the next step has.
+    Regression: each plan split the buffers by its own sizes, so after [5, 4] -> [1, 1] -> [1, 1] -> [5, 4] the
+    fourth step's even half covered the third's odd one. [7, 3] grows both buffers midway: the outputs before it
+    stay in the old ones."""
+    tables = make_tables([4, 8, 3, 6], [10, 20, 7, 9])
+    world = World(tables, 2, num_programs=2, optimizer="sgd")
+    gen = torch.Generator().manual_seed(10)
+    kept = None  # the previous step's outputs and what they must hold; its gradients' views and what they held
+    for batch_sizes in ([2, 1], [5, 4], [1, 1], [1, 1], [5, 4], [7, 3], [1, 2], [1, 2], [7, 3]):
+        lengths, values, weights = random_bags(tables, batch_sizes, True, gen)
+        bags = [world.owned_bags(r, lengths, values, weights, batch_sizes) for r in range(2)]
+        expected = expected_outputs(world, lengths, values, weights, batch_sizes)  # before this step's update
+        epochs = [ex.start(b) for ex, b in zip(world.exchanges, bags)]  # every producer first
+        outs = [ex.finish(b, e) for ex, b, e in zip(world.exchanges, bags, epochs)]  # no clone
+        for got, want in zip(outs, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        grads = [torch.randn(o.shape, generator=gen) for o in outs]
+        epochs = [ex.start_backward(b, g) for ex, b, g in zip(world.exchanges, bags, grads)]  # every push
+        if kept is not None:  # the previous step's gradients, read by their owners until this step's wait
+            for view, held in zip(kept[2], kept[3]):
+                assert torch.equal(view, held), f"{batch_sizes}: the previous step's gradient was overwritten"
+        for ex, b, e in zip(world.exchanges, bags, epochs):
+            ex.finish_backward(b, e)
+        if kept is not None:  # valid until the call after next
+            for got, want in zip(kept[0], kept[1]):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                           msg=f"{batch_sizes}: the previous step's output was overwritten")
+        grad_views = [ex._plan(b.batch_sizes).grad[e % 2] for ex, b, e in zip(world.exchanges, bags, epochs)]
+        kept = (outs, expected, grad_views, [g.clone() for g in grad_views])
+
+
 def test_nvshmem_plan_of_uneven_owners():
     """The nvshmem transport's plans: no p2p launches; the gradient in a buffer of its own, which holds the largest
     owner's [global batch, owned dims] in both halves (with one rank owning three of four tables, views over the

@@ -10,7 +10,8 @@ optimizer (the bulk path's code). Transports: p2p (stores through peer pointers)
 through NVSHMEM, from a symmetric copy of the gradient in the backward; crosses nodes).
 
 Outputs live in double-buffered symmetric memory (by step parity): the tensor a step returns stays valid until
-the call after next. Every rank must call in the same order (the flags carry per-exchange step counters).
+the call after next, whatever that call's batch sizes (the halves split the buffer, not one call's rows). Every
+rank must call in the same order (the flags carry per-exchange step counters).
 Each exchange is split into `start` (enqueue the producer kernel) and `finish` (enqueue the wait, return the
 result), so a simulated world in one process can start every rank before any waits.
 """
@@ -74,8 +75,8 @@ class _Plan:
     forward_tiles: PeerTilePlan
     push_tiles: PeerTilePlan
     push_row_base: torch.Tensor  # per destination: the first row of my samples in its gradient buffer
-    pooled_half: int  # elements per half of the pooled output
-    grad_half: int
+    pooled_half: int  # elements per half of the pooled output: half the buffer, whatever this plan's sizes
+    grad_half: int  # the same for the gradient buffer
     pooled: tuple[torch.Tensor, torch.Tensor]  # this rank's [local batch, all dims] result, per half
     grad: tuple[torch.Tensor, torch.Tensor]  # this rank's [global batch, owned dims] gradient, per half
     # p2p only:
@@ -249,14 +250,19 @@ class FusedPooledAllToAll(nn.Module):
         """Built on the first call with these sizes, in the same order on every rank (allocation is collective)."""
         batch_start = [sum(sizes[:r]) for r in range(self.world + 1)]
         global_batch, device = batch_start[-1], self.ws.device
-        pooled_half = max(sizes) * self.row_len
-        pooled = self.ws.buffer("pooled", 2 * pooled_half, torch.float32)
+        pooled_rows = max(sizes) * self.row_len  # elements: my largest [local batch, all dims]
+        pooled = self.ws.buffer("pooled", 2 * pooled_rows, torch.float32)
         pooled_ready, pooled_ack = self._flags("pooled")
-        grad_half = global_batch * max(self.owned_dim + [1])
-        buffers = (pooled, self.ws.buffer("grad", 2 * grad_half, torch.float32))
+        grad = self.ws.buffer("grad", 2 * global_batch * max(self.owned_dim + [1]), torch.float32)
+        # The halves split each buffer as it is (never shrunk), not by these sizes: plans of other sizes share
+        # it, and a step's half must never overlap the previous step's (the producers' guard only keeps them
+        # off the half of the step before that), whichever plans the two steps used.
+        pooled_half, grad_half = pooled.local.numel() // 2, grad.local.numel() // 2
+        buffers = (pooled, grad)
         if self.nvshmem:  # every rank asks for the same sizes: NVSHMEM allocations are collective
-            buffers += (self.ws.buffer("grad_source", pooled_half, torch.float32),)
-        # Plans made before a buffer grew point into the old one: drop them (their sizes plan anew).
+            buffers += (self.ws.buffer("grad_source", pooled_rows, torch.float32),)
+        # Plans made before a buffer grew point into the old one (and split it by its size): drop them (their
+        # sizes plan anew). The outputs they returned stay in the old memory, which nobody writes any more.
         self._plans = {k: p for k, p in self._plans.items() if all(a is b for a, b in zip(p.buffers, buffers))}
         forward_tiles = plan_peer_tiles(self.rank, [(batch_start[s], batch_start[s + 1]) for s in range(self.world)],
                                         [(0, len(self.slices_of_rank[self.rank]))] * self.world,
@@ -269,9 +275,8 @@ class FusedPooledAllToAll(nn.Module):
         plan = _Plan(buffers=buffers, forward_tiles=forward_tiles, push_tiles=push_tiles, push_row_base=my_rows,
                      pooled_half=pooled_half, grad_half=grad_half,
                      pooled=_halves(pooled.local, pooled_half, sizes[self.rank], self.row_len),
-                     grad=_halves(buffers[1].local, grad_half, global_batch, self.owned_dim[self.rank]))
+                     grad=_halves(grad.local, grad_half, global_batch, self.owned_dim[self.rank]))
         if not self.nvshmem:
-            grad = buffers[1]
             grad_ready, grad_ack = self._flags("grad")
             plan.pooled_ptrs = _half_ptrs(pooled, pooled_half)
             plan.grad_ptrs = _half_ptrs(grad, grad_half)
