@@ -163,6 +163,21 @@ def test_fused_comm_is_refused_clearly_where_it_cannot_run():
             ShardedEmbeddingBagCollection(tables, opt, comm=FusedCommConfig(transport=transport))
 
 
+def test_a_gpu_plan_with_two_dtypes_on_one_rank_is_refused_on_every_rank():
+    """Each rank checks every rank's tables (the plan is the same everywhere), before anything is made."""
+    from torchrec.modules.embedding_configs import DataType
+
+    from fused_dlrm.sparse.sharded_ebc import refuse_mixed_dtypes
+
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"]),
+              EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=20, feature_names=["f1"],
+                                 data_type=DataType.FP16)]
+    with pytest.raises(ValueError, match=r"tables of 2 dtypes on rank 0 \(t1: FP16, t0: FP32\)"):
+        ShardedEmbeddingBagCollection(tables, EmbeddingOptimizerConfig(), device="cuda")
+    refuse_mixed_dtypes(plan_sharding(tables, 2), tables)  # one table per rank: each launch has one dtype
+    ShardedEmbeddingBagCollection(tables, EmbeddingOptimizerConfig())  # the CPU's lookup takes a mix
+
+
 def _headers_exchanged_ahead(rank: int, world: int) -> None:
     sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig()).eval()
     keys = [f for t in TABLES for f in t.feature_names]

@@ -71,6 +71,20 @@ def table_seeds(tables: list[EmbeddingBagConfig], seed: int) -> dict[str, int]:
     return {t.name: seed * 100_003 + i for i, t in enumerate(tables)}
 
 
+def refuse_mixed_dtypes(plan: TableShardingPlan, tables: list[EmbeddingBagConfig]) -> None:
+    """On GPUs a rank's lookup and embedding update are one launch each, over tables of one dtype: a plan that puts
+    tables of two dtypes on one rank is refused here, on every rank (each checks every rank's shards), not at that
+    rank's first batch while its peers wait for it in the output dist."""
+    by_name = {t.name: t for t in tables}
+    for rank in range(plan.world_size):
+        dtypes = {by_name[s.table].data_type.name: s.table for s in plan.shards_of(rank)}
+        if len(dtypes) > 1:
+            raise ValueError(f"the plan puts tables of {len(dtypes)} dtypes on rank {rank} "
+                             f"({', '.join(f'{t}: {d}' for d, t in sorted(dtypes.items()))}); on GPUs a rank's tables "
+                             f"share one dtype: give the tables one data_type, or a plan that keeps the dtypes on "
+                             f"separate ranks")
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: list[EmbeddingBagConfig], optimizer: EmbeddingOptimizerConfig,
                  device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None,
@@ -87,6 +101,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if self.plan.world_size != self.world_size:
             raise ValueError(f"plan is for {self.plan.world_size} ranks, the process group has {self.world_size}")
         self.plan.check(tables)
+        if torch.device(device).type == "cuda":
+            refuse_mixed_dtypes(self.plan, tables)
         self._configs = list(tables)
         self.feature_names = [f for t in tables for f in t.feature_names]
         if len(set(self.feature_names)) != len(self.feature_names):
