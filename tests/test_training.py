@@ -300,6 +300,8 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
             (["trainer.max_steps=null", "trainer.epochs=1", "data.steps_per_epoch=null"],
              "set it \\(>= 1\\), or trainer.max_steps; without it the run would never end"),
             (["trainer.log_every=0"], "trainer.log_every=0: expected a step count >= 1"),
+            (["trainer.checkpoint_every=2", "trainer.keep_checkpoints=0"],
+             "trainer.keep_checkpoints=0: expected a count >= 1"),
             (["+data.train.device=cuda"], "data.train.device=cuda makes the batches on a GPU, but the model is on cpu"),
             (["comm.grad_allreduce=q7"], "comm.grad_allreduce='q7': expected one of"),
             (["model.pooling=max"], r"model.pooling='max': expected one of \('sum', 'mean'\)"),

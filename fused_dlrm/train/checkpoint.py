@@ -44,8 +44,16 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
+def check_keep_last(keep_last: int) -> None:
+    """How many checkpoints a run keeps (trainer.keep_checkpoints): at least the one just saved."""
+    if not (isinstance(keep_last, int) and keep_last >= 1):
+        raise ValueError(f"trainer.keep_checkpoints={keep_last!r}: expected a count >= 1 (the checkpoint just saved "
+                         f"is always kept)")
+
+
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     embedding_optimizer=None, keep_last: int = 2) -> Path:
+    check_keep_last(keep_last)
     root = Path(root)
     final, partial = root / f"step_{step}", root / f"step_{step}.partial"
     if _is_main():

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from fused_dlrm.dist import DistEnv, all_reduce_sum
-from fused_dlrm.train.checkpoint import latest_checkpoint
+from fused_dlrm.train.checkpoint import check_keep_last, latest_checkpoint
 
 class NonFiniteLossError(RuntimeError):
     pass
@@ -87,6 +87,8 @@ class TrainingRun:
                  save: Callable[[int], None], log: logging.Logger, loss_terms: int = 1):
         if not trainer.log_every >= 1:  # every step count is taken modulo it (and the loss checked at it)
             raise ValueError(f"trainer.log_every={trainer.log_every}: expected a step count >= 1")
+        if trainer.checkpoint_every:  # before training, not at the first checkpoint
+            check_keep_last(trainer.keep_checkpoints)
         later = latest_checkpoint(checkpoint_dir) if trainer.checkpoint_every and checkpoint_dir.exists() else None
         if later is not None and int(later.name.split("_")[1]) > step:  # its pruning would delete this run's own
             raise ValueError(f"trainer.checkpoint_dir {checkpoint_dir} already holds {later.name}, after this run's "
