@@ -19,6 +19,7 @@ from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.sparse.sharded_ebc import ShardedEmbeddingBagCollection
 from fused_dlrm.train.build import build_dataset, build_model, dense_parameters
 from fused_dlrm.train.loop import train, train_step
+from fused_dlrm.train.metrics import CTRMetrics
 from fused_dlrm.train.schedule import NonFiniteLossError, TrainingRun
 from fused_dlrm.train.rundir import register_resolvers
 from world import run_torchrun, run_world
@@ -200,16 +201,20 @@ def test_torchrun_processes(tmp_path, nproc):
     assert [e["step"] for e in evals] == [10, 20]
 
 
-def test_epochs_over_criteo_files(tmp_path):
-    """trainer.epochs with the TSV reader: each epoch is one pass over the file, resumable mid-epoch."""
+def _criteo_file(path: Path, num_lines: int) -> Path:
     gen = torch.Generator().manual_seed(0)
     lines = []
-    for i in range(70):  # 70 lines, global batch 16: 4 full batches and one short one per epoch
+    for i in range(num_lines):
         dense = [str(int(x)) if x > 0 else "" for x in torch.randint(-1, 50, (13,), generator=gen)]
         cats = [f"{int(x):08x}" if x % 7 else "" for x in torch.randint(0, 2**31, (26,), generator=gen)]
         lines.append("\t".join(["1" if i % 3 == 0 else "0"] + dense + cats))
-    path = tmp_path / "day_0.tsv"
     path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_epochs_over_criteo_files(tmp_path):
+    """trainer.epochs with the TSV reader: each epoch is one pass over the file, resumable mid-epoch."""
+    path = _criteo_file(tmp_path / "day_0.tsv", 70)  # global batch 16: 4 full batches and one short one per epoch
     common = ["data=criteo", "data.global_batch_size=16", "data.eval_batches=2", f"data.train.paths=[{path}]",
               f"data.eval.paths=[{path}]", "model.num_rows=100", "trainer.max_steps=null", "trainer.epochs=2",
               "trainer.log_every=1", "trainer.eval_every=0", "trainer.checkpoint_every=3", "trainer.keep_checkpoints=5",
@@ -219,6 +224,23 @@ def test_epochs_over_criteo_files(tmp_path):
     resumed = train(config(*common, f"trainer.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_6'}"),
                     CPU, tmp_path / "resumed")
     assert resumed.losses == [(s, l) for s, l in full.losses if s > 6]
+
+
+def test_evaluation_reads_a_short_file_once(tmp_path, monkeypatch, caplog):
+    """data.eval_batches beyond the eval file's batches: its samples are each counted once (the stream used to
+    start over at the top of the file), with a warning."""
+    path = _criteo_file(tmp_path / "eval.tsv", 70)  # global batch 16: 5 batches
+    counted = []
+    update = CTRMetrics.update
+    monkeypatch.setattr(CTRMetrics, "update", lambda self, logits, labels: counted.append(labels.numel()) or
+                        update(self, logits, labels))
+    with caplog.at_level(logging.WARNING, logger="fused_dlrm.train.loop"):
+        train(config("data=criteo", "data.global_batch_size=16", "data.eval_batches=9", f"data.train.paths=[{path}]",
+                     f"data.eval.paths=[{path}]", "model.num_rows=100", "trainer.max_steps=1",
+                     "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.progress=false"),
+              CPU, tmp_path / "run")
+    assert counted == [16, 16, 16, 16, 6]
+    assert "holds 5 global batches, fewer than data.eval_batches=9" in caplog.text
 
 
 def test_epochs_end_synthetic_runs_only_with_steps_per_epoch(tmp_path):

@@ -86,10 +86,14 @@ def evaluate(model, dataset, num_batches: int, env: DistEnv) -> dict[str, float]
     sparse = model.sparse_arch.embedding_bag_collection
     metrics = CTRMetrics(env.device)
     model.eval()
-    batches = batch_stream(dataset, 0, None)
+    batches = batch_stream(dataset, 0, None, epochs=1)  # a file's batches once: none of its samples counted twice
     with torch.no_grad():
-        for _ in range(num_batches):
+        for made in range(num_batches):
             batch = pull_batch(batches, env.device)
+            if batch is None:  # the same batch on every rank: each reads every global batch of the file
+                log.warning("the evaluation data holds %d global batches, fewer than data.eval_batches=%d: "
+                            "evaluated on those", made, num_batches)
+                break
             if isinstance(batch, Exception):  # where the forward would distribute it: raises on every rank
                 sparse.bags_of(batch)
             logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
