@@ -192,8 +192,9 @@ def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: 
 
 def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     t, m = cfg.trainer, cfg.model
-    if t.max_steps is None:
-        raise ValueError("the MoE Transformer trains for trainer.max_steps steps (trainer.epochs is not supported)")
+    if t.max_steps is None or t.epochs is not None:  # not silently ignored: its windows are drawn, not passed over
+        raise ValueError(f"the MoE Transformer trains for trainer.max_steps steps (got max_steps={t.max_steps}); "
+                         f"trainer.epochs is not supported (got {t.epochs})")
     if cfg.data.eval_batches < 1:  # the loss of no batch would be 0 / 0, and every run ends with an evaluation
         raise ValueError(f"data.eval_batches={cfg.data.eval_batches}: the evaluation needs at least one batch")
     check_grad_allreduce(cfg.comm.grad_allreduce)

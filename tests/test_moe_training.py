@@ -297,7 +297,8 @@ def test_bad_settings_are_refused_before_training(tmp_path):
                              (["model.capacity_factor=0"], "capacity_factor must be > 0"),
                              (["model.capacity_factor=-1.0"], "capacity_factor must be > 0"),
                              (["comm.grad_allreduce=q7"], "comm.grad_allreduce='q7': expected one of"),
-                             (["data.eval_batches=0"], "data.eval_batches=0: the evaluation needs at least one")):
+                             (["data.eval_batches=0"], "data.eval_batches=0: the evaluation needs at least one"),
+                             (["trainer.epochs=2"], "trainer.epochs is not supported \\(got 2\\)")):
         with pytest.raises(ValueError, match=error):
             train(config(*SMALL, "trainer.max_steps=2", *overrides), CPU, tmp_path)
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):

@@ -243,6 +243,14 @@ def test_evaluation_reads_a_short_file_once(tmp_path, monkeypatch, caplog):
     assert "holds 5 global batches, fewer than data.eval_batches=9" in caplog.text
 
 
+def test_steps_per_epoch_is_refused_for_files(tmp_path):
+    """An epoch of file-backed data is one pass over the files: a data.steps_per_epoch would be ignored."""
+    path = _criteo_file(tmp_path / "day_0.tsv", 20)
+    with pytest.raises(ValueError, match="data.steps_per_epoch=3: an epoch of file-backed data is one pass"):
+        train(config("data=criteo", "data.global_batch_size=16", f"data.train.paths=[{path}]",
+                     f"data.eval.paths=[{path}]", "model.num_rows=100", "data.steps_per_epoch=3"), CPU, tmp_path / "r")
+
+
 def test_epochs_end_synthetic_runs_only_with_steps_per_epoch(tmp_path):
     """Step-indexed data: trainer.epochs counts epochs of data.steps_per_epoch steps (2 x 3 here, max_steps
     further); without steps_per_epoch every step is of epoch 0 and max_steps ends the run."""

@@ -150,6 +150,9 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     sparse = model.sparse_arch.embedding_bag_collection
     optimizer = instantiate(t.dense_optimizer, params=dense_parameters(model))
     train_data, eval_data = build_dataset(cfg, "train", env), build_dataset(cfg, "eval", env)
+    if not hasattr(train_data, "batch") and cfg.data.get("steps_per_epoch"):
+        raise ValueError(f"data.steps_per_epoch={cfg.data.steps_per_epoch}: an epoch of file-backed data is one pass "
+                         f"over its files; set it to null (trainer.max_steps ends a run mid-epoch)")
     if t.max_steps is None and hasattr(train_data, "batch") and not cfg.data.get("steps_per_epoch"):
         raise ValueError("trainer.epochs with step-indexed (synthetic) data counts epochs of data.steps_per_epoch "
                          "steps: set it (>= 1), or trainer.max_steps; without it the run would never end")
