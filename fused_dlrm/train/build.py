@@ -46,6 +46,8 @@ def config_tables(cfg: DictConfig) -> list[EmbeddingBagConfig]:
 
 def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     m = cfg.model
+    if m.dense_arch[-1] != m.embedding_dim:  # the interaction takes the bottom MLP's output as one more embedding
+        raise ValueError(f"model.dense_arch={list(m.dense_arch)} must end in model.embedding_dim={m.embedding_dim}")
     tables = config_tables(cfg)
     model = build_dlrm(tables, cfg.data.num_dense, m.dense_arch, m.over_arch,
                        EmbeddingOptimizerConfig(**m.embedding_optimizer), env.device, seed=cfg.seed,

@@ -122,12 +122,15 @@ class TrainingRun:
         a checkpoint, an evaluation."""
         step = self.step
         saving = bool(self.checkpoint_every) and step % self.checkpoint_every == 0
+        evaluating = bool(self.eval_every) and step % self.eval_every == 0
         if step % self.log_every == 0 or saving:
             self.check_loss()
+        elif evaluating and self.env.device.type == "cuda":  # the steps the GPU still runs belong to the interval
+            torch.cuda.synchronize(self.env.device)
         start = time.perf_counter()
         if saving:
             self.checkpoint()
-        if self.eval_every and step % self.eval_every == 0:
+        if evaluating:
             self.run_eval()
         self.interval_start += time.perf_counter() - start  # the interval times steps, not checkpoints or evals
 
