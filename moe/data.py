@@ -12,6 +12,7 @@ is therefore the same whatever the world size.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sysconfig
 from pathlib import Path
@@ -19,6 +20,8 @@ from pathlib import Path
 import torch
 
 from fused_dlrm.data.batching import local_batch_bounds
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SIZE_BYTES = 2_000_000
 EVAL_FRACTION = 0.05
@@ -41,7 +44,11 @@ def stdlib_corpus(size_bytes: int = DEFAULT_SIZE_BYTES) -> bytes:
         total += len(parts[-1])
         if total >= size_bytes:
             break
-    return b"".join(parts)[:size_bytes]
+    data = b"".join(parts)[:size_bytes]
+    if len(data) < size_bytes:  # trained on what there is, but not without a word
+        log.warning("the standard library's module sources hold %d bytes, fewer than data.size_bytes=%d: the "
+                    "corpus is all of them", len(data), size_bytes)
+    return data
 
 
 def load_corpus(path: str | os.PathLike | None, cache: str | os.PathLike | None = None,

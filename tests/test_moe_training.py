@@ -234,6 +234,13 @@ def test_stdlib_corpus_and_cache(tmp_path):
     assert load_corpus(None, cache, 50_000) == corpus and cache.read_bytes() == corpus
 
 
+def test_a_stdlib_smaller_than_asked_is_all_of_it_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="moe.data"):
+        corpus = stdlib_corpus(10**12)
+    assert 0 < len(corpus) < 10**12
+    assert f"hold {len(corpus)} bytes, fewer than data.size_bytes={10**12}" in caplog.text
+
+
 def test_batches_are_rank_slices_of_one_global_batch():
     corpus = bytes(range(256)) * 40
     whole = ByteWindows(corpus, "train", 16, 6, seed=3)

@@ -2,7 +2,8 @@
 
 Each rank generates only its own slice of every global batch, from a generator
 seeded by ``(seed, split, step, rank)``, so the stream is reproducible and needs
-no communication. Labels come from a fixed hidden "teacher" model of the
+no communication; the samples therefore depend on the world size (a run compares
+with runs at its own world size). Labels come from a fixed hidden "teacher" model of the
 features, so a DLRM trained on this data can actually learn something (its AUC
 rises well above 0.5).
 """
