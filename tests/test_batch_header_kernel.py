@@ -1,7 +1,8 @@
 """The input dist's header kernel (interpreter on the CPU) against its torch reference: keys of uneven and empty
 value counts, Zipf-skewed indices with some out of range (negative, equal to and past the table size), values
 beyond the lengths' sum and fewer than it, int32 and int64 values, destinations owning different feature counts,
-more values than one program's block; the header starts poisoned but for the column the programs add into."""
+more values than one program's block, with and without per-sample weights; the header starts poisoned but for the
+column the programs add into."""
 
 from __future__ import annotations
 
@@ -40,22 +41,23 @@ def _header_keys(num_keys: int, world: int, seed: int) -> torch.Tensor:
     return torch.tensor([o + [num_keys] * (width - len(o)) for o in owned])
 
 
-@pytest.mark.parametrize("num_keys,world,local_batch,extra,bad,dtype", [
-    (7, 2, 300, 0, 0, torch.int64),  # > one block of values, all in range
-    (7, 2, 300, 0, 9, torch.int64),
-    (13, 4, 57, 5, 3, torch.int32),  # values beyond the lengths' sum
-    (13, 3, 57, -4, 2, torch.int64),  # fewer values than the lengths say
-    (1, 1, 9, 0, 1, torch.int64),
-    (5, 8, 2, 0, 0, torch.int64),  # ranks owning no feature
+@pytest.mark.parametrize("num_keys,world,local_batch,extra,bad,dtype,has_weights", [
+    (7, 2, 300, 0, 0, torch.int64, False),  # > one block of values, all in range
+    (7, 2, 300, 0, 9, torch.int64, True),
+    (13, 4, 57, 5, 3, torch.int32, True),  # values beyond the lengths' sum
+    (13, 3, 57, -4, 2, torch.int64, False),  # fewer values than the lengths say
+    (1, 1, 9, 0, 1, torch.int64, True),
+    (5, 8, 2, 0, 0, torch.int64, False),  # ranks owning no feature
 ])
-def test_kernel_equals_reference(num_keys, world, local_batch, extra, bad, dtype):
+def test_kernel_equals_reference(num_keys, world, local_batch, extra, bad, dtype, has_weights):
     seed = num_keys * 100 + world * 10 + bad
     values, counts, rows = _batch(seed, num_keys, local_batch, extra, bad, dtype)
     header_keys = _header_keys(num_keys, world, seed)
-    want = bh.batch_header_reference(values, counts, rows, header_keys, local_batch)
-    got = bh.launch_batch_header(values, counts, rows, header_keys, local_batch)
+    want = bh.batch_header_reference(values, counts, rows, header_keys, local_batch, has_weights)
+    got = bh.launch_batch_header(values, counts, rows, header_keys, local_batch, has_weights)
     assert torch.equal(got, want), (got, want)
     assert (want[:, bh.OUT_OF_RANGE] > 0).any() == (bad > 0 and bool(((values < 0) | (values >= 500)).any()))
+    assert (want[:, bh.WEIGHTS] == int(has_weights)).all()
     assert not want[:, [bh.NO_BATCH, bh.BAD_KEYS]].any()  # the input dist's alone, for a batch that cannot travel
 
 
@@ -63,8 +65,8 @@ def test_no_values():
     counts, rows = torch.zeros(3, dtype=torch.int64), torch.tensor([4, 5, 6])
     header_keys = _header_keys(3, 2, 0)
     values = torch.empty(0, dtype=torch.int64)
-    want = bh.batch_header_reference(values, counts, rows, header_keys, 11)
-    assert torch.equal(bh.launch_batch_header(values, counts, rows, header_keys, 11), want)
+    want = bh.batch_header_reference(values, counts, rows, header_keys, 11, True)
+    assert torch.equal(bh.launch_batch_header(values, counts, rows, header_keys, 11, True), want)
 
 
 def test_poisoned_header_is_fully_written(monkeypatch):
@@ -74,8 +76,8 @@ def test_poisoned_header_is_fully_written(monkeypatch):
         1, torch.tensor([bh.OUT_OF_RANGE]), 0))
     values, counts, rows = _batch(3, 6, 40, 0, 2, torch.int64)
     header_keys = _header_keys(6, 4, 3)
-    want = bh.batch_header_reference(values, counts, rows, header_keys, 40)
-    assert torch.equal(bh.launch_batch_header(values, counts, rows, header_keys, 40), want)
+    want = bh.batch_header_reference(values, counts, rows, header_keys, 40, False)
+    assert torch.equal(bh.launch_batch_header(values, counts, rows, header_keys, 40, False), want)
 
 
 @pytest.mark.parametrize("values_type", ["*i64", "*i32"])
@@ -92,6 +94,6 @@ def test_strided_values():
     values, counts, rows = _batch(11, 5, 30, 0, 3, torch.int64)
     strided = torch.stack([values, torch.full_like(values, -5)], dim=1)[:, 0]  # every other element of a buffer
     header_keys = _header_keys(5, 2, 11)
-    want = bh.batch_header_reference(values, counts, rows, header_keys, 30)
+    want = bh.batch_header_reference(values, counts, rows, header_keys, 30, True)
     assert not strided.is_contiguous()
-    assert torch.equal(bh.launch_batch_header(strided, counts, rows, header_keys, 30), want)
+    assert torch.equal(bh.launch_batch_header(strided, counts, rows, header_keys, 30, True), want)

@@ -126,3 +126,36 @@ def test_int32_values_travel_with_the_lengths_as_int64_ones_do(row_shards):
     the owners the same bags (lengths back in their own dtype), weights alongside, 3 ranks with uneven batches;
     and so do int32 indices cut by row block."""
     run_world(3, _int32_values_like_int64, row_shards)
+
+
+def _weights_on_rank_0_only(rank: int, world: int, is_weighted: bool | None, row_shards) -> None:
+    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig(), is_weighted=is_weighted,
+                                            plan=plan_sharding(TABLES, world, row_shards=row_shards))
+    keys = [f for t in TABLES for f in t.feature_names]
+    lengths, values, weights = global_batch(0, 6, TABLES, True)
+    start, stop = local_batch_bounds(6, rank, world)
+    agreed = to_kjt(keys, lengths, values, weights if is_weighted else None, start, stop)  # alike on every rank
+    good = sharded(agreed).values().clone()
+    mixed = to_kjt(keys, lengths, values, weights if rank == 0 else None, start, stop)
+    if is_weighted is False:  # ignored, as by torchrec's unweighted EBC: none travel
+        torch.testing.assert_close(sharded(mixed).values(), good)
+        return
+    if is_weighted:  # rank 1 lacks what the collection needs
+        message = (r"rank 1: the EmbeddingBagCollection is weighted \(is_weighted=True\) but the KeyedJaggedTensor "
+                   r"has no weights" if rank == 1 else
+                   r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors without per-sample weights, but the "
+                   r"EmbeddingBagCollection is weighted \(is_weighted=True\)")
+    else:  # no rank is wrong alone: each names both sides
+        message = rf"rank {rank}: rank\(s\) \[0\] sent per-sample weights and rank\(s\) \[1\] did not"
+    with pytest.raises(ValueError, match=message):
+        sharded(mixed)
+    torch.testing.assert_close(sharded(agreed).values(), good)  # nothing stayed behind
+
+
+@pytest.mark.parametrize("is_weighted,row_shards", [(None, 1), (None, {"t1": 2, "t3": 3}), (True, 1), (False, 1)],
+                         ids=["per_batch", "per_batch_row_blocks", "weighted", "unweighted"])
+def test_weights_on_some_ranks_raise_on_every_rank(is_weighted, row_shards):
+    """Weights travel in an all-to-all of their own: the header says whose KJT has them, and where the ranks
+    disagree (or a weighted collection gets none) every rank raises before it, instead of a collective mismatch
+    (gloo aborts the process; NCCL hangs or reads garbage)."""
+    run_world(2, _weights_on_rank_0_only, is_weighted, row_shards, timeout=120)

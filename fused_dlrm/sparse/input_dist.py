@@ -5,9 +5,11 @@ for every sample of the global batch, in source-rank order (rank 0's samples fir
 into column shards travels to each shard's rank, one whose table is cut into row blocks is cut first, each block's
 indices going to its rank only (sparse/row_wise.py). Bulk-synchronous, with torch.distributed:
   1. a header all-to-all: local batch size, what is wrong with the batch (unknown or missing keys, values that
-     disagree with the lengths, out-of-range indices, or no batch at all: this rank could not make it), and the
-     value count of each feature per destination (sizes must be known on the host);
-  2. one all-to-all of lengths and values (3. per-sample weights, when the KJT has them).
+     disagree with the lengths, out-of-range indices, or no batch at all: this rank could not make it), whether
+     per-sample weights travel, and the value count of each feature per destination (sizes must be known on the
+     host);
+  2. one all-to-all of lengths and values (3. per-sample weights, when the batches have them: every rank's or
+     none, else every rank raises before it).
 One host sync: the header sent and the header received, read together. Everything else stays on the device: the
 regroups before and after the exchange are one kernel each on GPUs (kernels/segment_gather.py; not a split + cat
 per feature, whose host time grows with the feature count), and the checks of the batch ride in the header, so
@@ -30,7 +32,7 @@ from torchrec import KeyedJaggedTensor
 from fused_dlrm.dist.alltoall import all_to_all_v, exchange_counts
 from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.kernels.batch_header import (BAD_KEYS, BATCH, EXTRA_VALUES, FIRST_COUNT, NO_BATCH, OUT_OF_RANGE,
-                                             batch_header, value_keys)
+                                             WEIGHTS, batch_header, value_keys)
 from fused_dlrm.kernels.segment_gather import gather_segments
 from fused_dlrm.sparse.plan import RowBlock
 from fused_dlrm.sparse.row_wise import RowBuckets
@@ -127,17 +129,22 @@ class BulkInputDist:
     features_of_rank[r]: the features rank r receives, in its lookup's order (a feature may go to several ranks,
     and to one rank several times: once per column shard of its table there); tables: for every feature, (table
     name, rows). A KJT with other keys raises KeyError, one whose values and
-    lengths disagree ValueError, and indices outside [0, rows) IndexError: on every rank. A batch that a rank could
+    lengths disagree ValueError, and indices outside [0, rows) IndexError: on every rank; so do per-sample weights
+    that some ranks' KJTs have and others' lack (ValueError; `is_weighted`). A batch that a rank could
     not make (`start_failed`) raises its error there and RuntimeError on the other ranks."""
 
     def __init__(self, features_of_rank: list[list[str]], tables: dict[str, tuple[str, int]],
                  group: dist.ProcessGroup | None = None, row_blocks: dict[str, list[RowBlock]] | None = None,
-                 mean_row_wise: Sequence[str] = ()):
+                 mean_row_wise: Sequence[str] = (), is_weighted: bool | None = None):
         """row_blocks: the row-wise features' blocks (plan.row_blocks; the ranks receive the blocks' features);
-        mean_row_wise: those whose bag sizes the bags carry (OwnedBags.pooling_divisors), in that order."""
+        mean_row_wise: those whose bag sizes the bags carry (OwnedBags.pooling_divisors), in that order;
+        is_weighted: the per-sample weights the tables take, as torchrec's EmbeddingBagCollection(is_weighted=):
+        True, every KJT must have them; False, they are ignored (not sent); None, a batch's weights are sent when
+        the KJTs have them, and every rank's must then have them."""
         self.features_of_rank = features_of_rank
         self.tables = tables
         self.group = group
+        self.is_weighted = is_weighted
         self.row_blocks, self.mean_row_wise = row_blocks or {}, list(mean_row_wise)
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.send_order = [f for feats in features_of_rank for f in feats]  # rank-grouped feature order
@@ -203,11 +210,12 @@ class BulkInputDist:
         else:
             lengths = kjt.lengths().view(len(keys), local_batch).long()
             counts = lengths.sum(dim=1)  # values per key
-            sent = _Sent(values, lengths, counts, kjt.weights_or_none())
-            if plan.buckets is None:
-                header = batch_header(values, counts, plan.rows, plan.header_keys, local_batch)  # one kernel on GPUs
+            weights = None if self.is_weighted is False else kjt.weights_or_none()
+            sent = _Sent(values, lengths, counts, weights)
+            if plan.buckets is None:  # one kernel on GPUs
+                header = batch_header(values, counts, plan.rows, plan.header_keys, local_batch, weights is not None)
             else:  # the checks of the uncut batch, the counts of its cut
-                header = batch_header(values, counts, plan.rows, plan.no_keys, local_batch)
+                header = batch_header(values, counts, plan.rows, plan.no_keys, local_batch, weights is not None)
                 cut_values, cut_lengths, cut_weights = plan.buckets.cut(values, lengths, sent.weights)
                 cut_counts = cut_lengths.sum(dim=1)
                 header[:, FIRST_COUNT:] = torch.cat([cut_counts, cut_counts.new_zeros(1)])[plan.header_keys]
@@ -291,7 +299,8 @@ class BulkInputDist:
     def _raise_for_bad_input(self, recv_header: list[list[int]], pending: PendingHeader) -> None:
         """Every rank raises when any rank's batch is bad or missing (the header carries each source's verdict): the
         rank whose batch it is says what is wrong with it (a missing one: the error raised making it), the others
-        name that rank (the same kind of error for a bad batch, RuntimeError for a missing one)."""
+        name that rank (the same kind of error for a bad batch, RuntimeError for a missing one); then the weights'
+        checks (`_raise_for_weights`)."""
         kjt, problem, counts, plan = pending.kjt, pending.problem, pending.counts, pending.plan
         for column, error, what in (
                 (NO_BATCH, RuntimeError, "could not make their batch"),
@@ -321,3 +330,23 @@ class BulkInputDist:
             table, rows = self.tables[key]
             raise error(f"rank {self.rank}: feature '{key}' has index {int(values[i])}, outside table '{table}' "
                         f"of {rows} rows")
+        self._raise_for_weights([bool(row[WEIGHTS]) for row in recv_header])
+
+    def _raise_for_weights(self, has_weights: list[bool]) -> None:
+        """Every rank raises, before the weights' all-to-all (which a rank without weights would not join), when
+        a weighted collection gets a KJT without weights (that rank says so, the others name it) or, with
+        is_weighted=None, when some ranks' KJTs have weights and others' not (no rank is wrong alone: every rank
+        names both sides). has_weights: each source's header says whether its weights travel."""
+        without = [s for s, has in enumerate(has_weights) if not has]
+        if not without or (len(without) == len(has_weights) and not self.is_weighted):
+            return
+        weighted = "the EmbeddingBagCollection is weighted (is_weighted=True)"
+        if self.is_weighted and self.rank in without:
+            raise ValueError(f"rank {self.rank}: {weighted} but the KeyedJaggedTensor has no weights")
+        if self.is_weighted:
+            raise ValueError(f"rank {self.rank}: rank(s) {without} sent KeyedJaggedTensors without per-sample "
+                             f"weights, but {weighted} (their error says more)")
+        raise ValueError(f"rank {self.rank}: rank(s) {[s for s, has in enumerate(has_weights) if has]} sent "
+                         f"per-sample weights and rank(s) {without} did not: the EmbeddingBagCollection "
+                         "(is_weighted=None) takes a batch's weights when every rank's KeyedJaggedTensor has them "
+                         "(is_weighted=True requires them, False ignores them)")

@@ -88,10 +88,13 @@ def refuse_mixed_dtypes(plan: TableShardingPlan, tables: list[EmbeddingBagConfig
 class ShardedEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: list[EmbeddingBagConfig], optimizer: EmbeddingOptimizerConfig,
                  device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None,
-                 plan: TableShardingPlan | None = None, seed: int = 0, comm: FusedCommConfig | None = None):
+                 plan: TableShardingPlan | None = None, seed: int = 0, comm: FusedCommConfig | None = None,
+                 is_weighted: bool | None = None):
         """plan: None for table-wise (plan_sharding's); comm: None for the bulk-synchronous path
         (torch.distributed all-to-alls), or the fused exchange's settings (CUDA only): lookup and output dist then
-        run as one kernel that stores into peers' memory."""
+        run as one kernel that stores into peers' memory; is_weighted: whether the tables take per-sample weights,
+        as torchrec's EmbeddingBagCollection(is_weighted=) (True: required, False: ignored), or None: a batch's
+        weights are used when every rank's KJT has them (BulkInputDist)."""
         super().__init__()
         for t in tables:  # before anything is made of them
             check_table(t)
@@ -122,7 +125,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.input_dist = BulkInputDist(features_of_rank, {f: (t.name, t.num_embeddings) for t in tables
                                                            for f in t.feature_names},
                                         self._own_group() if device.type == "cuda" else group,
-                                        self.plan.row_blocks(tables), [c.feature for c in row_wise if c.mean])
+                                        self.plan.row_blocks(tables), [c.feature for c in row_wise if c.mean],
+                                        is_weighted)
         seeds = table_seeds(tables, seed)
         by_name = {t.name: t for t in tables}
         # A shard starts as its rows and columns of its table's initialisation, so that the plan does not change the
@@ -164,7 +168,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         must run it on the same batches everywhere (a bad batch raises there, on every rank; so does one that a
         rank could not make, for which that rank's thread calls it with the error: BatchesAhead's prepare_failed)."""
         input_dist = BulkInputDist(self.input_dist.features_of_rank, self.input_dist.tables, self._own_group(),
-                                   self.input_dist.row_blocks, self.input_dist.mean_row_wise)
+                                   self.input_dist.row_blocks, self.input_dist.mean_row_wise,
+                                   self.input_dist.is_weighted)
 
         def distribute(features: FeaturesOrError) -> None:
             bags, ready = input_dist.finish(self._start(input_dist, features)), None
