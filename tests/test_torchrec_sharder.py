@@ -22,6 +22,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
@@ -39,7 +40,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from fused_dlrm.data.batching import local_batch_bounds
-from fused_dlrm.sparse import EmbeddingOptimizerConfig
+from fused_dlrm.sparse import EmbeddingOptimizerConfig, plan_sharding
 from fused_dlrm.sparse.sharded_ebc import shard_weight
 from fused_dlrm.sparse.torchrec_sharder import (OFFERED_BY_DEFAULT, SHARDING_TYPES, FusedEmbeddingBagCollectionSharder,
                                                 FusedShardedEBC, plan_from_torchrec, torchrec_in_backward_optimizer)
@@ -502,6 +503,42 @@ def test_one_rank_module_copies_weights_and_matches_unsharded():
                                  {t.name: tw(0) for t in TABLES}, ShardingEnv.from_local(1, 0), CPU)
         weighted(to_kjt(keys_of(TABLES), lengths, values, None, 0, 5))
 
+
+def _bad_batch_on_rank_1(rank: int, world: int) -> None:
+    ebc = EmbeddingBagCollection(SUM_TABLES, is_weighted=True)
+    sharded = FusedShardedEBC(ebc, plan_sharding(SUM_TABLES, world),
+                              ShardingEnv.from_process_group(dist.group.WORLD), EmbeddingOptimizerConfig("sgd"))
+    keys = keys_of(SUM_TABLES)
+    lengths, values, weights = global_batch(0, 6, SUM_TABLES, True)
+    start, stop = local_batch_bounds(6, rank, world)
+    kjt = to_kjt(keys, lengths, values, weights, start, stop)
+    good = sharded(kjt).values().clone()
+
+    no_weights = to_kjt(keys, lengths, values, weights if rank == 0 else None, start, stop)
+    with pytest.raises(ValueError, match=r"rank 1: the EmbeddingBagCollection is weighted \(is_weighted=True\) but "
+                       r"the KeyedJaggedTensor has no weights" if rank == 1 else
+                       r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors without per-sample weights"):
+        sharded(no_weights)
+
+    # A variable batch size per feature: key 0 without its last sample (and that bag's values).
+    per_key = kjt.lengths().view(len(keys), -1)
+    end, last = int(per_key[0].sum()), int(per_key[0, -1])
+    variable = KeyedJaggedTensor(
+        keys=keys, values=torch.cat([kjt.values()[:end - last], kjt.values()[end:]]),
+        weights=torch.cat([kjt.weights()[:end - last], kjt.weights()[end:]]),
+        lengths=torch.cat([per_key[0, :-1], per_key[1:].reshape(-1)]),
+        stride_per_key_per_rank=[[per_key.shape[1] - 1]] + [[per_key.shape[1]]] * (len(keys) - 1))
+    with pytest.raises(ValueError, match=r"rank 1: .*\(a variable stride per key\)" if rank == 1 else
+                       r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values and lengths disagree"):
+        sharded(variable if rank == 1 else kjt)
+    torch.testing.assert_close(sharded(kjt).values(), good)  # nothing stayed behind
+
+
+def test_a_bad_batch_raises_on_every_rank():
+    """The weighted EBC's check of its weights and the refusal of a variable batch size per feature ride in the
+    input dist's header: every rank raises at that batch (none waits in the header's all-to-all for a rank that
+    raised before it), and goes on with the next good one."""
+    run_world(2, _bad_batch_on_rank_1, timeout=120)
 
 def test_meta_device_collection_keeps_our_init():
     ebc = EmbeddingBagCollection(TABLES, device=torch.device("meta"))

@@ -100,8 +100,10 @@ class Seams:
 
 
 def build_seams(comm: str, tables: list[EmbeddingBagConfig], optimizer: EmbeddingOptimizerConfig,
-                plan: TableShardingPlan, device: torch.device, group: dist.ProcessGroup | None) -> Seams:
-    """The stages of `comm` for this rank.
+                plan: TableShardingPlan, device: torch.device, group: dist.ProcessGroup | None,
+                is_weighted: bool) -> Seams:
+    """The stages of `comm` for this rank; is_weighted: the EBC's (its input dist requires per-sample weights, or
+    ignores them, as torchrec's EBC does, and checks them in its header: a bad batch raises on every rank).
 
     "bulk": our ShardedEmbeddingBagCollection already wires the bulk seams for a plan; take them apart rather than
     wire them a second time here. Its own forward is not used, and it is not registered as a submodule (the caller
@@ -112,7 +114,7 @@ def build_seams(comm: str, tables: list[EmbeddingBagConfig], optimizer: Embeddin
     """
     check_comm(comm)
     core = ShardedEmbeddingBagCollection(tables, optimizer, device=device, group=group, plan=plan,
-                                         comm=FusedCommConfig() if comm == "fused" else None)
+                                         comm=FusedCommConfig() if comm == "fused" else None, is_weighted=is_weighted)
     return Seams(input_dist=core.input_dist, lookup=core.lookup,
                  output_dist=core.output_dist, embedding_bags=core.embedding_bags, exchange=core.fused,
                  row_block_sum=core.row_block_sum)
@@ -260,11 +262,11 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
         check_comm(comm)
         self.comm = comm
         self._env = env
-        self._is_weighted = module.is_weighted()
         tables = module.embedding_bag_configs()
         if env.world_size != plan.world_size:
             raise ValueError(f"plan is for {plan.world_size} ranks, the sharding env has {env.world_size}")
-        seams = build_seams(comm, tables, optimizer, plan, torch.device(device or "cpu"), env.process_group)
+        seams = build_seams(comm, tables, optimizer, plan, torch.device(device or "cpu"), env.process_group,
+                            module.is_weighted())
         self._input_dist = seams.input_dist
         self._output_dist = seams.output_dist
         self._lookup = seams.lookup  # a submodule so that train()/eval() reach it (it fuses only in training)
@@ -298,9 +300,9 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
 
         KJTListSplitsAwaitable is what TrainPipelineSparseDist fuses across modules (it reads `.awaitables`); our
         entries are plain NoWaits, so it just waits them, and compute() receives KJTList([DistributedBags]) both
-        from the pipeline and from ShardedModule.forward.
+        from the pipeline and from ShardedModule.forward. A bad batch (a weighted EBC's without weights, one with a
+        variable batch size per feature, ...) raises in our input dist, after its header: on every rank.
         """
-        features = self._prepare(features)
         bags = self._input_dist(features)
         return KJTListSplitsAwaitable([NoWait(NoWait(DistributedBags(bags)))], ctx)
 
@@ -346,19 +348,6 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
         """The output dist's row -> [local batch, sum of dims]: with row-wise tables, each sample's row blocks'
         parts summed (mean-pooled ones divided by their bag sizes)."""
         return values if self._row_block_sum is None else self._row_block_sum(values, divisors)
-
-    def _prepare(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """Per-sample weights as torchrec's EBC reads them: used only by a weighted collection, required there."""
-        if features.variable_stride_per_key():
-            raise NotImplementedError("KeyedJaggedTensors with a variable batch size per feature are not supported")
-        has_weights = features.weights_or_none() is not None
-        if self._is_weighted and not has_weights:
-            raise ValueError("the EmbeddingBagCollection is weighted (is_weighted=True) but the "
-                             "KeyedJaggedTensor has no weights")
-        if not self._is_weighted and has_weights:
-            return KeyedJaggedTensor(keys=features.keys(), values=features.values(), lengths=features.lengths(),
-                                     stride=features.stride())
-        return features
 
 
 class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):
