@@ -1,14 +1,39 @@
 """Line codecs: the Triton kernels equal the pure-torch reference bit for bit, the reference places codes and
 scales as documented (planar int32 words, q6's two planes), and meets its documented error bound on normal and
-heavy-tailed data, odd lengths, zero blocks, fp32/bf16/fp16 inputs."""
+heavy-tailed data, odd lengths, zero blocks, fp32/bf16/fp16 inputs; NaN and +-inf are never laundered into
+finite values (whatever a float max / min does with NaN)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from fused_dlrm.kernels.launch import interpreting
 from fused_dlrm.kernels.quant_codecs import (CODECS, Encoded, block_scales, decode, decode_reference, encode,
                                              encode_reference, error_bound)
+
+# NaNs of several bit patterns: the GPUs' canonical NaN, torch's, a negative one, an fp16 NaN widened to fp32.
+NAN_BITS = (0x7FFFFFFF, 0x7FC00000, 0xFFFFFFFF, 0x7FFFE000)
+
+
+def floats_of(bits: list[int]) -> torch.Tensor:
+    """fp32 values of the given 32-bit patterns."""
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+@pytest.fixture(params=["interpreter", "ptx"])
+def max_min(request, monkeypatch):
+    """The float maximum / minimum of two values as the interpreter has them (numpy's: NaN wins) or, "ptx", as
+    GPUs do (max.f32 / min.f32 are maxNum / minNum: the non-NaN operand). (The interpreter's tl.max reduction
+    is numpy's nanmax, which ignores NaN as GPUs do.)"""
+    if request.param == "ptx":
+        if not interpreting():
+            pytest.skip("emulates the GPU's semantics in the interpreter")
+        from triton.runtime.interpreter import InterpreterBuilder
+        monkeypatch.setattr(InterpreterBuilder, "create_maxnumf", lambda self, a, b: self.binary_op(a, b, np.fmax))
+        monkeypatch.setattr(InterpreterBuilder, "create_minnumf", lambda self, a, b: self.binary_op(a, b, np.fmin))
+    return request.param
 
 
 def data(kind: str, n: int, seed: int = 0) -> torch.Tensor:
@@ -26,7 +51,8 @@ def data(kind: str, n: int, seed: int = 0) -> torch.Tensor:
 
 
 def same(a: Encoded, b: Encoded) -> bool:
-    return torch.equal(a.payload, b.payload) and torch.equal(a.scales, b.scales)
+    """Bit for bit (NaN scales too)."""
+    return torch.equal(a.payload, b.payload) and torch.equal(a.scales.view(torch.int16), b.scales.view(torch.int16))
 
 
 @pytest.mark.parametrize("codec", list(CODECS))
@@ -99,3 +125,43 @@ def test_fp8_codes_match_torch_on_every_e4m3_value_and_midpoint():
     x = torch.cat([x, torch.zeros(-x.numel() % 31)]).view(-1, 31)
     x = torch.cat([x, torch.full((x.shape[0], 1), 448.0)], 1).reshape(-1)  # every block's absmax is 448
     assert same(encode(x, "fp8"), encode_reference(x, "fp8"))
+
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN where NaN (a NaN's payload follows the platform's arithmetic)."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def with_nonfinite(x: torch.Tensor, at: dict[int, int]) -> torch.Tensor:
+    """x with the values of the 32-bit patterns `at` (index: bits) put in."""
+    x = x.clone()
+    x[list(at)] = floats_of(list(at.values())).to(x.dtype)
+    return x
+
+
+INF, NEG_INF = 0x7F800000, 0xFF800000
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # 3e38 / qmax to fp16 (the interpreter's numpy)
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_nonfinite_values_are_never_laundered(codec, max_min):
+    """A block holding NaN or +-inf decodes as all NaN in the scaled codecs (its scale is NaN: one scale cannot
+    carry inf beside finite values), kernel and reference alike, bit for bit; fp16 keeps each value, NaN (one
+    pattern) and inf with its sign, as torch's cast. A finite block too large for the fp16 scale (absmax > 65504
+    * qmax) decodes as NaN too (fp16: inf). Finite blocks are untouched."""
+    # 8 blocks, the last one partial: NaNs in 0, 1, 7, NaN and +inf in 3, +inf in 4, -inf and +inf in 5, 3e38 in 6
+    x = with_nonfinite(data("normal", 250), {3: NAN_BITS[0], 37: NAN_BITS[1], 100: NAN_BITS[2], 101: INF, 130: INF,
+                                             161: NEG_INF, 162: INF, 247: NAN_BITS[3]})
+    x[192] = 3e38
+    enc = encode_reference(x, codec)
+    assert same(encode(x, codec), enc)
+    y = decode_reference(enc, codec, x.numel())
+    assert same_values(decode(enc, codec, x.numel()), y)
+    if CODECS[codec].scaled:
+        bad = torch.tensor([True, True, False, True, True, True, True, True])
+        assert torch.equal(enc.scales.isnan(), bad)
+        assert torch.equal(y.isnan(), bad.repeat_interleave(32)[:250])
+    else:
+        assert same_values(y, x.half().float())
+    assert torch.equal(y[64:96], decode_reference(encode_reference(x[64:96], codec), codec, 32))

@@ -1,7 +1,8 @@
 """The fused one-launch quantized all-reduce on simulated worlds of 2 and 4 ranks (Triton interpreter): equal bit
 for bit to the bulk twin's arithmetic on every rank, within the documented two-shot bound of the fp64 sum, every
 element written, many consecutive calls on the same flags, timeouts that name rank, peer and slice, and calls that
-differ between ranks raising on every rank without touching the output. Compiled for sm_90 (no GPU): every
+differ between ranks raising on every rank without touching the output; a NaN or inf on one rank non-finite in
+every rank's output, and NaN kept by the output's rounding. Compiled for sm_90 (no GPU): every
 payload word moves in a 128-bit (q6: 64-bit) vector access."""
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ import re
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerWaitTimeout
 from fused_dlrm.kernels.quant_codecs import CODECS
-from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, quantized_all_reduce_reference,
-                                                    two_shot_error_bound)
+from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, _round_to,
+                                                    quantized_all_reduce_reference, two_shot_error_bound)
 from sm90 import compile_for_sm90
-from test_quant_codecs import data
+from test_quant_codecs import INF, NAN_BITS, NEG_INF, data, floats_of, max_min, same_values, with_nonfinite
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
 
@@ -268,3 +271,47 @@ def test_calls_that_differ_between_ranks_raise_on_every_rank(world_size, differe
         assert torch.equal(y, want)
         assert (y.double() - exact).norm() / exact.norm() < 1e-2
     assert ((want.double() - exact).abs() <= two_shot_error_bound(xs, "q8").double()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_nonfinite_inputs_stay_nonfinite_on_every_rank(codec, dtype, max_min):
+    """NaN (of several patterns) and +-inf on one rank or both: every rank's output equals the reference (NaN
+    where NaN), bit for bit alike on all ranks. Scaled codecs: every block that held one on any rank is all NaN
+    (quant_codecs: a non-finite block decodes as NaN); fp16: NaN where a NaN or inf - inf was, inf with its sign
+    where an inf was alone."""
+    xs = inputs(2, 500, "normal")  # chunks of 8 blocks: rank 0 reduces blocks 0-7, rank 1 blocks 8-15
+    xs = [with_nonfinite(xs[0], {3: NAN_BITS[0], 100: NAN_BITS[1], 290: NAN_BITS[2], 420: NAN_BITS[3], 161: INF,
+                                 200: NEG_INF}).to(dtype),
+          with_nonfinite(xs[1], {165: INF, 200: INF, 300: NEG_INF, 330: INF, 499: NEG_INF}).to(dtype)]
+    got = all_reduce(world_of(2), xs, codec)
+    want = quantized_all_reduce_reference(xs, codec)
+    assert same_values(got[0].float(), want.float()) and torch.equal(got[0].view(torch.uint8), got[1].view(torch.uint8))
+    y = want.float()
+    if CODECS[codec].scaled:
+        nan_blocks = torch.zeros(16, dtype=torch.bool)
+        nan_blocks[[0, 3, 5, 6, 9, 10, 13, 15]] = True
+        assert torch.equal(y.isnan(), nan_blocks.repeat_interleave(32)[:500])
+    else:
+        nan = torch.zeros(500, dtype=torch.bool)
+        nan[[3, 100, 290, 420, 200]] = True
+        assert torch.equal(y.isnan(), nan)
+        assert y[[161, 165, 330]].tolist() == [float("inf")] * 3 and y[[300, 499]].tolist() == [float("-inf")] * 2
+        assert y.isinf().sum() == 5
+
+
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, _round_to(tl.load(x_ptr + i, mask=i < n), out_ptr.dtype.element_ty), mask=i < n)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_output_rounding_keeps_nan_and_rounds_as_torch(dtype):
+    """The reduced fp32 values' rounding into a bf16 / fp16 output: torch's (nearest even) on ties, overflow, inf,
+    and NaN of every pattern (bf16's bit arithmetic once carried 0x7FFFFFFF, the GPUs' NaN, into -0.0)."""
+    x = floats_of(list(NAN_BITS) + [INF, NEG_INF, 0x3F808000, 0x3F818000, 0xBF808000, 0x7F7FFFFF, 0xFF7FFFFF,
+                                    0x477FF000, 0x477FE000, 0x33000000, 0])
+    out = torch.empty(x.numel(), dtype=dtype)
+    _round_kernel[(1,)](x, out, x.numel(), BLOCK=32)
+    assert same_values(out.float(), x.to(dtype).float())

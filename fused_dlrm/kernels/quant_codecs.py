@@ -26,6 +26,13 @@ stored offset-binary (q + 2^(b-1)). The bounds hold up to the fp32 roundings of 
 q * s (relative 2^-24 each; `error_bound` adds that slack) and require absmax <= 65504 * qmax (the fp16 scale's
 range; gradients beyond that are already lost).
 
+Non-finite values are never laundered into finite ones (a diverging step's NaN must reach the checks downstream):
+fp16 keeps each value (inf with its sign, every NaN as the one pattern FP16_NAN). A scaled codec's block holding a
+NaN or +-inf, or beyond the scale's range, gets the scale FP16_NAN and codes of zero: it decodes as all NaN (one
+scale cannot carry inf beside finite values; the sign of inf is lost). The kernels find such blocks by integer
+compares of bits, so that no NaN meets a float max / min, whose NaN semantics differ (GPUs' max.f32 returns the
+other operand, the interpreter's numpy maximum the NaN).
+
 `encode_reference` / `decode_reference` are the pure-torch definition; the Triton kernels agree with them bit
 for bit (tests/test_quant_codecs.py). fp32 -> e4m3 rounding and e4m3 -> fp32 are done with integer bit
 operations in the kernels because the Triton interpreter's fp8 casts do not round to nearest. The per-block
@@ -51,6 +58,8 @@ BLOCK = 32  # values per block (one scale)
 BLOCKS_PER_PROGRAM = 32  # blocks one kernel program encodes or decodes (not tuned)
 
 FP16, FP8, INT = 0, 1, 2  # kinds of codec (the kernels' KIND)
+FP16_NAN = tl.constexpr(0x7E00)  # the bits of the fp16 NaN that every codec stores (torch's float("nan"))
+INF_BITS = tl.constexpr(0x7F800000)  # fp32 inf's bits
 # Launch option of every kernel that encodes or decodes: no fused multiply-add (of x * (1 / s) and + 0.5 when
 # encoding, of decode and sum in the all-reduce), so the kernels round as the reference does. The interpreter
 # takes no such option (and fuses nothing).
@@ -112,17 +121,23 @@ def _blocks(x: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return out.view(num_blocks, BLOCK)
 
 
-def _scale_up(ratio: torch.Tensor) -> torch.Tensor:
-    """fp16 scale >= ratio (fp32): round to nearest, then one fp16 step up where that fell below."""
+def _scale_up(xb: torch.Tensor, qmax: float) -> torch.Tensor:
+    """fp16 scales of blocks xb [blocks, 32]: absmax / qmax rounded to nearest, then one fp16 step up where that
+    fell below; inf for a block holding a non-finite value (counted as inf: no NaN meets the max) or beyond fp16."""
+    a = xb.abs()
+    ratio = torch.where(a < torch.inf, a, torch.inf).amax(1) / qmax
     s = ratio.half()
     return (s.view(torch.int16) + (s.float() < ratio).short()).view(torch.float16)
 
 
+def _stored(scales: torch.Tensor) -> torch.Tensor:
+    """The scales stored: FP16_NAN for inf (a non-finite block, which decodes as NaN)."""
+    return torch.where(scales.isinf(), FP16_NAN.value, scales.view(torch.int16)).short().view(torch.float16)
+
+
 def block_scales(x: torch.Tensor, codec: str, num_blocks: int | None = None) -> torch.Tensor:
-    """fp16 [num_blocks] scales of a scaled codec (absmax / qmax rounded up to fp16)."""
-    c = CODECS[codec]
-    xb = _blocks(x, num_blocks or num_blocks_for(x.numel()))
-    return _scale_up(xb.abs().amax(1) / c.qmax)
+    """fp16 [num_blocks] scales of a scaled codec (absmax / qmax rounded up to fp16; NaN for a non-finite block)."""
+    return _stored(_scale_up(_blocks(x, num_blocks or num_blocks_for(x.numel())), CODECS[codec].qmax))
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -145,12 +160,14 @@ def encode_reference(x: torch.Tensor, codec: str, num_blocks: int | None = None)
     c = CODECS[codec]
     xb = _blocks(x, num_blocks or num_blocks_for(x.numel()))
     if c.kind == FP16:
-        codes = xb.half().view(torch.int16).int() & 0xFFFF
+        codes = torch.where(xb.isnan(), FP16_NAN.value, xb.half().view(torch.int16).int() & 0xFFFF)
         scales = xb.new_empty(0, dtype=torch.float16)
     else:
-        scales = _scale_up(xb.abs().amax(1) / c.qmax)
+        scales = _scale_up(xb, c.qmax)
         sf = scales.float()[:, None]
-        v = xb * torch.where(sf > 0, 1.0 / sf, 1.0)  # an all-zero block has scale 0 and codes 0
+        # an all-zero block has scale 0 and codes 0; a non-finite one (scale inf) codes 0, its scale NaN
+        v = torch.where(sf < torch.inf, xb * torch.where(sf > 0, 1.0 / sf, 1.0), 0.0)
+        scales = _stored(scales)
         if c.kind == FP8:
             codes = v.to(torch.float8_e4m3fn).view(torch.uint8).int()
         else:
@@ -180,7 +197,7 @@ def error_bound(x: torch.Tensor, codec: str) -> torch.Tensor:
     a = x.reshape(-1).float().abs()
     if c.kind == FP16:
         return a * 2.0**-11 + 2.0**-25
-    s = block_scales(x, codec).float().repeat_interleave(BLOCK)[:a.numel()]
+    s = block_scales(x, codec).float().repeat_interleave(BLOCK)[:a.numel()]  # NaN (no bound) where non-finite
     if c.kind == FP8:
         return a * (2.0**-4 + 2.0**-20) + s * 2.0**-10
     return s * (0.5 + (c.qmax + 1) * 2.0**-21)  # the slack: 1 / s, x * (1 / s), v + 0.5 and q * s rounded in fp32
@@ -188,7 +205,7 @@ def error_bound(x: torch.Tensor, codec: str) -> torch.Tensor:
 
 @triton.jit
 def _fp32_to_e4m3(v):
-    """e4m3fn code (int32) of fp32 v with |v| <= 448, round to nearest even."""
+    """e4m3fn code (int32) of finite fp32 v with |v| <= 448, round to nearest even."""
     bits = v.to(tl.int32, bitcast=True)
     a = tl.abs(v)
     abits = a.to(tl.int32, bitcast=True)
@@ -219,17 +236,26 @@ def encode_blocks(x, KIND: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexp
     """fp32 x [ROWS, 32] (one block per row) -> (codes int32 [ROWS, 32], scales fp16 [ROWS]; 0 for fp16)."""
     if KIND == 0:
         u = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        u = tl.where(x != x, FP16_NAN, u)  # one NaN pattern (GPUs' cvt gives a canonical NaN, torch keeps bits)
         s = tl.zeros([x.shape[0]], dtype=tl.float16)
     else:
-        ratio = tl.math.div_rn(tl.max(tl.abs(x), axis=1), QMAX)
+        # absmax as the max of |x|'s bits: integers order non-negative floats and put NaN above inf, so no NaN
+        # meets a float max (GPUs' max.f32 returns the other operand, the interpreter's numpy the NaN).
+        amax = tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=1)
+        amax = tl.where(amax < INF_BITS, amax, INF_BITS).to(tl.float32, bitcast=True)  # NaN counts as inf
+        ratio = tl.math.div_rn(amax, QMAX)
         s = ratio.to(tl.float16)
         s = (s.to(tl.int16, bitcast=True) + (s.to(tl.float32) < ratio).to(tl.int16)).to(tl.float16, bitcast=True)
         sf = s.to(tl.float32)
+        nonfinite = sf == float("inf")  # a block holding NaN or +-inf, or beyond fp16
         # One IEEE reciprocal per block (div_rn: Triton's `/` is approximate on GPUs), then a product per value: a
         # division per value (~10 instructions on sm_90) made the encode compute-bound. The launches disable fp
         # fusion, so x * inv is rounded before the + 0.5 below, as in the reference.
         inv = tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), tl.where(sf > 0, sf, 1.0))
-        v = x * inv[:, None]
+        # A non-finite block: codes of 0 (v never NaN: the clamp's and int cast's NaN handling differ between GPUs
+        # and the interpreter) and scale NaN, so that it decodes as NaN.
+        v = tl.where(nonfinite[:, None], 0.0, x * inv[:, None])
+        s = tl.where(nonfinite, FP16_NAN, s.to(tl.int16, bitcast=True)).to(tl.int16).to(tl.float16, bitcast=True)
         if KIND == 1:
             u = _fp32_to_e4m3(v)
         else:

@@ -243,11 +243,14 @@ def _same_call(signatures, peer, mine, error_ptr, slot, epoch):
 @triton.jit
 def _round_to(x, dtype: tl.constexpr):
     """fp32 x rounded to nearest even in the output dtype, as torch's .to(dtype): bf16 by bit arithmetic because
-    the interpreter's fp32 -> bf16 cast truncates."""
+    the interpreter's fp32 -> bf16 cast truncates (fp16's cast rounds, and keeps NaN, on GPUs and there)."""
     if dtype == tl.bfloat16:
         bits = x.to(tl.int32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        # NaN: the add carries a NaN's mantissa into its exponent and sign (0x7FFFFFFF, GPUs' NaN, -> -0.0): a
+        # NaN instead (torch's 0x7FC0), as CUDA's __float2bfloat16_rn gives
+        bits = tl.where(x != x, 0x7FC0, bits)
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     return x.to(dtype)
 
 
