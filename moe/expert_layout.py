@@ -85,8 +85,8 @@ class DispatchTables:
     gemm_tiles: torch.Tensor  # [5, max row tiles]: ExpertLayout.gemm_tiles, its first `row_tiles` columns filled
     row_tiles: torch.Tensor  # int64 [1]: the row tiles gemm_tiles lists
     combine_tiles: torch.Tensor  # [6, max tiles]: the combine GEMM's row tiles, its first `combine_row_tiles`
-    # columns filled: first row, rows, local expert, source, first source row, flag slot; one (local expert, source)
-    # block each, remote sources first
+    # columns filled: first row, rows (none past `capacity`), local expert, source, first source row, flag slot; one
+    # (local expert, source) block each, remote sources first
     combine_row_tiles: torch.Tensor  # int64 [1]: the tiles combine_tiles lists
 
     @property
@@ -147,7 +147,7 @@ def dispatch_tables(counts: torch.Tensor, rank: int, num_local_experts: int, til
     bounds = (triton.cdiv(capacity, owner_tile_rows) + num_local_experts,
               triton.cdiv(capacity, tile_rows) + num_local_experts * world, 0)
     gemm, listed, combine, combine_listed, _ = _tile_tables(counts, rank, num_local_experts, tile_rows,
-                                                            owner_tile_rows, bounds)
+                                                            owner_tile_rows, bounds, capacity)
     return DispatchTables(counts, rank, world, num_local_experts, (tile_rows, owner_tile_rows), capacity, rows, gemm,
                           listed, combine, combine_listed)
 
@@ -437,19 +437,21 @@ def _place(key, valid, before, W_P2: tl.constexpr):
     return _pick(before, key, W_P2) + within, before + tl.sum(hits, axis=0)
 
 
-@triton.jit(do_not_specialize=["rank", "n_gemm", "n_combine", "n_grad", "gemm_chunks", "combine_chunks"])
+@triton.jit(do_not_specialize=["rank", "n_gemm", "n_combine", "n_grad", "gemm_chunks", "combine_chunks",
+                            "capacity"])
 def _tile_tables_kernel(counts_ptr, gemm_ptr, gemm_count_ptr, combine_ptr, combine_count_ptr, grad_ptr, keys_ptr,
-                        rank, n_gemm, n_combine, n_grad, gemm_chunks, combine_chunks,
+                        rank, n_gemm, n_combine, n_grad, gemm_chunks, combine_chunks, capacity,
                         WORLD: tl.constexpr, L: tl.constexpr, W_P2: tl.constexpr, L_P2: tl.constexpr,
                         E_P2: tl.constexpr, TILE_ROWS: tl.constexpr, OWNER_TILE_ROWS: tl.constexpr,
                         CHUNK: tl.constexpr, PLACES: tl.constexpr):
     """One program per CHUNK tiles of a table: gemm_tiles' chunks, then combine_tiles' (DispatchTables), then
     combine_grad_tiles' (ExpertLayout). gemm_tiles has n_gemm columns and combine_tiles n_combine: before the host
     knows the owner's row tiles, a bound; the tables list the first min(bound, tiles), and that number is stored at
-    gemm_count_ptr / combine_count_ptr. Launched twice: first (PLACES=False) every table's columns, except the
-    GEMM's walk orders, whose chunks store their tiles per key (keys [gemm_chunks, 2, W_P2]); then (PLACES=True,
-    the GEMM's chunks) the walk orders, a stable counting sort by key: a tile's place is the number of tiles of
-    smaller keys, plus those of its key in earlier chunks, plus those before it in its chunk."""
+    gemm_count_ptr / combine_count_ptr; combine_tiles' rows end at the receive `capacity`. Launched twice: first
+    (PLACES=False) every table's columns, except the GEMM's walk orders, whose chunks store their tiles per key (keys
+    [gemm_chunks, 2, W_P2]); then (PLACES=True, the GEMM's chunks) the walk orders, a stable counting sort by key: a
+    tile's place is the number of tiles of smaller keys, plus those of its key in earlier chunks, plus those before
+    it in its chunk."""
     E: tl.constexpr = WORLD * L
     pid = tl.program_id(0)
     s = tl.arange(0, W_P2)
@@ -523,9 +525,13 @@ def _tile_tables_kernel(counts_ptr, gemm_ptr, gemm_count_ptr, combine_ptr, combi
         block = _run_of(i, tiles)
         k = i - _pick(first_tile, block, E_P2)  # the tile's place in its block
         out = combine_ptr + i
-        tl.store(out, (_pick(first_row, block, E_P2) + k * TILE_ROWS).to(tl.int64), mask=valid)
-        tl.store(out + n_combine, tl.minimum(_pick(rows, block, E_P2) - k * TILE_ROWS, TILE_ROWS).to(tl.int64),
-                 mask=valid)
+        tile_first = _pick(first_row, block, E_P2) + k * TILE_ROWS
+        # No row past the capacity, where h and the owner's row buffers end (GEMM 1 stops there too): rows that
+        # outgrew it (the layer dispatches again before any combine) or a bound that did not hold (max_tokens_per_rank;
+        # the layer's backward refuses that call).
+        count = tl.minimum(tl.minimum(_pick(rows, block, E_P2) - k * TILE_ROWS, TILE_ROWS), capacity - tile_first)
+        tl.store(out, tile_first.to(tl.int64), mask=valid)
+        tl.store(out + n_combine, tl.maximum(count, 0).to(tl.int64), mask=valid)
         tl.store(out + 2 * n_combine, _pick(local, block, E_P2).to(tl.int64), mask=valid)
         tl.store(out + 3 * n_combine, _pick(source, block, E_P2).to(tl.int64), mask=valid)
         tl.store(out + 4 * n_combine, (_pick(source_row, block, E_P2) + k * TILE_ROWS).to(tl.int64), mask=valid)
@@ -550,9 +556,9 @@ def tile_tables(counts: torch.Tensor, host_counts: np.ndarray, rank: int, num_lo
 
 
 def _tile_tables(counts: torch.Tensor, rank: int, num_local_experts: int, tile_rows: int, owner_tile_rows: int,
-                 sizes: tuple[int, int, int]) -> list[torch.Tensor]:
+                 sizes: tuple[int, int, int], capacity: int = 0) -> list[torch.Tensor]:
     """[gemm_tiles, gemm tiles listed, combine_tiles, combine tiles listed, combine_grad_tiles] of sizes[k]
-    columns (0: that table is not made), views of one buffer."""
+    columns (0: that table is not made), views of one buffer; combine_tiles' rows end at `capacity`."""
     world, counts = counts.shape[0], counts.contiguous()  # read whole
     shapes = [(5, sizes[0]), (1, 1), (6, sizes[1]), (1, 1), (3, sizes[2])]
     starts = np.cumsum([0] + [_even(k * n) for k, n in shapes])
@@ -570,7 +576,7 @@ def _tile_tables(counts: torch.Tensor, rank: int, num_local_experts: int, tile_r
         for places, programs in ((False, sum(chunks)), (True, chunks[0])):
             if programs:
                 _TILE_LAUNCHES((counts.device, counts.dtype, *shape, places, *map(aligned, tensors)),
-                               (programs, 1, 1), (*tensors, rank, *sizes, *chunks[:2], *shape, places),
+                               (programs, 1, 1), (*tensors, rank, *sizes, *chunks[:2], capacity, *shape, places),
                                dict(num_warps=4 if counts.is_cuda else 1))
     return tables
 

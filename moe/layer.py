@@ -448,6 +448,13 @@ class _FusedExperts(torch.autograd.Function):
             ctx.lease.check()
         received, h, a13, w13, w2, *kept = ctx.saved_tensors
         layer, layout, perm = ctx.layer, ctx.layout.get(ctx.tables), ctx.perm
+        if layout.max_recv_rows > ctx.tables.capacity:
+            # Only where max_tokens_per_rank's bound did not hold (it counts on a token's experts being distinct):
+            # the forward's kernels stopped at the capacity (rows past it left out), and every rank, seeing the same
+            # counts, stops here rather than let a backward kernel read past h.
+            raise RuntimeError(f"fused MoE layer, rank {layer.rank}: an owner received {layout.max_recv_rows} rows, "
+                               f"more than the {ctx.tables.capacity} its buffers hold (max_tokens_per_rank's bound); "
+                               f"the forward left the rows past them out")
         n = sum(layout.tokens_per_local_expert)  # the rows received, of the capacity's
         received, h, a13 = received[:n], h[:n], a13[:n]
         grad_y = grad_y.contiguous().to(h.dtype)

@@ -117,7 +117,9 @@ def top_k_softmax_reference(logits: torch.Tensor, top_k: int, renormalize: bool,
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     num_tokens, num_experts = logits.shape
     probs = torch.softmax(logits, dim=-1)
-    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    # The kernel's order (`_top_k_softmax_kernel`): best first, NaN above every probability, ties to the lower index
+    # (torch.topk orders ties as it likes; a row with a NaN or an infinite logit is all NaN, all ties).
+    weights, expert_ids = (t[:, :top_k] for t in torch.sort(probs, dim=-1, descending=True, stable=True))
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     counts = count_per_expert(expert_ids.reshape(-1), num_experts)
@@ -148,17 +150,19 @@ def _top_k_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, lse_ptr, block_count
     p = tl.exp(z - most[:, None])
     total = tl.sum(p, axis=1)
     probs = p / total[:, None]
-    left = tl.where(expert[None, :], probs, -1.0)
+    # The ranking: NaN (2) above every probability, as torch sorts it (a NaN or infinite logit makes its row all
+    # NaN), chosen experts and padding (-1) below, ties to the lowest index. So a row's k picks are k distinct real
+    # experts whatever its values: the fused layer's receive capacity counts on it (with k picks of one expert, a
+    # diverging run's NaN rows overflowed it), and the loss is NaN as it should be.
+    left = tl.where(expert[None, :], tl.where(probs == probs, probs, 2.0), -1.0)
     top_w = tl.zeros((BLOCK_T, K_P2), tl.float32)
     top_e = tl.zeros((BLOCK_T, K_P2), tl.int32)
     chosen = tl.zeros((BLOCK_T, E_P2), tl.int32)
     for i in tl.static_range(TOP_K):
         best = tl.max(left, axis=1)
-        # The lowest index among equal probabilities; NaN logits match nothing: clamped to a real expert (the
-        # loss is NaN then, and no later kernel may index out of range).
-        pick = tl.minimum(tl.min(tl.where(left == best[:, None], e[None, :], E_P2), axis=1), E - 1)
+        pick = tl.min(tl.where(left == best[:, None], e[None, :], E_P2), axis=1)
         hit = e[None, :] == pick[:, None]
-        top_w = tl.where(j[None, :] == i, best[:, None], top_w)
+        top_w = tl.where(j[None, :] == i, tl.where(best > 1.0, float("nan"), best)[:, None], top_w)
         top_e = tl.where(j[None, :] == i, pick[:, None], top_e)
         chosen += hit.to(tl.int32)
         left = tl.where(hit, -1.0, left)

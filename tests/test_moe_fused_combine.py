@@ -106,38 +106,41 @@ class World:
 
     def step_by_token(self, case: Case, gen: torch.Generator, dtype=torch.float32, starting=None):
         """One epoch of the combine by token on every rank (those in `starting` run start_by_token); each owner
-        gets what the dispatch by token would have pushed: the peers' rows' tokens and weights, garbage elsewhere
-        (a row read that the owner does not own would show). The parts buffers are NaN before: a part read that
-        no owner stored shows. Returns (outputs, expected outputs, counts)."""
+        gets what the dispatch by token would have pushed (`pushed_rows`). The parts buffers are NaN before: a part
+        read that no owner stored shows. Returns (outputs, expected outputs, counts)."""
         perms, weights, layouts, counts = self.route(case, gen)
         capacity = layouts[0].max_recv_rows + 5
         tables = self.tables(counts, perms, capacity)
         hs = [torch.randn(sum(lay.tokens_per_local_expert), FFN, generator=gen).to(dtype) for lay in layouts]
         padded = [torch.cat([h, torch.full((capacity - h.shape[0], FFN), float("nan"), dtype=dtype)]) for h in hs]
         w2s = [torch.randn(LOCAL, FFN, D_MODEL, generator=gen).to(dtype) for _ in layouts]
-        max_tokens = self.combines[0].max_tokens
-        max_rows = max_tokens * TOP_K
         for c in self.combines:
             c._token_buffers(dtype)[0].local.fill_(float("nan"))  # made at full size first
         starting = range(self.world_size) if starting is None else starting
         epochs = {}
         for owner in starting:  # every producer first
-            row_tokens = torch.full((self.world_size, max_rows), max_tokens - 1, dtype=torch.int32)
-            source_weights = torch.full((self.world_size, max_rows), float("nan"))
-            for source, perm in enumerate(perms):
-                if source != owner:  # the dispatch pushes the rows of the owner's experts
-                    lo = int(counts[source, :owner * LOCAL].sum())
-                    hi = lo + int(counts[source, owner * LOCAL:(owner + 1) * LOCAL].sum())
-                    row_tokens[source, lo:hi] = perm.token_of_row[lo:hi].int()
-                    source_weights[source, lo:hi] = perm.row_weights[lo:hi]
             epochs[owner] = self.combines[owner].start_by_token(padded[owner], w2s[owner], tables[owner],
-                                                                (row_tokens, source_weights), perms[owner])
+                                                                self.pushed_rows(owner, perms, counts), perms[owner])
         finished = [c.finish_by_token(epochs[r] if r in epochs else c.ws.next_epoch("combine"), tables[r], perms[r])
                     for r, c in enumerate(self.combines)]
         if len(starting) == self.world_size:
             self.backward_by_token(case, gen, dtype, perms, weights, layouts, hs, w2s,
                                    [owner for _, owner in finished])
         return [out for out, _ in finished], fused_combine_reference(hs, w2s, layouts, perms, weights), counts
+
+    def pushed_rows(self, owner: int, perms, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the dispatch by token would have pushed to `owner`: the peers' rows' tokens and weights [world,
+        max_rows], garbage elsewhere (a row read that the owner does not own would show)."""
+        max_tokens = self.combines[0].max_tokens
+        row_tokens = torch.full((self.world_size, max_tokens * TOP_K), max_tokens - 1, dtype=torch.int32)
+        source_weights = torch.full(row_tokens.shape, float("nan"))
+        for source, perm in enumerate(perms):
+            if source != owner:  # the dispatch pushes the rows of the owner's experts
+                lo = int(counts[source, :owner * LOCAL].sum())
+                hi = lo + int(counts[source, owner * LOCAL:(owner + 1) * LOCAL].sum())
+                row_tokens[source, lo:hi] = perm.token_of_row[lo:hi].int()
+                source_weights[source, lo:hi] = perm.row_weights[lo:hi]
+        return row_tokens, source_weights
 
     def backward_by_token(self, case: Case, gen: torch.Generator, dtype, perms, weights, layouts, hs, w2s, owners):
         """The backward of a combine by token on every rank: each source's output gradient to the owners of its
@@ -304,6 +307,46 @@ def test_by_token_deterministic():
 
 
 BY_TOKEN = pytest.mark.parametrize("by_token", [False, True], ids=["by row", "by token"])
+
+
+@BY_TOKEN
+def test_rows_past_the_receive_capacity_are_neither_read_nor_stored(by_token):
+    """The fused layer's receive capacity under max_tokens_per_rank, world x max_tokens x min(top_k, local
+    experts), holds every routing of distinct experts per token. The router's kernel once sent each of a NaN row's
+    k rows to the last expert: here every token's 3 rows go to expert 3, 96 rows for owner 1's 64. GEMM 2 and the
+    combine by token stop at the capacity as GEMM 1 does: every combine tile ends there, no row of h past it is
+    read (NaN behind h), and by row each token gets its rows below it (past it, what the source's combine buffer
+    held: zeros here; by token a token's rows at one expert share one slot, so only the reads are checked)."""
+    world = World(2)
+    tokens, top_k = 16, 3
+    capacity = 2 * tokens * min(top_k, LOCAL)
+    gen = torch.Generator().manual_seed(21)
+    weights = [torch.rand(tokens, top_k, generator=gen) for _ in range(2)]
+    perms = [permutation(torch.full((tokens, top_k), 2 * LOCAL - 1), 2 * LOCAL, None, w) for w in weights]
+    counts = torch.stack([p.tokens_per_expert for p in perms])
+    tables = world.tables(counts, perms, capacity)
+    for tab in tables:
+        first, rows = tab.combine_tiles[:2, :tab.combine_row_tiles.item()]
+        assert ((first + rows <= capacity) | (rows == 0)).all()  # a tile past it lists no row
+    behind = [torch.cat([torch.randn(capacity, FFN, generator=gen), torch.full((64, FFN), float("nan"))])
+              for _ in range(2)]
+    hs = [h[:capacity] for h in behind]  # the kernels' h; a read past it meets NaN
+    w2s = [torch.randn(LOCAL, FFN, D_MODEL, generator=gen) for _ in range(2)]
+    if by_token:
+        epochs = [c.start_by_token(h, w2, tab, world.pushed_rows(r, perms, counts), p)
+                  for r, (c, h, w2, tab, p) in enumerate(zip(world.combines, hs, w2s, tables, perms))]
+        outs = [c.finish_by_token(e, tab, p)[0] for c, e, tab, p in zip(world.combines, epochs, tables, perms)]
+    else:
+        epochs = [c.start(h, w2, tab) for c, h, w2, tab in zip(world.combines, hs, w2s, tables)]
+        outs = [c.finish(e, tab, p, w) for c, e, tab, p, w in zip(world.combines, epochs, tables, perms, weights)]
+    for tab, perm, w, out in zip(tables, perms, weights, outs):
+        at_owner = tab.send_dest_row[perm.inverse].view(tokens, top_k)  # every assignment's row at owner 1
+        rows = hs[1].double()[at_owner.clamp(max=capacity - 1)] @ w2s[1][LOCAL - 1].double()
+        want = (rows * (w.double() * (at_owner < capacity)).unsqueeze(2)).sum(dim=1)
+        assert not out.isnan().any()
+        if not by_token:
+            assert_close(out, want, 1e-5)
+    assert (tables[1].send_dest_row >= capacity).any()  # source 1's last rows did not fit
 
 
 @BY_TOKEN

@@ -133,6 +133,25 @@ def test_bounded_forward_never_reads_the_counts_on_the_host(monkeypatch):
                  fused=FusedMoEConfig(max_tokens_per_rank=4, dispatch="token"))
 
 
+@interpreter
+@pytest.mark.parametrize("dispatch", ["rows", "tokens"])
+def test_rows_past_a_bound_that_did_not_hold_are_left_out_and_the_backward_refuses(dispatch):
+    """max_tokens_per_rank's capacity holds every routing of distinct experts per token. Were it short (here: cut
+    by hand to 64 receive rows for 80), the forward's kernels stop at it (GEMM 1 computes no row past it, the
+    combine's tiles end there: nothing read past h, nothing written past the owner's rows) and the backward, which
+    sees the counts, raises instead of reading past h."""
+    workspace = SimulatedWorld(1).workspaces()[0]
+    layer = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused", workspace=workspace,
+                     fused=FusedMoEConfig(max_tokens_per_rank=40, dispatch=dispatch))
+    assert layer.dispatch.capacity == 128
+    layer.dispatch.capacity = 64  # a multiple of the push's chunk, as reserve makes it
+    x = torch.randn(40, D_MODEL, generator=torch.Generator().manual_seed(8), requires_grad=True)
+    y, _ = layer(x)
+    assert not y.isnan().any()
+    with pytest.raises(RuntimeError, match="rank 0: an owner received 80 rows, more than the 64 its buffers hold"):
+        y.sum().backward()
+
+
 def test_dispatch_auto_is_by_token_where_the_tokens_are_bounded():
     """dispatch="auto" (the default): by token with max_tokens_per_rank (its buffers are sized by it), else by row;
     an explicit choice stands."""

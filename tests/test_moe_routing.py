@@ -114,16 +114,42 @@ def test_top_k_softmax_kernels_with_one_output_used(used):
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
 
 
-def test_top_k_softmax_kernels_take_bf16_logits_and_never_index_out_of_range():
+def test_top_k_softmax_kernels_take_bf16_logits():
     logits = zipf_logits(40, 16, torch.bfloat16, seed=4).to(DEVICE).requires_grad_()
     choice = top_k_softmax_kernels(logits, 3, True)
     want = top_k_softmax_reference(logits.cpu(), 3, True)  # fp32 arithmetic on the same bf16 values
     assert torch.equal(choice.expert_ids.cpu(), want.expert_ids) and choice.weights.dtype == torch.float32
     choice.weights.sum().backward()
     assert logits.grad.dtype == torch.bfloat16
-    nan = torch.full((3, 16), float("nan"), device=DEVICE)
-    assert ((top_k_softmax_kernels(nan, 3, True).expert_ids >= 0)
-            & (top_k_softmax_kernels(nan, 3, True).expert_ids < 16)).all()
+
+
+@pytest.mark.parametrize("num_experts, top_k", [(4, 2), (6, 3), (5, 5), (8, 1)])
+def test_nan_and_infinite_logits_pick_distinct_experts_as_the_reference_does(num_experts, top_k):
+    """A diverging run's logits: a row with a NaN or an infinite logit has NaN probabilities only. The kernel ranks
+    NaN above every probability and ties to the lower index, as the reference's stable sort does: k distinct
+    experts in range, the reference's, NaN weights and losses (the training loop's NaN stop). Its picks once matched
+    nothing in such a row and all fell to the last expert: k rows of one token to one expert, past the fused
+    layer's receive capacity."""
+    nan, inf = float("nan"), float("inf")
+    logits = zipf_logits(9, num_experts, torch.float32, seed=5)
+    logits[0] = nan
+    logits[1, 1] = nan
+    logits[2, 0] = inf
+    logits[3] = -inf
+    logits[4, :2] = inf
+    logits[5, -1] = -inf  # one expert never chosen: a finite row
+    logits[6] = 0.0  # every expert tied
+    got = top_k_softmax_kernels(logits.to(DEVICE), top_k, True)
+    want = top_k_softmax_reference(logits, top_k, True)
+    ids = got.expert_ids.cpu()
+    assert torch.equal(ids, want.expert_ids)
+    assert (ids.sort(dim=1).values.diff(dim=1) > 0).all() and ((ids >= 0) & (ids < num_experts)).all()
+    assert ids[6].tolist() == list(range(top_k))
+    assert torch.equal(got.tokens_per_expert.cpu(), want.tokens_per_expert)
+    weights = got.weights.cpu()
+    torch.testing.assert_close(weights, want.weights, equal_nan=True)
+    assert weights[:5].isnan().all() and not weights[5:].isnan().any()
+    assert got.aux_loss.isnan() and got.z_loss.isnan()
 
 
 def test_hand_computed_losses():
