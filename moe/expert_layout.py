@@ -589,9 +589,23 @@ _TILE_LAUNCHES = CompiledLaunches(_tile_tables_kernel)
 
 def gather_counts(tokens_per_expert: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's rows per global expert -> C [world, num_experts] (an all-gather; itself in one process)."""
+    return _all_gather_rows(tokens_per_expert, group)
+
+
+def gather_counts_and_tokens(tokens_per_expert: torch.Tensor, num_tokens: int,
+                             group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, list[int]]:
+    """`gather_counts`, with every rank's token count riding in the same all-gather (one word more per rank) ->
+    (C, the token counts on the host). Reading them waits for the all-gather: nothing on gloo, whose collectives
+    return done; a host sync on NCCL."""
+    both = _all_gather_rows(torch.cat([tokens_per_expert, tokens_per_expert.new_tensor([num_tokens])]), group)
+    return both[:, :-1].contiguous(), both[:, -1].tolist()
+
+
+def _all_gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """[n] on every rank -> [world, n] (an all-gather; itself in one process)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return tokens_per_expert.view(1, -1)
+        return row.view(1, -1)
     world = dist.get_world_size(group)
-    out = tokens_per_expert.new_empty(world * tokens_per_expert.numel())  # flat: gloo checks the sizes
-    dist.all_gather_into_tensor(out, tokens_per_expert.contiguous(), group=group)
+    out = row.new_empty(world * row.numel())  # flat: gloo checks the sizes
+    dist.all_gather_into_tensor(out, row.contiguous(), group=group)
     return out.view(world, -1)

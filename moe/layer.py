@@ -39,7 +39,7 @@ from fused_dlrm.kernels.graphed_calls import GraphedCalls, Lease
 from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT
 from fused_dlrm.train.compute_copies import compute_copy, compute_weight, refresh_compute_copy
 from moe.expert_layout import (DispatchTables, ExpertLayout, build_expert_layout, dispatch_tables, gather_counts,
-                               send_slots)
+                               gather_counts_and_tokens, send_slots)
 from moe.experts import SwiGLUExperts
 from moe.kernels.fused_combine import FusedCombine, OwnerRows
 from moe.kernels.fused_dispatch import FusedDispatch, gemm_config
@@ -105,6 +105,7 @@ class MoELayer(nn.Module):
         self.experts = SwiGLUExperts(self.num_local_experts, d_model, ffn, self.rank * self.num_local_experts,
                                      seed, dtype, device)
         self.dispatch = self.combine = self._dispatch_graphs = self.max_tokens = None
+        self._tokens_gathered = False
         if comm == "fused":
             if workspace is None:
                 on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
@@ -138,6 +139,12 @@ class MoELayer(nn.Module):
                 most_sent = self.max_tokens * top_k
                 self.combine.reserve(most_sent, triton.cdiv(most_sent, self.combine.blocks.block_m)
                                      + min(num_experts, most_sent))
+            # A call with more tokens on some rank must stop every rank: one stopping alone leaves its peers waiting
+            # in the next collective. Where collectives return done (gloo), the token counts ride in the counts'
+            # all-gather and every rank checks them there (`_check_tokens`). On NCCL reading them would be the host
+            # sync that max_tokens_per_rank exists to remove: there the rank over the limit still stops alone.
+            self._tokens_gathered = (self.max_tokens is not None and self.world > 1
+                                     and dist.get_backend(group) == "gloo")
 
     def forward(self, x: torch.Tensor, logit_bias: torch.Tensor | None = None,
                 alongside: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, MoEStatistics]:
@@ -165,7 +172,11 @@ class MoELayer(nn.Module):
         # Rows are grouped by global expert, hence by destination rank.
         if self.comm == "fused":
             perm = permutation(routing.expert_ids, self.num_experts, kept, routing.weights, routing.block_counts)
-            counts = gather_counts(perm.tokens_per_expert, self.group)  # [source, global expert]
+            if self._tokens_gathered:
+                counts, tokens = gather_counts_and_tokens(perm.tokens_per_expert, x.shape[0], self.group)
+                self._check_tokens(dict(enumerate(tokens)))
+            else:
+                counts = gather_counts(perm.tokens_per_expert, self.group)  # [source, global expert]
             y = _FusedExperts.apply(x, routing.weights, self.experts.w13, self.experts.w2, self, counts, perm,
                                     torch.is_grad_enabled(), overlap)
             recv_counts = counts[:, self.rank * self.num_local_experts:(self.rank + 1) * self.num_local_experts]
@@ -288,11 +299,20 @@ class MoELayer(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.d_model or not x.is_floating_point():
             raise ValueError(f"MoELayer takes x as floating-point [tokens, d_model={self.d_model}], got "
                              f"{list(x.shape)} {x.dtype}")
-        if self.comm == "fused" and self.max_tokens is not None and x.shape[0] > self.max_tokens:
-            raise ValueError(f"rank {self.rank}: {x.shape[0]} tokens, more than max_tokens_per_rank="
-                             f"{self.max_tokens} (FusedMoEConfig), which sizes the fused exchange's buffers")
+        if self.comm == "fused" and self.max_tokens is not None and not self._tokens_gathered:
+            self._check_tokens({self.rank: x.shape[0]})
         if logit_bias is not None and logit_bias.shape != (self.num_experts,):
             raise ValueError(f"logit_bias must be [num_experts={self.num_experts}], got {list(logit_bias.shape)}")
+
+    def _check_tokens(self, tokens: dict[int, int]) -> None:
+        """Refuse a call in which a rank of `tokens` ({rank: its tokens}) has more than max_tokens_per_rank, naming
+        this rank's count if it is one of them, else the first such rank."""
+        over = [r for r, n in tokens.items() if n > self.max_tokens]
+        if over:
+            r = self.rank if self.rank in over else over[0]
+            whose = "" if r == self.rank else f"rank {r} has "
+            raise ValueError(f"rank {self.rank}: {whose}{tokens[r]} tokens, more than max_tokens_per_rank="
+                             f"{self.max_tokens} (FusedMoEConfig), which sizes the fused exchange's buffers")
 
 
 class MoEStatistics(Mapping):

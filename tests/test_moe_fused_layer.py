@@ -16,6 +16,7 @@ from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels import graphed_calls
 from fused_dlrm.kernels.graphed_calls import GraphedCalls
 from graph_stand_in import stand_in_capture
+from world import run_world
 from fused_dlrm.train.adamw import AdamW
 from fused_dlrm.train.compute_copies import want_compute_copy
 from moe import MoELayer
@@ -131,6 +132,22 @@ def test_bounded_forward_never_reads_the_counts_on_the_host(monkeypatch):
     with pytest.raises(ValueError, match="dispatch='token': expected 'auto', 'rows' or 'tokens'"):
         MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, comm="fused", workspace=SimulatedWorld(1).workspaces()[0],
                  fused=FusedMoEConfig(max_tokens_per_rank=4, dispatch="token"))
+
+
+def _one_rank_over_max_tokens(rank: int, world_size: int) -> None:
+    """Rank 1 gets one token more than max_tokens_per_rank: every rank raises, at the counts' all-gather."""
+    workspace = SimulatedWorld(world_size).workspaces()[rank]  # never touched: every rank stops before the dispatch
+    layer = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused", workspace=workspace,
+                     fused=FusedMoEConfig(max_tokens_per_rank=8))
+    whose = "9 tokens" if rank == 1 else "rank 1 has 9 tokens"
+    with pytest.raises(ValueError, match=f"rank {rank}: {whose}, more than max_tokens_per_rank=8"):
+        layer(torch.randn(8 + rank, D_MODEL))
+
+
+def test_a_rank_over_max_tokens_per_rank_stops_every_rank():
+    """Refused on that rank alone, its peers would wait in the router's or the counts' collective until gloo's
+    timeout (here: the world's timeout fails the test); the token counts ride in the counts' all-gather instead."""
+    run_world(2, _one_rank_over_max_tokens, timeout=240)
 
 
 @interpreter
