@@ -169,6 +169,22 @@ def test_any_nonfinite_loss_of_an_interval_stops_the_run(tmp_path, losses):
         run.check_loss()
 
 
+def test_the_rate_counts_the_samples_of_each_step(tmp_path, monkeypatch):
+    """samples/s over the steps' own sizes (a file's short last batch), not steps x the configured batch."""
+    clock = iter([0.0, 2.0, 2.0])  # the run starts, the interval ends, the next one starts
+    monkeypatch.setattr("fused_dlrm.train.schedule.time.perf_counter", lambda: next(clock))
+    intervals = []
+    trainer = OmegaConf.create({"log_every": 3, "eval_every": 0, "checkpoint_every": 0, "max_steps": None,
+                                "progress": False})
+    run = TrainingRun(trainer, CPU, tmp_path, tmp_path / "checkpoints", 0, items="samples", items_per_step=16,
+                      log_fields=lambda interval: intervals.append(interval) or ({"loss": 0.0}, ""),
+                      evaluate=lambda step: {}, save=lambda step: None, log=logging.getLogger(__name__))
+    for items in (16, None, 6):
+        run.end_step(torch.tensor(0.5), items=items)
+    run.check_loss()
+    assert intervals[0].rate == (16 + 16 + 6) / 2.0 and intervals[0].step_ms == 2000.0 / 3
+
+
 def test_missing_resume_path_is_a_clear_error(tmp_path):
     cfg = config(*SMALL, "trainer.max_steps=5", f"trainer.resume_from={tmp_path / 'nope'}")
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):

@@ -250,7 +250,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
             if isinstance(batch, Exception):  # prefetch off: where the forward would distribute it, every rank raises
                 sparse.bags_of(batch)
             loss = run_step(batch)
-            run.end_step(loss)  # step += 1; the loss summed on the device
+            run.end_step(loss, items=sparse.global_batch_size)  # step += 1; the loss summed on the device
             batch = next_batch()  # its input dist overlaps this step's tail on the GPU
             run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
     sparse.drop_prefetched()  # batches distributed ahead that the run ends before

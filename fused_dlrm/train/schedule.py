@@ -65,7 +65,7 @@ class Interval:
     """One log interval, its losses reduced over ranks: what a loop's `log_fields` turns into its log."""
     losses: list[float]  # each loss term's mean per step and rank, in end_step's order
     step_ms: float       # mean wall time of a step
-    rate: float          # samples (tokens, ...) per second: items_per_step over step_ms
+    rate: float          # samples (tokens, ...) per second over the interval's steps
 
 
 # log_fields(interval) -> (metrics.jsonl fields, with "loss"; the log line after "step N ")
@@ -107,14 +107,17 @@ class TrainingRun:
                         desc="train")
         # [sum of each loss term over the interval's steps, sum of the total loss (its NaN / inf check)]
         self.loss_sum = torch.zeros(loss_terms + 1, device=env.device)
-        self.interval_start, self.interval_steps = time.perf_counter(), 0
+        self.interval_start, self.interval_steps, self.interval_items = time.perf_counter(), 0, 0
 
-    def end_step(self, loss: torch.Tensor, terms: Sequence[torch.Tensor] | None = None) -> None:
+    def end_step(self, loss: torch.Tensor, terms: Sequence[torch.Tensor] | None = None,
+                 items: int | None = None) -> None:
         """Count a step: its detached total loss (checked for NaN/inf) and the terms to log (default: the loss),
-        summed on the device (no host sync; one op for a lone loss, which both entries take)."""
+        summed on the device (no host sync; one op for a lone loss, which both entries take); `items`: what the
+        rate counts in this step, where it is not items_per_step (a file's short last batch)."""
         self.loss_sum += loss if terms is None else torch.stack([*terms, loss])
         self.step += 1
         self.interval_steps += 1
+        self.interval_items += self.items_per_step if items is None else items
         self.bar.update(1)
 
     def after_step(self) -> None:
@@ -155,10 +158,10 @@ class TrainingRun:
         stop_if_nonfinite(total[-1], step - steps + 1, step, self.checkpoint_dir)
         seconds = time.perf_counter() - self.interval_start
         interval = Interval(losses=[v / max(steps * self.env.world_size, 1) for v in total[:-1]],
-                            step_ms=1000 * seconds / max(steps, 1), rate=steps * self.items_per_step / seconds)
+                            step_ms=1000 * seconds / max(steps, 1), rate=self.interval_items / seconds)
         fields, line = self.log_fields(interval)
         self.loss_sum.zero_()
-        self.interval_start, self.interval_steps = time.perf_counter(), 0
+        self.interval_start, self.interval_steps, self.interval_items = time.perf_counter(), 0, 0
         self.result.losses.append((step, fields["loss"]))
         self.metrics.record({"step": step, **fields})
         self.bar.set_postfix({"loss": f"{fields['loss']:.4f}", f"{self.items}_s": f"{interval.rate:,.0f}"})
