@@ -41,23 +41,28 @@ def _header_keys(num_keys: int, world: int, seed: int) -> torch.Tensor:
     return torch.tensor([o + [num_keys] * (width - len(o)) for o in owned])
 
 
-@pytest.mark.parametrize("num_keys,world,local_batch,extra,bad,dtype,has_weights", [
-    (7, 2, 300, 0, 0, torch.int64, False),  # > one block of values, all in range
-    (7, 2, 300, 0, 9, torch.int64, True),
-    (13, 4, 57, 5, 3, torch.int32, True),  # values beyond the lengths' sum
-    (13, 3, 57, -4, 2, torch.int64, False),  # fewer values than the lengths say
-    (1, 1, 9, 0, 1, torch.int64, True),
-    (5, 8, 2, 0, 0, torch.int64, False),  # ranks owning no feature
+@pytest.mark.parametrize("num_keys,world,local_batch,extra,bad,dtype,weights", [
+    (7, 2, 300, 0, 0, torch.int64, None),  # > one block of values, all in range
+    (7, 2, 300, 0, 9, torch.int64, torch.float32),
+    (13, 4, 57, 5, 3, torch.int32, torch.bfloat16),  # values beyond the lengths' sum
+    (13, 3, 57, -4, 2, torch.int64, None),  # fewer values than the lengths say
+    (1, 1, 9, 0, 1, torch.int64, torch.int64),  # weights of no supported dtype
+    (5, 8, 2, 0, 0, torch.int64, torch.float16),  # ranks owning no feature
 ])
-def test_kernel_equals_reference(num_keys, world, local_batch, extra, bad, dtype, has_weights):
+def test_kernel_equals_reference(num_keys, world, local_batch, extra, bad, dtype, weights):
     seed = num_keys * 100 + world * 10 + bad
     values, counts, rows = _batch(seed, num_keys, local_batch, extra, bad, dtype)
     header_keys = _header_keys(num_keys, world, seed)
-    want = bh.batch_header_reference(values, counts, rows, header_keys, local_batch, has_weights)
-    got = bh.launch_batch_header(values, counts, rows, header_keys, local_batch, has_weights)
+    code = bh.weights_code(None if weights is None else torch.ones(3, dtype=weights))
+    want = bh.batch_header_reference(values, counts, rows, header_keys, local_batch, code)
+    got = bh.launch_batch_header(values, counts, rows, header_keys, local_batch, code)
     assert torch.equal(got, want), (got, want)
     assert (want[:, bh.OUT_OF_RANGE] > 0).any() == (bad > 0 and bool(((values < 0) | (values >= 500)).any()))
-    assert (want[:, bh.WEIGHTS] == int(has_weights)).all()
+    described = bh.weights_described(int(want[0, bh.WEIGHTS]))
+    assert (want[:, bh.WEIGHTS] == code).all() and described == {
+        None: "no weights", torch.float32: "float32 weights", torch.bfloat16: "bfloat16 weights",
+        torch.float16: "float16 weights",
+        torch.int64: "weights of a dtype other than float32, float16, bfloat16, float64"}[weights]
     assert not want[:, [bh.NO_BATCH, bh.BAD_KEYS]].any()  # the input dist's alone, for a batch that cannot travel
 
 

@@ -159,3 +159,27 @@ def test_weights_on_some_ranks_raise_on_every_rank(is_weighted, row_shards):
     disagree (or a weighted collection gets none) every rank raises before it, instead of a collective mismatch
     (gloo aborts the process; NCCL hangs or reads garbage)."""
     run_world(2, _weights_on_rank_0_only, is_weighted, row_shards, timeout=120)
+
+
+def _weights_of_another_dtype_on_rank_1(rank: int, world: int, other: torch.dtype, row_shards) -> None:
+    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig(),
+                                            plan=plan_sharding(TABLES, world, row_shards=row_shards))
+    keys = [f for t in TABLES for f in t.feature_names]
+    lengths, values, weights = global_batch(0, 6, TABLES, True)
+    start, stop = local_batch_bounds(6, rank, world)
+    good = sharded(to_kjt(keys, lengths, values, weights, start, stop)).values().clone()
+    mixed = to_kjt(keys, lengths, values, [w.to(other) for w in weights] if rank == 1 else weights, start, stop)
+    theirs = "float16 weights" if other == torch.float16 else "weights of a dtype other than float32"
+    with pytest.raises(ValueError, match=rf"rank {rank}: per-sample weights must be floating point and of one dtype "
+                                         rf"on every rank \(rank 0: float32 weights, rank 1: {theirs}"):
+        sharded(mixed)
+    torch.testing.assert_close(sharded(to_kjt(keys, lengths, values, weights, start, stop)).values(), good)
+
+
+@pytest.mark.parametrize("other,row_shards", [(torch.float16, 1), (torch.int64, 1), (torch.float16, {"t1": 2})],
+                         ids=["float16", "int64", "float16_row_blocks"])
+def test_weights_of_another_dtype_raise_on_every_rank(other, row_shards):
+    """The weights' all-to-all sizes its buffers in each rank's own dtype: weights of another dtype on one rank (or
+    not floating point) make every rank raise, naming each rank's dtype, before that all-to-all; the next batch
+    with alike weights gives the same bags."""
+    run_world(2, _weights_of_another_dtype_on_rank_1, other, row_shards, timeout=120)

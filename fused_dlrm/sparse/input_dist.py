@@ -32,7 +32,8 @@ from torchrec import KeyedJaggedTensor
 from fused_dlrm.dist.alltoall import all_to_all_v, exchange_counts
 from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.kernels.batch_header import (BAD_KEYS, BATCH, EXTRA_VALUES, FIRST_COUNT, NO_BATCH, OUT_OF_RANGE,
-                                             WEIGHTS, batch_header, value_keys)
+                                             UNSUPPORTED_WEIGHTS, WEIGHTS, batch_header, value_keys,
+                                             weights_code, weights_described)
 from fused_dlrm.kernels.segment_gather import gather_segments
 from fused_dlrm.sparse.plan import RowBlock
 from fused_dlrm.sparse.row_wise import RowBuckets
@@ -213,9 +214,9 @@ class BulkInputDist:
             weights = None if self.is_weighted is False else kjt.weights_or_none()
             sent = _Sent(values, lengths, counts, weights)
             if plan.buckets is None:  # one kernel on GPUs
-                header = batch_header(values, counts, plan.rows, plan.header_keys, local_batch, weights is not None)
+                header = batch_header(values, counts, plan.rows, plan.header_keys, local_batch, weights_code(weights))
             else:  # the checks of the uncut batch, the counts of its cut
-                header = batch_header(values, counts, plan.rows, plan.no_keys, local_batch, weights is not None)
+                header = batch_header(values, counts, plan.rows, plan.no_keys, local_batch, weights_code(weights))
                 cut_values, cut_lengths, cut_weights = plan.buckets.cut(values, lengths, sent.weights)
                 cut_counts = cut_lengths.sum(dim=1)
                 header[:, FIRST_COUNT:] = torch.cat([cut_counts, cut_counts.new_zeros(1)])[plan.header_keys]
@@ -330,23 +331,27 @@ class BulkInputDist:
             table, rows = self.tables[key]
             raise error(f"rank {self.rank}: feature '{key}' has index {int(values[i])}, outside table '{table}' "
                         f"of {rows} rows")
-        self._raise_for_weights([bool(row[WEIGHTS]) for row in recv_header])
+        self._raise_for_weights([int(row[WEIGHTS]) for row in recv_header])
 
-    def _raise_for_weights(self, has_weights: list[bool]) -> None:
-        """Every rank raises, before the weights' all-to-all (which a rank without weights would not join), when
-        a weighted collection gets a KJT without weights (that rank says so, the others name it) or, with
-        is_weighted=None, when some ranks' KJTs have weights and others' not (no rank is wrong alone: every rank
-        names both sides). has_weights: each source's header says whether its weights travel."""
-        without = [s for s, has in enumerate(has_weights) if not has]
-        if not without or (len(without) == len(has_weights) and not self.is_weighted):
-            return
-        weighted = "the EmbeddingBagCollection is weighted (is_weighted=True)"
-        if self.is_weighted and self.rank in without:
-            raise ValueError(f"rank {self.rank}: {weighted} but the KeyedJaggedTensor has no weights")
-        if self.is_weighted:
-            raise ValueError(f"rank {self.rank}: rank(s) {without} sent KeyedJaggedTensors without per-sample "
-                             f"weights, but {weighted} (their error says more)")
-        raise ValueError(f"rank {self.rank}: rank(s) {[s for s, has in enumerate(has_weights) if has]} sent "
-                         f"per-sample weights and rank(s) {without} did not: the EmbeddingBagCollection "
-                         "(is_weighted=None) takes a batch's weights when every rank's KeyedJaggedTensor has them "
-                         "(is_weighted=True requires them, False ignores them)")
+    def _raise_for_weights(self, codes: list[int]) -> None:
+        """Every rank raises, before the weights' all-to-all (which a rank without weights would not join, and whose
+        buffers every rank sizes in its own dtype), when a weighted collection gets a KJT without weights (that rank
+        says so, the others name it); with is_weighted=None, when some ranks' KJTs have weights and others' not (no
+        rank is wrong alone: every rank names both sides); or when the weights that travel differ in dtype, or are
+        not floating point. codes: each source's header's `weights_code`."""
+        without = [s for s, code in enumerate(codes) if not code]
+        if without and not (len(without) == len(codes) and not self.is_weighted):
+            weighted = "the EmbeddingBagCollection is weighted (is_weighted=True)"
+            if self.is_weighted and self.rank in without:
+                raise ValueError(f"rank {self.rank}: {weighted} but the KeyedJaggedTensor has no weights")
+            if self.is_weighted:
+                raise ValueError(f"rank {self.rank}: rank(s) {without} sent KeyedJaggedTensors without per-sample "
+                                 f"weights, but {weighted} (their error says more)")
+            raise ValueError(f"rank {self.rank}: rank(s) {[s for s, code in enumerate(codes) if code]} sent "
+                             f"per-sample weights and rank(s) {without} did not: the EmbeddingBagCollection "
+                             "(is_weighted=None) takes a batch's weights when every rank's KeyedJaggedTensor has "
+                             "them (is_weighted=True requires them, False ignores them)")
+        if UNSUPPORTED_WEIGHTS in codes or len(set(codes)) > 1:
+            sent = ", ".join(f"rank {s}: {weights_described(code)}" for s, code in enumerate(codes))
+            raise ValueError(f"rank {self.rank}: per-sample weights must be floating point and of one dtype on every "
+                             f"rank ({sent})")
