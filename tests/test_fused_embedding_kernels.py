@@ -19,7 +19,8 @@ from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.pairwise_interaction import (launch_backward, num_pairs, offered_gradient_push,
                                                      pairwise_interaction, pairwise_interaction_reference, push_block)
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
-from fused_dlrm.kernels.pooled_embedding import pooled_embedding_reference
+from fused_dlrm.kernels.peer_tiles import plan_peer_tiles
+from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLaunch, pooled_embedding_reference
 from fused_dlrm.sparse.fused_all_to_all import FusedPooledAllToAll
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
@@ -28,6 +29,7 @@ from fused_dlrm.sparse.plan import plan_sharding
 from fused_dlrm.sparse.row_wise import RowBlockSum, RowBuckets
 from fused_dlrm.sparse.sharded_ebc import shard_weight
 from sm90 import compile_for_sm90
+from world import run_world
 
 # The simulated world is CPU tensors: it needs the interpreter (set by conftest.py where there is no GPU).
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
@@ -157,6 +159,28 @@ def test_forward_matches_reference(world_size, batch_sizes, dtype, weighted):
         got = world.forward(bags)
         for g, e in zip(got, expected_outputs(world, lengths, values, weights, batch_sizes)):
             torch.testing.assert_close(g, e, rtol=tol, atol=tol)
+
+
+def _pool_rows_past_2_31_elements(rank: int, world: int, index_dtype: torch.dtype) -> None:
+    rows, dim = 17_000_001, 128  # rows x dim > 2**31: 4.35 GB of address space, only the rows written are touched
+    table = torch.empty(rows, dim, dtype=torch.bfloat16)
+    table[rows - 2], table[5] = 1.0, 3.0
+    features = FeatureTable([table], [0], [False], torch.device("cpu"))
+    plan = plan_peer_tiles(0, [(0, 2)], [(0, 1)], features.block_rows, 2, torch.device("cpu"))
+    launch = PooledEmbeddingLaunch(features, plan, 2, torch.zeros(1, dtype=torch.int64), dim)
+    out = torch.full((2, dim), float("nan"))
+    launch(torch.tensor([rows - 2, 5, rows - 2], dtype=index_dtype), torch.tensor([0, 1, 3]), None,
+           torch.tensor([out.data_ptr()]))
+    torch.testing.assert_close(out, torch.tensor([[1.0], [4.0]]).expand(2, dim))
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_rows_past_2_31_elements_of_a_table_with_int32_indices(index_dtype):
+    """A row's address is index x dim in 64 bits whatever the indices' dtype: with int32 indices the product wrapped
+    past 2**31 elements (a 17M x 128 table) and the lookup read before the table (a crash here, another allocation
+    on a GPU). In a process of its own, where a bad read kills only that process."""
+    run_world(1, _pool_rows_past_2_31_elements, index_dtype, timeout=300)
+
 
 
 @pytest.mark.parametrize("optimizer,scale", [("sgd", 1.0), ("rowwise_adagrad", 1.0), ("sgd", 1 / 3),

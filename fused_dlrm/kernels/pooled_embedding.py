@@ -66,7 +66,7 @@ def _pool_tile(k, u, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr,
         pos = j + lanes
         m = row_mask[:, None] & (pos[None, :] < length[:, None])
         at = start[:, None] + pos[None, :]
-        idx = tl.load(values_ptr + at, mask=m, other=0)
+        idx = tl.load(values_ptr + at, mask=m, other=0).to(tl.int64)  # index x dim passes 2**31 in big tables
         gathered = tl.load(table + idx[:, :, None] * dim + d[None, None, :],
                            mask=m[:, :, None] & d_mask[None, None, :], other=0.0).to(tl.float32)
         if HAS_WEIGHTS:
