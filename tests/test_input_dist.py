@@ -170,8 +170,9 @@ def _weights_of_another_dtype_on_rank_1(rank: int, world: int, other: torch.dtyp
     good = sharded(to_kjt(keys, lengths, values, weights, start, stop)).values().clone()
     mixed = to_kjt(keys, lengths, values, [w.to(other) for w in weights] if rank == 1 else weights, start, stop)
     theirs = "float16 weights" if other == torch.float16 else "weights of a dtype other than float32"
-    with pytest.raises(ValueError, match=rf"rank {rank}: per-sample weights must be floating point and of one dtype "
-                                         rf"on every rank \(rank 0: float32 weights, rank 1: {theirs}"):
+    with pytest.raises(ValueError, match=rf"rank {rank}: weights must be of one of float32, float16, bfloat16, "
+                                         rf"float64, the same on every rank \(rank 0: float32 weights, rank 1: "
+                                         rf"{theirs}"):
         sharded(mixed)
     torch.testing.assert_close(sharded(to_kjt(keys, lengths, values, weights, start, stop)).values(), good)
 
@@ -183,3 +184,25 @@ def test_weights_of_another_dtype_raise_on_every_rank(other, row_shards):
     not floating point) make every rank raise, naming each rank's dtype, before that all-to-all; the next batch
     with alike weights gives the same bags."""
     run_world(2, _weights_of_another_dtype_on_rank_1, other, row_shards, timeout=120)
+
+
+def _indices_of_another_dtype_on_rank_1(rank: int, world: int, other: torch.dtype) -> None:
+    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig(), plan=plan_sharding(TABLES, world))
+    keys = [f for t in TABLES for f in t.feature_names]
+    lengths, values, _ = global_batch(0, 6, TABLES, False)
+    start, stop = local_batch_bounds(6, rank, world)
+    good = sharded(to_kjt(keys, lengths, values, None, start, stop)).values().clone()
+    mixed = to_kjt(keys, lengths, [v.to(other) for v in values] if rank == 1 else values, None, start, stop)
+    theirs = "int32 indices" if other == torch.int32 else "indices of a dtype other than int64, int32"
+    with pytest.raises(ValueError, match=rf"rank {rank}: indices must be of one of int64, int32, the same on every "
+                                         rf"rank \(rank 0: int64 indices, rank 1: {theirs}\)"):
+        sharded(mixed)
+    torch.testing.assert_close(sharded(to_kjt(keys, lengths, values, None, start, stop)).values(), good)
+
+
+@pytest.mark.parametrize("other", [torch.int32, torch.int16])
+def test_indices_of_another_dtype_raise_on_every_rank(other):
+    """Lengths and values travel in one all-to-all in the values' dtype, which sizes each rank's buffers: int32
+    indices on one rank and int64 on the other (gloo aborted the process, a peer read garbage offsets), or indices
+    of no supported dtype, make every rank raise, naming each rank's dtype; the next batch gives the same bags."""
+    run_world(2, _indices_of_another_dtype_on_rank_1, other, timeout=120)

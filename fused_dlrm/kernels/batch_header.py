@@ -1,8 +1,10 @@
 """The input dist's header of one batch: what every destination must know before the batch's values travel.
 
 Row r of the header goes to rank r: [local batch size, no batch (0 here), bad keys (0 here), values beyond the
-lengths' sum, out-of-range indices, whether per-sample weights travel and in which dtype (`weights_code`: 0 for
-none; their all-to-all is one more collective, which every rank must join or none, in one dtype), then the value count of each feature rank r owns (0 where rank r
+lengths' sum, out-of-range indices, whether per-sample weights travel and in which dtype (`dtype_code` of
+WEIGHT_DTYPES, 0 for none: their all-to-all is one more collective, which every rank must join or none, and every
+rank sizes its buffers in its own dtype), the indices' dtype (`dtype_code` of INDEX_DTYPES: the values' all-to-all
+alike), then the value count of each feature rank r owns (0 where rank r
 owns fewer features than the widest)]. Where this rank has no batch to send (it could not make it: NO_BATCH) or its
 keys or its lengths' shape are wrong (BAD_KEYS, EXTRA_VALUES), the input dist sends zeros and that one flag
 instead.
@@ -23,29 +25,28 @@ import triton.language as tl
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned
 
 # The header's columns: these, then each destination's per-feature value counts.
-BATCH, NO_BATCH, BAD_KEYS, EXTRA_VALUES, OUT_OF_RANGE, WEIGHTS, FIRST_COUNT = range(7)
-_BATCH, _NO_BATCH, _BAD_KEYS, _EXTRA_VALUES, _OUT_OF_RANGE, _WEIGHTS, _FIRST_COUNT = (  # the kernel's
-    tl.constexpr(c) for c in (BATCH, NO_BATCH, BAD_KEYS, EXTRA_VALUES, OUT_OF_RANGE, WEIGHTS, FIRST_COUNT))
+BATCH, NO_BATCH, BAD_KEYS, EXTRA_VALUES, OUT_OF_RANGE, WEIGHTS, INDICES, FIRST_COUNT = range(8)
+_BATCH, _NO_BATCH, _BAD_KEYS, _EXTRA_VALUES, _OUT_OF_RANGE, _WEIGHTS, _INDICES, _FIRST_COUNT = (  # the kernel's
+    tl.constexpr(c) for c in (BATCH, NO_BATCH, BAD_KEYS, EXTRA_VALUES, OUT_OF_RANGE, WEIGHTS, INDICES, FIRST_COUNT))
 BLOCK_VALUES = 1024
-# The WEIGHTS column's codes: 0 for no weights, 1 + i for WEIGHT_DTYPES[i], UNSUPPORTED_WEIGHTS for any other dtype.
+# The dtypes the WEIGHTS and INDICES columns name (`dtype_code`).
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-UNSUPPORTED_WEIGHTS = len(WEIGHT_DTYPES) + 1
+INDEX_DTYPES = (torch.int64, torch.int32)
 
 
-def weights_code(weights: torch.Tensor | None) -> int:
-    """The header's WEIGHTS code of a batch's per-sample weights (None: 0)."""
-    if weights is None:
+def dtype_code(t: torch.Tensor | None, dtypes: tuple[torch.dtype, ...]) -> int:
+    """A header column's code of t's dtype: 0 for no tensor, 1 + i for dtypes[i], len(dtypes) + 1 for another."""
+    if t is None:
         return 0
-    return WEIGHT_DTYPES.index(weights.dtype) + 1 if weights.dtype in WEIGHT_DTYPES else UNSUPPORTED_WEIGHTS
+    return dtypes.index(t.dtype) + 1 if t.dtype in dtypes else len(dtypes) + 1
 
 
-def weights_described(code: int) -> str:
-    """A WEIGHTS code in words, for errors: "float16 weights", "no weights", "weights of an unsupported dtype"."""
+def dtype_described(code: int, dtypes: tuple[torch.dtype, ...], what: str) -> str:
+    """A `dtype_code` in words, for errors: "float16 weights", "no weights", "weights of a dtype other than ..."."""
+    names = [str(d).removeprefix("torch.") for d in dtypes]
     if code == 0:
-        return "no weights"
-    if code == UNSUPPORTED_WEIGHTS:
-        return "weights of a dtype other than " + ", ".join(str(d).removeprefix("torch.") for d in WEIGHT_DTYPES)
-    return f"{str(WEIGHT_DTYPES[code - 1]).removeprefix('torch.')} weights"
+        return f"no {what}"
+    return f"{names[code - 1]} {what}" if code <= len(dtypes) else f"{what} of a dtype other than {', '.join(names)}"
 
 
 def value_keys(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -60,18 +61,19 @@ def batch_header_reference(values: torch.Tensor, counts: torch.Tensor, rows: tor
                            header_keys: torch.Tensor, local_batch: int, weights: int) -> torch.Tensor:
     """The header [world, FIRST_COUNT + width] int64. counts: values per key [keys] int64; rows: each key's table
     size; header_keys [world, width]: the key of destination r's feature f (num_keys: padding); weights: the
-    batch's per-sample weights' `weights_code`."""
+    batch's per-sample weights' `dtype_code` (WEIGHT_DTYPES)."""
     out_of_range = ((values < 0) | (values >= rows[value_keys(values, counts)])).sum()
     zero = torch.zeros_like(out_of_range)
     first = torch.stack([torch.full_like(out_of_range, local_batch), zero, zero, values.numel() - counts.sum(),
-                         out_of_range, torch.full_like(out_of_range, int(weights))])
+                         out_of_range, torch.full_like(out_of_range, int(weights)),
+                         torch.full_like(out_of_range, dtype_code(values, INDEX_DTYPES))])
     padded = torch.cat([counts, counts.new_zeros(1)])
     return torch.cat([first.expand(header_keys.shape[0], FIRST_COUNT), padded[header_keys]], dim=1)
 
 
-@triton.jit(do_not_specialize=["n_values", "num_keys", "local_batch", "weights", "world", "width"])
+@triton.jit(do_not_specialize=["n_values", "num_keys", "local_batch", "weights", "indices", "world", "width"])
 def _batch_header_kernel(values_ptr, counts_ptr, ends_ptr, rows_ptr, header_keys_ptr, header_ptr,
-                         n_values, num_keys, local_batch, weights, world, width,
+                         n_values, num_keys, local_batch, weights, indices, world, width,
                          BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr, WORLD_BLOCK: tl.constexpr,
                          WIDTH_BLOCK: tl.constexpr):
     """header must hold zeros in its OUT_OF_RANGE column (the programs add into it)."""
@@ -104,6 +106,7 @@ def _batch_header_kernel(values_ptr, counts_ptr, ends_ptr, rows_ptr, header_keys
         tl.store(row + _BAD_KEYS, zero, mask=in_world)
         tl.store(row + _EXTRA_VALUES, zero + (n_values - tl.load(ends_ptr + num_keys - 1)), mask=in_world)
         tl.store(row + _WEIGHTS, zero + weights, mask=in_world)
+        tl.store(row + _INDICES, zero + indices, mask=in_world)
         f = tl.arange(0, WIDTH_BLOCK)[None, :]
         cell = in_world[:, None] & (f < width)
         k = tl.load(header_keys_ptr + r[:, None] * width + f, mask=cell, other=0)
@@ -132,7 +135,7 @@ def launch_batch_header(values: torch.Tensor, counts: torch.Tensor, rows: torch.
     constexprs = (BLOCK_VALUES, max(1, num_keys.bit_length()), triton.next_power_of_2(world),
                   triton.next_power_of_2(max(width, 1)))
     args = (values, counts, torch.cumsum(counts, 0), rows, header_keys, header, values.numel(), num_keys,
-            local_batch, int(weights), world, width, *constexprs)
+            local_batch, int(weights), dtype_code(values, INDEX_DTYPES), world, width, *constexprs)
     # The specialisation besides the constexprs: the values' dtype and alignment (a KJT's values may be a view);
     # the other tensors are fresh allocations or a plan's own.
     key = (values.dtype, aligned(values), counts.dtype, rows.dtype, *constexprs)
