@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -271,6 +273,17 @@ def test_torchrun_two_processes(tmp_path):
                                                                                        "__1_0.distcp"]
     lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines if "loss" in l] == [5, 10] and "eval_loss" in lines[-1]
+
+
+@pytest.mark.parametrize("model,data", [("moe_transformer", "synthetic"), ("dlrm", "bytes")])
+def test_a_data_group_of_the_other_model_is_refused(tmp_path, model, data):
+    """`data=` on the command line overrides the model's own choice: another model's data group is refused before
+    training, instead of failing late on a missing key (or training on the wrong data)."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "train.py", f"model={model}", f"data={data}", "trainer.max_steps=1",
+                           f"hydra.run.dir={tmp_path}/run"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert f"model.name={model} trains on data=" in done.stderr and f"not data={data}" in done.stderr, done.stderr
 
 
 def test_fused_comm_is_refused_clearly_on_the_cpu(tmp_path):
