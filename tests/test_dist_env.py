@@ -95,3 +95,14 @@ def test_one_process_without_torchrun_has_no_process_group(monkeypatch):
     env = init_distributed("cpu")
     assert (env.rank, env.world_size, env.backend, env.device) == (0, 1, None, torch.device("cpu"))
     assert env.is_main
+
+
+def test_one_process_checks_the_backend_as_torchrun_would(monkeypatch):
+    """Without torchrun there is no group, but the configured backend is checked all the same: a config that fails
+    under torchrun fails here too, instead of running without a word."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="unknown backend 'mpi'"):
+        init_distributed("cpu", "mpi")
+    with pytest.raises(ValueError, match="nccl"):
+        init_distributed("cpu", "nccl")

@@ -69,10 +69,10 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = _pick_device(device, local_rank)
+    gpu_shared = device.startswith("cuda:") and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1
+    chosen = _pick_backend(backend, dev, gpu_shared)  # checked in one process too: the same config under torchrun
     if "WORLD_SIZE" not in os.environ:
         return DistEnv(rank=0, world_size=1, local_rank=0, device=dev, backend=None)
-    gpu_shared = device.startswith("cuda:") and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1
-    chosen = _pick_backend(backend, dev, gpu_shared)
     if not dist.is_initialized():
         dist.init_process_group(
             backend=chosen,
