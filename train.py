@@ -47,7 +47,9 @@ def main(cfg: DictConfig) -> None:
         run_dir = agree_on_run_dir(HydraConfig.get().runtime.output_dir)
         train(cfg, env, run_dir)
         if cfg.report:
-            gc.collect()  # the trained model (DDP holds reference cycles) is freed before the report builds its own
+            # the trained model is freed before the report builds its own: DLRM's dense arches and their ArchNodes
+            # (models/arch_nodes.py: arch.forward is the node, which holds the arch) form cycles only gc frees
+            gc.collect()
             write_report(cfg, env, run_dir)
     finally:
         destroy_distributed()
