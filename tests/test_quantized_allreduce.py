@@ -93,7 +93,7 @@ def _ddp_hook(rank: int, world: int, device_type: str = "cpu") -> None:
     everyone = torch.empty(world, device=device)
     dist.all_gather_into_tensor(everyone, absmax.view(1))
     exact_max = max(p.grad.abs().max() for p in plain.parameters())
-    step = (1 + 2.0**-9) / 2 / 127  # half a q8 step per unit of absmax, with the fp16 scale's round-up
+    step = (1 + 2.0**-6) / 2 / 127  # half a q8 step per unit of absmax, with the bf16 scale's round-up (2^-7)
     first = everyone.sum() * step / world
     bound = first + (exact_max + first) * step
     for p, q in zip(plain.parameters(), quant.parameters()):

@@ -32,7 +32,7 @@ def world_of(size: int, max_programs: int = 2, spin_limit: int = 50) -> list[Fus
 
 
 def poison(call) -> None:
-    """NaN output, NaN-coding slots (0xFF bytes: fp16 NaN values, NaN scales): unwritten elements show."""
+    """NaN output, NaN-coding slots (0xFF bytes: fp16 NaN values, bf16 NaN scales): unwritten elements show."""
     call.out.fill_(float("nan"))
     call.plan.recv.local.fill_(255)
     call.plan.gather.local.fill_(255)
@@ -177,7 +177,7 @@ for name, c in CODECS.items():
     for op in ("ld", "st"):  # 4 warps of 32 threads
         assert len(re.findall(rf"{op}\\.global\\.v{vector}\\.b32", ptx)) == expected, (name, op)
     for decode in (False, True):
-        build(quant_codecs._codec_kernel, {"values_ptr": "*fp32", "payload_ptr": "*i32", "scale_ptr": "*fp16"},
+        build(quant_codecs._codec_kernel, {"values_ptr": "*fp32", "payload_ptr": "*i32", "scale_ptr": "*bf16"},
               dict(DECODE=decode, ROWS=quant_codecs.BLOCKS_PER_PROGRAM, **kernel_constants(c)))
 """
 

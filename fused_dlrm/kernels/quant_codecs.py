@@ -2,7 +2,7 @@
 
 A tensor of n values is cut into blocks of 32 consecutive values (the last block zero-padded). The encoding of
 num_blocks blocks (`Encoded`) is planar: a payload array of int32 words, block-major ([num_blocks, words]: block
-i's codes are words i * words .. i * words + words - 1), and a separate fp16 scale array ([num_blocks]; empty
+i's codes are words i * words .. i * words + words - 1), and a separate bf16 scale array ([num_blocks]; empty
 for fp16, which has no scale). Any range of blocks is a contiguous range of both arrays, so a collective can
 send chunks of an encoded tensor without re-packing, and kernels move whole words with wide aligned accesses.
 
@@ -18,17 +18,23 @@ of its codes (words 0-3, 8 to a word), then their high 2 bits (words 4-5, 16 to 
 | q6 | 6-bit int, 4 + 2 bit planes | absmax / 31 | 26 | s / 2 |
 | q4 | 4-bit int | absmax / 7 | 18 | s / 2 |
 
-Scales are stored in fp16 rounded *up* (never below absmax / qmax), so |x / s| <= qmax; a block of zeros gets
-scale 0 and decodes to zeros. A value is scaled as v = x * (1 / s), the reciprocal and the product each rounded
-to fp32, so |v| may pass qmax by a few fp32 steps: integer codes are clamped to +-qmax, and e4m3's rounding
-brings such a v back to 448 (no overflow). Integer codes are floor(v + 0.5) (ties away from -inf),
-stored offset-binary (q + 2^(b-1)). The bounds hold up to the fp32 roundings of 1 / s, x * (1 / s), v + 0.5 and
-q * s (relative 2^-24 each; `error_bound` adds that slack) and require absmax <= 65504 * qmax (the fp16 scale's
-range; gradients beyond that are already lost).
+Scales are stored in bf16 (fp32's exponent range in fp16's two bytes) rounded *up* (never below absmax / qmax,
+at most 2^-7 above it), so |x / s| <= qmax; a block of zeros gets scale 0 and decodes to zeros. The scale's range
+is [2^-126, the largest s with qmax * s finite in fp32]: below, absmax / qmax < 2^-126 (absmax < qmax * 1.2e-38)
+gets the smallest normal scale 2^-126 (so 1 / s = 2^126 is finite and exact), and such a block keeps fewer
+levels (the table's bounds hold with the scale stored); above, a block whose rounded-up scale times qmax
+overflows fp32 (absmax > 3.39e38, within 0.2% of fp32's largest value; q8: > 3.4026e38) is out of range and
+decodes as NaN, as a non-finite block (below). (fp16 scales, subnormal below 6.1e-5, i.e. for q8 at
+absmax < 7.8e-3, left gradient-sized blocks few levels: q8 blocks at absmax 1e-7 came back half zeros.)
+A value is scaled as v = x * (1 / s), the reciprocal and the product each rounded to fp32, so |v| may pass qmax
+by a few fp32 steps: integer codes are clamped to +-qmax, and e4m3's rounding brings such a v back to 448 (no
+overflow). Integer codes are floor(v + 0.5) (ties away from -inf), stored offset-binary (q + 2^(b-1)). The
+bounds hold up to the fp32 roundings of 1 / s, x * (1 / s), v + 0.5 and q * s (relative 2^-24 each;
+`error_bound` adds that slack).
 
 Non-finite values are never laundered into finite ones (a diverging step's NaN must reach the checks downstream):
 fp16 keeps each value (inf with its sign, every NaN as the one pattern FP16_NAN). A scaled codec's block holding a
-NaN or +-inf, or beyond the scale's range, gets the scale FP16_NAN and codes of zero: it decodes as all NaN (one
+NaN or +-inf, or beyond the scale's range, gets the scale BF16_NAN and codes of zero: it decodes as all NaN (one
 scale cannot carry inf beside finite values; the sign of inf is lost). The kernels find such blocks by integer
 compares of bits, so that no NaN meets a float max / min, whose NaN semantics differ (GPUs' max.f32 returns the
 other operand, the interpreter's numpy maximum the NaN).
@@ -58,7 +64,9 @@ BLOCK = 32  # values per block (one scale)
 BLOCKS_PER_PROGRAM = 32  # blocks one kernel program encodes or decodes (not tuned)
 
 FP16, FP8, INT = 0, 1, 2  # kinds of codec (the kernels' KIND)
-FP16_NAN = tl.constexpr(0x7E00)  # the bits of the fp16 NaN that every codec stores (torch's float("nan"))
+FP16_NAN = tl.constexpr(0x7E00)  # the bits of the fp16 NaN that the fp16 codec stores (torch's float("nan"))
+BF16_NAN = tl.constexpr(0x7FC0)  # the bits of the bf16 NaN scale of a non-finite block (torch's float("nan"))
+MIN_SCALE_BITS = tl.constexpr(0x0080)  # bf16 bits of the smallest scale but 0: 2^-126, bf16's smallest normal
 INF_BITS = tl.constexpr(0x7F800000)  # fp32 inf's bits
 # Launch option of every kernel that encodes or decodes: no fused multiply-add (of x * (1 / s) and + 0.5 when
 # encoding, of decode and sum in the all-reduce), so the kernels round as the reference does. The interpreter
@@ -104,7 +112,7 @@ CODECS = {c.name: c for c in [
 
 
 class Encoded(NamedTuple):
-    """The encoding of num_blocks blocks: int32 payload [num_blocks, words], fp16 scales [num_blocks] (fp16: [0])."""
+    """The encoding of num_blocks blocks: int32 payload [num_blocks, words], bf16 scales [num_blocks] (fp16: [0])."""
     payload: torch.Tensor
     scales: torch.Tensor
 
@@ -122,21 +130,27 @@ def _blocks(x: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 
 def _scale_up(xb: torch.Tensor, qmax: float) -> torch.Tensor:
-    """fp16 scales of blocks xb [blocks, 32]: absmax / qmax rounded to nearest, then one fp16 step up where that
-    fell below; inf for a block holding a non-finite value (counted as inf: no NaN meets the max) or beyond fp16."""
-    a = xb.abs()
-    ratio = torch.where(a < torch.inf, a, torch.inf).amax(1) / qmax
-    s = ratio.half()
-    return (s.view(torch.int16) + (s.float() < ratio).short()).view(torch.float16)
+    """bf16 bits (int32 [blocks]) of the scales of blocks xb [blocks, 32]: absmax / qmax (fp32) rounded up to bf16,
+    at least 2^-126 (0 for a block of zeros); inf (0x7F80) for a block holding NaN or +-inf or whose qmax * scale
+    overflows fp32. absmax is the max of |x|'s bits (integers order non-negative floats and put NaN above inf: no
+    NaN meets a float max)."""
+    a = xb.abs().view(torch.int32).amax(1)
+    finite = a < INF_BITS.value
+    ratio = torch.where(finite, a, 0).view(torch.float32) / qmax
+    s = (ratio.view(torch.int32) + 0xFFFF) >> 16  # round up: the bits of non-negative floats order as integers
+    s = torch.where(a > 0, s.clamp(min=MIN_SCALE_BITS.value), 0)
+    finite &= ((s << 16).view(torch.float32) * qmax).view(torch.int32) < INF_BITS.value  # the decode's largest value
+    return torch.where(finite, s, 0x7F80)
 
 
-def _stored(scales: torch.Tensor) -> torch.Tensor:
-    """The scales stored: FP16_NAN for inf (a non-finite block, which decodes as NaN)."""
-    return torch.where(scales.isinf(), FP16_NAN.value, scales.view(torch.int16)).short().view(torch.float16)
+def _stored(scale_bits: torch.Tensor) -> torch.Tensor:
+    """The bf16 scales stored: BF16_NAN for inf (a non-finite block, which decodes as NaN)."""
+    return torch.where(scale_bits == 0x7F80, BF16_NAN.value, scale_bits).short().view(torch.bfloat16)
 
 
 def block_scales(x: torch.Tensor, codec: str, num_blocks: int | None = None) -> torch.Tensor:
-    """fp16 [num_blocks] scales of a scaled codec (absmax / qmax rounded up to fp16; NaN for a non-finite block)."""
+    """bf16 [num_blocks] scales of a scaled codec (absmax / qmax rounded up to bf16, at least 2^-126; NaN for a
+    non-finite block)."""
     return _stored(_scale_up(_blocks(x, num_blocks or num_blocks_for(x.numel())), CODECS[codec].qmax))
 
 
@@ -161,13 +175,13 @@ def encode_reference(x: torch.Tensor, codec: str, num_blocks: int | None = None)
     xb = _blocks(x, num_blocks or num_blocks_for(x.numel()))
     if c.kind == FP16:
         codes = torch.where(xb.isnan(), FP16_NAN.value, xb.half().view(torch.int16).int() & 0xFFFF)
-        scales = xb.new_empty(0, dtype=torch.float16)
+        scales = xb.new_empty(0, dtype=torch.bfloat16)
     else:
-        scales = _scale_up(xb, c.qmax)
-        sf = scales.float()[:, None]
+        bits = _scale_up(xb, c.qmax)
+        sf = (bits << 16).view(torch.float32)[:, None]
         # an all-zero block has scale 0 and codes 0; a non-finite one (scale inf) codes 0, its scale NaN
         v = torch.where(sf < torch.inf, xb * torch.where(sf > 0, 1.0 / sf, 1.0), 0.0)
-        scales = _stored(scales)
+        scales = _stored(bits)
         if c.kind == FP8:
             codes = v.to(torch.float8_e4m3fn).view(torch.uint8).int()
         else:
@@ -233,21 +247,24 @@ def block_values(r):
 
 @triton.jit
 def encode_blocks(x, KIND: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexpr):
-    """fp32 x [ROWS, 32] (one block per row) -> (codes int32 [ROWS, 32], scales fp16 [ROWS]; 0 for fp16)."""
+    """fp32 x [ROWS, 32] (one block per row) -> (codes int32 [ROWS, 32], scales bf16 [ROWS]; 0 for fp16)."""
     if KIND == 0:
         u = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         u = tl.where(x != x, FP16_NAN, u)  # one NaN pattern (GPUs' cvt gives a canonical NaN, torch keeps bits)
-        s = tl.zeros([x.shape[0]], dtype=tl.float16)
+        s = tl.zeros([x.shape[0]], dtype=tl.bfloat16)
     else:
         # absmax as the max of |x|'s bits: integers order non-negative floats and put NaN above inf, so no NaN
         # meets a float max (GPUs' max.f32 returns the other operand, the interpreter's numpy the NaN).
         amax = tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=1)
-        amax = tl.where(amax < INF_BITS, amax, INF_BITS).to(tl.float32, bitcast=True)  # NaN counts as inf
-        ratio = tl.math.div_rn(amax, QMAX)
-        s = ratio.to(tl.float16)
-        s = (s.to(tl.int16, bitcast=True) + (s.to(tl.float32) < ratio).to(tl.int16)).to(tl.float16, bitcast=True)
-        sf = s.to(tl.float32)
-        nonfinite = sf == float("inf")  # a block holding NaN or +-inf, or beyond fp16
+        nonfinite = amax >= INF_BITS  # a block holding NaN or +-inf
+        ratio = tl.math.div_rn(tl.where(nonfinite, 0, amax).to(tl.float32, bitcast=True), QMAX)
+        # Rounded up to bf16 by integer arithmetic (the interpreter's fp32 -> bf16 cast truncates), at least 2^-126
+        # (so a denormal ratio gives 2^-126 whether or not the division flushed it to 0).
+        s = (ratio.to(tl.int32, bitcast=True) + 0xFFFF) >> 16
+        s = tl.where(amax > 0, tl.maximum(s, MIN_SCALE_BITS), 0)
+        sf = (s << 16).to(tl.float32, bitcast=True)
+        # beyond the scale's range: the decode's largest value, QMAX * s, would overflow fp32 (bits compared)
+        nonfinite |= (sf * QMAX).to(tl.int32, bitcast=True) >= INF_BITS
         # One IEEE reciprocal per block (div_rn: Triton's `/` is approximate on GPUs), then a product per value: a
         # division per value (~10 instructions on sm_90) made the encode compute-bound. The launches disable fp
         # fusion, so x * inv is rounded before the + 0.5 below, as in the reference.
@@ -255,7 +272,7 @@ def encode_blocks(x, KIND: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexp
         # A non-finite block: codes of 0 (v never NaN: the clamp's and int cast's NaN handling differ between GPUs
         # and the interpreter) and scale NaN, so that it decodes as NaN.
         v = tl.where(nonfinite[:, None], 0.0, x * inv[:, None])
-        s = tl.where(nonfinite, FP16_NAN, s.to(tl.int16, bitcast=True)).to(tl.int16).to(tl.float16, bitcast=True)
+        s = tl.where(nonfinite, BF16_NAN, s).to(tl.int16).to(tl.bfloat16, bitcast=True)
         if KIND == 1:
             u = _fp32_to_e4m3(v)
         else:
@@ -291,7 +308,7 @@ def _unpack_plane(words, BITS: tl.constexpr):
 def store_blocks(payload_ptr, scale_ptr, r, mask, u, s, KIND: tl.constexpr, WORDS: tl.constexpr,
                  LOW: tl.constexpr):
     """Store encoded blocks r (int [ROWS], where mask): codes u [ROWS, 32] packed into int32 payload_ptr[r, :WORDS]
-    (plane by plane), scales s into fp16 scale_ptr[r]."""
+    (plane by plane), scales s into bf16 scale_ptr[r]."""
     at = payload_ptr + r[:, None] * WORDS
     tl.store(at + tl.arange(0, LOW)[None, :], _pack_plane(u, 0, LOW), mask=mask[:, None])
     if WORDS > LOW:
@@ -313,7 +330,9 @@ def load_blocks(payload_ptr, scale_ptr, r, mask, KIND: tl.constexpr, OFFSET: tl.
     if KIND == 0:
         x = u.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     else:
-        s = tl.load(scale_ptr + r, mask=mask, other=0.0).to(tl.float32)[:, None]
+        # bf16 -> fp32 by its bits (exact, NaN kept, alike on GPUs and in the interpreter)
+        s = tl.load(scale_ptr + r, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        s = (s << 16).to(tl.float32, bitcast=True)[:, None]
         if KIND == 1:
             x = _e4m3_to_fp32(u) * s
         else:
@@ -350,7 +369,7 @@ def encode(x: torch.Tensor, codec: str, num_blocks: int | None = None) -> Encode
         raise ValueError(f"{nb} blocks cannot hold {x.numel()} values")
     x = x.contiguous().view(-1)
     enc = Encoded(torch.empty(nb, c.words, dtype=torch.int32, device=x.device),
-                  torch.empty(nb if c.scaled else 0, dtype=torch.float16, device=x.device))
+                  torch.empty(nb if c.scaled else 0, dtype=torch.bfloat16, device=x.device))
     _codec_kernel[(triton.cdiv(nb, BLOCKS_PER_PROGRAM),)](x, *enc, x.numel(), nb, DECODE=False,
                                                           ROWS=BLOCKS_PER_PROGRAM, **kernel_constants(c), **NO_FMA)
     return enc
@@ -361,7 +380,7 @@ def decode(enc: Encoded, codec: str, numel: int) -> torch.Tensor:
     c = CODECS[codec]
     payload, scales = enc
     nb = payload.shape[0]
-    if (payload.shape != (nb, c.words) or payload.dtype != torch.int32 or scales.dtype != torch.float16
+    if (payload.shape != (nb, c.words) or payload.dtype != torch.int32 or scales.dtype != torch.bfloat16
             or scales.shape != (nb if c.scaled else 0,) or numel > nb * BLOCK):
         raise ValueError(f"payload {tuple(payload.shape)}, scales {tuple(scales.shape)} are no {codec} encoding "
                          f"of {numel} values")

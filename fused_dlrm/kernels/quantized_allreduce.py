@@ -5,7 +5,7 @@ x (n values) is cut into `world` chunks of `chunk_blocks` whole 32-value blocks 
 chunk into tiles of TILE_BLOCKS blocks; program p of every rank handles tiles p, p + P, ... of every chunk (P
 programs, the same on every rank). Every rank's `recv` and `gather` symmetric buffers each hold one encoding of
 world x chunk_blocks blocks in quant_codecs' planar format, block s * chunk_blocks + j being source s's block j:
-int32 payload words [source][chunk_blocks][words], then fp16 scales [source][chunk_blocks]. So a tile of a
+int32 payload words [source][chunk_blocks][words], then bf16 scales [source][chunk_blocks]. So a tile of a
 source is one contiguous run of whole words (and one of scales): with the buffers' 16-byte alignment (checked by
 each plan, hinted to the compiler) its loads and stores, local or over NVLink, are vectors as wide as a thread's
 share of the tile allows (128-bit from 4 words per thread on; 64-bit for q6's 6-word blocks). One launch runs
@@ -203,11 +203,11 @@ def _signal(flag_ptrs, peer, slot, epoch):
 @triton.jit
 def _encoded(ptrs, peer, num_blocks, WORDS: tl.constexpr):
     """(payload, scales): pointers of peer's recv or gather buffer, which holds an encoding of num_blocks blocks
-    (int32 payload [num_blocks, WORDS], then fp16 scales [num_blocks]). Symmetric buffers are 16-byte aligned
+    (int32 payload [num_blocks, WORDS], then bf16 scales [num_blocks]). Symmetric buffers are 16-byte aligned
     (every rank allocates alike; each plan of `FusedQuantizedAllReduce` checks its own), which the compiler cannot see
     through the pointer table: with the hint, payload rows of 16-byte multiples move as 128-bit vectors."""
     payload = tl.multiple_of(tl.load(ptrs + peer).to(tl.pointer_type(tl.int32)), 16)
-    return payload, (payload + num_blocks * WORDS).to(tl.pointer_type(tl.float16))
+    return payload, (payload + num_blocks * WORDS).to(tl.pointer_type(tl.bfloat16))
 
 
 @triton.jit

@@ -13,7 +13,7 @@ partial sum of stage 1 (|z| <= |exact| + sum_r B(x_r)); with mean=True both stag
 Two implementations with the same arithmetic, bit for bit: on CUDA tensors of an NCCL group, the fused
 one-launch kernel (kernels/quantized_allreduce.py) on a symmetric workspace created lazily per process group
 (collectively, at the group's first call); elsewhere (gloo, CPU) the bulk twin: the codec kernels around
-all_to_all_single and all_gather_into_tensor, each chunk's encoding (int32 payload words, fp16 scales) sent as one
+all_to_all_single and all_gather_into_tensor, each chunk's encoding (int32 payload words, bf16 scales) sent as one
 message. Codec "nccl" / "none" is a plain dist.all_reduce.
 
 Every rank must call with the same size, dtype, codec and mean. The fused kernel checks its peers' calls on the
@@ -125,7 +125,7 @@ def _unwire(wire: torch.Tensor, codec: str) -> Encoded:
     # reshape(-1), not contiguous(): a single row's column range counts as contiguous, but its row stride (the
     # whole wire row, not always a multiple of 4 bytes) would stop the int32 view; flat, only its start matters.
     return Encoded(wire[:, :split].reshape(-1).view(torch.int32).view(-1, c.words),
-                   wire[:, split:].reshape(-1).view(torch.float16))
+                   wire[:, split:].reshape(-1).view(torch.bfloat16))
 
 
 _FUSED: dict[dist.ProcessGroup, FusedQuantizedAllReduce] = {}
