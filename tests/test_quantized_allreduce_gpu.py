@@ -5,7 +5,8 @@ Bit-equal to the bulk twin (codec kernels around NCCL all_to_all / all_gather) f
 inputs, sum and mean; bit-identical across ranks; within the documented bound of the fp64 sum; 1,000
 consecutive calls of changing sizes and codecs on the same flags; calls that replay CUDA graphs; the DDP hook
 (q8, fused) within the bound of plain DDP; a missing peer raises PeerWaitTimeout; ranks calling with other
-codecs raise PeerCallMismatch (two ranks sharing one GPU suffice).
+codecs raise PeerCallMismatch (two ranks sharing one GPU suffice); the codec kernels equal the CPU reference bit
+for bit at every magnitude, fp32's denormals to its largest value (one GPU).
 CI has no GPU: this runs on the device machine.
 """
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerWaitTimeout
-from fused_dlrm.kernels.quant_codecs import CODECS
+from fused_dlrm.kernels.quant_codecs import CODECS, Encoded, decode, decode_reference, encode, encode_reference
 from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce, max_programs_for, two_shot_error_bound
 from fused_dlrm.tp.quantized_allreduce import fused_for_group, quantized_all_reduce
 from test_quantized_allreduce import _ddp_hook
@@ -42,6 +43,34 @@ def assert_same_on_every_rank(y: torch.Tensor, world: int) -> None:
     everyone = [torch.empty_like(y) for _ in range(world)]
     dist.all_gather(everyone, y)
     assert all(torch.equal(e, y) for e in everyone)
+
+
+def codecs_at_every_magnitude(device: str) -> None:
+    """The codec kernels on `device` against the pure-torch reference on the CPU, bit for bit (payload, scales and
+    decoded values), every codec, on blocks from fp32's denormals to its largest value: gradient-sized blocks
+    (1e-6 .. 3e-8, where fp16 scales were subnormal), tiny ones (bf16 scales' floor 2^-126), 3.39e38 (the largest
+    finite scale) and fp32's largest value (out of range: NaN), and a block holding NaN and inf."""
+    g = torch.Generator().manual_seed(5)
+    amax = torch.tensor([1.0, 1e-2, 1e-6, 1e-7, 3e-8, 1e-20, 1e-30, 1e-36, 1e-37, 1e-38, 1e-39, 1e-44, 1e30, 3.39e38,
+                         torch.finfo().max])
+    x = torch.randn(len(amax), 32, generator=g)
+    x = ((x / x.abs().amax(1, keepdim=True)).double() * amax.double()[:, None]).float().reshape(-1)
+    x = torch.cat([x, torch.tensor([float("nan"), float("inf"), -float("inf")] + [1e-7] * 28)])  # 31: padded
+    for codec in CODECS:
+        want = encode_reference(x, codec)
+        got = encode(x.to(device), codec)
+        assert torch.equal(got.payload.cpu(), want.payload), codec
+        assert torch.equal(got.scales.cpu().view(torch.int16), want.scales.view(torch.int16)), codec
+        y = decode_reference(want, codec, x.numel())
+        yk = decode(Encoded(want.payload.to(device), want.scales.to(device)), codec, x.numel()).cpu()
+        assert torch.equal(yk.isnan(), y.isnan()) and torch.equal(yk.nan_to_num(), y.nan_to_num()), codec
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_codec_kernels_equal_the_reference_at_every_magnitude():
+    """The GPU's codec kernels (no fp fusion; denormals kept by div.rn / mul.rn, not flushed) equal the CPU
+    reference bit for bit from fp32's denormals to its largest value (one GPU)."""
+    codecs_at_every_magnitude("cuda")
 
 
 def _fused_equals_bulk(rank: int, world: int) -> None:
