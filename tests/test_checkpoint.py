@@ -62,3 +62,25 @@ def test_resume_restores_model_and_optimizer_state(tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         state, loaded = optimizer.state[a], other_optimizer.state[b]
         torch.testing.assert_close(state["exp_avg_sq"], loaded["exp_avg_sq"], rtol=0, atol=0)
+
+
+def _save_fails_on_rank_0(rank: int, world: int, root: str, stage: str) -> None:
+    expected = rf"could not {stage} checkpoint .*step_4"
+    with pytest.raises(OSError if rank == 0 else ValueError, match=None if rank == 0 else rf"rank\(s\) \[0\] {expected}"):
+        save_checkpoint(root, 4, *_model_and_optimizer(momentum_sgd=False))
+
+
+def test_a_save_that_fails_on_rank_0_stops_every_rank(tmp_path):
+    (tmp_path / "root").write_text("")  # the checkpoint root is a file: its step_4.partial cannot be made
+    run_world(2, _save_fails_on_rank_0, str(tmp_path / "root"), "start", timeout=120)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "step_4").write_text("")  # a file where the finished checkpoint goes
+    run_world(2, _save_fails_on_rank_0, str(tmp_path / "ckpt"), "finish", timeout=120)
+    assert (tmp_path / "ckpt" / "step_4.partial" / ".metadata").exists()  # written, not lost
+
+
+def test_rotation_keeps_stray_files(tmp_path):
+    (tmp_path / "step_1").write_text("notes")  # not a checkpoint: neither pruned nor the latest
+    save_checkpoint(tmp_path, 4, *_model_and_optimizer(momentum_sgd=False), keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_4"]
+    assert load_checkpoint(tmp_path, *_model_and_optimizer(momentum_sgd=False)) == 4

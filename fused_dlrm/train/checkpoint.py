@@ -39,9 +39,40 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, embedding_optimiz
     return state
 
 
+def _step_folders(root: str | Path) -> list[tuple[int, Path]]:
+    """(N, folder) of every step_<N> folder under root, by step; a stray file of that name is none."""
+    return sorted((int(m.group(1)), p) for p in Path(root).glob("step_*") if (m := _STEP_DIR.match(p.name))
+                  and p.is_dir())
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
-    steps = [(int(m.group(1)), p) for p in Path(root).glob("step_*") if (m := _STEP_DIR.match(p.name))]
-    return max(steps)[1] if steps else None
+    steps = _step_folders(root)
+    return steps[-1][1] if steps else None
+
+
+def _text(problem: BaseException | None) -> str | None:
+    return None if problem is None else f"{type(problem).__name__}: {problem}"
+
+
+def _raise_on_every_rank(problem: BaseException | None, problems: list[str | None], what: str) -> None:
+    """Raise `problem` here, and on every other rank an error naming the ranks whose `problems` (every rank's
+    _text, exchanged) say one: a rank raising alone would leave the others waiting in the next collective."""
+    if problem is not None:
+        raise problem
+    bad = [rank for rank, text in enumerate(problems) if text]
+    if bad:
+        raise ValueError(f"rank {dist.get_rank()}: rank(s) {bad} {what}: {problems[bad[0]]}")
+
+
+def _on_main(work, what: str) -> None:
+    """`work()` on rank 0 alone (the shared folder's layout), its outcome raised on every rank."""
+    problem = None
+    if _is_main():
+        try:
+            work()
+        except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
+            problem = error
+    _raise_on_every_rank(problem, _of_every_rank(_text(problem)), what)
 
 
 def check_keep_last(keep_last: int) -> None:
@@ -56,22 +87,24 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     check_keep_last(keep_last)
     root = Path(root)
     final, partial = root / f"step_{step}", root / f"step_{step}.partial"
-    if _is_main():
+
+    def start() -> None:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    _barrier()
+
+    def finish() -> None:
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        for _, p in _step_folders(root)[:-keep_last]:
+            shutil.rmtree(p)
+        log.info("checkpoint saved: %s", final)
+
+    _on_main(start, f"could not start checkpoint {partial}")
     state = _state(model, optimizer, embedding_optimizer)
     state["step"].fill_(step)
     dcp.save(state, checkpoint_id=partial)
     _barrier()
-    if _is_main():
-        shutil.rmtree(final, ignore_errors=True)
-        partial.rename(final)
-        old = sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)))
-        for _, p in old[:-keep_last]:
-            shutil.rmtree(p)
-        log.info("checkpoint saved: %s", final)
-    _barrier()
+    _on_main(finish, f"could not finish checkpoint {final}")
     return final
 
 
@@ -155,12 +188,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         problem = None
     except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
         problem = error
-    problems = _of_every_rank(None if problem is None else f"{type(problem).__name__}: {problem}")
-    if problem is not None:
-        raise problem
-    bad = [rank for rank, text in enumerate(problems) if text]
-    if bad:
-        raise ValueError(f"rank {dist.get_rank()}: rank(s) {bad} cannot resume from {path}: {problems[bad[0]]}")
+    _raise_on_every_rank(problem, _of_every_rank(_text(problem)), f"cannot resume from {path}")
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["dense_optimizer"])
     if embedding_optimizer is not None:
