@@ -84,3 +84,11 @@ def test_rotation_keeps_stray_files(tmp_path):
     save_checkpoint(tmp_path, 4, *_model_and_optimizer(momentum_sgd=False), keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_4"]
     assert load_checkpoint(tmp_path, *_model_and_optimizer(momentum_sgd=False)) == 4
+
+
+def test_a_save_removes_a_crash_s_partial_folders(tmp_path):
+    for stale in ("step_2.partial", "step_9.partial"):  # a crashed save's leftovers
+        (tmp_path / stale).mkdir()
+        (tmp_path / stale / "__0_0.distcp").write_text("")
+    save_checkpoint(tmp_path, 4, *_model_and_optimizer(momentum_sgd=False))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4"]

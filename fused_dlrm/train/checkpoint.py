@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_PARTIAL_DIR = re.compile(r"^step_\d+\.partial$")
 
 
 def _barrier() -> None:
@@ -97,6 +98,9 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
         partial.rename(final)
         for _, p in _step_folders(root)[:-keep_last]:
             shutil.rmtree(p)
+        for p in root.glob("step_*.partial"):  # a crash's leftovers: never a checkpoint, and never pruned else
+            if _PARTIAL_DIR.match(p.name) and p.is_dir():
+                shutil.rmtree(p)
         log.info("checkpoint saved: %s", final)
 
     _on_main(start, f"could not start checkpoint {partial}")
