@@ -3,8 +3,11 @@ collectives."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from world import run_world
 
@@ -92,3 +95,20 @@ def test_a_save_removes_a_crash_s_partial_folders(tmp_path):
         (tmp_path / stale / "__0_0.distcp").write_text("")
     save_checkpoint(tmp_path, 4, *_model_and_optimizer(momentum_sgd=False))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4"]
+
+
+def _roots_that_differ(rank: int, world: int, root: str) -> None:
+    model, optimizer = _model_and_optimizer(momentum_sgd=False)
+    for step in (2, 4):
+        save_checkpoint(f"{root}/a", step, model, optimizer)
+    if rank == 0:  # as another node's copy of the root, lagging behind
+        shutil.copytree(f"{root}/a", f"{root}/b")
+        shutil.rmtree(f"{root}/b/step_4")
+    dist.barrier()
+    with pytest.raises(ValueError, match=r"different checkpoints under .*/[ab]: step_4 on rank\(s\) \[0\]; step_2 on "
+                                         r"rank\(s\) \[1\]"):
+        load_checkpoint(f"{root}/{'ab'[rank]}", *_model_and_optimizer(momentum_sgd=False))
+
+
+def test_ranks_that_find_different_latest_checkpoints_stop(tmp_path):
+    run_world(2, _roots_that_differ, str(tmp_path), timeout=120)

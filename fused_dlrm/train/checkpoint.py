@@ -186,13 +186,22 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     state = _state(model, optimizer, embedding_optimizer)
     # each rank's optimizers hold the state of its own tables (and experts): the checkpoint holds every rank's
     kept = set().union(*_of_every_rank(set().union(*_optimizer_entries(state))))
+    given = path = Path(path)
     try:  # any failure, on any rank (a path one node lacks, unreadable metadata): the others would wait in DCP's
-        path = _step_folder(Path(path))  # collectives for it
+        path = _step_folder(path)  # collectives for it
         _check_entries(path, state, kept)
         problem = None
     except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
         problem = error
-    _raise_on_every_rank(problem, _of_every_rank(_text(problem)), f"cannot resume from {path}")
+    every = _of_every_rank((_text(problem), path.name))
+    _raise_on_every_rank(problem, [text for text, _ in every], f"cannot resume from {path}")
+    folders: dict[str, list[int]] = {}
+    for rank, (_, name) in enumerate(every):
+        folders.setdefault(name, []).append(rank)
+    if len(folders) > 1:  # a root whose copies differ between nodes: each would resume its own latest step
+        raise ValueError(f"the ranks would resume from different checkpoints under {given}: "
+                         f"{'; '.join(f'{name} on rank(s) {ranks}' for name, ranks in folders.items())}: give every "
+                         "rank the same checkpoints, or resume from one step_<N> folder that all of them hold")
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["dense_optimizer"])
     if embedding_optimizer is not None:
