@@ -26,6 +26,8 @@ from tqdm import tqdm
 from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.train.checkpoint import check_keep_last, latest_checkpoint
 
+log = logging.getLogger(__name__)
+
 class NonFiniteLossError(RuntimeError):
     pass
 
@@ -40,17 +42,29 @@ def stop_if_nonfinite(loss_sum: float, first_step: int, last_step: int, checkpoi
 
 
 class MetricsLog:
-    """metrics.jsonl in the run directory: one JSON object per line, written by rank 0 only."""
+    """metrics.jsonl in the run directory: one JSON object per line, written by rank 0 only. A write that fails
+    (a full disk, permissions) is a warning, once: rank 0 raising alone would leave its peers waiting in the next
+    collective, and the log lines hold the same numbers."""
 
     def __init__(self, run_dir: Path, is_main: bool):
-        self.path, self.is_main = run_dir / "metrics.jsonl", is_main
+        self.path, self.is_main, self.warned = run_dir / "metrics.jsonl", is_main, False
         if is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError:  # the first record's write fails too, and warns
+                pass
 
     def record(self, entry: dict) -> None:
-        if self.is_main:
+        if not self.is_main:
+            return
+        try:
             with self.path.open("a") as f:
                 f.write(json.dumps(entry) + "\n")
+        except OSError as error:
+            if not self.warned:
+                log.warning("cannot write %s (%s): training goes on; metrics are in the log lines only",
+                            self.path, error)
+                self.warned = True
 
 
 @dataclass
