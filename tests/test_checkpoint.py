@@ -3,7 +3,9 @@ collectives."""
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +114,20 @@ def _roots_that_differ(rank: int, world: int, root: str) -> None:
 
 def test_ranks_that_find_different_latest_checkpoints_stop(tmp_path):
     run_world(2, _roots_that_differ, str(tmp_path), timeout=120)
+
+
+def _a_shard_is_truncated(rank: int, world: int, root: str) -> None:
+    model, optimizer = _model_and_optimizer(momentum_sgd=False)
+    for step in (2, 4):
+        save_checkpoint(root, step, model, optimizer)
+    if rank == 0:
+        shard = max(Path(root, "step_4").glob("*.distcp"), key=lambda p: p.stat().st_size)
+        os.truncate(shard, shard.stat().st_size // 2)
+    dist.barrier()
+    with pytest.raises(ValueError, match=r"checkpoint .*step_4 cannot be read \(rank \d: .*truncated or corrupt; "
+                                         r"resume from an earlier checkpoint \(step_2 under "):
+        load_checkpoint(root, *_model_and_optimizer(momentum_sgd=False))
+
+
+def test_a_truncated_shard_names_the_checkpoint_on_every_rank(tmp_path):
+    run_world(2, _a_shard_is_truncated, str(tmp_path), timeout=120)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,15 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         raise ValueError(f"the ranks would resume from different checkpoints under {given}: "
                          f"{'; '.join(f'{name} on rank(s) {ranks}' for name, ranks in folders.items())}: give every "
                          "rank the same checkpoints, or resume from one step_<N> folder that all of them hold")
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as error:  # raised on every rank: DCP gathers each rank's read failures
+        failures = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in error.failures.items())
+        step = int(_STEP_DIR.match(path.name).group(1))
+        earlier = [p.name for n, p in _step_folders(path.parent) if n < step]
+        raise ValueError(f"checkpoint {path} cannot be read ({failures}): a file of it is truncated or corrupt; resume "
+                         f"from an earlier checkpoint ({earlier[-1] if earlier else 'none'} under {path.parent})"
+                         ) from error
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["dense_optimizer"])
     if embedding_optimizer is not None:
         embedding_optimizer.load_state_dict(state["embedding_optimizer"])
