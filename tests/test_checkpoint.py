@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from world import run_world
 
-from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
+from fused_dlrm.train.checkpoint import NonFiniteLossError, load_checkpoint, save_checkpoint
 
 
 def _model_and_optimizer(momentum_sgd: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -131,3 +131,32 @@ def _a_shard_is_truncated(rank: int, world: int, root: str) -> None:
 
 def test_a_truncated_shard_names_the_checkpoint_on_every_rank(tmp_path):
     run_world(2, _a_shard_is_truncated, str(tmp_path), timeout=120)
+
+
+class _Tables:
+    """An embedding optimizer's state, as the sparse lookup's (EmbeddingOptimizer.state_dict)."""
+
+    def __init__(self, momentum: torch.Tensor):
+        self.momentum = momentum
+
+    def state_dict(self) -> dict:
+        return {"t.momentum": self.momentum}
+
+
+def _one_rank_diverged(rank: int, world: int, root: str) -> None:
+    model, optimizer = _model_and_optimizer(momentum_sgd=True)
+    save_checkpoint(root, 2, model, optimizer)
+    expected = r"NaN or inf by step 4 .*without writing step_4\. Last good checkpoint: .*step_2"
+    if rank == 1:  # the step's update diverged on one rank's momentum: every rank stops
+        next(iter(optimizer.state.values()))["momentum_buffer"][0] = float("nan")
+    with pytest.raises(NonFiniteLossError, match=expected):
+        save_checkpoint(root, 4, model, optimizer, keep_last=1)
+    model, optimizer = _model_and_optimizer(momentum_sgd=True)
+    tables = _Tables(torch.tensor([1.0, float("inf") if rank == 1 else 2.0]))  # one of its tables' rows
+    with pytest.raises(NonFiniteLossError, match=expected):
+        save_checkpoint(root, 4, model, optimizer, tables, keep_last=1)
+    assert sorted(p.name for p in Path(root).iterdir()) == ["step_2"]  # nothing written, nothing pruned
+
+
+def test_a_diverged_update_stops_every_rank_before_the_checkpoint(tmp_path):
+    run_world(2, _one_rank_diverged, str(tmp_path), timeout=120)

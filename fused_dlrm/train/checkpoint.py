@@ -1,7 +1,8 @@
 """Checkpoints with torch.distributed.checkpoint: each rank writes the tables it owns, the dense part once.
 
 Layout: <root>/step_<N>/ (a DCP folder). A checkpoint is written into step_<N>.partial and renamed when every rank
-has finished, so a crash or a NaN stop never leaves a half-written "latest" checkpoint.
+has finished, so a crash or a NaN stop never leaves a half-written "latest" checkpoint; parameters or optimizer state
+holding NaN / inf on any rank stop the run instead of being saved (and of pruning a good checkpoint).
 """
 
 from __future__ import annotations
@@ -15,10 +16,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+
+from fused_dlrm.dist import all_reduce_sum
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    """The run diverged: a NaN / inf loss, or parameters or optimizer state a checkpoint would hold."""
+
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PARTIAL_DIR = re.compile(r"^step_\d+\.partial$")
 
@@ -77,6 +86,31 @@ def _on_main(work, what: str) -> None:
     _raise_on_every_rank(problem, _of_every_rank(_text(problem)), what)
 
 
+def _tensors(value):
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _stop_if_nonfinite(state: dict, device: torch.device, root: Path, step: int) -> None:
+    """Stop on every rank if any rank's parameters or optimizer state hold NaN / inf: the loss checked before a
+    checkpoint was computed before the step's update, which may have diverged."""
+    tensors = [t for t in _tensors(state) if t.is_floating_point() and t.numel()]
+    bad = torch.zeros((), device=device)
+    if tensors:  # each tensor's largest magnitude: NaN / inf exactly where it holds one (a sum of squares overflows)
+        largest = torch._foreach_norm(tensors, float("inf"))
+        bad += torch.stack([m.to(device, torch.float32) for m in largest]).isfinite().logical_not().any()
+    if all_reduce_sum(bad).item():
+        raise NonFiniteLossError(f"parameters or optimizer state became NaN or inf by step {step} (its update "
+                                 f"diverged after the loss was checked); stopping without writing step_{step}. Last "
+                                 f"good checkpoint: {latest_checkpoint(root) or 'none'}")
+
+
 def check_keep_last(keep_last: int) -> None:
     """How many checkpoints a run keeps (trainer.keep_checkpoints): at least the one just saved."""
     if not (isinstance(keep_last, int) and keep_last >= 1):
@@ -104,8 +138,9 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
                 shutil.rmtree(p)
         log.info("checkpoint saved: %s", final)
 
-    _on_main(start, f"could not start checkpoint {partial}")
     state = _state(model, optimizer, embedding_optimizer)
+    _stop_if_nonfinite(state, next(model.parameters()).device, root, step)
+    _on_main(start, f"could not start checkpoint {partial}")
     state["step"].fill_(step)
     dcp.save(state, checkpoint_id=partial)
     _barrier()

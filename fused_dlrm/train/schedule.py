@@ -6,7 +6,8 @@ logs the interval (metrics.jsonl, log line, progress bar), writes a checkpoint a
 last of each. What differs between models comes in as three callbacks: the interval's log fields, the evaluation
 and the checkpoint.
 
-The loss is always checked before a checkpoint is written, so a checkpoint never holds a diverged model.
+The loss is always checked before a checkpoint is written, and the checkpoint checks the parameters and optimizer
+state (the last step's update came after its loss), so a checkpoint never holds a diverged model.
 """
 
 from __future__ import annotations
@@ -24,13 +25,9 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from fused_dlrm.dist import DistEnv, all_reduce_sum
-from fused_dlrm.train.checkpoint import check_keep_last, latest_checkpoint
+from fused_dlrm.train.checkpoint import NonFiniteLossError, check_keep_last, latest_checkpoint
 
 log = logging.getLogger(__name__)
-
-class NonFiniteLossError(RuntimeError):
-    pass
-
 
 def stop_if_nonfinite(loss_sum: float, first_step: int, last_step: int, checkpoint_dir: Path) -> None:
     """Stop the run, naming the step range and the last good checkpoint, if any step's loss was NaN or inf: the
