@@ -3,6 +3,7 @@ collectives."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -160,3 +161,21 @@ def _one_rank_diverged(rank: int, world: int, root: str) -> None:
 
 def test_a_diverged_update_stops_every_rank_before_the_checkpoint(tmp_path):
     run_world(2, _one_rank_diverged, str(tmp_path), timeout=120)
+
+
+def test_resume_keeps_the_configured_dense_optimizer_options(tmp_path, caplog):
+    model, optimizer = _model_and_optimizer(momentum_sgd=False)  # Adam, lr 0.001
+    save_checkpoint(tmp_path, 4, model, optimizer)
+    other = _model_and_optimizer(momentum_sgd=False)[0]
+    other.zero_grad(set_to_none=True)  # as a new run's: get_state_dict then makes the optimizer's state
+    resumed = torch.optim.Adam(other.parameters(), lr=0.01, weight_decay=0.1)  # this run's config
+    with caplog.at_level(logging.INFO):
+        load_checkpoint(tmp_path, other, resumed)
+    assert {key: resumed.param_groups[0][key] for key in ("lr", "weight_decay")} == {"lr": 0.01, "weight_decay": 0.1}
+    torch.testing.assert_close(resumed.state[next(other.parameters())]["exp_avg"],
+                               optimizer.state[next(model.parameters())]["exp_avg"], rtol=0, atol=0)
+    assert "keeps this run's lr=0.01 (checkpoint: 0.001), weight_decay=0.1 (checkpoint: 0)" in caplog.text
+    other.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match=r"dense optimizer Adam, this run's is AdamW: it was written with another "
+                                         r"dense optimizer"):
+        load_checkpoint(tmp_path, other, torch.optim.AdamW(other.parameters()))

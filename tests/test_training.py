@@ -395,3 +395,7 @@ def test_resume_with_other_sizes_or_optimizers_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"holds no \['dense_optimizer\.state\..*momentum_buffer'.*another dense"):
         train(config(*common, *sgd, "+trainer.dense_optimizer.momentum=0.9", resume_adagrad), CPU,
               tmp_path / "dense_momentum")
+    # Adam's state names under AdamW: the checkpoint's record of its class tells them apart
+    with pytest.raises(ValueError, match=r"dense optimizer Adam, this run's is AdamW: .*another dense optimizer"):
+        train(config(*common, "trainer.dense_optimizer._target_=torch.optim.AdamW", resume_adagrad), CPU,
+              tmp_path / "dense_adamw")

@@ -140,6 +140,7 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
 
     state = _state(model, optimizer, embedding_optimizer)
     _stop_if_nonfinite(state, next(model.parameters()).device, root, step)
+    state["run"] = _run_record(optimizer)
     _on_main(start, f"could not start checkpoint {partial}")
     state["step"].fill_(step)
     dcp.save(state, checkpoint_id=partial)
@@ -164,11 +165,10 @@ def _of_every_rank(value) -> list:
     return every
 
 
-def _check_entries(path: Path, state: dict, kept: set[str]) -> None:
+def _check_entries(path: Path, saved: dict, state: dict, kept: set[str]) -> None:
     """Every entry this run loads is in the checkpoint, with its shape, and the checkpoint holds no optimizer state
     that no rank keeps (`kept`): DCP would name one key only, deep in a traceback of its own exception type, or drop
     the extra state without a word."""
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     wanted = {f"model.{name}": value for name, value in state["model"].items()}
     missing = [key for key in wanted if key not in saved]
     if missing:
@@ -204,6 +204,38 @@ def _check_optimizer_state(path: Path, saved, prefix: str, wanted: dict, kept: s
                          f"{optimizer}")
 
 
+def _run_record(optimizer: torch.optim.Optimizer) -> dict:
+    """What a checkpoint records of its run besides tensors (DCP keeps these as pickled values)."""
+    return {"dense_optimizer": type(optimizer).__name__}
+
+
+def _check_run(path: Path, saved: dict, optimizer: torch.optim.Optimizer) -> None:
+    """The checkpoint's run record (`_run_record`; older checkpoints hold none) against this run: Adam and AdamW
+    keep state of the same names, which the entry checks cannot tell apart. Read on each rank alone (no_dist): no
+    collective before every rank knows that every rank can resume."""
+    record = {key.removeprefix("run."): None for key in saved if key.startswith("run.")}
+    if not record:
+        return
+    dcp.load({"run": record}, checkpoint_id=path, no_dist=True)
+    mine = _run_record(optimizer)
+    if record.get("dense_optimizer", mine["dense_optimizer"]) != mine["dense_optimizer"]:
+        raise ValueError(f"checkpoint {path} was written with the dense optimizer {record['dense_optimizer']}, this "
+                         f"run's is {mine['dense_optimizer']}: it was written with another dense optimizer (DLRM: "
+                         "trainer.dense_optimizer; the MoE Transformer: model.optimizer)")
+
+
+def _keep_configured_options(optimizer: torch.optim.Optimizer, configured: list[dict]) -> None:
+    """Put this run's hyperparameters back into the param groups that loading replaced with the checkpoint's: a
+    resumed run trains with its config (lr, weight decay, ...), as the embedding optimizer does."""
+    changed = []
+    for group, options in zip(optimizer.param_groups, configured):
+        changed += [f"{key}={value!r} (checkpoint: {group.get(key)!r})" for key, value in options.items()
+                    if key in group and group[key] != value]
+        group.update(options)
+    if changed:
+        log.info("resume: the dense optimizer keeps this run's %s", ", ".join(dict.fromkeys(changed)))
+
+
 def _step_folder(path: Path) -> Path:
     """`path` if a step_<N> folder, else the latest one under it."""
     if not path.exists():
@@ -225,7 +257,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     given = path = Path(path)
     try:  # any failure, on any rank (a path one node lacks, unreadable metadata): the others would wait in DCP's
         path = _step_folder(path)  # collectives for it
-        _check_entries(path, state, kept)
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        _check_entries(path, saved, state, kept)
+        _check_run(path, saved, optimizer)
         problem = None
     except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
         problem = error
@@ -247,7 +281,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         raise ValueError(f"checkpoint {path} cannot be read ({failures}): a file of it is truncated or corrupt; resume "
                          f"from an earlier checkpoint ({earlier[-1] if earlier else 'none'} under {path.parent})"
                          ) from error
+    configured = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["dense_optimizer"])
+    _keep_configured_options(optimizer, configured)
     if embedding_optimizer is not None:
         embedding_optimizer.load_state_dict(state["embedding_optimizer"])
     log.info("resumed from %s (step %d)", path, int(state["step"]))
