@@ -240,6 +240,11 @@ def test_epochs_over_criteo_files(tmp_path):
     resumed = train(config(*common, f"trainer.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_6'}"),
                     CPU, tmp_path / "resumed")
     assert resumed.losses == [(s, l) for s, l in full.losses if s > 6]
+    # the file's position is a step count: at another batch size it would be other lines
+    with pytest.raises(ValueError, match=r"taken at data.global_batch_size=16, this run's is 32: .*resume with "
+                                         r"data.global_batch_size=16"):
+        train(config(*common, "data.global_batch_size=32",
+                     f"trainer.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_6'}"), CPU, tmp_path / "bsz")
 
 
 def test_evaluation_reads_a_short_file_once(tmp_path, monkeypatch, caplog):

@@ -119,7 +119,8 @@ def check_keep_last(keep_last: int) -> None:
 
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    embedding_optimizer=None, keep_last: int = 2) -> Path:
+                    embedding_optimizer=None, keep_last: int = 2, global_batch_size: int | None = None) -> Path:
+    """global_batch_size: the run's data.global_batch_size, recorded for load_checkpoint's check."""
     check_keep_last(keep_last)
     root = Path(root)
     final, partial = root / f"step_{step}", root / f"step_{step}.partial"
@@ -140,7 +141,7 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
 
     state = _state(model, optimizer, embedding_optimizer)
     _stop_if_nonfinite(state, next(model.parameters()).device, root, step)
-    state["run"] = _run_record(optimizer)
+    state["run"] = _run_record(optimizer, global_batch_size)
     _on_main(start, f"could not start checkpoint {partial}")
     state["step"].fill_(step)
     dcp.save(state, checkpoint_id=partial)
@@ -204,24 +205,33 @@ def _check_optimizer_state(path: Path, saved, prefix: str, wanted: dict, kept: s
                          f"{optimizer}")
 
 
-def _run_record(optimizer: torch.optim.Optimizer) -> dict:
+def _run_record(optimizer: torch.optim.Optimizer, global_batch_size: int | None) -> dict:
     """What a checkpoint records of its run besides tensors (DCP keeps these as pickled values)."""
-    return {"dense_optimizer": type(optimizer).__name__}
+    record = {"dense_optimizer": type(optimizer).__name__}
+    if global_batch_size is not None:
+        record["global_batch_size"] = global_batch_size
+    return record
 
 
-def _check_run(path: Path, saved: dict, optimizer: torch.optim.Optimizer) -> None:
+def _check_run(path: Path, saved: dict, optimizer: torch.optim.Optimizer, global_batch_size: int | None) -> None:
     """The checkpoint's run record (`_run_record`; older checkpoints hold none) against this run: Adam and AdamW
-    keep state of the same names, which the entry checks cannot tell apart. Read on each rank alone (no_dist): no
+    keep state of the same names, which the entry checks cannot tell apart; data read from files resumes by step
+    count, which another global batch size would map to other lines. Read on each rank alone (no_dist): no
     collective before every rank knows that every rank can resume."""
     record = {key.removeprefix("run."): None for key in saved if key.startswith("run.")}
     if not record:
         return
     dcp.load({"run": record}, checkpoint_id=path, no_dist=True)
-    mine = _run_record(optimizer)
+    mine = _run_record(optimizer, global_batch_size)
     if record.get("dense_optimizer", mine["dense_optimizer"]) != mine["dense_optimizer"]:
         raise ValueError(f"checkpoint {path} was written with the dense optimizer {record['dense_optimizer']}, this "
                          f"run's is {mine['dense_optimizer']}: it was written with another dense optimizer (DLRM: "
                          "trainer.dense_optimizer; the MoE Transformer: model.optimizer)")
+    if global_batch_size is not None and record.get("global_batch_size", global_batch_size) != global_batch_size:
+        raise ValueError(f"checkpoint {path} was taken at data.global_batch_size={record['global_batch_size']}, this "
+                         f"run's is {global_batch_size}: data read from files resumes at the checkpoint's step "
+                         f"count, which another batch size would place at other lines; resume with "
+                         f"data.global_batch_size={record['global_batch_size']}")
 
 
 def _keep_configured_options(optimizer: torch.optim.Optimizer, configured: list[dict]) -> None:
@@ -249,8 +259,10 @@ def _step_folder(path: Path) -> Path:
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    embedding_optimizer=None) -> int:
-    """Load a step_<N> folder, or the latest one under a checkpoint root; returns the step it was taken at."""
+                    embedding_optimizer=None, global_batch_size: int | None = None) -> int:
+    """Load a step_<N> folder, or the latest one under a checkpoint root; returns the step it was taken at.
+    global_batch_size: where the data resumes by step count over files, this run's: a checkpoint recording another
+    is refused."""
     state = _state(model, optimizer, embedding_optimizer)
     # each rank's optimizers hold the state of its own tables (and experts): the checkpoint holds every rank's
     kept = set().union(*_of_every_rank(set().union(*_optimizer_entries(state))))
@@ -259,7 +271,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         path = _step_folder(path)  # collectives for it
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         _check_entries(path, saved, state, kept)
-        _check_run(path, saved, optimizer)
+        _check_run(path, saved, optimizer, global_batch_size)
         problem = None
     except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
         problem = error

@@ -160,7 +160,9 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
 
     step = 0
     if t.resume_from:
-        step = load_checkpoint(t.resume_from, model, optimizer, sparse.lookup.optimizer)
+        files = not hasattr(train_data, "batch")  # resumed by skipping step count batches of the current size
+        step = load_checkpoint(t.resume_from, model, optimizer, sparse.lookup.optimizer,
+                               cfg.data.global_batch_size if files else None)
     step_optimizer = dense_step(optimizer, t.cuda_graphs, env.device)  # after loading: it sets the groups' options
     run_step = make_train_step(model, optimizer, step_optimizer, env.world_size, t.direct_step)
 
@@ -175,7 +177,8 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         return scores
 
     def checkpoint(step: int) -> None:
-        save_checkpoint(checkpoint_dir, step, model, optimizer, sparse.lookup.optimizer, t.keep_checkpoints)
+        save_checkpoint(checkpoint_dir, step, model, optimizer, sparse.lookup.optimizer, t.keep_checkpoints,
+                        cfg.data.global_batch_size)
 
     run = TrainingRun(t, env, run_dir, checkpoint_dir, step, items="samples", log=log,
                       items_per_step=cfg.data.global_batch_size, log_fields=log_fields, evaluate=run_eval,
