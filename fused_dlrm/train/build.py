@@ -97,7 +97,8 @@ def batch_stream(dataset, start_step: int, steps_per_epoch: int | None, epochs: 
 
     Step-indexed datasets (`batch(step)`, epochs of `steps_per_epoch` steps; without steps_per_epoch every step is
     of epoch 0 and `epochs` ends nothing, trainer.max_steps does) resume exactly; streamed ones (files)
-    are replayed pass after pass and the batches before `start_step` are skipped. The stream ends with the last
+    are replayed pass after pass and the batches before `start_step` are skipped (so a resume needs the
+    checkpoint's global batch size: load_checkpoint refuses another). The stream ends with the last
     epoch rather than with a batch of the next one: whether a run goes on past a batch is then known without
     that batch, also on a rank that could not make it (train/loop.py).
     """
