@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-
-from fused_dlrm.dist import all_reduce_sum
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from fused_dlrm.dist import all_reduce_sum
 
 log = logging.getLogger(__name__)
 
