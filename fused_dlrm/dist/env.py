@@ -106,3 +106,31 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(t)
     return t
+
+
+def of_every_rank(value) -> list:
+    """Every rank's `value` (a picklable object), in rank order; [value] in one process."""
+    if not dist.is_initialized():
+        return [value]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
+def problem_text(problem: BaseException | None) -> str | None:
+    """An error as `raise_on_every_rank` exchanges it ("KeyError: ..."; None: none)."""
+    return None if problem is None else f"{type(problem).__name__}: {problem}"
+
+
+def raise_on_every_rank(problem: BaseException | None, what: str, problems: list[str | None] | None = None) -> None:
+    """Call on every rank with the error this rank met (None: none): if any rank met one, every rank raises, this
+    one its own error, the others a ValueError "rank(s) [...] <what>: <the first one's error>". A rank raising
+    alone before a collective (a file its node lacks) would leave its peers waiting in that collective.
+    problems: every rank's `problem_text`, where the caller exchanged them already (with values of its own)."""
+    if problems is None:
+        problems = of_every_rank(problem_text(problem))
+    if problem is not None:
+        raise problem
+    bad = [rank for rank, text in enumerate(problems) if text]
+    if bad:
+        raise ValueError(f"rank {dist.get_rank()}: rank(s) {bad} {what}: {problems[bad[0]]}")

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from fused_dlrm.dist import all_reduce_sum
+from fused_dlrm.dist.env import all_reduce_sum, of_every_rank, problem_text, raise_on_every_rank
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +61,6 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return steps[-1][1] if steps else None
 
 
-def _text(problem: BaseException | None) -> str | None:
-    return None if problem is None else f"{type(problem).__name__}: {problem}"
-
-
-def _raise_on_every_rank(problem: BaseException | None, problems: list[str | None], what: str) -> None:
-    """Raise `problem` here, and on every other rank an error naming the ranks whose `problems` (every rank's
-    _text, exchanged) say one: a rank raising alone would leave the others waiting in the next collective."""
-    if problem is not None:
-        raise problem
-    bad = [rank for rank, text in enumerate(problems) if text]
-    if bad:
-        raise ValueError(f"rank {dist.get_rank()}: rank(s) {bad} {what}: {problems[bad[0]]}")
-
-
 def _on_main(work, what: str) -> None:
     """`work()` on rank 0 alone (the shared folder's layout), its outcome raised on every rank."""
     problem = None
@@ -83,7 +69,7 @@ def _on_main(work, what: str) -> None:
             work()
         except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
             problem = error
-    _raise_on_every_rank(problem, _of_every_rank(_text(problem)), what)
+    raise_on_every_rank(problem, what)
 
 
 def _tensors(value):
@@ -156,14 +142,6 @@ def _optimizer_entries(state: dict) -> tuple[dict, dict]:
     dense = {f"dense_optimizer.state.{param}.{name}": value
              for param, entries in state["dense_optimizer"].get("state", {}).items() for name, value in entries.items()}
     return tables, dense
-
-
-def _of_every_rank(value) -> list:
-    if not dist.is_initialized():
-        return [value]
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, value)
-    return every
 
 
 def _check_entries(path: Path, saved: dict, state: dict, kept: set[str]) -> None:
@@ -265,7 +243,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     is refused."""
     state = _state(model, optimizer, embedding_optimizer)
     # each rank's optimizers hold the state of its own tables (and experts): the checkpoint holds every rank's
-    kept = set().union(*_of_every_rank(set().union(*_optimizer_entries(state))))
+    kept = set().union(*of_every_rank(set().union(*_optimizer_entries(state))))
     given = path = Path(path)
     try:  # any failure, on any rank (a path one node lacks, unreadable metadata): the others would wait in DCP's
         path = _step_folder(path)  # collectives for it
@@ -275,8 +253,8 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         problem = None
     except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
         problem = error
-    every = _of_every_rank((_text(problem), path.name))
-    _raise_on_every_rank(problem, [text for text, _ in every], f"cannot resume from {path}")
+    every = of_every_rank((problem_text(problem), path.name))
+    raise_on_every_rank(problem, f"cannot resume from {path}", [text for text, _ in every])
     folders: dict[str, list[int]] = {}
     for rank, (_, name) in enumerate(every):
         folders.setdefault(name, []).append(rank)
