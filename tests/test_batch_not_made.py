@@ -98,3 +98,24 @@ def test_every_rank_raises_on_gpu_streams(tmp_path, mode):
     thread's stream, the side stream or the main one."""
     run_world(2, _train_with_a_bad_line, str(tmp_path), [*_paths(tmp_path, "train"), "trainer.max_steps=6",
                                                          *MODES[mode]], True, "cuda:0", backend=ONE_GPU, timeout=240)
+
+
+def _train_without_a_file(rank: int, world: int, tmp: str, split: str) -> None:
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    lacking = f"{tmp}/good.tsv" if rank == 0 else f"{tmp}/not_on_this_node.tsv"  # a file one node's disk lacks
+    paths = {s: lacking if s == split else f"{tmp}/good.tsv" for s in ("train", "eval")}
+    cfg = config("data=criteo", f"data.global_batch_size={GLOBAL_BATCH}", "data.eval_batches=1", "model.num_rows=100",
+                 "trainer.max_steps=2", "trainer.checkpoint_every=0", "trainer.progress=false",
+                 f"data.train.paths=[{paths['train']}]", f"data.eval.paths=[{paths['eval']}]")
+    missing = re.escape(f"Criteo file not found: {tmp}/not_on_this_node.tsv")
+    with pytest.raises(FileNotFoundError if rank == 1 else ValueError,
+                       match=missing if rank == 1 else rf"rank 0: rank\(s\) \[1\] cannot make their data\.{split} "
+                                                       rf"dataset: FileNotFoundError: {missing}"):
+        train(cfg, env, Path(tmp) / f"run{rank}")
+    dist.barrier()  # as above: both raised, neither waits in a collective the other never joins
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_a_data_file_one_node_lacks_stops_every_rank_at_start_up(tmp_path, split):
+    criteo_file(tmp_path / "good.tsv", 4 * GLOBAL_BATCH, None)
+    run_world(2, _train_without_a_file, str(tmp_path), split, timeout=120)

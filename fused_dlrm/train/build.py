@@ -16,6 +16,7 @@ from torchrec.datasets.utils import Batch
 
 from fused_dlrm.data import local_batch_bounds
 from fused_dlrm.dist import DistEnv
+from fused_dlrm.dist.env import raise_on_every_rank
 from fused_dlrm.models.arch_nodes import dense_arch_nodes
 from fused_dlrm.models.dlrm import build_dlrm, make_tables
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, plan_sharding
@@ -85,10 +86,16 @@ def build_dataset(cfg: DictConfig, split: str, env: DistEnv):
         # batches made on a GPU for a model on the host would meet it only in the dense arch, as a device mismatch
         raise ValueError(f"data.{split}.device={kwargs['device']} makes the batches on a GPU, but the model is on "
                          f"{env.device}: set data.{split}.device=cpu (or trainer.device=cuda)")
-    # Called directly rather than through hydra's instantiate, so errors (a missing file) reach the user unwrapped.
-    return get_class(cfg.data[split]._target_)(
-        num_rows=rows, feature_names=names, global_batch_size=cfg.data.global_batch_size, rank=env.rank,
-        world_size=env.world_size, **kwargs)
+    # Called directly rather than through hydra's instantiate, so errors (a missing file) reach the user unwrapped;
+    # on every rank, since a file one node lacks fails there alone (the others would wait in the next collective).
+    try:
+        dataset, problem = get_class(cfg.data[split]._target_)(
+            num_rows=rows, feature_names=names, global_batch_size=cfg.data.global_batch_size, rank=env.rank,
+            world_size=env.world_size, **kwargs), None
+    except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
+        dataset, problem = None, error
+    raise_on_every_rank(problem, f"cannot make their data.{split} dataset")
+    return dataset
 
 
 def batch_stream(dataset, start_step: int, steps_per_epoch: int | None, epochs: int | None = None
