@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.dist.alltoall import world_size
+from fused_dlrm.dist.env import raise_on_every_rank
 from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
@@ -100,9 +101,15 @@ def compute_dtype(precision: str) -> torch.dtype | None:
 def build_data(cfg: DictConfig, env: DistEnv, run_dir: Path) -> tuple[ByteWindows, ByteWindows]:
     """This rank's slices of the batches: one slice per data-parallel rank (rank // tp_size of world // tp_size)."""
     d, tp_size = cfg.data, cfg.model.tp_size
-    corpus = load_corpus(d.path, d.cache or run_dir / "corpus.txt", d.size_bytes)
-    return tuple(ByteWindows(corpus, split, d.seq_len, d.global_batch_size, env.rank // tp_size,
-                             env.world_size // tp_size, cfg.seed, d.eval_fraction) for split in ("train", "eval"))
+    try:  # on every rank: a corpus one node lacks fails there alone (the others would wait in the first collective)
+        corpus = load_corpus(d.path, d.cache or run_dir / "corpus.txt", d.size_bytes)
+        data, problem = tuple(ByteWindows(corpus, split, d.seq_len, d.global_batch_size, env.rank // tp_size,
+                                          env.world_size // tp_size, cfg.seed, d.eval_fraction)
+                              for split in ("train", "eval")), None
+    except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
+        data, problem = None, error
+    raise_on_every_rank(problem, "cannot make their data from the corpus")
+    return data
 
 
 def sum_over(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

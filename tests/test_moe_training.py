@@ -263,6 +263,21 @@ def test_missing_corpus_path_is_a_clear_error(tmp_path):
         train(cfg, CPU, tmp_path)
 
 
+def _corpus_one_node_lacks(rank: int, world: int, tmp: str) -> None:
+    path = f"{tmp}/corpus.txt" if rank == 0 else f"{tmp}/not_on_this_node.txt"  # a file one node's disk lacks
+    missing = re.escape(f"corpus file not found: {tmp}/not_on_this_node.txt")
+    with pytest.raises(FileNotFoundError if rank == 1 else ValueError,
+                       match=missing if rank == 1 else rf"rank 0: rank\(s\) \[1\] cannot make their data from the corpus: "
+                                                       rf"FileNotFoundError: {missing}"):
+        train(config(*SMALL, "trainer.max_steps=2", f"data.path={path}"), _gloo(rank, world), Path(tmp) / f"r{rank}")
+    dist.barrier()  # both raised: neither waits in a collective the other never joins (else run_world's timeout)
+
+
+def test_a_corpus_one_node_lacks_stops_every_rank(tmp_path):
+    (tmp_path / "corpus.txt").write_bytes(bytes(range(256)) * 1200)
+    run_world(2, _corpus_one_node_lacks, str(tmp_path), timeout=120)
+
+
 def test_torchrun_two_processes(tmp_path):
     """train.py dispatches on model.name; both ranks train under torchrun (gloo), one run directory."""
     run_torchrun([*SMALL, "trainer.max_steps=10", "trainer.log_every=5", "trainer.checkpoint_every=10",
