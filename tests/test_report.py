@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.report.__main__ import main as report_main
+from fused_dlrm.report.dlrm import dlrm_layers
 from fused_dlrm.report.layers import STEP, CommLayer
 from fused_dlrm.report.measure import measure_layer
 from fused_dlrm.report.render import environment, markdown, write_json, write_png
@@ -20,8 +23,9 @@ from fused_dlrm.train.loop import train as train_dlrm
 from moe.train import build_model as build_moe
 from moe.train import train as train_moe
 from moe.transformer import expert_parameters
+from test_batch_not_made import criteo_file
 from test_training import config
-from world import run_torchrun
+from world import run_torchrun, run_world
 
 CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
 DLRM = ["trainer.device=cpu", "model.num_rows=[300,2000,700,5000,64,1000]", "data.num_sparse=6",
@@ -120,6 +124,23 @@ def test_dlrm_after_training_two_gloo_ranks(tmp_path):
         assert layers[name]["fused"]["unavailable"] == CPU_REASON
         assert layers[name]["bulk"]["fwd_bwd_ms"] > 0
     assert (tmp_path / "metrics.jsonl").exists()  # it trained first
+
+
+def _report_with_a_bad_line(rank: int, world: int, tmp: str) -> None:
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    cfg = config("trainer.device=cpu", "data=criteo", f"data.train.paths=[{tmp}/bad.tsv]",
+                 f"data.eval.paths=[{tmp}/bad.tsv]", "data.global_batch_size=16", "model.num_rows=100")
+    bad = re.escape(f"{tmp}/bad.tsv:12: malformed Criteo line")
+    with pytest.raises(ValueError if rank == 1 else RuntimeError,
+                       match=bad if rank == 1 else r"rank 0: rank\(s\) \[1\] could not make their batch"):
+        dlrm_layers(cfg, env, Path(tmp))
+    dist.barrier()  # both raised: neither waits in the input dist for the other (else run_world's timeout)
+
+
+def test_a_first_batch_one_rank_cannot_make_stops_every_rank(tmp_path):
+    """The report's batch: a malformed line in rank 1's slice (lines 9..16) raises on both ranks."""
+    criteo_file(tmp_path / "bad.tsv", 16, bad_line=12)
+    run_world(2, _report_with_a_bad_line, str(tmp_path), timeout=120)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

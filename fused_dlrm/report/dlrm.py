@@ -18,9 +18,9 @@ from fused_dlrm.dist import DistEnv
 from fused_dlrm.report.layers import (STEP, CommLayer, Mode, forward_backward, fused_or_reason,
                                       grad_allreduce_layer, no_fused_path, no_grad)
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
-from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
+from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters
 from fused_dlrm.train.graphed_step import dense_step
-from fused_dlrm.train.loop import make_train_step
+from fused_dlrm.train.loop import features_of, make_train_step, pull_batch
 
 
 def with_comm(cfg: DictConfig, mode: str) -> DictConfig:
@@ -44,9 +44,11 @@ class _Run:
         self.step = dense_step(self.optimizer, cfg.trainer.cuda_graphs, env.device)  # as the training loop's
         self.train_step = make_train_step(self.model, self.optimizer, self.step, env.world_size,
                                           cfg.trainer.direct_step)  # the loop's
-        _, batch = next(batch_stream(build_dataset(cfg, "train", env), 0, cfg.data.get("steps_per_epoch")))
-        self.batch = to_device(batch, env.device)
-        self.bags = self.sparse.input_dist(self.batch.sparse_features)
+        # as the loop makes and distributes it: a batch one rank could not make (a malformed line in its slice)
+        # raises in the input dist on every rank, not on that rank alone while the others wait there for it
+        self.batch = pull_batch(batch_stream(build_dataset(cfg, "train", env), 0, cfg.data.get("steps_per_epoch")),
+                                env.device)
+        self.bags = self.sparse.bags_of(features_of(self.batch))
 
     def lookup_modes(self, grad: torch.Tensor) -> Mode:
         exchange = lambda: self.sparse.pooled(self.bags)  # the fused exchange, or lookup + all-to-all (+ row blocks)
