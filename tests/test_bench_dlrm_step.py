@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 import fbgemm_gpu
 import pytest
 import torch
+import torch.distributed as dist
 from torchrec import EmbeddingBagCollection
 
 from fused_dlrm.bench import dlrm_step
@@ -21,6 +23,8 @@ from fused_dlrm.dist import DistEnv, init_distributed
 from fused_dlrm.sparse.lookup import init_table
 from fused_dlrm.sparse.sharded_ebc import table_seeds
 from fused_dlrm.train.build import build_dataset, config_tables
+from test_batch_not_made import criteo_file
+from test_training import config as train_config
 from world import run_torchrun, run_world
 
 CPU = torch.device("cpu")
@@ -181,6 +185,23 @@ def test_torchrec_baseline_that_cannot_run_says_so(tmp_path):
     rows = table_rows("\n".join(stdout))
     assert rows["torchrec"] == f"not run: {reason}".split()
     assert rows["bulk"][-1] == "n/a"
+
+
+def _batches_with_a_bad_line(rank: int, world: int, tmp: str) -> None:
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=CPU, backend="gloo")
+    cfg = train_config("data=criteo", f"data.train.paths=[{tmp}/bad.tsv]", "data.global_batch_size=16",
+                       "model.num_rows=100")
+    bad = re.escape(f"{tmp}/bad.tsv:28: malformed Criteo line")
+    with pytest.raises(ValueError, match=bad if rank == 1 else rf"rank 0: rank\(s\) \[1\] could not make their "
+                                                                rf"batches: ValueError: {bad}"):
+        dlrm_step.make_batches(cfg, env, 2)
+    dist.barrier()  # both raised: rank 0 does not go on into DMP's collectives without rank 1
+
+
+def test_a_batch_one_rank_cannot_make_stops_every_rank(tmp_path):
+    """Batch 1's line 12 (in rank 1's slice) is malformed: made up front, before any variant, it raises on both."""
+    criteo_file(tmp_path / "bad.tsv", 32, bad_line=16 + 12)
+    run_world(2, _batches_with_a_bad_line, str(tmp_path), timeout=120)
 
 
 def test_needs_a_process_group(monkeypatch):

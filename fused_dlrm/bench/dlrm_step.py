@@ -53,6 +53,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from fused_dlrm.bench.timing import time_ms
 from fused_dlrm.dist import DistEnv, all_reduce_sum, destroy_distributed, init_distributed
+from fused_dlrm.dist.env import raise_on_every_rank
 from fused_dlrm.models.dlrm import with_lean_arches
 from fused_dlrm.report.layers import no_fused_path
 from fused_dlrm.report.measure import repeats, timing_method
@@ -188,7 +189,14 @@ def step_optimizer(dmp: DistributedModelParallel, cfg: DictConfig) -> CombinedOp
 def make_batches(cfg: DictConfig, env: DistEnv, count: int) -> list[Batch]:
     """This rank's slices of the first `count` global batches, on the device (made outside the timed steps)."""
     stream = batch_stream(build_dataset(cfg, "train", env), 0, cfg.data.get("steps_per_epoch"))
-    return [to_device(batch, env.device) for _, batch in islice(stream, count)]
+    # raised on every rank: one rank's failure (a malformed line in its slice) would leave the others in DMP's
+    # collectives
+    try:
+        batches, problem = [to_device(batch, env.device) for _, batch in islice(stream, count)], None
+    except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
+        batches, problem = None, error
+    raise_on_every_rank(problem, "could not make their batches")
+    return batches
 
 
 def global_losses(losses: list[torch.Tensor], local_batch: int, env: DistEnv) -> tuple[list[float], int]:
