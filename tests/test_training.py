@@ -204,6 +204,12 @@ def test_missing_data_file_is_a_clear_error(tmp_path):
         train(cfg, CPU, tmp_path)
 
 
+def test_criteo_without_paths_names_the_keys_to_set(tmp_path):
+    """data=criteo's paths are mandatory (???): left out, the error names them (it said "file not found: ???")."""
+    with pytest.raises(ValueError, match=r"data.train.paths must be given, e.g. data.train.paths=\[train.tsv\]"):
+        train(config(*SMALL, "data=criteo", "data.num_sparse=26"), CPU, tmp_path)
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_torchrun_processes(tmp_path, nproc):
     """The README's distributed command (gloo here, NCCL where there are GPUs): every rank trains, one run

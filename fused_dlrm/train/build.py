@@ -81,6 +81,10 @@ def build_dataset(cfg: DictConfig, split: str, env: DistEnv):
     m = cfg.model
     names = feature_names(cfg.data)
     rows = [m.num_rows] * len(names) if isinstance(m.num_rows, int) else list(m.num_rows)
+    unset = [k for k in cfg.data[split] if OmegaConf.is_missing(cfg.data[split], k)]
+    if unset:  # to_container would pass the marker on as the string "???" (a file of that name, not found)
+        raise ValueError(f"data.{split}.{unset[0]} must be given, e.g. data.train.paths=[train.tsv] "
+                         "data.eval.paths=[eval.tsv]")
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.data[split], resolve=True).items() if k != "_target_"}
     if str(kwargs.get("device", "cpu")).startswith("cuda") and env.device.type != "cuda":
         # batches made on a GPU for a model on the host would meet it only in the dense arch, as a device mismatch
