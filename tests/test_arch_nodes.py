@@ -160,7 +160,9 @@ def _average_like_ddp(rank: int, world: int) -> None:
             torch.testing.assert_close(g, w, rtol=0, atol=0)
         flat = lambda gs: torch.cat([g.flatten() for g in gs])  # noqa: E731
         error = (flat(quantized) - flat(want)).norm() / flat(want).norm()
-        assert 0 < error < 0.02, error  # the codec's mean: close to the exact one, not it
+        # The codec's mean: close to the exact one, not it. Step 0 holds the two-shot's q8 roundings alone (0.013
+        # with bf16 scales); later steps add the drift of the q8 model's parameters from DDP's (0.015, 0.020).
+        assert 0 < error < (0.015 if step == 0 else 0.025), (step, error)
     for model in models:  # every rank's parameters stayed equal
         params = torch.cat([p.detach().flatten() for p in model.parameters()])
         gathered = [torch.empty_like(params) for _ in range(world)]
