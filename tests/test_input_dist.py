@@ -8,6 +8,7 @@ import torch
 from torchrec import KeyedJaggedTensor
 
 from fused_dlrm.data.batching import local_batch_bounds
+from fused_dlrm.kernels import batch_header as bh
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection, plan_sharding
 from bags import global_batch, to_kjt
 from test_sharded_ebc import TABLES
@@ -161,48 +162,33 @@ def test_weights_on_some_ranks_raise_on_every_rank(is_weighted, row_shards):
     run_world(2, _weights_on_rank_0_only, is_weighted, row_shards, timeout=120)
 
 
-def _weights_of_another_dtype_on_rank_1(rank: int, world: int, other: torch.dtype, row_shards) -> None:
+def _another_dtype_on_rank_1(rank: int, world: int, what: str, other: torch.dtype, row_shards) -> None:
+    """Rank 1's `what` ("weights" or "indices") in dtype `other`: every rank raises naming both dtypes, and the
+    next batch, alike on every rank, gives the bags it gave before."""
     sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig(),
                                             plan=plan_sharding(TABLES, world, row_shards=row_shards))
     keys = [f for t in TABLES for f in t.feature_names]
-    lengths, values, weights = global_batch(0, 6, TABLES, True)
+    lengths, values, weights = global_batch(0, 6, TABLES, what == "weights")
     start, stop = local_batch_bounds(6, rank, world)
     good = sharded(to_kjt(keys, lengths, values, weights, start, stop)).values().clone()
-    mixed = to_kjt(keys, lengths, values, [w.to(other) for w in weights] if rank == 1 else weights, start, stop)
-    theirs = "float16 weights" if other == torch.float16 else "weights of a dtype other than float32"
-    with pytest.raises(ValueError, match=rf"rank {rank}: weights must be of one of float32, float16, bfloat16, "
-                                         rf"float64, the same on every rank \(rank 0: float32 weights, rank 1: "
+    tensors, dtypes = (weights, bh.WEIGHT_DTYPES) if what == "weights" else (values, bh.INDEX_DTYPES)
+    changed = [t.to(other) for t in tensors] if rank == 1 else tensors
+    mixed = to_kjt(keys, lengths, *((values, changed) if what == "weights" else (changed, weights)), start, stop)
+    names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+    theirs = f"{str(other).removeprefix('torch.')} {what}" if other in dtypes else f"{what} of a dtype other than"
+    with pytest.raises(ValueError, match=rf"rank {rank}: {what} must be of one of {names}, the same on every rank "
+                                         rf"\(rank 0: {str(dtypes[0]).removeprefix('torch.')} {what}, rank 1: "
                                          rf"{theirs}"):
         sharded(mixed)
     torch.testing.assert_close(sharded(to_kjt(keys, lengths, values, weights, start, stop)).values(), good)
 
 
-@pytest.mark.parametrize("other,row_shards", [(torch.float16, 1), (torch.int64, 1), (torch.float16, {"t1": 2})],
-                         ids=["float16", "int64", "float16_row_blocks"])
-def test_weights_of_another_dtype_raise_on_every_rank(other, row_shards):
-    """The weights' all-to-all sizes its buffers in each rank's own dtype: weights of another dtype on one rank (or
-    not floating point) make every rank raise, naming each rank's dtype, before that all-to-all; the next batch
-    with alike weights gives the same bags."""
-    run_world(2, _weights_of_another_dtype_on_rank_1, other, row_shards, timeout=120)
-
-
-def _indices_of_another_dtype_on_rank_1(rank: int, world: int, other: torch.dtype) -> None:
-    sharded = ShardedEmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig(), plan=plan_sharding(TABLES, world))
-    keys = [f for t in TABLES for f in t.feature_names]
-    lengths, values, _ = global_batch(0, 6, TABLES, False)
-    start, stop = local_batch_bounds(6, rank, world)
-    good = sharded(to_kjt(keys, lengths, values, None, start, stop)).values().clone()
-    mixed = to_kjt(keys, lengths, [v.to(other) for v in values] if rank == 1 else values, None, start, stop)
-    theirs = "int32 indices" if other == torch.int32 else "indices of a dtype other than int64, int32"
-    with pytest.raises(ValueError, match=rf"rank {rank}: indices must be of one of int64, int32, the same on every "
-                                         rf"rank \(rank 0: int64 indices, rank 1: {theirs}\)"):
-        sharded(mixed)
-    torch.testing.assert_close(sharded(to_kjt(keys, lengths, values, None, start, stop)).values(), good)
-
-
-@pytest.mark.parametrize("other", [torch.int32, torch.int16])
-def test_indices_of_another_dtype_raise_on_every_rank(other):
-    """Lengths and values travel in one all-to-all in the values' dtype, which sizes each rank's buffers: int32
-    indices on one rank and int64 on the other (gloo aborted the process, a peer read garbage offsets), or indices
-    of no supported dtype, make every rank raise, naming each rank's dtype; the next batch gives the same bags."""
-    run_world(2, _indices_of_another_dtype_on_rank_1, other, timeout=120)
+@pytest.mark.parametrize("what,other,row_shards", [
+    ("weights", torch.float16, 1), ("weights", torch.int64, 1), ("weights", torch.float16, {"t1": 2}),
+    ("indices", torch.int32, 1), ("indices", torch.int16, 1)],
+    ids=["weights_float16", "weights_int64", "weights_float16_row_blocks", "indices_int32", "indices_int16"])
+def test_another_dtype_on_one_rank_raises_on_every_rank(what, other, row_shards):
+    """The weights' all-to-all, and the one of lengths and values, size their buffers in each rank's own dtype:
+    weights or indices of another dtype on one rank (int32 against int64 indices: gloo aborted the process, a peer
+    read garbage offsets), or of no supported dtype, make every rank raise before them, naming each rank's dtype."""
+    run_world(2, _another_dtype_on_rank_1, what, other, row_shards, timeout=120)
