@@ -73,6 +73,16 @@ def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
     return model.to(env.device)
 
 
+def weight_decay_groups(model: torch.nn.Module) -> list[dict]:
+    """The optimizer's parameter groups, split as Megatron's default is: matrices (projections, experts, router,
+    embedding) take the configured weight decay, 1-D parameters (norm gains, biases) none (decay pulls a gain
+    towards 0, not towards its initial 1)."""
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2]},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
 def fused_moe_config(cfg: DictConfig, env: DistEnv) -> FusedMoEConfig | None:
     """The MoE layers' comm=fused settings (None for comm=bulk). Every batch has the same shape, so the exchanges'
     buffers are sized for the largest rank's share of one (its tokens: max_tokens_per_rank; under sequence
@@ -206,7 +216,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         raise ValueError(f"data.eval_batches={cfg.data.eval_batches}: the evaluation needs at least one batch")
     check_grad_allreduce(cfg.comm.grad_allreduce)
     model = build_model(cfg, env)
-    optimizer = instantiate(m.optimizer, params=model.parameters())
+    optimizer = instantiate(m.optimizer, _partial_=True)(weight_decay_groups(model))
     train_data, eval_data = build_data(cfg, env, run_dir)
     checkpoint_dir = Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints"
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv
@@ -22,7 +23,7 @@ from fused_dlrm.train.rundir import register_resolvers
 from moe.data import ByteWindows, load_corpus, stdlib_corpus
 from moe.routing import TopKRouter
 import moe.train as moe_train
-from moe.train import build_model, fused_moe_config, train
+from moe.train import build_model, fused_moe_config, train, weight_decay_groups
 from moe.transformer import MoETransformer, expert_parameters
 from world import run_torchrun, run_world
 
@@ -322,6 +323,26 @@ def test_bf16_mixed_precision_trains_with_fp32_weights(tmp_path):
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     logits, _ = model(torch.randint(0, 256, (2, 16)))
     assert logits.dtype == torch.float32
+
+
+def test_weight_decay_spares_norm_gains_and_biases():
+    """As Megatron's default: the configured AdamW decays the matrices (embedding, projections, router, experts)
+    and leaves 1-D parameters (norm gains, biases) alone. A step on zero gradients moves a parameter by its decay
+    alone: w -> w (1 - lr wd)."""
+    cfg = config(*SMALL)
+    model = build_model(cfg, CPU)
+    optimizer = instantiate(cfg.model.optimizer, _partial_=True)(weight_decay_groups(model))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    shrink = 1 - cfg.model.optimizer.lr * cfg.model.optimizer.weight_decay
+    kinds = set()
+    for name, p in model.named_parameters():
+        kinds.add(p.ndim >= 2)
+        expected = before[name] * shrink if p.ndim >= 2 else before[name]
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=0, msg=name)
+    assert kinds == {True, False}  # the model has both kinds
 
 
 def test_bad_settings_are_refused_before_training(tmp_path):

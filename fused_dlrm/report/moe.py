@@ -22,7 +22,7 @@ from fused_dlrm.report.layers import (STEP, CommLayer, Mode, forward_backward,
                                       grad_allreduce_layer, no_fused_path, no_grad)
 from fused_dlrm.report.tp import tp_layers
 from moe.layer import FusedMoEConfig, MoELayer
-from moe.train import build_data, build_model, fused_moe_config, train_step
+from moe.train import build_data, build_model, fused_moe_config, train_step, weight_decay_groups
 
 
 def with_modes(cfg: DictConfig, mode: str) -> DictConfig:
@@ -70,7 +70,7 @@ class _Run:
 
     def __init__(self, cfg: DictConfig, env: DistEnv, model: nn.Module, run_dir: Path, grad_allreduce: str):
         self.cfg, self.env, self.model, self.grad_allreduce = cfg, env, model, grad_allreduce
-        self.optimizer = instantiate(cfg.model.optimizer, params=model.parameters())
+        self.optimizer = instantiate(cfg.model.optimizer, _partial_=True)(weight_decay_groups(model))
         train_data, _ = build_data(cfg, env, run_dir)
         self.inputs, self.targets = (t.to(env.device) for t in train_data.batch(0))
         self.layer = next(m for m in model.modules() if isinstance(m, MoELayer))
