@@ -292,6 +292,38 @@ def test_all_gather_matmul_refuses_what_tma_cannot_read_before_any_work():
                           all_gather_matmul_reference([x], weight)) < 2e-3
 
 
+
+def test_all_gather_matmul_refuses_an_output_it_cannot_store_into_before_any_work():
+    """A given out must be [world * rows, N], x's dtype, contiguous: the kernel stores rows of N at out's start
+    (an out of fewer rows was stored past its end, a strided one between its columns). A refusal takes no epoch and
+    the next call works."""
+    ws = matmul_world(1)[0]
+    x, weight = torch.randn(24, 16).half(), torch.randn(20, 16).half().t()
+    op = op_for(ws, x, SMALL)
+    for bad in (torch.empty(24, 40).half()[:, ::2],  # strided
+                torch.empty(23, 20).half(),  # a row short
+                torch.empty(24, 20)):  # fp32
+        with pytest.raises(ValueError, match=r"out must be contiguous torch.float16 \[24, 20\]"):
+            all_gather_matmul(x, weight, ws, "device", out=bad, config=SMALL)
+    assert op.gather.next_epoch() == 1, "no refused call took an epoch"
+    out = torch.full((24, 20), float("nan")).half()
+    assert all_gather_matmul(x, weight, ws, "device", out=out, config=SMALL) is out
+    assert relative_error(out, all_gather_matmul_reference([x], weight)) < 2e-3
+
+
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+def test_all_gather_matmul_of_an_empty_batch_launches_nothing(producer):
+    """x_shard of 0 rows on every rank (a sequence-parallel layer's empty batch): [0, N] and [0, K] outputs, as
+    the GEMM + all-reduce returns for M = 0, with no exchange; a shard that is no [rows, K] matrix is named."""
+    shards, weight = [torch.randn(0, 16).half() for _ in range(2)], torch.randn(20, 16).half().t()
+    for ws, shard in zip(matmul_world(2), shards):  # one rank after the other: nothing waits for a peer
+        out, gathered = all_gather_matmul(shard, weight, ws, producer, return_gathered=True, config=SMALL)
+        assert out.shape == (0, 20) and gathered.shape == (0, 16) and out.dtype == gathered.dtype == torch.float16
+    for bad in (torch.randn(16).half(), torch.randn(2, 4, 16).half()):
+        with pytest.raises(ValueError, match=r"x_shard .* expected \[rows, K\]"):
+            all_gather_matmul(bad, weight, matmul_world(1)[0], producer, config=SMALL)
+
+
 COMPILE_FOR_SM90 = r"""
 from fused_dlrm.kernels import allgather, allgather_gemm
 

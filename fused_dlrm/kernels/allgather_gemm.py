@@ -309,9 +309,8 @@ class AllGatherMatmul:
     def finish(self, epoch: int, x_shard: torch.Tensor, weight: torch.Tensor, producer: str,
                return_gathered: bool = False, out: torch.Tensor | None = None):
         x_shard = x_shard.contiguous()
-        self.check_weight(weight, x_shard.dtype)
-        m = self.world * self.rows
-        out = torch.empty((m, weight.shape[1]), dtype=x_shard.dtype, device=x_shard.device) if out is None else out
+        check_weight(weight, self.k, x_shard.dtype)
+        out = output(out, self.world * self.rows, weight.shape[1], x_shard)
         g = self.gather_for(producer)
         if producer == "copy_engine":
             g.pull_published(epoch)
@@ -325,15 +324,6 @@ class AllGatherMatmul:
         gathered = g.gathered(epoch).clone()
         gathered[self.rank * self.rows:(self.rank + 1) * self.rows] = x_shard  # device push leaves it unwritten
         return out, gathered
-
-    def check_weight(self, weight: torch.Tensor, dtype: torch.dtype) -> bool:
-        """Raise unless the GEMM can read weight [K, N] (before any work is done); returns whether it reads it
-        as a Linear's weight.t() (K contiguous: blocks transposed in shared memory) rather than N contiguous."""
-        if weight.dim() != 2 or weight.shape[0] != self.k or weight.dtype != dtype:
-            raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype}: expected ({self.k}, N) {dtype}")
-        k_contiguous = weight.stride(1) != 1
-        require_tma_readable(weight.t() if k_contiguous else weight, "all_gather_matmul's weight (as it lies)")
-        return k_contiguous
 
     def lead(self, n: int, pushers: bool = True) -> tuple[int, int]:
         """(programs that do not push, local tiles dealt among them alone first) for an output of n columns;
@@ -356,7 +346,7 @@ class AllGatherMatmul:
         n, w_nk, descriptors = 0, False, (None, None, None)
         if compute:
             self.launches += 1
-            n, w_nk = weight.shape[1], self.check_weight(weight, x.dtype)
+            n, w_nk = weight.shape[1], check_weight(weight, self.k, x.dtype)
             descriptors = (descriptor(x.view(1, self.rows, self.k), [1, c.block_m, c.block_k], "x_shard"),
                            descriptor(g.gathered(epoch).view(self.world, self.rows, self.k),
                                       [1, c.block_m, c.block_k], "the gathered buffer"),
@@ -373,6 +363,28 @@ class AllGatherMatmul:
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, K_TILES=triton.cdiv(self.k, c.block_k),
             GROUP_M=c.group_m, PUSH_R=g.block_rows, PUSH_C=g.block_cols, W_NK=w_nk, ON_GPU=not interpreting(),
             num_warps=c.num_warps, num_stages=c.num_stages)
+
+
+def check_weight(weight: torch.Tensor, k: int, dtype: torch.dtype) -> bool:
+    """Raise unless the GEMM can read weight [K, N] (before any work is done); returns whether it reads it as a
+    Linear's weight.t() (K contiguous: blocks transposed in shared memory) rather than N contiguous."""
+    if weight.dim() != 2 or weight.shape[0] != k or weight.dtype != dtype:
+        raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype}: expected ({k}, N) {dtype}")
+    k_contiguous = weight.stride(1) != 1
+    require_tma_readable(weight.t() if k_contiguous else weight, "all_gather_matmul's weight (as it lies)")
+    return k_contiguous
+
+
+def output(out: torch.Tensor | None, m: int, n: int, x_shard: torch.Tensor) -> torch.Tensor:
+    """out, checked: the kernel stores rows of n values from out's start (x_shard's dtype), so an out of other
+    rows, strides or dtype would be stored past its end or between its values; None: a new tensor."""
+    if out is None:
+        return torch.empty((m, n), dtype=x_shard.dtype, device=x_shard.device)
+    if out.shape != (m, n) or out.dtype != x_shard.dtype or out.device != x_shard.device or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {x_shard.dtype} [{m}, {n}] on {x_shard.device} (world x rows, N); "
+                         f"got {out.dtype} {list(out.shape)} on {out.device}"
+                         f"{'' if out.is_contiguous() else ', not contiguous'}")
+    return out
 
 
 _OPS: "weakref.WeakKeyDictionary[_Workspace, dict]" = weakref.WeakKeyDictionary()
@@ -395,7 +407,15 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, workspace: _W
     multiple of 8), weight [K, N] with N or K contiguous (e.g. a Linear's weight.t()) and rows of a multiple of 16
     bytes as it lies. Every rank calls with the same shapes and producer. The device push is the default: at
     issue 5's shape on 2 GPUs it took 741 against 1,295 us for the copy engines' pulls (2×H200, 2026-11-24) and
-    733 against 1,440 (2×H100, 2026-11-26; docs/benchmarks.md)."""
+    733 against 1,440 (2×H100, 2026-11-26; docs/benchmarks.md). A shard of 0 rows (every rank's, as the shapes
+    are alike: an empty batch) gives empty outputs and exchanges nothing, as the GEMM + all-reduce for M = 0."""
+    if x_shard.dim() != 2:
+        raise ValueError(f"all_gather_matmul: x_shard {tuple(x_shard.shape)}: expected [rows, K]")
+    rows, k = x_shard.shape
+    # before the producer starts: a refusal leaves no peer waiting
+    check_weight(weight, k, x_shard.dtype)
+    out = output(out, workspace.world_size * rows, weight.shape[1], x_shard)
+    if rows == 0:
+        return (out, x_shard.new_empty(0, k)) if return_gathered else out
     op = op_for(workspace, x_shard, config)
-    op.check_weight(weight, x_shard.dtype)  # before the producer starts: a refusal leaves no peer waiting
     return op.finish(op.start(x_shard, producer), x_shard, weight, producer, return_gathered, out)
