@@ -258,6 +258,17 @@ def test_an_empty_batch_launches_nothing():
     assert op.ws._epochs.get("gemm_allreduce") is None and not op._plans
 
 
+@pytest.mark.parametrize("x_shape,w_shape", [((2, 3, 8), (8, 4)), ((3, 8), (8,)), ((3, 8), (8, 0)), ((3, 0), (0, 4)),
+                                             ((3, 8), (6, 4))])
+def test_operands_that_are_no_x_m_k_and_w_k_n_are_named(x_shape, w_shape):
+    """A batch kept in 3 dims, a 1-D weight, N or K of 0 (a layer of no features per rank), K unlike w's."""
+    op = GemmAllReduce(SimulatedWorld(2).workspaces()[0], num_programs=1)
+    x, w = torch.ones(x_shape, dtype=torch.bfloat16), torch.ones(w_shape, dtype=torch.bfloat16)
+    for scatter in (False, True):
+        with pytest.raises(ValueError, match=r"expected x \[M, K\] and w \[K, N\] \(M, K, N >= 1\) of one dtype"):
+            op.prepare(x, w, scatter=scatter)
+
+
 def test_reduce_scatter_needs_equal_bands():
     op = GemmAllReduce(SimulatedWorld(2).workspaces()[0], num_programs=1)
     x, w = torch.ones(5, 8, dtype=torch.bfloat16), torch.ones(8, 4, dtype=torch.bfloat16)

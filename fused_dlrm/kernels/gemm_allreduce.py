@@ -394,10 +394,11 @@ class GemmAllReduce:
         return key, self._plans.get(key) or self._plan(key, x, w, phases, scatter)
 
     def _plan(self, key: tuple, x: torch.Tensor, w: torch.Tensor, phases: int, scatter: bool) -> Plan:
-        (m, k), n = x.shape, w.shape[1]
-        if m < 1 or w.shape[0] != k or x.dtype != w.dtype or x.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"expected x [M, K] and w [K, N] of one dtype, fp16 or bf16; got "
+        if (x.dim() != 2 or w.dim() != 2 or min(*x.shape, *w.shape) < 1 or w.shape[0] != x.shape[1]
+                or x.dtype != w.dtype or x.dtype not in (torch.float16, torch.bfloat16)):
+            raise ValueError(f"expected x [M, K] and w [K, N] (M, K, N >= 1) of one dtype, fp16 or bf16; got "
                              f"{tuple(x.shape)} {x.dtype} and {tuple(w.shape)} {w.dtype}")
+        (m, k), n = x.shape, w.shape[1]
         if scatter and m % self.world:
             raise ValueError(f"a reduce-scatter cuts M={m} rows into {self.world} equal bands: M must be a multiple "
                              f"of the world size")
