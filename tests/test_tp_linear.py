@@ -7,6 +7,7 @@ and each rank's weight-gradient shard must equal the reference's (float64 data, 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -139,6 +140,40 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
 def test_tp_layers_match_one_process(world_size, tp_size):
     """At 4 ranks with tp_size 2: two TP groups {0, 1}, {2, 3} and two data-parallel groups {0, 2}, {1, 3}."""
     run_world(world_size, _layers_match_one_process, tp_size)
+
+
+
+def _calls_that_differ(rank: int, world: int) -> None:
+    """Rank 1's x differs from the others' in rows (every layer: its collective, forward or backward, would move
+    other sizes), in its last dim (rank 1's matmul alone refuses it), in dtype, or rank 1 alone runs under autocast
+    (its collectives would move bf16); then an alike call works."""
+    tp, _ = tp_groups(world)
+    layers = [ColumnParallelLinear(D_IN, 3 * world, tp), RowParallelLinear(2 * world, D_IN, tp),
+              ColumnParallelLinear(D_IN, 3 * world, tp, sequence_sharded=True),
+              RowParallelLinear(2 * world, D_IN, tp, sequence_sharded=True)]
+    for layer in layers:
+        width = layer.weight.shape[1]
+        usual = ([world, 3, width], torch.float32, False)
+        for odd in (([2 * world, 3, width], torch.float32, False), ([world, 3, width + 1], torch.float32, False),
+                    ([world, 3, width], torch.bfloat16, False), ([world, 3, width], torch.float32, True)):
+            shape, dtype, autocast = odd if rank == 1 else usual
+            x = torch.randn(shape, dtype=dtype, requires_grad=True)
+            said = [f"x {s} {str(d).removeprefix('torch.')}, weight float32{', autocast bfloat16' if a else ''}"
+                    for s, d, a in (usual, odd)]
+            peer = 0 if rank == 1 else 1  # the first peer whose call differs from this rank's
+            with pytest.raises(ValueError, match=f"^{type(layer).__name__}: rank {rank}: peer {peer} called it with "
+                                                 f"{re.escape(said[peer == 1])}; this rank with "
+                                                 f"{re.escape(said[rank == 1])} \\("):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    layer(x).sum().backward()
+        layer(torch.randn(world, 3, width, requires_grad=True)).sum().backward()  # alike on every rank: no error
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_calls_that_differ_between_ranks_raise_on_every_rank(world):
+    """On gloo, whose collectives abort the process on messages of other sizes or dtypes (SIGABRT, no message), and
+    where a rank that raises alone leaves the others in the collective."""
+    run_world(world, _calls_that_differ, timeout=120)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

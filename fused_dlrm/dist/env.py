@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -116,6 +117,27 @@ def of_every_rank(value) -> list:
     dist.all_gather_object(every, value)
     return every
 
+
+
+class CallMismatch(ValueError):
+    """Ranks made one collective call with different arguments (sizes, dtypes, ...): bad input, raised on every
+    rank (the fused kernels' PeerCallMismatch is one)."""
+
+
+def check_same_call(signature: list[int], group: dist.ProcessGroup | None, describe: Callable[[list[int]], str],
+                    what: str) -> None:
+    """Raise CallMismatch on every rank of `group` unless every rank passes the same `signature` (as many ints on
+    every rank): all-gathered in one small collective of CPU tensors, so every rank sees the same table and names the
+    first peer whose signature differs from its own, both in `describe`'s words. For gloo, whose collectives abort
+    the process on messages of other sizes or dtypes (on NCCL a collective more would be timed with the op)."""
+    mine = torch.tensor([signature], dtype=torch.int64)
+    everyone = mine.new_empty((dist.get_world_size(group), mine.shape[1]))
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    rank, signatures = dist.get_rank(group), everyone.tolist()
+    for peer, theirs in enumerate(signatures):
+        if theirs != signatures[rank]:
+            raise CallMismatch(f"{what}: rank {rank}: peer {peer} called it with {describe(theirs)}; this rank with "
+                               f"{describe(signatures[rank])} (every rank must make the same calls in the same order)")
 
 def problem_text(problem: BaseException | None) -> str | None:
     """An error as `raise_on_every_rank` exchanges it ("KeyError: ..."; None: none)."""

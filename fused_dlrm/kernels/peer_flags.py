@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_dlrm.dist.env import CallMismatch
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches
 from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, set_flag
 
@@ -191,9 +192,9 @@ class PeerWaitTimeout(RuntimeError):
     pass
 
 
-class PeerCallMismatch(ValueError):
+class PeerCallMismatch(CallMismatch):
     """A peer called the op with another signature (size, dtype, codec, ...) than this rank: bad input, not a lost
-    peer (a ValueError, as the bulk collectives' check raises)."""
+    peer (a CallMismatch, a ValueError, as the bulk collectives' check on gloo raises)."""
 
 
 def wait_ready(ready: torch.Tensor, acks: torch.Tensor, error: torch.Tensor, rank: int, world_size: int,

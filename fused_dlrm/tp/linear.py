@@ -22,6 +22,12 @@ Initialisation is a function of (seed, std) only: every rank draws the full [out
 and keeps its shard, so a TP-sharded model equals the unsharded one (tp = 1). The shard is registered as
 `shard_<r>_of_<tp>`: torch.distributed.checkpoint then keeps every shard as its own entry instead of taking them
 for one replicated tensor. Bias-free (the Transformer's projections have none).
+
+Every rank of the group must call a layer with x of one shape and dtype (and the same autocast). On gloo, whose
+collectives abort the process on messages of other sizes or dtypes, and where a rank whose matmul refuses its x
+would raise alone, the ranks compare their calls first (dist.env.check_same_call: one small all-gather per call), so
+a mismatch raises CallMismatch (a ValueError) on every rank. Not on NCCL (a collective more per call; the fused
+kernels do not compare their peers' calls either): there such a call waits or sums other shapes.
 """
 
 from __future__ import annotations
@@ -33,11 +39,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fused_dlrm.dist.env import check_same_call
 from fused_dlrm.kernels.allgather_gemm import all_gather_matmul
 from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce
+from fused_dlrm.kernels.quantized_allreduce import SIGNATURE_DTYPES
 
 COMMS = ("bulk", "fused")
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # what the fused kernels compute in
+SIGNATURE_DIMS = 6  # x's dims a call's signature lists (its dim count and numel tell any other shape apart too)
 
 
 def tp_groups(tp_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
@@ -227,6 +236,31 @@ def _fused_all_reduce(group: dist.ProcessGroup) -> GemmAllReduce:
     return GemmAllReduce(_workspace(group))
 
 
+def _dtype_code(dtype: torch.dtype | None) -> int:
+    """A dtype as its index in SIGNATURE_DTYPES; -1: none (no autocast) or another one."""
+    return SIGNATURE_DTYPES.index(dtype) if dtype in SIGNATURE_DTYPES else -1
+
+
+def _call_signature(x: torch.Tensor, weight: torch.Tensor) -> list[int]:
+    """What every rank's call of a layer must share: x's dtype, the weight's, autocast's (-1: off), x's dim count,
+    numel and first SIGNATURE_DIMS dims (-1 past its last)."""
+    kind = x.device.type
+    autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    dims = list(x.shape[:SIGNATURE_DIMS])
+    return ([_dtype_code(x.dtype), _dtype_code(weight.dtype), _dtype_code(autocast), x.dim(), x.numel()] + dims
+            + [-1] * (SIGNATURE_DIMS - len(dims)))
+
+
+def _describe_call(signature: list[int]) -> str:
+    """`_call_signature` in words: "x [4, 3, 12] float32, weight float32" (", autocast bfloat16" where on)."""
+    x_dtype, weight_dtype, autocast = (str(SIGNATURE_DTYPES[code]).removeprefix("torch.") if code >= 0 else "other"
+                                       for code in signature[:3])
+    ndim = signature[3]
+    shape = signature[5:5 + min(ndim, SIGNATURE_DIMS)] + (["..."] if ndim > SIGNATURE_DIMS else [])
+    return (f"x [{', '.join(map(str, shape))}] {x_dtype}, weight {weight_dtype}"
+            + (f", autocast {autocast}" if signature[2] >= 0 else ""))
+
+
 def full_weight(out_features: int, in_features: int, seed: int, std: float) -> torch.Tensor:
     """The unsharded weight [out, in]: Normal(0, std) from a generator seeded by `seed`, drawn in float64."""
     generator = torch.Generator().manual_seed(seed)
@@ -242,6 +276,12 @@ class TPLinear(nn.Module):
         self.tp_size, self.tp_rank = _size_rank(group)
         self._name = f"shard_{self.tp_rank}_of_{self.tp_size}"
         self.register_parameter(self._name, nn.Parameter(shard.float()))
+        self._check_calls = self.tp_size > 1 and dist.get_backend(group) == "gloo"  # see the module docstring
+
+    def _check_same_call(self, x: torch.Tensor) -> None:
+        """On gloo: raise on every rank unless every rank calls with x like this rank's (the module docstring)."""
+        if self._check_calls:
+            check_same_call(_call_signature(x, self.weight), self.group, _describe_call, type(self).__name__)
 
     @property
     def weight(self) -> nn.Parameter:
@@ -287,6 +327,7 @@ class ColumnParallelLinear(TPLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight)
+        self._check_same_call(x)
         dtype = self._fused_dtype(x)
         if not self.sequence_sharded:
             if dtype is not None:
@@ -318,6 +359,7 @@ class RowParallelLinear(TPLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight)
+        self._check_same_call(x)
         if self.sequence_sharded and x.shape[0] % self.tp_size:
             raise ValueError(f"a sequence-sharded output cuts dim 0 of x ({x.shape[0]}) into {self.tp_size} equal "
                              "parts: it must be a multiple of the group size")

@@ -18,8 +18,8 @@ message. Codec "nccl" / "none" is a plain dist.all_reduce.
 
 Every rank must call with the same size, dtype, codec and mean. The fused kernel checks its peers' calls on the
 device (a signature beside its flags); on gloo, whose collectives abort the process on messages of other sizes,
-the ranks compare their calls first (`_check_same_call`, one small all-gather), so a mismatch raises
-PeerCallMismatch (a ValueError) on every rank. (Fused, a call that grows the buffers on some ranks only is not
+the ranks compare their calls first (dist.env.check_same_call, one small all-gather), so a mismatch raises
+CallMismatch (a ValueError) on every rank. (Fused, a call that grows the buffers on some ranks only is not
 caught: kernels/quantized_allreduce.py says why.)
 """
 
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fused_dlrm.dist.symmetric import cuda_workspace
-from fused_dlrm.kernels.peer_flags import PeerCallMismatch
+from fused_dlrm.dist.env import check_same_call
 from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS, Encoded, decode, encode
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, call_signature, check_out,
                                                     check_quantizable, chunk_blocks_for, describe_call,
@@ -62,8 +62,11 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
     itself to reduce in place) or, by default, a new tensor. fused: the one-launch kernel (default: on CUDA
     tensors of an NCCL group), else the bulk twin."""
     group = group or dist.group.WORLD
-    if _backend(group) == "gloo":  # before the local checks: a codec or dtype refused on one rank raises on all
-        _check_same_call(x, codec, mean, group)
+    # On gloo, before the local checks (a codec or dtype refused on one rank raises on all). Not on NCCL: there the
+    # bulk twin is the benchmarks' timed baseline of the fused kernel (which checks its peers on the device), and a
+    # collective more would be timed with it.
+    if _backend(group) == "gloo":
+        check_same_call(call_signature(x.numel(), x.dtype, codec, mean), group, describe_call, "quantized all-reduce")
     if codec not in PLAIN and codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}: expected one of {PLAIN + tuple(CODECS)}")
     if codec in PLAIN:
@@ -92,23 +95,6 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
     dist.all_gather_into_tensor(gathered, mine, group=group)
     result = decode(_unwire(gathered, codec), codec, numel).view(x.shape).to(x.dtype)
     return result if out is None else out.copy_(result)
-
-
-def _check_same_call(x: torch.Tensor, codec: str, mean: bool, group: dist.ProcessGroup) -> None:
-    """Raise PeerCallMismatch (a ValueError, as from the fused kernel) on every rank unless every rank calls with
-    x's size and dtype, this codec and mean: the ranks' `call_signature`s all-gathered, every rank sees the same
-    table. gloo only, where collectives of other sizes abort the process. Not on NCCL: there the bulk twin is the
-    benchmarks' timed baseline of the fused kernel (which checks its peers on the device), and a collective more
-    would be timed with it."""
-    mine = torch.tensor([call_signature(x.numel(), x.dtype, codec, mean)], dtype=torch.int64, device=x.device)
-    everyone = mine.new_empty((dist.get_world_size(group), mine.shape[1]))
-    dist.all_gather_into_tensor(everyone, mine, group=group)
-    rank, signatures = dist.get_rank(group), everyone.tolist()
-    for peer, theirs in enumerate(signatures):
-        if theirs != signatures[rank]:
-            raise PeerCallMismatch(f"quantized all-reduce: rank {rank}: peer {peer} called it with "
-                                   f"{describe_call(theirs)}; this rank with {describe_call(signatures[rank])} "
-                                   f"(every rank must make the same calls in the same order)")
 
 
 def _wire(enc: Encoded, parts: int) -> torch.Tensor:
