@@ -66,6 +66,11 @@ def _into_out(rank: int, world: int) -> None:
     with pytest.raises(TypeError, match="takes fp32, fp16 or bf16 tensors, got torch.int32"):
         quantized_all_reduce(torch.arange(64, dtype=torch.int32), "q8")
     assert torch.equal(quantized_all_reduce(torch.arange(64), "nccl"), torch.arange(64) * world)
+    # an integer mean is no integer: refused before the sum, which would have been left in x, reduced in place
+    x = torch.arange(64)
+    with pytest.raises(TypeError, match="mean=True divides by the world size: not an integer tensor"):
+        quantized_all_reduce(x, "nccl", mean=True, out=x)
+    assert torch.equal(x, torch.arange(64))
 
 
 def test_result_into_a_given_output_or_in_place():

@@ -70,6 +70,8 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
     if codec not in PLAIN and codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}: expected one of {PLAIN + tuple(CODECS)}")
     if codec in PLAIN:
+        if mean and not (x.is_floating_point() or x.is_complex()):  # before the sum (x, in place, would keep it)
+            raise TypeError(f"mean=True divides by the world size: not an integer tensor (got {x.dtype})")
         if out is not None:
             check_out(x, out)
         out = x.clone() if out is None else (out if out is x else out.copy_(x))
