@@ -62,6 +62,13 @@ def _into_out(rank: int, world: int) -> None:
         assert torch.equal(given, want) and torch.equal(x, want), codec
         with pytest.raises(ValueError, match="out must be contiguous"):
             quantized_all_reduce(xs[rank], codec, out=torch.empty(4099, dtype=torch.float64))
+        # one rank's out refused: every rank raises (rank 0 alone would leave rank 1 in the collective)
+        out = torch.empty(4099, dtype=torch.float64) if rank == 0 else torch.full_like(xs[rank], float("nan"))
+        said = [f"4099 float32 elements, codec {codec}, mean{suffix}" for suffix in (", into an unusable out", "")]
+        with pytest.raises(ValueError, match=f"^quantized all-reduce: rank {rank}: peer {1 - rank} called it with "
+                                             f"{said[1 - rank]}; this rank with {said[rank]} \\("):
+            quantized_all_reduce(xs[rank], codec, mean=True, out=out)
+        assert out.isnan().all() or rank == 0  # nothing was received
     # integers would come back wrong from a codec (q8 rounds them by block): refused; "nccl" sums them exactly
     with pytest.raises(TypeError, match="takes fp32, fp16 or bf16 tensors, got torch.int32"):
         quantized_all_reduce(torch.arange(64, dtype=torch.int32), "q8")
@@ -74,7 +81,7 @@ def _into_out(rank: int, world: int) -> None:
 
 
 def test_result_into_a_given_output_or_in_place():
-    run_world(2, _into_out)
+    run_world(2, _into_out, timeout=300)
 
 
 def _ddp_hook(rank: int, world: int, device_type: str = "cpu") -> None:

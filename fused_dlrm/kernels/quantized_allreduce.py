@@ -113,12 +113,21 @@ def chunk_blocks_for(numel: int, world: int) -> int:
     return max(1, -(-numel // (world * BLOCK)))
 
 
-def check_out(x: torch.Tensor, out: torch.Tensor) -> None:
-    """An all-reduce's `out` must be contiguous, of x's shape, dtype and device (x itself: in place)."""
-    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous {x.dtype} {list(x.shape)} on {x.device}, like x; got "
-                         f"{out.dtype} {list(out.shape)} on {out.device}"
-                         f"{'' if out.is_contiguous() else ', not contiguous'}")
+def out_problem(x: torch.Tensor, out: torch.Tensor | None) -> str | None:
+    """Why `out` cannot take an all-reduce of x, or None: it must be contiguous, of x's shape, dtype and device (x
+    itself: in place; None: a new tensor)."""
+    if out is None or (out.shape == x.shape and out.dtype == x.dtype and out.device == x.device
+                       and out.is_contiguous()):
+        return None
+    return (f"out must be contiguous {x.dtype} {list(x.shape)} on {x.device}, like x; got {out.dtype} "
+            f"{list(out.shape)} on {out.device}{'' if out.is_contiguous() else ', not contiguous'}")
+
+
+def check_out(x: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Raise ValueError where `out_problem` finds one."""
+    problem = out_problem(x, out)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def check_quantizable(x: torch.Tensor) -> None:
@@ -144,11 +153,13 @@ def call_signature(numel: int, dtype: torch.dtype, codec: str, mean: bool) -> li
 
 
 def describe_call(signature: list[int]) -> str:
-    """`call_signature` in words: "4096 float32 elements, codec q8" (", mean" with mean)."""
+    """`call_signature` in words: "4096 float32 elements, codec q8" (", mean" with mean; ", into an unusable out"
+    where a fifth word, the bulk call's check of its out (`out_problem`), is 1)."""
     numel, dtype, codec, mean = signature[:4]
     dtype = str(SIGNATURE_DTYPES[dtype]).removeprefix("torch.") if 0 <= dtype < len(SIGNATURE_DTYPES) else "other"
     codec = SIGNATURE_CODECS[codec] if 0 <= codec < len(SIGNATURE_CODECS) else "unknown"
-    return f"{numel} {dtype} elements, codec {codec}{', mean' if mean else ''}"
+    return (f"{numel} {dtype} elements, codec {codec}{', mean' if mean else ''}"
+            f"{', into an unusable out' if signature[4:5] == [1] else ''}")
 
 
 def describe_signatures(mine: list[int], theirs: list[int]) -> tuple[str, str]:

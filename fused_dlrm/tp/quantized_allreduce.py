@@ -16,7 +16,7 @@ one-launch kernel (kernels/quantized_allreduce.py) on a symmetric workspace crea
 all_to_all_single and all_gather_into_tensor, each chunk's encoding (int32 payload words, bf16 scales) sent as one
 message. Codec "nccl" / "none" is a plain dist.all_reduce.
 
-Every rank must call with the same size, dtype, codec and mean. The fused kernel checks its peers' calls on the
+Every rank must call with the same size, dtype, codec and mean (and an out it can take). The fused kernel checks its peers' calls on the
 device (a signature beside its flags); on gloo, whose collectives abort the process on messages of other sizes,
 the ranks compare their calls first (dist.env.check_same_call, one small all-gather), so a mismatch raises
 CallMismatch (a ValueError) on every rank. (Fused, a call that grows the buffers on some ranks only is not
@@ -34,7 +34,7 @@ from fused_dlrm.dist.env import check_same_call
 from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS, Encoded, decode, encode
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, call_signature, check_out,
                                                     check_quantizable, chunk_blocks_for, describe_call,
-                                                    max_programs_for, sum_in_rank_order)
+                                                    max_programs_for, out_problem, sum_in_rank_order)
 
 GRAD_ALLREDUCE_CODECS = ("nccl", "fp16", "fp8", "q8", "q6", "q4")  # the values of comm.grad_allreduce
 PLAIN = ("nccl", "none")
@@ -62,18 +62,18 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
     itself to reduce in place) or, by default, a new tensor. fused: the one-launch kernel (default: on CUDA
     tensors of an NCCL group), else the bulk twin."""
     group = group or dist.group.WORLD
-    # On gloo, before the local checks (a codec or dtype refused on one rank raises on all). Not on NCCL: there the
-    # bulk twin is the benchmarks' timed baseline of the fused kernel (which checks its peers on the device), and a
-    # collective more would be timed with it.
+    # On gloo, before the local checks (a codec, dtype or out refused on one rank raises on all). Not on NCCL: there
+    # the bulk twin is the benchmarks' timed baseline of the fused kernel (which checks its peers on the device), and
+    # a collective more would be timed with it.
     if _backend(group) == "gloo":
-        check_same_call(call_signature(x.numel(), x.dtype, codec, mean), group, describe_call, "quantized all-reduce")
+        check_same_call(call_signature(x.numel(), x.dtype, codec, mean) + [int(out_problem(x, out) is not None)],
+                        group, describe_call, "quantized all-reduce")
     if codec not in PLAIN and codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}: expected one of {PLAIN + tuple(CODECS)}")
     if codec in PLAIN:
         if mean and not (x.is_floating_point() or x.is_complex()):  # before the sum (x, in place, would keep it)
             raise TypeError(f"mean=True divides by the world size: not an integer tensor (got {x.dtype})")
-        if out is not None:
-            check_out(x, out)
+        check_out(x, out)
         out = x.clone() if out is None else (out if out is x else out.copy_(x))
         dist.all_reduce(out, group=group)
         return out.div_(dist.get_world_size(group)) if mean else out
@@ -82,8 +82,7 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
         fused = x.is_cuda and _backend(group) == "nccl"
     if fused:
         return fused_for_group(group, x.device)(x, codec, mean, out)  # checks out
-    if out is not None:
-        check_out(x, out)
+    check_out(x, out)
     world = dist.get_world_size(group)
     numel = x.numel()
     chunk_blocks = chunk_blocks_for(numel, world)  # whole blocks per chunk
