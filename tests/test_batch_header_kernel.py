@@ -67,6 +67,23 @@ def test_kernel_equals_reference(num_keys, world, local_batch, extra, bad, dtype
     assert not want[:, [bh.NO_BATCH, bh.BAD_KEYS]].any()  # the input dist's alone, for a batch that cannot travel
 
 
+def test_keys_no_table_reads_have_no_range():
+    """Keys of no table (rows NOT_READ: another module's features in the KJT) are out of no range, whatever their
+    indices; the other keys' bad indices still count, each once."""
+    values, counts, rows = _batch(5, 9, 200, 0, 0, torch.int64)
+    ends = torch.cumsum(counts, 0)
+    not_read = [1, 4, 8]  # 4 has no values; 8 is the last key
+    for k in not_read:
+        rows[k] = bh.NOT_READ
+        values[ends[k] - counts[k]:ends[k]] = torch.tensor([-7, 10_000])[torch.arange(int(counts[k])) % 2]
+    values[ends[2] - 1] = -1  # key 2's last index, and key 3's first, out of their tables
+    values[ends[2]] = rows[3]
+    header_keys = _header_keys(9, 3, 5)
+    want = bh.batch_header_reference(values, counts, rows, header_keys, 200, 0)
+    assert torch.equal(bh.launch_batch_header(values, counts, rows, header_keys, 200, 0), want)
+    assert (want[:, bh.OUT_OF_RANGE] == 2).all()
+
+
 def test_no_values():
     counts, rows = torch.zeros(3, dtype=torch.int64), torch.tensor([4, 5, 6])
     header_keys = _header_keys(3, 2, 0)

@@ -290,6 +290,48 @@ def test_row_wise_plans_match_stock_torchrec():
     run_world(3, compare_with_stock_torchrec, [("rowwise_adagrad", False, 9, TABLES, True, row_wise_plans, True)])
 
 
+# A feature no table of the collection reads (another module's, in a KJT that feeds both): its indices fit no table.
+OTHER_MODULES = EmbeddingBagConfig(name="elsewhere", embedding_dim=4, num_embeddings=1000, feature_names=["zz"])
+
+
+def keys_in_another_order_and_one_no_table_reads(rank: int, world: int) -> None:
+    """torchrec's EmbeddingBagCollection, sharded or not, takes a KJT whose keys come in any order and reads only its
+    own features (stock torchrec's sharded one permutes the others away): so must the swap-in. Row blocks, column
+    shards and whole tables; the KJT's keys reversed with the foreign one in the middle, a negative index in it."""
+    set_gradient_division(True)
+    torch.manual_seed(0)
+    reference = EmbeddingBagCollection(TABLES)
+    sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig("sgd", lr=LR), sharding_types=SHARDING_TYPES)
+    plan = ShardingPlan({"ebc": explicit_plan(TABLES, mixed_plans(world), world, sharder)})
+    ours = DistributedModelParallel(SparseModel(copy.deepcopy(reference)), sharders=[sharder], device=CPU, plan=plan)
+    keys, dims = keys_of(TABLES), [t.embedding_dim for t in TABLES for _ in t.feature_names]
+    order = [5, 4, 3, 2, 1, 0]  # feature 5 is zz: between f4 and f3 once reversed
+    order.insert(2, order.pop(0))
+    batch = 8
+    start, stop = local_batch_bounds(batch, rank, world)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(2):
+        lengths, values, _ = global_batch(step, batch, TABLES + [OTHER_MODULES], False)
+        values[5][0] = -3  # read by no table: never checked against one
+        shuffled = ([keys_of(TABLES + [OTHER_MODULES])[i] for i in order], lengths[order], [values[i] for i in order])
+        expected = reference(to_kjt(*shuffled, None, 0, batch))
+        got = ours(to_kjt(*shuffled, None, start, stop))
+        assert got.keys() == keys
+        torch.testing.assert_close(got.values(), expected.values()[start:stop], rtol=1e-5, atol=1e-6)
+        grad = torch.randn(expected.values().shape, generator=torch.Generator().manual_seed(step))
+        ref_opt.zero_grad()
+        (expected.values() * grad).sum().div(world).backward()
+        ref_opt.step()
+        dot_by_key(got, dict(zip(keys, torch.split(grad[start:stop], dims, dim=1)))).backward()
+        for s in ours.module.ebc.plan.shards_of(rank):
+            torch.testing.assert_close(ours.module.ebc.embedding_bags[s.name].weight,
+                                       shard_weight(reference.embedding_bags[s.table].weight, s), rtol=1e-5, atol=1e-6)
+
+
+def test_keys_in_another_order_and_one_no_table_reads():
+    run_world(2, keys_in_another_order_and_one_no_table_reads, timeout=300)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # TrainPipelineSparseDist
 

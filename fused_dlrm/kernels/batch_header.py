@@ -1,11 +1,11 @@
 """The input dist's header of one batch: what every destination must know before the batch's values travel.
 
 Row r of the header goes to rank r: [local batch size, no batch (0 here), bad keys (0 here), values beyond the
-lengths' sum, out-of-range indices, whether per-sample weights travel and in which dtype (`dtype_code` of
-WEIGHT_DTYPES, 0 for none: their all-to-all is one more collective, which every rank must join or none, and every
-rank sizes its buffers in its own dtype), the indices' dtype (`dtype_code` of INDEX_DTYPES: the values' all-to-all
-alike), then the value count of each feature rank r owns (0 where rank r
-owns fewer features than the widest)]. Where this rank has no batch to send (it could not make it: NO_BATCH) or its
+lengths' sum, out-of-range indices (of keys a table reads), whether per-sample weights travel and in which dtype
+(`dtype_code` of WEIGHT_DTYPES, 0 for none: their all-to-all is one more collective, which every rank must join or
+none, and every rank sizes its buffers in its own dtype), the indices' dtype (`dtype_code` of INDEX_DTYPES: the
+values' all-to-all alike), then the value count of each feature rank r owns (0 where rank r owns fewer features
+than the widest)]. Where this rank has no batch to send (it could not make it: NO_BATCH) or its
 keys or its lengths' shape are wrong (BAD_KEYS, EXTRA_VALUES), the input dist sends zeros and that one flag
 instead.
 
@@ -32,6 +32,13 @@ BLOCK_VALUES = 1024
 # The dtypes the WEIGHTS and INDICES columns name (`dtype_code`).
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int64, torch.int32)
+NOT_READ = -1  # the table size of a key no table reads: its indices are out of no range
+_NOT_READ = tl.constexpr(NOT_READ)
+
+
+def out_of_range(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Whether each index is outside [0, rows) of its key's table (rows: each value's; NOT_READ: never)."""
+    return (rows != NOT_READ) & ((values < 0) | (values >= rows))
 
 
 def dtype_code(t: torch.Tensor | None, dtypes: tuple[torch.dtype, ...]) -> int:
@@ -60,13 +67,12 @@ def value_keys(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 def batch_header_reference(values: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor,
                            header_keys: torch.Tensor, local_batch: int, weights: int) -> torch.Tensor:
     """The header [world, FIRST_COUNT + width] int64. counts: values per key [keys] int64; rows: each key's table
-    size; header_keys [world, width]: the key of destination r's feature f (num_keys: padding); weights: the
-    batch's per-sample weights' `dtype_code` (WEIGHT_DTYPES)."""
-    out_of_range = ((values < 0) | (values >= rows[value_keys(values, counts)])).sum()
-    zero = torch.zeros_like(out_of_range)
-    first = torch.stack([torch.full_like(out_of_range, local_batch), zero, zero, values.numel() - counts.sum(),
-                         out_of_range, torch.full_like(out_of_range, int(weights)),
-                         torch.full_like(out_of_range, dtype_code(values, INDEX_DTYPES))])
+    size (NOT_READ: a key no table reads); header_keys [world, width]: the key of destination r's feature f
+    (num_keys: padding); weights: the batch's per-sample weights' `dtype_code` (WEIGHT_DTYPES)."""
+    bad = out_of_range(values, rows[value_keys(values, counts)]).sum()
+    zero = torch.zeros_like(bad)
+    first = torch.stack([torch.full_like(bad, local_batch), zero, zero, values.numel() - counts.sum(), bad,
+                         torch.full_like(bad, int(weights)), torch.full_like(bad, dtype_code(values, INDEX_DTYPES))])
     padded = torch.cat([counts, counts.new_zeros(1)])
     return torch.cat([first.expand(header_keys.shape[0], FIRST_COUNT), padded[header_keys]], dim=1)
 
@@ -94,7 +100,7 @@ def _batch_header_kernel(values_ptr, counts_ptr, ends_ptr, rows_ptr, header_keys
     key = tl.minimum(lo, num_keys - 1)
     limit = tl.load(rows_ptr + key, mask=live, other=0)
     v = tl.load(values_ptr + i, mask=live, other=0)
-    n_bad = tl.sum((live & ((v < 0) | (v >= limit))).to(tl.int64), axis=0)
+    n_bad = tl.sum((live & (limit != _NOT_READ) & ((v < 0) | (v >= limit))).to(tl.int64), axis=0)
     r = tl.arange(0, WORLD_BLOCK)
     row = header_ptr + r * row_len  # each destination's header row
     zero = tl.zeros([WORLD_BLOCK], dtype=tl.int64)

@@ -4,7 +4,7 @@ After it, every rank holding a table (or a column shard of one: plan.py) holds t
 for every sample of the global batch, in source-rank order (rank 0's samples first); a feature whose table is cut
 into column shards travels to each shard's rank, one whose table is cut into row blocks is cut first, each block's
 indices going to its rank only (sparse/row_wise.py). Bulk-synchronous, with torch.distributed:
-  1. a header all-to-all: local batch size, what is wrong with the batch (unknown or missing keys, values that
+  1. a header all-to-all: local batch size, what is wrong with the batch (missing or repeated keys, values that
      disagree with the lengths, out-of-range indices, or no batch at all: this rank could not make it), whether
      per-sample weights travel, and the value count of each feature per destination (sizes must be known on the
      host);
@@ -32,8 +32,8 @@ from torchrec import KeyedJaggedTensor
 from fused_dlrm.dist.alltoall import all_to_all_v, exchange_counts
 from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.kernels.batch_header import (BAD_KEYS, BATCH, EXTRA_VALUES, FIRST_COUNT, INDEX_DTYPES, INDICES,
-                                             NO_BATCH, OUT_OF_RANGE, WEIGHT_DTYPES, WEIGHTS, batch_header,
-                                             dtype_code, dtype_described, value_keys)
+                                             NO_BATCH, NOT_READ, OUT_OF_RANGE, WEIGHT_DTYPES, WEIGHTS, batch_header,
+                                             dtype_code, dtype_described, out_of_range, value_keys)
 from fused_dlrm.kernels.segment_gather import gather_segments
 from fused_dlrm.sparse.plan import RowBlock
 from fused_dlrm.sparse.row_wise import RowBuckets
@@ -129,8 +129,11 @@ class BulkInputDist:
 
     features_of_rank[r]: the features rank r receives, in its lookup's order (a feature may go to several ranks,
     and to one rank several times: once per column shard of its table there); tables: for every feature, (table
-    name, rows). A KJT with other keys raises KeyError, one whose values and
-    lengths disagree ValueError, and indices outside [0, rows) IndexError: on every rank; so do per-sample weights
+    name, rows). A KJT may hold keys that no table reads, in any order, as torchrec's EmbeddingBagCollection reads
+    its own features of a KJT that may feed other modules too: they are checked with the batch (values against
+    lengths) but neither sent nor held against a table. A KJT without one of the tables' features, or with a key
+    twice, raises KeyError, one whose values and lengths disagree ValueError, and indices outside [0, rows)
+    IndexError: on every rank; so do per-sample weights
     that some ranks' KJTs have and others' lack (ValueError; `is_weighted`). A batch that a rank could
     not make (`start_failed`) raises its error there and RuntimeError on the other ranks."""
 
@@ -158,10 +161,10 @@ class BulkInputDist:
         plan = self._plans.get((tuple(keys), device))
         if plan is not None:
             return plan, ""
-        unknown = sorted(set(keys) - set(self.tables))
+        unknown = sorted(set(keys) - set(self.tables))  # read by no table: not sent (see the class docstring)
         missing = sorted(set(self.tables) - set(keys))
         repeated = sorted({k for k in keys if keys.count(k) > 1})
-        if unknown or missing or repeated:
+        if missing or repeated:
             return None, (f"KeyedJaggedTensor keys do not match the tables' features: unknown {unknown}, missing "
                           f"{missing}" + (f", repeated {repeated}" if repeated else ""))
         buckets = RowBuckets.of(keys, self.row_blocks, self.mean_row_wise, device) if self.row_blocks else None
@@ -176,7 +179,8 @@ class BulkInputDist:
         recv_order = [s * mine + f for f in range(mine) for s in range(world)]
         plan = _KeyPlan(perm=None if perm == list(range(len(sent_keys))) else torch.tensor(perm, device=device),
                         header_keys=torch.tensor(header, device=device),
-                        rows=torch.tensor([self.tables[k][1] for k in keys], device=device),
+                        rows=torch.tensor([self.tables[k][1] if k in self.tables else NOT_READ for k in keys],
+                                          device=device),
                         recv_order=torch.tensor(recv_order, device=device), buckets=buckets,
                         no_keys=None if buckets is None else torch.full((world, self.width), len(keys), device=device))
         self._plans[(tuple(keys), device)] = plan
@@ -326,7 +330,7 @@ class BulkInputDist:
                 raise error(f"rank {self.rank}: the KeyedJaggedTensor has {values.numel()} values but its lengths "
                             f"sum to {int(counts.sum())}")
             keys = value_keys(values, counts)
-            i = int(((values < 0) | (values >= plan.rows[keys])).nonzero()[0])
+            i = int(out_of_range(values, plan.rows[keys]).nonzero()[0])
             key = kjt.keys()[int(keys[i])]
             table, rows = self.tables[key]
             raise error(f"rank {self.rank}: feature '{key}' has index {int(values[i])}, outside table '{table}' "

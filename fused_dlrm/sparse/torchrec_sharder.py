@@ -21,6 +21,8 @@ collectives is the same on every rank), it just has nothing left to overlap.
 What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
   * weights: the owned tables (or their column shards, row blocks) start as copies of the unsharded EBC's (torchrec
     on the CPU re-initialises instead);
+  * input: a KJT of the EBC's features in any order, and of other features, which it ignores (one KJT may feed
+    several modules);
   * output: KeyedTensor [local batch, sum of dims] with the EBC's keys in the EBC's feature order;
   * gradients: divided by the world size on the way back to the owners, as torchrec does by default
     (comm_ops.GRADIENT_DIVISION; set_gradient_division(False) gives the sum), like ShardedEmbeddingBagCollection;
