@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
+from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor,
+                      KeyedTensor, PoolingType)
 from torchrec.datasets.utils import Batch
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.comm_ops import set_gradient_division
@@ -441,6 +442,16 @@ def test_sharder_offers_table_wise_column_wise_and_row_wise_when_asked():
     assert every.compute_kernels("row_wise", "cpu") == ["fused"]
     with pytest.raises(ValueError, match=r"sharding_types \['row_wise', 'data_parallel'\]: expected some of"):
         FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig(), sharding_types=["row_wise", "data_parallel"])
+
+
+def test_an_embedding_collection_is_refused():
+    sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig())
+    ec = EmbeddingCollection([EmbeddingConfig(name="e", embedding_dim=4, num_embeddings=10, feature_names=["x"])])
+    message = "shards torchrec's EmbeddingBagCollection only, not EmbeddingCollection: .*EmbeddingCollectionSharder"
+    with pytest.raises(TypeError, match=message):
+        sharder.shardable_parameters(ec)
+    with pytest.raises(TypeError, match=message):
+        sharder.shard(ec, {"e": tw(0)}, ShardingEnv.from_local(1, 0), CPU)
 
 
 def test_unknown_comm_is_refused():

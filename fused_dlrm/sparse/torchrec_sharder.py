@@ -352,9 +352,21 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
         return values if self._row_block_sum is None else self._row_block_sum(values, divisors)
 
 
+def _refuse_other_modules(module: nn.Module) -> None:
+    """DMP hands a sharder only modules of its module_type; a direct call may hand it another (an
+    EmbeddingCollection's unpooled sequence embeddings have no pooled lookup here)."""
+    if not isinstance(module, EmbeddingBagCollection):
+        raise TypeError(f"FusedEmbeddingBagCollectionSharder shards torchrec's EmbeddingBagCollection only, not "
+                        f"{type(module).__name__}: give DMP torchrec's own sharder for it (EmbeddingCollectionSharder "
+                        f"for an EmbeddingCollection) next to this one")
+
+
 class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):
     """Shards `torchrec.EmbeddingBagCollection` table-wise, column-wise or row-wise with our module; the optimizer runs
     in backward.
+
+    Other modules (an EmbeddingCollection) are not ours: DMP leaves them to the sharders given for them, or unsharded
+    when there is none (torchrec's rule), and shard() refuses them with a TypeError.
 
     optimizer: our embedding optimizer (exact SGD or exact row-wise Adagrad), for every table. Optimizers attached
         to the EBC's parameters with torchrec's apply_optimizer_in_backward / fused_params are not read.
@@ -390,11 +402,13 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollec
         return [EmbeddingComputeKernel.FUSED.value] if sharding_type in self.offered else []
 
     def shardable_parameters(self, module: EmbeddingBagCollection) -> dict[str, nn.Parameter]:
+        _refuse_other_modules(module)
         # As torchrec's EmbeddingBagCollectionSharder: plan entries are keyed by table name.
         return {name.split(".")[0]: param for name, param in module.embedding_bags.named_parameters()}
 
     def shard(self, module: EmbeddingBagCollection, params: Mapping[str, ParameterSharding], env: ShardingEnv,
               device: torch.device | None = None, module_fqn: str | None = None) -> FusedShardedEBC:
+        _refuse_other_modules(module)
         if any(hasattr(p, "_optimizer_classes") for p in module.parameters()):
             log.warning("%s: optimizers set with apply_optimizer_in_backward are ignored; the sharder's %s is used",
                         module_fqn or "EmbeddingBagCollection", self.optimizer)
