@@ -454,6 +454,17 @@ def test_an_embedding_collection_is_refused():
         sharder.shard(ec, {"e": tw(0)}, ShardingEnv.from_local(1, 0), CPU)
 
 
+def test_tables_sharing_features_are_refused_naming_them():
+    """torchrec lets tables share a feature list (output keys '<feature>@<table>'); ours gives a feature one table."""
+    tables = [EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=10, feature_names=["f0", "f1"]),
+              EmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=20, feature_names=["f0", "f1"]),
+              EmbeddingBagConfig(name="c", embedding_dim=4, num_embeddings=30, feature_names=["f2"])]
+    with pytest.raises(ValueError, match=r"torchrec's shared features.*: 'f0' feeds tables \['a', 'b'\]; 'f1' feeds "
+                                         r"tables \['a', 'b'\]$"):
+        FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig()).shard(
+            EmbeddingBagCollection(tables), {t.name: tw(0) for t in tables}, ShardingEnv.from_local(1, 0), CPU)
+
+
 def test_unknown_comm_is_refused():
     with pytest.raises(ValueError, match="comm='nccl' is unknown"):
         FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig(), comm="nccl")

@@ -108,8 +108,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
             refuse_mixed_dtypes(self.plan, tables)
         self._configs = list(tables)
         self.feature_names = [f for t in tables for f in t.feature_names]
-        if len(set(self.feature_names)) != len(self.feature_names):
-            raise ValueError(f"a feature may feed one table only, got {self.feature_names}")
+        shared = {f: [t.name for t in tables for g in t.feature_names if g == f] for f in self.feature_names
+                  if self.feature_names.count(f) > 1}
+        if shared:  # the input dist sends a feature's bags to its one table's shards
+            raise ValueError("a feature may feed one table only (torchrec's shared features, output keys "
+                             "'<feature>@<table>', are not supported): "
+                             + "; ".join(f"{f!r} feeds tables {names}" for f, names in shared.items()))
         self._feature_dims = [t.embedding_dim for t in tables for _ in t.feature_names]
 
         slices = self.plan.feature_slices(tables)
