@@ -18,6 +18,7 @@ from fused_dlrm.report.__main__ import main as report_main
 from fused_dlrm.report.dlrm import dlrm_layers
 from fused_dlrm.report.layers import STEP, CommLayer
 from fused_dlrm.report.measure import measure_layer
+from fused_dlrm.report.moe import moe_layers
 from fused_dlrm.report.render import environment, markdown, write_json, write_png
 from fused_dlrm.train.loop import train as train_dlrm
 from moe.train import build_model as build_moe
@@ -141,6 +142,65 @@ def test_a_first_batch_one_rank_cannot_make_stops_every_rank(tmp_path):
     """The report's batch: a malformed line in rank 1's slice (lines 9..16) raises on both ranks."""
     criteo_file(tmp_path / "bad.tsv", 16, bad_line=12)
     run_world(2, _report_with_a_bad_line, str(tmp_path), timeout=120)
+
+
+class SentBytes:
+    """Counts what this rank's all-to-alls and all-reduces send to other ranks (an all-reduce as a ring: 2 (W - 1) / W
+    of its buffer), by wrapping torch.distributed's two functions while it is entered."""
+
+    def __init__(self, rank: int):
+        self.rank, self.sent = rank, 0
+
+    def __enter__(self):
+        self.all_to_all, self.all_reduce = dist.all_to_all_single, dist.all_reduce
+
+        def all_to_all(out, x, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+            world = dist.get_world_size(group)
+            splits = input_split_sizes or [x.shape[0] // world] * world
+            row = x[0].numel() * x.element_size() if x.shape[0] else 0
+            self.sent += row * sum(n for r, n in enumerate(splits) if r != dist.get_rank(group))
+            return self.all_to_all(out, x, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+        def all_reduce(x, *args, group=None, **kwargs):
+            world = dist.get_world_size(group)
+            self.sent += 2 * (world - 1) * x.numel() * x.element_size() // world
+            return self.all_reduce(x, *args, group=group, **kwargs)
+        dist.all_to_all_single, dist.all_reduce = all_to_all, all_reduce
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single, dist.all_reduce = self.all_to_all, self.all_reduce
+
+    def of(self, run) -> int:
+        self.sent = 0
+        run()
+        return self.sent
+
+
+MOE_LAYER = "MoE layer (route, dispatch all-to-all, experts, combine all-to-all)"
+
+
+def _bytes_as_sent(rank: int, world: int, tmp: str) -> None:
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    moe = config(*MOE)
+    layers = dlrm_layers(config(*DLRM), env, Path(tmp)) + moe_layers(moe, env, Path(tmp))
+    with SentBytes(rank) as sent:
+        for layer in layers:
+            if layer.name == STEP and layer is layers[-1]:
+                continue  # the MoE step's: the timed layer's bytes, whose routing is that of random tokens
+            for p, run in ({} if isinstance(layer.bulk, str) else layer.bulk).items():
+                if layer.name == MOE_LAYER and p == "fwd_bwd":
+                    continue
+                # the MoE layer's forward also exchanges its counts per expert ([world, local experts] int64)
+                counts = (world - 1) * moe.model.num_experts // world * 8 if layer.name == MOE_LAYER else 0
+                assert sent.of(run) == layer.bytes_sent[p] + counts, (rank, layer.name, p, layer.bytes_sent)
+
+
+def test_bytes_are_what_each_rank_sends(tmp_path):
+    """Every layer's bytes, per pass and rank, against what its bulk mode's collectives send (both modes move the
+    same rows): the DLRM input dist's header and lengths included; an MoE rank sends the rows it dispatches and
+    those dispatched to its experts, which it returns (uneven between the ranks), and as many backward."""
+    run_world(2, _bytes_as_sent, str(tmp_path), timeout=400)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

@@ -15,6 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fused_dlrm.dist import DistEnv
+from fused_dlrm.kernels.batch_header import FIRST_COUNT
 from fused_dlrm.report.layers import (STEP, CommLayer, Mode, forward_backward, fused_or_reason,
                                       grad_allreduce_layer, no_fused_path, no_grad)
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
@@ -69,20 +70,24 @@ def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]
     local_batch, global_batch = bags.batch_sizes[rank], bags.global_batch
     m = cfg.model
 
-    # input dist: the indices (and lengths) of a feature leave this rank once for every shard of its table that
-    # another rank holds (of a row-wise table: each index for its row block's rank)
+    # input dist: the indices (weights, lengths) of a feature leave this rank once for every shard of its table that
+    # another rank holds (of a row-wise table: each index for its row block's rank); the lengths travel in the
+    # indices' dtype; before them the header (sizes and checks), one row of int64 to every other rank
+    input_dist = sparse.input_dist
     keys = list(kjt.keys())
-    sent_keys, sent_lengths = sparse.input_dist.sent_keys(kjt)
+    sent_keys, sent_lengths = input_dist.sent_keys(kjt)
     per_key = sent_lengths.sum(dim=1).tolist()
-    copies = {k: sum(feats.count(k) for r, feats in enumerate(sparse.input_dist.features_of_rank) if r != rank)
+    copies = {k: sum(feats.count(k) for r, feats in enumerate(input_dist.features_of_rank) if r != rank)
               for k in sent_keys}
-    index_bytes = kjt.values().element_size() + (kjt.weights().element_size() if kjt.weights_or_none() is not None
-                                                 else 0)
-    sent = sum((n * index_bytes + local_batch * 8) * copies[k] for k, n in zip(sent_keys, per_key))
-    input_dist = CommLayer(
+    index_bytes = kjt.values().element_size()
+    weights = None if input_dist.is_weighted is False else kjt.weights_or_none()
+    value_bytes = index_bytes + (0 if weights is None else weights.element_size())
+    sent = (sum((n * value_bytes + local_batch * index_bytes) * copies[k] for k, n in zip(sent_keys, per_key))
+            + (world - 1) * (FIRST_COUNT + input_dist.width) * 8)
+    input_dist_layer = CommLayer(
         "sparse input dist (KJT all-to-all)",
         f"{local_batch} samples x {len(keys)} features, {kjt.values().numel():,} indices on this rank",
-        {"fwd": sent}, {"fwd": lambda: sparse.input_dist(kjt)},
+        {"fwd": sent}, {"fwd": lambda: input_dist(kjt)},
         "no fused input dist yet: both modes run this bulk all-to-all (sizes known on the host)")
 
     # lookup + output dist: the owner's pooled rows for other ranks' samples go out; their gradients come back (the
@@ -110,4 +115,4 @@ def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]
         {"fwd": sent + forward_bytes,
          "fwd_bwd": sent + forward_bytes + backward_bytes + allreduce.bytes_sent["fwd_bwd"]},
         bulk.step_modes(), fused_or_reason(reason, lambda: fused.step_modes()))
-    return [input_dist, lookup, allreduce, step]
+    return [input_dist_layer, lookup, allreduce, step]

@@ -96,14 +96,18 @@ def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
     fused_layer, fused_model = fused_moe(cfg, env, layer)
     fused = None if isinstance(fused_model, str) else _Run(cfg, env, fused_model, run_dir, cfg.comm.grad_allreduce)
 
-    # Rows routed to experts of other ranks leave in the dispatch and come back in the combine; backward the same.
+    # This rank sends, in the dispatch, its rows routed to experts of other ranks, and in the combine, back, the rows
+    # other ranks routed to its experts (as many again the other way in the backward): uneven routing makes the two
+    # differ, and the ranks' sums too.
     with torch.no_grad():
-        per_expert = layer(x)[1]["tokens_per_expert"]
-    owner = torch.arange(layer.num_experts, device=x.device) // layer.num_local_experts
-    remote_rows = int(per_expert[owner != layer.rank].sum())
+        aux = layer(x)[1]
+    per_expert = aux["tokens_per_expert"]  # this rank's rows per expert
+    mine = torch.arange(layer.num_experts, device=x.device) // layer.num_local_experts == layer.rank
+    from_others = aux["tokens_per_local_expert"].sum() - per_expert[mine].sum()
+    sent_rows = int(per_expert[~mine].sum() + from_others)
     compute_dtype = bulk.model.compute_dtype  # None: fp32 throughout
     rows_dtype = compute_dtype or x.dtype  # what the dispatch and combine move
-    forward_bytes = 2 * remote_rows * m.d_model * rows_dtype.itemsize
+    forward_bytes = sent_rows * m.d_model * rows_dtype.itemsize
     num_moe = sum(1 for module in bulk.model.modules() if isinstance(module, MoELayer))
     moe_layer = CommLayer(
         "MoE layer (route, dispatch all-to-all, experts, combine all-to-all)",
@@ -114,9 +118,10 @@ def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
         fused_layer if isinstance(fused_layer, str) else layer_modes(fused_layer, x, bulk.grad, compute_dtype),
         count=num_moe)
     moe_layer.notes.append("input: random hidden states of the real shape (the routing is that of random tokens)")
-    moe_layer.notes.append("bytes: the bulk all-to-alls' rows, one per (token, expert of another rank); the fused "
-                           "dispatch and combine by token move one per (token, other rank), fewer with top-k > 1, "
-                           "so the fused % of speed of light is an upper bound")
+    moe_layer.notes.append("bytes: the bulk all-to-alls' rows, one per (token, expert of another rank) out and one "
+                           "per row dispatched to this rank's experts back; the fused dispatch and combine by token "
+                           "move one per (token, other rank), fewer with top-k > 1, so the fused % of speed of light "
+                           "is an upper bound")
 
     fused_tp = fused_model
     if not isinstance(fused_model, str) and m.get("precision", "fp32") != "bf16":
@@ -140,4 +145,6 @@ def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
         f"{m.num_layers} layers",
         {p: step_bytes(p) for p in ("fwd", "fwd_bwd")},
         bulk.step_modes(), fused_model if isinstance(fused_model, str) else fused.step_modes())
+    step.notes.append("bytes: each MoE layer counted as the timed one (the routing of random tokens, not the "
+                      "batch's)")
     return [moe_layer, *projections, *allreduces, step]
