@@ -189,8 +189,6 @@ def _bytes_as_sent(rank: int, world: int, tmp: str) -> None:
             if layer.name == STEP and layer is layers[-1]:
                 continue  # the MoE step's: the timed layer's bytes, whose routing is that of random tokens
             for p, run in ({} if isinstance(layer.bulk, str) else layer.bulk).items():
-                if layer.name == MOE_LAYER and p == "fwd_bwd":
-                    continue
                 # the MoE layer's forward also exchanges its counts per expert ([world, local experts] int64)
                 counts = (world - 1) * moe.model.num_experts // world * 8 if layer.name == MOE_LAYER else 0
                 assert sent.of(run) == layer.bytes_sent[p] + counts, (rank, layer.name, p, layer.bytes_sent)

@@ -76,7 +76,9 @@ class _Run:
         self.layer = next(m for m in model.modules() if isinstance(m, MoELayer))
         generator = torch.Generator(device=env.device).manual_seed(1000 + env.rank)
         rows = model.local_tokens(self.inputs).numel()  # this rank's tokens (a part of them under sequence parallelism)
-        self.x = torch.randn(rows, cfg.model.d_model, device=env.device, generator=generator)
+        # requiring a gradient, as a layer's input in the model does: its backward then returns the input gradient
+        # through the dispatch's all-to-all (or fused push), which the timed forward+backward must include
+        self.x = torch.randn(rows, cfg.model.d_model, device=env.device, generator=generator).requires_grad_()
         self.grad = torch.randn_like(self.x)
 
     def step(self) -> None:
