@@ -201,6 +201,26 @@ def test_bytes_are_what_each_rank_sends(tmp_path):
     run_world(2, _bytes_as_sent, str(tmp_path), timeout=400)
 
 
+def _unwritable_run_dir(rank: int, world: int, tmp: str) -> None:
+    import fused_dlrm.report as report
+
+    def measured(*args):
+        raise AssertionError("the layers were built and timed before the run directory was found unwritable")
+    report._layers = measured  # minutes of building and timing on GPUs; here it must not start at all
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    run_dir = Path(tmp) / "a_file" / "run"
+    with pytest.raises(NotADirectoryError if rank == 0 else ValueError,
+                       match=None if rank == 0 else rf"rank 1: rank\(s\) \[0\] cannot write the report into "
+                                                    rf"{re.escape(str(run_dir))}: NotADirectoryError"):
+        report.write_report(config(*DLRM), env, run_dir)
+
+
+def test_an_unwritable_run_dir_stops_every_rank_before_measuring(tmp_path):
+    """Only rank 0 writes the files: it finds out at once whether it can, and every rank stops there."""
+    (tmp_path / "a_file").write_text("not a directory")
+    run_world(2, _unwritable_run_dir, str(tmp_path), timeout=120)
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_moe_tensor_parallel_two_gloo_ranks(tmp_path, sequence_parallel):
     """model.tp_size=2 under torchrun: every kind of TP projection is a layer of its own (real shapes, counted per
