@@ -19,6 +19,7 @@ from fused_dlrm.report.dlrm import dlrm_layers
 from fused_dlrm.report.layers import STEP, CommLayer
 from fused_dlrm.report.measure import measure_layer
 from fused_dlrm.report.moe import moe_layers
+from fused_dlrm.report import render
 from fused_dlrm.report.render import environment, markdown, write_json, write_png
 from fused_dlrm.train.loop import train as train_dlrm
 from moe.train import build_model as build_moe
@@ -279,6 +280,20 @@ def test_measure_and_render_with_both_modes(tmp_path):
     write_json(report, tmp_path / "report.json")
     assert json.loads((tmp_path / "report.json").read_text())["layers"][0]["fused"]["fwd_ms"] == fused
     assert write_png(report, tmp_path / "report.png") is None and (tmp_path / "report.png").stat().st_size > 1000
+
+
+def test_commit_unknown_without_git_or_outside_a_checkout_of_this_code(monkeypatch):
+    """The commit is this code's or 'unknown': not another repository's that holds an installed copy of it."""
+    assert len(environment(CPU)["commit"]) == 40  # this checkout
+    monkeypatch.setattr(render, "REPO", render.REPO / "fused_dlrm")  # as a copy inside another repository
+    assert environment(CPU)["commit"] is None and environment(CPU)["uncommitted_changes"] is None
+    monkeypatch.undo()
+    monkeypatch.setenv("PATH", "/nonexistent")  # no git at all
+    env = environment(CPU)
+    assert env["commit"] is None and env["uncommitted_changes"] is None
+    report = {"model": "fake", "modes": "bulk vs fused", "environment": env, "peer_bandwidth_GBps": None,
+              "timing": {"method": "host perf_counter", "warmup": 1, "iters": 2}, "layers": []}
+    assert "; commit unknown; torch" in markdown(report)
 
 
 def test_paper_scale_configs_compose_and_fit_two_h200s():

@@ -21,12 +21,19 @@ REPO = Path(__file__).resolve().parents[2]
 PASS_TITLES = {"fwd": "forward", "fwd_bwd": "forward+backward"}
 
 
-def _git(*args: str) -> str | None:
+def _run_git(*args: str) -> str | None:
     try:
         done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _git(*args: str) -> str | None:
+    """git's answer about the checkout this package was loaded from, or None: no git, or the package is not at the top
+    of a checkout (installed into site-packages, maybe inside another repository, whose commit is not this code's)."""
+    top = _run_git("rev-parse", "--show-toplevel")
+    return _run_git(*args) if top is not None and Path(top).resolve() == REPO else None
 
 
 def environment(env: DistEnv) -> dict:
