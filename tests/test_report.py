@@ -277,6 +277,7 @@ def test_measure_and_render_with_both_modes(tmp_path):
     row = next(line for line in table.splitlines() if line.startswith("| fake exchange"))
     assert f"{bulk:.3f} | {fused:.3f} | {bulk / fused:.2f}x" in row and "2.00 MB" in row
     assert "measured in this run (1 GB/s)" in table and "no fused step here" in table
+    assert "Shapes ('here', 'on this rank'): rank 0's." in table  # the bytes are another rank's where it sends more
     write_json(report, tmp_path / "report.json")
     assert json.loads((tmp_path / "report.json").read_text())["layers"][0]["fused"]["fwd_ms"] == fused
     assert write_png(report, tmp_path / "report.png") is None and (tmp_path / "report.png").stat().st_size > 1000

@@ -87,7 +87,8 @@ def markdown(report: dict) -> str:
         f"triton {env['versions']['triton']}, torchrec {env['versions']['torchrec']}.",
         f"Times in ms: the slowest rank's median of {t['iters']} runs after {t['warmup']} warm-up runs "
         f"({t['method']}). "
-        f"Bytes: sent by the busiest rank per run. Speed of light (SOL): those bytes at the peer write bandwidth "
+        f"Bytes: sent by the busiest rank per run. Shapes ('here', 'on this rank'): rank 0's. "
+        f"Speed of light (SOL): those bytes at the peer write bandwidth "
         + (f"measured in this run ({bandwidth:.0f} GB/s), compute not counted." if bandwidth else
            "(n/a: not measurable on this machine)."),
         f"Modes: {report['modes']}",
