@@ -118,7 +118,6 @@ def of_every_rank(value) -> list:
     return every
 
 
-
 class CallMismatch(ValueError):
     """Ranks made one collective call with different arguments (sizes, dtypes, ...): bad input, raised on every
     rank (the fused kernels' PeerCallMismatch is one)."""
@@ -138,6 +137,7 @@ def check_same_call(signature: list[int], group: dist.ProcessGroup | None, descr
         if theirs != signatures[rank]:
             raise CallMismatch(f"{what}: rank {rank}: peer {peer} called it with {describe(theirs)}; this rank with "
                                f"{describe(signatures[rank])} (every rank must make the same calls in the same order)")
+
 
 def problem_text(problem: BaseException | None) -> str | None:
     """An error as `raise_on_every_rank` exchanges it ("KeyError: ..."; None: none)."""
