@@ -42,7 +42,7 @@ def test_ranks_share_a_buffer_by_name_and_a_grown_one_is_freed_once_no_rank_hold
 
 
 def _sharing(rank: int, world: int, gpus: list[str], shared: bool) -> None:
-    torch.cuda.current_device = lambda: 0  # this spawned process's torch only
+    torch.cuda.current_device = lambda: 0  # this rank's process's torch only
     torch.cuda.get_device_properties = lambda index: SimpleNamespace(uuid=gpus[rank])
     assert ranks_share_a_gpu(dist.group.WORLD) is shared
 

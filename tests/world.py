@@ -26,8 +26,17 @@ TWO_RANK_BACKENDS = [
 ]
 
 
-def _worker(rank: int, world_size: int, store_path: str, backend: str, fn, args) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+# Without a GPU, ranks are forked from a server that imported these once per session: spawned ranks each imported
+# torch, torchrec, fbgemm and the library again (~13 s of CPU per rank, most of a small world's time on CI's 2
+# cores). With one, they spawn: a process forked after CUDA's driver was initialised (which an import may do)
+# cannot use CUDA.
+_PRELOAD = ["fused_dlrm.train.loop", "moe.train"]
+
+
+def _worker(rank: int, world_size: int, store_path: str, backend: str, fn, args, environ: dict[str, str]) -> None:
+    os.environ.clear()  # a forked rank starts with the fork server's environment: the caller's, as spawned ones have
+    os.environ.update(environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
     device_id = None
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -50,11 +59,16 @@ def run_world(world_size: int, fn, *args, backend: str = "gloo", timeout: float 
     timeout: seconds after which the ranks still running are killed and the caller fails (a test of what must not
     hang: a rank left waiting in a collective would otherwise wait for the backend's own timeout, minutes).
 
-    `fn` must be importable (a module-level function) since the processes are spawned, not forked.
+    `fn` must be importable (a module-level function): the processes are spawned, or forked from a server that
+    has not imported the caller's module.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), backend, fn, args),
-                         nprocs=world_size, join=False)
+        start_method = "spawn" if torch.cuda.is_available() else "forkserver"
+        if start_method == "forkserver":
+            mp.set_forkserver_preload(_PRELOAD)
+        ranks = mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), backend, fn, args,
+                                                  dict(os.environ)),
+                                   nprocs=world_size, join=False, start_method=start_method)
         deadline = None if timeout is None else time.monotonic() + timeout
         while not ranks.join(None if deadline is None else max(0.0, deadline - time.monotonic())):
             if deadline is not None and time.monotonic() >= deadline:
