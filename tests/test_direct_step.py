@@ -44,10 +44,15 @@ class _EagerOverArchLoss(OverArchLossGraph):
         self.loss, self.grad_input = self._forward_backward()
 
 
+# The global batch: the direct step's interaction kernels run a program per sample in the interpreter (SMALL's 128
+# samples made this test minutes long).
+BATCH = 32
+
+
 def _bulk_direct_step_trains_as_autograd(rank: int, world: int, tmp: str, sharding: list[str],
                                          last_rank_autograd: bool) -> None:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-    rows = 128 // world  # SMALL's global batch, split evenly
+    rows = BATCH // world  # split evenly
     direct_ranks = world - 1 if last_rank_autograd else world
     if rank >= direct_ranks:  # graphs its batches do not fit: this rank's steps are autograd's, its peers' direct
         rows += 1
@@ -64,8 +69,8 @@ def _bulk_direct_step_trains_as_autograd(rank: int, world: int, tmp: str, shardi
     taken = []
     step = DirectDLRMStep.step
     DirectDLRMStep.step = lambda self, batch: taken.append(1) or step(self, batch)
-    common = SMALL + sharding + ["trainer.max_steps=12", "trainer.log_every=1", "trainer.eval_every=6",
-                                 "trainer.checkpoint_every=0"]
+    common = SMALL + sharding + [f"data.global_batch_size={BATCH}", "trainer.max_steps=12", "trainer.log_every=1",
+                                 "trainer.eval_every=6", "trainer.checkpoint_every=0"]
     autograd = train(config(*common, "trainer.direct_step=false"), env, Path(tmp) / f"autograd{rank}")
     assert taken == []
     direct = train(config(*common), env, Path(tmp) / f"direct{rank}")
