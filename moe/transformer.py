@@ -262,7 +262,7 @@ class MoETransformer(nn.Module):
         with torch.autocast(tokens.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None):
             logits, aux = self._forward(tokens)
         if not self.sequence_parallel:
-            logits = logits.view(*tokens.shape, -1)
+            logits = logits.view(*tokens.shape, logits.shape[-1])  # not -1: a batch of no samples has no size to infer
         return logits.float(), aux
 
     def _forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -221,6 +221,65 @@ def test_four_ranks_sequence_parallel_match_one_process(tmp_path):
               overrides + ["model.tp_size=2", "model.sequence_parallel=true"])
 
 
+class _NoStep:
+    """An optimizer whose step leaves the parameters as they are: train_step's gradients stay to be read."""
+
+    def __init__(self, params):
+        self.params = list(params)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        pass
+
+
+def _step_gradients_match_the_objective(rank: int, world: int) -> None:
+    """train_step's gradients (auxiliary losses on) after sync_gradients: those of the objective it names, written
+    out in float64 in one process: the global-batch mean cross-entropy plus each rank's auxiliary losses (over its
+    own tokens, as Megatron's router) averaged over the ranks; of the experts, this rank's slice."""
+    aux_coeff, z_coeff = 0.3, 0.05
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # the reference's: every expert, no exchange
+    tokens = torch.randint(0, 256, (7, 9), generator=torch.Generator().manual_seed(9))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    # uneven slices with capacity drops; a rank without samples (its MoE layers route no token)
+    for samples, capacity_factor in (([3, 2, 2], 1.0), ([4, 3, 0], None)):
+        bounds = [0, *torch.tensor(samples).cumsum(0).tolist()]
+        mine = slice(bounds[rank], bounds[rank + 1])
+        kwargs = dict(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=2 * world,
+                      capacity_factor=capacity_factor, seed=3)
+        model = MoETransformer(**kwargs).double()
+        _, _, kept = moe_train.train_step(model, _NoStep(model.parameters()), inputs[mine], targets[mine],
+                                          aux_coeff, z_coeff)
+        dropped = torch.tensor(2 * 2 * inputs[mine].numel() - int(sum(k.sum() for k in kept)))  # 2 layers, top 2
+        dist.all_reduce(dropped)
+        assert (dropped > 0) == (capacity_factor is not None), dropped
+
+        reference = MoETransformer(group=alone, **kwargs).double()
+        objective = 0
+        for r in range(world):
+            theirs = slice(bounds[r], bounds[r + 1])
+            logits, aux = reference(inputs[theirs])
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets[theirs].reshape(-1),
+                                                   reduction="sum") / targets.numel()
+            objective = objective + ce + (aux_coeff * aux["load_balancing_loss"] + z_coeff * aux["z_loss"]) / world
+        objective.backward()
+        wanted = dict(reference.named_parameters())
+        experts = {id(p) for p in expert_parameters(model)}
+        for name, p in model.named_parameters():
+            want = wanted[re.sub(r"experts_\d+_to_\d+", f"experts_0_to_{2 * world - 1}", name)].grad
+            if id(p) in experts:
+                want = want[2 * rank:2 * rank + 2]
+            torch.testing.assert_close(p.grad, want, rtol=1e-8, atol=1e-12, msg=lambda m: f"{samples} {name}: {m}")
+
+
+def test_three_ranks_step_gradients_are_the_objectives():
+    """3 ranks (2 experts each), auxiliary losses on: the gradient semantics of a step, exactly (SGD curves, the
+    other tests, leave the auxiliary losses out: they are per rank)."""
+    run_world(3, _step_gradients_match_the_objective, timeout=600)
+
+
 def test_replicated_parameters_stay_identical_over_ranks(tmp_path):
     run_world(2, _replicas_agree, str(tmp_path))
 
