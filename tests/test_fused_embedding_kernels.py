@@ -296,7 +296,7 @@ def test_many_consecutive_epochs_on_the_same_flags():
     world = World(tables, 2, num_programs=2)
     gen = torch.Generator().manual_seed(2)
     epochs = 60  # each half of the double buffer 30 times, every one checked (an epoch: ~0.15 s of CPU)
-    for step in range(epochs):
+    for _ in range(epochs):
         lengths, values, _ = random_bags(tables, batch_sizes, False, gen)
         bags = [world.owned_bags(r, lengths, values, None, batch_sizes) for r in range(2)]
         got = world.forward(bags)
