@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fused_dlrm.bench.checks import relative_error
 from fused_dlrm.bench.timing import peer_bandwidth, per_call_us
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 from fused_dlrm.kernels.allgather_gemm import (GEMM_PRODUCERS, GemmConfig, all_gather_matmul, all_gather_matmul_bulk,
@@ -53,7 +54,7 @@ def check_against_bulk(x, w, ws, producer: str, config: GemmConfig) -> str | Non
     try:
         got, gathered = all_gather_matmul(x, w, ws, producer, return_gathered=True, config=config)
         bulk, bulk_gathered = all_gather_matmul_bulk(x, w)
-        error = float((got.float() - bulk.float()).norm() / bulk.float().norm())
+        error = relative_error(got, bulk)
         op_for(ws, x, config).gather.errors.check(block=True)
         if not torch.equal(gathered, bulk_gathered) or not error <= 2e-3:
             failure = (f"relative error {error:.3g} against the bulk twin, gathered input "

@@ -1,0 +1,42 @@
+"""bench/checks.py on a gloo world: a fused result unlike the bulk twin's, on any rank, raises on every rank."""
+
+import pytest
+import torch
+
+from fused_dlrm.bench.checks import check_against_bulk, relative_error
+from world import run_world
+
+
+def test_relative_error():
+    want = torch.tensor([3.0, 4.0])
+    assert relative_error(want.bfloat16(), want) == 0.0
+    assert relative_error(torch.tensor([3.0, 4.5]), want) == pytest.approx(0.1)
+    assert relative_error(torch.tensor([float("nan"), 4.0]), want) != relative_error(want, want)  # NaN
+
+
+def _one_rank_off(rank, world_size, wrong):
+    bulk = torch.randn(64, 32, generator=torch.Generator().manual_seed(rank))
+    check_against_bulk("op", bulk * (1 + 1e-3), bulk, 1e-2)  # within tolerance: nothing raised
+    got = wrong(bulk) if rank == 1 else bulk.clone()
+    if rank == 1:
+        with pytest.raises(AssertionError, match=r"^op: relative error .* against the bulk twin \(tolerance 0.01\)"):
+            check_against_bulk("op", got, bulk, 1e-2)
+    else:
+        with pytest.raises(ValueError, match=r"rank\(s\) \[1\] saw a fused result unlike the bulk twin's: "
+                                             r"AssertionError: op: relative error"):
+            check_against_bulk("op", got, bulk, 1e-2)
+
+
+def _off_by_a_tenth(t):
+    return t * 1.1
+
+
+def _one_nan(t):
+    t = t.clone()
+    t[5, 7] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize("wrong", [_off_by_a_tenth, _one_nan])
+def test_a_wrong_result_on_one_rank_raises_on_every_rank(wrong):
+    run_world(2, _one_rank_off, wrong)
