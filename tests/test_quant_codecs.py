@@ -128,6 +128,17 @@ def test_fp8_codes_match_torch_on_every_e4m3_value_and_midpoint():
 
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # past fp16's range (the interpreter's numpy)
+def test_fp16_range_ends_at_65504_and_its_bound_is_inf_past_it():
+    """Up to 65520 (fp16's largest, 65504, plus half its last step) values round to finite fp16 within the bound;
+    from there they come back +-inf, as torch's cast makes them, and the bound is inf: none is finite."""
+    x = torch.tensor([65504.0, -65519.99, 65520.0, -7e4, 1e30] + [1.0] * 27)
+    y = decode(encode(x, "fp16"), "fp16", x.numel())
+    assert torch.equal(y, x.half().float()) and y[:2].isfinite().all() and y[2:5].isinf().all()
+    bound = error_bound(x, "fp16")
+    assert torch.equal(bound.isinf(), y.isinf()) and ((x - y).abs() <= bound).all()
+
+
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal, NaN where NaN (a NaN's payload follows the platform's arithmetic)."""
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())

@@ -84,6 +84,30 @@ def test_result_into_a_given_output_or_in_place():
     run_world(2, _into_out, timeout=300)
 
 
+def _fp16_sum_overflows(rank: int, world: int) -> None:
+    """Values within fp16's range whose sum is not: the partial sum is re-encoded in fp16, so those elements come
+    back +-inf (as torch's cast makes them) and the bound says inf there, finite elsewhere; with mean the encoded
+    value is the mean, which fits."""
+    xs = inputs(world, 100)
+    big = torch.zeros(100, dtype=torch.bool)
+    big[[3, 40, 97]] = True  # each term within fp16's range, their sums (+-1e5, 1.2e5) past it
+    for r, x in enumerate(xs):
+        x[big] = torch.tensor([30000.0, -25000.0, 30000.0]) * (1 + r % 2)
+    y = quantized_all_reduce(xs[rank], "fp16")
+    exact = sum(xs)
+    assert torch.equal(y, quantized_all_reduce_reference(xs, "fp16"))
+    assert torch.equal(y[big], exact[big].sign() * torch.inf)
+    bound = two_shot_error_bound(xs, "fp16")
+    assert torch.equal(bound.isinf(), big) and ((y - exact).abs() <= bound).all()
+    mean = quantized_all_reduce(xs[rank], "fp16", mean=True)
+    bound = two_shot_error_bound(xs, "fp16", mean=True)
+    assert mean.isfinite().all() and bound.isfinite().all() and ((mean - exact / world).abs() <= bound).all()
+
+
+def test_fp16_sums_past_its_range_are_inf_and_so_is_their_bound():
+    run_world(3, _fp16_sum_overflows)
+
+
 def _ddp_hook(rank: int, world: int, device_type: str = "cpu") -> None:
     """Also run on 2 GPUs by tests/test_quantized_allreduce_gpu.py (there the hook takes the fused kernel)."""
     device = torch.device(device_type, rank if device_type == "cuda" else 0)

@@ -12,7 +12,7 @@ of its codes (words 0-3, 8 to a word), then their high 2 bits (words 4-5, 16 to 
 
 | codec | code per value | scale | bytes per block | reference error bound per element (x fp32, s the block's scale) |
 | --- | --- | --- | --- | --- |
-| fp16 | fp16 bits | none | 64 | |x| * 2^-11 + 2^-25 (round to nearest; |x| <= 65504) |
+| fp16 | fp16 bits | none | 64 | |x| * 2^-11 + 2^-25 (round to nearest) for |x| < 65520; beyond, +-inf (bound inf) |
 | fp8 | e4m3 (fn) bits | absmax / 448 | 34 | |x| * (2^-4 + 2^-20) + s * 2^-10 (relative for normals, s * 2^-10 below 2^-6 * s) |
 | q8 | 8-bit int | absmax / 127 | 34 | s / 2 |
 | q6 | 6-bit int, 4 + 2 bit planes | absmax / 31 | 26 | s / 2 |
@@ -31,6 +31,10 @@ by a few fp32 steps: integer codes are clamped to +-qmax, and e4m3's rounding br
 overflow). Integer codes are floor(v + 0.5) (ties away from -inf), stored offset-binary (q + 2^(b-1)). The
 bounds hold up to the fp32 roundings of 1 / s, x * (1 / s), v + 0.5 and q * s (relative 2^-24 each;
 `error_bound` adds that slack).
+
+fp16's range ends at 65504: values from 65520 (half its last step above) encode as +-inf, as torch's cast makes
+them, and so do the all-reduce's partial sums past it, its terms within it or not (kernels/quantized_allreduce.py);
+the scaled codecs have fp32's range.
 
 Non-finite values are never laundered into finite ones (a diverging step's NaN must reach the checks downstream):
 fp16 keeps each value (inf with its sign, every NaN as the one pattern FP16_NAN). A scaled codec's block holding a
@@ -68,6 +72,7 @@ FP16_NAN = tl.constexpr(0x7E00)  # the bits of the fp16 NaN that the fp16 codec 
 BF16_NAN = tl.constexpr(0x7FC0)  # the bits of the bf16 NaN scale of a non-finite block (torch's float("nan"))
 MIN_SCALE_BITS = tl.constexpr(0x0080)  # bf16 bits of the smallest scale but 0: 2^-126, bf16's smallest normal
 INF_BITS = tl.constexpr(0x7F800000)  # fp32 inf's bits
+FP16_OVERFLOW = 65520.0  # the least |x| that rounds to fp16's inf: 65504, its largest, plus half its last step
 # Launch option of every kernel that encodes or decodes: no fused multiply-add (of x * (1 / s) and + 0.5 when
 # encoding, of decode and sum in the all-reduce), so the kernels round as the reference does. The interpreter
 # takes no such option (and fuses nothing).
@@ -206,11 +211,12 @@ def decode_reference(enc: Encoded, codec: str, numel: int) -> torch.Tensor:
 
 
 def error_bound(x: torch.Tensor, codec: str) -> torch.Tensor:
-    """fp32 per-element bound on |x - decode(encode(x))| (the table above, plus fp32 rounding slack)."""
+    """fp32 per-element bound on |x - decode(encode(x))| (the table above, plus fp32 rounding slack); inf where x
+    encodes as +-inf (fp16 from |x| >= 65520: no finite bound), NaN where x is NaN or its scaled block non-finite."""
     c = CODECS[codec]
     a = x.reshape(-1).float().abs()
     if c.kind == FP16:
-        return a * 2.0**-11 + 2.0**-25
+        return torch.where(a >= FP16_OVERFLOW, torch.inf, a * 2.0**-11 + 2.0**-25)
     s = block_scales(x, codec).float().repeat_interleave(BLOCK)[:a.numel()]  # NaN (no bound) where non-finite
     if c.kind == FP8:
         return a * (2.0**-4 + 2.0**-20) + s * 2.0**-10

@@ -194,7 +194,9 @@ def quantized_all_reduce_reference(xs: list[torch.Tensor], codec: str, mean: boo
 def two_shot_error_bound(xs: list[torch.Tensor], codec: str, mean: bool = False) -> torch.Tensor:
     """fp32 per-element bound on |all-reduce - exact sum (mean)|, with B = quant_codecs.error_bound: stage 1's
     errors sum_r B(x_r), plus stage 2's B(z) on the partial sum z they may have moved (|z| <= |exact| + stage 1);
-    with mean both are divided by world (fp32 summation is far inside B)."""
+    with mean both are divided by world (fp32 summation is far inside B). inf where the codec's range may be
+    passed: fp16's (|x_r| or |z| from 65520; z is the mean with mean), whose result there is +-inf (or NaN, where
+    infinities of both signs meet)."""
     world = len(xs)
     exact = sum(x.float() for x in xs)
     first = sum(error_bound(x, codec) for x in xs)

@@ -8,7 +8,9 @@ Every rank decodes the same bytes, so the result is bit-identical on all ranks (
 
 Error (per element, quant_codecs.error_bound as B): |result - exact sum| <= sum_r B(x_r) + B(z), z the decoded
 partial sum of stage 1 (|z| <= |exact| + sum_r B(x_r)); with mean=True both stages' errors are divided by world
-(kernels.quantized_allreduce.two_shot_error_bound).
+(kernels.quantized_allreduce.two_shot_error_bound). Range: fp16 carries |values| up to 65504, inputs and the
+partial sums z alike (z the mean with mean=True): past it an element comes back +-inf and its bound is inf (the
+scaled codecs have fp32's range).
 
 Two implementations with the same arithmetic, bit for bit: on CUDA tensors of an NCCL group, the fused
 one-launch kernel (kernels/quantized_allreduce.py) on a symmetric workspace created lazily per process group
