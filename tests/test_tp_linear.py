@@ -206,3 +206,40 @@ def test_column_parallel_parts_from_seeds_of_their_own():
     assert torch.equal(fused.weight, expected)
     with pytest.raises(ValueError, match="3 seeds for 2 part\\(s\\): give one per part, or one int"):
         ColumnParallelLinear(D_IN, 2 * D_HID, seed=(3, 4, 5), parts=2)
+
+
+class _ExchangeStarted(Exception):
+    pass
+
+
+class _NoExchange:
+    """Stands in for the fused forward's GEMM + reduce-scatter: reaching it means the exchange would start."""
+
+    @staticmethod
+    def apply(*args):
+        raise _ExchangeStarted
+
+
+def _fused_sequence_sharded_shapes(rank: int, world: int) -> None:
+    from fused_dlrm.tp import linear
+
+    # the fused path on the CPU up to its exchange: bf16 as comm=fused would compute on CUDA, the exchange stubbed
+    linear.TPLinear._fused_dtype = lambda self, x: torch.bfloat16
+    linear._FusedRowParallelScatter = _NoExchange
+    for in_features, out_features, refusal in [(48, 12, "the output gradient that RowParallelLinear's backward "
+                                                         "all-gathers \\(4, 12\\) torch.bfloat16"),
+                                               (40, 16, "all_gather_matmul's weight \\(as it lies\\) \\(16, 20\\)")]:
+        layer = RowParallelLinear(in_features, out_features, dist.group.WORLD, "fused", sequence_sharded=True)
+        x = torch.randn(4, 2, in_features // world)
+        for _ in range(2):  # every call, not only the first
+            with pytest.raises(ValueError, match=f"^{refusal} .* multiple of 8 elements"):
+                layer(x)
+    with pytest.raises(_ExchangeStarted):  # shapes the backward takes go on to the exchange
+        RowParallelLinear(48, 16, dist.group.WORLD, "fused", sequence_sharded=True)(torch.randn(4, 2, 24))
+
+
+def test_fused_sequence_sharded_row_parallel_refuses_backward_shapes_in_forward():
+    """The backward's all-gather + GEMM reads the output gradient and the weight's shard through TMA (rows of a
+    multiple of 8 fp16 / bf16 values): out_features = 12, or in_features / tp = 20, are refused by the forward,
+    before its exchange starts, in the backward's words (not after a forward, on GPUs only)."""
+    run_world(2, _fused_sequence_sharded_shapes, timeout=120)

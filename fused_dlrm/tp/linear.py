@@ -16,7 +16,9 @@ device push).
 A replicated-input ColumnParallelLinear has no forward communication to fuse; its backward's all-reduce of the
 input gradient is, with the matmul that makes it (grad @ W_r, the same kernel); the sequence-sharded one's
 backward reduce-scatters the input gradient in that kernel's reduce-scatter form. A RowParallelLinear with a
-sequence-sharded output runs GEMM + reduce-scatter forward, and all-gather + GEMM for its input gradient backward.
+sequence-sharded output runs GEMM + reduce-scatter forward, and all-gather + GEMM for its input gradient backward;
+that all-gather + GEMM reads through TMA (out_features and in_features / tp multiples of 8), which its forward
+checks before the exchange starts (`check_gradient_gather`).
 
 Initialisation is a function of (seed, std) only: every rank draws the full [out, in] weight from one generator
 and keeps its shard, so a TP-sharded model equals the unsharded one (tp = 1). The shard is registered as
@@ -40,9 +42,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fused_dlrm.dist.env import check_same_call
-from fused_dlrm.kernels.allgather_gemm import all_gather_matmul
+from fused_dlrm.kernels.allgather_gemm import all_gather_matmul, check_weight
 from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce
 from fused_dlrm.kernels.quantized_allreduce import SIGNATURE_DTYPES
+from fused_dlrm.kernels.tma import require_tma_readable
 
 COMMS = ("bulk", "fused")
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # what the fused kernels compute in
@@ -178,6 +181,18 @@ class _FusedRowParallelScatter(torch.autograd.Function):
         x2d, weight = ctx.saved_tensors
         grad_x, gathered = all_gather_matmul(grad.contiguous(), weight, _workspace(ctx.group), return_gathered=True)
         return grad_x, gathered.t() @ x2d, None
+
+
+@lru_cache(maxsize=64)
+def check_gradient_gather(rows: int, out_features: int, in_per_rank: int, dtype: torch.dtype) -> None:
+    """Raise what the backward of a fused sequence-sharded RowParallelLinear would refuse, in its words: there
+    all_gather_matmul reads the output gradient [rows, out_features] and the weight [out_features, in_per_rank]
+    through TMA (fp16 / bf16: out_features and in_per_rank multiples of 8). Called in forward, before the
+    reduce-scatter starts: a bad shape fails at the first call, not after a forward on every rank. Both operands
+    stand in as meta tensors of their layouts (the backward's are contiguous); shapes that pass are remembered."""
+    check_weight(torch.empty(out_features, in_per_rank, dtype=dtype, device="meta"), out_features, dtype)
+    require_tma_readable(torch.empty(rows, out_features, dtype=dtype, device="meta"),
+                         "the output gradient that RowParallelLinear's backward all-gathers")
 
 
 class _FusedRowParallel(torch.autograd.Function):
@@ -367,6 +382,7 @@ class RowParallelLinear(TPLinear):
         dtype = self._fused_dtype(x)
         if self.sequence_sharded:
             if dtype is not None:
+                check_gradient_gather(x2d.shape[0] // self.tp_size, *self.weight.shape, dtype)
                 y = _FusedRowParallelScatter.apply(x2d.to(dtype), self.weight.to(dtype), self.group)
             else:
                 y = _ReduceScatterRows.apply(F.linear(x2d, self.weight), self.group)
