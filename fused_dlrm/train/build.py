@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from itertools import count
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
@@ -21,17 +20,18 @@ from fused_dlrm.models.arch_nodes import dense_arch_nodes
 from fused_dlrm.models.dlrm import build_dlrm, make_tables
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, plan_sharding
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
+from fused_dlrm.train.config_keys import CONF, check_config_keys
 from fused_dlrm.train.rundir import register_resolvers
-
-CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def compose_config(overrides: Sequence[str], return_hydra_config: bool = False) -> DictConfig:
     """The config train.py would run with these overrides, composed from the repository's conf/ (for entry points
-    that are not @hydra.main: the report, the benchmarks)."""
+    that are not @hydra.main: the report, the benchmarks); keys no code reads refused, as train.py refuses them."""
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides), return_hydra_config=return_hydra_config)
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=return_hydra_config)
+    check_config_keys(cfg)
+    return cfg
 
 
 def feature_names(data_cfg: DictConfig) -> list[str]:
