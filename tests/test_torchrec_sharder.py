@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
 from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig,
@@ -102,13 +103,32 @@ def stock_shard_state(tensor, plan, shard) -> torch.Tensor:
     return local_shard(tensor, [names.index(shard.name) * tensor.shape[0] // len(names)])
 
 
-def stock_torchrec(reference: EmbeddingBagCollection, module_plan, optimizer: str) -> DistributedModelParallel:
-    """torchrec's own sharding of the same tables under the same plan (FUSED kernels)."""
-    model = SparseModel(copy.deepcopy(reference))
-    optimizer_class, kwargs = torchrec_in_backward_optimizer(EmbeddingOptimizerConfig(optimizer, lr=LR, eps=EPS))
-    apply_optimizer_in_backward(optimizer_class, model.ebc.parameters(), kwargs)  # -> EXACT_SGD / EXACT_ROWWISE_...
-    dmp = DistributedModelParallel(model, sharders=[EmbeddingBagCollectionSharder()], device=CPU,
-                                   plan=ShardingPlan({"ebc": module_plan}))
+@dataclasses.dataclass(frozen=True)
+class OptimizerSetup:
+    """How a torchrec user sets the embedding optimizer: the sharder's fused_params, and apply_optimizer_in_backward's
+    (class, kwargs) on some tables' weights (by table name)."""
+
+    fused_params: dict | None = None
+    in_backward: dict = dataclasses.field(default_factory=dict)
+
+    @staticmethod
+    def every_table(config: EmbeddingOptimizerConfig, tables) -> OptimizerSetup:
+        """apply_optimizer_in_backward on every table, with what makes stock torchrec run `config`."""
+        return OptimizerSetup(in_backward={t.name: torchrec_in_backward_optimizer(config) for t in tables})
+
+    def model(self, reference: EmbeddingBagCollection) -> SparseModel:
+        """A copy of `reference` set up so."""
+        model = SparseModel(copy.deepcopy(reference))
+        for table, (optimizer_class, kwargs) in self.in_backward.items():
+            apply_optimizer_in_backward(optimizer_class, [model.ebc.embedding_bags[table].weight], dict(kwargs))
+        return model
+
+
+def stock_torchrec(reference: EmbeddingBagCollection, module_plan, setup: OptimizerSetup) -> DistributedModelParallel:
+    """torchrec's own sharding of the same tables under the same plan (FUSED kernels), its optimizer set up so."""
+    dmp = DistributedModelParallel(setup.model(reference),
+                                   sharders=[EmbeddingBagCollectionSharder(fused_params=setup.fused_params)],
+                                   device=CPU, plan=ShardingPlan({"ebc": module_plan}))
     # On the CPU torchrec re-initialises the sharded tables instead of copying the unsharded ones: copy them.
     with torch.no_grad():
         for key, value in dmp.state_dict().items():
@@ -155,7 +175,9 @@ offer: table-wise here), stock: whether stock
         # No column shards, or SGD: the unsharded reference updates the rows as the shards do.
         same_updates = optimizer == "sgd" or all(ps.sharding_type != "column_wise" for ps in module_plan.values())
         assert same_updates or with_stock, "nothing to compare the updates with"
-        stock = stock_torchrec(reference, module_plan, optimizer) if with_stock else None
+        stock = (stock_torchrec(reference, module_plan,
+                                OptimizerSetup.every_table(EmbeddingOptimizerConfig(optimizer, lr=LR, eps=EPS), tables))
+                 if with_stock else None)
 
         ref_opt = (torch.optim.SGD(reference.parameters(), lr=LR) if optimizer == "sgd"
                    else RowWiseAdagrad(reference.parameters(), lr=LR, eps=EPS))
@@ -185,32 +207,45 @@ offer: table-wise here), stock: whether stock
                 dot_by_key(got_stock, local_grads).backward()
                 stock.fused_optimizer.step()
 
-            stock_state = {} if stock is None else stock.state_dict()
-            for s in mine:
-                weight = sharded.embedding_bags[s.name].weight
-                if same_updates:
-                    torch.testing.assert_close(weight, shard_weight(reference.embedding_bags[s.table].weight, s),
+            if same_updates:
+                for s in mine:
+                    torch.testing.assert_close(sharded.embedding_bags[s.name].weight,
+                                               shard_weight(reference.embedding_bags[s.table].weight, s),
                                                rtol=1e-5, atol=1e-6)
-                if stock is not None:
-                    torch.testing.assert_close(weight, local_shard(stock_state[f"ebc.embedding_bags.{s.table}.weight"],
-                                                                   [s.row, s.col]), rtol=1e-5, atol=1e-6)
+            if stock is not None:
+                assert_tables_match_stock(sharded, stock, rank)
 
-        # The fused optimizer's state: torchrec's keys (a column shard's or row block's under its own name), the
-        # same row-wise Adagrad accumulators.
         our_state = ours.fused_optimizer.state_dict()["state"]
         assert sorted(our_state) == [f"ebc.embedding_bags.{s.name}.weight" for s in sorted(mine, key=lambda s: s.name)]
-        if stock is None:
-            continue
-        stock_opt_state = stock.fused_optimizer.state_dict()["state"]
-        assert sorted(stock_opt_state) == sorted({f"ebc.embedding_bags.{s.table}.weight" for s in mine})
-        for s in mine:
-            state, stock_table_state = (our_state[f"ebc.embedding_bags.{s.name}.weight"],
-                                        stock_opt_state[f"ebc.embedding_bags.{s.table}.weight"])
-            assert sorted(state) == sorted(k.replace(s.table, s.name, 1) for k in stock_table_state)
-            for state_key, tensor in state.items():
-                stock_tensor = stock_table_state[state_key.replace(s.name, s.table, 1)]
-                torch.testing.assert_close(tensor.flatten(), stock_shard_state(stock_tensor, sharded.plan, s).flatten(),
-                                           rtol=1e-5, atol=1e-7)
+        if stock is not None:
+            assert_optimizer_state_matches_stock(ours, stock, rank)
+
+
+def assert_tables_match_stock(sharded: FusedShardedEBC, stock: DistributedModelParallel, rank: int) -> None:
+    """This rank's tables, column shards and row blocks hold what stock torchrec's hold there."""
+    stock_state = stock.state_dict()
+    for s in sharded.plan.shards_of(rank):
+        torch.testing.assert_close(sharded.embedding_bags[s.name].weight,
+                                   local_shard(stock_state[f"ebc.embedding_bags.{s.table}.weight"], [s.row, s.col]),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def assert_optimizer_state_matches_stock(ours: DistributedModelParallel, stock: DistributedModelParallel,
+                                         rank: int) -> None:
+    """The fused optimizer's state: torchrec's keys (a column shard's or row block's under its own name), the same
+    row-wise Adagrad accumulators (none under SGD)."""
+    sharded, mine = ours.module.ebc, ours.module.ebc.plan.shards_of(rank)
+    our_state = ours.fused_optimizer.state_dict()["state"]
+    stock_opt_state = stock.fused_optimizer.state_dict()["state"]
+    assert sorted(stock_opt_state) == sorted({f"ebc.embedding_bags.{s.table}.weight" for s in mine})
+    for s in mine:
+        state, stock_table_state = (our_state[f"ebc.embedding_bags.{s.name}.weight"],
+                                    stock_opt_state[f"ebc.embedding_bags.{s.table}.weight"])
+        assert sorted(state) == sorted(k.replace(s.table, s.name, 1) for k in stock_table_state)
+        for state_key, tensor in state.items():
+            stock_tensor = stock_table_state[state_key.replace(s.name, s.table, 1)]
+            torch.testing.assert_close(tensor.flatten(), stock_shard_state(stock_tensor, sharded.plan, s).flatten(),
+                                       rtol=1e-5, atol=1e-7)
 
 
 def test_two_ranks_match_stock_torchrec_and_unsharded():
@@ -424,6 +459,157 @@ def pipeline_matches_plain_loop(rank: int, world: int, steps: int) -> None:
 
 def test_train_pipeline_sparse_dist_matches_plain_loop():
     run_world(2, pipeline_matches_plain_loop, 5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The embedding optimizer as a torchrec user sets it: fused_params, apply_optimizer_in_backward, neither.
+
+ROWWISE_ADAGRAD, EXACT_SGD = EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.EXACT_SGD
+
+# (set-up, the sharder's optimizer= besides it: None, or the same update)
+SETUPS = [
+    # RowWiseAdagrad's own default eps (1e-10) is not what stock torchrec runs: fbgemm's (1e-8), where none is given.
+    (OptimizerSetup(in_backward={t.name: (RowWiseAdagrad, {"lr": LR}) for t in TABLES}), None),
+    # Each table's apply_optimizer_in_backward over the sharder's fused_params: its lr wins, their eps stays.
+    (OptimizerSetup(fused_params={"optimizer": ROWWISE_ADAGRAD, "learning_rate": 0.3, "eps": 1e-2},
+                    in_backward={t.name: (RowWiseAdagrad, {"lr": LR}) for t in TABLES}),
+     EmbeddingOptimizerConfig("rowwise_adagrad", lr=LR, eps=1e-2)),
+    (OptimizerSetup(fused_params={"optimizer": EXACT_SGD, "learning_rate": LR, "weight_decay": 0.0}), None),
+    (OptimizerSetup(in_backward={t.name: (torch.optim.SGD, {"lr": LR}) for t in TABLES}), None),
+    # Nothing said: stock torchrec's FUSED kernel runs fbgemm's defaults (exact SGD, lr 0.01).
+    (OptimizerSetup(), None),
+]
+
+
+def optimizer_setups_match_stock_torchrec(rank: int, world: int) -> None:
+    """Each set-up trains ours as it trains stock torchrec (table-wise, column-wise and row-wise tables), through
+    what torchrec users do with DMP's fused_optimizer: an LR scheduler over it (LambdaLR), one step's hyper-parameter
+    set through update_hyper_parameters; outputs, tables after every step and optimizer state agree to fp32's
+    rounding (rtol 1e-5, atol 1e-6: both update in fp32, stock torchrec's lr an fp32 tensor)."""
+    set_gradient_division(True)
+    keys, dims = keys_of(TABLES), [t.embedding_dim for t in TABLES for _ in t.feature_names]
+    batch = 8  # stock torchrec's CPU row-wise needs equal local batches on gloo
+    start, stop = local_batch_bounds(batch, rank, world)
+    for setup, optimizer in SETUPS:
+        torch.manual_seed(0)
+        reference = EmbeddingBagCollection(TABLES)
+        sharder = FusedEmbeddingBagCollectionSharder(optimizer, sharding_types=SHARDING_TYPES,
+                                                     fused_params=setup.fused_params)
+        module_plan = explicit_plan(TABLES, mixed_plans(world), world, sharder)
+        ours = DistributedModelParallel(setup.model(reference), sharders=[sharder], device=CPU,
+                                        plan=ShardingPlan({"ebc": module_plan}))
+        stock = stock_torchrec(reference, module_plan, setup)
+        models = (ours, stock)
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(m.fused_optimizer, lambda step: 0.5 ** step) for m in models]
+        for step in range(3):
+            if step == 1:  # this step's backward only: the next step() puts param_groups' lr back, as fbgemm's does
+                for m in models:
+                    m.fused_optimizer.update_hyper_parameters({"lr": 4 * LR})
+            lengths, values, _ = global_batch(step, batch, TABLES, False)
+            got, got_stock = (m(to_kjt(keys, lengths, values, None, start, stop)) for m in models)
+            for key, value in got_stock.to_dict().items():
+                torch.testing.assert_close(got.to_dict()[key], value, rtol=1e-5, atol=1e-6)
+            grad = torch.randn((batch, sum(dims)), generator=torch.Generator().manual_seed(step))[start:stop]
+            for m, out in zip(models, (got, got_stock)):
+                dot_by_key(out, dict(zip(keys, torch.split(grad, dims, dim=1)))).backward()
+                m.fused_optimizer.step()
+            for scheduler in schedulers:
+                scheduler.step()
+            assert_tables_match_stock(ours.module.ebc, stock, rank)
+        assert_optimizer_state_matches_stock(ours, stock, rank)
+        lrs = [{g["lr"] for g in m.fused_optimizer.param_groups} for m in models]
+        assert len(lrs[0]) == len(lrs[1]) == 1
+        torch.testing.assert_close(lrs[0].pop(), lrs[1].pop())
+
+
+def test_torchrec_optimizer_setups_match_stock_torchrec():
+    run_world(2, optimizer_setups_match_stock_torchrec, timeout=600)
+
+
+def shard_one_rank(sharder: FusedEmbeddingBagCollectionSharder, ebc: EmbeddingBagCollection) -> FusedShardedEBC:
+    return sharder.shard(ebc, {t.name: tw(0) for t in ebc.embedding_bag_configs()}, ShardingEnv.from_local(1, 0), CPU)
+
+
+def test_the_optimizer_torchrec_settings_give():
+    """fused_params and apply_optimizer_in_backward (this one wins per table) become our config; an optimizer= that
+    runs the same update may be given besides; neither: fbgemm's defaults, as stock torchrec."""
+    def optimizer_of(setup: OptimizerSetup, optimizer=None) -> EmbeddingOptimizerConfig:
+        sharder = FusedEmbeddingBagCollectionSharder(optimizer, fused_params=setup.fused_params)
+        return shard_one_rank(sharder, setup.model(EmbeddingBagCollection(TABLES)).ebc)._lookup.optimizer.config
+
+    every = {t.name: (RowWiseAdagrad, {"lr": 0.2}) for t in TABLES}
+    assert optimizer_of(OptimizerSetup()) == EmbeddingOptimizerConfig("sgd", lr=0.01, eps=1e-8)
+    assert optimizer_of(OptimizerSetup(in_backward=every)) == EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.2)
+    assert optimizer_of(OptimizerSetup(fused_params={"optimizer": ROWWISE_ADAGRAD, "eps": 0.5, "learning_rate": 0.7},
+                                       in_backward=every)) == EmbeddingOptimizerConfig("rowwise_adagrad", 0.2, 0.5)
+    sgd = EmbeddingOptimizerConfig("sgd", lr=0.3, eps=0.25)  # SGD has no eps: any agrees
+    torch_sgd = OptimizerSetup(in_backward={t.name: (torch.optim.SGD, {"lr": 0.3, "momentum": 0.0}) for t in TABLES})
+    assert optimizer_of(torch_sgd, sgd) == sgd
+    ours = EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05)
+    assert optimizer_of(OptimizerSetup(), ours) == ours  # torchrec's settings say nothing: ours as it is
+
+
+def test_optimizer_settings_we_do_not_run_are_refused():
+    """Another optimizer, a setting that changes the update, one optimizer per table, or two that disagree: a
+    ValueError naming the table and the setting, never another optimizer in their place."""
+    def refused(setup: OptimizerSetup, match: str, optimizer=None) -> None:
+        with pytest.raises(ValueError, match=match):
+            shard_one_rank(FusedEmbeddingBagCollectionSharder(optimizer, fused_params=setup.fused_params),
+                           setup.model(EmbeddingBagCollection(TABLES)).ebc)
+
+    rowwise = (RowWiseAdagrad, {"lr": 0.2})
+    refused(OptimizerSetup(in_backward={"t1": (torch.optim.Adam, {"lr": 0.1})}),
+            r"table 't1': optimizer settings .*: optimizer <EmbOptimType.ADAM: 'adam'> is not supported: "
+            r"FusedEmbeddingBagCollectionSharder runs EmbOptimType.EXACT_SGD")
+    refused(OptimizerSetup(in_backward={"t2": (torch.optim.AdamW, {"lr": 0.1})}),
+            r"table 't2': apply_optimizer_in_backward\(torch.optim.adamw.AdamW\) is not supported")
+    refused(OptimizerSetup(in_backward={t.name: (torch.optim.Adagrad, {"lr": 0.1}) for t in TABLES}),
+            r"table 't0': .*optimizer <EmbOptimType.EXACT_ADAGRAD: 'exact_adagrad'> is not supported")
+    refused(OptimizerSetup(in_backward={"t3": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})}),
+            r"table 't3': optimizer settings .*: momentum=0.9 not supported")
+    refused(OptimizerSetup(in_backward={"t0": (RowWiseAdagrad, {"lr": 0.1, "weight_decay": 1e-4})}),
+            r"table 't0': .*: weight_decay=0.0001 not supported")
+    refused(OptimizerSetup(in_backward={"t0": (RowWiseAdagrad, {"lr": 0.0})}),
+            r"table 't0': .*embedding optimizer lr must be > 0")
+    # t0 given row-wise Adagrad, the others fbgemm's default
+    refused(OptimizerSetup(in_backward={"t0": rowwise}),
+            r"differ: exact row-wise Adagrad \(lr=0.2, eps=1e-08\) for \['t0'\]; exact SGD \(lr=0.01\) for "
+            r"\['t1', 't2', 't3'\]: FusedEmbeddingBagCollectionSharder runs one optimizer for every table")
+    refused(OptimizerSetup(in_backward={t.name: rowwise for t in TABLES}),
+            r"optimizer=exact SGD \(lr=0.2\) differs from .* exact row-wise Adagrad \(lr=0.2, eps=1e-08\)",
+            EmbeddingOptimizerConfig("sgd", lr=0.2))
+    refused(OptimizerSetup(fused_params={"learning_rate": 0.2}),  # fbgemm's default optimizer: exact SGD
+            r"optimizer=exact row-wise Adagrad \(lr=0.2, eps=1e-08\) differs from .*: exact SGD \(lr=0.2\)",
+            EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.2))
+
+    twice = EmbeddingBagCollection(TABLES)
+    for _ in range(2):
+        apply_optimizer_in_backward(RowWiseAdagrad, [twice.embedding_bags["t2"].weight], {"lr": 0.1})
+    with pytest.raises(ValueError, match=r"table 't2': apply_optimizer_in_backward was applied 2 times "
+                                         r"\(\['RowWiseAdagrad', 'RowWiseAdagrad'\]\): a table takes one optimizer"):
+        shard_one_rank(FusedEmbeddingBagCollectionSharder(), twice)
+
+    # The sharder's fused_params: refused at construction, before any planning.
+    with pytest.raises(ValueError, match=r"fused_params .*: optimizer <EmbOptimType.ADAM: 'adam'> is not supported"):
+        FusedEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.ADAM})
+    with pytest.raises(ValueError, match=r"fused_params .*: cache_load_factor=0.2 not supported"):
+        FusedEmbeddingBagCollectionSharder(fused_params={"optimizer": EXACT_SGD, "cache_load_factor": 0.2})
+
+
+def test_update_hyper_parameters_takes_lr_and_eps():
+    """As fbgemm's TBE under stock torchrec: lr and eps change the next backward's update, param_groups stay (their
+    lr comes back at the next step()); names our optimizers lack are refused."""
+    sharded = shard_one_rank(FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.1)),
+                             EmbeddingBagCollection(TABLES))
+    fused = sharded.fused_optimizer
+    fused.update_hyper_parameters({"lr": 0.4, "eps": 0.5})
+    assert sharded._lookup.optimizer.config == EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.4, eps=0.5)
+    assert fused.param_groups[0]["lr"] == 0.1
+    fused.step()
+    assert sharded._lookup.optimizer.config.lr == 0.1
+    with pytest.raises(NotImplementedError, match=r"hyper-parameter\(s\) \['beta1'\] is not supported"):
+        fused.update_hyper_parameters({"beta1": 0.9, "lr": 0.2})
+    assert sharded._lookup.optimizer.config.lr == 0.1  # nothing set
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -4,6 +4,9 @@
         model, sharders=[FusedEmbeddingBagCollectionSharder(optimizer=EmbeddingOptimizerConfig("rowwise_adagrad"))],
         device=torch.device("cpu"))
 
+or, as with torchrec's own sharder, `FusedEmbeddingBagCollectionSharder(fused_params={"optimizer":
+EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})`, or apply_optimizer_in_backward on the EBC's parameters.
+
 `FusedEmbeddingBagCollectionSharder` is a torchrec `BaseEmbeddingSharder`: it offers the planner table-wise,
 column-wise and row-wise sharding with the FUSED kernel, turns the plan it is given into our `TableShardingPlan`, and
 returns a `FusedShardedEBC`, a torchrec `ShardedModule` whose stages are our three seams:
@@ -26,8 +29,12 @@ What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
   * output: KeyedTensor [local batch, sum of dims] with the EBC's keys in the EBC's feature order;
   * gradients: divided by the world size on the way back to the owners, as torchrec does by default
     (comm_ops.GRADIENT_DIVISION; set_gradient_division(False) gives the sum), like ShardedEmbeddingBagCollection;
-  * optimizer: applied in backward; `fused_optimizer` is a torchrec KeyedOptimizer over the owned tables, so DMP's
-    fused_optimizer / CombinedOptimizer, LR changes through param_groups, and its state_dict work;
+  * optimizer: read as stock torchrec reads it (the sharder's fused_params, then apply_optimizer_in_backward's
+    settings on each table's weight; `resolve_optimizer`), or given as our EmbeddingOptimizerConfig; what we do not
+    run (another optimizer, weight decay, momentum, one optimizer per table) is refused, never replaced. Applied in
+    backward; `fused_optimizer` is a torchrec KeyedOptimizer over the owned tables, so DMP's fused_optimizer /
+    CombinedOptimizer, LR changes through param_groups (an LR scheduler's), update_hyper_parameters and its
+    state_dict work as for torchrec's fused tables;
   * state_dict: `embedding_bags.<table>.weight` for the tables this rank owns,
     `embedding_bags.<table>_cols_<first>_to_<last>.weight` for its column shards and
     `embedding_bags.<table>_rows_<first>_to_<last>.weight` for its row blocks (plain tensors, not ShardedTensors: a
@@ -47,6 +54,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
@@ -61,6 +69,7 @@ from torchrec.distributed.types import (
     ShardingEnv,
     ShardingType,
 )
+from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.streamable import Multistreamable
@@ -128,6 +137,104 @@ def torchrec_in_backward_optimizer(config: EmbeddingOptimizerConfig) -> tuple[ty
     if config.name == "sgd":
         return torch.optim.SGD, {"lr": config.lr}
     return RowWiseAdagrad, {"lr": config.lr, "eps": config.eps}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The embedding optimizer from torchrec's settings.
+
+# Stock torchrec's FUSED kernel, fbgemm's SplitTableBatchedEmbeddingBagsCodegen, takes a table's merged settings as
+# keyword arguments: where neither fused_params nor apply_optimizer_in_backward gives one, its default applies.
+FBGEMM_DEFAULTS: dict[str, Any] = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01, "eps": 1e-8}
+OUR_OPTIMIZERS = {EmbOptimType.EXACT_SGD: "sgd", EmbOptimType.EXACT_ROWWISE_ADAGRAD: "rowwise_adagrad"}
+# Settings of fbgemm's that our optimizers lack, accepted at the value that leaves the update as ours (a user may
+# write weight_decay=0.0 out); another value, or any other setting (a cache's, an output dtype), is refused.
+NEUTRAL_SETTINGS: dict[str, Any] = {"weight_decay": 0.0, "momentum": 0.0}
+SUPPORTED = ("EmbOptimType.EXACT_SGD (torch.optim.SGD, torchrec.optim.SGD) or EmbOptimType.EXACT_ROWWISE_ADAGRAD "
+             "(torchrec.optim.RowWiseAdagrad), with learning_rate (lr) and eps")
+
+
+def config_from_settings(settings: Mapping[str, Any], where: str) -> EmbeddingOptimizerConfig:
+    """fbgemm's settings as stock torchrec merges them (optimizer, learning_rate, eps, ...; missing ones: fbgemm's
+    defaults) -> our config; anything our optimizers do not run is refused, `where` naming whose settings."""
+    unsupported = [f"{key}={value!r}" for key, value in settings.items() if key not in FBGEMM_DEFAULTS
+                   and not (key in NEUTRAL_SETTINGS and value == NEUTRAL_SETTINGS[key])]
+    if unsupported:
+        raise ValueError(f"{where}: {', '.join(unsupported)} not supported: FusedEmbeddingBagCollectionSharder runs "
+                         f"{SUPPORTED} only (and these at no effect: {NEUTRAL_SETTINGS})")
+    merged = {**FBGEMM_DEFAULTS, **settings}
+    name = OUR_OPTIMIZERS.get(merged["optimizer"])
+    if name is None:
+        raise ValueError(f"{where}: optimizer {merged['optimizer']!r} is not supported: "
+                         f"FusedEmbeddingBagCollectionSharder runs {SUPPORTED}")
+    try:
+        return EmbeddingOptimizerConfig(name, lr=float(merged["learning_rate"]), eps=float(merged["eps"]))
+    except ValueError as error:  # a non-positive lr
+        raise ValueError(f"{where}: {error}") from None
+
+
+def describe(config: EmbeddingOptimizerConfig) -> str:
+    """The update `config` runs, in words: two configs that run the same one read alike (SGD has no eps)."""
+    if config.name == "sgd":
+        return f"exact SGD (lr={config.lr})"
+    return f"exact row-wise Adagrad (lr={config.lr}, eps={config.eps})"
+
+
+def in_backward_settings(table: str, weight: nn.Parameter) -> dict[str, Any]:
+    """The settings apply_optimizer_in_backward put on a table's weight, as stock torchrec's
+    create_sharding_infos_by_sharding_device_group reads them: the class as an EmbOptimType unless the kwargs name
+    one, lr as learning_rate; {} for a weight without."""
+    classes = getattr(weight, "_optimizer_classes", [None])
+    kwargs = getattr(weight, "_optimizer_kwargs", [{}])
+    if len(classes) != 1 or len(kwargs) != 1:
+        raise ValueError(f"table {table!r}: apply_optimizer_in_backward was applied {len(classes)} times "
+                         f"({[c.__name__ for c in classes]}): a table takes one optimizer")
+    settings = dict(kwargs[0])  # a copy: stock torchrec adds "optimizer" to the weight's own dict
+    if "lr" in settings:
+        settings["learning_rate"] = settings.pop("lr")
+    if classes[0] is not None and "optimizer" not in settings:
+        try:
+            settings["optimizer"] = optimizer_type_to_emb_opt_type(classes[0])
+        except ValueError:
+            raise ValueError(f"table {table!r}: apply_optimizer_in_backward({classes[0].__module__}."
+                             f"{classes[0].__qualname__}) is not supported: FusedEmbeddingBagCollectionSharder runs "
+                             f"{SUPPORTED}") from None
+    return settings
+
+
+def resolve_optimizer(module: EmbeddingBagCollection, fused_params: Mapping[str, Any],
+                      optimizer: EmbeddingOptimizerConfig | None) -> EmbeddingOptimizerConfig:
+    """The one optimizer of the collection's tables.
+
+    Each table's, as stock torchrec's EmbeddingBagCollectionSharder gives its FUSED kernel:
+    apply_optimizer_in_backward's settings on the table's weight over the sharder's fused_params over fbgemm's
+    defaults (exact SGD, lr 0.01). Tables whose optimizers differ are refused (our lookup runs one for all its
+    tables); `optimizer`, where given, must run the same update wherever torchrec's settings say anything (else which
+    one a user meant is a guess); where they say nothing it is used as it is.
+    """
+    tables = [t.name for t in module.embedding_bag_configs()]
+    per_table, said = {}, bool(fused_params)
+    for name in tables:
+        own = in_backward_settings(name, module.embedding_bags[name].weight)
+        said = said or bool(own)
+        settings = {**fused_params, **own}
+        per_table[name] = config_from_settings(
+            settings, f"table {name!r}: optimizer settings {settings} (the sharder's fused_params, then "
+                      "apply_optimizer_in_backward's)")
+    if not said:
+        return optimizer or per_table[tables[0]]
+    updates: dict[str, list[str]] = {}
+    for name, config in per_table.items():
+        updates.setdefault(describe(config), []).append(name)
+    if len(updates) > 1:
+        raise ValueError(f"the tables' optimizer settings (fused_params, then apply_optimizer_in_backward's; fbgemm's "
+                         f"default: exact SGD, lr 0.01) differ: {'; '.join(f'{u} for {n}' for u, n in updates.items())}"
+                         ": FusedEmbeddingBagCollectionSharder runs one optimizer for every table of a collection")
+    theirs = per_table[tables[0]]
+    if optimizer is not None and describe(optimizer) != describe(theirs):
+        raise ValueError(f"the sharder's optimizer={describe(optimizer)} differs from what torchrec's settings "
+                         f"(fused_params, apply_optimizer_in_backward) give the tables {tables}: {describe(theirs)}; "
+                         "give one of them, or both alike")
+    return optimizer or theirs
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -250,6 +357,17 @@ class FusedTableOptimizer(FusedOptimizer):
     def step(self, closure: Any = None) -> None:
         self._sync_lr()  # the update already happened in backward
 
+    def update_hyper_parameters(self, params_dict: dict[str, Any]) -> None:
+        """As fbgemm's TBE does it for stock torchrec (CombinedOptimizer passes it on to each optimizer that has it):
+        "lr" and "eps" change the update from the next backward and leave param_groups as they are, so the next
+        step() / zero_grad() puts param_groups' lr back; fbgemm's other names (beta1, weight_decay, ...) are refused
+        (our optimizers have none)."""
+        unknown = sorted(set(params_dict) - {"lr", "eps"})
+        if unknown:
+            raise NotImplementedError(f"setting hyper-parameter(s) {unknown} is not supported: the embedding "
+                                      f"optimizer ({describe(self._optimizer.config)}) takes lr and eps")
+        self._optimizer.config = dataclasses.replace(self._optimizer.config, **params_dict)
+
 
 class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedEBCContext], FusedOptimizerModule):
     """A torchrec ShardedModule over our seams: table-wise, column-wise and row-wise, optimizer fused into backward.
@@ -368,8 +486,16 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollec
     Other modules (an EmbeddingCollection) are not ours: DMP leaves them to the sharders given for them, or unsharded
     when there is none (torchrec's rule), and shard() refuses them with a TypeError.
 
-    optimizer: our embedding optimizer (exact SGD or exact row-wise Adagrad), for every table. Optimizers attached
-        to the EBC's parameters with torchrec's apply_optimizer_in_backward / fused_params are not read.
+    The embedding optimizer (exact SGD or exact row-wise Adagrad, one for every table of a collection) comes from
+    torchrec's settings, read as stock torchrec's EmbeddingBagCollectionSharder reads them, or from `optimizer`:
+    fused_params: torchrec's {"optimizer": EmbOptimType.EXACT_SGD | EXACT_ROWWISE_ADAGRAD, "learning_rate": ...,
+        "eps": ...} for every table; apply_optimizer_in_backward on a table's weight (torch.optim.SGD /
+        torchrec.optim.SGD, torchrec.optim.RowWiseAdagrad; lr, eps) overrides it for that table.
+    optimizer: our EmbeddingOptimizerConfig. Given with torchrec's settings, both must run the same update.
+    Neither given: stock torchrec's default for its FUSED kernel, fbgemm's (exact SGD, lr 0.01). Anything else
+    (another optimizer, weight_decay or momentum other than 0, other fbgemm settings, tables with different
+    optimizers) raises a ValueError naming the table and the setting (`resolve_optimizer`), at construction for
+    fused_params, at shard() for the tables.
     comm: which input dist / lookup / output dist implementation: "bulk" (torch.distributed, any device) or "fused"
         (CUDA: lookup and output dist as one kernel).
     sharding_types: what the planner is offered (a plan given to DMP may use any of SHARDING_TYPES that is offered).
@@ -378,12 +504,13 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollec
         cost time (docs/benchmarks.md, 12-02).
     """
 
-    def __init__(self, optimizer: EmbeddingOptimizerConfig, comm: str = "bulk",
-                 sharding_types: Sequence[str] = OFFERED_BY_DEFAULT):
-        super().__init__(fused_params=None, qcomm_codecs_registry=None)
-        if not isinstance(optimizer, EmbeddingOptimizerConfig):
-            raise TypeError(f"optimizer must be an EmbeddingOptimizerConfig, got {type(optimizer).__name__}")
-        check_comm(comm)  # fail before planning, not at shard time
+    def __init__(self, optimizer: EmbeddingOptimizerConfig | None = None, comm: str = "bulk",
+                 sharding_types: Sequence[str] = OFFERED_BY_DEFAULT, fused_params: dict[str, Any] | None = None):
+        super().__init__(fused_params=fused_params, qcomm_codecs_registry=None)  # the planner reads fused_params too
+        if optimizer is not None and not isinstance(optimizer, EmbeddingOptimizerConfig):
+            raise TypeError(f"optimizer must be an EmbeddingOptimizerConfig or None, got {type(optimizer).__name__}")
+        config_from_settings(fused_params or {}, f"fused_params {fused_params}")  # fail before planning
+        check_comm(comm)
         unknown = sorted(set(sharding_types) - set(SHARDING_TYPES))
         if unknown or not sharding_types:
             raise ValueError(f"sharding_types {list(sharding_types)}: expected some of {list(SHARDING_TYPES)}")
@@ -409,8 +536,9 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollec
     def shard(self, module: EmbeddingBagCollection, params: Mapping[str, ParameterSharding], env: ShardingEnv,
               device: torch.device | None = None, module_fqn: str | None = None) -> FusedShardedEBC:
         _refuse_other_modules(module)
-        if any(hasattr(p, "_optimizer_classes") for p in module.parameters()):
-            log.warning("%s: optimizers set with apply_optimizer_in_backward are ignored; the sharder's %s is used",
-                        module_fqn or "EmbeddingBagCollection", self.optimizer)
+        try:
+            optimizer = resolve_optimizer(module, self.fused_params or {}, self.optimizer)
+        except ValueError as error:
+            raise ValueError(f"{module_fqn or 'EmbeddingBagCollection'}: {error}") from None
         plan = plan_from_torchrec(module.embedding_bag_configs(), params, env.world_size)
-        return FusedShardedEBC(module, plan, env, self.optimizer, device=device, comm=self.comm)
+        return FusedShardedEBC(module, plan, env, optimizer, device=device, comm=self.comm)
