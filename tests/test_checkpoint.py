@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,11 @@ import torch.distributed as dist
 from torch import nn
 from world import run_world
 
+from torchrec import EmbeddingBagConfig
+
+from fused_dlrm.dist.env import of_every_rank
+from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection, TableShardingPlan
+from fused_dlrm.sparse.plan import Shard
 from fused_dlrm.train.checkpoint import NonFiniteLossError, load_checkpoint, save_checkpoint
 
 
@@ -29,18 +35,51 @@ def _model_and_optimizer(momentum_sgd: bool) -> tuple[nn.Module, torch.optim.Opt
 
 def _one_rank_cannot_resume(rank: int, world: int, root: str) -> None:
     save_checkpoint(root, 4, *_model_and_optimizer(momentum_sgd=False))
-    # rank 1 resumes under another dense optimizer, rank 0 as saved
+    # rank 1 resumes under another dense optimizer, rank 0 as saved: both raise the same error
     model, optimizer = _model_and_optimizer(momentum_sgd=rank == 1)
-    if rank == 1:
-        expected = r"holds no \['dense_optimizer\.state\..*momentum_buffer'.*another dense optimizer"
-    else:
-        expected = r"rank 0: rank\(s\) \[1\] cannot resume from .*step_4: .*another dense optimizer"
+    expected = (r"step_4 holds no \['dense_optimizer\.state\..*momentum_buffer'.*loaded by rank\(s\) \[1\]\): it was "
+                r"written with another dense optimizer")
     with pytest.raises(ValueError, match=expected):
         load_checkpoint(root, model, optimizer)
 
 
 def test_a_rank_that_cannot_resume_stops_every_rank(tmp_path):
     run_world(2, _one_rank_cannot_resume, str(tmp_path), timeout=120)
+
+
+class _Sharded(nn.Module):
+    """A DLRM's parts a checkpoint holds: the tables this rank owns (and their optimizer's state), a dense layer."""
+
+    def __init__(self, shards_of_b: list[Shard]):
+        super().__init__()
+        torch.manual_seed(0)
+        tables = [EmbeddingBagConfig(name=name, embedding_dim=4, num_embeddings=rows, feature_names=[f"f{name}"])
+                  for name, rows in (("a", 10), ("b", 12))]
+        plan = TableShardingPlan(2, (Shard("a", 0, 0, 4, "a"), *shards_of_b))
+        self.sparse = ShardedEmbeddingBagCollection(tables, EmbeddingOptimizerConfig(), plan=plan)
+        self.dense = nn.Linear(3, 2)
+
+
+def _another_plan_for_one_rank(rank: int, world: int, root: str) -> None:
+    model = _Sharded([Shard("b", 1, 0, 4, "b")])
+    save_checkpoint(root, 4, model, torch.optim.Adam(model.dense.parameters()), model.sparse.lookup.optimizer)
+    # table b in two column shards, both on rank 1: rank 0's entries are the checkpoint's, rank 1's are not
+    other = _Sharded([Shard("b", 1, 0, 2, "b_cols_0_to_1"), Shard("b", 1, 2, 2, "b_cols_2_to_3")])
+    with pytest.raises(ValueError) as raised:
+        load_checkpoint(root, other, torch.optim.Adam(other.dense.parameters()), other.sparse.lookup.optimizer)
+    messages = of_every_rank(str(raised.value))
+    assert messages[0] == messages[1], messages  # not "rank(s) [1] cannot resume" on rank 0
+    assert re.fullmatch(r"checkpoint \S+step_4 holds no \['model\.sparse\.embedding_bags\.b_cols_0_to_1\.weight', "
+                        r"'model\.sparse\.embedding_bags\.b_cols_2_to_3\.weight'\] \(2 of the model's 5 entries, "
+                        r"loaded by rank\(s\) \[1\]\) and holds \['model\.sparse\.embedding_bags\.b\.weight'\], state "
+                        r"this run does not keep: it was written for another model, .* or sharding of the tables "
+                        r"\(model\.column_shards, model\.row_shards\)", messages[0]), messages[0]
+
+
+def test_a_checkpoint_of_another_plan_raises_alike_on_every_rank(tmp_path):
+    """Only rank 1's tables are cut otherwise than the checkpoint's: every rank raises the same error, naming the
+    entries rank 1 would load and the checkpoint's that no rank loads."""
+    run_world(2, _another_plan_for_one_rank, str(tmp_path), timeout=120)
 
 
 def _one_rank_lacks_the_checkpoint(rank: int, world: int, root: str) -> None:

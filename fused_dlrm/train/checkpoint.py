@@ -144,43 +144,59 @@ def _optimizer_entries(state: dict) -> tuple[dict, dict]:
     return tables, dense
 
 
-def _check_entries(path: Path, saved: dict, state: dict, kept: set[str]) -> None:
-    """Every entry this run loads is in the checkpoint, with its shape, and the checkpoint holds no optimizer state
-    that no rank keeps (`kept`): DCP would name one key only, deep in a traceback of its own exception type, or drop
-    the extra state without a word."""
-    wanted = {f"model.{name}": value for name, value in state["model"].items()}
-    missing = [key for key in wanted if key not in saved]
-    if missing:
-        raise ValueError(f"checkpoint {path} holds no {missing[:3]}{' ...' if len(missing) > 3 else ''} "
-                         f"({len(missing)} of the model's {len(wanted)} entries): it was written for another "
-                         "model, world size (the MoE experts' names) or sharding of the tables (model.column_shards, "
-                         "model.row_shards)")
+# The entries a rank loads, by checkpoint key prefix, and what a checkpoint that lacks some (or holds some that no
+# rank loads) was written for.
+_ENTRY_KINDS = (
+    ("model.", "model's", "it was written for another model, world size (the MoE experts' names) or sharding of the "
+                          "tables (model.column_shards, model.row_shards)"),
+    ("embedding_optimizer.", "embedding optimizer's",
+     "it was written with another embedding optimizer (model.embedding_optimizer.name)"),
+    ("dense_optimizer.state.", "dense optimizer's", "it was written with another dense optimizer (DLRM: "
+                                                    "trainer.dense_optimizer; the MoE Transformer: model.optimizer)"),
+)
+
+
+def _entries(state: dict) -> dict[str, list[int] | None]:
+    """The entries this rank loads, by checkpoint key: a tensor's shape, None for another value."""
     tables, dense = _optimizer_entries(state)
-    _check_optimizer_state(path, saved, "embedding_optimizer.", tables, kept,
-                           "embedding optimizer (model.embedding_optimizer.name)")
-    _check_optimizer_state(path, saved, "dense_optimizer.state.", dense, kept,
-                           "dense optimizer (DLRM: trainer.dense_optimizer; the MoE Transformer: model.optimizer)")
-    wanted.update(tables)
-    wanted.update(dense)
-    wrong = [f"{key} {list(saved[key].size)} (this run: {list(value.shape)})" for key, value in wanted.items()
-             if torch.is_tensor(value) and hasattr(saved[key], "size") and list(saved[key].size) != list(value.shape)]
+    entries = {f"model.{name}": value for name, value in state["model"].items()} | tables | dense
+    return {key: list(value.shape) if torch.is_tensor(value) else None for key, value in entries.items()}
+
+
+def _listed(keys: list[str]) -> str:
+    return f"{keys[:3]}{' ...' if len(keys) > 3 else ''}"
+
+
+def _check_entries(path: Path, saved: dict, every: list[dict[str, list[int] | None]]) -> None:
+    """The checkpoint holds every entry that any rank loads (`every`: each rank's `_entries`), with its shape, and
+    no model entry or optimizer state that no rank loads (another sharding plan's tables, Adam's moments under
+    SGD): DCP would name one key on one rank, deep in a traceback of its own exception type, or drop them without a
+    word. Every rank checks every rank's entries, so all of them raise the same error."""
+    ranks: dict[str, list[int]] = {}  # entry -> the ranks that load it
+    shapes: dict[str, list[int] | None] = {}
+    for rank, entries in enumerate(every):
+        for key, shape in entries.items():
+            ranks.setdefault(key, []).append(rank)
+            shapes.setdefault(key, shape)
+    for prefix, whose, written in _ENTRY_KINDS:
+        wanted = [key for key in ranks if key.startswith(prefix)]
+        missing = [key for key in wanted if key not in saved]
+        extra = sorted(key for key in saved if key.startswith(prefix) and key not in ranks)
+        found = []
+        if missing:
+            on = sorted({rank for key in missing for rank in ranks[key]})
+            found.append(f"holds no {_listed(missing)} ({len(missing)} of the {whose} {len(wanted)} entries"
+                         f"{f', loaded by rank(s) {on}' if len(every) > 1 else ''})")
+        if extra:  # in their place, where another sharding plan cut the tables otherwise
+            found.append(f"holds {_listed(extra)}, state this run does not keep")
+        if found:
+            raise ValueError(f"checkpoint {path} {' and '.join(found)}: {written}")
+    wrong = [f"{key} {list(saved[key].size)} (this run: {shape})" for key, shape in shapes.items()
+             if shape is not None and hasattr(saved[key], "size") and list(saved[key].size) != shape]
     if wrong:
-        raise ValueError(f"checkpoint {path} holds {wrong[:3]}{' ...' if len(wrong) > 3 else ''}: it was written for "
-                         "other sizes (DLRM: model.num_rows, model.embedding_dim, data.num_dense, the arches; the MoE "
-                         "Transformer: model.d_model, model.ffn, model.num_experts, ...)")
-
-
-def _check_optimizer_state(path: Path, saved, prefix: str, wanted: dict, kept: set[str], optimizer: str) -> None:
-    """The checkpoint's optimizer state (keys under `prefix`) is the state this run's optimizers keep: DCP names
-    missing entries one at a time, and drops extra ones without a word (Adam's moments resumed under SGD)."""
-    missing = [key for key in wanted if key not in saved]
-    extra = sorted(key for key in saved if key.startswith(prefix) and key not in kept)
-    if missing or extra:
-        keys = missing or extra
-        found = f"holds no {keys[:2]}" if missing else f"holds {keys[:2]}"
-        raise ValueError(f"checkpoint {path} {found}{' ...' if len(keys) > 2 else ''}"
-                         f"{'' if missing else ', state this run does not keep'}: it was written with another "
-                         f"{optimizer}")
+        raise ValueError(f"checkpoint {path} holds {_listed(wrong)}: it was written for other sizes (DLRM: "
+                         "model.num_rows, model.embedding_dim, data.num_dense, the arches; the MoE Transformer: "
+                         "model.d_model, model.ffn, model.num_experts, ...)")
 
 
 def _run_record(optimizer: torch.optim.Optimizer, global_batch_size: int | None) -> dict:
@@ -242,13 +258,13 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     global_batch_size: where the data resumes by step count over files, this run's: a checkpoint recording another
     is refused."""
     state = _state(model, optimizer, embedding_optimizer)
-    # each rank's optimizers hold the state of its own tables (and experts): the checkpoint holds every rank's
-    kept = set().union(*of_every_rank(set().union(*_optimizer_entries(state))))
+    # each rank loads its own tables (and experts) and their optimizer state: the checkpoint holds every rank's
+    every = of_every_rank(_entries(state))
     given = path = Path(path)
     try:  # any failure, on any rank (a path one node lacks, unreadable metadata): the others would wait in DCP's
         path = _step_folder(path)  # collectives for it
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        _check_entries(path, saved, state, kept)
+        _check_entries(path, saved, every)
         _check_run(path, saved, optimizer, global_batch_size)
         problem = None
     except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
