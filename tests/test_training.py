@@ -150,6 +150,32 @@ def test_nan_loss_stops_with_message_and_keeps_last_good_checkpoint(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_10"]
 
 
+class NaNEvalOnRank1(SyntheticCriteo):
+    """Synthetic data whose evaluation batches hold a NaN dense feature on rank 1 only."""
+
+    def batch(self, step):
+        b = super().batch(step)
+        if self.split == "eval" and self.rank == 1:
+            b.dense_features[-1, 0] = float("nan")
+        return b
+
+
+def _nan_evaluation_stops_every_rank(rank: int, world: int, tmp: str) -> None:
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    cfg = config(*SMALL, "trainer.max_steps=20", "trainer.eval_every=10", "trainer.checkpoint_every=5",
+                 f"data.eval._target_={__name__}.NaNEvalOnRank1")
+    with pytest.raises(NonFiniteLossError, match=r"2 of the 256 evaluation outputs at step 10 are NaN or inf"):
+        train(cfg, env, Path(tmp))
+    assert sorted(p.name for p in (Path(tmp) / "checkpoints").iterdir()) == ["step_10", "step_5"]
+
+
+def test_nan_evaluation_outputs_stop_every_rank(tmp_path):
+    """An evaluation whose outputs hold NaN on one rank (there from its data; a model diverged after its last loss
+    check gives the same) stops both ranks at that step: its scores were plausible numbers, torchmetrics dropping
+    the NaN from the log loss and ranking it into the AUC."""
+    run_world(2, _nan_evaluation_stops_every_rank, str(tmp_path), timeout=300)
+
+
 @pytest.mark.parametrize("losses", [[1.0, float("inf"), 2.0], [float("-inf"), 1.0], [float("inf"), float("-inf")],
                                     [0.5, float("nan")]])
 def test_any_nonfinite_loss_of_an_interval_stops_the_run(tmp_path, losses):

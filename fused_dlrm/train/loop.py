@@ -82,7 +82,8 @@ def features_of(batch: Batch | Exception) -> FeaturesOrError:
     return batch if isinstance(batch, Exception) else batch.sparse_features
 
 
-def evaluate(model, dataset, num_batches: int, env: DistEnv) -> dict[str, float]:
+def evaluate(model, dataset, num_batches: int, env: DistEnv, step: int) -> dict[str, float]:
+    """AUC and log loss over `num_batches` of every rank's evaluation data, after training step `step`."""
     sparse = model.sparse_arch.embedding_bag_collection
     metrics = CTRMetrics(env.device)
     model.eval()
@@ -99,7 +100,7 @@ def evaluate(model, dataset, num_batches: int, env: DistEnv) -> dict[str, float]
             logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
             metrics.update(logits, batch.labels)
     model.train()
-    return metrics.compute()
+    return metrics.compute(step)
 
 
 def train_step(model, optimizer, batch, world_size: int, step: Callable[[], None] | None = None,
@@ -172,7 +173,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
                 f"loss {loss:.5f} step_ms {interval.step_ms:.1f} samples/s {interval.rate:.0f}")
 
     def run_eval(step: int) -> dict:
-        scores = evaluate(model, eval_data, cfg.data.eval_batches, env)
+        scores = evaluate(model, eval_data, cfg.data.eval_batches, env, step)
         log.info("step %d eval auc %.4f log_loss %.4f", step, scores["auc"], scores["log_loss"])
         return scores
 
