@@ -18,6 +18,8 @@ from fused_dlrm.data import (
     SyntheticCriteo,
     local_batch_bounds,
 )
+from fused_dlrm.data import criteo
+from fused_dlrm.train.build import batch_stream
 
 
 @pytest.fixture(autouse=True)
@@ -449,6 +451,21 @@ def test_criteo_other_ranks_lines_are_not_parsed(tmp_path):
     assert [line_ids(b) for b in CriteoTSV(path, TABLE_ROWS, 4, rank=0, world_size=2)] == [[0, 1]]
     with pytest.raises(ValueError, match=":4"):
         list(CriteoTSV(path, TABLE_ROWS, 4, rank=1, world_size=2))
+
+
+def test_a_resume_reads_the_batches_before_it_without_parsing_them(tmp_path, monkeypatch):
+    """batch_stream from step 4 over 3 passes of 3 batches (10 lines in global batches of 4, rank 1 of 2): the
+    batches of the whole stream from there, and only their lines parsed. Parsing a line costs ~80x reading it: a
+    resume deep into a day of Criteo parsed every line before its step (minutes to hours) to throw it away."""
+    reader = CriteoTSV(write(tmp_path / "d", numbered_lines(10)), TABLE_ROWS, 4, rank=1, world_size=2)
+    whole = [(epoch, line_ids(batch)) for epoch, batch in batch_stream(reader, 0, None, epochs=3)]
+    assert whole[:4] == [(0, [2, 3]), (0, [6, 7]), (0, [9]), (1, [2, 3])]
+    parsed = []
+    parse = criteo._parse_line
+    monkeypatch.setattr(criteo, "_parse_line", lambda line, rows: parsed.append(line) or parse(line, rows))
+    resumed = [(epoch, line_ids(batch)) for epoch, batch in batch_stream(reader, 4, None, epochs=3)]
+    assert resumed == whole[4:]
+    assert len(parsed) == sum(len(ids) for _, ids in resumed)
 
 
 @pytest.mark.parametrize(

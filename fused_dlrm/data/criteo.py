@@ -10,7 +10,7 @@ from __future__ import annotations
 import gzip
 import os
 from collections.abc import Iterator, Sequence
-from itertools import islice
+from itertools import count, islice
 from typing import IO
 
 import torch
@@ -117,13 +117,22 @@ class CriteoTSV:
                 raise ValueError(f"{path}: cannot read past line {line_number}: {error}") from error
 
     def __iter__(self) -> Iterator[Batch]:
+        return self.skipping(0)
+
+    def skipping(self, batches: int) -> Iterator[Batch | None]:
+        """One pass over the files as iter(self) makes it, its first `batches` batches read but not made: None in
+        their place. A resume finds its step so (train/build.py's batch_stream): parsing a line costs ~80x reading
+        it, and a step deep into a day of Criteo lies behind millions of lines."""
         lines = self._lines()
-        while True:
-            # Lines of other ranks are only read, not parsed.
+        for index in count():
+            # Lines of other ranks, and of the batches skipped, are only read, not parsed.
             global_batch = list(islice(lines, self.global_batch_size))
             if len(global_batch) < self.global_batch_size:
                 if self.drop_last or len(global_batch) < self.world_size:
                     return
+            if index < batches:
+                yield None
+                continue
             start, stop = local_batch_bounds(len(global_batch), self.rank, self.world_size)
             yield self._to_batch(global_batch[start:stop])
 

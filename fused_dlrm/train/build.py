@@ -108,8 +108,9 @@ def batch_stream(dataset, start_step: int, steps_per_epoch: int | None, epochs: 
 
     Step-indexed datasets (`batch(step)`, epochs of `steps_per_epoch` steps; without steps_per_epoch every step is
     of epoch 0 and `epochs` ends nothing, trainer.max_steps does) resume exactly; streamed ones (files)
-    are replayed pass after pass and the batches before `start_step` are skipped (so a resume needs the
-    checkpoint's global batch size: load_checkpoint refuses another). The stream ends with the last
+    are replayed pass after pass and the batches before `start_step` are skipped, read but not made where the
+    dataset offers `skipping(batches)` (CriteoTSV: not parsed); so a resume needs the checkpoint's global batch size
+    (load_checkpoint refuses another). The stream ends with the last
     epoch rather than with a batch of the next one: whether a run goes on past a batch is then known without
     that batch, also on a rank that could not make it (train/loop.py).
     """
@@ -121,7 +122,8 @@ def batch_stream(dataset, start_step: int, steps_per_epoch: int | None, epochs: 
     step = 0
     for epoch in count() if epochs is None else range(epochs):
         produced = False
-        for batch in dataset:
+        skipped = max(0, start_step - step)  # read but not made where the dataset can (files: lines not parsed)
+        for batch in dataset.skipping(skipped) if hasattr(dataset, "skipping") else dataset:
             produced = True
             if step >= start_step:
                 yield epoch, batch
