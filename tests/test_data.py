@@ -453,6 +453,25 @@ def test_criteo_other_ranks_lines_are_not_parsed(tmp_path):
         list(CriteoTSV(path, TABLE_ROWS, 4, rank=1, world_size=2))
 
 
+@pytest.mark.parametrize("files,world_size,drop_last,match", [
+    ([0], 1, False, r"d0 hold 0 lines, fewer than one batch takes: 1 \(one per rank"),
+    ([1], 2, False, r"d0 hold 1 lines, fewer than one batch takes: 2 \(one per rank"),
+    ([0, 1], 2, False, r"d0, .*d1 hold 1 lines, fewer than one batch takes: 2"),
+    ([3], 1, True, r"d0 hold 3 lines, fewer than one batch takes: 4 \(a whole global batch: drop_last"),
+])
+def test_criteo_files_too_short_for_a_batch_are_refused(tmp_path, files, world_size, drop_last, match):
+    """Files that make no batch are refused when the reader is made (train.py: before training, on every rank,
+    naming them); they yielded nothing, and the run failed where it first read them (the evaluation's: after
+    trainer.eval_every steps) with "is the file empty or smaller than one global batch?", which a file of fewer
+    lines than a global batch is not (its short batch is kept)."""
+    paths = [write(tmp_path / f"d{i}", numbered_lines(n)) for i, n in enumerate(files)]
+    with pytest.raises(ValueError, match=match):
+        CriteoTSV(paths, TABLE_ROWS, 4, rank=0, world_size=world_size, drop_last=drop_last)
+    # one line more (the first file's) makes a batch: its short one, or with drop_last a whole one
+    write(tmp_path / "d0", numbered_lines(files[0] + 1))
+    assert len(list(CriteoTSV(paths, TABLE_ROWS, 4, rank=0, world_size=world_size, drop_last=drop_last))) == 1
+
+
 def test_a_resume_reads_the_batches_before_it_without_parsing_them(tmp_path, monkeypatch):
     """batch_stream from step 4 over 3 passes of 3 batches (10 lines in global batches of 4, rank 1 of 2): the
     batches of the whole stream from there, and only their lines parsed. Parsing a line costs ~80x reading it: a

@@ -104,6 +104,13 @@ class CriteoTSV:
         self.rank = rank
         self.world_size = world_size
         self.drop_last = drop_last
+        # Files too short for one batch would yield none, found only where they are first read (an evaluation's:
+        # after trainer.eval_every steps); their first lines tell now.
+        needed = global_batch_size if drop_last else world_size
+        found = sum(1 for _ in islice(self._lines(), needed))
+        if found < needed:
+            raise ValueError(f"Criteo files {', '.join(self.paths)} hold {found} lines, fewer than one batch takes: "
+                             f"{needed} ({'a whole global batch: drop_last' if drop_last else 'one per rank'})")
 
     def _lines(self) -> Iterator[tuple[str, int, str]]:
         """(path, 1-based line number, line) over all files in order."""
