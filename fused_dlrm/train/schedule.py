@@ -105,6 +105,9 @@ class TrainingRun:
             raise ValueError(f"trainer.checkpoint_dir {checkpoint_dir} already holds {later.name}, after this run's "
                              f"start at step {step}: resume from it (trainer.resume_from={checkpoint_dir}) or write "
                              f"into an empty directory")
+        if trainer.max_steps is not None and step >= trainer.max_steps:  # a resume at or past it: else silent
+            log.warning("the run starts at step %d, at or past trainer.max_steps=%d: it trains no step (only "
+                        "evaluates); raise trainer.max_steps to train on", step, trainer.max_steps)
         self.env, self.checkpoint_dir, self.log = env, checkpoint_dir, log
         # plain ints: read every step, and a DictConfig attribute costs ~10 us of host time
         self.log_every, self.eval_every = trainer.log_every, trainer.eval_every
