@@ -246,7 +246,8 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         return {"eval_loss": eval_loss}
 
     def checkpoint(step: int) -> None:
-        save_checkpoint(checkpoint_dir, step, model, optimizer, None, t.keep_checkpoints, cfg.data.global_batch_size)
+        save_checkpoint(checkpoint_dir, step, model, optimizer, None, t.keep_checkpoints, cfg.data.global_batch_size,
+                        t.resume_from)
 
     run = TrainingRun(t, env, run_dir, checkpoint_dir, step, items="tokens", log=log, loss_terms=3,
                       items_per_step=cfg.data.global_batch_size * cfg.data.seq_len, log_fields=log_fields,

@@ -27,7 +27,7 @@ def test_a_run_that_starts_at_or_past_max_steps_says_so(tmp_path, caplog):
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
     for start, max_steps, warned in ((30, 20, True), (20, 20, True), (19, 20, False), (30, None, False)):
         trainer = OmegaConf.create({"log_every": 5, "eval_every": 0, "checkpoint_every": 0, "max_steps": max_steps,
-                                    "progress": False})
+                                    "progress": False, "resume_from": None})
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             TrainingRun(trainer, env, tmp_path, tmp_path / "checkpoints", start, items="samples", items_per_step=1,

@@ -148,6 +148,12 @@ def test_nan_loss_stops_with_message_and_keeps_last_good_checkpoint(tmp_path):
     with pytest.raises(NonFiniteLossError, match=r"between steps 11 and 15.*Last good checkpoint: .*step_10"):
         train(cfg, CPU, tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_10"]
+    # resumed into a new directory, which holds no checkpoint of its own yet: the one it resumed from is named
+    resumed = config(*SMALL, "trainer.max_steps=40", "trainer.eval_every=0", "trainer.checkpoint_every=10",
+                     f"data.train._target_={__name__}.NaNAfterStep", f"trainer.resume_from={tmp_path / 'checkpoints'}")
+    with pytest.raises(NonFiniteLossError, match=r"between steps 11 and 15.*Last good checkpoint: .*checkpoints "
+                                                 r"\(this run resumed from it\)"):
+        train(resumed, CPU, tmp_path / "resumed")
 
 
 class NaNEvalOnRank1(SyntheticCriteo):
@@ -182,7 +188,7 @@ def test_any_nonfinite_loss_of_an_interval_stops_the_run(tmp_path, losses):
     """The loss check reads only the interval's summed losses: one NaN, +inf or -inf step (or two infinities of
     opposite signs) among finite ones must still stop it; finite losses must not."""
     trainer = OmegaConf.create({"log_every": len(losses), "eval_every": 0, "checkpoint_every": 0,
-                                "max_steps": None, "progress": False})
+                                "max_steps": None, "progress": False, "resume_from": None})
     run = TrainingRun(trainer, CPU, tmp_path, tmp_path / "checkpoints", 0, items="samples", items_per_step=1,
                       log_fields=lambda interval: ({"loss": interval.losses[0]}, ""), evaluate=lambda step: {},
                       save=lambda step: None, log=logging.getLogger(__name__))
@@ -201,7 +207,7 @@ def test_the_rate_counts_the_samples_of_each_step(tmp_path, monkeypatch):
     monkeypatch.setattr("fused_dlrm.train.schedule.time.perf_counter", lambda: next(clock))
     intervals = []
     trainer = OmegaConf.create({"log_every": 3, "eval_every": 0, "checkpoint_every": 0, "max_steps": None,
-                                "progress": False})
+                                "progress": False, "resume_from": None})
     run = TrainingRun(trainer, CPU, tmp_path, tmp_path / "checkpoints", 0, items="samples", items_per_step=16,
                       log_fields=lambda interval: intervals.append(interval) or ({"loss": 0.0}, ""),
                       evaluate=lambda step: {}, save=lambda step: None, log=logging.getLogger(__name__))

@@ -61,6 +61,15 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return steps[-1][1] if steps else None
 
 
+def last_good_checkpoint(root: Path, resumed_from: str | None) -> str:
+    """What a NaN stop names: the newest checkpoint under root, else the one the run resumed from (a resume into
+    a new directory has none of its own yet), else "none"."""
+    latest = latest_checkpoint(root) if root.exists() else None
+    if latest is not None:
+        return str(latest)
+    return f"{resumed_from} (this run resumed from it)" if resumed_from else "none"
+
+
 def _on_main(work, what: str) -> None:
     """`work()` on rank 0 alone (the shared folder's layout), its outcome raised on every rank."""
     problem = None
@@ -83,7 +92,7 @@ def _tensors(value):
             yield from _tensors(item)
 
 
-def _stop_if_nonfinite(state: dict, device: torch.device, root: Path, step: int) -> None:
+def _stop_if_nonfinite(state: dict, device: torch.device, root: Path, step: int, resumed_from: str | None) -> None:
     """Stop on every rank if any rank's parameters or optimizer state hold NaN / inf: the loss checked before a
     checkpoint was computed before the step's update, which may have diverged."""
     tensors = [t for t in _tensors(state) if t.is_floating_point() and t.numel()]
@@ -94,7 +103,7 @@ def _stop_if_nonfinite(state: dict, device: torch.device, root: Path, step: int)
     if all_reduce_sum(bad).item():
         raise NonFiniteLossError(f"parameters or optimizer state became NaN or inf by step {step} (its update "
                                  f"diverged after the loss was checked); stopping without writing step_{step}. Last "
-                                 f"good checkpoint: {latest_checkpoint(root) or 'none'}")
+                                 f"good checkpoint: {last_good_checkpoint(root, resumed_from)}")
 
 
 def check_keep_last(keep_last: int) -> None:
@@ -105,8 +114,10 @@ def check_keep_last(keep_last: int) -> None:
 
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    embedding_optimizer=None, keep_last: int = 2, global_batch_size: int | None = None) -> Path:
-    """global_batch_size: the run's data.global_batch_size, recorded for load_checkpoint's check."""
+                    embedding_optimizer=None, keep_last: int = 2, global_batch_size: int | None = None,
+                    resumed_from: str | None = None) -> Path:
+    """global_batch_size: the run's data.global_batch_size, recorded for load_checkpoint's check; resumed_from:
+    the run's trainer.resume_from (named by a NaN stop when root holds no checkpoint yet)."""
     check_keep_last(keep_last)
     root = Path(root)
     final, partial = root / f"step_{step}", root / f"step_{step}.partial"
@@ -126,7 +137,7 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
         log.info("checkpoint saved: %s", final)
 
     state = _state(model, optimizer, embedding_optimizer)
-    _stop_if_nonfinite(state, next(model.parameters()).device, root, step)
+    _stop_if_nonfinite(state, next(model.parameters()).device, root, step, resumed_from)
     state["run"] = _run_record(optimizer, global_batch_size)
     _on_main(start, f"could not start checkpoint {partial}")
     state["step"].fill_(step)

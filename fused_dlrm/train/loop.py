@@ -179,7 +179,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
 
     def checkpoint(step: int) -> None:
         save_checkpoint(checkpoint_dir, step, model, optimizer, sparse.lookup.optimizer, t.keep_checkpoints,
-                        cfg.data.global_batch_size)
+                        cfg.data.global_batch_size, t.resume_from)
 
     run = TrainingRun(t, env, run_dir, checkpoint_dir, step, items="samples", log=log,
                       items_per_step=cfg.data.global_batch_size, log_fields=log_fields, evaluate=run_eval,

@@ -25,17 +25,17 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from fused_dlrm.dist import DistEnv, all_reduce_sum
-from fused_dlrm.train.checkpoint import NonFiniteLossError, check_keep_last, latest_checkpoint
+from fused_dlrm.train.checkpoint import NonFiniteLossError, check_keep_last, last_good_checkpoint, latest_checkpoint
 
 log = logging.getLogger(__name__)
 
-def stop_if_nonfinite(loss_sum: float, first_step: int, last_step: int, checkpoint_dir: Path) -> None:
+def stop_if_nonfinite(loss_sum: float, first_step: int, last_step: int, checkpoint_dir: Path,
+                      resumed_from: str | None) -> None:
     """Stop the run, naming the step range and the last good checkpoint, if any step's loss was NaN or inf: the
     sum of the steps' losses is then NaN or inf too (a sum of finite losses could only overflow past 3e38)."""
     if not math.isfinite(loss_sum):
-        last = latest_checkpoint(checkpoint_dir) if checkpoint_dir.exists() else None
         raise NonFiniteLossError(f"loss became NaN or inf between steps {first_step} and {last_step}; stopping. "
-                                 f"Last good checkpoint: {last or 'none'}")
+                                 f"Last good checkpoint: {last_good_checkpoint(checkpoint_dir, resumed_from)}")
 
 
 class MetricsLog:
@@ -86,9 +86,9 @@ LogFields = Callable[[Interval], tuple[dict, str]]
 class TrainingRun:
     """A training run's counters, progress bar, metrics log, interval timing and cadence.
 
-    `trainer` is cfg.trainer (log_every, checkpoint_every, eval_every, max_steps, progress); `step` the step it
-    starts from (a resumed checkpoint's). `items`, `items_per_step`: what the rate counts ("samples", the global
-    batch) for the progress bar. Callbacks: `log_fields` (above), `evaluate(step) -> fields` (logs its own line;
+    `trainer` is cfg.trainer (log_every, checkpoint_every, eval_every, max_steps, progress, resume_from); `step` the
+    step it starts from (a resumed checkpoint's). `items`, `items_per_step`: what the rate counts ("samples", the
+    global batch) for the progress bar. Callbacks: `log_fields` (above), `evaluate(step) -> fields` (logs its own line;
     the run keeps {"step", **fields} in result.evals and metrics.jsonl), `save(step)` (a checkpoint). `log`: the
     loop's logger, for the interval's line. `loss_terms`: how many terms each end_step passes.
     """
@@ -108,7 +108,7 @@ class TrainingRun:
         if trainer.max_steps is not None and step >= trainer.max_steps:  # a resume at or past it: else silent
             log.warning("the run starts at step %d, at or past trainer.max_steps=%d: it trains no step (only "
                         "evaluates); raise trainer.max_steps to train on", step, trainer.max_steps)
-        self.env, self.checkpoint_dir, self.log = env, checkpoint_dir, log
+        self.env, self.checkpoint_dir, self.resumed_from, self.log = env, checkpoint_dir, trainer.resume_from, log
         # plain ints: read every step, and a DictConfig attribute costs ~10 us of host time
         self.log_every, self.eval_every = trainer.log_every, trainer.eval_every
         self.checkpoint_every = trainer.checkpoint_every
@@ -169,7 +169,7 @@ class TrainingRun:
         log the interval."""
         step, steps = self.step, self.interval_steps
         total = all_reduce_sum(self.loss_sum.clone()).tolist()
-        stop_if_nonfinite(total[-1], step - steps + 1, step, self.checkpoint_dir)
+        stop_if_nonfinite(total[-1], step - steps + 1, step, self.checkpoint_dir, self.resumed_from)
         seconds = time.perf_counter() - self.interval_start
         interval = Interval(losses=[v / max(steps * self.env.world_size, 1) for v in total[:-1]],
                             step_ms=1000 * seconds / max(steps, 1), rate=self.interval_items / seconds)
