@@ -1,7 +1,7 @@
 """Refuse config keys that no code reads: Hydra's `+trainer.max_step=10` adds a key, a typo as readily as any other,
 and the run would go on without it. A key of trainer / model / data / comm is known when some conf/<group>/*.yaml
-sets it; the keys under a node with `_target_` are its class's arguments, which the call of the class checks
-(`+trainer.dense_optimizer.momentum=0.9`, `+data.train.device=cuda`)."""
+sets it, a top-level key when conf/config.yaml does; the keys under a node with `_target_` are its class's
+arguments, which the call of the class checks (`+trainer.dense_optimizer.momentum=0.9`, `+data.train.device=cuda`)."""
 
 from __future__ import annotations
 
@@ -34,19 +34,27 @@ def known_keys(group: str) -> set[str]:
     return known
 
 
+def top_level_keys() -> set[str]:
+    """The keys conf/config.yaml sets (seed, report) and the groups."""
+    node = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
+    return (set(node) - {"defaults", "hydra"}) | {p.name for p in CONF.iterdir() if p.is_dir()}
+
+
 def _describe(key: str, known: set[str]) -> str:
     """An unknown key, the known one its name is closest to, and the known keys beside it."""
-    parent, name = key.rsplit(".", 1)
-    siblings = sorted(k.rsplit(".", 1)[1] for k in known if k.rsplit(".", 1)[0] == parent)
+    parent, _, name = key.rpartition(".")
+    siblings = sorted(k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent)
     close = difflib.get_close_matches(name, siblings, n=1)
-    return (f"{key}{f' (did you mean {parent}.{close[0]}?)' if close else ''}; the known keys of {parent}: "
-            f"{', '.join(siblings)}")
+    prefix = f"{parent}." if parent else ""
+    return (f"{key}{f' (did you mean {prefix}{close[0]}?)' if close else ''}; the known keys of "
+            f"{parent or 'the config'}: {', '.join(siblings)}")
 
 
 def check_config_keys(cfg: DictConfig) -> None:
     """Raise ValueError naming every key of cfg's trainer / model / data / comm that no conf file of its group sets,
-    with the known keys beside it. Deterministic: under torchrun every rank raises the same error."""
-    unknown = []
+    and every top-level key conf/config.yaml does not set, with the known keys beside it. Deterministic: under torchrun every rank raises the same error."""
+    top = top_level_keys()
+    unknown = [_describe(key, top) for key in cfg if key not in top]
     for group in CHECKED_GROUPS:
         if group in cfg:
             known = known_keys(group)
