@@ -15,8 +15,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 
 @pytest.mark.parametrize("num_keys,world,local_batch,extra,bad,dtype,weights", [
     (7, 2, 300, 0, 9, torch.int64, 1), (13, 4, 57, 5, 3, torch.int32, 0), (13, 3, 57, -4, 2, torch.int64, 3),
-    (64, 2, 2048, 0, 0, torch.int64, 0), (64, 2, 2048, 0, 5, torch.int64, len(bh.WEIGHT_DTYPES) + 1),
-    (128, 2, 2048, 3, 1, torch.int32, 2)])  # weights: the header's dtype_code
+    (64, 2, 2048, 0, 0, torch.int64, 0), (64, 2, 2048, 0, 5, torch.int64, -1),
+    (128, 2, 2048, 3, 1, torch.int32, 2)])  # weights: the header's code (`dtype_code`)
 def test_kernel_equals_reference(num_keys, world, local_batch, extra, bad, dtype, weights):
     seed = num_keys * 100 + world * 10 + bad
     values, counts, rows = (t.cuda() for t in _batch(seed, num_keys, local_batch, extra, bad, dtype))

@@ -53,13 +53,13 @@ def test_kernel_equals_reference(num_keys, world, local_batch, extra, bad, dtype
     seed = num_keys * 100 + world * 10 + bad
     values, counts, rows = _batch(seed, num_keys, local_batch, extra, bad, dtype)
     header_keys = _header_keys(num_keys, world, seed)
-    code = bh.dtype_code(None if weights is None else torch.ones(3, dtype=weights), bh.WEIGHT_DTYPES)
+    code = bh.tensor_dtype_code(None if weights is None else torch.ones(3, dtype=weights))
     want = bh.batch_header_reference(values, counts, rows, header_keys, local_batch, code)
     got = bh.launch_batch_header(values, counts, rows, header_keys, local_batch, code)
     assert torch.equal(got, want), (got, want)
     assert (want[:, bh.OUT_OF_RANGE] > 0).any() == (bad > 0 and bool(((values < 0) | (values >= 500)).any()))
     described = bh.dtype_described(int(want[0, bh.WEIGHTS]), bh.WEIGHT_DTYPES, "weights")
-    assert (want[:, bh.INDICES] == bh.INDEX_DTYPES.index(dtype) + 1).all()
+    assert (want[:, bh.INDICES] == bh.dtype_code(dtype)).all()
     assert (want[:, bh.WEIGHTS] == code).all() and described == {
         None: "no weights", torch.float32: "float32 weights", torch.bfloat16: "bfloat16 weights",
         torch.float16: "float16 weights",

@@ -2,12 +2,12 @@
 
 Row r of the header goes to rank r: [local batch size, no batch (0 here), bad keys (0 here), values beyond the
 lengths' sum, out-of-range indices (of keys a table reads), whether per-sample weights travel and in which dtype
-(`dtype_code` of WEIGHT_DTYPES, 0 for none: their all-to-all is one more collective, which every rank must join or
-none, and every rank sizes its buffers in its own dtype), the indices' dtype (`dtype_code` of INDEX_DTYPES: the
-values' all-to-all alike), then the value count of each feature rank r owns (0 where rank r owns fewer features
-than the widest)]. Where this rank has no batch to send (it could not make it: NO_BATCH) or its
-keys or its lengths' shape are wrong (BAD_KEYS, EXTRA_VALUES), the input dist sends zeros and that one flag
-instead.
+(its `dtype_code`, 0 for none: their all-to-all is one more collective, which every rank must join or none, and
+every rank sizes its buffers in its own dtype; WEIGHT_DTYPES are the ones it takes), the indices' dtype (its
+`dtype_code`, one of INDEX_DTYPES: the values' all-to-all alike), then the value count of each feature rank r owns
+(0 where rank r owns fewer features than the widest)]. Where this rank has no batch to send (it could not make it:
+NO_BATCH) or its keys or its lengths' shape are wrong (BAD_KEYS, EXTRA_VALUES), the input dist sends zeros and that
+one flag instead.
 
 As torch ops this is ~20 small launches per batch: with them the header's start (its all-to-all and copy to the
 host included) took 0.58-0.63 ms of host time per DLRM step, with the kernel 0.32-0.35 (one H200,
@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned
 
 # The header's columns: these, then each destination's per-feature value counts.
@@ -29,7 +30,7 @@ BATCH, NO_BATCH, BAD_KEYS, EXTRA_VALUES, OUT_OF_RANGE, WEIGHTS, INDICES, FIRST_C
 _BATCH, _NO_BATCH, _BAD_KEYS, _EXTRA_VALUES, _OUT_OF_RANGE, _WEIGHTS, _INDICES, _FIRST_COUNT = (  # the kernel's
     tl.constexpr(c) for c in (BATCH, NO_BATCH, BAD_KEYS, EXTRA_VALUES, OUT_OF_RANGE, WEIGHTS, INDICES, FIRST_COUNT))
 BLOCK_VALUES = 1024
-# The dtypes the WEIGHTS and INDICES columns name (`dtype_code`).
+# The dtypes the WEIGHTS and INDICES columns may name (`dtype_code`).
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int64, torch.int32)
 NOT_READ = -1  # the table size of a key no table reads: its indices are out of no range
@@ -41,19 +42,19 @@ def out_of_range(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return (rows != NOT_READ) & ((values < 0) | (values >= rows))
 
 
-def dtype_code(t: torch.Tensor | None, dtypes: tuple[torch.dtype, ...]) -> int:
-    """A header column's code of t's dtype: 0 for no tensor, 1 + i for dtypes[i], len(dtypes) + 1 for another."""
-    if t is None:
-        return 0
-    return dtypes.index(t.dtype) + 1 if t.dtype in dtypes else len(dtypes) + 1
+def tensor_dtype_code(t: torch.Tensor | None) -> int:
+    """A header column's code of t's dtype: its `dtype_code`, 0 for no tensor."""
+    return dtype_code(None if t is None else t.dtype)
 
 
 def dtype_described(code: int, dtypes: tuple[torch.dtype, ...], what: str) -> str:
-    """A `dtype_code` in words, for errors: "float16 weights", "no weights", "weights of a dtype other than ..."."""
-    names = [str(d).removeprefix("torch.") for d in dtypes]
+    """A `dtype_code` in words, for errors: "float16 weights", "no weights", "weights of a dtype other than ..."
+    (a code of none of `dtypes`)."""
     if code == 0:
         return f"no {what}"
-    return f"{names[code - 1]} {what}" if code <= len(dtypes) else f"{what} of a dtype other than {', '.join(names)}"
+    if code in [dtype_code(d) for d in dtypes]:
+        return f"{dtype_name(code)} {what}"
+    return f"{what} of a dtype other than {', '.join(str(d).removeprefix('torch.') for d in dtypes)}"
 
 
 def value_keys(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -68,11 +69,11 @@ def batch_header_reference(values: torch.Tensor, counts: torch.Tensor, rows: tor
                            header_keys: torch.Tensor, local_batch: int, weights: int) -> torch.Tensor:
     """The header [world, FIRST_COUNT + width] int64. counts: values per key [keys] int64; rows: each key's table
     size (NOT_READ: a key no table reads); header_keys [world, width]: the key of destination r's feature f
-    (num_keys: padding); weights: the batch's per-sample weights' `dtype_code` (WEIGHT_DTYPES)."""
+    (num_keys: padding); weights: the batch's per-sample weights' `tensor_dtype_code`."""
     bad = out_of_range(values, rows[value_keys(values, counts)]).sum()
     zero = torch.zeros_like(bad)
     first = torch.stack([torch.full_like(bad, local_batch), zero, zero, values.numel() - counts.sum(), bad,
-                         torch.full_like(bad, int(weights)), torch.full_like(bad, dtype_code(values, INDEX_DTYPES))])
+                         torch.full_like(bad, int(weights)), torch.full_like(bad, tensor_dtype_code(values))])
     padded = torch.cat([counts, counts.new_zeros(1)])
     return torch.cat([first.expand(header_keys.shape[0], FIRST_COUNT), padded[header_keys]], dim=1)
 
@@ -141,7 +142,7 @@ def launch_batch_header(values: torch.Tensor, counts: torch.Tensor, rows: torch.
     constexprs = (BLOCK_VALUES, max(1, num_keys.bit_length()), triton.next_power_of_2(world),
                   triton.next_power_of_2(max(width, 1)))
     args = (values, counts, torch.cumsum(counts, 0), rows, header_keys, header, values.numel(), num_keys,
-            local_batch, int(weights), dtype_code(values, INDEX_DTYPES), world, width, *constexprs)
+            local_batch, int(weights), tensor_dtype_code(values), world, width, *constexprs)
     # The specialisation besides the constexprs: the values' dtype and alignment (a KJT's values may be a view);
     # the other tensors are fresh allocations or a plan's own.
     key = (values.dtype, aligned(values), counts.dtype, rows.dtype, *constexprs)

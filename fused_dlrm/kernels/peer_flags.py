@@ -6,8 +6,15 @@ program) in every destination rank after their stores. The consumer's wait kerne
 rank, polling that rank's flags; when they are all up it acknowledges the epoch back to the producer, which
 guards the double-buffered output against being overwritten while the consumer may still read it.
 Waits are bounded: every kernel records a timeout through `record_timeout` (the first one per error wins) into an
-error word that `PeerErrors` turns into an exception on the host. An op whose ranks publish a signature of their
-call beside their flags records a peer's call that differs from this rank's the same way (`record_mismatch`).
+error word that `PeerErrors` turns into an exception on the host.
+
+Call signatures: ranks whose calls of an op differ (sizes, dtypes, tiles: a caller's bug) would read each other's
+slots in another layout, so an op's ranks compare their calls on the device. Each call has a signature
+(`signature_of`: int64 words that every rank's call must share, word 0 its epoch), which travels with the data:
+stored into each peer beside the data before the flag that releases both (`store_signature`). A consumer compares
+a peer's signature with its own once per call (`same_call`, `same_calls`); one unlike its own records error 3 with
+both signatures (`record_mismatch`), which `PeerErrors` names in words (the op's `describe_calls`, built with
+`describe_signatures`).
 """
 
 from __future__ import annotations
@@ -109,6 +116,51 @@ def wait_or_record(flag, epoch, spin_limit, error_ptr, peer, slot):
     if arrived == 0:
         record_timeout(error_ptr, 1, peer, slot, epoch)
     return arrived
+
+
+@triton.jit
+def signature_of(words):
+    """A call's signature (int64 [SIGNATURE_WORDS]) from a tuple of at most SIGNATURE_WORDS scalars, word 0 the
+    call's epoch (a signature of another call is of another step); the words past the tuple are 0."""
+    w = tl.arange(0, SIGNATURE_WORDS)
+    signature = tl.zeros([SIGNATURE_WORDS], tl.int64)
+    for i in tl.static_range(len(words)):
+        signature = tl.where(w == i, words[i], signature)
+    return signature
+
+
+@triton.jit
+def _signature_slot(signature_ptrs, dest, offset, source):
+    """Where dest's signature buffer (from word `offset`: e.g. a half by epoch parity) holds source's signature."""
+    return tl.load(signature_ptrs + dest).to(tl.pointer_type(tl.int64)) + offset + source * SIGNATURE_WORDS
+
+
+@triton.jit
+def store_signature(signature_ptrs, dest, offset, rank, signature):
+    """Store this rank's `signature` at [rank] of dest's signature buffer (signature_ptrs: the peer-pointer table;
+    from word `offset`), before the flag that releases the data beside it: the flag releases the signature too."""
+    tl.store(_signature_slot(signature_ptrs, dest, offset, rank) + tl.arange(0, SIGNATURE_WORDS), signature)
+
+
+@triton.jit
+def same_call(signatures, peer, mine, error_ptr, slot, epoch):
+    """Whether peer's call is this rank's: its signature at `signatures` + peer * SIGNATURE_WORDS (this rank's
+    buffer, behind a flag of the peer's call that this program has seen) equals mine. A mismatch is recorded (the
+    first error of the op wins; `slot`, `epoch`: where and at which step)."""
+    theirs = tl.load(signatures + peer * SIGNATURE_WORDS + tl.arange(0, SIGNATURE_WORDS))
+    same = tl.max((theirs != mine).to(tl.int32), axis=0) == 0
+    if not same:
+        record_mismatch(error_ptr, peer, slot, epoch, mine, theirs)
+    return same
+
+
+@triton.jit
+def same_calls(signatures, rank, mine, error_ptr, slot, epoch, WORLD: tl.constexpr):
+    """`same_call` for every peer (the next rank first)."""
+    same = True
+    for k in tl.static_range(1, WORLD):
+        same &= same_call(signatures, (rank + k) % WORLD, mine, error_ptr, slot, epoch)
+    return same
 
 
 @triton.jit
@@ -237,6 +289,17 @@ class CopySchedule:
     def uncovered(self) -> bool:
         """Whether calls were made after the latest copy."""
         return self.covered < self.calls
+
+
+def describe_signatures(mine: list[int], theirs: list[int], describe: Callable[[list[int]], str],
+                        extras: dict[int, str]) -> tuple[str, str]:
+    """Two calls' signatures (`signature_of`'s words, this rank's and the peer's) in words, for PeerErrors'
+    describe_calls: `describe`'s words for each (what the call does), then each word of `extras` (index: a format
+    of its value) and the step (word 0) where the two differ."""
+    extras = {**extras, 0: "step {}"}
+    return tuple(", ".join([describe(signature)] +
+                           [text.format(signature[i]) for i, text in extras.items() if signature[i] != other[i]])
+                 for signature, other in ((mine, theirs), (theirs, mine)))
 
 
 class PeerErrors:

@@ -87,8 +87,9 @@ import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, GraphReplays, aligned, resident_programs_per_sm
-from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, record_mismatch,
-                                           recorded_at, wait_or_record)
+from fused_dlrm.kernels import dtype_code, dtype_name
+from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, describe_signatures,
+                                           recorded_at, same_calls, signature_of, store_signature, wait_or_record)
 from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, NO_FMA, block_values, decode_reference,
                                              encode_blocks, encode_reference, error_bound, kernel_constants,
                                              load_blocks, store_blocks)
@@ -137,38 +138,32 @@ def check_quantizable(x: torch.Tensor) -> None:
                         f"all-reduces any dtype)")
 
 
-# A call's signature, which every rank's call must share: its dtype and codec as these tables' indices (-1: none of
-# them), so that a mismatch can be named. "none" is "nccl" (both a plain all-reduce).
-SIGNATURE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-                    torch.int16, torch.int8, torch.uint8, torch.bool)
+# A call's codec as an index here (-1: none of them), so that a mismatch can be named. "none" is "nccl" (both a plain
+# all-reduce).
 SIGNATURE_CODECS = ("nccl",) + tuple(CODECS)
 
 
 def call_signature(numel: int, dtype: torch.dtype, codec: str, mean: bool) -> list[int]:
-    """[numel, dtype, codec, mean] as integers: what the ranks' calls of one all-reduce must agree on (the fused
-    kernel's signature adds its epoch and tile split: `_call_signature`)."""
+    """[numel, dtype (`dtype_code`), codec, mean] as integers: what the ranks' calls of one all-reduce must agree on
+    (the fused kernel's signature adds its epoch and tile split: `_call_signature`)."""
     codec = "nccl" if codec == "none" else codec
-    return [numel, SIGNATURE_DTYPES.index(dtype) if dtype in SIGNATURE_DTYPES else -1,
-            SIGNATURE_CODECS.index(codec) if codec in SIGNATURE_CODECS else -1, int(mean)]
+    return [numel, dtype_code(dtype), SIGNATURE_CODECS.index(codec) if codec in SIGNATURE_CODECS else -1, int(mean)]
 
 
 def describe_call(signature: list[int]) -> str:
     """`call_signature` in words: "4096 float32 elements, codec q8" (", mean" with mean; ", into an unusable out"
     where a fifth word, the bulk call's check of its out (`out_problem`), is 1)."""
     numel, dtype, codec, mean = signature[:4]
-    dtype = str(SIGNATURE_DTYPES[dtype]).removeprefix("torch.") if 0 <= dtype < len(SIGNATURE_DTYPES) else "other"
     codec = SIGNATURE_CODECS[codec] if 0 <= codec < len(SIGNATURE_CODECS) else "unknown"
-    return (f"{numel} {dtype} elements, codec {codec}{', mean' if mean else ''}"
+    return (f"{numel} {dtype_name(dtype)} elements, codec {codec}{', mean' if mean else ''}"
             f"{', into an unusable out' if signature[4:5] == [1] else ''}")
 
 
-def describe_signatures(mine: list[int], theirs: list[int]) -> tuple[str, str]:
+def describe_fused_calls(mine: list[int], theirs: list[int]) -> tuple[str, str]:
     """Two fused calls' signatures (the kernel's `_call_signature`) in words: size, dtype, codec and mean, then the
     grid, flag stride, tile size and step where they differ."""
-    extras = {5: "a grid of {} programs", 6: "flags for {} programs", 7: "tiles of {} blocks", 0: "step {}"}
-    return tuple(", ".join([describe_call(signature[1:5])] +
-                           [text.format(signature[i]) for i, text in extras.items() if signature[i] != other[i]])
-                 for signature, other in ((mine, theirs), (theirs, mine)))
+    return describe_signatures(mine, theirs, lambda signature: describe_call(signature[1:5]),
+                               {5: "a grid of {} programs", 6: "flags for {} programs", 7: "tiles of {} blocks"})
 
 
 def sum_in_rank_order(parts: list[torch.Tensor], mean: bool) -> torch.Tensor:
@@ -226,31 +221,10 @@ def _encoded(ptrs, peer, num_blocks, WORDS: tl.constexpr):
 @triton.jit
 def _call_signature(epoch, numel, dtype_code, codec_code, MEAN: tl.constexpr, num_programs, max_programs,
                     ROWS: tl.constexpr):
-    """What a peer's call must share with this one, as SIGNATURE_WORDS int64 (`describe_signatures` reads them):
-    the epoch (a signature of another call is of another step), what fixes the slots' layout and what lands in
-    them (numel, dtype: `call_signature`'s codes, which round input and output; codec; mean), and the tile split
-    and flag slots (grid, flag stride, tile size)."""
-    w = tl.arange(0, SIGNATURE_WORDS)
-    words = tl.where(w == 0, epoch.to(tl.int64), tl.zeros([SIGNATURE_WORDS], tl.int64))
-    words = tl.where(w == 1, numel, words)
-    words = tl.where(w == 2, dtype_code, words)
-    words = tl.where(w == 3, codec_code, words)
-    words = tl.where(w == 4, 1 if MEAN else 0, words)
-    words = tl.where(w == 5, num_programs, words)
-    words = tl.where(w == 6, max_programs, words)
-    return tl.where(w == 7, ROWS, words)
-
-
-@triton.jit
-def _same_call(signatures, peer, mine, error_ptr, slot, epoch):
-    """Whether peer's call is this rank's: its signature, which it stored into my `signatures` before its flag
-    that this program has seen, equals mine (`_call_signature`). A mismatch is recorded (the first error of the
-    op wins)."""
-    theirs = tl.load(signatures + peer * SIGNATURE_WORDS + tl.arange(0, SIGNATURE_WORDS))
-    same = tl.max((theirs != mine).to(tl.int32), axis=0) == 0
-    if not same:
-        record_mismatch(error_ptr, peer, slot, epoch, mine, theirs)
-    return same
+    """What a peer's call must share with this one (`describe_fused_calls` reads it): the epoch, what fixes the
+    slots' layout and what lands in them (numel, dtype: `call_signature`'s codes, which round input and output;
+    codec; mean), and the tile split and flag slots (grid, flag stride, tile size)."""
+    return signature_of((epoch, numel, dtype_code, codec_code, 1 if MEAN else 0, num_programs, max_programs, ROWS))
 
 
 @triton.jit
@@ -299,9 +273,7 @@ def _quantized_all_reduce_kernel(
                 store_blocks(payload, scales, mine + rows, row_mask, codes, scale, KIND, WORDS, LOW)
                 t += num_programs
             if k < WORLD - 1:  # a peer (my own tiles are read by this program: phase 2 needs only a barrier)
-                # my signature, at [source = me] of dest's: released with the tiles by the flag
-                peer_signatures = tl.load(signature_ptrs + dest).to(tl.pointer_type(tl.int64))
-                tl.store(peer_signatures + rank * SIGNATURE_WORDS + tl.arange(0, SIGNATURE_WORDS), signature)
+                store_signature(signature_ptrs, dest, 0, rank, signature)  # released with the tiles by the flag
                 _signal(ready_ptrs, dest, rank * max_programs + pid, epoch)
     if (first_phase <= 1) & (last_phase >= 1):  # 2. reduce my chunk
         ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
@@ -311,9 +283,7 @@ def _quantized_all_reduce_kernel(
         tl.debug_barrier()  # my own tiles, stored by this program's threads in phase 1
         if valid:  # every peer's flag is up: read their signatures as their data, behind it
             signatures = tl.load(signature_ptrs + rank).to(tl.pointer_type(tl.int64))
-            for k in tl.static_range(1, WORLD):
-                peer = (rank + k) % WORLD
-                valid &= _same_call(signatures, peer, signature, error_ptr, pid, epoch)
+            valid &= same_calls(signatures, rank, signature, error_ptr, pid, epoch, WORLD)
         payload, scales = _encoded(recv_ptrs, rank, slots, WORDS)
         # A failed call reduces nothing (its peers' tiles may be of another layout) but raises its flags: its
         # peers' waits end, and the flags of later calls follow on.
@@ -404,11 +374,11 @@ class FusedQuantizedAllReduce:
         self.rank, self.world = workspace.rank, workspace.world_size
         self.errors = PeerErrors(workspace.device, self.rank,
                                  f"fused quantized all-reduce (slices >= {max_programs}: all-gather)",
-                                 describe_calls=describe_signatures)
+                                 describe_calls=describe_fused_calls)
         flags = self.world * max_programs
         self.ready = workspace.buffer("qar_ready", flags, torch.int32)
         self.done = workspace.buffer("qar_done", flags, torch.int32)
-        # every source's signature of its latest call, beside the flags (the kernel's `_same_call`)
+        # every source's signature of its latest call, beside the flags (the kernel's `same_calls`)
         self.signatures = workspace.buffer("qar_signatures", self.world * SIGNATURE_WORDS.value, torch.int64)
         self.step = torch.zeros(max_programs, dtype=torch.int32, device=workspace.device)  # the kernel's epochs
         self._plans: dict[tuple, Plan] = {}

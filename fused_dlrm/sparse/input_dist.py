@@ -31,9 +31,10 @@ from torchrec import KeyedJaggedTensor
 
 from fused_dlrm.dist.alltoall import all_to_all_v, exchange_counts
 from fused_dlrm.dist.host_copy import PendingHostCopy
+from fused_dlrm.kernels import dtype_code
 from fused_dlrm.kernels.batch_header import (BAD_KEYS, BATCH, EXTRA_VALUES, FIRST_COUNT, INDEX_DTYPES, INDICES,
                                              NO_BATCH, NOT_READ, OUT_OF_RANGE, WEIGHT_DTYPES, WEIGHTS, batch_header,
-                                             dtype_code, dtype_described, out_of_range, value_keys)
+                                             dtype_described, out_of_range, tensor_dtype_code, value_keys)
 from fused_dlrm.kernels.segment_gather import gather_segments
 from fused_dlrm.sparse.plan import RowBlock
 from fused_dlrm.sparse.row_wise import RowBuckets
@@ -218,9 +219,10 @@ class BulkInputDist:
             weights = None if self.is_weighted is False else kjt.weights_or_none()
             sent = _Sent(values, lengths, counts, weights)
             if plan.buckets is None:  # one kernel on GPUs
-                header = batch_header(values, counts, plan.rows, plan.header_keys, local_batch, dtype_code(weights, WEIGHT_DTYPES))
+                header = batch_header(values, counts, plan.rows, plan.header_keys, local_batch,
+                                      tensor_dtype_code(weights))
             else:  # the checks of the uncut batch, the counts of its cut
-                header = batch_header(values, counts, plan.rows, plan.no_keys, local_batch, dtype_code(weights, WEIGHT_DTYPES))
+                header = batch_header(values, counts, plan.rows, plan.no_keys, local_batch, tensor_dtype_code(weights))
                 cut_values, cut_lengths, cut_weights = plan.buckets.cut(values, lengths, sent.weights)
                 cut_counts = cut_lengths.sum(dim=1)
                 header[:, FIRST_COUNT:] = torch.cat([cut_counts, cut_counts.new_zeros(1)])[plan.header_keys]
@@ -343,7 +345,7 @@ class BulkInputDist:
         buffers every rank sizes in its own dtype), when a weighted collection gets a KJT without weights (that rank
         says so, the others name it); with is_weighted=None, when some ranks' KJTs have weights and others' not (no
         rank is wrong alone: every rank names both sides); or when the weights that travel differ in dtype, or are
-        not floating point. codes: each source's header's WEIGHTS code (`dtype_code`)."""
+        not floating point. codes: each source's header's WEIGHTS code (`tensor_dtype_code`)."""
         without = [s for s, code in enumerate(codes) if not code]
         if without and not (len(without) == len(codes) and not self.is_weighted):
             weighted = "the EmbeddingBagCollection is weighted (is_weighted=True)"
@@ -359,10 +361,10 @@ class BulkInputDist:
         self._raise_for_dtypes(codes, WEIGHT_DTYPES, "weights")
 
     def _raise_for_dtypes(self, codes: list[int], dtypes: tuple[torch.dtype, ...], what: str) -> None:
-        """Every rank raises, naming each rank's dtype, when the sources' `what` (their header's `dtype_code` of
-        `dtypes`) differ in dtype or are of none of `dtypes`: their all-to-all sizes its buffers in each rank's own
+        """Every rank raises, naming each rank's dtype, when the sources' `what` (their header's `dtype_code`, 0
+        for none) differ in dtype or are of none of `dtypes`: their all-to-all sizes its buffers in each rank's own
         dtype."""
-        if len(set(codes)) > 1 or max(codes) > len(dtypes):
+        if len(set(codes)) > 1 or not set(codes) <= {0, *(dtype_code(d) for d in dtypes)}:
             sent = ", ".join(f"rank {s}: {dtype_described(code, dtypes, what)}" for s, code in enumerate(codes))
             raise ValueError(f"rank {self.rank}: {what} must be of one of "
                              f"{', '.join(str(d).removeprefix('torch.') for d in dtypes)}, the same on every rank "

@@ -42,9 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fused_dlrm.dist.env import check_same_call
+from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.allgather_gemm import all_gather_matmul, check_weight
 from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce
-from fused_dlrm.kernels.quantized_allreduce import SIGNATURE_DTYPES
 from fused_dlrm.kernels.tma import require_tma_readable
 
 COMMS = ("bulk", "fused")
@@ -251,29 +251,23 @@ def _fused_all_reduce(group: dist.ProcessGroup) -> GemmAllReduce:
     return GemmAllReduce(_workspace(group))
 
 
-def _dtype_code(dtype: torch.dtype | None) -> int:
-    """A dtype as its index in SIGNATURE_DTYPES; -1: none (no autocast) or another one."""
-    return SIGNATURE_DTYPES.index(dtype) if dtype in SIGNATURE_DTYPES else -1
-
-
 def _call_signature(x: torch.Tensor, weight: torch.Tensor) -> list[int]:
-    """What every rank's call of a layer must share: x's dtype, the weight's, autocast's (-1: off), x's dim count,
-    numel and first SIGNATURE_DIMS dims (-1 past its last)."""
+    """What every rank's call of a layer must share: x's dtype, the weight's, autocast's (`dtype_code`s; 0: off),
+    x's dim count, numel and first SIGNATURE_DIMS dims (-1 past its last)."""
     kind = x.device.type
     autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
     dims = list(x.shape[:SIGNATURE_DIMS])
-    return ([_dtype_code(x.dtype), _dtype_code(weight.dtype), _dtype_code(autocast), x.dim(), x.numel()] + dims
+    return ([dtype_code(x.dtype), dtype_code(weight.dtype), dtype_code(autocast), x.dim(), x.numel()] + dims
             + [-1] * (SIGNATURE_DIMS - len(dims)))
 
 
 def _describe_call(signature: list[int]) -> str:
     """`_call_signature` in words: "x [4, 3, 12] float32, weight float32" (", autocast bfloat16" where on)."""
-    x_dtype, weight_dtype, autocast = (str(SIGNATURE_DTYPES[code]).removeprefix("torch.") if code >= 0 else "other"
-                                       for code in signature[:3])
+    x_dtype, weight_dtype, autocast = signature[:3]
     ndim = signature[3]
     shape = signature[5:5 + min(ndim, SIGNATURE_DIMS)] + (["..."] if ndim > SIGNATURE_DIMS else [])
-    return (f"x [{', '.join(map(str, shape))}] {x_dtype}, weight {weight_dtype}"
-            + (f", autocast {autocast}" if signature[2] >= 0 else ""))
+    return (f"x [{', '.join(map(str, shape))}] {dtype_name(x_dtype)}, weight {dtype_name(weight_dtype)}"
+            + (f", autocast {dtype_name(autocast)}" if autocast else ""))
 
 
 def full_weight(out_features: int, in_features: int, seed: int, std: float) -> torch.Tensor:
