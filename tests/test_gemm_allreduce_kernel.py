@@ -37,15 +37,12 @@ class World:
                                   split_k=split_k, algorithm=algorithm) for ws in self.shared.workspaces()]
 
     def poison(self, xs, ws, scatter: bool = False) -> None:
-        """NaN into every floating buffer of the world, after the ops have made their buffers for calls like
-        (xs, ws) (an op makes them on its first call of a shape: poisoned before that, nothing would be)."""
+        """NaN into the world's partials and outputs, after the ops have made their buffers for calls like (xs, ws)
+        (an op makes them on its first call of a shape: poisoned before that, nothing would be)."""
         for op, x, w in zip(self.ops, xs, ws):
             for phase in (PRODUCE, REDUCE, WAIT):
                 op.prepare(x, w, phase, scatter)
-        for tensors in self.shared.buffers.values():
-            for t in tensors:
-                if t.is_floating_point():
-                    t.fill_(float("nan"))
+        poison(self.shared)
 
     def __call__(self, xs, ws, scatter: bool = False) -> list[torch.Tensor]:
         """Every rank's output of one call; scatter: the reduce-scatter form."""
@@ -53,6 +50,17 @@ class World:
         for phase in (PRODUCE, REDUCE, WAIT):
             plans = [op.launch(x, w, e, phase, scatter) for op, x, w, e in zip(self.ops, xs, ws, epochs)]
         return [op.output(e, plan).clone() for op, e, plan in zip(self.ops, epochs, plans)]
+
+
+def poison(world: SimulatedWorld) -> None:
+    """NaN into every data buffer of a simulated world: the floating ones, and bytes (the GEMM + all-reduce's outputs:
+    0xFFFF is NaN in fp16 and bf16)."""
+    for tensors in world.buffers.values():
+        for t in tensors:
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            elif t.dtype == torch.uint8:
+                t.fill_(255)
 
 
 def random_inputs(world_size, m, k, n, dtype, gen):
@@ -190,6 +198,21 @@ def test_prepare_plans_without_launching():
     assert_all_reduced(world(xs, ws), xs, ws)
     assert all(f.eq(1).any() for f in flags)  # the call raised them
     assert all(op._plans[op._key(x, w, PRODUCE, False)] is plan for op, x, w, plan in zip(world.ops, xs, ws, plans))
+
+
+def test_calls_of_either_dtype_share_the_output_buffer():
+    """fp16 and bf16 calls in turn, each checked, keep the output buffer (its bytes) and every plan: a typed buffer
+    was allocated anew at each change of dtype (on GPUs a collective that synchronises the device)."""
+    world = World(2)
+    gen = torch.Generator().manual_seed(11)
+    for step in range(4):
+        xs, ws = random_inputs(2, 3, 24, 40, (torch.bfloat16, torch.float16)[step % 2], gen)
+        world.poison(xs, ws)
+        assert_all_reduced(world(xs, ws), xs, ws)
+        if step == 0:
+            out = world.ops[0].ws._buffers["gemm_allreduce_out"]
+    assert world.ops[0].ws._buffers["gemm_allreduce_out"] is out
+    assert len(world.ops[0]._plans) == 2 * 3  # both dtypes' plans of every phase, none dropped
 
 
 def test_unknown_algorithm_is_an_error():

@@ -22,16 +22,10 @@ from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, max_programs_for,
                                                     quantized_all_reduce_reference)
 from test_fused_embedding_kernels import INTERACTION_PUSH_CASES, check_interaction_push
+from test_gemm_allreduce_kernel import poison
 from test_quantized_allreduce_gpu import world_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-
-
-def poison(world: SimulatedWorld) -> None:
-    for tensors in world.buffers.values():
-        for t in tensors:
-            if t.is_floating_point():
-                t.fill_(float("nan"))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

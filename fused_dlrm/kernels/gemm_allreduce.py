@@ -421,12 +421,16 @@ class GemmAllReduce:
             raise ValueError(f"a call of x {tuple(x.shape)} and w {tuple(w.shape)} needs buffers of 2^31 elements or "
                              "more per half: split it")
         recv = self.ws.buffer("gemm_allreduce_recv", recv_size, torch.float32)
-        out = self.ws.buffer("gemm_allreduce_out", 2 * out_rows * n, x.dtype)
+        # In bytes: a call of the other dtype (fp16 and bf16 are alike in size) keeps the buffer; typed, it was
+        # allocated anew at every change of dtype, a collective that on GPUs synchronises the device (and that a
+        # rank whose call's dtype differs from its peers' would enter alone).
+        out = self.ws.buffer("gemm_allreduce_out", 2 * out_rows * n * x.element_size(), torch.uint8)
         # Plans made before a buffer grew point into the old one: drop them (their keys plan anew).
         self._plans = {k: p for k, p in self._plans.items() if p.recv is recv and p.out is out}
-        half = out.local.numel() // 2
+        local = out.local.view(x.dtype)
+        half = local.numel() // 2
         size = out_rows * n
-        outputs = out.local[:size].view(out_rows, n), out.local[half:half + size].view(out_rows, n)
+        outputs = local[:size].view(out_rows, n), local[half:half + size].view(out_rows, n)
         interpret = self._launches.interpret
         options = dict(num_warps=tiling.num_warps, num_stages=tiling.num_stages or (5 if block_m == 16 else 3))
         args = Arguments(
