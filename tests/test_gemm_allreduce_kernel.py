@@ -8,7 +8,9 @@ element or unwritten partial tile shows.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from dataclasses import replace
 
 import pytest
@@ -18,7 +20,7 @@ from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels import gemm_allreduce
 from fused_dlrm.kernels.gemm_allreduce import (PRODUCE, REDUCE, WAIT, GemmAllReduce, default_split_k,
                                                gemm_allreduce_reference, gemm_reduce_scatter_reference)
-from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerWaitTimeout
 from sm90 import compile_for_sm90
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
@@ -31,10 +33,10 @@ ALGORITHMS = ("one_shot", "two_shot")
 
 class World:
     def __init__(self, world_size: int, num_programs: int = 3, split_k: int | None = None,
-                 algorithm: str = "two_shot"):
-        self.shared = SimulatedWorld(world_size)
-        self.ops = [GemmAllReduce(ws, num_programs=num_programs, spin_limit=50, block_n=16, block_k=16,
-                                  split_k=split_k, algorithm=algorithm) for ws in self.shared.workspaces()]
+                 algorithm: str = "two_shot", device: str = "cpu", spin_limit: int = 50):
+        self.shared = SimulatedWorld(world_size, device)
+        self.ops = [small_op(ws, num_programs=num_programs, split_k=split_k, algorithm=algorithm,
+                             spin_limit=spin_limit) for ws in self.shared.workspaces()]
 
     def poison(self, xs, ws, scatter: bool = False) -> None:
         """NaN into the world's partials and outputs, after the ops have made their buffers for calls like (xs, ws)
@@ -46,10 +48,16 @@ class World:
 
     def __call__(self, xs, ws, scatter: bool = False) -> list[torch.Tensor]:
         """Every rank's output of one call; scatter: the reduce-scatter form."""
-        epochs = [op.next_epoch() for op in self.ops]
+        return [output().clone() for output in self.launch(self.ops, xs, ws, [scatter] * len(xs))]
+
+    @staticmethod
+    def launch(ops, xs, ws, scatters) -> list:
+        """Launch one call of every rank's op (its own form, scatter or not), phase by phase; returns each rank's
+        `output` (which raises the rank's error)."""
+        epochs = [op.next_epoch() for op in ops]
         for phase in (PRODUCE, REDUCE, WAIT):
-            plans = [op.launch(x, w, e, phase, scatter) for op, x, w, e in zip(self.ops, xs, ws, epochs)]
-        return [op.output(e, plan).clone() for op, e, plan in zip(self.ops, epochs, plans)]
+            plans = [op.launch(x, w, e, phase, s) for op, x, w, e, s in zip(ops, xs, ws, epochs, scatters)]
+        return [functools.partial(op.output, e, plan) for op, e, plan in zip(ops, epochs, plans)]
 
 
 def poison(world: SimulatedWorld) -> None:
@@ -63,9 +71,18 @@ def poison(world: SimulatedWorld) -> None:
                 t.fill_(255)
 
 
-def random_inputs(world_size, m, k, n, dtype, gen):
-    xs = [torch.randn(m, k, generator=gen).to(dtype) for _ in range(world_size)]
-    ws = [(torch.randn(k, n, generator=gen) / k ** 0.5).to(dtype) for _ in range(world_size)]
+def small_op(ws, grid: int | None = None, **kwargs) -> GemmAllReduce:
+    """An op of small tiles (N and K by 16) on 3 programs, two-shot, with short waits; but for `kwargs`. grid: its
+    grid, on the flags of `num_programs` (as the grid rule would give on a GPU of other SMs)."""
+    op = GemmAllReduce(ws, **{**dict(num_programs=3, spin_limit=50, block_n=16, block_k=16, algorithm="two_shot"),
+                              **kwargs})
+    op.given_programs = grid or op.given_programs
+    return op
+
+
+def random_inputs(world_size, m, k, n, dtype, gen, device="cpu"):
+    xs = [torch.randn(m, k, generator=gen).to(device, dtype) for _ in range(world_size)]
+    ws = [(torch.randn(k, n, generator=gen) / k ** 0.5).to(device, dtype) for _ in range(world_size)]
     return xs, ws
 
 
@@ -328,11 +345,68 @@ def test_timeout_names_rank_and_slice(algorithm):
         op.output(epoch, plan)
 
 
+# Rank 1's call unlike the others' (x [6, 40] @ w [40, 50] bf16, two-shot all-reduce, World's ops): its shapes, dtype
+# or form, or its op's (`small_op`'s arguments: the tiles, the K split, the algorithm, the grid); what the messages
+# then say of the others' call and of rank 1's.
+USUAL = "x [6, 40] @ w [40, 50] bfloat16, all-reduce, two-shot"
+DIFFERENCES = {
+    "rows": (dict(m=4), None, USUAL, "x [4, 40] @ w [40, 50] bfloat16, all-reduce, two-shot"),
+    "n": (dict(n=40), None, USUAL, "x [6, 40] @ w [40, 40] bfloat16, all-reduce, two-shot"),
+    "k": (dict(k=24), None, USUAL, "x [6, 24] @ w [24, 50] bfloat16, all-reduce, two-shot"),
+    "dtype": (dict(dtype=torch.float16), None, USUAL, "x [6, 40] @ w [40, 50] float16, all-reduce, two-shot"),
+    "form": (dict(scatter=True), None, USUAL, "x [6, 40] @ w [40, 50] bfloat16, reduce-scatter"),
+    "algorithm": ({}, dict(algorithm="one_shot"), USUAL, "x [6, 40] @ w [40, 50] bfloat16, all-reduce, one-shot"),
+    "tiles": ({}, dict(block_n=32), USUAL + ", tiles of 16 columns", USUAL + ", tiles of 32 columns"),
+    "split_k": ({}, dict(split_k=2), USUAL + ", K split in 1", USUAL + ", K split in 2"),
+    "grid": ({}, dict(grid=2), USUAL + ", a grid of 3 programs", USUAL + ", a grid of 2 programs"),
+}
+
+
+def check_calls_that_differ(world_size: int, difference: str, device: str = "cpu") -> None:
+    """Every rank raises, naming itself, the peer whose call it found unlike its own first and both calls (a program
+    reads its peers' calls at its first tile, one without a tile, e.g. every one of rank 2 of 3, behind its peers'
+    flags of the same program); the next call, alike on every rank, is exact. The first call, alike, leaves the
+    buffers large enough for the second's calls: on GPUs a rank that grows a buffer alone waits in the allocation's
+    collective before any kernel runs. On GPUs waits spin longer (~1 s): a program of the larger grid whose flag the
+    other grid never raises must not give up before a peer program of its rank has recorded the mismatch."""
+    call, op, usual, odd = DIFFERENCES[difference]
+    spin_limit = 50 if device == "cpu" else 1 << 22
+    world = World(world_size, device=device, spin_limit=spin_limit)
+    gen = torch.Generator().manual_seed(world_size)
+    xs, ws = random_inputs(world_size, 12, 40, 50, torch.bfloat16, gen, device)
+    assert_all_reduced(world(xs, ws), xs, ws)
+    shapes = [dict(m=6, k=40, n=50, dtype=torch.bfloat16, scatter=False) for _ in range(world_size)]
+    shapes[1].update(call)
+    inputs = [random_inputs(1, s["m"], s["k"], s["n"], s["dtype"], gen, device) for s in shapes]
+    ops = list(world.ops)
+    if op is not None:  # a second op of rank 1's, on the same workspace (flags, signatures and epochs by name)
+        ops[1] = small_op(ops[1].ws, spin_limit=spin_limit, **op)
+    outputs = World.launch(ops, [x[0] for x, _ in inputs], [w[0] for _, w in inputs], [s["scatter"] for s in shapes])
+    for rank, output in enumerate(outputs):
+        # a rank names the first peer it finds unlike itself: rank 1 its next rank, the others rank 1
+        peer, mine, theirs = ((2 % world_size, odd, usual) if rank == 1 else (1, usual, odd))
+        with pytest.raises(PeerCallMismatch, match=f"rank {rank} at step 2: peer {peer} called it with "
+                                                   f"{re.escape(theirs)}; this rank with {re.escape(mine)} \\("):
+            output()  # on the CPU
+            ops[rank].errors.check(block=True)  # on GPUs
+    xs, ws = random_inputs(world_size, 6, 40, 50, torch.bfloat16, gen, device)
+    world.poison(xs, ws)
+    assert_all_reduced(world(xs, ws), xs, ws)
+    for op in ops:
+        op.errors.check(block=True)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("difference", list(DIFFERENCES))
+def test_calls_that_differ_between_ranks_raise_on_every_rank(world_size, difference):
+    check_calls_that_differ(world_size, difference)
+
+
 COMPILE_FOR_SM90 = r"""
 from fused_dlrm.kernels import gemm_allreduce
 
 types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "error_ptr": "*i32"}
-types.update({n: "*i64" for n in ("recv_ptrs", "out_ptrs", "ready_ptrs", "done_ptrs")})
+types.update({n: "*i64" for n in ("recv_ptrs", "out_ptrs", "ready_ptrs", "done_ptrs", "signature_ptrs")})
 many = gemm_allreduce.MANY_ROWS
 for one_shot, scatter in ((True, False), (False, False), (False, True)):
     # The plans' defaults: FEW_ROWS at 16 and 64 rows (two programs per SM), MANY_ROWS (one per SM).

@@ -11,6 +11,8 @@ buffers start poisoned (NaN) so unwritten elements show.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -18,11 +20,12 @@ from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.allgather_gemm import AllGatherMatmul, GemmConfig, all_gather_matmul_reference
 from fused_dlrm.kernels.gemm_allreduce import (PRODUCE, REDUCE, WAIT, GemmAllReduce, gemm_allreduce_reference,
                                                gemm_reduce_scatter_reference)
+from fused_dlrm.kernels.peer_flags import PeerCallMismatch
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, max_programs_for,
                                                     quantized_all_reduce_reference)
 from test_fused_embedding_kernels import INTERACTION_PUSH_CASES, check_interaction_push
-from test_gemm_allreduce_kernel import poison
+from test_gemm_allreduce_kernel import DIFFERENCES, check_calls_that_differ, poison
 from test_quantized_allreduce_gpu import world_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -149,6 +152,15 @@ def test_gemm_reduce_scatter_matches_the_float64_sum(world_size):
             assert out.shape == expected.shape and not out.isnan().any() and err < 1e-2, (m, k, n, err)
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("difference", list(DIFFERENCES))
+def test_gemm_all_reduce_calls_that_differ_raise_on_every_rank(world_size, difference):
+    """The interpreter test's calls that differ between ranks (test_gemm_allreduce_kernel.check_calls_that_differ:
+    shapes, dtype, form, tiles, K split, algorithm, grid), as compiled: every rank raises naming both calls (at
+    `check(block=True)`: on GPUs the error word is read without stalling), and the next call is exact."""
+    check_calls_that_differ(world_size, difference, "cuda")
+
+
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
 def test_gemm_all_reduce_in_one_launch_per_rank_on_two_streams(algorithm):
     """The GPU form, one launch per call with real waits on the peer's flags: the two ranks on two streams of the
@@ -180,6 +192,47 @@ def test_gemm_all_reduce_in_one_launch_per_rank_on_two_streams(algorithm):
                 assert torch.equal(outs[0], outs[1])
     for op in ops:
         op.errors.check(block=True)
+
+
+@pytest.mark.parametrize("difference", ["rows", "dtype", "form"])
+def test_gemm_all_reduce_calls_that_differ_in_one_launch_per_rank_on_two_streams(difference):
+    """The GPU form with real waits (two streams, half the SMs each, the default tiles): rank 1's call has other rows,
+    another dtype, or is a reduce-scatter; both ranks raise naming both calls, and the next calls, alike, are
+    exact."""
+    world = SimulatedWorld(2, "cuda")
+    programs = torch.cuda.get_device_properties(0).multi_processor_count // 2
+    ops = [GemmAllReduce(ws, num_programs=programs) for ws in world.workspaces()]
+    streams = [torch.cuda.Stream() for _ in ops]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    shapes = [(64, torch.bfloat16, False), {"rows": (48, torch.bfloat16, False), "dtype": (64, torch.float16, False),
+                                            "form": (64, torch.bfloat16, True)}[difference]]
+    said = [f"x [{m}, 1000] @ w [1000, 3000] {str(dtype).removeprefix('torch.')}, "
+            f"{'reduce-scatter' if scatter else 'all-reduce, one-shot'}" for m, dtype, scatter in shapes]
+    for step in range(3):  # alike, rank 1's call unlike rank 0's, alike
+        calls = [shapes[0], shapes[step == 1]]
+        xs = [torch.randn(m, 1000, device="cuda", generator=gen).to(dtype) for m, dtype, _ in calls]
+        ws = [(torch.randn(1000, 3000, device="cuda", generator=gen) / 1000 ** 0.5).to(dtype) for _, dtype, _ in calls]
+        for op, x, w, (_, _, scatter) in zip(ops, xs, ws, calls):
+            op.prepare(x, w, scatter=scatter)  # compiled and loaded before a launch spins on the peer's flags
+        poison(world)
+        torch.cuda.synchronize()
+        outs = []
+        for op, stream, x, w, (_, _, scatter) in zip(ops, streams, xs, ws, calls):
+            with torch.cuda.stream(stream):
+                outs.append(op.reduce_scatter(x, w) if scatter else op(x, w))
+        torch.cuda.synchronize()
+        if step == 1:
+            for rank, op in enumerate(ops):
+                mine, theirs = (said[1], said[0]) if rank == 1 else (said[0], said[1])
+                with pytest.raises(PeerCallMismatch, match=rf"rank {rank} at step 2: peer {1 - rank} called it with "
+                                                           rf"{re.escape(theirs)}.*; this rank with {re.escape(mine)}"):
+                    op.errors.check(block=True)
+            continue
+        expected = gemm_allreduce_reference(xs, ws)
+        err = float((outs[0].double() - expected).abs().max() / expected.abs().max())
+        assert not outs[0].isnan().any() and err < 1e-2 and torch.equal(outs[0], outs[1]), (step, err)
+        for op in ops:
+            op.errors.check(block=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -40,8 +40,20 @@ flags, as it reduces tiles from every rank), i.e. every peer has started call e 
 partials of call e; so the half that call e + 2 overwrites is no longer read. The returned output is a view of symmetric
 memory, valid until the call after next (later stores to it come from call e + 2). Flags carry the epoch, are
 never reset and are compared with `>=`; a wait that times out records (1, peer, slice) in the error word, which
-`PeerErrors` raises on the host as PeerWaitTimeout (slice: the tile being reduced, or in the wait phase the
-program whose output flag is missing).
+`PeerErrors` raises on the host as PeerWaitTimeout (slice: the tile being reduced, -1 for a program that owns
+none (below), or in the wait phase the program whose output flag is missing).
+
+Ranks whose calls differ (M, N, K, dtype, form, or the tiles, K split and grid their ops plan: a caller's bug)
+would sum slots of another layout without an error, so every call has a signature (`_call_signature`) that
+travels with the partials: each producing program stores it into every rank it sends partials to, in the half of
+the signature buffers of the epoch's parity (guarded as the receive slots), before the flag that releases them;
+each reducing program reads every peer's once per call, behind the flags of its first tile, or, owning no tile,
+behind its peers' flags of its own program number (after raising its own flags). One unlike its own records error
+3 (`PeerErrors` names rank, peer and both calls in words), so every rank raises; the call's output is then not
+defined, and the flags, raised as after any call, leave the next call exact. (A grid larger than a peer's has
+programs whose flags the peer never raises: those give up after spin_limit polls, by when the others have
+recorded the mismatch.) Not caught: a call that makes only some ranks grow the symmetric buffers (a larger shape)
+waits in the buffers' collective allocation, before any kernel, for peers that never join it.
 
 `gemm_allreduce_reference` is the pure-torch definition; `gemm_allreduce_bulk` the bulk twin (matmul, then
 torch.distributed.all_reduce); `gemm_reduce_scatter_reference` / `_bulk` the same for the reduce-scatter form.
@@ -57,8 +69,10 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
+from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
-from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, PeerErrors, signal_ready, wait_or_record
+from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, describe_signatures,
+                                           same_calls, signal_ready, signature_of, store_signature, wait_or_record)
 
 PRODUCE, REDUCE, WAIT = 1, 2, 4  # the phases of a launch (PHASES is their sum)
 ALL_PHASES = PRODUCE | REDUCE | WAIT
@@ -112,6 +126,31 @@ def _tile_place(tile, n_tiles, tiles_per_rank, band_rows, M, BLOCK_M: tl.constex
     return first, end, n_tile
 
 
+FORMS = ("all-reduce, two-shot", "all-reduce, one-shot", "reduce-scatter")  # a signature's form, in words
+
+
+@triton.jit
+def _call_signature(epoch, M, N, K, dtype_code, ONE_SHOT: tl.constexpr, SCATTER: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, split_k, num_programs, flag_stride):
+    """What a peer's call must share with this one (`describe_calls` reads it): the epoch, the shapes and dtype
+    (x [M, K], w [K, N]), the form (FORMS' index), and what lays out the receive slots, outputs and flags: the
+    tiles, K chunks, grid and flag stride. (BLOCK_K is not in it: a rank's K chunks are its own sums.)"""
+    form = 2 if SCATTER else (1 if ONE_SHOT else 0)
+    return signature_of((epoch, M, N, K, dtype_code, form, BLOCK_M, BLOCK_N, split_k, num_programs, flag_stride))
+
+
+def describe_calls(mine: list[int], theirs: list[int]) -> tuple[str, str]:
+    """Two calls' signatures (`_call_signature`) in words: "x [5, 40] @ w [40, 50] bfloat16, all-reduce, two-shot",
+    then the tiles, K chunks, grid, flag stride and step where they differ."""
+    def call(signature: list[int]) -> str:
+        _, m, n, k, dtype, form = signature[:6]
+        return f"x [{m}, {k}] @ w [{k}, {n}] {dtype_name(dtype)}, {FORMS[form]}"
+
+    return describe_signatures(mine, theirs, call, {6: "tiles of {} rows", 7: "tiles of {} columns",
+                                                    8: "K split in {}", 9: "a grid of {} programs",
+                                                    10: "flags for {} programs"})
+
+
 @triton.jit
 def _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, first_row, row_end, n_tile, N, K,
                   chunk, k_chunk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -144,9 +183,9 @@ def _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, firs
 @triton.jit(do_not_specialize=["epoch", "recv_half", "out_half"])
 def _gemm_allreduce_kernel(
     x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn,
-    recv_ptrs, out_ptrs, ready_ptrs, done_ptrs, error_ptr,
-    rank, epoch, M, N, K, recv_half, out_half, num_tiles, n_tiles, tiles_per_rank, band_rows, slot_rows, split_k,
-    k_chunk, num_programs, flag_stride, spin_limit,
+    recv_ptrs, out_ptrs, ready_ptrs, done_ptrs, signature_ptrs, error_ptr,
+    rank, epoch, M, N, K, dtype_code, recv_half, out_half, num_tiles, n_tiles, tiles_per_rank, band_rows, slot_rows,
+    split_k, k_chunk, num_programs, flag_stride, spin_limit,
     WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr, OUT_DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, PHASES: tl.constexpr,
     ONE_SHOT: tl.constexpr, SCATTER: tl.constexpr,
@@ -156,6 +195,13 @@ def _gemm_allreduce_kernel(
     cols = tl.arange(0, BLOCK_N)
     slot_size = slot_rows * BLOCK_N  # one partial tile in a receive slot: [slot_rows <= BLOCK_M, BLOCK_N] fp32
     parity = epoch % 2
+    # This call's signature: stored beside the partials (released by their flags) into every rank they go to, in
+    # the half of the signature buffers of this epoch's parity (guarded as the receive slots are); compared with
+    # every peer's once per program (the module docstring).
+    signature = _call_signature(epoch, M, N, K, dtype_code, ONE_SHOT, SCATTER, BLOCK_M, BLOCK_N, split_k,
+                                num_programs, flag_stride)
+    signature_half = parity * WORLD * SIGNATURE_WORDS
+    signatures = tl.load(signature_ptrs + rank).to(tl.pointer_type(tl.int64)) + signature_half  # peers' here
 
     if PHASES & 1:  # produce: partial tiles into the receive slots of the ranks that reduce them
         if ONE_SHOT:  # every tile to every rank
@@ -173,6 +219,8 @@ def _gemm_allreduce_kernel(
                     tl.store(recv + parity * recv_half + slot + rows[:, None] * BLOCK_N + cols[None, :], acc,
                              mask=row_mask[:, None])
                 u += num_programs
+            for dest in tl.static_range(WORLD):
+                store_signature(signature_ptrs, dest, signature_half, rank, signature)
             signal_ready(ready_ptrs, rank * flag_stride + pid, epoch, WORLD)
         else:  # each tile to its owner, owners remote first, rotated by rank
             for step in tl.static_range(1, WORLD + 1):
@@ -191,6 +239,7 @@ def _gemm_allreduce_kernel(
                     row_mask = first + rows < end
                     tl.store(recv + slot + rows[:, None] * BLOCK_N + cols[None, :], acc, mask=row_mask[:, None])
                     u += num_programs
+                store_signature(signature_ptrs, owner, signature_half, rank, signature)
                 tl.debug_barrier()  # this program's stores for `owner` before its flag there
                 flag = tl.load(ready_ptrs + owner).to(tl.pointer_type(tl.int32)) + rank * flag_stride + pid
                 tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
@@ -210,6 +259,8 @@ def _gemm_allreduce_kernel(
                                     source, first_tile + j)
                     chunk += 1
             tl.debug_barrier()  # the flags this program's threads acquired cover the partials any of them loads
+            if j == pid:  # the program's first tile: the peers' calls (a flag of each is seen), once per call
+                same_calls(signatures, rank, signature, error_ptr, first_tile + j, epoch, WORLD)
             first, end, n_tile = _tile_place(first_tile + j, n_tiles, tiles_per_rank, band_rows, M, BLOCK_M, SCATTER)
             out_rows = first + rows
             row_mask = out_rows < end
@@ -237,6 +288,12 @@ def _gemm_allreduce_kernel(
             j += num_programs
         if not ONE_SHOT and not SCATTER:
             signal_ready(done_ptrs, rank * flag_stride + pid, epoch, WORLD)
+        if pid >= owned:  # no tile: the peers' calls behind their flags (source, pid), once this program's are up
+            for k in tl.static_range(1, WORLD):
+                source = (rank + k) % WORLD
+                wait_or_record(ready + source * flag_stride + pid, epoch, spin_limit, error_ptr, source, -1)
+            tl.debug_barrier()
+            same_calls(signatures, rank, signature, error_ptr, -1, epoch, WORLD)
 
     if PHASES & 4:  # wait until every owner's program `pid` has stored its tiles here (one-shot, scatter: no peer does)
         if not ONE_SHOT and not SCATTER:
@@ -294,7 +351,8 @@ class GemmAllReduce:
     """out = sum over the workspace's ranks of x @ w, fused into one launch (see the module docstring).
 
     Every rank must make the same calls in the same order: the same form (__call__ or reduce_scatter, which is
-    always two-shot), M, K, N and dtype (flags carry per-call epochs); a call of M = 0 launches nothing on any
+    always two-shot), M, K, N and dtype, on ops of one tiling (flags carry per-call epochs); a call unlike a
+    peer's raises PeerCallMismatch on every rank (the module docstring). A call of M = 0 launches nothing on any
     rank and returns an empty output. A plan tiles by FEW_ROWS up to 64 rows and by MANY_ROWS above; `block_m` ...
     `programs_per_sm`, where given, replace those tilings' fields (for tests and sweeps; the grid must stay
     co-resident, see the module docstring). The launch has `num_programs` persistent programs when given, else
@@ -331,9 +389,12 @@ class GemmAllReduce:
         self.num_programs, self.spin_limit = num_programs, spin_limit  # the largest grid: the flags' stride
         self.split_k = split_k
         self.algorithm = algorithm
-        self.errors = PeerErrors(device, self.rank, "fused GEMM + all-reduce")
+        self.errors = PeerErrors(device, self.rank, "fused GEMM + all-reduce", describe_calls=describe_calls)
         self.ready = workspace.buffer("gemm_allreduce_ready", self.world * num_programs, torch.int32)
         self.done = workspace.buffer("gemm_allreduce_done", self.world * num_programs, torch.int32)
+        # every source's signature of its call, in two halves by epoch parity, as the receive slots
+        self.signatures = workspace.buffer("gemm_allreduce_signatures", 2 * self.world * SIGNATURE_WORDS.value,
+                                           torch.int64)
         self._plans: dict[tuple, Plan] = {}
         self._launches = CompiledLaunches(_gemm_allreduce_kernel)
 
@@ -437,7 +498,8 @@ class GemmAllReduce:
             _gemm_allreduce_kernel, ("x_ptr", "w_ptr", "epoch"),
             stride_xm=x.stride(0), stride_xk=x.stride(1), stride_wk=w.stride(0), stride_wn=w.stride(1),
             recv_ptrs=recv.peer_ptrs, out_ptrs=out.peer_ptrs, ready_ptrs=self.ready.peer_ptrs,
-            done_ptrs=self.done.peer_ptrs, error_ptr=self.errors.word, rank=self.rank, M=m, N=n, K=k,
+            done_ptrs=self.done.peer_ptrs, signature_ptrs=self.signatures.peer_ptrs, error_ptr=self.errors.word,
+            rank=self.rank, M=m, N=n, K=k, dtype_code=dtype_code(x.dtype),
             recv_half=recv.local.numel() // 2, out_half=half, num_tiles=num_tiles, n_tiles=n_tiles,
             tiles_per_rank=tiles_per_rank, band_rows=out_rows, slot_rows=slot_rows, split_k=split_k,
             k_chunk=k_tiles * tiling.block_k, num_programs=P, flag_stride=self.num_programs, spin_limit=self.spin_limit,

@@ -37,7 +37,7 @@ DEFAULT_SPIN_LIMIT = 250_000_000
 
 # A call's signature: int64 words that every rank's call must share (their meaning is the op's; word 0 its epoch).
 # The error word ([code, peer, slot, epoch, claim, unused x 3], int32) holds, for code 3, both signatures after it.
-SIGNATURE_WORDS = tl.constexpr(8)
+SIGNATURE_WORDS = tl.constexpr(16)
 ERROR_WORDS = 8 + 2 * 2 * SIGNATURE_WORDS.value
 MISMATCH = 3  # the error code of a peer's call that differs from this rank's
 
@@ -122,6 +122,7 @@ def wait_or_record(flag, epoch, spin_limit, error_ptr, peer, slot):
 def signature_of(words):
     """A call's signature (int64 [SIGNATURE_WORDS]) from a tuple of at most SIGNATURE_WORDS scalars, word 0 the
     call's epoch (a signature of another call is of another step); the words past the tuple are 0."""
+    tl.static_assert(len(words) <= SIGNATURE_WORDS, "a call's signature has at most SIGNATURE_WORDS words")
     w = tl.arange(0, SIGNATURE_WORDS)
     signature = tl.zeros([SIGNATURE_WORDS], tl.int64)
     for i in tl.static_range(len(words)):
