@@ -99,9 +99,10 @@ def _timeout(rank: int, world: int) -> None:
     for producer in GEMM_PRODUCERS:
         op = op_for(CudaSymmetricWorkspace(), x, GemmConfig(spin_limit=100_000))  # allocation is collective
         op.gather_for(producer)  # so is the copy engines' exchange, made on first use: both ranks make it here
-        if rank == 0:  # rank 1 never produces: rank 0's tiles of rank 1's chunks time out instead of hanging
+        if rank == 0:  # rank 1 never calls: rank 0's wait for its call's signature times out instead of hanging
             op.finish(op.start(x, producer), x, weight, producer)
-            with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1 waiting for rank 1, slice 0"):
+            with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step \d waiting for rank 1 to start the "
+                                                      r"call"):
                 op.gather.errors.check(block=True)
         torch.cuda.synchronize()
         dist.barrier()
@@ -115,5 +116,5 @@ def test_all_gather_matmul_equals_the_bulk_twin():
     run_world(2, _matmul, backend="nccl")
 
 
-def test_all_gather_matmul_times_out_naming_rank_and_chunk():
+def test_all_gather_matmul_times_out_naming_the_rank_that_never_called():
     run_world(2, _timeout, backend="nccl")

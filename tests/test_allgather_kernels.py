@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from fused_dlrm.kernels.allgather import PRODUCERS, SymmetricAllGather, all_gath
 from fused_dlrm.kernels.allgather_gemm import (GemmConfig, all_gather_matmul, all_gather_matmul_bulk, lead_rounds,
                                                all_gather_matmul_reference, op_for, tile_map)
 
-from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerWaitTimeout
 from sm90 import compile_for_sm90
 from world import run_world
 
@@ -91,15 +92,16 @@ LEAD_ALL = dataclasses.replace(SMALL, num_programs=5, push_rounds=9)
 TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-def matmul_world(world_size):
-    return SimulatedWorld(world_size).workspaces()
+def matmul_world(world_size, device="cpu"):
+    return SimulatedWorld(world_size, device).workspaces()
 
 
 def run_matmul(workspaces, shards, weight, producer, return_gathered=False, config=SMALL):
     """Every rank's all_gather_matmul, producers first; outputs start as NaN."""
     ops = [op_for(ws, shards[0], config) for ws in workspaces]
     epochs = [op.start(s, producer) for op, s in zip(ops, shards)]
-    outs = [torch.full((len(shards) * s.shape[0], weight.shape[1]), float("nan"), dtype=s.dtype) for s in shards]
+    outs = [torch.full((len(shards) * s.shape[0], weight.shape[1]), float("nan"), dtype=s.dtype, device=s.device)
+            for s in shards]
     return [op.finish(e, s, weight, producer, return_gathered, out=o)
             for op, e, s, o in zip(ops, epochs, shards, outs)]
 
@@ -253,13 +255,93 @@ def test_all_gather_matmul_many_calls_alternating_producers():
 
 
 @pytest.mark.parametrize("producer", ["copy_engine", "device"])
-def test_all_gather_matmul_times_out_naming_rank_and_chunk(producer):
+def test_all_gather_matmul_times_out_naming_the_rank_that_never_called(producer):
     ws = matmul_world(2)
     shard = torch.randn(40, 16).to(torch.float16)
     op = op_for(ws[0], shard, SMALL)
-    epoch = op.start(shard, producer)  # rank 1 never produces
-    with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1 waiting for rank 1, slice [012]"):
+    epoch = op.start(shard, producer)  # rank 1 never calls
+    with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 1 waiting for rank 1 to start the call"):
         op.finish(epoch, shard, torch.randn(16, 16).to(torch.float16), producer)
+
+
+# Rank 1's call unlike the others' (41 rows of K = 24, fp16, the device push in SMALL's chunks of 16 rows): its rows,
+# K, dtype, producer (copy engines: SMALL's copies of 16 rows), or its config's rows per chunk (the device push's or
+# the copy engines'); each rank's producer and config; what the messages say of the others' call and of rank 1's.
+SHARD = "x_shard [41, 24] float16, device push in chunks of 16 rows"
+MATMUL_DIFFERENCES = {
+    "rows": (dict(rows=40), "x_shard [40, 24] float16, device push in chunks of 16 rows"),
+    "k": (dict(k=16), "x_shard [41, 16] float16, device push in chunks of 16 rows"),
+    "dtype": (dict(dtype=torch.bfloat16), "x_shard [41, 24] bfloat16, device push in chunks of 16 rows"),
+    "producer": (dict(producer="copy_engine"), "x_shard [41, 24] float16, copy-engine pulls in chunks of 16 rows"),
+    "chunk_rows": (dict(config=STRADDLE), "x_shard [41, 24] float16, device push in chunks of 24 rows"),
+    "copy_rows": (dict(config=dataclasses.replace(SMALL, copy_rows=24), producer="copy_engine"),
+                  "x_shard [41, 24] float16, copy-engine pulls in chunks of 24 rows"),
+}
+
+
+def check_matmul_calls_that_differ(world_size: int, difference: str, device: str = "cpu") -> None:
+    """Every rank raises, naming itself, the peer whose call it found unlike its own first and both calls. Rank 1's
+    call is of another shape class (or producer, or chunks), whose exchange its peers' calls never touch: the calls
+    compare their signatures in a buffer of their own (the module docstring). That leaves the exchanges' epochs of
+    the ranks apart, so the next call of the usual shape raises on every rank too (a mismatch, or a peer's buffer
+    never released), never a silent wrong product; a call of a shape new to every rank is exact."""
+    odd, said = MATMUL_DIFFERENCES[difference]
+    gen = torch.Generator().manual_seed(world_size)
+    workspaces = matmul_world(world_size, device)
+    weight = torch.randn(19, 24, generator=gen).to(device, torch.float16).t()
+    shards = [torch.randn(41, 24, generator=gen).to(device, torch.float16) for _ in range(world_size)]
+    for out in run_matmul(workspaces, shards, weight, "device"):  # alike: every rank's exchange of the usual shape
+        assert relative_error(out, all_gather_matmul_reference(shards, weight)) < 2e-3
+    calls = [dict(rows=41, k=24, dtype=torch.float16, producer="device", config=SMALL) for _ in range(world_size)]
+    calls[1].update(odd)
+    shards = [torch.randn(c["rows"], c["k"], generator=gen).to(device, c["dtype"]) for c in calls]
+    weights = [torch.randn(19, c["k"], generator=gen).to(device, c["dtype"]).t() for c in calls]  # Linear's w.t()
+    ops = [op_for(ws, shard, c["config"]) for ws, shard, c in zip(workspaces, shards, calls)]
+    epochs = [op.start(shard, c["producer"]) for op, shard, c in zip(ops, shards, calls)]
+    usual, odd = (f"{call}, call {n} of that shape and producer" for call, n in ((SHARD, 2), (said, 1)))
+    for rank, (op, epoch, shard, weight_r, c) in enumerate(zip(ops, epochs, shards, weights, calls)):
+        # a rank names the first peer it finds unlike itself (sources in the order rank - 1, rank - 2, ...): rank 1
+        # rank 0, the others rank 1; besides the calls, the count of calls of each one's shape (2 against 1)
+        peer, mine, theirs = (0, odd, usual) if rank == 1 else (1, usual, odd)
+        with pytest.raises(PeerCallMismatch, match=rf"all-gather \+ GEMM: rank {rank} at step 2: peer {peer} "
+                                                   rf"called it with {re.escape(theirs)}; this rank with "
+                                                   rf"{re.escape(mine)} \("):
+            op.finish(epoch, shard, weight_r, c["producer"])  # on the CPU
+            op.gather.errors.check(block=True)  # on GPUs
+    shards = [torch.randn(41, 24, generator=gen).to(device, torch.float16) for _ in range(world_size)]
+    ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
+    epochs = [op.start(shard, "device") for op, shard in zip(ops, shards)]
+    for op, epoch, shard in zip(ops, epochs, shards):
+        with pytest.raises((PeerCallMismatch, PeerWaitTimeout)):
+            op.finish(epoch, shard, weight, "device")
+            op.gather.errors.check(block=True)
+    shards = [torch.randn(9, 24, generator=gen).to(device, torch.float16) for _ in range(world_size)]
+    for out in run_matmul(workspaces, shards, weight, "device"):
+        assert relative_error(out, all_gather_matmul_reference(shards, weight)) < 2e-3
+    for ws, shard in zip(workspaces, shards):
+        op_for(ws, shard, SMALL).gather.errors.check(block=True)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("difference", list(MATMUL_DIFFERENCES))
+def test_all_gather_matmul_calls_that_differ_raise_on_every_rank(world_size, difference):
+    check_matmul_calls_that_differ(world_size, difference)
+
+
+def test_all_gather_matmul_ranks_may_differ_in_n_and_tiles():
+    """What is each rank's own: its weight (N) and the GEMM's tiles and grid (the exchange's chunks alike). Every
+    rank's product is its own weight's, exact."""
+    gen = torch.Generator().manual_seed(23)
+    workspaces = matmul_world(2)
+    configs = [SMALL, dataclasses.replace(SMALL, block_n=32, group_m=1, num_programs=2)]
+    for _ in range(2):  # both halves of the double buffer
+        shards = [torch.randn(41, 24, generator=gen).to(torch.float16) for _ in range(2)]
+        weights = [torch.randn(n, 24, generator=gen).to(torch.float16).t() for n in (19, 40)]
+        ops = [op_for(ws, shard, config) for ws, shard, config in zip(workspaces, shards, configs)]
+        epochs = [op.start(shard, "device") for op, shard in zip(ops, shards)]
+        for op, epoch, shard, weight in zip(ops, epochs, shards, weights):
+            out = op.finish(epoch, shard, weight, "device")
+            assert relative_error(out, all_gather_matmul_reference(shards, weight)) < 2e-3
 
 
 def test_all_gather_matmul_on_one_rank_is_a_matmul():
@@ -329,7 +411,7 @@ from fused_dlrm.kernels import allgather, allgather_gemm
 
 for dtype in ("fp16", "bf16"):
     types = {n: "*" + dtype for n in ("x_ptr", "out_ptr")}
-    types.update({n: "*i64" for n in ("data_ptrs", "ready_ptrs", "ack_ptrs", "counter_ptr")})
+    types.update({n: "*i64" for n in ("data_ptrs", "ready_ptrs", "ack_ptrs", "counter_ptr", "calls_ptr", "call_ptrs")})
     types.update({n: "*i32" for n in ("ready_ptr", "ack_ptr", "error_ptr")}, half_offset="i64", ack_target="i64")
     for push, w_nk in ((True, True), (False, False)):  # rank 1 arrives as a constexpr
         types.update(x_desc=f"tensordesc<{dtype}[1, 64, 32]>", gathered_desc=f"tensordesc<{dtype}[1, 64, 32]>",
@@ -357,6 +439,8 @@ build(allgather._push_kernel, types, dict(rank=1, chunks=1, WORLD=4, BLOCK_R=16,
 build(allgather._guard_kernel, {"ack_ptr": "*i32", "error_ptr": "*i32"}, {})
 build(allgather._wait_chunk_kernel, {"ready_ptrs": "*i64", "error_ptr": "*i32"}, dict(source=1))
 build(allgather._wait_published_kernel, {"ready_ptrs": "*i64", "error_ptr": "*i32"}, dict(rank=1))
+build(allgather_gemm._publish_call_kernel, {"call_ptrs": "*i64"}, dict(WORLD=4))
+build(allgather_gemm._check_calls_kernel, {"calls_ptr": "*i64", "error_ptr": "*i32"}, dict(WORLD=4))
 """
 
 

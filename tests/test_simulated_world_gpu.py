@@ -24,6 +24,7 @@ from fused_dlrm.kernels.peer_flags import PeerCallMismatch
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, max_programs_for,
                                                     quantized_all_reduce_reference)
+from test_allgather_kernels import MATMUL_DIFFERENCES, check_matmul_calls_that_differ
 from test_fused_embedding_kernels import INTERACTION_PUSH_CASES, check_interaction_push
 from test_gemm_allreduce_kernel import DIFFERENCES, check_calls_that_differ, poison
 from test_quantized_allreduce_gpu import world_inputs
@@ -287,6 +288,16 @@ def test_all_gather_matmul_waits_for_a_producer_running_alongside(weight_layout)
         ops[1].finish(epoch1, shards[1], weight, "device")  # its ack lets rank 0 push into it next time
     for op in ops:
         op.gather.errors.check(block=True)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("difference", list(MATMUL_DIFFERENCES))
+def test_all_gather_matmul_calls_that_differ_raise_on_every_rank(world_size, difference):
+    """The interpreter test's calls that differ between ranks (test_allgather_kernels.check_matmul_calls_that_differ:
+    rows, K, dtype, producer, rows per chunk), as compiled: every rank raises naming both calls (at
+    `check(block=True)`), the next call of the shape the mismatch left apart raises too, one of a new shape is
+    exact."""
+    check_matmul_calls_that_differ(world_size, difference, "cuda")
 
 
 @pytest.mark.parametrize("world_size,batch_sizes,column_shards,row_shards,features,dim",

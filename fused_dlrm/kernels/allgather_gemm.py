@@ -38,6 +38,26 @@ while one wgmma stays in flight and the loads run 2 iterations ahead, so the loa
 the A block that iteration i's wgmma was still reading (wrong products on H200, relative error 0.06-0.14, while
 the gathered rows were exact; visible in the compiled TTGIR: `memdesc<2x128x64xf16>` for A against 3 buffers
 without the store).
+
+Calls that differ between ranks (rows, K, dtype, producer, rows per chunk: a caller's bug) use exchanges of other
+shape classes, whose buffers and flags the peers' calls never touch (on GPUs, where allocation pairs buffers by
+order, ranks whose first calls differ share memory laid out for other shapes, and the GEMM read rows of another
+layout without an error). So the ranks compare their calls in a buffer of the workspace's own (CALLS: two halves
+by the call's parity, shared by every shape class and producer): each call has a number among the workspace's
+calls of the op and a signature (`_call_signature`: that number, the shard's shape and dtype, the producer and its
+rows per chunk, and the exchange's epoch), published into every peer as a flag of its own (word 0, the number,
+stored last with release: `peer_flags.publish_signature`) by the device push's last program before its chunks, or
+for the copy engines by a small kernel after the shard is published; each GEMM program reads a peer's once per
+call before waiting for its chunks (`peer_flags.same_published_call`: bounded, a peer that never calls times out
+naming the rank), the copy engines' pulls after a small kernel that does the same. One unlike its own records error
+3 (`PeerErrors` names rank, peer and both calls in words), after which the call's waits look once and its output
+is not defined: every rank raises. The calls' numbers stay alike, but the exchanges' epochs of the ranks do not:
+the next calls of those shapes differ in the signature's last word and raise too (or time out waiting for a
+buffer a peer never released), never read another call's half. The guard of the signatures' halves is the check
+itself: a rank publishes call c + 2 only after its call c + 1 has seen every peer's signature of call c + 1,
+published once the peer's call c (its reads of half c % 2) was over. What a rank's GEMM alone reads (N, the
+weight, the tiles and grid) is not compared: ranks may differ in it. Not caught: a call that makes only some ranks
+allocate (a shape class or producer new to them) waits in the collective allocation for peers that never join it.
 `all_gather_matmul_bulk` is the bulk twin (all_gather_into_tensor + matmul);
 `all_gather_matmul_reference` the pure-torch definition.
 """
@@ -53,12 +73,16 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import _Workspace
+from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.allgather import SymmetricAllGather, push_chunk, wait_chunk
 from fused_dlrm.kernels.launch import interpreting
-from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, signal_ready
+from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, describe_signatures,
+                                           publish_signature, same_published_call, signal_ready, signature_of)
 from fused_dlrm.kernels.tma import async_proxy_fence, descriptor, require_tma_readable
 
 GEMM_PRODUCERS = ("copy_engine", "device")
+PRODUCER_WORDS = ("copy-engine pulls", "device push")  # GEMM_PRODUCERS in a call's description
+CALLS = "allgather_matmul_calls"  # a workspace's count of the op's calls and the buffer of their signatures
 
 
 def all_gather_matmul_reference(shards: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
@@ -112,6 +136,65 @@ def lead_rounds(world: int, rows: int, k: int, element_size: int, config: GemmCo
     push_s = (world - 1) * rows * k * element_size / PUSH_BYTES_PER_S
     tile_s = 2 * config.block_m * config.block_n * k / SM_FLOPS_PER_S
     return round(push_s / tile_s)
+
+
+@triton.jit
+def _call_signature(call, rows, K, dtype_code, producer, chunk_rows, epoch):
+    """What a peer's call must share with this one (`describe_calls` reads it): its number among the workspace's
+    calls of the op (its epoch: word 0), the shard's shape and dtype, how it travels (the producer: GEMM_PRODUCERS'
+    index; rows per chunk and flag), and its exchange's epoch (a call that differed left the exchanges' epochs of
+    its ranks apart: the later calls of those shapes differ too, rather than read halves and flags of other calls).
+    Not N, the weight or the tiles: each rank's GEMM is its own."""
+    return signature_of((call, rows, K, dtype_code, producer, chunk_rows, epoch))
+
+
+def describe_calls(mine: list[int], theirs: list[int]) -> tuple[str, str]:
+    """Two calls' signatures (`_call_signature`) in words: "x_shard [41, 24] float16, device push in chunks of 16
+    rows", then the exchange's epoch and the step where they differ."""
+    def call(signature: list[int]) -> str:
+        _, rows, k, dtype, producer, chunk_rows = signature[:6]
+        return f"x_shard [{rows}, {k}] {dtype_name(dtype)}, {PRODUCER_WORDS[producer]} in chunks of {chunk_rows} rows"
+
+    return describe_signatures(mine, theirs, call, {6: "call {} of that shape and producer"})
+
+
+@triton.jit
+def _calls_half(call, WORLD: tl.constexpr):
+    """The offset of call `call`'s half of the signature buffers (by its parity: the call after next reuses it)."""
+    return (call % 2) * WORLD * SIGNATURE_WORDS
+
+
+@triton.jit
+def _publish_call(call_ptrs, call, rank, signature, WORLD: tl.constexpr):
+    """This rank's signature of call `call`, published into every peer (`publish_signature`)."""
+    for k in tl.static_range(1, WORLD):
+        publish_signature(call_ptrs, (rank + k) % WORLD, _calls_half(call, WORLD), rank, signature, call)
+
+
+@triton.jit
+def _same_call_as(calls_ptr, source, call, signature, spin_limit, error_ptr, WORLD: tl.constexpr):
+    """Whether `source` made call `call` as this rank did: its published signature (in this rank's buffer,
+    calls_ptr), waited for (bounded) and compared."""
+    return same_published_call(calls_ptr + _calls_half(call, WORLD), source, signature, call, spin_limit, error_ptr)
+
+
+@triton.jit(do_not_specialize=["rank", "call", "epoch"])
+def _publish_call_kernel(call_ptrs, rank, call, rows, K, dtype_code, producer, chunk_rows, epoch,
+                         WORLD: tl.constexpr):
+    """The copy-engine producer's `_publish_call` (the device push publishes in its own launch)."""
+    _publish_call(call_ptrs, call, rank, _call_signature(call, rows, K, dtype_code, producer, chunk_rows, epoch),
+                  WORLD)
+
+
+@triton.jit(do_not_specialize=["rank", "call", "epoch"])
+def _check_calls_kernel(calls_ptr, rank, call, rows, K, dtype_code, producer, chunk_rows, epoch, spin_limit,
+                        error_ptr, WORLD: tl.constexpr):
+    """Every peer's call against this rank's (`_same_call_as`), before the copy-engine pulls wait for the peers'
+    published shards: a peer whose call differs publishes into another exchange's flags (those of its shape), so
+    those waits would time out first."""
+    signature = _call_signature(call, rows, K, dtype_code, producer, chunk_rows, epoch)
+    for step in tl.static_range(1, WORLD):  # in the GEMM's order of sources: rank - 1, rank - 2, ...
+        _same_call_as(calls_ptr, (rank + WORLD - step) % WORLD, call, signature, spin_limit, error_ptr, WORLD)
 
 
 @triton.jit
@@ -184,17 +267,20 @@ def _source_tiles(a_desc, a_index, w_desc, out_ptr, out_row0, t_first, t_end, nu
             t += num_programs
 
 
-@triton.jit(do_not_specialize=["epoch", "ack_target"])  # one compiled variant for every epoch
+@triton.jit(do_not_specialize=["epoch", "ack_target", "call"])  # one compiled variant for every epoch
 def _all_gather_matmul_kernel(
     x_ptr, x_desc, gathered_desc, w_desc, out_ptr, data_ptrs, ready_ptr, ready_ptrs, ack_ptr, ack_ptrs,
-    counter_ptr, error_ptr, rows, K, N, rank, epoch, chunk_rows, chunks, half_offset,
-    num_programs, lead_programs, lead_tiles, spin_limit, ack_target,
+    counter_ptr, error_ptr, calls_ptr, call_ptrs, rows, K, N, rank, epoch, call, dtype_code, producer, chunk_rows,
+    chunks, half_offset, num_programs, lead_programs, lead_tiles, spin_limit, ack_target,
     WORLD: tl.constexpr, PUSH: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
     GROUP_M: tl.constexpr, PUSH_R: tl.constexpr, PUSH_C: tl.constexpr, W_NK: tl.constexpr, ON_GPU: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    signature = _call_signature(call, rows, K, dtype_code, producer, chunk_rows, epoch)  # compared with peers'
     if PUSH:  # my share of (peer, chunk) pushes, nearest peer first; no local slot: tiles read x_shard in place
+        if pid == num_programs - 1:  # the call's signature first, a flag of its own (the module docstring)
+            _publish_call(call_ptrs, call, rank, signature, WORLD)
         i = num_programs - 1 - pid  # the last programs push: they get one tile fewer when tiles do not divide evenly
         while i < (WORLD - 1) * chunks:
             push_chunk(x_ptr, data_ptrs, ready_ptrs, ack_ptr, error_ptr, (rank + 1 + i // chunks) % WORLD,
@@ -212,6 +298,9 @@ def _all_gather_matmul_kernel(
                       WORLD, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES, GROUP_M, W_NK, ON_GPU)
         for step in range(1, WORLD):  # then the peers, rank - 1, rank - 2, ...
             source = (rank + WORLD - step) % WORLD
+            # its call against mine, once per call, before its chunks (a call of another shape would wait for
+            # flags of another exchange); a failed call's waits below look once (the error word is set)
+            _same_call_as(calls_ptr, source, call, signature, spin_limit, error_ptr, WORLD)
             lo = step * per_source
             t_first = lo + (pid + num_programs - (lo - lead_tiles) % num_programs) % num_programs  # my first
             t = t_first
@@ -261,7 +350,8 @@ def tile_map(rank: int, world: int, rows: int, n: int, chunk_rows: int, config: 
 
 
 class AllGatherMatmul:
-    """The fused op for one shape class (rows per rank, K, dtype) on one workspace; see the module docstring."""
+    """The fused op for one shape class (rows per rank, K, dtype) on one workspace; see the module docstring. Every
+    rank must make the same calls in the same order (a call unlike a peer's raises PeerCallMismatch on every rank)."""
 
     def __init__(self, workspace: _Workspace, rows: int, k: int, dtype: torch.dtype, config: GemmConfig):
         if dtype not in (torch.float16, torch.bfloat16):
@@ -270,9 +360,14 @@ class AllGatherMatmul:
             raise ValueError(f"all_gather_matmul: K={k} is not a multiple of 8: the GEMM reads the rows through "
                              "TMA, whose rows must be a multiple of 16 bytes")
         self.config = config
-        self.gather = SymmetricAllGather(workspace, rows, k, dtype, max(1, config.chunk_rows), name="allgather_matmul",
-                                         spin_limit=config.spin_limit)
         self.rank, self.world = workspace.rank, workspace.world_size
+        errors = PeerErrors(workspace.device, self.rank, "fused all-gather + GEMM", describe_calls=describe_calls)
+        self.gather = SymmetricAllGather(workspace, rows, k, dtype, max(1, config.chunk_rows), name="allgather_matmul",
+                                         spin_limit=config.spin_limit, errors=errors)
+        # every peer's signature of its latest calls (two halves by the call's parity), shared by the workspace's
+        # ops of every shape class: calls of other shapes use other exchanges (the module docstring)
+        self.calls = workspace.buffer(CALLS, 2 * self.world * SIGNATURE_WORDS.value, torch.int64)
+        self.call = 0  # the number of this op's latest call among the workspace's (`start`)
         self.rows, self.k = rows, k
         self.fused_push = not workspace.simulated  # a simulated world pushes in a launch of its own (module docstring)
         self.num_programs = config.num_programs or self.gather.num_programs
@@ -295,16 +390,28 @@ class AllGatherMatmul:
         return self._copy_gather
 
     def start(self, x_shard: torch.Tensor, producer: str) -> int:
-        """Enqueue the producer side; returns the epoch (on GPUs the device push runs inside `finish`'s launch)."""
+        """Enqueue the producer side; returns the epoch (on GPUs the device push runs inside `finish`'s launch),
+        which `finish` takes: every start is finished before the op's next one."""
         if producer not in GEMM_PRODUCERS:
             raise ValueError(f"unknown producer {producer!r}: expected one of {GEMM_PRODUCERS}")
-        if producer == "copy_engine":  # publish into our own slot; peers pull it (see the module docstring)
-            return self.gather_for(producer).start(x_shard, "pull")
         self.gather.errors.check()
+        self.call = self.gather.ws.next_epoch(CALLS)
+        if producer == "copy_engine":  # publish into our own slot; peers pull it (see the module docstring)
+            g = self.gather_for(producer)
+            epoch = g.start(x_shard, "pull")
+            _publish_call_kernel[(1,)](self.calls.peer_ptrs, self.rank, self.call, *self._described(g), epoch,
+                                       WORLD=self.world)
+            return epoch
         epoch = self.gather.next_epoch()
         if not self.fused_push:
             self._launch(x_shard.contiguous(), None, None, epoch, push=True, compute=False, pushers=False)
         return epoch
+
+    def _described(self, g: SymmetricAllGather) -> tuple[int, int, int, int, int]:
+        """The kernels' arguments that describe a call through exchange g (`_call_signature`): rows, K, dtype,
+        producer and rows per chunk."""
+        producer = GEMM_PRODUCERS.index("device" if g is self.gather else "copy_engine")
+        return self.rows, self.k, dtype_code(g.dtype), producer, g.chunk_rows
 
     def finish(self, epoch: int, x_shard: torch.Tensor, weight: torch.Tensor, producer: str,
                return_gathered: bool = False, out: torch.Tensor | None = None):
@@ -313,6 +420,8 @@ class AllGatherMatmul:
         out = output(out, self.world * self.rows, weight.shape[1], x_shard)
         g = self.gather_for(producer)
         if producer == "copy_engine":
+            _check_calls_kernel[(1,)](self.calls.local, self.rank, self.call, *self._described(g), epoch,
+                                      self.config.spin_limit, g.errors.word, WORLD=self.world)
             g.pull_published(epoch)
         self._launch(x_shard, weight, out, epoch, producer == "device" and self.fused_push, True,  # push, compute
                      producer == "device", g)  # pushers, the exchange
@@ -356,9 +465,9 @@ class AllGatherMatmul:
         _all_gather_matmul_kernel[(self.num_programs,)](
             x, *descriptors, x if out is None else out,
             g.data.peer_ptrs, g.ready.local, g.ready.peer_ptrs, g.ack.local, g.ack.peer_ptrs,
-            self.counter, g.errors.word, self.rows, self.k, n,
-            self.rank, epoch, g.chunk_rows, g.chunks, g.half_offset(epoch), self.num_programs, lead_programs,
-            lead_tiles, c.spin_limit, self.launches * self.num_programs,
+            self.counter, g.errors.word, self.calls.local, self.calls.peer_ptrs, self.rows, self.k, n,
+            self.rank, epoch, self.call, *self._described(g)[2:], g.chunks, g.half_offset(epoch), self.num_programs,
+            lead_programs, lead_tiles, c.spin_limit, self.launches * self.num_programs,
             WORLD=self.world, PUSH=push, COMPUTE=compute,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, K_TILES=triton.cdiv(self.k, c.block_k),
             GROUP_M=c.group_m, PUSH_R=g.block_rows, PUSH_C=g.block_cols, W_NK=w_nk, ON_GPU=not interpreting(),
@@ -405,7 +514,8 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, workspace: _W
                       out: torch.Tensor | None = None, config: GemmConfig | None = None):
     """all_gather(x_shard) @ weight over the workspace's group; x_shard [rows, K] (same rows on every rank, K a
     multiple of 8), weight [K, N] with N or K contiguous (e.g. a Linear's weight.t()) and rows of a multiple of 16
-    bytes as it lies. Every rank calls with the same shapes and producer. The device push is the default: at
+    bytes as it lies. Every rank calls with the same shapes and producer (else every rank raises PeerCallMismatch,
+    naming both calls: the module docstring; N may differ). The device push is the default: at
     issue 5's shape on 2 GPUs it took 741 against 1,295 us for the copy engines' pulls (2×H200, 2026-11-24) and
     733 against 1,440 (2×H100, 2026-11-26; docs/benchmarks.md). A shard of 0 rows (every rank's, as the shapes
     are alike: an empty batch) gives empty outputs and exchanges nothing, as the GEMM + all-reduce for M = 0."""

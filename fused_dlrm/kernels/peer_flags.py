@@ -11,10 +11,11 @@ error word that `PeerErrors` turns into an exception on the host.
 Call signatures: ranks whose calls of an op differ (sizes, dtypes, tiles: a caller's bug) would read each other's
 slots in another layout, so an op's ranks compare their calls on the device. Each call has a signature
 (`signature_of`: int64 words that every rank's call must share, word 0 its epoch), which travels with the data:
-stored into each peer beside the data before the flag that releases both (`store_signature`). A consumer compares
-a peer's signature with its own once per call (`same_call`, `same_calls`); one unlike its own records error 3 with
-both signatures (`record_mismatch`), which `PeerErrors` names in words (the op's `describe_calls`, built with
-`describe_signatures`).
+stored into each peer beside the data before the flag that releases both (`store_signature`), or, for an op whose
+calls of other shapes use other buffers and flags altogether, as a flag of its own (`publish_signature`, whose word 0
+releases the rest; `same_published_call` waits for it). A consumer compares a peer's signature with its own once
+per call (`same_call`, `same_calls`); one unlike its own records error 3 with both signatures (`record_mismatch`),
+which `PeerErrors` names in words (the op's `describe_calls`, built with `describe_signatures`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ DEFAULT_SPIN_LIMIT = 250_000_000
 SIGNATURE_WORDS = tl.constexpr(16)
 ERROR_WORDS = 8 + 2 * 2 * SIGNATURE_WORDS.value
 MISMATCH = 3  # the error code of a peer's call that differs from this rank's
+NOT_STARTED = 4  # the error code of a peer whose published signature never came (it never started the call)
+_NOT_STARTED = tl.constexpr(NOT_STARTED)  # the kernels'
 
 
 @triton.jit
@@ -80,8 +83,8 @@ def _claim_error(error_ptr, peer, slot, epoch):
 def record_timeout(error_ptr, code, peer, slot, epoch):
     """Record a timed-out wait into the error word [code, peer, slot, epoch, claim, unused x 3] unless one is
     recorded already (`_claim_error`). Codes: 1: `peer` never raised its flag for `slot`; 2: `peer` never released
-    its buffer (slot -1); 3 is `record_mismatch`'s. `epoch`: the step of the failing call, which the host's message
-    names."""
+    its buffer (slot -1); 3 is `record_mismatch`'s; 4: `peer` never published its call's signature (slot -1,
+    `same_published_call`). `epoch`: the step of the failing call, which the host's message names."""
     if _claim_error(error_ptr, peer, slot, epoch):
         tl.atomic_xchg(error_ptr, code)
 
@@ -111,10 +114,16 @@ def wait_or_record(flag, epoch, spin_limit, error_ptr, peer, slot):
     """Bounded wait for *flag >= epoch; returns whether it got there. A timeout records (1, peer, slot, epoch);
     once a timeout is recorded (and not yet read by the host), waits look once instead of spinning: their
     results are lost anyway, and the launch must end."""
+    return _wait_or_record_code(flag, epoch, spin_limit, error_ptr, 1, peer, slot)
+
+
+@triton.jit
+def _wait_or_record_code(flag, epoch, spin_limit, error_ptr, code, peer, slot):
+    """wait_or_record, whose timeout records error `code`."""
     failed = tl.atomic_add(error_ptr, 0) != 0
     arrived = wait_at_least(flag, epoch, tl.where(failed, 0, spin_limit))
     if arrived == 0:
-        record_timeout(error_ptr, 1, peer, slot, epoch)
+        record_timeout(error_ptr, code, peer, slot, epoch)
     return arrived
 
 
@@ -144,6 +153,18 @@ def store_signature(signature_ptrs, dest, offset, rank, signature):
 
 
 @triton.jit
+def publish_signature(signature_ptrs, dest, offset, rank, signature, epoch):
+    """Store this rank's `signature` at [rank] of dest's signature buffer as a flag of its own: words 1... first,
+    then word 0, the epoch, with release (system scope), so a reader that sees the epoch sees the rest
+    (`same_published_call`)."""
+    slot = _signature_slot(signature_ptrs, dest, offset, rank)
+    w = tl.arange(0, SIGNATURE_WORDS)
+    tl.store(slot + w, signature, mask=w > 0)
+    tl.debug_barrier()
+    tl.atomic_xchg(slot, epoch, sem="release", scope="sys")
+
+
+@triton.jit
 def same_call(signatures, peer, mine, error_ptr, slot, epoch):
     """Whether peer's call is this rank's: its signature at `signatures` + peer * SIGNATURE_WORDS (this rank's
     buffer, behind a flag of the peer's call that this program has seen) equals mine. A mismatch is recorded (the
@@ -161,6 +182,18 @@ def same_calls(signatures, rank, mine, error_ptr, slot, epoch, WORLD: tl.constex
     same = True
     for k in tl.static_range(1, WORLD):
         same &= same_call(signatures, (rank + k) % WORLD, mine, error_ptr, slot, epoch)
+    return same
+
+
+@triton.jit
+def same_published_call(signatures, peer, mine, epoch, spin_limit, error_ptr):
+    """Bounded wait until `peer` has published (`publish_signature`) its call `epoch` into this rank's `signatures`,
+    then `same_call`. A timeout records (4, peer, -1, epoch): the peer never started the call."""
+    same = _wait_or_record_code(signatures + peer * SIGNATURE_WORDS, epoch, spin_limit, error_ptr, _NOT_STARTED,
+                                peer, -1)
+    tl.debug_barrier()  # the word this program's threads acquired covers the words any of them loads
+    if same:
+        same = same_call(signatures, peer, mine, error_ptr, -1, epoch)
     return same
 
 
@@ -368,6 +401,9 @@ class PeerErrors:
             raise PeerCallMismatch(f"{self.what}: rank {self.rank} at step {epoch}: peer {peer} called it with "
                                    f"{theirs}; this rank with {mine} (every rank must make the same calls in the "
                                    f"same order)")
+        if code == NOT_STARTED:
+            raise PeerWaitTimeout(f"{self.what}: rank {self.rank} timed out at step {epoch} waiting for rank {peer} "
+                                  f"to start the call (its call's signature never came)")
         if code == 2:
             raise PeerWaitTimeout(f"{self.what}: rank {self.rank} timed out at step {epoch} waiting for rank {peer} "
                                   f"to release its buffer (rank {peer} never finished step {epoch - 1})")

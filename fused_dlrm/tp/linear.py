@@ -28,8 +28,10 @@ for one replicated tensor. Bias-free (the Transformer's projections have none).
 Every rank of the group must call a layer with x of one shape and dtype (and the same autocast). On gloo, whose
 collectives abort the process on messages of other sizes or dtypes, and where a rank whose matmul refuses its x
 would raise alone, the ranks compare their calls first (dist.env.check_same_call: one small all-gather per call), so
-a mismatch raises CallMismatch (a ValueError) on every rank. Not on NCCL (a collective more per call; the fused
-kernels do not compare their peers' calls either): there such a call waits or sums other shapes.
+a mismatch raises CallMismatch (a ValueError) on every rank. Not on NCCL (a collective more per call): there the
+fused kernels compare their peers' calls on the device (a signature beside their flags: PeerCallMismatch, a
+CallMismatch, on every rank, on GPUs at a later call or `errors.check(block=True)`), while a bulk call of other
+shapes waits or sums them.
 """
 
 from __future__ import annotations
