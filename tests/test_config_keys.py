@@ -36,8 +36,8 @@ def test_the_packaged_configs_and_their_keys_are_accepted(overrides):
                                                   r"model.embedding_optimizer: eps, lr, name$"),
     (["+data.typo.deeper=1", "+comm.backedn=gloo"], r"data.typo; the known keys of data: .* \| comm.backedn \(did you "
                                                     r"mean comm.backend\?\); the known keys of comm: .*transport"),
-    (["+sed=1"], r"sed \(did you mean seed\?\); the known keys of the config: comm, data, model, report, seed, "
-                 r"trainer$"),
+    (["+sed=1"], r"sed \(did you mean seed\?\); the known keys of the config: comm, data, hydra, model, report, "
+                 r"seed, trainer$"),
 ])
 def test_keys_no_conf_file_sets_are_refused(overrides, said):
     with pytest.raises(ValueError, match=r"^unknown config key\(s\), which no code reads \(a `\+` override adds any "

@@ -35,9 +35,10 @@ def known_keys(group: str) -> set[str]:
 
 
 def top_level_keys() -> set[str]:
-    """The keys conf/config.yaml sets (seed, report) and the groups."""
+    """The keys conf/config.yaml sets (seed, report; hydra, which a composition with the Hydra config holds) and
+    the groups."""
     node = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
-    return (set(node) - {"defaults", "hydra"}) | {p.name for p in CONF.iterdir() if p.is_dir()}
+    return (set(node) - {"defaults"}) | {p.name for p in CONF.iterdir() if p.is_dir()}
 
 
 def _describe(key: str, known: set[str]) -> str:
