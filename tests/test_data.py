@@ -432,6 +432,9 @@ def test_criteo_missing_file(tmp_path):
         (criteo_line(1, dense=["x1"] + [0] * 12), "integer"),
         (criteo_line(1, cats=["zz"] + ["0"] * 25), "hexadecimal"),
         ("\n", "columns"),
+        pytest.param(criteo_line(1, dense=["9" * 400] + [0] * 12),
+                     r"'99999999999999999999'\.\.\. \(400 characters\) is too large", id="400 digits"),
+        pytest.param(criteo_line(1, dense=["9" * 5000] + [0] * 12), "4300 digits", id="5000 digits"),  # int()'s limit
     ],
 )
 def test_criteo_malformed_line_reports_file_and_line(tmp_path, bad_line, match):

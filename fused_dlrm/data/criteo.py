@@ -31,6 +31,23 @@ def _open_text(path: str) -> IO[str]:
     return open(path, encoding="utf-8")
 
 
+def _shown(column: str) -> str:
+    """repr of a column, cut short: a corrupt one may be thousands of characters long."""
+    return repr(column) if len(column) <= 40 else f"{column[:20]!r}... ({len(column)} characters)"
+
+
+def _dense_count(column: str) -> int:
+    """max(int(column), 0), missing -> 0; refused if float64 (which log1p takes it in) cannot hold it."""
+    try:
+        count = max(int(column), 0) if column else 0
+        float(count)
+    except ValueError as error:  # not an integer, or over the 4300 digits Python converts
+        raise ValueError(f"dense value {_shown(column)} is not an integer ({error})") from None
+    except OverflowError:  # a count beyond 1.8e308 is no count of a click log, but a corrupt line: say where
+        raise ValueError(f"dense value {_shown(column)} is too large (beyond float64)") from None
+    return count
+
+
 def _parse_line(line: str, num_rows: Sequence[int]) -> tuple[float, list[int], list[int]]:
     """Return (label, dense counts, categorical ids); a missing categorical is -1.
 
@@ -40,19 +57,14 @@ def _parse_line(line: str, num_rows: Sequence[int]) -> tuple[float, list[int], l
     if len(columns) != _NUM_COLUMNS:
         raise ValueError(f"expected {_NUM_COLUMNS} tab-separated columns, got {len(columns)}")
     if columns[0] not in ("0", "1"):
-        raise ValueError(f"label must be 0 or 1, got {columns[0]!r}")
-    dense = []
-    for column in columns[1 : 1 + CRITEO_NUM_DENSE]:
-        try:
-            dense.append(max(int(column), 0) if column else 0)
-        except ValueError:
-            raise ValueError(f"dense value {column!r} is not an integer") from None
+        raise ValueError(f"label must be 0 or 1, got {_shown(columns[0])}")
+    dense = [_dense_count(column) for column in columns[1 : 1 + CRITEO_NUM_DENSE]]
     sparse = []
     for column, rows in zip(columns[1 + CRITEO_NUM_DENSE :], num_rows):
         try:
             sparse.append(int(column, 16) % rows if column else -1)
         except ValueError:
-            raise ValueError(f"categorical value {column!r} is not hexadecimal") from None
+            raise ValueError(f"categorical value {_shown(column)} is not hexadecimal") from None
     return float(columns[0]), dense, sparse
 
 
