@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import gzip
 import math
+import random
 import time
 
 import pytest
 import torch
 from torchmetrics.functional.classification import binary_auroc
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from fused_dlrm.data import (
     CRITEO_NUM_DENSE,
@@ -432,9 +435,17 @@ def test_criteo_missing_file(tmp_path):
         (criteo_line(1, dense=["x1"] + [0] * 12), "integer"),
         (criteo_line(1, cats=["zz"] + ["0"] * 25), "hexadecimal"),
         ("\n", "columns"),
+        ("\t".join(criteo_line(1).split("\t")[:-1]) + "\n", "got 39"),
+        (criteo_line(1).rstrip("\n") + "\t\n", "got 41"),
+        (criteo_line(" 1"), "label"),
+        (criteo_line(1, dense=["-"] + [0] * 12), "integer"),
+        (criteo_line(1, dense=[1.5] + [0] * 12), "integer"),
+        (criteo_line(1, dense=[0] * 12 + ["12a"]), "integer"),
         pytest.param(criteo_line(1, dense=["9" * 400] + [0] * 12),
                      r"'99999999999999999999'\.\.\. \(400 characters\) is too large", id="400 digits"),
         pytest.param(criteo_line(1, dense=["9" * 5000] + [0] * 12), "4300 digits", id="5000 digits"),  # int()'s limit
+        (criteo_line(1, cats=["0"] * 25 + ["0x"]), "hexadecimal"),
+        (criteo_line(1, cats=["0"] * 25 + ["ab\x00"]), "hexadecimal"),
     ],
 )
 def test_criteo_malformed_line_reports_file_and_line(tmp_path, bad_line, match):
@@ -444,6 +455,92 @@ def test_criteo_malformed_line_reports_file_and_line(tmp_path, bad_line, match):
     with pytest.raises(ValueError, match=match) as info:
         list(CriteoTSV(path, TABLE_ROWS, 2))
     assert f"{path}:4" in str(info.value)
+
+
+def test_criteo_names_the_first_malformed_line_of_a_batch(tmp_path):
+    lines = numbered_lines(8)
+    lines[5] = criteo_line(1, cats=["0"] * 25 + ["xyz"])
+    lines[6] = "garbage\n"
+    path = write(tmp_path / "bad.tsv", lines)
+    with pytest.raises(ValueError, match=r"bad.tsv:6: malformed Criteo line: categorical value 'xyz'"):
+        list(CriteoTSV(path, TABLE_ROWS, 4))
+
+
+def random_criteo_lines(rng: random.Random, n: int) -> list[str]:
+    """Lines in the canonical form with every kind of value: missing ones in every column, negative, zero and
+    leading-zero counts of 1..16 digits, hex values of 1..16 digits (either case, some >= 2**63)."""
+    def dense():
+        count = rng.randrange(-(10 ** rng.randint(1, 15)), 10 ** rng.randint(1, 16))
+        return rng.choice(["", "", "0", "-0", "007", str(count)])
+
+    def categorical():
+        digits = rng.randint(1, 16)
+        value = rng.getrandbits(4 * digits) | (rng.random() < 0.3) << (4 * digits - 1)  # top bit set: >= 2**63 at 16
+        return rng.choice(["", f"{value:0{digits}x}", f"{value:0{digits}X}"])
+
+    return [criteo_line(rng.randint(0, 1), [dense() for _ in range(13)], [categorical() for _ in range(26)])
+            for _ in range(n)]
+
+
+def reference_batch(lines: list[str], num_rows, feature_names=CRITEO_SPARSE_FEATURES):
+    """The batch of `lines` as CriteoTSV made it line by line (_parse_line) before the vectorised parser."""
+    labels, dense, sparse = zip(*(criteo._parse_line(line, num_rows) for line in lines))
+    ids = torch.tensor(sparse, dtype=torch.int64).t()
+    present = ids >= 0
+    return Batch(
+        dense_features=torch.tensor(dense, dtype=torch.float64).log1p().float(),
+        sparse_features=KeyedJaggedTensor.from_lengths_sync(
+            keys=feature_names, values=ids[present], lengths=present.flatten().int()),
+        labels=torch.tensor(labels, dtype=torch.float32),
+    )
+
+
+# Uneven, with 1 (every id 0), sizes past 2**32 and 2**63 - 1 (ids of values >= 2**63 taken mod it).
+UNEVEN_ROWS = [1, 2, 7, 1000, 65537, 2**31 - 1, 2**32 + 15, 2**62 + 9, 2**63 - 1, 10**18 + 3,
+               3, 5, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61]
+
+
+def test_criteo_vectorised_parser_equals_per_line_reference():
+    seed = random.randrange(2**32)
+    lines = random_criteo_lines(random.Random(seed), 3000)
+    parsed = criteo._parse_canonical(lines, UNEVEN_ROWS)
+    assert parsed is not None, f"seed {seed}: canonical lines left to the per-line parser"
+    labels, dense, sparse = zip(*(criteo._parse_line(line, UNEVEN_ROWS) for line in lines))
+    for got, expected in zip(parsed, (labels, dense, sparse)):
+        expected = torch.tensor(expected, dtype=torch.from_numpy(got).dtype)  # as the reader made them
+        assert torch.equal(torch.from_numpy(got), expected), f"seed {seed}"
+    ids = torch.tensor(sparse)
+    assert ids.min() == -1 and ids.max() >= 2**32, f"seed {seed}: missing values and large ids not covered"
+
+
+def test_criteo_reads_a_file_as_the_per_line_parser_did(tmp_path):
+    """End to end over two files, the first without a final newline, its last line in the same batch as the second
+    file's first: every rank's batches equal those that the line-by-line parsing made."""
+    seed = random.randrange(2**32)
+    lines = random_criteo_lines(random.Random(seed), 700)
+    first = write(tmp_path / "day_0", [*lines[:332], lines[332].rstrip("\n")])
+    second = write(tmp_path / "day_1", lines[333:])
+    for rank in range(3):
+        batches = list(CriteoTSV([first, second], UNEVEN_ROWS, 128, rank=rank, world_size=3))
+        assert len(batches) == 6
+        for index, batch in enumerate(batches):
+            global_batch = lines[index * 128 : (index + 1) * 128]
+            start, stop = local_batch_bounds(len(global_batch), rank, 3)
+            assert_batches_equal(batch, reference_batch(global_batch[start:stop], UNEVEN_ROWS))
+
+
+@pytest.mark.parametrize("dense,cat", [
+    (" 5", "a"), ("+5", "a"), ("1_000", "a"), ("\u0663", "a"),  # an Arabic-Indic 3
+    ("1" * 17, "a"), ("98765432109876543210987", "a"), pytest.param("-" + "9" * 400, "a", id="-400 digits"),
+    ("0", "0x1f"), ("0", "-1f"), ("0", " ff "), ("0", "F_F"), ("0", "1" * 17), ("0", "f" * 40), ("0", "\u0663"),
+])
+def test_criteo_values_off_the_canonical_form_parse_as_int_does(tmp_path, dense, cat):
+    """What Python's int() accepts beyond the canonical form is accepted still (line by line: same result)."""
+    lines = random_criteo_lines(random.Random(), 5)
+    lines[2] = criteo_line(1, [dense] * 13, [cat] * 26)
+    assert criteo._parse_canonical(lines, UNEVEN_ROWS) is None
+    batch = next(iter(CriteoTSV(write(tmp_path / "d", lines), UNEVEN_ROWS, 5)))
+    assert_batches_equal(batch, reference_batch(lines, UNEVEN_ROWS))
 
 
 def test_criteo_other_ranks_lines_are_not_parsed(tmp_path):
@@ -477,14 +574,14 @@ def test_criteo_files_too_short_for_a_batch_are_refused(tmp_path, files, world_s
 
 def test_a_resume_reads_the_batches_before_it_without_parsing_them(tmp_path, monkeypatch):
     """batch_stream from step 4 over 3 passes of 3 batches (10 lines in global batches of 4, rank 1 of 2): the
-    batches of the whole stream from there, and only their lines parsed. Parsing a line costs ~80x reading it: a
-    resume deep into a day of Criteo parsed every line before its step (minutes to hours) to throw it away."""
+    batches of the whole stream from there, and only their lines parsed. Parsing a line costs ~10x reading it: a
+    resume deep into a day of Criteo parsed every line before its step (minutes) to throw it away."""
     reader = CriteoTSV(write(tmp_path / "d", numbered_lines(10)), TABLE_ROWS, 4, rank=1, world_size=2)
     whole = [(epoch, line_ids(batch)) for epoch, batch in batch_stream(reader, 0, None, epochs=3)]
     assert whole[:4] == [(0, [2, 3]), (0, [6, 7]), (0, [9]), (1, [2, 3])]
     parsed = []
-    parse = criteo._parse_line
-    monkeypatch.setattr(criteo, "_parse_line", lambda line, rows: parsed.append(line) or parse(line, rows))
+    parse = criteo._parse_canonical
+    monkeypatch.setattr(criteo, "_parse_canonical", lambda lines, rows: parsed.extend(lines) or parse(lines, rows))
     resumed = [(epoch, line_ids(batch)) for epoch, batch in batch_stream(reader, 4, None, epochs=3)]
     assert resumed == whole[4:]
     assert len(parsed) == sum(len(ids) for _, ids in resumed)
@@ -495,6 +592,7 @@ def test_a_resume_reads_the_batches_before_it_without_parsing_them(tmp_path, mon
     [
         ({"num_rows": [10] * 13}, "26"),
         ({"num_rows": [0] * 26}, "num_rows"),
+        ({"num_rows": [2**63] * 26}, r"num_rows must all be in \[1, 2\*\*63\)"),
         ({"feature_names": ["a", "b"]}, "feature_names"),
         ({"global_batch_size": 1, "world_size": 2}, "global_batch_size"),
     ],
