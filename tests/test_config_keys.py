@@ -53,3 +53,11 @@ def test_train_py_refuses_a_typo_before_training(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "unknown config key(s)" in done.stderr and "trainer.max_step (did you mean" in done.stderr, done.stderr
+
+
+def test_a_composition_with_the_hydra_config_is_accepted():
+    """The standalone report composes with Hydra's own node (`hydra`): a top-level key of conf/config.yaml."""
+    cfg = compose_config(["trainer.max_steps=2"], return_hydra_config=True)
+    assert "hydra" in cfg and cfg.trainer.max_steps == 2
+    with pytest.raises(ValueError, match=r"^unknown config key\(s\).*: sed \(did you mean seed\?\)"):
+        compose_config(["+sed=1"], return_hydra_config=True)
