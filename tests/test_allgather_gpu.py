@@ -85,7 +85,7 @@ def _matmul(rank: int, world: int) -> None:
                         failures[name, dtype, producer] = (f"step {step}: relative error {error:.3g}, gathered input "
                                                            f"{'exact' if exact else 'differs'}")
             try:
-                op_for(ws, x, config).gather.errors.check(block=True)
+                op_for(ws, x, config).errors.check(block=True)
             except PeerWaitTimeout as timeout:
                 failures[name, dtype, "timeout"] = str(timeout)
     assert not failures, f"rank {rank}: " + "; ".join(
@@ -103,7 +103,7 @@ def _timeout(rank: int, world: int) -> None:
             op.finish(op.start(x, producer), x, weight, producer)
             with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step \d waiting for rank 1 to start the "
                                                       r"call"):
-                op.gather.errors.check(block=True)
+                op.errors.check(block=True)
         torch.cuda.synchronize()
         dist.barrier()
 

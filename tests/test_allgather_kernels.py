@@ -16,7 +16,7 @@ import torch
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels import peer_flags
 from fused_dlrm.kernels.allgather import PRODUCERS, SymmetricAllGather, all_gather_reference
-from fused_dlrm.kernels.allgather_gemm import (GemmConfig, all_gather_matmul, all_gather_matmul_bulk, lead_rounds,
+from fused_dlrm.kernels.allgather_gemm import (CALLS, GemmConfig, all_gather_matmul, all_gather_matmul_bulk, lead_rounds,
                                                all_gather_matmul_reference, op_for, tile_map)
 
 from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerWaitTimeout
@@ -270,6 +270,7 @@ def test_all_gather_matmul_times_out_naming_the_rank_that_never_called(producer)
 SHARD = "x_shard [41, 24] float16, device push in chunks of 16 rows"
 MATMUL_DIFFERENCES = {
     "rows": (dict(rows=40), "x_shard [40, 24] float16, device push in chunks of 16 rows"),
+    "no rows": (dict(rows=0), "x_shard [0, 24] float16, device push of nothing"),
     "k": (dict(k=16), "x_shard [41, 16] float16, device push in chunks of 16 rows"),
     "dtype": (dict(dtype=torch.bfloat16), "x_shard [41, 24] bfloat16, device push in chunks of 16 rows"),
     "producer": (dict(producer="copy_engine"), "x_shard [41, 24] float16, copy-engine pulls in chunks of 16 rows"),
@@ -307,19 +308,19 @@ def check_matmul_calls_that_differ(world_size: int, difference: str, device: str
                                                    rf"called it with {re.escape(theirs)}; this rank with "
                                                    rf"{re.escape(mine)} \("):
             op.finish(epoch, shard, weight_r, c["producer"])  # on the CPU
-            op.gather.errors.check(block=True)  # on GPUs
+            op.errors.check(block=True)  # on GPUs
     shards = [torch.randn(41, 24, generator=gen).to(device, torch.float16) for _ in range(world_size)]
     ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
     epochs = [op.start(shard, "device") for op, shard in zip(ops, shards)]
     for op, epoch, shard in zip(ops, epochs, shards):
         with pytest.raises((PeerCallMismatch, PeerWaitTimeout)):
             op.finish(epoch, shard, weight, "device")
-            op.gather.errors.check(block=True)
+            op.errors.check(block=True)
     shards = [torch.randn(9, 24, generator=gen).to(device, torch.float16) for _ in range(world_size)]
     for out in run_matmul(workspaces, shards, weight, "device"):
         assert relative_error(out, all_gather_matmul_reference(shards, weight)) < 2e-3
     for ws, shard in zip(workspaces, shards):
-        op_for(ws, shard, SMALL).gather.errors.check(block=True)
+        op_for(ws, shard, SMALL).errors.check(block=True)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -394,13 +395,23 @@ def test_all_gather_matmul_refuses_an_output_it_cannot_store_into_before_any_wor
 
 
 @pytest.mark.parametrize("producer", ["copy_engine", "device"])
-def test_all_gather_matmul_of_an_empty_batch_launches_nothing(producer):
+def test_all_gather_matmul_of_an_empty_batch_is_a_call_of_its_own(producer):
     """x_shard of 0 rows on every rank (a sequence-parallel layer's empty batch): [0, N] and [0, K] outputs, as
-    the GEMM + all-reduce returns for M = 0, with no exchange; a shard that is no [rows, K] matrix is named."""
-    shards, weight = [torch.randn(0, 16).half() for _ in range(2)], torch.randn(20, 16).half().t()
-    for ws, shard in zip(matmul_world(2), shards):  # one rank after the other: nothing waits for a peer
-        out, gathered = all_gather_matmul(shard, weight, ws, producer, return_gathered=True, config=SMALL)
-        assert out.shape == (0, 20) and gathered.shape == (0, 16) and out.dtype == gathered.dtype == torch.float16
+    the GEMM + all-reduce returns for M = 0, and no exchange (no buffer but the calls'); but a call, whose signature
+    the peers compare (a peer's call of rows raises: MATMUL_DIFFERENCES["no rows"]), so the calls around it stay
+    exact. A shard that is no [rows, K] matrix is named."""
+    gen = torch.Generator().manual_seed(3)
+    workspaces, weight = matmul_world(2), torch.randn(20, 16, generator=gen).half().t()
+    for rows in (9, 0, 0, 9):
+        shards = [torch.randn(rows, 16, generator=gen).half() for _ in workspaces]
+        outs = run_matmul(workspaces, shards, weight, producer, return_gathered=True)
+        for (out, gathered), ws in zip(outs, workspaces):
+            assert relative_error(out, all_gather_matmul_reference(shards, weight)) < 2e-3 if rows else (
+                out.shape == (0, 20) and gathered.shape == (0, 16) and out.dtype == gathered.dtype == torch.float16)
+            assert torch.equal(gathered, torch.cat(shards))
+    empty = matmul_world(2)[0]
+    op_for(empty, torch.empty(0, 16).half(), SMALL)
+    assert list(empty._buffers) == [CALLS]
     for bad in (torch.randn(16).half(), torch.randn(2, 4, 16).half()):
         with pytest.raises(ValueError, match=r"x_shard .* expected \[rows, K\]"):
             all_gather_matmul(bad, weight, matmul_world(1)[0], producer, config=SMALL)

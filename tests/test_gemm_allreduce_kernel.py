@@ -291,12 +291,26 @@ def test_a_call_needing_halves_of_2_31_elements_is_refused_before_allocating():
         op.prepare(x, w)
 
 
-def test_an_empty_batch_launches_nothing():
-    """M = 0 on every rank (the bulk twins take it too): an empty output, and no epoch spent."""
-    op = GemmAllReduce(SimulatedWorld(2).workspaces()[0], num_programs=1)
-    x, w = torch.empty(0, 8, dtype=torch.bfloat16), torch.ones(8, 4, dtype=torch.bfloat16)
-    assert op(x, w).shape == (0, 4) and op.reduce_scatter(x, w).shape == (0, 4)
-    assert op.ws._epochs.get("gemm_allreduce") is None and not op._plans
+@pytest.mark.parametrize("scatter", [False, True])
+def test_an_empty_batch_is_a_call_of_its_own(scatter):
+    """M = 0 on every rank (the bulk twins take it too): empty outputs, no data buffer asked for; the call still
+    raises its flags and compares its peers' calls (a peer's call of rows raises: DIFFERENCES["no rows"]), so the
+    calls around it stay exact."""
+    world = World(3)
+    gen = torch.Generator().manual_seed(12)
+    for m in (6, 0, 0, 9):
+        xs, ws = random_inputs(3, m, 40, 50, torch.bfloat16, gen)
+        if m == 0:
+            assert all(out.shape == (0, 50) for out in world(xs, ws, scatter))
+            continue
+        world.poison(xs, ws, scatter)
+        outs = world(xs, ws, scatter)
+        assert_reduce_scattered(outs, xs, ws) if scatter else assert_all_reduced(outs, xs, ws)
+    assert all(op.ws._epochs["gemm_allreduce"] == 4 for op in world.ops)
+    empty = SimulatedWorld(2).workspaces()[0]
+    GemmAllReduce(empty, num_programs=1).prepare(torch.empty(0, 8, dtype=torch.bfloat16),
+                                                 torch.ones(8, 4, dtype=torch.bfloat16))
+    assert not [name for name in empty._buffers if name.endswith(("_recv", "_out"))]
 
 
 @pytest.mark.parametrize("x_shape,w_shape", [((2, 3, 8), (8, 4)), ((3, 8), (8,)), ((3, 8), (8, 0)), ((3, 0), (0, 4)),
@@ -306,7 +320,7 @@ def test_operands_that_are_no_x_m_k_and_w_k_n_are_named(x_shape, w_shape):
     op = GemmAllReduce(SimulatedWorld(2).workspaces()[0], num_programs=1)
     x, w = torch.ones(x_shape, dtype=torch.bfloat16), torch.ones(w_shape, dtype=torch.bfloat16)
     for scatter in (False, True):
-        with pytest.raises(ValueError, match=r"expected x \[M, K\] and w \[K, N\] \(M, K, N >= 1\) of one dtype"):
+        with pytest.raises(ValueError, match=r"expected x \[M, K\] and w \[K, N\] \(K, N >= 1\) of one dtype"):
             op.prepare(x, w, scatter=scatter)
 
 
@@ -351,6 +365,7 @@ def test_timeout_names_rank_and_slice(algorithm):
 USUAL = "x [6, 40] @ w [40, 50] bfloat16, all-reduce, two-shot"
 DIFFERENCES = {
     "rows": (dict(m=4), None, USUAL, "x [4, 40] @ w [40, 50] bfloat16, all-reduce, two-shot"),
+    "no rows": (dict(m=0), None, USUAL, "x [0, 40] @ w [40, 50] bfloat16, all-reduce, two-shot"),
     "n": (dict(n=40), None, USUAL, "x [6, 40] @ w [40, 40] bfloat16, all-reduce, two-shot"),
     "k": (dict(k=24), None, USUAL, "x [6, 24] @ w [24, 50] bfloat16, all-reduce, two-shot"),
     "dtype": (dict(dtype=torch.float16), None, USUAL, "x [6, 40] @ w [40, 50] float16, all-reduce, two-shot"),

@@ -287,7 +287,7 @@ def test_all_gather_matmul_waits_for_a_producer_running_alongside(weight_layout)
         assert not out.isnan().any() and err < 2e-3, err
         ops[1].finish(epoch1, shards[1], weight, "device")  # its ack lets rank 0 push into it next time
     for op in ops:
-        op.gather.errors.check(block=True)
+        op.errors.check(block=True)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

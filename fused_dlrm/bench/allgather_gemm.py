@@ -55,7 +55,7 @@ def check_against_bulk(x, w, ws, producer: str, config: GemmConfig) -> str | Non
         got, gathered = all_gather_matmul(x, w, ws, producer, return_gathered=True, config=config)
         bulk, bulk_gathered = all_gather_matmul_bulk(x, w)
         error = relative_error(got, bulk)
-        op_for(ws, x, config).gather.errors.check(block=True)
+        op_for(ws, x, config).errors.check(block=True)
         if not torch.equal(gathered, bulk_gathered) or not error <= 2e-3:
             failure = (f"relative error {error:.3g} against the bulk twin, gathered input "
                        f"{'exact' if torch.equal(gathered, bulk_gathered) else 'differs'}")
@@ -97,7 +97,7 @@ def run(quick: bool) -> list[dict]:
                              "speedup": bulk_us / fused_us, "sol_pct": 100 * light_us / fused_us,
                              "matmul_us": matmul_us})
             try:
-                op_for(ws, x, config).gather.errors.check(block=True)
+                op_for(ws, x, config).errors.check(block=True)
             except PeerWaitTimeout as timeout:
                 print(f"rank {rank}: AllGather+GEMM {name} {shape}: timed out while timing: {timeout}", flush=True)
     return rows

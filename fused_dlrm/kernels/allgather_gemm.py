@@ -150,10 +150,12 @@ def _call_signature(call, rows, K, dtype_code, producer, chunk_rows, epoch):
 
 def describe_calls(mine: list[int], theirs: list[int]) -> tuple[str, str]:
     """Two calls' signatures (`_call_signature`) in words: "x_shard [41, 24] float16, device push in chunks of 16
-    rows", then the exchange's epoch and the step where they differ."""
+    rows" (of an empty shard: "..., device push of nothing"), then the exchange's epoch and the step where they
+    differ."""
     def call(signature: list[int]) -> str:
         _, rows, k, dtype, producer, chunk_rows = signature[:6]
-        return f"x_shard [{rows}, {k}] {dtype_name(dtype)}, {PRODUCER_WORDS[producer]} in chunks of {chunk_rows} rows"
+        chunks = f"in chunks of {chunk_rows} rows" if rows else "of nothing"
+        return f"x_shard [{rows}, {k}] {dtype_name(dtype)}, {PRODUCER_WORDS[producer]} {chunks}"
 
     return describe_signatures(mine, theirs, call, {6: "call {} of that shape and producer"})
 
@@ -360,17 +362,19 @@ class AllGatherMatmul:
             raise ValueError(f"all_gather_matmul: K={k} is not a multiple of 8: the GEMM reads the rows through "
                              "TMA, whose rows must be a multiple of 16 bytes")
         self.config = config
-        self.rank, self.world = workspace.rank, workspace.world_size
-        errors = PeerErrors(workspace.device, self.rank, "fused all-gather + GEMM", describe_calls=describe_calls)
-        self.gather = SymmetricAllGather(workspace, rows, k, dtype, max(1, config.chunk_rows), name="allgather_matmul",
-                                         spin_limit=config.spin_limit, errors=errors)
+        self.ws, self.rank, self.world = workspace, workspace.rank, workspace.world_size
+        self.errors = PeerErrors(workspace.device, self.rank, "fused all-gather + GEMM", describe_calls=describe_calls)
         # every peer's signature of its latest calls (two halves by the call's parity), shared by the workspace's
-        # ops of every shape class: calls of other shapes use other exchanges (the module docstring)
+        # ops of every shape class: calls of other shapes use other exchanges (the module docstring). Allocated
+        # first: on GPUs allocations pair by order, and an op of empty shards allocates nothing else.
         self.calls = workspace.buffer(CALLS, 2 * self.world * SIGNATURE_WORDS.value, torch.int64)
+        # the device push's exchange; none for shards of 0 rows (an empty batch: its calls exchange signatures alone)
+        self.gather = SymmetricAllGather(workspace, rows, k, dtype, max(1, config.chunk_rows), name="allgather_matmul",
+                                         spin_limit=config.spin_limit, errors=self.errors) if rows else None
         self.call = 0  # the number of this op's latest call among the workspace's (`start`)
-        self.rows, self.k = rows, k
+        self.rows, self.k, self.dtype = rows, k, dtype
         self.fused_push = not workspace.simulated  # a simulated world pushes in a launch of its own (module docstring)
-        self.num_programs = config.num_programs or self.gather.num_programs
+        self.num_programs = config.num_programs or (self.gather.num_programs if rows else 1)
         self._copy_gather: SymmetricAllGather | None = None  # the copy-engine producer's, built on first use
         self.counter = torch.zeros(1, dtype=torch.int64, device=workspace.device)  # programs done, never reset
         self.launches = 0  # compute launches of this op: the counter reaches launches * programs at each ack
@@ -380,13 +384,13 @@ class AllGatherMatmul:
         copies; its own buffers, allocated on the first copy-engine call; the op's one error word). That first
         call allocates symmetric memory, a collective: every rank must make it (a rank that skipped it would leave
         the others waiting in the allocation, on the host, where no flag's bound applies)."""
-        if producer != "copy_engine":
+        if producer != "copy_engine" or not self.rows:
             return self.gather
         if self._copy_gather is None:
             g = self.gather
             self._copy_gather = SymmetricAllGather(g.ws, self.rows, self.k, g.dtype, self.config.copy_rows or self.rows,
                                                    name="allgather_matmul_ce", spin_limit=self.config.spin_limit,
-                                                   errors=g.errors)
+                                                   errors=self.errors)
         return self._copy_gather
 
     def start(self, x_shard: torch.Tensor, producer: str) -> int:
@@ -394,12 +398,18 @@ class AllGatherMatmul:
         which `finish` takes: every start is finished before the op's next one."""
         if producer not in GEMM_PRODUCERS:
             raise ValueError(f"unknown producer {producer!r}: expected one of {GEMM_PRODUCERS}")
-        self.gather.errors.check()
-        self.call = self.gather.ws.next_epoch(CALLS)
+        self.errors.check()
+        self.call = self.ws.next_epoch(CALLS)
+        if not self.rows:  # nothing to exchange: the call's signature alone (`finish` compares the peers'), its
+            #                epoch the count of the op's calls
+            epoch = self.ws.next_epoch(f"allgather_matmul:0x{self.k}:{self.dtype}")
+            _publish_call_kernel[(1,)](self.calls.peer_ptrs, self.rank, self.call, *self._described(producer), epoch,
+                                       WORLD=self.world)
+            return epoch
         if producer == "copy_engine":  # publish into our own slot; peers pull it (see the module docstring)
             g = self.gather_for(producer)
             epoch = g.start(x_shard, "pull")
-            _publish_call_kernel[(1,)](self.calls.peer_ptrs, self.rank, self.call, *self._described(g), epoch,
+            _publish_call_kernel[(1,)](self.calls.peer_ptrs, self.rank, self.call, *self._described(producer), epoch,
                                        WORLD=self.world)
             return epoch
         epoch = self.gather.next_epoch()
@@ -407,11 +417,11 @@ class AllGatherMatmul:
             self._launch(x_shard.contiguous(), None, None, epoch, push=True, compute=False, pushers=False)
         return epoch
 
-    def _described(self, g: SymmetricAllGather) -> tuple[int, int, int, int, int]:
-        """The kernels' arguments that describe a call through exchange g (`_call_signature`): rows, K, dtype,
-        producer and rows per chunk."""
-        producer = GEMM_PRODUCERS.index("device" if g is self.gather else "copy_engine")
-        return self.rows, self.k, dtype_code(g.dtype), producer, g.chunk_rows
+    def _described(self, producer: str) -> tuple[int, int, int, int, int]:
+        """The kernels' arguments that describe a call by `producer` (`_call_signature`): rows, K, dtype, producer
+        and rows per chunk of its exchange (0: empty shards have none)."""
+        g = self.gather_for(producer)
+        return self.rows, self.k, dtype_code(self.dtype), GEMM_PRODUCERS.index(producer), g.chunk_rows if g else 0
 
     def finish(self, epoch: int, x_shard: torch.Tensor, weight: torch.Tensor, producer: str,
                return_gathered: bool = False, out: torch.Tensor | None = None):
@@ -419,14 +429,18 @@ class AllGatherMatmul:
         check_weight(weight, self.k, x_shard.dtype)
         out = output(out, self.world * self.rows, weight.shape[1], x_shard)
         g = self.gather_for(producer)
+        if producer == "copy_engine" or not self.rows:
+            _check_calls_kernel[(1,)](self.calls.local, self.rank, self.call, *self._described(producer), epoch,
+                                      self.config.spin_limit, self.errors.word, WORLD=self.world)
+        if not self.rows:
+            self.errors.after_wait()
+            return (out, x_shard.new_empty(0, self.k)) if return_gathered else out
         if producer == "copy_engine":
-            _check_calls_kernel[(1,)](self.calls.local, self.rank, self.call, *self._described(g), epoch,
-                                      self.config.spin_limit, g.errors.word, WORLD=self.world)
             g.pull_published(epoch)
         self._launch(x_shard, weight, out, epoch, producer == "device" and self.fused_push, True,  # push, compute
                      producer == "device", g)  # pushers, the exchange
         g.join()
-        g.errors.after_wait()
+        self.errors.after_wait()
         if not return_gathered:
             return out
         # After the launch: every peer chunk has arrived; the half is overwritten only two calls later.
@@ -452,6 +466,7 @@ class AllGatherMatmul:
         """push: this launch pushes the shard; pushers: the device producer's programs push (in this launch or,
         in a simulated world, in one of their own), so the compute deals them fewer tiles (`lead`)."""
         g, c = gather or self.gather, self.config
+        producer = "device" if g is self.gather else "copy_engine"
         n, w_nk, descriptors = 0, False, (None, None, None)
         if compute:
             self.launches += 1
@@ -465,9 +480,9 @@ class AllGatherMatmul:
         _all_gather_matmul_kernel[(self.num_programs,)](
             x, *descriptors, x if out is None else out,
             g.data.peer_ptrs, g.ready.local, g.ready.peer_ptrs, g.ack.local, g.ack.peer_ptrs,
-            self.counter, g.errors.word, self.calls.local, self.calls.peer_ptrs, self.rows, self.k, n,
-            self.rank, epoch, self.call, *self._described(g)[2:], g.chunks, g.half_offset(epoch), self.num_programs,
-            lead_programs, lead_tiles, c.spin_limit, self.launches * self.num_programs,
+            self.counter, self.errors.word, self.calls.local, self.calls.peer_ptrs, self.rows, self.k, n,
+            self.rank, epoch, self.call, *self._described(producer)[2:], g.chunks, g.half_offset(epoch),
+            self.num_programs, lead_programs, lead_tiles, c.spin_limit, self.launches * self.num_programs,
             WORLD=self.world, PUSH=push, COMPUTE=compute,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, K_TILES=triton.cdiv(self.k, c.block_k),
             GROUP_M=c.group_m, PUSH_R=g.block_rows, PUSH_C=g.block_cols, W_NK=w_nk, ON_GPU=not interpreting(),
@@ -518,14 +533,13 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, workspace: _W
     naming both calls: the module docstring; N may differ). The device push is the default: at
     issue 5's shape on 2 GPUs it took 741 against 1,295 us for the copy engines' pulls (2×H200, 2026-11-24) and
     733 against 1,440 (2×H100, 2026-11-26; docs/benchmarks.md). A shard of 0 rows (every rank's, as the shapes
-    are alike: an empty batch) gives empty outputs and exchanges nothing, as the GEMM + all-reduce for M = 0."""
+    are alike: an empty batch) gives empty outputs and exchanges no data, but is a call (its signature compared
+    with the peers'), as the GEMM + all-reduce's for M = 0."""
     if x_shard.dim() != 2:
         raise ValueError(f"all_gather_matmul: x_shard {tuple(x_shard.shape)}: expected [rows, K]")
     rows, k = x_shard.shape
     # before the producer starts: a refusal leaves no peer waiting
     check_weight(weight, k, x_shard.dtype)
     out = output(out, workspace.world_size * rows, weight.shape[1], x_shard)
-    if rows == 0:
-        return (out, x_shard.new_empty(0, k)) if return_gathered else out
     op = op_for(workspace, x_shard, config)
     return op.finish(op.start(x_shard, producer), x_shard, weight, producer, return_gathered, out)

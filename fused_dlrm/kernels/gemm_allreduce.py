@@ -52,7 +52,11 @@ behind its peers' flags of its own program number (after raising its own flags).
 3 (`PeerErrors` names rank, peer and both calls in words), so every rank raises; the call's output is then not
 defined, and the flags, raised as after any call, leave the next call exact. (A grid larger than a peer's has
 programs whose flags the peer never raises: those give up after spin_limit polls, by when the others have
-recorded the mismatch.) Not caught: a call that makes only some ranks grow the symmetric buffers (a larger shape)
+recorded the mismatch.) An empty call (M = 0) is a call too: it stores no tile and asks for no buffer, but its
+programs, the largest grid's, raise their flags, and its program 0 waits for each peer's program 0 (every grid has
+one) and compares signatures; skipped, a rank's calls would pair with its peers' one call late, and a call of rows
+alike would read the partials of another step unseen.
+Not caught: a call that makes only some ranks grow the symmetric buffers (a larger shape)
 waits in the buffers' collective allocation, before any kernel, for peers that never join it.
 
 `gemm_allreduce_reference` is the pure-torch definition; `gemm_allreduce_bulk` the bulk twin (matmul, then
@@ -288,15 +292,18 @@ def _gemm_allreduce_kernel(
             j += num_programs
         if not ONE_SHOT and not SCATTER:
             signal_ready(done_ptrs, rank * flag_stride + pid, epoch, WORLD)
-        if pid >= owned:  # no tile: the peers' calls behind their flags (source, pid), once this program's are up
+        # No tile: the peers' calls behind their flags (source, pid), once this program's are up; in an empty call
+        # (M = 0) program 0's alone, which every peer's grid has (a flag of each peer guards the halves as well).
+        if pid >= owned and (M > 0 or pid == 0):
             for k in tl.static_range(1, WORLD):
                 source = (rank + k) % WORLD
                 wait_or_record(ready + source * flag_stride + pid, epoch, spin_limit, error_ptr, source, -1)
             tl.debug_barrier()
             same_calls(signatures, rank, signature, error_ptr, -1, epoch, WORLD)
 
-    if PHASES & 4:  # wait until every owner's program `pid` has stored its tiles here (one-shot, scatter: no peer does)
-        if not ONE_SHOT and not SCATTER:
+    if PHASES & 4:  # wait until every owner's program `pid` has stored its tiles here (one-shot, scatter, an empty
+        #             call: no peer does)
+        if not ONE_SHOT and not SCATTER and M > 0:
             done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
             for owner in tl.static_range(WORLD):
                 wait_or_record(done + owner * flag_stride + pid, epoch, spin_limit, error_ptr, owner, pid)
@@ -338,8 +345,8 @@ class Plan:
     once, and the output's two views (by epoch parity)."""
     key: tuple
     num_programs: int  # the grid
-    recv: PeerBuffer
-    out: PeerBuffer
+    recv: PeerBuffer | None  # None: an empty call's (M = 0), which stores no data
+    out: PeerBuffer | None
     outputs: tuple[torch.Tensor, torch.Tensor]
     args: Arguments  # filled per call with x, w and the epoch
     options: dict  # launch options (num_warps, num_stages)
@@ -351,16 +358,16 @@ class GemmAllReduce:
     """out = sum over the workspace's ranks of x @ w, fused into one launch (see the module docstring).
 
     Every rank must make the same calls in the same order: the same form (__call__ or reduce_scatter, which is
-    always two-shot), M, K, N and dtype, on ops of one tiling (flags carry per-call epochs); a call unlike a
-    peer's raises PeerCallMismatch on every rank (the module docstring). A call of M = 0 launches nothing on any
-    rank and returns an empty output. A plan tiles by FEW_ROWS up to 64 rows and by MANY_ROWS above; `block_m` ...
-    `programs_per_sm`, where given, replace those tilings' fields (for tests and sweeps; the grid must stay
-    co-resident, see the module docstring). The launch has `num_programs` persistent programs when given, else
-    the tiling's programs per SM, and for FEW_ROWS PROGRAMS_PER_SM per SM, but one per SM for a shape of at most
-    one tile per SM (the 2 x H200 sweep of call TP3, M=1, K=4096 per rank: N=8192 (128 tiles) took 34.4 us on one
-    program per SM against 42.0 on two, half of them idle while their flags are still polled; N=28672 78.2 against
-    80.2 the other way round); the flags are sized for the largest grid. `algorithm`: "one_shot", "two_shot", or
-    "auto" (by the bytes a rank pushes, see the module docstring).
+    always two-shot), M, K, N and dtype, on ops of one tiling (flags carry per-call epochs); a call unlike a peer's
+    raises PeerCallMismatch on every rank (the module docstring). A call of M = 0 (an empty batch) returns an empty
+    output; it is a call all the same (see the module docstring). A plan tiles by FEW_ROWS up to 64 rows and by
+    MANY_ROWS above; `block_m` ... `programs_per_sm`, where given, replace those tilings' fields (for tests and
+    sweeps; the grid must stay co-resident, see the module docstring). The launch has `num_programs` persistent
+    programs when given, else the tiling's programs per SM, and for FEW_ROWS PROGRAMS_PER_SM per SM, but one per SM
+    for a shape of at most one tile per SM (the 2 x H200 sweep of call TP3, M=1, K=4096 per rank: N=8192 (128 tiles)
+    took 34.4 us on one program per SM against 42.0 on two, half of them idle while their flags are still polled;
+    N=28672 78.2 against 80.2 the other way round); the flags are sized for the largest grid. `algorithm`:
+    "one_shot", "two_shot", or "auto" (by the bytes a rank pushes, see the module docstring).
 
     Host time per call is kept small (a GEMV's kernel takes tens of microseconds): what depends only on the
     call's key is computed once into a `Plan`, and GPUs launch the plan's compiled binary (kernels/launch.py).
@@ -399,16 +406,12 @@ class GemmAllReduce:
         self._launches = CompiledLaunches(_gemm_allreduce_kernel)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 0:  # an empty batch: nothing to reduce (every rank has M = 0)
-            return x.new_empty(0, w.shape[1])
         epoch = self.next_epoch()
         return self.output(epoch, self.launch(x, w, epoch, ALL_PHASES))
 
     def reduce_scatter(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """This rank's band of rows of the sum over ranks of x @ w: rows [rank, rank + 1) * M / world (M a multiple
         of the world size), as reduce_scatter_tensor cuts them; on the same flags and epochs as __call__."""
-        if x.shape[0] == 0:
-            return x.new_empty(0, w.shape[1])
         epoch = self.next_epoch()
         return self.output(epoch, self.launch(x, w, epoch, ALL_PHASES, scatter=True))
 
@@ -455,9 +458,9 @@ class GemmAllReduce:
         return key, self._plans.get(key) or self._plan(key, x, w, phases, scatter)
 
     def _plan(self, key: tuple, x: torch.Tensor, w: torch.Tensor, phases: int, scatter: bool) -> Plan:
-        if (x.dim() != 2 or w.dim() != 2 or min(*x.shape, *w.shape) < 1 or w.shape[0] != x.shape[1]
+        if (x.dim() != 2 or w.dim() != 2 or min(*w.shape) < 1 or w.shape[0] != x.shape[1]
                 or x.dtype != w.dtype or x.dtype not in (torch.float16, torch.bfloat16)):
-            raise ValueError(f"expected x [M, K] and w [K, N] (M, K, N >= 1) of one dtype, fp16 or bf16; got "
+            raise ValueError(f"expected x [M, K] and w [K, N] (K, N >= 1) of one dtype, fp16 or bf16; got "
                              f"{tuple(x.shape)} {x.dtype} and {tuple(w.shape)} {w.dtype}")
         (m, k), n = x.shape, w.shape[1]
         if scatter and m % self.world:
@@ -469,8 +472,9 @@ class GemmAllReduce:
         n_tiles = triton.cdiv(n, tiling.block_n)
         output_tiles = triton.cdiv(out_rows, block_m) * n_tiles  # the tiles of one output
         num_tiles = output_tiles * (self.world if scatter else 1)
-        P = self._programs(num_tiles, tiling)
-        split_k = self.split_k or default_split_k(m, k, num_tiles, P, tiling.block_k)
+        # An empty call (M = 0) raises the flags of every program a peer's grid may have (the largest grid's).
+        P = self._programs(num_tiles, tiling) if m else self.num_programs
+        split_k = self.split_k or (default_split_k(m, k, num_tiles, P, tiling.block_k) if m else 1)
         k_tiles = triton.cdiv(triton.cdiv(k, split_k), tiling.block_k)
         split_k = triton.cdiv(k, k_tiles * tiling.block_k)  # K chunks of whole BLOCK_K tiles, none of them empty
         one_shot = not scatter and self._one_shot(split_k * m * n * 4)
@@ -481,26 +485,25 @@ class GemmAllReduce:
         if max(recv_size, 2 * out_rows * n) // 2 >= 2**31:  # the halves' offsets are not in the key: keep them int32
             raise ValueError(f"a call of x {tuple(x.shape)} and w {tuple(w.shape)} needs buffers of 2^31 elements or "
                              "more per half: split it")
-        recv = self.ws.buffer("gemm_allreduce_recv", recv_size, torch.float32)
-        # In bytes: a call of the other dtype (fp16 and bf16 are alike in size) keeps the buffer; typed, it was
-        # allocated anew at every change of dtype, a collective that on GPUs synchronises the device (and that a
-        # rank whose call's dtype differs from its peers' would enter alone).
-        out = self.ws.buffer("gemm_allreduce_out", 2 * out_rows * n * x.element_size(), torch.uint8)
-        # Plans made before a buffer grew point into the old one: drop them (their keys plan anew).
-        self._plans = {k: p for k, p in self._plans.items() if p.recv is recv and p.out is out}
-        local = out.local.view(x.dtype)
-        half = local.numel() // 2
-        size = out_rows * n
-        outputs = local[:size].view(out_rows, n), local[half:half + size].view(out_rows, n)
+        if m:
+            recv, out, outputs = self._buffers(recv_size, out_rows, n, x.dtype)
+            recv_ptrs, out_ptrs = recv.peer_ptrs, out.peer_ptrs
+            recv_half, out_half = recv.local.numel() // 2, out.local.numel() // x.element_size() // 2
+        else:  # no tile to store: no buffer asked for (a peer's call of rows would allocate alone), no data pointer
+            #    read (the signatures' table stands in for them)
+            recv = out = None
+            outputs = (x.new_empty(0, n),) * 2
+            recv_ptrs = out_ptrs = self.signatures.peer_ptrs
+            recv_half = out_half = 0
         interpret = self._launches.interpret
         options = dict(num_warps=tiling.num_warps, num_stages=tiling.num_stages or (5 if block_m == 16 else 3))
         args = Arguments(
             _gemm_allreduce_kernel, ("x_ptr", "w_ptr", "epoch"),
             stride_xm=x.stride(0), stride_xk=x.stride(1), stride_wk=w.stride(0), stride_wn=w.stride(1),
-            recv_ptrs=recv.peer_ptrs, out_ptrs=out.peer_ptrs, ready_ptrs=self.ready.peer_ptrs,
+            recv_ptrs=recv_ptrs, out_ptrs=out_ptrs, ready_ptrs=self.ready.peer_ptrs,
             done_ptrs=self.done.peer_ptrs, signature_ptrs=self.signatures.peer_ptrs, error_ptr=self.errors.word,
             rank=self.rank, M=m, N=n, K=k, dtype_code=dtype_code(x.dtype),
-            recv_half=recv.local.numel() // 2, out_half=half, num_tiles=num_tiles, n_tiles=n_tiles,
+            recv_half=recv_half, out_half=out_half, num_tiles=num_tiles, n_tiles=n_tiles,
             tiles_per_rank=tiles_per_rank, band_rows=out_rows, slot_rows=slot_rows, split_k=split_k,
             k_chunk=k_tiles * tiling.block_k, num_programs=P, flag_stride=self.num_programs, spin_limit=self.spin_limit,
             WORLD=self.world, BLOCK_M=block_m, BLOCK_N=tiling.block_n,
@@ -508,6 +511,22 @@ class GemmAllReduce:
             ONE_SHOT=one_shot, SCATTER=scatter)
         plan = self._plans[key] = Plan(key, P, recv, out, outputs, args, options, one_shot, split_k)
         return plan
+
+    def _buffers(self, recv_size: int, out_rows: int, n: int, dtype: torch.dtype
+                 ) -> tuple[PeerBuffer, PeerBuffer, tuple[torch.Tensor, torch.Tensor]]:
+        """The receive slots (fp32, `recv_size` elements), the outputs' buffer and the two [out_rows, n] output
+        views of a call's plan (grown where the call needs more)."""
+        recv = self.ws.buffer("gemm_allreduce_recv", recv_size, torch.float32)
+        # In bytes: a call of the other dtype (fp16 and bf16 are alike in size) keeps the buffer; typed, it was
+        # allocated anew at every change of dtype, a collective that on GPUs synchronises the device (and that a
+        # rank whose call's dtype differs from its peers' would enter alone).
+        out = self.ws.buffer("gemm_allreduce_out", 2 * out_rows * n * dtype.itemsize, torch.uint8)
+        # Plans made before a buffer grew point into the old one: drop them (their keys plan anew).
+        self._plans = {k: p for k, p in self._plans.items() if p.recv is recv and p.out is out}
+        local = out.local.view(dtype)
+        half = local.numel() // 2
+        size = out_rows * n
+        return recv, out, (local[:size].view(out_rows, n), local[half:half + size].view(out_rows, n))
 
     def _one_shot(self, partial_bytes: int) -> bool:
         """Whether a call whose fp32 partials take `partial_bytes` runs one-shot (see the module docstring)."""
