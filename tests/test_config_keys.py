@@ -1,5 +1,6 @@
 """Config keys no code reads are refused (fused_dlrm/train/config_keys.py): a `+trainer.<typo>=...` override adds a
-key, which train.py, the report and the benchmarks (compose_config) refuse instead of running without it."""
+key, as `model=dlrm +model.vocab_size=300` adds one only another model reads; train.py, the report and the
+benchmarks (compose_config) refuse them instead of running without them."""
 
 import subprocess
 import sys
@@ -8,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from fused_dlrm.train.build import compose_config
-from fused_dlrm.train.config_keys import CONF
+from fused_dlrm.train.config_keys import CONF, check_config_keys
+from test_training import config  # config: Hydra's compose() alone, no record of the chosen options
 
 ROOT = Path(__file__).resolve().parents[1]
 # every packaged option of each group, under the model whose data it is (train.py's DATA_GROUPS)
@@ -16,6 +18,9 @@ OPTIONS = ([[f"model={m.stem}"] for m in sorted((CONF / "model").glob("*.yaml"))
            + [["model=dlrm", f"data={d}"] for d in ("synthetic", "synthetic_paper", "criteo")]
            + [["model=moe_transformer", f"data={d}"] for d in ("bytes", "bytes_finegrained")]
            + [[f"comm={c.stem}"] for c in sorted((CONF / "comm").glob("*.yaml"))])
+# all of comm=fused's keys under comm=bulk: without Hydra's record of the choice, the config is closest to comm=fused
+FUSED_KEYS_UNDER_BULK = [f"+comm.{key}=1" for key in ("transport", "num_programs", "wait_timeout_spins",
+                                                        "moe_dispatch", "moe_combine")]
 
 
 @pytest.mark.parametrize("overrides", OPTIONS + [
@@ -27,15 +32,28 @@ OPTIONS = ([[f"model={m.stem}"] for m in sorted((CONF / "model").glob("*.yaml"))
 ], ids=" ".join)
 def test_the_packaged_configs_and_their_keys_are_accepted(overrides):
     compose_config(overrides)
+    check_config_keys(config(*overrides))  # against the options closest to its keys
 
 
 @pytest.mark.parametrize("overrides,said", [
-    (["+trainer.max_step=3"], r"trainer.max_step \(did you mean trainer.max_steps\?\); the known keys of trainer: "
-                              r"batches_ahead, .*max_steps, .*tf32$"),
+    (["+trainer.max_step=3"], r"trainer.max_step \(did you mean trainer.max_steps\?\); the known keys of trainer "
+                              r"under trainer=default: batches_ahead, .*max_steps, .*tf32$"),
     (["+model.embedding_optimizer.momentum=0.9"], r"model.embedding_optimizer.momentum; the known keys of "
-                                                  r"model.embedding_optimizer: eps, lr, name$"),
-    (["+data.typo.deeper=1", "+comm.backedn=gloo"], r"data.typo; the known keys of data: .* \| comm.backedn \(did you "
-                                                    r"mean comm.backend\?\); the known keys of comm: .*transport"),
+                                                  r"model.embedding_optimizer under model=dlrm: eps, lr, name$"),
+    (["+data.typo.deeper=1", "+comm.backedn=gloo"],
+     r"data.typo; the known keys of data under data=synthetic: .* \| comm.backedn \(did you mean comm.backend\?\); "
+     r"the known keys of comm under comm=bulk: backend, grad_allreduce, mode$"),
+    # keys another option of the group sets, which the chosen one's code never reads
+    (["+model.vocab_size=300"], r"model.vocab_size is set by model=moe_transformer or "
+                                r"model=moe_transformer_finegrained, not model=dlrm; the known keys of model under "
+                                r"model=dlrm: column_shards, .*row_shards$"),
+    (["model=dlrm_paper", "+model.optimizer.lr=1"], r"model.optimizer is set by model=moe_transformer or "
+                                                    r"model=moe_transformer_finegrained, not model=dlrm_paper \(did you "
+                                                    r"mean model.embedding_optimizer\?\); "),
+    (["model=moe_transformer", "+data.train.device=cuda"], r"data.train is set by data=criteo or data=synthetic or "
+                                                           r"data=synthetic_paper, not data=bytes; "),
+    (FUSED_KEYS_UNDER_BULK, r"comm.transport is set by comm=fused, not comm=bulk; .* \| comm.num_programs is set by "
+                            r"comm=fused, not comm=bulk; "),
     (["+sed=1"], r"sed \(did you mean seed\?\); the known keys of the config: comm, data, hydra, model, report, "
                  r"seed, trainer$"),
 ])
@@ -45,19 +63,48 @@ def test_keys_no_conf_file_sets_are_refused(overrides, said):
         compose_config(overrides)
 
 
+@pytest.mark.parametrize("overrides,said", [
+    (["+model.vocab_size=300"], r"model.vocab_size is set by model=moe_transformer or "
+                                r"model=moe_transformer_finegrained, not model=dlrm or model=dlrm_paper; "),
+    (["model=moe_transformer", "+model.num_rows=10"], r"model.num_rows is set by model=dlrm or model=dlrm_paper, not "
+                                                      r"model=moe_transformer or model=moe_transformer_finegrained "
+                                                      r"\(did you mean model.num_layers\?\); "),
+    (["+comm.transport=p2p"], r"comm.transport is set by comm=fused, not comm=bulk; "),  # bulk's 3 keys are closer
+    (["+trainer.max_step=3"], r"trainer.max_step \(did you mean trainer.max_steps\?\)"),
+])
+def test_a_config_without_hydras_record_is_checked_against_the_closest_options(overrides, said):
+    """compose() without the `hydra` node, outside a Hydra job: the options whose keys differ least from the
+    config's are taken as chosen (the options with the same keys as the one chosen: all named)."""
+    with pytest.raises(ValueError, match=r"^unknown config key\(s\).*: " + said):
+        check_config_keys(config(*overrides))
+
+
+def test_without_hydras_record_a_config_holding_all_of_an_options_keys_is_taken_for_it():
+    """The limit of the guess: comm=bulk with all of comm=fused's keys passes as comm=fused (compose_config and
+    train.py, which have the record, refuse it)."""
+    check_config_keys(config(*FUSED_KEYS_UNDER_BULK))
+
+
+SHORT = ["trainer.max_steps=1", "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.progress=false",
+         "data.eval_batches=1"]
+
+
 def test_train_py_refuses_a_typo_before_training(tmp_path):
-    """(A short run, should the typo be taken: the test then fails on its exit status, not on a timeout.)"""
-    done = subprocess.run([sys.executable, "train.py", "+trainer.max_step=1", "trainer.max_steps=1",
-                           "trainer.eval_every=0", "trainer.checkpoint_every=0", "model.num_rows=100",
-                           "data.global_batch_size=8", "data.eval_batches=1", f"hydra.run.dir={tmp_path}/run"],
+    """Against the options Hydra's job records as chosen: all of comm=fused's keys under comm=bulk (closest
+    to comm=fused without the record). (A short run, should the keys be taken: the test then fails on its exit
+    status, not on a timeout.)"""
+    done = subprocess.run([sys.executable, "train.py", "+trainer.max_step=1", *FUSED_KEYS_UNDER_BULK, *SHORT,
+                           "model.num_rows=100", "data.global_batch_size=8", f"hydra.run.dir={tmp_path}/run"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "unknown config key(s)" in done.stderr and "trainer.max_step (did you mean" in done.stderr, done.stderr
+    assert "comm.transport is set by comm=fused, not comm=bulk" in done.stderr, done.stderr
 
 
 def test_a_composition_with_the_hydra_config_is_accepted():
     """The standalone report composes with Hydra's own node (`hydra`): a top-level key of conf/config.yaml."""
     cfg = compose_config(["trainer.max_steps=2"], return_hydra_config=True)
     assert "hydra" in cfg and cfg.trainer.max_steps == 2
+    assert "hydra" not in compose_config([])  # composed with it to check the keys against its record, then dropped
     with pytest.raises(ValueError, match=r"^unknown config key\(s\).*: sed \(did you mean seed\?\)"):
         compose_config(["+sed=1"], return_hydra_config=True)

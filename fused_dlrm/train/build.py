@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import get_class
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 from torchrec import EmbeddingBagConfig
 from torchrec.datasets.utils import Batch
@@ -26,11 +26,15 @@ from fused_dlrm.train.rundir import register_resolvers
 
 def compose_config(overrides: Sequence[str], return_hydra_config: bool = False) -> DictConfig:
     """The config train.py would run with these overrides, composed from the repository's conf/ (for entry points
-    that are not @hydra.main: the report, the benchmarks); keys no code reads refused, as train.py refuses them."""
+    that are not @hydra.main: the report, the benchmarks); keys no code reads refused, as a model's train refuses
+    them, against the options Hydra records as chosen (in the `hydra` node, dropped unless return_hydra_config)."""
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=return_hydra_config)
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
     check_config_keys(cfg)
+    if not return_hydra_config:
+        with open_dict(cfg):
+            del cfg["hydra"]
     return cfg
 
 
