@@ -13,7 +13,6 @@ from omegaconf import DictConfig
 
 from fused_dlrm.dist import destroy_distributed, init_distributed
 from fused_dlrm.report import write_report
-from fused_dlrm.train.config_keys import check_config_keys
 from fused_dlrm.train.rundir import agree_on_run_dir, register_resolvers
 
 register_resolvers()
@@ -35,7 +34,6 @@ def check_data_group(model: str, data: str | None) -> None:
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    check_config_keys(cfg)  # a `+trainer.<typo>=...` would otherwise be added and never read
     if cfg.model.name not in TRAINERS:
         raise ValueError(f"unknown model.name {cfg.model.name!r}: expected one of {sorted(TRAINERS)}")
     check_data_group(cfg.model.name, HydraConfig.get().runtime.choices.get("data"))

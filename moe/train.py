@@ -34,6 +34,7 @@ from fused_dlrm.dist.alltoall import world_size
 from fused_dlrm.dist.env import raise_on_every_rank
 from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
+from fused_dlrm.train.config_keys import check_config_keys
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
 from fused_dlrm.tp import quantized_all_reduce
 from fused_dlrm.tp.linear import tp_groups
@@ -208,6 +209,7 @@ def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: 
 
 
 def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
+    check_config_keys(cfg)  # a `+trainer.<typo>=...` would otherwise be added and never read
     t, m = cfg.trainer, cfg.model
     if t.max_steps is None or t.epochs is not None:  # not silently ignored: its windows are drawn, not passed over
         raise ValueError(f"the MoE Transformer trains for trainer.max_steps steps (got max_steps={t.max_steps}); "

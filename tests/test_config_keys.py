@@ -1,6 +1,6 @@
 """Config keys no code reads are refused (fused_dlrm/train/config_keys.py): a `+trainer.<typo>=...` override adds a
-key, as `model=dlrm +model.vocab_size=300` adds one only another model reads; train.py, the report and the
-benchmarks (compose_config) refuse them instead of running without them."""
+key, as `model=dlrm +model.vocab_size=300` adds one only another model reads; every model's train (train.py's), the
+report and the benchmarks (compose_config) refuse them instead of running without them."""
 
 import subprocess
 import sys
@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+import moe.train
+from fused_dlrm.train import loop
 from fused_dlrm.train.build import compose_config
 from fused_dlrm.train.config_keys import CONF, check_config_keys
-from test_training import config  # config: Hydra's compose() alone, no record of the chosen options
+from test_training import CPU, config  # config: Hydra's compose() alone, no record of the chosen options
 
 ROOT = Path(__file__).resolve().parents[1]
 # every packaged option of each group, under the model whose data it is (train.py's DATA_GROUPS)
@@ -87,6 +89,16 @@ def test_without_hydras_record_a_config_holding_all_of_an_options_keys_is_taken_
 
 SHORT = ["trainer.max_steps=1", "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.progress=false",
          "data.eval_batches=1"]
+
+
+@pytest.mark.parametrize("train,model", [(loop.train, "model=dlrm"), (moe.train.train, "model=moe_transformer")],
+                         ids=["dlrm", "moe_transformer"])
+def test_every_models_train_refuses_a_typo_before_training(tmp_path, train, model):
+    """A test or script calling a model's train directly, not train.py. (A short run, should the typo be taken.)"""
+    small = ["model.num_rows=100", "data.global_batch_size=8"] if model == "model=dlrm" else ["data.size_bytes=20000"]
+    with pytest.raises(ValueError, match=r"^unknown config key\(s\).*: trainer.max_step \(did you mean"):
+        train(config(model, *SHORT, *small, "+trainer.max_step=1"), CPU, tmp_path)
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_train_py_refuses_a_typo_before_training(tmp_path):

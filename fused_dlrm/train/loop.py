@@ -54,6 +54,7 @@ from fused_dlrm.sparse.sharded_ebc import FeaturesOrError
 from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
+from fused_dlrm.train.config_keys import check_config_keys
 from fused_dlrm.train.direct_step import DirectDLRMStep, direct_step_refusal
 from fused_dlrm.train.graphed_step import dense_step
 from fused_dlrm.train.metrics import CTRMetrics
@@ -142,6 +143,7 @@ def make_train_step(model, optimizer, step: Callable[[], None], world_size: int,
 
 
 def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
+    check_config_keys(cfg)  # a `+trainer.<typo>=...` would otherwise be added and never read
     t = cfg.trainer
     if t.max_steps is None and t.epochs is None:
         raise ValueError("set trainer.max_steps or trainer.epochs")
