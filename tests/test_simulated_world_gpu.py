@@ -195,17 +195,18 @@ def test_gemm_all_reduce_in_one_launch_per_rank_on_two_streams(algorithm):
         op.errors.check(block=True)
 
 
-@pytest.mark.parametrize("difference", ["rows", "dtype", "form"])
+@pytest.mark.parametrize("difference", ["rows", "no rows", "dtype", "form"])
 def test_gemm_all_reduce_calls_that_differ_in_one_launch_per_rank_on_two_streams(difference):
     """The GPU form with real waits (two streams, half the SMs each, the default tiles): rank 1's call has other rows,
-    another dtype, or is a reduce-scatter; both ranks raise naming both calls, and the next calls, alike, are
-    exact."""
+    none (an empty batch), another dtype, or is a reduce-scatter; both ranks raise naming both calls, and the next
+    calls, alike, are exact."""
     world = SimulatedWorld(2, "cuda")
     programs = torch.cuda.get_device_properties(0).multi_processor_count // 2
     ops = [GemmAllReduce(ws, num_programs=programs) for ws in world.workspaces()]
     streams = [torch.cuda.Stream() for _ in ops]
     gen = torch.Generator(device="cuda").manual_seed(3)
-    shapes = [(64, torch.bfloat16, False), {"rows": (48, torch.bfloat16, False), "dtype": (64, torch.float16, False),
+    shapes = [(64, torch.bfloat16, False), {"rows": (48, torch.bfloat16, False), "no rows": (0, torch.bfloat16, False),
+                                            "dtype": (64, torch.float16, False),
                                             "form": (64, torch.bfloat16, True)}[difference]]
     said = [f"x [{m}, 1000] @ w [1000, 3000] {str(dtype).removeprefix('torch.')}, "
             f"{'reduce-scatter' if scatter else 'all-reduce, one-shot'}" for m, dtype, scatter in shapes]
