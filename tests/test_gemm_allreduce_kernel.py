@@ -420,7 +420,7 @@ def test_calls_that_differ_between_ranks_raise_on_every_rank(world_size, differe
 COMPILE_FOR_SM90 = r"""
 from fused_dlrm.kernels import gemm_allreduce
 
-types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "error_ptr": "*i32"}
+types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "error_ptr": "*i32", "M": "i32"}  # M as on GPUs: no constexpr
 types.update({n: "*i64" for n in ("recv_ptrs", "out_ptrs", "ready_ptrs", "done_ptrs", "signature_ptrs")})
 many = gemm_allreduce.MANY_ROWS
 for one_shot, scatter in ((True, False), (False, False), (False, True)):
@@ -429,7 +429,7 @@ for one_shot, scatter in ((True, False), (False, False), (False, True)):
                                                          (4096, many.block_m, many.block_n, many.block_k,
                                                           many.num_stages, many.programs_per_sm)):
         kernel = build(gemm_allreduce._gemm_allreduce_kernel, types, dict(
-            M=m, N=8192, K=4096, WORLD=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            N=8192, K=4096, WORLD=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             K_TILES=4096 // block_k, OUT_DTYPE=gemm_allreduce.tl.bfloat16, DOT_FP32=False,
             PHASES=gemm_allreduce.ALL_PHASES, ONE_SHOT=one_shot, SCATTER=scatter), num_warps=8, num_stages=stages,
             divisible=("stride_xm", "stride_wk"))

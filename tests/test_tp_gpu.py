@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fused_dlrm.kernels.allgather_gemm import CALLS
 from world import TWO_GPUS, TWO_RANK_BACKENDS, run_world
 
 
@@ -168,9 +169,10 @@ def _transformer_fused_matches_bulk(rank, world, sequence_parallel):
             ran = {key: n - epochs.get(key, 0) for key, n in _workspace(tp)._epochs.items()}
     # The fused TP ops ran for each of the 4 column / row pairs (attention x 2 layers, the dense FFN, the shared
     # expert), forward and backward: the GEMM + all-reduce kernel (RS or AR form) twice per pair; under sequence
-    # parallelism also the all-gather + GEMM twice per pair.
+    # parallelism also the all-gather + GEMM twice per pair (each a call among the workspace's, CALLS, too).
     print(f"rank {rank} sequence_parallel={sequence_parallel}: fused calls {ran}")
     assert ran.pop("gemm_allreduce", 0) == 8, ran
+    assert ran.pop(CALLS, 0) == (8 if sequence_parallel else 0), ran
     assert sum(ran.values()) == (8 if sequence_parallel else 0), ran
     reference = results["reference"]
     rows = inputs.numel() // (2 if sequence_parallel else 1)

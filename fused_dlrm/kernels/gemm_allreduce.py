@@ -305,8 +305,8 @@ def _gemm_allreduce_kernel(
         #             call: no peer does)
         if not ONE_SHOT and not SCATTER and M > 0:
             done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
-            for owner in tl.static_range(WORLD):
-                wait_or_record(done + owner * flag_stride + pid, epoch, spin_limit, error_ptr, owner, pid)
+            for storer in tl.static_range(WORLD):  # (not `owner`: a name of int32 above, unlike under a runtime if)
+                wait_or_record(done + storer * flag_stride + pid, epoch, spin_limit, error_ptr, storer, pid)
 
 
 def default_split_k(m: int, k: int, num_tiles: int, num_programs: int, block_k: int) -> int:
