@@ -20,7 +20,8 @@ import triton.language as tl
 from torchrec import EmbeddingBagConfig, PoolingType
 
 from fused_dlrm.kernels import embedding_backward
-from fused_dlrm.kernels.embedding_backward import BackwardTables, launch_embedding_backward, plan_embedding_backward
+from fused_dlrm.kernels.embedding_backward import (BackwardTables, launch_embedding_backward, optimizer_settings,
+                                                  plan_embedding_backward)
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
@@ -38,12 +39,20 @@ TABLES = [
 ]
 ROWS = [t.num_embeddings for t in TABLES for _ in t.feature_names]  # per feature
 UNREAD = "t4"
+# Each table its own optimizer: SGD for t0 (two features) and t3 (mean-pooled, the hot tests' rows of the threshold),
+# row-wise Adagrad for the others, all at other lrs and eps.
+MIXED = {"t0": EmbeddingOptimizerConfig("sgd", lr=0.1), "t1": EmbeddingOptimizerConfig("rowwise_adagrad", 0.05, 1e-3),
+         "t2": EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.2), "t3": EmbeddingOptimizerConfig("sgd", lr=0.02),
+         "t4": EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.1)}
+OPTIMIZERS = ["sgd", "rowwise_adagrad", "mixed"]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # of the kernel's tensors
 
 
 def make_lookup(optimizer: str, dtype: torch.dtype, device: torch.device = torch.device("cpu")):
+    """optimizer: one for every table (lr 0.1), or "mixed": each table its own (MIXED)."""
     weights = {t.name: init_table(t, i, device).to(dtype) for i, t in enumerate(TABLES)}
-    lookup = PooledEmbeddingLookup(TABLES, weights, EmbeddingOptimizerConfig(optimizer, lr=0.1), device)
+    lookup = PooledEmbeddingLookup(TABLES, weights, MIXED if optimizer == "mixed"
+                                   else EmbeddingOptimizerConfig(optimizer, lr=0.1), device)
     gen = torch.Generator().manual_seed(7)
     for m in lookup.optimizer.momentum.values():  # state as after some training, not the zeros of a fresh one
         m.copy_(torch.rand(m.shape, generator=gen) + 0.05)
@@ -137,11 +146,16 @@ def hot_path(monkeypatch):
 def backward_tables(lookup: PooledEmbeddingLookup) -> BackwardTables:
     """What the lookup builds for its GPU path, here over its CPU tensors."""
     names = list(lookup.tables)
-    momentum = [lookup.optimizer.momentum[n] for n in names] if lookup.optimizer.momentum else None
+    momentum = [lookup.optimizer.momentum.get(n) for n in names]
     return BackwardTables([lookup.weights[n] for n in names], momentum,
                           [names.index(t) for _, t in lookup.features],
                           [lookup.tables[t].pooling == PoolingType.MEAN for _, t in lookup.features],
                           lookup._anchor.device)
+
+
+def settings(lookup: PooledEmbeddingLookup, device: torch.device = DEVICE) -> torch.Tensor:
+    """The lookup's optimizer settings as its GPU path gives them to the kernels."""
+    return optimizer_settings([lookup.optimizer.configs[n] for n in lookup.tables], device)
 
 
 def assert_same_state(got: PooledEmbeddingLookup, expected: PooledEmbeddingLookup, tol: float) -> None:
@@ -152,7 +166,7 @@ def assert_same_state(got: PooledEmbeddingLookup, expected: PooledEmbeddingLooku
                                    rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("dtype,weighted,wide_keys", [("fp32", False, False), ("fp32", True, False),
                                                       ("fp16", True, False), ("bf16", False, False),
                                                       ("fp32", True, True)])
@@ -170,12 +184,12 @@ def test_kernel_matches_torch_path(optimizer, dtype, weighted, wide_keys):
         bags = random_bags(6, weighted, gen)
         grad = torch.randn(6, reference.output_dim, generator=gen)
         reference.apply_gradient(bags, grad)
-        launch_embedding_backward(on(bags, DEVICE), grad.to(DEVICE), tables, fused.optimizer.config)
+        launch_embedding_backward(on(bags, DEVICE), grad.to(DEVICE), tables, settings(fused))
         assert_same_state(fused, reference, tol)
         if torch_dtype != torch.float32:  # both round each update to fp16/bf16, a little differently: start the
             copy_state(reference, fused)  # next step equal, so rounding differences cannot compound
     assert torch.equal(fused.weights[UNREAD].cpu(), untouched)
-    if optimizer == "rowwise_adagrad":
+    if UNREAD in reference.optimizer.momentum:
         assert torch.equal(fused.optimizer.momentum[UNREAD].cpu(), reference.optimizer.momentum[UNREAD])
 
 
@@ -196,19 +210,19 @@ def test_a_plan_made_ahead_updates_as_one_made_in_the_backward(optimizer):
         plan = plan_embedding_backward(device_bags, tables)
         assert (plan is None) == empty
         reference.apply_gradient(bags, grad)
-        launch_embedding_backward(device_bags, grad.to(DEVICE), tables, fused.optimizer.config, plan)
+        launch_embedding_backward(device_bags, grad.to(DEVICE), tables, settings(fused), plan)
         assert_same_state(fused, reference, 1e-5)
     # and the plan given is the one used: another batch's plan updates other rows
     bags, other = random_bags(6, True, gen), on(random_bags(6, True, gen), DEVICE)
     grad = torch.randn(6, reference.output_dim, generator=gen)
     reference.apply_gradient(bags, grad)
-    launch_embedding_backward(on(bags, DEVICE), grad.to(DEVICE), tables, fused.optimizer.config,
+    launch_embedding_backward(on(bags, DEVICE), grad.to(DEVICE), tables, settings(fused),
                               plan_embedding_backward(other, tables))
     with pytest.raises(AssertionError):
         assert_same_state(fused, reference, 1e-5)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("dtype,weighted,hot_tile", [("fp32", True, 64), ("fp32", False, 8192),
                                                      ("fp16", True, 64)])
 def test_hot_segments_match_torch_path(hot_path, optimizer, dtype, weighted, hot_tile):
@@ -225,7 +239,7 @@ def test_hot_segments_match_torch_path(hot_path, optimizer, dtype, weighted, hot
         row_counts(bags)  # asserts that the bags have what the test is for
         grad = torch.randn(16, reference.output_dim, generator=gen)
         reference.apply_gradient(bags, grad)
-        launch_embedding_backward(on(bags, DEVICE), grad.to(DEVICE), tables, fused.optimizer.config)
+        launch_embedding_backward(on(bags, DEVICE), grad.to(DEVICE), tables, settings(fused))
         assert_same_state(fused, reference, tol)
         if torch_dtype != torch.float32:  # as in test_kernel_matches_torch_path
             copy_state(reference, fused)
@@ -238,7 +252,7 @@ def adagrad_step(bags: OwnedBags):
     momentum = {n: m.to("cpu", copy=True) for n, m in lookup.optimizer.momentum.items()}
     batch = bags.global_batch
     launch_embedding_backward(on(bags, DEVICE), torch.randn(batch, lookup.output_dim, device=DEVICE),
-                              backward_tables(lookup), lookup.optimizer.config)
+                              backward_tables(lookup), settings(lookup))
     return lookup, before, momentum
 
 
@@ -269,8 +283,78 @@ def test_sort_keys_are_32_bit_while_table_and_row_fit():
     meta = torch.device("meta")
     for count, dtype in ((4, torch.int32), (8, torch.int64)):
         weights = [torch.empty(2**29, 4, device=meta) for _ in range(count)]
-        tables = BackwardTables(weights, None, list(range(count)), [False] * count, meta)
+        tables = BackwardTables(weights, [None] * count, list(range(count)), [False] * count, meta)
         assert (tables.row_bits, tables.key_dtype) == (29, dtype)
+
+
+def float64_step(lookup: PooledEmbeddingLookup, weights: dict, momentum: dict, bags: OwnedBags,
+                 grad: torch.Tensor) -> None:
+    """One backward by its definition, in float64, in place on `weights` and `momentum`: each table's dense
+    gradient by autograd through the pooled lookup, then the table's optimizer (lookup.optimizer.configs) on every
+    row (a row no bag reads has a zero gradient, which changes neither weight nor state)."""
+    leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
+    pooled = []
+    for i, (_, table) in enumerate(lookup.features):
+        values, lengths, sample_weights = bags.feature_bags(i)
+        rows = leaves[table][values]
+        if sample_weights is not None:
+            rows = rows * sample_weights.double()[:, None]
+        bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        bag_sums = rows.new_zeros(lengths.numel(), rows.shape[1]).index_add(0, bag, rows)
+        pooled.append(bag_sums / lengths.clamp(min=1)[:, None] if lookup.is_mean(table) else bag_sums)
+    (torch.cat(pooled, dim=1) * grad.double()).sum().backward()
+    with torch.no_grad():
+        for name, config in lookup.optimizer.configs.items():
+            g = leaves[name].grad
+            if config.name == "sgd":
+                weights[name] -= config.lr * g
+                continue
+            momentum[name] += g.pow(2).mean(dim=1)
+            weights[name] -= config.lr * g / (momentum[name].sqrt() + config.eps)[:, None]
+
+
+@pytest.mark.parametrize("hot", [False, True])
+def test_per_table_optimizers_match_float64(hot_path, hot):
+    """Each table its own optimizer (MIXED: SGD and row-wise Adagrad, other lrs and eps) in one launch pair,
+    against float64 by definition; hot: Zipf-like rows, the long segments (of SGD and Adagrad tables) through the
+    hot kernel. An lr changed between steps (optimizer.update) is the next step's."""
+    fused = make_lookup("mixed", torch.float32, DEVICE)
+    weights = {n: w.to("cpu", torch.float64) for n, w in fused.weights.items()}
+    momentum = {n: m.to("cpu", torch.float64) for n, m in fused.optimizer.momentum.items()}
+    tables = backward_tables(fused)
+    gen = torch.Generator().manual_seed(21)
+    for step in range(3):
+        if step == 2:
+            fused.optimizer.update("t0", lr=0.15)  # SGD
+            fused.optimizer.update("t2", lr=0.4, eps=0.1)  # row-wise Adagrad
+        bags = hot_bags(16, True, gen) if hot else random_bags(6, True, gen)
+        if hot:
+            row_counts(bags)  # asserts that the bags have what the test is for
+        grad = torch.randn(bags.global_batch, fused.output_dim, generator=gen)
+        float64_step(fused, weights, momentum, bags, grad)
+        launch_embedding_backward(on(bags, DEVICE), grad.to(DEVICE), tables, settings(fused))
+        for name, w in weights.items():
+            torch.testing.assert_close(fused.weights[name].cpu().double(), w, rtol=1e-5, atol=1e-6, msg=name)
+        for name, m in momentum.items():
+            torch.testing.assert_close(fused.optimizer.momentum[name].cpu().double(), m, rtol=1e-5, atol=1e-6,
+                                       msg=name)
+    assert sorted(momentum) == ["t1", "t2", "t4"]  # the Adagrad tables' state only
+
+
+def test_settings_reach_the_gpu_once_per_change():
+    """The GPU path's (lr, eps) per table: copied when the optimizer's settings changed, else the same tensor."""
+    lookup = make_lookup("mixed", torch.float32)
+    first = lookup._kernel_settings()
+    torch.testing.assert_close(first, torch.tensor([[c.lr, c.eps] for c in MIXED.values()]))
+    assert lookup._kernel_settings() is first
+    lookup.optimizer.update("t3", lr=0.02)  # the lr it has: nothing changed
+    assert lookup._kernel_settings() is first
+    lookup.optimizer.update("t3", lr=0.5, eps=2.0)
+    expected = torch.tensor([[c.lr, c.eps] for c in MIXED.values()])
+    expected[3] = torch.tensor([0.5, 2.0])
+    torch.testing.assert_close(lookup._kernel_settings(), expected)
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        lookup.optimizer.update("t1", lr=0.0)
 
 
 def test_untouched_rows_keep_weight_and_state():
@@ -298,7 +382,7 @@ def test_no_occurrence_at_all_is_a_no_op():
     bags.values = bags.values[:0]
     bags.feature_value_offsets = [0] * len(bags.feature_value_offsets)
     launch_embedding_backward(on(bags, DEVICE), torch.randn(3, lookup.output_dim, device=DEVICE),
-                              backward_tables(lookup), lookup.optimizer.config)
+                              backward_tables(lookup), settings(lookup))
     for name, w in lookup.weights.items():
         assert torch.equal(w, before[name])
 
@@ -329,20 +413,24 @@ def test_launch_has_no_data_dependent_shape(monkeypatch):
     bags = random_bags(6, True, torch.Generator().manual_seed(5))
     assert bags.values.numel() > embedding_backward.HOT_THRESHOLD  # so the hot kernel is launched
     launch_embedding_backward(on(bags, meta), torch.empty(6, lookup.output_dim, device=meta), tables,
-                              lookup.optimizer.config)
+                              settings(lookup, meta))
     assert grids == [(4, 1, 1), (4, 1, 1)]  # min(n, 4) and min(windows, 4) programs off the GPU
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_gpu_lookup_matches_cpu_without_host_sync(optimizer):
     """The lookup's CUDA branch against its CPU branch; after the first step (which builds the launch metadata)
-    a backward makes no host sync."""
+    a backward makes no host sync, also the one after an lr and eps change (the settings copied again)."""
     cuda = torch.device("cuda")
     reference, fused = make_lookup(optimizer, torch.float32), make_lookup(optimizer, torch.float32, cuda)
     copy_state(reference, fused)
     gen = torch.Generator().manual_seed(4)
     for step in range(4):
+        if step == 2:
+            for lookup in (reference, fused):
+                lookup.optimizer.update("t0", lr=0.05)
+                lookup.optimizer.update("t2", lr=0.3, eps=1e-3)
         bags = random_bags(9, True, gen)
         grad = torch.randn(9, reference.output_dim, generator=gen)
         reference.apply_gradient(bags, grad)
@@ -374,8 +462,7 @@ def test_shared_binaries_do_not_specialise_on_ints():
         # JITFunction, or the interpreter's wrapper of one (which keeps the decorator's arguments)
         unspecialised = getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"]
         ints = [name for name, p in inspect.signature(kernel.fn).parameters.items()
-                if p.annotation not in (tl.constexpr, "tl.constexpr") and not name.endswith(("_ptr", "_ptrs"))
-                and name not in ("lr", "eps")]  # pointers and floats are not specialised on their values
+                if p.annotation not in (tl.constexpr, "tl.constexpr") and not name.endswith(("_ptr", "_ptrs"))]
         assert ints and set(ints) <= set(unspecialised), set(ints) - set(unspecialised)
 
 
@@ -385,7 +472,7 @@ from fused_dlrm.kernels import embedding_backward as eb
 types = {n: "*i64" for n in ("values_ptr", "csr_ptr", "feature_table_ptr", "cols_ptr", "grad_offsets_ptr",
                              "starts_ptr", "num_segments_ptr", "table_ptrs", "momentum_ptrs")}
 types.update(weights_ptr="*fp32", scales_ptr="*fp32", grad_ptr="*fp32", mean_ptr="*i1", dims_ptr="*i32",
-             lr="fp32", eps="fp32", num_values="i64")
+             adagrad_ptr="*i1", settings_ptr="*fp32", num_values="i64")
 for key_dtype, key_type in ((tl.int32, "*i32"), (tl.int64, "*i64")):
     types["keys_ptr"] = key_type
     for scale in (False, True):
@@ -395,10 +482,11 @@ for key_dtype, key_type in ((tl.int32, "*i32"), (tl.int64, "*i64")):
             # the module's tiles and warps at dim 256, as the launches use them
             build(eb._embedding_backward_kernel, types, dict(BLOCK_N=eb.TILE_ELEMENTS // 256, BLOCK_D=256,
                                                              TABLE_DTYPE=tl.float16, HAS_SCALE=scale,
-                                                             ADAGRAD=adagrad), num_warps=eb.NUM_WARPS)
+                                                             ANY_ADAGRAD=adagrad), num_warps=eb.NUM_WARPS)
             build(eb._hot_segments_kernel, types, dict(BLOCK_SCAN=eb.HOT_SCAN_SEGMENTS,
                                                        BLOCK_N=eb.HOT_TILE_ELEMENTS // 256, BLOCK_D=256,
-                                                       TABLE_DTYPE=tl.float16, HAS_SCALE=scale, ADAGRAD=adagrad),
+                                                       TABLE_DTYPE=tl.float16, HAS_SCALE=scale,
+                                                       ANY_ADAGRAD=adagrad),
                   num_warps=eb.HOT_NUM_WARPS)
 """
 

@@ -478,14 +478,24 @@ SETUPS = [
     (OptimizerSetup(in_backward={t.name: (torch.optim.SGD, {"lr": LR}) for t in TABLES}), None),
     # Nothing said: stock torchrec's FUSED kernel runs fbgemm's defaults (exact SGD, lr 0.01).
     (OptimizerSetup(), None),
+    # Each table its own (stock torchrec: a TBE per setting): row-wise Adagrad for the row blocks of t0 and the
+    # column shards of t2 (at its own lr and eps), SGD for the table-wise t1 and, through fused_params, t3's blocks.
+    (OptimizerSetup(fused_params={"optimizer": EXACT_SGD, "learning_rate": 0.02},
+                    in_backward={"t0": (RowWiseAdagrad, {"lr": LR}), "t1": (torch.optim.SGD, {"lr": 0.2}),
+                                 "t2": (RowWiseAdagrad, {"lr": 0.1, "eps": 1e-2})}), None),
+    # Only t3 set (row-wise Adagrad), the others fbgemm's default; ours given per table besides, the same.
+    (OptimizerSetup(in_backward={"t3": (RowWiseAdagrad, {"lr": 0.1})}),
+     {**{t.name: EmbeddingOptimizerConfig("sgd", lr=0.01) for t in TABLES},
+      "t3": EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.1)}),
 ]
 
 
 def optimizer_setups_match_stock_torchrec(rank: int, world: int) -> None:
     """Each set-up trains ours as it trains stock torchrec (table-wise, column-wise and row-wise tables), through
     what torchrec users do with DMP's fused_optimizer: an LR scheduler over it (LambdaLR), one step's hyper-parameter
-    set through update_hyper_parameters; outputs, tables after every step and optimizer state agree to fp32's
-    rounding (rtol 1e-5, atol 1e-6: both update in fp32, stock torchrec's lr an fp32 tensor)."""
+    set through update_hyper_parameters; outputs, tables after every step, optimizer state and the param groups'
+    lrs agree to fp32's rounding (rtol 1e-5, atol 1e-6: both update in fp32, stock torchrec's lr an fp32
+    tensor)."""
     set_gradient_division(True)
     keys, dims = keys_of(TABLES), [t.embedding_dim for t in TABLES for _ in t.feature_names]
     batch = 8  # stock torchrec's CPU row-wise needs equal local batches on gloo
@@ -517,9 +527,10 @@ def optimizer_setups_match_stock_torchrec(rank: int, world: int) -> None:
                 scheduler.step()
             assert_tables_match_stock(ours.module.ebc, stock, rank)
         assert_optimizer_state_matches_stock(ours, stock, rank)
-        lrs = [{g["lr"] for g in m.fused_optimizer.param_groups} for m in models]
-        assert len(lrs[0]) == len(lrs[1]) == 1
-        torch.testing.assert_close(lrs[0].pop(), lrs[1].pop())
+        # A param group per setting (stock torchrec: per setting and sharding type), each group's lr scheduled.
+        lrs = [sorted({g["lr"] for g in m.fused_optimizer.param_groups}) for m in models]
+        assert len(lrs[0]) == len(lrs[1]) == len({c.lr for c in ours.module.ebc._lookup.optimizer.configs.values()})
+        torch.testing.assert_close(lrs[0], lrs[1])
 
 
 def test_torchrec_optimizer_setups_match_stock_torchrec():
@@ -530,28 +541,48 @@ def shard_one_rank(sharder: FusedEmbeddingBagCollectionSharder, ebc: EmbeddingBa
     return sharder.shard(ebc, {t.name: tw(0) for t in ebc.embedding_bag_configs()}, ShardingEnv.from_local(1, 0), CPU)
 
 
+def every_table(config: EmbeddingOptimizerConfig) -> dict[str, EmbeddingOptimizerConfig]:
+    return {t.name: config for t in TABLES}
+
+
 def test_the_optimizer_torchrec_settings_give():
-    """fused_params and apply_optimizer_in_backward (this one wins per table) become our config; an optimizer= that
-    runs the same update may be given besides; neither: fbgemm's defaults, as stock torchrec."""
-    def optimizer_of(setup: OptimizerSetup, optimizer=None) -> EmbeddingOptimizerConfig:
+    """fused_params and apply_optimizer_in_backward (this one wins per table) become each table's config; an
+    optimizer= (for all tables or per table) that runs the same update may be given besides; neither: fbgemm's
+    defaults, as stock torchrec."""
+    def optimizer_of(setup: OptimizerSetup, optimizer=None) -> dict[str, EmbeddingOptimizerConfig]:
         sharder = FusedEmbeddingBagCollectionSharder(optimizer, fused_params=setup.fused_params)
-        return shard_one_rank(sharder, setup.model(EmbeddingBagCollection(TABLES)).ebc)._lookup.optimizer.config
+        return dict(shard_one_rank(sharder, setup.model(EmbeddingBagCollection(TABLES)).ebc)._lookup.optimizer.configs)
 
     every = {t.name: (RowWiseAdagrad, {"lr": 0.2}) for t in TABLES}
-    assert optimizer_of(OptimizerSetup()) == EmbeddingOptimizerConfig("sgd", lr=0.01, eps=1e-8)
-    assert optimizer_of(OptimizerSetup(in_backward=every)) == EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.2)
+    assert optimizer_of(OptimizerSetup()) == every_table(EmbeddingOptimizerConfig("sgd", lr=0.01, eps=1e-8))
+    assert optimizer_of(OptimizerSetup(in_backward=every)) == every_table(
+        EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.2))
     assert optimizer_of(OptimizerSetup(fused_params={"optimizer": ROWWISE_ADAGRAD, "eps": 0.5, "learning_rate": 0.7},
-                                       in_backward=every)) == EmbeddingOptimizerConfig("rowwise_adagrad", 0.2, 0.5)
+                                       in_backward=every)) == every_table(
+        EmbeddingOptimizerConfig("rowwise_adagrad", 0.2, 0.5))
     sgd = EmbeddingOptimizerConfig("sgd", lr=0.3, eps=0.25)  # SGD has no eps: any agrees
     torch_sgd = OptimizerSetup(in_backward={t.name: (torch.optim.SGD, {"lr": 0.3, "momentum": 0.0}) for t in TABLES})
-    assert optimizer_of(torch_sgd, sgd) == sgd
+    assert optimizer_of(torch_sgd, sgd) == every_table(sgd)
     ours = EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05)
-    assert optimizer_of(OptimizerSetup(), ours) == ours  # torchrec's settings say nothing: ours as it is
+    assert optimizer_of(OptimizerSetup(), ours) == every_table(ours)  # torchrec's settings say nothing: ours as it is
+
+    # Tables of their own: t0 row-wise Adagrad, t2 torch's SGD, the others fused_params' (exact SGD at lr 0.4).
+    per_table = OptimizerSetup(fused_params={"learning_rate": 0.4},
+                               in_backward={"t0": (RowWiseAdagrad, {"lr": 0.2}), "t2": (torch.optim.SGD, {"lr": 0.1})})
+    expected = {"t0": EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.2), "t1": EmbeddingOptimizerConfig("sgd", 0.4),
+                "t2": EmbeddingOptimizerConfig("sgd", lr=0.1), "t3": EmbeddingOptimizerConfig("sgd", lr=0.4)}
+    assert optimizer_of(per_table) == expected
+    assert optimizer_of(per_table, expected) == expected
+    # Only t1 set: the others take ours where given, else fbgemm's default.
+    t1 = OptimizerSetup(in_backward={"t1": (RowWiseAdagrad, {"lr": 0.3, "eps": 0.1})})
+    adagrad = EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.3, eps=0.1)
+    assert optimizer_of(t1) == {**every_table(EmbeddingOptimizerConfig("sgd", lr=0.01)), "t1": adagrad}
+    assert optimizer_of(t1, {**every_table(ours), "t1": adagrad}) == {**every_table(ours), "t1": adagrad}
 
 
 def test_optimizer_settings_we_do_not_run_are_refused():
-    """Another optimizer, a setting that changes the update, one optimizer per table, or two that disagree: a
-    ValueError naming the table and the setting, never another optimizer in their place."""
+    """Another optimizer, a setting that changes the update, or ours and torchrec's disagreeing: a ValueError naming
+    the table and the setting, never another optimizer in their place."""
     def refused(setup: OptimizerSetup, match: str, optimizer=None) -> None:
         with pytest.raises(ValueError, match=match):
             shard_one_rank(FusedEmbeddingBagCollectionSharder(optimizer, fused_params=setup.fused_params),
@@ -571,16 +602,21 @@ def test_optimizer_settings_we_do_not_run_are_refused():
             r"table 't0': .*: weight_decay=0.0001 not supported")
     refused(OptimizerSetup(in_backward={"t0": (RowWiseAdagrad, {"lr": 0.0})}),
             r"table 't0': .*embedding optimizer lr must be > 0")
-    # t0 given row-wise Adagrad, the others fbgemm's default
-    refused(OptimizerSetup(in_backward={"t0": rowwise}),
-            r"differ: exact row-wise Adagrad \(lr=0.2, eps=1e-08\) for \['t0'\]; exact SGD \(lr=0.01\) for "
-            r"\['t1', 't2', 't3'\]: FusedEmbeddingBagCollectionSharder runs one optimizer for every table")
     refused(OptimizerSetup(in_backward={t.name: rowwise for t in TABLES}),
-            r"optimizer=exact SGD \(lr=0.2\) differs from .* exact row-wise Adagrad \(lr=0.2, eps=1e-08\)",
-            EmbeddingOptimizerConfig("sgd", lr=0.2))
+            r"optimizer differs from .*: optimizer=exact SGD \(lr=0.2\) for \['t0', 't1', 't2', 't3'\], theirs: "
+            r"exact row-wise Adagrad \(lr=0.2, eps=1e-08\)", EmbeddingOptimizerConfig("sgd", lr=0.2))
     refused(OptimizerSetup(fused_params={"learning_rate": 0.2}),  # fbgemm's default optimizer: exact SGD
-            r"optimizer=exact row-wise Adagrad \(lr=0.2, eps=1e-08\) differs from .*: exact SGD \(lr=0.2\)",
+            r"optimizer=exact row-wise Adagrad \(lr=0.2, eps=1e-08\) for .*, theirs: exact SGD \(lr=0.2\)",
             EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.2))
+    # Per table: only where torchrec's settings say something (t0), and each table named with its own.
+    ours = {t.name: EmbeddingOptimizerConfig("sgd", lr=0.2) for t in TABLES}
+    refused(OptimizerSetup(in_backward={"t0": rowwise, "t1": (torch.optim.SGD, {"lr": 0.3})}),
+            r"optimizer=exact SGD \(lr=0.2\) for \['t0'\], theirs: exact row-wise Adagrad \(lr=0.2, eps=1e-08\); "
+            r"optimizer=exact SGD \(lr=0.2\) for \['t1'\], theirs: exact SGD \(lr=0.3\): give one", ours)
+    refused(OptimizerSetup(), r"per-table embedding optimizers: no entry for tables \['t3'\]; entries for unknown "
+                              r"tables \['t9'\]", {**{k: v for k, v in ours.items() if k != "t3"}, "t9": ours["t0"]})
+    with pytest.raises(TypeError, match="optimizer must be an EmbeddingOptimizerConfig, a mapping of table names"):
+        FusedEmbeddingBagCollectionSharder({"t0": "sgd"})
 
     twice = EmbeddingBagCollection(TABLES)
     for _ in range(2):
@@ -597,19 +633,22 @@ def test_optimizer_settings_we_do_not_run_are_refused():
 
 
 def test_update_hyper_parameters_takes_lr_and_eps():
-    """As fbgemm's TBE under stock torchrec: lr and eps change the next backward's update, param_groups stay (their
-    lr comes back at the next step()); names our optimizers lack are refused."""
-    sharded = shard_one_rank(FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.1)),
+    """As fbgemm's TBEs under stock torchrec: lr and eps change every table's next update, param_groups (one per
+    setting) stay, and each group's lr comes back to its tables at the next step(); names our optimizers lack are
+    refused."""
+    adagrad, sgd = EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.1), EmbeddingOptimizerConfig("sgd", lr=0.3)
+    sharded = shard_one_rank(FusedEmbeddingBagCollectionSharder({"t0": adagrad, "t1": sgd, "t2": adagrad, "t3": sgd}),
                              EmbeddingBagCollection(TABLES))
-    fused = sharded.fused_optimizer
+    fused, configs = sharded.fused_optimizer, sharded._lookup.optimizer.configs
     fused.update_hyper_parameters({"lr": 0.4, "eps": 0.5})
-    assert sharded._lookup.optimizer.config == EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.4, eps=0.5)
-    assert fused.param_groups[0]["lr"] == 0.1
+    assert set(configs.values()) == {EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.4, eps=0.5),
+                                     EmbeddingOptimizerConfig("sgd", lr=0.4, eps=0.5)}
+    assert [g["lr"] for g in fused.param_groups] == [0.1, 0.3]
     fused.step()
-    assert sharded._lookup.optimizer.config.lr == 0.1
+    assert [configs[t].lr for t in ("t0", "t1", "t2", "t3")] == [0.1, 0.3, 0.1, 0.3]
     with pytest.raises(NotImplementedError, match=r"hyper-parameter\(s\) \['beta1'\] is not supported"):
         fused.update_hyper_parameters({"beta1": 0.9, "lr": 0.2})
-    assert sharded._lookup.optimizer.config.lr == 0.1  # nothing set
+    assert [configs[t].lr for t in ("t0", "t1", "t2", "t3")] == [0.1, 0.3, 0.1, 0.3]  # nothing set
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -53,10 +53,19 @@ PLANS = {  # sharding_plan's generators per table, or None: the planner's plan
 }
 
 
+# Each table its own optimizer (the column shards' and row blocks' plans): SGD for t1 and t3, row-wise Adagrad at
+# other lrs and eps for t0 and t2.
+PER_TABLE = {"t0": EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05), "t1": EmbeddingOptimizerConfig("sgd", lr=0.1),
+             "t2": EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.02, eps=1e-3),
+             "t3": EmbeddingOptimizerConfig("sgd", lr=0.05)}
+
+
 def dmp(reference, comm: str, device, plan: str = "planner") -> DistributedModelParallel:
-    """plan: a key of PLANS (the planner's: with the sharder's default offer)."""
+    """plan: a key of PLANS (the planner's: with the sharder's default offer, row-wise Adagrad for every table;
+    the others with PER_TABLE)."""
     generators = PLANS[plan]
-    sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05), comm=comm,
+    optimizer = EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05) if generators is None else PER_TABLE
+    sharder = FusedEmbeddingBagCollectionSharder(optimizer, comm=comm,
                                                  sharding_types=OFFERED_BY_DEFAULT if generators is None
                                                  else SHARDING_TYPES)
     sharding = None if generators is None else ShardingPlan({"ebc": construct_module_sharding_plan(

@@ -10,6 +10,13 @@ place, so no per-occurrence [N, dim] gradient is materialised and each touched r
 The gradient of an occurrence of bag (feature f, sample b) is grad[b, col_f : col_f + dim] times its scale
 (per-sample weight if weighted, times 1 / max(bag length, 1) if f is mean-pooled).
 
+Each table has its own optimizer (torchrec's per-table settings): the program reads its row's table's lr and eps
+from a small device tensor ([tables, 2] fp32) and, where some table is row-wise Adagrad, whether this one is (a
+table with momentum is). So the launches below update every table, whatever their optimizers, and the settings
+change without a host sync (a changed lr is one pinned, non-blocking copy of that tensor: `optimizer_settings`).
+torchrec's other way, one lookup per group of tables of equal settings (fbgemm's TBE takes one optimizer), would
+launch the backward (and the plan, and the forward) once per group.
+
 Two steps, no host sync: `plan_embedding_backward` needs only the bags (one kernel writes every occurrence's key,
 gradient offset and scale; a sort; the segments, two kernels of kernels/sorted_segments.py, whose count stays on
 the device); then two kernels of persistent programs (a fixed grid each) walk the segments with the gradient,
@@ -31,10 +38,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned, resident_programs_per_sm
 from fused_dlrm.kernels import TL_DTYPES
 from fused_dlrm.kernels.pooled_embedding import common_table_dtype
@@ -149,28 +158,32 @@ def _occurrences_kernel(
 
 @triton.jit
 def _update_row(j, end, key, row_bits, grad_ptr, grad_offsets_ptr, scales_ptr, table_ptrs, momentum_ptrs, dims_ptr,
-                lr, eps, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr,
-                HAS_SCALE: tl.constexpr, ADAGRAD: tl.constexpr, WIDE: tl.constexpr):
+                adagrad_ptr, settings_ptr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr,
+                HAS_SCALE: tl.constexpr, ANY_ADAGRAD: tl.constexpr, WIDE: tl.constexpr):
     """Sum the gradients of the occurrences j .. end - 1 (one segment) in fp32, BLOCK_N at a time, and apply the
-    optimizer to their row (key = t << row_bits | row). WIDE (the hot-segment kernel's tile): sum [BLOCK_N,
-    BLOCK_D] tiles and reduce over the occurrences once at the end (no cross-warp reduction per step), and load
-    the next step's offsets and scales before this step's gradients are used (one memory latency per step, not
-    two)."""
+    optimizer of their table to their row (key = t << row_bits | row). ANY_ADAGRAD: some table is row-wise Adagrad
+    (a row's momentum is read and written, masked off where its table is SGD's), else every table is SGD. WIDE (the
+    hot-segment kernel's tile): sum [BLOCK_N, BLOCK_D] tiles and reduce over the occurrences once at the end (no
+    cross-warp reduction per step), and load the next step's offsets and scales before this step's gradients are
+    used (one memory latency per step, not two)."""
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     t = key >> row_bits
     row = key - (t << row_bits)
     dim = tl.load(dims_ptr + t)
     d_mask = d < dim
+    lr = tl.load(settings_ptr + 2 * t)
     # The row is this program's alone (keys are unique per segment, and a segment is either kernel's, never both):
     # plain read-modify-write, no atomics. Its loads are issued before the gradients' so that their latencies
     # overlap.
     table = tl.load(table_ptrs + t).to(tl.pointer_type(TABLE_DTYPE))
     w_ptrs = table + row * dim + d
     w = tl.load(w_ptrs, mask=d_mask, other=0.0).to(tl.float32)
-    if ADAGRAD:
+    if ANY_ADAGRAD:
+        adagrad = tl.load(adagrad_ptr + t) != 0  # else SGD, whose momentum address (0) the masks keep unread
+        eps = tl.load(settings_ptr + 2 * t + 1)
         momentum = tl.load(momentum_ptrs + t).to(tl.pointer_type(tl.float32)) + row
-        m_row = tl.load(momentum)
+        m_row = tl.load(momentum, mask=adagrad, other=0.0)
 
     # Columns past the table's dim load as 0 and stay 0.
     if WIDE:
@@ -203,11 +216,11 @@ def _update_row(j, end, key, row_bits, grad_ptr, grad_offsets_ptr, scales_ptr, t
             acc += tl.sum(g, axis=0)
             j += BLOCK_N
 
-    if ADAGRAD:
+    if ANY_ADAGRAD:
         m_row = m_row + tl.div_rn(tl.sum(acc * acc, axis=0), dim.to(tl.float32))
-        tl.store(momentum, m_row)
+        tl.store(momentum, m_row, mask=adagrad)
         # IEEE sqrt and division (tl.sqrt and `/` are approximate on GPUs), as the torch path computes them.
-        w = w - acc * tl.div_rn(lr, tl.sqrt_rn(m_row) + eps)
+        w = w - acc * tl.where(adagrad, tl.div_rn(lr, tl.sqrt_rn(m_row) + eps), lr)
     else:
         w = w - lr * acc
     tl.store(w_ptrs, w.to(TABLE_DTYPE), mask=d_mask)
@@ -218,9 +231,10 @@ def _embedding_backward_kernel(
     starts_ptr, keys_ptr, num_segments_ptr, num_values, row_bits,  # sorted_segments(): first index, key
     grad_ptr, grad_offsets_ptr, scales_ptr,  # per occurrence, in key order: where its gradient starts, its scale
     table_ptrs, momentum_ptrs, dims_ptr,  # per table: weight address, momentum address, dim
-    lr, eps, hot_threshold,  # segments of more occurrences are _hot_segments_kernel's
+    adagrad_ptr, settings_ptr,  # per table: row-wise Adagrad or SGD; (lr, eps)
+    hot_threshold,  # segments of more occurrences are _hot_segments_kernel's
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr,
-    ADAGRAD: tl.constexpr,
+    ANY_ADAGRAD: tl.constexpr,
 ):
     # Persistent: the grid does not depend on the segment count (on the device only), so the programs stride over
     # the segments (`while`: the interpreter cannot range() over loaded values).
@@ -232,7 +246,8 @@ def _embedding_backward_kernel(
         key = tl.load(keys_ptr + seg).to(tl.int64)  # beside start and end, not after the test: latencies overlap
         if end - j <= hot_threshold:
             _update_row(j, end, key, row_bits, grad_ptr, grad_offsets_ptr, scales_ptr, table_ptrs, momentum_ptrs,
-                        dims_ptr, lr, eps, BLOCK_N, BLOCK_D, TABLE_DTYPE, HAS_SCALE, ADAGRAD, False)
+                        dims_ptr, adagrad_ptr, settings_ptr, BLOCK_N, BLOCK_D, TABLE_DTYPE, HAS_SCALE, ANY_ADAGRAD,
+                        False)
         seg += tl.num_programs(0)
 
 
@@ -250,10 +265,10 @@ def _first_hot_segment(starts_ptr, first, last, num_segments, num_values, hot_th
 def _hot_segments_kernel(
     starts_ptr, keys_ptr, num_segments_ptr, num_values, row_bits,  # as _embedding_backward_kernel's
     grad_ptr, grad_offsets_ptr, scales_ptr,
-    table_ptrs, momentum_ptrs, dims_ptr,
-    lr, eps, hot_threshold,  # the segments of more occurrences than this are this kernel's
+    table_ptrs, momentum_ptrs, dims_ptr, adagrad_ptr, settings_ptr,
+    hot_threshold,  # the segments of more occurrences than this are this kernel's
     BLOCK_SCAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr,
-    HAS_SCALE: tl.constexpr, ADAGRAD: tl.constexpr,
+    HAS_SCALE: tl.constexpr, ANY_ADAGRAD: tl.constexpr,
 ):
     # No list of the hot segments is built (an atomic append in the other kernel costs it registers; torch ops
     # cost a launch each): persistent programs stride over windows of BLOCK_SCAN segments, find the hot ones from
@@ -269,24 +284,26 @@ def _hot_segments_kernel(
             end = tl.load(starts_ptr + seg + 1, mask=seg + 1 < num_segments, other=num_values)
             key = tl.load(keys_ptr + seg).to(tl.int64)
             _update_row(j, end, key, row_bits, grad_ptr, grad_offsets_ptr, scales_ptr, table_ptrs, momentum_ptrs,
-                        dims_ptr, lr, eps, BLOCK_N, BLOCK_D, TABLE_DTYPE, HAS_SCALE, ADAGRAD, True)
+                        dims_ptr, adagrad_ptr, settings_ptr, BLOCK_N, BLOCK_D, TABLE_DTYPE, HAS_SCALE, ANY_ADAGRAD,
+                        True)
             seg = _first_hot_segment(starts_ptr, seg + 1, last, num_segments, num_values, hot_threshold, BLOCK_SCAN)
         first += BLOCK_SCAN * tl.num_programs(0)
 
 
 class BackwardTables:
-    """Metadata of one backward launch, built once: per table its address, momentum address and dim; per owned
-    feature (output column order) its table, first output column and pooling."""
+    """Metadata of one backward launch, built once: per table its address, momentum address, dim and optimizer; per
+    owned feature (output column order) its table, first output column and pooling."""
 
-    def __init__(self, weights: list[torch.Tensor], momentum: list[torch.Tensor] | None, feature_tables: list[int],
+    def __init__(self, weights: list[torch.Tensor], momentum: list[torch.Tensor | None], feature_tables: list[int],
                  mean: list[bool], device: torch.device):
-        """momentum: the optimizer's fp32 [rows] state of each table (row-wise Adagrad), None for SGD."""
+        """momentum: each table's optimizer state, fp32 [rows] for row-wise Adagrad, None for SGD (which has none):
+        that also says which optimizer updates the table."""
         self.dtype = common_table_dtype(weights)
         for w in weights:
             if w.shape[0] >= 2**31 or not w.is_contiguous():  # rows and tables share a 64-bit sort key at most
                 raise ValueError(f"tables must be contiguous with < 2**31 rows, got {tuple(w.shape)}")
-        if momentum is not None and any(m.dtype != torch.float32 or m.shape != w.shape[:1]
-                                        for m, w in zip(momentum, weights, strict=True)):
+        if any(m is not None and (m.dtype != torch.float32 or m.shape != w.shape[:1])
+               for m, w in zip(momentum, weights, strict=True)):
             raise ValueError("momentum must be fp32 [rows] per table")
         self.weights, self.momentum = weights, momentum  # keep alive the tensors whose addresses the kernel reads
         self.addresses = self._addresses(weights, momentum)
@@ -297,9 +314,11 @@ class BackwardTables:
             return torch.tensor(values or [0], dtype=dtype, device=device)
 
         self.table_ptrs = tensor([w.data_ptr() for w in weights], torch.int64)
-        # SGD has no state: the kernel never reads these addresses.
-        self.momentum_ptrs = tensor([m.data_ptr() for m in momentum] if momentum else [0] * len(weights),
-                                    torch.int64)
+        adagrad = [m is not None for m in momentum]
+        self.adagrad = tensor(adagrad, torch.bool)
+        self.any_adagrad = any(adagrad)
+        # An SGD table has no state: the kernel never reads its address.
+        self.momentum_ptrs = tensor([0 if m is None else m.data_ptr() for m in momentum], torch.int64)
         self.dims = tensor(dims, torch.int32)
         self.feature_table = tensor(feature_tables, torch.int64)
         # Sort keys table << row_bits | row in 32 bits when they fit (a radix sort's passes follow the key width).
@@ -314,11 +333,22 @@ class BackwardTables:
 
     @staticmethod
     def _addresses(weights, momentum) -> tuple[int, ...]:
-        return tuple(map(torch.Tensor.data_ptr, [*weights, *(momentum or [])]))  # checked per step: no genexpr
+        return tuple(map(_address, [*weights, *momentum]))  # checked per step: no genexpr
 
-    def describes(self, weights: list[torch.Tensor], momentum: list[torch.Tensor] | None) -> bool:
+    def describes(self, weights: list[torch.Tensor], momentum: list[torch.Tensor | None]) -> bool:
         """Whether these are still the tensors it was built for (host-only check: no device work)."""
         return self._addresses(weights, momentum) == self.addresses
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def optimizer_settings(configs: list[EmbeddingOptimizerConfig], device: torch.device) -> torch.Tensor:
+    """Each table's (lr, eps), [tables, 2] fp32, as the kernels read them: on GPUs one pinned, non-blocking copy
+    (no host sync), made again whenever a setting changes."""
+    settings = np.array([(c.lr, c.eps) for c in configs], dtype=np.float32).reshape(len(configs), 2)
+    return host_to_device([settings], device)[0]
 
 
 @dataclass
@@ -365,14 +395,15 @@ def plan_embedding_backward(bags: OwnedBags, tables: BackwardTables) -> Backward
                         None if scales is None else scales[order])
 
 
-def launch_embedding_backward(bags: OwnedBags, grad: torch.Tensor, tables: BackwardTables,
-                              config: EmbeddingOptimizerConfig, plan: BackwardPlan | None = None) -> None:
+def launch_embedding_backward(bags: OwnedBags, grad: torch.Tensor, tables: BackwardTables, settings: torch.Tensor,
+                              plan: BackwardPlan | None = None) -> None:
     """Update every owned table in place (and the row-wise Adagrad momentum in `tables.momentum`) from the
-    gradient of the pooled output `grad` [global batch, owned dims]. No host sync. `plan`: these bags'
-    plan_embedding_backward if made ahead (it needs only the bags), else made here."""
-    adagrad = config.name == "rowwise_adagrad"
-    if adagrad and tables.momentum is None:
-        raise ValueError("row-wise Adagrad needs the momentum of every table")
+    gradient of the pooled output `grad` [global batch, owned dims], each table by its optimizer: `settings` is
+    optimizer_settings of the tables' configs, the kind (SGD or row-wise Adagrad) the tables' (BackwardTables). No
+    host sync. `plan`: these bags' plan_embedding_backward if made ahead (it needs only the bags), else made here."""
+    if settings.shape != (len(tables.weights), 2) or settings.dtype != torch.float32:
+        raise ValueError(f"optimizer settings of shape {tuple(settings.shape)} ({settings.dtype}), expected "
+                         f"{(len(tables.weights), 2)} fp32: (lr, eps) per table")
     if grad.shape != (bags.global_batch, tables.row_len):
         raise ValueError(f"gradient of shape {tuple(grad.shape)}, expected {(bags.global_batch, tables.row_len)}")
     if plan is None:
@@ -384,7 +415,8 @@ def launch_embedding_backward(bags: OwnedBags, grad: torch.Tensor, tables: Backw
     has_scale = plan.scales is not None
     common = (plan.starts, plan.segment_keys, plan.num_segments, n, tables.row_bits,
               grad, plan.grad_offsets, plan.scales if has_scale else plan.grad_offsets,  # stand-in
-              tables.table_ptrs, tables.momentum_ptrs, tables.dims, config.lr, config.eps, HOT_THRESHOLD)
+              tables.table_ptrs, tables.momentum_ptrs, tables.dims, tables.adagrad, settings, HOT_THRESHOLD)
+    adagrad = tables.any_adagrad
     constexprs = (tables.block_dim, TL_DTYPES[tables.dtype], has_scale, adagrad)
     # What the binaries' specialisation follows from besides the constexprs: the keys' width and the alignment of
     # the tensors that are views (the gradient may be one into a symmetric buffer; the segment count is the last

@@ -11,11 +11,12 @@ from torch import nn
 from torchrec import EmbeddingBagConfig, PoolingType
 
 from fused_dlrm.kernels.embedding_backward import (BackwardTables, embedding_backward_reference,
-                                                  launch_embedding_backward, plan_embedding_backward)
+                                                  launch_embedding_backward, optimizer_settings,
+                                                  plan_embedding_backward)
 from fused_dlrm.kernels.peer_tiles import default_num_programs, plan_peer_tiles
 from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLaunch, pooled_embedding_reference
 from fused_dlrm.sparse.input_dist import OwnedBags
-from fused_dlrm.sparse.optimizer import EmbeddingOptimizer, EmbeddingOptimizerConfig
+from fused_dlrm.sparse.optimizer import EmbeddingOptimizer, TableOptimizers
 
 
 # A table's initialisation is defined in chunks of this many rows, each drawn from a generator of its own, so that
@@ -103,10 +104,11 @@ def check_table(t: EmbeddingBagConfig) -> None:
 
 
 class PooledEmbeddingLookup(nn.Module):
-    """Owns some tables; maps an `OwnedBags` to the pooled embeddings [global_batch, sum of feature dims]."""
+    """Owns some tables; maps an `OwnedBags` to the pooled embeddings [global_batch, sum of feature dims]; its
+    backward updates each table by its optimizer (`optimizer`: one for every table, or each table's by name)."""
 
     def __init__(self, tables: list[EmbeddingBagConfig], weights: dict[str, torch.Tensor],
-                 optimizer: EmbeddingOptimizerConfig, device: torch.device):
+                 optimizer: TableOptimizers, device: torch.device):
         super().__init__()
         for t in tables:
             check_table(t)
@@ -120,6 +122,7 @@ class PooledEmbeddingLookup(nn.Module):
         self._kernel_launches: dict = {}  # global batch size -> the GPU lookup's launch (its tile plan bound)
         self.kernel_programs: int | None = None  # persistent programs of the GPU lookup; None: 32 per SM
         self._backward_tables: BackwardTables | None = None  # built on the first GPU backward
+        self._settings: tuple[int, torch.Tensor] | None = None  # (optimizer version, its settings on the GPU)
         # A leaf that requires grad: it makes autograd call our backward, which updates the tables.
         self._anchor = torch.empty(0, device=device, requires_grad=True)
 
@@ -176,7 +179,7 @@ class PooledEmbeddingLookup(nn.Module):
         if self._anchor.device.type != "cuda":
             embedding_backward_reference(bags, grad, self.optimizer, self._feature_pooling)
             return
-        launch_embedding_backward(bags, grad, self._kernel_tables(), self.optimizer.config, bags.backward_plan)
+        launch_embedding_backward(bags, grad, self._kernel_tables(), self._kernel_settings(), bags.backward_plan)
 
     @torch.no_grad()
     def plan_backward(self, bags: OwnedBags) -> None:
@@ -190,13 +193,22 @@ class PooledEmbeddingLookup(nn.Module):
         table or its momentum moved (a plan made with the older one stays valid: it reads the layout only)."""
         names = list(self.tables)
         weights = [self.weights[n] for n in names]
-        momentum = [self.optimizer.momentum[n] for n in names] if self.optimizer.momentum else None
+        momentum = [self.optimizer.momentum.get(n) for n in names]  # None: an SGD table
         tables = self._backward_tables
         if tables is None or not tables.describes(weights, momentum):
             features = self._feature_pooling
             tables = self._backward_tables = BackwardTables(weights, momentum, [names.index(t) for t, _ in features],
                                                             [mean for _, mean in features], self._anchor.device)
         return tables
+
+    def _kernel_settings(self) -> torch.Tensor:
+        """Each table's (lr, eps) on the GPU: copied again only when the optimizer's settings changed (an LR
+        scheduler's step, update_hyper_parameters), without a host sync."""
+        version = self.optimizer.version
+        if self._settings is None or self._settings[0] != version:
+            configs = self.optimizer.configs
+            self._settings = version, optimizer_settings([configs[n] for n in self.tables], self._anchor.device)
+        return self._settings[1]
 
     def is_mean(self, table: str) -> bool:
         return self.tables[table].pooling == PoolingType.MEAN

@@ -1,13 +1,18 @@
-"""Embedding optimizers fused into backward: exact SGD and exact row-wise Adagrad.
+"""Embedding optimizers fused into backward: exact SGD and exact row-wise Adagrad, each table its own.
 
 "Exact" as in fbgemm's EXACT_SGD / EXACT_ROWWISE_ADAGRAD: the gradients of every occurrence of a row in the batch
 are summed first, then each touched row is updated once. Rows the batch did not touch keep weight and state.
 Row-wise Adagrad keeps one accumulator per row: m += mean(g^2) over the row; w -= lr * g / (sqrt(m) + eps).
+Each table has its own settings (optimizer, lr, eps), as torchrec's per-table fused params give them; one lookup
+updates tables of different optimizers in the same launches (kernels/embedding_backward.py says how).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping, Sequence
 
 import torch
 
@@ -16,6 +21,8 @@ OPTIMIZERS = ("sgd", "rowwise_adagrad")
 
 @dataclass(frozen=True)
 class EmbeddingOptimizerConfig:
+    """One table's optimizer."""
+
     name: str = "rowwise_adagrad"
     lr: float = 0.01
     eps: float = 1e-8  # fbgemm's default
@@ -27,6 +34,24 @@ class EmbeddingOptimizerConfig:
             raise ValueError(f"embedding optimizer lr must be > 0, got {self.lr}")
 
 
+# One optimizer for every table, or each table's by name.
+TableOptimizers = EmbeddingOptimizerConfig | Mapping[str, EmbeddingOptimizerConfig]
+
+
+def per_table(optimizers: TableOptimizers, tables: Sequence[str]) -> dict[str, EmbeddingOptimizerConfig]:
+    """Each table's optimizer: `optimizers` itself for every table, or its entry of each; a mapping must name
+    exactly `tables`."""
+    if isinstance(optimizers, EmbeddingOptimizerConfig):
+        return dict.fromkeys(tables, optimizers)
+    missing = [t for t in tables if t not in optimizers]
+    unknown = [t for t in optimizers if t not in tables]
+    problems = [f"no entry for tables {missing}"] if missing else []
+    problems += [f"entries for unknown tables {unknown}"] if unknown else []
+    if problems:
+        raise ValueError(f"per-table embedding optimizers: {'; '.join(problems)} (the tables: {list(tables)})")
+    return {t: optimizers[t] for t in tables}
+
+
 def sum_duplicate_rows(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(unique rows, summed gradient of each) from per-occurrence rows [N] and gradients [N, D]."""
     unique, inverse = torch.unique(rows, return_inverse=True)
@@ -35,32 +60,45 @@ def sum_duplicate_rows(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.T
 
 
 class EmbeddingOptimizer:
-    """Optimizer state of the tables one rank owns, and the update its lookup's backward applies."""
+    """Optimizer settings and state of the tables one rank owns, and the update its lookup's backward applies."""
 
-    def __init__(self, config: EmbeddingOptimizerConfig, weights: dict[str, torch.Tensor]):
-        self.config = config
+    def __init__(self, optimizers: TableOptimizers, weights: dict[str, torch.Tensor]):
         self.weights = weights
-        self.momentum: dict[str, torch.Tensor] = {}
-        if config.name == "rowwise_adagrad":
-            self.momentum = {
-                name: torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) for name, w in weights.items()
-            }
+        self._configs = per_table(optimizers, list(weights))
+        # Bumped by every change of a setting: the GPU path copies the settings to the device again only then.
+        self.version = 0
+        # Row-wise Adagrad's accumulators; an SGD table has none.
+        self.momentum: dict[str, torch.Tensor] = {
+            name: torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) for name, w in weights.items()
+            if self._configs[name].name == "rowwise_adagrad"}
+
+    @property
+    def configs(self) -> Mapping[str, EmbeddingOptimizerConfig]:
+        """Each table's settings (read-only: `update` changes them)."""
+        return MappingProxyType(self._configs)
+
+    def update(self, table: str, *, lr: float | None = None, eps: float | None = None) -> None:
+        """A table's lr and / or eps from the next update on (its optimizer, and so its state, stays)."""
+        changes = {key: value for key, value in (("lr", lr), ("eps", eps)) if value is not None}
+        config = dataclasses.replace(self._configs[table], **changes)  # checks them
+        if config != self._configs[table]:
+            self._configs[table] = config
+            self.version += 1
 
     @torch.no_grad()
     def step(self, table: str, rows: torch.Tensor, grads: torch.Tensor) -> None:
         """Apply the gradient of one table: `grads[i]` is the gradient of one occurrence of row `rows[i]`."""
         if rows.numel() == 0:
             return
-        weight = self.weights[table]
+        weight, config = self.weights[table], self._configs[table]
         unique, g = sum_duplicate_rows(rows, grads.float())
-        lr = self.config.lr
-        if self.config.name == "sgd":
-            weight.index_add_(0, unique, g.to(weight.dtype), alpha=-lr)
+        if config.name == "sgd":
+            weight.index_add_(0, unique, g.to(weight.dtype), alpha=-config.lr)
             return
         momentum = self.momentum[table]
         m = momentum[unique] + g.pow(2).mean(dim=1)
         momentum[unique] = m
-        step = g * (lr / (m.sqrt() + self.config.eps)).unsqueeze(1)
+        step = g * (config.lr / (m.sqrt() + config.eps)).unsqueeze(1)
         weight.index_add_(0, unique, step.to(weight.dtype), alpha=-1.0)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

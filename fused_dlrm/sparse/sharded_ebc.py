@@ -27,7 +27,7 @@ from fused_dlrm.dist.env import input_stream
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
 from fused_dlrm.sparse.input_dist import BulkInputDist, OwnedBags, PendingHeader
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, Table, check_table, init_block
-from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
+from fused_dlrm.sparse.optimizer import TableOptimizers, per_table
 from fused_dlrm.sparse.output_dist import BulkOutputDist
 from fused_dlrm.sparse.plan import FeatureSlice, Shard, TableShardingPlan, plan_sharding
 from fused_dlrm.sparse.row_wise import RowBlockSum
@@ -86,11 +86,12 @@ def refuse_mixed_dtypes(plan: TableShardingPlan, tables: list[EmbeddingBagConfig
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
-    def __init__(self, tables: list[EmbeddingBagConfig], optimizer: EmbeddingOptimizerConfig,
+    def __init__(self, tables: list[EmbeddingBagConfig], optimizer: TableOptimizers,
                  device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None,
                  plan: TableShardingPlan | None = None, seed: int = 0, comm: FusedCommConfig | None = None,
                  is_weighted: bool | None = None):
-        """plan: None for table-wise (plan_sharding's); comm: None for the bulk-synchronous path
+        """optimizer: one for every table, or each table's by name (its column shards and row blocks take it);
+        plan: None for table-wise (plan_sharding's); comm: None for the bulk-synchronous path
         (torch.distributed all-to-alls), or the fused exchange's settings (CUDA only): lookup and output dist then
         run as one kernel that stores into peers' memory; is_weighted: whether the tables take per-sample weights,
         as torchrec's EmbeddingBagCollection(is_weighted=) (True: required, False: ignored), or None: a batch's
@@ -98,6 +99,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         super().__init__()
         for t in tables:  # before anything is made of them
             check_table(t)
+        optimizers = per_table(optimizer, [t.name for t in tables])
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.plan = plan or plan_sharding(tables, self.world_size)
@@ -142,7 +144,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self.embedding_bags[s.name] = Table(weight.to(_DTYPES[table.data_type.name]))
         shard_tables = self.plan.shard_configs(tables, self.rank)
         self.lookup = PooledEmbeddingLookup(shard_tables, {n: m.weight.data for n, m in self.embedding_bags.items()},
-                                            optimizer, device)
+                                            {s.name: optimizers[s.table] for s in self.plan.shards_of(self.rank)},
+                                            device)
         self.output_dist = BulkOutputDist([[s.dim for s in mine] for mine in slices], _column_order(slices), group)
         self._prefetched: tuple[FeaturesOrError, object, torch.cuda.Event | None] | None = None
         self._from_thread: list[tuple[FeaturesOrError, object, torch.cuda.Event | None]] = []  # in batch order

@@ -29,12 +29,14 @@ What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
   * output: KeyedTensor [local batch, sum of dims] with the EBC's keys in the EBC's feature order;
   * gradients: divided by the world size on the way back to the owners, as torchrec does by default
     (comm_ops.GRADIENT_DIVISION; set_gradient_division(False) gives the sum), like ShardedEmbeddingBagCollection;
-  * optimizer: read as stock torchrec reads it (the sharder's fused_params, then apply_optimizer_in_backward's
-    settings on each table's weight; `resolve_optimizer`), or given as our EmbeddingOptimizerConfig; what we do not
-    run (another optimizer, weight decay, momentum, one optimizer per table) is refused, never replaced. Applied in
-    backward; `fused_optimizer` is a torchrec KeyedOptimizer over the owned tables, so DMP's fused_optimizer /
-    CombinedOptimizer, LR changes through param_groups (an LR scheduler's), update_hyper_parameters and its
-    state_dict work as for torchrec's fused tables;
+  * optimizer: each table's, read as stock torchrec reads it (the sharder's fused_params, then
+    apply_optimizer_in_backward's settings on the table's weight; `resolve_optimizer`), or given as our
+    EmbeddingOptimizerConfig (per table or for all); tables may differ (exact SGD here, row-wise Adagrad there,
+    other lrs); what we do not run (another optimizer, weight decay, momentum) is refused, never replaced. Applied
+    in backward; `fused_optimizer` is a torchrec KeyedOptimizer over the owned tables with one param group per
+    setting (as torchrec's one per TBE), so DMP's fused_optimizer / CombinedOptimizer, LR changes through
+    param_groups (an LR scheduler's), update_hyper_parameters and its state_dict work as for torchrec's fused
+    tables;
   * state_dict: `embedding_bags.<table>.weight` for the tables this rank owns,
     `embedding_bags.<table>_cols_<first>_to_<last>.weight` for its column shards and
     `embedding_bags.<table>_rows_<first>_to_<last>.weight` for its row blocks (plain tensors, not ShardedTensors: a
@@ -77,7 +79,7 @@ from torchrec.streamable import Multistreamable
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, FusedPooledAllToAll
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
-from fused_dlrm.sparse.optimizer import EmbeddingOptimizer, EmbeddingOptimizerConfig
+from fused_dlrm.sparse.optimizer import EmbeddingOptimizer, EmbeddingOptimizerConfig, TableOptimizers, per_table
 from fused_dlrm.sparse.plan import Shard, TableShardingPlan, shard_name
 from fused_dlrm.sparse.row_wise import RowBlockSum
 from fused_dlrm.sparse.sharded_ebc import (ShardedEmbeddingBagCollection, divide_gradient_like_torchrec, shard_weight,
@@ -110,7 +112,7 @@ class Seams:
     row_block_sum: RowBlockSum | None  # the wide row -> the real one; None when no table is row-wise
 
 
-def build_seams(comm: str, tables: list[EmbeddingBagConfig], optimizer: EmbeddingOptimizerConfig,
+def build_seams(comm: str, tables: list[EmbeddingBagConfig], optimizer: TableOptimizers,
                 plan: TableShardingPlan, device: torch.device, group: dist.ProcessGroup | None,
                 is_weighted: bool) -> Seams:
     """The stages of `comm` for this rank; is_weighted: the EBC's (its input dist requires per-sample weights, or
@@ -202,39 +204,33 @@ def in_backward_settings(table: str, weight: nn.Parameter) -> dict[str, Any]:
 
 
 def resolve_optimizer(module: EmbeddingBagCollection, fused_params: Mapping[str, Any],
-                      optimizer: EmbeddingOptimizerConfig | None) -> EmbeddingOptimizerConfig:
-    """The one optimizer of the collection's tables.
+                      optimizer: TableOptimizers | None) -> dict[str, EmbeddingOptimizerConfig]:
+    """Each table's optimizer, by table name.
 
-    Each table's, as stock torchrec's EmbeddingBagCollectionSharder gives its FUSED kernel:
-    apply_optimizer_in_backward's settings on the table's weight over the sharder's fused_params over fbgemm's
-    defaults (exact SGD, lr 0.01). Tables whose optimizers differ are refused (our lookup runs one for all its
-    tables); `optimizer`, where given, must run the same update wherever torchrec's settings say anything (else which
-    one a user meant is a guess); where they say nothing it is used as it is.
+    As stock torchrec's EmbeddingBagCollectionSharder gives its FUSED kernel: apply_optimizer_in_backward's settings
+    on the table's weight over the sharder's fused_params over fbgemm's defaults (exact SGD, lr 0.01); the tables
+    may differ. `optimizer` (ours, for all tables or per table), where given, must run the same update wherever
+    torchrec's settings say anything (else which one a user meant is a guess); where they say nothing it is used as
+    it is.
     """
     tables = [t.name for t in module.embedding_bag_configs()]
-    per_table, said = {}, bool(fused_params)
+    ours = None if optimizer is None else per_table(optimizer, tables)
+    configs, differ = {}, {}
     for name in tables:
-        own = in_backward_settings(name, module.embedding_bags[name].weight)
-        said = said or bool(own)
-        settings = {**fused_params, **own}
-        per_table[name] = config_from_settings(
+        settings = {**fused_params, **in_backward_settings(name, module.embedding_bags[name].weight)}
+        theirs = config_from_settings(
             settings, f"table {name!r}: optimizer settings {settings} (the sharder's fused_params, then "
                       "apply_optimizer_in_backward's)")
-    if not said:
-        return optimizer or per_table[tables[0]]
-    updates: dict[str, list[str]] = {}
-    for name, config in per_table.items():
-        updates.setdefault(describe(config), []).append(name)
-    if len(updates) > 1:
-        raise ValueError(f"the tables' optimizer settings (fused_params, then apply_optimizer_in_backward's; fbgemm's "
-                         f"default: exact SGD, lr 0.01) differ: {'; '.join(f'{u} for {n}' for u, n in updates.items())}"
-                         ": FusedEmbeddingBagCollectionSharder runs one optimizer for every table of a collection")
-    theirs = per_table[tables[0]]
-    if optimizer is not None and describe(optimizer) != describe(theirs):
-        raise ValueError(f"the sharder's optimizer={describe(optimizer)} differs from what torchrec's settings "
-                         f"(fused_params, apply_optimizer_in_backward) give the tables {tables}: {describe(theirs)}; "
-                         "give one of them, or both alike")
-    return optimizer or theirs
+        mine = theirs if ours is None else ours[name]
+        if settings and describe(mine) != describe(theirs):
+            differ.setdefault((describe(mine), describe(theirs)), []).append(name)
+        configs[name] = mine
+    if differ:
+        raise ValueError("the sharder's optimizer differs from what torchrec's settings (fused_params, "
+                         "apply_optimizer_in_backward) give: " + "; ".join(
+                             f"optimizer={mine} for {names}, theirs: {theirs}" for (mine, theirs), names in
+                             differ.items()) + ": give one of them, or both alike")
+    return configs
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -329,27 +325,36 @@ class DistributedBags(Multistreamable):
 class FusedTableOptimizer(FusedOptimizer):
     """The KeyedOptimizer DMP's `fused_optimizer` collects: a view of the lookup's optimizer, not a second one.
 
-    The update happens in the lookup's backward, so step() and zero_grad() only carry a changed lr (an LR
-    scheduler edits param_groups[0]["lr"]) to the lookup's optimizer, as torchrec's EmbeddingFusedOptimizer does
-    for fbgemm; it takes effect from the next backward. Keys and state names follow torchrec's:
-    `embedding_bags.<table>.weight` -> {"<table>.momentum1": row-wise Adagrad accumulator}, so state_dict() /
-    load_state_dict() (in place) work as for torchrec's fused tables. Only the tables this rank owns appear.
+    One param group per setting of the owned tables, {"params": the weights of the tables of equal settings, "lr":
+    theirs}, as stock torchrec has one per TBE (it groups a rank's tables by their fused params; each TBE's
+    EmbeddingFusedOptimizer has one group); a rank that owns no table has none. The update happens in the lookup's
+    backward, so step() and zero_grad() only carry each group's lr (an LR scheduler edits param_groups) to its
+    tables in the lookup's optimizer, as torchrec's EmbeddingFusedOptimizer does for fbgemm; it takes effect from the
+    next backward. Keys and state names follow torchrec's: `embedding_bags.<table>.weight` -> {"<table>.momentum1":
+    row-wise Adagrad accumulator} ({} for an SGD table), so state_dict() / load_state_dict() (in place) work as for
+    torchrec's fused tables. Only the tables this rank owns appear.
     """
 
     def __init__(self, embedding_bags: nn.ModuleDict, optimizer: EmbeddingOptimizer):
         self._optimizer = optimizer
         params = {f"embedding_bags.{name}.weight": table.weight for name, table in embedding_bags.items()}
         state: dict[Any, Any] = {}
+        by_setting: dict[EmbeddingOptimizerConfig, list[str]] = {}
         for name, table in embedding_bags.items():
             state[table.weight] = ({f"{name}.momentum1": optimizer.momentum[name]} if name in optimizer.momentum
                                    else {})
-        group = {"params": list(params.values()), "lr": optimizer.config.lr}
-        super().__init__(params, state, [group])
+            by_setting.setdefault(optimizer.configs[name], []).append(name)
+        self._group_tables = list(by_setting.values())  # each param group's tables, in param_groups' order
+        groups = [{"params": [embedding_bags[name].weight for name in names], "lr": config.lr}
+                  for config, names in by_setting.items()]
+        super().__init__(params, state, groups)
 
     def _sync_lr(self) -> None:
-        lr = self.param_groups[0]["lr"]
-        if lr != self._optimizer.config.lr:
-            self._optimizer.config = dataclasses.replace(self._optimizer.config, lr=lr)
+        configs = self._optimizer.configs
+        for group, names in zip(self.param_groups, self._group_tables, strict=True):
+            for name in names:
+                if configs[name].lr != group["lr"]:  # a step's host time: most steps change nothing
+                    self._optimizer.update(name, lr=group["lr"])
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         self._sync_lr()  # the tables have no .grad to zero
@@ -358,15 +363,16 @@ class FusedTableOptimizer(FusedOptimizer):
         self._sync_lr()  # the update already happened in backward
 
     def update_hyper_parameters(self, params_dict: dict[str, Any]) -> None:
-        """As fbgemm's TBE does it for stock torchrec (CombinedOptimizer passes it on to each optimizer that has it):
-        "lr" and "eps" change the update from the next backward and leave param_groups as they are, so the next
-        step() / zero_grad() puts param_groups' lr back; fbgemm's other names (beta1, weight_decay, ...) are refused
-        (our optimizers have none)."""
+        """As fbgemm's TBEs do it for stock torchrec (CombinedOptimizer passes it on to each optimizer that has it,
+        so every TBE of every group): "lr" and "eps" change every owned table's update from the next backward (eps
+        is unused by SGD tables) and leave param_groups as they are, so the next step() / zero_grad() puts each
+        group's lr back; fbgemm's other names (beta1, weight_decay, ...) are refused (our optimizers have none)."""
         unknown = sorted(set(params_dict) - {"lr", "eps"})
         if unknown:
             raise NotImplementedError(f"setting hyper-parameter(s) {unknown} is not supported: the embedding "
-                                      f"optimizer ({describe(self._optimizer.config)}) takes lr and eps")
-        self._optimizer.config = dataclasses.replace(self._optimizer.config, **params_dict)
+                                      f"optimizers (exact SGD, exact row-wise Adagrad) take lr and eps")
+        for name in self._optimizer.configs:
+            self._optimizer.update(name, **params_dict)
 
 
 class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedEBCContext], FusedOptimizerModule):
@@ -377,7 +383,7 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
     """
 
     def __init__(self, module: EmbeddingBagCollection, plan: TableShardingPlan, env: ShardingEnv,
-                 optimizer: EmbeddingOptimizerConfig, device: torch.device | None = None, comm: str = "bulk"):
+                 optimizer: TableOptimizers, device: torch.device | None = None, comm: str = "bulk"):
         super().__init__(qcomm_codecs_registry=None)
         check_comm(comm)
         self.comm = comm
@@ -486,16 +492,16 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollec
     Other modules (an EmbeddingCollection) are not ours: DMP leaves them to the sharders given for them, or unsharded
     when there is none (torchrec's rule), and shard() refuses them with a TypeError.
 
-    The embedding optimizer (exact SGD or exact row-wise Adagrad, one for every table of a collection) comes from
-    torchrec's settings, read as stock torchrec's EmbeddingBagCollectionSharder reads them, or from `optimizer`:
+    Each table's embedding optimizer (exact SGD or exact row-wise Adagrad, its lr and eps; tables may differ) comes
+    from torchrec's settings, read as stock torchrec's EmbeddingBagCollectionSharder reads them, or from `optimizer`:
     fused_params: torchrec's {"optimizer": EmbOptimType.EXACT_SGD | EXACT_ROWWISE_ADAGRAD, "learning_rate": ...,
         "eps": ...} for every table; apply_optimizer_in_backward on a table's weight (torch.optim.SGD /
         torchrec.optim.SGD, torchrec.optim.RowWiseAdagrad; lr, eps) overrides it for that table.
-    optimizer: our EmbeddingOptimizerConfig. Given with torchrec's settings, both must run the same update.
+    optimizer: our EmbeddingOptimizerConfig, for every table, or a mapping of each table's. Given with torchrec's
+    settings, both must run the same update where torchrec's say anything.
     Neither given: stock torchrec's default for its FUSED kernel, fbgemm's (exact SGD, lr 0.01). Anything else
-    (another optimizer, weight_decay or momentum other than 0, other fbgemm settings, tables with different
-    optimizers) raises a ValueError naming the table and the setting (`resolve_optimizer`), at construction for
-    fused_params, at shard() for the tables.
+    (another optimizer, weight_decay or momentum other than 0, other fbgemm settings) raises a ValueError naming the
+    table and the setting (`resolve_optimizer`), at construction for fused_params, at shard() for the tables.
     comm: which input dist / lookup / output dist implementation: "bulk" (torch.distributed, any device) or "fused"
         (CUDA: lookup and output dist as one kernel).
     sharding_types: what the planner is offered (a plan given to DMP may use any of SHARDING_TYPES that is offered).
@@ -504,11 +510,14 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollec
         cost time (docs/benchmarks.md, 12-02).
     """
 
-    def __init__(self, optimizer: EmbeddingOptimizerConfig | None = None, comm: str = "bulk",
+    def __init__(self, optimizer: TableOptimizers | None = None, comm: str = "bulk",
                  sharding_types: Sequence[str] = OFFERED_BY_DEFAULT, fused_params: dict[str, Any] | None = None):
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=None)  # the planner reads fused_params too
-        if optimizer is not None and not isinstance(optimizer, EmbeddingOptimizerConfig):
-            raise TypeError(f"optimizer must be an EmbeddingOptimizerConfig or None, got {type(optimizer).__name__}")
+        if not (optimizer is None or isinstance(optimizer, EmbeddingOptimizerConfig)
+                or (isinstance(optimizer, Mapping) and all(isinstance(c, EmbeddingOptimizerConfig)
+                                                           for c in optimizer.values()))):
+            raise TypeError(f"optimizer must be an EmbeddingOptimizerConfig, a mapping of table names to them, or "
+                            f"None; got {optimizer!r}")
         config_from_settings(fused_params or {}, f"fused_params {fused_params}")  # fail before planning
         check_comm(comm)
         unknown = sorted(set(sharding_types) - set(SHARDING_TYPES))
