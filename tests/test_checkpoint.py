@@ -82,6 +82,52 @@ def test_a_checkpoint_of_another_plan_raises_alike_on_every_rank(tmp_path):
     run_world(2, _another_plan_for_one_rank, str(tmp_path), timeout=120)
 
 
+# Each table its own optimizer: a in row blocks (row-wise Adagrad), b whole on rank 1 (SGD: no state), c in column
+# shards (row-wise Adagrad at its own lr and eps).
+PER_TABLE = {"a": EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.1), "b": EmbeddingOptimizerConfig("sgd", lr=0.3),
+             "c": EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.02, eps=1e-3)}
+
+
+class _PerTable(nn.Module):
+    def __init__(self, optimizers: dict[str, EmbeddingOptimizerConfig]):
+        super().__init__()
+        tables = [EmbeddingBagConfig(name=name, embedding_dim=4, num_embeddings=rows, feature_names=[f"f{name}"])
+                  for name, rows in (("a", 10), ("b", 12), ("c", 9))]
+        plan = TableShardingPlan(2, (Shard("a", 0, 0, 4, "a_rows_0_to_4", 0, 5),
+                                     Shard("a", 1, 0, 4, "a_rows_5_to_9", 5, 5), Shard("b", 1, 0, 4, "b"),
+                                     Shard("c", 0, 0, 2, "c_cols_0_to_1"), Shard("c", 1, 2, 2, "c_cols_2_to_3")))
+        self.sparse = ShardedEmbeddingBagCollection(tables, optimizers, plan=plan)
+        self.dense = nn.Linear(3, 2)
+
+
+def _per_table_state_round_trip(rank: int, world: int, root: str) -> None:
+    model = _PerTable(PER_TABLE)
+    optimizer = model.sparse.lookup.optimizer
+    assert sorted(optimizer.momentum) == [["a_rows_0_to_4", "c_cols_0_to_1"], ["a_rows_5_to_9", "c_cols_2_to_3"]][rank]
+    gen = torch.Generator().manual_seed(rank)
+    for t in [*optimizer.weights.values(), *optimizer.momentum.values()]:  # as after training
+        t.copy_(torch.rand(t.shape, generator=gen))
+    save_checkpoint(root, 3, model, torch.optim.Adam(model.dense.parameters()), optimizer)
+    other = _PerTable(PER_TABLE)
+    assert load_checkpoint(root, other, torch.optim.Adam(other.dense.parameters()), other.sparse.lookup.optimizer) == 3
+    for name, w in optimizer.weights.items():
+        assert torch.equal(other.sparse.lookup.optimizer.weights[name], w), name
+    for name, m in optimizer.momentum.items():
+        assert torch.equal(other.sparse.lookup.optimizer.momentum[name], m), name
+    # b under row-wise Adagrad: its state is not in the checkpoint, which every rank says
+    changed = _PerTable({**PER_TABLE, "b": EmbeddingOptimizerConfig("rowwise_adagrad")})
+    with pytest.raises(ValueError, match=r"step_3 holds no \['embedding_optimizer\.b\.momentum'\] \(1 of the embedding "
+                                         r"optimizer's 5 entries, loaded by rank\(s\) \[1\]\): it was written with "
+                                         r"another embedding optimizer"):
+        load_checkpoint(root, changed, torch.optim.Adam(changed.dense.parameters()), changed.sparse.lookup.optimizer)
+
+
+def test_per_table_optimizer_state_round_trips(tmp_path):
+    """Per-table optimizers over row blocks and column shards: the Adagrad tables' state (and only theirs) is saved
+    and restored on each rank; a resume that gives a table another optimizer raises on every rank."""
+    run_world(2, _per_table_state_round_trip, str(tmp_path), timeout=120)
+
+
 def _one_rank_lacks_the_checkpoint(rank: int, world: int, root: str) -> None:
     save_checkpoint(root, 4, *_model_and_optimizer(momentum_sgd=False))
     path = f"{root}/step_{4 if rank == 0 else 9}"  # as a path that one node's disk lacks
