@@ -34,6 +34,9 @@ DIM = 8
 TINY = [f"model.num_rows=[{','.join(map(str, ROWS))}]", "data.num_sparse=6", f"model.embedding_dim={DIM}",
         "model.dense_arch=[16,8]", "model.over_arch=[32,1]", "data.global_batch_size=37"]
 WARMUP, STEPS = 1, 3
+# Each table its own embedding optimizer (torchrec: apply_optimizer_in_backward per table).
+PER_TABLE = ["model.embedding_optimizer.name=[sgd,rowwise_adagrad,sgd,rowwise_adagrad,rowwise_adagrad,sgd]",
+             "model.embedding_optimizer.lr=[0.1,0.05,0.02,0.2,0.05,0.3]"]
 
 
 def first_step_loss(args) -> tuple[float, int]:
@@ -64,11 +67,12 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
             if line.split()[:1] and line.split()[0] in dlrm_step.VARIANTS}
 
 
-@pytest.mark.parametrize("arches", ["torchrec", "lean"])  # lean: train.py's arches, through the pipeline's fx trace
-def test_torchrec_and_bulk_train_the_same_model(tmp_path, arches):
+# lean: train.py's arches, through the pipeline's fx trace; with each table's own optimizer
+@pytest.mark.parametrize("arches,optimizers", [("torchrec", []), ("lean", PER_TABLE)])
+def test_torchrec_and_bulk_train_the_same_model(tmp_path, arches, optimizers):
     out = tmp_path / "dlrm_step.json"
     argv = ["dlrm_step", "--warmup", str(WARMUP), "--steps", str(STEPS), "--batches", "3", "--arches", arches,
-            "--out", str(out), *TINY]
+            "--out", str(out), *TINY, *optimizers]
     done = run_torchrun(argv, program=("-m", "fused_dlrm.bench"), timeout=300)
     report = json.loads(out.read_text())
     variants = report["variants"]

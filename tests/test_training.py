@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 from fused_dlrm.data import SyntheticCriteo
 from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.sparse.sharded_ebc import ShardedEmbeddingBagCollection
-from fused_dlrm.train.build import build_dataset, build_model, dense_parameters
+from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
+from fused_dlrm.train.build import build_dataset, build_model, config_tables, dense_parameters, embedding_optimizers
 from fused_dlrm.train.loop import train, train_step
 from fused_dlrm.train.metrics import CTRMetrics
 from fused_dlrm.train.schedule import NonFiniteLossError, TrainingRun
@@ -70,11 +71,11 @@ def test_resume_continues_the_exact_loss_curve(tmp_path):
     assert resumed.losses == [(s, l) for s, l in full.losses if s > 20]
 
 
-def _resume_two_ranks(rank: int, world: int, tmp: str, shards: str) -> None:
+def _resume_two_ranks(rank: int, world: int, tmp: str, shards: tuple[str, ...]) -> None:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
     common = SMALL + ["trainer.max_steps=20", "trainer.eval_every=0", "trainer.checkpoint_every=10",
                       "data.global_batch_size=101",  # uneven local batches: 51 and 50
-                      shards]
+                      *shards]
     full = train(config(*common), env, Path(tmp) / "full")
     resumed = train(config(*common, f"trainer.resume_from={tmp}/full/checkpoints/step_10"), env, Path(tmp) / "r10")
     assert resumed.losses == [(s, l) for s, l in full.losses if s > 10]
@@ -99,10 +100,37 @@ def test_step_loss_weights_uneven_local_batches_by_the_global_batch():
     run_world(2, _step_loss_is_the_global_batch_mean)
 
 
-@pytest.mark.parametrize("shards", ["model.column_shards=1", "model.column_shards=2", "model.row_shards=2"])
+# Each of SMALL's 8 tables its own optimizer and lr.
+PER_TABLE = ("model.embedding_optimizer.name=[sgd,rowwise_adagrad,rowwise_adagrad,sgd,rowwise_adagrad,sgd,sgd,"
+             "rowwise_adagrad]", "model.embedding_optimizer.lr=[0.1,0.05,0.2,0.02,0.1,0.3,0.05,0.01]")
+
+
+@pytest.mark.parametrize("shards", [("model.column_shards=1",), ("model.column_shards=2",), ("model.row_shards=2",),
+                                    ("model.row_shards=2", *PER_TABLE)])
 def test_two_rank_resume_is_exact(tmp_path, shards):
     # column_shards=2: every table's 16 columns in two shards, one on each rank; row_shards=2: its rows.
     run_world(2, _resume_two_ranks, str(tmp_path), shards)
+
+
+def test_per_table_embedding_optimizers_from_the_config():
+    """model.embedding_optimizer's name, lr and eps: one value for every table, or a list with one per feature."""
+    cfg = config("data.num_sparse=3", "model.embedding_optimizer.name=[sgd,rowwise_adagrad,rowwise_adagrad]",
+                 "model.embedding_optimizer.lr=[0.1,0.2,0.3]", "model.embedding_optimizer.eps=0.5")
+    assert embedding_optimizers(cfg, config_tables(cfg)) == {
+        "t_cat_0": EmbeddingOptimizerConfig("sgd", 0.1, 0.5),
+        "t_cat_1": EmbeddingOptimizerConfig("rowwise_adagrad", 0.2, 0.5),
+        "t_cat_2": EmbeddingOptimizerConfig("rowwise_adagrad", 0.3, 0.5)}
+    model = build_model(cfg, CPU)
+    assert sorted(model.sparse_arch.embedding_bag_collection.lookup.optimizer.momentum) == ["t_cat_1", "t_cat_2"]
+    for overrides, error in ((["model.embedding_optimizer.lr=[0.1,0.2]"],
+                              r"model.embedding_optimizer.lr: 2 values for 3 tables \(one per sparse feature"),
+                             (["model.embedding_optimizer.lr=[0.1,0,0.2]"],
+                              r"model.embedding_optimizer of table t_cat_1 \(.*\): embedding optimizer lr must be > 0"),
+                             (["model.embedding_optimizer.name=[sgd,adam,sgd]"],
+                              r"of table t_cat_1 .*unknown embedding optimizer 'adam'")):
+        cfg = config("data.num_sparse=3", *overrides)
+        with pytest.raises(ValueError, match=error):
+            embedding_optimizers(cfg, config_tables(cfg))
 
 
 def _row_blocks_train_as_whole_tables(rank: int, world: int, tmp: str) -> None:

@@ -58,11 +58,12 @@ from fused_dlrm.models.dlrm import with_lean_arches
 from fused_dlrm.report.layers import no_fused_path
 from fused_dlrm.report.measure import repeats, timing_method
 from fused_dlrm.report.render import environment, write_json
-from fused_dlrm.sparse import EmbeddingOptimizerConfig, plan_sharding
+from fused_dlrm.sparse import plan_sharding
 from fused_dlrm.sparse.lookup import init_table
 from fused_dlrm.sparse.sharded_ebc import table_seeds
 from fused_dlrm.sparse.torchrec_sharder import FusedEmbeddingBagCollectionSharder, torchrec_in_backward_optimizer
-from fused_dlrm.train.build import batch_stream, build_dataset, compose_config, config_tables, to_device
+from fused_dlrm.train.build import (batch_stream, build_dataset, compose_config, config_tables, embedding_optimizers,
+                                   to_device)
 
 VARIANTS = ("torchrec", "bulk", "fused")
 BASELINE = "torchrec"
@@ -122,13 +123,14 @@ def shard(model: DLRMTrain, variant: str, cfg: DictConfig, env: DistEnv) -> Dist
         raise ValueError(f"dlrm_step compares table-wise placements only, got model.column_shards="
                          f"{cfg.model.column_shards}, model.row_shards={cfg.model.row_shards}")
     ebc = model.model.sparse_arch.embedding_bag_collection
-    optimizer = EmbeddingOptimizerConfig(**cfg.model.embedding_optimizer)
+    optimizers = embedding_optimizers(cfg, ebc.embedding_bag_configs())
     if variant == "torchrec":
-        optimizer_class, kwargs = torchrec_in_backward_optimizer(optimizer)
-        apply_optimizer_in_backward(optimizer_class, ebc.parameters(), kwargs)
+        for table, optimizer in optimizers.items():
+            optimizer_class, kwargs = torchrec_in_backward_optimizer(optimizer)
+            apply_optimizer_in_backward(optimizer_class, [ebc.embedding_bags[table].weight], kwargs)
         sharder = EmbeddingBagCollectionSharder()
     else:
-        sharder = FusedEmbeddingBagCollectionSharder(optimizer, comm=variant)
+        sharder = FusedEmbeddingBagCollectionSharder(optimizers, comm=variant)
     shards = plan_sharding(ebc.embedding_bag_configs(), env.world_size).shards  # table-wise: one per table
     module_plan = construct_module_sharding_plan(
         ebc, {s.table: table_wise(rank=s.rank, compute_kernel="fused") for s in shards}, sharder=sharder,

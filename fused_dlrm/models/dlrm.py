@@ -16,7 +16,8 @@ from torchrec.models.dlrm import DLRM, InteractionArch, SparseArch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from fused_dlrm.kernels.pairwise_interaction import pairwise_interaction
-from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection, TableShardingPlan
+from fused_dlrm.sparse import ShardedEmbeddingBagCollection, TableShardingPlan
+from fused_dlrm.sparse.optimizer import TableOptimizers
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
 
 
@@ -76,7 +77,7 @@ class PairwiseInteractionArch(InteractionArch):
 
 
 def build_dlrm(tables: list[EmbeddingBagConfig], dense_in_features: int, dense_arch: Sequence[int],
-               over_arch: Sequence[int], embedding_optimizer: EmbeddingOptimizerConfig, device: torch.device,
+               over_arch: Sequence[int], embedding_optimizer: TableOptimizers, device: torch.device,
                seed: int = 0, comm: FusedCommConfig | None = None, plan: TableShardingPlan | None = None) -> DLRM:
     """The DLRM of torchrec with sharded tables (plan: None for table-wise); `arch_nodes.dense_arch_nodes` makes its
     dense arches data-parallel."""

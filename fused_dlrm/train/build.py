@@ -49,13 +49,31 @@ def config_tables(cfg: DictConfig) -> list[EmbeddingBagConfig]:
     return make_tables(feature_names(cfg.data), rows, m.embedding_dim, m.pooling, m.data_type)
 
 
+def embedding_optimizers(cfg: DictConfig, tables: list[EmbeddingBagConfig]) -> dict[str, EmbeddingOptimizerConfig]:
+    """Each table's optimizer from model.embedding_optimizer: its name, lr and eps each one value for every table or,
+    as model.num_rows, a list with one per sparse feature (rowwise_adagrad for some tables, sgd for others)."""
+    settings = OmegaConf.to_container(cfg.model.embedding_optimizer, resolve=True)
+    for key, value in settings.items():
+        if isinstance(value, list) and len(value) != len(tables):
+            raise ValueError(f"model.embedding_optimizer.{key}: {len(value)} values for {len(tables)} tables (one per "
+                             f"sparse feature, or one for every table)")
+    configs = {}
+    for i, table in enumerate(tables):
+        mine = {key: value[i] if isinstance(value, list) else value for key, value in settings.items()}
+        try:
+            configs[table.name] = EmbeddingOptimizerConfig(**mine)
+        except ValueError as error:  # an unknown name, a non-positive lr
+            raise ValueError(f"model.embedding_optimizer of table {table.name} ({mine}): {error}") from None
+    return configs
+
+
 def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     m = cfg.model
     if m.dense_arch[-1] != m.embedding_dim:  # the interaction takes the bottom MLP's output as one more embedding
         raise ValueError(f"model.dense_arch={list(m.dense_arch)} must end in model.embedding_dim={m.embedding_dim}")
     tables = config_tables(cfg)
     model = build_dlrm(tables, cfg.data.num_dense, m.dense_arch, m.over_arch,
-                       EmbeddingOptimizerConfig(**m.embedding_optimizer), env.device, seed=cfg.seed,
+                       embedding_optimizers(cfg, tables), env.device, seed=cfg.seed,
                        comm=fused_comm(cfg.comm),
                        plan=plan_sharding(tables, env.world_size, m.column_shards, m.row_shards))
     graph_batch = None
