@@ -1,5 +1,6 @@
 """PeerErrors without a GPU: `record_timeout` keeps the first timeout (with its step) until the host reads the word,
-`record_mismatch` both calls' signatures for the message, and `CopySchedule` decides when the GPU path copies the word to the host (every `check_every` calls, never while
+`record_mismatch` both calls' signatures for the message, `record_refused` the refused rank's words, and
+`CopySchedule` decides when the GPU path copies the word to the host (every `check_every` calls, never while
 a copy is in flight)."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.kernels.peer_flags import (SIGNATURE_WORDS, CopySchedule, PeerCallMismatch, PeerErrors,
-                                           PeerWaitTimeout, record_mismatch, record_timeout)
+                                           PeerRefusedInput, PeerWaitTimeout, record_mismatch, record_refused,
+                                           record_timeout)
 
 
 @triton.jit
@@ -60,6 +62,32 @@ def test_a_mismatch_keeps_both_signatures_for_the_message():
     _record_kernel[(1,)](errors.word, 1, 5)  # the word serves timeouts again
     with pytest.raises(PeerWaitTimeout, match="at step 5 waiting for rank 0"):
         errors.after_wait()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
+def test_a_refusal_names_this_rank_if_refused_else_the_first_refused_rank():
+    # every rank's refusal words, as rows of a wider tensor (the MoE layer's: after each rank's counts)
+    gathered = torch.tensor([[5, 5, 0, 0, 0], [6, 6, 1, 21, 20], [7, 7, 0, 0, 0], [8, 8, 2, -3, 256]])
+    words = gathered[:, 2:]
+    for rank, refused, value in ((0, 1, 21), (1, 1, 21), (3, 3, -3)):
+        errors = PeerErrors(torch.device("cpu"), rank=rank, what="op",
+                            describe_refused=lambda peer, w: f"rank {peer} sent {w[:3]}, {w[3]}")
+        record_refused(words, errors.word, rank, 9)
+        with pytest.raises(PeerRefusedInput, match=rf"^op at step 9: rank {refused} sent \[\d, {value}, \d+\], 0$"):
+            errors.after_wait()
+    errors = PeerErrors(torch.device("cpu"), rank=2, what="op")
+    record_refused(words[[0, 2]], errors.word, 1, 3)  # nothing refused: nothing recorded
+    assert not errors.word.any()
+    _record_kernel[(1,)](errors.word, 1, 4)
+    record_refused(words, errors.word, 2, 5)  # the first error is the cause: the refusal is not recorded
+    with pytest.raises(PeerWaitTimeout, match="at step 4 waiting for rank 0"):
+        errors.after_wait()
+    record_refused(words, errors.word, 2, 6)
+    with pytest.raises(PeerRefusedInput, match=r"^op at step 6: rank 2: rank 1's input was refused \(words "
+                                               r"\[1, 21, 20, 0"):
+        errors.after_wait()
+    with pytest.raises(ValueError, match="refusal words must be int64"):
+        record_refused(gathered.T[:, 2:], errors.word, 2, 7)
 
 
 def test_copy_schedule_copies_every_n_calls_when_none_is_in_flight():

@@ -16,6 +16,10 @@ calls of other shapes use other buffers and flags altogether, as a flag of its o
 releases the rest; `same_published_call` waits for it). A consumer compares a peer's signature with its own once
 per call (`same_call`, `same_calls`); one unlike its own records error 3 with both signatures (`record_mismatch`),
 which `PeerErrors` names in words (the op's `describe_calls`, built with `describe_signatures`).
+
+Refused inputs: where every rank holds every rank's refusal words (exchanged with its data: MoE's counts) but no
+host reads them, `record_refused` records the first refused rank (code 5) on every rank alike, and `PeerErrors`
+raises it in the op's words (`describe_refused`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.env import CallMismatch
-from fused_dlrm.kernels.launch import Arguments, CompiledLaunches
+from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
 from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, set_flag
 
 # Polls of a flag before a wait gives up: about 54 s at the 217 ns per poll measured on H100 (2026-11-27,
@@ -43,6 +47,8 @@ ERROR_WORDS = 8 + 2 * 2 * SIGNATURE_WORDS.value
 MISMATCH = 3  # the error code of a peer's call that differs from this rank's
 NOT_STARTED = 4  # the error code of a peer whose published signature never came (it never started the call)
 _NOT_STARTED = tl.constexpr(NOT_STARTED)  # the kernels'
+REFUSED = 5  # the error code of a rank whose input was refused (`record_refused`), its words where signatures go
+_REFUSED = tl.constexpr(REFUSED)
 
 
 @triton.jit
@@ -84,7 +90,8 @@ def record_timeout(error_ptr, code, peer, slot, epoch):
     """Record a timed-out wait into the error word [code, peer, slot, epoch, claim, unused x 3] unless one is
     recorded already (`_claim_error`). Codes: 1: `peer` never raised its flag for `slot`; 2: `peer` never released
     its buffer (slot -1); 3 is `record_mismatch`'s; 4: `peer` never published its call's signature (slot -1,
-    `same_published_call`). `epoch`: the step of the failing call, which the host's message names."""
+    `same_published_call`); 5 is `record_refused`'s. `epoch`: the step of the failing call, which the host's
+    message names."""
     if _claim_error(error_ptr, peer, slot, epoch):
         tl.atomic_xchg(error_ptr, code)
 
@@ -99,6 +106,39 @@ def record_mismatch(error_ptr, peer, slot, epoch, mine, theirs):
         tl.store(signatures, mine)
         tl.store(signatures + SIGNATURE_WORDS, theirs)
         tl.atomic_xchg(error_ptr, 3)
+
+
+@triton.jit(do_not_specialize=["stride", "rank", "epoch"])  # one compiled binary serves every step
+def _record_refused_kernel(words_ptr, stride, error_ptr, rank, epoch, WORLD: tl.constexpr, W_P2: tl.constexpr,
+                           N: tl.constexpr, N_P2: tl.constexpr):
+    """One program: `record_refused`."""
+    s = tl.arange(0, W_P2)
+    codes = tl.load(words_ptr + s * stride, mask=s < WORLD, other=0)
+    first = tl.min(tl.where(codes != 0, s, WORLD), axis=0)
+    refused = tl.where(tl.load(words_ptr + rank * stride) != 0, rank, first)
+    if refused < WORLD:
+        if _claim_error(error_ptr, refused, -1, epoch):
+            w = tl.arange(0, N_P2)
+            words = tl.load(words_ptr + refused * stride + w, mask=w < N, other=0)
+            tl.store((error_ptr + 8).to(tl.pointer_type(tl.int64)) + w, words, mask=w < N)
+            tl.atomic_xchg(error_ptr, _REFUSED)
+
+
+_RECORD_REFUSED_LAUNCHES = CompiledLaunches(_record_refused_kernel)
+
+
+def record_refused(words: torch.Tensor, error: torch.Tensor, rank: int, epoch: int) -> None:
+    """Enqueue: record (code 5, slot -1) the rank whose input was refused, if any, into `error` unless an error is
+    recorded already. words: int64 [world, n] (n <= SIGNATURE_WORDS; rows may be strided), every rank's refusal
+    words, word 0 a code (0: not refused), the same on every rank: every rank records the same rank (this one if
+    it was refused, else the first) and its words, and its PeerErrors raises it (`describe_refused`)."""
+    world, n = words.shape
+    if n > SIGNATURE_WORDS.value or words.dtype != torch.int64 or words.stride(1) != 1:
+        raise ValueError(f"refusal words must be int64 [world, <= {SIGNATURE_WORDS.value}] with rows of contiguous "
+                         f"words, got {tuple(words.shape)} {words.dtype} strides {words.stride()}")
+    shape = (world, triton.next_power_of_2(world), n, triton.next_power_of_2(n))
+    _RECORD_REFUSED_LAUNCHES((words.device, *shape, aligned(words), aligned(error)), (1, 1, 1),
+                             (words, words.stride(0), error, rank, epoch, *shape), dict(num_warps=1))
 
 
 @triton.jit
@@ -283,6 +323,10 @@ class PeerCallMismatch(CallMismatch):
     peer (a CallMismatch, a ValueError, as the bulk collectives' check on gloo raises)."""
 
 
+class PeerRefusedInput(ValueError):
+    """A rank's input was refused (`record_refused`): bad input, raised on every rank."""
+
+
 def wait_ready(ready: torch.Tensor, acks: torch.Tensor, error: torch.Tensor, rank: int, world_size: int,
                epoch: int, slots_per_rank: int, spin_limit: int, nvshmem: bool = False) -> None:
     """Enqueue the wait for every producer's `slots_per_rank` flags of `epoch` (non-blocking on GPUs).
@@ -352,13 +396,16 @@ class PeerErrors:
     """
 
     def __init__(self, device: torch.device, rank: int, what: str, check_every: int = 16,
-                 describe_calls: Callable[[list[int], list[int]], tuple[str, str]] | None = None):
+                 describe_calls: Callable[[list[int], list[int]], tuple[str, str]] | None = None,
+                 describe_refused: Callable[[int, list[int]], str] | None = None):
         # [code, peer, slot, epoch, claim] (record_timeout), padded to 32 bytes: one aligned sector; then room for
         # two signatures (record_mismatch)
         self.word = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
         self.rank, self.what = rank, what
         # (this rank's signature, the peer's) -> both in words: the op's reading of a mismatch's signatures
         self.describe_calls = describe_calls
+        # (refused rank, its refusal words) -> the op's message (record_refused)
+        self.describe_refused = describe_refused
         self.schedule = CopySchedule(check_every)
         self._host = torch.zeros(ERROR_WORDS, dtype=torch.int32, pin_memory=True) if device.type == "cuda" else None
         self._event = torch.cuda.Event() if device.type == "cuda" else None
@@ -401,6 +448,10 @@ class PeerErrors:
             raise PeerCallMismatch(f"{self.what}: rank {self.rank} at step {epoch}: peer {peer} called it with "
                                    f"{theirs}; this rank with {mine} (every rank must make the same calls in the "
                                    f"same order)")
+        if code == REFUSED:
+            text = (self.describe_refused(peer, mine) if self.describe_refused else
+                    f"rank {self.rank}: rank {peer}'s input was refused (words {mine})")
+            raise PeerRefusedInput(f"{self.what} at step {epoch}: {text}")
         if code == NOT_STARTED:
             raise PeerWaitTimeout(f"{self.what}: rank {self.rank} timed out at step {epoch} waiting for rank {peer} "
                                   f"to start the call (its call's signature never came)")
