@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from fused_dlrm.bench.timing import HEAD_START_CYCLES, per_call_us, time_ms
-from moe.expert_layout import gather_counts
-from moe.layer import FusedMoEConfig, MoELayer, _Alongside, _BulkRows
+from moe.expert_layout import gather_counts_and_words
+from moe.layer import REFUSAL_WORDS, FusedMoEConfig, MoELayer, _Alongside, _BulkRows
 from moe.permute import permutation, permute, unpermute
 
 
@@ -85,7 +85,9 @@ def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[
         rows, perm = permute(x, routing.expert_ids, layer.num_experts, kept, routing.block_counts)
     else:  # the fused dispatch sends each row's routing weight
         perm = permutation(routing.expert_ids, layer.num_experts, kept, routing.weights, routing.block_counts)
-    counts = gather_counts(perm.tokens_per_expert)
+    # the layer's all-gather: the counts, then every rank's refusal words (none here)
+    gathered = gather_counts_and_words(perm.tokens_per_expert, perm.tokens_per_expert.new_zeros(REFUSAL_WORDS))
+    counts = gathered[:, :layer.num_experts].contiguous()
     e = layer.experts
     if layer.comm == "bulk":
         send, recv = counts[rank].view(world, -1), counts[:, rank * local:(rank + 1) * local]
@@ -97,7 +99,7 @@ def phases(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None) -> dict[
                 "combine": lambda: unpermute(exchange.to_sources(expert_out), perm, routing.weights)}
 
     def dispatch_and_gemm1():  # the layer's, as a forward without a backward runs it
-        return layer._fused_dispatch(x, counts, perm, e.w13, keep_a13=False, overlap=_Alongside(None))[1]
+        return layer._fused_dispatch(x, counts, gathered, perm, e.w13, keep_a13=False, overlap=_Alongside(None))[1]
 
     out = dispatch_and_gemm1()
     return {"dispatch": dispatch_and_gemm1,

@@ -592,13 +592,11 @@ def gather_counts(tokens_per_expert: torch.Tensor, group: dist.ProcessGroup | No
     return _all_gather_rows(tokens_per_expert, group)
 
 
-def gather_counts_and_tokens(tokens_per_expert: torch.Tensor, num_tokens: int,
-                             group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, list[int]]:
-    """`gather_counts`, with every rank's token count riding in the same all-gather (one word more per rank) ->
-    (C, the token counts on the host). Reading them waits for the all-gather: nothing on gloo, whose collectives
-    return done; a host sync on NCCL."""
-    both = _all_gather_rows(torch.cat([tokens_per_expert, tokens_per_expert.new_tensor([num_tokens])]), group)
-    return both[:, :-1].contiguous(), both[:, -1].tolist()
+def gather_counts_and_words(tokens_per_expert: torch.Tensor, words: torch.Tensor,
+                            group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """`gather_counts`, with this rank's `words` (int64 [n], on the counts' device) riding in the same all-gather ->
+    [world, num_experts + n]: C, then every rank's words (moe.layer: its refusal words)."""
+    return _all_gather_rows(torch.cat([tokens_per_expert, words]), group)
 
 
 def _all_gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -16,6 +16,16 @@ the host never reads the counts in the forward (the backward's layout reads them
 without it the capacity is that of earlier calls, and the host reads the counts once the first GEMM is queued,
 to dispatch again should the rows have outgrown it (`_fused_dispatch`). On GPUs the dispatch's launches are
 replayed as a CUDA graph once a call repeats (`_dispatch_at_capacity`). Backward: see _FusedExperts.
+
+Refused inputs (a rank with more tokens than max_tokens_per_rank; the caller's `refused`, such as the Transformer's
+token ids outside its vocabulary) raise on every rank: a rank raising alone would leave its peers waiting in the
+next exchange. Each rank's refusal words ([code, value, limit], code 0: none) ride in the counts' exchange that
+every call makes anyway (the bulk all-to-all, the fused all-gather: 3 words more per rank), and every rank raises
+where the host reads the counts: bulk and fused without max_tokens_per_rank in the forward; with it, on gloo
+(whose collectives return done) at once, else in the backward (which reads them anyway), and under no_grad, where
+nothing reads them, from the dispatch's error word (`FusedDispatch.record_refused`: at a later call or
+`dispatch.errors.check(block=True)`, as a peer's timeout). Until then a rank over max_tokens_per_rank sends none of
+its tokens (no buffer is overrun) and its output is NaN.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -38,8 +49,8 @@ from fused_dlrm.dist.symmetric import _Workspace, cuda_workspace
 from fused_dlrm.kernels.graphed_calls import GraphedCalls, Lease
 from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT
 from fused_dlrm.train.compute_copies import compute_copy, compute_weight, refresh_compute_copy
-from moe.expert_layout import (DispatchTables, ExpertLayout, build_expert_layout, dispatch_tables, gather_counts,
-                               gather_counts_and_tokens, send_slots)
+from moe.expert_layout import (DispatchTables, ExpertLayout, build_expert_layout, dispatch_tables,
+                               gather_counts_and_words, send_slots)
 from moe.experts import SwiGLUExperts
 from moe.kernels.fused_combine import FusedCombine, OwnerRows
 from moe.kernels.fused_dispatch import FusedDispatch, gemm_config
@@ -49,6 +60,34 @@ from moe.routing import TopKRouter
 log = logging.getLogger(__name__)
 
 DISPATCH_PUSH_PROGRAMS = 64  # the push runs beside the first GEMM on the SMs that GEMM leaves free
+
+# A rank's refusal words: [code, value, limit] int64 (code 0: nothing refused), exchanged with the routing counts.
+REFUSAL_WORDS = 3
+TOO_MANY_TOKENS = 1  # value: the rank's tokens, limit: max_tokens_per_rank
+TOKEN_OUT_OF_VOCABULARY = 2  # value: a token id of the rank's batch, limit: the vocabulary size
+
+
+def refused_message(rank: int, refused: int, words: list[int]) -> str:
+    """What `rank` says of rank `refused`'s refused input (its refusal words)."""
+    code, value, limit = words[:REFUSAL_WORDS]
+    whose = "" if refused == rank else f"rank {refused} has "
+    if code == TOO_MANY_TOKENS:
+        what = (f"{value} tokens, more than max_tokens_per_rank={limit} (FusedMoEConfig), which sizes the fused "
+                f"exchange's buffers")
+    elif code == TOKEN_OUT_OF_VOCABULARY:
+        what = f"token id {value} in its batch, outside the vocabulary [0, {limit})"
+    else:
+        what = f"an input refused with code {code} (value {value}, limit {limit})"
+    return f"rank {rank}: {whose}{what}"
+
+
+def raise_refused(words: list[list[int]], rank: int) -> None:
+    """Raise ValueError if a rank's input was refused (words: every rank's refusal words, on the host, the same on
+    every rank), naming this rank's refusal if it has one, else the first refused rank's."""
+    refused = [r for r, w in enumerate(words) if w[0]]
+    if refused:
+        r = rank if rank in refused else refused[0]
+        raise ValueError(refused_message(rank, r, words[r]))
 
 
 @dataclass(frozen=True)
@@ -105,7 +144,8 @@ class MoELayer(nn.Module):
         self.experts = SwiGLUExperts(self.num_local_experts, d_model, ffn, self.rank * self.num_local_experts,
                                      seed, dtype, device)
         self.dispatch = self.combine = self._dispatch_graphs = self.max_tokens = None
-        self._tokens_gathered = False
+        self._refuse_alone = self.world == 1  # a refused call raises at once: no peer waits for this rank
+        self._refusals_read_at_once = False  # comm="fused" with max_tokens_per_rank: the gathered words read at once
         if comm == "fused":
             if workspace is None:
                 on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
@@ -126,7 +166,7 @@ class MoELayer(nn.Module):
             by_token = fused.max_tokens_per_rank if fused.dispatch != "rows" else None
             self.dispatch = FusedDispatch(workspace, d_model, ffn, self.num_local_experts,
                                           fused.num_programs or DISPATCH_PUSH_PROGRAMS, spins, max_tokens=by_token,
-                                          top_k=top_k)
+                                          top_k=top_k, describe_refused=partial(refused_message, self.rank))
             self.combine = FusedCombine(workspace, d_model, self.num_local_experts,
                                         fused.num_programs or _combine_programs(workspace.device), spins,
                                         max_tokens=by_token if fused.combine == "auto" else None, top_k=top_k)
@@ -139,15 +179,14 @@ class MoELayer(nn.Module):
                 most_sent = self.max_tokens * top_k
                 self.combine.reserve(most_sent, triton.cdiv(most_sent, self.combine.blocks.block_m)
                                      + min(num_experts, most_sent))
-            # A call with more tokens on some rank must stop every rank: one stopping alone leaves its peers waiting
-            # in the next collective. Where collectives return done (gloo), the token counts ride in the counts'
-            # all-gather and every rank checks them there (`_check_tokens`). On NCCL reading them would be the host
-            # sync that max_tokens_per_rank exists to remove: there the rank over the limit still stops alone.
-            self._tokens_gathered = (self.max_tokens is not None and self.world > 1
-                                     and dist.get_backend(group) == "gloo")
+            # The forward reads no counts on the host (see the module docstring on refused inputs), except where
+            # collectives return done (gloo): there the refusal words are read right after the all-gather.
+            self._refusals_read_at_once = (self.max_tokens is not None and self.world > 1
+                                           and dist.get_backend(group) == "gloo")
 
     def forward(self, x: torch.Tensor, logit_bias: torch.Tensor | None = None,
-                alongside: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, MoEStatistics]:
+                alongside: Callable[[], torch.Tensor] | None = None,
+                refused: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStatistics]:
         """x: [tokens, d_model] (this rank's tokens, possibly none) -> (y [tokens, d_model], aux).
 
         aux (MoEStatistics): load_balancing_loss and z_loss (scalars over this rank's tokens, unscaled: the caller
@@ -162,8 +201,13 @@ class MoELayer(nn.Module):
         are on their way to the host and before the host waits for them, so that the GPU runs it while the host
         syncs (Megatron overlaps its shared expert with the dispatch alike); its result [tokens, d_model] is added to
         the routed output: y = routed + alongside().
+        `refused`: the refusal words ([code, value, limit] int64 on x's device, code 0: none) of a problem the caller
+        found in this rank's inputs without reading them on the host (the Transformer's token ids): raised on every
+        rank as this layer's own refusals are (see the module docstring).
         """
-        self._check_inputs(x, logit_bias)
+        self._check_inputs(x, logit_bias, refused)
+        tokens = x.shape[0]
+        words, x = self._refusal(x, refused)
         overlap = _Alongside(alongside)
         routing = self.router(x, logit_bias)  # under autocast: bf16 logits, routed in fp32 (moe.routing.route)
         if torch.is_autocast_enabled(x.device.type):  # mixed precision: the rows and the experts in its dtype
@@ -172,23 +216,28 @@ class MoELayer(nn.Module):
         # Rows are grouped by global expert, hence by destination rank.
         if self.comm == "fused":
             perm = permutation(routing.expert_ids, self.num_experts, kept, routing.weights, routing.block_counts)
-            if self._tokens_gathered:
-                counts, tokens = gather_counts_and_tokens(perm.tokens_per_expert, x.shape[0], self.group)
-                self._check_tokens(dict(enumerate(tokens)))
-            else:
-                counts = gather_counts(perm.tokens_per_expert, self.group)  # [source, global expert]
-            y = _FusedExperts.apply(x, routing.weights, self.experts.w13, self.experts.w2, self, counts, perm,
-                                    torch.is_grad_enabled(), overlap)
+            gathered = gather_counts_and_words(perm.tokens_per_expert, words, self.group)  # [source, expert + word]
+            if self._refusals_read_at_once:
+                raise_refused(gathered[:, self.num_experts:].tolist(), self.rank)
+            counts = gathered[:, :self.num_experts].contiguous()
+            y = _FusedExperts.apply(x, routing.weights, self.experts.w13, self.experts.w2, self, counts, gathered,
+                                    perm, torch.is_grad_enabled(), overlap)
             recv_counts = counts[:, self.rank * self.num_local_experts:(self.rank + 1) * self.num_local_experts]
         else:
             rows, perm = permute(x, routing.expert_ids, self.num_experts, kept, routing.block_counts)
             send_counts = perm.tokens_per_expert.view(self.world, self.num_local_experts)
-            recv_counts = exchange_counts(send_counts, self.group)
-            on_host = PendingHostCopy(torch.stack([send_counts, recv_counts]))  # every size of the exchange
+            sent = torch.cat([send_counts, words.expand(self.world, -1)], dim=1)  # every peer gets the words
+            received = exchange_counts(sent, self.group)
+            on_host = PendingHostCopy(torch.stack([sent, received]))  # every size of the exchange
             overlap()
-            exchange = _BulkRows(recv_counts, on_host.get(), self.group)  # the host sync
+            host = on_host.get()  # the host sync
+            raise_refused(host[1, :, self.num_local_experts:].tolist(), self.rank)
+            recv_counts = received[:, :self.num_local_experts]
+            exchange = _BulkRows(recv_counts, host[:, :, :self.num_local_experts], self.group)
             expert_out = self.experts(exchange.to_owners(rows), exchange.tokens_per_local_expert)
             y = unpermute(exchange.to_sources(expert_out), perm, routing.weights)
+        if y.shape[0] != tokens:  # this rank's call was refused, its tokens not sent (`_refusal`)
+            y = torch.cat([y, y.new_full((tokens, y.shape[1]), float("nan"))])
         y = overlap.added_to(y)
         kept = routing.kept
         aux = MoEStatistics({"load_balancing_loss": routing.aux_loss, "z_loss": routing.z_loss,
@@ -197,8 +246,9 @@ class MoELayer(nn.Module):
                                      "tokens_per_local_expert": lambda: recv_counts.sum(dim=0)})
         return y, aux
 
-    def _fused_dispatch(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation, w13_param: torch.Tensor,
-                        keep_a13: bool, overlap: _Alongside) -> tuple[_HostLayout, _Dispatched]:
+    def _fused_dispatch(self, x: torch.Tensor, counts: torch.Tensor, gathered: torch.Tensor, perm: Permutation,
+                        w13_param: torch.Tensor, keep_a13: bool, overlap: _Alongside
+                        ) -> tuple[_HostLayout, _Dispatched]:
         """The fused dispatch and GEMM 1 -> (the call's layout, built when first asked for; what the dispatch made,
         at the receive capacity), with the combine's buffers reserved.
 
@@ -208,12 +258,16 @@ class MoELayer(nn.Module):
         GEMM runs; when this call's rows did not fit (every rank sees it in the same counts) the dispatch runs
         again in buffers reserved for them. The first call has no capacity yet: it reads its counts first.
         `overlap` is queued behind GEMM 1, before the host waits for the counts. The dispatch by token sends each
-        row's routing weight (perm.row_weights: `permutation` was given the weights) with its token id."""
+        row's routing weight (perm.row_weights: `permutation` was given the weights) with its token id.
+        `gathered`: the all-gathered counts, then every rank's refusal words; the layout raises a refusal where the
+        host reads them, and a call that no backward reads them for records it in the dispatch's error word."""
         # enqueued before the dispatch: reading it waits for the counts only
-        layout = _HostLayout(self, counts, PendingHostCopy(counts), self._tile_rows(x))
+        layout = _HostLayout(self, counts, PendingHostCopy(gathered), self._tile_rows(x))
         if not self.dispatch.capacity:
             self.dispatch.reserve(layout.get().max_recv_rows, layout.get().total_rows)
-        out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13)
+        unread = self.max_tokens is not None and not keep_a13 and not self._refusals_read_at_once
+        out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13,
+                                         gathered[:, self.num_experts:] if unread else None)
         overlap()
         if self.max_tokens is not None:
             return layout, out
@@ -232,8 +286,10 @@ class MoELayer(nn.Module):
         return layout, out
 
     def _dispatch_at_capacity(self, x: torch.Tensor, counts: torch.Tensor, perm: Permutation,
-                              w13_param: torch.Tensor, keep_a13: bool) -> _Dispatched:
-        """Push + GEMM 1 over DispatchTables of the current capacity (capacity rows).
+                              w13_param: torch.Tensor, keep_a13: bool, refusals: torch.Tensor | None = None
+                              ) -> _Dispatched:
+        """Push + GEMM 1 over DispatchTables of the current capacity (capacity rows); `refusals` (every rank's
+        refusal words), if given, recorded behind them in the dispatch's error word (FusedDispatch.record_refused).
 
         Their launches, and the tables' and the weights' cast before them, are kernels only, which read the epoch
         and x's address from the device (FusedDispatch.begin stores them): on GPUs they are replayed as a CUDA graph
@@ -271,6 +327,8 @@ class MoELayer(nn.Module):
                    dispatch.capacity, w13_param.data_ptr(), w13_param.dtype,
                    None if copy is None else copy.data_ptr(), dispatch.buffer_addresses(x.dtype))
             (tables, h, a13, w13, rows), lease = self._dispatch_graphs(key, launch, inputs, hold=keep_a13)
+        if refusals is not None:  # behind the acknowledgement: this epoch's exchange completes as ever
+            dispatch.record_refused(refusals, epoch)
         received = dispatch.end(epoch)  # by token None: `rows`, which GEMM 1 stored
         return _Dispatched(tables, rows if dispatch.by_token else received, h, a13, w13, lease, epoch)
 
@@ -295,24 +353,26 @@ class MoELayer(nn.Module):
         """Row tiles of the combine's GEMM and of the owner's (the dispatch's backward GEMM numbers its flags)."""
         return self.combine.blocks.block_m, gemm_config(x.device, x.dtype, backward=True).block_m
 
-    def _check_inputs(self, x: torch.Tensor, logit_bias: torch.Tensor | None) -> None:
+    def _check_inputs(self, x: torch.Tensor, logit_bias: torch.Tensor | None, refused: torch.Tensor | None) -> None:
         if x.dim() != 2 or x.shape[1] != self.d_model or not x.is_floating_point():
             raise ValueError(f"MoELayer takes x as floating-point [tokens, d_model={self.d_model}], got "
                              f"{list(x.shape)} {x.dtype}")
-        if self.comm == "fused" and self.max_tokens is not None and not self._tokens_gathered:
-            self._check_tokens({self.rank: x.shape[0]})
         if logit_bias is not None and logit_bias.shape != (self.num_experts,):
             raise ValueError(f"logit_bias must be [num_experts={self.num_experts}], got {list(logit_bias.shape)}")
+        if refused is not None and (refused.shape != (REFUSAL_WORDS,) or refused.dtype != torch.int64
+                                    or refused.device != x.device):
+            raise ValueError(f"refused must be int64 [{REFUSAL_WORDS}] on {x.device}, got {list(refused.shape)} "
+                             f"{refused.dtype} on {refused.device}")
 
-    def _check_tokens(self, tokens: dict[int, int]) -> None:
-        """Refuse a call in which a rank of `tokens` ({rank: its tokens}) has more than max_tokens_per_rank, naming
-        this rank's count if it is one of them, else the first such rank."""
-        over = [r for r, n in tokens.items() if n > self.max_tokens]
-        if over:
-            r = self.rank if self.rank in over else over[0]
-            whose = "" if r == self.rank else f"rank {r} has "
-            raise ValueError(f"rank {self.rank}: {whose}{tokens[r]} tokens, more than max_tokens_per_rank="
-                             f"{self.max_tokens} (FusedMoEConfig), which sizes the fused exchange's buffers")
+    def _refusal(self, x: torch.Tensor, refused: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this rank's refusal words, the tokens it routes). More tokens than max_tokens_per_rank: raised at
+        once where no peer waits, else none of them routed (no buffer can hold them) until every rank raises."""
+        if self.max_tokens is not None and x.shape[0] > self.max_tokens:
+            words = [TOO_MANY_TOKENS, x.shape[0], self.max_tokens]
+            if self._refuse_alone:
+                raise ValueError(refused_message(self.rank, self.rank, words))
+            return torch.tensor(words, device=x.device), x[:0]
+        return torch.zeros(REFUSAL_WORDS, dtype=torch.int64, device=x.device) if refused is None else refused, x
 
 
 class MoEStatistics(Mapping):
@@ -339,7 +399,8 @@ class MoEStatistics(Mapping):
 
 class _HostLayout:
     """A call's ExpertLayout, built from the counts' copy to the host when first asked for: in the forward without
-    max_tokens_per_rank (the host sync), else in the backward, long after the copy ended (none under no_grad)."""
+    max_tokens_per_rank (the host sync), else in the backward, long after the copy ended (none under no_grad).
+    The copy holds every rank's refusal words after the counts: a refused call raises here, on every rank."""
 
     def __init__(self, layer: MoELayer, counts: torch.Tensor, on_host: PendingHostCopy, tile_rows: tuple[int, int]):
         self.layer, self.counts, self.on_host, self.tile_rows = layer, counts, on_host, tile_rows
@@ -348,9 +409,10 @@ class _HostLayout:
     def get(self, dispatched: DispatchTables | None = None) -> ExpertLayout:
         """`dispatched`: the call's tables, whose per-row tables the layout reuses when they hold every row."""
         if self._layout is None:
-            layer = self.layer
+            layer, host = self.layer, self.on_host.get()
+            raise_refused(host[:, layer.num_experts:].tolist(), layer.rank)
             self._layout = build_expert_layout(self.counts, layer.rank, layer.num_local_experts, *self.tile_rows,
-                                               dispatched=dispatched, host_counts=self.on_host.get())
+                                               dispatched=dispatched, host_counts=host[:, :layer.num_experts])
         return self._layout
 
 
@@ -440,14 +502,14 @@ class _FusedExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weights, w13_param, w2_param, layer: MoELayer, counts: torch.Tensor, perm: Permutation,
-                grad_enabled: bool, overlap: _Alongside):
+    def forward(ctx, x, weights, w13_param, w2_param, layer: MoELayer, counts: torch.Tensor, gathered: torch.Tensor,
+                perm: Permutation, grad_enabled: bool, overlap: _Alongside):
         # Inside forward grad mode is always off, and needs_input_grad ignores the caller's: under no_grad the
         # parameters still "need" a gradient, and the copies below would be made for a backward that never comes.
         needs_grad = [grad_enabled and needs for needs in ctx.needs_input_grad]
         training = any(needs_grad)
         w2 = compute_weight(w2_param, x.dtype)  # the parameter itself when of x's dtype (w13's is the dispatch's)
-        layout, out = layer._fused_dispatch(x, counts, perm, w13_param, training, overlap)
+        layout, out = layer._fused_dispatch(x, counts, gathered, perm, w13_param, training, overlap)
         # By row the routing weights' gradient reads each assignment's row (copied by the source, in assignment
         # order); by token the owners compute it from the rows they keep.
         rows = x.new_empty(weights.numel(), x.shape[1]) if needs_grad[1] and not layer.combine_by_token else None
@@ -495,7 +557,7 @@ class _FusedExperts(torch.autograd.Function):
             grad_weights = layer.combine.routing_weights_grad_by_token(epoch, perm).to(ctx.weights_dtype)
         if ctx.lease is not None:  # the dispatch's graph may rewrite h, a13, w13 and the tables again
             ctx.lease.release()
-        return grad_x, grad_weights, grad_w13, grad_w2, None, None, None, None, None
+        return grad_x, grad_weights, grad_w13, grad_w2, None, None, None, None, None, None
 
 
 def _combine_programs(device: torch.device) -> int:

@@ -6,7 +6,8 @@ tokens and output gradient. Outputs, input gradients, router and expert-weight g
 TOL relative to the largest element (bf16: both paths round products and sums to bf16 in different places;
 the fused combine sums in fp32); so must the fused output under no_grad (by token: the combine by token). Then
 1,000 consecutive fused steps with changing loads (checked against bulk every 100, an evaluation forward every 10),
-and a peer that never starts an exchange, forward or backward (a bounded wait that raises).
+a peer that never starts an exchange, forward or backward (a bounded wait that raises), and a rank's refused call
+(more tokens than max_tokens_per_rank, the caller's refusal words), raised on every rank.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fused_dlrm.dist.symmetric import cuda_workspace
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from moe.expert_layout import build_expert_layout, dispatch_tables, gather_counts, send_slots
 from moe.kernels.fused_combine import FusedCombine
-from moe.layer import FusedMoEConfig, MoELayer
+from moe.layer import TOKEN_OUT_OF_VOCABULARY, FusedMoEConfig, MoELayer
 from moe.permute import permutation
 from world import TWO_GPUS, TWO_RANK_BACKENDS, run_world
 
@@ -167,6 +168,33 @@ def peer_never_starts(rank, world, backward):
     dist.barrier()
 
 
+def refused_on_one_rank(rank, world, max_tokens, dispatch):
+    """Rank 1 passes one token more than max_tokens_per_rank, then rank 0 refusal words of its own (the
+    Transformer's token ids). Every rank raises, naming the refused rank: on NCCL, whose bounded forward reads no
+    counts, in the backward (which reads them) or under no_grad at errors.check(block=True) (the dispatch's error
+    word); on gloo at the counts' all-gather; without max_tokens_per_rank where the forward reads the counts. The
+    next step matches bulk: the exchanges stayed in step."""
+    gen = torch.Generator().manual_seed(rank)
+    fused, bulk = layers(max_tokens=max_tokens, dispatch=dispatch)
+    words = torch.tensor([TOKEN_OUT_OF_VOCABULARY, 300, 256] if rank == 0 else [0, 0, 0], device="cuda")
+    whose = "" if rank == 0 else "rank 0 has "
+    cases = [(64, words, whose + r"token id 300 in its batch, outside the vocabulary \[0, 256\)")]
+    if max_tokens is not None:
+        whose = "" if rank == 1 else "rank 1 has "
+        cases.append((max_tokens + rank, None,
+                      f"{whose}{max_tokens + 1} tokens, more than max_tokens_per_rank={max_tokens}"))
+    for tokens, refused, what in cases:
+        x = torch.randn(tokens, D_MODEL, generator=gen).to("cuda", torch.bfloat16)
+        with pytest.raises(ValueError, match=f"rank {rank}: {what}"):
+            y, _ = fused(x.clone().requires_grad_(), refused=refused)
+            y.float().sum().backward()
+        with pytest.raises(ValueError, match=f"rank {rank}: {what}"):
+            with torch.no_grad():
+                fused(x, refused=refused)
+            fused.dispatch.errors.check(block=True)
+        compare(fused, bulk, 512, None, gen, f"after {what}")
+
+
 BUFFERS = pytest.mark.parametrize("max_tokens,dispatch", [(None, "rows"), (512, "rows"), (512, "tokens")],
                                   ids=["grown", "bounded", "bounded, by token"])
 
@@ -192,3 +220,9 @@ def test_thousand_consecutive_steps(max_tokens, dispatch):
 @pytest.mark.parametrize("backward", [False, True])
 def test_peer_that_never_starts_raises(backward, backend):
     run_world(2, peer_never_starts, backward, backend=backend)
+
+
+@BACKENDS
+@BUFFERS
+def test_a_refused_rank_stops_every_rank(max_tokens, dispatch, backend):
+    run_world(2, refused_on_one_rank, max_tokens, dispatch, backend=backend, timeout=300)

@@ -15,12 +15,13 @@ from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels import graphed_calls
 from fused_dlrm.kernels.graphed_calls import GraphedCalls
+from fused_dlrm.kernels.peer_flags import PeerRefusedInput
 from graph_stand_in import stand_in_capture
 from world import run_world
 from fused_dlrm.train.adamw import AdamW
 from fused_dlrm.train.compute_copies import want_compute_copy
 from moe import MoELayer
-from moe.layer import FusedMoEConfig
+from moe.layer import TOKEN_OUT_OF_VOCABULARY, FusedMoEConfig
 
 D_MODEL, FFN, EXPERTS, TOP_K, SEED = 16, 24, 4, 2, 3
 NEVER = -30.0
@@ -134,20 +135,76 @@ def test_bounded_forward_never_reads_the_counts_on_the_host(monkeypatch):
                  fused=FusedMoEConfig(max_tokens_per_rank=4, dispatch="token"))
 
 
-def _one_rank_over_max_tokens(rank: int, world_size: int) -> None:
-    """Rank 1 gets one token more than max_tokens_per_rank: every rank raises, at the counts' all-gather."""
+def _one_rank_refused(rank: int, world_size: int) -> None:
+    """Rank 1 gets one token more than max_tokens_per_rank, then rank 0 passes refusal words of its own (the
+    Transformer's token ids): every rank raises, at the counts' all-gather, naming the refused rank."""
     workspace = SimulatedWorld(world_size).workspaces()[rank]  # never touched: every rank stops before the dispatch
     layer = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused", workspace=workspace,
                      fused=FusedMoEConfig(max_tokens_per_rank=8))
     whose = "9 tokens" if rank == 1 else "rank 1 has 9 tokens"
     with pytest.raises(ValueError, match=f"rank {rank}: {whose}, more than max_tokens_per_rank=8"):
         layer(torch.randn(8 + rank, D_MODEL))
+    refused = torch.tensor([TOKEN_OUT_OF_VOCABULARY, 300, 256] if rank == 0 else [0, 0, 0])
+    whose = "token id 300" if rank == 0 else "rank 0 has token id 300"
+    with pytest.raises(ValueError, match=rf"rank {rank}: {whose} in its batch, outside the vocabulary \[0, 256\)"):
+        layer(torch.randn(8, D_MODEL), refused=refused)
 
 
-def test_a_rank_over_max_tokens_per_rank_stops_every_rank():
+def test_a_refused_rank_stops_every_rank():
     """Refused on that rank alone, its peers would wait in the router's or the counts' collective until gloo's
-    timeout (here: the world's timeout fails the test); the token counts ride in the counts' all-gather instead."""
-    run_world(2, _one_rank_over_max_tokens, timeout=240)
+    timeout (here: the world's timeout fails the test); the refusal words ride in the counts' all-gather instead."""
+    run_world(2, _one_rank_refused, timeout=240)
+
+
+@interpreter
+@pytest.mark.parametrize("dispatch", ["rows", "tokens"])
+def test_refused_calls_raise_where_the_counts_are_read(dispatch):
+    """On NCCL the bounded forward reads no counts. A rank over max_tokens_per_rank (here the only rank, taken for
+    one with peers) then sends none of its tokens, its output NaN, and the refusal words all-gathered with the
+    counts raise on every rank in the backward, which reads them anyway, or under no_grad from the dispatch's
+    error word (on the CPU at the call's end; on GPUs at a later call or errors.check(block=True)); the caller's
+    refusal words (the Transformer's token ids) alike. Every call's exchange completes: the next call's results
+    are the bulk layer's."""
+    workspace = SimulatedWorld(1).workspaces()[0]
+    fused = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused", workspace=workspace,
+                     fused=FusedMoEConfig(max_tokens_per_rank=20, dispatch=dispatch))
+    fused._refuse_alone = False
+    bulk = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED)
+    gen = torch.Generator().manual_seed(17)
+    over = "rank 0: 21 tokens, more than max_tokens_per_rank=20"
+    vocabulary = r"rank 0: token id -4 in its batch, outside the vocabulary \[0, 256\)"
+    for tokens, refused, message in ((21, None, over), (11, [TOKEN_OUT_OF_VOCABULARY, -4, 256], vocabulary)):
+        refused = None if refused is None else torch.tensor(refused)
+        x = torch.randn(tokens, D_MODEL, generator=gen, requires_grad=True)
+        y, _ = fused(x, refused=refused)
+        assert y.shape == x.shape and y.isnan().all() == (refused is None)
+        with pytest.raises(ValueError, match=message):
+            y.sum().backward()
+        with torch.no_grad(), pytest.raises(PeerRefusedInput, match=rf"fused MoE dispatch at step \d+: {message}"):
+            fused(x, refused=refused)
+        x, grad = torch.randn(13, D_MODEL, generator=gen), torch.randn(13, D_MODEL, generator=gen)
+        for layer in (fused, bulk):
+            layer.zero_grad()
+        (y, gx, _), (want_y, want_gx, _) = run(fused, x, None, grad), run(bulk, x, None, grad)
+        torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5 * max(want_y.abs().max().item(), 1.0))
+        torch.testing.assert_close(gx, want_gx, rtol=1e-5, atol=1e-5)
+
+
+@interpreter
+@pytest.mark.parametrize("comm", ["bulk", "fused"])
+def test_the_callers_refusal_raises_where_the_forward_reads_the_counts(comm):
+    """Without max_tokens_per_rank the host reads the counts in the forward (bulk: their splits; fused: once GEMM 1
+    is queued): a refusal raises there, and the next call runs as ever."""
+    workspace = SimulatedWorld(1).workspaces()[0] if comm == "fused" else None
+    layer = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm=comm, workspace=workspace)
+    x = torch.randn(9, D_MODEL, generator=torch.Generator().manual_seed(2))
+    refused = torch.tensor([TOKEN_OUT_OF_VOCABULARY, 256, 256])
+    for _ in range(2):  # the first fused call reads its counts before the dispatch, the second after it
+        with pytest.raises(ValueError, match=r"rank 0: token id 256 in its batch, outside the vocabulary \[0, 256\)"):
+            layer(x, refused=refused)
+        assert layer(x)[0].isfinite().all()
+    with pytest.raises(ValueError, match=r"refused must be int64 \[3\] on cpu, got \[2\] torch.int64"):
+        layer(x, refused=refused[:2])
 
 
 @interpreter

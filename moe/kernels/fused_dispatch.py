@@ -60,6 +60,7 @@ buffer) only grows, with room to spare, the same on every rank (`reserve`: exper
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
@@ -68,7 +69,8 @@ import triton.language as tl
 from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels import TL_DTYPES, dot_precision
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned
-from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready, wait_at_least
+from fused_dlrm.kernels.peer_flags import (PeerErrors, consumer_released, record_refused, record_timeout, signal_ready,
+                                           wait_at_least)
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from fused_dlrm.kernels.tma import descriptor, require_tma_readable
 from moe.expert_layout import DispatchTables, ExpertLayout, receive_capacity
@@ -512,7 +514,8 @@ class FusedDispatch:
     """
 
     def __init__(self, workspace: _Workspace, d_model: int, ffn: int, num_local_experts: int, num_programs: int,
-                 spin_limit: int, block_m: int = 64, max_tokens: int | None = None, top_k: int = 1):
+                 spin_limit: int, block_m: int = 64, max_tokens: int | None = None, top_k: int = 1,
+                 describe_refused: Callable[[int, list[int]], str] | None = None):
         if block_m & (block_m - 1):
             raise ValueError(f"block_m={block_m} must be a power of two")
         if max_tokens is not None and (max_tokens < 1 or top_k < 1):
@@ -526,7 +529,7 @@ class FusedDispatch:
         self.ws, self.rank, self.world = workspace, workspace.rank, workspace.world_size
         self.d_model, self.ffn, self.num_local_experts = d_model, ffn, num_local_experts
         self.num_programs, self.spin_limit, self.chunk = num_programs, spin_limit, block_m
-        self.errors = PeerErrors(workspace.device, self.rank, "fused MoE dispatch")
+        self.errors = PeerErrors(workspace.device, self.rank, "fused MoE dispatch", describe_refused=describe_refused)
         self.capacity = 0  # receive rows per half of the double buffer; grows, the same on every rank
         self._dest_order = torch.tensor(remote_first_order(self.rank, self.world), dtype=torch.int32,
                                         device=workspace.device)
@@ -635,6 +638,12 @@ class FusedDispatch:
         rows = self._buffers(self._rows_dtype)[0]
         base = (epoch % 2) * self.capacity * self.d_model
         return rows.local[base:base + self.capacity * self.d_model].view(self.capacity, self.d_model)
+
+    def record_refused(self, words: torch.Tensor, epoch: int) -> None:
+        """Between an epoch's `launch` and `end`: every rank's refusal words (peer_flags.record_refused), which no
+        host reads, into the error word; every rank, given the same words, raises the same error (PeerRefusedInput,
+        `describe_refused`'s message) as it raises a timeout: at a later call, or errors.check(block=True)."""
+        record_refused(words, self.errors.word, self.rank, epoch)
 
     def rows_by_source(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """By token, after `end` of `epoch`: (token ids [world, max_rows] int32, routing weights [world, max_rows]
