@@ -44,7 +44,7 @@ from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, TPLine
 from fused_dlrm.train.compute_copies import want_compute_copy
 from moe.experts import SwiGLUExperts
 from moe.kernels.rotary import rotary_qkv
-from moe.layer import MoELayer
+from moe.layer import TOKEN_OUT_OF_VOCABULARY, MoELayer
 
 
 def derive_seed(*parts: object) -> int:
@@ -145,14 +145,15 @@ class Block(nn.Module):
         self.ffn = ffn
         self.shared_expert = shared
 
-    def forward(self, x: torch.Tensor, batch_shape: tuple[int, int]) -> tuple[torch.Tensor, dict | None]:
-        """x: this rank's rows [rows, d] of a batch of `batch_shape` (B, S)."""
+    def forward(self, x: torch.Tensor, batch_shape: tuple[int, int], refused: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict | None]:
+        """x: this rank's rows [rows, d] of a batch of `batch_shape` (B, S); refused: MoELayer's."""
         x = x + self.attn(self.attn_norm(x), batch_shape)
         h = self.ffn_norm(x)
         if isinstance(self.ffn, MoELayer):
             # The shared expert needs no routing: the layer runs it while its counts travel to the host.
             shared = None if self.shared_expert is None else lambda: self.shared_expert(h)
-            y, aux = self.ffn(h, alongside=shared)
+            y, aux = self.ffn(h, alongside=shared, refused=refused)
             return x + y, aux
         return x + self.ffn(h), None
 
@@ -174,6 +175,8 @@ class MoETransformer(nn.Module):
         super().__init__()
         if moe_every not in (1, 2):
             raise ValueError(f"moe_every must be 1 or 2, got {moe_every}")
+        if num_layers < moe_every:  # the first MoE layer's exchange carries a refused batch to every rank (forward)
+            raise ValueError(f"num_layers={num_layers} with moe_every={moe_every} makes no MoE layer")
         if (tp_group is not None and group is None and dist.is_initialized()
                 and dist.get_world_size() > dist.get_world_size(tp_group)):
             raise ValueError("with a TP group, pass the data-parallel group too (fused_dlrm.tp.tp_groups makes both): "
@@ -258,7 +261,9 @@ class MoETransformer(nn.Module):
         under sequence parallelism [this rank's rows, vocab] (`local_tokens`' rows).
 
         aux: load_balancing_loss and z_loss summed over the MoE layers (this rank's tokens, unscaled), and
-        tokens_per_expert: one [num_experts] tensor per MoE layer (this rank's kept assignments)."""
+        tokens_per_expert: one [num_experts] tensor per MoE layer (this rank's kept assignments).
+        A token id outside [0, vocab_size) on any rank raises ValueError on every rank, where the first MoE layer
+        reads its counts (`_in_vocabulary`; MoELayer's refused inputs)."""
         with torch.autocast(tokens.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None):
             logits, aux = self._forward(tokens)
         if not self.sequence_parallel:
@@ -267,17 +272,33 @@ class MoETransformer(nn.Module):
 
     def _forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
         batch_shape = tuple(tokens.shape)
-        x = self.embedding(self.local_tokens(tokens))
+        ids, refused = self._in_vocabulary(self.local_tokens(tokens))
+        x = self.embedding(ids)
         lb = z = x.new_zeros(())
         tokens_per_expert = []
         for block in self.blocks:
-            x, aux = block(x, batch_shape)
+            x, aux = block(x, batch_shape, refused)
             if aux is not None:
+                refused = None  # the first MoE layer's exchange carries it to every rank
                 lb = lb + aux["load_balancing_loss"]
                 z = z + aux["z_loss"]
                 tokens_per_expert.append(aux["tokens_per_expert"])
         logits = self.norm(x) @ self.embedding.weight.t()
         return logits, {"load_balancing_loss": lb, "z_loss": z, "tokens_per_expert": tokens_per_expert}
+
+    def _in_vocabulary(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids with those outside [0, vocab_size) clamped into it -> (those ids, the refusal words of a batch that
+        held any: the largest id past the vocabulary, else the smallest below 0; None for no ids), on the ids'
+        device without a host sync. Looked up as they are, such ids would stop this rank alone (an IndexError on
+        the CPU, a device-side assert on GPUs), its peers left waiting in the next exchange; the first MoE layer
+        carries the words in its counts' exchange instead, and every rank raises (MoELayer's `refused`)."""
+        if not ids.numel():
+            return ids, None
+        vocab = self.embedding.num_embeddings
+        low, high = ids.aminmax()
+        code = ((low < 0) | (high >= vocab)).long() * TOKEN_OUT_OF_VOCABULARY
+        words = torch.stack([code, torch.where(high >= vocab, high, low), torch.full_like(code, vocab)])
+        return ids.clamp(0, vocab - 1), words
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -338,6 +338,48 @@ def test_a_corpus_one_node_lacks_stops_every_rank(tmp_path):
     run_world(2, _corpus_one_node_lacks, str(tmp_path), timeout=120)
 
 
+def _a_token_outside_the_vocabulary(rank: int, world: int) -> None:
+    """Rank 1's batch holds a token id past the vocabulary (then one below 0): a step, an evaluation forward, and
+    under sequence parallelism (rank 1's half of the shared batch), raise on every rank, naming rank 1 and the
+    id; a good step follows on both ranks (neither was left inside a collective)."""
+    kwargs = dict(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=2 * world, seed=3)
+    tokens = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(5))
+    tp_group, dp_group = moe_train.tp_groups(world)
+    for bad, model in ((300, MoETransformer(**kwargs)),
+                       (-7, MoETransformer(group=dp_group, tp_group=tp_group, sequence_parallel=True, **kwargs))):
+        batch = tokens.clone()
+        if rank == 1 or model.sequence_parallel:  # SP: one batch for the TP group, the id in rank 1's rows
+            batch[1, 4] = bad
+        whose = f"token id {bad}" if rank == 1 else f"rank 1 has token id {bad}"
+        message = rf"rank {rank}: {whose} in its batch, outside the vocabulary \[0, 256\)"
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(ValueError, match=message):
+            moe_train.train_step(model, optimizer, batch[:, :-1], batch[:, 1:], 0.01, 0.001)
+        with torch.no_grad(), pytest.raises(ValueError, match=message):
+            model(batch)
+        loss, _, _ = moe_train.train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], 0.01, 0.001)
+        assert loss.isfinite()
+
+
+def test_a_token_outside_the_vocabulary_stops_every_rank():
+    """Looked up as it is, the id raised an IndexError on rank 1 alone (a device-side assert on GPUs), its peer
+    left in the MoE layer's exchange (gloo: 'Connection closed by peer' once rank 1 exited)."""
+    run_world(2, _a_token_outside_the_vocabulary, timeout=240)
+
+
+def test_a_token_outside_the_vocabulary_is_a_clear_error():
+    model = MoETransformer(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=4, seed=3)
+    tokens = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(4))
+    for bad in (256, -1):
+        batch = tokens.clone()
+        batch[2, 1] = bad
+        with pytest.raises(ValueError, match=rf"rank 0: token id {bad} in its batch, outside the vocabulary \[0, "):
+            model(batch)
+    assert model(tokens)[0].isfinite().all() and model(tokens[:0])[0].shape == (0, 5, 256)
+    with pytest.raises(ValueError, match="num_layers=1 with moe_every=2 makes no MoE layer"):
+        MoETransformer(num_layers=1, moe_every=2)
+
+
 def test_torchrun_two_processes(tmp_path):
     """train.py dispatches on model.name; both ranks train under torchrun (gloo), one run directory."""
     run_torchrun([*SMALL, "trainer.max_steps=10", "trainer.log_every=5", "trainer.checkpoint_every=10",
