@@ -1,10 +1,12 @@
 """Symmetric workspaces (fused_dlrm/dist/symmetric.py): buffers shared by name, grown on demand, and freed once
-they grew and nobody holds them, in the simulated world (torch's CUDA symmetric memory: the _gpu twin); and which
-ranks count as sharing a GPU (cuda_workspace's choice of CUDA IPC), with the GPUs' identities patched."""
+they grew and nobody holds them, in the simulated world (torch's CUDA symmetric memory: the _gpu twin); the ranks'
+allocations compared before each one (in the store of a gloo world); and which ranks count as sharing a GPU
+(cuda_workspace's choice of CUDA IPC), with the GPUs' identities patched."""
 
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from types import SimpleNamespace
 
@@ -12,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fused_dlrm.dist.symmetric import SimulatedWorld, ranks_share_a_gpu
+from fused_dlrm.dist.symmetric import (AllocationMismatch, AllocationRequest, AllocationTimeout, SimulatedWorld,
+                                       agree_on_allocation, ranks_share_a_gpu)
 from world import run_world
 
 
@@ -39,6 +42,39 @@ def test_ranks_share_a_buffer_by_name_and_a_grown_one_is_freed_once_no_rank_hold
     ranks[0].buffer("flags", 4, torch.int32)
     with pytest.raises(RuntimeError, match="cannot grow"):
         ranks[0].buffer("flags", 8, torch.int32)
+
+
+def _allocation_requests(rank: int, world_size: int) -> None:
+    group, last = dist.group.WORLD, world_size - 1
+    request = lambda name, numel=10, dtype=torch.float32: AllocationRequest(name, numel, dtype)
+    # Sizes may differ by rank (the nvshmem lookup's scratch): every rank allocates the largest.
+    assert agree_on_allocation(group, request("rows", 10 * (rank + 1)), 5.0) == 10 * world_size
+    # The last rank allocates another buffer, or another dtype: every rank raises, naming every rank's request.
+    every = ", ".join(f"rank {r} 'a' of 10 x float32" for r in range(last))
+    with pytest.raises(AllocationMismatch, match=rf"rank {rank}: symmetric allocation #2 of process group "
+                                                 rf"{group.group_name}: the ranks asked for different buffers: "
+                                                 rf"{every}, rank {last} 'b' of 10 x float32 \(every rank"):
+        agree_on_allocation(group, request("b" if rank == last else "a"), 5.0)
+    with pytest.raises(AllocationMismatch, match=rf"#3 .* rank {last} 'c' of 10 x int32"):
+        agree_on_allocation(group, request("c", dtype=torch.int32 if rank == last else torch.float32), 5.0)
+    # All but the last rank grow "rows" (a call of a larger shape on them only): they name the last rank within
+    # the timeout; the last rank's next allocation, later, raises it too instead of entering an allocation alone.
+    if rank != last:
+        start = time.monotonic()
+        with pytest.raises(AllocationTimeout, match=rf"rank {rank}: symmetric allocation #4 .*: rank\(s\) \[{last}\] "
+                                                    r"did not ask for it within 1 s; rank 0 'rows' of 50 x float32"):
+            agree_on_allocation(group, request("rows", 50), 1.0)
+        assert time.monotonic() - start < 10
+        dist.barrier()
+    else:
+        dist.barrier()
+        with pytest.raises(AllocationTimeout, match=rf"\[{last}\] did not .* \(this rank came after the others"):
+            agree_on_allocation(group, request("other"), 1.0)
+    assert agree_on_allocation(group, request("next", 7), 5.0) == 7  # and the ranks go on in step
+
+
+def test_ranks_compare_their_allocations_and_name_a_rank_that_does_not_ask():
+    run_world(3, _allocation_requests, timeout=120)
 
 
 def _sharing(rank: int, world: int, gpus: list[str], shared: bool) -> None:

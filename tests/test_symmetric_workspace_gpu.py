@@ -2,7 +2,8 @@
 on one GPU and of two on two GPUs (skipped where they are missing). The simulated world's twin:
 test_symmetric_workspace.py. Memory is read as the device's free memory, which other processes' allocations move
 too: the test needs the GPUs to itself (scripts/gpu_check.sh runs the GPU test files one after another). Two ranks
-sharing one GPU get CUDA IPC buffers instead (CudaIpcWorkspace), mapped in every rank as they grow."""
+sharing one GPU get CUDA IPC buffers instead (CudaIpcWorkspace), mapped in every rank as they grow. Both compare the
+ranks' requests before allocating: a mismatch or a rank that does not ask is an error, not a hang."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import gc
 import pytest
 import torch
 
-from fused_dlrm.dist.symmetric import CudaIpcWorkspace, CudaSymmetricWorkspace, cuda_workspace
-from world import ONE_GPU, run_world
+from fused_dlrm.dist.symmetric import (AllocationMismatch, AllocationTimeout, CudaIpcWorkspace, CudaSymmetricWorkspace,
+                                       cuda_workspace)
+from world import ONE_GPU, TWO_RANK_BACKENDS, run_world
 
 GIB = 2**30
 
@@ -77,3 +79,32 @@ def _shared_by_ipc(rank: int, world_size: int) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_ranks_sharing_a_gpu_share_buffers_by_ipc():
     run_world(2, _shared_by_ipc, backend=ONE_GPU)
+
+
+def _allocations_compared(rank: int, world_size: int) -> None:
+    ws = cuda_workspace(allocation_timeout_s=2.0)
+    ws.buffer("rows", 1000 * (rank + 1), torch.float32)  # sizes may differ: every rank gets the largest
+    assert ws.buffer("rows", 1, torch.float32).local.numel() == 1000 * world_size
+    with pytest.raises(AllocationMismatch, match="rank 0 'a' of 10 x float32, rank 1 'b' of 10 x float32"):
+        ws.buffer("ab"[rank], 10, torch.float32)  # allocated in another order: rank 1's "b" would be rank 0's "a"
+    if rank == 0:
+        with pytest.raises(AllocationTimeout, match=r"rank\(s\) \[1\] did not ask for it within 2 s"):
+            ws.buffer("rows", 10_000, torch.float32)  # a larger shape on rank 0 only: rank 1 never joins
+        torch.distributed.barrier()
+    else:
+        ws.buffer("rows", 10, torch.float32)  # fits: no allocation
+        torch.distributed.barrier()
+        with pytest.raises(AllocationTimeout, match="this rank came after the others had stopped waiting"):
+            ws.buffer("cols", 10, torch.float32)
+    # The ranks go on in step: the next buffer is shared (each rank writes into the next one's).
+    buf = ws.buffer("next", 1024, torch.float32)
+    torch.distributed.barrier()
+    ws.peer_tensors(buf)[(rank + 1) % world_size].fill_(float(rank + 1))
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    assert buf.local.eq(float((rank - 1) % world_size + 1)).all()
+
+
+@pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
+def test_allocations_compared_across_ranks_instead_of_hanging(backend):
+    run_world(2, _allocations_compared, backend=backend, timeout=300)

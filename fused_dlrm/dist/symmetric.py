@@ -15,23 +15,102 @@ Implementations of one interface (`transport` says which kernels a fused operato
   same world times a kernel's phases one by one (peer stores then land in local memory, not over NVLink).
 
 Buffers are allocated on first use and grown (never shrunk) when a larger size is asked for. Every rank must ask
-for the same names in the same order: allocation is collective on GPUs, and takes the largest size asked for. A
-grown buffer's old memory is released once nothing holds its PeerBuffer any more (torch synchronises the device
+for the same names in the same order: allocation is collective on GPUs, pairs the ranks' buffers by their order, and
+takes the largest size asked for. So before each allocation the ranks compare their requests through the process
+group's store (`agree_on_allocation`, a few store round trips; never on a call that allocates nothing): other names
+or dtypes raise AllocationMismatch on every rank, and ranks that do not ask within `allocation_timeout_s` (a call
+that makes only some ranks allocate or grow a buffer, which would leave them waiting in the allocation forever) are
+named by AllocationTimeout. A grown buffer's old memory is released once nothing holds its PeerBuffer any more (torch synchronises the device
 before it unmaps symmetric memory, and a peer's mapping keeps the memory alive for that peer until it lets go);
 the nvshmem workspace keeps every buffer instead (NVSHMEM frees collectively).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from fused_dlrm.dist.env import CallMismatch
+
 log = logging.getLogger(__name__)
+
+# How long a rank waits for its peers' requests before a collective allocation: as long as the flags' waits
+# (kernels/peer_flags.DEFAULT_SPIN_LIMIT, ~54 s), past a peer's kernel compiles.
+ALLOCATION_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class AllocationRequest:
+    name: str
+    numel: int
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return f"{self.name!r} of {self.numel} x {str(self.dtype).removeprefix('torch.')}"
+
+    def encode(self) -> str:
+        return json.dumps([self.name, self.numel, str(self.dtype).removeprefix("torch.")])
+
+    @staticmethod
+    def decode(text: bytes | str) -> "AllocationRequest":
+        name, numel, dtype = json.loads(text)
+        return AllocationRequest(name, numel, getattr(torch, dtype))
+
+
+class AllocationMismatch(CallMismatch):
+    """The ranks' n-th collective allocations asked for different buffers: GPUs would pair them (one rank's buffer
+    read as another's) or leave a rank waiting; raised on every rank."""
+
+
+class AllocationTimeout(TimeoutError):
+    """Some ranks did not ask for a collective allocation in time (the others would wait in it forever)."""
+
+
+_allocations: dict[str, int] = {}  # by process group name: how many collective allocations this process made in it
+
+
+def agree_on_allocation(group: dist.ProcessGroup, request: AllocationRequest, timeout_s: float) -> int:
+    """Before a collective allocation in `group`: every rank posts its request in the group's store and waits, at
+    most `timeout_s`, for the others'; returns the largest numel asked for (some sizes depend on the rank, and
+    NVSHMEM needs one size on every rank). Raises AllocationMismatch on every rank unless all ask for one name and
+    dtype, and AllocationTimeout naming the ranks that did not ask in time (on every rank that did, and on a
+    latecomer). Costs a few round trips to the store (a ms); allocations are rare (first use, growth)."""
+    store = dist.distributed_c10d._get_process_group_store(group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    number = _allocations[group.group_name] = _allocations.get(group.group_name, 0) + 1
+    what = f"symmetric allocation #{number} of process group {group.group_name}"
+    prefix = f"fused_dlrm/symmetric/{number}"
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    store.set(keys[rank], request.encode())
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+        missing = []
+    except RuntimeError:  # DistStoreError: timed out
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+    # The first rank to decide decides for all (compare_set writes a missing key only), so a rank arriving just as
+    # another gives up learns that it did, instead of entering an allocation the others have left.
+    missing = json.loads(store.compare_set(f"{prefix}/missing", "", json.dumps(missing)))
+    present = [r for r in range(world) if r not in missing]
+    requests = dict(zip(present, map(AllocationRequest.decode, store.multi_get([keys[r] for r in present]))))
+    every = ", ".join(f"rank {r} {requests[r]}" for r in present)
+    if missing:
+        late = " (this rank came after the others had stopped waiting)" if rank in missing else ""
+        raise AllocationTimeout(
+            f"rank {rank}: {what}: rank(s) {missing} did not ask for it within {timeout_s:g} s{late}; {every}. A "
+            "call that makes only some ranks allocate or grow a symmetric buffer (a larger shape on one rank) "
+            "would leave the others waiting in the allocation forever")
+    if len({(r.name, r.dtype) for r in requests.values()}) > 1:
+        raise AllocationMismatch(
+            f"rank {rank}: {what}: the ranks asked for different buffers: {every} (every rank must allocate the "
+            "same buffers in the same order: GPUs pair them by order, so one rank's buffer would be another's)")
+    return max(r.numel for r in requests.values())
 
 
 @dataclass
@@ -63,14 +142,15 @@ class _Workspace:
             if found is not None and dtype == torch.int32:
                 raise RuntimeError(f"flag buffer {name!r} cannot grow: flags carry epochs and are never reset")
             start_s = time.perf_counter()
-            allocated = self._allocate(name, max(numel, 1), dtype)
+            allocated = self._allocate(AllocationRequest(name, max(numel, 1), dtype))
             # Growing is a collective that synchronises the device: worth a line in the log.
             log.log(logging.DEBUG if found is None else logging.INFO, "symmetric buffer %r: %d x %s in %.1f ms", name,
                     allocated.local.numel(), dtype, (time.perf_counter() - start_s) * 1e3)
             self._buffers[name] = found = allocated
         return found
 
-    def _allocate(self, name: str, numel: int, dtype: torch.dtype) -> PeerBuffer:
+    def _allocate(self, request: AllocationRequest) -> PeerBuffer:
+        """Collective: every rank's next allocation (the same name and dtype), of the largest numel asked for."""
         raise NotImplementedError
 
     def peer_tensors(self, buf: PeerBuffer) -> list[torch.Tensor]:
@@ -79,21 +159,22 @@ class _Workspace:
 
 
 class CudaSymmetricWorkspace(_Workspace):
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, allocation_timeout_s: float = ALLOCATION_TIMEOUT_S):
         super().__init__()
         from torch.distributed import _symmetric_memory as symm_mem
 
         self._symm_mem = symm_mem
+        self.allocation_timeout_s = allocation_timeout_s  # agree_on_allocation's bound
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.device = torch.device("cuda", torch.cuda.current_device())
 
-    def _allocate(self, name: str, numel: int, dtype: torch.dtype) -> PeerBuffer:
+    def _allocate(self, request: AllocationRequest) -> PeerBuffer:
         # Every rank allocates the largest size any rank asks for: NVSHMEM's heap puts a buffer at the same offset
         # in every PE only if all PEs allocate the same sizes in the same order, and some sizes depend on the
         # rank (the nvshmem lookup's scratch follows the rank's own tables).
-        local = self._symm_mem.empty(self._agreed_numel(numel), dtype=dtype, device=self.device)
+        local = self._symm_mem.empty(self._agreed_numel(request), dtype=request.dtype, device=self.device)
         handle = self._symm_mem.rendezvous(local, self.group.group_name)
         local.zero_()
         torch.cuda.synchronize()
@@ -105,20 +186,18 @@ class CudaSymmetricWorkspace(_Workspace):
         handle = self._symm_mem.rendezvous(buf.local, self.group.group_name)  # cached: no collective after the first
         return [handle.get_buffer(p, (buf.local.numel(),), buf.local.dtype) for p in range(self.world_size)]
 
-    def _agreed_numel(self, numel: int) -> int:
-        agreed = torch.tensor([numel], dtype=torch.int64, device=self.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-        return int(agreed)
+    def _agreed_numel(self, request: AllocationRequest) -> int:
+        return agree_on_allocation(self.group, request, self.allocation_timeout_s)
 
 
 class CudaIpcWorkspace(CudaSymmetricWorkspace):
     """Ranks of one host sharing a GPU: each buffer is a device tensor whose CUDA IPC handle every peer opens (torch's
     SymmetricMemory refuses ranks on one device). Kernels and flags are the p2p ones."""
 
-    def _allocate(self, name: str, numel: int, dtype: torch.dtype) -> PeerBuffer:
+    def _allocate(self, request: AllocationRequest) -> PeerBuffer:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        local = torch.zeros(self._agreed_numel(numel), dtype=dtype, device=self.device)
+        local = torch.zeros(self._agreed_numel(request), dtype=request.dtype, device=self.device)
         torch.cuda.synchronize()
         rebuild, args = reduce_tensor(local)  # the handle of local's allocation, its offset, a reference count
         shared: list = [None] * self.world_size
@@ -132,10 +211,12 @@ class CudaIpcWorkspace(CudaSymmetricWorkspace):
         return buf.handle
 
 
-def cuda_workspace(group: dist.ProcessGroup | None = None) -> CudaSymmetricWorkspace:
+def cuda_workspace(group: dist.ProcessGroup | None = None,
+                   allocation_timeout_s: float = ALLOCATION_TIMEOUT_S) -> CudaSymmetricWorkspace:
     """The p2p workspace of `group`: SymmetricMemory, or CUDA IPC where two of its ranks share a GPU."""
     group = group or dist.group.WORLD
-    return CudaIpcWorkspace(group) if ranks_share_a_gpu(group) else CudaSymmetricWorkspace(group)
+    kind = CudaIpcWorkspace if ranks_share_a_gpu(group) else CudaSymmetricWorkspace
+    return kind(group, allocation_timeout_s)
 
 
 def ranks_share_a_gpu(group: dist.ProcessGroup) -> bool:
@@ -151,19 +232,19 @@ def ranks_share_a_gpu(group: dist.ProcessGroup) -> bool:
 class NvshmemSymmetricWorkspace(CudaSymmetricWorkspace):
     transport = "nvshmem"
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, allocation_timeout_s: float = ALLOCATION_TIMEOUT_S):
         from torch.distributed import _symmetric_memory as symm_mem
 
         if not symm_mem.is_nvshmem_available():
             raise RuntimeError("comm.transport=nvshmem: this torch has no NVSHMEM (use transport=p2p or comm=bulk)")
         use_nvshmem_backend()
-        super().__init__(group)
+        super().__init__(group, allocation_timeout_s)
         self._kept: list[PeerBuffer] = []  # every buffer allocated (see _allocate)
 
-    def _allocate(self, name: str, numel: int, dtype: torch.dtype) -> PeerBuffer:
+    def _allocate(self, request: AllocationRequest) -> PeerBuffer:
         # nvshmem_free is a collective of all PEs: a buffer released by garbage collection, at another moment in
         # every rank, could hang it. Here the buffers stay allocated for the process's life, grown ones included.
-        allocated = super()._allocate(name, numel, dtype)
+        allocated = super()._allocate(request)
         self._kept.append(allocated)
         return allocated
 
@@ -202,10 +283,11 @@ class SimulatedWorkspace(_Workspace):
         self.world, self.rank, self.world_size = world, rank, world.world_size
         self.device = world.device
 
-    def _allocate(self, name: str, numel: int, dtype: torch.dtype) -> PeerBuffer:
+    def _allocate(self, request: AllocationRequest) -> PeerBuffer:
         # Every rank's buffer of one name is the same symmetric buffer; the first rank to ask (for more) makes it.
         # Each rank's PeerBuffer holds all ranks' tensors, as a GPU rank's handle maps its peers' memory: a buffer
         # that grew is freed once no rank holds it.
+        name, numel, dtype = request.name, request.numel, request.dtype
         tensors = self.world.buffers.get(name)
         if tensors is None or tensors[0].numel() < numel or tensors[0].dtype != dtype:
             tensors = [torch.zeros(numel, dtype=dtype, device=self.device) for _ in range(self.world_size)]
