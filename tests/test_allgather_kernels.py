@@ -285,7 +285,9 @@ def check_matmul_calls_that_differ(world_size: int, difference: str, device: str
     call is of another shape class (or producer, or chunks), whose exchange its peers' calls never touch: the calls
     compare their signatures in a buffer of their own (the module docstring). That leaves the exchanges' epochs of
     the ranks apart, so the next call of the usual shape raises on every rank too (a mismatch, or a peer's buffer
-    never released), never a silent wrong product; a call of a shape new to every rank is exact."""
+    never released), never a silent wrong product; a call of a shape new to every rank is exact. Every rank
+    allocates rank 1's exchange first, as GPUs need: a rank allocating alone would wait for its peers in the
+    allocation (symmetric.agree_on_allocation: AllocationTimeout; the simulated world: AllocationMismatch)."""
     odd, said = MATMUL_DIFFERENCES[difference]
     gen = torch.Generator().manual_seed(world_size)
     workspaces = matmul_world(world_size, device)
@@ -297,6 +299,8 @@ def check_matmul_calls_that_differ(world_size: int, difference: str, device: str
     calls[1].update(odd)
     shards = [torch.randn(c["rows"], c["k"], generator=gen).to(device, c["dtype"]) for c in calls]
     weights = [torch.randn(19, c["k"], generator=gen).to(device, c["dtype"]).t() for c in calls]  # Linear's w.t()
+    for ws in workspaces:
+        op_for(ws, shards[1], calls[1]["config"]).gather_for(calls[1]["producer"])
     ops = [op_for(ws, shard, c["config"]) for ws, shard, c in zip(workspaces, shards, calls)]
     epochs = [op.start(shard, c["producer"]) for op, shard, c in zip(ops, shards, calls)]
     usual, odd = (f"{call}, call {n} of that shape and producer" for call, n in ((SHARD, 2), (said, 1)))

@@ -1,7 +1,8 @@
 """Symmetric workspaces (fused_dlrm/dist/symmetric.py): buffers shared by name, grown on demand, and freed once
 they grew and nobody holds them, in the simulated world (torch's CUDA symmetric memory: the _gpu twin); the ranks'
-allocations compared before each one (in the store of a gloo world); and which ranks count as sharing a GPU
-(cuda_workspace's choice of CUDA IPC), with the GPUs' identities patched."""
+allocations compared before each one (in the store of a gloo world; by order in the simulated world, as GPUs pair
+them); and which ranks count as sharing a GPU (cuda_workspace's choice of CUDA IPC), with the GPUs' identities
+patched."""
 
 from __future__ import annotations
 
@@ -42,6 +43,42 @@ def test_ranks_share_a_buffer_by_name_and_a_grown_one_is_freed_once_no_rank_hold
     ranks[0].buffer("flags", 4, torch.int32)
     with pytest.raises(RuntimeError, match="cannot grow"):
         ranks[0].buffer("flags", 8, torch.int32)
+
+
+def test_simulated_ranks_pair_buffers_by_the_order_of_their_allocations_as_gpus_do():
+    """Rank 1 allocating its buffers in another order would read rank 0's "b" as its "a" on GPUs: refused at its
+    first allocation, as is another dtype. Sizes may differ (GPUs take the largest) where the first rank's is the
+    largest; a larger one later cannot reach the first rank's buffer, so it is refused too."""
+    world = SimulatedWorld(2)
+    ranks = world.workspaces()
+    ranks[0].buffer("b", 10, torch.float32)
+    ranks[0].buffer("a", 10, torch.float32)
+    with pytest.raises(AllocationMismatch, match=r"rank 1: symmetric allocation #1 of the simulated world: rank 0 "
+                                                 r"asked for 'b' of 10 x float32, rank 1 for 'a' of 10 x float32"):
+        ranks[1].buffer("a", 10, torch.float32)
+    with pytest.raises(AllocationMismatch, match=r"#1 .* rank 1 for 'b' of 10 x int32"):
+        ranks[1].buffer("b", 10, torch.int32)
+
+    world = SimulatedWorld(2)
+    ranks = world.workspaces()
+    big, small = ranks[0].buffer("rows", 100, torch.float32), ranks[1].buffer("rows", 40, torch.float32)
+    assert small.handle is big.handle and small.local.numel() == 100
+    ranks[0].buffer("cols", 10, torch.float32)
+    with pytest.raises(AllocationMismatch, match="#2 .* rank 1 for 'cols' of 20 x float32: GPUs give every rank"):
+        ranks[1].buffer("cols", 20, torch.float32)
+
+
+def test_simulated_rank_using_a_buffer_a_peer_grew_without_it_is_refused():
+    """Rank 0's call of a larger shape grows "rows"; rank 1's call fits its buffer, so on GPUs it never joins the
+    allocation and rank 0 waits in it: refused when rank 1 uses "rows", naming both."""
+    ranks = SimulatedWorld(2).workspaces()
+    for ws in ranks:
+        ws.buffer("rows", 100, torch.float32)
+    ranks[0].buffer("rows", 200, torch.float32)
+    with pytest.raises(AllocationTimeout, match=r"rank 1: rank 0 grew 'rows' \(symmetric allocation #2 of the "
+                                                r"simulated world: 'rows' of 200 x float32\) but rank 1 asked for "
+                                                r"'rows' of 50 x float32, which its buffer of 100 holds"):
+        ranks[1].buffer("rows", 50, torch.float32)
 
 
 def _allocation_requests(rank: int, world_size: int) -> None:

@@ -20,7 +20,9 @@ takes the largest size asked for. So before each allocation the ranks compare th
 group's store (`agree_on_allocation`, a few store round trips; never on a call that allocates nothing): other names
 or dtypes raise AllocationMismatch on every rank, and ranks that do not ask within `allocation_timeout_s` (a call
 that makes only some ranks allocate or grow a buffer, which would leave them waiting in the allocation forever) are
-named by AllocationTimeout. A grown buffer's old memory is released once nothing holds its PeerBuffer any more (torch synchronises the device
+named by AllocationTimeout. The simulated world pairs by order too and raises the same errors where GPUs would
+fail (an allocation unlike the first rank's of that number; a rank using a buffer that a peer grew without it). A
+grown buffer's old memory is released once nothing holds its PeerBuffer any more (torch synchronises the device
 before it unmaps symmetric memory, and a peer's mapping keeps the memory alive for that peer until it lets go);
 the nvshmem workspace keeps every buffer instead (NVSHMEM frees collectively).
 """
@@ -263,16 +265,62 @@ def use_nvshmem_backend() -> None:
                            f"this process ({error})") from error
 
 
+@dataclass
+class _SimulatedAllocation:
+    number: int  # the world's n-th allocation (from 1, as agree_on_allocation counts)
+    rank: int  # the first rank to make it
+    request: AllocationRequest
+    tensors: list[torch.Tensor] | None  # every rank's tensor, until every rank has taken them
+
+
 class SimulatedWorld:
     """The shared memory of a simulated world: rank r's buffers are plain tensors on `device` (the CPU for the
-    interpreter), visible to every rank."""
+    interpreter), visible to every rank. Buffers pair by the order of the ranks' allocations, as on GPUs."""
 
     def __init__(self, world_size: int, device: torch.device | str = "cpu"):
         self.world_size, self.device = world_size, torch.device(device)
         self.buffers: dict[str, list[torch.Tensor]] = {}  # by name: every rank's tensor of the newest buffer
+        self._newest: dict[str, _SimulatedAllocation] = {}  # by name: the allocation that made buffers[name]
+        self._allocations: list[_SimulatedAllocation] = []
+        self._made = [0] * world_size  # per rank: how many allocations it made
 
     def workspaces(self) -> list["SimulatedWorkspace"]:
         return [SimulatedWorkspace(self, r) for r in range(self.world_size)]
+
+    def allocate(self, rank: int, request: AllocationRequest) -> list[torch.Tensor]:
+        """Every rank's tensor of `rank`'s next allocation: the first rank to make its n-th allocation creates it,
+        the others must ask for the same name and dtype, as GPUs need (AllocationMismatch), and for no more
+        elements (GPUs would give every rank the most asked for, but the first rank holds its buffer already)."""
+        n = self._made[rank]
+        if n == len(self._allocations):
+            tensors = [torch.zeros(request.numel, dtype=request.dtype, device=self.device)
+                       for _ in range(self.world_size)]
+            self._allocations.append(made := _SimulatedAllocation(n + 1, rank, request, tensors))
+            self.buffers[request.name], self._newest[request.name] = tensors, made
+        made = self._allocations[n]
+        mine = f"rank {rank}: symmetric allocation #{n + 1} of the simulated world: rank {made.rank} asked for " \
+               f"{made.request}, rank {rank} for {request}"
+        if (made.request.name, made.request.dtype) != (request.name, request.dtype):
+            raise AllocationMismatch(f"{mine} (every rank must allocate the same buffers in the same order: GPUs "
+                                     "pair them by order, so one rank's buffer would be another's)")
+        if request.numel > made.request.numel:
+            raise AllocationMismatch(f"{mine}: GPUs give every rank the larger, but rank {made.rank} holds its "
+                                     "buffer already here (ask for the largest on every rank)")
+        tensors, self._made[rank] = made.tensors, n + 1
+        if min(self._made) > n:
+            made.tensors = None  # taken by every rank: freed once no rank holds it
+        return tensors
+
+    def check_held(self, rank: int, held: PeerBuffer, request: AllocationRequest) -> None:
+        """Raise unless `held`, the buffer rank `rank` uses for `request`, is its name's newest: a peer that grew
+        it without this rank would wait in the allocation forever on GPUs."""
+        if held.handle is not self.buffers[request.name]:
+            grown = self._newest[request.name]
+            raise AllocationTimeout(
+                f"rank {rank}: rank {grown.rank} grew {request.name!r} (symmetric allocation #{grown.number} of the "
+                f"simulated world: {grown.request}) but rank {rank} asked for {request}, which its buffer of "
+                f"{held.local.numel()} holds, and would not join that allocation: on GPUs rank {grown.rank} waits "
+                "for it until agree_on_allocation's timeout (a call that makes only some ranks grow a buffer)")
 
 
 class SimulatedWorkspace(_Workspace):
@@ -283,15 +331,15 @@ class SimulatedWorkspace(_Workspace):
         self.world, self.rank, self.world_size = world, rank, world.world_size
         self.device = world.device
 
+    def buffer(self, name: str, numel: int, dtype: torch.dtype) -> PeerBuffer:
+        held = super().buffer(name, numel, dtype)
+        self.world.check_held(self.rank, held, AllocationRequest(name, numel, dtype))
+        return held
+
     def _allocate(self, request: AllocationRequest) -> PeerBuffer:
-        # Every rank's buffer of one name is the same symmetric buffer; the first rank to ask (for more) makes it.
         # Each rank's PeerBuffer holds all ranks' tensors, as a GPU rank's handle maps its peers' memory: a buffer
         # that grew is freed once no rank holds it.
-        name, numel, dtype = request.name, request.numel, request.dtype
-        tensors = self.world.buffers.get(name)
-        if tensors is None or tensors[0].numel() < numel or tensors[0].dtype != dtype:
-            tensors = [torch.zeros(numel, dtype=dtype, device=self.device) for _ in range(self.world_size)]
-            self.world.buffers[name] = tensors
+        tensors = self.world.allocate(self.rank, request)
         ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=self.device)
         return PeerBuffer(local=tensors[self.rank], peer_ptrs=ptrs, handle=tensors)
 
