@@ -40,9 +40,9 @@ the gathered rows were exact; visible in the compiled TTGIR: `memdesc<2x128x64xf
 without the store).
 
 Calls that differ between ranks (rows, K, dtype, producer, rows per chunk: a caller's bug) use exchanges of other
-shape classes, whose buffers and flags the peers' calls never touch (on GPUs, where allocation pairs buffers by
-order, ranks whose first calls differ share memory laid out for other shapes, and the GEMM read rows of another
-layout without an error). So the ranks compare their calls in a buffer of the workspace's own (CALLS: two halves
+shape classes, whose buffers and flags the peers' calls never touch (ranks whose first calls differ ask for other
+buffers, refused before the allocation; calls of shape classes every rank has allocated would not be). So the ranks
+compare their calls in a buffer of the workspace's own (CALLS: two halves
 by the call's parity, shared by every shape class and producer): each call has a number among the workspace's
 calls of the op and a signature (`_call_signature`: that number, the shard's shape and dtype, the producer and its
 rows per chunk, and the exchange's epoch), published into every peer as a flag of its own (word 0, the number,
@@ -56,8 +56,10 @@ the next calls of those shapes differ in the signature's last word and raise too
 buffer a peer never released), never read another call's half. The guard of the signatures' halves is the check
 itself: a rank publishes call c + 2 only after its call c + 1 has seen every peer's signature of call c + 1,
 published once the peer's call c (its reads of half c % 2) was over. What a rank's GEMM alone reads (N, the
-weight, the tiles and grid) is not compared: ranks may differ in it. Not caught: a call that makes only some ranks
-allocate (a shape class or producer new to them) waits in the collective allocation for peers that never join it.
+weight, the tiles and grid) is not compared: ranks may differ in it. A call that makes only some ranks allocate (a
+shape class or producer new to them) stops before its kernels: the ranks' requests are compared before each
+collective allocation (dist/symmetric.agree_on_allocation), so those ranks raise AllocationTimeout naming the peers
+that never asked, and a peer whose next allocation is another buffer raises AllocationMismatch.
 `all_gather_matmul_bulk` is the bulk twin (all_gather_into_tensor + matmul);
 `all_gather_matmul_reference` the pure-torch definition.
 """
@@ -382,8 +384,8 @@ class AllGatherMatmul:
     def gather_for(self, producer: str) -> SymmetricAllGather:
         """The device push's exchange (chunks of chunk_rows), or the copy engines' (chunks of copy_rows: few large
         copies; its own buffers, allocated on the first copy-engine call; the op's one error word). That first
-        call allocates symmetric memory, a collective: every rank must make it (a rank that skipped it would leave
-        the others waiting in the allocation, on the host, where no flag's bound applies)."""
+        call allocates symmetric memory, a collective: every rank must make it (ranks that make it alone raise
+        AllocationTimeout after the allocation's bounded wait for their peers' requests)."""
         if producer != "copy_engine" or not self.rows:
             return self.gather
         if self._copy_gather is None:

@@ -55,9 +55,10 @@ programs whose flags the peer never raises: those give up after spin_limit polls
 recorded the mismatch.) An empty call (M = 0) is a call too: it stores no tile and asks for no buffer, but its
 programs, the largest grid's, raise their flags, and its program 0 waits for each peer's program 0 (every grid has
 one) and compares signatures; skipped, a rank's calls would pair with its peers' one call late, and a call of rows
-alike would read the partials of another step unseen.
-Not caught: a call that makes only some ranks grow the symmetric buffers (a larger shape)
-waits in the buffers' collective allocation, before any kernel, for peers that never join it.
+alike would read the partials of another step unseen. A call that makes only some ranks grow the symmetric
+buffers (a larger shape) stops before any kernel: those ranks wait for the others' requests before the collective
+allocation, a bounded wait that raises AllocationTimeout naming the ranks that never asked
+(dist/symmetric.agree_on_allocation); a rank that asks later raises it too.
 
 `gemm_allreduce_reference` is the pure-torch definition; `gemm_allreduce_bulk` the bulk twin (matmul, then
 torch.distributed.all_reduce); `gemm_reduce_scatter_reference` / `_bulk` the same for the reduce-scatter form.
