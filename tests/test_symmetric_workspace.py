@@ -105,7 +105,8 @@ def _allocation_requests(rank: int, world_size: int) -> None:
         dist.barrier()
     else:
         dist.barrier()
-        with pytest.raises(AllocationTimeout, match=rf"\[{last}\] did not .* \(this rank came after the others"):
+        with pytest.raises(AllocationTimeout, match=rf"\[{last}\] did not .* \(this rank, asking for 'other' of 10 x "
+                                                    r"float32, came after the others"):
             agree_on_allocation(group, request("other"), 1.0)
     assert agree_on_allocation(group, request("next", 7), 5.0) == 7  # and the ranks go on in step
 

@@ -94,7 +94,7 @@ def _allocations_compared(rank: int, world_size: int) -> None:
     else:
         ws.buffer("rows", 10, torch.float32)  # fits: no allocation
         torch.distributed.barrier()
-        with pytest.raises(AllocationTimeout, match="this rank came after the others had stopped waiting"):
+        with pytest.raises(AllocationTimeout, match="this rank, asking for 'cols' of 10 x float32, came after"):
             ws.buffer("cols", 10, torch.float32)
     # The ranks go on in step: the next buffer is shared (each rank writes into the next one's).
     buf = ws.buffer("next", 1024, torch.float32)

@@ -103,7 +103,8 @@ def agree_on_allocation(group: dist.ProcessGroup, request: AllocationRequest, ti
     requests = dict(zip(present, map(AllocationRequest.decode, store.multi_get([keys[r] for r in present]))))
     every = ", ".join(f"rank {r} {requests[r]}" for r in present)
     if missing:
-        late = " (this rank came after the others had stopped waiting)" if rank in missing else ""
+        late = f" (this rank, asking for {request}, came after the others had stopped waiting)" \
+            if rank in missing else ""
         raise AllocationTimeout(
             f"rank {rank}: {what}: rank(s) {missing} did not ask for it within {timeout_s:g} s{late}; {every}. A "
             "call that makes only some ranks allocate or grow a symmetric buffer (a larger shape on one rank) "
