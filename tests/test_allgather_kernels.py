@@ -82,6 +82,23 @@ def test_a_producer_waits_for_the_peer_to_release_its_half():
         ops[0].errors.after_wait()
 
 
+@pytest.mark.parametrize("producer", PRODUCERS)
+def test_an_all_gather_of_empty_shards_is_a_call(producer):
+    """Shards of 0 rows on every rank, between calls of rows on the same workspaces: a [0, cols] result, and a
+    call all the same (one flag of no rows per rank): a rank whose peer never makes it times out naming them."""
+    gen = torch.Generator().manual_seed(5)
+    workspaces = SimulatedWorld(2).workspaces()
+    ops = {rows: [SymmetricAllGather(ws, rows, 3, torch.float32, 2, spin_limit=50) for ws in workspaces]
+           for rows in (4, 0)}
+    for rows in (4, 0, 0, 4):
+        shards = [torch.randn(rows, 3, generator=gen) for _ in workspaces]
+        for got in run_gather(ops[rows], shards, [producer] * 2):
+            assert torch.equal(got, all_gather_reference(shards))
+    epoch = ops[0][0].start(torch.empty(0, 3), producer)  # rank 1 never makes this call
+    with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 3 waiting for rank 1, slice 0"):
+        ops[0][0].finish(epoch, producer)
+
+
 SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, chunk_rows=16, copy_rows=16, num_programs=3,
                    spin_limit=50)
 STRADDLE = dataclasses.replace(SMALL, chunk_rows=24, copy_rows=24)

@@ -28,7 +28,9 @@ kernels in the interpreter.
 Consumer (`finish`): the project's wait kernel (`peer_flags.wait_ready`) polls every (source, chunk) flag, bounded,
 and acknowledges the epoch to each source; a timeout becomes a PeerWaitTimeout naming rank, source and chunk.
 The gathered tensor returned is a view of the symmetric buffer: valid until the next call on this object.
-`all_gather_reference` is the pure-torch definition. Every rank must call in the same order.
+`all_gather_reference` is the pure-torch definition. Every rank must build the exchange alike (rows, cols, dtype,
+chunk_rows) and call in the same order: calls are not compared here (AllGatherMatmul compares its calls'
+signatures). A shard of 0 rows is one chunk of none: its call raises and waits for a flag per rank, as any call.
 """
 
 from __future__ import annotations
@@ -140,7 +142,9 @@ class SymmetricAllGather:
         self.ws, self.rank, self.world = workspace, workspace.rank, workspace.world_size
         self.rows, self.cols, self.dtype = rows, cols, dtype
         self.chunk_rows = max(1, min(chunk_rows or rows, rows))
-        self.chunks = triton.cdiv(rows, self.chunk_rows)
+        # A shard of 0 rows is one chunk of none: its call, as any, raises and waits for a flag per rank (no chunk
+        # at all would leave it nothing to wait for, and the wait kernel no block to poll).
+        self.chunks = max(1, triton.cdiv(rows, self.chunk_rows))
         self.exchange = f"{name}:{rows}x{cols}:{dtype}:{self.chunk_rows}"  # one set of buffers per shape class
         self.data = workspace.buffer(self.exchange, 2 * self.world * rows * cols, dtype)
         self.ready = workspace.buffer(self.exchange + ":ready", self.world * self.chunks, torch.int32)
