@@ -25,7 +25,7 @@ def inputs(world: int, n: int) -> list[torch.Tensor]:
 
 
 def _reduce(rank: int, world: int) -> None:
-    for n in (1, 45, 4099):  # none divisible by world * 32
+    for n in (1, 0, 45, 4099):  # no multiple of world * 32 but 0 (an empty call: a chunk of one padding block)
         xs = inputs(world, n)
         exact = sum(xs)
         for codec in CODECS:  # fp16 sends no scales, q6 two planes
@@ -145,6 +145,7 @@ def test_ddp_hook_within_bound_of_plain_ddp():
 # messages say of rank 0's call and of rank 1's. int32 with q8 is refused on its own; here rank 0 learns of it too.
 DIFFERENT_CALLS = {
     "numel": ((torch.randn(4100), "q8", False), "4100 float32 elements, codec q8"),
+    "no values": ((torch.randn(0), "q8", False), "0 float32 elements, codec q8"),
     "codec": ((torch.randn(4096), "q4", False), "4096 float32 elements, codec q4"),
     "dtype": ((torch.randn(4096).bfloat16(), "q8", False), "4096 bfloat16 elements, codec q8"),
     "mean": ((torch.randn(4096), "q8", True), "4096 float32 elements, codec q8, mean"),

@@ -85,9 +85,11 @@ def test_low_precision_inputs_keep_their_dtype(world_size, dtype):
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_tiny_and_skewed_sizes(world_size):
-    """Fewer values than ranks, one block, and sizes whose last chunk is mostly padding."""
+    """No values (a call all the same: one chunk block of padding per rank, its flags raised and waited for, so
+    the calls after it stay exact), fewer values than ranks, one block, and sizes whose last chunk is mostly
+    padding."""
     world = world_of(world_size, max_programs=4)
-    for n in (1, 3, 33, 32 * world_size + 1, 1024 * world_size + 5):
+    for n in (1, 0, 3, 33, 32 * world_size + 1, 1024 * world_size + 5):
         xs = inputs(world_size, n, "normal", seed=n)
         got = all_reduce(world, xs, "q8")
         assert all(torch.equal(y, quantized_all_reduce_reference(xs, "q8")) for y in got), n
@@ -221,20 +223,22 @@ def test_a_wrong_output_or_input_dtype_is_refused_before_anything_runs():
 def different_call(difference: str, world_size: int) -> tuple[int, tuple, str, str]:
     """The others' numel; rank 1's (numel, dtype, codec, mean), which differs from theirs (q8 fp32 sums) in one way;
     what the message says of the others' call and of rank 1's. Chunks of 64 blocks: 2 tiles, 2 programs (of 2);
-    "grid": rank 1's chunks are of one tile, so it runs 1 program."""
+    "grid": rank 1's chunks are of one tile, so it runs 1 program; "no values": rank 1's call is empty (chunks of
+    one block of padding: 1 program too)."""
     n = 2048 * world_size
     odd = {"numel": (n + 4, torch.float32, "q8", False), "grid": (500 * world_size, torch.float32, "q8", False),
-           "codec": (n, torch.float32, "q4", False), "dtype": (n, torch.bfloat16, "q8", False),
-           "mean": (n, torch.float32, "q8", True)}[difference]
+           "no values": (0, torch.float32, "q8", False), "codec": (n, torch.float32, "q4", False),
+           "dtype": (n, torch.bfloat16, "q8", False), "mean": (n, torch.float32, "q8", True)}[difference]
     numel, dtype, codec, mean = odd
-    grid = (", a grid of 2 programs", ", a grid of 1 programs") if difference == "grid" else ("", "")
+    one_program = difference in ("grid", "no values")
+    grid = (", a grid of 2 programs", ", a grid of 1 programs") if one_program else ("", "")
     return (n, odd, f"{n} float32 elements, codec q8{grid[0]}",
             f"{numel} {str(dtype)[6:]} elements, codec {codec}{', mean' if mean else ''}{grid[1]}")
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the poisoned slots decode to NaN where the codecs read them
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("difference", ["numel", "grid", "codec", "dtype", "mean"])
+@pytest.mark.parametrize("difference", ["numel", "grid", "no values", "codec", "dtype", "mean"])
 def test_calls_that_differ_between_ranks_raise_on_every_rank(world_size, difference):
     """Every rank raises, naming itself, the peer whose signature it found first and both calls; nothing is stored
     into the output (x, reduced in place, keeps its values); the next call, alike on every rank, is exact."""

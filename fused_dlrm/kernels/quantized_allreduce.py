@@ -110,7 +110,8 @@ STEP_SLOTS = tl.constexpr(512)  # step slots a program stores at once (4 per thr
 
 
 def chunk_blocks_for(numel: int, world: int) -> int:
-    """Whole 32-value blocks per rank's chunk (the bulk twin's split)."""
+    """Whole 32-value blocks per rank's chunk (the bulk twin's split); at least one, so that an empty x is a call
+    all the same (its padding block travels, its flags rise, its signature of 0 values is compared)."""
     return max(1, -(-numel // (world * BLOCK)))
 
 
