@@ -145,8 +145,8 @@ def test_tp_layers_match_one_process(world_size, tp_size):
 
 def _calls_that_differ(rank: int, world: int) -> None:
     """Rank 1's x differs from the others' in rows (every layer: its collective, forward or backward, would move
-    other sizes), in its last dim (rank 1's matmul alone refuses it), in dtype, or rank 1 alone runs under autocast
-    (its collectives would move bf16); then an alike call works."""
+    other sizes; none at all: an empty batch), in its last dim (rank 1's matmul alone refuses it), in dtype, or rank
+    1 alone runs under autocast (its collectives would move bf16); then alike calls work, an empty batch's too."""
     tp, _ = tp_groups(world)
     layers = [ColumnParallelLinear(D_IN, 3 * world, tp), RowParallelLinear(2 * world, D_IN, tp),
               ColumnParallelLinear(D_IN, 3 * world, tp, sequence_sharded=True),
@@ -154,7 +154,8 @@ def _calls_that_differ(rank: int, world: int) -> None:
     for layer in layers:
         width = layer.weight.shape[1]
         usual = ([world, 3, width], torch.float32, False)
-        for odd in (([2 * world, 3, width], torch.float32, False), ([world, 3, width + 1], torch.float32, False),
+        for odd in (([2 * world, 3, width], torch.float32, False), ([0, 3, width], torch.float32, False),
+                    ([world, 3, width + 1], torch.float32, False),
                     ([world, 3, width], torch.bfloat16, False), ([world, 3, width], torch.float32, True)):
             shape, dtype, autocast = odd if rank == 1 else usual
             x = torch.randn(shape, dtype=dtype, requires_grad=True)
@@ -167,6 +168,11 @@ def _calls_that_differ(rank: int, world: int) -> None:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                     layer(x).sum().backward()
         layer(torch.randn(world, 3, width, requires_grad=True)).sum().backward()  # alike on every rank: no error
+        layer.weight.grad = None
+        x = torch.randn(0, 3, width, requires_grad=True)  # an empty batch on every rank: empty, forward and backward
+        y = layer(x)
+        y.sum().backward()
+        assert y.shape[:2] == (0, 3) and x.grad.shape == x.shape and not layer.weight.grad.any()
 
 
 @pytest.mark.parametrize("world", [2, 3])

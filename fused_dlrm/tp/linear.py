@@ -31,7 +31,8 @@ would raise alone, the ranks compare their calls first (dist.env.check_same_call
 a mismatch raises CallMismatch (a ValueError) on every rank. Not on NCCL (a collective more per call): there the
 fused kernels compare their peers' calls on the device (a signature beside their flags: PeerCallMismatch, a
 CallMismatch, on every rank, on GPUs at a later call or `errors.check(block=True)`), while a bulk call of other
-shapes waits or sums them.
+shapes waits or sums them. An empty batch (x of 0 rows on every rank) is a call like any other, forward and
+backward: empty outputs and input gradients, zero weight gradients; on one rank only, it is a call unlike its peers'.
 """
 
 from __future__ import annotations
