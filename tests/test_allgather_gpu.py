@@ -1,5 +1,6 @@
 """GPU check of the all-gather primitives and AllGather + GEMM against their bulk twins (2 GPUs, NCCL; skipped
-without them). Each op runs 1,000 times on the same flags and buffers, with fresh data, checked along the way.
+without them). Each op runs 1,000 times on the same flags and buffers, with fresh data, checked along the way
+(and an all-gather of empty shards a few times: calls that exchange flags alone).
 The primitives' result is also snapshotted right after the wait (before any collective orders the peer's copies),
 which is where a flag raised before its data shows. The GEMM check runs every producer, dtype and tile config to
 the end and then reports every one that failed.
@@ -56,6 +57,15 @@ def _primitives(rank: int, world: int) -> None:
             op.errors.check(block=True)
         except PeerWaitTimeout as timeout:
             failures[dtype, "timeout"] = str(timeout)
+    empty = SymmetricAllGather(ws, 0, 257, torch.bfloat16, spin_limit=SPINS)  # shards of 0 rows: calls all the same
+    for step in range(3 * len(PRODUCERS)):
+        producer = PRODUCERS[step % len(PRODUCERS)]
+        if empty(torch.empty(0, 257, dtype=torch.bfloat16, device=device), producer).shape != (0, 257):
+            failures.setdefault(("empty", producer), f"step {step}: not a [0, 257] result")
+    try:
+        empty.errors.check(block=True)
+    except PeerWaitTimeout as timeout:
+        failures["empty", "timeout"] = str(timeout)
     assert not failures, f"rank {rank}: " + "; ".join(f"{d} {p}: {w}" for (d, p), w in failures.items())
 
 
