@@ -34,11 +34,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_quantized_all_reduce_equals_the_reference_bit_for_bit(world_size):
-    """Every codec, fp32 and bf16, sum and mean, sizes that are no multiple of world * 32, up to 4M values; the
-    reference (the bulk twin's arithmetic) runs on the CPU. The ops keep their flags over all calls."""
+    """Every codec, fp32 and bf16, sum and mean, sizes that are no multiple of world * 32, up to 4M values, and no
+    values (an empty call); the reference (the bulk twin's arithmetic) runs on the CPU. The ops keep their flags
+    over all calls."""
     world = SimulatedWorld(world_size, "cuda")
     ops = [FusedQuantizedAllReduce(ws, max_programs_for(torch.device("cuda"))) for ws in world.workspaces()]
-    for i, n in enumerate([45, 4099, 1_000_003, 2**22 + 17]):
+    for i, n in enumerate([45, 0, 4099, 1_000_003, 2**22 + 17]):
         mean = i % 2 == 1
         for dtype in (torch.float32, torch.bfloat16):
             xs = world_inputs(n, world_size, dtype, seed=n)
