@@ -478,15 +478,15 @@ for key_dtype, key_type in ((tl.int32, "*i32"), (tl.int64, "*i64")):
     for scale in (False, True):
         build(eb._occurrences_kernel, types, dict(BLOCK_BAGS=16, BLOCK_L=8, HAS_WEIGHTS=scale, HAS_SCALE=scale,
                                                   KEY_DTYPE=key_dtype))
-        for adagrad in (False, True):
+        for adagrad in (eb.NO_ADAGRAD, eb.SOME_ADAGRAD, eb.ALL_ADAGRAD):
             # the module's tiles and warps at dim 256, as the launches use them
             build(eb._embedding_backward_kernel, types, dict(BLOCK_N=eb.TILE_ELEMENTS // 256, BLOCK_D=256,
                                                              TABLE_DTYPE=tl.float16, HAS_SCALE=scale,
-                                                             ANY_ADAGRAD=adagrad), num_warps=eb.NUM_WARPS)
+                                                             ADAGRAD=adagrad), num_warps=eb.NUM_WARPS)
             build(eb._hot_segments_kernel, types, dict(BLOCK_SCAN=eb.HOT_SCAN_SEGMENTS,
                                                        BLOCK_N=eb.HOT_TILE_ELEMENTS // 256, BLOCK_D=256,
                                                        TABLE_DTYPE=tl.float16, HAS_SCALE=scale,
-                                                       ANY_ADAGRAD=adagrad),
+                                                       ADAGRAD=adagrad),
                   num_warps=eb.HOT_NUM_WARPS)
 """
 

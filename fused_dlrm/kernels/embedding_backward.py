@@ -156,13 +156,18 @@ def _occurrences_kernel(
         j += BLOCK_L
 
 
+# Which tables are row-wise Adagrad's (the backward kernels' ADAGRAD; the others are SGD's).
+NO_ADAGRAD, SOME_ADAGRAD, ALL_ADAGRAD = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
 @triton.jit
 def _update_row(j, end, key, row_bits, grad_ptr, grad_offsets_ptr, scales_ptr, table_ptrs, momentum_ptrs, dims_ptr,
                 adagrad_ptr, settings_ptr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr,
-                HAS_SCALE: tl.constexpr, ANY_ADAGRAD: tl.constexpr, WIDE: tl.constexpr):
+                HAS_SCALE: tl.constexpr, ADAGRAD: tl.constexpr, WIDE: tl.constexpr):
     """Sum the gradients of the occurrences j .. end - 1 (one segment) in fp32, BLOCK_N at a time, and apply the
-    optimizer of their table to their row (key = t << row_bits | row). ANY_ADAGRAD: some table is row-wise Adagrad
-    (a row's momentum is read and written, masked off where its table is SGD's), else every table is SGD. WIDE (the
+    optimizer of their table to their row (key = t << row_bits | row). ADAGRAD: which tables are row-wise Adagrad's
+    (`adagrad_tables`): none (every table SGD), every one, or some (a row's table's kind is read, its momentum read
+    and written masked off where the table is SGD's: a dependent load per row that uniform collections skip). WIDE (the
     hot-segment kernel's tile): sum [BLOCK_N, BLOCK_D] tiles and reduce over the occurrences once at the end (no
     cross-warp reduction per step), and load the next step's offsets and scales before this step's gradients are
     used (one memory latency per step, not two)."""
@@ -179,8 +184,11 @@ def _update_row(j, end, key, row_bits, grad_ptr, grad_offsets_ptr, scales_ptr, t
     table = tl.load(table_ptrs + t).to(tl.pointer_type(TABLE_DTYPE))
     w_ptrs = table + row * dim + d
     w = tl.load(w_ptrs, mask=d_mask, other=0.0).to(tl.float32)
-    if ANY_ADAGRAD:
-        adagrad = tl.load(adagrad_ptr + t) != 0  # else SGD, whose momentum address (0) the masks keep unread
+    if ADAGRAD != NO_ADAGRAD:
+        if ADAGRAD == ALL_ADAGRAD:
+            adagrad = tl.full([], 1, tl.int1)
+        else:
+            adagrad = tl.load(adagrad_ptr + t) != 0  # else SGD, whose momentum address (0) the masks keep unread
         eps = tl.load(settings_ptr + 2 * t + 1)
         momentum = tl.load(momentum_ptrs + t).to(tl.pointer_type(tl.float32)) + row
         m_row = tl.load(momentum, mask=adagrad, other=0.0)
@@ -216,7 +224,7 @@ def _update_row(j, end, key, row_bits, grad_ptr, grad_offsets_ptr, scales_ptr, t
             acc += tl.sum(g, axis=0)
             j += BLOCK_N
 
-    if ANY_ADAGRAD:
+    if ADAGRAD != NO_ADAGRAD:
         m_row = m_row + tl.div_rn(tl.sum(acc * acc, axis=0), dim.to(tl.float32))
         tl.store(momentum, m_row, mask=adagrad)
         # IEEE sqrt and division (tl.sqrt and `/` are approximate on GPUs), as the torch path computes them.
@@ -234,7 +242,7 @@ def _embedding_backward_kernel(
     adagrad_ptr, settings_ptr,  # per table: row-wise Adagrad or SGD; (lr, eps)
     hot_threshold,  # segments of more occurrences are _hot_segments_kernel's
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr,
-    ANY_ADAGRAD: tl.constexpr,
+    ADAGRAD: tl.constexpr,
 ):
     # Persistent: the grid does not depend on the segment count (on the device only), so the programs stride over
     # the segments (`while`: the interpreter cannot range() over loaded values).
@@ -246,7 +254,7 @@ def _embedding_backward_kernel(
         key = tl.load(keys_ptr + seg).to(tl.int64)  # beside start and end, not after the test: latencies overlap
         if end - j <= hot_threshold:
             _update_row(j, end, key, row_bits, grad_ptr, grad_offsets_ptr, scales_ptr, table_ptrs, momentum_ptrs,
-                        dims_ptr, adagrad_ptr, settings_ptr, BLOCK_N, BLOCK_D, TABLE_DTYPE, HAS_SCALE, ANY_ADAGRAD,
+                        dims_ptr, adagrad_ptr, settings_ptr, BLOCK_N, BLOCK_D, TABLE_DTYPE, HAS_SCALE, ADAGRAD,
                         False)
         seg += tl.num_programs(0)
 
@@ -268,7 +276,7 @@ def _hot_segments_kernel(
     table_ptrs, momentum_ptrs, dims_ptr, adagrad_ptr, settings_ptr,
     hot_threshold,  # the segments of more occurrences than this are this kernel's
     BLOCK_SCAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TABLE_DTYPE: tl.constexpr,
-    HAS_SCALE: tl.constexpr, ANY_ADAGRAD: tl.constexpr,
+    HAS_SCALE: tl.constexpr, ADAGRAD: tl.constexpr,
 ):
     # No list of the hot segments is built (an atomic append in the other kernel costs it registers; torch ops
     # cost a launch each): persistent programs stride over windows of BLOCK_SCAN segments, find the hot ones from
@@ -284,7 +292,7 @@ def _hot_segments_kernel(
             end = tl.load(starts_ptr + seg + 1, mask=seg + 1 < num_segments, other=num_values)
             key = tl.load(keys_ptr + seg).to(tl.int64)
             _update_row(j, end, key, row_bits, grad_ptr, grad_offsets_ptr, scales_ptr, table_ptrs, momentum_ptrs,
-                        dims_ptr, adagrad_ptr, settings_ptr, BLOCK_N, BLOCK_D, TABLE_DTYPE, HAS_SCALE, ANY_ADAGRAD,
+                        dims_ptr, adagrad_ptr, settings_ptr, BLOCK_N, BLOCK_D, TABLE_DTYPE, HAS_SCALE, ADAGRAD,
                         True)
             seg = _first_hot_segment(starts_ptr, seg + 1, last, num_segments, num_values, hot_threshold, BLOCK_SCAN)
         first += BLOCK_SCAN * tl.num_programs(0)
@@ -316,7 +324,7 @@ class BackwardTables:
         self.table_ptrs = tensor([w.data_ptr() for w in weights], torch.int64)
         adagrad = [m is not None for m in momentum]
         self.adagrad = tensor(adagrad, torch.bool)
-        self.any_adagrad = any(adagrad)
+        self.adagrad_tables = (ALL_ADAGRAD if all(adagrad) else SOME_ADAGRAD if any(adagrad) else NO_ADAGRAD).value
         # An SGD table has no state: the kernel never reads its address.
         self.momentum_ptrs = tensor([0 if m is None else m.data_ptr() for m in momentum], torch.int64)
         self.dims = tensor(dims, torch.int32)
@@ -416,7 +424,7 @@ def launch_embedding_backward(bags: OwnedBags, grad: torch.Tensor, tables: Backw
     common = (plan.starts, plan.segment_keys, plan.num_segments, n, tables.row_bits,
               grad, plan.grad_offsets, plan.scales if has_scale else plan.grad_offsets,  # stand-in
               tables.table_ptrs, tables.momentum_ptrs, tables.dims, tables.adagrad, settings, HOT_THRESHOLD)
-    adagrad = tables.any_adagrad
+    adagrad = tables.adagrad_tables
     constexprs = (tables.block_dim, TL_DTYPES[tables.dtype], has_scale, adagrad)
     # What the binaries' specialisation follows from besides the constexprs: the keys' width and the alignment of
     # the tensors that are views (the gradient may be one into a symmetric buffer; the segment count is the last
