@@ -22,6 +22,7 @@ from fused_dlrm.report.moe import moe_layers
 from fused_dlrm.report import render
 from fused_dlrm.report.render import environment, markdown, write_json, write_png
 from fused_dlrm.train.loop import train as train_dlrm
+from moe.layer import REFUSAL_WORDS
 from moe.train import build_model as build_moe
 from moe.train import train as train_moe
 from moe.transformer import expert_parameters
@@ -190,8 +191,10 @@ def _bytes_as_sent(rank: int, world: int, tmp: str) -> None:
             if layer.name == STEP and layer is layers[-1]:
                 continue  # the MoE step's: the timed layer's bytes, whose routing is that of random tokens
             for p, run in ({} if isinstance(layer.bulk, str) else layer.bulk).items():
-                # the MoE layer's forward also exchanges its counts per expert ([world, local experts] int64)
-                counts = (world - 1) * moe.model.num_experts // world * 8 if layer.name == MOE_LAYER else 0
+                # the MoE layer's forward also exchanges its counts per expert and refusal words ([world, local
+                # experts + REFUSAL_WORDS] int64)
+                local_experts = moe.model.num_experts // world
+                counts = (world - 1) * (local_experts + REFUSAL_WORDS) * 8 if layer.name == MOE_LAYER else 0
                 assert sent.of(run) == layer.bytes_sent[p] + counts, (rank, layer.name, p, layer.bytes_sent)
 
 
