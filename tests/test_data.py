@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import math
 import random
+import re
 import time
 
 import pytest
@@ -572,19 +573,87 @@ def test_criteo_files_too_short_for_a_batch_are_refused(tmp_path, files, world_s
     assert len(list(CriteoTSV(paths, TABLE_ROWS, 4, rank=0, world_size=world_size, drop_last=drop_last))) == 1
 
 
-def test_a_resume_reads_the_batches_before_it_without_parsing_them(tmp_path, monkeypatch):
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_resume_reads_the_batches_before_it_without_parsing_them(tmp_path, monkeypatch, num_workers):
     """batch_stream from step 4 over 3 passes of 3 batches (10 lines in global batches of 4, rank 1 of 2): the
     batches of the whole stream from there, and only their lines parsed. Parsing a line costs ~10x reading it: a
     resume deep into a day of Criteo parsed every line before its step (minutes) to throw it away."""
-    reader = CriteoTSV(write(tmp_path / "d", numbered_lines(10)), TABLE_ROWS, 4, rank=1, world_size=2)
+    reader = CriteoTSV(write(tmp_path / "d", numbered_lines(10)), TABLE_ROWS, 4, rank=1, world_size=2,
+                       num_workers=num_workers)
     whole = [(epoch, line_ids(batch)) for epoch, batch in batch_stream(reader, 0, None, epochs=3)]
     assert whole[:4] == [(0, [2, 3]), (0, [6, 7]), (0, [9]), (1, [2, 3])]
-    parsed = []
+    parsed = tmp_path / "parsed"  # a line per line parsed, appended by whichever process parses it
     parse = criteo._parse_canonical
-    monkeypatch.setattr(criteo, "_parse_canonical", lambda lines, rows: parsed.extend(lines) or parse(lines, rows))
+
+    def counted(lines, rows):
+        with parsed.open("a") as f:
+            f.writelines(lines)
+        return parse(lines, rows)
+
+    monkeypatch.setattr(criteo, "_parse_canonical", counted)
     resumed = [(epoch, line_ids(batch)) for epoch, batch in batch_stream(reader, 4, None, epochs=3)]
     assert resumed == whole[4:]
-    assert len(parsed) == sum(len(ids) for _, ids in resumed)
+    assert len(parsed.read_text().splitlines()) == sum(len(ids) for _, ids in resumed)
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 3])
+def test_criteo_workers_make_the_batches_of_one_process(tmp_path, num_workers):
+    """Batch for batch what the reader makes in its own process: over three files (a .gz, one without its final
+    newline) with the short last batch or without (drop_last), for every rank of 3, from the start or resumed."""
+    lines = random_criteo_lines(random.Random(1), 700)
+    with gzip.open(tmp_path / "day_1.gz", "wt") as f:
+        f.writelines(lines[250:600])
+    paths = [write(tmp_path / "day_0", lines[:250]), str(tmp_path / "day_1.gz"),
+             write(tmp_path / "day_2", [*lines[600:-1], lines[-1].rstrip("\n")])]
+    for drop_last in (False, True):
+        for world_size, rank in ((1, 0), (3, 0), (3, 2)):
+            def reader(workers):
+                return CriteoTSV(paths, UNEVEN_ROWS, 64, rank=rank, world_size=world_size, drop_last=drop_last,
+                                 num_workers=workers)
+            for skipped in (0, 4):
+                alone, made = list(reader(0).skipping(skipped)), list(reader(num_workers).skipping(skipped))
+                assert len(alone) == 10 + (not drop_last) and len(made) == len(alone)
+                for index, (a, b) in enumerate(zip(alone, made)):
+                    assert (a is None) == (b is None) == (index < skipped)
+                    if a is not None:
+                        assert_batches_equal(a, b)
+
+
+@pytest.mark.parametrize("cpus,local_ranks,workers", [(2, 1, 1), (1, 1, 1), (16, 4, 3), (64, 8, 7), (64, 1, 8),
+                                                     (8, 16, 1)])
+def test_criteo_default_workers_share_the_cpus_of_a_node(monkeypatch, cpus, local_ranks, workers):
+    monkeypatch.setattr(criteo.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    assert criteo.default_num_workers() == workers
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 3])
+def test_criteo_worker_errors_reach_the_caller_at_their_batch(tmp_path, num_workers):
+    """A malformed line, or a file that cannot be read past a line, raises the reader's own ValueError (not a
+    DataLoader's copy, its message a worker's traceback) after the batches before it, from any worker."""
+    lines = numbered_lines(30)
+    lines[17] = criteo_line(2)  # global batch 4 of 4 lines
+    bad = write(tmp_path / "bad.tsv", lines)
+    with gzip.open(tmp_path / "whole.gz", "wt") as f:
+        f.writelines(numbered_lines(3000))
+    truncated = tmp_path / "truncated.gz"
+    truncated.write_bytes((tmp_path / "whole.gz").read_bytes()[:-100])
+    for paths, message, made in (
+        (bad, re.escape(f"{bad}:18: malformed Criteo line: label must be 0 or 1, got '2'"), 4),
+        ([bad.replace("bad.tsv", "good.tsv"), truncated],
+         re.escape(f"{truncated}: cannot read past line ") + r"(\d+): Compressed file ended .*", None),
+    ):
+        if made is None:
+            write(tmp_path / "good.tsv", numbered_lines(2))
+        batches = iter(CriteoTSV(paths, TABLE_ROWS, 4, num_workers=num_workers))
+        yielded = []
+        with pytest.raises(ValueError) as info:
+            yielded.extend(batches)
+        found = re.fullmatch(message, str(info.value))
+        assert found, str(info.value)
+        if made is None:  # the batch that holds the line after the last one read: 2 lines of good.tsv first
+            made = (2 + int(found.group(1))) // 4
+        assert len(yielded) == made
 
 
 @pytest.mark.parametrize(
@@ -595,6 +664,7 @@ def test_a_resume_reads_the_batches_before_it_without_parsing_them(tmp_path, mon
         ({"num_rows": [2**63] * 26}, r"num_rows must all be in \[1, 2\*\*63\)"),
         ({"feature_names": ["a", "b"]}, "feature_names"),
         ({"global_batch_size": 1, "world_size": 2}, "global_batch_size"),
+        ({"num_workers": -1}, r"num_workers must be an integer >= 0 \(0: no worker processes\), got -1"),
     ],
 )
 def test_criteo_argument_errors(tmp_path, kwargs, match):

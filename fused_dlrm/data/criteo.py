@@ -11,6 +11,10 @@ parsed line by line (`_parse_line`, ~5x slower) with Python's ``int()``, which a
 surrounding whitespace, a ``+`` or ``-`` sign, ``_`` between digits, a ``0x`` prefix or a sign on hex, non-ASCII
 digits, longer values. The first line it refuses raises a ValueError naming its file and line; so does a count
 beyond float64 (log1p's input; > 1.8e308, no count of a click log but a corrupt line, which clamping would hide).
+
+`num_workers` processes (torch's DataLoader) make the batches, each reading every line and parsing (its rank's
+slice of) every num_workers-th global batch: the training process is left the step, and the parse rate grows with
+the workers (docs/benchmarks.md, "The Criteo TSV reader in worker processes").
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import IO
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -32,6 +37,14 @@ CRITEO_NUM_DENSE = 13
 CRITEO_NUM_SPARSE = 26
 CRITEO_SPARSE_FEATURES = [f"cat_{i}" for i in range(CRITEO_NUM_SPARSE)]
 _NUM_COLUMNS = 1 + CRITEO_NUM_DENSE + CRITEO_NUM_SPARSE
+
+
+def default_num_workers() -> int:
+    """Parsing processes per rank: the CPUs this process may run on, shared by the ranks of its node (torchrun's
+    LOCAL_WORLD_SIZE), one of them left to the rank itself (its training step and batch thread); at least 1, at
+    most 8 (past what one GPU's step takes, docs/benchmarks.md)."""
+    cpus = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(8, cpus - 1))
 
 
 def _open_text(path: str) -> IO[str]:
@@ -173,6 +186,8 @@ class CriteoTSV:
 
     Dense features are ``log(1 + max(count, 0))`` (missing -> 0) as float32. Each categorical
     feature is a bag of one id ``int(hex, 16) % num_rows[f]``, or an empty bag when missing.
+
+    ``num_workers`` processes make the batches (None: `default_num_workers`; 0: this process).
     """
 
     def __init__(
@@ -184,6 +199,7 @@ class CriteoTSV:
         world_size: int = 1,
         feature_names: Sequence[str] | None = None,
         drop_last: bool = False,
+        num_workers: int | None = None,
     ) -> None:
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
@@ -211,6 +227,9 @@ class CriteoTSV:
         self.rank = rank
         self.world_size = world_size
         self.drop_last = drop_last
+        self.num_workers = default_num_workers() if num_workers is None else num_workers
+        if not isinstance(self.num_workers, int) or self.num_workers < 0:
+            raise ValueError(f"num_workers must be an integer >= 0 (0: no worker processes), got {num_workers!r}")
         # Files too short for one batch would yield none, found only where they are first read (an evaluation's:
         # after trainer.eval_every steps); their first lines tell now.
         needed = global_batch_size if drop_last else world_size
@@ -236,15 +255,30 @@ class CriteoTSV:
     def skipping(self, batches: int) -> Iterator[Batch | None]:
         """One pass over the files as iter(self) makes it, its first `batches` batches read but not made: None in
         their place. A resume finds its step so (train/build.py's batch_stream): parsing a line costs ~10x reading
-        it, and a step deep into a day of Criteo lies behind millions of lines."""
+        it, and a step deep into a day of Criteo lies behind millions of lines.
+
+        With workers, the DataLoader hands out their batches in turn, so in order; an error raised making a batch
+        (a malformed line) is raised here as raised there, at that batch."""
+        if not self.num_workers:
+            yield from self._batches(batches)
+            return
+        for batch in DataLoader(_WorkerShare(self, batches), batch_size=None, num_workers=self.num_workers):
+            if isinstance(batch, Exception):
+                raise batch
+            yield batch
+
+    def _batches(self, skipped: int, worker: int = 0, workers: int = 1) -> Iterator[Batch | None]:
+        """Batches `worker`, `worker + workers`, ... of `skipping(skipped)`; the lines of all read, to find them."""
         lines = self._lines()
         for index in count():
-            # Lines of other ranks, and of the batches skipped, are only read, not parsed.
+            # Lines of other ranks, of other workers' batches and of the batches skipped are only read, not parsed.
             global_batch = list(islice(lines, self.global_batch_size))
             if len(global_batch) < self.global_batch_size:
                 if self.drop_last or len(global_batch) < self.world_size:
                     return
-            if index < batches:
+            if index % workers != worker:
+                continue
+            if index < skipped:
                 yield None
                 continue
             start, stop = local_batch_bounds(len(global_batch), self.rank, self.world_size)
@@ -280,3 +314,18 @@ class CriteoTSV:
             dense.append(dense_row)
             sparse.append(sparse_row)
         return np.array(labels, np.float32), np.array(dense, np.float64), np.array(sparse, np.int64)
+
+
+class _WorkerShare(IterableDataset):
+    """A DataLoader worker's batches of `reader.skipping(skipped)`: every num_workers-th from its id. An error
+    raised making one comes in its place, as it is (the DataLoader would raise a copy, its message a traceback)."""
+
+    def __init__(self, reader: CriteoTSV, skipped: int) -> None:
+        self.reader, self.skipped = reader, skipped
+
+    def __iter__(self) -> Iterator[Batch | None | Exception]:
+        worker = get_worker_info()
+        try:
+            yield from self.reader._batches(self.skipped, worker.id, worker.num_workers)
+        except Exception as error:  # noqa: BLE001: raised by skipping, in the main process
+            yield error
