@@ -85,6 +85,8 @@ def assert_batches_equal(a, b):
     assert a.sparse_features.keys() == b.sparse_features.keys()
     assert torch.equal(a.sparse_features.lengths(), b.sparse_features.lengths())
     assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
+    assert a.sparse_features.lengths().dtype == b.sparse_features.lengths().dtype
+    assert a.sparse_features.values().dtype == b.sparse_features.values().dtype
 
 
 def batches_equal(a, b) -> bool:
@@ -327,6 +329,7 @@ def test_criteo_parses_values_missing_and_negatives(tmp_path):
 
     kjt = batch.sparse_features
     assert kjt.keys() == CRITEO_SPARSE_FEATURES
+    assert kjt.values().dtype == torch.int64 and kjt.lengths().dtype == torch.int32  # ids were sent as int32
     per_feature = kjt.to_dict()
     for i, name in enumerate(CRITEO_SPARSE_FEATURES):
         jt = per_feature[name]
