@@ -22,10 +22,15 @@ token ids outside its vocabulary) raise on every rank: a rank raising alone woul
 next exchange. Each rank's refusal words ([code, value, limit], code 0: none) ride in the counts' exchange that
 every call makes anyway (the bulk all-to-all, the fused all-gather: 3 words more per rank), and every rank raises
 where the host reads the counts: bulk and fused without max_tokens_per_rank in the forward; with it, on gloo
-(whose collectives return done) at once, else in the backward (which reads them anyway), and under no_grad, where
-nothing reads them, from the dispatch's error word (`FusedDispatch.record_refused`: at a later call or
-`dispatch.errors.check(block=True)`, as a peer's timeout). Until then a rank over max_tokens_per_rank sends none of
-its tokens (no buffer is overrun) and its output is NaN.
+(whose collectives return done) at once. Elsewhere (NCCL) no forward reads them: every rank records them in its
+dispatch's error word (`FusedDispatch.record_refused`: one one-program kernel behind the dispatch; in training
+too, where a backward may never come: an evaluation without no_grad, a loss dropped), which raises PeerRefusedInput as it raises a peer's
+timeout: at a later call (GPUs: within PeerErrors' check_every calls) or `dispatch.errors.check(block=True)`; on
+the CPU at the call's end. A backward that comes first reads the counts anyway: it raises there, taking the
+refusal out of the error word (`errors.check(block=True)`), so no later call raises it again (the word is the
+layer's: where several layers refused one forward, as every layer does with a rank over max_tokens_per_rank, the
+backward raises the last one's and the others' raise later). Until then a rank over max_tokens_per_rank sends
+none of its tokens (no buffer is overrun) and its output is NaN.
 """
 
 from __future__ import annotations
@@ -146,6 +151,7 @@ class MoELayer(nn.Module):
         self.dispatch = self.combine = self._dispatch_graphs = self.max_tokens = None
         self._refuse_alone = self.world == 1  # a refused call raises at once: no peer waits for this rank
         self._refusals_read_at_once = False  # comm="fused" with max_tokens_per_rank: the gathered words read at once
+        self._refusals_recorded = False  # ... or recorded in the dispatch's error word (no forward reads them)
         if comm == "fused":
             if workspace is None:
                 on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
@@ -183,6 +189,7 @@ class MoELayer(nn.Module):
             # collectives return done (gloo): there the refusal words are read right after the all-gather.
             self._refusals_read_at_once = (self.max_tokens is not None and self.world > 1
                                            and dist.get_backend(group) == "gloo")
+            self._refusals_recorded = self.max_tokens is not None and not self._refusals_read_at_once
 
     def forward(self, x: torch.Tensor, logit_bias: torch.Tensor | None = None,
                 alongside: Callable[[], torch.Tensor] | None = None,
@@ -260,14 +267,14 @@ class MoELayer(nn.Module):
         `overlap` is queued behind GEMM 1, before the host waits for the counts. The dispatch by token sends each
         row's routing weight (perm.row_weights: `permutation` was given the weights) with its token id.
         `gathered`: the all-gathered counts, then every rank's refusal words; the layout raises a refusal where the
-        host reads them, and a call that no backward reads them for records it in the dispatch's error word."""
+        host reads them, and where no forward does they are recorded in the dispatch's error word (see the module
+        docstring)."""
         # enqueued before the dispatch: reading it waits for the counts only
         layout = _HostLayout(self, counts, PendingHostCopy(gathered), self._tile_rows(x))
         if not self.dispatch.capacity:
             self.dispatch.reserve(layout.get().max_recv_rows, layout.get().total_rows)
-        unread = self.max_tokens is not None and not keep_a13 and not self._refusals_read_at_once
         out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13,
-                                         gathered[:, self.num_experts:] if unread else None)
+                                         gathered[:, self.num_experts:] if self._refusals_recorded else None)
         overlap()
         if self.max_tokens is not None:
             return layout, out
@@ -400,7 +407,8 @@ class MoEStatistics(Mapping):
 class _HostLayout:
     """A call's ExpertLayout, built from the counts' copy to the host when first asked for: in the forward without
     max_tokens_per_rank (the host sync), else in the backward, long after the copy ended (none under no_grad).
-    The copy holds every rank's refusal words after the counts: a refused call raises here, on every rank."""
+    The copy holds every rank's refusal words after the counts: a refused call raises here, on every rank; where
+    the dispatch's error word holds the refusal too (MoELayer._refusals_recorded), from there, which clears it."""
 
     def __init__(self, layer: MoELayer, counts: torch.Tensor, on_host: PendingHostCopy, tile_rows: tuple[int, int]):
         self.layer, self.counts, self.on_host, self.tile_rows = layer, counts, on_host, tile_rows
@@ -410,7 +418,12 @@ class _HostLayout:
         """`dispatched`: the call's tables, whose per-row tables the layout reuses when they hold every row."""
         if self._layout is None:
             layer, host = self.layer, self.on_host.get()
-            raise_refused(host[:, layer.num_experts:].tolist(), layer.rank)
+            words = host[:, layer.num_experts:].tolist()
+            if layer._refusals_recorded and any(w[0] for w in words):
+                # Raised from the error word (its first error: this refusal, or one before it), so that no later
+                # call raises it again; raise_refused only if a later call's check raised it already.
+                layer.dispatch.errors.check(block=True)
+            raise_refused(words, layer.rank)
             self._layout = build_expert_layout(self.counts, layer.rank, layer.num_local_experts, *self.tile_rows,
                                                dispatched=dispatched, host_counts=host[:, :layer.num_experts])
         return self._layout

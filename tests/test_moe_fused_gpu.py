@@ -170,10 +170,11 @@ def peer_never_starts(rank, world, backward):
 
 def refused_on_one_rank(rank, world, max_tokens, dispatch):
     """Rank 1 passes one token more than max_tokens_per_rank, then rank 0 refusal words of its own (the
-    Transformer's token ids). Every rank raises, naming the refused rank: on NCCL, whose bounded forward reads no
-    counts, in the backward (which reads them) or under no_grad at errors.check(block=True) (the dispatch's error
-    word); on gloo at the counts' all-gather; without max_tokens_per_rank where the forward reads the counts. The
-    next step matches bulk: the exchanges stayed in step."""
+    Transformer's token ids). Every rank raises, naming the refused rank, once: on NCCL, whose bounded forward reads
+    no counts, in the backward (which reads them, and clears the refusal from the dispatch's error word) or, where
+    no backward follows (no_grad, or with grad: an evaluation that forgot no_grad), at errors.check(block=True)
+    (the error word); on gloo at the counts' all-gather; without max_tokens_per_rank where the forward reads the
+    counts. The next step matches bulk (the exchanges stayed in step) and raises nothing."""
     gen = torch.Generator().manual_seed(rank)
     fused, bulk = layers(max_tokens=max_tokens, dispatch=dispatch)
     words = torch.tensor([TOKEN_OUT_OF_VOCABULARY, 300, 256] if rank == 0 else [0, 0, 0], device="cuda")
@@ -188,11 +189,15 @@ def refused_on_one_rank(rank, world, max_tokens, dispatch):
         with pytest.raises(ValueError, match=f"rank {rank}: {what}"):
             y, _ = fused(x.clone().requires_grad_(), refused=refused)
             y.float().sum().backward()
-        with pytest.raises(ValueError, match=f"rank {rank}: {what}"):
-            with torch.no_grad():
-                fused(x, refused=refused)
+        compare(fused, bulk, 512, None, gen, f"after {what}, raised in the backward")
+        fused.dispatch.errors.check(block=True)
+        for grad in (False, True):  # no backward follows
+            with pytest.raises(ValueError, match=f"rank {rank}: {what}"):
+                with torch.set_grad_enabled(grad):
+                    fused(x.clone().requires_grad_(grad), refused=refused)
+                fused.dispatch.errors.check(block=True)
+            compare(fused, bulk, 512, None, gen, f"after {what}, grad {grad}")
             fused.dispatch.errors.check(block=True)
-        compare(fused, bulk, 512, None, gen, f"after {what}")
 
 
 BUFFERS = pytest.mark.parametrize("max_tokens,dispatch", [(None, "rows"), (512, "rows"), (512, "tokens")],

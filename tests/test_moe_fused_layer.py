@@ -15,7 +15,7 @@ from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels import graphed_calls
 from fused_dlrm.kernels.graphed_calls import GraphedCalls
-from fused_dlrm.kernels.peer_flags import PeerRefusedInput
+from fused_dlrm.kernels.peer_flags import PeerErrors, PeerRefusedInput
 from graph_stand_in import stand_in_capture
 from world import run_world
 from fused_dlrm.train.adamw import AdamW
@@ -156,15 +156,28 @@ def test_a_refused_rank_stops_every_rank():
     run_world(2, _one_rank_refused, timeout=240)
 
 
+class ReadLater(PeerErrors):
+    """The error word read as on GPUs: not at the call's end but at a later call's check (here the next one's, as if
+    the copy behind this call had completed) or check(block=True), either clearing it."""
+
+    def after_wait(self) -> None:
+        pass
+
+    def check(self, block: bool = False) -> None:
+        self._raise_if_set(self.word)
+
+
 @interpreter
 @pytest.mark.parametrize("dispatch", ["rows", "tokens"])
-def test_refused_calls_raise_where_the_counts_are_read(dispatch):
+def test_a_refusal_raises_once_whether_a_backward_comes_or_not(dispatch):
     """On NCCL the bounded forward reads no counts. A rank over max_tokens_per_rank (here the only rank, taken for
-    one with peers) then sends none of its tokens, its output NaN, and the refusal words all-gathered with the
-    counts raise on every rank in the backward, which reads them anyway, or under no_grad from the dispatch's
-    error word (on the CPU at the call's end; on GPUs at a later call or errors.check(block=True)); the caller's
-    refusal words (the Transformer's token ids) alike. Every call's exchange completes: the next call's results
-    are the bulk layer's."""
+    one with peers) then sends none of its tokens, its output NaN, and every rank records the refusal words
+    all-gathered with the counts in its dispatch's error word, read as on GPUs (ReadLater): a backward raises
+    them where it reads the counts, and no later call raises them again; a forward without backward, with grad
+    (an evaluation that forgot no_grad, a dropped loss) or without, raises them at the next call or
+    errors.check(block=True). The caller's refusal words (the Transformer's token ids) alike. Every call's exchange
+    completes: the next call's results are the bulk layer's. On the CPU as it is (the word read at the call's
+    end) the refused forward raises at once, with grad too."""
     workspace = SimulatedWorld(1).workspaces()[0]
     fused = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused", workspace=workspace,
                      fused=FusedMoEConfig(max_tokens_per_rank=20, dispatch=dispatch))
@@ -173,21 +186,44 @@ def test_refused_calls_raise_where_the_counts_are_read(dispatch):
     gen = torch.Generator().manual_seed(17)
     over = "rank 0: 21 tokens, more than max_tokens_per_rank=20"
     vocabulary = r"rank 0: token id -4 in its batch, outside the vocabulary \[0, 256\)"
-    for tokens, refused, message in ((21, None, over), (11, [TOKEN_OUT_OF_VOCABULARY, -4, 256], vocabulary)):
-        refused = None if refused is None else torch.tensor(refused)
-        x = torch.randn(tokens, D_MODEL, generator=gen, requires_grad=True)
-        y, _ = fused(x, refused=refused)
-        assert y.shape == x.shape and y.isnan().all() == (refused is None)
-        with pytest.raises(ValueError, match=message):
-            y.sum().backward()
-        with torch.no_grad(), pytest.raises(PeerRefusedInput, match=rf"fused MoE dispatch at step \d+: {message}"):
-            fused(x, refused=refused)
+
+    def next_step() -> int:  # the dispatch's next epoch (peeked: next_epoch would take it)
+        return workspace._epochs.get("moe_dispatch", 0) + 1
+
+    def matches_bulk():  # a good training call: nothing raised, the bulk layer's results
         x, grad = torch.randn(13, D_MODEL, generator=gen), torch.randn(13, D_MODEL, generator=gen)
         for layer in (fused, bulk):
             layer.zero_grad()
         (y, gx, _), (want_y, want_gx, _) = run(fused, x, None, grad), run(bulk, x, None, grad)
+        fused.dispatch.errors.check(block=True)
         torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5 * max(want_y.abs().max().item(), 1.0))
         torch.testing.assert_close(gx, want_gx, rtol=1e-5, atol=1e-5)
+
+    for tokens, refused, message in ((21, None, over), (11, [TOKEN_OUT_OF_VOCABULARY, -4, 256], vocabulary)):
+        refused = None if refused is None else torch.tensor(refused)
+        x = torch.randn(tokens, D_MODEL, generator=gen, requires_grad=True)
+        with pytest.raises(PeerRefusedInput, match=rf"fused MoE dispatch at step {next_step()}: {message}"):
+            fused(x, refused=refused)  # the CPU's own reading: at once
+        errors = fused.dispatch.errors
+        fused.dispatch.errors = ReadLater(errors.word.device, errors.rank, errors.what,
+                                          describe_refused=errors.describe_refused)
+        step = next_step()
+        y, _ = fused(x, refused=refused)
+        assert y.shape == x.shape and y.isnan().all() == (refused is None)
+        with pytest.raises(PeerRefusedInput, match=rf"fused MoE dispatch at step {step}: {message}"):
+            y.sum().backward()  # from the error word, which it clears
+        matches_bulk()  # the backward raised it: not again
+        for grad_enabled, read in ((True, "next call"), (True, "check"), (False, "next call"), (False, "check")):
+            with torch.set_grad_enabled(grad_enabled):
+                step = next_step()
+                fused(x, refused=refused)  # no backward
+            with pytest.raises(PeerRefusedInput, match=rf"fused MoE dispatch at step {step}: {message}"):
+                if read == "next call":
+                    fused(torch.randn(5, D_MODEL, generator=gen))
+                else:
+                    fused.dispatch.errors.check(block=True)
+            matches_bulk()
+        fused.dispatch.errors = errors
 
 
 @interpreter

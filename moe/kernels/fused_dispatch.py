@@ -640,9 +640,10 @@ class FusedDispatch:
         return rows.local[base:base + self.capacity * self.d_model].view(self.capacity, self.d_model)
 
     def record_refused(self, words: torch.Tensor, epoch: int) -> None:
-        """Between an epoch's `launch` and `end`: every rank's refusal words (peer_flags.record_refused), which no
-        host reads, into the error word; every rank, given the same words, raises the same error (PeerRefusedInput,
-        `describe_refused`'s message) as it raises a timeout: at a later call, or errors.check(block=True)."""
+        """Between an epoch's `launch` and `end`: every rank's refusal words (peer_flags.record_refused), which the
+        forward's host does not read, into the error word; every rank, given the same words, raises the same error
+        (PeerRefusedInput, `describe_refused`'s message) as it raises a timeout: at a later call, or
+        errors.check(block=True) (which clears the word: a backward that reads the words raises it there)."""
         record_refused(words, self.errors.word, self.rank, epoch)
 
     def rows_by_source(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
