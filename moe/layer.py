@@ -24,8 +24,8 @@ every call makes anyway (the bulk all-to-all, the fused all-gather: 3 words more
 where the host reads the counts: bulk and fused without max_tokens_per_rank in the forward; with it, on gloo
 (whose collectives return done) at once. Elsewhere (NCCL) no forward reads them: every rank records them in its
 dispatch's error word (`FusedDispatch.record_refused`: one one-program kernel behind the dispatch; in training
-too, where a backward may never come: an evaluation without no_grad, a loss dropped), which raises PeerRefusedInput as it raises a peer's
-timeout: at a later call (GPUs: within PeerErrors' check_every calls) or `dispatch.errors.check(block=True)`; on
+too, where a backward may never come: an evaluation without no_grad, a loss dropped), which raises
+PeerRefusedInput as it raises a peer's timeout: at a later call (GPUs: within PeerErrors' check_every calls) or `dispatch.errors.check(block=True)`; on
 the CPU at the call's end. A backward that comes first reads the counts anyway: it raises there, taking the
 refusal out of the error word (`errors.check(block=True)`), so no later call raises it again (the word is the
 layer's: where several layers refused one forward, as every layer does with a rank over max_tokens_per_rank, the
