@@ -6,9 +6,13 @@ are its class's arguments, which the call of the class checks (`+trainer.dense_o
 `+data.train.device=cuda`).
 
 The chosen options are Hydra's record of them: the config's own `hydra` node (composed with return_hydra_config), or
-the running @hydra.main job's (HydraConfig). A config composed without either (compose() in tests) is checked
-against the options whose keys are closest to its own (fewest keys added or missing): a key is refused when none of
-them sets it."""
+the running @hydra.main job's (HydraConfig). A config composed without either (compose() in tests, a script) names
+its options itself, in the field the code dispatches on (NAMED_BY): comm.mode (bulk | fused), model.name (dlrm:
+model=dlrm or dlrm_paper), data.train._target_ (the dataset class; none: the byte corpus). Its keys are checked
+against every option with that value (the error names them all): the same code reads what any of them sets. The
+trainer group has no such field: all its options. A value no packaged option has (an option of the user's own) is
+not checked, as with the record. (A guess from the config's keys alone would take comm=bulk holding all of
+comm=fused's keys for comm=fused.)"""
 
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 CHECKED_GROUPS = ("trainer", "model", "data", "comm")
+# Without Hydra's record: the field of each group that names the code reading its keys, and so its options
+NAMED_BY = {"model": "name", "data": "train._target_", "comm": "mode"}
 
 
 def _paths(node: dict, prefix: str) -> Iterator[str]:
@@ -60,19 +66,25 @@ def top_level_keys() -> set[str]:
     return (set(node) - {"defaults"}) | {p.name for p in CONF.iterdir() if p.is_dir()}
 
 
-def recorded_choices(cfg: DictConfig) -> dict | None:
-    """Hydra's record of the option chosen for each group: cfg's own `hydra` node, else the running job's."""
+def chosen_options(cfg: DictConfig) -> dict[str, list[str]]:
+    """The packaged options each group's keys are checked against (none: an option of the user's own, not checked):
+    the one Hydra's record names (cfg's own `hydra` node, else the running job's), or without a record the options
+    whose NAMED_BY field has cfg's value (every option of a group without one)."""
     if OmegaConf.select(cfg, "hydra.runtime.choices") is not None:
-        return dict(cfg.hydra.runtime.choices)
-    if HydraConfig.initialized():
-        return dict(HydraConfig.get().runtime.choices)
-    return None
+        recorded = dict(cfg.hydra.runtime.choices)
+    elif HydraConfig.initialized():
+        recorded = dict(HydraConfig.get().runtime.choices)
+    else:
+        return {group: [option for option in options(group) if group not in NAMED_BY
+                        or _named(group, option) == OmegaConf.select(cfg, f"{group}.{NAMED_BY[group]}")]
+                for group in CHECKED_GROUPS}
+    return {group: [recorded[group]] if recorded.get(group) in options(group) else [] for group in CHECKED_GROUPS}
 
 
-def closest_options(group: str, keys: set[str]) -> list[str]:
-    """The options of a group whose keys differ least from `keys` (a config's, composed without Hydra's record)."""
-    distance = {option: len(keys ^ option_keys(group, option)) for option in options(group)}
-    return [option for option in options(group) if distance[option] == min(distance.values())]
+@cache
+def _named(group: str, option: str) -> object:
+    """The value the option sets its group's NAMED_BY field to (None where it sets none: the byte corpus's data)."""
+    return OmegaConf.select(_option_node(group, option), NAMED_BY[group])
 
 
 def _either(group: str, names: list[str]) -> str:
@@ -91,15 +103,11 @@ def _describe(key: str, known: set[str], chosen: str = "", elsewhere: str = "") 
             f"{f' under {chosen}' if chosen else ''}: {', '.join(siblings)}")
 
 
-def _group_errors(cfg: DictConfig, group: str, choices: dict | None) -> list[str]:
-    """The keys of cfg[group] its chosen option does not set, described."""
-    keys = list(_paths(OmegaConf.to_container(cfg[group], resolve=False), group))
-    if choices is None:
-        chosen = closest_options(group, set(keys))
-    elif choices.get(group) in options(group):
-        chosen = [choices[group]]
-    else:  # an option of the user's own (a config dir on hydra.searchpath): which keys it sets is not known here
+def _group_errors(cfg: DictConfig, group: str, chosen: list[str]) -> list[str]:
+    """The keys of cfg[group] none of the `chosen` options sets, described."""
+    if not chosen:  # an option of the user's own (a config dir on hydra.searchpath): which keys it sets is not known
         return []
+    keys = list(_paths(OmegaConf.to_container(cfg[group], resolve=False), group))
     known = set().union(*(option_keys(group, option) for option in chosen))
     errors = []
     for key in keys:
@@ -116,10 +124,10 @@ def check_config_keys(cfg: DictConfig) -> None:
     under torchrun every rank raises the same error."""
     top = top_level_keys()
     unknown = [_describe(key, top) for key in cfg if key not in top]
-    choices = recorded_choices(cfg)
+    chosen = chosen_options(cfg)
     for group in CHECKED_GROUPS:
         if group in cfg:
-            unknown += _group_errors(cfg, group, choices)
+            unknown += _group_errors(cfg, group, chosen[group])
     if unknown:
         raise ValueError(f"unknown config key(s), which no code reads (a `+` override adds any key): "
                          f"{' | '.join(unknown)}")
