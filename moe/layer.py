@@ -50,7 +50,7 @@ from fused_dlrm.dist import all_to_all_v, exchange_counts
 from fused_dlrm.dist.alltoall import world_size
 from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.dist.reorder import inverse_permutation, reorder
-from fused_dlrm.dist.symmetric import _Workspace, cuda_workspace
+from fused_dlrm.dist.symmetric import ALLOCATION_TIMEOUT_S, _Workspace, cuda_workspace
 from fused_dlrm.kernels.graphed_calls import GraphedCalls, Lease
 from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT
 from fused_dlrm.train.compute_copies import compute_copy, compute_weight, refresh_compute_copy
@@ -102,6 +102,8 @@ class FusedMoEConfig:
     num_programs: int | None = None  # persistent programs of the dispatch push and of the combine GEMM; None:
     # DISPATCH_PUSH_PROGRAMS and one per SM
     wait_timeout_spins: int = DEFAULT_SPIN_LIMIT  # polls of a flag before a wait gives up and names rank and slice
+    allocation_timeout_s: float = ALLOCATION_TIMEOUT_S  # how long a rank waits for its peers at an allocation of
+    # the `cuda_workspace` the layer makes (dist.symmetric.agree_on_allocation)
     cuda_graphs: bool = True  # GPUs: the dispatch's launches before the counts' host sync replayed as CUDA graphs
     # (less host time per forward; each graph keeps its h, a13 and tables allocated between calls)
     max_tokens_per_rank: int | None = None  # the most tokens any rank passes to one forward. With it the forward
@@ -153,13 +155,13 @@ class MoELayer(nn.Module):
         self._refusals_read_at_once = False  # comm="fused" with max_tokens_per_rank: the gathered words read at once
         self._refusals_recorded = False  # ... or recorded in the dispatch's error word (no forward reads them)
         if comm == "fused":
+            fused = fused or FusedMoEConfig()
             if workspace is None:
                 on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
                 if not on_cuda or not dist.is_initialized():  # device None: a model moved to the GPU later
                     raise RuntimeError("comm=fused needs CUDA GPUs under torchrun (symmetric memory); use comm=bulk "
                                        "on the CPU")
-                workspace = cuda_workspace(group)
-            fused = fused or FusedMoEConfig()
+                workspace = cuda_workspace(group, fused.allocation_timeout_s)
             if fused.dispatch not in ("auto", "rows", "tokens"):
                 raise ValueError(f"FusedMoEConfig.dispatch={fused.dispatch!r}: expected 'auto', 'rows' or 'tokens'")
             if fused.combine not in ("auto", "rows"):

@@ -33,6 +33,7 @@ from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.dist.alltoall import world_size
 from fused_dlrm.dist.env import raise_on_every_rank
 from fused_dlrm.dist.host_copy import host_to_device
+from fused_dlrm.dist.symmetric import check_allocation_timeout
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
 from fused_dlrm.train.config_keys import check_config_keys
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
@@ -63,6 +64,7 @@ def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
     if cfg.comm.mode == "fused" and cfg.comm.get("transport", "p2p") != "p2p":
         raise ValueError(f"comm.transport={cfg.comm.transport}: the MoE layers' fused dispatch and combine have the "
                          "p2p transport only")
+    check_allocation_timeout(cfg.comm.allocation_timeout_s)
     tp_group, dp_group = tp_groups(m.tp_size)
     model = MoETransformer(vocab_size=m.vocab_size, d_model=m.d_model, num_layers=m.num_layers,
                            num_heads=m.num_heads, ffn=m.ffn, num_experts=m.num_experts, top_k=m.top_k,
@@ -70,7 +72,8 @@ def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
                            capacity_factor=m.capacity_factor, seed=cfg.seed, group=dp_group, tp_group=tp_group,
                            tp_comm=m.tp_comm, sequence_parallel=m.get("sequence_parallel", False),
                            moe_comm=cfg.comm.mode, moe_fused=fused_moe_config(cfg, env),
-                           compute_dtype=compute_dtype(m.get("precision", "fp32")))
+                           compute_dtype=compute_dtype(m.get("precision", "fp32")),
+                           allocation_timeout_s=cfg.comm.allocation_timeout_s)
     return model.to(env.device)
 
 
@@ -97,8 +100,8 @@ def fused_moe_config(cfg: DictConfig, env: DistEnv) -> FusedMoEConfig | None:
     if cfg.model.get("sequence_parallel", False) and tp_size > 1:
         max_tokens //= tp_size  # exactly: build_model refuses a batch whose shares do not split
     return FusedMoEConfig(num_programs=cfg.comm.num_programs, wait_timeout_spins=cfg.comm.wait_timeout_spins,
-                          cuda_graphs=cfg.trainer.cuda_graphs, max_tokens_per_rank=max_tokens,
-                          dispatch=cfg.comm.moe_dispatch, combine=cfg.comm.moe_combine)
+                          allocation_timeout_s=cfg.comm.allocation_timeout_s, cuda_graphs=cfg.trainer.cuda_graphs,
+                          max_tokens_per_rank=max_tokens, dispatch=cfg.comm.moe_dispatch, combine=cfg.comm.moe_combine)
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:
@@ -140,7 +143,8 @@ def sync_gradients(model: MoETransformer, grad_allreduce: str = "nccl") -> None:
     complete for the group's tokens). The experts' gradients are complete on their owner as they are (the
     exchanges' backward brought every rank's share home): no pass over them, which on 2 x H200 would read and
     write the fine-grained config's 2.2B expert gradients (~4.3 ms per step, docs/benchmarks.md).
-    grad_allreduce other than "nccl" sums them with that codec (fused_dlrm.tp).
+    grad_allreduce other than "nccl" sums them with that codec (fused_dlrm.tp; a fused one's workspace waits the
+    model's allocation_timeout_s for the peers at an allocation).
     """
     for _, params, group in model.gradient_groups():
         if world_size(group) == 1 or not params:
@@ -152,7 +156,8 @@ def sync_gradients(model: MoETransformer, grad_allreduce: str = "nccl") -> None:
         if grad_allreduce == "nccl":
             dist.all_reduce(flat, group=group)
         else:
-            quantized_all_reduce(flat, grad_allreduce, group=group, out=flat)
+            quantized_all_reduce(flat, grad_allreduce, group=group, out=flat,
+                                 allocation_timeout_s=model.allocation_timeout_s)
         offset = 0
         for p in params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fused_dlrm.dist.symmetric import ALLOCATION_TIMEOUT_S
 from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, TPLinear
 from fused_dlrm.train.compute_copies import want_compute_copy
 from moe.experts import SwiGLUExperts
@@ -54,12 +55,13 @@ def derive_seed(*parts: object) -> int:
 
 
 class TPLayout:
-    """What every tensor-parallel projection of the model shares: the group, its comm, whether the rows between
-    the projections are cut over the group (sequence parallelism) and the seeds."""
+    """What every tensor-parallel projection of the model shares: the group, its comm (and the fused comm's
+    allocation bound), whether the rows between the projections are cut over the group (sequence parallelism) and
+    the seeds."""
 
     def __init__(self, group: dist.ProcessGroup | None, comm: str, sequence_parallel: bool, seed: int,
-                 num_layers: int):
-        self.group, self.comm, self.seed = group, comm, seed
+                 num_layers: int, allocation_timeout_s: float = ALLOCATION_TIMEOUT_S):
+        self.group, self.comm, self.seed, self.allocation_timeout_s = group, comm, seed, allocation_timeout_s
         self.size = dist.get_world_size(group) if group is not None else 1
         self.sequence_parallel = sequence_parallel and self.size > 1
         self.residual_std = 0.02 / math.sqrt(2 * num_layers)  # projections that write into the residual stream
@@ -69,11 +71,13 @@ class TPLayout:
         """part_names: each part drawn from a seed of its own name (layers fused into one keep their init)."""
         seed = tuple(derive_seed(self.seed, *name, p) for p in part_names) or derive_seed(self.seed, *name)
         return ColumnParallelLinear(d_in, d_out, self.group, self.comm, seed, 0.02, parts,
-                                    sequence_sharded=self.sequence_parallel)
+                                    sequence_sharded=self.sequence_parallel,
+                                    allocation_timeout_s=self.allocation_timeout_s)
 
     def row(self, d_in: int, d_out: int, *name: object) -> RowParallelLinear:
         return RowParallelLinear(d_in, d_out, self.group, self.comm, derive_seed(self.seed, *name), self.residual_std,
-                                 sequence_sharded=self.sequence_parallel)
+                                 sequence_sharded=self.sequence_parallel,
+                                 allocation_timeout_s=self.allocation_timeout_s)
 
 
 class SwiGLU(nn.Module):
@@ -164,14 +168,16 @@ class MoETransformer(nn.Module):
                  shared_expert: bool = False, capacity_factor: float | None = None, seed: int = 0,
                  group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
                  tp_comm: str = "bulk", sequence_parallel: bool = False, moe_comm: str = "bulk", moe_fused=None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, allocation_timeout_s: float = ALLOCATION_TIMEOUT_S):
         """group: the data-parallel group (None: the world); tp_group: the tensor-parallel group (None: no tensor
         parallelism), the two tiling the world as fused_dlrm.tp.tp_groups makes them; tp_comm: bulk | fused;
         sequence_parallel: the rows cut over the TP group between its projections (no effect without one);
         moe_comm / moe_fused: the MoE layers' dispatch and combine (MoELayer's comm and fused);
         compute_dtype: torch.bfloat16 / float16 runs the forward under autocast to it (mixed precision: the
         parameters stay as they are, the logits come out in fp32; the experts' weights are marked for compute
-        copies); None: the parameters' dtype."""
+        copies); None: the parameters' dtype; allocation_timeout_s: how long a rank waits for its peers at an
+        allocation of the symmetric workspaces of the fused TP projections and of the gradients' quantized
+        all-reduce (moe.train.sync_gradients; the MoE layers': moe_fused's)."""
         super().__init__()
         if moe_every not in (1, 2):
             raise ValueError(f"moe_every must be 1 or 2, got {moe_every}")
@@ -184,8 +190,8 @@ class MoETransformer(nn.Module):
         if compute_dtype not in (torch.bfloat16, torch.float16) and tp_group is not None and tp_comm == "fused":
             raise ValueError("model.tp_comm=fused computes the tensor-parallel projections in bf16 or fp16 (the fused "
                              "kernels' dtypes): set model.precision=bf16, or use model.tp_comm=bulk")
-        self.compute_dtype = compute_dtype
-        tp = TPLayout(tp_group, tp_comm, sequence_parallel, seed, num_layers)
+        self.compute_dtype, self.allocation_timeout_s = compute_dtype, allocation_timeout_s
+        tp = TPLayout(tp_group, tp_comm, sequence_parallel, seed, num_layers, allocation_timeout_s)
         self.tp_size, self.sequence_parallel = tp.size, tp.sequence_parallel
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self.data_parallel_group = group

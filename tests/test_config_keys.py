@@ -44,7 +44,7 @@ def test_the_packaged_configs_and_their_keys_are_accepted(overrides):
                                                   r"model.embedding_optimizer under model=dlrm: eps, lr, name$"),
     (["+data.typo.deeper=1", "+comm.backedn=gloo"],
      r"data.typo; the known keys of data under data=synthetic: .* \| comm.backedn \(did you mean comm.backend\?\); "
-     r"the known keys of comm under comm=bulk: backend, grad_allreduce, mode$"),
+     r"the known keys of comm under comm=bulk: allocation_timeout_s, backend, grad_allreduce, mode$"),
     # keys another option of the group sets, which the chosen one's code never reads
     (["+model.vocab_size=300"], r"model.vocab_size is set by model=moe_transformer or "
                                 r"model=moe_transformer_finegrained, not model=dlrm; the known keys of model under "
@@ -76,8 +76,9 @@ def test_keys_no_conf_file_sets_are_refused(overrides, said):
     (FUSED_KEYS_UNDER_BULK, r"comm.transport is set by comm=fused, not comm=bulk; .* \| comm.num_programs is set by "
                             r"comm=fused, not comm=bulk; "),
     (["+data.num_workers=2"], r"data.num_workers is set by data=criteo, not data=synthetic or data=synthetic_paper "),
-    (["model=moe_transformer", "+data.num_sparse=3"], r"data.num_sparse is set by data=criteo or data=synthetic or "
-                                                      r"data=synthetic_paper, not data=bytes or data=bytes_finegrained; "),
+    (["model=moe_transformer", "+data.num_sparse=3"],
+     r"data.num_sparse is set by data=criteo or data=synthetic or data=synthetic_paper, not data=bytes or "
+     r"data=bytes_finegrained; "),
     (["+trainer.max_step=3"], r"trainer.max_step \(did you mean trainer.max_steps\?\); the known keys of trainer "
                               r"under trainer=default: "),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else "")

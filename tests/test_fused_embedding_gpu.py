@@ -52,8 +52,9 @@ def _fused_equals_bulk(rank: int, world: int, steps: int, column_shards=1, row_s
     plan = plan_sharding(tables(), world, column_shards, row_shards)
     bulk = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0, plan=plan)
     fused = ShardedEmbeddingBagCollection(tables(), opt, device=device, seed=0, plan=plan,
-                                          comm=FusedCommConfig(wait_timeout_spins=2_000_000))
+                                          comm=FusedCommConfig(wait_timeout_spins=2_000_000, allocation_timeout_s=45.0))
     exchange = fused.fused
+    assert exchange.ws.allocation_timeout_s == 45.0  # the configured bound, not the default
     for step in range(steps):
         kjt = local_kjt(step, 37, rank, world, device)  # uneven local batches: 19 and 18
         check = step < 5 or step % 100 == 0 or step == steps - 1

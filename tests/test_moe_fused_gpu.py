@@ -35,8 +35,10 @@ def layers(capacity_factor=None, max_tokens=None, dispatch="rows"):
     """(fused, bulk); max_tokens: the fused layer's max_tokens_per_rank (None: buffers grown to the rows seen);
     dispatch: FusedMoEConfig.dispatch."""
     kw = dict(capacity_factor=capacity_factor, seed=SEED, dtype=torch.bfloat16, device="cuda")
-    config = FusedMoEConfig(wait_timeout_spins=1 << 26, max_tokens_per_rank=max_tokens, dispatch=dispatch)
+    config = FusedMoEConfig(wait_timeout_spins=1 << 26, max_tokens_per_rank=max_tokens, dispatch=dispatch,
+                            allocation_timeout_s=45.0)
     fused = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, comm="fused", fused=config, **kw)
+    assert fused.dispatch.ws.allocation_timeout_s == 45.0  # the configured bound, not the default
     return fused, MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, **kw)
 
 

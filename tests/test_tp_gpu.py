@@ -99,10 +99,15 @@ def _linears_fused_match_bulk(rank, world, sequence_sharded, rows, autocast):
     from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, _fused_all_reduce, tp_groups
 
     tp, _ = tp_groups(2)
-    epochs = _fused_all_reduce(tp).ws._epochs.get("gemm_allreduce", 0)
+    bound = 45.0  # the layers' allocation bound: their ops are the group's with that bound
+    op = _fused_all_reduce(tp, bound)
+    assert op.ws.allocation_timeout_s == bound
+    epochs = op.ws._epochs.get("gemm_allreduce", 0)
     # Sequence-sharded: the sequence-parallel pair (input rows all-gathered, output rows reduce-scattered).
-    layers = {comm: (ColumnParallelLinear(512, 1024, tp, comm, seed=1, sequence_sharded=sequence_sharded),
-                     RowParallelLinear(1024, 512, tp, comm, seed=2, sequence_sharded=sequence_sharded))
+    layers = {comm: (ColumnParallelLinear(512, 1024, tp, comm, seed=1, sequence_sharded=sequence_sharded,
+                                          allocation_timeout_s=bound),
+                     RowParallelLinear(1024, 512, tp, comm, seed=2, sequence_sharded=sequence_sharded,
+                                       allocation_timeout_s=bound))
               for comm in ("bulk", "fused")}
     results = {}
     for comm, (up, down) in layers.items():
@@ -123,7 +128,7 @@ def _linears_fused_match_bulk(rank, world, sequence_sharded, rows, autocast):
         results[comm] = (y.detach(), x.grad, up.weight.grad, down.weight.grad)
     # The fused ops ran, not the bulk twins (for an empty batch too): the row-parallel forward (all-reduce or
     # reduce-scatter) and the column-parallel backward (the same).
-    assert _fused_all_reduce(tp).ws._epochs.get("gemm_allreduce") == epochs + 2
+    assert op.ws._epochs.get("gemm_allreduce") == epochs + 2
     for name, fused, bulk in zip(("y", "x.grad", "up.grad", "down.grad"), results["fused"], results["bulk"]):
         if not rows:  # an empty batch: empty output and input gradient, zero weight gradients, on both paths
             assert torch.equal(fused, bulk) and not fused.any(), name

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import socket
 import time
 from dataclasses import dataclass
@@ -43,9 +44,17 @@ from fused_dlrm.dist.env import CallMismatch
 
 log = logging.getLogger(__name__)
 
-# How long a rank waits for its peers' requests before a collective allocation: as long as the flags' waits
-# (kernels/peer_flags.DEFAULT_SPIN_LIMIT, ~54 s), past a peer's kernel compiles.
+# How long a rank waits for its peers' requests before a collective allocation, by default (comm.allocation_timeout_s
+# sets it): as long as the flags' waits (kernels/peer_flags.DEFAULT_SPIN_LIMIT, ~54 s), past a peer's kernel compiles.
 ALLOCATION_TIMEOUT_S = 60.0
+
+
+def check_allocation_timeout(seconds: object) -> float:
+    """An allocation bound (comm.allocation_timeout_s) as a float; ValueError unless a positive, finite number."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+        raise ValueError(f"allocation_timeout_s={seconds!r} (comm.allocation_timeout_s): expected a positive, finite "
+                         "number of seconds, how long a rank waits for its peers at a symmetric allocation")
+    return float(seconds)
 
 
 @dataclass(frozen=True)
@@ -167,7 +176,7 @@ class CudaSymmetricWorkspace(_Workspace):
         from torch.distributed import _symmetric_memory as symm_mem
 
         self._symm_mem = symm_mem
-        self.allocation_timeout_s = allocation_timeout_s  # agree_on_allocation's bound
+        self.allocation_timeout_s = check_allocation_timeout(allocation_timeout_s)  # agree_on_allocation's bound
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fused_dlrm.dist.symmetric import ALLOCATION_TIMEOUT_S
 from fused_dlrm.kernels.launch import capture_graph
 from fused_dlrm.tp import quantized_all_reduce
 from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce
@@ -32,9 +33,11 @@ from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce
 
 class ArchNode:
     """`arch.forward` as one autograd node whose backward sets the parameters' gradients, averaged over `group`
-    with `grad_allreduce` ("nccl": a plain all-reduce; or a codec of fused_dlrm.tp's quantized all-reduce)."""
+    with `grad_allreduce` ("nccl": a plain all-reduce; or a codec of fused_dlrm.tp's quantized all-reduce, whose
+    fused kernel's symmetric workspace waits `allocation_timeout_s` for the peers at an allocation)."""
 
-    def __init__(self, arch: nn.Module, group: dist.ProcessGroup | None = None, grad_allreduce: str = "nccl"):
+    def __init__(self, arch: nn.Module, group: dist.ProcessGroup | None = None, grad_allreduce: str = "nccl",
+                 allocation_timeout_s: float = ALLOCATION_TIMEOUT_S):
         self.arch, self.eager = arch, arch.forward  # the class's forward, bound: `arch.forward` is this node next
         self.params = [p for p in arch.parameters() if p.requires_grad]
         if not self.params:
@@ -43,7 +46,7 @@ class ArchNode:
             raise ValueError(f"{type(arch).__name__}'s parameters differ in dtype or device: one flat gradient "
                              f"buffer cannot hold them")
         check_grad_allreduce(grad_allreduce)
-        self.group, self.codec = group, grad_allreduce
+        self.group, self.codec, self.allocation_timeout_s = group, grad_allreduce, allocation_timeout_s
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         first = self.params[0]
         self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=first.dtype, device=first.device)
@@ -109,7 +112,8 @@ class ArchNode:
         if self.world == 1:
             return None
         if self.codec != "nccl":
-            quantized_all_reduce(self.flat, self.codec, self.group, mean=True, out=self.flat)
+            quantized_all_reduce(self.flat, self.codec, self.group, mean=True, out=self.flat,
+                                 allocation_timeout_s=self.allocation_timeout_s)
             return None
         return dist.all_reduce(self.flat, group=self.group, async_op=True)
 
@@ -187,7 +191,8 @@ class ArchGraph:
         return None if self.grad_input is None else self.grad_input.detach()
 
 
-def dense_arch_nodes(model: nn.Module, grad_allreduce: str = "nccl", graph_batch: int | None = None) -> nn.Module:
+def dense_arch_nodes(model: nn.Module, grad_allreduce: str = "nccl", graph_batch: int | None = None,
+                     allocation_timeout_s: float = ALLOCATION_TIMEOUT_S) -> nn.Module:
     """model.dense_arch and model.over_arch (torchrec's DLRM arches) as ArchNodes over a group of their own (every
     rank, made here on every rank), in place; with `graph_batch` (GPUs), each captured at that many rows (the over
     arch's input needs a gradient: it comes from the embeddings; the dense features do not); a rank without
@@ -202,7 +207,7 @@ def dense_arch_nodes(model: nn.Module, grad_allreduce: str = "nccl", graph_batch
     if any(isinstance(a, nn.parallel.DistributedDataParallel) for a in arches):
         raise ValueError("the dense arches are in DDP already: ArchNodes average their gradients themselves")
     group = dist.new_group() if dist.is_initialized() and dist.get_world_size() > 1 else None
-    nodes = [ArchNode(a, group, grad_allreduce) for a in arches]
+    nodes = [ArchNode(a, group, grad_allreduce, allocation_timeout_s) for a in arches]
     if graph_batch:
         weight = nodes[0].params[0]
         rng = torch.Generator(weight.device).manual_seed(0)  # the global generator's stream stays the same

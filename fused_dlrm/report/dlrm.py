@@ -108,7 +108,7 @@ def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]
         bulk.lookup_modes(grad), fused_or_reason(reason, lambda: fused.lookup_modes(grad)))
 
     num_dense = sum(p.numel() for p in dense_parameters(bulk.model))
-    allreduce = grad_allreduce_layer(num_dense, cfg.comm.grad_allreduce, env, reason)
+    allreduce = grad_allreduce_layer(num_dense, cfg.comm.grad_allreduce, env, reason, cfg.comm.allocation_timeout_s)
 
     step = CommLayer(
         STEP, f"global batch {global_batch} over {world} rank(s)",

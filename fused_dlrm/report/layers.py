@@ -59,11 +59,11 @@ def no_grad(fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-def grad_allreduce_layer(num_params: int, codec: str, env: DistEnv, reason: str | None,
+def grad_allreduce_layer(num_params: int, codec: str, env: DistEnv, reason: str | None, allocation_timeout_s: float,
                          group: dist.ProcessGroup | None = None, name: str = "gradient all-reduce") -> CommLayer:
     """The all-reduce of the replicated (data-parallel) gradients over `group` (None: the world), as one flat fp32
     buffer: plain NCCL / gloo (bulk) against the configured comm.grad_allreduce codec (fused column, when one is
-    configured).
+    configured; its workspace waits the configured comm.allocation_timeout_s for the peers at an allocation).
 
     Bytes: a ring all-reduce sends 2 (ranks - 1) / ranks of the buffer from every rank."""
     ranks = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -81,8 +81,8 @@ def grad_allreduce_layer(num_params: int, codec: str, env: DistEnv, reason: str 
 
     if reason is None and codec in ("nccl", "none"):
         reason = "comm.grad_allreduce=nccl: no codec configured (set fp16 | fp8 | q8 | q6 | q4 to compare one)"
-    fused = fused_or_reason(reason, lambda: {"fwd_bwd": lambda: quantized_all_reduce(flat, codec, group=group,
-                                                                                     mean=True)})
+    fused = fused_or_reason(reason, lambda: {"fwd_bwd": lambda: quantized_all_reduce(
+        flat, codec, group=group, mean=True, allocation_timeout_s=allocation_timeout_s)})
     layer = CommLayer(name, shapes, sent, {"fwd_bwd": plain}, fused)
     if not isinstance(fused, str):
         layer.notes.append(f"fused column: the {codec} quantized two-shot all-reduce (fused_dlrm.tp)")

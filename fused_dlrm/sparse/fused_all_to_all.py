@@ -25,7 +25,8 @@ import torch.distributed as dist
 import triton
 from torch import nn
 
-from fused_dlrm.dist.symmetric import NvshmemSymmetricWorkspace, PeerBuffer, _Workspace, cuda_workspace
+from fused_dlrm.dist.symmetric import (ALLOCATION_TIMEOUT_S, NvshmemSymmetricWorkspace, PeerBuffer, _Workspace,
+                                       cuda_workspace)
 from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, PeerErrors, ReadyWait, wait_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, default_num_programs, plan_peer_tiles
 from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLaunch, launch_pooled_embedding_nvshmem
@@ -43,6 +44,7 @@ class FusedCommConfig:
     transport: str = "p2p"  # p2p: CUDA symmetric memory over NVLink; nvshmem: NVSHMEM puts (crosses nodes)
     num_programs: int | None = None  # persistent programs per launch; None: 32 per SM
     wait_timeout_spins: int = DEFAULT_SPIN_LIMIT  # polls of a flag before a wait gives up and names rank and slice
+    allocation_timeout_s: float = ALLOCATION_TIMEOUT_S  # how long a rank waits for its peers at an allocation
 
 
 def build_fused_exchange(lookup: PooledEmbeddingLookup, slices_of_rank: list[list[FeatureSlice]],
@@ -53,7 +55,7 @@ def build_fused_exchange(lookup: PooledEmbeddingLookup, slices_of_rank: list[lis
         raise ValueError(f"comm.transport={comm.transport!r} is unknown; expected one of {list(workspaces)}")
     if device.type != "cuda" or not dist.is_initialized():
         raise RuntimeError("comm=fused needs CUDA GPUs under torchrun (symmetric memory); use comm=bulk on the CPU")
-    workspace = workspaces[comm.transport](group)
+    workspace = workspaces[comm.transport](group, comm.allocation_timeout_s)
     num_programs = agreed_num_programs(comm.num_programs or default_num_programs(device), group, device)
     return FusedPooledAllToAll(lookup, slices_of_rank, workspace, num_programs, comm.wait_timeout_spins)
 

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fused_dlrm.dist.env import check_same_call
+from fused_dlrm.dist.symmetric import ALLOCATION_TIMEOUT_S, cuda_workspace
 from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.allgather_gemm import all_gather_matmul, check_weight
 from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce
@@ -154,18 +155,20 @@ class _FusedGatherMatmul(torch.autograd.Function):
     launch (the GEMM + all-reduce kernel's reduce-scatter form)."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, group):
-        out, gathered = all_gather_matmul(x2d, weight.t(), _workspace(group), return_gathered=True)
+    def forward(ctx, x2d, weight, group, allocation_timeout_s):
+        out, gathered = all_gather_matmul(x2d, weight.t(), _workspace(group, allocation_timeout_s),
+                                          return_gathered=True)
         ctx.save_for_backward(gathered, weight)
-        ctx.group = group
+        ctx.group, ctx.allocation_timeout_s = group, allocation_timeout_s
         return out
 
     @staticmethod
     def backward(ctx, grad):
         gathered, weight = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = _fused_all_reduce(ctx.group).reduce_scatter(grad, weight).clone()  # reused by the call after next
-        return grad_x, grad.t() @ gathered, None
+        # the op's output is reused by the call after next
+        grad_x = _fused_all_reduce(ctx.group, ctx.allocation_timeout_s).reduce_scatter(grad, weight).clone()
+        return grad_x, grad.t() @ gathered, None, None
 
 
 class _FusedRowParallelScatter(torch.autograd.Function):
@@ -174,16 +177,18 @@ class _FusedRowParallelScatter(torch.autograd.Function):
     gradient."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, group):
+    def forward(ctx, x2d, weight, group, allocation_timeout_s):
         ctx.save_for_backward(x2d, weight)
-        ctx.group = group
-        return _fused_all_reduce(group).reduce_scatter(x2d, weight.t()).clone()  # reused by the call after next
+        ctx.group, ctx.allocation_timeout_s = group, allocation_timeout_s
+        # the op's output is reused by the call after next
+        return _fused_all_reduce(group, allocation_timeout_s).reduce_scatter(x2d, weight.t()).clone()
 
     @staticmethod
     def backward(ctx, grad):
         x2d, weight = ctx.saved_tensors
-        grad_x, gathered = all_gather_matmul(grad.contiguous(), weight, _workspace(ctx.group), return_gathered=True)
-        return grad_x, gathered.t() @ x2d, None
+        grad_x, gathered = all_gather_matmul(grad.contiguous(), weight, _workspace(ctx.group, ctx.allocation_timeout_s),
+                                             return_gathered=True)
+        return grad_x, gathered.t() @ x2d, None, None
 
 
 @lru_cache(maxsize=64)
@@ -241,17 +246,15 @@ def _as_autocast(x: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=None)
-def _workspace(group: dist.ProcessGroup):
-    """One symmetric workspace per group, shared by its layers' fused ops: the layers run in the same order on
-    every rank, so the ops' per-call epochs agree."""
-    from fused_dlrm.dist.symmetric import cuda_workspace
-
-    return cuda_workspace(group)
+def _workspace(group: dist.ProcessGroup, allocation_timeout_s: float):
+    """One symmetric workspace per group (and allocation bound: a run has one), shared by its layers' fused ops:
+    the layers run in the same order on every rank, so the ops' per-call epochs agree."""
+    return cuda_workspace(group, allocation_timeout_s)
 
 
 @lru_cache(maxsize=None)
-def _fused_all_reduce(group: dist.ProcessGroup) -> GemmAllReduce:
-    return GemmAllReduce(_workspace(group))
+def _fused_all_reduce(group: dist.ProcessGroup, allocation_timeout_s: float) -> GemmAllReduce:
+    return GemmAllReduce(_workspace(group, allocation_timeout_s))
 
 
 def _call_signature(x: torch.Tensor, weight: torch.Tensor) -> list[int]:
@@ -280,11 +283,14 @@ def full_weight(out_features: int, in_features: int, seed: int, std: float) -> t
 
 
 class TPLinear(nn.Module):
-    def __init__(self, shard: torch.Tensor, group: dist.ProcessGroup | None, comm: str):
+    def __init__(self, shard: torch.Tensor, group: dist.ProcessGroup | None, comm: str,
+                 allocation_timeout_s: float = ALLOCATION_TIMEOUT_S):
+        """allocation_timeout_s (comm="fused"): how long a rank waits for its peers at an allocation of the group's
+        symmetric workspace (dist.symmetric.agree_on_allocation)."""
         super().__init__()
         if comm not in COMMS:
             raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
-        self.group, self.comm = group, comm
+        self.group, self.comm, self.allocation_timeout_s = group, comm, allocation_timeout_s
         self.tp_size, self.tp_rank = _size_rank(group)
         self._name = f"shard_{self.tp_rank}_of_{self.tp_size}"
         self.register_parameter(self._name, nn.Parameter(shard.float()))
@@ -322,7 +328,7 @@ class ColumnParallelLinear(TPLinear):
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None = None,
                  comm: str = "bulk", seed: int | tuple[int, ...] = 0, std: float = 0.02, parts: int = 1,
-                 sequence_sharded: bool = False):
+                 sequence_sharded: bool = False, allocation_timeout_s: float = ALLOCATION_TIMEOUT_S):
         size, rank = _size_rank(group)
         if out_features % (parts * size):
             raise ValueError(f"out_features={out_features} does not split into {parts} part(s) over {size} ranks")
@@ -333,7 +339,8 @@ class ColumnParallelLinear(TPLinear):
             full = torch.stack([full_weight(per_part, in_features, s, std) for s in seed])
         else:
             full = full_weight(out_features, in_features, seed, std).view(parts, per_part, in_features)
-        super().__init__(full[:, rank * per_rank:(rank + 1) * per_rank].reshape(-1, in_features), group, comm)
+        super().__init__(full[:, rank * per_rank:(rank + 1) * per_rank].reshape(-1, in_features), group, comm,
+                         allocation_timeout_s)
         self.sequence_sharded = sequence_sharded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -344,11 +351,12 @@ class ColumnParallelLinear(TPLinear):
         if not self.sequence_sharded:
             if dtype is not None:
                 y = _FusedColumnParallel.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.weight.to(dtype),
-                                               _fused_all_reduce(self.group))
+                                               _fused_all_reduce(self.group, self.allocation_timeout_s))
                 return y.view(*x.shape[:-1], y.shape[-1])
             return F.linear(_CopyToTP.apply(_as_autocast(x), self.group), self.weight)
         if dtype is not None:
-            y = _FusedGatherMatmul.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.weight.to(dtype), self.group)
+            y = _FusedGatherMatmul.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.weight.to(dtype), self.group,
+                                         self.allocation_timeout_s)
             return y.view(self.tp_size * x.shape[0], *x.shape[1:-1], y.shape[-1])
         return F.linear(_GatherRows.apply(_as_autocast(x), self.group), self.weight)
 
@@ -359,13 +367,14 @@ class RowParallelLinear(TPLinear):
     dim 0 of the output cut into equal parts over the ranks (dim 0 of x a multiple of the group size)."""
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None = None,
-                 comm: str = "bulk", seed: int = 0, std: float = 0.02, sequence_sharded: bool = False):
+                 comm: str = "bulk", seed: int = 0, std: float = 0.02, sequence_sharded: bool = False,
+                 allocation_timeout_s: float = ALLOCATION_TIMEOUT_S):
         size, rank = _size_rank(group)
         if in_features % size:
             raise ValueError(f"in_features={in_features} does not split over {size} ranks")
         per_rank = in_features // size
         super().__init__(full_weight(out_features, in_features, seed, std)[:, rank * per_rank:(rank + 1) * per_rank],
-                         group, comm)
+                         group, comm, allocation_timeout_s)
         self.sequence_sharded = sequence_sharded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -380,12 +389,14 @@ class RowParallelLinear(TPLinear):
         if self.sequence_sharded:
             if dtype is not None:
                 check_gradient_gather(x2d.shape[0] // self.tp_size, *self.weight.shape, dtype)
-                y = _FusedRowParallelScatter.apply(x2d.to(dtype), self.weight.to(dtype), self.group)
+                y = _FusedRowParallelScatter.apply(x2d.to(dtype), self.weight.to(dtype), self.group,
+                                                   self.allocation_timeout_s)
             else:
                 y = _ReduceScatterRows.apply(F.linear(x2d, self.weight), self.group)
             return y.view(x.shape[0] // self.tp_size, *x.shape[1:-1], y.shape[-1])
         if dtype is not None:
-            y = _FusedRowParallel.apply(x2d.to(dtype), self.weight.to(dtype), _fused_all_reduce(self.group))
+            y = _FusedRowParallel.apply(x2d.to(dtype), self.weight.to(dtype),
+                                        _fused_all_reduce(self.group, self.allocation_timeout_s))
         else:
             y = _ReduceFromTP.apply(F.linear(x2d, self.weight), self.group)
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -31,7 +31,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from fused_dlrm.dist.symmetric import cuda_workspace
+from fused_dlrm.dist.symmetric import ALLOCATION_TIMEOUT_S, cuda_workspace
 from fused_dlrm.dist.env import check_same_call
 from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS, Encoded, decode, encode
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, call_signature, check_out,
@@ -59,10 +59,12 @@ def chooser(nbytes: int, codec: str, min_bytes: int = MIN_QUANTIZED_BYTES) -> st
 
 
 def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup | None = None, mean: bool = False,
-                         fused: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                         fused: bool | None = None, out: torch.Tensor | None = None,
+                         allocation_timeout_s: float = ALLOCATION_TIMEOUT_S) -> torch.Tensor:
     """The sum (mean with mean=True) over the group's ranks of x, in `out` (contiguous, x's shape and dtype; x
     itself to reduce in place) or, by default, a new tensor. fused: the one-launch kernel (default: on CUDA
-    tensors of an NCCL group), else the bulk twin."""
+    tensors of an NCCL group), else the bulk twin; its workspace's allocations wait `allocation_timeout_s` for
+    the peers (`fused_for_group`)."""
     group = group or dist.group.WORLD
     # On gloo, before the local checks (a codec, dtype or out refused on one rank raises on all). Not on NCCL: there
     # the bulk twin is the benchmarks' timed baseline of the fused kernel (which checks its peers on the device), and
@@ -83,7 +85,7 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
     if fused is None:
         fused = x.is_cuda and _backend(group) == "nccl"
     if fused:
-        return fused_for_group(group, x.device)(x, codec, mean, out)  # checks out
+        return fused_for_group(group, x.device, allocation_timeout_s)(x, codec, mean, out)  # checks out
     check_out(x, out)
     world = dist.get_world_size(group)
     numel = x.numel()
@@ -117,16 +119,18 @@ def _unwire(wire: torch.Tensor, codec: str) -> Encoded:
                    wire[:, split:].reshape(-1).view(torch.bfloat16))
 
 
-_FUSED: dict[dist.ProcessGroup, FusedQuantizedAllReduce] = {}
+_FUSED: dict[tuple[dist.ProcessGroup, float], FusedQuantizedAllReduce] = {}
 _backend = lru_cache(maxsize=None)(dist.get_backend)  # per group: asked per call, it would cost a microsecond
 
 
-def fused_for_group(group: dist.ProcessGroup | None, device: torch.device) -> FusedQuantizedAllReduce:
-    """The group's fused all-reduce (its symmetric workspace is allocated collectively at the first call)."""
-    group = group or dist.group.WORLD
-    if group not in _FUSED:
-        _FUSED[group] = FusedQuantizedAllReduce(cuda_workspace(group), max_programs_for(device))
-    return _FUSED[group]
+def fused_for_group(group: dist.ProcessGroup | None, device: torch.device,
+                    allocation_timeout_s: float = ALLOCATION_TIMEOUT_S) -> FusedQuantizedAllReduce:
+    """The group's fused all-reduce (its symmetric workspace is allocated collectively at the first call, its
+    ranks waiting `allocation_timeout_s` for each other), one per group and bound (a run has one bound)."""
+    key = (group or dist.group.WORLD, allocation_timeout_s)
+    if key not in _FUSED:
+        _FUSED[key] = FusedQuantizedAllReduce(cuda_workspace(key[0], allocation_timeout_s), max_programs_for(device))
+    return _FUSED[key]
 
 
 @dataclass

@@ -16,6 +16,7 @@ from torchrec.datasets.utils import Batch
 from fused_dlrm.data import local_batch_bounds
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.dist.env import raise_on_every_rank
+from fused_dlrm.dist.symmetric import check_allocation_timeout
 from fused_dlrm.models.arch_nodes import dense_arch_nodes
 from fused_dlrm.models.dlrm import build_dlrm, make_tables
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, plan_sharding
@@ -71,6 +72,7 @@ def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     m = cfg.model
     if m.dense_arch[-1] != m.embedding_dim:  # the interaction takes the bottom MLP's output as one more embedding
         raise ValueError(f"model.dense_arch={list(m.dense_arch)} must end in model.embedding_dim={m.embedding_dim}")
+    check_allocation_timeout(cfg.comm.allocation_timeout_s)  # before the tables are made
     tables = config_tables(cfg)
     model = build_dlrm(tables, cfg.data.num_dense, m.dense_arch, m.over_arch,
                        embedding_optimizers(cfg, tables), env.device, seed=cfg.seed,
@@ -80,7 +82,8 @@ def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     if cfg.trainer.cuda_graphs and env.device.type == "cuda":  # captured at the rank's training batch size
         start, stop = local_batch_bounds(cfg.data.global_batch_size, env.rank, env.world_size)
         graph_batch = stop - start
-    return dense_arch_nodes(model, cfg.comm.grad_allreduce, graph_batch)  # data-parallel dense arches
+    # data-parallel dense arches
+    return dense_arch_nodes(model, cfg.comm.grad_allreduce, graph_batch, cfg.comm.allocation_timeout_s)
 
 
 def fused_comm(comm: DictConfig) -> FusedCommConfig | None:
@@ -90,7 +93,7 @@ def fused_comm(comm: DictConfig) -> FusedCommConfig | None:
     if comm.mode != "fused":
         raise ValueError(f"unknown comm.mode {comm.mode!r}: expected bulk or fused")
     return FusedCommConfig(transport=comm.transport, num_programs=comm.num_programs,
-                           wait_timeout_spins=comm.wait_timeout_spins)
+                           wait_timeout_spins=comm.wait_timeout_spins, allocation_timeout_s=comm.allocation_timeout_s)
 
 
 def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
