@@ -21,16 +21,16 @@ Refused inputs (a rank with more tokens than max_tokens_per_rank; the caller's `
 token ids outside its vocabulary) raise on every rank: a rank raising alone would leave its peers waiting in the
 next exchange. Each rank's refusal words ([code, value, limit], code 0: none) ride in the counts' exchange that
 every call makes anyway (the bulk all-to-all, the fused all-gather: 3 words more per rank), and every rank raises
-where the host reads the counts: bulk and fused without max_tokens_per_rank in the forward; with it, on gloo
-(whose collectives return done) at once. Elsewhere (NCCL) no forward reads them: every rank records them in its
-dispatch's error word (`FusedDispatch.record_refused`: one one-program kernel behind the dispatch; in training
-too, where a backward may never come: an evaluation without no_grad, a loss dropped), which raises
-PeerRefusedInput as it raises a peer's timeout: at a later call (GPUs: within PeerErrors' check_every calls) or `dispatch.errors.check(block=True)`; on
-the CPU at the call's end. A backward that comes first reads the counts anyway: it raises there, taking the
-refusal out of the error word (`errors.check(block=True)`), so no later call raises it again (the word is the
-layer's: where several layers refused one forward, as every layer does with a rank over max_tokens_per_rank, the
-backward raises the last one's and the others' raise later). Until then a rank over max_tokens_per_rank sends
-none of its tokens (no buffer is overrun) and its output is NaN.
+where the host reads the counts: bulk and fused without max_tokens_per_rank in the forward; with it, on gloo (whose
+collectives return done) at once. Elsewhere (NCCL) no forward reads them: every rank records them in its dispatch's
+error word (`FusedDispatch.record_refused`: one one-program kernel behind the dispatch; in training too, where a
+backward may never come: an evaluation without no_grad, a loss dropped), which raises PeerRefusedInput as it raises
+a peer's timeout: at a later call (GPUs: within PeerErrors' check_every calls) or
+`dispatch.errors.check(block=True)`; on the CPU at the call's end. A backward that comes first reads the counts
+anyway: it raises there, taking the refusal out of the error word (`errors.check(block=True)`), so no later call
+raises it again (the word is the layer's: where several layers refused one forward, as every layer does with a rank
+over max_tokens_per_rank, the backward raises the last one's and the others' raise later). Until then a rank over
+max_tokens_per_rank sends none of its tokens (no buffer is overrun) and its output is NaN.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ message. Codec "nccl" / "none" is a plain dist.all_reduce.
 Every rank must call with the same size, dtype, codec and mean (and an out it can take). The fused kernel checks
 its peers' calls on the device (a signature beside its flags); on gloo, whose collectives abort the process on
 messages of other sizes, the ranks compare their calls first (dist.env.check_same_call, one small all-gather), so a
-mismatch raises CallMismatch (a ValueError) on every rank. (Fused, a call that grows the buffers on some ranks only is not
-caught: kernels/quantized_allreduce.py says why.)
+mismatch raises CallMismatch (a ValueError) on every rank. (Fused, a call that grows the buffers on some ranks
+only is not caught: kernels/quantized_allreduce.py says why.)
 """
 
 from dataclasses import dataclass
