@@ -158,6 +158,7 @@ def _transformer_fused_matches_bulk(rank, world, sequence_parallel):
     tokens = torch.randint(0, 256, (4, 129), device="cuda", generator=gen)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     results, ran = {}, {}
+    bound = 45.0  # the model's allocation bound: its TP ops are the group's workspace with that bound
     # The fp32 bulk model is the reference; bulk and fused in bf16 mixed precision are compared with it.
     for run, comm, dtype in (("reference", "bulk", None), ("bulk", "bulk", torch.bfloat16),
                              ("fused", "fused", torch.bfloat16)):
@@ -165,10 +166,10 @@ def _transformer_fused_matches_bulk(rank, world, sequence_parallel):
         model = MoETransformer(d_model=256, num_layers=2, num_heads=4, ffn=512, num_experts=4, top_k=2, moe_every=2,
                                shared_expert=True, seed=5, group=dp, tp_group=tp, tp_comm=comm,
                                sequence_parallel=sequence_parallel, moe_comm=comm,
-                               compute_dtype=dtype,
+                               compute_dtype=dtype, allocation_timeout_s=bound,
                                moe_fused=FusedMoEConfig(max_tokens_per_rank=inputs.numel()) if comm == "fused" else None
                                ).cuda()
-        epochs = dict(_workspace(tp)._epochs)
+        epochs = dict(_workspace(tp, bound)._epochs)
         logits, _ = model(inputs)
         loss = token_cross_entropy_sum(logits, model.local_tokens(targets)) / targets.numel()
         loss.backward()
@@ -176,7 +177,7 @@ def _transformer_fused_matches_bulk(rank, world, sequence_parallel):
         results[run] = {name: p.grad.float() for name, p in model.named_parameters() if p.grad is not None}
         results[run]["logits"] = logits.detach().float()
         if comm == "fused":
-            ran = {key: n - epochs.get(key, 0) for key, n in _workspace(tp)._epochs.items()}
+            ran = {key: n - epochs.get(key, 0) for key, n in _workspace(tp, bound)._epochs.items()}
     # The fused TP ops ran for each of the 4 column / row pairs (attention x 2 layers, the dense FFN, the shared
     # expert), forward and backward: the GEMM + all-reduce kernel (RS or AR form) twice per pair; under sequence
     # parallelism also the all-gather + GEMM twice per pair (each a call among the workspace's, CALLS, too).
