@@ -127,8 +127,9 @@ def check_same_call(signature: list[int], group: dist.ProcessGroup | None, descr
                     what: str) -> None:
     """Raise CallMismatch on every rank of `group` unless every rank passes the same `signature` (as many ints on
     every rank): all-gathered in one small collective of CPU tensors, so every rank sees the same table and names the
-    first peer whose signature differs from its own, both in `describe`'s words. For gloo, whose collectives abort
-    the process on messages of other sizes or dtypes (on NCCL a collective more would be timed with the op)."""
+    first peer whose signature differs from its own, both in `describe`'s words. Before the op's own collectives:
+    gloo's abort the process on messages of other sizes or dtypes, NCCL's hang or mix data up. `group` takes CPU
+    tensors: a gloo group (beside an NCCL group, its `gloo_side_group`: no device sync)."""
     mine = torch.tensor([signature], dtype=torch.int64)
     everyone = mine.new_empty((dist.get_world_size(group), mine.shape[1]))
     dist.all_gather_into_tensor(everyone, mine, group=group)
@@ -137,6 +138,22 @@ def check_same_call(signature: list[int], group: dist.ProcessGroup | None, descr
         if theirs != signatures[rank]:
             raise CallMismatch(f"{what}: rank {rank}: peer {peer} called it with {describe(theirs)}; this rank with "
                                f"{describe(signatures[rank])} (every rank must make the same calls in the same order)")
+
+
+_GLOO_SIDE_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def gloo_side_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A gloo group of `group`'s ranks, for small collectives of CPU tensors beside a group whose backend takes none
+    (NCCL): `check_same_call` there is a host-side exchange, with no wait for the device. Made at the first call for
+    a set of ranks, by those ranks alone (each must make that call), then reused: one per set of ranks (torch names
+    a group made so by its ranks). Ranks are numbered in ascending order, as new_group numbers `group`'s by default."""
+    group = group or dist.group.WORLD
+    ranks = sorted(dist.get_process_group_ranks(group))
+    key = (dist.group.WORLD, tuple(ranks))  # a process group initialised again makes new side groups
+    if key not in _GLOO_SIDE_GROUPS:
+        _GLOO_SIDE_GROUPS[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return _GLOO_SIDE_GROUPS[key]
 
 
 def problem_text(problem: BaseException | None) -> str | None:
