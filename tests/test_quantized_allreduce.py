@@ -1,7 +1,7 @@
 """Quantized two-shot all-reduce on gloo processes (the bulk twin): equal bit for bit to the pure-torch reference
 that the fused kernel also equals, within the documented bound of the exact sum, identical on every rank; calls
-that differ between ranks raise ValueError on every rank; the DDP hook keeps a tiny model's gradients within the
-bound of plain DDP."""
+that differ between ranks raise CallMismatch on every rank (on gloo, and in the bulk twin as on NCCL); the DDP
+hook keeps a tiny model's gradients within the bound of plain DDP."""
 
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from fused_dlrm.dist import env
+from fused_dlrm.dist.env import CallMismatch
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import quantized_all_reduce_reference, two_shot_error_bound
 from fused_dlrm.tp import QuantizedHookState, chooser, quantized_all_reduce, quantized_allreduce_hook
+import fused_dlrm.tp.quantized_allreduce as qar
 from world import run_world
 
 
@@ -141,12 +144,17 @@ def test_ddp_hook_within_bound_of_plain_ddp():
     run_world(2, _ddp_hook)
 
 
-# Rank 1's call differs from rank 0's (4096 float32 values, q8 sums) in one way: (x, codec, mean) and what the
-# messages say of rank 0's call and of rank 1's. int32 with q8 is refused on its own; here rank 0 learns of it too.
+# Rank 1's call differs from the others' (4096 float32 values, q8 sums; `numel` values where a third item says) in one
+# way: (x, codec, mean) and what the messages say of it. int32 with q8 is refused on its own; here the others learn of
+# it too. "one wire": the bulk twin's messages keep their length (as many blocks per chunk at worlds 2 and 3, a codec
+# of as many bytes per block), so unchecked, the exchange would run and sum silently.
 DIFFERENT_CALLS = {
     "numel": ((torch.randn(4100), "q8", False), "4100 float32 elements, codec q8"),
+    "numel, one wire": ((torch.randn(4050), "q8", False), "4050 float32 elements, codec q8"),
     "no values": ((torch.randn(0), "q8", False), "0 float32 elements, codec q8"),
+    "no values, one wire": ((torch.randn(0), "q8", False), "0 float32 elements, codec q8", 45),
     "codec": ((torch.randn(4096), "q4", False), "4096 float32 elements, codec q4"),
+    "codec, one wire": ((torch.randn(4096), "fp8", False), "4096 float32 elements, codec fp8"),
     "dtype": ((torch.randn(4096).bfloat16(), "q8", False), "4096 bfloat16 elements, codec q8"),
     "mean": ((torch.randn(4096), "q8", True), "4096 float32 elements, codec q8, mean"),
     "plain": ((torch.randn(4096), "nccl", False), "4096 float32 elements, codec nccl"),
@@ -154,30 +162,43 @@ DIFFERENT_CALLS = {
 }
 
 
-def _different_calls(rank: int, world: int) -> None:
-    usual = "4096 float32 elements, codec q8"
-    for difference, ((x, codec, mean), odd) in DIFFERENT_CALLS.items():
+def _different_calls(rank: int, world: int, backend: str = "gloo") -> None:
+    """backend="nccl": the bulk twin as on NCCL (fused=False), whose check runs over the group's gloo side group.
+    On GPUs (tests/test_quantized_allreduce_gpu.py) NCCL's own; on the CPU the group is taken for NCCL's, its data's
+    collectives gloo's all the same: a call that reached them with other sizes would abort the processes."""
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    if backend == "nccl" and device.type == "cpu":
+        qar._backend = lambda group: "nccl"
+    fused = False if backend == "nccl" else None
+    for difference, ((x, codec, mean), odd, *numel) in DIFFERENT_CALLS.items():
+        numel = numel[0] if numel else 4096
         if rank != 1:
-            x, codec, mean = torch.randn(4096), "q8", False
+            x, codec, mean = torch.randn(numel), "q8", False
+        x = x.to(device)
         out = torch.full_like(x, float("nan") if x.is_floating_point() else -1)
         poisoned = out.clone()
+        usual = f"{numel} float32 elements, codec q8"
         peer, mine, theirs = (0, odd, usual) if rank == 1 else (1, usual, odd)
-        with pytest.raises(ValueError, match=f"^quantized all-reduce: rank {rank}: peer {peer} called it with "
-                                             f"{re.escape(theirs)}; this rank with {re.escape(mine)} \\("):
-            quantized_all_reduce(x, codec, mean=mean, out=out)
+        with pytest.raises(CallMismatch, match=f"^quantized all-reduce: rank {rank}: peer {peer} called it with "
+                                               f"{re.escape(theirs)}; this rank with {re.escape(mine)} \\("):
+            quantized_all_reduce(x, codec, mean=mean, out=out, fused=fused)
         assert torch.equal(out.nan_to_num(7), poisoned.nan_to_num(7)), difference  # nothing was received
         # the next call, alike on every rank, sums (fresh data)
         xs = inputs(world, 1000 + len(difference))
-        y = quantized_all_reduce(xs[rank], "q8")
+        y = quantized_all_reduce(xs[rank].to(device), "q8", fused=fused).cpu()
         exact = sum(x.double() for x in xs)
         assert torch.equal(y, quantized_all_reduce_reference(xs, "q8")), difference
-        assert (y.double() - exact).norm() / exact.norm() < 1e-2
+        assert ((y.double() - exact).abs() <= two_shot_error_bound(xs, "q8").double()).all(), difference
+    # NCCL: the group's gloo side group, made at the first call, checked every call since
+    assert list(env._GLOO_SIDE_GROUPS.values()) == ([env.gloo_side_group(None)] if backend == "nccl" else [])
 
 
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_calls_that_differ_between_ranks_raise_on_every_rank(world):
-    """Rank 1's call differs from the others' (on gloo, whose collectives would abort the processes)."""
-    run_world(world, _different_calls)
+def test_calls_that_differ_between_ranks_raise_on_every_rank(world, backend):
+    """Rank 1's call differs from the others': on gloo and, as on NCCL, in the bulk twin (its collectives abort the
+    processes on gloo, hang or mix data up on NCCL, or sum where the lengths agree)."""
+    run_world(world, _different_calls, backend)
 
 
 def test_chooser_goes_plain_below_the_threshold():

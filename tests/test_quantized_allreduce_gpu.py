@@ -5,8 +5,9 @@ Bit-equal to the bulk twin (codec kernels around NCCL all_to_all / all_gather) f
 inputs, sum and mean; bit-identical across ranks; within the documented bound of the fp64 sum; 1,000
 consecutive calls of changing sizes and codecs on the same flags; calls that replay CUDA graphs; the DDP hook
 (q8, fused) within the bound of plain DDP; a missing peer raises PeerWaitTimeout; ranks calling with other
-codecs raise PeerCallMismatch (two ranks sharing one GPU suffice); the codec kernels equal the CPU reference bit
-for bit at every magnitude, fp32's denormals to its largest value (one GPU).
+codecs raise PeerCallMismatch (two ranks sharing one GPU suffice), and calls unlike a peer's CallMismatch in the
+bulk twin (its check over the group's gloo side group); the codec kernels equal the CPU reference bit for bit at every
+magnitude, fp32's denormals to its largest value (one GPU).
 CI has no GPU: this runs on the device machine.
 """
 
@@ -21,7 +22,7 @@ from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerWaitTimeout
 from fused_dlrm.kernels.quant_codecs import CODECS, Encoded, decode, decode_reference, encode, encode_reference
 from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce, max_programs_for, two_shot_error_bound
 from fused_dlrm.tp.quantized_allreduce import fused_for_group, quantized_all_reduce
-from test_quantized_allreduce import _ddp_hook
+from test_quantized_allreduce import _ddp_hook, _different_calls
 from world import ONE_GPU, TWO_GPUS, run_world
 
 
@@ -230,3 +231,12 @@ def _codecs_differ(rank: int, world: int) -> None:
 def test_ranks_calling_with_other_codecs_raise_on_one_gpu():
     """The kernel's signatures on a GPU: rank 0 calls with q8, rank 1 with q4; both raise, naming both calls."""
     run_world(2, _codecs_differ, backend=ONE_GPU, timeout=240)
+
+
+@TWO_GPUS
+def test_bulk_twin_calls_that_differ_raise_on_every_rank():
+    """The bulk twin on NCCL (fused=False) compares the ranks' calls over the group's gloo side group before its
+    collectives: rank 1's call unlike rank 0's (0 values against n, another codec, dtype, mean; messages of one
+    length or not) raises CallMismatch on both, naming both calls, instead of waiting in NCCL or summing; the next
+    call sums (bit-equal to the CPU reference). The timeout fails a hang fast."""
+    run_world(2, _different_calls, "nccl", backend="nccl", timeout=300)

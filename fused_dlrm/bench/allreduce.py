@@ -7,10 +7,11 @@ A bf16 message of each size is summed over the ranks, timed in the same run as:
   baseline: torch's symmetric-memory two-shot all-reduce (torch.ops.symm_mem.two_shot_all_reduce_, in place on
             a symmetric buffer; the sums overflow after a few hundred calls, which does not change its time)
 Each row also carries `twin_us`: the fused kernel's bulk twin (the codec kernels around NCCL all_to_all and
-all_gather, kernels' arithmetic bit for bit). Times are per call from back-to-back calls (the host's launch
-cost hides behind the GPU where it can). Speed of light: the codec's bytes on the wire (each rank sends
-(world - 1) / world of the encoded message twice) / the peer write bandwidth measured in this run;
-sol_pct = 100 * speed of light / fused time.
+all_gather, kernels' arithmetic bit for bit), which since 2026-12-04 compares the ranks' calls first (one host
+all-gather of 5 int64 over gloo: host time, hidden by back-to-back calls where the GPU's work is longer). Times are
+per call from back-to-back calls (the host's launch cost hides behind the GPU where it can). Speed of light: the
+codec's bytes on the wire (each rank sends (world - 1) / world of the encoded message twice) / the peer write
+bandwidth measured in this run; sol_pct = 100 * speed of light / fused time.
 """
 
 from __future__ import annotations

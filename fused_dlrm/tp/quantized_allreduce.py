@@ -19,10 +19,17 @@ all_to_all_single and all_gather_into_tensor, each chunk's encoding (int32 paylo
 message. Codec "nccl" / "none" is a plain dist.all_reduce.
 
 Every rank must call with the same size, dtype, codec and mean (and an out it can take). The fused kernel checks
-its peers' calls on the device (a signature beside its flags); on gloo, whose collectives abort the process on
-messages of other sizes, the ranks compare their calls first (dist.env.check_same_call, one small all-gather), so a
-mismatch raises CallMismatch (a ValueError) on every rank. (Fused, a call that grows the buffers on some ranks
-only is not caught: kernels/quantized_allreduce.py says why.)
+its peers' calls on the device (a signature beside its flags). Every other call (on gloo all, on NCCL the bulk
+twin's) compares them first (dist.env.check_same_call: one all-gather of 5 int64 on the host; on NCCL over the
+group's gloo side group, made at its first bulk call), so a mismatch raises CallMismatch (a ValueError) on every
+rank before any collective whose size follows from the call: gloo's abort the process on messages of other sizes,
+NCCL's hang or mix data up, and where the messages keep their length (0 values against up to world x 32, fp8
+against q8, another dtype or mean) they would sum silently. A signature word in the wire could not replace it:
+NCCL's sizes are host arguments, agreed only by an exchange of a fixed size that the host reads before them. So the
+twin on NCCL (a baseline of the benchmarks: bench/allreduce.py's twin_us) does that much more than the fused
+kernel: one host exchange per call, no device work, no wait for the device. Not compared: the plain codec on NCCL
+without fused=False (a dist.all_reduce, unchecked as torch's) and, fused, a call that grows the buffers on some
+ranks only (kernels/quantized_allreduce.py says why).
 """
 
 from dataclasses import dataclass
@@ -32,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from fused_dlrm.dist.symmetric import ALLOCATION_TIMEOUT_S, cuda_workspace
-from fused_dlrm.dist.env import check_same_call
+from fused_dlrm.dist.env import check_same_call, gloo_side_group
 from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS, Encoded, decode, encode
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, call_signature, check_out,
                                                     check_quantizable, chunk_blocks_for, describe_call,
@@ -66,12 +73,16 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
     tensors of an NCCL group), else the bulk twin; its workspace's allocations wait `allocation_timeout_s` for
     the peers (`fused_for_group`)."""
     group = group or dist.group.WORLD
-    # On gloo, before the local checks (a codec, dtype or out refused on one rank raises on all). Not on NCCL: there
-    # the bulk twin is the benchmarks' timed baseline of the fused kernel (which checks its peers on the device), and
-    # a collective more would be timed with it.
-    if _backend(group) == "gloo":
+    backend = _backend(group)
+    if fused is None:
+        fused = x.is_cuda and backend == "nccl"
+    # Before the local checks (a codec, dtype or out refused on one rank raises on all) and before any collective
+    # whose size follows from the call: on gloo every call; on NCCL every call with fused false, over the group's gloo
+    # side group (the fused kernel checks its peers on the device; a plain call with fused true or by default is
+    # torch's all_reduce, unchecked as any).
+    if backend == "gloo" or not fused:
         check_same_call(call_signature(x.numel(), x.dtype, codec, mean) + [int(out_problem(x, out) is not None)],
-                        group, describe_call, "quantized all-reduce")
+                        group if backend == "gloo" else gloo_side_group(group), describe_call, "quantized all-reduce")
     if codec not in PLAIN and codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}: expected one of {PLAIN + tuple(CODECS)}")
     if codec in PLAIN:
@@ -82,8 +93,6 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
         dist.all_reduce(out, group=group)
         return out.div_(dist.get_world_size(group)) if mean else out
     check_quantizable(x)
-    if fused is None:
-        fused = x.is_cuda and _backend(group) == "nccl"
     if fused:
         return fused_for_group(group, x.device, allocation_timeout_s)(x, codec, mean, out)  # checks out
     check_out(x, out)
