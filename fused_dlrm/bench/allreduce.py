@@ -8,10 +8,11 @@ A bf16 message of each size is summed over the ranks, timed in the same run as:
             a symmetric buffer; the sums overflow after a few hundred calls, which does not change its time)
 Each row also carries `twin_us`: the fused kernel's bulk twin (the codec kernels around NCCL all_to_all and
 all_gather, kernels' arithmetic bit for bit), which since 2026-12-04 compares the ranks' calls first (one host
-all-gather of 5 int64 over gloo: host time, hidden by back-to-back calls where the GPU's work is longer). Times are
-per call from back-to-back calls (the host's launch cost hides behind the GPU where it can). Speed of light: the
-codec's bytes on the wire (each rank sends (world - 1) / world of the encoded message twice) / the peer write
-bandwidth measured in this run; sol_pct = 100 * speed of light / fused time.
+all-gather of 5 int64 over gloo: host time, hidden by back-to-back calls where the GPU's work is longer), and
+`twin_check_us`: that check alone (the same at every size). Times are per call from back-to-back calls (the host's
+launch cost hides behind the GPU where it can). Speed of light: the codec's bytes on the wire (each rank sends
+(world - 1) / world of the encoded message twice) / the peer write bandwidth measured in this run;
+sol_pct = 100 * speed of light / fused time.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 from fused_dlrm.bench.timing import peer_bandwidth, per_call_us
+from fused_dlrm.dist.env import check_same_call, gloo_side_group
 from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS
+from fused_dlrm.kernels.quantized_allreduce import describe_call
 from fused_dlrm.tp.quantized_allreduce import fused_for_group, quantized_all_reduce
 
 SIZES = [32 << 10, 1 << 20, 64 << 20]  # bytes of bf16
@@ -44,6 +47,8 @@ def symm_mem_two_shot(x: torch.Tensor):
 def run(quick: bool) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     peer = peer_bandwidth()
+    side = gloo_side_group(None)
+    check_us = per_call_us(lambda: check_same_call([0] * 5, side, describe_call, "quantized all-reduce"))
     rows = []
     for nbytes in QUICK_SIZES if quick else SIZES:
         numel = nbytes // 2
@@ -62,6 +67,6 @@ def run(quick: bool) -> list[dict]:
                          "dtype": "bf16", "bulk_us": bulk_us, "fused_us": fused_us,
                          "baseline_name": "symm_mem two_shot", "baseline_us": baseline_us,
                          "speedup": bulk_us / fused_us, "sol_pct": 100 * wire / peer * 1e6 / fused_us,
-                         "twin_us": twin_us})
+                         "twin_us": twin_us, "twin_check_us": check_us})
     fused_for_group(None, x.device).errors.check(block=True)
     return rows
