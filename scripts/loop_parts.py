@@ -13,9 +13,11 @@ Every rank prints, as medians over steps PARTS_START .. PARTS_START + PARTS_STEP
   prefetch, the header of the one after it (`prefetch_header`, with trainer.header_ahead), after_step (log / eval
   cadence); and across those, the input dist's `start` (the header all-to-all enqueued) and its wait for the header
   on the host (the one host sync of a step; GPUs only) -- with trainer.input_dist_on_thread, the batch thread's
-  (prefetch and prefetch_header then do not run: nan); and the batch thread's time per batch (making it, copying it
-  and, on the thread, its input dist: above the wall, the thread binds the loop) and its CPU time of that (a wait
-  that spins, as cudaEventSynchronize on the header does, counts as CPU; the rest blocked: on the GIL, a queue);
+  (prefetch and prefetch_header then do not run: nan); and the batch thread's times per batch, each with its CPU
+  time (a wait that spins, as cudaEventSynchronize on the header does, counts as CPU; the rest blocked: on the
+  GIL, a queue): made and copied (the data set's batch, generated or parsed, copied to the device) and prepared
+  (BatchesAhead._make: on the thread, its input dist and backward plan); their sum above the wall: the thread
+  binds the loop;
 - GPU (CUDA events on the main stream): from a step's first kernel to its last, and from there to the next step's
   first (the main stream idle between steps, waiting for the host or for the prefetch's side stream).
 The wall is train_step + outside by construction; with the GPU's span below it and the main stream idle between
@@ -63,8 +65,8 @@ HOST_PROFILE_STEPS = int(os.environ.get("PARTS_HOST_PROFILE", 0))
 HOST_FIRST = START + STEPS + PROFILE_STEPS
 host_profiler = cProfile.Profile() if HOST_PROFILE_STEPS else None
 host = {k: [] for k in ("wall", "train_step", "forward", "backward", "embedding_backward", "outside", "next",
-                        "prefetch", "header_start", "header_wait", "prefetch_header", "after_step", "batch",
-                        "batch_cpu")}
+                        "prefetch", "header_start", "header_wait", "prefetch_header", "after_step", "pull",
+                        "pull_cpu", "batch", "batch_cpu")}
 events = []  # (main-stream event at a step's start, at its end)
 state = {"step": 0, "last_end": None}
 
@@ -83,14 +85,25 @@ def timed(key, function):
     return wrapper
 
 
-def make_batch(self, *args):
-    """One batch made on the batch thread (BatchesAhead._make): its time, and the thread's CPU time in it."""
-    begin, cpu = time.perf_counter(), time.thread_time()
-    result = original_make(self, *args)
-    if measuring():
-        host["batch"].append(time.perf_counter() - begin)
-        host["batch_cpu"].append(time.thread_time() - cpu)
-    return result
+def on_thread(key, function):
+    """`function`'s time per call on the batch thread, and the thread's CPU time in it (key, key + "_cpu")."""
+    def wrapper(*args):
+        begin, cpu = time.perf_counter(), time.thread_time()
+        result = function(*args)
+        if measuring():
+            host[key].append(time.perf_counter() - begin)
+            host[key + "_cpu"].append(time.thread_time() - cpu)
+        return result
+    return wrapper
+
+
+def pulled(self, batches):
+    """BatchesAhead._pulled, each batch timed: made by the data set (a synthetic batch generated, a file's parsed
+    or received from its workers) and copied to the device, on the batch thread."""
+    made = original_pulled(self, batches)
+    pull = on_thread("pull", lambda: next(made, None))
+    while (item := pull()) is not None:
+        yield item
 
 
 def start(self, kjt):
@@ -160,8 +173,9 @@ def report() -> None:
           f"backward {ms['embedding_backward']:.2f}, rest {rest:.2f}), outside {ms['outside']:.2f} (next() "
           f"{ms['next']:.2f}, prefetch {ms['prefetch']:.2f}"
           f", prefetch_header {ms['prefetch_header']:.2f}, after_step {ms['after_step']:.2f}); input dist: header "
-          f"start {ms['header_start']:.2f}, wait for the header {ms['header_wait']:.2f} | batch thread: per batch "
-          f"{ms['batch']:.2f} (CPU {ms['batch_cpu']:.2f}){gpu}", flush=True)
+          f"start {ms['header_start']:.2f}, wait for the header {ms['header_wait']:.2f} | batch thread per batch: made "
+          f"and copied {ms['pull']:.2f} (CPU {ms['pull_cpu']:.2f}), then prepared {ms['batch']:.2f} (CPU "
+          f"{ms['batch_cpu']:.2f}){gpu}", flush=True)
 
 
 WAITING_KERNELS = ("ncclDevKernel", "_wait_ready")  # they spin until a peer arrives: busy, but maybe only waiting
@@ -222,7 +236,8 @@ ShardedEmbeddingBagCollection.prefetch_header = timed("prefetch_header", Sharded
 original_start, BulkInputDist.start = BulkInputDist.start, start
 original_finish, BulkInputDist.finish = BulkInputDist.finish, finish
 BatchesAhead.__next__ = timed("next", BatchesAhead.__next__)
-original_make, BatchesAhead._make = BatchesAhead._make, make_batch
+original_make, BatchesAhead._make = BatchesAhead._make, on_thread("batch", BatchesAhead._make)
+original_pulled, BatchesAhead._pulled = BatchesAhead._pulled, pulled
 TrainingRun.after_step = timed("after_step", TrainingRun.after_step)
 sys.argv = ["train.py"] + sys.argv[1:]
 runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py"),

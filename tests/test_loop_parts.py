@@ -22,7 +22,8 @@ def _report(stdout: str) -> dict[str, float]:
     names = {"wall": r"wall ([\d.]+)", "train_step": r"train_step ([\d.]+)", "forward": r"forward ([\d.]+)",
              "backward": r"backward ([\d.]+) with", "embedding_backward": r"embedding backward ([\d.]+)",
              "rest": r"rest (-?[\d.]+)", "outside": r"outside ([\d.]+)", "header_start": r"header start ([\d.]+)",
-             "batch": r"batch thread: per batch ([\d.]+)", "batch_cpu": r"per batch [\d.]+ \(CPU ([\d.]+)\)"}
+             "pull": r"made and copied ([\d.]+)", "pull_cpu": r"made and copied [\d.]+ \(CPU ([\d.]+)\)",
+             "batch": r"then prepared ([\d.]+)", "batch_cpu": r"then prepared [\d.]+ \(CPU ([\d.]+)\)"}
     return {k: float(re.search(pattern, line).group(1)) for k, pattern in names.items()}
 
 
