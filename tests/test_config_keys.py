@@ -26,7 +26,7 @@ FUSED_KEYS_UNDER_BULK = [f"+comm.{key}=1" for key in ("transport", "num_programs
 
 
 @pytest.mark.parametrize("overrides", OPTIONS + [
-    ["+data.train.device=cuda"],  # keys under a `_target_` node are its class's arguments
+    ["data=criteo", "+data.train.drop_last=true"],  # keys under a `_target_` node are its class's arguments
     ["+trainer.dense_optimizer.momentum=0.9", "trainer.dense_optimizer._target_=torch.optim.SGD",
      "~trainer.dense_optimizer.fused"],
     ["model=moe_transformer", "+model.optimizer.betas=[0.9,0.95]"],

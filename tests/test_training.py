@@ -81,6 +81,19 @@ def _resume_two_ranks(rank: int, world: int, tmp: str, shards: tuple[str, ...]) 
     assert resumed.losses == [(s, l) for s, l in full.losses if s > 10]
 
 
+def test_synthetic_data_is_made_on_the_models_device_unless_told():
+    """data.train.device is auto by default, eval's following it: each dataset makes its batches on the model's
+    device (env.device); cpu and cuda are kept. The GPU model's datasets are only made, never asked for a batch:
+    no GPU is needed."""
+    assert config(*SMALL).data.train.device == "auto"
+    gpu = DistEnv(rank=1, world_size=2, local_rank=1, device=torch.device("cuda", 1), backend=None)
+    for env, told, made in ((CPU, "auto", "cpu"), (gpu, "auto", "cuda:1"), (gpu, "cpu", "cpu"), (gpu, "cuda", "cuda")):
+        cfg = config(*SMALL, f"data.train.device={told}")
+        datasets = [build_dataset(cfg, split, env) for split in ("train", "eval")]
+        assert [d.device for d in datasets] == [torch.device(made)] * 2, (env.device, told)
+    assert build_dataset(config(*SMALL), "train", CPU).batch(0).labels.device == torch.device("cpu")
+
+
 def _step_loss_is_the_global_batch_mean(rank: int, world: int) -> None:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
     cfg = config(*SMALL, "data.global_batch_size=101")  # uneven local batches: 51 and 50
@@ -419,7 +432,7 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
             (["trainer.log_every=0"], "trainer.log_every=0: expected a step count >= 1"),
             (["trainer.checkpoint_every=2", "trainer.keep_checkpoints=0"],
              "trainer.keep_checkpoints=0: expected a count >= 1"),
-            (["+data.train.device=cuda"], "data.train.device=cuda makes the batches on a GPU, but the model is on cpu"),
+            (["data.train.device=cuda"], "data.train.device=cuda makes the batches on a GPU, but the model is on cpu"),
             (["comm.grad_allreduce=q7"], "comm.grad_allreduce='q7': expected one of"),
             (["model.pooling=max"], r"model.pooling='max': expected one of \('sum', 'mean'\)"),
             (["model.data_type=int8"], r"model.data_type='int8': expected one of"),

@@ -2,10 +2,11 @@
 
 Each rank generates only its own slice of every global batch, from a generator
 seeded by ``(seed, split, step, rank)``, so the stream is reproducible and needs
-no communication; the samples therefore depend on the world size (a run compares
-with runs at its own world size). Labels come from a fixed hidden "teacher" model of the
-features, so a DLRM trained on this data can actually learn something (its AUC
-rises well above 0.5).
+no communication; the samples therefore depend on the world size, and on the device
+(the host's and the GPUs' generators differ; a GPU's draws also with its SM count): a run
+compares with runs at its own world size on its own kind of device. Labels come from a
+fixed hidden "teacher" model of the features, so a DLRM trained on this data can actually
+learn something (its AUC rises well above 0.5).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class SyntheticCriteo:
         seed: base seed of data and teacher.
         split: stream name, e.g. ``"train"`` or ``"eval"``; different splits give different streams
             labelled by the same teacher.
-        device: where batches are generated.
+        device: where batches are generated (the config's ``auto``, the model's device, is resolved by
+            ``fused_dlrm.train.build.build_dataset``).
     """
 
     def __init__(
@@ -223,7 +225,8 @@ class SyntheticCriteo:
         return self._logits(batch.dense_features, lengths, kjt.values(), longest)
 
     def batch(self, step: int) -> Batch:
-        """This rank's slice of global batch ``step``: a function of (seed, split, step, rank, world_size)."""
+        """This rank's slice of global batch ``step``: a function of (seed, split, step, rank, world_size) on one
+        kind of device."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         gen = torch.Generator(device=self.device).manual_seed(

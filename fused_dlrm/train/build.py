@@ -102,7 +102,8 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def build_dataset(cfg: DictConfig, split: str, env: DistEnv):
-    """The train or eval dataset: `cfg.data.<split>` names its class (`_target_`) and its own arguments."""
+    """The train or eval dataset: `cfg.data.<split>` names its class (`_target_`) and its own arguments; a `device`
+    of auto is the model's (env.device)."""
     m = cfg.model
     names = feature_names(cfg.data)
     rows = [m.num_rows] * len(names) if isinstance(m.num_rows, int) else list(m.num_rows)
@@ -111,7 +112,9 @@ def build_dataset(cfg: DictConfig, split: str, env: DistEnv):
         raise ValueError(f"data.{split}.{unset[0]} must be given, e.g. data.train.paths=[train.tsv] "
                          "data.eval.paths=[eval.tsv]")
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.data[split], resolve=True).items() if k != "_target_"}
-    if str(kwargs.get("device", "cpu")).startswith("cuda") and env.device.type != "cuda":
+    if kwargs.get("device") == "auto":  # where the model is: no host time per batch on GPUs (conf/data/synthetic.yaml)
+        kwargs["device"] = env.device
+    elif str(kwargs.get("device", "cpu")).startswith("cuda") and env.device.type != "cuda":
         # batches made on a GPU for a model on the host would meet it only in the dense arch, as a device mismatch
         raise ValueError(f"data.{split}.device={kwargs['device']} makes the batches on a GPU, but the model is on "
                          f"{env.device}: set data.{split}.device=cpu (or trainer.device=cuda)")

@@ -3,7 +3,7 @@ and the run would go on without it; `model=dlrm +model.vocab_size=300` adds a ke
 trainer / model / data / comm is known when the group's chosen option (conf/<group>/<option>.yaml, with the options
 its defaults list extends) sets it, a top-level key when conf/config.yaml does; the keys under a node with `_target_`
 are its class's arguments, which the call of the class checks (`+trainer.dense_optimizer.momentum=0.9`,
-`+data.train.device=cuda`).
+`data=criteo +data.train.drop_last=true`).
 
 The chosen options are Hydra's record of them: the config's own `hydra` node (composed with return_hydra_config), or
 the running @hydra.main job's (HydraConfig). A config composed without either (compose() in tests, a script) names
