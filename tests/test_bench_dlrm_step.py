@@ -43,7 +43,6 @@ def first_step_loss(args) -> tuple[float, int]:
     """(the loss of the initial model on the first global batch, its dense parameter count), unsharded in this
     process with torchrec's arches: the model every variant starts from, on both ranks' slices of the batch."""
     cfg = dlrm_step.config(args)
-    cfg.data.train.device = "cpu"
     model = dlrm_step.build_model(cfg, CPU, "torchrec")
     dense = sum(p.numel() for p in model.parameters() if not p.is_meta)  # the tables are on the meta device
     tables = config_tables(cfg)
@@ -120,7 +119,6 @@ def _bulk_and_fused_at_one_rank(rank: int, world: int, argv: list[str], tmp: str
     args = dlrm_step.parse_args(argv)
     cfg = dlrm_step.config(args)
     env = init_distributed(cfg.trainer.device, cfg.comm.backend)
-    cfg.data.train.device = env.device.type
     batches = dlrm_step.make_batches(cfg, env, args.batches)
     # run_variant, not run_suite: the suite leaves comm=fused out at world 1 (nothing to exchange to time)
     results = {v: dlrm_step.run_variant(v, cfg, env, batches, args.warmup, args.steps, args.arches)

@@ -304,7 +304,7 @@ def test_paper_scale_configs_compose_and_fit_two_h200s():
     dlrm = config("model=dlrm_paper")
     assert (dlrm.data.num_sparse, dlrm.model.num_rows, dlrm.model.embedding_dim) == (128, 100_000, 256)
     assert dlrm.data.train.mean_pooling == 10 and 2048 <= dlrm.data.global_batch_size <= 4096
-    assert dlrm.data.train.device == dlrm.data.eval.device == "cuda"  # host generation is slower than a step
+    assert dlrm.data.train.device == dlrm.data.eval.device == "auto"  # on GPUs the GPU's: the host is slower
     assert dlrm.model.dense_arch[-1] == dlrm.model.embedding_dim and dlrm.model.name == "dlrm"
     tables_per_gpu = dlrm.data.num_sparse * dlrm.model.num_rows * dlrm.model.embedding_dim * 4 / 2
     assert tables_per_gpu < 7e9  # + row-wise Adagrad state (one value per row) and per-step buffers: see the yaml
@@ -321,7 +321,7 @@ def test_paper_scale_configs_compose_and_fit_two_h200s():
 
 
 def test_shrunken_paper_configs_train_two_steps(tmp_path):
-    dlrm = config("model=dlrm_paper", "data.train.device=cpu", "data.num_sparse=12", "model.num_rows=500",
+    dlrm = config("model=dlrm_paper", "data.num_sparse=12", "model.num_rows=500",  # data.train.device=auto: the CPU
                   "model.embedding_dim=16", "model.dense_arch=[32,16]", "model.over_arch=[64,32,1]",
                   "data.global_batch_size=32",
                   "trainer.max_steps=2", "trainer.log_every=1", "trainer.progress=false", "data.eval_batches=1",

@@ -11,8 +11,8 @@ e.g. model.num_rows=1000 data.num_sparse=8 data.global_batch_size=64).
 Every variant is DistributedModelParallel over that model, stepped by torchrec's TrainPipelineSparseDist, with the
 same table-wise placement (the project's plan, given to DMP), the same initial tables and dense weights, the same
 embedding optimizer (model.embedding_optimizer, fused into backward), the same dense optimizer
-(trainer.dense_optimizer, over DMP's data-parallel parameters) and the same batches (made once up front on the
-device, then cycled; data.train.device is set to that device):
+(trainer.dense_optimizer, over DMP's data-parallel parameters) and the same batches (made once up front, by default
+on the model's device (data.train.device=auto), then cycled):
   torchrec: torchrec's EmbeddingBagCollectionSharder, table-wise, FUSED kernel (fbgemm's TBE), the optimizer given
             by apply_optimizer_in_backward: the baseline. On GPUs it needs fbgemm-gpu's CUDA build.
   bulk:     the project's FusedEmbeddingBagCollectionSharder, comm="bulk".
@@ -355,8 +355,6 @@ def config(args: argparse.Namespace) -> DictConfig:
 
 def run(args: argparse.Namespace, cfg: DictConfig, env: DistEnv) -> dict:
     """The suite on an initialised world; rank 0 prints the table and writes --out. Returns the report."""
-    if "device" in cfg.data.train:  # batches are made once, where the steps run
-        cfg.data.train.device = env.device.type
     default_warmup, default_steps = repeats(env)
     report = run_suite(cfg, env, args.variants, default_warmup if args.warmup is None else args.warmup,
                        default_steps if args.steps is None else args.steps, args.batches, args.arches)
