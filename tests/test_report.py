@@ -361,13 +361,14 @@ def test_two_gpus_fused_columns_timed(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (side-stream copy of the next batch)")
-def test_gpu_batches_copied_ahead_train_as_without_prefetch(tmp_path):
-    """The loop's next batch is pinned, copied and input-distributed on side streams: the same losses with and
-    without the input dist ahead. (Not comparable with the CPU: tables and dense layers initialise from the
-    device's generator.)"""
+@pytest.mark.parametrize("data_device", ["cpu", "auto"])
+def test_gpu_batches_copied_ahead_train_as_without_prefetch(tmp_path, data_device):
+    """The loop's next batch is made (auto: on the GPU) or pinned and copied (cpu), and input-distributed, on side
+    streams: the same losses with and without the input dist ahead. (Not comparable with the CPU: tables and dense
+    layers initialise from the device's generator.)"""
     gpu = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), backend=None)
-    common = [*DLRM[1:], "trainer.max_steps=12", "trainer.log_every=1", "trainer.progress=false",
-              "data.eval_batches=1", "trainer.checkpoint_every=0"]
+    common = [*DLRM[1:], f"data.train.device={data_device}", "trainer.max_steps=12", "trainer.log_every=1",
+              "trainer.progress=false", "data.eval_batches=1", "trainer.checkpoint_every=0"]
     ahead = train_dlrm(config(*common), gpu, tmp_path / "ahead")
     plain = train_dlrm(config(*common, "trainer.prefetch_input_dist=false"), gpu, tmp_path / "plain")
     assert [s for s, _ in ahead.losses] == list(range(1, 13)) == [s for s, _ in plain.losses]
