@@ -1,7 +1,7 @@
-"""comm.allocation_timeout_s (conf/comm/*.yaml) reaches every symmetric workspace a run makes: DLRM's embedding
-exchange (both transports), its dense arches' quantized gradient all-reduce, the MoE layers, the tensor-parallel
-projections, the MoE gradients' all-reduce and the report's; a value that is not a positive number of seconds is
-refused when the model is built.
+"""comm.allocation_timeout_s (conf/comm/*.yaml) reaches every symmetric workspace a run makes: DLRM's embedding exchange
+(both transports), its dense arches' quantized gradient all-reduce, the MoE layers, the tensor-parallel projections,
+the MoE gradients' all-reduce, the report's and DDP's hook (QuantizedHookState); a value that is not a positive
+number of seconds is refused when the model is built.
 
 On the CPU no workspace can exist (symmetric memory is CUDA's): each rank of a gloo world runs every site up to
 the workspace's constructor, which records the bound it was given and stops there (`_Reached`); the paths that
@@ -10,6 +10,7 @@ take their fused kernel on CUDA tensors only are called with fused=True."""
 from __future__ import annotations
 
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 import fused_dlrm.models.arch_nodes as arch_nodes
 import fused_dlrm.report.layers as report_layers
+import fused_dlrm.tp.quantized_allreduce as quantized_allreduce_module
 import moe.train as moe_train
 from fused_dlrm.dist import DistEnv, symmetric
 from fused_dlrm.dist.symmetric import check_allocation_timeout
@@ -24,7 +26,7 @@ from fused_dlrm.report.dlrm import with_comm
 from fused_dlrm.report.moe import with_modes
 from fused_dlrm.sparse.fused_all_to_all import build_fused_exchange
 from fused_dlrm.tp import linear
-from fused_dlrm.tp.quantized_allreduce import quantized_all_reduce
+from fused_dlrm.tp.quantized_allreduce import QuantizedHookState, quantized_all_reduce, quantized_allreduce_hook
 from fused_dlrm.train import build
 from test_moe_training import SMALL as MOE
 from test_training import CPU, SMALL as DLRM, config
@@ -71,7 +73,7 @@ def _every_site(rank: int, world: int) -> None:
     # the fused kernels of the quantized all-reduce, taken on CUDA tensors only: here asked for
     fused_all_reduce = partial(quantized_all_reduce, fused=True)
     arch_nodes.quantized_all_reduce = moe_train.quantized_all_reduce = fused_all_reduce
-    report_layers.quantized_all_reduce = fused_all_reduce
+    report_layers.quantized_all_reduce = quantized_allreduce_module.quantized_all_reduce = fused_all_reduce
 
     # DLRM's dense arches (comm=bulk builds them too)
     model = build.build_model(config(*DLRM, "comm.grad_allreduce=q8", bound), env)
@@ -99,6 +101,11 @@ def _every_site(rank: int, world: int) -> None:
     # the report's gradient all-reduce
     layer = report_layers.grad_allreduce_layer(100, "q8", env, None, BOUND)
     _reaches(seen, "CudaSymmetricWorkspace", layer.fused["fwd_bwd"])
+
+    # DDP's communication hook (its bucket: only its buffer is read)
+    state = QuantizedHookState("q8", allocation_timeout_s=BOUND)
+    bucket = SimpleNamespace(buffer=lambda: torch.randn(100))
+    _reaches(seen, "CudaSymmetricWorkspace", lambda: quantized_allreduce_hook(state, bucket))
     dist.barrier()
 
 

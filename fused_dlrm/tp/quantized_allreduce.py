@@ -146,10 +146,12 @@ def fused_for_group(group: dist.ProcessGroup | None, device: torch.device,
 class QuantizedHookState:
     """What `quantized_allreduce_hook` needs: the codec, the group, and `chooser`'s threshold: buckets below
     min_bytes go plain. 0 (the default) quantizes every bucket, as a configured codec asks; pass
-    MIN_QUANTIZED_BYTES for the size rule."""
+    MIN_QUANTIZED_BYTES for the size rule. allocation_timeout_s: how long the fused kernel's ranks wait for each
+    other at its workspace's allocation (`fused_for_group`)."""
     codec: str
     group: dist.ProcessGroup | None = None
     min_bytes: int = 0
+    allocation_timeout_s: float = ALLOCATION_TIMEOUT_S
 
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
@@ -163,5 +165,6 @@ def quantized_allreduce_hook(state: QuantizedHookState,
     grads = bucket.buffer()
     codec = chooser(grads.numel() * grads.element_size(), state.codec, state.min_bytes)
     fut = torch.futures.Future()
-    fut.set_result(quantized_all_reduce(grads, codec, state.group, mean=True, out=grads))  # in place: no copy back
+    fut.set_result(quantized_all_reduce(grads, codec, state.group, mean=True, out=grads,  # in place: no copy back
+                                        allocation_timeout_s=state.allocation_timeout_s))
     return fut
