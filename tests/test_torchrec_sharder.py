@@ -43,7 +43,9 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, plan_sharding
-from fused_dlrm.sparse.sharded_ebc import shard_weight
+from fused_dlrm.sparse import torchrec_sharder
+from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
+from fused_dlrm.sparse.sharded_ebc import ShardedEmbeddingBagCollection, shard_weight
 from fused_dlrm.sparse.torchrec_sharder import (OFFERED_BY_DEFAULT, SHARDING_TYPES, FusedEmbeddingBagCollectionSharder,
                                                 FusedShardedEBC, plan_from_torchrec, torchrec_in_backward_optimizer)
 from bags import global_batch, to_kjt
@@ -693,6 +695,24 @@ def test_tables_sharing_features_are_refused_naming_them():
 def test_unknown_comm_is_refused():
     with pytest.raises(ValueError, match="comm='nccl' is unknown"):
         FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig(), comm="nccl")
+
+
+@pytest.mark.parametrize("comm", ["bulk", "fused", FusedCommConfig(wait_timeout_spins=1000, allocation_timeout_s=45.0)])
+def test_comm_settings_reach_the_sharded_collection(comm, monkeypatch):
+    """comm="fused" builds the exchange with FusedCommConfig's defaults, a FusedCommConfig with its own settings (its
+    transport, bounds on the waits); recorded here, then built bulk: the fused exchange needs CUDA."""
+    given = []
+
+    def recorded(*args, comm=None, **kwargs):
+        given.append(comm)
+        return ShardedEmbeddingBagCollection(*args, comm=None, **kwargs)
+
+    monkeypatch.setattr(torchrec_sharder, "ShardedEmbeddingBagCollection", recorded)
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"])]
+    FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig(), comm=comm).shard(
+        EmbeddingBagCollection(tables), {"t0": tw(0)}, ShardingEnv.from_local(1, 0), CPU)
+    expected = comm if isinstance(comm, FusedCommConfig) else {"bulk": None, "fused": FusedCommConfig()}[comm]
+    assert given == [expected]
 
 
 def tw(rank: int) -> ParameterSharding:

@@ -44,7 +44,8 @@ What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
 
 Which seams implement the stages is chosen by `comm`, in `build_seams`: "bulk" (torch.distributed all-to-alls)
 or "fused" (CUDA: lookup and output dist as one kernel storing into peers' memory, run by
-compute_and_output_dist; `compute` and `output_dist` alone then are not available).
+compute_and_output_dist; `compute` and `output_dist` alone then are not available), or a FusedCommConfig (fused,
+with its transport, programs and bounds on the waits).
 """
 
 from __future__ import annotations
@@ -90,9 +91,14 @@ log = logging.getLogger(__name__)
 COMMS = ("bulk", "fused")
 
 
-def check_comm(comm: str) -> None:
+def fused_comm_config(comm: str | FusedCommConfig) -> FusedCommConfig | None:
+    """The fused exchange's settings that `comm` asks for: "bulk" none, "fused" the defaults, a FusedCommConfig
+    (fused with its transport, programs and bounds on the waits) itself."""
+    if isinstance(comm, FusedCommConfig):
+        return comm
     if comm not in COMMS:
-        raise ValueError(f"comm={comm!r} is unknown; expected one of {list(COMMS)}")
+        raise ValueError(f"comm={comm!r} is unknown; expected one of {list(COMMS)} or a FusedCommConfig")
+    return FusedCommConfig() if comm == "fused" else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -112,7 +118,7 @@ class Seams:
     row_block_sum: RowBlockSum | None  # the wide row -> the real one; None when no table is row-wise
 
 
-def build_seams(comm: str, tables: list[EmbeddingBagConfig], optimizer: TableOptimizers,
+def build_seams(comm: str | FusedCommConfig, tables: list[EmbeddingBagConfig], optimizer: TableOptimizers,
                 plan: TableShardingPlan, device: torch.device, group: dist.ProcessGroup | None,
                 is_weighted: bool) -> Seams:
     """The stages of `comm` for this rank; is_weighted: the EBC's (its input dist requires per-sample weights, or
@@ -125,9 +131,8 @@ def build_seams(comm: str, tables: list[EmbeddingBagConfig], optimizer: TableOpt
     compute_and_output_dist calls it on the bags (torchrec's pipeline only calls the pair through
     compute_and_output_dist), keeping input dist, tables and optimizer.
     """
-    check_comm(comm)
     core = ShardedEmbeddingBagCollection(tables, optimizer, device=device, group=group, plan=plan,
-                                         comm=FusedCommConfig() if comm == "fused" else None, is_weighted=is_weighted)
+                                         comm=fused_comm_config(comm), is_weighted=is_weighted)
     return Seams(input_dist=core.input_dist, lookup=core.lookup,
                  output_dist=core.output_dist, embedding_bags=core.embedding_bags, exchange=core.fused,
                  row_block_sum=core.row_block_sum)
@@ -383,9 +388,10 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
     """
 
     def __init__(self, module: EmbeddingBagCollection, plan: TableShardingPlan, env: ShardingEnv,
-                 optimizer: TableOptimizers, device: torch.device | None = None, comm: str = "bulk"):
+                 optimizer: TableOptimizers, device: torch.device | None = None,
+                 comm: str | FusedCommConfig = "bulk"):
         super().__init__(qcomm_codecs_registry=None)
-        check_comm(comm)
+        fused_comm_config(comm)  # refused before anything is built
         self.comm = comm
         self._env = env
         tables = module.embedding_bag_configs()
@@ -503,14 +509,15 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollec
     (another optimizer, weight_decay or momentum other than 0, other fbgemm settings) raises a ValueError naming the
     table and the setting (`resolve_optimizer`), at construction for fused_params, at shard() for the tables.
     comm: which input dist / lookup / output dist implementation: "bulk" (torch.distributed, any device) or "fused"
-        (CUDA: lookup and output dist as one kernel).
+        (CUDA: lookup and output dist as one kernel), or a FusedCommConfig: fused with its settings (transport,
+        num_programs, wait_timeout_spins, allocation_timeout_s; "fused" takes their defaults).
     sharding_types: what the planner is offered (a plan given to DMP may use any of SHARDING_TYPES that is offered).
         Row-wise only when asked: offered it, torchrec's planner on the CPU cuts nearly every table into row blocks
         (stock torchrec's sharder makes small tables data-parallel there, which we do not offer), and row blocks
         cost time (docs/benchmarks.md, 12-02).
     """
 
-    def __init__(self, optimizer: TableOptimizers | None = None, comm: str = "bulk",
+    def __init__(self, optimizer: TableOptimizers | None = None, comm: str | FusedCommConfig = "bulk",
                  sharding_types: Sequence[str] = OFFERED_BY_DEFAULT, fused_params: dict[str, Any] | None = None):
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=None)  # the planner reads fused_params too
         if not (optimizer is None or isinstance(optimizer, EmbeddingOptimizerConfig)
@@ -519,7 +526,7 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollec
             raise TypeError(f"optimizer must be an EmbeddingOptimizerConfig, a mapping of table names to them, or "
                             f"None; got {optimizer!r}")
         config_from_settings(fused_params or {}, f"fused_params {fused_params}")  # fail before planning
-        check_comm(comm)
+        fused_comm_config(comm)  # refused at construction, before planning
         unknown = sorted(set(sharding_types) - set(SHARDING_TYPES))
         if unknown or not sharding_types:
             raise ValueError(f"sharding_types {list(sharding_types)}: expected some of {list(SHARDING_TYPES)}")
