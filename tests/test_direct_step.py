@@ -58,8 +58,8 @@ def _bulk_direct_step_trains_as_autograd(rank: int, world: int, tmp: str, shardi
         rows += 1
     make_nodes = build.dense_arch_nodes
 
-    def nodes_with_stand_in_graphs(model, grad_allreduce, graph_batch):
-        model = make_nodes(model, grad_allreduce, graph_batch)
+    def nodes_with_stand_in_graphs(model, grad_allreduce, graph_batch, *rest):
+        model = make_nodes(model, grad_allreduce, graph_batch, *rest)
         for arch, needs_grad in ((model.dense_arch, False), (model.over_arch, True)):
             sample = torch.empty(rows, first_linear(arch).in_features).requires_grad_(needs_grad)
             arch.forward.graph = EagerArchGraph(arch.forward, sample)
