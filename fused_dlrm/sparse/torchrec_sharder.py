@@ -118,21 +118,22 @@ class Seams:
     row_block_sum: RowBlockSum | None  # the wide row -> the real one; None when no table is row-wise
 
 
-def build_seams(comm: str | FusedCommConfig, tables: list[EmbeddingBagConfig], optimizer: TableOptimizers,
+def build_seams(fused: FusedCommConfig | None, tables: list[EmbeddingBagConfig], optimizer: TableOptimizers,
                 plan: TableShardingPlan, device: torch.device, group: dist.ProcessGroup | None,
                 is_weighted: bool) -> Seams:
-    """The stages of `comm` for this rank; is_weighted: the EBC's (its input dist requires per-sample weights, or
-    ignores them, as torchrec's EBC does, and checks them in its header: a bad batch raises on every rank).
+    """The stages of this rank: bulk (fused None) or fused with those settings (`fused_comm_config`); is_weighted:
+    the EBC's (its input dist requires per-sample weights, or ignores them, as torchrec's EBC does, and checks them
+    in its header: a bad batch raises on every rank).
 
-    "bulk": our ShardedEmbeddingBagCollection already wires the bulk seams for a plan; take them apart rather than
+    Bulk: our ShardedEmbeddingBagCollection already wires the bulk seams for a plan; take them apart rather than
     wire them a second time here. Its own forward is not used, and it is not registered as a submodule (the caller
     registers its `embedding_bags`, so state_dict keys stay `embedding_bags.<table>.weight`).
-    "fused": the same collection built with its fused-exchange config runs lookup and output dist as one kernel;
+    Fused: the same collection built with its fused-exchange config runs lookup and output dist as one kernel;
     compute_and_output_dist calls it on the bags (torchrec's pipeline only calls the pair through
     compute_and_output_dist), keeping input dist, tables and optimizer.
     """
     core = ShardedEmbeddingBagCollection(tables, optimizer, device=device, group=group, plan=plan,
-                                         comm=fused_comm_config(comm), is_weighted=is_weighted)
+                                         comm=fused, is_weighted=is_weighted)
     return Seams(input_dist=core.input_dist, lookup=core.lookup,
                  output_dist=core.output_dist, embedding_bags=core.embedding_bags, exchange=core.fused,
                  row_block_sum=core.row_block_sum)
@@ -391,13 +392,13 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
                  optimizer: TableOptimizers, device: torch.device | None = None,
                  comm: str | FusedCommConfig = "bulk"):
         super().__init__(qcomm_codecs_registry=None)
-        fused_comm_config(comm)  # refused before anything is built
+        fused = fused_comm_config(comm)  # refused before anything is built
         self.comm = comm
         self._env = env
         tables = module.embedding_bag_configs()
         if env.world_size != plan.world_size:
             raise ValueError(f"plan is for {plan.world_size} ranks, the sharding env has {env.world_size}")
-        seams = build_seams(comm, tables, optimizer, plan, torch.device(device or "cpu"), env.process_group,
+        seams = build_seams(fused, tables, optimizer, plan, torch.device(device or "cpu"), env.process_group,
                             module.is_weighted())
         self._input_dist = seams.input_dist
         self._output_dist = seams.output_dist
