@@ -1,4 +1,5 @@
-"""bench/checks.py on a gloo world: a fused result unlike the bulk twin's, on any rank, raises on every rank."""
+"""bench/checks.py on a gloo world: a fused result unlike the bulk twin's (or another reference's), on any rank,
+raises on every rank."""
 
 import pytest
 import torch
@@ -14,17 +15,18 @@ def test_relative_error():
     assert relative_error(torch.tensor([float("nan"), 4.0]), want) != relative_error(want, want)  # NaN
 
 
-def _one_rank_off(rank, world_size, wrong):
+def _one_rank_off(rank, world_size, wrong, reference):
+    named = {} if reference == "the bulk twin" else {"reference": reference}
     bulk = torch.randn(64, 32, generator=torch.Generator().manual_seed(rank))
-    check_against_bulk("op", bulk * (1 + 1e-3), bulk, 1e-2)  # within tolerance: nothing raised
+    check_against_bulk("op", bulk * (1 + 1e-3), bulk, 1e-2, **named)  # within tolerance: nothing raised
     got = wrong(bulk) if rank == 1 else bulk.clone()
     if rank == 1:
-        with pytest.raises(AssertionError, match=r"^op: relative error .* against the bulk twin \(tolerance 0.01\)"):
-            check_against_bulk("op", got, bulk, 1e-2)
+        with pytest.raises(AssertionError, match=rf"^op: relative error .* against {reference} \(tolerance 0.01\)"):
+            check_against_bulk("op", got, bulk, 1e-2, **named)
     else:
-        with pytest.raises(ValueError, match=r"rank\(s\) \[1\] saw a fused result unlike the bulk twin's: "
+        with pytest.raises(ValueError, match=rf"rank\(s\) \[1\] saw a result unlike {reference}'s: "
                                              r"AssertionError: op: relative error"):
-            check_against_bulk("op", got, bulk, 1e-2)
+            check_against_bulk("op", got, bulk, 1e-2, **named)
 
 
 def _off_by_a_tenth(t):
@@ -37,6 +39,7 @@ def _one_nan(t):
     return t
 
 
+@pytest.mark.parametrize("reference", ["the bulk twin", "the torch reference"])
 @pytest.mark.parametrize("wrong", [_off_by_a_tenth, _one_nan])
-def test_a_wrong_result_on_one_rank_raises_on_every_rank(wrong):
-    run_world(2, _one_rank_off, wrong)
+def test_a_wrong_result_on_one_rank_raises_on_every_rank(wrong, reference):
+    run_world(2, _one_rank_off, wrong, reference)

@@ -13,12 +13,13 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(got.float() - want.float()) / torch.linalg.vector_norm(want.float()))
 
 
-def check_against_bulk(what: str, got: torch.Tensor, bulk: torch.Tensor, tolerance: float) -> None:
-    """Raise on every rank unless `got` is the bulk twin's `bulk` within `tolerance` in relative error on every
-    rank: a wrong fused result must stop the bench, not be timed (a rank raising alone would leave its peers in
-    the next collective)."""
+def check_against_bulk(what: str, got: torch.Tensor, bulk: torch.Tensor, tolerance: float,
+                       reference: str = "the bulk twin") -> None:
+    """Raise on every rank unless `got` is `bulk` (the bulk twin's result, or another `reference`'s) within
+    `tolerance` in relative error on every rank: a wrong fused result must stop the bench, not be timed (a rank
+    raising alone would leave its peers in the next collective)."""
     error = relative_error(got, bulk)
     problem = None
     if not error <= tolerance:  # NaN compares False
-        problem = AssertionError(f"{what}: relative error {error:.3g} against the bulk twin (tolerance {tolerance:g})")
-    raise_on_every_rank(problem, "saw a fused result unlike the bulk twin's")
+        problem = AssertionError(f"{what}: relative error {error:.3g} against {reference} (tolerance {tolerance:g})")
+    raise_on_every_rank(problem, f"saw a result unlike {reference}'s")

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torchrec import EmbeddingBagConfig
 
+from fused_dlrm.bench.checks import check_against_bulk
 from fused_dlrm.bench.timing import hbm_bandwidth, peer_bandwidth, per_call_us, time_ms
 from fused_dlrm.dist.alltoall import all_to_all_v
 from fused_dlrm.dist.symmetric import use_nvshmem_backend
@@ -109,10 +110,7 @@ def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iter
     fused.ws.buffer("pooled", 2 * max(bags.batch_sizes) * fused.row_len, torch.float32).local.fill_(float("nan"))
     dist.barrier()
     for name, fn in (("bulk", bulk), ("fused", fused_forward)):
-        got = fn()
-        err = ((got - expected).abs().max() / expected.abs().max()).item()
-        if not err < 1e-5:
-            raise AssertionError(f"{cfg.name}: {name} differs from the torch reference (max rel err {err})")
+        check_against_bulk(f"{cfg.name}: {name}", fn(), expected, 1e-5, "the torch reference")
     fused.errors.check(block=True)
 
     result = {"config": cfg.name, **cfg.__dict__, "world_size": world}
