@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from fused_dlrm.bench import init_gpu_world
 from fused_dlrm.bench.timing import HEAD_START_CYCLES, per_call_us, time_ms
 from moe.expert_layout import gather_counts_and_words
 from moe.layer import REFUSAL_WORDS, FusedMoEConfig, MoELayer, _Alongside, _BulkRows
@@ -204,8 +204,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the fused layers (FusedMoEConfig.dispatch and .combine), each timed in the same run")
     parser.add_argument("--out", help="write every number as JSON here")
     args = parser.parse_args(argv)
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    init_gpu_world("python -m moe.bench")
     configs = QUICK if args.quick else CONFIGS
     if args.configs:
         picked = [int(i) for i in args.configs.split(",")]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torchrec import EmbeddingBagConfig
 
+from fused_dlrm.bench import init_gpu_world
 from fused_dlrm.bench.checks import check_against_bulk
 from fused_dlrm.bench.timing import hbm_bandwidth, peer_bandwidth, per_call_us, time_ms
 from fused_dlrm.dist.alltoall import all_to_all_v
@@ -184,9 +184,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--transport", default="p2p", choices=["p2p", "nvshmem"], help="of the fused variant")
     parser.add_argument("--out", default="bench_embedding.json")
     args = parser.parse_args(argv)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    init_gpu_world("python -m fused_dlrm.bench embedding")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.transport == "nvshmem":
         use_nvshmem_backend()  # before the peer-bandwidth probe allocates symmetric memory

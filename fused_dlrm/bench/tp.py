@@ -3,31 +3,21 @@
 `torchrun --nproc_per_node=2 --standalone -m fused_dlrm.bench tp [--quick] [--out FILE]`. Sections, each a module
 of fused_dlrm.bench with `run(quick) -> list[dict]` (rows: op, shape, dtype, bulk_us, fused_us, baseline_name,
 baseline_us, speedup, sol_pct): gemm_allreduce (GEMV/GEMM + AllReduce), allgather_gemm (AllGather + GEMM),
-allreduce (quantized AllReduce). A section whose module is not there yet is reported as missing, not skipped
-silently. Rank 0 prints one table and writes the rows (with the device and bandwidth notes) as JSON.
+allreduce (quantized AllReduce); an unknown section name is refused before anything runs. Rank 0 prints one
+table and writes the rows (with the device, world size and torch version) as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
 
 import torch
 import torch.distributed as dist
 
-SECTIONS = ("gemm_allreduce", "allgather_gemm", "allreduce")
+from fused_dlrm.bench import allgather_gemm, allreduce, gemm_allreduce, init_gpu_world
 
-
-def _section_rows(name: str, quick: bool) -> tuple[list[dict], str | None]:
-    try:
-        module = importlib.import_module(f"fused_dlrm.bench.{name}")
-    except ModuleNotFoundError as error:
-        if error.name != f"fused_dlrm.bench.{name}":
-            raise
-        return [], f"section {name}: no module fused_dlrm.bench.{name} yet"
-    return module.run(quick), None
+SECTIONS = {"gemm_allreduce": gemm_allreduce, "allgather_gemm": allgather_gemm, "allreduce": allreduce}
 
 
 def _us(value: float | None) -> str:
@@ -47,24 +37,20 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m fused_dlrm.bench tp")
     parser.add_argument("--quick", action="store_true", help="fewer shapes per section")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {list(SECTIONS)}")
     args = parser.parse_args(argv)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    rows, missing = [], []
-    for name in args.sections.split(","):
-        section, note = _section_rows(name, args.quick)
-        rows += section
-        missing += [note] if note else []
+    sections = args.sections.split(",")
+    unknown = [name for name in sections if name not in SECTIONS]
+    if unknown:
+        parser.error(f"--sections: unknown {unknown}; the sections: {list(SECTIONS)}")
+    init_gpu_world("python -m fused_dlrm.bench tp")
+    rows = [row for name in sections for row in SECTIONS[name].run(args.quick)]
     if dist.get_rank() == 0:
         print(f"{torch.cuda.get_device_name()} x{dist.get_world_size()}, torch {torch.__version__}")
         print_table(rows)
-        for note in missing:
-            print(note)
         if args.out:
             meta = {"device": torch.cuda.get_device_name(), "world_size": dist.get_world_size(),
-                    "torch": torch.__version__, "missing": missing}
+                    "torch": torch.__version__}
             with open(args.out, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
     dist.destroy_process_group()
