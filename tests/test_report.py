@@ -16,7 +16,7 @@ import torch.distributed as dist
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.report.__main__ import main as report_main
 from fused_dlrm.report.dlrm import dlrm_layers
-from fused_dlrm.report.layers import STEP, CommLayer
+from fused_dlrm.report.layers import STEP, CommLayer, grad_allreduce_layer
 from fused_dlrm.report.measure import measure_layer
 from fused_dlrm.report.moe import moe_layers
 from fused_dlrm.report import render
@@ -284,6 +284,46 @@ def test_measure_and_render_with_both_modes(tmp_path):
     write_json(report, tmp_path / "report.json")
     assert json.loads((tmp_path / "report.json").read_text())["layers"][0]["fused"]["fwd_ms"] == fused
     assert write_png(report, tmp_path / "report.png") is None and (tmp_path / "report.png").stat().st_size > 1000
+
+
+def _codec_bytes(rank: int, world: int) -> None:
+    """The gradient all-reduce with a codec: its fused column is timed (here the bulk twin stands in for the fused
+    kernel: the same encoded messages), and its bytes and % of speed of light are those of the encoded messages it
+    sends, not the fp32 ring's of the plain column."""
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    layer = grad_allreduce_layer(1000, "q8", env, None, 60.0)
+    wire, gather = dist.all_to_all_single, dist.all_gather_into_tensor
+    counted = []
+
+    def all_to_all(out, x, *args, **kwargs):
+        counted.append((world - 1) * x[0].numel())  # [world, bytes] uint8: a row to every other rank
+        return wire(out, x, *args, **kwargs)
+
+    def all_gather(out, x, *args, **kwargs):
+        if x.dtype == torch.uint8:  # the reduced chunk's encoding to every other rank (not the calls' check)
+            counted.append((world - 1) * x.numel())
+        return gather(out, x, *args, **kwargs)
+    dist.all_to_all_single, dist.all_gather_into_tensor = all_to_all, all_gather
+    try:
+        layer.fused["fwd_bwd"]()
+    finally:
+        dist.all_to_all_single, dist.all_gather_into_tensor = wire, gather
+    sent = sum(counted)
+    assert sent == 2 * (world - 1) * 16 * 34  # 1000 values: 16 blocks of 32 per rank's chunk, 34 bytes each (q8)
+    entry = measure_layer(layer, env, bandwidth=1e9, warmup=0, iters=2)
+    assert entry["bytes_sent"] == {"fwd_bwd": 2 * (world - 1) * 1000 * 4 // world}  # the plain ring's, fp32
+    assert entry["fused_bytes_sent"] == {"fwd_bwd": sent}
+    for mode, nbytes in (("bulk", entry["bytes_sent"]["fwd_bwd"]), ("fused", sent)):
+        assert entry["pct_sol"][mode]["fwd_bwd"] == pytest.approx(100 * nbytes / 1e9 * 1e3
+                                                                  / entry[mode]["fwd_bwd_ms"])
+    report = {"model": "fake", "modes": "bulk vs fused", "environment": environment(CPU), "peer_bandwidth_GBps": 1.0,
+              "timing": {"method": "host perf_counter", "warmup": 0, "iters": 2}, "layers": [entry]}
+    row = next(line for line in markdown(report).splitlines() if line.startswith("| gradient all-reduce"))
+    assert "| 4.00 kB (fused 1.09 kB) |" in row
+
+
+def test_a_codecs_bytes_and_speed_of_light_are_its_encoded_messages():
+    run_world(2, _codec_bytes, timeout=300)
 
 
 def test_commit_unknown_without_git_or_outside_a_checkout_of_this_code(monkeypatch):

@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from fused_dlrm.bench.timing import peer_bandwidth, per_call_us
 from fused_dlrm.dist.env import check_same_call, gloo_side_group
-from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS
+from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import describe_call
-from fused_dlrm.tp.quantized_allreduce import fused_for_group, quantized_all_reduce
+from fused_dlrm.tp.quantized_allreduce import fused_for_group, quantized_all_reduce, wire_bytes
 
 SIZES = [32 << 10, 1 << 20, 64 << 20]  # bytes of bf16
 QUICK_SIZES = [32 << 10, 64 << 20]
@@ -59,10 +59,10 @@ def run(quick: bool) -> list[dict]:
         baseline = symm_mem_two_shot(x)
         baseline_us = per_call_us(baseline) if baseline else None
         out = torch.empty_like(x)
-        for codec, c in CODECS.items():
+        for codec in CODECS:
             fused_us = per_call_us(lambda: quantized_all_reduce(x, codec, fused=True, out=out))
             twin_us = per_call_us(lambda: quantized_all_reduce(x, codec, fused=False, out=out))
-            wire = 2 * (world - 1) / world * -(-numel // BLOCK) * c.block_bytes
+            wire = wire_bytes(numel, world, codec)
             rows.append({"op": f"AllReduce {codec}", "shape": f"{nbytes >> 10} KiB ({numel} values)",
                          "dtype": "bf16", "bulk_us": bulk_us, "fused_us": fused_us,
                          "baseline_name": "symm_mem two_shot", "baseline_us": baseline_us,

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.kernels.batch_header import FIRST_COUNT
-from fused_dlrm.report.layers import (STEP, CommLayer, Mode, forward_backward, fused_or_reason,
+from fused_dlrm.report.layers import (STEP, CommLayer, Mode, bytes_of, forward_backward, fused_or_reason,
                                       grad_allreduce_layer, no_fused_path, no_grad)
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters
@@ -110,9 +110,11 @@ def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]
     num_dense = sum(p.numel() for p in dense_parameters(bulk.model))
     allreduce = grad_allreduce_layer(num_dense, cfg.comm.grad_allreduce, env, reason, cfg.comm.allocation_timeout_s)
 
+    def step_bytes(mode: str) -> dict[str, int]:
+        return {"fwd": sent + forward_bytes,
+                "fwd_bwd": sent + forward_bytes + backward_bytes + bytes_of(allreduce, mode)["fwd_bwd"]}
+
     step = CommLayer(
-        STEP, f"global batch {global_batch} over {world} rank(s)",
-        {"fwd": sent + forward_bytes,
-         "fwd_bwd": sent + forward_bytes + backward_bytes + allreduce.bytes_sent["fwd_bwd"]},
-        bulk.step_modes(), fused_or_reason(reason, lambda: fused.step_modes()))
+        STEP, f"global batch {global_batch} over {world} rank(s)", step_bytes("bulk"),
+        bulk.step_modes(), fused_or_reason(reason, lambda: fused.step_modes()), fused_bytes_sent=step_bytes("fused"))
     return [input_dist_layer, lookup, allreduce, step]

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.tp import quantized_all_reduce
+from fused_dlrm.tp.quantized_allreduce import wire_bytes
 
 PASSES = ("fwd", "fwd_bwd")  # forward only (no autograd), forward + backward
 Mode = dict[str, Callable[[], object]]  # pass name -> one run of it; a pass the layer lacks is absent
@@ -31,6 +32,13 @@ class CommLayer:
     fused: Mode | str
     count: int = 1  # how many such layers the model has (the MoE layers share their shapes)
     notes: list[str] = field(default_factory=list)
+    fused_bytes_sent: dict[str, int] | None = None  # the fused mode's, where it sends other bytes (a codec's
+    #                                                 encoded messages); None: bytes_sent
+
+
+def bytes_of(layer: CommLayer, mode: str) -> dict[str, int]:
+    """The bytes per pass that `layer` sends in `mode` (bulk or fused)."""
+    return layer.fused_bytes_sent if mode == "fused" and layer.fused_bytes_sent is not None else layer.bytes_sent
 
 
 def no_fused_path(env: DistEnv) -> str | None:
@@ -65,7 +73,8 @@ def grad_allreduce_layer(num_params: int, codec: str, env: DistEnv, reason: str 
     buffer: plain NCCL / gloo (bulk) against the configured comm.grad_allreduce codec (fused column, when one is
     configured; its workspace waits the configured comm.allocation_timeout_s for the peers at an allocation).
 
-    Bytes: a ring all-reduce sends 2 (ranks - 1) / ranks of the buffer from every rank."""
+    Bytes: a ring all-reduce sends 2 (ranks - 1) / ranks of the buffer from every rank; the codec's, its encoded
+    chunks (`fused_dlrm.tp.quantized_allreduce.wire_bytes`)."""
     ranks = dist.get_world_size(group) if dist.is_initialized() else 1
     flat = torch.randn(num_params, device=env.device)
     shapes = f"{num_params:,} fp32 values (flat)" + ("" if group is None else f" over {ranks} ranks")
@@ -85,5 +94,6 @@ def grad_allreduce_layer(num_params: int, codec: str, env: DistEnv, reason: str 
         flat, codec, group=group, mean=True, allocation_timeout_s=allocation_timeout_s)})
     layer = CommLayer(name, shapes, sent, {"fwd_bwd": plain}, fused)
     if not isinstance(fused, str):
+        layer.fused_bytes_sent = {"fwd_bwd": wire_bytes(num_params, ranks, codec)}
         layer.notes.append(f"fused column: the {codec} quantized two-shot all-reduce (fused_dlrm.tp)")
     return layer

@@ -1,8 +1,9 @@
 """Time every pass of every layer in both modes on every rank; the slowest rank's median is reported.
 
-Speed of light of a pass: the bytes the busiest rank sends, at the peer write bandwidth measured in this run
-(symmetric memory over NVLink, every rank writing at once); compute is not counted, so a layer that computes much
-reads far below 100%. On the CPU there is no such bandwidth: "n/a" (null).
+Speed of light of a pass: the bytes the busiest rank sends in that mode (the fused column of a quantized all-reduce:
+its codec's encoded messages), at the peer write bandwidth measured in this run (symmetric memory over NVLink, every
+rank writing at once); compute is not counted, so a layer that computes much reads far below 100%. On the CPU there
+is no such bandwidth: "n/a" (null).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from fused_dlrm.bench.timing import peer_bandwidth, time_ms
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.dist.symmetric import ranks_share_a_gpu
-from fused_dlrm.report.layers import PASSES, CommLayer
+from fused_dlrm.report.layers import PASSES, CommLayer, bytes_of
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,12 @@ def max_over_ranks(values: list[int], device: torch.device) -> list[int]:
 
 def measure_layer(layer: CommLayer, env: DistEnv, bandwidth: float | None, warmup: int, iters: int) -> dict:
     """The layer's entry of report.json: bytes, times (ms) per mode and pass, speedups, % of speed of light."""
-    sent = dict(zip(PASSES, max_over_ranks([layer.bytes_sent.get(p, -1) for p in PASSES], env.device)))
+    most = max_over_ranks([bytes_of(layer, mode).get(p, -1) for mode in MODES for p in PASSES], env.device)
+    sent = {mode: {p: b for p, b in zip(PASSES, most[i * len(PASSES):]) if b >= 0} for i, mode in enumerate(MODES)}
     entry = {"name": layer.name, "shapes": layer.shapes, "count": layer.count, "notes": layer.notes,
-             "bytes_sent": {p: b for p, b in sent.items() if b >= 0}}
+             "bytes_sent": sent["bulk"]}
+    if sent["fused"] != sent["bulk"]:  # a codec's encoded messages: the fused column's speed of light is theirs
+        entry["fused_bytes_sent"] = sent["fused"]
     for mode in MODES:
         passes = getattr(layer, mode)
         if isinstance(passes, str):
@@ -71,8 +75,8 @@ def measure_layer(layer: CommLayer, env: DistEnv, bandwidth: float | None, warmu
     bulk, fused = entry["bulk"], entry["fused"]
     entry["speedup"] = {p: bulk[f"{p}_ms"] / fused[f"{p}_ms"] for p in PASSES
                         if f"{p}_ms" in bulk and f"{p}_ms" in fused}
-    entry["pct_sol"] = {mode: {p: (100 * entry["bytes_sent"][p] / bandwidth * 1e3 / entry[mode][f"{p}_ms"])
-                               if bandwidth and p in entry["bytes_sent"] else None
+    entry["pct_sol"] = {mode: {p: (100 * sent[mode][p] / bandwidth * 1e3 / entry[mode][f"{p}_ms"])
+                               if bandwidth and p in sent[mode] else None
                                for p in PASSES if f"{p}_ms" in entry[mode]} for mode in MODES}
     return entry
 

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from fused_dlrm.dist import DistEnv
-from fused_dlrm.report.layers import (STEP, CommLayer, Mode, forward_backward,
+from fused_dlrm.report.layers import (STEP, CommLayer, Mode, bytes_of, forward_backward,
                                       grad_allreduce_layer, no_fused_path, no_grad)
 from fused_dlrm.report.tp import tp_layers
 from moe.layer import FusedMoEConfig, MoELayer
@@ -137,16 +137,17 @@ def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
                                        "gradient all-reduce" + ("" if len(groups) == 1 else f" ({what})"))
                   for what, params, group in groups]
 
-    def step_bytes(p: str) -> int:
-        moe_bytes = num_moe * forward_bytes * (2 if p == "fwd_bwd" else 1)
-        return moe_bytes + sum(layer.bytes_sent.get(p, 0) * layer.count for layer in [*projections, *allreduces])
+    def step_bytes(mode: str) -> dict[str, int]:
+        return {p: num_moe * forward_bytes * (2 if p == "fwd_bwd" else 1)
+                + sum(bytes_of(layer, mode).get(p, 0) * layer.count for layer in [*projections, *allreduces])
+                for p in ("fwd", "fwd_bwd")}
 
     step = CommLayer(
         STEP,
         f"{cfg.data.global_batch_size} x {cfg.data.seq_len} tokens over {env.world_size} rank(s), "
         f"{m.num_layers} layers",
-        {p: step_bytes(p) for p in ("fwd", "fwd_bwd")},
-        bulk.step_modes(), fused_model if isinstance(fused_model, str) else fused.step_modes())
+        step_bytes("bulk"), bulk.step_modes(), fused_model if isinstance(fused_model, str) else fused.step_modes(),
+        fused_bytes_sent=step_bytes("fused"))
     step.notes.append("bytes: each MoE layer counted as the timed one (the routing of random tokens, not the "
                       "batch's)")
     return [moe_layer, *projections, *allreduces, step]

@@ -87,7 +87,8 @@ def markdown(report: dict) -> str:
         f"triton {env['versions']['triton']}, torchrec {env['versions']['torchrec']}.",
         f"Times in ms: the slowest rank's median of {t['iters']} runs after {t['warmup']} warm-up runs "
         f"({t['method']}). "
-        f"Bytes: sent by the busiest rank per run. Shapes ('here', 'on this rank'): rank 0's. "
+        f"Bytes: sent by the busiest rank per run (the fused column's in parentheses where it sends others: a "
+        f"codec's encoded messages). Shapes ('here', 'on this rank'): rank 0's. "
         f"Speed of light (SOL): those bytes at the peer write bandwidth "
         + (f"measured in this run ({bandwidth:.0f} GB/s), compute not counted." if bandwidth else
            "(n/a: not measurable on this machine)."),
@@ -106,7 +107,9 @@ def markdown(report: dict) -> str:
             if not any(f"{p}_ms" in entry[m] for m in ("bulk", "fused")):
                 continue
             speedup = entry["speedup"].get(p)
-            lines.append(f"| {name} | {entry['shapes']} | {PASS_TITLES[p]} | {_bytes(entry['bytes_sent'].get(p))} | "
+            fused_bytes = entry.get("fused_bytes_sent", {}).get(p)
+            sent = _bytes(entry["bytes_sent"].get(p)) + (f" (fused {_bytes(fused_bytes)})" if fused_bytes else "")
+            lines.append(f"| {name} | {entry['shapes']} | {PASS_TITLES[p]} | {sent} | "
                          f"{_cell(entry['bulk'], p)} | {_cell(entry['fused'], p)} | "
                          f"{f'{speedup:.2f}x' if speedup else '-'} | {_pct(entry, p)} |")
     notes = [f"- {entry['name']}: {note}" for entry in report["layers"] for note in entry["notes"]]

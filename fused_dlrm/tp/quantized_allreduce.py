@@ -65,6 +65,12 @@ def chooser(nbytes: int, codec: str, min_bytes: int = MIN_QUANTIZED_BYTES) -> st
     return "nccl" if nbytes < min_bytes else codec
 
 
+def wire_bytes(numel: int, world: int, codec: str) -> int:
+    """The bytes each rank sends in one quantized all-reduce of numel values over world ranks (fused or bulk twin
+    alike): world - 1 encoded chunks in the reduce-scatter, then its reduced chunk's encoding to world - 1 peers."""
+    return 2 * (world - 1) * chunk_blocks_for(numel, world) * CODECS[codec].block_bytes
+
+
 def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup | None = None, mean: bool = False,
                          fused: bool | None = None, out: torch.Tensor | None = None,
                          allocation_timeout_s: float = ALLOCATION_TIMEOUT_S) -> torch.Tensor:
