@@ -390,6 +390,8 @@ def test_two_gpus_fused_columns_timed(tmp_path):
         assert set(layers[name]["speedup"]) == {"fwd", "fwd_bwd"}, layers[name]
         assert all(v > 0 for v in layers[name]["pct_sol"]["fused"].values())
     assert layers["gradient all-reduce"]["fused"]["fwd_bwd_ms"] > 0
+    for name in ("gradient all-reduce", STEP):  # q8's encoded messages: ~1.06 bytes a value against the ring's 4
+        assert layers[name]["fused_bytes_sent"]["fwd_bwd"] < layers[name]["bytes_sent"]["fwd_bwd"], name
     assert "no fused input dist" in layers["sparse input dist (KJT all-to-all)"]["fused"]["unavailable"]
 
     run_torchrun([*MOE[1:], "report=true", "trainer.max_steps=2", "trainer.progress=false", "data.eval_batches=1",
