@@ -38,18 +38,23 @@ def _bad_batch_on_rank_1(rank: int, world: int, bad: str, row_shards) -> None:
         kjt = KeyedJaggedTensor(keys=keys, values=kjt.values(), lengths=cut)
     elif rank == 1 and bad == "shape":  # one length short of keys x stride
         kjt = KeyedJaggedTensor(keys=keys, values=kjt.values(), lengths=kjt.lengths()[:-1], stride=kjt.stride())
+    elif bad in ("short_weights", "long_weights"):  # every rank's KJT weighted, rank 1's one weight short or over
+        extra = {"short_weights": -1, "long_weights": 1}[bad] if rank == 1 else 0
+        kjt = KeyedJaggedTensor(keys=keys, values=kjt.values(), lengths=kjt.lengths(),
+                                weights=torch.rand(kjt.values().numel() + extra))
     error, mine, theirs = {
         "index": (IndexError, "rank 1: feature 'f2' has index 57, outside table 't1' of 57 rows",
                   r"rank 0: rank\(s\) \[1\] sent out-of-range indices"),
         "keys": (KeyError, r"rank 1: .*keys do not match the tables' features: unknown \['nope'\], missing \['f4'\]",
                  r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose keys do not match"),
         "values": (ValueError, r"rank 1: the KeyedJaggedTensor has \d+ values but its lengths sum to \d+",
-                   r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values and lengths disagree"),
+                   r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values, lengths or weights disagree"),
         "negative": (ValueError, "rank 1: feature 'f0' has a negative length -1 at sample 1",
-                     r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values and lengths disagree"),
+                     r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values, lengths or weights disagree"),
         "shape": (ValueError, r"rank 1: the KeyedJaggedTensor has 14 lengths for 5 keys x stride 3",
-                  r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values and lengths disagree"),
-    }[bad]
+                  r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values, lengths or weights disagree"),
+    }.get(bad, (ValueError, r"rank 1: the KeyedJaggedTensor has (22|24) per-sample weights for 23 values",
+                r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values, lengths or weights disagree"))
     with pytest.raises(error, match=mine if rank == 1 else theirs):
         sharded(kjt)
     # Nothing was lost: every rank goes on with the next good batch, pooled as before the bad one (nothing of the
@@ -58,12 +63,13 @@ def _bad_batch_on_rank_1(rank: int, world: int, bad: str, row_shards) -> None:
     torch.testing.assert_close(sharded(to_kjt(keys, lengths, values, None, start, stop)).values(), good)
 
 
-@pytest.mark.parametrize("bad", ["index", "keys", "values", "negative", "shape"])
+@pytest.mark.parametrize("bad", ["index", "keys", "values", "negative", "shape", "short_weights", "long_weights"])
 @pytest.mark.parametrize("row_shards", [1, {"t1": 2, "t3": 3}], ids=["whole", "row_blocks"])
 def test_a_bad_batch_raises_on_every_rank(bad, row_shards):
     """With row blocks (t1, which f2 reads, in two) the checks are of the batch as sent, before its cut: the
-    error names the feature, the index and the table as the user knows them."""
-    run_world(2, _bad_batch_on_rank_1, bad, row_shards)
+    error names the feature, the index and the table as the user knows them. Per-sample weights more or fewer
+    than the values (the weights' regroups and all-to-all are sized by the values) raise on every rank too."""
+    run_world(2, _bad_batch_on_rank_1, bad, row_shards, timeout=120)
 
 
 def _unmade_batch(rank: int, world: int, failing: list[int]) -> None:

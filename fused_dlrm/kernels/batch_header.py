@@ -6,8 +6,8 @@ lengths' sum, out-of-range indices (of keys a table reads), whether per-sample w
 every rank sizes its buffers in its own dtype; WEIGHT_DTYPES are the ones it takes), the indices' dtype (its
 `dtype_code`, one of INDEX_DTYPES: the values' all-to-all alike), then the value count of each feature rank r owns
 (0 where rank r owns fewer features than the widest)]. Where this rank has no batch to send (it could not make it:
-NO_BATCH) or its keys or its lengths' shape are wrong (BAD_KEYS, EXTRA_VALUES), the input dist sends zeros and that
-one flag instead.
+NO_BATCH) or its keys, its lengths' shape or its weights' count are wrong (BAD_KEYS, EXTRA_VALUES), the input dist
+sends zeros and that one flag instead.
 
 As torch ops this is ~20 small launches per batch: with them the header's start (its all-to-all and copy to the
 host included) took 0.58-0.63 ms of host time per DLRM step, with the kernel 0.32-0.35 (one H200,

@@ -5,9 +5,9 @@ for every sample of the global batch, in source-rank order (rank 0's samples fir
 into column shards travels to each shard's rank, one whose table is cut into row blocks is cut first, each block's
 indices going to its rank only (sparse/row_wise.py). Bulk-synchronous, with torch.distributed:
   1. a header all-to-all: local batch size, what is wrong with the batch (missing or repeated keys, values that
-     disagree with the lengths, out-of-range indices, or no batch at all: this rank could not make it), whether
-     per-sample weights travel, and the value count of each feature per destination (sizes must be known on the
-     host);
+     disagree with the lengths or the per-sample weights, out-of-range indices, or no batch at all: this rank could
+     not make it), whether per-sample weights travel, and the value count of each feature per destination (sizes
+     must be known on the host);
   2. one all-to-all of lengths and values (3. per-sample weights, when the batches have them: every rank's or
      none, else every rank raises before it).
 One host sync: the header sent and the header received, read together. Everything else stays on the device: the
@@ -116,7 +116,7 @@ class PendingHeader:
 
     kjt: KeyedJaggedTensor | None
     plan: _KeyPlan | None
-    problem: str  # what is wrong with the KJT's keys (BAD_KEYS) or the shape of its lengths (EXTRA_VALUES), or ''
+    problem: str  # what is wrong with the KJT's keys (BAD_KEYS), lengths' shape, weights' count (EXTRA_VALUES), or ''
     counts: torch.Tensor | None  # values per key of the KJT (its errors are reported on it)
     sent: _Sent | None  # what travels: the KJT's, or its cut
     pooling_divisors: torch.Tensor | None  # OwnedBags.pooling_divisors
@@ -133,8 +133,8 @@ class BulkInputDist:
     name, rows). A KJT may hold keys that no table reads, in any order, as torchrec's EmbeddingBagCollection reads
     its own features of a KJT that may feed other modules too: they are checked with the batch (values against
     lengths) but neither sent nor held against a table. A KJT without one of the tables' features, or with a key
-    twice, raises KeyError, one whose values and lengths disagree ValueError, and indices outside [0, rows)
-    IndexError: on every rank; so do per-sample weights
+    twice, raises KeyError, one whose values disagree with its lengths or its per-sample weights ValueError, and
+    indices outside [0, rows) IndexError: on every rank; so do per-sample weights
     that some ranks' KJTs have and others' lack (ValueError; `is_weighted`). A batch that a rank could
     not make (`start_failed`) raises its error there and RuntimeError on the other ranks."""
 
@@ -207,16 +207,19 @@ class BulkInputDist:
         device = kjt.values().device
         keys, values, local_batch = list(kjt.keys()), kjt.values(), kjt.stride()
         plan, problem = self._plan(keys, device)
+        weights = None if self.is_weighted is False else kjt.weights_or_none()
         if plan is not None and (kjt.variable_stride_per_key() or kjt.lengths().numel() != len(keys) * local_batch):
             problem = (f"the KeyedJaggedTensor has {kjt.lengths().numel()} lengths for {len(keys)} keys x stride "
                        f"{local_batch}" + (" (a variable stride per key)" if kjt.variable_stride_per_key() else ""))
+        elif plan is not None and weights is not None and weights.numel() != values.numel():
+            # the weights' regroups and all-to-all are sized by the values: caught here, not on this rank alone
+            problem = f"the KeyedJaggedTensor has {weights.numel()} per-sample weights for {values.numel()} values"
         counts = sent = divisors = None
         if problem:  # a header that only says what is wrong, as every rank must send one
             header = self._flag_header(BAD_KEYS if plan is None else EXTRA_VALUES, device)
         else:
             lengths = kjt.lengths().view(len(keys), local_batch).long()
             counts = lengths.sum(dim=1)  # values per key
-            weights = None if self.is_weighted is False else kjt.weights_or_none()
             sent = _Sent(values, lengths, counts, weights)
             if plan.buckets is None:  # one kernel on GPUs
                 header = batch_header(values, counts, plan.rows, plan.header_keys, local_batch,
@@ -312,7 +315,7 @@ class BulkInputDist:
         for column, error, what in (
                 (NO_BATCH, RuntimeError, "could not make their batch"),
                 (BAD_KEYS, KeyError, "sent KeyedJaggedTensors whose keys do not match the tables"),
-                (EXTRA_VALUES, ValueError, "sent KeyedJaggedTensors whose values and lengths disagree"),
+                (EXTRA_VALUES, ValueError, "sent KeyedJaggedTensors whose values, lengths or weights disagree"),
                 (OUT_OF_RANGE, IndexError, "sent out-of-range indices")):
             bad = [s for s, row in enumerate(recv_header) if row[column]]
             if not bad:
