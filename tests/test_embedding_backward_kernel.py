@@ -317,7 +317,7 @@ def float64_step(lookup: PooledEmbeddingLookup, weights: dict, momentum: dict, b
 def test_per_table_optimizers_match_float64(hot_path, hot):
     """Each table its own optimizer (MIXED: SGD and row-wise Adagrad, other lrs and eps) in one launch pair,
     against float64 by definition; hot: Zipf-like rows, the long segments (of SGD and Adagrad tables) through the
-    hot kernel. An lr changed between steps (optimizer.update) is the next step's."""
+    hot kernel. An lr changed between steps (optimizer.update) is the next step's, 0 included."""
     fused = make_lookup("mixed", torch.float32, DEVICE)
     weights = {n: w.to("cpu", torch.float64) for n, w in fused.weights.items()}
     momentum = {n: m.to("cpu", torch.float64) for n, m in fused.optimizer.momentum.items()}
@@ -327,6 +327,7 @@ def test_per_table_optimizers_match_float64(hot_path, hot):
         if step == 2:
             fused.optimizer.update("t0", lr=0.15)  # SGD
             fused.optimizer.update("t2", lr=0.4, eps=0.1)  # row-wise Adagrad
+            fused.optimizer.update("t1", lr=0.0)  # row-wise Adagrad at lr 0 (a warm-up's first step): state only
         bags = hot_bags(16, True, gen) if hot else random_bags(6, True, gen)
         if hot:
             row_counts(bags)  # asserts that the bags have what the test is for
@@ -353,8 +354,8 @@ def test_settings_reach_the_gpu_once_per_change():
     expected = torch.tensor([[c.lr, c.eps] for c in MIXED.values()])
     expected[3] = torch.tensor([0.5, 2.0])
     torch.testing.assert_close(lookup._kernel_settings(), expected)
-    with pytest.raises(ValueError, match="lr must be > 0"):
-        lookup.optimizer.update("t1", lr=0.0)
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        lookup.optimizer.update("t1", lr=-0.01)
 
 
 def test_untouched_rows_keep_weight_and_state():

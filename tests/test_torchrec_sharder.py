@@ -602,8 +602,8 @@ def test_optimizer_settings_we_do_not_run_are_refused():
             r"table 't3': optimizer settings .*: momentum=0.9 not supported")
     refused(OptimizerSetup(in_backward={"t0": (RowWiseAdagrad, {"lr": 0.1, "weight_decay": 1e-4})}),
             r"table 't0': .*: weight_decay=0.0001 not supported")
-    refused(OptimizerSetup(in_backward={"t0": (RowWiseAdagrad, {"lr": 0.0})}),
-            r"table 't0': .*embedding optimizer lr must be > 0")
+    refused(OptimizerSetup(fused_params={"learning_rate": -0.1}),  # lr 0 is taken, as torch and fbgemm take it
+            r"fused_params .*: embedding optimizer lr must be >= 0, got -0.1")
     refused(OptimizerSetup(in_backward={t.name: rowwise for t in TABLES}),
             r"optimizer differs from .*: optimizer=exact SGD \(lr=0.2\) for \['t0', 't1', 't2', 't3'\], theirs: "
             r"exact row-wise Adagrad \(lr=0.2, eps=1e-08\)", EmbeddingOptimizerConfig("sgd", lr=0.2))
@@ -651,6 +651,32 @@ def test_update_hyper_parameters_takes_lr_and_eps():
     with pytest.raises(NotImplementedError, match=r"hyper-parameter\(s\) \['beta1'\] is not supported"):
         fused.update_hyper_parameters({"beta1": 0.9, "lr": 0.2})
     assert [configs[t].lr for t in ("t0", "t1", "t2", "t3")] == [0.1, 0.3, 0.1, 0.3]  # nothing set
+
+
+def test_an_lr_scheduled_from_zero_trains_as_fbgemm_does():
+    """An LR warm-up from 0 (LambdaLR) or a decay to 0 sets lr 0 in param_groups, which fbgemm's TBEs take (stock
+    torchrec's set_learning_rate): at lr 0 the tables keep their rows (row-wise Adagrad's state still grows, as
+    fbgemm's), and the next step's lr moves them. A negative lr is refused."""
+    adagrad, sgd = EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.1), EmbeddingOptimizerConfig("sgd", lr=0.3)
+    sharded = shard_one_rank(FusedEmbeddingBagCollectionSharder({"t0": adagrad, "t1": sgd, "t2": adagrad, "t3": sgd}),
+                             EmbeddingBagCollection(TABLES))
+    fused, optimizer = sharded.fused_optimizer, sharded._lookup.optimizer
+    scheduler = torch.optim.lr_scheduler.LambdaLR(fused, lambda step: min(1.0, step / 2))
+    lengths, values, _ = global_batch(0, 5, TABLES, False)
+    kjt = to_kjt(keys_of(TABLES), lengths, values, None, 0, 5)
+    for step, factor in enumerate((0.0, 0.5, 1.0)):
+        before = {n: t.weight.clone() for n, t in sharded.embedding_bags.items()}
+        momentum = {n: m.clone() for n, m in optimizer.momentum.items()}
+        fused.zero_grad()
+        sharded(kjt).values().pow(2).sum().backward()
+        fused.step()
+        scheduler.step()
+        assert [optimizer.configs[t].lr for t in ("t0", "t1")] == [0.1 * factor, 0.3 * factor]
+        for name, table in sharded.embedding_bags.items():
+            assert torch.equal(table.weight, before[name]) == (factor == 0.0), (step, name)
+        assert all((optimizer.momentum[n] > momentum[n]).any() for n in momentum)
+    with pytest.raises(ValueError, match="embedding optimizer lr must be >= 0, got -0.1"):
+        fused.update_hyper_parameters({"lr": -0.1})
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -30,8 +30,9 @@ class EmbeddingOptimizerConfig:
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
             raise ValueError(f"unknown embedding optimizer {self.name!r}: expected one of {OPTIMIZERS}")
-        if self.lr <= 0:
-            raise ValueError(f"embedding optimizer lr must be > 0, got {self.lr}")
+        # 0 is an lr (no update: an LR warm-up from 0, a decay to 0), as fbgemm's TBEs take it; `not >=`: NaN too
+        if not self.lr >= 0:
+            raise ValueError(f"embedding optimizer lr must be >= 0, got {self.lr}")
 
 
 # One optimizer for every table, or each table's by name.
