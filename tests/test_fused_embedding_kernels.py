@@ -526,11 +526,17 @@ for table_dtype in (tl.float32, tl.bfloat16):  # rank and epoch 1 arrive as cons
         build(pooled_embedding._pooled_embedding_kernel, types, dict(
             rank=1, epoch=1, WORLD=2, WORLD_P2=2, BLOCK_B=1, BLOCK_L=4, BLOCK_D=256, TABLE_DTYPE=table_dtype,
             HAS_WEIGHTS=True, SIGNAL=signal), num_warps=1)
+for weights in ("*fp16", "*bf16", "*fp64"):  # the input dist's other weight dtypes (batch_header.WEIGHT_DTYPES)
+    build(pooled_embedding._pooled_embedding_kernel, {**types, "weights_ptr": weights}, dict(
+        rank=1, epoch=1, WORLD=2, WORLD_P2=2, BLOCK_B=1, BLOCK_L=4, BLOCK_D=256, TABLE_DTYPE=tl.float32,
+        HAS_WEIGHTS=True, SIGNAL=True), num_warps=1)
 build(push_columns._push_columns_kernel, types, dict(rank=1, epoch=1, WORLD=3, WORLD_P2=4, BLOCK_R=16, BLOCK_D=128))
 build(peer_flags._wait_ready_kernel, types, dict(rank=1, epoch=1, BLOCK=64))
 """
 
 
 def test_kernels_compile_for_sm90():
-    """The p2p kernels as the GPU compiles them (the nvshmem ones need NVSHMEM's device library to link)."""
+    """The p2p kernels as the GPU compiles them (the nvshmem ones need NVSHMEM's device library to link); the lookup
+    with per-sample weights of each dtype the input dist lets through (fp64 ones made its fp32 sum fp64: no
+    compile)."""
     compile_for_sm90(COMPILE_FOR_SM90)

@@ -69,8 +69,8 @@ def _pool_tile(k, u, values_ptr, offsets_ptr, weights_ptr, table_ptrs, dims_ptr,
         idx = tl.load(values_ptr + at, mask=m, other=0).to(tl.int64)  # index x dim passes 2**31 in big tables
         gathered = tl.load(table + idx[:, :, None] * dim + d[None, None, :],
                            mask=m[:, :, None] & d_mask[None, None, :], other=0.0).to(tl.float32)
-        if HAS_WEIGHTS:
-            gathered = gathered * tl.load(weights_ptr + at, mask=m, other=0.0)[:, :, None]
+        if HAS_WEIGHTS:  # in fp32, as the reference's (fp64 weights would make the fp32 sum fp64: no compile)
+            gathered = gathered * tl.load(weights_ptr + at, mask=m, other=0.0).to(tl.float32)[:, :, None]
         acc += tl.sum(gathered, axis=1)
         j += BLOCK_L
     is_mean = tl.load(mean_ptr + f) != 0
