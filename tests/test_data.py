@@ -407,17 +407,22 @@ def test_criteo_is_reiterable(tmp_path):
 
 
 def test_criteo_unreadable_files_name_the_file_and_line(tmp_path):
-    """A truncated .gz, a byte that is not UTF-8, a plain file named .gz: the error says which file, where."""
+    """A truncated .gz, a corrupt one, a byte that is not UTF-8, a plain file named .gz: the error says which file,
+    where."""
     lines = numbered_lines(6)
     whole = tmp_path / "whole.gz"
     with gzip.open(whole, "wt") as f:
         f.writelines(lines)
     truncated = tmp_path / "truncated.gz"
     truncated.write_bytes(whole.read_bytes()[:-12])
+    # whole.gz, then a gzip member whose deflate data starts with a block of the reserved type 3: zlib.error
+    corrupt = tmp_path / "corrupt.gz"
+    corrupt.write_bytes(whole.read_bytes() + b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff\x07" + bytes(16))
     not_utf8 = tmp_path / "latin1.tsv"
     not_utf8.write_bytes("".join(lines[:2]).encode() + b"\xff\xfe\n")
     not_gzip = write(tmp_path / "plain.gz", lines)
     for path, where in ((truncated, r"truncated.gz: cannot read past line \d+"),
+                        (corrupt, r"corrupt.gz: cannot read past line 6: Error -3 while decompressing data"),
                         (not_utf8, r"latin1.tsv: cannot read past line \d+"),
                         (not_gzip, r"plain.gz: cannot read past line 0")):
         with pytest.raises(ValueError, match=where):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import zlib
 from collections.abc import Iterator, Sequence
 from itertools import count, islice
 from typing import IO
@@ -246,7 +247,8 @@ class CriteoTSV:
                 with _open_text(path) as f:
                     for line_number, line in enumerate(f, start=1):
                         yield path, line_number, line
-            except (OSError, EOFError, UnicodeDecodeError) as error:  # a truncated .gz, a bad byte: say where
+            # a truncated .gz (EOFError), a corrupt one (zlib.error), a byte that is not UTF-8: say where
+            except (OSError, EOFError, zlib.error, UnicodeDecodeError) as error:
                 raise ValueError(f"{path}: cannot read past line {line_number}: {error}") from error
 
     def __iter__(self) -> Iterator[Batch]:
