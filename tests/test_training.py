@@ -421,14 +421,16 @@ def test_two_ranks_converge_with_q8_gradient_allreduce(tmp_path):
 
 
 def test_bad_run_settings_are_refused_before_training(tmp_path):
-    """Settings that would never end, log NaN, divide by zero after the first step, meet the model on the wrong
-    device or delete checkpoints are refused before the first step."""
+    """Settings that would never end, train no step without a word, log NaN, divide by zero after the first step, meet
+    the model on the wrong device or delete checkpoints are refused before the first step."""
     later = tmp_path / "ckpt" / "step_50"
     later.mkdir(parents=True)
     for overrides, error in (
             (["data.eval_batches=0"], "data.eval_batches=0: the evaluation needs at least one batch"),
             (["trainer.max_steps=null", "trainer.epochs=1", "data.steps_per_epoch=null"],
              "set it \\(>= 1\\), or trainer.max_steps; without it the run would never end"),
+            (["trainer.epochs=0"], r"trainer.epochs=0: expected a count >= 1, or null"),
+            (["trainer.epochs=2", "data.steps_per_epoch=-3"], r"data.steps_per_epoch=-3: expected a step count >= 1"),
             (["trainer.log_every=0"], "trainer.log_every=0: expected a step count >= 1"),
             (["trainer.checkpoint_every=2", "trainer.keep_checkpoints=0"],
              "trainer.keep_checkpoints=0: expected a count >= 1"),

@@ -147,16 +147,23 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     t = cfg.trainer
     if t.max_steps is None and t.epochs is None:
         raise ValueError("set trainer.max_steps or trainer.epochs")
+    if t.epochs is not None and not (isinstance(t.epochs, int) and t.epochs >= 1):  # else no step, without a word
+        raise ValueError(f"trainer.epochs={t.epochs}: expected a count >= 1, or null (trainer.max_steps ends the run)")
     if cfg.data.eval_batches < 1:  # every run ends with an evaluation, whose AUC needs samples
         raise ValueError(f"data.eval_batches={cfg.data.eval_batches}: the evaluation needs at least one batch")
     model = build_model(cfg, env)
     sparse = model.sparse_arch.embedding_bag_collection
     optimizer = instantiate(t.dense_optimizer, params=dense_parameters(model))
     train_data, eval_data = build_dataset(cfg, "train", env), build_dataset(cfg, "eval", env)
-    if not hasattr(train_data, "batch") and cfg.data.get("steps_per_epoch"):
-        raise ValueError(f"data.steps_per_epoch={cfg.data.steps_per_epoch}: an epoch of file-backed data is one pass "
-                         f"over its files; set it to null (trainer.max_steps ends a run mid-epoch)")
-    if t.max_steps is None and hasattr(train_data, "batch") and not cfg.data.get("steps_per_epoch"):
+    steps_per_epoch, indexed = cfg.data.get("steps_per_epoch"), hasattr(train_data, "batch")
+    if not indexed and steps_per_epoch:
+        raise ValueError(f"data.steps_per_epoch={steps_per_epoch}: an epoch of file-backed data is one pass over its "
+                         f"files; set it to null (trainer.max_steps ends a run mid-epoch)")
+    if indexed and steps_per_epoch is not None and not (isinstance(steps_per_epoch, int) and steps_per_epoch >= 1):
+        # with trainer.epochs the run would end at step 0, without a word
+        raise ValueError(f"data.steps_per_epoch={steps_per_epoch}: expected a step count >= 1, or null (every step "
+                         f"of epoch 0; trainer.max_steps ends the run)")
+    if t.max_steps is None and indexed and not steps_per_epoch:
         raise ValueError("trainer.epochs with step-indexed (synthetic) data counts epochs of data.steps_per_epoch "
                          "steps: set it (>= 1), or trainer.max_steps; without it the run would never end")
     checkpoint_dir = Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints"
