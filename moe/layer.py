@@ -126,13 +126,14 @@ class FusedMoEConfig:
 
 class MoELayer(nn.Module):
     def __init__(self, d_model: int, ffn: int, num_experts: int, top_k: int, group: dist.ProcessGroup | None = None,
-                 capacity_factor: float | None = None, renormalize: bool = True, seed: int = 0,
+                 capacity_factor: float | None = None, renormalize: bool | None = None, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  comm: str = "bulk", fused: FusedMoEConfig | None = None, workspace: _Workspace | None = None,
                  statistics_group: dist.ProcessGroup | None = None):
         """`workspace` (comm="fused"): the symmetric memory to use instead of `cuda_workspace` over
         `group` (tests pass a simulated one). `statistics_group`: the ranks sharing one batch slice (sequence
-        parallelism), over which the load-balancing loss counts the expert choices (moe.routing)."""
+        parallelism), over which the load-balancing loss counts the expert choices (moe.routing). `renormalize`:
+        TopKRouter's (None: the routing weights renormalised over the top k when top_k > 1)."""
         super().__init__()
         self.group = group
         self.world = world_size(group)

@@ -307,18 +307,23 @@ def top_k_softmax_kernels(logits: torch.Tensor, top_k: int, renormalize: bool,
 
 class TopKRouter(nn.Module):
     """logits = x @ weight ([d_model, num_experts]), then `route` (statistics_group: see the module docstring).
-    The weight is replicated on every rank."""
+    The weight is replicated on every rank. renormalize None: top_k > 1 (Megatron's default, softmax after top-k);
+    top-1 weighs by the softmax probability (Switch; Megatron's --moe-router-pre-softmax): renormalised, every
+    weight would be 1 and the model's loss would send the router no gradient (Megatron-LM issue 894)."""
 
-    def __init__(self, d_model: int, num_experts: int, top_k: int, renormalize: bool = True,
+    def __init__(self, d_model: int, num_experts: int, top_k: int, renormalize: bool | None = None,
                  capacity_factor: float | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, statistics_group: dist.ProcessGroup | None = None):
         super().__init__()
         self.statistics_group = statistics_group
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if top_k == 1 and renormalize:
+            raise ValueError("top_k=1 with renormalize=True weighs every token's expert 1: the router would learn from "
+                             "the auxiliary losses alone; use renormalize=False (the softmax probability)")
         self.num_experts = num_experts
         self.top_k = top_k
-        self.renormalize = renormalize
+        self.renormalize = top_k > 1 if renormalize is None else renormalize
         self.capacity_factor = capacity_factor
         if capacity_factor is not None and not capacity_factor > 0:  # (NaN too) every assignment would be dropped:
             # a layer silently off, while the load-balancing loss still pulls on this router

@@ -177,6 +177,23 @@ def test_losses_have_router_gradients_and_low_precision_logits_route_in_fp32():
     assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
 
 
+def test_top_1_weighs_its_expert_by_the_softmax_probability():
+    """Renormalised over one expert every routing weight is 1, so the model's loss sends the router no gradient
+    (it learns from the auxiliary losses alone: Megatron-LM issue 894, softmax before top-k there). A top-1
+    router weighs by the softmax probability (Switch) unless told otherwise; renormalising it is refused."""
+    generator = torch.Generator().manual_seed(8)
+    router = TopKRouter(8, 4, top_k=1, dtype=torch.float64)
+    x = torch.randn(10, 8, generator=generator, dtype=torch.float64)
+    routing = router(x)
+    probs = torch.softmax(x @ router.weight, dim=-1)
+    torch.testing.assert_close(routing.weights[:, 0], probs.max(dim=-1).values)
+    routing.weights.sum().backward()
+    assert router.weight.grad.abs().max() > 1e-3
+    assert TopKRouter(8, 4, top_k=2).renormalize and not router.renormalize
+    with pytest.raises(ValueError, match="top_k=1 with renormalize=True weighs every token's expert 1"):
+        TopKRouter(8, 4, top_k=1, renormalize=True)
+
+
 def _group_statistics_match_the_whole_slice(rank: int, world: int) -> None:
     import torch.distributed as dist
 
