@@ -24,13 +24,15 @@ every call makes anyway (the bulk all-to-all, the fused all-gather: 3 words more
 where the host reads the counts: bulk and fused without max_tokens_per_rank in the forward; with it, on gloo (whose
 collectives return done) at once. Elsewhere (NCCL) no forward reads them: every rank records them in its dispatch's
 error word (`FusedDispatch.record_refused`: one one-program kernel behind the dispatch; in training too, where a
-backward may never come: an evaluation without no_grad, a loss dropped), which raises PeerRefusedInput as it raises
-a peer's timeout: at a later call (GPUs: within PeerErrors' check_every calls) or
-`dispatch.errors.check(block=True)`; on the CPU at the call's end. A backward that comes first reads the counts
-anyway: it raises there, taking the refusal out of the error word (`errors.check(block=True)`), so no later call
+backward may never come: an evaluation without no_grad, a loss dropped) and raises PeerRefusedInput from there: in
+the backward, which reads the counts anyway, else at the layer's next call, which reads the words the call before
+it left unread (their copy ended long before) ahead of its own exchanges, or `dispatch.errors.check(block=True)`;
+on the CPU at the call's end. So every rank raises at the same call: the error word's own reading, at whichever
+call each rank's GPU has copied it by, differs between ranks, and a rank raising there would leave its peers in
+that call's exchange. Raising takes the refusal out of the error word (`errors.check(block=True)`), so no later call
 raises it again (the word is the layer's: where several layers refused one forward, as every layer does with a rank
-over max_tokens_per_rank, the backward raises the last one's and the others' raise later). Until then a rank over
-max_tokens_per_rank sends none of its tokens (no buffer is overrun) and its output is NaN.
+over max_tokens_per_rank, the backward raises the last one's and the others' raise at their next call). Until then
+a rank over max_tokens_per_rank sends none of its tokens (no buffer is overrun) and its output is NaN.
 """
 
 from __future__ import annotations
@@ -155,6 +157,7 @@ class MoELayer(nn.Module):
         self._refuse_alone = self.world == 1  # a refused call raises at once: no peer waits for this rank
         self._refusals_read_at_once = False  # comm="fused" with max_tokens_per_rank: the gathered words read at once
         self._refusals_recorded = False  # ... or recorded in the dispatch's error word (no forward reads them)
+        self._unread: _HostLayout | None = None  # then the last call's counts and words, read by the next call
         if comm == "fused":
             fused = fused or FusedMoEConfig()
             if workspace is None:
@@ -216,6 +219,7 @@ class MoELayer(nn.Module):
         rank as this layer's own refusals are (see the module docstring).
         """
         self._check_inputs(x, logit_bias, refused)
+        self._raise_unread_refusal()
         tokens = x.shape[0]
         words, x = self._refusal(x, refused)
         overlap = _Alongside(alongside)
@@ -278,6 +282,8 @@ class MoELayer(nn.Module):
             self.dispatch.reserve(layout.get().max_recv_rows, layout.get().total_rows)
         out = self._dispatch_at_capacity(x, counts, perm, w13_param, keep_a13,
                                          gathered[:, self.num_experts:] if self._refusals_recorded else None)
+        if self._refusals_recorded:  # the words: the backward's to read, else the next call's
+            self._unread = layout
         overlap()
         if self.max_tokens is not None:
             return layout, out
@@ -374,6 +380,13 @@ class MoELayer(nn.Module):
             raise ValueError(f"refused must be int64 [{REFUSAL_WORDS}] on {x.device}, got {list(refused.shape)} "
                              f"{refused.dtype} on {refused.device}")
 
+    def _raise_unread_refusal(self) -> None:
+        """Where forwards record refusals (see the module docstring): the previous call's refusal words, unless its
+        backward read them, raised here, before this call's exchanges, on every rank alike."""
+        earlier, self._unread = self._unread, None
+        if earlier is not None and not earlier.words_read:
+            earlier.raise_refusal(earlier.on_host.get(), unless_told=True)
+
     def _refusal(self, x: torch.Tensor, refused: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this rank's refusal words, the tokens it routes). More tokens than max_tokens_per_rank: raised at
         once where no peer waits, else none of them routed (no buffer can hold them) until every rank raises."""
@@ -410,23 +423,35 @@ class MoEStatistics(Mapping):
 class _HostLayout:
     """A call's ExpertLayout, built from the counts' copy to the host when first asked for: in the forward without
     max_tokens_per_rank (the host sync), else in the backward, long after the copy ended (none under no_grad).
-    The copy holds every rank's refusal words after the counts: a refused call raises here, on every rank; where
-    the dispatch's error word holds the refusal too (MoELayer._refusals_recorded), from there, which clears it."""
+    The copy holds every rank's refusal words after the counts: a refused call raises here, on every rank (or, where
+    no backward read them, at the layer's next call: `raise_refusal`); where the dispatch's error word holds the
+    refusal too (MoELayer._refusals_recorded), from there, which clears it."""
 
     def __init__(self, layer: MoELayer, counts: torch.Tensor, on_host: PendingHostCopy, tile_rows: tuple[int, int]):
         self.layer, self.counts, self.on_host, self.tile_rows = layer, counts, on_host, tile_rows
         self._layout: ExpertLayout | None = None
+        self.words_read = False  # the refusal words, by `raise_refusal`
+
+    def raise_refusal(self, host: torch.Tensor, unless_told: bool = False) -> None:
+        """Raise the call's refusal if any rank's input was refused (every rank alike: they hold the same words);
+        host: the copy (on_host.get()); unless_told: not if errors.check(block=True) raised it already (the next
+        call's reading; a backward cannot go on either way)."""
+        self.words_read = True
+        layer = self.layer
+        words = host[:, layer.num_experts:].tolist()
+        if layer._refusals_recorded and any(w[0] for w in words):
+            # Raised from the error word (its first error: this refusal, or one before it), so that no later
+            # call raises it again; raise_refused only if a check raised it already.
+            layer.dispatch.errors.check(block=True)
+            if unless_told:
+                return
+        raise_refused(words, layer.rank)
 
     def get(self, dispatched: DispatchTables | None = None) -> ExpertLayout:
         """`dispatched`: the call's tables, whose per-row tables the layout reuses when they hold every row."""
         if self._layout is None:
             layer, host = self.layer, self.on_host.get()
-            words = host[:, layer.num_experts:].tolist()
-            if layer._refusals_recorded and any(w[0] for w in words):
-                # Raised from the error word (its first error: this refusal, or one before it), so that no later
-                # call raises it again; raise_refused only if a later call's check raised it already.
-                layer.dispatch.errors.check(block=True)
-            raise_refused(words, layer.rank)
+            self.raise_refusal(host)
             self._layout = build_expert_layout(self.counts, layer.rank, layer.num_local_experts, *self.tile_rows,
                                                dispatched=dispatched, host_counts=host[:, :layer.num_experts])
         return self._layout

@@ -175,8 +175,9 @@ def refused_on_one_rank(rank, world, max_tokens, dispatch):
     Transformer's token ids). Every rank raises, naming the refused rank, once: on NCCL, whose bounded forward reads
     no counts, in the backward (which reads them, and clears the refusal from the dispatch's error word) or, where
     no backward follows (no_grad, or with grad: an evaluation that forgot no_grad), at errors.check(block=True)
-    (the error word); on gloo at the counts' all-gather; without max_tokens_per_rank where the forward reads the
-    counts. The next step matches bulk (the exchanges stayed in step) and raises nothing."""
+    (the error word) or at the layer's next call, before its exchange, on both ranks; on gloo at the counts'
+    all-gather; without max_tokens_per_rank where the forward reads the counts. The next step matches bulk (the
+    exchanges stayed in step) and raises nothing."""
     gen = torch.Generator().manual_seed(rank)
     fused, bulk = layers(max_tokens=max_tokens, dispatch=dispatch)
     words = torch.tensor([TOKEN_OUT_OF_VOCABULARY, 300, 256] if rank == 0 else [0, 0, 0], device="cuda")
@@ -193,12 +194,15 @@ def refused_on_one_rank(rank, world, max_tokens, dispatch):
             y.float().sum().backward()
         compare(fused, bulk, 512, None, gen, f"after {what}, raised in the backward")
         fused.dispatch.errors.check(block=True)
-        for grad in (False, True):  # no backward follows
-            with pytest.raises(ValueError, match=f"rank {rank}: {what}"):
+        for grad, read in ((False, "check"), (True, "check"), (False, "next call"), (True, "next call")):
+            with pytest.raises(ValueError, match=f"rank {rank}: {what}"):  # no backward follows
                 with torch.set_grad_enabled(grad):
                     fused(x.clone().requires_grad_(grad), refused=refused)
-                fused.dispatch.errors.check(block=True)
-            compare(fused, bulk, 512, None, gen, f"after {what}, grad {grad}")
+                if read == "check":
+                    fused.dispatch.errors.check(block=True)
+                else:
+                    fused(x[:8].clone())
+            compare(fused, bulk, 512, None, gen, f"after {what}, grad {grad}, read at the {read}")
             fused.dispatch.errors.check(block=True)
 
 

@@ -21,6 +21,7 @@ from world import run_world
 from fused_dlrm.train.adamw import AdamW
 from fused_dlrm.train.compute_copies import want_compute_copy
 from moe import MoELayer
+from moe import layer as layer_module
 from moe.layer import TOKEN_OUT_OF_VOCABULARY, FusedMoEConfig
 
 D_MODEL, FFN, EXPERTS, TOP_K, SEED = 16, 24, 4, 2, 3
@@ -101,8 +102,9 @@ def test_fused_layer_dispatches_again_when_the_rows_outgrow_the_capacity():
 @interpreter
 def test_bounded_forward_never_reads_the_counts_on_the_host(monkeypatch):
     """With max_tokens_per_rank the buffers hold any routing of that many tokens: the forward dispatches once and
-    never waits for the counts (the backward reads them once; a forward under no_grad never), and a call with more
-    tokens is refused, naming the rank and the limit."""
+    never waits for its counts (the backward reads them once; a forward under no_grad never: the layer's next call
+    reads its refusal words, copied long before), and a call with more tokens is refused, naming the rank and the
+    limit."""
     workspace = SimulatedWorld(1).workspaces()[0]
     layer = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused",
                      fused=FusedMoEConfig(max_tokens_per_rank=20), workspace=workspace)
@@ -117,9 +119,9 @@ def test_bounded_forward_never_reads_the_counts_on_the_host(monkeypatch):
         with torch.no_grad():
             layer(x, torch.tensor([9.0, 0.0, 0.0, 0.0]))  # every token to expert 0: the most rows one expert gets
         y, _ = layer(xi)
-        assert reads == []
+        assert reads == ["read"]  # the no_grad call's words
         (y * grad).sum().backward()
-        assert reads == ["read"]
+        assert reads == ["read", "read"]
         reads.clear()
     assert workspace.next_epoch("moe_dispatch") == 9  # once per forward
     with pytest.raises(ValueError, match="rank 0: 21 tokens, more than max_tokens_per_rank=20"):
@@ -224,6 +226,47 @@ def test_a_refusal_raises_once_whether_a_backward_comes_or_not(dispatch):
                     fused.dispatch.errors.check(block=True)
             matches_bulk()
         fused.dispatch.errors = errors
+
+
+class CopyNotDone(ReadLater):
+    """The error word as on a GPU whose copy of it has not completed by the next call (a peer's GPU may be
+    further on): a non-blocking check finds nothing; check(block=True) reads it."""
+
+    def check(self, block: bool = False) -> None:
+        if block:
+            self._raise_if_set(self.word)
+
+
+@interpreter
+def test_a_refusal_no_backward_read_raises_at_the_next_call_before_its_exchange(monkeypatch):
+    """Every rank records a refusal in its error word, which each rank's host sees once its own GPU's copy of it
+    is done: raised there alone, a rank whose copy was done first would leave its peers waiting in that call's
+    counts' exchange. The layer's next call reads the words the refused call left unread (their copy ended long
+    before) and raises before its exchange, whatever the error word's copy: on every rank at the same call. Once
+    only: the call after it runs."""
+    workspace = SimulatedWorld(1).workspaces()[0]
+    fused = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused", workspace=workspace,
+                     fused=FusedMoEConfig(max_tokens_per_rank=20))
+    fused._refuse_alone = False  # a rank taken for one with peers (NCCL): the forward records its refusal
+    errors = fused.dispatch.errors
+    fused.dispatch.errors = CopyNotDone(errors.word.device, errors.rank, errors.what,
+                                        describe_refused=errors.describe_refused)
+    exchanges = []
+    gather = layer_module.gather_counts_and_words
+    monkeypatch.setattr(layer_module, "gather_counts_and_words", lambda *args: exchanges.append(1) or gather(*args))
+    gen = torch.Generator().manual_seed(23)
+    for grad_enabled in (False, True):  # an evaluation; a training forward whose loss was dropped
+        with torch.set_grad_enabled(grad_enabled):
+            step = workspace._epochs["moe_dispatch"] + 1 if "moe_dispatch" in workspace._epochs else 1
+            fused(torch.randn(21, D_MODEL, generator=gen))
+            exchanges.clear()
+            with pytest.raises(PeerRefusedInput, match=rf"fused MoE dispatch at step {step}: rank 0: 21 tokens, "
+                                                       rf"more than max_tokens_per_rank=20"):
+                fused(torch.randn(5, D_MODEL, generator=gen))
+            assert exchanges == []  # raised before this call's exchange
+            y, _ = fused(torch.randn(5, D_MODEL, generator=gen))
+            assert y.isfinite().all()
+    fused.dispatch.errors.check(block=True)  # nothing left in the word
 
 
 @interpreter
