@@ -326,6 +326,27 @@ def test_epochs_over_criteo_files(tmp_path):
                      f"trainer.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_6'}"), CPU, tmp_path / "bsz")
 
 
+def _build_from_own_copy(rank, world, folder, lines_of_rank):
+    """Each rank reads its own copy of the day (as ranks on other nodes do): rank r's holds lines_of_rank[r]."""
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    path = _criteo_file(Path(folder) / f"copy_{rank}.tsv", lines_of_rank[rank])
+    cfg = config("data=criteo", "data.global_batch_size=16", f"data.train.paths=[{path}]",
+                 f"data.eval.paths=[{path}]", "model.num_rows=100")
+    if len(set(lines_of_rank)) == 1:
+        build_dataset(cfg, "train", env)
+        return
+    with pytest.raises(ValueError, match=rf"rank {rank}: data.train's files differ between ranks: rank 1's are "
+                                         rf"\[\d+\] bytes, rank 0's \[\d+\] \(this rank's: .*copy_{rank}.tsv"):
+        build_dataset(cfg, "train", env)
+
+
+@pytest.mark.parametrize("lines_of_rank", [(70, 70), (70, 60)])
+def test_ranks_reading_files_of_other_sizes_are_refused(tmp_path, lines_of_rank):
+    """A copy cut short on one node would end that rank's batches first, its peers waiting for it in the input
+    dist: refused on every rank when the datasets are made; like copies pass."""
+    run_world(2, _build_from_own_copy, str(tmp_path), lines_of_rank, timeout=300)
+
+
 def test_evaluation_reads_a_short_file_once(tmp_path, monkeypatch, caplog):
     """data.eval_batches beyond the eval file's batches: its samples are each counted once (the stream used to
     start over at the top of the file), with a warning."""

@@ -239,6 +239,12 @@ class CriteoTSV:
             raise ValueError(f"Criteo files {', '.join(self.paths)} hold {found} lines, fewer than one batch takes: "
                              f"{needed} ({'a whole global batch: drop_last' if drop_last else 'one per rank'})")
 
+    def file_sizes(self) -> list[int]:
+        """Each file's size in bytes. Every rank reads the whole files and takes its slice of each global batch:
+        ranks on other nodes read their own copies, which must be the same files (build_dataset compares these),
+        else one rank's batches end first and its peers wait for it in the next collective."""
+        return [os.path.getsize(path) for path in self.paths]
+
     def _lines(self) -> Iterator[tuple[str, int, str]]:
         """(path, 1-based line number, line) over all files in order."""
         for path in self.paths:
