@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.kernels.peer_flags import (SIGNATURE_WORDS, CopySchedule, PeerCallMismatch, PeerErrors,
-                                           PeerRefusedInput, PeerWaitTimeout, record_mismatch, record_refused,
-                                           record_timeout)
+                                           PeerRefusedInput, PeerWaitTimeout, ReadyWait, record_mismatch,
+                                           record_refused, record_timeout, wait_ready)
 
 
 @triton.jit
@@ -88,6 +88,36 @@ def test_a_refusal_names_this_rank_if_refused_else_the_first_refused_rank():
         errors.after_wait()
     with pytest.raises(ValueError, match="refusal words must be int64"):
         record_refused(gathered.T[:, 2:], errors.word, 2, 7)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
+@pytest.mark.parametrize("cached", [False, True])
+def test_the_wait_kernel_looks_once_while_an_unread_error_is_recorded(monkeypatch, cached):
+    """On GPUs the host reads the error word only every check_every calls: a wait of a later call, whose result is
+    lost anyway, must give up at once instead of spinning its whole bound (~54 s each) until then. Counted in
+    atomic operations: the interpreter runs the polls one by one. Flags that are up are still acknowledged."""
+    from triton.runtime.interpreter import InterpreterBuilder
+    world, slots, spin_limit = 2, 3, 500
+    ready = torch.zeros(world * slots, dtype=torch.int32)
+    acks = [torch.zeros(world, dtype=torch.int32) for _ in range(world)]
+    ack_ptrs = torch.tensor([a.data_ptr() for a in acks], dtype=torch.int64)
+    errors = PeerErrors(torch.device("cpu"), rank=0, what="op")
+    cached_wait = ReadyWait(ready, ack_ptrs, errors.word, 0, world, slots, spin_limit)
+    wait = cached_wait if cached else (lambda epoch: wait_ready(ready, ack_ptrs, errors.word, 0, world, epoch, slots,
+                                                                  spin_limit))
+    atomics = []
+    rmw = InterpreterBuilder.create_atomic_rmw
+    monkeypatch.setattr(InterpreterBuilder, "create_atomic_rmw", lambda *a, **k: atomics.append(1) or rmw(*a, **k))
+    wait(1)  # nobody raises a flag: the wait spins its bound, then records the timeout
+    assert len(atomics) > spin_limit and errors.word.tolist()[:4] == [1, 0, 0, 1]
+    atomics.clear()
+    ready[slots:] = 2  # rank 1's flags of the next call are up, rank 0's are not
+    wait(2)  # the host has not read the word yet
+    assert len(atomics) < 10 * world, "a wait spun although an error is recorded"
+    assert errors.word.tolist()[:4] == [1, 0, 0, 1], "the first error is the cause"
+    assert [a.tolist() for a in acks] == [[0, 0], [2, 0]], "rank 1's flags are up: acknowledged all the same"
+    with pytest.raises(PeerWaitTimeout, match="at step 1 waiting for rank 0, slice 0"):
+        errors.after_wait()
 
 
 def test_copy_schedule_copies_every_n_calls_when_none_is_in_flight():

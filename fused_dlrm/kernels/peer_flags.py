@@ -158,10 +158,17 @@ def wait_or_record(flag, epoch, spin_limit, error_ptr, peer, slot):
 
 
 @triton.jit
+def _spin_limit_unless_failed(error_ptr, spin_limit):
+    """A wait's bound: spin_limit, or 0 (look once) while the error word holds an error the host has not read yet:
+    the wait's result is lost anyway, and on GPUs the host reads the word only every check_every calls, each of
+    whose waits would otherwise spin its whole bound first."""
+    return tl.where(tl.atomic_add(error_ptr, 0) != 0, 0, spin_limit)
+
+
+@triton.jit
 def _wait_or_record_code(flag, epoch, spin_limit, error_ptr, code, peer, slot):
     """wait_or_record, whose timeout records error `code`."""
-    failed = tl.atomic_add(error_ptr, 0) != 0
-    arrived = wait_at_least(flag, epoch, tl.where(failed, 0, spin_limit))
+    arrived = wait_at_least(flag, epoch, _spin_limit_unless_failed(error_ptr, spin_limit))
     if arrived == 0:
         record_timeout(error_ptr, code, peer, slot, epoch)
     return arrived
@@ -241,8 +248,7 @@ def same_published_call(signatures, peer, mine, epoch, spin_limit, error_ptr):
 def consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr):
     """Before storing into `dest`'s double-buffered output: has dest acknowledged epoch - 1 (so it no longer
     reads what epoch - 2 wrote there)? A timeout records error 2 and returns False (the caller skips its stores)."""
-    failed = tl.atomic_add(error_ptr, 0) != 0  # a timeout is recorded (not read yet): do not spin again
-    acked = wait_at_least(ack_ptr + dest, epoch - 1, tl.where(failed, 0, spin_limit))
+    acked = wait_at_least(ack_ptr + dest, epoch - 1, _spin_limit_unless_failed(error_ptr, spin_limit))
     if acked == 0:
         record_timeout(error_ptr, 2, dest, -1, epoch)
     return acked
@@ -277,7 +283,8 @@ def _poll_ready(flags, epoch, count, spin_limit, BLOCK: tl.constexpr):
 def _wait_ready_kernel(ready_ptr, ack_ptrs, error_ptr, rank, epoch, slots_per_rank, spin_limit,
                        BLOCK: tl.constexpr):
     producer = tl.program_id(0)
-    ok, late = _poll_ready(ready_ptr + producer * slots_per_rank, epoch, slots_per_rank, spin_limit, BLOCK)
+    ok, late = _poll_ready(ready_ptr + producer * slots_per_rank, epoch, slots_per_rank,
+                           _spin_limit_unless_failed(error_ptr, spin_limit), BLOCK)
     if ok:
         ack = tl.load(ack_ptrs + producer).to(tl.pointer_type(tl.int32)) + rank
         tl.atomic_xchg(ack, epoch, sem="release", scope="sys")
@@ -290,7 +297,8 @@ def _wait_ready_nvshmem_kernel(ready_ptr, ack_ptr, error_ptr, rank, epoch, slots
                                BLOCK: tl.constexpr):
     """The same with 64-bit flags; the ack is an NVSHMEM signal into the producer's `ack_ptr + rank`."""
     producer = tl.program_id(0)
-    ok, late = _poll_ready(ready_ptr + producer * slots_per_rank, epoch, slots_per_rank, spin_limit, BLOCK)
+    ok, late = _poll_ready(ready_ptr + producer * slots_per_rank, epoch, slots_per_rank,
+                           _spin_limit_unless_failed(error_ptr, spin_limit), BLOCK)
     if ok:
         set_flag(ack_ptr + rank, epoch, rank, producer)
     else:
