@@ -6,7 +6,8 @@ program) in every destination rank after their stores. The consumer's wait kerne
 rank, polling that rank's flags; when they are all up it acknowledges the epoch back to the producer, which
 guards the double-buffered output against being overwritten while the consumer may still read it.
 Waits are bounded: every kernel records a timeout through `record_timeout` (the first one per error wins) into an
-error word that `PeerErrors` turns into an exception on the host.
+error word that `PeerErrors` turns into an exception on the host; while the word holds an error the host has not
+read, every wait looks once instead of spinning (`_spin_limit_unless_failed`).
 
 Call signatures: ranks whose calls of an op differ (sizes, dtypes, tiles: a caller's bug) would read each other's
 slots in another layout, so an op's ranks compare their calls on the device. Each call has a signature
