@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.kernels.peer_flags import (SIGNATURE_WORDS, CopySchedule, PeerCallMismatch, PeerErrors,
-                                           PeerRefusedInput, PeerWaitTimeout, ReadyWait, record_mismatch,
-                                           record_refused, record_timeout, wait_ready)
+                                           PeerRefusedInput, PeerWaitTimeout, ReadyWait, check_every_error_word,
+                                           record_mismatch, record_refused, record_timeout, wait_ready)
 
 
 @triton.jit
@@ -146,3 +146,46 @@ def test_copy_schedule_waits_for_the_copy_in_flight():
     assert schedule.call()  # the first call after the inspection: 4 calls since the copy
     with pytest.raises(ValueError, match="check_every must be >= 1"):
         CopySchedule(0)
+
+
+class _CopiedAtOnce:
+    """A CUDA event's stand-in whose copy is always done: PeerErrors' GPU reading path on the CPU."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def as_on_a_gpu(errors: PeerErrors) -> PeerErrors:
+    """`errors` read as on a GPU: the host copies its word every check_every calls, not at every wait."""
+    errors._host, errors._event = torch.zeros_like(errors.word), _CopiedAtOnce()
+    return errors
+
+
+def record_a_timeout(errors: PeerErrors, peer: int, slot: int, epoch: int) -> None:
+    """What record_timeout stores ([code, peer, slot, epoch, claim]), written from the host."""
+    errors.word[:5] = torch.tensor([1, peer, slot, epoch, 1], dtype=torch.int32)
+
+
+def test_every_live_error_word_is_read_before_results_are_kept():
+    """check_every_error_word reads the word of every op alive (a timeout in a call no copy covered yet raises),
+    not of one freed."""
+    quiet = as_on_a_gpu(PeerErrors(torch.device("cpu"), rank=0, what="quiet op", check_every=16))
+    failed = as_on_a_gpu(PeerErrors(torch.device("cpu"), rank=0, what="failed op", check_every=16))
+    for _ in range(3):  # calls 1-3: the first is copied (and clean), then the wait of call 3 gives up
+        for errors in (quiet, failed):
+            errors.check()
+            errors.after_wait()
+    record_a_timeout(failed, peer=1, slot=4, epoch=3)
+    failed.check()  # the non-blocking read: the copy of call 1 holds no error, calls 2-3 are not copied yet
+    with pytest.raises(PeerWaitTimeout, match=r"^failed op: rank 0 timed out at step 3 waiting for rank 1, slice 4"):
+        check_every_error_word()
+    check_every_error_word()  # read and cleared
+    record_a_timeout(failed, peer=1, slot=4, epoch=5)
+    del failed  # a freed op's word is no longer read
+    check_every_error_word()

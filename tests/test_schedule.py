@@ -1,14 +1,19 @@
-"""TrainingRun's bookkeeping that needs no model: the metrics log, a run's start."""
+"""TrainingRun's bookkeeping that needs no model: the metrics log, a run's start, the fused ops' error words read
+before results are kept."""
 
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.train.schedule import MetricsLog, TrainingRun
+from world import run_world
 
 
 def test_a_metrics_log_that_cannot_be_written_warns_once(tmp_path, caplog):
@@ -36,3 +41,49 @@ def test_a_run_that_starts_at_or_past_max_steps_says_so(tmp_path, caplog):
         expected = [f"the run starts at step {start}, at or past trainer.max_steps={max_steps}: it trains no step "
                     "(only evaluates); raise trainer.max_steps to train on"] if warned else []
         assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == expected
+
+
+def _checkpoint_after_a_lost_wait(rank, world):
+    """Rank 1's fused op recorded a timeout in a call its host has not read yet (GPUs read every few calls)."""
+    from test_peer_flags import as_on_a_gpu, record_a_timeout
+    from fused_dlrm.kernels.peer_flags import PeerErrors, PeerWaitTimeout
+
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    errors = as_on_a_gpu(PeerErrors(env.device, rank=rank, what="exchange"))
+    errors.after_wait()  # call 1: its word copied (clean)
+    if rank == 1:
+        record_a_timeout(errors, peer=0, slot=2, epoch=7)  # call 2's wait gave up
+    errors.after_wait()  # call 2: not copied (every check_every-th call is)
+    saved = []
+    trainer = OmegaConf.create({"log_every": 2, "eval_every": 0, "checkpoint_every": 2, "max_steps": None,
+                                "progress": False, "resume_from": None, "keep_checkpoints": 1})
+    with tempfile.TemporaryDirectory() as tmp:
+        run = TrainingRun(trainer, env, Path(tmp), Path(tmp) / "checkpoints", 0, items="samples", items_per_step=1,
+                          log_fields=lambda interval: ({"loss": interval.losses[0]}, ""), evaluate=lambda step: {},
+                          save=saved.append, log=logging.getLogger(__name__))
+        for _ in range(2):
+            run.end_step(torch.tensor(0.5))
+        expected = ((PeerWaitTimeout, r"^exchange: rank 1 timed out at step 7 waiting for rank 0, slice 2") if rank
+                    else (ValueError, r"^rank 0: rank\(s\) \[1\] found an error recorded by a fused op: "
+                                      r"PeerWaitTimeout: exchange: rank 1 timed out at step 7"))
+        with pytest.raises(expected[0], match=expected[1]):
+            run.after_step()  # step 2: a checkpoint is due
+    assert saved == []  # on neither rank: the lost call's results are not kept
+
+
+def test_a_fused_ops_unread_error_stops_every_rank_before_a_checkpoint():
+    run_world(2, _checkpoint_after_a_lost_wait, timeout=300)
+
+
+def test_a_run_without_checkpoints_reads_the_error_words_at_its_end(tmp_path, monkeypatch):
+    read = []
+    monkeypatch.setattr("fused_dlrm.train.schedule.check_every_error_word", lambda: read.append(True))
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+    trainer = OmegaConf.create({"log_every": 5, "eval_every": 0, "checkpoint_every": 0, "max_steps": None,
+                                "progress": False, "resume_from": None})
+    run = TrainingRun(trainer, env, tmp_path, tmp_path / "checkpoints", 0, items="samples", items_per_step=1,
+                      log_fields=lambda interval: ({"loss": 0.0}, ""), evaluate=lambda step: {},
+                      save=lambda step: None, log=logging.getLogger(__name__))
+    run.end_step(torch.tensor(0.5))
+    run.finish()
+    assert read == [True]

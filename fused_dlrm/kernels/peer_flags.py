@@ -21,10 +21,14 @@ which `PeerErrors` names in words (the op's `describe_calls`, built with `descri
 Refused inputs: where every rank holds every rank's refusal words (exchanged with its data: MoE's counts) but no
 host reads them, `record_refused` records the first refused rank (code 5) on every rank alike, and `PeerErrors`
 raises it in the op's words (`describe_refused`).
+
+Before results are kept (a checkpoint, a run's end), `check_every_error_word` reads every live op's word at once:
+on GPUs the word is read every check_every calls, so a wait of the last few calls could otherwise give up unseen.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -389,6 +393,17 @@ def describe_signatures(mine: list[int], theirs: list[int], describe: Callable[[
                  for signature, other in ((mine, theirs), (theirs, mine)))
 
 
+PEER_ERRORS = (PeerWaitTimeout, PeerCallMismatch, PeerRefusedInput)  # what PeerErrors raises
+_LIVE_ERROR_WORDS: weakref.WeakSet[PeerErrors] = weakref.WeakSet()  # every fused op's PeerErrors while it lives
+
+
+def check_every_error_word() -> None:
+    """`check(block=True)` of every fused op's error word in this process: raise the first recorded error (one of
+    PEER_ERRORS) of any call made so far. Before results are kept, where no later call would surface it."""
+    for errors in list(_LIVE_ERROR_WORDS):
+        errors.check(block=True)
+
+
 class PeerErrors:
     """The error word that one rank's bounded waits write (`record_timeout`); read on the host without stalling.
 
@@ -418,6 +433,7 @@ class PeerErrors:
         self.schedule = CopySchedule(check_every)
         self._host = torch.zeros(ERROR_WORDS, dtype=torch.int32, pin_memory=True) if device.type == "cuda" else None
         self._event = torch.cuda.Event() if device.type == "cuda" else None
+        _LIVE_ERROR_WORDS.add(self)
 
     def after_wait(self) -> None:
         """A call's waits are enqueued (a timeout's message names the step the kernel recorded: the failing one)."""

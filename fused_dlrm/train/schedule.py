@@ -7,7 +7,9 @@ last of each. What differs between models comes in as three callbacks: the inter
 and the checkpoint.
 
 The loss is always checked before a checkpoint is written, and the checkpoint checks the parameters and optimizer
-state (the last step's update came after its loss), so a checkpoint never holds a diverged model.
+state (the last step's update came after its loss), so a checkpoint never holds a diverged model. Before every
+checkpoint and at the run's end every fused op's error word is read too (`check_fused_ops`): on GPUs a wait that
+gave up in the last few calls would otherwise surface only at a later call, which may never come.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from fused_dlrm.dist import DistEnv, all_reduce_sum
+from fused_dlrm.dist.env import raise_on_every_rank
+from fused_dlrm.kernels.peer_flags import PEER_ERRORS, check_every_error_word
 from fused_dlrm.train.checkpoint import NonFiniteLossError, check_keep_last, last_good_checkpoint, latest_checkpoint
 
 log = logging.getLogger(__name__)
@@ -156,6 +160,8 @@ class TrainingRun:
         (the checkpoint first: an evaluation that fails loses no training)."""
         if self.interval_steps:
             self.check_loss()
+        if not (self.checkpoint_every and self.saved_step != self.step):  # else checkpoint() checks
+            self.check_fused_ops()
         if self.checkpoint_every and self.saved_step != self.step:
             self.checkpoint()
         if (self.result.evals[-1]["step"] if self.result.evals else None) != self.step:
@@ -186,6 +192,18 @@ class TrainingRun:
         self.result.evals.append({"step": self.step, **self.evaluate(self.step)})
         self.metrics.record(self.result.evals[-1])
 
+    def check_fused_ops(self) -> None:
+        """Raise on every rank if any fused op of this process recorded an error (a wait that gave up, a peer's
+        unlike call, a refused input) in a call the host has not checked yet: before results are kept. One
+        exchange of a word over the ranks (a checkpoint's cadence, not a step's)."""
+        problem = None
+        try:
+            check_every_error_word()
+        except PEER_ERRORS as error:
+            problem = error
+        raise_on_every_rank(problem, "found an error recorded by a fused op")
+
     def checkpoint(self) -> None:
+        self.check_fused_ops()
         self.save(self.step)
         self.saved_step = self.step
