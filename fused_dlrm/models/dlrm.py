@@ -93,10 +93,12 @@ def build_dlrm(tables: list[EmbeddingBagConfig], dense_in_features: int, dense_a
 
 def with_lean_arches(model: DLRM) -> DLRM:
     """torchrec's SparseArch and InteractionArch swapped for ViewSparseArch and PairwiseInteractionArch: the same
-    outputs, less copying (also under torchrec's TrainPipelineSparseDist, whose fx tracing they pass)."""
+    outputs, less copying (also under torchrec's TrainPipelineSparseDist, whose fx tracing they pass). Another
+    interaction (DLRM_DCN's cross net, DLRM_Projection's branches: other functions, with parameters) is kept."""
     model.sparse_arch = ViewSparseArch(model.sparse_arch.embedding_bag_collection)
-    dense_device = next(model.dense_arch.parameters()).device
-    model.inter_arch = PairwiseInteractionArch(model.inter_arch.F).to(dense_device)
+    if isinstance(model.inter_arch, InteractionArch):  # (PairwiseInteractionArch is one too)
+        dense_device = next(model.dense_arch.parameters()).device
+        model.inter_arch = PairwiseInteractionArch(model.inter_arch.F).to(dense_device)
     return model
 
 
