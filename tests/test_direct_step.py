@@ -84,11 +84,14 @@ def _bulk_direct_step_trains_as_autograd(rank: int, world: int, tmp: str, shardi
 
 
 @pytest.mark.parametrize("sharding, last_rank_autograd", [([], False), (["model.row_shards=2", "model.pooling=mean"], False),
-                                                        ([], True)], ids=["table-wise", "row-wise", "ranks-mixed"])
+                                                        ([], True), (["comm.grad_allreduce=fp16"], True)],
+                         ids=["table-wise", "row-wise", "ranks-mixed", "ranks-mixed-codec"])
 def test_two_ranks_bulk_direct_step_trains_as_the_autograd_step(tmp_path, sharding, last_rank_autograd):
     """row-wise: every table's rows in two blocks, one per rank, mean-pooled (each sample's parts summed, then
     divided by its bag size after the exchange). ranks-mixed: one rank's batches do not fit its graphs (a short
     last batch splits unevenly), so in the same step its peer runs the direct step and it autograd's, whose
     collectives come in another order (the dense arch's all-reduce after the output dist's backward all-to-all):
-    the arch nodes' own group keeps the two from meeting."""
+    the arch nodes' own group keeps the two from meeting. ranks-mixed-codec: the dense gradients' all-reduce
+    quantized, a call in line on the host (gloo) that its own group does not keep apart: the direct step takes
+    autograd's order for it (else both ranks hang)."""
     run_world(2, _bulk_direct_step_trains_as_autograd, str(tmp_path), sharding, last_rank_autograd, timeout=600)

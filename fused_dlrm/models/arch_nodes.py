@@ -202,7 +202,8 @@ def dense_arch_nodes(model: nn.Module, grad_allreduce: str = "nccl", graph_batch
     place among the step's other collectives does not. A step called directly (train/direct_step.py) starts the
     dense arch's before the output dist's backward all-to-all, autograd's after it, and in one step some ranks
     may take each (a short last batch split unevenly: one rank's batch fits its graphs, its peer's does not). On
-    one group those two would meet each other: a hang."""
+    one group those two would meet each other: a hang. (A codec's all-reduce runs in line, which its own group
+    does not keep apart: the direct step starts that one after the all-to-all, as autograd does.)"""
     arches = (model.dense_arch, model.over_arch)
     if any(isinstance(a, nn.parallel.DistributedDataParallel) for a in arches):
         raise ValueError("the dense arches are in DDP already: ArchNodes average their gradients themselves")

@@ -15,8 +15,9 @@ the sequence it is, each piece writing where the next one reads:
     interaction backward (kernel)             d dense into the dense graph's gradient input, and d S
     dense arch backward (its node's graph)    the bottom MLP's gradients
     sparse backward                           d S to the tables' owners, then the embedding update
-    then the two all-reduces of the dense gradients (each started once its arch's gradients are made) and the
-    dense optimizer's step.
+    then the two all-reduces of the dense gradients (each started once its arch's gradients are made; a
+    quantized codec's of the dense arch after the sparse backward, see DirectDLRMStep) and the dense optimizer's
+    step.
 
 The sparse part is the collection's: with comm=fused (p2p) the interaction's backward kernel stores d S straight
 into the owners' symmetric gradient buffers with the exchange's flags (GradientPush's protocol) and the exchange's
@@ -101,7 +102,14 @@ class OverArchLossGraph:
 class DirectDLRMStep:
     """loop.train_step, written out (see the module docstring): `takes(batch)` says whether a batch fits its
     graphs, `step(batch)` runs one step on it (forward, backward with the embedding update, the dense optimizer's
-    `optimizer_step`) and returns the loss (the graph's own: read it before the next step)."""
+    `optimizer_step`) and returns the loss (the graph's own: read it before the next step).
+
+    The dense arch's gradients are averaged before the sparse backward's exchanges with a plain all-reduce (async,
+    over the arch nodes' own group: it overlaps them), after them with a quantized codec, whose all-reduce runs in
+    line (gloo: on the host; NCCL: a kernel on this stream that waits for its peers). In a step where a peer's
+    batch does not fit its graphs (a short last batch split unevenly), that peer takes train_step, whose
+    autograd reaches the dense arch's backward after the sparse one: in the other order the two ranks would each
+    wait for the other's exchange (a hang)."""
 
     def __init__(self, model: nn.Module, optimizer_step: Callable[[], None], world_size: int):
         reason = direct_step_refusal(model)
@@ -110,6 +118,7 @@ class DirectDLRMStep:
         self.model, self.optimizer_step, self.world_size = model, optimizer_step, world_size
         self.sparse = model.sparse_arch.embedding_bag_collection
         self.dense = model.dense_arch.forward
+        self.dense_average_first = self.dense.codec == "nccl"  # (see the class docstring)
         self.over = OverArchLossGraph(model.over_arch.forward, self.dense.graph.input.shape[0])
         self.shape = (self.dense.graph.input.shape[0], model.sparse_arch.F, model.sparse_arch.D)
         self.push_block = push_block(torch.float32, self.shape[2])  # the pushing backward's column blocks
@@ -156,12 +165,14 @@ class DirectDLRMStep:
                     grad = self.row_block_sum.wide_gradient(grad, bags.pooling_divisors)
                 epoch, pusher = exchange.start_backward(bags, grad, scale), "exchange"
         dense_graph.backward(dense_graph.grad_output)
-        dense_average = self.dense.hand_gradients()
+        dense_average = self.dense.hand_gradients() if self.dense_average_first else None
         if exchange is None:
             pooled.backward(grad_sparse.view_as(pooled))
         else:
             exchange.finish_backward(bags, epoch)
             exchange.backward_pushes[pusher] += 1
+        if not self.dense_average_first:
+            dense_average = self.dense.hand_gradients()
         for work in (over_average, dense_average):
             if work is not None:
                 work.wait()
