@@ -1,5 +1,5 @@
 """The pairwise interaction kernels against torch autograd in float64: outputs and both input gradients; uneven F
-and D, one feature (no pairs), strided sparse rows, an empty batch; sm_90 compiles. On the CPU in the interpreter;
+and D, one feature (no pairs), strided sparse rows, an empty batch, 16-bit inputs; sm_90 compiles. On the CPU in the interpreter;
 on a GPU as compiled, with fp32 products in TF32 and without."""
 
 from __future__ import annotations
@@ -55,6 +55,28 @@ def test_matches_float64_autograd(batch, features, dim, padded_rows, tf32, monke
                            ("sparse grad", s.grad, s64.grad)):
         error = float((got.double() - ref).norm() / ref.norm())  # NaN if any element was left unwritten
         assert error <= (2e-3 if tf32 else 1e-5), f"{name}: relative error {error:.2e}"  # (False for NaN)
+
+
+# bf16 on GPUs only: Triton 3.6's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else []))
+@pytest.mark.parametrize("batch,features,dim,padded_rows", [(3, 17, 40, True), (2, 33, 130, False)])
+def test_16_bit_inputs_match_float64_autograd(batch, features, dim, padded_rows, dtype):
+    """The kernels' 16-bit configuration (products accumulated in fp32, outputs and gradients rounded to the
+    inputs' dtype): within two units of the dtype's rounding of float64's."""
+    dense, sparse, gen = _inputs(batch, features, dim, batch * 1000 + features * 10 + dim, padded_rows)
+    d, s = dense.to(dtype).requires_grad_(), sparse.to(dtype).requires_grad_()
+    out = PairwiseInteraction.apply(d, s)
+    grad = torch.randn(out.shape, generator=gen).to(DEVICE, dtype)
+    out.backward(grad)
+    d64, s64 = d.detach().double().requires_grad_(), s.detach().double().requires_grad_()
+    want = pairwise_interaction_reference(d64, s64)
+    want.backward(grad.double())
+    bound = 2 * torch.finfo(dtype).eps
+    for name, got, ref in (("out", out.detach(), want.detach()), ("dense grad", d.grad, d64.grad),
+                           ("sparse grad", s.grad, s64.grad)):
+        assert got.dtype == dtype
+        error = float((got.double() - ref).norm() / ref.norm())
+        assert error <= bound, f"{name}: relative error {error:.2e} (bound {bound:.1e})"
 
 
 def test_reference_is_torchrecs_interaction():
