@@ -61,9 +61,20 @@ def test_loss_falls_and_auc_rises(tmp_path, caplog):
     assert re.fullmatch(r"step 20 loss \d+\.\d{5} step_ms \d+\.\d samples/s \d+", caplog.messages[0])
 
 
-def test_resume_continues_the_exact_loss_curve(tmp_path):
-    common = SMALL + ["trainer.max_steps=30", "trainer.eval_every=0", "trainer.checkpoint_every=10",
-                      "trainer.dense_optimizer._target_=torch.optim.Adam", "trainer.dense_optimizer.lr=0.01"]
+OPTIMIZER = "trainer.dense_optimizer"
+
+
+# Every dense optimizer's state resumes: Adam's moments and step, SGD's momentum buffers (weight decay, Nesterov),
+# AdamW's decoupled decay, Adagrad's sums (not fused: torch's fused Adagrad is CPU-only)
+@pytest.mark.parametrize("optimizer", [
+    [f"{OPTIMIZER}._target_=torch.optim.Adam", f"{OPTIMIZER}.lr=0.01"],
+    [f"{OPTIMIZER}._target_=torch.optim.SGD", f"{OPTIMIZER}.lr=0.05", f"+{OPTIMIZER}.momentum=0.9",
+     f"+{OPTIMIZER}.nesterov=true", f"+{OPTIMIZER}.weight_decay=0.01"],
+    [f"{OPTIMIZER}._target_=torch.optim.AdamW", f"{OPTIMIZER}.lr=0.01", f"+{OPTIMIZER}.weight_decay=0.1"],
+    [f"{OPTIMIZER}._target_=torch.optim.Adagrad", f"{OPTIMIZER}.lr=0.05", f"~{OPTIMIZER}.fused"],
+], ids=["Adam", "SGD-momentum", "AdamW", "Adagrad"])
+def test_resume_continues_the_exact_loss_curve(tmp_path, optimizer):
+    common = SMALL + ["trainer.max_steps=30", "trainer.eval_every=0", "trainer.checkpoint_every=10", *optimizer]
     full = train(config(*common), CPU, tmp_path / "full")
     assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step_20", "step_30"]
     resumed = train(config(*common, f"trainer.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_20'}"),
