@@ -21,7 +21,7 @@ from fused_dlrm.kernels.pairwise_interaction import (launch_backward, num_pairs,
 from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from fused_dlrm.kernels.peer_tiles import plan_peer_tiles
 from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLaunch, pooled_embedding_reference
-from fused_dlrm.sparse.fused_all_to_all import FusedPooledAllToAll
+from fused_dlrm.sparse.fused_all_to_all import FusedPooledAllToAll, GradientPush
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
@@ -270,6 +270,32 @@ def test_kept_outputs_outlive_the_next_step_whatever_its_batch_sizes():
                                            msg=f"{batch_sizes}: the previous step's output was overwritten")
         grad_views = [ex._plan(b.batch_sizes).grad[e % 2] for ex, b, e in zip(world.exchanges, bags, epochs)]
         kept = (outs, expected, grad_views, [g.clone() for g in grad_views])
+
+
+def test_a_backward_after_the_call_after_next_raises_instead_of_reading_an_overwritten_output():
+    """An output lives until the call after next: a backward reading it later (three forwards in flight, as in
+    gradient accumulation over three micro-batches) raises on every rank, before the consumer's gradient push;
+    the forward before the latest is still live."""
+    tables = make_tables([4, 8], [10, 20])
+    world = World(tables, 2, num_programs=2)
+    gen = torch.Generator().manual_seed(12)
+    forwards = []
+    for _ in range(3):
+        lengths, values, weights = random_bags(tables, [3, 2], False, gen)
+        bags = [world.owned_bags(r, lengths, values, weights, [3, 2]) for r in range(2)]
+        epochs = [ex.start(b) for ex, b in zip(world.exchanges, bags)]
+        outs = [ex.finish(b, e) for ex, b, e in zip(world.exchanges, bags, epochs)]
+        forwards.append((bags, epochs, outs))
+    (first_bags, first, first_outs), (_, second, _) = forwards[0], forwards[1]
+    for rank, ex in enumerate(world.exchanges):
+        ex.check_output_live(second[rank])
+        with pytest.raises(RuntimeError, match=rf"rank {rank}: the backward of forward call 1 runs after call 3, "
+                                               r"and call 3 overwrote that call's output"):
+            ex.check_output_live(first[rank])
+        push = GradientPush(ex, first_bags[rank], 1.0, first_outs[rank], first[rank])
+        with pytest.raises(RuntimeError, match="call 3 overwrote that call's output"):
+            push.begin(4, 4)
+        assert push.epoch is None  # no destinations taken: no gradient epoch spent
 
 
 def test_nvshmem_plan_of_uneven_owners():

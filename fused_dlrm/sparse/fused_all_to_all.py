@@ -10,8 +10,9 @@ optimizer (the bulk path's code). Transports: p2p (stores through peer pointers)
 through NVSHMEM, from a symmetric copy of the gradient in the backward; crosses nodes).
 
 Outputs live in double-buffered symmetric memory (by step parity): the tensor a step returns stays valid until
-the call after next, whatever that call's batch sizes (the halves split the buffer, not one call's rows). Every
-rank must call in the same order (the flags carry per-exchange step counters).
+the call after next, whatever that call's batch sizes (the halves split the buffer, not one call's rows); a
+backward that would read an output that call overwrote raises instead (`check_output_live`). Every rank must call
+in the same order (the flags carry per-exchange step counters).
 Each exchange is split into `start` (enqueue the producer kernel) and `finish` (enqueue the wait, return the
 result), so a simulated world in one process can start every rank before any waits.
 """
@@ -136,11 +137,23 @@ class FusedPooledAllToAll(nn.Module):
         # Who pushed each backward's gradient: the consumer's kernel (GradientPush taken) or this exchange's push
         # kernel. A silent fallback costs a pass over the gradient; runs report these (bench dlrm_step).
         self.backward_pushes = {"consumer": 0, "exchange": 0}
+        self.latest_forward = 0  # the epoch of the last forward started
+
+    def check_output_live(self, epoch: int) -> None:
+        """Before a backward reads forward `epoch`'s output: raise if a later forward overwrote it (the call after
+        next does; autograd cannot see it, the stores are the peers'). Every rank makes the same calls in the same
+        order, so every rank raises here alike."""
+        if self.latest_forward >= epoch + 2:
+            raise RuntimeError(
+                f"fused embedding all-to-all: rank {self.rank}: the backward of forward call {epoch} runs after call "
+                f"{self.latest_forward}, and call {epoch + 2} overwrote that call's output (a double buffer), which "
+                f"the backward reads: run each forward's backward before the call after next (at most 2 forwards "
+                f"in flight, e.g. in gradient accumulation), or use comm=bulk")
 
     # -- forward ------------------------------------------------------------------------------------------------
     def start(self, bags: OwnedBags) -> int:
         self.errors.check()
-        epoch = self.ws.next_epoch("pooled")
+        epoch = self.latest_forward = self.ws.next_epoch("pooled")
         plan = self._plan(bags.batch_sizes)
         if self.nvshmem:
             ready, ack = self._flags("pooled")
@@ -311,8 +324,10 @@ class GradientPush:
     (`begin`: the epoch's destinations; its kernel raises the flags), and the exchange's backward then only waits
     for the flags and applies the rows' gradients. p2p transport only."""
 
-    def __init__(self, exchange: FusedPooledAllToAll, bags: OwnedBags, scale: float, output: torch.Tensor):
+    def __init__(self, exchange: FusedPooledAllToAll, bags: OwnedBags, scale: float, output: torch.Tensor,
+                 forward_epoch: int):
         self.exchange, self.bags, self.scale, self.output = exchange, bags, scale, output
+        self.forward_epoch = forward_epoch  # the output's
         self.epoch: int | None = None  # of the push, once begun
 
     def serves(self, x: torch.Tensor, block: int) -> bool:
@@ -327,6 +342,7 @@ class GradientPush:
         `dim` columns (`serves` said yes)."""
         if self.epoch is not None:
             raise RuntimeError("the fused embedding exchange's gradient push was begun twice for one forward")
+        self.exchange.check_output_live(self.forward_epoch)  # before the consumer's kernel reads the output
         destinations = self.exchange.gradient_destinations(self.bags, self.scale, dim, block)
         self.epoch = destinations.epoch
         return destinations
@@ -337,8 +353,9 @@ class _FusedExchange(torch.autograd.Function):
     def forward(ctx, anchor, exchange: FusedPooledAllToAll, bags: OwnedBags, gradient_scale: float):
         ctx.exchange, ctx.bags, ctx.scale = exchange, bags, gradient_scale
         ctx.set_materialize_grads(False)  # None: the consumer pushed the gradient itself
-        out = exchange.finish(bags, exchange.start(bags))
-        ctx.gradient_push = None if exchange.nvshmem else GradientPush(exchange, bags, gradient_scale, out)
+        ctx.epoch = exchange.start(bags)
+        out = exchange.finish(bags, ctx.epoch)
+        ctx.gradient_push = None if exchange.nvshmem else GradientPush(exchange, bags, gradient_scale, out, ctx.epoch)
         return out
 
     @staticmethod
@@ -352,6 +369,7 @@ class _FusedExchange(torch.autograd.Function):
             epoch = push.epoch
             ex.backward_pushes["consumer"] += 1
         else:
+            ex.check_output_live(ctx.epoch)  # the consumers' backward may have read it: no update from theirs
             grad = torch.zeros(ctx.bags.batch_sizes[ex.rank], ex.row_len, device=ex.ws.device) if grad is None \
                 else grad
             epoch = ex.start_backward(ctx.bags, grad, ctx.scale)
