@@ -123,6 +123,21 @@ def test_many_consecutive_calls_on_the_same_flags():
         world[0].finish(call)
 
 
+def test_an_op_refuses_the_call_past_its_int32_epochs():
+    """The kernel numbers calls in int32 on the device: at 2**31 - 1 calls a wrapped epoch would take the peers'
+    old flags for its own; the op refuses that call on every rank instead, before anything runs."""
+    world = world_of(2)
+    xs = inputs(2, 700, "normal")
+    all_reduce(world, xs, "q8")
+    for ar in world:
+        ar.calls = 2**31 - 2  # as after that many calls
+    all_reduce(world, xs, "q8")  # the last one the epochs count
+    for rank, ar in enumerate(world):
+        with pytest.raises(RuntimeError, match=rf"rank {rank}: this op has made 2147483647 calls, as many as its "
+                                               r"int32 epochs count"):
+            ar.start(xs[rank], "q8")
+
+
 def test_the_epoch_slots_follow_calls_of_any_grid():
     """The epoch lives on the device, one slot per program: calls whose grids grow and shrink (1, 4, 2, 3, 4
     programs of at most 4) each read the epoch of the call before, whoever wrote its slot."""

@@ -382,12 +382,22 @@ class FusedQuantizedAllReduce:
         # every source's signature of its latest call, beside the flags (the kernel's `same_calls`)
         self.signatures = workspace.buffer("qar_signatures", self.world * SIGNATURE_WORDS.value, torch.int64)
         self.step = torch.zeros(max_programs, dtype=torch.int32, device=workspace.device)  # the kernel's epochs
+        self.calls = 0  # the epochs' count on the host (`_count_call`)
         self._plans: dict[tuple, Plan] = {}
         self._repeats: dict[tuple, torch.cuda.CUDAGraph] = {}  # __call__'s graphs by _repeat_key (GPUs only)
         self._launches = CompiledLaunches(_quantized_all_reduce_kernel)
         # NO_FMA: no fused multiply-add (of decode and sum, of the encode's scaling), so the arithmetic equals the
         # bulk twin's.
         self.options = {} if self._launches.interpret else dict(num_warps=NUM_WARPS, **NO_FMA)
+
+    def _count_call(self) -> None:
+        """Number a call on the host as the kernel does on the device (its int32 `step`, which graphs replay):
+        past 2**31 - 1 the device's would wrap, and a wrapped epoch takes the peers' old flags for its own (a
+        silent stale read). Refused there instead: every rank makes the same calls, so all refuse alike."""
+        if self.calls >= 2**31 - 1:
+            raise RuntimeError(f"fused quantized all-reduce: rank {self.rank}: this op has made {self.calls} calls, "
+                               "as many as its int32 epochs count: make a new one (a new workspace)")
+        self.calls += 1
 
     @staticmethod
     def _key(x: torch.Tensor, out: torch.Tensor, codec: str, mean: bool) -> tuple:
@@ -402,6 +412,7 @@ class FusedQuantizedAllReduce:
         ~4 us of host time, a quarter of a small call's)."""
         self.errors.check()
         check_quantizable(x)
+        self._count_call()
         x = x.contiguous()
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -471,6 +482,7 @@ class FusedQuantizedAllReduce:
         graph = self._repeats.get(repeat)
         if graph is not None and not torch.cuda.is_current_stream_capturing():
             self.errors.check()
+            self._count_call()
             graph.replay()
             self.errors.after_wait()
             return out
