@@ -461,10 +461,10 @@ def _weighted_unpermute_kernel(rows_ptr, inverse_ptr, weights_ptr, tile_of_row_p
         x = tl.load(rows_ptr + at, mask=ok[:, None] & col_mask[None, :], other=0.0,
                     cache_modifier=".cg")  # peers wrote these rows: not from L1
         if COPY_ROWS:  # in assignment order (zeros where dropped), as the routing weights' gradient reads them
-            tl.store(copy_ptr + (tokens * TOP_K + j)[:, None] * D_MODEL + cols[None, :], x,
+            tl.store(copy_ptr + (tokens * TOP_K + j).to(tl.int64)[:, None] * D_MODEL + cols[None, :], x,
                      mask=token_mask[:, None] & col_mask[None, :])
         acc += x.to(tl.float32) * w[:, None]
-    tl.store(out_ptr + tokens[:, None] * D_MODEL + cols[None, :], acc.to(OUT_DTYPE),
+    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * D_MODEL + cols[None, :], acc.to(OUT_DTYPE),
              mask=token_mask[:, None] & col_mask[None, :])
 
 
