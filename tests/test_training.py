@@ -148,8 +148,8 @@ def test_per_table_embedding_optimizers_from_the_config():
     assert sorted(model.sparse_arch.embedding_bag_collection.lookup.optimizer.momentum) == ["t_cat_1", "t_cat_2"]
     for overrides, error in ((["model.embedding_optimizer.lr=[0.1,0.2]"],
                               r"model.embedding_optimizer.lr: 2 values for 3 tables \(one per sparse feature"),
-                             (["model.embedding_optimizer.lr=[0.1,0,0.2]"],
-                              r"model.embedding_optimizer of table t_cat_1 \(.*\): embedding optimizer lr must be > 0"),
+                             (["model.embedding_optimizer.lr=[0.1,-0.1,0.2]"],
+                              r"model.embedding_optimizer of table t_cat_1 \(.*\): embedding optimizer lr must be >= 0"),
                              (["model.embedding_optimizer.name=[sgd,adam,sgd]"],
                               r"of table t_cat_1 .*unknown embedding optimizer 'adam'")):
         cfg = config("data.num_sparse=3", *overrides)
