@@ -165,11 +165,12 @@ class World:
             assert_close(got, want, tol)
 
 
-def assert_close(got, want, tol):
-    assert got.shape == want.shape
+def assert_close(got, want, tol, what=""):
+    """Max error within tol of want's largest element (NaN fails); `what` names the tensor in the message."""
+    assert got.shape == want.shape, f"{what} shape {tuple(got.shape)}, expected {tuple(want.shape)}"
     scale = max(want.abs().max().item(), 1e-12) if want.numel() else 1.0
     err = (got.double() - want).abs().max().item() if want.numel() else 0.0
-    assert err <= tol * scale, f"max error {err} relative {err / scale}"
+    assert err <= tol * scale, f"{what} max error {err} relative {err / scale}"
 
 
 def make_case(name: str, world_size: int) -> Case:

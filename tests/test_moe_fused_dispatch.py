@@ -20,7 +20,7 @@ from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
 from moe.expert_layout import build_expert_layout, dispatch_tables, expert_rows_reference
 from moe.kernels import fused_dispatch as fd
 from moe.kernels.fused_dispatch import FusedDispatch, dispatch_reference, gated_gemm_reference, gemm_config
-from moe.permute import permute, unpermute
+from moe.permute import permutation, unpermute
 from moe.routing import route
 from sm90 import compile_for_sm90
 
@@ -44,6 +44,7 @@ class World:
         self.dispatch = [FusedDispatch(ws, D_MODEL, FFN, local, num_programs, spin_limit, block_m, max_tokens, top_k)
                          for ws in SimulatedWorld(world).workspaces()]
         self.perms = []  # the last routed batch's permutations (dispatch by token reads their inverse)
+        self.routings = []  # and routings (test_moe_fused_pipeline's dense reference reads them)
         self.row_weights = []  # and each permuted row's routing weight (which goes with its token id)
 
     def routed_batch(self, tokens: list[int], top_k: int, bias: list[float] | None, gen: torch.Generator,
@@ -51,18 +52,19 @@ class World:
         """Each rank's tokens, permuted rows' tokens, all-gathered counts and layouts, from routing random logits
         (the permutations go to `perms` when given)."""
         experts = self.world * self.local
-        xs, token_of_rows, per_expert, self.perms, self.row_weights = [], [], [], [], []
+        xs, token_of_rows, per_expert, self.perms, self.routings, self.row_weights = [], [], [], [], [], []
         for n in tokens:
             x = torch.randn(n, D_MODEL, generator=gen)
             logits = torch.randn(n, experts, generator=gen) + (0 if bias is None else torch.tensor(bias))
             routing = route(logits, top_k, capacity_factor=capacity_factor)
-            _, perm = permute(x, routing.expert_ids, experts, routing.kept)
+            perm = permutation(routing.expert_ids, experts, routing.kept, routing.weights)
             xs.append(x)
             token_of_rows.append(perm.order // top_k)
             per_expert.append(perm.tokens_per_expert)
             if perms is not None:
                 perms.append(perm)
             self.perms.append(perm)
+            self.routings.append(routing)
             self.row_weights.append(routing.weights.reshape(-1)[perm.order].float())
         counts = torch.stack(per_expert)  # what gather_counts all-gathers
         layouts = [build_expert_layout(counts, r, self.local, tile_rows=16, owner_tile_rows=self.backward_tile_rows)
@@ -79,7 +81,7 @@ class World:
                 ids.local.fill_(d.max_tokens - 1)
                 weights.local.fill_(float("nan"))
             else:
-                d.ws.buffer("moe_dispatch_rows", 0, torch.float32).local.fill_(float("nan"))
+                d._buffers(torch.float32)[0].local.fill_(float("nan"))
 
     def tables(self, token_of_rows, layouts, capacity: int | None = None):
         """Every rank's DispatchTables, after reserving receive rows for these layouts (or `capacity`: the
@@ -95,10 +97,10 @@ class World:
             return {}
         return dict(inverse=self.perms[rank].inverse, row_weights=self.row_weights[rank])
 
-    def step(self, xs, token_of_rows, layouts, capacity: int | None = None, own_rows: bool = True):
-        """Every rank pushes, then every owner's GEMM: [(received, h, a13)] per rank, cut to the rows received;
-        a13 (the products before the activation, kept for training) starts as NaN, so that a row the GEMM does
-        not store shows."""
+    def launch(self, xs, token_of_rows, layouts, capacity: int | None = None, own_rows: bool = True):
+        """Every rank pushes, then every owner's GEMM -> (tables, epochs, [(received, h, a13)] per rank at the
+        receive capacity); a13 (the products before the activation, kept for training) starts as NaN, so that a row
+        the GEMM does not store shows."""
         tables = self.tables(token_of_rows, layouts, capacity)
         epochs = [d.start(x, t, tab, own_rows=own_rows, **self.by_token_inputs(r))
                   for r, (d, x, t, tab) in enumerate(zip(self.dispatch, xs, token_of_rows, tables))]
@@ -107,6 +109,11 @@ class World:
         rows = [torch.full((d.capacity, D_MODEL), float("nan")) if d.by_token else None for d in self.dispatch]
         out = [(*d.finish(e, w13, a13_out=a13, rows_out=r), a13)
                for d, e, w13, a13, r in zip(self.dispatch, epochs, self.w13, a13s, rows)]
+        return tables, epochs, out
+
+    def step(self, xs, token_of_rows, layouts, capacity: int | None = None, own_rows: bool = True):
+        """`launch`'s [(received, h, a13)] per rank, cut to the rows received."""
+        _, _, out = self.launch(xs, token_of_rows, layouts, capacity, own_rows)
         return [tuple(t[:sum(lay.tokens_per_local_expert)] for t in o) for o, lay in zip(out, layouts)]
 
 
@@ -147,8 +154,8 @@ SCENARIOS = [
 ]
 
 
-def check_scenario(name, counts, world, local):
-    """The scenario did what its name says."""
+def check_scenario(name, counts, world, local, perms=()):
+    """The scenario did what its name says (capacity drops: seen in the permutations `perms`)."""
     per_owner = counts.view(-1, world, local).sum(dim=(0, 2))
     if "skewed" in name:
         assert counts[:, 1].sum() >= 0.4 * counts.sum(), counts
@@ -158,6 +165,8 @@ def check_scenario(name, counts, world, local):
         assert per_owner[int(name.split(" receives nothing")[0][-1])] == 0, counts
     if "without tokens" in name:
         assert counts[int(name.split(" without tokens")[0][-1])].sum() == 0, counts
+    if "capacity drops" in name:
+        assert sum(int((p.inverse == p.order.numel()).sum()) for p in perms) > 0  # some assignments dropped
 
 
 @pytest.mark.parametrize("by_token", [False, True], ids=["by row", "by token"])
@@ -318,9 +327,7 @@ def test_backward_matches_autograd_of_the_bulk_path(name, world, local, tokens, 
                 scale = want.abs().max().item() if want.numel() else 0.0
                 torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * scale,
                                            msg=lambda m: f"rank {r} {what}: {m}")
-    check_scenario(name, counts, world, local)
-    if capacity is not None:
-        assert sum(int((p.inverse == p.order.numel()).sum()) for p in perms) > 0  # some assignments dropped
+    check_scenario(name, counts, world, local, perms)
 
 
 @pytest.mark.parametrize("by_token", [False, True], ids=["by row", "by token"])

@@ -51,10 +51,16 @@ def test_reference_has_no_data_dependent_shape():
 
 
 def poison_allocations(monkeypatch):
-    """torch.empty / empty_like return -7 everywhere: a slot the kernels should have written and did not shows."""
-    empty, empty_like = torch.empty, torch.empty_like
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(-7))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(-7))
+    """torch.empty / empty_like / Tensor.new_empty return NaN (floating point) or -7 everywhere: a slot the kernels
+    should have written and did not shows."""
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def poisoned(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan") if t.is_floating_point() else -7)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poisoned(empty_like(*a, **k)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poisoned(new_empty(self, *a, **k)))
 
 
 def check_kernels(keys: torch.Tensor) -> None:
