@@ -45,11 +45,23 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     return math.ceil(num_tokens * top_k / num_experts * capacity_factor)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
+def renormalizes(top_k: int, renormalize: bool | None) -> bool:
+    """Whether the chosen experts' weights are renormalised to sum to 1. None: where top_k > 1 (Megatron's default,
+    softmax after top-k); top-1 weighs by the softmax probability (Switch; Megatron's --moe-router-pre-softmax):
+    renormalised, every weight would be 1 and the model's loss would send the router no gradient (Megatron-LM
+    issue 894), so top_k=1 with renormalize=True is refused."""
+    if top_k == 1 and renormalize:
+        raise ValueError("top_k=1 with renormalize=True weighs every token's expert 1: the router would learn from "
+                         "the auxiliary losses alone; use renormalize=False (the softmax probability)")
+    return top_k > 1 if renormalize is None else renormalize
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool | None = None,
           capacity_factor: float | None = None, statistics_group: dist.ProcessGroup | None = None) -> Routing:
-    """Route tokens given their router logits [T, num_experts] (statistics_group: see the module docstring)."""
+    """Route tokens given their router logits [T, num_experts] (renormalize: `renormalizes`; statistics_group: see
+    the module docstring)."""
     num_tokens, num_experts = logits.shape
-    choice = top_k_softmax(logits, top_k, renormalize, statistics_group)
+    choice = top_k_softmax(logits, top_k, renormalizes(top_k, renormalize), statistics_group)
     expert_ids, weights, wanted_per_expert = choice.expert_ids, choice.weights, choice.tokens_per_expert
     capacity = None
     kept = torch.ones_like(expert_ids, dtype=torch.bool)
@@ -307,9 +319,7 @@ def top_k_softmax_kernels(logits: torch.Tensor, top_k: int, renormalize: bool,
 
 class TopKRouter(nn.Module):
     """logits = x @ weight ([d_model, num_experts]), then `route` (statistics_group: see the module docstring).
-    The weight is replicated on every rank. renormalize None: top_k > 1 (Megatron's default, softmax after top-k);
-    top-1 weighs by the softmax probability (Switch; Megatron's --moe-router-pre-softmax): renormalised, every
-    weight would be 1 and the model's loss would send the router no gradient (Megatron-LM issue 894)."""
+    The weight is replicated on every rank. renormalize: as `route` takes it (`renormalizes`)."""
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, renormalize: bool | None = None,
                  capacity_factor: float | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -318,12 +328,9 @@ class TopKRouter(nn.Module):
         self.statistics_group = statistics_group
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
-        if top_k == 1 and renormalize:
-            raise ValueError("top_k=1 with renormalize=True weighs every token's expert 1: the router would learn from "
-                             "the auxiliary losses alone; use renormalize=False (the softmax probability)")
         self.num_experts = num_experts
         self.top_k = top_k
-        self.renormalize = top_k > 1 if renormalize is None else renormalize
+        self.renormalize = renormalizes(top_k, renormalize)  # refused at construction, not at the first forward
         self.capacity_factor = capacity_factor
         if capacity_factor is not None and not capacity_factor > 0:  # (NaN too) every assignment would be dropped:
             # a layer silently off, while the load-balancing loss still pulls on this router

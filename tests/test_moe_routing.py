@@ -55,6 +55,10 @@ def dense_weights(routing, num_experts: int) -> torch.Tensor:
 def test_route_matches_reference(top_k, renormalize):
     generator = torch.Generator().manual_seed(top_k)
     logits = torch.randn(37, 6, generator=generator, dtype=torch.float64) * 2
+    if top_k == 1 and renormalize:  # every weight 1: refused where routing is done, not only by TopKRouter
+        with pytest.raises(ValueError, match="top_k=1 with renormalize=True weighs every token's expert 1"):
+            route(logits, top_k, renormalize)
+        return
     routing = route(logits, top_k, renormalize)
     dense, aux, z, _ = reference_route(logits, top_k, renormalize)
     torch.testing.assert_close(dense_weights(routing, 6), dense, rtol=1e-12, atol=0)

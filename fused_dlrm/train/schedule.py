@@ -160,10 +160,10 @@ class TrainingRun:
         (the checkpoint first: an evaluation that fails loses no training)."""
         if self.interval_steps:
             self.check_loss()
-        if not (self.checkpoint_every and self.saved_step != self.step):  # else checkpoint() checks
-            self.check_fused_ops()
         if self.checkpoint_every and self.saved_step != self.step:
-            self.checkpoint()
+            self.checkpoint()  # the fused ops' error words read first
+        else:
+            self.check_fused_ops()
         if (self.result.evals[-1]["step"] if self.result.evals else None) != self.step:
             self.run_eval()
         self.bar.close()
