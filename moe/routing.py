@@ -56,11 +56,20 @@ def renormalizes(top_k: int, renormalize: bool | None) -> bool:
     return top_k > 1 if renormalize is None else renormalize
 
 
+def check_top_k(top_k: int, num_experts: int) -> None:
+    """k distinct experts per token: k in [1, num_experts]. Past num_experts the torch path would return fewer
+    than k per token (the losses scaled by the k asked) and the kernels would pick expert 0 again; k = 0 routes
+    nothing (a layer silently off)."""
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+
+
 def route(logits: torch.Tensor, top_k: int, renormalize: bool | None = None,
           capacity_factor: float | None = None, statistics_group: dist.ProcessGroup | None = None) -> Routing:
-    """Route tokens given their router logits [T, num_experts] (renormalize: `renormalizes`; statistics_group: see
-    the module docstring)."""
+    """Route tokens given their router logits [T, num_experts] (top_k: `check_top_k`; renormalize: `renormalizes`;
+    statistics_group: see the module docstring)."""
     num_tokens, num_experts = logits.shape
+    check_top_k(top_k, num_experts)
     choice = top_k_softmax(logits, top_k, renormalizes(top_k, renormalize), statistics_group)
     expert_ids, weights, wanted_per_expert = choice.expert_ids, choice.weights, choice.tokens_per_expert
     capacity = None
@@ -326,8 +335,7 @@ class TopKRouter(nn.Module):
                  device: torch.device | str | None = None, statistics_group: dist.ProcessGroup | None = None):
         super().__init__()
         self.statistics_group = statistics_group
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        check_top_k(top_k, num_experts)  # refused at construction too, not at the first forward
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalizes(top_k, renormalize)  # refused at construction, not at the first forward

@@ -72,6 +72,21 @@ def test_route_matches_reference(top_k, renormalize):
         torch.testing.assert_close(routing.weights.sum(dim=1), torch.ones(37, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("top_k", [0, 7])
+def test_top_k_outside_one_to_num_experts_is_refused_where_routing_is_done(top_k):
+    """route (public) refuses k outside [1, num_experts] as TopKRouter does: the torch path returned fewer than k
+    experts per token (k > num_experts; the losses scaled by the k asked) or none (k = 0: a layer silently off),
+    and the kernels picked expert 0 again with an infinite weight."""
+    logits = torch.randn(5, 6, generator=torch.Generator().manual_seed(top_k))
+    message = rf"top_k must be in \[1, num_experts=6\], got {top_k}"
+    with pytest.raises(ValueError, match=message):
+        route(logits, top_k)
+    with pytest.raises(ValueError, match=message):
+        route(logits, top_k, capacity_factor=1.0)
+    with pytest.raises(ValueError, match=message):
+        TopKRouter(8, 6, top_k)
+
+
 def zipf_logits(num_tokens: int, num_experts: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Random logits with a Zipf-like bias: a few experts take most tokens, the last ones almost none."""
     generator = torch.Generator().manual_seed(seed)
