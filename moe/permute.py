@@ -272,7 +272,8 @@ def routing_weights_grad(assignment_rows: torch.Tensor, grad_y: torch.Tensor,
     """The gradient of y[t] = sum_j weights[t, j] * row(t, j) with respect to the weights [T, k]:
     <grad_y[t], row(t, j)>, from the rows in assignment order ([T * k, d], token t's j-th at t * k + j; zeros for
     a dropped assignment), one batched [k, d] x [d, 1] product per token in the rows' dtype, cast to the weights'.
-    The bulk and the fused layer both take it from here: the same arithmetic."""
+    The bulk layer and the fused one combining by row take it from here: the same arithmetic (combining by token,
+    the owner's backward GEMM computes it in fp32 from the rows it kept: moe.kernels.fused_combine)."""
     num_tokens, top_k = weights.shape
     per_token = assignment_rows.view(num_tokens, top_k, assignment_rows.shape[1])
     return torch.bmm(per_token, grad_y.to(assignment_rows.dtype).unsqueeze(2)).view_as(weights).to(weights.dtype)
