@@ -19,24 +19,12 @@ register_resolvers()
 
 # cfg.model.name -> the module whose train(cfg, env, run_dir) runs it
 TRAINERS = {"dlrm": "fused_dlrm.train.loop", "moe_transformer": "moe.train"}
-# cfg.model.name -> the packaged data groups it trains on (a group of the user's own is not checked)
-DATA_GROUPS = {"dlrm": ("synthetic", "synthetic_paper", "criteo"), "moe_transformer": ("bytes", "bytes_finegrained")}
-
-
-def check_data_group(model: str, data: str | None) -> None:
-    """Refuse a packaged data group of the other model (`data=` on the command line overrides the model's own
-    choice), which would otherwise fail late on a missing key or train on another model's data."""
-    known = {group for groups in DATA_GROUPS.values() for group in groups}
-    if data in known and data not in DATA_GROUPS[model]:
-        raise ValueError(f"model.name={model} trains on data={' or data='.join(DATA_GROUPS[model])}, not data={data} "
-                         f"(leave data= out: the model picks its own)")
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     if cfg.model.name not in TRAINERS:
         raise ValueError(f"unknown model.name {cfg.model.name!r}: expected one of {sorted(TRAINERS)}")
-    check_data_group(cfg.model.name, HydraConfig.get().runtime.choices.get("data"))
     train = importlib.import_module(TRAINERS[cfg.model.name]).train
     env = init_distributed(cfg.trainer.device, cfg.comm.backend, tf32=cfg.trainer.tf32)
     if not env.is_main:  # one console is enough; every rank still writes its own log file

@@ -15,7 +15,7 @@ from fused_dlrm.train.config_keys import CONF, check_config_keys
 from test_training import CPU, config  # config: Hydra's compose() alone, no record of the chosen options
 
 ROOT = Path(__file__).resolve().parents[1]
-# every packaged option of each group, under the model whose data it is (train.py's DATA_GROUPS)
+# every packaged option of each group, under the model whose data it is (config_keys.DATA_GROUPS)
 OPTIONS = ([[f"model={m.stem}"] for m in sorted((CONF / "model").glob("*.yaml"))]
            + [["model=dlrm", f"data={d}"] for d in ("synthetic", "synthetic_paper", "criteo")]
            + [["model=moe_transformer", f"data={d}"] for d in ("bytes", "bytes_finegrained")]
@@ -127,3 +127,19 @@ def test_a_composition_with_the_hydra_config_is_accepted():
     assert "hydra" not in compose_config([])  # composed with it to check the keys against its record, then dropped
     with pytest.raises(ValueError, match=r"^unknown config key\(s\).*: sed \(did you mean seed\?\)"):
         compose_config(["+sed=1"], return_hydra_config=True)
+
+
+@pytest.mark.parametrize("model,data,trains_on", [
+    ("moe_transformer", "synthetic", "data=bytes or data=bytes_finegrained"),
+    ("dlrm", "bytes", "data=synthetic or data=synthetic_paper or data=criteo"),
+])
+def test_a_data_group_of_the_other_model_is_refused_by_every_entry_point(model, data, trains_on):
+    """`data=` overrides the model's own choice: the report and the benchmarks (compose_config) and a model's train
+    refuse another model's data group at once, as train.py does, rather than after building the model, on a key
+    that data group lacks (`Missing key path`)."""
+    said = rf"^model.name={model} trains on {trains_on}, not data={data} \(leave data= out"
+    with pytest.raises(ValueError, match=said):
+        compose_config([f"model={model}", f"data={data}"])
+    # without Hydra's record (compose() alone): the data options its data.train._target_ names
+    with pytest.raises(ValueError, match=rf"^model.name={model} trains on {trains_on}, not data="):
+        check_config_keys(config(f"model={model}", f"data={data}"))

@@ -3,7 +3,8 @@ and the run would go on without it; `model=dlrm +model.vocab_size=300` adds a ke
 trainer / model / data / comm is known when the group's chosen option (conf/<group>/<option>.yaml, with the options
 its defaults list extends) sets it, a top-level key when conf/config.yaml does; the keys under a node with `_target_`
 are its class's arguments, which the call of the class checks (`+trainer.dense_optimizer.momentum=0.9`,
-`data=criteo +data.train.drop_last=true`).
+`data=criteo +data.train.drop_last=true`). A data option of the other model (`model=moe_transformer data=synthetic`:
+`data=` overrides the model's own choice) is refused too: its keys are all the other model's.
 
 The chosen options are Hydra's record of them: the config's own `hydra` node (composed with return_hydra_config), or
 the running @hydra.main job's (HydraConfig). A config composed without either (compose() in tests, a script) names
@@ -28,6 +29,8 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 CHECKED_GROUPS = ("trainer", "model", "data", "comm")
 # Without Hydra's record: the field of each group that names the code reading its keys, and so its options
 NAMED_BY = {"model": "name", "data": "train._target_", "comm": "mode"}
+# model.name -> the packaged data options it trains on (a model or data option of the user's own is not checked)
+DATA_GROUPS = {"dlrm": ("synthetic", "synthetic_paper", "criteo"), "moe_transformer": ("bytes", "bytes_finegrained")}
 
 
 def _paths(node: dict, prefix: str) -> Iterator[str]:
@@ -118,13 +121,24 @@ def _group_errors(cfg: DictConfig, group: str, chosen: list[str]) -> list[str]:
     return errors
 
 
+def _check_data_group(cfg: DictConfig, data: list[str]) -> None:
+    """Refuse a packaged data option of the other model (`data=` on the command line overrides the model's own
+    choice), which would otherwise fail late on a key it lacks (`Missing key path`) or train on the other model's
+    data. `data`: the chosen data options (`chosen_options`)."""
+    model = OmegaConf.select(cfg, "model.name")
+    if model in DATA_GROUPS and data and not set(data) & set(DATA_GROUPS[model]):
+        raise ValueError(f"model.name={model} trains on {_either('data', list(DATA_GROUPS[model]))}, not "
+                         f"{_either('data', data)} (leave data= out: the model picks its own)")
+
+
 def check_config_keys(cfg: DictConfig) -> None:
-    """Raise ValueError naming every key of cfg's trainer / model / data / comm that the group's chosen option does
-    not set, and every top-level key conf/config.yaml does not set, with the known keys beside it. Deterministic:
-    under torchrun every rank raises the same error."""
+    """Raise ValueError naming the other model's data option, or every key of cfg's trainer / model / data / comm
+    that the group's chosen option does not set, and every top-level key conf/config.yaml does not set, with the
+    known keys beside it. Deterministic: under torchrun every rank raises the same error."""
     top = top_level_keys()
     unknown = [_describe(key, top) for key in cfg if key not in top]
     chosen = chosen_options(cfg)
+    _check_data_group(cfg, chosen["data"])
     for group in CHECKED_GROUPS:
         if group in cfg:
             unknown += _group_errors(cfg, group, chosen[group])
