@@ -680,3 +680,17 @@ def test_criteo_argument_errors(tmp_path, kwargs, match):
     args = {"paths": path, "num_rows": TABLE_ROWS, "global_batch_size": 2, **kwargs}
     with pytest.raises(ValueError, match=match):
         CriteoTSV(**args)
+
+
+def test_criteo_refuses_a_dense_feature_count_other_than_its_13(tmp_path):
+    """The model's dense input is data.num_dense: with data=criteo any other count than the files' 13 is refused
+    where the dataset is made (every rank), not at the first step's forward as a shape mismatch of the dense arch."""
+    from fused_dlrm.train.build import build_dataset
+    from test_training import CPU, config
+
+    path = write(tmp_path / "d", numbered_lines(4))
+    cfg = config("data=criteo", f"data.train.paths=[{path}]", f"data.eval.paths=[{path}]", "data.num_dense=10",
+                 "data.global_batch_size=2", "model.num_rows=100")
+    for split in ("train", "eval"):
+        with pytest.raises(ValueError, match=r"^Criteo lines hold 13 dense counts: num_dense must be 13, got 10$"):
+            build_dataset(cfg, split, CPU)

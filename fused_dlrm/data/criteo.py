@@ -189,6 +189,7 @@ class CriteoTSV:
     feature is a bag of one id ``int(hex, 16) % num_rows[f]``, or an empty bag when missing.
 
     ``num_workers`` processes make the batches (None: `default_num_workers`; 0: this process).
+    ``num_dense``: the dense features the model takes (data.num_dense), refused unless Criteo's 13.
     """
 
     def __init__(
@@ -201,6 +202,7 @@ class CriteoTSV:
         feature_names: Sequence[str] | None = None,
         drop_last: bool = False,
         num_workers: int | None = None,
+        num_dense: int = CRITEO_NUM_DENSE,
     ) -> None:
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
@@ -218,6 +220,9 @@ class CriteoTSV:
             )
         if any(not 1 <= n < 2**63 for n in self.num_rows):  # ids are int64 (and taken mod num_rows as uint64)
             raise ValueError(f"num_rows must all be in [1, 2**63), got {self.num_rows}")
+        if num_dense != CRITEO_NUM_DENSE:  # else a shape mismatch in the dense arch, at the first step
+            raise ValueError(f"Criteo lines hold {CRITEO_NUM_DENSE} dense counts: num_dense must be "
+                             f"{CRITEO_NUM_DENSE}, got {num_dense}")
         self.feature_names = list(CRITEO_SPARSE_FEATURES if feature_names is None else feature_names)
         if len(self.feature_names) != CRITEO_NUM_SPARSE:
             raise ValueError(
