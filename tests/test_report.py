@@ -416,3 +416,24 @@ def test_gpu_batches_copied_ahead_train_as_without_prefetch(tmp_path, data_devic
     assert [s for s, _ in ahead.losses] == list(range(1, 13)) == [s for s, _ in plain.losses]
     # a batch read before its copy landed, or another step's batch, would move the curve far more than this
     torch.testing.assert_close([l for _, l in ahead.losses], [l for _, l in plain.losses], rtol=1e-5, atol=1e-6)
+
+
+def test_the_picture_names_the_pass_of_a_layer_timed_in_neither_mode(tmp_path, monkeypatch):
+    """A layer with no mode here (the gradient all-reduce of one process) is drawn as n/a under its own pass,
+    forward+backward, not 'forward', which it does not have."""
+    from matplotlib.axes import Axes
+
+    labels = []
+    set_xticks = Axes.set_xticks
+    monkeypatch.setattr(Axes, "set_xticks", lambda ax, ticks, names, **kw: (labels.extend(names),
+                                                                            set_xticks(ax, ticks, names, **kw)))
+    layers = [grad_allreduce_layer(100, "nccl", CPU, CPU_REASON, 60.0),
+              CommLayer("input", "[2 x 2]", {"fwd": 8}, {"fwd": lambda: None}, "no fused input"),
+              CommLayer(STEP, "batch 4", {"fwd": 0, "fwd_bwd": 0}, {"fwd": lambda: None, "fwd_bwd": lambda: None},
+                        CPU_REASON)]
+    report = {"model": "fake", "modes": "bulk vs fused", "environment": environment(CPU), "peer_bandwidth_GBps": None,
+              "timing": {"method": "host perf_counter", "warmup": 0, "iters": 1},
+              "layers": [measure_layer(layer, CPU, None, 0, 1) for layer in layers]}
+    assert write_png(report, tmp_path / "report.png") is None
+    assert labels == ["gradient all-reduce\n(forward+backward)", "input\n(forward)",
+                      "training step\n(forward+backward)"]

@@ -134,7 +134,7 @@ def write_png(report: dict, path: Path) -> str | None:
     def bars(ax, entries, title):
         labels, width = [], 0.38
         for i, entry in enumerate(entries):
-            p = "fwd_bwd" if any("fwd_bwd_ms" in entry[m] for m in colors) else "fwd"
+            p = "fwd_bwd" if "fwd_bwd" in entry["bytes_sent"] else "fwd"  # its passes: those it sends in, timed or not
             labels.append(f"{entry['name'].split(' (')[0]}\n({PASS_TITLES[p]})")
             for offset, mode in ((-width / 2, "bulk"), (width / 2, "fused")):
                 ms = entry[mode].get(f"{p}_ms")
