@@ -316,6 +316,18 @@ def test_batches_are_rank_slices_of_one_global_batch():
     assert not torch.equal(eval_inputs, inputs)
 
 
+def test_windows_of_no_bytes_and_eval_fractions_outside_0_1_are_refused():
+    """Each was trained on without a word: seq_len 0 as a loss of 0 / 0 tokens, stopped as a divergence ("loss
+    became NaN"); an eval fraction of 1.5 as a cut at -len / 2 (train on the first half, evaluate on the second)."""
+    corpus = bytes(range(256)) * 40
+    with pytest.raises(ValueError, match="seq_len=0: expected at least 1"):
+        ByteWindows(corpus, "train", 0, 4)
+    for fraction in (0.0, 1.0, 1.5, -0.5, float("nan")):
+        with pytest.raises(ValueError, match=rf"eval_fraction={fraction}: expected a fraction in \(0, 1\)"):
+            ByteWindows(corpus, "train", 16, 4, eval_fraction=fraction)
+    assert ByteWindows(corpus, "eval", 16, 4, eval_fraction=0.5).data.numel() == len(corpus) // 2
+
+
 def test_missing_corpus_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.txt"):
         load_corpus(tmp_path / "missing.txt")
@@ -456,6 +468,8 @@ def test_bad_settings_are_refused_before_training(tmp_path):
                              (["model.capacity_factor=-1.0"], "capacity_factor must be > 0"),
                              (["comm.grad_allreduce=q7"], "comm.grad_allreduce='q7': expected one of"),
                              (["data.eval_batches=0"], "data.eval_batches=0: the evaluation needs at least one"),
+                             (["data.seq_len=0"], "seq_len=0: expected at least 1"),
+                             (["data.eval_fraction=1.5"], "eval_fraction=1.5: expected a fraction in \\(0, 1\\)"),
                              (["trainer.epochs=2"], "trainer.epochs is not supported \\(got 2\\)")):
         with pytest.raises(ValueError, match=error):
             train(config(*SMALL, "trainer.max_steps=2", *overrides), CPU, tmp_path)
