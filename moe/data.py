@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import sysconfig
+import uuid
 from pathlib import Path
 
 import torch
@@ -69,9 +70,16 @@ def load_corpus(path: str | os.PathLike | None, cache: str | os.PathLike | None 
     if cache is not None:  # every rank may build it: write to a private name, then rename atomically
         cache = Path(cache)
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, cache)
+        # A random name, created exclusively, not the pid: ranks on other hosts of a shared filesystem (in
+        # containers often of the same pid) would write one file, and the second rename would find none.
+        tmp = cache.with_name(f"{cache.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            with tmp.open("xb") as f:
+                f.write(data)
+            os.replace(tmp, cache)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     return data
 
 

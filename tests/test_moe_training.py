@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
 import sysconfig
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -295,6 +298,26 @@ def test_stdlib_corpus_and_cache(tmp_path):
     assert load_corpus(None, cache, 50_000) == b"x" * 50_000
     cache.write_bytes(b"x" * 1000)  # one built for fewer bytes (another config's) is built again
     assert load_corpus(None, cache, 50_000) == corpus and cache.read_bytes() == corpus
+
+
+def test_writers_of_one_cache_with_the_same_pid_each_write_their_own_file(tmp_path, monkeypatch):
+    """Ranks on other hosts share the run directory's cache on a shared filesystem (agree_on_run_dir: rank 0's
+    path), and in containers their processes often have the same pid: two threads (one pid) stand in for them,
+    both written before either renames. With one temporary name per pid the second rename found no file
+    (FileNotFoundError), which stopped the run at its start."""
+    cache = tmp_path / "corpus.txt"
+    both_written = threading.Barrier(2, timeout=60)
+    replace = os.replace
+
+    def replace_once_both_wrote(src, dst):
+        both_written.wait()
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_once_both_wrote)
+    with ThreadPoolExecutor(2) as pool:
+        corpora = list(pool.map(lambda _: load_corpus(None, cache, 50_000), range(2)))
+    assert corpora == [stdlib_corpus(50_000)] * 2 and cache.read_bytes() == corpora[0]
+    assert [p.name for p in tmp_path.iterdir()] == ["corpus.txt"]  # no temporary file left
 
 
 def test_a_stdlib_smaller_than_asked_is_all_of_it_with_a_warning(caplog):
