@@ -108,3 +108,21 @@ def test_shards_start_as_their_blocks_of_the_tables_init(monkeypatch, data_type)
         weight = ebc.embedding_bags[s.name].weight
         assert torch.equal(weight, whole[s.row:s.row + s.num_rows(by_name[s.table]), s.col:s.col + s.dim]), s
         assert weight.untyped_storage().nbytes() == weight.nbytes
+
+
+def test_the_configs_own_init_torchrec_draws_it_with(chunks_of_8):
+    """torchrec initialises a table by its config's init_fn: by default U(weight_init_min, weight_init_max) (each
+    +-sqrt(1/rows) when not set), drawn here in chunks as ever (any block equals that block of the whole table); any
+    other init_fn is applied to the block, as stock torchrec applies it to its shards."""
+    bounded = table(20, 6, weight_init_min=0.5, weight_init_max=0.75)
+    whole = init_table(bounded, 4, CPU)
+    assert 0.5 <= whole.min() and whole.max() <= 0.75 and whole.max() > 0.7  # the whole range, not +-sqrt(1/20)
+    assert torch.equal(init_block(bounded, 4, CPU, 5, 9, 1, 4), whole[5:14, 1:5])
+    above = init_table(table(20, 6, weight_init_min=0.0), 4, CPU)  # the max stays +-sqrt(1/rows)'s
+    assert 0.0 <= above.min() and above.max() <= (1.0 / 20) ** 0.5
+
+    constant = table(20, 6, init_fn=lambda w: torch.nn.init.constant_(w, 0.25))
+    assert torch.equal(init_block(constant, 4, CPU, 3, 7, 2, 3), torch.full((7, 3), 0.25))
+    torch.manual_seed(0)
+    normal = init_table(table(300, 64, init_fn=lambda w: torch.nn.init.normal_(w, std=0.01)), 4, CPU)
+    assert normal.shape == (300, 64) and 0.009 < float(normal.std()) < 0.011

@@ -882,3 +882,16 @@ def test_meta_device_collection_keeps_our_init():
     for t in TABLES:
         w = sharded.embedding_bags[t.name].weight
         assert w.device == CPU and bool(w.abs().max() <= (1.0 / t.num_embeddings) ** 0.5) and bool(w.abs().sum() > 0)
+
+
+def test_meta_device_collection_takes_the_configs_init():
+    """A meta-device EBC's tables start from their configs' init, as stock torchrec's: U(weight_init_min,
+    weight_init_max), or the config's own init_fn."""
+    tables = [dataclasses.replace(TABLES[3], weight_init_min=0.5, weight_init_max=0.75, init_fn=None),
+              dataclasses.replace(TABLES[2], init_fn=lambda w: torch.nn.init.constant_(w, 0.25))]
+    sharded = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig()).shard(
+        EmbeddingBagCollection(tables, device=torch.device("meta")), {t.name: tw(0) for t in tables},
+        ShardingEnv.from_local(1, 0), CPU)
+    bounded = sharded.embedding_bags["t3"].weight
+    assert 0.5 <= bounded.min() and bounded.max() <= 0.75 and bounded.max() > 0.7
+    assert torch.equal(sharded.embedding_bags["t2"].weight, torch.full((7, 16), 0.25))

@@ -6,6 +6,9 @@ require no gradient: dense optimizers and DDP never see them, and no [rows, dim]
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, PoolingType
@@ -39,26 +42,44 @@ def init_chunk_seed(seed: int, chunk: int) -> int:
     return seed if chunk == 0 else (seed + chunk * _CHUNK_SEED_STEP) % 2**64
 
 
+def custom_init(config: EmbeddingBagConfig) -> Callable[[torch.Tensor], object] | None:
+    """The table's init_fn unless it is the config's own, U(weight_init_min, weight_init_max) (EmbeddingBagConfig
+    sets it when none is given), which init_block draws itself; None for the config's own."""
+    init = config.init_fn
+    own = (isinstance(init, functools.partial) and init.func is torch.nn.init.uniform_ and not init.args
+           and init.keywords == {"a": config.get_weight_init_min(), "b": config.get_weight_init_max()})
+    return None if init is None or own else init
+
+
 def init_block(config: EmbeddingBagConfig, seed: int, device: torch.device, row: int = 0, rows: int | None = None,
                col: int = 0, dim: int | None = None) -> torch.Tensor:
     """Rows [row, row + rows) and columns [col, col + dim) of the table's initialisation (None: to the table's end):
-    torchrec's default init, U(-sqrt(1/num_embeddings), sqrt(1/num_embeddings)), drawn in chunks of INIT_CHUNK_ROWS
-    rows, each full width [chunk rows, embedding_dim] from its own generator (init_chunk_seed), so every block
-    and column shard of a table holds the same values as the table drawn whole. Only the chunks the rows overlap
-    are drawn, one at a time into the result: at most the result and one chunk are alive."""
+    torchrec's, U(weight_init_min, weight_init_max), each +-sqrt(1/num_embeddings) when not set, drawn in chunks of
+    INIT_CHUNK_ROWS rows, each full width [chunk rows, embedding_dim] from its own generator (init_chunk_seed), so
+    every block and column shard of a table holds the same values as the table drawn whole. Only the chunks the rows
+    overlap are drawn, one at a time into the result: at most the result and one chunk are alive. A config with an
+    init_fn of its own (`custom_init`) has it applied to the block, as stock torchrec applies it to each of its
+    shards (drawn from the global generator: the block's values then depend on the plan)."""
     num_rows, width = config.num_embeddings, config.embedding_dim
     rows = num_rows - row if rows is None else rows
     dim = width - col if dim is None else dim
     if not (0 <= row <= row + rows <= num_rows and 0 <= col <= col + dim <= width):
         raise ValueError(f"table {config.name} ([{num_rows}, {width}]) has no rows [{row}, {row + rows}) and "
                          f"columns [{col}, {col + dim})")
+    init = custom_init(config)
+    if init is not None:
+        block = torch.empty(rows, dim, device=device)
+        init(block)  # in place, as torchrec calls it
+        return block
     chunk_rows = INIT_CHUNK_ROWS
-    bound = (1.0 / num_rows) ** 0.5
+    bound = (1.0 / num_rows) ** 0.5  # not get_weight_init_max's math.sqrt: a last bit apart for some row counts
+    low = -bound if config.weight_init_min is None else config.weight_init_min
+    high = bound if config.weight_init_max is None else config.weight_init_max
     out = None
     for c in range(row // chunk_rows, -(-(row + rows) // chunk_rows) if rows else 0):  # the chunks overlapping the rows
         start = c * chunk_rows
         chunk = torch.empty(min(chunk_rows, num_rows - start), width, device=device)
-        chunk.uniform_(-bound, bound, generator=torch.Generator(device=device).manual_seed(init_chunk_seed(seed, c)))
+        chunk.uniform_(low, high, generator=torch.Generator(device=device).manual_seed(init_chunk_seed(seed, c)))
         if (start, len(chunk), col, dim) == (row, rows, 0, width):  # the block is this one chunk
             return chunk
         if out is None:

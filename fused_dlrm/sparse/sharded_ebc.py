@@ -136,7 +136,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         seeds = table_seeds(tables, seed)
         by_name = {t.name: t for t in tables}
         # A shard starts as its rows and columns of its table's initialisation, so that the plan does not change the
-        # model; init_block draws only the chunks of rows the shard overlaps, never a whole table cut into blocks.
+        # model (unless the config has an init_fn of its own); init_block draws only the chunks of rows the shard
+        # overlaps, never a whole table cut into blocks.
         self.embedding_bags = nn.ModuleDict()
         for s in self.plan.shards_of(self.rank):
             table = by_name[s.table]

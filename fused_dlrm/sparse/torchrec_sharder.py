@@ -23,7 +23,8 @@ collectives is the same on every rank), it just has nothing left to overlap.
 
 What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
   * weights: the owned tables (or their column shards, row blocks) start as copies of the unsharded EBC's (torchrec
-    on the CPU re-initialises instead);
+    on the CPU re-initialises instead), those of an EBC on the meta device from their configs' init as torchrec's
+    (U(weight_init_min, weight_init_max), or the config's init_fn: lookup.init_block);
   * input: a KJT of the EBC's features in any order, and of other features, which it ignores (one KJT may feed
     several modules);
   * output: KeyedTensor [local batch, sum of dims] with the EBC's keys in the EBC's feature order;
@@ -384,8 +385,9 @@ class FusedTableOptimizer(FusedOptimizer):
 class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedEBCContext], FusedOptimizerModule):
     """A torchrec ShardedModule over our seams: table-wise, column-wise and row-wise, optimizer fused into backward.
 
-    Owns the tables, column shards and row blocks `plan` gives this rank, initialised from `module`'s weights (ours
-    when those are on the meta device). Output: KeyedTensor [local batch, sum of dims] in the EBC's feature order.
+    Owns the tables, column shards and row blocks `plan` gives this rank, initialised from `module`'s weights (when
+    those are on the meta device, from their configs' init: lookup.init_block). Output: KeyedTensor [local batch, sum
+    of dims] in the EBC's feature order.
     """
 
     def __init__(self, module: EmbeddingBagCollection, plan: TableShardingPlan, env: ShardingEnv,
@@ -416,7 +418,7 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
                 # Like torchrec's fused tables: in_backward_optimizer_filter() keeps them out of dense optimizers.
                 weight._in_backward_optimizers = [EmptyFusedOptimizer()]
                 source = module.embedding_bags[shard.table].weight
-                if source.is_meta:  # nothing to copy: keep our init (torchrec's distribution, seeded per table)
+                if source.is_meta:  # nothing to copy: keep our init (the config's, seeded per table)
                     log.info("table %s: unsharded weight is on the meta device, keeping our initialisation",
                              shard.name)
                     continue
