@@ -615,8 +615,8 @@ def test_optimizer_settings_we_do_not_run_are_refused():
     refused(OptimizerSetup(in_backward={"t0": rowwise, "t1": (torch.optim.SGD, {"lr": 0.3})}),
             r"optimizer=exact SGD \(lr=0.2\) for \['t0'\], theirs: exact row-wise Adagrad \(lr=0.2, eps=1e-08\); "
             r"optimizer=exact SGD \(lr=0.2\) for \['t1'\], theirs: exact SGD \(lr=0.3\): give one", ours)
-    refused(OptimizerSetup(), r"per-table embedding optimizers: no entry for tables \['t3'\]; entries for unknown "
-                              r"tables \['t9'\]", {**{k: v for k, v in ours.items() if k != "t3"}, "t9": ours["t0"]})
+    refused(OptimizerSetup(), r"per-table embedding optimizers: no entry for tables \['t3'\] \(the tables",
+            {**{k: v for k, v in ours.items() if k != "t3"}, "t9": ours["t0"]})
     with pytest.raises(TypeError, match="optimizer must be an EmbeddingOptimizerConfig, a mapping of table names"):
         FusedEmbeddingBagCollectionSharder({"t0": "sgd"})
 
@@ -632,6 +632,18 @@ def test_optimizer_settings_we_do_not_run_are_refused():
         FusedEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.ADAM})
     with pytest.raises(ValueError, match=r"fused_params .*: cache_load_factor=0.2 not supported"):
         FusedEmbeddingBagCollectionSharder(fused_params={"optimizer": EXACT_SGD, "cache_load_factor": 0.2})
+
+
+def test_one_mapping_gives_the_tables_of_several_collections_theirs():
+    """DMP hands every EmbeddingBagCollection of a model (a two-tower model's query and item towers) to the one
+    sharder: its per-table mapping names the tables of all of them, each collection taking its own tables'."""
+    query, item = TABLES[:2], TABLES[2:]
+    configs = {t.name: EmbeddingOptimizerConfig("sgd" if t in query else "rowwise_adagrad", lr=0.1 * (i + 1))
+               for i, t in enumerate(TABLES)}
+    sharder = FusedEmbeddingBagCollectionSharder(configs)
+    for tables in (query, item):
+        sharded = shard_one_rank(sharder, EmbeddingBagCollection(tables))
+        assert dict(sharded._lookup.optimizer.configs) == {t.name: configs[t.name] for t in tables}
 
 
 def test_update_hyper_parameters_takes_lr_and_eps():

@@ -218,9 +218,12 @@ def resolve_optimizer(module: EmbeddingBagCollection, fused_params: Mapping[str,
     on the table's weight over the sharder's fused_params over fbgemm's defaults (exact SGD, lr 0.01); the tables
     may differ. `optimizer` (ours, for all tables or per table), where given, must run the same update wherever
     torchrec's settings say anything (else which one a user meant is a guess); where they say nothing it is used as
-    it is.
+    it is. A per-table mapping names the tables of every EBC the sharder shards (DMP gives a model's EBCs all to
+    the one sharder of their type): entries for other tables are theirs; a table of this EBC without one raises.
     """
     tables = [t.name for t in module.embedding_bag_configs()]
+    if isinstance(optimizer, Mapping):
+        optimizer = {name: config for name, config in optimizer.items() if name in tables}
     ours = None if optimizer is None else per_table(optimizer, tables)
     configs, differ = {}, {}
     for name in tables:
@@ -506,8 +509,9 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollec
     fused_params: torchrec's {"optimizer": EmbOptimType.EXACT_SGD | EXACT_ROWWISE_ADAGRAD, "learning_rate": ...,
         "eps": ...} for every table; apply_optimizer_in_backward on a table's weight (torch.optim.SGD /
         torchrec.optim.SGD, torchrec.optim.RowWiseAdagrad; lr, eps) overrides it for that table.
-    optimizer: our EmbeddingOptimizerConfig, for every table, or a mapping of each table's. Given with torchrec's
-    settings, both must run the same update where torchrec's say anything.
+    optimizer: our EmbeddingOptimizerConfig, for every table, or a mapping of each table's (of every EBC of the
+    model: DMP hands them all to this sharder). Given with torchrec's settings, both must run the same update where
+    torchrec's say anything.
     Neither given: stock torchrec's default for its FUSED kernel, fbgemm's (exact SGD, lr 0.01). Anything else
     (another optimizer, weight_decay or momentum other than 0, other fbgemm settings) raises a ValueError naming the
     table and the setting (`resolve_optimizer`), at construction for fused_params, at shard() for the tables.
