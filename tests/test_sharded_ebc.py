@@ -163,6 +163,18 @@ def test_fused_comm_is_refused_clearly_where_it_cannot_run():
             ShardedEmbeddingBagCollection(tables, opt, comm=FusedCommConfig(transport=transport))
 
 
+@pytest.mark.parametrize("spins", [2**31, 3_000_000_000, 0, -1, float("nan")])
+def test_a_wait_bound_the_kernels_cannot_count_is_refused(spins):
+    """The waits count polls in 32 bits: from 2**31 on the count wraps before it reaches the bound, so a lost peer
+    would hang the wait instead of raising; below 1 every wait gives up at its first look. Refused with the
+    setting's name when the config is made, before anything is built (the same config on every rank)."""
+    from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
+
+    with pytest.raises(ValueError, match=r"comm.wait_timeout_spins=.* from 1 to 2\*\*31 - 1"):
+        FusedCommConfig(wait_timeout_spins=spins)
+    assert FusedCommConfig(wait_timeout_spins=2**31 - 1).wait_timeout_spins == 2**31 - 1
+
+
 def test_a_gpu_plan_with_two_dtypes_on_one_rank_is_refused_on_every_rank():
     """Each rank checks every rank's tables (the plan is the same everywhere), before anything is made."""
     from torchrec.modules.embedding_configs import DataType

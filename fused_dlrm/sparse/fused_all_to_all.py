@@ -28,7 +28,7 @@ from torch import nn
 
 from fused_dlrm.dist.symmetric import (ALLOCATION_TIMEOUT_S, NvshmemSymmetricWorkspace, PeerBuffer, _Workspace,
                                        cuda_workspace)
-from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, PeerErrors, ReadyWait, wait_ready
+from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, PeerErrors, ReadyWait, check_spin_limit, wait_ready
 from fused_dlrm.kernels.peer_tiles import PeerTilePlan, default_num_programs, plan_peer_tiles
 from fused_dlrm.kernels.pooled_embedding import FeatureTable, PooledEmbeddingLaunch, launch_pooled_embedding_nvshmem
 from fused_dlrm.kernels.push_columns import (GradientDestinations, PushColumnsLaunch, is_feature_view,
@@ -46,6 +46,9 @@ class FusedCommConfig:
     num_programs: int | None = None  # persistent programs per launch; None: 32 per SM
     wait_timeout_spins: int = DEFAULT_SPIN_LIMIT  # polls of a flag before a wait gives up and names rank and slice
     allocation_timeout_s: float = ALLOCATION_TIMEOUT_S  # how long a rank waits for its peers at an allocation
+
+    def __post_init__(self):
+        check_spin_limit(self.wait_timeout_spins, "comm.wait_timeout_spins")  # before anything is built
 
 
 def build_fused_exchange(lookup: PooledEmbeddingLookup, slices_of_rank: list[list[FeatureSlice]],
