@@ -239,7 +239,7 @@ def test_batch_sizes_that_change_between_steps():
 
 
 def test_kept_outputs_outlive_the_next_step_whatever_its_batch_sizes():
-    """The promise of the double buffers, across plans: a step's output (kept without a clone) is intact after the
+    """The double buffers across plans, ranks in step: a step's output (kept without a clone) is intact after the
     next step, forward and backward, and the gradient an owner applies is not overwritten by the next step's
     producers (which only wait for the ack of the step before theirs), whatever batch sizes the next step has.
     Regression: each plan split the buffers by its own sizes, so after [5, 4] -> [1, 1] -> [1, 1] -> [5, 4] the
@@ -272,10 +272,33 @@ def test_kept_outputs_outlive_the_next_step_whatever_its_batch_sizes():
         kept = (outs, expected, grad_views, [g.clone() for g in grad_views])
 
 
+def test_a_peer_running_ahead_stores_its_call_after_next_once_this_rank_made_its_next():
+    """What an output's life is when the ranks do not move in lockstep: a producer of call e waits only for each
+    consumer's ack of call e - 1, given when that consumer's call e - 1 has its output. So once rank 0 has made
+    calls 1 and 2 (forward only, as in evaluation), rank 1 running ahead into call 3 stores into the half that
+    holds rank 0's output of call 1, although rank 0 has not made call 3: an output is valid until the module's
+    next call, and is to be cloned to be kept longer. Rank 0's latest output is intact."""
+    tables = make_tables([4, 8, 3, 6], [10, 20, 7, 9])
+    world = World(tables, 2, num_programs=2)
+    gen = torch.Generator().manual_seed(13)
+    batches = [random_bags(tables, [3, 2], True, gen) for _ in range(3)]  # no update in between: one expectation
+    bags = [[world.owned_bags(r, *batch, [3, 2]) for r in range(2)] for batch in batches]
+    rank_0 = [expected_outputs(world, *batch, [3, 2])[0] for batch in batches]
+    kept = []  # rank 0's outputs of calls 1 and 2, as returned (no clone)
+    for call in bags[:2]:
+        epochs = [ex.start(b) for ex, b in zip(world.exchanges, call)]
+        kept.append([ex.finish(b, e) for ex, b, e in zip(world.exchanges, call, epochs)][0])
+    world.exchanges[1].start(bags[2][1])  # rank 1's call 3; rank 0 makes none
+    torch.testing.assert_close(kept[1], rank_0[1], rtol=1e-5, atol=1e-5)  # the next call's output: intact
+    rank_1_columns = [s.col + c for s in world.exchanges[0].slices_of_rank[1] for c in range(s.dim)]
+    torch.testing.assert_close(kept[0][:, rank_1_columns], rank_0[2][:, rank_1_columns], rtol=1e-5,
+                               atol=1e-5)  # call 1's output now holds rank 1's columns of call 3
+
+
 def test_a_backward_after_the_call_after_next_raises_instead_of_reading_an_overwritten_output():
-    """An output lives until the call after next: a backward reading it later (three forwards in flight, as in
-    gradient accumulation over three micro-batches) raises on every rank, before the consumer's gradient push;
-    the forward before the latest is still live."""
+    """A step's backward may read its output until the call after next: one reading it later (three forwards in
+    flight, as in gradient accumulation over three micro-batches) raises on every rank, before the consumer's
+    gradient push; the forward before the latest is still live."""
     tables = make_tables([4, 8], [10, 20])
     world = World(tables, 2, num_programs=2)
     gen = torch.Generator().manual_seed(12)

@@ -42,7 +42,8 @@ class ViewSparseArch(SparseArch):
     holds its features in the arch's order with one dim each, so [B, F * D] is [B, F, D] as a view. torchrec's
     split into features and `cat` copies the pooled output forward and its gradient backward (two passes over
     268 MB per step at the paper config). With comm=fused the view is of the exchange's symmetric output, valid
-    until the forward after next: the interaction saves it for this step's backward, which runs before that."""
+    until the next forward and, for this step's backward (for which the interaction saves it), until the forward
+    after next."""
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         return pooled_features(self.embedding_bag_collection(features), self.sparse_feature_names, self.F, self.D)

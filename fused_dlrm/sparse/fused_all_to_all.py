@@ -9,10 +9,14 @@ walk); once its flags are up, the owner accumulates row gradients and applies th
 optimizer (the bulk path's code). Transports: p2p (stores through peer pointers) and nvshmem (remote rows put
 through NVSHMEM, from a symmetric copy of the gradient in the backward; crosses nodes).
 
-Outputs live in double-buffered symmetric memory (by step parity): the tensor a step returns stays valid until
-the call after next, whatever that call's batch sizes (the halves split the buffer, not one call's rows); a
-backward that would read an output that call overwrote raises instead (`check_output_live`). Every rank must call
-in the same order (the flags carry per-exchange step counters).
+Outputs live in double-buffered symmetric memory (by step parity), whatever the calls' batch sizes (the halves
+split the buffer, not one call's rows). A producer of call e waits only for each consumer's ack of call e - 1,
+given once that consumer's call e - 1 has its output: so the tensor a call returns stays valid until this rank's
+next call, after which a peer running ahead may store its call after next there (clone an output to keep it).
+In training the step's own reads (its forward's and backward's, before its gradient goes back) are safe until the
+call after next: a peer's call after next comes after its backward of this call, which waits for this rank's
+gradient; a backward that would run later raises instead (`check_output_live`). Every rank must call in the same
+order (the flags carry per-exchange step counters).
 Each exchange is split into `start` (enqueue the producer kernel) and `finish` (enqueue the wait, return the
 result), so a simulated world in one process can start every rank before any waits.
 """

@@ -518,8 +518,9 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollec
     comm: which input dist / lookup / output dist implementation: "bulk" (torch.distributed, any device) or "fused"
         (CUDA: lookup and output dist as one kernel), or a FusedCommConfig: fused with its settings (transport,
         num_programs, wait_timeout_spins, allocation_timeout_s; "fused" takes their defaults). Fused outputs live in
-        the exchange's double buffer: valid until the module's call after next (a backward reading one later
-        raises; clone an output to keep it longer).
+        the exchange's double buffer: valid until the module's next call (a peer running ahead may then store
+        its call after next there; clone an output to keep it), the step's backward may read it until the call
+        after next (a later one raises).
     sharding_types: what the planner is offered (a plan given to DMP may use any of SHARDING_TYPES, offered or not).
         Row-wise only when asked: offered it, torchrec's planner on the CPU cuts nearly every table into row blocks
         (stock torchrec's sharder makes small tables data-parallel there, which we do not offer), and row blocks
