@@ -389,6 +389,21 @@ def test_settings_reach_the_gpu_once_per_change():
         lookup.optimizer.update("t1", lr=-0.01)
 
 
+@pytest.mark.parametrize("setting,value", [("eps", float("nan")), ("eps", float("inf")), ("eps", -1e-8),
+                                           ("lr", float("nan")), ("lr", float("inf"))])
+def test_a_setting_that_would_spoil_every_updated_row_is_refused(setting, value):
+    """A NaN lr or eps makes every row a backward touches NaN, an infinite lr makes them inf or NaN (inf x 0), an
+    infinite eps freezes them, and a negative eps can make sqrt(m) + eps reach 0 or change sign: refused when a
+    config is made and when a setting changes (an LR scheduler's step, update_hyper_parameters), as a negative lr
+    is."""
+    with pytest.raises(ValueError, match=rf"embedding optimizer {setting} must be >= 0, got {value} \(a finite"):
+        EmbeddingOptimizerConfig("rowwise_adagrad", **{setting: value})
+    lookup = make_lookup("rowwise_adagrad", torch.float32)
+    with pytest.raises(ValueError, match=rf"embedding optimizer {setting} must be >= 0, got {value}"):
+        lookup.optimizer.update("t1", **{setting: value})
+    assert lookup.optimizer.configs["t1"] == EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.1)
+
+
 def test_untouched_rows_keep_weight_and_state():
     bags = random_bags(5, True, torch.Generator().manual_seed(2))
     lookup, before, momentum = adagrad_step(bags)

@@ -11,6 +11,7 @@ updates tables of different optimizers in the same launches (kernels/embedding_b
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping, Sequence
@@ -31,9 +32,11 @@ class EmbeddingOptimizerConfig:
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
             raise ValueError(f"unknown embedding optimizer {self.name!r}: expected one of {OPTIMIZERS}")
-        # 0 is an lr (no update: an LR warm-up from 0, a decay to 0), as fbgemm's TBEs take it; `not >=`: NaN too
-        if not self.lr >= 0:
-            raise ValueError(f"embedding optimizer lr must be >= 0, got {self.lr}")
+        # 0 is an lr (no update: an LR warm-up from 0, a decay to 0), as fbgemm's TBEs take it, and an eps; `not`:
+        # NaN too (it would spoil every row a backward touches, as an infinite lr; an infinite eps freezes them)
+        for setting, value in (("lr", self.lr), ("eps", self.eps)):
+            if not 0 <= value < math.inf:
+                raise ValueError(f"embedding optimizer {setting} must be >= 0, got {value} (a finite number)")
 
 
 # One optimizer for every table, or each table's by name.

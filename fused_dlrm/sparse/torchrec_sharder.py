@@ -177,7 +177,7 @@ def config_from_settings(settings: Mapping[str, Any], where: str) -> EmbeddingOp
                          f"FusedEmbeddingBagCollectionSharder runs {SUPPORTED}")
     try:
         return EmbeddingOptimizerConfig(name, lr=float(merged["learning_rate"]), eps=float(merged["eps"]))
-    except ValueError as error:  # a negative lr
+    except ValueError as error:  # a negative or non-finite lr or eps
         raise ValueError(f"{where}: {error}") from None
 
 

@@ -63,7 +63,7 @@ def embedding_optimizers(cfg: DictConfig, tables: list[EmbeddingBagConfig]) -> d
         mine = {key: value[i] if isinstance(value, list) else value for key, value in settings.items()}
         try:
             configs[table.name] = EmbeddingOptimizerConfig(**mine)
-        except ValueError as error:  # an unknown name, a non-positive lr
+        except ValueError as error:  # an unknown name, a negative or non-finite lr or eps
             raise ValueError(f"model.embedding_optimizer of table {table.name} ({mine}): {error}") from None
     return configs
 
