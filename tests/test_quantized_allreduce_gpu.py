@@ -89,9 +89,8 @@ def _fused_equals_bulk(rank: int, world: int) -> None:
                 quantized_all_reduce(in_place, codec, mean=mean, fused=True, out=in_place)
                 assert torch.equal(in_place, y), (dtype, n, codec, mean)
                 assert_same_on_every_rank(y, world)
-                if dtype == torch.float32:
-                    err = (y.double() - exact / (world if mean else 1)).abs()
-                    assert (err <= two_shot_error_bound(xs, codec, mean).double()).all(), (n, codec, mean)
+                err = (y.double() - exact / (world if mean else 1)).abs()  # bf16: the bound has its rounding
+                assert (err <= two_shot_error_bound(xs, codec, mean).double()).all(), (dtype, n, codec, mean)
     fused_for_group(None, xs[0].device).errors.check(block=True)
 
 

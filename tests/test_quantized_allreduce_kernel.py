@@ -75,12 +75,18 @@ def test_equals_bulk_arithmetic_and_meets_bound(world_size, n, codec, kind):
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_inputs_keep_their_dtype(world_size, dtype):
+    """The result in x's dtype, and within the two-shot bound of the fp64 sum: the bound includes that rounding
+    (a bf16 result of the fp16 codec was off by up to 4.5 times the bound of its fp32 values)."""
     xs = [x.view(11, 21).to(dtype) for x in inputs(world_size, 231, "student_t", seed=3)]
-    for codec in ("fp16", "q4"):
+    exact = sum(x.double() for x in xs) / world_size
+    for codec in ("fp16", "q8", "q4"):
         got = all_reduce(world_of(world_size, max_programs=3), xs, codec, mean=True)
         want = quantized_all_reduce_reference(xs, codec, mean=True)
         assert want.dtype == dtype and want.shape == (11, 21)
         assert all(torch.equal(y, want) for y in got)
+        err = (want.double() - exact).abs()
+        bound = two_shot_error_bound(xs, codec, mean=True).double()
+        assert bound.shape == want.shape and (err <= bound).all(), (codec, (err / bound).max())
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])

@@ -188,17 +188,31 @@ def quantized_all_reduce_reference(xs: list[torch.Tensor], codec: str, mean: boo
 
 
 def two_shot_error_bound(xs: list[torch.Tensor], codec: str, mean: bool = False) -> torch.Tensor:
-    """fp32 per-element bound on |all-reduce - exact sum (mean)|, with B = quant_codecs.error_bound: stage 1's
-    errors sum_r B(x_r), plus stage 2's B(z) on the partial sum z they may have moved (|z| <= |exact| + stage 1);
-    with mean both are divided by world (fp32 summation is far inside B). inf where the codec's range may be
-    passed: fp16's (|x_r| or |z| from 65520; z is the mean with mean), whose result there is +-inf (or NaN, where
-    infinities of both signs meet)."""
+    """fp32 per-element bound on |all-reduce - exact sum (mean)|, in x's shape, with B = quant_codecs.error_bound:
+    stage 1's errors sum_r B(x_r), plus stage 2's B(z) on the partial sum z they may have moved (|z| <= |exact| +
+    stage 1); with mean both are divided by world (fp32 summation is far inside B); then, for bf16 / fp16 tensors,
+    the rounding of that fp32 result to their dtype (`_rounding_bound`: relative 2^-8 / 2^-11). inf where a range
+    may be passed: the fp16 codec's (|x_r| or |z| from 65520; z is the mean with mean), whose result there is +-inf
+    (or NaN, where infinities of both signs meet), or the result's dtype's."""
     world = len(xs)
-    exact = sum(x.float() for x in xs)
+    exact = sum(x.float() for x in xs).reshape(-1)  # flat, as B
     first = sum(error_bound(x, codec) for x in xs)
     if mean:
-        return first / world + error_bound((exact.abs() + first) / world, codec)
-    return first + error_bound(exact.abs() + first, codec)
+        exact = exact / world
+        bound = first / world + error_bound(exact.abs() + first / world, codec)
+    else:
+        bound = first + error_bound(exact.abs() + first, codec)
+    return (bound + _rounding_bound(exact.abs() + bound, xs[0].dtype)).view(xs[0].shape)
+
+
+def _rounding_bound(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 bound on |y - y.to(dtype)| for fp32 values |y| <= a: 0 for fp32; else half an ulp (relative eps / 2)
+    plus half the subnormal step, and inf from the dtype's largest value plus half its ulp (rounded to inf)."""
+    if dtype == torch.float32:
+        return torch.zeros_like(a)
+    info = torch.finfo(dtype)
+    overflow = info.max + info.max / (2 - info.eps) * info.eps / 2  # 65520 for fp16
+    return torch.where(a >= overflow, torch.inf, a * (info.eps / 2) + info.smallest_normal * info.eps / 2)
 
 
 @triton.jit

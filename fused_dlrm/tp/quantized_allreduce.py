@@ -7,10 +7,11 @@ Two-shot: x is cut into `world` chunks of whole 32-value blocks (zero-padded at 
 Every rank decodes the same bytes, so the result is bit-identical on all ranks (DDP replicas stay in sync).
 
 Error (per element, quant_codecs.error_bound as B): |result - exact sum| <= sum_r B(x_r) + B(z), z the decoded
-partial sum of stage 1 (|z| <= |exact| + sum_r B(x_r)); with mean=True both stages' errors are divided by world
-(kernels.quantized_allreduce.two_shot_error_bound). Range: fp16 carries |values| up to 65504, inputs and the
-partial sums z alike (z the mean with mean=True): past it an element comes back +-inf and its bound is inf (the
-scaled codecs have fp32's range).
+partial sum of stage 1 (|z| <= |exact| + sum_r B(x_r)); with mean=True both stages' errors are divided by world;
+bf16 / fp16 tensors add the rounding of that fp32 result to their dtype (relative 2^-8 / 2^-11; for bf16 more
+than the fp16 codec's own error) (kernels.quantized_allreduce.two_shot_error_bound). Range: fp16 carries |values|
+up to 65504, inputs and the partial sums z alike (z the mean with mean=True): past it an element comes back
++-inf and its bound is inf (the scaled codecs have fp32's range).
 
 Two implementations with the same arithmetic, bit for bit: on CUDA tensors of an NCCL group, the fused
 one-launch kernel (kernels/quantized_allreduce.py) on a symmetric workspace created lazily per process group
