@@ -127,6 +127,19 @@ def test_fp8_codes_match_torch_on_every_e4m3_value_and_midpoint():
     assert same(encode(x, "fp8"), encode_reference(x, "fp8"))
 
 
+def test_fp8_decodes_every_code_as_torch_bit_for_bit():
+    """Every e4m3 code but NaN (those two as negative zero, 0x80) under scales of every kind decodes to torch's
+    value, sign of zero included: -0 (a small negative value's code) once came back +0 (Triton's -x is 0 - x)."""
+    codes = torch.arange(256)
+    codes[codes & 0x7F == 0x7F] = 0x80  # the NaN codes 0x7F, 0xFF
+    payload = codes.to(torch.uint8).view(8, 32).view(torch.int32)  # code j: byte j % 4 of word j // 4
+    scales = torch.tensor([1.0, 0.5, 3.0, 2.0**-126, 1e30, 7e-3, 448.0, 0.0]).bfloat16()
+    enc = Encoded(payload, scales)
+    want = decode_reference(enc, "fp8", 256)
+    assert want.view(torch.int32).lt(0).sum() > 100 and (want == 0).sum() > 8  # both signs, zeros of both
+    assert torch.equal(decode(enc, "fp8", 256).view(torch.int32), want.view(torch.int32))
+
+
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # past fp16's range (the interpreter's numpy)
 def test_fp16_range_ends_at_65504_and_its_bound_is_inf_past_it():

@@ -242,7 +242,8 @@ def _e4m3_to_fp32(u):
     """fp32 value of e4m3fn code u (int32, 0..255; never the NaN code)."""
     mag = tl.where((u & 0x78) == 0, (u & 7).to(tl.float32) * 0.001953125,  # subnormal: m * 2^-9
                    (((u & 0x7F) << 20) + (120 << 23)).to(tl.float32, bitcast=True))
-    return tl.where((u & 0x80) != 0, -mag, mag)
+    # the sign by its bit: Triton's -x is 0 - x, which turns the code of -0 (0x80) into +0
+    return (mag.to(tl.int32, bitcast=True) | ((u & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
