@@ -192,9 +192,8 @@ class SymmetricAllGather:
             torch.cuda.current_stream().wait_stream(stream)
 
     # -- producers ------------------------------------------------------------------------------------------------
-    def start(self, shard: torch.Tensor, producer: str, include_local: bool = True) -> int:
-        """Enqueue this rank's part of the next all-gather; returns its epoch. include_local=False leaves this
-        rank's own slot unwritten (a consumer that reads the local shard in place)."""
+    def start(self, shard: torch.Tensor, producer: str) -> int:
+        """Enqueue this rank's part of the next all-gather (its own slot included); returns its epoch."""
         if producer not in PRODUCERS:
             raise ValueError(f"unknown producer {producer!r}: expected one of {PRODUCERS}")
         if tuple(shard.shape) != (self.rows, self.cols) or shard.dtype != self.dtype:
@@ -204,15 +203,15 @@ class SymmetricAllGather:
         shard = shard.contiguous()
         epoch = self.next_epoch()
         if producer == "device":
-            self.launch_push(shard, epoch, include_local)
+            self.launch_push(shard, epoch)
         elif producer == "copy_engine":
-            self._copy_engine_push(shard, epoch, include_local)
+            self._copy_engine_push(shard, epoch)
         else:
             self._publish_local(shard, epoch)
         return epoch
 
-    def launch_push(self, shard: torch.Tensor, epoch: int, include_local: bool) -> None:
-        items = (self.world if include_local else self.world - 1) * self.chunks
+    def launch_push(self, shard: torch.Tensor, epoch: int) -> None:
+        items = self.world * self.chunks
         programs = max(1, min(self.num_programs, items))
         _push_kernel[(programs,)](
             shard, self.data.peer_ptrs, self.ready.peer_ptrs, self.ack.local, self.errors.word, self.rank, epoch,
@@ -224,14 +223,13 @@ class SymmetricAllGather:
             self._peer_data, self._peer_ready = self.ws.peer_tensors(self.data), self.ws.peer_tensors(self.ready)
         return self._peer_data, self._peer_ready
 
-    def _copy_engine_push(self, shard: torch.Tensor, epoch: int, include_local: bool) -> None:
+    def _copy_engine_push(self, shard: torch.Tensor, epoch: int) -> None:
         data, ready = self._peers()
         remote = remote_first_order(self.rank, self.world)[:-1]
         # One guard launch on the current stream for every rank: a spinning kernel on a side stream could be
         # starved of SMs by a persistent consumer launched after it.
         _guard_kernel[(self.world,)](self.ack.local, self.rank, epoch, self.spin_limit, self.errors.word)
-        if include_local:
-            self._copy_chunks(shard, data[self.rank], ready[self.rank], epoch)
+        self._copy_chunks(shard, data[self.rank], ready[self.rank], epoch)
         for dest in remote:
             with self._side(dest, reads=shard):
                 self._copy_chunks(shard, data[dest], ready[dest], epoch)
