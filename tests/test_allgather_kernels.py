@@ -416,6 +416,21 @@ def test_all_gather_matmul_refuses_an_output_it_cannot_store_into_before_any_wor
 
 
 @pytest.mark.parametrize("producer", ["copy_engine", "device"])
+def test_all_gather_matmul_copies_a_shard_whose_start_tma_cannot_read(producer):
+    """A contiguous x_shard that starts off 16 bytes (a view into a flat buffer) is copied for the TMA reads, as a
+    strided one is: refused after its call had taken an epoch (copy engines: and published the shard), it left the
+    op waiting for an acknowledgement that never came."""
+    gen = torch.Generator().manual_seed(5)
+    workspaces, weight = matmul_world(2), torch.randn(20, 16, generator=gen).half().t()
+    for _ in range(3):  # the calls after it too, on the same halves and flags
+        shards = [torch.randn(24 * 16 + 1, generator=gen).half()[1:].view(24, 16) for _ in workspaces]
+        assert all(s.is_contiguous() and s.data_ptr() % 16 for s in shards)
+        for out, gathered in run_matmul(workspaces, shards, weight, producer, return_gathered=True):
+            assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
+            assert torch.equal(gathered, torch.cat(shards))
+
+
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
 def test_all_gather_matmul_of_an_empty_batch_is_a_call_of_its_own(producer):
     """x_shard of 0 rows on every rank (a sequence-parallel layer's empty batch): [0, N] and [0, K] outputs, as
     the GEMM + all-reduce returns for M = 0, and no exchange (no buffer but the calls'); but a call, whose signature

@@ -80,7 +80,7 @@ from fused_dlrm.kernels.allgather import SymmetricAllGather, push_chunk, wait_ch
 from fused_dlrm.kernels.launch import interpreting
 from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, describe_signatures,
                                            publish_signature, same_published_call, signal_ready, signature_of)
-from fused_dlrm.kernels.tma import async_proxy_fence, descriptor, require_tma_readable
+from fused_dlrm.kernels.tma import async_proxy_fence, descriptor, require_tma_readable, tma_readable
 
 GEMM_PRODUCERS = ("copy_engine", "device")
 PRODUCER_WORDS = ("copy-engine pulls", "device push")  # GEMM_PRODUCERS in a call's description
@@ -427,7 +427,7 @@ class AllGatherMatmul:
 
     def finish(self, epoch: int, x_shard: torch.Tensor, weight: torch.Tensor, producer: str,
                return_gathered: bool = False, out: torch.Tensor | None = None):
-        x_shard = x_shard.contiguous()
+        x_shard = tma_readable(x_shard)  # as the tiles read it; copied, not refused: the call has begun
         check_weight(weight, self.k, x_shard.dtype)
         out = output(out, self.world * self.rows, weight.shape[1], x_shard)
         g = self.gather_for(producer)

@@ -28,6 +28,15 @@ def require_tma_readable(t: torch.Tensor, what: str) -> None:
                          "multiple of 16 (bf16 / fp16: a multiple of 8 elements)")
 
 
+def tma_readable(t: torch.Tensor) -> torch.Tensor:
+    """t, or where it is not contiguous or starts off 16 bytes (a view into a larger buffer) a contiguous copy
+    (fresh allocations are aligned): for an operand that is copied rather than refused. Its rows' length is the
+    caller's to check."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def descriptor(t: torch.Tensor, block_shape: list[int], what: str) -> TensorDescriptor:
     """A TMA descriptor over t that loads blocks of block_shape."""
     require_tma_readable(t, what)
