@@ -205,6 +205,23 @@ def test_moe_transformer_with_tp_2_trains_like_tp_1(tmp_path, sequence_parallel)
     torch.testing.assert_close(tp_losses, [l for _, l in one.losses], rtol=2e-4, atol=2e-4)
 
 
+def _group_without_this_rank(rank: int, world: int) -> None:
+    group = dist.new_group([0])  # rank 1 gets torch's stand-in for a group it is not in (size and rank -1)
+    for layer in (ColumnParallelLinear, RowParallelLinear):
+        if rank == 0:  # its own group of one: a dense layer
+            assert layer(D_IN, D_HID, group)(torch.randn(2, D_IN)).shape == (2, D_HID)
+            continue
+        with pytest.raises(ValueError, match="^rank 1 is not in the group the layer is given"):
+            layer(D_IN, D_HID, group)
+
+
+def test_a_group_without_this_rank_is_refused():
+    """A layer given a group its rank is not in (another TP group's): it took torch's -1 for size and rank, so a
+    column-parallel layer held an empty shard (`shard_-1_of_-1`, outputs of 0 features) and a row-parallel one
+    failed in a reshape."""
+    run_world(2, _group_without_this_rank, timeout=120)
+
+
 def test_column_parallel_parts_from_seeds_of_their_own():
     """A tuple of seeds draws each part as its own weight: a SwiGLU's w13 keeps w1's and w3's initialisation."""
     fused = ColumnParallelLinear(D_IN, 2 * D_HID, seed=(3, 4), std=0.1, parts=2)

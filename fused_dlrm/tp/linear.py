@@ -81,7 +81,11 @@ def tp_groups(tp_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup
 def _size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None or not dist.is_initialized():
         return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
+    if rank < 0:  # torch's -1 for a group this rank is not in: an empty shard, collectives that do nothing
+        raise ValueError(f"rank {dist.get_rank()} is not in the group the layer is given: pass its own TP group "
+                         "(tp_groups)")
+    return dist.get_world_size(group), rank
 
 
 class _CopyToTP(torch.autograd.Function):
