@@ -324,6 +324,34 @@ def test_operands_that_are_no_x_m_k_and_w_k_n_are_named(x_shape, w_shape):
             op.prepare(x, w, scatter=scatter)
 
 
+@pytest.mark.parametrize("scatter", [False, True])
+def test_a_refused_call_takes_no_epoch(scatter):
+    """A call whose operands every rank refuses (a 3-D x) takes no epoch. Taken, it left the next call on the half
+    of the double buffers (partials, signatures) of the call before, with no call between them to show that the
+    peers were done reading it; one-shot and reduce-scatter have no wait phase: rank 0, done with call 1 once it
+    has rank 1's partials, pushed its next call's into rank 1's half of call 1 while rank 1's device (behind its
+    host) was still reducing call 1."""
+    world = World(2, algorithm="one_shot")
+    gen = torch.Generator().manual_seed(13)
+    xs, ws = random_inputs(2, 4, 40, 50, torch.bfloat16, gen)
+    world.poison(xs, ws, scatter)
+    epochs = [op.next_epoch() for op in world.ops]
+    plans = [op.launch(x, w, e, PRODUCE, scatter) for op, x, w, e in zip(world.ops, xs, ws, epochs)]
+    outs = [None, None]
+    for phase in (REDUCE, WAIT):  # rank 0's device finishes call 1; rank 1's has not reduced it yet
+        world.ops[0].launch(xs[0], ws[0], epochs[0], phase, scatter)
+    outs[0] = world.ops[0].output(epochs[0], plans[0]).clone()
+    for op, w in zip(world.ops, ws):  # every host refuses the next call
+        with pytest.raises(ValueError, match=r"expected x \[M, K\]"):
+            (op.reduce_scatter if scatter else op)(torch.ones(2, 4, 40, dtype=torch.bfloat16), w)
+    later_x, later_w = random_inputs(1, 4, 40, 50, torch.bfloat16, gen)
+    world.ops[0].launch(later_x[0], later_w[0], world.ops[0].next_epoch(), PRODUCE, scatter)  # rank 0 goes on
+    for phase in (REDUCE, WAIT):
+        world.ops[1].launch(xs[1], ws[1], epochs[1], phase, scatter)
+    outs[1] = world.ops[1].output(epochs[1], plans[1]).clone()
+    assert_reduce_scattered(outs, xs, ws) if scatter else assert_all_reduced(outs, xs, ws)
+
+
 def test_reduce_scatter_needs_equal_bands():
     op = GemmAllReduce(SimulatedWorld(2).workspaces()[0], num_programs=1)
     x, w = torch.ones(5, 8, dtype=torch.bfloat16), torch.ones(8, 4, dtype=torch.bfloat16)

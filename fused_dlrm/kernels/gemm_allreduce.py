@@ -37,8 +37,9 @@ simulated world launches the three phases separately (`PHASES`), every rank's ph
 Buffers (symmetric, double-buffered by epoch parity): a rank can only start call e + 2 once its call e + 1 has
 seen a flag of call e + 1 from every peer (two-shot: the output flags; one-shot and reduce-scatter: the partials'
 flags, as it reduces tiles from every rank), i.e. every peer has started call e + 1 and so finished reading the
-partials of call e; so the half that call e + 2 overwrites is no longer read. The returned output is a view of symmetric
-memory, valid until the call after next (later stores to it come from call e + 2). Flags carry the epoch, are
+partials of call e; so the half that call e + 2 overwrites is no longer read. (So every epoch is a launched
+call: a call whose operands are refused takes none.) The returned output is a view of symmetric memory, valid
+until the call after next (later stores to it come from call e + 2). Flags carry the epoch, are
 never reset and are compared with `>=`; a wait that times out records (1, peer, slice) in the error word, which
 `PeerErrors` raises on the host as PeerWaitTimeout (slice: the tile being reduced, -1 for a program that owns
 none (below), or in the wait phase the program whose output flag is missing).
@@ -407,14 +408,21 @@ class GemmAllReduce:
         self._launches = CompiledLaunches(_gemm_allreduce_kernel)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        epoch = self.next_epoch()
-        return self.output(epoch, self.launch(x, w, epoch, ALL_PHASES))
+        return self._call(x, w, scatter=False)
 
     def reduce_scatter(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """This rank's band of rows of the sum over ranks of x @ w: rows [rank, rank + 1) * M / world (M a multiple
         of the world size), as reduce_scatter_tensor cuts them; on the same flags and epochs as __call__."""
+        return self._call(x, w, scatter=True)
+
+    def _call(self, x: torch.Tensor, w: torch.Tensor, scatter: bool) -> torch.Tensor:
+        """One call in one launch, planned (its operands checked) before it takes its epoch: a call refused on
+        every rank and taking one would leave the next call on the buffers' half of the call before, with no call
+        between them to show that the peers are done reading it (one-shot and reduce-scatter do not wait)."""
+        key, plan = self._plan_of(x, w, ALL_PHASES, scatter)
         epoch = self.next_epoch()
-        return self.output(epoch, self.launch(x, w, epoch, ALL_PHASES, scatter=True))
+        self._enqueue(key, plan, x, w, epoch)
+        return self.output(epoch, plan)
 
     def _tiling(self, m: int) -> Tiling:
         few, many = self.tilings
@@ -442,8 +450,11 @@ class GemmAllReduce:
         """Enqueue `phases` of call `epoch` (ALL_PHASES on GPUs; one phase at a time in a simulated world);
         scatter: the reduce-scatter form."""
         key, plan = self._plan_of(x, w, phases, scatter)
-        self._launches(key, (plan.num_programs, 1, 1), plan.args(x, w, epoch), plan.options)
+        self._enqueue(key, plan, x, w, epoch)
         return plan
+
+    def _enqueue(self, key: tuple, plan: Plan, x: torch.Tensor, w: torch.Tensor, epoch: int) -> None:
+        self._launches(key, (plan.num_programs, 1, 1), plan.args(x, w, epoch), plan.options)
 
     def prepare(self, x: torch.Tensor, w: torch.Tensor, phases: int = ALL_PHASES, scatter: bool = False) -> Plan:
         """The plan of calls like (x, w), made and (on GPUs) compiled and loaded now, launching nothing. A first
