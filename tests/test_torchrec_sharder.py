@@ -559,7 +559,9 @@ def test_the_optimizer_torchrec_settings_give():
     assert optimizer_of(OptimizerSetup()) == every_table(EmbeddingOptimizerConfig("sgd", lr=0.01, eps=1e-8))
     assert optimizer_of(OptimizerSetup(in_backward=every)) == every_table(
         EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.2))
-    assert optimizer_of(OptimizerSetup(fused_params={"optimizer": ROWWISE_ADAGRAD, "eps": 0.5, "learning_rate": 0.7},
+    # stochastic_rounding=False: fbgemm's fp16 rows rounded to nearest, as ours are
+    assert optimizer_of(OptimizerSetup(fused_params={"optimizer": ROWWISE_ADAGRAD, "eps": 0.5, "learning_rate": 0.7,
+                                                     "stochastic_rounding": False},
                                        in_backward=every)) == every_table(
         EmbeddingOptimizerConfig("rowwise_adagrad", 0.2, 0.5))
     sgd = EmbeddingOptimizerConfig("sgd", lr=0.3, eps=0.25)  # SGD has no eps: any agrees
@@ -602,6 +604,8 @@ def test_optimizer_settings_we_do_not_run_are_refused():
             r"table 't3': optimizer settings .*: momentum=0.9 not supported")
     refused(OptimizerSetup(in_backward={"t0": (RowWiseAdagrad, {"lr": 0.1, "weight_decay": 1e-4})}),
             r"table 't0': .*: weight_decay=0.0001 not supported")
+    refused(OptimizerSetup(fused_params={"stochastic_rounding": True}),  # fbgemm's default: not what we run
+            r"stochastic_rounding=True not supported")
     refused(OptimizerSetup(fused_params={"learning_rate": -0.1}),  # lr 0 is taken, as torch and fbgemm take it
             r"fused_params .*: embedding optimizer lr must be >= 0, got -0.1")
     refused(OptimizerSetup(in_backward={t.name: rowwise for t in TABLES}),

@@ -156,8 +156,9 @@ def torchrec_in_backward_optimizer(config: EmbeddingOptimizerConfig) -> tuple[ty
 FBGEMM_DEFAULTS: dict[str, Any] = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01, "eps": 1e-8}
 OUR_OPTIMIZERS = {EmbOptimType.EXACT_SGD: "sgd", EmbOptimType.EXACT_ROWWISE_ADAGRAD: "rowwise_adagrad"}
 # Settings of fbgemm's that our optimizers lack, accepted at the value that leaves the update as ours (a user may
-# write weight_decay=0.0 out); another value, or any other setting (a cache's, an output dtype), is refused.
-NEUTRAL_SETTINGS: dict[str, Any] = {"weight_decay": 0.0, "momentum": 0.0}
+# write weight_decay=0.0 out; our fp16 / bf16 rows are rounded to nearest, fbgemm's stochastically unless
+# stochastic_rounding=False); another value, or any other setting (a cache's, an output dtype), is refused.
+NEUTRAL_SETTINGS: dict[str, Any] = {"weight_decay": 0.0, "momentum": 0.0, "stochastic_rounding": False}
 SUPPORTED = ("EmbOptimType.EXACT_SGD (torch.optim.SGD, torchrec.optim.SGD) or EmbOptimType.EXACT_ROWWISE_ADAGRAD "
              "(torchrec.optim.RowWiseAdagrad), with learning_rate (lr) and eps")
 
