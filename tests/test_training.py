@@ -460,7 +460,7 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
     later = tmp_path / "ckpt" / "step_50"
     later.mkdir(parents=True)
     for overrides, error in (
-            (["data.eval_batches=0"], "data.eval_batches=0: the evaluation needs at least one batch"),
+            (["data.eval_batches=0"], "data.eval_batches=0: expected a count >= 1: the evaluation needs at least one"),
             (["trainer.max_steps=null", "trainer.epochs=1", "data.steps_per_epoch=null"],
              "set it \\(>= 1\\), or trainer.max_steps; without it the run would never end"),
             (["trainer.epochs=0"], r"trainer.epochs=0: expected a count >= 1, or null"),
@@ -479,6 +479,35 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
         with pytest.raises(ValueError, match=error):
             train(config(*SMALL, "trainer.max_steps=3", *overrides), CPU, tmp_path / "run")
     assert later.exists()  # nothing deleted
+
+
+# Counts that are no whole number: YAML's true is a Python int (1), a float is compared and taken modulo as a step
+# count (eval_every=2.5: every fifth step), a negative cadence fires at its multiples, and eval_batches=1.5 failed
+# only after the last step (range(1.5)); batches_ahead=-1 was refused as "depth".
+@pytest.mark.parametrize("overrides, error", [
+    (["trainer.epochs=true"], r"trainer.epochs=True: expected a count >= 1, or null"),
+    (["trainer.max_steps=true"], r"trainer.max_steps=True: expected a step count >= 0, or null"),
+    (["trainer.max_steps=2.5"], r"trainer.max_steps=2.5: expected a step count >= 0, or null"),
+    (["trainer.log_every=true"], r"trainer.log_every=True: expected a step count >= 1"),
+    (["trainer.log_every=1.5"], r"trainer.log_every=1.5: expected a step count >= 1"),
+    (["trainer.eval_every=2.5"], r"trainer.eval_every=2.5: expected a step count >= 0 \(0 or null: the run's last "
+                                 r"evaluation only\)"),
+    (["trainer.eval_every=-1"], r"trainer.eval_every=-1: expected a step count >= 0"),
+    (["trainer.checkpoint_every=true"], r"trainer.checkpoint_every=True: expected a step count >= 0"),
+    (["trainer.checkpoint_every=-2"], r"trainer.checkpoint_every=-2: expected a step count >= 0 \(0 or null: no "
+                                      r"checkpoints\)"),
+    (["trainer.checkpoint_every=2", "trainer.keep_checkpoints=true"],
+     r"trainer.keep_checkpoints=True: expected a count >= 1"),
+    (["trainer.batches_ahead=-1"], r"trainer.batches_ahead=-1: expected a count >= 0"),
+    (["trainer.batches_ahead=1.5"], r"trainer.batches_ahead=1.5: expected a count >= 0"),
+    (["data.eval_batches=1.5"], r"data.eval_batches=1.5: expected a count >= 1"),
+    (["data.eval_batches=true"], r"data.eval_batches=True: expected a count >= 1"),
+    (["trainer.epochs=1", "data.steps_per_epoch=true"], r"data.steps_per_epoch=True: expected a step count >= 1"),
+], ids=lambda value: " ".join(value) if isinstance(value, list) else "")
+def test_counts_that_are_no_whole_number_are_refused(tmp_path, overrides, error):
+    with pytest.raises(ValueError, match=error):
+        train(config(*SMALL, "trainer.max_steps=3", "trainer.eval_every=0", *overrides), CPU, tmp_path)
+    assert not (tmp_path / "metrics.jsonl").exists()  # before the first step
 
 
 def test_the_last_checkpoint_is_written_before_the_last_evaluation(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fused_dlrm.dist.env import all_reduce_sum, of_every_rank, problem_text, raise_on_every_rank
+from fused_dlrm.train.config_keys import check_count
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +109,7 @@ def _stop_if_nonfinite(state: dict, device: torch.device, root: Path, step: int,
 
 def check_keep_last(keep_last: int) -> None:
     """How many checkpoints a run keeps (trainer.keep_checkpoints): at least the one just saved."""
-    if not (isinstance(keep_last, int) and keep_last >= 1):
-        raise ValueError(f"trainer.keep_checkpoints={keep_last!r}: expected a count >= 1 (the checkpoint just saved "
-                         f"is always kept)")
+    check_count("trainer.keep_checkpoints", keep_last, 1, "a count >= 1 (the checkpoint just saved is always kept)")
 
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,

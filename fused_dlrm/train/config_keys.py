@@ -131,6 +131,14 @@ def _check_data_group(cfg: DictConfig, data: list[str]) -> None:
                          f"{_either('data', data)} (leave data= out: the model picks its own)")
 
 
+def check_count(key: str, value: object, minimum: int, expected: str) -> None:
+    """Raise `<key>=<value>: expected <expected>` unless value is a whole number >= minimum: YAML's `true` is a
+    Python int (bool subclasses int) and would count as 1; a float would be compared and taken modulo as a step count
+    (eval_every=2.5: every fifth step), or fail at its first use, maybe after training (range(1.5))."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{key}={value!r}: expected {expected}")
+
+
 def check_config_keys(cfg: DictConfig) -> None:
     """Raise ValueError naming the other model's data option, or every key of cfg's trainer / model / data / comm
     that the group's chosen option does not set, and every top-level key conf/config.yaml does not set, with the

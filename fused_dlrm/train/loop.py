@@ -54,7 +54,7 @@ from fused_dlrm.sparse.sharded_ebc import FeaturesOrError
 from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
-from fused_dlrm.train.config_keys import check_config_keys
+from fused_dlrm.train.config_keys import check_config_keys, check_count
 from fused_dlrm.train.direct_step import DirectDLRMStep, direct_step_refusal
 from fused_dlrm.train.graphed_step import dense_step
 from fused_dlrm.train.metrics import CTRMetrics
@@ -147,10 +147,10 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     t = cfg.trainer
     if t.max_steps is None and t.epochs is None:
         raise ValueError("set trainer.max_steps or trainer.epochs")
-    if t.epochs is not None and not (isinstance(t.epochs, int) and t.epochs >= 1):  # else no step, without a word
-        raise ValueError(f"trainer.epochs={t.epochs}: expected a count >= 1, or null (trainer.max_steps ends the run)")
-    if cfg.data.eval_batches < 1:  # every run ends with an evaluation, whose AUC needs samples
-        raise ValueError(f"data.eval_batches={cfg.data.eval_batches}: the evaluation needs at least one batch")
+    if t.epochs is not None:  # 0: no step, without a word
+        check_count("trainer.epochs", t.epochs, 1, "a count >= 1, or null (trainer.max_steps ends the run)")
+    check_count("trainer.batches_ahead", t.batches_ahead, 0, "a count >= 0 (0: batches made in the loop)")
+    check_count("data.eval_batches", cfg.data.eval_batches, 1, "a count >= 1: the evaluation needs at least one batch")
     model = build_model(cfg, env)
     sparse = model.sparse_arch.embedding_bag_collection
     optimizer = instantiate(t.dense_optimizer, params=dense_parameters(model))
@@ -159,10 +159,9 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     if not indexed and steps_per_epoch:
         raise ValueError(f"data.steps_per_epoch={steps_per_epoch}: an epoch of file-backed data is one pass over its "
                          f"files; set it to null (trainer.max_steps ends a run mid-epoch)")
-    if indexed and steps_per_epoch is not None and not (isinstance(steps_per_epoch, int) and steps_per_epoch >= 1):
-        # with trainer.epochs the run would end at step 0, without a word
-        raise ValueError(f"data.steps_per_epoch={steps_per_epoch}: expected a step count >= 1, or null (every step "
-                         f"of epoch 0; trainer.max_steps ends the run)")
+    if indexed and steps_per_epoch is not None:  # 0: with trainer.epochs the run would end at step 0, without a word
+        check_count("data.steps_per_epoch", steps_per_epoch, 1, "a step count >= 1, or null (every step of epoch 0; "
+                    "trainer.max_steps ends the run)")
     if t.max_steps is None and indexed and not steps_per_epoch:
         raise ValueError("trainer.epochs with step-indexed (synthetic) data counts epochs of data.steps_per_epoch "
                          "steps: set it (>= 1), or trainer.max_steps; without it the run would never end")

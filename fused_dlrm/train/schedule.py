@@ -30,6 +30,7 @@ from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.dist.env import raise_on_every_rank
 from fused_dlrm.kernels.peer_flags import PEER_ERRORS, check_every_error_word
 from fused_dlrm.train.checkpoint import NonFiniteLossError, check_keep_last, last_good_checkpoint, latest_checkpoint
+from fused_dlrm.train.config_keys import check_count
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,14 @@ class TrainingRun:
     def __init__(self, trainer: DictConfig, env: DistEnv, run_dir: Path, checkpoint_dir: Path, step: int, *,
                  items: str, items_per_step: int, log_fields: LogFields, evaluate: Callable[[int], dict],
                  save: Callable[[int], None], log: logging.Logger, loss_terms: int = 1):
-        if not trainer.log_every >= 1:  # every step count is taken modulo it (and the loss checked at it)
-            raise ValueError(f"trainer.log_every={trainer.log_every}: expected a step count >= 1")
+        # every step count is taken modulo log_every (the loss checked at it), eval_every and checkpoint_every
+        check_count("trainer.log_every", trainer.log_every, 1, "a step count >= 1")
+        for key, zero in (("eval_every", "the run's last evaluation only"), ("checkpoint_every", "no checkpoints")):
+            if trainer[key] is not None:
+                check_count(f"trainer.{key}", trainer[key], 0, f"a step count >= 0 (0 or null: {zero})")
+        if trainer.max_steps is not None:
+            check_count("trainer.max_steps", trainer.max_steps, 0, "a step count >= 0, or null (trainer.epochs ends "
+                        "the run)")
         if trainer.checkpoint_every:  # before training, not at the first checkpoint
             check_keep_last(trainer.keep_checkpoints)
         later = latest_checkpoint(checkpoint_dir) if trainer.checkpoint_every and checkpoint_dir.exists() else None
