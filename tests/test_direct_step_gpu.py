@@ -3,7 +3,8 @@ step called directly against autograd's, same seed, in both comm modes and three
 row-wise), and with the nvshmem transport: the same losses and evaluations, and every training step taken by the
 direct one. ONE GPU at world 1, and two ranks on two GPUs (NCCL; each skipped without its GPUs), or sharing one GPU
 (gloo). nvshmem on two GPUs only (torch's NVSHMEM rendezvous refuses a world of one, and a GPU per rank is
-NVSHMEM's). On the CPU: tests/test_direct_step.py."""
+NVSHMEM's). Two ranks resumed from a checkpoint continue the uninterrupted run, in both comm modes. On the CPU:
+tests/test_direct_step.py."""
 
 from __future__ import annotations
 
@@ -81,3 +82,29 @@ def test_two_ranks_train_as_the_autograd_step(tmp_path, sharding, backend):
 @pytest.mark.parametrize("sharding", ["table-wise", "row-wise"])
 def test_two_gpus_nvshmem_train_as_the_autograd_step(tmp_path, sharding):
     run_world(2, _trains_as_autograd, str(tmp_path), sharding, "nvshmem", backend="nccl")
+
+
+def _resume_is_exact(rank: int, world: int, tmp: str) -> None:
+    """A run resumed from its step-10 checkpoint continues the uninterrupted run's losses and evaluations, in both
+    comm modes (the fused exchange's tables and Adagrad state loaded in place, the graphs' buffers kept)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    env = DistEnv(rank=rank, world_size=world, local_rank=device.index, device=device, backend=dist.get_backend())
+    for comm in ("fused", "bulk"):
+        common = SMALL + ["trainer.device=cuda", f"comm={comm}", "trainer.max_steps=20", "trainer.log_every=1",
+                          "trainer.eval_every=5", "trainer.checkpoint_every=10",
+                          "data.global_batch_size=101"]  # uneven local batches: 51 and 50
+        full = train(config(*common), env, Path(tmp) / f"full_{comm}")
+        resumed = train(config(*common, f"trainer.resume_from={tmp}/full_{comm}/checkpoints/step_10"), env,
+                        Path(tmp) / f"resumed_{comm}")
+        want = [(step, loss) for step, loss in full.losses if step > 10]
+        assert [s for s, _ in resumed.losses] == [s for s, _ in want], comm
+        # the world-1 graphed resume's tolerance (tests/test_arch_nodes_gpu.py): the GPU's reductions may reorder
+        assert [loss for _, loss in resumed.losses] == pytest.approx([loss for _, loss in want], rel=1e-6), comm
+        assert [e["step"] for e in resumed.evals] == [15, 20], comm
+        for got, wanted in zip(resumed.evals, full.evals[-2:]):
+            assert got == pytest.approx(wanted, rel=1e-6), comm
+
+
+@pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
+def test_two_ranks_resume_exactly_in_both_comm_modes(tmp_path, backend):
+    run_world(2, _resume_is_exact, str(tmp_path), backend=backend)
