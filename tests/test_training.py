@@ -393,6 +393,34 @@ def test_epochs_end_synthetic_runs_only_with_steps_per_epoch(tmp_path):
     assert train(config(*common, "data.steps_per_epoch=null"), CPU, tmp_path / "steps").step == 8
 
 
+@pytest.mark.parametrize("data", ["synthetic", "criteo"])
+def test_a_run_that_starts_at_the_end_of_its_epochs_says_so(tmp_path, caplog, data):
+    """A resume from the last checkpoint of a run of trainer.epochs trains no step: it said nothing (as a resume at
+    or past trainer.max_steps warns), logged "resumed from ... (step 6)" and an evaluation, and ended as a run
+    would."""
+    common = ["trainer.progress=false", "trainer.eval_every=0", "trainer.checkpoint_every=3", "trainer.max_steps=null",
+              "trainer.epochs=2", "data.eval_batches=2"]
+    if data == "criteo":  # global batch 32: 2 full batches and one short one per epoch
+        path = _criteo_file(tmp_path / "day_0.tsv", 70)
+        common += ["data=criteo", "data.global_batch_size=32", f"data.train.paths=[{path}]",
+                   f"data.eval.paths=[{path}]", "model.num_rows=100"]
+    else:
+        common += [*SMALL, "data.steps_per_epoch=3"]
+    full = train(config(*common), CPU, tmp_path / "full")
+    resume = f"trainer.resume_from={tmp_path / 'full' / 'checkpoints'}"
+    warning = (f"the run starts at step {full.step}, at or past the end of trainer.epochs=2: it trains no step (only "
+               "evaluates); raise trainer.epochs to train on")
+    with caplog.at_level(logging.WARNING, logger="fused_dlrm.train.loop"):
+        resumed = train(config(*common, resume), CPU, tmp_path / "resumed")
+    assert resumed.step == full.step and resumed.losses == []
+    assert [r.getMessage() for r in caplog.records if r.name == "fused_dlrm.train.loop"] == [warning]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fused_dlrm.train.loop"):  # one more epoch: trains, no warning
+        more = train(config(*common, resume, "trainer.epochs=3"), CPU, tmp_path / "more")
+    assert more.step == full.step // 2 * 3
+    assert [r.getMessage() for r in caplog.records if r.name == "fused_dlrm.train.loop"] == []
+
+
 def _prefetch_same_curve(rank: int, world: int, tmp: str) -> None:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
     common = SMALL + ["trainer.max_steps=12", "trainer.eval_every=6", "trainer.checkpoint_every=0",

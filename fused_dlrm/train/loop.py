@@ -265,6 +265,10 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
             run.end_step(loss, items=sparse.global_batch_size)  # step += 1; the loss summed on the device
             batch = next_batch()  # its input dist overlaps this step's tail on the GPU
             run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
+    # the stream (ended only by trainer.epochs) ended before a step: said, as TrainingRun says a start at max_steps
+    if run.step == step and not done():
+        log.warning("the run starts at step %d, at or past the end of trainer.epochs=%d: it trains no step (only "
+                    "evaluates); raise trainer.epochs to train on", step, t.epochs)
     sparse.drop_prefetched()  # batches distributed ahead that the run ends before
     if sparse.fused is not None:  # the exchange's own push is the slower fallback (an extra pass over d S)
         pushes = sparse.fused.backward_pushes
