@@ -13,7 +13,9 @@ model=dlrm or dlrm_paper), data.train._target_ (the dataset class; none: the byt
 against every option with that value (the error names them all): the same code reads what any of them sets. The
 trainer group has no such field: all its options. A value no packaged option has (an option of the user's own) is
 not checked, as with the record. (A guess from the config's keys alone would take comm=bulk holding all of
-comm=fused's keys for comm=fused.)"""
+comm=fused's keys for comm=fused.)
+
+`check_count` refuses a known key's count (steps, batches, checkpoints) that is no whole number: the loops' rule."""
 
 from __future__ import annotations
 
