@@ -65,6 +65,7 @@ def test_local_batch_bounds_uneven_example():
         ((8, -1, 2), "rank"),
         ((8, 0, 0), "world_size"),
         ((8.0, 0, 2), "integer"),
+        ((True, 0, 1), "integer"),  # YAML's true, an int to Python
     ],
 )
 def test_local_batch_bounds_errors(args, match):

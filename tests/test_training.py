@@ -531,6 +531,8 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
     (["data.eval_batches=1.5"], r"data.eval_batches=1.5: expected a count >= 1"),
     (["data.eval_batches=true"], r"data.eval_batches=True: expected a count >= 1"),
     (["trainer.epochs=1", "data.steps_per_epoch=true"], r"data.steps_per_epoch=True: expected a step count >= 1"),
+    (["data.global_batch_size=true"], r"global_batch_size must be an integer, got True"),
+    (["model.num_rows=true"], r"every table needs a whole number of rows >= 1, got True"),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else "")
 def test_counts_that_are_no_whole_number_are_refused(tmp_path, overrides, error):
     with pytest.raises(ValueError, match=error):

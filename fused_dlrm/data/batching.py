@@ -14,7 +14,7 @@ def local_batch_bounds(global_batch_size: int, rank: int, world_size: int) -> tu
     ``0 .. world_size - 1`` are consecutive and cover ``[0, global_batch_size)``.
     """
     for name, value in (("global_batch_size", global_batch_size), ("rank", rank), ("world_size", world_size)):
-        if not isinstance(value, numbers.Integral):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # YAML's true would count as 1
             raise ValueError(f"{name} must be an integer, got {value!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

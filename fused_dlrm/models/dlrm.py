@@ -26,7 +26,7 @@ def make_tables(feature_names: Sequence[str], num_rows: int | Sequence[int], emb
     rows = [num_rows] * len(feature_names) if isinstance(num_rows, int) else list(num_rows)
     if len(rows) != len(feature_names):
         raise ValueError(f"{len(rows)} table sizes for {len(feature_names)} features")
-    if not all(isinstance(r, int) and r >= 1 for r in rows):
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in rows):
         raise ValueError(f"model.num_rows: every table needs a whole number of rows >= 1, got {num_rows}")
     for what, value, known in (("pooling", pooling, ("sum", "mean")),
                                ("data_type", data_type, ("fp32", "fp16", "bf16"))):
