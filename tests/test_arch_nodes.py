@@ -123,6 +123,46 @@ def test_calls_shaped_like_the_capture_replay_others_run_the_node_eagerly(change
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
 
 
+def _over_arch_gradients(arches: _Arches, x: torch.Tensor, backward) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    leaf = x.detach().requires_grad_()
+    arches.zero_grad(set_to_none=True)
+    backward(arches.over_arch(leaf))
+    return leaf.grad, [p.grad.clone() for p in arches.over_arch.parameters()]
+
+
+def test_a_second_forward_before_the_first_ones_backward_runs_eagerly_not_over_its_graph():
+    """A replay rewrites the graph's activations (and output), which the earlier forward's backward reads: while
+    that backward is still to come, the node runs eagerly; once done (or its autograd graph dropped), it replays."""
+    nodes, plain = dense_arch_nodes(_Arches()), _Arches()
+    node = nodes.over_arch.forward
+    graph = node.graph = EagerArchGraph(node, torch.randn(12, 40, requires_grad=True))
+    gen = torch.Generator().manual_seed(5)
+    x1, x2 = (torch.randn(12, 40, generator=gen, requires_grad=True) for _ in range(2))
+    out1, out2 = nodes.over_arch(x1), nodes.over_arch(x2)
+    for x, out in ((x1, out1), (x2, out2)):  # each backward sets the gradients of its own forward
+        out.square().sum().backward()
+        want_x, want = _over_arch_gradients(plain, x, lambda out: out.square().sum().backward())
+        torch.testing.assert_close(x.grad, want_x, rtol=1e-6, atol=1e-7)
+        for got, w in zip(nodes.over_arch.parameters(), want):
+            torch.testing.assert_close(got.grad, w, rtol=1e-6, atol=1e-7)
+    assert graph.calls == ["forward", "backward"]  # the first forward replayed, the second ran eagerly
+    unused = nodes.over_arch(x1)  # a forward whose autograd graph goes unused, then is dropped
+    del unused
+    nodes.over_arch(x2).sum().backward()
+    assert graph.calls == ["forward", "backward", "forward", "forward", "backward"]
+
+
+def test_a_second_backward_in_one_pass_raises_instead_of_setting_the_gradients_again():
+    """Two forwards summed into one loss: DDP sums their gradients; a node sets its buffer at each backward (the
+    first one's all-reduce still reading it on GPUs), so one forward's gradients would be lost: refused."""
+    nodes = dense_arch_nodes(_Arches())
+    x1, x2 = torch.randn(6, 40, requires_grad=True), torch.randn(6, 40, requires_grad=True)
+    loss = nodes.over_arch(x1).sum() + nodes.over_arch(x2).sum()
+    with pytest.raises(RuntimeError, match="OverArch's node: its backward ran twice in one backward pass"):
+        loss.backward()
+    _step(nodes, _batch(1))  # the next step's one backward goes on
+
+
 def test_arches_in_ddp_are_refused():
     run_world(1, _refuses_ddp)
 

@@ -42,6 +42,12 @@ class Lease:
         self.released = True
 
 
+def held(lease: weakref.ref | None) -> bool:
+    """Whether the Lease behind this weak reference (None: none) is still held: neither released nor dropped."""
+    lease = lease() if lease is not None else None
+    return lease is not None and not lease.released
+
+
 @dataclass
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
@@ -51,8 +57,7 @@ class _Graph:
     lease: weakref.ref | None = None  # the last replay's, if held
 
     def in_use(self) -> bool:
-        lease = self.lease() if self.lease is not None else None
-        return lease is not None and not lease.released
+        return held(self.lease)
 
 
 class GraphedCalls:

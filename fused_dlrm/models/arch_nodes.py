@@ -11,14 +11,18 @@ mechanism too) makes the stream wait for it, so the gradients are averaged when 
 scaled by 1/world before a sum (a `comm.grad_allreduce` codec: that codec's mean, as the DDP hook did).
 
 The backward *sets* the gradients (no accumulation over several backwards: one per optimizer step, as the
-training loop does). Evaluation (eval mode, or no grad) calls the arch itself. On GPUs `capture` records the
-node's forward (the arch) and backward (the gradients into the flat buffer, and their scale) as two CUDA graphs
-at the rank's training batch size; calls of another shape, dtype or requires_grad run the same node eagerly.
+training loop does); a second backward of a node in one backward pass (two forwards summed into one loss, which
+DDP would sum) raises instead of dropping the first one's gradients. Evaluation (eval mode, or no grad) calls the
+arch itself. On GPUs `capture` records the node's forward (the arch) and backward (the gradients into the flat
+buffer, and their scale) as two CUDA graphs at the rank's training batch size; calls of another shape, dtype or
+requires_grad run the same node eagerly, as does a forward while the graph's last one still awaits its backward
+(a replay would rewrite the activations that backward reads).
 Parameters must keep their storage (the graphs read it): the optimizer and checkpoint loading update in place.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fused_dlrm.dist.symmetric import ALLOCATION_TIMEOUT_S
+from fused_dlrm.kernels.graphed_calls import Lease, held
 from fused_dlrm.kernels.launch import capture_graph
 from fused_dlrm.tp import quantized_all_reduce
 from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce
@@ -55,6 +60,8 @@ class ArchNode:
         self.scale = 1.0 / self.world if self.world > 1 and grad_allreduce == "nccl" else 1.0
         self.anchor = torch.empty(0, device=first.device, requires_grad=True)  # makes the output need a gradient
         self.graph: ArchGraph | None = None
+        self._replay: weakref.ref | None = None  # the graph's last forward's Lease, until its backward
+        self._backward_pass = -1  # the autograd pass (graph task) of the latest backward
         if self.world > 1:  # DDP's start: every rank from rank 0's parameters
             src = dist.get_global_rank(group, 0) if group is not None else 0
             for p in self.params:
@@ -72,9 +79,12 @@ class ArchNode:
         self.graph = ArchGraph(self, sample)
 
     def run_forward(self, x: torch.Tensor):
-        """(output, what the backward needs): the graph's replay when x fits it, else the arch under autograd."""
-        if self.graph is not None and self.graph.fits(x):
-            return self.graph.forward(x), self.graph
+        """(output, what the backward needs): the graph's replay when x fits it and no earlier replay awaits its
+        backward, else the arch under autograd."""
+        if self.graph is not None and self.graph.fits(x) and not held(self._replay):
+            lease = Lease()  # held by the autograd node: dropped unused, it frees the graph too
+            self._replay = weakref.ref(lease)
+            return self.graph.forward(x), lease
         with torch.enable_grad():
             leaf = x.detach().requires_grad_(x.requires_grad)
             out = self.eager(leaf)
@@ -82,8 +92,17 @@ class ArchNode:
 
     def run_backward(self, saved, grad: torch.Tensor) -> torch.Tensor | None:
         """The input's gradient (None when the input needs none); the parameters' gradients set and averaged."""
-        if saved is self.graph:
+        backward_pass = torch._C._current_graph_task_id()
+        if backward_pass == self._backward_pass:  # the first one's gradients would be overwritten, not summed
+            raise RuntimeError(
+                f"{type(self.arch).__name__}'s node: its backward ran twice in one backward pass (two forwards "
+                "before one backward): it sets the arch's gradients in one buffer at each backward, so one "
+                "forward's would be lost (and, on GPUs, overwritten while their all-reduce reads them); run one "
+                "backward per forward")
+        self._backward_pass = backward_pass
+        if isinstance(saved, Lease):
             grad_x = self.graph.backward(grad)
+            saved.release()
         else:
             leaf, out = saved
             grad_x = self.gradients(out, leaf, grad)
