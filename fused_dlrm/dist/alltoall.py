@@ -38,8 +38,9 @@ class _AllToAllV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
-        # The gradient travels back along the same edges: what was received is sent home.
-        return _all_to_all(grad, recv_splits, send_splits, ctx.group), None, None, None
+        # The gradient travels back along the same edges: what was received is sent home. Through the Function
+        # itself, so that a gradient made with create_graph=True differentiates again (its backward: this exchange).
+        return _AllToAllV.apply(grad, recv_splits, send_splits, ctx.group), None, None, None
 
 
 def all_to_all_v(
