@@ -5,7 +5,7 @@ Bit-equal to the bulk twin (codec kernels around NCCL all_to_all / all_gather) f
 inputs, sum and mean; bit-identical across ranks; within the documented bound of the fp64 sum; 1,000
 consecutive calls of changing sizes and codecs on the same flags; calls that replay CUDA graphs; the DDP hook
 (q8, fused) within the bound of plain DDP; a missing peer raises PeerWaitTimeout; ranks calling with other
-codecs raise PeerCallMismatch (two ranks sharing one GPU suffice), and calls unlike a peer's CallMismatch in the
+codecs raise PeerCallMismatch and a call one rank refuses raises on both (two ranks sharing one GPU suffice), and calls unlike a peer's CallMismatch in the
 bulk twin (its check over the group's gloo side group); the codec kernels equal the CPU reference bit for bit at every
 magnitude, fp32's denormals to its largest value (one GPU).
 CI has no GPU: this runs on the device machine.
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
-from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerWaitTimeout
+from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerRefusedInput, PeerWaitTimeout
 from fused_dlrm.kernels.quant_codecs import CODECS, Encoded, decode, decode_reference, encode, encode_reference
 from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce, max_programs_for, two_shot_error_bound
 from fused_dlrm.tp.quantized_allreduce import fused_for_group, quantized_all_reduce
@@ -230,6 +230,33 @@ def _codecs_differ(rank: int, world: int) -> None:
 def test_ranks_calling_with_other_codecs_raise_on_one_gpu():
     """The kernel's signatures on a GPU: rank 0 calls with q8, rank 1 with q4; both raise, naming both calls."""
     run_world(2, _codecs_differ, backend=ONE_GPU, timeout=240)
+
+
+def _one_rank_refuses(rank: int, world: int) -> None:
+    op = fused_for_group(None, torch.device("cuda", 0))  # the ranks share GPU 0: a CUDA IPC workspace
+    x = world_inputs(100_003, world, torch.float32, seed=4)[rank]
+    op(x, "q8")  # plans (allocates) on every rank: the refused call's peers then allocate nothing
+    kept = x.clone()
+    if rank == 1:
+        with pytest.raises(TypeError, match="got torch.int32"):
+            op(x.to(torch.int32), "q8")
+    else:
+        with pytest.raises(PeerRefusedInput, match=rf"at step 2: rank {rank}: rank 1's call was refused: its x is "
+                                                   r"int32, which no codec takes"):
+            op(x, "q8", out=x)
+            op.errors.check(block=True)
+    op.errors.check(block=True)  # nothing (else) recorded
+    assert torch.equal(x, kept)  # reduced in place: a failed call stores nothing
+    y = op(x, "q8")  # the ranks' epochs still in step: the next call is exact
+    assert torch.equal(y, quantized_all_reduce(x, "q8", fused=False))
+    op.errors.check(block=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_call_refused_on_one_rank_raises_on_every_rank_on_one_gpu():
+    """Rank 1 passes an int32 x: it raises TypeError, rank 0 PeerRefusedInput naming rank 1 and why (not a timeout
+    after the wait's bound); the next call is exact. The timeout fails a hang fast."""
+    run_world(2, _one_rank_refuses, backend=ONE_GPU, timeout=240)
 
 
 @TWO_GPUS

@@ -1,9 +1,9 @@
 """The fused one-launch quantized all-reduce on simulated worlds of 2 and 4 ranks (Triton interpreter): equal bit
 for bit to the bulk twin's arithmetic on every rank, within the documented two-shot bound of the fp64 sum, every
 element written, many consecutive calls on the same flags, timeouts that name rank, peer and slice, and calls that
-differ between ranks raising on every rank without touching the output; a NaN or inf on one rank non-finite in
-every rank's output, and NaN kept by the output's rounding. Compiled for sm_90 (no GPU): every
-payload word moves in a 128-bit (q6: 64-bit) vector access."""
+differ between ranks, or that one rank refuses, raising on every rank without touching the output (the next call
+exact); a NaN or inf on one rank non-finite in every rank's output, and NaN kept by the output's rounding. Compiled
+for sm_90 (no GPU): every payload word moves in a 128-bit (q6: 64-bit) vector access."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
-from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerWaitTimeout
+from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerRefusedInput, PeerWaitTimeout
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, _round_to,
                                                     quantized_all_reduce_reference, two_shot_error_bound)
@@ -202,13 +202,17 @@ for name, c in CODECS.items():
     for decode in (False, True):
         build(quant_codecs._codec_kernel, {"values_ptr": "*fp32", "payload_ptr": "*i32", "scale_ptr": "*bf16"},
               dict(DECODE=decode, ROWS=quant_codecs.BLOCKS_PER_PROGRAM, **kernel_constants(c)))
+# a refused call's program (132 SMs of 12 programs: flags for 1584)
+types = {"signature_ptr": "*i64", "step_ptr": "*i32", "error_ptr": "*i32"}
+types.update({n: "*i64" for n in ("ready_ptrs", "done_ptrs", "signature_ptrs")})
+build(quantized_allreduce._refused_call_kernel, types, dict(WORLD=world, SLOTS=2048))
 """
 
 
 def test_kernels_compile_for_sm90_with_vector_payload_accesses():
     """No byte-wise accesses; with tiles of 128 blocks (a thread holds 4-16 payload words) the int32 words move in
     128-bit vectors (64-bit for q6); the default tiles of 32 blocks give a thread 1-4 words, in narrower accesses.
-    Checked on CI's CPUs by compiling for sm_90 without the interpreter."""
+    Checked on CI's CPUs by compiling for sm_90 without the interpreter (and a refused call's kernel)."""
     compile_for_sm90(COMPILE_FOR_SM90)
 
 
@@ -230,15 +234,62 @@ def test_in_place_and_into_a_given_output(codec):
         assert all(y is t and torch.equal(y, want) for y, t in zip(got, targets)), in_place
 
 
-def test_a_wrong_output_or_input_dtype_is_refused_before_anything_runs():
-    ar = world_of(2)[0]
-    x = inputs(2, 100, "normal")[0]
-    for out in (torch.empty(99), torch.empty(100, dtype=torch.float64), torch.empty(200)[::2]):
-        with pytest.raises(ValueError, match="out must be contiguous"):
-            ar.start(x, "q8", out=out)
-    for dtype in (torch.int32, torch.int64, torch.float64):  # the codecs would return integers rounded by block
-        with pytest.raises(TypeError, match=f"takes fp32, fp16 or bf16 tensors, got {dtype}"):
-            ar.start(torch.arange(100).to(dtype), "q8")
+def refused_call(refusal: str, n: int) -> tuple[dict, type, str, str]:
+    """Rank 1's call arguments (an x of n float32 values, codec q8, in place otherwise) refused for `refusal`; the
+    error it raises itself and what its peers say of it."""
+    x = torch.randn(n)
+    return {"int32 x": (dict(x=x.to(torch.int32), out=None), TypeError,
+                        "takes fp32, fp16 or bf16 tensors, got torch.int32", "its x is int32, which no codec takes"),
+            # the codecs would return its values rounded by block
+            "float64 x": (dict(x=x.double(), out=None), TypeError, "got torch.float64",
+                          "its x is float64, which no codec takes"),
+            "codec": (dict(codec="q7"), ValueError, "unknown codec 'q7'", "its codec is none of the fused kernel's"),
+            "out shape": (dict(out=torch.empty(n - 1)), ValueError, f"out must be contiguous torch.float32 \\[{n}\\]",
+                          f"its out \\({n - 1} float32\\) cannot take the result of its x \\({n} float32\\)"),
+            "out dtype": (dict(out=torch.empty(n, dtype=torch.float16)), ValueError, "got torch.float16",
+                          f"its out \\({n} float16\\) cannot take"),
+            "strided out": (dict(out=torch.empty(2 * n)[::2]), ValueError, "not contiguous",
+                            f"its out \\({n} float32, not contiguous\\) cannot take"),
+            # 2**31 values (no memory: an expanded scalar) encode to more bytes than the kernel's int32 offsets reach
+            "too large": (dict(x=torch.zeros(1).expand(2**31), out=None), ValueError,
+                          f"{2**31} values encode to 2281701376 bytes",
+                          f"its {2**31} values encode to 2281701376 bytes, past the kernel's int32 offsets")}[refusal]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the poisoned slots decode to NaN where the codecs read them
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("refusal", ["int32 x", "float64 x", "codec", "out shape", "out dtype", "strided out",
+                                     "too large"])
+def test_a_call_refused_on_one_rank_raises_on_every_rank(world_size, refusal):
+    """Rank 1 refuses its call: it raises its own error, every other rank PeerRefusedInput naming rank 1 and why, at
+    the same call (rank 1 still takes part in it: its flags rise, its signature says why), without touching the
+    output; the next call, alike on every rank, is exact: the refused call took its epoch on every rank."""
+    world = world_of(world_size, max_programs=2)
+    n = 2048 * world_size  # chunks of 64 blocks: 2 tiles, 2 programs
+    xs = inputs(world_size, n, "normal", seed=3)
+    assert all(torch.equal(y, quantized_all_reduce_reference(xs, "q8")) for y in all_reduce(world, xs, "q8"))
+    xs = inputs(world_size, n, "normal", seed=4)
+    kept = [x.clone() for x in xs]
+    args = [dict(x=x, codec="q8", out=x) for x in xs]
+    bad, error, mine, theirs = refused_call(refusal, n)
+    args[1].update(bad)
+    calls = [ar.start(**a) for ar, a in zip(world, args)]
+    for phase in (0, 1, 2):
+        for r in range(world_size):
+            world[r].run(calls[r], phase, phase)
+    with pytest.raises(error, match=mine):
+        world[1].finish(calls[1])
+    for r in range(world_size):
+        if r != 1:
+            with pytest.raises(PeerRefusedInput, match=rf"^fused quantized all-reduce \(slices >= 2: all-gather\) at "
+                                                       rf"step 2: rank {r}: rank 1's call was refused: {theirs}"):
+                world[r].finish(calls[r])
+            assert torch.equal(xs[r], kept[r]), r  # in place: untouched
+    assert [ar.calls for ar in world] == [2] * world_size
+    xs = inputs(world_size, 3000, "normal", seed=17)
+    got = all_reduce(world, xs, "q8")
+    assert all(torch.equal(y, quantized_all_reduce_reference(xs, "q8")) for y in got)
+    assert all(ar.step.tolist() == [3, 3] for ar in world)
 
 
 def different_call(difference: str, world_size: int) -> tuple[int, tuple, str, str]:

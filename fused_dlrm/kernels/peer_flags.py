@@ -20,7 +20,8 @@ which `PeerErrors` names in words (the op's `describe_calls`, built with `descri
 
 Refused inputs: where every rank holds every rank's refusal words (exchanged with its data: MoE's counts) but no
 host reads them, `record_refused` records the first refused rank (code 5) on every rank alike, and `PeerErrors`
-raises it in the op's words (`describe_refused`).
+raises it in the op's words (`describe_refused`); a kernel that finds a peer's refusal words itself (the quantized
+all-reduce's, in a peer's signature) records them with `record_refusal`.
 
 Before results are kept (a checkpoint, a run's end), `check_every_error_word` reads every live op's word at once:
 on GPUs the word is read every check_every calls, so a wait of the last few calls could otherwise give up unseen.
@@ -104,7 +105,7 @@ def record_timeout(error_ptr, code, peer, slot, epoch):
     """Record a timed-out wait into the error word [code, peer, slot, epoch, claim, unused x 3] unless one is
     recorded already (`_claim_error`). Codes: 1: `peer` never raised its flag for `slot`; 2: `peer` never released
     its buffer (slot -1); 3 is `record_mismatch`'s; 4: `peer` never published its call's signature (slot -1,
-    `same_published_call`); 5 is `record_refused`'s. `epoch`: the step of the failing call, which the host's
+    `same_published_call`); 5 is `record_refusal`'s. `epoch`: the step of the failing call, which the host's
     message names."""
     if _claim_error(error_ptr, peer, slot, epoch):
         tl.atomic_xchg(error_ptr, code)
@@ -122,20 +123,27 @@ def record_mismatch(error_ptr, peer, slot, epoch, mine, theirs):
         tl.atomic_xchg(error_ptr, 3)
 
 
+@triton.jit
+def record_refusal(error_ptr, refused, epoch, words):
+    """Record (code 5, slot -1) that rank `refused`'s input was refused, with its refusal words (int64
+    [SIGNATURE_WORDS]: where signatures go, for the op's `describe_refused`). The first error wins, as with
+    timeouts."""
+    if _claim_error(error_ptr, refused, -1, epoch):
+        tl.store((error_ptr + 8).to(tl.pointer_type(tl.int64)) + tl.arange(0, SIGNATURE_WORDS), words)
+        tl.atomic_xchg(error_ptr, _REFUSED)
+
+
 @triton.jit(do_not_specialize=["stride", "rank", "epoch"])  # one compiled binary serves every step
 def _record_refused_kernel(words_ptr, stride, error_ptr, rank, epoch, WORLD: tl.constexpr, W_P2: tl.constexpr,
-                           N: tl.constexpr, N_P2: tl.constexpr):
+                           N: tl.constexpr):
     """One program: `record_refused`."""
     s = tl.arange(0, W_P2)
     codes = tl.load(words_ptr + s * stride, mask=s < WORLD, other=0)
     first = tl.min(tl.where(codes != 0, s, WORLD), axis=0)
     refused = tl.where(tl.load(words_ptr + rank * stride) != 0, rank, first)
     if refused < WORLD:
-        if _claim_error(error_ptr, refused, -1, epoch):
-            w = tl.arange(0, N_P2)
-            words = tl.load(words_ptr + refused * stride + w, mask=w < N, other=0)
-            tl.store((error_ptr + 8).to(tl.pointer_type(tl.int64)) + w, words, mask=w < N)
-            tl.atomic_xchg(error_ptr, _REFUSED)
+        w = tl.arange(0, SIGNATURE_WORDS)
+        record_refusal(error_ptr, refused, epoch, tl.load(words_ptr + refused * stride + w, mask=w < N, other=0))
 
 
 _RECORD_REFUSED_LAUNCHES = CompiledLaunches(_record_refused_kernel)
@@ -150,7 +158,7 @@ def record_refused(words: torch.Tensor, error: torch.Tensor, rank: int, epoch: i
     if n > SIGNATURE_WORDS.value or words.dtype != torch.int64 or words.stride(1) != 1:
         raise ValueError(f"refusal words must be int64 [world, <= {SIGNATURE_WORDS.value}] with rows of contiguous "
                          f"words, got {tuple(words.shape)} {words.dtype} strides {words.stride()}")
-    shape = (world, triton.next_power_of_2(world), n, triton.next_power_of_2(n))
+    shape = (world, triton.next_power_of_2(world), n)
     _RECORD_REFUSED_LAUNCHES((words.device, *shape, aligned(words), aligned(error)), (1, 1, 1),
                              (words, words.stride(0), error, rank, epoch, *shape), dict(num_warps=1))
 

@@ -65,6 +65,18 @@ it, or times out.) Not caught: a call that makes only some ranks grow the worksp
 codec of larger blocks) waits in the buffers' collective allocation, before any kernel, for peers that never
 join it; a check there would cost a collective at every new plan, which a caller's graph capture cannot hold.
 
+A call that one rank refuses (`refusal`: an x no codec takes, an unknown codec, an out that cannot take the result,
+more bytes than int32 offsets reach) is still a call there: raising alone would leave its peers waiting, and their
+epochs one ahead of its own for good. It runs `_refused_call_kernel` (one program, in the phases above): its
+signature says why ([epoch, REFUSED_NUMEL, refusal words]) and goes into every peer before its ready flags, raised
+for every program (the peers' grid is not known); then its done flags; then it waits until every peer's program 0
+has read that signature, which its next call would overwrite, and moves its step slots on. Each peer, checking
+signatures, records the refusal (code 5: the lowest refused rank, the same on every rank, before any mismatch,
+`_refused_peer`) and stores nothing; its PeerErrors raises PeerRefusedInput naming that rank and why (at the call's
+end in the interpreter, within check_every calls on GPUs, as any error). The refused rank raises its own error at
+`finish`. The next call, alike on every rank, is exact. (Where the peers' call grows the buffers, they wait in the
+allocation, as above.)
+
 On GPUs every program waits on the same-numbered program of every peer's launch, so the grid must be
 co-resident: it is capped at what the compiled binary fits on the GPU at once (launch.resident_programs_per_sm
 from its registers, warps and shared memory; at 4 warps, 64 MiB of bf16 compiles for sm_90 to 32 (fp16), 38
@@ -89,7 +101,8 @@ from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, GraphReplays, aligned, resident_programs_per_sm
 from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, describe_signatures,
-                                           recorded_at, same_calls, signature_of, store_signature, wait_or_record)
+                                           record_refusal, recorded_at, same_calls, signature_of, store_signature,
+                                           wait_or_record)
 from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, NO_FMA, block_values, decode_reference,
                                              encode_blocks, encode_reference, error_bound, kernel_constants,
                                              load_blocks, store_blocks)
@@ -132,11 +145,63 @@ def check_out(x: torch.Tensor, out: torch.Tensor | None) -> None:
         raise ValueError(problem)
 
 
+QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)  # what the codecs encode
+
+
 def check_quantizable(x: torch.Tensor) -> None:
     """The codecs encode fp32 / fp16 / bf16 values: other dtypes would come back wrong (integers) or fail deep inside."""
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"a quantized all-reduce takes fp32, fp16 or bf16 tensors, got {x.dtype} (codec 'nccl' "
-                        f"all-reduces any dtype)")
+    if x.dtype not in QUANTIZABLE:
+        raise _not_quantizable(x.dtype)
+
+
+def _not_quantizable(dtype: torch.dtype) -> TypeError:
+    return TypeError(f"a quantized all-reduce takes fp32, fp16 or bf16 tensors, got {dtype} (codec 'nccl' "
+                     f"all-reduces any dtype)")
+
+
+def slot_bytes(numel: int, world: int, codec: str) -> int:
+    """Bytes of each of the fused kernel's recv and gather buffers for a call of numel values: world chunks' encodings."""
+    return world * chunk_blocks_for(numel, world) * CODECS[codec].block_bytes
+
+
+# Why a rank refuses its fused call (`refusal`): word 0 of its refusal words, which its peers record (`describe_refusal`)
+NOT_QUANTIZABLE, UNKNOWN_CODEC, UNUSABLE_OUT, TOO_LARGE = 1, 2, 3, 4
+# A refused call's signature in its peers' buffers: [epoch, REFUSED_NUMEL, refusal words]; a call's numel is never -1.
+REFUSED_NUMEL = -1
+_REFUSED_NUMEL = tl.constexpr(REFUSED_NUMEL)  # the kernels'
+
+
+def refusal(x: torch.Tensor, codec: str, out: torch.Tensor | None, world: int) -> tuple[list[int], Exception] | None:
+    """Why this rank cannot run a fused call: its refusal words ([reason, values...], for its peers) and the error it
+    raises itself; None if it can."""
+    if x.dtype not in QUANTIZABLE:
+        return [NOT_QUANTIZABLE, dtype_code(x.dtype)], _not_quantizable(x.dtype)
+    if codec not in CODECS:
+        return [UNKNOWN_CODEC], ValueError(f"unknown codec {codec!r}: expected one of {tuple(CODECS)}")
+    problem = out_problem(x, out)
+    if problem is not None:
+        return [UNUSABLE_OUT, x.numel(), dtype_code(x.dtype), out.numel(), dtype_code(out.dtype),
+                int(out.is_contiguous()), int(out.device == x.device)], ValueError(problem)
+    slots = slot_bytes(x.numel(), world, codec)
+    if slots >= 2**31:
+        return [TOO_LARGE, x.numel(), slots], ValueError(f"{x.numel()} values encode to {slots} bytes: the kernel's "
+                                                          f"offsets are int32")
+    return None
+
+
+def describe_refusal(words: list[int]) -> str:
+    """A rank's refusal words (`refusal`) in words, as its peers say them."""
+    reason, *values = words
+    if reason == NOT_QUANTIZABLE:
+        return f"its x is {dtype_name(values[0])}, which no codec takes"
+    if reason == UNKNOWN_CODEC:  # (its name does not travel: the words are integers)
+        return "its codec is none of the fused kernel's"
+    if reason == UNUSABLE_OUT:
+        numel, dtype, out_numel, out_dtype, contiguous, same_device = values[:6]
+        return (f"its out ({out_numel} {dtype_name(out_dtype)}{'' if contiguous else ', not contiguous'}"
+                f"{'' if same_device else ', on another device'}) cannot take the result of its x ({numel} "
+                f"{dtype_name(dtype)})")
+    return f"its {values[0]} values encode to {values[1]} bytes, past the kernel's int32 offsets"  # TOO_LARGE
 
 
 # A call's codec as an index here (-1: none of them), so that a mismatch can be named. "none" is "nccl" (both a plain
@@ -243,6 +308,56 @@ def _call_signature(epoch, numel, dtype_code, codec_code, MEAN: tl.constexpr, nu
 
 
 @triton.jit
+def _refused_peer(signatures, rank, error_ptr, epoch, WORLD: tl.constexpr):
+    """Whether a peer refused this call (its signature's numel is REFUSED_NUMEL: `_refused_call_kernel`); if so the
+    lowest such rank, the same on every rank, is recorded with its refusal words (code 5, `record_refusal`)."""
+    refused = WORLD
+    for k in tl.static_range(WORLD):  # from the last rank down: the lowest refused one stays
+        s = WORLD - 1 - k
+        numel = tl.load(signatures + s * SIGNATURE_WORDS + 1)
+        refused = tl.where((s != rank) & (numel == _REFUSED_NUMEL), s, refused)
+    if refused < WORLD:
+        record_refusal(error_ptr, refused, epoch,
+                       tl.load(signatures + refused * SIGNATURE_WORDS + tl.arange(0, SIGNATURE_WORDS)))
+    return refused < WORLD
+
+
+@triton.jit
+def _signal_every_program(flag_ptrs, peer, rank, max_programs, epoch, SLOTS: tl.constexpr):
+    """After this program's stores into peer: raise peer's flags [rank, p] for every p < max_programs (<= SLOTS)."""
+    tl.debug_barrier()
+    p = tl.arange(0, SLOTS)
+    flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32)) + rank * max_programs + p
+    tl.atomic_xchg(flags, tl.zeros([SLOTS], tl.int32) + epoch, mask=p < max_programs, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["rank", "spin_limit", "first_phase", "last_phase"])
+def _refused_call_kernel(signature_ptr, ready_ptrs, done_ptrs, signature_ptrs, step_ptr, error_ptr, rank,
+                         max_programs, spin_limit, first_phase, last_phase, WORLD: tl.constexpr, SLOTS: tl.constexpr):
+    """One program: a call this rank refused, in the phases of a call, so that its peers' calls end and the ranks'
+    epochs stay in step. 1: its signature (signature_ptr: [-, REFUSED_NUMEL, refusal words], the epoch put in) into
+    every peer, then its ready flags there, for every program (the peers' grid is not known here); 2: its done
+    flags likewise; 3: wait until every peer's program 0 has raised its done flag: it has read the signature (and
+    recorded the refusal) that a next call of this rank would overwrite; then the step slots move on."""
+    epoch = tl.load(step_ptr, volatile=True) + 1  # every slot holds the epoch of the last call
+    w = tl.arange(0, SIGNATURE_WORDS)
+    signature = tl.where(w == 0, epoch, tl.load(signature_ptr + w))
+    done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
+    for k in tl.static_range(1, WORLD):
+        peer = (rank + k) % WORLD
+        if first_phase <= 0:
+            store_signature(signature_ptrs, peer, 0, rank, signature)  # released by the flags
+            _signal_every_program(ready_ptrs, peer, rank, max_programs, epoch, SLOTS)
+        if (first_phase <= 1) & (last_phase >= 1):
+            _signal_every_program(done_ptrs, peer, rank, max_programs, epoch, SLOTS)
+        if last_phase >= 2:
+            wait_or_record(done + peer * max_programs, epoch, spin_limit, error_ptr, peer, max_programs)
+    if last_phase >= 2:
+        p = tl.arange(0, SLOTS)
+        tl.store(step_ptr + p, tl.zeros([SLOTS], tl.int32) + epoch, mask=p < max_programs)
+
+
+@triton.jit
 def _round_to(x, dtype: tl.constexpr):
     """fp32 x rounded to nearest even in the output dtype, as torch's .to(dtype): bf16 by bit arithmetic because
     the interpreter's fp32 -> bf16 cast truncates (fp16's cast rounds, and keeps NaN, on GPUs and there)."""
@@ -298,7 +413,9 @@ def _quantized_all_reduce_kernel(
         tl.debug_barrier()  # my own tiles, stored by this program's threads in phase 1
         if valid:  # every peer's flag is up: read their signatures as their data, behind it
             signatures = tl.load(signature_ptrs + rank).to(tl.pointer_type(tl.int64))
-            valid &= same_calls(signatures, rank, signature, error_ptr, pid, epoch, WORLD)
+            valid &= _refused_peer(signatures, rank, error_ptr, epoch, WORLD) == 0  # the cause of any mismatch
+            if valid:
+                valid &= same_calls(signatures, rank, signature, error_ptr, pid, epoch, WORLD)
         payload, scales = _encoded(recv_ptrs, rank, slots, WORDS)
         # A failed call reduces nothing (its peers' tiles may be of another layout) but raises its flags: its
         # peers' waits end, and the flags of later calls follow on.
@@ -362,10 +479,12 @@ class Plan:
 
 @dataclass
 class FusedCall:
-    """One all-reduce in flight: its input, output and plan."""
+    """One all-reduce in flight: its input, output and plan; a refused one (`refusal`) has no plan but the error it
+    raises and its signature for the peers ([0, REFUSED_NUMEL, refusal words], int64 on the device)."""
     x: torch.Tensor
-    out: torch.Tensor
-    plan: Plan
+    out: torch.Tensor | None
+    plan: Plan | None
+    refused: tuple[Exception, torch.Tensor] | None = None
 
 
 class FusedQuantizedAllReduce:
@@ -389,7 +508,7 @@ class FusedQuantizedAllReduce:
         self.rank, self.world = workspace.rank, workspace.world_size
         self.errors = PeerErrors(workspace.device, self.rank,
                                  f"fused quantized all-reduce (slices >= {max_programs}: all-gather)",
-                                 describe_calls=describe_fused_calls)
+                                 describe_calls=describe_fused_calls, describe_refused=self._describe_refused)
         flags = self.world * max_programs
         self.ready = workspace.buffer("qar_ready", flags, torch.int32)
         self.done = workspace.buffer("qar_done", flags, torch.int32)
@@ -423,26 +542,27 @@ class FusedQuantizedAllReduce:
         """Plan (and allocate collectively) on a key's first call, number the call; nothing is launched yet.
         out: where the result goes (contiguous, x's shape and dtype; x itself for an in-place all-reduce: every
         program reads and writes only its own tiles, its reads first); None: a new tensor (its allocation is
-        ~4 us of host time, a quarter of a small call's)."""
+        ~4 us of host time, a quarter of a small call's). A call this rank refuses (`refusal`: x's dtype, the codec,
+        out, the size) is a call all the same, which raises at `finish` (see the module docstring)."""
         self.errors.check()
-        check_quantizable(x)
-        self._count_call()
+        self._count_call()  # a refused call too: it takes its epoch
+        refused = refusal(x, codec, out, self.world)
+        if refused is not None:
+            words, error = refused
+            signature = torch.zeros(SIGNATURE_WORDS.value, dtype=torch.int64)
+            signature[1:2 + len(words)] = torch.tensor([REFUSED_NUMEL] + words)
+            return FusedCall(x, out, None, (error, signature.to(self.ws.device)))
         x = x.contiguous()
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        check_out(x, out)
         key = self._key(x, out, codec, mean)
         plan = self._plans.get(key) or self._plan(key, x, out, codec, mean)
         return FusedCall(x, out, plan)
 
     def _plan(self, key: tuple, x: torch.Tensor, out: torch.Tensor, codec: str, mean: bool) -> Plan:
         numel = x.numel()
-        if codec not in CODECS:
-            raise ValueError(f"unknown codec {codec!r}: expected one of {tuple(CODECS)}")
         cb = chunk_blocks_for(numel, self.world)
-        slots = self.world * cb * CODECS[codec].block_bytes
-        if slots >= 2**31:
-            raise ValueError(f"{numel} values encode to {slots} bytes: the kernel's offsets are int32")
+        slots = slot_bytes(numel, self.world, codec)  # < 2**31 (`refusal`)
         recv, gather = self.ws.buffer("qar_recv", slots, torch.uint8), self.ws.buffer("qar_gather", slots, torch.uint8)
         if (recv.local.data_ptr() | gather.local.data_ptr()) % 16:  # the kernel's vector accesses rely on it
             raise RuntimeError("the quantized all-reduce needs 16-byte aligned symmetric buffers")
@@ -473,7 +593,9 @@ class FusedQuantizedAllReduce:
 
     def run(self, call: FusedCall, first_phase: int = 0, last_phase: int = 2) -> None:
         """Launch phases first_phase..last_phase of the call (all three on GPUs: one launch, or its graph)."""
-        if self._launches.interpret or (first_phase, last_phase) != (0, 2):
+        if call.refused is not None:
+            self._launch_refused(call.refused[1], first_phase, last_phase)
+        elif self._launches.interpret or (first_phase, last_phase) != (0, 2):
             self._launch(call, first_phase, last_phase)
         else:
             call.plan.replays((call.x.data_ptr(), call.out.data_ptr()), lambda: self._launch(call, 0, 2))
@@ -483,10 +605,23 @@ class FusedQuantizedAllReduce:
         self._launches(plan.key, (plan.num_programs, 1, 1), plan.args(call.x, call.out, first_phase, last_phase),
                        self.options)
 
+    def _launch_refused(self, signature: torch.Tensor, first_phase: int, last_phase: int) -> None:
+        _refused_call_kernel[(1,)](signature, self.ready.peer_ptrs, self.done.peer_ptrs, self.signatures.peer_ptrs,
+                                   self.step, self.errors.word, self.rank, self.max_programs, self.spin_limit,
+                                   first_phase, last_phase, WORLD=self.world,
+                                   SLOTS=triton.next_power_of_2(self.max_programs))
+
     def finish(self, call: FusedCall) -> torch.Tensor:
-        """The call's result (raises at once on the CPU, at a later call on GPUs, if a wait timed out)."""
+        """The call's result (raises at once on the CPU, at a later call on GPUs, if a wait timed out, or a peer
+        refused its call); a call this rank refused raises its error here."""
+        if call.refused is not None:
+            raise call.refused[0]
         self.errors.after_wait()
         return call.out
+
+    def _describe_refused(self, refused: int, signature: list[int]) -> str:
+        """What this rank says of rank `refused`'s refused call (its signature: `_refused_call_kernel`'s)."""
+        return f"rank {self.rank}: rank {refused}'s call was refused: {describe_refusal(signature[2:])}"
 
     def __call__(self, x: torch.Tensor, codec: str, mean: bool = False,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -502,7 +637,7 @@ class FusedQuantizedAllReduce:
             return out
         call = self.start(x, codec, mean, out)
         self.run(call)
-        graph = None if repeat is None else call.plan.replays.graph(repeat[:2])
+        graph = None if repeat is None or call.plan is None else call.plan.replays.graph(repeat[:2])
         if graph is not None:  # captured at this call or an earlier one: from now on it is replayed directly
             self._repeats[repeat] = graph
         return self.finish(call)

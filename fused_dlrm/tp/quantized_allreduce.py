@@ -20,7 +20,8 @@ all_to_all_single and all_gather_into_tensor, each chunk's encoding (int32 paylo
 message. Codec "nccl" / "none" is a plain dist.all_reduce.
 
 Every rank must call with the same size, dtype, codec and mean (and an out it can take). The fused kernel checks
-its peers' calls on the device (a signature beside its flags). Every other call (on gloo all, on NCCL the bulk
+its peers' calls on the device (a signature beside its flags), where a call one rank refuses (dtype, codec, out)
+raises on every rank too. Every other call (on gloo all, on NCCL the bulk
 twin's) compares them first (dist.env.check_same_call: one all-gather of 5 int64 on the host; on NCCL over the
 group's gloo side group, made at its first bulk call), so a mismatch raises CallMismatch (a ValueError) on every
 rank before any collective whose size follows from the call: gloo's abort the process on messages of other sizes,
@@ -90,8 +91,6 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
     if backend == "gloo" or not fused:
         check_same_call(call_signature(x.numel(), x.dtype, codec, mean) + [int(out_problem(x, out) is not None)],
                         group if backend == "gloo" else gloo_side_group(group), describe_call, "quantized all-reduce")
-    if codec not in PLAIN and codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}: expected one of {PLAIN + tuple(CODECS)}")
     if codec in PLAIN:
         if mean and not (x.is_floating_point() or x.is_complex()):  # before the sum (x, in place, would keep it)
             raise TypeError(f"mean=True divides by the world size: not an integer tensor (got {x.dtype})")
@@ -99,9 +98,11 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
         out = x.clone() if out is None else (out if out is x else out.copy_(x))
         dist.all_reduce(out, group=group)
         return out.div_(dist.get_world_size(group)) if mean else out
+    if fused:  # the op checks codec, dtype and out: a refusal raises on every rank (a check here, on one rank alone)
+        return fused_for_group(group, x.device, allocation_timeout_s)(x, codec, mean, out)
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}: expected one of {PLAIN + tuple(CODECS)}")
     check_quantizable(x)
-    if fused:
-        return fused_for_group(group, x.device, allocation_timeout_s)(x, codec, mean, out)  # checks out
     check_out(x, out)
     world = dist.get_world_size(group)
     numel = x.numel()
