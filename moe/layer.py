@@ -54,7 +54,7 @@ from fused_dlrm.dist.host_copy import PendingHostCopy
 from fused_dlrm.dist.reorder import inverse_permutation, reorder
 from fused_dlrm.dist.symmetric import ALLOCATION_TIMEOUT_S, _Workspace, cuda_workspace
 from fused_dlrm.kernels.graphed_calls import GraphedCalls, Lease
-from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT
+from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, check_spin_limit
 from fused_dlrm.train.compute_copies import compute_copy, compute_weight, refresh_compute_copy
 from moe.expert_layout import (DispatchTables, ExpertLayout, build_expert_layout, dispatch_tables,
                                gather_counts_and_words, send_slots)
@@ -124,6 +124,9 @@ class FusedMoEConfig:
     # token, the owner sums each token's rows on its experts, weighted, and one row per (token, owner) crosses;
     # its backward sends the output gradient once per (token, owner) and the owner, which kept its rows, returns
     # each row's routing weight gradient (4 bytes) (moe.kernels.fused_combine); else rows.
+
+    def __post_init__(self):
+        check_spin_limit(self.wait_timeout_spins, "comm.wait_timeout_spins")  # before anything is built
 
 
 class MoELayer(nn.Module):

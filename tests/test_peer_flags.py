@@ -1,7 +1,7 @@
 """PeerErrors without a GPU: `record_timeout` keeps the first timeout (with its step) until the host reads the word,
 `record_mismatch` both calls' signatures for the message, `record_refused` the refused rank's words, and
 `CopySchedule` decides when the GPU path copies the word to the host (every `check_every` calls, never while
-a copy is in flight)."""
+a copy is in flight); every op refuses a wait bound its waits cannot count (`check_spin_limit`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.peer_flags import (SIGNATURE_WORDS, CopySchedule, PeerCallMismatch, PeerErrors,
                                            PeerRefusedInput, PeerWaitTimeout, ReadyWait, check_every_error_word,
                                            record_mismatch, record_refused, record_timeout, wait_ready)
@@ -189,3 +190,27 @@ def test_every_live_error_word_is_read_before_results_are_kept():
     record_a_timeout(failed, peer=1, slot=4, epoch=5)
     del failed  # a freed op's word is no longer read
     check_every_error_word()
+
+
+@pytest.mark.parametrize("spins", [2**31, 3_000_000_000, 0, -1, float("nan"), True])
+def test_every_ops_wait_bound_is_checked_where_it_is_taken_in(spins):
+    """The waits count polls in 32 bits (from 2**31 on a lost peer hangs the wait; below 1 every wait gives up at
+    its first look): every op's constructor, or config, that takes a bound refuses one they cannot honour, with the
+    setting's name (FusedCommConfig's own test: test_sharded_ebc.py)."""
+    from fused_dlrm.kernels.allgather import SymmetricAllGather
+    from fused_dlrm.kernels.allgather_gemm import GemmConfig
+    from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce
+    from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce
+    from moe.layer import FusedMoEConfig
+
+    ws = SimulatedWorld(2).workspaces()[0]
+    takers = {"spin_limit": [lambda s: GemmAllReduce(ws, num_programs=2, spin_limit=s),
+                             lambda s: SymmetricAllGather(ws, 4, 8, torch.float16, spin_limit=s),
+                             lambda s: FusedQuantizedAllReduce(ws, 2, spin_limit=s)],
+              "GemmConfig.spin_limit": [lambda s: GemmConfig(spin_limit=s)],
+              "comm.wait_timeout_spins": [lambda s: FusedMoEConfig(wait_timeout_spins=s)]}
+    for what, makers in takers.items():
+        for make in makers:
+            with pytest.raises(ValueError, match=rf"^{what}=.* from 1 to 2\*\*31 - 1"):
+                make(spins)
+            make(2**31 - 1)

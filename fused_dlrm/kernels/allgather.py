@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import _Workspace
-from fused_dlrm.kernels.peer_flags import DEFAULT_SPIN_LIMIT, PeerErrors, consumer_released, wait_or_record, wait_ready
+from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, PeerErrors, check_spin_limit, consumer_released,
+                                           wait_or_record, wait_ready)
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 
 PRODUCERS = ("device", "copy_engine", "pull")
@@ -139,6 +140,7 @@ class SymmetricAllGather:
                  name: str = "allgather", num_programs: int | None = None, spin_limit: int = DEFAULT_SPIN_LIMIT,
                  block_rows: int = 16, block_cols: int = 512, errors: PeerErrors | None = None):
         """errors: the error word to report into (shared by the exchanges of one op); None: a new one."""
+        check_spin_limit(spin_limit, "spin_limit")
         self.ws, self.rank, self.world = workspace, workspace.rank, workspace.world_size
         self.rows, self.cols, self.dtype = rows, cols, dtype
         self.chunk_rows = max(1, min(chunk_rows or rows, rows))

@@ -78,8 +78,9 @@ from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.allgather import SymmetricAllGather, push_chunk, wait_chunk
 from fused_dlrm.kernels.launch import interpreting
-from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, describe_signatures,
-                                           publish_signature, same_published_call, signal_ready, signature_of)
+from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, check_spin_limit,
+                                           describe_signatures, publish_signature, same_published_call, signal_ready,
+                                           signature_of)
 from fused_dlrm.kernels.tma import async_proxy_fence, descriptor, require_tma_readable, tma_readable
 
 GEMM_PRODUCERS = ("copy_engine", "device")
@@ -119,6 +120,9 @@ class GemmConfig:
     spin_limit: int = DEFAULT_SPIN_LIMIT
     push_rounds: int | None = None  # device push: rounds of local tiles that the pushing programs leave to the
     # others (None: the push's estimated time in tiles' time, `lead_rounds`)
+
+    def __post_init__(self):
+        check_spin_limit(self.spin_limit, "GemmConfig.spin_limit")
 
 
 # For `lead_rounds`' estimate: the rate at which the pushing programs (one per chunk: 16 at issue 5's shape) move a

@@ -77,8 +77,9 @@ import triton.language as tl
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
-from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, describe_signatures,
-                                           same_calls, signal_ready, signature_of, store_signature, wait_or_record)
+from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, check_spin_limit,
+                                           describe_signatures, same_calls, signal_ready, signature_of, store_signature,
+                                           wait_or_record)
 
 PRODUCE, REDUCE, WAIT = 1, 2, 4  # the phases of a launch (PHASES is their sum)
 ALL_PHASES = PRODUCE | REDUCE | WAIT
@@ -381,6 +382,7 @@ class GemmAllReduce:
                  block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                  split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  programs_per_sm: int | None = None, algorithm: str = "auto"):
+        check_spin_limit(spin_limit, "spin_limit")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={algorithm!r}: expected one of {ALGORITHMS}")
         if getattr(workspace, "transport", "p2p") != "p2p":

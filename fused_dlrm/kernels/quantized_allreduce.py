@@ -100,9 +100,9 @@ import triton.language as tl
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, GraphReplays, aligned, resident_programs_per_sm
 from fused_dlrm.kernels import dtype_code, dtype_name
-from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, describe_signatures,
-                                           record_refusal, recorded_at, same_calls, signature_of, store_signature,
-                                           wait_or_record)
+from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, check_spin_limit,
+                                           describe_signatures, record_refusal, recorded_at, same_calls, signature_of,
+                                           store_signature, wait_or_record)
 from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, NO_FMA, block_values, decode_reference,
                                              encode_blocks, encode_reference, error_bound, kernel_constants,
                                              load_blocks, store_blocks)
@@ -504,6 +504,7 @@ class FusedQuantizedAllReduce:
 
     def __init__(self, workspace: _Workspace, max_programs: int, spin_limit: int = DEFAULT_SPIN_LIMIT,
                  tile_blocks: int = TILE_BLOCKS):
+        check_spin_limit(spin_limit, "spin_limit")
         self.ws, self.max_programs, self.spin_limit, self.tile_blocks = workspace, max_programs, spin_limit, tile_blocks
         self.rank, self.world = workspace.rank, workspace.world_size
         self.errors = PeerErrors(workspace.device, self.rank,
