@@ -255,16 +255,43 @@ def test_any_nonfinite_loss_of_an_interval_stops_the_run(tmp_path, losses):
         run.check_loss()
 
 
+def _recording_run(tmp_path: Path, intervals: list, step: int = 0, items_per_step: int = 1) -> TrainingRun:
+    """A run from `step`, logging every 3 steps, whose log_fields keeps each Interval in `intervals`."""
+    trainer = OmegaConf.create({"log_every": 3, "eval_every": 0, "checkpoint_every": 0, "max_steps": None,
+                                "progress": False, "resume_from": None})
+    return TrainingRun(trainer, CPU, tmp_path, tmp_path / "checkpoints", step, items="samples",
+                       items_per_step=items_per_step,
+                       log_fields=lambda interval: intervals.append(interval) or ({"loss": 0.0}, ""),
+                       evaluate=lambda step: {}, save=lambda step: None, log=logging.getLogger(__name__))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_gradient_norms_are_averaged_and_a_nonfinite_one_stops_the_run(tmp_path, bad):
+    """A loop that measures gradient norms (moe/train.py, when it clips) gets their mean over the interval's steps
+    that measured one. A NaN / inf norm stops the run at the interval's check like a NaN loss, although every loss
+    was finite: clipping by an inf norm zeroes every finite gradient (a step that silently moved nothing but
+    momentum and decay) and turns the inf ones, as a NaN norm all of them, into NaN weights."""
+    intervals = []
+    run = _recording_run(tmp_path, intervals, step=10)
+    for norm in (1.5, None, 2.5):  # a step that measured none counts for the loss only
+        run.end_step(torch.tensor(0.5), grad_norm=None if norm is None else torch.tensor(norm))
+    run.check_loss()
+    run.end_step(torch.tensor(0.5))
+    run.check_loss()
+    assert [(i.step, i.grad_norm) for i in intervals] == [(13, 2.0), (14, None)]
+    for norm in (1.0, bad, 1.0):
+        run.end_step(torch.tensor(0.5), grad_norm=torch.tensor(norm))
+    with pytest.raises(NonFiniteLossError, match=r"gradient norm became NaN or inf between steps 15 and 17; "
+                                                 r"stopping\. Last good checkpoint: none"):
+        run.check_loss()
+
+
 def test_the_rate_counts_the_samples_of_each_step(tmp_path, monkeypatch):
     """samples/s over the steps' own sizes (a file's short last batch), not steps x the configured batch."""
     clock = iter([0.0, 2.0, 2.0])  # the run starts, the interval ends, the next one starts
     monkeypatch.setattr("fused_dlrm.train.schedule.time.perf_counter", lambda: next(clock))
     intervals = []
-    trainer = OmegaConf.create({"log_every": 3, "eval_every": 0, "checkpoint_every": 0, "max_steps": None,
-                                "progress": False, "resume_from": None})
-    run = TrainingRun(trainer, CPU, tmp_path, tmp_path / "checkpoints", 0, items="samples", items_per_step=16,
-                      log_fields=lambda interval: intervals.append(interval) or ({"loss": 0.0}, ""),
-                      evaluate=lambda step: {}, save=lambda step: None, log=logging.getLogger(__name__))
+    run = _recording_run(tmp_path, intervals, items_per_step=16)
     for items in (16, None, 6):
         run.end_step(torch.tensor(0.5), items=items)
     run.check_loss()

@@ -1,10 +1,10 @@
 """The bookkeeping every model's training loop shares: `TrainingRun`.
 
-A loop takes its steps and tells the run about each (`end_step`); the run counts steps, sums the loss on the
-device, and on the configured cadence (`after_step`) checks the loss (reduced over ranks, NaN/inf stops the run),
-logs the interval (metrics.jsonl, log line, progress bar), writes a checkpoint and evaluates; `finish` does the
-last of each. What differs between models comes in as three callbacks: the interval's log fields, the evaluation
-and the checkpoint.
+A loop takes its steps and tells the run about each (`end_step`); the run counts steps, sums the loss (and the
+gradient norm, where the loop measures one) on the device, and on the configured cadence (`after_step`) checks them
+(reduced over ranks, NaN/inf stops the run), logs the interval (metrics.jsonl, log line, progress bar), writes a
+checkpoint and evaluates; `finish` does the last of each. What differs between models comes in as three callbacks:
+the interval's log fields, the evaluation and the checkpoint.
 
 The loss is always checked before a checkpoint is written, and the checkpoint checks the parameters and optimizer
 state (the last step's update came after its loss), so a checkpoint never holds a diverged model. Before every
@@ -35,11 +35,12 @@ from fused_dlrm.train.config_keys import check_count
 log = logging.getLogger(__name__)
 
 def stop_if_nonfinite(loss_sum: float, first_step: int, last_step: int, checkpoint_dir: Path,
-                      resumed_from: str | None) -> None:
-    """Stop the run, naming the step range and the last good checkpoint, if any step's loss was NaN or inf: the
-    sum of the steps' losses is then NaN or inf too (a sum of finite losses could only overflow past 3e38)."""
+                      resumed_from: str | None, what: str = "loss") -> None:
+    """Stop the run, naming the step range and the last good checkpoint, if any step's `what` (its loss, its
+    gradient norm) was NaN or inf: the sum of the steps' values is then NaN or inf too (a sum of finite ones could
+    only overflow past 3e38)."""
     if not math.isfinite(loss_sum):
-        raise NonFiniteLossError(f"loss became NaN or inf between steps {first_step} and {last_step}; stopping. "
+        raise NonFiniteLossError(f"{what} became NaN or inf between steps {first_step} and {last_step}; stopping. "
                                  f"Last good checkpoint: {last_good_checkpoint(checkpoint_dir, resumed_from)}")
 
 
@@ -79,9 +80,11 @@ class TrainResult:
 @dataclass
 class Interval:
     """One log interval, its losses reduced over ranks: what a loop's `log_fields` turns into its log."""
+    step: int            # the interval's last step
     losses: list[float]  # each loss term's mean per step and rank, in end_step's order
     step_ms: float       # mean wall time of a step
     rate: float          # samples (tokens, ...) per second over the interval's steps
+    grad_norm: float | None  # the mean gradient norm of the steps that passed one to end_step (None: no step did)
 
 
 # log_fields(interval) -> (metrics.jsonl fields, with "loss"; the log line after "step N ")
@@ -130,16 +133,23 @@ class TrainingRun:
         self.metrics = MetricsLog(run_dir, env.is_main)
         self.bar = tqdm(total=trainer.max_steps, initial=step, disable=not (env.is_main and trainer.progress),
                         desc="train")
-        # [sum of each loss term over the interval's steps, sum of the total loss (its NaN / inf check)]
-        self.loss_sum = torch.zeros(loss_terms + 1, device=env.device)
+        # [sum of each loss term over the interval's steps, sum of the total loss (its NaN / inf check), sum of the
+        # gradient norms passed]
+        self.loss_sum = torch.zeros(loss_terms + 2, device=env.device)
         self.interval_start, self.interval_steps, self.interval_items = time.perf_counter(), 0, 0
+        self.interval_norms = 0  # the interval's steps that passed a gradient norm
 
     def end_step(self, loss: torch.Tensor, terms: Sequence[torch.Tensor] | None = None,
-                 items: int | None = None) -> None:
+                 items: int | None = None, grad_norm: torch.Tensor | None = None) -> None:
         """Count a step: its detached total loss (checked for NaN/inf) and the terms to log (default: the loss),
         summed on the device (no host sync; one op for a lone loss, which both entries take); `items`: what the
-        rate counts in this step, where it is not items_per_step (a file's short last batch)."""
-        self.loss_sum += loss if terms is None else torch.stack([*terms, loss])
+        rate counts in this step, where it is not items_per_step (a file's short last batch); `grad_norm`: its
+        gradient norm, the same on every rank (logged as the interval's mean, checked for NaN/inf: moe/train.py's
+        clipping by a NaN / inf norm writes NaN into the weights while the step's loss is finite)."""
+        self.loss_sum[:-1] += loss if terms is None else torch.stack([*terms, loss])
+        if grad_norm is not None:
+            self.loss_sum[-1] += grad_norm
+            self.interval_norms += 1
         self.step += 1
         self.interval_steps += 1
         self.interval_items += self.items_per_step if items is None else items
@@ -180,15 +190,19 @@ class TrainingRun:
     def check_loss(self) -> float:
         """Reduce the interval's losses over ranks; stop the run on NaN/inf (before any checkpoint is written);
         log the interval."""
-        step, steps = self.step, self.interval_steps
+        step, steps, norms = self.step, self.interval_steps, self.interval_norms
         total = all_reduce_sum(self.loss_sum.clone()).tolist()
-        stop_if_nonfinite(total[-1], step - steps + 1, step, self.checkpoint_dir, self.resumed_from)
+        # the norm first: clipping by a NaN / inf norm makes the next steps' losses NaN too
+        stop_if_nonfinite(total[-1], step - steps + 1, step, self.checkpoint_dir, self.resumed_from, "gradient norm")
+        stop_if_nonfinite(total[-2], step - steps + 1, step, self.checkpoint_dir, self.resumed_from)
         seconds = time.perf_counter() - self.interval_start
-        interval = Interval(losses=[v / max(steps * self.env.world_size, 1) for v in total[:-1]],
-                            step_ms=1000 * seconds / max(steps, 1), rate=self.interval_items / seconds)
+        interval = Interval(step=step, losses=[v / max(steps * self.env.world_size, 1) for v in total[:-2]],
+                            step_ms=1000 * seconds / max(steps, 1), rate=self.interval_items / seconds,
+                            grad_norm=total[-1] / (norms * self.env.world_size) if norms else None)
         fields, line = self.log_fields(interval)
         self.loss_sum.zero_()
         self.interval_start, self.interval_steps, self.interval_items = time.perf_counter(), 0, 0
+        self.interval_norms = 0
         self.result.losses.append((step, fields["loss"]))
         self.metrics.record({"step": step, **fields})
         self.bar.set_postfix({"loss": f"{fields['loss']:.4f}", f"{self.items}_s": f"{interval.rate:,.0f}"})
