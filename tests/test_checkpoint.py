@@ -264,3 +264,22 @@ def test_resume_keeps_the_configured_dense_optimizer_options(tmp_path, caplog):
     with pytest.raises(ValueError, match=r"dense optimizer Adam, this run's is AdamW: it was written with another "
                                          r"dense optimizer"):
         load_checkpoint(tmp_path, other, torch.optim.AdamW(other.parameters()))
+
+
+def test_a_scheduled_lr_resumes_as_its_configured_base(tmp_path, caplog):
+    """A checkpoint written under an lr scheduler holds the last step's lr (here 0.001 x 0.5) and the configured
+    base as initial_lr: a resume with the same config changed nothing (it said "keeps this run's lr=0.001
+    (checkpoint: 0.0005)"), with another lr it names the two bases; the checkpoint's initial_lr is not kept (the
+    resumed run's scheduler, made after loading, takes this run's lr as its base)."""
+    model, optimizer = _model_and_optimizer(momentum_sgd=False)  # Adam, lr 0.001
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 0.5)
+    save_checkpoint(tmp_path, 4, model, optimizer)
+    for lr, said in ((0.001, ""), (0.01, "keeps this run's lr=0.01 (checkpoint: 0.001)")):
+        other = _model_and_optimizer(momentum_sgd=False)[0]
+        other.zero_grad(set_to_none=True)
+        resumed = torch.optim.Adam(other.parameters(), lr=lr)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            load_checkpoint(tmp_path, other, resumed)
+        assert said in caplog.text and ("keeps this run's" in caplog.text) == bool(said), caplog.text
+        assert resumed.param_groups[0]["lr"] == lr and "initial_lr" not in resumed.param_groups[0]

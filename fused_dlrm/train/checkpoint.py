@@ -240,11 +240,16 @@ def _check_run(path: Path, saved: dict, optimizer: torch.optim.Optimizer, global
 
 def _keep_configured_options(optimizer: torch.optim.Optimizer, configured: list[dict]) -> None:
     """Put this run's hyperparameters back into the param groups that loading replaced with the checkpoint's: a
-    resumed run trains with its config (lr, weight decay, ...), as the embedding optimizer does."""
+    resumed run trains with its config (lr, weight decay, ...), as the embedding optimizer does. A group an lr
+    scheduler ran (torch.optim.lr_scheduler) holds its configured lr as initial_lr, `lr` being its last step's:
+    that is the one compared, and dropped (this run's scheduler, made after loading, sets its own)."""
     changed = []
     for group, options in zip(optimizer.param_groups, configured):
-        changed += [f"{key}={value!r} (checkpoint: {group.get(key)!r})" for key, value in options.items()
-                    if key in group and group[key] != value]
+        saved = dict(group)
+        if "initial_lr" in group and "initial_lr" not in options:
+            saved["lr"] = group.pop("initial_lr")
+        changed += [f"{key}={value!r} (checkpoint: {saved.get(key)!r})" for key, value in options.items()
+                    if key in saved and saved[key] != value]
         group.update(options)
     if changed:
         log.info("resume: the dense optimizer keeps this run's %s", ", ".join(dict.fromkeys(changed)))
@@ -288,6 +293,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         raise ValueError(f"the ranks would resume from different checkpoints under {given}: "
                          f"{'; '.join(f'{name} on rank(s) {ranks}' for name, ranks in folders.items())}: give every "
                          "rank the same checkpoints, or resume from one step_<N> folder that all of them hold")
+    for i, group in enumerate(state["dense_optimizer"].get("param_groups", [])):
+        if f"dense_optimizer.param_groups.{i}.initial_lr" in saved:  # an lr scheduler's base: read to compare
+            group["initial_lr"] = None  # (DCP reads the keys the state holds)
     try:
         dcp.load(state, checkpoint_id=path)
     except CheckpointException as error:  # raised on every rank: DCP gathers each rank's read failures
