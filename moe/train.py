@@ -2,31 +2,38 @@
 
 One step: this rank's slice of the global batch -> MoETransformer forward (the dispatch / combine all-to-alls
 inside every MoE layer) -> loss = cross-entropy + aux_coeff * load balancing + z_coeff * z loss -> backward ->
-`sync_gradients` (replicated parameters' gradients summed over ranks) -> optimizer step. With model.tp_size > 1 the
-world is split into tensor-parallel groups of consecutive ranks (the attention and dense FFN projections sharded
-over each, activations replicated inside it, or with model.sequence_parallel cut over it) and data-parallel groups
-across them: the batch is split over the data-parallel ranks (a TP group shares one slice, which under sequence
-parallelism the model cuts again: MoETransformer.local_tokens), and gradients are summed over the ranks holding
-different tokens (MoETransformer.gradient_groups).
-Every `log_every` steps the losses are reduced over ranks and checked for NaN/inf, and tokens/s and the expert
-load are logged; every `eval_every` steps the eval loss is measured; every `checkpoint_every` steps a checkpoint
-is written (only after the loss was checked). Only trainer.max_steps is supported (no epochs). The step itself is
-`train_step` (also timed by fused_dlrm/report/moe.py); the bookkeeping around it is a `TrainingRun`
-(fused_dlrm/train/schedule.py, shared with the DLRM loop). Host syncs of a step on GPUs: each MoE layer's counts (they
-size its exchanges; with a capacity factor also its kept rows) and, every log_every steps, the loss check; none
-for the batch (a pinned, non-blocking copy).
+`sync_gradients` (replicated parameters' gradients summed over ranks) -> with model.clip_grad, `clip_gradients` (by
+the whole model's norm) -> optimizer step -> the lr scheduler's step (model.lr_schedule: `lr_schedule`, a function
+of the step alone, so a resumed run continues it). With model.tp_size > 1 the world is split into tensor-parallel
+groups of consecutive ranks (the attention and dense FFN projections sharded over each, activations replicated
+inside it, or with model.sequence_parallel cut over it) and data-parallel groups across them: the batch is split
+over the data-parallel ranks (a TP group shares one slice, which under sequence parallelism the model cuts again:
+MoETransformer.local_tokens), and gradients are summed over the ranks holding different tokens
+(MoETransformer.gradient_groups).
+Every `log_every` steps the losses (and the pre-clip gradient norms) are reduced over ranks and checked for NaN/inf,
+and tokens/s, the lr and the expert load are logged; every `eval_every` steps the eval loss is measured; every
+`checkpoint_every` steps a checkpoint is written (only after the loss was checked). Only trainer.max_steps is
+supported (no epochs). The step itself is `train_step` (also timed by fused_dlrm/report/moe.py); the bookkeeping
+around it is a `TrainingRun` (fused_dlrm/train/schedule.py, shared with the DLRM loop). Host syncs of a step on
+GPUs: each MoE layer's counts (they size its exchanges; with a capacity factor also its kept rows) and, every
+log_every steps, the loss check; none for the batch (a pinned, non-blocking copy); none for clipping (the norm stays
+on the device: a NaN / inf one stops the run at the interval's check, TrainingRun).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig
+from torch.optim.lr_scheduler import LambdaLR
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv, all_reduce_sum
@@ -164,6 +171,56 @@ def sync_gradients(model: MoETransformer, grad_allreduce: str = "nccl") -> None:
             offset += p.numel()
 
 
+def gradient_norm(model: MoETransformer) -> torch.Tensor:
+    """After sync_gradients: the norm of the whole model's gradient as one vector, each value counted once, the same
+    on every rank (a collective): each rank's sum of squares weights a parameter by 1 / its copies in the world
+    (MoETransformer.gradient_copies), and the sums are summed over the world."""
+    squares = [torch.nn.utils.get_total_norm(grads).square() / copies for params, copies in model.gradient_copies()
+               if (grads := [p.grad for p in params if p.grad is not None])]
+    return sum_over(torch.stack(squares).sum(), None).sqrt()
+
+
+def clip_gradients(model: MoETransformer, clip_grad: float) -> torch.Tensor:
+    """Scale every gradient by min(1, clip_grad / (norm + 1e-6)), norm the `gradient_norm` (Megatron's clip_grad,
+    torch's clip_grad_norm_); returns that norm, on the device (no host sync). A NaN norm makes every gradient NaN,
+    an inf one the finite gradients 0 and the inf ones NaN: either way the run stops at the interval's check
+    (TrainingRun.end_step's grad_norm), before any checkpoint."""
+    norm = gradient_norm(model)
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_grad, norm)
+    return norm
+
+
+def lr_schedule(schedule: DictConfig, lr: float, max_steps: int) -> Callable[[int], float]:
+    """model.lr_schedule, checked, as LambdaLR's lr_lambda: the factor of the configured `lr` at the step after
+    `done` steps, Megatron's schedule at num_steps = done: lr x done / warmup_steps up to done = warmup_steps (the
+    first step's lr is 0), then `decay` (constant, linear or cosine) to min_lr at done = decay_steps (counted from 0,
+    the warm-up included; null: trainer.max_steps), min_lr after."""
+    warmup, decay = schedule.warmup_steps, schedule.decay
+    decay_steps = max_steps if schedule.decay_steps is None else schedule.decay_steps
+    if not (isinstance(warmup, int) and warmup >= 0):
+        raise ValueError(f"model.lr_schedule.warmup_steps={warmup!r}: expected a step count >= 0")
+    if decay not in ("constant", "linear", "cosine"):
+        raise ValueError(f"model.lr_schedule.decay={decay!r}: expected constant, linear or cosine")
+    if decay != "constant" and not (isinstance(decay_steps, int) and decay_steps > warmup):
+        raise ValueError(f"model.lr_schedule.decay_steps={decay_steps!r} (null: trainer.max_steps): a {decay} decay "
+                         f"needs a step count above warmup_steps={warmup}")
+    if not 0 <= schedule.min_lr <= lr:
+        raise ValueError(f"model.lr_schedule.min_lr={schedule.min_lr!r}: expected 0 <= min_lr <= the optimizer's "
+                         f"lr {lr}")
+    return partial(_lr_factor, warmup, decay, decay_steps, schedule.min_lr / lr if lr else 0.0)
+
+
+def _lr_factor(warmup: int, decay: str, decay_steps: int, min_factor: float, done: int) -> float:
+    """lr_schedule's factor (Megatron's OptimizerParamScheduler.get_lr over the configured lr)."""
+    if warmup and done <= warmup:
+        return done / warmup
+    if decay == "constant":
+        return 1.0
+    ratio = min((done - warmup) / (decay_steps - warmup), 1.0)
+    kept = 1 - ratio if decay == "linear" else 0.5 * (1 + math.cos(math.pi * ratio))
+    return min_factor + kept * (1 - min_factor)
+
+
 def token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
 
@@ -187,12 +244,13 @@ def evaluate(model: MoETransformer, dataset: ByteWindows, num_batches: int, env:
 
 
 def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
-               aux_coeff: float, z_coeff: float, grad_allreduce: str = "nccl",
-               ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+               aux_coeff: float, z_coeff: float, grad_allreduce: str = "nccl", clip_grad: float | None = None,
+               ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
     """One step on this rank's slice of the batch, already on the device: forward (dispatch / combine inside every
     MoE layer), loss = cross-entropy + aux_coeff * load balancing + z_coeff * z loss, backward, `sync_gradients`,
-    optimizer step. Returns the detached total loss, its terms [cross-entropy, load balancing, z loss] and the
-    kept assignments per expert of each MoE layer."""
+    with clip_grad (not None or 0) `clip_gradients`, optimizer step. Returns the detached total loss, its terms
+    [cross-entropy, load balancing, z loss], the kept assignments per expert of each MoE layer and the gradient
+    norm before clipping (None without clip_grad: not measured, a pass over every gradient that nothing needs)."""
     logits, aux = model(inputs)
     targets = model.local_tokens(targets)
     shares = world_size(model.group)  # the ranks holding different tokens
@@ -208,9 +266,10 @@ def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: 
     # and the experts' gradients need no rescaling.
     (loss / shares).backward()
     sync_gradients(model, grad_allreduce)
+    grad_norm = clip_gradients(model, clip_grad) if clip_grad else None
     optimizer.step()
     terms = [ce.detach(), aux["load_balancing_loss"].detach(), aux["z_loss"].detach()]
-    return loss.detach(), terms, aux["tokens_per_expert"]
+    return loss.detach(), terms, aux["tokens_per_expert"], grad_norm
 
 
 def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
@@ -222,30 +281,40 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     if cfg.data.eval_batches < 1:  # the loss of no batch would be 0 / 0, and every run ends with an evaluation
         raise ValueError(f"data.eval_batches={cfg.data.eval_batches}: the evaluation needs at least one batch")
     check_grad_allreduce(cfg.comm.grad_allreduce)
+    if m.clip_grad is not None and not m.clip_grad >= 0:  # NaN too
+        raise ValueError(f"model.clip_grad={m.clip_grad!r}: expected a norm >= 0 (null or 0: no clipping)")
     model = build_model(cfg, env)
     optimizer = instantiate(m.optimizer, _partial_=True)(weight_decay_groups(model))
+    lr_factor = lr_schedule(m.lr_schedule, optimizer.defaults["lr"], t.max_steps)
     train_data, eval_data = build_data(cfg, env, run_dir)
     checkpoint_dir = Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints"
 
     step = 0
     if t.resume_from:
         step = load_checkpoint(t.resume_from, model, optimizer)
+    for group in optimizer.param_groups:  # LambdaLR's base, which it needs given past step 0: this run's lr
+        group["initial_lr"] = group["lr"]
+    scheduler = LambdaLR(optimizer, lr_factor, last_epoch=step - 1)  # sets the lr of the step after `step` steps
     num_moe_layers = sum(1 for i in range(m.num_layers) if (i + 1) % m.moe_every == 0)
     # the kept assignments per (MoE layer, expert) over the log interval
     expert_load = torch.zeros(num_moe_layers, m.num_experts, dtype=torch.int64, device=env.device)
 
     def log_fields(interval: Interval) -> tuple[dict, str]:
-        """The interval's losses, speed and expert load (reduced over ranks here: a collective)."""
+        """The interval's losses, its last step's lr, its mean pre-clip gradient norm (with clipping), speed and
+        expert load (reduced over ranks here: a collective)."""
         ce, lb, z = interval.losses
+        lr = scheduler.base_lrs[0] * lr_factor(interval.step - 1)  # every group's base is the configured lr
+        norm, norm_text = ({}, "") if interval.grad_norm is None else ({"grad_norm": interval.grad_norm},
+                                                                       f" grad_norm {interval.grad_norm:.4f}")
         load = sum_over(expert_load.clone(), model.group).double()  # over the ranks routing different tokens
         expert_load.zero_()
         # max / mean tokens per expert of each MoE layer, over all ranks (1.0: perfectly balanced)
         imbalance = (load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9)).tolist()
-        return ({"loss": ce, "load_balancing_loss": lb, "z_loss": z, "step_ms": interval.step_ms,
+        return ({"loss": ce, "load_balancing_loss": lb, "z_loss": z, "lr": lr, **norm, "step_ms": interval.step_ms,
                  "tokens_per_s": interval.rate, "expert_load_max_over_mean": imbalance,
                  "tokens_per_expert": load.long().tolist()},
-                f"loss {ce:.5f} lb {lb:.4f} z {z:.4f} step_ms {interval.step_ms:.1f} tokens/s {interval.rate:.0f} "
-                f"expert max/mean {' '.join(f'{x:.2f}' for x in imbalance)}")
+                f"loss {ce:.5f} lb {lb:.4f} z {z:.4f} lr {lr:.4g}{norm_text} step_ms {interval.step_ms:.1f} "
+                f"tokens/s {interval.rate:.0f} expert max/mean {' '.join(f'{x:.2f}' for x in imbalance)}")
 
     def run_eval(step: int) -> dict:
         eval_loss = evaluate(model, eval_data, cfg.data.eval_batches, env)
@@ -263,10 +332,11 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         # Through pinned memory in one non-blocking copy: a pageable copy would make the host wait for the GPU
         # to finish the previous step first.
         inputs, targets = host_to_device(list(train_data.batch(run.step)), env.device)
-        loss, terms, tokens_per_expert = train_step(model, optimizer, inputs, targets, m.aux_coeff, m.z_coeff,
-                                                    cfg.comm.grad_allreduce)
+        loss, terms, tokens_per_expert, grad_norm = train_step(model, optimizer, inputs, targets, m.aux_coeff,
+                                                               m.z_coeff, cfg.comm.grad_allreduce, m.clip_grad)
         if num_moe_layers:
             expert_load += torch.stack(tokens_per_expert)
-        run.end_step(loss, terms)  # step += 1; the losses summed on the device
+        run.end_step(loss, terms, grad_norm=grad_norm)  # step += 1; the losses (and norm) summed on the device
         run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
+        scheduler.step()  # the next step's lr
     return run.finish()  # the last loss check, evaluation and checkpoint

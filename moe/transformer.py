@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fused_dlrm.dist.alltoall import world_size
 from fused_dlrm.dist.symmetric import ALLOCATION_TIMEOUT_S
 from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, TPLinear
 from fused_dlrm.train.compute_copies import want_compute_copy
@@ -253,14 +254,31 @@ class MoETransformer(nn.Module):
         the TP projections' shards over the data-parallel group (a TP group's ranks each hold a different shard,
         whose gradient already covers the TP group's tokens); everything else but the experts (which are complete
         on their owner) over `group`. Without sequence parallelism the two groups are one."""
-        experts = {id(p) for p in expert_parameters(self)}
-        shards = {id(p) for m in self.modules() if isinstance(m, TPLinear) for p in m.parameters()}
+        experts, shards = self._expert_and_shard_ids()
         replicated = [p for p in self.parameters() if id(p) not in experts]
         if not self.sequence_parallel:
             return [("replicated", replicated, self.group)]
         return [("TP shards, data-parallel group", [p for p in replicated if id(p) in shards],
                  self.data_parallel_group),
                 ("the rest, world", [p for p in replicated if id(p) not in shards], self.group)]
+
+    def gradient_copies(self) -> list[tuple[list[nn.Parameter], int]]:
+        """(parameters, copies): how many ranks of the world hold the same values of those parameters (after
+        moe.train.sync_gradients, the same gradients too), for a norm of the whole model that counts every value
+        once. An expert: the tp_size ranks of a TP group (they route the same tokens to the same slice of the
+        experts; under sequence parallelism every rank's experts are its own: 1); a TP projection's shard: its
+        data-parallel group (world / tp_size); everything else: every rank."""
+        world = world_size()
+        experts, shards = self._expert_and_shard_ids()
+        kinds = [([], world // world_size(self.group)), ([], world // self.tp_size), ([], world)]
+        for p in self.parameters():
+            kinds[0 if id(p) in experts else 1 if id(p) in shards else 2][0].append(p)
+        return kinds
+
+    def _expert_and_shard_ids(self) -> tuple[set[int], set[int]]:
+        """The ids of the experts' parameters and of the TP projections' shards."""
+        return ({id(p) for p in expert_parameters(self)},
+                {id(p) for m in self.modules() if isinstance(m, TPLinear) for p in m.parameters()})
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """tokens [B, S] int64 (the same on every rank of a TP group) -> (logits, aux): logits [B, S, vocab], or

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -19,14 +20,16 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv
+from fused_dlrm.train.checkpoint import NonFiniteLossError
 from fused_dlrm.train.rundir import register_resolvers
 from moe.data import ByteWindows, load_corpus, stdlib_corpus
 from moe.routing import TopKRouter
 import moe.train as moe_train
-from moe.train import build_model, fused_moe_config, train, weight_decay_groups
+from moe.train import build_model, fused_moe_config, lr_schedule, train, weight_decay_groups
 from moe.transformer import MoETransformer, expert_parameters
 from world import run_torchrun, run_world
 
@@ -95,8 +98,9 @@ def test_loss_falls_and_metrics_are_logged(tmp_path, caplog):
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert {"loss", "step_ms", "tokens_per_s", "load_balancing_loss", "z_loss",
             "expert_load_max_over_mean"} <= set(lines[0])
+    assert lines[0]["lr"] == 0.003 and "grad_norm" not in lines[0]  # the defaults: a constant lr, no clipping
     assert lines[0]["step_ms"] * lines[0]["tokens_per_s"] / 1000 == pytest.approx(32 * 64)  # tokens per step
-    assert re.fullmatch(r"step 10 loss \d+\.\d{5} lb [\d.]+ z [\d.]+ step_ms \d+\.\d tokens/s \d+ "
+    assert re.fullmatch(r"step 10 loss \d+\.\d{5} lb [\d.]+ z [\d.]+ lr 0\.003 step_ms \d+\.\d tokens/s \d+ "
                         r"expert max/mean \d\.\d\d \d\.\d\d",
                         [r.getMessage() for r in caplog.records if r.name == "moe.train"][0])  # not torch's
     # every kept assignment is counted: global batch 32 x 64 tokens x top-2 x 10 steps per MoE layer
@@ -104,19 +108,51 @@ def test_loss_falls_and_metrics_are_logged(tmp_path, caplog):
     assert (tmp_path / "corpus.txt").stat().st_size == 300000
 
 
+def test_the_lr_schedule_is_megatrons():
+    """The lr of the step after `done` steps (Megatron's num_steps): a linear warm-up from 0, then a decay to
+    min_lr at decay_steps (counted from step 0), min_lr after; constant: the lr after the warm-up."""
+    def lrs(decay, done, decay_steps=12):
+        schedule = OmegaConf.create({"warmup_steps": 4, "decay": decay, "decay_steps": decay_steps, "min_lr": 0.1})
+        return [lr_schedule(schedule, 2.0, 100)(d) * 2.0 for d in done]
+
+    warmup = [0.0, 0.5, 1.0, 1.5, 2.0]  # lr x done / warmup_steps: the first step's lr is 0, as Megatron's
+    assert lrs("constant", [0, 1, 2, 3, 4, 5, 1000]) == warmup + [2.0, 2.0]
+    # a quarter and half of the way from step 4 to 12; at and past 12 min_lr
+    for decay, quarter in (("linear", 0.1 + 1.9 * 0.75), ("cosine", 0.1 + 1.9 * 0.5 * (1 + math.cos(math.pi / 4)))):
+        assert lrs(decay, [0, 1, 2, 3, 4, 6, 8, 12, 13]) == pytest.approx(warmup + [quarter, 1.05, 0.1, 0.1],
+                                                                       rel=1e-15), decay
+    assert lrs("cosine", [52, 99], decay_steps=None) == pytest.approx([0.1 + 1.9 * 0.5, 0.1 + 1.9 * (1 - math.cos(
+        math.pi / 96)) / 2])  # null: decay over trainer.max_steps (100)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_resume_continues_the_exact_loss_curve(tmp_path, precision):
-    """bf16: the experts' weights step through the AdamW kernel that writes their compute copies (the
-    interpreter here), whose state must come back from the checkpoint as torch's does."""
+    """With a warm-up, a cosine decay and gradient clipping: the lr is a function of the step alone and the clip
+    one of the step's gradients, so the resumed run's curve is the uninterrupted one's, bit for bit. bf16: the
+    experts' weights step through the AdamW kernel that writes their compute copies (the interpreter here), whose
+    state must come back from the checkpoint as torch's does."""
     common = SMALL + ["trainer.max_steps=24", "trainer.log_every=4", "trainer.checkpoint_every=8",
                       "data.global_batch_size=16", "model.moe_every=2", "model.shared_expert=true",
-                      f"model.precision={precision}"]
+                      f"model.precision={precision}", "model.lr_schedule.warmup_steps=6",
+                      "model.lr_schedule.decay=cosine", "model.lr_schedule.min_lr=0.0003", "model.clip_grad=0.5"]
     full = train(config(*common), CPU, tmp_path / "full")
     assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step_16", "step_24"]
     resumed = train(config(*common, f"trainer.resume_from={tmp_path / 'full' / 'checkpoints' / 'step_16'}"),
                     CPU, tmp_path / "resumed")
     assert resumed.losses == [(s, l) for s, l in full.losses if s > 16]
     assert resumed.evals == full.evals
+
+    def logged(run: str) -> list[tuple[int, float, float]]:
+        lines = [json.loads(l) for l in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [(l["step"], l["lr"], l["grad_norm"]) for l in lines if "loss" in l]
+
+    full_log = logged("full")
+    assert logged("resumed") == [entry for entry in full_log if entry[0] > 16]
+    # the lr of each interval's last step (the step after step - 1 steps)
+    schedule = lr_schedule(config(*common).model.lr_schedule, 0.003, 24)
+    assert [lr for _, lr, _ in full_log] == [0.003 * schedule(step - 1) for step in (4, 8, 12, 16, 20, 24)]
+    assert full_log[0][1] == 0.003 * (3 / 6) and 0.0003 < full_log[-1][1] < 0.0004  # warming up; near min_lr
+    assert max(norm for _, _, norm in full_log) > 0.5  # the clip bites: the interval's mean pre-clip norm above it
 
 
 def _gloo(rank: int, world: int) -> DistEnv:
@@ -142,7 +178,8 @@ def _two_ranks(rank: int, world: int, tmp: str, one_process_losses) -> None:
     tmp = Path(tmp)
     _same_curve_as_one_process(env, tmp / "no_aux", one_process_losses, SAME_AS_ONE_PROCESS)
 
-    common = SMALL + ["trainer.max_steps=20", "trainer.log_every=5", "trainer.checkpoint_every=10"]
+    common = SMALL + ["trainer.max_steps=20", "trainer.log_every=5", "trainer.checkpoint_every=10",
+                      "model.lr_schedule.warmup_steps=4", "model.lr_schedule.decay=linear", "model.clip_grad=0.3"]
     built = []  # the model train() trains, to compare its replicated parameters across ranks afterwards
 
     def recording_build_model(cfg, env):
@@ -247,15 +284,16 @@ def _step_gradients_match_the_objective(rank: int, world: int) -> None:
     alone = [dist.new_group([r]) for r in range(world)][rank]  # the reference's: every expert, no exchange
     tokens = torch.randint(0, 256, (7, 9), generator=torch.Generator().manual_seed(9))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    # uneven slices with capacity drops; a rank without samples (its MoE layers route no token)
-    for samples, capacity_factor in (([3, 2, 2], 1.0), ([4, 3, 0], None)):
+    # uneven slices with capacity drops, the gradients clipped; a rank without samples (its MoE layers route no
+    # token)
+    for samples, capacity_factor, clip_grad in (([3, 2, 2], 1.0, 0.5), ([4, 3, 0], None, None)):
         bounds = [0, *torch.tensor(samples).cumsum(0).tolist()]
         mine = slice(bounds[rank], bounds[rank + 1])
         kwargs = dict(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=2 * world,
                       capacity_factor=capacity_factor, seed=3)
         model = MoETransformer(**kwargs).double()
-        _, _, kept = moe_train.train_step(model, _NoStep(model.parameters()), inputs[mine], targets[mine],
-                                          aux_coeff, z_coeff)
+        _, _, kept, norm = moe_train.train_step(model, _NoStep(model.parameters()), inputs[mine], targets[mine],
+                                                aux_coeff, z_coeff, clip_grad=clip_grad)
         dropped = torch.tensor(2 * 2 * inputs[mine].numel() - int(sum(k.sum() for k in kept)))  # 2 layers, top 2
         dist.all_reduce(dropped)
         assert (dropped > 0) == (capacity_factor is not None), dropped
@@ -269,6 +307,12 @@ def _step_gradients_match_the_objective(rank: int, world: int) -> None:
                                                    reduction="sum") / targets.numel()
             objective = objective + ce + (aux_coeff * aux["load_balancing_loss"] + z_coeff * aux["z_loss"]) / world
         objective.backward()
+        if clip_grad is None:
+            assert norm is None  # not measured: a pass over every gradient that nothing needs
+        else:  # the whole model's gradient as one vector: each rank's experts, the replicated parameters once
+            reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_grad)
+            assert reference_norm > 2 * clip_grad  # the clip bites
+            torch.testing.assert_close(norm, reference_norm, rtol=1e-12, atol=0)
         wanted = dict(reference.named_parameters())
         experts = {id(p) for p in expert_parameters(model)}
         for name, p in model.named_parameters():
@@ -280,8 +324,59 @@ def _step_gradients_match_the_objective(rank: int, world: int) -> None:
 
 def test_three_ranks_step_gradients_are_the_objectives():
     """3 ranks (2 experts each), auxiliary losses on: the gradient semantics of a step, exactly (SGD curves, the
-    other tests, leave the auxiliary losses out: they are per rank)."""
+    other tests, leave the auxiliary losses out: they are per rank), and their clipping by the global norm."""
     run_world(3, _step_gradients_match_the_objective, timeout=600)
+
+
+def _tensor_parallel_clip_counts_each_value_once(rank: int, world: int) -> None:
+    """tp_size 2 x 2 data-parallel ranks, with and without sequence parallelism: the norm a step clips by is the
+    float64 norm of one process's gradient of the same weights (TP shards distinct over a TP group, experts over
+    the ranks holding different tokens, everything else held by all), and every gradient is scaled by
+    clip / (norm + 1e-6)."""
+    tokens = torch.randint(0, 256, (6, 9), generator=torch.Generator().manual_seed(11))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    mine = slice(3 * (rank // 2), 3 * (rank // 2) + 3)  # a TP group's slice of the batch
+    kwargs = dict(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=8, shared_expert=True, seed=5)
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # the reference's: every expert, no exchange
+    reference = MoETransformer(group=alone, **kwargs).double()
+    logits, _ = reference(inputs)
+    torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1)).backward()
+    reference_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    tp_group, dp_group = moe_train.tp_groups(2)
+    for sequence_parallel in (False, True):
+        model = MoETransformer(group=dp_group, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                               **kwargs).double()
+        optimizer = _NoStep(model.parameters())
+        _, _, _, norm = moe_train.train_step(model, optimizer, inputs[mine], targets[mine], 0.0, 0.0,
+                                             clip_grad=1e9)  # measured, not clipped
+        torch.testing.assert_close(norm, reference_norm, rtol=1e-12, atol=0)
+        unclipped = [p.grad.clone() for p in model.parameters()]
+        _, _, _, norm = moe_train.train_step(model, optimizer, inputs[mine], targets[mine], 0.0, 0.0,
+                                             clip_grad=reference_norm.item() / 3)
+        torch.testing.assert_close(norm, reference_norm, rtol=1e-12, atol=0)
+        for p, grad in zip(model.parameters(), unclipped):
+            torch.testing.assert_close(p.grad, grad * (reference_norm / 3 / (norm + 1e-6)), rtol=1e-12, atol=0)
+
+
+def test_four_ranks_tensor_parallel_clip_by_the_whole_models_norm():
+    run_world(4, _tensor_parallel_clip_counts_each_value_once, timeout=600)
+
+
+def test_a_nonfinite_gradient_norm_stops_the_run(tmp_path, monkeypatch):
+    """An inf gradient in the last step of an interval, its loss finite: clipping writes NaN into the weights, and
+    the run stops at that interval's check (without it the run ended as if well, its weights NaN)."""
+    calls = []
+
+    def an_inf_gradient_at_step_4(model, grad_allreduce):
+        calls.append(None)
+        if len(calls) == 4:
+            next(model.parameters()).grad[0, 0] = float("inf")
+
+    monkeypatch.setattr(moe_train, "sync_gradients", an_inf_gradient_at_step_4)
+    cfg = config(*SMALL, "trainer.max_steps=4", "trainer.log_every=4", "trainer.checkpoint_every=0",
+                 "model.clip_grad=1.0")
+    with pytest.raises(NonFiniteLossError, match="gradient norm became NaN or inf between steps 1 and 4"):
+        train(cfg, CPU, tmp_path)
 
 
 def test_replicated_parameters_stay_identical_over_ranks(tmp_path):
@@ -393,7 +488,7 @@ def _a_token_outside_the_vocabulary(rank: int, world: int) -> None:
             moe_train.train_step(model, optimizer, batch[:, :-1], batch[:, 1:], 0.01, 0.001)
         with torch.no_grad(), pytest.raises(ValueError, match=message):
             model(batch)
-        loss, _, _ = moe_train.train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], 0.01, 0.001)
+        loss, *_ = moe_train.train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], 0.01, 0.001)
         assert loss.isfinite()
 
 
@@ -484,8 +579,8 @@ def test_weight_decay_spares_norm_gains_and_biases():
 
 def test_bad_settings_are_refused_before_training(tmp_path):
     """Settings that would train something else than asked (a vocabulary below the bytes, a capacity that drops
-    every assignment), fail late (a codec typo: first at the gradients' all-reduce, never in one process) or log
-    NaN (an evaluation of no batch) are refused when the run starts."""
+    every assignment, a clip or lr schedule of no meaning), fail late (a codec typo: first at the gradients'
+    all-reduce, never in one process) or log NaN (an evaluation of no batch) are refused when the run starts."""
     for overrides, error in ((["model.vocab_size=128"], "model.vocab_size=128: the data are raw bytes"),
                              (["model.capacity_factor=0"], "capacity_factor must be > 0"),
                              (["model.capacity_factor=-1.0"], "capacity_factor must be > 0"),
@@ -493,7 +588,16 @@ def test_bad_settings_are_refused_before_training(tmp_path):
                              (["data.eval_batches=0"], "data.eval_batches=0: the evaluation needs at least one"),
                              (["data.seq_len=0"], "seq_len=0: expected at least 1"),
                              (["data.eval_fraction=1.5"], "eval_fraction=1.5: expected a fraction in \\(0, 1\\)"),
-                             (["trainer.epochs=2"], "trainer.epochs is not supported \\(got 2\\)")):
+                             (["trainer.epochs=2"], "trainer.epochs is not supported \\(got 2\\)"),
+                             (["model.clip_grad=-1.0"], "model.clip_grad=-1.0: expected a norm >= 0"),
+                             (["model.clip_grad=nan"], "model.clip_grad=nan: expected a norm >= 0"),
+                             (["model.lr_schedule.warmup_steps=-1"], "warmup_steps=-1: expected a step count >= 0"),
+                             (["model.lr_schedule.decay=cos"], "decay='cos': expected constant, linear or cosine"),
+                             (["model.lr_schedule.decay=linear", "model.lr_schedule.warmup_steps=2"],
+                              r"decay_steps=2 \(null: trainer.max_steps\): a linear decay needs a step count above "
+                              "warmup_steps=2"),
+                             (["model.lr_schedule.min_lr=0.01"], "min_lr=0.01: expected 0 <= min_lr <= the "
+                                                                 "optimizer's lr 0.003")):
         with pytest.raises(ValueError, match=error):
             train(config(*SMALL, "trainer.max_steps=2", *overrides), CPU, tmp_path)
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):

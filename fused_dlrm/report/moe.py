@@ -84,7 +84,8 @@ class _Run:
     def step(self) -> None:
         """One training step: moe/train.py's own."""
         m = self.cfg.model
-        train_step(self.model, self.optimizer, self.inputs, self.targets, m.aux_coeff, m.z_coeff, self.grad_allreduce)
+        train_step(self.model, self.optimizer, self.inputs, self.targets, m.aux_coeff, m.z_coeff, self.grad_allreduce,
+                   m.clip_grad)
 
     def step_modes(self) -> Mode:
         return {"fwd": no_grad(lambda: self.model(self.inputs)), "fwd_bwd": self.step}
