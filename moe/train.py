@@ -42,7 +42,7 @@ from fused_dlrm.dist.env import raise_on_every_rank
 from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.dist.symmetric import check_allocation_timeout
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
-from fused_dlrm.train.config_keys import check_config_keys
+from fused_dlrm.train.config_keys import check_config_keys, check_count
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
 from fused_dlrm.tp import quantized_all_reduce
 from fused_dlrm.tp.linear import tp_groups
@@ -278,8 +278,8 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     if t.max_steps is None or t.epochs is not None:  # not silently ignored: its windows are drawn, not passed over
         raise ValueError(f"the MoE Transformer trains for trainer.max_steps steps (got max_steps={t.max_steps}); "
                          f"trainer.epochs is not supported (got {t.epochs})")
-    if cfg.data.eval_batches < 1:  # the loss of no batch would be 0 / 0, and every run ends with an evaluation
-        raise ValueError(f"data.eval_batches={cfg.data.eval_batches}: the evaluation needs at least one batch")
+    # the loss of no batch would be 0 / 0, and every run ends with an evaluation
+    check_count("data.eval_batches", cfg.data.eval_batches, 1, "a count >= 1: the evaluation needs at least one batch")
     check_grad_allreduce(cfg.comm.grad_allreduce)
     if m.clip_grad is not None and not m.clip_grad >= 0:  # NaN too
         raise ValueError(f"model.clip_grad={m.clip_grad!r}: expected a norm >= 0 (null or 0: no clipping)")

@@ -5,8 +5,8 @@ Bit-equal to the bulk twin (codec kernels around NCCL all_to_all / all_gather) f
 inputs, sum and mean; bit-identical across ranks; within the documented bound of the fp64 sum; 1,000
 consecutive calls of changing sizes and codecs on the same flags; calls that replay CUDA graphs; the DDP hook
 (q8, fused) within the bound of plain DDP; a missing peer raises PeerWaitTimeout; ranks calling with other
-codecs raise PeerCallMismatch and a call one rank refuses raises on both (two ranks sharing one GPU suffice), and calls unlike a peer's CallMismatch in the
-bulk twin (its check over the group's gloo side group); the codec kernels equal the CPU reference bit for bit at every
+codecs raise PeerCallMismatch and a call one rank refuses raises on both (two ranks sharing one GPU suffice), and
+calls unlike a peer's CallMismatch in the bulk twin (its check over the group's gloo side group); the codec kernels equal the CPU reference bit for bit at every
 magnitude, fp32's denormals to its largest value (one GPU).
 CI has no GPU: this runs on the device machine.
 """

@@ -160,11 +160,13 @@ def _not_quantizable(dtype: torch.dtype) -> TypeError:
 
 
 def slot_bytes(numel: int, world: int, codec: str) -> int:
-    """Bytes of each of the fused kernel's recv and gather buffers for a call of numel values: world chunks' encodings."""
+    """Bytes of each of the fused kernel's recv and gather buffers for a call of numel values: world chunks'
+    encodings."""
     return world * chunk_blocks_for(numel, world) * CODECS[codec].block_bytes
 
 
-# Why a rank refuses its fused call (`refusal`): word 0 of its refusal words, which its peers record (`describe_refusal`)
+# Why a rank refuses its fused call (`refusal`): word 0 of its refusal words, which its peers record
+# (`describe_refusal`)
 NOT_QUANTIZABLE, UNKNOWN_CODEC, UNUSABLE_OUT, TOO_LARGE = 1, 2, 3, 4
 # A refused call's signature in its peers' buffers: [epoch, REFUSED_NUMEL, refusal words]; a call's numel is never -1.
 REFUSED_NUMEL = -1
