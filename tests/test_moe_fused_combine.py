@@ -414,6 +414,39 @@ def test_backward_source_that_never_starts_times_out_naming_rank_and_slice():
         combine.finish_backward(epoch, layouts[0], h, torch.randn(LOCAL, FFN, D_MODEL, generator=gen))
 
 
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_late_peer_costs_one_bounded_wait_not_one_per_program(monkeypatch, phase):
+    """Rank 1 never starts: every program of rank 0's consumer (the weighted unpermute; the backward's grad_h GEMM)
+    waits for its tiles. Once the first wait has recorded the timeout, the others look once (peer_flags: their
+    results are lost anyway), or a lost peer costs each of the launch's programs the whole bound (~54 s on GPUs).
+    Counted in atomic operations: the interpreter runs the polls one by one."""
+    from triton.runtime.interpreter import InterpreterBuilder
+    spin_limit = 300
+    world = World(2, spin_limit=spin_limit)
+    gen = torch.Generator().manual_seed(6)
+    perms, weights, layouts, counts = world.route(Case([20, 9]), gen)
+    assert counts[1, :LOCAL].sum() > 0 and counts[0, LOCAL:].sum() > 0  # rows both ways
+    combine = world.combines[0]
+    atomics = []
+    rmw = InterpreterBuilder.create_atomic_rmw
+    monkeypatch.setattr(InterpreterBuilder, "create_atomic_rmw", lambda *a, **k: atomics.append(1) or rmw(*a, **k))
+    if phase == "forward":  # 3 token blocks x 3 column blocks
+        tables = world.tables(counts, perms, layouts[0].max_recv_rows)
+        h = torch.randn(tables[0].capacity, FFN, generator=gen)
+        epoch = combine.start(h, torch.randn(LOCAL, FFN, D_MODEL, generator=gen), tables[0])
+        atomics.clear()
+        run = lambda: combine.finish(epoch, tables[0], perms[0], weights[0])  # noqa: E731
+    else:  # row tiles x 2 ffn blocks
+        h = torch.randn(sum(layouts[0].tokens_per_local_expert), FFN, generator=gen)
+        epoch = combine.start_backward(torch.randn(20, D_MODEL, generator=gen), perms[0], layouts[0])
+        atomics.clear()
+        run = lambda: combine.finish_backward(epoch, layouts[0], h,  # noqa: E731
+                                              torch.randn(LOCAL, FFN, D_MODEL, generator=gen))
+    with pytest.raises(PeerWaitTimeout, match="waiting for rank 1, slice"):
+        run()
+    assert spin_limit < len(atomics) < 2 * spin_limit, f"{len(atomics)} atomics: more than one wait spun its bound"
+
+
 COMPILE_FOR_SM90 = """
 import torch
 from moe.kernels import fused_combine as fc

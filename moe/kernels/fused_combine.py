@@ -62,7 +62,8 @@ import triton.language as tl
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels import TL_DTYPES, dot_precision
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned
-from fused_dlrm.kernels.peer_flags import PeerErrors, consumer_released, record_timeout, signal_ready, wait_or_record
+from fused_dlrm.kernels.peer_flags import (PeerErrors, _spin_limit_unless_failed, consumer_released, record_timeout,
+                                           signal_ready, wait_or_record)
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from fused_dlrm.kernels.tma import descriptor, require_tma_readable
 from moe.expert_layout import DispatchTables, ExpertLayout, receive_capacity
@@ -406,13 +407,15 @@ def _sum_owner_parts(parts_ptr, tokens, inverse_ptr, owner_of_row_ptr, ready_ptr
 
 
 @triton.jit
-def _wait_rows(flags, kept, epoch, spin_limit):
+def _wait_rows(flags, kept, epoch, spin_limit, error_ptr):
     """Bounded spin until every kept flag of a [R, C] block holds at least `epoch`; returns what was seen (kept
-    flags only; the others read as `epoch`)."""
+    flags only; the others read as `epoch`). While an error is recorded (say, this launch's first timeout) it
+    looks once: its result is lost anyway, and each program would otherwise spin the whole bound."""
     seen = tl.where(kept, tl.atomic_add(flags, tl.zeros(flags.shape, tl.int32), mask=kept, sem="acquire",
                                         scope="sys"), epoch)
+    limit = _spin_limit_unless_failed(error_ptr, spin_limit)
     spins = 0
-    while (tl.min(tl.min(seen, axis=1), axis=0) < epoch) & (spins < spin_limit):
+    while (tl.min(tl.min(seen, axis=1), axis=0) < epoch) & (spins < limit):
         seen = tl.where(kept, tl.atomic_add(flags, tl.zeros(flags.shape, tl.int32), mask=kept, sem="acquire",
                                             scope="sys"), epoch)
         spins += 1
@@ -446,7 +449,7 @@ def _weighted_unpermute_kernel(rows_ptr, inverse_ptr, weights_ptr, tile_of_row_p
     row = tl.load(inverse_ptr + assignment, mask=token_mask[:, None] & (js[None, :] < TOP_K), other=num_rows)
     kept = row < num_rows  # dropped assignments point one past the last row
     slot = tl.load(tile_of_row_ptr + row, mask=kept, other=0) * N_COL + col
-    seen = _wait_rows(ready_ptr + slot, kept, epoch, spin_limit)
+    seen = _wait_rows(ready_ptr + slot, kept, epoch, spin_limit, error_ptr)
     owner = tl.load(owner_of_row_ptr + row, mask=kept, other=0)
     _report_late(seen, epoch, assignment, owner, slot, error_ptr)
     tl.debug_barrier()  # the flags this program's threads acquired cover the rows any of them reads
@@ -489,7 +492,7 @@ def _gradient_tile(tiles_ptr, num_row_tiles, source_rank_ptr, FFN: tl.constexpr,
 def _wait_tile_rows(ready_ptr, slot, rows, row_mask, source, epoch, spin_limit, error_ptr):
     """Bounded wait for each row's flag `slot` (a late one recorded with its source and slot), then a barrier: the
     flags this program's threads acquired cover the rows any of them reads."""
-    seen = _wait_rows(ready_ptr + slot[:, None], row_mask[:, None], epoch, spin_limit)
+    seen = _wait_rows(ready_ptr + slot[:, None], row_mask[:, None], epoch, spin_limit, error_ptr)
     _report_late(seen, epoch, rows[:, None], source[:, None], slot[:, None], error_ptr)
     tl.debug_barrier()
 
