@@ -447,6 +447,33 @@ def test_a_late_peer_costs_one_bounded_wait_not_one_per_program(monkeypatch, pha
     assert spin_limit < len(atomics) < 2 * spin_limit, f"{len(atomics)} atomics: more than one wait spun its bound"
 
 
+def test_inputs_that_do_not_fit_the_permutation_are_refused():
+    """The kernels index the routing weights, the output gradient and the peers' token buffers by the permutation's
+    tokens and top_k: a tensor of another shape read past its end (or missed assignments) without a word. Refused
+    before anything is launched (the epoch is not counted)."""
+    world = World(2)
+    gen = torch.Generator().manual_seed(8)
+    perms, weights, layouts, counts = world.route(Case([7, 9]), gen)
+    combine = world.combines[0]
+    tables = world.tables(counts, perms, layouts[0].max_recv_rows)[0]
+    epoch = combine.start(torch.randn(tables.capacity, FFN, generator=gen),
+                          torch.randn(LOCAL, FFN, D_MODEL, generator=gen), tables)
+    for bad in (weights[0][:, :1], weights[0][1:], weights[0].reshape(-1)):
+        with pytest.raises(ValueError, match=r"weights .*: expected \[7, 2\] \(the permutation's tokens"):
+            combine.finish(epoch, tables, perms[0], bad)
+    for bad in (torch.randn(7, D_MODEL // 2), torch.randn(6, D_MODEL)):
+        for start in (combine.start_backward, combine.start_backward_by_token):
+            with pytest.raises(ValueError, match=rf"grad_y .*: expected \[7, {D_MODEL}\]"):
+                start(bad, perms[0], layouts[0])
+    assert combine.ws.next_epoch("combine_grad") == 1  # no backward epoch was counted
+    more = FusedCombine(SimulatedWorld(2).workspaces()[0], D_MODEL, LOCAL, 2, 100, max_tokens=16, top_k=1)
+    more.reserve(1, 1)
+    sources = (torch.zeros(2, 16, dtype=torch.int32), torch.zeros(2, 16))
+    with pytest.raises(ValueError, match="top_k=2: this combine was made for 1"):  # rows past the peers' id buffers
+        more.start_by_token(torch.randn(tables.capacity, FFN), torch.randn(LOCAL, FFN, D_MODEL), tables, sources,
+                            perms[0])
+
+
 COMPILE_FOR_SM90 = """
 import torch
 from moe.kernels import fused_combine as fc

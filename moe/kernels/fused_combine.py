@@ -729,6 +729,8 @@ class FusedCombine:
         if self.max_tokens is None:
             raise RuntimeError("start_by_token: this combine was made without max_tokens")
         self._check_gemm_inputs(h, w2, tables)
+        if perm.top_k > self.top_k:  # a token's rows per owner, and the peers' id and word buffers, are sized by it
+            raise ValueError(f"a permutation of top_k={perm.top_k}: this combine was made for {self.top_k}")
         row_tokens, source_weights = sources
         max_rows = self.max_tokens * self.top_k
         token_of_row, row_weights = perm.token_of_row, _row_weights(perm, "start_by_token")
@@ -835,7 +837,7 @@ class FusedCombine:
         if self._plan is None or self._plan.tables is not tables:
             raise RuntimeError("finish must follow start with the same tables")
         plan = self._plan
-        num_tokens, top_k = weights.shape
+        num_tokens, top_k = _tokens(perm, "weights", weights, perm.top_k), perm.top_k
         if rows_out is not None and (rows_out.shape != (weights.numel(), self.d_model)
                                      or rows_out.dtype != plan.dtype or not rows_out.is_contiguous()):
             raise ValueError(f"rows_out must be a contiguous [{weights.numel()}, {self.d_model}] {plan.dtype} "
@@ -862,6 +864,7 @@ class FusedCombine:
         buffer, flags raised per (this rank, row block). Every rank calls `start_backward` before any rank calls
         `finish_backward`. Returns the epoch."""
         self.errors.check()
+        _tokens(perm, "grad_y", grad_y, self.d_model)
         row_weights = _row_weights(perm, "start_backward")
         counts = layout.host_counts
         rows, ready, ack, slots = self._gradient_buffers(layout, grad_y.dtype)
@@ -916,9 +919,7 @@ class FusedCombine:
         self.errors.check()
         if self.max_tokens is None:
             raise RuntimeError("start_backward_by_token: this combine was made without max_tokens")
-        num_tokens = perm.inverse.numel() // perm.top_k
-        if grad_y.shape != (num_tokens, self.d_model):
-            raise ValueError(f"grad_y {tuple(grad_y.shape)}: expected [{num_tokens}, {self.d_model}]")
+        num_tokens = _tokens(perm, "grad_y", grad_y, self.d_model)
         tokens, ready, ack, _ = self._token_gradient_buffers(grad_y.dtype)
         grad_y = grad_y.contiguous()
         epoch = self.ws.next_epoch("combine_grad")  # shared with the backward by row: one ack buffer
@@ -1026,6 +1027,15 @@ class FusedCombine:
         ready = self.ws.buffer(f"combine_ready_{self._slots}", self._slots * self.num_col, torch.int32)
         ack = self.ws.buffer("combine_ack", self.world, torch.int32)
         return rows, ready, ack
+
+
+def _tokens(perm: Permutation, what: str, tensor: torch.Tensor, cols: int) -> int:
+    """The permutation's tokens, once `tensor` (`what`) is [tokens, cols]: the kernels index it by the permutation's
+    tokens, and one of another shape would be read past its end or in part."""
+    tokens = perm.inverse.numel() // perm.top_k
+    if tensor.shape != (tokens, cols):
+        raise ValueError(f"{what} {tuple(tensor.shape)}: expected [{tokens}, {cols}] (the permutation's tokens)")
+    return tokens
 
 
 def _row_weights(perm: Permutation, caller: str) -> torch.Tensor:
