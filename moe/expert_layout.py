@@ -502,13 +502,19 @@ def _tile_tables_kernel(counts_ptr, gemm_ptr, gemm_count_ptr, combine_ptr, combi
         source = (rank + 1 + b // L) % WORLD
         local = b % L
         global_expert = rank * L + local
-        rows = tl.load(counts_ptr + source * E + global_expert, mask=in_walk, other=0).to(tl.int32)
         # The block's first row at the owner: rows of earlier local experts, then this expert's from earlier sources.
         first_row = (_pick(tl.cumsum(sizes, axis=0) - sizes, local, L_P2)
                      + tl.sum(tl.where(s[:, None] < source[None, :],
                                        tl.load(counts_ptr + s[:, None] * E + global_expert[None, :],
                                                mask=(s[:, None] < WORLD) & in_walk[None, :], other=0), 0),
                               axis=0).to(tl.int32))
+        # Only the rows below the capacity, where h and the owner's row buffers end (GEMM 1 stops there too): rows
+        # that outgrew it (the layer dispatches again before any combine) or a bound that did not hold
+        # (max_tokens_per_rank; the layer's backward refuses that call). The table has room for the tiles of
+        # `capacity` rows: tiles past it would take the places of tiles below it later in the walk (whose sources
+        # count rows past it as dropped: FusedCombine.finish).
+        rows = tl.load(counts_ptr + source * E + global_expert, mask=in_walk, other=0).to(tl.int32)
+        rows = tl.minimum(rows, tl.maximum(capacity - first_row, 0))
         # The source's rows of earlier global experts: where its rows of this expert start, and their flag slots.
         g = tl.arange(0, E_P2)[None, :]
         earlier = tl.load(counts_ptr + source[:, None] * E + g, mask=in_walk[:, None] & (g < global_expert[:, None]),
@@ -525,13 +531,9 @@ def _tile_tables_kernel(counts_ptr, gemm_ptr, gemm_count_ptr, combine_ptr, combi
         block = _run_of(i, tiles)
         k = i - _pick(first_tile, block, E_P2)  # the tile's place in its block
         out = combine_ptr + i
-        tile_first = _pick(first_row, block, E_P2) + k * TILE_ROWS
-        # No row past the capacity, where h and the owner's row buffers end (GEMM 1 stops there too): rows that
-        # outgrew it (the layer dispatches again before any combine) or a bound that did not hold (max_tokens_per_rank;
-        # the layer's backward refuses that call).
-        count = tl.minimum(tl.minimum(_pick(rows, block, E_P2) - k * TILE_ROWS, TILE_ROWS), capacity - tile_first)
-        tl.store(out, tile_first.to(tl.int64), mask=valid)
-        tl.store(out + n_combine, tl.maximum(count, 0).to(tl.int64), mask=valid)
+        tl.store(out, (_pick(first_row, block, E_P2) + k * TILE_ROWS).to(tl.int64), mask=valid)
+        tl.store(out + n_combine, tl.minimum(_pick(rows, block, E_P2) - k * TILE_ROWS, TILE_ROWS).to(tl.int64),
+                 mask=valid)
         tl.store(out + 2 * n_combine, _pick(local, block, E_P2).to(tl.int64), mask=valid)
         tl.store(out + 3 * n_combine, _pick(source, block, E_P2).to(tl.int64), mask=valid)
         tl.store(out + 4 * n_combine, (_pick(source_row, block, E_P2) + k * TILE_ROWS).to(tl.int64), mask=valid)

@@ -75,8 +75,8 @@ def test_per_row_tables_match_the_row_by_row_reference(world, local, make_counts
 def test_dispatch_tables_made_before_the_host_knows_the_rows(world, local):
     """DispatchTables from the counts on the device at a receive capacity: at one that holds the rows, the layout's
     tables (the receive ones and gemm_tiles padded past the rows and tiles received; the layout then reuses the
-    per-row tables) and the combine's tiles, at one that does not, the rows and tiles below it (no combine tile
-    reaching past the capacity); the tiles listed come back on the device."""
+    per-row tables) and the combine's tiles, at one that does not, the rows and tiles below it (every combine tile
+    with rows below the capacity, none reaching past it); the tiles listed come back on the device."""
     counts = skewed_counts(world, local, seed=world * 10 + local)
     for rank in range(world):
         lay = build_expert_layout(counts.to(DEVICE), rank, local, tile_rows=4, owner_tile_rows=8)
@@ -87,10 +87,12 @@ def test_dispatch_tables_made_before_the_host_knows_the_rows(world, local):
             fits = min(received, capacity)
             listed = min(tiles, -(-capacity // 8) + local)
             assert tables.row_tiles.item() == listed
-            combine_listed = min(combine_tiles.shape[1], -(-capacity // 4) + local * world)
-            assert tables.combine_row_tiles.item() == combine_listed
-            want_combine = combine_tiles[:, :combine_listed].copy()
+            want_combine = combine_tiles.copy()
             want_combine[1] = np.clip(capacity - want_combine[0], 0, want_combine[1])  # rows cut at the capacity
+            want_combine = want_combine[:, want_combine[1] > 0]  # every tile with rows below it, none past it
+            combine_listed = want_combine.shape[1]
+            assert combine_listed <= -(-capacity // 4) + local * world  # the table's room
+            assert tables.combine_row_tiles.item() == combine_listed
             assert tables.combine_tiles[:, :combine_listed].tolist() == want_combine.tolist()
             assert tables.recv_source_rank.numel() == tables.recv_source_row.numel() == capacity
             assert torch.equal(tables.recv_source_rank[:fits], lay.recv_source_rank[:fits])

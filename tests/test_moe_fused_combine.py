@@ -316,8 +316,8 @@ def test_rows_past_the_receive_capacity_are_neither_read_nor_stored(by_token):
     experts), holds every routing of distinct experts per token. The router's kernel once sent each of a NaN row's
     k rows to the last expert: here every token's 3 rows go to expert 3, 96 rows for owner 1's 64. GEMM 2 and the
     combine by token stop at the capacity as GEMM 1 does: every combine tile ends there, no row of h past it is
-    read (NaN behind h), and by row each token gets its rows below it (past it, what the source's combine buffer
-    held: zeros here; by token a token's rows at one expert share one slot, so only the reads are checked)."""
+    read (NaN behind h), and by row each token gets its rows below it (those past it count as dropped; by token a
+    token's rows at one expert share one slot, so only the reads are checked)."""
     world = World(2)
     tokens, top_k = 16, 3
     capacity = 2 * tokens * min(top_k, LOCAL)
@@ -328,7 +328,7 @@ def test_rows_past_the_receive_capacity_are_neither_read_nor_stored(by_token):
     tables = world.tables(counts, perms, capacity)
     for tab in tables:
         first, rows = tab.combine_tiles[:2, :tab.combine_row_tiles.item()]
-        assert ((first + rows <= capacity) | (rows == 0)).all()  # a tile past it lists no row
+        assert ((first + rows <= capacity) & (rows > 0)).all()  # no tile reaches past it
     behind = [torch.cat([torch.randn(capacity, FFN, generator=gen), torch.full((64, FFN), float("nan"))])
               for _ in range(2)]
     hs = [h[:capacity] for h in behind]  # the kernels' h; a read past it meets NaN
@@ -338,6 +338,8 @@ def test_rows_past_the_receive_capacity_are_neither_read_nor_stored(by_token):
                   for r, (c, h, w2, tab, p) in enumerate(zip(world.combines, hs, w2s, tables, perms))]
         outs = [c.finish_by_token(e, tab, p)[0] for c, e, tab, p in zip(world.combines, epochs, tables, perms)]
     else:
+        for c in world.combines:  # NaN where no owner stores: a row past the capacity read by its source shows
+            c._buffers(torch.float32)[0].local.fill_(float("nan"))
         epochs = [c.start(h, w2, tab) for c, h, w2, tab in zip(world.combines, hs, w2s, tables)]
         outs = [c.finish(e, tab, p, w) for c, e, tab, p, w in zip(world.combines, epochs, tables, perms, weights)]
     for tab, perm, w, out in zip(tables, perms, weights, outs):
@@ -348,6 +350,35 @@ def test_rows_past_the_receive_capacity_are_neither_read_nor_stored(by_token):
         if not by_token:
             assert_close(out, want, 1e-5)
     assert (tables[1].send_dest_row >= capacity).any()  # source 1's last rows did not fit
+
+
+@BY_TOKEN
+def test_rows_below_the_capacity_are_combined_however_many_rows_lie_past_it(by_token):
+    """Owner 0 walks rank 1's blocks first: expert 0's 16 rows (receive rows 0-15), then expert 1's 160 (rows 32-191,
+    all but 32 past the capacity of 64); rank 0's own 16 rows of expert 1 (rows 16-31) come last. The combine's tile
+    table holds the tiles of `capacity` rows (plus a partial one per block): tiles past the capacity must not take
+    its columns from those below it, or rank 0's own rows are never computed (by row its consumer then waits for
+    a flag that never comes; by token the rows are left out of the sum)."""
+    world = World(2, spin_limit=50, max_tokens=176)
+    capacity = 64
+    expert_ids = [torch.ones(16, 1, dtype=torch.int64), torch.tensor([0] * 16 + [1] * 160).view(-1, 1)]
+    gen = torch.Generator().manual_seed(23)
+    weights = [torch.rand(ids.shape, generator=gen) for ids in expert_ids]
+    perms = [permutation(ids, 2 * LOCAL, None, w) for ids, w in zip(expert_ids, weights)]
+    counts = torch.stack([p.tokens_per_expert for p in perms])
+    tables = world.tables(counts, perms, capacity)
+    hs = [torch.randn(capacity, FFN, generator=gen) for _ in range(2)]
+    w2s = [torch.randn(LOCAL, FFN, D_MODEL, generator=gen) for _ in range(2)]
+    if by_token:
+        epochs = [c.start_by_token(h, w2, tab, world.pushed_rows(r, perms, counts), p)
+                  for r, (c, h, w2, tab, p) in enumerate(zip(world.combines, hs, w2s, tables, perms))]
+        out = world.combines[0].finish_by_token(epochs[0], tables[0], perms[0])[0]
+    else:
+        epochs = [c.start(h, w2, tab) for c, h, w2, tab in zip(world.combines, hs, w2s, tables)]
+        out = world.combines[0].finish(epochs[0], tables[0], perms[0], weights[0])
+    rows = tables[0].send_dest_row  # rank 0's rows: 16-31 at owner 0
+    assert rows.tolist() == list(range(16, 32))
+    assert_close(out, (hs[0][rows].double() @ w2s[0][1].double()) * weights[0].double(), 1e-5)
 
 
 @BY_TOKEN

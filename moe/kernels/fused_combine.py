@@ -10,7 +10,8 @@ reads from memory: the host launches it without knowing the counts); this rank's
 
 Source side (`finish`): a weighted-unpermute kernel; each program takes a block of tokens x BLOCK_N columns,
 waits (bounded) for the flags of exactly the tiles that hold its tokens' k rows, and sums weight * row in
-assignment order in fp32 (deterministic). A small kernel then acknowledges the epoch to every owner.
+assignment order in fp32 (deterministic); a row past its owner's receive capacity, which no tile holds (a bound
+that did not hold), counts as dropped. A small kernel then acknowledges the epoch to every owner.
 
 Flags: source s numbers the owner tiles that hold its rows by (global expert g, row block i of its C[s, g] rows):
 slot = sum_{g' < g} cdiv(C[s, g'], BLOCK_M) + i, times the column blocks. Every rank knows C, so both sides agree.
@@ -432,22 +433,33 @@ def _report_late(seen, epoch, order, peer, slot, error_ptr):
                        tl.min(tl.min(tl.where(order == first, slot, 2147483647), axis=1), axis=0), epoch)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_rows", "epoch", "spin_limit"])  # one variant for all steps
-def _weighted_unpermute_kernel(rows_ptr, inverse_ptr, weights_ptr, tile_of_row_ptr, owner_of_row_ptr, ready_ptr,
-                               error_ptr, out_ptr, copy_ptr, num_tokens, num_rows, epoch, spin_limit,
-                               D_MODEL: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr,
+@triton.jit
+def _comes_back(row, valid, num_rows, dest_row_ptr, capacity):
+    """Whether an assignment's row comes back from its owner: kept (a dropped one points one past the last row) and
+    below the owner's receive capacity (no tile computes a row past it: a bound that did not hold, see
+    expert_layout's combine tiles)."""
+    kept = valid & (row < num_rows)
+    return kept & (tl.load(dest_row_ptr + row, mask=kept, other=0) < capacity)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_rows", "capacity", "epoch", "spin_limit"])  # one variant
+def _weighted_unpermute_kernel(rows_ptr, inverse_ptr, weights_ptr, tile_of_row_ptr, owner_of_row_ptr, dest_row_ptr,
+                               ready_ptr, error_ptr, out_ptr, copy_ptr, num_tokens, num_rows, capacity, epoch,
+                               spin_limit, D_MODEL: tl.constexpr, TOP_K: tl.constexpr, K_P2: tl.constexpr,
                                BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr,
                                COPY_ROWS: tl.constexpr):
     """Program (token block, column block): wait for the tiles holding its rows, then the weighted sum; with
-    COPY_ROWS also a copy of each assignment's row, token by token (a dropped assignment's: zeros)."""
+    COPY_ROWS also a copy of each assignment's row, token by token (zeros for one whose row does not come back:
+    dropped, or past the owner's capacity)."""
     N_COL: tl.constexpr = (D_MODEL + BLOCK_N - 1) // BLOCK_N
     col = tl.program_id(1)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_mask = tokens < num_tokens
     js = tl.arange(0, K_P2)
     assignment = tokens[:, None] * TOP_K + js[None, :]
-    row = tl.load(inverse_ptr + assignment, mask=token_mask[:, None] & (js[None, :] < TOP_K), other=num_rows)
-    kept = row < num_rows  # dropped assignments point one past the last row
+    in_range = token_mask[:, None] & (js[None, :] < TOP_K)
+    row = tl.load(inverse_ptr + assignment, mask=in_range, other=num_rows)
+    kept = _comes_back(row, in_range, num_rows, dest_row_ptr, capacity)
     slot = tl.load(tile_of_row_ptr + row, mask=kept, other=0) * N_COL + col
     seen = _wait_rows(ready_ptr + slot, kept, epoch, spin_limit, error_ptr)
     owner = tl.load(owner_of_row_ptr + row, mask=kept, other=0)
@@ -458,7 +470,7 @@ def _weighted_unpermute_kernel(rows_ptr, inverse_ptr, weights_ptr, tile_of_row_p
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for j in tl.static_range(TOP_K):  # assignment order: the same sum on every run
         r = tl.load(inverse_ptr + tokens * TOP_K + j, mask=token_mask, other=num_rows)
-        ok = token_mask & (r < num_rows)
+        ok = _comes_back(r, token_mask, num_rows, dest_row_ptr, capacity)
         w = tl.load(weights_ptr + tokens * TOP_K + j, mask=ok, other=0.0)
         at = r[:, None] * D_MODEL + cols[None, :]
         x = tl.load(rows_ptr + at, mask=ok[:, None] & col_mask[None, :], other=0.0,
@@ -848,9 +860,9 @@ class FusedCombine:
             grid = (triton.cdiv(num_tokens, b.block_tokens), self.num_col)
             _weighted_unpermute_kernel[grid](
                 plan.rows.local, perm.inverse, weights.float().contiguous(), tables.send_tile,
-                tables.send_dest_rank, plan.ready.local, self.errors.word, out,
-                out if rows_out is None else rows_out, num_tokens, tables.send_dest_rank.numel(), epoch,
-                self.spin_limit,
+                tables.send_dest_rank, tables.send_dest_row, plan.ready.local, self.errors.word, out,
+                out if rows_out is None else rows_out, num_tokens, tables.send_dest_rank.numel(), tables.capacity,
+                epoch, self.spin_limit,
                 D_MODEL=self.d_model, TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
                 BLOCK_T=b.block_tokens, BLOCK_N=b.block_n, OUT_DTYPE=TL_DTYPES[plan.dtype],
                 COPY_ROWS=rows_out is not None, num_warps=b.consumer_warps)

@@ -845,8 +845,8 @@ class FusedDispatch:
                                                                                             cfg.block_n))](
                 grad.local, perm.inverse, torch.ones(num_tokens, perm.top_k, device=dx.device),
                 torch.add(layout.send_owner_tile, layout.send_dest_rank, alpha=tiles_per_rank),  # flag slots
-                layout.send_dest_rank, ready.local, self.errors.word, dx, dx, num_tokens,
-                layout.send_dest_rank.numel(), epoch, self.spin_limit,
+                layout.send_dest_rank, layout.send_dest_row, ready.local, self.errors.word, dx, dx, num_tokens,
+                layout.send_dest_rank.numel(), 2**31 - 1, epoch, self.spin_limit,  # every row comes back
                 D_MODEL=self.d_model, TOP_K=perm.top_k, K_P2=triton.next_power_of_2(perm.top_k),
                 BLOCK_T=block_tokens, BLOCK_N=cfg.block_n, OUT_DTYPE=TL_DTYPES[dx.dtype], COPY_ROWS=False,
                 num_warps=4 if dx.is_cuda else 1)
