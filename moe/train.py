@@ -197,13 +197,12 @@ def lr_schedule(schedule: DictConfig, lr: float, max_steps: int) -> Callable[[in
     the warm-up included; null: trainer.max_steps), min_lr after."""
     warmup, decay = schedule.warmup_steps, schedule.decay
     decay_steps = max_steps if schedule.decay_steps is None else schedule.decay_steps
-    if not (isinstance(warmup, int) and warmup >= 0):
-        raise ValueError(f"model.lr_schedule.warmup_steps={warmup!r}: expected a step count >= 0")
+    check_count("model.lr_schedule.warmup_steps", warmup, 0, "a step count >= 0")
     if decay not in ("constant", "linear", "cosine"):
         raise ValueError(f"model.lr_schedule.decay={decay!r}: expected constant, linear or cosine")
-    if decay != "constant" and not (isinstance(decay_steps, int) and decay_steps > warmup):
-        raise ValueError(f"model.lr_schedule.decay_steps={decay_steps!r} (null: trainer.max_steps): a {decay} decay "
-                         f"needs a step count above warmup_steps={warmup}")
+    if decay != "constant":
+        check_count("model.lr_schedule.decay_steps", decay_steps, warmup + 1,
+                    f"a step count above warmup_steps={warmup} for a {decay} decay (null: trainer.max_steps)")
     if not 0 <= schedule.min_lr <= lr:
         raise ValueError(f"model.lr_schedule.min_lr={schedule.min_lr!r}: expected 0 <= min_lr <= the optimizer's "
                          f"lr {lr}")

@@ -594,9 +594,13 @@ def test_bad_settings_are_refused_before_training(tmp_path):
                              (["model.clip_grad=nan"], "model.clip_grad=nan: expected a norm >= 0"),
                              (["model.lr_schedule.warmup_steps=-1"], "warmup_steps=-1: expected a step count >= 0"),
                              (["model.lr_schedule.decay=cos"], "decay='cos': expected constant, linear or cosine"),
+                             # YAML's true is an int (bool subclasses int): 1 step, unless refused
+                             (["model.lr_schedule.warmup_steps=true"], "warmup_steps=True: expected a step count >= 0"),
                              (["model.lr_schedule.decay=linear", "model.lr_schedule.warmup_steps=2"],
-                              r"decay_steps=2 \(null: trainer.max_steps\): a linear decay needs a step count above "
-                              "warmup_steps=2"),
+                              r"decay_steps=2: expected a step count above warmup_steps=2 for a linear decay \(null: "
+                              r"trainer.max_steps\)"),
+                             (["model.lr_schedule.decay=cosine", "model.lr_schedule.decay_steps=true"],
+                              r"decay_steps=True: expected a step count above warmup_steps=0 for a cosine decay"),
                              (["model.lr_schedule.min_lr=0.01"], "min_lr=0.01: expected 0 <= min_lr <= the "
                                                                  "optimizer's lr 0.003")):
         with pytest.raises(ValueError, match=error):
