@@ -50,11 +50,12 @@ DEFAULT_SPIN_LIMIT = 250_000_000
 def check_spin_limit(spins: object, what: str) -> None:
     """Refuse a wait's bound (`what`: the setting that gave it) that the waits cannot honour: they count polls in 32
     bits, so from 2**31 on the count wraps before it reaches the bound and a lost peer hangs the wait instead of
-    raising; below 1 every wait gives up at its first look. Every op calls it where it takes its bound in (its
-    constructor, or its config: FusedCommConfig, FusedMoEConfig, GemmConfig), before anything is built."""
-    if isinstance(spins, bool) or not isinstance(spins, (int, float)) or not 1 <= spins < 2**31:
-        raise ValueError(f"{what}={spins!r}: expected a number of polls from 1 to 2**31 - 1 (the waits count them in "
-                         f"32 bits; {DEFAULT_SPIN_LIMIT:_} are about 54 s on H100)")
+    raising; below 1 every wait gives up at its first look; a float (YAML's 2e6) would reach the kernels' int32
+    argument as one. Every op calls it where it takes its bound in (its constructor, or its config:
+    FusedCommConfig, FusedMoEConfig, GemmConfig), before anything is built."""
+    if isinstance(spins, bool) or not isinstance(spins, int) or not 1 <= spins < 2**31:
+        raise ValueError(f"{what}={spins!r}: expected a whole number of polls from 1 to 2**31 - 1 (the waits count "
+                         f"them in 32 bits; {DEFAULT_SPIN_LIMIT:_} are about 54 s on H100)")
 
 # A call's signature: int64 words that every rank's call must share (their meaning is the op's; word 0 its epoch).
 # The error word ([code, peer, slot, epoch, claim, unused x 3], int32) holds, for code 3, both signatures after it.
