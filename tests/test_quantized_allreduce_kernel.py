@@ -177,6 +177,36 @@ def test_timeout_in_the_gather_names_rank_peer_and_slice():
             world[r].finish(calls[r])
 
 
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the timed-out call decodes never-written slots
+@pytest.mark.parametrize("meanwhile", ["nothing", "a refused call"])
+def test_a_late_peer_times_out_rather_than_gather_stale_tiles(meanwhile):
+    """Rank 1 comes late to call 2: rank 0's wait for its scatter gives up (no tile of rank 0 reduced). Rank 1,
+    arriving, finds rank 0's flags of call 2 up to the reduce, but must not take them as rank 0's reduced tiles: its
+    gather still holds call 1's (once, rank 1 returned call 1's chunk 0 as call 2's, silently). Nor may rank 0's
+    next call, refused on rank 0 (its flags rise without data), stand in for them. Rank 1 times out naming rank 0
+    and the all-gather's slice; the next call, once both ranks are past call 2, is exact."""
+    world = world_of(2, max_programs=2)
+    xs = inputs(2, 3000, "normal", seed=1)
+    assert all(torch.equal(y, quantized_all_reduce_reference(xs, "q8")) for y in all_reduce(world, xs, "q8"))
+    xs = inputs(2, 3000, "normal", seed=2)
+    calls = [ar.start(x, "q8") for ar, x in zip(world, xs)]
+    world[0].run(calls[0], 0, 2)
+    with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 2 waiting for rank 1, slice 0"):
+        world[0].finish(calls[0])
+    world[1].run(calls[1], 0, 1)  # scatter and reduce: rank 0's scatter of call 2 is there
+    if meanwhile == "a refused call":
+        refused = world[0].start(xs[0], "q7")
+        world[0].run(refused)
+        with pytest.raises(ValueError, match="unknown codec 'q7'"):
+            world[0].finish(refused)
+    world[1].run(calls[1], 2, 2)
+    with pytest.raises(PeerWaitTimeout, match="rank 1 timed out at step 2 waiting for rank 0, slice 2"):
+        world[1].finish(calls[1])
+    if meanwhile == "nothing":
+        xs = inputs(2, 3000, "normal", seed=3)
+        assert all(torch.equal(y, quantized_all_reduce_reference(xs, "q8")) for y in all_reduce(world, xs, "q8"))
+
 COMPILE_FOR_SM90 = """
 import re
 from fused_dlrm.kernels import quant_codecs, quantized_allreduce

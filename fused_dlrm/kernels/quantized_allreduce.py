@@ -17,7 +17,7 @@ three phases per program:
 2. reduce: wait (bounded) for ready[s, p] >= epoch from every peer s, check s's signature against mine, decode
    the tiles of my chunk from every source and sum them in fp32 in rank order 0, 1, ... (divided by world with
    mean), re-encode the sum and store it into every rank's `gather` at [source = me] (remote first), then raise
-   done[me, p] in every peer;
+   done[me, p] in every peer (not where a wait gave up: below);
 3. gather: for every source s (self first), wait for done[s, p] >= epoch (s a peer), decode s's reduced tiles
    and store them into the output at chunk s.
 A program's own slots need no flag: the tiles it reads from recv[me] and gather[me] are the ones it stored there
@@ -49,7 +49,9 @@ dictionary lookup: a 32 KiB call's host time fell from ~3 replays' worth to ~2.2
 and a caller may capture the op into a graph of its own. Every wait is bounded: a timeout
 records (1, peer, slice) in the error word (slice p < max_programs: peer's scatter of tile set p; max_programs
 + p: peer's reduced tile set p) and later waits stop spinning until the host has read it; `PeerErrors` raises it
-naming rank, peer, slice and step.
+naming rank, peer, slice and step. A program whose wait in phase 2 gave up stores nothing and raises no done flag:
+a late peer that then reaches phase 3 would otherwise read its gather's tiles of an older call as this one's; it
+times out instead (naming this rank, slice max_programs + p). Once every rank is past the call, the next is exact.
 
 Ranks whose calls differ (size, codec, dtype, mean: a caller's bug) would read each other's slots in another
 layout and return wrong sums without an error, so every call has a signature (`_call_signature`: those, the tile
@@ -69,9 +71,10 @@ A call that one rank refuses (`refusal`: an x no codec takes, an unknown codec, 
 more bytes than int32 offsets reach) is still a call there: raising alone would leave its peers waiting, and their
 epochs one ahead of its own for good. It runs `_refused_call_kernel` (one program, in the phases above): its
 signature says why ([epoch, REFUSED_NUMEL, refusal words]) and goes into every peer before its ready flags, raised
-for every program (the peers' grid is not known); then its done flags; then it waits until every peer's program 0
-has read that signature, which its next call would overwrite, and moves its step slots on. Each peer, checking
-signatures, records the refusal (code 5: the lowest refused rank, the same on every rank, before any mismatch,
+for every program (the peers' grid is not known); then its done flags, in each peer once that peer's ready flag of
+the call is seen (a peer late in an older call would take them for that call's); then it waits until every peer's
+program 0 has read that signature, which its next call would overwrite, and moves its step slots on. Each peer,
+checking signatures, records the refusal (code 5: the lowest refused rank, the same on every rank, before any mismatch,
 `_refused_peer`) and stores nothing; its PeerErrors raises PeerRefusedInput naming that rank and why (at the call's
 end in the interpreter, within check_every calls on GPUs, as any error). The refused rank raises its own error at
 `finish`. The next call, alike on every rank, is exact. (Where the peers' call grows the buffers, they wait in the
@@ -339,11 +342,15 @@ def _refused_call_kernel(signature_ptr, ready_ptrs, done_ptrs, signature_ptrs, s
     """One program: a call this rank refused, in the phases of a call, so that its peers' calls end and the ranks'
     epochs stay in step. 1: its signature (signature_ptr: [-, REFUSED_NUMEL, refusal words], the epoch put in) into
     every peer, then its ready flags there, for every program (the peers' grid is not known here); 2: its done
-    flags likewise; 3: wait until every peer's program 0 has raised its done flag: it has read the signature (and
-    recorded the refusal) that a next call of this rank would overwrite; then the step slots move on."""
+    flags likewise, in each peer once its program 0's ready flag of this call is seen (raised after its launch of
+    the call before ended: a peer late in an older call, after this rank's wait for it gave up, would take them for
+    that call's and gather tiles never stored); 3: wait until every peer's program 0 has raised its done flag: it
+    has read the signature (and recorded the refusal) that a next call of this rank would overwrite; then the step
+    slots move on."""
     epoch = tl.load(step_ptr, volatile=True) + 1  # every slot holds the epoch of the last call
     w = tl.arange(0, SIGNATURE_WORDS)
     signature = tl.where(w == 0, epoch, tl.load(signature_ptr + w))
+    ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
     done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
     for k in tl.static_range(1, WORLD):
         peer = (rank + k) % WORLD
@@ -351,7 +358,8 @@ def _refused_call_kernel(signature_ptr, ready_ptrs, done_ptrs, signature_ptrs, s
             store_signature(signature_ptrs, peer, 0, rank, signature)  # released by the flags
             _signal_every_program(ready_ptrs, peer, rank, max_programs, epoch, SLOTS)
         if (first_phase <= 1) & (last_phase >= 1):
-            _signal_every_program(done_ptrs, peer, rank, max_programs, epoch, SLOTS)
+            if wait_or_record(ready + peer * max_programs, epoch, spin_limit, error_ptr, peer, 0):
+                _signal_every_program(done_ptrs, peer, rank, max_programs, epoch, SLOTS)
         if last_phase >= 2:
             wait_or_record(done + peer * max_programs, epoch, spin_limit, error_ptr, peer, max_programs)
     if last_phase >= 2:
@@ -412,6 +420,7 @@ def _quantized_all_reduce_kernel(
         for k in tl.static_range(1, WORLD):
             peer = (rank + k) % WORLD
             valid &= wait_or_record(ready + peer * max_programs + pid, epoch, spin_limit, error_ptr, peer, pid)
+        arrived = valid
         tl.debug_barrier()  # my own tiles, stored by this program's threads in phase 1
         if valid:  # every peer's flag is up: read their signatures as their data, behind it
             signatures = tl.load(signature_ptrs + rank).to(tl.pointer_type(tl.int64))
@@ -419,8 +428,10 @@ def _quantized_all_reduce_kernel(
             if valid:
                 valid &= same_calls(signatures, rank, signature, error_ptr, pid, epoch, WORLD)
         payload, scales = _encoded(recv_ptrs, rank, slots, WORDS)
-        # A failed call reduces nothing (its peers' tiles may be of another layout) but raises its flags: its
-        # peers' waits end, and the flags of later calls follow on.
+        # A failed call reduces nothing (its peers' tiles may be of another layout). Its done flags say "my reduced
+        # tiles are in your gather" or, where every peer's flag was seen, "the call failed, as your own check of our
+        # signatures tells you": so they rise then (the peers' waits end), but not after a wait gave up: a late
+        # peer, finding them, would read its gather's tiles of an older call as this one's (it times out instead).
         t = tl.where(valid, pid, tiles)
         while t < tiles:
             rows = t * ROWS + i
@@ -435,8 +446,9 @@ def _quantized_all_reduce_kernel(
                 gather, gather_scales = _encoded(gather_ptrs, (rank + 1 + k) % WORLD, slots, WORDS)
                 store_blocks(gather, gather_scales, mine + rows, row_mask, codes, scale, KIND, WORDS, LOW)
             t += num_programs
-        for k in tl.static_range(WORLD - 1):  # the peers
-            _signal(done_ptrs, (rank + 1 + k) % WORLD, rank * max_programs + pid, epoch)
+        if arrived:
+            for k in tl.static_range(WORLD - 1):  # the peers
+                _signal(done_ptrs, (rank + 1 + k) % WORLD, rank * max_programs + pid, epoch)
     if last_phase >= 2:  # 3. gather every reduced chunk into the output
         # A failed call leaves the output as it was (x, reduced in place, keeps its values): phase 2's verdict, or,
         # launched apart from it, an error the error word holds for this call.
