@@ -25,6 +25,8 @@ fail (an allocation unlike the first rank's of that number; a rank using a buffe
 grown buffer's old memory is released once nothing holds its PeerBuffer any more (torch synchronises the device
 before it unmaps symmetric memory, and a peer's mapping keeps the memory alive for that peer until it lets go);
 the nvshmem workspace keeps every buffer instead (NVSHMEM frees collectively).
+Each exchange numbers its calls (`next_epoch`, from 1) up to MAX_EPOCH, int32's last value: the call after it is
+refused on every rank alike (`next_epoch_after`, which the quantized all-reduce's own count shares).
 """
 
 from __future__ import annotations
@@ -125,6 +127,25 @@ def agree_on_allocation(group: dist.ProcessGroup, request: AllocationRequest, ti
     return max(r.numel for r in requests.values())
 
 
+# The last epoch an exchange may take: p2p flags hold epochs in int32, compiled launches take them as i32 arguments,
+# and device-held counters (the quantized all-reduce's step slots, the MoE dispatch's acknowledged epoch) add 1 in
+# int32. Past it an epoch would wrap, and a wait for it take a peer's old flag for this call's (a silent stale read),
+# or end every call in an error that does not say why (an OverflowError of Triton's launcher; a flag truncated to
+# int32 that no wait sees: a timeout). nvshmem's flags are int64, but one rule serves every exchange: 2**31 calls of
+# one exchange are far beyond a run's.
+MAX_EPOCH = 2**31 - 1
+
+
+def next_epoch_after(epoch: int, what: str) -> int:
+    """epoch + 1, the next call's epoch of `what` (an exchange or op of one rank, as the error names it); refused
+    (RuntimeError) past MAX_EPOCH, before the call launches any kernel. Every rank makes the same calls in the same
+    order, so every rank refuses the same call: no peer is left waiting."""
+    if epoch >= MAX_EPOCH:
+        raise RuntimeError(f"{what} has made {epoch} calls, as many as its int32 epochs count (a wrapped epoch would "
+                           "take its peers' old flags for this call's): make a new one (a new workspace)")
+    return epoch + 1
+
+
 @dataclass
 class PeerBuffer:
     local: torch.Tensor  # this rank's buffer (1-D)
@@ -144,7 +165,9 @@ class _Workspace:
         self._epochs: dict[str, int] = {}  # per exchange: the step counter its ready flags carry (never reset)
 
     def next_epoch(self, exchange: str) -> int:
-        self._epochs[exchange] = self._epochs.get(exchange, 0) + 1
+        """The exchange's next epoch (from 1; `next_epoch_after`: refused past MAX_EPOCH)."""
+        self._epochs[exchange] = next_epoch_after(self._epochs.get(exchange, 0),
+                                                  f"rank {self.rank}: the exchange {exchange!r} of this workspace")
         return self._epochs[exchange]
 
     def buffer(self, name: str, numel: int, dtype: torch.dtype) -> PeerBuffer:

@@ -100,7 +100,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
+from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace, next_epoch_after
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, GraphReplays, aligned, resident_programs_per_sm
 from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, check_spin_limit,
@@ -541,11 +541,9 @@ class FusedQuantizedAllReduce:
     def _count_call(self) -> None:
         """Number a call on the host as the kernel does on the device (its int32 `step`, which graphs replay):
         past 2**31 - 1 the device's would wrap, and a wrapped epoch takes the peers' old flags for its own (a
-        silent stale read). Refused there instead: every rank makes the same calls, so all refuse alike."""
-        if self.calls >= 2**31 - 1:
-            raise RuntimeError(f"fused quantized all-reduce: rank {self.rank}: this op has made {self.calls} calls, "
-                               "as many as its int32 epochs count: make a new one (a new workspace)")
-        self.calls += 1
+        silent stale read). Refused there instead (`next_epoch_after`): every rank makes the same calls, so all
+        refuse alike."""
+        self.calls = next_epoch_after(self.calls, f"fused quantized all-reduce: rank {self.rank}: this op")
 
     @staticmethod
     def _key(x: torch.Tensor, out: torch.Tensor, codec: str, mean: bool) -> tuple:
