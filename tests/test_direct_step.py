@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import fused_dlrm.dist.alltoall as alltoall
 import fused_dlrm.train.build as build
 import fused_dlrm.train.direct_step as direct_step
 from fused_dlrm.dist import DistEnv
+from fused_dlrm.dist.env import of_every_rank
 from fused_dlrm.models.arch_nodes import ArchNode, first_linear
 from fused_dlrm.train.build import build_model
 from fused_dlrm.train.direct_step import DirectDLRMStep, OverArchLossGraph, direct_step_refusal
@@ -69,12 +71,27 @@ def _bulk_direct_step_trains_as_autograd(rank: int, world: int, tmp: str, shardi
     taken = []
     step = DirectDLRMStep.step
     DirectDLRMStep.step = lambda self, batch: taken.append(1) or step(self, batch)
+    # The order in which this rank issues the step's collectives of other groups than the input dist's: the arch
+    # nodes' all-reduces (their own group) and the output dist's all-to-alls (the collection's group). On NCCL,
+    # communicators must see their operations in one order on every rank (a kernel waiting in one can keep another
+    # from running), whatever the step each rank takes.
+    issued = []
+    hand_gradients, all_to_all = ArchNode.hand_gradients, alltoall._all_to_all
+    ArchNode.hand_gradients = lambda node: issued.append(type(node.arch).__name__) or hand_gradients(node)
+    alltoall._all_to_all = lambda x, send, recv, group: (group is None and issued.append("all-to-all")
+                                                         or all_to_all(x, send, recv, group))
     common = SMALL + sharding + [f"data.global_batch_size={BATCH}", "trainer.max_steps=12", "trainer.log_every=1",
                                  "trainer.eval_every=6", "trainer.checkpoint_every=0"]
     autograd = train(config(*common, "trainer.direct_step=false"), env, Path(tmp) / f"autograd{rank}")
     assert taken == []
+    issued.clear()
     direct = train(config(*common), env, Path(tmp) / f"direct{rank}")
     assert len(taken) == (12 if rank < direct_ranks else 0)
+    every = of_every_rank(issued)
+    assert all(theirs == every[0] for theirs in every), [theirs[:8] for theirs in every]
+    # the dense arch's all-reduce overlaps the backward's all-to-all where every rank steps directly
+    backward = ["DenseArch", "all-to-all"] if direct_ranks == world else ["all-to-all", "DenseArch"]
+    assert issued[:4] == ["all-to-all", "OverArch", *backward], issued[:4]
     # the direct step's interaction is the Triton kernel (interpreted), autograd's on the CPU the torch reference
     losses = lambda r: torch.tensor([loss for _, loss in r.losses], dtype=torch.float64)  # noqa: E731
     torch.testing.assert_close(losses(direct), losses(autograd), rtol=1e-4, atol=1e-6)
@@ -89,9 +106,9 @@ def _bulk_direct_step_trains_as_autograd(rank: int, world: int, tmp: str, shardi
 def test_two_ranks_bulk_direct_step_trains_as_the_autograd_step(tmp_path, sharding, last_rank_autograd):
     """row-wise: every table's rows in two blocks, one per rank, mean-pooled (each sample's parts summed, then
     divided by its bag size after the exchange). ranks-mixed: one rank's batches do not fit its graphs (a short
-    last batch splits unevenly), so in the same step its peer runs the direct step and it autograd's, whose
-    collectives come in another order (the dense arch's all-reduce after the output dist's backward all-to-all):
-    the arch nodes' own group keeps the two from meeting. ranks-mixed-codec: the dense gradients' all-reduce
-    quantized, a call in line on the host (gloo) that its own group does not keep apart: the direct step takes
-    autograd's order for it (else both ranks hang)."""
+    last batch splits unevenly), so in the same step its peer runs the direct step and it autograd's, which
+    reaches the dense arch's all-reduce after the output dist's backward all-to-all: the direct step then takes
+    that order too (NCCL wants every communicator's operations in one order on every rank: gloo's threads would
+    hide a mix). ranks-mixed-codec: the dense gradients' all-reduce quantized, a call in line on the host (gloo):
+    the direct step takes autograd's order for it (else both ranks hang)."""
     run_world(2, _bulk_direct_step_trains_as_autograd, str(tmp_path), sharding, last_rank_autograd, timeout=600)

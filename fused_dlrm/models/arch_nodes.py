@@ -217,12 +217,12 @@ def dense_arch_nodes(model: nn.Module, grad_allreduce: str = "nccl", graph_batch
     arch's input needs a gradient: it comes from the embeddings; the dense features do not); a rank without
     samples (0) runs them eagerly.
 
-    Their own group: the two all-reduces come in one order on every rank (over arch, then dense arch), but their
-    place among the step's other collectives does not. A step called directly (train/direct_step.py) starts the
-    dense arch's before the output dist's backward all-to-all, autograd's after it, and in one step some ranks
-    may take each (a short last batch split unevenly: one rank's batch fits its graphs, its peer's does not). On
-    one group those two would meet each other: a hang. (A codec's all-reduce runs in line, which its own group
-    does not keep apart: the direct step starts that one after the all-to-all, as autograd does.)"""
+    Their own group: a step called directly (train/direct_step.py) starts the dense arch's all-reduce before the
+    output dist's backward all-to-all, which it can then run beside (one communicator runs its operations one after
+    the other); autograd's comes after it. Every rank still issues the step's collectives in one order (NCCL's
+    rule for several communicators): in a step where some ranks take the direct step and others autograd's (a
+    short last batch split unevenly: one rank's batch fits its graphs, its peer's does not), the direct step's
+    comes after the all-to-all too, as does a codec's (a call in line) in every step."""
     arches = (model.dense_arch, model.over_arch)
     if any(isinstance(a, nn.parallel.DistributedDataParallel) for a in arches):
         raise ValueError("the dense arches are in DDP already: ArchNodes average their gradients themselves")

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
 
+from fused_dlrm.dist.env import of_every_rank
 from fused_dlrm.kernels.launch import capture_graph
 from fused_dlrm.kernels.pairwise_interaction import kernels_refuse, launch_backward, launch_forward, push_block
 from fused_dlrm.models.arch_nodes import ArchNode, first_linear, warm_up
@@ -106,10 +107,13 @@ class DirectDLRMStep:
 
     The dense arch's gradients are averaged before the sparse backward's exchanges with a plain all-reduce (async,
     over the arch nodes' own group: it overlaps them), after them with a quantized codec, whose all-reduce runs in
-    line (gloo: on the host; NCCL: a kernel on this stream that waits for its peers). In a step where a peer's
-    batch does not fit its graphs (a short last batch split unevenly), that peer takes train_step, whose
-    autograd reaches the dense arch's backward after the sparse one: in the other order the two ranks would each
-    wait for the other's exchange (a hang)."""
+    line (gloo: on the host; NCCL: a kernel on this stream that waits for its peers: in the other order the ranks
+    would each wait for the other's exchange). Every rank issues its collectives in one order: in a step where a
+    peer's batch does not fit its graphs (a short last batch split unevenly), that peer takes train_step, whose
+    autograd reaches the dense arch's backward after the sparse one, so this step's all-reduce then comes after the
+    exchanges too. Which step each rank takes is known on every rank from the batch's header (every rank's batch
+    size) and every rank's graph rows, exchanged once here: NCCL needs the operations of its communicators in one
+    order on every rank (a kernel waiting in one can keep another's from running: a hang)."""
 
     def __init__(self, model: nn.Module, optimizer_step: Callable[[], None], world_size: int):
         reason = direct_step_refusal(model)
@@ -118,8 +122,9 @@ class DirectDLRMStep:
         self.model, self.optimizer_step, self.world_size = model, optimizer_step, world_size
         self.sparse = model.sparse_arch.embedding_bag_collection
         self.dense = model.dense_arch.forward
-        self.dense_average_first = self.dense.codec == "nccl"  # (see the class docstring)
-        self.over = OverArchLossGraph(model.over_arch.forward, self.dense.graph.input.shape[0])
+        rows = self.dense.graph.input.shape[0]
+        self.rows_of_rank = of_every_rank(rows)  # a batch fits every rank's graphs: each takes it (class docstring)
+        self.over = OverArchLossGraph(model.over_arch.forward, rows)
         self.shape = (self.dense.graph.input.shape[0], model.sparse_arch.F, model.sparse_arch.D)
         self.push_block = push_block(torch.float32, self.shape[2])  # the pushing backward's column blocks
         exchange, self.row_block_sum = self.sparse.fused, self.sparse.row_block_sum
@@ -135,6 +140,8 @@ class DirectDLRMStep:
     def step(self, batch: Batch) -> torch.Tensor:
         dense_graph, over, exchange = self.dense.graph, self.over, self.sparse.fused
         bags = self.sparse.bags_of(batch.sparse_features)
+        # the dense arch's plain all-reduce ahead of the exchanges only where no peer takes autograd's order
+        dense_average_first = self.dense.codec == "nccl" and bags.batch_sizes == self.rows_of_rank
         embedded_dense = dense_graph.forward(batch.dense_features)
         scale = torchrec_gradient_scale(self.world_size)
         if exchange is None:
@@ -165,13 +172,13 @@ class DirectDLRMStep:
                     grad = self.row_block_sum.wide_gradient(grad, bags.pooling_divisors)
                 epoch, pusher = exchange.start_backward(bags, grad, scale), "exchange"
         dense_graph.backward(dense_graph.grad_output)
-        dense_average = self.dense.hand_gradients() if self.dense_average_first else None
+        dense_average = self.dense.hand_gradients() if dense_average_first else None
         if exchange is None:
             pooled.backward(grad_sparse.view_as(pooled))
         else:
             exchange.finish_backward(bags, epoch)
             exchange.backward_pushes[pusher] += 1
-        if not self.dense_average_first:
+        if not dense_average_first:
             dense_average = self.dense.hand_gradients()
         for work in (over_average, dense_average):
             if work is not None:
