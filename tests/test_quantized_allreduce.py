@@ -5,7 +5,11 @@ hook keeps a tiny model's gradients within the bound of plain DDP."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,3 +208,37 @@ def test_calls_that_differ_between_ranks_raise_on_every_rank(world, backend):
 def test_chooser_goes_plain_below_the_threshold():
     assert chooser(1024, "q4", min_bytes=65536) == "nccl"
     assert chooser(65536, "q4", min_bytes=65536) == "q4"
+
+
+# Two gloo ranks forked from a process that never set TRITON_INTERPRET: Triton has no CPU backend there.
+_NO_INTERPRETER = """
+import os, sys
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+from fused_dlrm.kernels.quant_codecs import CODECS
+from fused_dlrm.kernels.quantized_allreduce import quantized_all_reduce_reference
+from fused_dlrm.tp import quantized_all_reduce
+
+def rank_fn(rank, store):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(4099, generator=g) for _ in range(2)]
+    for codec in CODECS:
+        y = quantized_all_reduce(xs[rank], codec, mean=True)
+        assert torch.equal(y, quantized_all_reduce_reference(xs, codec, mean=True)), codec
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.start_processes(rank_fn, args=(sys.argv[1],), nprocs=2, start_method="fork")
+"""
+
+
+def test_the_bulk_twin_on_cpu_needs_no_triton_interpreter(tmp_path):
+    """On CPU tensors the bulk twin encodes and decodes with the codecs' pure-torch reference (bit for bit the
+    kernels'): outside the interpreter (a plain `python train.py ... comm.grad_allreduce=q8` on a CPU machine) the
+    kernels stopped the first step deep inside Triton ("0 active drivers")."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", _NO_INTERPRETER, str(tmp_path / "store")], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]

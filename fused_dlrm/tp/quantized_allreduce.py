@@ -15,9 +15,9 @@ up to 65504, inputs and the partial sums z alike (z the mean with mean=True): pa
 
 Two implementations with the same arithmetic, bit for bit: on CUDA tensors of an NCCL group, the fused
 one-launch kernel (kernels/quantized_allreduce.py) on a symmetric workspace created lazily per process group
-(collectively, at the group's first call); elsewhere (gloo, CPU) the bulk twin: the codec kernels around
-all_to_all_single and all_gather_into_tensor, each chunk's encoding (int32 payload words, bf16 scales) sent as one
-message. Codec "nccl" / "none" is a plain dist.all_reduce.
+(collectively, at the group's first call); elsewhere (gloo, CPU) the bulk twin: the codec kernels (on CPU tensors
+their pure-torch reference: no Triton needed) around all_to_all_single and all_gather_into_tensor, each chunk's
+encoding (int32 payload words, bf16 scales) sent as one message. Codec "nccl" / "none" is a plain dist.all_reduce.
 
 Every rank must call with the same size, dtype, codec and mean (and an out it can take). The fused kernel checks
 its peers' calls on the device (a signature beside its flags), where a call one rank refuses (dtype, codec, out)
@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from fused_dlrm.dist.symmetric import ALLOCATION_TIMEOUT_S, cuda_workspace
 from fused_dlrm.dist.env import check_same_call, gloo_side_group
-from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS, Encoded, decode, encode
+from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, Encoded, decode, decode_reference, encode,
+                                              encode_reference)
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, call_signature, check_out,
                                                     check_quantizable, chunk_blocks_for, describe_call,
                                                     max_programs_for, out_problem, sum_in_rank_order)
@@ -108,14 +109,17 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
     numel = x.numel()
     chunk_blocks = chunk_blocks_for(numel, world)  # whole blocks per chunk
     chunk = chunk_blocks * BLOCK
-    sent = _wire(encode(x, codec, num_blocks=world * chunk_blocks), world)
+    # CPU tensors: the codecs' pure-torch reference, bit for bit the kernels' (Triton has no CPU backend: outside
+    # its interpreter a kernel launch fails with "0 active drivers")
+    enc, dec = (encode, decode) if x.is_cuda else (encode_reference, decode_reference)
+    sent = _wire(enc(x, codec, num_blocks=world * chunk_blocks), world)
     received = torch.empty_like(sent)
     dist.all_to_all_single(received, sent, group=group)
-    parts = decode(_unwire(received, codec), codec, world * chunk).view(world, chunk)
-    mine = _wire(encode(sum_in_rank_order(list(parts), mean), codec), 1)
+    parts = dec(_unwire(received, codec), codec, world * chunk).view(world, chunk)
+    mine = _wire(enc(sum_in_rank_order(list(parts), mean), codec), 1)
     gathered = mine.new_empty((world, mine.shape[1]))
     dist.all_gather_into_tensor(gathered, mine, group=group)
-    result = decode(_unwire(gathered, codec), codec, numel).view(x.shape).to(x.dtype)
+    result = dec(_unwire(gathered, codec), codec, numel).view(x.shape).to(x.dtype)
     return result if out is None else out.copy_(result)
 
 
