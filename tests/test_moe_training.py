@@ -422,6 +422,29 @@ def test_a_stdlib_smaller_than_asked_is_all_of_it_with_a_warning(caplog):
     assert f"hold {len(corpus)} bytes, fewer than data.size_bytes={10**12}" in caplog.text
 
 
+def test_size_bytes_null_is_every_stdlib_source_and_the_finegrained_config_asks_for_no_more(tmp_path, caplog):
+    """bytes_finegrained asked for 8 MB of a stdlib of 4.5-4.7 MB (Pythons 3.10-3.13): every run warned, trained on
+    all of it, and built its cache again (a cache is read only when it holds the size asked). null asks for all of
+    it, without a warning, and reads back the cache that holds all of it."""
+    stdlib_bytes = sum(f.stat().st_size for f in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    assert config("model=moe_transformer_finegrained").data.size_bytes is None
+    assert config("model=moe_transformer").data.size_bytes <= stdlib_bytes
+    cache = tmp_path / "corpus.txt"
+    with caplog.at_level(logging.WARNING, logger="moe.data"):
+        corpus = load_corpus(None, cache, None)
+    assert len(corpus) == stdlib_bytes and corpus == stdlib_corpus(None) and cache.read_bytes() == corpus
+    assert corpus.startswith(stdlib_corpus(50_000)) and not caplog.records
+    cache.write_bytes(b"x" * stdlib_bytes)  # the whole corpus's size: read, not built again
+    assert load_corpus(None, cache, None) == b"x" * stdlib_bytes
+
+
+@pytest.mark.parametrize("size", [0, -5, 1.5e6, True])
+def test_a_corpus_size_of_no_byte_count_is_refused(tmp_path, size):
+    """-5 trained on the first module's source but its last 5 bytes, 1.5e6 failed in a slice, true was 1 byte."""
+    with pytest.raises(ValueError, match=re.escape(f"data.size_bytes={size!r}: expected a byte count >= 1, or null")):
+        load_corpus(None, tmp_path / "corpus.txt", size)
+
+
 def test_batches_are_rank_slices_of_one_global_batch():
     corpus = bytes(range(256)) * 40
     whole = ByteWindows(corpus, "train", 16, 6, seed=3)
