@@ -4,7 +4,8 @@ One step: this rank's slice of the global batch -> MoETransformer forward (the d
 inside every MoE layer) -> loss = cross-entropy + aux_coeff * load balancing + z_coeff * z loss -> backward ->
 `sync_gradients` (replicated parameters' gradients summed over ranks) -> with model.clip_grad, `clip_gradients` (by
 the whole model's norm) -> optimizer step -> the lr scheduler's step (model.lr_schedule: `lr_schedule`, a function
-of the step alone, so a resumed run continues it). With model.tp_size > 1 the world is split into tensor-parallel
+of the step alone, so a resumed run continues it; a decay over trainer.max_steps only if those are the checkpoint's
+run's, else the resume is refused). With model.tp_size > 1 the world is split into tensor-parallel
 groups of consecutive ranks (the attention and dense FFN projections sharded over each, activations replicated
 inside it, or with model.sequence_parallel cut over it) and data-parallel groups across them: the batch is split
 over the data-parallel ranks (a TP group shares one slice, which under sequence parallelism the model cuts again:
@@ -196,7 +197,7 @@ def lr_schedule(schedule: DictConfig, lr: float, max_steps: int) -> Callable[[in
     first step's lr is 0), then `decay` (constant, linear or cosine) to min_lr at done = decay_steps (counted from 0,
     the warm-up included; null: trainer.max_steps), min_lr after."""
     warmup, decay = schedule.warmup_steps, schedule.decay
-    decay_steps = max_steps if schedule.decay_steps is None else schedule.decay_steps
+    decay_steps = lr_decay_steps(schedule, max_steps)
     check_count("model.lr_schedule.warmup_steps", warmup, 0, "a step count >= 0")
     if decay not in ("constant", "linear", "cosine"):
         raise ValueError(f"model.lr_schedule.decay={decay!r}: expected constant, linear or cosine")
@@ -207,6 +208,13 @@ def lr_schedule(schedule: DictConfig, lr: float, max_steps: int) -> Callable[[in
         raise ValueError(f"model.lr_schedule.min_lr={schedule.min_lr!r}: expected 0 <= min_lr <= the optimizer's "
                          f"lr {lr}")
     return partial(_lr_factor, warmup, decay, decay_steps, schedule.min_lr / lr if lr else 0.0)
+
+
+def lr_decay_steps(schedule: DictConfig, max_steps: int) -> int | None:
+    """The steps model.lr_schedule decays the lr over (decay_steps; null: trainer.max_steps); None: no decay."""
+    if schedule.decay == "constant":
+        return None
+    return max_steps if schedule.decay_steps is None else schedule.decay_steps
 
 
 def _lr_factor(warmup: int, decay: str, decay_steps: int, min_factor: float, done: int) -> float:
@@ -289,8 +297,10 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     checkpoint_dir = Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints"
 
     step = 0
-    if t.resume_from:
-        step = load_checkpoint(t.resume_from, model, optimizer)
+    decay_steps = lr_decay_steps(m.lr_schedule, t.max_steps)  # recorded in checkpoints
+    if t.resume_from:  # a decay over trainer.max_steps must decay over the checkpoint's run's (else the lr jumps)
+        step = load_checkpoint(t.resume_from, model, optimizer, lr_decay_over_max_steps=None
+                               if m.lr_schedule.decay_steps is not None else decay_steps)
     for group in optimizer.param_groups:  # LambdaLR's base, which it needs given past step 0: this run's lr
         group["initial_lr"] = group["lr"]
     scheduler = LambdaLR(optimizer, lr_factor, last_epoch=step - 1)  # sets the lr of the step after `step` steps
@@ -322,7 +332,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
 
     def checkpoint(step: int) -> None:
         save_checkpoint(checkpoint_dir, step, model, optimizer, None, t.keep_checkpoints, cfg.data.global_batch_size,
-                        t.resume_from)
+                        t.resume_from, decay_steps)
 
     run = TrainingRun(t, env, run_dir, checkpoint_dir, step, items="tokens", log=log, loss_terms=3,
                       items_per_step=cfg.data.global_batch_size * cfg.data.seq_len, log_fields=log_fields,

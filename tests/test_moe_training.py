@@ -155,6 +155,26 @@ def test_resume_continues_the_exact_loss_curve(tmp_path, precision):
     assert max(norm for _, _, norm in full_log) > 0.5  # the clip bites: the interval's mean pre-clip norm above it
 
 
+def test_a_resume_whose_max_steps_would_move_the_lr_decay_is_refused(tmp_path):
+    """decay_steps null decays over trainer.max_steps: a resume with more steps (what a run at its end is told to
+    do) re-stretched the cosine, the lr jumping from near min_lr back to ~half the peak without a word. Refused,
+    naming both settings of decay_steps; either given explicitly, the run goes on (the checkpoint's: continued
+    exactly, past the decay at min_lr)."""
+    common = SMALL + ["trainer.log_every=2", "trainer.checkpoint_every=8", "data.global_batch_size=8",
+                      "model.lr_schedule.decay=cosine", "model.lr_schedule.min_lr=0.0003"]
+    train(config(*common, "trainer.max_steps=8"), CPU, tmp_path / "first")
+    more = [*common, "trainer.max_steps=12", f"trainer.resume_from={tmp_path / 'first' / 'checkpoints'}"]
+    with pytest.raises(ValueError, match=re.escape(
+            "decays the lr over 8 steps, this run over trainer.max_steps=12 (model.lr_schedule.decay_steps null): "
+            "the lr of step 9 would jump from the checkpoint's schedule to this one's; set "
+            "model.lr_schedule.decay_steps=8 to continue it, or =12 to stretch it over this run")):
+        train(config(*more), CPU, tmp_path / "refused")
+    train(config(*more, "model.lr_schedule.decay_steps=8"), CPU, tmp_path / "continued")
+    lines = [json.loads(l) for l in (tmp_path / "continued" / "metrics.jsonl").read_text().splitlines()]
+    assert [l["lr"] for l in lines if "lr" in l] == [0.0003, 0.0003]  # steps 10 and 12: past the decay
+    train(config(*more, "model.lr_schedule.decay_steps=12"), CPU, tmp_path / "stretched")
+
+
 def _gloo(rank: int, world: int) -> DistEnv:
     return DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
 

@@ -114,9 +114,10 @@ def check_keep_last(keep_last: int) -> None:
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     embedding_optimizer=None, keep_last: int = 2, global_batch_size: int | None = None,
-                    resumed_from: str | None = None) -> Path:
-    """global_batch_size: the run's data.global_batch_size, recorded for load_checkpoint's check; resumed_from:
-    the run's trainer.resume_from (named by a NaN stop when root holds no checkpoint yet)."""
+                    resumed_from: str | None = None, lr_decay_steps: int | None = None) -> Path:
+    """global_batch_size: the run's data.global_batch_size, lr_decay_steps: the steps its lr schedule decays over
+    (None: no decay), each recorded for load_checkpoint's check; resumed_from: the run's trainer.resume_from (named
+    by a NaN stop when root holds no checkpoint yet)."""
     check_keep_last(keep_last)
     root = Path(root)
     final, partial = root / f"step_{step}", root / f"step_{step}.partial"
@@ -137,7 +138,7 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
 
     state = _state(model, optimizer, embedding_optimizer)
     _stop_if_nonfinite(state, next(model.parameters()).device, root, step, resumed_from)
-    state["run"] = _run_record(optimizer, global_batch_size)
+    state["run"] = _run_record(optimizer, global_batch_size, lr_decay_steps)
     _on_main(start, f"could not start checkpoint {partial}")
     state["step"].fill_(step)
     dcp.save(state, checkpoint_id=partial)
@@ -209,19 +210,25 @@ def _check_entries(path: Path, saved: dict, every: list[dict[str, list[int] | No
                          "model.d_model, model.ffn, model.num_experts, ...)")
 
 
-def _run_record(optimizer: torch.optim.Optimizer, global_batch_size: int | None) -> dict:
+def _run_record(optimizer: torch.optim.Optimizer, global_batch_size: int | None,
+                lr_decay_steps: int | None = None) -> dict:
     """What a checkpoint records of its run besides tensors (DCP keeps these as pickled values)."""
     record = {"dense_optimizer": type(optimizer).__name__}
     if global_batch_size is not None:
         record["global_batch_size"] = global_batch_size
+    if lr_decay_steps is not None:
+        record["lr_decay_steps"] = lr_decay_steps
     return record
 
 
-def _check_run(path: Path, saved: dict, optimizer: torch.optim.Optimizer, global_batch_size: int | None) -> None:
+def _check_run(path: Path, saved: dict, optimizer: torch.optim.Optimizer, global_batch_size: int | None,
+               lr_decay_over_max_steps: int | None = None) -> None:
     """The checkpoint's run record (`_run_record`; older checkpoints hold none) against this run: Adam and AdamW
     keep state of the same names, which the entry checks cannot tell apart; data read from files resumes by step
-    count, which another global batch size would map to other lines. Read on each rank alone (no_dist): no
-    collective before every rank knows that every rank can resume."""
+    count, which another global batch size would map to other lines; an lr decaying over trainer.max_steps
+    (lr_decay_over_max_steps: this run's) would jump at the resume where that differs from the steps the
+    checkpoint's run decayed over. Read on each rank alone (no_dist): no collective before every rank knows that
+    every rank can resume."""
     record = {key.removeprefix("run."): None for key in saved if key.startswith("run.")}
     if not record:
         return
@@ -236,6 +243,14 @@ def _check_run(path: Path, saved: dict, optimizer: torch.optim.Optimizer, global
                          f"run's is {global_batch_size}: data read from files resumes at the checkpoint's step "
                          f"count, which another batch size would place at other lines; resume with "
                          f"data.global_batch_size={record['global_batch_size']}")
+    decayed = record.get("lr_decay_steps")
+    if lr_decay_over_max_steps is not None and decayed is not None and decayed != lr_decay_over_max_steps:
+        step = int(_STEP_DIR.match(path.name).group(1))
+        raise ValueError(f"checkpoint {path} decays the lr over {decayed} steps, this run over trainer.max_steps="
+                         f"{lr_decay_over_max_steps} (model.lr_schedule.decay_steps null): the lr of step {step + 1} "
+                         f"would jump from the checkpoint's schedule to this one's; set model.lr_schedule."
+                         f"decay_steps={decayed} to continue it, or ={lr_decay_over_max_steps} to stretch it over "
+                         f"this run")
 
 
 def _keep_configured_options(optimizer: torch.optim.Optimizer, configured: list[dict]) -> None:
@@ -268,10 +283,12 @@ def _step_folder(path: Path) -> Path:
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    embedding_optimizer=None, global_batch_size: int | None = None) -> int:
+                    embedding_optimizer=None, global_batch_size: int | None = None,
+                    lr_decay_over_max_steps: int | None = None) -> int:
     """Load a step_<N> folder, or the latest one under a checkpoint root; returns the step it was taken at.
     global_batch_size: where the data resumes by step count over files, this run's: a checkpoint recording another
-    is refused."""
+    is refused. lr_decay_over_max_steps: this run's trainer.max_steps where its lr decays over them (a decay_steps
+    left null): a checkpoint whose run decayed over other steps is refused (its lr would jump)."""
     state = _state(model, optimizer, embedding_optimizer)
     # each rank loads its own tables (and experts) and their optimizer state: the checkpoint holds every rank's
     every = of_every_rank(_entries(state))
@@ -280,7 +297,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         path = _step_folder(path)  # collectives for it
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         _check_entries(path, saved, every)
-        _check_run(path, saved, optimizer, global_batch_size)
+        _check_run(path, saved, optimizer, global_batch_size, lr_decay_over_max_steps)
         problem = None
     except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
         problem = error
