@@ -110,8 +110,9 @@ class ByteWindows:
                  world_size: int = 1, seed: int = 0, eval_fraction: float = EVAL_FRACTION):
         if split not in ("train", "eval"):
             raise ValueError(f"split must be train or eval, got {split!r}")
-        if seq_len < 1:  # else a step of no tokens: its loss 0 / 0, stopped as a divergence
-            raise ValueError(f"seq_len={seq_len}: expected at least 1 byte per window")
+        # else a step of no tokens (its loss 0 / 0, stopped as a divergence), a float failing deep in torch, or
+        # YAML's true (an int) taken as 1
+        check_count("data.seq_len", seq_len, 1, "at least 1 byte per window, a whole number")
         if not 0 < eval_fraction < 1:  # else the cut lands elsewhere (1.5: at -len / 2), or nowhere (NaN)
             raise ValueError(f"eval_fraction={eval_fraction}: expected a fraction in (0, 1) of the corpus, held out "
                              "for evaluation")

@@ -60,6 +60,9 @@ def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
     The model's `group` holds the ranks with different tokens: the data-parallel group, or under sequence
     parallelism the world (None). A batch sequence parallelism cannot cut is refused here, on every rank alike."""
     m = cfg.model
+    for key in ("vocab_size", "d_model", "num_layers", "num_heads", "ffn", "num_experts", "top_k", "moe_every",
+                "tp_size"):  # a float failed deep in torch, YAML's true (an int) was 1, ffn=0 trained FFNs of nothing
+        check_count(f"model.{key}", m[key], 1, "a whole number >= 1")
     if m.vocab_size < 256:  # else the first byte above it fails in the embedding, at whatever step draws it
         raise ValueError(f"model.vocab_size={m.vocab_size}: the data are raw bytes, so it must be at least 256")
     if m.get("sequence_parallel", False) and m.tp_size > 1:

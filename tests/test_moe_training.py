@@ -631,6 +631,16 @@ def test_bad_settings_are_refused_before_training(tmp_path):
                              (["data.eval_batches=0"], "data.eval_batches=0: expected a count >= 1: the evaluation needs"),
                              (["data.eval_batches=1.5"], "data.eval_batches=1.5: expected a count >= 1"),
                              (["data.seq_len=0"], "seq_len=0: expected at least 1"),
+                             # a float failed deep in torch (randint, randn, view); YAML's true trained as 1
+                             (["data.seq_len=16.5"], "data.seq_len=16.5: expected at least 1 byte per window, a whole"),
+                             (["data.seq_len=true"], "data.seq_len=True: expected at least 1 byte per window"),
+                             (["model.ffn=0"], "model.ffn=0: expected a whole number >= 1"),  # trained FFNs of nothing
+                             (["model.num_heads=0"], "model.num_heads=0: expected a whole number >= 1"),
+                             (["model.num_experts=4.0"], "model.num_experts=4.0: expected a whole number >= 1"),
+                             (["model.top_k=true"], "model.top_k=True: expected a whole number >= 1"),
+                             (["model.moe_every=true"], "model.moe_every=True: expected a whole number >= 1"),
+                             (["model.tp_size=1.0"], "model.tp_size=1.0: expected a whole number >= 1"),
+                             (["model.vocab_size=256.5"], "model.vocab_size=256.5: expected a whole number >= 1"),
                              (["data.eval_fraction=1.5"], "eval_fraction=1.5: expected a fraction in \\(0, 1\\)"),
                              (["trainer.epochs=2"], "trainer.epochs is not supported \\(got 2\\)"),
                              (["model.clip_grad=-1.0"], "model.clip_grad=-1.0: expected a norm >= 0"),
