@@ -20,7 +20,7 @@ from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels import gemm_allreduce
 from fused_dlrm.kernels.gemm_allreduce import (PRODUCE, REDUCE, WAIT, GemmAllReduce, default_split_k,
                                                gemm_allreduce_reference, gemm_reduce_scatter_reference)
-from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerWaitTimeout
+from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerRefusedInput, PeerWaitTimeout
 from sm90 import compile_for_sm90
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
@@ -324,32 +324,135 @@ def test_operands_that_are_no_x_m_k_and_w_k_n_are_named(x_shape, w_shape):
             op.prepare(x, w, scatter=scatter)
 
 
-@pytest.mark.parametrize("scatter", [False, True])
-def test_a_refused_call_takes_no_epoch(scatter):
-    """A call whose operands every rank refuses (a 3-D x) takes no epoch. Taken, it left the next call on the half
-    of the double buffers (partials, signatures) of the call before, with no call between them to show that the
-    peers were done reading it; one-shot and reduce-scatter have no wait phase: rank 0, done with call 1 once it
-    has rank 1's partials, pushed its next call's into rank 1's half of call 1 while rank 1's device (behind its
-    host) was still reducing call 1."""
-    world = World(2, algorithm="one_shot")
+# A rank's call refused while the others call x [M, 40] @ w [40, 50] bf16: its x's and w's shapes, dtype(s);
+# what it raises itself and what its peers say of it. (Uneven bands: the reduce-scatter form's alone.)
+BAD_OPERANDS = r"expected x \[M, K\] and w \[K, N\] \(K, N >= 1\) of one dtype, fp16 or bf16; got "
+NOT_OPERANDS = r"are not x \[M, K\] and w \[K, N\] \(K, N >= 1\) of one dtype, fp16 or bf16"
+REFUSALS = {
+    "3-D x": ((2, 3, 40), (40, 50), torch.bfloat16, BAD_OPERANDS + r"\(2, 3, 40\) torch.bfloat16",
+              r"its x \[2, 3, 40\] bfloat16 and w \[40, 50\] bfloat16 " + NOT_OPERANDS),
+    "1-D w": ((6, 40), (40,), torch.bfloat16, BAD_OPERANDS + r"\(6, 40\) torch.bfloat16 and \(40,\)",
+              r"its x \[6, 40\] bfloat16 and w \[40\] bfloat16 " + NOT_OPERANDS),
+    "K unlike w's": ((6, 24), (40, 50), torch.bfloat16, BAD_OPERANDS + r"\(6, 24\)",
+                     r"its x \[6, 24\] bfloat16 and w \[40, 50\] bfloat16 " + NOT_OPERANDS),
+    "no columns": ((6, 40), (40, 0), torch.bfloat16, BAD_OPERANDS + r"\(6, 40\) torch.bfloat16 and \(40, 0\)",
+                   r"its x \[6, 40\] bfloat16 and w \[40, 0\] bfloat16 " + NOT_OPERANDS),
+    "fp32": ((6, 40), (40, 50), torch.float32, BAD_OPERANDS + r"\(6, 40\) torch.float32",
+             r"its x \[6, 40\] float32 and w \[40, 50\] float32 " + NOT_OPERANDS),
+    "fp32 x": ((6, 40), (40, 50), (torch.float32, torch.bfloat16), BAD_OPERANDS + r"\(6, 40\) torch.float32 and "
+               r"\(40, 50\) torch.bfloat16", r"its x \[6, 40\] float32 and w \[40, 50\] bfloat16 " + NOT_OPERANDS),
+    # no memory: expanded zeros; refused before any buffer is asked for
+    "too large": ((1 << 20, 40), (40, 1 << 11), torch.bfloat16, r"needs buffers of 2\^31 elements or more per half",
+                  r"its x \[1048576, 40\] @ w \[40, 2048\] needs buffers of 2\^31 elements or more per half"),
+    "uneven bands": ((5, 40), (40, 50), torch.bfloat16, "cuts M=5 rows into 2 equal bands",
+                     r"its reduce-scatter cuts M=5 rows into 2 equal bands \(M must be a multiple of the world size\)"),
+}
+CALL_FORMS = {"two-shot": ("two_shot", False), "one-shot": ("one_shot", False), "reduce-scatter": ("two_shot", True)}
+
+
+def refused_operands(refusal: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    x_shape, w_shape, dtypes, _, _ = REFUSALS[refusal]
+    x_dtype, w_dtype = dtypes if isinstance(dtypes, tuple) else (dtypes, dtypes)
+    if refusal == "too large":
+        return torch.zeros(1, 40, dtype=x_dtype).expand(x_shape), torch.zeros(40, 1, dtype=w_dtype).expand(w_shape)
+    return torch.randn(x_shape, generator=gen).to(x_dtype), torch.randn(w_shape, generator=gen).to(w_dtype)
+
+
+def check_refused_on_some_ranks(world_size: int, refused: tuple[int, ...], refusal: str, form: str,
+                                device: str = "cpu") -> None:
+    """The ranks `refused` refuse their call (`REFUSALS`): each raises its own error, every other rank
+    PeerRefusedInput naming the lowest of them and why, at the same call (a refusing rank still takes part in it:
+    its signature says why, its flags rise); the next call, alike on every rank, is exact: the refused call took its
+    epoch on every rank. The first call, alike, makes the buffers the second's valid calls use (a rank that grows
+    them would wait in the allocation for the refusing ranks, which ask for nothing)."""
+    algorithm, scatter = CALL_FORMS[form]
+    world = World(world_size, algorithm=algorithm, device=device, spin_limit=50 if device == "cpu" else 1 << 22)
+    check = assert_reduce_scattered if scatter else assert_all_reduced
+    gen = torch.Generator().manual_seed(len(refused) * 10 + world_size)
+    m = 6 * world_size  # the first call's (and the third's) rows: the second's fit in its buffers
+    xs, ws = random_inputs(world_size, m, 40, 50, torch.bfloat16, gen, device)
+    check(world(xs, ws, scatter), xs, ws)
+    xs, ws = random_inputs(world_size, 2 * world_size, 40, 50, torch.bfloat16, gen, device)
+    for r in refused:
+        xs[r], ws[r] = (t.to(device) for t in refused_operands(refusal, gen))
+    outputs = World.launch(world.ops, xs, ws, [scatter] * world_size)
+    _, _, _, error, said = REFUSALS[refusal]
+    for rank, output in enumerate(outputs):
+        if rank in refused:
+            with pytest.raises(ValueError, match=error):
+                output()
+            continue
+        with pytest.raises(PeerRefusedInput, match=rf"^fused GEMM \+ all-reduce at step 2: rank {rank}: rank "
+                                                   rf"{refused[0]}'s call was refused: {said}"):
+            output()  # on the CPU
+            world.ops[rank].errors.check(block=True)  # on GPUs
+    assert all(op.ws._epochs["gemm_allreduce"] == 2 for op in world.ops)
+    xs, ws = random_inputs(world_size, m, 40, 50, torch.bfloat16, gen, device)
+    world.poison(xs, ws, scatter)
+    check(world(xs, ws, scatter), xs, ws)
+    for op in world.ops:
+        op.errors.check(block=True)
+
+
+@pytest.mark.parametrize("form,refusal", [(form, refusal) for form in CALL_FORMS for refusal in REFUSALS
+                                          if refusal != "uneven bands" or form == "reduce-scatter"])
+def test_a_call_refused_on_one_rank_raises_on_every_rank(form, refusal):
+    check_refused_on_some_ranks(2, (1,), refusal, form)
+
+
+@pytest.mark.parametrize("form", list(CALL_FORMS))
+def test_the_lowest_refusing_rank_is_named_on_every_other_rank(form):
+    """Ranks 1 and 2 of 4 refuse: each raises its own error, ranks 0 and 3 name rank 1."""
+    check_refused_on_some_ranks(4, (1, 2), "3-D x", form)
+
+
+@pytest.mark.parametrize("form", ["one-shot", "reduce-scatter"])  # two-shot's call 1 waits for rank 1's reduce
+def test_a_refused_call_waits_until_every_peer_has_begun_it(form):
+    """A refused call, every rank's here (a 3-D x), takes its epoch and ends only once every peer has begun that call
+    (a flag of its epoch from each), as a call that runs does: the guard of the double buffers (partials,
+    signatures). Rank 0 has finished call 1 once it has rank 1's partials (one-shot and reduce-scatter have no wait
+    phase); rank 1 has not reduced them yet. Rank 0's refused call 2 then waits for rank 1's call 2; here (one program
+    at a time) it times out, naming rank 1 and step 2 (raised at rank 0's next call, after its own error); on a GPU it
+    holds rank 0's next call, which pushes into the half of call 1 that rank 1 still reduces, until rank 1 is done
+    with it. The calls after that are exact."""
+    algorithm, scatter = CALL_FORMS[form]
+    check = assert_reduce_scattered if scatter else assert_all_reduced
+    world = World(2, algorithm=algorithm)
+    ops = world.ops
     gen = torch.Generator().manual_seed(13)
     xs, ws = random_inputs(2, 4, 40, 50, torch.bfloat16, gen)
     world.poison(xs, ws, scatter)
-    epochs = [op.next_epoch() for op in world.ops]
-    plans = [op.launch(x, w, e, PRODUCE, scatter) for op, x, w, e in zip(world.ops, xs, ws, epochs)]
+    epochs = [op.next_epoch() for op in ops]
+    plans = [op.launch(x, w, e, PRODUCE, scatter) for op, x, w, e in zip(ops, xs, ws, epochs)]
     outs = [None, None]
     for phase in (REDUCE, WAIT):  # rank 0's device finishes call 1; rank 1's has not reduced it yet
-        world.ops[0].launch(xs[0], ws[0], epochs[0], phase, scatter)
-    outs[0] = world.ops[0].output(epochs[0], plans[0]).clone()
-    for op, w in zip(world.ops, ws):  # every host refuses the next call
+        ops[0].launch(xs[0], ws[0], epochs[0], phase, scatter)
+    outs[0] = ops[0].output(epochs[0], plans[0]).clone()
+    bad = torch.ones(2, 4, 40, dtype=torch.bfloat16)
+
+    def refuse(op):
+        epoch = op.next_epoch()
+        for phase in (PRODUCE, REDUCE, WAIT):
+            refused = op.launch(bad, ws[0], epoch, phase, scatter)
         with pytest.raises(ValueError, match=r"expected x \[M, K\]"):
-            (op.reduce_scatter if scatter else op)(torch.ones(2, 4, 40, dtype=torch.bfloat16), w)
-    later_x, later_w = random_inputs(1, 4, 40, 50, torch.bfloat16, gen)
-    world.ops[0].launch(later_x[0], later_w[0], world.ops[0].next_epoch(), PRODUCE, scatter)  # rank 0 goes on
+            op.output(epoch, refused)
+
+    refuse(ops[0])  # while rank 1 has not begun call 2: its wait times out
     for phase in (REDUCE, WAIT):
-        world.ops[1].launch(xs[1], ws[1], epochs[1], phase, scatter)
-    outs[1] = world.ops[1].output(epochs[1], plans[1]).clone()
-    assert_reduce_scattered(outs, xs, ws) if scatter else assert_all_reduced(outs, xs, ws)
+        ops[1].launch(xs[1], ws[1], epochs[1], phase, scatter)
+    outs[1] = ops[1].output(epochs[1], plans[1]).clone()
+    check(outs, xs, ws)
+    refuse(ops[1])
+    assert [op.ws._epochs["gemm_allreduce"] for op in ops] == [2, 2]
+    xs, ws = random_inputs(2, 4, 40, 50, torch.bfloat16, gen)
+    outputs = World.launch(ops, xs, ws, [scatter] * 2)
+    with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 2 waiting for rank 1"):
+        outputs[0]()
+    outputs[1]()
+    for _ in range(2):  # both halves of the double buffers
+        xs, ws = random_inputs(2, 4, 40, 50, torch.bfloat16, gen)
+        world.poison(xs, ws, scatter)
+        check(world(xs, ws, scatter), xs, ws)
 
 
 def test_reduce_scatter_needs_equal_bands():
@@ -463,12 +566,16 @@ for one_shot, scatter in ((True, False), (False, False), (False, True)):
             divisible=("stride_xm", "stride_wk"))
         # per_sm programs on one SM: each within 1 / per_sm of its 227 KiB of shared memory.
         assert kernel.metadata.shared <= 227 * 1024 // per_sm, (one_shot, scatter, block_m, kernel.metadata.shared)
+# a refused call's program (132 SMs of 2 programs: flags for 264), all phases in one launch
+types = {"signature_ptr": "*i64", "error_ptr": "*i32"}
+types.update({n: "*i64" for n in ("signature_ptrs", "ready_ptrs", "done_ptrs")})
+build(gemm_allreduce._refused_call_kernel, types, dict(WORLD=2, SLOTS=512, PHASES=gemm_allreduce.ALL_PHASES))
 """
 
 
 def test_kernel_compiles_for_sm90():
     """Both algorithms and the reduce-scatter form at the plans' default tiles compile for sm_90 within their
-    programs per SM's shared memory."""
+    programs per SM's shared memory; and a refused call's kernel."""
     compile_for_sm90(COMPILE_FOR_SM90)
 
 

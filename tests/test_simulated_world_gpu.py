@@ -20,13 +20,14 @@ from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.allgather_gemm import AllGatherMatmul, GemmConfig, all_gather_matmul_reference
 from fused_dlrm.kernels.gemm_allreduce import (PRODUCE, REDUCE, WAIT, GemmAllReduce, gemm_allreduce_reference,
                                                gemm_reduce_scatter_reference)
-from fused_dlrm.kernels.peer_flags import PeerCallMismatch
+from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerRefusedInput
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, max_programs_for,
                                                     quantized_all_reduce_reference)
 from test_allgather_kernels import MATMUL_DIFFERENCES, check_matmul_calls_that_differ
 from test_fused_embedding_kernels import INTERACTION_PUSH_CASES, check_interaction_push
-from test_gemm_allreduce_kernel import DIFFERENCES, check_calls_that_differ, poison
+from test_gemm_allreduce_kernel import (CALL_FORMS, DIFFERENCES, assert_all_reduced, assert_reduce_scattered,
+                                        check_calls_that_differ, check_refused_on_some_ranks, poison)
 from test_quantized_allreduce_gpu import world_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -161,6 +162,56 @@ def test_gemm_all_reduce_calls_that_differ_raise_on_every_rank(world_size, diffe
     shapes, dtype, form, tiles, K split, algorithm, grid), as compiled: every rank raises naming both calls (at
     `check(block=True)`: on GPUs the error word is read without stalling), and the next call is exact."""
     check_calls_that_differ(world_size, difference, "cuda")
+
+
+@pytest.mark.parametrize("form", list(CALL_FORMS))
+@pytest.mark.parametrize("refusal", ["3-D x", "fp32 x", "too large"])
+def test_gemm_all_reduce_call_refused_on_one_rank_raises_on_every_rank(refusal, form):
+    """The interpreter test's refusals (test_gemm_allreduce_kernel.check_refused_on_some_ranks), as compiled: rank 1
+    raises its ValueError, rank 0 PeerRefusedInput naming rank 1 and why (at `check(block=True)`), and the next
+    call is exact."""
+    check_refused_on_some_ranks(2, (1,), refusal, form, "cuda")
+
+
+@pytest.mark.parametrize("form", list(CALL_FORMS))
+def test_gemm_all_reduce_refused_calls_in_one_launch_per_rank_on_two_streams(form):
+    """The GPU form with real waits (two streams, half the SMs each): a call both ranks refuse (a 3-D x: each raises
+    its own ValueError; it also loads the refused call's kernel before any launch spins on the peer's flags), a
+    call alike, a call rank 1 alone refuses (rank 1 raises its ValueError, rank 0 PeerRefusedInput naming it, not a
+    timeout after the wait's bound), and a call alike: the calls alike are exact."""
+    algorithm, scatter = CALL_FORMS[form]
+    world = SimulatedWorld(2, "cuda")
+    programs = torch.cuda.get_device_properties(0).multi_processor_count // 2
+    ops = [GemmAllReduce(ws, num_programs=programs, algorithm=algorithm) for ws in world.workspaces()]
+    streams = [torch.cuda.Stream() for _ in ops]
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    m, k, n = 64, 1000, 3000
+    bad = torch.ones(2, m, k, device="cuda", dtype=torch.bfloat16)
+    for step, refusing in enumerate([(0, 1), (), (1,), ()]):
+        xs = [torch.randn(m, k, device="cuda", generator=gen).bfloat16() for _ in ops]
+        ws = [(torch.randn(k, n, device="cuda", generator=gen) / k ** 0.5).bfloat16() for _ in ops]
+        for op, x, w in zip(ops, xs, ws):
+            op.prepare(x, w, scatter=scatter)  # compiled and loaded before a launch spins on the peer's flags
+        poison(world)
+        torch.cuda.synchronize()
+        outs = []
+        for rank, (op, stream, x, w) in enumerate(zip(ops, streams, xs, ws)):
+            with torch.cuda.stream(stream):
+                call = op.reduce_scatter if scatter else op
+                if rank in refusing:
+                    with pytest.raises(ValueError, match=r"expected x \[M, K\] and w \[K, N\]"):
+                        call(bad, w)
+                else:
+                    outs.append(call(x, w))
+        torch.cuda.synchronize()
+        if refusing == (1,):
+            with pytest.raises(PeerRefusedInput, match=rf"at step {step + 1}: rank 0: rank 1's call was refused: "
+                                                       r"its x \[2, 64, 1000\] bfloat16 and w \[1000, 3000\]"):
+                ops[0].errors.check(block=True)
+        for op in ops:
+            op.errors.check(block=True)  # nothing (else) recorded
+        if not refusing:
+            (assert_reduce_scattered if scatter else assert_all_reduced)([o.clone() for o in outs], xs, ws)
 
 
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])

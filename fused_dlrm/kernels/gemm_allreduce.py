@@ -38,7 +38,7 @@ Buffers (symmetric, double-buffered by epoch parity): a rank can only start call
 seen a flag of call e + 1 from every peer (two-shot: the output flags; one-shot and reduce-scatter: the partials'
 flags, as it reduces tiles from every rank), i.e. every peer has started call e + 1 and so finished reading the
 partials of call e; so the half that call e + 2 overwrites is no longer read. (So every epoch is a launched
-call: a call whose operands are refused takes none.) The returned output is a view of symmetric memory, valid
+call that waits so: a refused one too, below.) The returned output is a view of symmetric memory, valid
 until the call after next (later stores to it come from call e + 2). Flags carry the epoch, are
 never reset and are compared with `>=`; a wait that times out records (1, peer, slice) in the error word, which
 `PeerErrors` raises on the host as PeerWaitTimeout (slice: the tile being reduced, -1 for a program that owns
@@ -61,6 +61,19 @@ buffers (a larger shape) stops before any kernel: those ranks wait for the other
 allocation, a bounded wait that raises AllocationTimeout naming the ranks that never asked
 (dist/symmetric.agree_on_allocation); a rank that asks later raises it too.
 
+A call that one rank refuses (`refusal`: operands that are no x [M, K] and w [K, N] of one dtype, fp16 or bf16; a
+reduce-scatter's M not a multiple of the world size; buffers past int32 offsets: what each rank's own x and w
+decide) is still a call there (peer_flags.RefusedCall): raising alone would leave its peers waiting out their
+bound, and its epochs one behind theirs for every later call. It runs `_refused_call_kernel` (one program): its
+signature says why ([epoch, REFUSED_CALL, refusal words]) and goes into every peer's half of the epoch, then its
+ready and done flags there for every program (the peers' grid is not known), so the peers' waits end; then it waits
+for a ready flag of the call from every peer, as a call that runs does (the guard of the halves above). Each peer,
+comparing calls, records the refusal (code 5: the lowest refused rank, the same on every rank, before any mismatch)
+and raises PeerRefusedInput naming that rank and why (its output not defined); the refused rank raises its own
+ValueError at `output`. The next call, alike on every rank, is exact. (A peer whose call would grow the buffers
+waits in the allocation, as above, for the refusing rank, which asks for nothing.) What the op's construction
+fixes (algorithm, transport, spin bound, tiles) is refused there, before any call.
+
 `gemm_allreduce_reference` is the pure-torch definition; `gemm_allreduce_bulk` the bulk twin (matmul, then
 torch.distributed.all_reduce); `gemm_reduce_scatter_reference` / `_bulk` the same for the reduce-scatter form.
 """
@@ -77,9 +90,10 @@ import triton.language as tl
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
-from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, check_spin_limit,
-                                           describe_signatures, same_calls, signal_ready, signature_of, store_signature,
-                                           wait_or_record)
+from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, RefusedCall,
+                                           check_spin_limit, describe_refused_calls, describe_signatures,
+                                           publish_refusal, same_unrefused_calls, signal_every_program, signal_ready,
+                                           signature_of, store_signature, wait_or_record)
 
 PRODUCE, REDUCE, WAIT = 1, 2, 4  # the phases of a launch (PHASES is their sum)
 ALL_PHASES = PRODUCE | REDUCE | WAIT
@@ -156,6 +170,62 @@ def describe_calls(mine: list[int], theirs: list[int]) -> tuple[str, str]:
     return describe_signatures(mine, theirs, call, {6: "tiles of {} rows", 7: "tiles of {} columns",
                                                     8: "K split in {}", 9: "a grid of {} programs",
                                                     10: "flags for {} programs"})
+
+
+# Why a rank refuses its call (`GemmAllReduce._plan`): word 0 of its refusal words, which its peers name
+# (`describe_refusal`)
+NOT_OPERANDS, UNEVEN_BANDS, TOO_LARGE = 1, 2, 3
+OPERAND_DIMS = 3  # the dims of x and of w that a refusal's words list
+
+
+def _operand_words(t: torch.Tensor) -> list[int]:
+    """t's dim count, first OPERAND_DIMS dims (-1 past its last) and `dtype_code`, for a refusal's words."""
+    dims = list(t.shape[:OPERAND_DIMS])
+    return [t.dim()] + dims + [-1] * (OPERAND_DIMS - len(dims)) + [dtype_code(t.dtype)]
+
+
+def _describe_operand(words: list[int]) -> str:
+    """`_operand_words` in words: "[2, 3, 40] bfloat16"."""
+    ndim, dims, dtype = words[0], words[1:1 + OPERAND_DIMS], words[1 + OPERAND_DIMS]
+    shown = [str(d) for d in dims[:ndim]] + (["..."] if ndim > OPERAND_DIMS else [])
+    return f"[{', '.join(shown)}] {dtype_name(dtype)}"
+
+
+def refusal(x: torch.Tensor, w: torch.Tensor, scatter: bool, world: int) -> tuple[list[int], ValueError] | None:
+    """Why this rank cannot run a call on x and w whatever its tiles: its refusal words ([reason, values...], for its
+    peers) and the error it raises itself; None if it can. (Buffers past int32 offsets depend on the tiles:
+    `GemmAllReduce._plan`.)"""
+    if (x.dim() != 2 or w.dim() != 2 or min(*w.shape) < 1 or w.shape[0] != x.shape[1]
+            or x.dtype != w.dtype or x.dtype not in (torch.float16, torch.bfloat16)):
+        return [NOT_OPERANDS] + _operand_words(x) + _operand_words(w), ValueError(
+            f"expected x [M, K] and w [K, N] (K, N >= 1) of one dtype, fp16 or bf16; got {tuple(x.shape)} {x.dtype} "
+            f"and {tuple(w.shape)} {w.dtype}")
+    if scatter and x.shape[0] % world:
+        return [UNEVEN_BANDS, x.shape[0], world], ValueError(
+            f"a reduce-scatter cuts M={x.shape[0]} rows into {world} equal bands: M must be a multiple of the world "
+            "size")
+    return None
+
+
+def too_large(x: torch.Tensor, w: torch.Tensor) -> tuple[list[int], ValueError]:
+    """The refusal of a call whose buffers' halves would pass int32 offsets."""
+    (m, k), n = x.shape, w.shape[1]
+    return [TOO_LARGE, m, k, n], ValueError(f"a call of x {tuple(x.shape)} and w {tuple(w.shape)} needs buffers of "
+                                            "2^31 elements or more per half: split it")
+
+
+def describe_refusal(words: list[int]) -> str:
+    """A rank's refusal words (`refusal`, `too_large`) in words, as its peers say them."""
+    reason, *values = words
+    if reason == NOT_OPERANDS:
+        x, w = values[:OPERAND_DIMS + 2], values[OPERAND_DIMS + 2:2 * OPERAND_DIMS + 4]
+        return (f"its x {_describe_operand(x)} and w {_describe_operand(w)} are not x [M, K] and w [K, N] (K, N >= 1) "
+                "of one dtype, fp16 or bf16")
+    if reason == UNEVEN_BANDS:
+        m, world = values[:2]
+        return f"its reduce-scatter cuts M={m} rows into {world} equal bands (M must be a multiple of the world size)"
+    m, k, n = values[:3]  # TOO_LARGE
+    return f"its x [{m}, {k}] @ w [{k}, {n}] needs buffers of 2^31 elements or more per half"
 
 
 @triton.jit
@@ -267,7 +337,7 @@ def _gemm_allreduce_kernel(
                     chunk += 1
             tl.debug_barrier()  # the flags this program's threads acquired cover the partials any of them loads
             if j == pid:  # the program's first tile: the peers' calls (a flag of each is seen), once per call
-                same_calls(signatures, rank, signature, error_ptr, first_tile + j, epoch, WORLD)
+                same_unrefused_calls(signatures, rank, signature, error_ptr, first_tile + j, epoch, WORLD)
             first, end, n_tile = _tile_place(first_tile + j, n_tiles, tiles_per_rank, band_rows, M, BLOCK_M, SCATTER)
             out_rows = first + rows
             row_mask = out_rows < end
@@ -302,7 +372,7 @@ def _gemm_allreduce_kernel(
                 source = (rank + k) % WORLD
                 wait_or_record(ready + source * flag_stride + pid, epoch, spin_limit, error_ptr, source, -1)
             tl.debug_barrier()
-            same_calls(signatures, rank, signature, error_ptr, -1, epoch, WORLD)
+            same_unrefused_calls(signatures, rank, signature, error_ptr, -1, epoch, WORLD)
 
     if PHASES & 4:  # wait until every owner's program `pid` has stored its tiles here (one-shot, scatter, an empty
         #             call: no peer does)
@@ -310,6 +380,25 @@ def _gemm_allreduce_kernel(
             done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
             for storer in tl.static_range(WORLD):  # (not `owner`: a name of int32 above, unlike under a runtime if)
                 wait_or_record(done + storer * flag_stride + pid, epoch, spin_limit, error_ptr, storer, pid)
+
+
+@triton.jit(do_not_specialize=["rank", "epoch"])
+def _refused_call_kernel(signature_ptr, signature_ptrs, ready_ptrs, done_ptrs, error_ptr, rank, epoch, flag_stride,
+                         spin_limit, WORLD: tl.constexpr, SLOTS: tl.constexpr, PHASES: tl.constexpr):
+    """One program: a call this rank refused, in the phases of a call (the module docstring). Produce: its signature
+    (signature_ptr: a RefusedCall's) into every peer's half of this epoch's parity, then its ready and done flags
+    there, for every program (the peers' grid is not known here); wait: until every peer's program 0 (every grid
+    has one) has raised its ready flag of this epoch here, as a call that runs waits for its peers' flags: the
+    guard of the halves that this rank's call after next writes."""
+    for k in tl.static_range(1, WORLD):
+        peer = (rank + k) % WORLD
+        if PHASES & 1:
+            publish_refusal(signature_ptr, epoch, signature_ptrs, (epoch % 2) * WORLD * SIGNATURE_WORDS, ready_ptrs,
+                            peer, rank, flag_stride, SLOTS)
+            signal_every_program(done_ptrs, peer, rank, flag_stride, epoch, SLOTS)
+        if PHASES & 4:
+            ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
+            wait_or_record(ready + peer * flag_stride, epoch, spin_limit, error_ptr, peer, -1)
 
 
 def default_split_k(m: int, k: int, num_tiles: int, num_programs: int, block_k: int) -> int:
@@ -362,7 +451,8 @@ class GemmAllReduce:
 
     Every rank must make the same calls in the same order: the same form (__call__ or reduce_scatter, which is
     always two-shot), M, K, N and dtype, on ops of one tiling (flags carry per-call epochs); a call unlike a peer's
-    raises PeerCallMismatch on every rank (the module docstring). A call of M = 0 (an empty batch) returns an empty
+    raises PeerCallMismatch on every rank, one whose operands a rank refuses its ValueError there and
+    PeerRefusedInput on the others (the module docstring). A call of M = 0 (an empty batch) returns an empty
     output; it is a call all the same (see the module docstring). A plan tiles by FEW_ROWS up to 64 rows and by
     MANY_ROWS above; `block_m` ... `programs_per_sm`, where given, replace those tilings' fields (for tests and
     sweeps; the grid must stay co-resident, see the module docstring). The launch has `num_programs` persistent
@@ -400,7 +490,8 @@ class GemmAllReduce:
         self.num_programs, self.spin_limit = num_programs, spin_limit  # the largest grid: the flags' stride
         self.split_k = split_k
         self.algorithm = algorithm
-        self.errors = PeerErrors(device, self.rank, "fused GEMM + all-reduce", describe_calls=describe_calls)
+        self.errors = PeerErrors(device, self.rank, "fused GEMM + all-reduce", describe_calls=describe_calls,
+                                 describe_refused=describe_refused_calls(self.rank, describe_refusal))
         self.ready = workspace.buffer("gemm_allreduce_ready", self.world * num_programs, torch.int32)
         self.done = workspace.buffer("gemm_allreduce_done", self.world * num_programs, torch.int32)
         # every source's signature of its call, in two halves by epoch parity, as the receive slots
@@ -418,12 +509,11 @@ class GemmAllReduce:
         return self._call(x, w, scatter=True)
 
     def _call(self, x: torch.Tensor, w: torch.Tensor, scatter: bool) -> torch.Tensor:
-        """One call in one launch, planned (its operands checked) before it takes its epoch: a call refused on
-        every rank and taking one would leave the next call on the buffers' half of the call before, with no call
-        between them to show that the peers are done reading it (one-shot and reduce-scatter do not wait)."""
-        key, plan = self._plan_of(x, w, ALL_PHASES, scatter)
+        """One call in one launch, planned (its operands checked) before it takes its epoch; a call this rank
+        refuses takes its epoch and runs all the same (see the module docstring), and raises at `output`."""
+        plan = self._plan_of(x, w, ALL_PHASES, scatter)
         epoch = self.next_epoch()
-        self._enqueue(key, plan, x, w, epoch)
+        self._enqueue(plan, x, w, epoch, ALL_PHASES)
         return self.output(epoch, plan)
 
     def _tiling(self, m: int) -> Tiling:
@@ -448,38 +538,45 @@ class GemmAllReduce:
         strides (passed as ints), dtypes, the 16-byte alignment of x and w, the phases and the form (constexprs)."""
         return x.shape, w.shape, x.stride(), w.stride(), x.dtype, w.dtype, aligned(x), aligned(w), phases, scatter
 
-    def launch(self, x: torch.Tensor, w: torch.Tensor, epoch: int, phases: int, scatter: bool = False) -> Plan:
+    def launch(self, x: torch.Tensor, w: torch.Tensor, epoch: int, phases: int, scatter: bool = False
+               ) -> Plan | RefusedCall:
         """Enqueue `phases` of call `epoch` (ALL_PHASES on GPUs; one phase at a time in a simulated world);
-        scatter: the reduce-scatter form."""
-        key, plan = self._plan_of(x, w, phases, scatter)
-        self._enqueue(key, plan, x, w, epoch)
+        scatter: the reduce-scatter form. Returns what `output` takes."""
+        plan = self._plan_of(x, w, phases, scatter)
+        self._enqueue(plan, x, w, epoch, phases)
         return plan
 
-    def _enqueue(self, key: tuple, plan: Plan, x: torch.Tensor, w: torch.Tensor, epoch: int) -> None:
-        self._launches(key, (plan.num_programs, 1, 1), plan.args(x, w, epoch), plan.options)
+    def _enqueue(self, plan: Plan | RefusedCall, x: torch.Tensor, w: torch.Tensor, epoch: int, phases: int) -> None:
+        if isinstance(plan, RefusedCall):
+            _refused_call_kernel[(1,)](plan.signature, self.signatures.peer_ptrs, self.ready.peer_ptrs,
+                                       self.done.peer_ptrs, self.errors.word, self.rank, epoch, self.num_programs,
+                                       self.spin_limit, WORLD=self.world,
+                                       SLOTS=triton.next_power_of_2(self.num_programs), PHASES=phases)
+        else:
+            self._launches(plan.key, (plan.num_programs, 1, 1), plan.args(x, w, epoch), plan.options)
 
     def prepare(self, x: torch.Tensor, w: torch.Tensor, phases: int = ALL_PHASES, scatter: bool = False) -> Plan:
         """The plan of calls like (x, w), made and (on GPUs) compiled and loaded now, launching nothing. A first
         call does this itself; calling it ahead keeps the compile out of a call whose peers are already waiting
         (loading a binary can wait for the GPU to go idle, which a launch spinning on a peer's flags never does
         when two ranks share one GPU)."""
-        key, plan = self._plan_of(x, w, phases, scatter)
-        self._launches.compiled(key, (plan.num_programs, 1, 1), plan.args(x, w, 0), plan.options)
+        plan = self._plan_of(x, w, phases, scatter)
+        if isinstance(plan, RefusedCall):  # no call: raised here alone
+            raise plan.error
+        self._launches.compiled(plan.key, (plan.num_programs, 1, 1), plan.args(x, w, 0), plan.options)
         return plan
 
-    def _plan_of(self, x: torch.Tensor, w: torch.Tensor, phases: int, scatter: bool) -> tuple[tuple, Plan]:
+    def _plan_of(self, x: torch.Tensor, w: torch.Tensor, phases: int, scatter: bool) -> Plan | RefusedCall:
+        """The plan of calls like (x, w), or, for operands this rank refuses, the RefusedCall that stands in for it
+        (not kept: a refused call plans anew)."""
         key = self._key(x, w, phases, scatter)
-        return key, self._plans.get(key) or self._plan(key, x, w, phases, scatter)
+        return self._plans.get(key) or self._plan(key, x, w, phases, scatter)
 
-    def _plan(self, key: tuple, x: torch.Tensor, w: torch.Tensor, phases: int, scatter: bool) -> Plan:
-        if (x.dim() != 2 or w.dim() != 2 or min(*w.shape) < 1 or w.shape[0] != x.shape[1]
-                or x.dtype != w.dtype or x.dtype not in (torch.float16, torch.bfloat16)):
-            raise ValueError(f"expected x [M, K] and w [K, N] (K, N >= 1) of one dtype, fp16 or bf16; got "
-                             f"{tuple(x.shape)} {x.dtype} and {tuple(w.shape)} {w.dtype}")
+    def _plan(self, key: tuple, x: torch.Tensor, w: torch.Tensor, phases: int, scatter: bool) -> Plan | RefusedCall:
+        refused = refusal(x, w, scatter, self.world)
+        if refused is not None:
+            return RefusedCall.of(*refused, self.ws.device)
         (m, k), n = x.shape, w.shape[1]
-        if scatter and m % self.world:
-            raise ValueError(f"a reduce-scatter cuts M={m} rows into {self.world} equal bands: M must be a multiple "
-                             f"of the world size")
         out_rows = m // self.world if scatter else m  # the rows of this rank's output
         tiling = self._tiling(out_rows)
         block_m = max(16, triton.next_power_of_2(min(out_rows, tiling.block_m)))
@@ -497,8 +594,7 @@ class GemmAllReduce:
         slot_rows = min(out_rows, block_m)
         recv_size = 2 * self.world * split_k * tiles_per_rank * slot_rows * tiling.block_n
         if max(recv_size, 2 * out_rows * n) // 2 >= 2**31:  # the halves' offsets are not in the key: keep them int32
-            raise ValueError(f"a call of x {tuple(x.shape)} and w {tuple(w.shape)} needs buffers of 2^31 elements or "
-                             "more per half: split it")
+            return RefusedCall.of(*too_large(x, w), self.ws.device)
         if m:
             recv, out, outputs = self._buffers(recv_size, out_rows, n, x.dtype)
             recv_ptrs, out_ptrs = recv.peer_ptrs, out.peer_ptrs
@@ -548,8 +644,10 @@ class GemmAllReduce:
             return self.algorithm == "one_shot"
         return (self.world - 1) * partial_bytes <= ONE_SHOT_MAX_BYTES
 
-    def output(self, epoch: int, plan: Plan) -> torch.Tensor:
+    def output(self, epoch: int, plan: Plan | RefusedCall) -> torch.Tensor:
         """The [M, N] result of call `epoch` (reduce-scatter: [M / world, N]) once its WAIT phase ran, launched with
-        `plan`; valid until the call after next."""
+        `plan`; valid until the call after next. A call this rank refused raises its error here."""
+        if isinstance(plan, RefusedCall):
+            raise plan.error
         self.errors.after_wait()
         return plan.outputs[epoch % 2]

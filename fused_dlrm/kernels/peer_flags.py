@@ -20,8 +20,13 @@ which `PeerErrors` names in words (the op's `describe_calls`, built with `descri
 
 Refused inputs: where every rank holds every rank's refusal words (exchanged with its data: MoE's counts) but no
 host reads them, `record_refused` records the first refused rank (code 5) on every rank alike, and `PeerErrors`
-raises it in the op's words (`describe_refused`); a kernel that finds a peer's refusal words itself (the quantized
-all-reduce's, in a peer's signature) records them with `record_refusal`.
+raises it in the op's words (`describe_refused`). Refused calls: an op whose calls carry signatures (the quantized
+all-reduce, the GEMM + all-reduce) runs a call that one rank's host refuses (its input) all the same there
+(`RefusedCall`): raising on that rank alone would leave its peers waiting, and its epochs behind theirs for good.
+Its one-program kernel publishes a signature that says why ([epoch, REFUSED_CALL, refusal words]) with its flags for
+every program (`publish_refusal`), then waits as the op's calls wait; each peer, comparing calls
+(`same_unrefused_calls`), records the lowest refused rank with its words (`refused_peer`, `record_refusal`) before
+any mismatch, so every other rank raises PeerRefusedInput (`describe_refused_calls`) and the refused rank its own error.
 
 Before results are kept (a checkpoint, a run's end), `check_every_error_word` reads every live op's word at once:
 on GPUs the word is read every check_every calls, so a wait of the last few calls could otherwise give up unseen.
@@ -30,6 +35,7 @@ on GPUs the word is read every check_every calls, so a wait of the last few call
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -66,6 +72,9 @@ NOT_STARTED = 4  # the error code of a peer whose published signature never came
 _NOT_STARTED = tl.constexpr(NOT_STARTED)  # the kernels'
 REFUSED = 5  # the error code of a rank whose input was refused (`record_refused`), its words where signatures go
 _REFUSED = tl.constexpr(REFUSED)
+# Word 1 of a refused call's signature ([epoch, REFUSED_CALL, refusal words]): no op's word 1 (a size) is ever -1.
+REFUSED_CALL = -1
+_REFUSED_CALL = tl.constexpr(REFUSED_CALL)  # the kernels'
 
 
 @triton.jit
@@ -254,6 +263,78 @@ def same_calls(signatures, rank, mine, error_ptr, slot, epoch, WORLD: tl.constex
     for k in tl.static_range(1, WORLD):
         same &= same_call(signatures, (rank + k) % WORLD, mine, error_ptr, slot, epoch)
     return same
+
+
+@triton.jit
+def refused_peer(signatures, rank, error_ptr, epoch, WORLD: tl.constexpr):
+    """Whether a peer refused this call (its signature at `signatures` + peer * SIGNATURE_WORDS, behind a flag of the
+    call, is a refused call's: `publish_refusal`); if so the lowest such rank, the same on every rank, is recorded
+    with its refusal words (code 5, `record_refusal`)."""
+    refused = WORLD
+    for k in tl.static_range(WORLD):  # from the last rank down: the lowest refused one stays
+        s = WORLD - 1 - k
+        word = tl.load(signatures + s * SIGNATURE_WORDS + 1)
+        refused = tl.where((s != rank) & (word == _REFUSED_CALL), s, refused)
+    if refused < WORLD:
+        record_refusal(error_ptr, refused, epoch,
+                       tl.load(signatures + refused * SIGNATURE_WORDS + tl.arange(0, SIGNATURE_WORDS)))
+    return refused < WORLD
+
+
+@triton.jit
+def same_unrefused_calls(signatures, rank, mine, error_ptr, slot, epoch, WORLD: tl.constexpr):
+    """`same_calls`, unless a peer refused the call (`refused_peer`: the refusal, recorded, is the cause of any
+    mismatch)."""
+    same = refused_peer(signatures, rank, error_ptr, epoch, WORLD) == 0
+    if same:
+        same = same_calls(signatures, rank, mine, error_ptr, slot, epoch, WORLD)
+    return same
+
+
+@triton.jit
+def signal_every_program(flag_ptrs, peer, rank, stride, epoch, SLOTS: tl.constexpr):
+    """After this program's stores into peer: raise peer's flags [rank, p] (flag_ptrs: the peer-pointer table of
+    flags laid out [rank][stride]) for every p < stride (<= SLOTS): a refused call's, whose peers' grid is not
+    known."""
+    tl.debug_barrier()
+    p = tl.arange(0, SLOTS)
+    flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32)) + rank * stride + p
+    tl.atomic_xchg(flags, tl.zeros([SLOTS], tl.int32) + epoch, mask=p < stride, sem="release", scope="sys")
+
+
+@triton.jit
+def publish_refusal(signature_ptr, epoch, signature_ptrs, offset, ready_ptrs, peer, rank, stride,
+                    SLOTS: tl.constexpr):
+    """A refused call's part in `peer` (its kernel's: one program): its signature (signature_ptr: a `RefusedCall`'s,
+    with `epoch` put into word 0) at [rank] of peer's signature buffer (from word `offset`), then its ready flags
+    there for every program (`signal_every_program`), which release it: every program of the peer's call finds it
+    where it compares calls (`same_unrefused_calls`)."""
+    w = tl.arange(0, SIGNATURE_WORDS)
+    store_signature(signature_ptrs, peer, offset, rank, tl.where(w == 0, epoch, tl.load(signature_ptr + w)))
+    signal_every_program(ready_ptrs, peer, rank, stride, epoch, SLOTS)
+
+
+@dataclass
+class RefusedCall:
+    """A call this rank's host refused, still run there (`publish_refusal`, the module docstring): the error it raises
+    itself, and the signature that tells its peers why ([0: the kernel puts the epoch, REFUSED_CALL, refusal words],
+    int64 [SIGNATURE_WORDS] on the device)."""
+    error: Exception
+    signature: torch.Tensor
+
+    @classmethod
+    def of(cls, words: list[int], error: Exception, device: torch.device) -> RefusedCall:
+        """words: why (at most SIGNATURE_WORDS - 2 integers, word 0 the op's reason), which the peers' describe_refused
+        reads (`describe_refused_calls`)."""
+        signature = torch.zeros(SIGNATURE_WORDS.value, dtype=torch.int64)
+        signature[1:2 + len(words)] = torch.tensor([REFUSED_CALL] + words)
+        return cls(error, signature.to(device))
+
+
+def describe_refused_calls(rank: int, describe: Callable[[list[int]], str]) -> Callable[[int, list[int]], str]:
+    """PeerErrors' describe_refused for an op of `RefusedCall`s: what rank `rank` says of a refused rank's call,
+    `describe` reading its refusal words."""
+    return lambda refused, signature: f"rank {rank}: rank {refused}'s call was refused: {describe(signature[2:])}"
 
 
 @triton.jit

@@ -68,14 +68,15 @@ codec of larger blocks) waits in the buffers' collective allocation, before any 
 join it; a check there would cost a collective at every new plan, which a caller's graph capture cannot hold.
 
 A call that one rank refuses (`refusal`: an x no codec takes, an unknown codec, an out that cannot take the result,
-more bytes than int32 offsets reach) is still a call there: raising alone would leave its peers waiting, and their
-epochs one ahead of its own for good. It runs `_refused_call_kernel` (one program, in the phases above): its
-signature says why ([epoch, REFUSED_NUMEL, refusal words]) and goes into every peer before its ready flags, raised
-for every program (the peers' grid is not known); then its done flags, in each peer once that peer's ready flag of
-the call is seen (a peer late in an older call would take them for that call's); then it waits until every peer's
-program 0 has read that signature, which its next call would overwrite, and moves its step slots on. Each peer,
-checking signatures, records the refusal (code 5: the lowest refused rank, the same on every rank, before any mismatch,
-`_refused_peer`) and stores nothing; its PeerErrors raises PeerRefusedInput naming that rank and why (at the call's
+more bytes than int32 offsets reach) is still a call there (peer_flags.RefusedCall): raising alone would leave its
+peers waiting, and their epochs one ahead of its own for good. It runs `_refused_call_kernel` (one program, in the
+phases above): its signature says why ([epoch, REFUSED_CALL, refusal words]) and goes into every peer before its
+ready flags, raised for every program (the peers' grid is not known: `publish_refusal`); then its done flags, in
+each peer once that peer's ready flag of the call is seen (a peer late in an older call would take them for that
+call's); then it waits until every peer's program 0 has read that signature, which its next call would overwrite,
+and moves its step slots on. Each peer, checking signatures, records the refusal (code 5: the lowest refused rank,
+the same on every rank, before any mismatch, `same_unrefused_calls`) and stores nothing; its PeerErrors raises
+PeerRefusedInput naming that rank and why (at the call's
 end in the interpreter, within check_every calls on GPUs, as any error). The refused rank raises its own error at
 `finish`. The next call, alike on every rank, is exact. (Where the peers' call grows the buffers, they wait in the
 allocation, as above.)
@@ -103,9 +104,10 @@ import triton.language as tl
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace, next_epoch_after
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, GraphReplays, aligned, resident_programs_per_sm
 from fused_dlrm.kernels import dtype_code, dtype_name
-from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, check_spin_limit,
-                                           describe_signatures, record_refusal, recorded_at, same_calls, signature_of,
-                                           store_signature, wait_or_record)
+from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, RefusedCall,
+                                           check_spin_limit, describe_refused_calls, describe_signatures,
+                                           publish_refusal, recorded_at, same_unrefused_calls, signal_every_program,
+                                           signature_of, store_signature, wait_or_record)
 from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, NO_FMA, block_values, decode_reference,
                                              encode_blocks, encode_reference, error_bound, kernel_constants,
                                              load_blocks, store_blocks)
@@ -171,9 +173,6 @@ def slot_bytes(numel: int, world: int, codec: str) -> int:
 # Why a rank refuses its fused call (`refusal`): word 0 of its refusal words, which its peers record
 # (`describe_refusal`)
 NOT_QUANTIZABLE, UNKNOWN_CODEC, UNUSABLE_OUT, TOO_LARGE = 1, 2, 3, 4
-# A refused call's signature in its peers' buffers: [epoch, REFUSED_NUMEL, refusal words]; a call's numel is never -1.
-REFUSED_NUMEL = -1
-_REFUSED_NUMEL = tl.constexpr(REFUSED_NUMEL)  # the kernels'
 
 
 def refusal(x: torch.Tensor, codec: str, out: torch.Tensor | None, world: int) -> tuple[list[int], Exception] | None:
@@ -312,54 +311,26 @@ def _call_signature(epoch, numel, dtype_code, codec_code, MEAN: tl.constexpr, nu
     return signature_of((epoch, numel, dtype_code, codec_code, 1 if MEAN else 0, num_programs, max_programs, ROWS))
 
 
-@triton.jit
-def _refused_peer(signatures, rank, error_ptr, epoch, WORLD: tl.constexpr):
-    """Whether a peer refused this call (its signature's numel is REFUSED_NUMEL: `_refused_call_kernel`); if so the
-    lowest such rank, the same on every rank, is recorded with its refusal words (code 5, `record_refusal`)."""
-    refused = WORLD
-    for k in tl.static_range(WORLD):  # from the last rank down: the lowest refused one stays
-        s = WORLD - 1 - k
-        numel = tl.load(signatures + s * SIGNATURE_WORDS + 1)
-        refused = tl.where((s != rank) & (numel == _REFUSED_NUMEL), s, refused)
-    if refused < WORLD:
-        record_refusal(error_ptr, refused, epoch,
-                       tl.load(signatures + refused * SIGNATURE_WORDS + tl.arange(0, SIGNATURE_WORDS)))
-    return refused < WORLD
-
-
-@triton.jit
-def _signal_every_program(flag_ptrs, peer, rank, max_programs, epoch, SLOTS: tl.constexpr):
-    """After this program's stores into peer: raise peer's flags [rank, p] for every p < max_programs (<= SLOTS)."""
-    tl.debug_barrier()
-    p = tl.arange(0, SLOTS)
-    flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32)) + rank * max_programs + p
-    tl.atomic_xchg(flags, tl.zeros([SLOTS], tl.int32) + epoch, mask=p < max_programs, sem="release", scope="sys")
-
-
 @triton.jit(do_not_specialize=["rank", "spin_limit", "first_phase", "last_phase"])
 def _refused_call_kernel(signature_ptr, ready_ptrs, done_ptrs, signature_ptrs, step_ptr, error_ptr, rank,
                          max_programs, spin_limit, first_phase, last_phase, WORLD: tl.constexpr, SLOTS: tl.constexpr):
     """One program: a call this rank refused, in the phases of a call, so that its peers' calls end and the ranks'
-    epochs stay in step. 1: its signature (signature_ptr: [-, REFUSED_NUMEL, refusal words], the epoch put in) into
-    every peer, then its ready flags there, for every program (the peers' grid is not known here); 2: its done
-    flags likewise, in each peer once its program 0's ready flag of this call is seen (raised after its launch of
-    the call before ended: a peer late in an older call, after this rank's wait for it gave up, would take them for
-    that call's and gather tiles never stored); 3: wait until every peer's program 0 has raised its done flag: it
-    has read the signature (and recorded the refusal) that a next call of this rank would overwrite; then the step
-    slots move on."""
+    epochs stay in step. 1: its signature (signature_ptr: a RefusedCall's) into every peer, then its ready flags
+    there, for every program (`publish_refusal`); 2: its done flags likewise, in each peer once its program 0's
+    ready flag of this call is seen (raised after its launch of the call before ended: a peer late in an older call,
+    after this rank's wait for it gave up, would take them for that call's and gather tiles never stored); 3: wait
+    until every peer's program 0 has raised its done flag: it has read the signature (and recorded the refusal)
+    that a next call of this rank would overwrite; then the step slots move on."""
     epoch = tl.load(step_ptr, volatile=True) + 1  # every slot holds the epoch of the last call
-    w = tl.arange(0, SIGNATURE_WORDS)
-    signature = tl.where(w == 0, epoch, tl.load(signature_ptr + w))
     ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
     done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
     for k in tl.static_range(1, WORLD):
         peer = (rank + k) % WORLD
         if first_phase <= 0:
-            store_signature(signature_ptrs, peer, 0, rank, signature)  # released by the flags
-            _signal_every_program(ready_ptrs, peer, rank, max_programs, epoch, SLOTS)
+            publish_refusal(signature_ptr, epoch, signature_ptrs, 0, ready_ptrs, peer, rank, max_programs, SLOTS)
         if (first_phase <= 1) & (last_phase >= 1):
             if wait_or_record(ready + peer * max_programs, epoch, spin_limit, error_ptr, peer, 0):
-                _signal_every_program(done_ptrs, peer, rank, max_programs, epoch, SLOTS)
+                signal_every_program(done_ptrs, peer, rank, max_programs, epoch, SLOTS)
         if last_phase >= 2:
             wait_or_record(done + peer * max_programs, epoch, spin_limit, error_ptr, peer, max_programs)
     if last_phase >= 2:
@@ -424,9 +395,7 @@ def _quantized_all_reduce_kernel(
         tl.debug_barrier()  # my own tiles, stored by this program's threads in phase 1
         if valid:  # every peer's flag is up: read their signatures as their data, behind it
             signatures = tl.load(signature_ptrs + rank).to(tl.pointer_type(tl.int64))
-            valid &= _refused_peer(signatures, rank, error_ptr, epoch, WORLD) == 0  # the cause of any mismatch
-            if valid:
-                valid &= same_calls(signatures, rank, signature, error_ptr, pid, epoch, WORLD)
+            valid &= same_unrefused_calls(signatures, rank, signature, error_ptr, pid, epoch, WORLD)
         payload, scales = _encoded(recv_ptrs, rank, slots, WORDS)
         # A failed call reduces nothing (its peers' tiles may be of another layout). Its done flags say "my reduced
         # tiles are in your gather" or, where every peer's flag was seen, "the call failed, as your own check of our
@@ -493,12 +462,12 @@ class Plan:
 
 @dataclass
 class FusedCall:
-    """One all-reduce in flight: its input, output and plan; a refused one (`refusal`) has no plan but the error it
-    raises and its signature for the peers ([0, REFUSED_NUMEL, refusal words], int64 on the device)."""
+    """One all-reduce in flight: its input, output and plan; a refused one (`refusal`) has no plan but a RefusedCall
+    (the error it raises, its signature for the peers)."""
     x: torch.Tensor
     out: torch.Tensor | None
     plan: Plan | None
-    refused: tuple[Exception, torch.Tensor] | None = None
+    refused: RefusedCall | None = None
 
 
 class FusedQuantizedAllReduce:
@@ -523,11 +492,12 @@ class FusedQuantizedAllReduce:
         self.rank, self.world = workspace.rank, workspace.world_size
         self.errors = PeerErrors(workspace.device, self.rank,
                                  f"fused quantized all-reduce (slices >= {max_programs}: all-gather)",
-                                 describe_calls=describe_fused_calls, describe_refused=self._describe_refused)
+                                 describe_calls=describe_fused_calls,
+                                 describe_refused=describe_refused_calls(self.rank, describe_refusal))
         flags = self.world * max_programs
         self.ready = workspace.buffer("qar_ready", flags, torch.int32)
         self.done = workspace.buffer("qar_done", flags, torch.int32)
-        # every source's signature of its latest call, beside the flags (the kernel's `same_calls`)
+        # every source's signature of its latest call, beside the flags (the kernel's `same_unrefused_calls`)
         self.signatures = workspace.buffer("qar_signatures", self.world * SIGNATURE_WORDS.value, torch.int64)
         self.step = torch.zeros(max_programs, dtype=torch.int32, device=workspace.device)  # the kernel's epochs
         self.calls = 0  # the epochs' count on the host (`_count_call`)
@@ -561,10 +531,7 @@ class FusedQuantizedAllReduce:
         self._count_call()  # a refused call too: it takes its epoch
         refused = refusal(x, codec, out, self.world)
         if refused is not None:
-            words, error = refused
-            signature = torch.zeros(SIGNATURE_WORDS.value, dtype=torch.int64)
-            signature[1:2 + len(words)] = torch.tensor([REFUSED_NUMEL] + words)
-            return FusedCall(x, out, None, (error, signature.to(self.ws.device)))
+            return FusedCall(x, out, None, RefusedCall.of(*refused, self.ws.device))
         x = x.contiguous()
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -607,7 +574,7 @@ class FusedQuantizedAllReduce:
     def run(self, call: FusedCall, first_phase: int = 0, last_phase: int = 2) -> None:
         """Launch phases first_phase..last_phase of the call (all three on GPUs: one launch, or its graph)."""
         if call.refused is not None:
-            self._launch_refused(call.refused[1], first_phase, last_phase)
+            self._launch_refused(call.refused.signature, first_phase, last_phase)
         elif self._launches.interpret or (first_phase, last_phase) != (0, 2):
             self._launch(call, first_phase, last_phase)
         else:
@@ -628,13 +595,9 @@ class FusedQuantizedAllReduce:
         """The call's result (raises at once on the CPU, at a later call on GPUs, if a wait timed out, or a peer
         refused its call); a call this rank refused raises its error here."""
         if call.refused is not None:
-            raise call.refused[0]
+            raise call.refused.error
         self.errors.after_wait()
         return call.out
-
-    def _describe_refused(self, refused: int, signature: list[int]) -> str:
-        """What this rank says of rank `refused`'s refused call (its signature: `_refused_call_kernel`'s)."""
-        return f"rank {self.rank}: rank {refused}'s call was refused: {describe_refusal(signature[2:])}"
 
     def __call__(self, x: torch.Tensor, codec: str, mean: bool = False,
                  out: torch.Tensor | None = None) -> torch.Tensor:

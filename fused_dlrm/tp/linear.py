@@ -30,8 +30,9 @@ collectives abort the process on messages of other sizes or dtypes, and where a 
 would raise alone, the ranks compare their calls first (dist.env.check_same_call: one small all-gather per call), so
 a mismatch raises CallMismatch (a ValueError) on every rank. Not on NCCL (a collective more per call): there the
 fused kernels compare their peers' calls on the device (a signature beside their flags: PeerCallMismatch, a
-CallMismatch, on every rank, on GPUs at a later call or `errors.check(block=True)`), while a bulk call of other
-shapes waits or sums them. An empty batch (x of 0 rows on every rank) is a call like any other, forward and
+CallMismatch, on every rank, on GPUs at a later call or `errors.check(block=True)`; an x whose features the GEMM +
+all-reduce of one rank refuses raises its ValueError there and PeerRefusedInput on the others), while a bulk call of
+other shapes waits or sums them. An empty batch (x of 0 rows on every rank) is a call like any other, forward and
 backward: empty outputs and input gradients, zero weight gradients; on one rank only, it is a call unlike its peers'.
 """
 
