@@ -16,10 +16,10 @@ import torch
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels import peer_flags
 from fused_dlrm.kernels.allgather import PRODUCERS, SymmetricAllGather, all_gather_reference
-from fused_dlrm.kernels.allgather_gemm import (CALLS, GemmConfig, all_gather_matmul, all_gather_matmul_bulk, lead_rounds,
-                                               all_gather_matmul_reference, op_for, tile_map)
+from fused_dlrm.kernels.allgather_gemm import (CALLS, GemmConfig, all_gather_matmul, all_gather_matmul_bulk,
+                                               all_gather_matmul_reference, lead_rounds, op_for, refused_call, tile_map)
 
-from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerWaitTimeout
+from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerRefusedInput, PeerWaitTimeout
 from sm90 import compile_for_sm90
 from world import run_world
 
@@ -350,6 +350,109 @@ def test_all_gather_matmul_calls_that_differ_raise_on_every_rank(world_size, dif
     check_matmul_calls_that_differ(world_size, difference)
 
 
+# A rank's weight or out that it refuses while the others pass a Linear's weight.t() [24, 19] and no out (x_shard
+# [41, 24] float16 everywhere: 82 rows gathered on 2 ranks), made on a device; the error it raises itself, what its
+# peers say of it.
+NOT_READ = r"is not one the GEMM reads: expected \[24, N\] float16"
+MATMUL_REFUSALS = {
+    "weight of other K": (lambda d: (torch.randn(19, 16, device=d).half().t(), None),
+                          r"weight \(16, 19\) torch.float16: expected \(24, N\) torch.float16",
+                          r"its weight \[16, 19\] float16 \(strides 1, 16\) " + NOT_READ),
+    "weight of other dtype": (lambda d: (torch.randn(24, 19, device=d), None), r"weight \(24, 19\) torch.float32: "
+                              "expected", r"its weight \[24, 19\] float32 \(strides 19, 1\) " + NOT_READ),
+    "weight rows TMA cannot read": (lambda d: (torch.randn(24, 20, device=d).half(), None),
+                                    r"weight \(as it lies\) \(24, 20\) torch.float16 with strides \(20, 1\): read "
+                                    r"through TMA", r"its weight \[24, 20\] float16 \(strides 20, 1\) " + NOT_READ),
+    "1-D weight": (lambda d: (torch.randn(24, device=d).half(), None), r"weight \(24,\) torch.float16: expected",
+                   r"its weight \[24\] float16 \(strides 1\) " + NOT_READ),
+    "out of other rows": (lambda d: (None, torch.empty(81, 19, device=d).half()),
+                          r"out must be contiguous torch.float16 \[82, 19\]",
+                          r"its out \[81, 19\] float16 cannot take its product: contiguous \[82, 19\] float16"),
+    "strided out": (lambda d: (None, torch.empty(82, 38, device=d).half()[:, ::2]), r"\[82, 19\] on .*, not contiguous",
+                    r"its out \[82, 19\] float16, not contiguous, cannot take its product"),
+    "fp32 out": (lambda d: (None, torch.empty(82, 19, device=d)), r"got torch.float32 \[82, 19\]",
+                 r"its out \[82, 19\] float32 cannot take its product"),
+}
+
+
+def check_matmul_refused_on_one_rank(world_size: int, refusal: str, producer: str, device: str = "cpu") -> None:
+    """Rank 1 refuses its call (its weight or out, `MATMUL_REFUSALS`: what each rank's own tensors decide, the shard
+    being alike): it raises its own error, every other rank PeerRefusedInput naming rank 1 and why, at the same call
+    (rank 1 still takes part in it: its call's number and exchange's epoch, a signature that says why, its
+    acknowledgement of the exchange); the calls before and after it, alike on every rank, are exact."""
+    gen = torch.Generator().manual_seed(world_size)
+    workspaces = matmul_world(world_size, device)
+    weight = torch.randn(19, 24, generator=gen).to(device, torch.float16).t()
+
+    def shards_of_every_rank():
+        return [torch.randn(41, 24, generator=gen).to(device, torch.float16) for _ in range(world_size)]
+
+    def exact():
+        shards = shards_of_every_rank()
+        for out in run_matmul(workspaces, shards, weight, producer):
+            assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
+
+    exact()
+    bad, error, said = MATMUL_REFUSALS[refusal]
+    shards, weights, outs = shards_of_every_rank(), [weight] * world_size, [None] * world_size
+    bad_weight, outs[1] = bad(device)
+    weights[1] = weight if bad_weight is None else bad_weight
+    ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
+    refused = [refused_call(shard, w, out, ws) for ws, shard, w, out in zip(workspaces, shards, weights, outs)]
+    assert [r is not None for r in refused] == [rank == 1 for rank in range(world_size)]
+    epochs = [op.start(shard, producer, r) for op, shard, r in zip(ops, shards, refused)]  # every producer first
+    for rank, (op, epoch, shard, w, out) in enumerate(zip(ops, epochs, shards, weights, outs)):
+        if rank == 1:
+            with pytest.raises(ValueError, match=error):
+                op.finish(epoch, shard, w, producer, out=out)
+            continue
+        with pytest.raises(PeerRefusedInput, match=rf"^fused all-gather \+ GEMM at step 2: rank {rank}: rank 1's call "
+                                                   rf"was refused: {said}"):
+            op.finish(epoch, shard, w, producer, out=out)  # on the CPU
+            op.errors.check(block=True)  # on GPUs
+    exact()
+    for op in ops:
+        op.errors.check(block=True)
+
+
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+@pytest.mark.parametrize("refusal", list(MATMUL_REFUSALS))
+def test_all_gather_matmul_call_refused_on_one_rank_raises_on_every_rank(refusal, producer):
+    check_matmul_refused_on_one_rank(2, refusal, producer)
+
+
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+def test_all_gather_matmul_call_refused_on_one_rank_of_three_raises_on_every_rank(producer):
+    check_matmul_refused_on_one_rank(3, "weight of other dtype", producer)
+
+
+def test_all_gather_matmul_refused_call_waits_until_every_peer_has_begun_it():
+    """A refused call ends only once every peer has published its call, as the GEMM's programs wait for them: the
+    guard of the signatures' halves. Rank 1, refusing, finishes before rank 0 has begun the call, so here (one
+    program at a time) its wait times out, naming rank 0 (raised at rank 1's next call, after its own error); on a
+    GPU it holds rank 1's next call, whose signature goes into the half that rank 0 may still read. The calls after
+    that are exact."""
+    gen = torch.Generator().manual_seed(29)
+    workspaces = matmul_world(2)
+    weight = torch.randn(19, 24, generator=gen).half().t()
+    shards = [torch.randn(41, 24, generator=gen).half() for _ in workspaces]
+    ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
+    refused = refused_call(shards[1], torch.randn(24, 19), None, workspaces[1])
+    epoch = ops[1].start(shards[1], "device", refused)
+    with pytest.raises(ValueError, match="weight"):
+        ops[1].finish(epoch, shards[1], weight, "device")  # before rank 0 has begun the call
+    epoch = ops[0].start(shards[0], "device")
+    with pytest.raises(PeerRefusedInput, match="at step 1: rank 0: rank 1's call was refused: its weight"):
+        ops[0].finish(epoch, shards[0], weight, "device")
+    shards = [torch.randn(41, 24, generator=gen).half() for _ in workspaces]
+    with pytest.raises(PeerWaitTimeout, match="rank 1 timed out at step 1 waiting for rank 0 to start the call"):
+        run_matmul(workspaces, shards, weight, "device")
+    for _ in range(2):  # both halves of the double buffers
+        shards = [torch.randn(41, 24, generator=gen).half() for _ in workspaces]
+        for out in run_matmul(workspaces, shards, weight, "device"):
+            assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
+
+
 def test_all_gather_matmul_ranks_may_differ_in_n_and_tiles():
     """What is each rank's own: its weight (N) and the GEMM's tiles and grid (the exchange's chunks alike). Every
     rank's product is its own weight's, exact."""
@@ -378,8 +481,9 @@ def test_all_gather_matmul_on_one_rank_is_a_matmul():
 
 
 def test_all_gather_matmul_refuses_what_tma_cannot_read_before_any_work():
-    """Rows of K not a multiple of 8 elements, or a weight whose lying rows are not, are refused with the reason;
-    a refused weight leaves the exchange untouched (no producer started, so no peer waits) and the next call works."""
+    """Rows of K not a multiple of 8 elements, or a weight whose lying rows are not, are refused with the reason,
+    before any work; a refused weight is a call all the same, which takes its epoch (its peers' calls end: see
+    test_all_gather_matmul_call_refused_on_one_rank_raises_on_every_rank), and the next call works."""
     ws = matmul_world(1)[0]
     with pytest.raises(ValueError, match="K=20 is not a multiple of 8"):
         all_gather_matmul(torch.randn(8, 20).half(), torch.randn(20, 16).half(), ws, "device", config=SMALL)
@@ -390,7 +494,7 @@ def test_all_gather_matmul_refuses_what_tma_cannot_read_before_any_work():
                 torch.randn(16, 24).float()):  # another dtype
         with pytest.raises(ValueError, match="weight"):
             all_gather_matmul(x, bad, ws, "device", config=SMALL)
-    assert op.gather.next_epoch() == 1, "no refused call took an epoch"
+    assert op.gather.next_epoch() == 4, "every refused call took its epoch"
     weight = torch.randn(16, 24).half()
     assert relative_error(all_gather_matmul(x, weight, ws, "device", config=SMALL),
                           all_gather_matmul_reference([x], weight)) < 2e-3
@@ -399,8 +503,8 @@ def test_all_gather_matmul_refuses_what_tma_cannot_read_before_any_work():
 
 def test_all_gather_matmul_refuses_an_output_it_cannot_store_into_before_any_work():
     """A given out must be [world * rows, N], x's dtype, contiguous: the kernel stores rows of N at out's start
-    (an out of fewer rows was stored past its end, a strided one between its columns). A refusal takes no epoch and
-    the next call works."""
+    (an out of fewer rows was stored past its end, a strided one between its columns). A refused call takes its
+    epoch and the next call works."""
     ws = matmul_world(1)[0]
     x, weight = torch.randn(24, 16).half(), torch.randn(20, 16).half().t()
     op = op_for(ws, x, SMALL)
@@ -409,7 +513,7 @@ def test_all_gather_matmul_refuses_an_output_it_cannot_store_into_before_any_wor
                 torch.empty(24, 20)):  # fp32
         with pytest.raises(ValueError, match=r"out must be contiguous torch.float16 \[24, 20\]"):
             all_gather_matmul(x, weight, ws, "device", out=bad, config=SMALL)
-    assert op.gather.next_epoch() == 1, "no refused call took an epoch"
+    assert op.gather.next_epoch() == 4, "every refused call took its epoch"
     out = torch.full((24, 20), float("nan")).half()
     assert all_gather_matmul(x, weight, ws, "device", out=out, config=SMALL) is out
     assert relative_error(out, all_gather_matmul_reference([x], weight)) < 2e-3
@@ -488,6 +592,10 @@ build(allgather._wait_chunk_kernel, {"ready_ptrs": "*i64", "error_ptr": "*i32"},
 build(allgather._wait_published_kernel, {"ready_ptrs": "*i64", "error_ptr": "*i32"}, dict(rank=1))
 build(allgather_gemm._publish_call_kernel, {"call_ptrs": "*i64"}, dict(WORLD=4))
 build(allgather_gemm._check_calls_kernel, {"calls_ptr": "*i64", "error_ptr": "*i32"}, dict(WORLD=4))
+for publish in (True, False):
+    build(allgather_gemm._refused_call_kernel, {n: "*i64" for n in ("signature_ptr", "call_ptrs", "calls_ptr",
+                                                                     "ack_ptrs")} | {"error_ptr": "*i32"},
+          dict(WORLD=4, PUBLISH=publish, ACK=publish, WAIT=not publish))
 """
 
 

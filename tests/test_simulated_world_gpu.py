@@ -24,7 +24,8 @@ from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerRefusedInput
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, max_programs_for,
                                                     quantized_all_reduce_reference)
-from test_allgather_kernels import MATMUL_DIFFERENCES, check_matmul_calls_that_differ
+from test_allgather_kernels import (MATMUL_DIFFERENCES, MATMUL_REFUSALS, check_matmul_calls_that_differ,
+                                    check_matmul_refused_on_one_rank)
 from test_fused_embedding_kernels import INTERACTION_PUSH_CASES, check_interaction_push
 from test_gemm_allreduce_kernel import (CALL_FORMS, DIFFERENCES, assert_all_reduced, assert_reduce_scattered,
                                         check_calls_that_differ, check_refused_on_some_ranks, poison)
@@ -351,6 +352,15 @@ def test_all_gather_matmul_calls_that_differ_raise_on_every_rank(world_size, dif
     `check(block=True)`), the next call of the shape the mismatch left apart raises too, one of a new shape is
     exact."""
     check_matmul_calls_that_differ(world_size, difference, "cuda")
+
+
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+@pytest.mark.parametrize("refusal", list(MATMUL_REFUSALS))
+def test_all_gather_matmul_call_refused_on_one_rank_raises_on_every_rank(refusal, producer):
+    """The interpreter test's refusals (test_allgather_kernels.check_matmul_refused_on_one_rank: a weight or out rank
+    1 refuses), as compiled: rank 1 raises its ValueError, rank 0 PeerRefusedInput naming rank 1 and why (at
+    `check(block=True)`), and the next call is exact."""
+    check_matmul_refused_on_one_rank(2, refusal, producer, "cuda")
 
 
 @pytest.mark.parametrize("world_size,batch_sizes,column_shards,row_shards,features,dim",

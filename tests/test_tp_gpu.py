@@ -95,6 +95,63 @@ def test_timeout_names_rank_and_slice():
     run_world(2, _timeout, backend="nccl")
 
 
+def _refused_calls(rank, world):
+    from fused_dlrm.dist.symmetric import cuda_workspace
+    from fused_dlrm.kernels.allgather_gemm import all_gather_matmul, all_gather_matmul_reference
+    from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce, gemm_allreduce_reference
+    from fused_dlrm.kernels.peer_flags import PeerRefusedInput, check_every_error_word
+
+    def exact(got, expected, what):
+        err = float((got.double() - expected).abs().max() / expected.abs().max())
+        assert not got.isnan().any() and err < 2e-2, f"{what}: relative error {err:.2e}"
+
+    ws = cuda_workspace()
+    inputs = [_inputs(r, 64, 1000, 1037) for r in range(world)]  # every rank's, for the float64 references
+    x, w = inputs[rank]
+    op = GemmAllReduce(ws)
+    for scatter in (False, True):
+        call = op.reduce_scatter if scatter else op
+        expected = gemm_allreduce_reference(*zip(*inputs))
+        expected = expected.chunk(world)[rank] if scatter else expected
+        exact(call(x, w).clone(), expected, "before")  # plans (allocates) and compiles on every rank
+        if rank == 1:
+            with pytest.raises(ValueError, match="of one dtype, fp16 or bf16; got \\(64, 1000\\) torch.float32"):
+                call(x.float(), w)
+        else:
+            with pytest.raises(PeerRefusedInput, match=r"rank 0: rank 1's call was refused: its x \[64, 1000\] "
+                                                       r"float32 and w \[1000, 1037\] bfloat16"):
+                call(x, w)
+                op.errors.check(block=True)
+        op.errors.check(block=True)  # nothing (else) recorded
+        exact(call(x, w).clone(), expected, "after")  # the epochs still in step
+        op.errors.check(block=True)
+    shards = [x for x, _ in inputs]
+    gen = torch.Generator(device="cuda").manual_seed(7)  # the same weight on every rank (N may differ: not here)
+    weight = (torch.randn(1037, 1000, device="cuda", generator=gen) / 1000 ** 0.5).bfloat16().t()  # a Linear's w.t()
+    expected = all_gather_matmul_reference(shards, weight)
+    exact(all_gather_matmul(x, weight, ws), expected, "before")
+    if rank == 1:
+        with pytest.raises(ValueError, match="expected \\(1000, N\\) torch.bfloat16"):
+            all_gather_matmul(x, weight.float(), ws)
+    else:
+        with pytest.raises(PeerRefusedInput, match=r"rank 0: rank 1's call was refused: its weight \[1000, 1037\] "
+                                                   r"float32 \(strides 1, 1000\)"):
+            all_gather_matmul(x, weight, ws)
+            check_every_error_word()
+    check_every_error_word()
+    exact(all_gather_matmul(x, weight, ws), expected, "after")
+    check_every_error_word()
+
+
+@pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
+def test_a_call_refused_on_one_rank_raises_on_every_rank(backend):
+    """Rank 1 refuses a GEMM + all-reduce (an fp32 x), its reduce-scatter form, and an all-gather + GEMM (an fp32
+    weight), each in one launch per call with real waits: rank 1 raises its ValueError, rank 0 PeerRefusedInput
+    naming rank 1 and why (not a timeout after the wait's bound); the next calls are exact. The timeout fails a
+    hang fast."""
+    run_world(2, _refused_calls, backend=backend, timeout=300)
+
+
 def _linears_fused_match_bulk(rank, world, sequence_sharded, rows, autocast):
     from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, _fused_all_reduce, tp_groups
 

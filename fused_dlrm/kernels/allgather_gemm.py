@@ -60,6 +60,16 @@ weight, the tiles and grid) is not compared: ranks may differ in it. A call that
 shape class or producer new to them) stops before its kernels: the ranks' requests are compared before each
 collective allocation (dist/symmetric.agree_on_allocation), so those ranks raise AllocationTimeout naming the peers
 that never asked, and a peer whose next allocation is another buffer raises AllocationMismatch.
+A call whose weight or out one rank refuses (`refused_call`: what each rank's own tensors decide, N may differ) is
+still a call there (peer_flags.RefusedCall): raising alone would leave its peers waiting out their bound, and its
+call numbers and exchange epochs one behind theirs for every later call. It takes its number and its exchange's
+epoch, publishes a signature that says why ([number, REFUSED_CALL, refusal words]) and acknowledges the epoch (it
+reads nothing of it), then waits for every peer's published call, as the GEMM does (`_refused_call_kernel`). A
+peer's program that reads that signature records the refusal (code 5, `same_published_call`), after which its
+waits look once: every other rank raises PeerRefusedInput naming the rank and why, the refusing rank its own
+ValueError at `finish`, and the next call is exact. A refused x_shard (not [rows, K], a dtype other than fp16 /
+bf16, K not a multiple of 8) or producer still raises on its rank alone: it names no shape class (or, a producer,
+no exchange), so the rank cannot take the epoch of the exchange its peers use.
 `all_gather_matmul_bulk` is the bulk twin (all_gather_into_tensor + matmul);
 `all_gather_matmul_reference` the pure-torch definition.
 """
@@ -78,10 +88,11 @@ from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.allgather import SymmetricAllGather, push_chunk, wait_chunk
 from fused_dlrm.kernels.launch import interpreting
-from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, check_spin_limit,
-                                           describe_signatures, publish_signature, same_published_call, signal_ready,
-                                           signature_of)
-from fused_dlrm.kernels.tma import async_proxy_fence, descriptor, require_tma_readable, tma_readable
+from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, TENSOR_WORDS, PeerErrors, RefusedCall,
+                                           check_spin_limit, describe_refused_calls, describe_signatures,
+                                           describe_tensor, publish_signature, same_published_call, signal_ready,
+                                           signature_of, tensor_words, wait_published)
+from fused_dlrm.kernels.tma import async_proxy_fence, descriptor, tma_problem, tma_readable
 
 GEMM_PRODUCERS = ("copy_engine", "device")
 PRODUCER_WORDS = ("copy-engine pulls", "device push")  # GEMM_PRODUCERS in a call's description
@@ -203,6 +214,23 @@ def _check_calls_kernel(calls_ptr, rank, call, rows, K, dtype_code, producer, ch
     signature = _call_signature(call, rows, K, dtype_code, producer, chunk_rows, epoch)
     for step in tl.static_range(1, WORLD):  # in the GEMM's order of sources: rank - 1, rank - 2, ...
         _same_call_as(calls_ptr, (rank + WORLD - step) % WORLD, call, signature, spin_limit, error_ptr, WORLD)
+
+
+@triton.jit(do_not_specialize=["rank", "call", "epoch"])
+def _refused_call_kernel(signature_ptr, call_ptrs, calls_ptr, ack_ptrs, rank, call, epoch, spin_limit, error_ptr,
+                         WORLD: tl.constexpr, PUBLISH: tl.constexpr, ACK: tl.constexpr, WAIT: tl.constexpr):
+    """One program: a call this rank refused (the module docstring). PUBLISH: its signature (signature_ptr: a
+    RefusedCall's) into every peer as call `call`'s, and (ACK: a call of rows) the exchange's epoch acknowledged
+    to every rank, as the GEMM's last program does: this call reads nothing of it; WAIT: until every peer has
+    published its call (the guard of the signatures' halves, as a GEMM's programs wait for them)."""
+    if PUBLISH:
+        _publish_call(call_ptrs, call, rank, tl.load(signature_ptr + tl.arange(0, SIGNATURE_WORDS)), WORLD)
+        if ACK:
+            signal_ready(ack_ptrs, rank, epoch, WORLD)
+    if WAIT:
+        for step in tl.static_range(1, WORLD):
+            wait_published(calls_ptr + _calls_half(call, WORLD), (rank + WORLD - step) % WORLD, call, spin_limit,
+                           error_ptr)
 
 
 @triton.jit
@@ -369,7 +397,8 @@ class AllGatherMatmul:
                              "TMA, whose rows must be a multiple of 16 bytes")
         self.config = config
         self.ws, self.rank, self.world = workspace, workspace.rank, workspace.world_size
-        self.errors = PeerErrors(workspace.device, self.rank, "fused all-gather + GEMM", describe_calls=describe_calls)
+        self.errors = PeerErrors(workspace.device, self.rank, "fused all-gather + GEMM", describe_calls=describe_calls,
+                                 describe_refused=describe_refused_calls(self.rank, describe_refusal))
         # every peer's signature of its latest calls (two halves by the call's parity), shared by the workspace's
         # ops of every shape class: calls of other shapes use other exchanges (the module docstring). Allocated
         # first: on GPUs allocations pair by order, and an op of empty shards allocates nothing else.
@@ -378,6 +407,7 @@ class AllGatherMatmul:
         self.gather = SymmetricAllGather(workspace, rows, k, dtype, max(1, config.chunk_rows), name="allgather_matmul",
                                          spin_limit=config.spin_limit, errors=self.errors) if rows else None
         self.call = 0  # the number of this op's latest call among the workspace's (`start`)
+        self.refused: RefusedCall | None = None  # the latest call's, if this rank refused it (`start`)
         self.rows, self.k, self.dtype = rows, k, dtype
         self.fused_push = not workspace.simulated  # a simulated world pushes in a launch of its own (module docstring)
         self.num_programs = config.num_programs or (self.gather.num_programs if rows else 1)
@@ -399,21 +429,26 @@ class AllGatherMatmul:
                                                    errors=self.errors)
         return self._copy_gather
 
-    def start(self, x_shard: torch.Tensor, producer: str) -> int:
+    def start(self, x_shard: torch.Tensor, producer: str, refused: RefusedCall | None = None) -> int:
         """Enqueue the producer side; returns the epoch (on GPUs the device push runs inside `finish`'s launch),
-        which `finish` takes: every start is finished before the op's next one."""
+        which `finish` takes: every start is finished before the op's next one. refused: this rank refuses the
+        call (`refused_call`): a call all the same, whose signature says why, and whose `finish` raises."""
         if producer not in GEMM_PRODUCERS:
             raise ValueError(f"unknown producer {producer!r}: expected one of {GEMM_PRODUCERS}")
         self.errors.check()
-        self.call = self.ws.next_epoch(CALLS)
+        self.call, self.refused = self.ws.next_epoch(CALLS), refused
+        g = self.gather_for(producer)
+        if refused is not None:  # the exchange's epoch taken, nothing published but why, the exchange acknowledged
+            epoch = g.next_epoch() if g else self._empty_epoch()
+            self._refused_call(epoch, g, publish=True)
+            return epoch
         if not self.rows:  # nothing to exchange: the call's signature alone (`finish` compares the peers'), its
             #                epoch the count of the op's calls
-            epoch = self.ws.next_epoch(f"allgather_matmul:0x{self.k}:{self.dtype}")
+            epoch = self._empty_epoch()
             _publish_call_kernel[(1,)](self.calls.peer_ptrs, self.rank, self.call, *self._described(producer), epoch,
                                        WORLD=self.world)
             return epoch
         if producer == "copy_engine":  # publish into our own slot; peers pull it (see the module docstring)
-            g = self.gather_for(producer)
             epoch = g.start(x_shard, "pull")
             _publish_call_kernel[(1,)](self.calls.peer_ptrs, self.rank, self.call, *self._described(producer), epoch,
                                        WORLD=self.world)
@@ -423,6 +458,17 @@ class AllGatherMatmul:
             self._launch(x_shard.contiguous(), None, None, epoch, push=True, compute=False, pushers=False)
         return epoch
 
+    def _empty_epoch(self) -> int:
+        """The epoch of a call of empty shards: the count of such calls of this K and dtype (no exchange)."""
+        return self.ws.next_epoch(f"allgather_matmul:0x{self.k}:{self.dtype}")
+
+    def _refused_call(self, epoch: int, gather: SymmetricAllGather | None, publish: bool) -> None:
+        """`_refused_call_kernel`'s publish (`start`) or wait (`finish`) of the refused call `epoch`."""
+        acks = gather.ack.peer_ptrs if gather else self.calls.peer_ptrs  # (empty shards: no exchange, no ack)
+        _refused_call_kernel[(1,)](self.refused.signature, self.calls.peer_ptrs, self.calls.local, acks, self.rank,
+                                   self.call, epoch, self.config.spin_limit, self.errors.word, WORLD=self.world,
+                                   PUBLISH=publish, ACK=gather is not None, WAIT=not publish)
+
     def _described(self, producer: str) -> tuple[int, int, int, int, int]:
         """The kernels' arguments that describe a call by `producer` (`_call_signature`): rows, K, dtype, producer
         and rows per chunk of its exchange (0: empty shards have none)."""
@@ -431,10 +477,15 @@ class AllGatherMatmul:
 
     def finish(self, epoch: int, x_shard: torch.Tensor, weight: torch.Tensor, producer: str,
                return_gathered: bool = False, out: torch.Tensor | None = None):
+        """The call's product (and gathered input with return_gathered); a call this rank refused (`start`) raises
+        its error here, behind a wait (on its stream) for every peer's call."""
+        g = self.gather_for(producer)
+        if self.refused is not None:
+            self._refused_call(epoch, g, publish=False)
+            raise self.refused.error
         x_shard = tma_readable(x_shard)  # as the tiles read it; copied, not refused: the call has begun
         check_weight(weight, self.k, x_shard.dtype)
         out = output(out, self.world * self.rows, weight.shape[1], x_shard)
-        g = self.gather_for(producer)
         if producer == "copy_engine" or not self.rows:
             _check_calls_kernel[(1,)](self.calls.local, self.rank, self.call, *self._described(producer), epoch,
                                       self.config.spin_limit, self.errors.word, WORLD=self.world)
@@ -495,26 +546,74 @@ class AllGatherMatmul:
             num_warps=c.num_warps, num_stages=c.num_stages)
 
 
+def weight_problem(weight: torch.Tensor, k: int, dtype: torch.dtype) -> str | None:
+    """Why the GEMM cannot read weight [K, N] as it lies (N or K contiguous, rows TMA reads), or None."""
+    if weight.dim() != 2 or weight.shape[0] != k or weight.dtype != dtype:
+        return f"weight {tuple(weight.shape)} {weight.dtype}: expected ({k}, N) {dtype}"
+    return tma_problem(weight.t() if weight.stride(1) != 1 else weight, "all_gather_matmul's weight (as it lies)")
+
+
 def check_weight(weight: torch.Tensor, k: int, dtype: torch.dtype) -> bool:
     """Raise unless the GEMM can read weight [K, N] (before any work is done); returns whether it reads it as a
     Linear's weight.t() (K contiguous: blocks transposed in shared memory) rather than N contiguous."""
-    if weight.dim() != 2 or weight.shape[0] != k or weight.dtype != dtype:
-        raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype}: expected ({k}, N) {dtype}")
-    k_contiguous = weight.stride(1) != 1
-    require_tma_readable(weight.t() if k_contiguous else weight, "all_gather_matmul's weight (as it lies)")
-    return k_contiguous
+    problem = weight_problem(weight, k, dtype)
+    if problem is not None:
+        raise ValueError(problem)
+    return weight.stride(1) != 1
+
+
+def out_problem(out: torch.Tensor | None, m: int, n: int, x_shard: torch.Tensor) -> str | None:
+    """Why `out` cannot take the product [m, n]: the kernel stores rows of n values from out's start (x_shard's
+    dtype), so an out of other rows, strides or dtype would be stored past its end or between its values; None
+    where it can (None: a new tensor)."""
+    if out is None or (out.shape == (m, n) and out.dtype == x_shard.dtype and out.device == x_shard.device
+                       and out.is_contiguous()):
+        return None
+    return (f"out must be contiguous {x_shard.dtype} [{m}, {n}] on {x_shard.device} (world x rows, N); got "
+            f"{out.dtype} {list(out.shape)} on {out.device}{'' if out.is_contiguous() else ', not contiguous'}")
 
 
 def output(out: torch.Tensor | None, m: int, n: int, x_shard: torch.Tensor) -> torch.Tensor:
-    """out, checked: the kernel stores rows of n values from out's start (x_shard's dtype), so an out of other
-    rows, strides or dtype would be stored past its end or between its values; None: a new tensor."""
-    if out is None:
-        return torch.empty((m, n), dtype=x_shard.dtype, device=x_shard.device)
-    if out.shape != (m, n) or out.dtype != x_shard.dtype or out.device != x_shard.device or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous {x_shard.dtype} [{m}, {n}] on {x_shard.device} (world x rows, N); "
-                         f"got {out.dtype} {list(out.shape)} on {out.device}"
-                         f"{'' if out.is_contiguous() else ', not contiguous'}")
-    return out
+    """out, checked (`out_problem`); None: a new tensor."""
+    problem = out_problem(out, m, n, x_shard)
+    if problem is not None:
+        raise ValueError(problem)
+    return torch.empty((m, n), dtype=x_shard.dtype, device=x_shard.device) if out is None else out
+
+
+# Why a rank refuses its call (`refused_call`): word 0 of its refusal words, which its peers name (`describe_refusal`)
+UNREADABLE_WEIGHT, UNUSABLE_OUT = 1, 2
+
+
+def refused_call(x_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, workspace: _Workspace
+                 ) -> RefusedCall | None:
+    """The call this rank refuses, for a weight or out that the GEMM cannot read or store into (what each rank's own
+    tensors decide: N may differ between ranks), or None. x_shard is one the op takes (its shape class)."""
+    k, dtype = x_shard.shape[1], x_shard.dtype
+    problem = weight_problem(weight, k, dtype)
+    if problem is not None:
+        strides = list(weight.stride()[:2]) + [-1] * (2 - min(weight.dim(), 2))
+        return RefusedCall.of([UNREADABLE_WEIGHT, k, dtype_code(dtype)] + tensor_words(weight) + strides,
+                              ValueError(problem), workspace.device)
+    m, n = workspace.world_size * x_shard.shape[0], weight.shape[1]
+    problem = out_problem(out, m, n, x_shard)
+    if problem is not None:
+        return RefusedCall.of([UNUSABLE_OUT, m, n, dtype_code(dtype)] + tensor_words(out) + [int(out.is_contiguous())],
+                              ValueError(problem), workspace.device)
+    return None
+
+
+def describe_refusal(words: list[int]) -> str:
+    """A rank's refusal words (`refused_call`) in words, as its peers say them."""
+    reason, *values = words
+    if reason == UNREADABLE_WEIGHT:
+        (k, dtype), weight, strides = values[:2], values[2:2 + TENSOR_WORDS], values[2 + TENSOR_WORDS:][:2]
+        shown = ", ".join(str(s) for s in strides[:weight[0]])
+        return (f"its weight {describe_tensor(weight)} (strides {shown}) is not one the GEMM reads: expected "
+                f"[{k}, N] {dtype_name(dtype)}, N or K contiguous, rows of a multiple of 16 bytes")
+    (m, n, dtype), out, contiguous = values[:3], values[3:3 + TENSOR_WORDS], values[3 + TENSOR_WORDS]
+    return (f"its out {describe_tensor(out)}{'' if contiguous else ', not contiguous,'} cannot take its product: "
+            f"contiguous [{m}, {n}] {dtype_name(dtype)}")
 
 
 _OPS: "weakref.WeakKeyDictionary[_Workspace, dict]" = weakref.WeakKeyDictionary()
@@ -540,12 +639,11 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, workspace: _W
     issue 5's shape on 2 GPUs it took 741 against 1,295 us for the copy engines' pulls (2×H200, 2026-11-24) and
     733 against 1,440 (2×H100, 2026-11-26; docs/benchmarks.md). A shard of 0 rows (every rank's, as the shapes
     are alike: an empty batch) gives empty outputs and exchanges no data, but is a call (its signature compared
-    with the peers'), as the GEMM + all-reduce's for M = 0."""
+    with the peers'), as the GEMM + all-reduce's for M = 0. A weight or out this rank refuses raises its
+    ValueError here and PeerRefusedInput on its peers (the module docstring)."""
     if x_shard.dim() != 2:
         raise ValueError(f"all_gather_matmul: x_shard {tuple(x_shard.shape)}: expected [rows, K]")
-    rows, k = x_shard.shape
-    # before the producer starts: a refusal leaves no peer waiting
-    check_weight(weight, k, x_shard.dtype)
-    out = output(out, workspace.world_size * rows, weight.shape[1], x_shard)
     op = op_for(workspace, x_shard, config)
-    return op.finish(op.start(x_shard, producer), x_shard, weight, producer, return_gathered, out)
+    # before the producer starts: a refused call tells its peers why
+    refused = refused_call(x_shard, weight, out, workspace)
+    return op.finish(op.start(x_shard, producer, refused), x_shard, weight, producer, return_gathered, out)

@@ -90,10 +90,11 @@ import triton.language as tl
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
-from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, RefusedCall,
+from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, TENSOR_WORDS, PeerErrors, RefusedCall,
                                            check_spin_limit, describe_refused_calls, describe_signatures,
-                                           publish_refusal, same_unrefused_calls, signal_every_program, signal_ready,
-                                           signature_of, store_signature, wait_or_record)
+                                           describe_tensor, publish_refusal, same_unrefused_calls,
+                                           signal_every_program, signal_ready, signature_of, store_signature,
+                                           tensor_words, wait_or_record)
 
 PRODUCE, REDUCE, WAIT = 1, 2, 4  # the phases of a launch (PHASES is their sum)
 ALL_PHASES = PRODUCE | REDUCE | WAIT
@@ -175,20 +176,6 @@ def describe_calls(mine: list[int], theirs: list[int]) -> tuple[str, str]:
 # Why a rank refuses its call (`GemmAllReduce._plan`): word 0 of its refusal words, which its peers name
 # (`describe_refusal`)
 NOT_OPERANDS, UNEVEN_BANDS, TOO_LARGE = 1, 2, 3
-OPERAND_DIMS = 3  # the dims of x and of w that a refusal's words list
-
-
-def _operand_words(t: torch.Tensor) -> list[int]:
-    """t's dim count, first OPERAND_DIMS dims (-1 past its last) and `dtype_code`, for a refusal's words."""
-    dims = list(t.shape[:OPERAND_DIMS])
-    return [t.dim()] + dims + [-1] * (OPERAND_DIMS - len(dims)) + [dtype_code(t.dtype)]
-
-
-def _describe_operand(words: list[int]) -> str:
-    """`_operand_words` in words: "[2, 3, 40] bfloat16"."""
-    ndim, dims, dtype = words[0], words[1:1 + OPERAND_DIMS], words[1 + OPERAND_DIMS]
-    shown = [str(d) for d in dims[:ndim]] + (["..."] if ndim > OPERAND_DIMS else [])
-    return f"[{', '.join(shown)}] {dtype_name(dtype)}"
 
 
 def refusal(x: torch.Tensor, w: torch.Tensor, scatter: bool, world: int) -> tuple[list[int], ValueError] | None:
@@ -197,7 +184,7 @@ def refusal(x: torch.Tensor, w: torch.Tensor, scatter: bool, world: int) -> tupl
     `GemmAllReduce._plan`.)"""
     if (x.dim() != 2 or w.dim() != 2 or min(*w.shape) < 1 or w.shape[0] != x.shape[1]
             or x.dtype != w.dtype or x.dtype not in (torch.float16, torch.bfloat16)):
-        return [NOT_OPERANDS] + _operand_words(x) + _operand_words(w), ValueError(
+        return [NOT_OPERANDS] + tensor_words(x) + tensor_words(w), ValueError(
             f"expected x [M, K] and w [K, N] (K, N >= 1) of one dtype, fp16 or bf16; got {tuple(x.shape)} {x.dtype} "
             f"and {tuple(w.shape)} {w.dtype}")
     if scatter and x.shape[0] % world:
@@ -218,8 +205,8 @@ def describe_refusal(words: list[int]) -> str:
     """A rank's refusal words (`refusal`, `too_large`) in words, as its peers say them."""
     reason, *values = words
     if reason == NOT_OPERANDS:
-        x, w = values[:OPERAND_DIMS + 2], values[OPERAND_DIMS + 2:2 * OPERAND_DIMS + 4]
-        return (f"its x {_describe_operand(x)} and w {_describe_operand(w)} are not x [M, K] and w [K, N] (K, N >= 1) "
+        x, w = values[:TENSOR_WORDS], values[TENSOR_WORDS:]
+        return (f"its x {describe_tensor(x)} and w {describe_tensor(w)} are not x [M, K] and w [K, N] (K, N >= 1) "
                 "of one dtype, fp16 or bf16")
     if reason == UNEVEN_BANDS:
         m, world = values[:2]

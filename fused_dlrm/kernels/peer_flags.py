@@ -24,9 +24,10 @@ raises it in the op's words (`describe_refused`). Refused calls: an op whose cal
 all-reduce, the GEMM + all-reduce) runs a call that one rank's host refuses (its input) all the same there
 (`RefusedCall`): raising on that rank alone would leave its peers waiting, and its epochs behind theirs for good.
 Its one-program kernel publishes a signature that says why ([epoch, REFUSED_CALL, refusal words]) with its flags for
-every program (`publish_refusal`), then waits as the op's calls wait; each peer, comparing calls
-(`same_unrefused_calls`), records the lowest refused rank with its words (`refused_peer`, `record_refusal`) before
-any mismatch, so every other rank raises PeerRefusedInput (`describe_refused_calls`) and the refused rank its own error.
+every program (`publish_refusal`; or as a flag of its own, `publish_signature`), then waits as the op's calls wait;
+each peer, comparing calls (`same_unrefused_calls`, `same_published_call`), records the refused rank (the lowest)
+with its words (`refused_peer`, `refused_by`, `record_refusal`) before any mismatch, so every other rank raises
+PeerRefusedInput (`describe_refused_calls`, `describe_tensor`) and the refused rank its own error.
 
 Before results are kept (a checkpoint, a run's end), `check_every_error_word` reads every live op's word at once:
 on GPUs the word is read every check_every calls, so a wait of the last few calls could otherwise give up unseen.
@@ -43,6 +44,7 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.env import CallMismatch
+from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
 from fused_dlrm.kernels.nvshmem_puts import nvshmem_kernel, set_flag
 
@@ -282,6 +284,17 @@ def refused_peer(signatures, rank, error_ptr, epoch, WORLD: tl.constexpr):
 
 
 @triton.jit
+def refused_by(signatures, peer, error_ptr, epoch):
+    """`refused_peer` for one peer: whether its signature (behind a flag of the call) is a refused call's; if so it
+    is recorded (code 5) with its refusal words."""
+    refused = tl.load(signatures + peer * SIGNATURE_WORDS + 1) == _REFUSED_CALL
+    if refused:
+        record_refusal(error_ptr, peer, epoch,
+                       tl.load(signatures + peer * SIGNATURE_WORDS + tl.arange(0, SIGNATURE_WORDS)))
+    return refused
+
+
+@triton.jit
 def same_unrefused_calls(signatures, rank, mine, error_ptr, slot, epoch, WORLD: tl.constexpr):
     """`same_calls`, unless a peer refused the call (`refused_peer`: the refusal, recorded, is the cause of any
     mismatch)."""
@@ -331,6 +344,24 @@ class RefusedCall:
         return cls(error, signature.to(device))
 
 
+TENSOR_DIMS = 3  # the dims of a tensor that its refusal words list (`tensor_words`)
+TENSOR_WORDS = TENSOR_DIMS + 2
+
+
+def tensor_words(t: torch.Tensor) -> list[int]:
+    """A tensor in a refusal's words: its dim count, first TENSOR_DIMS dims (-1 past its last) and `dtype_code`
+    (TENSOR_WORDS integers)."""
+    dims = list(t.shape[:TENSOR_DIMS])
+    return [t.dim()] + dims + [-1] * (TENSOR_DIMS - len(dims)) + [dtype_code(t.dtype)]
+
+
+def describe_tensor(words: list[int]) -> str:
+    """`tensor_words` in words: "[2, 3, 40] bfloat16"."""
+    ndim, dims, dtype = words[0], words[1:1 + TENSOR_DIMS], words[1 + TENSOR_DIMS]
+    shown = [str(d) for d in dims[:ndim]] + (["..."] if ndim > TENSOR_DIMS else [])
+    return f"[{', '.join(shown)}] {dtype_name(dtype)}"
+
+
 def describe_refused_calls(rank: int, describe: Callable[[list[int]], str]) -> Callable[[int, list[int]], str]:
     """PeerErrors' describe_refused for an op of `RefusedCall`s: what rank `rank` says of a refused rank's call,
     `describe` reading its refusal words."""
@@ -338,14 +369,23 @@ def describe_refused_calls(rank: int, describe: Callable[[list[int]], str]) -> C
 
 
 @triton.jit
-def same_published_call(signatures, peer, mine, epoch, spin_limit, error_ptr):
-    """Bounded wait until `peer` has published (`publish_signature`) its call `epoch` into this rank's `signatures`,
-    then `same_call`. A timeout records (4, peer, -1, epoch): the peer never started the call."""
-    same = _wait_or_record_code(signatures + peer * SIGNATURE_WORDS, epoch, spin_limit, error_ptr, _NOT_STARTED,
+def wait_published(signatures, peer, epoch, spin_limit, error_ptr):
+    """Bounded wait until `peer` has published (`publish_signature`) its call `epoch` into this rank's `signatures`.
+    A timeout records (4, peer, -1, epoch): the peer never started the call."""
+    return _wait_or_record_code(signatures + peer * SIGNATURE_WORDS, epoch, spin_limit, error_ptr, _NOT_STARTED,
                                 peer, -1)
+
+
+@triton.jit
+def same_published_call(signatures, peer, mine, epoch, spin_limit, error_ptr):
+    """`wait_published`, then `same_call`, unless the peer refused the call (its signature a refused call's:
+    recorded, code 5, `refused_by`)."""
+    same = wait_published(signatures, peer, epoch, spin_limit, error_ptr)
     tl.debug_barrier()  # the word this program's threads acquired covers the words any of them loads
     if same:
-        same = same_call(signatures, peer, mine, error_ptr, -1, epoch)
+        same = refused_by(signatures, peer, error_ptr, epoch) == 0
+        if same:
+            same = same_call(signatures, peer, mine, error_ptr, -1, epoch)
     return same
 
 

@@ -76,10 +76,9 @@ each peer once that peer's ready flag of the call is seen (a peer late in an old
 call's); then it waits until every peer's program 0 has read that signature, which its next call would overwrite,
 and moves its step slots on. Each peer, checking signatures, records the refusal (code 5: the lowest refused rank,
 the same on every rank, before any mismatch, `same_unrefused_calls`) and stores nothing; its PeerErrors raises
-PeerRefusedInput naming that rank and why (at the call's
-end in the interpreter, within check_every calls on GPUs, as any error). The refused rank raises its own error at
-`finish`. The next call, alike on every rank, is exact. (Where the peers' call grows the buffers, they wait in the
-allocation, as above.)
+PeerRefusedInput naming that rank and why (at the call's end in the interpreter, within check_every calls on GPUs,
+as any error). The refused rank raises its own error at `finish`. The next call, alike on every rank, is exact.
+(Where the peers' call grows the buffers, they wait in the allocation, as above.)
 
 On GPUs every program waits on the same-numbered program of every peer's launch, so the grid must be
 co-resident: it is capped at what the compiled binary fits on the GPU at once (launch.resident_programs_per_sm

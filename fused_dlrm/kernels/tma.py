@@ -19,13 +19,21 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
-def require_tma_readable(t: torch.Tensor, what: str) -> None:
-    """Raise, naming the tensor, unless TMA can read t (callers check before any work is done)."""
+def tma_problem(t: torch.Tensor, what: str) -> str | None:
+    """Why TMA cannot read t, naming the tensor; None if it can."""
     size = t.element_size()
     if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
-        raise ValueError(f"{what} {tuple(t.shape)} {t.dtype} with strides {t.stride()}: read through TMA, which "
-                         "needs a 16-byte aligned start, a contiguous last dim and rows whose length in bytes is a "
-                         "multiple of 16 (bf16 / fp16: a multiple of 8 elements)")
+        return (f"{what} {tuple(t.shape)} {t.dtype} with strides {t.stride()}: read through TMA, which needs a "
+                "16-byte aligned start, a contiguous last dim and rows whose length in bytes is a multiple of 16 "
+                "(bf16 / fp16: a multiple of 8 elements)")
+    return None
+
+
+def require_tma_readable(t: torch.Tensor, what: str) -> None:
+    """Raise `tma_problem` where there is one (callers check before any work is done)."""
+    problem = tma_problem(t, what)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def tma_readable(t: torch.Tensor) -> torch.Tensor:
