@@ -136,6 +136,8 @@ def check_step(world: World, tokens, top_k, bias, gen, poison=True):
         scale = want_a13.abs().max().item() if want_a13.numel() else 0.0
         torch.testing.assert_close(a13.double(), want_a13, rtol=1e-5, atol=1e-5 * scale,
                                    msg=lambda m: f"rank {owner} a13: {m}")
+    # Every rank's epoch, on its host and its device, is the same (whatever each rank sent and received).
+    assert len({n for d in world.dispatch for n in (d.ws.epoch("moe_dispatch"), int(d._epoch_done))}) == 1
     return counts
 
 
@@ -380,18 +382,94 @@ def test_by_token_the_gemm_waits_for_every_unit_of_a_source_and_never_for_its_ow
         d.finish(epochs[owner], w.w13[owner])
 
 
-def test_by_token_a_launch_refused_for_its_outputs_pushes_nothing():
-    """A push adds to the peers' arrival counts: `launch` refuses bad GEMM outputs before it pushes, or the counts
-    would stay an epoch ahead of every later GEMM's wait."""
-    w = World(2, 2, block_m=8, max_tokens=12, top_k=2)
-    xs, token_of_rows, _, layouts = w.routed_batch([10, 12], 2, None, torch.Generator().manual_seed(13))
+@pytest.mark.parametrize("by_token", [False, True], ids=["by row", "by token"])
+def test_a_launch_refused_after_begin_pushes_nothing_and_takes_no_epoch(by_token):
+    """`launch` (the layer's way: `begin`, then the launches, then `end`) refuses bad GEMM inputs before it pushes
+    (a push counts in the peers: flags, arrival counts), and the refused call takes no epoch, on the host nor on
+    the device: the next call, on every rank, reads this epoch's half of the double buffers (its `received`, by
+    token the sources' token ids and weights), not the half of the epoch before."""
+    w = World(2, 2, block_m=8, max_tokens=14 if by_token else None, top_k=2)
+    gen = torch.Generator().manual_seed(13)
+    check_step(w, [10, 12], 2, None, gen)  # epoch 1
+    xs, token_of_rows, _, layouts = w.routed_batch([10, 12], 2, None, gen)
+    tables = w.tables(token_of_rows, layouts)
+    other_tiles = [dispatch_tables(lay.counts, r, w.local, 16, w.backward_tile_rows * 2, t.numel(), d.capacity)
+                   for r, (d, t, lay) in enumerate(zip(w.dispatch, token_of_rows, layouts))]
+    flags = [d._buffers(torch.float32)[3 if by_token else 1].local.clone() for d in w.dispatch]
+    refusals = [(tables, dict(a13_out=torch.empty(3, 2 * FFN)), "a13_out must be a contiguous"),
+                (other_tiles, {}, "the layout cuts the owner's row tiles of 32 rows; the GEMM's tiles have 16")]
+    if by_token:
+        refusals.append((tables, dict(a13_out=torch.empty(w.dispatch[0].capacity, 2 * FFN)),
+                         "rows_out .* comes with a13_out, both or neither"))
+    for r, d in enumerate(w.dispatch):  # every rank alike, as the layer's calls are
+        for tabs, bad, match in refusals:
+            assert d.begin(xs[r]) == 2
+            with pytest.raises(ValueError, match=match):
+                d.launch(xs[r], token_of_rows[r], tabs[r], w.w13[r], **bad, **w.by_token_inputs(r))
+    for d, before in zip(w.dispatch, flags):
+        assert torch.equal(d._buffers(torch.float32)[3 if by_token else 1].local, before)  # nothing was pushed
+        assert int(d._epoch_done) == d.ws.epoch("moe_dispatch") == 1
+    counts = check_step(w, [10, 12], 2, None, gen)  # epoch 2, exact (`received` by row)
+    if by_token:
+        for owner, d in enumerate(w.dispatch):
+            ids, weights = d.rows_by_source(2)
+            source = 1 - owner
+            lo = int(counts[source, :owner * w.local].sum())
+            hi = lo + int(counts[source, owner * w.local:(owner + 1) * w.local].sum())
+            assert hi > lo
+            assert torch.equal(ids[source][lo:hi], w.perms[source].token_of_row[lo:hi].int())
+            assert torch.equal(weights[source][lo:hi], w.row_weights[source][lo:hi])
+
+
+def test_a_refused_finish_can_be_finished_again_and_until_then_no_call_starts():
+    """`finish` refuses bad GEMM inputs after `start` pushed (the peers hold the epoch's rows): the epoch stays
+    in flight, a later `start` is refused saying so (instead of taking the epoch after it, whose flags and buffer
+    half would no longer be the peers'), and `finish` with good inputs completes it exactly."""
+    w = World(2, 2, block_m=8)
+    gen = torch.Generator().manual_seed(14)
+    xs, token_of_rows, counts, layouts = w.routed_batch([10, 12], 2, None, gen)
+    tables = w.tables(token_of_rows, layouts)
+    w.poison()
+    epochs = [d.start(x, t, tab) for d, x, t, tab in zip(w.dispatch, xs, token_of_rows, tables)]
+    for d, e, w13 in zip(w.dispatch, epochs, w.w13):
+        with pytest.raises(ValueError, match="w13 must be a contiguous"):
+            d.finish(e, w13.double())
+        with pytest.raises(RuntimeError, match=rf"rank {d.rank}: step 1's push was launched and the step never "
+                                               rf"ended"):
+            d.start(xs[d.rank], token_of_rows[d.rank], tables[d.rank])
+        with pytest.raises(RuntimeError, match=rf"rank {d.rank}: finish\(2\), but no step 2 was started here"):
+            d.finish(2, w13)
+    for owner, (d, e, w13) in enumerate(zip(w.dispatch, epochs, w.w13)):
+        received, h = d.finish(e, w13)
+        rows = dispatch_reference(xs, token_of_rows, counts, owner, w.local)
+        n = rows.shape[0]
+        want_h = gated_gemm_reference(rows.double(), layouts[owner].tokens_per_local_expert, w13.double())
+        assert torch.equal(received[:n], rows)
+        torch.testing.assert_close(h[:n].double(), want_h, rtol=1e-5, atol=1e-5 * want_h.abs().max().item())
+    check_step(w, [9, 11], 2, None, gen)  # the next epoch, in step
+
+
+def test_a_launch_that_fails_after_its_push_refuses_every_later_call(monkeypatch):
+    """An error past every check (here GEMM 1's launch) after the push went out: the peers hold this epoch's rows
+    and this rank's device never counts it. Every later call says so, instead of waiting for flags of the wrong
+    epoch or reading stale rows."""
+    w = World(2, 2, block_m=8)
+    xs, token_of_rows, _, layouts = w.routed_batch([10, 12], 2, None, torch.Generator().manual_seed(15))
     tables = w.tables(token_of_rows, layouts)
     d = w.dispatch[0]
-    d.begin(xs[0])
-    with pytest.raises(ValueError, match="rows_out .* comes with a13_out, both or neither"):
-        d.launch(xs[0], token_of_rows[0], tables[0], w.w13[0], a13_out=torch.empty(d.capacity, 2 * FFN),
-                 **w.by_token_inputs(0))
-    assert int(w.dispatch[1]._buffers(torch.float32)[3].local.abs().sum()) == 0  # nothing arrived at the peer
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("GEMM 1's launch failed")
+
+    monkeypatch.setattr(d, "_gemm", fails)
+    epoch = d.begin(xs[0])
+    with pytest.raises(RuntimeError, match="GEMM 1's launch failed"):
+        d.launch(xs[0], token_of_rows[0], tables[0], w.w13[0])
+    assert int(w.dispatch[1]._buffers(torch.float32)[1].local.max()) == epoch  # the push reached the peer
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"rank 0: step 1's push was launched and the step never ended .* "
+                                               r"make a new dispatch"):
+            d.begin(xs[0])
 
 
 def test_by_token_each_token_crosses_once_per_peer_and_only_to_peers_it_chose():
@@ -469,18 +547,20 @@ def test_the_receive_capacity_grows_with_room_to_spare_and_never_shrinks():
 
 
 def test_weights_must_be_one_contiguous_w13():
+    """Refused at `finish`, which may then be called again (the epoch stays in flight until it is finished)."""
     w = World(2, 2)
     xs, token_of_rows, _, layouts = w.routed_batch([6, 5], 2, None, torch.Generator().manual_seed(10))
     tables = w.tables(token_of_rows, layouts)[0]
+    epoch = w.dispatch[0].start(xs[0], token_of_rows[0], tables)
     halves = torch.randn(2, D_MODEL, 4 * FFN)[:, :, :2 * FFN]  # the right shape, but every row strided
     for bad in (w.w13[0][:, :, :FFN], halves, w.w13[0].double()):
         with pytest.raises(ValueError, match="w13 must be a contiguous"):
-            w.dispatch[0].finish(w.dispatch[0].start(xs[0], token_of_rows[0], tables), bad)
+            w.dispatch[0].finish(epoch, bad)
     # Contiguous and of the right shape, but starting 4 bytes off a 16-byte boundary: the backward's TMA could not
     # read it, so the forward refuses it.
     shifted = torch.empty(w.w13[0].numel() + 1)[1:].view(w.w13[0].shape).copy_(w.w13[0])
     with pytest.raises(ValueError, match="w13 .* through TMA"):
-        w.dispatch[0].finish(w.dispatch[0].start(xs[0], token_of_rows[0], tables), shifted)
+        w.dispatch[0].finish(epoch, shifted)
 
 
 COMPILE_FOR_SM90 = """

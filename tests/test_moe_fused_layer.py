@@ -37,6 +37,17 @@ def run(layer, x, bias, grad):
     return y.detach(), x.grad, aux
 
 
+def training_step_matches_bulk(fused, bulk, x, grad) -> None:
+    """A training step of both layers on x: the outputs, x's gradient and every parameter's gradient equal."""
+    for layer in (fused, bulk):
+        layer.zero_grad()
+    (y, gx, _), (want_y, want_gx, _) = run(fused, x, None, grad), run(bulk, x, None, grad)
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5 * max(want_y.abs().max().item(), 1.0))
+    torch.testing.assert_close(gx, want_gx, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(fused.named_parameters(), bulk.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
 @interpreter
 @pytest.mark.parametrize("mode", ["grown", "bounded", "bounded, by token"])
 @pytest.mark.parametrize("tokens,bias,capacity", [
@@ -87,16 +98,35 @@ def test_fused_layer_dispatches_again_when_the_rows_outgrow_the_capacity():
     capacities = []
     for tokens in (6, 40, 12):  # 12 rows, then 80 (past the first capacity: 64, the chunk), then 24
         x, grad = torch.randn(tokens, D_MODEL, generator=gen), torch.randn(tokens, D_MODEL, generator=gen)
-        for layer in (fused, bulk):
-            layer.zero_grad()
-        (y, gx, _), (want_y, want_gx, _) = run(fused, x, None, grad), run(bulk, x, None, grad)
-        torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5 * max(want_y.abs().max().item(), 1.0))
-        torch.testing.assert_close(gx, want_gx, rtol=1e-5, atol=1e-5)
-        for (name, p), q in zip(fused.named_parameters(), bulk.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        training_step_matches_bulk(fused, bulk, x, grad)
         capacities.append(fused.dispatch.capacity)
     assert capacities == [64, 128, 128]
     assert workspace.next_epoch("moe_dispatch") == 5  # the second call dispatched twice
+
+
+@interpreter
+def test_a_forward_whose_dispatch_failed_before_its_launches_leaves_the_next_one_exact(monkeypatch):
+    """The dispatch's epoch (`begin`) is taken before its launches, which may fail before any kernel is enqueued
+    (here the tables): that epoch must not count, or every later forward reads the other half of the double
+    buffer than its kernels wrote (the `received` rows of the weight gradient: stale)."""
+    workspace = SimulatedWorld(1).workspaces()[0]
+    fused = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED, comm="fused", workspace=workspace)
+    bulk = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=SEED)
+    gen = torch.Generator().manual_seed(9)
+    tables = layer_module.dispatch_tables
+
+    def fails_once(*args, **kwargs):
+        monkeypatch.setattr(layer_module, "dispatch_tables", tables)
+        raise RuntimeError("out of memory")
+
+    for step in range(3):
+        x, grad = torch.randn(13, D_MODEL, generator=gen), torch.randn(13, D_MODEL, generator=gen)
+        if step == 1:
+            monkeypatch.setattr(layer_module, "dispatch_tables", fails_once)
+            with pytest.raises(RuntimeError, match="out of memory"):
+                fused(x)
+        training_step_matches_bulk(fused, bulk, x, grad)
+    assert int(fused.dispatch._epoch_done) == workspace.epoch("moe_dispatch") == 3
 
 
 @interpreter

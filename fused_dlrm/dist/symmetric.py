@@ -170,6 +170,10 @@ class _Workspace:
                                                   f"rank {self.rank}: the exchange {exchange!r} of this workspace")
         return self._epochs[exchange]
 
+    def epoch(self, exchange: str) -> int:
+        """The exchange's last epoch taken (0 before its first), without taking one."""
+        return self._epochs.get(exchange, 0)
+
     def buffer(self, name: str, numel: int, dtype: torch.dtype) -> PeerBuffer:
         """A symmetric buffer of at least `numel` elements; flags (int32) start at zero."""
         found = self._buffers.get(name)

@@ -55,6 +55,9 @@ Guards: receive rows are double-buffered by epoch parity, and a source stores ep
 acknowledged epoch e - 1 (peer_flags.consumer_released): the `received` view that `finish` returns stays valid
 until the next `finish` call. Flags carry epochs and are never reset; the receive capacity (and with it the flag
 buffer) only grows, with room to spare, the same on every rank (`reserve`: expert_layout.receive_capacity).
+The host counts a forward epoch at its `end`, the device at the acknowledgement: a call refused before its push
+(every check comes first) takes no epoch; one whose push went out but whose GEMM 1 did not (refused at `finish`, or
+an error) stays in flight, and every later call is refused until `finish` completes it.
 """
 
 from __future__ import annotations
@@ -542,13 +545,16 @@ class FusedDispatch:
         self._gemm_launches = CompiledLaunches(_gated_gemm_kernel)
         self._sms = torch.cuda.get_device_properties(workspace.device).multi_processor_count if cuda else 0
         self._started: dict[int, tuple] = {}  # epoch -> the tensors its GEMM reads (between `start` and `finish`)
+        # The forward epoch whose push was launched and which `end` has not counted yet: while it is set, `begin`
+        # refuses (an epoch pushed whose GEMM 1 never ran leaves this rank's epochs behind its peers').
+        self._in_flight: int | None = None
         # The GEMMs' programs take tiles in walk order from this counter, so a program that starts late (its SM
         # still busy with the push) takes fewer tiles instead of delaying the end. Each GEMM leaves it at 0
         # (`_next_tile`); the GEMMs run one after the other on one stream (GEMM 1's helpers on the push's stream,
         # which the current stream waits for before the next).
         self._tile_counter = torch.zeros(1, dtype=torch.int32, device=workspace.device)
         # The forward's last epoch acknowledged, on the device: the push and GEMM 1 take the next one, and the
-        # acknowledgement after GEMM 1 advances it (in step with the host's count, `begin`). So their launches
+        # acknowledgement after GEMM 1 advances it (in step with the host's count, `end`). So their launches
         # repeat exactly from epoch to epoch, and a CUDA graph of them replays (moe.layer._dispatch_at_capacity).
         self._epoch_done = torch.zeros(1, dtype=torch.int32, device=workspace.device)
         # The address of the epoch's x, stored by `begin`: the kernels read x through it (`_x_rows`), so a graph of
@@ -591,8 +597,11 @@ class FusedDispatch:
         """The host's part before an epoch's launches (`launch`) of rows x: refuses a bad x, raises a timeout seen
         so far, makes the buffers of the current capacity for x's dtype (a collective when they grow), stores x's
         address on the device, where the kernels read it (in stream order: until they ran, x must be neither freed
-        nor rewritten, as for any kernel's input) and counts the epoch on the host (the device counts it too:
-        `_epoch_done`; a refused call counts on neither) -> the epoch."""
+        nor rewritten, as for any kernel's input) -> the epoch the launches take. The host counts it in `end`, the
+        device in the acknowledgement after GEMM 1 (`_epoch_done`): a call refused before its push (`launch`
+        checks everything first) counts on neither, and the next call takes the same epoch. While an epoch whose
+        push was launched has not ended (its GEMM 1 refused or failed), every call is refused: its peers hold
+        that epoch's rows, and this rank's next epochs would no longer be theirs."""
         if x.dim() != 2 or x.shape[1] != self.d_model or x.dtype not in TL_DTYPES:
             raise ValueError(f"x must be [tokens, {self.d_model}] fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
         if not x.is_contiguous() or x.data_ptr() % 16 or x.device != self._x_address.device:
@@ -602,10 +611,15 @@ class FusedDispatch:
             raise ValueError(f"rank {self.rank}: {x.shape[0]} tokens, more than the dispatch's max_tokens="
                              f"{self.max_tokens}")
         self.errors.check()
+        if self._in_flight is not None:
+            raise RuntimeError(f"fused MoE dispatch, rank {self.rank}: step {self._in_flight}'s push was launched and "
+                               f"the step never ended (its GEMM 1 was refused or failed): the peers hold its rows, "
+                               f"and any later step here would wait for flags of another epoch than theirs. Finish "
+                               f"it (`finish`, after `start`), or make a new dispatch (a new layer)")
         self._buffers(x.dtype)
         self._rows_dtype = x.dtype
         self._x_address.fill_(x.data_ptr())
-        return self.ws.next_epoch("moe_dispatch")
+        return self.ws.epoch("moe_dispatch") + 1
 
     def buffer_addresses(self, dtype: torch.dtype) -> tuple[int, ...]:
         """The symmetric buffers' addresses that `launch` bakes into its kernels' arguments for rows of `dtype`."""
@@ -623,15 +637,22 @@ class FusedDispatch:
         would show them (at world 1 nothing is copied). By token: `inverse` (Permutation.inverse) says which
         tokens go to which peer, `row_weights` (fp32, one per permuted row: its routing weight) go with the token
         ids (`rows_by_source`), and `rows_out` [capacity, d_model] receives `received` (with a13_out)."""
-        self._check_tables(tables)
-        self._check_gemm_outputs(x, w13, a13_out, rows_out)  # before the push: a push counts in the peers
+        self._check_tables(tables)  # everything before the push: a push counts in the peers
+        self._check_by_token_inputs(x, token_of_row, inverse, row_weights)
+        self._check_gemm_outputs(x, tables, w13, a13_out, rows_out)
         return self._gemm(*self._push(x, token_of_row, tables, own_rows, inverse, row_weights), w13, a13_out,
                           rows_out)
 
     def end(self, epoch: int) -> torch.Tensor | None:
         """The host's part after an epoch's launches -> received [capacity, d_model]: a view of the symmetric
         receive buffer, valid until the next epoch's `end`, holding this rank's own rows only if the push copied
-        them (by token: None; the rows are `launch`'s rows_out)."""
+        them (by token: None; the rows are `launch`'s rows_out). Counts the epoch on the host (before a timeout or
+        a refusal of this epoch raises: the device's acknowledgement has counted it too)."""
+        if epoch != self.ws.epoch("moe_dispatch") + 1:
+            raise RuntimeError(f"fused MoE dispatch, rank {self.rank}: end({epoch}), but the step begun is "
+                               f"{self.ws.epoch('moe_dispatch') + 1}")
+        self.ws.next_epoch("moe_dispatch")
+        self._in_flight = None
         self.errors.after_wait()
         if self.by_token:
             return None
@@ -660,7 +681,7 @@ class FusedDispatch:
               inverse: torch.Tensor | None = None, row_weights: torch.Tensor | None = None) -> int:
         """`begin`, then the push of `launch` -> the epoch (`finish` runs the rest: in a simulated world every rank
         pushes before any rank computes)."""
-        self._check_tables(tables)  # before `begin` counts the epoch
+        self._check_tables(tables)  # everything before the push (`launch`)
         self._check_by_token_inputs(x, token_of_row, inverse, row_weights)
         epoch = self.begin(x)
         self._started[epoch] = self._push(x, token_of_row, tables, own_rows, inverse, row_weights)
@@ -675,18 +696,22 @@ class FusedDispatch:
         rows are the received ones (the host learns their number after the launch). `a13_out` ([capacity, 2 ffn],
         w13's dtype), if given, receives the products before the activation (training keeps them for
         `start_backward`). By token, received is rows_out (None without it)."""
-        started = self._started.pop(epoch)
-        self._check_gemm_outputs(started[0], w13, a13_out, rows_out)
+        started = self._started.get(epoch)
+        if started is None:
+            raise RuntimeError(f"fused MoE dispatch, rank {self.rank}: finish({epoch}), but no step {epoch} was "
+                               f"started here")
+        self._check_gemm_outputs(started[0], started[2], w13, a13_out, rows_out)  # refused: may be finished again
+        del self._started[epoch]
         h = self._gemm(*started, w13, a13_out, rows_out)
         received = self.end(epoch)
         return rows_out if self.by_token else received, h
 
-    def _check_gemm_outputs(self, x: torch.Tensor, w13: torch.Tensor, a13_out: torch.Tensor | None,
-                            rows_out: torch.Tensor | None) -> None:
-        """What GEMM 1 is given besides the push's inputs, checked before `_gemm` (by `launch` before its push: by
-        token a push counts in the peers' arrival counts, which a GEMM that then refused to run would leave an
-        epoch ahead)."""
+    def _check_gemm_outputs(self, x: torch.Tensor, tables: DispatchTables, w13: torch.Tensor,
+                            a13_out: torch.Tensor | None, rows_out: torch.Tensor | None) -> None:
+        """What GEMM 1 is given besides the push's inputs, checked before `_gemm` (by `launch` before its push: a
+        GEMM that refused to run after the push would leave the epoch in flight, `begin`)."""
         _check_w13(w13, self.num_local_experts, self.d_model, self.ffn, x.dtype)
+        _check_tile_rows(tables.tile_rows[1], gemm_config(self.ws.device, w13.dtype).block_m)
         if a13_out is not None and (a13_out.shape != (self.capacity, 2 * self.ffn) or a13_out.dtype != w13.dtype
                                     or not a13_out.is_contiguous()):
             raise ValueError(f"a13_out must be a contiguous [{self.capacity}, {2 * self.ffn}] {w13.dtype} tensor, "
@@ -716,12 +741,12 @@ class FusedDispatch:
 
     def _push(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, own_rows: bool,
               inverse: torch.Tensor | None, row_weights: torch.Tensor | None) -> tuple:
-        """Launch the push -> what GEMM 1 reads besides the weights (x, token_of_row, tables)."""
+        """Launch the push (its callers checked the inputs) -> what GEMM 1 reads besides the weights (x,
+        token_of_row, tables)."""
         token_of_row = token_of_row.contiguous()  # x is (`begin`), and the kernels read it at _x_address
         block_d = max(16, min(triton.next_power_of_2(self.d_model), PUSH_TILE_ELEMENTS // self.chunk))
         e_p2 = triton.next_power_of_2(self.world * self.num_local_experts)
         if self.by_token:
-            self._check_by_token_inputs(x, token_of_row, inverse, row_weights)
             tokens, ids, weights, arrived, ack = self._buffers(x.dtype)
             inverse, row_weights = inverse.contiguous(), row_weights.contiguous()
             if self._push_stream is not None:  # a copy, if one was made, is read on the push stream
@@ -749,6 +774,7 @@ class FusedDispatch:
         def launch():
             kernel_launches(key, (self.num_programs, 1, 1), args, {})
 
+        self._in_flight = self.ws.epoch("moe_dispatch") + 1  # until `end`
         if self._push_stream is None:
             launch()
         else:  # the GEMM (next on the current stream) overlaps the push, waiting per tile
@@ -760,7 +786,7 @@ class FusedDispatch:
     def _gemm(self, x: torch.Tensor, token_of_row: torch.Tensor, tables: DispatchTables, w13: torch.Tensor,
               a13_out: torch.Tensor | None, rows_out: torch.Tensor | None = None) -> torch.Tensor:
         """Launch GEMM 1 (on GPUs beside the push) and the acknowledgement -> h [capacity, ffn] (the caller has
-        checked w13, a13_out and rows_out: `_check_gemm_outputs`)."""
+        checked w13, a13_out, rows_out and the tables' tile rows: `_check_gemm_outputs`)."""
         L, d, ffn = self.num_local_experts, self.d_model, self.ffn
         if self.by_token:
             tokens, ids, _, arrived, ack = self._buffers(x.dtype)
@@ -772,7 +798,6 @@ class FusedDispatch:
             flag_stride = self.capacity // self.chunk
         h = torch.empty(self.capacity, ffn, dtype=w13.dtype, device=w13.device)
         cfg = gemm_config(self.ws.device, w13.dtype)
-        _check_tile_rows(tables.tile_rows[1], cfg.block_m)
         tiles = tables.gemm_tiles
         num_tiles = tiles.shape[1] * triton.cdiv(ffn, cfg.block_n)  # at most: the GEMM reads how many are listed
         programs = self._gemm_programs(num_tiles, beside_push=True)
