@@ -332,6 +332,38 @@ def test_backward_matches_autograd_of_the_bulk_path(name, world, local, tokens, 
     check_scenario(name, counts, world, local, perms)
 
 
+def test_a_backward_refused_on_every_rank_takes_no_epoch():
+    """`start_backward` checks its inputs before it takes the epoch: an epoch no kernel ran is never acknowledged,
+    and every later backward would wait for that acknowledgement (and time out). After the refusal the same
+    backward again gives the same gradients."""
+    w = World(2, 2, block_m=8)
+    gen = torch.Generator().manual_seed(16)
+    perms = []
+    xs, token_of_rows, counts, layouts = w.routed_batch([10, 12], 2, None, gen, perms=perms)
+    forward = w.step(xs, token_of_rows, layouts)
+    dhs = [torch.randn(h.shape, generator=gen) for _, h, _ in forward]
+
+    def backward(bad: dict | None = None):
+        for d in w.dispatch:  # poison: a gradient row nobody stores shows as NaN in dx
+            d._grad_buffers(layouts[d.rank], torch.float32)[0].local.fill_(float("nan"))
+        started = []
+        for d, dh, (received, _, a13), lay, w13 in zip(w.dispatch, dhs, forward, layouts, w.w13):
+            args = dict(dh=dh, received=received, layout=lay, w13=w13, a13=a13)
+            if bad is not None:
+                with pytest.raises(ValueError):
+                    d.start_backward(**{**args, **bad})
+            started.append(d.start_backward(**args))
+        return [(d.finish_backward(e, lay, p), dw13)
+                for d, (e, dw13), lay, p in zip(w.dispatch, started, layouts, perms)]
+
+    want = backward()
+    for bad in (dict(w13=w.w13[0][:, :, :-2]), dict(dh=dhs[0][:, :-1]), dict(received=forward[0][0].double())):
+        got = backward(bad)
+        for (dx, dw13), (want_dx, want_dw13) in zip(got, want):
+            assert not dx.isnan().any() and torch.equal(dx, want_dx) and torch.equal(dw13, want_dw13)
+    assert [d.ws.epoch("moe_dispatch_grad") for d in w.dispatch] == [4, 4]
+
+
 @pytest.mark.parametrize("by_token", [False, True], ids=["by row", "by token"])
 def test_gemm_times_out_naming_the_peer_and_chunk_when_a_source_never_pushes(by_token):
     """By token the slice is how many of the epoch's units arrived from that source: here none."""

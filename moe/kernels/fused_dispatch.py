@@ -57,7 +57,8 @@ until the next `finish` call. Flags carry epochs and are never reset; the receiv
 buffer) only grows, with room to spare, the same on every rank (`reserve`: expert_layout.receive_capacity).
 The host counts a forward epoch at its `end`, the device at the acknowledgement: a call refused before its push
 (every check comes first) takes no epoch; one whose push went out but whose GEMM 1 did not (refused at `finish`, or
-an error) stays in flight, and every later call is refused until `finish` completes it.
+an error) stays in flight, and every later call is refused until `finish` completes it. The backward takes its
+epoch once its checks passed (an epoch never acknowledged would stall every later backward's guard).
 """
 
 from __future__ import annotations
@@ -836,12 +837,14 @@ class FusedDispatch:
         gradient buffer at the row's permuted position, tiles for remote sources first. Every rank calls
         `start_backward` before any rank calls `finish_backward`."""
         self.errors.check()
-        epoch = self.ws.next_epoch("moe_dispatch_grad")
         _check_w13(w13, self.num_local_experts, self.d_model, self.ffn, received.dtype)
         da13, dw13 = gated_gemm_grads(received, layout.tokens_per_local_expert, w13, dh, a13, weight_grad_dtype)
         grad, ready, ack, tiles_per_rank = self._grad_buffers(layout, received.dtype)
         cfg = gemm_config(self.ws.device, received.dtype, backward=True)
         _check_tile_rows(layout.owner_tile_rows, cfg.block_m)
+        # Taken once nothing can refuse the call: an epoch no kernel ran is never acknowledged, and every later
+        # backward's GEMM would wait for its acknowledgement.
+        epoch = self.ws.next_epoch("moe_dispatch_grad")
         tiles = layout.gemm_tiles
         num_tiles = tiles.shape[1] * triton.cdiv(self.d_model, cfg.block_n)
         if tiles.shape[1]:  # no row tiles: nothing to compute, store or flag
