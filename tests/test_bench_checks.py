@@ -43,3 +43,30 @@ def _one_nan(t):
 @pytest.mark.parametrize("wrong", [_off_by_a_tenth, _one_nan])
 def test_a_wrong_result_on_one_rank_raises_on_every_rank(wrong, reference):
     run_world(2, _one_rank_off, wrong, reference)
+
+
+def _one_rank_shaped_otherwise(rank, world_size, shaped):
+    bulk = torch.randn(64, 32, generator=torch.Generator().manual_seed(rank))
+    got = shaped(bulk) if rank == 1 else bulk.clone()
+    if rank == 1:
+        with pytest.raises(AssertionError, match=rf"^op: shape \[{', '.join(map(str, got.shape))}\] against the "
+                                                 r"bulk twin's \[64, 32\]$"):
+            check_against_bulk("op", got, bulk, 1e-2)
+    else:
+        with pytest.raises(ValueError, match=r"rank\(s\) \[1\] saw a result unlike the bulk twin's: "
+                                             r"AssertionError: op: shape"):
+            check_against_bulk("op", got, bulk, 1e-2)
+
+
+def _one_row_short(t):  # an uneven batch's rank given the larger rank's rows: torch's error there alone
+    return t[:-1]
+
+
+def _unsqueezed(t):  # broadcasts against the bulk result: its error would be 0
+    return t.unsqueeze(0)
+
+
+@pytest.mark.parametrize("shaped", [_one_row_short, _unsqueezed])
+def test_a_result_of_another_shape_on_one_rank_raises_on_every_rank(shaped):
+    """Not broadcast into agreement, nor torch's size error on that rank alone (its peers left waiting)."""
+    run_world(2, _one_rank_shaped_otherwise, shaped, timeout=120)
