@@ -225,6 +225,20 @@ def test_an_unwritable_run_dir_stops_every_rank_before_measuring(tmp_path):
     run_world(2, _unwritable_run_dir, str(tmp_path), timeout=120)
 
 
+@pytest.mark.parametrize("model", [DLRM, MOE])
+def test_an_unknown_grad_allreduce_codec_is_refused_before_measuring(tmp_path, model, monkeypatch):
+    """comm.grad_allreduce names the fused column's codec: refused as training refuses it, not left unread where
+    no fused column is built (the CPU, one process) and the report written as if it were a codec."""
+    import fused_dlrm.report as report
+
+    def measured(*args):
+        raise AssertionError("the layers were built and timed before the codec was refused")
+    monkeypatch.setattr(report, "_layers", measured)
+    with pytest.raises(ValueError, match=r"comm.grad_allreduce='q7': expected one of"):
+        report_main([*model, "comm.grad_allreduce=q7", f"hydra.run.dir={tmp_path}"])
+    assert not (tmp_path / "report.json").exists()
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_moe_tensor_parallel_two_gloo_ranks(tmp_path, sequence_parallel):
     """model.tp_size=2 under torchrun: every kind of TP projection is a layer of its own (real shapes, counted per

@@ -16,6 +16,7 @@ from fused_dlrm.dist import DistEnv
 from fused_dlrm.dist.env import raise_on_every_rank
 from fused_dlrm.report.measure import measure
 from fused_dlrm.report.render import environment, markdown, write_json, write_png
+from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ def write_report(cfg: DictConfig, env: DistEnv, run_dir: Path) -> dict:
     """Measure on every rank (a collective); rank 0 writes the three files. Returns the report (every rank)."""
     run_dir = Path(run_dir)
     _check_run_dir(env, run_dir)
+    # the fused column's codec: where no fused column is built (the CPU, one process) nothing else would read it
+    check_grad_allreduce(cfg.comm.grad_allreduce)
     report = {"model": cfg.model.name, "modes": MODES_TEXT, "environment": environment(env),
               **measure(_layers(cfg, env, run_dir), env)}
     if env.is_main:
