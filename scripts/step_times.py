@@ -1,7 +1,8 @@
 """Per-step times of a training run from its metrics.jsonl (train.py writes one line per logged interval): median,
-mean and slowest `step_ms` over the intervals that end at or after `--from` (default 11: past compilation and
-warm-up). With `trainer.log_every=1` every step is its own interval, so one slow step (a compile, a collective
-re-allocation) shows as the slowest instead of hiding in a 5-step mean.
+mean and slowest `step_ms` over the intervals whose steps all lie at or after `--from` (default 11: past compilation
+and warm-up; an interval starts after the previous one's last step). With `trainer.log_every=1` every step is its
+own interval, so one slow step (a compile, a collective re-allocation) shows as the slowest instead of hiding in a
+5-step mean.
 
     python scripts/step_times.py RUN_DIR [RUN_DIR ...] [--from 11]
 """
@@ -12,18 +13,23 @@ from pathlib import Path
 
 
 def step_times(run_dir: Path, first: int) -> dict[int, float]:
-    """step -> step_ms of the intervals ending at step >= first (evaluation lines carry no step_ms)."""
+    """step -> step_ms of the intervals starting at step >= first (evaluation lines carry no step_ms): an interval
+    starts after the previous one's last step; the file's first, or one whose steps go back (a run resumed into
+    the same directory), at step 1 (its start is unknown, and it holds that run's compilation)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise SystemExit(f"{path}: no such file (the run did not log, or its directory is another)")
-    times = {}
+    times, previous = {}, 0
     for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
             row = json.loads(line) if line.strip() else {}
         except json.JSONDecodeError as error:  # e.g. a run killed while writing its last line
             raise SystemExit(f"{path}, line {number}: not JSON ({error})") from error
-        if "step_ms" in row and row["step"] >= first:
+        if "step_ms" not in row:
+            continue
+        if (previous + 1 if row["step"] > previous else 1) >= first:
             times[row["step"]] = row["step_ms"]
+        previous = row["step"]
     return times
 
 
@@ -35,7 +41,7 @@ def main() -> None:
     for run_dir in args.run_dirs:
         times = step_times(run_dir, args.first)
         if not times:
-            print(f"{run_dir}: no logged interval ends at step >= {args.first}")
+            print(f"{run_dir}: no logged interval starts at step >= {args.first}")
             continue
         slowest = max(times, key=times.get)
         median, mean = statistics.median(times.values()), statistics.mean(times.values())

@@ -32,3 +32,16 @@ def test_a_broken_line_is_an_error_that_names_file_and_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "step_ms": 130.0}\n{"step": 2, "step_')
     result = _run(tmp_path)
     assert result.returncode != 0 and "metrics.jsonl, line 2: not JSON" in result.stderr
+
+
+def test_an_interval_that_starts_before_from_is_not_counted(tmp_path):
+    """trainer.log_every=20 (the default): the interval ending at step 20 holds steps 1..20, the compilation among
+    them, so --from 11 starts at the next one; an interval ended early by a checkpoint (25) starts after the last."""
+    times = {20: 950.0, 25: 131.0, 40: 130.0, 60: 133.0, 80: 132.0}
+    lines = [{"step": s, "loss": 3.0, "step_ms": ms} for s, ms in times.items()]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = _run(tmp_path).stdout
+    assert "4 intervals from step 11: step_ms median 131.5" in out and "slowest 133.0 (step 60)" in out
+    assert "3 intervals from step 26: step_ms median 132.0" in _run(tmp_path, "--from", 26).stdout  # 40: 26..40
+    assert "2 intervals from step 27: step_ms median 132.5" in _run(tmp_path, "--from", 27).stdout
+    assert "5 intervals from step 1:" in _run(tmp_path, "--from", 1).stdout
