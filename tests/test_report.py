@@ -37,6 +37,8 @@ MOE = ["trainer.device=cpu", "model=moe_transformer", "data.size_bytes=100000", 
        "data.seq_len=16", "model.d_model=32", "model.ffn=48", "model.num_heads=2"]
 CPU_REASON = "no fused path on this machine (CPU)"
 LOOKUP = "embedding lookup + output dist (pooled all-to-all)"
+ARCH_SUMS = ["gradient all-reduce (dense arch)", "gradient all-reduce (over arch)"]  # one per ArchNode, as trained
+DLRM_LAYERS = ["sparse input dist (KJT all-to-all)", LOOKUP, *ARCH_SUMS, STEP]
 
 
 def read(run: Path) -> tuple[dict, str]:
@@ -68,11 +70,10 @@ def check_report(report: dict, table: str, names: list[str], world: int) -> dict
 def test_dlrm_standalone_one_process(tmp_path):
     report_main([*DLRM, f"hydra.run.dir={tmp_path}"])
     report, table = read(tmp_path)
-    layers = check_report(report, table, ["sparse input dist (KJT all-to-all)", LOOKUP, "gradient all-reduce", STEP],
-                          world=1)
+    layers = check_report(report, table, DLRM_LAYERS, world=1)
     assert layers[LOOKUP]["fused"]["unavailable"] == CPU_REASON
     assert layers[LOOKUP]["bytes_sent"] == {"fwd": 0, "fwd_bwd": 0}  # one process sends nothing
-    assert layers["gradient all-reduce"]["bulk"]["unavailable"] == "one process: nothing to all-reduce"
+    assert all(layers[name]["bulk"]["unavailable"] == "one process: nothing to all-reduce" for name in ARCH_SUMS)
     assert "50 samples x 6 features" in layers["sparse input dist (KJT all-to-all)"]["shapes"]
 
 
@@ -80,8 +81,7 @@ def test_dlrm_with_row_blocks_one_process(tmp_path):
     """Row-wise tables: the lookup layer is timed through the blocks' sum, with the output's gradient."""
     report_main([*DLRM, "model.row_shards=2", f"hydra.run.dir={tmp_path}"])
     report, table = read(tmp_path)
-    layers = check_report(report, table, ["sparse input dist (KJT all-to-all)", LOOKUP, "gradient all-reduce", STEP],
-                          world=1)
+    layers = check_report(report, table, DLRM_LAYERS, world=1)
     assert "(12 tables, column shards or row blocks here)" in layers[LOOKUP]["shapes"]
     assert layers[LOOKUP]["bulk"]["fwd_bwd_ms"] > 0
 
@@ -113,17 +113,17 @@ def test_dlrm_after_training_two_gloo_ranks(tmp_path):
     run_torchrun([*DLRM, "report=true", "trainer.max_steps=2", "trainer.progress=false", "data.eval_batches=1",
                   "trainer.checkpoint_every=0", "comm.grad_allreduce=q8", f"hydra.run.dir={tmp_path}"])
     report, table = read(tmp_path)
-    layers = check_report(report, table, ["sparse input dist (KJT all-to-all)", LOOKUP, "gradient all-reduce", STEP],
-                          world=2)
+    layers = check_report(report, table, DLRM_LAYERS, world=2)
     assert report["environment"]["machine"]["backend"] == "gloo"
     # The greedy plan (rows x dim) gives the 5000-row table one rank and the 5 others the other rank. Forward: the
     # busiest sender pools 5 tables x 8 dims for the other rank's 25 samples; backward: the gradient of those 40
     # columns returns from the other rank (25 x 40) while this one returns 25 x 8: 4000 + 800 bytes either way.
     assert layers[LOOKUP]["bytes_sent"] == {"fwd": 25 * 40 * 4, "fwd_bwd": 25 * 40 * 4 + 25 * 8 * 4}
     assert layers["sparse input dist (KJT all-to-all)"]["bytes_sent"]["fwd"] > 25 * 3 * 8
-    dense = int(layers["gradient all-reduce"]["shapes"].split()[0].replace(",", ""))
-    assert layers["gradient all-reduce"]["bytes_sent"] == {"fwd_bwd": dense * 4}  # ring: 2 (W-1)/W of the buffer
-    for name in (LOOKUP, "gradient all-reduce", STEP):
+    for name in ARCH_SUMS:
+        values = int(layers[name]["shapes"].split()[0].replace(",", ""))
+        assert layers[name]["bytes_sent"] == {"fwd_bwd": values * 4}  # ring: 2 (W-1)/W of the buffer
+    for name in (LOOKUP, *ARCH_SUMS, STEP):
         assert layers[name]["fused"]["unavailable"] == CPU_REASON
         assert layers[name]["bulk"]["fwd_bwd_ms"] > 0
     assert (tmp_path / "metrics.jsonl").exists()  # it trained first
@@ -152,6 +152,7 @@ class SentBytes:
 
     def __init__(self, rank: int):
         self.rank, self.sent = rank, 0
+        self.reduced: list[int] = []  # the values of each all-reduce, in call order
 
     def __enter__(self):
         self.all_to_all, self.all_reduce = dist.all_to_all_single, dist.all_reduce
@@ -166,6 +167,7 @@ class SentBytes:
         def all_reduce(x, *args, group=None, **kwargs):
             world = dist.get_world_size(group)
             self.sent += 2 * (world - 1) * x.numel() * x.element_size() // world
+            self.reduced.append(x.numel())
             return self.all_reduce(x, *args, group=group, **kwargs)
         dist.all_to_all_single, dist.all_reduce = all_to_all, all_reduce
         return self
@@ -185,8 +187,13 @@ MOE_LAYER = "MoE layer (route, dispatch all-to-all, experts, combine all-to-all)
 def _bytes_as_sent(rank: int, world: int, tmp: str) -> None:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
     moe = config(*MOE)
-    layers = dlrm_layers(config(*DLRM), env, Path(tmp)) + moe_layers(moe, env, Path(tmp))
+    dlrm = dlrm_layers(config(*DLRM), env, Path(tmp))
+    layers = dlrm + moe_layers(moe, env, Path(tmp))
     with SentBytes(rank) as sent:
+        # the gradient all-reduce rows are the all-reduces the DLRM's training step makes (one per dense arch)
+        sent.of(dlrm[-1].bulk["fwd_bwd"])
+        rows = [int(layer.shapes.split()[0].replace(",", "")) for layer in dlrm if "all-reduce" in layer.name]
+        assert sorted(rows) == sorted(sent.reduced), (rows, sent.reduced)
         for layer in layers:
             if layer.name == STEP and layer is layers[-1]:
                 continue  # the MoE step's: the timed layer's bytes, whose routing is that of random tokens
@@ -403,8 +410,8 @@ def test_two_gpus_fused_columns_timed(tmp_path):
     for name in (LOOKUP, STEP):
         assert set(layers[name]["speedup"]) == {"fwd", "fwd_bwd"}, layers[name]
         assert all(v > 0 for v in layers[name]["pct_sol"]["fused"].values())
-    assert layers["gradient all-reduce"]["fused"]["fwd_bwd_ms"] > 0
-    for name in ("gradient all-reduce", STEP):  # q8's encoded messages: ~1.06 bytes a value against the ring's 4
+    assert all(layers[name]["fused"]["fwd_bwd_ms"] > 0 for name in ARCH_SUMS)
+    for name in (*ARCH_SUMS, STEP):  # q8's encoded messages: ~1.06 bytes a value against the ring's 4
         assert layers[name]["fused_bytes_sent"]["fwd_bwd"] < layers[name]["bytes_sent"]["fwd_bwd"], name
     assert "no fused input dist" in layers["sparse input dist (KJT all-to-all)"]["fused"]["unavailable"]
 

@@ -1,8 +1,9 @@
 """The communicating layers of the DLRM a config trains, with its real shapes, in both modes.
 
-bulk: comm.mode=bulk with a plain all-reduce of the dense gradients; fused: comm.mode=fused (the configured fused
-settings, or conf/comm/fused.yaml's defaults when the run is bulk) with the configured comm.grad_allreduce. Both
-models are built from the same config and seed and fed the same first training batch.
+bulk: comm.mode=bulk with plain all-reduces of the dense gradients (one per dense arch, as its ArchNode makes it);
+fused: comm.mode=fused (the configured fused settings, or conf/comm/fused.yaml's defaults when the run is bulk) with
+the configured comm.grad_allreduce. Both models are built from the same config and seed and fed the same first
+training batch.
 """
 
 from __future__ import annotations
@@ -107,14 +108,18 @@ def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]
         {"fwd": forward_bytes, "fwd_bwd": forward_bytes + backward_bytes},
         bulk.lookup_modes(grad), fused_or_reason(reason, lambda: fused.lookup_modes(grad)))
 
-    num_dense = sum(p.numel() for p in dense_parameters(bulk.model))
-    allreduce = grad_allreduce_layer(num_dense, cfg.comm.grad_allreduce, env, reason, cfg.comm.allocation_timeout_s)
+    # each dense arch's ArchNode all-reduces its own flat gradient buffer (models/arch_nodes.py): two calls, not one
+    # of every dense parameter (a codec pads each call's chunks; each call pays its latency)
+    allreduces = [grad_allreduce_layer(sum(p.numel() for p in arch.forward.params), cfg.comm.grad_allreduce, env,
+                                       reason, cfg.comm.allocation_timeout_s, name=f"gradient all-reduce ({what})")
+                  for what, arch in (("dense arch", bulk.model.dense_arch), ("over arch", bulk.model.over_arch))]
 
     def step_bytes(mode: str) -> dict[str, int]:
         return {"fwd": sent + forward_bytes,
-                "fwd_bwd": sent + forward_bytes + backward_bytes + bytes_of(allreduce, mode)["fwd_bwd"]}
+                "fwd_bwd": sent + forward_bytes + backward_bytes
+                + sum(bytes_of(allreduce, mode)["fwd_bwd"] for allreduce in allreduces)}
 
     step = CommLayer(
         STEP, f"global batch {global_batch} over {world} rank(s)", step_bytes("bulk"),
         bulk.step_modes(), fused_or_reason(reason, lambda: fused.step_modes()), fused_bytes_sent=step_bytes("fused"))
-    return [input_dist_layer, lookup, allreduce, step]
+    return [input_dist_layer, lookup, *allreduces, step]
