@@ -33,9 +33,12 @@ from torchrec.datasets.utils import Batch
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.comm_ops import set_gradient_division
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
+from torchrec.distributed.types import (BoundsCheckMode, CacheParams, ParameterSharding, ShardingEnv,
+                                        ShardingPlan)
+from torchrec.modules.embedding_configs import DataType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -636,6 +639,35 @@ def test_optimizer_settings_we_do_not_run_are_refused():
         FusedEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.ADAM})
     with pytest.raises(ValueError, match=r"fused_params .*: cache_load_factor=0.2 not supported"):
         FusedEmbeddingBagCollectionSharder(fused_params={"optimizer": EXACT_SGD, "cache_load_factor": 0.2})
+
+
+def shard_as_planned(constraints: dict, optimizer=None) -> FusedShardedEBC:
+    """A one-rank EBC of TABLES sharded by the plan torchrec's planner makes under `constraints`."""
+    ebc = EmbeddingBagCollection(TABLES)
+    sharder = FusedEmbeddingBagCollectionSharder(optimizer)
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints)
+    return sharder.shard(ebc, planner.plan(ebc, [sharder]).get_plan_for_module(""), ShardingEnv.from_local(1, 0), CPU)
+
+
+def test_settings_the_plan_carries_are_read_as_stock_torchrec_reads_them():
+    """The planner's ParameterConstraints put fbgemm settings into the plan's entries (output_dtype,
+    stochastic_rounding, cache_params, bounds_check_mode, ...), which stock torchrec adds to each table's settings
+    over the sharder's fused_params and apply_optimizer_in_backward's: what we do not run is refused naming the
+    table and the setting, never ignored (an fp16 output asked for and fp32 given); the neutral values are taken,
+    and say nothing about the optimizer (ours stands beside them)."""
+    refused = [({"t1": ParameterConstraints(output_dtype=DataType.FP16)},
+                r"table 't1': .*: output_dtype=<DataType.FP16: 'FP16'> not supported"),
+               ({"t2": ParameterConstraints(stochastic_rounding=True)}, r"table 't2': .*: stochastic_rounding=True"),
+               ({"t3": ParameterConstraints(cache_params=CacheParams(load_factor=0.2))},
+                r"table 't3': .*: cache_load_factor=0.2 not supported"),
+               ({"t0": ParameterConstraints(bounds_check_mode=BoundsCheckMode.NONE)},
+                r"table 't0': .*: bounds_check_mode=<BoundsCheckMode.NONE: 3> not supported")]
+    for constraints, match in refused:
+        with pytest.raises(ValueError, match=r"^EmbeddingBagCollection: " + match):
+            shard_as_planned(constraints)
+    ours = EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05)
+    neutral = {t.name: ParameterConstraints(output_dtype=DataType.FP32, stochastic_rounding=False) for t in TABLES}
+    assert dict(shard_as_planned(neutral, ours)._lookup.optimizer.configs) == every_table(ours)
 
 
 def test_one_mapping_gives_the_tables_of_several_collections_theirs():

@@ -31,9 +31,11 @@ What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
   * gradients: divided by the world size on the way back to the owners, as torchrec does by default
     (comm_ops.GRADIENT_DIVISION; set_gradient_division(False) gives the sum), like ShardedEmbeddingBagCollection;
   * optimizer: each table's, read as stock torchrec reads it (the sharder's fused_params, then
-    apply_optimizer_in_backward's settings on the table's weight; `resolve_optimizer`), or given as our
+    apply_optimizer_in_backward's settings on the table's weight, then the fbgemm settings the plan's entry
+    carries, from the planner's ParameterConstraints; `resolve_optimizer`), or given as our
     EmbeddingOptimizerConfig (per table or for all); tables may differ (exact SGD here, row-wise Adagrad there,
-    other lrs); what we do not run (another optimizer, weight decay, momentum) is refused, never replaced. Applied
+    other lrs); what we do not run (another optimizer, weight decay, momentum, an fp16 output) is refused, never
+    replaced. Applied
     in backward; `fused_optimizer` is a torchrec KeyedOptimizer over the owned tables with one param group per
     setting (as torchrec's one per TBE), so DMP's fused_optimizer / CombinedOptimizer, LR changes through
     param_groups (an LR scheduler's), update_hyper_parameters and its state_dict work as for torchrec's fused
@@ -58,7 +60,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
@@ -73,7 +75,8 @@ from torchrec.distributed.types import (
     ShardingEnv,
     ShardingType,
 )
-from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
+from torchrec.distributed.utils import add_params_from_parameter_sharding, optimizer_type_to_emb_opt_type
+from torchrec.modules.embedding_configs import DataType
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.streamable import Multistreamable
@@ -155,10 +158,12 @@ def torchrec_in_backward_optimizer(config: EmbeddingOptimizerConfig) -> tuple[ty
 # keyword arguments: where neither fused_params nor apply_optimizer_in_backward gives one, its default applies.
 FBGEMM_DEFAULTS: dict[str, Any] = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01, "eps": 1e-8}
 OUR_OPTIMIZERS = {EmbOptimType.EXACT_SGD: "sgd", EmbOptimType.EXACT_ROWWISE_ADAGRAD: "rowwise_adagrad"}
-# Settings of fbgemm's that our optimizers lack, accepted at the value that leaves the update as ours (a user may
-# write weight_decay=0.0 out; our fp16 / bf16 rows are rounded to nearest, fbgemm's stochastically unless
-# stochastic_rounding=False); another value, or any other setting (a cache's, an output dtype), is refused.
-NEUTRAL_SETTINGS: dict[str, Any] = {"weight_decay": 0.0, "momentum": 0.0, "stochastic_rounding": False}
+# Settings of fbgemm's that our optimizers and lookup lack, accepted at the values that leave the update and the
+# output as ours (a user may write weight_decay=0.0 out; our fp16 / bf16 rows are rounded to nearest, fbgemm's
+# stochastically unless stochastic_rounding=False; our output is fp32, as torchrec's DataType or fbgemm's SparseType
+# says it); another value, or any other setting (a cache's, a bounds check's), is refused.
+NEUTRAL_SETTINGS: dict[str, tuple] = {"weight_decay": (0.0,), "momentum": (0.0,), "stochastic_rounding": (False,),
+                                      "output_dtype": (DataType.FP32, SparseType.FP32)}
 SUPPORTED = ("EmbOptimType.EXACT_SGD (torch.optim.SGD, torchrec.optim.SGD) or EmbOptimType.EXACT_ROWWISE_ADAGRAD "
              "(torchrec.optim.RowWiseAdagrad), with learning_rate (lr) and eps")
 
@@ -167,10 +172,11 @@ def config_from_settings(settings: Mapping[str, Any], where: str) -> EmbeddingOp
     """fbgemm's settings as stock torchrec merges them (optimizer, learning_rate, eps, ...; missing ones: fbgemm's
     defaults) -> our config; anything our optimizers do not run is refused, `where` naming whose settings."""
     unsupported = [f"{key}={value!r}" for key, value in settings.items() if key not in FBGEMM_DEFAULTS
-                   and not (key in NEUTRAL_SETTINGS and value == NEUTRAL_SETTINGS[key])]
+                   and not (key in NEUTRAL_SETTINGS and value in NEUTRAL_SETTINGS[key])]
     if unsupported:
+        neutral = ", ".join(f"{key}={' or '.join(map(repr, values))}" for key, values in NEUTRAL_SETTINGS.items())
         raise ValueError(f"{where}: {', '.join(unsupported)} not supported: FusedEmbeddingBagCollectionSharder runs "
-                         f"{SUPPORTED} only (and these at no effect: {NEUTRAL_SETTINGS})")
+                         f"{SUPPORTED} only (and these at no effect: {neutral})")
     merged = {**FBGEMM_DEFAULTS, **settings}
     name = OUR_OPTIMIZERS.get(merged["optimizer"])
     if name is None:
@@ -212,14 +218,18 @@ def in_backward_settings(table: str, weight: nn.Parameter) -> dict[str, Any]:
 
 
 def resolve_optimizer(module: EmbeddingBagCollection, fused_params: Mapping[str, Any],
-                      optimizer: TableOptimizers | None) -> dict[str, EmbeddingOptimizerConfig]:
+                      optimizer: TableOptimizers | None,
+                      params: Mapping[str, ParameterSharding]) -> dict[str, EmbeddingOptimizerConfig]:
     """Each table's optimizer, by table name.
 
     As stock torchrec's EmbeddingBagCollectionSharder gives its FUSED kernel: apply_optimizer_in_backward's settings
     on the table's weight over the sharder's fused_params over fbgemm's defaults (exact SGD, lr 0.01); the tables
-    may differ. `optimizer` (ours, for all tables or per table), where given, must run the same update wherever
-    torchrec's settings say anything (else which one a user meant is a guess); where they say nothing it is used as
-    it is. A per-table mapping names the tables of every EBC the sharder shards (DMP gives a model's EBCs all to
+    may differ. Over those, the fbgemm settings of the table's plan entry `params[table]` (the planner's
+    ParameterConstraints: output_dtype, stochastic_rounding, cache_params, ...; stock torchrec's
+    add_params_from_parameter_sharding), checked alike: what we do not run is refused, not ignored. `optimizer`
+    (ours, for all tables or per table), where given, must run the same update wherever fused_params or
+    apply_optimizer_in_backward say anything (else which one a user meant is a guess; the plan's settings never
+    choose the optimizer); where they say nothing it is used as it is. A per-table mapping names the tables of every EBC the sharder shards (DMP gives a model's EBCs all to
     the one sharder of their type): entries for other tables are theirs; a table of this EBC without one raises.
     """
     tables = [t.name for t in module.embedding_bag_configs()]
@@ -229,9 +239,10 @@ def resolve_optimizer(module: EmbeddingBagCollection, fused_params: Mapping[str,
     configs, differ = {}, {}
     for name in tables:
         settings = {**fused_params, **in_backward_settings(name, module.embedding_bags[name].weight)}
+        merged = {**settings, **add_params_from_parameter_sharding({}, params[name])}
         theirs = config_from_settings(
-            settings, f"table {name!r}: optimizer settings {settings} (the sharder's fused_params, then "
-                      "apply_optimizer_in_backward's)")
+            merged, f"table {name!r}: optimizer settings {merged} (the sharder's fused_params, then "
+                    "apply_optimizer_in_backward's, then the plan's)")
         mine = theirs if ours is None else ours[name]
         if settings and describe(mine) != describe(theirs):
             differ.setdefault((describe(mine), describe(theirs)), []).append(name)
@@ -514,8 +525,9 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollec
     model: DMP hands them all to this sharder). Given with torchrec's settings, both must run the same update where
     torchrec's say anything.
     Neither given: stock torchrec's default for its FUSED kernel, fbgemm's (exact SGD, lr 0.01). Anything else
-    (another optimizer, weight_decay or momentum other than 0, other fbgemm settings) raises a ValueError naming the
-    table and the setting (`resolve_optimizer`), at construction for fused_params, at shard() for the tables.
+    (another optimizer, weight_decay or momentum other than 0, other fbgemm settings, in fused_params or in the
+    plan: the planner's ParameterConstraints' output_dtype, cache_params, ...) raises a ValueError naming the table
+    and the setting (`resolve_optimizer`), at construction for fused_params, at shard() for the tables.
     comm: which input dist / lookup / output dist implementation: "bulk" (torch.distributed, any device) or "fused"
         (CUDA: lookup and output dist as one kernel), or a FusedCommConfig: fused with its settings (transport,
         num_programs, wait_timeout_spins, allocation_timeout_s; "fused" takes their defaults). Fused outputs live in
@@ -563,9 +575,10 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollec
     def shard(self, module: EmbeddingBagCollection, params: Mapping[str, ParameterSharding], env: ShardingEnv,
               device: torch.device | None = None, module_fqn: str | None = None) -> FusedShardedEBC:
         _refuse_other_modules(module)
+        # the plan first: resolve_optimizer reads each table's entry, which plan_from_torchrec checks
+        plan = plan_from_torchrec(module.embedding_bag_configs(), params, env.world_size)
         try:
-            optimizer = resolve_optimizer(module, self.fused_params or {}, self.optimizer)
+            optimizer = resolve_optimizer(module, self.fused_params or {}, self.optimizer, params)
         except ValueError as error:
             raise ValueError(f"{module_fqn or 'EmbeddingBagCollection'}: {error}") from None
-        plan = plan_from_torchrec(module.embedding_bag_configs(), params, env.world_size)
         return FusedShardedEBC(module, plan, env, optimizer, device=device, comm=self.comm)
