@@ -39,6 +39,8 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import (BoundsCheckMode, CacheParams, ParameterSharding, ShardingEnv,
                                         ShardingPlan)
 from torchrec.modules.embedding_configs import DataType
+from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -922,6 +924,48 @@ def test_a_bad_batch_raises_on_every_rank():
     input dist's header: every rank raises at that batch (none waits in the header's all-to-all for a rank that
     raised before it), and goes on with the next good one."""
     run_world(2, _bad_batch_on_rank_1, timeout=120)
+
+
+class PositionWeighted(nn.Module):
+    """A FeatureProcessedEmbeddingBagCollection: position weights (parameters) made into the KJT's per-sample
+    weights before the weighted EBC."""
+
+    def __init__(self):
+        super().__init__()
+        self.fp = FeatureProcessedEmbeddingBagCollection(
+            EmbeddingBagCollection(SUM_TABLES, is_weighted=True),
+            PositionWeightedModuleCollection({f: 10 for f in keys_of(SUM_TABLES)}))
+
+    def forward(self, kjt: KeyedJaggedTensor) -> KeyedTensor:
+        return self.fp(kjt)
+
+
+def _feature_processor_under_our_sharder(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    reference = PositionWeighted()
+    with torch.no_grad():  # positions weighted unlike each other
+        for weight in reference.fp._feature_processors.position_weights.values():
+            weight.uniform_(0.5, 1.5)
+    # Given only our sharder, DMP shards the EBC inside the FeatureProcessedEmbeddingBagCollection with it.
+    dmp = DistributedModelParallel(copy.deepcopy(reference), sharders=[FusedEmbeddingBagCollectionSharder(
+        EmbeddingOptimizerConfig("sgd"))], device=CPU)
+    assert isinstance(dmp.module.fp._embedding_bag_collection, FusedShardedEBC)
+    lengths, values, _ = global_batch(0, 6, SUM_TABLES, False)
+    keys, (start, stop) = keys_of(SUM_TABLES), local_batch_bounds(6, rank, world)
+    # The position weights' gradient would be lost: refused on every rank, naming the cause.
+    with pytest.raises(ValueError, match=rf"rank {rank}: the KeyedJaggedTensor's per-sample weights require grad "
+                                         r"\(a feature processor's.*FeatureProcessedEmbeddingBagCollectionSharder"):
+        dmp(to_kjt(keys, lengths, values, None, start, stop))
+    with torch.no_grad():  # weights that need no gradient: pooled as by the unsharded collection
+        expected = reference(to_kjt(keys, lengths, values, None, 0, 6)).values()[start:stop]
+        torch.testing.assert_close(dmp(to_kjt(keys, lengths, values, None, start, stop)).values(), expected)
+
+
+def test_a_feature_processors_weights_that_need_a_gradient_are_refused():
+    """Our lookup passes no gradient to the per-sample weights (stock torchrec's does: a feature processor's
+    position weights train), so weights that require grad are refused on every rank, in the input dist's header,
+    rather than left untrained."""
+    run_world(2, _feature_processor_under_our_sharder, timeout=120)
 
 def test_meta_device_collection_keeps_our_init():
     ebc = EmbeddingBagCollection(TABLES, device=torch.device("meta"))

@@ -135,7 +135,8 @@ class BulkInputDist:
     lengths) but neither sent nor held against a table. A KJT without one of the tables' features, or with a key
     twice, raises KeyError, one whose values disagree with its lengths or its per-sample weights ValueError, and
     indices outside [0, rows) IndexError: on every rank; so do per-sample weights
-    that some ranks' KJTs have and others' lack (ValueError; `is_weighted`). A batch that a rank could
+    that some ranks' KJTs have and others' lack (ValueError; `is_weighted`), and weights that require grad (no
+    gradient reaches them: a feature processor's would never train; ValueError). A batch that a rank could
     not make (`start_failed`) raises its error there and RuntimeError on the other ranks."""
 
     def __init__(self, features_of_rank: list[list[str]], tables: dict[str, tuple[str, int]],
@@ -214,6 +215,12 @@ class BulkInputDist:
         elif plan is not None and weights is not None and weights.numel() != values.numel():
             # the weights' regroups and all-to-all are sized by the values: caught here, not on this rank alone
             problem = f"the KeyedJaggedTensor has {weights.numel()} per-sample weights for {values.numel()} values"
+        elif plan is not None and weights is not None and weights.requires_grad:
+            # the lookup passes no gradient to the weights (stock torchrec's does): they would never train
+            problem = ("the KeyedJaggedTensor's per-sample weights require grad (a feature processor's, as in a "
+                       "FeatureProcessedEmbeddingBagCollection), but the sharded collection passes no gradient to "
+                       "them: shard that module with torchrec's FeatureProcessedEmbeddingBagCollectionSharder, or "
+                       "make the weights without autograd")
         counts = sent = divisors = None
         if problem:  # a header that only says what is wrong, as every rank must send one
             header = self._flag_header(BAD_KEYS if plan is None else EXTRA_VALUES, device)

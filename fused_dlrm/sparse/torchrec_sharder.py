@@ -26,7 +26,9 @@ What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
     on the CPU re-initialises instead), those of an EBC on the meta device from their configs' init as torchrec's
     (U(weight_init_min, weight_init_max), or the config's init_fn: lookup.init_block);
   * input: a KJT of the EBC's features in any order, and of other features, which it ignores (one KJT may feed
-    several modules);
+    several modules); per-sample weights take no gradient, so weights that require grad (a feature processor's:
+    DMP gives the EBC inside a FeatureProcessedEmbeddingBagCollection to this sharder when no sharder of that
+    module's is given) are refused at the batch, on every rank;
   * output: KeyedTensor [local batch, sum of dims] with the EBC's keys in the EBC's feature order;
   * gradients: divided by the world size on the way back to the owners, as torchrec does by default
     (comm_ops.GRADIENT_DIVISION; set_gradient_division(False) gives the sum), like ShardedEmbeddingBagCollection;
