@@ -956,9 +956,13 @@ def _feature_processor_under_our_sharder(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match=rf"rank {rank}: the KeyedJaggedTensor's per-sample weights require grad "
                                          r"\(a feature processor's.*FeatureProcessedEmbeddingBagCollectionSharder"):
         dmp(to_kjt(keys, lengths, values, None, start, stop))
-    with torch.no_grad():  # weights that need no gradient: pooled as by the unsharded collection
+    with torch.no_grad():  # weights made without autograd: pooled as by the unsharded collection
         expected = reference(to_kjt(keys, lengths, values, None, 0, 6)).values()[start:stop]
         torch.testing.assert_close(dmp(to_kjt(keys, lengths, values, None, start, stop)).values(), expected)
+    weighted = dmp.module.fp._feature_processors(to_kjt(keys, lengths, values, None, start, stop))
+    assert weighted.weights().requires_grad
+    with torch.no_grad():  # and weights that require grad where no gradient is made
+        torch.testing.assert_close(dmp.module.fp._embedding_bag_collection(weighted).values(), expected)
 
 
 def test_a_feature_processors_weights_that_need_a_gradient_are_refused():

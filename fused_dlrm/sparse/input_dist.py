@@ -215,7 +215,7 @@ class BulkInputDist:
         elif plan is not None and weights is not None and weights.numel() != values.numel():
             # the weights' regroups and all-to-all are sized by the values: caught here, not on this rank alone
             problem = f"the KeyedJaggedTensor has {weights.numel()} per-sample weights for {values.numel()} values"
-        elif plan is not None and weights is not None and weights.requires_grad:
+        elif plan is not None and weights is not None and weights.requires_grad and torch.is_grad_enabled():
             # the lookup passes no gradient to the weights (stock torchrec's does): they would never train
             problem = ("the KeyedJaggedTensor's per-sample weights require grad (a feature processor's, as in a "
                        "FeatureProcessedEmbeddingBagCollection), but the sharded collection passes no gradient to "
