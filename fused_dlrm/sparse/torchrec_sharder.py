@@ -29,7 +29,9 @@ What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
     several modules); per-sample weights take no gradient, so weights that require grad (a feature processor's:
     DMP gives the EBC inside a FeatureProcessedEmbeddingBagCollection to this sharder when no sharder of that
     module's is given) are refused at the batch, on every rank;
-  * output: KeyedTensor [local batch, sum of dims] with the EBC's keys in the EBC's feature order;
+  * output: KeyedTensor [local batch, sum of dims] with the EBC's keys in the EBC's feature order; a weighted
+    EBC's MEAN-pooled bag is sum(weight * row) / its size under every plan (fbgemm's TBE, so stock torchrec's
+    table- and column-wise; its row-wise divides by the sum of the bag's weights instead);
   * gradients: divided by the world size on the way back to the owners, as torchrec does by default
     (comm_ops.GRADIENT_DIVISION; set_gradient_division(False) gives the sum), like ShardedEmbeddingBagCollection;
   * optimizer: each table's, read as stock torchrec reads it (the sharder's fused_params, then
