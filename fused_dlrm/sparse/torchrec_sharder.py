@@ -39,11 +39,10 @@ What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
     carries, from the planner's ParameterConstraints; `resolve_optimizer`), or given as our
     EmbeddingOptimizerConfig (per table or for all); tables may differ (exact SGD here, row-wise Adagrad there,
     other lrs); what we do not run (another optimizer, weight decay, momentum, an fp16 output) is refused, never
-    replaced. Applied
-    in backward; `fused_optimizer` is a torchrec KeyedOptimizer over the owned tables with one param group per
-    setting (as torchrec's one per TBE), so DMP's fused_optimizer / CombinedOptimizer, LR changes through
-    param_groups (an LR scheduler's), update_hyper_parameters and its state_dict work as for torchrec's fused
-    tables;
+    replaced. Applied in backward; `fused_optimizer` is a torchrec KeyedOptimizer over the owned tables with one
+    param group per setting (as torchrec's one per TBE), so DMP's fused_optimizer / CombinedOptimizer, LR changes
+    through param_groups (an LR scheduler's), update_hyper_parameters and its state_dict work as for torchrec's
+    fused tables;
   * state_dict: `embedding_bags.<table>.weight` for the tables this rank owns,
     `embedding_bags.<table>_cols_<first>_to_<last>.weight` for its column shards and
     `embedding_bags.<table>_rows_<first>_to_<last>.weight` for its row blocks (plain tensors, not ShardedTensors: a
@@ -233,8 +232,9 @@ def resolve_optimizer(module: EmbeddingBagCollection, fused_params: Mapping[str,
     add_params_from_parameter_sharding), checked alike: what we do not run is refused, not ignored. `optimizer`
     (ours, for all tables or per table), where given, must run the same update wherever fused_params or
     apply_optimizer_in_backward say anything (else which one a user meant is a guess; the plan's settings never
-    choose the optimizer); where they say nothing it is used as it is. A per-table mapping names the tables of every EBC the sharder shards (DMP gives a model's EBCs all to
-    the one sharder of their type): entries for other tables are theirs; a table of this EBC without one raises.
+    choose the optimizer); where they say nothing it is used as it is. A per-table mapping names the tables of
+    every EBC the sharder shards (DMP gives a model's EBCs all to the one sharder of their type): entries for other
+    tables are theirs; a table of this EBC without one raises.
     """
     tables = [t.name for t in module.embedding_bag_configs()]
     if isinstance(optimizer, Mapping):
