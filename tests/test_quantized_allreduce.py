@@ -94,7 +94,7 @@ def test_result_into_a_given_output_or_in_place():
 def _fp16_sum_overflows(rank: int, world: int) -> None:
     """Values within fp16's range whose sum is not: the partial sum is re-encoded in fp16, so those elements come
     back +-inf (as torch's cast makes them) and the bound says inf there, finite elsewhere; with mean the encoded
-    value is the mean, which fits."""
+    value is the mean, which fits, and so is the plain mean's sum."""
     xs = inputs(world, 100)
     big = torch.zeros(100, dtype=torch.bool)
     big[[3, 40, 97]] = True  # each term within fp16's range, their sums (+-1e5, 1.2e5) past it
@@ -109,6 +109,15 @@ def _fp16_sum_overflows(rank: int, world: int) -> None:
     mean = quantized_all_reduce(xs[rank], "fp16", mean=True)
     bound = two_shot_error_bound(xs, "fp16", mean=True)
     assert mean.isfinite().all() and bound.isfinite().all() and ((mean - exact / world).abs() <= bound).all()
+    # fp16 tensors whose sum passes 65504, their mean not: the plain mean divides before the sum (DDP's allreduce_hook
+    # and Megatron scale first), as the fp16 codec sums in fp32; summed first, it came back +-inf (the hook's small
+    # buckets go plain: `chooser`)
+    halves = [x.half() for x in xs]
+    exact = sum(h.double() for h in halves) / world
+    for codec in ("nccl", "fp16"):
+        mean = quantized_all_reduce(halves[rank], codec, mean=True)
+        assert mean.dtype == torch.float16 and mean.isfinite().all(), codec
+        torch.testing.assert_close(mean.double(), exact, rtol=2e-3, atol=2e-3)
 
 
 def test_fp16_sums_past_its_range_are_inf_and_so_is_their_bound():

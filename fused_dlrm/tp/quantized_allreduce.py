@@ -17,7 +17,9 @@ Two implementations with the same arithmetic, bit for bit: on CUDA tensors of an
 one-launch kernel (kernels/quantized_allreduce.py) on a symmetric workspace created lazily per process group
 (collectively, at the group's first call); elsewhere (gloo, CPU) the bulk twin: the codec kernels (on CPU tensors
 their pure-torch reference: no Triton needed) around all_to_all_single and all_gather_into_tensor, each chunk's
-encoding (int32 payload words, bf16 scales) sent as one message. Codec "nccl" / "none" is a plain dist.all_reduce.
+encoding (int32 payload words, bf16 scales) sent as one message. Codec "nccl" / "none" is a plain dist.all_reduce
+(with mean=True of x / world, divided first as DDP's allreduce_hook divides: fp16 values whose mean fits in fp16 may
+sum past 65504).
 
 Every rank must call with the same size, dtype, codec and mean (and an out it can take). The fused kernel checks
 its peers' calls on the device (a signature beside its flags), where a call one rank refuses (dtype, codec, out)
@@ -97,8 +99,10 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
             raise TypeError(f"mean=True divides by the world size: not an integer tensor (got {x.dtype})")
         check_out(x, out)
         out = x.clone() if out is None else (out if out is x else out.copy_(x))
+        if mean:  # before the sum, as DDP's allreduce_hook does: fp16 terms whose mean fits may sum past 65504
+            out.div_(dist.get_world_size(group))
         dist.all_reduce(out, group=group)
-        return out.div_(dist.get_world_size(group)) if mean else out
+        return out
     if fused:  # the op checks codec, dtype and out: a refusal raises on every rank (a check here, on one rank alone)
         return fused_for_group(group, x.device, allocation_timeout_s)(x, codec, mean, out)
     if codec not in CODECS:
