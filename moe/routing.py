@@ -10,6 +10,7 @@ device), so that cutting a slice over ranks leaves the objective and its gradien
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -64,12 +65,27 @@ def check_top_k(top_k: int, num_experts: int) -> None:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
 
 
+def check_capacity_factor(capacity_factor: float | None, zero_allowed: bool = True) -> None:
+    """None (dropless) or a finite number >= 0. A negative factor made the kept counts negative, inf and NaN failed
+    in math.ceil naming no setting, and True (YAML's true) routed at 1. 0 keeps nothing: route's defined edge;
+    TopKRouter refuses it (zero_allowed=False): a layer silently off, while the load-balancing loss still pulls on
+    its router."""
+    if capacity_factor is None:
+        return
+    number = isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
+    if not (number and math.isfinite(capacity_factor) and capacity_factor >= 0 and (zero_allowed or capacity_factor)):
+        raise ValueError(f"capacity_factor must be {'>= 0' if zero_allowed else '> 0'} and finite (None: dropless), "
+                         f"got {capacity_factor}")
+
+
 def route(logits: torch.Tensor, top_k: int, renormalize: bool | None = None,
           capacity_factor: float | None = None, statistics_group: dist.ProcessGroup | None = None) -> Routing:
     """Route tokens given their router logits [T, num_experts] (top_k: `check_top_k`; renormalize: `renormalizes`;
-    statistics_group: see the module docstring)."""
+    capacity_factor: `check_capacity_factor`, the drops: the module docstring; statistics_group: see the module
+    docstring)."""
     num_tokens, num_experts = logits.shape
     check_top_k(top_k, num_experts)
+    check_capacity_factor(capacity_factor)
     choice = top_k_softmax(logits, top_k, renormalizes(top_k, renormalize), statistics_group)
     expert_ids, weights, wanted_per_expert = choice.expert_ids, choice.weights, choice.tokens_per_expert
     capacity = None
@@ -339,10 +355,8 @@ class TopKRouter(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalizes(top_k, renormalize)  # refused at construction, not at the first forward
+        check_capacity_factor(capacity_factor, zero_allowed=False)  # at construction, not at the first forward
         self.capacity_factor = capacity_factor
-        if capacity_factor is not None and not capacity_factor > 0:  # (NaN too) every assignment would be dropped:
-            # a layer silently off, while the load-balancing loss still pulls on this router
-            raise ValueError(f"capacity_factor must be > 0 (None: dropless), got {capacity_factor}")
         generator = torch.Generator().manual_seed(seed)
         weight = torch.randn(d_model, num_experts, generator=generator, dtype=torch.float64) / math.sqrt(d_model)
         self.weight = nn.Parameter(weight.to(dtype=dtype, device=device))

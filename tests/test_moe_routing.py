@@ -271,6 +271,20 @@ def test_zero_capacity_drops_everything():
     assert routing.tokens_per_expert.tolist() == [0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("capacity_factor", [-0.5, float("inf"), float("nan"), True])
+def test_a_capacity_factor_not_a_finite_number_at_least_0_is_refused_where_routing_is_done(capacity_factor):
+    """route kept every assignment's count at a negative capacity (tokens_per_expert -4 per expert, returned as the
+    kept counts); inf and NaN failed in math.ceil naming no setting; True (YAML's true) routed at 1. TopKRouter,
+    which also refuses 0 (test_zero_capacity_drops_everything: route's defined edge), took inf and True."""
+    logits = torch.randn(9, 4, generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match=rf"capacity_factor must be >= 0 and finite \(None: dropless\), "
+                                         rf"got {capacity_factor}"):
+        route(logits, 2, capacity_factor=capacity_factor)
+    with pytest.raises(ValueError, match=rf"capacity_factor must be > 0 and finite \(None: dropless\), got "
+                                         rf"{capacity_factor}"):
+        TopKRouter(8, 4, 2, capacity_factor=capacity_factor)
+
+
 def test_count_per_expert_is_bincount():
     ids = torch.randint(0, 7, (300,), generator=torch.Generator().manual_seed(6))
     assert count_per_expert(ids, 7).tolist() == torch.bincount(ids, minlength=7).tolist()
