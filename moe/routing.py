@@ -5,6 +5,27 @@ are per local batch, as in Megatron's router (which routes before the dispatch a
 Megatron under sequence parallelism: given a `statistics_group` (the ranks that share one batch slice between
 them), the load-balancing loss counts the expert choices of the whole group (an all-reduce of the counts, on the
 device), so that cutting a slice over ranks leaves the objective and its gradient as they were.
+
+Megatron-Core's TopKRouter (softmax scores, load-balancing type "aux_loss") computes the same weights, losses and
+gradients (tests/test_moe_routing.py, test_route_is_megatrons_router: against its definitions in float64), but
+for these deliberate differences:
+- top-1 weighs its expert by the softmax probability (Megatron's --moe-router-pre-softmax) unless told otherwise:
+  Megatron's default, softmax after top-k, weighs it 1 (`renormalizes`). For k > 1 the default is Megatron's: the
+  chosen probabilities renormalised, which is its softmax over the k logits (renormalize=False: pre-softmax).
+- A capacity drops by position: an expert keeps the first `capacity` assignments in the order of the rank's
+  tokens, unpadded (Megatron's --moe-token-drop-policy position, which leaves the choice among them to
+  torch.topk, without --moe-pad-expert-input-to-capacity; its default policy "probs" keeps each expert's most
+  probable ones). The order is the caller's: the MoE Transformer's rows are [batch, seq], so a rank's later
+  samples drop first, where Megatron's [seq, batch] rows drop the later positions. As in Megatron a dropped
+  assignment weighs 0, the token's others keep their weights, and the load-balancing counts are those before
+  the drops.
+- With a statistics_group of n ranks each rank's load-balancing loss is n times Megatron's (whose ranks' losses
+  sum to the slice's, their router gradients summed over the group) and its z-loss the mean over its own tokens
+  (Megatron divides its coefficient by n): here the mean over the group's ranks is the slice's loss, as
+  moe.train averages every rank's share. The gradients are the same.
+- A rank without tokens has losses 0 (Megatron: 0 / 0); the routing weights are fp32 (float64 logits: float64)
+  whatever the logits' dtype, where Megatron casts them to it; ties go to the lower expert and a NaN ranks first
+  (torch.topk leaves both open); the losses are computed without grad too (Megatron skips them there).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ compares the expert-parallel layer with.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,7 +14,8 @@ import torch
 
 from moe import TopKRouter, permute, route, unpermute
 from moe.permute import count_per_expert
-from moe.routing import top_k_softmax_kernels, top_k_softmax_reference
+from moe import routing as routing_module
+from moe.routing import renormalizes, top_k_softmax_kernels, top_k_softmax_reference
 from sm90 import compile_for_sm90
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # of the kernels' tensors (CPU: interpreter)
@@ -44,6 +46,36 @@ def reference_route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
     return dense, torch.as_tensor(aux, dtype=torch.float64), torch.as_tensor(z, dtype=torch.float64), kept
 
 
+def megatron_aux_loss(logits: torch.Tensor, tokens_per_expert: torch.Tensor, total_num_tokens: int,
+                      top_k: int) -> torch.Tensor:
+    """Megatron-Core's switch_load_balancing_loss_func (coefficient 1): this rank's softmax probabilities, the
+    counts and the token total of the level asked (under sequence parallelism: the TP group's)."""
+    probs = torch.softmax(logits, dim=-1)
+    return (probs.sum(dim=0) * tokens_per_expert).sum() * logits.shape[1] / (top_k * total_num_tokens ** 2)
+
+
+def megatron_route(logits: torch.Tensor, top_k: int, pre_softmax: bool, capacity_factor: float | None):
+    """Megatron-Core's softmax router as its moe_utils defines it (topk_softmax_with_capacity, drop policy
+    "position" without padding; switch_load_balancing_loss_func; z_loss_func), float64, vectorised: (dense weights
+    [T, E], kept map [T, E], aux loss, z-loss). Its default (post-softmax) weights are a softmax over the k
+    chosen logits, not renormalised probabilities as `reference_route` has them."""
+    num_tokens, num_experts = logits.shape
+    if pre_softmax:
+        probs, top = torch.softmax(logits, dim=-1).topk(top_k, dim=1)
+    else:
+        top_logits, top = logits.topk(top_k, dim=1)
+        probs = torch.softmax(top_logits, dim=-1)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+    weights = torch.zeros_like(logits).scatter(1, top, probs)
+    tokens_per_expert = routing_map.sum(dim=0)  # the load-balancing counts: before the drops
+    if capacity_factor is not None:
+        capacity = math.ceil(num_tokens * top_k / num_experts * capacity_factor)  # get_capacity(T * k, E, c)
+        routing_map = routing_map & (routing_map.cumsum(dim=0) <= capacity)  # "position": each expert's earliest
+        weights = weights * routing_map
+    z = torch.logsumexp(logits, dim=-1).square().mean()
+    return weights, routing_map, megatron_aux_loss(logits, tokens_per_expert, num_tokens, top_k), z
+
+
 def dense_weights(routing, num_experts: int) -> torch.Tensor:
     """The router's [T, k] decision as a dense [T, E] weight matrix (dropped assignments already weigh 0)."""
     dense = torch.zeros(routing.expert_ids.shape[0], num_experts, dtype=routing.weights.dtype)
@@ -70,6 +102,46 @@ def test_route_matches_reference(top_k, renormalize):
     assert (routing.weights[:, :-1] >= routing.weights[:, 1:]).all()
     if renormalize:
         torch.testing.assert_close(routing.weights.sum(dim=1), torch.ones(37, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("path", ["torch", "kernels"])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize, capacity_factor", [
+    (37, 6, 2, None, None), (37, 6, 2, None, 0.75), (40, 6, 1, None, 1.0), (33, 5, 3, False, 1.0),
+    (29, 4, 4, None, 0.5), (45, 7, 3, True, None)])
+def test_route_is_megatrons_router(monkeypatch, path, num_tokens, num_experts, top_k, renormalize, capacity_factor):
+    """Against Megatron-Core's definitions (megatron_route), renormalize None as Megatron's default for k > 1 and
+    its pre-softmax for top-1 (the module docstring's difference): the weights, the kept assignments (the first
+    of each expert's in token order), both losses and the logits' gradient through all three; torch in float64,
+    the router's kernels (interpreter on the CPU) in fp32."""
+    generator = torch.Generator().manual_seed(num_tokens + top_k)
+    bias = torch.zeros(num_experts, dtype=torch.float64)
+    bias[1] = 1.5  # an expert over its capacity
+    logits = torch.randn(num_tokens, num_experts, generator=generator, dtype=torch.float64) * 2 + bias
+    grad_weights = torch.randn(num_tokens, num_experts, generator=generator, dtype=torch.float64)
+    if path == "kernels":
+        monkeypatch.setattr(routing_module, "top_k_softmax", top_k_softmax_kernels)
+        logits = logits.float()
+    z = logits.to(DEVICE if path == "kernels" else "cpu", copy=True).requires_grad_()
+    routing = route(z, top_k, renormalize, capacity_factor)
+    routing = dataclasses.replace(routing, **{f: getattr(routing, f).cpu() for f in ("expert_ids", "weights",
+                                                                                     "kept", "tokens_per_expert")})
+    dense = dense_weights(routing, num_experts)
+    ((dense.double() * grad_weights).sum() + 0.3 * routing.aux_loss + 0.7 * routing.z_loss).backward()
+
+    want_z = logits.double().requires_grad_()
+    pre_softmax = not renormalizes(top_k, renormalize)
+    weights, kept, aux, z_loss = megatron_route(want_z, top_k, pre_softmax, capacity_factor)
+    ((weights * grad_weights).sum() + 0.3 * aux + 0.7 * z_loss).backward()
+    rtol = 1e-12 if path == "torch" else 1e-5
+    kept_pairs = torch.zeros_like(kept).scatter(1, routing.expert_ids, routing.kept)
+    assert torch.equal(kept_pairs, kept)
+    if capacity_factor is not None:
+        assert routing.capacity is not None and not kept_pairs.sum(dim=1).eq(top_k).all()  # something dropped
+    assert routing.tokens_per_expert.tolist() == kept.sum(dim=0).tolist()
+    torch.testing.assert_close(dense.double(), weights.detach(), rtol=rtol, atol=rtol)
+    torch.testing.assert_close(routing.aux_loss.double().cpu(), aux.detach(), rtol=rtol, atol=0)
+    torch.testing.assert_close(routing.z_loss.double().cpu(), z_loss.detach(), rtol=rtol, atol=0)
+    torch.testing.assert_close(z.grad.double().cpu(), want_z.grad, rtol=10 * rtol, atol=10 * rtol)
 
 
 @pytest.mark.parametrize("top_k", [0, 7])
@@ -229,6 +301,9 @@ def _group_statistics_match_the_whole_slice(rank: int, world: int) -> None:
         # counts stay this rank's (they size its exchanges); the loss is the group's
         torch.testing.assert_close(choice.tokens_per_expert.cpu(), expected.tokens_per_expert.new_tensor(
             count_per_expert(expected.expert_ids[12 * rank:12 * (rank + 1)].reshape(-1), 6)))
+        # world times Megatron's rank loss (the module docstring): its ranks' losses sum to the slice's
+        megatron = megatron_aux_loss(logits[12 * rank:12 * (rank + 1)], expected.tokens_per_expert, 12 * world, 2)
+        torch.testing.assert_close(choice.aux_loss.double().cpu(), world * megatron, rtol=1e-5, atol=1e-7)
         mean = choice.aux_loss.detach().clone()
         dist.all_reduce(mean, group=group)
         torch.testing.assert_close(mean.double().cpu() / world, expected.aux_loss.detach(), rtol=1e-5, atol=1e-7)
