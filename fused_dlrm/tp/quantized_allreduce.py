@@ -160,10 +160,11 @@ def fused_for_group(group: dist.ProcessGroup | None, device: torch.device,
 
 @dataclass
 class QuantizedHookState:
-    """What `quantized_allreduce_hook` needs: the codec, the group, and `chooser`'s threshold: buckets below
-    min_bytes go plain. 0 (the default) quantizes every bucket, as a configured codec asks; pass
-    MIN_QUANTIZED_BYTES for the size rule. allocation_timeout_s: how long the fused kernel's ranks wait for each
-    other at its workspace's allocation (`fused_for_group`)."""
+    """What `quantized_allreduce_hook` needs: the codec, the group (None: the default group, as torch's hooks take
+    it; a DDP model over a data-parallel group must be given that group: DDP does not pass it), and `chooser`'s
+    threshold: buckets below min_bytes go plain. 0 (the default) quantizes every bucket, as a configured codec
+    asks; pass MIN_QUANTIZED_BYTES for the size rule. allocation_timeout_s: how long the fused kernel's ranks wait
+    for each other at its workspace's allocation (`fused_for_group`)."""
     codec: str
     group: dist.ProcessGroup | None = None
     min_bytes: int = 0
