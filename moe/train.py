@@ -46,7 +46,7 @@ from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
 from fused_dlrm.train.config_keys import check_config_keys, check_count
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
 from fused_dlrm.tp import quantized_all_reduce
-from fused_dlrm.tp.linear import tp_groups
+from fused_dlrm.tp.linear import check_tp_size, tp_groups
 from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce
 from moe.data import ByteWindows, load_corpus
 from moe.layer import FusedMoEConfig
@@ -58,11 +58,13 @@ log = logging.getLogger(__name__)
 def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
     """The model on this rank; with model.tp_size > 1 it creates the TP and data-parallel groups (collective).
     The model's `group` holds the ranks with different tokens: the data-parallel group, or under sequence
-    parallelism the world (None). A batch sequence parallelism cannot cut is refused here, on every rank alike."""
+    parallelism the world (None). A model.tp_size that does not divide the world, or a batch sequence parallelism
+    cannot cut, is refused here, on every rank alike."""
     m = cfg.model
-    for key in ("vocab_size", "d_model", "num_layers", "num_heads", "ffn", "num_experts", "top_k", "moe_every",
-                "tp_size"):  # a float failed deep in torch, YAML's true (an int) was 1, ffn=0 trained FFNs of nothing
+    for key in ("vocab_size", "d_model", "num_layers", "num_heads", "ffn", "num_experts", "top_k", "moe_every"):
+        # a float failed deep in torch, YAML's true (an int) was 1, ffn=0 trained FFNs of nothing
         check_count(f"model.{key}", m[key], 1, "a whole number >= 1")
+    check_tp_size(m.tp_size, env.world_size, "model.tp_size")  # before the checks below divide by it
     if m.vocab_size < 256:  # else the first byte above it fails in the embedding, at whatever step draws it
         raise ValueError(f"model.vocab_size={m.vocab_size}: the data are raw bytes, so it must be at least 256")
     if m.get("sequence_parallel", False) and m.tp_size > 1:

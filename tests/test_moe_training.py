@@ -88,6 +88,18 @@ def test_a_batch_sequence_parallelism_cannot_cut_is_refused_before_any_collectiv
             build_model(cfg, env)
 
 
+def test_a_tp_size_that_does_not_divide_the_world_is_named_as_such_on_every_rank():
+    """model.tp_size=3 over 4 ranks is refused as the TP size, with the world it does not divide, on every rank
+    before any collective: not as a batch that sequence parallelism cannot cut (4 // 3 = 1 data-parallel rank)."""
+    for parallel in ("true", "false"):
+        cfg = config(*SMALL, "model.tp_size=3", f"model.sequence_parallel={parallel}")
+        for rank in range(4):
+            env = DistEnv(rank=rank, world_size=4, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+            with pytest.raises(ValueError, match=r"^model.tp_size=3: expected a whole number >= 1 dividing the "
+                                                 r"world size 4$"):
+                build_model(cfg, env)
+
+
 def test_loss_falls_and_metrics_are_logged(tmp_path, caplog):
     cfg = config(*SMALL, "trainer.max_steps=60", "trainer.log_every=10", "trainer.checkpoint_every=0")
     with caplog.at_level(logging.INFO, logger="moe.train"):

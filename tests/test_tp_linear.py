@@ -104,8 +104,10 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
         RowParallelLinear(D_HID, D_IN, tp, comm="fused")(torch.randn(2, D_HID // tp_size))
     with pytest.raises(ValueError, match="does not split"):
         ColumnParallelLinear(D_IN, 3 * tp_size + 1, tp)
-    with pytest.raises(ValueError, match=f"tp_size=3 must divide the world size {world}"):
-        tp_groups(3)
+    for bad in (3, 0, 2.0, True):  # before any group is made: 0 divided by, a float or bool counted as a size
+        with pytest.raises(ValueError, match=rf"^tp_size={bad!r}: expected a whole number >= 1 dividing the world "
+                                             rf"size {world}$"):
+            tp_groups(bad)
     with pytest.raises(ValueError, match=f"num_heads=3 must be a multiple of model.tp_size={tp_size}"):
         MoETransformer(d_model=48, num_heads=3, group=dp, tp_group=tp)
     with pytest.raises(ValueError, match=f"ffn=65 must be a multiple of model.tp_size={tp_size}"):

@@ -51,10 +51,21 @@ from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.allgather_gemm import all_gather_matmul, check_weight
 from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce
 from fused_dlrm.kernels.tma import require_tma_readable
+from fused_dlrm.train.config_keys import check_count
 
 COMMS = ("bulk", "fused")
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # what the fused kernels compute in
 SIGNATURE_DIMS = 6  # x's dims a call's signature lists (its dim count and numel tell any other shape apart too)
+
+
+def check_tp_size(tp_size: object, world: int, key: str = "tp_size") -> None:
+    """Raise `<key>=<tp_size>: expected ...` unless tp_size is a whole number >= 1 dividing the world size: a host
+    check of the config alone, the same on every rank, so callers run it before any collective (moe/train.py's
+    build_model, before the checks that divide by it)."""
+    expected = f"a whole number >= 1 dividing the world size {world}"
+    check_count(key, tp_size, 1, expected)
+    if world % tp_size:
+        raise ValueError(f"{key}={tp_size!r}: expected {expected}")
 
 
 def tp_groups(tp_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
@@ -62,8 +73,7 @@ def tp_groups(tp_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup
     ranks with the same position in their TP group (a collective call when tp_size > 1). tp_size 1 gives
     (None, None): no TP communication, the data-parallel group is the whole world."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if tp_size < 1 or world % tp_size:
-        raise ValueError(f"tp_size={tp_size} must divide the world size {world}")
+    check_tp_size(tp_size, world)
     if tp_size == 1:
         return None, None
     rank = dist.get_rank()
