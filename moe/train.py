@@ -55,6 +55,25 @@ from moe.transformer import MoETransformer
 log = logging.getLogger(__name__)
 
 
+def check_config(cfg: DictConfig) -> None:
+    """The settings `train` refuses before it builds anything, the same on every rank (the config is): the report
+    (fused_dlrm/report/moe.py), which times the step a config trains, runs them too. The model's sizes are
+    `build_model`'s checks and the lr schedule's `build_optimizer`'s, which both paths call."""
+    check_config_keys(cfg)  # a `+trainer.<typo>=...` would otherwise be added and never read
+    t, m = cfg.trainer, cfg.model
+    if t.max_steps is None or t.epochs is not None:  # not silently ignored: its windows are drawn, not passed over
+        raise ValueError(f"the MoE Transformer trains for trainer.max_steps steps (got max_steps={t.max_steps}); "
+                         f"trainer.epochs is not supported (got {t.epochs})")
+    # the loss of no batch would be 0 / 0, and every run ends with an evaluation
+    check_count("data.eval_batches", cfg.data.eval_batches, 1, "a count >= 1: the evaluation needs at least one batch")
+    check_grad_allreduce(cfg.comm.grad_allreduce)
+    if m.clip_grad is not None and not m.clip_grad >= 0:  # NaN too
+        raise ValueError(f"model.clip_grad={m.clip_grad!r}: expected a norm >= 0 (null or 0: no clipping)")
+    if cfg.comm.mode == "fused" and cfg.comm.get("transport", "p2p") != "p2p":
+        raise ValueError(f"comm.transport={cfg.comm.transport}: the MoE layers' fused dispatch and combine have the "
+                         "p2p transport only")
+
+
 def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
     """The model on this rank; with model.tp_size > 1 it creates the TP and data-parallel groups (collective).
     The model's `group` holds the ranks with different tokens: the data-parallel group, or under sequence
@@ -74,9 +93,6 @@ def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
                 raise ValueError(f"model.sequence_parallel cuts each data-parallel rank's tokens into model.tp_size="
                                  f"{m.tp_size} equal parts: {stop - start} samples x data.seq_len="
                                  f"{cfg.data.seq_len} do not split")
-    if cfg.comm.mode == "fused" and cfg.comm.get("transport", "p2p") != "p2p":
-        raise ValueError(f"comm.transport={cfg.comm.transport}: the MoE layers' fused dispatch and combine have the "
-                         "p2p transport only")
     check_allocation_timeout(cfg.comm.allocation_timeout_s)
     tp_group, dp_group = tp_groups(m.tp_size)
     model = MoETransformer(vocab_size=m.vocab_size, d_model=m.d_model, num_layers=m.num_layers,
@@ -98,6 +114,12 @@ def weight_decay_groups(model: torch.nn.Module) -> list[dict]:
     groups = [{"params": [p for p in params if p.ndim >= 2]},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
+
+
+def build_optimizer(cfg: DictConfig, model: MoETransformer) -> tuple[torch.optim.Optimizer, Callable[[int], float]]:
+    """model.optimizer over the model's `weight_decay_groups`, and its checked model.lr_schedule (`lr_schedule`)."""
+    optimizer = instantiate(cfg.model.optimizer, _partial_=True)(weight_decay_groups(model))
+    return optimizer, lr_schedule(cfg.model.lr_schedule, optimizer.defaults["lr"], cfg.trainer.max_steps)
 
 
 def fused_moe_config(cfg: DictConfig, env: DistEnv) -> FusedMoEConfig | None:
@@ -285,19 +307,10 @@ def train_step(model: MoETransformer, optimizer: torch.optim.Optimizer, inputs: 
 
 
 def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
-    check_config_keys(cfg)  # a `+trainer.<typo>=...` would otherwise be added and never read
+    check_config(cfg)
     t, m = cfg.trainer, cfg.model
-    if t.max_steps is None or t.epochs is not None:  # not silently ignored: its windows are drawn, not passed over
-        raise ValueError(f"the MoE Transformer trains for trainer.max_steps steps (got max_steps={t.max_steps}); "
-                         f"trainer.epochs is not supported (got {t.epochs})")
-    # the loss of no batch would be 0 / 0, and every run ends with an evaluation
-    check_count("data.eval_batches", cfg.data.eval_batches, 1, "a count >= 1: the evaluation needs at least one batch")
-    check_grad_allreduce(cfg.comm.grad_allreduce)
-    if m.clip_grad is not None and not m.clip_grad >= 0:  # NaN too
-        raise ValueError(f"model.clip_grad={m.clip_grad!r}: expected a norm >= 0 (null or 0: no clipping)")
     model = build_model(cfg, env)
-    optimizer = instantiate(m.optimizer, _partial_=True)(weight_decay_groups(model))
-    lr_factor = lr_schedule(m.lr_schedule, optimizer.defaults["lr"], t.max_steps)
+    optimizer, lr_factor = build_optimizer(cfg, model)
     train_data, eval_data = build_data(cfg, env, run_dir)
     checkpoint_dir = Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints"
 

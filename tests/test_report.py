@@ -108,6 +108,28 @@ def test_moe_report_in_mixed_precision(tmp_path):
     assert moe["bulk"]["fwd_ms"] > 0 and moe["bulk"]["fwd_bwd_ms"] > 0
 
 
+@pytest.mark.parametrize("overrides, error", [
+    # the fused column has p2p only: timed as p2p under the user's nvshmem it would report a run training refuses
+    (["comm=fused", "comm.transport=nvshmem"],
+     "comm.transport=nvshmem: the MoE layers' fused dispatch and combine have the p2p transport only"),
+    (["model.clip_grad=-1.0"], "model.clip_grad=-1.0: expected a norm >= 0"),
+    (["model.lr_schedule.decay=cos"], "decay='cos': expected constant, linear or cosine"),
+    (["model.lr_schedule.min_lr=0.01"], "min_lr=0.01: expected 0 <= min_lr <= the optimizer's lr 0.003"),
+    (["trainer.epochs=2"], r"trainer.epochs is not supported \(got 2\)"),
+])
+def test_moe_settings_training_refuses_are_refused_before_measuring(tmp_path, monkeypatch, overrides, error):
+    """The report times the step a config trains: a config moe/train.py's train refuses is refused here too (the
+    same checks), not measured as something else or as if it were valid."""
+    import fused_dlrm.report as report
+
+    def measured(*args):
+        raise AssertionError("the layers were timed before the setting was refused")
+    monkeypatch.setattr(report, "measure", measured)
+    with pytest.raises(ValueError, match=error):
+        report_main([*MOE, *overrides, f"hydra.run.dir={tmp_path}"])
+    assert not (tmp_path / "report.json").exists()
+
+
 def test_dlrm_after_training_two_gloo_ranks(tmp_path):
     """train.py report=true under torchrun: trains 2 steps, then the report of both ranks, written once."""
     run_torchrun([*DLRM, "report=true", "trainer.max_steps=2", "trainer.progress=false", "data.eval_batches=1",

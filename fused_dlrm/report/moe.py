@@ -5,7 +5,9 @@ timed and counted num_moe_layers times; with model.tp_size > 1 each kind of tens
 (report/tp.py); the replicated gradients' all-reduce (plain against the configured comm.grad_allreduce codec); and
 the whole training step. bulk: comm.mode=bulk and model.tp_comm=bulk; fused: comm.mode=fused (the configured fused
 settings, or FusedMoEConfig's defaults when the run is bulk) and, in bf16 mixed precision, model.tp_comm=fused.
-Whether a fused model exists on this machine is decided in one place, `fused_moe`.
+Whether a fused model exists on this machine is decided in one place, `fused_moe`. A config moe/train.py's train
+refuses is refused here too, by the same checks (check_config, build_model, build_optimizer): the fused column is
+p2p, the MoE layers' only transport, as in training.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -22,7 +23,7 @@ from fused_dlrm.report.layers import (STEP, CommLayer, Mode, bytes_of, forward_b
                                       grad_allreduce_layer, no_fused_path, no_grad)
 from fused_dlrm.report.tp import tp_layers
 from moe.layer import FusedMoEConfig, MoELayer
-from moe.train import build_data, build_model, fused_moe_config, train_step, weight_decay_groups
+from moe.train import build_data, build_model, build_optimizer, check_config, fused_moe_config, train_step
 
 
 def with_modes(cfg: DictConfig, mode: str) -> DictConfig:
@@ -35,7 +36,7 @@ def with_modes(cfg: DictConfig, mode: str) -> DictConfig:
         defaults = {"num_programs": FusedMoEConfig.num_programs,
                     "wait_timeout_spins": FusedMoEConfig.wait_timeout_spins,
                     "moe_dispatch": FusedMoEConfig.dispatch, "moe_combine": FusedMoEConfig.combine}
-        c["comm"] = {**defaults, **c["comm"], "mode": "fused", "transport": "p2p"}
+        c["comm"] = {**defaults, **c["comm"], "mode": "fused"}  # the transport p2p: check_config refuses others
         c["model"]["tp_comm"] = "fused" if c["model"].get("precision", "fp32") == "bf16" else "bulk"
     return OmegaConf.create(c)
 
@@ -70,7 +71,7 @@ class _Run:
 
     def __init__(self, cfg: DictConfig, env: DistEnv, model: nn.Module, run_dir: Path, grad_allreduce: str):
         self.cfg, self.env, self.model, self.grad_allreduce = cfg, env, model, grad_allreduce
-        self.optimizer = instantiate(cfg.model.optimizer, _partial_=True)(weight_decay_groups(model))
+        self.optimizer, _ = build_optimizer(cfg, model)  # the lr schedule checked as training checks it
         train_data, _ = build_data(cfg, env, run_dir)
         self.inputs, self.targets = (t.to(env.device) for t in train_data.batch(0))
         self.layer = next(m for m in model.modules() if isinstance(m, MoELayer))
@@ -92,6 +93,7 @@ class _Run:
 
 
 def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
+    check_config(cfg)  # what training refuses is not timed
     m = cfg.model
     bulk_cfg = with_modes(cfg, "bulk")
     bulk = _Run(bulk_cfg, env, build_model(bulk_cfg, env), run_dir, "nccl")
