@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -36,6 +37,7 @@ import torch.distributed as dist
 
 from fused_dlrm.bench import init_gpu_world
 from fused_dlrm.bench.timing import HEAD_START_CYCLES, per_call_us, time_ms
+from fused_dlrm.dist.env import check_rank_0_can_write
 from moe.expert_layout import gather_counts_and_words
 from moe.layer import REFUSAL_WORDS, FusedMoEConfig, MoELayer, _Alongside, _BulkRows
 from moe.permute import permutation, permute, unpermute
@@ -205,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="write every number as JSON here")
     args = parser.parse_args(argv)
     init_gpu_world("python -m moe.bench")
+    if args.out:  # now, not after the timings
+        check_rank_0_can_write(Path(args.out), f"--out {args.out}")
     configs = QUICK if args.quick else CONFIGS
     if args.configs:
         picked = [int(i) for i in args.configs.split(",")]

@@ -1,11 +1,15 @@
 """The GPU benchmarks' entry points: without CUDA GPUs they say so (not torch's missing `_cuda_setDevice`), and the
-TP bench refuses a section it does not have before anything runs."""
+TP bench refuses a section it does not have before anything runs, and every bench an --out rank 0 cannot write."""
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from fused_dlrm.bench import embedding, init_gpu_world, tp
 from moe import bench as moe_bench
+from world import run_world
 
 
 @pytest.mark.parametrize("main, command", [(embedding.main, "python -m fused_dlrm.bench embedding"),
@@ -28,3 +32,42 @@ def test_tp_bench_refuses_an_unknown_section(capsys):
         tp.main(["--sections", "allreduce,gemm_all_reduce"])
     assert "--sections: unknown ['gemm_all_reduce']; the sections: ['gemm_allreduce', 'allgather_gemm', " \
            "'allreduce']" in capsys.readouterr().err
+
+
+def _a_bad_out_stops_every_rank(rank: int, world: int, tmp: str) -> None:
+    import importlib
+
+    from fused_dlrm.bench import dlrm_step
+    from fused_dlrm.dist import DistEnv
+    from test_bench_dlrm_step import TINY
+
+    def ran(*args, **kwargs):
+        raise AssertionError("the bench ran before its --out was found unwritable")
+    out = Path(tmp) / "a_file" / "out.json"  # a_file is a file: rank 0 cannot write below it
+    refused = rf"rank 1: rank\(s\) \[0\] cannot write --out {re.escape(str(out))}: NotADirectoryError"
+    # the GPU benches on run_world's gloo world (no GPU here), everything after the check stood in for by `ran`
+    for name, timed, argvs in (("fused_dlrm.bench.embedding", ["use_nvshmem_backend", "sweep_lookup", "hbm_bandwidth"],
+                                [["--quick"], ["--sweep"]]),
+                               ("fused_dlrm.bench.tp", [], [["--quick"]]),
+                               ("moe.bench", ["run_config"], [["--quick"]])):
+        module = importlib.import_module(name)
+        module.init_gpu_world = lambda command: None
+        for attribute in timed:
+            setattr(module, attribute, ran)
+        for section in getattr(module, "SECTIONS", {}).values():
+            section.run = ran
+        for argv in argvs:
+            with pytest.raises(NotADirectoryError if rank == 0 else ValueError, match=None if rank == 0 else refused):
+                module.main([*argv, "--out", str(out)])
+    dlrm_step.run_suite = ran
+    args = dlrm_step.parse_args(["--out", str(out), *TINY, "trainer.device=cpu"])
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    with pytest.raises(NotADirectoryError if rank == 0 else ValueError, match=None if rank == 0 else refused):
+        dlrm_step.run(args, dlrm_step.config(args), env)
+
+
+def test_an_out_file_rank_0_cannot_write_stops_every_rank_before_the_bench_runs(tmp_path):
+    """--out is written by rank 0 after the whole run (minutes on GPUs): each bench tries it first, and where rank 0
+    cannot write it every rank stops there (the others' error naming rank 0's), not rank 0 alone at the end."""
+    (tmp_path / "a_file").write_text("not a directory")
+    run_world(2, _a_bad_out_stops_every_rank, str(tmp_path), timeout=180)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fused_dlrm.dist.env import _pick_backend, _pick_device, init_distributed
+from fused_dlrm.dist.env import _pick_backend, _pick_device, check_rank_0_can_write, init_distributed
 
 
 def test_auto_picks_the_machine_s_device_and_backend():
@@ -106,3 +106,22 @@ def test_one_process_checks_the_backend_as_torchrun_would(monkeypatch):
         init_distributed("cpu", "mpi")
     with pytest.raises(ValueError, match="nccl"):
         init_distributed("cpu", "nccl")
+
+
+def test_the_write_check_leaves_a_file_as_it_found_it(tmp_path):
+    """check_rank_0_can_write tries a file without writing it: one there keeps its bytes, a new one is not left
+    behind (empty, as if the run wrote it); a directory's parents are made. What cannot be written raises."""
+    kept = tmp_path / "kept.json"
+    kept.write_text("an earlier run's results")
+    check_rank_0_can_write(kept, "kept")
+    assert kept.read_text() == "an earlier run's results"
+    check_rank_0_can_write(tmp_path / "new.json", "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]
+    check_rank_0_can_write(tmp_path / "a" / "b", "a directory", directory=True)
+    assert (tmp_path / "a" / "b").is_dir() and not any((tmp_path / "a" / "b").iterdir())
+    with pytest.raises(IsADirectoryError):
+        check_rank_0_can_write(tmp_path / "a", "a directory as a file")
+    with pytest.raises(FileNotFoundError):  # a file's folder is not made: the bench writes into it as it is
+        check_rank_0_can_write(tmp_path / "missing" / "out.json", "out")
+    with pytest.raises(NotADirectoryError):
+        check_rank_0_can_write(kept / "run", "below a file", directory=True)

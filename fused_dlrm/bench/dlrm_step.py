@@ -53,7 +53,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from fused_dlrm.bench.timing import time_ms
 from fused_dlrm.dist import DistEnv, all_reduce_sum, destroy_distributed, init_distributed
-from fused_dlrm.dist.env import raise_on_every_rank
+from fused_dlrm.dist.env import check_rank_0_can_write, raise_on_every_rank
 from fused_dlrm.models.dlrm import with_lean_arches
 from fused_dlrm.report.layers import no_fused_path
 from fused_dlrm.report.measure import repeats, timing_method
@@ -355,6 +355,8 @@ def config(args: argparse.Namespace) -> DictConfig:
 
 def run(args: argparse.Namespace, cfg: DictConfig, env: DistEnv) -> dict:
     """The suite on an initialised world; rank 0 prints the table and writes --out. Returns the report."""
+    if args.out:  # now, not after the timings
+        check_rank_0_can_write(Path(args.out), f"--out {args.out}")
     default_warmup, default_steps = repeats(env)
     report = run_suite(cfg, env, args.variants, default_warmup if args.warmup is None else args.warmup,
                        default_steps if args.steps is None else args.steps, args.batches, args.arches)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from fused_dlrm.bench import init_gpu_world
 from fused_dlrm.bench.checks import check_against_bulk
 from fused_dlrm.bench.timing import hbm_bandwidth, peer_bandwidth, per_call_us, time_ms
 from fused_dlrm.dist.alltoall import all_to_all_v
+from fused_dlrm.dist.env import check_rank_0_can_write
 from fused_dlrm.dist.symmetric import use_nvshmem_backend
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
 from fused_dlrm.sparse.input_dist import OwnedBags
@@ -185,6 +187,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", default="bench_embedding.json")
     args = parser.parse_args(argv)
     init_gpu_world("python -m fused_dlrm.bench embedding")
+    check_rank_0_can_write(Path(args.out), f"--out {args.out}")  # now, not after the timings
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.transport == "nvshmem":
         use_nvshmem_backend()  # before the peer-bandwidth probe allocates symmetric memory

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from fused_dlrm.bench import allgather_gemm, allreduce, gemm_allreduce, init_gpu_world
+from fused_dlrm.dist.env import check_rank_0_can_write
 
 SECTIONS = {"gemm_allreduce": gemm_allreduce, "allgather_gemm": allgather_gemm, "allreduce": allreduce}
 
@@ -44,6 +46,8 @@ def main(argv: list[str]) -> None:
     if unknown:
         parser.error(f"--sections: unknown {unknown}; the sections: {list(SECTIONS)}")
     init_gpu_world("python -m fused_dlrm.bench tp")
+    if args.out:  # now, not after the timings
+        check_rank_0_can_write(Path(args.out), f"--out {args.out}")
     rows = [row for name in sections for row in SECTIONS[name].run(args.quick)]
     if dist.get_rank() == 0:
         print(f"{torch.cuda.get_device_name()} x{dist.get_world_size()}, torch {torch.__version__}")

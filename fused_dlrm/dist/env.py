@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -173,3 +175,26 @@ def raise_on_every_rank(problem: BaseException | None, what: str, problems: list
     bad = [rank for rank, text in enumerate(problems) if text]
     if bad:
         raise ValueError(f"rank {dist.get_rank()}: rank(s) {bad} {what}: {problems[bad[0]]}")
+
+
+def check_rank_0_can_write(path: Path, what: str, directory: bool = False) -> None:
+    """Call on every rank before a run whose results rank 0 writes at its end (minutes on GPUs): rank 0 tries now
+    to write `path`, a file (opened to append, which keeps one there, and removed if this made it), or with
+    `directory` a directory (made with its parents, a temporary file tried in it). Where it cannot, every rank
+    raises here (`raise_on_every_rank`: the others a ValueError naming rank 0's error), not rank 0 alone at the end."""
+    problem = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            if directory:
+                path.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryFile(dir=path):
+                    pass
+            else:
+                made = not path.exists()
+                with open(path, "a"):
+                    pass
+                if made:
+                    path.unlink()
+        except OSError as error:
+            problem = error
+    raise_on_every_rank(problem, f"cannot write {what}")

@@ -7,13 +7,12 @@ bulk and the fused mode -> report.md / report.json / report.png in the run direc
 from __future__ import annotations
 
 import logging
-import tempfile
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from fused_dlrm.dist import DistEnv
-from fused_dlrm.dist.env import raise_on_every_rank
+from fused_dlrm.dist.env import check_rank_0_can_write
 from fused_dlrm.report.measure import measure
 from fused_dlrm.report.render import environment, markdown, write_json, write_png
 from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce
@@ -36,24 +35,10 @@ def _layers(cfg: DictConfig, env: DistEnv, run_dir: Path):
     raise ValueError(f"no report for model.name {cfg.model.name!r}: expected dlrm or moe_transformer")
 
 
-def _check_run_dir(env: DistEnv, run_dir: Path) -> None:
-    """Rank 0 makes the run directory and tries a file in it now, not after the timings (minutes on GPUs); where it
-    cannot, every rank raises here (the others' error names rank 0's)."""
-    problem = None
-    if env.is_main:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=run_dir):
-                pass
-        except OSError as error:
-            problem = error
-    raise_on_every_rank(problem, f"cannot write the report into {run_dir}")
-
-
 def write_report(cfg: DictConfig, env: DistEnv, run_dir: Path) -> dict:
     """Measure on every rank (a collective); rank 0 writes the three files. Returns the report (every rank)."""
     run_dir = Path(run_dir)
-    _check_run_dir(env, run_dir)
+    check_rank_0_can_write(run_dir, f"the report into {run_dir}", directory=True)  # not after the timings
     # the fused column's codec: where no fused column is built (the CPU, one process) nothing else would read it
     check_grad_allreduce(cfg.comm.grad_allreduce)
     report = {"model": cfg.model.name, "modes": MODES_TEXT, "environment": environment(env),
