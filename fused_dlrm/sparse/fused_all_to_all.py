@@ -42,6 +42,7 @@ from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 from fused_dlrm.sparse.plan import FeatureSlice
 
 PUSH_BLOCK_ROWS = 16  # rows per tile of the gradient push (a copy: one remote-first walk, kernels/peer_tiles.py)
+WORKSPACES = {"p2p": cuda_workspace, "nvshmem": NvshmemSymmetricWorkspace}  # comm.transport -> its symmetric memory
 
 
 @dataclass(frozen=True)
@@ -51,19 +52,18 @@ class FusedCommConfig:
     wait_timeout_spins: int = DEFAULT_SPIN_LIMIT  # polls of a flag before a wait gives up and names rank and slice
     allocation_timeout_s: float = ALLOCATION_TIMEOUT_S  # how long a rank waits for its peers at an allocation
 
-    def __post_init__(self):
-        check_spin_limit(self.wait_timeout_spins, "comm.wait_timeout_spins")  # before anything is built
+    def __post_init__(self):  # before anything is built
+        if self.transport not in WORKSPACES:
+            raise ValueError(f"comm.transport={self.transport!r} is unknown; expected one of {list(WORKSPACES)}")
+        check_spin_limit(self.wait_timeout_spins, "comm.wait_timeout_spins")
 
 
 def build_fused_exchange(lookup: PooledEmbeddingLookup, slices_of_rank: list[list[FeatureSlice]],
                          comm: FusedCommConfig, group: dist.ProcessGroup | None,
                          device: torch.device) -> "FusedPooledAllToAll":
-    workspaces = {"p2p": cuda_workspace, "nvshmem": NvshmemSymmetricWorkspace}
-    if comm.transport not in workspaces:
-        raise ValueError(f"comm.transport={comm.transport!r} is unknown; expected one of {list(workspaces)}")
     if device.type != "cuda" or not dist.is_initialized():
         raise RuntimeError("comm=fused needs CUDA GPUs under torchrun (symmetric memory); use comm=bulk on the CPU")
-    workspace = workspaces[comm.transport](group, comm.allocation_timeout_s)
+    workspace = WORKSPACES[comm.transport](group, comm.allocation_timeout_s)
     num_programs = agreed_num_programs(comm.num_programs or default_num_programs(device), group, device)
     return FusedPooledAllToAll(lookup, slices_of_rank, workspace, num_programs, comm.wait_timeout_spins)
 
