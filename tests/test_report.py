@@ -130,6 +130,48 @@ def test_moe_settings_training_refuses_are_refused_before_measuring(tmp_path, mo
     assert not (tmp_path / "report.json").exists()
 
 
+# DLRM on Criteo files ({file}: a file of 40 lines), the eval files given by each case
+CRITEO = ["trainer.device=cpu", "data=criteo", "data.num_workers=0", "data.global_batch_size=16",
+          "model.num_rows=100", "model.embedding_dim=8", "model.dense_arch=[16,8]", "data.train.paths=[{file}]"]
+
+
+@pytest.mark.parametrize("overrides, error", [
+    # what training alone reads (its length, batches made ahead, the evaluation's batches): not timed as if it trained
+    ([*DLRM, "trainer.batches_ahead=-1"], r"trainer.batches_ahead=-1: expected a count >= 0"),
+    ([*DLRM, "trainer.max_steps=null"], "set trainer.max_steps or trainer.epochs"),
+    ([*DLRM, "trainer.epochs=0"], r"trainer.epochs=0: expected a count >= 1"),
+    ([*DLRM, "trainer.max_steps=null", "trainer.epochs=1", "data.steps_per_epoch=null"],
+     "trainer.epochs with step-indexed .* without it the run would never end"),
+    ([*DLRM, "data.eval_batches=0"], "data.eval_batches=0: expected a count >= 1"),
+    ([*DLRM, "data.eval.device=cuda"], "data.eval.device=cuda makes the batches on a GPU, but the model is on cpu"),
+    ([*CRITEO], r"data.eval.paths must be given"),
+    # the report's batch is made by data.steps_per_epoch's stream
+    ([*DLRM, "data.steps_per_epoch=2.5"], r"data.steps_per_epoch=2.5: expected a step count >= 1"),
+    ([*CRITEO, "data.eval.paths=[{file}]", "data.steps_per_epoch=3"],
+     "data.steps_per_epoch=3: an epoch of file-backed data is one pass over its files"),
+    # the report sets comm.mode for each column itself, and builds no fused column without GPUs
+    ([*DLRM, "comm.mode=fuse"], "unknown comm.mode 'fuse': expected bulk or fused"),
+    ([*DLRM, "comm=fused", "comm.transport=ib"], r"comm.transport='ib' is unknown; expected one of"),
+    ([*DLRM, "comm=fused", "comm.wait_timeout_spins=0"], "comm.wait_timeout_spins=0: expected a whole number of polls"),
+], ids=lambda value: " ".join(o for o in value if o not in DLRM + CRITEO[2:]) if isinstance(value, list) else "")
+def test_dlrm_settings_training_refuses_are_refused_before_measuring(tmp_path, monkeypatch, overrides, error):
+    """The report times the step a config trains: a config the DLRM's train refuses is refused here too, by the same
+    checks, not measured as if it were valid (on the CPU nothing would read the fused settings)."""
+    import fused_dlrm.report as report
+
+    file = criteo_file(tmp_path / "day_0.tsv", 40, bad_line=None)
+    overrides = [o.replace("{file}", str(file)) for o in overrides]
+    with pytest.raises(ValueError, match=error):  # as training refuses it
+        train_dlrm(config("trainer.max_steps=0", "trainer.progress=false", *overrides), CPU, tmp_path / "train")
+
+    def measured(*args):
+        raise AssertionError("the layers were timed before the setting was refused")
+    monkeypatch.setattr(report, "measure", measured)
+    with pytest.raises(ValueError, match=error):
+        report_main([*overrides, f"hydra.run.dir={tmp_path / 'report'}"])
+    assert not (tmp_path / "report" / "report.json").exists()
+
+
 def test_dlrm_after_training_two_gloo_ranks(tmp_path):
     """train.py report=true under torchrun: trains 2 steps, then the report of both ranks, written once."""
     run_torchrun([*DLRM, "report=true", "trainer.max_steps=2", "trainer.progress=false", "data.eval_batches=1",

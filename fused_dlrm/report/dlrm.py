@@ -3,7 +3,9 @@
 bulk: comm.mode=bulk with plain all-reduces of the dense gradients (one per dense arch, as its ArchNode makes it);
 fused: comm.mode=fused (the configured fused settings, or conf/comm/fused.yaml's defaults when the run is bulk) with
 the configured comm.grad_allreduce. Both models are built from the same config and seed and fed the same first
-training batch.
+training batch. A config train/loop.py's train refuses is refused here too, by the same checks (check_config,
+build_data, build_model): its run length and evaluation settings, which only training reads, included; not its
+cadence (log, evaluation and checkpoint intervals, kept checkpoints), checkpoint directory or resume.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from fused_dlrm.kernels.batch_header import FIRST_COUNT
 from fused_dlrm.report.layers import (STEP, CommLayer, Mode, bytes_of, forward_backward, fused_or_reason,
                                       grad_allreduce_layer, no_fused_path, no_grad)
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
-from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters
+from fused_dlrm.train.build import batch_stream, build_model, dense_parameters
 from fused_dlrm.train.graphed_step import dense_step
-from fused_dlrm.train.loop import features_of, make_train_step, pull_batch
+from fused_dlrm.train.loop import build_data, check_config, features_of, make_train_step, pull_batch
 
 
 def with_comm(cfg: DictConfig, mode: str) -> DictConfig:
@@ -48,8 +50,8 @@ class _Run:
                                           cfg.trainer.direct_step)  # the loop's
         # as the loop makes and distributes it: a batch one rank could not make (a malformed line in its slice)
         # raises in the input dist on every rank, not on that rank alone while the others wait there for it
-        self.batch = pull_batch(batch_stream(build_dataset(cfg, "train", env), 0, cfg.data.get("steps_per_epoch")),
-                                env.device)
+        train_data, _ = build_data(cfg, env)  # the eval data checked as training checks it
+        self.batch = pull_batch(batch_stream(train_data, 0, cfg.data.get("steps_per_epoch")), env.device)
         self.bags = self.sparse.bags_of(features_of(self.batch))
 
     def lookup_modes(self, grad: torch.Tensor) -> Mode:
@@ -63,6 +65,7 @@ class _Run:
 
 
 def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
+    check_config(cfg)  # what training refuses is not timed
     reason = no_fused_path(env)
     bulk = _Run(with_comm(cfg, "bulk"), env)
     fused = None if reason else _Run(with_comm(cfg, "fused"), env)

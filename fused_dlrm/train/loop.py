@@ -52,7 +52,7 @@ from fused_dlrm.models.arch_nodes import sets_every_gradient
 from fused_dlrm.models.dlrm import dlrm_loss
 from fused_dlrm.sparse.sharded_ebc import FeaturesOrError
 from fused_dlrm.train.batches_ahead import BatchesAhead
-from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, to_device
+from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, fused_comm, to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
 from fused_dlrm.train.config_keys import check_config_keys, check_count
 from fused_dlrm.train.direct_step import DirectDLRMStep, direct_step_refusal
@@ -142,7 +142,10 @@ def make_train_step(model, optimizer, step: Callable[[], None], world_size: int,
     return run
 
 
-def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
+def check_config(cfg: DictConfig) -> None:
+    """The settings `train` refuses before it builds anything, the same on every rank (the config is): the report
+    (fused_dlrm/report/dlrm.py), which times the step a config trains, runs them too. The data's settings are
+    `build_data`'s checks and the model's (its embedding optimizers' too) build_model's, which both paths call."""
     check_config_keys(cfg)  # a `+trainer.<typo>=...` would otherwise be added and never read
     t = cfg.trainer
     if t.max_steps is None and t.epochs is None:
@@ -151,9 +154,14 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         check_count("trainer.epochs", t.epochs, 1, "a count >= 1, or null (trainer.max_steps ends the run)")
     check_count("trainer.batches_ahead", t.batches_ahead, 0, "a count >= 0 (0: batches made in the loop)")
     check_count("data.eval_batches", cfg.data.eval_batches, 1, "a count >= 1: the evaluation needs at least one batch")
-    model = build_model(cfg, env)
-    sparse = model.sparse_arch.embedding_bag_collection
-    optimizer = instantiate(t.dense_optimizer, params=dense_parameters(model))
+    # comm.mode and the fused settings: the report sets the mode of each of its models itself, and builds no fused
+    # one without GPUs
+    fused_comm(cfg.comm)
+
+
+def build_data(cfg: DictConfig, env: DistEnv) -> tuple:
+    """The train and eval datasets (`build_dataset`), data.steps_per_epoch checked against the train data's kind:
+    epochs of step-indexed data are counted in it, of file-backed data in passes over the files."""
     train_data, eval_data = build_dataset(cfg, "train", env), build_dataset(cfg, "eval", env)
     steps_per_epoch, indexed = cfg.data.get("steps_per_epoch"), hasattr(train_data, "batch")
     if not indexed and steps_per_epoch:
@@ -162,9 +170,19 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     if indexed and steps_per_epoch is not None:  # 0: with trainer.epochs the run would end at step 0, without a word
         check_count("data.steps_per_epoch", steps_per_epoch, 1, "a step count >= 1, or null (every step of epoch 0; "
                     "trainer.max_steps ends the run)")
-    if t.max_steps is None and indexed and not steps_per_epoch:
+    if cfg.trainer.max_steps is None and indexed and not steps_per_epoch:
         raise ValueError("trainer.epochs with step-indexed (synthetic) data counts epochs of data.steps_per_epoch "
                          "steps: set it (>= 1), or trainer.max_steps; without it the run would never end")
+    return train_data, eval_data
+
+
+def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
+    check_config(cfg)
+    t = cfg.trainer
+    model = build_model(cfg, env)
+    sparse = model.sparse_arch.embedding_bag_collection
+    optimizer = instantiate(t.dense_optimizer, params=dense_parameters(model))
+    train_data, eval_data = build_data(cfg, env)
     checkpoint_dir = Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints"
 
     step = 0
