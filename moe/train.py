@@ -44,7 +44,7 @@ from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.dist.symmetric import check_allocation_timeout
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
 from fused_dlrm.train.config_keys import check_config_keys, check_count
-from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
+from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult, check_trainer
 from fused_dlrm.tp import quantized_all_reduce
 from fused_dlrm.tp.linear import check_tp_size, tp_groups
 from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce
@@ -64,6 +64,7 @@ def check_config(cfg: DictConfig) -> None:
     if t.max_steps is None or t.epochs is not None:  # not silently ignored: its windows are drawn, not passed over
         raise ValueError(f"the MoE Transformer trains for trainer.max_steps steps (got max_steps={t.max_steps}); "
                          f"trainer.epochs is not supported (got {t.epochs})")
+    check_trainer(t)
     # the loss of no batch would be 0 / 0, and every run ends with an evaluation
     check_count("data.eval_batches", cfg.data.eval_batches, 1, "a count >= 1: the evaluation needs at least one batch")
     check_grad_allreduce(cfg.comm.grad_allreduce)

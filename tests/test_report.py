@@ -116,6 +116,7 @@ def test_moe_report_in_mixed_precision(tmp_path):
     (["model.lr_schedule.decay=cos"], "decay='cos': expected constant, linear or cosine"),
     (["model.lr_schedule.min_lr=0.01"], "min_lr=0.01: expected 0 <= min_lr <= the optimizer's lr 0.003"),
     (["trainer.epochs=2"], r"trainer.epochs is not supported \(got 2\)"),
+    (["trainer.log_every=0"], r"trainer.log_every=0: expected a step count >= 1"),
 ])
 def test_moe_settings_training_refuses_are_refused_before_measuring(tmp_path, monkeypatch, overrides, error):
     """The report times the step a config trains: a config moe/train.py's train refuses is refused here too (the
@@ -140,6 +141,8 @@ CRITEO = ["trainer.device=cpu", "data=criteo", "data.num_workers=0", "data.globa
     ([*DLRM, "trainer.batches_ahead=-1"], r"trainer.batches_ahead=-1: expected a count >= 0"),
     ([*DLRM, "trainer.max_steps=null"], "set trainer.max_steps or trainer.epochs"),
     ([*DLRM, "trainer.epochs=0"], r"trainer.epochs=0: expected a count >= 1"),
+    ([*DLRM, "trainer.max_steps=2.5"], r"trainer.max_steps=2.5: expected a step count >= 0"),
+    ([*DLRM, "trainer.log_every=0"], r"trainer.log_every=0: expected a step count >= 1"),
     ([*DLRM, "trainer.max_steps=null", "trainer.epochs=1", "data.steps_per_epoch=null"],
      "trainer.epochs with step-indexed .* without it the run would never end"),
     ([*DLRM, "data.eval_batches=0"], "data.eval_batches=0: expected a count >= 1"),

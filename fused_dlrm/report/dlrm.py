@@ -4,8 +4,8 @@ bulk: comm.mode=bulk with plain all-reduces of the dense gradients (one per dens
 fused: comm.mode=fused (the configured fused settings, or conf/comm/fused.yaml's defaults when the run is bulk) with
 the configured comm.grad_allreduce. Both models are built from the same config and seed and fed the same first
 training batch. A config train/loop.py's train refuses is refused here too, by the same checks (check_config,
-build_data, build_model): its run length and evaluation settings, which only training reads, included; not its
-cadence (log, evaluation and checkpoint intervals, kept checkpoints), checkpoint directory or resume.
+build_data, build_model), those of the settings only training reads (its length, cadence, evaluation) included;
+not those of the run's files (a checkpoint directory holding later steps, trainer.resume_from's checkpoint).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ from fused_dlrm.train.config_keys import check_config_keys, check_count
 from fused_dlrm.train.direct_step import DirectDLRMStep, direct_step_refusal
 from fused_dlrm.train.graphed_step import dense_step
 from fused_dlrm.train.metrics import CTRMetrics
-from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult
+from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult, check_trainer
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ def check_config(cfg: DictConfig) -> None:
     t = cfg.trainer
     if t.max_steps is None and t.epochs is None:
         raise ValueError("set trainer.max_steps or trainer.epochs")
+    check_trainer(t)
     if t.epochs is not None:  # 0: no step, without a word
         check_count("trainer.epochs", t.epochs, 1, "a count >= 1, or null (trainer.max_steps ends the run)")
     check_count("trainer.batches_ahead", t.batches_ahead, 0, "a count >= 0 (0: batches made in the loop)")

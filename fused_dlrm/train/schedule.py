@@ -44,6 +44,21 @@ def stop_if_nonfinite(loss_sum: float, first_step: int, last_step: int, checkpoi
                                  f"Last good checkpoint: {last_good_checkpoint(checkpoint_dir, resumed_from)}")
 
 
+def check_trainer(trainer: DictConfig) -> None:
+    """The settings of cfg.trainer a `TrainingRun` reads, checked before training (not at the first checkpoint): a
+    model's check_config runs them before anything is built, so that its report refuses them too."""
+    # every step count is taken modulo log_every (the loss checked at it), eval_every and checkpoint_every
+    check_count("trainer.log_every", trainer.log_every, 1, "a step count >= 1")
+    for key, zero in (("eval_every", "the run's last evaluation only"), ("checkpoint_every", "no checkpoints")):
+        if trainer[key] is not None:
+            check_count(f"trainer.{key}", trainer[key], 0, f"a step count >= 0 (0 or null: {zero})")
+    if trainer.max_steps is not None:
+        check_count("trainer.max_steps", trainer.max_steps, 0, "a step count >= 0, or null (trainer.epochs ends "
+                    "the run)")
+    if trainer.checkpoint_every:
+        check_keep_last(trainer.keep_checkpoints)
+
+
 class MetricsLog:
     """metrics.jsonl in the run directory: one JSON object per line, written by rank 0 only. A write that fails
     (a full disk, permissions) is a warning, once: rank 0 raising alone would leave its peers waiting in the next
@@ -104,16 +119,7 @@ class TrainingRun:
     def __init__(self, trainer: DictConfig, env: DistEnv, run_dir: Path, checkpoint_dir: Path, step: int, *,
                  items: str, items_per_step: int, log_fields: LogFields, evaluate: Callable[[int], dict],
                  save: Callable[[int], None], log: logging.Logger, loss_terms: int = 1):
-        # every step count is taken modulo log_every (the loss checked at it), eval_every and checkpoint_every
-        check_count("trainer.log_every", trainer.log_every, 1, "a step count >= 1")
-        for key, zero in (("eval_every", "the run's last evaluation only"), ("checkpoint_every", "no checkpoints")):
-            if trainer[key] is not None:
-                check_count(f"trainer.{key}", trainer[key], 0, f"a step count >= 0 (0 or null: {zero})")
-        if trainer.max_steps is not None:
-            check_count("trainer.max_steps", trainer.max_steps, 0, "a step count >= 0, or null (trainer.epochs ends "
-                        "the run)")
-        if trainer.checkpoint_every:  # before training, not at the first checkpoint
-            check_keep_last(trainer.keep_checkpoints)
+        check_trainer(trainer)
         later = latest_checkpoint(checkpoint_dir) if trainer.checkpoint_every and checkpoint_dir.exists() else None
         if later is not None and int(later.name.split("_")[1]) > step:  # its pruning would delete this run's own
             raise ValueError(f"trainer.checkpoint_dir {checkpoint_dir} already holds {later.name}, after this run's "
