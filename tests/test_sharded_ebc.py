@@ -175,6 +175,19 @@ def test_a_wait_bound_the_kernels_cannot_count_is_refused(spins):
     assert FusedCommConfig(wait_timeout_spins=2**31 - 1).wait_timeout_spins == 2**31 - 1
 
 
+@pytest.mark.parametrize("programs", [0, -3, 2.5, True, "32"])
+def test_a_program_count_that_is_no_whole_number_is_refused(programs):
+    """comm.num_programs sizes the flags and the tile split (ranks agree on the smallest, as a tensor): a float
+    would be truncated there, true taken as 1, 0 as the default. Refused with the setting's name when the config
+    is made; null keeps the default (per SM)."""
+    from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
+
+    with pytest.raises(ValueError, match=r"comm.num_programs=.*: expected a whole number >= 1 or null"):
+        FusedCommConfig(num_programs=programs)
+    assert FusedCommConfig(num_programs=None).num_programs is None
+    assert FusedCommConfig(num_programs=7).num_programs == 7
+
+
 def test_a_gpu_plan_with_two_dtypes_on_one_rank_is_refused_on_every_rank():
     """Each rank checks every rank's tables (the plan is the same everywhere), before anything is made."""
     from torchrec.modules.embedding_configs import DataType

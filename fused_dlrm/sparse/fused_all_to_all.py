@@ -56,6 +56,9 @@ class FusedCommConfig:
         if self.transport not in WORKSPACES:
             raise ValueError(f"comm.transport={self.transport!r} is unknown; expected one of {list(WORKSPACES)}")
         check_spin_limit(self.wait_timeout_spins, "comm.wait_timeout_spins")
+        programs = self.num_programs  # ranks agree on it as an int64 tensor: a float would be cut, true be 1
+        if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+            raise ValueError(f"comm.num_programs={programs!r}: expected a whole number >= 1 or null (32 per SM)")
 
 
 def build_fused_exchange(lookup: PooledEmbeddingLookup, slices_of_rank: list[list[FeatureSlice]],
