@@ -26,7 +26,8 @@ grown buffer's old memory is released once nothing holds its PeerBuffer any more
 before it unmaps symmetric memory, and a peer's mapping keeps the memory alive for that peer until it lets go);
 the nvshmem workspace keeps every buffer instead (NVSHMEM frees collectively).
 Each exchange numbers its calls (`next_epoch`, from 1) up to MAX_EPOCH, int32's last value: the call after it is
-refused on every rank alike (`next_epoch_after`, which the quantized all-reduce's own count shares).
+refused on every rank alike (`next_epoch_after`, which the quantized all-reduce's own count shares; an op that counts
+a call at its end checks it before its launches: `upcoming_epoch`).
 """
 
 from __future__ import annotations
@@ -166,9 +167,14 @@ class _Workspace:
 
     def next_epoch(self, exchange: str) -> int:
         """The exchange's next epoch (from 1; `next_epoch_after`: refused past MAX_EPOCH)."""
-        self._epochs[exchange] = next_epoch_after(self._epochs.get(exchange, 0),
-                                                  f"rank {self.rank}: the exchange {exchange!r} of this workspace")
+        self._epochs[exchange] = self.upcoming_epoch(exchange)
         return self._epochs[exchange]
+
+    def upcoming_epoch(self, exchange: str) -> int:
+        """The epoch `next_epoch` would take, refused alike, without taking it: for an op that counts its call only
+        once its launches went out (the MoE dispatch's `end`), whose launches must not run past MAX_EPOCH."""
+        return next_epoch_after(self._epochs.get(exchange, 0),
+                                f"rank {self.rank}: the exchange {exchange!r} of this workspace")
 
     def epoch(self, exchange: str) -> int:
         """The exchange's last epoch taken (0 before its first), without taking one."""

@@ -617,10 +617,13 @@ class FusedDispatch:
                                f"the step never ended (its GEMM 1 was refused or failed): the peers hold its rows, "
                                f"and any later step here would wait for flags of another epoch than theirs. Finish "
                                f"it (`finish`, after `start`), or make a new dispatch (a new layer)")
+        # refused past MAX_EPOCH here, before the launches: the device's int32 epoch would wrap to -2**31, which
+        # every flag satisfies (`end`, which counts the epoch, comes after them)
+        epoch = self.ws.upcoming_epoch("moe_dispatch")
         self._buffers(x.dtype)
         self._rows_dtype = x.dtype
         self._x_address.fill_(x.data_ptr())
-        return self.ws.epoch("moe_dispatch") + 1
+        return epoch
 
     def buffer_addresses(self, dtype: torch.dtype) -> tuple[int, ...]:
         """The symmetric buffers' addresses that `launch` bakes into its kernels' arguments for rows of `dtype`."""
