@@ -135,8 +135,8 @@ class BulkInputDist:
     lengths) but neither sent nor held against a table. A KJT without one of the tables' features, or with a key
     twice, raises KeyError, one whose values disagree with its lengths or its per-sample weights ValueError, and
     indices outside [0, rows) IndexError: on every rank; so do per-sample weights
-    that some ranks' KJTs have and others' lack (ValueError; `is_weighted`), and weights that require grad (no
-    gradient reaches them: a feature processor's would never train; ValueError). A batch that a rank could
+    that some ranks' KJTs have and others' lack (ValueError; `is_weighted`), and weights that require grad in grad mode
+    (no gradient reaches them: a feature processor's would never train; ValueError). A batch that a rank could
     not make (`start_failed`) raises its error there and RuntimeError on the other ranks."""
 
     def __init__(self, features_of_rank: list[list[str]], tables: dict[str, tuple[str, int]],

@@ -28,7 +28,7 @@ What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
   * input: a KJT of the EBC's features in any order, and of other features, which it ignores (one KJT may feed
     several modules); per-sample weights take no gradient, so weights that require grad (a feature processor's:
     DMP gives the EBC inside a FeatureProcessedEmbeddingBagCollection to this sharder when no sharder of that
-    module's is given) are refused at the batch, on every rank;
+    module's is given) are refused at the batch in grad mode, on every rank (under no_grad no gradient is lost);
   * output: KeyedTensor [local batch, sum of dims] with the EBC's keys in the EBC's feature order; a weighted
     EBC's MEAN-pooled bag is sum(weight * row) / its size under every plan (fbgemm's TBE, so stock torchrec's
     table- and column-wise; its row-wise divides by the sum of the bag's weights instead);
