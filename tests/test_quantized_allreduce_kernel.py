@@ -177,7 +177,6 @@ def test_timeout_in_the_gather_names_rank_peer_and_slice():
             world[r].finish(calls[r])
 
 
-
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the timed-out call decodes never-written slots
 @pytest.mark.parametrize("meanwhile", ["nothing", "a refused call"])
 def test_a_late_peer_times_out_rather_than_gather_stale_tiles(meanwhile):
@@ -206,6 +205,7 @@ def test_a_late_peer_times_out_rather_than_gather_stale_tiles(meanwhile):
     if meanwhile == "nothing":
         xs = inputs(2, 3000, "normal", seed=3)
         assert all(torch.equal(y, quantized_all_reduce_reference(xs, "q8")) for y in all_reduce(world, xs, "q8"))
+
 
 COMPILE_FOR_SM90 = """
 import re

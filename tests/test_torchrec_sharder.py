@@ -971,6 +971,7 @@ def test_a_feature_processors_weights_that_need_a_gradient_are_refused():
     rather than left untrained."""
     run_world(2, _feature_processor_under_our_sharder, timeout=120)
 
+
 def test_meta_device_collection_keeps_our_init():
     ebc = EmbeddingBagCollection(TABLES, device=torch.device("meta"))
     sharded = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig()).shard(
