@@ -20,6 +20,7 @@ from torchrec import EmbeddingBagCollection
 
 from fused_dlrm.bench import dlrm_step
 from fused_dlrm.dist import DistEnv, init_distributed
+from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
 from fused_dlrm.sparse.lookup import init_table
 from fused_dlrm.sparse.sharded_ebc import table_seeds
 from fused_dlrm.train.build import build_dataset, config_tables
@@ -204,6 +205,59 @@ def test_a_batch_one_rank_cannot_make_stops_every_rank(tmp_path):
     """Batch 1's line 12 (in rank 1's slice) is malformed: made up front, before any variant, it raises on both."""
     criteo_file(tmp_path / "bad.tsv", 32, bad_line=16 + 12)
     run_world(2, _batches_with_a_bad_line, str(tmp_path), timeout=120)
+
+
+def _refused_before_measuring(rank: int, world: int, argv: list[str], error: str) -> None:
+    def measured(*args):
+        raise AssertionError("a variant was timed before the setting was refused")
+    dlrm_step.run_variant = measured
+    with pytest.raises(ValueError, match=error):
+        args = dlrm_step.parse_args(argv)
+        cfg = dlrm_step.config(args)
+        dlrm_step.run(args, cfg, init_distributed(cfg.trainer.device, cfg.comm.backend))
+
+
+# DLRM on Criteo files ({file}: a file of 40 lines)
+CRITEO = ["data=criteo", "data.num_workers=0", "data.global_batch_size=16", "model.num_rows=100",
+          "model.embedding_dim=8", "model.dense_arch=[16,8]", "data.train.paths=[{file}]"]
+
+
+@pytest.mark.parametrize("overrides, error", [
+    # the bench's batches are made by data.steps_per_epoch's stream
+    ([*TINY, "data.steps_per_epoch=2.5"], r"data.steps_per_epoch=2.5: expected a step count >= 1"),
+    ([*CRITEO, "data.steps_per_epoch=3"], "data.steps_per_epoch=3: an epoch of file-backed data is one pass"),
+    # the fused variant's settings
+    ([*TINY, "comm=fused", "comm.transport=ib"], r"comm.transport='ib' is unknown; expected one of"),
+    ([*TINY, "comm=fused", "comm.wait_timeout_spins=0"], "comm.wait_timeout_spins=0: expected a whole number of polls"),
+], ids=lambda value: " ".join(o for o in value if o not in TINY + CRITEO) if isinstance(value, list) else "")
+def test_settings_training_refuses_are_refused_before_measuring(tmp_path, overrides, error):
+    """The bench shapes its model, batches and fused variant by train.py's config: a setting it reads that training
+    refuses (test_report.py's DLRM cases: train/loop.py's check_config, build_train_data) is refused here too, by
+    the same checks, before anything is measured."""
+    file = criteo_file(tmp_path / "day_0.tsv", 40, bad_line=None)
+    overrides = [o.replace("{file}", str(file)) for o in overrides]
+    run_world(1, _refused_before_measuring, ["--variants", "bulk", "--warmup", "0", "--steps", "1", "--batches", "1",
+                                             *overrides], error, timeout=120)
+
+
+@pytest.mark.parametrize("overrides, comm", [
+    ([], "fused"),  # comm=bulk: the fused variant takes the fused exchange's defaults
+    (["comm=fused", "comm.num_programs=3", "comm.wait_timeout_spins=1000"],
+     FusedCommConfig(transport="p2p", num_programs=3, wait_timeout_spins=1000, allocation_timeout_s=60)),
+])
+def test_fused_variant_takes_the_configured_fused_settings(monkeypatch, overrides, comm):
+    """comm=fused's settings are the fused variant's (GPUs), not checked and then left unread."""
+    cfg = dlrm_step.config(dlrm_step.parse_args([*TINY, *overrides]))
+    given = []
+
+    def sharder(optimizers, comm):  # stops shard() there: the fused sharder needs a GPU
+        given.append(comm)
+        raise InterruptedError
+    monkeypatch.setattr(dlrm_step, "FusedEmbeddingBagCollectionSharder", sharder)
+    for variant, expected in (("bulk", "bulk"), ("fused", comm)):
+        with pytest.raises(InterruptedError):
+            dlrm_step.shard(dlrm_step.build_model(cfg, CPU), variant, cfg, DistEnv(0, 1, 0, CPU, None))
+        assert given.pop() == expected
 
 
 def test_needs_a_process_group(monkeypatch):

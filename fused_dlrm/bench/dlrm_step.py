@@ -16,7 +16,11 @@ on the model's device (data.train.device=auto), then cycled):
   torchrec: torchrec's EmbeddingBagCollectionSharder, table-wise, FUSED kernel (fbgemm's TBE), the optimizer given
             by apply_optimizer_in_backward: the baseline. On GPUs it needs fbgemm-gpu's CUDA build.
   bulk:     the project's FusedEmbeddingBagCollectionSharder, comm="bulk".
-  fused:    the same with comm="fused" (CUDA GPUs).
+  fused:    the same with comm="fused" (CUDA GPUs): the configured fused settings (comm=fused comm.num_programs=...),
+            or FusedCommConfig's defaults when the config is comm=bulk.
+A config train.py's training refuses is refused by the same checks (train/loop.py's check_config, build_train_data)
+before any variant is built: the settings read here (data.steps_per_epoch, the fused settings) and, as the report
+does, those only training reads (run length, cadence, batches ahead, comm.mode); not the eval data's (unread here).
 A variant that cannot run here is named with the reason, in one line, and left out; nothing is estimated.
 Per variant: warm-up steps, then timed steps (time_ms: ranks lined up before each step, CUDA events or the host
 timer, the slowest rank's median), samples/s of the global batch, and the loss of every step over the global
@@ -62,8 +66,9 @@ from fused_dlrm.sparse import plan_sharding
 from fused_dlrm.sparse.lookup import init_table
 from fused_dlrm.sparse.sharded_ebc import table_seeds
 from fused_dlrm.sparse.torchrec_sharder import FusedEmbeddingBagCollectionSharder, torchrec_in_backward_optimizer
-from fused_dlrm.train.build import (batch_stream, build_dataset, compose_config, config_tables, embedding_optimizers,
+from fused_dlrm.train.build import (batch_stream, compose_config, config_tables, embedding_optimizers, fused_comm,
                                    to_device)
+from fused_dlrm.train.loop import build_train_data, check_config
 
 VARIANTS = ("torchrec", "bulk", "fused")
 BASELINE = "torchrec"
@@ -129,8 +134,9 @@ def shard(model: DLRMTrain, variant: str, cfg: DictConfig, env: DistEnv) -> Dist
             optimizer_class, kwargs = torchrec_in_backward_optimizer(optimizer)
             apply_optimizer_in_backward(optimizer_class, [ebc.embedding_bags[table].weight], kwargs)
         sharder = EmbeddingBagCollectionSharder()
-    else:
-        sharder = FusedEmbeddingBagCollectionSharder(optimizers, comm=variant)
+    else:  # comm=fused: the configured fused settings (comm=fused ...), or their defaults
+        comm = (fused_comm(cfg.comm) or "fused") if variant == "fused" else "bulk"
+        sharder = FusedEmbeddingBagCollectionSharder(optimizers, comm=comm)
     shards = plan_sharding(ebc.embedding_bag_configs(), env.world_size).shards  # table-wise: one per table
     module_plan = construct_module_sharding_plan(
         ebc, {s.table: table_wise(rank=s.rank, compute_kernel="fused") for s in shards}, sharder=sharder,
@@ -190,7 +196,7 @@ def step_optimizer(dmp: DistributedModelParallel, cfg: DictConfig) -> CombinedOp
 
 def make_batches(cfg: DictConfig, env: DistEnv, count: int) -> list[Batch]:
     """This rank's slices of the first `count` global batches, on the device (made outside the timed steps)."""
-    stream = batch_stream(build_dataset(cfg, "train", env), 0, cfg.data.get("steps_per_epoch"))
+    stream = batch_stream(build_train_data(cfg, env), 0, cfg.data.get("steps_per_epoch"))
     # raised on every rank: one rank's failure (a malformed line in its slice) would leave the others in DMP's
     # collectives
     try:
@@ -343,13 +349,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def config(args: argparse.Namespace) -> DictConfig:
-    """The config train.py would compose from the overrides; the paper model unless a model= override is given."""
+    """The config train.py would compose from the overrides; the paper model unless a model= override is given.
+    Refused as training refuses it (check_config; the same on every rank, as the config is)."""
     overrides = list(args.overrides)
     if not any(o.startswith("model=") for o in overrides):
         overrides.insert(0, "model=dlrm_paper")
     cfg = compose_config(overrides)
     if cfg.model.name != "dlrm":
         raise SystemExit(f"dlrm_step times a DLRM; model {cfg.model.name!r} is not one")
+    check_config(cfg)
     return cfg
 
 

@@ -144,7 +144,8 @@ def make_train_step(model, optimizer, step: Callable[[], None], world_size: int,
 
 def check_config(cfg: DictConfig) -> None:
     """The settings `train` refuses before it builds anything, the same on every rank (the config is): the report
-    (fused_dlrm/report/dlrm.py), which times the step a config trains, runs them too. The data's settings are
+    (fused_dlrm/report/dlrm.py), which times the step a config trains, and the benchmark dlrm_step, which shapes its
+    model and batches by it, run them too. The data's settings are
     `build_data`'s checks and the model's (its embedding optimizers' too) build_model's, which both paths call."""
     check_config_keys(cfg)  # a `+trainer.<typo>=...` would otherwise be added and never read
     t = cfg.trainer
@@ -160,10 +161,11 @@ def check_config(cfg: DictConfig) -> None:
     fused_comm(cfg.comm)
 
 
-def build_data(cfg: DictConfig, env: DistEnv) -> tuple:
-    """The train and eval datasets (`build_dataset`), data.steps_per_epoch checked against the train data's kind:
-    epochs of step-indexed data are counted in it, of file-backed data in passes over the files."""
-    train_data, eval_data = build_dataset(cfg, "train", env), build_dataset(cfg, "eval", env)
+def build_train_data(cfg: DictConfig, env: DistEnv):
+    """The train dataset (`build_dataset`), data.steps_per_epoch checked against its kind: epochs of step-indexed
+    data are counted in it, of file-backed data in passes over the files (batch_stream reads it: the benchmark
+    dlrm_step, which makes its batches so, calls this too)."""
+    train_data = build_dataset(cfg, "train", env)
     steps_per_epoch, indexed = cfg.data.get("steps_per_epoch"), hasattr(train_data, "batch")
     if not indexed and steps_per_epoch:
         raise ValueError(f"data.steps_per_epoch={steps_per_epoch}: an epoch of file-backed data is one pass over its "
@@ -171,7 +173,14 @@ def build_data(cfg: DictConfig, env: DistEnv) -> tuple:
     if indexed and steps_per_epoch is not None:  # 0: with trainer.epochs the run would end at step 0, without a word
         check_count("data.steps_per_epoch", steps_per_epoch, 1, "a step count >= 1, or null (every step of epoch 0; "
                     "trainer.max_steps ends the run)")
-    if cfg.trainer.max_steps is None and indexed and not steps_per_epoch:
+    return train_data
+
+
+def build_data(cfg: DictConfig, env: DistEnv) -> tuple:
+    """The train dataset (`build_train_data`) and the eval one; trainer.epochs with step-indexed data needs
+    data.steps_per_epoch."""
+    train_data, eval_data = build_train_data(cfg, env), build_dataset(cfg, "eval", env)
+    if cfg.trainer.max_steps is None and hasattr(train_data, "batch") and not cfg.data.get("steps_per_epoch"):
         raise ValueError("trainer.epochs with step-indexed (synthetic) data counts epochs of data.steps_per_epoch "
                          "steps: set it (>= 1), or trainer.max_steps; without it the run would never end")
     return train_data, eval_data
