@@ -406,6 +406,23 @@ def test_the_lowest_refusing_rank_is_named_on_every_other_rank(form):
     check_refused_on_some_ranks(4, (1, 2), "3-D x", form)
 
 
+def two_ranks(form: str, seed: int):
+    """A World of 2 ranks making calls of `form` (CALL_FORMS): the world, whether its calls scatter, the check of
+    their outputs and a generator."""
+    algorithm, scatter = CALL_FORMS[form]
+    return (World(2, algorithm=algorithm), scatter, assert_reduce_scattered if scatter else assert_all_reduced,
+            torch.Generator().manual_seed(seed))
+
+
+def refuse(op: GemmAllReduce, w: torch.Tensor, scatter: bool) -> None:
+    """A call that op's rank refuses (a 3-D x), all its phases at once: it raises its own error."""
+    epoch = op.next_epoch()
+    for phase in (PRODUCE, REDUCE, WAIT):
+        refused = op.launch(torch.ones(2, 4, 40, dtype=torch.bfloat16), w, epoch, phase, scatter)
+    with pytest.raises(ValueError, match=r"expected x \[M, K\]"):
+        op.output(epoch, refused)
+
+
 @pytest.mark.parametrize("form", ["one-shot", "reduce-scatter"])  # two-shot's call 1 waits for rank 1's reduce
 def test_a_refused_call_waits_until_every_peer_has_begun_it(form):
     """A refused call, every rank's here (a 3-D x), takes its epoch and ends only once every peer has begun that call
@@ -415,11 +432,8 @@ def test_a_refused_call_waits_until_every_peer_has_begun_it(form):
     at a time) it times out, naming rank 1 and step 2 (raised at rank 0's next call, after its own error); on a GPU it
     holds rank 0's next call, which pushes into the half of call 1 that rank 1 still reduces, until rank 1 is done
     with it. The calls after that are exact."""
-    algorithm, scatter = CALL_FORMS[form]
-    check = assert_reduce_scattered if scatter else assert_all_reduced
-    world = World(2, algorithm=algorithm)
+    world, scatter, check, gen = two_ranks(form, 13)
     ops = world.ops
-    gen = torch.Generator().manual_seed(13)
     xs, ws = random_inputs(2, 4, 40, 50, torch.bfloat16, gen)
     world.poison(xs, ws, scatter)
     epochs = [op.next_epoch() for op in ops]
@@ -428,21 +442,12 @@ def test_a_refused_call_waits_until_every_peer_has_begun_it(form):
     for phase in (REDUCE, WAIT):  # rank 0's device finishes call 1; rank 1's has not reduced it yet
         ops[0].launch(xs[0], ws[0], epochs[0], phase, scatter)
     outs[0] = ops[0].output(epochs[0], plans[0]).clone()
-    bad = torch.ones(2, 4, 40, dtype=torch.bfloat16)
-
-    def refuse(op):
-        epoch = op.next_epoch()
-        for phase in (PRODUCE, REDUCE, WAIT):
-            refused = op.launch(bad, ws[0], epoch, phase, scatter)
-        with pytest.raises(ValueError, match=r"expected x \[M, K\]"):
-            op.output(epoch, refused)
-
-    refuse(ops[0])  # while rank 1 has not begun call 2: its wait times out
+    refuse(ops[0], ws[0], scatter)  # while rank 1 has not begun call 2: its wait times out
     for phase in (REDUCE, WAIT):
         ops[1].launch(xs[1], ws[1], epochs[1], phase, scatter)
     outs[1] = ops[1].output(epochs[1], plans[1]).clone()
     check(outs, xs, ws)
-    refuse(ops[1])
+    refuse(ops[1], ws[0], scatter)
     assert [op.ws._epochs["gemm_allreduce"] for op in ops] == [2, 2]
     xs, ws = random_inputs(2, 4, 40, 50, torch.bfloat16, gen)
     outputs = World.launch(ops, xs, ws, [scatter] * 2)
@@ -488,6 +493,50 @@ def test_timeout_names_rank_and_slice(algorithm):
         plan = op.launch(xs[0], ws[0], epoch, phase)
     with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 1 waiting for rank 1, slice 0"):
         op.output(epoch, plan)
+
+
+@pytest.mark.parametrize("meanwhile", ["nothing", "a refused call"])
+@pytest.mark.parametrize("form", list(CALL_FORMS))
+def test_a_late_peer_times_out_rather_than_take_stale_tiles(form, meanwhile):
+    """Rank 1 comes late to call 3: rank 0's reduce gives up waiting for its partials. Two-shot: rank 0 must then
+    store no tile into rank 1's output (that half holds rank 1's call 1, valid until its call 3) and raise no output
+    flag: rank 1, arriving, would take its output's tiles of rank 0's range, call 1's or never reduced, as call 3's
+    (once, it returned them without an error). Nor may rank 0's next call, refused on rank 0 (its flags rise without
+    tiles), stand in for them. So rank 1 times out naming rank 0 and the program whose tiles are missing. One-shot
+    and reduce-scatter: rank 1 reduces its tiles itself, from rank 0's partials of call 3, there in time: exact.
+    Once both ranks are past call 3 (nothing else meanwhile), the next call is exact."""
+    world, scatter, check, gen = two_ranks(form, 14)
+    ops = world.ops
+    xs, ws = random_inputs(2, 4, 40, 50, torch.bfloat16, gen)
+    world.poison(xs, ws, scatter)
+    outs = [output() for output in World.launch(ops, xs, ws, [scatter] * 2)]  # call 1's, in the half of call 3's
+    kept = [out.clone() for out in outs]
+    check(kept, xs, ws)
+    xs, ws = random_inputs(2, 4, 40, 50, torch.bfloat16, gen)
+    check(world(xs, ws, scatter), xs, ws)  # call 2
+    xs, ws = random_inputs(2, 4, 40, 50, torch.bfloat16, gen)
+    epochs = [op.next_epoch() for op in ops]
+    for phase in (PRODUCE, REDUCE, WAIT):
+        plan = ops[0].launch(xs[0], ws[0], epochs[0], phase, scatter)
+    with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 3 waiting for rank 1, slice 0"):
+        ops[0].output(epochs[0], plan)
+    assert torch.equal(outs[1], kept[1])  # rank 1's call 1: it has not begun call 3
+    for phase in (PRODUCE, REDUCE):
+        ops[1].launch(xs[1], ws[1], epochs[1], phase, scatter)
+    if meanwhile == "a refused call":
+        refuse(ops[0], ws[0], scatter)
+    plan = ops[1].launch(xs[1], ws[1], epochs[1], WAIT, scatter)
+    if form == "two-shot":
+        with pytest.raises(PeerWaitTimeout, match="rank 1 timed out at step 3 waiting for rank 0, slice 0"):
+            ops[1].output(epochs[1], plan)
+    else:
+        expected = gemm_reduce_scatter_reference(xs, ws)[1] if scatter else gemm_allreduce_reference(xs, ws)
+        got = ops[1].output(epochs[1], plan)
+        assert (got.double() - expected).abs().max() / expected.abs().max() < TOLERANCE[got.dtype]
+    if meanwhile == "nothing":
+        xs, ws = random_inputs(2, 4, 40, 50, torch.bfloat16, gen)
+        world.poison(xs, ws, scatter)
+        check(world(xs, ws, scatter), xs, ws)
 
 
 # Rank 1's call unlike the others' (x [6, 40] @ w [40, 50] bf16, two-shot all-reduce, World's ops): its shapes, dtype

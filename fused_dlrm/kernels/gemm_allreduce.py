@@ -13,7 +13,7 @@ per program:
    last; program p takes the units p, p + P, ... of each owner and then raises its flag (source rank, p) there.
 2. reduce + all-gather: for each owned tile, wait for the flags of exactly the programs that produced its units,
    sum the partials in a fixed order (source rank, then K chunk) in fp32, and store the rounded result into every
-   rank's output (remote first); then raise flag (owner rank, p) in every rank.
+   rank's output (remote first); then raise flag (owner rank, p) in every rank (not where a wait gave up: below).
 3. wait: program p polls the output flags (owner, p) of every owner; when the launch ends the output is complete.
 one-shot: every rank receives every unit's partial (produce stores each unit into every rank's slot, then raises
 its flag in every rank) and reduces all tiles itself into its own output: one round of flags instead of two, and
@@ -42,7 +42,11 @@ call that waits so: a refused one too, below.) The returned output is a view of 
 until the call after next (later stores to it come from call e + 2). Flags carry the epoch, are
 never reset and are compared with `>=`; a wait that times out records (1, peer, slice) in the error word, which
 `PeerErrors` raises on the host as PeerWaitTimeout (slice: the tile being reduced, -1 for a program that owns
-none (below), or in the wait phase the program whose output flag is missing).
+none (below), or in the wait phase the program whose output flag is missing). A program whose wait for a partial
+gave up stores no tile from then on and raises no output flag: a late peer's output half still holds its call
+before last (valid until it begins this one), and the late peer, finding the flag, would take the tiles there as
+this call's; it times out instead, naming this rank and the program. Once every rank is past the call, the next is
+exact. (One-shot and reduce-scatter: the late peer reduces its tiles itself, from partials that are there.)
 
 Ranks whose calls differ (M, N, K, dtype, form, or the tiles, K split and grid their ops plan: a caller's bug)
 would sum slots of another layout without an error, so every call has a signature (`_call_signature`) that
@@ -66,13 +70,14 @@ reduce-scatter's M not a multiple of the world size; buffers past int32 offsets:
 decide) is still a call there (peer_flags.RefusedCall): raising alone would leave its peers waiting out their
 bound, and its epochs one behind theirs for every later call. It runs `_refused_call_kernel` (one program): its
 signature says why ([epoch, REFUSED_CALL, refusal words]) and goes into every peer's half of the epoch, then its
-ready and done flags there for every program (the peers' grid is not known), so the peers' waits end; then it waits
-for a ready flag of the call from every peer, as a call that runs does (the guard of the halves above). Each peer,
-comparing calls, records the refusal (code 5: the lowest refused rank, the same on every rank, before any mismatch)
-and raises PeerRefusedInput naming that rank and why (its output not defined); the refused rank raises its own
-ValueError at `output`. The next call, alike on every rank, is exact. (A peer whose call would grow the buffers
-waits in the allocation, as above, for the refusing rank, which asks for nothing.) What the op's construction
-fixes (algorithm, transport, spin bound, tiles) is refused there, before any call.
+ready flags there for every program (the peers' grid is not known), so the peers' waits end; then it waits for a
+ready flag of the call from every peer, as a call that runs does (the guard of the halves above), and raises its
+done flags for every program in each peer once that peer's is seen (a peer late in an older call would take them
+for that call's). Each peer, comparing calls, records the refusal (code 5: the lowest refused rank, the same on
+every rank, before any mismatch) and raises PeerRefusedInput naming that rank and why (its output not defined); the
+refused rank raises its own ValueError at `output`. The next call, alike on every rank, is exact. (A peer whose
+call would grow the buffers waits in the allocation, as above, for the refusing rank, which asks for nothing.) What
+the op's construction fixes (algorithm, transport, spin bound, tiles) is refused there, before any call.
 
 `gemm_allreduce_reference` is the pure-torch definition; `gemm_allreduce_bulk` the bulk twin (matmul, then
 torch.distributed.all_reduce); `gemm_reduce_scatter_reference` / `_bulk` the same for the reduce-scatter form.
@@ -313,21 +318,25 @@ def _gemm_allreduce_kernel(
         owned = tl.minimum(tl.maximum(num_tiles - first_tile, 0), tiles_per_rank)
         recv = tl.load(recv_ptrs + rank).to(tl.pointer_type(tl.float32)) + parity * recv_half
         ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
+        arrived = epoch > 0  # (true) every flag this program waited for came, unless a wait gives up
         j = pid
         while j < owned:
             for source in tl.static_range(WORLD):  # the flags of the programs that produced tile j's units
                 chunk = 0
                 while chunk < split_k:
                     producer = (j * split_k + chunk) % num_programs
-                    wait_or_record(ready + source * flag_stride + producer, epoch, spin_limit, error_ptr,
-                                    source, first_tile + j)
+                    arrived &= wait_or_record(ready + source * flag_stride + producer, epoch, spin_limit, error_ptr,
+                                              source, first_tile + j)
                     chunk += 1
             tl.debug_barrier()  # the flags this program's threads acquired cover the partials any of them loads
             if j == pid:  # the program's first tile: the peers' calls (a flag of each is seen), once per call
                 same_unrefused_calls(signatures, rank, signature, error_ptr, first_tile + j, epoch, WORLD)
             first, end, n_tile = _tile_place(first_tile + j, n_tiles, tiles_per_rank, band_rows, M, BLOCK_M, SCATTER)
             out_rows = first + rows
-            row_mask = out_rows < end
+            # After a wait gave up, no tile is stored, nor the output flag (below): a late peer's output half holds
+            # its call before last, valid until it begins this one; and finding the flag, it would take the tiles
+            # there as this call's (it times out instead).
+            row_mask = (out_rows < end) & arrived
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for source in tl.static_range(WORLD):
                 chunk = 0
@@ -351,7 +360,8 @@ def _gemm_allreduce_kernel(
                     tl.store(out + out_offsets, result, mask=out_mask)
             j += num_programs
         if not ONE_SHOT and not SCATTER:
-            signal_ready(done_ptrs, rank * flag_stride + pid, epoch, WORLD)
+            if arrived:
+                signal_ready(done_ptrs, rank * flag_stride + pid, epoch, WORLD)
         # No tile: the peers' calls behind their flags (source, pid), once this program's are up; in an empty call
         # (M = 0) program 0's alone, which every peer's grid has (a flag of each peer guards the halves as well).
         if pid >= owned and (M > 0 or pid == 0):
@@ -373,19 +383,21 @@ def _gemm_allreduce_kernel(
 def _refused_call_kernel(signature_ptr, signature_ptrs, ready_ptrs, done_ptrs, error_ptr, rank, epoch, flag_stride,
                          spin_limit, WORLD: tl.constexpr, SLOTS: tl.constexpr, PHASES: tl.constexpr):
     """One program: a call this rank refused, in the phases of a call (the module docstring). Produce: its signature
-    (signature_ptr: a RefusedCall's) into every peer's half of this epoch's parity, then its ready and done flags
-    there, for every program (the peers' grid is not known here); wait: until every peer's program 0 (every grid
-    has one) has raised its ready flag of this epoch here, as a call that runs waits for its peers' flags: the
-    guard of the halves that this rank's call after next writes."""
+    (signature_ptr: a RefusedCall's) into every peer's half of this epoch's parity, then its ready flags there, for
+    every program (the peers' grid is not known here); reduce: wait until each peer's program 0 (every grid has one)
+    has raised its ready flag of this epoch here, as a call that runs waits for its peers' flags (the guard of the
+    halves that this rank's call after next writes), and only then raise its done flags there for every program: a
+    peer late in an older call, after this rank's wait for it gave up, would take them for that call's and return
+    the output tiles there as its own."""
     for k in tl.static_range(1, WORLD):
         peer = (rank + k) % WORLD
         if PHASES & 1:
             publish_refusal(signature_ptr, epoch, signature_ptrs, (epoch % 2) * WORLD * SIGNATURE_WORDS, ready_ptrs,
                             peer, rank, flag_stride, SLOTS)
-            signal_every_program(done_ptrs, peer, rank, flag_stride, epoch, SLOTS)
-        if PHASES & 4:
+        if PHASES & 2:
             ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
-            wait_or_record(ready + peer * flag_stride, epoch, spin_limit, error_ptr, peer, -1)
+            if wait_or_record(ready + peer * flag_stride, epoch, spin_limit, error_ptr, peer, -1):
+                signal_every_program(done_ptrs, peer, rank, flag_stride, epoch, SLOTS)
 
 
 def default_split_k(m: int, k: int, num_tiles: int, num_programs: int, block_k: int) -> int:
