@@ -40,6 +40,7 @@ from fused_dlrm.kernels.push_columns import (GradientDestinations, PushColumnsLa
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 from fused_dlrm.sparse.plan import FeatureSlice
+from fused_dlrm.train.config_keys import check_count
 
 PUSH_BLOCK_ROWS = 16  # rows per tile of the gradient push (a copy: one remote-first walk, kernels/peer_tiles.py)
 WORKSPACES = {"p2p": cuda_workspace, "nvshmem": NvshmemSymmetricWorkspace}  # comm.transport -> its symmetric memory
@@ -56,9 +57,8 @@ class FusedCommConfig:
         if self.transport not in WORKSPACES:
             raise ValueError(f"comm.transport={self.transport!r} is unknown; expected one of {list(WORKSPACES)}")
         check_spin_limit(self.wait_timeout_spins, "comm.wait_timeout_spins")
-        programs = self.num_programs  # ranks agree on it as an int64 tensor: a float would be cut, true be 1
-        if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
-            raise ValueError(f"comm.num_programs={programs!r}: expected a whole number >= 1 or null (32 per SM)")
+        if self.num_programs is not None:  # ranks agree on it as an int64 tensor: a float would be cut, true be 1
+            check_count("comm.num_programs", self.num_programs, 1, "a whole number >= 1 or null (32 per SM)")
 
 
 def build_fused_exchange(lookup: PooledEmbeddingLookup, slices_of_rank: list[list[FeatureSlice]],

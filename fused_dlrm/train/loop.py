@@ -145,8 +145,8 @@ def make_train_step(model, optimizer, step: Callable[[], None], world_size: int,
 def check_config(cfg: DictConfig) -> None:
     """The settings `train` refuses before it builds anything, the same on every rank (the config is): the report
     (fused_dlrm/report/dlrm.py), which times the step a config trains, and the benchmark dlrm_step, which shapes its
-    model and batches by it, run them too. The data's settings are
-    `build_data`'s checks and the model's (its embedding optimizers' too) build_model's, which both paths call."""
+    model and batches by it, run them too. The data's settings are `build_data`'s checks and the model's (its
+    embedding optimizers' too) build_model's, which both paths call."""
     check_config_keys(cfg)  # a `+trainer.<typo>=...` would otherwise be added and never read
     t = cfg.trainer
     if t.max_steps is None and t.epochs is None:
