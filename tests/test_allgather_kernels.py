@@ -99,6 +99,77 @@ def test_an_all_gather_of_empty_shards_is_a_call(producer):
         ops[0][0].finish(epoch, producer)
 
 
+# A shard that rank 1 refuses (the exchange: [7, 5] float16, chunks of 3 rows) or its producer; the error it raises
+# itself, what its peers say of it.
+GATHER_REFUSALS = {
+    "more rows": (lambda: (torch.randn(8, 5).half(), "device"), r"shard \(8, 5\) torch.float16 on cpu: expected "
+                  r"\(7, 5\) torch.float16 on cpu", r"its shard \[8, 5\] float16 is not the exchange's \[7, 5\] "
+                  r"float16 on its device"),
+    "other cols": (lambda: (torch.randn(7, 4).half(), "pull"), r"shard \(7, 4\)", r"its shard \[7, 4\] float16 is"),
+    "other dtype": (lambda: (torch.randn(7, 5), "copy_engine"), r"shard \(7, 5\) torch.float32",
+                    r"its shard \[7, 5\] float32 is not"),
+    "3-D": (lambda: (torch.randn(7, 5, 1).half(), "device"), r"shard \(7, 5, 1\)", r"its shard \[7, 5, 1\] float16"),
+    "other device": (lambda: (torch.empty(7, 5, dtype=torch.float16, device="meta"), "device"),
+                     r"shard \(7, 5\) torch.float16 on meta", r"its shard \[7, 5\] float16 on another device is "
+                     r"not the exchange's"),
+    "unknown producer": (lambda: (torch.randn(7, 5).half(), "nvlink"), "unknown producer 'nvlink'",
+                         r"its producer is not one of \('device', 'copy_engine', 'pull'\)"),
+}
+
+
+def check_gather_refused(world_size: int, rounds: list[dict[int, str]], producer: str) -> None:
+    """Calls 2, 3, ... of an exchange of uneven chunks, one per round: the ranks of the round refuse their shard or
+    producer (GATHER_REFUSALS), the others call with `producer`: each refusing rank raises its own error, every
+    other rank PeerRefusedInput naming the lowest refusing rank and why (a refused call still raises its flags and
+    says why beside them). The calls around them, on both halves of the buffers (poisoned first), are exact."""
+    gen = torch.Generator().manual_seed(world_size + len(rounds))
+    ops = gathers(world_size, 7, 5, torch.float16, chunk_rows=3, num_programs=2)
+
+    def exact():
+        for op in ops:
+            op.data.local.fill_(float("nan"))
+        shards = [torch.randn(7, 5, generator=gen).half() for _ in ops]
+        for got in run_gather(ops, shards, [producer] * world_size):
+            assert torch.equal(got, all_gather_reference(shards))
+
+    exact()
+    for step, refusals in enumerate(rounds, start=2):
+        epochs = {}
+        for rank, op in enumerate(ops):  # every rank's producer first
+            if rank in refusals:
+                shard, refused_producer = GATHER_REFUSALS[refusals[rank]][0]()
+                with pytest.raises(ValueError, match=GATHER_REFUSALS[refusals[rank]][1]):
+                    op.start(shard, refused_producer)
+            else:
+                epochs[rank] = op.start(torch.randn(7, 5, generator=gen).half(), producer)
+        first = min(refusals)
+        for rank, epoch in epochs.items():
+            with pytest.raises(PeerRefusedInput, match=rf"^all-gather at step {step}: rank {rank}: rank {first}'s "
+                                                       rf"call was refused: {GATHER_REFUSALS[refusals[first]][2]}"):
+                ops[rank].finish(epoch, producer)
+    for _ in range(3):
+        exact()
+    for op in ops:
+        op.errors.check(block=True)
+
+
+@pytest.mark.parametrize("producer", PRODUCERS)
+@pytest.mark.parametrize("refusal", list(GATHER_REFUSALS))
+def test_all_gather_refused_on_one_rank_raises_on_every_rank(refusal, producer):
+    check_gather_refused(2, [{1: refusal}], producer)
+
+
+@pytest.mark.parametrize("producer", PRODUCERS)
+def test_all_gather_refused_on_two_ranks_of_three_names_the_lowest(producer):
+    check_gather_refused(3, [{2: "other dtype", 1: "unknown producer"}], producer)
+
+
+@pytest.mark.parametrize("producer", PRODUCERS)
+def test_all_gather_refused_calls_in_a_row_keep_the_epochs_in_step(producer):
+    """Refusals of one rank, then another's, then the first's again: both halves of the refusals' buffer."""
+    check_gather_refused(3, [{1: "more rows"}, {0: "other cols"}, {1: "other device"}, {2: "3-D"}], producer)
+
+
 SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, chunk_rows=16, copy_rows=16, num_programs=3,
                    spin_limit=50)
 STRADDLE = dataclasses.replace(SMALL, chunk_rows=24, copy_rows=24)
@@ -590,6 +661,9 @@ build(allgather._push_kernel, types, dict(rank=1, chunks=1, WORLD=4, BLOCK_R=16,
 build(allgather._guard_kernel, {"ack_ptr": "*i32", "error_ptr": "*i32"}, {})
 build(allgather._wait_chunk_kernel, {"ready_ptrs": "*i64", "error_ptr": "*i32"}, dict(source=1))
 build(allgather._wait_published_kernel, {"ready_ptrs": "*i64", "error_ptr": "*i32"}, dict(rank=1))
+build(allgather._refused_call_kernel, {n: "*i64" for n in ("signature_ptr", "refusal_ptrs", "ready_ptrs", "ack_ptrs")}
+      | {"ack_ptr": "*i32", "error_ptr": "*i32"}, dict(WORLD=4, SLOTS=4))
+build(allgather._refused_sources_kernel, {"refusals_ptr": "*i64", "error_ptr": "*i32"}, dict(WORLD=4))
 build(allgather_gemm._publish_call_kernel, {"call_ptrs": "*i64"}, dict(WORLD=4))
 build(allgather_gemm._check_calls_kernel, {"calls_ptr": "*i64", "error_ptr": "*i32"}, dict(WORLD=4))
 for publish in (True, False):

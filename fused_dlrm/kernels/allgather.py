@@ -31,6 +31,18 @@ The gathered tensor returned is a view of the symmetric buffer: valid until the 
 `all_gather_reference` is the pure-torch definition. Every rank must build the exchange alike (rows, cols, dtype,
 chunk_rows) and call in the same order: calls are not compared here (AllGatherMatmul compares its calls'
 signatures). A shard of 0 rows is one chunk of none: its call raises and waits for a flag per rank, as any call.
+
+A call that one rank refuses (`SymmetricAllGather.refusal`: an unknown producer, a shard not [rows, cols] of the
+exchange's dtype on its device) is still a call there (peer_flags.RefusedCall): raising alone would leave its peers
+waiting for its chunks, and its epochs behind theirs for good. It takes its epoch, and `_refused_call_kernel` puts
+a signature that says why ([epoch, REFUSED_CALL, refusal words]) into every rank's refusals' buffer (two halves by
+epoch parity, guarded as the data: once the rank acknowledged epoch - 1), then raises the flags of every chunk
+there and acknowledges the epoch (it reads nothing of it); its host raises its own ValueError. Each peer's
+`finish`, after its wait, reads the signatures of that epoch (`_refused_sources_kernel`: a good call writes none)
+and records the lowest refusing rank (code 5), so its PeerErrors raises PeerRefusedInput naming the rank and why
+(at once on the CPU, within check_every calls on GPUs); its gathered rows are not defined. The next call is exact.
+An op that passes its own `errors` (AllGatherMatmul) checks its shards first: its error word describes its own
+refusals.
 """
 
 from __future__ import annotations
@@ -42,7 +54,10 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import _Workspace
-from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, PeerErrors, check_spin_limit, consumer_released,
+from fused_dlrm.kernels import dtype_code, dtype_name
+from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, TENSOR_WORDS, PeerErrors, RefusedCall,
+                                           check_spin_limit, consumer_released, describe_refused_calls,
+                                           describe_tensor, publish_refusal, refused_by, signal_ready, tensor_words,
                                            wait_or_record, wait_ready)
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 
@@ -125,6 +140,55 @@ def _wait_published_kernel(ready_ptrs, rank, chunks, epoch, spin_limit, error_pt
             c += 1
 
 
+@triton.jit
+def _refusals_half(epoch, WORLD: tl.constexpr):
+    """The offset of `epoch`'s half of the refusals' buffer (by its parity: the call after next reuses it)."""
+    return (epoch % 2) * WORLD * SIGNATURE_WORDS
+
+
+@triton.jit(do_not_specialize=["rank", "epoch"])
+def _refused_call_kernel(signature_ptr, refusal_ptrs, ready_ptrs, ack_ptr, ack_ptrs, error_ptr, rank, epoch, chunks,
+                         spin_limit, WORLD: tl.constexpr, SLOTS: tl.constexpr):
+    """One program: a call this rank refused (the module docstring). Into every rank, once it has released the half
+    (`consumer_released`: it has checked the refusals that `epoch` - 2 left there), this rank last (a pull's
+    consumer waits for this rank's own flags, then reads the signature in its own buffer): the signature that says
+    why (signature_ptr: a RefusedCall's), then the flags of every chunk (`publish_refusal`). Then the epoch
+    acknowledged to every rank, as its `finish` would: it reads nothing of it."""
+    for k in tl.static_range(1, WORLD + 1):
+        dest = (rank + k) % WORLD
+        if consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr):
+            publish_refusal(signature_ptr, epoch, refusal_ptrs, _refusals_half(epoch, WORLD), ready_ptrs, dest, rank,
+                            chunks, SLOTS)
+    signal_ready(ack_ptrs, rank, epoch, WORLD)
+
+
+@triton.jit(do_not_specialize=["rank", "epoch"])
+def _refused_sources_kernel(refusals_ptr, error_ptr, rank, epoch, WORLD: tl.constexpr):
+    """One program, after the wait for every chunk of `epoch`: record (code 5, `refused_by`) the lowest peer that
+    refused the call. A refusal's signature holds its epoch; a source's good calls write none, so an older one
+    may lie in the half."""
+    refusals = refusals_ptr + _refusals_half(epoch, WORLD)
+    for source in tl.static_range(WORLD):
+        if source != rank:
+            if tl.load(refusals + source * SIGNATURE_WORDS) == epoch:
+                refused_by(refusals, source, error_ptr, epoch)
+
+
+# Why a rank refuses its call (`SymmetricAllGather.refusal`): word 0 of its refusal words, which its peers name
+# (`describe_refusal`)
+UNKNOWN_PRODUCER, UNEXPECTED_SHARD = 1, 2
+
+
+def describe_refusal(words: list[int]) -> str:
+    """A rank's refusal words (`SymmetricAllGather.refusal`) in words, as its peers say them."""
+    reason, *values = words
+    if reason == UNKNOWN_PRODUCER:  # (its name does not travel: the words are integers)
+        return f"its producer is not one of {PRODUCERS}"
+    shard, (on_device, rows, cols, dtype) = values[:TENSOR_WORDS], values[TENSOR_WORDS:TENSOR_WORDS + 4]
+    return (f"its shard {describe_tensor(shard)}{'' if on_device else ' on another device'} is not the exchange's "
+            f"[{rows}, {cols}] {dtype_name(dtype)} on its device")
+
+
 def _write_flag(flags: torch.Tensor, index: int, epoch: int) -> None:
     """On the current stream, after its earlier work: flags[index] = epoch (a stream memory op on GPUs)."""
     if flags.is_cuda:
@@ -151,7 +215,11 @@ class SymmetricAllGather:
         self.data = workspace.buffer(self.exchange, 2 * self.world * rows * cols, dtype)
         self.ready = workspace.buffer(self.exchange + ":ready", self.world * self.chunks, torch.int32)
         self.ack = workspace.buffer(self.exchange + ":ack", self.world, torch.int32)
-        self.errors = errors or PeerErrors(workspace.device, self.rank, "all-gather")
+        # every source's signature of its latest refused call, two halves by epoch parity (`_refused_call_kernel`)
+        self.refusals = workspace.buffer(self.exchange + ":refusals", 2 * self.world * SIGNATURE_WORDS.value,
+                                         torch.int64)
+        self.errors = errors or PeerErrors(workspace.device, self.rank, "all-gather",
+                                           describe_refused=describe_refused_calls(self.rank, describe_refusal))
         cuda = workspace.device.type == "cuda"
         self.num_programs = num_programs or (
             torch.cuda.get_device_properties(workspace.device).multi_processor_count if cuda else 2)
@@ -194,16 +262,34 @@ class SymmetricAllGather:
             torch.cuda.current_stream().wait_stream(stream)
 
     # -- producers ------------------------------------------------------------------------------------------------
-    def start(self, shard: torch.Tensor, producer: str) -> int:
-        """Enqueue this rank's part of the next all-gather (its own slot included); returns its epoch."""
+    def refusal(self, shard: torch.Tensor, producer: str) -> RefusedCall | None:
+        """The call this rank refuses (an unknown producer; a shard not [rows, cols] of the exchange's dtype on its
+        device), or None."""
         if producer not in PRODUCERS:
-            raise ValueError(f"unknown producer {producer!r}: expected one of {PRODUCERS}")
-        if tuple(shard.shape) != (self.rows, self.cols) or shard.dtype != self.dtype:
-            raise ValueError(f"shard {tuple(shard.shape)} {shard.dtype}: expected ({self.rows}, {self.cols}) "
-                             f"{self.dtype}")
+            return RefusedCall.of([UNKNOWN_PRODUCER], ValueError(f"unknown producer {producer!r}: expected one of "
+                                                                 f"{PRODUCERS}"), self.ws.device)
+        if tuple(shard.shape) != (self.rows, self.cols) or shard.dtype != self.dtype or shard.device != self.ws.device:
+            error = ValueError(f"shard {tuple(shard.shape)} {shard.dtype} on {shard.device}: expected ({self.rows}, "
+                               f"{self.cols}) {self.dtype} on {self.ws.device}")
+            words = tensor_words(shard) + [int(shard.device == self.ws.device), self.rows, self.cols,
+                                           dtype_code(self.dtype)]
+            return RefusedCall.of([UNEXPECTED_SHARD] + words, error, self.ws.device)
+        return None
+
+    def start(self, shard: torch.Tensor, producer: str) -> int:
+        """Enqueue this rank's part of the next all-gather (its own slot included); returns its epoch. A call this
+        rank refuses (`refusal`) takes its epoch all the same and tells every rank why (the module docstring), then
+        raises its error here; its peers raise PeerRefusedInput at `finish`."""
         self.errors.check()
-        shard = shard.contiguous()
         epoch = self.next_epoch()
+        refused = self.refusal(shard, producer)
+        if refused is not None:
+            _refused_call_kernel[(1,)](refused.signature, self.refusals.peer_ptrs, self.ready.peer_ptrs,
+                                       self.ack.local, self.ack.peer_ptrs, self.errors.word, self.rank, epoch,
+                                       self.chunks, self.spin_limit, WORLD=self.world,
+                                       SLOTS=triton.next_power_of_2(self.chunks))
+            raise refused.error
+        shard = shard.contiguous()
         if producer == "device":
             self.launch_push(shard, epoch)
         elif producer == "copy_engine":
@@ -290,6 +376,7 @@ class SymmetricAllGather:
             self._pull(epoch)
         wait_ready(self.ready.local, self.ack.peer_ptrs, self.errors.word, self.rank, self.world, epoch,
                    self.chunks, self.spin_limit)
+        _refused_sources_kernel[(1,)](self.refusals.local, self.errors.word, self.rank, epoch, WORLD=self.world)
         self.join()
         self.errors.after_wait()
         return self.gathered(epoch)
