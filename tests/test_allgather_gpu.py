@@ -18,7 +18,7 @@ from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 from fused_dlrm.kernels.allgather import PRODUCERS, SymmetricAllGather
 from fused_dlrm.kernels.allgather_gemm import (GEMM_PRODUCERS, GemmConfig, all_gather_matmul, all_gather_matmul_bulk,
                                                op_for)
-from fused_dlrm.kernels.peer_flags import PeerWaitTimeout
+from fused_dlrm.kernels.peer_flags import PeerRefusedInput, PeerWaitTimeout
 from world import TWO_GPUS, run_world
 
 pytestmark = TWO_GPUS
@@ -118,6 +118,31 @@ def _timeout(rank: int, world: int) -> None:
         dist.barrier()
 
 
+def _refused(rank: int, world: int) -> None:
+    """Rank 1 refuses every third call (an fp32 shard; an unknown producer): it raises its ValueError, rank 0
+    PeerRefusedInput naming rank 1 (at `check(block=True)`); every other call, on the same flags, equals NCCL's."""
+    device = torch.device("cuda", rank)
+    op = SymmetricAllGather(CudaSymmetricWorkspace(), 300, 257, torch.float16, chunk_rows=64, spin_limit=SPINS)
+    expected = torch.empty(world * 300, 257, dtype=torch.float16, device=device)
+    for step in range(30):
+        producer = PRODUCERS[step % len(PRODUCERS)]
+        shard = fresh(rank, step, (300, 257), torch.float16, device)
+        if step % 3 == 2:
+            if rank == 1:
+                bad = (shard.float(), producer) if step % 2 else (shard, "nvlink")
+                with pytest.raises(ValueError, match="unknown producer" if step % 2 == 0 else "torch.float32"):
+                    op(*bad)
+            else:
+                op(shard, producer)
+                with pytest.raises(PeerRefusedInput, match=rf"at step {step + 1}: rank 0: rank 1's call was refused"):
+                    op.errors.check(block=True)
+            continue
+        got = op(shard, producer).clone()
+        dist.all_gather_into_tensor(expected, shard)
+        assert torch.equal(got, expected), f"rank {rank}, step {step} ({producer}): differs from NCCL"
+    op.errors.check(block=True)
+
+
 def test_all_gather_primitives_equal_nccl_all_gather():
     run_world(2, _primitives, backend="nccl")
 
@@ -128,3 +153,7 @@ def test_all_gather_matmul_equals_the_bulk_twin():
 
 def test_all_gather_matmul_times_out_naming_the_rank_that_never_called():
     run_world(2, _timeout, backend="nccl")
+
+
+def test_all_gather_refused_on_one_rank_raises_on_both():
+    run_world(2, _refused, backend="nccl")

@@ -26,9 +26,9 @@ from world import run_world
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
 
 
-def gathers(world_size, rows, cols, dtype, chunk_rows, **kw):
+def gathers(world_size, rows, cols, dtype, chunk_rows, device="cpu", **kw):
     ops = [SymmetricAllGather(ws, rows, cols, dtype, chunk_rows, spin_limit=50, block_rows=4, block_cols=8, **kw)
-           for ws in SimulatedWorld(world_size).workspaces()]
+           for ws in SimulatedWorld(world_size, device).workspaces()]
     for op in ops:
         op.data.local.fill_(float("nan"))
     return ops
@@ -99,36 +99,36 @@ def test_an_all_gather_of_empty_shards_is_a_call(producer):
         ops[0][0].finish(epoch, producer)
 
 
-# A shard that rank 1 refuses (the exchange: [7, 5] float16, chunks of 3 rows) or its producer; the error it raises
-# itself, what its peers say of it.
+# A shard that rank 1 refuses (the exchange: [7, 5] float16, chunks of 3 rows) or its producer, made on a device;
+# the error it raises itself, what its peers say of it.
 GATHER_REFUSALS = {
-    "more rows": (lambda: (torch.randn(8, 5).half(), "device"), r"shard \(8, 5\) torch.float16 on cpu: expected "
+    "more rows": (lambda d: (torch.randn(8, 5, device=d).half(), "device"), r"shard \(8, 5\) torch.float16 on cpu: expected "
                   r"\(7, 5\) torch.float16 on cpu", r"its shard \[8, 5\] float16 is not the exchange's \[7, 5\] "
                   r"float16 on its device"),
-    "other cols": (lambda: (torch.randn(7, 4).half(), "pull"), r"shard \(7, 4\)", r"its shard \[7, 4\] float16 is"),
-    "other dtype": (lambda: (torch.randn(7, 5), "copy_engine"), r"shard \(7, 5\) torch.float32",
+    "other cols": (lambda d: (torch.randn(7, 4, device=d).half(), "pull"), r"shard \(7, 4\)", r"its shard \[7, 4\] float16 is"),
+    "other dtype": (lambda d: (torch.randn(7, 5, device=d), "copy_engine"), r"shard \(7, 5\) torch.float32",
                     r"its shard \[7, 5\] float32 is not"),
-    "3-D": (lambda: (torch.randn(7, 5, 1).half(), "device"), r"shard \(7, 5, 1\)", r"its shard \[7, 5, 1\] float16"),
-    "other device": (lambda: (torch.empty(7, 5, dtype=torch.float16, device="meta"), "device"),
+    "3-D": (lambda d: (torch.randn(7, 5, 1, device=d).half(), "device"), r"shard \(7, 5, 1\)", r"its shard \[7, 5, 1\] float16"),
+    "other device": (lambda d: (torch.empty(7, 5, dtype=torch.float16, device="meta"), "device"),
                      r"shard \(7, 5\) torch.float16 on meta", r"its shard \[7, 5\] float16 on another device is "
                      r"not the exchange's"),
-    "unknown producer": (lambda: (torch.randn(7, 5).half(), "nvlink"), "unknown producer 'nvlink'",
+    "unknown producer": (lambda d: (torch.randn(7, 5, device=d).half(), "nvlink"), "unknown producer 'nvlink'",
                          r"its producer is not one of \('device', 'copy_engine', 'pull'\)"),
 }
 
 
-def check_gather_refused(world_size: int, rounds: list[dict[int, str]], producer: str) -> None:
+def check_gather_refused(world_size: int, rounds: list[dict[int, str]], producer: str, device: str = "cpu") -> None:
     """Calls 2, 3, ... of an exchange of uneven chunks, one per round: the ranks of the round refuse their shard or
     producer (GATHER_REFUSALS), the others call with `producer`: each refusing rank raises its own error, every
     other rank PeerRefusedInput naming the lowest refusing rank and why (a refused call still raises its flags and
     says why beside them). The calls around them, on both halves of the buffers (poisoned first), are exact."""
     gen = torch.Generator().manual_seed(world_size + len(rounds))
-    ops = gathers(world_size, 7, 5, torch.float16, chunk_rows=3, num_programs=2)
+    ops = gathers(world_size, 7, 5, torch.float16, chunk_rows=3, num_programs=2, device=device)
 
     def exact():
         for op in ops:
             op.data.local.fill_(float("nan"))
-        shards = [torch.randn(7, 5, generator=gen).half() for _ in ops]
+        shards = [torch.randn(7, 5, generator=gen).to(device, torch.float16) for _ in ops]
         for got in run_gather(ops, shards, [producer] * world_size):
             assert torch.equal(got, all_gather_reference(shards))
 
@@ -137,16 +137,17 @@ def check_gather_refused(world_size: int, rounds: list[dict[int, str]], producer
         epochs = {}
         for rank, op in enumerate(ops):  # every rank's producer first
             if rank in refusals:
-                shard, refused_producer = GATHER_REFUSALS[refusals[rank]][0]()
+                shard, refused_producer = GATHER_REFUSALS[refusals[rank]][0](device)
                 with pytest.raises(ValueError, match=GATHER_REFUSALS[refusals[rank]][1]):
                     op.start(shard, refused_producer)
             else:
-                epochs[rank] = op.start(torch.randn(7, 5, generator=gen).half(), producer)
+                epochs[rank] = op.start(torch.randn(7, 5, generator=gen).to(device, torch.float16), producer)
         first = min(refusals)
         for rank, epoch in epochs.items():
             with pytest.raises(PeerRefusedInput, match=rf"^all-gather at step {step}: rank {rank}: rank {first}'s "
                                                        rf"call was refused: {GATHER_REFUSALS[refusals[first]][2]}"):
-                ops[rank].finish(epoch, producer)
+                ops[rank].finish(epoch, producer)  # on the CPU
+                ops[rank].errors.check(block=True)  # on GPUs
     for _ in range(3):
         exact()
     for op in ops:

@@ -24,8 +24,8 @@ from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerRefusedInput
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, max_programs_for,
                                                     quantized_all_reduce_reference)
-from test_allgather_kernels import (MATMUL_DIFFERENCES, MATMUL_REFUSALS, check_matmul_calls_that_differ,
-                                    check_matmul_refused_on_one_rank)
+from test_allgather_kernels import (GATHER_REFUSALS, MATMUL_DIFFERENCES, MATMUL_REFUSALS, check_gather_refused,
+                                    check_matmul_calls_that_differ, check_matmul_refused_on_one_rank)
 from test_fused_embedding_kernels import INTERACTION_PUSH_CASES, check_interaction_push
 from test_gemm_allreduce_kernel import (CALL_FORMS, DIFFERENCES, assert_all_reduced, assert_reduce_scattered,
                                         check_calls_that_differ, check_refused_on_some_ranks, poison)
@@ -361,6 +361,18 @@ def test_all_gather_matmul_call_refused_on_one_rank_raises_on_every_rank(refusal
     1 refuses), as compiled: rank 1 raises its ValueError, rank 0 PeerRefusedInput naming rank 1 and why (at
     `check(block=True)`), and the next call is exact."""
     check_matmul_refused_on_one_rank(2, refusal, producer, "cuda")
+
+
+@pytest.mark.parametrize("refusal", list(GATHER_REFUSALS))
+def test_all_gather_refused_on_one_rank_raises_on_every_rank(refusal):
+    """The interpreter test's refusals of the all-gather (test_allgather_kernels.check_gather_refused: a shard or
+    producer rank 1 refuses) with the device push, as compiled: rank 1 raises its ValueError, rank 0
+    PeerRefusedInput naming rank 1 and why (at `check(block=True)`), and the next calls are exact."""
+    check_gather_refused(2, [{1: refusal}], "device", "cuda")
+
+
+def test_all_gather_refused_calls_in_a_row_keep_the_epochs_in_step():
+    check_gather_refused(3, [{1: "more rows"}, {0: "other cols"}, {1: "other device"}, {2: "3-D"}], "device", "cuda")
 
 
 @pytest.mark.parametrize("world_size,batch_sizes,column_shards,row_shards,features,dim",

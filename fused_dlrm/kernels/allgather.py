@@ -268,11 +268,11 @@ class SymmetricAllGather:
         if producer not in PRODUCERS:
             return RefusedCall.of([UNKNOWN_PRODUCER], ValueError(f"unknown producer {producer!r}: expected one of "
                                                                  f"{PRODUCERS}"), self.ws.device)
-        if tuple(shard.shape) != (self.rows, self.cols) or shard.dtype != self.dtype or shard.device != self.ws.device:
+        device = self.data.local.device  # the workspace's, with its index ("cuda:0", where the workspace's is "cuda")
+        if tuple(shard.shape) != (self.rows, self.cols) or shard.dtype != self.dtype or shard.device != device:
             error = ValueError(f"shard {tuple(shard.shape)} {shard.dtype} on {shard.device}: expected ({self.rows}, "
-                               f"{self.cols}) {self.dtype} on {self.ws.device}")
-            words = tensor_words(shard) + [int(shard.device == self.ws.device), self.rows, self.cols,
-                                           dtype_code(self.dtype)]
+                               f"{self.cols}) {self.dtype} on {device}")
+            words = tensor_words(shard) + [int(shard.device == device), self.rows, self.cols, dtype_code(self.dtype)]
             return RefusedCall.of([UNEXPECTED_SHARD] + words, error, self.ws.device)
         return None
 
