@@ -444,12 +444,16 @@ MATMUL_REFUSALS = {
                     r"its out \[82, 19\] float16, not contiguous, cannot take its product"),
     "fp32 out": (lambda d: (None, torch.empty(82, 19, device=d)), r"got torch.float32 \[82, 19\]",
                  r"its out \[82, 19\] float32 cannot take its product"),
+    # the third: its x_shard (of the shape class: the op and its exchange are the peers')
+    "x_shard on another device": (lambda d: (None, None, torch.empty(41, 24, dtype=torch.float16, device="meta")),
+                                  r"x_shard \(41, 24\) torch.float16 on meta: expected on",
+                                  r"its x_shard \[41, 24\] float16 is on another device than its workspace"),
 }
 
 
 def check_matmul_refused_on_one_rank(world_size: int, refusal: str, producer: str, device: str = "cpu") -> None:
-    """Rank 1 refuses its call (its weight or out, `MATMUL_REFUSALS`: what each rank's own tensors decide, the shard
-    being alike): it raises its own error, every other rank PeerRefusedInput naming rank 1 and why, at the same call
+    """Rank 1 refuses its call (its weight, out or x_shard of the peers' shape class, `MATMUL_REFUSALS`: what each
+    rank's own tensors decide): it raises its own error, every other rank PeerRefusedInput naming rank 1 and why, at the same call
     (rank 1 still takes part in it: its call's number and exchange's epoch, a signature that says why, its
     acknowledgement of the exchange); the calls before and after it, alike on every rank, are exact."""
     gen = torch.Generator().manual_seed(world_size)
@@ -467,10 +471,11 @@ def check_matmul_refused_on_one_rank(world_size: int, refusal: str, producer: st
     exact()
     bad, error, said = MATMUL_REFUSALS[refusal]
     shards, weights, outs = shards_of_every_rank(), [weight] * world_size, [None] * world_size
-    bad_weight, outs[1] = bad(device)
+    bad_weight, outs[1], *bad_shard = bad(device)
     weights[1] = weight if bad_weight is None else bad_weight
+    shards[1] = bad_shard[0] if bad_shard else shards[1]
     ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
-    refused = [refused_call(shard, w, out, ws) for ws, shard, w, out in zip(workspaces, shards, weights, outs)]
+    refused = [refused_call(shard, w, out, op) for op, shard, w, out in zip(ops, shards, weights, outs)]
     assert [r is not None for r in refused] == [rank == 1 for rank in range(world_size)]
     epochs = [op.start(shard, producer, r) for op, shard, r in zip(ops, shards, refused)]  # every producer first
     for rank, (op, epoch, shard, w, out) in enumerate(zip(ops, epochs, shards, weights, outs)):
@@ -509,7 +514,7 @@ def test_all_gather_matmul_refused_call_waits_until_every_peer_has_begun_it():
     weight = torch.randn(19, 24, generator=gen).half().t()
     shards = [torch.randn(41, 24, generator=gen).half() for _ in workspaces]
     ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
-    refused = refused_call(shards[1], torch.randn(24, 19), None, workspaces[1])
+    refused = refused_call(shards[1], torch.randn(24, 19), None, ops[1])
     epoch = ops[1].start(shards[1], "device", refused)
     with pytest.raises(ValueError, match="weight"):
         ops[1].finish(epoch, shards[1], weight, "device")  # before rank 0 has begun the call

@@ -60,16 +60,19 @@ weight, the tiles and grid) is not compared: ranks may differ in it. A call that
 shape class or producer new to them) stops before its kernels: the ranks' requests are compared before each
 collective allocation (dist/symmetric.agree_on_allocation), so those ranks raise AllocationTimeout naming the peers
 that never asked, and a peer whose next allocation is another buffer raises AllocationMismatch.
-A call whose weight or out one rank refuses (`refused_call`: what each rank's own tensors decide, N may differ) is
-still a call there (peer_flags.RefusedCall): raising alone would leave its peers waiting out their bound, and its
+A call whose weight, out or x_shard's device one rank refuses (`refused_call`: what each rank's own tensors decide,
+N may differ; x_shard of the peers' shape class) is still a call there (peer_flags.RefusedCall): raising alone would leave its peers waiting out their bound, and its
 call numbers and exchange epochs one behind theirs for every later call. It takes its number and its exchange's
 epoch, publishes a signature that says why ([number, REFUSED_CALL, refusal words]) and acknowledges the epoch (it
 reads nothing of it), then waits for every peer's published call, as the GEMM does (`_refused_call_kernel`). A
 peer's program that reads that signature records the refusal (code 5, `same_published_call`), after which its
 waits look once: every other rank raises PeerRefusedInput naming the rank and why, the refusing rank its own
 ValueError at `finish`, and the next call is exact. A refused x_shard (not [rows, K], a dtype other than fp16 /
-bf16, K not a multiple of 8) or producer still raises on its rank alone: it names no shape class (or, a producer,
-no exchange), so the rank cannot take the epoch of the exchange its peers use.
+bf16, K not a multiple of 8) or producer still raises on its rank alone, before its call: it names no shape class
+(or, a producer, no exchange), so the rank cannot take the epoch of the exchange its peers use (each shape class
+and producer counts its own, which its double buffers' guard needs consecutive). Its peers' GEMMs time out waiting
+for its call's signature (PeerWaitTimeout naming the rank: "never started the call"), and that exchange's epochs
+stay one apart: its next calls raise on every rank (as after calls that differ).
 `all_gather_matmul_bulk` is the bulk twin (all_gather_into_tensor + matmul);
 `all_gather_matmul_reference` the pure-torch definition.
 """
@@ -582,30 +585,38 @@ def output(out: torch.Tensor | None, m: int, n: int, x_shard: torch.Tensor) -> t
 
 
 # Why a rank refuses its call (`refused_call`): word 0 of its refusal words, which its peers name (`describe_refusal`)
-UNREADABLE_WEIGHT, UNUSABLE_OUT = 1, 2
+UNREADABLE_WEIGHT, UNUSABLE_OUT, FOREIGN_SHARD = 1, 2, 3
 
 
-def refused_call(x_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, workspace: _Workspace
+def refused_call(x_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, op: AllGatherMatmul
                  ) -> RefusedCall | None:
-    """The call this rank refuses, for a weight or out that the GEMM cannot read or store into (what each rank's own
-    tensors decide: N may differ between ranks), or None. x_shard is one the op takes (its shape class)."""
+    """The call this rank refuses, for an x_shard on another device than the op's buffers, or a weight or out that
+    the GEMM cannot read or store into (what each rank's own tensors decide: N may differ between ranks), or None.
+    x_shard is one of the op's shape class."""
+    device = op.calls.local.device  # the workspace's, with its index ("cuda:0", where the workspace's is "cuda")
+    if x_shard.device != device:
+        return RefusedCall.of([FOREIGN_SHARD] + tensor_words(x_shard), ValueError(
+            f"x_shard {tuple(x_shard.shape)} {x_shard.dtype} on {x_shard.device}: expected on {device}, the "
+            f"workspace's device"), device)
     k, dtype = x_shard.shape[1], x_shard.dtype
     problem = weight_problem(weight, k, dtype)
     if problem is not None:
         strides = list(weight.stride()[:2]) + [-1] * (2 - min(weight.dim(), 2))
         return RefusedCall.of([UNREADABLE_WEIGHT, k, dtype_code(dtype)] + tensor_words(weight) + strides,
-                              ValueError(problem), workspace.device)
-    m, n = workspace.world_size * x_shard.shape[0], weight.shape[1]
+                              ValueError(problem), device)
+    m, n = op.world * x_shard.shape[0], weight.shape[1]
     problem = out_problem(out, m, n, x_shard)
     if problem is not None:
         return RefusedCall.of([UNUSABLE_OUT, m, n, dtype_code(dtype)] + tensor_words(out) + [int(out.is_contiguous())],
-                              ValueError(problem), workspace.device)
+                              ValueError(problem), device)
     return None
 
 
 def describe_refusal(words: list[int]) -> str:
     """A rank's refusal words (`refused_call`) in words, as its peers say them."""
     reason, *values = words
+    if reason == FOREIGN_SHARD:
+        return f"its x_shard {describe_tensor(values)} is on another device than its workspace"
     if reason == UNREADABLE_WEIGHT:
         (k, dtype), weight, strides = values[:2], values[2:2 + TENSOR_WORDS], values[2 + TENSOR_WORDS:][:2]
         shown = ", ".join(str(s) for s in strides[:weight[0]])
@@ -639,11 +650,11 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, workspace: _W
     issue 5's shape on 2 GPUs it took 741 against 1,295 us for the copy engines' pulls (2×H200, 2026-11-24) and
     733 against 1,440 (2×H100, 2026-11-26; docs/benchmarks.md). A shard of 0 rows (every rank's, as the shapes
     are alike: an empty batch) gives empty outputs and exchanges no data, but is a call (its signature compared
-    with the peers'), as the GEMM + all-reduce's for M = 0. A weight or out this rank refuses raises its
-    ValueError here and PeerRefusedInput on its peers (the module docstring)."""
+    with the peers'), as the GEMM + all-reduce's for M = 0. A weight, out or x_shard's device this rank refuses
+    raises its ValueError here and PeerRefusedInput on its peers (the module docstring)."""
     if x_shard.dim() != 2:
         raise ValueError(f"all_gather_matmul: x_shard {tuple(x_shard.shape)}: expected [rows, K]")
     op = op_for(workspace, x_shard, config)
     # before the producer starts: a refused call tells its peers why
-    refused = refused_call(x_shard, weight, out, workspace)
+    refused = refused_call(x_shard, weight, out, op)
     return op.finish(op.start(x_shard, producer, refused), x_shard, weight, producer, return_gathered, out)
