@@ -503,6 +503,72 @@ def test_all_gather_matmul_call_refused_on_one_rank_of_three_raises_on_every_ran
     check_matmul_refused_on_one_rank(3, "weight of other dtype", producer)
 
 
+# An x_shard that rank 1 refuses, of no shape class the op takes (the peers': [41, 24] float16), or its producer,
+# made on a device; the error it raises itself, what its peers say of it.
+TAKES = r"is not one the op takes: \[rows, K\] float16 or bfloat16, K a multiple of 8"
+MATMUL_SHAPELESS_REFUSALS = {
+    "fp32 x_shard": (lambda d: (torch.randn(41, 24, device=d), "device"), r"dtype torch.float32 \(expected fp16",
+                     r"its x_shard \[41, 24\] float32 " + TAKES),
+    "3-D x_shard": (lambda d: (torch.randn(41, 24, 1, device=d).half(), "device"), r"expected \[rows, K\]",
+                    r"its x_shard \[41, 24, 1\] float16 " + TAKES),
+    "K not a multiple of 8": (lambda d: (torch.randn(41, 20, device=d).half(), "device"), "K=20 is not a multiple",
+                              r"its x_shard \[41, 20\] float16 " + TAKES),
+    "unknown producer": (lambda d: (torch.randn(41, 24, device=d).half(), "nvlink"), "unknown producer 'nvlink'",
+                         r"its producer is not one of \('copy_engine', 'device'\)"),
+}
+
+
+def check_matmul_refused_without_an_exchange(world_size: int, refusal: str, producer: str,
+                                             device: str = "cpu") -> None:
+    """Rank 1 refuses its call for an x_shard of no shape class or an unknown producer (MATMUL_SHAPELESS_REFUSALS):
+    it cannot know which exchange its peers use, but its call still takes its number among the workspace's calls and
+    tells every peer why, so it raises its own error and every other rank PeerRefusedInput naming rank 1 and why.
+    The exchange its peers used is then one epoch ahead of rank 1's: the next call of that shape raises on every
+    rank (as after calls that differ: never a product of shards of two calls), and a call of a new shape is exact."""
+    gen = torch.Generator().manual_seed(world_size)
+    workspaces = matmul_world(world_size, device)
+    weight = torch.randn(19, 24, generator=gen).to(device, torch.float16).t()
+
+    def shards_of_every_rank(rows=41):
+        return [torch.randn(rows, 24, generator=gen).to(device, torch.float16) for _ in range(world_size)]
+
+    shards = shards_of_every_rank()
+    for out in run_matmul(workspaces, shards, weight, producer):
+        assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
+    bad, error, said = MATMUL_SHAPELESS_REFUSALS[refusal]
+    shards = shards_of_every_rank()
+    ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
+    epochs = {rank: op.start(shard, producer) for rank, (op, shard) in enumerate(zip(ops, shards)) if rank != 1}
+    with pytest.raises(ValueError, match=error):
+        all_gather_matmul(*bad(device)[:1], weight, workspaces[1], bad(device)[1], config=SMALL)
+    for rank, epoch in epochs.items():
+        with pytest.raises(PeerRefusedInput, match=rf"^fused all-gather \+ GEMM at step 2: rank {rank}: rank 1's call "
+                                                   rf"was refused: {said}"):
+            ops[rank].finish(epoch, shards[rank], weight, producer)  # on the CPU
+            ops[rank].errors.check(block=True)  # on GPUs
+    shards = shards_of_every_rank()
+    epochs = [op.start(shard, producer) for op, shard in zip(ops, shards)]
+    for op, epoch, shard in zip(ops, epochs, shards):
+        with pytest.raises((PeerCallMismatch, PeerWaitTimeout)):
+            op.finish(epoch, shard, weight, producer)
+            op.errors.check(block=True)
+    shards = shards_of_every_rank(rows=9)
+    for out in run_matmul(workspaces, shards, weight, producer):
+        assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
+    for ws, shard in zip(workspaces, shards):
+        op_for(ws, shard, SMALL).errors.check(block=True)
+
+
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+@pytest.mark.parametrize("refusal", list(MATMUL_SHAPELESS_REFUSALS))
+def test_all_gather_matmul_refused_without_an_exchange_raises_on_every_rank(refusal, producer):
+    check_matmul_refused_without_an_exchange(2, refusal, producer)
+
+
+def test_all_gather_matmul_refused_without_an_exchange_on_one_rank_of_three():
+    check_matmul_refused_without_an_exchange(3, "fp32 x_shard", "device")
+
+
 def test_all_gather_matmul_refused_call_waits_until_every_peer_has_begun_it():
     """A refused call ends only once every peer has published its call, as the GEMM's programs wait for them: the
     guard of the signatures' halves. Rank 1, refusing, finishes before rank 0 has begun the call, so here (one

@@ -24,8 +24,9 @@ from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerRefusedInput
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, max_programs_for,
                                                     quantized_all_reduce_reference)
-from test_allgather_kernels import (GATHER_REFUSALS, MATMUL_DIFFERENCES, MATMUL_REFUSALS, check_gather_refused,
-                                    check_matmul_calls_that_differ, check_matmul_refused_on_one_rank)
+from test_allgather_kernels import (GATHER_REFUSALS, MATMUL_DIFFERENCES, MATMUL_REFUSALS, MATMUL_SHAPELESS_REFUSALS,
+                                    check_gather_refused, check_matmul_calls_that_differ,
+                                    check_matmul_refused_on_one_rank, check_matmul_refused_without_an_exchange)
 from test_fused_embedding_kernels import INTERACTION_PUSH_CASES, check_interaction_push
 from test_gemm_allreduce_kernel import (CALL_FORMS, DIFFERENCES, assert_all_reduced, assert_reduce_scattered,
                                         check_calls_that_differ, check_refused_on_some_ranks, poison)
@@ -361,6 +362,15 @@ def test_all_gather_matmul_call_refused_on_one_rank_raises_on_every_rank(refusal
     1 refuses), as compiled: rank 1 raises its ValueError, rank 0 PeerRefusedInput naming rank 1 and why (at
     `check(block=True)`), and the next call is exact."""
     check_matmul_refused_on_one_rank(2, refusal, producer, "cuda")
+
+
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+@pytest.mark.parametrize("refusal", list(MATMUL_SHAPELESS_REFUSALS))
+def test_all_gather_matmul_refused_without_an_exchange_raises_on_every_rank(refusal, producer):
+    """The interpreter test's x_shard of no shape class or unknown producer on rank 1
+    (test_allgather_kernels.check_matmul_refused_without_an_exchange), as compiled: every rank raises at that call
+    and at the next of that shape, and a call of a new shape is exact."""
+    check_matmul_refused_without_an_exchange(2, refusal, producer, "cuda")
 
 
 @pytest.mark.parametrize("refusal", list(GATHER_REFUSALS))

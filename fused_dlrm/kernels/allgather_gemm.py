@@ -67,12 +67,16 @@ epoch, publishes a signature that says why ([number, REFUSED_CALL, refusal words
 reads nothing of it), then waits for every peer's published call, as the GEMM does (`_refused_call_kernel`). A
 peer's program that reads that signature records the refusal (code 5, `same_published_call`), after which its
 waits look once: every other rank raises PeerRefusedInput naming the rank and why, the refusing rank its own
-ValueError at `finish`, and the next call is exact. A refused x_shard (not [rows, K], a dtype other than fp16 /
-bf16, K not a multiple of 8) or producer still raises on its rank alone, before its call: it names no shape class
-(or, a producer, no exchange), so the rank cannot take the epoch of the exchange its peers use (each shape class
-and producer counts its own, which its double buffers' guard needs consecutive). Its peers' GEMMs time out waiting
-for its call's signature (PeerWaitTimeout naming the rank: "never started the call"), and that exchange's epochs
-stay one apart: its next calls raise on every rank (as after calls that differ).
+ValueError at `finish`, and the next call is exact. A refused x_shard of no shape class (`shard_problem`: not
+[rows, K], a dtype other than fp16 / bf16, K not a multiple of 8) or an unknown producer names no exchange, so the
+rank cannot take the epoch of the one its peers use (each shape class and producer counts its own, which its double
+buffers' guard needs consecutive). Its call is one of no exchange (`refuse_call`, through any op of the workspace:
+they share CALLS): it takes its number, publishes its refusal and waits for every peer's call, so every rank raises
+as above. Raising alone left the calls' numbers apart too: the rank's next call then matched its peers' refused one,
+whose chunks it found behind flags of the epoch it took, and so paired shards of two calls without an error. The
+exchange's epochs stay one apart: its next calls raise on every rank (as after calls that differ); a call of a shape
+class new to every rank is exact. (A rank with no op yet raises alone: its peers' first allocation times out
+naming it.)
 `all_gather_matmul_bulk` is the bulk twin (all_gather_into_tensor + matmul);
 `all_gather_matmul_reference` the pure-torch definition.
 """
@@ -393,11 +397,9 @@ class AllGatherMatmul:
     rank must make the same calls in the same order (a call unlike a peer's raises PeerCallMismatch on every rank)."""
 
     def __init__(self, workspace: _Workspace, rows: int, k: int, dtype: torch.dtype, config: GemmConfig):
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"all_gather_matmul: dtype {dtype} (expected fp16 or bf16)")
-        if k % 8:
-            raise ValueError(f"all_gather_matmul: K={k} is not a multiple of 8: the GEMM reads the rows through "
-                             "TMA, whose rows must be a multiple of 16 bytes")
+        problem = shard_problem((rows, k), dtype)
+        if problem is not None:
+            raise ValueError(problem)
         self.config = config
         self.ws, self.rank, self.world = workspace, workspace.rank, workspace.world_size
         self.errors = PeerErrors(workspace.device, self.rank, "fused all-gather + GEMM", describe_calls=describe_calls,
@@ -437,7 +439,8 @@ class AllGatherMatmul:
         which `finish` takes: every start is finished before the op's next one. refused: this rank refuses the
         call (`refused_call`): a call all the same, whose signature says why, and whose `finish` raises."""
         if producer not in GEMM_PRODUCERS:
-            raise ValueError(f"unknown producer {producer!r}: expected one of {GEMM_PRODUCERS}")
+            self.refuse_call(RefusedCall.of([UNKNOWN_PRODUCER], ValueError(
+                f"unknown producer {producer!r}: expected one of {GEMM_PRODUCERS}"), self.ws.device))
         self.errors.check()
         self.call, self.refused = self.ws.next_epoch(CALLS), refused
         g = self.gather_for(producer)
@@ -460,6 +463,17 @@ class AllGatherMatmul:
         if not self.fused_push:
             self._launch(x_shard.contiguous(), None, None, epoch, push=True, compute=False, pushers=False)
         return epoch
+
+    def refuse_call(self, refused: RefusedCall) -> None:
+        """Raise refused.error after a call of no exchange (an x_shard of no shape class, an unknown producer: the
+        module docstring): its number taken among the workspace's calls, its signature published into every peer,
+        then a wait for every peer's call (the guard of the signatures' halves). This op lends its calls' buffer
+        (every shape class's) and error word; its own state is untouched."""
+        self.errors.check()
+        _refused_call_kernel[(1,)](refused.signature, self.calls.peer_ptrs, self.calls.local, self.calls.peer_ptrs,
+                                   self.rank, self.ws.next_epoch(CALLS), 0, self.config.spin_limit, self.errors.word,
+                                   WORLD=self.world, PUBLISH=True, ACK=False, WAIT=True)
+        raise refused.error
 
     def _empty_epoch(self) -> int:
         """The epoch of a call of empty shards: the count of such calls of this K and dtype (no exchange)."""
@@ -584,8 +598,21 @@ def output(out: torch.Tensor | None, m: int, n: int, x_shard: torch.Tensor) -> t
     return torch.empty((m, n), dtype=x_shard.dtype, device=x_shard.device) if out is None else out
 
 
-# Why a rank refuses its call (`refused_call`): word 0 of its refusal words, which its peers name (`describe_refusal`)
-UNREADABLE_WEIGHT, UNUSABLE_OUT, FOREIGN_SHARD = 1, 2, 3
+def shard_problem(shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
+    """Why the op takes no x_shard of this shape and dtype (it has no shape class), or None."""
+    if len(shape) != 2:
+        return f"all_gather_matmul: x_shard {shape}: expected [rows, K]"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"all_gather_matmul: dtype {dtype} (expected fp16 or bf16)"
+    if shape[1] % 8:
+        return (f"all_gather_matmul: K={shape[1]} is not a multiple of 8: the GEMM reads the rows through TMA, whose "
+                f"rows must be a multiple of 16 bytes")
+    return None
+
+
+# Why a rank refuses its call (`refused_call`, `all_gather_matmul`): word 0 of its refusal words, which its peers
+# name (`describe_refusal`)
+UNREADABLE_WEIGHT, UNUSABLE_OUT, FOREIGN_SHARD, UNTAKEN_SHARD, UNKNOWN_PRODUCER = 1, 2, 3, 4, 5
 
 
 def refused_call(x_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, op: AllGatherMatmul
@@ -617,6 +644,11 @@ def describe_refusal(words: list[int]) -> str:
     reason, *values = words
     if reason == FOREIGN_SHARD:
         return f"its x_shard {describe_tensor(values)} is on another device than its workspace"
+    if reason == UNTAKEN_SHARD:
+        return (f"its x_shard {describe_tensor(values)} is not one the op takes: [rows, K] float16 or bfloat16, K a "
+                f"multiple of 8")
+    if reason == UNKNOWN_PRODUCER:  # (its name does not travel: the words are integers)
+        return f"its producer is not one of {GEMM_PRODUCERS}"
     if reason == UNREADABLE_WEIGHT:
         (k, dtype), weight, strides = values[:2], values[2:2 + TENSOR_WORDS], values[2 + TENSOR_WORDS:][:2]
         shown = ", ".join(str(s) for s in strides[:weight[0]])
@@ -651,9 +683,16 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, workspace: _W
     733 against 1,440 (2×H100, 2026-11-26; docs/benchmarks.md). A shard of 0 rows (every rank's, as the shapes
     are alike: an empty batch) gives empty outputs and exchanges no data, but is a call (its signature compared
     with the peers'), as the GEMM + all-reduce's for M = 0. A weight, out or x_shard's device this rank refuses
-    raises its ValueError here and PeerRefusedInput on its peers (the module docstring)."""
-    if x_shard.dim() != 2:
-        raise ValueError(f"all_gather_matmul: x_shard {tuple(x_shard.shape)}: expected [rows, K]")
+    raises its ValueError here and PeerRefusedInput on its peers; so does an x_shard of no shape class or an
+    unknown producer, after which that exchange's calls raise on every rank (the module docstring)."""
+    problem = shard_problem(tuple(x_shard.shape), x_shard.dtype)
+    if problem is not None:  # a call of no shape class, through any op of the workspace (none: this rank's first
+        #                      call, whose peers' first allocation waits for it and times out naming it)
+        refused = RefusedCall.of([UNTAKEN_SHARD] + tensor_words(x_shard), ValueError(problem), workspace.device)
+        ops = _OPS.get(workspace)
+        if ops:
+            next(iter(ops.values())).refuse_call(refused)
+        raise refused.error
     op = op_for(workspace, x_shard, config)
     # before the producer starts: a refused call tells its peers why
     refused = refused_call(x_shard, weight, out, op)
