@@ -102,16 +102,18 @@ def test_an_all_gather_of_empty_shards_is_a_call(producer):
 # A shard that rank 1 refuses (the exchange: [7, 5] float16, chunks of 3 rows) or its producer, made on a device;
 # the error it raises itself, what its peers say of it.
 GATHER_REFUSALS = {
-    "more rows": (lambda d: (torch.randn(8, 5, device=d).half(), "device"), r"shard \(8, 5\) torch.float16 on cpu: expected "
-                  r"\(7, 5\) torch.float16 on cpu", r"its shard \[8, 5\] float16 is not the exchange's \[7, 5\] "
-                  r"float16 on its device"),
-    "other cols": (lambda d: (torch.randn(7, 4, device=d).half(), "pull"), r"shard \(7, 4\)", r"its shard \[7, 4\] float16 is"),
+    "more rows": (lambda d: (torch.randn(8, 5, device=d).half(), "device"),
+                  r"shard \(8, 5\) torch.float16 on \S+: expected \(7, 5\) torch.float16 on",
+                  r"its shard \[8, 5\] float16 is not the exchange's \[7, 5\] float16 on its device"),
+    "other cols": (lambda d: (torch.randn(7, 4, device=d).half(), "pull"), r"shard \(7, 4\)",
+                   r"its shard \[7, 4\] float16 is"),
     "other dtype": (lambda d: (torch.randn(7, 5, device=d), "copy_engine"), r"shard \(7, 5\) torch.float32",
                     r"its shard \[7, 5\] float32 is not"),
-    "3-D": (lambda d: (torch.randn(7, 5, 1, device=d).half(), "device"), r"shard \(7, 5, 1\)", r"its shard \[7, 5, 1\] float16"),
+    "3-D": (lambda d: (torch.randn(7, 5, 1, device=d).half(), "device"), r"shard \(7, 5, 1\)",
+            r"its shard \[7, 5, 1\] float16"),
     "other device": (lambda d: (torch.empty(7, 5, dtype=torch.float16, device="meta"), "device"),
-                     r"shard \(7, 5\) torch.float16 on meta", r"its shard \[7, 5\] float16 on another device is "
-                     r"not the exchange's"),
+                     r"shard \(7, 5\) torch.float16 on meta",
+                     r"its shard \[7, 5\] float16 on another device is not the exchange's"),
     "unknown producer": (lambda d: (torch.randn(7, 5, device=d).half(), "nvlink"), "unknown producer 'nvlink'",
                          r"its producer is not one of \('device', 'copy_engine', 'pull'\)"),
 }
@@ -453,9 +455,9 @@ MATMUL_REFUSALS = {
 
 def check_matmul_refused_on_one_rank(world_size: int, refusal: str, producer: str, device: str = "cpu") -> None:
     """Rank 1 refuses its call (its weight, out or x_shard of the peers' shape class, `MATMUL_REFUSALS`: what each
-    rank's own tensors decide): it raises its own error, every other rank PeerRefusedInput naming rank 1 and why, at the same call
-    (rank 1 still takes part in it: its call's number and exchange's epoch, a signature that says why, its
-    acknowledgement of the exchange); the calls before and after it, alike on every rank, are exact."""
+    rank's own tensors decide): it raises its own error, every other rank PeerRefusedInput naming rank 1 and why, at
+    the same call (rank 1 still takes part in it: its call's number and exchange's epoch, a signature that says why,
+    its acknowledgement of the exchange); the calls before and after it, alike on every rank, are exact."""
     gen = torch.Generator().manual_seed(world_size)
     workspaces = matmul_world(world_size, device)
     weight = torch.randn(19, 24, generator=gen).to(device, torch.float16).t()
@@ -738,10 +740,11 @@ build(allgather._refused_call_kernel, {n: "*i64" for n in ("signature_ptr", "ref
 build(allgather._refused_sources_kernel, {"refusals_ptr": "*i64", "error_ptr": "*i32"}, dict(WORLD=4))
 build(allgather_gemm._publish_call_kernel, {"call_ptrs": "*i64"}, dict(WORLD=4))
 build(allgather_gemm._check_calls_kernel, {"calls_ptr": "*i64", "error_ptr": "*i32"}, dict(WORLD=4))
-for publish in (True, False):
+# a refused call's start, its finish, and a call of no exchange
+for publish, ack, wait in ((True, True, False), (False, False, True), (True, False, True)):
     build(allgather_gemm._refused_call_kernel, {n: "*i64" for n in ("signature_ptr", "call_ptrs", "calls_ptr",
                                                                      "ack_ptrs")} | {"error_ptr": "*i32"},
-          dict(WORLD=4, PUBLISH=publish, ACK=publish, WAIT=not publish))
+          dict(WORLD=4, PUBLISH=publish, ACK=ack, WAIT=wait))
 """
 
 

@@ -61,8 +61,9 @@ shape class or producer new to them) stops before its kernels: the ranks' reques
 collective allocation (dist/symmetric.agree_on_allocation), so those ranks raise AllocationTimeout naming the peers
 that never asked, and a peer whose next allocation is another buffer raises AllocationMismatch.
 A call whose weight, out or x_shard's device one rank refuses (`refused_call`: what each rank's own tensors decide,
-N may differ; x_shard of the peers' shape class) is still a call there (peer_flags.RefusedCall): raising alone would leave its peers waiting out their bound, and its
-call numbers and exchange epochs one behind theirs for every later call. It takes its number and its exchange's
+N may differ; x_shard of the peers' shape class) is still a call there (peer_flags.RefusedCall): raising alone
+would leave its peers waiting out their bound, and its call numbers and exchange epochs one behind theirs for every
+later call. It takes its number and its exchange's
 epoch, publishes a signature that says why ([number, REFUSED_CALL, refusal words]) and acknowledges the epoch (it
 reads nothing of it), then waits for every peer's published call, as the GEMM does (`_refused_call_kernel`). A
 peer's program that reads that signature records the refusal (code 5, `same_published_call`), after which its
