@@ -134,11 +134,12 @@ class MoELayer(nn.Module):
                  capacity_factor: float | None = None, renormalize: bool | None = None, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  comm: str = "bulk", fused: FusedMoEConfig | None = None, workspace: _Workspace | None = None,
-                 statistics_group: dist.ProcessGroup | None = None):
+                 statistics_group: dist.ProcessGroup | None = None, drop_policy: str = "probs"):
         """`workspace` (comm="fused"): the symmetric memory to use instead of `cuda_workspace` over
         `group` (tests pass a simulated one). `statistics_group`: the ranks sharing one batch slice (sequence
-        parallelism), over which the load-balancing loss counts the expert choices (moe.routing). `renormalize`:
-        TopKRouter's (None: the routing weights renormalised over the top k when top_k > 1)."""
+        parallelism), over which the load-balancing loss counts the expert choices (moe.routing). `renormalize`,
+        `drop_policy`: TopKRouter's (None: the routing weights renormalised over the top k when top_k > 1; the
+        assignments a capacity keeps: the most probable)."""
         super().__init__()
         self.group = group
         self.world = world_size(group)
@@ -153,7 +154,7 @@ class MoELayer(nn.Module):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world
         self.router = TopKRouter(d_model, num_experts, top_k, renormalize, capacity_factor, seed, dtype, device,
-                                 statistics_group)
+                                 statistics_group, drop_policy)
         self.experts = SwiGLUExperts(self.num_local_experts, d_model, ffn, self.rank * self.num_local_experts,
                                      seed, dtype, device)
         self.dispatch = self.combine = self._dispatch_graphs = self.max_tokens = None

@@ -12,13 +12,13 @@ for these deliberate differences:
 - top-1 weighs its expert by the softmax probability (Megatron's --moe-router-pre-softmax) unless told otherwise:
   Megatron's default, softmax after top-k, weighs it 1 (`renormalizes`). For k > 1 the default is Megatron's: the
   chosen probabilities renormalised, which is its softmax over the k logits (renormalize=False: pre-softmax).
-- A capacity drops by position: an expert keeps the first `capacity` assignments in the order of the rank's
-  tokens, unpadded (Megatron's --moe-token-drop-policy position, which leaves the choice among them to
-  torch.topk, without --moe-pad-expert-input-to-capacity; its default policy "probs" keeps each expert's most
-  probable ones). The order is the caller's: the MoE Transformer's rows are [batch, seq], so a rank's later
-  samples drop first, where Megatron's [seq, batch] rows drop the later positions. As in Megatron a dropped
-  assignment weighs 0, the token's others keep their weights, and the load-balancing counts are those before
-  the drops.
+- A capacity keeps, unpadded (without --moe-pad-expert-input-to-capacity), each expert's `capacity` assignments
+  chosen by the drop policy, Megatron's --moe-token-drop-policy: "probs" (its default) the most probable, by their
+  routing weight, "position" the first in the order of the rank's tokens. Ties go to the earlier token (Megatron
+  leaves them to torch.topk, which for "position" is every choice among the expert's assignments). The order is
+  the caller's: the MoE Transformer's rows are [batch, seq], so under "position" a rank's later samples drop
+  first, where Megatron's [seq, batch] rows drop the later positions. As in Megatron a dropped assignment weighs
+  0, the token's others keep their weights, and the load-balancing counts are those before the drops.
 - With a statistics_group of n ranks each rank's load-balancing loss is n times Megatron's (whose ranks' losses
   sum to the slice's, their router gradients summed over the group) and its z-loss the mean over its own tokens
   (Megatron divides its coefficient by n): here the mean over the group's ranks is the slice's loss, as
@@ -86,6 +86,14 @@ def check_top_k(top_k: int, num_experts: int) -> None:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
 
 
+DROP_POLICIES = ("probs", "position")  # Megatron's --moe-token-drop-policy values (the module docstring)
+
+
+def check_drop_policy(drop_policy: str) -> None:
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+
+
 def check_capacity_factor(capacity_factor: float | None, zero_allowed: bool = True) -> None:
     """None (dropless) or a finite number >= 0. A negative factor made the kept counts negative, inf and NaN failed
     in math.ceil naming no setting, and True (YAML's true) routed at 1. 0 keeps nothing: route's defined edge;
@@ -100,13 +108,15 @@ def check_capacity_factor(capacity_factor: float | None, zero_allowed: bool = Tr
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool | None = None,
-          capacity_factor: float | None = None, statistics_group: dist.ProcessGroup | None = None) -> Routing:
+          capacity_factor: float | None = None, statistics_group: dist.ProcessGroup | None = None,
+          drop_policy: str = "probs") -> Routing:
     """Route tokens given their router logits [T, num_experts] (top_k: `check_top_k`; renormalize: `renormalizes`;
-    capacity_factor: `check_capacity_factor`, the drops: the module docstring; statistics_group: see the module
-    docstring)."""
+    capacity_factor: `check_capacity_factor`; drop_policy: which assignments a capacity keeps, the module
+    docstring; statistics_group: see the module docstring)."""
     num_tokens, num_experts = logits.shape
     check_top_k(top_k, num_experts)
     check_capacity_factor(capacity_factor)
+    check_drop_policy(drop_policy)
     choice = top_k_softmax(logits, top_k, renormalizes(top_k, renormalize), statistics_group)
     expert_ids, weights, wanted_per_expert = choice.expert_ids, choice.weights, choice.tokens_per_expert
     capacity = None
@@ -114,16 +124,29 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool | None = None,
     tokens_per_expert = wanted_per_expert
     if capacity_factor is not None:
         capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
-        # Position of each assignment among its expert's assignments, in token order (the permutation's row
-        # minus the expert's first row): the first `capacity` stay.
-        flat = expert_ids.reshape(-1)  # token order: token t's k assignments are t*k .. t*k+k-1
-        ordered = expert_order(flat, num_experts, top_k)
-        kept = (ordered.inverse - ordered.offsets[flat] < capacity).view(num_tokens, top_k)
+        kept = (rank_in_expert(expert_ids, weights, num_experts, drop_policy) < capacity).view(num_tokens, top_k)
         weights = weights * kept
         tokens_per_expert = wanted_per_expert.clamp(max=capacity)
     block_counts = choice.block_counts if capacity is None else None
     return Routing(expert_ids, weights, kept, choice.aux_loss, choice.z_loss, tokens_per_expert, capacity,
                    block_counts)
+
+
+def rank_in_expert(expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int, drop_policy: str
+                   ) -> torch.Tensor:
+    """[T * k]: each assignment's place among its expert's assignments, best first by the drop policy ("position":
+    token order; "probs": weight, descending, ties in token order). A stable sort by expert of the assignments in
+    that order (token order: token t's k assignments are t*k .. t*k+k-1); the place is the sorted index minus the
+    expert's first. No host sync."""
+    flat = expert_ids.reshape(-1)
+    if drop_policy == "position":
+        order = torch.arange(flat.numel(), device=flat.device)
+    else:
+        order = torch.sort(weights.reshape(-1), descending=True, stable=True).indices
+    ordered = expert_order(flat[order], num_experts, expert_ids.shape[1])
+    rank = torch.empty_like(flat)
+    rank[order] = ordered.inverse - ordered.offsets[flat[order]]
+    return rank
 
 
 class TopKSoftmax(NamedTuple):
@@ -365,11 +388,12 @@ def top_k_softmax_kernels(logits: torch.Tensor, top_k: int, renormalize: bool,
 
 class TopKRouter(nn.Module):
     """logits = x @ weight ([d_model, num_experts]), then `route` (statistics_group: see the module docstring).
-    The weight is replicated on every rank. renormalize: as `route` takes it (`renormalizes`)."""
+    The weight is replicated on every rank. renormalize, drop_policy: as `route` takes them."""
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, renormalize: bool | None = None,
                  capacity_factor: float | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, statistics_group: dist.ProcessGroup | None = None):
+                 device: torch.device | str | None = None, statistics_group: dist.ProcessGroup | None = None,
+                 drop_policy: str = "probs"):
         super().__init__()
         self.statistics_group = statistics_group
         check_top_k(top_k, num_experts)  # refused at construction too, not at the first forward
@@ -378,6 +402,8 @@ class TopKRouter(nn.Module):
         self.renormalize = renormalizes(top_k, renormalize)  # refused at construction, not at the first forward
         check_capacity_factor(capacity_factor, zero_allowed=False)  # at construction, not at the first forward
         self.capacity_factor = capacity_factor
+        check_drop_policy(drop_policy)
+        self.drop_policy = drop_policy
         generator = torch.Generator().manual_seed(seed)
         weight = torch.randn(d_model, num_experts, generator=generator, dtype=torch.float64) / math.sqrt(d_model)
         self.weight = nn.Parameter(weight.to(dtype=dtype, device=device))
@@ -388,4 +414,5 @@ class TopKRouter(nn.Module):
         logits = x @ self.weight
         if logit_bias is not None:
             logits = logits + logit_bias
-        return route(logits, self.top_k, self.renormalize, self.capacity_factor, self.statistics_group)
+        return route(logits, self.top_k, self.renormalize, self.capacity_factor, self.statistics_group,
+                     self.drop_policy)

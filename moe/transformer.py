@@ -166,7 +166,8 @@ class Block(nn.Module):
 class MoETransformer(nn.Module):
     def __init__(self, vocab_size: int = 256, d_model: int = 64, num_layers: int = 2, num_heads: int = 4,
                  ffn: int = 128, num_experts: int = 4, top_k: int = 2, moe_every: int = 1,
-                 shared_expert: bool = False, capacity_factor: float | None = None, seed: int = 0,
+                 shared_expert: bool = False, capacity_factor: float | None = None, drop_policy: str = "probs",
+                 seed: int = 0,
                  group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
                  tp_comm: str = "bulk", sequence_parallel: bool = False, moe_comm: str = "bulk", moe_fused=None,
                  compute_dtype: torch.dtype | None = None, allocation_timeout_s: float = ALLOCATION_TIMEOUT_S):
@@ -205,7 +206,8 @@ class MoETransformer(nn.Module):
             is_moe = (i + 1) % moe_every == 0
             if is_moe:
                 ffn_module = ShardedMoELayer(d_model, ffn, num_experts, top_k, group=self.group,
-                                             capacity_factor=capacity_factor, seed=derive_seed(seed, "moe", i),
+                                             capacity_factor=capacity_factor, drop_policy=drop_policy,
+                                             seed=derive_seed(seed, "moe", i),
                                              comm=moe_comm, fused=moe_fused,
                                              statistics_group=tp_group if self.sequence_parallel else None)
             else:

@@ -22,7 +22,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # of the 
 
 
 def reference_route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
-                    capacity_factor: float | None = None):
+                    capacity_factor: float | None = None, drop_policy: str = "probs"):
     """Loop version of the router: returns (dense weights [T, E] with dropped assignments at 0, aux loss, z-loss,
     kept assignments as a set of (token, expert))."""
     logits = logits.double()
@@ -31,15 +31,20 @@ def reference_route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
     dense = torch.zeros(num_tokens, num_experts, dtype=torch.float64)
     wanted = [0] * num_experts
     capacity = math.inf if capacity_factor is None else math.ceil(num_tokens * top_k / num_experts * capacity_factor)
-    kept = set()
+    assigned = [[] for _ in range(num_experts)]  # per expert: (token, weight), the weight in autograd
     for t in range(num_tokens):
         chosen = sorted(range(num_experts), key=lambda e: -probs[t, e].item())[:top_k]
         total = sum(probs[t, e] for e in chosen) if renormalize else 1.0
         for e in chosen:
             wanted[e] += 1
-            if wanted[e] <= capacity:  # token order: an expert keeps its first `capacity` assignments
-                dense[t, e] = probs[t, e] / total
-                kept.add((t, e))
+            assigned[e].append((t, probs[t, e] / total))
+    kept = set()
+    for e, pairs in enumerate(assigned):  # an expert keeps its first `capacity` by token, or its most probable
+        if drop_policy == "probs":
+            pairs = sorted(pairs, key=lambda pair: (-pair[1].item(), pair[0]))
+        for t, weight in pairs[:min(capacity, len(pairs))]:
+            dense[t, e] = weight
+            kept.add((t, e))
     aux = num_experts * sum(wanted[e] / max(num_tokens * top_k, 1) * probs[:, e].sum() / max(num_tokens, 1)
                             for e in range(num_experts))
     z = sum(torch.logsumexp(logits[t], dim=0) ** 2 for t in range(num_tokens)) / max(num_tokens, 1)
@@ -54,11 +59,12 @@ def megatron_aux_loss(logits: torch.Tensor, tokens_per_expert: torch.Tensor, tot
     return (probs.sum(dim=0) * tokens_per_expert).sum() * logits.shape[1] / (top_k * total_num_tokens ** 2)
 
 
-def megatron_route(logits: torch.Tensor, top_k: int, pre_softmax: bool, capacity_factor: float | None):
-    """Megatron-Core's softmax router as its moe_utils defines it (topk_softmax_with_capacity, drop policy
-    "position" without padding; switch_load_balancing_loss_func; z_loss_func), float64, vectorised: (dense weights
-    [T, E], kept map [T, E], aux loss, z-loss). Its default (post-softmax) weights are a softmax over the k
-    chosen logits, not renormalised probabilities as `reference_route` has them."""
+def megatron_route(logits: torch.Tensor, top_k: int, pre_softmax: bool, capacity_factor: float | None,
+                   drop_policy: str):
+    """Megatron-Core's softmax router as its moe_utils defines it (topk_softmax_with_capacity without padding;
+    switch_load_balancing_loss_func; z_loss_func), float64, vectorised: (dense weights [T, E], kept map [T, E],
+    aux loss, z-loss). Its default (post-softmax) weights are a softmax over the k chosen logits, not renormalised
+    probabilities as `reference_route` has them."""
     num_tokens, num_experts = logits.shape
     if pre_softmax:
         probs, top = torch.softmax(logits, dim=-1).topk(top_k, dim=1)
@@ -70,7 +76,11 @@ def megatron_route(logits: torch.Tensor, top_k: int, pre_softmax: bool, capacity
     tokens_per_expert = routing_map.sum(dim=0)  # the load-balancing counts: before the drops
     if capacity_factor is not None:
         capacity = math.ceil(num_tokens * top_k / num_experts * capacity_factor)  # get_capacity(T * k, E, c)
-        routing_map = routing_map & (routing_map.cumsum(dim=0) <= capacity)  # "position": each expert's earliest
+        if drop_policy == "probs":  # each expert's `capacity` most probable (topk of the masked weights by token)
+            best = weights.detach().topk(min(capacity, num_tokens), dim=0).indices
+            routing_map = routing_map & torch.zeros_like(routing_map).scatter(0, best, True)
+        else:  # "position": each expert's earliest (Megatron leaves the choice among them to torch.topk)
+            routing_map = routing_map & (routing_map.cumsum(dim=0) <= capacity)
         weights = weights * routing_map
     z = torch.logsumexp(logits, dim=-1).square().mean()
     return weights, routing_map, megatron_aux_loss(logits, tokens_per_expert, num_tokens, top_k), z
@@ -105,14 +115,16 @@ def test_route_matches_reference(top_k, renormalize):
 
 
 @pytest.mark.parametrize("path", ["torch", "kernels"])
-@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize, capacity_factor", [
-    (37, 6, 2, None, None), (37, 6, 2, None, 0.75), (40, 6, 1, None, 1.0), (33, 5, 3, False, 1.0),
-    (29, 4, 4, None, 0.5), (45, 7, 3, True, None)])
-def test_route_is_megatrons_router(monkeypatch, path, num_tokens, num_experts, top_k, renormalize, capacity_factor):
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize, capacity_factor, drop_policy", [
+    (37, 6, 2, None, None, "probs"), (37, 6, 2, None, 0.75, "probs"), (37, 6, 2, None, 0.75, "position"),
+    (40, 6, 1, None, 1.0, "probs"), (33, 5, 3, False, 1.0, "position"), (33, 5, 3, False, 1.0, "probs"),
+    (29, 4, 4, None, 0.5, "position"), (29, 4, 4, None, 0.5, "probs"), (45, 7, 3, True, None, "position")])
+def test_route_is_megatrons_router(monkeypatch, path, num_tokens, num_experts, top_k, renormalize, capacity_factor,
+                                   drop_policy):
     """Against Megatron-Core's definitions (megatron_route), renormalize None as Megatron's default for k > 1 and
-    its pre-softmax for top-1 (the module docstring's difference): the weights, the kept assignments (the first
-    of each expert's in token order), both losses and the logits' gradient through all three; torch in float64,
-    the router's kernels (interpreter on the CPU) in fp32."""
+    its pre-softmax for top-1 (the module docstring's difference): the weights, the kept assignments (by either
+    drop policy), both losses and the logits' gradient through all three; torch in float64, the router's kernels
+    (interpreter on the CPU) in fp32."""
     generator = torch.Generator().manual_seed(num_tokens + top_k)
     bias = torch.zeros(num_experts, dtype=torch.float64)
     bias[1] = 1.5  # an expert over its capacity
@@ -122,7 +134,7 @@ def test_route_is_megatrons_router(monkeypatch, path, num_tokens, num_experts, t
         monkeypatch.setattr(routing_module, "top_k_softmax", top_k_softmax_kernels)
         logits = logits.float()
     z = logits.to(DEVICE if path == "kernels" else "cpu", copy=True).requires_grad_()
-    routing = route(z, top_k, renormalize, capacity_factor)
+    routing = route(z, top_k, renormalize, capacity_factor, drop_policy=drop_policy)
     routing = dataclasses.replace(routing, **{f: getattr(routing, f).cpu() for f in (
         "expert_ids", "weights", "kept", "tokens_per_expert", "aux_loss", "z_loss")})
     dense = dense_weights(routing, num_experts)
@@ -130,7 +142,7 @@ def test_route_is_megatrons_router(monkeypatch, path, num_tokens, num_experts, t
 
     want_z = logits.double().requires_grad_()
     pre_softmax = not renormalizes(top_k, renormalize)
-    weights, kept, aux, z_loss = megatron_route(want_z, top_k, pre_softmax, capacity_factor)
+    weights, kept, aux, z_loss = megatron_route(want_z, top_k, pre_softmax, capacity_factor, drop_policy)
     ((weights * grad_weights).sum() + 0.3 * aux + 0.7 * z_loss).backward()
     rtol = 1e-12 if path == "torch" else 1e-5
     kept_pairs = torch.zeros_like(kept).scatter(1, routing.expert_ids, routing.kept)
@@ -321,14 +333,15 @@ def test_load_balancing_over_a_statistics_group_is_the_whole_slices():
     run_world(2, _group_statistics_match_the_whole_slice, backend=ONE_GPU if DEVICE.type == "cuda" else "gloo")
 
 
+@pytest.mark.parametrize("drop_policy", ["probs", "position"])
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.5])
-def test_capacity_drops_the_last_assignments_of_an_expert(capacity_factor):
+def test_capacity_keeps_each_experts_assignments_chosen_by_the_drop_policy(capacity_factor, drop_policy):
     generator = torch.Generator().manual_seed(2)
     # A bias on expert 0 overloads it, so the capacity bites.
     logits = torch.randn(29, 4, generator=generator, dtype=torch.float64) + torch.tensor([2.0, 0, 0, 0],
                                                                                            dtype=torch.float64)
-    routing = route(logits, 2, capacity_factor=capacity_factor)
-    dense, aux, z, kept = reference_route(logits, 2, capacity_factor=capacity_factor)
+    routing = route(logits, 2, capacity_factor=capacity_factor, drop_policy=drop_policy)
+    dense, aux, z, kept = reference_route(logits, 2, capacity_factor=capacity_factor, drop_policy=drop_policy)
     assert routing.capacity == math.ceil(29 * 2 / 4 * capacity_factor)
     assert {(t, e) for t, e in zip(*torch.nonzero(dense_weights(routing, 4)).T.tolist())} == kept
     kept_pairs = {(t, routing.expert_ids[t, j].item()) for t, j in zip(*torch.nonzero(routing.kept).T.tolist())}
@@ -338,6 +351,34 @@ def test_capacity_drops_the_last_assignments_of_an_expert(capacity_factor):
     assert routing.tokens_per_expert.tolist() == [sum(1 for _, e in kept if e == x) for x in range(4)]
     assert routing.tokens_per_expert.max() <= routing.capacity
     assert routing.tokens_per_expert.sum() == len(kept) < 29 * 2  # something was dropped
+
+
+def test_the_probs_policy_keeps_each_experts_most_probable_assignments_ties_by_token():
+    """Weights tied in fives (logits in steps): within an expert no dropped assignment outweighs a kept one, and
+    among equal weights the earlier tokens stay."""
+    logits = torch.randint(0, 3, (40, 5), generator=torch.Generator().manual_seed(4)).double()
+    logits[:, 0] += 3  # expert 0 overloaded
+    routing = route(logits, 2, capacity_factor=0.7)
+    weights, ids, kept = (routing.weights.reshape(-1), routing.expert_ids.reshape(-1), routing.kept.reshape(-1))
+    wanted = torch.softmax(logits, -1).gather(1, routing.expert_ids)
+    wanted = (wanted / wanted.sum(1, keepdim=True)).reshape(-1)
+    token = torch.arange(40).repeat_interleave(2)
+    assert (~kept).any()
+    for e in range(5):
+        mine = ids == e
+        assert int(kept[mine].sum()) == min(int(mine.sum()), routing.capacity)
+        for a in torch.nonzero(mine & kept).flatten().tolist():
+            for b in torch.nonzero(mine & ~kept).flatten().tolist():
+                assert wanted[a] > wanted[b] or (wanted[a] == wanted[b] and token[a] < token[b])
+    torch.testing.assert_close(weights, wanted * kept, rtol=0, atol=0)
+
+
+def test_an_unknown_drop_policy_is_refused():
+    message = r"drop_policy must be one of \('probs', 'position'\), got 'random'"
+    with pytest.raises(ValueError, match=message):
+        route(torch.randn(5, 4), 2, capacity_factor=1.0, drop_policy="random")
+    with pytest.raises(ValueError, match=message):
+        TopKRouter(8, 4, 2, capacity_factor=1.0, drop_policy="random")
 
 
 def test_zero_capacity_drops_everything():

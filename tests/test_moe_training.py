@@ -639,6 +639,7 @@ def test_bad_settings_are_refused_before_training(tmp_path):
     for overrides, error in ((["model.vocab_size=128"], "model.vocab_size=128: the data are raw bytes"),
                              (["model.capacity_factor=0"], "capacity_factor must be > 0"),
                              (["model.capacity_factor=-1.0"], "capacity_factor must be > 0"),
+                             (["model.capacity_factor=1.0", "model.drop_policy=prob"], "drop_policy must be one of"),
                              (["comm.grad_allreduce=q7"], "comm.grad_allreduce='q7': expected one of"),
                              (["data.eval_batches=0"], "data.eval_batches=0: expected a count >= 1: the evaluation needs"),
                              (["data.eval_batches=1.5"], "data.eval_batches=1.5: expected a count >= 1"),

@@ -50,6 +50,7 @@ def fused_moe(cfg: DictConfig, env: DistEnv, layer: MoELayer) -> tuple[MoELayer 
     m = cfg.model
     fused_cfg = with_modes(cfg, "fused")
     fused = MoELayer(m.d_model, m.ffn, m.num_experts, m.top_k, group=layer.group, capacity_factor=m.capacity_factor,
+                     drop_policy=m.drop_policy,
                      device=env.device, comm="fused", fused=fused_moe_config(fused_cfg, env),
                      statistics_group=layer.router.statistics_group)  # the same routing collectives as the bulk one
     with torch.no_grad():  # router then experts in both (the model's layer renames its experts module only)
