@@ -15,9 +15,9 @@ the sequence it is, each piece writing where the next one reads:
     interaction backward (kernel)             d dense into the dense graph's gradient input, and d S
     dense arch backward (its node's graph)    the bottom MLP's gradients
     sparse backward                           d S to the tables' owners, then the embedding update
-    then the two all-reduces of the dense gradients (each started once its arch's gradients are made; a
-    quantized codec's of the dense arch after the sparse backward, see DirectDLRMStep) and the dense optimizer's
-    step.
+    then the two all-reduces of the dense gradients (each started once its arch's gradients are made; the dense
+    arch's after the sparse backward where it is a quantized codec's, or where a peer takes train_step in this
+    step: see DirectDLRMStep) and the dense optimizer's step.
 
 The sparse part is the collection's: with comm=fused (p2p) the interaction's backward kernel stores d S straight
 into the owners' symmetric gradient buffers with the exchange's flags (GradientPush's protocol) and the exchange's
