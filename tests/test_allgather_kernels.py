@@ -446,6 +446,13 @@ MATMUL_REFUSALS = {
                     r"its out \[82, 19\] float16, not contiguous, cannot take its product"),
     "fp32 out": (lambda d: (None, torch.empty(82, 19, device=d)), r"got torch.float32 \[82, 19\]",
                  r"its out \[82, 19\] float32 cannot take its product"),
+    # a tensor on another device: the kernels would read it (or store into it) through a pointer of that device
+    "weight on another device": (lambda d: (torch.empty(19, 24, dtype=torch.float16, device="meta").t(), None),
+                                 r"weight \(24, 19\) torch.float16 on meta: expected on",
+                                 r"its weight \[24, 19\] float16 is on another device than its workspace"),
+    "out on another device": (lambda d: (None, torch.empty(82, 19, dtype=torch.float16, device="meta")),
+                              r"out \(82, 19\) torch.float16 on meta: expected on",
+                              r"its out \[82, 19\] float16 is on another device than its workspace"),
     # the third: its x_shard (of the shape class: the op and its exchange are the peers')
     "x_shard on another device": (lambda d: (None, None, torch.empty(41, 24, dtype=torch.float16, device="meta")),
                                   r"x_shard \(41, 24\) torch.float16 on meta: expected on",

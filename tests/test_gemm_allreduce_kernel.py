@@ -346,16 +346,26 @@ REFUSALS = {
                   r"its x \[1048576, 40\] @ w \[40, 2048\] needs buffers of 2\^31 elements or more per half"),
     "uneven bands": ((5, 40), (40, 50), torch.bfloat16, "cuts M=5 rows into 2 equal bands",
                      r"its reduce-scatter cuts M=5 rows into 2 equal bands \(M must be a multiple of the world size\)"),
+    # on another device (meta): the kernel would read it through a pointer of that device; w's call is otherwise
+    # the first call's on 2 ranks (x [12, 40]), whose plan the op keeps: the device is in the plan's key
+    "x on another device": ((4, 40), (40, 50), torch.bfloat16, r"x \(4, 40\) torch.bfloat16 on meta: expected on",
+                            r"its x \[4, 40\] bfloat16 is on another device than its workspace"),
+    "w on another device": ((12, 40), (40, 50), torch.bfloat16, r"w \(40, 50\) torch.bfloat16 on meta: expected on",
+                            r"its w \[40, 50\] bfloat16 is on another device than its workspace"),
 }
 CALL_FORMS = {"two-shot": ("two_shot", False), "one-shot": ("one_shot", False), "reduce-scatter": ("two_shot", True)}
 
 
-def refused_operands(refusal: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def refused_operands(refusal: str, gen: torch.Generator, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     x_shape, w_shape, dtypes, _, _ = REFUSALS[refusal]
     x_dtype, w_dtype = dtypes if isinstance(dtypes, tuple) else (dtypes, dtypes)
     if refusal == "too large":
-        return torch.zeros(1, 40, dtype=x_dtype).expand(x_shape), torch.zeros(40, 1, dtype=w_dtype).expand(w_shape)
-    return torch.randn(x_shape, generator=gen).to(x_dtype), torch.randn(w_shape, generator=gen).to(w_dtype)
+        x, w = torch.zeros(1, 40, dtype=x_dtype).expand(x_shape), torch.zeros(40, 1, dtype=w_dtype).expand(w_shape)
+    else:
+        x, w = torch.randn(x_shape, generator=gen).to(x_dtype), torch.randn(w_shape, generator=gen).to(w_dtype)
+    x_device, w_device = {"x on another device": ("meta", device), "w on another device": (device, "meta")}.get(
+        refusal, (device, device))
+    return x.to(x_device), w.to(w_device)
 
 
 def check_refused_on_some_ranks(world_size: int, refused: tuple[int, ...], refusal: str, form: str,
@@ -374,7 +384,7 @@ def check_refused_on_some_ranks(world_size: int, refused: tuple[int, ...], refus
     check(world(xs, ws, scatter), xs, ws)
     xs, ws = random_inputs(world_size, 2 * world_size, 40, 50, torch.bfloat16, gen, device)
     for r in refused:
-        xs[r], ws[r] = (t.to(device) for t in refused_operands(refusal, gen))
+        xs[r], ws[r] = refused_operands(refusal, gen, device)
     outputs = World.launch(world.ops, xs, ws, [scatter] * world_size)
     _, _, _, error, said = REFUSALS[refusal]
     for rank, output in enumerate(outputs):

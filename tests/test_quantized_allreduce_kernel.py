@@ -280,6 +280,10 @@ def refused_call(refusal: str, n: int) -> tuple[dict, type, str, str]:
                           f"its out \\({n} float16\\) cannot take"),
             "strided out": (dict(out=torch.empty(2 * n)[::2]), ValueError, "not contiguous",
                             f"its out \\({n} float32, not contiguous\\) cannot take"),
+            # the kernel would read it through a pointer of that device (an out on x's: refused as unlike x)
+            "x on another device": (dict(x=torch.empty(n, device="meta"), out=None), ValueError,
+                                    f"x \\({n},\\) torch.float32 on meta: expected on",
+                                    f"its x \\[{n}\\] float32 is on another device than its workspace"),
             # 2**31 values (no memory: an expanded scalar) encode to more bytes than the kernel's int32 offsets reach
             "too large": (dict(x=torch.zeros(1).expand(2**31), out=None), ValueError,
                           f"{2**31} values encode to 2281701376 bytes",
@@ -289,7 +293,7 @@ def refused_call(refusal: str, n: int) -> tuple[dict, type, str, str]:
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the poisoned slots decode to NaN where the codecs read them
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("refusal", ["int32 x", "float64 x", "codec", "out shape", "out dtype", "strided out",
-                                     "too large"])
+                                     "x on another device", "too large"])
 def test_a_call_refused_on_one_rank_raises_on_every_rank(world_size, refusal):
     """Rank 1 refuses its call: it raises its own error, every other rank PeerRefusedInput naming rank 1 and why, at
     the same call (rank 1 still takes part in it: its flags rise, its signature says why), without touching the

@@ -167,7 +167,7 @@ def test_gemm_all_reduce_calls_that_differ_raise_on_every_rank(world_size, diffe
 
 
 @pytest.mark.parametrize("form", list(CALL_FORMS))
-@pytest.mark.parametrize("refusal", ["3-D x", "fp32 x", "too large"])
+@pytest.mark.parametrize("refusal", ["3-D x", "fp32 x", "too large", "w on another device"])
 def test_gemm_all_reduce_call_refused_on_one_rank_raises_on_every_rank(refusal, form):
     """The interpreter test's refusals (test_gemm_allreduce_kernel.check_refused_on_some_ranks), as compiled: rank 1
     raises its ValueError, rank 0 PeerRefusedInput naming rank 1 and why (at `check(block=True)`), and the next

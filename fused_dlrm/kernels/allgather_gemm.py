@@ -60,12 +60,13 @@ weight, the tiles and grid) is not compared: ranks may differ in it. A call that
 shape class or producer new to them) stops before its kernels: the ranks' requests are compared before each
 collective allocation (dist/symmetric.agree_on_allocation), so those ranks raise AllocationTimeout naming the peers
 that never asked, and a peer whose next allocation is another buffer raises AllocationMismatch.
-A call whose weight, out or x_shard's device one rank refuses (`refused_call`: what each rank's own tensors decide,
-N may differ; x_shard of the peers' shape class) is still a call there (peer_flags.RefusedCall): raising alone
-would leave its peers waiting out their bound, and its call numbers and exchange epochs one behind theirs for every
-later call. It takes its number and its exchange's
-epoch, publishes a signature that says why ([number, REFUSED_CALL, refusal words]) and acknowledges the epoch (it
-reads nothing of it), then waits for every peer's published call, as the GEMM does (`_refused_call_kernel`). A
+A call whose weight or out one rank refuses, or whose x_shard, weight or out lies on another device than the
+workspace's (`refused_call`: what each rank's own tensors decide, N may differ; x_shard of the peers' shape class;
+`peer_flags.foreign_operand`: a kernel would read another GPU's memory) is still a call there
+(peer_flags.RefusedCall): raising alone would leave its peers waiting out their bound, and its call numbers and
+exchange epochs one behind theirs for every later call. It takes its number and its exchange's epoch, publishes a
+signature that says why ([number, REFUSED_CALL, refusal words]) and acknowledges the epoch (it reads nothing of it),
+then waits for every peer's published call, as the GEMM does (`_refused_call_kernel`). A
 peer's program that reads that signature records the refusal (code 5, `same_published_call`), after which its
 waits look once: every other rank raises PeerRefusedInput naming the rank and why, the refusing rank its own
 ValueError at `finish`, and the next call is exact. A refused x_shard of no shape class (`shard_problem`: not
@@ -97,9 +98,10 @@ from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.allgather import SymmetricAllGather, push_chunk, wait_chunk
 from fused_dlrm.kernels.launch import interpreting
 from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, TENSOR_WORDS, PeerErrors, RefusedCall,
-                                           check_spin_limit, describe_refused_calls, describe_signatures,
-                                           describe_tensor, publish_signature, same_published_call, signal_ready,
-                                           signature_of, tensor_words, wait_published)
+                                           check_spin_limit, describe_foreign, describe_refused_calls,
+                                           describe_signatures, describe_tensor, foreign_operand, publish_signature,
+                                           same_published_call, signal_ready, signature_of, tensor_words,
+                                           wait_published)
 from fused_dlrm.kernels.tma import async_proxy_fence, descriptor, tma_problem, tma_readable
 
 GEMM_PRODUCERS = ("copy_engine", "device")
@@ -613,19 +615,20 @@ def shard_problem(shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
 
 # Why a rank refuses its call (`refused_call`, `all_gather_matmul`): word 0 of its refusal words, which its peers
 # name (`describe_refusal`)
-UNREADABLE_WEIGHT, UNUSABLE_OUT, FOREIGN_SHARD, UNTAKEN_SHARD, UNKNOWN_PRODUCER = 1, 2, 3, 4, 5
+UNREADABLE_WEIGHT, UNUSABLE_OUT, FOREIGN_OPERAND, UNTAKEN_SHARD, UNKNOWN_PRODUCER = 1, 2, 3, 4, 5
+OPERANDS = ("x_shard", "weight", "out")  # a call's tensors, as `foreign_operand`'s words name them
 
 
 def refused_call(x_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, op: AllGatherMatmul
                  ) -> RefusedCall | None:
-    """The call this rank refuses, for an x_shard on another device than the op's buffers, or a weight or out that
-    the GEMM cannot read or store into (what each rank's own tensors decide: N may differ between ranks), or None.
-    x_shard is one of the op's shape class."""
+    """The call this rank refuses, for an x_shard, weight or out on another device than the op's buffers, or a
+    weight or out that the GEMM cannot read or store into (what each rank's own tensors decide: N may differ between
+    ranks), or None. x_shard is one of the op's shape class."""
     device = op.calls.local.device  # the workspace's, with its index ("cuda:0", where the workspace's is "cuda")
-    if x_shard.device != device:
-        return RefusedCall.of([FOREIGN_SHARD] + tensor_words(x_shard), ValueError(
-            f"x_shard {tuple(x_shard.shape)} {x_shard.dtype} on {x_shard.device}: expected on {device}, the "
-            f"workspace's device"), device)
+    foreign = foreign_operand(dict(zip(OPERANDS, (x_shard, weight, out))), device)
+    if foreign is not None:
+        words, error = foreign
+        return RefusedCall.of([FOREIGN_OPERAND] + words, error, device)
     k, dtype = x_shard.shape[1], x_shard.dtype
     problem = weight_problem(weight, k, dtype)
     if problem is not None:
@@ -643,8 +646,8 @@ def refused_call(x_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor 
 def describe_refusal(words: list[int]) -> str:
     """A rank's refusal words (`refused_call`) in words, as its peers say them."""
     reason, *values = words
-    if reason == FOREIGN_SHARD:
-        return f"its x_shard {describe_tensor(values)} is on another device than its workspace"
+    if reason == FOREIGN_OPERAND:
+        return describe_foreign(OPERANDS, values)
     if reason == UNTAKEN_SHARD:
         return (f"its x_shard {describe_tensor(values)} is not one the op takes: [rows, K] float16 or bfloat16, K a "
                 f"multiple of 8")
@@ -683,9 +686,10 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, workspace: _W
     issue 5's shape on 2 GPUs it took 741 against 1,295 us for the copy engines' pulls (2×H200, 2026-11-24) and
     733 against 1,440 (2×H100, 2026-11-26; docs/benchmarks.md). A shard of 0 rows (every rank's, as the shapes
     are alike: an empty batch) gives empty outputs and exchanges no data, but is a call (its signature compared
-    with the peers'), as the GEMM + all-reduce's for M = 0. A weight, out or x_shard's device this rank refuses
-    raises its ValueError here and PeerRefusedInput on its peers; so does an x_shard of no shape class or an
-    unknown producer, after which that exchange's calls raise on every rank (the module docstring)."""
+    with the peers'), as the GEMM + all-reduce's for M = 0. A weight or out this rank refuses, or an x_shard, weight or
+    out on another device than the workspace's, raises its ValueError here and PeerRefusedInput on its peers; so
+    does an x_shard of no shape class or an unknown producer, after which that exchange's calls raise on every rank
+    (the module docstring)."""
     problem = shard_problem(tuple(x_shard.shape), x_shard.dtype)
     if problem is not None:  # a call of no shape class, through any op of the workspace (none: this rank's first
         #                      call, whose peers' first allocation waits for it and times out naming it)

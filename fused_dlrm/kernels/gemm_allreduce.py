@@ -65,19 +65,21 @@ buffers (a larger shape) stops before any kernel: those ranks wait for the other
 allocation, a bounded wait that raises AllocationTimeout naming the ranks that never asked
 (dist/symmetric.agree_on_allocation); a rank that asks later raises it too.
 
-A call that one rank refuses (`refusal`: operands that are no x [M, K] and w [K, N] of one dtype, fp16 or bf16; a
-reduce-scatter's M not a multiple of the world size; buffers past int32 offsets: what each rank's own x and w
-decide) is still a call there (peer_flags.RefusedCall): raising alone would leave its peers waiting out their
-bound, and its epochs one behind theirs for every later call. It runs `_refused_call_kernel` (one program): its
-signature says why ([epoch, REFUSED_CALL, refusal words]) and goes into every peer's half of the epoch, then its
-ready flags there for every program (the peers' grid is not known), so the peers' waits end; then it waits for a
-ready flag of the call from every peer, as a call that runs does (the guard of the halves above), and raises its
-done flags for every program in each peer once that peer's is seen (a peer late in an older call would take them
-for that call's). Each peer, comparing calls, records the refusal (code 5: the lowest refused rank, the same on
-every rank, before any mismatch) and raises PeerRefusedInput naming that rank and why (its output not defined); the
-refused rank raises its own ValueError at `output`. The next call, alike on every rank, is exact. (A peer whose
-call would grow the buffers waits in the allocation, as above, for the refusing rank, which asks for nothing.) What
-the op's construction fixes (algorithm, transport, spin bound, tiles) is refused there, before any call.
+A call that one rank refuses (`refusal`: operands on another device than the workspace's (`foreign_operand`: the
+kernel would read another GPU's memory; the device is in a plan's key), or that are no x [M, K] and w [K, N] of one
+dtype, fp16 or bf16; a reduce-scatter's M not a multiple of the world size; buffers past int32 offsets: what each
+rank's own x and w decide) is still a call there (peer_flags.RefusedCall): raising alone would leave its peers
+waiting out their bound, and its epochs one behind theirs for every later call. It runs `_refused_call_kernel` (one
+program): its signature says why ([epoch, REFUSED_CALL, refusal words]) and goes into every peer's half of the
+epoch, then its ready flags there for every program (the peers' grid is not known), so the peers' waits end; then it
+waits for a ready flag of the call from every peer, as a call that runs does (the guard of the halves above), and
+raises its done flags for every program in each peer once that peer's is seen (a peer late in an older call would
+take them for that call's). Each peer, comparing calls, records the refusal (code 5: the lowest refused rank, the
+same on every rank, before any mismatch) and raises PeerRefusedInput naming that rank and why (its output not
+defined); the refused rank raises its own ValueError at `output`. The next call, alike on every rank, is exact. (A
+peer whose call would grow the buffers waits in the allocation, as above, for the refusing rank, which asks for
+nothing.) What the op's construction fixes (algorithm, transport, spin bound, tiles) is refused there, before any
+call.
 
 `gemm_allreduce_reference` is the pure-torch definition; `gemm_allreduce_bulk` the bulk twin (matmul, then
 torch.distributed.all_reduce); `gemm_reduce_scatter_reference` / `_bulk` the same for the reduce-scatter form.
@@ -96,8 +98,9 @@ from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
 from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, TENSOR_WORDS, PeerErrors, RefusedCall,
-                                           check_spin_limit, describe_refused_calls, describe_signatures,
-                                           describe_tensor, publish_refusal, same_unrefused_calls,
+                                           check_spin_limit, describe_foreign, describe_refused_calls,
+                                           describe_signatures, describe_tensor, foreign_operand, publish_refusal,
+                                           same_unrefused_calls,
                                            signal_every_program, signal_ready, signature_of, store_signature,
                                            tensor_words, wait_or_record)
 
@@ -180,13 +183,19 @@ def describe_calls(mine: list[int], theirs: list[int]) -> tuple[str, str]:
 
 # Why a rank refuses its call (`GemmAllReduce._plan`): word 0 of its refusal words, which its peers name
 # (`describe_refusal`)
-NOT_OPERANDS, UNEVEN_BANDS, TOO_LARGE = 1, 2, 3
+NOT_OPERANDS, UNEVEN_BANDS, TOO_LARGE, FOREIGN_OPERAND = 1, 2, 3, 4
+OPERANDS = ("x", "w")  # a call's tensors, as `foreign_operand`'s words name them
 
 
-def refusal(x: torch.Tensor, w: torch.Tensor, scatter: bool, world: int) -> tuple[list[int], ValueError] | None:
+def refusal(x: torch.Tensor, w: torch.Tensor, scatter: bool, world: int, device: torch.device
+            ) -> tuple[list[int], ValueError] | None:
     """Why this rank cannot run a call on x and w whatever its tiles: its refusal words ([reason, values...], for its
-    peers) and the error it raises itself; None if it can. (Buffers past int32 offsets depend on the tiles:
-    `GemmAllReduce._plan`.)"""
+    peers) and the error it raises itself; None if it can. device: the workspace buffers'. (Buffers past int32
+    offsets depend on the tiles: `GemmAllReduce._plan`.)"""
+    foreign = foreign_operand(dict(zip(OPERANDS, (x, w))), device)
+    if foreign is not None:
+        words, error = foreign
+        return [FOREIGN_OPERAND] + words, error
     if (x.dim() != 2 or w.dim() != 2 or min(*w.shape) < 1 or w.shape[0] != x.shape[1]
             or x.dtype != w.dtype or x.dtype not in (torch.float16, torch.bfloat16)):
         return [NOT_OPERANDS] + tensor_words(x) + tensor_words(w), ValueError(
@@ -213,6 +222,8 @@ def describe_refusal(words: list[int]) -> str:
         x, w = values[:TENSOR_WORDS], values[TENSOR_WORDS:]
         return (f"its x {describe_tensor(x)} and w {describe_tensor(w)} are not x [M, K] and w [K, N] (K, N >= 1) "
                 "of one dtype, fp16 or bf16")
+    if reason == FOREIGN_OPERAND:
+        return describe_foreign(OPERANDS, values)
     if reason == UNEVEN_BANDS:
         m, world = values[:2]
         return f"its reduce-scatter cuts M={m} rows into {world} equal bands (M must be a multiple of the world size)"
@@ -534,8 +545,10 @@ class GemmAllReduce:
     @staticmethod
     def _key(x: torch.Tensor, w: torch.Tensor, phases: int, scatter: bool) -> tuple:
         """What the plan and the compiled kernel's specialisation follow from: shapes (M, N, K are specialised),
-        strides (passed as ints), dtypes, the 16-byte alignment of x and w, the phases and the form (constexprs)."""
-        return x.shape, w.shape, x.stride(), w.stride(), x.dtype, w.dtype, aligned(x), aligned(w), phases, scatter
+        strides (passed as ints), dtypes, the 16-byte alignment of x and w, the phases and the form (constexprs);
+        and their devices (operands on another device than the workspace's are refused: `refusal`)."""
+        return (x.shape, w.shape, x.stride(), w.stride(), x.dtype, w.dtype, aligned(x), aligned(w), phases, scatter,
+                x.device, w.device)
 
     def launch(self, x: torch.Tensor, w: torch.Tensor, epoch: int, phases: int, scatter: bool = False
                ) -> Plan | RefusedCall:
@@ -572,7 +585,7 @@ class GemmAllReduce:
         return self._plans.get(key) or self._plan(key, x, w, phases, scatter)
 
     def _plan(self, key: tuple, x: torch.Tensor, w: torch.Tensor, phases: int, scatter: bool) -> Plan | RefusedCall:
-        refused = refusal(x, w, scatter, self.world)
+        refused = refusal(x, w, scatter, self.world, self.ready.local.device)
         if refused is not None:
             return RefusedCall.of(*refused, self.ws.device)
         (m, k), n = x.shape, w.shape[1]

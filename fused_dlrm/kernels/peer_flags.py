@@ -27,7 +27,8 @@ Its one-program kernel publishes a signature that says why ([epoch, REFUSED_CALL
 every program (`publish_refusal`; or as a flag of its own, `publish_signature`), then waits as the op's calls wait;
 each peer, comparing calls (`same_unrefused_calls`, `same_published_call`), records the refused rank (the lowest)
 with its words (`refused_peer`, `refused_by`, `record_refusal`) before any mismatch, so every other rank raises
-PeerRefusedInput (`describe_refused_calls`, `describe_tensor`) and the refused rank its own error.
+PeerRefusedInput (`describe_refused_calls`, `describe_tensor`) and the refused rank its own error. An operand on
+another device than the workspace's is such an input (`foreign_operand`, `describe_foreign`).
 
 Before results are kept (a checkpoint, a run's end), `check_every_error_word` reads every live op's word at once:
 on GPUs the word is read every check_every calls, so a wait of the last few calls could otherwise give up unseen.
@@ -360,6 +361,25 @@ def describe_tensor(words: list[int]) -> str:
     ndim, dims, dtype = words[0], words[1:1 + TENSOR_DIMS], words[1 + TENSOR_DIMS]
     shown = [str(d) for d in dims[:ndim]] + (["..."] if ndim > TENSOR_DIMS else [])
     return f"[{', '.join(shown)}] {dtype_name(dtype)}"
+
+
+def foreign_operand(operands: dict[str, torch.Tensor | None], device: torch.device
+                    ) -> tuple[list[int], ValueError] | None:
+    """The first of a call's operands (by name; None: not given) that lies on another device than `device`, the
+    workspace buffers' own (with its index: "cuda:0" where a simulated GPU world's workspace says "cuda"): its index
+    among them and `tensor_words` (refusal words, `describe_foreign`) and the error its rank raises; None where every
+    one lies there. Checked before anything reads them: a kernel would fail on that rank alone, or read (or store
+    into) another GPU's memory through its pointer."""
+    for i, (name, t) in enumerate(operands.items()):
+        if t is not None and t.device != device:
+            return [i] + tensor_words(t), ValueError(f"{name} {tuple(t.shape)} {t.dtype} on {t.device}: expected on "
+                                                     f"{device}, the workspace's device")
+    return None
+
+
+def describe_foreign(names: tuple[str, ...], values: list[int]) -> str:
+    """`foreign_operand`'s words in words (names: the operands' names, in its order), as the peers say them."""
+    return f"its {names[values[0]]} {describe_tensor(values[1:])} is on another device than its workspace"
 
 
 def describe_refused_calls(rank: int, describe: Callable[[list[int]], str]) -> Callable[[int, list[int]], str]:

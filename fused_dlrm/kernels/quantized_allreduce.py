@@ -67,17 +67,18 @@ it, or times out.) Not caught: a call that makes only some ranks grow the worksp
 codec of larger blocks) waits in the buffers' collective allocation, before any kernel, for peers that never
 join it; a check there would cost a collective at every new plan, which a caller's graph capture cannot hold.
 
-A call that one rank refuses (`refusal`: an x no codec takes, an unknown codec, an out that cannot take the result,
-more bytes than int32 offsets reach) is still a call there (peer_flags.RefusedCall): raising alone would leave its
-peers waiting, and their epochs one ahead of its own for good. It runs `_refused_call_kernel` (one program, in the
-phases above): its signature says why ([epoch, REFUSED_CALL, refusal words]) and goes into every peer before its
-ready flags, raised for every program (the peers' grid is not known: `publish_refusal`); then its done flags, in
-each peer once that peer's ready flag of the call is seen (a peer late in an older call would take them for that
-call's); then it waits until every peer's program 0 has read that signature, which its next call would overwrite,
-and moves its step slots on. Each peer, checking signatures, records the refusal (code 5: the lowest refused rank,
-the same on every rank, before any mismatch, `same_unrefused_calls`) and stores nothing; its PeerErrors raises
-PeerRefusedInput naming that rank and why (at the call's end in the interpreter, within check_every calls on GPUs,
-as any error). The refused rank raises its own error at `finish`. The next call, alike on every rank, is exact.
+A call that one rank refuses (`refusal`: an x no codec takes or on another device than the workspace's, an unknown
+codec, an out that cannot take the result, more bytes than int32 offsets reach) is still a call there
+(peer_flags.RefusedCall): raising alone would leave its peers waiting, and their epochs one ahead of its own for
+good. It runs `_refused_call_kernel` (one program, in the phases above): its signature says why ([epoch,
+REFUSED_CALL, refusal words]) and goes into every peer before its ready flags, raised for every program (the peers'
+grid is not known: `publish_refusal`); then its done flags, in each peer once that peer's ready flag of the call is
+seen (a peer late in an older call would take them for that call's); then it waits until every peer's program 0 has
+read that signature, which its next call would overwrite, and moves its step slots on. Each peer, checking
+signatures, records the refusal (code 5: the lowest refused rank, the same on every rank, before any mismatch,
+`same_unrefused_calls`) and stores nothing; its PeerErrors raises PeerRefusedInput naming that rank and why (at the
+call's end in the interpreter, within check_every calls on GPUs, as any error). The refused rank raises its own
+error at `finish`. The next call, alike on every rank, is exact.
 (Where the peers' call grows the buffers, they wait in the allocation, as above.)
 
 On GPUs every program waits on the same-numbered program of every peer's launch, so the grid must be
@@ -104,9 +105,10 @@ from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace, next_epoch_after
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, GraphReplays, aligned, resident_programs_per_sm
 from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, RefusedCall,
-                                           check_spin_limit, describe_refused_calls, describe_signatures,
-                                           publish_refusal, recorded_at, same_unrefused_calls, signal_every_program,
-                                           signature_of, store_signature, wait_or_record)
+                                           check_spin_limit, describe_foreign, describe_refused_calls,
+                                           describe_signatures, foreign_operand, publish_refusal, recorded_at,
+                                           same_unrefused_calls, signal_every_program, signature_of, store_signature,
+                                           wait_or_record)
 from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, NO_FMA, block_values, decode_reference,
                                              encode_blocks, encode_reference, error_bound, kernel_constants,
                                              load_blocks, store_blocks)
@@ -171,12 +173,18 @@ def slot_bytes(numel: int, world: int, codec: str) -> int:
 
 # Why a rank refuses its fused call (`refusal`): word 0 of its refusal words, which its peers record
 # (`describe_refusal`)
-NOT_QUANTIZABLE, UNKNOWN_CODEC, UNUSABLE_OUT, TOO_LARGE = 1, 2, 3, 4
+NOT_QUANTIZABLE, UNKNOWN_CODEC, UNUSABLE_OUT, TOO_LARGE, FOREIGN_X = 1, 2, 3, 4, 5
 
 
-def refusal(x: torch.Tensor, codec: str, out: torch.Tensor | None, world: int) -> tuple[list[int], Exception] | None:
+def refusal(x: torch.Tensor, codec: str, out: torch.Tensor | None, world: int, device: torch.device
+            ) -> tuple[list[int], Exception] | None:
     """Why this rank cannot run a fused call: its refusal words ([reason, values...], for its peers) and the error it
-    raises itself; None if it can."""
+    raises itself; None if it can. device: the workspace buffers' (x on another: `foreign_operand`; an out on
+    another device than x's: `out_problem`)."""
+    foreign = foreign_operand({"x": x}, device)
+    if foreign is not None:
+        words, error = foreign
+        return [FOREIGN_X] + words, error
     if x.dtype not in QUANTIZABLE:
         return [NOT_QUANTIZABLE, dtype_code(x.dtype)], _not_quantizable(x.dtype)
     if codec not in CODECS:
@@ -199,6 +207,8 @@ def describe_refusal(words: list[int]) -> str:
         return f"its x is {dtype_name(values[0])}, which no codec takes"
     if reason == UNKNOWN_CODEC:  # (its name does not travel: the words are integers)
         return "its codec is none of the fused kernel's"
+    if reason == FOREIGN_X:
+        return describe_foreign(("x",), values)
     if reason == UNUSABLE_OUT:
         numel, dtype, out_numel, out_dtype, contiguous, same_device = values[:6]
         return (f"its out ({out_numel} {dtype_name(out_dtype)}{'' if contiguous else ', not contiguous'}"
@@ -528,7 +538,7 @@ class FusedQuantizedAllReduce:
         out, the size) is a call all the same, which raises at `finish` (see the module docstring)."""
         self.errors.check()
         self._count_call()  # a refused call too: it takes its epoch
-        refused = refusal(x, codec, out, self.world)
+        refused = refusal(x, codec, out, self.world, self.ready.local.device)
         if refused is not None:
             return FusedCall(x, out, None, RefusedCall.of(*refused, self.ws.device))
         x = x.contiguous()
