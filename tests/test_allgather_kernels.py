@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from fused_dlrm.dist.symmetric import SimulatedWorld
+from fused_dlrm.dist.symmetric import AllocationRefused, SimulatedWorld
 from fused_dlrm.kernels import peer_flags
 from fused_dlrm.kernels.allgather import PRODUCERS, SymmetricAllGather, all_gather_reference
 from fused_dlrm.kernels.allgather_gemm import (CALLS, GemmConfig, all_gather_matmul, all_gather_matmul_bulk,
@@ -576,6 +576,31 @@ def test_all_gather_matmul_refused_without_an_exchange_raises_on_every_rank(refu
 
 def test_all_gather_matmul_refused_without_an_exchange_on_one_rank_of_three():
     check_matmul_refused_without_an_exchange(3, "fp32 x_shard", "device")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_gather_matmul_first_call_refused_without_an_exchange_raises_on_every_rank(world_size):
+    """Rank 1's very first call has an x_shard of no shape class: it has no op (no calls' buffer) to refuse it
+    through, but its peers' first call allocates that buffer first, so it refuses in that allocation's place: every
+    peer raises AllocationRefused naming rank 1 and why, no buffer is made, and the next call, alike on every rank,
+    is exact (it allocates on every rank)."""
+    gen = torch.Generator().manual_seed(world_size)
+    workspaces = matmul_world(world_size)
+    weight = torch.randn(19, 24, generator=gen).half().t()
+    shards = [torch.randn(41, 24, generator=gen).half() for _ in workspaces]
+    with pytest.raises(ValueError, match=r"dtype torch.float32 \(expected fp16") as raised:
+        all_gather_matmul(shards[1].float(), weight, workspaces[1], config=SMALL)
+    assert not isinstance(raised.value, AllocationRefused)  # its own error
+    for rank in (0, 2)[:world_size - 1]:
+        with pytest.raises(AllocationRefused, match=rf"^rank {rank}: symmetric allocation #1 of the simulated world: "
+                                                    rf"rank 1 refused its call, which would ask for "
+                                                    rf"'{CALLS}' of \d+ x int64: all_gather_matmul: dtype "
+                                                    rf"torch.float32 \(expected fp16"):
+            all_gather_matmul(shards[rank], weight, workspaces[rank], config=SMALL)
+    for _ in range(2):  # both halves
+        shards = [torch.randn(41, 24, generator=gen).half() for _ in workspaces]
+        for out in run_matmul(workspaces, shards, weight, "device"):
+            assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
 
 
 def test_all_gather_matmul_refused_call_waits_until_every_peer_has_begun_it():

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fused_dlrm.dist.symmetric import (AllocationMismatch, AllocationRequest, AllocationTimeout, SimulatedWorld,
-                                       agree_on_allocation, ranks_share_a_gpu)
+from fused_dlrm.dist.symmetric import (AllocationMismatch, AllocationRefused, AllocationRequest, AllocationTimeout,
+                                       SimulatedWorld, agree_on_allocation, ranks_share_a_gpu)
 from world import run_world
 
 
@@ -108,6 +108,13 @@ def _allocation_requests(rank: int, world_size: int) -> None:
         with pytest.raises(AllocationTimeout, match=rf"\[{last}\] did not .* \(this rank, asking for 'other' of 10 x "
                                                     r"float32, came after the others"):
             agree_on_allocation(group, request("other"), 1.0)
+    # The last rank refuses the call that would allocate "d" (its input), in that allocation's place: every rank
+    # raises, naming it and why, and none allocates.
+    refusal = "its x is 3-D" if rank == last else ""
+    with pytest.raises(AllocationRefused, match=rf"^rank {rank}: symmetric allocation #5 of process group "
+                                                rf"{group.group_name}: rank {last} refused its call, which would ask "
+                                                r"for 'd' of 10 x float32: its x is 3-D$"):
+        agree_on_allocation(group, AllocationRequest("d", 10, torch.float32, refusal), 5.0)
     assert agree_on_allocation(group, request("next", 7), 5.0) == 7  # and the ranks go on in step
 
 

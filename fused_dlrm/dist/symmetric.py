@@ -20,7 +20,9 @@ takes the largest size asked for. So before each allocation the ranks compare th
 group's store (`agree_on_allocation`, a few store round trips; never on a call that allocates nothing): other names
 or dtypes raise AllocationMismatch on every rank, and ranks that do not ask within `allocation_timeout_s` (a call
 that makes only some ranks allocate or grow a buffer, which would leave them waiting in the allocation forever) are
-named by AllocationTimeout. The simulated world pairs by order too and raises the same errors where GPUs would
+named by AllocationTimeout. A rank whose refused call would have made the allocation its peers' calls make takes
+part in it with its refusal (`refuse_allocation`): every rank raises AllocationRefused naming it and why, and no
+buffer is made. The simulated world pairs by order too and raises the same errors where GPUs would
 fail (an allocation unlike the first rank's of that number; a rank using a buffer that a peer grew without it). A
 grown buffer's old memory is released once nothing holds its PeerBuffer any more (torch synchronises the device
 before it unmaps symmetric memory, and a peer's mapping keeps the memory alive for that peer until it lets go);
@@ -65,22 +67,34 @@ class AllocationRequest:
     name: str
     numel: int
     dtype: torch.dtype
+    refusal: str = ""  # why the rank refuses the call that would make it (`_Workspace.refuse_allocation`)
 
     def __str__(self) -> str:
         return f"{self.name!r} of {self.numel} x {str(self.dtype).removeprefix('torch.')}"
 
     def encode(self) -> str:
-        return json.dumps([self.name, self.numel, str(self.dtype).removeprefix("torch.")])
+        return json.dumps([self.name, self.numel, str(self.dtype).removeprefix("torch."), self.refusal])
 
     @staticmethod
     def decode(text: bytes | str) -> "AllocationRequest":
-        name, numel, dtype = json.loads(text)
-        return AllocationRequest(name, numel, getattr(torch, dtype))
+        name, numel, dtype, refusal = json.loads(text)
+        return AllocationRequest(name, numel, getattr(torch, dtype), refusal)
 
 
 class AllocationMismatch(CallMismatch):
     """The ranks' n-th collective allocations asked for different buffers: GPUs would pair them (one rank's buffer
     read as another's) or leave a rank waiting; raised on every rank."""
+
+
+class AllocationRefused(CallMismatch):
+    """A rank refused the call that would make a collective allocation (its input), in that allocation's place
+    (`_Workspace.refuse_allocation`): no buffer is made; raised on every rank."""
+
+
+def refused_allocation(rank: int, what: str, refusing: int, request: AllocationRequest) -> AllocationRefused:
+    """The error of rank `rank` at allocation `what`, which rank `refusing` refused (`request`: its refusal)."""
+    return AllocationRefused(f"rank {rank}: {what}: rank {refusing} refused its call, which would ask for {request}: "
+                             f"{request.refusal}")
 
 
 class AllocationTimeout(TimeoutError):
@@ -94,7 +108,8 @@ def agree_on_allocation(group: dist.ProcessGroup, request: AllocationRequest, ti
     """Before a collective allocation in `group`: every rank posts its request in the group's store and waits, at
     most `timeout_s`, for the others'; returns the largest numel asked for (some sizes depend on the rank, and
     NVSHMEM needs one size on every rank). Raises AllocationMismatch on every rank unless all ask for one name and
-    dtype, and AllocationTimeout naming the ranks that did not ask in time (on every rank that did, and on a
+    dtype, AllocationRefused where a rank refused its call instead (`_Workspace.refuse_allocation`), and
+    AllocationTimeout naming the ranks that did not ask in time (on every rank that did, and on a
     latecomer). Costs a few round trips to the store (a ms); allocations are rare (first use, growth)."""
     store = dist.distributed_c10d._get_process_group_store(group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -114,6 +129,9 @@ def agree_on_allocation(group: dist.ProcessGroup, request: AllocationRequest, ti
     present = [r for r in range(world) if r not in missing]
     requests = dict(zip(present, map(AllocationRequest.decode, store.multi_get([keys[r] for r in present]))))
     every = ", ".join(f"rank {r} {requests[r]}" for r in present)
+    refusing = [r for r in present if requests[r].refusal]
+    if refusing and not missing:  # (a rank that never came is the graver fault: the timeout below names it)
+        raise refused_allocation(rank, what, refusing[0], requests[refusing[0]])
     if missing:
         late = f" (this rank, asking for {request}, came after the others had stopped waiting)" \
             if rank in missing else ""
@@ -197,6 +215,14 @@ class _Workspace:
     def _allocate(self, request: AllocationRequest) -> PeerBuffer:
         """Collective: every rank's next allocation (the same name and dtype), of the largest numel asked for."""
         raise NotImplementedError
+
+    def refuse_allocation(self, request: AllocationRequest) -> None:
+        """Take part in the ranks' next collective allocation, which the peers' call makes (`request`: what they ask
+        for) and which this rank's call, refused (request.refusal: why), would make: every rank raises
+        AllocationRefused naming this rank and why, and no buffer is made (raising alone would leave the peers
+        waiting in it, and the ranks' allocations paired one apart)."""
+        assert request.refusal, "a refusal says why"
+        self._allocate(request)
 
     def peer_tensors(self, buf: PeerBuffer) -> list[torch.Tensor]:
         """Every rank's `buf` as a tensor this rank can `copy_` into (copy engines take tensors, not addresses)."""
@@ -336,13 +362,18 @@ class SimulatedWorld:
         elements (GPUs would give every rank the most asked for, but the first rank holds its buffer already)."""
         n = self._made[rank]
         if n == len(self._allocations):
-            tensors = [torch.zeros(request.numel, dtype=request.dtype, device=self.device)
-                       for _ in range(self.world_size)]
+            tensors = None if request.refusal else [torch.zeros(request.numel, dtype=request.dtype, device=self.device)
+                                                    for _ in range(self.world_size)]
             self._allocations.append(made := _SimulatedAllocation(n + 1, rank, request, tensors))
-            self.buffers[request.name], self._newest[request.name] = tensors, made
+            if tensors is not None:
+                self.buffers[request.name], self._newest[request.name] = tensors, made
         made = self._allocations[n]
-        mine = f"rank {rank}: symmetric allocation #{n + 1} of the simulated world: rank {made.rank} asked for " \
-               f"{made.request}, rank {rank} for {request}"
+        what = f"symmetric allocation #{n + 1} of the simulated world"
+        for refusing, refused in ((made.rank, made.request), (rank, request)):
+            if refused.refusal:  # (a peer that came first holds the buffer: here it runs on, as it cannot wait)
+                self._made[rank] = n + 1
+                raise refused_allocation(rank, what, refusing, refused)
+        mine = f"rank {rank}: {what}: rank {made.rank} asked for {made.request}, rank {rank} for {request}"
         if (made.request.name, made.request.dtype) != (request.name, request.dtype):
             raise AllocationMismatch(f"{mine} (every rank must allocate the same buffers in the same order: GPUs "
                                      "pair them by order, so one rank's buffer would be another's)")

@@ -77,8 +77,9 @@ they share CALLS): it takes its number, publishes its refusal and waits for ever
 as above. Raising alone left the calls' numbers apart too: the rank's next call then matched its peers' refused one,
 whose chunks it found behind flags of the epoch it took, and so paired shards of two calls without an error. The
 exchange's epochs stay one apart: its next calls raise on every rank (as after calls that differ); a call of a shape
-class new to every rank is exact. (A rank with no op yet raises alone: its peers' first allocation times out
-naming it.)
+class new to every rank is exact. A rank with no op yet (its first call) has no CALLS to refuse it through, but its
+peers' first call allocates CALLS first: it refuses in that allocation's place (`_Workspace.refuse_allocation`),
+so every peer raises AllocationRefused naming it and why, no buffer is made, and the next call is exact.
 `all_gather_matmul_bulk` is the bulk twin (all_gather_into_tensor + matmul);
 `all_gather_matmul_reference` the pure-torch definition.
 """
@@ -93,7 +94,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from fused_dlrm.dist.symmetric import _Workspace
+from fused_dlrm.dist.symmetric import AllocationRefused, AllocationRequest, _Workspace
 from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.allgather import SymmetricAllGather, push_chunk, wait_chunk
 from fused_dlrm.kernels.launch import interpreting
@@ -107,6 +108,11 @@ from fused_dlrm.kernels.tma import async_proxy_fence, descriptor, tma_problem, t
 GEMM_PRODUCERS = ("copy_engine", "device")
 PRODUCER_WORDS = ("copy-engine pulls", "device push")  # GEMM_PRODUCERS in a call's description
 CALLS = "allgather_matmul_calls"  # a workspace's count of the op's calls and the buffer of their signatures
+
+
+def calls_numel(world: int) -> int:
+    """The CALLS buffer's int64 words: every peer's signature, in two halves by the call's parity."""
+    return 2 * world * SIGNATURE_WORDS.value
 
 
 def all_gather_matmul_reference(shards: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
@@ -410,7 +416,7 @@ class AllGatherMatmul:
         # every peer's signature of its latest calls (two halves by the call's parity), shared by the workspace's
         # ops of every shape class: calls of other shapes use other exchanges (the module docstring). Allocated
         # first: on GPUs allocations pair by order, and an op of empty shards allocates nothing else.
-        self.calls = workspace.buffer(CALLS, 2 * self.world * SIGNATURE_WORDS.value, torch.int64)
+        self.calls = workspace.buffer(CALLS, calls_numel(self.world), torch.int64)
         # the device push's exchange; none for shards of 0 rows (an empty batch: its calls exchange signatures alone)
         self.gather = SymmetricAllGather(workspace, rows, k, dtype, max(1, config.chunk_rows), name="allgather_matmul",
                                          spin_limit=config.spin_limit, errors=self.errors) if rows else None
@@ -691,12 +697,17 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, workspace: _W
     does an x_shard of no shape class or an unknown producer, after which that exchange's calls raise on every rank
     (the module docstring)."""
     problem = shard_problem(tuple(x_shard.shape), x_shard.dtype)
-    if problem is not None:  # a call of no shape class, through any op of the workspace (none: this rank's first
-        #                      call, whose peers' first allocation waits for it and times out naming it)
+    if problem is not None:  # a call of no shape class, through any op of the workspace
         refused = RefusedCall.of([UNTAKEN_SHARD] + tensor_words(x_shard), ValueError(problem), workspace.device)
         ops = _OPS.get(workspace)
         if ops:
             next(iter(ops.values())).refuse_call(refused)
+        # none: this rank's first call, whose peers' first op allocates CALLS first: refused in its place
+        try:
+            workspace.refuse_allocation(AllocationRequest(CALLS, calls_numel(workspace.world_size), torch.int64,
+                                                          problem))
+        except AllocationRefused:
+            pass  # (every rank raises it; this one its own error)
         raise refused.error
     op = op_for(workspace, x_shard, config)
     # before the producer starts: a refused call tells its peers why
