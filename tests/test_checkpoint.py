@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from world import run_world
 
@@ -20,6 +21,7 @@ from torchrec import EmbeddingBagConfig
 from fused_dlrm.dist.env import of_every_rank
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection, TableShardingPlan
 from fused_dlrm.sparse.plan import Shard
+from fused_dlrm.sparse.sharded_ebc import shard_weight
 from fused_dlrm.train.checkpoint import NonFiniteLossError, load_checkpoint, save_checkpoint
 
 
@@ -48,38 +50,83 @@ def test_a_rank_that_cannot_resume_stops_every_rank(tmp_path):
 
 
 class _Sharded(nn.Module):
-    """A DLRM's parts a checkpoint holds: the tables this rank owns (and their optimizer's state), a dense layer."""
+    """A DLRM's parts a checkpoint holds: the tables (the shards this rank holds, and their optimizer's state), a
+    dense layer; tables a (10 rows) and b (12 rows) of 4 columns, a whole on rank 0 unless `shards_of_a` says."""
 
-    def __init__(self, shards_of_b: list[Shard]):
+    def __init__(self, shards_of_b: list[Shard], optimizer: str = "rowwise_adagrad",
+                 shards_of_a: tuple[Shard, ...] = (Shard("a", 0, 0, 4, "a"),)):
         super().__init__()
         torch.manual_seed(0)
         tables = [EmbeddingBagConfig(name=name, embedding_dim=4, num_embeddings=rows, feature_names=[f"f{name}"])
                   for name, rows in (("a", 10), ("b", 12))]
-        plan = TableShardingPlan(2, (Shard("a", 0, 0, 4, "a"), *shards_of_b))
-        self.sparse = ShardedEmbeddingBagCollection(tables, EmbeddingOptimizerConfig(), plan=plan)
+        plan = TableShardingPlan(2, (*shards_of_a, *shards_of_b))
+        self.sparse = ShardedEmbeddingBagCollection(tables, EmbeddingOptimizerConfig(optimizer), plan=plan)
         self.dense = nn.Linear(3, 2)
 
 
-def _another_plan_for_one_rank(rank: int, world: int, root: str) -> None:
+def _randomise(model: _Sharded, seed: int) -> None:
+    """Weights and accumulators as after training: random, other on each rank."""
+    gen = torch.Generator().manual_seed(seed)
+    optimizer = model.sparse.lookup.optimizer
+    for t in [*optimizer.weights.values(), *optimizer.momentum.values()]:
+        t.copy_(torch.rand(t.shape, generator=gen))
+
+
+def _whole(root: str, key: str, size: list[int]) -> torch.Tensor:
+    """An entry of checkpoint step_4 as one tensor, read by torch.distributed.checkpoint on this rank."""
+    whole = {key: torch.full(size, float("nan"))}
+    dcp.load(whole, checkpoint_id=Path(root, "step_4"))
+    return whole[key]
+
+
+# b cut otherwise on rank 1 (two column shards), and a in row blocks over both ranks (uneven: 6 and 4 rows).
+B_IN_COLUMNS = [Shard("b", 1, 0, 2, "b_cols_0_to_1"), Shard("b", 1, 2, 2, "b_cols_2_to_3")]
+A_IN_ROWS = (Shard("a", 1, 0, 4, "a_rows_0_to_5", 0, 6), Shard("a", 0, 0, 4, "a_rows_6_to_9", 6, 4))
+
+
+def _another_plan(rank: int, world: int, root: str) -> None:
+    model = _Sharded([Shard("b", 1, 0, 4, "b")], "sgd")
+    _randomise(model, rank)
+    save_checkpoint(root, 4, model, torch.optim.Adam(model.dense.parameters()), model.sparse.fused_optimizer)
+    # SGD: no state but the tables', which reshard: b in column shards, a in row blocks on other ranks
+    other = _Sharded(B_IN_COLUMNS, "sgd", A_IN_ROWS)
+    assert load_checkpoint(root, other, torch.optim.Adam(other.dense.parameters()), other.sparse.fused_optimizer) == 4
+    tables = {"a": _whole(root, "model.sparse.embedding_bags.a.weight", [10, 4]),
+              "b": _whole(root, "model.sparse.embedding_bags.b.weight", [12, 4])}
+    for s in other.sparse.plan.shards_of(rank):
+        assert torch.equal(other.sparse.shard_weights[s.name], shard_weight(tables[s.table], s)), s
+    assert {s.table for s in model.sparse.plan.shards_of(rank)} == {"ab"[rank]}  # what each rank saved: its own
+    assert torch.equal(tables["ab"[rank]], model.sparse.shard_weights["ab"[rank]])
+
+    # Row-wise Adagrad: a's accumulators (per row) reshard into a's row blocks; b's (one per row of each column
+    # shard) do not go to column shards: every rank says so, alike
     model = _Sharded([Shard("b", 1, 0, 4, "b")])
-    save_checkpoint(root, 4, model, torch.optim.Adam(model.dense.parameters()), model.sparse.lookup.optimizer)
-    # table b in two column shards, both on rank 1: rank 0's entries are the checkpoint's, rank 1's are not
-    other = _Sharded([Shard("b", 1, 0, 2, "b_cols_0_to_1"), Shard("b", 1, 2, 2, "b_cols_2_to_3")])
+    _randomise(model, rank)
+    save_checkpoint(root, 4, model, torch.optim.Adam(model.dense.parameters()), model.sparse.fused_optimizer)
+    rows_only = _Sharded([Shard("b", 0, 0, 4, "b")], shards_of_a=A_IN_ROWS)
+    load_checkpoint(root, rows_only, torch.optim.Adam(rows_only.dense.parameters()), rows_only.sparse.fused_optimizer)
+    momentum = {t: _whole(root, f"embedding_optimizer.state.embedding_bags.{t}.weight.{t}.momentum1", [rows])
+                for t, rows in (("a", 10), ("b", 12))}
+    for s in rows_only.sparse.plan.shards_of(rank):
+        end = None if s.rows is None else s.row + s.rows  # b whole: all its rows
+        assert torch.equal(rows_only.sparse.lookup.optimizer.momentum[s.name], momentum[s.table][s.row:end]), s
+    columns = _Sharded(B_IN_COLUMNS)
     with pytest.raises(ValueError) as raised:
-        load_checkpoint(root, other, torch.optim.Adam(other.dense.parameters()), other.sparse.lookup.optimizer)
+        load_checkpoint(root, columns, torch.optim.Adam(columns.dense.parameters()), columns.sparse.fused_optimizer)
     messages = of_every_rank(str(raised.value))
     assert messages[0] == messages[1], messages  # not "rank(s) [1] cannot resume" on rank 0
-    assert re.fullmatch(r"checkpoint \S+step_4 holds no \['model\.sparse\.embedding_bags\.b_cols_0_to_1\.weight', "
-                        r"'model\.sparse\.embedding_bags\.b_cols_2_to_3\.weight'\] \(2 of the model's 5 entries, "
-                        r"loaded by rank\(s\) \[1\]\) and holds \['model\.sparse\.embedding_bags\.b\.weight'\], state "
-                        r"this run does not keep: it was written for another model, .* or sharding of the tables "
-                        r"\(model\.column_shards, model\.row_shards\)", messages[0]), messages[0]
+    assert re.fullmatch(r"checkpoint \S+step_4 holds \['embedding_optimizer\.state\.embedding_bags\.b\.weight\.b\."
+                        r"momentum1 \[12\] \(this run: \[24\]\)'\]: row-wise Adagrad state written for other column "
+                        r"shards of these tables .* resume with the checkpoint's column shards \(DLRM: "
+                        r"model\.column_shards; .*", messages[0]), messages[0]
 
 
-def test_a_checkpoint_of_another_plan_raises_alike_on_every_rank(tmp_path):
-    """Only rank 1's tables are cut otherwise than the checkpoint's: every rank raises the same error, naming the
-    entries rank 1 would load and the checkpoint's that no rank loads."""
-    run_world(2, _another_plan_for_one_rank, str(tmp_path), timeout=120)
+def test_a_checkpoint_reshards_but_row_wise_adagrad_keeps_its_column_shards(tmp_path):
+    """The tables' entries are torchrec's global ShardedTensors: a checkpoint of one plan loads under another (rows
+    and columns cut otherwise, on other ranks), each shard bit for bit. Row-wise Adagrad's accumulators reshard by
+    rows; written for a whole table, they do not load into its column shards (an accumulator per column shard):
+    every rank raises the same error, naming them."""
+    run_world(2, _another_plan, str(tmp_path), timeout=300)
 
 
 # Each table its own optimizer: a in row blocks (row-wise Adagrad), b whole on rank 1 (SGD: no state), c in column
@@ -107,19 +154,19 @@ def _per_table_state_round_trip(rank: int, world: int, root: str) -> None:
     gen = torch.Generator().manual_seed(rank)
     for t in [*optimizer.weights.values(), *optimizer.momentum.values()]:  # as after training
         t.copy_(torch.rand(t.shape, generator=gen))
-    save_checkpoint(root, 3, model, torch.optim.Adam(model.dense.parameters()), optimizer)
+    save_checkpoint(root, 3, model, torch.optim.Adam(model.dense.parameters()), model.sparse.fused_optimizer)
     other = _PerTable(PER_TABLE)
-    assert load_checkpoint(root, other, torch.optim.Adam(other.dense.parameters()), other.sparse.lookup.optimizer) == 3
+    assert load_checkpoint(root, other, torch.optim.Adam(other.dense.parameters()), other.sparse.fused_optimizer) == 3
     for name, w in optimizer.weights.items():
         assert torch.equal(other.sparse.lookup.optimizer.weights[name], w), name
     for name, m in optimizer.momentum.items():
         assert torch.equal(other.sparse.lookup.optimizer.momentum[name], m), name
     # b under row-wise Adagrad: its state is not in the checkpoint, which every rank says
     changed = _PerTable({**PER_TABLE, "b": EmbeddingOptimizerConfig("rowwise_adagrad")})
-    with pytest.raises(ValueError, match=r"step_3 holds no \['embedding_optimizer\.b\.momentum'\] \(1 of the embedding "
-                                         r"optimizer's 5 entries, loaded by rank\(s\) \[1\]\): it was written with "
-                                         r"another embedding optimizer"):
-        load_checkpoint(root, changed, torch.optim.Adam(changed.dense.parameters()), changed.sparse.lookup.optimizer)
+    with pytest.raises(ValueError, match=r"step_3 holds no \['embedding_optimizer\.state\.embedding_bags\.b\.weight\.b\."
+                                         r"momentum1'\] \(1 of the embedding optimizer's 3 entries, loaded by rank\(s\) "
+                                         r"\[1\]\): it was written with another embedding optimizer"):
+        load_checkpoint(root, changed, torch.optim.Adam(changed.dense.parameters()), changed.sparse.fused_optimizer)
 
 
 def test_per_table_optimizer_state_round_trips(tmp_path):
@@ -219,16 +266,6 @@ def test_a_truncated_shard_names_the_checkpoint_on_every_rank(tmp_path):
     run_world(2, _a_shard_is_truncated, str(tmp_path), timeout=120)
 
 
-class _Tables:
-    """An embedding optimizer's state, as the sparse lookup's (EmbeddingOptimizer.state_dict)."""
-
-    def __init__(self, momentum: torch.Tensor):
-        self.momentum = momentum
-
-    def state_dict(self) -> dict:
-        return {"t.momentum": self.momentum}
-
-
 def _one_rank_diverged(rank: int, world: int, root: str) -> None:
     model, optimizer = _model_and_optimizer(momentum_sgd=True)
     save_checkpoint(root, 2, model, optimizer)
@@ -237,10 +274,12 @@ def _one_rank_diverged(rank: int, world: int, root: str) -> None:
         next(iter(optimizer.state.values()))["momentum_buffer"][0] = float("nan")
     with pytest.raises(NonFiniteLossError, match=expected):
         save_checkpoint(root, 4, model, optimizer, keep_last=1)
-    model, optimizer = _model_and_optimizer(momentum_sgd=True)
-    tables = _Tables(torch.tensor([1.0, float("inf") if rank == 1 else 2.0]))  # one of its tables' rows
+    model = _Sharded([Shard("b", 1, 0, 4, "b")])
+    if rank == 1:  # one row of a table's row-wise Adagrad state, in a ShardedTensor
+        model.sparse.lookup.optimizer.momentum["b"][3] = float("inf")
     with pytest.raises(NonFiniteLossError, match=expected):
-        save_checkpoint(root, 4, model, optimizer, tables, keep_last=1)
+        save_checkpoint(root, 4, model, torch.optim.Adam(model.dense.parameters()), model.sparse.fused_optimizer,
+                        keep_last=1)
     assert sorted(p.name for p in Path(root).iterdir()) == ["step_2"]  # nothing written, nothing pruned
 
 

@@ -72,8 +72,8 @@ def _fused_equals_bulk(rank: int, world: int, steps: int, column_shards=1, row_s
         a.values().backward(grad)
         b.values().backward(grad)
         if check:
-            for name in bulk.embedding_bags:
-                torch.testing.assert_close(fused.embedding_bags[name].weight, bulk.embedding_bags[name].weight,
+            for name in bulk.shard_weights:
+                torch.testing.assert_close(fused.shard_weights[name], bulk.shard_weights[name],
                                            rtol=1e-5, atol=1e-6)
     exchange.errors.check(block=True)
 
@@ -119,8 +119,8 @@ def _nvshmem_equals_bulk(rank: int, world: int, steps: int) -> None:
         grad = torch.randn(a.values().shape, device=device, generator=torch.Generator(device).manual_seed(step))
         a.values().backward(grad)
         b.values().backward(grad)
-        if not all(torch.allclose(fused.embedding_bags[n].weight, bulk.embedding_bags[n].weight, rtol=1e-5,
-                                  atol=1e-6) for n in bulk.embedding_bags):
+        if not all(torch.allclose(fused.shard_weights[n], bulk.shard_weights[n], rtol=1e-5,
+                                  atol=1e-6) for n in bulk.shard_weights):
             wrong["weights"].append(step)
     torch.cuda.synchronize()
     dist.barrier()

@@ -41,10 +41,10 @@ def compare_with_torchrec(rank: int, world: int, optimizer: str, weighted: bool,
     sharded = ShardedEmbeddingBagCollection(tables, EmbeddingOptimizerConfig(optimizer, lr=lr, eps=1e-8),
                                             plan=plan_sharding(tables, world, column_shards, row_shards))
     mine = sharded.plan.shards_of(rank)
-    assert sorted(sharded.embedding_bags) == sorted(s.name for s in mine)
+    assert sorted(sharded.shard_weights) == sorted(s.name for s in mine)
     reference_columns = {s.name: lambda s=s: shard_weight(reference.embedding_bags[s.table].weight, s) for s in mine}
-    for name, table in sharded.embedding_bags.items():
-        table.weight.data.copy_(reference_columns[name]())
+    for name, weight in sharded.shard_weights.items():
+        weight.data.copy_(reference_columns[name]())
     ref_opt = (torch.optim.SGD(reference.parameters(), lr=lr) if optimizer == "sgd"
                else RowWiseAdagrad(reference.parameters(), lr=lr, eps=1e-8))
     keys = [f for t in tables for f in t.feature_names]
@@ -62,8 +62,8 @@ def compare_with_torchrec(rank: int, world: int, optimizer: str, weighted: bool,
         ref_opt.step()
         # As in torchrec, the gradient returned to the owners is divided by the world size: undo it here.
         (got.values() * grad[start:stop] * world).sum().backward()
-        for name, table in sharded.embedding_bags.items():
-            torch.testing.assert_close(table.weight, reference_columns[name](), rtol=1e-5, atol=1e-6)
+        for name, weight in sharded.shard_weights.items():
+            torch.testing.assert_close(weight, reference_columns[name](), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
@@ -282,7 +282,7 @@ def _row_blocks_like_whole_tables(rank: int, world: int, optimizer: str) -> None
     opt = EmbeddingOptimizerConfig(optimizer, lr=0.05, eps=1e-8)
     whole = ShardedEmbeddingBagCollection(TABLES, opt)
     cut = ShardedEmbeddingBagCollection(TABLES, opt, plan=plan_sharding(TABLES, world, row_shards={"t1": 3, "t3": 2}))
-    for weight in (table.weight for table in cut.embedding_bags.values()):  # a block's memory: its rows only
+    for weight in cut.shard_weights.values():  # a block's memory: its rows only
         assert weight.untyped_storage().nbytes() == weight.nbytes
     keys = [f for t in TABLES for f in t.feature_names]
     order = [4, 2, 0, 3, 1]  # the KJT's keys in another order than the tables'
@@ -299,9 +299,9 @@ def _row_blocks_like_whole_tables(rank: int, world: int, optimizer: str) -> None
         (got * grad).sum().backward()
         (want * grad).sum().backward()
     for s in cut.plan.shards_of(rank):
-        if s.table in whole.embedding_bags:
-            torch.testing.assert_close(cut.embedding_bags[s.name].weight,
-                                       shard_weight(whole.embedding_bags[s.table].weight, s), rtol=1e-5, atol=1e-6)
+        if s.table in whole.shard_weights:
+            torch.testing.assert_close(cut.shard_weights[s.name],
+                                       shard_weight(whole.shard_weights[s.table], s), rtol=1e-5, atol=1e-6)
     lengths, values, weights = global_batch(0, 9, TABLES, True)
     values[2][0] = -1  # f2 reads t1, cut in 3 blocks: the uncut index is reported
     culprit = int(lengths[2].nonzero()[0]) >= local_batch_bounds(9, 1, world)[0]  # whose sample holds it

@@ -101,11 +101,11 @@ def test_shards_start_as_their_blocks_of_the_tables_init(monkeypatch, data_type)
     ebc = ShardedEmbeddingBagCollection(tables, EmbeddingOptimizerConfig("sgd", lr=0.1), plan=plan, seed=2)
     seeds = table_seeds(tables, 2)
     by_name = {t.name: t for t in tables}
-    assert len(ebc.embedding_bags) == 3 + 4 + 4 + 1
+    assert len(ebc.shard_weights) == 3 + 4 + 4 + 1
     for s in plan.shards_of(0):
         whole = init_table(by_name[s.table], seeds[s.table], CPU).to(torch.float16 if data_type == DataType.FP16
                                                                      else torch.float32)
-        weight = ebc.embedding_bags[s.name].weight
+        weight = ebc.shard_weights[s.name]
         assert torch.equal(weight, whole[s.row:s.row + s.num_rows(by_name[s.table]), s.col:s.col + s.dim]), s
         assert weight.untyped_storage().nbytes() == weight.nbytes
 

@@ -105,7 +105,7 @@ def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]
     rows = f"{m.num_rows:,}" if isinstance(m.num_rows, int) else f"{min(m.num_rows):,}..{max(m.num_rows):,}"
     lookup = CommLayer(
         "embedding lookup + output dist (pooled all-to-all)",
-        f"{len(keys)} tables ({len(sparse.embedding_bags)} tables, column shards or row blocks here) x {rows} "
+        f"{len(keys)} tables ({len(sparse.shard_weights)} tables, column shards or row blocks here) x {rows} "
         f"rows x D={m.embedding_dim} {m.data_type}, "
         f"pooled [{global_batch} x {my_dim}] here -> [{local_batch} x {total_dim}] per rank",
         {"fwd": forward_bytes, "fwd_bwd": forward_bytes + backward_bytes},

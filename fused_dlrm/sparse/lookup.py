@@ -96,14 +96,6 @@ def init_table(config: EmbeddingBagConfig, seed: int, device: torch.device) -> t
     return init_block(config, seed, device)
 
 
-class Table(nn.Module):
-    """One table, addressed as in torchrec: `embedding_bags.<name>.weight`."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-
-
 class _LookupWithFusedUpdate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, lookup: "PooledEmbeddingLookup", bags: OwnedBags):
@@ -129,7 +121,7 @@ class PooledEmbeddingLookup(nn.Module):
     backward updates each table by its optimizer (`optimizer`: one for every table, or each table's by name)."""
 
     def __init__(self, tables: list[EmbeddingBagConfig], weights: dict[str, torch.Tensor],
-                 optimizer: TableOptimizers, device: torch.device):
+                 optimizer: TableOptimizers, device: torch.device, momentum: dict[str, torch.Tensor] | None = None):
         super().__init__()
         for t in tables:
             check_table(t)
@@ -137,7 +129,7 @@ class PooledEmbeddingLookup(nn.Module):
         self.weights = weights  # registered by the owning collection, not here
         # (feature, table) in output column order: tables in plan order, each table's features in config order.
         self.features = [(f, t.name) for t in tables for f in t.feature_names]
-        self.optimizer = EmbeddingOptimizer(optimizer, weights)
+        self.optimizer = EmbeddingOptimizer(optimizer, weights, momentum)  # momentum: EmbeddingOptimizer's
         self._feature_pooling = [(t, self.is_mean(t)) for _, t in self.features]  # (table, mean-pooled) per column
         self._kernel_features: FeatureTable | None = None  # built on the first GPU lookup
         self._kernel_launches: dict = {}  # global batch size -> the GPU lookup's launch (its tile plan bound)
@@ -196,7 +188,7 @@ class PooledEmbeddingLookup(nn.Module):
     def apply_gradient(self, bags: OwnedBags, grad: torch.Tensor) -> None:
         """Sum each table's row gradients over its features and apply the optimizer: on GPUs two Triton launches
         for all tables (no host sync), on the CPU the per-table torch reference. Either way the optimizer
-        state stays in `self.optimizer.momentum` (checkpoints read it there)."""
+        state stays in `self.optimizer.momentum` (the collection's fused optimizer reads it there)."""
         if self._anchor.device.type != "cuda":
             embedding_backward_reference(bags, grad, self.optimizer, self._feature_pooling)
             return

@@ -67,15 +67,23 @@ def sum_duplicate_rows(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.T
 class EmbeddingOptimizer:
     """Optimizer settings and state of the tables one rank owns, and the update its lookup's backward applies."""
 
-    def __init__(self, optimizers: TableOptimizers, weights: dict[str, torch.Tensor]):
+    def __init__(self, optimizers: TableOptimizers, weights: dict[str, torch.Tensor],
+                 momentum: dict[str, torch.Tensor] | None = None):
+        """momentum: the row-wise Adagrad tables' accumulators (zeros; the sharded collection's, laid out for its
+        state_dict), by table name; None: made here."""
         self.weights = weights
         self._configs = per_table(optimizers, list(weights))
         # Bumped by every change of a setting: the GPU path copies the settings to the device again only then.
         self.version = 0
         # Row-wise Adagrad's accumulators; an SGD table has none.
-        self.momentum: dict[str, torch.Tensor] = {
-            name: torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) for name, w in weights.items()
-            if self._configs[name].name == "rowwise_adagrad"}
+        adagrad = [name for name in weights if self._configs[name].name == "rowwise_adagrad"]
+        if momentum is None:
+            momentum = {name: torch.zeros(weights[name].shape[0], dtype=torch.float32, device=weights[name].device)
+                        for name in adagrad}
+        if sorted(momentum) != sorted(adagrad):
+            raise ValueError(f"accumulators given for tables {sorted(momentum)}, the row-wise Adagrad ones are "
+                             f"{sorted(adagrad)}")
+        self.momentum: dict[str, torch.Tensor] = dict(momentum)
 
     @property
     def configs(self) -> Mapping[str, EmbeddingOptimizerConfig]:
@@ -107,13 +115,3 @@ class EmbeddingOptimizer:
         # In fp32 from the row's value, rounded to an fp16 / bf16 table's dtype once (as the kernel, and fbgemm's
         # round-to-nearest): rounding the step first, then the sum, moved ~30% of the elements by an ulp.
         weight[unique] = (weight[unique].float() - step).to(weight.dtype)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"{name}.momentum": m for name, m in self.momentum.items()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        expected = set(self.state_dict())
-        if set(state) != expected:
-            raise KeyError(f"embedding optimizer state has keys {sorted(state)}, expected {sorted(expected)}")
-        for name, m in self.momentum.items():
-            m.copy_(state[f"{name}.momentum"])

@@ -26,11 +26,12 @@ from torchrec.distributed.comm_ops import get_gradient_division
 from fused_dlrm.dist.env import input_stream
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
 from fused_dlrm.sparse.input_dist import BulkInputDist, OwnedBags, PendingHeader
-from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, Table, check_table, init_block
+from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, check_table, init_block
 from fused_dlrm.sparse.optimizer import TableOptimizers, per_table
 from fused_dlrm.sparse.output_dist import BulkOutputDist
 from fused_dlrm.sparse.plan import FeatureSlice, Shard, TableShardingPlan, plan_sharding
 from fused_dlrm.sparse.row_wise import RowBlockSum
+from fused_dlrm.sparse.sharded_state import FusedTableOptimizer, TableShards, momentum_storage, shard_momenta
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -138,15 +139,27 @@ class ShardedEmbeddingBagCollection(nn.Module):
         # A shard starts as its rows and columns of its table's initialisation, so that the plan does not change the
         # model (unless the config has an init_fn of its own); init_block draws only the chunks of rows the shard
         # overlaps, never a whole table cut into blocks.
-        self.embedding_bags = nn.ModuleDict()
+        weights = {}
         for s in self.plan.shards_of(self.rank):
             table = by_name[s.table]
             weight = init_block(table, seeds[s.table], device, s.row, s.num_rows(table), s.col, s.dim)
-            self.embedding_bags[s.name] = Table(weight.to(_DTYPES[table.data_type.name]))
-        shard_tables = self.plan.shard_configs(tables, self.rank)
-        self.lookup = PooledEmbeddingLookup(shard_tables, {n: m.weight.data for n, m in self.embedding_bags.items()},
+            weights[s.name] = weight.to(_DTYPES[table.data_type.name])
+        # torchrec's `embedding_bags.<table>`, every table on every rank, holding this rank's shards of it; its
+        # state_dict entry is the whole table's (sharded_state.py).
+        self.embedding_bags = nn.ModuleDict({t.name: TableShards(t, [s for s in self.plan.shards if s.table == t.name],
+                                                                 self.rank, weights, _DTYPES[t.data_type.name],
+                                                                 group, device) for t in tables})
+        self.shard_weights = {name: weight for t in self.embedding_bags.values()
+                              for name, weight in t.shard_weights().items()}  # this rank's shards, by shard name
+        momentum = momentum_storage(tables, self.plan, self.rank, optimizers, device)
+        self.lookup = PooledEmbeddingLookup(self.plan.shard_configs(tables, self.rank),
+                                            {n: w.data for n, w in self.shard_weights.items()},
                                             {s.name: optimizers[s.table] for s in self.plan.shards_of(self.rank)},
-                                            device)
+                                            device, {name: view for t in tables if t.name in momentum
+                                                     for name, view in shard_momenta(t, self.plan, self.rank,
+                                                                                     momentum[t.name]).items()})
+        self.fused_optimizer = FusedTableOptimizer(tables, self.plan, self.rank, self.embedding_bags,
+                                                   self.lookup.optimizer, momentum, group, device)
         self.output_dist = BulkOutputDist([[s.dim for s in mine] for mine in slices], _column_order(slices), group)
         self._prefetched: tuple[FeaturesOrError, object, torch.cuda.Event | None] | None = None
         self._from_thread: list[tuple[FeaturesOrError, object, torch.cuda.Event | None]] = []  # in batch order

@@ -80,16 +80,17 @@ from torchrec.distributed.types import (
 )
 from torchrec.distributed.utils import add_params_from_parameter_sharding, optimizer_type_to_emb_opt_type
 from torchrec.modules.embedding_configs import DataType
-from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.streamable import Multistreamable
 
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, FusedPooledAllToAll
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
-from fused_dlrm.sparse.optimizer import EmbeddingOptimizer, EmbeddingOptimizerConfig, TableOptimizers, per_table
+from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig, TableOptimizers, per_table
 from fused_dlrm.sparse.plan import Shard, TableShardingPlan, shard_name
 from fused_dlrm.sparse.row_wise import RowBlockSum
+from fused_dlrm.sparse.sharded_state import FusedTableOptimizer
 from fused_dlrm.sparse.sharded_ebc import (ShardedEmbeddingBagCollection, divide_gradient_like_torchrec, shard_weight,
                                           torchrec_gradient_scale)
 
@@ -120,7 +121,9 @@ class Seams:
     lookup: PooledEmbeddingLookup  # OwnedBags -> [global batch, owned dims]; updates the tables in backward
     # -> [local batch, all dims], EBC feature order (with row-wise tables: the wide row, their blocks' parts apart)
     output_dist: Callable[[torch.Tensor, list[int]], torch.Tensor]
-    embedding_bags: nn.ModuleDict  # owned tables, column shards and row blocks, `<name>.weight`
+    embedding_bags: nn.ModuleDict  # torchrec's `embedding_bags.<table>` (sharded_state.TableShards), every table
+    shard_weights: dict[str, nn.Parameter]  # this rank's tables, column shards and row blocks, by shard name
+    fused_optimizer: FusedTableOptimizer  # over the lookup's optimizer
     exchange: FusedPooledAllToAll | None  # comm="fused": lookup + output dist as one kernel
     row_block_sum: RowBlockSum | None  # the wide row -> the real one; None when no table is row-wise
 
@@ -134,7 +137,7 @@ def build_seams(fused: FusedCommConfig | None, tables: list[EmbeddingBagConfig],
 
     Bulk: our ShardedEmbeddingBagCollection already wires the bulk seams for a plan; take them apart rather than
     wire them a second time here. Its own forward is not used, and it is not registered as a submodule (the caller
-    registers its `embedding_bags`, so state_dict keys stay `embedding_bags.<table>.weight`).
+    registers its `embedding_bags`, so state_dict keys are torchrec's `embedding_bags.<table>.weight`).
     Fused: the same collection built with its fused-exchange config runs lookup and output dist as one kernel;
     compute_and_output_dist calls it on the bags (torchrec's pipeline only calls the pair through
     compute_and_output_dist), keeping input dist, tables and optimizer.
@@ -142,7 +145,8 @@ def build_seams(fused: FusedCommConfig | None, tables: list[EmbeddingBagConfig],
     core = ShardedEmbeddingBagCollection(tables, optimizer, device=device, group=group, plan=plan,
                                          comm=fused, is_weighted=is_weighted)
     return Seams(input_dist=core.input_dist, lookup=core.lookup,
-                 output_dist=core.output_dist, embedding_bags=core.embedding_bags, exchange=core.fused,
+                 output_dist=core.output_dist, embedding_bags=core.embedding_bags,
+                 shard_weights=core.shard_weights, fused_optimizer=core.fused_optimizer, exchange=core.fused,
                  row_block_sum=core.row_block_sum)
 
 
@@ -348,59 +352,6 @@ class DistributedBags(Multistreamable):
                 t.record_stream(stream)
 
 
-class FusedTableOptimizer(FusedOptimizer):
-    """The KeyedOptimizer DMP's `fused_optimizer` collects: a view of the lookup's optimizer, not a second one.
-
-    One param group per setting of the owned tables, {"params": the weights of the tables of equal settings, "lr":
-    theirs}, as stock torchrec has one per TBE (it groups a rank's tables by their fused params; each TBE's
-    EmbeddingFusedOptimizer has one group); a rank that owns no table has none. The update happens in the lookup's
-    backward, so step() and zero_grad() only carry each group's lr (an LR scheduler edits param_groups) to its
-    tables in the lookup's optimizer, as torchrec's EmbeddingFusedOptimizer does for fbgemm; it takes effect from the
-    next backward. Keys and state names follow torchrec's: `embedding_bags.<table>.weight` -> {"<table>.momentum1":
-    row-wise Adagrad accumulator} ({} for an SGD table), so state_dict() / load_state_dict() (in place) work as for
-    torchrec's fused tables. Only the tables this rank owns appear.
-    """
-
-    def __init__(self, embedding_bags: nn.ModuleDict, optimizer: EmbeddingOptimizer):
-        self._optimizer = optimizer
-        params = {f"embedding_bags.{name}.weight": table.weight for name, table in embedding_bags.items()}
-        state: dict[Any, Any] = {}
-        by_setting: dict[EmbeddingOptimizerConfig, list[str]] = {}
-        for name, table in embedding_bags.items():
-            state[table.weight] = ({f"{name}.momentum1": optimizer.momentum[name]} if name in optimizer.momentum
-                                   else {})
-            by_setting.setdefault(optimizer.configs[name], []).append(name)
-        self._group_tables = list(by_setting.values())  # each param group's tables, in param_groups' order
-        groups = [{"params": [embedding_bags[name].weight for name in names], "lr": config.lr}
-                  for config, names in by_setting.items()]
-        super().__init__(params, state, groups)
-
-    def _sync_lr(self) -> None:
-        configs = self._optimizer.configs
-        for group, names in zip(self.param_groups, self._group_tables, strict=True):
-            for name in names:
-                if configs[name].lr != group["lr"]:  # a step's host time: most steps change nothing
-                    self._optimizer.update(name, lr=group["lr"])
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        self._sync_lr()  # the tables have no .grad to zero
-
-    def step(self, closure: Any = None) -> None:
-        self._sync_lr()  # the update already happened in backward
-
-    def update_hyper_parameters(self, params_dict: dict[str, Any]) -> None:
-        """As fbgemm's TBEs do it for stock torchrec (CombinedOptimizer passes it on to each optimizer that has it,
-        so every TBE of every group): "lr" and "eps" change every owned table's update from the next backward (eps
-        is unused by SGD tables) and leave param_groups as they are, so the next step() / zero_grad() puts each
-        group's lr back; fbgemm's other names (beta1, weight_decay, ...) are refused (our optimizers have none)."""
-        unknown = sorted(set(params_dict) - {"lr", "eps"})
-        if unknown:
-            raise NotImplementedError(f"setting hyper-parameter(s) {unknown} is not supported: the embedding "
-                                      f"optimizers (exact SGD, exact row-wise Adagrad) take lr and eps")
-        for name in self._optimizer.configs:
-            self._optimizer.update(name, **params_dict)
-
-
 class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedEBCContext], FusedOptimizerModule):
     """A torchrec ShardedModule over our seams: table-wise, column-wise and row-wise, optimizer fused into backward.
 
@@ -427,13 +378,14 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
         self._exchange = seams.exchange
         self._row_block_sum = seams.row_block_sum
         self.embedding_bags = seams.embedding_bags
+        self.shard_weights = seams.shard_weights
         self.plan = plan
         self.feature_names = [f for t in tables for f in t.feature_names]
         self._feature_dims = [t.embedding_dim for t in tables for _ in t.feature_names]
 
         with torch.no_grad():
             for shard in plan.shards_of(env.rank):
-                weight = self.embedding_bags[shard.name].weight
+                weight = self.shard_weights[shard.name]
                 # Like torchrec's fused tables: in_backward_optimizer_filter() keeps them out of dense optimizers.
                 weight._in_backward_optimizers = [EmptyFusedOptimizer()]
                 source = module.embedding_bags[shard.table].weight
@@ -442,7 +394,7 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
                              shard.name)
                     continue
                 weight.copy_(shard_weight(source.detach(), shard))  # in place: the lookup holds this storage
-        self._optim = FusedTableOptimizer(self.embedding_bags, seams.lookup.optimizer)
+        self._optim = seams.fused_optimizer
 
     # -- torchrec ShardedModule interface ------------------------------------------------------------------------
 

@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fused_dlrm.dist.env import all_reduce_sum, of_every_rank, problem_text, raise_on_every_rank
@@ -83,7 +85,9 @@ def _on_main(work, what: str) -> None:
 
 
 def _tensors(value):
-    if torch.is_tensor(value):
+    if isinstance(value, ShardedTensor):  # the sharded tables' and their optimizer's: this rank's shards
+        yield from (shard.tensor for shard in value.local_shards())
+    elif torch.is_tensor(value):
         yield value
     elif isinstance(value, dict):
         for item in value.values():
@@ -147,9 +151,16 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     return final
 
 
+def _flat(prefix: str, value) -> dict:
+    """A nested state's entries by their checkpoint keys (DCP's: the keys on the way joined by dots)."""
+    if isinstance(value, dict):
+        return {key: entry for name, item in value.items() for key, entry in _flat(f"{prefix}.{name}", item).items()}
+    return {prefix: value}
+
+
 def _optimizer_entries(state: dict) -> tuple[dict, dict]:
     """The embedding optimizer's and the dense optimizer's state entries of `state`, by their checkpoint keys."""
-    tables = {f"embedding_optimizer.{name}": value for name, value in state.get("embedding_optimizer", {}).items()}
+    tables = _flat("embedding_optimizer", state["embedding_optimizer"]) if "embedding_optimizer" in state else {}
     dense = {f"dense_optimizer.state.{param}.{name}": value
              for param, entries in state["dense_optimizer"].get("state", {}).items() for name, value in entries.items()}
     return tables, dense
@@ -158,8 +169,7 @@ def _optimizer_entries(state: dict) -> tuple[dict, dict]:
 # The entries a rank loads, by checkpoint key prefix, and what a checkpoint that lacks some (or holds some that no
 # rank loads) was written for.
 _ENTRY_KINDS = (
-    ("model.", "model's", "it was written for another model, world size (the MoE experts' names) or sharding of the "
-                          "tables (model.column_shards, model.row_shards)"),
+    ("model.", "model's", "it was written for another model or world size (the MoE experts' names)"),
     ("embedding_optimizer.", "embedding optimizer's",
      "it was written with another embedding optimizer (model.embedding_optimizer.name)"),
     ("dense_optimizer.state.", "dense optimizer's", "it was written with another dense optimizer (DLRM: "
@@ -202,12 +212,19 @@ def _check_entries(path: Path, saved: dict, every: list[dict[str, list[int] | No
             found.append(f"holds {_listed(extra)}, state this run does not keep")
         if found:
             raise ValueError(f"checkpoint {path} {' and '.join(found)}: {written}")
-    wrong = [f"{key} {list(saved[key].size)} (this run: {shape})" for key, shape in shapes.items()
-             if shape is not None and hasattr(saved[key], "size") and list(saved[key].size) != shape]
-    if wrong:
-        raise ValueError(f"checkpoint {path} holds {_listed(wrong)}: it was written for other sizes (DLRM: "
+    wrong = {key: f"{key} {list(saved[key].size)} (this run: {shape})" for key, shape in shapes.items()
+             if shape is not None and hasattr(saved[key], "size") and list(saved[key].size) != shape}
+    sizes = [text for key, text in wrong.items() if not key.startswith("embedding_optimizer.")]
+    if sizes:
+        raise ValueError(f"checkpoint {path} holds {_listed(sizes)}: it was written for other sizes (DLRM: "
                          "model.num_rows, model.embedding_dim, data.num_dense, the arches; the MoE Transformer: "
                          "model.d_model, model.ffn, model.num_experts, ...)")
+    if wrong:  # the tables themselves reshard (model entries of the same shapes under any plan): not this state
+        raise ValueError(f"checkpoint {path} holds {_listed(list(wrong.values()))}: row-wise Adagrad state written "
+                         "for other column shards of these tables (torchrec's layout: an accumulator per row of each "
+                         "column shard, [rows x column shards]), which cannot move to other columns; resume with the "
+                         "checkpoint's column shards (DLRM: model.column_shards; row blocks, placement and world "
+                         "size may differ)")
 
 
 def _run_record(optimizer: torch.optim.Optimizer, global_batch_size: int | None,
@@ -314,7 +331,11 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         if f"dense_optimizer.param_groups.{i}.initial_lr" in saved:  # an lr scheduler's base: read to compare
             group["initial_lr"] = None  # (DCP reads the keys the state holds)
     try:
-        dcp.load(state, checkpoint_id=path)
+        # Tables sharded as torchrec's have an entry on every rank, a ShardedTensor without local shards where the
+        # rank holds none of the table; torch's default flattening of sharded tensors drops such an entry, and its
+        # load planner then takes the checkpoint for one older than torch 2.4 and misreads the dense optimizer's
+        # param_groups ("Missing key ... dense_optimizer.param_groups"). Ours hold no nested ShardedTensor to flatten.
+        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
     except CheckpointException as error:  # raised on every rank: DCP gathers each rank's read failures
         failures = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in error.failures.items())
         step = int(_STEP_DIR.match(path.name).group(1))

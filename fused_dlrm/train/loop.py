@@ -198,7 +198,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     step = 0
     if t.resume_from:
         files = not hasattr(train_data, "batch")  # resumed by skipping step count batches of the current size
-        step = load_checkpoint(t.resume_from, model, optimizer, sparse.lookup.optimizer,
+        step = load_checkpoint(t.resume_from, model, optimizer, sparse.fused_optimizer,
                                cfg.data.global_batch_size if files else None)
     step_optimizer = dense_step(optimizer, t.cuda_graphs, env.device)  # after loading: it sets the groups' options
     run_step = make_train_step(model, optimizer, step_optimizer, env.world_size, t.direct_step)
@@ -214,7 +214,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         return scores
 
     def checkpoint(step: int) -> None:
-        save_checkpoint(checkpoint_dir, step, model, optimizer, sparse.lookup.optimizer, t.keep_checkpoints,
+        save_checkpoint(checkpoint_dir, step, model, optimizer, sparse.fused_optimizer, t.keep_checkpoints,
                         cfg.data.global_batch_size, t.resume_from)
 
     run = TrainingRun(t, env, run_dir, checkpoint_dir, step, items="samples", log=log,
