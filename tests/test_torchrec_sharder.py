@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
 from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig,
                       KeyedJaggedTensor, KeyedTensor, PoolingType)
@@ -100,16 +101,6 @@ def local_shard(sharded_tensor, offsets: list[int]) -> torch.Tensor:
     return found[0]
 
 
-def stock_shard_state(tensor, plan, shard) -> torch.Tensor:
-    """A shard's row-wise Adagrad accumulator in torchrec's optimizer state: a row block's at its first row of the
-    table's [rows] ShardedTensor; the k-th column shard of a table at row k * rows of its [shards x rows] one (a
-    table-wise table's at 0)."""
-    if shard.rows is not None:
-        return local_shard(tensor, [shard.row])
-    names = [s.name for s in plan.shards if s.table == shard.table]
-    return local_shard(tensor, [names.index(shard.name) * tensor.shape[0] // len(names)])
-
-
 @dataclasses.dataclass(frozen=True)
 class OptimizerSetup:
     """How a torchrec user sets the embedding optimizer: the sharder's fused_params, and apply_optimizer_in_backward's
@@ -178,7 +169,8 @@ offer: table-wise here), stock: whether stock
             assert {ps.sharding_type for ps in module_plan.values()} == {"table_wise"}
             assert len({ps.ranks[0] for ps in module_plan.values()}) == min(world, len(tables))
         mine = sharded.plan.shards_of(rank)
-        assert sorted(ours.state_dict()) == sorted(f"ebc.embedding_bags.{s.name}.weight" for s in mine)
+        # torchrec's keys: every table on every rank, a ShardedTensor of the whole table over this rank's shards
+        assert sorted(ours.state_dict()) == sorted(f"ebc.embedding_bags.{t.name}.weight" for t in tables)
         # No column shards, or SGD: the unsharded reference updates the rows as the shards do.
         same_updates = optimizer == "sgd" or all(ps.sharding_type != "column_wise" for ps in module_plan.values())
         assert same_updates or with_stock, "nothing to compare the updates with"
@@ -216,43 +208,46 @@ offer: table-wise here), stock: whether stock
 
             if same_updates:
                 for s in mine:
-                    torch.testing.assert_close(sharded.embedding_bags[s.name].weight,
+                    torch.testing.assert_close(sharded.shard_weights[s.name],
                                                shard_weight(reference.embedding_bags[s.table].weight, s),
                                                rtol=1e-5, atol=1e-6)
             if stock is not None:
                 assert_tables_match_stock(sharded, stock, rank)
 
         our_state = ours.fused_optimizer.state_dict()["state"]
-        assert sorted(our_state) == [f"ebc.embedding_bags.{s.name}.weight" for s in sorted(mine, key=lambda s: s.name)]
+        assert sorted(our_state) == sorted({f"ebc.embedding_bags.{s.table}.weight" for s in mine})
         if stock is not None:
-            assert_optimizer_state_matches_stock(ours, stock, rank)
+            assert_optimizer_state_matches_stock(ours, stock)
 
 
 def assert_tables_match_stock(sharded: FusedShardedEBC, stock: DistributedModelParallel, rank: int) -> None:
     """This rank's tables, column shards and row blocks hold what stock torchrec's hold there."""
     stock_state = stock.state_dict()
     for s in sharded.plan.shards_of(rank):
-        torch.testing.assert_close(sharded.embedding_bags[s.name].weight,
+        torch.testing.assert_close(sharded.shard_weights[s.name],
                                    local_shard(stock_state[f"ebc.embedding_bags.{s.table}.weight"], [s.row, s.col]),
                                    rtol=1e-5, atol=1e-6)
 
 
-def assert_optimizer_state_matches_stock(ours: DistributedModelParallel, stock: DistributedModelParallel,
-                                         rank: int) -> None:
-    """The fused optimizer's state: torchrec's keys (a column shard's or row block's under its own name), the same
-    row-wise Adagrad accumulators (none under SGD)."""
-    sharded, mine = ours.module.ebc, ours.module.ebc.plan.shards_of(rank)
-    our_state = ours.fused_optimizer.state_dict()["state"]
-    stock_opt_state = stock.fused_optimizer.state_dict()["state"]
-    assert sorted(stock_opt_state) == sorted({f"ebc.embedding_bags.{s.table}.weight" for s in mine})
-    for s in mine:
-        state, stock_table_state = (our_state[f"ebc.embedding_bags.{s.name}.weight"],
-                                    stock_opt_state[f"ebc.embedding_bags.{s.table}.weight"])
-        assert sorted(state) == sorted(k.replace(s.table, s.name, 1) for k in stock_table_state)
-        for state_key, tensor in state.items():
-            stock_tensor = stock_table_state[state_key.replace(s.name, s.table, 1)]
-            torch.testing.assert_close(tensor.flatten(), stock_shard_state(stock_tensor, sharded.plan, s).flatten(),
-                                       rtol=1e-5, atol=1e-7)
+def assert_same_sharded_state(ours, stock, rtol: float = 1e-5, atol: float = 1e-7) -> None:
+    """Two states of the same keys whose ShardedTensors hold the same global shapes and the same local shards."""
+    assert sorted(ours) == sorted(stock)
+    for key, value in ours.items():
+        if isinstance(value, dict):
+            assert_same_sharded_state(value, stock[key], rtol, atol)
+            continue
+        assert isinstance(value, ShardedTensor) and value.size() == stock[key].size(), key
+        theirs = {tuple(s.metadata.shard_offsets): s.tensor for s in stock[key].local_shards()}
+        assert sorted(theirs) == sorted(tuple(s.metadata.shard_offsets) for s in value.local_shards()), key
+        for shard in value.local_shards():
+            torch.testing.assert_close(shard.tensor, theirs[tuple(shard.metadata.shard_offsets)], rtol=rtol,
+                                       atol=atol)
+
+
+def assert_optimizer_state_matches_stock(ours: DistributedModelParallel, stock: DistributedModelParallel) -> None:
+    """The fused optimizer's state: torchrec's keys, layout (a column shard's accumulators at k * rows of the
+    table's [rows x column shards]) and row-wise Adagrad accumulators (none under SGD)."""
+    assert_same_sharded_state(ours.fused_optimizer.state_dict()["state"], stock.fused_optimizer.state_dict()["state"])
 
 
 def test_two_ranks_match_stock_torchrec_and_unsharded():
@@ -367,7 +362,7 @@ def keys_in_another_order_and_one_no_table_reads(rank: int, world: int) -> None:
         ref_opt.step()
         dot_by_key(got, dict(zip(keys, torch.split(grad[start:stop], dims, dim=1)))).backward()
         for s in ours.module.ebc.plan.shards_of(rank):
-            torch.testing.assert_close(ours.module.ebc.embedding_bags[s.name].weight,
+            torch.testing.assert_close(ours.module.ebc.shard_weights[s.name],
                                        shard_weight(reference.embedding_bags[s.table].weight, s), rtol=1e-5, atol=1e-6)
 
 
@@ -533,7 +528,7 @@ def optimizer_setups_match_stock_torchrec(rank: int, world: int) -> None:
             for scheduler in schedulers:
                 scheduler.step()
             assert_tables_match_stock(ours.module.ebc, stock, rank)
-        assert_optimizer_state_matches_stock(ours, stock, rank)
+        assert_optimizer_state_matches_stock(ours, stock)
         # A param group per setting (stock torchrec: per setting and sharding type), each group's lr scheduled.
         lrs = [sorted({g["lr"] for g in m.fused_optimizer.param_groups}) for m in models]
         assert len(lrs[0]) == len(lrs[1]) == len({c.lr for c in ours.module.ebc._lookup.optimizer.configs.values()})

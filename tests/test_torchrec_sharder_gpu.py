@@ -89,8 +89,11 @@ def _fused_equals_bulk(rank: int, world: int, plan: str) -> None:
         (out_b * grad).sum().backward()
     state_f, state_b = fused.state_dict(), bulk.state_dict()
     assert sorted(state_f) == sorted(state_b) and state_f
-    for key in state_f:
-        torch.testing.assert_close(state_f[key], state_b[key], rtol=1e-5, atol=1e-6)
+    for key in state_f:  # torchrec's ShardedTensors of the tables: this rank's shards
+        shards_f, shards_b = state_f[key].local_shards(), state_b[key].local_shards()
+        assert [s.metadata for s in shards_f] == [s.metadata for s in shards_b], key
+        for f, b in zip(shards_f, shards_b):
+            torch.testing.assert_close(f.tensor, b.tensor, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
