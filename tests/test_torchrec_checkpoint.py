@@ -29,7 +29,7 @@ from fused_dlrm.sparse import EmbeddingOptimizerConfig
 from fused_dlrm.sparse.sharded_ebc import shard_weight
 from fused_dlrm.sparse.torchrec_sharder import SHARDING_TYPES, FusedEmbeddingBagCollectionSharder, FusedShardedEBC
 from bags import global_batch, to_kjt
-from test_torchrec_sharder import (CPU, EPS, LR, TABLES, OptimizerSetup, SparseModel, assert_same_sharded_state,
+from test_torchrec_sharder import (CPU, EPS, LR, TABLES, OptimizerSetup, SparseModel, assert_same_state,
                                    column_wise_plans, dot_by_key, explicit_plan, keys_of, local_shard, row_wise_plans,
                                    stock_torchrec)
 from world import run_world
@@ -164,7 +164,7 @@ def _both_ways(rank: int, world: int, root: str) -> None:
             else:  # column shards' accumulators: torchrec's [rows x shards], compared as they are
                 assert_ours_hold(mine, rank, tables, None)
                 if optimizer:
-                    assert_same_sharded_state(mine.fused_optimizer.state_dict(), theirs.fused_optimizer.state_dict(),
+                    assert_same_state(mine.fused_optimizer.state_dict(), theirs.fused_optimizer.state_dict(),
                                               rtol=0, atol=0)
             if optimizer:
                 continue_alike(mine, theirs, rank, world)

@@ -4,7 +4,8 @@ column-wise or row-wise: plan.py).
 forward(KeyedJaggedTensor of the local batch) -> KeyedTensor [local batch, sum of feature dims], in three seams
 that the fused kernels replace: input dist (KJT all-to-all) -> lookup (owned tables, whole global batch) ->
 output dist (pooled all-to-all), then, with row-wise tables, the sum of each sample's row blocks (row_wise.py).
-The tables are updated by the lookup's backward (see lookup.py).
+The tables are updated by the lookup's backward (see lookup.py). state_dict and fused_optimizer are torchrec's
+ShardedEmbeddingBagCollection's (sharded_state.py): a checkpoint loads under another plan or world size.
 
 The input dist's entry points (bags_of, prefetch_header, prefetch, the batch thread's function) take a batch's KJT or,
 for a batch this rank could not make, the error raised making it (`FeaturesOrError`): that rank's input dist then

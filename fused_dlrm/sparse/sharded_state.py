@@ -131,7 +131,7 @@ class TableShards(nn.Module):
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
                               missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
         key = prefix + "weight"
-        if strict:  # the shards' own names too: a checkpoint of the per-shard state_dict this one replaced
+        if strict:  # as nn.Module's: other keys under this module's prefix
             unexpected_keys += [k for k in state_dict if k.startswith(prefix) and k != key]
         if key not in state_dict:
             missing_keys.append(key)

@@ -43,10 +43,11 @@ What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
     param group per setting (as torchrec's one per TBE), so DMP's fused_optimizer / CombinedOptimizer, LR changes
     through param_groups (an LR scheduler's), update_hyper_parameters and its state_dict work as for torchrec's
     fused tables;
-  * state_dict: `embedding_bags.<table>.weight` for the tables this rank owns,
-    `embedding_bags.<table>_cols_<first>_to_<last>.weight` for its column shards and
-    `embedding_bags.<table>_rows_<first>_to_<last>.weight` for its row blocks (plain tensors, not ShardedTensors: a
-    checkpoint resumes under the same plan).
+  * state_dict: torchrec's, `embedding_bags.<table>.weight` for every table on every rank, a ShardedTensor of the
+    whole table whose local shards are this rank's table, column shards or row blocks (their storage: a load
+    copies in place), and the fused optimizer's `<table>.momentum1` in torchrec's layout (sharded_state.py): a
+    torch.distributed.checkpoint of ours or of stock torchrec's loads under any plan or world size, the
+    row-wise Adagrad state under the same column cuts (an accumulator per column shard, as torchrec's).
 
 Which seams implement the stages is chosen by `comm`, in `build_seams`: "bulk" (torch.distributed all-to-alls)
 or "fused" (CUDA: lookup and output dist as one kernel storing into peers' memory, run by

@@ -1,5 +1,8 @@
 """Checkpoints with torch.distributed.checkpoint: each rank writes the tables it owns, the dense part once.
 
+The tables and their optimizer state are torchrec's global entries (sparse/sharded_state.py): a checkpoint resumes
+under another sharding plan or world size, except for row-wise Adagrad state under other column cuts (refused).
+
 Layout: <root>/step_<N>/ (a DCP folder). A checkpoint is written into step_<N>.partial and renamed when every rank
 has finished, so a crash or a NaN stop never leaves a half-written "latest" checkpoint; parameters or optimizer state
 holding NaN / inf on any rank stop the run instead of being saved (and of pruning a good checkpoint).
