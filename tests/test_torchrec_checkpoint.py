@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torchrec import EmbeddingBagCollection
@@ -187,6 +188,15 @@ def _both_ways(rank: int, world: int, root: str) -> None:
     load(theirs, path, True)
     assert_stock_holds(theirs, tables, accumulators)
     continue_alike(theirs, mine, rank, world)
+
+    # In memory, without DCP: an unsharded collection's whole tables load into any plan; another plan's
+    # ShardedTensors do not (their local shards are other rows and columns): an error, not a misread
+    columns = ours(start, column_wise_plans, world)
+    columns.load_state_dict({f"ebc.embedding_bags.{name}.weight": table for name, table in tables.items()})
+    assert_ours_hold(columns, rank, tables, None)
+    with pytest.raises(ValueError, match=r"embedding_bags\.t\d\.weight: the ShardedTensor holds no local shard "
+                                         r"of \[\d+, \d+\] at \[\d+, \d+\] on this rank \(it is cut for another plan\)"):
+        columns.load_state_dict(mine.state_dict())
 
 
 def test_checkpoints_move_between_stock_torchrec_and_ours_under_other_plans(tmp_path):
