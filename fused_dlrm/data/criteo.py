@@ -187,6 +187,10 @@ class CriteoTSV:
 
     Dense features are ``log(1 + max(count, 0))`` (missing -> 0) as float32. Each categorical
     feature is a bag of one id ``int(hex, 16) % num_rows[f]``, or an empty bag when missing.
+    The dense transform is the DLRM reference's (facebookresearch/dlrm, MLPerf); torchrec's Criteo
+    preprocessing differs: ``BinaryCriteoUtils.tsv_to_npys`` takes ``log(count - m + 2)`` (m: the file's
+    smallest count, missing -> 0) and gives a missing categorical the id ``0 % num_rows[f]`` where this
+    reader gives an empty bag (a zero pooled vector); its NVTabular scripts take ``log(count + 3)``.
 
     ``num_workers`` processes make the batches (None: `default_num_workers`; 0: this process).
     ``num_dense``: the dense features the model takes (data.num_dense), refused unless Criteo's 13.
