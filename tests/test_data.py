@@ -674,6 +674,7 @@ def test_criteo_worker_errors_reach_the_caller_at_their_batch(tmp_path, num_work
         ({"feature_names": ["a", "b"]}, "feature_names"),
         ({"global_batch_size": 1, "world_size": 2}, "global_batch_size"),
         ({"num_workers": -1}, r"num_workers must be an integer >= 0 \(0: no worker processes\), got -1"),
+        ({"num_workers": True}, r"num_workers must be an integer >= 0 \(0: no worker processes\), got True"),
     ],
 )
 def test_criteo_argument_errors(tmp_path, kwargs, match):

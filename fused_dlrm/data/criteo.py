@@ -238,7 +238,8 @@ class CriteoTSV:
         self.world_size = world_size
         self.drop_last = drop_last
         self.num_workers = default_num_workers() if num_workers is None else num_workers
-        if not isinstance(self.num_workers, int) or self.num_workers < 0:
+        # YAML's true is an int (bool subclasses it): it would run 1 worker, not the default count
+        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0 (0: no worker processes), got {num_workers!r}")
         # Files too short for one batch would yield none, found only where they are first read (an evaluation's:
         # after trainer.eval_every steps); their first lines tell now.
