@@ -125,12 +125,9 @@ def check_step(world: World, tokens, top_k, bias, gen, poison=True):
     for owner, (received, h, a13) in enumerate(got):
         want_rows = dispatch_reference(xs, token_of_rows, counts, owner, world.local)
         sizes = layouts[owner].tokens_per_local_expert
-        want_h = gated_gemm_reference(want_rows.double(), sizes, world.w13[owner].double())
-        assert received.shape == want_rows.shape and h.shape == want_h.shape
+        assert received.shape == want_rows.shape
         torch.testing.assert_close(received, want_rows, rtol=0, atol=0, msg=lambda m: f"rank {owner} rows: {m}")
-        scale = want_h.abs().max().item() if want_h.numel() else 0.0
-        torch.testing.assert_close(h.double(), want_h, rtol=1e-5, atol=1e-5 * scale,
-                                   msg=lambda m: f"rank {owner} h: {m}")
+        check_h(world, owner, h, (xs, token_of_rows, counts, layouts))
         w13 = world.w13[owner].double()
         want_a13 = torch.cat([x @ w13[e] for e, x in enumerate(torch.split(want_rows.double(), sizes))])
         scale = want_a13.abs().max().item() if want_a13.numel() else 0.0
@@ -139,6 +136,18 @@ def check_step(world: World, tokens, top_k, bias, gen, poison=True):
     # Every rank's epoch, on its host and its device, is the same (whatever each rank sent and received).
     assert len({n for d in world.dispatch for n in (d.ws.epoch("moe_dispatch"), int(d._epoch_done))}) == 1
     return counts
+
+
+def check_h(world: World, owner: int, h: torch.Tensor, batch) -> None:
+    """h of `owner` (its received rows) is silu(x @ w1[e]) * (x @ w3[e]) of the bulk dispatch's rows of `batch`
+    (routed_batch's), computed in float64."""
+    xs, token_of_rows, counts, layouts = batch
+    want_rows = dispatch_reference(xs, token_of_rows, counts, owner, world.local)
+    want_h = gated_gemm_reference(want_rows.double(), layouts[owner].tokens_per_local_expert,
+                                  world.w13[owner].double())
+    assert h.shape == want_h.shape
+    scale = want_h.abs().max().item() if want_h.numel() else 0.0
+    torch.testing.assert_close(h.double(), want_h, rtol=1e-5, atol=1e-5 * scale, msg=lambda m: f"rank {owner} h: {m}")
 
 
 # name, world, local experts, tokens per rank, top k, logit bias (by global expert), rows per flag
@@ -366,7 +375,7 @@ def test_a_backward_refused_on_every_rank_takes_no_epoch():
 
 @pytest.mark.parametrize("by_token", [False, True], ids=["by row", "by token"])
 def test_gemm_times_out_naming_the_peer_and_chunk_when_a_source_never_pushes(by_token):
-    """By token the slice is how many of the epoch's units arrived from that source: here none."""
+    """By token the slice is the source's first unit that did not arrive: here 0."""
     w = World(2, 2, block_m=8, max_tokens=12 if by_token else None, top_k=2)
     gen = torch.Generator().manual_seed(7)
     xs, token_of_rows, counts, layouts = w.routed_batch([10, 12], 2, None, gen)
@@ -396,8 +405,8 @@ def test_gemm_waits_for_the_one_chunk_whose_flag_is_down_and_never_for_its_own_r
 
 
 def test_by_token_the_gemm_waits_for_every_unit_of_a_source_and_never_for_its_own_rows():
-    """A source's count one unit short: the owner's GEMM times out naming that source and the units that arrived;
-    the owner's own count (never raised: its rows come from x) is not waited for."""
+    """A source's last unit flag down: the owner's GEMM times out naming that source and that unit; the owner's
+    own flags (never raised: its rows come from x) are not waited for."""
     w = World(4, 2, block_m=8, max_tokens=20, top_k=2)
     gen = torch.Generator().manual_seed(9)
     xs, token_of_rows, counts, layouts = w.routed_batch([20, 15, 18, 12], 2, None, gen)
@@ -406,9 +415,9 @@ def test_by_token_the_gemm_waits_for_every_unit_of_a_source_and_never_for_its_ow
               for r, (d, x, t, tab) in enumerate(zip(w.dispatch, xs, token_of_rows, tables))]
     owner, d = 1, w.dispatch[1]
     source = int(layouts[owner].recv_source_rank[layouts[owner].recv_source_rank != owner][-1])
-    arrived = d._buffers(xs[owner].dtype)[3].local
-    assert arrived[owner] == 0 and arrived[source] == d.units  # epoch 1: every unit once
-    arrived[source] -= 1
+    ready = d._buffers(xs[owner].dtype)[3].local.view(4, d.units)
+    assert (ready[owner] == 0).all() and (ready[source] == 1).all()  # epoch 1: every unit of the source
+    ready[source, -1] = 0
     with pytest.raises(PeerWaitTimeout, match=rf"rank 1 timed out at step 1 waiting for rank {source}, slice "
                                               rf"{d.units - 1} "):
         d.finish(epochs[owner], w.w13[owner])
@@ -547,6 +556,48 @@ def test_push_times_out_when_the_owner_never_finished_the_previous_epoch():
         w.dispatch[0].finish(epoch, w.w13[0])
 
 
+@pytest.mark.parametrize("calls_late", [1, 2])
+@pytest.mark.parametrize("by_token", [False, True], ids=["by row", "by token"])
+def test_a_late_peer_finishes_its_calls_exactly_and_the_next_call_is_exact(by_token, calls_late):
+    """Rank 1 comes late to calls 2 (and 3): rank 0's GEMM 1 of call 2 gives up waiting for its rows, and rank 0
+    acknowledges call 2 all the same (its reads are over). So rank 1, arriving, finishes call 2 exactly. Two calls
+    late, rank 0's push of call 3 gives up waiting for rank 1 to release its buffer: it stores nothing and raises
+    no flag, so rank 1's call 3 times out naming rank 0 instead of reading its buffer's rows of call 1 as rank 0's.
+    Then every call is exact on every rank. (Once, a rank skipped its acknowledgement while an error was recorded:
+    every later push into it timed out, and raised its flags all the same over rows it never stored: by token the
+    owner returned rows of the call before last, silently, one call in two.)"""
+    w = World(2, 2, block_m=8, max_tokens=14 if by_token else None, top_k=2)
+    gen = torch.Generator().manual_seed(17)
+    check_step(w, [10, 12], 2, None, gen)
+    batches, inputs = [], []
+    for _ in range(calls_late):
+        batches.append(w.routed_batch([10, 12], 2, None, gen))
+        inputs.append([w.by_token_inputs(r) for r in range(2)])
+        counts = batches[-1][2]
+        assert counts[0, 2:].sum() > 0 and counts[1, :2].sum() > 0  # each rank has rows for the other
+    capacity = max(lay.max_recv_rows for batch in batches for lay in batch[3])  # one for all: rank 1 is behind
+    calls = [(batch, w.tables(batch[1], batch[3], capacity), i) for batch, i in zip(batches, inputs)]
+    w.poison()
+
+    def call(rank: int, step: int) -> torch.Tensor:
+        (xs, token_of_rows, _, _), tables, inputs = calls[step - 2]
+        d = w.dispatch[rank]
+        return d.finish(d.start(xs[rank], token_of_rows[rank], tables[rank], **inputs[rank]), w.w13[rank])[1]
+
+    with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 2 waiting for rank 1, slice"):
+        call(0, 2)
+    if calls_late == 2:
+        with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 3 waiting for rank 1 to release"):
+            call(0, 3)
+    batch = calls[0][0]
+    check_h(w, 1, call(1, 2)[:sum(batch[3][1].tokens_per_local_expert)], batch)
+    if calls_late == 2:
+        with pytest.raises(PeerWaitTimeout, match=r"rank 1 timed out at step 3 waiting for rank 0, slice"):
+            call(1, 3)
+    for _ in range(2):
+        check_step(w, [10, 12], 2, None, gen)
+
+
 def test_gemm_1_leaves_sms_to_the_push_and_the_backward_gemm_takes_them_all():
     """On GPUs (a push stream, 132 SMs): GEMM 1 waits for pushes, whose SMs it must leave free (or two GPUs could
     each wait on the other's push), and its helpers queue behind the push for them; the backward GEMM waits for
@@ -600,12 +651,12 @@ from moe.kernels import fused_dispatch as fd
 
 tables = {n: "*i64" for n in ("token_ptr", "dest_row_ptr", "counts_ptr", "rows_ptrs", "ready_ptrs", "tiles_ptr",
                               "row_tiles_ptr", "source_ptr", "source_row_ptr", "grad_ptrs", "inverse_ptr",
-                              "tokens_ptrs", "ids_ptrs", "weights_ptrs", "arrived_ptrs", "x_address_ptr")}
+                              "tokens_ptrs", "ids_ptrs", "weights_ptrs", "x_address_ptr")}
 tables["row_weight_ptr"] = "*fp32"
 flags = {n: "*i32" for n in ("dest_order_ptr", "ack_ptr", "error_ptr", "ready_ptr", "next_ptr", "epoch_ptr",
                              "ids_ptr")}
-by_row, by_token = dict(BY_TOKEN=False, WORLD=2, MAX_TOKENS=1, MAX_ROWS=1), dict(BY_TOKEN=True, WORLD=2,
-                                                                                  MAX_TOKENS=8192, MAX_ROWS=49152)
+by_row = dict(BY_TOKEN=False, WORLD=2, MAX_TOKENS=1, MAX_ROWS=1, UNITS_P2=1)
+by_token = dict(BY_TOKEN=True, WORLD=2, MAX_TOKENS=8192, MAX_ROWS=49152, UNITS_P2=128)
 import torch
 cuda = torch.device("cuda")
 for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
@@ -623,9 +674,9 @@ for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("
                   c.num_stages)
         else:
             for store_a13 in (False, True):
-                for mode, ready in ((by_row, "*i32"), (by_token, "*i64")):  # by token: units arrived, int64
-                    build(fd._gated_gemm_kernel, {**ptrs, "ready_ptr": ready},
-                          dict(CHUNK=64, STORE_A13=store_a13, **mode, **gemm), c.num_warps, c.num_stages)
+                for mode in (by_row, by_token):
+                    build(fd._gated_gemm_kernel, ptrs, dict(CHUNK=64, STORE_A13=store_a13, **mode, **gemm),
+                          c.num_warps, c.num_stages)
     for own_rows in (False, True):
         build(fd._push_rows_kernel, ptrs, dict(D=2048, CHUNK=64, BLOCK_D=128, WORLD=2, L=32, W_P2=2, L_P2=32, E_P2=64,
                                                OWN_ROWS=own_rows, X_DTYPE=x_dtype), 4, 3)

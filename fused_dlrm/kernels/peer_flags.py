@@ -431,7 +431,7 @@ def released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr, known_de
 
 
 @triton.jit
-def _poll_ready(flags, epoch, count, spin_limit, BLOCK: tl.constexpr):
+def poll_ready(flags, epoch, count, spin_limit, BLOCK: tl.constexpr):
     """Spin (bounded) until the `count` flags at `flags` all hold >= epoch: (all up, first late slot)."""
     offs = tl.arange(0, BLOCK)
     mask = offs < count
@@ -448,7 +448,7 @@ def _poll_ready(flags, epoch, count, spin_limit, BLOCK: tl.constexpr):
 def _wait_ready_kernel(ready_ptr, ack_ptrs, error_ptr, rank, epoch, slots_per_rank, spin_limit,
                        BLOCK: tl.constexpr):
     producer = tl.program_id(0)
-    ok, late = _poll_ready(ready_ptr + producer * slots_per_rank, epoch, slots_per_rank,
+    ok, late = poll_ready(ready_ptr + producer * slots_per_rank, epoch, slots_per_rank,
                            _spin_limit_unless_failed(error_ptr, spin_limit), BLOCK)
     if ok:
         ack = tl.load(ack_ptrs + producer).to(tl.pointer_type(tl.int32)) + rank
@@ -462,7 +462,7 @@ def _wait_ready_nvshmem_kernel(ready_ptr, ack_ptr, error_ptr, rank, epoch, slots
                                BLOCK: tl.constexpr):
     """The same with 64-bit flags; the ack is an NVSHMEM signal into the producer's `ack_ptr + rank`."""
     producer = tl.program_id(0)
-    ok, late = _poll_ready(ready_ptr + producer * slots_per_rank, epoch, slots_per_rank,
+    ok, late = poll_ready(ready_ptr + producer * slots_per_rank, epoch, slots_per_rank,
                            _spin_limit_unless_failed(error_ptr, spin_limit), BLOCK)
     if ok:
         set_flag(ack_ptr + rank, epoch, rank, producer)

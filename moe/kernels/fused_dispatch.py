@@ -35,10 +35,9 @@ rank, and its row then crosses the link once per expert. By token, each source s
 peer that owns an expert it chose, at [source, token] of that peer's token buffer (max_tokens slots per source,
 double-buffered by epoch parity), together with the token of each of its permuted rows bound there (an int32 id
 buffer [source, permuted row]); unit (peer, c) moves tokens [c * block_m, (c + 1) * block_m) and a slice of the ids,
-then adds one to the peer's int64 count of units arrived from this source (`_push_tokens_kernel`). GEMM 1 reads a
-peer's row j as token ids[source, source row] of the token buffer, once the count of the row's source reached
-epoch x units (every unit of this epoch: a tile's rows may be any of the source's tokens; this rank's own tiles
-go first and hide the wait). `received` is then not a buffer the push fills: when training, GEMM 1's first column
+then raises flag (source, c) in the peer (`_push_tokens_kernel`). GEMM 1 reads a peer's row j as token ids[source,
+source row] of the token buffer, once every unit flag of the row's source holds the epoch (a tile's rows may be
+any of the source's tokens; this rank's own tiles go first and hide the wait). `received` is then not a buffer the push fills: when training, GEMM 1's first column
 block stores the rows it read (`rows_out`). The guard (acks) is the same.
 
 Backward (`start_backward` on the owner, `finish_backward` on the source): a13 = x @ w13[e], which the forward GEMM
@@ -59,6 +58,14 @@ The host counts a forward epoch at its `end`, the device at the acknowledgement:
 (every check comes first) takes no epoch; one whose push went out but whose GEMM 1 did not (refused at `finish`, or
 an error) stays in flight, and every later call is refused until `finish` completes it. The backward takes its
 epoch once its checks passed (an epoch never acknowledged would stall every later backward's guard).
+
+After a wait gave up (PeerWaitTimeout): the rank that gave up still acknowledges the epoch (its reads are over),
+and a push that gave up waiting for an owner's acknowledgement stores nothing and raises no flag there (the owner
+would read its buffer's rows of the epoch before last as this epoch's): that owner's wait times out too, naming
+this rank. So a peer that was only late finishes the epoch exactly, and the next epoch every rank calls is exact.
+(A source late by a bound whose owner then runs on without its rows for two epochs could land that epoch's rows
+among the next-but-one's of other sources; MoELayer's calls cannot: each begins with the counts' all-gather, which
+waits for every rank.)
 """
 
 from __future__ import annotations
@@ -73,8 +80,8 @@ import triton.language as tl
 from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels import TL_DTYPES, dot_precision
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned
-from fused_dlrm.kernels.peer_flags import (PeerErrors, consumer_released, record_refused, record_timeout, signal_ready,
-                                           wait_at_least)
+from fused_dlrm.kernels.peer_flags import (PeerErrors, consumer_released, poll_ready, record_refused, record_timeout,
+                                           signal_ready, wait_at_least)
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from fused_dlrm.kernels.tma import descriptor, require_tma_readable
 from moe.expert_layout import DispatchTables, ExpertLayout, receive_capacity
@@ -189,17 +196,21 @@ def _push_rows_kernel(
                 mask = rows < hi
                 token = tl.load(token_ptr + rows, mask=mask, other=0).to(tl.int64)
                 at = (row_base + tl.load(dest_row_ptr + rows, mask=mask, other=0)).to(tl.int64)
-                mask = mask & consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+                released = consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
+                mask = mask & released
                 out = tl.load(rows_ptrs + dest).to(tl.pointer_type(x_ptr.dtype.element_ty))
                 out = tl.multiple_of(out, 16)  # symmetric buffers are aligned: vector stores
                 for k in range(0, D, BLOCK_D):
                     m = mask[:, None] & (k + cols < D)[None, :]
                     v = tl.load(x_ptr + token[:, None] * D + k + cols[None, :], mask=m)
                     tl.store(out + at[:, None] * D + k + cols[None, :], v, mask=m)
-                # One flag, in the owner only (peer_flags.signal_ready raises a slot in every rank).
-                tl.debug_barrier()
-                flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * chunks + c
-                tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+                # One flag, in the owner only (peer_flags.signal_ready raises a slot in every rank); none over
+                # rows not stored (the owner's wait for them times out, naming this rank; it never reads the
+                # rows of the epoch before last as this one's).
+                if released:
+                    tl.debug_barrier()
+                    flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * chunks + c
+                    tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
         u += num_programs
 
 
@@ -208,9 +219,9 @@ def _push_tokens_kernel(
     x_address_ptr, token_ptr, row_weight_ptr, inverse_ptr, counts_ptr, dest_order_ptr,  # where this rank's tokens
     # are (`_x_rows`), token_of_row, each permuted row's routing weight, each assignment's permuted row, C [world,
     # E], owner order
-    tokens_ptrs, ids_ptrs, weights_ptrs, arrived_ptrs, ack_ptr, error_ptr, epoch_ptr,  # peers' token, token-id
-    # and row-weight buffers and arrival counts, my acks, my error word, the last epoch acknowledged (this call's
-    # is the next)
+    tokens_ptrs, ids_ptrs, weights_ptrs, ready_ptrs, ack_ptr, error_ptr, epoch_ptr,  # peers' token, token-id
+    # and row-weight buffers and unit flags, my acks, my error word, the last epoch acknowledged (this call's is
+    # the next)
     rank, num_tokens, num_rows, num_programs, spin_limit,
     D: tl.constexpr, MAX_TOKENS: tl.constexpr, MAX_ROWS: tl.constexpr, CHUNK: tl.constexpr, IDS: tl.constexpr,
     UNITS: tl.constexpr, BLOCK_D: tl.constexpr, WORLD: tl.constexpr, L: tl.constexpr, TOP_K: tl.constexpr,
@@ -219,9 +230,8 @@ def _push_tokens_kernel(
     """Dispatch by token: unit (peer d, c) stores tokens [c * CHUNK, (c + 1) * CHUNK) that chose an expert of d,
     each once, at [source = rank, token] of d's token buffer, and the token and routing weight of each of this
     rank's permuted rows [c * IDS, (c + 1) * IDS) that go to d at [rank, row] of d's id and weight buffers (the
-    combine by token sums a token's rows on d with them); then it adds one to d's count of units arrived from this
-    rank (int64, never reset: epoch e is complete at e * UNITS). Peers only: GEMM 1 reads this rank's own rows
-    from x."""
+    combine by token sums a token's rows on d with them); then it raises flag (rank, c) in d (none over a unit not
+    stored). Peers only: GEMM 1 reads this rank's own rows from x."""
     x_ptr = _x_rows(x_address_ptr, X_DTYPE)
     epoch = tl.load(epoch_ptr) + 1
     slot = (epoch % 2) * WORLD + rank  # [half][source] of the peers' buffers
@@ -258,9 +268,10 @@ def _push_tokens_kernel(
         tl.store(ids + r, tl.load(token_ptr + r, mask=r_mask, other=0).to(tl.int32), mask=r_mask)
         row_weights = tl.load(weights_ptrs + dest).to(tl.pointer_type(tl.float32)) + slot * MAX_ROWS
         tl.store(row_weights + r, tl.load(row_weight_ptr + r, mask=r_mask, other=0.0), mask=r_mask)
-        tl.debug_barrier()  # every thread's stores before the count
-        arrived = tl.load(arrived_ptrs + dest).to(tl.pointer_type(tl.int64)) + rank
-        tl.atomic_add(arrived, 1, sem="release", scope="sys")
+        if released:  # no flag over a unit not stored: the owner's wait for it times out, naming this rank
+            tl.debug_barrier()  # every thread's stores before the flag
+            flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * UNITS + c
+            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
         u += num_programs
 
 
@@ -303,18 +314,19 @@ def _gated_gemm_kernel(
     # (w1 columns, then w3), [rows, FFN] output, [rows, 2 * FFN] a13, [rows, D] the rows read (by token, training)
     tiles_ptr, tiles_width, row_tiles_ptr,  # the row tiles (DispatchTables.gemm_tiles; walked in arrival order)
     source_ptr, source_row_ptr, ready_ptr, ids_ptr, error_ptr, next_ptr, epoch_ptr,  # recv_source_rank/row, my
-    # flags (by token: units arrived per source), my token ids (by token), error, counter, the last epoch
-    # acknowledged (this call's is the next)
+    # flags (by token: per source and unit), my token ids (by token), error, counter, the last epoch acknowledged
+    # (this call's is the next)
     rank, capacity, flag_stride, claimants, spin_limit,  # flag_stride: flags per source (by token: units);
     # claimants: programs of the launches sharing next_ptr
     D: tl.constexpr, FFN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STORE_A13: tl.constexpr,
     BY_TOKEN: tl.constexpr, WORLD: tl.constexpr, MAX_TOKENS: tl.constexpr, MAX_ROWS: tl.constexpr,
+    UNITS_P2: tl.constexpr,
 ):
     """BY_TOKEN: a peer's row is token ids[source, source row] of the token buffer's [source] block, ready once
-    `flag_stride` units of this epoch arrived from that source; the rows read are stored into rows_out (col 0's
-    tiles) when STORE_A13 (training: `received`). Else a peer's row is receive row `row`, ready once flag
-    (source, row // CHUNK) holds the epoch."""
+    the flags of all `flag_stride` units (at most UNITS_P2) from that source hold the epoch; the rows read are
+    stored into rows_out (col 0's tiles) when STORE_A13 (training: `received`). Else a peer's row is receive row
+    `row`, ready once flag (source, row // CHUNK) holds the epoch."""
     x_ptr = _x_rows(x_address_ptr, rows_ptr.dtype.element_ty)
     epoch = tl.load(epoch_ptr) + 1
     n_tiles = tl.cdiv(FFN, BLOCK_N)
@@ -323,10 +335,8 @@ def _gated_gemm_kernel(
     if BY_TOKEN:
         rows_ptr += ((epoch % 2) * WORLD * MAX_TOKENS).to(tl.int64) * D  # this epoch's half of the double buffer
         ids_ptr += (epoch % 2) * WORLD * MAX_ROWS
-        ready = epoch.to(tl.int64) * flag_stride  # a source's count once all its units of this epoch arrived
     else:
         rows_ptr += ((epoch % 2) * capacity).to(tl.int64) * D
-        ready = epoch.to(tl.int64)  # of the other branch's type
     lanes = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     t = _next_tile(next_ptr, num_tiles, claimants)
@@ -337,9 +347,9 @@ def _gated_gemm_kernel(
         ns = col * BLOCK_N + tl.arange(0, BLOCK_N)
 
         # This rank's own rows are read from x (its push copies them into the buffer only for `received`). For
-        # the others, wait for what this tile reads: by token, the count of each source it reads (one thread
-        # each); else flag (source of the row, row // CHUNK) of each row, spinning on one missing flag at a time,
-        # then looking again at all of them.
+        # the others, wait for what this tile reads: by token, every unit flag of each source it reads; else
+        # flag (source of the row, row // CHUNK) of each row, spinning on one missing flag at a time, then looking
+        # again at all of them.
         source = tl.load(source_ptr + rows, mask=row_mask, other=0)
         local = row_mask & (source == rank)
         remote = row_mask & (source != rank)
@@ -349,20 +359,20 @@ def _gated_gemm_kernel(
         if BY_TOKEN:
             for s in tl.static_range(WORLD):
                 if (tl.max((remote & (source == s)).to(tl.int32), axis=0) > 0) & ~timed_out:
-                    timed_out = ~wait_at_least(ready_ptr + s, ready, limit)
-                    if timed_out & ~failed:  # the slice: how many of this epoch's units arrived
-                        arrived = tl.atomic_add(ready_ptr + s, 0, sem="acquire", scope="sys") - ready + flag_stride
-                        record_timeout(error_ptr, 1, s, arrived.to(tl.int32), epoch)
+                    arrived, late = poll_ready(ready_ptr + s * flag_stride, epoch, flag_stride, limit, UNITS_P2)
+                    timed_out = ~arrived
+                    if timed_out & ~failed:  # the slice: the first unit of this epoch that did not arrive
+                        record_timeout(error_ptr, 1, s, late, epoch)
         else:
             flags = ready_ptr + source * flag_stride + rows // CHUNK
-            seen = _poll(flags, remote, ready, BLOCK_M)
-            while (tl.min(seen, axis=0) < ready) & ~timed_out:
-                late_row = begin + tl.min(tl.where(seen < ready, lanes, BLOCK_M), axis=0)
+            seen = _poll(flags, remote, epoch, BLOCK_M)
+            while (tl.min(seen, axis=0) < epoch) & ~timed_out:
+                late_row = begin + tl.min(tl.where(seen < epoch, lanes, BLOCK_M), axis=0)
                 late_flag = ready_ptr + tl.load(source_ptr + late_row) * flag_stride + late_row // CHUNK
-                timed_out = ~wait_at_least(late_flag, ready, limit)
-                seen = _poll(flags, remote, ready, BLOCK_M)
-            if timed_out & ~failed & (tl.min(seen, axis=0) < ready):  # (all may have come since the wait gave up)
-                late_row = begin + tl.min(tl.where(seen < ready, lanes, BLOCK_M), axis=0)
+                timed_out = ~wait_at_least(late_flag, epoch, limit)
+                seen = _poll(flags, remote, epoch, BLOCK_M)
+            if timed_out & ~failed & (tl.min(seen, axis=0) < epoch):  # (all may have come since the wait gave up)
+                late_row = begin + tl.min(tl.where(seen < epoch, lanes, BLOCK_M), axis=0)
                 record_timeout(error_ptr, 1, tl.load(source_ptr + late_row), late_row // CHUNK, epoch)
         tl.debug_barrier()  # the flags this program's threads acquired cover the rows any of them loads
 
@@ -435,21 +445,22 @@ def _gated_gemm_backward_kernel(
         at = tl.load(source_row_ptr + rows, mask=row_mask, other=0)[:, None] * D + ns[None, :]
         tl.store(out[:, None] + at, acc.to(da13_desc.dtype),
                  mask=row_mask[:, None] & (ns < D)[None, :] & released)
-        signal_ready(ready_ptrs, (rank * tiles_per_rank + mt) * n_tiles + col, epoch, WORLD)
+        if released:  # no flag over a tile not stored: a source would sum its buffer's older rows as this epoch's
+            signal_ready(ready_ptrs, (rank * tiles_per_rank + mt) * n_tiles + col, epoch, WORLD)
         t = _next_tile(next_ptr, num_tiles, tl.num_programs(0))
 
 
 @triton.jit(do_not_specialize=["epoch"])
-def _ack_sources_kernel(ack_ptrs, error_ptr, epoch_ptr, rank, epoch, WORLD: tl.constexpr,
-                        EPOCH_ON_DEVICE: tl.constexpr):
+def _ack_sources_kernel(ack_ptrs, epoch_ptr, rank, epoch, WORLD: tl.constexpr, EPOCH_ON_DEVICE: tl.constexpr):
     """After the kernel that read a peer-written buffer (stream order): tell every peer this rank is done.
-    EPOCH_ON_DEVICE (the forward): the epoch is the one after epoch_ptr's, which this kernel then advances."""
+    EPOCH_ON_DEVICE (the forward): the epoch is the one after epoch_ptr's, which this kernel then advances.
+    After a wait that gave up too: the reads are over all the same, and a peer that was only late then stores its
+    next epoch (without this, every later push into this rank timed out, for good)."""
     if EPOCH_ON_DEVICE:
         epoch = tl.load(epoch_ptr) + 1
-    if tl.load(error_ptr) == 0:
-        for s in tl.static_range(WORLD):
-            ack = tl.load(ack_ptrs + s).to(tl.pointer_type(tl.int32)) + rank
-            tl.atomic_xchg(ack, epoch, sem="release", scope="sys")
+    for s in tl.static_range(WORLD):
+        ack = tl.load(ack_ptrs + s).to(tl.pointer_type(tl.int32)) + rank
+        tl.atomic_xchg(ack, epoch, sem="release", scope="sys")
     if EPOCH_ON_DEVICE:
         tl.store(epoch_ptr, epoch)
 
@@ -577,7 +588,7 @@ class FusedDispatch:
     def _buffers(self, dtype: torch.dtype):
         """By row: (receive rows, ready flags, acks) of the current capacity. By token: (tokens [2, world,
         max_tokens, d], the sources' rows' token ids [2, world, max_rows] int32 and routing weights (fp32, alike),
-        units arrived per source int64, acks)."""
+        flags per (source, unit), acks)."""
         if not self.capacity:
             raise ValueError("no receive capacity yet: reserve first")
         if self.by_token:
@@ -585,7 +596,7 @@ class FusedDispatch:
             return (self.ws.buffer("moe_dispatch_tokens", slots * self.max_tokens * self.d_model, dtype),
                     self.ws.buffer("moe_dispatch_token_ids", slots * self.max_rows, torch.int32),
                     self.ws.buffer("moe_dispatch_row_weights", slots * self.max_rows, torch.float32),
-                    self.ws.buffer("moe_dispatch_arrived", self.world, torch.int64),
+                    self.ws.buffer("moe_dispatch_units_ready", self.world * self.units, torch.int32),
                     self.ws.buffer("moe_dispatch_ack", self.world, torch.int32))
         rows = self.ws.buffer("moe_dispatch_rows", 2 * self.capacity * self.d_model, dtype)
         # A new capacity gets fresh flags (zero < any epoch): flag buffers cannot grow.
@@ -751,13 +762,13 @@ class FusedDispatch:
         block_d = max(16, min(triton.next_power_of_2(self.d_model), PUSH_TILE_ELEMENTS // self.chunk))
         e_p2 = triton.next_power_of_2(self.world * self.num_local_experts)
         if self.by_token:
-            tokens, ids, weights, arrived, ack = self._buffers(x.dtype)
+            tokens, ids, weights, ready, ack = self._buffers(x.dtype)
             inverse, row_weights = inverse.contiguous(), row_weights.contiguous()
             if self._push_stream is not None:  # a copy, if one was made, is read on the push stream
                 inverse.record_stream(self._push_stream)
                 row_weights.record_stream(self._push_stream)
             tensors = (self._x_address, token_of_row, row_weights, inverse, tables.counts, self._dest_order,
-                       tokens.peer_ptrs, ids.peer_ptrs, weights.peer_ptrs, arrived.peer_ptrs, ack.local,
+                       tokens.peer_ptrs, ids.peer_ptrs, weights.peer_ptrs, ready.peer_ptrs, ack.local,
                        self.errors.word, self._epoch_done)
             args = (*tensors, self.rank, x.shape[0], token_of_row.numel(), self.num_programs, self.spin_limit,
                     self.d_model, self.max_tokens, self.max_rows, self.chunk, self.ids_per_unit, self.units, block_d,
@@ -793,8 +804,8 @@ class FusedDispatch:
         checked w13, a13_out, rows_out and the tables' tile rows: `_check_gemm_outputs`)."""
         L, d, ffn = self.num_local_experts, self.d_model, self.ffn
         if self.by_token:
-            tokens, ids, _, arrived, ack = self._buffers(x.dtype)
-            rows, ids, ready = tokens.local, ids.local, arrived.local
+            tokens, ids, _, ready, ack = self._buffers(x.dtype)
+            rows, ids, ready = tokens.local, ids.local, ready.local
             flag_stride = self.units
         else:
             rows, ready, ack = self._buffers(x.dtype)
@@ -811,7 +822,7 @@ class FusedDispatch:
         tensors += (tables.row_tiles, tables.recv_source_rank, tables.recv_source_row, ready, ids, self.errors.word,
                     self._tile_counter, self._epoch_done)
         precision, store_a13 = dot_precision(w13.dtype, w13.device), a13_out is not None
-        by_token = (self.max_tokens, self.max_rows) if self.by_token else (1, 1)
+        by_token = (self.max_tokens, self.max_rows, triton.next_power_of_2(self.units)) if self.by_token else (1, 1, 1)
         args = (*tensors[:8], tiles.shape[1], *tensors[8:], self.rank, self.capacity, flag_stride,
                 programs + helpers, self.spin_limit, d, ffn, self.chunk, cfg.block_m, cfg.block_n, cfg.block_k,
                 precision, store_a13, self.by_token, self.world, *by_token)
@@ -825,7 +836,7 @@ class FusedDispatch:
                 self._gemm_launches(key, (helpers, 1, 1), args, options)
         if self._push_stream is not None:  # then what the push read may be freed, and `received` and h are complete
             torch.cuda.current_stream().wait_stream(self._push_stream)
-        _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self._epoch_done, self.rank, 0,  # read on the device
+        _ack_sources_kernel[(1,)](ack.peer_ptrs, self._epoch_done, self.rank, 0,  # read on the device
                                   WORLD=self.world, EPOCH_ON_DEVICE=True)
         return h
 
@@ -881,7 +892,7 @@ class FusedDispatch:
                 D_MODEL=self.d_model, TOP_K=perm.top_k, K_P2=triton.next_power_of_2(perm.top_k),
                 BLOCK_T=block_tokens, BLOCK_N=cfg.block_n, OUT_DTYPE=TL_DTYPES[dx.dtype], COPY_ROWS=False,
                 num_warps=4 if dx.is_cuda else 1)
-        _ack_sources_kernel[(1,)](ack.peer_ptrs, self.errors.word, self._epoch_done, self.rank, epoch,
+        _ack_sources_kernel[(1,)](ack.peer_ptrs, self._epoch_done, self.rank, epoch,
                                   WORLD=self.world, EPOCH_ON_DEVICE=False)
         self.errors.after_wait()
         return dx
