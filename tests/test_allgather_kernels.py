@@ -82,6 +82,34 @@ def test_a_producer_waits_for_the_peer_to_release_its_half():
         ops[0].errors.after_wait()
 
 
+@pytest.mark.parametrize("calls_late", [1, 2])
+def test_a_late_peer_finishes_its_calls_exactly_and_the_next_call_is_exact(calls_late):
+    """Rank 1 comes late to call 2 (and 3), the device push: rank 0's wait gives up and acknowledges call 2 all the
+    same (its call is over), so rank 1 finishes call 2 exactly. Two calls late, rank 0's push of call 3 gives up
+    waiting for rank 1's release: it stores nothing and raises no flag, so rank 1 times out naming rank 0 instead
+    of taking its half's chunks of call 1. Then every call is exact. (Once, the wait acknowledged only what arrived:
+    the late peer's next push gave up, and raised its flags over chunks it never stored: rank 0 returned call 1's
+    chunks as call 3's, without an error.)"""
+    ops = gathers(2, 4, 3, torch.float32, chunk_rows=2)
+    gen = torch.Generator().manual_seed(3)
+    calls = [[torch.randn(4, 3, generator=gen) for _ in ops] for _ in range(1 + calls_late + 2)]
+    for got in run_gather(ops, calls[0], ["device"] * 2):
+        torch.testing.assert_close(got, all_gather_reference(calls[0]), rtol=0, atol=0)
+    for step, waited in zip(range(2, 2 + calls_late), ["rank 1, slice", "rank 1 to release"]):  # rank 0 alone
+        epoch = ops[0].start(calls[step - 1][0], "device")
+        with pytest.raises(PeerWaitTimeout, match=rf"rank 0 timed out at step {step} waiting for {waited}"):
+            ops[0].finish(epoch, "device")
+    epoch = ops[1].start(calls[1][1], "device")  # rank 1's call 2
+    torch.testing.assert_close(ops[1].finish(epoch, "device"), all_gather_reference(calls[1]), rtol=0, atol=0)
+    if calls_late == 2:
+        epoch = ops[1].start(calls[2][1], "device")
+        with pytest.raises(PeerWaitTimeout, match=r"rank 1 timed out at step 3 waiting for rank 0, slice"):
+            ops[1].finish(epoch, "device")
+    for shards in calls[-2:]:
+        for got in run_gather(ops, shards, ["device"] * 2):
+            torch.testing.assert_close(got, all_gather_reference(shards), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("producer", PRODUCERS)
 def test_an_all_gather_of_empty_shards_is_a_call(producer):
     """Shards of 0 rows on every rank, between calls of rows on the same workspaces: a [0, cols] result, and a

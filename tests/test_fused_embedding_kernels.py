@@ -365,6 +365,43 @@ def test_wait_times_out_with_rank_and_slice_instead_of_hanging():
         world.exchanges[0].finish(bags[0], epoch)
 
 
+@pytest.mark.parametrize("calls_late", [1, 2])
+def test_a_late_peer_finishes_its_calls_exactly_and_the_next_call_is_exact(calls_late):
+    """Rank 1 comes late to call 2 (and 3): rank 0's wait gives up and acknowledges call 2 all the same (its call is
+    over), so rank 1 finishes call 2 exactly. Two calls late, rank 0's lookup of call 3 gives up waiting for rank
+    1's release: it stores nothing there and raises no flag, so rank 1 times out naming rank 0 instead of taking its
+    half's columns of call 1. Then every call is exact. (Once, the wait acknowledged only what arrived: the late
+    peer's next lookup gave up, and raised its flags over tiles it never stored: rank 0 returned rank 1's columns
+    of call 1 as call 3's, without an error.)"""
+    tables = make_tables([4, 8, 3, 6], [10, 20, 7, 9])
+    world = World(tables, 2, num_programs=2)
+    gen = torch.Generator().manual_seed(5)
+    calls = []
+    for _ in range(1 + calls_late + 2):
+        batch = random_bags(tables, [3, 2], True, gen)
+        calls.append(([world.owned_bags(r, *batch, [3, 2]) for r in range(2)], expected_outputs(world, *batch, [3, 2])))
+
+    def call(rank: int, step: int) -> torch.Tensor:
+        bags = calls[step - 1][0]
+        ex = world.exchanges[rank]
+        return ex.finish(bags[rank], ex.start(bags[rank]))
+
+    def check(outs, expected):
+        for out, want in zip(outs, expected):
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+    check(world.forward(calls[0][0]), calls[0][1])
+    for step, waited in zip(range(2, 2 + calls_late), ["rank 1, slice", "rank 1 to release"]):  # rank 0 alone
+        with pytest.raises(PeerWaitTimeout, match=rf"rank 0 timed out at step {step} waiting for {waited}"):
+            call(0, step)
+    check([call(1, 2)], calls[1][1][1:])
+    if calls_late == 2:
+        with pytest.raises(PeerWaitTimeout, match=r"rank 1 timed out at step 3 waiting for rank 0, slice"):
+            call(1, 3)
+    for bags, expected in calls[-2:]:
+        check(world.forward(bags), expected)
+
+
 def test_fewer_programs_than_ranks_is_a_clear_error():
     with pytest.raises(ValueError, match="num_programs=2 is below the world size 3"):
         World(make_tables([4, 8, 3], [10, 20, 7]), 3, num_programs=2)

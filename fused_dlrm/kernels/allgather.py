@@ -20,7 +20,8 @@ Producers (`start`):
   pattern of torch's own fused_all_gather_matmul); no spinning kernel sits on a side stream.
 Caveat of "copy_engine" (push): the flag is a stream memory op into the peer's memory after a copy-engine write into
 the peer's memory; nothing here checks that the data is visible at the peer when the flag is (the GPU primitive
-test snapshots the result right after the wait to look for it). The fused GEMM does not rely on it.
+test snapshots the result right after the wait to look for it). The fused GEMM does not rely on it. Nor does a
+guard that gave up (a peer late by two calls) stop the copies and flags that follow it, as the device push's does.
 In the simulated CPU world there are no copy engines or streams: "copy_engine" and "pull" are plain tensor copies
 and flag writes in the same order (a stand-in), while the guard and wait kernels, and "device", run their real
 kernels in the interpreter.
@@ -78,7 +79,8 @@ def wait_chunk(ready_ptr, source, chunk, chunks, epoch, spin_limit, error_ptr):
 def push_chunk(x_ptr, data_ptrs, ready_ptrs, ack_ptr, error_ptr, dest, chunk, rank, epoch, rows, cols, chunk_rows,
                chunks, half_offset, spin_limit, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Store rows of `chunk` of the local shard x [rows, cols] into slot `rank` of dest's buffer half, then raise
-    flag (rank, chunk) in dest. Stores are skipped (and the error recorded) if dest never released the half."""
+    flag (rank, chunk) in dest. Stores are skipped (and the error recorded) if dest never released the half, and
+    then so is the flag (dest would read the chunk of the call before last as this one's)."""
     released = consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr)
     dst = tl.load(data_ptrs + dest).to(tl.pointer_type(x_ptr.dtype.element_ty)) + half_offset
     dst += tl.cast(rank, tl.int64) * rows * cols  # tl.cast: an argument equal to 1 arrives as a constexpr
@@ -95,9 +97,10 @@ def push_chunk(x_ptr, data_ptrs, ready_ptrs, ack_ptr, error_ptr, dest, chunk, ra
             tl.store(dst + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
             c += BLOCK_C
         r += BLOCK_R
-    tl.debug_barrier()
-    flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * chunks + chunk
-    tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+    if released:
+        tl.debug_barrier()
+        flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * chunks + chunk
+        tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
 
 
 @triton.jit(do_not_specialize=["epoch"])  # one compiled variant for every epoch

@@ -129,10 +129,11 @@ def _interaction_backward_kernel(grad_ptr, dense_ptr, sparse_ptr, grad_dense_ptr
             tl.store(grad_dense_ptr + b * D + d, grad_x.to(grad_dense_ptr.dtype.element_ty), mask=d < D)
         b += tl.num_programs(0)
     if PUSH:
-        slot = pid
-        while slot < num_programs:  # a grid below num_programs (fewer samples) raises the others' flags too
-            signal_ready(ready_ptrs, rank * num_programs + slot, epoch, WORLD)
-            slot += tl.num_programs(0)
+        if released:  # no flag over rows not stored (peer_flags: an owner would read an older call's)
+            slot = pid
+            while slot < num_programs:  # a grid below num_programs (fewer samples) raises the others' flags too
+                signal_ready(ready_ptrs, rank * num_programs + slot, epoch, WORLD)
+                slot += tl.num_programs(0)
 
 
 @triton.jit

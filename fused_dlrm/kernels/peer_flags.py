@@ -3,8 +3,11 @@
 A flag holds the epoch (step number) of the last data written behind it; it is never reset, and readers compare
 with `>=` (a fast peer may already have raised the next epoch). Producers raise one flag per (producer rank,
 program) in every destination rank after their stores. The consumer's wait kernel has one program per producer
-rank, polling that rank's flags; when they are all up it acknowledges the epoch back to the producer, which
-guards the double-buffered output against being overwritten while the consumer may still read it.
+rank, polling that rank's flags; then it acknowledges the epoch back to the producer, which guards the
+double-buffered output against being overwritten while the consumer may still read it (after a wait that gave up
+too: the call is over there, and a producer that was only late then stores its next call; a producer that gives
+up waiting for the ack stores nothing and raises no flag over it, so the consumer never reads a half of an older
+call as this one's).
 Waits are bounded: every kernel records a timeout through `record_timeout` (the first one per error wins) into an
 error word that `PeerErrors` turns into an exception on the host; while the word holds an error the host has not
 read, every wait looks once instead of spinning (`_spin_limit_unless_failed`).
@@ -450,11 +453,12 @@ def _wait_ready_kernel(ready_ptr, ack_ptrs, error_ptr, rank, epoch, slots_per_ra
     producer = tl.program_id(0)
     ok, late = poll_ready(ready_ptr + producer * slots_per_rank, epoch, slots_per_rank,
                            _spin_limit_unless_failed(error_ptr, spin_limit), BLOCK)
-    if ok:
-        ack = tl.load(ack_ptrs + producer).to(tl.pointer_type(tl.int32)) + rank
-        tl.atomic_xchg(ack, epoch, sem="release", scope="sys")
-    else:
+    if not ok:
         record_timeout(error_ptr, 1, producer, late, epoch)
+    # The ack even after a timeout: this call is over here, and a producer that was only late stores its next
+    # call (without it, every later call of that producer timed out waiting for this rank's release).
+    ack = tl.load(ack_ptrs + producer).to(tl.pointer_type(tl.int32)) + rank
+    tl.atomic_xchg(ack, epoch, sem="release", scope="sys")
 
 
 @triton.jit
@@ -464,10 +468,9 @@ def _wait_ready_nvshmem_kernel(ready_ptr, ack_ptr, error_ptr, rank, epoch, slots
     producer = tl.program_id(0)
     ok, late = poll_ready(ready_ptr + producer * slots_per_rank, epoch, slots_per_rank,
                            _spin_limit_unless_failed(error_ptr, spin_limit), BLOCK)
-    if ok:
-        set_flag(ack_ptr + rank, epoch, rank, producer)
-    else:
+    if not ok:
         record_timeout(error_ptr, 1, producer, late, epoch)
+    set_flag(ack_ptr + rank, epoch, rank, producer)  # after a timeout too (`_wait_ready_kernel`)
 
 
 class ReadyWait:

@@ -97,6 +97,7 @@ def _pooled_embedding_kernel(
     t, end, stride = program_walk(pid, walk_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
     k, group_start, group_end = 0, 0, tl.load(tile_starts_ptr + 1)
     known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
+    stored = tl.full([], 1, tl.int1)  # every tile this program was to store
     while t < end:
         k, group_start, group_end = next_tile_group(t, k, group_start, group_end, tile_starts_ptr)
         dest, f, rows, row_mask, first_row, dim, acc = _pool_tile(
@@ -108,13 +109,15 @@ def _pooled_embedding_kernel(
             known_dest, released = released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr,
                                                           known_dest, released)
             store_mask = store_mask & released
+            stored = stored & released
         out = tl.load(out_ptrs + dest).to(tl.pointer_type(tl.float32))
         out_rows = (tl.load(out_row_base_ptr + dest) + rows - first_row).to(tl.int64)
         col = tl.load(cols_ptr + f)
         tl.store(out + out_rows[:, None] * out_row_len + col + d[None, :], acc, mask=store_mask)
         t += stride
     if SIGNAL:
-        signal_ready(ready_ptrs, rank * num_programs + pid, epoch, WORLD)
+        if stored:  # no flag over tiles not stored (peer_flags: a consumer would read an older call's)
+            signal_ready(ready_ptrs, rank * num_programs + pid, epoch, WORLD)
 
 
 @triton.jit
@@ -137,6 +140,7 @@ def _pooled_embedding_nvshmem_kernel(
     t, end, stride = program_walk(pid, walk_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
     k, group_start, group_end = 0, 0, tl.load(tile_starts_ptr + 1)
     known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
+    stored = tl.full([], 1, tl.int1)  # every tile this program was to store
     while t < end:
         k, group_start, group_end = next_tile_group(t, k, group_start, group_end, tile_starts_ptr)
         dest, f, rows, row_mask, first_row, dim, acc = _pool_tile(
@@ -145,6 +149,7 @@ def _pooled_embedding_nvshmem_kernel(
             BLOCK_B, BLOCK_L, BLOCK_D, TABLE_DTYPE, HAS_WEIGHTS)
         known_dest, released = released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr,
                                                       known_dest, released)
+        stored = stored & released
         first_out_row = tl.min(tl.where(row_mask, rows, 2**62), axis=0) - first_row
         dst = out_ptr + first_out_row * out_row_len + tl.load(cols_ptr + f)
         if dest == rank:
@@ -155,7 +160,8 @@ def _pooled_embedding_nvshmem_kernel(
             put_rows(dst, out_row_len, scratch, BLOCK_D, dim * 4,
                      tl.where(released, tl.sum(row_mask.to(tl.int32), axis=0), 0), dest)
         t += stride
-    signal_ready_nvshmem(ready_ptr, rank * num_programs + pid, epoch, rank, WORLD)
+    if stored:  # no flag over tiles not stored (peer_flags: a consumer would read an older call's)
+        signal_ready_nvshmem(ready_ptr, rank * num_programs + pid, epoch, rank, WORLD)
 
 
 class PooledEmbeddingLaunch:

@@ -85,6 +85,7 @@ def _push_columns_kernel(
     t, end, stride = program_walk(pid, walk_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
     k, group_start, group_end = 0, 0, tl.load(tile_starts_ptr + 1)
     known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
+    stored = tl.full([], 1, tl.int1)  # every tile this program was to store
     while t < end:  # `while`: the interpreter cannot range() over loaded values
         k, group_start, group_end = next_tile_group(t, k, group_start, group_end, tile_starts_ptr)
         dest, f, rows, row_mask, first_row = tile_coords(k, t - group_start, dest_order_ptr, row_begin_ptr,
@@ -96,12 +97,14 @@ def _push_columns_kernel(
         known_dest, released = released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr, known_dest,
                                                       released)
         mask = mask & released
+        stored = stored & released
         out = tl.load(out_ptrs + dest).to(tl.pointer_type(src_ptr.dtype.element_ty))
         out_rows = (tl.load(out_row_base_ptr + dest) + rows - first_row).to(tl.int64)
         dst = out + out_rows[:, None] * tl.load(out_row_len_ptr + dest) + tl.load(dst_cols_ptr + f) + d[None, :]
         tl.store(dst, tile * scale, mask=mask)
         t += stride
-    signal_ready(ready_ptrs, rank * num_programs + pid, epoch, WORLD)
+    if stored:  # no flag over tiles not stored (peer_flags: a consumer would read an older call's)
+        signal_ready(ready_ptrs, rank * num_programs + pid, epoch, WORLD)
 
 
 class PushColumnsLaunch:
@@ -150,6 +153,7 @@ def _push_columns_nvshmem_kernel(
     t, end, stride = program_walk(pid, walk_starts_ptr, program_starts_ptr, WORLD, WORLD_P2)
     k, group_start, group_end = 0, 0, tl.load(tile_starts_ptr + 1)
     known_dest, released = tl.full([], -1, tl.int32), tl.full([], 0, tl.int1)
+    stored = tl.full([], 1, tl.int1)  # every tile this program was to store
     while t < end:
         k, group_start, group_end = next_tile_group(t, k, group_start, group_end, tile_starts_ptr)
         dest, f, rows, row_mask, first_row = tile_coords(k, t - group_start, dest_order_ptr, row_begin_ptr,
@@ -157,6 +161,7 @@ def _push_columns_nvshmem_kernel(
         dim = tl.load(dims_ptr + f)
         known_dest, released = released_once_per_dest(ack_ptr, dest, epoch, spin_limit, error_ptr, known_dest,
                                                       released)
+        stored = stored & released
         first = tl.min(tl.where(row_mask, rows, 2**62), axis=0)
         src = src_ptr + first.to(tl.int64) * src_row_len + tl.load(src_cols_ptr + f)
         out_row_len = tl.load(out_row_len_ptr + dest)
@@ -170,7 +175,8 @@ def _push_columns_nvshmem_kernel(
             put_rows(dst, out_row_len, src, src_row_len, dim * 4,
                      tl.where(released, tl.sum(row_mask.to(tl.int32), axis=0), 0), dest)
         t += stride
-    signal_ready_nvshmem(ready_ptr, rank * num_programs + pid, epoch, rank, WORLD)
+    if stored:  # no flag over tiles not stored (peer_flags: a consumer would read an older call's)
+        signal_ready_nvshmem(ready_ptr, rank * num_programs + pid, epoch, rank, WORLD)
 
 
 def launch_push_columns_nvshmem(src: torch.Tensor, src_cols: torch.Tensor, dst_cols: torch.Tensor,

@@ -16,7 +16,9 @@ next call, after which a peer running ahead may store its call after next there 
 In training the step's own reads (its forward's and backward's, before its gradient goes back) are safe until the
 call after next: a peer's call after next comes after its backward of this call, which waits for this rank's
 gradient; a backward that would run later raises instead (`check_output_live`). Every rank must call in the same
-order (the flags carry per-exchange step counters).
+order (the flags carry per-exchange step counters). After a wait gave up, the call is still acknowledged (its
+output is lost, not read), and a producer that gave up waiting for an ack stores nothing and raises no flag: a
+peer that was only late finishes its call exactly and the next call is exact (peer_flags).
 Each exchange is split into `start` (enqueue the producer kernel) and `finish` (enqueue the wait, return the
 result), so a simulated world in one process can start every rank before any waits.
 """
