@@ -104,10 +104,11 @@ class World:
         return outs, expected, counts
 
 
-    def step_by_token(self, case: Case, gen: torch.Generator, dtype=torch.float32, starting=None):
+    def step_by_token(self, case: Case, gen: torch.Generator, dtype=torch.float32, starting=None, backward=True):
         """One epoch of the combine by token on every rank (those in `starting` run start_by_token); each owner
         gets what the dispatch by token would have pushed (`pushed_rows`). The parts buffers are NaN before: a part
-        read that no owner stored shows. Returns (outputs, expected outputs, counts)."""
+        read that no owner stored shows. Returns (outputs, expected outputs, counts); keeps what a backward reads
+        (`forward`: perms, weights, layouts, hs, w2s, owners), which runs unless backward=False."""
         perms, weights, layouts, counts = self.route(case, gen)
         capacity = layouts[0].max_recv_rows + 5
         tables = self.tables(counts, perms, capacity)
@@ -123,9 +124,9 @@ class World:
                                                                 self.pushed_rows(owner, perms, counts), perms[owner])
         finished = [c.finish_by_token(epochs[r] if r in epochs else c.ws.next_epoch("combine"), tables[r], perms[r])
                     for r, c in enumerate(self.combines)]
-        if len(starting) == self.world_size:
-            self.backward_by_token(case, gen, dtype, perms, weights, layouts, hs, w2s,
-                                   [owner for _, owner in finished])
+        self.forward = (perms, weights, layouts, hs, w2s, [owner for _, owner in finished])
+        if backward and len(starting) == self.world_size:
+            self.backward_by_token(case, gen, dtype, *self.forward)
         return [out for out, _ in finished], fused_combine_reference(hs, w2s, layouts, perms, weights), counts
 
     def pushed_rows(self, owner: int, perms, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -430,6 +431,75 @@ def test_backward_by_token_peers_that_never_start_or_finish_time_out_naming_rank
                                               r"slice (\d+)") as raised:
         combine.routing_weights_grad_by_token(epoch, perms[0])
     assert int(re.search(r"slice (\d+)", str(raised.value)).group(1)) in rows_of_rank_1
+
+
+def test_backward_by_token_a_late_source_times_out_rather_than_take_a_weight_gradient_never_computed():
+    """Rank 1 comes late to the backward by token: rank 0's GEMM gives up waiting for rank 1's output gradient, so
+    what it would send back for rank 1's rows (each routing weight's gradient, in a word that carries the epoch:
+    its own flag) was never computed. It must not store those words: rank 1, arriving, finishes its GEMM exactly
+    (rank 0's gradient is there) and times out on them, naming rank 0, instead of taking them as this epoch's
+    (once, it returned them, NaN here, without an error). The next epoch is exact on both ranks."""
+    world = World(2, spin_limit=20)
+    gen = torch.Generator().manual_seed(8)
+    case = Case([7, 9])
+    world.step_by_token(case, gen)  # one whole epoch first
+    _, _, counts = world.step_by_token(case, gen, backward=False)
+    assert counts[1, :LOCAL].sum() > 0 and counts[0, LOCAL:].sum() > 0  # rows both ways
+    perms, weights, layouts, hs, w2s, owners = world.forward
+    for c in world.combines:
+        c._token_gradient_buffers(torch.float32)[0].local.fill_(float("nan"))
+    grad_ys = [torch.randn(t, D_MODEL, generator=gen) for t in case.tokens]
+    epochs = [None, None]
+
+    def backward(rank: int):
+        c = world.combines[rank]
+        epochs[rank] = c.start_backward_by_token(grad_ys[rank], perms[rank], layouts[rank])
+        return c.finish_backward_by_token(epochs[rank], layouts[rank], hs[rank], w2s[rank], owners[rank])
+
+    with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 2 waiting for rank 1, slice"):
+        backward(0)  # rank 1 has not pushed its output gradient
+    with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 2 waiting for rank 1, slice"):
+        world.combines[0].routing_weights_grad_by_token(epochs[0], perms[0])
+    grad_h, grad_w2 = backward(1)
+    want_h, want_w2 = fused_combine_backward_reference(grad_ys, perms, weights, hs, w2s, layouts)[1]
+    assert_close(grad_h, want_h, 1e-5)
+    assert_close(grad_w2, want_w2, 1e-5)
+    with pytest.raises(PeerWaitTimeout, match=r"rank 1 timed out at step 2 waiting for rank 0, slice"):
+        world.combines[1].routing_weights_grad_by_token(epochs[1], perms[1])
+    world.step_by_token(case, gen)  # forward and backward, against float64
+
+
+def test_backward_a_peer_late_by_two_calls_times_out_rather_than_take_rows_never_stored():
+    """Rank 1 comes late to backward calls 2 and 3: rank 0's GEMM of call 2 gives up waiting for its rows (and
+    acknowledges the call all the same), so rank 1 finishes call 2 exactly. Rank 0's push of call 3 gives up
+    waiting for rank 1 to release its gradient buffer: it stores nothing and raises no flag there, so rank 1's GEMM
+    of call 3 times out naming rank 0 instead of reading rank 0's rows of call 2 as call 3's (once, it did, without
+    an error). The next epoch is exact on both ranks."""
+    world = World(2, spin_limit=20)
+    gen = torch.Generator().manual_seed(9)
+    case = Case([7, 9])
+    world.step(case, gen)  # one whole epoch first
+    perms, weights, layouts, counts = world.route(case, gen)
+    assert counts[1, :LOCAL].sum() > 0 and counts[0, LOCAL:].sum() > 0  # rows both ways
+    hs = [torch.randn(sum(lay.tokens_per_local_expert), FFN, generator=gen) for lay in layouts]
+    w2s = [torch.randn(LOCAL, FFN, D_MODEL, generator=gen) for _ in layouts]
+    calls = {step: [torch.randn(t, D_MODEL, generator=gen) for t in case.tokens] for step in (2, 3)}
+
+    def backward(rank: int, step: int):
+        c = world.combines[rank]
+        epoch = c.start_backward(calls[step][rank], perms[rank], layouts[rank])
+        return c.finish_backward(epoch, layouts[rank], hs[rank], w2s[rank])
+
+    with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 2 waiting for rank 1, slice"):
+        backward(0, 2)
+    with pytest.raises(PeerWaitTimeout, match=r"rank 0 timed out at step 3 waiting for rank 1 to release"):
+        backward(0, 3)
+    want = fused_combine_backward_reference(calls[2], perms, weights, hs, w2s, layouts)[1]
+    for got, expected in zip(backward(1, 2), want):
+        assert_close(got, expected, 1e-5)
+    with pytest.raises(PeerWaitTimeout, match=r"rank 1 timed out at step 3 waiting for rank 0, slice"):
+        backward(1, 3)
+    world.step(case, gen)  # forward and backward, against float64
 
 
 def test_backward_source_that_never_starts_times_out_naming_rank_and_slice():

@@ -322,23 +322,29 @@ def test_backward_matches_autograd_of_the_bulk_path(name, world, local, tokens, 
         started = [d.start_backward(dh, received, lay, w13, a13 if keep_a13 else None)
                    for d, dh, (received, _, a13), lay, w13 in zip(w.dispatch, dhs, forward, layouts, w.w13)]
         dxs = [d.finish_backward(e, lay, p) for d, (e, _), lay, p in zip(w.dispatch, started, layouts, perms)]
-
-        # The reference, in float64: autograd through the bulk dispatch and the gated GEMM to each source's
-        # permuted rows, whose gradients each token sums over its kept assignments (unpermute, unit weights).
-        rows = [x.double()[t].requires_grad_() for x, t in zip(xs, token_of_rows)]
-        w64 = [w13.double().requires_grad_() for w13 in w.w13]
-        identity = [torch.arange(r.shape[0]) for r in rows]
-        total = sum((gated_gemm_reference(dispatch_reference(rows, identity, counts, d, local),
-                                          layouts[d].tokens_per_local_expert, w64[d]) * dhs[d].double()).sum()
-                    for d in range(world))
-        total.backward()
-        for r in range(world):
-            want_dx = unpermute(rows[r].grad, perms[r], torch.ones(tokens[r], top_k, dtype=torch.float64))
-            for got, want, what in ((dxs[r], want_dx, "dx"), (started[r][1], w64[r].grad, "dw13")):
-                scale = want.abs().max().item() if want.numel() else 0.0
-                torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * scale,
-                                           msg=lambda m: f"rank {r} {what}: {m}")
+        check_backward(w, (xs, token_of_rows, counts, layouts), perms, dhs,
+                       {r: (dxs[r], started[r][1]) for r in range(world)})
     check_scenario(name, counts, world, local, perms)
+
+
+def check_backward(w: World, batch, perms, dhs, got: dict) -> None:
+    """got: rank -> (dx, dw13) of the backward of `batch` (routed_batch's, with its permutations) given each owner's
+    dh, against the reference in float64: autograd through the bulk dispatch and the gated GEMM to each source's
+    permuted rows, whose gradients each token sums over its kept assignments (unpermute, unit weights)."""
+    xs, token_of_rows, counts, layouts = batch
+    rows = [x.double()[t].requires_grad_() for x, t in zip(xs, token_of_rows)]
+    w64 = [w13.double().requires_grad_() for w13 in w.w13]
+    identity = [torch.arange(r.shape[0]) for r in rows]
+    total = sum((gated_gemm_reference(dispatch_reference(rows, identity, counts, d, w.local),
+                                      layouts[d].tokens_per_local_expert, w64[d]) * dhs[d].double()).sum()
+                for d in range(w.world))
+    total.backward()
+    for r, (dx, dw13) in got.items():
+        want_dx = unpermute(rows[r].grad, perms[r], torch.ones(xs[r].shape[0], perms[r].top_k, dtype=torch.float64))
+        for value, want, what in ((dx, want_dx, "dx"), (dw13, w64[r].grad, "dw13")):
+            scale = want.abs().max().item() if want.numel() else 0.0
+            torch.testing.assert_close(value.double(), want, rtol=1e-5, atol=1e-5 * scale,
+                                       msg=lambda m: f"rank {r} {what}: {m}")
 
 
 def test_a_backward_refused_on_every_rank_takes_no_epoch():
@@ -596,6 +602,42 @@ def test_a_late_peer_finishes_its_calls_exactly_and_the_next_call_is_exact(by_to
             call(1, 3)
     for _ in range(2):
         check_step(w, [10, 12], 2, None, gen)
+
+
+def test_backward_a_peer_late_by_two_calls_times_out_rather_than_take_rows_never_stored():
+    """Rank 1 comes late to backward calls 2 and 3: rank 0's sum of call 2 gives up waiting for rank 1's rows (and
+    acknowledges the call all the same), so rank 1 finishes call 2 exactly. Rank 0's GEMM of call 3 gives up
+    waiting for rank 1 to release its gradient buffer: it stores nothing and raises no flag, so rank 1's sum of
+    call 3 times out naming rank 0 instead of reading rank 0's rows of call 2 as call 3's. Then the next backward
+    is exact on both ranks."""
+    w = World(2, 2, block_m=8)
+    gen = torch.Generator().manual_seed(19)
+    perms = []
+    batch = w.routed_batch([10, 12], 2, None, gen, perms=perms)
+    counts, layouts = batch[2], batch[3]
+    assert counts[0, 2:].sum() > 0 and counts[1, :2].sum() > 0  # rows both ways
+    forward = w.step(*batch[:2], layouts)
+    calls = {step: [torch.randn(h.shape, generator=gen) for _, h, _ in forward] for step in range(1, 5)}
+
+    def start(rank: int, step: int):
+        d, (received, _, a13) = w.dispatch[rank], forward[rank]
+        return d.start_backward(calls[step][rank], received, layouts[rank], w.w13[rank], a13)
+
+    def finish(rank: int, started):
+        return w.dispatch[rank].finish_backward(started[0], layouts[rank], perms[rank]), started[1]
+
+    def every_rank(step: int):
+        started = [start(r, step) for r in range(2)]
+        check_backward(w, batch, perms, calls[step], {r: finish(r, s) for r, s in enumerate(started)})
+
+    every_rank(1)
+    for step, waited in ((2, "rank 1, slice"), (3, "rank 1 to release")):  # rank 0 alone
+        with pytest.raises(PeerWaitTimeout, match=rf"rank 0 timed out at step {step} waiting for {waited}"):
+            finish(0, start(0, step))
+    check_backward(w, batch, perms, calls[2], {1: finish(1, start(1, 2))})
+    with pytest.raises(PeerWaitTimeout, match=r"rank 1 timed out at step 3 waiting for rank 0, slice"):
+        finish(1, start(1, 3))
+    every_rank(4)
 
 
 def test_gemm_1_leaves_sms_to_the_push_and_the_backward_gemm_takes_them_all():

@@ -50,6 +50,14 @@ y_R> to its source as one int64 word (epoch << 32 | fp32 bits) at the source's p
 flag. The source reads the words late (`routing_weights_grad_by_token`), waiting (bounded) for this epoch in
 each; an owner rewrites a source's words only in the next epoch's GEMM, which waits for that source's next
 push, which its stream runs after this read.
+
+After a wait gave up (PeerWaitTimeout): every consumer still acknowledges the epoch (its reads are over), a producer
+that gave up waiting for an acknowledgement raises no flag over what it did not store, and an owner stores no word
+for a row whose gradient never came: a peer that was only late finishes the epoch exactly or times out naming the
+rank (never taking an older epoch's rows, or a word never computed, as this one's), and the next epoch is exact.
+(An owner late by the bound could still land its tiles in the single combine buffer while its source reads an
+epoch that holds none of its rows, and so waits for none of its flags; MoELayer's calls cannot: each begins with
+the counts' all-gather, which waits for every rank.)
 """
 
 from __future__ import annotations
@@ -503,10 +511,11 @@ def _gradient_tile(tiles_ptr, num_row_tiles, source_rank_ptr, FFN: tl.constexpr,
 @triton.jit
 def _wait_tile_rows(ready_ptr, slot, rows, row_mask, source, epoch, spin_limit, error_ptr):
     """Bounded wait for each row's flag `slot` (a late one recorded with its source and slot), then a barrier: the
-    flags this program's threads acquired cover the rows any of them reads."""
+    flags this program's threads acquired cover the rows any of them reads. Returns which rows' flags came."""
     seen = _wait_rows(ready_ptr + slot[:, None], row_mask[:, None], epoch, spin_limit, error_ptr)
     _report_late(seen, epoch, rows[:, None], source[:, None], slot[:, None], error_ptr)
     tl.debug_barrier()
+    return tl.min(seen, axis=1) >= epoch
 
 
 # one variant for all steps
@@ -518,7 +527,8 @@ def _push_gradient_kernel(grad_ptr, token_ptr, weight_ptr, dest_rank_ptr, dest_r
     """Program b: rows [b * BLOCK_R, ...) of this rank's permuted rows -> grad_y[token] * weight at their owners."""
     block = (tl.program_id(0) + first_block) % num_blocks
     r = block * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = r < num_rows
+    rows = r < num_rows
+    ok = rows
     token = tl.load(token_ptr + r, mask=ok, other=0)
     weight = tl.load(weight_ptr + r, mask=ok, other=0.0)
     dest = tl.load(dest_rank_ptr + r, mask=ok, other=0)
@@ -532,7 +542,9 @@ def _push_gradient_kernel(grad_ptr, token_ptr, weight_ptr, dest_rank_ptr, dest_r
         m = ok[:, None] & (cols < D_MODEL)[None, :]
         g = tl.load(grad_ptr + token[:, None] * D_MODEL + cols[None, :], mask=m, other=0.0).to(tl.float32)
         tl.store(out[:, None] + at[:, None] * D_MODEL + cols[None, :], (g * weight[:, None]).to(OUT_DTYPE), mask=m)
-    signal_ready(ready_ptrs, rank * slots_per_rank + block, epoch, WORLD)
+    if tl.max((rows & ~ok).to(tl.int32), axis=0) == 0:  # no flag over rows not stored (an owner that never
+        # released its buffer would read them of the epoch before as this one's)
+        signal_ready(ready_ptrs, rank * slots_per_rank + block, epoch, WORLD)
 
 
 @triton.jit(do_not_specialize=["num_row_tiles", "slots_per_rank", "epoch", "spin_limit"])  # one variant for all steps
@@ -611,8 +623,8 @@ def _gradient_gemm_by_token_kernel(tokens_ptr, w2_desc, y_ptr, weight_of_row_ptr
     n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     token = tl.load(token_of_row_ptr + rows, mask=row_mask, other=0)
     weight = tl.load(weight_of_row_ptr + rows, mask=row_mask, other=0.0)
-    _wait_tile_rows(ready_ptr, source * token_blocks + token // BLOCK_T, rows, row_mask, source, epoch, spin_limit,
-                    error_ptr)
+    arrived = _wait_tile_rows(ready_ptr, source * token_blocks + token // BLOCK_T, rows, row_mask, source, epoch,
+                              spin_limit, error_ptr)
     g_rows = tokens_ptr + (source.to(tl.int64) * MAX_TOKENS + token.to(tl.int64)) * D_MODEL
     ks = tl.arange(0, BLOCK_K)
     if col == 0:  # in a loop of its own, before the GEMM's (a branch inside that loop would keep it from pipelining)
@@ -627,7 +639,9 @@ def _gradient_gemm_by_token_kernel(tokens_ptr, w2_desc, y_ptr, weight_of_row_ptr
         words = tl.load(weight_grad_ptrs + source, mask=row_mask, other=0).to(tl.pointer_type(tl.int64))
         bits = dots.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
         word = (epoch.to(tl.int64) << 32) | bits
-        tl.store(words + tl.load(source_row_ptr + rows, mask=row_mask, other=0), word, mask=row_mask)
+        # None for a row whose gradient never came (the wait gave up): the source, late, would take its epoch's
+        # word for the row's gradient; it times out naming this rank instead.
+        tl.store(words + tl.load(source_row_ptr + rows, mask=row_mask, other=0), word, mask=row_mask & arrived)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, D_MODEL, BLOCK_K):
         a = tl.load(g_rows[:, None] + (k0 + ks)[None, :], mask=row_mask[:, None] & (k0 + ks < D_MODEL)[None, :],
