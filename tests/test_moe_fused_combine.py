@@ -403,13 +403,18 @@ def test_source_that_never_acknowledges_blocks_its_owners_with_an_error(by_token
         step(Case([6, 5]), gen)
 
 
+def after_one_epoch(by_token: bool, seed: int) -> tuple[World, Case, torch.Generator]:
+    """Two ranks (waits of 20 polls) after one whole epoch, forward and backward, by token or by row; the case of
+    their next calls and the generator."""
+    world, case, gen = World(2, spin_limit=20), Case([7, 9]), torch.Generator().manual_seed(seed)
+    (world.step_by_token if by_token else world.step)(case, gen)
+    return world, case, gen
+
+
 def test_backward_by_token_peers_that_never_start_or_finish_time_out_naming_rank_and_slice():
     """Rank 1 never pushes its output gradient: rank 0's GEMM names rank 1 and a flag slot. Rank 1's GEMM never
     runs either: rank 0's routing weights' gradient names rank 1 and the row whose word never came."""
-    world = World(2, spin_limit=20)
-    gen = torch.Generator().manual_seed(8)
-    case = Case([7, 9])
-    world.step_by_token(case, gen)  # one whole epoch first
+    world, case, gen = after_one_epoch(by_token=True, seed=8)
     perms, _, layouts, counts = world.route(case, gen)
     assert counts[1, :LOCAL].sum() > 0 and counts[0, LOCAL:].sum() > 0  # rows both ways
     tables = world.tables(counts, perms, layouts[0].max_recv_rows)
@@ -439,10 +444,7 @@ def test_backward_by_token_a_late_source_times_out_rather_than_take_a_weight_gra
     its own flag) was never computed. It must not store those words: rank 1, arriving, finishes its GEMM exactly
     (rank 0's gradient is there) and times out on them, naming rank 0, instead of taking them as this epoch's
     (once, it returned them, NaN here, without an error). The next epoch is exact on both ranks."""
-    world = World(2, spin_limit=20)
-    gen = torch.Generator().manual_seed(8)
-    case = Case([7, 9])
-    world.step_by_token(case, gen)  # one whole epoch first
+    world, case, gen = after_one_epoch(by_token=True, seed=8)
     _, _, counts = world.step_by_token(case, gen, backward=False)
     assert counts[1, :LOCAL].sum() > 0 and counts[0, LOCAL:].sum() > 0  # rows both ways
     perms, weights, layouts, hs, w2s, owners = world.forward
@@ -475,10 +477,7 @@ def test_backward_a_peer_late_by_two_calls_times_out_rather_than_take_rows_never
     waiting for rank 1 to release its gradient buffer: it stores nothing and raises no flag there, so rank 1's GEMM
     of call 3 times out naming rank 0 instead of reading rank 0's rows of call 2 as call 3's (once, it did, without
     an error). The next epoch is exact on both ranks."""
-    world = World(2, spin_limit=20)
-    gen = torch.Generator().manual_seed(9)
-    case = Case([7, 9])
-    world.step(case, gen)  # one whole epoch first
+    world, case, gen = after_one_epoch(by_token=False, seed=9)
     perms, weights, layouts, counts = world.route(case, gen)
     assert counts[1, :LOCAL].sum() > 0 and counts[0, LOCAL:].sum() > 0  # rows both ways
     hs = [torch.randn(sum(lay.tokens_per_local_expert), FFN, generator=gen) for lay in layouts]
