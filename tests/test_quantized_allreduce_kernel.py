@@ -178,6 +178,38 @@ def test_timeout_in_the_gather_names_rank_peer_and_slice():
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the timed-out call decodes never-written slots
+def test_a_late_peer_reduces_its_call_before_the_next_call_overwrites_its_tiles():
+    """Rank 1 comes late to call 2's reduce: rank 0's gather gives up waiting for it and rank 0 goes on to call 3,
+    whose scatter would overwrite the tiles of call 2 in rank 1's recv before rank 1 read them. Here the epoch in
+    rank 0's signature gave it away (rank 1 raised a call mismatch); had rank 1 read that signature before the
+    tiles of call 3 landed (a window of microseconds on GPUs), it would have reduced call 3's tiles as call 2's,
+    silently. Now the scatter into a peer waits (bounded) until the last of its programs is through with the
+    reduce of the call before: rank 1's call 2 is exact; rank 0's call 3, which gave up on that wait, stored
+    nothing there and raised no flag, so rank 1's call 3 times out naming rank 0. Then calls are exact."""
+    world = world_of(2, max_programs=2)
+    calls = [inputs(2, 3000, "normal", seed=seed) for seed in range(1, 6)]
+    for y in all_reduce(world, calls[0], "q8"):
+        assert torch.equal(y, quantized_all_reduce_reference(calls[0], "q8"))
+    second = [ar.start(x, "q8") for ar, x in zip(world, calls[1])]
+    world[1].run(second[1], 0, 0)  # rank 1 scatters call 2, then stalls
+    world[0].run(second[0])
+    with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 2 waiting for rank 1, slice 2"):
+        world[0].finish(second[0])
+    third = world[0].start(calls[2][0], "q8")
+    world[0].run(third)
+    with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 3 waiting for rank 1 to release its buffer"):
+        world[0].finish(third)
+    world[1].run(second[1], 1, 2)
+    assert torch.equal(world[1].finish(second[1]), quantized_all_reduce_reference(calls[1], "q8"))
+    third = world[1].start(calls[2][1], "q8")
+    world[1].run(third)
+    with pytest.raises(PeerWaitTimeout, match="rank 1 timed out at step 3 waiting for rank 0, slice 0"):
+        world[1].finish(third)
+    for xs in calls[3:]:
+        assert all(torch.equal(y, quantized_all_reduce_reference(xs, "q8")) for y in all_reduce(world, xs, "q8"))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the timed-out call decodes never-written slots
 @pytest.mark.parametrize("meanwhile", ["nothing", "a refused call"])
 def test_a_late_peer_times_out_rather_than_gather_stale_tiles(meanwhile):
     """Rank 1 comes late to call 2: rank 0's wait for its scatter gives up (no tile of rank 0 reduced). Rank 1,
@@ -213,8 +245,9 @@ from fused_dlrm.kernels import quant_codecs, quantized_allreduce
 from fused_dlrm.kernels.quant_codecs import CODECS, kernel_constants
 
 # numel not divisible: x, out not vectors
-types = {"x_ptr": "*bf16", "out_ptr": "*bf16", "error_ptr": "*i32", "step_ptr": "*i32"}
-types.update({n: "*i64" for n in ("recv_ptrs", "gather_ptrs", "ready_ptrs", "done_ptrs", "signature_ptrs")})
+types = {"x_ptr": "*bf16", "out_ptr": "*bf16", "error_ptr": "*i32", "step_ptr": "*i32", "reduced_ptr": "*i32"}
+types.update({n: "*i64" for n in ("recv_ptrs", "gather_ptrs", "ready_ptrs", "done_ptrs", "signature_ptrs",
+                                  "released_ptrs")})
 world, rows = 2, 128
 for name, c in CODECS.items():
     ptx = build(quantized_allreduce._quantized_all_reduce_kernel, types,
@@ -234,7 +267,7 @@ for name, c in CODECS.items():
               dict(DECODE=decode, ROWS=quant_codecs.BLOCKS_PER_PROGRAM, **kernel_constants(c)))
 # a refused call's program (132 SMs of 12 programs: flags for 1584)
 types = {"signature_ptr": "*i64", "step_ptr": "*i32", "error_ptr": "*i32"}
-types.update({n: "*i64" for n in ("ready_ptrs", "done_ptrs", "signature_ptrs")})
+types.update({n: "*i64" for n in ("ready_ptrs", "done_ptrs", "signature_ptrs", "released_ptrs")})
 build(quantized_allreduce._refused_call_kernel, types, dict(WORLD=world, SLOTS=2048))
 """
 

@@ -31,7 +31,14 @@ ordered on its stream, so its launch e + 1 starts after all its programs of laun
   programs p waited for done[r, p] >= e of every peer r, raised by r's program p after it had read its recv
   tiles of call e (s's own recv was read by that launch e itself). So all of recv of call e has been read,
   whatever the tiling and layout (size, codec) of call e + 1: the flags of phase 3 are the acknowledgement that
-  guards phase 1's slots. The same holds for `signatures` (stored in phase 1, read in phase 2).
+  guards phase 1's slots. The same holds for `signatures` (stored in phase 1, read in phase 2). Unless a wait of
+  s's phase 3 gave up: r, late, may still be about to read them. So phase 1 also waits (bounded) for released[r]
+  >= e, which the last of r's programs through phase 2 (tiles read, or waits given up) raises in every rank (a
+  counter of the launch's programs, one acq_rel atomic each: about 0.8 us of GPU time per call on one H200, as
+  measured for the step slots below; not yet timed here); its timeout stores nothing into r and raises no flag
+  there.
+  Without it s's next call overwrote the tiles r was late to reduce: r raised a call mismatch (s's signature of
+  call e + 1), or, reading that signature just before it landed, reduced call e + 1's tiles as call e's, silently.
 - gather: program p of rank r stores into a peer s's gather[r] (tiles of p) at call e + 1 only after it waited
   for ready[s, p] >= e + 1, raised by s during launch e + 1, after s's launch e (the reader of gather at call
   e) finished; into its own gather after its own launch e. So the flags of phase 2 guard phase 3's slots.
@@ -51,7 +58,8 @@ records (1, peer, slice) in the error word (slice p < max_programs: peer's scatt
 + p: peer's reduced tile set p) and later waits stop spinning until the host has read it; `PeerErrors` raises it
 naming rank, peer, slice and step. A program whose wait in phase 2 gave up stores nothing and raises no done flag:
 a late peer that then reaches phase 3 would otherwise read its gather's tiles of an older call as this one's; it
-times out instead (naming this rank, slice max_programs + p). Once every rank is past the call, the next is exact.
+times out instead (naming this rank, slice max_programs + p). A late peer's reduce still finds its tiles (recv,
+above). Once every rank is past the call, the next is exact.
 
 Ranks whose calls differ (size, codec, dtype, mean: a caller's bug) would read each other's slots in another
 layout and return wrong sums without an error, so every call has a signature (`_call_signature`: those, the tile
@@ -105,9 +113,10 @@ from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace, next_epoch_after
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, GraphReplays, aligned, resident_programs_per_sm
 from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, RefusedCall,
-                                           check_spin_limit, describe_foreign, describe_refused_calls,
-                                           describe_signatures, foreign_operand, publish_refusal, recorded_at,
-                                           same_unrefused_calls, signal_every_program, signature_of, store_signature,
+                                           check_spin_limit, consumer_released, describe_foreign,
+                                           describe_refused_calls, describe_signatures, foreign_operand,
+                                           publish_refusal, recorded_at, same_unrefused_calls, signal_every_program,
+                                           signal_ready, signature_of, store_signature,
                                            wait_or_record)
 from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, NO_FMA, block_values, decode_reference,
                                              encode_blocks, encode_reference, error_bound, kernel_constants,
@@ -321,27 +330,34 @@ def _call_signature(epoch, numel, dtype_code, codec_code, MEAN: tl.constexpr, nu
 
 
 @triton.jit(do_not_specialize=["rank", "spin_limit", "first_phase", "last_phase"])
-def _refused_call_kernel(signature_ptr, ready_ptrs, done_ptrs, signature_ptrs, step_ptr, error_ptr, rank,
-                         max_programs, spin_limit, first_phase, last_phase, WORLD: tl.constexpr, SLOTS: tl.constexpr):
+def _refused_call_kernel(signature_ptr, ready_ptrs, done_ptrs, signature_ptrs, released_ptrs, step_ptr, error_ptr,
+                         rank, max_programs, spin_limit, first_phase, last_phase, WORLD: tl.constexpr,
+                         SLOTS: tl.constexpr):
     """One program: a call this rank refused, in the phases of a call, so that its peers' calls end and the ranks'
     epochs stay in step. 1: its signature (signature_ptr: a RefusedCall's) into every peer, then its ready flags
     there, for every program (`publish_refusal`); 2: its done flags likewise, in each peer once its program 0's
     ready flag of this call is seen (raised after its launch of the call before ended: a peer late in an older call,
     after this rank's wait for it gave up, would take them for that call's and gather tiles never stored); 3: wait
     until every peer's program 0 has raised its done flag: it has read the signature (and recorded the refusal)
-    that a next call of this rank would overwrite; then the step slots move on."""
+    that a next call of this rank would overwrite; then the step slots move on. Its signature goes into a peer once
+    that peer is through with the reduce of the call before (`released`, as a call's scatter), and it releases its
+    own recv in phase 2 (it reads none of it)."""
     epoch = tl.load(step_ptr, volatile=True) + 1  # every slot holds the epoch of the last call
     ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
     done = tl.load(done_ptrs + rank).to(tl.pointer_type(tl.int32))
+    released = tl.load(released_ptrs + rank).to(tl.pointer_type(tl.int32))
     for k in tl.static_range(1, WORLD):
         peer = (rank + k) % WORLD
         if first_phase <= 0:
-            publish_refusal(signature_ptr, epoch, signature_ptrs, 0, ready_ptrs, peer, rank, max_programs, SLOTS)
+            if consumer_released(released, peer, epoch, spin_limit, error_ptr):
+                publish_refusal(signature_ptr, epoch, signature_ptrs, 0, ready_ptrs, peer, rank, max_programs, SLOTS)
         if (first_phase <= 1) & (last_phase >= 1):
             if wait_or_record(ready + peer * max_programs, epoch, spin_limit, error_ptr, peer, 0):
                 signal_every_program(done_ptrs, peer, rank, max_programs, epoch, SLOTS)
         if last_phase >= 2:
             wait_or_record(done + peer * max_programs, epoch, spin_limit, error_ptr, peer, max_programs)
+    if (first_phase <= 1) & (last_phase >= 1):
+        signal_ready(released_ptrs, rank, epoch, WORLD)
     if last_phase >= 2:
         p = tl.arange(0, SLOTS)
         tl.store(step_ptr + p, tl.zeros([SLOTS], tl.int32) + epoch, mask=p < max_programs)
@@ -366,9 +382,9 @@ def _round_to(x, dtype: tl.constexpr):
 @triton.jit(do_not_specialize=["chunk_blocks", "rank", "num_programs", "spin_limit", "first_phase", "last_phase"])
 def _quantized_all_reduce_kernel(
     x_ptr, out_ptr, numel, chunk_blocks, recv_ptrs, gather_ptrs, ready_ptrs, done_ptrs, error_ptr, step_ptr,
-    signature_ptrs, dtype_code, codec_code, rank, num_programs, max_programs, spin_limit, first_phase, last_phase,
-    WORLD: tl.constexpr, MEAN: tl.constexpr, KIND: tl.constexpr, QMAX: tl.constexpr, OFFSET: tl.constexpr,
-    WORDS: tl.constexpr, LOW: tl.constexpr, ROWS: tl.constexpr,
+    signature_ptrs, released_ptrs, reduced_ptr, dtype_code, codec_code, rank, num_programs, max_programs, spin_limit,
+    first_phase, last_phase, WORLD: tl.constexpr, MEAN: tl.constexpr, KIND: tl.constexpr, QMAX: tl.constexpr,
+    OFFSET: tl.constexpr, WORDS: tl.constexpr, LOW: tl.constexpr, ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     epoch = tl.load(step_ptr + pid, volatile=True) + 1  # this call's epoch (module docstring: the step slots)
@@ -380,10 +396,14 @@ def _quantized_all_reduce_kernel(
     signature = _call_signature(epoch, numel, dtype_code, codec_code, MEAN, num_programs, max_programs, ROWS)
     valid = epoch > 0  # (true) the peers' calls are mine and their tiles arrived, unless phase 2 finds otherwise
     if first_phase <= 0:  # 1. scatter
+        released_here = tl.load(released_ptrs + rank).to(tl.pointer_type(tl.int32))
         for k in tl.static_range(WORLD):
             dest = (rank + 1 + k) % WORLD
+            released = epoch > 0  # (true) my own recv: my launch before read it (stream order)
+            if k < WORLD - 1:  # a peer: through with my tiles of the call before? (module docstring: recv)
+                released = consumer_released(released_here, dest, epoch, spin_limit, error_ptr)
             payload, scales = _encoded(recv_ptrs, dest, slots, WORDS)
-            t = pid
+            t = tl.where(released, pid, tiles)
             while t < tiles:  # `while`: the interpreter cannot range() from a program id
                 rows = t * ROWS + i
                 row_mask = rows < chunk_blocks
@@ -393,8 +413,9 @@ def _quantized_all_reduce_kernel(
                 store_blocks(payload, scales, mine + rows, row_mask, codes, scale, KIND, WORDS, LOW)
                 t += num_programs
             if k < WORLD - 1:  # a peer (my own tiles are read by this program: phase 2 needs only a barrier)
-                store_signature(signature_ptrs, dest, 0, rank, signature)  # released with the tiles by the flag
-                _signal(ready_ptrs, dest, rank * max_programs + pid, epoch)
+                if released:  # (no flag over tiles not stored)
+                    store_signature(signature_ptrs, dest, 0, rank, signature)  # released with the tiles by the flag
+                    _signal(ready_ptrs, dest, rank * max_programs + pid, epoch)
     if (first_phase <= 1) & (last_phase >= 1):  # 2. reduce my chunk
         ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
         for k in tl.static_range(1, WORLD):
@@ -427,6 +448,12 @@ def _quantized_all_reduce_kernel(
         if arrived:
             for k in tl.static_range(WORLD - 1):  # the peers
                 _signal(done_ptrs, (rank + 1 + k) % WORLD, rank * max_programs + pid, epoch)
+        # The last program through (its tiles read, or its waits given up) tells every peer that my recv of this
+        # call is theirs again (their next call's scatter waits for it).
+        tl.debug_barrier()  # every thread's reads of this program
+        if tl.atomic_add(reduced_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.atomic_xchg(reduced_ptr, 0)  # for the next call
+            signal_ready(released_ptrs, rank, epoch, WORLD)
     if last_phase >= 2:  # 3. gather every reduced chunk into the output
         # A failed call leaves the output as it was (x, reduced in place, keeps its values): phase 2's verdict, or,
         # launched apart from it, an error the error word holds for this call.
@@ -508,6 +535,10 @@ class FusedQuantizedAllReduce:
         self.done = workspace.buffer("qar_done", flags, torch.int32)
         # every source's signature of its latest call, beside the flags (the kernel's `same_unrefused_calls`)
         self.signatures = workspace.buffer("qar_signatures", self.world * SIGNATURE_WORDS.value, torch.int64)
+        # released[r]: the last call whose reduce rank r is through with (module docstring: recv), and the count
+        # of this rank's programs through it in the current launch (the last one raises released in every rank)
+        self.released = workspace.buffer("qar_reduce_ack", self.world, torch.int32)
+        self.reduced = torch.zeros(1, dtype=torch.int32, device=workspace.device)
         self.step = torch.zeros(max_programs, dtype=torch.int32, device=workspace.device)  # the kernel's epochs
         self.calls = 0  # the epochs' count on the host (`_count_call`)
         self._plans: dict[tuple, Plan] = {}
@@ -563,6 +594,7 @@ class FusedQuantizedAllReduce:
         fixed = dict(numel=numel, chunk_blocks=cb, recv_ptrs=recv.peer_ptrs, gather_ptrs=gather.peer_ptrs,
                      ready_ptrs=self.ready.peer_ptrs, done_ptrs=self.done.peer_ptrs, error_ptr=self.errors.word,
                      step_ptr=self.step, signature_ptrs=self.signatures.peer_ptrs,
+                     released_ptrs=self.released.peer_ptrs, reduced_ptr=self.reduced,
                      rank=self.rank, num_programs=self.max_programs, max_programs=self.max_programs,
                      spin_limit=self.spin_limit, WORLD=self.world, MEAN=mean, ROWS=self.tile_blocks,
                      **kernel_constants(CODECS[codec]))
@@ -596,8 +628,8 @@ class FusedQuantizedAllReduce:
 
     def _launch_refused(self, signature: torch.Tensor, first_phase: int, last_phase: int) -> None:
         _refused_call_kernel[(1,)](signature, self.ready.peer_ptrs, self.done.peer_ptrs, self.signatures.peer_ptrs,
-                                   self.step, self.errors.word, self.rank, self.max_programs, self.spin_limit,
-                                   first_phase, last_phase, WORLD=self.world,
+                                   self.released.peer_ptrs, self.step, self.errors.word, self.rank, self.max_programs,
+                                   self.spin_limit, first_phase, last_phase, WORLD=self.world,
                                    SLOTS=triton.next_power_of_2(self.max_programs))
 
     def finish(self, call: FusedCall) -> torch.Tensor:
