@@ -284,7 +284,8 @@ class MoETransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """tokens [B, S] int64 (the same on every rank of a TP group) -> (logits, aux): logits [B, S, vocab], or
-        under sequence parallelism [this rank's rows, vocab] (`local_tokens`' rows).
+        under sequence parallelism [this rank's rows, vocab] (`local_tokens`' rows); fp32, or float64 for a float64
+        model.
 
         aux: load_balancing_loss and z_loss summed over the MoE layers (this rank's tokens, unscaled), and
         tokens_per_expert: one [num_experts] tensor per MoE layer (this rank's kept assignments).
@@ -294,7 +295,8 @@ class MoETransformer(nn.Module):
             logits, aux = self._forward(tokens)
         if not self.sequence_parallel:
             logits = logits.view(*tokens.shape, logits.shape[-1])  # not -1: a batch of no samples has no size to infer
-        return logits.float(), aux
+        # fp32 at least: mixed precision's bf16 logits come out fp32, a float64 model's (the tests' references) stay
+        return logits.to(torch.promote_types(logits.dtype, torch.float32)), aux
 
     def _forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
         batch_shape = tuple(tokens.shape)

@@ -566,6 +566,22 @@ def test_a_token_outside_the_vocabulary_is_a_clear_error():
         MoETransformer(num_layers=1, moe_every=2)
 
 
+def test_a_float64_model_computes_its_logits_and_loss_in_float64():
+    """The tests' one-process references are float64 models: their logits (hence the cross-entropy and every
+    gradient) stay float64. Cast to fp32 (what mixed precision wants), they were ~1e-8 off the model's own
+    float64 head, so a comparison with a reference only held to fp32's rounding of identical values. Under
+    mixed precision the logits still come out fp32."""
+    model = MoETransformer(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=4, seed=3).double()
+    normed = []
+    model.norm.register_forward_hook(lambda module, args, out: normed.append(out))
+    logits, _ = model(torch.randint(0, 256, (3, 7), generator=torch.Generator().manual_seed(4)))
+    assert logits.dtype == torch.float64
+    torch.testing.assert_close(logits.reshape(21, 256), normed[0] @ model.embedding.weight.t(), rtol=0, atol=1e-15)
+    bf16 = MoETransformer(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=4, seed=3,
+                          compute_dtype=torch.bfloat16)
+    assert bf16(torch.randint(0, 256, (2, 5)))[0].dtype == torch.float32
+
+
 def test_torchrun_two_processes(tmp_path):
     """train.py dispatches on model.name; both ranks train under torchrun (gloo), one run directory."""
     run_torchrun([*SMALL, "trainer.max_steps=10", "trainer.log_every=5", "trainer.checkpoint_every=10",
