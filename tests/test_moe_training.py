@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv
+from fused_dlrm.tp.linear import RowParallelLinear
 from fused_dlrm.train.checkpoint import NonFiniteLossError
 from fused_dlrm.train.rundir import register_resolvers
 from moe.data import ByteWindows, load_corpus, stdlib_corpus
@@ -360,38 +361,75 @@ def test_three_ranks_step_gradients_are_the_objectives():
     run_world(3, _step_gradients_match_the_objective, timeout=600)
 
 
-def _tensor_parallel_clip_counts_each_value_once(rank: int, world: int) -> None:
-    """tp_size 2 x 2 data-parallel ranks, with and without sequence parallelism: the norm a step clips by is the
-    float64 norm of one process's gradient of the same weights (TP shards distinct over a TP group, experts over
-    the ranks holding different tokens, everything else held by all), and every gradient is scaled by
-    clip / (norm + 1e-6)."""
+def _shard_of(reference: MoETransformer, name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The gradient of the reference (one process, tp_size 1, every expert) for what `name` holds on TP rank
+    tp_rank: its range of experts, its shard of a TP projection (a column-parallel one's parts, q / k / v or
+    w1 / w3, each cut), the rest whole."""
+    experts = re.fullmatch(r"(.+)\.experts_(\d+)_to_(\d+)\.(w13|w2)", name)
+    if experts:  # the layer's experts, all of them in the reference
+        layer, first, last, weight = experts.groups()
+        return getattr(reference.get_submodule(layer).experts, weight).grad[int(first):int(last) + 1]
+    if "shard_" not in name:
+        return reference.get_parameter(name).grad
+    module = name.rsplit(".", 1)[0]
+    full = reference.get_parameter(f"{module}.shard_0_of_1").grad
+    if isinstance(reference.get_submodule(module), RowParallelLinear):
+        return full.chunk(tp_size, dim=1)[tp_rank]
+    parts = 3 if module.endswith("qkv") else 2 if module.endswith("w13") else 1
+    return torch.cat([part.chunk(tp_size)[tp_rank] for part in full.chunk(parts)])
+
+
+def _tensor_parallel_step_gradients_and_clip(rank: int, world: int) -> None:
+    """tp_size 2 x 2 data-parallel ranks of uneven slices (4 and 2 samples), auxiliary losses on, an MoE layer in
+    every other of 3 layers with a shared expert; without sequence parallelism with a capacity that drops
+    (policy "position"), with it dropless (there a capacity caps each rank's part of the slice, not the slice).
+    Every gradient train_step leaves is the float64 gradient of one process's objective: the global-batch mean
+    cross-entropy plus each data-parallel slice's auxiliary losses, averaged over the slices (under sequence
+    parallelism the load balancing counts the TP group's choices, the slice's) - of a TP projection its shard,
+    of the experts this rank's; the norm it clips by counts each value once (TP shards distinct over a TP group,
+    experts over the ranks holding different tokens, everything else held by all), and every gradient is scaled
+    by clip / (norm + 1e-6)."""
+    aux_coeff, z_coeff = 0.3, 0.05
     tokens = torch.randint(0, 256, (6, 9), generator=torch.Generator().manual_seed(11))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    mine = slice(3 * (rank // 2), 3 * (rank // 2) + 3)  # a TP group's slice of the batch
-    kwargs = dict(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=8, shared_expert=True, seed=5)
+    slices = [slice(0, 4), slice(4, 6)]  # each data-parallel rank's: a TP group's
     alone = [dist.new_group([r]) for r in range(world)][rank]  # the reference's: every expert, no exchange
-    reference = MoETransformer(group=alone, **kwargs).double()
-    logits, _ = reference(inputs)
-    torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1)).backward()
-    reference_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
     tp_group, dp_group = moe_train.tp_groups(2)
-    for sequence_parallel in (False, True):
+    for sequence_parallel, capacity_factor in ((False, 1.0), (True, None)):
+        kwargs = dict(d_model=16, num_layers=3, num_heads=2, ffn=24, num_experts=8, moe_every=2,
+                      shared_expert=True, capacity_factor=capacity_factor, drop_policy="position", seed=5)
+        reference = MoETransformer(group=alone, **kwargs).double()
+        objective = 0
+        for theirs in slices:
+            logits, aux = reference(inputs[theirs])
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets[theirs].reshape(-1),
+                                                   reduction="sum") / targets.numel()
+            objective = objective + ce + (aux_coeff * aux["load_balancing_loss"] + z_coeff * aux["z_loss"]) / 2
+        objective.backward()
+        reference_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
         model = MoETransformer(group=dp_group, tp_group=tp_group, sequence_parallel=sequence_parallel,
                                **kwargs).double()
         optimizer = _NoStep(model.parameters())
-        _, _, _, norm = moe_train.train_step(model, optimizer, inputs[mine], targets[mine], 0.0, 0.0,
-                                             clip_grad=1e9)  # measured, not clipped
+        mine = slices[rank // 2]
+        _, _, kept, norm = moe_train.train_step(model, optimizer, inputs[mine], targets[mine], aux_coeff, z_coeff,
+                                                clip_grad=1e9)  # measured, not clipped
+        dropped = torch.tensor(2 * model.local_tokens(inputs[mine]).shape[0] - int(kept[0].sum()))  # top 2
+        dist.all_reduce(dropped)
+        assert (dropped > 0) == (capacity_factor is not None), dropped
         torch.testing.assert_close(norm, reference_norm, rtol=1e-12, atol=0)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, _shard_of(reference, name, rank % 2, 2), rtol=1e-10, atol=1e-15,
+                                       msg=lambda m: f"sequence_parallel={sequence_parallel} {name}: {m}")
         unclipped = [p.grad.clone() for p in model.parameters()]
-        _, _, _, norm = moe_train.train_step(model, optimizer, inputs[mine], targets[mine], 0.0, 0.0,
+        _, _, _, norm = moe_train.train_step(model, optimizer, inputs[mine], targets[mine], aux_coeff, z_coeff,
                                              clip_grad=reference_norm.item() / 3)
         torch.testing.assert_close(norm, reference_norm, rtol=1e-12, atol=0)
         for p, grad in zip(model.parameters(), unclipped):
             torch.testing.assert_close(p.grad, grad * (reference_norm / 3 / (norm + 1e-6)), rtol=1e-12, atol=0)
 
 
-def test_four_ranks_tensor_parallel_clip_by_the_whole_models_norm():
-    run_world(4, _tensor_parallel_clip_counts_each_value_once, timeout=600)
+def test_four_ranks_tensor_parallel_step_gradients_and_clip_by_the_whole_models_norm():
+    run_world(4, _tensor_parallel_step_gradients_and_clip, timeout=600)
 
 
 def test_a_nonfinite_gradient_norm_stops_the_run(tmp_path, monkeypatch):
