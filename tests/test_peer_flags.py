@@ -19,35 +19,36 @@ from fused_dlrm.kernels.peer_flags import (SIGNATURE_WORDS, CopySchedule, PeerCa
 
 
 @triton.jit
-def _record_kernel(error_ptr, code, epoch):
-    """Every program records a timeout naming itself: peer = program, slot = 10 x program."""
+def _record_kernel(error_ptr, code, epoch, first_slot):
+    """Every program records a timeout naming itself: peer = program, slot = first_slot + 10 x program."""
     pid = tl.program_id(0)
-    record_timeout(error_ptr, code, pid, 10 * pid, epoch)
+    record_timeout(error_ptr, code, pid, first_slot + 10 * pid, epoch)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
 def test_the_first_timeout_is_kept_until_the_host_reads_it():
     errors = PeerErrors(torch.device("cpu"), rank=3, what="op")
-    _record_kernel[(3,)](errors.word, 1, 5)  # the interpreter runs program 0 first: it claims the word
-    _record_kernel[(3,)](errors.word, 2, 6)  # a later launch's timeouts are consequences: not recorded
+    _record_kernel[(3,)](errors.word, 1, 5, 0)  # the interpreter runs program 0 first: it claims the word
+    _record_kernel[(3,)](errors.word, 2, 6, 0)  # a later launch's timeouts are consequences: not recorded
     assert errors.word.tolist()[:5] == [1, 0, 0, 5, 1]
     with pytest.raises(PeerWaitTimeout, match=r"^op: rank 3 timed out at step 5 waiting for rank 0, slice 0 "):
         errors.after_wait()  # the step comes from the word: the failing launch's, not the latest call's
     assert not errors.word.any()
     errors.after_wait()  # read and cleared: nothing left to raise
-    _record_kernel[(2,)](errors.word, 2, 8)
+    _record_kernel[(2,)](errors.word, 2, 8, 7)  # code 2's slot: the step never finished
     with pytest.raises(PeerWaitTimeout, match=r"^op: rank 3 timed out at step 8 waiting for rank 0 to release its "
                                               r"buffer \(rank 0 never finished step 7\)"):
         errors.after_wait()
 
 
 @triton.jit
-def _mismatch_kernel(error_ptr, epoch):
-    """Program 0 records a mismatch with peer 2 (signatures [epoch, 10, 11, ...] and [epoch, 20, 21, ...]), then
-    every program a timeout, which comes too late."""
+def _mismatch_kernel(error_ptr, epoch, their_epoch, their_base):
+    """Program 0 records a mismatch with peer 2 (signatures [epoch, 10, 11, ...] and [their_epoch, their_base + 1,
+    their_base + 2, ...]), then every program a timeout, which comes too late."""
     w = tl.arange(0, SIGNATURE_WORDS)
     if tl.program_id(0) == 0:
-        record_mismatch(error_ptr, 2, 7, epoch, tl.where(w == 0, epoch, 9 + w), tl.where(w == 0, epoch, 19 + w))
+        record_mismatch(error_ptr, 2, 7, epoch, tl.where(w == 0, epoch, 9 + w),
+                        tl.where(w == 0, their_epoch, their_base + w))
     record_timeout(error_ptr, 1, tl.program_id(0), 0, epoch)
 
 
@@ -55,13 +56,27 @@ def _mismatch_kernel(error_ptr, epoch):
 def test_a_mismatch_keeps_both_signatures_for_the_message():
     errors = PeerErrors(torch.device("cpu"), rank=1, what="op",
                         describe_calls=lambda mine, theirs: (f"calls {mine[1:3]}", f"calls {theirs[1:3]}"))
-    _mismatch_kernel[(2,)](errors.word, 4)
+    _mismatch_kernel[(2,)](errors.word, 4, 4, 19)
     with pytest.raises(PeerCallMismatch, match=r"^op: rank 1 at step 4: peer 2 called it with calls \[20, 21\]; "
                                                r"this rank with calls \[10, 11\] \("):
         errors.after_wait()
     assert not errors.word.any()
-    _record_kernel[(1,)](errors.word, 1, 5)  # the word serves timeouts again
+    _record_kernel[(1,)](errors.word, 1, 5, 0)  # the word serves timeouts again
     with pytest.raises(PeerWaitTimeout, match="at step 5 waiting for rank 0"):
+        errors.after_wait()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
+@pytest.mark.parametrize("their_step,which", [(6, "a later"), (2, "an earlier")])
+def test_a_call_unlike_this_ranks_only_in_the_step_is_named_a_later_or_earlier_one(their_step, which):
+    """A peer that moved on after a timeout (or one this rank's call overtook): no caller's bug, and the message says
+    so rather than ask for the same calls in the same order."""
+    errors = PeerErrors(torch.device("cpu"), rank=1, what="op",
+                        describe_calls=lambda mine, theirs: (f"calls {mine[1:3]}", f"calls {theirs[1:3]}"))
+    _mismatch_kernel[(1,)](errors.word, 4, their_step, 9)
+    with pytest.raises(PeerCallMismatch, match=rf"^op: rank 1 at step 4: peer 2 called it with calls \[10, 11\]; "
+                                               rf"this rank with calls \[10, 11\] \(peer 2's call is {which} one: a "
+                                               r"rank moved on after a wait for its peer timed out\)$"):
         errors.after_wait()
 
 
@@ -79,7 +94,7 @@ def test_a_refusal_names_this_rank_if_refused_else_the_first_refused_rank():
     errors = PeerErrors(torch.device("cpu"), rank=2, what="op")
     record_refused(words[[0, 2]], errors.word, 1, 3)  # nothing refused: nothing recorded
     assert not errors.word.any()
-    _record_kernel[(1,)](errors.word, 1, 4)
+    _record_kernel[(1,)](errors.word, 1, 4, 0)
     record_refused(words, errors.word, 2, 5)  # the first error is the cause: the refusal is not recorded
     with pytest.raises(PeerWaitTimeout, match="at step 4 waiting for rank 0"):
         errors.after_wait()

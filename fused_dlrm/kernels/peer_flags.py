@@ -19,7 +19,11 @@ stored into each peer beside the data before the flag that releases both (`store
 calls of other shapes use other buffers and flags altogether, as a flag of its own (`publish_signature`, whose word 0
 releases the rest; `same_published_call` waits for it). A consumer compares a peer's signature with its own once
 per call (`same_call`, `same_calls`); one unlike its own records error 3 with both signatures (`record_mismatch`),
-which `PeerErrors` names in words (the op's `describe_calls`, built with `describe_signatures`).
+which `PeerErrors` names in words (the op's `describe_calls`, built with `describe_signatures`); one alike but for the
+step is named as a peer's later (or earlier) call: a rank moved on after a wait timed out.
+Where a consumer's reads of a call may outlast its peers' waits for it (a late rank), the last of its programs
+through raises a released flag in every rank (`release_when_last`), and a producer's next store into that buffer
+waits for it (`released_at_least`: bounded; a timeout stores nothing there and raises no flag).
 
 Refused inputs: where every rank holds every rank's refusal words (exchanged with its data: MoE's counts) but no
 host reads them, `record_refused` records the first refused rank (code 5) on every rank alike, and `PeerErrors`
@@ -93,6 +97,14 @@ def signal_ready(ready_ptrs, slot, epoch, WORLD: tl.constexpr):
 
 
 @triton.jit
+def signal_peer(flag_ptrs, peer, slot, epoch):
+    """After this program's stores into peer: raise peer's flag `slot` (release, system scope)."""
+    tl.debug_barrier()
+    flag = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32)) + slot
+    tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+
+
+@triton.jit
 def wait_at_least(flag, epoch, spin_limit):
     """Spin (bounded) until *flag >= epoch; returns whether it got there."""
     seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
@@ -121,7 +133,7 @@ def _claim_error(error_ptr, peer, slot, epoch):
 def record_timeout(error_ptr, code, peer, slot, epoch):
     """Record a timed-out wait into the error word [code, peer, slot, epoch, claim, unused x 3] unless one is
     recorded already (`_claim_error`). Codes: 1: `peer` never raised its flag for `slot`; 2: `peer` never released
-    its buffer (slot -1); 3 is `record_mismatch`'s; 4: `peer` never published its call's signature (slot -1,
+    its buffer (slot: the step it never finished, `released_at_least`); 3 is `record_mismatch`'s; 4: `peer` never published its call's signature (slot -1,
     `same_published_call`); 5 is `record_refusal`'s. `epoch`: the step of the failing call, which the host's
     message names."""
     if _claim_error(error_ptr, peer, slot, epoch):
@@ -416,10 +428,31 @@ def same_published_call(signatures, peer, mine, epoch, spin_limit, error_ptr):
 def consumer_released(ack_ptr, dest, epoch, spin_limit, error_ptr):
     """Before storing into `dest`'s double-buffered output: has dest acknowledged epoch - 1 (so it no longer
     reads what epoch - 2 wrote there)? A timeout records error 2 and returns False (the caller skips its stores)."""
-    acked = wait_at_least(ack_ptr + dest, epoch - 1, _spin_limit_unless_failed(error_ptr, spin_limit))
+    return released_at_least(ack_ptr, dest, epoch - 1, epoch, spin_limit, error_ptr)
+
+
+@triton.jit
+def released_at_least(ack_ptr, dest, step, epoch, spin_limit, error_ptr):
+    """Before call `epoch` stores into `dest`: has dest released its call `step` (ack_ptr[dest] >= step: its reads of
+    what that call was sent are over)? A timeout records (2, dest, step, epoch) and returns False (the caller stores
+    nothing there and raises no flag)."""
+    acked = wait_at_least(ack_ptr + dest, step, _spin_limit_unless_failed(error_ptr, spin_limit))
     if acked == 0:
-        record_timeout(error_ptr, 2, dest, -1, epoch)
+        record_timeout(error_ptr, 2, dest, step, epoch)
     return acked
+
+
+@triton.jit
+def release_when_last(count_ptr, released_ptrs, rank, epoch, WORLD: tl.constexpr):
+    """After this program's reads of call `epoch`'s data that peers stored into this rank: the last of the launch's
+    programs through (a counter at count_ptr, one acq_rel atomic per program; the last one resets it for the next
+    launch) raises released[rank] = epoch in every rank (released_ptrs: the peer-pointer table), which the peers'
+    later stores into this rank wait for (`released_at_least`). A program whose waits gave up counts too: its
+    reads are over."""
+    tl.debug_barrier()  # every thread's reads of this program
+    if tl.atomic_add(count_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        tl.atomic_xchg(count_ptr, 0)
+        signal_ready(released_ptrs, rank, epoch, WORLD)
 
 
 @triton.jit
@@ -632,10 +665,13 @@ class PeerErrors:
         mine, theirs = word[8:].view(torch.int64).view(2, -1).tolist()
         self.word.zero_()
         if code == MISMATCH:
+            why = "every rank must make the same calls in the same order"
+            if mine[1:] == theirs[1:]:  # the same call but for the step (word 0): no caller's bug
+                why = (f"peer {peer}'s call is {'a later' if theirs[0] > mine[0] else 'an earlier'} one: a rank moved "
+                       "on after a wait for its peer timed out")
             mine, theirs = self.describe_calls(mine, theirs) if self.describe_calls else (mine, theirs)
             raise PeerCallMismatch(f"{self.what}: rank {self.rank} at step {epoch}: peer {peer} called it with "
-                                   f"{theirs}; this rank with {mine} (every rank must make the same calls in the "
-                                   f"same order)")
+                                   f"{theirs}; this rank with {mine} ({why})")
         if code == REFUSED:
             text = (self.describe_refused(peer, mine) if self.describe_refused else
                     f"rank {self.rank}: rank {peer}'s input was refused (words {mine})")
@@ -645,6 +681,6 @@ class PeerErrors:
                                   f"to start the call (its call's signature never came)")
         if code == 2:
             raise PeerWaitTimeout(f"{self.what}: rank {self.rank} timed out at step {epoch} waiting for rank {peer} "
-                                  f"to release its buffer (rank {peer} never finished step {epoch - 1})")
+                                  f"to release its buffer (rank {peer} never finished step {slot})")
         raise PeerWaitTimeout(f"{self.what}: rank {self.rank} timed out at step {epoch} waiting for rank {peer}, "
                               f"slice {slot} (the peer never raised its ready flag)")

@@ -115,9 +115,9 @@ from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, PeerErrors, RefusedCall,
                                            check_spin_limit, consumer_released, describe_foreign,
                                            describe_refused_calls, describe_signatures, foreign_operand,
-                                           publish_refusal, recorded_at, same_unrefused_calls, signal_every_program,
-                                           signal_ready, signature_of, store_signature,
-                                           wait_or_record)
+                                           publish_refusal, recorded_at, release_when_last, same_unrefused_calls,
+                                           signal_every_program, signal_peer, signal_ready, signature_of,
+                                           store_signature, wait_or_record)
 from fused_dlrm.kernels.quant_codecs import (BLOCK, CODECS, NO_FMA, block_values, decode_reference,
                                              encode_blocks, encode_reference, error_bound, kernel_constants,
                                              load_blocks, store_blocks)
@@ -303,14 +303,6 @@ def _rounding_bound(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @triton.jit
-def _signal(flag_ptrs, peer, slot, epoch):
-    """After this program's stores into peer: raise peer's flag `slot` (release, system scope)."""
-    tl.debug_barrier()
-    flag = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32)) + slot
-    tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
-
-
-@triton.jit
 def _encoded(ptrs, peer, num_blocks, WORDS: tl.constexpr):
     """(payload, scales): pointers of peer's recv or gather buffer, which holds an encoding of num_blocks blocks
     (int32 payload [num_blocks, WORDS], then bf16 scales [num_blocks]). Symmetric buffers are 16-byte aligned
@@ -415,7 +407,7 @@ def _quantized_all_reduce_kernel(
             if k < WORLD - 1:  # a peer (my own tiles are read by this program: phase 2 needs only a barrier)
                 if released:  # (no flag over tiles not stored)
                     store_signature(signature_ptrs, dest, 0, rank, signature)  # released with the tiles by the flag
-                    _signal(ready_ptrs, dest, rank * max_programs + pid, epoch)
+                    signal_peer(ready_ptrs, dest, rank * max_programs + pid, epoch)
     if (first_phase <= 1) & (last_phase >= 1):  # 2. reduce my chunk
         ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
         for k in tl.static_range(1, WORLD):
@@ -447,13 +439,10 @@ def _quantized_all_reduce_kernel(
             t += num_programs
         if arrived:
             for k in tl.static_range(WORLD - 1):  # the peers
-                _signal(done_ptrs, (rank + 1 + k) % WORLD, rank * max_programs + pid, epoch)
+                signal_peer(done_ptrs, (rank + 1 + k) % WORLD, rank * max_programs + pid, epoch)
         # The last program through (its tiles read, or its waits given up) tells every peer that my recv of this
         # call is theirs again (their next call's scatter waits for it).
-        tl.debug_barrier()  # every thread's reads of this program
-        if tl.atomic_add(reduced_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            tl.atomic_xchg(reduced_ptr, 0)  # for the next call
-            signal_ready(released_ptrs, rank, epoch, WORLD)
+        release_when_last(reduced_ptr, released_ptrs, rank, epoch, WORLD)
     if last_phase >= 2:  # 3. gather every reduced chunk into the output
         # A failed call leaves the output as it was (x, reduced in place, keeps its values): phase 2's verdict, or,
         # launched apart from it, an error the error word holds for this call.
