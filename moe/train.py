@@ -45,7 +45,7 @@ from fused_dlrm.dist.symmetric import check_allocation_timeout
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
 from fused_dlrm.train.config_keys import check_config_keys, check_count
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult, check_trainer
-from fused_dlrm.tp import quantized_all_reduce
+from fused_dlrm.tp import flat_buffer, quantized_all_reduce
 from fused_dlrm.tp.linear import check_tp_size, tp_groups
 from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce
 from moe.data import ByteWindows, load_corpus
@@ -189,16 +189,15 @@ def sync_gradients(model: MoETransformer, grad_allreduce: str = "nccl") -> None:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        grads = [p.grad for p in params]
+        flat, views = flat_buffer(grads, grad_allreduce)  # a codec's: each gradient from a block boundary
+        torch._foreach_copy_(views, grads)
         if grad_allreduce == "nccl":
             dist.all_reduce(flat, group=group)
         else:
             quantized_all_reduce(flat, grad_allreduce, group=group, out=flat,
                                  allocation_timeout_s=model.allocation_timeout_s)
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
+        torch._foreach_copy_(grads, views)
 
 
 def gradient_norm(model: MoETransformer) -> torch.Tensor:

@@ -99,7 +99,7 @@ def _every_site(rank: int, world: int) -> None:
             _reaches(seen, "CudaSymmetricWorkspace", lambda: layer(torch.randn(4, layer.weight.shape[1])))
 
     # the report's gradient all-reduce
-    layer = report_layers.grad_allreduce_layer(100, "q8", env, None, BOUND)
+    layer = report_layers.grad_allreduce_layer([100], "q8", env, None, BOUND)
     _reaches(seen, "CudaSymmetricWorkspace", layer.fused["fwd_bwd"])
 
     # DDP's communication hook (its bucket: only its buffer is read)

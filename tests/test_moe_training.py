@@ -24,6 +24,8 @@ from omegaconf import OmegaConf
 
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv
+from fused_dlrm.kernels.quant_codecs import CODECS
+from fused_dlrm.kernels.quantized_allreduce import two_shot_error_bound
 from fused_dlrm.tp.linear import RowParallelLinear
 from fused_dlrm.train.checkpoint import NonFiniteLossError
 from fused_dlrm.train.rundir import register_resolvers
@@ -430,6 +432,41 @@ def _tensor_parallel_step_gradients_and_clip(rank: int, world: int) -> None:
 
 def test_four_ranks_tensor_parallel_step_gradients_and_clip_by_the_whole_models_norm():
     run_world(4, _tensor_parallel_step_gradients_and_clip, timeout=600)
+
+
+def _sync_keeps_each_parameter_within_its_own_bound(rank: int, world: int, tp_size: int) -> None:
+    """sync_gradients with each codec: every parameter's gradient within the two-shot bound of that parameter
+    all-reduced alone (its own blocks), around the float64 sum of the ranks' gradients. The gradients of one flat
+    buffer differ by orders of magnitude (the router's ~1e-2 beside a norm's ~1e-5): a parameter packed into a
+    larger one's block would lose its precision to the block's scale."""
+    tokens = torch.randint(0, 256, (8, 9), generator=torch.Generator().manual_seed(3))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    tp_group, dp_group = moe_train.tp_groups(tp_size)
+    mine = slice(2 * (rank // tp_size), 2 * (rank // tp_size) + 2)  # a TP group's ranks share their tokens
+    model = MoETransformer(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=4, shared_expert=True,
+                           seed=5, group=dp_group, tp_group=tp_group, sequence_parallel=tp_size > 1)
+    logits, aux = model(inputs[mine])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), model.local_tokens(targets[mine]).reshape(-1))
+    (loss + 0.3 * aux["load_balancing_loss"] + 0.05 * aux["z_loss"]).backward()
+    local = {p: p.grad.clone() for p in model.parameters()}
+    names = {p: name for name, p in model.named_parameters()}
+    for codec in CODECS:
+        for p, grad in local.items():
+            p.grad = grad.clone()
+        moe_train.sync_gradients(model, codec)
+        for _, params, group in model.gradient_groups():
+            for p in params:
+                ranks = [torch.empty_like(local[p]) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(ranks, local[p], group=group)  # every rank's gradient, before the sum
+                exact = torch.stack(ranks).double().sum(0)
+                error = (p.grad.double() - exact).abs()
+                bound = two_shot_error_bound(ranks, codec).double()
+                assert (error <= bound).all(), (codec, names[p], (error / exact.abs().max()).max().item())
+
+
+@pytest.mark.parametrize("world, tp_size", [(2, 1), (4, 2)])  # 4: sequence parallelism, two gradient groups
+def test_a_codec_keeps_each_parameters_gradient_within_its_own_blocks_bound(world, tp_size):
+    run_world(world, _sync_keeps_each_parameter_within_its_own_bound, tp_size, timeout=600)
 
 
 def test_a_nonfinite_gradient_norm_stops_the_run(tmp_path, monkeypatch):

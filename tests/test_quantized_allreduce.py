@@ -21,7 +21,8 @@ from fused_dlrm.dist import env
 from fused_dlrm.dist.env import CallMismatch
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import quantized_all_reduce_reference, two_shot_error_bound
-from fused_dlrm.tp import QuantizedHookState, chooser, quantized_all_reduce, quantized_allreduce_hook
+from fused_dlrm.tp import (QuantizedHookState, block_offsets, chooser, flat_buffer, quantized_all_reduce,
+                           quantized_allreduce_hook)
 import fused_dlrm.tp.quantized_allreduce as qar
 from world import run_world
 
@@ -217,6 +218,19 @@ def test_calls_that_differ_between_ranks_raise_on_every_rank(world, backend):
 def test_chooser_goes_plain_below_the_threshold():
     assert chooser(1024, "q4", min_bytes=65536) == "nccl"
     assert chooser(65536, "q4", min_bytes=65536) == "q4"
+
+
+def test_a_codecs_flat_buffer_starts_each_tensor_at_a_block_and_a_plain_one_packs_them():
+    tensors = [torch.randn(3, 15), torch.randn(32), torch.randn(1), torch.randn(2, 40)]
+    assert block_offsets([t.numel() for t in tensors], "nccl") == [0, 45, 77, 78, 158]  # as a cat, no padding
+    assert block_offsets([t.numel() for t in tensors], "q8") == [0, 64, 96, 128, 224]  # < 32 zeros after each
+    for codec in ("nccl", "q8"):
+        flat, views = flat_buffer(tensors, codec)
+        assert flat.numel() == block_offsets([t.numel() for t in tensors], codec)[-1] and not flat.any()
+        for view, t, start in zip(views, tensors, block_offsets([t.numel() for t in tensors], codec)):
+            assert view.shape == t.shape and view._base is flat and view.data_ptr() == flat[start:].data_ptr()
+    with pytest.raises(ValueError, match="several dtypes or devices"):
+        flat_buffer([torch.randn(3), torch.randn(3, dtype=torch.float64)], "q8")
 
 
 # Two gloo ranks forked from a process that never set TRITON_INTERPRET: Triton has no CPU backend there.

@@ -379,7 +379,7 @@ def _codec_bytes(rank: int, world: int) -> None:
     kernel: the same encoded messages), and its bytes and % of speed of light are those of the encoded messages it
     sends, not the fp32 ring's of the plain column."""
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-    layer = grad_allreduce_layer(1000, "q8", env, None, 60.0)
+    layer = grad_allreduce_layer([1000], "q8", env, None, 60.0)
     wire, gather = dist.all_to_all_single, dist.all_gather_into_tensor
     counted = []
 
@@ -515,7 +515,7 @@ def test_the_picture_names_the_pass_of_a_layer_timed_in_neither_mode(tmp_path, m
     set_xticks = Axes.set_xticks
     monkeypatch.setattr(Axes, "set_xticks", lambda ax, ticks, names, **kw: (labels.extend(names),
                                                                             set_xticks(ax, ticks, names, **kw)))
-    layers = [grad_allreduce_layer(100, "nccl", CPU, CPU_REASON, 60.0),
+    layers = [grad_allreduce_layer([100], "nccl", CPU, CPU_REASON, 60.0),
               CommLayer("input", "[2 x 2]", {"fwd": 8}, {"fwd": lambda: None}, "no fused input"),
               CommLayer(STEP, "batch 4", {"fwd": 0, "fwd_bwd": 0}, {"fwd": lambda: None, "fwd_bwd": lambda: None},
                         CPU_REASON)]

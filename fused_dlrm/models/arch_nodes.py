@@ -33,7 +33,7 @@ from fused_dlrm.dist.symmetric import ALLOCATION_TIMEOUT_S
 from fused_dlrm.kernels.graphed_calls import Lease, held
 from fused_dlrm.kernels.launch import capture_graph
 from fused_dlrm.tp import quantized_all_reduce
-from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce
+from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce, flat_buffer
 
 
 class ArchNode:
@@ -47,15 +47,12 @@ class ArchNode:
         self.params = [p for p in arch.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError(f"{type(arch).__name__} has no parameter that needs a gradient")
-        if len({(p.dtype, p.device) for p in self.params}) > 1:
-            raise ValueError(f"{type(arch).__name__}'s parameters differ in dtype or device: one flat gradient "
-                             f"buffer cannot hold them")
         check_grad_allreduce(grad_allreduce)
         self.group, self.codec, self.allocation_timeout_s = group, grad_allreduce, allocation_timeout_s
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        # a codec's: each parameter from a block boundary (its own blocks' scales; the gaps stay zero)
+        self.flat, self.grads = flat_buffer(self.params, grad_allreduce)
         first = self.params[0]
-        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=first.dtype, device=first.device)
-        self.grads = [g.view_as(p) for g, p in zip(self.flat.split([p.numel() for p in self.params]), self.params)]
         # plain all-reduce: a sum of gradients scaled first (DDP's order); a codec averages itself (mean=True)
         self.scale = 1.0 / self.world if self.world > 1 and grad_allreduce == "nccl" else 1.0
         self.anchor = torch.empty(0, device=first.device, requires_grad=True)  # makes the output need a gradient
@@ -116,7 +113,7 @@ class ArchNode:
         input's gradient (None when `leaf` needs none). What the backward graph records."""
         inputs = ([leaf] if leaf.requires_grad else []) + self.params
         grads = torch.autograd.grad(out, inputs, grad)
-        torch.cat([g.reshape(-1) for g in grads[-len(self.params):]], out=self.flat)
+        torch._foreach_copy_(self.grads, grads[-len(self.params):])  # one launch on GPUs, as a cat was
         if self.scale != 1.0:
             self.flat.mul_(self.scale)
         return grads[0] if leaf.requires_grad else None

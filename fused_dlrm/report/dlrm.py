@@ -113,7 +113,7 @@ def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]
 
     # each dense arch's ArchNode all-reduces its own flat gradient buffer (models/arch_nodes.py): two calls, not one
     # of every dense parameter (a codec pads each call's chunks; each call pays its latency)
-    allreduces = [grad_allreduce_layer(sum(p.numel() for p in arch.forward.params), cfg.comm.grad_allreduce, env,
+    allreduces = [grad_allreduce_layer([p.numel() for p in arch.forward.params], cfg.comm.grad_allreduce, env,
                                        reason, cfg.comm.allocation_timeout_s, name=f"gradient all-reduce ({what})")
                   for what, arch in (("dense arch", bulk.model.dense_arch), ("over arch", bulk.model.over_arch))]
 

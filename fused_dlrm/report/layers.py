@@ -8,6 +8,7 @@ description of its shapes, the bytes this rank sends, and per mode (bulk, fused)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fused_dlrm.dist import DistEnv
-from fused_dlrm.tp import quantized_all_reduce
+from fused_dlrm.tp import block_offsets, quantized_all_reduce
 from fused_dlrm.tp.quantized_allreduce import wire_bytes
 
 PASSES = ("fwd", "fwd_bwd")  # forward only (no autograd), forward + backward
@@ -67,15 +68,19 @@ def no_grad(fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-def grad_allreduce_layer(num_params: int, codec: str, env: DistEnv, reason: str | None, allocation_timeout_s: float,
-                         group: dist.ProcessGroup | None = None, name: str = "gradient all-reduce") -> CommLayer:
-    """The all-reduce of the replicated (data-parallel) gradients over `group` (None: the world), as one flat fp32
-    buffer: plain NCCL / gloo (bulk) against the configured comm.grad_allreduce codec (fused column, when one is
-    configured; its workspace waits the configured comm.allocation_timeout_s for the peers at an allocation).
+def grad_allreduce_layer(numels: Sequence[int], codec: str, env: DistEnv, reason: str | None,
+                         allocation_timeout_s: float, group: dist.ProcessGroup | None = None,
+                         name: str = "gradient all-reduce") -> CommLayer:
+    """The all-reduce of the replicated (data-parallel) gradients (of parameters of `numels` values) over `group`
+    (None: the world), as one flat fp32 buffer laid out as training lays it (`fused_dlrm.tp.block_offsets`: a
+    codec's pads each parameter to a block): plain NCCL / gloo (bulk) against the configured comm.grad_allreduce
+    codec (fused column, when one is configured; its workspace waits the configured comm.allocation_timeout_s for
+    the peers at an allocation).
 
     Bytes: a ring all-reduce sends 2 (ranks - 1) / ranks of the buffer from every rank; the codec's, its encoded
     chunks (`fused_dlrm.tp.quantized_allreduce.wire_bytes`)."""
     ranks = dist.get_world_size(group) if dist.is_initialized() else 1
+    num_params = sum(numels)  # the plain layout: back to back
     flat = torch.randn(num_params, device=env.device)
     shapes = f"{num_params:,} fp32 values (flat)" + ("" if group is None else f" over {ranks} ranks")
     sent = {"fwd_bwd": 2 * (ranks - 1) * num_params * 4 // ranks}
@@ -90,10 +95,15 @@ def grad_allreduce_layer(num_params: int, codec: str, env: DistEnv, reason: str 
 
     if reason is None and codec in ("nccl", "none"):
         reason = "comm.grad_allreduce=nccl: no codec configured (set fp16 | fp8 | q8 | q6 | q4 to compare one)"
-    fused = fused_or_reason(reason, lambda: {"fwd_bwd": lambda: quantized_all_reduce(
-        flat, codec, group=group, mean=True, allocation_timeout_s=allocation_timeout_s)})
+    padded = block_offsets(numels, codec)[-1]  # a codec's layout: each parameter from a block boundary
+
+    def fused_ops():
+        x = torch.randn(padded, device=env.device)
+        return {"fwd_bwd": lambda: quantized_all_reduce(x, codec, group=group, mean=True,
+                                                        allocation_timeout_s=allocation_timeout_s)}
+    fused = fused_or_reason(reason, fused_ops)
     layer = CommLayer(name, shapes, sent, {"fwd_bwd": plain}, fused)
     if not isinstance(fused, str):
-        layer.fused_bytes_sent = {"fwd_bwd": wire_bytes(num_params, ranks, codec)}
+        layer.fused_bytes_sent = {"fwd_bwd": wire_bytes(padded, ranks, codec)}
         layer.notes.append(f"fused column: the {codec} quantized two-shot all-reduce (fused_dlrm.tp)")
     return layer

@@ -136,7 +136,7 @@ def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
 
     # the gradients summed after backward, one flat all-reduce per group (MoETransformer.gradient_groups)
     groups = bulk.model.gradient_groups()
-    allreduces = [grad_allreduce_layer(sum(p.numel() for p in params), cfg.comm.grad_allreduce, env,
+    allreduces = [grad_allreduce_layer([p.numel() for p in params], cfg.comm.grad_allreduce, env,
                                        no_fused_path(env), cfg.comm.allocation_timeout_s, group,
                                        "gradient all-reduce" + ("" if len(groups) == 1 else f" ({what})"))
                   for what, params, group in groups]

@@ -36,6 +36,7 @@ without fused=False (a dist.all_reduce, unchecked as torch's) and, fused, a call
 ranks only (kernels/quantized_allreduce.py says why).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -59,6 +60,32 @@ def check_grad_allreduce(codec: str) -> None:
     check, and a larger one would reach it only after a whole forward and backward."""
     if codec not in GRAD_ALLREDUCE_CODECS:
         raise ValueError(f"comm.grad_allreduce={codec!r}: expected one of {GRAD_ALLREDUCE_CODECS}")
+
+
+def block_offsets(numels: Sequence[int], codec: str) -> list[int]:
+    """Where each of several tensors starts in one flat buffer that `codec` all-reduces, then the buffer's size.
+    A codec's: each from a block boundary (a multiple of BLOCK; the gaps, < BLOCK values each, zeros), since a block's
+    one scale follows its largest value: a tensor whose values are small beside its neighbour's would lose its
+    precision in a block they shared (q8: a norm's 5e-5 gradient beside the router's 1e-2 came back 85% off), and
+    each tensor's error is then its own blocks' (two_shot_error_bound of it alone). Plain ("nccl", "none"): packed
+    back to back, as scale-free sums lose nothing to a neighbour."""
+    align = 1 if codec in PLAIN else BLOCK
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + -(-n // align) * align)
+    return offsets
+
+
+def flat_buffer(tensors: Sequence[torch.Tensor], codec: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A zeroed flat buffer laid out by `block_offsets` for `tensors` (one dtype and device), and a view of it
+    shaped like each (the values are not copied)."""
+    kinds = {(t.dtype, t.device) for t in tensors}
+    if len(kinds) > 1:
+        raise ValueError(f"one flat buffer cannot hold tensors of several dtypes or devices: {sorted(map(str, kinds))}")
+    offsets = block_offsets([t.numel() for t in tensors], codec)
+    flat = torch.zeros(offsets[-1], dtype=tensors[0].dtype, device=tensors[0].device)
+    return flat, [flat[o:o + t.numel()].view_as(t) for o, t in zip(offsets, tensors)]
+
 
 # Below this many bytes an all-reduce is latency-bound and the codec saves nothing worth its rounding error.
 # 64 KiB is an estimate, not yet measured on GPUs (neither for the bulk twin nor for the fused kernel).
