@@ -25,11 +25,11 @@ CPU = torch.device("cpu")
 class _Arches(nn.Module):
     """DLRM's two dense arches, small; the interaction stands in as a concatenation with a leaf that needs grad."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device = CPU):
         super().__init__()
         torch.manual_seed(0)
-        self.dense_arch = DenseArch(13, [32, 16], CPU)
-        self.over_arch = OverArch(16 + 24, [32, 8, 1], CPU)
+        self.dense_arch = DenseArch(13, [32, 16], device)
+        self.over_arch = OverArch(16 + 24, [32, 8, 1], device)
 
     def loss(self, dense: torch.Tensor, pooled: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = torch.cat([self.dense_arch(dense), pooled], dim=1)
@@ -221,33 +221,37 @@ class _TwoScales(nn.Module):
     """Two parameters whose gradients differ ~10^4 in scale, of sizes no multiple of 32: packed one after the other,
     the small one's first values would share a codec block with the large one's last."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device = CPU):
         super().__init__()
-        self.large = nn.Parameter(torch.randn(45))
-        self.small = nn.Parameter(torch.randn(37))
+        self.large = nn.Parameter(torch.randn(45, device=device))
+        self.small = nn.Parameter(torch.randn(37, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x * self.large).sum(1, keepdim=True) + 1e-4 * (x[:, :37] * self.small).sum(1, keepdim=True)
 
 
-def _each_parameter_within_its_own_bound(rank: int, world: int) -> None:
+def _each_parameter_within_its_own_bound(rank: int, world: int, graphed: bool = False) -> None:
     """A codec's mean of every parameter's gradient within the two-shot bound of that parameter all-reduced alone
     (its own blocks), around the float64 mean of the ranks' gradients: a parameter's precision does not depend on
-    its neighbours in the flat buffer."""
+    its neighbours in the flat buffer. graphed (tests/test_arch_nodes_gpu.py): on the rank's GPU, the nodes' CUDA
+    graphs writing the flat buffer, the fused kernel all-reducing it on NCCL."""
+    device = torch.device("cuda", torch.cuda.current_device()) if graphed else CPU
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(12, 45, generator=gen)  # each rank its own batch
-    dense, pooled, labels = _batch(10 + rank)
+    x = torch.randn(12, 45, generator=gen).to(device)  # each rank its own batch
+    dense, pooled, labels = (t.to(device) for t in _batch(10 + rank))
     for codec in CODECS:
         for make in (_TwoScales, _Arches):
             torch.manual_seed(0)
-            plain = make()
+            plain = make(device)
             model = copy.deepcopy(plain)
             if make is _TwoScales:
-                ArchNode(model, grad_allreduce=codec)
+                node = ArchNode(model, grad_allreduce=codec)
+                if graphed:
+                    node.capture(x)
                 model(x).sum().backward()
                 plain(x).sum().backward()
             else:  # DLRM's two arches as nodes
-                dense_arch_nodes(model, grad_allreduce=codec)
+                dense_arch_nodes(model, grad_allreduce=codec, graph_batch=12 if graphed else None)
                 model.loss(dense, pooled, labels).backward()
                 plain.loss(dense, pooled, labels).backward()
             for (name, p), mine in zip(model.named_parameters(), plain.parameters()):

@@ -1,6 +1,7 @@
 """The dense arches' nodes replayed as CUDA graphs (trainer.cuda_graphs) train as the eager nodes do. ONE GPU
 (skipped without one): training at world 1 (and resumed from a checkpoint), and two gloo processes that share the
-GPU (the graphed backward's flat gradients, all-reduced outside the graphs, are DDP's)."""
+GPU (the graphed backward's flat gradients, all-reduced outside the graphs, are DDP's); with each codec, every
+parameter's gradient within its own blocks' bound (one shared GPU, or two over NCCL: the fused kernel)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from fused_dlrm.dist import DistEnv
 from fused_dlrm.models.arch_nodes import ArchGraph, ArchNode, dense_arch_nodes
 from fused_dlrm.train.direct_step import OverArchLossGraph
 from fused_dlrm.train.loop import train
+from test_arch_nodes import _each_parameter_within_its_own_bound
 from test_training import SMALL, config
-from world import ONE_GPU, run_world
+from world import ONE_GPU, TWO_RANK_BACKENDS, run_world
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 GPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), backend=None)
@@ -103,3 +105,10 @@ def _graphed_nodes_average_like_ddp(rank: int, world: int) -> None:
 
 def test_graphed_nodes_average_the_gradients_as_ddp_does():
     run_world(2, _graphed_nodes_average_like_ddp, backend=ONE_GPU)
+
+
+@pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
+def test_graphed_nodes_keep_each_parameters_gradient_within_its_own_blocks_bound(backend):
+    """Every codec, the graphed backward writing the padded flat buffer: on 2 GPUs the fused kernel (NCCL), on one
+    shared GPU the bulk twin's Triton codecs (gloo)."""
+    run_world(2, _each_parameter_within_its_own_bound, True, backend=backend)
