@@ -152,6 +152,20 @@ def test_fp16_range_ends_at_65504_and_its_bound_is_inf_past_it():
     assert torch.equal(bound.isinf(), y.isinf()) and ((x - y).abs() <= bound).all()
 
 
+def test_fp16_below_its_normals_keeps_absolute_not_relative_precision():
+    """The numbers quant_codecs' docstring states: below 2^-14 the error stays within 2^-25 absolute, up to ~3e-3
+    relative at 1e-5..1e-4 and ~3e-2 at 1e-6..1e-5; values up to 2^-25 come back 0, those just above as 2^-24."""
+    gen = torch.Generator().manual_seed(0)
+    x = 10 ** (-4 - 2 * torch.rand(4096, generator=gen))  # 1e-6..1e-4
+    y = decode(encode(x, "fp16"), "fp16", x.numel())
+    assert torch.equal(y, x.half().float()) and ((x - y).abs() <= 2 ** -25).all()
+    relative = (x - y).abs() / x
+    assert 2e-3 < relative[x > 1e-5].max() <= 3e-3 and 2e-2 < relative[x < 1e-5].max() <= 3e-2
+    tiny = torch.tensor([2 ** -25, -2 ** -25, 1e-8, 2 ** -25 * 1.01, 8.9e-8] + [0.0] * 27)
+    y = decode(encode(tiny, "fp16"), "fp16", tiny.numel())
+    assert not y[:3].any() and (y[3:5] == 2 ** -24).all()
+
+
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal, NaN where NaN (a NaN's payload follows the platform's arithmetic)."""
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())

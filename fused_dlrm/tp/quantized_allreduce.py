@@ -11,7 +11,8 @@ partial sum of stage 1 (|z| <= |exact| + sum_r B(x_r)); with mean=True both stag
 bf16 / fp16 tensors add the rounding of that fp32 result to their dtype (relative 2^-8 / 2^-11; for bf16 more
 than the fp16 codec's own error) (kernels.quantized_allreduce.two_shot_error_bound). Range: fp16 carries |values|
 up to 65504, inputs and the partial sums z alike (z the mean with mean=True): past it an element comes back
-+-inf and its bound is inf (the scaled codecs have fp32's range).
++-inf and its bound is inf (the scaled codecs have fp32's range); below 2^-14 its subnormals keep 2^-25 absolute,
+not relative, precision (quant_codecs). Tensors packed into one buffer: `flat_buffer` gives each its own blocks.
 
 Two implementations with the same arithmetic, bit for bit: on CUDA tensors of an NCCL group, the fused
 one-launch kernel (kernels/quantized_allreduce.py) on a symmetric workspace created lazily per process group
