@@ -181,7 +181,8 @@ def sync_gradients(model: MoETransformer, grad_allreduce: str = "nccl") -> None:
     exchanges' backward brought every rank's share home): no pass over them, which on 2 x H200 would read and
     write the fine-grained config's 2.2B expert gradients (~4.3 ms per step, docs/benchmarks.md).
     grad_allreduce other than "nccl" sums them with that codec (fused_dlrm.tp; a fused one's workspace waits the
-    model's allocation_timeout_s for the peers at an allocation).
+    model's allocation_timeout_s for the peers at an allocation), each parameter's gradient from a block boundary
+    of the buffer (tp.flat_buffer: its own blocks' scales, not a larger neighbour's).
     """
     for _, params, group in model.gradient_groups():
         if world_size(group) == 1 or not params:

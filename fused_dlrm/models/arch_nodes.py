@@ -6,8 +6,9 @@ an AccumulateGrad node (~20-40 us of host each, 15 at the paper config, all run 
 can be launched), DDP adds its forward's Python and a hook per parameter, and torch.cuda.make_graphed_callables'
 replays still hand each parameter's gradient through autograd. An `ArchNode` replaces `arch.forward`: a training
 call is one node each way, whose backward writes the parameters' gradients into one flat buffer (the parameters'
-`.grad` are views of it, set once) and starts one all-reduce of that buffer; autograd's final callback (DDP's
-mechanism too) makes the stream wait for it, so the gradients are averaged when backward returns. They are DDP's:
+`.grad` are views of it, set once; with a codec each starts at a 32-value block, tp.flat_buffer) and starts one
+all-reduce of that buffer; autograd's final callback (DDP's mechanism too) makes the stream wait for it, so the
+gradients are averaged when backward returns. They are DDP's:
 scaled by 1/world before a sum (a `comm.grad_allreduce` codec: that codec's mean, as the DDP hook did).
 
 The backward *sets* the gradients (no accumulation over several backwards: one per optimizer step, as the

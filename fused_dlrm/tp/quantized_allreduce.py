@@ -65,11 +65,12 @@ def check_grad_allreduce(codec: str) -> None:
 
 def block_offsets(numels: Sequence[int], codec: str) -> list[int]:
     """Where each of several tensors starts in one flat buffer that `codec` all-reduces, then the buffer's size.
-    A codec's: each from a block boundary (a multiple of BLOCK; the gaps, < BLOCK values each, zeros), since a block's
-    one scale follows its largest value: a tensor whose values are small beside its neighbour's would lose its
-    precision in a block they shared (q8: a norm's 5e-5 gradient beside the router's 1e-2 came back 85% off), and
-    each tensor's error is then its own blocks' (two_shot_error_bound of it alone). Plain ("nccl", "none"): packed
-    back to back, as scale-free sums lose nothing to a neighbour."""
+    A codec's: each from a block boundary (a multiple of BLOCK; the gaps, < BLOCK values each, zeros), since a
+    block's one scale follows its largest value: a tensor whose values are small beside its neighbour's would lose
+    its precision in a block they shared (q8, reported on 4 ranks: a norm's ~5e-5 gradients beside the router's
+    ~1e-2 came back 85% off); so each tensor's error is its own blocks' (two_shot_error_bound of it alone). The
+    all-reduce's chunks are whole blocks, so these are its blocks on every rank. Plain ("nccl", "none"): packed
+    back to back (as before; a scale-free sum loses nothing to a neighbour, and padding would cost it bytes)."""
     align = 1 if codec in PLAIN else BLOCK
     offsets = [0]
     for n in numels:
@@ -82,7 +83,8 @@ def flat_buffer(tensors: Sequence[torch.Tensor], codec: str) -> tuple[torch.Tens
     shaped like each (the values are not copied)."""
     kinds = {(t.dtype, t.device) for t in tensors}
     if len(kinds) > 1:
-        raise ValueError(f"one flat buffer cannot hold tensors of several dtypes or devices: {sorted(map(str, kinds))}")
+        raise ValueError(f"one flat buffer cannot hold tensors of several dtypes or devices: "
+                         f"{sorted(map(str, kinds))}")
     offsets = block_offsets([t.numel() for t in tensors], codec)
     flat = torch.zeros(offsets[-1], dtype=tensors[0].dtype, device=tensors[0].device)
     return flat, [flat[o:o + t.numel()].view_as(t) for o, t in zip(offsets, tensors)]
@@ -206,7 +208,9 @@ def quantized_allreduce_hook(state: QuantizedHookState,
 
     Register with `ddp_model.register_comm_hook(QuantizedHookState("q8"), quantized_allreduce_hook)`. The
     exchange is enqueued inside backward on the current stream (fused on CUDA: one launch; the bulk twin's
-    collectives are synchronous)."""
+    collectives are synchronous). DDP packs a bucket's parameters back to back: one sharing a block with a larger
+    one's gradients gets that block's scale (`flat_buffer`'s layout, where this library builds the buffer, avoids
+    it)."""
     grads = bucket.buffer()
     codec = chooser(grads.numel() * grads.element_size(), state.codec, state.min_bytes)
     fut = torch.futures.Future()
