@@ -19,7 +19,8 @@ from world import run_world
 from torchrec import EmbeddingBagConfig
 
 from fused_dlrm.dist.env import of_every_rank
-from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection, TableShardingPlan
+from fused_dlrm.sparse import (EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection, TableShardingPlan,
+                                plan_sharding)
 from fused_dlrm.sparse.plan import Shard
 from fused_dlrm.sparse.sharded_ebc import shard_weight
 from fused_dlrm.train.checkpoint import NonFiniteLossError, load_checkpoint, save_checkpoint
@@ -173,6 +174,40 @@ def test_per_table_optimizer_state_round_trips(tmp_path):
     """Per-table optimizers over row blocks and column shards: the Adagrad tables' state (and only theirs) is saved
     and restored on each rank; a resume that gives a table another optimizer raises on every rank."""
     run_world(2, _per_table_state_round_trip, str(tmp_path), timeout=120)
+
+
+def test_a_world_of_one_keeps_no_copy_of_its_cut_tables(tmp_path):
+    """Without a process group a table cut into shards has a state_dict entry that is a copy of them
+    (sharded_state); the fused optimizer holds its tables' keys for the whole run, which must not be such copies (a
+    one-GPU run of the paper's tables in row blocks would hold every table twice). Its state still round-trips."""
+    tables = [EmbeddingBagConfig(name=name, embedding_dim=4, num_embeddings=rows, feature_names=[f"f{name}"])
+              for name, rows in (("a", 10), ("b", 12), ("c", 9))]
+    plan = plan_sharding(tables, 1, column_shards={"c": 2}, row_shards={"a": 2})
+
+    def sharded() -> nn.Module:
+        model = nn.Module()
+        model.sparse = ShardedEmbeddingBagCollection(tables, EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.1),
+                                                     plan=plan)
+        model.dense = nn.Linear(3, 2)
+        return model
+
+    model = sharded()
+    storage = {w.data_ptr() for w in model.sparse.shard_weights.values()}
+    params = model.sparse.fused_optimizer.params
+    assert sorted(params) == [f"embedding_bags.{t}.weight" for t in "abc"]
+    assert all(p.data_ptr() in storage for p in params.values()), "a copy of a table held for the run"
+    gen = torch.Generator().manual_seed(0)
+    optimizer = model.sparse.lookup.optimizer
+    for t in [*optimizer.weights.values(), *optimizer.momentum.values()]:  # as after training
+        t.copy_(torch.rand(t.shape, generator=gen))
+    save_checkpoint(tmp_path, 3, model, torch.optim.Adam(model.dense.parameters()), model.sparse.fused_optimizer)
+    other = sharded()
+    assert load_checkpoint(tmp_path, other, torch.optim.Adam(other.dense.parameters()),
+                           other.sparse.fused_optimizer) == 3
+    for name, w in optimizer.weights.items():
+        assert torch.equal(other.sparse.lookup.optimizer.weights[name], w), name
+    for name, m in optimizer.momentum.items():
+        assert torch.equal(other.sparse.lookup.optimizer.momentum[name], m), name
 
 
 def _one_rank_lacks_the_checkpoint(rank: int, world: int, root: str) -> None:

@@ -183,9 +183,10 @@ def shard_momenta(table: EmbeddingBagConfig, plan: TableShardingPlan, rank: int,
 class FusedTableOptimizer(FusedOptimizer):
     """The KeyedOptimizer DMP's `fused_optimizer` collects: a view of the lookup's optimizer, not a second one.
 
-    One param group per setting of the tables this rank holds some of, {"params": the tables' weight entries, "lr":
-    theirs}, as stock torchrec has one per TBE (it groups a rank's tables by their fused params; each TBE's
-    EmbeddingFusedOptimizer has one group); a rank that holds no table has none. The update happens in the lookup's
+    One param group per setting of the tables this rank holds some of, {"params": the tables' weight entries
+    (without a process group: each table's first shard), "lr": theirs}, as stock torchrec has one per TBE (it
+    groups a rank's tables by their fused params; each TBE's EmbeddingFusedOptimizer has one group); a rank that
+    holds no table has none. The update happens in the lookup's
     backward, so step() and zero_grad() only carry each group's lr (an LR scheduler edits param_groups) to its
     tables' shards in the lookup's optimizer, as torchrec's EmbeddingFusedOptimizer does for fbgemm; it takes effect
     from the next backward. Keys, state names and layout follow torchrec's (the module docstring), so state_dict()
@@ -207,7 +208,12 @@ class FusedTableOptimizer(FusedOptimizer):
             if not mine:
                 continue
             self._shards[t.name] = mine
-            weight = params[f"embedding_bags.{t.name}.weight"] = embedding_bags[t.name].weight
+            # A key, never read (the update is the lookup's): the table's entry; without a process group, where a
+            # cut table's entry is a copy of its shards (TableShards.weight), its first shard here, not a copy
+            # held for the run.
+            table = embedding_bags[t.name]
+            weight = table.weight if dist.is_initialized() else table.shard_weights()[mine[0]]
+            params[f"embedding_bags.{t.name}.weight"] = weight
             state[weight] = {}
             if t.name in momentum:
                 state[weight][f"{t.name}.momentum1"] = _momentum_entry(t, plan, rank, momentum[t.name], group, device)
