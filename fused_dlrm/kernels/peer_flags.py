@@ -133,9 +133,9 @@ def _claim_error(error_ptr, peer, slot, epoch):
 def record_timeout(error_ptr, code, peer, slot, epoch):
     """Record a timed-out wait into the error word [code, peer, slot, epoch, claim, unused x 3] unless one is
     recorded already (`_claim_error`). Codes: 1: `peer` never raised its flag for `slot`; 2: `peer` never released
-    its buffer (slot: the step it never finished, `released_at_least`); 3 is `record_mismatch`'s; 4: `peer` never published its call's signature (slot -1,
-    `same_published_call`); 5 is `record_refusal`'s. `epoch`: the step of the failing call, which the host's
-    message names."""
+    its buffer (slot: the step it never finished, `released_at_least`); 3 is `record_mismatch`'s; 4: `peer` never
+    published its call's signature (slot -1, `same_published_call`); 5 is `record_refusal`'s. `epoch`: the step of
+    the failing call, which the host's message names."""
     if _claim_error(error_ptr, peer, slot, epoch):
         tl.atomic_xchg(error_ptr, code)
 

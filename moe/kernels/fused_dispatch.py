@@ -37,8 +37,9 @@ double-buffered by epoch parity), together with the token of each of its permute
 buffer [source, permuted row]); unit (peer, c) moves tokens [c * block_m, (c + 1) * block_m) and a slice of the ids,
 then raises flag (source, c) in the peer (`_push_tokens_kernel`). GEMM 1 reads a peer's row j as token ids[source,
 source row] of the token buffer, once every unit flag of the row's source holds the epoch (a tile's rows may be
-any of the source's tokens; this rank's own tiles go first and hide the wait). `received` is then not a buffer the push fills: when training, GEMM 1's first column
-block stores the rows it read (`rows_out`). The guard (acks) is the same.
+any of the source's tokens; this rank's own tiles go first and hide the wait). `received` is then not a buffer the
+push fills: when training, GEMM 1's first column block stores the rows it read (`rows_out`). The guard (acks) is
+the same.
 
 Backward (`start_backward` on the owner, `finish_backward` on the source): a13 = x @ w13[e], which the forward GEMM
 stores when training (`finish(a13_out=...)`; recomputed otherwise), gives da13 = [da1 | da3] in one kernel
