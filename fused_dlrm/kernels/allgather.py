@@ -58,8 +58,8 @@ from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, TENSOR_WORDS, PeerErrors, RefusedCall,
                                            check_spin_limit, consumer_released, describe_refused_calls,
-                                           describe_tensor, publish_refusal, refused_by, signal_ready, tensor_words,
-                                           wait_or_record, wait_ready)
+                                           describe_tensor, publish_refusal, refused_by, signal_peer, signal_ready,
+                                           tensor_words, wait_or_record, wait_ready)
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 
 PRODUCERS = ("device", "copy_engine", "pull")
@@ -98,9 +98,7 @@ def push_chunk(x_ptr, data_ptrs, ready_ptrs, ack_ptr, error_ptr, dest, chunk, ra
             c += BLOCK_C
         r += BLOCK_R
     if released:
-        tl.debug_barrier()
-        flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * chunks + chunk
-        tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+        signal_peer(ready_ptrs, dest, rank * chunks + chunk, epoch)
 
 
 @triton.jit(do_not_specialize=["epoch"])  # one compiled variant for every epoch

@@ -72,7 +72,7 @@ from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels import TL_DTYPES, dot_precision
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned
 from fused_dlrm.kernels.peer_flags import (PeerErrors, _spin_limit_unless_failed, consumer_released, record_timeout,
-                                           signal_ready, wait_or_record)
+                                           signal_peer, signal_ready, wait_or_record)
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from fused_dlrm.kernels.tma import descriptor, require_tma_readable
 from moe.expert_layout import DispatchTables, ExpertLayout, receive_capacity
@@ -262,9 +262,7 @@ def _expert_down_kernel(h_ptr, w2_ptr, tiles_ptr, tile_count_ptr, out_ptrs, read
             out_ptr = out + (dest_row + m)[:, None] * D_MODEL + cols[None, :]
             tl.store(out_ptr, acc.to(OUT_DTYPE), mask=row_mask[:, None] & col_mask[None, :] & released)
             if released:
-                flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + slot * N_COL + col
-                tl.debug_barrier()  # every thread's stores of the tile before the flag
-                tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+                signal_peer(ready_ptrs, dest, slot * N_COL + col, epoch)
         t += num_programs
 
 
@@ -358,11 +356,10 @@ def _sum_token_rows_kernel(y_ptr, rows_of_token_ptr, weight_of_row_ptr, source_o
                         mask=ok[:, None] & col_mask[None, :], other=0.0)
             acc += y.to(tl.float32) * w[:, None]
         tl.store(parts + cols[None, :], acc.to(OUT_DTYPE), mask=(here & released)[:, None] & col_mask[None, :])
-    tl.debug_barrier()  # every thread's stores before the flag, or before the own part is read back
+    tl.debug_barrier()  # every thread's stores before the own part is read back (signal_peer has its own)
     if source != rank:
         if released:
-            flag = tl.load(ready_ptrs + source).to(tl.pointer_type(tl.int32)) + rank * token_blocks + block
-            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+            signal_peer(ready_ptrs, source, rank * token_blocks + block, epoch)
     else:
         own_ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
         _sum_owner_parts(parts_of_source, tokens, inverse_ptr, owner_of_row_ptr, own_ready, error_ptr, out_ptr, rank,
@@ -599,10 +596,8 @@ def _push_token_gradients_kernel(grad_ptr, inverse_ptr, owner_of_row_ptr, dest_o
         m = mask[:, None] & (cols < D_MODEL)[None, :]
         g = tl.load(grad_ptr + tokens.to(tl.int64)[:, None] * D_MODEL + cols[None, :], mask=m)
         tl.store(out + at[:, None] * D_MODEL + cols[None, :], g, mask=m)
-    tl.debug_barrier()  # every thread's stores before the flag
     if released:
-        flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * token_blocks + block
-        tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+        signal_peer(ready_ptrs, dest, rank * token_blocks + block, epoch)
 
 
 @triton.jit(do_not_specialize=["num_row_tiles", "token_blocks", "epoch", "spin_limit"])  # one variant for all steps

@@ -82,7 +82,7 @@ from fused_dlrm.dist.symmetric import _Workspace
 from fused_dlrm.kernels import TL_DTYPES, dot_precision
 from fused_dlrm.kernels.launch import CompiledLaunches, aligned
 from fused_dlrm.kernels.peer_flags import (PeerErrors, consumer_released, poll_ready, record_refused, record_timeout,
-                                           signal_ready, wait_at_least)
+                                           signal_peer, signal_ready, wait_at_least)
 from fused_dlrm.kernels.peer_tiles import remote_first_order
 from fused_dlrm.kernels.tma import descriptor, require_tma_readable
 from moe.expert_layout import DispatchTables, ExpertLayout, receive_capacity
@@ -205,13 +205,11 @@ def _push_rows_kernel(
                     m = mask[:, None] & (k + cols < D)[None, :]
                     v = tl.load(x_ptr + token[:, None] * D + k + cols[None, :], mask=m)
                     tl.store(out + at[:, None] * D + k + cols[None, :], v, mask=m)
-                # One flag, in the owner only (peer_flags.signal_ready raises a slot in every rank); none over
+                # One flag, in the owner only (signal_peer; signal_ready raises a slot in every rank); none over
                 # rows not stored (the owner's wait for them times out, naming this rank; it never reads the
                 # rows of the epoch before last as this one's).
                 if released:
-                    tl.debug_barrier()
-                    flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * chunks + c
-                    tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+                    signal_peer(ready_ptrs, dest, rank * chunks + c, epoch)
         u += num_programs
 
 
@@ -270,9 +268,7 @@ def _push_tokens_kernel(
         row_weights = tl.load(weights_ptrs + dest).to(tl.pointer_type(tl.float32)) + slot * MAX_ROWS
         tl.store(row_weights + r, tl.load(row_weight_ptr + r, mask=r_mask, other=0.0), mask=r_mask)
         if released:  # no flag over a unit not stored: the owner's wait for it times out, naming this rank
-            tl.debug_barrier()  # every thread's stores before the flag
-            flag = tl.load(ready_ptrs + dest).to(tl.pointer_type(tl.int32)) + rank * UNITS + c
-            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+            signal_peer(ready_ptrs, dest, rank * UNITS + c, epoch)
         u += num_programs
 
 
