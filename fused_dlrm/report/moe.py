@@ -49,10 +49,12 @@ def fused_moe(cfg: DictConfig, env: DistEnv, layer: MoELayer) -> tuple[MoELayer 
         return reason, reason
     m = cfg.model
     fused_cfg = with_modes(cfg, "fused")
-    fused = MoELayer(m.d_model, m.ffn, m.num_experts, m.top_k, group=layer.group, capacity_factor=m.capacity_factor,
-                     drop_policy=m.drop_policy,
-                     device=env.device, comm="fused", fused=fused_moe_config(fused_cfg, env),
-                     statistics_group=layer.router.statistics_group)  # the same routing collectives as the bulk one
+    router = layer.router  # its routing settings, not the config's again: the twin routes as the bulk layer does
+    fused = MoELayer(m.d_model, m.ffn, m.num_experts, m.top_k, group=layer.group,
+                     capacity_factor=router.capacity_factor, renormalize=router.renormalize,
+                     drop_policy=router.drop_policy, device=env.device, comm="fused",
+                     fused=fused_moe_config(fused_cfg, env),
+                     statistics_group=router.statistics_group)  # the same routing collectives as the bulk one
     with torch.no_grad():  # router then experts in both (the model's layer renames its experts module only)
         for mine, theirs in zip(fused.parameters(), layer.parameters(), strict=True):
             mine.copy_(theirs)
