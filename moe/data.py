@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from fused_dlrm.data.batching import local_batch_bounds
-from fused_dlrm.train.config_keys import check_count
+from fused_dlrm.config_checks import check_count
 
 log = logging.getLogger(__name__)
 

@@ -36,6 +36,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.optim.lr_scheduler import LambdaLR
 
+from fused_dlrm.config_checks import check_count
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.dist.alltoall import world_size
@@ -43,7 +44,7 @@ from fused_dlrm.dist.env import raise_on_every_rank
 from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.dist.symmetric import check_allocation_timeout
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
-from fused_dlrm.train.config_keys import check_config_keys, check_count
+from fused_dlrm.train.config_keys import check_config_keys
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult, check_trainer
 from fused_dlrm.tp import flat_buffer, quantized_all_reduce
 from fused_dlrm.tp.linear import check_tp_size, tp_groups

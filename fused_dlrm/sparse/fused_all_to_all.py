@@ -42,7 +42,7 @@ from fused_dlrm.kernels.push_columns import (GradientDestinations, PushColumnsLa
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.sparse.lookup import PooledEmbeddingLookup
 from fused_dlrm.sparse.plan import FeatureSlice
-from fused_dlrm.train.config_keys import check_count
+from fused_dlrm.config_checks import check_count
 
 PUSH_BLOCK_ROWS = 16  # rows per tile of the gradient push (a copy: one remote-first walk, kernels/peer_tiles.py)
 WORKSPACES = {"p2p": cuda_workspace, "nvshmem": NvshmemSymmetricWorkspace}  # comm.transport -> its symmetric memory

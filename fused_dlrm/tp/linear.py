@@ -51,7 +51,7 @@ from fused_dlrm.kernels import dtype_code, dtype_name
 from fused_dlrm.kernels.allgather_gemm import all_gather_matmul, check_weight
 from fused_dlrm.kernels.gemm_allreduce import GemmAllReduce
 from fused_dlrm.kernels.tma import require_tma_readable
-from fused_dlrm.train.config_keys import check_count
+from fused_dlrm.config_checks import check_count
 
 COMMS = ("bulk", "fused")
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # what the fused kernels compute in

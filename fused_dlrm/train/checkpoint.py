@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fused_dlrm.dist.env import all_reduce_sum, of_every_rank, problem_text, raise_on_every_rank
-from fused_dlrm.train.config_keys import check_count
+from fused_dlrm.config_checks import check_count
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,7 @@ model=dlrm or dlrm_paper), data.train._target_ (the dataset class; none: the byt
 against every option with that value (the error names them all): the same code reads what any of them sets. The
 trainer group has no such field: all its options. A value no packaged option has (an option of the user's own) is
 not checked, as with the record. (A guess from the config's keys alone would take comm=bulk holding all of
-comm=fused's keys for comm=fused.)
-
-`check_count` refuses a known key's count (steps, batches, checkpoints) that is no whole number: the loops' rule."""
+comm=fused's keys for comm=fused.)"""
 
 from __future__ import annotations
 
@@ -131,14 +129,6 @@ def _check_data_group(cfg: DictConfig, data: list[str]) -> None:
     if model in DATA_GROUPS and data and not set(data) & set(DATA_GROUPS[model]):
         raise ValueError(f"model.name={model} trains on {_either('data', list(DATA_GROUPS[model]))}, not "
                          f"{_either('data', data)} (leave data= out: the model picks its own)")
-
-
-def check_count(key: str, value: object, minimum: int, expected: str) -> None:
-    """Raise `<key>=<value>: expected <expected>` unless value is a whole number >= minimum: YAML's `true` is a
-    Python int (bool subclasses int) and would count as 1; a float would be compared and taken modulo as a step count
-    (eval_every=2.5: every fifth step), or fail at its first use, maybe after training (range(1.5))."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{key}={value!r}: expected {expected}")
 
 
 def check_config_keys(cfg: DictConfig) -> None:

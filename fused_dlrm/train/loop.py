@@ -46,6 +46,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torchrec.datasets.utils import Batch
 
+from fused_dlrm.config_checks import check_count
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.dist.env import input_stream
 from fused_dlrm.models.arch_nodes import sets_every_gradient
@@ -54,7 +55,7 @@ from fused_dlrm.sparse.sharded_ebc import FeaturesOrError
 from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, fused_comm, to_device
 from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
-from fused_dlrm.train.config_keys import check_config_keys, check_count
+from fused_dlrm.train.config_keys import check_config_keys
 from fused_dlrm.train.direct_step import DirectDLRMStep, direct_step_refusal
 from fused_dlrm.train.graphed_step import dense_step
 from fused_dlrm.train.metrics import CTRMetrics

@@ -30,7 +30,7 @@ from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.dist.env import raise_on_every_rank
 from fused_dlrm.kernels.peer_flags import PEER_ERRORS, check_every_error_word
 from fused_dlrm.train.checkpoint import NonFiniteLossError, check_keep_last, last_good_checkpoint, latest_checkpoint
-from fused_dlrm.train.config_keys import check_count
+from fused_dlrm.config_checks import check_count
 
 log = logging.getLogger(__name__)
 
