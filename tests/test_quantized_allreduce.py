@@ -1,7 +1,8 @@
 """Quantized two-shot all-reduce on gloo processes (the bulk twin): equal bit for bit to the pure-torch reference
 that the fused kernel also equals, within the documented bound of the exact sum, identical on every rank; calls
 that differ between ranks raise CallMismatch on every rank (on gloo, and in the bulk twin as on NCCL); the DDP
-hook keeps a tiny model's gradients within the bound of plain DDP."""
+hook keeps a tiny model's gradients within the bound of plain DDP and reduces each parameter of a bucket from a
+block of its own (in place where DDP's layout is that already)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fused_dlrm.dist import env
 from fused_dlrm.dist.env import CallMismatch
-from fused_dlrm.kernels.quant_codecs import CODECS
+from fused_dlrm.kernels.quant_codecs import BLOCK, CODECS
 from fused_dlrm.kernels.quantized_allreduce import quantized_all_reduce_reference, two_shot_error_bound
-from fused_dlrm.tp import (QuantizedHookState, block_offsets, chooser, flat_buffer, quantized_all_reduce,
-                           quantized_allreduce_hook)
+from fused_dlrm.tp import (GRAD_ALLREDUCE_CODECS, QuantizedHookState, block_offsets, chooser, flat_buffer,
+                           quantized_all_reduce, quantized_allreduce_hook)
 import fused_dlrm.tp.quantized_allreduce as qar
 from world import run_world
 
@@ -156,6 +157,82 @@ def _ddp_hook(rank: int, world: int, device_type: str = "cpu") -> None:
 
 def test_ddp_hook_within_bound_of_plain_ddp():
     run_world(2, _ddp_hook)
+
+
+class _TwoScales(nn.Module):
+    """Two parameters whose gradients are the forward's inputs, as given: DDP packs them into one bucket."""
+
+    def __init__(self, large: int, small: int):
+        super().__init__()
+        self.large, self.small = nn.Parameter(torch.zeros(large)), nn.Parameter(torch.zeros(small))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (self.large * a).sum() + (self.small * b).sum()
+
+
+def _ddp_hook_blocks(rank: int, world: int, device_type: str = "cpu") -> None:
+    """A bucket packing a large parameter's gradients (~1e3) beside a small one's (~1e-3), in both orders (DDP's
+    first step packs the parameters' order, its second the order their gradients came in). Packed back to back,
+    a block holding both got the large values' scale and the small ones came back as 0 (q8, fp8, q6, q4); the hook
+    reduces each from a block of its own: bit for bit the two-shot of `flat_buffer`'s layout, each parameter
+    within its own bound. A bucket already laid out so (each parameter from a block), or a plain codec, is reduced
+    in place. Also run on 2 GPUs by tests/test_quantized_allreduce_gpu.py (the fused kernel)."""
+    device = torch.device(device_type, rank if device_type == "cuda" else 0)
+    reduced = []  # (address, numel) of what each all-reduce was given
+    reduce = qar.quantized_all_reduce
+
+    def recording(x, *args, **kwargs):
+        reduced.append((x.data_ptr(), x.numel()))
+        return reduce(x, *args, **kwargs)
+
+    qar.quantized_all_reduce = recording  # the hook's; this rank's process alone
+
+    def hook(state, bucket):  # unannotated: this module's annotations are strings, which DDP refuses
+        buffer = bucket.buffer()
+        layouts.append(([p.numel() for p in bucket.parameters()],
+                        [g.storage_offset() - buffer.storage_offset() for g in bucket.gradients()]))
+        fut = quantized_allreduce_hook(state, bucket)
+        layouts[-1] += (reduced[-1] == (buffer.data_ptr(), buffer.numel()),)  # in place
+        return fut
+
+    unaligned = []
+    for large, small in ((1000, 20), (1024, 32)):  # a block shared in either order; whole blocks each
+        for codec in GRAD_ALLREDUCE_CODECS:
+            model = DistributedDataParallel(_TwoScales(large, small).to(device))
+            model.register_comm_hook(QuantizedHookState(codec), hook)
+            for step in range(2):
+                gens = [torch.Generator().manual_seed(10 * step + r) for r in range(world)]
+                local = [{large: torch.randn(large, generator=g) * 1e3, small: torch.randn(small, generator=g) * 1e-3}
+                         for g in gens]
+                layouts = []
+                model.zero_grad()
+                model(local[rank][large].to(device), local[rank][small].to(device)).backward()
+                [(numels, offsets, in_place)] = layouts
+                assert step == 1 or numels == [large, small], numels  # first the parameters' order
+                aligned = all(o % BLOCK == 0 for o in offsets)
+                unaligned += [not aligned]
+                grads = {p.numel(): p.grad.cpu() for p in model.parameters()}
+                if codec in qar.PLAIN:  # as plain DDP: each term halved, then summed
+                    for n, g in grads.items():
+                        assert torch.equal(g, sum(x[n] / world for x in local)), (codec, n)
+                else:
+                    for n, g in grads.items():
+                        xs = [x[n] for x in local]
+                        exact = sum(x.double() for x in xs) / world
+                        assert ((g.double() - exact).abs() <= two_shot_error_bound(xs, codec, mean=True)).all(), (
+                            codec, n, offsets, ((g.double() - exact).abs() / exact.abs()).max().item())
+                    laid = [flat_buffer([x[n] for n in numels], codec) for x in local]
+                    for (_, views), x in zip(laid, local):
+                        torch._foreach_copy_(views, [x[n] for n in numels])
+                    want = quantized_all_reduce_reference([flat for flat, _ in laid], codec, mean=True)
+                    for n, start in zip(numels, block_offsets(numels, codec)):
+                        assert torch.equal(grads[n], want[start:start + n]), (codec, n)
+                assert in_place == (aligned or codec in qar.PLAIN), (codec, offsets)
+    assert any(unaligned) and not all(unaligned)  # both kinds of bucket were met
+
+
+def test_ddp_hook_reduces_each_parameter_from_a_block_of_its_own():
+    run_world(2, _ddp_hook_blocks, timeout=600)
 
 
 # Rank 1's call differs from the others' (4096 float32 values, q8 sums; `numel` values where a third item says) in one

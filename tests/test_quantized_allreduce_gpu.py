@@ -2,12 +2,13 @@
 the repeated calls' direct replays also at world 1 on one GPU).
 
 Bit-equal to the bulk twin (codec kernels around NCCL all_to_all / all_gather) for every codec, bf16 and fp32
-inputs, sum and mean; bit-identical across ranks; within the documented bound of the fp64 sum; 1,000
-consecutive calls of changing sizes and codecs on the same flags; calls that replay CUDA graphs; the DDP hook
-(q8, fused) within the bound of plain DDP; a missing peer raises PeerWaitTimeout; ranks calling with other
-codecs raise PeerCallMismatch and a call one rank refuses raises on both (two ranks sharing one GPU suffice), and
-calls unlike a peer's CallMismatch in the bulk twin (its check over the group's gloo side group); the codec kernels equal the CPU reference bit for bit at every
-magnitude, fp32's denormals to its largest value (one GPU).
+inputs, sum and mean; bit-identical across ranks; within the documented bound of the fp64 sum; 1,000 consecutive
+calls of changing sizes and codecs on the same flags; calls that replay CUDA graphs; the DDP hook (q8, fused) within
+the bound of plain DDP, and each parameter of a bucket reduced from a block of its own; a missing peer raises
+PeerWaitTimeout; ranks calling with other codecs raise PeerCallMismatch and a call one rank refuses raises on both
+(two ranks sharing one GPU suffice), and calls unlike a peer's CallMismatch in the bulk twin (its check over the
+group's gloo side group); the codec kernels equal the CPU reference bit for bit at every magnitude, fp32's denormals
+to its largest value (one GPU).
 CI has no GPU: this runs on the device machine.
 """
 
@@ -22,7 +23,7 @@ from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerRefusedInput, Pe
 from fused_dlrm.kernels.quant_codecs import CODECS, Encoded, decode, decode_reference, encode, encode_reference
 from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce, max_programs_for, two_shot_error_bound
 from fused_dlrm.tp.quantized_allreduce import fused_for_group, quantized_all_reduce
-from test_quantized_allreduce import _ddp_hook, _different_calls
+from test_quantized_allreduce import _ddp_hook, _ddp_hook_blocks, _different_calls
 from world import ONE_GPU, TWO_GPUS, run_world
 
 
@@ -144,6 +145,11 @@ def test_calls_on_the_same_tensors_replay_a_graph():
 @TWO_GPUS
 def test_ddp_hook_within_bound_of_plain_ddp():
     run_world(2, _ddp_hook, "cuda", backend="nccl")
+
+
+@TWO_GPUS
+def test_ddp_hook_reduces_each_parameter_from_a_block_of_its_own():
+    run_world(2, _ddp_hook_blocks, "cuda", backend="nccl", timeout=600)
 
 
 def _missing_peer(rank: int, world: int) -> None:
