@@ -102,9 +102,10 @@ def _every_site(rank: int, world: int) -> None:
     layer = report_layers.grad_allreduce_layer([100], "q8", env, None, BOUND)
     _reaches(seen, "CudaSymmetricWorkspace", layer.fused["fwd_bwd"])
 
-    # DDP's communication hook (its bucket: only its buffer is read)
+    # DDP's communication hook (its bucket: its buffer, one parameter's gradient)
     state = QuantizedHookState("q8", allocation_timeout_s=BOUND)
-    bucket = SimpleNamespace(buffer=lambda: torch.randn(100))
+    grads = torch.randn(100)
+    bucket = SimpleNamespace(buffer=lambda: grads, gradients=lambda: [grads])
     _reaches(seen, "CudaSymmetricWorkspace", lambda: quantized_allreduce_hook(state, bucket))
     dist.barrier()
 

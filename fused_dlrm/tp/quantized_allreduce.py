@@ -208,12 +208,24 @@ def quantized_allreduce_hook(state: QuantizedHookState,
 
     Register with `ddp_model.register_comm_hook(QuantizedHookState("q8"), quantized_allreduce_hook)`. The
     exchange is enqueued inside backward on the current stream (fused on CUDA: one launch; the bulk twin's
-    collectives are synchronous). DDP packs a bucket's parameters back to back: one sharing a block with a larger
-    one's gradients gets that block's scale (`flat_buffer`'s layout, where this library builds the buffer, avoids
-    it)."""
+    collectives are synchronous). DDP packs a bucket's parameters back to back, where a small parameter's gradients
+    sharing a block with a larger one's would get that block's scale (a 1e-3 gradient beside 1e3 ones came back 0).
+    So, with a codec, a bucket whose parameters do not each start at a block is reduced in `flat_buffer`'s layout
+    (each from a block, its error its own blocks') and copied back: one copy each way. A bucket laid out so
+    already (a single parameter, sizes of whole blocks) or a plain codec's is reduced in place."""
     grads = bucket.buffer()
     codec = chooser(grads.numel() * grads.element_size(), state.codec, state.min_bytes)
+    views = bucket.gradients()  # each parameter's, views of grads; laid out alike on every rank: one branch for all
+    if ([v.storage_offset() - grads.storage_offset() for v in views]
+            == block_offsets([v.numel() for v in views], codec)[:-1]):
+        flat = grads  # in place: no copy
+    else:
+        flat, aligned = flat_buffer(views, codec)
+        torch._foreach_copy_(aligned, views)
+    quantized_all_reduce(flat, codec, state.group, mean=True, out=flat,
+                         allocation_timeout_s=state.allocation_timeout_s)
+    if flat is not grads:
+        torch._foreach_copy_(views, aligned)
     fut = torch.futures.Future()
-    fut.set_result(quantized_all_reduce(grads, codec, state.group, mean=True, out=grads,  # in place: no copy back
-                                        allocation_timeout_s=state.allocation_timeout_s))
+    fut.set_result(grads)
     return fut
