@@ -5,7 +5,8 @@ equal to 1 arriving as constexprs, tl.dot shapes and dtypes, shared memory) is c
 `build(fn, types, constants, num_warps=4, num_stages=3)`: `types` maps argument names to Triton types (pointers
 "*fp16", ...; others default to "i32"), `constants` the constexpr arguments, `divisible` the integer arguments a launch passes as multiples of 16
 (Triton specialises those, which enables e.g. software pipelining of loops over them); it returns the compiled kernel (its
-`asm` holds the TTGIR and PTX).
+`asm` holds the TTGIR and PTX). `build_launch(fn, args, options)` compiles it as a launch with those arguments
+specialises it; `resources(kernel)`: its registers and stack (spills) per thread.
 """
 
 from __future__ import annotations
@@ -29,6 +30,38 @@ def build(fn, types, constants, num_warps=4, num_stages=3, divisible=()):
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
     assert kernel.metadata.shared <= 227 * 1024, (fn.__name__, kernel.metadata.shared)
     return kernel
+
+def build_launch(fn, args, options, **constants):
+    """fn compiled as a launch with `args` (every argument in order, constexprs included) specialises it: ints
+    equal to 1 constexprs, other ints and tensors' addresses divisible by 16 (as a launch's aligned buffers), but
+    for do_not_specialize arguments; `constants` replace constexprs (e.g. the interpreter's)."""
+    import torch
+    types = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
+             torch.int64: "*i64"}
+    names, signature, fixed, aligned = fn.arg_names, {}, {}, {}
+    for i, (name, value, param) in enumerate(zip(names, args, fn.params)):
+        if param.is_constexpr:
+            fixed[(i,)], signature[name] = constants.get(name, value), "constexpr"
+        elif isinstance(value, torch.Tensor):
+            signature[name], aligned[(i,)] = types[value.dtype], [["tt.divisibility", 16]]
+        elif value == 1 and not param.do_not_specialize:
+            fixed[(i,)], signature[name] = 1, "constexpr"
+        else:
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0 and not param.do_not_specialize:
+                aligned[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, signature, fixed, aligned), target=GPUTarget("cuda", 90, 32), options=options)
+
+def resources(kernel):
+    """(registers per thread, stack bytes per thread: spills) of a compiled kernel, read by Triton's cuobjdump."""
+    import os, re, subprocess, tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1))
 '''
 
 

@@ -638,6 +638,37 @@ def test_kernel_compiles_for_sm90():
     compile_for_sm90(COMPILE_FOR_SM90)
 
 
+PLANS_CO_RESIDENT_ON_SM90 = r"""
+import types
+import torch
+torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=132)  # H100 / H200
+from fused_dlrm.dist.symmetric import SimulatedWorld
+from fused_dlrm.kernels import gemm_allreduce
+from fused_dlrm.kernels.launch import resident_programs_per_sm
+
+op = gemm_allreduce.GemmAllReduce(SimulatedWorld(2).workspaces()[0])  # the plans' own grids: num_programs None
+gen = torch.Generator().manual_seed(3)
+# FEW_ROWS at one and two programs per SM (N=8192: 128 tiles; 28672: 448), one-shot and reduce-scatter; MANY_ROWS
+for m, n, k, scatter in ((1, 8192, 4096, False), (1, 28672, 4096, False), (16, 28672, 8192, False),
+                         (64, 28672, 4096, False), (64, 8192, 4096, True), (2048, 8192, 4096, False)):
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(k, n, generator=gen).to(torch.bfloat16)
+    plan = op._plan_of(x, w, gemm_allreduce.ALL_PHASES, scatter)
+    kernel = build_launch(gemm_allreduce._gemm_allreduce_kernel, plan.args(x, w, 3), plan.options, DOT_FP32=False)
+    registers, stack = resources(kernel)
+    per_sm = resident_programs_per_sm(registers, plan.options["num_warps"], kernel.metadata.shared)
+    assert per_sm * 132 >= plan.num_programs, (m, n, scatter, plan.num_programs, registers, kernel.metadata.shared)
+    assert m > 64 or stack == 0, (m, n, scatter, registers, stack)  # FEW_ROWS's bound spills nothing
+"""
+
+
+def test_plans_grids_are_co_resident_on_sm90():
+    """On 132 SMs each plan's grid fits the GPU at once (its programs wait for each other's flags): FEW_ROWS's
+    grids of two programs per SM bound their registers (ptxas took 162-183 unbounded), without spills. Compiled
+    as the launches specialise the kernel, registers counted in the sm_90 binary."""
+    compile_for_sm90(PLANS_CO_RESIDENT_ON_SM90)
+
+
 def test_tiling_by_rows():
     """Up to 64 rows FEW_ROWS's tiles, more MANY_ROWS's; given fields replace both tilings' own."""
     op = GemmAllReduce(SimulatedWorld(1).workspaces()[0], num_programs=1, block_n=16)

@@ -27,11 +27,14 @@ tiles cut at its end), reduces them into its own [M / world, N] output, and rais
 phase has nothing to wait for).
 
 Programs wait for flags raised by other programs of the same launch, here and on peers: the grid must be
-co-resident. FEW_ROWS's PROGRAMS_PER_SM = 2 fits its configurations on sm_90 (8 warps; 5 stages at
-BLOCK_M 16: 64 registers, 80 KiB of shared memory per program; 3 stages above: 105 registers, 96 KiB at BLOCK_M
-64; ptxas figures of the 2026-11-23 sweep on 2 x H200, docs/benchmarks.md), MANY_ROWS runs one per SM; were it not
-co-resident (e.g. a larger `programs_per_sm` or `num_stages` given to the constructor for a sweep), the waits
-would time out and raise, not hang. The Triton interpreter runs programs one after another, so a
+co-resident. A plan of more programs than SMs bounds the registers per thread (ptxas' maxnreg,
+`launch.registers_per_thread`: 128 for FEW_ROWS's PROGRAMS_PER_SM = 2 of 8 warps): unbounded, ptxas took 162-183
+for FEW_ROWS's tiles (since the calls' signatures, 06ff54d; 143-194 at BLOCK_M 64 before), one program per SM, and
+a grid of two per SM was not co-resident (sm_90 builds of the launches' specialisation, counted with cuobjdump;
+bounded: 122-128, no spills; docs/benchmarks.md, 2026-12-05). Their shared memory fits two per SM (5 stages at
+BLOCK_M 16: 80 KiB; 3 stages above: 96 KiB at BLOCK_M 64); MANY_ROWS runs one per SM. Were the grid not
+co-resident all the same (e.g. a larger `programs_per_sm` or `num_stages` given to the constructor for a sweep),
+the waits would time out and raise, not hang. The Triton interpreter runs programs one after another, so a
 simulated world launches the three phases separately (`PHASES`), every rank's phase before the next phase.
 
 Buffers (symmetric, double-buffered by epoch parity): a rank can only start call e + 2 once its call e + 1 has
@@ -96,7 +99,7 @@ import triton.language as tl
 
 from fused_dlrm.dist.symmetric import PeerBuffer, _Workspace
 from fused_dlrm.kernels import dtype_code, dtype_name
-from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned
+from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned, registers_per_thread
 from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, TENSOR_WORDS, PeerErrors, RefusedCall,
                                            check_spin_limit, describe_foreign, describe_refused_calls,
                                            describe_signatures, describe_tensor, foreign_operand, publish_refusal,
@@ -451,7 +454,7 @@ class Plan:
     out: PeerBuffer | None
     outputs: tuple[torch.Tensor, torch.Tensor]
     args: Arguments  # filled per call with x, w and the epoch
-    options: dict  # launch options (num_warps, num_stages)
+    options: dict  # launch options (num_warps, num_stages; maxnreg for more programs than SMs)
     one_shot: bool
     split_k: int  # K chunks per tile
 
@@ -494,8 +497,10 @@ class GemmAllReduce:
                      programs_per_sm=programs_per_sm)
         self.tilings = [replace(t, **{k: v for k, v in given.items() if v is not None}) for t in (FEW_ROWS, MANY_ROWS)]
         self.given_programs = num_programs
+        # the grids' programs per SM, for their register bound (`_plan`); none in a simulated world on the CPU
+        per_device = num_programs is None or torch.device(device).type == "cuda"
+        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if per_device else None
         if num_programs is None:
-            self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
             num_programs = max(t.programs_per_sm or PROGRAMS_PER_SM for t in self.tilings) * self.sm_count
         self.num_programs, self.spin_limit = num_programs, spin_limit  # the largest grid: the flags' stride
         self.split_k = split_k
@@ -619,6 +624,9 @@ class GemmAllReduce:
             recv_half = out_half = 0
         interpret = self._launches.interpret
         options = dict(num_warps=tiling.num_warps, num_stages=tiling.num_stages or (5 if block_m == 16 else 3))
+        per_sm = -(-P // self.sm_count) if self.sm_count else 1
+        if per_sm > 1:  # the grid co-resident (the module docstring)
+            options["maxnreg"] = registers_per_thread(per_sm, tiling.num_warps)
         args = Arguments(
             _gemm_allreduce_kernel, ("x_ptr", "w_ptr", "epoch"),
             stride_xm=x.stride(0), stride_xk=x.stride(1), stride_wk=w.stride(0), stride_wn=w.stride(1),

@@ -58,6 +58,13 @@ def resident_programs_per_sm(n_regs: int, num_warps: int, shared: int) -> int:
     return min(by_registers, by_shared, SM_THREADS // threads, SM_PROGRAMS)
 
 
+def registers_per_thread(programs_per_sm: int, num_warps: int) -> int:
+    """The most registers per thread (ptxas' maxnreg: a multiple of 8, at most 255) that leave room for
+    `programs_per_sm` programs of `num_warps` warps on one sm_90 SM. Given no bound, ptxas takes what it likes, up
+    to 255: one 8-warp program per SM."""
+    return min(255, SM_REGISTERS // (programs_per_sm * 32 * num_warps) // 8 * 8)
+
+
 class Arguments:
     """A kernel's argument list in its order, constexprs included, fixed but for the `per_call` names: built once
     per plan by name (no argument can land in the wrong place), filled per call by position."""
