@@ -136,12 +136,12 @@ def stock_torchrec(reference: EmbeddingBagCollection, module_plan, setup: Optimi
     return dmp
 
 
-def explicit_plan(tables, generators: dict, world: int, sharder) -> dict:
+def explicit_plan(tables, generators: dict, world: int, sharder, local_size: int | None = None) -> dict:
     """torchrec's module plan from sharding_plan's generators (table_wise(rank=..), column_wise(ranks=..),
-    row_wise()), for the generators of `tables`."""
+    row_wise()), for the generators of `tables`; local_size: ranks per host (all of them: one host)."""
     return construct_module_sharding_plan(EmbeddingBagCollection(tables, device=torch.device("meta")),
                                           {t.name: generators[t.name] for t in tables}, sharder=sharder,
-                                          local_size=world, world_size=world, device_type="cpu")
+                                          local_size=local_size or world, world_size=world, device_type="cpu")
 
 
 def compare_with_stock_torchrec(rank: int, world: int, cases) -> None:
