@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from world import run_world
 
 from torchrec import EmbeddingBagConfig
@@ -23,6 +25,7 @@ from fused_dlrm.sparse import (EmbeddingOptimizerConfig, ShardedEmbeddingBagColl
                                 plan_sharding)
 from fused_dlrm.sparse.plan import Shard
 from fused_dlrm.sparse.sharded_ebc import shard_weight
+from fused_dlrm.sparse.sharded_state import TablePieces
 from fused_dlrm.train.checkpoint import NonFiniteLossError, load_checkpoint, save_checkpoint
 
 
@@ -73,10 +76,10 @@ def _randomise(model: _Sharded, seed: int) -> None:
         t.copy_(torch.rand(t.shape, generator=gen))
 
 
-def _whole(root: str, key: str, size: list[int]) -> torch.Tensor:
-    """An entry of checkpoint step_4 as one tensor, read by torch.distributed.checkpoint on this rank."""
+def _whole(root: str, key: str, size: list[int], step: int = 4) -> torch.Tensor:
+    """An entry of checkpoint step_<step> as one tensor, read by torch.distributed.checkpoint on this rank."""
     whole = {key: torch.full(size, float("nan"))}
-    dcp.load(whole, checkpoint_id=Path(root, "step_4"))
+    dcp.load(whole, checkpoint_id=Path(root, f"step_{step}"))
     return whole[key]
 
 
@@ -176,38 +179,124 @@ def test_per_table_optimizer_state_round_trips(tmp_path):
     run_world(2, _per_table_state_round_trip, str(tmp_path), timeout=120)
 
 
+# A world of one's cut tables (a in row blocks of 5 and 5 rows, c in column shards, b whole), and a plan of two ranks
+# for its checkpoint: a in row blocks of 7 and 3 rows on swapped ranks, b in row blocks, c's column shards (row-wise
+# Adagrad's: the same cuts) on swapped ranks.
+ROWS = {"a": 10, "b": 12, "c": 9}
+TWO_RANKS = TableShardingPlan(2, (Shard("a", 1, 0, 4, "a_rows_0_to_6", 0, 7),
+                                  Shard("a", 0, 0, 4, "a_rows_7_to_9", 7, 3), Shard("b", 0, 0, 4, "b_rows_0_to_6", 0, 7),
+                                  Shard("b", 1, 0, 4, "b_rows_7_to_11", 7, 5), Shard("c", 1, 0, 2, "c_cols_0_to_1"),
+                                  Shard("c", 0, 2, 2, "c_cols_2_to_3")))
+
+
+def _cut(plan: TableShardingPlan | None = None, rows: dict[str, int] = ROWS, dim: int = 4,
+         device: str = "cpu") -> nn.Module:
+    """Tables a, b, c of `rows` and `dim` columns (row-wise Adagrad) under `plan`; None: a world of one's, a in two
+    row blocks and c in two column shards."""
+    tables = [EmbeddingBagConfig(name=name, embedding_dim=dim, num_embeddings=n, feature_names=[f"f{name}"])
+              for name, n in rows.items()]
+    model = nn.Module()
+    model.sparse = ShardedEmbeddingBagCollection(tables, EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.1),
+                                                 plan=plan or plan_sharding(tables, 1, column_shards={"c": 2},
+                                                                            row_shards={"a": 2}), device=device)
+    model.dense = nn.Linear(3, 2)
+    return model
+
+
+def _save(root, step: int, model: nn.Module) -> None:
+    save_checkpoint(root, step, model, torch.optim.Adam(model.dense.parameters()), model.sparse.fused_optimizer)
+
+
+def _load(root, model: nn.Module) -> int:
+    return load_checkpoint(root, model, torch.optim.Adam(model.dense.parameters()), model.sparse.fused_optimizer)
+
+
+class _Made(TorchDispatchMode):
+    """Records the shape of every tensor that the ops run under it make, those of a tensor subclass's own
+    dispatch too (an op on a subclass goes to it first: its ops then run under this mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[list[int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is not torch.Tensor for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [list(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+def _assert_holds(model: nn.Module, rank: int, root: str, step: int) -> None:
+    """Each of `model`'s shards on this rank holds its rows and columns of checkpoint step_<step> (each entry read
+    whole by DCP, on every rank alike) bit for bit, and its accumulators theirs (torchrec's layout: by row, or a
+    column shard's rows at its place in column order)."""
+    plan, momentum = model.sparse.plan, model.sparse.lookup.optimizer.momentum
+    for table, rows in ROWS.items():
+        cuts = [c for c in plan.shards if c.table == table]
+        columns = len(cuts) if cuts[0].rows is None else 1
+        weight = _whole(root, f"model.sparse.embedding_bags.{table}.weight", [rows, 4], step)
+        saved = _whole(root, f"embedding_optimizer.state.embedding_bags.{table}.weight.{table}.momentum1",
+                       [rows * columns], step)
+        for s in (c for c in cuts if c.rank == rank):
+            assert torch.equal(model.sparse.shard_weights[s.name], shard_weight(weight, s)), s
+            start = s.row if columns == 1 else cuts.index(s) * rows
+            assert torch.equal(momentum[s.name], saved[start:start + momentum[s.name].numel()]), s
+
+
+def _two_ranks_load_and_save(rank: int, world: int, root: str) -> None:
+    model = _cut(TWO_RANKS)
+    assert _load(root, model) == 3
+    _assert_holds(model, rank, root, 3)
+    _randomise(model, 10 + rank)
+    _save(root, 5, model)
+    _assert_holds(model, rank, root, 5)  # what it saved: its own
+
+
 def test_a_world_of_one_keeps_no_copy_of_its_cut_tables(tmp_path):
-    """Without a process group a table cut into shards has a state_dict entry that is a copy of them
-    (sharded_state); the fused optimizer holds its tables' keys for the whole run, which must not be such copies (a
-    one-GPU run of the paper's tables in row blocks would hold every table twice). Its state still round-trips."""
-    tables = [EmbeddingBagConfig(name=name, embedding_dim=4, num_embeddings=rows, feature_names=[f"f{name}"])
-              for name, rows in (("a", 10), ("b", 12), ("c", 9))]
-    plan = plan_sharding(tables, 1, column_shards={"c": 2}, row_shards={"a": 2})
-
-    def sharded() -> nn.Module:
-        model = nn.Module()
-        model.sparse = ShardedEmbeddingBagCollection(tables, EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.1),
-                                                     plan=plan)
-        model.dense = nn.Linear(3, 2)
-        return model
-
-    model = sharded()
+    """Without a process group a cut table's entry is the whole table's, yet no copy of it: the fused optimizer's
+    keys are held for the whole run (a one-GPU run of the paper's tables in row blocks would hold every table
+    twice), and a checkpoint's save and load must not make one either (a table's memory again, per cut table, on
+    its GPU). Its checkpoint resumes in a world of one and under two ranks' plan, and theirs in a world of one."""
+    model = _cut()
     storage = {w.data_ptr() for w in model.sparse.shard_weights.values()}
     params = model.sparse.fused_optimizer.params
     assert sorted(params) == [f"embedding_bags.{t}.weight" for t in "abc"]
-    assert all(p.data_ptr() in storage for p in params.values()), "a copy of a table held for the run"
-    gen = torch.Generator().manual_seed(0)
-    optimizer = model.sparse.lookup.optimizer
-    for t in [*optimizer.weights.values(), *optimizer.momentum.values()]:  # as after training
-        t.copy_(torch.rand(t.shape, generator=gen))
-    save_checkpoint(tmp_path, 3, model, torch.optim.Adam(model.dense.parameters()), model.sparse.fused_optimizer)
-    other = sharded()
-    assert load_checkpoint(tmp_path, other, torch.optim.Adam(other.dense.parameters()),
-                           other.sparse.fused_optimizer) == 3
-    for name, w in optimizer.weights.items():
-        assert torch.equal(other.sparse.lookup.optimizer.weights[name], w), name
-    for name, m in optimizer.momentum.items():
-        assert torch.equal(other.sparse.lookup.optimizer.momentum[name], m), name
+    held = [t for p in params.values() for t in (p.pieces.values() if isinstance(p, TablePieces) else [p])]
+    assert len(held) == 5 and all(t.data_ptr() in storage for t in held), "a copy of a table held for the run"
+    _randomise(model, 0)
+    other = _cut()
+    cut_tables = [[ROWS["a"], 4], [ROWS["c"], 4]]
+    with _Made() as made:
+        _save(tmp_path, 3, model)
+        assert _load(tmp_path, other) == 3
+    assert not [shape for shape in made.shapes if shape in cut_tables], "a copy of a cut table"
+    _assert_holds(model, 0, tmp_path, 3)  # what it saved: its own
+    _assert_holds(other, 0, tmp_path, 3)
+    run_world(2, _two_ranks_load_and_save, str(tmp_path), timeout=300)
+    with _Made() as made:
+        assert _load(tmp_path, other) == 5
+    assert not [shape for shape in made.shapes if shape in cut_tables], "a copy of a cut table"
+    _assert_holds(other, 0, tmp_path, 5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_one_gpu_checkpoint_of_cut_tables_takes_no_gpu_memory_of_their_size(tmp_path):
+    """On a GPU: saving and loading two cut tables of 256 MiB each (a in row blocks, c in column shards) allocates
+    no GPU memory of a table's size (a copy of each there made the save's peak twice the cut tables before)."""
+    rows = {"a": 1 << 20, "b": 12, "c": 1 << 20}
+    model, other = _cut(rows=rows, dim=64, device="cuda"), _cut(rows=rows, dim=64, device="cuda")
+    _randomise(model, 0)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    _save(tmp_path, 3, model)
+    assert _load(tmp_path, other) == 3
+    assert torch.cuda.max_memory_allocated() - before < (1 << 20) * 64 * 4 // 4
+    for name, weight in model.sparse.shard_weights.items():
+        assert torch.equal(other.sparse.shard_weights[name], weight), name
+    for name, momentum in model.sparse.lookup.optimizer.momentum.items():
+        assert torch.equal(other.sparse.lookup.optimizer.momentum[name], momentum), name
 
 
 def _one_rank_lacks_the_checkpoint(rank: int, world: int, root: str) -> None:

@@ -13,9 +13,11 @@ place, and reshards: a checkpoint of one plan or world size, ours or stock torch
 Row-wise Adagrad keeps an accumulator per row of each column shard: that state loads under the same column cuts
 only (row blocks, ranks and world size may differ), as in torchrec, whose state has the same keys and shapes.
 
-Without a process group (a world of one, never initialised) there is no ShardedTensor; the entries are plain
-tensors of the same global shapes: a table's storage where one shard holds it all (else a copy, which
-load_state_dict copies back), an Adagrad table's accumulators (stored in torchrec's layout: `momentum_storage`).
+Without a process group (a world of one, never initialised) there is no ShardedTensor; the entries are tensors of
+the same global shapes: a table's storage where one shard holds it all, else a TablePieces over its shards (no
+copy: torch.distributed.checkpoint writes and reads it piece by piece at global offsets, like a ShardedTensor's
+local shards; any other op sees a copy of the whole table); an Adagrad table's accumulators (stored in torchrec's
+layout: `momentum_storage`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata, TensorProperties
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import TensorProperties as StoredProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 from torchrec import EmbeddingBagConfig
 from torchrec.optim.fused import FusedOptimizer
 
@@ -56,42 +62,94 @@ def _sharded(size: list[int], layout: Layout, local: dict[tuple[int, ...], torch
 def copy_into(value: Any, local: dict[tuple[int, ...], torch.Tensor], size: list[int], what: str) -> None:
     """Copy a state_dict entry of global shape `size` into this rank's storage (`local`, by offsets), in place: a
     ShardedTensor holding this rank's pieces at their offsets (one of this plan's, which
-    torch.distributed.checkpoint loaded into), or a whole tensor (an unsharded collection's)."""
-    if isinstance(value, ShardedTensor):
-        if list(value.size()) != size:
-            raise ValueError(f"{what}: a ShardedTensor of shape {list(value.size())}, expected {size}")
-        given = {tuple(s.metadata.shard_offsets): s.tensor for s in value.local_shards()}
-        for offsets, tensor in local.items():
-            source = given.get(offsets)
-            if source is None or source.shape != tensor.shape:
-                raise ValueError(f"{what}: the ShardedTensor holds no local shard of {list(tensor.shape)} at "
-                                 f"{list(offsets)} on this rank (it is cut for another plan): load another plan's "
-                                 f"state through torch.distributed.checkpoint, into this state_dict (it reshards)")
-            if source.data_ptr() != tensor.data_ptr():  # not this storage itself (a checkpoint loaded into it)
-                tensor.copy_(source)
-    elif isinstance(value, DTensor):
+    torch.distributed.checkpoint loaded into), a world of one's TablePieces (the same), or a whole tensor (an
+    unsharded collection's, or another world of one's TablePieces, cut otherwise)."""
+    if isinstance(value, DTensor):
         raise TypeError(f"{what}: a DTensor (torchrec's output_dtensor state) is not read here; give its full "
                         f"tensor, or load it through torch.distributed.checkpoint")
-    elif isinstance(value, torch.Tensor):
-        if list(value.shape) != size:
-            raise ValueError(f"{what}: shape {list(value.shape)}, expected {size}")
-        for offsets, tensor in local.items():
-            part = value[tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))]
-            if part.data_ptr() != tensor.data_ptr():
-                tensor.copy_(part)
-    else:
+    if not isinstance(value, torch.Tensor):
         raise TypeError(f"{what}: expected a tensor or a ShardedTensor, got {type(value).__name__}")
-
-
-def _whole(size: list[int], local: dict[tuple[int, ...], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Without a process group (a world of one): the entry as one tensor, this storage where one piece is all of
-    it, else a copy of the pieces put together."""
-    if len(local) == 1 and list(next(iter(local.values())).shape) == size:
-        return next(iter(local.values()))
-    whole = torch.empty(size, dtype=dtype, device=next(iter(local.values())).device)
+    if list(value.size()) != size:
+        raise ValueError(f"{what}: a {type(value).__name__} of shape {list(value.size())}, expected {size}")
+    given = None  # the entry's pieces, by offsets, where it is in pieces
+    if isinstance(value, ShardedTensor):
+        given = {tuple(s.metadata.shard_offsets): s.tensor for s in value.local_shards()}
+    elif isinstance(value, TablePieces):
+        given = value.pieces
+        if any(offsets not in given or given[offsets].shape != t.shape for offsets, t in local.items()):
+            given, value = None, value.whole()  # cut otherwise: the table, once
     for offsets, tensor in local.items():
-        whole[tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))] = tensor
-    return whole
+        source = value[_at(offsets, tensor)] if given is None else given.get(offsets)
+        if source is None or source.shape != tensor.shape:
+            raise ValueError(f"{what}: the ShardedTensor holds no local shard of {list(tensor.shape)} at "
+                             f"{list(offsets)} on this rank (it is cut for another plan): load another plan's "
+                             f"state through torch.distributed.checkpoint, into this state_dict (it reshards)")
+        if source.data_ptr() != tensor.data_ptr():  # not this storage itself (a checkpoint loaded into it)
+            tensor.copy_(source)
+
+
+class TablePieces(torch.Tensor):
+    """Without a process group (a world of one): the entry of a table held in several pieces (column shards, row
+    blocks), a tensor of the table's global shape that holds no data of its own but the pieces (`pieces`, by
+    offsets). torch.distributed.checkpoint writes and reads it piece by piece at the pieces' global offsets (its
+    _Checkpointable hooks, as DTensor's), so a checkpoint neither copies the table nor reads it whole (a copy of each
+    cut table would cost its memory again on its device), and stores the same global entry as a sharded run's: it
+    resumes under any plan and world size. Any other use (an op, torch.save) sees the whole table: a copy (`whole`),
+    into which a write is lost, as into any state_dict copy."""
+
+    pieces: dict[tuple[int, ...], torch.Tensor]
+
+    @staticmethod
+    def __new__(cls, size: list[int], pieces: dict[tuple[int, ...], torch.Tensor], dtype: torch.dtype) -> TablePieces:
+        entry = torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype, device=next(iter(pieces.values())).device)
+        entry.pieces = pieces
+        return entry
+
+    def whole(self) -> torch.Tensor:
+        """A copy of the table: the pieces put together."""
+        whole = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        for offsets, tensor in self.pieces.items():
+            whole[_at(offsets, tensor)] = tensor
+        return whole
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(value: Any) -> Any:
+            return value.whole() if isinstance(value, TablePieces) else value
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+    # What torch does not dispatch for a subclass (or refuses for one): on the whole table.
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.whole().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        return self.whole()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        return self.whole().numpy(force=force)
+
+    def tolist(self) -> Any:
+        return self.whole().tolist()
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return f"TablePieces({list(self.shape)}, pieces at {sorted(self.pieces)})"
+
+    # torch.distributed.checkpoint's _Checkpointable protocol
+    def __create_write_items__(self, fqn: str, entry: Any) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk, StoredProperties.create_from_tensor(tensor), self.shape))
+                for chunk, tensor in zip(self.__create_chunk_list__(), self.pieces.values())]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(offsets), tensor.shape) for offsets, tensor in self.pieces.items()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.pieces[tuple(index.offset)]
+
+
+def _at(offsets: tuple[int, ...], piece: torch.Tensor) -> tuple[slice, ...]:
+    """A piece's place in its entry."""
+    return tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))
 
 
 class TableShards(nn.Module):
@@ -120,10 +178,14 @@ class TableShards(nn.Module):
 
     @property
     def weight(self) -> ShardedTensor | torch.Tensor:
-        """The table's state_dict entry (a plain tensor without a process group: the module docstring)."""
-        if not dist.is_initialized():
-            return _whole(self._size, self._local(), self._dtype)
-        return _sharded(self._size, self._layout, self._local(), self._dtype, self._group, self._device)
+        """The table's state_dict entry (without a process group its storage or a TablePieces: the module
+        docstring)."""
+        local = self._local()
+        if dist.is_initialized():
+            return _sharded(self._size, self._layout, local, self._dtype, self._group, self._device)
+        if len(local) == 1:  # a world of one's whole table: its storage
+            return next(iter(local.values()))
+        return TablePieces(self._size, local, self._dtype)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         destination[prefix + "weight"] = self.weight
@@ -183,10 +245,9 @@ def shard_momenta(table: EmbeddingBagConfig, plan: TableShardingPlan, rank: int,
 class FusedTableOptimizer(FusedOptimizer):
     """The KeyedOptimizer DMP's `fused_optimizer` collects: a view of the lookup's optimizer, not a second one.
 
-    One param group per setting of the tables this rank holds some of, {"params": the tables' weight entries
-    (without a process group: each table's first shard), "lr": theirs}, as stock torchrec has one per TBE (it
-    groups a rank's tables by their fused params; each TBE's EmbeddingFusedOptimizer has one group); a rank that
-    holds no table has none. The update happens in the lookup's
+    One param group per setting of the tables this rank holds some of, {"params": the tables' weight entries,
+    "lr": theirs}, as stock torchrec has one per TBE (it groups a rank's tables by their fused params; each TBE's
+    EmbeddingFusedOptimizer has one group); a rank that holds no table has none. The update happens in the lookup's
     backward, so step() and zero_grad() only carry each group's lr (an LR scheduler edits param_groups) to its
     tables' shards in the lookup's optimizer, as torchrec's EmbeddingFusedOptimizer does for fbgemm; it takes effect
     from the next backward. Keys, state names and layout follow torchrec's (the module docstring), so state_dict()
@@ -208,11 +269,8 @@ class FusedTableOptimizer(FusedOptimizer):
             if not mine:
                 continue
             self._shards[t.name] = mine
-            # A key, never read (the update is the lookup's): the table's entry; without a process group, where a
-            # cut table's entry is a copy of its shards (TableShards.weight), its first shard here, not a copy
-            # held for the run.
-            table = embedding_bags[t.name]
-            weight = table.weight if dist.is_initialized() else table.shard_weights()[mine[0]]
+            # A key, never read (the update is the lookup's): the table's entry, no copy of the table
+            weight = embedding_bags[t.name].weight
             params[f"embedding_bags.{t.name}.weight"] = weight
             state[weight] = {}
             if t.name in momentum:

@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from fused_dlrm.dist.env import all_reduce_sum, of_every_rank, problem_text, raise_on_every_rank
 from fused_dlrm.config_checks import check_count
+from fused_dlrm.dist.env import all_reduce_sum, of_every_rank, problem_text, raise_on_every_rank
+from fused_dlrm.sparse.sharded_state import TablePieces
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ def _on_main(work, what: str) -> None:
 def _tensors(value):
     if isinstance(value, ShardedTensor):  # the sharded tables' and their optimizer's: this rank's shards
         yield from (shard.tensor for shard in value.local_shards())
+    elif isinstance(value, TablePieces):  # a world of one's cut table: its pieces, not a copy of it
+        yield from value.pieces.values()
     elif torch.is_tensor(value):
         yield value
     elif isinstance(value, dict):
