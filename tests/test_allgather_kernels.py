@@ -555,45 +555,47 @@ MATMUL_SHAPELESS_REFUSALS = {
 }
 
 
-def check_matmul_refused_without_an_exchange(world_size: int, refusal: str, producer: str,
-                                             device: str = "cpu") -> None:
-    """Rank 1 refuses its call for an x_shard of no shape class or an unknown producer (MATMUL_SHAPELESS_REFUSALS):
-    it cannot know which exchange its peers use, but its call still takes its number among the workspace's calls and
-    tells every peer why, so it raises its own error and every other rank PeerRefusedInput naming rank 1 and why.
-    The exchange its peers used is then one epoch ahead of rank 1's: the next call of that shape raises on every
-    rank (as after calls that differ: never a product of shards of two calls), and a call of a new shape is exact."""
+def check_matmul_refused_without_an_exchange(world_size: int, refusal: str, producer: str, device: str = "cpu",
+                                             refusing: tuple[int, ...] = (1,), rows: int = 41) -> None:
+    """Ranks `refusing` refuse one call each, in a row, for an x_shard of no shape class or an unknown producer
+    (MATMUL_SHAPELESS_REFUSALS) while their peers call with x_shard [rows, 24] float16: a refusing rank cannot know
+    which exchange its peers use, but its call still takes its number among the workspace's calls and tells every
+    peer why, so it raises its own error and every other rank PeerRefusedInput naming it and why. It then reads
+    the exchange and epoch its peers' calls used (their published signatures) and takes and acknowledges that
+    epoch, so the next calls of that shape (both halves of the double buffers) are exact on every rank. (Without
+    it the exchange stayed one epoch apart: every later call of that shape raised.) rows=0: an empty batch, whose
+    calls count their epochs without an exchange."""
     gen = torch.Generator().manual_seed(world_size)
     workspaces = matmul_world(world_size, device)
     weight = torch.randn(19, 24, generator=gen).to(device, torch.float16).t()
 
-    def shards_of_every_rank(rows=41):
+    def shards_of_every_rank():
         return [torch.randn(rows, 24, generator=gen).to(device, torch.float16) for _ in range(world_size)]
 
-    shards = shards_of_every_rank()
-    for out in run_matmul(workspaces, shards, weight, producer):
-        assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
+    def exact():
+        shards = shards_of_every_rank()
+        for out in run_matmul(workspaces, shards, weight, producer):  # outputs poisoned (NaN)
+            assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16] if rows \
+                else out.shape == (0, 19)
+
+    exact()
     bad, error, said = MATMUL_SHAPELESS_REFUSALS[refusal]
-    shards = shards_of_every_rank()
-    ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
-    epochs = {rank: op.start(shard, producer) for rank, (op, shard) in enumerate(zip(ops, shards)) if rank != 1}
-    with pytest.raises(ValueError, match=error):
-        all_gather_matmul(*bad(device)[:1], weight, workspaces[1], bad(device)[1], config=SMALL)
-    for rank, epoch in epochs.items():
-        with pytest.raises(PeerRefusedInput, match=rf"^fused all-gather \+ GEMM at step 2: rank {rank}: rank 1's call "
-                                                   rf"was refused: {said}"):
-            ops[rank].finish(epoch, shards[rank], weight, producer)  # on the CPU
-            ops[rank].errors.check(block=True)  # on GPUs
-    shards = shards_of_every_rank()
-    epochs = [op.start(shard, producer) for op, shard in zip(ops, shards)]
-    for op, epoch, shard in zip(ops, epochs, shards):
-        with pytest.raises((PeerCallMismatch, PeerWaitTimeout)):
-            op.finish(epoch, shard, weight, producer)
-            op.errors.check(block=True)
-    shards = shards_of_every_rank(rows=9)
-    for out in run_matmul(workspaces, shards, weight, producer):
-        assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
-    for ws, shard in zip(workspaces, shards):
-        op_for(ws, shard, SMALL).errors.check(block=True)
+    for step, refuser in enumerate(refusing, start=2):
+        shards = shards_of_every_rank()
+        ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
+        peers = [rank for rank in range(world_size) if rank != refuser]
+        epochs = {rank: ops[rank].start(shards[rank], producer) for rank in peers}
+        with pytest.raises(ValueError, match=error):
+            all_gather_matmul(*bad(device)[:1], weight, workspaces[refuser], bad(device)[1], config=SMALL)
+        for rank in peers:
+            with pytest.raises(PeerRefusedInput, match=rf"^fused all-gather \+ GEMM at step {step}: rank {rank}: rank "
+                                                       rf"{refuser}'s call was refused: {said}"):
+                ops[rank].finish(epochs[rank], shards[rank], weight, producer)  # on the CPU
+                ops[rank].errors.check(block=True)  # on GPUs
+    for _ in range(2):  # both halves
+        exact()
+    for ws in workspaces:
+        op_for(ws, shards_of_every_rank()[0], SMALL).errors.check(block=True)
 
 
 @pytest.mark.parametrize("producer", ["copy_engine", "device"])
@@ -602,8 +604,68 @@ def test_all_gather_matmul_refused_without_an_exchange_raises_on_every_rank(refu
     check_matmul_refused_without_an_exchange(2, refusal, producer)
 
 
-def test_all_gather_matmul_refused_without_an_exchange_on_one_rank_of_three():
-    check_matmul_refused_without_an_exchange(3, "fp32 x_shard", "device")
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+def test_all_gather_matmul_refused_without_an_exchange_by_ranks_of_three_in_a_row(producer):
+    """Rank 2 refuses, then rank 1, then rank 2 again (both halves of the calls' buffer): each catches up."""
+    check_matmul_refused_without_an_exchange(3, "fp32 x_shard", producer, refusing=(2, 1, 2))
+
+
+def test_all_gather_matmul_refused_without_an_exchange_twice_by_rank_0():
+    check_matmul_refused_without_an_exchange(2, "unknown producer", "device", refusing=(0, 0))
+
+
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+def test_all_gather_matmul_refused_without_an_exchange_during_an_empty_batch(producer):
+    check_matmul_refused_without_an_exchange(2, "3-D x_shard", producer, rows=0)
+
+
+def test_all_gather_matmul_refused_with_and_without_an_exchange_in_one_call():
+    """Of three ranks, rank 1 refuses its weight (a call of the peers' exchange: its epoch taken and acknowledged)
+    and rank 2 its x_shard (no exchange): rank 2 catches up from rank 0's signature alone (rank 1's says only why),
+    so the next calls are exact."""
+    gen = torch.Generator().manual_seed(31)
+    workspaces = matmul_world(3)
+    weight = torch.randn(19, 24, generator=gen).half().t()
+
+    def shards_of_every_rank():
+        return [torch.randn(41, 24, generator=gen).half() for _ in workspaces]
+
+    for out in run_matmul(workspaces, (shards := shards_of_every_rank()), weight, "device"):
+        assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
+    shards = shards_of_every_rank()
+    ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
+    refused = refused_call(shards[1], weight.float(), None, ops[1])
+    epochs = [op.start(shard, "device", r) for op, shard, r in zip(ops[:2], shards, (None, refused))]
+    with pytest.raises(ValueError, match=r"dtype torch.float32 \(expected fp16"):
+        all_gather_matmul(shards[2].float(), weight, workspaces[2], config=SMALL)
+    with pytest.raises(PeerRefusedInput, match=r"at step 2: rank 0: rank [12]'s call was refused"):
+        ops[0].finish(epochs[0], shards[0], weight, "device")
+    with pytest.raises(ValueError, match=r"weight \(24, 19\) torch.float32"):
+        ops[1].finish(epochs[1], shards[1], weight.float(), "device")
+    for _ in range(2):  # both halves
+        for out in run_matmul(workspaces, (shards := shards_of_every_rank()), weight, "device"):
+            assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
+
+
+def test_all_gather_matmul_refused_without_an_exchange_allocates_none_to_catch_up():
+    """Rank 1 refuses its x_shard while rank 0's call is the first of a new shape class ([9, 24]): rank 1 holds no
+    such exchange, and its catch-up allocates none (on GPUs rank 0 could not have allocated it alone: its
+    allocation times out naming rank 1, symmetric.agree_on_allocation; here it could): both raise at the call."""
+    gen = torch.Generator().manual_seed(37)
+    workspaces = matmul_world(2)
+    weight = torch.randn(19, 24, generator=gen).half().t()
+    for out in run_matmul(workspaces, (shards := [torch.randn(41, 24, generator=gen).half() for _ in workspaces]),
+                          weight, "device"):
+        assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
+    held = list(workspaces[1]._buffers)
+    shard = torch.randn(9, 24, generator=gen).half()
+    op = op_for(workspaces[0], shard, SMALL)
+    epoch = op.start(shard, "device")
+    with pytest.raises(ValueError, match=r"dtype torch.float32 \(expected fp16"):
+        all_gather_matmul(shard.float(), weight, workspaces[1], config=SMALL)
+    with pytest.raises(PeerRefusedInput, match=r"at step 2: rank 0: rank 1's call was refused"):
+        op.finish(epoch, shard, weight, "device")
+    assert list(workspaces[1]._buffers) == held
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -800,8 +862,8 @@ build(allgather._refused_call_kernel, {n: "*i64" for n in ("signature_ptr", "ref
 build(allgather._refused_sources_kernel, {"refusals_ptr": "*i64", "error_ptr": "*i32"}, dict(WORLD=4))
 build(allgather_gemm._publish_call_kernel, {"call_ptrs": "*i64"}, dict(WORLD=4))
 build(allgather_gemm._check_calls_kernel, {"calls_ptr": "*i64", "error_ptr": "*i32"}, dict(WORLD=4))
-# a refused call's start, its finish, and a call of no exchange
-for publish, ack, wait in ((True, True, False), (False, False, True), (True, False, True)):
+# a refused call's start, its finish, a call of no exchange, and its catch-up
+for publish, ack, wait in ((True, True, False), (False, False, True), (True, False, True), (False, True, False)):
     build(allgather_gemm._refused_call_kernel, {n: "*i64" for n in ("signature_ptr", "call_ptrs", "calls_ptr",
                                                                      "ack_ptrs")} | {"error_ptr": "*i32"},
           dict(WORLD=4, PUBLISH=publish, ACK=ack, WAIT=wait))

@@ -71,15 +71,23 @@ peer's program that reads that signature records the refusal (code 5, `same_publ
 waits look once: every other rank raises PeerRefusedInput naming the rank and why, the refusing rank its own
 ValueError at `finish`, and the next call is exact. A refused x_shard of no shape class (`shard_problem`: not
 [rows, K], a dtype other than fp16 / bf16, K not a multiple of 8) or an unknown producer names no exchange, so the
-rank cannot take the epoch of the one its peers use (each shape class and producer counts its own, which its double
-buffers' guard needs consecutive). Its call is one of no exchange (`refuse_call`, through any op of the workspace:
-they share CALLS): it takes its number, publishes its refusal and waits for every peer's call, so every rank raises
-as above. Raising alone left the calls' numbers apart too: the rank's next call then matched its peers' refused one,
-whose chunks it found behind flags of the epoch it took, and so paired shards of two calls without an error. The
-exchange's epochs stay one apart: its next calls raise on every rank (as after calls that differ); a call of a shape
-class new to every rank is exact. A rank with no op yet (its first call) has no CALLS to refuse it through, but its
-peers' first call allocates CALLS first: it refuses in that allocation's place (`_Workspace.refuse_allocation`),
-so every peer raises AllocationRefused naming it and why, no buffer is made, and the next call is exact.
+rank cannot take the epoch of the one its peers use as the call begins (each shape class and producer counts its
+own, which its double buffers' guard needs consecutive). Its call is one of no exchange (`refuse_call`, through any
+op of the workspace: they share CALLS): it takes its number, publishes its refusal and waits for every peer's call,
+so every rank raises as above. Raising alone left the calls' numbers apart too: the rank's next call then matched its
+peers' refused one, whose chunks it found behind flags of the epoch it took, and so paired shards of two calls
+without an error. Then it catches up (`_catch_up`): the peers' signatures of the call, read on the host behind that
+wait (a sync, in a call that raises anyway; they stay until this rank's next call lets the peers publish the call
+after next), name the exchange and epoch they used. Where every peer's call not refused names one, one epoch ahead of
+this rank's, the rank takes that epoch and acknowledges it (the refused call's ack: it reads nothing of it; empty
+shards have no exchange: the epoch alone), so the exchange's next call is exact. Otherwise (peers' calls unlike each
+other or all refused, a signature that never came) the exchange's epochs stay apart: its next calls raise on every
+rank (as after calls that differ), and a call of a shape class new to every rank is exact. The catch-up allocates
+nothing: a rank that holds no such exchange leaves it (on GPUs its peers' call could not have allocated one without
+it: their allocation times out naming it, as above). A rank with no op yet (its first call) has no CALLS to refuse
+it through, but its peers' first call allocates CALLS first: it refuses in that allocation's place
+(`_Workspace.refuse_allocation`), so every peer raises AllocationRefused naming it and why, no buffer is made, and
+the next call is exact.
 `all_gather_matmul_bulk` is the bulk twin (all_gather_into_tensor + matmul);
 `all_gather_matmul_reference` the pure-torch definition.
 """
@@ -95,11 +103,11 @@ import triton
 import triton.language as tl
 
 from fused_dlrm.dist.symmetric import AllocationRefused, AllocationRequest, _Workspace
-from fused_dlrm.kernels import dtype_code, dtype_name
+from fused_dlrm.kernels import DTYPES, dtype_code, dtype_name
 from fused_dlrm.kernels.allgather import SymmetricAllGather, push_chunk, wait_chunk
 from fused_dlrm.kernels.launch import interpreting
-from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, TENSOR_WORDS, PeerErrors, RefusedCall,
-                                           check_spin_limit, describe_foreign, describe_refused_calls,
+from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, REFUSED_CALL, SIGNATURE_WORDS, TENSOR_WORDS, PeerErrors,
+                                           RefusedCall, check_spin_limit, describe_foreign, describe_refused_calls,
                                            describe_signatures, describe_tensor, foreign_operand, publish_signature,
                                            same_published_call, signal_ready, signature_of, tensor_words,
                                            wait_published)
@@ -236,13 +244,14 @@ def _check_calls_kernel(calls_ptr, rank, call, rows, K, dtype_code, producer, ch
 def _refused_call_kernel(signature_ptr, call_ptrs, calls_ptr, ack_ptrs, rank, call, epoch, spin_limit, error_ptr,
                          WORLD: tl.constexpr, PUBLISH: tl.constexpr, ACK: tl.constexpr, WAIT: tl.constexpr):
     """One program: a call this rank refused (the module docstring). PUBLISH: its signature (signature_ptr: a
-    RefusedCall's) into every peer as call `call`'s, and (ACK: a call of rows) the exchange's epoch acknowledged
-    to every rank, as the GEMM's last program does: this call reads nothing of it; WAIT: until every peer has
-    published its call (the guard of the signatures' halves, as a GEMM's programs wait for them)."""
+    RefusedCall's) into every peer as call `call`'s; ACK: the exchange's epoch acknowledged to every rank, as the
+    GEMM's last program does (this call reads nothing of it; a call of no exchange acknowledges the one its peers
+    used alone, `_catch_up`); WAIT: until every peer has published its call (the guard of the signatures' halves,
+    as a GEMM's programs wait for them)."""
     if PUBLISH:
         _publish_call(call_ptrs, call, rank, tl.load(signature_ptr + tl.arange(0, SIGNATURE_WORDS)), WORLD)
-        if ACK:
-            signal_ready(ack_ptrs, rank, epoch, WORLD)
+    if ACK:
+        signal_ready(ack_ptrs, rank, epoch, WORLD)
     if WAIT:
         for step in tl.static_range(1, WORLD):
             wait_published(calls_ptr + _calls_half(call, WORLD), (rank + WORLD - step) % WORLD, call, spin_limit,
@@ -455,7 +464,7 @@ class AllGatherMatmul:
         g = self.gather_for(producer)
         if refused is not None:  # the exchange's epoch taken, nothing published but why, the exchange acknowledged
             epoch = g.next_epoch() if g else self._empty_epoch()
-            self._refused_call(epoch, g, publish=True)
+            self._refused_call(refused.signature, self.call, epoch, g, publish=True, ack=g is not None)
             return epoch
         if not self.rows:  # nothing to exchange: the call's signature alone (`finish` compares the peers'), its
             #                epoch the count of the op's calls
@@ -476,24 +485,58 @@ class AllGatherMatmul:
     def refuse_call(self, refused: RefusedCall) -> None:
         """Raise refused.error after a call of no exchange (an x_shard of no shape class, an unknown producer: the
         module docstring): its number taken among the workspace's calls, its signature published into every peer,
-        then a wait for every peer's call (the guard of the signatures' halves). This op lends its calls' buffer
-        (every shape class's) and error word; its own state is untouched."""
+        then a wait for every peer's call (the guard of the signatures' halves), and the exchange that the peers'
+        call used caught up (`_catch_up`). This op lends its calls' buffer (every shape class's) and error word;
+        its own calls' state is untouched."""
         self.errors.check()
-        _refused_call_kernel[(1,)](refused.signature, self.calls.peer_ptrs, self.calls.local, self.calls.peer_ptrs,
-                                   self.rank, self.ws.next_epoch(CALLS), 0, self.config.spin_limit, self.errors.word,
-                                   WORLD=self.world, PUBLISH=True, ACK=False, WAIT=True)
+        call = self.ws.next_epoch(CALLS)
+        self._refused_call(refused.signature, call, 0, None, publish=True, wait=True)
+        self._catch_up(call)
         raise refused.error
+
+    def _catch_up(self, call: int) -> None:
+        """After this rank's call `call` of no exchange (`refuse_call`): the exchange that every peer's call used
+        (their signatures, read behind the wait for them: a host sync, in a call that raises anyway) takes its next
+        epoch here too, where that is the peers' one, and acknowledges it as a refused call of that exchange does
+        (reading nothing of it), so its epochs stay in step and its next call is exact. Nothing where the peers'
+        calls name no one exchange (calls unlike each other, all refused, or one never published: a wait that gave
+        up) or this rank holds none such (on GPUs the peers' call could not have allocated it without this rank)."""
+        signatures = self.calls.local[:calls_numel(self.world)].view(2, self.world, -1)[call % 2].tolist()
+        peers = [words for rank, words in enumerate(signatures) if rank != self.rank]
+        described = {tuple(words[1:7]) for words in peers if words[1] != REFUSED_CALL}
+        if any(words[0] != call for words in peers) or len(described) != 1:
+            return
+        *theirs, epoch = described.pop()
+        rows, k, dtype = theirs[:3]
+        gather = next((g for op in _OPS.get(self.ws, {}).values() for mine, g in op._exchanges() if mine == theirs),
+                      None)
+        if rows and gather is None:
+            return
+        exchange = gather.exchange if rows else empty_calls(k, DTYPES[dtype - 1])
+        if self.ws.epoch(exchange) == epoch - 1:
+            self.ws.next_epoch(exchange)
+            if gather is not None:
+                self._refused_call(self.calls.local, call, epoch, gather, ack=True)  # (the signature is not read)
 
     def _empty_epoch(self) -> int:
         """The epoch of a call of empty shards: the count of such calls of this K and dtype (no exchange)."""
-        return self.ws.next_epoch(f"allgather_matmul:0x{self.k}:{self.dtype}")
+        return self.ws.next_epoch(empty_calls(self.k, self.dtype))
 
-    def _refused_call(self, epoch: int, gather: SymmetricAllGather | None, publish: bool) -> None:
-        """`_refused_call_kernel`'s publish (`start`) or wait (`finish`) of the refused call `epoch`."""
-        acks = gather.ack.peer_ptrs if gather else self.calls.peer_ptrs  # (empty shards: no exchange, no ack)
-        _refused_call_kernel[(1,)](self.refused.signature, self.calls.peer_ptrs, self.calls.local, acks, self.rank,
-                                   self.call, epoch, self.config.spin_limit, self.errors.word, WORLD=self.world,
-                                   PUBLISH=publish, ACK=gather is not None, WAIT=not publish)
+    def _refused_call(self, signature: torch.Tensor, call: int, epoch: int, gather: SymmetricAllGather | None,
+                      publish: bool = False, ack: bool = False, wait: bool = False) -> None:
+        """`_refused_call_kernel` of call `call` (`epoch`: its exchange's, gather's) through this op's calls'
+        buffer and error word: its publish and ack (`start`), its wait (`finish`), or both of a call of no exchange
+        (`refuse_call`), or the ack that catches an exchange up (`_catch_up`)."""
+        acks = gather.ack.peer_ptrs if gather else self.calls.peer_ptrs  # (no exchange: nothing acknowledged)
+        _refused_call_kernel[(1,)](signature, self.calls.peer_ptrs, self.calls.local, acks, self.rank, call, epoch,
+                                   self.config.spin_limit, self.errors.word, WORLD=self.world, PUBLISH=publish,
+                                   ACK=ack, WAIT=wait)
+
+    def _exchanges(self) -> list[tuple[list[int], SymmetricAllGather]]:
+        """The exchanges this op has built (none for empty shards; the copy engines' once used), each with what a
+        call through it says of it (`_described`)."""
+        return [(list(self._described(p)), g) for p, g in (("device", self.gather), ("copy_engine", self._copy_gather))
+                if g is not None]
 
     def _described(self, producer: str) -> tuple[int, int, int, int, int]:
         """The kernels' arguments that describe a call by `producer` (`_call_signature`): rows, K, dtype, producer
@@ -507,7 +550,7 @@ class AllGatherMatmul:
         its error here, behind a wait (on its stream) for every peer's call."""
         g = self.gather_for(producer)
         if self.refused is not None:
-            self._refused_call(epoch, g, publish=False)
+            self._refused_call(self.refused.signature, self.call, epoch, g, wait=True)
             raise self.refused.error
         x_shard = tma_readable(x_shard)  # as the tiles read it; copied, not refused: the call has begun
         check_weight(weight, self.k, x_shard.dtype)
@@ -607,6 +650,11 @@ def output(out: torch.Tensor | None, m: int, n: int, x_shard: torch.Tensor) -> t
     return torch.empty((m, n), dtype=x_shard.dtype, device=x_shard.device) if out is None else out
 
 
+def empty_calls(k: int, dtype: torch.dtype) -> str:
+    """What counts the epochs of calls of empty shards of this K and dtype (no exchange: `_empty_epoch`)."""
+    return f"allgather_matmul:0x{k}:{dtype}"
+
+
 def shard_problem(shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
     """Why the op takes no x_shard of this shape and dtype (it has no shape class), or None."""
     if len(shape) != 2:
@@ -694,8 +742,8 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, workspace: _W
     are alike: an empty batch) gives empty outputs and exchanges no data, but is a call (its signature compared
     with the peers'), as the GEMM + all-reduce's for M = 0. A weight or out this rank refuses, or an x_shard, weight or
     out on another device than the workspace's, raises its ValueError here and PeerRefusedInput on its peers; so
-    does an x_shard of no shape class or an unknown producer, after which that exchange's calls raise on every rank
-    (the module docstring)."""
+    does an x_shard of no shape class or an unknown producer, after which this rank catches up the exchange its
+    peers used (the module docstring)."""
     problem = shard_problem(tuple(x_shard.shape), x_shard.dtype)
     if problem is not None:  # a call of no shape class, through any op of the workspace
         refused = RefusedCall.of([UNTAKEN_SHARD] + tensor_words(x_shard), ValueError(problem), workspace.device)
