@@ -368,9 +368,15 @@ def test_all_gather_matmul_call_refused_on_one_rank_raises_on_every_rank(refusal
 @pytest.mark.parametrize("refusal", list(MATMUL_SHAPELESS_REFUSALS))
 def test_all_gather_matmul_refused_without_an_exchange_raises_on_every_rank(refusal, producer):
     """The interpreter test's x_shard of no shape class or unknown producer on rank 1
-    (test_allgather_kernels.check_matmul_refused_without_an_exchange), as compiled: every rank raises at that call
-    and at the next of that shape, and a call of a new shape is exact."""
+    (test_allgather_kernels.check_matmul_refused_without_an_exchange), as compiled: every rank raises at that call,
+    rank 1 catches up the peers' exchange (its epoch, its ack: the ack-only refused-call kernel), and the next two
+    calls of that shape are exact."""
     check_matmul_refused_without_an_exchange(2, refusal, producer, "cuda")
+
+
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+def test_all_gather_matmul_refused_without_an_exchange_by_ranks_of_three_in_a_row(producer):
+    check_matmul_refused_without_an_exchange(3, "fp32 x_shard", producer, "cuda", refusing=(2, 1, 2))
 
 
 @pytest.mark.parametrize("refusal", list(GATHER_REFUSALS))

@@ -130,25 +130,30 @@ def _refused_calls(rank, world):
     weight = (torch.randn(1037, 1000, device="cuda", generator=gen) / 1000 ** 0.5).bfloat16().t()  # a Linear's w.t()
     expected = all_gather_matmul_reference(shards, weight)
     exact(all_gather_matmul(x, weight, ws), expected, "before")
-    if rank == 1:
-        with pytest.raises(ValueError, match="expected \\(1000, N\\) torch.bfloat16"):
-            all_gather_matmul(x, weight.float(), ws)
-    else:
-        with pytest.raises(PeerRefusedInput, match=r"rank 0: rank 1's call was refused: its weight \[1000, 1037\] "
-                                                   r"float32 \(strides 1, 1000\)"):
-            all_gather_matmul(x, weight, ws)
-            check_every_error_word()
-    check_every_error_word()
-    exact(all_gather_matmul(x, weight, ws), expected, "after")
-    check_every_error_word()
+    # rank 1's weight, then its x_shard (of no shape class: a call of no exchange, then caught up to rank 0's)
+    for bad, error, said in (((x, weight.float()), r"expected \(1000, N\) torch.bfloat16",
+                              r"its weight \[1000, 1037\] float32 \(strides 1, 1000\)"),
+                             ((x.float(), weight), r"dtype torch.float32 \(expected fp16 or bf16\)",
+                              r"its x_shard \[64, 1000\] float32 is not one the op takes")):
+        if rank == 1:
+            with pytest.raises(ValueError, match=error):
+                all_gather_matmul(*bad, ws)
+        else:
+            with pytest.raises(PeerRefusedInput, match=rf"rank 0: rank 1's call was refused: {said}"):
+                all_gather_matmul(x, weight, ws)
+                check_every_error_word()
+        check_every_error_word()
+        for _ in range(2):  # both halves of the double buffers: the epochs still in step
+            exact(all_gather_matmul(x, weight, ws), expected, "after")
+        check_every_error_word()
 
 
 @pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
 def test_a_call_refused_on_one_rank_raises_on_every_rank(backend):
     """Rank 1 refuses a GEMM + all-reduce (an fp32 x), its reduce-scatter form, and an all-gather + GEMM (an fp32
-    weight), each in one launch per call with real waits: rank 1 raises its ValueError, rank 0 PeerRefusedInput
-    naming rank 1 and why (not a timeout after the wait's bound); the next calls are exact. The timeout fails a
-    hang fast."""
+    weight; then an fp32 x_shard, of no shape class: rank 1 catches up the exchange rank 0 used), each in one
+    launch per call with real waits: rank 1 raises its ValueError, rank 0 PeerRefusedInput naming rank 1 and why
+    (not a timeout after the wait's bound); the next calls are exact. The timeout fails a hang fast."""
     run_world(2, _refused_calls, backend=backend, timeout=300)
 
 
