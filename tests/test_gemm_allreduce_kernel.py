@@ -549,6 +549,79 @@ def test_a_late_peer_times_out_rather_than_take_stale_tiles(form, meanwhile):
         check(world(xs, ws, scatter), xs, ws)
 
 
+def call_of(op: GemmAllReduce, x, w, scatter: bool, phases=(PRODUCE, REDUCE, WAIT)):
+    """One rank's whole call (or `phases` of it): its `output`, which raises the rank's error."""
+    epoch = op.next_epoch()
+    for phase in phases:
+        plan = op.launch(x, w, epoch, phase, scatter)
+    return functools.partial(op.output, epoch, plan)
+
+
+def assert_close(got, expected):
+    assert got.shape == expected.shape and not got.isnan().any()
+    assert (got.double() - expected).abs().max() / expected.abs().max() < TOLERANCE[got.dtype]
+
+
+@pytest.mark.parametrize("then", ["a call", "a refused call"])
+@pytest.mark.parametrize("form", list(CALL_FORMS))
+def test_a_late_peer_reduces_its_call_before_the_call_after_next_overwrites_its_partials(form, then):
+    """Rank 1 produces call 2, then stalls before its reduce. Rank 0 finishes call 2 (two-shot: its wait for rank 1's
+    output tiles gives up), gives up on call 3 (rank 1's partials never come) and goes on to call 4, whose partials
+    go into the half of call 2 (double buffers by epoch parity) that rank 1 has not reduced yet. They once did: rank
+    1 then raised a call mismatch (rank 0's signature of step 4), or, having read the signature before it landed (a
+    window of microseconds on GPUs, emulated here by putting call 2's back), reduced call 4's partials as call 2's
+    and returned them without an error. A call 4 that rank 0 refuses would put its refusal there (rank 1 raising
+    PeerRefusedInput for call 2). Now a program's partials go into a peer only once that peer is through with
+    its reduce of the call before last: rank 0's call 4 gives up waiting for that, stores nothing into rank 1 and
+    raises no flag there. So rank 1's call 2 is exact; its call 3 is exact where it reduces from rank 0's partials
+    (one-shot, reduce-scatter), times out where rank 0's reduced tiles never came (two-shot); its call 4 times out
+    naming rank 0. Then calls are exact (both halves)."""
+    world, scatter, check, gen = two_ranks(form, 15)
+    ops = world.ops
+    calls = [random_inputs(2, 4, 40, 50, torch.bfloat16, gen) for _ in range(6)]
+    xs, ws = calls[0]
+    world.poison(xs, ws, scatter)
+    check(world(xs, ws, scatter), xs, ws)
+    expected = [gemm_reduce_scatter_reference(*c)[1] if scatter else gemm_allreduce_reference(*c) for c in calls]
+    xs, ws = calls[1]
+    late = call_of(ops[1], xs[1], ws[1], scatter, (PRODUCE,))  # rank 1 produces call 2, then stalls
+    epoch = ops[1].ws._epochs["gemm_allreduce"]
+    output = call_of(ops[0], xs[0], ws[0], scatter)
+    if form == "two-shot":
+        with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 2 waiting for rank 1, slice 0"):
+            output()
+    else:
+        output()
+    with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 3 waiting for rank 1, slice 0"):
+        call_of(ops[0], *[t[0] for t in calls[2]], scatter)()
+    if then == "a call":
+        signatures = ops[1].signatures.local
+        kept = signatures.clone()
+        output = call_of(ops[0], *[t[0] for t in calls[3]], scatter)
+        signatures[:gemm_allreduce.SIGNATURE_WORDS.value] = kept[:gemm_allreduce.SIGNATURE_WORDS.value]  # the window
+    else:
+        refuse(ops[0], calls[3][1][0], scatter)  # raises its own error; its timeout then surfaces
+        output = ops[0].errors.after_wait
+    with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 4 waiting for rank 1 to release its buffer "
+                                              r"\(rank 1 never finished step 2\)"):
+        output()
+    for phase in (REDUCE, WAIT):
+        plan = ops[1].launch(xs[1], ws[1], epoch, phase, scatter)
+    late = functools.partial(ops[1].output, epoch, plan)
+    assert_close(late(), expected[1])
+    output = call_of(ops[1], *[t[1] for t in calls[2]], scatter)
+    if form == "two-shot":
+        with pytest.raises(PeerWaitTimeout, match="rank 1 timed out at step 3 waiting for rank 0, slice 0"):
+            output()
+    else:
+        assert_close(output(), expected[2])
+    with pytest.raises(PeerWaitTimeout, match="rank 1 timed out at step 4 waiting for rank 0, slice"):
+        call_of(ops[1], *[t[1] for t in calls[3]], scatter)()
+    for xs, ws in calls[4:]:
+        world.poison(xs, ws, scatter)
+        check(world(xs, ws, scatter), xs, ws)
+
+
 # Rank 1's call unlike the others' (x [6, 40] @ w [40, 50] bf16, two-shot all-reduce, World's ops): its shapes, dtype
 # or form, or its op's (`small_op`'s arguments: the tiles, the K split, the algorithm, the grid); what the messages
 # then say of the others' call and of rank 1's.
@@ -610,8 +683,9 @@ def test_calls_that_differ_between_ranks_raise_on_every_rank(world_size, differe
 COMPILE_FOR_SM90 = r"""
 from fused_dlrm.kernels import gemm_allreduce
 
-types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "error_ptr": "*i32", "M": "i32"}  # M as on GPUs: no constexpr
-types.update({n: "*i64" for n in ("recv_ptrs", "out_ptrs", "ready_ptrs", "done_ptrs", "signature_ptrs")})
+types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "error_ptr": "*i32", "reduced_ptr": "*i32", "M": "i32"}  # M as on GPUs
+types.update({n: "*i64" for n in ("recv_ptrs", "out_ptrs", "ready_ptrs", "done_ptrs", "signature_ptrs",
+                                  "released_ptrs")})
 many = gemm_allreduce.MANY_ROWS
 for one_shot, scatter in ((True, False), (False, False), (False, True)):
     # The plans' defaults: FEW_ROWS at 16 and 64 rows (two programs per SM), MANY_ROWS (one per SM).
@@ -627,7 +701,7 @@ for one_shot, scatter in ((True, False), (False, False), (False, True)):
         assert kernel.metadata.shared <= 227 * 1024 // per_sm, (one_shot, scatter, block_m, kernel.metadata.shared)
 # a refused call's program (132 SMs of 2 programs: flags for 264), all phases in one launch
 types = {"signature_ptr": "*i64", "error_ptr": "*i32"}
-types.update({n: "*i64" for n in ("signature_ptrs", "ready_ptrs", "done_ptrs")})
+types.update({n: "*i64" for n in ("signature_ptrs", "ready_ptrs", "done_ptrs", "released_ptrs")})
 build(gemm_allreduce._refused_call_kernel, types, dict(WORLD=2, SLOTS=512, PHASES=gemm_allreduce.ALL_PHASES))
 """
 

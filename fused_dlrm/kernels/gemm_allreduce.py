@@ -41,7 +41,15 @@ Buffers (symmetric, double-buffered by epoch parity): a rank can only start call
 seen a flag of call e + 1 from every peer (two-shot: the output flags; one-shot and reduce-scatter: the partials'
 flags, as it reduces tiles from every rank), i.e. every peer has started call e + 1 and so finished reading the
 partials of call e; so the half that call e + 2 overwrites is no longer read. (So every epoch is a launched
-call that waits so: a refused one too, below.) The returned output is a view of symmetric memory, valid
+call that waits so: a refused one too, below.) Unless a wait of call e + 1 gave up: a late peer may still be about
+to reduce call e. So the last of a rank's programs through its reduce of call e (partials and signatures read, or
+waits given up: a counter, one acq_rel atomic per program) raises released[rank] = e in every rank, and each
+program of call e + 2 first polls released[peer] >= e for every peer (`_released_ranks`; where no wait gave up,
+once: the flag rose before that peer's flags of call e + 1); only those it has seen get its partials, its signature
+and its flag (one-shot: every peer, as every unit goes to every rank). A timeout records (2, peer, step e) and
+stores nothing there (the peer times out naming this rank). Without it, call e + 2 overwrote the partials the late
+peer had yet to reduce: it raised a call mismatch (the signature of step e + 2) or, reading the signature just
+before it landed, reduced call e + 2's partials as call e's, silently. The returned output is a view of symmetric memory, valid
 until the call after next (later stores to it come from call e + 2). Flags carry the epoch, are
 never reset and are compared with `>=`; a wait that times out records (1, peer, slice) in the error word, which
 `PeerErrors` raises on the host as PeerWaitTimeout (slice: the tile being reduced, -1 for a program that owns
@@ -103,9 +111,9 @@ from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, aligned, regi
 from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, SIGNATURE_WORDS, TENSOR_WORDS, PeerErrors, RefusedCall,
                                            check_spin_limit, describe_foreign, describe_refused_calls,
                                            describe_signatures, describe_tensor, foreign_operand, publish_refusal,
-                                           same_unrefused_calls,
-                                           signal_every_program, signal_ready, signature_of, store_signature,
-                                           tensor_words, wait_or_record)
+                                           release_when_last, released_at_least, same_unrefused_calls,
+                                           signal_every_program, signal_peer, signal_ready, signature_of,
+                                           store_signature, tensor_words, wait_or_record)
 
 PRODUCE, REDUCE, WAIT = 1, 2, 4  # the phases of a launch (PHASES is their sum)
 ALL_PHASES = PRODUCE | REDUCE | WAIT
@@ -261,12 +269,36 @@ def _partial_tile(x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn, firs
     return acc
 
 
+@triton.jit
+def _released_ranks(released_ptrs, rank, epoch, spin_limit, error_ptr, WORLD: tl.constexpr):
+    """The ranks that may take call `epoch`'s partials and signature (bit d: rank d): a peer once it is through with
+    its reduce of the call before last, whose half of the receive slots and signatures they go into (bounded:
+    `released_at_least`; a timeout is recorded), this rank at once (its launch before last read them: stream
+    order). (The module docstring: buffers.)"""
+    tl.static_assert(WORLD <= 32, "a rank's bit in an int32")
+    flags = tl.load(released_ptrs + rank).to(tl.pointer_type(tl.int32))
+    released = 1 << rank
+    for k in tl.static_range(1, WORLD):
+        dest = (rank + k) % WORLD
+        if released_at_least(flags, dest, epoch - 2, epoch, spin_limit, error_ptr):
+            released |= 1 << dest
+    return released
+
+
+@triton.jit
+def _send_signature(signature_ptrs, ready_ptrs, dest, signature_half, rank, signature, flag_stride, epoch):
+    """After this program's partials into dest: this call's signature beside them, then its ready flag there, which
+    releases both."""
+    store_signature(signature_ptrs, dest, signature_half, rank, signature)
+    signal_peer(ready_ptrs, dest, rank * flag_stride + tl.program_id(0), epoch)
+
+
 # One compiled variant for every epoch; the halves' sizes follow the symmetric buffers, which a larger call grows
 # under the same plan key: not specialised, so the key's cached binary stays valid for them.
 @triton.jit(do_not_specialize=["epoch", "recv_half", "out_half"])
 def _gemm_allreduce_kernel(
     x_ptr, w_ptr, stride_xm, stride_xk, stride_wk, stride_wn,
-    recv_ptrs, out_ptrs, ready_ptrs, done_ptrs, signature_ptrs, error_ptr,
+    recv_ptrs, out_ptrs, ready_ptrs, done_ptrs, signature_ptrs, released_ptrs, error_ptr, reduced_ptr,
     rank, epoch, M, N, K, dtype_code, recv_half, out_half, num_tiles, n_tiles, tiles_per_rank, band_rows, slot_rows,
     split_k, k_chunk, num_programs, flag_stride, spin_limit,
     WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -287,6 +319,9 @@ def _gemm_allreduce_kernel(
     signatures = tl.load(signature_ptrs + rank).to(tl.pointer_type(tl.int64)) + signature_half  # peers' here
 
     if PHASES & 1:  # produce: partial tiles into the receive slots of the ranks that reduce them
+        # Only into ranks through with their reduce of my call before last (a late peer may not be): none stored
+        # into the others, and no flag raised there (they time out naming this rank).
+        released = _released_ranks(released_ptrs, rank, epoch, spin_limit, error_ptr, WORLD)
         if ONE_SHOT:  # every tile to every rank
             u = pid
             while u < num_tiles * split_k:
@@ -298,19 +333,23 @@ def _gemm_allreduce_kernel(
                 slot = ((rank * split_k + chunk) * tiles_per_rank + j).to(tl.int64) * slot_size
                 row_mask = first + rows < end
                 for step in tl.static_range(1, WORLD + 1):  # remote first, rotated by rank
-                    recv = tl.load(recv_ptrs + (rank + step) % WORLD).to(tl.pointer_type(tl.float32))
+                    dest = (rank + step) % WORLD
+                    recv = tl.load(recv_ptrs + dest).to(tl.pointer_type(tl.float32))
                     tl.store(recv + parity * recv_half + slot + rows[:, None] * BLOCK_N + cols[None, :], acc,
-                             mask=row_mask[:, None])
+                             mask=row_mask[:, None] & (((released >> dest) & 1) != 0))
                 u += num_programs
-            for dest in tl.static_range(WORLD):
-                store_signature(signature_ptrs, dest, signature_half, rank, signature)
-            signal_ready(ready_ptrs, rank * flag_stride + pid, epoch, WORLD)
+            for step in tl.static_range(1, WORLD + 1):
+                dest = (rank + step) % WORLD
+                if ((released >> dest) & 1) != 0:
+                    _send_signature(signature_ptrs, ready_ptrs, dest, signature_half, rank, signature, flag_stride,
+                                    epoch)
         else:  # each tile to its owner, owners remote first, rotated by rank
             for step in tl.static_range(1, WORLD + 1):
                 owner = (rank + step) % WORLD
                 owned = tl.minimum(tl.maximum(num_tiles - owner * tiles_per_rank, 0), tiles_per_rank)
                 recv = tl.load(recv_ptrs + owner).to(tl.pointer_type(tl.float32)) + parity * recv_half
-                u = pid
+                taken = ((released >> owner) & 1) != 0
+                u = tl.where(taken, pid, owned * split_k)
                 while u < owned * split_k:
                     j = u // split_k
                     chunk = u % split_k
@@ -322,10 +361,9 @@ def _gemm_allreduce_kernel(
                     row_mask = first + rows < end
                     tl.store(recv + slot + rows[:, None] * BLOCK_N + cols[None, :], acc, mask=row_mask[:, None])
                     u += num_programs
-                store_signature(signature_ptrs, owner, signature_half, rank, signature)
-                tl.debug_barrier()  # this program's stores for `owner` before its flag there
-                flag = tl.load(ready_ptrs + owner).to(tl.pointer_type(tl.int32)) + rank * flag_stride + pid
-                tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+                if taken:
+                    _send_signature(signature_ptrs, ready_ptrs, owner, signature_half, rank, signature, flag_stride,
+                                    epoch)
 
     if PHASES & 2:  # reduce this rank's tiles (one-shot: all of them), store them into the output(s)
         first_tile = 0 if ONE_SHOT else rank * tiles_per_rank
@@ -384,6 +422,9 @@ def _gemm_allreduce_kernel(
                 wait_or_record(ready + source * flag_stride + pid, epoch, spin_limit, error_ptr, source, -1)
             tl.debug_barrier()
             same_unrefused_calls(signatures, rank, signature, error_ptr, -1, epoch, WORLD)
+        # The last program through (its tiles and signatures read, or its waits given up) tells every peer that my
+        # half of this call is theirs again (their call after next stores into it: `_released_ranks`).
+        release_when_last(reduced_ptr, released_ptrs, rank, epoch, WORLD)
 
     if PHASES & 4:  # wait until every owner's program `pid` has stored its tiles here (one-shot, scatter, an empty
         #             call: no peer does)
@@ -394,24 +435,31 @@ def _gemm_allreduce_kernel(
 
 
 @triton.jit(do_not_specialize=["rank", "epoch"])
-def _refused_call_kernel(signature_ptr, signature_ptrs, ready_ptrs, done_ptrs, error_ptr, rank, epoch, flag_stride,
-                         spin_limit, WORLD: tl.constexpr, SLOTS: tl.constexpr, PHASES: tl.constexpr):
+def _refused_call_kernel(signature_ptr, signature_ptrs, ready_ptrs, done_ptrs, released_ptrs, error_ptr, rank, epoch,
+                         flag_stride, spin_limit, WORLD: tl.constexpr, SLOTS: tl.constexpr, PHASES: tl.constexpr):
     """One program: a call this rank refused, in the phases of a call (the module docstring). Produce: its signature
     (signature_ptr: a RefusedCall's) into every peer's half of this epoch's parity, then its ready flags there, for
     every program (the peers' grid is not known here); reduce: wait until each peer's program 0 (every grid has one)
     has raised its ready flag of this epoch here, as a call that runs waits for its peers' flags (the guard of the
     halves that this rank's call after next writes), and only then raise its done flags there for every program: a
     peer late in an older call, after this rank's wait for it gave up, would take them for that call's and return
-    the output tiles there as its own."""
-    for k in tl.static_range(1, WORLD):
-        peer = (rank + k) % WORLD
-        if PHASES & 1:
-            publish_refusal(signature_ptr, epoch, signature_ptrs, (epoch % 2) * WORLD * SIGNATURE_WORDS, ready_ptrs,
-                            peer, rank, flag_stride, SLOTS)
-        if PHASES & 2:
-            ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
+    the output tiles there as its own. Its signature goes only into peers through with their reduce of the call
+    before last (`_released_ranks`, as a call's partials), and it releases its own half in the reduce (it reads
+    none of it)."""
+    if PHASES & 1:
+        released = _released_ranks(released_ptrs, rank, epoch, spin_limit, error_ptr, WORLD)
+        for k in tl.static_range(1, WORLD):
+            peer = (rank + k) % WORLD
+            if ((released >> peer) & 1) != 0:
+                publish_refusal(signature_ptr, epoch, signature_ptrs, (epoch % 2) * WORLD * SIGNATURE_WORDS,
+                                ready_ptrs, peer, rank, flag_stride, SLOTS)
+    if PHASES & 2:
+        ready = tl.load(ready_ptrs + rank).to(tl.pointer_type(tl.int32))
+        for k in tl.static_range(1, WORLD):
+            peer = (rank + k) % WORLD
             if wait_or_record(ready + peer * flag_stride, epoch, spin_limit, error_ptr, peer, -1):
                 signal_every_program(done_ptrs, peer, rank, flag_stride, epoch, SLOTS)
+        signal_ready(released_ptrs, rank, epoch, WORLD)
 
 
 def default_split_k(m: int, k: int, num_tiles: int, num_programs: int, block_k: int) -> int:
@@ -512,6 +560,10 @@ class GemmAllReduce:
         # every source's signature of its call, in two halves by epoch parity, as the receive slots
         self.signatures = workspace.buffer("gemm_allreduce_signatures", 2 * self.world * SIGNATURE_WORDS.value,
                                            torch.int64)
+        # released[r]: the last call whose reduce rank r is through with (the module docstring: buffers), and the
+        # count of this rank's programs through it in the current launch (the last one raises released everywhere)
+        self.released = workspace.buffer("gemm_allreduce_reduce_ack", self.world, torch.int32)
+        self.reduced = torch.zeros(1, dtype=torch.int32, device=device)
         self._plans: dict[tuple, Plan] = {}
         self._launches = CompiledLaunches(_gemm_allreduce_kernel)
 
@@ -566,8 +618,8 @@ class GemmAllReduce:
     def _enqueue(self, plan: Plan | RefusedCall, x: torch.Tensor, w: torch.Tensor, epoch: int, phases: int) -> None:
         if isinstance(plan, RefusedCall):
             _refused_call_kernel[(1,)](plan.signature, self.signatures.peer_ptrs, self.ready.peer_ptrs,
-                                       self.done.peer_ptrs, self.errors.word, self.rank, epoch, self.num_programs,
-                                       self.spin_limit, WORLD=self.world,
+                                       self.done.peer_ptrs, self.released.peer_ptrs, self.errors.word, self.rank,
+                                       epoch, self.num_programs, self.spin_limit, WORLD=self.world,
                                        SLOTS=triton.next_power_of_2(self.num_programs), PHASES=phases)
         else:
             self._launches(plan.key, (plan.num_programs, 1, 1), plan.args(x, w, epoch), plan.options)
@@ -631,7 +683,8 @@ class GemmAllReduce:
             _gemm_allreduce_kernel, ("x_ptr", "w_ptr", "epoch"),
             stride_xm=x.stride(0), stride_xk=x.stride(1), stride_wk=w.stride(0), stride_wn=w.stride(1),
             recv_ptrs=recv_ptrs, out_ptrs=out_ptrs, ready_ptrs=self.ready.peer_ptrs,
-            done_ptrs=self.done.peer_ptrs, signature_ptrs=self.signatures.peer_ptrs, error_ptr=self.errors.word,
+            done_ptrs=self.done.peer_ptrs, signature_ptrs=self.signatures.peer_ptrs,
+            released_ptrs=self.released.peer_ptrs, error_ptr=self.errors.word, reduced_ptr=self.reduced,
             rank=self.rank, M=m, N=n, K=k, dtype_code=dtype_code(x.dtype),
             recv_half=recv_half, out_half=out_half, num_tiles=num_tiles, n_tiles=n_tiles,
             tiles_per_rank=tiles_per_rank, band_rows=out_rows, slot_rows=slot_rows, split_k=split_k,
