@@ -416,11 +416,11 @@ def test_the_lowest_refusing_rank_is_named_on_every_other_rank(form):
     check_refused_on_some_ranks(4, (1, 2), "3-D x", form)
 
 
-def two_ranks(form: str, seed: int):
+def two_ranks(form: str, seed: int, device: str = "cpu"):
     """A World of 2 ranks making calls of `form` (CALL_FORMS): the world, whether its calls scatter, the check of
     their outputs and a generator."""
     algorithm, scatter = CALL_FORMS[form]
-    return (World(2, algorithm=algorithm), scatter, assert_reduce_scattered if scatter else assert_all_reduced,
+    return (World(2, algorithm=algorithm, device=device), scatter, assert_reduce_scattered if scatter else assert_all_reduced,
             torch.Generator().manual_seed(seed))
 
 
@@ -428,7 +428,7 @@ def refuse(op: GemmAllReduce, w: torch.Tensor, scatter: bool) -> None:
     """A call that op's rank refuses (a 3-D x), all its phases at once: it raises its own error."""
     epoch = op.next_epoch()
     for phase in (PRODUCE, REDUCE, WAIT):
-        refused = op.launch(torch.ones(2, 4, 40, dtype=torch.bfloat16), w, epoch, phase, scatter)
+        refused = op.launch(torch.ones(2, 4, 40, dtype=torch.bfloat16, device=w.device), w, epoch, phase, scatter)
     with pytest.raises(ValueError, match=r"expected x \[M, K\]"):
         op.output(epoch, refused)
 
@@ -562,9 +562,23 @@ def assert_close(got, expected):
     assert (got.double() - expected).abs().max() / expected.abs().max() < TOLERANCE[got.dtype]
 
 
-@pytest.mark.parametrize("then", ["a call", "a refused call"])
+def outcome(op: GemmAllReduce, output):
+    """output(), then op's error word read (on GPUs `output` reads it only every few calls)."""
+    got = output()
+    op.errors.check(block=True)
+    return got
+
+
+LATE_BY_TWO = ["a call", "a refused call"]  # rank 0's call 4 (check_late_by_two_calls)
+
+
+@pytest.mark.parametrize("then", LATE_BY_TWO)
 @pytest.mark.parametrize("form", list(CALL_FORMS))
 def test_a_late_peer_reduces_its_call_before_the_call_after_next_overwrites_its_partials(form, then):
+    check_late_by_two_calls(form, then)
+
+
+def check_late_by_two_calls(form: str, then: str, device: str = "cpu") -> None:
     """Rank 1 produces call 2, then stalls before its reduce. Rank 0 finishes call 2 (two-shot: its wait for rank 1's
     output tiles gives up), gives up on call 3 (rank 1's partials never come) and goes on to call 4, whose partials
     go into the half of call 2 (double buffers by epoch parity) that rank 1 has not reduced yet. They once did: rank
@@ -576,24 +590,24 @@ def test_a_late_peer_reduces_its_call_before_the_call_after_next_overwrites_its_
     raises no flag there. So rank 1's call 2 is exact; its call 3 is exact where it reduces from rank 0's partials
     (one-shot, reduce-scatter), times out where rank 0's reduced tiles never came (two-shot); its call 4 times out
     naming rank 0. Then calls are exact (both halves)."""
-    world, scatter, check, gen = two_ranks(form, 15)
+    world, scatter, check, gen = two_ranks(form, 15, device)
     ops = world.ops
-    calls = [random_inputs(2, 4, 40, 50, torch.bfloat16, gen) for _ in range(6)]
+    calls = [random_inputs(2, 4, 40, 50, torch.bfloat16, gen, device) for _ in range(6)]
     xs, ws = calls[0]
     world.poison(xs, ws, scatter)
     check(world(xs, ws, scatter), xs, ws)
     expected = [gemm_reduce_scatter_reference(*c)[1] if scatter else gemm_allreduce_reference(*c) for c in calls]
     xs, ws = calls[1]
-    late = call_of(ops[1], xs[1], ws[1], scatter, (PRODUCE,))  # rank 1 produces call 2, then stalls
+    call_of(ops[1], xs[1], ws[1], scatter, (PRODUCE,))  # rank 1 produces call 2, then stalls
     epoch = ops[1].ws._epochs["gemm_allreduce"]
     output = call_of(ops[0], xs[0], ws[0], scatter)
     if form == "two-shot":
         with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 2 waiting for rank 1, slice 0"):
-            output()
+            outcome(ops[0], output)
     else:
-        output()
+        outcome(ops[0], output)
     with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 3 waiting for rank 1, slice 0"):
-        call_of(ops[0], *[t[0] for t in calls[2]], scatter)()
+        outcome(ops[0], call_of(ops[0], *[t[0] for t in calls[2]], scatter))
     if then == "a call":
         signatures = ops[1].signatures.local
         kept = signatures.clone()
@@ -604,22 +618,23 @@ def test_a_late_peer_reduces_its_call_before_the_call_after_next_overwrites_its_
         output = ops[0].errors.after_wait
     with pytest.raises(PeerWaitTimeout, match="rank 0 timed out at step 4 waiting for rank 1 to release its buffer "
                                               r"\(rank 1 never finished step 2\)"):
-        output()
+        outcome(ops[0], output)
     for phase in (REDUCE, WAIT):
         plan = ops[1].launch(xs[1], ws[1], epoch, phase, scatter)
-    late = functools.partial(ops[1].output, epoch, plan)
-    assert_close(late(), expected[1])
+    assert_close(outcome(ops[1], functools.partial(ops[1].output, epoch, plan)), expected[1])
     output = call_of(ops[1], *[t[1] for t in calls[2]], scatter)
     if form == "two-shot":
         with pytest.raises(PeerWaitTimeout, match="rank 1 timed out at step 3 waiting for rank 0, slice 0"):
-            output()
+            outcome(ops[1], output)
     else:
-        assert_close(output(), expected[2])
+        assert_close(outcome(ops[1], output), expected[2])
     with pytest.raises(PeerWaitTimeout, match="rank 1 timed out at step 4 waiting for rank 0, slice"):
-        call_of(ops[1], *[t[1] for t in calls[3]], scatter)()
+        outcome(ops[1], call_of(ops[1], *[t[1] for t in calls[3]], scatter))
     for xs, ws in calls[4:]:
         world.poison(xs, ws, scatter)
         check(world(xs, ws, scatter), xs, ws)
+    for op in ops:
+        op.errors.check(block=True)
 
 
 # Rank 1's call unlike the others' (x [6, 40] @ w [40, 50] bf16, two-shot all-reduce, World's ops): its shapes, dtype

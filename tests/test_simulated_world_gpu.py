@@ -28,8 +28,9 @@ from test_allgather_kernels import (GATHER_REFUSALS, MATMUL_DIFFERENCES, MATMUL_
                                     check_gather_refused, check_matmul_calls_that_differ,
                                     check_matmul_refused_on_one_rank, check_matmul_refused_without_an_exchange)
 from test_fused_embedding_kernels import INTERACTION_PUSH_CASES, check_interaction_push
-from test_gemm_allreduce_kernel import (CALL_FORMS, DIFFERENCES, assert_all_reduced, assert_reduce_scattered,
-                                        check_calls_that_differ, check_refused_on_some_ranks, poison)
+from test_gemm_allreduce_kernel import (CALL_FORMS, DIFFERENCES, LATE_BY_TWO, assert_all_reduced,
+                                        assert_reduce_scattered, check_calls_that_differ, check_late_by_two_calls,
+                                        check_refused_on_some_ranks, poison)
 from test_quantized_allreduce_gpu import world_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -173,6 +174,15 @@ def test_gemm_all_reduce_call_refused_on_one_rank_raises_on_every_rank(refusal, 
     raises its ValueError, rank 0 PeerRefusedInput naming rank 1 and why (at `check(block=True)`), and the next
     call is exact."""
     check_refused_on_some_ranks(2, (1,), refusal, form, "cuda")
+
+
+@pytest.mark.parametrize("then", LATE_BY_TWO)
+@pytest.mark.parametrize("form", list(CALL_FORMS))
+def test_gemm_all_reduce_peer_late_by_two_calls(form, then):
+    """The interpreter test's peer late by two calls (test_gemm_allreduce_kernel.check_late_by_two_calls), as
+    compiled: rank 0's call after next stores nothing into rank 1, which has not reduced the call before; rank 1's
+    late call is exact, the timeouts name the rank and step, and the calls after are exact."""
+    check_late_by_two_calls(form, then, "cuda")
 
 
 @pytest.mark.parametrize("form", list(CALL_FORMS))
