@@ -33,8 +33,9 @@ def build(fn, types, constants, num_warps=4, num_stages=3, divisible=()):
 
 def build_launch(fn, args, options, **constants):
     """fn compiled as a launch with `args` (every argument in order, constexprs included) specialises it: ints
-    equal to 1 constexprs, other ints and tensors' addresses divisible by 16 (as a launch's aligned buffers), but
-    for do_not_specialize arguments; `constants` replace constexprs (e.g. the interpreter's)."""
+    equal to 1 and None constexprs, other ints and tensors' addresses divisible by 16 (as a launch's aligned
+    buffers), but for do_not_specialize arguments; floats fp32; `constants` replace constexprs (e.g. the
+    interpreter's)."""
     import torch
     types = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
              torch.int64: "*i64"}
@@ -44,6 +45,10 @@ def build_launch(fn, args, options, **constants):
             fixed[(i,)], signature[name] = constants.get(name, value), "constexpr"
         elif isinstance(value, torch.Tensor):
             signature[name], aligned[(i,)] = types[value.dtype], [["tt.divisibility", 16]]
+        elif value is None:
+            fixed[(i,)], signature[name] = None, "constexpr"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
         elif value == 1 and not param.do_not_specialize:
             fixed[(i,)], signature[name] = 1, "constexpr"
         else:
