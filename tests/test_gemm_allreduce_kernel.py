@@ -728,6 +728,10 @@ def test_kernel_compiles_for_sm90():
     compile_for_sm90(COMPILE_FOR_SM90)
 
 
+# (M, N, K, reduce-scatter): FEW_ROWS at one and two programs per SM (N=8192: 128 tiles; 28672: 448), one-shot and
+# reduce-scatter; MANY_ROWS
+GRID_SHAPES = ((1, 8192, 4096, False), (1, 28672, 4096, False), (16, 28672, 8192, False), (64, 28672, 4096, False),
+               (64, 8192, 4096, True), (2048, 8192, 4096, False))
 PLANS_CO_RESIDENT_ON_SM90 = r"""
 import types
 import torch
@@ -738,9 +742,7 @@ from fused_dlrm.kernels.launch import resident_programs_per_sm
 
 op = gemm_allreduce.GemmAllReduce(SimulatedWorld(2).workspaces()[0])  # the plans' own grids: num_programs None
 gen = torch.Generator().manual_seed(3)
-# FEW_ROWS at one and two programs per SM (N=8192: 128 tiles; 28672: 448), one-shot and reduce-scatter; MANY_ROWS
-for m, n, k, scatter in ((1, 8192, 4096, False), (1, 28672, 4096, False), (16, 28672, 8192, False),
-                         (64, 28672, 4096, False), (64, 8192, 4096, True), (2048, 8192, 4096, False)):
+for m, n, k, scatter in GRID_SHAPES:
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     w = torch.randn(k, n, generator=gen).to(torch.bfloat16)
     plan = op._plan_of(x, w, gemm_allreduce.ALL_PHASES, scatter)
@@ -758,7 +760,7 @@ def test_plans_grids_are_co_resident_on_sm90():
     """On 132 SMs each plan's grid fits the GPU at once (its programs wait for each other's flags): FEW_ROWS's
     grids of two programs per SM bound their registers (ptxas took 162-183 unbounded), spilling 8 bytes at most.
     Compiled as the launches specialise the kernel, registers counted in the sm_90 binary."""
-    compile_for_sm90(PLANS_CO_RESIDENT_ON_SM90)
+    compile_for_sm90(f"GRID_SHAPES = {GRID_SHAPES!r}\n" + PLANS_CO_RESIDENT_ON_SM90)
 
 
 def test_tiling_by_rows():

@@ -20,6 +20,7 @@ from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.allgather_gemm import AllGatherMatmul, GemmConfig, all_gather_matmul_reference
 from fused_dlrm.kernels.gemm_allreduce import (PRODUCE, REDUCE, WAIT, GemmAllReduce, gemm_allreduce_reference,
                                                gemm_reduce_scatter_reference)
+from fused_dlrm.kernels.launch import resident_programs_per_sm
 from fused_dlrm.kernels.peer_flags import PeerCallMismatch, PeerRefusedInput
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, max_programs_for,
@@ -28,7 +29,7 @@ from test_allgather_kernels import (GATHER_REFUSALS, MATMUL_DIFFERENCES, MATMUL_
                                     check_gather_refused, check_matmul_calls_that_differ,
                                     check_matmul_refused_on_one_rank, check_matmul_refused_without_an_exchange)
 from test_fused_embedding_kernels import INTERACTION_PUSH_CASES, check_interaction_push
-from test_gemm_allreduce_kernel import (CALL_FORMS, DIFFERENCES, LATE_BY_TWO, assert_all_reduced,
+from test_gemm_allreduce_kernel import (CALL_FORMS, DIFFERENCES, GRID_SHAPES, LATE_BY_TWO, assert_all_reduced,
                                         assert_reduce_scattered, check_calls_that_differ, check_late_by_two_calls,
                                         check_refused_on_some_ranks, poison)
 from test_quantized_allreduce_gpu import world_inputs
@@ -224,6 +225,19 @@ def test_gemm_all_reduce_refused_calls_in_one_launch_per_rank_on_two_streams(for
             op.errors.check(block=True)  # nothing (else) recorded
         if not refusing:
             (assert_reduce_scattered if scatter else assert_all_reduced)([o.clone() for o in outs], xs, ws)
+
+
+def test_gemm_all_reduce_plans_grids_fit_the_gpu_at_once():
+    """The plans' own grids (up to two programs per SM) as compiled here: each binary fits its grid on the GPU at
+    once (registers, shared memory), what test_gemm_allreduce_kernel's sm_90 build checks on the CPU."""
+    op = GemmAllReduce(SimulatedWorld(2, "cuda").workspaces()[0])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m, n, k, scatter in GRID_SHAPES:
+        x, w = torch.randn(m, k, device="cuda").bfloat16(), torch.randn(k, n, device="cuda").bfloat16()
+        plan = op.prepare(x, w, scatter=scatter)
+        binary = op._launches.compiled(plan.key, (plan.num_programs, 1, 1), plan.args(x, w, 0), plan.options)
+        per_sm = resident_programs_per_sm(binary.n_regs, binary.metadata.num_warps, binary.metadata.shared)
+        assert per_sm * sms >= plan.num_programs, (m, n, scatter, plan.num_programs, binary.n_regs, binary.n_spills)
 
 
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
