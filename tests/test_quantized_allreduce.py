@@ -208,7 +208,9 @@ def _ddp_hook_blocks(rank: int, world: int, device_type: str = "cpu") -> None:
                 model.zero_grad()
                 model(local[rank][large].to(device), local[rank][small].to(device)).backward()
                 [(numels, offsets, in_place)] = layouts
-                assert step == 1 or numels == [large, small], numels  # first the parameters' order
+                # the parameters' order, then (DDP's rebuilt bucket) the order their gradients came in: the
+                # small one first (its block shared with the large one's first values, not its last)
+                assert numels == ([large, small] if step == 0 else [small, large]), numels
                 aligned = all(o % BLOCK == 0 for o in offsets)
                 unaligned += [not aligned]
                 grads = {p.numel(): p.grad.cpu() for p in model.parameters()}
