@@ -5,8 +5,8 @@ equal to 1 arriving as constexprs, tl.dot shapes and dtypes, shared memory) is c
 `build(fn, types, constants, num_warps=4, num_stages=3)`: `types` maps argument names to Triton types (pointers
 "*fp16", ...; others default to "i32"), `constants` the constexpr arguments, `divisible` the integer arguments a launch passes as multiples of 16
 (Triton specialises those, which enables e.g. software pipelining of loops over them); it returns the compiled kernel (its
-`asm` holds the TTGIR and PTX). `build_launch(fn, args, options)` compiles it as a launch with those arguments
-specialises it; `resources(kernel)`: its registers and stack (spills) per thread.
+`asm` holds the TTGIR and PTX). `build_launch(fn, args, options)` compiles fn as a launch with those arguments
+would specialise it; `resources(kernel)`: its registers and stack (spills) per thread.
 """
 
 from __future__ import annotations

@@ -183,10 +183,10 @@ def test_per_table_optimizer_state_round_trips(tmp_path):
 # for its checkpoint: a in row blocks of 7 and 3 rows on swapped ranks, b in row blocks, c's column shards (row-wise
 # Adagrad's: the same cuts) on swapped ranks.
 ROWS = {"a": 10, "b": 12, "c": 9}
-TWO_RANKS = TableShardingPlan(2, (Shard("a", 1, 0, 4, "a_rows_0_to_6", 0, 7),
-                                  Shard("a", 0, 0, 4, "a_rows_7_to_9", 7, 3), Shard("b", 0, 0, 4, "b_rows_0_to_6", 0, 7),
-                                  Shard("b", 1, 0, 4, "b_rows_7_to_11", 7, 5), Shard("c", 1, 0, 2, "c_cols_0_to_1"),
-                                  Shard("c", 0, 2, 2, "c_cols_2_to_3")))
+TWO_RANKS = TableShardingPlan(2, (
+    Shard("a", 1, 0, 4, "a_rows_0_to_6", 0, 7), Shard("a", 0, 0, 4, "a_rows_7_to_9", 7, 3),
+    Shard("b", 0, 0, 4, "b_rows_0_to_6", 0, 7), Shard("b", 1, 0, 4, "b_rows_7_to_11", 7, 5),
+    Shard("c", 1, 0, 2, "c_cols_0_to_1"), Shard("c", 0, 2, 2, "c_cols_2_to_3")))
 
 
 def _cut(plan: TableShardingPlan | None = None, rows: dict[str, int] = ROWS, dim: int = 4,

@@ -420,8 +420,8 @@ def two_ranks(form: str, seed: int, device: str = "cpu"):
     """A World of 2 ranks making calls of `form` (CALL_FORMS): the world, whether its calls scatter, the check of
     their outputs and a generator."""
     algorithm, scatter = CALL_FORMS[form]
-    return (World(2, algorithm=algorithm, device=device), scatter, assert_reduce_scattered if scatter else assert_all_reduced,
-            torch.Generator().manual_seed(seed))
+    return (World(2, algorithm=algorithm, device=device), scatter,
+            assert_reduce_scattered if scatter else assert_all_reduced, torch.Generator().manual_seed(seed))
 
 
 def refuse(op: GemmAllReduce, w: torch.Tensor, scatter: bool) -> None:

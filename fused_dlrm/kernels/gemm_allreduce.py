@@ -50,8 +50,8 @@ once: the flag rose before that peer's flags of call e + 1); only those it has s
 and its flag (one-shot: every peer, as every unit goes to every rank). A timeout records (2, peer, step e) and
 stores nothing there (the peer times out naming this rank). Without it, call e + 2 overwrote the partials the late
 peer had yet to reduce: it raised a call mismatch (the signature of step e + 2) or, reading the signature just
-before it landed, reduced call e + 2's partials as call e's, silently. The returned output is a view of symmetric memory, valid
-until the call after next (later stores to it come from call e + 2). Flags carry the epoch, are
+before it landed, reduced call e + 2's partials as call e's, silently. The returned output is a view of symmetric
+memory, valid until the call after next (later stores to it come from call e + 2). Flags carry the epoch, are
 never reset and are compared with `>=`; a wait that times out records (1, peer, slice) in the error word, which
 `PeerErrors` raises on the host as PeerWaitTimeout (slice: the tile being reduced, -1 for a program that owns
 none (below), or in the wait phase the program whose output flag is missing). A program whose wait for a partial

@@ -59,7 +59,7 @@ def resident_programs_per_sm(n_regs: int, num_warps: int, shared: int) -> int:
 
 
 def registers_per_thread(programs_per_sm: int, num_warps: int) -> int:
-    """The most registers per thread (ptxas' maxnreg: a multiple of 8, at most 255) that leave room for
+    """The most registers per thread (ptxas' maxnreg: a multiple of 8, or 255, the most) that leave room for
     `programs_per_sm` programs of `num_warps` warps on one sm_90 SM. Given no bound, ptxas takes what it likes, up
     to 255: one 8-warp program per SM."""
     return min(255, SM_REGISTERS // (programs_per_sm * 32 * num_warps) // 8 * 8)
