@@ -6,7 +6,7 @@ equal to 1 arriving as constexprs, tl.dot shapes and dtypes, shared memory) is c
 "*fp16", ...; others default to "i32"), `constants` the constexpr arguments, `divisible` the integer arguments a launch passes as multiples of 16
 (Triton specialises those, which enables e.g. software pipelining of loops over them); it returns the compiled kernel (its
 `asm` holds the TTGIR and PTX). `build_launch(fn, args, options)` compiles fn as a launch with those arguments
-would specialise it; `resources(kernel)`: its registers and stack (spills) per thread.
+would (Triton's own binder specialises them); `resources(kernel)`: its registers and stack (spills) per thread.
 """
 
 from __future__ import annotations
@@ -32,30 +32,18 @@ def build(fn, types, constants, num_warps=4, num_stages=3, divisible=()):
     return kernel
 
 def build_launch(fn, args, options, **constants):
-    """fn compiled as a launch with `args` (every argument in order, constexprs included) specialises it: ints
-    equal to 1 and None constexprs, other ints and tensors' addresses divisible by 16 (as a launch's aligned
-    buffers), but for do_not_specialize arguments; floats fp32; `constants` replace constexprs (e.g. the
-    interpreter's)."""
-    import torch
-    types = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
-             torch.int64: "*i64"}
-    names, signature, fixed, aligned = fn.arg_names, {}, {}, {}
-    for i, (name, value, param) in enumerate(zip(names, args, fn.params)):
-        if param.is_constexpr:
-            fixed[(i,)], signature[name] = constants.get(name, value), "constexpr"
-        elif isinstance(value, torch.Tensor):
-            signature[name], aligned[(i,)] = types[value.dtype], [["tt.divisibility", 16]]
-        elif value is None:
-            fixed[(i,)], signature[name] = None, "constexpr"
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        elif value == 1 and not param.do_not_specialize:
-            fixed[(i,)], signature[name] = 1, "constexpr"
-        else:
-            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-            if value % 16 == 0 and not param.do_not_specialize:
-                aligned[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, signature, fixed, aligned), target=GPUTarget("cuda", 90, 32), options=options)
+    """fn compiled as a launch with `args` (every argument in order, constexprs included) and `options` compiles
+    it: Triton's own binder and argument packing (its specialisation: ints equal to 1 constexprs, multiples of 16
+    and 16-byte aligned tensors divisible, but for do_not_specialize arguments), for sm_90; `constants` replace
+    constexprs (e.g. the interpreter's)."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    args = [constants.get(name, value) for name, value in zip(fn.arg_names, args)]
+    bound, specialization, given = create_function_from_signature(fn.signature, fn.params, backend)(*args, **options)
+    options, signature, fixed, aligned = fn._pack_args(backend, options, bound, specialization, given)
+    return triton.compile(ASTSource(fn, signature, fixed, aligned), target=target, options=options.__dict__)
 
 def resources(kernel):
     """(registers per thread, stack bytes per thread: spills) of a compiled kernel, read by Triton's cuobjdump."""

@@ -29,10 +29,10 @@ phase has nothing to wait for).
 Programs wait for flags raised by other programs of the same launch, here and on peers: the grid must be
 co-resident. A plan of more programs than SMs bounds the registers per thread (ptxas' maxnreg,
 `launch.registers_per_thread`: 128 for FEW_ROWS's PROGRAMS_PER_SM = 2 of 8 warps): unbounded, ptxas took 162-183
-for FEW_ROWS's tiles (since the calls' signatures, 06ff54d; 143-194 at BLOCK_M 64 before), one program per SM, and
-a grid of two per SM was not co-resident (sm_90 builds of the launches' specialisation, counted with cuobjdump;
-bounded: 122-128, 8 bytes spilled at BLOCK_M 64 one-shot by the released ranks' mask (buffers, below);
-docs/benchmarks.md, 2026-12-05). Their shared memory fits two per SM (5 stages at BLOCK_M 16: 80 KiB; 3 stages
+for FEW_ROWS's tiles since the calls' signatures (06ff54d; 143-194 at BLOCK_M 64 before), 175-190 with the released
+ranks' mask (buffers, below), one program per SM, and a grid of two per SM was not co-resident (sm_90 builds of the
+launches' specialisation, counted with cuobjdump; bounded: 128, 8 bytes spilled at BLOCK_M 64; docs/benchmarks.md,
+2026-12-05). Their shared memory fits two per SM (5 stages at BLOCK_M 16: 80 KiB; 3 stages
 above: 96 KiB at BLOCK_M 64); MANY_ROWS runs one per SM. Were the grid not
 co-resident all the same (e.g. a larger `programs_per_sm` or `num_stages` given to the constructor for a sweep),
 the waits would time out and raise, not hang. The Triton interpreter runs programs one after another, so a
