@@ -176,7 +176,8 @@ def _ddp_hook_blocks(rank: int, world: int, device_type: str = "cpu") -> None:
     a block holding both got the large values' scale and the small ones came back as 0 (q8, fp8, q6, q4); the hook
     reduces each from a block of its own: bit for bit the two-shot of `flat_buffer`'s layout, each parameter
     within its own bound. A bucket already laid out so (each parameter from a block), or a plain codec, is reduced
-    in place. Also run on 2 GPUs by tests/test_quantized_allreduce_gpu.py (the fused kernel)."""
+    in place; a copied one's buffer is made once per layout (steps 1 and 2 share DDP's rebuilt bucket), its gaps
+    still zero at its second use. Also run on 2 GPUs by tests/test_quantized_allreduce_gpu.py (the fused kernel)."""
     device = torch.device(device_type, rank if device_type == "cuda" else 0)
     reduced = []  # (address, numel) of what each all-reduce was given
     reduce = qar.quantized_all_reduce
@@ -200,7 +201,8 @@ def _ddp_hook_blocks(rank: int, world: int, device_type: str = "cpu") -> None:
         for codec in GRAD_ALLREDUCE_CODECS:
             model = DistributedDataParallel(_TwoScales(large, small).to(device))
             model.register_comm_hook(QuantizedHookState(codec), hook)
-            for step in range(2):
+            buffers = []  # what each step reduced: its address
+            for step in range(3):
                 gens = [torch.Generator().manual_seed(10 * step + r) for r in range(world)]
                 local = [{large: torch.randn(large, generator=g) * 1e3, small: torch.randn(small, generator=g) * 1e-3}
                          for g in gens]
@@ -230,6 +232,9 @@ def _ddp_hook_blocks(rank: int, world: int, device_type: str = "cpu") -> None:
                     for n, start in zip(numels, block_offsets(numels, codec)):
                         assert torch.equal(grads[n], want[start:start + n]), (codec, n)
                 assert in_place == (aligned or codec in qar.PLAIN), (codec, offsets)
+                buffers.append(reduced[-1][0])
+            if not in_place:  # steps 1 and 2: one layout, one buffer
+                assert buffers[2] == buffers[1], (codec, large, small)
     assert any(unaligned) and not all(unaligned)  # both kinds of bucket were met
 
 

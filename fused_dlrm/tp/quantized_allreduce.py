@@ -38,7 +38,7 @@ ranks only (kernels/quantized_allreduce.py says why).
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -194,11 +194,24 @@ class QuantizedHookState:
     it; a DDP model over a data-parallel group must be given that group: DDP does not pass it), and `chooser`'s
     threshold: buckets below min_bytes go plain. 0 (the default) quantizes every bucket, as a configured codec
     asks; pass MIN_QUANTIZED_BYTES for the size rule. allocation_timeout_s: how long the fused kernel's ranks wait
-    for each other at its workspace's allocation (`fused_for_group`)."""
+    for each other at its workspace's allocation (`fused_for_group`). The hook keeps each bucket's block-aligned
+    buffer here (`aligned_buffer`)."""
     codec: str
     group: dist.ProcessGroup | None = None
     min_bytes: int = 0
     allocation_timeout_s: float = ALLOCATION_TIMEOUT_S
+    _aligned: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def aligned_buffer(self, bucket: dist.GradBucket, views: list[torch.Tensor], codec: str
+                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The bucket's `flat_buffer` for these gradients, made once per bucket layout (DDP rebuilds its buckets
+        once, after the first step), not zeroed and allocated at every step: its gaps stay zero, as the codecs
+        encode and decode zeros exactly and only the views are written."""
+        layout = (codec, tuple((v.shape, v.dtype, v.device) for v in views))
+        kept = self._aligned.get(bucket.index())
+        if kept is None or kept[0] != layout:
+            kept = self._aligned[bucket.index()] = (layout, flat_buffer(views, codec))
+        return kept[1]
 
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
@@ -220,7 +233,7 @@ def quantized_allreduce_hook(state: QuantizedHookState,
             == block_offsets([v.numel() for v in views], codec)[:-1]):
         flat = grads  # in place: no copy
     else:
-        flat, aligned = flat_buffer(views, codec)
+        flat, aligned = state.aligned_buffer(bucket, views, codec)
         torch._foreach_copy_(aligned, views)
     quantized_all_reduce(flat, codec, state.group, mean=True, out=flat,
                          allocation_timeout_s=state.allocation_timeout_s)
