@@ -21,6 +21,13 @@ def test_without_gpus_the_benches_exit_saying_so(monkeypatch, main, command):
         main(["--quick"])
 
 
+@pytest.mark.parametrize("count", ["0", "-3"])
+def test_embedding_bench_refuses_a_bad_program_count_before_it_starts(monkeypatch, count):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # reaching the GPU check would exit otherwise
+    with pytest.raises(ValueError, match=rf"^comm.num_programs={count}: expected a whole number >= 1"):
+        embedding.main(["--quick", "--num-programs", count])
+
+
 def test_init_gpu_world_names_the_command(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="^my bench times GPU kernels"):

@@ -1,6 +1,7 @@
 """Benchmark of the sharded embedding forward (and forward+backward), after input distribution.
 
-Under torchrun on GPUs: `torchrun --nproc_per_node=2 -m fused_dlrm.bench embedding [--quick] [--out FILE]`.
+Under torchrun on GPUs:
+`torchrun --nproc_per_node=2 -m fused_dlrm.bench embedding [--quick] [--num-programs N] [--out FILE]`.
 Each rank owns `tables_per_gpu` fp32 tables of 100k rows; bags of every feature for the whole global batch are
 already on their owner (the input all-to-all is outside the timed region). Variants, timed in the same run:
   torch: F.embedding_bag per table + NCCL all_to_all_single + permute (forward only: torch's backward would
@@ -115,7 +116,7 @@ def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iter
         check_against_bulk(f"{cfg.name}: {name}", fn(), expected, 1e-5, "the torch reference")
     fused.errors.check(block=True)
 
-    result = {"config": cfg.name, **cfg.__dict__, "world_size": world}
+    result = {"config": cfg.name, **cfg.__dict__, "world_size": world, "num_programs": fused.num_programs}
     with torch.no_grad():
         result["fwd_ms"] = {name: time_ms(fn, iters=iters, start="device") for name, fn in
                             (("torch", torch_reference), ("bulk", bulk), ("fused", fused_forward),
@@ -184,8 +185,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--quick", action="store_true", help="first config only, fewer iterations")
     parser.add_argument("--sweep", action="store_true", help="time lookup tile shapes on the first config")
     parser.add_argument("--transport", default="p2p", choices=["p2p", "nvshmem"], help="of the fused variant")
+    parser.add_argument("--num-programs", type=int, default=None,
+                        help="persistent programs of the fused variant's kernels (comm.num_programs; default 32 per SM)")
     parser.add_argument("--out", default="bench_embedding.json")
     args = parser.parse_args(argv)
+    comm = FusedCommConfig(transport=args.transport, num_programs=args.num_programs)  # refuses a bad count now
     init_gpu_world("python -m fused_dlrm.bench embedding")
     check_rank_0_can_write(Path(args.out), f"--out {args.out}")  # now, not after the timings
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -203,17 +207,16 @@ def main(argv: list[str]) -> None:
     # Under NVSHMEM, torch's peer views (get_buffer) cannot be copied into: no peer probe, SOL from HBM only.
     hbm, peer = hbm_bandwidth(), peer_bandwidth() if args.transport == "p2p" else None
     configs = CONFIGS[:1] if args.quick else CONFIGS
-    comm = FusedCommConfig(transport=args.transport)
     results = [run_config(c, rank, world, hbm, peer, 20 if args.quick else 50, comm) for c in configs]
     if rank == 0:
         meta = {"device": torch.cuda.get_device_name(), "world_size": world, "torch": torch.__version__,
-                "transport": args.transport,
+                "transport": args.transport, "num_programs": results[0]["num_programs"],
                 "hbm_TBps": hbm / 1e12, "peer_GBps": peer / 1e9 if peer else None}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
         peer_text = f"{peer / 1e9:.0f} GB/s" if peer else "n/a (SOL from HBM only)"
-        print(f"{meta['device']} x{world}  fused transport {args.transport}  copy {hbm / 1e12:.2f} TB/s  "
-              f"peer write {peer_text}")
+        print(f"{meta['device']} x{world}  fused transport {args.transport}, {meta['num_programs']} programs  "
+              f"copy {hbm / 1e12:.2f} TB/s  peer write {peer_text}")
         print(f"{'config':34} {'torch':>8} {'bulk':>8} {'fused':>8} {'SOL':>7} {'fused%SOL':>9} "
               f"{'fused GB/s':>10} {'lookup':>7} {'GB/s':>5} | {'fb bulk':>8} {'fb fused':>8} {'speedup':>7} | "
               f"host start: {'bulk':>6} {'fused':>6} | b2b: {'bulk':>6} {'fused':>6} {'lookup':>6}")
