@@ -512,7 +512,7 @@ def check_matmul_refused_on_one_rank(world_size: int, refusal: str, producer: st
     weights[1] = weight if bad_weight is None else bad_weight
     shards[1] = bad_shard[0] if bad_shard else shards[1]
     ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
-    refused = [refused_call(shard, w, out, op) for op, shard, w, out in zip(ops, shards, weights, outs)]
+    refused = [refused_call(shard, w, out, op, producer) for op, shard, w, out in zip(ops, shards, weights, outs)]
     assert [r is not None for r in refused] == [rank == 1 for rank in range(world_size)]
     epochs = [op.start(shard, producer, r) for op, shard, r in zip(ops, shards, refused)]  # every producer first
     for rank, (op, epoch, shard, w, out) in enumerate(zip(ops, epochs, shards, weights, outs)):
@@ -538,6 +538,46 @@ def test_all_gather_matmul_call_refused_on_one_rank_raises_on_every_rank(refusal
 @pytest.mark.parametrize("producer", ["copy_engine", "device"])
 def test_all_gather_matmul_call_refused_on_one_rank_of_three_raises_on_every_rank(producer):
     check_matmul_refused_on_one_rank(3, "weight of other dtype", producer)
+
+
+def test_a_device_push_grid_not_resident_at_once_is_refused_on_every_rank(monkeypatch):
+    """Where the device push runs in the GEMM's own launch (a process group's GPUs), its programs wait for each
+    other's chunks: a grid of more programs than are resident at once would wait out its bound. Rank 1's op gets
+    the bound of a GPU of 2 SMs (`resident_programs`: one per SM) against SMALL's 3 programs: its device call is
+    refused before any GEMM launch (its own ValueError; rank 0 PeerRefusedInput naming rank 1 and why). The copy
+    engines' calls keep that grid (no wait inside their launch) and are exact, as is a device call on a grid of
+    exactly the bound."""
+    gen = torch.Generator().manual_seed(29)
+    workspaces = matmul_world(2)
+    weight = torch.randn(19, 24, generator=gen).to(torch.float16).t()
+    shards = [torch.randn(41, 24, generator=gen).to(torch.float16) for _ in range(2)]
+    ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
+    ops[1].resident_programs = 2
+
+    def no_gemm(*args, **kwargs):
+        raise AssertionError("rank 1 launched the GEMM of a call it refused")
+
+    monkeypatch.setattr(ops[1], "_launch", no_gemm)
+    refused = [refused_call(shard, weight, None, op, "device") for op, shard in zip(ops, shards)]
+    assert [r is not None for r in refused] == [False, True]
+    epochs = [op.start(shard, "device", r) for op, shard, r in zip(ops, shards, refused)]
+    with pytest.raises(PeerRefusedInput, match=r"^fused all-gather \+ GEMM at step 1: rank 0: rank 1's call was "
+                                               r"refused: its device push's grid of 3 programs is more than its GPU "
+                                               r"holds at once \(2: one per SM\)"):
+        ops[0].finish(epochs[0], shards[0], weight, "device")  # on the CPU
+        ops[0].errors.check(block=True)  # on GPUs
+    with pytest.raises(ValueError, match=r"GemmConfig.num_programs=3: .* resident at once: at most 2 on this GPU "
+                                         r"\(one per SM\)"):
+        ops[1].finish(epochs[1], shards[1], weight, "device")
+    monkeypatch.undo()
+    for producer, bound in (("copy_engine", 2), ("device", 3)):
+        ops[1].resident_programs = bound
+        shards = [torch.randn(41, 24, generator=gen).to(torch.float16) for _ in range(2)]
+        assert [refused_call(shard, weight, None, op, producer) for op, shard in zip(ops, shards)] == [None, None]
+        for out in run_matmul(workspaces, shards, weight, producer):
+            assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16], producer
+    for op in ops:
+        op.errors.check(block=True)
 
 
 # An x_shard that rank 1 refuses, of no shape class the op takes (the peers': [41, 24] float16), or its producer,
@@ -634,7 +674,7 @@ def test_all_gather_matmul_refused_with_and_without_an_exchange_in_one_call():
         assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
     shards = shards_of_every_rank()
     ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
-    refused = refused_call(shards[1], weight.float(), None, ops[1])
+    refused = refused_call(shards[1], weight.float(), None, ops[1], "device")
     epochs = [op.start(shard, "device", r) for op, shard, r in zip(ops[:2], shards, (None, refused))]
     with pytest.raises(ValueError, match=r"dtype torch.float32 \(expected fp16"):
         all_gather_matmul(shards[2].float(), weight, workspaces[2], config=SMALL)
@@ -704,7 +744,7 @@ def test_all_gather_matmul_refused_call_waits_until_every_peer_has_begun_it():
     weight = torch.randn(19, 24, generator=gen).half().t()
     shards = [torch.randn(41, 24, generator=gen).half() for _ in workspaces]
     ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
-    refused = refused_call(shards[1], torch.randn(24, 19), None, ops[1])
+    refused = refused_call(shards[1], torch.randn(24, 19), None, ops[1], "device")
     epoch = ops[1].start(shards[1], "device", refused)
     with pytest.raises(ValueError, match="weight"):
         ops[1].finish(epoch, shards[1], weight, "device")  # before rank 0 has begun the call
@@ -851,6 +891,11 @@ assert "fence.proxy.async.global" in kernel.asm["ptx"]  # between the flags' acq
 import re
 depths = re.findall(r"ttg.local_alloc : \(\) -> !ttg.memdesc<(\d+)x", kernel.asm["ttgir"])
 assert depths and set(depths) == {str(c.num_stages)}, depths
+# One program per SM: the grid of the device push's launch is bounded by the SM count (AllGatherMatmul's
+# resident_programs), which these tiles' own residency (registers, shared memory) equals
+from fused_dlrm.kernels.launch import resident_programs_per_sm
+registers, shared = resources(kernel)[0], kernel.metadata.shared
+assert resident_programs_per_sm(registers, c.num_warps, shared) == 1, (registers, shared)
 types = {"x_ptr": "*fp16", "data_ptrs": "*i64", "ready_ptrs": "*i64", "ack_ptr": "*i32", "error_ptr": "*i32",
          "half_offset": "i64"}
 build(allgather._push_kernel, types, dict(rank=1, chunks=1, WORLD=4, BLOCK_R=16, BLOCK_C=512))

@@ -26,9 +26,11 @@ pointer loads and a loop per tile: 504 against 520 us at issue 5's shape on one 
   as the push takes tiles' time, `lead_rounds`), so that they do not finish a push's time after the rest. One
   launch, not a push kernel on another stream: two kernels whose programs wait on each other deadlock when the
   consumer's persistent programs take every SM before the producer's are scheduled; inside one launch whose grid
-  is at most one program per SM, every program is resident. (The interpreter runs a launch's programs one after
-  another, so in a simulated world, on the CPU or on one GPU, the same kernel runs twice: push only for every
-  rank, then compute.)
+  is at most one program per SM, every program is resident. So a rank whose GemmConfig.num_programs exceeds its
+  GPU's SM count refuses its device calls (`grid_problem`; its copy-engine calls keep the grid: their GEMM waits
+  only for flags its own streams write). (The interpreter runs a launch's programs one after another, so in a
+  simulated world, on the CPU or on one GPU, the same kernel runs twice: push only for every rank, then compute;
+  any grid.)
 The last program to finish acknowledges the epoch to every peer (a never-reset launch counter of this op reaching
 launches * programs): the guard that lets peers overwrite the other half of the double buffer next time.
 With return_gathered=True the gathered input (the column-parallel backward needs it) is copied out of the
@@ -62,7 +64,8 @@ collective allocation (dist/symmetric.agree_on_allocation), so those ranks raise
 that never asked, and a peer whose next allocation is another buffer raises AllocationMismatch.
 A call whose weight or out one rank refuses, or whose x_shard, weight or out lies on another device than the
 workspace's (`refused_call`: what each rank's own tensors decide, N may differ; x_shard of the peers' shape class;
-`peer_flags.foreign_operand`: a kernel would read another GPU's memory) is still a call there
+`peer_flags.foreign_operand`: a kernel would read another GPU's memory), or a device push on a grid its GPU does
+not hold at once (each rank's own config) is still a call there
 (peer_flags.RefusedCall): raising alone would leave its peers waiting out their bound, and its call numbers and
 exchange epochs one behind theirs for every later call. It takes its number and its exchange's epoch, publishes a
 signature that says why ([number, REFUSED_CALL, refusal words]) and acknowledges the epoch (it reads nothing of it),
@@ -151,7 +154,8 @@ class GemmConfig:
     # 4 stages and groups of 16 M-blocks: the GEMM alone (flags already up) at M=8192, N=11008/2, K=4096 fp16 on one
     # H200 took 555.6 us against 661.1 at 3 stages and groups of 8 (cuBLAS 538.5; 2026-11-23, docs/benchmarks.md)
     num_stages: int = 4
-    num_programs: int | None = None  # persistent programs; None: one per SM (all co-resident)
+    num_programs: int | None = None  # persistent programs; None: one per SM (all co-resident). The device push
+    # refuses more than the SMs (its programs wait for each other's, `grid_problem`); the copy engines take any
     spin_limit: int = DEFAULT_SPIN_LIMIT
     push_rounds: int | None = None  # device push: rounds of local tiles that the pushing programs leave to the
     # others (None: the push's estimated time in tiles' time, `lead_rounds`)
@@ -433,6 +437,12 @@ class AllGatherMatmul:
         self.refused: RefusedCall | None = None  # the latest call's, if this rank refused it (`start`)
         self.rows, self.k, self.dtype = rows, k, dtype
         self.fused_push = not workspace.simulated  # a simulated world pushes in a launch of its own (module docstring)
+        # The most programs of a launch that pushes and computes (`grid_problem`; None: no such launch). The SM
+        # count, not the binary's residency: that binary is found only at the launch (kernel[grid]; it follows the
+        # weight's layout and N), later than the call's refusal is decided; GemmConfig's own tiles compile for sm_90
+        # to one program per SM anyway (190 registers x 256 threads, 224 KiB of shared memory).
+        self.resident_programs = (torch.cuda.get_device_properties(workspace.device).multi_processor_count
+                                  if self.fused_push else None)
         self.num_programs = config.num_programs or (self.gather.num_programs if rows else 1)
         self._copy_gather: SymmetricAllGather | None = None  # the copy-engine producer's, built on first use
         self.counter = torch.zeros(1, dtype=torch.int64, device=workspace.device)  # programs done, never reset
@@ -669,15 +679,29 @@ def shard_problem(shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
 
 # Why a rank refuses its call (`refused_call`, `all_gather_matmul`): word 0 of its refusal words, which its peers
 # name (`describe_refusal`)
-UNREADABLE_WEIGHT, UNUSABLE_OUT, FOREIGN_OPERAND, UNTAKEN_SHARD, UNKNOWN_PRODUCER = 1, 2, 3, 4, 5
+UNREADABLE_WEIGHT, UNUSABLE_OUT, FOREIGN_OPERAND, UNTAKEN_SHARD, UNKNOWN_PRODUCER, UNRESIDENT_GRID = 1, 2, 3, 4, 5, 6
 OPERANDS = ("x_shard", "weight", "out")  # a call's tensors, as `foreign_operand`'s words name them
 
 
-def refused_call(x_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, op: AllGatherMatmul
-                 ) -> RefusedCall | None:
+def grid_problem(num_programs: int, resident: int | None) -> str | None:
+    """Why the device push cannot run on a grid of num_programs where a launch that pushes and computes holds
+    `resident` programs at once (None: the push has a launch of its own, any grid), or None. Its pushers are the
+    last programs: not resident, they start only once a resident program is done, and those wait for the peers'
+    chunks, whose pushers wait likewise, until every wait runs out its bound."""
+    if resident is None or num_programs <= resident:
+        return None
+    return (f"GemmConfig.num_programs={num_programs}: the device push runs in the GEMM's launch, whose programs wait "
+            f"for each other's chunks, so every one must be resident at once: at most {resident} on this GPU (one "
+            f"per SM); use fewer programs, or producer='copy_engine' (no wait inside its launch)")
+
+
+def refused_call(x_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, op: AllGatherMatmul,
+                 producer: str) -> RefusedCall | None:
     """The call this rank refuses, for an x_shard, weight or out on another device than the op's buffers, or a
     weight or out that the GEMM cannot read or store into (what each rank's own tensors decide: N may differ between
-    ranks), or None. x_shard is one of the op's shape class."""
+    ranks), or a device push on a grid the GPU does not hold at once (`grid_problem`: the grid is each rank's own
+    too, so a rank raising alone would leave its peers waiting out their bounds), or None. x_shard is one of the
+    op's shape class."""
     device = op.calls.local.device  # the workspace's, with its index ("cuda:0", where the workspace's is "cuda")
     foreign = foreign_operand(dict(zip(OPERANDS, (x_shard, weight, out))), device)
     if foreign is not None:
@@ -694,6 +718,9 @@ def refused_call(x_shard: torch.Tensor, weight: torch.Tensor, out: torch.Tensor 
     if problem is not None:
         return RefusedCall.of([UNUSABLE_OUT, m, n, dtype_code(dtype)] + tensor_words(out) + [int(out.is_contiguous())],
                               ValueError(problem), device)
+    problem = grid_problem(op.num_programs, op.resident_programs) if producer == "device" else None
+    if problem is not None:
+        return RefusedCall.of([UNRESIDENT_GRID, op.num_programs, op.resident_programs], ValueError(problem), device)
     return None
 
 
@@ -707,6 +734,10 @@ def describe_refusal(words: list[int]) -> str:
                 f"multiple of 8")
     if reason == UNKNOWN_PRODUCER:  # (its name does not travel: the words are integers)
         return f"its producer is not one of {GEMM_PRODUCERS}"
+    if reason == UNRESIDENT_GRID:
+        programs, resident = values[:2]
+        return (f"its device push's grid of {programs} programs is more than its GPU holds at once ({resident}: one "
+                f"per SM)")
     if reason == UNREADABLE_WEIGHT:
         (k, dtype), weight, strides = values[:2], values[2:2 + TENSOR_WORDS], values[2 + TENSOR_WORDS:][:2]
         shown = ", ".join(str(s) for s in strides[:weight[0]])
@@ -740,10 +771,10 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, workspace: _W
     issue 5's shape on 2 GPUs it took 741 against 1,295 us for the copy engines' pulls (2×H200, 2026-11-24) and
     733 against 1,440 (2×H100, 2026-11-26; docs/benchmarks.md). A shard of 0 rows (every rank's, as the shapes
     are alike: an empty batch) gives empty outputs and exchanges no data, but is a call (its signature compared
-    with the peers'), as the GEMM + all-reduce's for M = 0. A weight or out this rank refuses, or an x_shard, weight or
-    out on another device than the workspace's, raises its ValueError here and PeerRefusedInput on its peers; so
-    does an x_shard of no shape class or an unknown producer, after which this rank catches up the exchange its
-    peers used (the module docstring)."""
+    with the peers'), as the GEMM + all-reduce's for M = 0. A weight or out this rank refuses, an x_shard, weight or
+    out on another device than the workspace's, or a device push on more programs than SMs (`grid_problem`), raises
+    its ValueError here and PeerRefusedInput on its peers; so does an x_shard of no shape class or an unknown
+    producer, after which this rank catches up the exchange its peers used (the module docstring)."""
     problem = shard_problem(tuple(x_shard.shape), x_shard.dtype)
     if problem is not None:  # a call of no shape class, through any op of the workspace
         refused = RefusedCall.of([UNTAKEN_SHARD] + tensor_words(x_shard), ValueError(problem), workspace.device)
@@ -759,5 +790,5 @@ def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, workspace: _W
         raise refused.error
     op = op_for(workspace, x_shard, config)
     # before the producer starts: a refused call tells its peers why
-    refused = refused_call(x_shard, weight, out, op)
+    refused = refused_call(x_shard, weight, out, op, producer)
     return op.finish(op.start(x_shard, producer, refused), x_shard, weight, producer, return_gathered, out)
