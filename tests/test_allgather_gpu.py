@@ -143,6 +143,38 @@ def _refused(rank: int, world: int) -> None:
     op.errors.check(block=True)
 
 
+def _unresident_grid(rank: int, world: int) -> None:
+    """GemmConfig.num_programs above the SM count: the device push (in the GEMM's launch, whose programs wait for
+    each other's chunks) is refused before its GEMM on the rank whose config asks for it, its ValueError, and the
+    peer raises PeerRefusedInput naming it (both refuse where both ask), not a timeout after the waits' bound. The
+    copy engines run that grid exactly (no wait inside their launch), and the default grid's device push after it."""
+    device = torch.device("cuda", rank)
+    ws = CudaSymmetricWorkspace()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows, k, n = 1000, 512, 320
+    weight = (fresh(0, -1, (n, k), torch.float16, device) / k ** 0.5).t()  # a Linear's weight.t()
+    default, large = GemmConfig(spin_limit=SPINS), GemmConfig(num_programs=sms + 1, spin_limit=SPINS)
+    calls = [((large, large), "device"), ((default, large), "device"), ((large, large), "copy_engine"),
+             ((default, default), "device")]
+    for step, (configs, producer) in enumerate(calls):
+        x, config = fresh(rank, step, (rows, k), torch.float16, device), configs[rank]
+        if producer == "device" and config is large:
+            with pytest.raises(ValueError, match=rf"GemmConfig.num_programs={sms + 1}: .* at most {sms} on this GPU"):
+                all_gather_matmul(x, weight, ws, producer, config=config)
+        elif producer == "device" and large in configs:
+            with pytest.raises(PeerRefusedInput, match=rf"rank 0: rank 1's call was refused: its device push's grid "
+                                                       rf"of {sms + 1} programs is more than its GPU holds at once"):
+                all_gather_matmul(x, weight, ws, producer, config=config)
+                op_for(ws, x, config).errors.check(block=True)
+        else:
+            got = all_gather_matmul(x, weight, ws, producer, config=config)
+            bulk, _ = all_gather_matmul_bulk(x, weight)
+            error = float((got.float() - bulk.float()).norm() / bulk.float().norm())
+            assert error < 2e-3, f"rank {rank}, step {step} ({producer}): relative error {error:.3g}"
+    for config in (default, large):
+        op_for(ws, x, config).errors.check(block=True)
+
+
 def test_all_gather_primitives_equal_nccl_all_gather():
     run_world(2, _primitives, backend="nccl")
 
@@ -157,3 +189,7 @@ def test_all_gather_matmul_times_out_naming_the_rank_that_never_called():
 
 def test_all_gather_refused_on_one_rank_raises_on_both():
     run_world(2, _refused, backend="nccl")
+
+
+def test_a_device_push_grid_not_resident_at_once_is_refused_on_every_rank():
+    run_world(2, _unresident_grid, backend="nccl", timeout=300)  # the timeout fails a hang fast
