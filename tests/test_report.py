@@ -525,3 +525,45 @@ def test_the_picture_names_the_pass_of_a_layer_timed_in_neither_mode(tmp_path, m
     assert write_png(report, tmp_path / "report.png") is None
     assert labels == ["gradient all-reduce\n(forward+backward)", "input\n(forward)",
                       "training step\n(forward+backward)"]
+
+
+def _drawn(report: dict, path: Path, monkeypatch) -> tuple[list[str], list[str]]:
+    """(the bars' labels, every text of the figure as saved) of write_png's picture of `report`."""
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from matplotlib.text import Text
+
+    labels, texts = [], []
+    set_xticks, savefig = Axes.set_xticks, Figure.savefig
+    monkeypatch.setattr(Axes, "set_xticks", lambda ax, ticks, names, **kw: (labels.extend(names),
+                                                                            set_xticks(ax, ticks, names, **kw)))
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: (
+        texts.extend(t.get_text() for t in fig.findobj(Text)), savefig(fig, *a, **kw)))
+    assert write_png(report, path) is None
+    return labels, texts
+
+
+def test_the_picture_tells_layers_apart_and_says_why_a_bar_is_missing(tmp_path, monkeypatch):
+    """The DLRM's two gradient all-reduces (one per dense arch) get labels of their own, and each n/a bar's reason
+    is on the picture, in the words of the md (e.g. no fused path on this machine), with the layers it concerns."""
+    grad = torch.zeros(2)
+    layers = [CommLayer("input (KJT all-to-all)", "[2 x 2]", {"fwd": 8}, {"fwd": lambda: None},
+                        "no fused input dist yet"),
+              CommLayer("gradient all-reduce (dense arch)", "9 values", {"fwd_bwd": 4},
+                        {"fwd_bwd": lambda: grad.add_(1)}, CPU_REASON),
+              CommLayer("gradient all-reduce (over arch)", "7 values", {"fwd_bwd": 4},
+                        {"fwd_bwd": lambda: grad.add_(1)}, CPU_REASON),
+              CommLayer(STEP, "batch 4", {"fwd": 0, "fwd_bwd": 0}, {"fwd": lambda: None, "fwd_bwd": lambda: None},
+                        CPU_REASON)]
+    report = {"model": "fake", "modes": "bulk vs fused", "environment": environment(CPU), "peer_bandwidth_GBps": None,
+              "timing": {"method": "host perf_counter", "warmup": 0, "iters": 1},
+              "layers": [measure_layer(layer, CPU, None, 0, 1) for layer in layers]}
+    labels, texts = _drawn(report, tmp_path / "report.png", monkeypatch)
+    assert len(set(labels)) == len(labels) == 4, labels
+    flat = [label.replace("\n", " ") for label in labels]  # labels are wrapped
+    assert "gradient all-reduce (dense arch) (forward+backward)" in flat, flat
+    assert "gradient all-reduce (over arch) (forward+backward)" in flat, flat
+    caption = " ".join(texts).replace("\n", " ")
+    assert f"fused n/a, {CPU_REASON}: gradient all-reduce (dense arch), gradient all-reduce (over arch), " \
+           f"training step" in caption, caption
+    assert "fused n/a, no fused input dist yet: input" in caption, caption

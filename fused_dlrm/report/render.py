@@ -8,6 +8,7 @@ import os
 import platform
 import socket
 import subprocess
+import textwrap
 from pathlib import Path
 
 import torch
@@ -118,9 +119,31 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _short_names(entries: list[dict]) -> dict[str, str]:
+    """Each layer's name for the picture: without its parenthesised detail ("sparse input dist (KJT all-to-all)" ->
+    "sparse input dist"), but whole where the short one would name two layers alike (the DLRM's gradient
+    all-reduces, one per dense arch)."""
+    short = [e["name"].split(" (")[0] for e in entries]
+    return {e["name"]: s if short.count(s) == 1 else e["name"] for e, s in zip(entries, short)}
+
+
+def _missing(entries: list[dict], names: dict[str, str]) -> list[str]:
+    """Why bars are n/a, in the md's words, with the layers each reason concerns: "fused n/a, no fused path on this
+    machine (CPU): embedding lookup + output dist, training step"."""
+    layers_of: dict[str, list[str]] = {}
+    for entry in entries:
+        reasons = {mode: entry[mode]["unavailable"] for mode in ("bulk", "fused") if "unavailable" in entry[mode]}
+        if len(reasons) == 2 and len(set(reasons.values())) == 1:  # one reason for both: said once
+            reasons = {"bulk and fused": reasons["bulk"]}
+        for modes, reason in reasons.items():
+            layers_of.setdefault(f"{modes} n/a, {reason}", []).append(names[entry["name"]])
+    return [f"{why}: {', '.join(layers)}" for why, layers in layers_of.items()]
+
+
 def write_png(report: dict, path: Path) -> str | None:
     """Bars of bulk and fused forward+backward time (forward where a layer has no backward) per layer, and the
-    whole step beside them. Returns why no picture was drawn, or None."""
+    whole step beside them, with why a bar is missing written under them. Returns why no picture was drawn, or
+    None."""
     try:
         import matplotlib
     except ModuleNotFoundError:
@@ -130,15 +153,16 @@ def write_png(report: dict, path: Path) -> str | None:
     from matplotlib.patches import Patch
 
     colors = {"bulk": "tab:gray", "fused": "tab:blue"}
+    names = _short_names(report["layers"])
 
     def bars(ax, entries, title):
         labels, width = [], 0.38
         for i, entry in enumerate(entries):
             p = "fwd_bwd" if "fwd_bwd" in entry["bytes_sent"] else "fwd"  # its passes: those it sends in, timed or not
-            labels.append(f"{entry['name'].split(' (')[0]}\n({PASS_TITLES[p]})")
+            labels.append(f"{textwrap.fill(names[entry['name']], 28)}\n({PASS_TITLES[p]})")
             for offset, mode in ((-width / 2, "bulk"), (width / 2, "fused")):
                 ms = entry[mode].get(f"{p}_ms")
-                if ms is None:  # the md/json say why
+                if ms is None:  # the caption says why
                     ax.text(i + offset, 0, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)
                 else:
                     ax.bar(i + offset, ms, width, color=colors[mode])
@@ -152,13 +176,19 @@ def write_png(report: dict, path: Path) -> str | None:
 
     layers = [e for e in report["layers"] if e["name"] != STEP]
     steps = [e for e in report["layers"] if e["name"] == STEP]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [max(len(layers), 1), 1]})
+    caption = "\n".join(textwrap.fill(line, 170, subsequent_indent="    ") for line in _missing(report["layers"], names))
+    caption_inches = 0.15 * (caption.count("\n") + 1) + 0.1 if caption else 0.0
+    height = 4.5 + caption_inches
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, height),
+                                      gridspec_kw={"width_ratios": [max(len(layers), 1), 1]})
     bars(left, layers, "communicating layers")
     bars(right, steps, "whole training step")
     fig.legend(handles=[Patch(color=c, label=m) for m, c in colors.items()], loc="upper left")
     fig.suptitle(f"{report['model']}: bulk vs fused, {report['environment']['machine']['device']} "
                  f"x{report['environment']['machine']['world_size']}", fontsize=10)
-    fig.tight_layout()
+    if caption:
+        fig.text(0.01, 0.01, caption, fontsize=7, va="bottom")
+    fig.tight_layout(rect=(0, caption_inches / height, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return None
