@@ -76,7 +76,9 @@ def test_dlrm_standalone_one_process(tmp_path):
     assert layers[LOOKUP]["fused"]["unavailable"] == CPU_REASON
     assert layers[LOOKUP]["bytes_sent"] == {"fwd": 0, "fwd_bwd": 0}  # one process sends nothing
     assert all(layers[name]["bulk"]["unavailable"] == "one process: nothing to all-reduce" for name in ARCH_SUMS)
-    assert "50 samples x 6 features" in layers["sparse input dist (KJT all-to-all)"]["shapes"]
+    # its dtype too (issue 6: each layer with its real shapes and dtype): the indices' (their lengths travel in it)
+    assert re.fullmatch(r"50 samples x 6 features, [0-9,]+ int64 indices on this rank",
+                        layers["sparse input dist (KJT all-to-all)"]["shapes"])
 
 
 def test_dlrm_with_row_blocks_one_process(tmp_path):

@@ -88,9 +88,11 @@ def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]
     value_bytes = index_bytes + (0 if weights is None else weights.element_size())
     sent = (sum((n * value_bytes + local_batch * index_bytes) * copies[k] for k, n in zip(sent_keys, per_key))
             + (world - 1) * (FIRST_COUNT + input_dist.width) * 8)
+    dtype = lambda t: str(t.dtype).removeprefix("torch.")
     input_dist_layer = CommLayer(
         "sparse input dist (KJT all-to-all)",
-        f"{local_batch} samples x {len(keys)} features, {kjt.values().numel():,} indices on this rank",
+        f"{local_batch} samples x {len(keys)} features, {kjt.values().numel():,} {dtype(kjt.values())} indices"
+        + ("" if weights is None else f" with {dtype(weights)} weights") + " on this rank",
         {"fwd": sent}, {"fwd": lambda: input_dist(kjt)},
         "no fused input dist yet: both modes run this bulk all-to-all (sizes known on the host)")
 
