@@ -1,6 +1,7 @@
 """The README's "What fusion buys" table as a picture: one bar per row, the ratio the row states (bulk time /
-fused time; above 1: fused is faster), labelled with the row's operator, date, commit and shape. The table is the
-one source of the figures (each of them recorded in docs/benchmarks.md); rerun this after editing it:
+fused time; above 1: fused is faster), labelled with the row's operator, date, commit and shape (a long label
+shortened, never its date, commit and machine: a row without them is refused). The table is the one source of the
+figures (each of them recorded in docs/benchmarks.md); rerun this after editing it:
 
     python scripts/plot_fusion_table.py [--readme README.md] [--out docs/what_fusion_buys.png]
 """
@@ -25,9 +26,21 @@ def seconds(cell: str) -> float:
     return float(match.group(1)) * UNITS[match.group(2)]
 
 
+def label(operator: str, shape: str, width: int = 140) -> str:
+    """A bar's label: "<operator> (<date, commit, machine>): <shape>" in about `width` characters, the shape
+    shortened first, then the operator's description, never its closing (date, commit, machine) group."""
+    dated = re.fullmatch(r"(.*?)\s*(\(\d\d-\d\d[^()]*\))", operator)
+    if dated is None:
+        raise ValueError(f"the table row {operator!r} does not end in its (date, commit[, machine])")
+    what, when = dated.groups()
+    room = width - len(when) - 3
+    shape = textwrap.shorten(shape, max(room - len(what), room // 3), placeholder=" ...")
+    what = textwrap.shorten(what, max(room - len(shape), 20), placeholder=" ...")
+    return f"{what} {when}: {shape}"
+
+
 def table_rows(readme: str) -> list[tuple[str, float, float]]:
-    """(operator with its date and commit, then its shape; the ratio the row states; bulk / fused from its time
-    cells) of every row of the table."""
+    """(its label; the ratio the row states; bulk / fused from its time cells) of every row of the table."""
     lines = readme.splitlines()
     if HEADER not in lines:
         raise ValueError(f"the README has no table headed {HEADER!r}")
@@ -39,7 +52,7 @@ def table_rows(readme: str) -> list[tuple[str, float, float]]:
         stated = re.match(r"([0-9.]+)×", ratio)
         if stated is None:
             raise ValueError(f"no ratio at the start of table cell {ratio!r}")
-        rows.append((f"{operator}: {shape}", float(stated.group(1)), seconds(bulk) / seconds(fused)))
+        rows.append((label(operator, shape), float(stated.group(1)), seconds(bulk) / seconds(fused)))
     if not rows:
         raise ValueError("the README's table has no rows")
     return rows
@@ -52,7 +65,7 @@ def plot(rows: list[tuple[str, float, float]], out: Path) -> None:
     from matplotlib import pyplot as plt
 
     fig, ax = plt.subplots(figsize=(12, 0.55 * len(rows) + 1.2))
-    labels = [textwrap.shorten(label, 140, placeholder=" ...") for label, _, _ in rows][::-1]
+    labels = [label for label, _, _ in rows][::-1]
     ratios = [stated for _, stated, _ in rows][::-1]
     ax.barh(range(len(rows)), ratios, color=["tab:blue" if r >= 1 else "tab:gray" for r in ratios])
     for i, ratio in enumerate(ratios):

@@ -30,3 +30,34 @@ def test_the_picture_renders(tmp_path):
 def test_a_cell_without_a_time_is_refused():
     with pytest.raises(ValueError, match="no time"):
         plot_fusion_table.seconds("n/a")
+
+
+def test_every_bar_keeps_its_rows_date_machine_and_commit_whole(tmp_path, monkeypatch):
+    """Issue 6: each figure dated with its machine and commit. Every row's operator ends in its "(date, commit,
+    ...)", and the picture's label keeps that whole where it shortens a long row (the shape goes first)."""
+    import re
+    from itertools import takewhile
+
+    from matplotlib.axes import Axes
+
+    drawn = []
+    set_yticks = Axes.set_yticks
+    monkeypatch.setattr(Axes, "set_yticks", lambda ax, ticks, labels, **kw: (drawn.extend(labels),
+                                                                             set_yticks(ax, ticks, labels, **kw)))
+    readme = (ROOT / "README.md").read_text()
+    plot_fusion_table.plot(plot_fusion_table.table_rows(readme), tmp_path / "table.png")
+    lines = readme.splitlines()
+    table = takewhile(lambda line: line.startswith("|"), lines[lines.index(plot_fusion_table.HEADER) + 2:])
+    operators = [line.strip("|").split("|")[0].strip() for line in table]
+    labels = [label.replace("\n", " ") for label in drawn[::-1]]  # drawn bottom up, wrapped
+    assert len(labels) == len(operators)
+    for operator, label in zip(operators, labels):
+        dated = re.search(r"\((\d\d-\d\d[^()]*)\)$", operator)
+        assert dated is not None, f"no (date, commit) at the end of {operator!r}"
+        assert " ".join(dated.group(0).split()) in " ".join(label.split()), (operator, label)
+
+
+def test_a_row_without_its_date_and_commit_is_refused():
+    table = f"{plot_fusion_table.HEADER}\n| --- | --- | --- | --- | --- |\n| GEMV + all-reduce | N=8192 | 2 ms | 1 ms | 2.00× |\n"
+    with pytest.raises(ValueError, match="does not end in its"):
+        plot_fusion_table.table_rows(table)
