@@ -11,9 +11,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from fused_dlrm.config_checks import check_flag
 from fused_dlrm.dist import destroy_distributed, init_distributed
 from fused_dlrm.report import write_report
+from fused_dlrm.train.config_keys import check_config_keys
 from fused_dlrm.train.rundir import agree_on_run_dir, register_resolvers
 
 register_resolvers()
@@ -27,7 +27,9 @@ def main(cfg: DictConfig) -> None:
     if cfg.model.name not in TRAINERS:
         raise ValueError(f"unknown model.name {cfg.model.name!r}: expected one of {sorted(TRAINERS)}")
     train = importlib.import_module(TRAINERS[cfg.model.name]).train
-    check_flag("report", cfg.report)  # before training, not after it (every rank reads the same config)
+    # before init_distributed reads trainer.tf32 (`trainer.tf32=no`: a string); every rank alike, as the config is.
+    # The model's train checks it again: tests and scripts call it directly.
+    check_config_keys(cfg)
     env = init_distributed(cfg.trainer.device, cfg.comm.backend, tf32=cfg.trainer.tf32)
     if not env.is_main:  # one console is enough; every rank still writes its own log file
         for handler in logging.getLogger().handlers:

@@ -1,5 +1,6 @@
 """Checks of config values shared by the library's layers (sparse, tp) and the training loop: `check_count` refuses
-a count (steps, batches, checkpoints, programs) that is no whole number, `check_flag` a switch that is no bool."""
+a count (steps, batches, checkpoints, programs) that is no whole number (a switch that is no bool: the training's
+train/config_keys.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,3 @@ def check_count(key: str, value: object, minimum: int, expected: str) -> None:
     (eval_every=2.5: every fifth step), or fail at its first use, maybe after training (range(1.5))."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{key}={value!r}: expected {expected}")
-
-
-def check_flag(key: str, value: object) -> None:
-    """Raise `<key>=<value>: expected true or false` unless value is a bool: Hydra reads `report=no` as the string
-    'no', which Python takes as true."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{key}={value!r}: expected true or false")

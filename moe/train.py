@@ -60,7 +60,7 @@ def check_config(cfg: DictConfig) -> None:
     """The settings `train` refuses before it builds anything, the same on every rank (the config is): the report
     (fused_dlrm/report/moe.py), which times the step a config trains, runs them too. The model's sizes are
     `build_model`'s checks and the lr schedule's `build_optimizer`'s, which both paths call."""
-    check_config_keys(cfg)  # a `+trainer.<typo>=...` would otherwise be added and never read
+    check_config_keys(cfg)  # `+trainer.<typo>=...` would be added and never read, `trainer.progress=no` be true
     t, m = cfg.trainer, cfg.model
     if t.max_steps is None or t.epochs is not None:  # not silently ignored: its windows are drawn, not passed over
         raise ValueError(f"the MoE Transformer trains for trainer.max_steps steps (got max_steps={t.max_steps}); "

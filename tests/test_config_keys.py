@@ -1,6 +1,7 @@
 """Config keys no code reads are refused (fused_dlrm/train/config_keys.py): a `+trainer.<typo>=...` override adds a
 key, as `model=dlrm +model.vocab_size=300` adds one only another model reads; every model's train (train.py's), the
-report and the benchmarks (compose_config) refuse them instead of running without them."""
+report and the benchmarks (compose_config) refuse them instead of running without them. So are switches that are
+not true or false (`trainer.progress=no`: the string 'no', which Python takes as true)."""
 
 import subprocess
 import sys
@@ -31,6 +32,9 @@ FUSED_KEYS_UNDER_BULK = [f"+comm.{key}=1" for key in ("transport", "num_programs
      "~trainer.dense_optimizer.fused"],
     ["model=moe_transformer", "+model.optimizer.betas=[0.9,0.95]"],
     ["report=true", "seed=3", "model.num_rows=[10,20]", "trainer.max_steps=2"],
+    # switches: YAML's true / false / True / False are bools
+    ["report=True", "trainer.progress=False", "trainer.direct_step=false", "trainer.tf32=true"],
+    ["model=moe_transformer", "model.shared_expert=True", "model.sequence_parallel=false"],
 ], ids=" ".join)
 def test_the_packaged_configs_and_their_keys_are_accepted(overrides):
     compose_config(overrides)
@@ -94,17 +98,45 @@ def test_without_hydras_record_a_value_no_packaged_option_has_is_not_checked():
     check_config_keys(config("comm.mode=mine", "+comm.setting=1"))
 
 
+# Hydra reads `trainer.progress=no` as the string 'no', which Python takes as true: every switch the chosen options set
+# to true or false (and conf/config.yaml's report) is refused unless it is true or false, all of them at once
+@pytest.mark.parametrize("overrides,said", [
+    (["trainer.progress=no", "report=maybe"],
+     r"report='maybe': expected true or false \| trainer.progress='no': expected true or false$"),
+    # DLRM's switches; a number or null is no switch either
+    (["trainer.direct_step=off", "trainer.cuda_graphs=1", "trainer.tf32=null"],
+     r"trainer.cuda_graphs=1: expected true or false \| trainer.direct_step='off': expected true or false \| "
+     r"trainer.tf32=None: expected true or false$"),
+    (["model=moe_transformer", "model.shared_expert=no", "model.sequence_parallel='false'"],
+     r"model.sequence_parallel='false': expected true or false \| model.shared_expert='no': expected true or false$"),
+    (["model=moe_transformer_finegrained", "model.shared_expert=0"], r"model.shared_expert=0: expected true or false$"),
+], ids=lambda value: " ".join(value) if isinstance(value, list) else "")
+def test_switches_that_are_not_true_or_false_are_refused(overrides, said):
+    with pytest.raises(ValueError, match="^" + said):
+        compose_config(overrides)
+    with pytest.raises(ValueError, match="^" + said):  # without Hydra's record: the options its fields name
+        check_config_keys(config(*overrides))
+
+
+def test_unknown_keys_and_switches_that_are_not_true_or_false_are_named_at_once():
+    with pytest.raises(ValueError, match=r"^unknown config key\(s\).*: trainer.max_step \(did you mean .*\n"
+                                         r"trainer.progress='no': expected true or false$"):
+        compose_config(["+trainer.max_step=3", "trainer.progress=no"])
+
+
 SHORT = ["trainer.max_steps=1", "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.progress=false",
          "data.eval_batches=1"]
 
 
 @pytest.mark.parametrize("train,model", [(loop.train, "model=dlrm"), (moe.train.train, "model=moe_transformer")],
                          ids=["dlrm", "moe_transformer"])
-def test_every_models_train_refuses_a_typo_before_training(tmp_path, train, model):
+def test_every_models_train_refuses_a_typo_or_a_switch_before_training(tmp_path, train, model):
     """A test or script calling a model's train directly, not train.py. (A short run, should the typo be taken.)"""
     small = ["model.num_rows=100", "data.global_batch_size=8"] if model == "model=dlrm" else ["data.size_bytes=20000"]
     with pytest.raises(ValueError, match=r"^unknown config key\(s\).*: trainer.max_step \(did you mean"):
         train(config(model, *SHORT, *small, "+trainer.max_step=1"), CPU, tmp_path)
+    with pytest.raises(ValueError, match=r"^trainer.header_ahead='no': expected true or false$"):
+        train(config(model, *SHORT, *small, "trainer.header_ahead=no"), CPU, tmp_path)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

@@ -179,15 +179,17 @@ def test_dlrm_settings_training_refuses_are_refused_before_measuring(tmp_path, m
     assert not (tmp_path / "report" / "report.json").exists()
 
 
-def test_train_py_refuses_a_report_flag_that_is_not_true_or_false(tmp_path):
+def test_train_py_refuses_switches_that_are_not_true_or_false(tmp_path):
     """report=no is Hydra's string 'no', which Python takes as true: it would train and then time the report the
-    user turned off. Refused before training, naming the value."""
-    done = subprocess.run([sys.executable, "train.py", *DLRM, "report=no", "trainer.max_steps=1",
+    user turned off. Refused before training, naming the value, with every other such switch: trainer.tf32 before
+    init_distributed reads it (torch: `set_allow_tf32_cublas expects a bool`)."""
+    done = subprocess.run([sys.executable, "train.py", *DLRM, "report=no", "trainer.tf32=off", "trainer.max_steps=1",
                            "trainer.progress=false", "data.eval_batches=1", "trainer.checkpoint_every=0",
                            f"hydra.run.dir={tmp_path}"], cwd=Path(__file__).resolve().parents[1],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
-    assert "report='no': expected true or false" in done.stderr, done.stderr[-3000:]
+    assert "report='no': expected true or false | trainer.tf32='off': expected true or false" in done.stderr, \
+        done.stderr[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "report.json").exists()
 
 

@@ -581,6 +581,9 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
             (["model.data_type=int8"], r"model.data_type='int8': expected one of"),
             (["model.num_rows=0"], "every table needs a whole number of rows >= 1, got 0"),
             (["model.embedding_dim=32"], r"model.dense_arch=\[64, 16\] must end in model.embedding_dim=32"),
+            # not "must end in model.embedding_dim=abc"
+            (["model.embedding_dim=abc"], r"^model.embedding_dim='abc': expected a whole number of columns >= 1$"),
+            (["model.embedding_dim=0", "model.dense_arch=[64,0]"], r"^model.embedding_dim=0: expected a whole number"),
             (["model.row_shards=2.5"], "column_shards and row_shards are whole numbers, got 1 and 2.5"),
             ([f"trainer.checkpoint_dir={later.parent}"], "already holds step_50, after this run's start at step 0")):
         with pytest.raises(ValueError, match=error):

@@ -15,6 +15,7 @@ from torchrec import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.models.dlrm import DLRM, InteractionArch, SparseArch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from fused_dlrm.config_checks import check_count
 from fused_dlrm.kernels.pairwise_interaction import pairwise_interaction
 from fused_dlrm.sparse import ShardedEmbeddingBagCollection, TableShardingPlan
 from fused_dlrm.sparse.optimizer import TableOptimizers
@@ -28,6 +29,7 @@ def make_tables(feature_names: Sequence[str], num_rows: int | Sequence[int], emb
         raise ValueError(f"{len(rows)} table sizes for {len(feature_names)} features")
     if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in rows):
         raise ValueError(f"model.num_rows: every table needs a whole number of rows >= 1, got {num_rows}")
+    check_count("model.embedding_dim", embedding_dim, 1, "a whole number of columns >= 1")
     for what, value, known in (("pooling", pooling, ("sum", "mean")),
                                ("data_type", data_type, ("fp32", "fp16", "bf16"))):
         if value.lower() not in known:  # torchrec's enums would say KeyError: 'MAX'

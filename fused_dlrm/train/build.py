@@ -70,10 +70,10 @@ def embedding_optimizers(cfg: DictConfig, tables: list[EmbeddingBagConfig]) -> d
 
 def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     m = cfg.model
+    tables = config_tables(cfg)  # their settings checked (model.embedding_dim: a width, before it is compared)
     if m.dense_arch[-1] != m.embedding_dim:  # the interaction takes the bottom MLP's output as one more embedding
         raise ValueError(f"model.dense_arch={list(m.dense_arch)} must end in model.embedding_dim={m.embedding_dim}")
-    check_allocation_timeout(cfg.comm.allocation_timeout_s)  # before the tables are made
-    tables = config_tables(cfg)
+    check_allocation_timeout(cfg.comm.allocation_timeout_s)  # before build_dlrm allocates the tables
     model = build_dlrm(tables, cfg.data.num_dense, m.dense_arch, m.over_arch,
                        embedding_optimizers(cfg, tables), env.device, seed=cfg.seed,
                        comm=fused_comm(cfg.comm),

@@ -1,9 +1,9 @@
-"""Refuse config keys that no code reads: Hydra's `+trainer.max_step=10` adds a key, a typo as readily as any other,
-and the run would go on without it; `model=dlrm +model.vocab_size=300` adds a key only another model reads. A key of
-trainer / model / data / comm is known when the group's chosen option (conf/<group>/<option>.yaml, with the options
-its defaults list extends) sets it, a top-level key when conf/config.yaml does; the keys under a node with `_target_`
-are its class's arguments, which the call of the class checks (`+trainer.dense_optimizer.momentum=0.9`,
-`data=criteo +data.train.drop_last=true`). A data option of the other model (`model=moe_transformer data=synthetic`:
+"""Refuse config keys that no code reads, and switches that are not true or false. Hydra's `+trainer.max_step=10`
+adds a key, a typo as readily as any other, and the run would go on without it; `model=dlrm +model.vocab_size=300`
+adds a key only another model reads. A key of trainer / model / data / comm is known when the group's chosen option
+(conf/<group>/<option>.yaml, with the options its defaults list extends) sets it, a top-level key when
+conf/config.yaml does; the keys under a node with `_target_` are its class's arguments, which the call of the class
+checks (`+trainer.dense_optimizer.momentum=0.9`, `data=criteo +data.train.drop_last=true`). A data option of the other model (`model=moe_transformer data=synthetic`:
 `data=` overrides the model's own choice) is refused too: its keys are all the other model's.
 
 The chosen options are Hydra's record of them: the config's own `hydra` node (composed with return_hydra_config), or
@@ -13,7 +13,12 @@ model=dlrm or dlrm_paper), data.train._target_ (the dataset class; none: the byt
 against every option with that value (the error names them all): the same code reads what any of them sets. The
 trainer group has no such field: all its options. A value no packaged option has (an option of the user's own) is
 not checked, as with the record. (A guess from the config's keys alone would take comm=bulk holding all of
-comm=fused's keys for comm=fused.)"""
+comm=fused's keys for comm=fused.)
+
+A switch is a key the chosen options (all of them that set it) set to true or false, or conf/config.yaml does
+(report): Hydra reads `trainer.progress=no` as the string 'no', which Python takes as true, so the user's off would
+be on. Its value must be a bool (YAML's true / false / True / False). A key an option leaves null takes any value;
+one under a `_target_` node is its class's argument, which the call checks."""
 
 from __future__ import annotations
 
@@ -33,11 +38,12 @@ NAMED_BY = {"model": "name", "data": "train._target_", "comm": "mode"}
 DATA_GROUPS = {"dlrm": ("synthetic", "synthetic_paper", "criteo"), "moe_transformer": ("bytes", "bytes_finegrained")}
 
 
-def _paths(node: dict, prefix: str) -> Iterator[str]:
-    """The dotted keys of a plain dict, nested ones too, but not those under a node with `_target_`."""
+def _paths(node: dict, prefix: str) -> Iterator[tuple[str, object]]:
+    """The dotted keys of a plain dict with their values, nested ones too, but not those under a node with
+    `_target_`."""
     for key, value in node.items():
         path = f"{prefix}.{key}"
-        yield path
+        yield path, value
         if isinstance(value, dict) and "_target_" not in value:
             yield from _paths(value, path)
 
@@ -57,16 +63,24 @@ def _option_node(group: str, option: str) -> DictConfig:
 
 
 @cache
-def option_keys(group: str, option: str) -> frozenset[str]:
-    """The dotted keys ("model.num_rows", "model.embedding_optimizer.lr") the option of the group sets."""
-    return frozenset(_paths(OmegaConf.to_container(_option_node(group, option)), group))
+def option_values(group: str, option: str) -> dict[str, object]:
+    """The dotted keys ("model.num_rows", "model.embedding_optimizer.lr") the option of the group sets, with their
+    values."""
+    return dict(_paths(OmegaConf.to_container(_option_node(group, option)), group))
+
+
+@cache
+def _top_level_node() -> dict:
+    """conf/config.yaml without its defaults list: seed, report, hydra (which a composition with the Hydra config
+    holds)."""
+    node = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
+    del node["defaults"]
+    return node
 
 
 def top_level_keys() -> set[str]:
-    """The keys conf/config.yaml sets (seed, report; hydra, which a composition with the Hydra config holds) and
-    the groups."""
-    node = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
-    return (set(node) - {"defaults"}) | {p.name for p in CONF.iterdir() if p.is_dir()}
+    """The keys conf/config.yaml sets and the groups."""
+    return set(_top_level_node()) | {p.name for p in CONF.iterdir() if p.is_dir()}
 
 
 def chosen_options(cfg: DictConfig) -> dict[str, list[str]]:
@@ -110,13 +124,13 @@ def _group_errors(cfg: DictConfig, group: str, chosen: list[str]) -> list[str]:
     """The keys of cfg[group] none of the `chosen` options sets, described."""
     if not chosen:  # an option of the user's own (a config dir on hydra.searchpath): which keys it sets is not known
         return []
-    keys = list(_paths(OmegaConf.to_container(cfg[group], resolve=False), group))
-    known = set().union(*(option_keys(group, option) for option in chosen))
+    keys = [key for key, _ in _paths(OmegaConf.to_container(cfg[group], resolve=False), group)]
+    known = set().union(*(option_values(group, option) for option in chosen))
     errors = []
     for key in keys:
         parent = key.rpartition(".")[0]
         if key not in known and (parent == group or parent in known):  # below an unknown key: named already
-            elsewhere = [option for option in options(group) if key in option_keys(group, option)]
+            elsewhere = [option for option in options(group) if key in option_values(group, option)]
             errors.append(_describe(key, known, _either(group, chosen), _either(group, elsewhere)))
     return errors
 
@@ -131,10 +145,30 @@ def _check_data_group(cfg: DictConfig, data: list[str]) -> None:
                          f"{_either('data', data)} (leave data= out: the model picks its own)")
 
 
+def _switches(chosen: dict[str, list[str]]) -> list[str]:
+    """The switches (see the module's doc) of a config whose groups' chosen options are `chosen`
+    (`chosen_options`), sorted: the same order on every rank."""
+    keys = {key for key, value in _top_level_node().items() if isinstance(value, bool)}
+    for group in CHECKED_GROUPS:
+        values = [option_values(group, option) for option in chosen[group]]
+        keys |= {key for key in set().union(*values) if all(isinstance(v[key], bool) for v in values if key in v)}
+    return sorted(keys)
+
+
+def _switch_errors(cfg: DictConfig, chosen: dict[str, list[str]]) -> list[str]:
+    """`<key>=<value>: expected true or false` for each switch of cfg whose value is no bool (one it lacks,
+    `~trainer.progress`, fails where it is read)."""
+    absent = object()
+    values = {key: OmegaConf.select(cfg, key, default=absent) for key in _switches(chosen)}
+    return [f"{key}={value!r}: expected true or false" for key, value in values.items()
+            if value is not absent and not isinstance(value, bool)]
+
+
 def check_config_keys(cfg: DictConfig) -> None:
     """Raise ValueError naming the other model's data option, or every key of cfg's trainer / model / data / comm
-    that the group's chosen option does not set, and every top-level key conf/config.yaml does not set, with the
-    known keys beside it. Deterministic: under torchrun every rank raises the same error."""
+    that the group's chosen option does not set and every top-level key conf/config.yaml does not set, with the
+    known keys beside it, and every switch that is not true or false. Deterministic: under torchrun every rank
+    raises the same error."""
     top = top_level_keys()
     unknown = [_describe(key, top) for key in cfg if key not in top]
     chosen = chosen_options(cfg)
@@ -142,6 +176,12 @@ def check_config_keys(cfg: DictConfig) -> None:
     for group in CHECKED_GROUPS:
         if group in cfg:
             unknown += _group_errors(cfg, group, chosen[group])
+    problems = []
     if unknown:
-        raise ValueError(f"unknown config key(s), which no code reads (a `+` override adds any key): "
-                         f"{' | '.join(unknown)}")
+        problems.append(f"unknown config key(s), which no code reads (a `+` override adds any key): "
+                        f"{' | '.join(unknown)}")
+    not_switches = _switch_errors(cfg, chosen)
+    if not_switches:
+        problems.append(" | ".join(not_switches))
+    if problems:  # all at once, not one run for each
+        raise ValueError("\n".join(problems))

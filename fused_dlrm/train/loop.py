@@ -148,7 +148,7 @@ def check_config(cfg: DictConfig) -> None:
     (fused_dlrm/report/dlrm.py), which times the step a config trains, and the benchmark dlrm_step, which shapes its
     model and batches by it, run them too. The data's settings are `build_data`'s checks and the model's (its
     embedding optimizers' too) build_model's, which both paths call."""
-    check_config_keys(cfg)  # a `+trainer.<typo>=...` would otherwise be added and never read
+    check_config_keys(cfg)  # `+trainer.<typo>=...` would be added and never read, `trainer.progress=no` be true
     t = cfg.trainer
     if t.max_steps is None and t.epochs is None:
         raise ValueError("set trainer.max_steps or trainer.epochs")
