@@ -110,6 +110,9 @@ def test_without_hydras_record_a_value_no_packaged_option_has_is_not_checked():
     (["model=moe_transformer", "model.shared_expert=no", "model.sequence_parallel='false'"],
      r"model.sequence_parallel='false': expected true or false \| model.shared_expert='no': expected true or false$"),
     (["model=moe_transformer_finegrained", "model.shared_expert=0"], r"model.shared_expert=0: expected true or false$"),
+    # a class's argument the option sets to true or false: torch.optim.Adam(fused='no') steps fused
+    (["trainer.dense_optimizer.fused=no"], r"trainer.dense_optimizer.fused='no': expected true or false$"),
+    (["model=moe_transformer", "model.optimizer.fused=off"], r"model.optimizer.fused='off': expected true or false$"),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else "")
 def test_switches_that_are_not_true_or_false_are_refused(overrides, said):
     with pytest.raises(ValueError, match="^" + said):

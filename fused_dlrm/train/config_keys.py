@@ -17,8 +17,9 @@ comm=fused's keys for comm=fused.)
 
 A switch is a key the chosen options (all of them that set it) set to true or false, or conf/config.yaml does
 (report): Hydra reads `trainer.progress=no` as the string 'no', which Python takes as true, so the user's off would
-be on. Its value must be a bool (YAML's true / false / True / False). A key an option leaves null takes any value;
-one under a `_target_` node is its class's argument, which the call checks."""
+be on. Its value must be a bool (YAML's true / false / True / False); a key an option leaves null takes any value.
+A class's argument (under a `_target_` node) the option sets to true or false is a switch too: torch.optim.Adam
+takes `trainer.dense_optimizer.fused=no` and steps fused."""
 
 from __future__ import annotations
 
@@ -38,14 +39,14 @@ NAMED_BY = {"model": "name", "data": "train._target_", "comm": "mode"}
 DATA_GROUPS = {"dlrm": ("synthetic", "synthetic_paper", "criteo"), "moe_transformer": ("bytes", "bytes_finegrained")}
 
 
-def _paths(node: dict, prefix: str) -> Iterator[tuple[str, object]]:
+def _paths(node: dict, prefix: str, arguments: bool = False) -> Iterator[tuple[str, object]]:
     """The dotted keys of a plain dict with their values, nested ones too, but not those under a node with
-    `_target_`."""
+    `_target_` (its class's arguments) unless `arguments`."""
     for key, value in node.items():
         path = f"{prefix}.{key}"
         yield path, value
-        if isinstance(value, dict) and "_target_" not in value:
-            yield from _paths(value, path)
+        if isinstance(value, dict) and (arguments or "_target_" not in value):
+            yield from _paths(value, path, arguments)
 
 
 def options(group: str) -> list[str]:
@@ -65,8 +66,9 @@ def _option_node(group: str, option: str) -> DictConfig:
 @cache
 def option_values(group: str, option: str) -> dict[str, object]:
     """The dotted keys ("model.num_rows", "model.embedding_optimizer.lr") the option of the group sets, with their
-    values."""
-    return dict(_paths(OmegaConf.to_container(_option_node(group, option)), group))
+    values; its classes' arguments too ("trainer.dense_optimizer.fused"), which a config's keys are not checked
+    against (`_group_errors` passes over them)."""
+    return dict(_paths(OmegaConf.to_container(_option_node(group, option)), group, arguments=True))
 
 
 @cache
