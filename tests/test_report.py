@@ -90,6 +90,15 @@ def test_dlrm_with_row_blocks_one_process(tmp_path):
     assert layers[LOOKUP]["bulk"]["fwd_bwd_ms"] > 0
 
 
+def test_one_table_is_one_table(tmp_path):
+    """The lookup row counts its tables (and those here) in the singular when there is one."""
+    one = ["trainer.device=cpu", "model.num_rows=300", "data.num_sparse=1", "data.global_batch_size=50",
+           "model.embedding_dim=8", "model.dense_arch=[16,8]"]
+    lookup = next(layer for layer in dlrm_layers(config(*one), CPU, tmp_path) if layer.name == LOOKUP)
+    assert lookup.shapes.startswith("1 table (1 table, column shard or row block here) x 300 rows x D=8"), \
+        lookup.shapes
+
+
 def test_moe_standalone_one_process(tmp_path):
     report_main([*MOE, f"hydra.run.dir={tmp_path}"])
     report, table = read(tmp_path)

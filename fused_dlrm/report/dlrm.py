@@ -64,6 +64,10 @@ class _Run:
                 "fwd_bwd": lambda: self.train_step(b)}
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
     check_config(cfg)  # what training refuses is not timed
     reason = no_fused_path(env)
@@ -105,10 +109,11 @@ def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]
     forward_bytes = (global_batch - local_batch) * my_dim * 4
     backward_bytes = local_batch * (wide_dim - my_dim) * 4
     rows = f"{m.num_rows:,}" if isinstance(m.num_rows, int) else f"{min(m.num_rows):,}..{max(m.num_rows):,}"
+    tables = _count(len(keys), "table", "tables")
+    here = _count(len(sparse.shard_weights), "table, column shard or row block", "tables, column shards or row blocks")
     lookup = CommLayer(
         "embedding lookup + output dist (pooled all-to-all)",
-        f"{len(keys)} tables ({len(sparse.shard_weights)} tables, column shards or row blocks here) x {rows} "
-        f"rows x D={m.embedding_dim} {m.data_type}, "
+        f"{tables} ({here} here) x {rows} rows x D={m.embedding_dim} {m.data_type}, "
         f"pooled [{global_batch} x {my_dim}] here -> [{local_batch} x {total_dim}] per rank",
         {"fwd": forward_bytes, "fwd_bwd": forward_bytes + backward_bytes},
         bulk.lookup_modes(grad), fused_or_reason(reason, lambda: fused.lookup_modes(grad)))
