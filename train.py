@@ -1,7 +1,8 @@
 """Train a model: `python train.py model=dlrm` (or model=moe_transformer), or under
 `torchrun --nproc_per_node=N train.py ...`. With report=true the per-layer bulk-vs-fused report (fused_dlrm.report)
 is written into the run directory after training: the trained model's memory is released by then, and the
-report's timings cannot disturb the training's own step times."""
+report's timings cannot disturb the training's own step times. Its report.json records the overrides and config (as
+.hydra/ does)."""
 
 import gc
 import importlib
@@ -36,13 +37,14 @@ def main(cfg: DictConfig) -> None:
             if type(handler) is logging.StreamHandler:
                 handler.setLevel(logging.WARNING)
     try:
-        run_dir = agree_on_run_dir(HydraConfig.get().runtime.output_dir)
+        hydra_cfg = HydraConfig.get()
+        run_dir = agree_on_run_dir(hydra_cfg.runtime.output_dir)
         train(cfg, env, run_dir)
         if cfg.report:
             # the trained model is freed before the report builds its own: DLRM's dense arches and their ArchNodes
             # (models/arch_nodes.py: arch.forward is the node, which holds the arch) form cycles only gc frees
             gc.collect()
-            write_report(cfg, env, run_dir)
+            write_report(cfg, env, run_dir, hydra_cfg.overrides.task)
     finally:
         destroy_distributed()
 

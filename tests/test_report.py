@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.report.__main__ import main as report_main
@@ -23,6 +24,7 @@ from fused_dlrm.report.measure import measure_layer
 from fused_dlrm.report.moe import moe_layers
 from fused_dlrm.report import render
 from fused_dlrm.report.render import environment, markdown, write_json, write_png
+from fused_dlrm.train.build import compose_config
 from fused_dlrm.train.loop import train as train_dlrm
 from moe.layer import REFUSAL_WORDS
 from moe.train import build_model as build_moe
@@ -69,9 +71,21 @@ def check_report(report: dict, table: str, names: list[str], world: int) -> dict
     return layers
 
 
+def check_reproducible(report: dict, overrides: list[str]) -> None:
+    """report.json records the command line's overrides (Hydra's own, hydra.*, left out: where, not what) and the
+    config they composed, resolved: composed again from those overrides (`python -m fused_dlrm.report <overrides>`
+    re-runs the report) they give the same config."""
+    assert report["overrides"] == [o for o in overrides if not o.startswith("hydra.")]
+    assert report["config"] == OmegaConf.to_container(compose_config(report["overrides"]), resolve=True)
+    assert report["config"]["data"]["global_batch_size"] == int(next(
+        o.split("=")[1] for o in overrides if o.startswith("data.global_batch_size=")))  # not the default's
+
+
 def test_dlrm_standalone_one_process(tmp_path):
     report_main([*DLRM, f"hydra.run.dir={tmp_path}"])
     report, table = read(tmp_path)
+    check_reproducible(report, [*DLRM, f"hydra.run.dir={tmp_path}"])
+    assert report["config"]["data"]["train"]["seed"] == 0  # resolved (${seed} in conf/data/synthetic.yaml)
     layers = check_report(report, table, DLRM_LAYERS, world=1)
     assert layers[LOOKUP]["fused"]["unavailable"] == CPU_REASON
     assert layers[LOOKUP]["bytes_sent"] == {"fwd": 0, "fwd_bwd": 0}  # one process sends nothing
@@ -102,6 +116,7 @@ def test_one_table_is_one_table(tmp_path):
 def test_moe_standalone_one_process(tmp_path):
     report_main([*MOE, f"hydra.run.dir={tmp_path}"])
     report, table = read(tmp_path)
+    check_reproducible(report, MOE)
     layers = check_report(report, table, ["MoE layer (route, dispatch all-to-all, experts, combine all-to-all)",
                                           "gradient all-reduce", STEP], world=1)
     moe = layers["MoE layer (route, dispatch all-to-all, experts, combine all-to-all)"]
@@ -203,10 +218,16 @@ def test_train_py_refuses_switches_that_are_not_true_or_false(tmp_path):
 
 
 def test_dlrm_after_training_two_gloo_ranks(tmp_path):
-    """train.py report=true under torchrun: trains 2 steps, then the report of both ranks, written once."""
-    run_torchrun([*DLRM, "report=true", "trainer.max_steps=2", "trainer.progress=false", "data.eval_batches=1",
-                  "trainer.checkpoint_every=0", "comm.grad_allreduce=q8", f"hydra.run.dir={tmp_path}"])
+    """train.py report=true under torchrun: trains 2 steps, then the report of both ranks, written once; its
+    overrides and config those Hydra recorded for the run (.hydra/)."""
+    overrides = [*DLRM, "report=true", "trainer.max_steps=2", "trainer.progress=false", "data.eval_batches=1",
+                 "trainer.checkpoint_every=0", "comm.grad_allreduce=q8", f"hydra.run.dir={tmp_path}"]
+    run_torchrun(overrides)
     report, table = read(tmp_path)
+    check_reproducible(report, overrides)
+    assert report["overrides"] == list(OmegaConf.load(tmp_path / ".hydra" / "overrides.yaml"))
+    assert report["config"] == OmegaConf.to_container(OmegaConf.load(tmp_path / ".hydra" / "config.yaml"),
+                                                      resolve=True)
     layers = check_report(report, table, DLRM_LAYERS, world=2)
     assert report["environment"]["machine"]["backend"] == "gloo"
     # The greedy plan (rows x dim) gives the 5000-row table one rank and the 5 others the other rank. Forward: the
@@ -317,7 +338,7 @@ def _unwritable_run_dir(rank: int, world: int, tmp: str) -> None:
     with pytest.raises(NotADirectoryError if rank == 0 else ValueError,
                        match=None if rank == 0 else rf"rank 1: rank\(s\) \[0\] cannot write the report into "
                                                     rf"{re.escape(str(run_dir))}: NotADirectoryError"):
-        report.write_report(config(*DLRM), env, run_dir)
+        report.write_report(config(*DLRM), env, run_dir, DLRM)
 
 
 def test_an_unwritable_run_dir_stops_every_rank_before_measuring(tmp_path):

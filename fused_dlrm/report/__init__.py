@@ -2,14 +2,18 @@
 bulk and the fused mode -> report.md / report.json / report.png in the run directory.
 
 `python train.py ... report=true` writes it after training; `python -m fused_dlrm.report <overrides>` without.
+report.json records, besides machine, commit and versions, the command line's overrides (as Hydra's
+.hydra/overrides.yaml: without Hydra's own hydra.*) and the config they composed, resolved: the report is re-run by
+`python -m fused_dlrm.report <its overrides>`.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Sequence
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.dist.env import check_rank_0_can_write
@@ -35,14 +39,17 @@ def _layers(cfg: DictConfig, env: DistEnv, run_dir: Path):
     raise ValueError(f"no report for model.name {cfg.model.name!r}: expected dlrm or moe_transformer")
 
 
-def write_report(cfg: DictConfig, env: DistEnv, run_dir: Path) -> dict:
-    """Measure on every rank (a collective); rank 0 writes the three files. Returns the report (every rank)."""
+def write_report(cfg: DictConfig, env: DistEnv, run_dir: Path, overrides: Sequence[str]) -> dict:
+    """Measure on every rank (a collective); rank 0 writes the three files. `overrides`: those of the command line
+    that composed cfg (Hydra's task overrides), recorded with it. Returns the report (every rank)."""
     run_dir = Path(run_dir)
     check_rank_0_can_write(run_dir, f"the report into {run_dir}", directory=True)  # not after the timings
     # the fused column's codec: where no fused column is built (the CPU, one process) nothing else would read it
     check_grad_allreduce(cfg.comm.grad_allreduce)
+    # resolved before the timings, on every rank (an interpolation that fails, fails on all of them)
+    config = OmegaConf.to_container(cfg, resolve=True)
     report = {"model": cfg.model.name, "modes": MODES_TEXT, "environment": environment(env),
-              **measure(_layers(cfg, env, run_dir), env)}
+              "overrides": list(overrides), "config": config, **measure(_layers(cfg, env, run_dir), env)}
     if env.is_main:
         write_json(report, run_dir / "report.json")
         table = markdown(report)

@@ -2,7 +2,8 @@
 
 Composes the run's config from the repository's conf/ with the same overrides train.py takes (model=..., comm=...,
 data.global_batch_size=..., hydra.run.dir=...), in one process or under torchrun, and writes report.md,
-report.json and report.png into the run directory (default: outputs/<launch time>, as train.py).
+report.json and report.png into the run directory (default: outputs/<launch time>, as train.py). Unlike train.py's
+it holds no .hydra/ directory: report.json records the overrides (without hydra.*) and the composed config.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main(overrides: list[str]) -> None:
     if not env.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        write_report(cfg, env, agree_on_run_dir(run_dir))
+        write_report(cfg, env, agree_on_run_dir(run_dir), full.hydra.overrides.task)
     finally:
         destroy_distributed()
 

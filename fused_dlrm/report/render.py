@@ -1,5 +1,5 @@
-"""A measured report written out: report.md (a table), report.json (everything, with machine, commit and versions)
-and report.png (bulk against fused per layer, and the whole step)."""
+"""A measured report written out: report.md (a table), report.json (everything, with machine, commit and versions,
+the overrides and the config) and report.png (bulk against fused per layer, and the whole step)."""
 
 from __future__ import annotations
 
