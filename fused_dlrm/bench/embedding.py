@@ -186,7 +186,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--sweep", action="store_true", help="time lookup tile shapes on the first config")
     parser.add_argument("--transport", default="p2p", choices=["p2p", "nvshmem"], help="of the fused variant")
     parser.add_argument("--num-programs", type=int, default=None,
-                        help="persistent programs of the fused variant's kernels (comm.num_programs; default 32 per SM)")
+                        help="the fused variant's persistent programs (comm.num_programs; default 32 per SM)")
     parser.add_argument("--out", default="bench_embedding.json")
     args = parser.parse_args(argv)
     comm = FusedCommConfig(transport=args.transport, num_programs=args.num_programs)  # refuses a bad count now

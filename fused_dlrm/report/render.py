@@ -176,7 +176,8 @@ def write_png(report: dict, path: Path) -> str | None:
 
     layers = [e for e in report["layers"] if e["name"] != STEP]
     steps = [e for e in report["layers"] if e["name"] == STEP]
-    caption = "\n".join(textwrap.fill(line, 170, subsequent_indent="    ") for line in _missing(report["layers"], names))
+    caption = "\n".join(textwrap.fill(line, 170, subsequent_indent="    ")
+                        for line in _missing(report["layers"], names))
     caption_inches = 0.15 * (caption.count("\n") + 1) + 0.1 if caption else 0.0
     height = 4.5 + caption_inches
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, height),

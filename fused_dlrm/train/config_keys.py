@@ -3,8 +3,9 @@ adds a key, a typo as readily as any other, and the run would go on without it; 
 adds a key only another model reads. A key of trainer / model / data / comm is known when the group's chosen option
 (conf/<group>/<option>.yaml, with the options its defaults list extends) sets it, a top-level key when
 conf/config.yaml does; the keys under a node with `_target_` are its class's arguments, which the call of the class
-checks (`+trainer.dense_optimizer.momentum=0.9`, `data=criteo +data.train.drop_last=true`). A data option of the other model (`model=moe_transformer data=synthetic`:
-`data=` overrides the model's own choice) is refused too: its keys are all the other model's.
+checks (`+trainer.dense_optimizer.momentum=0.9`, `data=criteo +data.train.drop_last=true`). A data option of the
+other model (`model=moe_transformer data=synthetic`: `data=` overrides the model's own choice) is refused too: its
+keys are all the other model's.
 
 The chosen options are Hydra's record of them: the config's own `hydra` node (composed with return_hydra_config), or
 the running @hydra.main job's (HydraConfig). A config composed without either (compose() in tests, a script) names
