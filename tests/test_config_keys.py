@@ -35,6 +35,9 @@ FUSED_KEYS_UNDER_BULK = [f"+comm.{key}=1" for key in ("transport", "num_programs
     # switches: YAML's true / false / True / False are bools
     ["report=True", "trainer.progress=False", "trainer.direct_step=false", "trainer.tf32=true"],
     ["model=moe_transformer", "model.shared_expert=True", "model.sequence_parallel=false"],
+    # a class's switch left to the class's own default: torch's optimizers take fused=None (foreach where it can)
+    ["trainer.dense_optimizer.fused=null"],
+    ["model=moe_transformer", "model.optimizer.fused=null"],
 ], ids=" ".join)
 def test_the_packaged_configs_and_their_keys_are_accepted(overrides):
     compose_config(overrides)
@@ -111,8 +114,10 @@ def test_without_hydras_record_a_value_no_packaged_option_has_is_not_checked():
      r"model.sequence_parallel='false': expected true or false \| model.shared_expert='no': expected true or false$"),
     (["model=moe_transformer_finegrained", "model.shared_expert=0"], r"model.shared_expert=0: expected true or false$"),
     # a class's argument the option sets to true or false: torch.optim.Adam(fused='no') steps fused
-    (["trainer.dense_optimizer.fused=no"], r"trainer.dense_optimizer.fused='no': expected true or false$"),
-    (["model=moe_transformer", "model.optimizer.fused=off"], r"model.optimizer.fused='off': expected true or false$"),
+    (["trainer.dense_optimizer.fused=no"],
+     r"trainer.dense_optimizer.fused='no': expected true, false or null \(the class's default\)$"),
+    (["model=moe_transformer", "model.optimizer.fused=off"],
+     r"model.optimizer.fused='off': expected true, false or null \(the class's default\)$"),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else "")
 def test_switches_that_are_not_true_or_false_are_refused(overrides, said):
     with pytest.raises(ValueError, match="^" + said):

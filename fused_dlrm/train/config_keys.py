@@ -20,7 +20,8 @@ A switch is a key the chosen options (all of them that set it) set to true or fa
 (report): Hydra reads `trainer.progress=no` as the string 'no', which Python takes as true, so the user's off would
 be on. Its value must be a bool (YAML's true / false / True / False); a key an option leaves null takes any value.
 A class's argument (under a `_target_` node) the option sets to true or false is a switch too: torch.optim.Adam
-takes `trainer.dense_optimizer.fused=no` and steps fused."""
+takes `trainer.dense_optimizer.fused=no` and steps fused. Null passes there (None: the class's own default, as
+torch's optimizers take fused=None)."""
 
 from __future__ import annotations
 
@@ -148,23 +149,34 @@ def _check_data_group(cfg: DictConfig, data: list[str]) -> None:
                          f"{_either('data', data)} (leave data= out: the model picks its own)")
 
 
-def _switches(chosen: dict[str, list[str]]) -> list[str]:
+def _class_argument(key: str, values: dict[str, object]) -> bool:
+    """Whether `key` of an option's `values` lies under a node with `_target_` (its class's argument)."""
+    parts = key.split(".")
+    return any(".".join(parts[:i] + ["_target_"]) in values for i in range(1, len(parts)))
+
+
+def _switches(chosen: dict[str, list[str]]) -> dict[str, bool]:
     """The switches (see the module's doc) of a config whose groups' chosen options are `chosen`
-    (`chosen_options`), sorted: the same order on every rank."""
-    keys = {key for key, value in _top_level_node().items() if isinstance(value, bool)}
+    (`chosen_options`), sorted (the same order on every rank), each with whether null passes too: a class's
+    argument, where None is the class's own default (torch's optimizers: fused=None)."""
+    switches = {key: False for key, value in _top_level_node().items() if isinstance(value, bool)}
     for group in CHECKED_GROUPS:
         values = [option_values(group, option) for option in chosen[group]]
-        keys |= {key for key in set().union(*values) if all(isinstance(v[key], bool) for v in values if key in v)}
-    return sorted(keys)
+        switches |= {key: any(_class_argument(key, v) for v in values if key in v) for key in set().union(*values)
+                     if all(isinstance(v[key], bool) for v in values if key in v)}
+    return dict(sorted(switches.items()))
 
 
 def _switch_errors(cfg: DictConfig, chosen: dict[str, list[str]]) -> list[str]:
-    """`<key>=<value>: expected true or false` for each switch of cfg whose value is no bool (one it lacks,
-    `~trainer.progress`, fails where it is read)."""
-    absent = object()
-    values = {key: OmegaConf.select(cfg, key, default=absent) for key in _switches(chosen)}
-    return [f"{key}={value!r}: expected true or false" for key, value in values.items()
-            if value is not absent and not isinstance(value, bool)]
+    """`<key>=<value>: expected true or false` for each switch of cfg whose value is no bool, nor null where that
+    passes (one it lacks, `~trainer.progress`, fails where it is read)."""
+    absent, errors = object(), []
+    for key, nullable in _switches(chosen).items():
+        value = OmegaConf.select(cfg, key, default=absent)
+        if value is not absent and not isinstance(value, bool) and not (nullable and value is None):
+            expected = "true, false or null (the class's default)" if nullable else "true or false"
+            errors.append(f"{key}={value!r}: expected {expected}")
+    return errors
 
 
 def check_config_keys(cfg: DictConfig) -> None:
