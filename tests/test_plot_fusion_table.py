@@ -58,6 +58,7 @@ def test_every_bar_keeps_its_rows_date_machine_and_commit_whole(tmp_path, monkey
 
 
 def test_a_row_without_its_date_and_commit_is_refused():
-    table = f"{plot_fusion_table.HEADER}\n| --- | --- | --- | --- | --- |\n| GEMV + all-reduce | N=8192 | 2 ms | 1 ms | 2.00× |\n"
+    table = (f"{plot_fusion_table.HEADER}\n| --- | --- | --- | --- | --- |\n"
+             "| GEMV + all-reduce | N=8192 | 2 ms | 1 ms | 2.00× |\n")
     with pytest.raises(ValueError, match="does not end in its"):
         plot_fusion_table.table_rows(table)
