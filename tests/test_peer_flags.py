@@ -230,3 +230,19 @@ def test_every_ops_wait_bound_is_checked_where_it_is_taken_in(spins):
             with pytest.raises(ValueError, match=rf"^{what}=.* whole number of polls from 1 to 2\*\*31 - 1"):
                 make(spins)
             make(2**31 - 1)
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("num_programs", 0, "a whole number >= 1 or None"), ("num_programs", 2.0, "a whole number >= 1 or None"),
+    ("push_rounds", -1, "a whole number >= 0 or None"), ("copy_rows", 0, "a whole number >= 1 or None"),
+    ("chunk_rows", True, "a whole number >= 1"), ("group_m", 0, "a whole number >= 1"),
+    ("num_stages", 0, "a whole number >= 1"), ("block_m", 96, "a power of two"), ("block_k", 0, "a power of two"),
+    ("num_warps", 6, "a power of two"), ("block_n", 128.0, "a power of two")])
+def test_gemm_config_refuses_a_bad_count_when_built(field, value, expected):
+    """Each rank builds the config alike: refused there, every rank raises; at a launch (num_programs=0: an empty
+    grid) or a compile (block_m=96), one rank could raise after its peers started the call."""
+    from fused_dlrm.kernels.allgather_gemm import GemmConfig
+
+    with pytest.raises(ValueError, match=rf"^GemmConfig\.{field}={value!r}: expected {expected}$"):
+        GemmConfig(**{field: value})
+    GemmConfig(num_programs=None, push_rounds=0, copy_rows=None)  # the Nones and 0 rounds stay valid

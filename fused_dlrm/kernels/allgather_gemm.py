@@ -105,6 +105,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from fused_dlrm.config_checks import check_count
 from fused_dlrm.dist.symmetric import AllocationRefused, AllocationRequest, _Workspace
 from fused_dlrm.kernels import DTYPES, dtype_code, dtype_name
 from fused_dlrm.kernels.allgather import SymmetricAllGather, push_chunk, wait_chunk
@@ -160,8 +161,18 @@ class GemmConfig:
     push_rounds: int | None = None  # device push: rounds of local tiles that the pushing programs leave to the
     # others (None: the push's estimated time in tiles' time, `lead_rounds`)
 
-    def __post_init__(self):
+    def __post_init__(self):  # at construction, alike on every rank that builds it, not at a launch on one rank
         check_spin_limit(self.spin_limit, "GemmConfig.spin_limit")
+        # tl.arange's and tl.dot's sizes, and Triton's warps: powers of two
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"GemmConfig.{name}={value!r}: expected a power of two")
+        for name, minimum in (("group_m", 1), ("chunk_rows", 1), ("num_stages", 1)):
+            check_count(f"GemmConfig.{name}", getattr(self, name), minimum, f"a whole number >= {minimum}")
+        for name, minimum in (("copy_rows", 1), ("num_programs", 1), ("push_rounds", 0)):
+            if getattr(self, name) is not None:
+                check_count(f"GemmConfig.{name}", getattr(self, name), minimum, f"a whole number >= {minimum} or None")
 
 
 # For `lead_rounds`' estimate: the rate at which the pushing programs (one per chunk: 16 at issue 5's shape) move a
