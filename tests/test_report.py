@@ -95,6 +95,16 @@ def test_dlrm_standalone_one_process(tmp_path):
                         layers["sparse input dist (KJT all-to-all)"]["shapes"])
 
 
+def test_standalone_resolves_the_hydra_interpolations_train_py_takes(tmp_path):
+    """An override train.py resolves through Hydra's run (`${hydra:runtime.output_dir}`) resolves here too, to this
+    report's run directory: report.json records the config resolved."""
+    overrides = [*DLRM, "trainer.checkpoint_dir=${hydra:runtime.output_dir}/ckpt", f"hydra.run.dir={tmp_path}"]
+    report_main(overrides)
+    report, _ = read(tmp_path)
+    assert report["config"]["trainer"]["checkpoint_dir"] == f"{tmp_path}/ckpt"
+    assert "trainer.checkpoint_dir=${hydra:runtime.output_dir}/ckpt" in report["overrides"]
+
+
 def test_dlrm_with_row_blocks_one_process(tmp_path):
     """Row-wise tables: the lookup layer is timed through the blocks' sum, with the output's gradient."""
     report_main([*DLRM, "model.row_shards=2", f"hydra.run.dir={tmp_path}"])

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.dist.env import check_rank_0_can_write
@@ -39,7 +39,13 @@ def _layers(cfg: DictConfig, env: DistEnv, run_dir: Path):
     raise ValueError(f"no report for model.name {cfg.model.name!r}: expected dlrm or moe_transformer")
 
 
-def write_report(cfg: DictConfig, env: DistEnv, run_dir: Path, overrides: Sequence[str]) -> dict:
+def _as_typed(overrides: Sequence[str] | ListConfig) -> list[str]:
+    """The overrides as typed, as Hydra's .hydra/overrides.yaml keeps them: Hydra's record is a ListConfig, whose
+    `${hydra:runtime.output_dir}` would resolve to this run's directory, not the next one's."""
+    return OmegaConf.to_container(overrides) if isinstance(overrides, ListConfig) else list(overrides)
+
+
+def write_report(cfg: DictConfig, env: DistEnv, run_dir: Path, overrides: Sequence[str] | ListConfig) -> dict:
     """Measure on every rank (a collective); rank 0 writes the three files. `overrides`: those of the command line
     that composed cfg (Hydra's task overrides), recorded with it. Returns the report (every rank)."""
     run_dir = Path(run_dir)
@@ -49,7 +55,7 @@ def write_report(cfg: DictConfig, env: DistEnv, run_dir: Path, overrides: Sequen
     # resolved before the timings, on every rank (an interpolation that fails, fails on all of them)
     config = OmegaConf.to_container(cfg, resolve=True)
     report = {"model": cfg.model.name, "modes": MODES_TEXT, "environment": environment(env),
-              "overrides": list(overrides), "config": config, **measure(_layers(cfg, env, run_dir), env)}
+              "overrides": _as_typed(overrides), "config": config, **measure(_layers(cfg, env, run_dir), env)}
     if env.is_main:
         write_json(report, run_dir / "report.json")
         table = markdown(report)
