@@ -166,7 +166,8 @@ class GemmConfig:
         # tl.arange's and tl.dot's sizes, and Triton's warps: powers of two
         for name in ("block_m", "block_n", "block_k", "num_warps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+            check_count(f"GemmConfig.{name}", value, 1, "a power of two")
+            if value & (value - 1):
                 raise ValueError(f"GemmConfig.{name}={value!r}: expected a power of two")
         for name, minimum in (("group_m", 1), ("chunk_rows", 1), ("num_stages", 1)):
             check_count(f"GemmConfig.{name}", getattr(self, name), minimum, f"a whole number >= {minimum}")
