@@ -135,6 +135,13 @@ def test_moe_standalone_one_process(tmp_path):
     assert moe["bulk"]["fwd_ms"] > 0 and moe["bulk"]["fwd_bwd_ms"] > 0
 
 
+def test_one_expert_is_one_expert(tmp_path):
+    """The MoE row counts its experts in the singular when there is one."""
+    layers = moe_layers(config(*MOE, "model.num_experts=1", "model.top_k=1"), CPU, tmp_path)
+    moe = next(layer for layer in layers if layer.name == MOE_LAYER)
+    assert moe.shapes.startswith("96 tokens x d=32 float32, 1 expert (1 here) top-1, ffn 48"), moe.shapes
+
+
 def test_moe_report_in_mixed_precision(tmp_path):
     """model.precision=bf16: the MoE layer is timed under autocast, as the model runs it, and says so."""
     report_main([*MOE, "model.precision=bf16", f"hydra.run.dir={tmp_path}"])

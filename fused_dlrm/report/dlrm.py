@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.kernels.batch_header import FIRST_COUNT
-from fused_dlrm.report.layers import (STEP, CommLayer, Mode, bytes_of, forward_backward, fused_or_reason,
+from fused_dlrm.report.layers import (STEP, CommLayer, Mode, bytes_of, counted, forward_backward, fused_or_reason,
                                       grad_allreduce_layer, no_fused_path, no_grad)
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig
 from fused_dlrm.train.build import batch_stream, build_model, dense_parameters
@@ -64,10 +64,6 @@ class _Run:
                 "fwd_bwd": lambda: self.train_step(b)}
 
 
-def _count(n: int, one: str, many: str) -> str:
-    return f"{n} {one if n == 1 else many}"
-
-
 def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
     check_config(cfg)  # what training refuses is not timed
     reason = no_fused_path(env)
@@ -109,8 +105,8 @@ def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]
     forward_bytes = (global_batch - local_batch) * my_dim * 4
     backward_bytes = local_batch * (wide_dim - my_dim) * 4
     rows = f"{m.num_rows:,}" if isinstance(m.num_rows, int) else f"{min(m.num_rows):,}..{max(m.num_rows):,}"
-    tables = _count(len(keys), "table", "tables")
-    here = _count(len(sparse.shard_weights), "table, column shard or row block", "tables, column shards or row blocks")
+    tables = counted(len(keys), "table", "tables")
+    here = counted(len(sparse.shard_weights), "table, column shard or row block", "tables, column shards or row blocks")
     lookup = CommLayer(
         "embedding lookup + output dist (pooled all-to-all)",
         f"{tables} ({here} here) x {rows} rows x D={m.embedding_dim} {m.data_type}, "

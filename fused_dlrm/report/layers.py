@@ -42,6 +42,11 @@ def bytes_of(layer: CommLayer, mode: str) -> dict[str, int]:
     return layer.fused_bytes_sent if mode == "fused" and layer.fused_bytes_sent is not None else layer.bytes_sent
 
 
+def counted(n: int, one: str, many: str) -> str:
+    """ "1 table", "2 tables": a count in a layer's shapes, in words."""
+    return f"{n} {one if n == 1 else many}"
+
+
 def no_fused_path(env: DistEnv) -> str | None:
     """Why this machine has no fused path at all, or None: the fused kernels need CUDA GPUs and a process group
     (symmetric memory over NVLink)."""

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from fused_dlrm.dist import DistEnv
-from fused_dlrm.report.layers import (STEP, CommLayer, Mode, bytes_of, forward_backward,
+from fused_dlrm.report.layers import (STEP, CommLayer, Mode, bytes_of, counted, forward_backward,
                                       grad_allreduce_layer, no_fused_path, no_grad)
 from fused_dlrm.report.tp import tp_layers
 from moe.layer import FusedMoEConfig, MoELayer
@@ -119,8 +119,8 @@ def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
     num_moe = sum(1 for module in bulk.model.modules() if isinstance(module, MoELayer))
     moe_layer = CommLayer(
         "MoE layer (route, dispatch all-to-all, experts, combine all-to-all)",
-        f"{x.shape[0]} tokens x d={m.d_model} {str(rows_dtype).removeprefix('torch.')}, {m.num_experts} experts "
-        f"({layer.num_local_experts} here) top-{m.top_k}, ffn {m.ffn}",
+        f"{x.shape[0]} tokens x d={m.d_model} {str(rows_dtype).removeprefix('torch.')}, "
+        f"{counted(m.num_experts, 'expert', 'experts')} ({layer.num_local_experts} here) top-{m.top_k}, ffn {m.ffn}",
         {"fwd": forward_bytes, "fwd_bwd": 2 * forward_bytes},
         layer_modes(layer, x, bulk.grad, compute_dtype),
         fused_layer if isinstance(fused_layer, str) else layer_modes(fused_layer, x, bulk.grad, compute_dtype),
