@@ -661,8 +661,8 @@ def test_all_gather_matmul_refused_without_an_exchange_during_an_empty_batch(pro
 
 def test_all_gather_matmul_refused_with_and_without_an_exchange_in_one_call():
     """Of three ranks, rank 1 refuses its weight (a call of the peers' exchange: its epoch taken and acknowledged)
-    and rank 2 its x_shard (no exchange): rank 2 catches up from rank 0's signature alone (rank 1's says only why),
-    so the next calls are exact."""
+    and rank 2 its x_shard (no exchange): rank 2 catches up from rank 0's signature and rank 1's description of its
+    exchange (beside its signature, which says why), so the next calls are exact."""
     gen = torch.Generator().manual_seed(31)
     workspaces = matmul_world(3)
     weight = torch.randn(19, 24, generator=gen).half().t()
@@ -685,6 +685,101 @@ def test_all_gather_matmul_refused_with_and_without_an_exchange_in_one_call():
     for _ in range(2):  # both halves
         for out in run_matmul(workspaces, (shards := shards_of_every_rank()), weight, "device"):
             assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
+
+
+def check_matmul_refused_on_every_rank(refusals: tuple[str, ...], producer: str, device: str = "cpu",
+                                       rows: int = 41) -> None:
+    """Every rank refuses the same call, rank r for refusals[r]: an x_shard of no shape class or an unknown producer
+    (MATMUL_SHAPELESS_REFUSALS: a call of no exchange; one rank at most here, whose wait finds every peer's call
+    published only if it comes last) or its weight, out or x_shard's device (MATMUL_REFUSALS: a call of the peers'
+    exchange, its epoch taken and acknowledged). Every rank raises its own error. A rank of no exchange catches up
+    the exchange its refused peers took (their signatures name it beside why), so the next calls of that shape
+    (both halves of the double buffers) are exact on every rank. (Without it the exchange stayed one epoch apart:
+    every later call of that shape raised on every rank.) rows=0: an empty batch, whose calls count their epochs
+    without an exchange."""
+    world_size = len(refusals)
+    gen = torch.Generator().manual_seed(41 + world_size)
+    workspaces = matmul_world(world_size, device)
+    weight = torch.randn(19, 24, generator=gen).to(device, torch.float16).t()
+
+    def exact():
+        shards = [torch.randn(rows, 24, generator=gen).to(device, torch.float16) for _ in workspaces]
+        for out in run_matmul(workspaces, shards, weight, producer):  # outputs poisoned (NaN)
+            assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16] if rows \
+                else out.shape == (0, 19)
+
+    exact()
+    shards = [torch.randn(rows, 24, generator=gen).to(device, torch.float16) for _ in workspaces]
+    of_an_exchange = [rank for rank, refusal in enumerate(refusals) if refusal in MATMUL_REFUSALS]
+    calls = {}  # rank: (op, epoch, shard, weight, out, its error) of a refused call of the exchange
+    for rank in of_an_exchange:
+        bad, error, _ = MATMUL_REFUSALS[refusals[rank]]
+        bad_weight, out, *bad_shard = bad(device)
+        shard, weight_r = (bad_shard or shards[rank:])[0], weight if bad_weight is None else bad_weight
+        op = op_for(workspaces[rank], shard, SMALL)
+        refused = refused_call(shard, weight_r, out, op, producer)
+        assert refused is not None
+        calls[rank] = (op, op.start(shard, producer, refused), shard, weight_r, out, error)
+    for rank in set(range(world_size)) - set(of_an_exchange):  # a call of no exchange, after its peers' began
+        bad, error, _ = MATMUL_SHAPELESS_REFUSALS[refusals[rank]]
+        shard, producer_r = bad(device)
+        with pytest.raises(ValueError, match=error):
+            all_gather_matmul(shard, weight, workspaces[rank], producer_r, config=SMALL)
+    for op, epoch, shard, weight_r, out, error in calls.values():
+        with pytest.raises(ValueError, match=error):
+            op.finish(epoch, shard, weight_r, producer, out=out)
+    for _ in range(2):  # both halves
+        exact()
+    for ws in workspaces:
+        op_for(ws, shards[0], SMALL).errors.check(block=True)
+
+
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+@pytest.mark.parametrize("refusals", [("fp32 x_shard", "weight of other dtype"), ("out of other rows", "3-D x_shard"),
+                                      ("unknown producer", "x_shard on another device")])
+def test_all_gather_matmul_refused_on_every_rank_with_and_without_an_exchange(refusals, producer):
+    check_matmul_refused_on_every_rank(refusals, producer)
+
+
+def test_all_gather_matmul_refused_on_every_rank_of_three_with_and_without_an_exchange():
+    check_matmul_refused_on_every_rank(("K not a multiple of 8", "fp32 out", "1-D weight"), "device")
+
+
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+def test_all_gather_matmul_refused_on_every_rank_with_and_without_an_exchange_during_an_empty_batch(producer):
+    check_matmul_refused_on_every_rank(("weight of other dtype", "fp32 x_shard"), producer, rows=0)
+
+
+def test_all_gather_matmul_refused_on_every_rank_of_exchanges_that_differ_leaves_them_apart():
+    """Both ranks refuse their weight, each a call of another exchange (x_shard [41, 24] and [40, 24]: a caller's
+    bug, as calls that differ): each takes its own exchange's epoch and raises its own error; neither catches up
+    (each took an exchange), so the next calls of either shape raise on every rank, and a call of a shape new to
+    every rank is exact."""
+    gen = torch.Generator().manual_seed(43)
+    workspaces = matmul_world(2)
+    weight = torch.randn(19, 24, generator=gen).half().t()
+    rows = (41, 40)
+    for n in rows:  # every rank holds both exchanges, alike (GPUs allocate in one order)
+        for out in run_matmul(workspaces, (shards := [torch.randn(n, 24, generator=gen).half() for _ in workspaces]),
+                              weight, "device"):
+            assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
+    shards = [torch.randn(n, 24, generator=gen).half() for n in rows]
+    ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
+    refused = [refused_call(shard, weight.float(), None, op, "device") for op, shard in zip(ops, shards)]
+    epochs = [op.start(shard, "device", r) for op, shard, r in zip(ops, shards, refused)]
+    for op, epoch, shard in zip(ops, epochs, shards):
+        with pytest.raises(ValueError, match=r"weight \(24, 19\) torch.float32"):
+            op.finish(epoch, shard, weight.float(), "device")
+    for n in rows:
+        shards = [torch.randn(n, 24, generator=gen).half() for _ in workspaces]
+        ops = [op_for(ws, shard, SMALL) for ws, shard in zip(workspaces, shards)]
+        epochs = [op.start(shard, "device") for op, shard in zip(ops, shards)]
+        for op, epoch, shard in zip(ops, epochs, shards):
+            with pytest.raises((PeerCallMismatch, PeerWaitTimeout)):
+                op.finish(epoch, shard, weight, "device")
+    for out in run_matmul(workspaces, (shards := [torch.randn(9, 24, generator=gen).half() for _ in workspaces]),
+                          weight, "device"):
+        assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
 
 
 def test_all_gather_matmul_refused_without_an_exchange_allocates_none_to_catch_up():
@@ -907,11 +1002,12 @@ build(allgather._refused_call_kernel, {n: "*i64" for n in ("signature_ptr", "ref
 build(allgather._refused_sources_kernel, {"refusals_ptr": "*i64", "error_ptr": "*i32"}, dict(WORLD=4))
 build(allgather_gemm._publish_call_kernel, {"call_ptrs": "*i64"}, dict(WORLD=4))
 build(allgather_gemm._check_calls_kernel, {"calls_ptr": "*i64", "error_ptr": "*i32"}, dict(WORLD=4))
-# a refused call's start, its finish, a call of no exchange, and its catch-up
-for publish, ack, wait in ((True, True, False), (False, False, True), (True, False, True), (False, True, False)):
+# a refused call's start (of empty shards: no ack), its finish, a call of no exchange, and its catch-up
+for publish, describe, ack, wait in ((True, True, True, False), (True, True, False, False), (False, False, False, True),
+                                     (True, False, False, True), (False, False, True, False)):
     build(allgather_gemm._refused_call_kernel, {n: "*i64" for n in ("signature_ptr", "call_ptrs", "calls_ptr",
                                                                      "ack_ptrs")} | {"error_ptr": "*i32"},
-          dict(WORLD=4, PUBLISH=publish, ACK=ack, WAIT=wait))
+          dict(WORLD=4, PUBLISH=publish, DESCRIBE=describe, ACK=ack, WAIT=wait))
 """
 
 

@@ -44,32 +44,34 @@ without the store).
 Calls that differ between ranks (rows, K, dtype, producer, rows per chunk: a caller's bug) use exchanges of other
 shape classes, whose buffers and flags the peers' calls never touch (ranks whose first calls differ ask for other
 buffers, refused before the allocation; calls of shape classes every rank has allocated would not be). So the ranks
-compare their calls in a buffer of the workspace's own (CALLS: two halves
-by the call's parity, shared by every shape class and producer): each call has a number among the workspace's
+compare their calls in a buffer of the workspace's own (CALLS: two halves by the call's parity, shared by every
+shape class and producer; then the refused calls' descriptions, below): each call has a number among the workspace's
 calls of the op and a signature (`_call_signature`: that number, the shard's shape and dtype, the producer and its
 rows per chunk, and the exchange's epoch), published into every peer as a flag of its own (word 0, the number,
 stored last with release: `peer_flags.publish_signature`) by the device push's last program before its chunks, or
-for the copy engines by a small kernel after the shard is published; each GEMM program reads a peer's once per
-call before waiting for its chunks (`peer_flags.same_published_call`: bounded, a peer that never calls times out
-naming the rank), the copy engines' pulls after a small kernel that does the same. One unlike its own records error
-3 (`PeerErrors` names rank, peer and both calls in words), after which the call's waits look once and its output
-is not defined: every rank raises. The calls' numbers stay alike, but the exchanges' epochs of the ranks do not:
-the next calls of those shapes differ in the signature's last word and raise too (or time out waiting for a
-buffer a peer never released), never read another call's half. The guard of the signatures' halves is the check
-itself: a rank publishes call c + 2 only after its call c + 1 has seen every peer's signature of call c + 1,
-published once the peer's call c (its reads of half c % 2) was over. What a rank's GEMM alone reads (N, the
-weight, the tiles and grid) is not compared: ranks may differ in it. A call that makes only some ranks allocate (a
-shape class or producer new to them) stops before its kernels: the ranks' requests are compared before each
-collective allocation (dist/symmetric.agree_on_allocation), so those ranks raise AllocationTimeout naming the peers
-that never asked, and a peer whose next allocation is another buffer raises AllocationMismatch.
+for the copy engines by a small kernel after the shard is published; each GEMM program reads a peer's once per call
+before waiting for its chunks (`peer_flags.same_published_call`: bounded, a peer that never calls times out naming
+the rank), the copy engines' pulls after a small kernel that does the same. One unlike its own records error 3
+(`PeerErrors` names rank, peer and both calls in words), after which the call's waits look once and its output is
+not defined: every rank raises. The calls' numbers stay alike, but the exchanges' epochs of the ranks do not: the
+next calls of those shapes differ in the signature's last word and raise too (or time out waiting for a buffer a
+peer never released), never read another call's half. The guard of the signatures' halves is the check itself: a
+rank publishes call c + 2 only after its call c + 1 has seen every peer's signature of call c + 1, published once
+the peer's call c (its reads of half c % 2) was over. What a rank's GEMM alone reads (N, the weight, the tiles and
+grid) is not compared: ranks may differ in it. A call that makes only some ranks allocate (a shape class or producer
+new to them) stops before its kernels: the ranks' requests are compared before each collective allocation
+(dist/symmetric.agree_on_allocation), so those ranks raise AllocationTimeout naming the peers that never asked, and
+a peer whose next allocation is another buffer raises AllocationMismatch.
 A call whose weight or out one rank refuses, or whose x_shard, weight or out lies on another device than the
 workspace's (`refused_call`: what each rank's own tensors decide, N may differ; x_shard of the peers' shape class;
 `peer_flags.foreign_operand`: a kernel would read another GPU's memory), or a device push on a grid its GPU does
 not hold at once (each rank's own config) is still a call there
 (peer_flags.RefusedCall): raising alone would leave its peers waiting out their bound, and its call numbers and
 exchange epochs one behind theirs for every later call. It takes its number and its exchange's epoch, publishes a
-signature that says why ([number, REFUSED_CALL, refusal words]) and acknowledges the epoch (it reads nothing of it),
-then waits for every peer's published call, as the GEMM does (`_refused_call_kernel`). A
+signature that says why ([number, REFUSED_CALL, refusal words]), after what its call would have published (its
+exchange and epoch, `_call_signature`) into a second part of CALLS (the descriptions, released by that signature's
+flag), and acknowledges the epoch (it reads nothing of it), then waits for every peer's published call, as the GEMM
+does (`_refused_call_kernel`). A
 peer's program that reads that signature records the refusal (code 5, `same_published_call`), after which its
 waits look once: every other rank raises PeerRefusedInput naming the rank and why, the refusing rank its own
 ValueError at `finish`, and the next call is exact. A refused x_shard of no shape class (`shard_problem`: not
@@ -81,10 +83,11 @@ so every rank raises as above. Raising alone left the calls' numbers apart too: 
 peers' refused one, whose chunks it found behind flags of the epoch it took, and so paired shards of two calls
 without an error. Then it catches up (`_catch_up`): the peers' signatures of the call, read on the host behind that
 wait (a sync, in a call that raises anyway; they stay until this rank's next call lets the peers publish the call
-after next), name the exchange and epoch they used. Where every peer's call not refused names one, one epoch ahead of
-this rank's, the rank takes that epoch and acknowledges it (the refused call's ack: it reads nothing of it; empty
-shards have no exchange: the epoch alone), so the exchange's next call is exact. Otherwise (peers' calls unlike each
-other or all refused, a signature that never came) the exchange's epochs stay apart: its next calls raise on every
+after next), name the exchange and epoch they used (a refused peer's, its description; a peer's call of no exchange
+names none). Where those that name one name the same, one epoch ahead of this rank's, the rank takes that epoch and
+acknowledges it (the refused call's ack: it reads nothing of it; empty shards have no exchange: the epoch alone), so
+the exchange's next call is exact, refused on every rank or not. Otherwise (peers' calls unlike each other, every
+one of no exchange, a signature that never came) the exchange's epochs stay apart: its next calls raise on every
 rank (as after calls that differ), and a call of a shape class new to every rank is exact. The catch-up allocates
 nothing: a rank that holds no such exchange leaves it (on GPUs its peers' call could not have allocated one without
 it: their allocation times out naming it, as above). A rank with no op yet (its first call) has no CALLS to refuse
@@ -113,8 +116,8 @@ from fused_dlrm.kernels.launch import interpreting
 from fused_dlrm.kernels.peer_flags import (DEFAULT_SPIN_LIMIT, REFUSED_CALL, SIGNATURE_WORDS, TENSOR_WORDS, PeerErrors,
                                            RefusedCall, check_spin_limit, describe_foreign, describe_refused_calls,
                                            describe_signatures, describe_tensor, foreign_operand, publish_signature,
-                                           same_published_call, signal_ready, signature_of, tensor_words,
-                                           wait_published)
+                                           same_published_call, signal_ready, signature_of, store_signature,
+                                           tensor_words, wait_published)
 from fused_dlrm.kernels.tma import async_proxy_fence, descriptor, tma_problem, tma_readable
 
 GEMM_PRODUCERS = ("copy_engine", "device")
@@ -123,8 +126,9 @@ CALLS = "allgather_matmul_calls"  # a workspace's count of the op's calls and th
 
 
 def calls_numel(world: int) -> int:
-    """The CALLS buffer's int64 words: every peer's signature, in two halves by the call's parity."""
-    return 2 * world * SIGNATURE_WORDS.value
+    """The CALLS buffer's int64 words: every peer's signature, in two halves by the call's parity, then as many for
+    what the peers' refused calls of an exchange describe (`_described_half`)."""
+    return 2 * 2 * world * SIGNATURE_WORDS.value
 
 
 def all_gather_matmul_reference(shards: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
@@ -224,6 +228,13 @@ def _calls_half(call, WORLD: tl.constexpr):
 
 
 @triton.jit
+def _described_half(call, WORLD: tl.constexpr):
+    """The offset of call `call`'s half of the descriptions: what a refused call of an exchange would have published
+    as its signature (`_call_signature`: its exchange and epoch, for a peer's `_catch_up`), after the signatures."""
+    return 2 * WORLD * SIGNATURE_WORDS + _calls_half(call, WORLD)
+
+
+@triton.jit
 def _publish_call(call_ptrs, call, rank, signature, WORLD: tl.constexpr):
     """This rank's signature of call `call`, published into every peer (`publish_signature`)."""
     for k in tl.static_range(1, WORLD):
@@ -257,13 +268,19 @@ def _check_calls_kernel(calls_ptr, rank, call, rows, K, dtype_code, producer, ch
 
 
 @triton.jit(do_not_specialize=["rank", "call", "epoch"])
-def _refused_call_kernel(signature_ptr, call_ptrs, calls_ptr, ack_ptrs, rank, call, epoch, spin_limit, error_ptr,
-                         WORLD: tl.constexpr, PUBLISH: tl.constexpr, ACK: tl.constexpr, WAIT: tl.constexpr):
+def _refused_call_kernel(signature_ptr, call_ptrs, calls_ptr, ack_ptrs, rank, call, epoch, rows, K, dtype_code,
+                         producer, chunk_rows, spin_limit, error_ptr, WORLD: tl.constexpr, PUBLISH: tl.constexpr,
+                         DESCRIBE: tl.constexpr, ACK: tl.constexpr, WAIT: tl.constexpr):
     """One program: a call this rank refused (the module docstring). PUBLISH: its signature (signature_ptr: a
-    RefusedCall's) into every peer as call `call`'s; ACK: the exchange's epoch acknowledged to every rank, as the
-    GEMM's last program does (this call reads nothing of it; a call of no exchange acknowledges the one its peers
-    used alone, `_catch_up`); WAIT: until every peer has published its call (the guard of the signatures' halves,
-    as a GEMM's programs wait for them)."""
+    RefusedCall's) into every peer as call `call`'s, after DESCRIBE: its exchange and epoch (rows ... epoch: as a
+    call's signature, `_call_signature`) into every peer's descriptions (`_described_half`), which that signature's
+    flag releases; ACK: the exchange's epoch acknowledged to every rank, as the GEMM's last program does (this call
+    reads nothing of it; a call of no exchange acknowledges the one its peers used alone, `_catch_up`); WAIT: until
+    every peer has published its call (the guard of the signatures' halves, as a GEMM's programs wait for them)."""
+    if DESCRIBE:
+        described = _call_signature(call, rows, K, dtype_code, producer, chunk_rows, epoch)
+        for k in tl.static_range(1, WORLD):
+            store_signature(call_ptrs, (rank + k) % WORLD, _described_half(call, WORLD), rank, described)
     if PUBLISH:
         _publish_call(call_ptrs, call, rank, tl.load(signature_ptr + tl.arange(0, SIGNATURE_WORDS)), WORLD)
     if ACK:
@@ -486,7 +503,8 @@ class AllGatherMatmul:
         g = self.gather_for(producer)
         if refused is not None:  # the exchange's epoch taken, nothing published but why, the exchange acknowledged
             epoch = g.next_epoch() if g else self._empty_epoch()
-            self._refused_call(refused.signature, self.call, epoch, g, publish=True, ack=g is not None)
+            self._refused_call(refused.signature, self.call, epoch, g, publish=True, ack=g is not None,
+                               described=self._described(producer))
             return epoch
         if not self.rows:  # nothing to exchange: the call's signature alone (`finish` compares the peers'), its
             #                epoch the count of the op's calls
@@ -518,15 +536,24 @@ class AllGatherMatmul:
 
     def _catch_up(self, call: int) -> None:
         """After this rank's call `call` of no exchange (`refuse_call`): the exchange that every peer's call used
-        (their signatures, read behind the wait for them: a host sync, in a call that raises anyway) takes its next
-        epoch here too, where that is the peers' one, and acknowledges it as a refused call of that exchange does
-        (reading nothing of it), so its epochs stay in step and its next call is exact. Nothing where the peers'
-        calls name no one exchange (calls unlike each other, all refused, or one never published: a wait that gave
-        up) or this rank holds none such (on GPUs the peers' call could not have allocated it without this rank)."""
-        signatures = self.calls.local[:calls_numel(self.world)].view(2, self.world, -1)[call % 2].tolist()
-        peers = [words for rank, words in enumerate(signatures) if rank != self.rank]
-        described = {tuple(words[1:7]) for words in peers if words[1] != REFUSED_CALL}
-        if any(words[0] != call for words in peers) or len(described) != 1:
+        (their signatures, or a refused call's description of its exchange, read behind the wait for them: a host
+        sync, in a call that raises anyway) takes its next epoch here too, where that is the peers' one, and
+        acknowledges it as a refused call of that exchange does (reading nothing of it), so its epochs stay in step
+        and its next call is exact. Nothing where the peers' calls name no one exchange (calls unlike each other,
+        all of no exchange, or one never published: a wait that gave up) or this rank holds none such (on GPUs the
+        peers' call could not have allocated it without this rank)."""
+        signatures, descriptions = self.calls.local[:calls_numel(self.world)].view(2, 2, self.world, -1)[:, call % 2]
+        described = set()
+        for rank, (words, description) in enumerate(zip(signatures.tolist(), descriptions.tolist())):
+            if rank == self.rank:
+                continue
+            if words[0] != call:
+                return
+            if words[1] != REFUSED_CALL:
+                described.add(tuple(words[1:7]))
+            elif description[0] == call:  # a refused call of an exchange (a call of none describes none)
+                described.add(tuple(description[1:7]))
+        if len(described) != 1:
             return
         *theirs, epoch = described.pop()
         rows, k, dtype = theirs[:3]
@@ -545,14 +572,17 @@ class AllGatherMatmul:
         return self.ws.next_epoch(empty_calls(self.k, self.dtype))
 
     def _refused_call(self, signature: torch.Tensor, call: int, epoch: int, gather: SymmetricAllGather | None,
-                      publish: bool = False, ack: bool = False, wait: bool = False) -> None:
+                      publish: bool = False, ack: bool = False, wait: bool = False,
+                      described: tuple[int, int, int, int, int] | None = None) -> None:
         """`_refused_call_kernel` of call `call` (`epoch`: its exchange's, gather's) through this op's calls'
-        buffer and error word: its publish and ack (`start`), its wait (`finish`), or both of a call of no exchange
-        (`refuse_call`), or the ack that catches an exchange up (`_catch_up`)."""
+        buffer and error word: its publish and ack (`start`, described: its exchange, `_described`), its wait
+        (`finish`), or both of a call of no exchange (`refuse_call`), or the ack that catches an exchange up
+        (`_catch_up`)."""
         acks = gather.ack.peer_ptrs if gather else self.calls.peer_ptrs  # (no exchange: nothing acknowledged)
         _refused_call_kernel[(1,)](signature, self.calls.peer_ptrs, self.calls.local, acks, self.rank, call, epoch,
-                                   self.config.spin_limit, self.errors.word, WORLD=self.world, PUBLISH=publish,
-                                   ACK=ack, WAIT=wait)
+                                   *(described or (0,) * 5), self.config.spin_limit, self.errors.word,
+                                   WORLD=self.world, PUBLISH=publish, DESCRIBE=described is not None, ACK=ack,
+                                   WAIT=wait)
 
     def _exchanges(self) -> list[tuple[list[int], SymmetricAllGather]]:
         """The exchanges this op has built (none for empty shards; the copy engines' once used), each with what a
