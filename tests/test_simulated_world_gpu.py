@@ -27,7 +27,8 @@ from fused_dlrm.kernels.quantized_allreduce import (FusedQuantizedAllReduce, max
                                                     quantized_all_reduce_reference)
 from test_allgather_kernels import (GATHER_REFUSALS, MATMUL_DIFFERENCES, MATMUL_REFUSALS, MATMUL_SHAPELESS_REFUSALS,
                                     check_gather_refused, check_matmul_calls_that_differ,
-                                    check_matmul_refused_on_one_rank, check_matmul_refused_without_an_exchange)
+                                    check_matmul_refused_on_every_rank, check_matmul_refused_on_one_rank,
+                                    check_matmul_refused_without_an_exchange)
 from test_fused_embedding_kernels import INTERACTION_PUSH_CASES, check_interaction_push
 from test_gemm_allreduce_kernel import (CALL_FORMS, DIFFERENCES, GRID_SHAPES, LATE_BY_TWO, assert_all_reduced,
                                         assert_reduce_scattered, check_calls_that_differ, check_late_by_two_calls,
@@ -401,6 +402,14 @@ def test_all_gather_matmul_refused_without_an_exchange_raises_on_every_rank(refu
 @pytest.mark.parametrize("producer", ["copy_engine", "device"])
 def test_all_gather_matmul_refused_without_an_exchange_by_ranks_of_three_in_a_row(producer):
     check_matmul_refused_without_an_exchange(3, "fp32 x_shard", producer, "cuda", refusing=(2, 1, 2))
+
+
+@pytest.mark.parametrize("producer", ["copy_engine", "device"])
+def test_all_gather_matmul_refused_on_every_rank_with_and_without_an_exchange(producer):
+    """The interpreter test's call refused on every rank (test_allgather_kernels.check_matmul_refused_on_every_rank),
+    as compiled: rank 0's x_shard of no shape class, rank 1's weight (a call of the exchange, which it describes):
+    rank 0 catches that exchange up, and the next two calls of that shape are exact."""
+    check_matmul_refused_on_every_rank(("fp32 x_shard", "weight of other dtype"), producer, "cuda")
 
 
 @pytest.mark.parametrize("refusal", list(GATHER_REFUSALS))
