@@ -855,6 +855,26 @@ def test_all_gather_matmul_refused_call_waits_until_every_peer_has_begun_it():
             assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
 
 
+def test_all_gather_matmul_exchanges_hold_no_refusals_buffer():
+    """AllGather + GEMM refuses its calls itself (its calls' signatures say why), so its exchanges (device push and
+    copy engines) allocate no refusals' buffer; a shard that reached one all the same is a bug of the op, raised
+    before the exchange's epoch is taken."""
+    gen = torch.Generator().manual_seed(47)
+    workspaces = matmul_world(2)
+    weight = torch.randn(19, 24, generator=gen).half().t()
+    for producer in ("device", "copy_engine"):
+        shards = [torch.randn(41, 24, generator=gen).half() for _ in workspaces]
+        for out in run_matmul(workspaces, shards, weight, producer):
+            assert relative_error(out, all_gather_matmul_reference(shards, weight)) < TOL[torch.float16]
+    for ws in workspaces:
+        assert [name for name in ws._buffers if name.endswith(":refusals")] == []
+    gather = op_for(workspaces[0], shards[0], SMALL).gather
+    epoch = workspaces[0].epoch(gather.exchange)
+    with pytest.raises(RuntimeError, match=r"a call that its owner refuses itself reached it: shard \(40, 24\)"):
+        gather.start(shards[0][:40], "pull")
+    assert workspaces[0].epoch(gather.exchange) == epoch
+
+
 def test_all_gather_matmul_ranks_may_differ_in_n_and_tiles():
     """What is each rank's own: its weight (N) and the GEMM's tiles and grid (the exchange's chunks alike). Every
     rank's product is its own weight's, exact."""

@@ -43,7 +43,8 @@ there and acknowledges the epoch (it reads nothing of it); its host raises its o
 and records the lowest refusing rank (code 5), so its PeerErrors raises PeerRefusedInput naming the rank and why
 (at once on the CPU, within check_every calls on GPUs); its gathered rows are not defined. The next call is exact.
 An op that passes its own `errors` (AllGatherMatmul) checks its shards first: its error word describes its own
-refusals.
+refusals, and with refusals=False its exchanges hold no refusals' buffer (a call that reaches one all the same is
+a bug of the op: RuntimeError, before its epoch is taken).
 """
 
 from __future__ import annotations
@@ -203,8 +204,12 @@ class SymmetricAllGather:
 
     def __init__(self, workspace: _Workspace, rows: int, cols: int, dtype: torch.dtype, chunk_rows: int | None = None,
                  name: str = "allgather", num_programs: int | None = None, spin_limit: int = DEFAULT_SPIN_LIMIT,
-                 block_rows: int = 16, block_cols: int = 512, errors: PeerErrors | None = None):
-        """errors: the error word to report into (shared by the exchanges of one op); None: a new one."""
+                 block_rows: int = 16, block_cols: int = 512, errors: PeerErrors | None = None,
+                 refusals: bool = True):
+        """errors: the error word to report into (shared by the exchanges of one op); None: a new one. refusals:
+        False where the owner refuses its calls itself before they reach the exchange (AllGatherMatmul: its own
+        signatures say why): no refusals' buffer (a collective allocation fewer), and `start` takes no call it would
+        refuse."""
         check_spin_limit(spin_limit, "spin_limit")
         self.ws, self.rank, self.world = workspace, workspace.rank, workspace.world_size
         self.rows, self.cols, self.dtype = rows, cols, dtype
@@ -218,7 +223,7 @@ class SymmetricAllGather:
         self.ack = workspace.buffer(self.exchange + ":ack", self.world, torch.int32)
         # every source's signature of its latest refused call, two halves by epoch parity (`_refused_call_kernel`)
         self.refusals = workspace.buffer(self.exchange + ":refusals", 2 * self.world * SIGNATURE_WORDS.value,
-                                         torch.int64)
+                                         torch.int64) if refusals else None
         self.errors = errors or PeerErrors(workspace.device, self.rank, "all-gather",
                                            describe_refused=describe_refused_calls(self.rank, describe_refusal))
         cuda = workspace.device.type == "cuda"
@@ -282,8 +287,10 @@ class SymmetricAllGather:
         rank refuses (`refusal`) takes its epoch all the same and tells every rank why (the module docstring), then
         raises its error here; its peers raise PeerRefusedInput at `finish`."""
         self.errors.check()
-        epoch = self.next_epoch()
         refused = self.refusal(shard, producer)
+        if refused is not None and self.refusals is None:  # the owner's checks let through what it must refuse
+            raise RuntimeError(f"{self.exchange}: a call that its owner refuses itself reached it: {refused.error}")
+        epoch = self.next_epoch()
         if refused is not None:
             _refused_call_kernel[(1,)](refused.signature, self.refusals.peer_ptrs, self.ready.peer_ptrs,
                                        self.ack.local, self.ack.peer_ptrs, self.errors.word, self.rank, epoch,
@@ -377,7 +384,8 @@ class SymmetricAllGather:
             self._pull(epoch)
         wait_ready(self.ready.local, self.ack.peer_ptrs, self.errors.word, self.rank, self.world, epoch,
                    self.chunks, self.spin_limit)
-        _refused_sources_kernel[(1,)](self.refusals.local, self.errors.word, self.rank, epoch, WORLD=self.world)
+        if self.refusals is not None:  # (none: the owner's own calls say why)
+            _refused_sources_kernel[(1,)](self.refusals.local, self.errors.word, self.rank, epoch, WORLD=self.world)
         self.join()
         self.errors.after_wait()
         return self.gathered(epoch)

@@ -461,7 +461,8 @@ class AllGatherMatmul:
         self.calls = workspace.buffer(CALLS, calls_numel(self.world), torch.int64)
         # the device push's exchange; none for shards of 0 rows (an empty batch: its calls exchange signatures alone)
         self.gather = SymmetricAllGather(workspace, rows, k, dtype, max(1, config.chunk_rows), name="allgather_matmul",
-                                         spin_limit=config.spin_limit, errors=self.errors) if rows else None
+                                         spin_limit=config.spin_limit, errors=self.errors,
+                                         refusals=False) if rows else None
         self.call = 0  # the number of this op's latest call among the workspace's (`start`)
         self.refused: RefusedCall | None = None  # the latest call's, if this rank refused it (`start`)
         self.rows, self.k, self.dtype = rows, k, dtype
@@ -488,7 +489,7 @@ class AllGatherMatmul:
             g = self.gather
             self._copy_gather = SymmetricAllGather(g.ws, self.rows, self.k, g.dtype, self.config.copy_rows or self.rows,
                                                    name="allgather_matmul_ce", spin_limit=self.config.spin_limit,
-                                                   errors=self.errors)
+                                                   errors=self.errors, refusals=False)
         return self._copy_gather
 
     def start(self, x_shard: torch.Tensor, producer: str, refused: RefusedCall | None = None) -> int:
