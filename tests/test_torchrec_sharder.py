@@ -886,6 +886,27 @@ def test_one_rank_module_copies_weights_and_matches_unsharded():
         weighted(to_kjt(keys_of(TABLES), lengths, values, None, 0, 5))
 
 
+def test_a_backward_in_eval_mode_updates_the_tables_as_in_training():
+    """As stock torchrec's fused tables (fbgemm's TBE updates in its backward whatever the module's mode): eval()
+    (dropout off while fine-tuning, say) does not stop the tables from training; no_grad does."""
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(TABLES)
+    sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig("rowwise_adagrad", lr=LR))
+    lengths, values, _ = global_batch(0, 5, TABLES, False)
+    kjt = to_kjt(keys_of(TABLES), lengths, values, None, 0, 5)
+    grad = torch.randn(5, sum(t.embedding_dim * len(t.feature_names) for t in TABLES))
+    tables = []
+    for training in (True, False):
+        sharded = shard_one_rank(sharder, copy.deepcopy(ebc)).train(training)
+        with torch.no_grad():
+            sharded(kjt)
+        (sharded(kjt).values() * grad).sum().backward()
+        tables.append({name: bags.weight for name, bags in sharded.embedding_bags.items()})
+    for t in TABLES:
+        assert not torch.equal(tables[0][t.name], ebc.embedding_bags[t.name].weight), t.name  # training moved it
+        torch.testing.assert_close(tables[1][t.name], tables[0][t.name], rtol=0, atol=0, msg=t.name)
+
+
 def _bad_batch_on_rank_1(rank: int, world: int) -> None:
     ebc = EmbeddingBagCollection(SUM_TABLES, is_weighted=True)
     sharded = FusedShardedEBC(ebc, plan_sharding(SUM_TABLES, world),

@@ -108,12 +108,12 @@ def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iter
         return fused(bags)
 
     # Correctness first, on a poisoned output: all three agree (fp32, summation order aside).
-    lookup.eval()
     expected = torch_reference()
     fused.ws.buffer("pooled", 2 * max(bags.batch_sizes) * fused.row_len, torch.float32).local.fill_(float("nan"))
     dist.barrier()
-    for name, fn in (("bulk", bulk), ("fused", fused_forward)):
-        check_against_bulk(f"{cfg.name}: {name}", fn(), expected, 1e-5, "the torch reference")
+    with torch.no_grad():
+        for name, fn in (("bulk", bulk), ("fused", fused_forward)):
+            check_against_bulk(f"{cfg.name}: {name}", fn(), expected, 1e-5, "the torch reference")
     fused.errors.check(block=True)
 
     result = {"config": cfg.name, **cfg.__dict__, "world_size": world, "num_programs": fused.num_programs}
@@ -126,7 +126,6 @@ def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iter
         # Back to back: what a run of calls costs per call, host launches included, without a start per call.
         result["fwd_b2b_ms"] = {name: per_call_us(fn, warmup=2, iters=10) / 1e3 for name, fn in
                                 (("bulk", bulk), ("fused", fused_forward), ("lookup", lambda: lookup.pool(bags)))}
-    lookup.train()
 
     def train_step(fn):
         return lambda: fn().backward(grad)
@@ -150,7 +149,7 @@ def sweep_lookup(cfg: Config, rank: int, world: int) -> list[dict]:
     tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=cfg.dim, num_embeddings=cfg.rows, feature_names=[f"f{i}"])
               for i in range(cfg.tables_per_gpu)]
     weights = {t.name: init_table(t, i, device) for i, t in enumerate(tables)}
-    lookup = PooledEmbeddingLookup(tables, weights, EmbeddingOptimizerConfig("sgd"), device).eval()
+    lookup = PooledEmbeddingLookup(tables, weights, EmbeddingOptimizerConfig("sgd"), device)
     bags = make_bags(cfg, rank, world, device)
     bags.features = [f"f{i}" for i in range(cfg.tables_per_gpu)]
     gathered = bags.values.numel() * cfg.dim * 4

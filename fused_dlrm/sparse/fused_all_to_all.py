@@ -13,7 +13,7 @@ Outputs live in double-buffered symmetric memory (by step parity), whatever the 
 split the buffer, not one call's rows). A producer of call e waits only for each consumer's ack of call e - 1,
 given once that consumer's call e - 1 has its output: so the tensor a call returns stays valid until this rank's
 next call, after which a peer running ahead may store its call after next there (clone an output to keep it).
-In training the step's own reads (its forward's and backward's, before its gradient goes back) are safe until the
+In grad mode the step's own reads (its forward's and backward's, before its gradient goes back) are safe until the
 call after next: a peer's call after next comes after its backward of this call, which waits for this rank's
 gradient; a backward that would run later raises instead (`check_output_live`). Every rank must call in the same
 order (the flags carry per-exchange step counters). After a wait gave up, the call is still acknowledged (its
@@ -263,8 +263,9 @@ class FusedPooledAllToAll(nn.Module):
         self.errors.after_wait()
 
     def forward(self, bags: OwnedBags, gradient_scale: float = 1.0) -> torch.Tensor:
-        """[local batch, all dims] pooled; in training, its gradient times `gradient_scale` reaches the owners."""
-        if self.lookup.training and torch.is_grad_enabled():
+        """[local batch, all dims] pooled; in grad mode (train or eval, as the lookup), its gradient times
+        `gradient_scale` reaches the owners."""
+        if torch.is_grad_enabled():
             return _FusedExchange.apply(self.lookup._anchor, self, bags, gradient_scale)
         return self.finish(bags, self.start(bags))
 

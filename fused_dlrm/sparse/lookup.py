@@ -146,7 +146,9 @@ class PooledEmbeddingLookup(nn.Module):
     def forward(self, bags: OwnedBags) -> torch.Tensor:
         if [f for f, _ in self.features] != bags.features:
             raise ValueError(f"lookup owns features {[f for f, _ in self.features]}, got bags of {bags.features}")
-        if self.training and torch.is_grad_enabled():
+        # Grad mode alone decides, not train() / eval(): fbgemm's TBE updates in its backward in either mode, so a
+        # backward through an output made in eval mode (dropout off while fine-tuning) trains the tables there too.
+        if torch.is_grad_enabled():
             return _LookupWithFusedUpdate.apply(self._anchor, self, bags)
         return self.pool(bags)
 

@@ -224,7 +224,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def pooled(self, bags: OwnedBags) -> torch.Tensor:
         """The batch's pooled embeddings [local batch, sum of dims] (config feature order) from its owned bags: the
         fused exchange, or the lookup and the output dist's all-to-all, then the row blocks' sum where tables are
-        row-wise; in training, with autograd's backward to the tables."""
+        row-wise; in grad mode (train or eval), with autograd's backward to the tables."""
         if self.fused is not None:
             pooled = self.fused(bags, torchrec_gradient_scale(self.world_size))
         else:

@@ -375,7 +375,7 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
                             module.is_weighted())
         self._input_dist = seams.input_dist
         self._output_dist = seams.output_dist
-        self._lookup = seams.lookup  # a submodule so that train()/eval() reach it (it fuses only in training)
+        self._lookup = seams.lookup
         self._exchange = seams.exchange
         self._row_block_sum = seams.row_block_sum
         self.embedding_bags = seams.embedding_bags
