@@ -765,6 +765,15 @@ def test_tables_sharing_features_are_refused_naming_them():
             EmbeddingBagCollection(tables), {t.name: tw(0) for t in tables}, ShardingEnv.from_local(1, 0), CPU)
 
 
+@pytest.mark.parametrize("setting", [{"use_virtual_table": True}, {"enable_embedding_update": True}])
+def test_virtual_tables_and_embedding_updates_are_refused(setting):
+    """torchrec's virtual (key-value) tables, of ids in a virtual space, and tables DMP.write() updates live in its
+    KV kernels: refused naming the table and the setting, never sharded as a plain table of num_embeddings rows."""
+    tables = [TABLES[0], dataclasses.replace(TABLES[1], **setting)]
+    with pytest.raises(NotImplementedError, match=rf"table t1: {next(iter(setting))}=True is not supported"):
+        shard_one_rank(FusedEmbeddingBagCollectionSharder(), EmbeddingBagCollection(tables))
+
+
 def test_unknown_comm_is_refused():
     with pytest.raises(ValueError, match="comm='nccl' is unknown"):
         FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig(), comm="nccl")

@@ -109,9 +109,14 @@ class _LookupWithFusedUpdate(torch.autograd.Function):
 
 
 def check_table(t: EmbeddingBagConfig) -> None:
-    """What the lookup can hold: FP32 / FP16 / BF16 rows, SUM or MEAN pooling."""
+    """What the lookup can hold: FP32 / FP16 / BF16 rows of a plain table (not torchrec's virtual key-value
+    tables, nor the ones DMP.write() updates: its KV kernels'), SUM or MEAN pooling."""
     if t.data_type.name not in ("FP32", "FP16", "BF16"):
         raise NotImplementedError(f"table {t.name}: tables must be FP32, FP16 or BF16, got {t.data_type}")
+    for setting in ("use_virtual_table", "enable_embedding_update"):
+        if getattr(t, setting, False):
+            raise NotImplementedError(f"table {t.name}: {setting}=True is not supported: the tables here are plain "
+                                      f"tables of num_embeddings rows (torchrec's key-value kernels hold those)")
     if t.pooling not in (PoolingType.SUM, PoolingType.MEAN):
         raise ValueError(f"table {t.name}: pooling must be SUM or MEAN, got {t.pooling}")
 
