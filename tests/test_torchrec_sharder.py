@@ -373,6 +373,68 @@ def test_keys_in_another_order_and_one_no_table_reads():
     run_world(2, keys_in_another_order_and_one_no_table_reads, timeout=300)
 
 
+# Mean-pooled tables of a weighted EBC, whose bags torchrec's unsharded EBC (nn.EmbeddingBag) does not pool.
+WEIGHTED_MEAN = [
+    EmbeddingBagConfig(name="m0", embedding_dim=8, num_embeddings=20, feature_names=["g0", "g1"],
+                       pooling=PoolingType.MEAN),
+    EmbeddingBagConfig(name="m1", embedding_dim=4, num_embeddings=9, feature_names=["g2"], pooling=PoolingType.MEAN),
+]
+WEIGHTED_MEAN_PLANS = [
+    lambda world: {"m0": table_wise(rank=1, compute_kernel="fused"), "m1": table_wise(rank=0, compute_kernel="fused")},
+    lambda world: {"m0": column_wise(ranks=[1, 0], compute_kernel="fused"),
+                   "m1": table_wise(rank=1, compute_kernel="fused")},
+    lambda world: {t.name: row_wise(compute_kernel="fused") for t in WEIGHTED_MEAN},
+]
+
+
+def weighted_means(tables: dict[str, torch.Tensor], lengths, values, weights) -> torch.Tensor:
+    """[batch, all dims]: each bag's sum(weight * row) / its size (0 when empty), in the tables' dtype."""
+    pooled = []
+    for f, t in enumerate(t for t in WEIGHTED_MEAN for _ in t.feature_names):
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths[f].cumsum(0)])
+        sums = F.embedding_bag(values[f], tables[t.name], offsets, mode="sum", include_last_offset=True,
+                               per_sample_weights=weights[f].to(tables[t.name].dtype))
+        pooled.append(sums / lengths[f].clamp(min=1).unsqueeze(1))
+    return torch.cat(pooled, dim=1)
+
+
+def weighted_mean_pooling_and_its_gradient(rank: int, world: int) -> None:
+    """Under every plan, the bag sum(weight * row) / size and, with exact SGD, the tables moved by the gradient of
+    that (weight * g / size per occurrence), against float64 autograd on the whole global batch."""
+    set_gradient_division(True)
+    keys, batch = keys_of(WEIGHTED_MEAN), 7  # local batches 4 and 3
+    start, stop = local_batch_bounds(batch, rank, world)
+    for plans in WEIGHTED_MEAN_PLANS:
+        torch.manual_seed(0)
+        ebc = EmbeddingBagCollection(WEIGHTED_MEAN, is_weighted=True)
+        sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig("sgd", lr=LR),
+                                                     sharding_types=SHARDING_TYPES)
+        plan = ShardingPlan({"ebc": explicit_plan(WEIGHTED_MEAN, plans(world), world, sharder)})
+        ours = DistributedModelParallel(SparseModel(copy.deepcopy(ebc)), sharders=[sharder], device=CPU, plan=plan)
+        tables = {t.name: ebc.embedding_bags[t.name].weight.detach().double().requires_grad_() for t in WEIGHTED_MEAN}
+        for step in range(2):
+            lengths, values, weights = global_batch(step, batch, WEIGHTED_MEAN, True)
+            expected = weighted_means(tables, lengths, values, weights)
+            got = ours(to_kjt(keys, lengths, values, weights, start, stop)).values()
+            torch.testing.assert_close(got, expected[start:stop].float(), rtol=1e-5, atol=1e-6)
+            grad = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+            (expected * grad).sum().div(world).backward()
+            with torch.no_grad():
+                for table in tables.values():
+                    table -= LR * table.grad
+                    table.grad = None
+            (got * grad[start:stop].float()).sum().backward()
+            for s in ours.module.ebc.plan.shards_of(rank):
+                torch.testing.assert_close(ours.module.ebc.shard_weights[s.name],
+                                           shard_weight(tables[s.table].detach().float(), s), rtol=1e-5, atol=1e-6)
+
+
+def test_weighted_mean_pooling_and_its_gradient_under_every_plan():
+    """Not against stock torchrec: its CPU tables (fbgemm's CPU TBE) pool the same bags but move by weight * g,
+    without the / size (a backward that does not match its forward)."""
+    run_world(2, weighted_mean_pooling_and_its_gradient, timeout=300)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # TrainPipelineSparseDist
 

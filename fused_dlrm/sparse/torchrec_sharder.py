@@ -31,7 +31,8 @@ What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
     module's is given) are refused at the batch in grad mode, on every rank (under no_grad no gradient is lost);
   * output: KeyedTensor [local batch, sum of dims] with the EBC's keys in the EBC's feature order; a weighted
     EBC's MEAN-pooled bag is sum(weight * row) / its size under every plan (fbgemm's TBE, so stock torchrec's
-    table- and column-wise; its row-wise divides by the sum of the bag's weights instead);
+    table- and column-wise; its row-wise divides by the sum of the bag's weights instead), its rows' gradient
+    weight * g / size (fbgemm's CPU backward leaves out the / size: stock's CPU tables move otherwise);
   * gradients: divided by the world size on the way back to the owners, as torchrec does by default
     (comm_ops.GRADIENT_DIVISION; set_gradient_division(False) gives the sum), like ShardedEmbeddingBagCollection;
   * optimizer: each table's, read as stock torchrec reads it (the sharder's fused_params, then
