@@ -1081,3 +1081,24 @@ def test_meta_device_collection_takes_the_configs_init():
     bounded = sharded.embedding_bags["t3"].weight
     assert 0.5 <= bounded.min() and bounded.max() <= 0.75 and bounded.max() > 0.7
     assert torch.equal(sharded.embedding_bags["t2"].weight, torch.full((7, 16), 0.25))
+
+
+def test_reset_parameters_draws_the_tables_from_their_configs_init_again():
+    """As stock torchrec's sharded collection (DMP._reset_parameters calls every module's): the tables go back to
+    their configs' init in place, whatever training did to them (the optimizer state stays, as stock's)."""
+    tables = [dataclasses.replace(TABLES[3], weight_init_min=0.5, weight_init_max=0.75, init_fn=None),
+              dataclasses.replace(TABLES[2], init_fn=lambda w: torch.nn.init.constant_(w, 0.25))]
+    sharder = FusedEmbeddingBagCollectionSharder(EmbeddingOptimizerConfig("rowwise_adagrad", lr=LR))
+    sharded = shard_one_rank(sharder, EmbeddingBagCollection(tables))
+    lengths, values, _ = global_batch(0, 5, tables, False)
+    sharded(to_kjt(keys_of(tables), lengths, values, None, 0, 5)).values().sum().backward()
+    momentum = {name: m.clone() for name, m in sharded._lookup.optimizer.momentum.items()}
+    storage = {name: bags.weight.data_ptr() for name, bags in sharded.embedding_bags.items()}
+    DistributedModelParallel._reset_parameters(sharded)
+    initialised = shard_one_rank(sharder, EmbeddingBagCollection(tables, device=torch.device("meta")))
+    for t in tables:
+        assert torch.equal(sharded.embedding_bags[t.name].weight, initialised.embedding_bags[t.name].weight), t.name
+        assert sharded.embedding_bags[t.name].weight.data_ptr() == storage[t.name]  # in place: the lookup's tables
+    assert torch.equal(sharded.embedding_bags["t2"].weight, torch.full((7, 16), 0.25))
+    for name, m in sharded._lookup.optimizer.momentum.items():
+        assert torch.equal(m, momentum[name]) and bool(m.sum() > 0)

@@ -135,16 +135,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                         self._own_group() if device.type == "cuda" else group,
                                         self.plan.row_blocks(tables), [c.feature for c in row_wise if c.mean],
                                         is_weighted)
-        seeds = table_seeds(tables, seed)
-        by_name = {t.name: t for t in tables}
-        # A shard starts as its rows and columns of its table's initialisation, so that the plan does not change the
-        # model (unless the config has an init_fn of its own); init_block draws only the chunks of rows the shard
-        # overlaps, never a whole table cut into blocks.
-        weights = {}
-        for s in self.plan.shards_of(self.rank):
-            table = by_name[s.table]
-            weight = init_block(table, seeds[s.table], device, s.row, s.num_rows(table), s.col, s.dim)
-            weights[s.name] = weight.to(_DTYPES[table.data_type.name])
+        self._seeds = table_seeds(tables, seed)
+        weights = {s.name: self._initial_shard(s) for s in self.plan.shards_of(self.rank)}
         # torchrec's `embedding_bags.<table>`, every table on every rank, holding this rank's shards of it; its
         # state_dict entry is the whole table's (sharded_state.py).
         self.embedding_bags = nn.ModuleDict({t.name: TableShards(t, [s for s in self.plan.shards if s.table == t.name],
@@ -171,6 +163,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.fused = None
         if comm is not None:
             self.fused = build_fused_exchange(self.lookup, slices, comm, group, device)
+
+    def _initial_shard(self, shard: Shard) -> torch.Tensor:
+        """A shard's rows and columns of its table's initialisation, so that the plan does not change the model
+        (unless the config has an init_fn of its own); init_block draws only the chunks of rows the shard overlaps,
+        never a whole table cut into blocks."""
+        table = next(t for t in self._configs if t.name == shard.table)
+        return init_block(table, self._seeds[table.name], self.device, shard.row, shard.num_rows(table), shard.col,
+                          shard.dim).to(_DTYPES[table.data_type.name])
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """This rank's shards back to their initialisation, in place (the lookup holds their storage); the optimizer
+        state stays: as torchrec's ShardedEmbeddingBagCollection.reset_parameters."""
+        for s in self.plan.shards_of(self.rank):
+            self.shard_weights[s.name].copy_(self._initial_shard(s))
 
     def _own_group(self) -> dist.ProcessGroup | None:
         """A new communicator over this collection's ranks (made on every rank at the same point): one group's

@@ -24,7 +24,8 @@ collectives is the same on every rank), it just has nothing left to overlap.
 What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
   * weights: the owned tables (or their column shards, row blocks) start as copies of the unsharded EBC's (torchrec
     on the CPU re-initialises instead), those of an EBC on the meta device from their configs' init as torchrec's
-    (U(weight_init_min, weight_init_max), or the config's init_fn: lookup.init_block);
+    (U(weight_init_min, weight_init_max), or the config's init_fn: lookup.init_block), as reset_parameters()
+    draws them again;
   * input: a KJT of the EBC's features in any order, and of other features, which it ignores (one KJT may feed
     several modules); per-sample weights take no gradient, so weights that require grad (a feature processor's:
     DMP gives the EBC inside a FeatureProcessedEmbeddingBagCollection to this sharder when no sharder of that
@@ -128,6 +129,7 @@ class Seams:
     fused_optimizer: FusedTableOptimizer  # over the lookup's optimizer
     exchange: FusedPooledAllToAll | None  # comm="fused": lookup + output dist as one kernel
     row_block_sum: RowBlockSum | None  # the wide row -> the real one; None when no table is row-wise
+    reset_parameters: Callable[[], None]  # this rank's shards back to their configs' init, in place
 
 
 def build_seams(fused: FusedCommConfig | None, tables: list[EmbeddingBagConfig], optimizer: TableOptimizers,
@@ -149,7 +151,7 @@ def build_seams(fused: FusedCommConfig | None, tables: list[EmbeddingBagConfig],
     return Seams(input_dist=core.input_dist, lookup=core.lookup,
                  output_dist=core.output_dist, embedding_bags=core.embedding_bags,
                  shard_weights=core.shard_weights, fused_optimizer=core.fused_optimizer, exchange=core.fused,
-                 row_block_sum=core.row_block_sum)
+                 row_block_sum=core.row_block_sum, reset_parameters=core.reset_parameters)
 
 
 def torchrec_in_backward_optimizer(config: EmbeddingOptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict]:
@@ -379,6 +381,7 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
         self._lookup = seams.lookup
         self._exchange = seams.exchange
         self._row_block_sum = seams.row_block_sum
+        self._reset_parameters = seams.reset_parameters
         self.embedding_bags = seams.embedding_bags
         self.shard_weights = seams.shard_weights
         self.plan = plan
@@ -449,6 +452,11 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
     @property
     def unsharded_module_type(self) -> type[EmbeddingBagCollection]:
         return EmbeddingBagCollection
+
+    def reset_parameters(self) -> None:
+        """As torchrec's sharded collection's (DMP._reset_parameters calls it): this rank's tables, column shards and
+        row blocks drawn from their configs' init again (lookup.init_block), in place; the optimizer state stays."""
+        self._reset_parameters()
 
     # -- helpers --------------------------------------------------------------------------------------------------
 
