@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -71,6 +72,13 @@ def check_config(cfg: DictConfig) -> None:
     check_grad_allreduce(cfg.comm.grad_allreduce)
     if m.clip_grad is not None and not m.clip_grad >= 0:  # NaN too
         raise ValueError(f"model.clip_grad={m.clip_grad!r}: expected a norm >= 0 (null or 0: no clipping)")
+    for key in ("aux_coeff", "z_coeff"):
+        # NaN stopped the run as a divergence, null failed in the first step, a negative weight rewarded imbalance
+        # (or large logits), YAML's true weighed 1
+        coeff = m[key]
+        if not (isinstance(coeff, numbers.Real) and not isinstance(coeff, bool) and math.isfinite(coeff)
+                and coeff >= 0):
+            raise ValueError(f"model.{key}={coeff!r}: expected a finite number >= 0 (0: no such loss term)")
     if cfg.comm.mode == "fused" and cfg.comm.get("transport", "p2p") != "p2p":
         raise ValueError(f"comm.transport={cfg.comm.transport}: the MoE layers' fused dispatch and combine have the "
                          "p2p transport only")

@@ -725,8 +725,9 @@ def test_weight_decay_spares_norm_gains_and_biases():
 
 def test_bad_settings_are_refused_before_training(tmp_path):
     """Settings that would train something else than asked (a vocabulary below the bytes, a capacity that drops
-    every assignment, a clip or lr schedule of no meaning), fail late (a codec typo: first at the gradients'
-    all-reduce, never in one process) or log NaN (an evaluation of no batch) are refused when the run starts."""
+    every assignment, a clip, loss coefficient or lr schedule of no meaning), fail late (a codec typo: first at the
+    gradients' all-reduce, never in one process) or log NaN (an evaluation of no batch) are refused when the run
+    starts."""
     for overrides, error in ((["model.vocab_size=128"], "model.vocab_size=128: the data are raw bytes"),
                              (["model.capacity_factor=0"], "capacity_factor must be > 0"),
                              (["model.capacity_factor=-1.0"], "capacity_factor must be > 0"),
@@ -749,6 +750,13 @@ def test_bad_settings_are_refused_before_training(tmp_path):
                              (["trainer.epochs=2"], "trainer.epochs is not supported \\(got 2\\)"),
                              (["model.clip_grad=-1.0"], "model.clip_grad=-1.0: expected a norm >= 0"),
                              (["model.clip_grad=nan"], "model.clip_grad=nan: expected a norm >= 0"),
+                             # NaN stopped as a divergence ("loss became NaN"), null failed in the first step's
+                             # product, a negative one trained towards imbalance, YAML's true weighed 1
+                             (["model.aux_coeff=nan"], "model.aux_coeff=nan: expected a finite number >= 0"),
+                             (["model.aux_coeff=null"], "model.aux_coeff=None: expected a finite number >= 0"),
+                             (["model.aux_coeff=-0.01"], "model.aux_coeff=-0.01: expected a finite number >= 0"),
+                             (["model.z_coeff=-1.0"], "model.z_coeff=-1.0: expected a finite number >= 0"),
+                             (["model.z_coeff=true"], "model.z_coeff=True: expected a finite number >= 0"),
                              (["model.lr_schedule.warmup_steps=-1"], "warmup_steps=-1: expected a step count >= 0"),
                              (["model.lr_schedule.decay=cos"], "decay='cos': expected constant, linear or cosine"),
                              # YAML's true is an int (bool subclasses int): 1 step, unless refused
