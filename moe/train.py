@@ -12,13 +12,14 @@ over the data-parallel ranks (a TP group shares one slice, which under sequence 
 MoETransformer.local_tokens), and gradients are summed over the ranks holding different tokens
 (MoETransformer.gradient_groups).
 Every `log_every` steps the losses (and the pre-clip gradient norms) are reduced over ranks and checked for NaN/inf,
-and tokens/s, the lr and the expert load are logged; every `eval_every` steps the eval loss is measured; every
-`checkpoint_every` steps a checkpoint is written (only after the loss was checked). Only trainer.max_steps is
-supported (no epochs). The step itself is `train_step` (also timed by fused_dlrm/report/moe.py); the bookkeeping
-around it is a `TrainingRun` (fused_dlrm/train/schedule.py, shared with the DLRM loop). Host syncs of a step on
-GPUs: each MoE layer's counts (they size its exchanges; with a capacity factor also its kept rows) and, every
-log_every steps, the loss check; none for the batch (a pinned, non-blocking copy); none for clipping (the norm stays
-on the device: a NaN / inf one stops the run at the interval's check, TrainingRun).
+and tokens/s, the lr and the expert load are logged; every `eval_every` steps the eval loss is measured (NaN / inf:
+weights that diverged after the loss check, the run stops); every `checkpoint_every` steps a checkpoint is written
+(only after the loss was checked). Only trainer.max_steps is supported (no epochs). The step itself is
+`train_step` (also timed by fused_dlrm/report/moe.py); the bookkeeping around it is a `TrainingRun`
+(fused_dlrm/train/schedule.py, shared with the DLRM loop). Host syncs of a step on GPUs: each MoE layer's counts
+(they size its exchanges; with a capacity factor also its kept rows) and, every log_every steps, the loss check; none
+for the batch (a pinned, non-blocking copy); none for clipping (the norm stays on the device: a NaN / inf one stops
+the run at the interval's check, TrainingRun).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from fused_dlrm.dist.alltoall import world_size
 from fused_dlrm.dist.env import raise_on_every_rank
 from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.dist.symmetric import check_allocation_timeout
-from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
+from fused_dlrm.train.checkpoint import (NonFiniteLossError, last_good_checkpoint, load_checkpoint,
+                                         save_checkpoint)
 from fused_dlrm.train.config_keys import check_config_keys
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult, check_trainer
 from fused_dlrm.tp import flat_buffer, quantized_all_reduce
@@ -357,6 +359,10 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     def run_eval(step: int) -> dict:
         eval_loss = evaluate(model, eval_data, cfg.data.eval_batches, env)
         log.info("step %d eval loss %.4f", step, eval_loss)
+        if not math.isfinite(eval_loss):  # the same on every rank (reduced): weights diverged after the loss check
+            raise NonFiniteLossError(f"eval loss became NaN or inf at step {step} (the parameters diverged after "
+                                     f"the last loss check); stopping. Last good checkpoint: "
+                                     f"{last_good_checkpoint(checkpoint_dir, t.resume_from)}")
         return {"eval_loss": eval_loss}
 
     def checkpoint(step: int) -> None:

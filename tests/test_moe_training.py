@@ -469,20 +469,36 @@ def test_a_codec_keeps_each_parameters_gradient_within_its_own_blocks_bound(worl
     run_world(world, _sync_keeps_each_parameter_within_its_own_bound, tp_size, timeout=600)
 
 
+def an_inf_gradient_at_step(step: int):
+    """A stand-in for sync_gradients (one process) that writes inf into a gradient of the embedding at `step`."""
+    calls = []
+
+    def sync(model, grad_allreduce):
+        calls.append(None)
+        if len(calls) == step:
+            next(model.parameters()).grad[0, 0] = float("inf")
+
+    return sync
+
+
 def test_a_nonfinite_gradient_norm_stops_the_run(tmp_path, monkeypatch):
     """An inf gradient in the last step of an interval, its loss finite: clipping writes NaN into the weights, and
     the run stops at that interval's check (without it the run ended as if well, its weights NaN)."""
-    calls = []
-
-    def an_inf_gradient_at_step_4(model, grad_allreduce):
-        calls.append(None)
-        if len(calls) == 4:
-            next(model.parameters()).grad[0, 0] = float("inf")
-
-    monkeypatch.setattr(moe_train, "sync_gradients", an_inf_gradient_at_step_4)
+    monkeypatch.setattr(moe_train, "sync_gradients", an_inf_gradient_at_step(4))
     cfg = config(*SMALL, "trainer.max_steps=4", "trainer.log_every=4", "trainer.checkpoint_every=0",
                  "model.clip_grad=1.0")
     with pytest.raises(NonFiniteLossError, match="gradient norm became NaN or inf between steps 1 and 4"):
+        train(cfg, CPU, tmp_path)
+
+
+def test_weights_diverged_by_the_last_step_stop_the_run_at_its_evaluation(tmp_path, monkeypatch):
+    """An inf gradient in the last step, its loss finite, no clipping and no checkpoint: AdamW writes NaN into the
+    weights after the last loss check, and the run's final evaluation, NaN, stops it naming the step (it ended as
+    if well, its weights NaN, the NaN eval loss a log line)."""
+    monkeypatch.setattr(moe_train, "sync_gradients", an_inf_gradient_at_step(4))
+    cfg = config(*SMALL, "trainer.max_steps=4", "trainer.log_every=4", "trainer.checkpoint_every=0")
+    with pytest.raises(NonFiniteLossError, match=r"eval loss became NaN or inf at step 4 .*; stopping\. Last good "
+                                                 r"checkpoint: none"):
         train(cfg, CPU, tmp_path)
 
 
