@@ -576,6 +576,11 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
             (["trainer.checkpoint_every=2", "trainer.keep_checkpoints=0"],
              "trainer.keep_checkpoints=0: expected a count >= 1"),
             (["data.train.device=cuda"], "data.train.device=cuda makes the batches on a GPU, but the model is on cpu"),
+            # the evaluation's labels from another hidden teacher: an AUC near 0.5 whatever the model learned
+            (["data.eval.seed=3"], r"data.eval.seed=3, data.train's 0: its samples would be labelled by another "
+                                   r"hidden teacher"),
+            (["data.eval.mean_pooling=1.0", "data.eval.zipf_alpha=0.5"],
+             r"data.eval.mean_pooling=1.0, data.train's 3.0; data.eval.zipf_alpha=0.5, data.train's 1.05: its samples"),
             (["comm.grad_allreduce=q7"], "comm.grad_allreduce='q7': expected one of"),
             (["model.pooling=max"], r"model.pooling='max': expected one of \('sum', 'mean'\)"),
             (["model.data_type=int8"], r"model.data_type='int8': expected one of"),

@@ -142,6 +142,13 @@ class SyntheticCriteo:
         self._device_copies: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sparse_scale, self._bias = self._calibrate_teacher()
 
+    def teacher_settings(self) -> dict:
+        """The settings besides the tables that decide how a sample is labelled: the seed draws the teacher's weights,
+        its hash salt and the ids' scramble; the teacher is calibrated on bags of this mean_pooling and zipf_alpha.
+        An evaluation stream labelled by the training stream's teacher has the same (its split makes its samples its
+        own)."""
+        return {"seed": self.seed, "mean_pooling": self.mean_pooling, "zipf_alpha": self.zipf_alpha}
+
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(feature parameters, teacher's dense weights) on `device`, copied once: a copy from pageable host
         memory per batch would wait for the GPU each time."""

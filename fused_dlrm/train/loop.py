@@ -177,10 +177,28 @@ def build_train_data(cfg: DictConfig, env: DistEnv):
     return train_data
 
 
+def check_same_teacher(train_data, eval_data) -> None:
+    """Synthetic evaluation data labelled by another hidden teacher than the training data (data.eval.seed=3 for
+    other samples) scores an AUC near 0.5 whatever the model learned: refused."""
+    if not (hasattr(train_data, "teacher_settings") and hasattr(eval_data, "teacher_settings")):
+        return
+    train_settings, eval_settings = train_data.teacher_settings(), eval_data.teacher_settings()
+
+    def shown(value):  # a per-feature list of one value: that value, as the config gives it
+        return value[0] if isinstance(value, list) and len(set(value)) == 1 else value
+    differ = [f"data.eval.{key}={shown(value)}, data.train's {shown(train_settings[key])}"
+              for key, value in eval_settings.items() if value != train_settings[key]]
+    if differ:
+        raise ValueError(f"{'; '.join(differ)}: its samples would be labelled by another hidden teacher, so its AUC "
+                         f"would not measure what the model learned; give data.eval the {', '.join(eval_settings)} "
+                         f"of data.train (data.eval.split already makes its samples its own)")
+
+
 def build_data(cfg: DictConfig, env: DistEnv) -> tuple:
-    """The train dataset (`build_train_data`) and the eval one; trainer.epochs with step-indexed data needs
-    data.steps_per_epoch."""
+    """The train dataset (`build_train_data`) and the eval one, labelled alike (`check_same_teacher`); trainer.epochs
+    with step-indexed data needs data.steps_per_epoch."""
     train_data, eval_data = build_train_data(cfg, env), build_dataset(cfg, "eval", env)
+    check_same_teacher(train_data, eval_data)
     if cfg.trainer.max_steps is None and hasattr(train_data, "batch") and not cfg.data.get("steps_per_epoch"):
         raise ValueError("trainer.epochs with step-indexed (synthetic) data counts epochs of data.steps_per_epoch "
                          "steps: set it (>= 1), or trainer.max_steps; without it the run would never end")
