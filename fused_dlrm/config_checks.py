@@ -5,9 +5,18 @@ train/config_keys.py)."""
 from __future__ import annotations
 
 
-def check_count(key: str, value: object, minimum: int, expected: str) -> None:
-    """Raise `<key>=<value>: expected <expected>` unless value is a whole number >= minimum: YAML's `true` is a
-    Python int (bool subclasses int) and would count as 1; a float would be compared and taken modulo as a step count
-    (eval_every=2.5: every fifth step), or fail at its first use, maybe after training (range(1.5))."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def check_count(key: str, value: object, minimum: int, expected: str, maximum: int | None = None) -> None:
+    """Raise `<key>=<value>: expected <expected>` unless value is a whole number >= minimum (and <= maximum, where
+    given): YAML's `true` is a Python int (bool subclasses int) and would count as 1; a float would be compared and
+    taken modulo as a step count (eval_every=2.5: every fifth step), or fail at its first use, maybe after training
+    (range(1.5))."""
+    if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+            or (maximum is not None and value > maximum)):
         raise ValueError(f"{key}={value!r}: expected {expected}")
+
+
+def check_seed(seed: object) -> None:
+    """The config's seed, before anything is built: torch's generators take 64 bits, and the tables' seeds are
+    seed x 100_003 + their index (sparse/sharded_ebc.table_seeds); else the model's initialisation failed, naming
+    no key."""
+    check_count("seed", seed, 0, "a whole number in [0, 2**32)", 2**32 - 1)

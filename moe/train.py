@@ -38,7 +38,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.optim.lr_scheduler import LambdaLR
 
-from fused_dlrm.config_checks import check_count
+from fused_dlrm.config_checks import check_count, check_seed
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.dist.alltoall import world_size
@@ -69,6 +69,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"the MoE Transformer trains for trainer.max_steps steps (got max_steps={t.max_steps}); "
                          f"trainer.epochs is not supported (got {t.epochs})")
     check_trainer(t)
+    check_seed(cfg.seed)
     # the loss of no batch would be 0 / 0, and every run ends with an evaluation
     check_count("data.eval_batches", cfg.data.eval_batches, 1, "a count >= 1: the evaluation needs at least one batch")
     check_grad_allreduce(cfg.comm.grad_allreduce)

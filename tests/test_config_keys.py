@@ -183,3 +183,16 @@ def test_a_data_group_of_the_other_model_is_refused_by_every_entry_point(model, 
     # without Hydra's record (compose() alone): the data options its data.train._target_ names
     with pytest.raises(ValueError, match=rf"^model.name={model} trains on {trains_on}, not data="):
         check_config_keys(config(f"model={model}", f"data={data}"))
+
+
+@pytest.mark.parametrize("train,model", [(loop.train, "model=dlrm"), (moe.train.train, "model=moe_transformer")],
+                         ids=["dlrm", "moe_transformer"])
+@pytest.mark.parametrize("seed", ["abc", "1.5", "null", "true", "-1", "1000000000000000"])
+def test_every_models_train_refuses_a_seed_that_torch_cannot_take(tmp_path, train, model, seed):
+    """A seed that is no whole number, or one whose tables' seeds (x 100_003) overflow torch's 64 bits, failed deep in
+    the model's initialisation ("invalid literal for int()", "manual_seed expected a long", "Overflow when unpacking
+    long long"), naming no key; YAML's true was seed 1."""
+    small = ["model.num_rows=100", "data.global_batch_size=8"] if model == "model=dlrm" else ["data.size_bytes=20000"]
+    with pytest.raises(ValueError, match=r"^seed=.*: expected a whole number in \[0, 2\*\*32\)$"):
+        train(config(model, *SHORT, *small, f"seed={seed}"), CPU, tmp_path)
+    assert not (tmp_path / "metrics.jsonl").exists()

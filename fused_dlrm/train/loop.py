@@ -46,7 +46,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torchrec.datasets.utils import Batch
 
-from fused_dlrm.config_checks import check_count
+from fused_dlrm.config_checks import check_count, check_seed
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.dist.env import input_stream
 from fused_dlrm.models.arch_nodes import sets_every_gradient
@@ -153,6 +153,7 @@ def check_config(cfg: DictConfig) -> None:
     if t.max_steps is None and t.epochs is None:
         raise ValueError("set trainer.max_steps or trainer.epochs")
     check_trainer(t)
+    check_seed(cfg.seed)
     if t.epochs is not None:  # 0: no step, without a word
         check_count("trainer.epochs", t.epochs, 1, "a count >= 1, or null (trainer.max_steps ends the run)")
     check_count("trainer.batches_ahead", t.batches_ahead, 0, "a count >= 0 (0: batches made in the loop)")
