@@ -26,7 +26,8 @@ Each rank makes its own slice of a global batch, so making one can fail on one r
 error) while the others already wait in that batch's input dist. The error then takes the batch's place
 (`pull_batch`): the input dist sends a header saying this rank has no batch, and every rank raises at that batch
 (this one its error, the others one naming it): on the batch thread (BatchesAhead's prepare_failed), in
-prefetch_header / prefetch, or, prefetch off and in `evaluate`, where the forward would distribute the batch. So
+prefetch_header / prefetch, or, prefetch off and in `evaluate`, where the forward would distribute the batch; in each
+mode after the step before it ended as any step does (its loss check, checkpoint and evaluation: nothing lost). So
 that a rank without the batch knows as its peers do whether the run goes on to it, the run's end is decided before
 a batch is fetched (max_steps; trainer.epochs ends the batch stream: batch_stream).
 
@@ -311,7 +312,11 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
                 sparse.bags_of(batch)
             loss = run_step(batch)
             run.end_step(loss, items=sparse.global_batch_size)  # step += 1; the loss summed on the device
-            batch = next_batch()  # its input dist overlaps this step's tail on the GPU
+            try:
+                batch = next_batch()  # its input dist overlaps this step's tail on the GPU
+            except Exception:  # a batch distributed ahead that a rank could not make: raised on every rank alike,
+                run.after_step()  # after this step's cadence, as in-forward distribution does: its checkpoint kept
+                raise
             run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
     # the stream (ended only by trainer.epochs) ended before a step: said, as TrainingRun says a start at max_steps
     if run.step == step and not done():
