@@ -437,6 +437,15 @@ def test_criteo_missing_file(tmp_path):
         CriteoTSV([present, missing], TABLE_ROWS, 2)
 
 
+def test_criteo_directory_is_named_as_one(tmp_path):
+    """The folder of a day's files given for its files: "not found" named a path that exists."""
+    (tmp_path / "days").mkdir()
+    write(tmp_path / "days" / "day_0", numbered_lines(2))
+    with pytest.raises(IsADirectoryError, match=rf"^Criteo path {tmp_path}/days is a directory: give its files "
+                                                r"\(paths=\[day_0, day_1, ...\]\)$"):
+        CriteoTSV(str(tmp_path / "days"), TABLE_ROWS, 2)
+
+
 @pytest.mark.parametrize(
     "bad_line,match",
     [
