@@ -242,6 +242,38 @@ def test_ddp_hook_reduces_each_parameter_from_a_block_of_its_own():
     run_world(2, _ddp_hook_blocks, timeout=600)
 
 
+def _ddp_hook_after_a_nonfinite_step(rank: int, world: int) -> None:
+    """Step 1's gradients hold a NaN (rank 1's small parameter) or an inf (rank 0's large one): every rank gets NaN
+    in the blocks holding it, so a NaN / inf check (GradScaler's, a NaN-loss stop) sees it. Step 2's are finite
+    again: they must come back as a fresh buffer's two-shot, finite. The hook's kept buffer (the bucket's block
+    layout, reused from step 1) had NaN left in its gaps beside those blocks, and every later step's gradients in
+    them came back NaN (GradScaler would skip every step from there on)."""
+    large, small = 1000, 20  # packed back to back in one bucket: reduced in flat_buffer's layout, gaps after each
+    for codec in ("fp8", "q8", "q6", "q4"):
+        model = DistributedDataParallel(_TwoScales(large, small))
+        model.register_comm_hook(QuantizedHookState(codec), quantized_allreduce_hook)
+        for step in range(3):  # step 0: DDP's first bucket order; 1 and 2: its rebuilt bucket, one kept buffer
+            gens = [torch.Generator().manual_seed(10 * step + r) for r in range(world)]
+            local = [{large: torch.randn(large, generator=g), small: torch.randn(small, generator=g)} for g in gens]
+            if step == 1:
+                local[1][small][3] = float("nan")
+                local[0][large][-2] = float("inf")
+            model.zero_grad()
+            model(local[rank][large], local[rank][small]).backward()
+            grads = {p.numel(): p.grad for p in model.parameters()}
+            if step == 1:  # the non-finite blocks: all NaN on every rank; the others finite
+                assert grads[small].isnan().all() and grads[large][-(large % BLOCK):].isnan().all(), codec
+                assert grads[large][:-(large % BLOCK)].isfinite().all(), codec
+                continue
+            for n, g in grads.items():
+                want = quantized_all_reduce_reference([x[n] for x in local], codec, mean=True)
+                assert torch.equal(g, want), (codec, step, n, g.isnan().sum().item())
+
+
+def test_ddp_hook_after_a_nonfinite_step_reduces_the_next_exactly():
+    run_world(2, _ddp_hook_after_a_nonfinite_step)
+
+
 # Rank 1's call differs from the others' (4096 float32 values, q8 sums; `numel` values where a third item says) in one
 # way: (x, codec, mean) and what the messages say of it. int32 with q8 is refused on its own; here the others learn of
 # it too. "one wire": the bulk twin's messages keep their length (as many blocks per chunk at worlds 2 and 3, a codec

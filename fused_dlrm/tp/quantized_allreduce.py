@@ -90,6 +90,14 @@ def flat_buffer(tensors: Sequence[torch.Tensor], codec: str) -> tuple[torch.Tens
     return flat, [flat[o:o + t.numel()].view_as(t) for o, t in zip(offsets, tensors)]
 
 
+def padding_views(flat: torch.Tensor, numels: Sequence[int], codec: str) -> list[torch.Tensor]:
+    """The gaps of a `flat_buffer` of tensors of these sizes (after each, < BLOCK values; none for a plain codec),
+    as views of it. A buffer kept across steps zeroes them before each all-reduce: a block holding a NaN or inf
+    decodes as all NaN, its gap too, which would leave NaN in that block at every later step."""
+    offsets = block_offsets(numels, codec)
+    return [flat[o + n:end] for o, n, end in zip(offsets, numels, offsets[1:]) if o + n < end]
+
+
 # Below this many bytes an all-reduce is latency-bound and the codec saves nothing worth its rounding error.
 # 64 KiB is an estimate, not yet measured on GPUs (neither for the bulk twin nor for the fused kernel).
 MIN_QUANTIZED_BYTES = 64 * 1024
@@ -203,14 +211,15 @@ class QuantizedHookState:
     _aligned: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def aligned_buffer(self, bucket: dist.GradBucket, views: list[torch.Tensor], codec: str
-                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The bucket's `flat_buffer` for these gradients, made once per bucket layout (DDP rebuilds its buckets
-        once, after the first step), not zeroed and allocated at every step: its gaps stay zero, as the codecs
-        encode and decode zeros exactly and only the views are written."""
+                       ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """The bucket's `flat_buffer` for these gradients and its `padding_views`, made once per bucket layout (DDP
+        rebuilds its buckets once, after the first step), not allocated at every step (only the gaps are zeroed)."""
         layout = (codec, tuple((v.shape, v.dtype, v.device) for v in views))
         kept = self._aligned.get(bucket.index())
         if kept is None or kept[0] != layout:
-            kept = self._aligned[bucket.index()] = (layout, flat_buffer(views, codec))
+            flat, aligned = flat_buffer(views, codec)
+            kept = self._aligned[bucket.index()] = (layout, (flat, aligned,
+                                                             padding_views(flat, [v.numel() for v in views], codec)))
         return kept[1]
 
 
@@ -233,8 +242,10 @@ def quantized_allreduce_hook(state: QuantizedHookState,
             == block_offsets([v.numel() for v in views], codec)[:-1]):
         flat = grads  # in place: no copy
     else:
-        flat, aligned = state.aligned_buffer(bucket, views, codec)
+        flat, aligned, gaps = state.aligned_buffer(bucket, views, codec)
         torch._foreach_copy_(aligned, views)
+        if gaps:  # NaN where a non-finite block of an earlier step held them
+            torch._foreach_zero_(gaps)
     quantized_all_reduce(flat, codec, state.group, mean=True, out=flat,
                          allocation_timeout_s=state.allocation_timeout_s)
     if flat is not grads:
