@@ -266,3 +266,29 @@ def _each_parameter_within_its_own_bound(rank: int, world: int, graphed: bool = 
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_codec_keeps_each_parameters_gradient_within_its_own_blocks_bound(world):
     run_world(world, _each_parameter_within_its_own_bound)
+
+
+def _after_a_nonfinite_step(rank: int, world: int) -> None:
+    """A backward whose gradients hold a NaN (rank 1's input) gives NaN in the blocks holding it on every rank; the
+    next backward, finite, must give what a fresh node gives for it (bit for bit). The node's flat buffer, kept
+    across steps, had NaN left in its gaps beside those blocks, and every later gradient in them came back NaN."""
+    gen = torch.Generator().manual_seed(rank)
+    bad, x = torch.randn(12, 45, generator=gen), torch.randn(12, 45, generator=gen)
+    if rank == 1:
+        bad[5, 40] = float("nan")  # the large parameter's last block (values 32..44, then its gap)
+    for codec in ("fp8", "q8", "q6", "q4"):
+        torch.manual_seed(0)
+        model, fresh = _TwoScales(), _TwoScales()
+        fresh.load_state_dict(model.state_dict())
+        ArchNode(model, grad_allreduce=codec)
+        ArchNode(fresh, grad_allreduce=codec)
+        model(bad).sum().backward()
+        assert model.large.grad[32:].isnan().all() and model.large.grad[:32].isfinite().all(), codec
+        model(x).sum().backward()
+        fresh(x).sum().backward()
+        for p, want in zip(model.parameters(), fresh.parameters()):
+            assert torch.equal(p.grad, want.grad), (codec, p.grad.isnan().sum().item())
+
+
+def test_a_nonfinite_step_leaves_the_next_ones_gradients_exact():
+    run_world(2, _after_a_nonfinite_step)

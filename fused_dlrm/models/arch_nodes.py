@@ -34,7 +34,7 @@ from fused_dlrm.dist.symmetric import ALLOCATION_TIMEOUT_S
 from fused_dlrm.kernels.graphed_calls import Lease, held
 from fused_dlrm.kernels.launch import capture_graph
 from fused_dlrm.tp import quantized_all_reduce
-from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce, flat_buffer
+from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce, flat_buffer, padding_views
 
 
 class ArchNode:
@@ -51,8 +51,9 @@ class ArchNode:
         check_grad_allreduce(grad_allreduce)
         self.group, self.codec, self.allocation_timeout_s = group, grad_allreduce, allocation_timeout_s
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        # a codec's: each parameter from a block boundary (its own blocks' scales; the gaps stay zero)
+        # a codec's: each parameter from a block boundary (its own blocks' scales; the gaps zeroed at each reduce)
         self.flat, self.grads = flat_buffer(self.params, grad_allreduce)
+        self.gaps = padding_views(self.flat, [p.numel() for p in self.params], grad_allreduce)
         first = self.params[0]
         # plain all-reduce: a sum of gradients scaled first (DDP's order); a codec averages itself (mean=True)
         self.scale = 1.0 / self.world if self.world > 1 and grad_allreduce == "nccl" else 1.0
@@ -129,6 +130,8 @@ class ArchNode:
         if self.world == 1:
             return None
         if self.codec != "nccl":
+            if self.gaps:  # NaN where a non-finite block of an earlier backward held them (tp.padding_views)
+                torch._foreach_zero_(self.gaps)
             quantized_all_reduce(self.flat, self.codec, self.group, mean=True, out=self.flat,
                                  allocation_timeout_s=self.allocation_timeout_s)
             return None
