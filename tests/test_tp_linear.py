@@ -268,3 +268,24 @@ def test_fused_sequence_sharded_row_parallel_refuses_backward_shapes_in_forward(
     multiple of 8 fp16 / bf16 values): out_features = 12, or in_features / tp = 20, are refused by the forward,
     before its exchange starts, in the backward's words (not after a forward, on GPUs only)."""
     run_world(2, _fused_sequence_sharded_shapes, timeout=120)
+
+
+def _sequence_sharded_x_without_rows(rank: int, world: int) -> None:
+    """x of features alone (1-D) has no rows to gather or scatter: refused in words on every rank. It passed the
+    row-parallel layer's check (its features, a multiple of the group size, taken for rows) and failed in gloo's
+    reduce-scatter ("Check failed: outputShape[0] * worldSize == inputShape[0]"), the column-parallel one's in the
+    matmul after the all-gather had joined the ranks' features ("mat1 and mat2 shapes cannot be multiplied")."""
+    tp, _ = tp_groups(world)
+    for layer in (ColumnParallelLinear(D_IN, 2 * world, tp, sequence_sharded=True),
+                  RowParallelLinear(2 * world, D_IN, tp, sequence_sharded=True)):
+        x = torch.randn(layer.weight.shape[1], requires_grad=True)
+        with pytest.raises(ValueError, match=rf"^{type(layer).__name__}: a sequence-sharded layer cuts dim 0 of x "
+                                             rf"over the ranks: x \[{x.shape[0]}\] has no rows \(features alone\)$"):
+            layer(x)
+        y = layer(x[None].expand(world, -1))  # its rows: the call works
+        y.sum().backward()
+        assert x.grad.isfinite().all()
+
+
+def test_a_sequence_sharded_layer_refuses_x_without_rows():
+    run_world(2, _sequence_sharded_x_without_rows)

@@ -316,6 +316,13 @@ class TPLinear(nn.Module):
         if self._check_calls:
             check_same_call(_call_signature(x, self.weight), self.group, _describe_call, type(self).__name__)
 
+    def _check_rows(self, x: torch.Tensor) -> None:
+        """A sequence-sharded layer gathers or scatters dim 0 of x: a 1-D x (features alone) has none. Checked after
+        `_check_same_call` (x's shape alike on every rank): raised on every rank."""
+        if x.dim() < 2:
+            raise ValueError(f"{type(self).__name__}: a sequence-sharded layer cuts dim 0 of x over the ranks: x "
+                             f"{list(x.shape)} has no rows (features alone)")
+
     @property
     def weight(self) -> nn.Parameter:
         """This rank's shard of the weight."""
@@ -369,6 +376,7 @@ class ColumnParallelLinear(TPLinear):
                                                _fused_all_reduce(self.group, self.allocation_timeout_s))
                 return y.view(*x.shape[:-1], y.shape[-1])
             return F.linear(_CopyToTP.apply(_as_autocast(x), self.group), self.weight)
+        self._check_rows(x)
         if dtype is not None:
             y = _FusedGatherMatmul.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.weight.to(dtype), self.group,
                                          self.allocation_timeout_s)
@@ -396,6 +404,8 @@ class RowParallelLinear(TPLinear):
         if self.tp_size == 1:
             return F.linear(x, self.weight)
         self._check_same_call(x)
+        if self.sequence_sharded:
+            self._check_rows(x)
         if self.sequence_sharded and x.shape[0] % self.tp_size:
             raise ValueError(f"a sequence-sharded output cuts dim 0 of x ({x.shape[0]}) into {self.tp_size} equal "
                              "parts: it must be a multiple of the group size")
