@@ -36,7 +36,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from torch.optim.lr_scheduler import LambdaLR
 
 from fused_dlrm.config_checks import check_count, check_seed
 from fused_dlrm.data.batching import local_batch_bounds
@@ -48,6 +47,7 @@ from fused_dlrm.dist.symmetric import check_allocation_timeout
 from fused_dlrm.train.checkpoint import (NonFiniteLossError, last_good_checkpoint, load_checkpoint,
                                          save_checkpoint)
 from fused_dlrm.train.config_keys import check_config_keys
+from fused_dlrm.train.lr_schedule import scheduled
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult, check_trainer
 from fused_dlrm.tp import flat_buffer, quantized_all_reduce
 from fused_dlrm.tp.linear import check_tp_size, tp_groups
@@ -333,9 +333,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     if t.resume_from:  # a decay over trainer.max_steps must decay over the checkpoint's run's (else the lr jumps)
         step = load_checkpoint(t.resume_from, model, optimizer, lr_decay_over_max_steps=None
                                if m.lr_schedule.decay_steps is not None else decay_steps)
-    for group in optimizer.param_groups:  # LambdaLR's base, which it needs given past step 0: this run's lr
-        group["initial_lr"] = group["lr"]
-    scheduler = LambdaLR(optimizer, lr_factor, last_epoch=step - 1)  # sets the lr of the step after `step` steps
+    scheduler = scheduled(optimizer, lr_factor, step)  # sets the lr of the step after `step` steps
     num_moe_layers = sum(1 for i in range(m.num_layers) if (i + 1) % m.moe_every == 0)
     # the kept assignments per (MoE layer, expert) over the log interval
     expert_load = torch.zeros(num_moe_layers, m.num_experts, dtype=torch.int64, device=env.device)
