@@ -2,8 +2,10 @@
 
 One step: batch -> DLRM forward (sparse all-to-alls inside) -> loss -> backward (embedding optimizer fused
 into it, dense gradients set and averaged over ranks by the arch nodes, models/arch_nodes.py: no zero_grad) ->
-dense optimizer step (`train_step`). On GPUs the dense arches and the dense optimizer's step replay CUDA graphs
-(`trainer.cuda_graphs`: captured by build_model, and by graphed_step), and the same step is called directly
+dense optimizer step (`train_step`) -> with model.lr_schedule, the next step's lr (MLPerf's warm-up and decay, one
+factor for the dense and the embedding lrs: train/lr_schedule.py). On GPUs the dense arches and the dense
+optimizer's step replay CUDA graphs (`trainer.cuda_graphs`: captured by build_model, and by graphed_step; a step
+whose lr is new runs eagerly, graphed_step's key), and the same step is called directly
 (`trainer.direct_step`, train/direct_step.py: no autograd around the dense part, the over arch and the loss one
 CUDA graph; `make_train_step` picks it).
 Every `log_every` steps the loss is reduced over ranks and checked for NaN/inf; every `eval_every` steps AUC and
@@ -59,6 +61,7 @@ from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
 from fused_dlrm.train.config_keys import check_config_keys
 from fused_dlrm.train.direct_step import DirectDLRMStep, direct_step_refusal
 from fused_dlrm.train.graphed_step import dense_step
+from fused_dlrm.train.lr_schedule import DLRMLRSchedule, dlrm_lr_factor
 from fused_dlrm.train.metrics import CTRMetrics
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult, check_trainer
 
@@ -159,6 +162,7 @@ def check_config(cfg: DictConfig) -> None:
         check_count("trainer.epochs", t.epochs, 1, "a count >= 1, or null (trainer.max_steps ends the run)")
     check_count("trainer.batches_ahead", t.batches_ahead, 0, "a count >= 0 (0: batches made in the loop)")
     check_count("data.eval_batches", cfg.data.eval_batches, 1, "a count >= 1: the evaluation needs at least one batch")
+    dlrm_lr_factor(cfg.model.lr_schedule)
     # comm.mode and the fused settings: the report sets the mode of each of its models itself, and builds no fused
     # one without GPUs
     fused_comm(cfg.comm)
@@ -221,13 +225,23 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         files = not hasattr(train_data, "batch")  # resumed by skipping step count batches of the current size
         step = load_checkpoint(t.resume_from, model, optimizer, sparse.fused_optimizer,
                                cfg.data.global_batch_size if files else None)
+    lr_factor = dlrm_lr_factor(cfg.model.lr_schedule)  # None: the configured lrs throughout
+    # after loading (the configured lrs are its base), before the step is taken (LambdaLR wraps optimizer.step)
+    schedule = DLRMLRSchedule(lr_factor, optimizer, sparse.fused_optimizer, step) if lr_factor else None
     step_optimizer = dense_step(optimizer, t.cuda_graphs, env.device)  # after loading: it sets the groups' options
     run_step = make_train_step(model, optimizer, step_optimizer, env.world_size, t.direct_step)
 
     def log_fields(interval: Interval) -> tuple[dict, str]:
+        """The interval's loss and speed; with model.lr_schedule its last step's dense lr and the factor every
+        table's configured embedding lr took with it."""
         loss = interval.losses[0]
-        return ({"loss": loss, "step_ms": interval.step_ms, "samples_per_s": interval.rate},
-                f"loss {loss:.5f} step_ms {interval.step_ms:.1f} samples/s {interval.rate:.0f}")
+        lr, lr_text = {}, ""
+        if schedule:
+            factor = lr_factor(interval.step - 1)
+            lr = {"lr": schedule.dense_lr(interval.step - 1), "lr_factor": factor}
+            lr_text = f" lr {lr['lr']:.4g} (x{factor:.4g})"
+        return ({"loss": loss, **lr, "step_ms": interval.step_ms, "samples_per_s": interval.rate},
+                f"loss {loss:.5f}{lr_text} step_ms {interval.step_ms:.1f} samples/s {interval.rate:.0f}")
 
     def run_eval(step: int) -> dict:
         scores = evaluate(model, eval_data, cfg.data.eval_batches, env, step)
@@ -312,6 +326,8 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
                 sparse.bags_of(batch)
             loss = run_step(batch)
             run.end_step(loss, items=sparse.global_batch_size)  # step += 1; the loss summed on the device
+            if schedule:
+                schedule.step()  # the next step's lr, dense and embedding
             try:
                 batch = next_batch()  # its input dist overlaps this step's tail on the GPU
             except Exception:  # a batch distributed ahead that a rank could not make: raised on every rank alike,
