@@ -215,7 +215,8 @@ class CriteoTSV:
             raise ValueError("no Criteo files given")
         for path in self.paths:
             if os.path.isdir(path):  # a day's folder given for its files: it exists, "not found" would mislead
-                raise IsADirectoryError(f"Criteo path {path} is a directory: give its files (paths=[day_0, day_1, ...])")
+                raise IsADirectoryError(f"Criteo path {path} is a directory: give its files "
+                                        "(paths=[day_0, day_1, ...])")
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"Criteo file not found: {path}")
         self.num_rows = [int(n) for n in num_rows]
