@@ -68,24 +68,26 @@ class DLRMLRSchedule:
     by default: its lrs are this run's) and before the loop takes the dense optimizer's step; `step()` after each
     training step."""
 
-    def __init__(self, factor: Callable[[int], float], dense: torch.optim.Optimizer, tables, done: int):
+    def __init__(self, factor: Callable[[int], float], dense_optimizer: torch.optim.Optimizer, table_optimizer,
+                 done: int):
+        """table_optimizer: the collection's fused optimizer (sharded_state.FusedTableOptimizer)."""
         self.factor = factor
-        self.dense = scheduled(dense, factor, done)
-        self.tables = tables
-        self.table_lrs = [group["lr"] for group in tables.param_groups]  # the configured ones
-        self._set_tables(done)
+        self.dense_scheduler = scheduled(dense_optimizer, factor, done)
+        self.table_optimizer = table_optimizer
+        self.table_lrs = [group["lr"] for group in table_optimizer.param_groups]  # the configured ones
+        self._set_table_lrs(done)
 
     def step(self) -> None:
         """The next step's lr, in both optimizers."""
-        self.dense.step()
-        self._set_tables(self.dense.last_epoch)
+        self.dense_scheduler.step()
+        self._set_table_lrs(self.dense_scheduler.last_epoch)
 
-    def _set_tables(self, done: int) -> None:
+    def _set_table_lrs(self, done: int) -> None:
         factor = self.factor(done)
-        for group, lr in zip(self.tables.param_groups, self.table_lrs, strict=True):
+        for group, lr in zip(self.table_optimizer.param_groups, self.table_lrs, strict=True):
             group["lr"] = lr * factor
-        self.tables.step()  # only carries the groups' lr to the tables: their update runs in the backward
+        self.table_optimizer.step()  # only carries the groups' lr to the tables: their update runs in the backward
 
     def dense_lr(self, done: int) -> float:
         """The dense optimizer's lr (its one group's) for the step after `done` steps."""
-        return self.dense.base_lrs[0] * self.factor(done)
+        return self.dense_scheduler.base_lrs[0] * self.factor(done)
