@@ -12,7 +12,7 @@ sample reads S in column blocks: the forward computes S S^T with tl.dot and stor
 into the output row (no [B, F, F] tensor, no cat); the backward gathers G from the pairs' gradient, and stores
 d S and d x in the same pass over S.
 
-With comm=fused, S is (a view of) the fused embedding exchange's output in training, and d S is what that
+With comm=fused, S is (a view of) the fused embedding exchange's output in grad mode, and d S is what that
 exchange's backward pushes to the tables' owners: the backward kernel then stores d S there itself (times
 torchrec's division by the world size, through peer pointers, raising the push's ready flags: the protocol of
 kernels/push_columns.py), instead of writing d S here for the push to read and copy.
@@ -309,7 +309,7 @@ def kernels_refuse(dense: torch.Tensor, sparse: torch.Tensor) -> str:
 def pairwise_interaction(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
     """torchrec InteractionArch's output for dense [B, D] and sparse [B, F, D]: the kernels on GPUs, torch ops
     elsewhere (and for inputs the kernels do not take: see `kernels_refuse`). When sparse is the fused embedding
-    exchange's output (a view of it) in training, the backward pushes its gradient to the embeddings' owners
+    exchange's output (a view of it) in grad mode, the backward pushes its gradient to the embeddings' owners
     (also in a simulated world on the CPU, whose exchange runs in the interpreter)."""
     push = offered_gradient_push(sparse) if torch.is_grad_enabled() and sparse.requires_grad else None
     if (sparse.is_cuda or push is not None) and not kernels_refuse(dense, sparse):
