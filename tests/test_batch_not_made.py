@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from fused_dlrm.dist import DistEnv
+from fused_dlrm.sparse.input_dist import BulkInputDist
 from fused_dlrm.train.loop import train
-from test_training import config
+from test_training import SMALL, config
 from world import ONE_GPU, run_world
 
 GLOBAL_BATCH = 16  # rank 1's slice of each global batch: its lines 8..15
@@ -135,3 +136,33 @@ def _train_without_a_file(rank: int, world: int, tmp: str, split: str) -> None:
 def test_a_data_file_one_node_lacks_stops_every_rank_at_start_up(tmp_path, split):
     criteo_file(tmp_path / "good.tsv", 4 * GLOBAL_BATCH, None)
     run_world(2, _train_without_a_file, str(tmp_path), split, timeout=120)
+
+
+@pytest.mark.parametrize("mode", ["side_stream", "no_thread_side_stream"])
+def test_an_error_that_may_be_this_ranks_alone_skips_the_step_befores_cadence(tmp_path, monkeypatch, mode):
+    """Only a bad batch's error, which the headers raise on every rank alike, lets the step before end with its
+    cadence first (its collectives joined by every rank): any other error fetching the next batch (here the input
+    dist's start failing on this rank alone) is raised at once, without that step's checkpoint."""
+    calls = 0
+    start = BulkInputDist.start
+
+    def failing_start(self, *args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 4:  # a batch fetched ahead, after a step: both modes prefetch in the loop
+            error = RuntimeError("this rank's own failure")
+            error.raised_on_every_rank = every_rank
+            raise error
+        return start(self, *args, **kwargs)
+
+    monkeypatch.setattr(BulkInputDist, "start", failing_start)
+    cpu = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+    saved = {}
+    for every_rank in (False, True):
+        calls, checkpoints = 0, tmp_path / f"checkpoints_{every_rank}"
+        cfg = config(*SMALL, "trainer.max_steps=8", "trainer.checkpoint_every=1", "trainer.eval_every=0",
+                     f"trainer.checkpoint_dir={checkpoints}", *MODES[mode])
+        with pytest.raises(RuntimeError, match="this rank's own failure"):
+            train(cfg, cpu, tmp_path / f"run_{every_rank}")
+        saved[every_rank] = sorted(int(p.name.removeprefix("step_")) for p in checkpoints.iterdir())
+    assert saved[False] and saved[True] == [*saved[False], saved[False][-1] + 1], saved

@@ -109,6 +109,13 @@ class _Sent:
     weights: torch.Tensor | None
 
 
+def raised_on_every_rank(error: BaseException) -> bool:
+    """Whether `error` is a bad or missing batch's, which `finish` raised on every rank at the same batch (the
+    exchanged headers decide it): the ranks' collectives are still in step, so a caller may run more of them (the
+    loop: the step before's cadence) before raising it. Any other error may be this rank's alone."""
+    return getattr(error, "raised_on_every_rank", False)
+
+
 @dataclass
 class PendingHeader:
     """A batch whose header all-to-all is under way (`BulkInputDist.start`, or `start_failed`: no KJT, the error
@@ -269,7 +276,11 @@ class BulkInputDist:
         world = len(self.features_of_rank)
         both = pending.both.get().tolist()  # the host sync (none left when the copy has long ended)
         sent_header, recv_header = both[:world], both[world:]
-        self._raise_for_bad_input(recv_header, pending)
+        try:
+            self._raise_for_bad_input(recv_header, pending)
+        except Exception as error:
+            error.raised_on_every_rank = True  # (the headers decided it, alike on every rank: `raised_on_every_rank`)
+            raise
         kjt, plan, recv, local_batch = pending.kjt, pending.plan, pending.recv, pending.kjt.stride()
         sent = pending.sent
         values, lengths, counts, weights = sent.values, sent.lengths, sent.counts, sent.weights

@@ -54,6 +54,7 @@ from fused_dlrm.dist import DistEnv
 from fused_dlrm.dist.env import input_stream
 from fused_dlrm.models.arch_nodes import sets_every_gradient
 from fused_dlrm.models.dlrm import dlrm_loss
+from fused_dlrm.sparse.input_dist import raised_on_every_rank
 from fused_dlrm.sparse.sharded_ebc import FeaturesOrError
 from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.build import batch_stream, build_dataset, build_model, dense_parameters, fused_comm, to_device
@@ -330,9 +331,10 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
                 schedule.step()  # the next step's lr, dense and embedding
             try:
                 batch = next_batch()  # its input dist overlaps this step's tail on the GPU
-            except Exception:  # a batch distributed ahead that a rank could not make: raised on every rank alike,
-                run.after_step()  # after this step's cadence, as in-forward distribution does: its checkpoint kept
-                raise
+            except Exception as error:
+                if raised_on_every_rank(error):  # a bad batch distributed ahead: after this step's cadence, as
+                    run.after_step()  # in-forward distribution raises it (its checkpoint kept); any other error
+                raise  # may be this rank's alone, whose peers would not join the cadence's collectives
             run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
     # the stream (ended only by trainer.epochs) ended before a step: said, as TrainingRun says a start at max_steps
     if run.step == step and not done():
