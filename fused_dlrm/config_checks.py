@@ -4,6 +4,9 @@ train/config_keys.py)."""
 
 from __future__ import annotations
 
+import math
+import numbers
+
 
 def check_count(key: str, value: object, minimum: int, expected: str, maximum: int | None = None) -> None:
     """Raise `<key>=<value>: expected <expected>` unless value is a whole number >= minimum (and <= maximum, where
@@ -20,3 +23,10 @@ def check_seed(seed: object) -> None:
     seed x 100_003 + their index (sparse/sharded_ebc.table_seeds); else the model's initialisation failed, naming
     no key."""
     check_count("seed", seed, 0, "a whole number in [0, 2**32)", 2**32 - 1)
+
+
+def is_finite_at_least_zero(value: object) -> bool:
+    """A real number (not YAML's true / false, which Python counts as 1 / 0), finite and >= 0: a coefficient or
+    factor of the config (NaN compares false with everything, so `value >= 0` alone lets it through)."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and value >= 0)

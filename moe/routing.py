@@ -31,7 +31,6 @@ for these deliberate differences:
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,6 +40,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from fused_dlrm.config_checks import is_finite_at_least_zero
 from fused_dlrm.kernels import TL_DTYPES
 from moe.permute import count_per_expert, expert_order, tokens_per_program
 
@@ -101,8 +101,7 @@ def check_capacity_factor(capacity_factor: float | None, zero_allowed: bool = Tr
     its router."""
     if capacity_factor is None:
         return
-    number = isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
-    if not (number and math.isfinite(capacity_factor) and capacity_factor >= 0 and (zero_allowed or capacity_factor)):
+    if not (is_finite_at_least_zero(capacity_factor) and (zero_allowed or capacity_factor)):
         raise ValueError(f"capacity_factor must be {'>= 0' if zero_allowed else '> 0'} and finite (None: dropless), "
                          f"got {capacity_factor}")
 

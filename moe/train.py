@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from fused_dlrm.config_checks import check_count, check_seed
+from fused_dlrm.config_checks import check_count, check_seed, is_finite_at_least_zero
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.dist.alltoall import world_size
@@ -78,10 +77,8 @@ def check_config(cfg: DictConfig) -> None:
     for key in ("aux_coeff", "z_coeff"):
         # NaN stopped the run as a divergence, null failed in the first step, a negative weight rewarded imbalance
         # (or large logits), YAML's true weighed 1
-        coeff = m[key]
-        if not (isinstance(coeff, numbers.Real) and not isinstance(coeff, bool) and math.isfinite(coeff)
-                and coeff >= 0):
-            raise ValueError(f"model.{key}={coeff!r}: expected a finite number >= 0 (0: no such loss term)")
+        if not is_finite_at_least_zero(m[key]):
+            raise ValueError(f"model.{key}={m[key]!r}: expected a finite number >= 0 (0: no such loss term)")
     if cfg.comm.mode == "fused" and cfg.comm.get("transport", "p2p") != "p2p":
         raise ValueError(f"comm.transport={cfg.comm.transport}: the MoE layers' fused dispatch and combine have the "
                          "p2p transport only")

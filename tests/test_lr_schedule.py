@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizer
 from fused_dlrm.train.loop import check_config, train
-from fused_dlrm.train.lr_schedule import dlrm_lr_factor, mlperf_lr_factor
+from fused_dlrm.train.lr_schedule import DLRMLRSchedule, dlrm_lr_factor, mlperf_lr_factor
 from fused_dlrm.train.rundir import register_resolvers
 from world import run_world
 
@@ -197,3 +197,29 @@ def _two_ranks(rank: int, world: int, tmp: str) -> None:
 
 def test_two_ranks_step_with_the_scheduled_lr(tmp_path):
     run_world(2, _two_ranks, str(tmp_path), timeout=600)
+
+
+class _CountingTableOptimizer:
+    """A fused optimizer's face (param groups, step) that counts the steps which carry the groups' lr to the tables."""
+
+    def __init__(self):
+        self.param_groups, self.steps = [{"lr": 0.1}, {"lr": 0.2}], 0
+
+    def step(self):
+        self.steps += 1
+
+
+def test_the_tables_are_updated_only_when_the_factor_changes():
+    """Each changed factor reaches the tables once; through the hold and after the decay (the same factor) the
+    per-table update on the host is skipped."""
+    factor = dlrm_lr_factor(config("model.lr_schedule.warmup_steps=3", "model.lr_schedule.decay_start=6",
+                                   "model.lr_schedule.decay_steps=2").model.lr_schedule)
+    tables = _CountingTableOptimizer()
+    dense = torch.optim.SGD([torch.nn.Parameter(torch.randn(3))], lr=0.5)
+    schedule = DLRMLRSchedule(factor, dense, tables, 0)
+    for _ in range(11):
+        schedule.step()
+    factors = [factor(done) for done in range(12)]  # 1/3, 2/3, 1 (steps 3-6), 1/4, 0 (steps 8-12)
+    changes = 1 + sum(a != b for a, b in zip(factors, factors[1:]))
+    assert tables.steps == changes == 5, (tables.steps, factors)
+    assert [g["lr"] for g in tables.param_groups] == [0.0, 0.0]

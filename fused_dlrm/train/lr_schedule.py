@@ -75,6 +75,7 @@ class DLRMLRSchedule:
         self.dense_scheduler = scheduled(dense_optimizer, factor, done)
         self.table_optimizer = table_optimizer
         self.table_lrs = [group["lr"] for group in table_optimizer.param_groups]  # the configured ones
+        self.table_factor: float | None = None  # the factor the tables' lrs last took
         self._set_table_lrs(done)
 
     def step(self) -> None:
@@ -84,6 +85,9 @@ class DLRMLRSchedule:
 
     def _set_table_lrs(self, done: int) -> None:
         factor = self.factor(done)
+        if factor == self.table_factor:  # the hold, the end: no per-table update on the host at every step
+            return
+        self.table_factor = factor
         for group, lr in zip(self.table_optimizer.param_groups, self.table_lrs, strict=True):
             group["lr"] = lr * factor
         self.table_optimizer.step()  # only carries the groups' lr to the tables: their update runs in the backward
