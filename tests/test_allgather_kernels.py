@@ -922,7 +922,6 @@ def test_all_gather_matmul_refuses_what_tma_cannot_read_before_any_work():
                           all_gather_matmul_reference([x], weight)) < 2e-3
 
 
-
 def test_all_gather_matmul_refuses_an_output_it_cannot_store_into_before_any_work():
     """A given out must be [world * rows, N], x's dtype, contiguous: the kernel stores rows of N at out's start
     (an out of fewer rows was stored past its end, a strided one between its columns). A refused call takes its

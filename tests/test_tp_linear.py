@@ -144,7 +144,6 @@ def test_tp_layers_match_one_process(world_size, tp_size):
     run_world(world_size, _layers_match_one_process, tp_size)
 
 
-
 def _calls_that_differ(rank: int, world: int) -> None:
     """Rank 1's x differs from the others' in rows (every layer: its collective, forward or backward, would move
     other sizes; none at all: an empty batch), in its last dim (rank 1's matmul alone refuses it), in dtype, or rank
