@@ -14,7 +14,7 @@
 # tests: say so where you quote them).
 GPU_TESTS="launch symmetric_workspace simulated_world arch_nodes direct_step batch_header segment_gather fused_embedding torchrec_sharder moe_fused moe_fused_dispatch moe_graphs quantized_allreduce tp allgather"
 # CPU test files that also hold GPU tests (skipped on CI): their tests named *gpu* run in the step test_gpu_cases
-GPU_CASES="batches_ahead batch_not_made embedding_backward_kernel sorted_segments_kernel moe_experts moe_grouped_weight_grad report bench_dlrm_step graphed_step checkpoint"
+GPU_CASES="batches_ahead batch_not_made embedding_backward_kernel sorted_segments_kernel moe_experts moe_grouped_weight_grad report bench_dlrm_step graphed_step checkpoint lr_schedule"
 KNOWN=" $(for f in $GPU_TESTS; do printf 'test_%s ' $f; done)test_gpu_cases bench_embedding bench_embedding_nvshmem"
 KNOWN="$KNOWN bench_moe bench_tp bench_dlrm_step train "
 for s in "$@"; do  # a misspelt step would otherwise run nothing and report nothing

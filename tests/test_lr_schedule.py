@@ -223,3 +223,22 @@ def test_the_tables_are_updated_only_when_the_factor_changes():
     changes = 1 + sum(a != b for a, b in zip(factors, factors[1:]))
     assert tables.steps == changes == 5, (tables.steps, factors)
     assert [g["lr"] for g in tables.param_groups] == [0.0, 0.0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_one_gpu_graphed_steps_take_the_scheduled_lr(tmp_path):
+    """One GPU, under the schedule: the direct step with its CUDA graphs (the dense optimizer's step replayed) gives
+    the eager autograd step's losses at every step, and a run without the schedule does not (the schedule reaches
+    the GPU's tables and dense optimizer)."""
+    cuda = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), backend=None)
+    common = [*SMALL, *SCHEDULE, "trainer.dense_optimizer._target_=torch.optim.Adam", "trainer.device=cuda",
+              "trainer.max_steps=20", "trainer.log_every=1", "trainer.checkpoint_every=0"]
+    losses = lambda run: torch.tensor([loss for _, loss in run.losses], dtype=torch.float64)  # noqa: E731
+    graphed = losses(train(config(*common), cuda, tmp_path / "graphed"))
+    eager = losses(train(config(*common, "trainer.cuda_graphs=false", "trainer.direct_step=false"), cuda,
+                         tmp_path / "eager"))
+    unscheduled = losses(train(config(*common, "model.lr_schedule.warmup_steps=0", "model.lr_schedule.decay_steps=0"),
+                               cuda, tmp_path / "unscheduled"))
+    assert len(graphed) == 20
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-6)
+    assert ((unscheduled - graphed).abs() / graphed.abs()).max() > 1e-3
