@@ -52,11 +52,12 @@ def _write_into(old, new):
 
 
 class EagerArchGraph(ArchGraph):
-    """An ArchNode's graph (`fits` calls shaped like `input`; forward; the output's gradient buffer; backward) run
-    eagerly, each call logged in `calls`."""
+    """An ArchNode's graph (`fits` calls shaped like `input`, in the arch's mode when made; forward; the output's
+    gradient buffer; backward) run eagerly, each call logged in `calls`."""
 
     def __init__(self, node: ArchNode, input: torch.Tensor):
         self.node, self.input, self.calls = node, input, []
+        self.training = node.arch.training
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.append("forward")

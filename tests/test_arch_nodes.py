@@ -1,6 +1,7 @@
 """The dense arches as autograd nodes (models/arch_nodes.py) on the CPU: the gradients of plain autograd, set in one
-flat buffer; evaluation calls the arch itself; over two gloo ranks the gradients and parameters of DDP (plain, and a
-codec's mean); the dispatch between a graph and the eager node (a stand-in graph: CI cannot capture CUDA graphs;
+flat buffer; the node whenever grad mode is on (eval mode too, as DDP), the arch itself without grad (the loop's
+evaluation); over two gloo ranks the gradients and parameters of DDP (plain, and a codec's mean; in eval mode);
+the dispatch between a graph and the eager node, by shape and mode (a stand-in graph: CI cannot capture CUDA graphs;
 tests/test_arch_nodes_gpu.py does)."""
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from torchrec.models.dlrm import DenseArch, OverArch
 from fused_dlrm.kernels.quant_codecs import CODECS
 from fused_dlrm.kernels.quantized_allreduce import two_shot_error_bound
 from fused_dlrm.models.arch_nodes import ArchNode, _ArchFunction, dense_arch_nodes, sets_every_gradient
+from fused_dlrm.train.build import build_dataset, build_model
+from fused_dlrm.train.loop import evaluate
 from graph_stand_in import EagerArchGraph
+from test_training import CPU as ONE_PROCESS, SMALL, config
 from world import run_world
 
 CPU = torch.device("cpu")
@@ -50,8 +54,10 @@ def _step(arches: _Arches, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return leaf.grad, [p.grad for p in arches.parameters()]
 
 
-def test_a_node_gives_plain_autograd_gradients_in_one_flat_buffer():
-    plain, nodes = _Arches(), dense_arch_nodes(_Arches())
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_node_gives_plain_autograd_gradients_in_one_flat_buffer(mode):
+    """In eval mode too (grad on): DDP sets gradients by grad mode, not by train() / eval()."""
+    plain, nodes = _Arches().train(mode == "train"), dense_arch_nodes(_Arches()).train(mode == "train")
     batch = _batch(1)
     want_input, want = _step(plain, batch)
     got_input, got = _step(nodes, batch)
@@ -93,17 +99,31 @@ def test_a_loop_needs_no_zero_grad_only_when_the_nodes_set_every_gradient_it_ste
     assert not sets_every_gradient(nodes, list(nodes.parameters()))
 
 
-@pytest.mark.parametrize("mode", ["eval", "no_grad"])
-def test_evaluation_calls_the_arch_itself(mode):
-    nodes = dense_arch_nodes(_Arches())
-    x = torch.randn(5, 40)
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_without_grad_mode_the_arch_is_called_itself(mode):
+    nodes = dense_arch_nodes(_Arches()).train(mode == "train")
+    x = torch.randn(5, 40, requires_grad=True)
     want = nodes.over_arch.forward.eager(x)
-    if mode == "eval":
-        nodes.eval()
-    with torch.no_grad() if mode == "no_grad" else torch.enable_grad():
+    with torch.no_grad():
         got = nodes.over_arch(x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert got.grad_fn is None or got.grad_fn.name() != _ArchFunction.__name__ + "Backward"
+    assert got.grad_fn is None
+
+
+def test_with_no_parameter_needing_a_gradient_the_arch_is_called_itself():
+    """Frozen parameters: nothing for the node to set or average (the input's gradient is autograd's own)."""
+    nodes, plain = dense_arch_nodes(_Arches()), _Arches()
+    for p in [*nodes.over_arch.parameters(), *plain.over_arch.parameters()]:
+        p.requires_grad_(False)
+    assert not nodes.over_arch(torch.randn(5, 40)).requires_grad
+    x = torch.randn(5, 40, requires_grad=True)
+    out = nodes.over_arch(x)
+    assert out.grad_fn.name() != _ArchFunction.__name__ + "Backward"
+    out.square().sum().backward()
+    leaf = x.detach().requires_grad_()
+    plain.over_arch(leaf).square().sum().backward()
+    torch.testing.assert_close(x.grad, leaf.grad, rtol=1e-6, atol=1e-7)
+    assert all(p.grad is None for p in nodes.over_arch.parameters())
 
 
 @pytest.mark.parametrize("change", [None, "rows", "dtype", "requires_grad"])
@@ -123,6 +143,28 @@ def test_calls_shaped_like_the_capture_replay_others_run_the_node_eagerly(change
     assert graph.calls == ([] if change else ["forward", "backward"])
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("captured_in", ["train", "eval"])
+def test_a_graph_fits_only_calls_in_the_mode_it_was_captured_in(captured_in):
+    """An arch's eval forward may differ from its training one (dropout, batch norm): a graph replays only calls
+    in its capture's mode; the node runs the others eagerly (its gradients set and averaged all the same)."""
+    nodes, plain = dense_arch_nodes(_Arches()), _Arches()
+    node = nodes.over_arch.forward
+    nodes.train(captured_in == "train")
+    graph = node.graph = EagerArchGraph(node, torch.randn(12, 40, requires_grad=True))
+    for mode in ("train", "eval"):
+        nodes.train(mode == "train")
+        plain.train(mode == "train")
+        graph.calls.clear()
+        batch = _batch(7)
+        _, got = _step(nodes, batch)
+        _, want = _step(plain, batch)
+        assert graph.calls == (["forward", "backward"] if mode == captured_in else []), mode
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+        assert all(p.grad._base is node.flat for p in nodes.over_arch.parameters())
+        plain.zero_grad(set_to_none=True)
 
 
 def _over_arch_gradients(arches: _Arches, x: torch.Tensor, backward) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -215,6 +257,57 @@ def _average_like_ddp(rank: int, world: int) -> None:
 
 def test_two_ranks_average_the_gradients_as_ddp_does():
     run_world(2, _average_like_ddp)
+
+
+def _eval_mode_averages_like_ddp(rank: int, world: int) -> None:
+    """In eval mode: under no_grad no all-reduce starts; with grad on, a backward's gradients are DDP's (bit for
+    bit) and the float64 mean of the ranks' own, one all-reduce per arch."""
+    reference = _Arches()
+    ddp = copy.deepcopy(reference)
+    ddp.dense_arch = nn.parallel.DistributedDataParallel(ddp.dense_arch)
+    ddp.over_arch = nn.parallel.DistributedDataParallel(ddp.over_arch)
+    nodes = dense_arch_nodes(copy.deepcopy(reference))
+    exact = copy.deepcopy(reference).double()
+    for model in (ddp, nodes, exact):
+        model.eval()
+    group = nodes.dense_arch.forward.group
+    started, all_reduce = [], torch.distributed.all_reduce
+    torch.distributed.all_reduce = lambda tensor, *args, group=None, **kwargs: (
+        started.append(group) or all_reduce(tensor, *args, group=group, **kwargs))
+    try:
+        batch = _batch(200 + rank)  # each rank its own data
+        with torch.no_grad():
+            assert nodes.loss(*batch).grad_fn is None
+        assert started == []
+        want_input, want = _step(ddp, batch)
+        got_input, got = _step(nodes, batch)
+        assert started == [group, group]  # the over arch's, then the dense arch's
+    finally:
+        torch.distributed.all_reduce = all_reduce
+    torch.testing.assert_close(got_input, want_input, rtol=0, atol=0)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    _, local = _step(exact, tuple(t.double() for t in batch))
+    for g, mine in zip(got, local):
+        every = [torch.empty_like(mine) for _ in range(world)]
+        torch.distributed.all_gather(every, mine)
+        mean = torch.stack(every).mean(0)
+        assert ((g.double() - mean).norm() / mean.norm()).item() < 1e-5
+
+
+def test_two_ranks_in_eval_mode_average_as_ddp_does_and_only_with_grad_on():
+    run_world(2, _eval_mode_averages_like_ddp)
+
+
+def test_the_loops_evaluation_stays_off_the_nodes(monkeypatch):
+    """train/loop.py's evaluate runs without grad: the arches eagerly, no node, no gradient to average."""
+    cfg = config(*SMALL)
+    model = build_model(cfg, ONE_PROCESS)
+    entered = []
+    apply = _ArchFunction.apply
+    monkeypatch.setattr(_ArchFunction, "apply", lambda *args: entered.append(1) or apply(*args))
+    scores = evaluate(model, build_dataset(cfg, "eval", ONE_PROCESS), 2, ONE_PROCESS, 0)
+    assert entered == [] and 0 <= scores["auc"] <= 1 and model.training
 
 
 class _TwoScales(nn.Module):

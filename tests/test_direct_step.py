@@ -34,6 +34,20 @@ def test_a_model_without_graphed_arches_is_refused_with_its_reason():
         DirectDLRMStep(model, lambda: None, 1)
 
 
+def test_a_model_in_eval_mode_or_graphed_in_it_is_refused():
+    """The direct step replays its graphs for training steps (OverArchLossGraph captured in the model's mode when
+    made): graphs of eval forwards would stand in for training ones."""
+    model = build_model(config(*SMALL), CPU)
+    for arch in (model.dense_arch, model.over_arch):
+        arch.forward.graph = EagerArchGraph(arch.forward, torch.empty(64, first_linear(arch).in_features))
+    assert "not graphed arch nodes" not in direct_step_refusal(model)
+    model.eval()
+    assert direct_step_refusal(model) == "the model is in eval mode, or its arch graphs were captured in it"
+    model.train()
+    model.over_arch.forward.graph.training = False
+    assert direct_step_refusal(model) == "the model is in eval mode, or its arch graphs were captured in it"
+
+
 class _EagerOverArchLoss(OverArchLossGraph):
     """OverArchLossGraph's interface over its computation run eagerly at every call."""
 

@@ -13,11 +13,13 @@ scaled by 1/world before a sum (a `comm.grad_allreduce` codec: that codec's mean
 
 The backward *sets* the gradients (no accumulation over several backwards: one per optimizer step, as the
 training loop does); a second backward of a node in one backward pass (two forwards summed into one loss, which
-DDP would sum) raises instead of dropping the first one's gradients. Evaluation (eval mode, or no grad) calls the
-arch itself. On GPUs `capture` records the node's forward (the arch) and backward (the gradients into the flat
-buffer, and their scale) as two CUDA graphs at the rank's training batch size; calls of another shape, dtype or
-requires_grad run the same node eagerly, as does a forward while the graph's last one still awaits its backward
-(a replay would rewrite the activations that backward reads).
+DDP would sum) raises instead of dropping the first one's gradients. Whether a call is the node is DDP's rule too:
+grad mode, not train() / eval(): in eval mode with grad on, a backward's gradients are averaged all the same;
+without grad (evaluation: train/loop.py's evaluate), or with no parameter needing a gradient, the arch itself runs.
+On GPUs `capture` records the node's forward (the arch) and backward (the gradients into the flat buffer, and their
+scale) as two CUDA graphs at the rank's training batch size, in the arch's mode then; calls of another shape, dtype,
+requires_grad or mode (an eval forward may differ: dropout, batch norm) run the same node eagerly, as does a forward
+while the graph's last one still awaits its backward (a replay would rewrite the activations that backward reads).
 Parameters must keep their storage (the graphs read it): the optimizer and checkpoint loading update in place.
 """
 
@@ -68,13 +70,14 @@ class ArchNode:
         arch.forward = self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.arch.training and torch.is_grad_enabled():
+        # DDP's rule (grad mode, in eval mode too); frozen parameters leave nothing to set or average
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.params):
             return _ArchFunction.apply(x, self.anchor, self)
         return self.eager(x)
 
     def capture(self, sample: torch.Tensor) -> None:
         """Record this node's forward and backward as CUDA graphs for inputs shaped like `sample` (its dtype,
-        device and requires_grad too)."""
+        device and requires_grad too), in the arch's present mode (train or eval)."""
         self.graph = ArchGraph(self, sample)
 
     def run_forward(self, x: torch.Tensor):
@@ -174,7 +177,7 @@ class ArchGraph:
     the graph's output: valid until the node's next replay (a step's backward runs before the next forward)."""
 
     def __init__(self, node: ArchNode, sample: torch.Tensor):
-        self.node = node
+        self.node, self.training = node, node.arch.training  # the mode whose forward the graphs hold
         self.input = sample.detach().clone().requires_grad_(sample.requires_grad)
 
         def forward_backward() -> None:
@@ -196,8 +199,10 @@ class ArchGraph:
         self.grad_input = outputs.pop()
 
     def fits(self, x: torch.Tensor) -> bool:
+        """Whether a call on x in the arch's present mode is the captured one's."""
         s = self.input
-        return x.shape == s.shape and x.dtype == s.dtype and x.device == s.device and x.requires_grad == s.requires_grad
+        return (x.shape == s.shape and x.dtype == s.dtype and x.device == s.device
+                and x.requires_grad == s.requires_grad and self.node.arch.training == self.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.input.detach().copy_(x)

@@ -57,6 +57,8 @@ def direct_step_refusal(model: nn.Module) -> str:
     nodes = (model.dense_arch.__dict__.get("forward"), model.over_arch.__dict__.get("forward"))
     if not all(isinstance(n, ArchNode) and n.graph is not None for n in nodes):
         return "the dense arches are not graphed arch nodes (the CPU, or trainer.cuda_graphs=false)"
+    if not (model.training and all(n.graph.training for n in nodes)):  # it replays them for training steps
+        return "the model is in eval mode, or its arch graphs were captured in it"
     if not isinstance(model.inter_arch, PairwiseInteractionArch):
         return f"the interaction is {type(model.inter_arch).__name__}, not PairwiseInteractionArch"
     num_features, dim = sparse_arch.F, sparse_arch.D

@@ -95,7 +95,7 @@ def evaluate(model, dataset, num_batches: int, env: DistEnv, step: int) -> dict[
     metrics = CTRMetrics(env.device)
     model.eval()
     batches = batch_stream(dataset, 0, None, epochs=1)  # a file's batches once: none of its samples counted twice
-    with torch.no_grad():
+    with torch.no_grad():  # the arches themselves, not their nodes (models/arch_nodes.py): no gradient to average
         for made in range(num_batches):
             batch = pull_batch(batches, env.device)
             if batch is None:  # the same batch on every rank: each reads every global batch of the file
