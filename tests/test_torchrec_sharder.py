@@ -827,12 +827,15 @@ def test_tables_sharing_features_are_refused_naming_them():
             EmbeddingBagCollection(tables), {t.name: tw(0) for t in tables}, ShardingEnv.from_local(1, 0), CPU)
 
 
-@pytest.mark.parametrize("setting", [{"use_virtual_table": True}, {"enable_embedding_update": True}])
-def test_virtual_tables_and_embedding_updates_are_refused(setting):
-    """torchrec's virtual (key-value) tables, of ids in a virtual space, and tables DMP.write() updates live in its
-    KV kernels: refused naming the table and the setting, never sharded as a plain table of num_embeddings rows."""
+@pytest.mark.parametrize("setting", [{"use_virtual_table": True}, {"enable_embedding_update": True},
+                                     {"num_embeddings_post_pruning": 7}, {"total_num_buckets": 2}])
+def test_tables_that_are_not_plain_tables_are_refused(setting):
+    """torchrec's virtual (key-value) tables, of ids in a virtual space, tables DMP.write() updates (its KV kernels),
+    pruned tables (shards of num_embeddings_post_pruning rows, ids remapped) and bucketized ones: refused naming the
+    table and the setting, never sharded as a plain table of num_embeddings rows."""
     tables = [TABLES[0], dataclasses.replace(TABLES[1], **setting)]
-    with pytest.raises(NotImplementedError, match=rf"table t1: {next(iter(setting))}=True is not supported"):
+    name, value = next(iter(setting.items()))
+    with pytest.raises(NotImplementedError, match=rf"table t1: {name}={value} is not supported"):
         shard_one_rank(FusedEmbeddingBagCollectionSharder(), EmbeddingBagCollection(tables))
 
 

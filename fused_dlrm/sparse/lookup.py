@@ -108,15 +108,26 @@ class _LookupWithFusedUpdate(torch.autograd.Function):
         return None, None, None
 
 
+# torchrec's table settings whose tables are not plain tables of num_embeddings rows indexed by the ids as given:
+# (setting, what torchrec does with it)
+UNSUPPORTED_TABLE_SETTINGS = (
+    ("use_virtual_table", "torchrec's key-value kernels hold those tables, of ids in a virtual space"),
+    ("enable_embedding_update", "torchrec's key-value kernels hold the tables DMP.write() updates"),
+    ("num_embeddings_post_pruning", "torchrec's shards then hold that many rows, the ids remapped by its pruning"),
+    ("total_num_buckets", "torchrec's bucketized row-wise sharding (zero-collision hashing) places those rows"),
+)
+
+
 def check_table(t: EmbeddingBagConfig) -> None:
-    """What the lookup can hold: FP32 / FP16 / BF16 rows of a plain table (not torchrec's virtual key-value
-    tables, nor the ones DMP.write() updates: its KV kernels'), SUM or MEAN pooling."""
+    """What the lookup can hold: FP32 / FP16 / BF16 rows of a plain table of num_embeddings rows (none of
+    UNSUPPORTED_TABLE_SETTINGS), SUM or MEAN pooling."""
     if t.data_type.name not in ("FP32", "FP16", "BF16"):
         raise NotImplementedError(f"table {t.name}: tables must be FP32, FP16 or BF16, got {t.data_type}")
-    for setting in ("use_virtual_table", "enable_embedding_update"):
-        if getattr(t, setting, False):
-            raise NotImplementedError(f"table {t.name}: {setting}=True is not supported: the tables here are plain "
-                                      f"tables of num_embeddings rows (torchrec's key-value kernels hold those)")
+    for setting, why in UNSUPPORTED_TABLE_SETTINGS:
+        value = getattr(t, setting, None)
+        if value not in (None, False):
+            raise NotImplementedError(f"table {t.name}: {setting}={value} is not supported: the tables here are "
+                                      f"plain tables of num_embeddings rows ({why})")
     if t.pooling not in (PoolingType.SUM, PoolingType.MEAN):
         raise ValueError(f"table {t.name}: pooling must be SUM or MEAN, got {t.pooling}")
 

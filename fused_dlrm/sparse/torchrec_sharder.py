@@ -482,7 +482,7 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollec
     Other modules (an EmbeddingCollection) are not ours: DMP leaves them to the sharders given for them, or unsharded
     when there is none (torchrec's rule), and shard() refuses them with a TypeError. So does it refuse tables that
     our lookup cannot hold (lookup.check_table: quantized rows, pooling other than SUM / MEAN, torchrec's virtual
-    key-value tables and enable_embedding_update), naming the table and the setting.
+    key-value tables, enable_embedding_update, pruned or bucketized tables), naming the table and the setting.
 
     Each table's embedding optimizer (exact SGD or exact row-wise Adagrad, its lr and eps; tables may differ) comes
     from torchrec's settings, read as stock torchrec's EmbeddingBagCollectionSharder reads them, or from `optimizer`:
