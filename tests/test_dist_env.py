@@ -7,7 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fused_dlrm.dist.env import _pick_backend, _pick_device, check_rank_0_can_write, init_distributed
+from fused_dlrm.dist import DistEnv
+from fused_dlrm.dist.env import (_pick_backend, _pick_device, check_rank_0_can_write, init_distributed,
+                                  ranks_with_one_hardware_queue)
+from world import run_world
 
 
 def test_auto_picks_the_machine_s_device_and_backend():
@@ -125,3 +128,23 @@ def test_the_write_check_leaves_a_file_as_it_found_it(tmp_path):
         check_rank_0_can_write(tmp_path / "missing" / "out.json", "out")
     with pytest.raises(NotADirectoryError):
         check_rank_0_can_write(kept / "run", "below a file", directory=True)
+
+
+def _one_queue_ranks(rank: int, world: int, queue_of_rank_1: str | None) -> None:
+    import os
+    if rank == 1 and queue_of_rank_1 is not None:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = queue_of_rank_1
+    else:
+        os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+    gpu = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cuda", rank), backend="gloo")
+    cpu = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    expected = [1] if queue_of_rank_1 in ("1", " 1 ") else []
+    assert ranks_with_one_hardware_queue(gpu) == expected, (rank, queue_of_rank_1)  # every rank: the same list
+    assert ranks_with_one_hardware_queue(cpu) == []  # no hardware queues to share (and no exchange)
+
+
+@pytest.mark.parametrize("queue_of_rank_1", [None, "1", " 1 ", "8"])
+def test_the_ranks_with_one_hardware_queue_are_known_on_every_rank(queue_of_rank_1):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 on one rank only: every rank learns that rank (the batch thread's input dist
+    is then off everywhere: train/loop.py); other values, or none, are not one queue."""
+    run_world(2, _one_queue_ranks, queue_of_rank_1)

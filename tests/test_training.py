@@ -544,6 +544,35 @@ def test_input_dist_ahead_gives_the_same_training(tmp_path):
     run_world(2, _prefetch_same_curve, str(tmp_path))
 
 
+def _one_hardware_queue_keeps_the_input_dist_off_the_thread(rank: int, world: int, tmp: str) -> None:
+    import fused_dlrm.train.loop as loop
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    common = SMALL + ["trainer.max_steps=6", "trainer.eval_every=0", "trainer.checkpoint_every=0",
+                      "trainer.log_every=1"]
+    made_by, made = ShardedEmbeddingBagCollection.input_dist_on_thread, []
+
+    def on_thread(self):
+        made.append(1)
+        return made_by(self)
+    ShardedEmbeddingBagCollection.input_dist_on_thread = on_thread
+    ranks = loop.ranks_with_one_hardware_queue
+    loop.ranks_with_one_hardware_queue = lambda env: [1]  # as on GPUs with CUDA_DEVICE_MAX_CONNECTIONS=1 on rank 1
+    try:
+        serial = train(config(*common), env, Path(tmp) / "serial")
+    finally:
+        ShardedEmbeddingBagCollection.input_dist_on_thread, loop.ranks_with_one_hardware_queue = made_by, ranks
+    assert made == []  # the batch thread never got the input dist, on either rank
+    side_stream = train(config(*common, "trainer.input_dist_on_thread=false"), env, Path(tmp) / "side_stream")
+    assert serial.losses == side_stream.losses and len(serial.losses) == 6
+
+
+def test_one_hardware_queue_keeps_the_input_dist_off_the_batch_thread(tmp_path):
+    """A rank whose GPU streams share one hardware queue (dist.env.ranks_with_one_hardware_queue): the loop runs
+    the input dist from its own thread on every rank (the thread's all-to-alls could otherwise queue in another
+    order than the step's collectives on some rank), and trains as with trainer.input_dist_on_thread=false."""
+    run_world(2, _one_hardware_queue_keeps_the_input_dist_off_the_thread, str(tmp_path))
+
+
 def _converges_with_q8_gradients(rank: int, world: int, tmp: str) -> None:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
     # Shorter than test_loss_falls_and_auc_rises: the codec kernels run in the Triton interpreter here.

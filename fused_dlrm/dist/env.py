@@ -99,6 +99,17 @@ def input_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=-1)
 
 
+def ranks_with_one_hardware_queue(env: DistEnv) -> list[int]:
+    """The ranks whose GPU runs every stream's kernels through one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1,
+    Megatron's setting), the same list on every rank (a host exchange); [] off GPUs. There kernels start in the
+    order the host enqueued them, whatever their streams: two threads enqueueing collectives (or waits on peers)
+    can order them differently on two ranks, and each rank's then waits behind the one that waits for the other's."""
+    if env.device.type != "cuda":
+        return []
+    one_queue = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
+    return [rank for rank, one in enumerate(of_every_rank(one_queue)) if one]
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -15,7 +15,8 @@ loss was checked).
 Batches are made `trainer.batches_ahead` ahead by a thread (`BatchesAhead`: generation, or pinning and the
 host-to-device copy, on a stream of its own on GPUs), and with `trainer.input_dist_on_thread` that thread runs
 their input dist too (its all-to-alls, the wait for their sizes and the host time of it all leave the thread
-that enqueues the steps; a communicator of its own). Otherwise the next batch's input all-to-all runs ahead on a
+that enqueues the steps; a communicator of its own; not where a rank's GPU has one hardware queue:
+`dist.env.ranks_with_one_hardware_queue`). Otherwise the next batch's input all-to-all runs ahead on a
 side stream (`next_batch`; the input dist has a communicator of its own). The host waits for the GPU inside a step
 only where a size must be known on the host: once for the input all-to-all's header (sizes and the checks of the
 batch; on the batch thread, or on the side stream behind the batch only when prefetching; with
@@ -51,7 +52,7 @@ from torchrec.datasets.utils import Batch
 
 from fused_dlrm.config_checks import check_count, check_seed
 from fused_dlrm.dist import DistEnv
-from fused_dlrm.dist.env import input_stream
+from fused_dlrm.dist.env import input_stream, ranks_with_one_hardware_queue
 from fused_dlrm.models.arch_nodes import sets_every_gradient
 from fused_dlrm.models.dlrm import dlrm_loss
 from fused_dlrm.sparse.input_dist import raised_on_every_rank
@@ -261,6 +262,13 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     max_steps, batches_ahead, prefetch = t.max_steps, t.batches_ahead, t.prefetch_input_dist
     header_ahead = t.header_ahead
     on_thread = prefetch and batches_ahead > 0 and t.input_dist_on_thread
+    serialised = ranks_with_one_hardware_queue(env) if on_thread and env.world_size > 1 else []
+    if serialised:  # the thread's all-to-alls and the step's collectives would queue in orders that differ by rank
+        log.warning("trainer.input_dist_on_thread is off: CUDA_DEVICE_MAX_CONNECTIONS=1 on rank(s) %s puts every "
+                    "stream's kernels in one queue, where the batch thread's all-to-alls and the step's collectives "
+                    "could wait for each other across ranks; the next batch's input dist runs on the side stream "
+                    "from the loop's thread instead", serialised)
+        on_thread = False
     copy_stream = None  # next_batch's side stream (not used when the batch thread distributes)
     if env.device.type == "cuda" and not on_thread:
         copy_stream = input_stream(env.device)
