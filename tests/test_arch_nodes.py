@@ -7,6 +7,7 @@ tests/test_arch_nodes_gpu.py does)."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -124,6 +125,19 @@ def test_with_no_parameter_needing_a_gradient_the_arch_is_called_itself():
     plain.over_arch(leaf).square().sum().backward()
     torch.testing.assert_close(x.grad, leaf.grad, rtol=1e-6, atol=1e-7)
     assert all(p.grad is None for p in nodes.over_arch.parameters())
+
+
+def test_a_parameter_frozen_after_the_node_was_built_is_named():
+    """Some of an arch's parameters frozen after its node was built (the others not): the node's backward would ask
+    autograd for the frozen ones' gradients; its call raises naming them, under grad only."""
+    nodes = dense_arch_nodes(_Arches())
+    frozen = dict(nodes.over_arch.named_parameters())
+    name = next(iter(frozen))
+    frozen[name].requires_grad_(False)
+    with pytest.raises(RuntimeError, match=rf"parameters \['{re.escape(name)}'\] were frozen after it was built"):
+        nodes.over_arch(torch.randn(5, 40))
+    with torch.no_grad():
+        assert nodes.over_arch(torch.randn(5, 40)).shape == (5, 1)
 
 
 @pytest.mark.parametrize("change", [None, "rows", "dtype", "requires_grad"])

@@ -47,9 +47,10 @@ class ArchNode:
     def __init__(self, arch: nn.Module, group: dist.ProcessGroup | None = None, grad_allreduce: str = "nccl",
                  allocation_timeout_s: float = ALLOCATION_TIMEOUT_S):
         self.arch, self.eager = arch, arch.forward  # the class's forward, bound: `arch.forward` is this node next
-        self.params = [p for p in arch.parameters() if p.requires_grad]
-        if not self.params:
+        named = [(name, p) for name, p in arch.named_parameters() if p.requires_grad]
+        if not named:
             raise ValueError(f"{type(arch).__name__} has no parameter that needs a gradient")
+        self.names, self.params = [name for name, _ in named], [p for _, p in named]
         check_grad_allreduce(grad_allreduce)
         self.group, self.codec, self.allocation_timeout_s = group, grad_allreduce, allocation_timeout_s
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -71,8 +72,15 @@ class ArchNode:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # DDP's rule (grad mode, in eval mode too); frozen parameters leave nothing to set or average
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.params):
-            return _ArchFunction.apply(x, self.anchor, self)
+        if torch.is_grad_enabled():
+            frozen = [name for name, p in zip(self.names, self.params) if not p.requires_grad]
+            if not frozen:
+                return _ArchFunction.apply(x, self.anchor, self)
+            if len(frozen) < len(self.params):  # its backward would ask autograd for a frozen one's gradient
+                raise RuntimeError(f"{type(self.arch).__name__}'s node: parameters {frozen} were frozen after it "
+                                   f"was built, the others not: freeze all of its parameters or none (it sets and "
+                                   f"averages the gradients of those it was built with, as DDP does), or build it "
+                                   f"again")
         return self.eager(x)
 
     def capture(self, sample: torch.Tensor) -> None:
