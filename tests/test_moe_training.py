@@ -482,12 +482,14 @@ def an_inf_gradient_at_step(step: int):
 
 
 def test_a_nonfinite_gradient_norm_stops_the_run(tmp_path, monkeypatch):
-    """An inf gradient in the last step of an interval, its loss finite: clipping writes NaN into the weights, and
-    the run stops at that interval's check (without it the run ended as if well, its weights NaN)."""
-    monkeypatch.setattr(moe_train, "sync_gradients", an_inf_gradient_at_step(4))
+    """An inf gradient in the second step of an interval, its loss finite: clipping writes NaN into the weights, and
+    the run stops at that interval's check (without it the run ended as if well, its weights NaN), naming the step
+    of the norm (not the interval, nor a later step whose loss the NaN weights made NaN)."""
+    monkeypatch.setattr(moe_train, "sync_gradients", an_inf_gradient_at_step(2))
     cfg = config(*SMALL, "trainer.max_steps=4", "trainer.log_every=4", "trainer.checkpoint_every=0",
                  "model.clip_grad=1.0")
-    with pytest.raises(NonFiniteLossError, match="gradient norm became NaN or inf between steps 1 and 4"):
+    with pytest.raises(NonFiniteLossError, match=r"^gradient norm became NaN or inf at step 2; stopping\. Last good "
+                                                 r"checkpoint: none$"):
         train(cfg, CPU, tmp_path)
 
 

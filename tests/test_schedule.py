@@ -1,9 +1,10 @@
-"""TrainingRun's bookkeeping that needs no model: the metrics log, a run's start, the fused ops' error words read
-before results are kept."""
+"""TrainingRun's bookkeeping that needs no model: the metrics log, a run's start, the loss check naming the step a
+NaN / inf loss first appeared at, the fused ops' error words read before results are kept."""
 
 from __future__ import annotations
 
 import logging
+import math
 import tempfile
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fused_dlrm.dist import DistEnv
+from fused_dlrm.train.checkpoint import NonFiniteLossError
 from fused_dlrm.train.schedule import MetricsLog, TrainingRun
 from world import run_world
 
@@ -41,6 +43,80 @@ def test_a_run_that_starts_at_or_past_max_steps_says_so(tmp_path, caplog):
         expected = [f"the run starts at step {start}, at or past trainer.max_steps={max_steps}: it trains no step "
                     "(only evaluates); raise trainer.max_steps to train on"] if warned else []
         assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == expected
+
+
+def one_process_run(run_dir: Path, log_every: int) -> TrainingRun:
+    """A run of one process from step 0, logging every `log_every` steps, without checkpoints or evaluations."""
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+    trainer = OmegaConf.create({"log_every": log_every, "eval_every": 0, "checkpoint_every": 0, "max_steps": None,
+                                "progress": False, "resume_from": None})
+    return TrainingRun(trainer, env, run_dir, run_dir / "checkpoints", 0, items="samples", items_per_step=1,
+                       log_fields=lambda interval: ({"loss": 0.0}, ""), evaluate=lambda step: {},
+                       save=lambda step: None, log=logging.getLogger(__name__))
+
+
+def step_terms(rank: int, step: int) -> list[float]:
+    """Two loss terms of a rank's step: fresh random numbers, the same wherever they are made."""
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    return (torch.rand(2, generator=generator, dtype=torch.float64) * 3 + 0.1).tolist()
+
+
+def _nan_from_step(rank: int, world: int, start: int, checkpoint_every: int, nan_step: int, nan_ranks: list[int]):
+    """A run from `start` (a resume mid-interval where start % 4 != 0), logging every 4 steps, its checkpoints
+    ending intervals early, whose loss on `nan_ranks` is NaN from `nan_step` on: every interval before is logged as
+    the mean of the steps' terms over ranks, and the check after names `nan_step` on every rank."""
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"),
+                  backend="gloo" if world > 1 else None)
+    trainer = OmegaConf.create({"log_every": 4, "eval_every": 0, "checkpoint_every": checkpoint_every,
+                                "max_steps": None, "progress": False, "resume_from": None, "keep_checkpoints": 1})
+    intervals, saved = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        run = TrainingRun(trainer, env, Path(tmp), Path(tmp) / "checkpoints", start, items="samples",
+                          items_per_step=1, loss_terms=2, log=logging.getLogger(__name__), evaluate=lambda step: {},
+                          log_fields=lambda interval: intervals.append(interval) or ({"loss": interval.losses[0]}, ""),
+                          save=saved.append)
+        with pytest.raises(NonFiniteLossError, match=rf"^loss became NaN or inf at step {nan_step}; stopping\. "
+                                                     r"Last good checkpoint: none$"):
+            for step in range(start + 1, nan_step + 8):
+                a, b = step_terms(rank, step)
+                loss = float("nan") if step >= nan_step and rank in nan_ranks else a + 0.25 * b
+                run.end_step(torch.tensor(loss, dtype=torch.float32), [torch.tensor(a), torch.tensor(b)])
+                run.after_step()
+    first = start + 1
+    for interval in intervals:
+        steps = [(r, s) for r in range(world) for s in range(first, interval.step + 1)]
+        means = [math.fsum(step_terms(r, s)[i] for r, s in steps) / len(steps) for i in (0, 1)]
+        assert all(abs(got - want) <= 1e-6 * want for got, want in zip(interval.losses, means, strict=True)), \
+            (interval.step, interval.losses, means)
+        first = interval.step + 1
+    assert first <= nan_step < first + 4  # the interval that stops holds the NaN step
+    return [interval.step for interval in intervals], saved
+
+
+def test_a_nan_loss_is_named_by_its_step_in_intervals_shortened_by_a_resume_and_checkpoints():
+    """The loss was checked per interval and a NaN named the interval ("between steps 9 and 12"): the step it first
+    appeared at is named, in intervals that a resume mid-interval and checkpoints cut short."""
+    logged, saved = _nan_from_step(0, 1, start=5, checkpoint_every=3, nan_step=10, nan_ranks=[0])
+    assert logged == [6, 8, 9] and saved == [6, 9]
+
+
+def _nan_on_rank_1(rank, world):
+    logged, _ = _nan_from_step(rank, world, start=0, checkpoint_every=0, nan_step=6, nan_ranks=[1])
+    assert logged == [4]
+
+
+def test_a_nan_loss_of_one_rank_is_named_by_its_step_on_every_rank():
+    run_world(2, _nan_on_rank_1, timeout=300)
+
+
+def test_more_steps_than_log_every_without_a_check_is_a_clear_error(tmp_path):
+    """The run keeps one row per step of the interval: a loop that skips after_step is told so."""
+    run = one_process_run(tmp_path, log_every=2)
+    for _ in range(2):
+        run.end_step(torch.tensor(0.5))
+    with pytest.raises(RuntimeError, match=r"^TrainingRun\.end_step: more than trainer\.log_every=2 steps since the "
+                                           r"last loss check: call after_step after every end_step$"):
+        run.end_step(torch.tensor(0.5))
 
 
 def _checkpoint_after_a_lost_wait(rank, world):
@@ -78,12 +154,7 @@ def test_a_fused_ops_unread_error_stops_every_rank_before_a_checkpoint():
 def test_a_run_without_checkpoints_reads_the_error_words_at_its_end(tmp_path, monkeypatch):
     read = []
     monkeypatch.setattr("fused_dlrm.train.schedule.check_every_error_word", lambda: read.append(True))
-    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
-    trainer = OmegaConf.create({"log_every": 5, "eval_every": 0, "checkpoint_every": 0, "max_steps": None,
-                                "progress": False, "resume_from": None})
-    run = TrainingRun(trainer, env, tmp_path, tmp_path / "checkpoints", 0, items="samples", items_per_step=1,
-                      log_fields=lambda interval: ({"loss": 0.0}, ""), evaluate=lambda step: {},
-                      save=lambda step: None, log=logging.getLogger(__name__))
+    run = one_process_run(tmp_path, log_every=5)
     run.end_step(torch.tensor(0.5))
     run.finish()
     assert read == [True]

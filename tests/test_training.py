@@ -246,14 +246,16 @@ class NaNAfterStep(SyntheticCriteo):
 def test_nan_loss_stops_with_message_and_keeps_last_good_checkpoint(tmp_path):
     cfg = config(*SMALL, "trainer.max_steps=40", "trainer.eval_every=0", "trainer.checkpoint_every=10",
                  f"data.train._target_={__name__}.NaNAfterStep")
-    with pytest.raises(NonFiniteLossError, match=r"between steps 11 and 15.*Last good checkpoint: .*step_10"):
+    # the data's step 12 is the run's step 13, inside the interval of steps 11 to 15
+    with pytest.raises(NonFiniteLossError, match=r"^loss became NaN or inf at step 13; .*Last good checkpoint: "
+                                                 r".*step_10"):
         train(cfg, CPU, tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_10"]
     # resumed into a new directory, which holds no checkpoint of its own yet: the one it resumed from is named
     resumed = config(*SMALL, "trainer.max_steps=40", "trainer.eval_every=0", "trainer.checkpoint_every=10",
                      f"data.train._target_={__name__}.NaNAfterStep", f"trainer.resume_from={tmp_path / 'checkpoints'}")
-    with pytest.raises(NonFiniteLossError, match=r"between steps 11 and 15.*Last good checkpoint: .*checkpoints "
-                                                 r"\(this run resumed from it\)"):
+    with pytest.raises(NonFiniteLossError, match=r"^loss became NaN or inf at step 13; .*Last good checkpoint: "
+                                                 r".*checkpoints \(this run resumed from it\)"):
         train(resumed, CPU, tmp_path / "resumed")
 
 
@@ -283,11 +285,11 @@ def test_nan_evaluation_outputs_stop_every_rank(tmp_path):
     run_world(2, _nan_evaluation_stops_every_rank, str(tmp_path), timeout=300)
 
 
-@pytest.mark.parametrize("losses", [[1.0, float("inf"), 2.0], [float("-inf"), 1.0], [float("inf"), float("-inf")],
-                                    [0.5, float("nan")]])
-def test_any_nonfinite_loss_of_an_interval_stops_the_run(tmp_path, losses):
-    """The loss check reads only the interval's summed losses: one NaN, +inf or -inf step (or two infinities of
-    opposite signs) among finite ones must still stop it; finite losses must not."""
+@pytest.mark.parametrize("losses, first_bad", [([1.0, float("inf"), 2.0], 1), ([float("-inf"), 1.0], 0),
+                                               ([float("inf"), float("-inf")], 0), ([0.5, float("nan")], 1)])
+def test_any_nonfinite_loss_of_an_interval_stops_the_run(tmp_path, losses, first_bad):
+    """One NaN, +inf or -inf step (or two infinities of opposite signs) among finite ones stops the run, naming
+    the first of them; finite losses must not."""
     trainer = OmegaConf.create({"log_every": len(losses), "eval_every": 0, "checkpoint_every": 0,
                                 "max_steps": None, "progress": False, "resume_from": None})
     run = TrainingRun(trainer, CPU, tmp_path, tmp_path / "checkpoints", 0, items="samples", items_per_step=1,
@@ -298,7 +300,7 @@ def test_any_nonfinite_loss_of_an_interval_stops_the_run(tmp_path, losses):
     assert run.check_loss() == pytest.approx(sum([0.25, 0.5, 0.75][:len(losses)]) / len(losses))
     for loss in losses:
         run.end_step(torch.tensor(loss))
-    with pytest.raises(NonFiniteLossError, match=f"between steps {len(losses) + 1} and {2 * len(losses)}"):
+    with pytest.raises(NonFiniteLossError, match=f"^loss became NaN or inf at step {len(losses) + 1 + first_bad}; "):
         run.check_loss()
 
 
@@ -315,9 +317,9 @@ def _recording_run(tmp_path: Path, intervals: list, step: int = 0, items_per_ste
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 def test_gradient_norms_are_averaged_and_a_nonfinite_one_stops_the_run(tmp_path, bad):
     """A loop that measures gradient norms (moe/train.py, when it clips) gets their mean over the interval's steps
-    that measured one. A NaN / inf norm stops the run at the interval's check like a NaN loss, although every loss
-    was finite: clipping by an inf norm zeroes every finite gradient (a step that silently moved nothing but
-    momentum and decay) and turns the inf ones, as a NaN norm all of them, into NaN weights."""
+    that measured one. A NaN / inf norm stops the run at the interval's check like a NaN loss, naming its step,
+    although its loss was finite: clipping by an inf norm zeroes every finite gradient (a step that silently moved
+    nothing but momentum and decay) and turns the inf ones, as a NaN norm all of them, into NaN weights."""
     intervals = []
     run = _recording_run(tmp_path, intervals, step=10)
     for norm in (1.5, None, 2.5):  # a step that measured none counts for the loss only
@@ -326,10 +328,11 @@ def test_gradient_norms_are_averaged_and_a_nonfinite_one_stops_the_run(tmp_path,
     run.end_step(torch.tensor(0.5))
     run.check_loss()
     assert [(i.step, i.grad_norm) for i in intervals] == [(13, 2.0), (14, None)]
-    for norm in (1.0, bad, 1.0):
-        run.end_step(torch.tensor(0.5), grad_norm=torch.tensor(norm))
-    with pytest.raises(NonFiniteLossError, match=r"gradient norm became NaN or inf between steps 15 and 17; "
-                                                 r"stopping\. Last good checkpoint: none"):
+    # clipping by a NaN / inf norm makes the next steps' losses (and norms) NaN: the norm's step is named
+    for norm, loss in ((1.0, 0.5), (bad, 0.5), (float("nan"), float("nan"))):
+        run.end_step(torch.tensor(loss), grad_norm=torch.tensor(norm))
+    with pytest.raises(NonFiniteLossError, match=r"^gradient norm became NaN or inf at step 16; stopping\. Last good "
+                                                 r"checkpoint: none$"):
         run.check_loss()
 
 

@@ -1,10 +1,10 @@
 """The bookkeeping every model's training loop shares: `TrainingRun`.
 
-A loop takes its steps and tells the run about each (`end_step`); the run counts steps, sums the loss (and the
-gradient norm, where the loop measures one) on the device, and on the configured cadence (`after_step`) checks them
-(reduced over ranks, NaN/inf stops the run), logs the interval (metrics.jsonl, log line, progress bar), writes a
-checkpoint and evaluates; `finish` does the last of each. What differs between models comes in as three callbacks:
-the interval's log fields, the evaluation and the checkpoint.
+A loop takes its steps and tells the run about each (`end_step`); the run counts steps, keeps each step's loss (and
+gradient norm, where the loop measures one) on the device, and on the configured cadence (`after_step`) checks
+them (reduced over ranks, NaN/inf stops the run, naming the step it first appeared at), logs the interval
+(metrics.jsonl, log line, progress bar), writes a checkpoint and evaluates; `finish` does the last of each. What
+differs between models comes in as three callbacks: the interval's log fields, the evaluation and the checkpoint.
 
 The loss is always checked before a checkpoint is written, and the checkpoint checks the parameters and optimizer
 state (the last step's update came after its loss), so a checkpoint never holds a diverged model. Before every
@@ -34,20 +34,23 @@ from fused_dlrm.config_checks import check_count
 
 log = logging.getLogger(__name__)
 
-def stop_if_nonfinite(loss_sum: float, first_step: int, last_step: int, checkpoint_dir: Path,
-                      resumed_from: str | None, what: str = "loss") -> None:
-    """Stop the run, naming the step range and the last good checkpoint, if any step's `what` (its loss, its
-    gradient norm) was NaN or inf: the sum of the steps' values is then NaN or inf too (a sum of finite ones could
-    only overflow past 3e38)."""
-    if not math.isfinite(loss_sum):
-        raise NonFiniteLossError(f"{what} became NaN or inf between steps {first_step} and {last_step}; stopping. "
-                                 f"Last good checkpoint: {last_good_checkpoint(checkpoint_dir, resumed_from)}")
+def stop_if_nonfinite(rows: list[list[float]], first_step: int, checkpoint_dir: Path, resumed_from: str | None) -> None:
+    """Stop the run, naming the step and the last good checkpoint, if a step's loss or gradient norm was NaN or inf.
+    `rows`: the interval's steps from `first_step` on, each [..., total loss, gradient norm]. The first such step is
+    named, its loss before its norm (a NaN loss makes the norm NaN too); a norm's NaN / inf comes before the losses
+    of the steps after it, which clipping by it made NaN."""
+    for step, row in enumerate(rows, first_step):
+        for what, value in (("loss", row[-2]), ("gradient norm", row[-1])):
+            if not math.isfinite(value):
+                raise NonFiniteLossError(f"{what} became NaN or inf at step {step}; stopping. Last good checkpoint: "
+                                         f"{last_good_checkpoint(checkpoint_dir, resumed_from)}")
 
 
 def check_trainer(trainer: DictConfig) -> None:
     """The settings of cfg.trainer a `TrainingRun` reads, checked before training (not at the first checkpoint): a
     model's check_config runs them before anything is built, so that its report refuses them too."""
-    # every step count is taken modulo log_every (the loss checked at it), eval_every and checkpoint_every
+    # every step count is taken modulo log_every (the loss checked at it: an interval holds at most log_every
+    # steps, one row each), eval_every and checkpoint_every
     check_count("trainer.log_every", trainer.log_every, 1, "a step count >= 1")
     for key, zero in (("eval_every", "the run's last evaluation only"), ("checkpoint_every", "no checkpoints")):
         if trainer[key] is not None:
@@ -139,22 +142,31 @@ class TrainingRun:
         self.metrics = MetricsLog(run_dir, env.is_main)
         self.bar = tqdm(total=trainer.max_steps, initial=step, disable=not (env.is_main and trainer.progress),
                         desc="train")
-        # [sum of each loss term over the interval's steps, sum of the total loss (its NaN / inf check), sum of the
-        # gradient norms passed]
-        self.loss_sum = torch.zeros(loss_terms + 2, device=env.device)
+        # One row per step of the interval, [each loss term, the total loss, the gradient norm passed (else 0)]:
+        # the check names the step a NaN / inf first appeared at. An interval ends at the next multiple of
+        # log_every (or earlier: a checkpoint, the run's end), so log_every rows hold it, however it starts. Each
+        # row's views are made once: end_step's one add per value then costs no indexing on the host.
+        self.step_rows = torch.zeros(self.log_every, loss_terms + 2, device=env.device)
+        self.step_losses = [row[:-1] for row in self.step_rows]
+        self.step_norms = [row[-1] for row in self.step_rows]
         self.interval_start, self.interval_steps, self.interval_items = time.perf_counter(), 0, 0
         self.interval_norms = 0  # the interval's steps that passed a gradient norm
 
     def end_step(self, loss: torch.Tensor, terms: Sequence[torch.Tensor] | None = None,
                  items: int | None = None, grad_norm: torch.Tensor | None = None) -> None:
         """Count a step: its detached total loss (checked for NaN/inf) and the terms to log (default: the loss),
-        summed on the device (no host sync; one op for a lone loss, which both entries take); `items`: what the
-        rate counts in this step, where it is not items_per_step (a file's short last batch); `grad_norm`: its
-        gradient norm, the same on every rank (logged as the interval's mean, checked for NaN/inf: moe/train.py's
-        clipping by a NaN / inf norm writes NaN into the weights while the step's loss is finite)."""
-        self.loss_sum[:-1] += loss if terms is None else torch.stack([*terms, loss])
+        written into the step's row on the device (no host sync; one op for a lone loss, which both entries take);
+        `items`: what the rate counts in this step, where it is not items_per_step (a file's short last batch);
+        `grad_norm`: its gradient norm, the same on every rank (logged as the interval's mean, checked for NaN/inf:
+        moe/train.py's clipping by a NaN / inf norm writes NaN into the weights while the step's loss is finite)."""
+        try:
+            losses = self.step_losses[self.interval_steps]
+        except IndexError:
+            raise RuntimeError(f"TrainingRun.end_step: more than trainer.log_every={self.log_every} steps since the "
+                               f"last loss check: call after_step after every end_step") from None
+        losses += loss if terms is None else torch.stack([*terms, loss])
         if grad_norm is not None:
-            self.loss_sum[-1] += grad_norm
+            self.step_norms[self.interval_steps] += grad_norm
             self.interval_norms += 1
         self.step += 1
         self.interval_steps += 1
@@ -194,19 +206,18 @@ class TrainingRun:
         return self.result
 
     def check_loss(self) -> float:
-        """Reduce the interval's losses over ranks; stop the run on NaN/inf (before any checkpoint is written);
-        log the interval."""
+        """Reduce the interval's losses over ranks (one collective, one copy to the host); stop the run on NaN/inf,
+        naming its step (before any checkpoint is written); log the interval."""
         step, steps, norms = self.step, self.interval_steps, self.interval_norms
-        total = all_reduce_sum(self.loss_sum.clone()).tolist()
-        # the norm first: clipping by a NaN / inf norm makes the next steps' losses NaN too
-        stop_if_nonfinite(total[-1], step - steps + 1, step, self.checkpoint_dir, self.resumed_from, "gradient norm")
-        stop_if_nonfinite(total[-2], step - steps + 1, step, self.checkpoint_dir, self.resumed_from)
+        rows = all_reduce_sum(self.step_rows.clone()).tolist()  # those past the interval's steps hold zeros
+        stop_if_nonfinite(rows[:steps], step - steps + 1, self.checkpoint_dir, self.resumed_from)
+        total = [math.fsum(column) for column in zip(*rows)]
         seconds = time.perf_counter() - self.interval_start
         interval = Interval(step=step, losses=[v / max(steps * self.env.world_size, 1) for v in total[:-2]],
                             step_ms=1000 * seconds / max(steps, 1), rate=self.interval_items / seconds,
                             grad_norm=total[-1] / (norms * self.env.world_size) if norms else None)
         fields, line = self.log_fields(interval)
-        self.loss_sum.zero_()
+        self.step_rows.zero_()
         self.interval_start, self.interval_steps, self.interval_items = time.perf_counter(), 0, 0
         self.interval_norms = 0
         self.result.losses.append((step, fields["loss"]))
