@@ -11,11 +11,12 @@ inside it, or with model.sequence_parallel cut over it) and data-parallel groups
 over the data-parallel ranks (a TP group shares one slice, which under sequence parallelism the model cuts again:
 MoETransformer.local_tokens), and gradients are summed over the ranks holding different tokens
 (MoETransformer.gradient_groups).
-Every `log_every` steps the losses (and the pre-clip gradient norms) are reduced over ranks and checked for NaN/inf,
-and tokens/s, the lr and the expert load are logged; every `eval_every` steps the eval loss is measured (NaN / inf:
-weights that diverged after the loss check, the run stops); every `checkpoint_every` steps a checkpoint is written
-(only after the loss was checked). Only trainer.max_steps is supported (no epochs). The step itself is
-`train_step` (also timed by fused_dlrm/report/moe.py); the bookkeeping around it is a `TrainingRun`
+Every `log_every` steps the steps' losses (and pre-clip gradient norms) are reduced over ranks and checked for
+NaN/inf (naming the first step that held one), and tokens/s, the lr and the expert load are logged; every
+`eval_every` steps the eval loss is measured (NaN / inf: weights that diverged after the loss check, the run stops);
+every `checkpoint_every` steps a checkpoint is written (only after the loss was checked). Only trainer.max_steps
+is supported (no epochs). The step itself is `train_step` (also timed by fused_dlrm/report/moe.py); the
+bookkeeping around it is a `TrainingRun`
 (fused_dlrm/train/schedule.py, shared with the DLRM loop). Host syncs of a step on GPUs: each MoE layer's counts
 (they size its exchanges; with a capacity factor also its kept rows) and, every log_every steps, the loss check; none
 for the batch (a pinned, non-blocking copy); none for clipping (the norm stays on the device: a NaN / inf one stops

@@ -8,9 +8,9 @@ optimizer's step replay CUDA graphs (`trainer.cuda_graphs`: captured by build_mo
 whose lr is new runs eagerly, graphed_step's key), and the same step is called directly
 (`trainer.direct_step`, train/direct_step.py: no autograd around the dense part, the over arch and the loss one
 CUDA graph; `make_train_step` picks it).
-Every `log_every` steps the loss is reduced over ranks and checked for NaN/inf; every `eval_every` steps AUC and
-log loss are measured on held-out data; every `checkpoint_every` steps a checkpoint is written (only after the
-loss was checked).
+Every `log_every` steps the steps' losses are reduced over ranks and checked for NaN/inf (naming the first step
+that held one); every `eval_every` steps AUC and log loss are measured on held-out data; every `checkpoint_every`
+steps a checkpoint is written (only after the loss was checked).
 
 Batches are made `trainer.batches_ahead` ahead by a thread (`BatchesAhead`: generation, or pinning and the
 host-to-device copy, on a stream of its own on GPUs), and with `trainer.input_dist_on_thread` that thread runs
