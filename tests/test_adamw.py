@@ -177,3 +177,19 @@ def test_a_swapped_or_moved_weight_has_its_copy_rewritten_or_dropped():
     AdamW([p], fused=True, lr=1e-2).step()
     want_compute_copy(p, torch.float16)  # marked for another dtype: the bf16 copy goes, the next step writes fp16
     assert compute_copy(p, torch.bfloat16) is None
+
+
+def test_step_hooks_run_once_per_step_beside_torchs_own_adamw():
+    """torch wraps an optimizer class's step with the step hooks when it makes the class's first optimizer: ours
+    calls torch.optim.AdamW's step inside its own, which must not run them again."""
+    torch.optim.AdamW([torch.nn.Parameter(torch.randn(2, device=DEVICE))])  # torch.optim.AdamW.step now wrapped
+    params = _params(8)
+    ours = AdamW(params, fused=True, **HYPER)
+    calls = []
+    ours.register_step_pre_hook(lambda *args: calls.append("pre"))
+    ours.register_step_post_hook(lambda *args: calls.append("post"))
+    generator = torch.Generator().manual_seed(9)
+    for p in params[:2]:
+        p.grad = torch.randn(p.shape, generator=generator).to(DEVICE)
+    ours.step()
+    assert calls == ["pre", "post"]

@@ -39,7 +39,7 @@ class AdamW(torch.optim.AdamW):
         for p, _ in hidden:  # torch's step skips parameters without a gradient
             p.grad = None
         try:
-            super().step()
+            _torch_step(self)
         finally:
             for p, grad in hidden:
                 p.grad = grad
@@ -65,6 +65,15 @@ class AdamW(torch.optim.AdamW):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
+
+
+def _torch_step(optimizer: AdamW) -> None:
+    """torch.optim.AdamW's step without the step hooks: once torch has made an AdamW of its own, it wraps that
+    class's step with them (Optimizer._patch_step_function), and ours, wrapped the same way, has run them already."""
+    step = torch.optim.AdamW.step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__
+    step(optimizer)
 
 
 def _kernel_steps(p: torch.nn.Parameter, group: dict) -> bool:
