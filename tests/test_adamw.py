@@ -193,3 +193,25 @@ def test_step_hooks_run_once_per_step_beside_torchs_own_adamw():
         p.grad = torch.randn(p.shape, generator=generator).to(DEVICE)
     ours.step()
     assert calls == ["pre", "post"]
+
+
+@pytest.mark.parametrize("change", ["a non-contiguous gradient", "a tensor lr"])
+def test_a_weight_with_a_copy_stepped_by_torch_has_its_copy_rewritten(change):
+    """torch's fused step leaves the version counter as it is: a weight the kernel stepped before (so it has a copy)
+    and torch steps now must not be computed with its old copy."""
+    p = torch.nn.Parameter(torch.randn(3, 40, device=DEVICE))
+    want_compute_copy(p, torch.bfloat16)
+    optimizer = AdamW([p], fused=True, **HYPER)
+    generator = torch.Generator().manual_seed(10)
+    p.grad = torch.randn(3, 40, generator=generator).to(DEVICE)
+    optimizer.step()
+    assert compute_copy(p, torch.bfloat16) is not None  # the kernel's step wrote it
+    if change == "a tensor lr":
+        p.grad = torch.randn(3, 40, generator=generator).to(DEVICE)
+        optimizer.param_groups[0]["lr"] = torch.tensor(HYPER["lr"], device=DEVICE)
+    else:
+        p.grad = torch.randn(40, 3, generator=generator).to(DEVICE).t()
+    before = p.detach().clone()
+    optimizer.step()
+    assert not torch.equal(p.detach(), before)  # torch stepped it
+    assert torch.equal(compute_weight(p, torch.bfloat16), p.detach().to(torch.bfloat16))

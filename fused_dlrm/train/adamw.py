@@ -21,7 +21,8 @@ class AdamW(torch.optim.AdamW):
     The kernel takes a parameter when it is marked for a copy, fp32 and contiguous on a device Triton runs on (CUDA;
     the interpreter's CPU in the tests) with a dense fp32 gradient of the same layout, in a `fused=True` group (the
     step count lives on the device) without amsgrad, maximize or a tensor lr. Any other parameter steps through
-    torch and gets no copy (the model casts it at each use, as without copies)."""
+    torch and gets no copy (the model casts it at each use, as without copies); a copy an earlier step wrote is
+    rewritten at its next use."""
 
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)
@@ -40,6 +41,8 @@ class AdamW(torch.optim.AdamW):
             p.grad = None
         try:
             _torch_step(self)
+            for p in (p for group in self.param_groups for p in group["params"] if p.grad is not None):
+                compute_copies.written_unseen(p)  # torch stepped it; its fused step leaves the version counter
         finally:
             for p, grad in hidden:
                 p.grad = grad

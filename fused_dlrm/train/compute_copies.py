@@ -11,7 +11,7 @@ optimizer's kernel leaves the counter (it records the version after writing), ev
 (copy_, load_state_dict, a checkpoint's load, foreach ops), and `param.data = ...` moves the address, so such a change
 is seen and the copy rewritten at its next use (a copy of another shape or device is dropped). In-place writes to
 `param.data` are not seen, nor are torch's fused optimizers' (their kernels leave the counter too): stepping a
-parameter that has a copy with another optimizer leaves the copy stale.
+parameter that has a copy with another optimizer leaves the copy stale (the AdamW's own torch steps mark it).
 
 The copy is not in autograd's graph: callers route the gradient to the parameter themselves (custom autograd
 Functions that take the parameter as an input, as the MoE experts' do).
@@ -57,6 +57,14 @@ def copy_to_write(param: torch.nn.Parameter) -> torch.Tensor:
 def written(param: torch.nn.Parameter) -> None:
     """The optimizer's: the copy now holds the parameter as it is."""
     param.compute_copy.written_at = _state(param)
+
+
+def written_unseen(param: torch.nn.Parameter) -> None:
+    """The optimizer's: param was updated by a write its version counter does not show (torch's fused step): its
+    copy, if any, is rewritten at its next use."""
+    copy = _copy(param)
+    if copy is not None:
+        copy.written_at = None
 
 
 def refresh_compute_copy(param: torch.nn.Parameter) -> None:
