@@ -169,7 +169,9 @@ class SwiGLUExperts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """x: [sum(tokens_per_expert), d_model], expert e's rows contiguous and in expert order. The experts
         compute in x's dtype (the weights are cast to it: mixed precision keeps them fp32)."""
-        if len(tokens_per_expert) != self.num_experts or sum(tokens_per_expert) != x.shape[0]:
+        # torch._grouped_mm takes the group ends as they come: a negative count would mix experts' rows silently
+        if (len(tokens_per_expert) != self.num_experts or sum(tokens_per_expert) != x.shape[0]
+                or min(tokens_per_expert, default=0) < 0):
             raise ValueError(f"tokens_per_expert {tokens_per_expert} does not describe {self.num_experts} experts "
                              f"and {x.shape[0]} rows")
         if x.is_cuda and _grouped_mm_works(x.device, x.dtype, self.w13.shape[1], self.w2.shape[1]):

@@ -106,6 +106,14 @@ def test_w13_holds_each_experts_seeded_w1_then_w3_and_a_slice_equals_the_whole()
     assert torch.equal(part.w13, whole.w13[2:]) and torch.equal(part.w2, whole.w2[2:])
 
 
+def test_negative_row_counts_are_refused():
+    """torch._grouped_mm (the GPU's path) takes the group ends as given: counts that sum to the rows but hold a
+    negative one gave an output of mixed-up experts without an error."""
+    layer = SwiGLUExperts(2, 8, 6)
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        layer(torch.randn(6, 8), [-1, 7])
+
+
 def experts_case(rows_dtype, param_dtype, counts, d_model=32, ffn=24, seed=0):
     """Rows, parameters (leaves) and an output gradient; the float64 loop's output and gradients from the same
     rounded inputs (the weights as the experts compute with them: cast to the rows' dtype)."""
