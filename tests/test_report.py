@@ -153,6 +153,20 @@ def test_moe_report_in_mixed_precision(tmp_path):
     assert moe["bulk"]["fwd_ms"] > 0 and moe["bulk"]["fwd_bwd_ms"] > 0
 
 
+def _not_json(constant: str):
+    raise ValueError(f"report.json holds {constant}, which strict JSON parsers refuse")
+
+
+def test_report_json_is_strict_json_with_an_infinite_setting(tmp_path):
+    """A setting training takes as inf (model.clip_grad=inf: the norm measured, never clipped) is recorded in the
+    resolved config; report.json stays JSON that strict parsers read (no Infinity / NaN literals), the value as
+    the override spells it."""
+    report_main([*MOE, "model.clip_grad=inf", f"hydra.run.dir={tmp_path}"])
+    report = json.loads((tmp_path / "report.json").read_text(), parse_constant=_not_json)
+    assert report["config"]["model"]["clip_grad"] == "inf"
+    assert report["layers"][0]["bulk"]["fwd_ms"] > 0
+
+
 @pytest.mark.parametrize("overrides, error", [
     # the fused column has p2p only: timed as p2p under the user's nvshmem it would report a run training refuses
     (["comm=fused", "comm.transport=nvshmem"],

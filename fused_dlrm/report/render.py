@@ -4,6 +4,7 @@ the overrides and the config) and report.png (bulk against fused per layer, and 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import socket
@@ -49,8 +50,20 @@ def environment(env: DistEnv) -> dict:
                          "triton": triton.__version__, "torchrec": torchrec.__version__}}
 
 
+def _finite(value):
+    """`value` with every non-finite float (a setting of inf: model.clip_grad=inf) as the string an override spells
+    it with ("inf", "-inf", "nan"): JSON has no such numbers, and strict parsers refuse Python's Infinity / NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def write_json(report: dict, path: Path) -> None:
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    path.write_text(json.dumps(_finite(report), indent=1, allow_nan=False) + "\n")
 
 
 def _bytes(n: int | None) -> str:
