@@ -25,6 +25,13 @@ def check_seed(seed: object) -> None:
     check_count("seed", seed, 0, "a whole number in [0, 2**32)", 2**32 - 1)
 
 
+def check_comm_mode(mode: object) -> None:
+    """comm.mode, before anything is built: the report sets it per column itself, so a typo it did not refuse would
+    be timed as both modes."""
+    if mode not in ("bulk", "fused"):
+        raise ValueError(f"unknown comm.mode {mode!r}: expected bulk or fused")
+
+
 def is_finite_at_least_zero(value: object) -> bool:
     """A real number (not YAML's true / false, which Python counts as 1 / 0), finite and >= 0: a coefficient or
     factor of the config (NaN compares false with everything, so `value >= 0` alone lets it through)."""

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from fused_dlrm.config_checks import check_count, check_seed, is_finite_at_least_zero
+from fused_dlrm.config_checks import check_comm_mode, check_count, check_seed, is_finite_at_least_zero
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.dist.alltoall import world_size
@@ -72,6 +72,7 @@ def check_config(cfg: DictConfig) -> None:
     check_seed(cfg.seed)
     # the loss of no batch would be 0 / 0, and every run ends with an evaluation
     check_count("data.eval_batches", cfg.data.eval_batches, 1, "a count >= 1: the evaluation needs at least one batch")
+    check_comm_mode(cfg.comm.mode)
     check_grad_allreduce(cfg.comm.grad_allreduce)
     if m.clip_grad is not None and not m.clip_grad >= 0:  # NaN too
         raise ValueError(f"model.clip_grad={m.clip_grad!r}: expected a norm >= 0 (null or 0: no clipping)")

@@ -171,6 +171,8 @@ def test_report_json_is_strict_json_with_an_infinite_setting(tmp_path):
     # the fused column has p2p only: timed as p2p under the user's nvshmem it would report a run training refuses
     (["comm=fused", "comm.transport=nvshmem"],
      "comm.transport=nvshmem: the MoE layers' fused dispatch and combine have the p2p transport only"),
+    # the report sets comm.mode for each column itself: a typo is refused, as training refuses it, not timed
+    (["comm.mode=fuse"], "unknown comm.mode 'fuse': expected bulk or fused"),
     (["model.clip_grad=-1.0"], "model.clip_grad=-1.0: expected a norm >= 0"),
     (["model.lr_schedule.decay=cos"], "decay='cos': expected constant, linear or cosine"),
     (["model.lr_schedule.min_lr=0.01"], "min_lr=0.01: expected 0 <= min_lr <= the optimizer's lr 0.003"),

@@ -13,6 +13,7 @@ from torch import nn
 from torchrec import EmbeddingBagConfig
 from torchrec.datasets.utils import Batch
 
+from fused_dlrm.config_checks import check_comm_mode
 from fused_dlrm.data import local_batch_bounds
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.dist.env import of_every_rank, raise_on_every_rank
@@ -88,10 +89,9 @@ def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
 
 def fused_comm(comm: DictConfig) -> FusedCommConfig | None:
     """None for comm=bulk; the fused exchange's settings for comm=fused."""
+    check_comm_mode(comm.mode)
     if comm.mode == "bulk":
         return None
-    if comm.mode != "fused":
-        raise ValueError(f"unknown comm.mode {comm.mode!r}: expected bulk or fused")
     return FusedCommConfig(transport=comm.transport, num_programs=comm.num_programs,
                            wait_timeout_spins=comm.wait_timeout_spins, allocation_timeout_s=comm.allocation_timeout_s)
 
