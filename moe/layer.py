@@ -48,6 +48,7 @@ import torch.distributed as dist
 import triton
 from torch import nn
 
+from fused_dlrm.config_checks import check_count
 from fused_dlrm.dist import all_to_all_v, exchange_counts
 from fused_dlrm.dist.alltoall import world_size
 from fused_dlrm.dist.host_copy import PendingHostCopy
@@ -126,7 +127,19 @@ class FusedMoEConfig:
     # each row's routing weight gradient (4 bytes) (moe.kernels.fused_combine); else rows.
 
     def __post_init__(self):
-        check_spin_limit(self.wait_timeout_spins, "comm.wait_timeout_spins")  # before anything is built
+        """Refused before anything is built, with or without a GPU (training's and the report's configs)."""
+        check_spin_limit(self.wait_timeout_spins, "comm.wait_timeout_spins")
+        if self.num_programs is not None:  # 0 was taken as None
+            check_count("comm.num_programs", self.num_programs, 1,
+                        "a whole number >= 1 or null (the dispatch push's default, one per SM for the combine)")
+        if self.dispatch not in ("auto", "rows", "tokens"):
+            raise ValueError(f"FusedMoEConfig.dispatch={self.dispatch!r}: expected 'auto', 'rows' or 'tokens'")
+        if self.combine not in ("auto", "rows"):
+            raise ValueError(f"FusedMoEConfig.combine={self.combine!r}: expected 'auto' or 'rows'")
+        if self.dispatch == "tokens" and self.max_tokens_per_rank is None:
+            raise ValueError("FusedMoEConfig.dispatch='tokens' sizes its buffers by max_tokens_per_rank: set it")
+        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank={self.max_tokens_per_rank} must be positive")
 
 
 class MoELayer(nn.Module):
@@ -170,14 +183,6 @@ class MoELayer(nn.Module):
                     raise RuntimeError("comm=fused needs CUDA GPUs under torchrun (symmetric memory); use comm=bulk "
                                        "on the CPU")
                 workspace = cuda_workspace(group, fused.allocation_timeout_s)
-            if fused.dispatch not in ("auto", "rows", "tokens"):
-                raise ValueError(f"FusedMoEConfig.dispatch={fused.dispatch!r}: expected 'auto', 'rows' or 'tokens'")
-            if fused.combine not in ("auto", "rows"):
-                raise ValueError(f"FusedMoEConfig.combine={fused.combine!r}: expected 'auto' or 'rows'")
-            if fused.dispatch == "tokens" and fused.max_tokens_per_rank is None:
-                raise ValueError("FusedMoEConfig.dispatch='tokens' sizes its buffers by max_tokens_per_rank: set it")
-            if fused.max_tokens_per_rank is not None and fused.max_tokens_per_rank < 1:
-                raise ValueError(f"max_tokens_per_rank={fused.max_tokens_per_rank} must be positive")
             spins = fused.wait_timeout_spins
             by_token = fused.max_tokens_per_rank if fused.dispatch != "rows" else None
             self.dispatch = FusedDispatch(workspace, d_model, ffn, self.num_local_experts,

@@ -173,6 +173,11 @@ def test_report_json_is_strict_json_with_an_infinite_setting(tmp_path):
      "comm.transport=nvshmem: the MoE layers' fused dispatch and combine have the p2p transport only"),
     # the report sets comm.mode for each column itself: a typo is refused, as training refuses it, not timed
     (["comm.mode=fuse"], "unknown comm.mode 'fuse': expected bulk or fused"),
+    # the fused column's settings, refused where no fused column is built (the CPU) as training refuses them
+    (["comm=fused", "comm.wait_timeout_spins=0"], "comm.wait_timeout_spins=0: expected a whole number of polls"),
+    (["comm=fused", "comm.moe_dispatch=row"], "dispatch='row': expected 'auto', 'rows' or 'tokens'"),
+    (["comm=fused", "comm.moe_combine=tokens"], "combine='tokens': expected 'auto' or 'rows'"),
+    (["comm=fused", "comm.num_programs=0"], r"comm.num_programs=0: expected a whole number >= 1 or null"),
     (["model.clip_grad=-1.0"], "model.clip_grad=-1.0: expected a norm >= 0"),
     (["model.lr_schedule.decay=cos"], "decay='cos': expected constant, linear or cosine"),
     (["model.lr_schedule.min_lr=0.01"], "min_lr=0.01: expected 0 <= min_lr <= the optimizer's lr 0.003"),

@@ -97,6 +97,7 @@ class _Run:
 
 def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
     check_config(cfg)  # what training refuses is not timed
+    fused_moe_config(with_modes(cfg, "fused"), env)  # the fused column's settings, refused as training's, built or not
     m = cfg.model
     bulk_cfg = with_modes(cfg, "bulk")
     bulk = _Run(bulk_cfg, env, build_model(bulk_cfg, env), run_dir, "nccl")
