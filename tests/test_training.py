@@ -652,6 +652,11 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
     (["trainer.epochs=1", "data.steps_per_epoch=true"], r"data.steps_per_epoch=True: expected a step count >= 1"),
     (["data.global_batch_size=true"], r"global_batch_size must be an integer, got True"),
     (["model.num_rows=true"], r"every table needs a whole number of rows >= 1, got True"),
+    # true built one table; 0 failed in torchrec's assert, the dense ones in torch (randn's or Linear's arguments)
+    (["data.num_sparse=true"], r"data.num_sparse=True: expected a whole number >= 1 of sparse features"),
+    (["data.num_sparse=0"], r"data.num_sparse=0: expected a whole number >= 1 of sparse features"),
+    (["data.num_dense=true"], r"data.num_dense=True: expected a whole number >= 1 of dense features"),
+    (["data.num_dense=2.5"], r"data.num_dense=2.5: expected a whole number >= 1 of dense features"),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else "")
 def test_counts_that_are_no_whole_number_are_refused(tmp_path, overrides, error):
     with pytest.raises(ValueError, match=error):

@@ -13,7 +13,7 @@ from torch import nn
 from torchrec import EmbeddingBagConfig
 from torchrec.datasets.utils import Batch
 
-from fused_dlrm.config_checks import check_comm_mode
+from fused_dlrm.config_checks import check_comm_mode, check_count
 from fused_dlrm.data import local_batch_bounds
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.dist.env import of_every_rank, raise_on_every_rank
@@ -41,6 +41,8 @@ def compose_config(overrides: Sequence[str], return_hydra_config: bool = False) 
 
 
 def feature_names(data_cfg: DictConfig) -> list[str]:
+    # YAML's true would be one feature; 0 failed in torchrec's assert, naming no key
+    check_count("data.num_sparse", data_cfg.num_sparse, 1, "a whole number >= 1 of sparse features")
     return [f"cat_{i}" for i in range(data_cfg.num_sparse)]
 
 
@@ -74,6 +76,8 @@ def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     tables = config_tables(cfg)  # their settings checked (model.embedding_dim: a width, before it is compared)
     if m.dense_arch[-1] != m.embedding_dim:  # the interaction takes the bottom MLP's output as one more embedding
         raise ValueError(f"model.dense_arch={list(m.dense_arch)} must end in model.embedding_dim={m.embedding_dim}")
+    # a float or YAML's true failed in torch (the dense arch's Linear, or the data's randn), naming no key
+    check_count("data.num_dense", cfg.data.num_dense, 1, "a whole number >= 1 of dense features")
     check_allocation_timeout(cfg.comm.allocation_timeout_s)  # before build_dlrm allocates the tables
     model = build_dlrm(tables, cfg.data.num_dense, m.dense_arch, m.over_arch,
                        embedding_optimizers(cfg, tables), env.device, seed=cfg.seed,
