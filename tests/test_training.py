@@ -613,6 +613,9 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
                                    r"hidden teacher"),
             (["data.eval.mean_pooling=1.0", "data.eval.zipf_alpha=0.5"],
              r"data.eval.mean_pooling=1.0, data.train's 3.0; data.eval.zipf_alpha=0.5, data.train's 1.05: its samples"),
+            # the evaluation's samples the first training batches (an AUC of 0.97 after 2 steps)
+            (["data.eval.split=train"], r"data.eval.split=train is data.train's: the evaluation would score the "
+                                        r"first data.eval_batches training batches"),
             (["comm.grad_allreduce=q7"], "comm.grad_allreduce='q7': expected one of"),
             (["model.pooling=max"], r"model.pooling='max': expected one of \('sum', 'mean'\)"),
             (["model.data_type=int8"], r"model.data_type='int8': expected one of"),

@@ -202,11 +202,20 @@ def check_same_teacher(train_data, eval_data) -> None:
                          f"of data.train (data.eval.split already makes its samples its own)")
 
 
+def check_own_eval_samples(train_data, eval_data) -> None:
+    """Synthetic evaluation data of the training data's split draws the training samples (a batch is a function of
+    seed, split, step and rank): its AUC would score the first training batches, not what the model learned."""
+    if getattr(eval_data, "split", None) is not None and eval_data.split == getattr(train_data, "split", None):
+        raise ValueError(f"data.eval.split={eval_data.split} is data.train's: the evaluation would score the first "
+                         "data.eval_batches training batches; give data.eval a split of its own (eval)")
+
+
 def build_data(cfg: DictConfig, env: DistEnv) -> tuple:
-    """The train dataset (`build_train_data`) and the eval one, labelled alike (`check_same_teacher`); trainer.epochs
-    with step-indexed data needs data.steps_per_epoch."""
+    """The train dataset (`build_train_data`) and the eval one, labelled alike (`check_same_teacher`) and of samples
+    of its own (`check_own_eval_samples`); trainer.epochs with step-indexed data needs data.steps_per_epoch."""
     train_data, eval_data = build_train_data(cfg, env), build_dataset(cfg, "eval", env)
     check_same_teacher(train_data, eval_data)
+    check_own_eval_samples(train_data, eval_data)
     if cfg.trainer.max_steps is None and hasattr(train_data, "batch") and not cfg.data.get("steps_per_epoch"):
         raise ValueError("trainer.epochs with step-indexed (synthetic) data counts epochs of data.steps_per_epoch "
                          "steps: set it (>= 1), or trainer.max_steps; without it the run would never end")
