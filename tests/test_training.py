@@ -616,6 +616,8 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
             # the evaluation's samples the first training batches (an AUC of 0.97 after 2 steps)
             (["data.eval.split=train"], r"data.eval.split=train is data.train's: the evaluation would score the "
                                         r"first data.eval_batches training batches"),
+            # an OverflowError naming no key
+            (["data.train.mean_pooling=inf"], r"mean_pooling must be finite and >= 0, got \[inf, inf"),
             (["comm.grad_allreduce=q7"], "comm.grad_allreduce='q7': expected one of"),
             (["model.pooling=max"], r"model.pooling='max': expected one of \('sum', 'mean'\)"),
             (["model.data_type=int8"], r"model.data_type='int8': expected one of"),

@@ -12,6 +12,7 @@ learn something (its AUC rises well above 0.5).
 from __future__ import annotations
 
 import hashlib
+import math
 import numbers
 from collections.abc import Iterator, Sequence
 
@@ -96,8 +97,8 @@ class SyntheticCriteo:
             raise ValueError(
                 f"mean_pooling has {len(mean_pooling)} values, expected 1 or {len(feature_names)} (one per feature)"
             )
-        if any(not m >= 0 for m in mean_pooling):
-            raise ValueError(f"mean_pooling must be >= 0, got {mean_pooling}")
+        if any(not 0 <= m < math.inf for m in mean_pooling):  # inf: an OverflowError in round(2 * m)
+            raise ValueError(f"mean_pooling must be finite and >= 0, got {mean_pooling}")
         if num_dense < 1:
             raise ValueError(f"num_dense must be >= 1, got {num_dense}")
         if not zipf_alpha >= 0:
