@@ -617,6 +617,25 @@ def test_a_corpus_one_node_lacks_stops_every_rank(tmp_path):
     run_world(2, _corpus_one_node_lacks, str(tmp_path), timeout=120)
 
 
+def _corpus_copies_that_differ(rank: int, world: int, tmp: str) -> None:
+    """Each rank reads its own copy of the corpus (as ranks on other nodes do; so too the stdlib corpus of nodes with
+    other Pythons): rank 1's holds other bytes of the same size. Each rank drew its slice of the windows from its
+    own bytes, the global batch of no corpus, without a word."""
+    path = Path(tmp) / f"copy_{rank}.txt"
+    corpus = bytearray(bytes(range(256)) * 1200)
+    corpus[5000] ^= rank  # one byte differs: the same size
+    path.write_bytes(corpus)
+    digest = r"\(blake2b [0-9a-f]{16}\)"
+    with pytest.raises(ValueError, match=rf"rank {rank}: the corpus differs between ranks: rank 1's 307200 bytes "
+                                         rf"{digest}, rank 0's 307200 bytes {digest} \(this rank's: .*copy_{rank}.txt"
+                                         rf"\); every rank must train on the same"):
+        train(config(*SMALL, "trainer.max_steps=2", f"data.path={path}"), _gloo(rank, world), Path(tmp) / f"r{rank}")
+
+
+def test_corpus_copies_that_differ_between_ranks_are_refused(tmp_path):
+    run_world(2, _corpus_copies_that_differ, str(tmp_path), timeout=120)
+
+
 def _a_token_outside_the_vocabulary(rank: int, world: int) -> None:
     """Rank 1's batch holds a token id past the vocabulary (then one below 0): a step, an evaluation forward, and
     under sequence parallelism (rank 1's half of the shared batch), raise on every rank, naming rank 1 and the
