@@ -45,14 +45,16 @@ def test_a_run_that_starts_at_or_past_max_steps_says_so(tmp_path, caplog):
         assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == expected
 
 
-def one_process_run(run_dir: Path, log_every: int) -> TrainingRun:
-    """A run of one process from step 0, logging every `log_every` steps, without checkpoints or evaluations."""
+def one_process_run(run_dir: Path, log_every: int, intervals: list | None = None) -> TrainingRun:
+    """A run of one process from step 0, logging every `log_every` steps (each Interval into `intervals`), without
+    checkpoints or evaluations."""
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
     trainer = OmegaConf.create({"log_every": log_every, "eval_every": 0, "checkpoint_every": 0, "max_steps": None,
                                 "progress": False, "resume_from": None})
+    kept = [] if intervals is None else intervals
     return TrainingRun(trainer, env, run_dir, run_dir / "checkpoints", 0, items="samples", items_per_step=1,
-                       log_fields=lambda interval: ({"loss": 0.0}, ""), evaluate=lambda step: {},
-                       save=lambda step: None, log=logging.getLogger(__name__))
+                       log_fields=lambda interval: kept.append(interval) or ({"loss": interval.losses[0]}, ""),
+                       evaluate=lambda step: {}, save=lambda step: None, log=logging.getLogger(__name__))
 
 
 def step_terms(rank: int, step: int) -> list[float]:
@@ -117,6 +119,28 @@ def test_more_steps_than_log_every_without_a_check_is_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match=r"^TrainingRun\.end_step: more than trainer\.log_every=2 steps since the "
                                            r"last loss check: call after_step after every end_step$"):
         run.end_step(torch.tensor(0.5))
+
+
+def test_a_log_interval_past_the_runs_steps_holds_only_the_steps_taken(tmp_path):
+    """trainer.log_every far past the steps a run takes (its loss logged at the end only), as before the rows per
+    step: their allocation at the start, log_every rows, failed (here 13 TB; 10**6 steps took seconds and memory).
+    The steps' mean is logged at the end, and a NaN is named by its step past the first rows."""
+    intervals = []
+    run = one_process_run(tmp_path / "finite", 2**40, intervals)
+    losses = torch.tensor([step_terms(0, step)[0] for step in range(1, 38)], dtype=torch.float32)
+    for loss in losses:
+        run.end_step(loss)
+        run.after_step()
+    run.finish()
+    mean = math.fsum(losses.tolist()) / len(losses)
+    assert [interval.step for interval in intervals] == [37]
+    assert abs(intervals[0].losses[0] - mean) <= 1e-6 * mean, (intervals[0].losses, mean)
+    run = one_process_run(tmp_path / "nan", 2**40)
+    with pytest.raises(NonFiniteLossError, match=r"^loss became NaN or inf at step 29; stopping\. "):
+        for step, loss in enumerate(losses, 1):
+            run.end_step(torch.tensor(float("nan")) if step >= 29 else loss)
+            run.after_step()
+        run.finish()
 
 
 def _checkpoint_after_a_lost_wait(rank, world):

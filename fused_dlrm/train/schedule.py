@@ -144,11 +144,11 @@ class TrainingRun:
                         desc="train")
         # One row per step of the interval, [each loss term, the total loss, the gradient norm passed (else 0)]:
         # the check names the step a NaN / inf first appeared at. An interval ends at the next multiple of
-        # log_every (or earlier: a checkpoint, the run's end), so log_every rows hold it, however it starts. Each
-        # row's views are made once: end_step's one add per value then costs no indexing on the host.
-        self.step_rows = torch.zeros(self.log_every, loss_terms + 2, device=env.device)
-        self.step_losses = [row[:-1] for row in self.step_rows]
-        self.step_norms = [row[-1] for row in self.step_rows]
+        # log_every (or earlier: a checkpoint, the run's end), so log_every rows hold it, however it starts; they
+        # are made as intervals reach them (add_rows: a log_every past the run's steps costs nothing). Each row's
+        # views are made once: end_step's one add per value then costs no indexing on the host.
+        self.step_rows = torch.zeros(0, loss_terms + 2, device=env.device)
+        self.step_losses, self.step_norms = [], []
         self.interval_start, self.interval_steps, self.interval_items = time.perf_counter(), 0, 0
         self.interval_norms = 0  # the interval's steps that passed a gradient norm
 
@@ -159,12 +159,9 @@ class TrainingRun:
         `items`: what the rate counts in this step, where it is not items_per_step (a file's short last batch);
         `grad_norm`: its gradient norm, the same on every rank (logged as the interval's mean, checked for NaN/inf:
         moe/train.py's clipping by a NaN / inf norm writes NaN into the weights while the step's loss is finite)."""
-        try:
-            losses = self.step_losses[self.interval_steps]
-        except IndexError:
-            raise RuntimeError(f"TrainingRun.end_step: more than trainer.log_every={self.log_every} steps since the "
-                               f"last loss check: call after_step after every end_step") from None
-        losses += loss if terms is None else torch.stack([*terms, loss])
+        if self.interval_steps == len(self.step_losses):
+            self.add_rows()
+        self.step_losses[self.interval_steps] += loss if terms is None else torch.stack([*terms, loss])
         if grad_norm is not None:
             self.step_norms[self.interval_steps] += grad_norm
             self.interval_norms += 1
@@ -172,6 +169,18 @@ class TrainingRun:
         self.interval_steps += 1
         self.interval_items += self.items_per_step if items is None else items
         self.bar.update(1)
+
+    def add_rows(self) -> None:
+        """Twice the rows (16 at first), up to log_every, the interval's so far copied on the device (no host sync)."""
+        held = len(self.step_losses)
+        if held == self.log_every:
+            raise RuntimeError(f"TrainingRun.end_step: more than trainer.log_every={self.log_every} steps since the "
+                               f"last loss check: call after_step after every end_step")
+        rows = self.step_rows.new_zeros(min(max(2 * held, 16), self.log_every), self.step_rows.shape[1])
+        rows[:held] = self.step_rows
+        self.step_rows = rows
+        self.step_losses = [row[:-1] for row in rows]
+        self.step_norms = [row[-1] for row in rows]
 
     def after_step(self) -> None:
         """What this step's number calls for: a loss check (every log_every steps and before every checkpoint),
