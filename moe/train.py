@@ -393,7 +393,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
                                                                m.z_coeff, cfg.comm.grad_allreduce, m.clip_grad)
         if num_moe_layers:
             expert_load += torch.stack(tokens_per_expert)
-        run.end_step(loss, terms, grad_norm=grad_norm)  # step += 1; the losses (and norm) summed on the device
+        run.end_step(loss, terms, grad_norm=grad_norm)  # step += 1; its losses (and norm) kept on the device
         run.after_step()  # on its cadence: loss check (NaN stop) and log, checkpoint, evaluation
         scheduler.step()  # the next step's lr
     return run.finish()  # the last loss check, evaluation and checkpoint

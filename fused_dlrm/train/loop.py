@@ -343,7 +343,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
             if isinstance(batch, Exception):  # prefetch off: where the forward would distribute it, every rank raises
                 sparse.bags_of(batch)
             loss = run_step(batch)
-            run.end_step(loss, items=sparse.global_batch_size)  # step += 1; the loss summed on the device
+            run.end_step(loss, items=sparse.global_batch_size)  # step += 1; its loss kept on the device
             if schedule:
                 schedule.step()  # the next step's lr, dense and embedding
             try:
