@@ -127,7 +127,8 @@ class FusedMoEConfig:
     # each row's routing weight gradient (4 bytes) (moe.kernels.fused_combine); else rows.
 
     def __post_init__(self):
-        """Refused before anything is built, with or without a GPU (training's and the report's configs)."""
+        """Bad settings refused here, before anything is built, with or without a GPU (training's and the
+        report's configs)."""
         check_spin_limit(self.wait_timeout_spins, "comm.wait_timeout_spins")
         if self.num_programs is not None:  # 0 was taken as None
             check_count("comm.num_programs", self.num_programs, 1,
