@@ -142,6 +142,16 @@ class FusedMoEConfig:
         if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank={self.max_tokens_per_rank} must be positive")
 
+    @property
+    def dispatches_by_token(self) -> bool:
+        """Whether the dispatch goes by token: "tokens", or "auto" with max_tokens_per_rank."""
+        return self.dispatch != "rows" and self.max_tokens_per_rank is not None
+
+    @property
+    def combines_by_token(self) -> bool:
+        """Whether the combine (and its backward) goes by token: "auto" with the dispatch by token."""
+        return self.combine == "auto" and self.dispatches_by_token
+
 
 class MoELayer(nn.Module):
     def __init__(self, d_model: int, ffn: int, num_experts: int, top_k: int, group: dist.ProcessGroup | None = None,
@@ -185,13 +195,13 @@ class MoELayer(nn.Module):
                                        "on the CPU")
                 workspace = cuda_workspace(group, fused.allocation_timeout_s)
             spins = fused.wait_timeout_spins
-            by_token = fused.max_tokens_per_rank if fused.dispatch != "rows" else None
+            by_token = fused.max_tokens_per_rank if fused.dispatches_by_token else None
             self.dispatch = FusedDispatch(workspace, d_model, ffn, self.num_local_experts,
                                           fused.num_programs or DISPATCH_PUSH_PROGRAMS, spins, max_tokens=by_token,
                                           top_k=top_k, describe_refused=partial(refused_message, self.rank))
             self.combine = FusedCombine(workspace, d_model, self.num_local_experts,
                                         fused.num_programs or _combine_programs(workspace.device), spins,
-                                        max_tokens=by_token if fused.combine == "auto" else None, top_k=top_k)
+                                        max_tokens=by_token if fused.combines_by_token else None, top_k=top_k)
             self._dispatch_graphs = GraphedCalls() if fused.cuda_graphs and workspace.device.type == "cuda" else None
             self.max_tokens = fused.max_tokens_per_rank
             if self.max_tokens is not None:
