@@ -17,17 +17,19 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from fused_dlrm.dist import DistEnv
+from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.report.__main__ import main as report_main
 from fused_dlrm.report.dlrm import dlrm_layers
 from fused_dlrm.report.layers import STEP, CommLayer, grad_allreduce_layer
 from fused_dlrm.report.measure import measure_layer
-from fused_dlrm.report.moe import moe_layers
+from fused_dlrm.report.moe import moe_bytes_sent, moe_layers, routes_per_owner, with_modes
 from fused_dlrm.report import render
 from fused_dlrm.report.render import environment, markdown, write_json, write_png
 from fused_dlrm.train.build import compose_config
 from fused_dlrm.train.loop import train as train_dlrm
-from moe.layer import REFUSAL_WORDS
+from moe.layer import REFUSAL_WORDS, FusedMoEConfig, MoELayer
 from moe.train import build_model as build_moe
+from moe.train import fused_moe_config
 from moe.train import train as train_moe
 from moe.transformer import expert_parameters
 from test_batch_not_made import criteo_file
@@ -498,6 +500,153 @@ def _codec_bytes(rank: int, world: int) -> None:
 
 def test_a_codecs_bytes_and_speed_of_light_are_its_encoded_messages():
     run_world(2, _codec_bytes, timeout=300)
+
+
+def _enumerated_moe_bytes(routings: list[tuple[torch.Tensor, torch.Tensor]], rank: int, local_experts: int,
+                          row_bytes: int, dispatch_by_token: bool, combine_by_token: bool) -> dict[str, int]:
+    """What `rank` sends in one MoE layer, token by token, from the kernels' protocol (moe/kernels/fused_dispatch.py,
+    fused_combine.py): routings[s] = (expert ids [tokens, k], kept [tokens, k]) of source s. A token's n kept rows on
+    another owner: the dispatch by row sends n rows, by token one row and n (int32 id, fp32 weight); the combine
+    sends back n rows, by token one summed row. Backward: the source sends the output gradient n times (by row) or
+    once (by token); the owner sends each row's input gradient, by token also each row's routing weight gradient
+    as an int64 word."""
+    fwd = bwd = 0
+    for source, (ids, kept) in enumerate(routings):
+        for token in range(ids.shape[0]):
+            owners = [int(e) // local_experts for e, k in zip(ids[token], kept[token]) if k]
+            for owner in set(owners) - {source}:
+                n = owners.count(owner)
+                if source == rank:
+                    fwd += row_bytes + 8 * n if dispatch_by_token else n * row_bytes
+                    bwd += row_bytes if combine_by_token else n * row_bytes
+                if owner == rank:
+                    fwd += row_bytes if combine_by_token else n * row_bytes
+                    bwd += n * row_bytes + (8 * n if combine_by_token else 0)
+    return {"fwd": fwd, "fwd_bwd": fwd + bwd}
+
+
+def _routing(ids: list[list[int]], dropped: list[tuple[int, int]] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    expert_ids = torch.tensor(ids, dtype=torch.int64).view(len(ids), -1)
+    kept = torch.ones_like(expert_ids, dtype=torch.bool)
+    for token, j in dropped:
+        kept[token, j] = False
+    return expert_ids, kept
+
+
+def _moe_bytes_of_every_rank(routings, local_experts: int, row_bytes: int, by_token: tuple[bool, bool]):
+    world = len(routings)
+    routes = torch.stack([routes_per_owner(ids, kept, local_experts, world) for ids, kept in routings])
+    return [moe_bytes_sent(routes, rank, row_bytes, *by_token) for rank in range(world)]
+
+
+MODES = [(False, False), (True, False), (True, True)]  # (dispatch, combine) by token: rows, tokens + rows, auto
+
+
+# 3 ranks of 2 experts each (rank r: experts 2r, 2r + 1)
+HAND_BUILT = {
+    "top-2": [_routing([[2, 3], [0, 4], [1, 0], [5, 4], [3, 4]], dropped=[(4, 1)]),  # a pair on rank 1, one on 2,
+              # one kept at home, a token with one of two dropped
+              _routing([[0, 1], [4, 5], [2, 3], [0, 5]]),
+              _routing([[4, 5], [5, 4]])],  # no token routed away
+    "top-3": [_routing([[2, 3, 4], [0, 1, 2], [5, 4, 3]], dropped=[(2, 0)]),
+              _routing([[0, 2, 4], [1, 0, 5], [3, 2, 1], [4, 0, 2], [5, 4, 1]]),
+              _routing([[4, 5, 0], [5, 4, 1]])],
+    "a rank without tokens": [_routing([[2, 4], [4, 5]]), _routing([[0, 1]]),
+                              (torch.empty(0, 2, dtype=torch.int64), torch.empty(0, 2, dtype=torch.bool))],
+}
+
+
+@pytest.mark.parametrize("by_token", MODES)
+@pytest.mark.parametrize("case", list(HAND_BUILT))
+def test_moe_bytes_are_what_the_exchanges_move(case, by_token):
+    """The MoE row's bytes per rank (fused_dlrm.report.moe.moe_bytes_sent) against the tokens enumerated one by one:
+    tokens whose experts share an owner, tokens kept at home, dropped assignments, a rank sending nothing away."""
+    routings = HAND_BUILT[case]
+    counted = _moe_bytes_of_every_rank(routings, 2, 64, by_token)
+    assert counted == [_enumerated_moe_bytes(routings, rank, 2, 64, *by_token) for rank in range(3)]
+    assert counted[2]["fwd"] > 0  # it sends nothing away, but returns what it received
+
+
+@pytest.mark.parametrize("settings", [{}, {"max_tokens_per_rank": 8}, {"max_tokens_per_rank": 8, "combine": "rows"},
+                                      {"max_tokens_per_rank": 8, "dispatch": "rows"},
+                                      {"max_tokens_per_rank": 8, "dispatch": "tokens"}])
+def test_moe_bytes_count_the_exchanges_the_fused_layer_makes(settings):
+    """The fused column's bytes go by token where the fused layer's dispatch and combine do ("auto" resolved as
+    MoELayer resolves it), and the report's fused column (training's max_tokens_per_rank) resolves "auto" to tokens."""
+    fused = FusedMoEConfig(**settings)
+    layer = MoELayer(32, 48, 4, 2, comm="fused", fused=fused, workspace=SimulatedWorld(1).workspaces()[0])
+    assert (fused.dispatches_by_token, fused.combines_by_token) == (layer.dispatch.by_token, layer.combine_by_token)
+    trained = fused_moe_config(with_modes(config(*MOE), "fused"), CPU)
+    assert trained.dispatches_by_token and trained.combines_by_token
+
+
+def _moe_fused_bytes(rank: int, world: int, tmp: str) -> None:
+    """The MoE row with its fused column stood in for by the bulk layer (the CPU has no fused path): its fused bytes
+    are the exchanges by token's for the routing the report counted (every rank's, enumerated token by token), and
+    the step row's fused bytes count them for each MoE layer."""
+    import fused_dlrm.report.moe as report_moe
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    routed = []
+    report_moe.fused_moe = lambda cfg, env, layer: (layer, build_moe(with_modes(cfg, "bulk"), env))
+    count = report_moe.routes_per_owner
+    report_moe.routes_per_owner = lambda ids, kept, *args: routed.append((ids, kept)) or count(ids, kept, *args)
+    moe = config(*MOE, "model.num_experts=8", "model.top_k=3")
+    layers = moe_layers(moe, env, Path(tmp))
+    routings = [None] * world
+    dist.all_gather_object(routings, routed[0])
+    layer, step = layers[0], layers[-1]
+    assert layer.name == MOE_LAYER and step.name == STEP and not isinstance(layer.fused, str)
+    assert layer.fused_bytes_sent == _enumerated_moe_bytes(routings, rank, 4, 32 * 4, True, True)
+    assert layer.bytes_sent == _enumerated_moe_bytes(routings, rank, 4, 32 * 4, False, False)
+    assert not any("upper bound" in note for note in layer.notes)
+    assert any(note.startswith("bytes: fused (what its % of speed of light counts): dispatch by token")
+               for note in layer.notes)
+    for p in ("fwd", "fwd_bwd"):
+        assert (step.fused_bytes_sent[p] - step.bytes_sent[p]
+                == layer.count * (layer.fused_bytes_sent[p] - layer.bytes_sent[p])), p
+
+
+def test_moe_fused_bytes_are_the_exchanges_by_token(tmp_path):
+    run_world(2, _moe_fused_bytes, str(tmp_path), timeout=400)
+
+
+def test_moe_bytes_by_token_save_a_row_per_shared_owner():
+    """The exchanges by row move the bulk all-to-alls' rows; by token at most those rows (plus 8 bytes of id and
+    weight per row, and backward an 8-byte routing weight gradient per received row), as many where every token's
+    experts are on distinct ranks, fewer where some share one."""
+    generator = torch.Generator().manual_seed(7)
+    world, local_experts, row_bytes = 3, 4, 256
+    for top_k in (1, 2, 3, 5):
+        routings = []
+        for tokens in (37, 0, 51):
+            ids = torch.rand(tokens, world * local_experts, generator=generator).argsort(dim=1)[:, :top_k]
+            routings.append((ids, torch.rand(tokens, top_k, generator=generator) < 0.9))
+        distinct = []  # every token's experts on distinct ranks (one expert per rank, a random one)
+        for tokens in (23, 0, 30):
+            ranks = torch.rand(tokens, world, generator=generator).argsort(dim=1)[:, :min(top_k, world)]
+            distinct.append((ranks * local_experts + torch.randint(local_experts, ranks.shape, generator=generator),
+                             torch.ones_like(ranks, dtype=torch.bool)))
+        for routing, equal in ((routings, top_k == 1), (distinct, True)):
+            bulk = _moe_bytes_of_every_rank(routing, local_experts, row_bytes, (False, False))
+            by_token = _moe_bytes_of_every_rank(routing, local_experts, row_bytes, (True, True))
+            assert bulk == [_enumerated_moe_bytes(routing, r, local_experts, row_bytes, False, False)
+                            for r in range(world)]
+            assert by_token == [_enumerated_moe_bytes(routing, r, local_experts, row_bytes, True, True)
+                                for r in range(world)]
+            for rank in range(world):
+                rows_out = sum(int((ids[k] // local_experts != rank).sum()) for ids, k in [routing[rank]])
+                rows_in = sum(int((ids[k] // local_experts == rank).sum()) for s, (ids, k) in enumerate(routing)
+                              if s != rank)
+                rows = {"fwd": 8 * rows_out, "fwd_bwd": 8 * (rows_out + rows_in)}  # ids, weights, weight gradients
+                assert bulk[rank]["fwd"] == (rows_out + rows_in) * row_bytes
+                assert bulk[rank]["fwd_bwd"] == 2 * bulk[rank]["fwd"]
+                for p in ("fwd", "fwd_bwd"):
+                    if equal:
+                        assert by_token[rank][p] == bulk[rank][p] + rows[p], (top_k, rank, p)
+                    else:
+                        assert by_token[rank][p] <= bulk[rank][p] + rows[p], (top_k, rank, p)
+            if not equal:  # top-3 and top-5 of 12 experts on 3 ranks: some tokens have two experts on one rank
+                assert sum(b["fwd_bwd"] for b in by_token) < sum(b["fwd_bwd"] for b in bulk)
 
 
 def test_commit_unknown_without_git_or_outside_a_checkout_of_this_code(monkeypatch):

@@ -34,7 +34,7 @@ class CommLayer:
     count: int = 1  # how many such layers the model has (the MoE layers share their shapes)
     notes: list[str] = field(default_factory=list)
     fused_bytes_sent: dict[str, int] | None = None  # the fused mode's, where it sends other bytes (a codec's
-    #                                                 encoded messages); None: bytes_sent
+    #                                                 encoded messages, the MoE exchanges by token); None: bytes_sent
 
 
 def bytes_of(layer: CommLayer, mode: str) -> dict[str, int]:

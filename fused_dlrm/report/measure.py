@@ -1,9 +1,9 @@
 """Time every pass of every layer in both modes on every rank; the slowest rank's median is reported.
 
 Speed of light of a pass: the bytes the busiest rank sends in that mode (the fused column of a quantized all-reduce:
-its codec's encoded messages), at the peer write bandwidth measured in this run (symmetric memory over NVLink, every
-rank writing at once); compute is not counted, so a layer that computes much reads far below 100%. On the CPU there
-is no such bandwidth: "n/a" (null).
+its codec's encoded messages; of an MoE layer: its exchanges by token's rows), at the peer write bandwidth measured
+in this run (symmetric memory over NVLink, every rank writing at once); compute is not counted, so a layer that
+computes much reads far below 100%. On the CPU there is no such bandwidth: "n/a" (null).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def measure_layer(layer: CommLayer, env: DistEnv, bandwidth: float | None, warmu
     sent = {mode: {p: b for p, b in zip(PASSES, most[i * len(PASSES):]) if b >= 0} for i, mode in enumerate(MODES)}
     entry = {"name": layer.name, "shapes": layer.shapes, "count": layer.count, "notes": layer.notes,
              "bytes_sent": sent["bulk"]}
-    if sent["fused"] != sent["bulk"]:  # a codec's encoded messages: the fused column's speed of light is theirs
+    if sent["fused"] != sent["bulk"]:  # a codec's encoded messages, MoE rows by token: the fused speed of light's
         entry["fused_bytes_sent"] = sent["fused"]
     for mode in MODES:
         passes = getattr(layer, mode)

@@ -22,6 +22,7 @@ from fused_dlrm.dist import DistEnv
 from fused_dlrm.report.layers import (STEP, CommLayer, Mode, bytes_of, counted, forward_backward,
                                       grad_allreduce_layer, no_fused_path, no_grad)
 from fused_dlrm.report.tp import tp_layers
+from moe.expert_layout import gather_counts
 from moe.layer import FusedMoEConfig, MoELayer
 from moe.train import build_data, build_model, build_optimizer, check_config, fused_moe_config, train_step
 
@@ -61,6 +62,60 @@ def fused_moe(cfg: DictConfig, env: DistEnv, layer: MoELayer) -> tuple[MoELayer 
     return fused, build_model(fused_cfg, env)
 
 
+# Per-row metadata of the exchanges by token (moe/kernels/fused_dispatch.py, fused_combine.py): the dispatch sends
+# each row's token id (int32) and routing weight (fp32); the combine's backward returns each row's routing weight
+# gradient as one int64 word (epoch << 32 | fp32 bits: the word is its own flag).
+ID_AND_WEIGHT_BYTES = 8
+WEIGHT_GRAD_WORD_BYTES = 8
+
+
+def routes_per_owner(expert_ids: torch.Tensor, kept: torch.Tensor, num_local_experts: int,
+                     world: int) -> torch.Tensor:
+    """One rank's routing (expert_ids, kept: [tokens, top_k], moe.routing.Routing) -> [2, world]: its tokens with a
+    kept assignment to an expert of each rank, and its kept assignments (rows) to each rank."""
+    chose = torch.nn.functional.one_hot(expert_ids // num_local_experts, world).bool() & kept[..., None]
+    return torch.stack([chose.any(dim=1).sum(dim=0), chose.sum(dim=(0, 1))])
+
+
+def moe_bytes_sent(routes: torch.Tensor, rank: int, row_bytes: int, dispatch_by_token: bool,
+                   combine_by_token: bool) -> dict[str, int]:
+    """The bytes `rank` sends to other ranks in one MoE layer's forward and forward+backward, from every rank's
+    `routes_per_owner` ([source, 2, owner]); row_bytes: a row of d_model in the rows' dtype. Flags and
+    acknowledgements are left out.
+
+    By row (the bulk all-to-alls, and the fused layer's exchanges by row): each row routed to another rank goes out
+    and each row another rank routed here comes back, forward; the same again backward (their gradients).
+    Dispatch by token: each token once per other rank holding one of its experts, with each row's token id and
+    routing weight. Combine by token: the owner returns one summed row per (token of another rank, this rank); its
+    backward sends the output gradient once per (token, other owner) and returns each received row's routing weight
+    gradient. The dispatch's backward returns each received row's input gradient in either mode."""
+    tokens, rows = routes[:, 0], routes[:, 1]
+    others = torch.arange(routes.shape[0], device=routes.device) != rank
+    tokens_out, rows_out = int(tokens[rank, others].sum()), int(rows[rank, others].sum())
+    tokens_in, rows_in = int(tokens[others, rank].sum()), int(rows[others, rank].sum())
+    dispatch = tokens_out * row_bytes + rows_out * ID_AND_WEIGHT_BYTES if dispatch_by_token else rows_out * row_bytes
+    combine = tokens_in * row_bytes if combine_by_token else rows_in * row_bytes
+    combine_grad = (tokens_out * row_bytes + rows_in * WEIGHT_GRAD_WORD_BYTES if combine_by_token
+                    else rows_out * row_bytes)
+    dispatch_grad = rows_in * row_bytes
+    return {"fwd": dispatch + combine, "fwd_bwd": dispatch + combine + combine_grad + dispatch_grad}
+
+
+def fused_bytes_note(config: FusedMoEConfig) -> str:
+    """What the fused column's bytes count, for the exchanges `config` makes."""
+    if not config.dispatches_by_token:
+        return ("bytes: fused (what its % of speed of light counts): the dispatch and combine by row move the bulk "
+                "all-to-alls' rows (flags left out)")
+    combine = ("combine by token: one summed row per (token of another rank, this rank) back; backward the output "
+               "gradient once per (token, other owner), and per received row its input gradient and its routing "
+               "weight's gradient (an 8-byte word)" if config.combines_by_token else
+               "combine by row: one row per row dispatched to this rank's experts back; backward one row per row "
+               "out and one per row received")
+    return (f"bytes: fused (what its % of speed of light counts): dispatch by token: one row per (token, other rank "
+            f"holding one of its experts) out, with each row's token id and routing weight (8 bytes); {combine} "
+            f"(flags left out)")
+
+
 def layer_modes(layer: MoELayer, x: torch.Tensor, grad: torch.Tensor, compute_dtype: torch.dtype | None) -> Mode:
     """The layer as the model runs it: under autocast to its compute dtype when it trains in mixed precision."""
     def forward():
@@ -97,7 +152,8 @@ class _Run:
 
 def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
     check_config(cfg)  # what training refuses is not timed
-    fused_moe_config(with_modes(cfg, "fused"), env)  # the fused column's settings, refused as training's, built or not
+    # the fused column's settings, refused as training's, built or not; they say how its exchanges go (bytes)
+    fused_config = fused_moe_config(with_modes(cfg, "fused"), env)
     m = cfg.model
     bulk_cfg = with_modes(cfg, "bulk")
     bulk = _Run(bulk_cfg, env, build_model(bulk_cfg, env), run_dir, "nccl")
@@ -107,30 +163,32 @@ def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
 
     # This rank sends, in the dispatch, its rows routed to experts of other ranks, and in the combine, back, the rows
     # other ranks routed to its experts (as many again the other way in the backward): uneven routing makes the two
-    # differ, and the ranks' sums too.
-    with torch.no_grad():
-        aux = layer(x)[1]
-    per_expert = aux["tokens_per_expert"]  # this rank's rows per expert
-    mine = torch.arange(layer.num_experts, device=x.device) // layer.num_local_experts == layer.rank
-    from_others = aux["tokens_per_local_expert"].sum() - per_expert[mine].sum()
-    sent_rows = int(per_expert[~mine].sum() + from_others)
+    # differ, and the ranks' sums too. The fused exchanges by token send fewer rows (moe_bytes_sent). The routing is
+    # the timed forward's: under autocast to the compute dtype where the model trains in mixed precision.
     compute_dtype = bulk.model.compute_dtype  # None: fp32 throughout
+    with torch.no_grad(), torch.autocast(x.device.type, dtype=compute_dtype, enabled=compute_dtype is not None):
+        routing = layer.router(x)
+    routes = gather_counts(routes_per_owner(routing.expert_ids, routing.kept, layer.num_local_experts,
+                                            layer.world).flatten(), layer.group).view(layer.world, 2, layer.world)
     rows_dtype = compute_dtype or x.dtype  # what the dispatch and combine move
-    forward_bytes = sent_rows * m.d_model * rows_dtype.itemsize
+    row_bytes = m.d_model * rows_dtype.itemsize
+    bulk_bytes = moe_bytes_sent(routes, layer.rank, row_bytes, dispatch_by_token=False, combine_by_token=False)
+    fused_bytes = moe_bytes_sent(routes, layer.rank, row_bytes, fused_config.dispatches_by_token,
+                                 fused_config.combines_by_token)
     num_moe = sum(1 for module in bulk.model.modules() if isinstance(module, MoELayer))
     moe_layer = CommLayer(
         "MoE layer (route, dispatch all-to-all, experts, combine all-to-all)",
         f"{x.shape[0]} tokens x d={m.d_model} {str(rows_dtype).removeprefix('torch.')}, "
         f"{counted(m.num_experts, 'expert', 'experts')} ({layer.num_local_experts} here) top-{m.top_k}, ffn {m.ffn}",
-        {"fwd": forward_bytes, "fwd_bwd": 2 * forward_bytes},
-        layer_modes(layer, x, bulk.grad, compute_dtype),
+        bulk_bytes, layer_modes(layer, x, bulk.grad, compute_dtype),
         fused_layer if isinstance(fused_layer, str) else layer_modes(fused_layer, x, bulk.grad, compute_dtype),
         count=num_moe)
     moe_layer.notes.append("input: random hidden states of the real shape (the routing is that of random tokens)")
-    moe_layer.notes.append("bytes: the bulk all-to-alls' rows, one per (token, expert of another rank) out and one "
-                           "per row dispatched to this rank's experts back; the fused dispatch and combine by token "
-                           "move one per (token, other rank), fewer with top-k > 1, so the fused % of speed of light "
-                           "is an upper bound")
+    moe_layer.notes.append("bytes: bulk: the all-to-alls' rows, one per (token, expert of another rank) out and one "
+                           "per row dispatched to this rank's experts back, forward, as many backward")
+    if not isinstance(fused_layer, str):
+        moe_layer.fused_bytes_sent = fused_bytes
+        moe_layer.notes.append(fused_bytes_note(fused_config))
 
     fused_tp = fused_model
     if not isinstance(fused_model, str) and m.get("precision", "fp32") != "bf16":
@@ -145,8 +203,8 @@ def moe_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]:
                   for what, params, group in groups]
 
     def step_bytes(mode: str) -> dict[str, int]:
-        return {p: num_moe * forward_bytes * (2 if p == "fwd_bwd" else 1)
-                + sum(bytes_of(layer, mode).get(p, 0) * layer.count for layer in [*projections, *allreduces])
+        return {p: sum(bytes_of(layer, mode).get(p, 0) * layer.count
+                       for layer in [moe_layer, *projections, *allreduces])
                 for p in ("fwd", "fwd_bwd")}
 
     step = CommLayer(
