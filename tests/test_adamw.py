@@ -199,6 +199,8 @@ def test_step_hooks_run_once_per_step_beside_torchs_own_adamw():
 def test_a_weight_with_a_copy_stepped_by_torch_has_its_copy_rewritten(change):
     """torch's fused step leaves the version counter as it is: a weight the kernel stepped before (so it has a copy)
     and torch steps now must not be computed with its old copy."""
+    if change == "a non-contiguous gradient" and DEVICE.type == "cuda":  # as torch.optim.AdamW(fused=True) does
+        pytest.skip("torch's fused CUDA step refuses a gradient strided unlike its parameter (the CPU's takes it)")
     p = torch.nn.Parameter(torch.randn(3, 40, device=DEVICE))
     want_compute_copy(p, torch.bfloat16)
     optimizer = AdamW([p], fused=True, **HYPER)
