@@ -191,10 +191,13 @@ def _another_dtype_on_rank_1(rank: int, world: int, what: str, other: torch.dtyp
 
 @pytest.mark.parametrize("what,other,row_shards", [
     ("weights", torch.float16, 1), ("weights", torch.int64, 1), ("weights", torch.float16, {"t1": 2}),
-    ("indices", torch.int32, 1), ("indices", torch.int16, 1)],
-    ids=["weights_float16", "weights_int64", "weights_float16_row_blocks", "indices_int32", "indices_int16"])
+    ("indices", torch.int32, 1), ("indices", torch.int16, 1), ("indices", torch.bool, {"t1": 2})],
+    ids=["weights_float16", "weights_int64", "weights_float16_row_blocks", "indices_int32", "indices_int16",
+         "indices_bool_row_blocks"])
 def test_another_dtype_on_one_rank_raises_on_every_rank(what, other, row_shards):
     """The weights' all-to-all, and the one of lengths and values, size their buffers in each rank's own dtype:
     weights or indices of another dtype on one rank (int32 against int64 indices: gloo aborted the process, a peer
-    read garbage offsets), or of no supported dtype, make every rank raise before them, naming each rank's dtype."""
+    read garbage offsets), or of no supported dtype, make every rank raise before them, naming each rank's dtype.
+    Bool indices cut by row block: the cut's rebase subtracted from the bool tensor, which torch refuses, so rank 1
+    raised alone in `start` and rank 0 waited in the header's all-to-all."""
     run_world(2, _another_dtype_on_rank_1, what, other, row_shards, timeout=120)

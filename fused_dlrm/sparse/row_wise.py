@@ -57,17 +57,20 @@ class RowBuckets:
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(values, lengths [cut keys, batch], weights) of the cut KJT. An index outside its table goes to its first
         or last block and stays outside that block's rows (the input dist's header reports it on the uncut KJT); a
-        KJT whose values and lengths disagree is cut without failing (the header reports it too)."""
+        KJT whose values and lengths disagree, or whose indices are of a dtype the input dist refuses (bool ones
+        too), is cut without failing (the header reports it too)."""
         batch = lengths.shape[1]
         if values.numel() == 0 or batch == 0:  # nothing to cut (values without samples: the header reports them)
             return values, lengths.new_zeros(len(self.keys), batch), weights
         bag = value_keys(values, lengths.reshape(-1))  # each value's (key, sample), robust to a bad batch
         key, sample = bag // batch, bag % batch
-        line = key * _KEY_SPAN + values.long().clamp(-_CLAMP, _CLAMP)
+        # rebased in int64: torch refuses to subtract from bool indices, which then raised on this rank alone
+        wide = values.long()
+        line = key * _KEY_SPAN + wide.clamp(-_CLAMP, _CLAMP)
         cut_key = torch.searchsorted(self.starts, line, right=True) - 1
         # by cut key, each key's values keeping their order (int32 keys: half the radix sort's passes)
         order = torch.sort(cut_key.int(), stable=True).indices
-        cut_values = (values - self.first_rows[cut_key]).to(values.dtype)[order]
+        cut_values = (wide - self.first_rows[cut_key]).to(values.dtype)[order]
         cut_lengths = torch.zeros(len(self.keys) * batch, dtype=lengths.dtype, device=values.device)
         cut_lengths.index_add_(0, cut_key * batch + sample, torch.ones_like(cut_key, dtype=lengths.dtype))
         return cut_values, cut_lengths.view(len(self.keys), batch), None if weights is None else weights[order]
