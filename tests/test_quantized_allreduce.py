@@ -336,6 +336,18 @@ def test_chooser_goes_plain_below_the_threshold():
     assert chooser(65536, "q4", min_bytes=65536) == "q4"
 
 
+def test_a_hook_state_refuses_an_unknown_codec_when_made():
+    """A misspelt codec was taken: it raised only in the first backward's all-reduce (after a whole forward and
+    backward), and with min_bytes only for a bucket past it, so a small model's buckets all went plain ("nccl")
+    and the typo was never named."""
+    for codec in ("q9", "Q8", "", None):
+        with pytest.raises(ValueError, match=re.escape(f"unknown codec {codec!r}: expected one of "
+                                                       f"{qar.PLAIN + tuple(CODECS)}")):
+            QuantizedHookState(codec, min_bytes=1 << 30)
+    for codec in qar.PLAIN + tuple(CODECS):
+        assert QuantizedHookState(codec).codec == codec
+
+
 def test_a_codecs_flat_buffer_starts_each_tensor_at_a_block_and_a_plain_one_packs_them():
     tensors = [torch.randn(3, 15), torch.randn(32), torch.randn(1), torch.randn(2, 40)]
     assert block_offsets([t.numel() for t in tensors], "nccl") == [0, 45, 77, 78, 158]  # as a cat, no padding

@@ -63,6 +63,12 @@ def check_grad_allreduce(codec: str) -> None:
         raise ValueError(f"comm.grad_allreduce={codec!r}: expected one of {GRAD_ALLREDUCE_CODECS}")
 
 
+def check_codec(codec: object) -> None:
+    """Raise unless `codec` is one that `quantized_all_reduce` takes: a plain one or a line codec."""
+    if codec not in PLAIN + tuple(CODECS):
+        raise ValueError(f"unknown codec {codec!r}: expected one of {PLAIN + tuple(CODECS)}")
+
+
 def block_offsets(numels: Sequence[int], codec: str) -> list[int]:
     """Where each of several tensors starts in one flat buffer that `codec` all-reduces, then the buffer's size.
     A codec's: each from a block boundary (a multiple of BLOCK; the gaps, < BLOCK values each, zeros), since a
@@ -143,8 +149,7 @@ def quantized_all_reduce(x: torch.Tensor, codec: str, group: dist.ProcessGroup |
         return out
     if fused:  # the op checks codec, dtype and out: a refusal raises on every rank (a check here, on one rank alone)
         return fused_for_group(group, x.device, allocation_timeout_s)(x, codec, mean, out)
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}: expected one of {PLAIN + tuple(CODECS)}")
+    check_codec(codec)
     check_quantizable(x)
     check_out(x, out)
     world = dist.get_world_size(group)
@@ -203,12 +208,16 @@ class QuantizedHookState:
     threshold: buckets below min_bytes go plain. 0 (the default) quantizes every bucket, as a configured codec
     asks; pass MIN_QUANTIZED_BYTES for the size rule. allocation_timeout_s: how long the fused kernel's ranks wait
     for each other at its workspace's allocation (`fused_for_group`). The hook keeps each bucket's block-aligned
-    buffer here (`aligned_buffer`)."""
+    buffer here (`aligned_buffer`). An unknown codec is refused here, when made: in the hook it would raise only
+    after a whole forward and backward, and with min_bytes only at a bucket past it (smaller ones go plain)."""
     codec: str
     group: dist.ProcessGroup | None = None
     min_bytes: int = 0
     allocation_timeout_s: float = ALLOCATION_TIMEOUT_S
     _aligned: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        check_codec(self.codec)
 
     def aligned_buffer(self, bucket: dist.GradBucket, views: list[torch.Tensor], codec: str
                        ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
