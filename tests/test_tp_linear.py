@@ -144,6 +144,35 @@ def test_tp_layers_match_one_process(world_size, tp_size):
     run_world(world_size, _layers_match_one_process, tp_size)
 
 
+def _float64_under_autocast(rank: int, world: int) -> None:
+    tp, _ = tp_groups(world)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2 * world, 3, D_IN, generator=gen, dtype=torch.float64)
+    w = _reference_weight(D_HID, D_IN, 21, 0.3)
+    per = D_HID // world
+    for sequence_sharded in (False, True):
+        layer = ColumnParallelLinear(D_IN, D_HID, tp, seed=21, std=0.3, sequence_sharded=sequence_sharded).double()
+        x_ref = x.clone().requires_grad_()
+        x_tp = (x.view(world, 2, 3, D_IN)[rank] if sequence_sharded else x).clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, expected = layer(x_tp), F.linear(x_ref, w)
+        assert y.dtype == expected.dtype == torch.float64
+        _close(y, expected[..., rank * per:(rank + 1) * per])
+        grad = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+        y.backward(grad[..., rank * per:(rank + 1) * per])
+        expected.backward(grad)
+        _close(x_tp.grad, x_ref.grad.view(world, 2, 3, D_IN)[rank] if sequence_sharded else x_ref.grad)
+        _close(layer.weight.grad, w.grad[rank * per:(rank + 1) * per])
+        w.grad = None
+
+
+def test_a_float64_column_parallel_layer_under_autocast_computes_in_float64_as_nn_linear():
+    """Autocast leaves float64 operands as they are (F.linear of float64 under a bf16 autocast is float64); the
+    column-parallel layer cast its float64 x to bf16 for its collective, and its matmul then failed ("expected m1
+    and m2 to have the same dtype ... BFloat16 != double") where the unsharded layer computes in float64."""
+    run_world(2, _float64_under_autocast)
+
+
 def _calls_that_differ(rank: int, world: int) -> None:
     """Rank 1's x differs from the others' in rows (every layer: its collective, forward or backward, would move
     other sizes; none at all: an empty batch), in its last dim (rank 1's matmul alone refuses it), in dtype, or rank

@@ -253,9 +253,10 @@ class _FusedColumnParallel(torch.autograd.Function):
 def _as_autocast(x: torch.Tensor) -> torch.Tensor:
     """x in autocast's dtype where autocast is on (the dtype F.linear computes in), so that the collective before
     the matmul (the bulk column-parallel all-gather, and its backward's reduce-scatter or all-reduce) moves those
-    bytes, as the fused kernels and Megatron's do, not the fp32 of a norm's output."""
+    bytes, as the fused kernels and Megatron's do, not the fp32 of a norm's output. float64 stays: autocast casts
+    no float64 operand (a float64 layer computes in float64 under it)."""
     kind = x.device.type
-    if torch.is_autocast_enabled(kind) and x.is_floating_point():
+    if torch.is_autocast_enabled(kind) and x.is_floating_point() and x.dtype != torch.float64:
         return x.to(torch.get_autocast_dtype(kind))
     return x
 
