@@ -275,6 +275,27 @@ def test_two_ranks_match_one_process_resume_exactly_and_agree(tmp_path):
     run_world(2, _two_ranks, str(tmp_path), [l for _, l in one.losses])
 
 
+def _resume_at_another_tp_size(rank: int, world: int, tmp: str) -> None:
+    from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
+
+    sizes = dict(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=4, seed=1)
+    tp_group, dp_group = moe_train.tp_groups(2)
+    written = MoETransformer(group=dp_group, tp_group=tp_group, **sizes)
+    save_checkpoint(tmp, 1, written, torch.optim.SGD(written.parameters(), lr=0.1))
+    model = MoETransformer(**sizes)  # tp_size 1, the same world
+    with pytest.raises(ValueError, match=r"holds no \['model\.blocks\.0\.attn\.qkv\.shard_0_of_1'.* and holds "
+                                         r"\['model\.blocks\.0\.attn\.out\.shard_0_of_2'.*: it was written for "
+                                         r"another model, world size or model\.tp_size"):
+        load_checkpoint(tmp, model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_a_resume_at_another_tp_size_is_refused_naming_it(tmp_path):
+    """A checkpoint holds each TP projection's shards (shard_<r>_of_<tp>): a run at another model.tp_size, on the
+    same world, finds none of its own and is refused on every rank; the refusal named only "another model or world
+    size", neither of which had changed."""
+    run_world(2, _resume_at_another_tp_size, str(tmp_path), timeout=300)
+
+
 def test_four_ranks_match_one_process_and_agree(tmp_path):
     """Experts over 4 ranks (2 each): the loss curve of one process, falling; replicas identical."""
     one = train(config(*FOUR_RANKS), CPU, tmp_path / "one")
