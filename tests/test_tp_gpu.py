@@ -209,6 +209,32 @@ def test_tp_linears_fused_match_bulk(sequence_sharded, rows, autocast, backend):
     run_world(2, _linears_fused_match_bulk, sequence_sharded, rows, autocast, backend=backend)
 
 
+def _float64_fused_linears_compute_in_float64(rank, world):
+    from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, tp_groups
+
+    tp, _ = tp_groups(2)
+    results = {}
+    for comm in ("bulk", "fused"):
+        up = ColumnParallelLinear(64, 96, tp, comm, seed=1).cuda().double()
+        down = RowParallelLinear(96, 64, tp, comm, seed=2).cuda().double()
+        x = torch.randn(24, 64, device="cuda", dtype=torch.float64,
+                        generator=torch.Generator(device="cuda").manual_seed(3)).requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16):
+            y = down(torch.relu(up(x)))
+        assert y.dtype == torch.float64, comm
+        y.square().sum().backward()
+        results[comm] = (y.detach(), x.grad, up.weight.grad, down.weight.grad)
+    for name, fused, bulk in zip(("y", "x.grad", "up.grad", "down.grad"), results["fused"], results["bulk"]):
+        assert torch.equal(fused, bulk), name  # the bulk twin's float64 arithmetic, not the kernels' bf16
+
+
+@pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
+def test_float64_fused_linears_compute_in_float64_under_autocast(backend):
+    """comm=fused linears of float64 weights and input under CUDA autocast to bf16: autocast casts no float64
+    operand (nn.Linear computes in float64), so they take the bulk twin, bit for bit (were: cast to bf16)."""
+    run_world(2, _float64_fused_linears_compute_in_float64, backend=backend)
+
+
 def _transformer_fused_matches_bulk(rank, world, sequence_parallel):
     from fused_dlrm.tp.linear import _workspace, tp_groups
     from moe.layer import FusedMoEConfig

@@ -332,11 +332,14 @@ class TPLinear(nn.Module):
     def _fused_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """The dtype the fused kernels compute in (comm=fused, a group of several ranks): CUDA autocast's when that
         is fp16/bf16 (mixed precision: x and the weight are cast, as autocast casts a linear's operands), else x's
-        when fp16/bf16; None: the bulk twin (fp32 without autocast; the kernels take fp16/bf16). Refuses the CPU."""
+        when fp16/bf16; None: the bulk twin (fp32 without autocast, float64 under it too: autocast casts no float64
+        operand; the kernels take fp16/bf16). Refuses the CPU."""
         if self.comm != "fused" or self.tp_size == 1:
             return None
         if not x.is_cuda:
             raise RuntimeError("comm=fused needs CUDA tensors (symmetric memory); use comm=bulk on the CPU")
+        if x.dtype == torch.float64:  # a float64 layer computes in float64 under autocast, as nn.Linear does
+            return None
         if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in LOW_PRECISION:
             return torch.get_autocast_dtype("cuda")  # as F.linear would compute, whatever x's dtype
         return x.dtype if x.dtype in LOW_PRECISION else None
