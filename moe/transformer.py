@@ -185,10 +185,14 @@ class MoETransformer(nn.Module):
             raise ValueError(f"moe_every must be 1 or 2, got {moe_every}")
         if num_layers < moe_every:  # the first MoE layer's exchange carries a refused batch to every rank (forward)
             raise ValueError(f"num_layers={num_layers} with moe_every={moe_every} makes no MoE layer")
-        if (tp_group is not None and group is None and dist.is_initialized()
-                and dist.get_world_size() > dist.get_world_size(tp_group)):
-            raise ValueError("with a TP group, pass the data-parallel group too (fused_dlrm.tp.tp_groups makes both): "
-                             "None means the whole world, which would sum different TP shards' gradients")
+        # the two groups tile the world: a data-parallel group of the whole world (None, or given) would sum
+        # different TP shards' gradients
+        if (tp_group is not None and dist.is_initialized()
+                and dist.get_world_size(group) * dist.get_world_size(tp_group) != dist.get_world_size()):
+            raise ValueError(f"with a TP group, pass the data-parallel group too (fused_dlrm.tp.tp_groups makes both): "
+                             f"a group of {dist.get_world_size(group)} ranks with TP groups of "
+                             f"{dist.get_world_size(tp_group)} does not tile the world of {dist.get_world_size()} (the "
+                             f"whole world would sum different TP shards' gradients)")
         if compute_dtype not in (torch.bfloat16, torch.float16) and tp_group is not None and tp_comm == "fused":
             raise ValueError("model.tp_comm=fused computes the tensor-parallel projections in bf16 or fp16 (the fused "
                              "kernels' dtypes): set model.precision=bf16, or use model.tp_comm=bulk")

@@ -113,8 +113,9 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
     with pytest.raises(ValueError, match=f"ffn=65 must be a multiple of model.tp_size={tp_size}"):
         MoETransformer(ffn=65, moe_every=2, group=dp, tp_group=tp)
     if world > tp_size:  # the world as the data-parallel group would sum different TP shards' gradients
-        with pytest.raises(ValueError, match="with a TP group, pass the data-parallel group too"):
-            MoETransformer(num_experts=world, tp_group=tp)
+        for whole_world in (None, dist.group.WORLD):  # given or not
+            with pytest.raises(ValueError, match="with a TP group, pass the data-parallel group too"):
+                MoETransformer(num_experts=world, group=whole_world, tp_group=tp)
 
     # Sequence parallelism: the rank's contiguous 1/tp of a batch's rows, the experts over the whole world, and
     # the gradients summed over the data-parallel group (the projections' shards) or the world (the rest).
