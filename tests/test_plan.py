@@ -63,6 +63,9 @@ def test_planning_errors():
         plan_sharding(TABLES, 0)
     with pytest.raises(ValueError, match="table names must be unique"):
         plan_sharding(TABLES + TABLES[:1], 2)
+    for plan in ({}, {"row_shards": 2}):  # row blocks planned a table of no columns without a word
+        with pytest.raises(ValueError, match="table 'b': 1000 rows x 0 columns: a table needs at least one of each"):
+            plan_sharding([TABLES[0], dataclasses.replace(TABLES[1], embedding_dim=0)], 2, **plan)
 
 
 def edited(plan: TableShardingPlan, name: str, **change) -> TableShardingPlan:

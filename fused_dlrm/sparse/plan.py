@@ -229,6 +229,9 @@ def plan_sharding(tables: Sequence[EmbeddingBagConfig], world_size: int,
         n, m = per_table["column_shards"].get(t.name, 1), per_table["row_shards"].get(t.name, 1)
         if not all(isinstance(c, int) and not isinstance(c, bool) for c in (n, m)):
             raise ValueError(f"table {t.name!r}: column_shards and row_shards are whole numbers, got {n} and {m}")
+        if t.embedding_dim < 1 or t.num_embeddings < 1:  # a plan of such a table would not say so
+            raise ValueError(f"table {t.name!r}: {t.num_embeddings} rows x {t.embedding_dim} columns: a table needs "
+                             f"at least one of each")
         if n < 1 or t.embedding_dim % n:
             raise ValueError(f"table {t.name!r}: {t.embedding_dim} columns do not split into {n} equal column shards")
         if m < 1:
