@@ -43,7 +43,7 @@ from fused_dlrm.config_checks import check_comm_mode, check_count, check_seed, i
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.dist.alltoall import world_size
-from fused_dlrm.dist.env import of_every_rank, raise_on_every_rank
+from fused_dlrm.dist.env import check_same_on_every_rank, raise_on_every_rank
 from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.dist.symmetric import check_allocation_timeout
 from fused_dlrm.train.checkpoint import (NonFiniteLossError, last_good_checkpoint, load_checkpoint,
@@ -173,20 +173,13 @@ def build_data(cfg: DictConfig, env: DistEnv, run_dir: Path) -> tuple[ByteWindow
     except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
         data, problem = None, error
     raise_on_every_rank(problem, "cannot make their data from the corpus")
-    check_same_corpus(corpus, str(d.path) if d.path else f"Python {platform.python_version()}'s standard library",
-                      env.rank)
+    # ranks on other nodes read their own copies of data.path, or build the corpus from their own Python's standard
+    # library, and each draws its slice of a batch's windows from its own bytes
+    check_same_on_every_rank(f"{len(corpus)} bytes (blake2b {hashlib.blake2b(corpus, digest_size=8).hexdigest()})",
+                             "the corpus differs",
+                             str(d.path) if d.path else f"Python {platform.python_version()}'s standard library",
+                             "every rank must train on the same bytes")
     return data
-
-
-def check_same_corpus(corpus: bytes, source: str, rank: int) -> None:
-    """Raise on every rank unless every rank's corpus is rank 0's (its size and digest): ranks on other nodes read
-    their own copies of data.path, or build the corpus from their own Python's standard library, and each draws its
-    slice of a batch's windows from its own bytes (the global batch of no one corpus)."""
-    every = of_every_rank(f"{len(corpus)} bytes (blake2b {hashlib.blake2b(corpus, digest_size=8).hexdigest()})")
-    for other, theirs in enumerate(every):
-        if theirs != every[0]:
-            raise ValueError(f"rank {rank}: the corpus differs between ranks: rank {other}'s {theirs}, rank 0's "
-                             f"{every[0]} (this rank's: {source}); every rank must train on the same bytes")
 
 
 def sum_over(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

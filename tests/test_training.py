@@ -425,8 +425,8 @@ def _build_from_own_copy(rank, world, folder, lines_of_rank):
     if len(set(lines_of_rank)) == 1:
         build_dataset(cfg, "train", env)
         return
-    with pytest.raises(ValueError, match=rf"rank {rank}: data.train's files differ between ranks: rank 1's are "
-                                         rf"\[\d+\] bytes, rank 0's \[\d+\] \(this rank's: .*copy_{rank}.tsv"):
+    with pytest.raises(ValueError, match=rf"rank {rank}: data.train's files differ between ranks: rank 1's "
+                                         rf"\[\d+\] bytes, rank 0's \[\d+\] bytes \(this rank's: .*copy_{rank}.tsv"):
         build_dataset(cfg, "train", env)
 
 

@@ -131,6 +131,17 @@ def of_every_rank(value) -> list:
     return every
 
 
+def check_same_on_every_rank(value: str, what: str, mine: str, must: str) -> None:
+    """Raise on every rank unless every rank's `value` (its description: sizes, a digest) is rank 0's, naming the
+    first rank that differs: "rank r: {what} between ranks: rank o's ..., rank 0's ... (this rank's: {mine});
+    {must}". For what ranks on other nodes each read or build for themselves (data files, a corpus)."""
+    every = of_every_rank(value)
+    for other, theirs in enumerate(every):
+        if theirs != every[0]:
+            raise ValueError(f"rank {dist.get_rank()}: {what} between ranks: rank {other}'s {theirs}, rank 0's "
+                             f"{every[0]} (this rank's: {mine}); {must}")
+
+
 class CallMismatch(ValueError):
     """Ranks made one collective call with different arguments (sizes, dtypes, ...): bad input, raised on every
     rank (the fused kernels' PeerCallMismatch is one)."""

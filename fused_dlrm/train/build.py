@@ -16,7 +16,7 @@ from torchrec.datasets.utils import Batch
 from fused_dlrm.config_checks import check_comm_mode, check_count
 from fused_dlrm.data import local_batch_bounds
 from fused_dlrm.dist import DistEnv
-from fused_dlrm.dist.env import of_every_rank, raise_on_every_rank
+from fused_dlrm.dist.env import check_same_on_every_rank, raise_on_every_rank
 from fused_dlrm.dist.symmetric import check_allocation_timeout
 from fused_dlrm.models.arch_nodes import dense_arch_nodes
 from fused_dlrm.models.dlrm import build_dlrm, make_tables
@@ -132,19 +132,11 @@ def build_dataset(cfg: DictConfig, split: str, env: DistEnv):
         dataset, problem = None, error
     raise_on_every_rank(problem, f"cannot make their data.{split} dataset")
     if hasattr(dataset, "file_sizes"):
-        check_same_files(dataset.paths, dataset.file_sizes(), f"data.{split}", env.rank)
+        # copies on other nodes: one cut short would end that rank's batches first, and its peers would wait for it
+        sizes = dataset.file_sizes()
+        check_same_on_every_rank(f"{sizes} bytes", f"data.{split}'s files differ",
+                                 f"{dataset.paths} of {sizes} bytes", "every rank must read the same files")
     return dataset
-
-
-def check_same_files(paths: list[str], sizes: list[int], what: str, rank: int) -> None:
-    """Raise on every rank unless every rank's files have the sizes of rank 0's (copies on other nodes: one cut
-    short would end that rank's batches first, and its peers would wait for it)."""
-    every = of_every_rank(sizes)
-    for other, theirs in enumerate(every):
-        if theirs != every[0]:
-            raise ValueError(f"rank {rank}: {what}'s files differ between ranks: rank {other}'s are {theirs} bytes, "
-                             f"rank 0's {every[0]} (this rank's: {paths} of {sizes} bytes); every rank must read "
-                             "the same files")
 
 
 def batch_stream(dataset, start_step: int, steps_per_epoch: int | None, epochs: int | None = None
