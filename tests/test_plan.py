@@ -85,6 +85,8 @@ def test_check_refuses_plans_that_do_not_fit_the_tables():
     twin = plan.shards + (Shard("c", 0, 16, 0, "c"),)
     with pytest.raises(ValueError, match="table 'c': column shards"):
         TableShardingPlan(2, twin).check(TABLES)
+    with pytest.raises(ValueError, match="table names must be unique"):  # was accepted: the last one won
+        plan.check(TABLES + TABLES[:1])
     renamed = tuple(dataclasses.replace(s, name="a") if s.table == "b" else s for s in plan.shards)
     with pytest.raises(ValueError, match=r"shard table names collide: \['a'\]"):
         TableShardingPlan(2, renamed).check(TABLES)

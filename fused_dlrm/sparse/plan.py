@@ -106,6 +106,7 @@ class TableShardingPlan:
     def check(self, tables: Sequence[EmbeddingBagConfig]) -> None:
         """Raise unless the plan cuts exactly these tables into shards that cover each table's columns (or, row
         blocks, its rows) once, in order, on ranks of the world."""
+        _check_unique_names(tables)
         by_name = {t.name: t for t in tables}
         planned = list(dict.fromkeys(s.table for s in self.shards))
         if planned != list(by_name):
@@ -189,6 +190,13 @@ class TableShardingPlan:
         return start
 
 
+def _check_unique_names(tables: Sequence[EmbeddingBagConfig]) -> None:
+    """Tables are found by name (in a plan, in the optimizers' state): two of one name would be one table."""
+    names = [t.name for t in tables]
+    if len(set(names)) != len(names):
+        raise ValueError(f"table names must be unique, got {names}")
+
+
 def _check_row_blocks(table: EmbeddingBagConfig, shards: list[Shard]) -> None:
     """Raise unless a row-wise table's shards are two or more blocks of all its columns covering its rows once,
     in order."""
@@ -215,9 +223,8 @@ def plan_sharding(tables: Sequence[EmbeddingBagConfig], world_size: int,
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    _check_unique_names(tables)
     names = [t.name for t in tables]
-    if len(set(names)) != len(names):
-        raise ValueError(f"table names must be unique, got {names}")
     per_table = {}
     for what, cuts in (("column_shards", column_shards), ("row_shards", row_shards)):
         per_table[what] = cuts if isinstance(cuts, Mapping) else dict.fromkeys(names, cuts)
