@@ -250,15 +250,22 @@ class _FusedColumnParallel(torch.autograd.Function):
         return ctx.op(grad, weight).clone(), grad.t() @ x2d, None  # the op's output is reused by the call after next
 
 
-def _as_autocast(x: torch.Tensor) -> torch.Tensor:
-    """x in autocast's dtype where autocast is on (the dtype F.linear computes in), so that the collective before
-    the matmul (the bulk column-parallel all-gather, and its backward's reduce-scatter or all-reduce) moves those
-    bytes, as the fused kernels and Megatron's do, not the fp32 of a norm's output. float64 stays: autocast casts
-    no float64 operand (a float64 layer computes in float64 under it)."""
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast casts x into for a linear (the dtype F.linear computes in); None where autocast is off
+    on x's device, x is no float, or x is float64: autocast casts no float64 operand (a float64 layer computes in
+    float64 under it)."""
     kind = x.device.type
     if torch.is_autocast_enabled(kind) and x.is_floating_point() and x.dtype != torch.float64:
-        return x.to(torch.get_autocast_dtype(kind))
-    return x
+        return torch.get_autocast_dtype(kind)
+    return None
+
+
+def _as_autocast(x: torch.Tensor) -> torch.Tensor:
+    """x in autocast's dtype where autocast casts it, so that the collective before the matmul (the bulk
+    column-parallel all-gather, and its backward's reduce-scatter or all-reduce) moves those bytes, as the fused
+    kernels and Megatron's do, not the fp32 of a norm's output."""
+    dtype = _autocast_dtype(x)
+    return x if dtype is None else x.to(dtype)
 
 
 @lru_cache(maxsize=None)
@@ -332,16 +339,15 @@ class TPLinear(nn.Module):
     def _fused_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """The dtype the fused kernels compute in (comm=fused, a group of several ranks): CUDA autocast's when that
         is fp16/bf16 (mixed precision: x and the weight are cast, as autocast casts a linear's operands), else x's
-        when fp16/bf16; None: the bulk twin (fp32 without autocast, float64 under it too: autocast casts no float64
-        operand; the kernels take fp16/bf16). Refuses the CPU."""
+        when fp16/bf16; None: the bulk twin (fp32 without autocast, float64 under it too: `_autocast_dtype`; the
+        kernels take fp16/bf16). Refuses the CPU."""
         if self.comm != "fused" or self.tp_size == 1:
             return None
         if not x.is_cuda:
             raise RuntimeError("comm=fused needs CUDA tensors (symmetric memory); use comm=bulk on the CPU")
-        if x.dtype == torch.float64:  # a float64 layer computes in float64 under autocast, as nn.Linear does
-            return None
-        if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in LOW_PRECISION:
-            return torch.get_autocast_dtype("cuda")  # as F.linear would compute, whatever x's dtype
+        autocast = _autocast_dtype(x)
+        if autocast in LOW_PRECISION:
+            return autocast  # as F.linear would compute, whatever x's dtype
         return x.dtype if x.dtype in LOW_PRECISION else None
 
 
