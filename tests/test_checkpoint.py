@@ -356,6 +356,27 @@ def test_a_save_removes_a_crash_s_partial_folders(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4"]
 
 
+def _a_root_rank_0_cannot_see(rank: int, world: int, root: str) -> None:
+    model = _Sharded([Shard("b", 1, 0, 4, "b")])  # rank 1 writes table b
+    _randomise(model, rank)
+    _save(f"{root}/a", 2, model)
+    # rank 1's root another folder: as a checkpoint_dir on each node's own disk, rank 1's files where rank 0's
+    # finished checkpoint never sees them
+    with pytest.raises(ValueError, match=r"step_4\.partial lacks \['__1_0\.distcp'\] .*: trainer\.checkpoint_dir "
+                                         r"must be one folder that every rank sees"):
+        _save(f"{root}/{'ab'[rank]}", 4, model)
+    if rank == 0:  # not taken for a checkpoint, nor its pruning run: the last complete one stays the latest
+        assert sorted(p.name for p in Path(root, "a").iterdir()) == ["step_2", "step_4.partial"]
+    dist.barrier()
+    assert _load(f"{root}/a", _Sharded([Shard("b", 1, 0, 4, "b")])) == 2
+
+
+def test_a_checkpoint_with_files_rank_0_cannot_see_is_not_finished(tmp_path):
+    """A checkpoint_dir that is not shared (each node's own disk): DCP writes every rank's files into that rank's
+    view of step_N.partial and only rank 0's metadata names them all; the folder rank 0 renames must hold them."""
+    run_world(2, _a_root_rank_0_cannot_see, str(tmp_path), timeout=120)
+
+
 def _roots_that_differ(rank: int, world: int, root: str) -> None:
     model, optimizer = _model_and_optimizer(momentum_sgd=False)
     for step in (2, 4):

@@ -4,8 +4,9 @@ The tables and their optimizer state are torchrec's global entries (sparse/shard
 under another sharding plan or world size, except for row-wise Adagrad state under other column cuts (refused).
 
 Layout: <root>/step_<N>/ (a DCP folder). A checkpoint is written into step_<N>.partial and renamed when every rank
-has finished, so a crash or a NaN stop never leaves a half-written "latest" checkpoint; parameters or optimizer state
-holding NaN / inf on any rank stop the run instead of being saved (and of pruning a good checkpoint).
+has finished and rank 0 sees every file of it (a root on each node's own disk is refused), so a crash or a NaN stop
+never leaves a half-written "latest" checkpoint; parameters or optimizer state holding NaN / inf on any rank stop
+the run instead of being saved (and of pruning a good checkpoint).
 """
 
 from __future__ import annotations
@@ -117,6 +118,16 @@ def _stop_if_nonfinite(state: dict, device: torch.device, root: Path, step: int,
                                  f"good checkpoint: {last_good_checkpoint(root, resumed_from)}")
 
 
+def _files_not_held(folder: Path) -> list[str]:
+    """The files a DCP folder's metadata names that the folder lacks or holds shorter than the data in them: written
+    by ranks that saw another folder at its path (a checkpoint_dir on each node's own disk)."""
+    ends: dict[str, int] = {}
+    for info in dcp.FileSystemReader(folder).read_metadata().storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    return sorted(name for name, end in ends.items()
+                  if not (folder / name).is_file() or (folder / name).stat().st_size < end)
+
+
 def check_keep_last(keep_last: int) -> None:
     """How many checkpoints a run keeps (trainer.keep_checkpoints): at least the one just saved."""
     check_count("trainer.keep_checkpoints", keep_last, 1, "a count >= 1 (the checkpoint just saved is always kept)")
@@ -137,6 +148,11 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
         partial.mkdir(parents=True)
 
     def finish() -> None:
+        unseen = _files_not_held(partial)
+        if unseen:
+            raise ValueError(f"{partial} lacks {_listed(unseen)} that other ranks wrote (each rank writes its files "
+                             f"into the folder as its node sees it): trainer.checkpoint_dir must be one folder that "
+                             f"every rank sees (a shared filesystem); left as a .partial folder, not a checkpoint")
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         for _, p in _step_folders(root)[:-keep_last]:
