@@ -182,3 +182,23 @@ def test_a_run_without_checkpoints_reads_the_error_words_at_its_end(tmp_path, mo
     run.end_step(torch.tensor(0.5))
     run.finish()
     assert read == [True]
+
+
+def _a_later_checkpoint_one_rank_sees(rank: int, world: int, root: str) -> None:
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    trainer = OmegaConf.create({"log_every": 4, "eval_every": 0, "checkpoint_every": 5, "max_steps": 20,
+                                "progress": False, "resume_from": None, "keep_checkpoints": 1})
+    checkpoints = Path(root, f"rank_{rank}")  # as a checkpoint_dir on each node's disk: rank 1's holds step_50
+    (checkpoints / ("step_50" if rank == 1 else "")).mkdir(parents=True)
+    expected = r"checkpoint_dir \S+rank_1 already holds step_50, after this run's start at step 0"
+    with pytest.raises(ValueError, match=expected if rank == 1 else rf"^rank 0: rank\(s\) \[1\] .*{expected}"):
+        TrainingRun(trainer, env, Path(root, f"run_{rank}"), checkpoints, 0, items="samples", items_per_step=1,
+                    log_fields=lambda interval: ({"loss": interval.losses[0]}, ""), evaluate=lambda step: {},
+                    save=lambda step: None, log=logging.getLogger(__name__))
+
+
+def test_a_later_checkpoint_that_one_rank_sees_stops_every_rank(tmp_path):
+    """A checkpoint_dir holding a checkpoint after the run's start is refused (the run's pruning would delete it):
+    on every rank, also where only one rank's view of the folder holds it (the others would go on into the first
+    step's collectives and wait there for it)."""
+    run_world(2, _a_later_checkpoint_one_rank_sees, str(tmp_path), timeout=120)

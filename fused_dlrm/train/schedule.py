@@ -46,6 +46,16 @@ def stop_if_nonfinite(rows: list[list[float]], first_step: int, checkpoint_dir: 
                                          f"{last_good_checkpoint(checkpoint_dir, resumed_from)}")
 
 
+def _later_checkpoint(checkpoint_dir: Path, step: int) -> ValueError | None:
+    """A checkpoint in checkpoint_dir after a run's start at `step`, which its pruning would delete: refused."""
+    later = latest_checkpoint(checkpoint_dir) if checkpoint_dir.exists() else None
+    if later is None or int(later.name.split("_")[1]) <= step:
+        return None
+    return ValueError(f"trainer.checkpoint_dir {checkpoint_dir} already holds {later.name}, after this run's start at "
+                      f"step {step}: resume from it (trainer.resume_from={checkpoint_dir}) or write into an empty "
+                      f"directory")
+
+
 def check_trainer(trainer: DictConfig) -> None:
     """The settings of cfg.trainer a `TrainingRun` reads, checked before training (not at the first checkpoint): a
     model's check_config runs them before anything is built, so that its report refuses them too."""
@@ -123,11 +133,8 @@ class TrainingRun:
                  items: str, items_per_step: int, log_fields: LogFields, evaluate: Callable[[int], dict],
                  save: Callable[[int], None], log: logging.Logger, loss_terms: int = 1):
         check_trainer(trainer)
-        later = latest_checkpoint(checkpoint_dir) if trainer.checkpoint_every and checkpoint_dir.exists() else None
-        if later is not None and int(later.name.split("_")[1]) > step:  # its pruning would delete this run's own
-            raise ValueError(f"trainer.checkpoint_dir {checkpoint_dir} already holds {later.name}, after this run's "
-                             f"start at step {step}: resume from it (trainer.resume_from={checkpoint_dir}) or write "
-                             f"into an empty directory")
+        if trainer.checkpoint_every:  # raised on every rank: a rank's view of the folder may differ (a node's disk)
+            raise_on_every_rank(_later_checkpoint(checkpoint_dir, step), "cannot write checkpoints")
         if trainer.max_steps is not None and step >= trainer.max_steps:  # a resume at or past it: else silent
             log.warning("the run starts at step %d, at or past trainer.max_steps=%d: it trains no step (only "
                         "evaluates); raise trainer.max_steps to train on", step, trainer.max_steps)
