@@ -703,6 +703,11 @@ def test_resume_with_other_sizes_or_optimizers_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"holds no \['dense_optimizer\.state\..*momentum_buffer'.*another dense"):
         train(config(*common, *sgd, "+trainer.dense_optimizer.momentum=0.9", resume_adagrad), CPU,
               tmp_path / "dense_momentum")
+    # tables of another dtype: DCP cast them without a word (fp32 rounded into fp16)
+    with pytest.raises(ValueError, match=r"holds \['model\..*embedding_bags\.\S+\.weight torch\.float32 \(this run: "
+                                         r"torch\.float16\)'.*: it was written for tables of another dtype; resume "
+                                         r"with its model\.data_type"):
+        train(config(*common, "model.data_type=fp16", resume_adagrad), CPU, tmp_path / "fp16")
     # Adam's state names under AdamW: the checkpoint's record of its class tells them apart
     with pytest.raises(ValueError, match=r"dense optimizer Adam, this run's is AdamW: .*another dense optimizer"):
         train(config(*common, "trainer.dense_optimizer._target_=torch.optim.AdamW", resume_adagrad), CPU,

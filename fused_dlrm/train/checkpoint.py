@@ -200,28 +200,30 @@ _ENTRY_KINDS = (
 )
 
 
-def _entries(state: dict) -> dict[str, list[int] | None]:
-    """The entries this rank loads, by checkpoint key: a tensor's shape, None for another value."""
+def _entries(state: dict) -> dict[str, tuple[list[int], torch.dtype] | None]:
+    """The entries this rank loads, by checkpoint key: a tensor's shape and dtype, None for another value."""
     tables, dense = _optimizer_entries(state)
     entries = {f"model.{name}": value for name, value in state["model"].items()} | tables | dense
-    return {key: list(value.shape) if torch.is_tensor(value) else None for key, value in entries.items()}
+    return {key: (list(value.shape), value.dtype) if torch.is_tensor(value) else None
+            for key, value in entries.items()}
 
 
 def _listed(keys: list[str]) -> str:
     return f"{keys[:3]}{' ...' if len(keys) > 3 else ''}"
 
 
-def _check_entries(path: Path, saved: dict, every: list[dict[str, list[int] | None]]) -> None:
-    """The checkpoint holds every entry that any rank loads (`every`: each rank's `_entries`), with its shape, and
-    no model entry or optimizer state that no rank loads (another sharding plan's tables, Adam's moments under
-    SGD): DCP would name one key on one rank, deep in a traceback of its own exception type, or drop them without a
-    word. Every rank checks every rank's entries, so all of them raise the same error."""
+def _check_entries(path: Path, saved: dict, every: list[dict[str, tuple[list[int], torch.dtype] | None]]) -> None:
+    """The checkpoint holds every entry that any rank loads (`every`: each rank's `_entries`), with its shape (the
+    model's with its dtype too: DCP would cast fp32 tables into fp16 ones), and no model entry or optimizer state
+    that no rank loads (another sharding plan's tables, Adam's moments under SGD): DCP would name one key on one
+    rank, deep in a traceback of its own exception type, or drop them without a word. Every rank checks every
+    rank's entries, so all of them raise the same error."""
     ranks: dict[str, list[int]] = {}  # entry -> the ranks that load it
-    shapes: dict[str, list[int] | None] = {}
+    tensors: dict[str, tuple[list[int], torch.dtype] | None] = {}
     for rank, entries in enumerate(every):
-        for key, shape in entries.items():
+        for key, tensor in entries.items():
             ranks.setdefault(key, []).append(rank)
-            shapes.setdefault(key, shape)
+            tensors.setdefault(key, tensor)
     for prefix, whose, written in _ENTRY_KINDS:
         wanted = [key for key in ranks if key.startswith(prefix)]
         missing = [key for key in wanted if key not in saved]
@@ -235,13 +237,19 @@ def _check_entries(path: Path, saved: dict, every: list[dict[str, list[int] | No
             found.append(f"holds {_listed(extra)}, state this run does not keep")
         if found:
             raise ValueError(f"checkpoint {path} {' and '.join(found)}: {written}")
-    wrong = {key: f"{key} {list(saved[key].size)} (this run: {shape})" for key, shape in shapes.items()
-             if shape is not None and hasattr(saved[key], "size") and list(saved[key].size) != shape}
+    held = {key: tensor for key, tensor in tensors.items() if tensor is not None and hasattr(saved[key], "size")}
+    wrong = {key: f"{key} {list(saved[key].size)} (this run: {shape})" for key, (shape, _) in held.items()
+             if list(saved[key].size) != shape}
     sizes = [text for key, text in wrong.items() if not key.startswith("embedding_optimizer.")]
     if sizes:
         raise ValueError(f"checkpoint {path} holds {_listed(sizes)}: it was written for other sizes (DLRM: "
                          "model.num_rows, model.embedding_dim, data.num_dense, the arches; the MoE Transformer: "
                          "model.d_model, model.ffn, model.num_experts, ...)")
+    dtypes = [f"{key} {saved[key].properties.dtype} (this run: {dtype})" for key, (_, dtype) in held.items()
+              if key.startswith("model.") and saved[key].properties.dtype != dtype]
+    if dtypes:  # the MoE Transformer's weights are fp32 at either model.precision
+        raise ValueError(f"checkpoint {path} holds {_listed(dtypes)}: it was written for tables of another dtype; "
+                         "resume with its model.data_type (DLRM)")
     if wrong:  # the tables themselves reshard (model entries of the same shapes under any plan): not this state
         raise ValueError(f"checkpoint {path} holds {_listed(list(wrong.values()))}: row-wise Adagrad state written "
                          "for other column shards of these tables (torchrec's layout: an accumulator per row of each "
