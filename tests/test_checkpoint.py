@@ -411,6 +411,19 @@ def test_a_truncated_shard_names_the_checkpoint_on_every_rank(tmp_path):
     run_world(2, _a_shard_is_truncated, str(tmp_path), timeout=120)
 
 
+def test_a_truncated_metadata_file_names_the_checkpoint(tmp_path):
+    """A .metadata cut short (a copy of the folder interrupted) raised pickle's "pickle data was truncated", naming
+    no checkpoint in a run of one process (its peers named it as rank 0's problem)."""
+    model, optimizer = _model_and_optimizer(momentum_sgd=False)
+    for step in (2, 4):
+        save_checkpoint(tmp_path, step, model, optimizer)
+    metadata = tmp_path / "step_4" / ".metadata"
+    os.truncate(metadata, metadata.stat().st_size // 2)
+    with pytest.raises(ValueError, match=r"checkpoint \S+step_4 cannot be read \(UnpicklingError: .*\): a file of it is "
+                                         r"truncated or corrupt; resume from an earlier checkpoint \(step_2 under "):
+        load_checkpoint(tmp_path, *_model_and_optimizer(momentum_sgd=False))
+
+
 def _one_rank_diverged(rank: int, world: int, root: str) -> None:
     model, optimizer = _model_and_optimizer(momentum_sgd=True)
     save_checkpoint(root, 2, model, optimizer)

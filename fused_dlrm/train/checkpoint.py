@@ -330,6 +330,14 @@ def _step_folder(path: Path) -> Path:
     return found
 
 
+def _unreadable(path: Path, failures: str) -> ValueError:
+    """The error of a checkpoint whose metadata or shards cannot be read, naming the checkpoint before it."""
+    step = int(_STEP_DIR.match(path.name).group(1))
+    earlier = [p.name for n, p in _step_folders(path.parent) if n < step]
+    return ValueError(f"checkpoint {path} cannot be read ({failures}): a file of it is truncated or corrupt; resume "
+                      f"from an earlier checkpoint ({earlier[-1] if earlier else 'none'} under {path.parent})")
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     embedding_optimizer=None, global_batch_size: int | None = None,
                     lr_decay_over_max_steps: int | None = None) -> int:
@@ -343,7 +351,12 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     given = path = Path(path)
     try:  # any failure, on any rank (a path one node lacks, unreadable metadata): the others would wait in DCP's
         path = _step_folder(path)  # collectives for it
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        try:
+            saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        except FileNotFoundError:  # names the file: no checkpoint there
+            raise
+        except Exception as error:  # noqa: BLE001: pickle's error names no file
+            raise _unreadable(path, problem_text(error)) from error
         _check_entries(path, saved, every)
         _check_run(path, saved, optimizer, global_batch_size, lr_decay_over_max_steps)
         problem = None
@@ -368,12 +381,8 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         # param_groups ("Missing key ... dense_optimizer.param_groups"). Ours hold no nested ShardedTensor to flatten.
         dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
     except CheckpointException as error:  # raised on every rank: DCP gathers each rank's read failures
-        failures = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in error.failures.items())
-        step = int(_STEP_DIR.match(path.name).group(1))
-        earlier = [p.name for n, p in _step_folders(path.parent) if n < step]
-        raise ValueError(f"checkpoint {path} cannot be read ({failures}): a file of it is truncated or corrupt; resume "
-                         f"from an earlier checkpoint ({earlier[-1] if earlier else 'none'} under {path.parent})"
-                         ) from error
+        raise _unreadable(path, "; ".join(f"rank {rank}: {problem_text(exc)}"
+                                          for rank, (exc, _) in error.failures.items())) from error
     configured = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["dense_optimizer"])
     _keep_configured_options(optimizer, configured)
