@@ -24,8 +24,9 @@ for these deliberate differences:
   (Megatron divides its coefficient by n): here the mean over the group's ranks is the slice's loss, as
   moe.train averages every rank's share. The gradients are the same.
 - A rank without tokens has losses 0 (Megatron: 0 / 0); the routing weights are fp32 (float64 logits: float64)
-  whatever the logits' dtype, where Megatron casts them to it; ties go to the lower expert and a NaN ranks first
-  (torch.topk leaves both open); the losses are computed without grad too (Megatron skips them there).
+  whatever the logits' dtype, where Megatron casts them to it; the experts are chosen by logit, ties to the lower
+  expert and a NaN first (torch.topk leaves both open); the losses are computed without grad too (Megatron skips
+  them there).
 """
 
 from __future__ import annotations
@@ -197,9 +198,11 @@ def top_k_softmax_reference(logits: torch.Tensor, top_k: int, renormalize: bool,
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     num_tokens, num_experts = logits.shape
     probs = torch.softmax(logits, dim=-1)
-    # The kernel's order (`_top_k_softmax_kernel`): best first, NaN above every probability, ties to the lower index
-    # (torch.topk orders ties as it likes; a row with a NaN or an infinite logit is all NaN, all ties).
-    weights, expert_ids = (t[:, :top_k] for t in torch.sort(probs, dim=-1, descending=True, stable=True))
+    # The kernel's order (`_top_k_softmax_kernel`): by logit, best first, NaN above every one, ties to the lower
+    # index (torch.topk orders ties as it likes).
+    ranking = torch.where(logits.isnan(), torch.inf, logits)
+    expert_ids = torch.sort(ranking, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = probs.gather(1, expert_ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     counts = count_per_expert(expert_ids.reshape(-1), num_experts)
@@ -230,22 +233,24 @@ def _top_k_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, lse_ptr, block_count
     p = tl.exp(z - most[:, None])
     total = tl.sum(p, axis=1)
     probs = p / total[:, None]
-    # The ranking: NaN (2) above every probability, as torch sorts it (a NaN or infinite logit makes its row all
-    # NaN), chosen experts and padding (-1) below, ties to the lowest index. So a row's k picks are k distinct real
-    # experts whatever its values: the fused layer's receive capacity counts on it (with k picks of one expert, a
-    # diverging run's NaN rows overflowed it), and the loss is NaN as it should be.
-    left = tl.where(expert[None, :], tl.where(probs == probs, probs, 2.0), -1.0)
+    # The ranking: by logit (the probabilities' order, without the ties their underflow makes: fp32 probabilities
+    # of logits ~104 below a token's best (~88 where exp flushes subnormals) are all 0, and its next picks fell to
+    # the lowest indices, the experts it ranks last), NaN above every logit, as torch sorts it, ties to the lowest
+    # index, among the real experts not yet chosen. So a row's k picks are k distinct real experts whatever its values: the fused layer's receive
+    # capacity counts on it (with k picks of one expert, a diverging run's NaN rows overflowed it), and the loss is
+    # NaN as it should be (a NaN or infinite logit makes its row's probabilities all NaN).
+    key = tl.where(z == z, z, float("inf"))
+    left = tl.broadcast_to(expert[None, :], (BLOCK_T, E_P2))  # the experts still to choose from
     top_w = tl.zeros((BLOCK_T, K_P2), tl.float32)
     top_e = tl.zeros((BLOCK_T, K_P2), tl.int32)
-    chosen = tl.zeros((BLOCK_T, E_P2), tl.int32)
     for i in tl.static_range(TOP_K):
-        best = tl.max(left, axis=1)
-        pick = tl.min(tl.where(left == best[:, None], e[None, :], E_P2), axis=1)
+        best = tl.max(tl.where(left, key, float("-inf")), axis=1)
+        pick = tl.min(tl.where(left & (key == best[:, None]), e[None, :], E_P2), axis=1)
         hit = e[None, :] == pick[:, None]
-        top_w = tl.where(j[None, :] == i, tl.where(best > 1.0, float("nan"), best)[:, None], top_w)
+        top_w = tl.where(j[None, :] == i, tl.sum(tl.where(hit, probs, 0.0), axis=1)[:, None], top_w)
         top_e = tl.where(j[None, :] == i, pick[:, None], top_e)
-        chosen += hit.to(tl.int32)
-        left = tl.where(hit, -1.0, left)
+        left &= ~hit
+    chosen = (expert[None, :] & ~left).to(tl.int32)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=1)[:, None]
     out = token[:, None] & (j[None, :] < TOP_K)

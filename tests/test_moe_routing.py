@@ -229,7 +229,7 @@ def test_top_k_softmax_kernels_take_bf16_logits():
 @pytest.mark.parametrize("num_experts, top_k", [(4, 2), (6, 3), (5, 5), (8, 1)])
 def test_nan_and_infinite_logits_pick_distinct_experts_as_the_reference_does(num_experts, top_k):
     """A diverging run's logits: a row with a NaN or an infinite logit has NaN probabilities only. The kernel ranks
-    NaN above every probability and ties to the lower index, as the reference's stable sort does: k distinct
+    NaN above every logit and ties to the lower index, as the reference's stable sort does: k distinct
     experts in range, the reference's, NaN weights and losses (the training loop's NaN stop). Its picks once matched
     nothing in such a row and all fell to the last expert: k rows of one token to one expert, past the fused
     layer's receive capacity."""
@@ -253,6 +253,24 @@ def test_nan_and_infinite_logits_pick_distinct_experts_as_the_reference_does(num
     torch.testing.assert_close(weights, want.weights, equal_nan=True)
     assert weights[:5].isnan().all() and not weights[5:].isnan().any()
     assert got.aux_loss.isnan() and got.z_loss.isnan()
+
+
+@pytest.mark.parametrize("path", ["torch", "kernels"])
+def test_experts_whose_probabilities_underflow_are_ranked_by_their_logits(path):
+    """A token's fp32 probabilities of logits ~104 below its best are 0 (~88 where exp flushes subnormals), all
+    tied: its next choices must still be its next best logits, as in float64 (and Megatron's top-k of the logits),
+    not the lowest indices, which sent its rows to the experts the router ranks last and counted them there (the
+    load-balancing loss)."""
+    generator = torch.Generator().manual_seed(9)
+    logits = torch.randn(40, 8, generator=generator)
+    logits[::2, 5] += 150.0  # every other token: one expert far ahead, every other probability 0 in fp32
+    fn = top_k_softmax_kernels if path == "kernels" else top_k_softmax_reference
+    got = fn(logits.to(DEVICE), 3, True)
+    want = top_k_softmax_reference(logits.double(), 3, True)
+    assert torch.equal(got.expert_ids.cpu(), want.expert_ids)
+    assert torch.equal(got.tokens_per_expert.cpu(), want.tokens_per_expert)
+    torch.testing.assert_close(got.weights.cpu().double(), want.weights, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got.aux_loss.cpu().double(), want.aux_loss, rtol=1e-5, atol=0)
 
 
 def test_hand_computed_losses():
