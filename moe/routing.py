@@ -236,9 +236,10 @@ def _top_k_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, lse_ptr, block_count
     # The ranking: by logit (the probabilities' order, without the ties their underflow makes: fp32 probabilities
     # of logits ~104 below a token's best (~88 where exp flushes subnormals) are all 0, and its next picks fell to
     # the lowest indices, the experts it ranks last), NaN above every logit, as torch sorts it, ties to the lowest
-    # index, among the real experts not yet chosen. So a row's k picks are k distinct real experts whatever its values: the fused layer's receive
-    # capacity counts on it (with k picks of one expert, a diverging run's NaN rows overflowed it), and the loss is
-    # NaN as it should be (a NaN or infinite logit makes its row's probabilities all NaN).
+    # index, among the real experts not yet chosen. So a row's k picks are k distinct real experts whatever its
+    # values: the fused layer's receive capacity counts on it (with k picks of one expert, a diverging run's NaN
+    # rows overflowed it), and the loss is NaN as it should be (a NaN or infinite logit makes its row's
+    # probabilities all NaN).
     key = tl.where(z == z, z, float("inf"))
     left = tl.broadcast_to(expert[None, :], (BLOCK_T, E_P2))  # the experts still to choose from
     top_w = tl.zeros((BLOCK_T, K_P2), tl.float32)
