@@ -91,8 +91,8 @@ def check_config(cfg: DictConfig) -> None:
 def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
     """The model on this rank; with model.tp_size > 1 it creates the TP and data-parallel groups (collective).
     The model's `group` holds the ranks with different tokens: the data-parallel group, or under sequence
-    parallelism the world (None). A model.tp_size that does not divide the world, or a batch sequence parallelism
-    cannot cut, is refused here, on every rank alike."""
+    parallelism the world (None). A model.tp_size that does not divide the world, a batch of fewer samples than
+    data-parallel ranks, or one sequence parallelism cannot cut, is refused here, on every rank alike."""
     m = cfg.model
     for key in ("vocab_size", "d_model", "num_layers", "num_heads", "ffn", "num_experts", "top_k", "moe_every"):
         # a float failed deep in torch, YAML's true (an int) was 1, ffn=0 trained FFNs of nothing
@@ -100,8 +100,11 @@ def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
     check_tp_size(m.tp_size, env.world_size, "model.tp_size")  # before the checks below divide by it
     if m.vocab_size < 256:  # else the first byte above it fails in the embedding, at whatever step draws it
         raise ValueError(f"model.vocab_size={m.vocab_size}: the data are raw bytes, so it must be at least 256")
+    shares = env.world_size // m.tp_size  # the data-parallel ranks: a TP group shares one slice of the batch
+    check_count("data.global_batch_size", cfg.data.global_batch_size, shares,
+                f"a whole number of samples >= the {shares} data-parallel ranks (world size {env.world_size} / "
+                f"model.tp_size={m.tp_size}): each takes a slice of the batch")  # else named as a world of `shares`
     if m.get("sequence_parallel", False) and m.tp_size > 1:
-        shares = env.world_size // m.tp_size
         for start, stop in (local_batch_bounds(cfg.data.global_batch_size, r, shares) for r in range(shares)):
             if (stop - start) * cfg.data.seq_len % m.tp_size:
                 raise ValueError(f"model.sequence_parallel cuts each data-parallel rank's tokens into model.tp_size="

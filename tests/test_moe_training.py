@@ -91,6 +91,20 @@ def test_a_batch_sequence_parallelism_cannot_cut_is_refused_before_any_collectiv
             build_model(cfg, env)
 
 
+def test_a_batch_of_fewer_samples_than_data_parallel_ranks_is_named_as_such_on_every_rank():
+    """1 sample over 4 ranks in TP pairs: 2 data-parallel ranks, a TP pair sharing one slice. Refused at build time
+    naming data.global_batch_size and the data-parallel ranks (world / model.tp_size); the refusal said "must be >=
+    world_size (2)" of a world of 4, from the data (or, under sequence parallelism, this check's own split)."""
+    for parallel in ("true", "false"):
+        cfg = config(*SMALL, "model.tp_size=2", f"model.sequence_parallel={parallel}", "data.global_batch_size=1")
+        for rank in range(4):
+            env = DistEnv(rank=rank, world_size=4, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+            with pytest.raises(ValueError, match=r"^data.global_batch_size=1: expected a whole number of samples >= "
+                                                 r"the 2 data-parallel ranks \(world size 4 / model.tp_size=2\): "
+                                                 r"each takes a slice of the batch$"):
+                build_model(cfg, env)
+
+
 def test_a_tp_size_that_does_not_divide_the_world_is_named_as_such_on_every_rank():
     """model.tp_size=3 over 4 ranks is refused as the TP size, with the world it does not divide, on every rank
     before any collective: not as a batch that sequence parallelism cannot cut (4 // 3 = 1 data-parallel rank)."""
