@@ -42,6 +42,19 @@ def _bad_batch_on_rank_1(rank: int, world: int, bad: str, row_shards) -> None:
         extra = {"short_weights": -1, "long_weights": 1}[bad] if rank == 1 else 0
         kjt = KeyedJaggedTensor(keys=keys, values=kjt.values(), lengths=kjt.lengths(),
                                 weights=torch.rand(kjt.values().numel() + extra))
+    elif rank == 1 and bad == "column_values":  # the values as a column [N, 1]
+        kjt = KeyedJaggedTensor(keys=keys, values=kjt.values()[:, None], lengths=kjt.lengths())
+    elif bad == "column_weights":  # every rank's KJT weighted, rank 1's weights a column [N, 1]
+        weights = torch.rand(kjt.values().numel())
+        kjt = KeyedJaggedTensor(keys=keys, values=kjt.values(), lengths=kjt.lengths(),
+                                weights=weights[:, None] if rank == 1 else weights)
+    elif rank == 1 and bad == "variable_batch":  # torchrec's VBE: f0 with one sample less, every sample's output
+        per_key = kjt.lengths().view(len(keys), -1)
+        end, last = int(per_key[0].sum()), int(per_key[0, -1])
+        kjt = KeyedJaggedTensor(keys=keys, values=torch.cat([kjt.values()[:end - last], kjt.values()[end:]]),
+                                lengths=torch.cat([per_key[0, :-1], per_key[1:].reshape(-1)]),
+                                stride_per_key_per_rank=[[2]] + [[3]] * (len(keys) - 1),
+                                inverse_indices=(keys, torch.tensor([[0, 1, 1]] + [[0, 1, 2]] * (len(keys) - 1))))
     error, mine, theirs = {
         "index": (IndexError, "rank 1: feature 'f2' has index 57, outside table 't1' of 57 rows",
                   r"rank 0: rank\(s\) \[1\] sent out-of-range indices"),
@@ -53,6 +66,14 @@ def _bad_batch_on_rank_1(rank: int, world: int, bad: str, row_shards) -> None:
                      r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values, lengths or weights disagree"),
         "shape": (ValueError, r"rank 1: the KeyedJaggedTensor has 14 lengths for 5 keys x stride 3",
                   r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values, lengths or weights disagree"),
+        "column_values": (ValueError, r"rank 1: the KeyedJaggedTensor's values are of shape \[\d+, 1\], not one "
+                          r"dimension", r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values, lengths or"),
+        "column_weights": (ValueError, r"rank 1: the KeyedJaggedTensor's per-sample weights are of shape \[\d+, 1\], "
+                           r"not one dimension", r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values,"),
+        "variable_batch": (ValueError, r"rank 1: the KeyedJaggedTensor has a variable batch size per feature "
+                           r"\(torchrec's variable batch, stride_per_key \[2, 3, 3, 3, 3\]\), which the sharded "
+                           r"collection does not take",
+                           r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values, lengths or weights"),
     }.get(bad, (ValueError, r"rank 1: the KeyedJaggedTensor has (22|24) per-sample weights for 23 values",
                 r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values, lengths or weights disagree"))
     with pytest.raises(error, match=mine if rank == 1 else theirs):
@@ -63,12 +84,15 @@ def _bad_batch_on_rank_1(rank: int, world: int, bad: str, row_shards) -> None:
     torch.testing.assert_close(sharded(to_kjt(keys, lengths, values, None, start, stop)).values(), good)
 
 
-@pytest.mark.parametrize("bad", ["index", "keys", "values", "negative", "shape", "short_weights", "long_weights"])
+@pytest.mark.parametrize("bad", ["index", "keys", "values", "negative", "shape", "short_weights", "long_weights",
+                                 "column_values", "column_weights", "variable_batch"])
 @pytest.mark.parametrize("row_shards", [1, {"t1": 2, "t3": 3}], ids=["whole", "row_blocks"])
 def test_a_bad_batch_raises_on_every_rank(bad, row_shards):
     """With row blocks (t1, which f2 reads, in two) the checks are of the batch as sent, before its cut: the
     error names the feature, the index and the table as the user knows them. Per-sample weights more or fewer
-    than the values (the weights' regroups and all-to-all are sized by the values) raise on every rank too."""
+    than the values (the weights' regroups and all-to-all are sized by the values) raise on every rank too, and so
+    do values or weights of another shape than one dimension (a column [N, 1] broadcast in the header's checks, and
+    failed in the lookups of its owners alone) and torchrec's variable batch per feature (VBE), named as such."""
     run_world(2, _bad_batch_on_rank_1, bad, row_shards, timeout=120)
 
 

@@ -140,8 +140,9 @@ class BulkInputDist:
     name, rows). A KJT may hold keys that no table reads, in any order, as torchrec's EmbeddingBagCollection reads
     its own features of a KJT that may feed other modules too: they are checked with the batch (values against
     lengths) but neither sent nor held against a table. A KJT without one of the tables' features, or with a key
-    twice, raises KeyError, one whose values disagree with its lengths or its per-sample weights ValueError, and
-    indices outside [0, rows) IndexError: on every rank; so do per-sample weights
+    twice, raises KeyError, one whose values disagree with its lengths or its per-sample weights, whose values or
+    weights are not one-dimensional, or whose batch size varies by feature (torchrec's variable batch) ValueError,
+    and indices outside [0, rows) IndexError: on every rank; so do per-sample weights
     that some ranks' KJTs have and others' lack (ValueError; `is_weighted`), and weights that require grad in grad mode
     (no gradient reaches them: a feature processor's would never train; ValueError). A batch that a rank could
     not make (`start_failed`) raises its error there and RuntimeError on the other ranks."""
@@ -216,9 +217,19 @@ class BulkInputDist:
         keys, values, local_batch = list(kjt.keys()), kjt.values(), kjt.stride()
         plan, problem = self._plan(keys, device)
         weights = None if self.is_weighted is False else kjt.weights_or_none()
-        if plan is not None and (kjt.variable_stride_per_key() or kjt.lengths().numel() != len(keys) * local_batch):
+        # a column [N, 1] would broadcast in the header's checks and fail in its owners' lookups alone
+        not_flat = [f"{what} are of shape {list(t.shape)}" for what, t in (("values", values),
+                                                                         ("per-sample weights", weights))
+                    if t is not None and t.dim() != 1]
+        if plan is not None and kjt.variable_stride_per_key():
+            problem = (f"the KeyedJaggedTensor has a variable batch size per feature (torchrec's variable batch, "
+                       f"stride_per_key {kjt.stride_per_key()}), which the sharded collection does not take: every "
+                       "feature needs one bag per sample")
+        elif plan is not None and not_flat:
+            problem = f"the KeyedJaggedTensor's {not_flat[0]}, not one dimension (one per value)"
+        elif plan is not None and kjt.lengths().numel() != len(keys) * local_batch:
             problem = (f"the KeyedJaggedTensor has {kjt.lengths().numel()} lengths for {len(keys)} keys x stride "
-                       f"{local_batch}" + (" (a variable stride per key)" if kjt.variable_stride_per_key() else ""))
+                       f"{local_batch}")
         elif plan is not None and weights is not None and weights.numel() != values.numel():
             # the weights' regroups and all-to-all are sized by the values: caught here, not on this rank alone
             problem = f"the KeyedJaggedTensor has {weights.numel()} per-sample weights for {values.numel()} values"
