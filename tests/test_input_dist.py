@@ -225,3 +225,22 @@ def test_another_dtype_on_one_rank_raises_on_every_rank(what, other, row_shards)
     Bool indices cut by row block: the cut's rebase subtracted from the bool tensor, which torch refuses, so rank 1
     raised alone in `start` and rank 0 waited in the header's all-to-all."""
     run_world(2, _another_dtype_on_rank_1, what, other, row_shards, timeout=120)
+
+
+def test_strided_weights_reach_the_kernels_packed():
+    """The GPU kernels (pooled lookup, embedding backward, fused exchange) read a bag's weight i at weights_ptr + i.
+    In a world of one with the KJT's keys in the tables' order the weights take no regroup and no all-to-all: a KJT's
+    strided weights (a column of (weight, other) pairs) were the bags' own, and the kernel pooled with the other
+    column's NaNs. The kernel (Triton's interpreter on the CPU) against the CPU lookup of the same bags."""
+    from test_sharded_ebc import SUM_TABLES
+
+    sharded = ShardedEmbeddingBagCollection(SUM_TABLES, EmbeddingOptimizerConfig(), is_weighted=True)
+    keys = [f for t in SUM_TABLES for f in t.feature_names]
+    lengths, values, weights = global_batch(0, 5, SUM_TABLES, True)
+    kjt = to_kjt(keys, lengths, values, weights, 0, 5)
+    pairs = torch.stack([kjt.weights(), torch.full_like(kjt.weights(), float("nan"))], dim=1)
+    bags = sharded.input_dist(KeyedJaggedTensor(keys=keys, values=kjt.values(), lengths=kjt.lengths(),
+                                                weights=pairs[:, 0]))
+    sharded.lookup.kernel_programs = 4  # (its default counts a GPU's SMs)
+    with torch.no_grad():
+        torch.testing.assert_close(sharded.lookup._pool_with_kernel(bags), sharded.lookup.pool(bags))

@@ -321,6 +321,8 @@ class BulkInputDist:
         parts = received.split([n for pair in zip(recv_length_splits, values_from) for n in pair])
         recv_values = torch.cat(parts[1::2])
         recv_weights = None if send_weights is None else all_to_all_v(send_weights, values_to, values_from, self.group)
+        if recv_weights is not None:  # the GPU kernels read weight i at ptr + i; in a world of one without a
+            recv_weights = recv_weights.contiguous()  # regroup a KJT's strided weights come here as they are
 
         per_source_lengths = [chunk.view(len(mine), b) for chunk, b in zip(parts[0::2], batch_sizes)]
         owned_lengths = torch.cat(per_source_lengths, dim=1).to(lengths.dtype)
