@@ -3,6 +3,8 @@ goes on with the next good one); its segment regroup: test_segment_gather_kernel
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torchrec import KeyedJaggedTensor
@@ -11,7 +13,7 @@ from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.kernels import batch_header as bh
 from fused_dlrm.sparse import EmbeddingOptimizerConfig, ShardedEmbeddingBagCollection, plan_sharding
 from bags import global_batch, to_kjt
-from test_sharded_ebc import TABLES
+from test_sharded_ebc import SUM_TABLES, TABLES
 from world import run_world
 
 
@@ -227,13 +229,12 @@ def test_another_dtype_on_one_rank_raises_on_every_rank(what, other, row_shards)
     run_world(2, _another_dtype_on_rank_1, what, other, row_shards, timeout=120)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU bags: the kernel in the interpreter")
 def test_strided_weights_reach_the_kernels_packed():
     """The GPU kernels (pooled lookup, embedding backward, fused exchange) read a bag's weight i at weights_ptr + i.
     In a world of one with the KJT's keys in the tables' order the weights take no regroup and no all-to-all: a KJT's
     strided weights (a column of (weight, other) pairs) were the bags' own, and the kernel pooled with the other
     column's NaNs. The kernel (Triton's interpreter on the CPU) against the CPU lookup of the same bags."""
-    from test_sharded_ebc import SUM_TABLES
-
     sharded = ShardedEmbeddingBagCollection(SUM_TABLES, EmbeddingOptimizerConfig(), is_weighted=True)
     keys = [f for t in SUM_TABLES for f in t.feature_names]
     lengths, values, weights = global_batch(0, 5, SUM_TABLES, True)
