@@ -46,8 +46,7 @@ from fused_dlrm.dist.alltoall import world_size
 from fused_dlrm.dist.env import check_same_on_every_rank, raise_on_every_rank
 from fused_dlrm.dist.host_copy import host_to_device
 from fused_dlrm.dist.symmetric import check_allocation_timeout
-from fused_dlrm.train.checkpoint import (NonFiniteLossError, last_good_checkpoint, load_checkpoint,
-                                         save_checkpoint)
+from fused_dlrm.train.checkpoint import NonFiniteLossError, load_checkpoint, save_checkpoint
 from fused_dlrm.train.config_keys import check_config_keys
 from fused_dlrm.train.lr_schedule import scheduled
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult, check_trainer
@@ -370,8 +369,7 @@ def train(cfg: DictConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         log.info("step %d eval loss %.4f", step, eval_loss)
         if not math.isfinite(eval_loss):  # the same on every rank (reduced): weights diverged after the loss check
             raise NonFiniteLossError(f"eval loss became NaN or inf at step {step} (the parameters diverged after "
-                                     f"the last loss check); stopping. Last good checkpoint: "
-                                     f"{last_good_checkpoint(checkpoint_dir, t.resume_from)}")
+                                     f"the last loss check); stopping")  # the run adds the last good checkpoint
         return {"eval_loss": eval_loss}
 
     def checkpoint(step: int) -> None:

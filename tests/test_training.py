@@ -273,15 +273,17 @@ def _nan_evaluation_stops_every_rank(rank: int, world: int, tmp: str) -> None:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
     cfg = config(*SMALL, "trainer.max_steps=20", "trainer.eval_every=10", "trainer.checkpoint_every=5",
                  f"data.eval._target_={__name__}.NaNEvalOnRank1")
-    with pytest.raises(NonFiniteLossError, match=r"2 of the 256 evaluation outputs at step 10 are NaN or inf"):
+    with pytest.raises(NonFiniteLossError, match=r"^2 of the 256 evaluation outputs at step 10 are NaN or inf .*; "
+                                                 rf"stopping\. Last good checkpoint: {Path(tmp) / 'checkpoints'}/step_10$"):
         train(cfg, env, Path(tmp))
     assert sorted(p.name for p in (Path(tmp) / "checkpoints").iterdir()) == ["step_10", "step_5"]
 
 
 def test_nan_evaluation_outputs_stop_every_rank(tmp_path):
     """An evaluation whose outputs hold NaN on one rank (there from its data; a model diverged after its last loss
-    check gives the same) stops both ranks at that step: its scores were plausible numbers, torchmetrics dropping
-    the NaN from the log loss and ranking it into the AUC."""
+    check gives the same) stops both ranks at that step, naming the last good checkpoint (as a NaN loss does, and
+    the MoE loop's NaN eval loss; it named none): its scores were plausible numbers, torchmetrics dropping the NaN
+    from the log loss and ranking it into the AUC."""
     run_world(2, _nan_evaluation_stops_every_rank, str(tmp_path), timeout=300)
 
 

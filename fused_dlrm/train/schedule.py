@@ -243,7 +243,14 @@ class TrainingRun:
         return fields["loss"]
 
     def run_eval(self) -> None:
-        self.result.evals.append({"step": self.step, **self.evaluate(self.step)})
+        """An evaluation: a NaN / inf result stops the run (the model's NonFiniteLossError, raised on every rank),
+        named, as a NaN loss is, with the last good checkpoint."""
+        try:
+            fields = self.evaluate(self.step)
+        except NonFiniteLossError as error:
+            raise NonFiniteLossError(f"{error}. Last good checkpoint: "
+                                     f"{last_good_checkpoint(self.checkpoint_dir, self.resumed_from)}") from None
+        self.result.evals.append({"step": self.step, **fields})
         self.metrics.record(self.result.evals[-1])
 
     def check_fused_ops(self) -> None:
