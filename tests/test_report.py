@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from fused_dlrm.report.moe import moe_bytes_sent, moe_layers, routes_per_owner, 
 from fused_dlrm.report import render
 from fused_dlrm.report.render import environment, markdown, write_json, write_png
 from fused_dlrm.train.build import compose_config
+from fused_dlrm.train.compute_copies import compute_copy
 from fused_dlrm.train.loop import train as train_dlrm
 from moe.layer import REFUSAL_WORDS, FusedMoEConfig, MoELayer
 from moe.train import build_model as build_moe
@@ -802,3 +804,61 @@ def test_the_picture_tells_layers_apart_and_says_why_a_bar_is_missing(tmp_path, 
     assert f"fused n/a, {CPU_REASON}: gradient all-reduce (dense arch), gradient all-reduce (over arch), " \
            f"training step" in caption, caption
     assert "fused n/a, no fused input dist yet: input" in caption, caption
+
+
+def _models_built(monkeypatch) -> list:
+    """The models report/moe.py builds (bulk first), recorded as it builds them."""
+    import fused_dlrm.report.moe as report_moe
+
+    models, build = [], report_moe.build_model
+    monkeypatch.setattr(report_moe, "build_model", lambda cfg, env: models.append(build(cfg, env)) or models[-1])
+    return models
+
+
+def _experts_compute_with_copies(layer: MoELayer) -> bool:
+    return all(compute_copy(p, torch.bfloat16) is not None for p in (layer.experts.w13, layer.experts.w2))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="AdamW writes the compute copies on GPUs and in the Triton interpreter")
+def test_moe_layers_are_timed_with_the_compute_copies_training_computes_with(tmp_path, monkeypatch):
+    """model.precision=bf16: training's AdamW writes the experts' bf16 copies in its first step, and every forward
+    after it computes with them instead of casting the fp32 experts (commit 6700867: ~8% of a fine-grained step on
+    one H200). The report times its layers as those forwards run: the model's MoE layers hold their copies before
+    anything is timed (a model never stepped cast every expert in each timed forward of the MoE layer row and the
+    step's forward row, bulk and fused)."""
+    models = _models_built(monkeypatch)
+    moe_layers(config(*MOE, "model.precision=bf16"), CPU, tmp_path)
+    layers = [m for m in models[0].modules() if isinstance(m, MoELayer)]
+    assert len(layers) == 2 and all(map(_experts_compute_with_copies, layers))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="AdamW writes the compute copies on GPUs and in the Triton interpreter")
+def test_the_fused_twin_computes_with_copies_as_the_layer_does(tmp_path, monkeypatch):
+    """The MoE row's fused column is a twin of the model's first MoE layer (its weights and routing settings): it
+    computes with bf16 copies of its experts where that layer does, not casting its fp32 weights in every forward
+    (the fused layer on one simulated rank stands in for the GPUs')."""
+    import fused_dlrm.report.moe as report_moe
+
+    models = _models_built(monkeypatch)
+    cfg = config(*MOE, "model.precision=bf16")
+    monkeypatch.setattr(report_moe, "fused_moe", lambda cfg, env, layer: ("no fused twin here", "no fused model"))
+    moe_layers(cfg, CPU, tmp_path)  # the bulk model, as the report leaves it before timing
+    layer = next(m for m in models[0].modules() if isinstance(m, MoELayer))
+    world = SimulatedWorld(1).workspaces()[0]
+
+    class OnASimulatedRank(MoELayer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, workspace=world, **kwargs)
+    monkeypatch.undo()
+    monkeypatch.setattr(report_moe, "no_fused_path", lambda env: None)
+    monkeypatch.setattr(report_moe, "MoELayer", OnASimulatedRank)
+    monkeypatch.setattr(report_moe, "build_model", lambda cfg, env: "the fused model")
+    twin, _ = report_moe.fused_moe(cfg, CPU, layer)
+    assert _experts_compute_with_copies(layer) and _experts_compute_with_copies(twin)
+    for mine, theirs in ((twin.experts.w13, layer.experts.w13), (twin.experts.w2, layer.experts.w2)):
+        assert torch.equal(mine, theirs) and compute_copy(mine, torch.bfloat16) is not compute_copy(theirs,
+                                                                                                  torch.bfloat16)
+        torch.testing.assert_close(compute_copy(mine, torch.bfloat16), mine.detach().to(torch.bfloat16),
+                                   rtol=0, atol=0)

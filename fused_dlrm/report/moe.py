@@ -22,6 +22,7 @@ from fused_dlrm.dist import DistEnv
 from fused_dlrm.report.layers import (STEP, CommLayer, Mode, bytes_of, counted, forward_backward,
                                       grad_allreduce_layer, no_fused_path, no_grad)
 from fused_dlrm.report.tp import tp_layers
+from fused_dlrm.train.compute_copies import mirror_compute_copy
 from moe.expert_layout import gather_counts
 from moe.layer import FusedMoEConfig, MoELayer
 from moe.train import build_data, build_model, build_optimizer, check_config, fused_moe_config, train_step
@@ -59,6 +60,7 @@ def fused_moe(cfg: DictConfig, env: DistEnv, layer: MoELayer) -> tuple[MoELayer 
     with torch.no_grad():  # router then experts in both (the model's layer renames its experts module only)
         for mine, theirs in zip(fused.parameters(), layer.parameters(), strict=True):
             mine.copy_(theirs)
+            mirror_compute_copy(mine, theirs)  # the experts' bf16 copies, where the layer computes with them
     return fused, build_model(fused_cfg, env)
 
 
@@ -125,7 +127,8 @@ def layer_modes(layer: MoELayer, x: torch.Tensor, grad: torch.Tensor, compute_dt
 
 
 class _Run:
-    """One model of the report, its optimizer, the first training batch and one MoE layer's real input."""
+    """One model of the report, its optimizer, the first training batch and one MoE layer's real input; stepped
+    once, as training's later steps find it."""
 
     def __init__(self, cfg: DictConfig, env: DistEnv, model: nn.Module, run_dir: Path, grad_allreduce: str):
         self.cfg, self.env, self.model, self.grad_allreduce = cfg, env, model, grad_allreduce
@@ -139,6 +142,9 @@ class _Run:
         # through the dispatch's all-to-all (or fused push), which the timed forward+backward must include
         self.x = torch.randn(rows, cfg.model.d_model, device=env.device, generator=generator).requires_grad_()
         self.grad = torch.randn_like(self.x)
+        # one training step before anything is timed: training's forwards from its second step on compute with the
+        # experts' bf16 copies its optimizer writes (model.precision=bf16), a model never stepped casts them in each
+        self.step()
 
     def step(self) -> None:
         """One training step: moe/train.py's own."""

@@ -76,6 +76,19 @@ def refresh_compute_copy(param: torch.nn.Parameter) -> None:
         copy.written_at = _state(param)
 
 
+def mirror_compute_copy(param: torch.nn.Parameter, source: torch.nn.Parameter) -> None:
+    """Mark `param`, which holds `source`'s values, as `source` is marked, with a copy of its own where `source` has
+    one: a twin of a module (a layer copied to run another way) then computes as the module does, with a copy or
+    casting."""
+    dtype = wanted_dtype(source)
+    if dtype is None:
+        return
+    want_compute_copy(param, dtype)
+    if _copy(source) is not None:
+        copy_to_write(param).copy_(param.detach())
+        written(param)
+
+
 def compute_copy(param: torch.nn.Parameter, dtype: torch.dtype) -> torch.Tensor | None:
     """The copy `compute_weight(param, dtype)` returns (as it is, not refreshed), None where it casts instead."""
     copy = _copy(param)
