@@ -109,6 +109,16 @@ def test_standalone_resolves_the_hydra_interpolations_train_py_takes(tmp_path):
     assert "trainer.checkpoint_dir=${hydra:runtime.output_dir}/ckpt" in report["overrides"]
 
 
+def test_standalone_resolves_the_run_directory_as_hydra_does(tmp_path, monkeypatch):
+    """A relative hydra.run.dir (the default, outputs/<launch time>, is one): `${hydra:runtime.output_dir}` resolves
+    to the directory's absolute path, as in Hydra's run of train.py (hydra.core.utils.run_job), so report.json
+    records the config train.py records for the same overrides, not a path relative to wherever the report ran."""
+    monkeypatch.chdir(tmp_path)
+    report_main([*DLRM, "trainer.checkpoint_dir=${hydra:runtime.output_dir}/ckpt", "hydra.run.dir=rel/run"])
+    report, _ = read(tmp_path / "rel" / "run")
+    assert report["config"]["trainer"]["checkpoint_dir"] == f"{tmp_path}/rel/run/ckpt"
+
+
 def test_dlrm_with_row_blocks_one_process(tmp_path):
     """Row-wise tables: the lookup layer is timed through the blocks' sum, with the output's gradient."""
     report_main([*DLRM, "model.row_shards=2", f"hydra.run.dir={tmp_path}"])

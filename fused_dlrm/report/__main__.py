@@ -10,6 +10,7 @@ it holds no .hydra/ directory: report.json records the overrides (without hydra.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from hydra.core.hydra_config import HydraConfig
@@ -29,7 +30,7 @@ def main(overrides: list[str]) -> None:
     if not env.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        run_dir = agree_on_run_dir(full.hydra.run.dir)
+        run_dir = agree_on_run_dir(os.path.abspath(full.hydra.run.dir))  # absolute, as Hydra's runtime.output_dir
         # as in Hydra's run of train.py, `${hydra:runtime.output_dir}` in an override resolves (to this run
         # directory) while the report runs; then the process's HydraConfig is as before (a caller composing again)
         with open_dict(full):
