@@ -93,6 +93,7 @@ def test_dlrm_standalone_one_process(tmp_path):
     layers = check_report(report, table, DLRM_LAYERS, world=1)
     assert layers[LOOKUP]["fused"]["unavailable"] == CPU_REASON
     assert layers[LOOKUP]["bytes_sent"] == {"fwd": 0, "fwd_bwd": 0}  # one process sends nothing
+    assert "median of 5 runs after 1 warm-up run (host perf_counter)" in table  # the CPU's counts, not '1 ... runs'
     assert all(layers[name]["bulk"]["unavailable"] == "one process: nothing to all-reduce" for name in ARCH_SUMS)
     # its dtype too (issue 6: each layer with its real shapes and dtype): the indices' (their lengths travel in it)
     assert re.fullmatch(r"50 samples x 6 features, [0-9,]+ int64 indices on this rank",
@@ -447,6 +448,8 @@ def test_moe_tensor_parallel_two_gloo_ranks(tmp_path, sequence_parallel):
         assert layers[name]["fused"]["unavailable"] == CPU_REASON and layers[name]["bulk"]["fwd_bwd_ms"] > 0
     # one data-parallel rank: the projections' shards need no sum; under SP the rest is summed over the world
     assert layers[sums[0]]["bulk"]["unavailable"] == "one rank in the group"
+    if sequence_parallel:
+        assert layers[sums[0]]["shapes"] == "13,056 fp32 values (flat) over 1 rank"  # not '1 ranks'
     if sequence_parallel:
         assert layers[sums[1]]["bulk"]["fwd_bwd_ms"] > 0 and "over 2 ranks" not in layers[sums[1]]["shapes"]
 

@@ -87,7 +87,8 @@ def grad_allreduce_layer(numels: Sequence[int], codec: str, env: DistEnv, reason
     ranks = dist.get_world_size(group) if dist.is_initialized() else 1
     num_params = sum(numels)  # the plain layout: back to back
     flat = torch.randn(num_params, device=env.device)
-    shapes = f"{num_params:,} fp32 values (flat)" + ("" if group is None else f" over {ranks} ranks")
+    over = "" if group is None else f" over {counted(ranks, 'rank', 'ranks')}"
+    shapes = f"{num_params:,} fp32 values (flat){over}"
     sent = {"fwd_bwd": 2 * (ranks - 1) * num_params * 4 // ranks}
     if ranks == 1:
         one = "one process: nothing to all-reduce" if env.world_size == 1 else "one rank in the group"

@@ -17,7 +17,7 @@ import torchrec
 import triton
 
 from fused_dlrm.dist import DistEnv
-from fused_dlrm.report.layers import PASSES, STEP
+from fused_dlrm.report.layers import PASSES, STEP, counted
 
 REPO = Path(__file__).resolve().parents[2]
 PASS_TITLES = {"fwd": "forward", "fwd_bwd": "forward+backward"}
@@ -99,7 +99,8 @@ def markdown(report: dict) -> str:
         f"{machine['host']}; commit {env['commit'] or 'unknown'}"
         f"{' (with uncommitted changes)' if env['uncommitted_changes'] else ''}; torch {env['versions']['torch']}, "
         f"triton {env['versions']['triton']}, torchrec {env['versions']['torchrec']}.",
-        f"Times in ms: the slowest rank's median of {t['iters']} runs after {t['warmup']} warm-up runs "
+        f"Times in ms: the slowest rank's median of {counted(t['iters'], 'run', 'runs')} after "
+        f"{counted(t['warmup'], 'warm-up run', 'warm-up runs')} "
         f"({t['method']}). "
         f"Bytes: sent by the busiest rank per run (the fused column's in parentheses where it sends others: a "
         f"codec's encoded messages). Shapes ('here', 'on this rank'): rank 0's. "
