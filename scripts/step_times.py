@@ -1,8 +1,10 @@
 """Per-step times of a training run from its metrics.jsonl (train.py writes one line per logged interval): median,
 mean and slowest `step_ms` over the intervals whose steps all lie at or after `--from` (default 11: past compilation
-and warm-up; an interval starts after the previous one's last step). With `trainer.log_every=1` every step is its
-own interval, so one slow step (a compile, a collective re-allocation) shows as the slowest instead of hiding in a
-5-step mean.
+and warm-up; an interval starts after the previous one's last step). An interval's step_ms is the mean of its steps,
+so the median and mean are over steps (an interval counts as many times as it holds steps: a checkpoint or the
+run's end cuts short ones); the slowest is an interval's. With `trainer.log_every=1` every step is its own interval,
+so one slow step (a compile, a collective re-allocation) shows as the slowest instead of hiding in a 5-step mean.
+A file that holds several runs (a second run into the same directory appends; its steps go back) reports the last.
 
     python scripts/step_times.py RUN_DIR [RUN_DIR ...] [--from 11]
 """
@@ -12,14 +14,15 @@ import statistics
 from pathlib import Path
 
 
-def step_times(run_dir: Path, first: int) -> dict[int, float]:
-    """step -> step_ms of the intervals starting at step >= first (evaluation lines carry no step_ms): an interval
-    starts after the previous one's last step; the file's first, or one whose steps go back (a run resumed into
-    the same directory), at step 1 (its start is unknown, and it holds that run's compilation)."""
+def step_times(run_dir: Path, first: int) -> tuple[dict[int, tuple[float, int]], int]:
+    """({last step: (step_ms, steps)} of the last run's intervals starting at step >= first, the runs in the file).
+    Evaluation lines carry no step_ms. An interval starts after the previous one's last step; a run's first at
+    step 1 (the file's first, or one whose steps go back: a later run's start is unknown, a resume's checkpoint,
+    and it holds that run's compilation)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise SystemExit(f"{path}: no such file (the run did not log, or its directory is another)")
-    times, previous = {}, 0
+    times, previous, runs = {}, 0, 1
     for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
             row = json.loads(line) if line.strip() else {}
@@ -27,10 +30,12 @@ def step_times(run_dir: Path, first: int) -> dict[int, float]:
             raise SystemExit(f"{path}, line {number}: not JSON ({error})") from error
         if "step_ms" not in row:
             continue
-        if (previous + 1 if row["step"] > previous else 1) >= first:
-            times[row["step"]] = row["step_ms"]
+        if row["step"] <= previous:  # another run: the earlier ones' times are dropped
+            times, previous, runs = {}, 0, runs + 1
+        if previous + 1 >= first:
+            times[row["step"]] = (row["step_ms"], row["step"] - previous)
         previous = row["step"]
-    return times
+    return times, runs
 
 
 def main() -> None:
@@ -39,14 +44,16 @@ def main() -> None:
     parser.add_argument("--from", dest="first", type=int, default=11, help="first step counted")
     args = parser.parse_args()
     for run_dir in args.run_dirs:
-        times = step_times(run_dir, args.first)
+        times, runs = step_times(run_dir, args.first)
+        which = f" (the last of {runs} runs in metrics.jsonl)" if runs > 1 else ""
         if not times:
-            print(f"{run_dir}: no logged interval starts at step >= {args.first}")
+            print(f"{run_dir}{which}: no logged interval starts at step >= {args.first}")
             continue
-        slowest = max(times, key=times.get)
-        median, mean = statistics.median(times.values()), statistics.mean(times.values())
-        print(f"{run_dir}: {len(times)} intervals from step {args.first}: step_ms median {median:.1f} mean {mean:.1f}"
-              f" slowest {times[slowest]:.1f} (step {slowest})")
+        per_step = [ms for ms, steps in times.values() for _ in range(steps)]
+        slowest = max(times, key=lambda step: times[step][0])
+        print(f"{run_dir}{which}: {len(times)} intervals ({len(per_step)} steps) from step {args.first}: step_ms "
+              f"median {statistics.median(per_step):.1f} mean {statistics.mean(per_step):.1f} slowest "
+              f"{times[slowest][0]:.1f} (step {slowest})")
 
 
 if __name__ == "__main__":
