@@ -1,10 +1,12 @@
 """bench/checks.py on a gloo world: a fused result unlike the bulk twin's (or another reference's), on any rank,
 raises on every rank."""
 
+import math
+
 import pytest
 import torch
 
-from fused_dlrm.bench.checks import check_against_bulk, relative_error
+from fused_dlrm.bench.checks import check_against_bulk, max_relative_error, relative_error
 from world import run_world
 
 
@@ -70,3 +72,16 @@ def _unsqueezed(t):  # broadcasts against the bulk result: its error would be 0
 def test_a_result_of_another_shape_on_one_rank_raises_on_every_rank(shaped):
     """Not broadcast into agreement, nor torch's size error on that rank alone (its peers left waiting)."""
     run_world(2, _one_rank_shaped_otherwise, shaped, timeout=120)
+
+
+def test_max_relative_error_names_one_wrong_entry_the_norm_hides():
+    """moe.bench's measure: one entry wrong by half the largest moves the Frobenius error of a 64 x 32 tensor by ~4%,
+    the max relative error by a half."""
+    want = torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
+    got = want.clone()
+    got[3, 4] += want.abs().max() / 2
+    assert relative_error(got, want) < 5e-2 and max_relative_error(got, want) == pytest.approx(0.5)
+    assert math.isnan(max_relative_error(torch.tensor([float("nan"), 4.0]), torch.tensor([3.0, 4.0])))
+    check_against_bulk("op", got, want, 5e-2)
+    with pytest.raises(AssertionError, match=r"^op: max relative error 0.5 against the bulk twin \(tolerance 0.05\)"):
+        check_against_bulk("op", got, want, 5e-2, metric=max_relative_error)

@@ -10,7 +10,7 @@ import torch
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from moe import MoELayer
-from moe.bench import phases
+from moe.bench import fused_errors, phases
 from moe.layer import FusedMoEConfig
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
@@ -31,3 +31,21 @@ def test_phases_run_and_the_combine_gives_the_forward():
             assert list(steps) == names
             results = {name: fn() for name, fn in steps.items()}
             torch.testing.assert_close(results["combine"], want, rtol=1e-5, atol=1e-5, msg=layer.comm)
+
+
+def test_a_fused_result_unlike_bulk_stops_the_bench():
+    """The fused layers' outputs are checked against bulk before anything is timed: a wrong one raises (its error
+    was only written into the table, and the wrong layer timed)."""
+    bulk = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=3)
+    x = torch.randn(TOKENS, D_MODEL, generator=torch.Generator().manual_seed(8))
+    layers = {"bulk": bulk}
+    for path, seed in (("fused", 3), ("fused/tok", 4)):  # seed 4: other weights, a wrong result
+        layers[path] = MoELayer(D_MODEL, FFN, EXPERTS, TOP_K, seed=seed, comm="fused",
+                                fused=FusedMoEConfig(max_tokens_per_rank=TOKENS),
+                                workspace=SimulatedWorld(1).workspaces()[0])
+    with torch.no_grad():
+        want = bulk(x, None)[0]
+    errors = fused_errors({p: layers[p] for p in ("bulk", "fused")}, x, None, want, "T=19")
+    assert list(errors) == ["fused"] and errors["fused"] < 1e-5
+    with pytest.raises(AssertionError, match=r"^T=19: fused/tok: max relative error .* against the bulk layer"):
+        fused_errors(layers, x, None, want, "T=19")

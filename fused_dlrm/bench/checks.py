@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from fused_dlrm.dist.env import raise_on_every_rank
@@ -13,14 +15,22 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(got.float() - want.float()) / torch.linalg.vector_norm(want.float()))
 
 
+def max_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (in fp32); NaN where got holds one. One wrong entry among many counts in full
+    (the norm of relative_error spreads it over them)."""
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
 def check_against_bulk(what: str, got: torch.Tensor, bulk: torch.Tensor, tolerance: float,
-                       reference: str = "the bulk twin") -> None:
+                       reference: str = "the bulk twin",
+                       metric: Callable[[torch.Tensor, torch.Tensor], float] = relative_error) -> None:
     """Raise on every rank unless `got` is `bulk` (the bulk twin's result, or another `reference`'s), of its shape
-    and within `tolerance` in relative error, on every rank: a wrong fused result must stop the bench, not be timed
-    (a rank raising alone would leave its peers in the next collective)."""
+    and within `tolerance` by `metric` (relative_error or max_relative_error), on every rank: a wrong fused result
+    must stop the bench, not be timed (a rank raising alone would leave its peers in the next collective)."""
     problem = None
     if got.shape != bulk.shape:  # else broadcast into agreement, or torch's size error on this rank alone
         problem = AssertionError(f"{what}: shape {list(got.shape)} against {reference}'s {list(bulk.shape)}")
-    elif not (error := relative_error(got, bulk)) <= tolerance:  # NaN compares False
-        problem = AssertionError(f"{what}: relative error {error:.3g} against {reference} (tolerance {tolerance:g})")
+    elif not (error := metric(got, bulk)) <= tolerance:  # NaN compares False
+        problem = AssertionError(f"{what}: {metric.__name__.replace('_', ' ')} {error:.3g} against {reference} "
+                                 f"(tolerance {tolerance:g})")
     raise_on_every_rank(problem, f"saw a result unlike {reference}'s")
