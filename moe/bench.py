@@ -218,15 +218,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="the fused layers (FusedMoEConfig.dispatch and .combine), each timed in the same run")
     parser.add_argument("--out", help="write every number as JSON here")
     args = parser.parse_args(argv)
+    if args.iters < 1:  # else every layer's warm-up runs, then a median of no times fails
+        parser.error(f"--iters {args.iters}: expected a count >= 1")
+    configs = QUICK if args.quick else CONFIGS
+    if args.configs:
+        picked = args.configs.split(",")
+        if not all(i.strip().isdigit() and 1 <= int(i) <= len(configs) for i in picked):
+            parser.error(f"--configs {args.configs}: there are configs 1 to {len(configs)}")
+        configs = [configs[int(i) - 1] for i in picked]
     init_gpu_world("python -m moe.bench")
     if args.out:  # now, not after the timings
         check_rank_0_can_write(Path(args.out), f"--out {args.out}")
-    configs = QUICK if args.quick else CONFIGS
-    if args.configs:
-        picked = [int(i) for i in args.configs.split(",")]
-        if not all(1 <= i <= len(configs) for i in picked):
-            parser.error(f"--configs {args.configs}: there are configs 1 to {len(configs)}")
-        configs = [configs[i - 1] for i in picked]
     results = [run_config(cfg, args.iters, tuple(args.fused)) for cfg in configs]
     if dist.get_rank() == 0:
         print(f"{dist.get_world_size()} x {torch.cuda.get_device_name()}, bf16, fused: {', '.join(args.fused)}")

@@ -78,3 +78,17 @@ def test_an_out_file_rank_0_cannot_write_stops_every_rank_before_the_bench_runs(
     cannot write it every rank stops there (the others' error naming rank 0's), not rank 0 alone at the end."""
     (tmp_path / "a_file").write_text("not a directory")
     run_world(2, _a_bad_out_stops_every_rank, str(tmp_path), timeout=180)
+
+
+@pytest.mark.parametrize("argv, named", [(["--iters", "0"], "--iters 0: expected a count >= 1"),
+                                         (["--iters", "-2"], "--iters -2: expected a count >= 1"),
+                                         (["--configs", "5"], "--configs 5: there are configs 1 to 4"),
+                                         (["--quick", "--configs", "3"], "--configs 3: there are configs 1 to 2"),
+                                         (["--configs", "1,,2"], "--configs 1,,2: there are configs 1 to 4")])
+def test_moe_bench_refuses_bad_options_before_it_starts(monkeypatch, capsys, argv, named):
+    """Before the GPUs are asked for (on GPUs --iters 0 ran every layer's warm-up, then failed in a median of no
+    times; --configs 1,,2 in int(''))."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # reaching the GPU check would exit otherwise
+    with pytest.raises(SystemExit) as exit_:
+        moe_bench.main(argv)
+    assert exit_.value.code == 2 and named in capsys.readouterr().err
