@@ -4,7 +4,9 @@ and warm-up; an interval starts after the previous one's last step). An interval
 so the median and mean are over steps (an interval counts as many times as it holds steps: a checkpoint or the
 run's end cuts short ones); the slowest is an interval's. With `trainer.log_every=1` every step is its own interval,
 so one slow step (a compile, a collective re-allocation) shows as the slowest instead of hiding in a 5-step mean.
-A file that holds several runs (a second run into the same directory appends; its steps go back) reports the last.
+A file that holds several runs (a second run into the same directory appends; its steps go back) reports the last;
+a resume from the last run's last step looks like its continuation (the file marks no run's start): give --from
+past its first interval, which holds its compilation.
 
     python scripts/step_times.py RUN_DIR [RUN_DIR ...] [--from 11]
 """
