@@ -55,13 +55,24 @@ from fused_dlrm.train.batches_ahead import BatchesAhead
 from fused_dlrm.train.direct_step import DirectDLRMStep
 from fused_dlrm.train.schedule import TrainingRun
 
-START, STEPS = int(os.environ.get("PARTS_START", 60)), int(os.environ.get("PARTS_STEPS", 60))
+
+def count(name: str, default: int, least: int) -> int:
+    """The environment's count `name`, refused before training unless a whole number >= least (PARTS_STEPS=0
+    would report medians of nothing)."""
+    value = os.environ.get(name, str(default))
+    if not value.strip().isdigit() or int(value) < least:
+        sys.exit(f"loop_parts: {name}={value!r}: expected a whole number >= {least}")
+    return int(value)
+
+
+START, STEPS = count("PARTS_START", 60, 0), count("PARTS_STEPS", 60, 1)
 CUDA = torch.cuda.is_available()
-PROFILE_STEPS = int(os.environ.get("PARTS_PROFILE", 0)) if CUDA else 0
+profiled = count("PARTS_PROFILE", 0, 0)  # checked on the CPU too, where nothing is profiled
+PROFILE_STEPS = profiled if CUDA else 0
 ACTIVITIES = [torch.profiler.ProfilerActivity.CUDA] + (
     [torch.profiler.ProfilerActivity.CPU] if os.environ.get("PARTS_PROFILE_CPU") == "1" else [])
 profiler = torch.profiler.profile(activities=ACTIVITIES) if PROFILE_STEPS else None
-HOST_PROFILE_STEPS = int(os.environ.get("PARTS_HOST_PROFILE", 0))
+HOST_PROFILE_STEPS = count("PARTS_HOST_PROFILE", 0, 0)
 HOST_FIRST = START + STEPS + PROFILE_STEPS
 host_profiler = cProfile.Profile() if HOST_PROFILE_STEPS else None
 host = {k: [] for k in ("wall", "train_step", "forward", "backward", "embedding_backward", "outside", "next",

@@ -40,3 +40,12 @@ def test_the_step_is_split_into_its_parts(tmp_path):
 def test_too_short_a_run_says_so(tmp_path):
     run = _run(tmp_path, "trainer.max_steps=8", PARTS_START="5", PARTS_STEPS="10")
     assert run.returncode != 0 and "fewer than PARTS_START + PARTS_STEPS" in run.stderr
+
+
+def test_a_bad_count_in_the_environment_is_refused_naming_it(tmp_path):
+    """PARTS_STEPS=0 trained to step PARTS_START and printed a report of nan medians (on GPUs: failed there, in a
+    median of no events); a count that is no number failed in int(), naming no variable."""
+    for name, value, least in (("PARTS_STEPS", "0", 1), ("PARTS_START", "-5", 0), ("PARTS_PROFILE", "two", 0)):
+        run = _run(tmp_path, "trainer.max_steps=12", **{"PARTS_START": "5", "PARTS_STEPS": "5", name: value})
+        assert run.returncode != 0 and f"loop_parts: {name}={value!r}: expected a whole number >= {least}" \
+            in run.stderr, (name, run.stderr[-1000:])
