@@ -419,8 +419,9 @@ def test_a_truncated_metadata_file_names_the_checkpoint(tmp_path):
         save_checkpoint(tmp_path, step, model, optimizer)
     metadata = tmp_path / "step_4" / ".metadata"
     os.truncate(metadata, metadata.stat().st_size // 2)
-    with pytest.raises(ValueError, match=r"checkpoint \S+step_4 cannot be read \(UnpicklingError: .*\): a file of it is "
-                                         r"truncated or corrupt; resume from an earlier checkpoint \(step_2 under "):
+    with pytest.raises(ValueError, match=r"checkpoint \S+step_4 cannot be read \(UnpicklingError: .*\): a file of "
+                                         r"it is truncated or corrupt; resume from an earlier checkpoint \(step_2 "
+                                         r"under "):
         load_checkpoint(tmp_path, *_model_and_optimizer(momentum_sgd=False))
 
 

@@ -43,7 +43,8 @@ def test_an_interval_that_starts_before_from_is_not_counted(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = _run(tmp_path).stdout
     assert "4 intervals (60 steps) from step 11: step_ms median 132.0" in out and "slowest 133.0 (step 60)" in out
-    assert "3 intervals (55 steps) from step 26: step_ms median 132.0" in _run(tmp_path, "--from", 26).stdout  # 40: 26..40
+    # 40's interval: steps 26..40
+    assert "3 intervals (55 steps) from step 26: step_ms median 132.0" in _run(tmp_path, "--from", 26).stdout
     assert "2 intervals (40 steps) from step 27: step_ms median 132.5" in _run(tmp_path, "--from", 27).stdout
     assert "5 intervals (80 steps) from step 1:" in _run(tmp_path, "--from", 1).stdout
 

@@ -273,8 +273,9 @@ def _nan_evaluation_stops_every_rank(rank: int, world: int, tmp: str) -> None:
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
     cfg = config(*SMALL, "trainer.max_steps=20", "trainer.eval_every=10", "trainer.checkpoint_every=5",
                  f"data.eval._target_={__name__}.NaNEvalOnRank1")
+    last_good = Path(tmp) / "checkpoints" / "step_10"
     with pytest.raises(NonFiniteLossError, match=r"^2 of the 256 evaluation outputs at step 10 are NaN or inf .*; "
-                                                 rf"stopping\. Last good checkpoint: {Path(tmp) / 'checkpoints'}/step_10$"):
+                                                 rf"stopping\. Last good checkpoint: {last_good}$"):
         train(cfg, env, Path(tmp))
     assert sorted(p.name for p in (Path(tmp) / "checkpoints").iterdir()) == ["step_10", "step_5"]
 
