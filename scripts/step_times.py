@@ -6,7 +6,8 @@ run's end cuts short ones); the slowest is an interval's. With `trainer.log_ever
 so one slow step (a compile, a collective re-allocation) shows as the slowest instead of hiding in a 5-step mean.
 A file that holds several runs (a second run into the same directory appends; its steps go back) reports the last;
 a resume from the last run's last step looks like its continuation (the file marks no run's start): give --from
-past its first interval, which holds its compilation.
+past its first interval, which holds its compilation. Each interval counts from its own first step (the loop
+records its `steps`; older files: from the step after the previous interval's, a run's first from step 1).
 
     python scripts/step_times.py RUN_DIR [RUN_DIR ...] [--from 11]
 """
@@ -18,9 +19,8 @@ from pathlib import Path
 
 def step_times(run_dir: Path, first: int) -> tuple[dict[int, tuple[float, int]], int]:
     """({last step: (step_ms, steps)} of the last run's intervals starting at step >= first, the runs in the file).
-    Evaluation lines carry no step_ms. An interval starts after the previous one's last step; a run's first at
-    step 1 (the file's first, or one whose steps go back: a later run's start is unknown, a resume's checkpoint,
-    and it holds that run's compilation)."""
+    Evaluation lines carry no step_ms. An interval holds its recorded `steps`; in files without them it starts
+    after the previous one's last step, a run's first at step 1 (the file's first, or one whose steps go back)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise SystemExit(f"{path}: no such file (the run did not log, or its directory is another)")
@@ -34,8 +34,9 @@ def step_times(run_dir: Path, first: int) -> tuple[dict[int, tuple[float, int]],
             continue
         if row["step"] <= previous:  # another run: the earlier ones' times are dropped
             times, previous, runs = {}, 0, runs + 1
-        if previous + 1 >= first:
-            times[row["step"]] = (row["step_ms"], row["step"] - previous)
+        steps = row.get("steps", row["step"] - previous)  # recorded since 2026-12-06; before, known but for a resume
+        if row["step"] - steps + 1 >= first:
+            times[row["step"]] = (row["step_ms"], steps)
         previous = row["step"]
     return times, runs
 

@@ -74,3 +74,15 @@ def test_a_file_holding_two_runs_reports_the_last(tmp_path):
     out = _run(tmp_path).stdout
     assert "the last of 2 runs in metrics.jsonl" in out and "2 intervals (40 steps) from step 11" in out, out
     assert "median 202.5 mean 202.5 slowest 203.0 (step 60)" in out, out
+
+
+def test_intervals_recorded_with_their_steps_count_from_their_own_start(tmp_path):
+    """The loop records each interval's steps: a run resumed at step 1000 into a fresh directory logs 1020 first,
+    an interval of 20 steps, not of 1020 from step 1 (it weighed as 1020 steps and held the median at its compile).
+    Files of older runs, without `steps`, are read as before."""
+    times = {1020: 9000.0, 1040: 130.0, 1060: 131.0, 1080: 130.0, 1100: 132.0}
+    lines = [{"step": s, "steps": 20, "loss": 3.0, "step_ms": ms} for s, ms in times.items()]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = _run(tmp_path, "--from", 1).stdout
+    assert "5 intervals (100 steps) from step 1: step_ms median 131.0" in out, out
+    assert "4 intervals (80 steps) from step 1002: step_ms median 130.5" in _run(tmp_path, "--from", 1002).stdout

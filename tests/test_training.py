@@ -58,6 +58,7 @@ def test_loss_falls_and_auc_rises(tmp_path, caplog):
     assert result.evals[-1]["auc"] > 0.6, result.evals
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert {"step", "loss", "step_ms", "samples_per_s"} <= set(lines[0]) and "auc" in lines[-1]
+    assert [line["steps"] for line in lines if "loss" in line] == [20] * 6  # each interval's (scripts/step_times.py)
     # the mean step time of the interval, next to the rate it gives
     assert lines[0]["step_ms"] * lines[0]["samples_per_s"] / 1000 == pytest.approx(cfg.data.global_batch_size)
     # the loop's own lines (caplog takes every logger's: torch logs a warning once per process, first in a run alone)

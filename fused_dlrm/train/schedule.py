@@ -237,7 +237,7 @@ class TrainingRun:
         self.interval_start, self.interval_steps, self.interval_items = time.perf_counter(), 0, 0
         self.interval_norms = 0
         self.result.losses.append((step, fields["loss"]))
-        self.metrics.record({"step": step, **fields})
+        self.metrics.record({"step": step, "steps": steps, **fields})  # steps: the interval's (step_times.py)
         self.bar.set_postfix({"loss": f"{fields['loss']:.4f}", f"{self.items}_s": f"{interval.rate:,.0f}"})
         self.log.info("step %d %s", step, line)
         return fields["loss"]
