@@ -625,7 +625,7 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
             (["comm.grad_allreduce=q7"], "comm.grad_allreduce='q7': expected one of"),
             (["model.pooling=max"], r"model.pooling='max': expected one of \('sum', 'mean'\)"),
             (["model.data_type=int8"], r"model.data_type='int8': expected one of"),
-            (["model.num_rows=0"], "every table needs a whole number of rows >= 1, got 0"),
+            (["model.num_rows=0"], "model.num_rows=0: expected a whole number of rows >= 1"),
             (["model.embedding_dim=32"], r"model.dense_arch=\[64, 16\] must end in model.embedding_dim=32"),
             # not "must end in model.embedding_dim=abc"
             (["model.embedding_dim=abc"], r"^model.embedding_dim='abc': expected a whole number of columns >= 1$"),
@@ -660,7 +660,13 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
     (["data.eval_batches=true"], r"data.eval_batches=True: expected a count >= 1"),
     (["trainer.epochs=1", "data.steps_per_epoch=true"], r"data.steps_per_epoch=True: expected a step count >= 1"),
     (["data.global_batch_size=true"], r"global_batch_size must be an integer, got True"),
-    (["model.num_rows=true"], r"every table needs a whole number of rows >= 1, got True"),
+    (["model.num_rows=true"], r"model.num_rows=True: expected a whole number of rows >= 1"),
+    # a float failed in list() ('float' object is not iterable), a string was one table per character, and a list
+    # of another length named no key
+    (["model.num_rows=100.5"], r"model.num_rows=100.5: expected a whole number of rows >= 1 or a list of one per "
+                               r"sparse feature \(data.num_sparse=8\)"),
+    (["model.num_rows=abc"], r"model.num_rows='abc': expected a whole number of rows >= 1 or a list"),
+    (["model.num_rows=[10,20]"], r"model.num_rows=\[10, 20\]: 2 table sizes for data.num_sparse=8 sparse features"),
     # true built one table; 0 failed in torchrec's assert, the dense ones in torch (randn's or Linear's arguments)
     (["data.num_sparse=true"], r"data.num_sparse=True: expected a whole number >= 1 of sparse features"),
     (["data.num_sparse=0"], r"data.num_sparse=0: expected a whole number >= 1 of sparse features"),

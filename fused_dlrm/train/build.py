@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import get_class
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from torch import nn
 from torchrec import EmbeddingBagConfig
 from torchrec.datasets.utils import Batch
@@ -46,11 +46,24 @@ def feature_names(data_cfg: DictConfig) -> list[str]:
     return [f"cat_{i}" for i in range(data_cfg.num_sparse)]
 
 
+def table_rows(cfg: DictConfig) -> list[int]:
+    """model.num_rows as one table size per sparse feature: one number is every table's. A float failed in list(), a
+    string was one table per character, and a list of another length named no key."""
+    rows, features = cfg.model.num_rows, len(feature_names(cfg.data))
+    if not isinstance(rows, ListConfig):
+        check_count("model.num_rows", rows, 1, f"a whole number of rows >= 1 or a list of one per sparse feature "
+                                               f"(data.num_sparse={features})")
+        return [rows] * features
+    if len(rows) != features:
+        raise ValueError(f"model.num_rows={list(rows)}: {len(rows)} table sizes for data.num_sparse={features} sparse "
+                         f"features")
+    return list(rows)
+
+
 def config_tables(cfg: DictConfig) -> list[EmbeddingBagConfig]:
     """The embedding tables of cfg's DLRM, one per sparse feature."""
     m = cfg.model
-    rows = m.num_rows if isinstance(m.num_rows, int) else list(m.num_rows)
-    return make_tables(feature_names(cfg.data), rows, m.embedding_dim, m.pooling, m.data_type)
+    return make_tables(feature_names(cfg.data), table_rows(cfg), m.embedding_dim, m.pooling, m.data_type)
 
 
 def embedding_optimizers(cfg: DictConfig, tables: list[EmbeddingBagConfig]) -> dict[str, EmbeddingOptimizerConfig]:
@@ -108,9 +121,8 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
 def build_dataset(cfg: DictConfig, split: str, env: DistEnv):
     """The train or eval dataset: `cfg.data.<split>` names its class (`_target_`) and its own arguments; a `device`
     of auto is the model's (env.device)."""
-    m = cfg.model
     names = feature_names(cfg.data)
-    rows = [m.num_rows] * len(names) if isinstance(m.num_rows, int) else list(m.num_rows)
+    rows = table_rows(cfg)
     unset = [k for k in cfg.data[split] if OmegaConf.is_missing(cfg.data[split], k)]
     if unset:  # to_container would pass the marker on as the string "???" (a file of that name, not found)
         raise ValueError(f"data.{split}.{unset[0]} must be given, e.g. data.train.paths=[train.tsv] "
