@@ -51,7 +51,7 @@ from fused_dlrm.train.config_keys import check_config_keys
 from fused_dlrm.train.lr_schedule import scheduled
 from fused_dlrm.train.schedule import Interval, TrainingRun, TrainResult, check_trainer
 from fused_dlrm.tp import flat_buffer, quantized_all_reduce
-from fused_dlrm.tp.linear import check_tp_size, tp_groups
+from fused_dlrm.tp.linear import COMMS, check_tp_size, tp_groups
 from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce
 from moe.data import ByteWindows, load_corpus
 from moe.layer import FusedMoEConfig
@@ -74,6 +74,8 @@ def check_config(cfg: DictConfig) -> None:
     # the loss of no batch would be 0 / 0, and every run ends with an evaluation
     check_count("data.eval_batches", cfg.data.eval_batches, 1, "a count >= 1: the evaluation needs at least one batch")
     check_comm_mode(cfg.comm.mode)
+    if m.tp_comm not in COMMS:  # else "comm must be one of", at the first projection built
+        raise ValueError(f"model.tp_comm={m.tp_comm!r}: expected one of {COMMS}")
     check_grad_allreduce(cfg.comm.grad_allreduce)
     if m.clip_grad is not None and not m.clip_grad >= 0:  # NaN too
         raise ValueError(f"model.clip_grad={m.clip_grad!r}: expected a norm >= 0 (null or 0: no clipping)")

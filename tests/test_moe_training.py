@@ -817,6 +817,8 @@ def test_bad_settings_are_refused_before_training(tmp_path):
                              (["model.top_k=true"], "model.top_k=True: expected a whole number >= 1"),
                              (["model.moe_every=true"], "model.moe_every=True: expected a whole number >= 1"),
                              (["model.tp_size=1.0"], "model.tp_size=1.0: expected a whole number >= 1"),
+                             # named "comm must be one of", at the first projection built (comm is comm.mode's)
+                             (["model.tp_comm=fusd"], r"model.tp_comm='fusd': expected one of \('bulk', 'fused'\)"),
                              (["model.vocab_size=256.5"], "model.vocab_size=256.5: expected a whole number >= 1"),
                              (["data.eval_fraction=1.5"], "eval_fraction=1.5: expected a fraction in \\(0, 1\\)"),
                              (["trainer.epochs=2"], "trainer.epochs is not supported \\(got 2\\)"),
