@@ -666,6 +666,12 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
     (["model.num_rows=100.5"], r"model.num_rows=100.5: expected a whole number of rows >= 1 or a list of one per "
                                r"sparse feature \(data.num_sparse=8\)"),
     (["model.num_rows=abc"], r"model.num_rows='abc': expected a whole number of rows >= 1 or a list"),
+    # a layer of no width trained, its inputs ignored; the others failed in torch or omegaconf, naming no key
+    (["model.dense_arch=[0,16]"], r"model.dense_arch=\[0, 16\]: expected a list of layer widths, whole numbers >= 1"),
+    (["model.dense_arch=[]"], r"model.dense_arch=\[\]: expected a list of layer widths"),
+    (["model.dense_arch=16"], r"model.dense_arch=16: expected a list of layer widths"),
+    (["model.over_arch=[64.5,1]"], r"model.over_arch=\[64.5, 1\]: expected a list of layer widths"),
+    (["model.over_arch=[]"], r"model.over_arch=\[\]: expected a list of layer widths"),
     (["model.num_rows=[10,20]"], r"model.num_rows=\[10, 20\]: 2 table sizes for data.num_sparse=8 sparse features"),
     # true built one table; 0 failed in torchrec's assert, the dense ones in torch (randn's or Linear's arguments)
     (["data.num_sparse=true"], r"data.num_sparse=True: expected a whole number >= 1 of sparse features"),

@@ -84,9 +84,20 @@ def embedding_optimizers(cfg: DictConfig, tables: list[EmbeddingBagConfig]) -> d
     return configs
 
 
+def check_layer_widths(key: str, widths: object) -> None:
+    """An arch's layer widths: a width of 0 trained a layer of nothing (its inputs ignored); an empty list, one
+    number or a float failed in omegaconf or torch, naming no key."""
+    if (not isinstance(widths, ListConfig) or not widths
+            or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths)):
+        shown = list(widths) if isinstance(widths, ListConfig) else widths
+        raise ValueError(f"{key}={shown!r}: expected a list of layer widths, whole numbers >= 1")
+
+
 def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     m = cfg.model
     tables = config_tables(cfg)  # their settings checked (model.embedding_dim: a width, before it is compared)
+    check_layer_widths("model.dense_arch", m.dense_arch)
+    check_layer_widths("model.over_arch", m.over_arch)
     if m.dense_arch[-1] != m.embedding_dim:  # the interaction takes the bottom MLP's output as one more embedding
         raise ValueError(f"model.dense_arch={list(m.dense_arch)} must end in model.embedding_dim={m.embedding_dim}")
     # a float or YAML's true failed in torch (the dense arch's Linear, or the data's randn), naming no key
