@@ -100,8 +100,9 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
     with pytest.raises(ValueError, match=f"dim 0 of x \\({tp_size + 1}\\) into {tp_size} equal parts"):
         scatter(torch.randn(tp_size + 1, per, dtype=torch.float64))
 
-    # named by its key: "comm=fused ...; use comm=bulk" read as the run's comm, which may be bulk already
-    with pytest.raises(RuntimeError, match="model.tp_comm=fused needs CUDA .*; use model.tp_comm=bulk on the CPU"):
+    # with its config key: "comm=fused ...; use comm=bulk" alone read as the run's comm, which may be bulk already
+    with pytest.raises(RuntimeError, match=r"comm=fused \(model.tp_comm in .*\) needs CUDA .*; use comm=bulk "
+                                           r"\(model.tp_comm=bulk\) on the CPU"):
         RowParallelLinear(D_HID, D_IN, tp, comm="fused")(torch.randn(2, D_HID // tp_size))
     with pytest.raises(ValueError, match="does not split"):
         ColumnParallelLinear(D_IN, 3 * tp_size + 1, tp)

@@ -344,9 +344,9 @@ class TPLinear(nn.Module):
         if self.comm != "fused" or self.tp_size == 1:
             return None
         if not x.is_cuda:
-            # named by its config key: comm=fused is the run's other switch (the embeddings', the MoE layers')
-            raise RuntimeError("model.tp_comm=fused needs CUDA tensors (symmetric memory); use model.tp_comm=bulk on "
-                               "the CPU")
+            # the config's key too: comm=fused is also the run's other switch (the embeddings', the MoE layers')
+            raise RuntimeError("comm=fused (model.tp_comm in the MoE Transformer's config) needs CUDA tensors "
+                               "(symmetric memory); use comm=bulk (model.tp_comm=bulk) on the CPU")
         autocast = _autocast_dtype(x)
         if autocast in LOW_PRECISION:
             return autocast  # as F.linear would compute, whatever x's dtype
