@@ -9,10 +9,11 @@ A bf16 message of each size is summed over the ranks, timed in the same run as:
 Each row also carries `twin_us`: the fused kernel's bulk twin (the codec kernels around NCCL all_to_all and
 all_gather, kernels' arithmetic bit for bit), which since 2026-12-04 compares the ranks' calls first (one host
 all-gather of 5 int64 over gloo: host time, hidden by back-to-back calls where the GPU's work is longer), and
-`twin_check_us`: that check alone (the same at every size). Times are per call from back-to-back calls (the host's
-launch cost hides behind the GPU where it can). Speed of light: the codec's bytes on the wire (each rank sends
-(world - 1) / world of the encoded message twice) / the peer write bandwidth measured in this run;
-sol_pct = 100 * speed of light / fused time.
+`twin_check_us`: that check alone (the same at every size). Each codec's fused sum is checked first against its
+twin's, bit for bit (a wrong result stops the bench on every rank; it is not timed). Times are per call from
+back-to-back calls (the host's launch cost hides behind the GPU where it can). Speed of light: the codec's bytes
+on the wire (each rank sends (world - 1) / world of the encoded message twice) / the peer write bandwidth measured
+in this run; sol_pct = 100 * speed of light / fused time.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fused_dlrm.bench.checks import check_against_bulk
 from fused_dlrm.bench.timing import peer_bandwidth, per_call_us
 from fused_dlrm.dist.env import check_same_call, gloo_side_group
 from fused_dlrm.kernels.quant_codecs import CODECS
@@ -60,6 +62,10 @@ def run(quick: bool) -> list[dict]:
         baseline_us = per_call_us(baseline) if baseline else None
         out = torch.empty_like(x)
         for codec in CODECS:
+            # A wrong result is not timed: the kernel's sum is its twin's bit for bit (tests/*quantized_allreduce*).
+            fused_sum = quantized_all_reduce(x, codec, fused=True)
+            check_against_bulk(f"AllReduce {codec} of {nbytes >> 10} KiB", fused_sum,
+                               quantized_all_reduce(x, codec, fused=False), 0.0, "its bulk twin")
             fused_us = per_call_us(lambda: quantized_all_reduce(x, codec, fused=True, out=out))
             twin_us = per_call_us(lambda: quantized_all_reduce(x, codec, fused=False, out=out))
             wire = wire_bytes(numel, world, codec)

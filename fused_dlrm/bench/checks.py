@@ -23,14 +23,16 @@ def max_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def check_against_bulk(what: str, got: torch.Tensor, bulk: torch.Tensor, tolerance: float,
                        reference: str = "the bulk twin",
-                       metric: Callable[[torch.Tensor, torch.Tensor], float] = relative_error) -> None:
+                       metric: Callable[[torch.Tensor, torch.Tensor], float] = relative_error) -> float:
     """Raise on every rank unless `got` is `bulk` (the bulk twin's result, or another `reference`'s), of its shape
     and within `tolerance` by `metric` (relative_error or max_relative_error), on every rank: a wrong fused result
-    must stop the bench, not be timed (a rank raising alone would leave its peers in the next collective)."""
-    problem = None
+    must stop the bench, not be timed (a rank raising alone would leave its peers in the next collective).
+    Returns this rank's error, for the bench's table."""
+    problem, error = None, float("nan")
     if got.shape != bulk.shape:  # else broadcast into agreement, or torch's size error on this rank alone
         problem = AssertionError(f"{what}: shape {list(got.shape)} against {reference}'s {list(bulk.shape)}")
     elif not (error := metric(got, bulk)) <= tolerance:  # NaN compares False
         problem = AssertionError(f"{what}: {metric.__name__.replace('_', ' ')} {error:.3g} against {reference} "
                                  f"(tolerance {tolerance:g})")
     raise_on_every_rank(problem, f"saw a result unlike {reference}'s")
+    return error

@@ -14,6 +14,8 @@ Times are medians of single calls, the ranks' GPUs lined up before each with the
 (bench/timing.py, start="device": the call's device time); the forward also lined up by a host barrier only
 (as before 11-26: a rank whose host leaves the barrier later delays the other's collective) and (b2b) per call
 over 20 calls back to back (host launch time included).
+Before anything is timed, the bulk and fused forwards are checked against the torch reference (on a poisoned
+output), and one forward+backward of fused against one of bulk (the tables' updates).
 Speed of light = max(gathered row bytes / device copy bandwidth, bytes sent to peers / peer write bandwidth),
 both bandwidths measured in this run.
 """
@@ -129,6 +131,18 @@ def run_config(cfg: Config, rank: int, world: int, hbm: float, peer: float, iter
 
     def train_step(fn):
         return lambda: fn().backward(grad)
+
+    # The backward checked before it is timed as well: one step of each from the same tables updates them alike
+    # (fp32, summation order aside); the tables are put back after each.
+    start = torch.stack(list(weights.values()))
+    updates = {}
+    for name, fn in (("bulk", bulk), ("fused", fused_forward)):
+        train_step(fn)()
+        updates[name] = torch.stack(list(weights.values())).sub_(start)
+        for w, w0 in zip(weights.values(), start):
+            w.copy_(w0)
+    check_against_bulk(f"{cfg.name}: fused forward+backward's table updates", updates["fused"], updates["bulk"], 1e-5)
+    del start, updates
 
     result["fwd_bwd_ms"] = {name: time_ms(train_step(fn), iters=iters, start="device") for name, fn in
                             (("bulk", bulk), ("fused", fused_forward))}
