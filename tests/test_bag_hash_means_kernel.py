@@ -1,5 +1,6 @@
 """The synthetic teacher's bag-hash kernel (interpreter on the CPU) against its torch reference: uneven batch and
-feature counts, empty and longest bags, large indices; hash bits equal; compiled for sm_90."""
+feature counts, empty and longest bags, large indices, strided values and lengths; ragged lengths refused; hash bits
+equal; compiled for sm_90."""
 
 from __future__ import annotations
 
@@ -62,3 +63,23 @@ def test_int32_indices_hash_as_int64():
     values = torch.randint(2**30, 2**31 - 1, (int(lengths.sum()),), generator=gen)
     want = bhm.bag_hash_means(lengths, values, 32, 77, 4)
     torch.testing.assert_close(bhm.bag_hash_means(lengths, values.int(), 32, 77, 4), want, rtol=0, atol=0)
+
+
+def test_strided_inputs_read_as_their_elements_and_ragged_lengths_refused():
+    """A KJT's values (or lengths) may be a strided view: the kernel reads index i at ptr + i, so the launcher
+    must hand it contiguous tensors. Lengths that are no whole number of batches are refused, as the reference's
+    view refuses them, rather than the last partial feature left out."""
+    gen = torch.Generator().manual_seed(13)
+    batch_size, num_features, max_length = 37, 10, 6
+    lengths = torch.randint(0, max_length + 1, (num_features * batch_size,), generator=gen)
+    values = torch.randint(0, 2**31 - 1, (int(lengths.sum()),), generator=gen)
+    salt = 4_242
+    want = bhm.bag_hash_means_reference(lengths, values, batch_size, salt)
+    strided_values = torch.randint(0, 2**31 - 1, (values.numel(), 2), generator=gen)
+    strided_values[:, 0] = values
+    strided_lengths = torch.randint(0, max_length + 1, (lengths.numel(), 3), generator=gen)
+    strided_lengths[:, 1] = lengths
+    got = bhm.launch_bag_hash_means(strided_lengths[:, 1], strided_values[:, 0], batch_size, salt, max_length)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * num_features)
+    with pytest.raises(ValueError, match="batch_size 37"):
+        bhm.launch_bag_hash_means(lengths[:-3], values, batch_size, salt, max_length)

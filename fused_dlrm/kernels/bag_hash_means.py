@@ -101,10 +101,13 @@ def bag_hash_means(lengths: torch.Tensor, values: torch.Tensor, batch_size: int,
 def launch_bag_hash_means(lengths: torch.Tensor, values: torch.Tensor, batch_size: int, salt: int,
                           max_length: int) -> torch.Tensor:
     """The kernel, on the tensors' device (the CPU under TRITON_INTERPRET=1)."""
+    if batch_size and lengths.numel() % batch_size:
+        raise ValueError(f"bag_hash_means: {lengths.numel()} lengths are no whole number of features of batch_size "
+                         f"{batch_size}")
     num_features = lengths.numel() // batch_size if batch_size else 0
     if num_features == 0:
         return torch.zeros(batch_size, device=values.device)
-    lengths = lengths.long()
+    lengths, values = lengths.long().contiguous(), values.contiguous()  # read at ptr + i (a KJT's may be views)
     offsets = torch.cumsum(lengths, 0) - lengths
     groups = triton.cdiv(num_features, FEATURES_PER_PROGRAM)
     partial = torch.empty(groups, batch_size, device=values.device)
