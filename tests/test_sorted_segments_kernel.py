@@ -2,7 +2,7 @@
 unique_consecutive, and the two kernels (interpreter on the CPU; compiled, on a GPU where there is one) against
 the reference, exactly, on outputs poisoned before the kernels write them: one key, all keys equal, all
 distinct, Zipf-skewed runs over many tiles and over several tiles per program, 32- and 64-bit keys, keys that are
-a view off their storage's start."""
+a view off their storage's start, a strided view."""
 
 from __future__ import annotations
 
@@ -96,6 +96,15 @@ def test_kernels_equal_reference_on_zipf_runs(monkeypatch, n, dtype, tile, max_p
     poison_allocations(monkeypatch)
     storage = zipf_sorted_keys(n + 1, dtype, seed=n)
     check_kernels(storage[1:])  # a view: not at its storage's start
+
+
+@interpreter
+def test_kernels_read_strided_keys_as_their_elements(monkeypatch):
+    """Keys read at ptr + i: a strided view (every other key of a sorted tensor, still sorted) is made contiguous
+    first, not read as its storage's neighbours."""
+    monkeypatch.setattr(ss, "TILE", 16)
+    poison_allocations(monkeypatch)
+    check_kernels(zipf_sorted_keys(2 * 301, torch.int64, seed=301)[::2])
 
 
 @interpreter

@@ -102,7 +102,8 @@ def sorted_segments(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def launch_sorted_segments(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernels, on keys' device (the CPU under TRITON_INTERPRET=1); keys contiguous, n > 0."""
+    """The kernels, on keys' device (the CPU under TRITON_INTERPRET=1); n > 0."""
+    keys = keys.contiguous()  # read at ptr + i (a sort's output already is: no copy)
     n = keys.numel()
     tiles = triton.cdiv(n, TILE)
     tiles_per_program = triton.cdiv(tiles, MAX_PROGRAMS)
