@@ -1,7 +1,7 @@
 """The input dist's segment regroup: its torch reference against split + cat, and the kernel (interpreter on the
 CPU) against the reference, exactly: empty segments (first and last included), segments listed twice or not at
 all (a feature bound for several ranks, or for none), Zipf-skewed sizes spanning many blocks and programs, int64
-indices, fp32 weights and int32 values, a view that does not start at its storage's start."""
+indices, fp32 weights and int32 values, a view that does not start at its storage's start; x of rows refused."""
 
 from __future__ import annotations
 
@@ -69,6 +69,15 @@ def test_kernel_equals_reference(monkeypatch, n, order_kind, skewed, dtype):
 def test_kernel_with_nothing_to_move():
     counts = torch.tensor([0, 4, 0])
     assert sg.launch_gather_segments(torch.arange(4), counts, torch.tensor([2, 0]), 0).numel() == 0
+
+
+@interpreter
+def test_kernel_refuses_rows():
+    """The kernel moves elements: x of rows ([n, d]; the reference would move whole rows) is refused, not
+    flattened into a wrong [total] result."""
+    counts = torch.tensor([2, 3])
+    with pytest.raises(ValueError, match=r"x of shape \(5, 2\)"):
+        sg.launch_gather_segments(torch.randn(5, 2), counts, torch.tensor([1, 0]), 5)
 
 
 @interpreter

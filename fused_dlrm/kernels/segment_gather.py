@@ -71,6 +71,9 @@ def gather_segments(x: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, 
 
 def launch_gather_segments(x: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, total: int) -> torch.Tensor:
     """The kernel, on the tensors' device (the CPU under TRITON_INTERPRET=1); order not empty."""
+    if x.dim() != 1:  # the kernel moves elements; the reference would move rows of a 2-D x
+        raise ValueError(f"gather_segments: expected x of one dimension (a KJT's values or weights), got x of shape "
+                         f"{tuple(x.shape)}")
     x, counts, order = x.contiguous(), counts.contiguous(), order.contiguous()  # read at ptr + i
     out = torch.empty(total, dtype=x.dtype, device=x.device)
     if total == 0:
