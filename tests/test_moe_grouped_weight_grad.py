@@ -75,6 +75,9 @@ def test_refuses_mismatched_inputs():
     with pytest.raises(ValueError, match="expected contiguous"):
         launch_grouped_weight_grad(x, torch.randn(6, 4), torch.tensor([6], dtype=torch.int32), torch.float32,
                                    out=torch.empty(1, 8, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="expected contiguous"):  # read as [6, 2] rows: a wrong [1, 2, 4]
+        launch_grouped_weight_grad(torch.randn(6, 2, 4), torch.randn(6, 4), torch.tensor([6], dtype=torch.int32),
+                                   torch.float32)
 
 
 def test_compiles_for_sm90():

@@ -69,7 +69,8 @@ def launch_grouped_weight_grad(x: torch.Tensor, g: torch.Tensor, group_ends: tor
     """[groups, x cols, g cols] of out_dtype: x_e^T @ g_e for the rows group_ends[e - 1] .. group_ends[e] (int32 on
     x's device, groups = its length), accumulated in fp32; into `out` (contiguous) when given. x and g:
     contiguous [rows, cols] of one dtype."""
-    if x.dtype != g.dtype or x.shape[0] != g.shape[0] or not (x.is_contiguous() and g.is_contiguous()):
+    if (x.dim() != 2 or g.dim() != 2 or x.dtype != g.dtype or x.shape[0] != g.shape[0]
+            or not (x.is_contiguous() and g.is_contiguous())):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} and g {tuple(g.shape)} {g.dtype}: expected contiguous "
                          "[rows, cols] of one dtype and the same rows")
     m, n, groups = x.shape[1], g.shape[1], group_ends.numel()
