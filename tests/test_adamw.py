@@ -53,6 +53,24 @@ def test_kernel_matches_float64_over_steps(n, copy_dtype):
             assert_rounded(copy, p)
 
 
+@pytest.mark.parametrize("beta2", [0.999, 0.99999])
+def test_first_steps_bias_corrections_keep_fp32_precision(beta2):
+    """1 - beta2^step is small at the first steps (1e-3 for torch's default 0.999): from a beta2^step rounded to
+    fp32 near 1 it keeps only a few bits, as many as the update then has. torch's fused AdamW computes it in double.
+    The parameter starts at zero, so that it holds the update alone (not the update lost in p's rounding)."""
+    generator = torch.Generator().manual_seed(17)
+    n = 300
+    g, m = torch.randn(n, generator=generator), torch.randn(n, generator=generator) * 1e-2
+    v = torch.rand(n, generator=generator) * 1e-4
+    for step in (1, 2, 5):
+        p, m_got, v_got = torch.zeros(n, device=DEVICE), m.clone().to(DEVICE), v.clone().to(DEVICE)
+        launch_adamw(g.to(DEVICE), AdamWStep(p, m_got, v_got, torch.tensor(float(step), device=DEVICE), 1e-3, 0.9,
+                                             beta2, 1e-8, 0.0))
+        want, _, _ = adamw_reference(torch.zeros(n, dtype=torch.float64), g.double(), m.double(), v.double(), step,
+                                     1e-3, 0.9, beta2, 1e-8, 0.0)
+        assert rel_err(p.cpu(), want) < 1e-6, (step, rel_err(p.cpu(), want))
+
+
 def test_kernel_refuses_bad_operands():
     p = torch.randn(8, device=DEVICE)
     step = torch.tensor(1.0, device=DEVICE)

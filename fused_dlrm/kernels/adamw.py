@@ -5,7 +5,7 @@ that reads 4 and writes 2 bytes per weight (~6% of the fine-grained MoE Transfor
 docs/benchmarks.md), right after the optimizer's own pass over the same weights. This kernel is that optimizer
 pass (reads p, g, m, v; writes p, m, v) storing the updated weight's bf16 / fp16 copy too: 2 more bytes per weight
 instead of a pass of 6. The arithmetic is torch's fused AdamW's (decoupled weight decay, bias corrections from
-the step count on the device), in fp32.
+the step count on the device), in fp32 but for the bias corrections (in fp64, as torch computes them).
 """
 
 from __future__ import annotations
@@ -80,9 +80,11 @@ def _adamw_kernel(grad_ptr, param_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, st
     gradient: torch's fused AdamW's arithmetic, bias corrections from the step count at step_ptr (this step's)."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
-    step = tl.load(step_ptr).to(tl.float32)
-    bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)  # 1 - beta1^step
-    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
+    # The bias corrections in fp64, as torch's fused AdamW (in double, then fp32): 1 - beta2^step is ~1e-3 at the
+    # first steps (beta2 = 0.999), and from a beta2^step rounded to fp32 near 1 it would keep only ~13 bits.
+    step = tl.load(step_ptr).to(tl.float64)
+    bias_correction1 = (1.0 - tl.exp2(step * log2_beta1)).to(tl.float32)  # 1 - beta1^step
+    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2)).to(tl.float32)
     g = tl.load(grad_ptr + offsets, mask=mask)
     p = tl.load(param_ptr + offsets, mask=mask)
     m = tl.load(exp_avg_ptr + offsets, mask=mask)
