@@ -57,6 +57,12 @@ def _bad_batch_on_rank_1(rank: int, world: int, bad: str, row_shards) -> None:
                                 lengths=torch.cat([per_key[0, :-1], per_key[1:].reshape(-1)]),
                                 stride_per_key_per_rank=[[2]] + [[3]] * (len(keys) - 1),
                                 inverse_indices=(keys, torch.tensor([[0, 1, 1]] + [[0, 1, 2]] * (len(keys) - 1))))
+    elif rank == 1 and bad == "device":  # the KJT on another device than the collection (the CPU's)
+        kjt = kjt.to(torch.device("meta"))
+    elif bad == "weights_device":  # every rank's KJT weighted, rank 1's weights alone on another device
+        weights = torch.rand(kjt.values().numel())
+        kjt = KeyedJaggedTensor(keys=keys, values=kjt.values(), lengths=kjt.lengths(),
+                                weights=weights.to("meta") if rank == 1 else weights)
     error, mine, theirs = {
         "index": (IndexError, "rank 1: feature 'f2' has index 57, outside table 't1' of 57 rows",
                   r"rank 0: rank\(s\) \[1\] sent out-of-range indices"),
@@ -76,6 +82,10 @@ def _bad_batch_on_rank_1(rank: int, world: int, bad: str, row_shards) -> None:
                            r"\(torchrec's variable batch, stride_per_key \[2, 3, 3, 3, 3\]\), which the sharded "
                            r"collection does not take",
                            r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values, lengths or weights"),
+        "device": (ValueError, r"rank 1: the KeyedJaggedTensor's values are on meta, the sharded collection on "
+                   r"cpu: move the batch to cpu", r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values,"),
+        "weights_device": (ValueError, r"rank 1: the KeyedJaggedTensor's per-sample weights are on meta, the "
+                           r"sharded collection on cpu", r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose"),
     }.get(bad, (ValueError, r"rank 1: the KeyedJaggedTensor has (22|24) per-sample weights for 23 values",
                 r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values, lengths or weights disagree"))
     with pytest.raises(error, match=mine if rank == 1 else theirs):
@@ -87,14 +97,17 @@ def _bad_batch_on_rank_1(rank: int, world: int, bad: str, row_shards) -> None:
 
 
 @pytest.mark.parametrize("bad", ["index", "keys", "values", "negative", "shape", "short_weights", "long_weights",
-                                 "column_values", "column_weights", "variable_batch"])
+                                 "column_values", "column_weights", "variable_batch", "device", "weights_device"])
 @pytest.mark.parametrize("row_shards", [1, {"t1": 2, "t3": 3}], ids=["whole", "row_blocks"])
 def test_a_bad_batch_raises_on_every_rank(bad, row_shards):
     """With row blocks (t1, which f2 reads, in two) the checks are of the batch as sent, before its cut: the
     error names the feature, the index and the table as the user knows them. Per-sample weights more or fewer
     than the values (the weights' regroups and all-to-all are sized by the values) raise on every rank too, and so
     do values or weights of another shape than one dimension (a column [N, 1] broadcast in the header's checks, and
-    failed in the lookups of its owners alone) and torchrec's variable batch per feature (VBE), named as such."""
+    failed in the lookups of its owners alone), torchrec's variable batch per feature (VBE), named as such, and a
+    KJT (or its weights alone) on another device than the collection (the header left from that device: on the CPU
+    a meta KJT failed copying its header on that rank alone; the GPU case, a host KJT for a GPU collection, not
+    run here)."""
     run_world(2, _bad_batch_on_rank_1, bad, row_shards, timeout=120)
 
 

@@ -141,21 +141,26 @@ class BulkInputDist:
     its own features of a KJT that may feed other modules too: they are checked with the batch (values against
     lengths) but neither sent nor held against a table. A KJT without one of the tables' features, or with a key
     twice, raises KeyError, one whose values disagree with its lengths or its per-sample weights, whose values or
-    weights are not one-dimensional, or whose batch size varies by feature (torchrec's variable batch) ValueError,
-    and indices outside [0, rows) IndexError: on every rank; so do per-sample weights
+    weights are not one-dimensional, whose batch size varies by feature (torchrec's variable batch), or whose
+    values, lengths or weights are on another device than the collection ValueError, and indices outside [0, rows)
+    IndexError: on every rank; so do per-sample weights
     that some ranks' KJTs have and others' lack (ValueError; `is_weighted`), and weights that require grad in grad mode
     (no gradient reaches them: a feature processor's would never train; ValueError). A batch that a rank could
     not make (`start_failed`) raises its error there and RuntimeError on the other ranks."""
 
     def __init__(self, features_of_rank: list[list[str]], tables: dict[str, tuple[str, int]],
                  group: dist.ProcessGroup | None = None, row_blocks: dict[str, list[RowBlock]] | None = None,
-                 mean_row_wise: Sequence[str] = (), is_weighted: bool | None = None):
+                 mean_row_wise: Sequence[str] = (), is_weighted: bool | None = None,
+                 device: torch.device | str = "cpu"):
         """row_blocks: the row-wise features' blocks (plan.row_blocks; the ranks receive the blocks' features);
         mean_row_wise: those whose bag sizes the bags carry (OwnedBags.pooling_divisors), in that order;
         is_weighted: the per-sample weights the tables take, as torchrec's EmbeddingBagCollection(is_weighted=):
         True, every KJT must have them; False, they are ignored (not sent); None, a batch's weights are sent when
-        the KJTs have them, and every rank's must then have them."""
+        the KJTs have them, and every rank's must then have them; device: the collection's, where the headers are
+        made and every KJT must be ("cuda": the current GPU, as tensors made there)."""
         self.features_of_rank = features_of_rank
+        device = torch.device(device)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == torch.device("cuda") else device
         self.tables = tables
         self.group = group
         self.is_weighted = is_weighted
@@ -213,15 +218,21 @@ class BulkInputDist:
     def start(self, kjt: KeyedJaggedTensor) -> PendingHeader:
         """The header all-to-all of a batch, and its copy to the host, enqueued; nothing waits. `finish` does the
         rest, on the same stream, any time later: a batch's header can be exchanged a step before its values."""
-        device = kjt.values().device
+        device = self.device  # not the KJT's: a header on another device than its peers' could not travel
         keys, values, local_batch = list(kjt.keys()), kjt.values(), kjt.stride()
         plan, problem = self._plan(keys, device)
         weights = None if self.is_weighted is False else kjt.weights_or_none()
+        elsewhere = [(what, t.device) for what, t in (("values", values), ("lengths", kjt.lengths()),
+                                                      ("per-sample weights", weights))
+                     if t is not None and t.device != device]
         # a column [N, 1] would broadcast in the header's checks and fail in its owners' lookups alone
         not_flat = [f"{what} are of shape {list(t.shape)}" for what, t in (("values", values),
                                                                          ("per-sample weights", weights))
                     if t is not None and t.dim() != 1]
-        if plan is not None and kjt.variable_stride_per_key():
+        if plan is not None and elsewhere:
+            problem = (f"the KeyedJaggedTensor's {elsewhere[0][0]} are on {elsewhere[0][1]}, the sharded collection "
+                       f"on {device}: move the batch to {device} (KeyedJaggedTensor.to)")
+        elif plan is not None and kjt.variable_stride_per_key():
             problem = (f"the KeyedJaggedTensor has a variable batch size per feature (torchrec's variable batch, "
                        f"stride_per_key {kjt.stride_per_key()}), which the sharded collection does not take: every "
                        "feature needs one bag per sample")

@@ -134,7 +134,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                                            for f in t.feature_names},
                                         self._own_group() if device.type == "cuda" else group,
                                         self.plan.row_blocks(tables), [c.feature for c in row_wise if c.mean],
-                                        is_weighted)
+                                        is_weighted, device)
         self._seeds = table_seeds(tables, seed)
         weights = {s.name: self._initial_shard(s) for s in self.plan.shards_of(self.rank)}
         # torchrec's `embedding_bags.<table>`, every table on every rank, holding this rank's shards of it; its
@@ -198,7 +198,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         rank could not make, for which that rank's thread calls it with the error: BatchesAhead's prepare_failed)."""
         input_dist = BulkInputDist(self.input_dist.features_of_rank, self.input_dist.tables, self._own_group(),
                                    self.input_dist.row_blocks, self.input_dist.mean_row_wise,
-                                   self.input_dist.is_weighted)
+                                   self.input_dist.is_weighted, self.device)
 
         def distribute(features: FeaturesOrError) -> None:
             bags, ready = input_dist.finish(self._start(input_dist, features)), None
@@ -243,7 +243,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Start a batch's input dist further ahead: only its header all-to-all (sizes and checks) and the header's
         copy to the host, on the side stream on GPUs; nothing waits. The `prefetch` of this batch, a step later,
         then finds the sizes on the host instead of waiting for them. Same calling rules as `prefetch`."""
-        with self._on_side_stream(features):
+        with self._on_side_stream():
             self._pending_header = (features, self._start(self.input_dist, features))
 
     def prefetch(self, features: FeaturesOrError) -> None:
@@ -254,7 +254,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         rank passes the error instead of the features). If `prefetch_header(features)` came first, only the rest of
         the input dist is left to do."""
         pending, self._pending_header = self._pending_header, None
-        with self._on_side_stream(features):
+        with self._on_side_stream():
             if pending is None or pending[0] is not features:
                 pending = (features, self._start(self.input_dist, features))
             bags, ready = self.input_dist.finish(pending[1]), None
@@ -276,13 +276,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         with self._from_thread_lock:
             self._from_thread.clear()
 
-    def _on_side_stream(self, features: FeaturesOrError):
-        """The input dist's stream: on GPUs a side stream that first waits for the stream current here (where the
-        KJT was made); on the CPU, nothing to switch (torch.cuda.stream(None) does nothing)."""
-        device = self.device if isinstance(features, Exception) else features.values().device
-        if device.type != "cuda":
+    def _on_side_stream(self):
+        """The input dist's stream: on GPUs a side stream of the collection's device (where the input dist runs; a
+        KJT on another device is refused there) that first waits for the stream current here (where the KJT was
+        made); on the CPU, nothing to switch (torch.cuda.stream(None) does nothing)."""
+        if self.device.type != "cuda":
             return torch.cuda.stream(None)
-        self._side_stream = self._side_stream or input_stream(device)
+        self._side_stream = self._side_stream or input_stream(self.device)
         self._side_stream.wait_stream(torch.cuda.current_stream())
         return torch.cuda.stream(self._side_stream)
 
