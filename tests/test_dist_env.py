@@ -22,17 +22,20 @@ def test_auto_picks_the_machine_s_device_and_backend():
 
 
 def test_unknown_or_impossible_choices_raise():
-    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+    """Named by their config keys (every caller passes trainer.device and comm.backend): "device=cuda" alone did not
+    say which override to change (comm.mode is also a device-like switch, model.tp_comm another comm)."""
+    with pytest.raises(ValueError, match=r"^trainer.device='tpu': expected auto, cpu, cuda or cuda:<index>$"):
         _pick_device("tpu", 0)
-    with pytest.raises(ValueError, match="unknown backend 'mpi'"):
+    with pytest.raises(ValueError, match=r"^comm.backend='mpi': expected auto, nccl or gloo$"):
         _pick_backend("mpi", torch.device("cpu"))
-    with pytest.raises(ValueError, match="backend=nccl needs device=cuda"):
+    with pytest.raises(ValueError, match=r"^comm.backend=nccl needs trainer.device=cuda; use comm.backend=gloo on "
+                                         r"the CPU$"):
         _pick_backend("nccl", torch.device("cpu"))
 
 
 def test_cuda_without_a_gpu_raises(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RuntimeError, match="torch sees no CUDA device"):
+    with pytest.raises(RuntimeError, match="^trainer.device=cuda was asked for but torch sees no CUDA device"):
         _pick_device("cuda", 0)
 
 
@@ -47,11 +50,12 @@ def one_gpu_machine(monkeypatch, count: int = 1) -> list[int]:
 
 def test_more_local_ranks_than_gpus_raises_naming_the_rank(monkeypatch):
     one_gpu_machine(monkeypatch)
-    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1 has no GPU of its own: torch sees 1 CUDA device\(s\)"):
+    with pytest.raises(RuntimeError, match=r"^LOCAL_RANK=1 has no GPU of its own: torch sees 1 CUDA device\(s\); .* "
+                                           r"or put them on one GPU with trainer.device=cuda:<index>$"):
         _pick_device("cuda", 1)
-    with pytest.raises(RuntimeError, match=r"device=cuda:1: torch sees 1 CUDA device\(s\)"):
+    with pytest.raises(RuntimeError, match=r"^trainer.device=cuda:1: torch sees 1 CUDA device\(s\)"):
         _pick_device("cuda:1", 0)
-    with pytest.raises(ValueError, match="unknown device 'cuda:one'"):
+    with pytest.raises(ValueError, match="^trainer.device='cuda:one': expected"):
         _pick_device("cuda:one", 0)
 
 
@@ -71,7 +75,8 @@ def test_ranks_sharing_a_gpu_get_gloo_and_nccl_raises_before_joining(monkeypatch
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    with pytest.raises(ValueError, match="every local rank runs on cuda:0, which NCCL refuses: use backend=gloo"):
+    with pytest.raises(ValueError, match=r"^every local rank runs on cuda:0 \(trainer.device=cuda:0\), which NCCL "
+                                         r"refuses: use comm.backend=gloo or auto"):
         init_distributed("cuda:0", "nccl")
 
 
@@ -105,7 +110,7 @@ def test_one_process_checks_the_backend_as_torchrun_would(monkeypatch):
     under torchrun fails here too, instead of running without a word."""
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(ValueError, match="unknown backend 'mpi'"):
+    with pytest.raises(ValueError, match="comm.backend='mpi'"):
         init_distributed("cpu", "mpi")
     with pytest.raises(ValueError, match="nccl"):
         init_distributed("cpu", "nccl")

@@ -31,42 +31,45 @@ class DistEnv:
 
 
 def _pick_device(device: str, local_rank: int) -> torch.device:
-    """auto | cpu | cuda (the GPU of this LOCAL_RANK) | cuda:N (GPU N, for every rank of the node)."""
+    """trainer.device: auto | cpu | cuda (the GPU of this LOCAL_RANK) | cuda:N (GPU N, for every rank of the node)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         return torch.device("cpu")
     if device != "cuda" and not (device.startswith("cuda:") and device[5:].isdigit()):
-        raise ValueError(f"unknown device {device!r}: expected auto, cpu, cuda or cuda:<index>")
+        raise ValueError(f"trainer.device={device!r}: expected auto, cpu, cuda or cuda:<index>")
     if not torch.cuda.is_available():
-        raise RuntimeError(f"device={device} was asked for but torch sees no CUDA device")
+        raise RuntimeError(f"trainer.device={device} was asked for but torch sees no CUDA device")
     index, count = (local_rank if device == "cuda" else int(device[5:])), torch.cuda.device_count()
     if index >= count:  # else set_device fails with "invalid device ordinal"
-        who = f"LOCAL_RANK={local_rank} has no GPU of its own" if device == "cuda" else f"device={device}"
+        who = f"LOCAL_RANK={local_rank} has no GPU of its own" if device == "cuda" else f"trainer.device={device}"
         raise RuntimeError(f"{who}: torch sees {count} CUDA device(s); start at most that many processes per node "
-                           "(torchrun --nproc_per_node), or put them on one GPU with device=cuda:<index>")
+                           "(torchrun --nproc_per_node), or put them on one GPU with trainer.device=cuda:<index>")
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
 
 def _pick_backend(backend: str, device: torch.device, gpu_shared: bool = False) -> str:
-    """gpu_shared: the node's ranks all run on `device` (device=cuda:N), which NCCL refuses."""
+    """comm.backend for trainer.device's `device`; gpu_shared: the node's ranks all run on `device`
+    (trainer.device=cuda:N), which NCCL refuses."""
     if backend == "auto":
         return "nccl" if device.type == "cuda" and not gpu_shared else "gloo"
     if backend == "nccl" and device.type != "cuda":
-        raise ValueError("backend=nccl needs device=cuda; use gloo on the CPU")
+        raise ValueError("comm.backend=nccl needs trainer.device=cuda; use comm.backend=gloo on the CPU")
     if backend == "nccl" and gpu_shared:
-        raise ValueError(f"every local rank runs on {device}, which NCCL refuses: use backend=gloo or auto (the "
-                         "fused operators then share memory by CUDA IPC; the GPU time-slices the ranks)")
+        raise ValueError(f"every local rank runs on {device} (trainer.device={device}), which NCCL refuses: use "
+                         "comm.backend=gloo or auto (the fused operators then share memory by CUDA IPC; the GPU "
+                         "time-slices the ranks)")
     if backend not in ("nccl", "gloo"):
-        raise ValueError(f"unknown backend {backend!r}: expected auto, nccl or gloo")
+        raise ValueError(f"comm.backend={backend!r}: expected auto, nccl or gloo")
     return backend
 
 
 def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 600.0,
                      tf32: bool = False) -> DistEnv:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or none.
-    tf32: fp32 GEMMs and convolutions on GPUs may use TF32 tensor cores (the CPU is not affected)."""
+    device, backend: the config's trainer.device and comm.backend (their errors name those keys); tf32: fp32 GEMMs
+    and convolutions on GPUs may use TF32 tensor cores (the CPU is not affected)."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
