@@ -630,7 +630,15 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
             # not "must end in model.embedding_dim=abc"
             (["model.embedding_dim=abc"], r"^model.embedding_dim='abc': expected a whole number of columns >= 1$"),
             (["model.embedding_dim=0", "model.dense_arch=[64,0]"], r"^model.embedding_dim=0: expected a whole number"),
-            (["model.row_shards=2.5"], "column_shards and row_shards are whole numbers, got 1 and 2.5"),
+            # named by their keys: the plan named its arguments, per table
+            (["model.row_shards=2.5"], r"^model.row_shards=2.5: expected a whole number >= 1 \(1: table-wise\)$"),
+            (["model.row_shards=0"], r"^model.row_shards=0: expected a whole number >= 1"),
+            (["model.column_shards=true"], r"^model.column_shards=True: expected a whole number >= 1"),
+            (["model.column_shards=3"], r"^model.column_shards=3: model.embedding_dim=16 columns do not split into 3 "
+                                        r"equal shards$"),
+            (["model.column_shards=2", "model.row_shards=2"], r"^model.row_shards=2 with model.column_shards=2: a "
+                                                              r"table is cut into row blocks or into column shards, "
+                                                              r"not both$"),
             ([f"trainer.checkpoint_dir={later.parent}"], "already holds step_50, after this run's start at step 0")):
         with pytest.raises(ValueError, match=error):
             train(config(*SMALL, "trainer.max_steps=3", *overrides), CPU, tmp_path / "run")
@@ -659,7 +667,9 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
     (["data.eval_batches=1.5"], r"data.eval_batches=1.5: expected a count >= 1"),
     (["data.eval_batches=true"], r"data.eval_batches=True: expected a count >= 1"),
     (["trainer.epochs=1", "data.steps_per_epoch=true"], r"data.steps_per_epoch=True: expected a step count >= 1"),
-    (["data.global_batch_size=true"], r"global_batch_size must be an integer, got True"),
+    (["data.global_batch_size=true"], r"^data.global_batch_size=True: expected a whole number of samples >= the "
+                                      r"world size 1: each rank takes a slice of the batch$"),
+    (["data.global_batch_size=0"], r"^data.global_batch_size=0: expected a whole number of samples >= the world"),
     (["model.num_rows=true"], r"model.num_rows=True: expected a whole number of rows >= 1"),
     # a float failed in list() ('float' object is not iterable), a string was one table per character, and a list
     # of another length named no key

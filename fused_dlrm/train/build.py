@@ -93,9 +93,22 @@ def check_layer_widths(key: str, widths: object) -> None:
         raise ValueError(f"{key}={shown!r}: expected a list of layer widths, whole numbers >= 1")
 
 
+def check_shards(m: DictConfig) -> None:
+    """model.column_shards and model.row_shards by their keys (plan_sharding names its arguments, per table)."""
+    for key in ("column_shards", "row_shards"):
+        check_count(f"model.{key}", m[key], 1, "a whole number >= 1 (1: table-wise)")
+    if m.embedding_dim % m.column_shards:
+        raise ValueError(f"model.column_shards={m.column_shards}: model.embedding_dim={m.embedding_dim} columns do not "
+                         f"split into {m.column_shards} equal shards")
+    if m.row_shards > 1 and m.column_shards > 1:
+        raise ValueError(f"model.row_shards={m.row_shards} with model.column_shards={m.column_shards}: a table is cut "
+                         f"into row blocks or into column shards, not both")
+
+
 def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     m = cfg.model
     tables = config_tables(cfg)  # their settings checked (model.embedding_dim: a width, before it is compared)
+    check_shards(m)
     check_layer_widths("model.dense_arch", m.dense_arch)
     check_layer_widths("model.over_arch", m.over_arch)
     if m.dense_arch[-1] != m.embedding_dim:  # the interaction takes the bottom MLP's output as one more embedding
@@ -134,6 +147,9 @@ def build_dataset(cfg: DictConfig, split: str, env: DistEnv):
     of auto is the model's (env.device)."""
     names = feature_names(cfg.data)
     rows = table_rows(cfg)
+    # by its key (the datasets name their argument, or a world size of one rank only)
+    check_count("data.global_batch_size", cfg.data.global_batch_size, env.world_size,
+                f"a whole number of samples >= the world size {env.world_size}: each rank takes a slice of the batch")
     unset = [k for k in cfg.data[split] if OmegaConf.is_missing(cfg.data[split], k)]
     if unset:  # to_container would pass the marker on as the string "???" (a file of that name, not found)
         raise ValueError(f"data.{split}.{unset[0]} must be given, e.g. data.train.paths=[train.tsv] "
