@@ -79,32 +79,32 @@ def renormalizes(top_k: int, renormalize: bool | None) -> bool:
     return top_k > 1 if renormalize is None else renormalize
 
 
-def check_top_k(top_k: int, num_experts: int) -> None:
+def check_top_k(top_k: int, num_experts: int, prefix: str = "") -> None:
     """k distinct experts per token: k in [1, num_experts]. Past num_experts the torch path would return fewer
     than k per token (the losses scaled by the k asked) and the kernels would pick expert 0 again; k = 0 routes
-    nothing (a layer silently off)."""
+    nothing (a layer silently off). prefix: the settings' config group in the error (moe/train.py: "model.")."""
     if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        raise ValueError(f"{prefix}top_k must be in [1, {prefix}num_experts={num_experts}], got {top_k}")
 
 
 DROP_POLICIES = ("probs", "position")  # Megatron's --moe-token-drop-policy values (the module docstring)
 
 
-def check_drop_policy(drop_policy: str) -> None:
+def check_drop_policy(drop_policy: str, prefix: str = "") -> None:
     if drop_policy not in DROP_POLICIES:
-        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+        raise ValueError(f"{prefix}drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
 
 
-def check_capacity_factor(capacity_factor: float | None, zero_allowed: bool = True) -> None:
+def check_capacity_factor(capacity_factor: float | None, zero_allowed: bool = True, prefix: str = "") -> None:
     """None (dropless) or a finite number >= 0. A negative factor made the kept counts negative, inf and NaN failed
     in math.ceil naming no setting, and True (YAML's true) routed at 1. 0 keeps nothing: route's defined edge;
     TopKRouter refuses it (zero_allowed=False): a layer silently off, while the load-balancing loss still pulls on
-    its router."""
+    its router. prefix: as check_top_k's."""
     if capacity_factor is None:
         return
     if not (is_finite_at_least_zero(capacity_factor) and (zero_allowed or capacity_factor)):
-        raise ValueError(f"capacity_factor must be {'>= 0' if zero_allowed else '> 0'} and finite (None: dropless), "
-                         f"got {capacity_factor}")
+        raise ValueError(f"{prefix}capacity_factor must be {'>= 0' if zero_allowed else '> 0'} and finite (None: "
+                         f"dropless), got {capacity_factor}")
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool | None = None,

@@ -55,6 +55,7 @@ from fused_dlrm.tp.linear import COMMS, check_tp_size, tp_groups
 from fused_dlrm.tp.quantized_allreduce import check_grad_allreduce
 from moe.data import ByteWindows, load_corpus
 from moe.layer import FusedMoEConfig
+from moe.routing import check_capacity_factor, check_drop_policy, check_top_k
 from moe.transformer import MoETransformer
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,10 @@ def check_config(cfg: DictConfig) -> None:
     check_comm_mode(cfg.comm.mode)
     if m.tp_comm not in COMMS:  # else "comm must be one of", at the first projection built
         raise ValueError(f"model.tp_comm={m.tp_comm!r}: expected one of {COMMS}")
+    if m.tp_comm == "fused" and m.tp_size == 1:  # else accepted, and nothing fused (the report sets it per column)
+        raise ValueError("model.tp_comm=fused with model.tp_size=1: there is no tensor-parallel projection to fuse "
+                         "(Megatron refuses --tp-comm-overlap without tensor parallelism too); set model.tp_size > 1 "
+                         "or model.tp_comm=bulk")
     check_grad_allreduce(cfg.comm.grad_allreduce)
     if m.clip_grad is not None and not m.clip_grad >= 0:  # NaN too
         raise ValueError(f"model.clip_grad={m.clip_grad!r}: expected a norm >= 0 (null or 0: no clipping)")
@@ -84,6 +89,9 @@ def check_config(cfg: DictConfig) -> None:
         # (or large logits), YAML's true weighed 1
         if not is_finite_at_least_zero(m[key]):
             raise ValueError(f"model.{key}={m[key]!r}: expected a finite number >= 0 (0: no such loss term)")
+    # by their keys: the router's own refusals name its arguments, as a library layer's
+    check_capacity_factor(m.capacity_factor, zero_allowed=False, prefix="model.")
+    check_drop_policy(m.drop_policy, prefix="model.")
     if cfg.comm.mode == "fused" and cfg.comm.get("transport", "p2p") != "p2p":
         raise ValueError(f"comm.transport={cfg.comm.transport}: the MoE layers' fused dispatch and combine have the "
                          "p2p transport only")
@@ -98,14 +106,23 @@ def build_model(cfg: DictConfig, env: DistEnv) -> MoETransformer:
     for key in ("vocab_size", "d_model", "num_layers", "num_heads", "ffn", "num_experts", "top_k", "moe_every"):
         # a float failed deep in torch, YAML's true (an int) was 1, ffn=0 trained FFNs of nothing
         check_count(f"model.{key}", m[key], 1, "a whole number >= 1")
+    check_top_k(m.top_k, m.num_experts, prefix="model.")  # by its keys, as the router names its arguments
     check_tp_size(m.tp_size, env.world_size, "model.tp_size")  # before the checks below divide by it
     if m.vocab_size < 256:  # else the first byte above it fails in the embedding, at whatever step draws it
         raise ValueError(f"model.vocab_size={m.vocab_size}: the data are raw bytes, so it must be at least 256")
     shares = env.world_size // m.tp_size  # the data-parallel ranks: a TP group shares one slice of the batch
+    sequence_parallel = m.get("sequence_parallel", False) and m.tp_size > 1
+    # the ranks the experts are split over (the model's `group`)
+    experts_over, why = ((env.world_size, f"world size {env.world_size}: model.sequence_parallel splits them over "
+                                          f"the world") if sequence_parallel
+                         else (shares, f"world size {env.world_size} / model.tp_size={m.tp_size}"))
+    if m.num_experts % experts_over:  # else refused by the MoE layer, naming its argument, after the groups' making
+        raise ValueError(f"model.num_experts={m.num_experts}: expected a multiple of the {experts_over} "
+                         f"expert-parallel ranks ({why})")
     check_count("data.global_batch_size", cfg.data.global_batch_size, shares,
                 f"a whole number of samples >= the {shares} data-parallel ranks (world size {env.world_size} / "
                 f"model.tp_size={m.tp_size}): each takes a slice of the batch")  # else named as a world of `shares`
-    if m.get("sequence_parallel", False) and m.tp_size > 1:
+    if sequence_parallel:
         for start, stop in (local_batch_bounds(cfg.data.global_batch_size, r, shares) for r in range(shares)):
             if (stop - start) * cfg.data.seq_len % m.tp_size:
                 raise ValueError(f"model.sequence_parallel cuts each data-parallel rank's tokens into model.tp_size="

@@ -88,7 +88,7 @@ class SwiGLU(nn.Module):
     def __init__(self, d_model: int, ffn: int, tp: TPLayout, *name: object):
         super().__init__()
         if ffn % tp.size:
-            raise ValueError(f"ffn={ffn} must be a multiple of model.tp_size={tp.size}")
+            raise ValueError(f"model.ffn={ffn} must be a multiple of model.tp_size={tp.size}")
         self.w13 = tp.column(d_model, 2 * ffn, *name, parts=2, part_names=("w1", "w3"))
         self.w2 = tp.row(ffn, d_model, *name, "w2")
 
@@ -124,9 +124,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, tp: TPLayout, *name: object):
         super().__init__()
         if d_model % num_heads or (d_model // num_heads) % 2:
-            raise ValueError(f"d_model={d_model} must split into {num_heads} heads of an even size")
+            raise ValueError(f"model.d_model={d_model} must split into model.num_heads={num_heads} heads of an even "
+                             f"size")
         if num_heads % tp.size:
-            raise ValueError(f"num_heads={num_heads} must be a multiple of model.tp_size={tp.size}")
+            raise ValueError(f"model.num_heads={num_heads} must be a multiple of model.tp_size={tp.size}")
         self.local_heads, self.head_dim = num_heads // tp.size, d_model // num_heads
         self.qkv = tp.column(d_model, 3 * d_model, *name, "qkv", parts=3)
         self.out = tp.row(d_model, d_model, *name, "out")
@@ -171,7 +172,8 @@ class MoETransformer(nn.Module):
                  group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
                  tp_comm: str = "bulk", sequence_parallel: bool = False, moe_comm: str = "bulk", moe_fused=None,
                  compute_dtype: torch.dtype | None = None, allocation_timeout_s: float = ALLOCATION_TIMEOUT_S):
-        """group: the data-parallel group (None: the world); tp_group: the tensor-parallel group (None: no tensor
+        """The sizes are the config's model.<key>s (conf/model/moe_transformer.yaml), which its errors name.
+        group: the data-parallel group (None: the world); tp_group: the tensor-parallel group (None: no tensor
         parallelism), the two tiling the world as fused_dlrm.tp.tp_groups makes them; tp_comm: bulk | fused;
         sequence_parallel: the rows cut over the TP group between its projections (no effect without one);
         moe_comm / moe_fused: the MoE layers' dispatch and combine (MoELayer's comm and fused);
@@ -182,9 +184,9 @@ class MoETransformer(nn.Module):
         all-reduce (moe.train.sync_gradients; the MoE layers': moe_fused's)."""
         super().__init__()
         if moe_every not in (1, 2):
-            raise ValueError(f"moe_every must be 1 or 2, got {moe_every}")
+            raise ValueError(f"model.moe_every must be 1 or 2, got {moe_every}")
         if num_layers < moe_every:  # the first MoE layer's exchange carries a refused batch to every rank (forward)
-            raise ValueError(f"num_layers={num_layers} with moe_every={moe_every} makes no MoE layer")
+            raise ValueError(f"model.num_layers={num_layers} with model.moe_every={moe_every} makes no MoE layer")
         # the two groups tile the world: a data-parallel group of the whole world (None, or given) would sum
         # different TP shards' gradients
         if (tp_group is not None and dist.is_initialized()

@@ -117,6 +117,21 @@ def test_a_tp_size_that_does_not_divide_the_world_is_named_as_such_on_every_rank
                 build_model(cfg, env)
 
 
+def test_experts_that_do_not_split_over_the_expert_parallel_ranks_are_named_as_such_on_every_rank():
+    """model.num_experts over the ranks holding different tokens (world / model.tp_size, or under sequence
+    parallelism the world): refused by its key on every rank before any collective (MoELayer's own refusal named
+    "num_experts=... the expert-parallel world size", once the groups were made)."""
+    for parallel, experts, ranks, why in (
+            ("false", 3, 2, r"world size 4 / model.tp_size=2"),
+            ("true", 6, 4, r"world size 4: model.sequence_parallel splits them over the world")):  # 6 would halve
+        cfg = config(*SMALL, "model.tp_size=2", f"model.sequence_parallel={parallel}", f"model.num_experts={experts}")
+        for rank in range(4):
+            env = DistEnv(rank=rank, world_size=4, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+            with pytest.raises(ValueError, match=rf"^model.num_experts={experts}: expected a multiple of the {ranks} "
+                                                 rf"expert-parallel ranks \({why}\)$"):
+                build_model(cfg, env)
+
+
 def test_loss_falls_and_metrics_are_logged(tmp_path, caplog):
     cfg = config(*SMALL, "trainer.max_steps=60", "trainer.log_every=10", "trainer.checkpoint_every=0")
     with caplog.at_level(logging.INFO, logger="moe.train"):
@@ -709,7 +724,7 @@ def test_a_token_outside_the_vocabulary_is_a_clear_error():
         with pytest.raises(ValueError, match=rf"rank 0: token id {bad} in its batch, outside the vocabulary \[0, "):
             model(batch)
     assert model(tokens)[0].isfinite().all() and model(tokens[:0])[0].shape == (0, 5, 256)
-    with pytest.raises(ValueError, match="num_layers=1 with moe_every=2 makes no MoE layer"):
+    with pytest.raises(ValueError, match="^model.num_layers=1 with model.moe_every=2 makes no MoE layer"):
         MoETransformer(num_layers=1, moe_every=2)
 
 
@@ -801,9 +816,20 @@ def test_bad_settings_are_refused_before_training(tmp_path):
     gradients' all-reduce, never in one process) or log NaN (an evaluation of no batch) are refused when the run
     starts."""
     for overrides, error in ((["model.vocab_size=128"], "model.vocab_size=128: the data are raw bytes"),
-                             (["model.capacity_factor=0"], "capacity_factor must be > 0"),
-                             (["model.capacity_factor=-1.0"], "capacity_factor must be > 0"),
-                             (["model.capacity_factor=1.0", "model.drop_policy=prob"], "drop_policy must be one of"),
+                             # named by their keys, not as the library's routing names its arguments
+                             (["model.capacity_factor=0"], "^model.capacity_factor must be > 0"),
+                             (["model.capacity_factor=-1.0"], "^model.capacity_factor must be > 0"),
+                             (["model.capacity_factor=1.0", "model.drop_policy=prob"],
+                              "^model.drop_policy must be one of"),
+                             (["model.top_k=5"], r"^model.top_k must be in \[1, model.num_experts=4\], got 5$"),
+                             (["model.moe_every=3"], "^model.moe_every must be 1 or 2, got 3$"),
+                             (["model.num_layers=1", "model.moe_every=2"],
+                              "^model.num_layers=1 with model.moe_every=2 makes no MoE layer$"),
+                             (["model.num_heads=3"],
+                              "^model.d_model=64 must split into model.num_heads=3 heads of an even size$"),
+                             # no TP group: nothing to fuse (Megatron refuses --tp-comm-overlap at TP size 1 too)
+                             (["model.tp_comm=fused", "model.precision=bf16"],
+                              r"^model.tp_comm=fused with model.tp_size=1: "),
                              (["comm.grad_allreduce=q7"], "comm.grad_allreduce='q7': expected one of"),
                              (["data.eval_batches=0"], "data.eval_batches=0: expected a count >= 1: the evaluation needs"),
                              (["data.eval_batches=1.5"], "data.eval_batches=1.5: expected a count >= 1"),

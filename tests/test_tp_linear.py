@@ -110,9 +110,9 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
         with pytest.raises(ValueError, match=rf"^tp_size={bad!r}: expected a whole number >= 1 dividing the world "
                                              rf"size {world}$"):
             tp_groups(bad)
-    with pytest.raises(ValueError, match=f"num_heads=3 must be a multiple of model.tp_size={tp_size}"):
+    with pytest.raises(ValueError, match=f"^model.num_heads=3 must be a multiple of model.tp_size={tp_size}"):
         MoETransformer(d_model=48, num_heads=3, group=dp, tp_group=tp)
-    with pytest.raises(ValueError, match=f"ffn=65 must be a multiple of model.tp_size={tp_size}"):
+    with pytest.raises(ValueError, match=f"^model.ffn=65 must be a multiple of model.tp_size={tp_size}"):
         MoETransformer(ffn=65, moe_every=2, group=dp, tp_group=tp)
     if world > tp_size:  # the world as the data-parallel group would sum different TP shards' gradients
         for whole_world in (None, dist.group.WORLD):  # given or not
