@@ -173,3 +173,24 @@ def _half_precision_tables(rank: int, world: int) -> None:
 @pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
 def test_fp16_and_bf16_tables(backend):
     run_world(2, _half_precision_tables, backend=backend)
+
+
+def _host_batch_on_rank_1(rank: int, world: int) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    for comm in (None, FusedCommConfig()):
+        ebc = ShardedEmbeddingBagCollection(tables(), EmbeddingOptimizerConfig("sgd", lr=0.05), device=device,
+                                            seed=1, comm=comm)
+        kjt = local_kjt(0, 37, rank, world, device)
+        mine = r"rank 1: the KeyedJaggedTensor's values are on cpu, the sharded collection on cuda:\d: move the batch"
+        theirs = r"rank 0: rank\(s\) \[1\] sent KeyedJaggedTensors whose values,"
+        with pytest.raises(ValueError, match=mine if rank == 1 else theirs):
+            ebc(kjt.to("cpu") if rank == 1 else kjt)
+        pooled = ebc(kjt)  # the next batch, on the collection's device, as before
+        assert pooled.values().device == device and pooled.values().isfinite().all()
+
+
+@pytest.mark.parametrize("backend", TWO_RANK_BACKENDS)
+def test_a_host_batch_for_a_gpu_collection_raises_on_every_rank(backend):
+    """A KJT left on the host (one rank's) is refused on every rank, naming both devices: its header was made on
+    the host, where NCCL cannot send it, or its bags reached the GPU lookup."""
+    run_world(2, _host_batch_on_rank_1, backend=backend, timeout=240)
