@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from fused_dlrm.dist.symmetric import SimulatedWorld
 from fused_dlrm.kernels.gemm_allreduce import ALL_PHASES, GemmAllReduce
@@ -17,6 +20,20 @@ from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, GraphReplays,
 from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce, quantized_all_reduce_reference
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
+
+
+@triton.jit
+def _one_minus_kernel(out_ptr, x):
+    tl.store(out_ptr, 1.0 - x)
+
+
+def test_float_arguments_reach_kernels_as_fp32_as_on_gpus():
+    """A Python float argument is fp32 in the kernel (Triton types it so): 1 - 0.999 there is 1 - fp32(0.999),
+    1.3e-5 off. The interpreter kept the double (conftest rounds it now), so CI missed such errors (the AdamW
+    kernel's 1 - beta2)."""
+    out = torch.zeros(1, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    _one_minus_kernel[(1,)](out, 0.999)
+    assert float(out) == float(np.float32(1.0) - np.float32(0.999)) != float(np.float32(1.0 - 0.999))
 
 
 class StandInKernel:
