@@ -172,7 +172,8 @@ def test_kernel_rounds_to_nearest_on_sm90():
     compile_for_sm90('''
 from fused_dlrm.kernels import adamw
 types = {n: "*fp32" for n in ("grad_ptr", "param_ptr", "exp_avg_ptr", "exp_avg_sq_ptr", "step_ptr")}
-types.update({n: "fp32" for n in ("lr", "beta1", "beta2", "log2_beta1", "log2_beta2", "eps", "weight_decay")})
+types.update({n: "fp32" for n in ("lr", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "log2_beta1",
+                                 "log2_beta2", "eps", "weight_decay")})
 kernel = adamw._adamw_kernel
 ptx = build(kernel, {**types, "copy_ptr": "*bf16"}, dict(HAS_COPY=True, BLOCK=adamw.BLOCK), num_warps=8).asm["ptx"]
 assert "cvt.rn.bf16x2.f32" in ptx or "cvt.rn.bf16.f32" in ptx, "the bf16 copy is not rounded to nearest"
