@@ -18,6 +18,7 @@ from fused_dlrm.kernels.gemm_allreduce import ALL_PHASES, GemmAllReduce
 from fused_dlrm.kernels import launch
 from fused_dlrm.kernels.launch import Arguments, CompiledLaunches, GraphReplays, aligned, resident_programs_per_sm
 from fused_dlrm.kernels.quantized_allreduce import FusedQuantizedAllReduce, quantized_all_reduce_reference
+from world import run_world
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the Triton interpreter")
 
@@ -34,6 +35,16 @@ def test_float_arguments_reach_kernels_as_fp32_as_on_gpus():
     out = torch.zeros(1, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
     _one_minus_kernel[(1,)](out, 0.999)
     assert float(out) == float(np.float32(1.0) - np.float32(0.999)) != float(np.float32(1.0 - 0.999))
+
+
+def _float_argument_in_a_rank(rank: int, world_size: int) -> None:
+    test_float_arguments_reach_kernels_as_fp32_as_on_gpus()
+
+
+@interpreter
+def test_a_worlds_ranks_get_float_arguments_as_fp32_too():
+    """world.py's ranks do not run conftest: world.py imports interpreter_floats itself."""
+    run_world(2, _float_argument_in_a_rank)
 
 
 class StandInKernel:

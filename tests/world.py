@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import interpreter_floats  # noqa: F401  (a rank imports this module, not conftest: its kernels' float arguments)
+
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 ONE_GPU = "one_gpu"  # run_world's backend for ranks sharing GPU 0: gloo collectives, p2p buffers by CUDA IPC
 
