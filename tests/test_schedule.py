@@ -202,3 +202,24 @@ def test_a_later_checkpoint_that_one_rank_sees_stops_every_rank(tmp_path):
     on every rank, also where only one rank's view of the folder holds it (the others would go on into the first
     step's collectives and wait there for it)."""
     run_world(2, _a_later_checkpoint_one_rank_sees, str(tmp_path), timeout=120)
+
+
+def _a_checkpoint_dir_one_rank_cannot_write(rank: int, world: int, root: str) -> None:
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    trainer = OmegaConf.create({"log_every": 4, "eval_every": 0, "checkpoint_every": 5, "max_steps": 20,
+                                "progress": False, "resume_from": None, "keep_checkpoints": 1})
+    Path(root, "a_file").write_text("not a folder")
+    # rank 1's checkpoint_dir below a file (as a read-only or full disk on its node): it cannot write its files
+    checkpoints = Path(root, "a_file" if rank == 1 else "shared", "checkpoints")
+    expected = rf"trainer.checkpoint_dir \S+a_file/checkpoints cannot be written \(NotADirectoryError"
+    with pytest.raises(ValueError, match=expected if rank == 1 else rf"^rank 0: rank\(s\) \[1\] .*{expected}"):
+        TrainingRun(trainer, env, Path(root, f"run_{rank}"), checkpoints, 0, items="samples", items_per_step=1,
+                    log_fields=lambda interval: ({"loss": interval.losses[0]}, ""), evaluate=lambda step: {},
+                    save=lambda step: None, log=logging.getLogger(__name__))
+
+
+def test_a_checkpoint_dir_that_cannot_be_written_stops_every_rank_at_the_start(tmp_path):
+    """Each rank writes its own files of every checkpoint: a checkpoint_dir that one rank cannot write stopped the
+    run at its first checkpoint (trainer.checkpoint_every steps of training, or the whole run and its final
+    evaluation, lost); it is tried on every rank before the first step."""
+    run_world(2, _a_checkpoint_dir_one_rank_cannot_write, str(tmp_path), timeout=120)

@@ -202,24 +202,31 @@ def raise_on_every_rank(problem: BaseException | None, what: str, problems: list
         raise ValueError(f"rank {dist.get_rank()}: rank(s) {bad} {what}: {problems[bad[0]]}")
 
 
+def write_problem(path: Path, directory: bool = False) -> OSError | None:
+    """The error this process meets writing `path` (None: none): a file (opened to append, which keeps one there,
+    and removed if this made it), or with `directory` a directory (made with its parents, a temporary file tried in
+    it)."""
+    try:
+        if directory:
+            path.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        else:
+            made = not path.exists()
+            with open(path, "a"):
+                pass
+            if made:
+                path.unlink()
+    except OSError as error:
+        return error
+    return None
+
+
 def check_rank_0_can_write(path: Path, what: str, directory: bool = False) -> None:
     """Call on every rank before a run whose results rank 0 writes at its end (minutes on GPUs): rank 0 tries now
-    to write `path`, a file (opened to append, which keeps one there, and removed if this made it), or with
-    `directory` a directory (made with its parents, a temporary file tried in it). Where it cannot, every rank
-    raises here (`raise_on_every_rank`: the others a ValueError naming rank 0's error), not rank 0 alone at the end."""
+    to write `path` (`write_problem`). Where it cannot, every rank raises here (`raise_on_every_rank`: the others a
+    ValueError naming rank 0's error), not rank 0 alone at the end."""
     problem = None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            if directory:
-                path.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryFile(dir=path):
-                    pass
-            else:
-                made = not path.exists()
-                with open(path, "a"):
-                    pass
-                if made:
-                    path.unlink()
-        except OSError as error:
-            problem = error
+        problem = write_problem(path, directory)
     raise_on_every_rank(problem, f"cannot write {what}")

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from fused_dlrm.dist import DistEnv, all_reduce_sum
-from fused_dlrm.dist.env import raise_on_every_rank
+from fused_dlrm.dist.env import problem_text, raise_on_every_rank, write_problem
 from fused_dlrm.kernels.peer_flags import PEER_ERRORS, check_every_error_word
 from fused_dlrm.train.checkpoint import NonFiniteLossError, check_keep_last, last_good_checkpoint, latest_checkpoint
 from fused_dlrm.config_checks import check_count
@@ -54,6 +54,16 @@ def _later_checkpoint(checkpoint_dir: Path, step: int) -> ValueError | None:
     return ValueError(f"trainer.checkpoint_dir {checkpoint_dir} already holds {later.name}, after this run's start at "
                       f"step {step}: resume from it (trainer.resume_from={checkpoint_dir}) or write into an empty "
                       f"directory")
+
+
+def _unwritable(checkpoint_dir: Path) -> ValueError | None:
+    """checkpoint_dir where this rank cannot write (each rank writes its own files of every checkpoint): found
+    before the first step, not at the first checkpoint, whose steps (or the whole run and its evaluation) it lost."""
+    problem = write_problem(checkpoint_dir, directory=True)
+    if problem is None:
+        return None
+    return ValueError(f"trainer.checkpoint_dir {checkpoint_dir} cannot be written ({problem_text(problem)}): give "
+                      f"one that every rank can write, or trainer.checkpoint_every=0 for no checkpoints")
 
 
 def check_trainer(trainer: DictConfig) -> None:
@@ -134,7 +144,8 @@ class TrainingRun:
                  save: Callable[[int], None], log: logging.Logger, loss_terms: int = 1):
         check_trainer(trainer)
         if trainer.checkpoint_every:  # raised on every rank: a rank's view of the folder may differ (a node's disk)
-            raise_on_every_rank(_later_checkpoint(checkpoint_dir, step), "cannot write checkpoints")
+            raise_on_every_rank(_unwritable(checkpoint_dir) or _later_checkpoint(checkpoint_dir, step),
+                                "cannot write checkpoints")
         if trainer.max_steps is not None and step >= trainer.max_steps:  # a resume at or past it: else silent
             log.warning("the run starts at step %d, at or past trainer.max_steps=%d: it trains no step (only "
                         "evaluates); raise trainer.max_steps to train on", step, trainer.max_steps)
