@@ -425,6 +425,19 @@ def test_a_truncated_metadata_file_names_the_checkpoint(tmp_path):
         load_checkpoint(tmp_path, *_model_and_optimizer(momentum_sgd=False))
 
 
+def test_a_shard_cut_short_before_its_run_record_names_the_checkpoint(tmp_path):
+    """A shard cut short before the run's record (read before the tables, to check the run) raised DCP's
+    CheckpointException, a traceback of its reader ending in "EOFError: Ran out of input", naming no checkpoint."""
+    model, optimizer = _model_and_optimizer(momentum_sgd=False)
+    for step in (2, 4):
+        save_checkpoint(tmp_path, step, model, optimizer, global_batch_size=8)
+    for shard in (tmp_path / "step_4").glob("*.distcp"):
+        os.truncate(shard, 16)
+    with pytest.raises(ValueError, match=r"checkpoint \S+step_4 cannot be read \(\w+Error: .*\): a file of it is "
+                                         r"truncated or corrupt; resume from an earlier checkpoint \(step_2 under "):
+        load_checkpoint(tmp_path, *_model_and_optimizer(momentum_sgd=False), global_batch_size=8)
+
+
 def _one_rank_diverged(rank: int, world: int, root: str) -> None:
     model, optimizer = _model_and_optimizer(momentum_sgd=True)
     save_checkpoint(root, 2, model, optimizer)

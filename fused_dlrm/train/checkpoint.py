@@ -280,7 +280,10 @@ def _check_run(path: Path, saved: dict, optimizer: torch.optim.Optimizer, global
     record = {key.removeprefix("run."): None for key in saved if key.startswith("run.")}
     if not record:
         return
-    dcp.load({"run": record}, checkpoint_id=path, no_dist=True)
+    try:
+        dcp.load({"run": record}, checkpoint_id=path, no_dist=True)
+    except CheckpointException as error:  # this rank's own read (no_dist): its failure, under DCP's rank 0
+        raise _unreadable(path, "; ".join(problem_text(exc) for exc, _ in error.failures.values())) from error
     mine = _run_record(optimizer, global_batch_size)
     if record.get("dense_optimizer", mine["dense_optimizer"]) != mine["dense_optimizer"]:
         raise ValueError(f"checkpoint {path} was written with the dense optimizer {record['dense_optimizer']}, this "
