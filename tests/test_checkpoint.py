@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -494,3 +495,16 @@ def test_a_scheduled_lr_resumes_as_its_configured_base(tmp_path, caplog):
             load_checkpoint(tmp_path, other, resumed)
         assert said in caplog.text and ("keeps this run's" in caplog.text) == bool(said), caplog.text
         assert resumed.param_groups[0]["lr"] == lr and "initial_lr" not in resumed.param_groups[0]
+
+
+def test_a_run_of_one_process_saves_and_resumes_without_a_launch_warning(tmp_path):
+    """DCP warns "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a
+    single process" at each save and load without a process group, and at the run's record read by each rank
+    alone (no_dist) in a run of two ranks too: meant, but it read as a launch gone wrong."""
+    model, optimizer = _model_and_optimizer(momentum_sgd=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_checkpoint(tmp_path, 2, model, optimizer, global_batch_size=8)
+        load_checkpoint(tmp_path, *_model_and_optimizer(momentum_sgd=False), global_batch_size=8)
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "torch.distributed is disabled" in m], messages

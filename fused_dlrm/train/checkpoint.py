@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -47,6 +49,16 @@ def _barrier() -> None:
 
 def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@contextmanager
+def _without_process_group_warning():
+    """DCP warns "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a
+    single process" at each call in a run of one process, and at _check_run's read on each rank alone (no_dist) in
+    every run: both meant, and in a run of two ranks the words read as a launch gone wrong."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, embedding_optimizer) -> dict:
@@ -167,7 +179,8 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     state["run"] = _run_record(optimizer, global_batch_size, lr_decay_steps)
     _on_main(start, f"could not start checkpoint {partial}")
     state["step"].fill_(step)
-    dcp.save(state, checkpoint_id=partial)
+    with _without_process_group_warning():
+        dcp.save(state, checkpoint_id=partial)
     _barrier()
     _on_main(finish, f"could not finish checkpoint {final}")
     return final
@@ -281,7 +294,8 @@ def _check_run(path: Path, saved: dict, optimizer: torch.optim.Optimizer, global
     if not record:
         return
     try:
-        dcp.load({"run": record}, checkpoint_id=path, no_dist=True)
+        with _without_process_group_warning():
+            dcp.load({"run": record}, checkpoint_id=path, no_dist=True)
     except CheckpointException as error:  # this rank's own read (no_dist): its failure, under DCP's rank 0
         raise _unreadable(path, "; ".join(problem_text(exc) for exc, _ in error.failures.values())) from error
     mine = _run_record(optimizer, global_batch_size)
@@ -382,7 +396,8 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         # rank holds none of the table; torch's default flattening of sharded tensors drops such an entry, and its
         # load planner then takes the checkpoint for one older than torch 2.4 and misreads the dense optimizer's
         # param_groups ("Missing key ... dense_optimizer.param_groups"). Ours hold no nested ShardedTensor to flatten.
-        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
+        with _without_process_group_warning():
+            dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
     except CheckpointException as error:  # raised on every rank: DCP gathers each rank's read failures
         raise _unreadable(path, "; ".join(f"rank {rank}: {problem_text(exc)}"
                                           for rank, (exc, _) in error.failures.items())) from error
