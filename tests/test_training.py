@@ -15,13 +15,13 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from fused_dlrm.data import SyntheticCriteo
+from fused_dlrm.data import CriteoTSV, SyntheticCriteo
 from fused_dlrm.dist import DistEnv, all_reduce_sum
 from fused_dlrm.sparse.sharded_ebc import ShardedEmbeddingBagCollection, shard_weight
 from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
 from fused_dlrm.train.build import build_dataset, build_model, config_tables, dense_parameters, embedding_optimizers
 from fused_dlrm.train.checkpoint import load_checkpoint
-from fused_dlrm.train.loop import train, train_step
+from fused_dlrm.train.loop import check_own_eval_samples, train, train_step
 from fused_dlrm.train.metrics import CTRMetrics
 from fused_dlrm.train.schedule import NonFiniteLossError, TrainingRun
 from fused_dlrm.train.rundir import register_resolvers
@@ -458,6 +458,27 @@ def test_evaluation_reads_a_short_file_once(tmp_path, monkeypatch, caplog):
     assert "holds 5 global batches, fewer than data.eval_batches=9" in caplog.text
 
 
+def test_evaluation_files_the_run_trains_on_are_named(tmp_path, caplog):
+    """data.eval.paths naming a training file (a copy-paste of data.train.paths) scored the samples the model
+    trained on without a word: an AUC of 0.999 after 4 steps on random labels. Synthetic data of the training split
+    is refused (check_own_eval_samples); a file is warned about, by any name of it (one may hold no other file)."""
+    day_0, day_1 = _criteo_file(tmp_path / "day_0.tsv", 20), _criteo_file(tmp_path / "day_1.tsv", 20)
+    (tmp_path / "link.tsv").symlink_to(day_0)
+
+    def warnings(train_paths: list, eval_paths: list) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fused_dlrm.train.loop"):
+            check_own_eval_samples(CriteoTSV(train_paths, [100] * 26, 16, num_workers=0),
+                                   CriteoTSV(eval_paths, [100] * 26, 16, num_workers=0))
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings([day_0], [day_1]) == []
+    for eval_paths in ([day_0], [day_1, tmp_path / "link.tsv"]):
+        assert warnings([day_0], eval_paths) == [
+            f"data.eval.paths shares {eval_paths[-1]} with data.train.paths: the evaluation scores samples the model "
+            "trained on, not what it learned; give data.eval files of their own (a later day, or the last lines of "
+            "a file split off)"]
+
+
 def test_steps_per_epoch_is_refused_for_files(tmp_path):
     """An epoch of file-backed data is one pass over the files: a data.steps_per_epoch would be ignored."""
     path = _criteo_file(tmp_path / "day_0.tsv", 20)
@@ -482,9 +503,9 @@ def test_a_run_that_starts_at_the_end_of_its_epochs_says_so(tmp_path, caplog, da
     common = ["trainer.progress=false", "trainer.eval_every=0", "trainer.checkpoint_every=3", "trainer.max_steps=null",
               "trainer.epochs=2", "data.eval_batches=2"]
     if data == "criteo":  # global batch 32: 2 full batches and one short one per epoch
-        path = _criteo_file(tmp_path / "day_0.tsv", 70)
+        path, held_out = _criteo_file(tmp_path / "day_0.tsv", 70), _criteo_file(tmp_path / "day_1.tsv", 70)
         common += ["data=criteo", "data.global_batch_size=32", f"data.train.paths=[{path}]",
-                   f"data.eval.paths=[{path}]", "model.num_rows=100"]
+                   f"data.eval.paths=[{held_out}]", "model.num_rows=100"]
     else:
         common += [*SMALL, "data.steps_per_epoch=3"]
     full = train(config(*common), CPU, tmp_path / "full")

@@ -41,6 +41,7 @@ shared with the MoE loop; what is DLRM's own comes in as callbacks: the log fiel
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Iterator
@@ -204,10 +205,18 @@ def check_same_teacher(train_data, eval_data) -> None:
 
 def check_own_eval_samples(train_data, eval_data) -> None:
     """Synthetic evaluation data of the training data's split draws the training samples (a batch is a function of
-    seed, split, step and rank): its AUC would score the first training batches, not what the model learned."""
+    seed, split, step and rank): its AUC would score the first training batches, not what the model learned.
+    Refused; evaluation files that are training files (by any name) the same, but warned about: a Criteo Kaggle
+    download holds one labelled file."""
     if getattr(eval_data, "split", None) is not None and eval_data.split == getattr(train_data, "split", None):
         raise ValueError(f"data.eval.split={eval_data.split} is data.train's: the evaluation would score the first "
                          "data.eval_batches training batches; give data.eval a split of its own (eval)")
+    train_paths = getattr(train_data, "paths", [])
+    for path in getattr(eval_data, "paths", []):
+        if any(os.path.samefile(path, trained) for trained in train_paths):
+            log.warning("data.eval.paths shares %s with data.train.paths: the evaluation scores samples the model "
+                        "trained on, not what it learned; give data.eval files of their own (a later day, or the last "
+                        "lines of a file split off)", path)
 
 
 def build_data(cfg: DictConfig, env: DistEnv) -> tuple:
