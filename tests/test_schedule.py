@@ -184,17 +184,23 @@ def test_a_run_without_checkpoints_reads_the_error_words_at_its_end(tmp_path, mo
     assert read == [True]
 
 
-def _a_later_checkpoint_one_rank_sees(rank: int, world: int, root: str) -> None:
+def _rank_1_refused(rank: int, world: int, root: str, checkpoints: Path, expected: str) -> None:
+    """A run of checkpoints into `checkpoints` (this rank's view) refused at its start: `expected` on rank 1, named
+    on rank 0."""
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
     trainer = OmegaConf.create({"log_every": 4, "eval_every": 0, "checkpoint_every": 5, "max_steps": 20,
                                 "progress": False, "resume_from": None, "keep_checkpoints": 1})
-    checkpoints = Path(root, f"rank_{rank}")  # as a checkpoint_dir on each node's disk: rank 1's holds step_50
-    (checkpoints / ("step_50" if rank == 1 else "")).mkdir(parents=True)
-    expected = r"checkpoint_dir \S+rank_1 already holds step_50, after this run's start at step 0"
     with pytest.raises(ValueError, match=expected if rank == 1 else rf"^rank 0: rank\(s\) \[1\] .*{expected}"):
         TrainingRun(trainer, env, Path(root, f"run_{rank}"), checkpoints, 0, items="samples", items_per_step=1,
                     log_fields=lambda interval: ({"loss": interval.losses[0]}, ""), evaluate=lambda step: {},
                     save=lambda step: None, log=logging.getLogger(__name__))
+
+
+def _a_later_checkpoint_one_rank_sees(rank: int, world: int, root: str) -> None:
+    checkpoints = Path(root, f"rank_{rank}")  # as a checkpoint_dir on each node's disk: rank 1's holds step_50
+    (checkpoints / ("step_50" if rank == 1 else "")).mkdir(parents=True)
+    _rank_1_refused(rank, world, root, checkpoints,
+                    r"checkpoint_dir \S+rank_1 already holds step_50, after this run's start at step 0")
 
 
 def test_a_later_checkpoint_that_one_rank_sees_stops_every_rank(tmp_path):
@@ -205,17 +211,10 @@ def test_a_later_checkpoint_that_one_rank_sees_stops_every_rank(tmp_path):
 
 
 def _a_checkpoint_dir_one_rank_cannot_write(rank: int, world: int, root: str) -> None:
-    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-    trainer = OmegaConf.create({"log_every": 4, "eval_every": 0, "checkpoint_every": 5, "max_steps": 20,
-                                "progress": False, "resume_from": None, "keep_checkpoints": 1})
     Path(root, "a_file").write_text("not a folder")
     # rank 1's checkpoint_dir below a file (as a read-only or full disk on its node): it cannot write its files
-    checkpoints = Path(root, "a_file" if rank == 1 else "shared", "checkpoints")
-    expected = rf"trainer.checkpoint_dir \S+a_file/checkpoints cannot be written \(NotADirectoryError"
-    with pytest.raises(ValueError, match=expected if rank == 1 else rf"^rank 0: rank\(s\) \[1\] .*{expected}"):
-        TrainingRun(trainer, env, Path(root, f"run_{rank}"), checkpoints, 0, items="samples", items_per_step=1,
-                    log_fields=lambda interval: ({"loss": interval.losses[0]}, ""), evaluate=lambda step: {},
-                    save=lambda step: None, log=logging.getLogger(__name__))
+    _rank_1_refused(rank, world, root, Path(root, "a_file" if rank == 1 else "shared", "checkpoints"),
+                    r"trainer.checkpoint_dir \S+a_file/checkpoints cannot be written \(NotADirectoryError")
 
 
 def test_a_checkpoint_dir_that_cannot_be_written_stops_every_rank_at_the_start(tmp_path):
