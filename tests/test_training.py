@@ -641,8 +641,12 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
             # the evaluation's samples the first training batches (an AUC of 0.97 after 2 steps)
             (["data.eval.split=train"], r"data.eval.split=train is data.train's: the evaluation would score the "
                                         r"first data.eval_batches training batches"),
-            # an OverflowError naming no key
-            (["data.train.mean_pooling=inf"], r"mean_pooling must be finite and >= 0, got \[inf, inf"),
+            # an OverflowError naming no key; the dataset's own checks named its arguments, not their keys
+            (["data.train.mean_pooling=inf"], r"^data.train.mean_pooling must be finite and >= 0, got \[inf, inf"),
+            (["data.train.zipf_alpha=-1"], r"^data.train.zipf_alpha must be >= 0, got -1"),
+            (["data.eval.split=''"], r"^data.eval.split must be a non-empty string, got ''$"),
+            # torch's own device-string error, naming no key
+            (["data.train.device=tpu"], r"^data.train.device='tpu': expected auto, cpu, cuda or cuda:<index>$"),
             (["comm.grad_allreduce=q7"], "comm.grad_allreduce='q7': expected one of"),
             (["model.pooling=max"], r"model.pooling='max': expected one of \('sum', 'mean'\)"),
             (["model.data_type=int8"], r"model.data_type='int8': expected one of"),

@@ -155,9 +155,12 @@ def build_dataset(cfg: DictConfig, split: str, env: DistEnv):
         raise ValueError(f"data.{split}.{unset[0]} must be given, e.g. data.train.paths=[train.tsv] "
                          "data.eval.paths=[eval.tsv]")
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.data[split], resolve=True).items() if k != "_target_"}
-    if kwargs.get("device") == "auto":  # where the model is: no host time per batch on GPUs (conf/data/synthetic.yaml)
+    device = str(kwargs.get("device", "cpu"))
+    if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise ValueError(f"data.{split}.device={device!r}: expected auto, cpu, cuda or cuda:<index>")  # not torch's
+    if device == "auto":  # where the model is: no host time per batch on GPUs (conf/data/synthetic.yaml)
         kwargs["device"] = env.device
-    elif str(kwargs.get("device", "cpu")).startswith("cuda") and env.device.type != "cuda":
+    elif device.startswith("cuda") and env.device.type != "cuda":
         # batches made on a GPU for a model on the host would meet it only in the dense arch, as a device mismatch
         raise ValueError(f"data.{split}.device={kwargs['device']} makes the batches on a GPU, but the model is on "
                          f"{env.device}: set data.{split}.device=cpu (or trainer.device=cuda)")
@@ -167,6 +170,9 @@ def build_dataset(cfg: DictConfig, split: str, env: DistEnv):
         dataset, problem = get_class(cfg.data[split]._target_)(
             num_rows=rows, feature_names=names, global_batch_size=cfg.data.global_batch_size, rank=env.rank,
             world_size=env.world_size, **kwargs), None
+    except ValueError as error:  # the classes' checks begin with the argument they refuse: named by its key here
+        named = str(error).split(" ", 1)[0] in kwargs
+        dataset, problem = None, ValueError(f"data.{split}.{error}") if named else error
     except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
         dataset, problem = None, error
     raise_on_every_rank(problem, f"cannot make their data.{split} dataset")
