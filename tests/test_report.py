@@ -125,7 +125,8 @@ def test_dlrm_with_row_blocks_one_process(tmp_path):
     report_main([*DLRM, "model.row_shards=2", f"hydra.run.dir={tmp_path}"])
     report, table = read(tmp_path)
     layers = check_report(report, table, DLRM_LAYERS, world=1)
-    assert "(12 tables, column shards or row blocks here)" in layers[LOOKUP]["shapes"]
+    assert layers[LOOKUP]["shapes"].startswith("6 tables in 12 row blocks (12 here) x 64..5,000 rows"), \
+        layers[LOOKUP]["shapes"]
     assert layers[LOOKUP]["bulk"]["fwd_bwd_ms"] > 0
 
 
@@ -134,8 +135,14 @@ def test_one_table_is_one_table(tmp_path):
     one = ["trainer.device=cpu", "model.num_rows=300", "data.num_sparse=1", "data.global_batch_size=50",
            "model.embedding_dim=8", "model.dense_arch=[16,8]"]
     lookup = next(layer for layer in dlrm_layers(config(*one), CPU, tmp_path) if layer.name == LOOKUP)
-    assert lookup.shapes.startswith("1 table (1 table, column shard or row block here) x 300 rows x D=8"), \
-        lookup.shapes
+    assert lookup.shapes.startswith("1 table (1 here) x 300 rows x D=8"), lookup.shapes
+
+
+def test_column_shards_are_counted_as_such(tmp_path):
+    """Tables cut into column shards: the lookup row counts both, not one number under three names."""
+    layers = dlrm_layers(config(*DLRM, "model.column_shards=2"), CPU, tmp_path)
+    lookup = next(layer for layer in layers if layer.name == LOOKUP)
+    assert lookup.shapes.startswith("6 tables in 12 column shards (12 here) x 64..5,000 rows"), lookup.shapes
 
 
 def test_moe_standalone_one_process(tmp_path):

@@ -106,10 +106,13 @@ def dlrm_layers(cfg: DictConfig, env: DistEnv, run_dir: Path) -> list[CommLayer]
     backward_bytes = local_batch * (wide_dim - my_dim) * 4
     rows = f"{m.num_rows:,}" if isinstance(m.num_rows, int) else f"{min(m.num_rows):,}..{max(m.num_rows):,}"
     tables = counted(len(keys), "table", "tables")
-    here = counted(len(sparse.shard_weights), "table, column shard or row block", "tables, column shards or row blocks")
+    shards = sparse.plan.shards
+    # every table cut into row blocks (one too small to cut stays whole) or every one into column shards, or none
+    cut = "" if len(shards) == len(sparse.embedding_bag_configs()) else \
+        f" in {len(shards)} {'row blocks' if any(s.rows is not None for s in shards) else 'column shards'}"
     lookup = CommLayer(
         "embedding lookup + output dist (pooled all-to-all)",
-        f"{tables} ({here} here) x {rows} rows x D={m.embedding_dim} {m.data_type}, "
+        f"{tables}{cut} ({len(sparse.shard_weights)} here) x {rows} rows x D={m.embedding_dim} {m.data_type}, "
         f"pooled [{global_batch} x {my_dim}] here -> [{local_batch} x {total_dim}] per rank",
         {"fwd": forward_bytes, "fwd_bwd": forward_bytes + backward_bytes},
         bulk.lookup_modes(grad), fused_or_reason(reason, lambda: fused.lookup_modes(grad)))
