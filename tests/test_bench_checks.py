@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fused_dlrm.bench.checks import check_against_bulk, max_relative_error, relative_error
+from fused_dlrm.bench.checks import check_against_bulk, different_elements, max_relative_error, relative_error
 from world import run_world
 
 
@@ -86,3 +86,15 @@ def test_max_relative_error_names_one_wrong_entry_the_norm_hides():
     check_against_bulk("op", got, want, 5e-2)
     with pytest.raises(AssertionError, match=r"^op: max relative error 0.5 against the bulk twin \(tolerance 0.05\)"):
         check_against_bulk("op", got, want, 5e-2, metric=max_relative_error)
+
+
+def test_different_elements_counts_bits_a_comparison_of_values_passes():
+    """The quantized all-reduce bench's check against its twin, meant to agree bit for bit: -0 against +0 and a
+    NaN are counted (relative_error at tolerance 0 passed the first; == passes it too)."""
+    want = torch.randn(100, generator=torch.Generator().manual_seed(6)).bfloat16()
+    assert different_elements(want.clone(), want) == 0
+    got = want.clone()
+    got[0], got[1], want[1] = float("nan"), 0.0, -0.0
+    assert different_elements(got, want) == 2 and relative_error(got[1:], want[1:]) == 0
+    with pytest.raises(AssertionError, match=r"^op: different elements 2 against its twin \(tolerance 0\)"):
+        check_against_bulk("op", got, want, 0, "its twin", different_elements)

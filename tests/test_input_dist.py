@@ -120,7 +120,7 @@ def _unmade_batch(rank: int, world: int, failing: list[int]) -> None:
     good = sharded.input_dist(kjt)
     unmade = ValueError(f"day_{rank}.tsv:{10 + rank}: malformed Criteo line: label must be 0 or 1, got '2'")
     # The header a step ahead, as the loop may exchange it: a good batch's bags come in between, then the failure.
-    pending = (sharded.input_dist.start_failed(unmade, torch.device("cpu")) if rank in failing
+    pending = (sharded.input_dist.start_failed(unmade) if rank in failing
                else sharded.input_dist.start(kjt))
     torch.testing.assert_close(sharded.input_dist(kjt).values, good.values, rtol=0, atol=0)
     if rank in failing:  # its own error, the very one (file and line)

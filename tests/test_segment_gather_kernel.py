@@ -72,12 +72,12 @@ def test_kernel_with_nothing_to_move():
 
 
 @interpreter
-def test_kernel_refuses_rows():
+def test_rows_are_refused_on_every_path():
     """The kernel moves elements: x of rows ([n, d]; the reference would move whole rows) is refused, not
-    flattened into a wrong [total] result."""
+    flattened into a wrong [total] result on GPUs, and refused on the CPU as well (it passed there)."""
     counts = torch.tensor([2, 3])
     with pytest.raises(ValueError, match=r"x of shape \(5, 2\)"):
-        sg.launch_gather_segments(torch.randn(5, 2), counts, torch.tensor([1, 0]), 5)
+        sg.gather_segments(torch.randn(5, 2), counts, torch.tensor([1, 0]), 5)
 
 
 @interpreter

@@ -21,12 +21,20 @@ def max_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
+def different_elements(got: torch.Tensor, want: torch.Tensor) -> float:
+    """How many elements differ bit for bit (a zero of the other sign and NaN payloads too): 0 for a result meant
+    to equal its reference exactly."""
+    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    return float((got.contiguous().view(as_int) != want.contiguous().view(as_int)).sum())
+
+
 def check_against_bulk(what: str, got: torch.Tensor, bulk: torch.Tensor, tolerance: float,
                        reference: str = "the bulk twin",
                        metric: Callable[[torch.Tensor, torch.Tensor], float] = relative_error) -> float:
     """Raise on every rank unless `got` is `bulk` (the bulk twin's result, or another `reference`'s), of its shape
-    and within `tolerance` by `metric` (relative_error or max_relative_error), on every rank: a wrong fused result
-    must stop the bench, not be timed (a rank raising alone would leave its peers in the next collective).
+    and within `tolerance` by `metric` (relative_error, max_relative_error or different_elements), on every rank:
+    a wrong fused result must stop the bench, not be timed (a rank raising alone would leave its peers in the next
+    collective).
     Returns this rank's error, for the bench's table."""
     problem, error = None, float("nan")
     if got.shape != bulk.shape:  # else broadcast into agreement, or torch's size error on this rank alone

@@ -15,7 +15,8 @@ Times are medians of single calls, the ranks' GPUs lined up before each with the
 (as before 11-26: a rank whose host leaves the barrier later delays the other's collective) and (b2b) per call
 over 20 calls back to back (host launch time included).
 Before anything is timed, the bulk and fused forwards are checked against the torch reference (on a poisoned
-output), and one forward+backward of fused against one of bulk (the tables' updates).
+output); before the forward+backward is timed, one forward+backward of fused against one of bulk (the tables'
+updates).
 Speed of light = max(gathered row bytes / device copy bandwidth, bytes sent to peers / peer write bandwidth),
 both bandwidths measured in this run.
 """

@@ -63,17 +63,19 @@ _LAUNCHES = CompiledLaunches(_gather_segments_kernel)
 
 
 def gather_segments(x: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, total: int) -> torch.Tensor:
-    """The kernel on GPUs, the torch reference elsewhere."""
+    """The kernel on GPUs, the torch reference elsewhere; x of one dimension on both (the kernel moves elements, the
+    reference would move rows of a 2-D x: it would pass on the CPU and fail on GPUs)."""
+    if x.dim() != 1:
+        raise ValueError(f"gather_segments: expected x of one dimension (a KJT's values or weights), got x of shape "
+                         f"{tuple(x.shape)}")
     if x.is_cuda and order.numel() > 0:
         return launch_gather_segments(x, counts, order, total)
     return gather_segments_reference(x, counts, order, total)
 
 
 def launch_gather_segments(x: torch.Tensor, counts: torch.Tensor, order: torch.Tensor, total: int) -> torch.Tensor:
-    """The kernel, on the tensors' device (the CPU under TRITON_INTERPRET=1); order not empty."""
-    if x.dim() != 1:  # the kernel moves elements; the reference would move rows of a 2-D x
-        raise ValueError(f"gather_segments: expected x of one dimension (a KJT's values or weights), got x of shape "
-                         f"{tuple(x.shape)}")
+    """The kernel, on the tensors' device (the CPU under TRITON_INTERPRET=1); x of one dimension, order not
+    empty."""
     x, counts, order = x.contiguous(), counts.contiguous(), order.contiguous()  # read at ptr + i
     out = torch.empty(total, dtype=x.dtype, device=x.device)
     if total == 0:

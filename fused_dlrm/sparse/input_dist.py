@@ -150,8 +150,8 @@ class BulkInputDist:
 
     def __init__(self, features_of_rank: list[list[str]], tables: dict[str, tuple[str, int]],
                  group: dist.ProcessGroup | None = None, row_blocks: dict[str, list[RowBlock]] | None = None,
-                 mean_row_wise: Sequence[str] = (), is_weighted: bool | None = None,
-                 device: torch.device | str = "cpu"):
+                 mean_row_wise: Sequence[str] = (), is_weighted: bool | None = None, *,
+                 device: torch.device | str):
         """row_blocks: the row-wise features' blocks (plan.row_blocks; the ranks receive the blocks' features);
         mean_row_wise: those whose bag sizes the bags carry (OwnedBags.pooling_divisors), in that order;
         is_weighted: the per-sample weights the tables take, as torchrec's EmbeddingBagCollection(is_weighted=):
@@ -252,7 +252,7 @@ class BulkInputDist:
                        "make the weights without autograd")
         counts = sent = divisors = None
         if problem:  # a header that only says what is wrong, as every rank must send one
-            header = self._flag_header(BAD_KEYS if plan is None else EXTRA_VALUES, device)
+            header = self._flag_header(BAD_KEYS if plan is None else EXTRA_VALUES)
         else:
             lengths = kjt.lengths().view(len(keys), local_batch).long()
             counts = lengths.sum(dim=1)  # values per key
@@ -272,18 +272,19 @@ class BulkInputDist:
         recv, both = self._exchange(header)
         return PendingHeader(kjt, plan, problem, counts, sent, divisors, recv, both)
 
-    def start_failed(self, error: Exception, device: torch.device) -> PendingHeader:
+    def start_failed(self, error: Exception) -> PendingHeader:
         """`start` for a batch this rank could not make (`error`, raised making it: a malformed line, a read error)
-        while the other ranks made theirs and start its input dist: a header on `device` (the batches') that says
-        this rank has no batch takes the batch's place in the all-to-all, and `finish` raises `error` here and an
-        error naming this rank on the others, instead of leaving them waiting for a header that never comes."""
-        recv, both = self._exchange(self._flag_header(NO_BATCH, device))
+        while the other ranks made theirs and start its input dist: a header that says this rank has no batch takes
+        the batch's place in the all-to-all, and `finish` raises `error` here and an error naming this rank on the
+        others, instead of leaving them waiting for a header that never comes."""
+        recv, both = self._exchange(self._flag_header(NO_BATCH))
         return PendingHeader(kjt=None, plan=None, problem="", counts=None, sent=None, pooling_divisors=None,
                              recv=recv, both=both, failure=error)
 
-    def _flag_header(self, column: int, device: torch.device) -> torch.Tensor:
+    def _flag_header(self, column: int) -> torch.Tensor:
         """A header that only says what is wrong (`column` set), for a batch that cannot travel."""
-        header = torch.zeros(len(self.features_of_rank), FIRST_COUNT + self.width, dtype=torch.int64, device=device)
+        header = torch.zeros(len(self.features_of_rank), FIRST_COUNT + self.width, dtype=torch.int64,
+                             device=self.device)
         header[:, column] = 1
         return header
 

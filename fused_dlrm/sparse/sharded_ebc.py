@@ -134,7 +134,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                                            for f in t.feature_names},
                                         self._own_group() if device.type == "cuda" else group,
                                         self.plan.row_blocks(tables), [c.feature for c in row_wise if c.mean],
-                                        is_weighted, device)
+                                        is_weighted, device=device)
         self._seeds = table_seeds(tables, seed)
         weights = {s.name: self._initial_shard(s) for s in self.plan.shards_of(self.rank)}
         # torchrec's `embedding_bags.<table>`, every table on every rank, holding this rank's shards of it; its
@@ -198,7 +198,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         rank could not make, for which that rank's thread calls it with the error: BatchesAhead's prepare_failed)."""
         input_dist = BulkInputDist(self.input_dist.features_of_rank, self.input_dist.tables, self._own_group(),
                                    self.input_dist.row_blocks, self.input_dist.mean_row_wise,
-                                   self.input_dist.is_weighted, self.device)
+                                   self.input_dist.is_weighted, device=self.device)
 
         def distribute(features: FeaturesOrError) -> None:
             bags, ready = input_dist.finish(self._start(input_dist, features)), None
@@ -267,7 +267,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """`input_dist`'s start of a batch, or of the failure to make it (its header says "no batch": every rank's
         finish raises)."""
         if isinstance(features, Exception):
-            return input_dist.start_failed(features, self.device)
+            return input_dist.start_failed(features)
         return input_dist.start(features)
 
     def drop_prefetched(self) -> None:

@@ -171,8 +171,10 @@ def build_dataset(cfg: DictConfig, split: str, env: DistEnv):
             num_rows=rows, feature_names=names, global_batch_size=cfg.data.global_batch_size, rank=env.rank,
             world_size=env.world_size, **kwargs), None
     except ValueError as error:  # the classes' checks begin with the argument they refuse: named by its key here
-        named = str(error).split(" ", 1)[0] in kwargs
-        dataset, problem = None, ValueError(f"data.{split}.{error}") if named else error
+        dataset, problem = None, error
+        if str(error).split(" ", 1)[0] in kwargs:
+            problem = ValueError(f"data.{split}.{error}")
+            problem.__cause__ = error  # raised outside this block: the class's traceback kept
     except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
         dataset, problem = None, error
     raise_on_every_rank(problem, f"cannot make their data.{split} dataset")

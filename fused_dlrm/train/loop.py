@@ -206,8 +206,8 @@ def check_same_teacher(train_data, eval_data) -> None:
 def check_own_eval_samples(train_data, eval_data) -> None:
     """Synthetic evaluation data of the training data's split draws the training samples (a batch is a function of
     seed, split, step and rank): its AUC would score the first training batches, not what the model learned.
-    Refused; evaluation files that are training files (by any name) the same, but warned about: a Criteo Kaggle
-    download holds one labelled file."""
+    Refused. Evaluation files that are training files (by any name) score trained samples the same way, but are
+    only warned about: a Criteo Kaggle download holds one labelled file."""
     if getattr(eval_data, "split", None) is not None and eval_data.split == getattr(train_data, "split", None):
         raise ValueError(f"data.eval.split={eval_data.split} is data.train's: the evaluation would score the first "
                          "data.eval_batches training batches; give data.eval a split of its own (eval)")
