@@ -30,14 +30,20 @@ class DistEnv:
         return self.rank == 0
 
 
+def check_device_name(key: str, device: str) -> None:
+    """A config's device (trainer.device, data.<split>.device): auto, cpu, cuda or cuda:<index>, refused by its key
+    (torch's own error names no key)."""
+    if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise ValueError(f"{key}={device!r}: expected auto, cpu, cuda or cuda:<index>")
+
+
 def _pick_device(device: str, local_rank: int) -> torch.device:
     """trainer.device: auto | cpu | cuda (the GPU of this LOCAL_RANK) | cuda:N (GPU N, for every rank of the node)."""
+    check_device_name("trainer.device", device)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         return torch.device("cpu")
-    if device != "cuda" and not (device.startswith("cuda:") and device[5:].isdigit()):
-        raise ValueError(f"trainer.device={device!r}: expected auto, cpu, cuda or cuda:<index>")
     if not torch.cuda.is_available():
         raise RuntimeError(f"trainer.device={device} was asked for but torch sees no CUDA device")
     index, count = (local_rank if device == "cuda" else int(device[5:])), torch.cuda.device_count()

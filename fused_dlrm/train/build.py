@@ -16,7 +16,7 @@ from torchrec.datasets.utils import Batch
 from fused_dlrm.config_checks import check_comm_mode, check_count
 from fused_dlrm.data import local_batch_bounds
 from fused_dlrm.dist import DistEnv
-from fused_dlrm.dist.env import check_same_on_every_rank, raise_on_every_rank
+from fused_dlrm.dist.env import check_device_name, check_same_on_every_rank, raise_on_every_rank
 from fused_dlrm.dist.symmetric import check_allocation_timeout
 from fused_dlrm.models.arch_nodes import dense_arch_nodes
 from fused_dlrm.models.dlrm import build_dlrm, make_tables
@@ -156,8 +156,7 @@ def build_dataset(cfg: DictConfig, split: str, env: DistEnv):
                          "data.eval.paths=[eval.tsv]")
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.data[split], resolve=True).items() if k != "_target_"}
     device = str(kwargs.get("device", "cpu"))
-    if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
-        raise ValueError(f"data.{split}.device={device!r}: expected auto, cpu, cuda or cuda:<index>")  # not torch's
+    check_device_name(f"data.{split}.device", device)
     if device == "auto":  # where the model is: no host time per batch on GPUs (conf/data/synthetic.yaml)
         kwargs["device"] = env.device
     elif device.startswith("cuda") and env.device.type != "cuda":
