@@ -508,3 +508,28 @@ def test_a_run_of_one_process_saves_and_resumes_without_a_launch_warning(tmp_pat
         load_checkpoint(tmp_path, *_model_and_optimizer(momentum_sgd=False), global_batch_size=8)
     messages = [str(w.message) for w in caught]
     assert not [m for m in messages if "torch.distributed is disabled" in m], messages
+
+
+def _filters_during_dcp_calls(rank: int, world: int, root: str) -> None:
+    filters = warnings.filters
+    seen = []
+    for name in ("save", "load"):
+        real = getattr(dcp, name)
+
+        def spy(*args, real=real, name=name, **kwargs):
+            seen.append((name, kwargs.get("no_dist", False), warnings.filters is filters))
+            return real(*args, **kwargs)
+        setattr(dcp, name, spy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        filters = warnings.filters  # the list the spies compare with: catch_warnings swapped in this one
+        save_checkpoint(root, 2, *_model_and_optimizer(momentum_sgd=False), global_batch_size=8)
+        load_checkpoint(root, *_model_and_optimizer(momentum_sgd=False), global_batch_size=8)
+    assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]
+    # with a process group only the run record's read on each rank alone (no_dist) warns: only there are the
+    # process-wide filters (every thread's) swapped
+    assert seen == [("save", False, True), ("load", True, False), ("load", False, True)], seen
+
+
+def test_a_run_of_two_ranks_filters_warnings_only_around_the_read_that_warns(tmp_path):
+    run_world(2, _filters_during_dcp_calls, str(tmp_path), timeout=120)

@@ -52,10 +52,15 @@ def _is_main() -> bool:
 
 
 @contextmanager
-def _without_process_group_warning():
+def _without_process_group_warning(no_dist: bool = False):
     """DCP warns "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a
     single process" at each call in a run of one process, and at _check_run's read on each rank alone (no_dist) in
-    every run: both meant, and in a run of two ranks the words read as a launch gone wrong."""
+    every run: both meant, and in a run of two ranks the words read as a launch gone wrong. The filter is
+    process-wide while it is on (catch_warnings: the batch thread's warnings too), so it is on only for the calls
+    that warn."""
+    if dist.is_initialized() and not no_dist:
+        yield
+        return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
@@ -294,7 +299,7 @@ def _check_run(path: Path, saved: dict, optimizer: torch.optim.Optimizer, global
     if not record:
         return
     try:
-        with _without_process_group_warning():
+        with _without_process_group_warning(no_dist=True):
             dcp.load({"run": record}, checkpoint_id=path, no_dist=True)
     except CheckpointException as error:  # this rank's own read (no_dist): its failure, under DCP's rank 0
         raise _unreadable(path, "; ".join(problem_text(exc) for exc, _ in error.failures.values())) from error
