@@ -68,6 +68,28 @@ def test_planning_errors():
             plan_sharding([TABLES[0], dataclasses.replace(TABLES[1], embedding_dim=0)], 2, **plan)
 
 
+def test_errors_name_the_callers_keys():
+    """prefix: the config group of the cuts (train/build.py: "model."), as moe/routing's checks take it; a per-table
+    cut is named by its table's entry."""
+    cases = [
+        (dict(row_shards=0), r"^model.row_shards=0: expected a whole number >= 1 \(1: table-wise\)$"),
+        (dict(column_shards=True), r"^model.column_shards=True: expected a whole number >= 1"),
+        (dict(row_shards={"b": 2.5}), r"^model.row_shards\['b'\]=2.5: expected a whole number >= 1"),
+        (dict(column_shards={"b": 3}), r"^model.column_shards\['b'\]=3: table 'b': 4 columns do not split into 3 "
+                                       r"equal column shards$"),
+        (dict(column_shards=3), r"^model.column_shards=3: table 'a': 8 columns do not split into 3 equal column "
+                                r"shards$"),
+        (dict(column_shards=2, row_shards={"a": 2}), r"^model.row_shards\['a'\]=2 with model.column_shards=2: a "
+                                                     r"table is cut into row blocks or into column shards, not both$"),
+        (dict(row_shards={"z": 2}), r"^model.row_shards names tables the collection does not have: \['z'\]$"),
+    ]
+    for cuts, error in cases:
+        with pytest.raises(ValueError, match=error):
+            plan_sharding(TABLES, 2, **cuts, prefix="model.")
+        with pytest.raises(ValueError, match=error.replace("model.", "")):  # a library caller's: its arguments
+            plan_sharding(TABLES, 2, **cuts)
+
+
 def edited(plan: TableShardingPlan, name: str, **change) -> TableShardingPlan:
     """The plan with shard `name`'s fields changed."""
     return TableShardingPlan(plan.world_size, tuple(dataclasses.replace(s, **change) if s.name == name else s
@@ -129,9 +151,9 @@ def test_row_blocks_cut_like_torchrec_and_widen_the_row():
 
 
 def test_row_block_errors():
-    with pytest.raises(ValueError, match="table 'a': row_shards=2 with column_shards=2: a table is cut into row"):
+    with pytest.raises(ValueError, match="^row_shards=2 with column_shards=2: a table is cut into row"):
         plan_sharding(TABLES, 2, column_shards=2, row_shards=2)
-    with pytest.raises(ValueError, match="table 'a': row_shards must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"^row_shards=0: expected a whole number >= 1 \(1: table-wise\)$"):
         plan_sharding(TABLES, 2, row_shards=0)
     with pytest.raises(ValueError, match=r"row_shards names tables the collection does not have: \['z'\]"):
         plan_sharding(TABLES, 2, row_shards={"z": 2})

@@ -659,8 +659,8 @@ def test_bad_run_settings_are_refused_before_training(tmp_path):
             (["model.row_shards=2.5"], r"^model.row_shards=2.5: expected a whole number >= 1 \(1: table-wise\)$"),
             (["model.row_shards=0"], r"^model.row_shards=0: expected a whole number >= 1"),
             (["model.column_shards=true"], r"^model.column_shards=True: expected a whole number >= 1"),
-            (["model.column_shards=3"], r"^model.column_shards=3: model.embedding_dim=16 columns do not split into 3 "
-                                        r"equal shards$"),
+            (["model.column_shards=3"], r"^model.column_shards=3: table 't_cat_0': 16 columns do not split into 3 "
+                                        r"equal column shards$"),
             (["model.column_shards=2", "model.row_shards=2"], r"^model.row_shards=2 with model.column_shards=2: a "
                                                               r"table is cut into row blocks or into column shards, "
                                                               r"not both$"),

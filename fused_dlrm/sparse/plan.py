@@ -25,6 +25,8 @@ from typing import Mapping, Sequence
 
 from torchrec import EmbeddingBagConfig, PoolingType
 
+from fused_dlrm.config_checks import check_count
+
 log = logging.getLogger(__name__)
 
 
@@ -212,11 +214,12 @@ def _check_row_blocks(table: EmbeddingBagConfig, shards: list[Shard]) -> None:
 
 def plan_sharding(tables: Sequence[EmbeddingBagConfig], world_size: int,
                   column_shards: int | Mapping[str, int] = 1,
-                  row_shards: int | Mapping[str, int] = 1) -> TableShardingPlan:
+                  row_shards: int | Mapping[str, int] = 1, prefix: str = "") -> TableShardingPlan:
     """Greedy longest-processing-time placement: each table cut into `column_shards` equal column blocks or into
     `row_shards` row blocks (torchrec's: `row_block_bounds`); each an int for every table, or per table name;
     1 and 1: table-wise. Biggest block (rows x columns) first, onto the least loaded rank that holds no other
-    block of its table when there is one.
+    block of its table when there is one. prefix: the cuts' config group in the errors (train/build.py: "model."),
+    as moe/routing's checks take it.
 
     Deterministic (ties go to the lower rank), so every rank computes the same plan without communicating.
     A world larger than the shard count is allowed: the extra ranks own nothing and only send and receive.
@@ -225,27 +228,31 @@ def plan_sharding(tables: Sequence[EmbeddingBagConfig], world_size: int,
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     _check_unique_names(tables)
     names = [t.name for t in tables]
-    per_table = {}
     for what, cuts in (("column_shards", column_shards), ("row_shards", row_shards)):
-        per_table[what] = cuts if isinstance(cuts, Mapping) else dict.fromkeys(names, cuts)
-        unknown = sorted(set(per_table[what]) - set(names))
+        unknown = sorted(set(cuts) - set(names)) if isinstance(cuts, Mapping) else []
         if unknown:
-            raise ValueError(f"{what} names tables the collection does not have: {unknown}")
+            raise ValueError(f"{prefix}{what} names tables the collection does not have: {unknown}")
+
+    def cut(what: str, cuts: int | Mapping[str, int], table: str) -> tuple[int, str]:
+        """The table's cut and what the error names it by: the argument, or its entry of the table's."""
+        if isinstance(cuts, Mapping):
+            return cuts.get(table, 1), f"{prefix}{what}[{table!r}]"
+        return cuts, f"{prefix}{what}"
+
     blocks = []  # (table, col, dim, row, rows): rows None for every row
     for t in tables:
-        n, m = per_table["column_shards"].get(t.name, 1), per_table["row_shards"].get(t.name, 1)
-        if not all(isinstance(c, int) and not isinstance(c, bool) for c in (n, m)):
-            raise ValueError(f"table {t.name!r}: column_shards and row_shards are whole numbers, got {n} and {m}")
+        (n, n_key), (m, m_key) = cut("column_shards", column_shards, t.name), cut("row_shards", row_shards, t.name)
+        for key, value in ((n_key, n), (m_key, m)):
+            check_count(key, value, 1, "a whole number >= 1 (1: table-wise)")
         if t.embedding_dim < 1 or t.num_embeddings < 1:  # a plan of such a table would not say so
             raise ValueError(f"table {t.name!r}: {t.num_embeddings} rows x {t.embedding_dim} columns: a table needs "
                              f"at least one of each")
-        if n < 1 or t.embedding_dim % n:
-            raise ValueError(f"table {t.name!r}: {t.embedding_dim} columns do not split into {n} equal column shards")
-        if m < 1:
-            raise ValueError(f"table {t.name!r}: row_shards must be >= 1, got {m}")
+        if t.embedding_dim % n:
+            raise ValueError(f"{n_key}={n}: table {t.name!r}: {t.embedding_dim} columns do not split into {n} equal "
+                             f"column shards")
         if m > 1 and n > 1:
-            raise ValueError(f"table {t.name!r}: row_shards={m} with column_shards={n}: a table is cut into row "
-                             f"blocks or into column shards, not both")
+            raise ValueError(f"{m_key}={m} with {n_key}={n}: a table is cut into row blocks or into column shards, "
+                             f"not both")
         rows = row_block_bounds(t.num_embeddings, m)
         if len(rows) > 1:
             blocks += [(t, 0, t.embedding_dim, row, count) for row, count in rows]

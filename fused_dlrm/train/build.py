@@ -93,22 +93,11 @@ def check_layer_widths(key: str, widths: object) -> None:
         raise ValueError(f"{key}={shown!r}: expected a list of layer widths, whole numbers >= 1")
 
 
-def check_shards(m: DictConfig) -> None:
-    """model.column_shards and model.row_shards by their keys (plan_sharding names its arguments, per table)."""
-    for key in ("column_shards", "row_shards"):
-        check_count(f"model.{key}", m[key], 1, "a whole number >= 1 (1: table-wise)")
-    if m.embedding_dim % m.column_shards:
-        raise ValueError(f"model.column_shards={m.column_shards}: model.embedding_dim={m.embedding_dim} columns do not "
-                         f"split into {m.column_shards} equal shards")
-    if m.row_shards > 1 and m.column_shards > 1:
-        raise ValueError(f"model.row_shards={m.row_shards} with model.column_shards={m.column_shards}: a table is cut "
-                         f"into row blocks or into column shards, not both")
-
-
 def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     m = cfg.model
     tables = config_tables(cfg)  # their settings checked (model.embedding_dim: a width, before it is compared)
-    check_shards(m)
+    # before build_dlrm allocates: every rank plans alike, so a refused cut is raised on all
+    plan = plan_sharding(tables, env.world_size, m.column_shards, m.row_shards, prefix="model.")
     check_layer_widths("model.dense_arch", m.dense_arch)
     check_layer_widths("model.over_arch", m.over_arch)
     if m.dense_arch[-1] != m.embedding_dim:  # the interaction takes the bottom MLP's output as one more embedding
@@ -119,7 +108,7 @@ def build_model(cfg: DictConfig, env: DistEnv) -> nn.Module:
     model = build_dlrm(tables, cfg.data.num_dense, m.dense_arch, m.over_arch,
                        embedding_optimizers(cfg, tables), env.device, seed=cfg.seed,
                        comm=fused_comm(cfg.comm),
-                       plan=plan_sharding(tables, env.world_size, m.column_shards, m.row_shards))
+                       plan=plan)
     graph_batch = None
     if cfg.trainer.cuda_graphs and env.device.type == "cuda":  # captured at the rank's training batch size
         start, stop = local_batch_bounds(cfg.data.global_batch_size, env.rank, env.world_size)
