@@ -1,11 +1,24 @@
 """Checks of config values shared by the library's layers (sparse, tp) and the training loop: `check_count` refuses
 a count (steps, batches, checkpoints, programs) that is no whole number (a switch that is no bool: the training's
-train/config_keys.py)."""
+train/config_keys.py); `ArgumentError` names a library class's refused argument, which the training names by its key."""
 
 from __future__ import annotations
 
 import math
 import numbers
+
+
+class ArgumentError(ValueError):
+    """`<argument> <problem>`: a refused argument of a library class, by its name, which a caller that took it from
+    a config names by its key instead (train/build.py's build_dataset: data.<split>.<argument>). Other errors keep
+    their words: a message's first word is not taken for an argument's name."""
+
+    def __init__(self, argument: str, problem: str) -> None:
+        super().__init__(argument, problem)  # its args: a copy unpickled in another process is made the same way
+        self.argument, self.problem = argument, problem
+
+    def __str__(self) -> str:
+        return f"{self.argument} {self.problem}"
 
 
 def check_count(key: str, value: object, minimum: int, expected: str, maximum: int | None = None) -> None:

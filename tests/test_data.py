@@ -684,6 +684,8 @@ def test_criteo_worker_errors_reach_the_caller_at_their_batch(tmp_path, num_work
         ({"global_batch_size": 1, "world_size": 2}, "global_batch_size"),
         ({"num_workers": -1}, r"num_workers must be an integer >= 0 \(0: no worker processes\), got -1"),
         ({"num_workers": True}, r"num_workers must be an integer >= 0 \(0: no worker processes\), got True"),
+        ({"num_dense": 10}, r"^num_dense must be 13 \(Criteo lines hold 13 dense counts\), got 10$"),
+        ({"paths": []}, r"^paths must name at least one Criteo file, got \[\]$"),
     ],
 )
 def test_criteo_argument_errors(tmp_path, kwargs, match):
@@ -702,6 +704,30 @@ def test_criteo_refuses_a_dense_feature_count_other_than_its_13(tmp_path):
     path = write(tmp_path / "d", numbered_lines(4))
     cfg = config("data=criteo", f"data.train.paths=[{path}]", f"data.eval.paths=[{path}]", "data.num_dense=10",
                  "data.global_batch_size=2", "model.num_rows=100")
-    for split in ("train", "eval"):
-        with pytest.raises(ValueError, match=r"^Criteo lines hold 13 dense counts: num_dense must be 13, got 10$"):
+    for split in ("train", "eval"):  # by its key (its message began with "Criteo", and named none)
+        with pytest.raises(ValueError, match=rf"^data.{split}.num_dense must be 13 \(Criteo lines hold 13 dense "
+                                             rf"counts\), got 10$"):
             build_dataset(cfg, split, CPU)
+
+
+class SplitFilesCriteo(SyntheticCriteo):
+    """A dataset class of a user's (data.<split>._target_) refusing something else in words that begin with one
+    of its keys (split: the stream's name)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        raise ValueError("split files are not supported: give one file per table")
+
+
+def test_build_dataset_names_only_an_argument_the_dataset_refuses():
+    """build_dataset names a refused argument by its key (data.<split>.<argument>), and leaves any other error as
+    it is: this one was named data.train.split, which is fine."""
+    from fused_dlrm.train.build import build_dataset
+    from test_training import CPU, config
+
+    cfg = config(f"data.train._target_={__name__}.SplitFilesCriteo")
+    with pytest.raises(ValueError, match=r"^split files are not supported: give one file per table$"):
+        build_dataset(cfg, "train", CPU)
+    with pytest.raises(ValueError, match=r"^data.train.zipf_alpha must be >= 0, got -1$"):  # its argument's
+        build_dataset(config(f"data.train._target_={__name__}.SplitFilesCriteo", "data.train.zipf_alpha=-1"),
+                      "train", CPU)

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from fused_dlrm.config_checks import ArgumentError
 from fused_dlrm.data.batching import local_batch_bounds
 
 CRITEO_NUM_DENSE = 13
@@ -212,7 +213,7 @@ class CriteoTSV:
             paths = [paths]
         self.paths = [os.fspath(p) for p in paths]
         if not self.paths:
-            raise ValueError("no Criteo files given")
+            raise ArgumentError("paths", f"must name at least one Criteo file, got {self.paths}")
         for path in self.paths:
             if os.path.isdir(path):  # a day's folder given for its files: it exists, "not found" would mislead
                 raise IsADirectoryError(f"Criteo path {path} is a directory: give its files "
@@ -221,20 +222,19 @@ class CriteoTSV:
                 raise FileNotFoundError(f"Criteo file not found: {path}")
         self.num_rows = [int(n) for n in num_rows]
         if len(self.num_rows) != CRITEO_NUM_SPARSE:
-            raise ValueError(
-                f"num_rows must have {CRITEO_NUM_SPARSE} entries (one per Criteo categorical feature), "
+            raise ArgumentError(
+                "num_rows", f"must have {CRITEO_NUM_SPARSE} entries (one per Criteo categorical feature), "
                 f"got {len(self.num_rows)}"
             )
         if any(not 1 <= n < 2**63 for n in self.num_rows):  # ids are int64 (and taken mod num_rows as uint64)
-            raise ValueError(f"num_rows must all be in [1, 2**63), got {self.num_rows}")
+            raise ArgumentError("num_rows", f"must all be in [1, 2**63), got {self.num_rows}")
         if num_dense != CRITEO_NUM_DENSE:  # else a shape mismatch in the dense arch, at the first step
-            raise ValueError(f"Criteo lines hold {CRITEO_NUM_DENSE} dense counts: num_dense must be "
-                             f"{CRITEO_NUM_DENSE}, got {num_dense}")
+            raise ArgumentError("num_dense", f"must be {CRITEO_NUM_DENSE} (Criteo lines hold {CRITEO_NUM_DENSE} dense "
+                                             f"counts), got {num_dense}")
         self.feature_names = list(CRITEO_SPARSE_FEATURES if feature_names is None else feature_names)
         if len(self.feature_names) != CRITEO_NUM_SPARSE:
-            raise ValueError(
-                f"feature_names must have {CRITEO_NUM_SPARSE} entries, got {len(self.feature_names)}"
-            )
+            raise ArgumentError("feature_names",
+                                f"must have {CRITEO_NUM_SPARSE} entries, got {len(self.feature_names)}")
         local_batch_bounds(global_batch_size, rank, world_size)  # validates the split
         self.global_batch_size = global_batch_size
         self.rank = rank
@@ -243,7 +243,7 @@ class CriteoTSV:
         self.num_workers = default_num_workers() if num_workers is None else num_workers
         # YAML's true is an int (bool subclasses it): it would run 1 worker, not the default count
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
-            raise ValueError(f"num_workers must be an integer >= 0 (0: no worker processes), got {num_workers!r}")
+            raise ArgumentError("num_workers", f"must be an integer >= 0 (0: no worker processes), got {num_workers!r}")
         # Files too short for one batch would yield none, found only where they are first read (an evaluation's:
         # after trainer.eval_every steps); their first lines tell now.
         needed = global_batch_size if drop_last else world_size

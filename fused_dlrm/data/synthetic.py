@@ -20,6 +20,7 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from fused_dlrm.config_checks import ArgumentError
 from fused_dlrm.data.batching import local_batch_bounds
 from fused_dlrm.kernels.bag_hash_means import HASH_MOD, bag_hash_means
 
@@ -80,31 +81,31 @@ class SyntheticCriteo:
         num_rows = [int(n) for n in num_rows]
         feature_names = list(feature_names)
         if len(feature_names) == 0:
-            raise ValueError("at least one sparse feature is required")
+            raise ArgumentError("feature_names", "must name at least one sparse feature, got none")
         if len(num_rows) != len(feature_names):
             raise ValueError(
                 f"len(num_rows) ({len(num_rows)}) must equal len(feature_names) ({len(feature_names)})"
             )
         if len(set(feature_names)) != len(feature_names):
-            raise ValueError(f"feature_names must be unique, got {feature_names}")
+            raise ArgumentError("feature_names", f"must be unique, got {feature_names}")
         for name, rows in zip(feature_names, num_rows):
             if not 1 <= rows <= MAX_ROWS:
-                raise ValueError(f"num_rows of feature {name!r} must be in [1, {MAX_ROWS}], got {rows}")
+                raise ArgumentError("num_rows", f"of feature {name!r} must be in [1, {MAX_ROWS}], got {rows}")
         if isinstance(mean_pooling, numbers.Real):
             mean_pooling = [float(mean_pooling)] * len(feature_names)
         mean_pooling = [float(m) for m in mean_pooling]
         if len(mean_pooling) != len(feature_names):
-            raise ValueError(
-                f"mean_pooling has {len(mean_pooling)} values, expected 1 or {len(feature_names)} (one per feature)"
+            raise ArgumentError(
+                "mean_pooling", f"has {len(mean_pooling)} values, expected 1 or {len(feature_names)} (one per feature)"
             )
         if any(not 0 <= m < math.inf for m in mean_pooling):  # inf: an OverflowError in round(2 * m)
-            raise ValueError(f"mean_pooling must be finite and >= 0, got {mean_pooling}")
+            raise ArgumentError("mean_pooling", f"must be finite and >= 0, got {mean_pooling}")
         if num_dense < 1:
-            raise ValueError(f"num_dense must be >= 1, got {num_dense}")
+            raise ArgumentError("num_dense", f"must be >= 1, got {num_dense}")
         if not zipf_alpha >= 0:
-            raise ValueError(f"zipf_alpha must be >= 0, got {zipf_alpha}")
+            raise ArgumentError("zipf_alpha", f"must be >= 0, got {zipf_alpha}")
         if not isinstance(split, str) or not split:
-            raise ValueError(f"split must be a non-empty string, got {split!r}")
+            raise ArgumentError("split", f"must be a non-empty string, got {split!r}")
         start, stop = local_batch_bounds(global_batch_size, rank, world_size)
 
         self.num_rows = num_rows

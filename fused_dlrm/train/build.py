@@ -13,7 +13,7 @@ from torch import nn
 from torchrec import EmbeddingBagConfig
 from torchrec.datasets.utils import Batch
 
-from fused_dlrm.config_checks import check_comm_mode, check_count
+from fused_dlrm.config_checks import ArgumentError, check_comm_mode, check_count
 from fused_dlrm.data import local_batch_bounds
 from fused_dlrm.dist import DistEnv
 from fused_dlrm.dist.env import check_device_name, check_same_on_every_rank, raise_on_every_rank
@@ -158,10 +158,10 @@ def build_dataset(cfg: DictConfig, split: str, env: DistEnv):
         dataset, problem = get_class(cfg.data[split]._target_)(
             num_rows=rows, feature_names=names, global_batch_size=cfg.data.global_batch_size, rank=env.rank,
             world_size=env.world_size, **kwargs), None
-    except ValueError as error:  # the classes' checks begin with the argument they refuse: named by its key here
+    except ArgumentError as error:  # a refused argument: named by its key here where it is one of data.<split>'s
         dataset, problem = None, error
-        if str(error).split(" ", 1)[0] in kwargs:
-            problem = ValueError(f"data.{split}.{error}")
+        if error.argument in kwargs:
+            problem = ValueError(f"data.{split}.{error.argument} {error.problem}")
             problem.__cause__ = error  # raised outside this block: the class's traceback kept
     except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
         dataset, problem = None, error
