@@ -234,7 +234,7 @@ def plan_sharding(tables: Sequence[EmbeddingBagConfig], world_size: int,
             raise ValueError(f"{prefix}{what} names tables the collection does not have: {unknown}")
 
     def cut(what: str, cuts: int | Mapping[str, int], table: str) -> tuple[int, str]:
-        """The table's cut and what the error names it by: the argument, or its entry of the table's."""
+        """The table's cut, and its name in the errors: the argument's, or its entry's (cuts per table)."""
         if isinstance(cuts, Mapping):
             return cuts.get(table, 1), f"{prefix}{what}[{table!r}]"
         return cuts, f"{prefix}{what}"
