@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from fused_dlrm.bench.checks import check_against_bulk, different_elements, max_relative_error, relative_error
+from fused_dlrm.bench.checks import (check_against_bulk, check_table_updates, different_elements, max_relative_error,
+                                     relative_error)
 from world import run_world
 
 
@@ -98,3 +99,54 @@ def test_different_elements_counts_bits_a_comparison_of_values_passes():
     assert different_elements(got, want) == 2 and relative_error(got[1:], want[1:]) == 0
     with pytest.raises(AssertionError, match=r"^op: different elements 2 against its twin \(tolerance 0\)"):
         check_against_bulk("op", got, want, 0, "its twin", different_elements)
+
+
+def _embedding_steps(broken=None):
+    """A CPU lookup's forward+backward as the bulk step, and a second lookup over the same tables as the step
+    checked, its optimizer's update of one table `broken(table, rows, grads, step)` where given."""
+    from torchrec import EmbeddingBagConfig
+
+    from fused_dlrm.bench.embedding import Config, make_bags
+    from fused_dlrm.sparse.lookup import PooledEmbeddingLookup, init_table
+    from fused_dlrm.sparse.optimizer import EmbeddingOptimizerConfig
+
+    cfg = Config(global_batch=16, tables_per_gpu=3, dim=8, pooling=3, rows=200)  # rows no bag touches too
+    bags = make_bags(cfg, 0, 1, torch.device("cpu"))
+    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=cfg.dim, num_embeddings=cfg.rows, feature_names=[f])
+              for f in bags.features]
+    weights = {t.name: init_table(t, i, torch.device("cpu")) for i, t in enumerate(tables)}
+    bulk, checked = (PooledEmbeddingLookup(tables, weights, EmbeddingOptimizerConfig("sgd", lr=0.1), torch.device("cpu"))
+                     for _ in range(2))
+    if broken is not None:
+        step = checked.optimizer.step
+        checked.optimizer.step = lambda table, rows, grads: (broken(table, rows, grads, step) if table == "t_r0_f1"
+                                                             else step(table, rows, grads))
+    grad = torch.randn(cfg.global_batch, cfg.tables_per_gpu * cfg.dim, generator=torch.Generator().manual_seed(3))
+    return weights, (lambda: checked(bags).backward(grad)), (lambda: bulk(bags).backward(grad))
+
+
+def _a_row_skipped(table, rows, grads, step):
+    step(table, rows[rows != rows[0]], grads[rows != rows[0]])
+
+
+def _a_larger_lr(table, rows, grads, step):
+    step(table, rows, grads * (1 + 1e-3))
+
+
+def _an_untouched_row_written(table, rows, grads, step):
+    step(table, rows, grads)
+    untouched = next(r for r in range(200) if r not in rows)
+    step(table, torch.tensor([untouched]), grads[:1] * 1e-2)
+
+
+@pytest.mark.parametrize("broken", [_a_row_skipped, _a_larger_lr, _an_untouched_row_written])
+def test_a_wrong_table_update_raises_naming_the_table(broken):
+    weights, step, bulk_step = _embedding_steps(broken)
+    with pytest.raises(AssertionError, match=r"^fused's update of table t_r0_f1: relative error .* against the bulk "
+                                             r"twin \(tolerance 1e-05\)"):
+        check_table_updates("fused's update", weights, step, bulk_step, 1e-5)
+
+
+def test_a_right_table_update_passes():
+    weights, step, bulk_step = _embedding_steps()
+    check_table_updates("fused's update", weights, step, bulk_step, 1e-5)

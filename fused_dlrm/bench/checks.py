@@ -1,4 +1,5 @@
-"""What a benchmark checks before it times a fused op: its result against its bulk twin's, on every rank."""
+"""What a benchmark checks before it times a fused op: its result against its bulk twin's, on every rank (and a
+training step's: its update of each embedding table against the bulk step's)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,21 @@ def check_against_bulk(what: str, got: torch.Tensor, bulk: torch.Tensor, toleran
                                  f"(tolerance {tolerance:g})")
     raise_on_every_rank(problem, f"saw a result unlike {reference}'s")
     return error
+
+
+def check_table_updates(what: str, tables: dict[str, torch.Tensor], step: Callable[[], object],
+                        bulk_step: Callable[[], object], tolerance: float) -> None:
+    """Raise on every rank unless one `step` (a forward+backward) updates each of `tables` as one `bulk_step` does
+    from the same values, by relative_error within `tolerance` over the whole table (a row no bag touches must
+    stay as it was: its update is 0). Table by table, two steps each, each table put back after each step: the
+    extra memory is one table's copy and its bulk update, not every table's. The other tables change meanwhile,
+    which changes no table's update: an embedding table's gradient does not depend on its values (SGD: no state).
+    Every rank must hold as many tables (each step is a collective)."""
+    for name, table in tables.items():
+        start = table.clone()
+        bulk_step()
+        bulk_update = table - start
+        table.copy_(start)
+        step()
+        check_against_bulk(f"{what} of table {name}", table.sub_(start), bulk_update, tolerance)
+        table.copy_(start)
