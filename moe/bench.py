@@ -40,6 +40,7 @@ from fused_dlrm.bench import init_gpu_world
 from fused_dlrm.bench.checks import check_against_bulk, max_relative_error
 from fused_dlrm.bench.timing import HEAD_START_CYCLES, per_call_us, time_ms
 from fused_dlrm.dist.env import check_rank_0_can_write, of_every_rank
+from fused_dlrm.report.render import environment
 from moe.expert_layout import gather_counts_and_words
 from moe.layer import REFUSAL_WORDS, FusedMoEConfig, MoELayer, _Alongside, _BulkRows
 from moe.permute import permutation, permute, unpermute
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         if not all(i.strip().isdigit() and 1 <= int(i) <= len(configs) for i in picked):
             parser.error(f"--configs {args.configs}: there are configs 1 to {len(configs)}")
         configs = [configs[int(i) - 1] for i in picked]
-    init_gpu_world("python -m moe.bench")
+    env = init_gpu_world("python -m moe.bench")
     if args.out:  # now, not after the timings
         check_rank_0_can_write(Path(args.out), f"--out {args.out}")
     results = [run_config(cfg, args.iters, tuple(args.fused)) for cfg in configs]
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         print(table(results))
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"gpus": dist.get_world_size(), "device": torch.cuda.get_device_name(),
+                json.dump({"environment": environment(env), "gpus": dist.get_world_size(), "device": torch.cuda.get_device_name(),
                            "fused": args.fused, "results": results}, f, indent=1)
     dist.destroy_process_group()
 

@@ -92,3 +92,47 @@ def test_moe_bench_refuses_bad_options_before_it_starts(monkeypatch, capsys, arg
     with pytest.raises(SystemExit) as exit_:
         moe_bench.main(argv)
     assert exit_.value.code == 2 and named in capsys.readouterr().err
+
+
+def _each_bench_writes_its_environment(rank: int, world: int, tmp: str) -> None:
+    import importlib
+    import json
+
+    from fused_dlrm.dist import DistEnv
+
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+    torch.cuda.get_device_name = lambda *device: "a GPU"
+    embedding_result = {"config": "c", "num_programs": 1, "sol_ms": 1.0, "pct_sol": {"fused": 1.0},
+                        "gathered_GBps": {"fused": 1.0, "lookup": 1.0},
+                        "fwd_ms": {"torch": 1.0, "bulk": 1.0, "fused": 1.0, "lookup": 1.0},
+                        "fwd_bwd_ms": {"bulk": 1.0, "fused": 1.0}, "fwd_host_start_ms": {"bulk": 1.0, "fused": 1.0},
+                        "fwd_b2b_ms": {"bulk": 1.0, "fused": 1.0, "lookup": 1.0}}
+    tp_row = {"op": "op", "shape": "s", "dtype": "bf16", "bulk_us": 1.0, "fused_us": 1.0, "baseline_name": None,
+              "baseline_us": None, "speedup": 1.0, "sol_pct": 1.0}
+    # the GPU benches on a gloo world, their timed parts stood in for by canned results
+    stand_ins = {"fused_dlrm.bench.embedding": {"hbm_bandwidth": lambda: 1e12, "peer_bandwidth": lambda: 1e11,
+                                                "run_config": lambda *args: embedding_result,
+                                                "sweep_lookup": lambda *args: [{"ms": 1.0}]},
+                 "fused_dlrm.bench.tp": {},
+                 "moe.bench": {"run_config": lambda *args: {}, "table": lambda results: ""}}
+    for name, argv in (("fused_dlrm.bench.embedding", ["--quick"]), ("fused_dlrm.bench.embedding", ["--sweep"]),
+                       ("fused_dlrm.bench.tp", ["--quick"]), ("moe.bench", ["--quick"])):
+        module = importlib.import_module(name)
+        module.init_gpu_world = lambda command: env
+        module.dist.destroy_process_group = lambda: None  # the world's own end destroys it
+        for attribute, stand_in in stand_ins[name].items():
+            setattr(module, attribute, stand_in)
+        for section in getattr(module, "SECTIONS", {}).values():
+            section.run = lambda quick: [tp_row]
+        out = Path(tmp) / f"{name}{'_'.join(argv)}.json"
+        module.main([*argv, "--out", str(out)])
+        if rank == 0:
+            environment = json.loads(out.read_text())["environment"]
+            assert environment["machine"]["world_size"] == world, (name, argv)
+            assert len(environment["commit"]) == 40 and environment["versions"]["torch"] == torch.__version__
+
+
+def test_every_bench_writes_the_machine_commit_and_versions_it_ran_with(tmp_path):
+    """As dlrm_step's and the report's JSON (report/render.environment): a number without its commit and versions
+    cannot be compared with another run's."""
+    run_world(2, _each_bench_writes_its_environment, str(tmp_path), timeout=180)

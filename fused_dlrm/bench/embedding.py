@@ -39,6 +39,7 @@ from fused_dlrm.bench.timing import hbm_bandwidth, peer_bandwidth, per_call_us, 
 from fused_dlrm.dist.alltoall import all_to_all_v
 from fused_dlrm.dist.env import check_rank_0_can_write
 from fused_dlrm.dist.symmetric import use_nvshmem_backend
+from fused_dlrm.report.render import environment
 from fused_dlrm.sparse.fused_all_to_all import FusedCommConfig, build_fused_exchange
 from fused_dlrm.sparse.input_dist import OwnedBags
 from fused_dlrm.kernels.pooled_embedding import FeatureTable
@@ -197,7 +198,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", default="bench_embedding.json")
     args = parser.parse_args(argv)
     comm = FusedCommConfig(transport=args.transport, num_programs=args.num_programs)  # refuses a bad count now
-    init_gpu_world("python -m fused_dlrm.bench embedding")
+    env = init_gpu_world("python -m fused_dlrm.bench embedding")
     check_rank_0_can_write(Path(args.out), f"--out {args.out}")  # now, not after the timings
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.transport == "nvshmem":
@@ -208,7 +209,7 @@ def main(argv: list[str]) -> None:
             for r in sorted(rows, key=lambda r: r["ms"])[:12]:
                 print(r)
             with open(args.out, "w") as f:
-                json.dump(rows, f, indent=1)
+                json.dump({"environment": environment(env), "rows": rows}, f, indent=1)
         dist.destroy_process_group()
         return
     # Under NVSHMEM, torch's peer views (get_buffer) cannot be copied into: no peer probe, SOL from HBM only.
@@ -220,7 +221,7 @@ def main(argv: list[str]) -> None:
                 "transport": args.transport, "num_programs": results[0]["num_programs"],
                 "hbm_TBps": hbm / 1e12, "peer_GBps": peer / 1e9 if peer else None}
         with open(args.out, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+            json.dump({"environment": environment(env), "meta": meta, "results": results}, f, indent=1)
         peer_text = f"{peer / 1e9:.0f} GB/s" if peer else "n/a (SOL from HBM only)"
         print(f"{meta['device']} x{world}  fused transport {args.transport}, {meta['num_programs']} programs  "
               f"copy {hbm / 1e12:.2f} TB/s  peer write {peer_text}")

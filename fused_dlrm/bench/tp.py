@@ -4,7 +4,7 @@
 of fused_dlrm.bench with `run(quick) -> list[dict]` (rows: op, shape, dtype, bulk_us, fused_us, baseline_name,
 baseline_us, speedup, sol_pct): gemm_allreduce (GEMV/GEMM + AllReduce), allgather_gemm (AllGather + GEMM),
 allreduce (quantized AllReduce); an unknown section name is refused before anything runs. Rank 0 prints one
-table and writes the rows (with the device, world size and torch version) as JSON.
+table and writes the rows (with the machine, commit and versions) as JSON.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from fused_dlrm.bench import allgather_gemm, allreduce, gemm_allreduce, init_gpu_world
 from fused_dlrm.dist.env import check_rank_0_can_write
+from fused_dlrm.report.render import environment
 
 SECTIONS = {"gemm_allreduce": gemm_allreduce, "allgather_gemm": allgather_gemm, "allreduce": allreduce}
 
@@ -45,7 +46,7 @@ def main(argv: list[str]) -> None:
     unknown = [name for name in sections if name not in SECTIONS]
     if unknown:
         parser.error(f"--sections: unknown {unknown}; the sections: {list(SECTIONS)}")
-    init_gpu_world("python -m fused_dlrm.bench tp")
+    env = init_gpu_world("python -m fused_dlrm.bench tp")
     if args.out:  # now, not after the timings
         check_rank_0_can_write(Path(args.out), f"--out {args.out}")
     rows = [row for name in sections for row in SECTIONS[name].run(args.quick)]
@@ -56,5 +57,5 @@ def main(argv: list[str]) -> None:
             meta = {"device": torch.cuda.get_device_name(), "world_size": dist.get_world_size(),
                     "torch": torch.__version__}
             with open(args.out, "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+                json.dump({"environment": environment(env), "meta": meta, "rows": rows}, f, indent=1)
     dist.destroy_process_group()
