@@ -150,3 +150,16 @@ def test_a_wrong_table_update_raises_naming_the_table(broken):
 def test_a_right_table_update_passes():
     weights, step, bulk_step = _embedding_steps()
     check_table_updates("fused's update", weights, step, bulk_step, 1e-5)
+
+
+def _a_wrong_update_on_rank_1(rank, world_size):
+    weights, step, bulk_step = _embedding_steps(_a_row_skipped if rank == 1 else None)
+    error, match = (AssertionError, "^fused's update of table t_r0_f1: relative error") if rank == 1 else \
+        (ValueError, r"rank\(s\) \[1\] saw a result unlike the bulk twin's: AssertionError: fused's update of table "
+                     r"t_r0_f1")
+    with pytest.raises(error, match=match):
+        check_table_updates("fused's update", weights, step, bulk_step, 1e-5)
+
+
+def test_a_wrong_table_update_on_one_rank_raises_on_every_rank():
+    run_world(2, _a_wrong_update_on_rank_1, timeout=120)
