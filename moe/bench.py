@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fused_dlrm.bench import init_gpu_world
+from fused_dlrm.bench import init_gpu_world, named_twice
 from fused_dlrm.bench.checks import check_against_bulk, max_relative_error
 from fused_dlrm.bench.timing import HEAD_START_CYCLES, per_call_us, time_ms
 from fused_dlrm.dist.env import check_rank_0_can_write, of_every_rank
@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
         picked = args.configs.split(",")
         if not all(i.strip().isdigit() and 1 <= int(i) <= len(configs) for i in picked):
             parser.error(f"--configs {args.configs}: there are configs 1 to {len(configs)}")
+        if (twice := named_twice([int(i) for i in picked])) is not None:
+            parser.error(f"--configs {args.configs}: config {twice} named twice")
         configs = [configs[int(i) - 1] for i in picked]
     env = init_gpu_world("python -m moe.bench")
     if args.out:  # now, not after the timings

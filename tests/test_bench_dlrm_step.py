@@ -264,3 +264,11 @@ def test_needs_a_process_group(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit, match="needs a process group .* run it under torchrun"):
         dlrm_step.main(["--steps", "1", *TINY, "trainer.device=cpu"])
+
+
+def test_a_variant_named_twice_is_refused(capsys):
+    """Each variant's results are kept under its name: named twice it ran twice and the first run's numbers were
+    dropped without a word."""
+    with pytest.raises(SystemExit) as exit_:
+        dlrm_step.parse_args(["--variants", "bulk,torchrec,bulk", *TINY])
+    assert exit_.value.code == 2 and "--variants: bulk named twice" in capsys.readouterr().err

@@ -84,7 +84,8 @@ def test_an_out_file_rank_0_cannot_write_stops_every_rank_before_the_bench_runs(
                                          (["--iters", "-2"], "--iters -2: expected a count >= 1"),
                                          (["--configs", "5"], "--configs 5: there are configs 1 to 4"),
                                          (["--quick", "--configs", "3"], "--configs 3: there are configs 1 to 2"),
-                                         (["--configs", "1,,2"], "--configs 1,,2: there are configs 1 to 4")])
+                                         (["--configs", "1,,2"], "--configs 1,,2: there are configs 1 to 4"),
+                                         (["--configs", "2,1,2"], "--configs 2,1,2: config 2 named twice")])
 def test_moe_bench_refuses_bad_options_before_it_starts(monkeypatch, capsys, argv, named):
     """Before the GPUs are asked for (on GPUs --iters 0 ran every layer's warm-up, then failed in a median of no
     times; --configs 1,,2 in int(''))."""
@@ -136,3 +137,10 @@ def test_every_bench_writes_the_machine_commit_and_versions_it_ran_with(tmp_path
     """As dlrm_step's and the report's JSON (report/render.environment): a number without its commit and versions
     cannot be compared with another run's."""
     run_world(2, _each_bench_writes_its_environment, str(tmp_path), timeout=180)
+
+
+def test_tp_bench_refuses_a_section_named_twice(capsys):
+    """Its rows would be timed and printed twice over."""
+    with pytest.raises(SystemExit):
+        tp.main(["--sections", "allreduce,allgather_gemm,allreduce"])
+    assert "--sections: allreduce named twice" in capsys.readouterr().err

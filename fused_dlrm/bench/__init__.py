@@ -21,3 +21,14 @@ def init_gpu_world(command: str) -> DistEnv:
     device = torch.device("cuda", local_rank)
     dist.init_process_group("nccl", device_id=device)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, "nccl")
+
+
+def named_twice(names: list) -> object | None:
+    """The first of `names` given again (a bench's variants, sections or configs: each is run, and its results
+    kept, once), or None."""
+    seen = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None

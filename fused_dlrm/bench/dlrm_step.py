@@ -55,6 +55,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from fused_dlrm.bench import named_twice
 from fused_dlrm.bench.timing import time_ms
 from fused_dlrm.dist import DistEnv, all_reduce_sum, destroy_distributed, init_distributed
 from fused_dlrm.dist.env import check_rank_0_can_write, raise_on_every_rank
@@ -343,6 +344,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown or not args.variants:
         parser.error(f"unknown variants {unknown}; expected some of {list(VARIANTS)}")
+    if (twice := named_twice(args.variants)) is not None:
+        parser.error(f"--variants: {twice} named twice")
     if args.steps is not None and args.steps < 1 or args.warmup is not None and args.warmup < 0 or args.batches < 1:
         parser.error("--steps and --batches must be >= 1, --warmup >= 0")
     return args

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fused_dlrm.bench import allgather_gemm, allreduce, gemm_allreduce, init_gpu_world
+from fused_dlrm.bench import allgather_gemm, allreduce, gemm_allreduce, init_gpu_world, named_twice
 from fused_dlrm.dist.env import check_rank_0_can_write
 from fused_dlrm.report.render import environment
 
@@ -46,6 +46,8 @@ def main(argv: list[str]) -> None:
     unknown = [name for name in sections if name not in SECTIONS]
     if unknown:
         parser.error(f"--sections: unknown {unknown}; the sections: {list(SECTIONS)}")
+    if (twice := named_twice(sections)) is not None:
+        parser.error(f"--sections: {twice} named twice")
     env = init_gpu_world("python -m fused_dlrm.bench tp")
     if args.out:  # now, not after the timings
         check_rank_0_can_write(Path(args.out), f"--out {args.out}")
