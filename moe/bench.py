@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         print(table(results))
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"environment": environment(env), "gpus": dist.get_world_size(), "device": torch.cuda.get_device_name(),
+                json.dump({"environment": environment(env), "gpus": dist.get_world_size(),
+                           "device": torch.cuda.get_device_name(),
                            "fused": args.fused, "results": results}, f, indent=1)
     dist.destroy_process_group()
 

@@ -115,8 +115,8 @@ def _embedding_steps(broken=None):
     tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=cfg.dim, num_embeddings=cfg.rows, feature_names=[f])
               for f in bags.features]
     weights = {t.name: init_table(t, i, torch.device("cpu")) for i, t in enumerate(tables)}
-    bulk, checked = (PooledEmbeddingLookup(tables, weights, EmbeddingOptimizerConfig("sgd", lr=0.1), torch.device("cpu"))
-                     for _ in range(2))
+    sgd = EmbeddingOptimizerConfig("sgd", lr=0.1)
+    bulk, checked = (PooledEmbeddingLookup(tables, weights, sgd, torch.device("cpu")) for _ in range(2))
     if broken is not None:
         step = checked.optimizer.step
         checked.optimizer.step = lambda table, rows, grads: (broken(table, rows, grads, step) if table == "t_r0_f1"
