@@ -73,6 +73,7 @@ DISPATCH_PUSH_PROGRAMS = 64  # the push runs beside the first GEMM on the SMs th
 REFUSAL_WORDS = 3
 TOO_MANY_TOKENS = 1  # value: the rank's tokens, limit: max_tokens_per_rank
 TOKEN_OUT_OF_VOCABULARY = 2  # value: a token id of the rank's batch, limit: the vocabulary size
+BATCH_NOT_CUT = 3  # value: the tokens of the rank's batch, limit: the TP group size sequence parallelism cuts it into
 
 
 def refused_message(rank: int, refused: int, words: list[int]) -> str:
@@ -84,6 +85,9 @@ def refused_message(rank: int, refused: int, words: list[int]) -> str:
                 f"exchange's buffers")
     elif code == TOKEN_OUT_OF_VOCABULARY:
         what = f"token id {value} in its batch, outside the vocabulary [0, {limit})"
+    elif code == BATCH_NOT_CUT:
+        what = (f"a batch of {value} tokens, which model.sequence_parallel cannot cut into model.tp_size={limit} "
+                f"equal parts")
     else:
         what = f"an input refused with code {code} (value {value}, limit {limit})"
     return f"rank {rank}: {whose}{what}"

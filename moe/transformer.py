@@ -46,7 +46,7 @@ from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, TPLine
 from fused_dlrm.train.compute_copies import want_compute_copy
 from moe.experts import SwiGLUExperts
 from moe.kernels.rotary import rotary_qkv
-from moe.layer import TOKEN_OUT_OF_VOCABULARY, MoELayer
+from moe.layer import BATCH_NOT_CUT, TOKEN_OUT_OF_VOCABULARY, MoELayer
 
 
 def derive_seed(*parts: object) -> int:
@@ -295,8 +295,9 @@ class MoETransformer(nn.Module):
 
         aux: load_balancing_loss and z_loss summed over the MoE layers (this rank's tokens, unscaled), and
         tokens_per_expert: one [num_experts] tensor per MoE layer (this rank's kept assignments).
-        A token id outside [0, vocab_size) on any rank raises ValueError on every rank, where the first MoE layer
-        reads its counts (`_in_vocabulary`; MoELayer's refused inputs)."""
+        A token id outside [0, vocab_size) on any rank, or under sequence parallelism a batch of tokens that do not
+        cut into tp_size equal parts, raises ValueError on every rank, where the first MoE layer reads its counts
+        (`_in_vocabulary`, `_not_cut`; MoELayer's refused inputs)."""
         with torch.autocast(tokens.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None):
             logits, aux = self._forward(tokens)
         if not self.sequence_parallel:
@@ -305,8 +306,12 @@ class MoETransformer(nn.Module):
         return logits.to(torch.promote_types(logits.dtype, torch.float32)), aux
 
     def _forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        uncut = self._not_cut(tokens)
+        if uncut is not None:
+            tokens = tokens[:0]  # no sample: the TP group's collectives run alike up to the MoE layer that raises
         batch_shape = tuple(tokens.shape)
         ids, refused = self._in_vocabulary(self.local_tokens(tokens))
+        refused = uncut if uncut is not None else refused
         x = self.embedding(ids)
         lb = z = x.new_zeros(())
         tokens_per_expert = []
@@ -319,6 +324,14 @@ class MoETransformer(nn.Module):
                 tokens_per_expert.append(aux["tokens_per_expert"])
         logits = self.norm(x) @ self.embedding.weight.t()
         return logits, {"load_balancing_loss": lb, "z_loss": z, "tokens_per_expert": tokens_per_expert}
+
+    def _not_cut(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The refusal words of a batch that sequence parallelism cannot cut into tp_size equal parts (None: it
+        can, or no sequence parallelism). `local_tokens` would raise in this TP group alone, the other groups left
+        in the first MoE layer's exchange over the world; that exchange carries the words to every rank instead."""
+        if not self.sequence_parallel or tokens.numel() % self.tp_size == 0:
+            return None
+        return torch.tensor([BATCH_NOT_CUT, tokens.numel(), self.tp_size], device=tokens.device)
 
     def _in_vocabulary(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids with those outside [0, vocab_size) clamped into it -> (those ids, the refusal words of a batch that

@@ -715,6 +715,35 @@ def test_a_token_outside_the_vocabulary_stops_every_rank():
     run_world(2, _a_token_outside_the_vocabulary, timeout=240)
 
 
+def _a_batch_one_tp_group_cannot_cut(rank: int, world: int) -> None:
+    """Sequence parallelism over TP pairs {0, 1} and {2, 3}: the second pair's batch of 5 tokens does not halve, the
+    first's does. Every rank raises, naming the pair's ranks and the cut (a forward and a step); a good step
+    follows on every rank (none was left inside a collective)."""
+    kwargs = dict(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=world, seed=3)
+    tp_group, dp_group = moe_train.tp_groups(2)
+    model = MoETransformer(group=dp_group, tp_group=tp_group, sequence_parallel=True, **kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(5))
+    batch = tokens if rank < 2 else tokens[:1, :6]  # 5 tokens in, 5 targets
+    whose = "" if rank >= 2 else "rank 2 has "
+    message = (rf"^rank {rank}: {whose}a batch of 5 tokens, which model.sequence_parallel cannot cut into "
+               rf"model.tp_size=2 equal parts$")
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        model(batch[:, :-1])
+    with pytest.raises(ValueError, match=message):
+        moe_train.train_step(model, optimizer, batch[:, :-1], batch[:, 1:], 0.01, 0.001)
+    loss, *_ = moe_train.train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], 0.01, 0.001)
+    assert loss.isfinite()
+
+
+def test_a_batch_sequence_parallelism_cannot_cut_on_one_tp_group_stops_every_rank():
+    """Only the TP group holding such a batch raised (MoETransformer.local_tokens); the others went on into the
+    first MoE layer's exchange over the world and failed there ('Connection closed by peer' on gloo; on NCCL they
+    would wait). train.py's build_model refuses such batches before any step; a caller of the model finds out
+    here."""
+    run_world(4, _a_batch_one_tp_group_cannot_cut, timeout=180)
+
+
 def test_a_token_outside_the_vocabulary_is_a_clear_error():
     model = MoETransformer(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=4, seed=3)
     tokens = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(4))
