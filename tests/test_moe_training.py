@@ -314,7 +314,7 @@ def _resume_at_another_tp_size(rank: int, world: int, tmp: str) -> None:
     model = MoETransformer(**sizes)  # tp_size 1, the same world
     with pytest.raises(ValueError, match=r"holds no \['model\.blocks\.0\.attn\.qkv\.shard_0_of_1'.* and holds "
                                          r"\['model\.blocks\.0\.attn\.out\.shard_0_of_2'.*: it was written for "
-                                         r"another model, world size or model\.tp_size"):
+                                         r"another model, world size, model\.tp_size"):
         load_checkpoint(tmp, model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
@@ -323,6 +323,27 @@ def test_a_resume_at_another_tp_size_is_refused_naming_it(tmp_path):
     same world, finds none of its own and is refused on every rank; the refusal named only "another model or world
     size", neither of which had changed."""
     run_world(2, _resume_at_another_tp_size, str(tmp_path), timeout=300)
+
+
+def _resume_at_another_sequence_parallel(rank: int, world: int, tmp: str) -> None:
+    from fused_dlrm.train.checkpoint import load_checkpoint, save_checkpoint
+
+    sizes = dict(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=4, seed=1)
+    tp_group, dp_group = moe_train.tp_groups(2)
+    written = MoETransformer(group=dp_group, tp_group=tp_group, **sizes)  # every expert on each rank of the pair
+    save_checkpoint(tmp, 1, written, torch.optim.SGD(written.parameters(), lr=0.1))
+    model = MoETransformer(group=dp_group, tp_group=tp_group, sequence_parallel=True, **sizes)  # two each
+    with pytest.raises(ValueError, match=r"holds no \['model\.blocks\.0\.ffn\.experts_0_to_1\..* and holds "
+                                         r"\['model\.blocks\.0\.ffn\.experts_0_to_3\..*: it was written for "
+                                         r"another model, world size, model\.tp_size or model\.sequence_parallel"):
+        load_checkpoint(tmp, model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_a_resume_at_another_sequence_parallel_is_refused_naming_it(tmp_path):
+    """model.sequence_parallel splits the experts over the world instead of the data-parallel ranks (other names
+    in the checkpoint): a run that turns it on or off, on the same world at the same model.tp_size, is refused on
+    every rank as written for "another model, world size or model.tp_size", none of which had changed."""
+    run_world(2, _resume_at_another_sequence_parallel, str(tmp_path), timeout=300)
 
 
 def test_four_ranks_match_one_process_and_agree(tmp_path):

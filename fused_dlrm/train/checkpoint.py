@@ -209,8 +209,8 @@ def _optimizer_entries(state: dict) -> tuple[dict, dict]:
 # The entries a rank loads, by checkpoint key prefix, and what a checkpoint that lacks some (or holds some that no
 # rank loads) was written for.
 _ENTRY_KINDS = (
-    ("model.", "model's", "it was written for another model, world size or model.tp_size (the MoE experts' names, "
-                          "the TP projections' shard_<rank>_of_<tp_size>)"),
+    ("model.", "model's", "it was written for another model, world size, model.tp_size or model.sequence_parallel "
+                          "(the MoE experts' names, the TP projections' shard_<rank>_of_<tp_size>)"),
     ("embedding_optimizer.", "embedding optimizer's",
      "it was written with another embedding optimizer (model.embedding_optimizer.name)"),
     ("dense_optimizer.state.", "dense optimizer's", "it was written with another dense optimizer (DLRM: "
