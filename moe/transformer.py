@@ -187,14 +187,8 @@ class MoETransformer(nn.Module):
             raise ValueError(f"model.moe_every must be 1 or 2, got {moe_every}")
         if num_layers < moe_every:  # the first MoE layer's exchange carries a refused batch to every rank (forward)
             raise ValueError(f"model.num_layers={num_layers} with model.moe_every={moe_every} makes no MoE layer")
-        # the two groups tile the world: a data-parallel group of the whole world (None, or given) would sum
-        # different TP shards' gradients
-        if (tp_group is not None and dist.is_initialized()
-                and dist.get_world_size(group) * dist.get_world_size(tp_group) != dist.get_world_size()):
-            raise ValueError(f"with a TP group, pass the data-parallel group too (fused_dlrm.tp.tp_groups makes both): "
-                             f"a group of {dist.get_world_size(group)} ranks with TP groups of "
-                             f"{dist.get_world_size(tp_group)} does not tile the world of {dist.get_world_size()} (the "
-                             f"whole world would sum different TP shards' gradients)")
+        if tp_group is not None and dist.is_initialized():
+            _check_tiling(group, tp_group)
         if compute_dtype not in (torch.bfloat16, torch.float16) and tp_group is not None and tp_comm == "fused":
             raise ValueError("model.tp_comm=fused computes the tensor-parallel projections in bf16 or fp16 (the fused "
                              "kernels' dtypes): set model.precision=bf16, or use model.tp_comm=bulk")
@@ -346,6 +340,23 @@ class MoETransformer(nn.Module):
         code = ((low < 0) | (high >= vocab)).long() * TOKEN_OUT_OF_VOCABULARY
         words = torch.stack([code, torch.where(high >= vocab, high, low), torch.full_like(code, vocab)])
         return ids.clamp(0, vocab - 1), words
+
+
+def _check_tiling(group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup) -> None:
+    """The data-parallel and TP groups must tile the world (as fused_dlrm.tp.tp_groups makes them): a data-parallel
+    group of the whole world (None, or given) would sum different TP shards' gradients, and one that shares another
+    rank with the TP group (the TP group given as both) would sum them too, its MoE layers routing one batch twice."""
+    world = dist.get_world_size()
+    if dist.get_world_size(group) * dist.get_world_size(tp_group) != world:
+        raise ValueError(f"with a TP group, pass the data-parallel group too (fused_dlrm.tp.tp_groups makes both): "
+                         f"a group of {dist.get_world_size(group)} ranks with TP groups of "
+                         f"{dist.get_world_size(tp_group)} does not tile the world of {world} (the "
+                         f"whole world would sum different TP shards' gradients)")
+    data, tp = (dist.get_process_group_ranks(g) for g in (group if group is not None else dist.group.WORLD, tp_group))
+    if set(data) & set(tp) != {dist.get_rank()}:
+        raise ValueError(f"the data-parallel group {data} and the TP group {tp} share ranks "
+                         f"{sorted(set(data) & set(tp))}, not only rank {dist.get_rank()}: they must tile the world "
+                         f"(fused_dlrm.tp.tp_groups makes both)")
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

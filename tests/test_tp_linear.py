@@ -118,6 +118,10 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
         for whole_world in (None, dist.group.WORLD):  # given or not
             with pytest.raises(ValueError, match="with a TP group, pass the data-parallel group too"):
                 MoETransformer(num_experts=world, group=whole_world, tp_group=tp)
+        # groups of the right sizes that share ranks: the TP group given as the data-parallel one too
+        with pytest.raises(ValueError, match=rf"^the data-parallel group \[.*\] and the TP group \[.*\] share ranks "
+                                             rf"\[.*\], not only rank {rank}: they must tile the world"):
+            MoETransformer(num_experts=world, group=tp, tp_group=tp)
 
     # Sequence parallelism: the rank's contiguous 1/tp of a batch's rows, the experts over the whole world, and
     # the gradients summed over the data-parallel group (the projections' shards) or the world (the rest).
