@@ -20,9 +20,11 @@ everything else: ideal = max(bulk total - comm, comm); the table gives ideal / f
 forward's time per call over 20 calls back to back (no sync between them, as layers follow each other in a model):
 the host's enqueue time counts there as it does in training, and it can differ from the synced figure either way.
 The fused outputs are checked against bulk first (max relative error; above MAX_ERROR an error on every rank: a
-wrong result is not timed). The fused layers `--fused` picks are timed in the same run against the same bulk layer:
-dispatch and combine by row "fused"; the dispatch by token "fused/tok"; and the combine by token as well
-"fused/tok+c" (FusedMoEConfig.dispatch and .combine; by token in its backward too).
+wrong result is not timed), then their gradients (one forward+backward from the same tokens and upstream gradient:
+x's, the router's and every expert weight's, by max relative error against MAX_GRAD_ERROR; the JSON keeps the
+largest). The fused layers `--fused` picks are timed in the same run against the same bulk layer: dispatch and
+combine by row "fused"; the dispatch by token "fused/tok"; and the combine by token as well "fused/tok+c"
+(FusedMoEConfig.dispatch and .combine; by token in its backward too).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch.distributed as dist
 from fused_dlrm.bench import init_gpu_world, named_twice
 from fused_dlrm.bench.checks import check_against_bulk, max_relative_error
 from fused_dlrm.bench.timing import HEAD_START_CYCLES, per_call_us, time_ms
-from fused_dlrm.dist.env import check_rank_0_can_write, of_every_rank
+from fused_dlrm.dist.env import check_rank_0_can_write, of_every_rank, raise_on_every_rank
 from fused_dlrm.report.render import environment
 from moe.expert_layout import gather_counts_and_words
 from moe.layer import REFUSAL_WORDS, FusedMoEConfig, MoELayer, _Alongside, _BulkRows
@@ -66,6 +68,12 @@ CONFIGS = [Config(8192, 2048, 1408, 64, 6), Config(8192, 4096, 14336, 8, 2), Con
 QUICK = [Config(2048, 512, 256, 8, 2), Config(2048, 512, 256, 8, 2, skewed=True)]
 # bf16: the fused outputs measured 7.9e-3..1.2e-2 from bulk's (docs/benchmarks.md); a lost or misplaced row ~1
 MAX_ERROR = 5e-2
+# The gradients (bf16, not yet measured on GPUs): each GEMM rounds its fp32 sums once (2^-8 = 3.9e-3 relative), so
+# the error does not grow with the rows summed; the forward's 7.9e-3..1.2e-2 are 2-3 such roundings, the backward
+# adds its GEMMs' to the forward's. In fp16 in the interpreter (d=64..128, top 2 or 4 of 8 experts) the fused
+# gradients were 1-1.7x as far from bulk's as the forward: ~2e-2 expected in bf16. A gradient of the wrong expert,
+# doubled, or without its routing weight (< 1: 1/weight times too large) is ~1 off: 5e-2 stops them.
+MAX_GRAD_ERROR = 5e-2
 
 
 def skew_bias(layer: MoELayer, x: torch.Tensor, fraction: float = 0.5) -> torch.Tensor:
@@ -135,6 +143,39 @@ def fused_errors(layers: dict[str, MoELayer], x: torch.Tensor, bias: torch.Tenso
     return errors
 
 
+def gradients(layer: MoELayer, x: torch.Tensor, bias: torch.Tensor | None, grad: torch.Tensor,
+              what: str) -> dict[str, torch.Tensor]:
+    """One forward+backward of `layer` from `x` with the upstream gradient `grad` -> x's gradient ("input") and
+    every parameter's (the router's, each expert weight's), by name; the layer's gradients are reset after. One
+    missing on any rank raises on every rank."""
+    x = x.detach().clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    y, _ = layer(x, bias)
+    y.backward(grad)
+    got = {"input": x.grad, **{name: p.grad for name, p in layer.named_parameters()}}
+    layer.zero_grad(set_to_none=True)
+    missing = [name for name, g in got.items() if g is None]
+    raise_on_every_rank(AssertionError(f"{what}: no gradient of {', '.join(missing)}") if missing else None,
+                        "missed a gradient")
+    return got
+
+
+def backward_errors(layers: dict[str, MoELayer], x: torch.Tensor, bias: torch.Tensor | None, grad: torch.Tensor,
+                    name: str) -> dict[str, float]:
+    """Each fused layer's largest max relative error over its gradients (`gradients`) against the bulk layer's,
+    from the same inputs, weights and upstream gradient, the largest of the ranks'; one above MAX_GRAD_ERROR on
+    any rank raises on every rank."""
+    want = gradients(layers["bulk"], x, bias, grad, f"{name}: bulk")
+    errors = {}
+    for path, layer in layers.items():
+        if path != "bulk":
+            got = gradients(layer, x, bias, grad, f"{name}: {path}")
+            worst = max(check_against_bulk(f"{name}: {path}: {what} gradient", got[what], bulk, MAX_GRAD_ERROR,
+                                           "the bulk layer", max_relative_error) for what, bulk in want.items())
+            errors[path] = max(of_every_rank(worst))
+    return errors
+
+
 def run_config(cfg: Config, iters: int, fused: tuple[str, ...] = ("rows",)) -> dict:
     rank = dist.get_rank()
     kw = dict(seed=1, dtype=torch.bfloat16, device="cuda")
@@ -153,6 +194,7 @@ def run_config(cfg: Config, iters: int, fused: tuple[str, ...] = ("rows",)) -> d
         busiest = aux["tokens_per_local_expert"].sum().float()
         dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
     errors = fused_errors(layers, x, bias, want, cfg.name)
+    grad_errors = backward_errors(layers, x, bias, grad, cfg.name)
     result["busiest_rank_rows"] = int(busiest.item())
     x_grad = x.clone().requires_grad_()
     for name, layer in layers.items():
@@ -182,6 +224,7 @@ def run_config(cfg: Config, iters: int, fused: tuple[str, ...] = ("rows",)) -> d
         for what in ("forward", "forward+backward", "forward, back to back", "forward, GPUs lined up"):
             fused[f"speedup_{what}"] = result["bulk"][what] / fused[what]
         fused["max_relative_error"] = errors[path]
+        fused["max_relative_error_backward"] = grad_errors[path]
     return result
 
 
