@@ -5,19 +5,24 @@ output width, split over the ranks; w is a Linear's weight.t()), fp16, timed in 
   bulk:     NCCL all_gather_into_tensor, then torch.matmul (the bulk twin)
   fused:    kernels.allgather_gemm, one row per producer (copy_engine, device) and GEMM tile config
   baseline: torch.ops.symm_mem.fused_all_gather_matmul (x_shard in symmetric memory; torch's micro-pipeline)
-A producer whose result differs from the bulk twin on any rank (checked before timing) is reported (every rank
-prints what it saw) and skipped (no row), so the other rows still print. Every time is per call, from back-to-back
-calls. Speed of light: max(GEMM flops / the rate of torch.matmul on the gathered input measured in this run,
-bytes received from peers / peer write bandwidth measured in this run); sol_pct = 100 * speed of light / fused time.
+A producer whose result differs from the bulk twin on any rank, or whose wait timed out (checked before timing),
+is reported (every rank prints what it saw) and skipped (no row), so the other rows still print; any other error
+of the fused op on one rank (a refused call, a peer's unlike call) raises on every rank. Every time is per call,
+from back-to-back calls. Speed of light: max(GEMM flops / the rate of torch.matmul on the gathered input measured in
+this run, bytes received from peers / peer write bandwidth measured in this run); sol_pct = 100 * speed of light /
+fused time.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from fused_dlrm.bench.checks import relative_error
 from fused_dlrm.bench.timing import peer_bandwidth, per_call_us
+from fused_dlrm.dist.env import of_every_rank, problem_text, raise_on_every_rank
 from fused_dlrm.dist.symmetric import CudaSymmetricWorkspace
 from fused_dlrm.kernels.allgather_gemm import (GEMM_PRODUCERS, GemmConfig, all_gather_matmul, all_gather_matmul_bulk,
                                                op_for)
@@ -47,25 +52,42 @@ def torch_fused_all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor):
     return lambda: op(a, [w], 0, group, return_A=False)
 
 
-def check_against_bulk(x, w, ws, producer: str, config: GemmConfig) -> str | None:
-    """None if the fused result equals the bulk twin's on every rank (gathered input exact, output within 2e-3),
-    else what failed (the same answer on every rank, so every rank skips the same rows)."""
-    failure = None
+def fused_failures(fused: Callable[[], str | None], what: str) -> list[str | None]:
+    """Every rank's failure of `fused` (this rank's calls of the fused op; None: none): what it returned, or a
+    timed-out wait's message. Any other error (a refused call, a peer's unlike call, an allocation) raises on every
+    rank, `what` naming it on the others: a rank raising alone left its peers in the next collective."""
+    failure, problem = None, None
     try:
-        got, gathered = all_gather_matmul(x, w, ws, producer, return_gathered=True, config=config)
-        bulk, bulk_gathered = all_gather_matmul_bulk(x, w)
-        error = relative_error(got, bulk)
-        op_for(ws, x, config).errors.check(block=True)
-        if not torch.equal(gathered, bulk_gathered) or not error <= 2e-3:
-            failure = (f"relative error {error:.3g} against the bulk twin, gathered input "
-                       f"{'exact' if torch.equal(gathered, bulk_gathered) else 'differs'}")
+        failure = fused()
     except PeerWaitTimeout as timeout:
         failure = str(timeout)
-    failed = torch.tensor([failure is not None], dtype=torch.int32, device=x.device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item() and failure is None:
-        failure = "failed on another rank"
-    return failure
+    except Exception as error:  # noqa: BLE001: raised here, and named on every other rank
+        problem = error
+    every = of_every_rank((problem_text(problem), failure))
+    raise_on_every_rank(problem, what, [text for text, _ in every])
+    return [failure for _, failure in every]
+
+
+def check_against_bulk(x, w, ws, producer: str, config: GemmConfig) -> str | None:
+    """None if the fused result equals the bulk twin's on every rank (gathered input exact, output within 2e-3),
+    else what failed (the same answer on every rank, so every rank skips the same rows; a rank whose own result
+    passed names the first failing rank's); errors other than a timeout raise on every rank (`fused_failures`)."""
+    bulk, bulk_gathered = all_gather_matmul_bulk(x, w)  # a collective: before anything can raise on one rank
+
+    def fused() -> str | None:
+        got, gathered = all_gather_matmul(x, w, ws, producer, return_gathered=True, config=config)
+        op_for(ws, x, config).errors.check(block=True)
+        error = relative_error(got, bulk)
+        if not torch.equal(gathered, bulk_gathered) or not error <= 2e-3:
+            return (f"relative error {error:.3g} against the bulk twin, gathered input "
+                    f"{'exact' if torch.equal(gathered, bulk_gathered) else 'differs'}")
+        return None
+
+    failures = fused_failures(fused, f"failed the AllGather+GEMM {producer} check")
+    failed = [rank for rank, failure in enumerate(failures) if failure is not None]
+    if not failed:
+        return None
+    return failures[dist.get_rank()] or f"rank {failed[0]}: {failures[failed[0]]}"
 
 
 def run(quick: bool) -> list[dict]:
@@ -96,8 +118,8 @@ def run(quick: bool) -> list[dict]:
                              "baseline_name": "symm_mem fused_all_gather_matmul", "baseline_us": baseline_us,
                              "speedup": bulk_us / fused_us, "sol_pct": 100 * light_us / fused_us,
                              "matmul_us": matmul_us})
-            try:
-                op_for(ws, x, config).errors.check(block=True)
-            except PeerWaitTimeout as timeout:
+            timeout = fused_failures(lambda: op_for(ws, x, config).errors.check(block=True),
+                                     f"failed while AllGather+GEMM {name} {shape} was timed")[rank]
+            if timeout is not None:
                 print(f"rank {rank}: AllGather+GEMM {name} {shape}: timed out while timing: {timeout}", flush=True)
     return rows
