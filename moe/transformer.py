@@ -240,14 +240,17 @@ class MoETransformer(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64) * 0.02)
 
     def local_tokens(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of t [B, S, ...] (tokens, targets) flattened to [B * S, ...]: all of them, or under
-        sequence parallelism its contiguous 1/tp_size (TP rank r: the r-th)."""
+        """This rank's rows of t [B, S, ...] (tokens, targets) flattened to [B * S, ...], those of `forward`'s
+        logits: all of them, or under sequence parallelism its contiguous 1/tp_size (TP rank r: the r-th); of a
+        batch that does not cut into tp_size equal parts, none: `forward` runs it empty and raises on every rank
+        (`_not_cut`), and a step's loss over no targets reaches the backward, where that refusal is raised if the
+        forward did not (MoELayer's refused inputs: the fused dispatch with max_tokens_per_rank on NCCL). Raising
+        here would stop this TP group alone, the others left in the loss' all-reduce over the world."""
         rows = t.reshape(-1, *t.shape[2:])
         if not self.sequence_parallel:
             return rows
         if rows.shape[0] % self.tp_size:
-            raise ValueError(f"model.sequence_parallel cuts a batch's {rows.shape[0]} tokens ({tuple(t.shape[:2])}) "
-                             f"into model.tp_size={self.tp_size} equal parts: it must be a multiple of it")
+            return rows[:0]
         per_rank = rows.shape[0] // self.tp_size
         return rows[self.tp_rank * per_rank:(self.tp_rank + 1) * per_rank]
 
@@ -321,8 +324,8 @@ class MoETransformer(nn.Module):
 
     def _not_cut(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """The refusal words of a batch that sequence parallelism cannot cut into tp_size equal parts (None: it
-        can, or no sequence parallelism). `local_tokens` would raise in this TP group alone, the other groups left
-        in the first MoE layer's exchange over the world; that exchange carries the words to every rank instead."""
+        can, or no sequence parallelism). Raised in this TP group alone, they would leave the other groups in the
+        first MoE layer's exchange over the world; that exchange carries the words to every rank instead."""
         if not self.sequence_parallel or tokens.numel() % self.tp_size == 0:
             return None
         return torch.tensor([BATCH_NOT_CUT, tokens.numel(), self.tp_size], device=tokens.device)

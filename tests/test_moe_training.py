@@ -765,6 +765,58 @@ def test_a_batch_sequence_parallelism_cannot_cut_on_one_tp_group_stops_every_ran
     run_world(4, _a_batch_one_tp_group_cannot_cut, timeout=180)
 
 
+class _RaisedInBackward(torch.autograd.Function):
+    """The MoE layer's output standing in for a refused call's: zeros, whose backward raises the refusal."""
+
+    @staticmethod
+    def forward(ctx, x, error):
+        ctx.error = error
+        return torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ctx.error
+
+
+def _a_batch_one_tp_group_cannot_cut_in_a_step_that_raises_in_backward(rank: int, world: int) -> None:
+    """As _a_batch_one_tp_group_cannot_cut's step, with MoE layers that raise a refusal in their backward, as the
+    fused dispatch with max_tokens_per_rank does on NCCL (no forward reads the counts: the error word, read by the
+    backward). The forward returns on every rank; train_step cut the targets with local_tokens, which raised in the
+    TP pair {2, 3} alone, the others left in the loss' all-reduce over the world (gloo: connection closed; NCCL: a
+    wait)."""
+    from moe.layer import MoELayer
+
+    forward = MoELayer.forward
+
+    def raising_in_backward(self, x, *args, **kwargs):
+        try:
+            return forward(self, x, *args, **kwargs)
+        except ValueError as error:  # every rank's, where the counts are read: deferred to the backward
+            zeros = x.new_zeros(())
+            return _RaisedInBackward.apply(x, error), {"load_balancing_loss": zeros, "z_loss": zeros,
+                                                      "tokens_per_expert": x.new_zeros(self.num_experts)}
+
+    MoELayer.forward = raising_in_backward
+    kwargs = dict(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=world, seed=3)
+    tp_group, dp_group = moe_train.tp_groups(2)
+    model = MoETransformer(group=dp_group, tp_group=tp_group, sequence_parallel=True, **kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(5))
+    batch = tokens if rank < 2 else tokens[:1, :6]  # 5 tokens in, 5 targets
+    whose = "" if rank >= 2 else "rank 2 has "
+    with pytest.raises(ValueError, match=rf"^rank {rank}: {whose}a batch of 5 tokens, which "
+                                         rf"model.sequence_parallel cannot cut into model.tp_size=2 equal parts$"):
+        moe_train.train_step(model, optimizer, batch[:, :-1], batch[:, 1:], 0.01, 0.001)
+    loss, *_ = moe_train.train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], 0.01, 0.001)
+    assert loss.isfinite()
+
+
+def test_a_batch_one_tp_group_cannot_cut_stops_every_rank_where_the_backward_raises():
+    """train_step's targets are the forward's rows (local_tokens: none of a batch the forward ran empty), so every
+    rank computes its loss and reaches the backward, where such MoE layers raise on every rank."""
+    run_world(4, _a_batch_one_tp_group_cannot_cut_in_a_step_that_raises_in_backward, timeout=180)
+
+
 def test_a_token_outside_the_vocabulary_is_a_clear_error():
     model = MoETransformer(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=4, seed=3)
     tokens = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(4))

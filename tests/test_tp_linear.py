@@ -129,9 +129,8 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
                            sequence_parallel=True)
     tokens = torch.arange(4 * 6 * tp_size).view(4, 6 * tp_size)
     assert torch.equal(model.local_tokens(tokens), tokens.reshape(-1).view(tp_size, -1)[r])
-    with pytest.raises(ValueError, match=f"cuts a batch's {tp_size + 1} tokens \\(\\(1, {tp_size + 1}\\)\\) into "
-                                         f"model.tp_size={tp_size} equal parts"):
-        model.local_tokens(torch.zeros(1, tp_size + 1))
+    # a batch that does not cut: no rows, as the forward runs it (which raises on every rank, test_moe_training)
+    assert model.local_tokens(torch.zeros(1, tp_size + 1)).shape == (0,)
     assert model.blocks[1].ffn.num_local_experts == 2 and model.blocks[1].ffn.experts.first_expert == 2 * rank
     (_, shards, dp_group), (_, rest, world_group) = model.gradient_groups()
     assert dp_group is dp and world_group is None
