@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.iters < 1:  # else every layer's warm-up runs, then a median of no times fails
         parser.error(f"--iters {args.iters}: expected a count >= 1")
+    if (twice := named_twice(args.fused)) is not None:  # each layer is kept under its path's name: built twice
+        parser.error(f"--fused: {twice} named twice")
     configs = QUICK if args.quick else CONFIGS
     if args.configs:
         picked = args.configs.split(",")

@@ -85,7 +85,8 @@ def test_an_out_file_rank_0_cannot_write_stops_every_rank_before_the_bench_runs(
                                          (["--configs", "5"], "--configs 5: there are configs 1 to 4"),
                                          (["--quick", "--configs", "3"], "--configs 3: there are configs 1 to 2"),
                                          (["--configs", "1,,2"], "--configs 1,,2: there are configs 1 to 4"),
-                                         (["--configs", "2,1,2"], "--configs 2,1,2: config 2 named twice")])
+                                         (["--configs", "2,1,2"], "--configs 2,1,2: config 2 named twice"),
+                                         (["--fused", "rows", "tokens", "rows"], "--fused: rows named twice")])
 def test_moe_bench_refuses_bad_options_before_it_starts(monkeypatch, capsys, argv, named):
     """Before the GPUs are asked for (on GPUs --iters 0 ran every layer's warm-up, then failed in a median of no
     times; --configs 1,,2 in int(''))."""
