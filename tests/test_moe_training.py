@@ -736,35 +736,6 @@ def test_a_token_outside_the_vocabulary_stops_every_rank():
     run_world(2, _a_token_outside_the_vocabulary, timeout=240)
 
 
-def _a_batch_one_tp_group_cannot_cut(rank: int, world: int) -> None:
-    """Sequence parallelism over TP pairs {0, 1} and {2, 3}: the second pair's batch of 5 tokens does not halve, the
-    first's does. Every rank raises, naming the pair's ranks and the cut (a forward and a step); a good step
-    follows on every rank (none was left inside a collective)."""
-    kwargs = dict(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=world, seed=3)
-    tp_group, dp_group = moe_train.tp_groups(2)
-    model = MoETransformer(group=dp_group, tp_group=tp_group, sequence_parallel=True, **kwargs)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    tokens = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(5))
-    batch = tokens if rank < 2 else tokens[:1, :6]  # 5 tokens in, 5 targets
-    whose = "" if rank >= 2 else "rank 2 has "
-    message = (rf"^rank {rank}: {whose}a batch of 5 tokens, which model.sequence_parallel cannot cut into "
-               rf"model.tp_size=2 equal parts$")
-    with torch.no_grad(), pytest.raises(ValueError, match=message):
-        model(batch[:, :-1])
-    with pytest.raises(ValueError, match=message):
-        moe_train.train_step(model, optimizer, batch[:, :-1], batch[:, 1:], 0.01, 0.001)
-    loss, *_ = moe_train.train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], 0.01, 0.001)
-    assert loss.isfinite()
-
-
-def test_a_batch_sequence_parallelism_cannot_cut_on_one_tp_group_stops_every_rank():
-    """Only the TP group holding such a batch raised (MoETransformer.local_tokens); the others went on into the
-    first MoE layer's exchange over the world and failed there ('Connection closed by peer' on gloo; on NCCL they
-    would wait). train.py's build_model refuses such batches before any step; a caller of the model finds out
-    here."""
-    run_world(4, _a_batch_one_tp_group_cannot_cut, timeout=180)
-
-
 class _RaisedInBackward(torch.autograd.Function):
     """The MoE layer's output standing in for a refused call's: zeros, whose backward raises the refusal."""
 
@@ -778,12 +749,9 @@ class _RaisedInBackward(torch.autograd.Function):
         raise ctx.error
 
 
-def _a_batch_one_tp_group_cannot_cut_in_a_step_that_raises_in_backward(rank: int, world: int) -> None:
-    """As _a_batch_one_tp_group_cannot_cut's step, with MoE layers that raise a refusal in their backward, as the
-    fused dispatch with max_tokens_per_rank does on NCCL (no forward reads the counts: the error word, read by the
-    backward). The forward returns on every rank; train_step cut the targets with local_tokens, which raised in the
-    TP pair {2, 3} alone, the others left in the loss' all-reduce over the world (gloo: connection closed; NCCL: a
-    wait)."""
+def _refusals_raised_in_backward() -> None:
+    """MoE layers that raise a refusal in their backward, as the fused dispatch with max_tokens_per_rank does on
+    NCCL (no forward reads the counts: the error word, read by the backward)."""
     from moe.layer import MoELayer
 
     forward = MoELayer.forward
@@ -797,6 +765,14 @@ def _a_batch_one_tp_group_cannot_cut_in_a_step_that_raises_in_backward(rank: int
                                                       "tokens_per_expert": x.new_zeros(self.num_experts)}
 
     MoELayer.forward = raising_in_backward
+
+
+def _a_batch_one_tp_group_cannot_cut(rank: int, world: int, refusals_in_backward: bool) -> None:
+    """Sequence parallelism over TP pairs {0, 1} and {2, 3}: the second pair's batch of 5 tokens does not halve, the
+    first's does. Every rank raises, naming the pair's ranks and the cut (a forward, unless the refusal waits for
+    the backward, and a step); a good step follows on every rank (none was left inside a collective)."""
+    if refusals_in_backward:
+        _refusals_raised_in_backward()
     kwargs = dict(d_model=16, num_layers=2, num_heads=2, ffn=24, num_experts=world, seed=3)
     tp_group, dp_group = moe_train.tp_groups(2)
     model = MoETransformer(group=dp_group, tp_group=tp_group, sequence_parallel=True, **kwargs)
@@ -804,17 +780,31 @@ def _a_batch_one_tp_group_cannot_cut_in_a_step_that_raises_in_backward(rank: int
     tokens = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(5))
     batch = tokens if rank < 2 else tokens[:1, :6]  # 5 tokens in, 5 targets
     whose = "" if rank >= 2 else "rank 2 has "
-    with pytest.raises(ValueError, match=rf"^rank {rank}: {whose}a batch of 5 tokens, which "
-                                         rf"model.sequence_parallel cannot cut into model.tp_size=2 equal parts$"):
+    message = (rf"^rank {rank}: {whose}a batch of 5 tokens, which model.sequence_parallel cannot cut into "
+               rf"model.tp_size=2 equal parts$")
+    if not refusals_in_backward:
+        with torch.no_grad(), pytest.raises(ValueError, match=message):
+            model(batch[:, :-1])
+    with pytest.raises(ValueError, match=message):
         moe_train.train_step(model, optimizer, batch[:, :-1], batch[:, 1:], 0.01, 0.001)
     loss, *_ = moe_train.train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], 0.01, 0.001)
     assert loss.isfinite()
 
 
+def test_a_batch_sequence_parallelism_cannot_cut_on_one_tp_group_stops_every_rank():
+    """Only the TP group holding such a batch raised (MoETransformer.local_tokens); the others went on into the
+    first MoE layer's exchange over the world and failed there ('Connection closed by peer' on gloo; on NCCL they
+    would wait). train.py's build_model refuses such batches before any step; a caller of the model finds out
+    here."""
+    run_world(4, _a_batch_one_tp_group_cannot_cut, False, timeout=180)
+
+
 def test_a_batch_one_tp_group_cannot_cut_stops_every_rank_where_the_backward_raises():
-    """train_step's targets are the forward's rows (local_tokens: none of a batch the forward ran empty), so every
-    rank computes its loss and reaches the backward, where such MoE layers raise on every rank."""
-    run_world(4, _a_batch_one_tp_group_cannot_cut_in_a_step_that_raises_in_backward, timeout=180)
+    """train_step cut its targets with local_tokens, which raised in the TP pair {2, 3} alone where the forward had
+    returned (its refusal left to the backward), the others left in the loss' all-reduce over the world (gloo:
+    connection closed; NCCL: a wait). The targets are now the forward's rows (none of a batch it ran empty): every
+    rank computes its loss and reaches the backward, which raises on every rank."""
+    run_world(4, _a_batch_one_tp_group_cannot_cut, True, timeout=180)
 
 
 def test_a_token_outside_the_vocabulary_is_a_clear_error():
