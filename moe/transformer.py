@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fused_dlrm.dist.alltoall import world_size
+from fused_dlrm.dist.env import of_every_rank
 from fused_dlrm.dist.symmetric import ALLOCATION_TIMEOUT_S
 from fused_dlrm.tp.linear import ColumnParallelLinear, RowParallelLinear, TPLinear
 from fused_dlrm.train.compute_copies import want_compute_copy
@@ -346,20 +347,23 @@ class MoETransformer(nn.Module):
 
 
 def _check_tiling(group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup) -> None:
-    """The data-parallel and TP groups must tile the world (as fused_dlrm.tp.tp_groups makes them): a data-parallel
-    group of the whole world (None, or given) would sum different TP shards' gradients, and one that shares another
-    rank with the TP group (the TP group given as both) would sum them too, its MoE layers routing one batch twice."""
-    world = dist.get_world_size()
-    if dist.get_world_size(group) * dist.get_world_size(tp_group) != world:
-        raise ValueError(f"with a TP group, pass the data-parallel group too (fused_dlrm.tp.tp_groups makes both): "
-                         f"a group of {dist.get_world_size(group)} ranks with TP groups of "
-                         f"{dist.get_world_size(tp_group)} does not tile the world of {world} (the "
-                         f"whole world would sum different TP shards' gradients)")
-    data, tp = (dist.get_process_group_ranks(g) for g in (group if group is not None else dist.group.WORLD, tp_group))
-    if set(data) & set(tp) != {dist.get_rank()}:
-        raise ValueError(f"the data-parallel group {data} and the TP group {tp} share ranks "
-                         f"{sorted(set(data) & set(tp))}, not only rank {dist.get_rank()}: they must tile the world "
-                         f"(fused_dlrm.tp.tp_groups makes both)")
+    """The data-parallel and TP groups must tile the world (as fused_dlrm.tp.tp_groups makes them): each
+    data-parallel group holds one TP rank's shards, as many ranks as there are TP groups. A data-parallel group of
+    the whole world (None, or given), or one that holds another TP rank (the TP group given as both, or groups
+    crossed over the TP groups), would sum different TP shards' gradients, its MoE layers routing a batch twice.
+    Every rank checks every rank's groups (one gather), so all raise alike."""
+    every = of_every_rank([dist.get_process_group_ranks(g) for g in (group or dist.group.WORLD, tp_group)])
+    world = len(every)
+    for rank, (data, tp) in enumerate(every):
+        if len(data) * len(tp) != world:
+            raise ValueError(f"with a TP group, pass the data-parallel group too (fused_dlrm.tp.tp_groups makes "
+                             f"both): rank {rank}'s group of {len(data)} ranks with TP groups of {len(tp)} does not "
+                             f"tile the world of {world} (the whole world would sum different TP shards' gradients)")
+        tp_ranks = sorted({every[other][1].index(other) for other in data})
+        if len(tp_ranks) > 1:
+            raise ValueError(f"rank {rank}: the data-parallel group {data} holds TP ranks {tp_ranks} (TP groups "
+                             f"{sorted({tuple(every[other][1]) for other in data})}): each must hold one TP rank's "
+                             f"shards, the groups tiling the world (fused_dlrm.tp.tp_groups makes both)")
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

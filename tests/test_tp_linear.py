@@ -119,9 +119,13 @@ def _layers_match_one_process(rank: int, world: int, tp_size: int) -> None:
             with pytest.raises(ValueError, match="with a TP group, pass the data-parallel group too"):
                 MoETransformer(num_experts=world, group=whole_world, tp_group=tp)
         # groups of the right sizes that share ranks: the TP group given as the data-parallel one too
-        with pytest.raises(ValueError, match=rf"^the data-parallel group \[.*\] and the TP group \[.*\] share ranks "
-                                             rf"\[.*\], not only rank {rank}: they must tile the world"):
+        with pytest.raises(ValueError, match=r"^rank 0: the data-parallel group \[0, 1\] holds TP ranks \[0, 1\] "):
             MoETransformer(num_experts=world, group=tp, tp_group=tp)
+        if world == 4 and tp_size == 2:  # crossed over the TP groups {0, 1}, {2, 3}: rank 0 with rank 3 (TP rank 1)
+            crossed = [dist.new_group(ranks) for ranks in ([0, 3], [1, 2])]
+            with pytest.raises(ValueError, match=r"^rank 0: the data-parallel group \[0, 3\] holds TP ranks \[0, 1\] "
+                                                 r"\(TP groups \[\(0, 1\), \(2, 3\)\]\): each must hold one TP rank"):
+                MoETransformer(num_experts=world, group=crossed[rank in (1, 2)], tp_group=tp)
 
     # Sequence parallelism: the rank's contiguous 1/tp of a batch's rows, the experts over the whole world, and
     # the gradients summed over the data-parallel group (the projections' shards) or the world (the rest).
