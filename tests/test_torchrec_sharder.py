@@ -633,6 +633,10 @@ def test_the_optimizer_torchrec_settings_give():
     assert optimizer_of(torch_sgd, sgd) == every_table(sgd)
     ours = EmbeddingOptimizerConfig("rowwise_adagrad", lr=0.05)
     assert optimizer_of(OptimizerSetup(), ours) == every_table(ours)  # torchrec's settings say nothing: ours as it is
+    # fused_params of settings at no effect alone (fp16 rows rounded to nearest, ...) say nothing of the update either
+    neutral = OptimizerSetup(fused_params={"stochastic_rounding": False, "weight_decay": 0.0,
+                                           "output_dtype": DataType.FP32})
+    assert optimizer_of(neutral, ours) == every_table(ours)
 
     # Tables of their own: t0 row-wise Adagrad, t2 torch's SGD, the others fused_params' (exact SGD at lr 0.4).
     per_table = OptimizerSetup(fused_params={"learning_rate": 0.4},

@@ -239,8 +239,9 @@ def resolve_optimizer(module: EmbeddingBagCollection, fused_params: Mapping[str,
     ParameterConstraints: output_dtype, stochastic_rounding, cache_params, ...; stock torchrec's
     add_params_from_parameter_sharding), checked alike: what we do not run is refused, not ignored. `optimizer`
     (ours, for all tables or per table), where given, must run the same update wherever fused_params or
-    apply_optimizer_in_backward say anything (else which one a user meant is a guess; the plan's settings never
-    choose the optimizer); where they say nothing it is used as it is. A per-table mapping names the tables of
+    apply_optimizer_in_backward say anything of the update: the optimizer, learning_rate or eps (else which one a
+    user meant is a guess; settings at no effect, NEUTRAL_SETTINGS, and the plan's never choose the optimizer);
+    where they say nothing it is used as it is. A per-table mapping names the tables of
     every EBC the sharder shards (DMP gives a model's EBCs all to the one sharder of their type): entries for other
     tables are theirs; a table of this EBC without one raises.
     """
@@ -256,7 +257,7 @@ def resolve_optimizer(module: EmbeddingBagCollection, fused_params: Mapping[str,
             merged, f"table {name!r}: optimizer settings {merged} (the sharder's fused_params, then "
                     "apply_optimizer_in_backward's, then the plan's)")
         mine = theirs if ours is None else ours[name]
-        if settings and describe(mine) != describe(theirs):
+        if any(key in FBGEMM_DEFAULTS for key in settings) and describe(mine) != describe(theirs):
             differ.setdefault((describe(mine), describe(theirs)), []).append(name)
         configs[name] = mine
     if differ:
@@ -491,7 +492,7 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollec
         torchrec.optim.SGD, torchrec.optim.RowWiseAdagrad; lr, eps) overrides it for that table.
     optimizer: our EmbeddingOptimizerConfig, for every table, or a mapping of each table's (of every EBC of the
     model: DMP hands them all to this sharder). Given with torchrec's settings, both must run the same update where
-    torchrec's say anything.
+    torchrec's say anything of it (the optimizer, learning_rate, eps).
     Neither given: stock torchrec's default for its FUSED kernel, fbgemm's (exact SGD, lr 0.01). Anything else
     (another optimizer, weight_decay or momentum other than 0, other fbgemm settings, in fused_params or in the
     plan: the planner's ParameterConstraints' output_dtype, cache_params, ...) raises a ValueError naming the table
