@@ -89,6 +89,9 @@ def _fused_equals_bulk(rank: int, world: int, plan: str) -> None:
         (out_b * grad).sum().backward()
     state_f, state_b = fused.state_dict(), bulk.state_dict()
     assert sorted(state_f) == sorted(state_b) and state_f
+    for stage in ("compute", "output_dist"):  # the fused kernel runs them as one: apart they are refused
+        with pytest.raises(RuntimeError, match=rf"^{stage}: with comm=fused the lookup and its output dist are one"):
+            getattr(fused.module.ebc, stage)(None, None)
     for key in state_f:  # torchrec's ShardedTensors of the tables: this rank's shards
         shards_f, shards_b = state_f[key].local_shards(), state_b[key].local_shards()
         assert [s.metadata for s in shards_f] == [s.metadata for s in shards_b], key

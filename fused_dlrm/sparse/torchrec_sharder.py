@@ -53,7 +53,7 @@ What a swap for torchrec's EmbeddingBagCollectionSharder keeps:
 
 Which seams implement the stages is chosen by `comm`, in `build_seams`: "bulk" (torch.distributed all-to-alls)
 or "fused" (CUDA: lookup and output dist as one kernel storing into peers' memory, run by
-compute_and_output_dist; `compute` and `output_dist` alone then are not available), or a FusedCommConfig (fused,
+compute_and_output_dist; `compute` and `output_dist` alone then raise), or a FusedCommConfig (fused,
 with its transport, programs and bounds on the waits).
 """
 
@@ -419,17 +419,28 @@ class FusedShardedEBC(ShardedModule[KJTList, torch.Tensor, KeyedTensor, ShardedE
         return KJTListSplitsAwaitable([NoWait(NoWait(DistributedBags(bags)))], ctx)
 
     def compute(self, ctx: ShardedEBCContext, dist_input: KJTList) -> torch.Tensor:
+        self._refuse_stage_alone("compute")
         bags = dist_input[0].bags
         ctx.batch_sizes = bags.batch_sizes  # output_dist sends each rank its samples back
         ctx.pooling_divisors = bags.pooling_divisors  # and divides their mean-pooled row-wise sums
         return self._lookup(bags)
 
     def output_dist(self, ctx: ShardedEBCContext, output: torch.Tensor) -> LazyAwaitable[KeyedTensor]:
+        self._refuse_stage_alone("output_dist")
         values = divide_gradient_like_torchrec(self._output_dist(output, ctx.batch_sizes), self._env.world_size)
         values = self._real_row(values, ctx.pooling_divisors)
         # torchrec's own awaitable: a LazyAwaitable[KeyedTensor] that also supports kt["feature"] lazily.
         return EmbeddingBagCollectionAwaitable(awaitables=[NoWait(values)], embedding_dims=self._feature_dims,
                                                embedding_names=self.feature_names)
+
+    def _refuse_stage_alone(self, stage: str) -> None:
+        """comm=fused: the lookup and its output dist are one kernel, which only compute_and_output_dist runs (the
+        module's forward and TrainPipelineSparseDist call it); a caller of the stages apart would silently run the
+        bulk stages, never checked against the fused path's state. Every rank alike."""
+        if self._exchange is not None:
+            raise RuntimeError(f"{stage}: with comm=fused the lookup and its output dist are one kernel, run by "
+                               f"compute_and_output_dist; a pipeline that calls compute and output_dist apart needs "
+                               f"comm='bulk'")
 
     def compute_and_output_dist(self, ctx: ShardedEBCContext, input: KJTList) -> LazyAwaitable[KeyedTensor]:
         if self._exchange is None:
