@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import numbers
 import os
 import sysconfig
 import uuid
@@ -113,8 +114,9 @@ class ByteWindows:
         # else a step of no tokens (its loss 0 / 0, stopped as a divergence), a float failing deep in torch, or
         # YAML's true (an int) taken as 1
         check_count("data.seq_len", seq_len, 1, "at least 1 byte per window, a whole number")
-        if not 0 < eval_fraction < 1:  # else the cut lands elsewhere (1.5: at -len / 2), or nowhere (NaN)
-            raise ValueError(f"eval_fraction={eval_fraction}: expected a fraction in (0, 1) of the corpus, held out "
+        # else the cut lands elsewhere (1.5: at -len / 2), or nowhere (NaN); null a TypeError naming nothing
+        if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, numbers.Real) or not 0 < eval_fraction < 1:
+            raise ValueError(f"eval_fraction={eval_fraction!r}: expected a fraction in (0, 1) of the corpus, held out "
                              "for evaluation")
         cut = int(len(corpus) * (1 - eval_fraction))
         part = corpus[:cut] if split == "train" else corpus[cut:]

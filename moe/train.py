@@ -82,7 +82,8 @@ def check_config(cfg: DictConfig) -> None:
                          "(Megatron refuses --tp-comm-overlap without tensor parallelism too); set model.tp_size > 1 "
                          "or model.tp_comm=bulk")
     check_grad_allreduce(cfg.comm.grad_allreduce)
-    if m.clip_grad is not None and not m.clip_grad >= 0:  # NaN too
+    # NaN; YAML's true (a clip at 1); inf is a norm: measured and logged, nothing clipped
+    if m.clip_grad is not None and not (is_finite_at_least_zero(m.clip_grad) or m.clip_grad == math.inf):
         raise ValueError(f"model.clip_grad={m.clip_grad!r}: expected a norm >= 0 (null or 0: no clipping)")
     for key in ("aux_coeff", "z_coeff"):
         # NaN stopped the run as a divergence, null failed in the first step, a negative weight rewarded imbalance
@@ -273,7 +274,7 @@ def lr_schedule(schedule: DictConfig, lr: float, max_steps: int) -> Callable[[in
     if decay != "constant":
         check_count("model.lr_schedule.decay_steps", decay_steps, warmup + 1,
                     f"a step count above warmup_steps={warmup} for a {decay} decay (null: trainer.max_steps)")
-    if not 0 <= schedule.min_lr <= lr:
+    if not (is_finite_at_least_zero(schedule.min_lr) and schedule.min_lr <= lr):  # null: a TypeError naming nothing
         raise ValueError(f"model.lr_schedule.min_lr={schedule.min_lr!r}: expected 0 <= min_lr <= the optimizer's "
                          f"lr {lr}")
     return partial(_lr_factor, warmup, decay, decay_steps, schedule.min_lr / lr if lr else 0.0)

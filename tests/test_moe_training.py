@@ -939,9 +939,14 @@ def test_bad_settings_are_refused_before_training(tmp_path):
                              (["model.tp_comm=fusd"], r"model.tp_comm='fusd': expected one of \('bulk', 'fused'\)"),
                              (["model.vocab_size=256.5"], "model.vocab_size=256.5: expected a whole number >= 1"),
                              (["data.eval_fraction=1.5"], "eval_fraction=1.5: expected a fraction in \\(0, 1\\)"),
+                             # a TypeError of '<' between int and NoneType / str, naming nothing
+                             (["data.eval_fraction=null"], "eval_fraction=None: expected a fraction in \\(0, 1\\)"),
+                             (["data.eval_fraction=a"], "eval_fraction='a': expected a fraction in \\(0, 1\\)"),
                              (["trainer.epochs=2"], "trainer.epochs is not supported \\(got 2\\)"),
                              (["model.clip_grad=-1.0"], "model.clip_grad=-1.0: expected a norm >= 0"),
                              (["model.clip_grad=nan"], "model.clip_grad=nan: expected a norm >= 0"),
+                             # YAML's true clipped at a norm of 1, as the loss coefficients' weighed 1
+                             (["model.clip_grad=true"], "model.clip_grad=True: expected a norm >= 0"),
                              # NaN stopped as a divergence ("loss became NaN"), null failed in the first step's
                              # product, a negative one trained towards imbalance, YAML's true weighed 1
                              (["model.aux_coeff=nan"], "model.aux_coeff=nan: expected a finite number >= 0"),
@@ -959,7 +964,10 @@ def test_bad_settings_are_refused_before_training(tmp_path):
                              (["model.lr_schedule.decay=cosine", "model.lr_schedule.decay_steps=true"],
                               r"decay_steps=True: expected a step count above warmup_steps=0 for a cosine decay"),
                              (["model.lr_schedule.min_lr=0.01"], "min_lr=0.01: expected 0 <= min_lr <= the "
-                                                                 "optimizer's lr 0.003")):
+                                                                 "optimizer's lr 0.003"),
+                             # a TypeError of '<=' between int and NoneType, naming nothing
+                             (["model.lr_schedule.min_lr=null"], "model.lr_schedule.min_lr=None: expected 0 <= min_lr "
+                                                                 "<= the optimizer's lr 0.003")):
         with pytest.raises(ValueError, match=error):
             train(config(*SMALL, "trainer.max_steps=2", *overrides), CPU, tmp_path)
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):
