@@ -116,13 +116,14 @@ class ByteWindows:
         check_count("data.seq_len", seq_len, 1, "at least 1 byte per window, a whole number")
         # else the cut lands elsewhere (1.5: at -len / 2), or nowhere (NaN); null a TypeError naming nothing
         if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, numbers.Real) or not 0 < eval_fraction < 1:
-            raise ValueError(f"eval_fraction={eval_fraction!r}: expected a fraction in (0, 1) of the corpus, held out "
-                             "for evaluation")
+            raise ValueError(f"data.eval_fraction={eval_fraction!r}: expected a fraction in (0, 1) of the corpus, "
+                             "held out for evaluation")
         cut = int(len(corpus) * (1 - eval_fraction))
         part = corpus[:cut] if split == "train" else corpus[cut:]
         if len(part) < seq_len + 1:
-            raise ValueError(f"the {split} part of the corpus has {len(part)} bytes, fewer than seq_len + 1 = "
-                             f"{seq_len + 1}")
+            share = f"{'' if split == 'eval' else '1 - '}data.eval_fraction={eval_fraction!r}"
+            raise ValueError(f"the {split} part of the corpus ({share} of its {len(corpus)} bytes) has {len(part)} "
+                             f"bytes, fewer than one window of data.seq_len + 1 = {seq_len + 1} bytes")
         self.data = torch.frombuffer(bytearray(part), dtype=torch.uint8)
         self.split, self.seq_len, self.seed = split, seq_len, seed
         self.global_batch_size = global_batch_size

@@ -665,6 +665,16 @@ def test_windows_of_no_bytes_and_eval_fractions_outside_0_1_are_refused():
     assert ByteWindows(corpus, "eval", 16, 4, eval_fraction=0.5).data.numel() == len(corpus) // 2
 
 
+def test_a_corpus_too_small_for_one_window_names_its_size_and_the_settings_that_cut_it():
+    """It said "the eval part of the corpus has 50 bytes, fewer than seq_len + 1 = 65", of an empty file "the train
+    part ... has 0 bytes": neither the corpus' size nor the keys that cut it (data.eval_fraction, data.seq_len)."""
+    for corpus, split, part in ((bytes(1000), "eval", "data.eval_fraction=0.05 of its 1000 bytes) has 50 bytes"),
+                                (b"", "train", "1 - data.eval_fraction=0.05 of its 0 bytes) has 0 bytes")):
+        with pytest.raises(ValueError, match=re.escape(f"the {split} part of the corpus ({part}, fewer than one "
+                                                       "window of data.seq_len + 1 = 65 bytes")):
+            ByteWindows(corpus, split, 64, 4)
+
+
 def test_missing_corpus_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.txt"):
         load_corpus(tmp_path / "missing.txt")
