@@ -77,6 +77,8 @@ def load_corpus(path: str | os.PathLike | None, cache: str | os.PathLike | None 
     if it holds at least that many, else built (and written to `cache` when given)."""
     if path is not None:
         path = Path(path)
+        if path.is_dir():  # it exists: "not found" would mislead
+            raise IsADirectoryError(f"corpus path {path} is a directory: give the corpus file itself (data.path)")
         if not path.is_file():
             raise FileNotFoundError(f"corpus file not found: {path}")
         return path.read_bytes()

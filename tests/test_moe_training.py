@@ -683,6 +683,13 @@ def test_missing_corpus_path_is_a_clear_error(tmp_path):
         train(cfg, CPU, tmp_path)
 
 
+def test_a_directory_as_the_corpus_path_is_named_as_one(tmp_path):
+    """It read "corpus file not found: <dir>", of a path that exists."""
+    with pytest.raises(IsADirectoryError, match=rf"^corpus path {re.escape(str(tmp_path))} is a directory: give the "
+                                                r"corpus file itself \(data.path\)$"):
+        load_corpus(tmp_path)
+
+
 def _corpus_one_node_lacks(rank: int, world: int, tmp: str) -> None:
     path = f"{tmp}/corpus.txt" if rank == 0 else f"{tmp}/not_on_this_node.txt"  # a file one node's disk lacks
     missing = re.escape(f"corpus file not found: {tmp}/not_on_this_node.txt")
